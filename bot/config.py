@@ -1,0 +1,299 @@
+"""Typed configuration, loaded from TOML and checked at start-up.
+
+Every section is a pydantic model that forbids unknown keys, so a typo stops start-up with a message
+that names the key, where it is, and what to do about it (:class:`ConfigError`). Secrets never live in
+the file: the config names the environment variable that holds them (``api_key_env``) and
+:func:`read_secret` reads it when a component is built.
+
+Starting without any config file gives safe defaults and one built-in persona.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import platformdirs
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+SOUL_SECTIONS: tuple[str, ...] = (
+    "identity",
+    "personality",
+    "boundaries",
+    "communication_style",
+    "values",
+    "tone",
+    "domain_expertise",
+    "error_handling",
+)
+
+DEFAULT_CONFIG_NAME = "config.toml"
+CONFIG_ENV = "CORTEXBOT_CONFIG"
+
+
+class ConfigError(Exception):
+    """A config problem a person can fix; the message says which key and how."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+def default_database_url() -> str:
+    data_dir = Path(platformdirs.user_data_dir("cortex-bot", appauthor=False))
+    return f"sqlite:///{data_dir / 'bot.db'}"
+
+
+class BotConfig(_Section):
+    default_persona: str | None = Field(
+        default=None, description="Persona used where none is chosen; the first persona when unset."
+    )
+    global_rules: str = Field(default="", description="Bot-wide rules placed first in every reply prompt.")
+    max_message_chars: int = Field(
+        default=8000, ge=1, description="Longer user messages are refused with a clear notice."
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+class StorageConfig(_Section):
+    url: str = Field(default_factory=default_database_url, description="sqlite:///path/to/bot.db")
+
+    @field_validator("url")
+    @classmethod
+    def _known_scheme(cls, value: str) -> str:
+        if not value.startswith("sqlite:///"):
+            raise ValueError(
+                "only sqlite URLs are supported so far; write it as sqlite:///path/to/bot.db "
+                "(three slashes, then the path)"
+            )
+        return value
+
+    @property
+    def sqlite_path(self) -> Path:
+        return Path(self.url.removeprefix("sqlite:///")).expanduser()
+
+
+class LLMConfig(_Section):
+    provider: Literal["anthropic", "openai"] = "anthropic"
+    model: str = "claude-sonnet-4-5"
+    base_url: str | None = None
+    api_key_env: str | None = Field(
+        default=None,
+        description="Environment variable holding the API key; default ANTHROPIC_API_KEY / OPENAI_API_KEY.",
+    )
+    max_tokens: int = Field(default=1024, ge=1, le=200_000)
+    temperature: float | None = Field(default=0.7, ge=0.0, le=2.0)
+    timeout_seconds: float = Field(default=120.0, gt=0)
+    connect_timeout_seconds: float = Field(default=10.0, gt=0)
+    max_retries: int = Field(default=2, ge=0, le=10)
+    summary_model: str | None = Field(default=None, description="Cheaper model for summaries; default: model.")
+    context_window: int = Field(default=200_000, ge=1000, description="The model's context window in tokens.")
+
+    @property
+    def key_env_name(self) -> str:
+        if self.api_key_env:
+            return self.api_key_env
+        return "ANTHROPIC_API_KEY" if self.provider == "anthropic" else "OPENAI_API_KEY"
+
+
+class HistoryConfig(_Section):
+    history_tokens: int = Field(default=2000, ge=50, description="Token budget for the history window.")
+    summary_tokens: int = Field(default=500, ge=20, description="Token budget for the rolling summary.")
+    min_exchanges: int = Field(default=3, ge=0, description="Exchanges always kept, even over budget.")
+    summary_trigger: int = Field(
+        default=40, ge=2, description="Messages a channel needs before a rolling summary is written."
+    )
+    summary_words: int = Field(default=150, ge=10, description="Target length of a rolling summary.")
+    summary_input_tokens: int = Field(
+        default=6000, ge=200, description="Most evicted-message tokens folded into one summary job."
+    )
+    token_margin: float = Field(default=0.10, ge=0.0, le=1.0, description="Safety margin on token estimates.")
+
+
+class JobsConfig(_Section):
+    concurrency: int = Field(default=2, ge=1, le=64)
+    max_attempts: int = Field(default=5, ge=1, le=100)
+    retry_base_seconds: float = Field(default=2.0, gt=0)
+    retry_max_seconds: float = Field(default=300.0, gt=0)
+    lease_seconds: float = Field(default=60.0, ge=5)
+    poll_seconds: float = Field(default=1.0, gt=0)
+    shutdown_grace_seconds: float = Field(default=10.0, ge=0)
+
+
+class TerminalConfig(_Section):
+    enabled: bool = Field(default=True, description="Whether `cortexbot run` starts the terminal adapter.")
+    user: str = Field(default="", description="Name of the local user; default: the login name.")
+
+
+class PersonaConfig(_Section):
+    name: str = Field(min_length=1, max_length=80)
+    language: str = "English"
+    model: str | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    history_tokens: int | None = Field(default=None, ge=50)
+    summary_tokens: int | None = Field(default=None, ge=20)
+    identity: str = ""
+    personality: str = ""
+    boundaries: str = ""
+    communication_style: str = ""
+    values: str = ""
+    tone: str = ""
+    domain_expertise: str = ""
+    error_handling: str = ""
+    soul_order: list[str] = Field(default_factory=lambda: list(SOUL_SECTIONS))
+
+    @field_validator("soul_order")
+    @classmethod
+    def _known_sections(cls, value: list[str]) -> list[str]:
+        unknown = [s for s in value if s not in SOUL_SECTIONS]
+        if unknown:
+            raise ValueError(f"unknown soul section(s) {unknown}; allowed: {', '.join(SOUL_SECTIONS)}")
+        if len(set(value)) != len(value):
+            raise ValueError("a soul section is listed twice")
+        return value
+
+    def soul_sections(self) -> list[tuple[str, str]]:
+        """Non-empty soul sections in this persona's order."""
+        return [(name, getattr(self, name)) for name in self.soul_order if getattr(self, name).strip()]
+
+
+DEFAULT_PERSONA = PersonaConfig(
+    name="Cora",
+    identity="You are {char_name}, a friendly and thoughtful companion in a chat with {user_name}.",
+    personality="Curious, warm and honest. You remember what people tell you and build on it.",
+    boundaries="You never pretend to have done things you cannot do, and you say when you do not know.",
+    communication_style="Answer in {language}, briefly and naturally, like a person in a chat. Today is {date}.",
+)
+
+
+class Config(_Section):
+    bot: BotConfig = Field(default_factory=BotConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    llm: LLMConfig = Field(default_factory=LLMConfig)
+    history: HistoryConfig = Field(default_factory=HistoryConfig)
+    jobs: JobsConfig = Field(default_factory=JobsConfig)
+    terminal: TerminalConfig = Field(default_factory=TerminalConfig)
+    personas: list[PersonaConfig] = Field(default_factory=lambda: [DEFAULT_PERSONA.model_copy()])
+
+    @model_validator(mode="after")
+    def _personas_consistent(self) -> Config:
+        if not self.personas:
+            raise ValueError("at least one [[personas]] entry is needed (or leave the key out for the default)")
+        names = [p.name.casefold() for p in self.personas]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"persona names must be unique; duplicated: {', '.join(dupes)}")
+        if self.bot.default_persona and self.bot.default_persona.casefold() not in names:
+            raise ValueError(
+                f"[bot] default_persona = {self.bot.default_persona!r} is not one of the [[personas]] names "
+                f"({', '.join(p.name for p in self.personas)})"
+            )
+        return self
+
+    def persona(self, name: str | None = None) -> PersonaConfig:
+        """The persona called ``name`` (case-insensitive), or the default one."""
+        wanted = name or self.bot.default_persona
+        if wanted is None:
+            return self.personas[0]
+        for persona in self.personas:
+            if persona.name.casefold() == wanted.casefold():
+                return persona
+        raise ConfigError(
+            f"unknown persona {wanted!r}; configured personas: {', '.join(p.name for p in self.personas)}"
+        )
+
+
+def read_secret(env_name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """The secret held by environment variable ``env_name``, or None when it is unset or empty."""
+    value = (env if env is not None else os.environ).get(env_name, "").strip()
+    return value or None
+
+
+def resolve_config_path(explicit: str | os.PathLike[str] | None) -> Path | None:
+    """Where the config comes from: --config, then $CORTEXBOT_CONFIG, then ./config.toml, else none."""
+    if explicit:
+        return Path(explicit)
+    from_env = os.environ.get(CONFIG_ENV)
+    if from_env:
+        return Path(from_env)
+    local = Path(DEFAULT_CONFIG_NAME)
+    return local if local.is_file() else None
+
+
+def load_config(path: str | os.PathLike[str] | None) -> Config:
+    """Read and validate the config at ``path`` (None: built-in defaults). Raises :class:`ConfigError`."""
+    if path is None:
+        return Config()
+    file = Path(path)
+    try:
+        raw = tomllib.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file {file} does not exist; copy config.example.toml there to start") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {file}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{file} is not valid TOML: {exc}") from None
+    return parse_config(raw, source=str(file))
+
+
+def parse_config(raw: Mapping[str, Any], source: str = "config") -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        lines = [_describe_error(err, raw) for err in exc.errors()]
+        raise ConfigError(f"{source} has {len(lines)} problem(s):\n" + "\n".join(f"  - {x}" for x in lines)) from None
+
+
+def _location(loc: tuple[int | str, ...]) -> str:
+    """Render a pydantic error location as the TOML reader sees it: [llm] max_tokens, [[personas]] #2 name."""
+    parts = list(loc)
+    if not parts:
+        return "top level"
+    head = parts.pop(0)
+    if head == "personas" and parts and isinstance(parts[0], int):
+        index = parts.pop(0)
+        where = f"[[personas]] #{int(index) + 1}"
+    elif isinstance(head, str) and head in Config.model_fields and parts:
+        where = f"[{head}]"
+    else:
+        return f"key '{head}' at the top level" if not parts else f"'{'.'.join(map(str, loc))}'"
+    return f"{where} key '{'.'.join(map(str, parts))}'" if parts else where
+
+
+def _model_for(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] = Config
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        annotation = field.annotation
+        inner = getattr(annotation, "__args__", (annotation,))
+        candidates = [a for a in (annotation, *inner) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not candidates:
+            return None
+        model = candidates[0]
+    return model
+
+
+def _describe_error(err: Mapping[str, Any], raw: Mapping[str, Any]) -> str:
+    loc: tuple[int | str, ...] = tuple(err.get("loc", ()))
+    kind = err.get("type", "")
+    where = _location(loc)
+    if kind == "extra_forbidden":
+        model = _model_for(loc)
+        known = sorted(model.model_fields) if model else []
+        name = str(loc[-1]) if loc else "?"
+        hint = difflib.get_close_matches(name, known, n=1)
+        fix = f"did you mean '{hint[0]}'?" if hint else f"known keys: {', '.join(known)}"
+        return f"unknown {where}: remove it or fix the spelling ({fix})"
+    if kind == "missing":
+        return f"missing required {where}: add it"
+    got = err.get("input")
+    shown = "" if isinstance(got, Mapping) or got is None else f" (got {got!r})"
+    return f"{where}: {err.get('msg', 'invalid value')}{shown}"

@@ -1,0 +1,28 @@
+"""Errors the core raises toward adapters. Each carries ``user_message``, safe to show in chat.
+
+    UserFacingError
+     ├── EmptyMessage      nothing to answer
+     └── MessageTooLong    over ``[bot] max_message_chars``; not stored, the user keeps their text
+
+LLM failures are :class:`bot.llm.errors.LLMError` (also with ``user_message``); the user's message
+is already stored when they happen.
+"""
+
+from __future__ import annotations
+
+
+class UserFacingError(Exception):
+    user_message = "Something went wrong."
+
+    def __init__(self, user_message: str | None = None) -> None:
+        if user_message:
+            self.user_message = user_message
+        super().__init__(self.user_message)
+
+
+class EmptyMessage(UserFacingError):
+    user_message = "There is nothing to answer: the message is empty."
+
+
+class MessageTooLong(UserFacingError):
+    pass

@@ -1,0 +1,220 @@
+"""Durable background jobs: rows in the database, run by supervised asyncio workers.
+
+* **Durable.** A job is a row (``queued → running → done | failed``). A worker claims it atomically
+  with a lease it keeps renewing; a job whose worker died (lease expired, or the worker's process is
+  gone) is put back in the queue by :meth:`WorkerPool.start` and runs again.
+* **One per key.** A job is never claimed while another job with the same key runs (summaries are
+  keyed per channel, cortex updates per user-persona pair).
+* **Retries.** A handler that raises an error marked ``transient`` (LLM rate limits, outages,
+  time-outs) is retried with exponential back-off and jitter up to ``max_attempts``; any other error
+  fails the job at once, recording the error.
+* **Bounded and supervised.** ``concurrency`` worker tasks; a crashing worker loop is logged and
+  restarted; :meth:`WorkerPool.stop` stops claiming, waits ``grace`` seconds for running jobs, then
+  cancels them and returns their rows to the queue untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import socket
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from bot.config import JobsConfig
+from bot.storage.base import Job, Storage
+
+log = logging.getLogger(__name__)
+
+JobHandler = Callable[[Job], Awaitable[None]]
+
+
+class JobQueue:
+    """Enqueues jobs and wakes idle workers of this process at once."""
+
+    def __init__(self, storage: Storage, config: JobsConfig) -> None:
+        self.storage = storage
+        self.config = config
+        self.wakeup = asyncio.Event()
+
+    async def enqueue(
+        self, kind: str, key: str, payload: Mapping[str, Any], *, dedupe: bool = True
+    ) -> Job | None:
+        job = await self.storage.enqueue_job(kind, key, dict(payload), self.config.max_attempts, dedupe=dedupe)
+        if job is not None:
+            log.info("queued job %d (%s, key %s)", job.id, kind, key)
+            self.wakeup.set()
+        return job
+
+
+def new_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def worker_is_dead(worker: str, *, own_worker: str) -> bool:
+    """Whether the worker that locked a job certainly stopped (same host, and its process is gone)."""
+    try:
+        host, pid_text, _token = worker.rsplit(":", 2)
+        pid = int(pid_text)
+    except ValueError:
+        return False
+    own_host, own_pid_text, _ = own_worker.rsplit(":", 2)
+    if host != own_host:
+        return False  # another machine: only its lease can tell
+    if pid == int(own_pid_text):
+        return worker != own_worker  # an earlier pool of this very process
+    return not _pid_alive(pid)
+
+
+def backoff_delay(attempt: int, config: JobsConfig) -> float:
+    base = min(config.retry_base_seconds * 2 ** max(attempt - 1, 0), config.retry_max_seconds)
+    return base * random.uniform(0.8, 1.2)
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        queue: JobQueue,
+        handlers: Mapping[str, JobHandler],
+        *,
+        worker_id: str | None = None,
+    ) -> None:
+        self.queue = queue
+        self.storage = queue.storage
+        self.config = queue.config
+        self.handlers = dict(handlers)
+        self.worker_id = worker_id or new_worker_id()
+        self._loops: list[asyncio.Task[None]] = []
+        self._running: dict[int, asyncio.Task[None]] = {}
+        self._stopping = asyncio.Event()
+
+    @property
+    def running_jobs(self) -> int:
+        return len(self._running)
+
+    async def start(self) -> None:
+        recovered = await self.storage.recover_jobs(lambda w: worker_is_dead(w, own_worker=self.worker_id))
+        for job in recovered:
+            log.warning("job %d (%s) was interrupted by a stop; it is queued again", job.id, job.kind)
+        self._stopping.clear()
+        for index in range(self.config.concurrency):
+            self._loops.append(asyncio.create_task(self._supervise(index), name=f"job-worker-{index}"))
+
+    async def _supervise(self, index: int) -> None:
+        while not self._stopping.is_set():
+            try:
+                await self._work()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("job worker %d crashed; restarting it in 1 s", index)
+                await asyncio.sleep(1.0)
+
+    async def _work(self) -> None:
+        kinds = sorted(self.handlers)
+        while not self._stopping.is_set():
+            job = await self.storage.claim_job(self.worker_id, kinds, self.config.lease_seconds)
+            if job is None:
+                self.queue.wakeup.clear()
+                try:
+                    await asyncio.wait_for(self.queue.wakeup.wait(), timeout=self.config.poll_seconds)
+                except TimeoutError:
+                    pass
+                continue
+            task = asyncio.create_task(self._run(job), name=f"job-{job.id}-{job.kind}")
+            self._running[job.id] = task
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError:
+                if not task.done():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                raise
+            finally:
+                self._running.pop(job.id, None)
+
+    async def _keep_lease(self, job: Job) -> None:
+        interval = max(self.config.lease_seconds / 3, 1.0)
+        while True:
+            await asyncio.sleep(interval)
+            await self.storage.renew_lease(job.id, self.worker_id, self.config.lease_seconds)
+
+    async def _run(self, job: Job) -> None:
+        handler = self.handlers[job.kind]
+        lease = asyncio.create_task(self._keep_lease(job), name=f"job-{job.id}-lease")
+        started = asyncio.get_running_loop().time()
+        try:
+            await handler(job)
+        except asyncio.CancelledError:
+            await self.storage.release_job(job.id)
+            log.info("job %d (%s) was stopped by shutdown; it is queued again", job.id, job.kind)
+            raise
+        except Exception as exc:
+            await self._after_failure(job, exc)
+        else:
+            await self.storage.finish_job(job.id)
+            log.info(
+                "job %d (%s) done in %.2f s", job.id, job.kind, asyncio.get_running_loop().time() - started
+            )
+        finally:
+            lease.cancel()
+            await asyncio.gather(lease, return_exceptions=True)
+
+    async def _after_failure(self, job: Job, exc: Exception) -> None:
+        error = f"{type(exc).__name__}: {exc}"[:2000]
+        if getattr(exc, "transient", False) and job.attempts < job.max_attempts:
+            delay = backoff_delay(job.attempts, self.config)
+            await self.storage.retry_job(job.id, error, datetime.now(UTC) + timedelta(seconds=delay))
+            log.warning(
+                "job %d (%s) attempt %d/%d failed (%s); retrying in %.1f s",
+                job.id, job.kind, job.attempts, job.max_attempts, type(exc).__name__, delay,
+            )
+            return
+        await self.storage.fail_job(job.id, error)
+        if getattr(exc, "transient", False):
+            log.error("job %d (%s) failed after %d attempts: %s", job.id, job.kind, job.attempts, type(exc).__name__)
+        else:
+            log.error("job %d (%s) failed: %s", job.id, job.kind, type(exc).__name__, exc_info=exc)
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait until no job is queued or running (or ``timeout`` passes). True when idle."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            if not self._running and await self.storage.count_jobs(("queued", "running")) == 0:
+                return True
+            self.queue.wakeup.set()
+            await asyncio.sleep(0.05)
+        return False
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop claiming, let running jobs finish for ``grace`` seconds, then cancel and requeue them."""
+        grace = self.config.shutdown_grace_seconds if grace is None else grace
+        self._stopping.set()
+        self.queue.wakeup.set()
+        running = list(self._running.values())
+        if running:
+            log.info("waiting up to %.0f s for %d running job(s)", grace, len(running))
+            _done, pending = await asyncio.wait(running, timeout=grace)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+        for loop_task in self._loops:
+            loop_task.cancel()
+        await asyncio.gather(*self._loops, return_exceptions=True)
+        self._loops.clear()

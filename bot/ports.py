@@ -1,0 +1,98 @@
+"""Ports of the core: the neutral message types adapters produce and consume, and the small
+protocols through which the cortex (and later the memory store) plug into a reply.
+
+Only these types cross the boundary between ``bot`` and ``adapters``/``cortex``. Nothing here knows
+a platform or an SDK.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Literal, Protocol
+
+from bot.storage.base import StoredMessage
+
+Platform = Literal["console", "discord", "matrix"]
+
+
+@dataclass(frozen=True, slots=True)
+class IncomingMessage:
+    """A message an adapter has decided the bot should answer."""
+
+    platform: str
+    channel_id: str  # platform-local id of the channel, room, thread or DM
+    author_id: str  # platform-local id of the human author
+    author_name: str
+    text: str
+    is_dm: bool = False
+    channel_name: str = ""
+    server_id: str | None = None  # Discord guild / Matrix server; None in DMs
+    mentions_bot: bool = False
+    reply_to: str | None = None
+    sent_at: datetime | None = None
+
+    @property
+    def author_key(self) -> str:
+        return f"{self.platform}:{self.author_id}"
+
+    @property
+    def channel_key(self) -> str:
+        return f"{self.platform}:{self.channel_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class PromptContext:
+    """What a section provider may look at while a reply prompt is assembled."""
+
+    persona: str
+    language: str
+    user_key: str
+    user_name: str
+    channel_key: str
+    is_dm: bool
+    server_id: str | None
+    message: str
+    now: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class PromptSection:
+    title: str
+    body: str
+
+
+SectionSlot = Literal["guidelines", "cortex", "knowledge"]
+
+
+class PromptSectionProvider(Protocol):
+    """Adds sections to a reply prompt at one slot of the order in DESIGN.md §4.
+
+    Providers must be fast (they run on the reply path) and bound their own output by ``budget``
+    tokens; they never raise for missing data (return an empty list instead).
+    """
+
+    slot: SectionSlot
+
+    async def sections(self, context: PromptContext, budget: int) -> list[PromptSection]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Exchange:
+    """One stored user message and the stored reply to it."""
+
+    channel_db_id: int
+    user_db_id: int
+    user_key: str
+    persona: str
+    is_dm: bool
+    server_id: str | None
+    user_message: StoredMessage
+    reply: StoredMessage
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class ExchangeObserver(Protocol):
+    """Told after every stored exchange. Must only record or enqueue work, never wait on it."""
+
+    async def on_exchange(self, exchange: Exchange) -> None: ...

@@ -1,0 +1,228 @@
+"""The storage port: records the core reads and writes, and the interface every engine implements.
+
+The core only talks to :class:`Storage`. ``bot.storage.sqlite`` implements it on aiosqlite; a
+PostgreSQL engine can implement the same interface and run the same test suite
+(``tests/test_storage.py`` is written against the interface, parametrised by engine).
+
+Times are UTC ``datetime`` objects at the interface; engines store them as they see fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal, Protocol
+
+MessageRole = Literal["user", "assistant"]
+JobStatus = Literal["queued", "running", "done", "failed"]
+SummaryStatus = Literal["ok", "rejected"]
+
+
+@dataclass(frozen=True, slots=True)
+class User:
+    id: int
+    key: str  # "platform:id", e.g. "discord:1234", "console:ann"
+    display_name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Channel:
+    id: int
+    key: str  # "platform:id" of the channel/room/DM
+    name: str
+    is_dm: bool
+    message_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoredMessage:
+    id: int
+    channel_id: int
+    user_id: int | None  # the human author; for assistant messages the user addressed
+    persona: str
+    role: MessageRole
+    author_name: str
+    text: str
+    token_count: int
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    id: int
+    channel_id: int
+    version: int
+    text: str
+    covers_from_id: int  # first message folded into this summary (over all versions)
+    covers_to_id: int  # last message folded in; messages after it are not covered
+    token_count: int
+    model: str
+    status: SummaryStatus
+    reason: str
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    id: int
+    kind: str
+    key: str  # at most one job per key runs at a time (e.g. "channel:7", "pair:3:Cora")
+    payload: dict[str, Any]
+    status: JobStatus
+    attempts: int
+    max_attempts: int
+    run_after: datetime
+    last_error: str
+    locked_by: str
+    created_at: datetime
+    updated_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class LLMCallRecord:
+    purpose: str  # "reply", "summary", "doctor", ...
+    model: str
+    input_tokens: int
+    output_tokens: int
+    duration_ms: int
+    error: str = ""
+    estimated_input_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyStats:
+    channel_id: int
+    message_id: int  # the stored reply
+    history_tokens: int  # tokens of the history window as sent
+    history_budget: int
+    window_messages: int
+    trimmed_messages: int  # stored messages of the channel left out of the window
+    summary_used: bool
+    prompt_tokens: int  # estimated tokens of the whole prompt
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyMetrics:
+    """The four numbers the history design is judged by (all 0.0 when there were no replies)."""
+
+    replies: int
+    token_utilisation: float  # mean history tokens / history budget
+    trim_rate: float  # share of replies whose window left messages out
+    summary_hit_rate: float  # share of replies whose prompt carried a rolling summary
+    summary_generation_rate: float  # good summaries written per reply
+    summaries_written: int
+    summaries_rejected: int
+
+
+class Storage(Protocol):
+    """Everything the core persists. All methods are coroutines and safe to call concurrently."""
+
+    async def migrate(self) -> list[int]:
+        """Apply pending migrations; return the versions applied (empty when up to date)."""
+
+    async def pending_migrations(self) -> list[int]: ...
+
+    async def close(self) -> None: ...
+
+    # users, personas, channels
+    async def upsert_user(self, key: str, display_name: str) -> User: ...
+
+    async def get_user(self, key: str) -> User | None: ...
+
+    async def upsert_persona(self, name: str) -> None: ...
+
+    async def upsert_channel(self, key: str, name: str, is_dm: bool) -> Channel: ...
+
+    async def get_channel(self, key: str) -> Channel | None: ...
+
+    # messages
+    async def add_message(
+        self,
+        channel_id: int,
+        user_id: int | None,
+        persona: str,
+        role: MessageRole,
+        author_name: str,
+        text: str,
+        token_count: int,
+        created_at: datetime | None = None,
+    ) -> StoredMessage: ...
+
+    async def recent_messages(
+        self, channel_id: int, limit: int, before_id: int | None = None
+    ) -> list[StoredMessage]:
+        """Up to ``limit`` messages of the channel with id < ``before_id``, newest first."""
+
+    async def messages_between(
+        self, channel_id: int, after_id: int, before_id: int, limit: int
+    ) -> list[StoredMessage]:
+        """Messages with ``after_id`` < id < ``before_id``, oldest first, at most ``limit``."""
+
+    async def count_messages_between(self, channel_id: int, after_id: int, before_id: int) -> int: ...
+
+    # rolling summaries
+    async def latest_summary(self, channel_id: int) -> Summary | None:
+        """The newest summary with status "ok"."""
+
+    async def add_summary(
+        self,
+        channel_id: int,
+        text: str,
+        covers_from_id: int,
+        covers_to_id: int,
+        token_count: int,
+        model: str,
+        status: SummaryStatus = "ok",
+        reason: str = "",
+    ) -> Summary: ...
+
+    async def list_summaries(self, channel_id: int) -> list[Summary]: ...
+
+    # durable jobs
+    async def enqueue_job(
+        self,
+        kind: str,
+        key: str,
+        payload: dict[str, Any],
+        max_attempts: int,
+        *,
+        dedupe: bool = True,
+        run_after: datetime | None = None,
+    ) -> Job | None:
+        """Queue a job; with ``dedupe``, return None when a queued job of the same kind and key exists."""
+
+    async def claim_job(self, worker: str, kinds: Sequence[str], lease_seconds: float) -> Job | None:
+        """Atomically take the oldest runnable queued job whose key has no running job."""
+
+    async def renew_lease(self, job_id: int, worker: str, lease_seconds: float) -> bool: ...
+
+    async def finish_job(self, job_id: int) -> None: ...
+
+    async def retry_job(self, job_id: int, error: str, run_after: datetime) -> None: ...
+
+    async def fail_job(self, job_id: int, error: str) -> None: ...
+
+    async def release_job(self, job_id: int) -> None:
+        """Put a running job back in the queue untouched (clean shutdown)."""
+
+    async def recover_jobs(self, is_worker_dead: Any) -> list[Job]:
+        """Requeue running jobs whose lease expired or whose worker ``is_worker_dead(worker)``."""
+
+    async def get_job(self, job_id: int) -> Job | None: ...
+
+    async def list_jobs(self, status: JobStatus | None = None, limit: int = 100) -> list[Job]: ...
+
+    async def count_jobs(self, statuses: Sequence[JobStatus]) -> int: ...
+
+    # audit and metrics
+    async def record_llm_call(self, record: LLMCallRecord) -> None: ...
+
+    async def record_reply_stats(self, stats: ReplyStats) -> None: ...
+
+    async def reply_metrics(self, channel_id: int | None = None) -> ReplyMetrics: ...
+
+    # small persistent settings (e.g. tokenizer calibration)
+    async def get_setting(self, key: str) -> str | None: ...
+
+    async def set_setting(self, key: str, value: str) -> None: ...

@@ -1,0 +1,113 @@
+"""Schema migrations as code: numbered, described, each applied in one transaction, never destructive.
+
+A migration only adds (tables, columns, indexes) or copies data; it never drops user data. Engines
+keep their own statement lists because SQL dialects differ; versions and descriptions must match
+across engines so ``cortexbot migrate`` reports the same thing everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    version: int
+    description: str
+    statements: tuple[str, ...]
+
+
+SQLITE_MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        1,
+        "users, personas, channels, messages, summaries, jobs, llm calls, reply stats, settings",
+        (
+            """CREATE TABLE users (
+                id INTEGER PRIMARY KEY,
+                key TEXT NOT NULL UNIQUE,
+                display_name TEXT NOT NULL,
+                created_at REAL NOT NULL,
+                updated_at REAL NOT NULL)""",
+            """CREATE TABLE personas (
+                id INTEGER PRIMARY KEY,
+                name TEXT NOT NULL UNIQUE COLLATE NOCASE,
+                created_at REAL NOT NULL)""",
+            """CREATE TABLE channels (
+                id INTEGER PRIMARY KEY,
+                key TEXT NOT NULL UNIQUE,
+                name TEXT NOT NULL,
+                is_dm INTEGER NOT NULL DEFAULT 0,
+                message_count INTEGER NOT NULL DEFAULT 0,
+                created_at REAL NOT NULL,
+                updated_at REAL NOT NULL)""",
+            """CREATE TABLE messages (
+                id INTEGER PRIMARY KEY,
+                channel_id INTEGER NOT NULL REFERENCES channels(id),
+                user_id INTEGER REFERENCES users(id),
+                persona TEXT NOT NULL,
+                role TEXT NOT NULL CHECK (role IN ('user', 'assistant')),
+                author_name TEXT NOT NULL,
+                text TEXT NOT NULL,
+                token_count INTEGER NOT NULL,
+                created_at REAL NOT NULL)""",
+            "CREATE INDEX messages_by_channel ON messages (channel_id, id)",
+            "CREATE INDEX messages_by_user ON messages (user_id, id)",
+            """CREATE TABLE summaries (
+                id INTEGER PRIMARY KEY,
+                channel_id INTEGER NOT NULL REFERENCES channels(id),
+                version INTEGER NOT NULL,
+                text TEXT NOT NULL,
+                covers_from_id INTEGER NOT NULL,
+                covers_to_id INTEGER NOT NULL,
+                token_count INTEGER NOT NULL,
+                model TEXT NOT NULL,
+                status TEXT NOT NULL CHECK (status IN ('ok', 'rejected')),
+                reason TEXT NOT NULL DEFAULT '',
+                created_at REAL NOT NULL,
+                UNIQUE (channel_id, version))""",
+            "CREATE INDEX summaries_good ON summaries (channel_id, status, version)",
+            """CREATE TABLE jobs (
+                id INTEGER PRIMARY KEY,
+                kind TEXT NOT NULL,
+                key TEXT NOT NULL,
+                payload TEXT NOT NULL,
+                status TEXT NOT NULL CHECK (status IN ('queued', 'running', 'done', 'failed')),
+                attempts INTEGER NOT NULL DEFAULT 0,
+                max_attempts INTEGER NOT NULL,
+                run_after REAL NOT NULL,
+                last_error TEXT NOT NULL DEFAULT '',
+                locked_by TEXT NOT NULL DEFAULT '',
+                lease_until REAL NOT NULL DEFAULT 0,
+                created_at REAL NOT NULL,
+                updated_at REAL NOT NULL)""",
+            "CREATE INDEX jobs_runnable ON jobs (status, run_after, id)",
+            "CREATE INDEX jobs_by_key ON jobs (key, status)",
+            """CREATE TABLE llm_calls (
+                id INTEGER PRIMARY KEY,
+                purpose TEXT NOT NULL,
+                model TEXT NOT NULL,
+                input_tokens INTEGER NOT NULL,
+                output_tokens INTEGER NOT NULL,
+                estimated_input_tokens INTEGER NOT NULL DEFAULT 0,
+                duration_ms INTEGER NOT NULL,
+                error TEXT NOT NULL DEFAULT '',
+                created_at REAL NOT NULL)""",
+            """CREATE TABLE reply_stats (
+                id INTEGER PRIMARY KEY,
+                channel_id INTEGER NOT NULL REFERENCES channels(id),
+                message_id INTEGER NOT NULL REFERENCES messages(id),
+                history_tokens INTEGER NOT NULL,
+                history_budget INTEGER NOT NULL,
+                window_messages INTEGER NOT NULL,
+                trimmed_messages INTEGER NOT NULL,
+                summary_used INTEGER NOT NULL,
+                prompt_tokens INTEGER NOT NULL,
+                created_at REAL NOT NULL)""",
+            "CREATE INDEX reply_stats_by_channel ON reply_stats (channel_id)",
+            """CREATE TABLE settings (
+                key TEXT PRIMARY KEY,
+                value TEXT NOT NULL,
+                updated_at REAL NOT NULL)""",
+        ),
+    ),
+)

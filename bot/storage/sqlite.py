@@ -1,0 +1,545 @@
+"""SQLite engine of :class:`bot.storage.base.Storage`, on aiosqlite.
+
+One connection per process in autocommit mode (WAL, foreign keys, busy timeout). Single statements
+are atomic on their own; anything that must be read-then-written atomically runs inside
+``BEGIN IMMEDIATE`` under an asyncio lock, so in-process tasks never interleave in one transaction
+and other processes wait on SQLite's write lock (bounded by ``busy_timeout``).
+
+Times are stored as UNIX seconds (REAL); the interface speaks UTC ``datetime``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aiosqlite
+
+from bot.storage.base import (
+    Channel,
+    Job,
+    JobStatus,
+    LLMCallRecord,
+    MessageRole,
+    ReplyMetrics,
+    ReplyStats,
+    StoredMessage,
+    Summary,
+    SummaryStatus,
+    User,
+)
+from bot.storage.migrations import SQLITE_MIGRATIONS, Migration
+
+log = logging.getLogger(__name__)
+
+BUSY_TIMEOUT_MS = 10_000
+
+
+class StorageError(Exception):
+    """The database cannot be opened or used; the message says which file and why."""
+
+
+def _ts(value: datetime | None) -> float:
+    return time.time() if value is None else value.timestamp()
+
+
+def _dt(value: float) -> datetime:
+    return datetime.fromtimestamp(value, tz=UTC)
+
+
+class SQLiteStorage:
+    def __init__(self, path: str | Path, *, migrations: Sequence[Migration] = SQLITE_MIGRATIONS) -> None:
+        self.path = Path(path)
+        self._migrations = tuple(sorted(migrations, key=lambda m: m.version))
+        self._db: aiosqlite.Connection | None = None
+        self._tx_lock = asyncio.Lock()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def open(self) -> SQLiteStorage:
+        if self.path != Path(":memory:"):
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StorageError(f"cannot create the database folder {self.path.parent}: {exc}") from None
+        try:
+            db = await aiosqlite.connect(self.path, isolation_level=None)
+            db.row_factory = aiosqlite.Row
+            await db.execute("PRAGMA journal_mode=WAL")
+            await db.execute("PRAGMA foreign_keys=ON")
+            await db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+            await db.execute("PRAGMA synchronous=NORMAL")
+            await db.execute(
+                "CREATE TABLE IF NOT EXISTS schema_version ("
+                " version INTEGER PRIMARY KEY, description TEXT NOT NULL, applied_at REAL NOT NULL)"
+            )
+        except sqlite3.Error as exc:
+            raise StorageError(f"cannot open the database {self.path}: {exc}") from None
+        self._db = db
+        return self
+
+    async def close(self) -> None:
+        if self._db is not None:
+            await self._db.close()
+            self._db = None
+
+    @property
+    def db(self) -> aiosqlite.Connection:
+        if self._db is None:
+            raise StorageError("storage is not open")
+        return self._db
+
+    @asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[aiosqlite.Connection]:
+        async with self._tx_lock:
+            await self.db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self.db
+            except BaseException:
+                await self.db.execute("ROLLBACK")
+                raise
+            else:
+                await self.db.execute("COMMIT")
+
+    async def _one(self, sql: str, params: Sequence[Any] = ()) -> aiosqlite.Row | None:
+        async with self.db.execute(sql, params) as cur:
+            row: aiosqlite.Row | None = await cur.fetchone()
+            return row
+
+    async def _all(self, sql: str, params: Sequence[Any] = ()) -> list[aiosqlite.Row]:
+        async with self.db.execute(sql, params) as cur:
+            return list(await cur.fetchall())
+
+    async def _write(self, sql: str, params: Sequence[Any] = ()) -> tuple[int, aiosqlite.Row | None]:
+        """One writing statement, never inside another task's open transaction: (rowcount, first row)."""
+        async with self._tx_lock:
+            async with self.db.execute(sql, params) as cur:
+                row: aiosqlite.Row | None = await cur.fetchone()
+                return cur.rowcount, row
+
+    # -- migrations ------------------------------------------------------------------------------
+
+    async def applied_migrations(self) -> list[int]:
+        return [int(r["version"]) for r in await self._all("SELECT version FROM schema_version ORDER BY 1")]
+
+    async def pending_migrations(self) -> list[int]:
+        done = set(await self.applied_migrations())
+        return [m.version for m in self._migrations if m.version not in done]
+
+    async def migrate(self) -> list[int]:
+        applied: list[int] = []
+        for migration in self._migrations:
+            async with self._transaction() as db:
+                # Re-check inside the write lock: another process may have just applied it.
+                async with db.execute(
+                    "SELECT 1 FROM schema_version WHERE version = ?", (migration.version,)
+                ) as cur:
+                    if await cur.fetchone():
+                        continue
+                for statement in migration.statements:
+                    await db.execute(statement)
+                await db.execute(
+                    "INSERT INTO schema_version (version, description, applied_at) VALUES (?, ?, ?)",
+                    (migration.version, migration.description, time.time()),
+                )
+            log.info("applied migration %d: %s", migration.version, migration.description)
+            applied.append(migration.version)
+        return applied
+
+    # -- users, personas, channels ---------------------------------------------------------------
+
+    async def upsert_user(self, key: str, display_name: str) -> User:
+        now = time.time()
+        _, row = await self._write(
+            "INSERT INTO users (key, display_name, created_at, updated_at) VALUES (?, ?, ?, ?)"
+            " ON CONFLICT (key) DO UPDATE SET display_name = excluded.display_name, updated_at = excluded.updated_at"
+            " RETURNING id, key, display_name",
+            (key, display_name, now, now),
+        )
+        assert row is not None
+        return User(int(row["id"]), str(row["key"]), str(row["display_name"]))
+
+    async def get_user(self, key: str) -> User | None:
+        row = await self._one("SELECT id, key, display_name FROM users WHERE key = ?", (key,))
+        return None if row is None else User(int(row["id"]), str(row["key"]), str(row["display_name"]))
+
+    async def upsert_persona(self, name: str) -> None:
+        await self._write(
+            "INSERT INTO personas (name, created_at) VALUES (?, ?) ON CONFLICT (name) DO NOTHING",
+            (name, time.time()),
+        )
+
+    async def upsert_channel(self, key: str, name: str, is_dm: bool) -> Channel:
+        now = time.time()
+        _, row = await self._write(
+            "INSERT INTO channels (key, name, is_dm, created_at, updated_at) VALUES (?, ?, ?, ?, ?)"
+            " ON CONFLICT (key) DO UPDATE SET name = excluded.name, updated_at = excluded.updated_at"
+            " RETURNING *",
+            (key, name, int(is_dm), now, now),
+        )
+        assert row is not None
+        return self._channel(row)
+
+    async def get_channel(self, key: str) -> Channel | None:
+        row = await self._one("SELECT * FROM channels WHERE key = ?", (key,))
+        return None if row is None else self._channel(row)
+
+    @staticmethod
+    def _channel(row: aiosqlite.Row) -> Channel:
+        return Channel(
+            int(row["id"]), str(row["key"]), str(row["name"]), bool(row["is_dm"]), int(row["message_count"])
+        )
+
+    # -- messages --------------------------------------------------------------------------------
+
+    async def add_message(
+        self,
+        channel_id: int,
+        user_id: int | None,
+        persona: str,
+        role: MessageRole,
+        author_name: str,
+        text: str,
+        token_count: int,
+        created_at: datetime | None = None,
+    ) -> StoredMessage:
+        ts = _ts(created_at)
+        async with self._transaction() as db:
+            async with db.execute(
+                "INSERT INTO messages (channel_id, user_id, persona, role, author_name, text, token_count,"
+                " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                (channel_id, user_id, persona, role, author_name, text, token_count, ts),
+            ) as cur:
+                row = await cur.fetchone()
+            await db.execute(
+                "UPDATE channels SET message_count = message_count + 1, updated_at = ? WHERE id = ?",
+                (time.time(), channel_id),
+            )
+        assert row is not None
+        return StoredMessage(
+            int(row[0]), channel_id, user_id, persona, role, author_name, text, token_count, _dt(ts)
+        )
+
+    @staticmethod
+    def _message(row: aiosqlite.Row) -> StoredMessage:
+        return StoredMessage(
+            id=int(row["id"]),
+            channel_id=int(row["channel_id"]),
+            user_id=None if row["user_id"] is None else int(row["user_id"]),
+            persona=str(row["persona"]),
+            role=row["role"],
+            author_name=str(row["author_name"]),
+            text=str(row["text"]),
+            token_count=int(row["token_count"]),
+            created_at=_dt(float(row["created_at"])),
+        )
+
+    async def recent_messages(
+        self, channel_id: int, limit: int, before_id: int | None = None
+    ) -> list[StoredMessage]:
+        rows = await self._all(
+            "SELECT * FROM messages WHERE channel_id = ? AND id < ? ORDER BY id DESC LIMIT ?",
+            (channel_id, before_id if before_id is not None else 2**62, limit),
+        )
+        return [self._message(r) for r in rows]
+
+    async def messages_between(
+        self, channel_id: int, after_id: int, before_id: int, limit: int
+    ) -> list[StoredMessage]:
+        rows = await self._all(
+            "SELECT * FROM messages WHERE channel_id = ? AND id > ? AND id < ? ORDER BY id LIMIT ?",
+            (channel_id, after_id, before_id, limit),
+        )
+        return [self._message(r) for r in rows]
+
+    async def count_messages_between(self, channel_id: int, after_id: int, before_id: int) -> int:
+        row = await self._one(
+            "SELECT count(*) FROM messages WHERE channel_id = ? AND id > ? AND id < ?",
+            (channel_id, after_id, before_id),
+        )
+        return int(row[0]) if row else 0
+
+    # -- summaries -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _summary(row: aiosqlite.Row) -> Summary:
+        return Summary(
+            id=int(row["id"]),
+            channel_id=int(row["channel_id"]),
+            version=int(row["version"]),
+            text=str(row["text"]),
+            covers_from_id=int(row["covers_from_id"]),
+            covers_to_id=int(row["covers_to_id"]),
+            token_count=int(row["token_count"]),
+            model=str(row["model"]),
+            status=row["status"],
+            reason=str(row["reason"]),
+            created_at=_dt(float(row["created_at"])),
+        )
+
+    async def latest_summary(self, channel_id: int) -> Summary | None:
+        row = await self._one(
+            "SELECT * FROM summaries WHERE channel_id = ? AND status = 'ok' ORDER BY version DESC LIMIT 1",
+            (channel_id,),
+        )
+        return None if row is None else self._summary(row)
+
+    async def add_summary(
+        self,
+        channel_id: int,
+        text: str,
+        covers_from_id: int,
+        covers_to_id: int,
+        token_count: int,
+        model: str,
+        status: SummaryStatus = "ok",
+        reason: str = "",
+    ) -> Summary:
+        async with self._transaction() as db:
+            async with db.execute(
+                "INSERT INTO summaries (channel_id, version, text, covers_from_id, covers_to_id, token_count,"
+                " model, status, reason, created_at)"
+                " SELECT ?, coalesce(max(version), 0) + 1, ?, ?, ?, ?, ?, ?, ?, ? FROM summaries"
+                " WHERE channel_id = ? RETURNING *",
+                (
+                    channel_id,
+                    text,
+                    covers_from_id,
+                    covers_to_id,
+                    token_count,
+                    model,
+                    status,
+                    reason,
+                    time.time(),
+                    channel_id,
+                ),
+            ) as cur:
+                row = await cur.fetchone()
+        assert row is not None
+        return self._summary(row)
+
+    async def list_summaries(self, channel_id: int) -> list[Summary]:
+        rows = await self._all("SELECT * FROM summaries WHERE channel_id = ? ORDER BY version", (channel_id,))
+        return [self._summary(r) for r in rows]
+
+    # -- jobs ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _job(row: aiosqlite.Row) -> Job:
+        return Job(
+            id=int(row["id"]),
+            kind=str(row["kind"]),
+            key=str(row["key"]),
+            payload=json.loads(row["payload"]),
+            status=row["status"],
+            attempts=int(row["attempts"]),
+            max_attempts=int(row["max_attempts"]),
+            run_after=_dt(float(row["run_after"])),
+            last_error=str(row["last_error"]),
+            locked_by=str(row["locked_by"]),
+            created_at=_dt(float(row["created_at"])),
+            updated_at=_dt(float(row["updated_at"])),
+        )
+
+    async def enqueue_job(
+        self,
+        kind: str,
+        key: str,
+        payload: dict[str, Any],
+        max_attempts: int,
+        *,
+        dedupe: bool = True,
+        run_after: datetime | None = None,
+    ) -> Job | None:
+        now = time.time()
+        async with self._transaction() as db:
+            if dedupe:
+                async with db.execute(
+                    "SELECT 1 FROM jobs WHERE kind = ? AND key = ? AND status = 'queued' LIMIT 1", (kind, key)
+                ) as cur:
+                    if await cur.fetchone():
+                        return None
+            async with db.execute(
+                "INSERT INTO jobs (kind, key, payload, status, max_attempts, run_after, created_at, updated_at)"
+                " VALUES (?, ?, ?, 'queued', ?, ?, ?, ?) RETURNING *",
+                (kind, key, json.dumps(payload), max_attempts, _ts(run_after) if run_after else now, now, now),
+            ) as cur:
+                row = await cur.fetchone()
+        assert row is not None
+        return self._job(row)
+
+    async def claim_job(self, worker: str, kinds: Sequence[str], lease_seconds: float) -> Job | None:
+        if not kinds:
+            return None
+        now = time.time()
+        marks = ",".join("?" for _ in kinds)
+        async with self._transaction() as db:
+            async with db.execute(
+                f"SELECT id FROM jobs AS j WHERE status = 'queued' AND run_after <= ? AND kind IN ({marks})"
+                " AND NOT EXISTS (SELECT 1 FROM jobs AS r WHERE r.key = j.key AND r.status = 'running')"
+                " ORDER BY run_after, id LIMIT 1",
+                (now, *kinds),
+            ) as cur:
+                found = await cur.fetchone()
+            if found is None:
+                return None
+            async with db.execute(
+                "UPDATE jobs SET status = 'running', attempts = attempts + 1, locked_by = ?, lease_until = ?,"
+                " updated_at = ? WHERE id = ? RETURNING *",
+                (worker, now + lease_seconds, now, found[0]),
+            ) as cur:
+                row = await cur.fetchone()
+        assert row is not None
+        return self._job(row)
+
+    async def renew_lease(self, job_id: int, worker: str, lease_seconds: float) -> bool:
+        count, _ = await self._write(
+            "UPDATE jobs SET lease_until = ? WHERE id = ? AND status = 'running' AND locked_by = ?",
+            (time.time() + lease_seconds, job_id, worker),
+        )
+        return count > 0
+
+    async def _set_job(self, job_id: int, sql_set: str, params: Sequence[Any]) -> None:
+        await self._write(
+            f"UPDATE jobs SET {sql_set}, updated_at = ? WHERE id = ?", (*params, time.time(), job_id)
+        )
+
+    async def finish_job(self, job_id: int) -> None:
+        await self._set_job(job_id, "status = 'done', locked_by = '', lease_until = 0", ())
+
+    async def retry_job(self, job_id: int, error: str, run_after: datetime) -> None:
+        await self._set_job(
+            job_id,
+            "status = 'queued', last_error = ?, run_after = ?, locked_by = '', lease_until = 0",
+            (error, run_after.timestamp()),
+        )
+
+    async def fail_job(self, job_id: int, error: str) -> None:
+        await self._set_job(job_id, "status = 'failed', last_error = ?, locked_by = '', lease_until = 0", (error,))
+
+    async def release_job(self, job_id: int) -> None:
+        await self._set_job(
+            job_id, "status = 'queued', attempts = max(attempts - 1, 0), locked_by = '', lease_until = 0", ()
+        )
+
+    async def recover_jobs(self, is_worker_dead: Callable[[str], bool]) -> list[Job]:
+        now = time.time()
+        recovered: list[Job] = []
+        async with self._transaction() as db:
+            async with db.execute("SELECT * FROM jobs WHERE status = 'running'") as cur:
+                rows = list(await cur.fetchall())
+            for row in rows:
+                if float(row["lease_until"]) < now or is_worker_dead(str(row["locked_by"])):
+                    await db.execute(
+                        "UPDATE jobs SET status = 'queued', locked_by = '', lease_until = 0, updated_at = ?,"
+                        " last_error = ? WHERE id = ?",
+                        (now, "interrupted: the worker running it stopped", row["id"]),
+                    )
+                    recovered.append(self._job(row))
+        return recovered
+
+    async def get_job(self, job_id: int) -> Job | None:
+        row = await self._one("SELECT * FROM jobs WHERE id = ?", (job_id,))
+        return None if row is None else self._job(row)
+
+    async def list_jobs(self, status: JobStatus | None = None, limit: int = 100) -> list[Job]:
+        if status is None:
+            rows = await self._all("SELECT * FROM jobs ORDER BY id DESC LIMIT ?", (limit,))
+        else:
+            rows = await self._all("SELECT * FROM jobs WHERE status = ? ORDER BY id DESC LIMIT ?", (status, limit))
+        return [self._job(r) for r in rows]
+
+    async def count_jobs(self, statuses: Sequence[JobStatus]) -> int:
+        marks = ",".join("?" for _ in statuses)
+        row = await self._one(f"SELECT count(*) FROM jobs WHERE status IN ({marks})", tuple(statuses))
+        return int(row[0]) if row else 0
+
+    # -- audit and metrics -----------------------------------------------------------------------
+
+    async def record_llm_call(self, record: LLMCallRecord) -> None:
+        await self._write(
+            "INSERT INTO llm_calls (purpose, model, input_tokens, output_tokens, estimated_input_tokens,"
+            " duration_ms, error, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                record.purpose,
+                record.model,
+                record.input_tokens,
+                record.output_tokens,
+                record.estimated_input_tokens,
+                record.duration_ms,
+                record.error,
+                time.time(),
+            ),
+        )
+
+    async def list_llm_calls(self, limit: int = 100) -> list[dict[str, Any]]:
+        rows = await self._all("SELECT * FROM llm_calls ORDER BY id DESC LIMIT ?", (limit,))
+        return [dict(r) for r in rows]
+
+    async def record_reply_stats(self, stats: ReplyStats) -> None:
+        await self._write(
+            "INSERT INTO reply_stats (channel_id, message_id, history_tokens, history_budget, window_messages,"
+            " trimmed_messages, summary_used, prompt_tokens, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                stats.channel_id,
+                stats.message_id,
+                stats.history_tokens,
+                stats.history_budget,
+                stats.window_messages,
+                stats.trimmed_messages,
+                int(stats.summary_used),
+                stats.prompt_tokens,
+                time.time(),
+            ),
+        )
+
+    async def reply_metrics(self, channel_id: int | None = None) -> ReplyMetrics:
+        where, params = ("WHERE channel_id = ?", (channel_id,)) if channel_id is not None else ("", ())
+        row = await self._one(
+            "SELECT count(*) AS n,"
+            " avg(CAST(history_tokens AS REAL) / max(history_budget, 1)) AS util,"
+            " avg(trimmed_messages > 0) AS trim, avg(summary_used) AS hit"
+            f" FROM reply_stats {where}",
+            params,
+        )
+        srow = await self._one(
+            "SELECT sum(status = 'ok') AS ok, sum(status = 'rejected') AS bad" f" FROM summaries {where}", params
+        )
+        replies = int(row["n"]) if row else 0
+        written = int(srow["ok"] or 0) if srow else 0
+        rejected = int(srow["bad"] or 0) if srow else 0
+        return ReplyMetrics(
+            replies=replies,
+            token_utilisation=float(row["util"] or 0.0) if row else 0.0,
+            trim_rate=float(row["trim"] or 0.0) if row else 0.0,
+            summary_hit_rate=float(row["hit"] or 0.0) if row else 0.0,
+            summary_generation_rate=(written / replies) if replies else 0.0,
+            summaries_written=written,
+            summaries_rejected=rejected,
+        )
+
+    async def get_setting(self, key: str) -> str | None:
+        row = await self._one("SELECT value FROM settings WHERE key = ?", (key,))
+        return None if row is None else str(row["value"])
+
+    async def set_setting(self, key: str, value: str) -> None:
+        await self._write(
+            "INSERT INTO settings (key, value, updated_at) VALUES (?, ?, ?)"
+            " ON CONFLICT (key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at",
+            (key, value, time.time()),
+        )
+
+
+async def open_storage(url: str) -> SQLiteStorage:
+    """Open the engine the URL names (``sqlite:///path``), without migrating."""
+    if not url.startswith("sqlite:///"):
+        raise StorageError(f"unsupported storage URL {url!r}: use sqlite:///path/to/bot.db")
+    return await SQLiteStorage(Path(url.removeprefix("sqlite:///")).expanduser()).open()

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs cortex-bot into ./.venv (created with Python 3.11+ if missing). Idempotent.
+#   scripts/install.sh          the bot and everything it needs to run
+#   scripts/install.sh dev      plus what the tests and benchmarks need
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extra="${1:-}"
+venv="${CORTEXBOT_VENV:-.venv}"
+
+find_python() {
+  for candidate in "${PYTHON:-}" python3.13 python3.12 python3.11 python3; do
+    [ -n "$candidate" ] || continue
+    if command -v "$candidate" >/dev/null 2>&1 &&
+       "$candidate" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' 2>/dev/null; then
+      echo "$candidate"; return 0
+    fi
+  done
+  echo "cortex-bot needs Python 3.11 or newer; install it or set PYTHON=/path/to/python3.11" >&2
+  return 1
+}
+
+if [ ! -x "$venv/bin/python" ]; then
+  python=$(find_python)
+  echo "creating virtualenv $venv with $($python --version)" >&2
+  "$python" -m venv "$venv"
+fi
+
+spec="."
+[ "$extra" = "dev" ] && spec=".[dev]"
+# Editable, so a checkout that is edited and re-run needs no reinstall.
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e "$spec"

@@ -1,0 +1,128 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bot.config import Config, ConfigError, load_config, parse_config, read_secret
+from bot.prompt import resolve_variables
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_no_file_gives_defaults_and_a_builtin_persona() -> None:
+    config = load_config(None)
+    assert config.llm.provider == "anthropic"
+    assert config.history.history_tokens == 2000
+    assert config.history.summary_tokens == 500
+    assert config.history.min_exchanges == 3
+    assert config.history.summary_trigger == 40
+    assert [p.name for p in config.personas] == ["Cora"]
+    assert config.storage.url.startswith("sqlite:///") and config.storage.url.endswith("bot.db")
+
+
+def test_example_config_is_valid_and_documents_every_key() -> None:
+    config = load_config(ROOT / "config.example.toml")
+    text = (ROOT / "config.example.toml").read_text()
+    for section in ("bot", "storage", "llm", "history", "jobs", "terminal"):
+        model = type(getattr(config, section))
+        for key in model.model_fields:
+            assert f"{key} =" in text or f"# {key} =" in text, f"[{section}] {key} is not in config.example.toml"
+    persona_keys = type(config.personas[0]).model_fields
+    for key in persona_keys:
+        assert f"{key} =" in text, f"[[personas]] {key} is not in config.example.toml"
+
+
+def test_every_key_is_in_the_readme_table() -> None:
+    readme = (ROOT / "README.md").read_text()
+    config = Config()
+    for section in ("bot", "storage", "llm", "history", "jobs", "terminal"):
+        for key in type(getattr(config, section)).model_fields:
+            assert f"`{section}.{key}`" in readme, f"{section}.{key} missing from the README config table"
+    for key in type(config.personas[0]).model_fields:
+        assert f"`personas.{key}`" in readme, f"personas.{key} missing from the README config table"
+
+
+def _error(raw: dict, tmp_path: Path | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(raw, source="config.toml")
+    return str(info.value)
+
+
+def test_unknown_key_is_named_with_a_suggestion() -> None:
+    message = _error({"llm": {"modle": "x"}})
+    assert "[llm] key 'modle'" in message
+    assert "did you mean 'model'" in message
+
+
+def test_unknown_section_is_named() -> None:
+    assert "key 'histroy' at the top level" in _error({"histroy": {}})
+
+
+def test_wrong_type_names_key_and_value() -> None:
+    message = _error({"llm": {"max_tokens": "lots"}})
+    assert "[llm] key 'max_tokens'" in message and "'lots'" in message
+
+
+def test_missing_required_persona_name() -> None:
+    message = _error({"personas": [{"language": "German"}]})
+    assert "missing required [[personas]] #1 key 'name'" in message
+
+
+def test_unknown_key_inside_persona() -> None:
+    message = _error({"personas": [{"name": "A", "identiy": "x"}]})
+    assert "[[personas]] #1 key 'identiy'" in message and "did you mean 'identity'" in message
+
+
+def test_default_persona_must_exist() -> None:
+    assert "default_persona" in _error({"bot": {"default_persona": "Nobody"}, "personas": [{"name": "A"}]})
+
+
+def test_duplicate_personas_rejected() -> None:
+    assert "unique" in _error({"personas": [{"name": "A"}, {"name": "a"}]})
+
+
+def test_bad_soul_order_rejected() -> None:
+    assert "unknown soul section" in _error({"personas": [{"name": "A", "soul_order": ["identity", "mood"]}]})
+
+
+def test_storage_url_must_be_sqlite() -> None:
+    assert "sqlite:///" in _error({"storage": {"url": "mysql://x"}})
+
+
+def test_invalid_toml_and_missing_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[llm\nmodel = 1")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_secrets_come_from_the_environment_only() -> None:
+    assert read_secret("CB_TEST_KEY", {"CB_TEST_KEY": " sk-123 "}) == "sk-123"
+    assert read_secret("CB_TEST_KEY", {"CB_TEST_KEY": ""}) is None
+    assert read_secret("CB_TEST_KEY", {}) is None
+    # A key written into the file is an unknown key, not a secret the bot would use.
+    assert "api_key" in _error({"llm": {"api_key": "sk-secret"}})
+
+
+def test_default_key_env_follows_provider() -> None:
+    assert parse_config({}).llm.key_env_name == "ANTHROPIC_API_KEY"
+    assert parse_config({"llm": {"provider": "openai"}}).llm.key_env_name == "OPENAI_API_KEY"
+    assert parse_config({"llm": {"api_key_env": "MY_KEY"}}).llm.key_env_name == "MY_KEY"
+
+
+def test_persona_soul_sections_follow_order() -> None:
+    config = parse_config(
+        {"personas": [{"name": "A", "tone": "dry", "identity": "I am A", "soul_order": ["tone", "identity"]}]}
+    )
+    assert config.persona("a").soul_sections() == [("tone", "dry"), ("identity", "I am A")]
+    with pytest.raises(ConfigError, match="unknown persona"):
+        config.persona("b")
+
+
+def test_template_variables_resolve_and_other_braces_stay() -> None:
+    text = "I am {char_name}, talking to {user_name} in {language} on {date}; {unknown} {json: 1}"
+    out = resolve_variables(text, {"char_name": "Cora", "user_name": "Ann", "language": "German", "date": "today"})
+    assert out == "I am Cora, talking to Ann in German on today; {unknown} {json: 1}"

@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+from bot.history import build_window
+from bot.storage.sqlite import SQLiteStorage
+from bot.tokens import BPETokenEstimator
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+
+
+async def _fill(storage: SQLiteStorage, estimator: BPETokenEstimator, texts: list[tuple[str, str]]) -> int:
+    user = await storage.upsert_user("console:ann", "Ann")
+    channel = await storage.upsert_channel("console:c", "c", is_dm=True)
+    for role, text in texts:
+        await storage.add_message(
+            channel.id, user.id, "Cora", role, "Ann" if role == "user" else "Cora", text, estimator.raw_count(text)
+        )
+    return channel.id
+
+
+def _exchanges(n: int, words: int = 20) -> list[tuple[str, str]]:
+    out = []
+    for i in range(n):
+        out.append(("user", f"question {i} " + " ".join(WORDS[j % 10] for j in range(words))))
+        out.append(("assistant", f"answer {i} " + " ".join(WORDS[(j + 3) % 10] for j in range(words))))
+    return out
+
+
+async def test_window_is_newest_first_whole_messages_within_budget(storage, estimator) -> None:
+    channel = await _fill(storage, estimator, _exchanges(50))
+    window = await build_window(storage, estimator, channel, budget=300, min_exchanges=1, total_before=100)
+    assert window.tokens <= 300
+    texts = [m.text for m in window.messages]
+    assert texts[-1].startswith("answer 49")  # newest message last (chronological order)
+    ids = [m.id for m in window.messages]
+    assert ids == sorted(ids)
+    # contiguous: no gaps between the oldest chosen and the newest
+    all_recent = await storage.recent_messages(channel, len(ids))
+    assert [m.id for m in reversed(all_recent)] == ids
+    assert window.trimmed == 100 - len(ids)
+    # Adding one more message (the next older one) would have broken the budget.
+    older = await storage.recent_messages(channel, 1, before_id=ids[0])
+    from bot.history import message_cost
+
+    assert window.tokens + message_cost(older[0], estimator) > 300
+
+
+async def test_minimum_exchanges_kept_even_over_budget(storage, estimator) -> None:
+    channel = await _fill(storage, estimator, _exchanges(10, words=200))
+    window = await build_window(storage, estimator, channel, budget=100, min_exchanges=3)
+    assert sum(1 for m in window.messages if m.role == "user") == 3
+    assert len(window.messages) == 6
+    assert window.over_budget
+
+
+async def test_before_id_excludes_the_new_message(storage, estimator) -> None:
+    channel = await _fill(storage, estimator, _exchanges(3))
+    newest = (await storage.recent_messages(channel, 1))[0]
+    window = await build_window(storage, estimator, channel, budget=10_000, min_exchanges=1, before_id=newest.id)
+    assert newest.id not in [m.id for m in window.messages]
+    assert len(window.messages) == 5
+
+
+async def test_multilingual_text_is_budgeted_by_real_tokens(storage, estimator) -> None:
+    # The same number of characters costs far more in Chinese than in English.
+    chinese = "我们今天讨论了很多关于记忆和人工智能的问题非常有意思" * 4
+    english = ("we talked a lot today about memory and ai, it was fun " * 4)[: len(chinese)]
+    ch = await _fill(storage, estimator, [("user", chinese), ("assistant", chinese)] * 20)
+    zh_window = await build_window(storage, estimator, ch, budget=600, min_exchanges=0)
+    other = await storage.upsert_channel("console:en", "en", is_dm=True)
+    for _ in range(20):
+        for role in ("user", "assistant"):
+            await storage.add_message(other.id, None, "Cora", role, "x", english, estimator.raw_count(english))
+    en_window = await build_window(storage, estimator, other.id, budget=600, min_exchanges=0)
+    assert zh_window.tokens <= 600 and en_window.tokens <= 600
+    assert len(zh_window.messages) * 1.5 < len(en_window.messages)
+
+
+async def test_empty_channel(storage, estimator) -> None:
+    channel = await storage.upsert_channel("console:none", "none", is_dm=True)
+    window = await build_window(storage, estimator, channel.id, budget=100, min_exchanges=3)
+    assert window.messages == [] and window.tokens == 0 and window.oldest_id is None

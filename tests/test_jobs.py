@@ -1,0 +1,175 @@
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from bot.config import JobsConfig
+from bot.jobs import JobQueue, WorkerPool, worker_is_dead
+from bot.llm.errors import LLMBadRequest, LLMRateLimited
+from bot.storage.base import Job
+from bot.storage.sqlite import SQLiteStorage
+
+FAST = JobsConfig(concurrency=3, max_attempts=3, retry_base_seconds=0.01, retry_max_seconds=0.05, poll_seconds=0.05)
+
+
+async def _wait_status(storage: SQLiteStorage, job_id: int, status: str, timeout: float = 5.0) -> Job:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        job = await storage.get_job(job_id)
+        assert job is not None
+        if job.status == status:
+            return job
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"job {job_id} never became {status}: {await storage.get_job(job_id)}")
+
+
+async def test_job_runs_and_finishes(storage: SQLiteStorage) -> None:
+    seen: list[dict] = []
+
+    async def handler(job: Job) -> None:
+        seen.append(job.payload)
+
+    queue = JobQueue(storage, FAST)
+    pool = WorkerPool(queue, {"k": handler})
+    await pool.start()
+    job = await queue.enqueue("k", "a", {"x": 1})
+    assert job is not None
+    await _wait_status(storage, job.id, "done")
+    assert seen == [{"x": 1}]
+    await pool.stop()
+
+
+async def test_transient_errors_are_retried_then_succeed(storage: SQLiteStorage) -> None:
+    calls = 0
+
+    async def flaky(job: Job) -> None:
+        nonlocal calls
+        calls += 1
+        if calls < 3:
+            raise LLMRateLimited("429 from server")
+
+    queue = JobQueue(storage, FAST)
+    pool = WorkerPool(queue, {"k": flaky})
+    await pool.start()
+    job = await queue.enqueue("k", "a", {})
+    done = await _wait_status(storage, job.id, "done")
+    assert calls == 3 and done.attempts == 3
+    await pool.stop()
+
+
+async def test_transient_errors_give_up_after_max_attempts(storage: SQLiteStorage) -> None:
+    async def always(job: Job) -> None:
+        raise LLMRateLimited("429 again")
+
+    queue = JobQueue(storage, FAST)
+    pool = WorkerPool(queue, {"k": always})
+    await pool.start()
+    job = await queue.enqueue("k", "a", {})
+    failed = await _wait_status(storage, job.id, "failed")
+    assert failed.attempts == 3 and "LLMRateLimited" in failed.last_error and "429 again" in failed.last_error
+    await pool.stop()
+
+
+async def test_permanent_errors_fail_at_once(storage: SQLiteStorage) -> None:
+    async def bad(job: Job) -> None:
+        raise LLMBadRequest("unknown model")
+
+    queue = JobQueue(storage, FAST)
+    pool = WorkerPool(queue, {"k": bad})
+    await pool.start()
+    job = await queue.enqueue("k", "a", {})
+    failed = await _wait_status(storage, job.id, "failed")
+    assert failed.attempts == 1 and "unknown model" in failed.last_error
+    await pool.stop()
+
+
+async def test_one_job_per_key_at_a_time_but_keys_run_in_parallel(storage: SQLiteStorage) -> None:
+    active: dict[str, int] = {}
+    peak_per_key: dict[str, int] = {}
+    peak_total = 0
+
+    async def slow(job: Job) -> None:
+        nonlocal peak_total
+        active[job.key] = active.get(job.key, 0) + 1
+        peak_per_key[job.key] = max(peak_per_key.get(job.key, 0), active[job.key])
+        peak_total = max(peak_total, sum(active.values()))
+        await asyncio.sleep(0.05)
+        active[job.key] -= 1
+
+    queue = JobQueue(storage, FAST)
+    pool = WorkerPool(queue, {"k": slow})
+    jobs = []
+    for i in range(3):
+        jobs.append(await queue.enqueue("k", "same", {"i": i}, dedupe=False))
+    jobs.append(await queue.enqueue("k", "other", {}))
+    await pool.start()
+    for job in jobs:
+        await _wait_status(storage, job.id, "done")
+    assert peak_per_key == {"same": 1, "other": 1}
+    assert peak_total == 2
+    await pool.stop()
+
+
+async def test_a_job_of_a_dead_process_is_picked_up_again(storage: SQLiteStorage) -> None:
+    queue = JobQueue(storage, FAST)
+    job = await queue.enqueue("k", "a", {"n": 7})
+    # A worker on this host whose process no longer exists claimed it and then died.
+    dead = f"{socket.gethostname()}:999999:deadbeef"
+    assert (await storage.claim_job(dead, ["k"], 3600)) is not None
+    ran: list[int] = []
+
+    async def handler(j: Job) -> None:
+        ran.append(j.payload["n"])
+
+    pool = WorkerPool(queue, {"k": handler})
+    await pool.start()
+    done = await _wait_status(storage, job.id, "done")
+    assert ran == [7] and done.attempts == 2
+    await pool.stop()
+
+
+async def test_shutdown_waits_for_grace_then_requeues_unfinished(storage: SQLiteStorage) -> None:
+    started = asyncio.Event()
+    finished: list[str] = []
+
+    async def handler(job: Job) -> None:
+        started.set()
+        await asyncio.sleep(0.5 if job.key == "quick" else 30)
+        finished.append(job.key)
+
+    queue = JobQueue(storage, FAST)
+    pool = WorkerPool(queue, {"k": handler})
+    await pool.start()
+    quick = await queue.enqueue("k", "quick", {})
+    stuck = await queue.enqueue("k", "stuck", {})
+    await started.wait()
+    await asyncio.sleep(0.05)
+    await pool.stop(grace=1.0)
+    assert finished == ["quick"]
+    assert (await storage.get_job(quick.id)).status == "done"
+    requeued = await storage.get_job(stuck.id)
+    assert requeued.status == "queued" and requeued.attempts == 0
+
+
+async def test_drain_waits_for_queued_jobs(storage: SQLiteStorage) -> None:
+    async def handler(job: Job) -> None:
+        await asyncio.sleep(0.05)
+
+    queue = JobQueue(storage, FAST)
+    pool = WorkerPool(queue, {"k": handler})
+    await pool.start()
+    for i in range(4):
+        await queue.enqueue("k", f"k{i}", {})
+    assert await pool.drain(5.0)
+    assert await storage.count_jobs(("queued", "running")) == 0
+    await pool.stop()
+
+
+def test_worker_liveness() -> None:
+    me = f"{socket.gethostname()}:{__import__('os').getpid()}:aaaa"
+    assert worker_is_dead(f"{socket.gethostname()}:999999:x", own_worker=me)
+    assert worker_is_dead(f"{socket.gethostname()}:{__import__('os').getpid()}:bbbb", own_worker=me)
+    assert not worker_is_dead(me, own_worker=me)
+    assert not worker_is_dead("other-host:1:x", own_worker=me)  # only the lease can tell
+    assert not worker_is_dead("garbage", own_worker=me)

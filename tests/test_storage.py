@@ -1,0 +1,186 @@
+"""The storage contract, written against the interface so every engine can run it."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from bot.storage.base import LLMCallRecord, ReplyStats
+from bot.storage.migrations import Migration
+from bot.storage.sqlite import SQLiteStorage, StorageError
+
+
+async def test_migrations_apply_once_and_are_recorded(tmp_path: Path) -> None:
+    store = await SQLiteStorage(tmp_path / "a.db").open()
+    assert await store.pending_migrations() == [1]
+    assert await store.migrate() == [1]
+    assert await store.migrate() == []
+    assert await store.pending_migrations() == []
+    await store.close()
+    again = await SQLiteStorage(tmp_path / "a.db").open()
+    assert await again.migrate() == []
+    await again.close()
+
+
+async def test_a_failing_migration_is_rolled_back_whole(tmp_path: Path) -> None:
+    broken = Migration(2, "broken", ("CREATE TABLE extra (x)", "CREATE TABLE nonsense ("))
+    from bot.storage.migrations import SQLITE_MIGRATIONS
+
+    store = await SQLiteStorage(tmp_path / "b.db", migrations=(*SQLITE_MIGRATIONS, broken)).open()
+    with pytest.raises(sqlite3.Error):
+        await store.migrate()
+    assert await store.applied_migrations() == [1]
+    tables = {r[0] for r in await store._all("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert "extra" not in tables  # the first statement of the failed migration did not stick
+    await store.close()
+
+
+async def test_pragmas(storage: SQLiteStorage) -> None:
+    assert (await storage._one("PRAGMA journal_mode"))[0] == "wal"
+    assert (await storage._one("PRAGMA foreign_keys"))[0] == 1
+    assert (await storage._one("PRAGMA busy_timeout"))[0] >= 5000
+
+
+async def test_unopenable_database_gives_a_clear_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(StorageError, match="cannot create the database folder"):
+        await SQLiteStorage(blocker / "sub" / "bot.db").open()
+
+
+async def test_users_channels_and_messages(storage: SQLiteStorage) -> None:
+    ann = await storage.upsert_user("console:ann", "Ann")
+    ann2 = await storage.upsert_user("console:ann", "Annie")
+    assert ann.id == ann2.id and ann2.display_name == "Annie"
+    channel = await storage.upsert_channel("console:room", "room", is_dm=False)
+    ids = []
+    for i in range(5):
+        m = await storage.add_message(channel.id, ann.id, "Cora", "user", "Annie", f"m{i}", 2)
+        ids.append(m.id)
+    refreshed = await storage.get_channel("console:room")
+    assert refreshed is not None and refreshed.message_count == 5
+    newest = await storage.recent_messages(channel.id, 3)
+    assert [m.text for m in newest] == ["m4", "m3", "m2"]
+    older = await storage.recent_messages(channel.id, 3, before_id=newest[-1].id)
+    assert [m.text for m in older] == ["m1", "m0"]
+    between = await storage.messages_between(channel.id, ids[0], ids[4], limit=10)
+    assert [m.text for m in between] == ["m1", "m2", "m3"]
+    assert await storage.count_messages_between(channel.id, ids[0], ids[4]) == 3
+
+
+async def test_message_role_is_checked(storage: SQLiteStorage) -> None:
+    channel = await storage.upsert_channel("console:x", "x", is_dm=True)
+    with pytest.raises(sqlite3.IntegrityError):
+        await storage.add_message(channel.id, None, "Cora", "system", "x", "t", 1)  # type: ignore[arg-type]
+
+
+async def test_summaries_are_versioned_and_latest_is_the_newest_good(storage: SQLiteStorage) -> None:
+    channel = await storage.upsert_channel("console:s", "s", is_dm=True)
+    assert await storage.latest_summary(channel.id) is None
+    first = await storage.add_summary(channel.id, "one", 1, 10, 5, "m")
+    await storage.add_summary(channel.id, "", 1, 20, 0, "m", status="rejected", reason="empty summary")
+    assert first.version == 1
+    latest = await storage.latest_summary(channel.id)
+    assert latest is not None and latest.text == "one"
+    second = await storage.add_summary(channel.id, "two", 1, 20, 5, "m")
+    assert second.version == 3
+    assert (await storage.latest_summary(channel.id)).text == "two"  # type: ignore[union-attr]
+    assert [(s.version, s.status) for s in await storage.list_summaries(channel.id)] == [
+        (1, "ok"), (2, "rejected"), (3, "ok"),
+    ]
+
+
+async def test_jobs_claim_dedupe_and_one_per_key(storage: SQLiteStorage) -> None:
+    a1 = await storage.enqueue_job("summary", "channel:1", {"n": 1}, 3)
+    assert a1 is not None
+    assert await storage.enqueue_job("summary", "channel:1", {"n": 2}, 3) is None  # deduped while queued
+    b = await storage.enqueue_job("summary", "channel:2", {"n": 3}, 3)
+    claimed = await storage.claim_job("w1", ["summary"], 60)
+    assert claimed is not None and claimed.id == a1.id and claimed.status == "running" and claimed.attempts == 1
+    a2 = await storage.enqueue_job("summary", "channel:1", {"n": 4}, 3)  # allowed: the first one is running
+    assert a2 is not None
+    nxt = await storage.claim_job("w2", ["summary"], 60)
+    assert nxt is not None and nxt.id == b.id  # channel:1 is busy, so its second job waits
+    assert await storage.claim_job("w2", ["summary"], 60) is None
+    await storage.finish_job(a1.id)
+    third = await storage.claim_job("w2", ["summary"], 60)
+    assert third is not None and third.id == a2.id
+    assert await storage.claim_job("w3", ["other-kind"], 60) is None
+
+
+async def test_retry_fail_release_and_recover(storage: SQLiteStorage) -> None:
+    job = await storage.enqueue_job("k", "key", {}, 3)
+    assert job is not None
+    await storage.claim_job("host:1:a", ["k"], 60)
+    later = datetime.now(UTC) + timedelta(hours=1)
+    await storage.retry_job(job.id, "boom", later)
+    assert await storage.claim_job("host:1:a", ["k"], 60) is None  # not before run_after
+    got = await storage.get_job(job.id)
+    assert got is not None and got.status == "queued" and got.last_error == "boom"
+    await storage.retry_job(job.id, "boom", datetime.now(UTC) - timedelta(seconds=1))
+    running = await storage.claim_job("host:99999:dead", ["k"], 60)
+    assert running is not None and running.attempts == 2
+    recovered = await storage.recover_jobs(lambda worker: worker == "host:99999:dead")
+    assert [j.id for j in recovered] == [job.id]
+    again = await storage.get_job(job.id)
+    assert again is not None and again.status == "queued" and "interrupted" in again.last_error
+    claimed = await storage.claim_job("w", ["k"], 60)
+    assert claimed is not None
+    await storage.release_job(job.id)
+    released = await storage.get_job(job.id)
+    assert released is not None and released.status == "queued" and released.attempts == 2
+    await storage.claim_job("w", ["k"], 0)  # lease already expired
+    assert [j.id for j in await storage.recover_jobs(lambda worker: False)] == [job.id]
+    await storage.claim_job("w", ["k"], 60)
+    await storage.fail_job(job.id, "gave up")
+    failed = await storage.get_job(job.id)
+    assert failed is not None and failed.status == "failed" and failed.last_error == "gave up"
+    assert await storage.count_jobs(("failed",)) == 1
+
+
+async def test_concurrent_claims_never_hand_out_a_job_twice(tmp_path: Path) -> None:
+    path = tmp_path / "c.db"
+    stores = [await SQLiteStorage(path).open() for _ in range(3)]
+    await stores[0].migrate()
+    for i in range(30):
+        await stores[0].enqueue_job("k", f"key{i}", {}, 3)
+
+    async def drain(store: SQLiteStorage, name: str) -> list[int]:
+        got = []
+        while (job := await store.claim_job(name, ["k"], 60)) is not None:
+            got.append(job.id)
+            await asyncio.sleep(0)
+        return got
+
+    results = await asyncio.gather(*(drain(s, f"w{i}") for i, s in enumerate(stores)))
+    all_ids = [i for r in results for i in r]
+    assert len(all_ids) == 30 and len(set(all_ids)) == 30
+    for s in stores:
+        await s.close()
+
+
+async def test_metrics_and_llm_calls_and_settings(storage: SQLiteStorage) -> None:
+    channel = await storage.upsert_channel("console:m", "m", is_dm=True)
+    empty = await storage.reply_metrics()
+    assert empty.replies == 0 and empty.trim_rate == 0.0
+    msg = await storage.add_message(channel.id, None, "Cora", "assistant", "Cora", "hi", 1)
+    await storage.record_reply_stats(ReplyStats(channel.id, msg.id, 1000, 2000, 10, 0, False, 1500))
+    await storage.record_reply_stats(ReplyStats(channel.id, msg.id, 2000, 2000, 12, 4, True, 2600))
+    await storage.add_summary(channel.id, "s", 1, 2, 1, "m")
+    metrics = await storage.reply_metrics(channel.id)
+    assert metrics.replies == 2
+    assert metrics.token_utilisation == pytest.approx(0.75)
+    assert metrics.trim_rate == pytest.approx(0.5)
+    assert metrics.summary_hit_rate == pytest.approx(0.5)
+    assert metrics.summary_generation_rate == pytest.approx(0.5)
+    await storage.record_llm_call(LLMCallRecord("reply", "m", 10, 5, 12))
+    calls = await storage.list_llm_calls()
+    assert calls[0]["purpose"] == "reply" and calls[0]["input_tokens"] == 10
+    assert await storage.get_setting("x") is None
+    await storage.set_setting("x", "1")
+    await storage.set_setting("x", "2")
+    assert await storage.get_setting("x") == "2"
