@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from bot.storage.base import Storage, StoredMessage
 from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator
 
-PAGE_SIZE = 32
+PAGE_SIZE = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +35,11 @@ class HistoryWindow:
 
 
 def message_cost(message: StoredMessage, estimator: TokenEstimator) -> int:
-    return estimator.scale(message.token_count + PER_MESSAGE_OVERHEAD)
+    return cost_of(message.token_count, estimator)
+
+
+def cost_of(token_count: int, estimator: TokenEstimator) -> int:
+    return estimator.scale(token_count + PER_MESSAGE_OVERHEAD)
 
 
 async def build_window(
@@ -50,28 +54,32 @@ async def build_window(
 ) -> HistoryWindow:
     """The window of messages older than ``before_id`` (all when None).
 
-    ``total_before`` is how many messages the channel holds before ``before_id``; it is only used to
-    report how many were trimmed.
+    First decides the cut from ``(id, role, token_count)`` alone, then loads just the chosen
+    messages. ``total_before`` is how many messages the channel holds before ``before_id``; it is
+    only used to report how many were trimmed.
     """
-    chosen: list[StoredMessage] = []
+    chosen_ids: list[int] = []
     tokens = 0
     user_messages = 0
     cursor = before_id
     done = False
     while not done:
-        page = await storage.recent_messages(channel_id, PAGE_SIZE, before_id=cursor)
-        for message in page:
-            cost = message_cost(message, estimator)
+        page = await storage.recent_message_sizes(channel_id, PAGE_SIZE, before_id=cursor)
+        for message_id, role, token_count in page:
+            cost = cost_of(token_count, estimator)
             if tokens + cost > budget and user_messages >= min_exchanges:
                 done = True
                 break
-            chosen.append(message)
+            chosen_ids.append(message_id)
             tokens += cost
-            if message.role == "user":
+            if role == "user":
                 user_messages += 1
         if len(page) < PAGE_SIZE:
             break
-        cursor = page[-1].id
-    chosen.reverse()
-    trimmed = max((total_before or 0) - len(chosen), 0)
-    return HistoryWindow(messages=chosen, tokens=tokens, budget=budget, trimmed=trimmed)
+        cursor = page[-1][0]
+    messages: list[StoredMessage] = []
+    if chosen_ids:
+        upper = before_id if before_id is not None else chosen_ids[0] + 1
+        messages = await storage.messages_between(channel_id, chosen_ids[-1] - 1, upper, limit=len(chosen_ids))
+    trimmed = max((total_before or 0) - len(messages), 0)
+    return HistoryWindow(messages=messages, tokens=tokens, budget=budget, trimmed=trimmed)

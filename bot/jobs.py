@@ -81,7 +81,7 @@ def worker_is_dead(worker: str, *, own_worker: str) -> bool:
 
 
 def backoff_delay(attempt: int, config: JobsConfig) -> float:
-    base = min(config.retry_base_seconds * 2 ** max(attempt - 1, 0), config.retry_max_seconds)
+    base: float = min(config.retry_base_seconds * 2.0 ** max(attempt - 1, 0), config.retry_max_seconds)
     return base * random.uniform(0.8, 1.2)
 
 

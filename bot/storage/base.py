@@ -154,6 +154,11 @@ class Storage(Protocol):
     ) -> list[StoredMessage]:
         """Up to ``limit`` messages of the channel with id < ``before_id``, newest first."""
 
+    async def recent_message_sizes(
+        self, channel_id: int, limit: int, before_id: int | None = None
+    ) -> list[tuple[int, MessageRole, int]]:
+        """``(id, role, token_count)`` of up to ``limit`` messages with id < ``before_id``, newest first."""
+
     async def messages_between(
         self, channel_id: int, after_id: int, before_id: int, limit: int
     ) -> list[StoredMessage]:

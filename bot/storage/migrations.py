@@ -52,6 +52,11 @@ SQLITE_MIGRATIONS: tuple[Migration, ...] = (
                 created_at REAL NOT NULL)""",
             "CREATE INDEX messages_by_channel ON messages (channel_id, id)",
             "CREATE INDEX messages_by_user ON messages (user_id, id)",
+            # Keeps channels.message_count exact inside the very statement that inserts a message.
+            """CREATE TRIGGER messages_count_channel AFTER INSERT ON messages BEGIN
+                UPDATE channels SET message_count = message_count + 1, updated_at = NEW.created_at
+                WHERE id = NEW.channel_id;
+            END""",
             """CREATE TABLE summaries (
                 id INTEGER PRIMARY KEY,
                 channel_id INTEGER NOT NULL REFERENCES channels(id),

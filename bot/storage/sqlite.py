@@ -77,6 +77,7 @@ class SQLiteStorage:
             await db.execute("PRAGMA foreign_keys=ON")
             await db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
             await db.execute("PRAGMA synchronous=NORMAL")
+            await db.execute("PRAGMA cache_size=-16000")  # 16 MB of page cache
             await db.execute(
                 "CREATE TABLE IF NOT EXISTS schema_version ("
                 " version INTEGER PRIMARY KEY, description TEXT NOT NULL, applied_at REAL NOT NULL)"
@@ -212,17 +213,12 @@ class SQLiteStorage:
         created_at: datetime | None = None,
     ) -> StoredMessage:
         ts = _ts(created_at)
-        async with self._transaction() as db:
-            async with db.execute(
-                "INSERT INTO messages (channel_id, user_id, persona, role, author_name, text, token_count,"
-                " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
-                (channel_id, user_id, persona, role, author_name, text, token_count, ts),
-            ) as cur:
-                row = await cur.fetchone()
-            await db.execute(
-                "UPDATE channels SET message_count = message_count + 1, updated_at = ? WHERE id = ?",
-                (time.time(), channel_id),
-            )
+        # One statement: the trigger updates the channel's message count atomically with it.
+        _, row = await self._write(
+            "INSERT INTO messages (channel_id, user_id, persona, role, author_name, text, token_count,"
+            " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+            (channel_id, user_id, persona, role, author_name, text, token_count, ts),
+        )
         assert row is not None
         return StoredMessage(
             int(row[0]), channel_id, user_id, persona, role, author_name, text, token_count, _dt(ts)
@@ -250,6 +246,15 @@ class SQLiteStorage:
             (channel_id, before_id if before_id is not None else 2**62, limit),
         )
         return [self._message(r) for r in rows]
+
+    async def recent_message_sizes(
+        self, channel_id: int, limit: int, before_id: int | None = None
+    ) -> list[tuple[int, MessageRole, int]]:
+        rows = await self._all(
+            "SELECT id, role, token_count FROM messages WHERE channel_id = ? AND id < ? ORDER BY id DESC LIMIT ?",
+            (channel_id, before_id if before_id is not None else 2**62, limit),
+        )
+        return [(int(r[0]), r[1], int(r[2])) for r in rows]
 
     async def messages_between(
         self, channel_id: int, after_id: int, before_id: int, limit: int
@@ -360,21 +365,19 @@ class SQLiteStorage:
         run_after: datetime | None = None,
     ) -> Job | None:
         now = time.time()
-        async with self._transaction() as db:
-            if dedupe:
-                async with db.execute(
-                    "SELECT 1 FROM jobs WHERE kind = ? AND key = ? AND status = 'queued' LIMIT 1", (kind, key)
-                ) as cur:
-                    if await cur.fetchone():
-                        return None
-            async with db.execute(
-                "INSERT INTO jobs (kind, key, payload, status, max_attempts, run_after, created_at, updated_at)"
-                " VALUES (?, ?, ?, 'queued', ?, ?, ?, ?) RETURNING *",
-                (kind, key, json.dumps(payload), max_attempts, _ts(run_after) if run_after else now, now, now),
-            ) as cur:
-                row = await cur.fetchone()
-        assert row is not None
-        return self._job(row)
+        # One statement, so the duplicate check and the insert are atomic without a transaction.
+        duplicate = (
+            "NOT EXISTS (SELECT 1 FROM jobs WHERE kind = ? AND key = ? AND status = 'queued')" if dedupe else "1"
+        )
+        _, row = await self._write(
+            "INSERT INTO jobs (kind, key, payload, status, max_attempts, run_after, created_at, updated_at)"
+            f" SELECT ?, ?, ?, 'queued', ?, ?, ?, ? WHERE {duplicate} RETURNING *",
+            (
+                kind, key, json.dumps(payload), max_attempts, _ts(run_after) if run_after else now, now, now,
+                *((kind, key) if dedupe else ()),
+            ),
+        )
+        return None if row is None else self._job(row)
 
     async def claim_job(self, worker: str, kinds: Sequence[str], lease_seconds: float) -> Job | None:
         if not kinds:
@@ -542,4 +545,8 @@ async def open_storage(url: str) -> SQLiteStorage:
     """Open the engine the URL names (``sqlite:///path``), without migrating."""
     if not url.startswith("sqlite:///"):
         raise StorageError(f"unsupported storage URL {url!r}: use sqlite:///path/to/bot.db")
-    return await SQLiteStorage(Path(url.removeprefix("sqlite:///")).expanduser()).open()
+    return await SQLiteStorage(sqlite_path(url)).open()
+
+
+def sqlite_path(url: str) -> Path:
+    return Path(url.removeprefix("sqlite:///")).expanduser()

@@ -1,0 +1,122 @@
+"""The terminal adapter: chat with a persona on stdin/stdout.
+
+Works interactively (a prompt, streamed replies) and with piped input (one message per line; at end
+of input it waits a bounded time for background jobs, then exits). Lines starting with ``!`` are
+commands. Failures print one line to stderr, never a traceback; the user's message stays stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import TextIO
+
+from bot.app import App
+from bot.commands import CommandContext
+from bot.errors import UserFacingError
+from bot.llm.errors import LLMError
+from bot.ports import IncomingMessage
+
+PLATFORM = "console"
+
+
+class TerminalAdapter:
+    def __init__(
+        self,
+        app: App,
+        *,
+        user: str,
+        persona: str | None = None,
+        stdin: TextIO | None = None,
+        stdout: TextIO | None = None,
+        stderr: TextIO | None = None,
+    ) -> None:
+        self.app = app
+        self.user = user
+        self.persona = app.config.persona(persona)
+        self.stdin = stdin or sys.stdin
+        self.stdout = stdout or sys.stdout
+        self.stderr = stderr or sys.stderr
+        self.interactive = self.stdin.isatty()
+        self.failures = 0
+
+    @property
+    def channel_id(self) -> str:
+        return f"{self.user}/{self.persona.name}"
+
+    def _context(self) -> CommandContext:
+        return CommandContext(
+            platform=PLATFORM,
+            user_key=f"{PLATFORM}:{self.user}",
+            user_name=self.user,
+            channel_key=f"{PLATFORM}:{self.channel_id}",
+            persona=self.persona.name,
+            is_admin=True,  # the person at the terminal runs the bot
+            is_dm=True,
+        )
+
+    async def _read_line(self) -> str | None:
+        if self.interactive:
+            self.stdout.write("you › ")
+            self.stdout.flush()
+        line = await asyncio.to_thread(self.stdin.readline)
+        return None if line == "" else line.rstrip("\r\n")
+
+    def _error(self, text: str) -> None:
+        self.stderr.write(f"error: {text}\n")
+        self.stderr.flush()
+
+    async def run(self) -> int:
+        """Chat until end of input. Returns the exit status (1 if any message failed)."""
+        if self.interactive:
+            self.stdout.write(
+                f"Chatting with {self.persona.name} as {self.user}. Type !help for commands, Ctrl-D to quit.\n"
+            )
+        while True:
+            line = await self._read_line()
+            if line is None:
+                break
+            if not line.strip():
+                continue
+            await self.handle_line(line)
+        if self.interactive:
+            self.stdout.write("\n")
+        return 1 if self.failures else 0
+
+    async def handle_line(self, line: str) -> None:
+        if self.app.commands.is_command(line):
+            answer = await self.app.commands.dispatch(line, self._context())
+            self.stdout.write(answer.rstrip() + "\n")
+            self.stdout.flush()
+            return
+        message = IncomingMessage(
+            platform=PLATFORM,
+            channel_id=self.channel_id,
+            author_id=self.user,
+            author_name=self.user,
+            text=line,
+            is_dm=True,
+            channel_name=f"terminal chat of {self.user} with {self.persona.name}",
+        )
+        try:
+            stream = self.app.core.reply(message, self.persona.name)
+        except UserFacingError as exc:
+            self.failures += 1
+            self._error(exc.user_message)
+            return
+        started = False
+        try:
+            async for delta in stream:
+                if not started:
+                    self.stdout.write(f"{self.persona.name}: ")
+                    started = True
+                self.stdout.write(delta)
+                self.stdout.flush()
+        except LLMError as exc:
+            self.failures += 1
+            if started:
+                self.stdout.write("\n")
+            self._error(f"{exc.user_message} (your message was kept)")
+            return
+        self.stdout.write("\n")
+        self.stdout.flush()

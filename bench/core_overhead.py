@@ -1,0 +1,130 @@
+"""Per-reply overhead of the conversation core, without the LLM.
+
+Everything a reply costs except waiting for the model: storing the user message, building the
+token-budgeted window, loading the summary, assembling the prompt, storing the reply and its
+metrics, checking whether a summary job is due. The provider answers instantly (in process).
+
+Runs once with 1k and once with 100k messages already stored in the channel (same process), and
+prints p50/p99 per reply, the ratio 100k/1k (flat means the window never scans history), and the
+peak RSS of the process.
+
+    python bench/core_overhead.py [--replies 400] [--sizes 1000 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bot.app import App  # noqa: E402
+from bot.config import parse_config  # noqa: E402
+from bot.llm.base import Completion, LLMRequest, StreamEnd, StreamEvent, TextDelta, Usage  # noqa: E402
+from bot.ports import IncomingMessage  # noqa: E402
+
+REPLY = "That sounds lovely. Tell me more about the tomatoes — did the late frost hurt them?"
+LINES = [
+    "I planted three kinds of tomatoes this spring and the cherry ones are doing best.",
+    "Ich habe heute im Garten gearbeitet und die Beete neu angelegt.",
+    "The weather was great, so we walked along the river for two hours.",
+    "我们周末去了山上，风景非常美。",
+]
+
+
+class InstantProvider:
+    """A zero-latency provider: the benchmark measures the core, not the model."""
+
+    name = "instant"
+
+    async def complete(self, request: LLMRequest) -> Completion:
+        return Completion(text=REPLY, usage=Usage(0, 20))
+
+    async def stream(self, request: LLMRequest) -> AsyncIterator[StreamEvent]:
+        for piece in (REPLY[:20], REPLY[20:50], REPLY[50:]):
+            yield TextDelta(piece)
+        yield StreamEnd(Completion(text=REPLY, usage=Usage(0, 20)))
+
+    async def list_models(self) -> list[str]:
+        return ["instant"]
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def preload(app: App, channel_key: str, count: int) -> None:
+    """Bulk-insert ``count`` messages into the channel (setup only, not measured)."""
+    user = await app.storage.upsert_user("console:bench", "Bench")
+    channel = await app.storage.upsert_channel(channel_key, "bench", is_dm=True)
+    rows = []
+    now = time.time() - count
+    for i in range(count):
+        role = "user" if i % 2 == 0 else "assistant"
+        text = LINES[i % len(LINES)] if role == "user" else REPLY
+        rows.append((channel.id, user.id, "Cora", role, "Bench" if role == "user" else "Cora", text,
+                     app.estimator.raw_count(text), now + i))
+    db = app.storage.db
+    await db.execute("BEGIN")
+    await db.executemany(
+        "INSERT INTO messages (channel_id, user_id, persona, role, author_name, text, token_count, created_at)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        rows,
+    )
+    await db.execute("COMMIT")
+    await db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # start measuring from a settled database
+
+
+async def measure(size: int, replies: int, workdir: Path) -> list[float]:
+    config = parse_config({"storage": {"url": f"sqlite:///{workdir / f'bench-{size}.db'}"}})
+    app = App(config, llm=InstantProvider())
+    await app.start(workers=False)  # summary jobs are queued, not run: we time the reply path only
+    try:
+        await preload(app, "console:bench", size)
+        timings: list[float] = []
+        for i in range(replies + 50):
+            message = IncomingMessage("console", "bench", "bench", "Bench", LINES[i % len(LINES)], is_dm=True)
+            started = time.perf_counter()
+            await app.core.reply(message).text()
+            elapsed = time.perf_counter() - started
+            if i >= 50:  # warm-up
+                timings.append(elapsed * 1000)
+        return timings
+    finally:
+        await app.stop()
+
+
+def percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--replies", type=int, default=400, help="measured replies per size (default 400)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 100_000], help="messages stored first")
+    args = parser.parse_args()
+    results: dict[int, tuple[float, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in args.sizes:
+            timings = await measure(size, args.replies, Path(tmp))
+            results[size] = (percentile(timings, 50), percentile(timings, 99))
+            print(f"{size:>7} messages stored: p50 {results[size][0]:6.2f} ms   p99 {results[size][1]:6.2f} ms"
+                  f"   ({len(timings)} replies)")
+    base = results[args.sizes[0]]
+    for size in args.sizes[1:]:
+        p50, p99 = results[size]
+        print(f"ratio {size}/{args.sizes[0]}: p50 ×{p50 / base[0]:.2f}   p99 ×{p99 / base[1]:.2f}")
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"peak RSS: {peak_mb:.0f} MB")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

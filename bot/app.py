@@ -1,0 +1,108 @@
+"""Builds the object graph once (config → storage → llm → core → workers) and owns its lifetime.
+
+Tests and benchmarks build the same graph with a different provider (``llm=``) or storage path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from bot.commands import CommandRegistry
+from bot.commands.core import register_core_commands
+from bot.config import Config, ConfigError, read_secret
+from bot.conversation import ConversationCore
+from bot.jobs import JobQueue, WorkerPool
+from bot.llm import create_provider
+from bot.llm.base import LLMProvider
+from bot.storage.sqlite import SQLiteStorage, open_storage
+from bot.summary import JOB_KIND as SUMMARY_JOB
+from bot.summary import SummaryEngine
+from bot.tokens import BPETokenEstimator
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_SETTING = "tokens.calibration.{provider}.{model}"
+
+
+def build_provider(config: Config, env: Mapping[str, str] | None = None) -> LLMProvider:
+    """The configured provider with its API key read from the environment (never from the file)."""
+    llm = config.llm
+    key = read_secret(llm.key_env_name, env)
+    if key is None:
+        if llm.provider == "openai" and llm.base_url:
+            key = "not-needed"  # local OpenAI-compatible servers (Ollama, vLLM, llama.cpp) accept any key
+        else:
+            raise ConfigError(
+                f"the {llm.provider} API key is missing: set the environment variable {llm.key_env_name} "
+                f"(or name another variable with [llm] api_key_env)"
+            )
+    return create_provider(
+        llm.provider,
+        api_key=key,
+        base_url=llm.base_url,
+        timeout_seconds=llm.timeout_seconds,
+        connect_timeout_seconds=llm.connect_timeout_seconds,
+        max_retries=llm.max_retries,
+    )
+
+
+class App:
+    def __init__(self, config: Config, *, llm: LLMProvider | None = None) -> None:
+        self.config = config
+        self._llm = llm
+        self._started = False
+
+    async def start(self, *, workers: bool = True) -> App:
+        self.llm = self._llm or build_provider(self.config)
+        self.storage: SQLiteStorage = await open_storage(self.config.storage.url)
+        try:
+            applied = await self.storage.migrate()
+            if applied:
+                log.info("database migrated to version %d", applied[-1])
+            for persona in self.config.personas:
+                await self.storage.upsert_persona(persona.name)
+            self.estimator = BPETokenEstimator(
+                margin=self.config.history.token_margin, factor=await self._load_calibration()
+            )
+            self.queue = JobQueue(self.storage, self.config.jobs)
+            self.summaries = SummaryEngine(self.config, self.storage, self.llm, self.estimator, self.queue)
+            self.core = ConversationCore(self.config, self.storage, self.llm, self.estimator, self.summaries)
+            self.commands = CommandRegistry()
+            register_core_commands(self.commands, self.storage, self.estimator)
+            self.workers = WorkerPool(self.queue, {SUMMARY_JOB: self.summaries.run_job})
+            if workers:
+                await self.workers.start()
+        except BaseException:
+            await self.storage.close()
+            raise
+        self._started = True
+        return self
+
+    @property
+    def _calibration_key(self) -> str:
+        return CALIBRATION_SETTING.format(provider=self.config.llm.provider, model=self.config.llm.model)
+
+    async def _load_calibration(self) -> float:
+        saved = await self.storage.get_setting(self._calibration_key)
+        try:
+            return float(saved) if saved else 1.0
+        except ValueError:
+            return 1.0
+
+    async def stop(self, grace: float | None = None) -> None:
+        if not self._started:
+            return
+        self._started = False
+        try:
+            await self.workers.stop(grace)
+            await self.storage.set_setting(self._calibration_key, f"{self.estimator.factor:.4f}")
+        finally:
+            await self.llm.aclose()
+            await self.storage.close()
+
+    async def __aenter__(self) -> App:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

@@ -1,0 +1,253 @@
+"""The ``cortexbot`` command line."""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from bot.config import Config, ConfigError, load_config, read_secret, resolve_config_path
+from bot.llm.errors import LLMError
+from bot.storage.sqlite import StorageError
+
+T = TypeVar("T")
+
+QUIET_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2", "anthropic", "openai", "aiosqlite", "asyncio")
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # SDK and HTTP loggers can print request headers at DEBUG: keep them quiet so keys never reach logs.
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _load(ctx: click.Context) -> Config:
+    path = resolve_config_path(ctx.obj["config_path"])
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    ctx.obj["resolved_config"] = path
+    return config
+
+
+def _run_async(main: Callable[[], Awaitable[T]]) -> T:
+    """Run ``main`` with Ctrl-C and SIGTERM cancelling it cleanly (its ``finally`` blocks still run)."""
+
+    async def runner() -> T:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        assert task is not None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, task.cancel)
+            except (NotImplementedError, RuntimeError):  # pragma: no cover - non-Unix
+                pass
+        return await main()
+
+    try:
+        return asyncio.run(runner())
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        click.echo("stopped.", err=True)
+        sys.exit(130)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Config file (TOML). Default: $CORTEXBOT_CONFIG, else ./config.toml, else built-in defaults.",
+)
+@click.option("-v", "--verbose", is_flag=True, help="Log progress to stderr (INFO; DEBUG with [bot] log_level).")
+@click.version_option(package_name="cortex-bot")
+@click.pass_context
+def cli(ctx: click.Context, config_path: Path | None, verbose: bool) -> None:
+    """cortex-bot: LLM personas with a long-term memory people can see, correct and trust."""
+    ctx.ensure_object(dict)
+    ctx.obj["config_path"] = config_path
+    ctx.obj["verbose"] = verbose
+
+
+@cli.command()
+@click.option("--user", "user", default=None, help="Your name in the chat (default: [terminal] user, else login name).")
+@click.option("--persona", default=None, help="Persona to talk to (default: [bot] default_persona, else the first).")
+@click.pass_context
+def chat(ctx: click.Context, user: str | None, persona: str | None) -> None:
+    """Chat with a persona in the terminal (reads piped stdin too, one message per line)."""
+    config = _load(ctx)
+    setup_logging(config.bot.log_level if ctx.obj["verbose"] else "WARNING")
+    name = user or config.terminal.user or getpass.getuser() or "you"
+    try:
+        config.persona(persona)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    status = _run_async(lambda: _chat(config, name, persona))
+    sys.exit(status)
+
+
+async def _chat(config: Config, user: str, persona: str | None) -> int:
+    from adapters.terminal import TerminalAdapter
+    from bot.app import App
+
+    app = App(config)
+    try:
+        await app.start()
+    except (ConfigError, StorageError) as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        adapter = TerminalAdapter(app, user=user, persona=persona)
+        status = await adapter.run()
+        pending = await app.storage.count_jobs(("queued", "running"))
+        if pending:
+            grace = config.jobs.shutdown_grace_seconds
+            click.echo(f"waiting up to {grace:.0f} s for {pending} background job(s)…", err=True)
+            await app.workers.drain(grace)
+        return status
+    finally:
+        await app.stop()
+
+
+@cli.command()
+@click.pass_context
+def run(ctx: click.Context) -> None:
+    """Start the configured adapters and background workers until Ctrl-C or SIGTERM."""
+    config = _load(ctx)
+    setup_logging(config.bot.log_level)
+    if not config.terminal.enabled:
+        raise click.ClickException(
+            "no adapter is enabled: set [terminal] enabled = true (Discord and Matrix adapters come later)"
+        )
+    status = _run_async(lambda: _chat(config, config.terminal.user or getpass.getuser() or "you", None))
+    sys.exit(status)
+
+
+@cli.command()
+@click.pass_context
+def migrate(ctx: click.Context) -> None:
+    """Apply pending database migrations (they also run automatically at start)."""
+    config = _load(ctx)
+    setup_logging("WARNING")
+
+    async def main() -> list[int]:
+        from bot.storage.sqlite import open_storage
+
+        storage = await open_storage(config.storage.url)
+        try:
+            return await storage.migrate()
+        finally:
+            await storage.close()
+
+    try:
+        applied = _run_async(main)
+    except StorageError as exc:
+        raise click.ClickException(str(exc)) from None
+    if applied:
+        click.echo(f"applied migration(s) {', '.join(map(str, applied))} to {config.storage.url}")
+    else:
+        click.echo(f"{config.storage.url} is up to date")
+
+
+@cli.command()
+@click.pass_context
+def doctor(ctx: click.Context) -> None:
+    """Check the config, the database and the LLM, and say what is wrong."""
+    from rich.console import Console
+
+    console = Console(highlight=False, soft_wrap=True)
+    setup_logging("ERROR")
+    problems = 0
+
+    def report(ok: bool, what: str, detail: str = "") -> None:
+        nonlocal problems
+        problems += 0 if ok else 1
+        mark = "[green]✓[/green]" if ok else "[red]✗[/red]"
+        console.print(f"{mark} {what}" + (f": {detail}" if detail else ""))
+
+    path = resolve_config_path(ctx.obj["config_path"])
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        report(False, "config", str(exc))
+        sys.exit(1)
+    report(True, "config", str(path) if path else "no file, built-in defaults")
+    _run_async(lambda: _doctor_checks(config, report))
+    if problems:
+        console.print(f"[red]{problems} problem(s) found.[/red]")
+        sys.exit(1)
+    console.print("[green]All checks passed.[/green]")
+
+
+async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
+    from bot.app import build_provider
+    from bot.storage.sqlite import open_storage
+    from bot.tokens import BPETokenEstimator
+
+    try:
+        storage = await open_storage(config.storage.url)
+        try:
+            pending = await storage.pending_migrations()
+            await storage.db.execute("CREATE TEMP TABLE doctor_probe (x)")
+        finally:
+            await storage.close()
+        report(
+            True,
+            "database",
+            f"{config.storage.url}" + (f" ({len(pending)} migration(s) to apply at start)" if pending else ""),
+        )
+    except Exception as exc:
+        report(False, "database", str(exc))
+    try:
+        BPETokenEstimator().raw_count("probe")
+        report(True, "tokenizer", "offline cl100k BPE loaded")
+    except Exception as exc:
+        report(False, "tokenizer", str(exc))
+
+    llm = config.llm
+    if read_secret(llm.key_env_name) is None and not (llm.provider == "openai" and llm.base_url):
+        report(False, "LLM API key", f"environment variable {llm.key_env_name} is not set")
+        return
+    report(True, "LLM API key", f"read from ${llm.key_env_name}" if read_secret(llm.key_env_name) else "not needed")
+    try:
+        provider = build_provider(config)
+    except ConfigError as exc:
+        report(False, "LLM", str(exc))
+        return
+    try:
+        models = await asyncio.wait_for(provider.list_models(), timeout=llm.connect_timeout_seconds + 5)
+    except LLMError as exc:
+        report(False, f"LLM {llm.provider} at {llm.base_url or 'default URL'}", f"{exc.user_message} ({exc.detail})")
+        return
+    except TimeoutError:
+        report(False, f"LLM {llm.provider} at {llm.base_url or 'default URL'}", "no answer (timed out)")
+        return
+    finally:
+        await provider.aclose()
+    report(True, f"LLM {llm.provider} at {llm.base_url or 'default URL'}", f"reachable, {len(models)} model(s)")
+    wanted = {m for m in (llm.model, llm.summary_model, *(p.model for p in config.personas)) if m}
+    for model in sorted(wanted):
+        if models and model not in models:
+            report(False, f"model {model}", f"not offered by the server (it offers: {', '.join(models[:10])})")
+        else:
+            report(True, f"model {model}", "available")
+
+
+def main(argv: list[str] | None = None) -> Any:
+    return cli.main(args=argv, prog_name="cortexbot")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

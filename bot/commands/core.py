@@ -1,0 +1,48 @@
+"""Commands of the conversation core: the channel's rolling summary and the reply metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from bot.commands import Command, CommandContext, CommandRegistry
+from bot.storage.base import ReplyMetrics, Storage
+from bot.tokens import TokenEstimator
+
+
+def _metrics_lines(title: str, m: ReplyMetrics) -> list[str]:
+    return [
+        f"{title}: {m.replies} replies",
+        f"  token utilisation   {m.token_utilisation:6.1%}  (history tokens used / budget)",
+        f"  trim rate           {m.trim_rate:6.1%}  (replies whose window left messages out)",
+        f"  summary hit rate    {m.summary_hit_rate:6.1%}  (replies whose prompt carried a summary)",
+        f"  summary generation  {m.summary_generation_rate:6.1%}  "
+        f"({m.summaries_written} summaries written, {m.summaries_rejected} rejected)",
+    ]
+
+
+def register_core_commands(registry: CommandRegistry, storage: Storage, estimator: TokenEstimator) -> None:
+    async def summary(context: CommandContext, args: Sequence[str]) -> str:
+        channel = await storage.get_channel(context.channel_key)
+        latest = await storage.latest_summary(channel.id) if channel else None
+        if channel is None or latest is None:
+            return "This conversation has no rolling summary yet (one is written once older messages leave the window)."
+        return (
+            f"Rolling summary v{latest.version} ({latest.token_count} tokens, messages up to #{latest.covers_to_id}, "
+            f"{latest.created_at:%Y-%m-%d %H:%M} UTC):\n{latest.text}"
+        )
+
+    async def stats(context: CommandContext, args: Sequence[str]) -> str:
+        channel = await storage.get_channel(context.channel_key)
+        lines: list[str] = []
+        if channel is not None:
+            lines += _metrics_lines("This conversation", await storage.reply_metrics(channel.id))
+        lines += _metrics_lines("All conversations", await storage.reply_metrics())
+        queued = await storage.count_jobs(("queued",))
+        running = await storage.count_jobs(("running",))
+        failed = await storage.count_jobs(("failed",))
+        lines.append(f"Background jobs: {queued} queued, {running} running, {failed} failed")
+        lines.append(f"Token estimate calibration factor: {estimator.factor:.2f}")
+        return "\n".join(lines)
+
+    registry.register(Command("summary", "show this conversation's rolling summary", summary, usage="summary"))
+    registry.register(Command("stats", "history window and summary metrics, background jobs", stats, usage="stats"))

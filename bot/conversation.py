@@ -1,0 +1,268 @@
+"""One message's way through the core: store → assemble → call → stream → store → notify.
+
+:meth:`ConversationCore.reply` returns a :class:`ReplyStream`; iterating it yields the reply's text
+as it arrives. The user's message is stored before the model is called, so an LLM failure (raised
+as :class:`bot.llm.errors.LLMError` while iterating) loses nothing. After the reply is stored the
+core records its metrics and notifies observers (rolling summaries, cortex tiers), which only
+enqueue durable jobs: a reply never waits on background work.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from bot.config import Config, PersonaConfig
+from bot.errors import EmptyMessage, MessageTooLong
+from bot.history import HistoryWindow, build_window
+from bot.llm.base import Completion, LLMProvider, LLMRequest, StreamEnd, TextDelta
+from bot.llm.errors import LLMBadResponse, LLMError
+from bot.ports import (
+    Exchange,
+    ExchangeObserver,
+    IncomingMessage,
+    PromptContext,
+    PromptSection,
+    PromptSectionProvider,
+)
+from bot.prompt import PromptParts, history_turns, render_system
+from bot.storage.base import Channel, LLMCallRecord, ReplyStats, Storage, StoredMessage, Summary, User
+from bot.summary import SummaryEngine, budgets_for
+from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator
+
+log = logging.getLogger(__name__)
+
+SECTION_BUDGET = 2000  # tokens each slot of section providers may use
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyResult:
+    text: str
+    user_message: StoredMessage
+    reply: StoredMessage
+    window: HistoryWindow
+    summary_used: bool
+    prompt_tokens: int
+    completion: Completion
+
+
+class ReplyStream:
+    """Async iterator over the reply's text deltas; ``result`` is set once it is exhausted."""
+
+    def __init__(self, core: ConversationCore, message: IncomingMessage, persona: PersonaConfig) -> None:
+        self._core = core
+        self._message = message
+        self._persona = persona
+        self.result: ReplyResult | None = None
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._core._run(self)
+
+    async def text(self) -> str:
+        """Consume the whole stream and return the reply text."""
+        async for _ in self:
+            pass
+        assert self.result is not None
+        return self.result.text
+
+
+class ConversationCore:
+    def __init__(
+        self,
+        config: Config,
+        storage: Storage,
+        llm: LLMProvider,
+        estimator: TokenEstimator,
+        summaries: SummaryEngine,
+        *,
+        section_providers: Sequence[PromptSectionProvider] = (),
+        observers: Sequence[ExchangeObserver] = (),
+    ) -> None:
+        self.config = config
+        self.storage = storage
+        self.llm = llm
+        self.estimator = estimator
+        self.summaries = summaries
+        self.section_providers = list(section_providers)
+        self.observers = list(observers)
+
+    def reply(self, message: IncomingMessage, persona: str | None = None) -> ReplyStream:
+        """Validate ``message`` (raises :class:`bot.errors.UserFacingError`) and prepare its reply."""
+        text = message.text.strip()
+        if not text:
+            raise EmptyMessage()
+        limit = self.config.bot.max_message_chars
+        if len(text) > limit:
+            raise MessageTooLong(
+                f"That message is {len(text):,} characters long; the limit is {limit:,}. "
+                "Please split it into shorter messages."
+            )
+        return ReplyStream(self, message, self.config.persona(persona))
+
+    async def _run(self, stream: ReplyStream) -> AsyncIterator[str]:
+        message, persona = stream._message, stream._persona
+        user, channel, user_msg = await self._store_incoming(message, persona)
+        budgets = budgets_for(self.config, persona)
+        window = await build_window(
+            self.storage,
+            self.estimator,
+            channel.id,
+            budget=budgets.history_tokens,
+            min_exchanges=self.config.history.min_exchanges,
+            before_id=user_msg.id,
+            total_before=channel.message_count,
+        )
+        summary = await self.storage.latest_summary(channel.id)
+        now = message.sent_at or datetime.now(UTC)
+        context = PromptContext(
+            persona=persona.name,
+            language=persona.language,
+            user_key=user.key,
+            user_name=user.display_name,
+            channel_key=channel.key,
+            is_dm=message.is_dm,
+            server_id=message.server_id,
+            message=user_msg.text,
+            now=now,
+        )
+        sections: dict[str, list[PromptSection]] = {slot: [] for slot in ("guidelines", "cortex", "knowledge")}
+        for provider in self.section_providers:
+            sections[provider.slot].extend(await provider.sections(context, SECTION_BUDGET))
+        system = render_system(
+            PromptParts(
+                global_rules=self.config.bot.global_rules,
+                guidelines=sections["guidelines"],
+                persona=persona,
+                cortex=sections["cortex"],
+                knowledge=sections["knowledge"],
+                summary=summary,
+            ),
+            {
+                "char_name": persona.name,
+                "user_name": user.display_name,
+                "language": persona.language,
+                "date": now.strftime("%A, %d %B %Y"),
+            },
+        )
+        turns = history_turns(window.messages, label_speakers=not message.is_dm)
+        turns += history_turns([user_msg], label_speakers=not message.is_dm)
+        # Stored messages carry their token counts: only the system prompt is tokenised here.
+        raw_prompt = self.estimator.raw_count(system) + sum(
+            m.token_count + PER_MESSAGE_OVERHEAD for m in (*window.messages, user_msg)
+        )
+        model = persona.model or self.config.llm.model
+        request = LLMRequest(
+            system=system,
+            messages=tuple(turns),
+            model=model,
+            max_tokens=self.config.llm.max_tokens,
+            temperature=persona.temperature if persona.temperature is not None else self.config.llm.temperature,
+        )
+        completion = None
+        started = time.monotonic()
+        try:
+            async for event in self.llm.stream(request):
+                if isinstance(event, TextDelta):
+                    if event.text:
+                        yield event.text
+                elif isinstance(event, StreamEnd):
+                    completion = event.completion
+            if completion is None or not completion.text.strip():
+                raise LLMBadResponse("the model returned an empty reply")
+        except LLMError as exc:
+            await self.storage.record_llm_call(
+                LLMCallRecord(
+                    "reply", model, 0, 0, int((time.monotonic() - started) * 1000), type(exc).__name__,
+                    estimated_input_tokens=raw_prompt,
+                )
+            )
+            log.warning("reply in channel %d failed: %s", channel.id, type(exc).__name__)
+            raise
+        duration_ms = int((time.monotonic() - started) * 1000)
+        stream.result = await self._finish(
+            persona, user, channel, user_msg, window, summary, raw_prompt, completion, duration_ms, message,
+        )
+
+    async def _store_incoming(
+        self, message: IncomingMessage, persona: PersonaConfig
+    ) -> tuple[User, Channel, StoredMessage]:
+        user = await self.storage.upsert_user(message.author_key, message.author_name)
+        channel = await self.storage.upsert_channel(
+            message.channel_key, message.channel_name or message.channel_id, message.is_dm
+        )
+        text = message.text.strip()
+        stored = await self.storage.add_message(
+            channel.id, user.id, persona.name, "user", user.display_name, text,
+            self.estimator.raw_count(text), message.sent_at,
+        )
+        return user, channel, stored
+
+    async def _finish(
+        self,
+        persona: PersonaConfig,
+        user: User,
+        channel: Channel,
+        user_msg: StoredMessage,
+        window: HistoryWindow,
+        summary: Summary | None,
+        raw_prompt: int,
+        completion: Completion,
+        duration_ms: int,
+        message: IncomingMessage,
+    ) -> ReplyResult:
+        text = completion.text.strip()
+        reply = await self.storage.add_message(
+            channel.id, user.id, persona.name, "assistant", persona.name, text, self.estimator.raw_count(text)
+        )
+        prompt_tokens = self.estimator.scale(raw_prompt)
+        summary_used = summary is not None
+        await self.storage.record_llm_call(
+            LLMCallRecord(
+                "reply", completion.model or persona.model or self.config.llm.model,
+                completion.usage.input_tokens, completion.usage.output_tokens, duration_ms,
+                estimated_input_tokens=raw_prompt,
+            )
+        )
+        await self.storage.record_reply_stats(
+            ReplyStats(
+                channel_id=channel.id,
+                message_id=reply.id,
+                history_tokens=window.tokens,
+                history_budget=window.budget,
+                window_messages=len(window.messages),
+                trimmed_messages=window.trimmed,
+                summary_used=summary_used,
+                prompt_tokens=prompt_tokens,
+            )
+        )
+        self.estimator.calibrate(raw_prompt, completion.usage.input_tokens)
+        log.info(
+            "reply in channel %d: history %d/%d tokens, %d messages, %d trimmed, summary %s",
+            channel.id, window.tokens, window.budget, len(window.messages), window.trimmed,
+            "yes" if summary_used else "no",
+        )
+        try:
+            await self.summaries.on_reply(
+                channel.id, channel.message_count + 2, window.oldest_id, persona.name, summary
+            )
+        except Exception:
+            log.exception("could not check whether channel %d needs a summary", channel.id)
+        exchange = Exchange(
+            channel_db_id=channel.id,
+            user_db_id=user.id,
+            user_key=user.key,
+            persona=persona.name,
+            is_dm=message.is_dm,
+            server_id=message.server_id,
+            user_message=user_msg,
+            reply=reply,
+        )
+        for observer in self.observers:
+            try:
+                await observer.on_exchange(exchange)
+            except Exception:
+                log.exception("exchange observer %s failed", type(observer).__name__)
+        return ReplyResult(text, user_msg, reply, window, summary_used, prompt_tokens, completion)

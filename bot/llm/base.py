@@ -1,0 +1,111 @@
+"""The provider port: one small interface every LLM backend implements.
+
+The core speaks in these neutral types only. A provider converts them to its SDK's wire format
+(Anthropic Messages, OpenAI chat completions) and converts answers and errors back.
+
+A conversation is a list of :class:`ChatMessage`. Tool use is neutral too: an assistant message may
+carry ``tool_calls``; the results go back as messages with ``role="tool"`` and ``tool_call_id``.
+Providers merge consecutive messages of the same role where their API requires strict alternation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+Role = Literal["user", "assistant", "tool"]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    """A tool the model may call: ``input_schema`` is a JSON Schema object."""
+
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A tool call as the model sent it.
+
+    ``arguments`` is the parsed JSON object, or ``None`` when the model sent something that is not a
+    JSON object; ``raw_arguments`` always holds what was sent, so the tool loop can tell the model
+    exactly what was wrong instead of crashing.
+    """
+
+    id: str
+    name: str
+    arguments: dict[str, Any] | None
+    raw_arguments: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: Role
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None  # for role == "tool"
+    is_error: bool = False  # for role == "tool": the tool failed
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+StopReason = Literal["end_turn", "max_tokens", "tool_use", "stop_sequence", "other"]
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    text: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    usage: Usage = field(default_factory=Usage)
+    stop_reason: StopReason = "end_turn"
+    model: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LLMRequest:
+    system: str
+    messages: tuple[ChatMessage, ...]
+    model: str
+    max_tokens: int
+    temperature: float | None = None
+    tools: tuple[ToolSpec, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEnd:
+    completion: Completion
+
+
+StreamEvent = TextDelta | StreamEnd
+
+
+@runtime_checkable
+class LLMProvider(Protocol):
+    """What the core needs from a language model.
+
+    Both methods raise only :class:`bot.llm.errors.LLMError` subclasses.
+    ``stream`` yields :class:`TextDelta` events as text arrives and exactly one final
+    :class:`StreamEnd` carrying the whole :class:`Completion` (text, tool calls, usage, stop reason).
+    """
+
+    name: str
+
+    async def complete(self, request: LLMRequest) -> Completion: ...
+
+    def stream(self, request: LLMRequest) -> AsyncIterator[StreamEvent]: ...
+
+    async def list_models(self) -> list[str]: ...
+
+    async def aclose(self) -> None: ...

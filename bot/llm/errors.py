@@ -1,0 +1,76 @@
+"""Errors an LLM provider raises, independent of the SDK behind it.
+
+    LLMError                      base; ``user_message`` is safe to show to a chat user
+     ├── LLMTransientError        worth retrying later (background jobs back off and retry)
+     │    ├── LLMRateLimited      429
+     │    ├── LLMOverloaded       529 / 503
+     │    ├── LLMServerError      other 5xx
+     │    ├── LLMTimeout          request timed out
+     │    └── LLMConnectionError  server unreachable
+     └── LLMPermanentError        retrying will not help
+          ├── LLMAuthError        bad or missing API key (401/403)
+          ├── LLMOutOfCredit      billing / quota exhausted (402, or 429 "insufficient_quota")
+          ├── LLMBadRequest       the request was rejected (400/404/422: unknown model, too long, ...)
+          └── LLMBadResponse      the server answered with something that is not a valid response
+
+Providers translate their SDK's exceptions into this tree (``bot.llm.anthropic``/``bot.llm.openai``);
+nothing above the provider layer catches SDK exceptions. Messages never contain API keys.
+"""
+
+from __future__ import annotations
+
+
+class LLMError(Exception):
+    """Base class. ``str(err)`` is a technical description for logs; ``user_message`` is for users."""
+
+    user_message = "The language model failed to answer."
+    transient = False
+
+    def __init__(self, detail: str = "", *, status_code: int | None = None) -> None:
+        super().__init__(detail or self.user_message)
+        self.detail = detail or self.user_message
+        self.status_code = status_code
+
+
+class LLMTransientError(LLMError):
+    transient = True
+
+
+class LLMPermanentError(LLMError):
+    transient = False
+
+
+class LLMRateLimited(LLMTransientError):
+    user_message = "The language model is rate-limited right now. Please try again in a minute."
+
+
+class LLMOverloaded(LLMTransientError):
+    user_message = "The language model is overloaded right now. Please try again shortly."
+
+
+class LLMServerError(LLMTransientError):
+    user_message = "The language model's server had an error. Please try again shortly."
+
+
+class LLMTimeout(LLMTransientError):
+    user_message = "The language model took too long to answer. Please try again."
+
+
+class LLMConnectionError(LLMTransientError):
+    user_message = "The language model's server cannot be reached. Please try again later."
+
+
+class LLMAuthError(LLMPermanentError):
+    user_message = "The bot's API key for the language model was rejected. An admin needs to fix it."
+
+
+class LLMOutOfCredit(LLMPermanentError):
+    user_message = "The bot's language-model account is out of credit. An admin needs to top it up."
+
+
+class LLMBadRequest(LLMPermanentError):
+    user_message = "The language model rejected the request."
+
+
+class LLMBadResponse(LLMPermanentError):
+    user_message = "The language model sent a response the bot could not read."

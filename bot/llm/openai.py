@@ -1,0 +1,335 @@
+"""OpenAI-compatible chat completions behind the neutral :class:`bot.llm.base.LLMProvider` port.
+
+Works with OpenAI itself and with compatible servers (DeepSeek, Ollama, vLLM, llama.cpp, ...) through
+``base_url``. Only widely supported features are used: ``max_tokens`` (not ``max_completion_tokens``),
+function tools, and ``stream_options.include_usage`` (servers that ignore it simply report no usage,
+which becomes ``Usage(0, 0)``).
+
+Conversion rules (neutral → OpenAI): the system prompt is the first ``system`` message; tool results
+are ``role="tool"`` messages (a failed tool's content is prefixed with ``Error:`` since the API has no
+error flag); consecutive user messages, or assistant messages without tool calls, are merged because
+several local servers' chat templates insist on alternating roles. Tool-call arguments the model sent
+as something other than a JSON object are sent back as ``{}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+
+import httpx2
+import openai
+
+from bot.llm._mapping import SdkErrors, to_llm_error
+from bot.llm.base import (
+    ChatMessage,
+    Completion,
+    LLMRequest,
+    StopReason,
+    StreamEnd,
+    StreamEvent,
+    TextDelta,
+    ToolCall,
+    ToolSpec,
+    Usage,
+)
+from bot.llm.errors import LLMBadResponse, LLMError
+
+if TYPE_CHECKING:
+    from openai.types.chat import (
+        ChatCompletion,
+        ChatCompletionChunk,
+        ChatCompletionMessageParam,
+        ChatCompletionToolParam,
+    )
+
+# Sent when no key is configured: local servers (Ollama, llama.cpp) accept any key, and the SDK
+# refuses to start without one.
+NO_API_KEY = "no-key-configured"
+_FINISH_REASONS: dict[str, StopReason] = {
+    "stop": "end_turn",
+    "length": "max_tokens",
+    "tool_calls": "tool_use",
+    "function_call": "tool_use",
+}
+_SDK_ERRORS = SdkErrors(
+    status=openai.APIStatusError,
+    timeout=(openai.APITimeoutError, httpx2.TimeoutException),
+    connection=(openai.APIConnectionError, httpx2.TransportError, httpx2.StreamError),
+    validation=openai.APIResponseValidationError,
+    api=openai.APIError,
+    base=openai.OpenAIError,
+)
+
+Message = dict[str, Any]
+
+
+# --------------------------------------------------------------------------- request conversion
+
+
+def _tool_call_param(call: ToolCall) -> dict[str, Any]:
+    arguments = json.dumps(call.arguments if call.arguments is not None else {}, ensure_ascii=False)
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
+
+
+def _convert_one(message: ChatMessage) -> Message | None:
+    if message.role == "tool":
+        content = message.content
+        if message.is_error and not content.lower().startswith("error"):
+            content = f"Error: {content}"
+        return {"role": "tool", "tool_call_id": message.tool_call_id or "", "content": content}
+    if message.role == "assistant":
+        if not message.content and not message.tool_calls:
+            return None
+        result: Message = {"role": "assistant", "content": message.content or None}
+        if message.tool_calls:
+            result["tool_calls"] = [_tool_call_param(call) for call in message.tool_calls]
+        return result
+    if not message.content:
+        return None
+    return {"role": "user", "content": message.content}
+
+
+def _mergeable(previous: Message, current: Message) -> bool:
+    return (
+        previous["role"] == current["role"]
+        and previous["role"] in ("user", "assistant")
+        and "tool_calls" not in previous
+    )
+
+
+def convert_messages(system: str, messages: Sequence[ChatMessage]) -> list[Message]:
+    """Neutral messages → the chat-completions ``messages`` list."""
+    result: list[Message] = [{"role": "system", "content": system}] if system else []
+    for message in messages:
+        converted = _convert_one(message)
+        if converted is None:
+            continue
+        if result and _mergeable(result[-1], converted):
+            previous = result[-1]
+            texts = [t for t in (previous["content"], converted["content"]) if t]
+            merged: Message = {**converted, "content": "\n\n".join(texts) or None}
+            result[-1] = merged
+        else:
+            result.append(converted)
+    return result
+
+
+def convert_tools(tools: Sequence[ToolSpec]) -> list[dict[str, Any]]:
+    return [
+        {
+            "type": "function",
+            "function": {"name": t.name, "description": t.description, "parameters": t.input_schema},
+        }
+        for t in tools
+    ]
+
+
+# --------------------------------------------------------------------------- response conversion
+
+
+def map_finish_reason(reason: object) -> StopReason:
+    return _FINISH_REASONS.get(reason, "other") if isinstance(reason, str) else "other"
+
+
+def parse_tool_call(call_id: str | None, name: str, raw: str | None) -> ToolCall:
+    """Arguments arrive as a JSON string: parsed when it is an object, else only kept raw."""
+    raw = raw or ""
+    try:
+        parsed = json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        parsed = None
+    arguments = cast(dict[str, Any], parsed) if isinstance(parsed, dict) else None
+    return ToolCall(id=call_id or _new_call_id(), name=name, arguments=arguments, raw_arguments=raw)
+
+
+def _new_call_id() -> str:
+    """Some compatible servers send tool calls without an id; the tool result needs one."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _usage(usage: object) -> Usage:
+    if usage is None:
+        return Usage()
+    return Usage(
+        input_tokens=int(getattr(usage, "prompt_tokens", 0) or 0),
+        output_tokens=int(getattr(usage, "completion_tokens", 0) or 0),
+    )
+
+
+def completion_from_response(response: ChatCompletion, fallback_model: str) -> Completion:
+    choices = response.choices
+    if not choices:
+        raise LLMBadResponse("openai: the response has no choices")
+    message = choices[0].message
+    if message is None:
+        raise LLMBadResponse("openai: the first choice has no message")
+    calls = tuple(
+        parse_tool_call(call.id, call.function.name, call.function.arguments)
+        for call in message.tool_calls or ()
+        if call.type == "function"
+    )
+    return Completion(
+        text=message.content or "",
+        tool_calls=calls,
+        usage=_usage(response.usage),
+        stop_reason=map_finish_reason(choices[0].finish_reason),
+        model=response.model or fallback_model,
+    )
+
+
+@dataclass
+class _PartialCall:
+    call_id: str = ""
+    name: str = ""
+    arguments: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _StreamAccumulator:
+    """Rebuilds the completion from stream chunks (tool calls accumulated by index)."""
+
+    fallback_model: str
+    model: str = ""
+    chunks: int = 0
+    texts: list[str] = field(default_factory=list)
+    calls: dict[int, _PartialCall] = field(default_factory=dict)
+    finish_reason: str | None = None
+    usage: Usage = field(default_factory=Usage)
+
+    def feed(self, chunk: ChatCompletionChunk) -> str | None:
+        """Take one chunk; return the text it adds, if any."""
+        self.chunks += 1
+        self.model = chunk.model or self.model
+        if chunk.usage is not None:
+            self.usage = _usage(chunk.usage)
+        if not chunk.choices:
+            return None
+        choice = chunk.choices[0]
+        if choice.finish_reason:
+            self.finish_reason = choice.finish_reason
+        delta = choice.delta
+        if delta is None:
+            return None
+        for position, call in enumerate(delta.tool_calls or ()):
+            self._feed_call(call.index if call.index is not None else position, call)
+        if delta.content:
+            self.texts.append(delta.content)
+            return delta.content
+        return None
+
+    def _feed_call(self, index: int, call: Any) -> None:
+        partial = self.calls.setdefault(index, _PartialCall())
+        if call.id:
+            partial.call_id = call.id
+        function = call.function
+        if function is None:
+            return
+        if function.name and function.name != partial.name:
+            partial.name += function.name
+        if function.arguments:
+            partial.arguments.append(function.arguments)
+
+    def completion(self) -> Completion:
+        if self.chunks == 0:
+            raise LLMBadResponse("openai: the stream ended without any chunk")
+        if self.finish_reason is None:
+            raise LLMBadResponse("openai: the stream ended before a finish_reason")
+        calls = tuple(
+            parse_tool_call(p.call_id, p.name, "".join(p.arguments)) for _, p in sorted(self.calls.items())
+        )
+        return Completion(
+            text="".join(self.texts),
+            tool_calls=calls,
+            usage=self.usage,
+            stop_reason=map_finish_reason(self.finish_reason),
+            model=self.model or self.fallback_model,
+        )
+
+
+# --------------------------------------------------------------------------- the provider
+
+
+class OpenAICompatProvider:
+    """:class:`bot.llm.base.LLMProvider` for OpenAI and OpenAI-compatible chat-completions servers."""
+
+    name = "openai"
+
+    def __init__(
+        self,
+        *,
+        api_key: str | None,
+        base_url: str | None = None,
+        timeout_seconds: float = 120.0,
+        connect_timeout_seconds: float = 10.0,
+        max_retries: int = 2,
+    ) -> None:
+        key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY") or NO_API_KEY
+        self._api_key = key
+        self._timeout = openai.Timeout(timeout_seconds, connect=connect_timeout_seconds)
+        try:
+            self._client = openai.AsyncOpenAI(
+                api_key=key,
+                base_url=base_url,
+                timeout=self._timeout,
+                max_retries=max_retries,
+            )
+        except openai.OpenAIError as exc:
+            raise self._error(exc) from exc
+
+    def _params(self, request: LLMRequest) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "model": request.model,
+            "max_tokens": request.max_tokens,
+            "messages": cast(
+                "list[ChatCompletionMessageParam]", convert_messages(request.system, request.messages)
+            ),
+        }
+        if request.temperature is not None:
+            params["temperature"] = request.temperature
+        if request.tools:
+            params["tools"] = cast("list[ChatCompletionToolParam]", convert_tools(request.tools))
+        return params
+
+    def _error(self, exc: BaseException) -> LLMError:
+        return to_llm_error(exc, provider="openai", sdk=_SDK_ERRORS, secrets=(self._api_key,))
+
+    async def complete(self, request: LLMRequest) -> Completion:
+        try:
+            response = await self._client.chat.completions.create(**self._params(request))
+            return completion_from_response(response, request.model)
+        except LLMError:
+            raise
+        except Exception as exc:
+            raise self._error(exc) from exc
+
+    async def stream(self, request: LLMRequest) -> AsyncIterator[StreamEvent]:
+        accumulator = _StreamAccumulator(fallback_model=request.model)
+        try:
+            chunks = await self._client.chat.completions.create(
+                **self._params(request), stream=True, stream_options={"include_usage": True}
+            )
+            async with chunks:
+                async for chunk in chunks:
+                    text = accumulator.feed(chunk)
+                    if text:
+                        yield TextDelta(text)
+            completion = accumulator.completion()
+        except LLMError:
+            raise
+        except Exception as exc:
+            raise self._error(exc) from exc
+        yield StreamEnd(completion)
+
+    async def list_models(self) -> list[str]:
+        try:
+            return [model.id async for model in self._client.models.list()]
+        except Exception as exc:
+            raise self._error(exc) from exc
+
+    async def aclose(self) -> None:
+        await self._client.close()

@@ -1,0 +1,214 @@
+"""Rolling summaries of what fell out of a channel's history window.
+
+After each reply, :meth:`SummaryEngine.on_reply` checks (cheaply, through indexes) whether the
+window has evicted messages that no summary covers yet and whether the channel holds at least
+``summary_trigger`` messages; if so it enqueues one durable ``summary`` job for the channel.
+
+The job folds the newest good summary and the uncovered evicted messages (oldest first, at most
+``summary_input_tokens`` of them per run; the rest go to a follow-up job) into a new summary. The
+result becomes a new version only when it is non-empty and within ``summary_tokens``; anything else
+is stored as a *rejected* version with the reason and the job is retried, so a bad result never
+replaces the last good one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from bot.config import Config, PersonaConfig
+from bot.history import build_window, message_cost
+from bot.jobs import JobQueue
+from bot.llm.base import ChatMessage, LLMProvider, LLMRequest
+from bot.llm.errors import LLMError, LLMTransientError
+from bot.storage.base import Job, LLMCallRecord, Storage, StoredMessage, Summary
+from bot.tokens import TokenEstimator
+
+log = logging.getLogger(__name__)
+
+JOB_KIND = "summary"
+
+
+class SummaryRejected(LLMTransientError):
+    """The model's summary was empty or too long; a later attempt may do better."""
+
+    user_message = "The rolling summary could not be written."
+
+
+@dataclass(frozen=True, slots=True)
+class Budgets:
+    history_tokens: int
+    summary_tokens: int
+
+
+def budgets_for(config: Config, persona: PersonaConfig) -> Budgets:
+    return Budgets(
+        history_tokens=persona.history_tokens or config.history.history_tokens,
+        summary_tokens=persona.summary_tokens or config.history.summary_tokens,
+    )
+
+
+def summary_instructions(language: str, words: int, has_previous: bool) -> str:
+    fold = (
+        "You are given the previous summary and the messages that followed it. Merge them into one new "
+        "summary that replaces the previous one: keep what still matters from it, add what is new."
+        if has_previous
+        else "You are given the oldest part of a conversation."
+    )
+    return (
+        "You maintain the rolling summary of a chat conversation, so that its participants can be "
+        f"remembered after the messages themselves are out of view. {fold}\n"
+        "Focus on: main topics, facts people shared about themselves, decisions, goals, open questions, "
+        "and how the conversation developed. Name people as they are named in the messages.\n"
+        f"Write at most {words} words, in {language}, as plain prose without a heading or any comment "
+        "about the task."
+    )
+
+
+def transcript(messages: list[StoredMessage]) -> str:
+    return "\n".join(
+        f"[{m.created_at:%Y-%m-%d %H:%M}] {m.author_name}: {m.text}" for m in messages
+    )
+
+
+class SummaryEngine:
+    def __init__(
+        self,
+        config: Config,
+        storage: Storage,
+        llm: LLMProvider,
+        estimator: TokenEstimator,
+        queue: JobQueue,
+    ) -> None:
+        self.config = config
+        self.storage = storage
+        self.llm = llm
+        self.estimator = estimator
+        self.queue = queue
+
+    # -- on the reply path: decide, enqueue, return -----------------------------------------------
+
+    async def on_reply(
+        self,
+        channel_id: int,
+        channel_message_count: int,
+        window_oldest_id: int | None,
+        persona: str,
+        latest: Summary | None,
+    ) -> Job | None:
+        """Enqueue a summary job when the window evicted messages no summary covers (``latest``)."""
+        if channel_message_count < self.config.history.summary_trigger or window_oldest_id is None:
+            return None
+        covered_to = latest.covers_to_id if latest else 0
+        uncovered = await self.storage.messages_between(channel_id, covered_to, window_oldest_id, limit=1)
+        if not uncovered:
+            return None
+        payload = {"channel_id": channel_id, "persona": persona}
+        return await self.queue.enqueue(JOB_KIND, f"channel:{channel_id}", payload)
+
+    # -- in the background -----------------------------------------------------------------------
+
+    async def run_job(self, job: Job) -> None:
+        channel_id = int(job.payload["channel_id"])
+        persona = self.config.persona(str(job.payload.get("persona") or "") or None)
+        budgets = budgets_for(self.config, persona)
+        # The window as it is now: whatever lies before it and after the last summary is evicted.
+        window = await build_window(
+            self.storage,
+            self.estimator,
+            channel_id,
+            budget=budgets.history_tokens,
+            min_exchanges=self.config.history.min_exchanges,
+        )
+        if window.oldest_id is None:
+            return
+        latest = await self.storage.latest_summary(channel_id)
+        evicted, more = await self._evicted_batch(channel_id, latest, window.oldest_id)
+        if not evicted:
+            log.info("summary job %d: channel %d has nothing new to summarise", job.id, channel_id)
+            return
+        await self._write_summary(job, channel_id, persona, budgets, latest, evicted)
+        if more:
+            await self.queue.enqueue(JOB_KIND, f"channel:{channel_id}", dict(job.payload))
+
+    async def _evicted_batch(
+        self, channel_id: int, latest: Summary | None, window_oldest_id: int
+    ) -> tuple[list[StoredMessage], bool]:
+        after = latest.covers_to_id if latest else 0
+        budget = self.config.history.summary_input_tokens
+        batch: list[StoredMessage] = []
+        spent = 0
+        while True:
+            page = await self.storage.messages_between(channel_id, after, window_oldest_id, limit=64)
+            if not page:
+                return batch, False
+            for message in page:
+                cost = message_cost(message, self.estimator)
+                if batch and spent + cost > budget:
+                    return batch, True
+                batch.append(message)
+                spent += cost
+            after = page[-1].id
+
+    async def _write_summary(
+        self,
+        job: Job,
+        channel_id: int,
+        persona: PersonaConfig,
+        budgets: Budgets,
+        latest: Summary | None,
+        evicted: list[StoredMessage],
+    ) -> Summary:
+        model = self.config.llm.summary_model or persona.model or self.config.llm.model
+        parts = []
+        if latest:
+            parts.append(f"Previous summary:\n{latest.text}")
+        parts.append(f"Messages to fold in:\n{transcript(evicted)}")
+        request = LLMRequest(
+            system=summary_instructions(persona.language, self.config.history.summary_words, latest is not None),
+            messages=(ChatMessage(role="user", content="\n\n".join(parts)),),
+            model=model,
+            max_tokens=max(budgets.summary_tokens * 2, 256),
+            temperature=0.3,
+        )
+        started = time.monotonic()
+        try:
+            completion = await self.llm.complete(request)
+        except LLMError as exc:
+            await self.storage.record_llm_call(
+                LLMCallRecord("summary", model, 0, 0, int((time.monotonic() - started) * 1000), type(exc).__name__)
+            )
+            raise
+        await self.storage.record_llm_call(
+            LLMCallRecord(
+                "summary",
+                completion.model or model,
+                completion.usage.input_tokens,
+                completion.usage.output_tokens,
+                int((time.monotonic() - started) * 1000),
+            )
+        )
+        text = completion.text.strip()
+        tokens = self.estimator.count(text)
+        covers_from = latest.covers_from_id if latest else evicted[0].id
+        covers_to = evicted[-1].id
+        reason = ""
+        if not text:
+            reason = "empty summary"
+        elif completion.stop_reason == "max_tokens":
+            reason = "summary cut off at the output limit"
+        elif tokens > budgets.summary_tokens:
+            reason = f"summary too long ({tokens} tokens > budget {budgets.summary_tokens})"
+        if reason:
+            await self.storage.add_summary(
+                channel_id, text, covers_from, covers_to, tokens, model, status="rejected", reason=reason
+            )
+            log.warning("summary job %d for channel %d rejected: %s", job.id, channel_id, reason)
+            raise SummaryRejected(reason)
+        summary = await self.storage.add_summary(channel_id, text, covers_from, covers_to, tokens, model)
+        log.info(
+            "channel %d: summary v%d covers messages %d..%d (%d tokens, %d new messages)",
+            channel_id, summary.version, covers_from, covers_to, tokens, len(evicted),
+        )
+        return summary

@@ -1,0 +1,277 @@
+"""End to end: the `cortexbot` CLI as a subprocess, real SQLite, the real SDKs over HTTP to the fake server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bot.tokens import BPETokenEstimator
+from tests.fakes.llm_server import FakeLLMServer, FakeResponse, RecordedRequest
+
+API_KEY = "sk-test-DO-NOT-LOG-1234567890"
+ESTIMATOR = BPETokenEstimator(margin=0.0)
+BIN = Path(sys.executable).parent
+
+
+def system_text(request: RecordedRequest) -> str:
+    if request.api == "anthropic":
+        system = request.body.get("system") or ""
+        return system if isinstance(system, str) else " ".join(b.get("text", "") for b in system)
+    messages = request.body.get("messages") or []
+    return str(messages[0]["content"]) if messages and messages[0]["role"] == "system" else ""
+
+
+def chat_messages(request: RecordedRequest) -> list[dict[str, Any]]:
+    return [m for m in request.body.get("messages", []) if m["role"] != "system"]
+
+
+def text_of(message: dict[str, Any]) -> str:
+    content = message["content"]
+    if isinstance(content, str):
+        return content
+    return "".join(block.get("text", "") for block in content)
+
+
+def is_summary(request: RecordedRequest) -> bool:
+    return "rolling summary" in system_text(request)
+
+
+def realistic_usage(request: RecordedRequest) -> int:
+    """Input tokens as a real provider would report them (so calibration stays honest)."""
+    return ESTIMATOR.raw_count(system_text(request)) + sum(
+        ESTIMATOR.raw_count(text_of(m)) + 4 for m in chat_messages(request)
+    )
+
+
+def responder(summary_delay: float = 0.0):
+    counter = {"summaries": 0}
+
+    def respond(request: RecordedRequest) -> FakeResponse:
+        tokens = realistic_usage(request)
+        if is_summary(request):
+            counter["summaries"] += 1
+            return FakeResponse.text(
+                f"Summary {counter['summaries']}: Ann talked about gardens, tomatoes and her plans.",
+                input_tokens=tokens,
+                delay=summary_delay,
+            )
+        return FakeResponse.text(f"echo: {request.last_user_text()}", input_tokens=tokens)
+
+    return respond
+
+
+def write_config(tmp_path: Path, server: FakeLLMServer, provider: str = "anthropic", **sections: dict) -> Path:
+    base = server.anthropic_url if provider == "anthropic" else server.openai_url
+    history = {"history_tokens": 400, "summary_tokens": 200, "summary_trigger": 20, **sections.pop("history", {})}
+    jobs = {"poll_seconds": 0.1, "retry_base_seconds": 0.05, "shutdown_grace_seconds": 20, **sections.pop("jobs", {})}
+    lines = [
+        "[storage]",
+        f'url = "sqlite:///{tmp_path / "bot.db"}"',
+        "[llm]",
+        f'provider = "{provider}"',
+        'model = "test-model"',
+        f'base_url = "{base}"',
+        'api_key_env = "CB_TEST_API_KEY"',
+        "max_retries = 0",
+        "timeout_seconds = 60",
+        "[history]",
+        *(f"{k} = {v}" for k, v in history.items()),
+        "[jobs]",
+        *(f"{k} = {v}" for k, v in jobs.items()),
+    ]
+    path = tmp_path / "config.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def cortexbot(*args: str, stdin: str = "", env: dict[str, str] | None = None, timeout: float = 120):
+    full_env = {**os.environ, "CB_TEST_API_KEY": API_KEY, "OPENBLAS_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(
+        [str(BIN / "cortexbot"), *args], input=stdin, capture_output=True, text=True, env=full_env, timeout=timeout
+    )
+
+
+def db_rows(tmp_path: Path, sql: str) -> list[tuple]:
+    with sqlite3.connect(tmp_path / "bot.db") as db:
+        return db.execute(sql).fetchall()
+
+
+def test_every_subcommand_has_help() -> None:
+    for args in ([], ["chat"], ["run"], ["migrate"], ["doctor"]):
+        result = cortexbot(*args, "--help")
+        assert result.returncode == 0, result.stderr
+        assert "Usage: cortexbot" in result.stdout
+    assert "--persona" in cortexbot("chat", "--help").stdout
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "openai"])
+def test_piped_chat_streams_replies_and_runs_commands(tmp_path: Path, fake_llm: FakeLLMServer, provider: str) -> None:
+    fake_llm.responder = responder()
+    config = write_config(tmp_path, fake_llm, provider)
+    result = cortexbot("--config", str(config), "chat", "--user", "ann", stdin="hello there\n\n!help\nsecond line\n")
+    assert result.returncode == 0, result.stderr
+    assert "Cora: echo: hello there" in result.stdout
+    assert "Cora: echo: second line" in result.stdout
+    assert "!summary" in result.stdout and "!stats" in result.stdout
+    completions = fake_llm.completion_requests
+    assert len(completions) == 2 and all(r.stream for r in completions)
+    assert completions[0].headers.get("Authorization") == f"Bearer {API_KEY}"
+    # the second request carries the first exchange as history
+    texts = [text_of(m) for m in chat_messages(completions[1])]
+    assert texts == ["hello there", "echo: hello there", "second line"]
+    assert API_KEY not in result.stdout + result.stderr
+    rows = db_rows(tmp_path, "SELECT role, text FROM messages ORDER BY id")
+    assert rows == [("user", "hello there"), ("assistant", "echo: hello there"),
+                    ("user", "second line"), ("assistant", "echo: second line")]
+
+
+def test_llm_outage_gives_one_line_errors_and_keeps_the_message(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    fake_llm.enqueue(FakeResponse.error(529, "Overloaded", error_type="overloaded_error"))
+    fake_llm.enqueue(FakeResponse.error(429, "slow down", error_type="rate_limit_error"))
+    fake_llm.enqueue(FakeResponse.error(401, "invalid x-api-key", error_type="authentication_error"))
+    fake_llm.responder = responder()
+    config = write_config(tmp_path, fake_llm)
+    result = cortexbot("--config", str(config), "chat", "--user", "ann", stdin="one\ntwo\nthree\nfour\n")
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 3
+    assert "overloaded" in errors[0] and "rate-limited" in errors[1] and "API key" in errors[2]
+    assert all("your message was kept" in e for e in errors)
+    assert "Traceback" not in result.stderr
+    # Anthropic needs alternating turns, so the four kept user turns reach the model merged into one.
+    assert result.stdout.startswith("Cora: echo: one") and result.stdout.rstrip().endswith("four")
+    users = [r[0] for r in db_rows(tmp_path, "SELECT text FROM messages WHERE role = 'user' ORDER BY id")]
+    assert users == ["one", "two", "three", "four"]
+    # the kept messages are part of the history of the next request
+    assert [text_of(m) for m in chat_messages(fake_llm.completion_requests[-1])] == ["one\n\ntwo\n\nthree\n\nfour"]
+    errors_logged = db_rows(tmp_path, "SELECT error FROM llm_calls WHERE error != '' ORDER BY id")
+    assert [e[0] for e in errors_logged] == ["LLMOverloaded", "LLMRateLimited", "LLMAuthError"]
+
+
+def test_empty_and_oversized_lines(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    config = write_config(tmp_path, fake_llm)
+    config.write_text(config.read_text() + "[bot]\nmax_message_chars = 50\n")
+    result = cortexbot("--config", str(config), "chat", "--user", "ann", stdin="   \n" + "x" * 80 + "\nok\n")
+    assert "limit is 50" in result.stderr and "Traceback" not in result.stderr
+    assert "Cora: echo: ok" in result.stdout
+    assert len(fake_llm.completion_requests) == 1
+
+
+def test_bad_config_stops_with_a_message_naming_the_key(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[llm]\nmodle = "x"\nmax_tokens = "many"\n')
+    result = cortexbot("--config", str(bad), "chat")
+    assert result.returncode == 1
+    assert "[llm] key 'modle'" in result.stderr and "did you mean 'model'" in result.stderr
+    assert "[llm] key 'max_tokens'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_api_key_is_explained(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    config = write_config(tmp_path, fake_llm)
+    result = cortexbot("--config", str(config), "chat", stdin="hi\n", env={"CB_TEST_API_KEY": ""})
+    assert result.returncode == 1
+    assert "CB_TEST_API_KEY" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_migrate_then_up_to_date(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    config = write_config(tmp_path, fake_llm)
+    first = cortexbot("--config", str(config), "migrate")
+    assert first.returncode == 0 and "applied migration(s) 1" in first.stdout
+    second = cortexbot("--config", str(config), "migrate")
+    assert second.returncode == 0 and "is up to date" in second.stdout
+
+
+def test_doctor_reports_what_is_wrong(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    fake_llm.models = ["test-model", "other-model"]
+    config = write_config(tmp_path, fake_llm)
+    good = cortexbot("--config", str(config), "doctor")
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "All checks passed" in good.stdout and "database" in good.stdout
+    fake_llm.models = ["other-model"]
+    wrong_model = cortexbot("--config", str(config), "doctor")
+    assert wrong_model.returncode == 1
+    assert "model test-model: not offered by the server (it offers: other-model)" in wrong_model.stdout
+    no_key = cortexbot("--config", str(config), "doctor", env={"CB_TEST_API_KEY": ""})
+    assert no_key.returncode == 1 and "CB_TEST_API_KEY is not set" in no_key.stdout
+    fake_llm.stop()
+    down = cortexbot("--config", str(config), "doctor")
+    assert down.returncode == 1 and "cannot be reached" in down.stdout
+    assert API_KEY not in good.stdout + no_key.stdout + down.stdout
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[nope]\n")
+    bad = cortexbot("--config", str(broken), "doctor")
+    assert bad.returncode == 1 and "key 'nope' at the top level" in bad.stdout
+
+
+@pytest.mark.slow
+def test_300_message_conversation_stays_in_budget_with_versioned_summaries(
+    tmp_path: Path, fake_llm: FakeLLMServer
+) -> None:
+    fake_llm.responder = responder()
+    config = write_config(tmp_path, fake_llm, history={"history_tokens": 500, "summary_tokens": 200})
+    topics = ["gardens", "Tomaten im Garten", "我的番茄长得很好", "поливать помидоры", "weekend plans"]
+    lines = [f"message {i} about {topics[i % len(topics)]}: " + "more words here " * (i % 7) for i in range(150)]
+    result = cortexbot("--config", str(config), "chat", "--user", "ann", stdin="\n".join(lines) + "\n!stats\n",
+                       timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    replies = [r for r in fake_llm.completion_requests if not is_summary(r)]
+    assert len(replies) == 150
+    for request in replies:
+        history = chat_messages(request)[:-1]
+        used = sum(ESTIMATOR.raw_count(text_of(m)) + 4 for m in history)
+        users = sum(1 for m in history if m["role"] == "user")
+        assert used <= 500 or users <= 3, f"history of {used} tokens over the 500 budget"
+        system = system_text(request)
+        if "# Earlier in this conversation" in system:
+            summary = system.split("# Earlier in this conversation", 1)[1]
+            assert ESTIMATOR.raw_count(summary) <= 200 + 40
+    summaries = db_rows(tmp_path, "SELECT version, status, covers_to_id FROM summaries ORDER BY version")
+    assert len(summaries) >= 3 and all(s[1] == "ok" for s in summaries)
+    assert [s[0] for s in summaries] == list(range(1, len(summaries) + 1))
+    assert [s[2] for s in summaries] == sorted(s[2] for s in summaries)
+    assert sum("# Earlier in this conversation" in system_text(r) for r in replies) > 100
+    assert "trim rate" in result.stdout
+    assert db_rows(tmp_path, "SELECT count(*) FROM messages") == [(300,)]
+    assert db_rows(tmp_path, "SELECT count(*) FROM jobs WHERE status != 'done'") == [(0,)]
+
+
+@pytest.mark.slow
+def test_killed_during_a_summary_job_the_job_completes_after_restart(
+    tmp_path: Path, fake_llm: FakeLLMServer
+) -> None:
+    fake_llm.responder = responder(summary_delay=120)  # the summary request hangs
+    config = write_config(tmp_path, fake_llm, history={"history_tokens": 200, "summary_trigger": 10})
+    env = {**os.environ, "CB_TEST_API_KEY": API_KEY}
+    proc = subprocess.Popen(
+        [str(BIN / "cortexbot"), "--config", str(config), "chat", "--user", "ann"],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    assert proc.stdin is not None
+    proc.stdin.write("".join(f"message {i} with some words about the garden\n" for i in range(15)))
+    proc.stdin.close()
+    fake_llm.wait_for(is_summary, timeout=60)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    assert proc.stderr is not None
+    proc.stderr.close()
+    running = db_rows(tmp_path, "SELECT id, status FROM jobs WHERE kind = 'summary'")
+    assert running and running[0][1] == "running"
+    assert db_rows(tmp_path, "SELECT count(*) FROM summaries") == [(0,)]
+
+    fake_llm.responder = responder()
+    result = cortexbot("--config", str(config), "chat", "--user", "ann", stdin="")
+    assert result.returncode == 0, result.stderr
+    job = db_rows(tmp_path, f"SELECT status, attempts FROM jobs WHERE id = {running[0][0]}")
+    assert job == [("done", 2)]
+    summaries = db_rows(tmp_path, "SELECT status, text FROM summaries")
+    assert summaries and summaries[0][0] == "ok" and summaries[0][1].startswith("Summary")

@@ -1,0 +1,198 @@
+"""The conversation core with an in-process scripted provider (the SDK path is tested over HTTP elsewhere)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bot.app import App
+from bot.config import parse_config
+from bot.errors import EmptyMessage, MessageTooLong
+from bot.llm.base import Completion, LLMRequest, Usage
+from bot.llm.errors import LLMOverloaded
+from bot.ports import IncomingMessage
+from tests.fakes.provider import ScriptedProvider
+
+
+def _config(tmp_path: Path, **history):
+    return parse_config(
+        {
+            "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
+            "history": {"history_tokens": 300, "summary_tokens": 120, "summary_trigger": 10, **history},
+            "jobs": {"poll_seconds": 0.05, "retry_base_seconds": 0.01, "retry_max_seconds": 0.02},
+            "bot": {"global_rules": "Be kind to {user_name}."},
+            "personas": [
+                {"name": "Cora", "language": "German", "identity": "I am {char_name}.", "tone": "warm",
+                 "soul_order": ["tone", "identity"]},
+            ],
+        }
+    )
+
+
+def _msg(text: str, user: str = "ann", channel: str = "c1", dm: bool = True) -> IncomingMessage:
+    return IncomingMessage("console", channel, user, user.title(), text, is_dm=dm)
+
+
+def is_summary(request: LLMRequest) -> bool:
+    return "rolling summary" in request.system
+
+
+async def test_reply_streams_and_stores_both_messages(tmp_path: Path) -> None:
+    llm = ScriptedProvider()
+    llm.enqueue("Hallo Ann, schön dich zu sehen!")
+    async with App(_config(tmp_path), llm=llm) as app:
+        stream = app.core.reply(_msg("hi there"))
+        deltas = [d async for d in stream]
+        assert "".join(deltas) == "Hallo Ann, schön dich zu sehen!" and len(deltas) > 1
+        result = stream.result
+        assert result is not None
+        stored = await app.storage.recent_messages(result.reply.channel_id, 10)
+        assert [(m.role, m.text) for m in reversed(stored)] == [
+            ("user", "hi there"), ("assistant", "Hallo Ann, schön dich zu sehen!"),
+        ]
+        request = llm.requests[0]
+        # DESIGN §4 order: rules, soul sections in the persona's order; variables resolved.
+        assert request.system.index("Be kind to Ann.") < request.system.index("warm") < request.system.index(
+            "I am Cora."
+        )
+        assert request.messages[-1].content == "hi there"
+
+
+async def test_user_message_is_kept_when_the_llm_fails(tmp_path: Path) -> None:
+    llm = ScriptedProvider()
+    llm.enqueue(LLMOverloaded("529"))
+    async with App(_config(tmp_path), llm=llm) as app:
+        with pytest.raises(LLMOverloaded) as info:
+            await app.core.reply(_msg("are you there?")).text()
+        assert "overloaded" in info.value.user_message
+        channel = await app.storage.get_channel("console:c1")
+        stored = await app.storage.recent_messages(channel.id, 10)
+        assert [(m.role, m.text) for m in stored] == [("user", "are you there?")]
+        calls = await app.storage.list_llm_calls()
+        assert calls[0]["error"] == "LLMOverloaded"
+        # the next message still sees the kept one in its history
+        await app.core.reply(_msg("hello?")).text()
+        assert [m.content for m in llm.requests[-1].messages] == ["are you there?", "hello?"]
+
+
+async def test_empty_and_huge_messages_are_refused_clearly(tmp_path: Path) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        with pytest.raises(EmptyMessage):
+            app.core.reply(_msg("   \n "))
+        with pytest.raises(MessageTooLong) as info:
+            app.core.reply(_msg("x" * 9000))
+        assert "9,000" in info.value.user_message and "8,000" in info.value.user_message
+
+
+async def test_group_channels_label_speakers(tmp_path: Path) -> None:
+    llm = ScriptedProvider()
+    async with App(_config(tmp_path), llm=llm) as app:
+        await app.core.reply(_msg("hello all", user="ann", channel="room", dm=False)).text()
+        await app.core.reply(_msg("hi ann", user="bob", channel="room", dm=False)).text()
+        contents = [m.content for m in llm.requests[-1].messages]
+        assert contents[0] == "Ann: hello all" and contents[-1] == "Bob: hi ann"
+
+
+async def test_long_conversation_stays_in_budget_and_writes_versioned_summaries(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    llm = ScriptedProvider()
+    summaries_written = 0
+
+    def respond(request: LLMRequest) -> Completion:
+        nonlocal summaries_written
+        if is_summary(request):
+            summaries_written += 1
+            return Completion(text=f"Zusammenfassung {summaries_written}: Ann spricht über Dinge.", usage=Usage(50, 9))
+        return Completion(text="Gut, erzähl mehr darüber, das finde ich spannend.", usage=Usage(0, 10))
+
+    llm.default = respond
+    async with App(config, llm=llm) as app:
+        for i in range(40):
+            await app.core.reply(_msg(f"Nachricht {i}: heute habe ich etwas Neues über Gärten gelernt")).text()
+            await app.workers.drain(5)
+        replies = [r for r in llm.requests if not is_summary(r)]
+        for request in replies:
+            history = request.messages[:-1]
+            tokens = sum(app.estimator.scale(app.estimator.raw_count(m.content) + 4) for m in history)
+            assert tokens <= 300 * 1.01 or len(history) <= 6
+        channel = await app.storage.get_channel("console:c1")
+        versions = await app.storage.list_summaries(channel.id)
+        assert len(versions) >= 2 and all(v.status == "ok" for v in versions)
+        assert [v.version for v in versions] == list(range(1, len(versions) + 1))
+        # each new version covers more, and the newest one is in the next prompt
+        assert versions[-1].covers_to_id > versions[0].covers_to_id
+        await app.core.reply(_msg("und jetzt?")).text()
+        assert versions[-1].text in llm.requests[-1].system
+        metrics = await app.storage.reply_metrics(channel.id)
+        assert metrics.trim_rate > 0.5 and metrics.summary_hit_rate > 0.3 and metrics.summary_generation_rate > 0
+        # summary requests were told the persona's language and word limit
+        summary_request = next(r for r in llm.requests if is_summary(r))
+        assert "German" in summary_request.system and "150 words" in summary_request.system
+
+
+@pytest.mark.parametrize(
+    "bad, reason",
+    [("", "empty summary"), ("wort " * 400, "too long")],
+)
+async def test_bad_summaries_never_replace_the_good_one(tmp_path: Path, bad: str, reason: str) -> None:
+    config = _config(tmp_path)
+    llm = ScriptedProvider()
+    mode = {"summary": "Erste gute Zusammenfassung."}
+
+    def respond(request: LLMRequest) -> Completion:
+        if is_summary(request):
+            return Completion(text=mode["summary"], usage=Usage(10, 10))
+        return Completion(text="Antwort " + "lang " * 30, usage=Usage(10, 10))
+
+    llm.default = respond
+    async with App(config, llm=llm) as app:
+        for i in range(12):
+            await app.core.reply(_msg(f"Nachricht {i} " + "text " * 20)).text()
+        assert await app.workers.drain(5)
+        channel = await app.storage.get_channel("console:c1")
+        good = await app.storage.latest_summary(channel.id)
+        assert good is not None and good.text == "Erste gute Zusammenfassung."
+        mode["summary"] = bad
+        for i in range(6):
+            await app.core.reply(_msg(f"Mehr {i} " + "text " * 20)).text()
+        await app.workers.drain(3)
+        latest = await app.storage.latest_summary(channel.id)
+        assert latest is not None and latest.id == good.id
+        rejected = [s for s in await app.storage.list_summaries(channel.id) if s.status == "rejected"]
+        assert rejected and all(reason in s.reason for s in rejected)
+        jobs = await app.storage.list_jobs("failed")
+        assert jobs and "SummaryRejected" in jobs[0].last_error
+        # the reply prompt still carries the last good summary
+        await app.core.reply(_msg("noch da?")).text()
+        assert "Erste gute Zusammenfassung." in llm.requests[-1].system
+
+
+async def test_summary_model_can_be_cheaper(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    config.llm.summary_model = "cheap-model"
+    llm = ScriptedProvider()
+    llm.default = lambda r: Completion(text="kurz." if is_summary(r) else "antwort " * 30, usage=Usage(1, 1))
+    async with App(config, llm=llm) as app:
+        for i in range(12):
+            await app.core.reply(_msg(f"Nachricht {i} " + "text " * 20)).text()
+        assert await app.workers.drain(5)
+    models = {r.model for r in llm.requests if is_summary(r)}
+    assert models == {"cheap-model"}
+    assert {r.model for r in llm.requests if not is_summary(r)} == {config.llm.model}
+
+
+async def test_commands_summary_and_stats(tmp_path: Path) -> None:
+    from bot.commands import CommandContext
+
+    llm = ScriptedProvider()
+    async with App(_config(tmp_path), llm=llm) as app:
+        ctx = CommandContext("console", "console:ann", "Ann", "console:c1", "Cora", is_admin=True, is_dm=True)
+        assert "no rolling summary yet" in await app.commands.dispatch("!summary", ctx)
+        await app.core.reply(_msg("hi")).text()
+        stats = await app.commands.dispatch("!stats", ctx)
+        assert "This conversation: 1 replies" in stats and "trim rate" in stats and "summary hit rate" in stats
+        help_text = await app.commands.dispatch("!help", ctx)
+        assert "!summary" in help_text and "!stats" in help_text and "!help" in help_text
+        assert "Unknown command !nope" in await app.commands.dispatch("!nope", ctx)
+        assert "Could not read" in await app.commands.dispatch('!stats "unclosed', ctx)

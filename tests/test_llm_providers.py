@@ -1,0 +1,636 @@
+"""The Anthropic and OpenAI-compatible providers, with the real SDKs talking HTTP to the fake server."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from bot.llm import (
+    ChatMessage,
+    Completion,
+    LLMAuthError,
+    LLMBadRequest,
+    LLMBadResponse,
+    LLMConnectionError,
+    LLMError,
+    LLMOutOfCredit,
+    LLMOverloaded,
+    LLMProvider,
+    LLMRateLimited,
+    LLMRequest,
+    LLMServerError,
+    LLMTimeout,
+    StreamEnd,
+    TextDelta,
+    ToolCall,
+    ToolSpec,
+    Usage,
+    create_provider,
+)
+from tests.fakes.llm_server import FakeLLMServer, FakeResponse, RecordedRequest, StreamFailure
+
+API_KEY = "sk-test-VERY-SECRET-0123456789abcdef"
+PROVIDERS = ["anthropic", "openai"]
+WEATHER = ToolSpec(
+    name="weather",
+    description="Current weather for a city.",
+    input_schema={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+)
+
+
+def make_provider(
+    kind: str,
+    srv: FakeLLMServer,
+    *,
+    max_retries: int = 0,
+    timeout: float = 5.0,
+    api_key: str | None = API_KEY,
+) -> LLMProvider:
+    return create_provider(
+        kind,
+        api_key=api_key,
+        base_url=srv.anthropic_url if kind == "anthropic" else srv.openai_url,
+        timeout_seconds=timeout,
+        connect_timeout_seconds=2.0,
+        max_retries=max_retries,
+    )
+
+
+def request(*messages: ChatMessage, **kwargs: Any) -> LLMRequest:
+    options: dict[str, Any] = {"system": "You are terse.", "model": "test-model", "max_tokens": 256}
+    options.update(kwargs)
+    return LLMRequest(messages=messages or (ChatMessage("user", "Hi"),), **options)
+
+
+async def collect(provider: LLMProvider, req: LLMRequest) -> tuple[list[str], Completion]:
+    deltas: list[str] = []
+    ends: list[Completion] = []
+    async for event in provider.stream(req):
+        assert not ends, "StreamEnd must be the last event"
+        if isinstance(event, TextDelta):
+            deltas.append(event.text)
+        else:
+            assert isinstance(event, StreamEnd)
+            ends.append(event.completion)
+    assert len(ends) == 1
+    return deltas, ends[0]
+
+
+async def run(provider: LLMProvider, req: LLMRequest, streaming: bool) -> Completion:
+    if streaming:
+        return (await collect(provider, req))[1]
+    return await provider.complete(req)
+
+
+def last_completion_body(srv: FakeLLMServer) -> dict[str, Any]:
+    return srv.completion_requests[-1].body
+
+
+@pytest_asyncio.fixture(params=PROVIDERS)
+async def provider(request: pytest.FixtureRequest, fake_llm: FakeLLMServer) -> AsyncIterator[LLMProvider]:
+    prov = make_provider(request.param, fake_llm)
+    yield prov
+    await prov.aclose()
+
+
+@pytest_asyncio.fixture
+async def anthropic_provider(fake_llm: FakeLLMServer) -> AsyncIterator[LLMProvider]:
+    prov = make_provider("anthropic", fake_llm)
+    yield prov
+    await prov.aclose()
+
+
+@pytest_asyncio.fixture
+async def openai_provider(fake_llm: FakeLLMServer) -> AsyncIterator[LLMProvider]:
+    prov = make_provider("openai", fake_llm)
+    yield prov
+    await prov.aclose()
+
+
+# --------------------------------------------------------------------------- text
+
+
+@pytest.mark.asyncio
+async def test_complete_returns_text_usage_and_stop_reason(
+    provider: LLMProvider, fake_llm: FakeLLMServer
+) -> None:
+    fake_llm.enqueue(FakeResponse.text("Hello there.", input_tokens=12, output_tokens=7))
+    completion = await provider.complete(request())
+    assert completion == Completion(
+        text="Hello there.", usage=Usage(12, 7), stop_reason="end_turn", model="test-model"
+    )
+
+
+@pytest.mark.asyncio
+async def test_default_responder_echoes_the_last_user_message(provider: LLMProvider) -> None:
+    completion = await provider.complete(request(ChatMessage("user", "ping")))
+    assert completion.text == "echo: ping"
+
+
+@pytest.mark.asyncio
+async def test_stream_yields_deltas_in_order_then_one_final_completion(
+    provider: LLMProvider, fake_llm: FakeLLMServer
+) -> None:
+    fake_llm.enqueue(FakeResponse.text("Hello world!", chunks=["Hel", "lo ", "world", "!"], output_tokens=4))
+    deltas, completion = await collect(provider, request())
+    assert deltas == ["Hel", "lo ", "world", "!"]
+    assert completion.text == "Hello world!"
+    assert completion.usage == Usage(10, 4)
+    assert completion.stop_reason == "end_turn"
+
+
+@pytest.mark.asyncio
+async def test_max_tokens_stop_reason(provider: LLMProvider, fake_llm: FakeLLMServer) -> None:
+    fake_llm.enqueue(FakeResponse.text("cut", stop_reason="max_tokens"))
+    fake_llm.enqueue(FakeResponse.text("cut", stop_reason="max_tokens"))
+    assert (await provider.complete(request())).stop_reason == "max_tokens"
+    assert (await collect(provider, request()))[1].stop_reason == "max_tokens"
+
+
+@pytest.mark.asyncio
+async def test_openai_stream_without_usage_gives_zero_usage(
+    openai_provider: LLMProvider, fake_llm: FakeLLMServer
+) -> None:
+    fake_llm.enqueue(FakeResponse.text("no usage here", send_usage=False))
+    _, completion = await collect(openai_provider, request())
+    assert completion.text == "no usage here"
+    assert completion.usage == Usage(0, 0)
+    assert last_completion_body(fake_llm)["stream_options"] == {"include_usage": True}
+
+
+# --------------------------------------------------------------------------- tool calls
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("streaming", [False, True], ids=["complete", "stream"])
+async def test_single_tool_call(provider: LLMProvider, fake_llm: FakeLLMServer, streaming: bool) -> None:
+    fake_llm.enqueue(
+        FakeResponse.tool_calls([("call_1", "weather", {"city": "Paris"})], text="Let me check.")
+    )
+    completion = await run(provider, request(tools=(WEATHER,)), streaming)
+    assert completion.text == "Let me check."
+    assert completion.stop_reason == "tool_use"
+    [call] = completion.tool_calls
+    assert (call.id, call.name, call.arguments) == ("call_1", "weather", {"city": "Paris"})
+    assert json.loads(call.raw_arguments) == {"city": "Paris"}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("streaming", [False, True], ids=["complete", "stream"])
+async def test_two_parallel_tool_calls(
+    provider: LLMProvider, fake_llm: FakeLLMServer, streaming: bool
+) -> None:
+    fake_llm.enqueue(
+        FakeResponse.tool_calls(
+            [("call_a", "weather", {"city": "Oslo"}), ("call_b", "weather", {"city": "Rome"})]
+        )
+    )
+    completion = await run(provider, request(tools=(WEATHER,)), streaming)
+    assert completion.text == ""
+    assert [(c.id, c.arguments) for c in completion.tool_calls] == [
+        ("call_a", {"city": "Oslo"}),
+        ("call_b", {"city": "Rome"}),
+    ]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("streaming", [False, True], ids=["complete", "stream"])
+async def test_malformed_tool_arguments_are_kept_raw(
+    provider: LLMProvider, fake_llm: FakeLLMServer, streaming: bool
+) -> None:
+    raw = '{"city": "Par'
+    fake_llm.enqueue(
+        FakeResponse.tool_calls([("call_1", "weather", raw), ("call_2", "weather", {"city": "Oslo"})])
+    )
+    completion = await run(provider, request(tools=(WEATHER,)), streaming)
+    bad, good = completion.tool_calls
+    assert bad.arguments is None
+    assert raw in bad.raw_arguments or json.dumps(raw) == bad.raw_arguments
+    assert good.arguments == {"city": "Oslo"}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("streaming", [False, True], ids=["complete", "stream"])
+async def test_non_object_tool_arguments_become_none(
+    provider: LLMProvider, fake_llm: FakeLLMServer, streaming: bool
+) -> None:
+    fake_llm.enqueue(FakeResponse.tool_calls([("call_1", "weather", ["Paris", 1])]))
+    completion = await run(provider, request(tools=(WEATHER,)), streaming)
+    [call] = completion.tool_calls
+    assert call.arguments is None
+    assert json.loads(call.raw_arguments) == ["Paris", 1]
+
+
+# --------------------------------------------------------------------------- request serialisation
+
+
+TOOL_EXCHANGE = (
+    ChatMessage("user", "Weather in Paris and Oslo?"),
+    ChatMessage(
+        "assistant",
+        "Checking.",
+        tool_calls=(
+            ToolCall("call_1", "weather", {"city": "Paris"}, '{"city": "Paris"}'),
+            ToolCall("call_2", "weather", None, '{"city": '),
+        ),
+    ),
+    ChatMessage("tool", "sunny, 21 C", tool_call_id="call_1"),
+    ChatMessage("tool", "arguments were not valid JSON", tool_call_id="call_2", is_error=True),
+    ChatMessage("user", "Thanks!"),
+)
+
+
+@pytest.mark.asyncio
+async def test_anthropic_serialises_a_tool_exchange(
+    anthropic_provider: LLMProvider, fake_llm: FakeLLMServer
+) -> None:
+    await anthropic_provider.complete(request(*TOOL_EXCHANGE, tools=(WEATHER,)))
+    body = last_completion_body(fake_llm)
+    assert body["messages"] == [
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris and Oslo?"}]},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "Checking."},
+                {"type": "tool_use", "id": "call_1", "name": "weather", "input": {"city": "Paris"}},
+                {"type": "tool_use", "id": "call_2", "name": "weather", "input": {}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "call_1", "content": "sunny, 21 C"},
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "call_2",
+                    "content": "arguments were not valid JSON",
+                    "is_error": True,
+                },
+                {"type": "text", "text": "Thanks!"},
+            ],
+        },
+    ]
+    assert body["tools"] == [
+        {
+            "name": "weather",
+            "description": "Current weather for a city.",
+            "input_schema": WEATHER.input_schema,
+        }
+    ]
+
+
+@pytest.mark.asyncio
+async def test_openai_serialises_a_tool_exchange(
+    openai_provider: LLMProvider, fake_llm: FakeLLMServer
+) -> None:
+    await openai_provider.complete(request(*TOOL_EXCHANGE, tools=(WEATHER,)))
+    body = last_completion_body(fake_llm)
+    assert body["messages"] == [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Weather in Paris and Oslo?"},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+                },
+                {"id": "call_2", "type": "function", "function": {"name": "weather", "arguments": "{}"}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "Error: arguments were not valid JSON"},
+        {"role": "user", "content": "Thanks!"},
+    ]
+    assert body["tools"] == [
+        {
+            "type": "function",
+            "function": {
+                "name": "weather",
+                "description": "Current weather for a city.",
+                "parameters": WEATHER.input_schema,
+            },
+        }
+    ]
+    assert body["max_tokens"] == 256
+    assert body["model"] == "test-model"
+    assert "temperature" not in body
+
+
+@pytest.mark.asyncio
+async def test_anthropic_merges_same_role_turns_and_drops_empty_text(
+    anthropic_provider: LLMProvider, fake_llm: FakeLLMServer
+) -> None:
+    await anthropic_provider.complete(
+        request(
+            ChatMessage("assistant", "Welcome back."),
+            ChatMessage("user", "first"),
+            ChatMessage("user", ""),
+            ChatMessage("user", "second"),
+            ChatMessage("assistant", "one"),
+            ChatMessage("assistant", "two"),
+            ChatMessage("user", "third"),
+        )
+    )
+    assert last_completion_body(fake_llm)["messages"] == [
+        {"role": "user", "content": [{"type": "text", "text": "(conversation continues)"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Welcome back."}]},
+        {"role": "user", "content": [{"type": "text", "text": "first\n\nsecond"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "one\n\ntwo"}]},
+        {"role": "user", "content": [{"type": "text", "text": "third"}]},
+    ]
+
+
+@pytest.mark.asyncio
+async def test_anthropic_request_carries_model_limits_and_system(
+    anthropic_provider: LLMProvider, fake_llm: FakeLLMServer
+) -> None:
+    await anthropic_provider.complete(request(model="claude-test-1", max_tokens=321, temperature=0.3))
+    recorded = fake_llm.completion_requests[-1]
+    assert recorded.api == "anthropic"
+    assert recorded.body["model"] == "claude-test-1"
+    assert recorded.body["max_tokens"] == 321
+    assert recorded.body["temperature"] == 0.3
+    assert recorded.body["system"] == "You are terse."
+    assert "tools" not in recorded.body
+    assert "anthropic-version" in recorded.headers
+    await anthropic_provider.complete(request(system=""))
+    body = last_completion_body(fake_llm)
+    assert "temperature" not in body and "system" not in body
+
+
+# --------------------------------------------------------------------------- errors
+
+ERROR_CASES = [
+    pytest.param(429, None, "slow down", LLMRateLimited, id="429"),
+    pytest.param(529, None, "Overloaded", LLMOverloaded, id="529"),
+    pytest.param(503, None, "unavailable", LLMOverloaded, id="503"),
+    pytest.param(500, None, "internal", LLMServerError, id="500"),
+    pytest.param(401, None, "invalid x-api-key", LLMAuthError, id="401"),
+    pytest.param(403, None, "forbidden", LLMAuthError, id="403"),
+    pytest.param(402, None, "payment required", LLMOutOfCredit, id="402"),
+    pytest.param(
+        429, "insufficient_quota", "You exceeded your current quota", LLMOutOfCredit, id="429-quota"
+    ),
+    pytest.param(
+        400, None, "Your credit balance is too low to access the API.", LLMOutOfCredit, id="400-credit"
+    ),
+    pytest.param(400, None, "messages: field required", LLMBadRequest, id="400"),
+    pytest.param(404, "not_found_error", "model: nope", LLMBadRequest, id="404"),
+    pytest.param(413, None, "too large", LLMBadRequest, id="413"),
+    pytest.param(422, None, "unprocessable", LLMBadRequest, id="422"),
+]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("status", "error_type", "message", "expected"), ERROR_CASES)
+async def test_http_errors_map_to_the_error_tree(
+    provider: LLMProvider,
+    fake_llm: FakeLLMServer,
+    status: int,
+    error_type: str | None,
+    message: str,
+    expected: type[LLMError],
+) -> None:
+    fake_llm.enqueue(FakeResponse.error(status, message, error_type=error_type))
+    with pytest.raises(expected) as info:
+        await provider.complete(request())
+    assert type(info.value) is expected
+    assert info.value.status_code == status
+    assert str(status) in str(info.value) and message in str(info.value)
+    assert len(fake_llm.completion_requests) == 1  # max_retries=0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("status", "expected"),
+    [(429, LLMRateLimited), (529, LLMOverloaded), (401, LLMAuthError)],
+    ids=["429", "529", "401"],
+)
+async def test_http_errors_on_stream_requests(
+    provider: LLMProvider, fake_llm: FakeLLMServer, status: int, expected: type[LLMError]
+) -> None:
+    fake_llm.enqueue(FakeResponse.error(status, "nope"))
+    with pytest.raises(expected):
+        await collect(provider, request())
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", PROVIDERS)
+@pytest.mark.parametrize("streaming", [False, True], ids=["complete", "stream"])
+async def test_rate_limit_then_success_is_retried(
+    fake_llm: FakeLLMServer, kind: str, streaming: bool
+) -> None:
+    fake_llm.enqueue(
+        FakeResponse.error(429, "slow down"), FakeResponse.error(529, "busy"), FakeResponse.text("ok")
+    )
+    prov = make_provider(kind, fake_llm, max_retries=2)
+    try:
+        completion = await run(prov, request(), streaming)
+    finally:
+        await prov.aclose()
+    assert completion.text == "ok"
+    assert len(fake_llm.completion_requests) == 3
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", PROVIDERS)
+@pytest.mark.parametrize("streaming", [False, True], ids=["complete", "stream"])
+async def test_hung_request_times_out(fake_llm: FakeLLMServer, kind: str, streaming: bool) -> None:
+    fake_llm.enqueue(FakeResponse.text("too late", delay=5))
+    prov = make_provider(kind, fake_llm, timeout=0.3)
+    try:
+        with pytest.raises(LLMTimeout):
+            await run(prov, request(), streaming)
+    finally:
+        await prov.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("streaming", [False, True], ids=["complete", "stream"])
+@pytest.mark.parametrize(
+    "body",
+    [b'{"id": "x", "content": [', b'{"unexpected": true}', b"<html>502 Bad Gateway</html>"],
+    ids=["truncated-json", "wrong-shape", "html"],
+)
+async def test_malformed_body_is_a_bad_response(
+    provider: LLMProvider, fake_llm: FakeLLMServer, streaming: bool, body: bytes
+) -> None:
+    fake_llm.enqueue(FakeResponse.malformed(body))
+    with pytest.raises(LLMBadResponse):
+        await run(provider, request(), streaming)
+
+
+@pytest.mark.asyncio
+async def test_openai_response_without_choices_is_a_bad_response(
+    openai_provider: LLMProvider, fake_llm: FakeLLMServer
+) -> None:
+    body = {"id": "c", "object": "chat.completion", "created": 1, "model": "m", "choices": []}
+    fake_llm.enqueue(FakeResponse.malformed(json.dumps(body).encode()))
+    with pytest.raises(LLMBadResponse, match="no choices"):
+        await openai_provider.complete(request())
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("failure", "expected"),
+    [("disconnect", LLMConnectionError), ("eof", LLMBadResponse), ("error_event", LLMError)],
+)
+async def test_stream_failing_midway_raises_an_llm_error(
+    provider: LLMProvider, fake_llm: FakeLLMServer, failure: StreamFailure, expected: type[LLMError]
+) -> None:
+    fake_llm.enqueue(
+        FakeResponse.stream_error_after(4, "abcdefghi", chunks=["abc", "def", "ghi"], failure=failure)
+    )
+    deltas: list[str] = []
+    with pytest.raises(expected):
+        async for event in provider.stream(request()):
+            assert isinstance(event, TextDelta), "no StreamEnd after a failure"
+            deltas.append(event.text)
+    assert deltas and "".join(deltas) in "abcdefghi"
+
+
+@pytest.mark.asyncio
+async def test_anthropic_in_stream_overloaded_event(
+    anthropic_provider: LLMProvider, fake_llm: FakeLLMServer
+) -> None:
+    fake_llm.enqueue(FakeResponse.stream_error_after(3, failure="error_event", error_type="overloaded_error"))
+    with pytest.raises(LLMOverloaded, match="overloaded_error"):
+        await collect(anthropic_provider, request())
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", PROVIDERS)
+async def test_unreachable_server_is_a_connection_error(fake_llm: FakeLLMServer, kind: str) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}" + ("/v1" if kind == "openai" else "")
+    prov = create_provider(
+        kind, api_key=API_KEY, base_url=url, timeout_seconds=2, connect_timeout_seconds=1, max_retries=0
+    )
+    try:
+        with pytest.raises(LLMConnectionError) as info:
+            await prov.complete(request())
+    finally:
+        await prov.aclose()
+    assert API_KEY not in str(info.value) and API_KEY not in repr(info.value)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("status", [401, 400, 500])
+async def test_api_key_never_appears_in_errors(
+    provider: LLMProvider, fake_llm: FakeLLMServer, status: int
+) -> None:
+    fake_llm.enqueue(FakeResponse.error(status, f"Incorrect API key provided: {API_KEY}"))
+    with pytest.raises(LLMError) as info:
+        await provider.complete(request())
+    err = info.value
+    assert API_KEY not in str(err) and API_KEY not in repr(err) and API_KEY not in err.detail
+    assert str(status) in str(err) and "Incorrect API key provided" in str(err)
+    assert err.user_message and API_KEY not in err.user_message
+
+
+@pytest.mark.asyncio
+async def test_anthropic_without_any_key_is_an_auth_error(
+    fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for var in ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_PROFILE", "ANTHROPIC_CONFIG_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    prov = make_provider("anthropic", fake_llm, api_key=None)
+    try:
+        with pytest.raises(LLMAuthError):
+            await prov.complete(request())
+    finally:
+        await prov.aclose()
+    assert fake_llm.requests == []
+
+
+def test_anthropic_with_a_broken_credentials_config_is_an_auth_error(
+    fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for var in ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("ANTHROPIC_CONFIG_DIR", str(tmp_path))  # no configs/default.json there
+    with pytest.raises(LLMAuthError):
+        make_provider("anthropic", fake_llm, api_key=None)
+
+
+@pytest.mark.asyncio
+async def test_openai_compatible_server_without_a_key(
+    fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    prov = make_provider("openai", fake_llm, api_key=None)
+    try:
+        assert (await prov.complete(request(ChatMessage("user", "local")))).text == "echo: local"
+    finally:
+        await prov.aclose()
+
+
+# --------------------------------------------------------------------------- models and factory
+
+
+@pytest.mark.asyncio
+async def test_list_models(provider: LLMProvider, fake_llm: FakeLLMServer) -> None:
+    fake_llm.models = ["model-a", "model-b", "model-c"]
+    assert await provider.list_models() == ["model-a", "model-b", "model-c"]
+    recorded = fake_llm.requests[-1]
+    assert recorded.path == "/v1/models"
+    assert recorded.api == provider.name
+
+
+@pytest.mark.asyncio
+async def test_list_models_error_is_mapped(provider: LLMProvider, fake_llm: FakeLLMServer) -> None:
+    fake_llm.stop()
+    with pytest.raises(LLMConnectionError):
+        await provider.list_models()
+
+
+@pytest.mark.asyncio
+async def test_create_provider_names_and_unknown_provider(fake_llm: FakeLLMServer) -> None:
+    for kind in PROVIDERS:
+        prov = make_provider(kind, fake_llm)
+        assert prov.name == kind
+        assert isinstance(prov, LLMProvider)
+        await prov.aclose()
+    with pytest.raises(ValueError, match="unknown LLM provider"):
+        create_provider(
+            "gemini", api_key=None, base_url=None, timeout_seconds=1, connect_timeout_seconds=1, max_retries=0
+        )
+
+
+# --------------------------------------------------------------------------- the fake server itself
+
+
+def test_fake_server_serves_plain_http_and_records_requests(fake_llm: FakeLLMServer) -> None:
+    data = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello"}]}).encode()
+    req = urllib.request.Request(
+        fake_llm.openai_url + "/chat/completions", data=data, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        answer = json.loads(resp.read())
+    assert answer["choices"][0]["message"]["content"] == "echo: hello"
+    recorded = fake_llm.wait_for(lambda r: r.api == "openai", timeout=1)
+    assert isinstance(recorded, RecordedRequest) and recorded.last_user_text() == "hello"
+    with pytest.raises(TimeoutError):
+        fake_llm.wait_for(lambda r: r.api == "anthropic", timeout=0.05)
+    fake_llm.responder = lambda r: FakeResponse.text("scripted")
+    fake_llm.enqueue(FakeResponse.text("queued"))
+    texts = []
+    for _ in range(2):
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            texts.append(json.loads(resp.read())["choices"][0]["message"]["content"])
+    assert texts == ["queued", "scripted"]
+    fake_llm.reset()
+    assert fake_llm.requests == [] and fake_llm.pending == 0
