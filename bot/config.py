@@ -91,7 +91,6 @@ class LLMConfig(_Section):
     connect_timeout_seconds: float = Field(default=10.0, gt=0)
     max_retries: int = Field(default=2, ge=0, le=10)
     summary_model: str | None = Field(default=None, description="Cheaper model for summaries; default: model.")
-    context_window: int = Field(default=200_000, ge=1000, description="The model's context window in tokens.")
 
     @property
     def key_env_name(self) -> str:

@@ -118,14 +118,10 @@ async def openai_provider(fake_llm: FakeLLMServer) -> AsyncIterator[LLMProvider]
 
 
 @pytest.mark.asyncio
-async def test_complete_returns_text_usage_and_stop_reason(
-    provider: LLMProvider, fake_llm: FakeLLMServer
-) -> None:
+async def test_complete_returns_text_usage_and_stop_reason(provider: LLMProvider, fake_llm: FakeLLMServer) -> None:
     fake_llm.enqueue(FakeResponse.text("Hello there.", input_tokens=12, output_tokens=7))
     completion = await provider.complete(request())
-    assert completion == Completion(
-        text="Hello there.", usage=Usage(12, 7), stop_reason="end_turn", model="test-model"
-    )
+    assert completion == Completion(text="Hello there.", usage=Usage(12, 7), stop_reason="end_turn", model="test-model")
 
 
 @pytest.mark.asyncio
@@ -171,9 +167,7 @@ async def test_openai_stream_without_usage_gives_zero_usage(
 @pytest.mark.asyncio
 @pytest.mark.parametrize("streaming", [False, True], ids=["complete", "stream"])
 async def test_single_tool_call(provider: LLMProvider, fake_llm: FakeLLMServer, streaming: bool) -> None:
-    fake_llm.enqueue(
-        FakeResponse.tool_calls([("call_1", "weather", {"city": "Paris"})], text="Let me check.")
-    )
+    fake_llm.enqueue(FakeResponse.tool_calls([("call_1", "weather", {"city": "Paris"})], text="Let me check."))
     completion = await run(provider, request(tools=(WEATHER,)), streaming)
     assert completion.text == "Let me check."
     assert completion.stop_reason == "tool_use"
@@ -184,13 +178,9 @@ async def test_single_tool_call(provider: LLMProvider, fake_llm: FakeLLMServer, 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("streaming", [False, True], ids=["complete", "stream"])
-async def test_two_parallel_tool_calls(
-    provider: LLMProvider, fake_llm: FakeLLMServer, streaming: bool
-) -> None:
+async def test_two_parallel_tool_calls(provider: LLMProvider, fake_llm: FakeLLMServer, streaming: bool) -> None:
     fake_llm.enqueue(
-        FakeResponse.tool_calls(
-            [("call_a", "weather", {"city": "Oslo"}), ("call_b", "weather", {"city": "Rome"})]
-        )
+        FakeResponse.tool_calls([("call_a", "weather", {"city": "Oslo"}), ("call_b", "weather", {"city": "Rome"})])
     )
     completion = await run(provider, request(tools=(WEATHER,)), streaming)
     assert completion.text == ""
@@ -206,9 +196,7 @@ async def test_malformed_tool_arguments_are_kept_raw(
     provider: LLMProvider, fake_llm: FakeLLMServer, streaming: bool
 ) -> None:
     raw = '{"city": "Par'
-    fake_llm.enqueue(
-        FakeResponse.tool_calls([("call_1", "weather", raw), ("call_2", "weather", {"city": "Oslo"})])
-    )
+    fake_llm.enqueue(FakeResponse.tool_calls([("call_1", "weather", raw), ("call_2", "weather", {"city": "Oslo"})]))
     completion = await run(provider, request(tools=(WEATHER,)), streaming)
     bad, good = completion.tool_calls
     assert bad.arguments is None
@@ -248,9 +236,7 @@ TOOL_EXCHANGE = (
 
 
 @pytest.mark.asyncio
-async def test_anthropic_serialises_a_tool_exchange(
-    anthropic_provider: LLMProvider, fake_llm: FakeLLMServer
-) -> None:
+async def test_anthropic_serialises_a_tool_exchange(anthropic_provider: LLMProvider, fake_llm: FakeLLMServer) -> None:
     await anthropic_provider.complete(request(*TOOL_EXCHANGE, tools=(WEATHER,)))
     body = last_completion_body(fake_llm)
     assert body["messages"] == [
@@ -287,9 +273,7 @@ async def test_anthropic_serialises_a_tool_exchange(
 
 
 @pytest.mark.asyncio
-async def test_openai_serialises_a_tool_exchange(
-    openai_provider: LLMProvider, fake_llm: FakeLLMServer
-) -> None:
+async def test_openai_serialises_a_tool_exchange(openai_provider: LLMProvider, fake_llm: FakeLLMServer) -> None:
     await openai_provider.complete(request(*TOOL_EXCHANGE, tools=(WEATHER,)))
     body = last_completion_body(fake_llm)
     assert body["messages"] == [
@@ -363,6 +347,7 @@ async def test_anthropic_request_carries_model_limits_and_system(
     assert recorded.body["system"] == "You are terse."
     assert "tools" not in recorded.body
     assert "anthropic-version" in recorded.headers
+    assert recorded.headers.get("Authorization") == recorded.headers["authorization"] == f"Bearer {API_KEY}"
     await anthropic_provider.complete(request(system=""))
     body = last_completion_body(fake_llm)
     assert "temperature" not in body and "system" not in body
@@ -378,12 +363,8 @@ ERROR_CASES = [
     pytest.param(401, None, "invalid x-api-key", LLMAuthError, id="401"),
     pytest.param(403, None, "forbidden", LLMAuthError, id="403"),
     pytest.param(402, None, "payment required", LLMOutOfCredit, id="402"),
-    pytest.param(
-        429, "insufficient_quota", "You exceeded your current quota", LLMOutOfCredit, id="429-quota"
-    ),
-    pytest.param(
-        400, None, "Your credit balance is too low to access the API.", LLMOutOfCredit, id="400-credit"
-    ),
+    pytest.param(429, "insufficient_quota", "You exceeded your current quota", LLMOutOfCredit, id="429-quota"),
+    pytest.param(400, None, "Your credit balance is too low to access the API.", LLMOutOfCredit, id="400-credit"),
     pytest.param(400, None, "messages: field required", LLMBadRequest, id="400"),
     pytest.param(404, "not_found_error", "model: nope", LLMBadRequest, id="404"),
     pytest.param(413, None, "too large", LLMBadRequest, id="413"),
@@ -427,12 +408,8 @@ async def test_http_errors_on_stream_requests(
 @pytest.mark.asyncio
 @pytest.mark.parametrize("kind", PROVIDERS)
 @pytest.mark.parametrize("streaming", [False, True], ids=["complete", "stream"])
-async def test_rate_limit_then_success_is_retried(
-    fake_llm: FakeLLMServer, kind: str, streaming: bool
-) -> None:
-    fake_llm.enqueue(
-        FakeResponse.error(429, "slow down"), FakeResponse.error(529, "busy"), FakeResponse.text("ok")
-    )
+async def test_rate_limit_then_success_is_retried(fake_llm: FakeLLMServer, kind: str, streaming: bool) -> None:
+    fake_llm.enqueue(FakeResponse.error(429, "slow down"), FakeResponse.error(529, "busy"), FakeResponse.text("ok"))
     prov = make_provider(kind, fake_llm, max_retries=2)
     try:
         completion = await run(prov, request(), streaming)
@@ -488,9 +465,7 @@ async def test_openai_response_without_choices_is_a_bad_response(
 async def test_stream_failing_midway_raises_an_llm_error(
     provider: LLMProvider, fake_llm: FakeLLMServer, failure: StreamFailure, expected: type[LLMError]
 ) -> None:
-    fake_llm.enqueue(
-        FakeResponse.stream_error_after(4, "abcdefghi", chunks=["abc", "def", "ghi"], failure=failure)
-    )
+    fake_llm.enqueue(FakeResponse.stream_error_after(4, "abcdefghi", chunks=["abc", "def", "ghi"], failure=failure))
     deltas: list[str] = []
     with pytest.raises(expected):
         async for event in provider.stream(request()):
@@ -500,9 +475,7 @@ async def test_stream_failing_midway_raises_an_llm_error(
 
 
 @pytest.mark.asyncio
-async def test_anthropic_in_stream_overloaded_event(
-    anthropic_provider: LLMProvider, fake_llm: FakeLLMServer
-) -> None:
+async def test_anthropic_in_stream_overloaded_event(anthropic_provider: LLMProvider, fake_llm: FakeLLMServer) -> None:
     fake_llm.enqueue(FakeResponse.stream_error_after(3, failure="error_event", error_type="overloaded_error"))
     with pytest.raises(LLMOverloaded, match="overloaded_error"):
         await collect(anthropic_provider, request())
@@ -528,9 +501,7 @@ async def test_unreachable_server_is_a_connection_error(fake_llm: FakeLLMServer,
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("status", [401, 400, 500])
-async def test_api_key_never_appears_in_errors(
-    provider: LLMProvider, fake_llm: FakeLLMServer, status: int
-) -> None:
+async def test_api_key_never_appears_in_errors(provider: LLMProvider, fake_llm: FakeLLMServer, status: int) -> None:
     fake_llm.enqueue(FakeResponse.error(status, f"Incorrect API key provided: {API_KEY}"))
     with pytest.raises(LLMError) as info:
         await provider.complete(request())
@@ -567,9 +538,7 @@ def test_anthropic_with_a_broken_credentials_config_is_an_auth_error(
 
 
 @pytest.mark.asyncio
-async def test_openai_compatible_server_without_a_key(
-    fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_openai_compatible_server_without_a_key(fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     prov = make_provider("openai", fake_llm, api_key=None)
     try:

@@ -195,9 +195,7 @@ def _translate(exc: BaseException, provider: str, sdk: SdkErrors) -> LLMError:
         return LLMConnectionError(f"{provider}: connection failed ({name}: {_short(exc)})")
     if isinstance(exc, sdk.validation):
         status = getattr(exc, "status_code", None)
-        return LLMBadResponse(
-            f"{provider}: response did not match the API schema ({_short(exc)})", status_code=status
-        )
+        return LLMBadResponse(f"{provider}: response did not match the API schema ({_short(exc)})", status_code=status)
     if isinstance(exc, sdk.status):
         return _from_api_error(exc, provider, in_stream=False)
     if isinstance(exc, sdk.api):

@@ -86,9 +86,7 @@ def _message_blocks(message: ChatMessage) -> tuple[str, list[Block]]:
 
 def _normalise_blocks(blocks: list[Block]) -> list[Block]:
     """Tool results first, adjacent text blocks joined with a blank line, no empty text."""
-    ordered = [b for b in blocks if b["type"] == "tool_result"] + [
-        b for b in blocks if b["type"] != "tool_result"
-    ]
+    ordered = [b for b in blocks if b["type"] == "tool_result"] + [b for b in blocks if b["type"] != "tool_result"]
     merged: list[Block] = []
     for block in ordered:
         if block["type"] == "text":

@@ -239,9 +239,7 @@ class _StreamAccumulator:
             raise LLMBadResponse("openai: the stream ended without any chunk")
         if self.finish_reason is None:
             raise LLMBadResponse("openai: the stream ended before a finish_reason")
-        calls = tuple(
-            parse_tool_call(p.call_id, p.name, "".join(p.arguments)) for _, p in sorted(self.calls.items())
-        )
+        calls = tuple(parse_tool_call(p.call_id, p.name, "".join(p.arguments)) for _, p in sorted(self.calls.items()))
         return Completion(
             text="".join(self.texts),
             tool_calls=calls,
@@ -285,9 +283,7 @@ class OpenAICompatProvider:
         params: dict[str, Any] = {
             "model": request.model,
             "max_tokens": request.max_tokens,
-            "messages": cast(
-                "list[ChatCompletionMessageParam]", convert_messages(request.system, request.messages)
-            ),
+            "messages": cast("list[ChatCompletionMessageParam]", convert_messages(request.system, request.messages)),
         }
         if request.temperature is not None:
             params["temperature"] = request.temperature

@@ -71,9 +71,29 @@ _OPENAI_FINISH = {
 # --------------------------------------------------------------------------- recorded requests
 
 
+class Headers(dict[str, str]):
+    """A plain dict of request headers with lower-cased names and case-insensitive look-ups."""
+
+    def __init__(self, items: Iterable[tuple[str, str]] = ()) -> None:
+        super().__init__((name.lower(), value) for name, value in items)
+
+    def __getitem__(self, name: str) -> str:
+        return super().__getitem__(name.lower())
+
+    def __contains__(self, name: object) -> bool:
+        return super().__contains__(name.lower() if isinstance(name, str) else name)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return super().get(name.lower(), default)
+
+
 @dataclass(frozen=True)
 class RecordedRequest:
-    """One HTTP request the server received (``body`` is ``{}`` for GETs and non-JSON bodies)."""
+    """One HTTP request the server received.
+
+    ``headers`` is a dict with lower-cased names whose look-ups ignore case; ``body`` is the parsed
+    JSON object (``{}`` for GETs and non-JSON bodies).
+    """
 
     api: Api
     path: str
@@ -576,7 +596,7 @@ class FakeLLMServer:
     async def wait_for_async(
         self,
         predicate: Callable[[RecordedRequest], bool] = lambda r: True,
-        timeout: float = 5.0,  # noqa: ASYNC109 - passed on to the blocking wait in a worker thread
+        timeout: float = 5.0,
     ) -> RecordedRequest:
         """:meth:`wait_for` for async tests (does not block the event loop)."""
         return await asyncio.to_thread(self.wait_for, predicate, timeout)
@@ -591,7 +611,7 @@ class FakeLLMServer:
             except ValueError:
                 parsed = {}
             body = parsed if isinstance(parsed, dict) else {"_": parsed}
-        recorded = RecordedRequest(api=api, path=request.path, headers=dict(request.headers), body=body)
+        recorded = RecordedRequest(api=api, path=request.path, headers=Headers(request.headers.items()), body=body)
         with self._cond:
             self._requests.append(recorded)
             self._cond.notify_all()
@@ -613,9 +633,7 @@ class FakeLLMServer:
             body = _anthropic_error_body(resp) if api == "anthropic" else _openai_error_body(resp)
             return web.json_response(body, status=resp.status, headers=resp.headers)
         if resp.kind == "malformed":
-            return web.Response(
-                body=resp.body, status=resp.status, headers={"Content-Type": resp.content_type}
-            )
+            return web.Response(body=resp.body, status=resp.status, headers={"Content-Type": resp.content_type})
         if resp.kind == "stream_error" and not recorded.stream:
             _drop_connection(request)
             raise asyncio.CancelledError
@@ -628,12 +646,9 @@ class FakeLLMServer:
         include_usage = bool((recorded.body.get("stream_options") or {}).get("include_usage"))
         return await self._stream_openai(request, resp, model, include_usage)
 
-    async def _stream_anthropic(
-        self, request: web.Request, resp: FakeResponse, model: str
-    ) -> web.StreamResponse:
+    async def _stream_anthropic(self, request: web.Request, resp: FakeResponse, model: str) -> web.StreamResponse:
         frames = [
-            f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
-            for name, data in anthropic_events(resp, model)
+            f"event: {name}\ndata: {json.dumps(data)}\n\n".encode() for name, data in anthropic_events(resp, model)
         ]
         error = {
             "type": "error",
@@ -654,9 +669,7 @@ class FakeLLMServer:
     async def _write_stream(
         self, request: web.Request, resp: FakeResponse, frames: list[bytes], error_frame: bytes
     ) -> web.StreamResponse:
-        stream = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await stream.prepare(request)
         failing = resp.kind == "stream_error"
         for frame in frames[: resp.fail_after] if failing else frames:
@@ -686,15 +699,12 @@ class FakeLLMServer:
         if "anthropic-version" in request.headers:
             await self._record(request, "anthropic")
             data: list[dict[str, Any]] = [
-                {"type": "model", "id": m, "display_name": m, "created_at": "2025-01-01T00:00:00Z"}
-                for m in self.models
+                {"type": "model", "id": m, "display_name": m, "created_at": "2025-01-01T00:00:00Z"} for m in self.models
             ]
             first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
             return web.json_response({"data": data, "has_more": False, "first_id": first, "last_id": last})
         await self._record(request, "openai")
-        openai_data = [
-            {"id": m, "object": "model", "created": 1735689600, "owned_by": "fake"} for m in self.models
-        ]
+        openai_data = [{"id": m, "object": "model", "created": 1735689600, "owned_by": "fake"} for m in self.models]
         return web.json_response({"object": "list", "data": openai_data})
 
 
@@ -706,16 +716,12 @@ def _drop_connection(request: web.Request) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Serve the echo responder until interrupted."""
-    parser = argparse.ArgumentParser(
-        description="Fake Anthropic/OpenAI-compatible LLM server (echo responder)."
-    )
+    parser = argparse.ArgumentParser(description="Fake Anthropic/OpenAI-compatible LLM server (echo responder).")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)
     with FakeLLMServer(args.host, args.port) as srv:
-        print(
-            f"Fake LLM server on {srv.url}  (Anthropic base_url {srv.anthropic_url}, OpenAI {srv.openai_url})"
-        )
+        print(f"Fake LLM server on {srv.url}  (Anthropic base_url {srv.anthropic_url}, OpenAI {srv.openai_url})")
         print("Press Ctrl-C to stop.", flush=True)
         try:
             while True:
