@@ -86,7 +86,9 @@ class LLMConfig(_Section):
         description="Environment variable holding the API key; default ANTHROPIC_API_KEY / OPENAI_API_KEY.",
     )
     max_tokens: int = Field(default=1024, ge=1, le=200_000)
-    temperature: float | None = Field(default=0.7, ge=0.0, le=2.0)
+    temperature: float | None = Field(
+        default=None, ge=0.0, le=2.0, description="Unset: the server's default (newer Claude models reject it)."
+    )
     timeout_seconds: float = Field(default=120.0, gt=0)
     connect_timeout_seconds: float = Field(default=10.0, gt=0)
     max_retries: int = Field(default=2, ge=0, le=10)

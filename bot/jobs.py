@@ -26,6 +26,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from bot.config import JobsConfig
+from bot.llm.errors import LLMError
 from bot.storage.base import Job, Storage
 
 log = logging.getLogger(__name__)
@@ -185,8 +186,9 @@ class WorkerPool:
             )
             return
         await self.storage.fail_job(job.id, error)
-        if getattr(exc, "transient", False):
-            log.error("job %d (%s) failed after %d attempts: %s", job.id, job.kind, job.attempts, type(exc).__name__)
+        if isinstance(exc, LLMError):
+            # No traceback: a chained SDK exception could carry request details.
+            log.error("job %d (%s) failed after %d attempt(s): %s", job.id, job.kind, job.attempts, type(exc).__name__)
         else:
             log.error("job %d (%s) failed: %s", job.id, job.kind, type(exc).__name__, exc_info=exc)
 

@@ -170,7 +170,7 @@ class SummaryEngine:
             messages=(ChatMessage(role="user", content="\n\n".join(parts)),),
             model=model,
             max_tokens=max(budgets.summary_tokens * 2, 256),
-            temperature=0.3,
+            temperature=persona.temperature if persona.temperature is not None else self.config.llm.temperature,
         )
         started = time.monotonic()
         try:

@@ -709,9 +709,14 @@ class FakeLLMServer:
 
 
 def _drop_connection(request: web.Request) -> None:
+    """Abort the TCP connection (no more bytes, no clean end of the chunked body)."""
     transport = request.transport
-    if transport is not None:
-        transport.abort() if hasattr(transport, "abort") else transport.close()
+    if transport is None:
+        return
+    if isinstance(transport, asyncio.Transport):
+        transport.abort()
+    else:
+        transport.close()
 
 
 def main(argv: list[str] | None = None) -> None:
