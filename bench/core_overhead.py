@@ -71,12 +71,12 @@ async def preload(app: App, channel_key: str, count: int) -> None:
         role = "user" if i % 2 == 0 else "assistant"
         text = LINES[i % len(LINES)] if role == "user" else REPLY
         rows.append((channel.id, user.id, "Cora", role, "Bench" if role == "user" else "Cora", text,
-                     app.estimator.raw_count(text), now + i))
+                     app.estimator.raw_count(text), i + 1, now + i))
     db = app.storage.db
     await db.execute("BEGIN")
     await db.executemany(
-        "INSERT INTO messages (channel_id, user_id, persona, role, author_name, text, token_count, created_at)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        "INSERT INTO messages (channel_id, user_id, persona, role, author_name, text, token_count, seq,"
+        " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
         rows,
     )
     await db.execute("COMMIT")

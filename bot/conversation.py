@@ -88,6 +88,7 @@ class ConversationCore:
         self.summaries = summaries
         self.section_providers = list(section_providers)
         self.observers = list(observers)
+        self._window_sizes: dict[int, int] = {}  # channel id -> messages in its last window
 
     def reply(self, message: IncomingMessage, persona: str | None = None) -> ReplyStream:
         """Validate ``message`` (raises :class:`bot.errors.UserFacingError`) and prepare its reply."""
@@ -113,8 +114,11 @@ class ConversationCore:
             budget=budgets.history_tokens,
             min_exchanges=self.config.history.min_exchanges,
             before_id=user_msg.id,
-            total_before=channel.message_count,
+            size_hint=self._window_sizes.get(channel.id, 0),
         )
+        if len(self._window_sizes) > 10_000:
+            self._window_sizes.clear()
+        self._window_sizes[channel.id] = len(window.messages)
         summary = await self.storage.latest_summary(channel.id)
         now = message.sent_at or datetime.now(UTC)
         context = PromptContext(
@@ -245,9 +249,7 @@ class ConversationCore:
             "yes" if summary_used else "no",
         )
         try:
-            await self.summaries.on_reply(
-                channel.id, channel.message_count + 2, window.oldest_id, persona.name, summary
-            )
+            await self.summaries.on_reply(channel.id, reply.seq, window.newest_evicted_id, persona.name, summary)
         except Exception:
             log.exception("could not check whether channel %d needs a summary", channel.id)
         exchange = Exchange(

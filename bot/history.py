@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from bot.storage.base import Storage, StoredMessage
 from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator
 
-PAGE_SIZE = 128
+PAGE_SIZE = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +24,7 @@ class HistoryWindow:
     tokens: int = 0  # estimated (scaled) tokens of the messages in the window
     budget: int = 0
     trimmed: int = 0  # older messages of the channel left out
+    newest_evicted_id: int | None = None  # the newest message left out, if any
 
     @property
     def oldest_id(self) -> int | None:
@@ -35,11 +36,7 @@ class HistoryWindow:
 
 
 def message_cost(message: StoredMessage, estimator: TokenEstimator) -> int:
-    return cost_of(message.token_count, estimator)
-
-
-def cost_of(token_count: int, estimator: TokenEstimator) -> int:
-    return estimator.scale(token_count + PER_MESSAGE_OVERHEAD)
+    return estimator.scale(message.token_count + PER_MESSAGE_OVERHEAD)
 
 
 async def build_window(
@@ -50,36 +47,32 @@ async def build_window(
     budget: int,
     min_exchanges: int,
     before_id: int | None = None,
-    total_before: int | None = None,
+    size_hint: int = 0,
 ) -> HistoryWindow:
     """The window of messages older than ``before_id`` (all when None).
 
-    First decides the cut from ``(id, role, token_count)`` alone, then loads just the chosen
-    messages. ``total_before`` is how many messages the channel holds before ``before_id``; it is
-    only used to report how many were trimmed.
+    ``size_hint`` (how many messages the last window of this channel held) sizes the first read so
+    that one query usually suffices; the result does not depend on it.
     """
-    chosen_ids: list[int] = []
+    chosen: list[StoredMessage] = []
     tokens = 0
     user_messages = 0
     cursor = before_id
-    done = False
-    while not done:
-        page = await storage.recent_message_sizes(channel_id, PAGE_SIZE, before_id=cursor)
-        for message_id, role, token_count in page:
-            cost = cost_of(token_count, estimator)
+    page_size = size_hint + 8 if size_hint else PAGE_SIZE
+    while True:
+        page = await storage.recent_messages(channel_id, page_size, before_id=cursor)
+        for message in page:
+            cost = message_cost(message, estimator)
             if tokens + cost > budget and user_messages >= min_exchanges:
-                done = True
-                break
-            chosen_ids.append(message_id)
+                chosen.reverse()
+                # seq counts the channel's messages, so everything up to the evicted one is left out.
+                return HistoryWindow(chosen, tokens, budget, trimmed=message.seq, newest_evicted_id=message.id)
+            chosen.append(message)
             tokens += cost
-            if role == "user":
+            if message.role == "user":
                 user_messages += 1
-        if len(page) < PAGE_SIZE:
-            break
-        cursor = page[-1][0]
-    messages: list[StoredMessage] = []
-    if chosen_ids:
-        upper = before_id if before_id is not None else chosen_ids[0] + 1
-        messages = await storage.messages_between(channel_id, chosen_ids[-1] - 1, upper, limit=len(chosen_ids))
-    trimmed = max((total_before or 0) - len(messages), 0)
-    return HistoryWindow(messages=messages, tokens=tokens, budget=budget, trimmed=trimmed)
+        if len(page) < page_size:
+            chosen.reverse()
+            return HistoryWindow(chosen, tokens, budget)
+        cursor = page[-1].id
+        page_size = max(page_size * 2, PAGE_SIZE)

@@ -93,16 +93,14 @@ class SummaryEngine:
         self,
         channel_id: int,
         channel_message_count: int,
-        window_oldest_id: int | None,
+        newest_evicted_id: int | None,
         persona: str,
         latest: Summary | None,
     ) -> Job | None:
-        """Enqueue a summary job when the window evicted messages no summary covers (``latest``)."""
-        if channel_message_count < self.config.history.summary_trigger or window_oldest_id is None:
+        """Enqueue a summary job when the window left out a message that ``latest`` does not cover."""
+        if channel_message_count < self.config.history.summary_trigger or newest_evicted_id is None:
             return None
-        covered_to = latest.covers_to_id if latest else 0
-        uncovered = await self.storage.messages_between(channel_id, covered_to, window_oldest_id, limit=1)
-        if not uncovered:
+        if latest is not None and newest_evicted_id <= latest.covers_to_id:
             return None
         payload = {"channel_id": channel_id, "persona": persona}
         return await self.queue.enqueue(JOB_KIND, f"channel:{channel_id}", payload)

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from bot.history import build_window
+from bot.history import build_window, message_cost
 from bot.storage.sqlite import SQLiteStorage
 from bot.tokens import BPETokenEstimator
 
@@ -27,7 +27,7 @@ def _exchanges(n: int, words: int = 20) -> list[tuple[str, str]]:
 
 async def test_window_is_newest_first_whole_messages_within_budget(storage, estimator) -> None:
     channel = await _fill(storage, estimator, _exchanges(50))
-    window = await build_window(storage, estimator, channel, budget=300, min_exchanges=1, total_before=100)
+    window = await build_window(storage, estimator, channel, budget=300, min_exchanges=1)
     assert window.tokens <= 300
     texts = [m.text for m in window.messages]
     assert texts[-1].startswith("answer 49")  # newest message last (chronological order)
@@ -39,9 +39,21 @@ async def test_window_is_newest_first_whole_messages_within_budget(storage, esti
     assert window.trimmed == 100 - len(ids)
     # Adding one more message (the next older one) would have broken the budget.
     older = await storage.recent_messages(channel, 1, before_id=ids[0])
-    from bot.history import message_cost
-
+    assert window.newest_evicted_id == older[0].id
     assert window.tokens + message_cost(older[0], estimator) > 300
+
+
+async def test_size_hint_never_changes_the_window(storage, estimator) -> None:
+    channel = await _fill(storage, estimator, _exchanges(80))
+    reference = await build_window(storage, estimator, channel, budget=700, min_exchanges=2)
+    for hint in (1, 5, len(reference.messages), 63, 64, 65, 200):
+        hinted = await build_window(storage, estimator, channel, budget=700, min_exchanges=2, size_hint=hint)
+        assert [m.id for m in hinted.messages] == [m.id for m in reference.messages]
+        assert (hinted.tokens, hinted.trimmed, hinted.newest_evicted_id) == (
+            reference.tokens, reference.trimmed, reference.newest_evicted_id
+        )
+    everything = await build_window(storage, estimator, channel, budget=10**6, min_exchanges=2, size_hint=3)
+    assert len(everything.messages) == 160 and everything.trimmed == 0 and everything.newest_evicted_id is None
 
 
 async def test_minimum_exchanges_kept_even_over_budget(storage, estimator) -> None:

@@ -61,8 +61,13 @@ async def test_users_channels_and_messages(storage: SQLiteStorage) -> None:
     for i in range(5):
         m = await storage.add_message(channel.id, ann.id, "Cora", "user", "Annie", f"m{i}", 2)
         ids.append(m.id)
-    refreshed = await storage.get_channel("console:room")
-    assert refreshed is not None and refreshed.message_count == 5
+    assert await storage.count_messages(channel.id) == 5
+    assert [m.seq for m in await storage.recent_messages(channel.id, 10)] == [5, 4, 3, 2, 1]
+    # repeated identical upserts are answered from the cache; a rename still reaches the database
+    assert await storage.upsert_channel("console:room", "room", is_dm=False) == channel
+    renamed = await storage.upsert_channel("console:room", "lounge", is_dm=False)
+    assert renamed.id == channel.id and (await storage.get_channel("console:room")).name == "lounge"
+    assert (await storage.get_user("console:ann")).display_name == "Annie"
     newest = await storage.recent_messages(channel.id, 3)
     assert [m.text for m in newest] == ["m4", "m3", "m2"]
     older = await storage.recent_messages(channel.id, 3, before_id=newest[-1].id)
@@ -184,3 +189,35 @@ async def test_metrics_and_llm_calls_and_settings(storage: SQLiteStorage) -> Non
     await storage.set_setting("x", "1")
     await storage.set_setting("x", "2")
     assert await storage.get_setting("x") == "2"
+
+
+async def test_audit_rows_are_buffered_but_never_lost_on_close(tmp_path: Path) -> None:
+    store = await SQLiteStorage(tmp_path / "audit.db").open()
+    await store.migrate()
+    for i in range(3):
+        await store.record_llm_call(LLMCallRecord("summary", "m", i, 1, 5))
+    await store.close()  # flushes
+    again = await SQLiteStorage(tmp_path / "audit.db").open()
+    assert [c["input_tokens"] for c in await again.list_llm_calls()] == [2, 1, 0]
+    # a full buffer is written without waiting for the timer
+    for i in range(70):
+        await again.record_llm_call(LLMCallRecord("reply", "m", i, 1, 5))
+    await asyncio.sleep(0.1)
+    assert (await again._one("SELECT count(*) FROM llm_calls"))[0] >= 64
+    await again.close()
+
+
+async def test_another_process_summary_is_seen_after_the_cache_expires(tmp_path: Path, monkeypatch) -> None:
+    import bot.storage.sqlite as engine
+
+    first = await SQLiteStorage(tmp_path / "shared.db").open()
+    await first.migrate()
+    second = await SQLiteStorage(tmp_path / "shared.db").open()
+    channel = await first.upsert_channel("console:c", "c", is_dm=True)
+    assert await first.latest_summary(channel.id) is None
+    await second.add_summary(channel.id, "from the other process", 1, 5, 4, "m")
+    monkeypatch.setattr(engine, "SUMMARY_CACHE_SECONDS", 0.0)
+    latest = await first.latest_summary(channel.id)
+    assert latest is not None and latest.text == "from the other process"
+    await first.close()
+    await second.close()

@@ -32,7 +32,6 @@ class Channel:
     key: str  # "platform:id" of the channel/room/DM
     name: str
     is_dm: bool
-    message_count: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +44,7 @@ class StoredMessage:
     author_name: str
     text: str
     token_count: int
+    seq: int  # 1-based position in the channel when it was stored
     created_at: datetime
 
 
@@ -126,15 +126,19 @@ class Storage(Protocol):
     async def close(self) -> None: ...
 
     # users, personas, channels
-    async def upsert_user(self, key: str, display_name: str) -> User: ...
+    async def upsert_user(self, key: str, display_name: str) -> User:
+        """Create or rename the user. Engines may answer repeated identical calls from a cache."""
 
     async def get_user(self, key: str) -> User | None: ...
 
     async def upsert_persona(self, name: str) -> None: ...
 
-    async def upsert_channel(self, key: str, name: str, is_dm: bool) -> Channel: ...
+    async def upsert_channel(self, key: str, name: str, is_dm: bool) -> Channel:
+        """Create or rename the channel. Engines may answer repeated identical calls from a cache."""
 
     async def get_channel(self, key: str) -> Channel | None: ...
+
+    async def count_messages(self, channel_id: int) -> int: ...
 
     # messages
     async def add_message(
@@ -153,11 +157,6 @@ class Storage(Protocol):
         self, channel_id: int, limit: int, before_id: int | None = None
     ) -> list[StoredMessage]:
         """Up to ``limit`` messages of the channel with id < ``before_id``, newest first."""
-
-    async def recent_message_sizes(
-        self, channel_id: int, limit: int, before_id: int | None = None
-    ) -> list[tuple[int, MessageRole, int]]:
-        """``(id, role, token_count)`` of up to ``limit`` messages with id < ``before_id``, newest first."""
 
     async def messages_between(
         self, channel_id: int, after_id: int, before_id: int, limit: int

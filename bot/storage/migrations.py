@@ -49,6 +49,7 @@ SQLITE_MIGRATIONS: tuple[Migration, ...] = (
                 author_name TEXT NOT NULL,
                 text TEXT NOT NULL,
                 token_count INTEGER NOT NULL,
+                seq INTEGER NOT NULL,
                 created_at REAL NOT NULL)""",
             "CREATE INDEX messages_by_channel ON messages (channel_id, id)",
             "CREATE INDEX messages_by_user ON messages (user_id, id)",

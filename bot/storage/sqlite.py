@@ -5,6 +5,13 @@ are atomic on their own; anything that must be read-then-written atomically runs
 ``BEGIN IMMEDIATE`` under an asyncio lock, so in-process tasks never interleave in one transaction
 and other processes wait on SQLite's write lock (bounded by ``busy_timeout``).
 
+Every call is a round trip to aiosqlite's thread, which is most of what a reply costs the core, so
+the reply path keeps them few: identical user/channel upserts are answered from memory, the newest
+summary of a channel is cached (invalidated by this process's writes, re-read after
+``SUMMARY_CACHE_SECONDS`` for other processes' writes), and audit rows (LLM calls, reply stats) are
+buffered and written in batches (at most ``AUDIT_FLUSH_SECONDS`` late; flushed before they are read
+and on close). A crash can lose that last second of audit rows, never a message.
+
 Times are stored as UNIX seconds (REAL); the interface speaks UTC ``datetime``.
 """
 
@@ -41,6 +48,19 @@ from bot.storage.migrations import SQLITE_MIGRATIONS, Migration
 log = logging.getLogger(__name__)
 
 BUSY_TIMEOUT_MS = 10_000
+AUDIT_FLUSH_ROWS = 64  # buffered audit rows written in one go ...
+AUDIT_FLUSH_SECONDS = 1.0  # ... or after this long
+SUMMARY_CACHE_SECONDS = 5.0  # how stale another process's new summary may look here
+
+MESSAGE_COLUMNS = "id, channel_id, user_id, persona, role, author_name, text, token_count, seq, created_at"
+LLM_CALL_SQL = (
+    "INSERT INTO llm_calls (purpose, model, input_tokens, output_tokens, estimated_input_tokens,"
+    " duration_ms, error, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
+REPLY_STATS_SQL = (
+    "INSERT INTO reply_stats (channel_id, message_id, history_tokens, history_budget, window_messages,"
+    " trimmed_messages, summary_used, prompt_tokens, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
 
 
 class StorageError(Exception):
@@ -61,6 +81,12 @@ class SQLiteStorage:
         self._migrations = tuple(sorted(migrations, key=lambda m: m.version))
         self._db: aiosqlite.Connection | None = None
         self._tx_lock = asyncio.Lock()
+        # Users and channels are upserted on every message; identical repeats are answered from here.
+        self._users: dict[str, User] = {}
+        self._channels: dict[str, Channel] = {}
+        self._summaries: dict[int, tuple[float, Summary | None]] = {}
+        self._audit: list[tuple[str, tuple[Any, ...]]] = []
+        self._audit_timer: asyncio.Task[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -72,7 +98,7 @@ class SQLiteStorage:
                 raise StorageError(f"cannot create the database folder {self.path.parent}: {exc}") from None
         try:
             db = await aiosqlite.connect(self.path, isolation_level=None)
-            db.row_factory = aiosqlite.Row
+            db.row_factory = sqlite3.Row
             await db.execute("PRAGMA journal_mode=WAL")
             await db.execute("PRAGMA foreign_keys=ON")
             await db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
@@ -89,6 +115,9 @@ class SQLiteStorage:
 
     async def close(self) -> None:
         if self._db is not None:
+            if self._audit_timer is not None:
+                self._audit_timer.cancel()
+            await self.flush_audit()
             await self._db.close()
             self._db = None
 
@@ -110,21 +139,24 @@ class SQLiteStorage:
             else:
                 await self.db.execute("COMMIT")
 
-    async def _one(self, sql: str, params: Sequence[Any] = ()) -> aiosqlite.Row | None:
-        async with self.db.execute(sql, params) as cur:
-            row: aiosqlite.Row | None = await cur.fetchone()
-            return row
+    # Each helper is one round trip to aiosqlite's thread (execute_fetchall), which is what a reply
+    # mostly pays for: a cursor opened, fetched and closed would be three.
 
-    async def _all(self, sql: str, params: Sequence[Any] = ()) -> list[aiosqlite.Row]:
-        async with self.db.execute(sql, params) as cur:
-            return list(await cur.fetchall())
+    async def _one(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Row | None:
+        rows = await self.db.execute_fetchall(sql, params)
+        return next(iter(rows), None)
 
-    async def _write(self, sql: str, params: Sequence[Any] = ()) -> tuple[int, aiosqlite.Row | None]:
-        """One writing statement, never inside another task's open transaction: (rowcount, first row)."""
+    async def _all(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
+        return list(await self.db.execute_fetchall(sql, params))
+
+    async def _write_one(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Row | None:
+        return next(iter(await self._write(sql, params)), None)
+
+    async def _write(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
+        """One writing statement (use RETURNING to learn what it did), never inside another task's
+        open transaction."""
         async with self._tx_lock:
-            async with self.db.execute(sql, params) as cur:
-                row: aiosqlite.Row | None = await cur.fetchone()
-                return cur.rowcount, row
+            return list(await self.db.execute_fetchall(sql, params))
 
     # -- migrations ------------------------------------------------------------------------------
 
@@ -140,11 +172,10 @@ class SQLiteStorage:
         for migration in self._migrations:
             async with self._transaction() as db:
                 # Re-check inside the write lock: another process may have just applied it.
-                async with db.execute(
+                if await db.execute_fetchall(
                     "SELECT 1 FROM schema_version WHERE version = ?", (migration.version,)
-                ) as cur:
-                    if await cur.fetchone():
-                        continue
+                ):
+                    continue
                 for statement in migration.statements:
                     await db.execute(statement)
                 await db.execute(
@@ -158,15 +189,20 @@ class SQLiteStorage:
     # -- users, personas, channels ---------------------------------------------------------------
 
     async def upsert_user(self, key: str, display_name: str) -> User:
+        cached = self._users.get(key)
+        if cached is not None and cached.display_name == display_name:
+            return cached
         now = time.time()
-        _, row = await self._write(
+        row = await self._write_one(
             "INSERT INTO users (key, display_name, created_at, updated_at) VALUES (?, ?, ?, ?)"
             " ON CONFLICT (key) DO UPDATE SET display_name = excluded.display_name, updated_at = excluded.updated_at"
             " RETURNING id, key, display_name",
             (key, display_name, now, now),
         )
         assert row is not None
-        return User(int(row["id"]), str(row["key"]), str(row["display_name"]))
+        user = User(int(row["id"]), str(row["key"]), str(row["display_name"]))
+        self._users[key] = user
+        return user
 
     async def get_user(self, key: str) -> User | None:
         row = await self._one("SELECT id, key, display_name FROM users WHERE key = ?", (key,))
@@ -179,25 +215,32 @@ class SQLiteStorage:
         )
 
     async def upsert_channel(self, key: str, name: str, is_dm: bool) -> Channel:
+        cached = self._channels.get(key)
+        if cached is not None and (cached.name, cached.is_dm) == (name, is_dm):
+            return cached
         now = time.time()
-        _, row = await self._write(
+        row = await self._write_one(
             "INSERT INTO channels (key, name, is_dm, created_at, updated_at) VALUES (?, ?, ?, ?, ?)"
-            " ON CONFLICT (key) DO UPDATE SET name = excluded.name, updated_at = excluded.updated_at"
-            " RETURNING *",
+            " ON CONFLICT (key) DO UPDATE SET name = excluded.name, is_dm = excluded.is_dm,"
+            " updated_at = excluded.updated_at RETURNING *",
             (key, name, int(is_dm), now, now),
         )
         assert row is not None
-        return self._channel(row)
+        channel = self._channel(row)
+        self._channels[key] = channel
+        return channel
 
     async def get_channel(self, key: str) -> Channel | None:
         row = await self._one("SELECT * FROM channels WHERE key = ?", (key,))
         return None if row is None else self._channel(row)
 
+    async def count_messages(self, channel_id: int) -> int:
+        row = await self._one("SELECT message_count FROM channels WHERE id = ?", (channel_id,))
+        return int(row[0]) if row else 0
+
     @staticmethod
-    def _channel(row: aiosqlite.Row) -> Channel:
-        return Channel(
-            int(row["id"]), str(row["key"]), str(row["name"]), bool(row["is_dm"]), int(row["message_count"])
-        )
+    def _channel(row: sqlite3.Row) -> Channel:
+        return Channel(int(row["id"]), str(row["key"]), str(row["name"]), bool(row["is_dm"]))
 
     # -- messages --------------------------------------------------------------------------------
 
@@ -213,54 +256,37 @@ class SQLiteStorage:
         created_at: datetime | None = None,
     ) -> StoredMessage:
         ts = _ts(created_at)
-        # One statement: the trigger updates the channel's message count atomically with it.
-        _, row = await self._write(
-            "INSERT INTO messages (channel_id, user_id, persona, role, author_name, text, token_count,"
-            " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
-            (channel_id, user_id, persona, role, author_name, text, token_count, ts),
+        # One statement: its seq is the channel's count so far + 1, and the trigger bumps the count.
+        row = await self._write_one(
+            "INSERT INTO messages (channel_id, user_id, persona, role, author_name, text, token_count, seq,"
+            " created_at) VALUES (?, ?, ?, ?, ?, ?, ?,"
+            " (SELECT message_count + 1 FROM channels WHERE id = ?), ?) RETURNING id, seq",
+            (channel_id, user_id, persona, role, author_name, text, token_count, channel_id, ts),
         )
         assert row is not None
         return StoredMessage(
-            int(row[0]), channel_id, user_id, persona, role, author_name, text, token_count, _dt(ts)
+            int(row[0]), channel_id, user_id, persona, role, author_name, text, token_count, int(row[1]), _dt(ts)
         )
 
     @staticmethod
-    def _message(row: aiosqlite.Row) -> StoredMessage:
-        return StoredMessage(
-            id=int(row["id"]),
-            channel_id=int(row["channel_id"]),
-            user_id=None if row["user_id"] is None else int(row["user_id"]),
-            persona=str(row["persona"]),
-            role=row["role"],
-            author_name=str(row["author_name"]),
-            text=str(row["text"]),
-            token_count=int(row["token_count"]),
-            created_at=_dt(float(row["created_at"])),
-        )
+    def _message(row: sqlite3.Row) -> StoredMessage:
+        # Positional: rows come from MESSAGE_COLUMNS, in that order.
+        return StoredMessage(row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], row[8], _dt(row[9]))
 
     async def recent_messages(
         self, channel_id: int, limit: int, before_id: int | None = None
     ) -> list[StoredMessage]:
         rows = await self._all(
-            "SELECT * FROM messages WHERE channel_id = ? AND id < ? ORDER BY id DESC LIMIT ?",
+            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE channel_id = ? AND id < ? ORDER BY id DESC LIMIT ?",
             (channel_id, before_id if before_id is not None else 2**62, limit),
         )
         return [self._message(r) for r in rows]
-
-    async def recent_message_sizes(
-        self, channel_id: int, limit: int, before_id: int | None = None
-    ) -> list[tuple[int, MessageRole, int]]:
-        rows = await self._all(
-            "SELECT id, role, token_count FROM messages WHERE channel_id = ? AND id < ? ORDER BY id DESC LIMIT ?",
-            (channel_id, before_id if before_id is not None else 2**62, limit),
-        )
-        return [(int(r[0]), r[1], int(r[2])) for r in rows]
 
     async def messages_between(
         self, channel_id: int, after_id: int, before_id: int, limit: int
     ) -> list[StoredMessage]:
         rows = await self._all(
-            "SELECT * FROM messages WHERE channel_id = ? AND id > ? AND id < ? ORDER BY id LIMIT ?",
+            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE channel_id = ? AND id > ? AND id < ? ORDER BY id LIMIT ?",
             (channel_id, after_id, before_id, limit),
         )
         return [self._message(r) for r in rows]
@@ -275,7 +301,7 @@ class SQLiteStorage:
     # -- summaries -------------------------------------------------------------------------------
 
     @staticmethod
-    def _summary(row: aiosqlite.Row) -> Summary:
+    def _summary(row: sqlite3.Row) -> Summary:
         return Summary(
             id=int(row["id"]),
             channel_id=int(row["channel_id"]),
@@ -291,11 +317,16 @@ class SQLiteStorage:
         )
 
     async def latest_summary(self, channel_id: int) -> Summary | None:
+        cached = self._summaries.get(channel_id)
+        if cached is not None and time.monotonic() - cached[0] < SUMMARY_CACHE_SECONDS:
+            return cached[1]
         row = await self._one(
             "SELECT * FROM summaries WHERE channel_id = ? AND status = 'ok' ORDER BY version DESC LIMIT 1",
             (channel_id,),
         )
-        return None if row is None else self._summary(row)
+        summary = None if row is None else self._summary(row)
+        self._summaries[channel_id] = (time.monotonic(), summary)
+        return summary
 
     async def add_summary(
         self,
@@ -308,28 +339,20 @@ class SQLiteStorage:
         status: SummaryStatus = "ok",
         reason: str = "",
     ) -> Summary:
-        async with self._transaction() as db:
-            async with db.execute(
-                "INSERT INTO summaries (channel_id, version, text, covers_from_id, covers_to_id, token_count,"
-                " model, status, reason, created_at)"
-                " SELECT ?, coalesce(max(version), 0) + 1, ?, ?, ?, ?, ?, ?, ?, ? FROM summaries"
-                " WHERE channel_id = ? RETURNING *",
-                (
-                    channel_id,
-                    text,
-                    covers_from_id,
-                    covers_to_id,
-                    token_count,
-                    model,
-                    status,
-                    reason,
-                    time.time(),
-                    channel_id,
-                ),
-            ) as cur:
-                row = await cur.fetchone()
+        # One statement: the next version number and the insert are atomic together.
+        row = await self._write_one(
+            "INSERT INTO summaries (channel_id, version, text, covers_from_id, covers_to_id, token_count,"
+            " model, status, reason, created_at)"
+            " SELECT ?, coalesce(max(version), 0) + 1, ?, ?, ?, ?, ?, ?, ?, ? FROM summaries"
+            " WHERE channel_id = ? RETURNING *",
+            (channel_id, text, covers_from_id, covers_to_id, token_count, model, status, reason, time.time(),
+             channel_id),
+        )
         assert row is not None
-        return self._summary(row)
+        summary = self._summary(row)
+        if summary.status == "ok":
+            self._summaries[channel_id] = (time.monotonic(), summary)
+        return summary
 
     async def list_summaries(self, channel_id: int) -> list[Summary]:
         rows = await self._all("SELECT * FROM summaries WHERE channel_id = ? ORDER BY version", (channel_id,))
@@ -338,7 +361,7 @@ class SQLiteStorage:
     # -- jobs ------------------------------------------------------------------------------------
 
     @staticmethod
-    def _job(row: aiosqlite.Row) -> Job:
+    def _job(row: sqlite3.Row) -> Job:
         return Job(
             id=int(row["id"]),
             kind=str(row["kind"]),
@@ -369,7 +392,7 @@ class SQLiteStorage:
         duplicate = (
             "NOT EXISTS (SELECT 1 FROM jobs WHERE kind = ? AND key = ? AND status = 'queued')" if dedupe else "1"
         )
-        _, row = await self._write(
+        row = await self._write_one(
             "INSERT INTO jobs (kind, key, payload, status, max_attempts, run_after, created_at, updated_at)"
             f" SELECT ?, ?, ?, 'queued', ?, ?, ?, ? WHERE {duplicate} RETURNING *",
             (
@@ -384,31 +407,28 @@ class SQLiteStorage:
             return None
         now = time.time()
         marks = ",".join("?" for _ in kinds)
-        async with self._transaction() as db:
-            async with db.execute(
-                f"SELECT id FROM jobs AS j WHERE status = 'queued' AND run_after <= ? AND kind IN ({marks})"
-                " AND NOT EXISTS (SELECT 1 FROM jobs AS r WHERE r.key = j.key AND r.status = 'running')"
-                " ORDER BY run_after, id LIMIT 1",
-                (now, *kinds),
-            ) as cur:
-                found = await cur.fetchone()
-            if found is None:
-                return None
-            async with db.execute(
-                "UPDATE jobs SET status = 'running', attempts = attempts + 1, locked_by = ?, lease_until = ?,"
-                " updated_at = ? WHERE id = ? RETURNING *",
-                (worker, now + lease_seconds, now, found[0]),
-            ) as cur:
-                row = await cur.fetchone()
-        assert row is not None
-        return self._job(row)
+        runnable = (
+            f"SELECT id FROM jobs AS j WHERE status = 'queued' AND run_after <= ? AND kind IN ({marks})"
+            " AND NOT EXISTS (SELECT 1 FROM jobs AS r WHERE r.key = j.key AND r.status = 'running')"
+            " ORDER BY run_after, id LIMIT 1"
+        )
+        # Idle workers poll: look first without taking SQLite's write lock.
+        if await self._one(runnable, (now, *kinds)) is None:
+            return None
+        # One statement, so choosing and taking the job is atomic across tasks and processes.
+        row = await self._write_one(
+            "UPDATE jobs SET status = 'running', attempts = attempts + 1, locked_by = ?, lease_until = ?,"
+            f" updated_at = ? WHERE id = ({runnable}) RETURNING *",
+            (worker, now + lease_seconds, now, now, *kinds),
+        )
+        return None if row is None else self._job(row)
 
     async def renew_lease(self, job_id: int, worker: str, lease_seconds: float) -> bool:
-        count, _ = await self._write(
-            "UPDATE jobs SET lease_until = ? WHERE id = ? AND status = 'running' AND locked_by = ?",
+        renewed = await self._write(
+            "UPDATE jobs SET lease_until = ? WHERE id = ? AND status = 'running' AND locked_by = ? RETURNING id",
             (time.time() + lease_seconds, job_id, worker),
         )
-        return count > 0
+        return bool(renewed)
 
     async def _set_job(self, job_id: int, sql_set: str, params: Sequence[Any]) -> None:
         await self._write(
@@ -437,8 +457,7 @@ class SQLiteStorage:
         now = time.time()
         recovered: list[Job] = []
         async with self._transaction() as db:
-            async with db.execute("SELECT * FROM jobs WHERE status = 'running'") as cur:
-                rows = list(await cur.fetchall())
+            rows = await db.execute_fetchall("SELECT * FROM jobs WHERE status = 'running'")
             for row in rows:
                 if float(row["lease_until"]) < now or is_worker_dead(str(row["locked_by"])):
                     await db.execute(
@@ -467,10 +486,43 @@ class SQLiteStorage:
 
     # -- audit and metrics -----------------------------------------------------------------------
 
+    def _buffer_audit(self, sql: str, params: tuple[Any, ...]) -> None:
+        self._audit.append((sql, params))
+        if len(self._audit) >= AUDIT_FLUSH_ROWS:
+            self._schedule_flush(0.0)
+        else:
+            self._schedule_flush(AUDIT_FLUSH_SECONDS)
+
+    def _schedule_flush(self, delay: float) -> None:
+        if self._audit_timer is not None and not self._audit_timer.done():
+            if delay > 0:
+                return
+            self._audit_timer.cancel()
+        self._audit_timer = asyncio.create_task(self._flush_after(delay), name="storage-audit-flush")
+
+    async def _flush_after(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        try:
+            await self.flush_audit()
+        except Exception:
+            log.exception("could not write %d buffered audit rows; will retry", len(self._audit))
+
+    async def flush_audit(self) -> None:
+        """Write buffered audit rows (LLM calls, reply stats) now."""
+        if not self._audit or self._db is None:
+            return
+        pending, self._audit = self._audit, []
+        try:
+            async with self._transaction() as db:
+                for sql in dict.fromkeys(sql for sql, _ in pending):
+                    await db.executemany(sql, [params for s, params in pending if s == sql])
+        except BaseException:
+            self._audit[:0] = pending
+            raise
+
     async def record_llm_call(self, record: LLMCallRecord) -> None:
-        await self._write(
-            "INSERT INTO llm_calls (purpose, model, input_tokens, output_tokens, estimated_input_tokens,"
-            " duration_ms, error, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        self._buffer_audit(
+            LLM_CALL_SQL,
             (
                 record.purpose,
                 record.model,
@@ -484,13 +536,13 @@ class SQLiteStorage:
         )
 
     async def list_llm_calls(self, limit: int = 100) -> list[dict[str, Any]]:
+        await self.flush_audit()
         rows = await self._all("SELECT * FROM llm_calls ORDER BY id DESC LIMIT ?", (limit,))
         return [dict(r) for r in rows]
 
     async def record_reply_stats(self, stats: ReplyStats) -> None:
-        await self._write(
-            "INSERT INTO reply_stats (channel_id, message_id, history_tokens, history_budget, window_messages,"
-            " trimmed_messages, summary_used, prompt_tokens, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        self._buffer_audit(
+            REPLY_STATS_SQL,
             (
                 stats.channel_id,
                 stats.message_id,
@@ -505,6 +557,7 @@ class SQLiteStorage:
         )
 
     async def reply_metrics(self, channel_id: int | None = None) -> ReplyMetrics:
+        await self.flush_audit()
         where, params = ("WHERE channel_id = ?", (channel_id,)) if channel_id is not None else ("", ())
         row = await self._one(
             "SELECT count(*) AS n,"
