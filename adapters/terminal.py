@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 from typing import TextIO
 
 from bot.app import App
@@ -59,8 +60,35 @@ class TerminalAdapter:
         if self.interactive:
             self.stdout.write("you › ")
             self.stdout.flush()
-        line = await asyncio.to_thread(self.stdin.readline)
+        line = await self._readline_in_thread()
         return None if line == "" else line.rstrip("\r\n")
+
+    async def _readline_in_thread(self) -> str:
+        """Read one line without blocking the loop. A daemon thread, not the default executor: a
+        read still waiting on an open terminal must not keep the process alive after Ctrl-C/SIGTERM."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[str] = loop.create_future()
+
+        def deliver(line: str | None, error: BaseException | None) -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(line or "")
+
+        def read() -> None:
+            try:
+                line, error = self.stdin.readline(), None
+            except BaseException as exc:  # noqa: BLE001 - handed to the loop
+                line, error = None, exc
+            try:
+                loop.call_soon_threadsafe(deliver, line, error)
+            except RuntimeError:
+                pass  # the loop is already closed: nobody is waiting any more
+
+        threading.Thread(target=read, name="stdin-reader", daemon=True).start()
+        return await future
 
     def _error(self, text: str) -> None:
         self.stderr.write(f"error: {text}\n")

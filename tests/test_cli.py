@@ -275,3 +275,31 @@ def test_killed_during_a_summary_job_the_job_completes_after_restart(
     assert job == [("done", 2)]
     summaries = db_rows(tmp_path, "SELECT status, text FROM summaries")
     assert summaries and summaries[0][0] == "ok" and summaries[0][1].startswith("Summary")
+
+
+@pytest.mark.slow
+def test_sigterm_stops_cleanly_and_requeues_the_running_job(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    fake_llm.responder = responder(summary_delay=120)
+    config = write_config(tmp_path, fake_llm, history={"history_tokens": 200, "summary_trigger": 10},
+                          jobs={"shutdown_grace_seconds": 1})
+    env = {**os.environ, "CB_TEST_API_KEY": API_KEY}
+    proc = subprocess.Popen(
+        [str(BIN / "cortexbot"), "--config", str(config), "chat", "--user", "ann"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    assert proc.stdin is not None
+    proc.stdin.write("".join(f"message {i} with some words about the garden\n" for i in range(15)))
+    proc.stdin.flush()  # stdin stays open: the chat is still waiting for input
+    fake_llm.wait_for(is_summary, timeout=60)
+    fake_llm.wait_for(lambda r: not is_summary(r) and "message 14" in r.last_user_text(), timeout=60)
+    time.sleep(0.5)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=15)  # stdin is still open: a pending read must not keep the process alive
+    assert time.monotonic() - started < 15
+    out, err = proc.communicate(timeout=5)
+    assert proc.returncode != 0 and "Traceback" not in err
+    assert "Cora: echo: message 14" in out
+    jobs = db_rows(tmp_path, "SELECT status, attempts FROM jobs WHERE kind = 'summary'")
+    assert jobs and all(job == ("queued", 0) for job in jobs)  # the interrupted one went back untouched
+    assert db_rows(tmp_path, "SELECT count(*) FROM messages") == [(30,)]
