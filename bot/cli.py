@@ -89,7 +89,8 @@ def cli(ctx: click.Context, config_path: Path | None, verbose: bool) -> None:
 def chat(ctx: click.Context, user: str | None, persona: str | None) -> None:
     """Chat with a persona in the terminal (reads piped stdin too, one message per line)."""
     config = _load(ctx)
-    setup_logging(config.bot.log_level if ctx.obj["verbose"] else "WARNING")
+    # The chat shows failures itself, one line each; logs only with -v.
+    setup_logging(config.bot.log_level if ctx.obj["verbose"] else "ERROR")
     name = user or config.terminal.user or getpass.getuser() or "you"
     try:
         config.persona(persona)

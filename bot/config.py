@@ -108,6 +108,9 @@ class HistoryConfig(_Section):
     summary_trigger: int = Field(
         default=40, ge=2, description="Messages a channel needs before a rolling summary is written."
     )
+    summary_batch: int = Field(
+        default=10, ge=1, description="Uncovered evicted messages that make a new summary worth writing."
+    )
     summary_words: int = Field(default=150, ge=10, description="Target length of a rolling summary.")
     summary_input_tokens: int = Field(
         default=6000, ge=200, description="Most evicted-message tokens folded into one summary job."

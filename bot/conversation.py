@@ -249,7 +249,7 @@ class ConversationCore:
             "yes" if summary_used else "no",
         )
         try:
-            await self.summaries.on_reply(channel.id, reply.seq, window.newest_evicted_id, persona.name, summary)
+            await self.summaries.on_reply(channel.id, reply.seq, window, persona.name, summary)
         except Exception:
             log.exception("could not check whether channel %d needs a summary", channel.id)
         exchange = Exchange(

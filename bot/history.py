@@ -23,7 +23,7 @@ class HistoryWindow:
     messages: list[StoredMessage] = field(default_factory=list)  # oldest first
     tokens: int = 0  # estimated (scaled) tokens of the messages in the window
     budget: int = 0
-    trimmed: int = 0  # older messages of the channel left out
+    trimmed: int = 0  # older messages of the channel left out (= the newest left-out message's seq)
     newest_evicted_id: int | None = None  # the newest message left out, if any
 
     @property

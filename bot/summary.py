@@ -1,8 +1,9 @@
 """Rolling summaries of what fell out of a channel's history window.
 
-After each reply, :meth:`SummaryEngine.on_reply` checks (cheaply, through indexes) whether the
-window has evicted messages that no summary covers yet and whether the channel holds at least
-``summary_trigger`` messages; if so it enqueues one durable ``summary`` job for the channel.
+After each reply, :meth:`SummaryEngine.on_reply` checks (without a query) whether the window has
+left out at least ``summary_batch`` messages that no summary covers yet and whether the channel
+holds at least ``summary_trigger`` messages; if so it enqueues one durable ``summary`` job for the
+channel. Batching keeps summary calls to one per few exchanges instead of one per reply.
 
 The job folds the newest good summary and the uncovered evicted messages (oldest first, at most
 ``summary_input_tokens`` of them per run; the rest go to a follow-up job) into a new summary. The
@@ -18,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from bot.config import Config, PersonaConfig
-from bot.history import build_window, message_cost
+from bot.history import HistoryWindow, build_window, message_cost
 from bot.jobs import JobQueue
 from bot.llm.base import ChatMessage, LLMProvider, LLMRequest
 from bot.llm.errors import LLMError, LLMTransientError
@@ -93,14 +94,19 @@ class SummaryEngine:
         self,
         channel_id: int,
         channel_message_count: int,
-        newest_evicted_id: int | None,
+        window: HistoryWindow,
         persona: str,
         latest: Summary | None,
     ) -> Job | None:
-        """Enqueue a summary job when the window left out a message that ``latest`` does not cover."""
-        if channel_message_count < self.config.history.summary_trigger or newest_evicted_id is None:
+        """Enqueue a summary job once ``summary_batch`` messages have left the window uncovered.
+
+        Positions (``seq``) make this free: the window knows how many messages it left out, the
+        summary how far it reaches.
+        """
+        if channel_message_count < self.config.history.summary_trigger or window.newest_evicted_id is None:
             return None
-        if latest is not None and newest_evicted_id <= latest.covers_to_id:
+        uncovered = window.trimmed - (latest.covers_to_seq if latest else 0)
+        if uncovered < self.config.history.summary_batch:
             return None
         payload = {"channel_id": channel_id, "persona": persona}
         return await self.queue.enqueue(JOB_KIND, f"channel:{channel_id}", payload)

@@ -19,7 +19,8 @@ def _config(tmp_path: Path, **history):
     return parse_config(
         {
             "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
-            "history": {"history_tokens": 300, "summary_tokens": 120, "summary_trigger": 10, **history},
+            "history": {"history_tokens": 300, "summary_tokens": 120, "summary_trigger": 10, "summary_batch": 2,
+                        **history},
             "jobs": {"poll_seconds": 0.05, "retry_base_seconds": 0.01, "retry_max_seconds": 0.02},
             "bot": {"global_rules": "Be kind to {user_name}."},
             "personas": [
@@ -196,3 +197,19 @@ async def test_commands_summary_and_stats(tmp_path: Path) -> None:
         assert "!summary" in help_text and "!stats" in help_text and "!help" in help_text
         assert "Unknown command !nope" in await app.commands.dispatch("!nope", ctx)
         assert "Could not read" in await app.commands.dispatch('!stats "unclosed', ctx)
+
+
+async def test_summaries_are_batched_not_written_after_every_reply(tmp_path: Path) -> None:
+    config = _config(tmp_path, summary_batch=10)
+    llm = ScriptedProvider()
+    llm.default = lambda r: Completion(text="kurz." if is_summary(r) else "antwort " * 30, usage=Usage(0, 1))
+    async with App(config, llm=llm) as app:
+        for i in range(40):
+            await app.core.reply(_msg(f"Nachricht {i} " + "text " * 20)).text()
+            assert await app.workers.drain(5)
+        channel = await app.storage.get_channel("console:c1")
+        summaries = await app.storage.list_summaries(channel.id)
+    # each reply pushes about two messages out of the window: one summary per ~5 replies, not per reply
+    assert 3 <= len(summaries) <= 9
+    steps = [b.covers_to_seq - a.covers_to_seq for a, b in zip(summaries, summaries[1:], strict=False)]
+    assert all(step >= 10 for step in steps)

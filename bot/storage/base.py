@@ -56,6 +56,7 @@ class Summary:
     text: str
     covers_from_id: int  # first message folded into this summary (over all versions)
     covers_to_id: int  # last message folded in; messages after it are not covered
+    covers_to_seq: int  # that message's position in the channel
     token_count: int
     model: str
     status: SummaryStatus

@@ -65,6 +65,7 @@ SQLITE_MIGRATIONS: tuple[Migration, ...] = (
                 text TEXT NOT NULL,
                 covers_from_id INTEGER NOT NULL,
                 covers_to_id INTEGER NOT NULL,
+                covers_to_seq INTEGER NOT NULL,
                 token_count INTEGER NOT NULL,
                 model TEXT NOT NULL,
                 status TEXT NOT NULL CHECK (status IN ('ok', 'rejected')),

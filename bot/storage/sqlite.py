@@ -10,7 +10,9 @@ the reply path keeps them few: identical user/channel upserts are answered from 
 summary of a channel is cached (invalidated by this process's writes, re-read after
 ``SUMMARY_CACHE_SECONDS`` for other processes' writes), and audit rows (LLM calls, reply stats) are
 buffered and written in batches (at most ``AUDIT_FLUSH_SECONDS`` late; flushed before they are read
-and on close). A crash can lose that last second of audit rows, never a message.
+and on close). A crash can lose that last second of audit rows, never a message. WAL checkpoints
+(which fsync) run every ``CHECKPOINT_SECONDS`` on a second connection instead of inside whichever
+reply's write happens to cross SQLite's page threshold.
 
 Times are stored as UNIX seconds (REAL); the interface speaks UTC ``datetime``.
 """
@@ -51,6 +53,8 @@ BUSY_TIMEOUT_MS = 10_000
 AUDIT_FLUSH_ROWS = 64  # buffered audit rows written in one go ...
 AUDIT_FLUSH_SECONDS = 1.0  # ... or after this long
 SUMMARY_CACHE_SECONDS = 5.0  # how stale another process's new summary may look here
+CHECKPOINT_SECONDS = 5.0  # WAL checkpoints run this often on a connection of their own ...
+WAL_AUTOCHECKPOINT_PAGES = 20_000  # ... so SQLite's own (inline, fsyncing) one is only a backstop
 
 MESSAGE_COLUMNS = "id, channel_id, user_id, persona, role, author_name, text, token_count, seq, created_at"
 LLM_CALL_SQL = (
@@ -87,6 +91,7 @@ class SQLiteStorage:
         self._summaries: dict[int, tuple[float, Summary | None]] = {}
         self._audit: list[tuple[str, tuple[Any, ...]]] = []
         self._audit_timer: asyncio.Task[None] | None = None
+        self._checkpointer: asyncio.Task[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -104,6 +109,7 @@ class SQLiteStorage:
             await db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
             await db.execute("PRAGMA synchronous=NORMAL")
             await db.execute("PRAGMA cache_size=-16000")  # 16 MB of page cache
+            await db.execute(f"PRAGMA wal_autocheckpoint={WAL_AUTOCHECKPOINT_PAGES}")
             await db.execute(
                 "CREATE TABLE IF NOT EXISTS schema_version ("
                 " version INTEGER PRIMARY KEY, description TEXT NOT NULL, applied_at REAL NOT NULL)"
@@ -111,9 +117,29 @@ class SQLiteStorage:
         except sqlite3.Error as exc:
             raise StorageError(f"cannot open the database {self.path}: {exc}") from None
         self._db = db
+        if self.path != Path(":memory:"):
+            self._checkpointer = asyncio.create_task(self._checkpoint_loop(), name="storage-wal-checkpoint")
         return self
 
+    async def _checkpoint_loop(self) -> None:
+        """Checkpoint the WAL from a connection (and thread) of its own; PASSIVE never blocks writers."""
+        db = await aiosqlite.connect(self.path, isolation_level=None)
+        try:
+            await db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+            while True:
+                await asyncio.sleep(CHECKPOINT_SECONDS)
+                try:
+                    await db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                except sqlite3.Error as exc:
+                    log.warning("WAL checkpoint failed (%s); SQLite's own checkpoint is the backstop", exc)
+        finally:
+            await db.close()
+
     async def close(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.cancel()
+            await asyncio.gather(self._checkpointer, return_exceptions=True)
+            self._checkpointer = None
         if self._db is not None:
             if self._audit_timer is not None:
                 self._audit_timer.cancel()
@@ -309,6 +335,7 @@ class SQLiteStorage:
             text=str(row["text"]),
             covers_from_id=int(row["covers_from_id"]),
             covers_to_id=int(row["covers_to_id"]),
+            covers_to_seq=int(row["covers_to_seq"]),
             token_count=int(row["token_count"]),
             model=str(row["model"]),
             status=row["status"],
@@ -341,12 +368,13 @@ class SQLiteStorage:
     ) -> Summary:
         # One statement: the next version number and the insert are atomic together.
         row = await self._write_one(
-            "INSERT INTO summaries (channel_id, version, text, covers_from_id, covers_to_id, token_count,"
-            " model, status, reason, created_at)"
-            " SELECT ?, coalesce(max(version), 0) + 1, ?, ?, ?, ?, ?, ?, ?, ? FROM summaries"
+            "INSERT INTO summaries (channel_id, version, text, covers_from_id, covers_to_id, covers_to_seq,"
+            " token_count, model, status, reason, created_at)"
+            " SELECT ?, coalesce(max(version), 0) + 1, ?, ?, ?,"
+            " coalesce((SELECT seq FROM messages WHERE id = ?), 0), ?, ?, ?, ?, ? FROM summaries"
             " WHERE channel_id = ? RETURNING *",
-            (channel_id, text, covers_from_id, covers_to_id, token_count, model, status, reason, time.time(),
-             channel_id),
+            (channel_id, text, covers_from_id, covers_to_id, covers_to_id, token_count, model, status, reason,
+             time.time(), channel_id),
         )
         assert row is not None
         summary = self._summary(row)
