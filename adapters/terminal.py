@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
+from pathlib import Path
 from typing import TextIO
 
 from bot.app import App
-from bot.commands import CommandContext
+from bot.commands import Attachment, CommandContext
 from bot.errors import UserFacingError
 from bot.llm.errors import LLMError
 from bot.ports import IncomingMessage
@@ -31,6 +32,7 @@ class TerminalAdapter:
         stdin: TextIO | None = None,
         stdout: TextIO | None = None,
         stderr: TextIO | None = None,
+        export_dir: str | Path | None = None,
     ) -> None:
         self.app = app
         self.user = user
@@ -39,6 +41,7 @@ class TerminalAdapter:
         self.stdout = stdout or sys.stdout
         self.stderr = stderr or sys.stderr
         self.interactive = self.stdin.isatty()
+        self.export_dir = Path(export_dir) if export_dir else Path.cwd()
         self.failures = 0
 
     @property
@@ -111,11 +114,49 @@ class TerminalAdapter:
             self.stdout.write("\n")
         return 1 if self.failures else 0
 
+    async def run_command(self, line: str) -> None:
+        reply = await self.app.commands.dispatch(line, self._context())
+        if reply.needs_body:
+            self.stdout.write(reply.needs_body + "\n")
+            self.stdout.flush()
+            body = await self._read_body()
+            if body is None:
+                self._error("no content given; nothing changed")
+                return
+            reply = await self.app.commands.dispatch(f"{line}\n{body}", self._context())
+        self.stdout.write(reply.text.rstrip() + "\n")
+        for attachment in reply.attachments:
+            path = self._save(attachment)
+            self.stdout.write(f"saved {path}\n")
+        self.stdout.flush()
+
+    async def _read_body(self) -> str | None:
+        """Lines up to one holding only a dot; None at end of input or when nothing was typed."""
+        lines: list[str] = []
+        while True:
+            line = await self._readline_in_thread()
+            if line == "":
+                return None
+            text = line.rstrip("\r\n")
+            if text.strip() == ".":
+                return "\n".join(lines) if any(part.strip() for part in lines) else None
+            lines.append(text)
+
+    def _save(self, attachment: Attachment) -> Path:
+        """Write an attachment (an export, a long file) into the export folder, never overwriting."""
+        folder = self.export_dir
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / Path(attachment.filename).name
+        stem, suffix, n = path.stem, path.suffix, 1
+        while path.exists():
+            path = folder / f"{stem}-{n}{suffix}"
+            n += 1
+        path.write_bytes(attachment.data)
+        return path
+
     async def handle_line(self, line: str) -> None:
         if self.app.commands.is_command(line):
-            answer = await self.app.commands.dispatch(line, self._context())
-            self.stdout.write(answer.rstrip() + "\n")
-            self.stdout.flush()
+            await self.run_command(line)
             return
         message = IncomingMessage(
             platform=PLATFORM,

@@ -19,6 +19,8 @@ from bot.storage.sqlite import SQLiteStorage, open_storage
 from bot.summary import JOB_KIND as SUMMARY_JOB
 from bot.summary import SummaryEngine
 from bot.tokens import BPETokenEstimator
+from cortex import build_cortex
+from cortex.tiers import JOB_KIND as CORTEX_JOB
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +69,17 @@ class App:
             )
             self.queue = JobQueue(self.storage, self.config.jobs)
             self.summaries = SummaryEngine(self.config, self.storage, self.llm, self.estimator, self.queue)
-            self.core = ConversationCore(self.config, self.storage, self.llm, self.estimator, self.summaries)
+            self.cortex = build_cortex(self.config, self.storage, self.llm, self.estimator, self.queue)
+            self.core = ConversationCore(
+                self.config, self.storage, self.llm, self.estimator, self.summaries,
+                section_providers=[self.cortex.section], observers=[self.cortex.tiers],
+            )
             self.commands = CommandRegistry()
             register_core_commands(self.commands, self.storage, self.estimator)
-            self.workers = WorkerPool(self.queue, {SUMMARY_JOB: self.summaries.run_job})
+            self.cortex.commands.register(self.commands)
+            self.workers = WorkerPool(
+                self.queue, {SUMMARY_JOB: self.summaries.run_job, CORTEX_JOB: self.cortex.updater.run_job}
+            )
             if workers:
                 await self.workers.start()
         except BaseException:

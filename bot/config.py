@@ -128,6 +128,58 @@ class JobsConfig(_Section):
     shutdown_grace_seconds: float = Field(default=10.0, ge=0)
 
 
+FREQUENCY_PRESETS: dict[str, tuple[int, ...]] = {
+    "frequent": (25, 50, 75, 95),
+    "medium": (50, 75, 95),
+    "rare": (95,),
+}
+
+
+def _check_tiers(value: list[int]) -> list[int]:
+    if any(not 1 <= t <= 100 for t in value):
+        raise ValueError("each tier is a percentage from 1 to 100")
+    if len(set(value)) != len(value):
+        raise ValueError("a tier is listed twice")
+    return sorted(value)
+
+
+class CortexConfig(_Section):
+    """Defaults of the cortex; admins override most of them per persona and per server."""
+
+    enabled: bool = Field(default=True, description="Whether the persona keeps its cortex files up to date.")
+    frequency: Literal["frequent", "medium", "rare"] = Field(
+        default="medium", description="Tier preset: frequent 25/50/75/95 %, medium 50/75/95 %, rare 95 %."
+    )
+    tiers: list[int] = Field(
+        default_factory=list, description="Explicit tier percentages of context_limit; overrides frequency."
+    )
+    context_limit: int = Field(default=60, ge=4, le=100_000, description="Messages per tier cycle.")
+    cooldown_seconds: float = Field(default=30.0, ge=0, description="Least time between two updates of a pair.")
+    max_rounds: int = Field(default=10, ge=1, le=50, description="Most model calls in one update.")
+    file_max_chars: int = Field(default=8000, ge=200, le=200_000, description="Size cap of each cortex file.")
+    daily_token_budget: int = Field(
+        default=200_000, ge=0, description="Tokens one user-persona pair's updates may use per UTC day (0: none)."
+    )
+    bot_daily_token_budget: int = Field(
+        default=2_000_000, ge=0, description="Tokens all cortex updates together may use per UTC day (0: none)."
+    )
+    model: str | None = Field(default=None, description="Model for updates; default: [llm] model.")
+    temperature: float | None = Field(default=0.3, ge=0.0, le=2.0, description="Low keeps the files steady.")
+    max_tokens: int = Field(default=4096, ge=256, le=64_000, description="Longest answer per update round.")
+    history_tokens: int = Field(
+        default=6000, ge=200, description="Budget of the conversation an update reads (newest first)."
+    )
+    prompt_tokens: int = Field(default=3000, ge=100, description="Budget of the cortex files in a reply prompt.")
+
+    @field_validator("tiers")
+    @classmethod
+    def _valid_tiers(cls, value: list[int]) -> list[int]:
+        return _check_tiers(value)
+
+    def tier_percentages(self) -> tuple[int, ...]:
+        return tuple(self.tiers) if self.tiers else FREQUENCY_PRESETS[self.frequency]
+
+
 class TerminalConfig(_Section):
     enabled: bool = Field(default=True, description="Whether `cortexbot run` starts the terminal adapter.")
     user: str = Field(default="", description="Name of the local user; default: the login name.")
@@ -180,6 +232,7 @@ class Config(_Section):
     llm: LLMConfig = Field(default_factory=LLMConfig)
     history: HistoryConfig = Field(default_factory=HistoryConfig)
     jobs: JobsConfig = Field(default_factory=JobsConfig)
+    cortex: CortexConfig = Field(default_factory=CortexConfig)
     terminal: TerminalConfig = Field(default_factory=TerminalConfig)
     personas: list[PersonaConfig] = Field(default_factory=lambda: [DEFAULT_PERSONA.model_copy()])
 

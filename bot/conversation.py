@@ -124,11 +124,12 @@ class ConversationCore:
         context = PromptContext(
             persona=persona.name,
             language=persona.language,
+            user_db_id=user.id,
             user_key=user.key,
             user_name=user.display_name,
             channel_key=channel.key,
             is_dm=message.is_dm,
-            server_id=message.server_id,
+            server_key=message.server_key,
             message=user_msg.text,
             now=now,
         )
@@ -258,7 +259,7 @@ class ConversationCore:
             user_key=user.key,
             persona=persona.name,
             is_dm=message.is_dm,
-            server_id=message.server_id,
+            server_key=message.server_key,
             user_message=user_msg,
             reply=reply,
         )

@@ -40,6 +40,10 @@ class IncomingMessage:
     def channel_key(self) -> str:
         return f"{self.platform}:{self.channel_id}"
 
+    @property
+    def server_key(self) -> str | None:
+        return None if self.server_id is None else f"{self.platform}:{self.server_id}"
+
 
 @dataclass(frozen=True, slots=True)
 class PromptContext:
@@ -47,11 +51,12 @@ class PromptContext:
 
     persona: str
     language: str
+    user_db_id: int
     user_key: str
     user_name: str
     channel_key: str
     is_dm: bool
-    server_id: str | None
+    server_key: str | None
     message: str
     now: datetime
 
@@ -86,7 +91,7 @@ class Exchange:
     user_key: str
     persona: str
     is_dm: bool
-    server_id: str | None
+    server_key: str | None
     user_message: StoredMessage
     reply: StoredMessage
     extra: dict[str, object] = field(default_factory=dict)

@@ -1,0 +1,47 @@
+"""The cortex: per user-persona files the persona rewrites itself, in tiered background updates.
+
+``build_cortex`` wires the parts; the core sees only two of them, through its ports: the prompt
+section (:class:`cortex.section.CortexSection`) and the exchange observer
+(:class:`cortex.tiers.TierEngine`). The job handler and the commands are registered in ``bot.app``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bot.config import Config
+from bot.jobs import JobQueue
+from bot.llm.base import LLMProvider
+from bot.storage.sqlite import SQLiteStorage
+from bot.tokens import TokenEstimator
+from cortex.commands import CortexCommands
+from cortex.files import CortexFiles
+from cortex.section import CortexSection
+from cortex.settings import SettingsResolver
+from cortex.store import CortexStore
+from cortex.tiers import TierEngine
+from cortex.update import CortexUpdater
+
+
+@dataclass(frozen=True, slots=True)
+class Cortex:
+    store: CortexStore
+    files: CortexFiles
+    resolver: SettingsResolver
+    tiers: TierEngine
+    updater: CortexUpdater
+    section: CortexSection
+    commands: CortexCommands
+
+
+def build_cortex(
+    config: Config, storage: SQLiteStorage, llm: LLMProvider, estimator: TokenEstimator, queue: JobQueue
+) -> Cortex:
+    store = CortexStore(storage)
+    files = CortexFiles(store, config.cortex.file_max_chars)
+    resolver = SettingsResolver(config.cortex, store)
+    tiers = TierEngine(store, resolver, queue)
+    updater = CortexUpdater(config, store, files, resolver, llm, estimator)
+    section = CortexSection(store, estimator, config.cortex.prompt_tokens)
+    commands = CortexCommands(config, storage, store, files, resolver, tiers, updater)
+    return Cortex(store, files, resolver, tiers, updater, section, commands)

@@ -44,6 +44,14 @@ def is_summary(request: RecordedRequest) -> bool:
     return "rolling summary" in system_text(request)
 
 
+def is_cortex_update(request: RecordedRequest) -> bool:
+    return bool(request.body.get("tools")) and "Your inner files" in system_text(request)
+
+
+def is_reply(request: RecordedRequest) -> bool:
+    return not is_summary(request) and not is_cortex_update(request)
+
+
 def realistic_usage(request: RecordedRequest) -> int:
     """Input tokens as a real provider would report them (so calibration stays honest)."""
     return ESTIMATOR.raw_count(system_text(request)) + sum(
@@ -121,7 +129,7 @@ def test_piped_chat_streams_replies_and_runs_commands(tmp_path: Path, fake_llm: 
     assert "Cora: echo: hello there" in result.stdout
     assert "Cora: echo: second line" in result.stdout
     assert "!summary" in result.stdout and "!stats" in result.stdout
-    completions = fake_llm.completion_requests
+    completions = [r for r in fake_llm.completion_requests if is_reply(r)]
     assert len(completions) == 2 and all(r.stream for r in completions)
     assert completions[0].headers.get("Authorization") == f"Bearer {API_KEY}"
     # the second request carries the first exchange as history
@@ -185,7 +193,7 @@ def test_missing_api_key_is_explained(tmp_path: Path, fake_llm: FakeLLMServer) -
 def test_migrate_then_up_to_date(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
     config = write_config(tmp_path, fake_llm)
     first = cortexbot("--config", str(config), "migrate")
-    assert first.returncode == 0 and "applied migration(s) 1" in first.stdout
+    assert first.returncode == 0 and "applied migration(s) 1, 2" in first.stdout
     second = cortexbot("--config", str(config), "migrate")
     assert second.returncode == 0 and "is up to date" in second.stdout
 
@@ -223,7 +231,7 @@ def test_300_message_conversation_stays_in_budget_with_versioned_summaries(
     result = cortexbot("--config", str(config), "chat", "--user", "ann", stdin="\n".join(lines) + "\n!stats\n",
                        timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    replies = [r for r in fake_llm.completion_requests if not is_summary(r)]
+    replies = [r for r in fake_llm.completion_requests if is_reply(r)]
     assert len(replies) == 150
     for request in replies:
         history = chat_messages(request)[:-1]
@@ -291,7 +299,7 @@ def test_sigterm_stops_cleanly_and_requeues_the_running_job(tmp_path: Path, fake
     proc.stdin.write("".join(f"message {i} with some words about the garden\n" for i in range(15)))
     proc.stdin.flush()  # stdin stays open: the chat is still waiting for input
     fake_llm.wait_for(is_summary, timeout=60)
-    fake_llm.wait_for(lambda r: not is_summary(r) and "message 14" in r.last_user_text(), timeout=60)
+    fake_llm.wait_for(lambda r: is_reply(r) and "message 14" in r.last_user_text(), timeout=60)
     time.sleep(0.5)
     started = time.monotonic()
     proc.send_signal(signal.SIGTERM)

@@ -189,14 +189,14 @@ async def test_commands_summary_and_stats(tmp_path: Path) -> None:
     llm = ScriptedProvider()
     async with App(_config(tmp_path), llm=llm) as app:
         ctx = CommandContext("console", "console:ann", "Ann", "console:c1", "Cora", is_admin=True, is_dm=True)
-        assert "no rolling summary yet" in await app.commands.dispatch("!summary", ctx)
+        assert "no rolling summary yet" in (await app.commands.dispatch("!summary", ctx)).text
         await app.core.reply(_msg("hi")).text()
-        stats = await app.commands.dispatch("!stats", ctx)
+        stats = (await app.commands.dispatch("!stats", ctx)).text
         assert "This conversation: 1 replies" in stats and "trim rate" in stats and "summary hit rate" in stats
-        help_text = await app.commands.dispatch("!help", ctx)
+        help_text = (await app.commands.dispatch("!help", ctx)).text
         assert "!summary" in help_text and "!stats" in help_text and "!help" in help_text
-        assert "Unknown command !nope" in await app.commands.dispatch("!nope", ctx)
-        assert "Could not read" in await app.commands.dispatch('!stats "unclosed', ctx)
+        assert "Unknown command !nope" in (await app.commands.dispatch("!nope", ctx)).text
+        assert "Could not read" in (await app.commands.dispatch('!stats "unclosed', ctx)).text
 
 
 async def test_summaries_are_batched_not_written_after_every_reply(tmp_path: Path) -> None:

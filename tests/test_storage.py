@@ -16,8 +16,8 @@ from bot.storage.sqlite import SQLiteStorage, StorageError
 
 async def test_migrations_apply_once_and_are_recorded(tmp_path: Path) -> None:
     store = await SQLiteStorage(tmp_path / "a.db").open()
-    assert await store.pending_migrations() == [1]
-    assert await store.migrate() == [1]
+    assert await store.pending_migrations() == [1, 2]
+    assert await store.migrate() == [1, 2]
     assert await store.migrate() == []
     assert await store.pending_migrations() == []
     await store.close()
@@ -27,22 +27,22 @@ async def test_migrations_apply_once_and_are_recorded(tmp_path: Path) -> None:
 
 
 async def test_a_failing_migration_is_rolled_back_whole(tmp_path: Path) -> None:
-    broken = Migration(2, "broken", ("CREATE TABLE extra (x)", "CREATE TABLE nonsense ("))
+    broken = Migration(99, "broken", ("CREATE TABLE extra (x)", "CREATE TABLE nonsense ("))
     from bot.storage.migrations import SQLITE_MIGRATIONS
 
     store = await SQLiteStorage(tmp_path / "b.db", migrations=(*SQLITE_MIGRATIONS, broken)).open()
     with pytest.raises(sqlite3.Error):
         await store.migrate()
-    assert await store.applied_migrations() == [1]
-    tables = {r[0] for r in await store._all("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert await store.applied_migrations() == [m.version for m in SQLITE_MIGRATIONS]
+    tables = {r[0] for r in await store.fetch_all("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert "extra" not in tables  # the first statement of the failed migration did not stick
     await store.close()
 
 
 async def test_pragmas(storage: SQLiteStorage) -> None:
-    assert (await storage._one("PRAGMA journal_mode"))[0] == "wal"
-    assert (await storage._one("PRAGMA foreign_keys"))[0] == 1
-    assert (await storage._one("PRAGMA busy_timeout"))[0] >= 5000
+    assert (await storage.fetch_one("PRAGMA journal_mode"))[0] == "wal"
+    assert (await storage.fetch_one("PRAGMA foreign_keys"))[0] == 1
+    assert (await storage.fetch_one("PRAGMA busy_timeout"))[0] >= 5000
 
 
 async def test_unopenable_database_gives_a_clear_error(tmp_path: Path) -> None:
@@ -203,7 +203,7 @@ async def test_audit_rows_are_buffered_but_never_lost_on_close(tmp_path: Path) -
     for i in range(70):
         await again.record_llm_call(LLMCallRecord("reply", "m", i, 1, 5))
     await asyncio.sleep(0.1)
-    assert (await again._one("SELECT count(*) FROM llm_calls"))[0] >= 64
+    assert (await again.fetch_one("SELECT count(*) FROM llm_calls"))[0] >= 64
     await again.close()
 
 

@@ -1,15 +1,17 @@
 """The platform-neutral command layer: parse a command line, check permission, run it, render text.
 
-Adapters hand over the raw text (``!stats`` in the terminal and on Matrix; Discord builds the same
-call from a slash command) and a :class:`CommandContext` saying who asks where. Handlers return
-plain text (Markdown) and never touch a platform.
+Adapters hand over the raw text (``!memory show`` in the terminal and on Matrix; Discord builds the
+same line from a slash command) and a :class:`CommandContext` saying who asks where. Commands are
+one word (``!help``) or a group and a subcommand (``!memory show``). A message's first line is the
+command; any further lines are its *body* (the new content for ``!memory edit``). Handlers return a
+:class:`CommandReply` (or plain text) and never touch a platform.
 """
 
 from __future__ import annotations
 
 import shlex
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,18 +23,35 @@ class CommandContext:
     persona: str
     is_admin: bool = False
     is_dm: bool = False
+    server_key: str | None = None
+    body: str = ""  # the lines after the command line
 
 
-Handler = Callable[[CommandContext, Sequence[str]], Awaitable[str]]
+@dataclass(frozen=True, slots=True)
+class Attachment:
+    filename: str
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CommandReply:
+    text: str
+    attachments: tuple[Attachment, ...] = ()
+    private: bool = False  # about the user's own data: adapters answer only to them
+    needs_body: str = ""  # set when the command waits for content: the prompt to show
+
+
+Handler = Callable[[CommandContext, Sequence[str]], Awaitable["CommandReply | str"]]
 
 
 @dataclass(frozen=True, slots=True)
 class Command:
-    name: str
+    name: str  # "help" or "memory show"
     summary: str
     handler: Handler
-    usage: str = ""
+    usage: str = ""  # arguments after the name, e.g. "<file> <version>"
     admin: bool = False
+    private: bool = False
     aliases: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -44,44 +63,67 @@ class CommandRegistry:
     def __init__(self, prefix: str = "!") -> None:
         self.prefix = prefix
         self._commands: dict[str, Command] = {}
-        self.register(Command("help", "list the commands", self._help, usage="help"))
+        self._order: list[str] = []
+        self.register(Command("help", "list the commands", self._help))
 
     def register(self, command: Command) -> None:
         for name in (command.name, *command.aliases):
             self._commands[name] = command
+        self._order.append(command.name)
 
     @property
     def commands(self) -> list[Command]:
-        unique = {c.name: c for c in self._commands.values()}
-        return [unique[n] for n in sorted(unique)]
+        return [self._commands[name] for name in self._order]
 
     def is_command(self, text: str) -> bool:
         return text.startswith(self.prefix) and len(text.strip()) > len(self.prefix)
 
-    async def dispatch(self, text: str, context: CommandContext) -> str:
+    def usage(self, command: Command) -> str:
+        return f"{self.prefix}{command.name}" + (f" {command.usage}" if command.usage else "")
+
+    async def dispatch(self, text: str, context: CommandContext) -> CommandReply:
+        first, _, body = text.strip().partition("\n")
         try:
-            words = shlex.split(text.strip()[len(self.prefix):])
+            words = shlex.split(first[len(self.prefix):])
         except ValueError as exc:
-            return f"Could not read that command ({exc}). Type {self.prefix}help for the list."
+            return CommandReply(f"Could not read that command ({exc}). Type {self.prefix}help for the list.")
         if not words:
-            return f"Type {self.prefix}help for the list of commands."
-        name, args = words[0].lower(), words[1:]
-        command = self._commands.get(name)
+            return CommandReply(f"Type {self.prefix}help for the list of commands.")
+        command, args = self._find(words)
         if command is None:
-            return f"Unknown command {self.prefix}{name}. Type {self.prefix}help for the list."
+            group = [c for c in self.commands if c.name.split(" ")[0] == words[0].lower()]
+            if group:
+                lines = [f"{self.prefix}{words[0].lower()} needs a subcommand:"]
+                lines += [f"  {self.usage(c)} — {c.summary}" for c in group if context.is_admin or not c.admin]
+                return CommandReply("\n".join(lines))
+            return CommandReply(f"Unknown command {self.prefix}{' '.join(words[:2])}. Type {self.prefix}help.")
         if command.admin and not context.is_admin:
-            return f"{self.prefix}{command.name} is for admins only."
+            return CommandReply(f"{self.prefix}{command.name} is for admins only.")
+        ctx = context if not body else _with_body(context, body)
         try:
-            return await command.handler(context, args)
+            result = await command.handler(ctx, args)
         except CommandError as exc:
-            usage = f" Usage: {self.prefix}{command.usage}" if command.usage else ""
-            return f"{exc}{usage}"
+            return CommandReply(f"{exc}\nUsage: {self.usage(command)}", private=command.private)
+        if isinstance(result, str):
+            return CommandReply(result, private=command.private)
+        return result
+
+    def _find(self, words: list[str]) -> tuple[Command | None, list[str]]:
+        if len(words) >= 2:
+            two = f"{words[0].lower()} {words[1].lower()}"
+            if two in self._commands:
+                return self._commands[two], words[2:]
+        return self._commands.get(words[0].lower()), words[1:]
 
     async def _help(self, context: CommandContext, args: Sequence[str]) -> str:
         lines = ["Commands:"]
         for command in self.commands:
             if command.admin and not context.is_admin:
                 continue
-            lines.append(f"  {self.prefix}{command.usage or command.name} — {command.summary}")
+            lines.append(f"  {self.usage(command)} — {command.summary}")
         lines.append("Anything else you type is sent to the persona.")
         return "\n".join(lines)
+
+
+def _with_body(context: CommandContext, body: str) -> CommandContext:
+    return replace(context, body=body)

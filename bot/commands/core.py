@@ -44,5 +44,5 @@ def register_core_commands(registry: CommandRegistry, storage: Storage, estimato
         lines.append(f"Token estimate calibration factor: {estimator.factor:.2f}")
         return "\n".join(lines)
 
-    registry.register(Command("summary", "show this conversation's rolling summary", summary, usage="summary"))
-    registry.register(Command("stats", "history window and summary metrics, background jobs", stats, usage="stats"))
+    registry.register(Command("summary", "show this conversation's rolling summary", summary))
+    registry.register(Command("stats", "history window and summary metrics, background jobs", stats))

@@ -216,6 +216,9 @@ class Storage(Protocol):
 
     async def get_job(self, job_id: int) -> Job | None: ...
 
+    async def active_job(self, key: str) -> Job | None:
+        """A queued or running job with this key, if any."""
+
     async def list_jobs(self, status: JobStatus | None = None, limit: int = 100) -> list[Job]: ...
 
     async def count_jobs(self, statuses: Sequence[JobStatus]) -> int: ...

@@ -154,7 +154,7 @@ class SQLiteStorage:
         return self._db
 
     @asynccontextmanager
-    async def _transaction(self) -> AsyncIterator[aiosqlite.Connection]:
+    async def transaction(self) -> AsyncIterator[aiosqlite.Connection]:
         async with self._tx_lock:
             await self.db.execute("BEGIN IMMEDIATE")
             try:
@@ -168,17 +168,17 @@ class SQLiteStorage:
     # Each helper is one round trip to aiosqlite's thread (execute_fetchall), which is what a reply
     # mostly pays for: a cursor opened, fetched and closed would be three.
 
-    async def _one(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Row | None:
+    async def fetch_one(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Row | None:
         rows = await self.db.execute_fetchall(sql, params)
         return next(iter(rows), None)
 
-    async def _all(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
+    async def fetch_all(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
         return list(await self.db.execute_fetchall(sql, params))
 
-    async def _write_one(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Row | None:
-        return next(iter(await self._write(sql, params)), None)
+    async def write_one(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Row | None:
+        return next(iter(await self.write(sql, params)), None)
 
-    async def _write(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
+    async def write(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
         """One writing statement (use RETURNING to learn what it did), never inside another task's
         open transaction."""
         async with self._tx_lock:
@@ -187,7 +187,7 @@ class SQLiteStorage:
     # -- migrations ------------------------------------------------------------------------------
 
     async def applied_migrations(self) -> list[int]:
-        return [int(r["version"]) for r in await self._all("SELECT version FROM schema_version ORDER BY 1")]
+        return [int(r["version"]) for r in await self.fetch_all("SELECT version FROM schema_version ORDER BY 1")]
 
     async def pending_migrations(self) -> list[int]:
         done = set(await self.applied_migrations())
@@ -196,7 +196,7 @@ class SQLiteStorage:
     async def migrate(self) -> list[int]:
         applied: list[int] = []
         for migration in self._migrations:
-            async with self._transaction() as db:
+            async with self.transaction() as db:
                 # Re-check inside the write lock: another process may have just applied it.
                 if await db.execute_fetchall(
                     "SELECT 1 FROM schema_version WHERE version = ?", (migration.version,)
@@ -219,7 +219,7 @@ class SQLiteStorage:
         if cached is not None and cached.display_name == display_name:
             return cached
         now = time.time()
-        row = await self._write_one(
+        row = await self.write_one(
             "INSERT INTO users (key, display_name, created_at, updated_at) VALUES (?, ?, ?, ?)"
             " ON CONFLICT (key) DO UPDATE SET display_name = excluded.display_name, updated_at = excluded.updated_at"
             " RETURNING id, key, display_name",
@@ -231,11 +231,11 @@ class SQLiteStorage:
         return user
 
     async def get_user(self, key: str) -> User | None:
-        row = await self._one("SELECT id, key, display_name FROM users WHERE key = ?", (key,))
+        row = await self.fetch_one("SELECT id, key, display_name FROM users WHERE key = ?", (key,))
         return None if row is None else User(int(row["id"]), str(row["key"]), str(row["display_name"]))
 
     async def upsert_persona(self, name: str) -> None:
-        await self._write(
+        await self.write(
             "INSERT INTO personas (name, created_at) VALUES (?, ?) ON CONFLICT (name) DO NOTHING",
             (name, time.time()),
         )
@@ -245,7 +245,7 @@ class SQLiteStorage:
         if cached is not None and (cached.name, cached.is_dm) == (name, is_dm):
             return cached
         now = time.time()
-        row = await self._write_one(
+        row = await self.write_one(
             "INSERT INTO channels (key, name, is_dm, created_at, updated_at) VALUES (?, ?, ?, ?, ?)"
             " ON CONFLICT (key) DO UPDATE SET name = excluded.name, is_dm = excluded.is_dm,"
             " updated_at = excluded.updated_at RETURNING *",
@@ -257,11 +257,11 @@ class SQLiteStorage:
         return channel
 
     async def get_channel(self, key: str) -> Channel | None:
-        row = await self._one("SELECT * FROM channels WHERE key = ?", (key,))
+        row = await self.fetch_one("SELECT * FROM channels WHERE key = ?", (key,))
         return None if row is None else self._channel(row)
 
     async def count_messages(self, channel_id: int) -> int:
-        row = await self._one("SELECT message_count FROM channels WHERE id = ?", (channel_id,))
+        row = await self.fetch_one("SELECT message_count FROM channels WHERE id = ?", (channel_id,))
         return int(row[0]) if row else 0
 
     @staticmethod
@@ -283,7 +283,7 @@ class SQLiteStorage:
     ) -> StoredMessage:
         ts = _ts(created_at)
         # One statement: its seq is the channel's count so far + 1, and the trigger bumps the count.
-        row = await self._write_one(
+        row = await self.write_one(
             "INSERT INTO messages (channel_id, user_id, persona, role, author_name, text, token_count, seq,"
             " created_at) VALUES (?, ?, ?, ?, ?, ?, ?,"
             " (SELECT message_count + 1 FROM channels WHERE id = ?), ?) RETURNING id, seq",
@@ -302,7 +302,7 @@ class SQLiteStorage:
     async def recent_messages(
         self, channel_id: int, limit: int, before_id: int | None = None
     ) -> list[StoredMessage]:
-        rows = await self._all(
+        rows = await self.fetch_all(
             f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE channel_id = ? AND id < ? ORDER BY id DESC LIMIT ?",
             (channel_id, before_id if before_id is not None else 2**62, limit),
         )
@@ -311,14 +311,14 @@ class SQLiteStorage:
     async def messages_between(
         self, channel_id: int, after_id: int, before_id: int, limit: int
     ) -> list[StoredMessage]:
-        rows = await self._all(
+        rows = await self.fetch_all(
             f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE channel_id = ? AND id > ? AND id < ? ORDER BY id LIMIT ?",
             (channel_id, after_id, before_id, limit),
         )
         return [self._message(r) for r in rows]
 
     async def count_messages_between(self, channel_id: int, after_id: int, before_id: int) -> int:
-        row = await self._one(
+        row = await self.fetch_one(
             "SELECT count(*) FROM messages WHERE channel_id = ? AND id > ? AND id < ?",
             (channel_id, after_id, before_id),
         )
@@ -347,7 +347,7 @@ class SQLiteStorage:
         cached = self._summaries.get(channel_id)
         if cached is not None and time.monotonic() - cached[0] < SUMMARY_CACHE_SECONDS:
             return cached[1]
-        row = await self._one(
+        row = await self.fetch_one(
             "SELECT * FROM summaries WHERE channel_id = ? AND status = 'ok' ORDER BY version DESC LIMIT 1",
             (channel_id,),
         )
@@ -367,7 +367,7 @@ class SQLiteStorage:
         reason: str = "",
     ) -> Summary:
         # One statement: the next version number and the insert are atomic together.
-        row = await self._write_one(
+        row = await self.write_one(
             "INSERT INTO summaries (channel_id, version, text, covers_from_id, covers_to_id, covers_to_seq,"
             " token_count, model, status, reason, created_at)"
             " SELECT ?, coalesce(max(version), 0) + 1, ?, ?, ?,"
@@ -383,7 +383,7 @@ class SQLiteStorage:
         return summary
 
     async def list_summaries(self, channel_id: int) -> list[Summary]:
-        rows = await self._all("SELECT * FROM summaries WHERE channel_id = ? ORDER BY version", (channel_id,))
+        rows = await self.fetch_all("SELECT * FROM summaries WHERE channel_id = ? ORDER BY version", (channel_id,))
         return [self._summary(r) for r in rows]
 
     # -- jobs ------------------------------------------------------------------------------------
@@ -420,7 +420,7 @@ class SQLiteStorage:
         duplicate = (
             "NOT EXISTS (SELECT 1 FROM jobs WHERE kind = ? AND key = ? AND status = 'queued')" if dedupe else "1"
         )
-        row = await self._write_one(
+        row = await self.write_one(
             "INSERT INTO jobs (kind, key, payload, status, max_attempts, run_after, created_at, updated_at)"
             f" SELECT ?, ?, ?, 'queued', ?, ?, ?, ? WHERE {duplicate} RETURNING *",
             (
@@ -441,10 +441,10 @@ class SQLiteStorage:
             " ORDER BY run_after, id LIMIT 1"
         )
         # Idle workers poll: look first without taking SQLite's write lock.
-        if await self._one(runnable, (now, *kinds)) is None:
+        if await self.fetch_one(runnable, (now, *kinds)) is None:
             return None
         # One statement, so choosing and taking the job is atomic across tasks and processes.
-        row = await self._write_one(
+        row = await self.write_one(
             "UPDATE jobs SET status = 'running', attempts = attempts + 1, locked_by = ?, lease_until = ?,"
             f" updated_at = ? WHERE id = ({runnable}) RETURNING *",
             (worker, now + lease_seconds, now, now, *kinds),
@@ -452,14 +452,14 @@ class SQLiteStorage:
         return None if row is None else self._job(row)
 
     async def renew_lease(self, job_id: int, worker: str, lease_seconds: float) -> bool:
-        renewed = await self._write(
+        renewed = await self.write(
             "UPDATE jobs SET lease_until = ? WHERE id = ? AND status = 'running' AND locked_by = ? RETURNING id",
             (time.time() + lease_seconds, job_id, worker),
         )
         return bool(renewed)
 
     async def _set_job(self, job_id: int, sql_set: str, params: Sequence[Any]) -> None:
-        await self._write(
+        await self.write(
             f"UPDATE jobs SET {sql_set}, updated_at = ? WHERE id = ?", (*params, time.time(), job_id)
         )
 
@@ -484,7 +484,7 @@ class SQLiteStorage:
     async def recover_jobs(self, is_worker_dead: Callable[[str], bool]) -> list[Job]:
         now = time.time()
         recovered: list[Job] = []
-        async with self._transaction() as db:
+        async with self.transaction() as db:
             rows = await db.execute_fetchall("SELECT * FROM jobs WHERE status = 'running'")
             for row in rows:
                 if float(row["lease_until"]) < now or is_worker_dead(str(row["locked_by"])):
@@ -497,19 +497,25 @@ class SQLiteStorage:
         return recovered
 
     async def get_job(self, job_id: int) -> Job | None:
-        row = await self._one("SELECT * FROM jobs WHERE id = ?", (job_id,))
+        row = await self.fetch_one("SELECT * FROM jobs WHERE id = ?", (job_id,))
+        return None if row is None else self._job(row)
+
+    async def active_job(self, key: str) -> Job | None:
+        row = await self.fetch_one(
+            "SELECT * FROM jobs WHERE key = ? AND status IN ('queued', 'running') ORDER BY id LIMIT 1", (key,)
+        )
         return None if row is None else self._job(row)
 
     async def list_jobs(self, status: JobStatus | None = None, limit: int = 100) -> list[Job]:
         if status is None:
-            rows = await self._all("SELECT * FROM jobs ORDER BY id DESC LIMIT ?", (limit,))
+            rows = await self.fetch_all("SELECT * FROM jobs ORDER BY id DESC LIMIT ?", (limit,))
         else:
-            rows = await self._all("SELECT * FROM jobs WHERE status = ? ORDER BY id DESC LIMIT ?", (status, limit))
+            rows = await self.fetch_all("SELECT * FROM jobs WHERE status = ? ORDER BY id DESC LIMIT ?", (status, limit))
         return [self._job(r) for r in rows]
 
     async def count_jobs(self, statuses: Sequence[JobStatus]) -> int:
         marks = ",".join("?" for _ in statuses)
-        row = await self._one(f"SELECT count(*) FROM jobs WHERE status IN ({marks})", tuple(statuses))
+        row = await self.fetch_one(f"SELECT count(*) FROM jobs WHERE status IN ({marks})", tuple(statuses))
         return int(row[0]) if row else 0
 
     # -- audit and metrics -----------------------------------------------------------------------
@@ -541,7 +547,7 @@ class SQLiteStorage:
             return
         pending, self._audit = self._audit, []
         try:
-            async with self._transaction() as db:
+            async with self.transaction() as db:
                 for sql in dict.fromkeys(sql for sql, _ in pending):
                     await db.executemany(sql, [params for s, params in pending if s == sql])
         except BaseException:
@@ -565,7 +571,7 @@ class SQLiteStorage:
 
     async def list_llm_calls(self, limit: int = 100) -> list[dict[str, Any]]:
         await self.flush_audit()
-        rows = await self._all("SELECT * FROM llm_calls ORDER BY id DESC LIMIT ?", (limit,))
+        rows = await self.fetch_all("SELECT * FROM llm_calls ORDER BY id DESC LIMIT ?", (limit,))
         return [dict(r) for r in rows]
 
     async def record_reply_stats(self, stats: ReplyStats) -> None:
@@ -587,14 +593,14 @@ class SQLiteStorage:
     async def reply_metrics(self, channel_id: int | None = None) -> ReplyMetrics:
         await self.flush_audit()
         where, params = ("WHERE channel_id = ?", (channel_id,)) if channel_id is not None else ("", ())
-        row = await self._one(
+        row = await self.fetch_one(
             "SELECT count(*) AS n,"
             " avg(CAST(history_tokens AS REAL) / max(history_budget, 1)) AS util,"
             " avg(trimmed_messages > 0) AS trim, avg(summary_used) AS hit"
             f" FROM reply_stats {where}",
             params,
         )
-        srow = await self._one(
+        srow = await self.fetch_one(
             "SELECT sum(status = 'ok') AS ok, sum(status = 'rejected') AS bad" f" FROM summaries {where}", params
         )
         replies = int(row["n"]) if row else 0
@@ -610,12 +616,18 @@ class SQLiteStorage:
             summaries_rejected=rejected,
         )
 
+    def forget_cached(self, *, user_key: str, channel_ids: Sequence[int] = ()) -> None:
+        """Drop cached rows of a deleted user and of channels whose summaries were deleted."""
+        self._users.pop(user_key, None)
+        for channel_id in channel_ids:
+            self._summaries.pop(channel_id, None)
+
     async def get_setting(self, key: str) -> str | None:
-        row = await self._one("SELECT value FROM settings WHERE key = ?", (key,))
+        row = await self.fetch_one("SELECT value FROM settings WHERE key = ?", (key,))
         return None if row is None else str(row["value"])
 
     async def set_setting(self, key: str, value: str) -> None:
-        await self._write(
+        await self.write(
             "INSERT INTO settings (key, value, updated_at) VALUES (?, ?, ?)"
             " ON CONFLICT (key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at",
             (key, value, time.time()),

@@ -1,0 +1,272 @@
+"""``!memory …`` (a user's own cortex files) and ``!cortex …`` (updates and admin settings).
+
+Every ``memory`` command works on the pair of the user who asks and the persona of the channel:
+there is no argument that names another user, so nobody can read, revert, reset or export another
+user's files through any command.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from bot.commands import (
+    Attachment,
+    Command,
+    CommandContext,
+    CommandError,
+    CommandRegistry,
+    CommandReply,
+    Handler,
+)
+from bot.config import FREQUENCY_PRESETS, Config
+from bot.storage.base import Storage, User
+from cortex.files import CortexFiles, FileError, normalise_filename, unified_diff
+from cortex.settings import OVERRIDABLE, SettingError, SettingsResolver, persona_scope, server_scope
+from cortex.store import FILENAMES, CortexStore, Pair
+from cortex.tiers import MANUAL, TierEngine, job_key, thresholds
+from cortex.update import CortexUpdater
+
+MAX_INLINE_CHARS = 6000
+CONFIRM_WORD = "confirm"
+
+
+@dataclass
+class CortexCommands:
+    config: Config
+    storage: Storage
+    store: CortexStore
+    files: CortexFiles
+    resolver: SettingsResolver
+    tiers: TierEngine
+    updater: CortexUpdater
+
+    prefix: str = "!"
+
+    def register(self, registry: CommandRegistry) -> None:
+        p = self.prefix = registry.prefix
+        memory: list[tuple[str, str, str, Handler]] = [
+            ("show", "[file]", "show your cortex files (all, or one)", self.show),
+            ("history", "<file>", "the versions of a file: who changed it, when and why", self.history),
+            ("diff", "<file> <v1> <v2>", "what changed between two versions", self.diff),
+            ("revert", "<file> <version>", "bring back an earlier version (as a new version)", self.revert),
+            ("reset", "[file]", "start a file (or all) over from the template", self.reset),
+            ("edit", "<file>", "replace a file with your own text (sent on the lines after the command)",
+             self.edit),
+            ("export", "", "download all your files and their versions (zip of Markdown + JSON)", self.export),
+            ("forget-me", f"[{CONFIRM_WORD}]", "delete everything the bot stores about you", self.forget_me),
+        ]
+        for name, usage, summary, handler in memory:
+            registry.register(Command(f"memory {name}", summary, handler, usage=usage, private=True))
+        registry.register(Command("cortex update", "update your cortex files now", self.update, private=True))
+        registry.register(Command(
+            "cortex settings", f"show the cortex settings, or set one ({p}cortex settings <key> <value|default>)",
+            self.settings, usage="[key value] [--persona]", admin=True,
+        ))
+        registry.register(Command("cortex stats", "cortex update runs, tokens and recent errors", self.stats,
+                                  admin=True))
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    async def _pair(self, ctx: CommandContext) -> tuple[User, Pair]:
+        user = await self.storage.upsert_user(ctx.user_key, ctx.user_name)
+        pair = await self.store.count_messages(user.id, ctx.persona, 0)
+        persona = self.config.persona(ctx.persona)
+        await self.files.ensure(pair, persona.language, user.display_name)
+        return user, pair
+
+    @staticmethod
+    def _file_arg(args: Sequence[str], index: int = 0) -> str:
+        if len(args) <= index:
+            raise CommandError("Which file? " + ", ".join(FILENAMES))
+        try:
+            return normalise_filename(args[index])
+        except FileError as exc:
+            raise CommandError(str(exc)) from None
+
+    @staticmethod
+    def _int_arg(args: Sequence[str], index: int, what: str) -> int:
+        try:
+            return int(args[index].lstrip("v"))
+        except (IndexError, ValueError):
+            raise CommandError(f"{what} must be a version number") from None
+
+    def _long(self, text: str, filename: str) -> CommandReply:
+        """Long output goes as an attached file instead of flooding the chat."""
+        if len(text) <= MAX_INLINE_CHARS:
+            return CommandReply(text, private=True)
+        return CommandReply(
+            f"That is {len(text):,} characters long; it is attached as {filename}.",
+            attachments=(Attachment(filename, text.encode()),), private=True,
+        )
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    async def show(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
+        _, pair = await self._pair(ctx)
+        wanted = (self._file_arg(args),) if args else FILENAMES
+        current = await self.store.current_all(pair.id)
+        blocks = []
+        for filename in wanted:
+            version = current[filename]
+            blocks.append(
+                f"── {filename} (version {version.version}, {version.author}, "
+                f"{version.created_at:%Y-%m-%d %H:%M} UTC) ──\n{version.content.rstrip()}"
+            )
+        return self._long("\n\n".join(blocks), "cortex-files.md")
+
+    async def history(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
+        filename = self._file_arg(args)
+        _, pair = await self._pair(ctx)
+        lines = [f"Versions of {filename} (newest first):"]
+        for v in reversed(await self.store.versions(pair.id, filename)):
+            why = v.reason + (f", run {v.run_id}" if v.run_id else "")
+            lines.append(f"  v{v.version}  {v.created_at:%Y-%m-%d %H:%M} UTC  {v.author:<6}  "
+                         f"{len(v.content):>5} chars  {why}")
+        return self._long("\n".join(lines), f"{filename}-history.txt")
+
+    async def diff(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
+        filename = self._file_arg(args)
+        first, second = self._int_arg(args, 1, "v1"), self._int_arg(args, 2, "v2")
+        _, pair = await self._pair(ctx)
+        try:
+            a = await self.files.get_version(pair, filename, first)
+            b = await self.files.get_version(pair, filename, second)
+        except FileError as exc:
+            raise CommandError(str(exc)) from None
+        return self._long(unified_diff(a, b), f"{filename}-v{first}-v{second}.diff")
+
+    async def revert(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        filename = self._file_arg(args)
+        number = self._int_arg(args, 1, "version")
+        _, pair = await self._pair(ctx)
+        try:
+            saved = await self.files.revert(pair, filename, number)
+        except FileError as exc:
+            raise CommandError(str(exc)) from None
+        if saved is None:
+            return f"{filename} already has the content of version {number}; nothing changed."
+        return f"{filename} is back to the content of version {number}, saved as version {saved.version}."
+
+    async def reset(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        user, pair = await self._pair(ctx)
+        wanted = (self._file_arg(args),) if args else FILENAMES
+        persona = self.config.persona(ctx.persona)
+        changed = await self.files.reset(pair, wanted, persona.language, user.display_name)
+        if not changed:
+            return "Nothing to reset: already as the template."
+        return (f"Reset to the template: {', '.join(changed)}. Earlier versions stay in the history "
+                f"(revert brings them back).")
+
+    async def edit(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
+        filename = self._file_arg(args)
+        if not ctx.body.strip():
+            return CommandReply(
+                f"Send the complete new {filename} on the lines after the command.", private=True,
+                needs_body=f"New content of {filename}; end with a line holding only a dot (.)",
+            )
+        _, pair = await self._pair(ctx)
+        try:
+            saved = await self.files.edit(pair, filename, ctx.body.strip() + "\n")
+        except FileError as exc:
+            raise CommandError(str(exc)) from None
+        if saved is None:
+            return CommandReply(f"{filename} already has exactly that content; nothing changed.", private=True)
+        return CommandReply(f"Saved your {filename} as version {saved.version}.", private=True)
+
+    async def export(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
+        user, pair = await self._pair(ctx)
+        data = await self.files.export_zip(pair, user.key, user.display_name)
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        safe = "".join(ch if ch.isalnum() else "-" for ch in f"{user.display_name}-{ctx.persona}")
+        return CommandReply(
+            f"Your cortex files with every version and the update log ({len(data):,} bytes).",
+            attachments=(Attachment(f"cortex-export-{safe}-{stamp}.zip", data),), private=True,
+        )
+
+    async def forget_me(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
+        prefix = self.prefix
+        if not args or args[0].lower() != CONFIRM_WORD:
+            return CommandReply(
+                "This deletes everything the bot stores about you, for every persona: your messages and the "
+                "replies to you, your cortex files with all their versions, and their update log. Rolling "
+                "summaries of conversations you were part of are deleted too and written anew from what "
+                f"remains. This cannot be undone (export first if you want a copy).\nTo go ahead, send: "
+                f"{prefix}memory forget-me {CONFIRM_WORD}",
+                private=True,
+            )
+        report = await self.store.forget_user(ctx.user_key)
+        if report is None:
+            return CommandReply("The bot stores nothing about you.", private=True)
+        return CommandReply(
+            f"Done. Deleted {report.messages} messages, {report.versions} file versions of {report.pairs} "
+            f"persona(s), {report.runs} update runs and {report.summaries} summaries that could mention you.",
+            private=True,
+        )
+
+    # -- cortex ----------------------------------------------------------------------------------
+
+    async def update(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
+        _, pair = await self._pair(ctx)
+        effective = await self.resolver.effective(pair.persona, ctx.server_key)
+        if await self.storage.active_job(job_key(pair.id)) is not None:
+            return CommandReply("An update of your files is already queued or running.", private=True)
+        reason = await self.updater.guard(pair, effective.settings)
+        if reason is not None:
+            return CommandReply(f"Not now: {reason}.", private=True)
+        await self.tiers.request_update(pair, MANUAL, ctx.server_key)
+        steps = ", ".join(f"{pct}% at {at}" for pct, at in thresholds(effective.settings))
+        return CommandReply(
+            f"Update queued; your files change in the background (see {self.prefix}memory history). This cycle: "
+            f"{pair.cycle_count}/{effective.settings.context_limit} messages, tiers {steps}.",
+            private=True,
+        )
+
+    async def settings(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        words = [a for a in args if a != "--persona"]
+        scope = persona_scope(ctx.persona) if "--persona" in args or not ctx.server_key else server_scope(
+            ctx.server_key)
+        if words:
+            if len(words) < 2:
+                raise CommandError(f"Give a value for {words[0]}: {OVERRIDABLE.get(words[0], 'see the list')}")
+            key, value = words[0], " ".join(words[1:])
+            try:
+                if value.lower() == "default":
+                    cleared = await self.resolver.clear(scope, key)
+                    note = "override removed" if cleared else "there was no override"
+                else:
+                    stored = await self.resolver.set(scope, key, value, ctx.user_key)
+                    note = f"set to {stored!r}"
+            except SettingError as exc:
+                raise CommandError(str(exc)) from None
+            effective = await self.resolver.effective(ctx.persona, ctx.server_key)
+            return (f"{key}: {note} for {scope}. Effective now: "
+                    f"{getattr(effective.settings, key)!r} (from {effective.sources[key]}).")
+        effective = await self.resolver.effective(ctx.persona, ctx.server_key)
+        lines = [f"Cortex settings for persona {ctx.persona}" + (f" on {ctx.server_key}" if ctx.server_key else "")
+                 + " (value, where it comes from):"]
+        for key, value in effective.settings.model_dump().items():
+            mark = "" if key in OVERRIDABLE else "  (config only)"
+            lines.append(f"  {key:<22} {value!r:<24} {effective.sources[key]}{mark}")
+        steps = ", ".join(f"{pct}% → message {at}" for pct, at in thresholds(effective.settings))
+        lines.append(f"Tiers this cycle: {steps}. Presets: " + "; ".join(
+            f"{name} {'/'.join(map(str, pcts))}%" for name, pcts in FREQUENCY_PRESETS.items()))
+        lines.append(f"Change with: {self.prefix}cortex settings <key> <value|default> [--persona]; "
+                     f"keys: {', '.join(OVERRIDABLE)}")
+        return "\n".join(lines)
+
+    async def stats(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        day_start = time.time() - 86_400
+        lines = []
+        for title, since in (("Last 24 hours", day_start), ("All time", 0.0)):
+            s = await self.store.run_stats(since)
+            outcomes = ", ".join(f"{n} {status}" for status, n in sorted(s.by_status.items())) or "none"
+            lines.append(f"{title}: runs {outcomes}; tokens {s.input_tokens:,} in / {s.output_tokens:,} out; "
+                         f"average duration {s.average_duration_ms / 1000:.1f} s")
+        errors = (await self.store.run_stats(0.0)).last_errors
+        if errors:
+            lines.append("Recent failures:")
+            lines += [f"  run {r.id} (pair {r.pair_id}, tier {r.tier}, {r.started_at:%Y-%m-%d %H:%M} UTC): "
+                      f"{r.reason or r.error}" for r in errors]
+        return "\n".join(lines)

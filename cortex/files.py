@@ -1,0 +1,156 @@
+"""The three cortex files of a pair: creation from templates, checked writes, history, diff, revert,
+reset, export. Every change is a new version; nothing is overwritten or deleted here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import io
+import json
+import zipfile
+from dataclasses import dataclass
+
+from cortex.store import FILENAMES, Author, CortexStore, FileVersion, Pair
+from cortex.templates import template
+
+SHRINK_GUARD_MIN_CHARS = 400  # files shorter than this may be rewritten freely
+SHRINK_GUARD_RATIO = 0.5  # a model write keeping less than half of a longer file is refused
+
+
+class FileError(ValueError):
+    """A file operation a user asked for cannot be done; the message says why and what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    reason: str
+
+
+def normalise_filename(name: str) -> str:
+    """``memory`` / ``memory.md`` / ``MEMORY.md`` → ``memory.md``; anything else is refused."""
+    candidate = name.strip().lower()
+    if not candidate.endswith(".md"):
+        candidate += ".md"
+    if candidate not in FILENAMES:
+        raise FileError(f"unknown file {name!r}; the files are {', '.join(FILENAMES)}")
+    return candidate
+
+
+def check_model_write(filename: str, old: str, new: str, max_chars: int) -> Refusal | None:
+    """Why a write by the model must be refused (it is then told to condense and retry), or None."""
+    if not new.strip():
+        return Refusal(
+            f"refused: empty content would erase {filename}. Write the complete file, keeping what matters."
+        )
+    if len(new) > max_chars:
+        return Refusal(
+            f"refused: the new {filename} has {len(new):,} characters; the limit is {max_chars:,}. Nothing was "
+            "saved. Condense it (merge related points, drop what no longer matters, shorten wording) and call "
+            "write_file again with the complete, shorter file."
+        )
+    if len(old) >= SHRINK_GUARD_MIN_CHARS and len(new) < len(old) * SHRINK_GUARD_RATIO:
+        return Refusal(
+            f"refused: this would drop most of {filename} (from {len(old):,} to {len(new):,} characters). Nothing "
+            "was saved. write_file replaces the whole file: read it, keep what still matters, and write the "
+            "complete file again."
+        )
+    return None
+
+
+def unified_diff(a: FileVersion, b: FileVersion) -> str:
+    lines = difflib.unified_diff(
+        a.content.splitlines(keepends=True),
+        b.content.splitlines(keepends=True),
+        fromfile=f"{a.filename} v{a.version}",
+        tofile=f"{b.filename} v{b.version}",
+    )
+    return "".join(lines) or f"{a.filename} v{a.version} and v{b.version} are identical."
+
+
+class CortexFiles:
+    def __init__(self, store: CortexStore, file_max_chars: int) -> None:
+        self.store = store
+        self.file_max_chars = file_max_chars
+
+    async def ensure(self, pair: Pair, language: str, user_name: str) -> dict[str, FileVersion]:
+        """The pair's current files, creating missing ones from the language's templates."""
+        current = await self.store.current_all(pair.id)
+        for filename in FILENAMES:
+            if filename not in current:
+                current[filename] = await self.store.add_version(
+                    pair.id, filename, template(filename, language, user_name), "system", "created from template"
+                )
+        return current
+
+    async def write(
+        self, pair: Pair, filename: str, content: str, author: Author, reason: str, *, tier: str = "",
+        run_id: int | None = None,
+    ) -> FileVersion | None:
+        """Store ``content`` as a new version; None when it equals the current one."""
+        current = await self.store.current(pair.id, filename)
+        if current is not None and current.content == content:
+            return None
+        return await self.store.add_version(pair.id, filename, content, author, reason, tier, run_id)
+
+    async def edit(self, pair: Pair, filename: str, content: str) -> FileVersion | None:
+        if not content.strip():
+            raise FileError(f"the new {filename} is empty; to start it over use reset instead")
+        if len(content) > self.file_max_chars:
+            raise FileError(
+                f"the new {filename} has {len(content):,} characters; the limit is {self.file_max_chars:,}"
+            )
+        return await self.write(pair, filename, content, "user", "edited by the user")
+
+    async def get_version(self, pair: Pair, filename: str, number: int) -> FileVersion:
+        found = await self.store.version(pair.id, filename, number)
+        if found is None:
+            latest = await self.store.current(pair.id, filename)
+            upto = f"1 to {latest.version}" if latest else "none yet"
+            raise FileError(f"{filename} has no version {number} (versions: {upto})")
+        return found
+
+    async def revert(self, pair: Pair, filename: str, number: int) -> FileVersion | None:
+        old = await self.get_version(pair, filename, number)
+        return await self.write(pair, filename, old.content, "user", f"reverted to version {number}")
+
+    async def reset(self, pair: Pair, filenames: tuple[str, ...], language: str, user_name: str) -> list[str]:
+        changed = []
+        for filename in filenames:
+            if await self.write(pair, filename, template(filename, language, user_name), "user", "reset to template"):
+                changed.append(filename)
+        return changed
+
+    async def export_zip(self, pair: Pair, user_key: str, user_name: str) -> bytes:
+        """Current files as Markdown, every version as Markdown, and all metadata as JSON, zipped."""
+        current = await self.store.current_all(pair.id)
+        versions = await self.store.all_versions(pair.id)
+        runs = await self.store.runs(pair.id, limit=10_000)
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+            for filename, version in sorted(current.items()):
+                archive.writestr(filename, version.content)
+            for version in versions:
+                stem = version.filename.removesuffix(".md")
+                archive.writestr(f"versions/{stem}/v{version.version:04d}.md", version.content)
+            meta = {
+                "user": {"key": user_key, "name": user_name},
+                "persona": pair.persona,
+                "versions": [
+                    {
+                        "file": v.filename, "version": v.version, "author": v.author, "reason": v.reason,
+                        "tier": v.tier, "created_at": v.created_at.isoformat(), "characters": len(v.content),
+                    }
+                    for v in versions
+                ],
+                "update_runs": [
+                    {
+                        "tier": r.tier, "status": r.status, "reason": r.reason, "rounds": r.rounds,
+                        "files_read": r.files_read, "files_written": r.files_written,
+                        "input_tokens": r.input_tokens, "output_tokens": r.output_tokens,
+                        "started_at": r.started_at.isoformat(), "error": r.error,
+                    }
+                    for r in runs
+                ],
+            }
+            archive.writestr("cortex.json", json.dumps(meta, indent=2, ensure_ascii=False))
+        return buffer.getvalue()

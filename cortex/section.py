@@ -1,0 +1,54 @@
+"""The pair's cortex files in the reply prompt (DESIGN.md §4, slot 4), within a token budget."""
+
+from __future__ import annotations
+
+from bot.ports import PromptContext, PromptSection, SectionSlot
+from bot.tokens import TokenEstimator
+from cortex.store import CortexStore
+
+ORDER = ("memory.md", "relationship.md", "soul.md")
+INTRO = (
+    "These are your own inner files about yourself and {user_name}, kept up to date by you. Draw on them "
+    "naturally in the conversation; do not quote them or mention that they exist."
+)
+CUT_NOTE = "\n(… the rest of this file did not fit here)"
+
+
+class CortexSection:
+    slot: SectionSlot = "cortex"
+
+    def __init__(self, store: CortexStore, estimator: TokenEstimator, budget: int) -> None:
+        self.store = store
+        self.estimator = estimator
+        self.budget = budget
+
+    async def sections(self, context: PromptContext, budget: int) -> list[PromptSection]:
+        files = await self.store.files_for_prompt(context.user_db_id, context.persona)
+        if not files:
+            return []
+        remaining = min(budget, self.budget) - self.estimator.count(INTRO)
+        parts = [INTRO]
+        for filename in ORDER:
+            content = files.get(filename, "").strip()
+            if not content or remaining <= 0:
+                continue
+            block = f"## {filename}\n{content}"
+            cost = self.estimator.count(block)
+            if cost > remaining:
+                block = self._cut(block, remaining)
+                cost = self.estimator.count(block)
+            parts.append(block)
+            remaining -= cost
+        return [PromptSection("Your inner files", "\n\n".join(parts))]
+
+    def _cut(self, block: str, budget: int) -> str:
+        """Whole lines from the top that fit in ``budget`` tokens, with a note that the rest is left out."""
+        kept: list[str] = []
+        spent = self.estimator.count(CUT_NOTE)
+        for line in block.splitlines():
+            cost = self.estimator.count(line + "\n")
+            if spent + cost > budget:
+                break
+            kept.append(line)
+            spent += cost
+        return "\n".join(kept) + CUT_NOTE

@@ -1,0 +1,129 @@
+"""Effective cortex settings: config defaults, overridden per persona, overridden per server.
+
+Overrides are rows in ``cortex_settings`` (scope ``persona:<name>`` or ``server:<key>``), set by
+admin commands, so they hold across restarts and are shared by every process on the database. The
+effective value of every key can always be shown together with where it came from.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from bot.config import CortexConfig
+from cortex.store import CortexStore
+
+# Keys admins may override, with how a value typed in a chat command is read.
+OVERRIDABLE: dict[str, str] = {
+    "enabled": "on/off",
+    "frequency": "frequent, medium or rare",
+    "tiers": "percentages, e.g. 50,75,95 (or 'none' to use the frequency)",
+    "context_limit": "messages per cycle, e.g. 60",
+    "cooldown_seconds": "seconds, e.g. 30",
+    "max_rounds": "model calls per update, e.g. 10",
+    "model": "a model name (or 'default')",
+    "temperature": "0 to 2 (or 'default')",
+    "daily_token_budget": "tokens per pair and UTC day (0: no limit)",
+}
+CACHE_SECONDS = 5.0
+
+
+class SettingError(ValueError):
+    """An override that cannot be stored; the message says what is accepted."""
+
+
+def persona_scope(persona: str) -> str:
+    return f"persona:{persona.casefold()}"
+
+
+def server_scope(server_key: str) -> str:
+    return f"server:{server_key}"
+
+
+@dataclass(frozen=True, slots=True)
+class Effective:
+    settings: CortexConfig
+    sources: dict[str, str]  # key -> "config" | scope that set it
+
+
+def parse_value(key: str, text: str) -> Any:
+    """Read a value typed in a command; raises :class:`SettingError` with the accepted form."""
+    if key not in OVERRIDABLE:
+        raise SettingError(f"unknown setting {key!r}; settings: {', '.join(OVERRIDABLE)}")
+    raw = text.strip()
+    lowered = raw.lower()
+    try:
+        if key == "enabled":
+            if lowered in ("on", "true", "yes", "1", "enable", "enabled"):
+                return True
+            if lowered in ("off", "false", "no", "0", "disable", "disabled"):
+                return False
+            raise ValueError
+        if key == "tiers":
+            if lowered in ("none", "", "[]"):
+                return []
+            return [int(part) for part in raw.replace(" ", "").strip("[]").split(",") if part]
+        if key in ("context_limit", "max_rounds", "daily_token_budget"):
+            return int(raw)
+        if key == "cooldown_seconds":
+            return float(raw)
+        if key in ("model", "temperature") and lowered in ("default", "none"):
+            return None
+        if key == "temperature":
+            return float(raw)
+        return raw
+    except ValueError:
+        raise SettingError(f"{key} must be {OVERRIDABLE[key]}; got {text!r}") from None
+
+
+class SettingsResolver:
+    def __init__(self, defaults: CortexConfig, store: CortexStore) -> None:
+        self.defaults = defaults
+        self.store = store
+        self._cache: dict[str, tuple[float, dict[str, Any]]] = {}
+
+    async def _scope(self, scope: str) -> dict[str, Any]:
+        cached = self._cache.get(scope)
+        if cached is not None and time.monotonic() - cached[0] < CACHE_SECONDS:
+            return cached[1]
+        values = await self.store.settings(scope)
+        self._cache[scope] = (time.monotonic(), values)
+        return values
+
+    async def effective(self, persona: str, server_key: str | None = None) -> Effective:
+        merged = self.defaults.model_dump()
+        sources = {key: "config" for key in merged}
+        scopes = [persona_scope(persona)] + ([server_scope(server_key)] if server_key else [])
+        for scope in scopes:
+            for key, value in (await self._scope(scope)).items():
+                if key in OVERRIDABLE:
+                    merged[key] = value
+                    sources[key] = scope
+        try:
+            settings = CortexConfig.model_validate(merged)
+        except ValidationError:
+            # An override that no longer validates (e.g. after an upgrade) must not stop replies.
+            settings = self.defaults
+            sources = {key: "config" for key in merged}
+        return Effective(settings, sources)
+
+    async def set(self, scope: str, key: str, text: str, updated_by: str) -> Any:
+        value = parse_value(key, text)
+        candidate = self.defaults.model_dump() | {key: value}
+        try:
+            CortexConfig.model_validate(candidate)
+        except ValidationError as exc:
+            problem = exc.errors()[0].get("msg", "invalid value")
+            raise SettingError(f"{key} = {text!r} is not accepted: {problem}") from None
+        await self.store.set_setting(scope, key, value, updated_by)
+        self._cache.pop(scope, None)
+        return value
+
+    async def clear(self, scope: str, key: str) -> bool:
+        if key not in OVERRIDABLE:
+            raise SettingError(f"unknown setting {key!r}; settings: {', '.join(OVERRIDABLE)}")
+        self._cache.pop(scope, None)
+        return await self.store.clear_setting(scope, key)

@@ -1,0 +1,110 @@
+"""The tools a persona uses on its own cortex files: ``read_file`` and ``write_file``.
+
+Whatever the model sends, :meth:`CortexTools.execute` answers with a tool result, never an
+exception: an unknown tool, a file name outside the three (``../x``, ``/etc/passwd``), missing or
+non-string arguments, unreadable JSON, an over-long or content-destroying write each get a clear
+error the model can act on. Accepted writes become new versions at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bot.llm.base import ToolCall, ToolSpec
+from cortex.files import CortexFiles, check_model_write
+from cortex.store import FILENAMES, Pair
+
+FILENAME_SCHEMA = {
+    "type": "string",
+    "enum": list(FILENAMES),
+    "description": "One of your three files.",
+}
+
+TOOLS: tuple[ToolSpec, ...] = (
+    ToolSpec(
+        name="read_file",
+        description="Read the current content of one of your inner files. Read a file before you rewrite it.",
+        input_schema={
+            "type": "object",
+            "properties": {"filename": FILENAME_SCHEMA},
+            "required": ["filename"],
+            "additionalProperties": False,
+        },
+    ),
+    ToolSpec(
+        name="write_file",
+        description=(
+            "Replace one of your inner files with new content. This overwrites the whole file: always write the "
+            "COMPLETE new content in Markdown, in your own first person, keeping what still matters."
+        ),
+        input_schema={
+            "type": "object",
+            "properties": {
+                "filename": FILENAME_SCHEMA,
+                "content": {"type": "string", "description": "The complete new file, in Markdown."},
+            },
+            "required": ["filename", "content"],
+            "additionalProperties": False,
+        },
+    ),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolOutcome:
+    content: str
+    is_error: bool = False
+
+
+@dataclass
+class CortexTools:
+    files: CortexFiles
+    pair: Pair
+    tier: str
+    run_id: int
+    max_chars: int
+    files_read: list[str] = field(default_factory=list)
+    files_written: list[str] = field(default_factory=list)
+
+    async def execute(self, call: ToolCall) -> ToolOutcome:
+        if call.name not in ("read_file", "write_file"):
+            return ToolOutcome(f"unknown tool {call.name!r}; the tools are read_file and write_file", True)
+        if call.arguments is None:
+            shown = call.raw_arguments[:200]
+            return ToolOutcome(
+                f"{call.name} needs a JSON object as input, e.g. {{\"filename\": \"memory.md\"}}; got: {shown!r}",
+                True,
+            )
+        filename = call.arguments.get("filename")
+        if not isinstance(filename, str):
+            return ToolOutcome(f"{call.name} needs 'filename' as a string: one of {', '.join(FILENAMES)}", True)
+        if filename not in FILENAMES:
+            return ToolOutcome(f"there is no file {filename!r}; your files are {', '.join(FILENAMES)}", True)
+        if call.name == "read_file":
+            return await self._read(filename)
+        content = call.arguments.get("content")
+        if not isinstance(content, str):
+            return ToolOutcome("write_file needs 'content' as a string: the complete new file", True)
+        return await self._write(filename, content)
+
+    async def _read(self, filename: str) -> ToolOutcome:
+        current = await self.files.store.current(self.pair.id, filename)
+        self.files_read.append(filename)
+        return ToolOutcome(current.content if current else "")
+
+    async def _write(self, filename: str, content: str) -> ToolOutcome:
+        current = await self.files.store.current(self.pair.id, filename)
+        refusal = check_model_write(filename, current.content if current else "", content, self.max_chars)
+        if refusal is not None:
+            return ToolOutcome(refusal.reason, True)
+        saved = await self.files.write(
+            self.pair, filename, content, "model", f"cortex update ({self._tier_label()})", tier=self.tier,
+            run_id=self.run_id,
+        )
+        if saved is None:
+            return ToolOutcome(f"{filename} is unchanged (the content is identical); nothing to save")
+        self.files_written.append(filename)
+        return ToolOutcome(f"saved {filename} as version {saved.version} ({len(content):,} characters)")
+
+    def _tier_label(self) -> str:
+        return "manual" if self.tier == "manual" else f"tier {self.tier}%"

@@ -1,0 +1,218 @@
+"""The cortex update job: guards, the conversation it reads, the tool loop, the audit row.
+
+Guards (all read from the database, so they hold across restarts): the cortex is enabled for the
+persona/server; no other update of the pair ran within ``cooldown_seconds`` (a resumed job does not
+block itself); the pair's and the bot's daily token budgets are not spent; the pair has at least
+four messages. A guard that stops an update records a *skipped* run with the reason. One update per
+pair at a time is the job queue's per-key rule.
+
+The loop is bounded by ``max_rounds``. Each accepted ``write_file`` is a new file version the
+moment it is made, so a crash leaves every file at a whole version; the interrupted job is queued
+again by the worker pool and runs afresh on the current files.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from bot.config import Config, CortexConfig, PersonaConfig
+from bot.llm.base import ChatMessage, Completion, LLMProvider, LLMRequest
+from bot.llm.errors import LLMBadRequest, LLMError
+from bot.storage.base import Job, LLMCallRecord, StoredMessage
+from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator
+from cortex.files import CortexFiles
+from cortex.prompts import conversation_message, system_prompt
+from cortex.settings import SettingsResolver
+from cortex.store import CortexStore, Pair, RunStatus
+from cortex.tiers import tier_stage
+from cortex.tools import TOOLS, CortexTools
+
+log = logging.getLogger(__name__)
+
+MIN_MESSAGES = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    status: RunStatus
+    reason: str = ""
+    run_id: int | None = None
+
+
+def utc_midnight(now: float) -> float:
+    day = datetime.fromtimestamp(now, tz=UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    return day.timestamp()
+
+
+class CortexUpdater:
+    def __init__(
+        self,
+        config: Config,
+        store: CortexStore,
+        files: CortexFiles,
+        resolver: SettingsResolver,
+        llm: LLMProvider,
+        estimator: TokenEstimator,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.files = files
+        self.resolver = resolver
+        self.llm = llm
+        self.estimator = estimator
+        self._temperature_rejected: set[str] = set()  # models that refused a temperature
+
+    async def guard(self, pair: Pair, settings: CortexConfig, *, job_id: int | None = None) -> str | None:
+        """Why an update of ``pair`` must not run now, or None."""
+        if not settings.enabled:
+            return "the cortex is disabled for this persona or server"
+        now = time.time()
+        last = await self.store.last_update_started(pair.id, exclude_job=job_id)
+        if last is not None and now - last < settings.cooldown_seconds:
+            wait = settings.cooldown_seconds - (now - last)
+            return f"cooldown: the last update started {now - last:.0f} s ago (wait {wait:.0f} s more)"
+        midnight = utc_midnight(now)
+        pair_budget = settings.daily_token_budget
+        if pair_budget and await self.store.tokens_since(midnight, pair.id) >= pair_budget:
+            return f"this pair's daily token budget ({settings.daily_token_budget:,}) is spent"
+        bot_budget = settings.bot_daily_token_budget
+        if bot_budget and await self.store.tokens_since(midnight) >= bot_budget:
+            return f"the bot's daily cortex token budget ({bot_budget:,}) is spent"
+        return None
+
+    async def run_job(self, job: Job) -> None:
+        pair = await self.store.pair_by_id(int(job.payload["pair_id"]))
+        if pair is None:
+            log.info("cortex job %d: the pair no longer exists (forgotten); nothing to do", job.id)
+            return
+        tier = str(job.payload.get("tier", "manual"))
+        effective = await self.resolver.effective(pair.persona, job.payload.get("server_key"))
+        settings = effective.settings
+        reason = await self.guard(pair, settings, job_id=job.id)
+        if reason is not None:
+            await self.store.record_skip(pair.id, job.id, tier, reason)
+            log.info("cortex job %d (pair %d, tier %s) skipped: %s", job.id, pair.id, tier, reason)
+            return
+        await self.run(pair, tier, settings, job_id=job.id)
+
+    async def run(self, pair: Pair, tier: str, settings: CortexConfig, *, job_id: int | None = None) -> Outcome:
+        persona = self.config.persona(pair.persona)
+        user = await self.store.user_of(pair)
+        history = await self._history(pair, settings.history_tokens)
+        if len(history) < MIN_MESSAGES:
+            reason = f"too little conversation to learn from ({len(history)} messages; {MIN_MESSAGES} needed)"
+            run_id = await self.store.record_skip(pair.id, job_id, tier, reason)
+            return Outcome("skipped", reason, run_id)
+        await self.files.ensure(pair, persona.language, user.display_name)
+        run_id = await self.store.start_run(pair.id, job_id, tier)
+        tools = CortexTools(self.files, pair, tier, run_id, settings.file_max_chars)
+        started = time.monotonic()
+        totals = [0, 0, 0]  # rounds, input tokens, output tokens
+        try:
+            status, reason = await self._loop(pair, persona, user.display_name, tier, settings, history, tools, totals)
+        except LLMError as exc:
+            await self.store.finish_run(
+                run_id, "failed", reason=exc.user_message, rounds=totals[0], files_read=tools.files_read,
+                files_written=tools.files_written, input_tokens=totals[1], output_tokens=totals[2],
+                duration_ms=int((time.monotonic() - started) * 1000),
+                error=f"{type(exc).__name__}: {exc.detail}"[:1000],
+            )
+            log.warning("cortex run %d (pair %d) failed: %s", run_id, pair.id, type(exc).__name__)
+            raise  # transient errors are retried by the job queue
+        await self.store.finish_run(
+            run_id, status, reason=reason, rounds=totals[0], files_read=tools.files_read,
+            files_written=tools.files_written, input_tokens=totals[1], output_tokens=totals[2],
+            duration_ms=int((time.monotonic() - started) * 1000),
+        )
+        log.info(
+            "cortex run %d (pair %d, tier %s): %s after %d round(s), %d file(s) written, %d/%d tokens",
+            run_id, pair.id, tier, status, totals[0], len(set(tools.files_written)), totals[1], totals[2],
+        )
+        return Outcome(status, reason, run_id)
+
+    async def _history(self, pair: Pair, budget: int) -> list[tuple[StoredMessage, str]]:
+        """The pair's newest exchanges within ``budget`` tokens, returned oldest first."""
+        chosen: list[tuple[StoredMessage, str]] = []
+        spent = 0
+        before: int | None = None
+        while True:
+            page = await self.store.pair_messages(pair.user_id, pair.persona, 100, before_id=before)
+            for message, channel in page:
+                cost = self.estimator.scale(message.token_count + PER_MESSAGE_OVERHEAD)
+                if spent + cost > budget and chosen:
+                    chosen.reverse()
+                    return chosen
+                chosen.append((message, channel))
+                spent += cost
+            if len(page) < 100:
+                chosen.reverse()
+                return chosen
+            before = page[-1][0].id
+
+    async def _loop(
+        self, pair: Pair, persona: PersonaConfig, user_name: str, tier: str, settings: CortexConfig,
+        history: list[tuple[StoredMessage, str]], tools: CortexTools, totals: list[int],
+    ) -> tuple[RunStatus, str]:
+        model = settings.model or persona.model or self.config.llm.model
+        system = system_prompt(
+            persona, user_name, tier_stage(tier, settings), datetime.now(UTC).strftime("%Y-%m-%d"),
+            settings.file_max_chars,
+        )
+        messages: list[ChatMessage] = [ChatMessage("user", conversation_message(persona, history, user_name))]
+        midnight = utc_midnight(time.time())
+        for round_number in range(1, settings.max_rounds + 1):
+            completion = await self._call(model, system, messages, settings)
+            totals[0] = round_number
+            totals[1] += completion.usage.input_tokens
+            totals[2] += completion.usage.output_tokens
+            if not completion.tool_calls:
+                return "success", "" if tools.files_written else "the model found nothing new to record"
+            messages.append(ChatMessage("assistant", completion.text, tool_calls=completion.tool_calls))
+            for call in completion.tool_calls:
+                outcome = await tools.execute(call)
+                messages.append(
+                    ChatMessage("tool", outcome.content, tool_call_id=call.id, is_error=outcome.is_error)
+                )
+            if settings.daily_token_budget and (
+                await self.store.tokens_since(midnight, pair.id) + totals[1] + totals[2] >= settings.daily_token_budget
+            ):
+                return "failed", "stopped: this pair's daily token budget ran out during the update"
+        return "failed", f"stopped after {settings.max_rounds} rounds without finishing (max_rounds)"
+
+    async def _call(
+        self, model: str, system: str, messages: list[ChatMessage], settings: CortexConfig
+    ) -> Completion:
+        temperature = None if model in self._temperature_rejected else settings.temperature
+        request = LLMRequest(
+            system=system, messages=tuple(messages), model=model, max_tokens=settings.max_tokens,
+            temperature=temperature, tools=TOOLS,
+        )
+        started = time.monotonic()
+        try:
+            completion = await self.llm.complete(request)
+        except LLMBadRequest as exc:
+            if temperature is None or "temperature" not in exc.detail.lower():
+                await self._record_call(model, None, started, type(exc).__name__)
+                raise
+            # Some models refuse a sampling temperature: use the server's default from now on.
+            self._temperature_rejected.add(model)
+            log.warning("model %s rejects a temperature; cortex updates use its default from now on", model)
+            return await self._call(model, system, messages, settings)
+        except LLMError as exc:
+            await self._record_call(model, None, started, type(exc).__name__)
+            raise
+        await self._record_call(model, completion, started, "")
+        return completion
+
+    async def _record_call(self, model: str, completion: Completion | None, started: float, error: str) -> None:
+        await self.store.storage.record_llm_call(
+            LLMCallRecord(
+                "cortex_update", completion.model if completion and completion.model else model,
+                completion.usage.input_tokens if completion else 0,
+                completion.usage.output_tokens if completion else 0,
+                int((time.monotonic() - started) * 1000), error,
+            )
+        )
