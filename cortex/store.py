@@ -391,6 +391,7 @@ class CortexStore:
         user = await self.storage.get_user(user_key)
         if user is None:
             return None
+        await self.storage.flush_audit()  # buffered reply stats may point at messages deleted below
         async with self.storage.transaction() as db:
             pair_ids = [int(r[0]) for r in await db.execute_fetchall(
                 "SELECT id FROM cortex_pairs WHERE user_id = ?", (user.id,))]

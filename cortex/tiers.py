@@ -5,7 +5,8 @@ cycle of ``context_limit`` messages. Tier *p* % fires once per cycle when the co
 ``floor(context_limit × p / 100)``; it is marked fired (in the database) **before** its job is
 enqueued, so a crash can never fire it twice. When the count reaches ``context_limit`` a new cycle
 starts. If several tiers are reached at once (a small limit, or a limit lowered mid-cycle) only the
-highest fires and the lower ones count as fired with it.
+highest fires and the lower ones count as fired with it; so does a tier below one that already fired
+(after a change of frequency mid-cycle).
 
 Fired tiers are stored as percentages, so changing the frequency mid-cycle keeps what already fired.
 """
@@ -48,7 +49,9 @@ class Decision:
 def decide(pair: Pair, settings: CortexConfig) -> Decision:
     fired = set(pair.fired_tiers)
     reached = [pct for pct, at in thresholds(settings) if pair.cycle_count >= at and pct not in fired]
-    fire = max(reached) if reached else None
+    # A tier below one that already fired this cycle (after a frequency change) is covered by it.
+    above = [pct for pct in reached if pct > max(fired, default=0)]
+    fire = max(above) if above else None
     fired.update(reached)
     state = replace(pair, fired_tiers=tuple(sorted(fired)))
     if pair.cycle_count >= settings.context_limit:

@@ -93,7 +93,9 @@ class CommandRegistry:
         if command is None:
             group = [c for c in self.commands if c.name.split(" ")[0] == words[0].lower()]
             if group:
-                lines = [f"{self.prefix}{words[0].lower()} needs a subcommand:"]
+                head = f"{self.prefix}{words[0].lower()}"
+                lines = [f"Unknown command {head} {words[1]}; {head} has:" if len(words) > 1
+                         else f"{head} needs a subcommand:"]
                 lines += [f"  {self.usage(c)} — {c.summary}" for c in group if context.is_admin or not c.admin]
                 return CommandReply("\n".join(lines))
             return CommandReply(f"Unknown command {self.prefix}{' '.join(words[:2])}. Type {self.prefix}help.")

@@ -143,9 +143,13 @@ class SQLiteStorage:
         if self._db is not None:
             if self._audit_timer is not None:
                 self._audit_timer.cancel()
-            await self.flush_audit()
-            await self._db.close()
-            self._db = None
+            try:
+                await self.flush_audit()
+            except sqlite3.Error:
+                log.exception("could not write %d buffered audit rows at close", len(self._audit))
+            finally:
+                await self._db.close()
+                self._db = None
 
     @property
     def db(self) -> aiosqlite.Connection:
@@ -550,6 +554,9 @@ class SQLiteStorage:
             async with self.transaction() as db:
                 for sql in dict.fromkeys(sql for sql, _ in pending):
                     await db.executemany(sql, [params for s, params in pending if s == sql])
+        except sqlite3.IntegrityError:
+            # Rows that can never be written (their message was deleted meanwhile): retrying won't help.
+            log.error("dropped %d audit rows that no longer fit the database", len(pending))
         except BaseException:
             self._audit[:0] = pending
             raise

@@ -1,0 +1,195 @@
+"""The memory and cortex commands on real SQLite, including isolation between users."""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from bot.app import App
+from bot.commands import CommandContext
+from bot.config import parse_config
+from bot.ports import IncomingMessage
+from tests.fakes.provider import ScriptedProvider
+
+
+def _config(tmp_path: Path):
+    return parse_config({
+        "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
+        "cortex": {"context_limit": 1000, "cooldown_seconds": 0},
+        "personas": [{"name": "Cora"}, {"name": "Lena", "language": "German"}],
+    })
+
+
+def ctx(user: str = "ann", persona: str = "Cora", admin: bool = False, server: str | None = None) -> CommandContext:
+    return CommandContext("console", f"console:{user}", user.title(), f"console:dm-{user}", persona,
+                          is_admin=admin, is_dm=server is None, server_key=server)
+
+
+async def run(app: App, line: str, context: CommandContext | None = None):
+    return await app.commands.dispatch(line, context or ctx())
+
+
+async def test_show_creates_files_from_the_language_template(tmp_path: Path) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        reply = await run(app, "!memory show")
+        assert reply.private
+        assert "── memory.md (version 1, system" in reply.text and "# My memories of Ann" in reply.text
+        assert "# Ann and me" in reply.text and "# My soul" in reply.text
+        german = await run(app, "!memory show memory", ctx(persona="Lena"))
+        assert "# Meine Erinnerungen an Ann" in german.text and "soul.md" not in german.text
+        bad = await run(app, "!memory show ../../etc/passwd")
+        assert "unknown file" in bad.text and "Usage: !memory show [file]" in bad.text
+
+
+async def test_edit_history_diff_revert_reset(tmp_path: Path) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        asked = await run(app, "!memory edit memory.md")
+        assert asked.needs_body
+        saved = await run(app, "!memory edit memory.md\n# Mine\n- I like tea\n")
+        assert "version 2" in saved.text
+        await run(app, "!memory edit memory\n# Mine\n- I like tea\n- and cats\n")
+        history = (await run(app, "!memory history memory.md")).text
+        assert "v3" in history and "edited by the user" in history and "created from template" in history
+        diff = (await run(app, "!memory diff memory.md 2 3")).text
+        assert "+- and cats" in diff and "--- memory.md v2" in diff
+        assert "has no version 9" in (await run(app, "!memory diff memory.md 2 9")).text
+        reverted = (await run(app, "!memory revert memory.md 2")).text
+        assert "saved as version 4" in reverted
+        show = (await run(app, "!memory show memory.md")).text
+        assert "and cats" not in show and "I like tea" in show
+        reset = (await run(app, "!memory reset")).text
+        assert "memory.md" in reset and "Earlier versions stay" in reset
+        assert "# My memories of Ann" in (await run(app, "!memory show memory.md")).text
+        versions = await app.cortex.store.versions((await _pair_id(app, "ann")), "memory.md")
+        assert [v.version for v in versions] == [1, 2, 3, 4, 5]  # nothing was ever overwritten
+        too_long = (await run(app, "!memory edit soul.md\n" + "x" * 9000)).text
+        assert "limit is 8,000" in too_long
+
+
+async def _pair_id(app: App, user: str, persona: str = "Cora") -> int:
+    account = await app.storage.get_user(f"console:{user}")
+    pair = await app.cortex.store.get_pair(account.id, persona)
+    assert pair is not None
+    return pair.id
+
+
+async def test_export_zip_holds_files_versions_and_metadata(tmp_path: Path) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        await run(app, "!memory edit relationship.md\n# Ann and me\n- we joke about tea\n")
+        reply = await run(app, "!memory export")
+        assert len(reply.attachments) == 1 and reply.attachments[0].filename.endswith(".zip")
+        archive = zipfile.ZipFile(io.BytesIO(reply.attachments[0].data))
+        names = set(archive.namelist())
+        assert {"memory.md", "soul.md", "relationship.md", "cortex.json"} <= names
+        assert "versions/relationship/v0002.md" in names and "versions/relationship/v0001.md" in names
+        assert "we joke about tea" in archive.read("relationship.md").decode()
+        meta = json.loads(archive.read("cortex.json"))
+        assert meta["user"]["key"] == "console:ann" and meta["persona"] == "Cora"
+        assert any(v["author"] == "user" for v in meta["versions"])
+
+
+async def test_users_only_ever_touch_their_own_files(tmp_path: Path) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        await run(app, "!memory edit memory.md\n# Ann's private notes\n- Ann's secret\n", ctx("ann"))
+        bob = ctx("bob")
+        for line in ("!memory show", "!memory history memory.md", "!memory diff memory.md 1 2",
+                     "!memory revert memory.md 2", "!memory reset", "!memory export"):
+            reply = await run(app, line, bob)
+            blob = reply.text + "".join(a.data.decode("latin-1") for a in reply.attachments)
+            assert "Ann's secret" not in blob, line
+        # Bob's revert/reset acted on his own pair only
+        ann_memory = await app.cortex.store.current(await _pair_id(app, "ann"), "memory.md")
+        assert "Ann's secret" in ann_memory.content and ann_memory.author == "user"
+        # there is no argument naming another user
+        assert "Unknown command" in (await run(app, "!memory show-user ann", bob)).text
+
+
+async def test_forget_me_asks_then_deletes_everything_of_that_user_only(tmp_path: Path) -> None:
+    llm = ScriptedProvider()
+    config = _config(tmp_path)
+    config.history.summary_trigger = 2
+    async with App(config, llm=llm) as app:
+        for user in ("ann", "bob"):
+            for i in range(3):
+                await app.core.reply(IncomingMessage("console", "room", user, user.title(), f"{user} says {i}")).text()
+        await run(app, "!memory edit memory.md\n# notes\n- a\n", ctx("ann"))
+        await run(app, "!memory edit memory.md\n# notes\n- b\n", ctx("bob"))
+        channel = await app.storage.get_channel("console:room")
+        await app.storage.add_summary(channel.id, "Ann and Bob chatted", 1, 2, 5, "m")
+        warning = await run(app, "!memory forget-me", ctx("ann"))
+        assert "cannot be undone" in warning.text and "!memory forget-me confirm" in warning.text
+        assert await app.storage.get_user("console:ann") is not None  # nothing deleted yet
+        done = (await run(app, "!memory forget-me confirm", ctx("ann"))).text
+        assert "Deleted 6 messages" in done
+        assert await app.storage.get_user("console:ann") is None
+        texts = [m.text for m in await app.storage.recent_messages(channel.id, 100)]
+        assert texts and not any("ann says" in t for t in texts) and any("bob says" in t for t in texts)
+        assert all(m.user_id is not None for m in await app.storage.recent_messages(channel.id, 100))
+        assert await app.storage.latest_summary(channel.id) is None  # may have mentioned Ann: dropped
+        assert await app.storage.count_messages(channel.id) == 6
+        assert "- b" in (await app.cortex.store.current(await _pair_id(app, "bob"), "memory.md")).content
+        assert "stores nothing about you" in (await run(app, "!memory forget-me confirm", ctx("ann"))).text
+
+
+async def test_cortex_update_command_respects_guards(tmp_path: Path) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        await app.workers.stop()
+        reply = await run(app, "!cortex update")
+        assert "Update queued" in reply.text and "0/1000 messages" in reply.text
+        assert "already queued or running" in (await run(app, "!cortex update")).text
+        jobs = await app.storage.list_jobs("queued")
+        assert [(j.kind, j.payload["tier"]) for j in jobs] == [("cortex_update", "manual")]
+
+
+async def test_settings_are_admin_only_scoped_validated_and_shown(tmp_path: Path) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        assert "for admins only" in (await run(app, "!cortex settings")).text
+        admin = ctx(admin=True)
+        shown = (await run(app, "!cortex settings", admin)).text
+        assert "context_limit" in shown and "1000" in shown and "config" in shown
+        changed = (await run(app, "!cortex settings frequency rare", admin)).text
+        assert "set to 'rare' for persona:cora" in changed and "from persona:cora" in changed
+        server_admin = ctx(admin=True, server="console:guild1")
+        (await run(app, "!cortex settings tiers 30,60", server_admin))
+        eff = await app.cortex.resolver.effective("Cora", "console:guild1")
+        assert eff.settings.tier_percentages() == (30, 60) and eff.sources["tiers"] == "server:console:guild1"
+        assert (await app.cortex.resolver.effective("Cora")).settings.tier_percentages() == (95,)
+        bad = (await run(app, "!cortex settings tiers 30,300", admin)).text
+        assert "not accepted" in bad
+        assert "must be on/off" in (await run(app, "!cortex settings enabled maybe", admin)).text
+        assert "unknown setting" in (await run(app, "!cortex settings file_max_chars 10", admin)).text
+        assert "override removed" in (await run(app, "!cortex settings frequency default", admin)).text
+        assert (await app.cortex.resolver.effective("Cora")).sources["frequency"] == "config"
+
+
+async def test_cortex_stats_and_help(tmp_path: Path) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        pair_id = await _pair_id_after_show(app)
+        run_id = await app.cortex.store.start_run(pair_id, None, "50")
+        await app.cortex.store.finish_run(run_id, "failed", reason="stopped after 10 rounds", input_tokens=100,
+                                          output_tokens=20, duration_ms=1500)
+        await app.cortex.store.record_skip(pair_id, None, "75", "cooldown")
+        stats = (await run(app, "!cortex stats", ctx(admin=True))).text
+        assert "1 failed" in stats and "1 skipped" in stats and "tokens 100 in / 20 out" in stats
+        assert "stopped after 10 rounds" in stats
+        help_user = (await run(app, "!help")).text
+        for line in ("!memory show [file]", "!memory forget-me", "!cortex update", "!summary"):
+            assert line in help_user
+        assert "!cortex settings" not in help_user
+        assert "!cortex settings" in (await run(app, "!help", ctx(admin=True))).text
+        assert "needs a subcommand" in (await run(app, "!memory")).text
+
+
+async def _pair_id_after_show(app: App) -> int:
+    await run(app, "!memory show")
+    return await _pair_id(app, "ann")
+
+
+@pytest.mark.parametrize("line", ["!memory revert memory.md", "!memory diff memory.md x 2", "!memory history"])
+async def test_wrong_arguments_explain_the_usage(tmp_path: Path, line: str) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        assert "Usage: !memory" in (await run(app, line)).text

@@ -1,0 +1,318 @@
+"""The cortex update loop through the real anthropic SDK against the fake server, on real SQLite."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from bot.app import App
+from bot.config import parse_config
+from bot.llm.errors import LLMOverloaded
+from bot.ports import IncomingMessage
+from cortex.store import Pair
+from tests.fakes.llm_server import FakeLLMServer, FakeResponse, RecordedRequest
+
+KEY_ENV = "CB_CORTEX_TEST_KEY"
+
+
+def _config(tmp_path: Path, server: FakeLLMServer, **cortex: Any):
+    return parse_config({
+        "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
+        "llm": {"base_url": server.anthropic_url, "api_key_env": KEY_ENV, "max_retries": 0, "model": "test-model"},
+        "cortex": {"context_limit": 1000, "cooldown_seconds": 0, **cortex},
+        "jobs": {"poll_seconds": 0.05, "retry_base_seconds": 0.05, "retry_max_seconds": 0.1},
+    })
+
+
+@pytest_asyncio.fixture
+async def app(tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[App]:
+    monkeypatch.setenv(KEY_ENV, "test-key")
+    async with App(_config(tmp_path, fake_llm)) as application:
+        yield application
+
+
+def _msg(text: str, user: str = "ann", channel: str | None = None, dm: bool = True) -> IncomingMessage:
+    return IncomingMessage("console", channel or f"dm-{user}", user, user.title(), text, is_dm=dm)
+
+
+async def _talk(app: App, lines: list[str], user: str = "ann", **kw: Any) -> None:
+    for line in lines:
+        await app.core.reply(_msg(line, user, **kw)).text()
+
+
+async def _pair(app: App, user: str = "ann") -> Pair:
+    account = await app.storage.get_user(f"console:{user}")
+    return await app.cortex.store.count_messages(account.id, "Cora", 0)
+
+
+def cortex_requests(server: FakeLLMServer) -> list[RecordedRequest]:
+    return [r for r in server.completion_requests if r.body.get("tools")]
+
+
+def tool_results(request: RecordedRequest) -> list[dict[str, Any]]:
+    last = request.body["messages"][-1]
+    return [b for b in last["content"] if isinstance(b, dict) and b.get("type") == "tool_result"]
+
+
+def result_text(block: dict[str, Any]) -> str:
+    content = block.get("content")
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content)
+    return str(content)
+
+
+CONVERSATION = ["I just adopted a cat called Pixel", "I work as a nurse on night shifts", "Tea, never coffee"]
+NEW_MEMORY = "# My memories of Ann\n\n## What Ann told me about themselves\n- Ann has a cat called Pixel.\n"
+
+
+async def test_read_then_write_becomes_a_model_version_with_audit(app: App, fake_llm: FakeLLMServer) -> None:
+    await _talk(app, CONVERSATION)
+    fake_llm.enqueue(
+        FakeResponse.tool_calls([("t1", "read_file", {"filename": "memory.md"})], input_tokens=500, output_tokens=20),
+        FakeResponse.tool_calls([("t2", "write_file", {"filename": "memory.md", "content": NEW_MEMORY})],
+                                input_tokens=600, output_tokens=80),
+        FakeResponse.text("", input_tokens=700, output_tokens=5),
+    )
+    pair = await _pair(app)
+    effective = await app.cortex.resolver.effective("Cora")
+    outcome = await app.cortex.updater.run(pair, "50", effective.settings)
+    assert outcome.status == "success"
+    current = await app.cortex.store.current(pair.id, "memory.md")
+    assert current.content == NEW_MEMORY and current.author == "model" and current.tier == "50"
+    assert current.version == 2 and current.run_id == outcome.run_id
+    versions = await app.cortex.store.versions(pair.id, "memory.md")
+    assert [(v.version, v.author) for v in versions] == [(1, "system"), (2, "model")]
+    run = (await app.cortex.store.runs(pair.id))[0]
+    assert (run.status, run.rounds, run.files_read, run.files_written) == ("success", 3, ["memory.md"], ["memory.md"])
+    assert (run.input_tokens, run.output_tokens) == (1800, 105)
+    requests = cortex_requests(fake_llm)
+    assert len(requests) == 3
+    first = requests[0].body
+    assert {t["name"] for t in first["tools"]} == {"read_file", "write_file"}
+    assert first["tools"][0]["input_schema"]["properties"]["filename"]["enum"] == [
+        "memory.md", "soul.md", "relationship.md"]
+    assert "You are Cora" in first["system"] and "first person" in first["system"]
+    assert "Write in English" in first["system"] and "early in this conversation cycle" in first["system"]
+    conversation = first["messages"][0]["content"]
+    conversation = conversation if isinstance(conversation, str) else conversation[0]["text"]
+    for line in CONVERSATION:
+        assert f"Ann: {line}" in conversation
+    assert "Cora: echo: I just adopted a cat called Pixel" in conversation
+    assert result_text(tool_results(requests[1])[0]).startswith("# My memories of Ann")
+    assert "saved memory.md as version 2" in result_text(tool_results(requests[2])[0])
+    # the very next reply carries the new content
+    await app.core.reply(_msg("what do you know about me?")).text()
+    reply_request = [r for r in fake_llm.completion_requests if not r.body.get("tools")][-1]
+    assert "Ann has a cat called Pixel." in reply_request.body["system"]
+
+
+async def test_parallel_tool_calls_in_one_turn(app: App, fake_llm: FakeLLMServer) -> None:
+    await _talk(app, CONVERSATION)
+    fake_llm.enqueue(
+        FakeResponse.tool_calls([
+            ("a", "read_file", {"filename": "memory.md"}),
+            ("b", "read_file", {"filename": "soul.md"}),
+        ]),
+        FakeResponse.tool_calls([
+            ("c", "write_file", {"filename": "memory.md", "content": NEW_MEMORY}),
+            ("d", "write_file", {"filename": "soul.md", "content": "# My soul\n\nI like quiet people.\n"}),
+        ]),
+        FakeResponse.text("done"),
+    )
+    pair = await _pair(app)
+    outcome = await app.cortex.updater.run(pair, "75", (await app.cortex.resolver.effective("Cora")).settings)
+    assert outcome.status == "success"
+    second = cortex_requests(fake_llm)[1]
+    results = tool_results(second)
+    assert [r["tool_use_id"] for r in results] == ["a", "b"]
+    assert result_text(results[1]).startswith("# My soul")
+    files = await app.cortex.store.current_all(pair.id)
+    assert files["soul.md"].content.endswith("I like quiet people.\n") and files["memory.md"].version == 2
+    run = (await app.cortex.store.runs(pair.id))[0]
+    assert run.files_written == ["memory.md", "soul.md"]
+
+
+async def test_every_bad_tool_call_gets_a_clear_error_and_changes_nothing(app: App, fake_llm: FakeLLMServer) -> None:
+    await _talk(app, CONVERSATION)
+    cap = app.config.cortex.file_max_chars
+    bad_calls = [
+        ("1", "write_file", {"filename": "memory.md", "content": "x" * (cap + 1)}),
+        ("2", "read_file", {"filename": "../x"}),
+        ("3", "write_file", {"filename": "/etc/passwd", "content": "root::0:0"}),
+        ("4", "delete_file", {"filename": "memory.md"}),
+        ("5", "write_file", '{"filename": "memory.md", "content": "unterminated'),
+        ("6", "write_file", {"filename": "memory.md"}),
+        ("7", "write_file", {"filename": "memory.md", "content": 42}),
+        ("8", "read_file", {}),
+        ("9", "write_file", {"filename": "soul.md", "content": "   "}),
+        ("10", "read_file", ["memory.md"]),
+    ]
+    fake_llm.enqueue(FakeResponse.tool_calls(bad_calls), FakeResponse.text("ok"))
+    pair = await _pair(app)
+    before = await app.cortex.files.ensure(pair, "English", "Ann")
+    outcome = await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective("Cora")).settings)
+    assert outcome.status == "success"
+    results = tool_results(cortex_requests(fake_llm)[1])
+    assert len(results) == len(bad_calls) and all(r.get("is_error") for r in results)
+    texts = [result_text(r) for r in results]
+    assert f"the limit is {cap:,}" in texts[0] and "Condense" in texts[0]
+    assert "there is no file '../x'" in texts[1] and "there is no file '/etc/passwd'" in texts[2]
+    assert "unknown tool 'delete_file'" in texts[3]
+    assert "needs a JSON object" in texts[4]
+    assert "'content' as a string" in texts[5] and "'content' as a string" in texts[6]
+    assert "'filename' as a string" in texts[7]
+    assert "empty content would erase soul.md" in texts[8]
+    assert "needs a JSON object" in texts[9]
+    after = await app.cortex.store.current_all(pair.id)
+    assert {k: v.id for k, v in after.items()} == {k: v.id for k, v in before.items()}
+    assert {v.filename for v in await app.cortex.store.all_versions(pair.id)} == {
+        "memory.md", "soul.md", "relationship.md"}
+    run = (await app.cortex.store.runs(pair.id))[0]
+    assert run.files_written == [] and run.reason == "the model found nothing new to record"
+
+
+async def test_over_cap_write_is_refused_then_a_condensed_retry_lands(app: App, fake_llm: FakeLLMServer) -> None:
+    await _talk(app, CONVERSATION)
+    cap = app.config.cortex.file_max_chars
+    fake_llm.enqueue(
+        FakeResponse.tool_calls([("1", "write_file", {"filename": "memory.md", "content": "y" * (cap + 500)})]),
+        FakeResponse.tool_calls([("2", "write_file", {"filename": "memory.md", "content": NEW_MEMORY})]),
+        FakeResponse.text("done"),
+    )
+    pair = await _pair(app)
+    await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective("Cora")).settings)
+    assert (await app.cortex.store.current(pair.id, "memory.md")).content == NEW_MEMORY
+    assert all(len(v.content) <= cap for v in await app.cortex.store.versions(pair.id, "memory.md"))
+
+
+async def test_a_write_that_drops_most_of_a_file_is_refused(app: App, fake_llm: FakeLLMServer) -> None:
+    await _talk(app, CONVERSATION)
+    pair = await _pair(app)
+    await app.cortex.files.ensure(pair, "English", "Ann")
+    long_memory = "# Memories\n" + "".join(f"- fact number {i} about Ann's life\n" for i in range(40))
+    await app.cortex.files.edit(pair, "memory.md", long_memory)
+    fake_llm.enqueue(
+        FakeResponse.tool_calls([("1", "write_file", {"filename": "memory.md", "content": "# Memories\n- Pixel\n"})]),
+        FakeResponse.text("done"),
+    )
+    await app.cortex.updater.run(pair, "95", (await app.cortex.resolver.effective("Cora")).settings)
+    result = result_text(tool_results(cortex_requests(fake_llm)[1])[0])
+    assert "would drop most of memory.md" in result
+    assert (await app.cortex.store.current(pair.id, "memory.md")).content == long_memory
+
+
+async def test_a_model_that_never_stops_ends_at_max_rounds(app: App, fake_llm: FakeLLMServer) -> None:
+    await _talk(app, CONVERSATION)
+    await app.cortex.resolver.set("persona:cora", "max_rounds", "3", "test")
+    fake_llm.responder = lambda request: FakeResponse.tool_calls([("r", "read_file", {"filename": "memory.md"})])
+    pair = await _pair(app)
+    outcome = await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective("Cora")).settings)
+    assert outcome.status == "failed" and "max_rounds" in outcome.reason
+    assert len(cortex_requests(fake_llm)) == 3
+    run = (await app.cortex.store.runs(pair.id))[0]
+    assert run.rounds == 3 and run.status == "failed"
+
+
+async def test_529_mid_loop_keeps_accepted_writes_and_the_job_retries(app: App, fake_llm: FakeLLMServer) -> None:
+    await _talk(app, CONVERSATION)
+    pair = await _pair(app)
+    fake_llm.enqueue(
+        FakeResponse.tool_calls([("1", "write_file", {"filename": "memory.md", "content": NEW_MEMORY})]),
+        FakeResponse.error(529, "Overloaded", error_type="overloaded_error"),
+    )
+    with pytest.raises(LLMOverloaded):
+        await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective("Cora")).settings)
+    assert (await app.cortex.store.current(pair.id, "memory.md")).content == NEW_MEMORY
+    run = (await app.cortex.store.runs(pair.id))[0]
+    assert run.status == "failed" and run.error.startswith("LLMOverloaded") and run.files_written == ["memory.md"]
+    # Through the job queue the same failure is retried, and the retry finishes the update.
+    fake_llm.enqueue(
+        FakeResponse.error(529, "Overloaded", error_type="overloaded_error"),
+        FakeResponse.tool_calls([("2", "read_file", {"filename": "memory.md"})]),
+        FakeResponse.text("done"),
+    )
+    job = await app.cortex.tiers.request_update(pair, "75", None)
+    assert await app.workers.drain(10)
+    finished = await app.storage.get_job(job.id)
+    assert finished.status == "done" and finished.attempts == 2
+    statuses = [(r.tier, r.status) for r in await app.cortex.store.runs(pair.id)]
+    assert statuses[:2] == [("75", "success"), ("75", "failed")]
+
+
+async def test_guards_skip_with_reasons(app: App, fake_llm: FakeLLMServer) -> None:
+    await _talk(app, ["just one line"])  # two messages
+    pair = await _pair(app)
+    settings = (await app.cortex.resolver.effective("Cora")).settings
+    outcome = await app.cortex.updater.run(pair, "50", settings)
+    assert outcome.status == "skipped" and "too little conversation" in outcome.reason
+    assert cortex_requests(fake_llm) == []
+    await _talk(app, CONVERSATION)
+    await app.cortex.resolver.set("persona:cora", "cooldown_seconds", "3600", "test")
+    fake_llm.enqueue(FakeResponse.text("nothing new", input_tokens=900, output_tokens=100))
+    job = await app.cortex.tiers.request_update(pair, "50", None)
+    assert await app.workers.drain(10)
+    job2 = await app.cortex.tiers.request_update(pair, "75", None)
+    assert await app.workers.drain(10)
+    runs = await app.cortex.store.runs(pair.id)
+    assert runs[0].status == "skipped" and runs[0].reason.startswith("cooldown") and runs[0].job_id == job2.id
+    assert runs[1].status == "success" and runs[1].job_id == job.id
+    # budgets
+    await app.cortex.resolver.set("persona:cora", "cooldown_seconds", "0", "test")
+    await app.cortex.resolver.set("persona:cora", "daily_token_budget", "1000", "test")
+    reason = await app.cortex.updater.guard(pair, (await app.cortex.resolver.effective("Cora")).settings)
+    assert reason is not None and "daily token budget (1,000) is spent" in reason
+    await app.cortex.resolver.set("persona:cora", "daily_token_budget", "0", "test")
+    await app.cortex.resolver.set("persona:cora", "enabled", "off", "test")
+    reason = await app.cortex.updater.guard(pair, (await app.cortex.resolver.effective("Cora")).settings)
+    assert reason is not None and "disabled" in reason
+
+
+async def test_bot_wide_budget_and_guards_hold_across_restart(
+    tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(KEY_ENV, "test-key")
+    config = _config(tmp_path, fake_llm, cooldown_seconds=3600, bot_daily_token_budget=500)
+    async with App(config) as app:
+        await _talk(app, CONVERSATION)
+        pair = await _pair(app)
+        fake_llm.enqueue(FakeResponse.text("nothing new", input_tokens=400, output_tokens=200))
+        await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective("Cora")).settings)
+    async with App(config) as app:  # a restart: both guards come from the database
+        pair = await _pair(app)
+        settings = (await app.cortex.resolver.effective("Cora")).settings
+        assert (await app.cortex.updater.guard(pair, settings)).startswith("cooldown")
+        await app.cortex.resolver.set("persona:cora", "cooldown_seconds", "0", "test")
+        settings = (await app.cortex.resolver.effective("Cora")).settings
+        assert "bot's daily cortex token budget (500) is spent" in await app.cortex.updater.guard(pair, settings)
+
+
+async def test_update_input_holds_only_the_pairs_own_exchanges(app: App, fake_llm: FakeLLMServer) -> None:
+    await _talk(app, ["Ann's secret: I am planning a surprise party"], user="ann", channel="group", dm=False)
+    await _talk(app, ["Bob here, my password is hunter2"], user="bob", channel="group", dm=False)
+    await _talk(app, ["ann again in the group", "and in private"], user="ann", channel="group", dm=False)
+    await _talk(app, ["a DM line"], user="ann")
+    fake_llm.enqueue(FakeResponse.text("nothing new"))
+    pair = await _pair(app, "ann")
+    await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective("Cora")).settings)
+    conversation = json.dumps(cortex_requests(fake_llm)[0].body["messages"])
+    assert "surprise party" in conversation and "a DM line" in conversation
+    assert "hunter2" not in conversation and "Bob here" not in conversation
+
+
+async def test_a_model_that_rejects_temperature_is_retried_without_it(app: App, fake_llm: FakeLLMServer) -> None:
+    await _talk(app, CONVERSATION)
+    fake_llm.enqueue(
+        FakeResponse.error(400, "temperature is deprecated for this model", error_type="invalid_request_error"),
+        FakeResponse.text("nothing new"),
+    )
+    pair = await _pair(app)
+    outcome = await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective("Cora")).settings)
+    assert outcome.status == "success"
+    first, second = cortex_requests(fake_llm)
+    assert first.body.get("temperature") == 0.3 and "temperature" not in second.body
+
