@@ -67,9 +67,13 @@ class App:
             self.estimator = BPETokenEstimator(
                 margin=self.config.history.token_margin, factor=await self._load_calibration()
             )
+            # Background jobs get a connection of their own, so replies never queue behind their queries.
+            self.job_storage = await self.storage.sibling()
             self.queue = JobQueue(self.storage, self.config.jobs)
-            self.summaries = SummaryEngine(self.config, self.storage, self.llm, self.estimator, self.queue)
-            self.cortex = build_cortex(self.config, self.storage, self.llm, self.estimator, self.queue)
+            self.summaries = SummaryEngine(self.config, self.job_storage, self.llm, self.estimator, self.queue)
+            self.cortex = build_cortex(
+                self.config, self.storage, self.llm, self.estimator, self.queue, self.job_storage
+            )
             self.core = ConversationCore(
                 self.config, self.storage, self.llm, self.estimator, self.summaries,
                 section_providers=[self.cortex.section], observers=[self.cortex.tiers],
@@ -78,11 +82,15 @@ class App:
             register_core_commands(self.commands, self.storage, self.estimator)
             self.cortex.commands.register(self.commands)
             self.workers = WorkerPool(
-                self.queue, {SUMMARY_JOB: self.summaries.run_job, CORTEX_JOB: self.cortex.updater.run_job}
+                self.queue,
+                {SUMMARY_JOB: self.summaries.run_job, CORTEX_JOB: self.cortex.updater.run_job},
+                storage=self.job_storage,
             )
             if workers:
                 await self.workers.start()
         except BaseException:
+            if getattr(self, "job_storage", None) is not None:
+                await self.job_storage.close()
             await self.storage.close()
             raise
         self._started = True
@@ -108,6 +116,7 @@ class App:
             await self.storage.set_setting(self._calibration_key, f"{self.estimator.factor:.4f}")
         finally:
             await self.llm.aclose()
+            await self.job_storage.close()
             await self.storage.close()
 
     async def __aenter__(self) -> App:

@@ -93,9 +93,11 @@ class WorkerPool:
         handlers: Mapping[str, JobHandler],
         *,
         worker_id: str | None = None,
+        storage: Storage | None = None,
     ) -> None:
         self.queue = queue
-        self.storage = queue.storage
+        # Workers may claim through a connection of their own (see SQLiteStorage.sibling).
+        self.storage = storage or queue.storage
         self.config = queue.config
         self.handlers = dict(handlers)
         self.worker_id = worker_id or new_worker_id()

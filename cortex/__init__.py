@@ -35,13 +35,22 @@ class Cortex:
 
 
 def build_cortex(
-    config: Config, storage: SQLiteStorage, llm: LLMProvider, estimator: TokenEstimator, queue: JobQueue
+    config: Config,
+    storage: SQLiteStorage,
+    llm: LLMProvider,
+    estimator: TokenEstimator,
+    queue: JobQueue,
+    job_storage: SQLiteStorage | None = None,
 ) -> Cortex:
+    """``storage`` serves the reply path and commands; ``job_storage`` (a sibling connection sharing its
+    caches) serves the update jobs, so their queries never queue in front of a reply's."""
     store = CortexStore(storage)
     files = CortexFiles(store, config.cortex.file_max_chars)
     resolver = SettingsResolver(config.cortex, store)
     tiers = TierEngine(store, resolver, queue)
-    updater = CortexUpdater(config, store, files, resolver, llm, estimator)
+    job_store = CortexStore(job_storage) if job_storage is not None else store
+    job_files = CortexFiles(job_store, config.cortex.file_max_chars)
+    updater = CortexUpdater(config, job_store, job_files, SettingsResolver(config.cortex, job_store), llm, estimator)
     section = CortexSection(store, estimator, config.cortex.prompt_tokens)
     commands = CortexCommands(config, storage, store, files, resolver, tiers, updater)
     return Cortex(store, files, resolver, tiers, updater, section, commands)

@@ -94,7 +94,9 @@ class CortexStore:
         self.storage = storage
         # Current files per (user id, persona) for reply prompts; cleared by every write here and
         # re-read after PROMPT_CACHE_SECONDS for other processes' writes.
-        self._prompt_files: dict[tuple[int, str], tuple[float, dict[str, str]]] = {}
+        self._prompt_files: dict[tuple[int, str], tuple[float, dict[str, str]]] = storage.caches.named(
+            "cortex.prompt_files"
+        )
 
     # -- pairs -----------------------------------------------------------------------------------
 

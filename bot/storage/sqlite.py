@@ -26,6 +26,7 @@ import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -79,16 +80,42 @@ def _dt(value: float) -> datetime:
     return datetime.fromtimestamp(value, tz=UTC)
 
 
+@dataclass
+class StorageCaches:
+    """What one process remembers between calls; shared by the connections it opens on one file.
+
+    ``write_lock`` serialises writes of those connections in the process itself: two of them meeting
+    SQLite's write lock would make one sleep in SQLite's busy handler (a millisecond or more)."""
+
+    write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: dict[str, User] = field(default_factory=dict)
+    channels: dict[str, Channel] = field(default_factory=dict)
+    summaries: dict[int, tuple[float, Summary | None]] = field(default_factory=dict)
+    extra: dict[str, dict[Any, Any]] = field(default_factory=dict)  # caches of components on this storage
+
+    def named(self, name: str) -> dict[Any, Any]:
+        return self.extra.setdefault(name, {})
+
+
 class SQLiteStorage:
-    def __init__(self, path: str | Path, *, migrations: Sequence[Migration] = SQLITE_MIGRATIONS) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        migrations: Sequence[Migration] = SQLITE_MIGRATIONS,
+        caches: StorageCaches | None = None,
+        checkpoints: bool = True,
+    ) -> None:
         self.path = Path(path)
         self._migrations = tuple(sorted(migrations, key=lambda m: m.version))
         self._db: aiosqlite.Connection | None = None
-        self._tx_lock = asyncio.Lock()
         # Users and channels are upserted on every message; identical repeats are answered from here.
-        self._users: dict[str, User] = {}
-        self._channels: dict[str, Channel] = {}
-        self._summaries: dict[int, tuple[float, Summary | None]] = {}
+        self.caches = caches or StorageCaches()
+        self._tx_lock = self.caches.write_lock
+        self._users = self.caches.users
+        self._channels = self.caches.channels
+        self._summaries = self.caches.summaries
+        self._checkpoints = checkpoints
         self._audit: list[tuple[str, tuple[Any, ...]]] = []
         self._audit_timer: asyncio.Task[None] | None = None
         self._checkpointer: asyncio.Task[None] | None = None
@@ -117,9 +144,16 @@ class SQLiteStorage:
         except sqlite3.Error as exc:
             raise StorageError(f"cannot open the database {self.path}: {exc}") from None
         self._db = db
-        if self.path != Path(":memory:"):
+        if self._checkpoints and self.path != Path(":memory:"):
             self._checkpointer = asyncio.create_task(self._checkpoint_loop(), name="storage-wal-checkpoint")
         return self
+
+    async def sibling(self) -> SQLiteStorage:
+        """A second connection to the same database sharing this one's caches: background jobs use it,
+        so their queries never wait in line with the reply path's on aiosqlite's thread."""
+        return await SQLiteStorage(
+            self.path, migrations=self._migrations, caches=self.caches, checkpoints=False
+        ).open()
 
     async def _checkpoint_loop(self) -> None:
         """Checkpoint the WAL from a connection (and thread) of its own; PASSIVE never blocks writers."""

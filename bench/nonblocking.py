@@ -1,0 +1,193 @@
+"""Do cortex updates slow replies down? Reply overhead with 0 and with 50 updates in flight.
+
+The provider answers chat replies instantly (we time the core, not the model) and answers cortex
+update calls after a latency (default 1 s per call; real ones take 1-10 s), running the real tool loop: read memory.md,
+rewrite it, stop, so every update does real reads, checked writes, new versions and audit rows.
+The reply path is timed alone and while 50 pairs are updated continuously (each as soon as its
+previous update finishes), alternating the two phases over several rounds in one process so that
+drift of the machine hits both alike. Prints p50/p99 of both and their ratio; the target is ≤ 1.1.
+
+    python bench/nonblocking.py [--replies 2000] [--rounds 5] [--updates 50] [--latency-ms 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bot.app import App  # noqa: E402
+from bot.config import parse_config  # noqa: E402
+from bot.llm.base import (  # noqa: E402
+    Completion,
+    LLMRequest,
+    StreamEnd,
+    StreamEvent,
+    TextDelta,
+    ToolCall,
+    Usage,
+)
+from bot.ports import IncomingMessage  # noqa: E402
+
+REPLY = "That sounds lovely. Tell me more about the tomatoes — did the late frost hurt them?"
+
+
+class BenchProvider:
+    """Instant replies; cortex calls take ``latency`` seconds and walk read → write → stop."""
+
+    name = "bench"
+
+    def __init__(self, latency: float) -> None:
+        self.latency = latency
+        self.update_calls = 0
+
+    async def complete(self, request: LLMRequest) -> Completion:
+        if not request.tools:
+            return Completion(text=REPLY, usage=Usage(0, 20))
+        self.update_calls += 1
+        await asyncio.sleep(self.latency * random.uniform(0.5, 1.5))
+        last = request.messages[-1]
+        if last.role == "user":
+            call = ToolCall("r", "read_file", {"filename": "memory.md"})
+            return Completion(text="", tool_calls=(call,), usage=Usage(900, 20), stop_reason="tool_use")
+        if last.tool_call_id == "r":
+            content = f"# My memories\n\n- update {self.update_calls}: the tomatoes survived the frost.\n"
+            call = ToolCall("w", "write_file", {"filename": "memory.md", "content": content})
+            return Completion(text="", tool_calls=(call,), usage=Usage(1000, 60), stop_reason="tool_use")
+        return Completion(text="", usage=Usage(1100, 5))
+
+    async def stream(self, request: LLMRequest) -> AsyncIterator[StreamEvent]:
+        completion = await self.complete(request)
+        yield TextDelta(completion.text)
+        yield StreamEnd(completion)
+
+    async def list_models(self) -> list[str]:
+        return ["bench"]
+
+    async def aclose(self) -> None:
+        return None
+
+
+def percentile(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+async def time_replies(app: App, count: int) -> list[float]:
+    timings = []
+    for i in range(count):
+        message = IncomingMessage("console", "bench", "bench", "Bench", f"message {i} about the garden", is_dm=True)
+        started = time.perf_counter()
+        await app.core.reply(message).text()
+        timings.append((time.perf_counter() - started) * 1000)
+    return timings
+
+
+class UpdateLoad:
+    """``count`` pairs updated back to back while ``running`` is set; ``idle`` once none is in flight."""
+
+    def __init__(self, app: App, users: list[str]) -> None:
+        self.app = app
+        self.users = users
+        self.running = asyncio.Event()
+        self.stopping = False
+        self.in_flight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.finished = 0
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def _loop(self, user: str) -> None:
+        account = await self.app.storage.get_user(f"console:{user}")
+        assert account is not None
+        pair = await self.app.cortex.store.count_messages(account.id, "Cora", 0)
+        settings = (await self.app.cortex.resolver.effective("Cora")).settings
+        while True:
+            await self.running.wait()
+            if self.stopping:
+                return
+            self.in_flight += 1
+            self.idle.clear()
+            try:
+                await self.app.cortex.updater.run(pair, "manual", settings)
+            finally:
+                self.in_flight -= 1
+                if not self.in_flight:
+                    self.idle.set()
+            self.finished += 1
+
+    def start(self) -> None:
+        self.tasks = [asyncio.create_task(self._loop(user)) for user in self.users]
+
+    async def pause(self) -> None:
+        self.running.clear()
+        await self.idle.wait()
+
+    async def stop(self) -> None:
+        self.stopping = True
+        self.running.set()
+        await asyncio.gather(*self.tasks)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--replies", type=int, default=2000, help="timed replies per phase (default 2000)")
+    parser.add_argument("--rounds", type=int, default=5, help="alternations of the two phases (default 5)")
+    parser.add_argument("--updates", type=int, default=50, help="updates in flight at once (default 50)")
+    parser.add_argument("--latency-ms", type=float, default=1000.0,
+                        help="LLM latency per update call (default 1000; real ones take 1-10 s)")
+    args = parser.parse_args()
+    provider = BenchProvider(args.latency_ms / 1000)
+    per_round = max(args.replies // args.rounds, 1)
+    alone: list[float] = []
+    loaded: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        config = parse_config({
+            "storage": {"url": f"sqlite:///{Path(tmp) / 'bench.db'}"},
+            "cortex": {"context_limit": 100_000, "cooldown_seconds": 0, "daily_token_budget": 0,
+                       "bot_daily_token_budget": 0},
+        })
+        app = App(config, llm=provider)
+        await app.start(workers=False)
+        try:
+            users = [f"user{i}" for i in range(args.updates)]
+            for user in users:  # each pair needs some conversation to update from
+                for i in range(3):
+                    msg = IncomingMessage("console", f"dm-{user}", user, user, f"hello {i}, I grow tomatoes")
+                    await app.core.reply(msg).text()
+            await time_replies(app, 50)  # warm-up
+            load = UpdateLoad(app, users)
+            load.start()
+            # Alternate the phases so that drift of the machine hits both alike.
+            for _ in range(args.rounds):
+                await load.pause()
+                alone += await time_replies(app, per_round)
+                load.running.set()
+                await asyncio.sleep(args.latency_ms / 1000 * 1.5)  # every pair mid-update
+                loaded += await time_replies(app, per_round)
+            finished = load.finished
+            await load.stop()
+        finally:
+            await app.stop()
+    a50, a99 = percentile(alone, 50), percentile(alone, 99)
+    l50, l99 = percentile(loaded, 50), percentile(loaded, 99)
+    print(f"LLM latency per update call: {args.latency_ms:.0f} ms; {args.rounds} alternating rounds")
+    print(f"replies alone:                    p50 {a50:6.2f} ms   p99 {a99:6.2f} ms   ({len(alone)} replies)")
+    print(f"with {args.updates} updates in flight:      p50 {l50:6.2f} ms   p99 {l99:6.2f} ms   "
+          f"({finished} updates finished, {provider.update_calls} update calls)")
+    print(f"ratio loaded/alone:               p50 ×{l50 / a50:.2f}   p99 ×{l99 / a99:.2f}   (target ≤ 1.1)")
+    print(f"peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
