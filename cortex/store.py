@@ -97,6 +97,7 @@ class CortexStore:
         self._prompt_files: dict[tuple[int, str], tuple[float, dict[str, str]]] = storage.caches.named(
             "cortex.prompt_files"
         )
+        self._pair_keys: dict[int, tuple[int, str]] = storage.caches.named("cortex.pair_keys")
 
     # -- pairs -----------------------------------------------------------------------------------
 
@@ -204,7 +205,7 @@ class CortexStore:
             (pair_id, filename, content, author, reason, tier, run_id, time.time(), pair_id, filename),
         )
         assert row is not None
-        self._prompt_files.clear()
+        self._files_changed(pair_id)
         return self._version(row)
 
     async def files_for_prompt(self, user_id: int, persona: str) -> dict[str, str]:
@@ -214,14 +215,23 @@ class CortexStore:
         if cached is not None and time.monotonic() - cached[0] < PROMPT_CACHE_SECONDS:
             return cached[1]
         rows = await self.storage.fetch_all(
-            "SELECT v.filename, v.content FROM cortex_pairs AS p JOIN cortex_versions AS v ON v.pair_id = p.id"
-            " WHERE p.user_id = ? AND p.persona = ? AND v.version = (SELECT max(version) FROM cortex_versions"
-            " WHERE pair_id = p.id AND filename = v.filename)",
+            "SELECT v.filename, v.content, p.id FROM cortex_pairs AS p JOIN cortex_versions AS v"
+            " ON v.pair_id = p.id WHERE p.user_id = ? AND p.persona = ? AND v.version = ("
+            " SELECT max(version) FROM cortex_versions WHERE pair_id = p.id AND filename = v.filename)",
             (user_id, persona),
         )
         files = {str(r[0]): str(r[1]) for r in rows}
         self._prompt_files[key] = (time.monotonic(), files)
+        if rows:
+            self._pair_keys[int(rows[0][2])] = key
         return files
+
+    def _files_changed(self, pair_id: int) -> None:
+        key = self._pair_keys.get(pair_id)
+        if key is not None:
+            self._prompt_files.pop(key, None)
+        else:  # a pair not seen by a prompt yet (e.g. its first files): its cache entry is unknown
+            self._prompt_files.clear()
 
     async def versions(self, pair_id: int, filename: str) -> list[FileVersion]:
         rows = await self.storage.fetch_all(
@@ -266,11 +276,15 @@ class CortexStore:
 
     async def start_run(self, pair_id: int, job_id: int | None, tier: str) -> int:
         # A run of this pair still marked running was cut off by a stop (one job per pair runs at a time).
-        await self.storage.write(
-            "UPDATE cortex_runs SET status = 'failed', error = 'interrupted: the process stopped during the run',"
-            " finished_at = ? WHERE pair_id = ? AND status = 'running'",
-            (time.time(), pair_id),
-        )
+        # Look first (no write lock taken) since there rarely is one.
+        if await self.storage.fetch_one(
+            "SELECT 1 FROM cortex_runs WHERE pair_id = ? AND status = 'running' LIMIT 1", (pair_id,)
+        ):
+            await self.storage.write(
+                "UPDATE cortex_runs SET status = 'failed', error = 'interrupted: the process stopped during the"
+                " run', finished_at = ? WHERE pair_id = ? AND status = 'running'",
+                (time.time(), pair_id),
+            )
         row = await self.storage.write_one(
             "INSERT INTO cortex_runs (pair_id, job_id, tier, status, started_at) VALUES (?, ?, ?, 'running', ?)"
             " RETURNING id",
