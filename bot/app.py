@@ -15,6 +15,7 @@ from bot.conversation import ConversationCore
 from bot.jobs import JobQueue, WorkerPool
 from bot.llm import create_provider
 from bot.llm.base import LLMProvider
+from bot.router import Router
 from bot.storage.sqlite import SQLiteStorage, open_storage
 from bot.summary import JOB_KIND as SUMMARY_JOB
 from bot.summary import SummaryEngine
@@ -81,6 +82,7 @@ class App:
             self.commands = CommandRegistry()
             register_core_commands(self.commands, self.storage, self.estimator)
             self.cortex.commands.register(self.commands)
+            self.router = Router(self.config, self.storage, self.core, self.commands)
             self.workers = WorkerPool(
                 self.queue,
                 {SUMMARY_JOB: self.summaries.run_job, CORTEX_JOB: self.cortex.updater.run_job},

@@ -180,6 +180,32 @@ class CortexConfig(_Section):
         return tuple(self.tiers) if self.tiers else FREQUENCY_PRESETS[self.frequency]
 
 
+class ChatConfig(_Section):
+    """How replies are delivered on chat platforms."""
+
+    streaming: bool = Field(default=True, description="Edit the reply in place as it streams in.")
+    edit_interval_seconds: float = Field(default=1.2, ge=0.2, description="Least time between two edits.")
+    rate_limit_per_minute: int = Field(default=12, ge=0, description="Messages a user may send per minute (0: off).")
+    typing_indicator: bool = True
+
+
+class AccessConfig(_Section):
+    """Who and where the bot answers. Ids are written platform:id (discord:1234, matrix:@ann:example.org,
+    matrix:!room:example.org); an empty allow list allows everyone, a deny list always wins."""
+
+    dms: bool = Field(default=True, description="Answer direct messages.")
+    always_answer_channels: list[str] = Field(default_factory=list, description="Answer every message there.")
+    allow_users: list[str] = Field(default_factory=list)
+    deny_users: list[str] = Field(default_factory=list)
+    allow_channels: list[str] = Field(default_factory=list)
+    deny_channels: list[str] = Field(default_factory=list)
+    allow_servers: list[str] = Field(default_factory=list)
+    deny_servers: list[str] = Field(default_factory=list)
+    allow_roles: list[str] = Field(default_factory=list, description="Discord role ids / Matrix power:NN.")
+    deny_roles: list[str] = Field(default_factory=list)
+    allow_bots: list[str] = Field(default_factory=list, description="Other bots the bot may answer.")
+
+
 class TerminalConfig(_Section):
     enabled: bool = Field(default=True, description="Whether `cortexbot run` starts the terminal adapter.")
     user: str = Field(default="", description="Name of the local user; default: the login name.")
@@ -233,6 +259,8 @@ class Config(_Section):
     history: HistoryConfig = Field(default_factory=HistoryConfig)
     jobs: JobsConfig = Field(default_factory=JobsConfig)
     cortex: CortexConfig = Field(default_factory=CortexConfig)
+    chat: ChatConfig = Field(default_factory=ChatConfig)
+    access: AccessConfig = Field(default_factory=AccessConfig)
     terminal: TerminalConfig = Field(default_factory=TerminalConfig)
     personas: list[PersonaConfig] = Field(default_factory=lambda: [DEFAULT_PERSONA.model_copy()])
 

@@ -1,0 +1,57 @@
+"""Whether the bot answers a platform message: addressing rules and allow/deny lists.
+
+DMs always (unless DMs are off); in group channels only when the bot is mentioned, replied to, the
+channel is configured to always answer, or the message is a command. Never to itself, never to other
+bots unless allow-listed. Deny lists win over allow lists; an empty allow list allows everyone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bot.config import AccessConfig
+from bot.ports import IncomingMessage
+
+
+@dataclass(frozen=True, slots=True)
+class Inbound:
+    """A platform message as an adapter sees it, before the bot decides to answer."""
+
+    message: IncomingMessage
+    is_self: bool = False
+    author_is_bot: bool = False
+    replied_to_bot: bool = False
+    roles: tuple[str, ...] = ()  # platform-qualified role ids, e.g. "discord:987" or "matrix:power:50"
+    is_admin: bool = False  # the adapter's verdict: Manage Server / power level ≥ 50 / configured admin id
+
+
+def _listed(values: list[str], *candidates: str | None) -> bool:
+    return any(c is not None and c in values for c in candidates)
+
+
+def refusal(inbound: Inbound, access: AccessConfig, *, is_command: bool) -> str | None:
+    """Why the bot stays silent (for logs), or None when it answers."""
+    msg = inbound.message
+    if inbound.is_self:
+        return "own message"
+    if inbound.author_is_bot and msg.author_key not in access.allow_bots:
+        return "message from a bot"
+    if msg.is_dm and not access.dms:
+        return "direct messages are off"
+    if _listed(access.deny_users, msg.author_key) or _listed(access.deny_channels, msg.channel_key):
+        return "denied user or channel"
+    if _listed(access.deny_servers, msg.server_key) or any(r in access.deny_roles for r in inbound.roles):
+        return "denied server or role"
+    if access.allow_users and msg.author_key not in access.allow_users:
+        return "user not allowed"
+    if not msg.is_dm:
+        if access.allow_channels and msg.channel_key not in access.allow_channels:
+            return "channel not allowed"
+        if access.allow_servers and msg.server_key not in access.allow_servers:
+            return "server not allowed"
+        if access.allow_roles and not any(r in access.allow_roles for r in inbound.roles):
+            return "role not allowed"
+        addressed = msg.mentions_bot or inbound.replied_to_bot or msg.channel_key in access.always_answer_channels
+        if not addressed and not is_command:
+            return "not addressed"
+    return None

@@ -1,0 +1,147 @@
+"""The platform-neutral path of a chat message, shared by the Discord and Matrix adapters.
+
+An adapter turns a platform event into an :class:`bot.policy.Inbound` and hands it to
+:meth:`Router.handle` together with a :class:`ChatSink` that knows how to send, edit, show typing and
+answer privately on that platform. The router decides whether to answer (``bot.policy``), runs
+commands (private answers stay private), applies the per-user rate limit, picks the channel's
+persona and streams the reply (``bot.streaming``). LLM failures become one short message; the
+user's message is already stored by then.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Protocol
+
+from bot.commands import Command, CommandContext, CommandError, CommandRegistry, CommandReply
+from bot.config import Config, ConfigError
+from bot.conversation import ConversationCore
+from bot.errors import UserFacingError
+from bot.llm.errors import LLMError
+from bot.policy import Inbound, refusal
+from bot.ratelimit import RateLimiter
+from bot.storage.base import Storage
+from bot.streaming import MessageSink, StreamedReply
+
+log = logging.getLogger(__name__)
+
+
+class ChatSink(MessageSink, Protocol):
+    """What an adapter offers the router for one incoming message."""
+
+    def typing(self) -> AbstractAsyncContextManager[None]: ...
+
+    async def send_reply(self, reply: CommandReply) -> None:
+        """Answer in the conversation (attachments included)."""
+
+    async def send_private(self, reply: CommandReply) -> None:
+        """Answer only the author (Discord: ephemeral; Matrix: a DM plus a short notice in the room)."""
+
+
+def channel_persona_key(channel_key: str) -> str:
+    return f"persona.channel.{channel_key}"
+
+
+def user_persona_key(user_key: str) -> str:
+    return f"persona.dm.{user_key}"
+
+
+class Router:
+    def __init__(
+        self, config: Config, storage: Storage, core: ConversationCore, commands: CommandRegistry
+    ) -> None:
+        self.config = config
+        self.storage = storage
+        self.core = core
+        self.commands = commands
+        self.limiter = RateLimiter(config.chat.rate_limit_per_minute)
+        commands.register(Command(
+            "persona", "show the persona here, or pick one (in a DM for yourself; in a channel admins only)",
+            self._persona_command, usage="[name]",
+        ))
+
+    async def persona_for(self, inbound: Inbound) -> str:
+        msg = inbound.message
+        for key in ([user_persona_key(msg.author_key)] if msg.is_dm else []) + [channel_persona_key(msg.channel_key)]:
+            name = await self.storage.get_setting(key)
+            if name:
+                try:
+                    return self.config.persona(name).name
+                except ConfigError:
+                    log.warning("setting %s names a persona that no longer exists", key)
+        return self.config.persona(None).name
+
+    async def handle(self, inbound: Inbound, sink: ChatSink) -> None:
+        msg = inbound.message
+        text = msg.text.strip()
+        is_command = self.commands.is_command(text)
+        reason = refusal(inbound, self.config.access, is_command=is_command)
+        if reason is not None:
+            log.debug("not answering message in %s: %s", msg.channel_key, reason)
+            return
+        persona = await self.persona_for(inbound)
+        if is_command:
+            await self._command(inbound, sink, text, persona)
+            return
+        wait = self.limiter.check(msg.author_key)
+        if wait:
+            await sink.send_reply(CommandReply(
+                f"{msg.author_name}, you are sending messages faster than I can answer them well. "
+                f"Please wait {math.ceil(wait)} s."
+            ))
+            return
+        await self._reply(inbound, sink, persona)
+
+    async def _command(self, inbound: Inbound, sink: ChatSink, text: str, persona: str) -> None:
+        msg = inbound.message
+        context = CommandContext(
+            platform=msg.platform,
+            user_key=msg.author_key,
+            user_name=msg.author_name,
+            channel_key=msg.channel_key,
+            persona=persona,
+            is_admin=inbound.is_admin,
+            is_dm=msg.is_dm,
+            server_key=msg.server_key,
+        )
+        reply = await self.commands.dispatch(text, context)
+        if reply.private and not msg.is_dm:
+            await sink.send_private(reply)
+        else:
+            await sink.send_reply(reply)
+
+    async def _reply(self, inbound: Inbound, sink: ChatSink, persona: str) -> None:
+        try:
+            stream = self.core.reply(inbound.message, persona)
+        except UserFacingError as exc:
+            await sink.send_reply(CommandReply(exc.user_message))
+            return
+        shown = StreamedReply(sink, self.config.chat.edit_interval_seconds, self.config.chat.streaming)
+        try:
+            async with sink.typing():
+                async for delta in stream:
+                    await shown.feed(delta)
+        except LLMError as exc:
+            await shown.finish()
+            await sink.send_reply(CommandReply(f"⚠️ {exc.user_message}"))
+            return
+        await shown.finish()
+
+    async def _persona_command(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        names = ", ".join(p.name for p in self.config.personas)
+        if not args:
+            return f"Here you talk to {ctx.persona}. Personas: {names}."
+        try:
+            chosen = self.config.persona(" ".join(args)).name
+        except ConfigError as exc:
+            raise CommandError(str(exc)) from None
+        if ctx.is_dm:
+            await self.storage.set_setting(user_persona_key(ctx.user_key), chosen)
+            return f"In your direct messages you now talk to {chosen}."
+        if not ctx.is_admin:
+            return "Only admins pick the persona of a channel."
+        await self.storage.set_setting(channel_persona_key(ctx.channel_key), chosen)
+        return f"{chosen} now answers in this channel."

@@ -1,0 +1,69 @@
+"""Splitting long replies at a platform's message limit without breaking Markdown code blocks.
+
+Cuts prefer, in order: a paragraph break, a line break, a sentence end, a space, and only then a
+hard cut. A cut inside a fenced code block closes the fence at the end of the piece and reopens it
+(with the same info string, e.g. ```python) at the start of the next, so every piece renders.
+"""
+
+from __future__ import annotations
+
+import re
+
+_FENCE = re.compile(r"^\s*(```+|~~~+)(.*)$")
+
+
+def _open_fence_after(text: str, state: tuple[str, str] | None) -> tuple[str, str] | None:
+    """The fence (marker, info) still open after ``text``, given the one open before it."""
+    for line in text.split("\n"):
+        match = _FENCE.match(line)
+        if not match:
+            continue
+        marker, info = match.group(1), match.group(2).strip()
+        if state is None:
+            state = (marker, info)
+        elif marker.startswith(state[0][0]) and len(marker) >= len(state[0]) and not info:
+            state = None
+    return state
+
+
+def _best_cut(text: str, limit: int) -> int:
+    window = text[:limit]
+    for separator in ("\n\n", "\n"):
+        index = window.rfind(separator)
+        if index >= limit // 3:
+            return index + len(separator)
+    sentence = max(window.rfind(". "), window.rfind("! "), window.rfind("? "))
+    if sentence >= limit // 3:
+        return sentence + 2
+    space = window.rfind(" ")
+    if space >= limit // 3:
+        return space + 1
+    return limit
+
+
+def split_message(text: str, limit: int) -> list[str]:
+    """Pieces of ``text`` each at most ``limit`` characters (an empty text gives no pieces)."""
+    if limit < 20:
+        raise ValueError("limit must leave room for closing and reopening a code fence")
+    pieces: list[str] = []
+    rest = text
+    fence: tuple[str, str] | None = None
+    while rest:
+        prefix = f"{fence[0]}{fence[1]}\n" if fence else ""
+        body_limit = limit - len(prefix)
+        if len(rest) <= body_limit:
+            pieces.append((prefix + rest).rstrip())
+            break
+        cut = _best_cut(rest, body_limit)
+        after = _open_fence_after(rest[:cut], fence)
+        if after is not None:  # the cut falls inside a code block: leave room to close the fence
+            cut = _best_cut(rest, body_limit - len(after[0]) - 1)
+            after = _open_fence_after(rest[:cut], fence)
+        piece_body, rest = rest[:cut], rest[cut:]
+        fence = after
+        piece = prefix + piece_body
+        if fence:
+            piece = piece.rstrip("\n") + f"\n{fence[0]}"
+        pieces.append(piece.rstrip() if not fence else piece)
+        rest = rest.lstrip("\n") if not fence else rest
+    return [p for p in pieces if p.strip()]

@@ -1,0 +1,90 @@
+"""Showing a streamed reply on a platform: one message edited in place, throttled, split at the limit.
+
+The adapter supplies a :class:`MessageSink` (send a message, edit one). :class:`StreamedReply` sends
+the first text as soon as it arrives, then edits that message at most once per ``interval`` seconds
+while text streams in, and makes one final edit when the stream ends. When the text outgrows the
+platform's limit, the current message is finished at a good boundary (see ``bot.splitting``) and
+the rest continues in a new message. A sink that is rate-limited raises :class:`RateLimited`; the
+reply then waits as asked and doubles its interval (Discord counts edits against message limits).
+With ``streaming`` off, nothing is sent until the reply is complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from bot.splitting import split_message
+
+
+class RateLimited(Exception):
+    def __init__(self, retry_after: float) -> None:
+        super().__init__(f"rate-limited, retry after {retry_after:.2f} s")
+        self.retry_after = retry_after
+
+
+class MessageSink(Protocol):
+    limit: int
+
+    async def send(self, text: str) -> Any:
+        """Send a new message; returns a handle for :meth:`edit`."""
+
+    async def edit(self, handle: Any, text: str) -> None: ...
+
+
+@dataclass
+class StreamedReply:
+    sink: MessageSink
+    interval: float = 1.0
+    streaming: bool = True
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+    _text: str = ""
+    _done_chunks: int = 0  # pieces finished and sent for good
+    _handle: Any = None
+    _shown: str = ""  # what the current message shows
+    _last_edit: float = field(default=float("-inf"))
+    sent: list[Any] = field(default_factory=list)  # handles of every message, in order
+
+    async def feed(self, delta: str) -> None:
+        self._text += delta
+        if self.streaming and self.clock() - self._last_edit >= self.interval:
+            await self._show(final=False)
+
+    async def finish(self) -> list[Any]:
+        """Show the whole reply (final edit, and any overflow messages); returns the message handles."""
+        await self._show(final=True)
+        return self.sent
+
+    async def _show(self, *, final: bool) -> None:
+        pieces = split_message(self._text, self.sink.limit)
+        if not pieces:
+            return
+        # Pieces before the last are complete: finish the current message with one, open new ones.
+        while self._done_chunks < len(pieces) - 1:
+            await self._put(pieces[self._done_chunks])
+            self._done_chunks += 1
+            self._handle, self._shown = None, ""
+        current = pieces[-1]
+        if final or current != self._shown:
+            await self._put(current)
+
+    async def _put(self, text: str) -> None:
+        if text == self._shown and self._handle is not None:
+            return
+        while True:
+            try:
+                if self._handle is None:
+                    self._handle = await self.sink.send(text)
+                    self.sent.append(self._handle)
+                else:
+                    await self.sink.edit(self._handle, text)
+                break
+            except RateLimited as limited:
+                self.interval = min(self.interval * 2, 30.0)
+                await self.sleep(limited.retry_after)
+        self._shown = text
+        self._last_edit = self.clock()

@@ -1,0 +1,161 @@
+"""The shared platform path: policy, commands, privacy, rate limit, personas, streaming, failures."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from bot.app import App
+from bot.commands import CommandReply
+from bot.config import parse_config
+from bot.llm.errors import LLMRateLimited
+from bot.policy import Inbound
+from bot.ports import IncomingMessage
+from tests.fakes.provider import ScriptedProvider
+
+
+class Sink:
+    limit = 2000
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+        self.public: list[CommandReply] = []
+        self.private: list[CommandReply] = []
+        self.typing_shown = 0
+
+    async def send(self, text: str) -> int:
+        self.messages.append(text)
+        return len(self.messages) - 1
+
+    async def edit(self, handle: int, text: str) -> None:
+        self.messages[handle] = text
+
+    @asynccontextmanager
+    async def typing(self) -> Any:
+        self.typing_shown += 1
+        yield
+
+    async def send_reply(self, reply: CommandReply) -> None:
+        self.public.append(reply)
+
+    async def send_private(self, reply: CommandReply) -> None:
+        self.private.append(reply)
+
+
+def _config(tmp_path: Path, rate: int = 100, **access: Any):
+    return parse_config({
+        "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
+        "chat": {"rate_limit_per_minute": rate, "edit_interval_seconds": 0.2},
+        "access": access,
+        "cortex": {"context_limit": 1000},
+        "personas": [{"name": "Cora", "identity": "You are {char_name}."},
+                     {"name": "Max", "identity": "You are {char_name}."}],
+    })
+
+
+def inbound(text: str, *, user: str = "1", dm: bool = False, mention: bool = False, **kw: Any) -> Inbound:
+    message = IncomingMessage("discord", "dm1" if dm else "chan1", user, f"user{user}", text, is_dm=dm,
+                              server_id=None if dm else "guild1", mentions_bot=mention)
+    return Inbound(message, **kw)
+
+
+async def test_addressing_rules(tmp_path: Path) -> None:
+    async with App(_config(tmp_path, always_answer_channels=["discord:chan2"]), llm=ScriptedProvider()) as app:
+        cases = [
+            (inbound("hi", dm=True), True),
+            (inbound("hi"), False),
+            (inbound("hi", mention=True), True),
+            (inbound("hi", replied_to_bot=True), True),
+            (inbound("hi", mention=True, is_self=True), False),
+            (inbound("hi", mention=True, author_is_bot=True), False),
+        ]
+        always = IncomingMessage("discord", "chan2", "1", "u", "hello", server_id="guild1")
+        cases.append((Inbound(always), True))
+        for item, answers in cases:
+            sink = Sink()
+            await app.router.handle(item, sink)
+            assert bool(sink.messages) == answers, item
+
+
+async def test_allow_and_deny_lists(tmp_path: Path) -> None:
+    config = _config(tmp_path, deny_users=["discord:2"], allow_bots=["discord:9"], allow_roles=["discord:r1"])
+    async with App(config, llm=ScriptedProvider()) as app:
+        for item, answers in [
+            (inbound("hi", user="2", mention=True, roles=("discord:r1",)), False),  # denied user
+            (inbound("hi", user="9", mention=True, author_is_bot=True, roles=("discord:r1",)), True),
+            (inbound("hi", mention=True), False),  # lacks the allowed role
+            (inbound("hi", mention=True, roles=("discord:r1",)), True),
+            (inbound("hi", dm=True), True),  # roles do not apply in DMs
+        ]:
+            sink = Sink()
+            await app.router.handle(item, sink)
+            assert bool(sink.messages) == answers, item
+    async with App(_config(tmp_path, dms=False), llm=ScriptedProvider()) as app:
+        sink = Sink()
+        await app.router.handle(inbound("hi", dm=True), sink)
+        assert sink.messages == []
+
+
+async def test_memory_commands_in_a_channel_answer_privately(tmp_path: Path) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        sink = Sink()
+        await app.router.handle(inbound("!memory show"), sink)  # commands need no mention
+        assert sink.public == [] and len(sink.private) == 1 and "memory.md" in sink.private[0].text
+        dm = Sink()
+        await app.router.handle(inbound("!memory show", dm=True), dm)
+        assert dm.private == [] and "memory.md" in dm.public[0].text
+        admin_only = Sink()
+        await app.router.handle(inbound("!cortex settings"), admin_only)
+        assert "for admins only" in admin_only.public[0].text
+        admin = Sink()
+        await app.router.handle(inbound("!cortex settings", is_admin=True), admin)
+        assert "context_limit" in admin.public[0].text
+
+
+async def test_rate_limit_notice_and_llm_failure_message(tmp_path: Path) -> None:
+    llm = ScriptedProvider()
+    async with App(_config(tmp_path, rate=3), llm=llm) as app:
+        sinks = [Sink() for _ in range(4)]
+        for i, sink in enumerate(sinks):
+            await app.router.handle(inbound(f"message {i}", dm=True), sink)
+        assert all(s.messages for s in sinks[:3])
+        assert sinks[3].messages == [] and "faster than I can answer" in sinks[3].public[0].text
+        assert "wait" in sinks[3].public[0].text
+        llm.enqueue(LLMRateLimited("429"))
+        failing = Sink()
+        await app.router.handle(inbound("hello?", user="5", dm=True), failing)
+        assert failing.messages == [] and "rate-limited" in failing.public[0].text
+        channel = await app.storage.get_channel("discord:dm1")
+        texts = [m.text for m in await app.storage.recent_messages(channel.id, 20)]
+        assert "hello?" in texts  # the user's message was kept
+
+
+async def test_streamed_reply_is_shown_with_typing(tmp_path: Path) -> None:
+    llm = ScriptedProvider()
+    llm.enqueue("a fairly long answer " * 5)
+    async with App(_config(tmp_path), llm=llm) as app:
+        sink = Sink()
+        await app.router.handle(inbound("tell me", dm=True), sink)
+        assert sink.messages == [("a fairly long answer " * 5).strip()] and sink.typing_shown == 1
+
+
+async def test_persona_per_channel_and_per_dm_user(tmp_path: Path) -> None:
+    llm = ScriptedProvider()
+    async with App(_config(tmp_path), llm=llm) as app:
+        sink = Sink()
+        await app.router.handle(inbound("!persona Max"), sink)
+        assert "Only admins" in sink.public[0].text
+        await app.router.handle(inbound("!persona Max", is_admin=True), Sink())
+        await app.router.handle(inbound("hi", mention=True), Sink())
+        assert "You are Max" in llm.requests[-1].system
+        dm = Sink()
+        await app.router.handle(inbound("!persona max", dm=True), dm)
+        assert "now talk to Max" in dm.public[0].text
+        await app.router.handle(inbound("hi", dm=True), Sink())
+        assert "You are Max" in llm.requests[-1].system
+        await app.router.handle(inbound("hi", user="7", dm=True), Sink())
+        assert "You are Cora" in llm.requests[-1].system  # another user's DM keeps the default
+        bad = Sink()
+        await app.router.handle(inbound("!persona Nobody", dm=True), bad)
+        assert "unknown persona" in bad.public[0].text

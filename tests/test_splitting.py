@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from bot.splitting import split_message
+
+
+def _fences_balanced(piece: str) -> bool:
+    return sum(1 for line in piece.split("\n") if line.strip().startswith("```")) % 2 == 0
+
+
+def test_short_text_is_one_piece() -> None:
+    assert split_message("hello", 2000) == ["hello"]
+    assert split_message("", 2000) == []
+
+
+def test_prefers_paragraphs_then_lines() -> None:
+    text = ("first paragraph " * 10).strip() + "\n\n" + ("second paragraph " * 10).strip()
+    pieces = split_message(text, 200)
+    assert pieces[0] == ("first paragraph " * 10).strip()
+    assert pieces[1] == ("second paragraph " * 10).strip()
+    lines = "\n".join(f"line {i} with some words" for i in range(30))
+    for piece in split_message(lines, 100):
+        assert len(piece) <= 100 and piece.startswith("line ") and piece.split("\n")[-1].endswith("words")
+
+
+def test_code_blocks_are_closed_and_reopened_with_their_language() -> None:
+    code = "\n".join(f"    print({i})  # some comment here" for i in range(80))
+    text = "Here is code:\n```python\n" + code + "\n```\nDone."
+    pieces = split_message(text, 500)
+    assert len(pieces) > 3
+    for piece in pieces:
+        assert len(piece) <= 500
+        assert _fences_balanced(piece), piece
+    for piece in pieces[1:-1]:
+        assert piece.startswith("```python\n")
+    joined = "".join(pieces)
+    for i in range(80):
+        assert f"print({i})" in joined
+
+
+def test_hard_cut_for_a_long_word() -> None:
+    pieces = split_message("x" * 4500, 2000)
+    assert [len(p) for p in pieces] == [2000, 2000, 500]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_texts_keep_every_character_and_the_limit(seed: int) -> None:
+    rng = random.Random(seed)
+    parts = []
+    for _ in range(rng.randint(5, 40)):
+        kind = rng.random()
+        if kind < 0.2:
+            parts.append("```js\n" + "\n".join(f"let a = {rng.randint(0, 99)};" for _ in range(rng.randint(1, 30)))
+                         + "\n```")
+        else:
+            parts.append(" ".join(rng.choice(["word", "Satz.", "längeres", "🙂", "a" * rng.randint(1, 60)])
+                                  for _ in range(rng.randint(1, 80))))
+    text = "\n\n".join(parts)
+    limit = rng.choice([100, 300, 2000])
+    pieces = split_message(text, limit)
+    assert all(len(p) <= limit for p in pieces)
+    assert all(_fences_balanced(p) for p in pieces)
+    stripped = "".join(text.split())
+    rebuilt = "".join("".join(p.split()) for p in pieces).replace("```js", "").replace("```", "")
+    assert rebuilt == stripped.replace("```js", "").replace("```", "")

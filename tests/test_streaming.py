@@ -1,0 +1,101 @@
+from __future__ import annotations
+
+import pytest
+
+from bot.ratelimit import RateLimiter
+from bot.streaming import RateLimited, StreamedReply
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class RecordingSink:
+    def __init__(self, limit: int = 2000, fail_first_edits: int = 0) -> None:
+        self.limit = limit
+        self.messages: list[str] = []
+        self.calls: list[tuple[str, int, str]] = []
+        self.fail = fail_first_edits
+
+    async def send(self, text: str) -> int:
+        self.messages.append(text)
+        self.calls.append(("send", len(self.messages) - 1, text))
+        return len(self.messages) - 1
+
+    async def edit(self, handle: int, text: str) -> None:
+        if self.fail:
+            self.fail -= 1
+            raise RateLimited(0.25)
+        self.messages[handle] = text
+        self.calls.append(("edit", handle, text))
+
+
+async def test_edits_are_throttled_and_the_final_edit_shows_everything() -> None:
+    clock, sink = Clock(), RecordingSink()
+    reply = StreamedReply(sink, interval=1.0, clock=clock)
+    for i in range(20):
+        await reply.feed(f"word{i} ")
+        clock.now += 0.2  # 5 deltas per second
+    await reply.finish()
+    assert sink.messages == ["".join(f"word{i} " for i in range(20)).strip()]
+    edits = [c for c in sink.calls if c[0] == "edit"]
+    assert 3 <= len(edits) <= 5  # about one per second over 4 seconds, plus the final one
+    assert sink.calls[0][0] == "send" and sink.calls[0][2] == "word0"
+
+
+async def test_long_replies_continue_in_new_messages_without_breaking_code() -> None:
+    clock, sink = Clock(), RecordingSink(limit=200)
+    reply = StreamedReply(sink, interval=0.0, clock=clock)
+    text = "Intro.\n\n```python\n" + "\n".join(f"x = {i}  # value" for i in range(40)) + "\n```\nBye."
+    for i in range(0, len(text), 7):
+        await reply.feed(text[i:i + 7])
+        clock.now += 0.1
+    handles = await reply.finish()
+    assert len(handles) == len(sink.messages) > 2
+    assert all(len(m) <= 200 for m in sink.messages)
+    assert all(sum(line.startswith("```") for line in m.split("\n")) % 2 == 0 for m in sink.messages)
+    assert sink.messages[-1].endswith("Bye.")
+
+
+async def test_rate_limited_edits_back_off_and_retry() -> None:
+    clock, sink = Clock(), RecordingSink(fail_first_edits=2)
+    slept: list[float] = []
+
+    async def fake_sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    reply = StreamedReply(sink, interval=1.0, clock=clock, sleep=fake_sleep)
+    await reply.feed("hello")
+    clock.now += 2
+    await reply.feed(" world")
+    await reply.finish()
+    assert sink.messages == ["hello world"]
+    assert slept == [0.25, 0.25] and reply.interval == 4.0
+
+
+async def test_non_streaming_sends_once_at_the_end() -> None:
+    sink = RecordingSink()
+    reply = StreamedReply(sink, streaming=False)
+    for word in "one two three".split():
+        await reply.feed(word + " ")
+    assert sink.calls == []
+    await reply.finish()
+    assert sink.calls == [("send", 0, "one two three")]
+
+
+def test_rate_limiter_sliding_window() -> None:
+    clock = Clock()
+    limiter = RateLimiter(3, clock=clock)
+    assert [limiter.check("ann") for _ in range(3)] == [0.0, 0.0, 0.0]
+    wait = limiter.check("ann")
+    assert wait == pytest.approx(60.0)
+    assert limiter.check("bob") == 0.0
+    clock.now = 59.0
+    assert limiter.check("ann") == pytest.approx(1.0)
+    clock.now = 60.5
+    assert limiter.check("ann") == 0.0
+    assert RateLimiter(0).check("x") == 0.0
