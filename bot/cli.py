@@ -125,15 +125,66 @@ async def _chat(config: Config, user: str, persona: str | None) -> int:
 @cli.command()
 @click.pass_context
 def run(ctx: click.Context) -> None:
-    """Start the configured adapters and background workers until Ctrl-C or SIGTERM."""
+    """Start the configured adapters and background workers until Ctrl-C or SIGTERM.
+
+    With [discord] or [matrix] enabled it serves those (plus the terminal when it is an interactive
+    one); with neither, it is a terminal chat like `cortexbot chat`.
+    """
     config = _load(ctx)
     setup_logging(config.bot.log_level)
-    if not config.terminal.enabled:
-        raise click.ClickException(
-            "no adapter is enabled: set [terminal] enabled = true (Discord and Matrix adapters come later)"
-        )
-    status = _run_async(lambda: _chat(config, config.terminal.user or getpass.getuser() or "you", None))
+    platforms = [name for name in ("discord", "matrix") if getattr(config, name).enabled]
+    if not platforms:
+        if not config.terminal.enabled:
+            raise click.ClickException(
+                "no adapter is enabled: set [discord] enabled = true, [matrix] enabled = true "
+                "or [terminal] enabled = true"
+            )
+        status = _run_async(lambda: _chat(config, config.terminal.user or getpass.getuser() or "you", None))
+        sys.exit(status)
+    status = _run_async(lambda: _serve(config, platforms))
     sys.exit(status)
+
+
+async def _serve(config: Config, platforms: list[str]) -> int:
+    """Run the platform adapters until one fails or the process is told to stop."""
+    from bot.app import App
+
+    app = App(config)
+    try:
+        await app.start()
+    except (ConfigError, StorageError) as exc:
+        raise click.ClickException(str(exc)) from None
+    closers: list[Callable[[], Awaitable[None]]] = []
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        if "discord" in platforms:
+            from adapters.discord import DiscordAdapter, read_token
+
+            discord_adapter = DiscordAdapter(app, config.discord)
+            tasks.append(asyncio.create_task(discord_adapter.run(read_token(config.discord)), name="discord"))
+            closers.append(discord_adapter.close)
+        if "matrix" in platforms:
+            from adapters.matrix import MatrixAdapter
+
+            matrix_adapter = MatrixAdapter(app, config.matrix)
+            tasks.append(asyncio.create_task(matrix_adapter.run(), name="matrix"))
+            closers.append(matrix_adapter.close)
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if task.exception() is not None:
+                click.echo(f"error: {task.get_name()}: {task.exception()}", err=True)
+                return 1
+        return 0
+    finally:
+        for close in closers:
+            try:
+                await close()
+            except Exception as exc:  # keep shutting the others down
+                click.echo(f"error while stopping: {exc}", err=True)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await app.stop()
 
 
 @cli.command()

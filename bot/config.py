@@ -206,6 +206,45 @@ class AccessConfig(_Section):
     allow_bots: list[str] = Field(default_factory=list, description="Other bots the bot may answer.")
 
 
+class DiscordConfig(_Section):
+    enabled: bool = Field(default=False, description="Serve Discord with `cortexbot run`.")
+    token_env: str = Field(default="DISCORD_TOKEN", description="Environment variable holding the bot token.")
+    test_guild_ids: list[int] = Field(
+        default_factory=list, description="Sync slash commands to these servers at once (else globally)."
+    )
+    admin_ids: list[int] = Field(default_factory=list, description="User ids with admin rights everywhere.")
+    sync_commands: bool = Field(default=True, description="Register the slash commands at start.")
+
+
+class MatrixConfig(_Section):
+    enabled: bool = Field(default=False, description="Serve Matrix with `cortexbot run`.")
+    homeserver: str = Field(default="", description="e.g. https://matrix.example.org")
+    user_id: str = Field(default="", description="The bot's account, e.g. @cortex:example.org")
+    password_env: str = Field(default="", description="Environment variable holding the password.")
+    access_token_env: str = Field(default="", description="Environment variable holding an access token.")
+    device_name: str = "cortex-bot"
+    store_path: str = Field(default="", description="Sync token, device and keys; default: the data folder.")
+    command_prefix: str = Field(default="!", min_length=1, max_length=5)
+    e2ee: bool = Field(default=False, description="End-to-end encryption (keys kept in store_path).")
+    admin_ids: list[str] = Field(default_factory=list, description="Matrix ids with admin rights everywhere.")
+    admin_power_level: int = Field(default=50, description="Room power level that counts as admin.")
+    msgtype: Literal["m.notice", "m.text"] = Field(default="m.notice", description="How replies are sent.")
+    auto_join: bool = Field(default=True, description="Accept invites from allowed users.")
+    invite_servers: list[str] = Field(
+        default_factory=list, description="Servers whose users may invite the bot; default: its own."
+    )
+
+    @model_validator(mode="after")
+    def _complete_when_enabled(self) -> MatrixConfig:
+        if self.enabled:
+            missing = [k for k in ("homeserver", "user_id") if not getattr(self, k)]
+            if missing:
+                raise ValueError(f"[matrix] is enabled but {', '.join(missing)} is not set")
+            if not (self.password_env or self.access_token_env):
+                raise ValueError("[matrix] is enabled: set password_env or access_token_env")
+        return self
+
+
 class TerminalConfig(_Section):
     enabled: bool = Field(default=True, description="Whether `cortexbot run` starts the terminal adapter.")
     user: str = Field(default="", description="Name of the local user; default: the login name.")
@@ -261,6 +300,8 @@ class Config(_Section):
     cortex: CortexConfig = Field(default_factory=CortexConfig)
     chat: ChatConfig = Field(default_factory=ChatConfig)
     access: AccessConfig = Field(default_factory=AccessConfig)
+    discord: DiscordConfig = Field(default_factory=DiscordConfig)
+    matrix: MatrixConfig = Field(default_factory=MatrixConfig)
     terminal: TerminalConfig = Field(default_factory=TerminalConfig)
     personas: list[PersonaConfig] = Field(default_factory=lambda: [DEFAULT_PERSONA.model_copy()])
 

@@ -1,0 +1,342 @@
+"""The Discord adapter (discord.py): messages and slash commands in, streamed replies out.
+
+It only translates. A ``discord.Message`` becomes a :class:`bot.policy.Inbound` for
+:class:`bot.router.Router`; a :class:`DiscordSink` sends, edits, shows typing and answers privately
+(a DM for text commands, ephemeral for slash commands). Slash commands are built from the same
+command layer: each one composes the equivalent ``!…`` line and dispatches it. Everything the bot
+sends carries ``AllowedMentions.none()``: no @everyone, @here, role or user pings, ever.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import discord
+from discord import app_commands
+
+from bot.app import App
+from bot.commands import CommandContext, CommandReply
+from bot.config import DiscordConfig
+from bot.policy import Inbound
+from bot.ports import IncomingMessage
+from bot.splitting import split_message
+from bot.streaming import RateLimited
+from cortex.store import FILENAMES
+
+log = logging.getLogger(__name__)
+
+PLATFORM = "discord"
+LIMIT = 2000
+NO_PINGS = discord.AllowedMentions.none()
+INTENTS_HELP = (
+    "Discord refused the message content intent. Open https://discord.com/developers/applications → your "
+    "application → Bot → Privileged Gateway Intents, switch on MESSAGE CONTENT INTENT, save, and start again."
+)
+
+
+def default_intents() -> discord.Intents:
+    intents = discord.Intents.default()
+    intents.message_content = True  # privileged: must be enabled in the developer portal
+    return intents
+
+
+def _as_file(name: str, data: bytes) -> discord.File:
+    return discord.File(io.BytesIO(data), filename=name)
+
+
+def _is_admin(member: discord.abc.User, config: DiscordConfig) -> bool:
+    if member.id in config.admin_ids:
+        return True
+    permissions = getattr(member, "guild_permissions", None)
+    return bool(permissions and (permissions.manage_guild or permissions.administrator))
+
+
+def _reply_payload(reply: CommandReply) -> tuple[str, list[discord.File]]:
+    """Text within the limit and files; an over-long text goes as an attached file."""
+    files = [_as_file(a.filename, a.data) for a in reply.attachments]
+    text = reply.text
+    if len(text) > LIMIT:
+        files.append(_as_file("reply.md", text.encode()))
+        text = text[: LIMIT - 80].rsplit("\n", 1)[0] + "\n… (the whole text is attached as reply.md)"
+    return text, files
+
+
+class DiscordSink:
+    """Delivery for one incoming message (see :class:`bot.router.ChatSink`)."""
+
+    limit = LIMIT
+
+    def __init__(self, message: discord.Message, typing_indicator: bool = True) -> None:
+        self.message = message
+        self.channel = message.channel
+        self.typing_indicator = typing_indicator
+
+    async def send(self, text: str) -> discord.Message:
+        try:
+            return await self.channel.send(text, allowed_mentions=NO_PINGS)
+        except discord.HTTPException as exc:
+            raise _rate_limited(exc) from exc
+
+    async def edit(self, handle: discord.Message, text: str) -> None:
+        try:
+            await handle.edit(content=text, allowed_mentions=NO_PINGS)
+        except discord.HTTPException as exc:
+            raise _rate_limited(exc) from exc
+
+    @asynccontextmanager
+    async def typing(self) -> AsyncIterator[None]:
+        """Typing indicator while the reply is written; never lets a failure of it stop the reply."""
+        manager = self.channel.typing() if self.typing_indicator else None
+        try:
+            if manager is not None:
+                await manager.__aenter__()
+        except Exception as exc:  # e.g. no permission to type in this channel
+            log.debug("Discord: no typing indicator (%s)", type(exc).__name__)
+            manager = None
+        try:
+            yield
+        finally:
+            if manager is not None:
+                await manager.__aexit__(None, None, None)
+
+    async def send_reply(self, reply: CommandReply) -> None:
+        text, files = _reply_payload(reply)
+        pieces = split_message(text, LIMIT) or [""]
+        for piece in pieces[:-1]:
+            await self.channel.send(piece, allowed_mentions=NO_PINGS)
+        await self.channel.send(pieces[-1] or None, files=files, allowed_mentions=NO_PINGS)
+
+    async def send_private(self, reply: CommandReply) -> None:
+        text, files = _reply_payload(reply)
+        try:
+            await self.message.author.send(text, files=files, allowed_mentions=NO_PINGS)
+        except discord.Forbidden:
+            await self.channel.send(
+                "I could not send you a direct message (your DMs are closed). Use the slash command instead: "
+                "its answer is visible only to you.", allowed_mentions=NO_PINGS,
+            )
+            return
+        await self.channel.send("I answered you in a direct message.", allowed_mentions=NO_PINGS)
+
+
+def _rate_limited(exc: discord.HTTPException) -> Exception:
+    if exc.status == 429:
+        retry = getattr(exc, "retry_after", None) or 1.0
+        return RateLimited(float(retry))
+    return exc
+
+
+class DiscordAdapter:
+    name = PLATFORM
+
+    def __init__(self, app: App, config: DiscordConfig, *, intents: discord.Intents | None = None) -> None:
+        self.app = app
+        self.config = config
+        self.bot = discord.Client(intents=intents or default_intents(), allowed_mentions=NO_PINGS)
+        self.tree = app_commands.CommandTree(self.bot)
+        self.bot.event(self.on_message)
+        self.bot.event(self.on_ready)
+        build_slash_commands(self)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def run(self, token: str) -> None:
+        try:
+            async with self.bot:
+                await self.bot.start(token)
+        except discord.PrivilegedIntentsRequired:
+            raise RuntimeError(INTENTS_HELP) from None
+        except discord.LoginFailure:
+            raise RuntimeError(f"Discord rejected the bot token (from ${self.config.token_env}).") from None
+
+    async def on_ready(self) -> None:
+        log.info("Discord: logged in as %s in %d server(s)", self.bot.user, len(self.bot.guilds))
+        if not self.config.sync_commands:
+            return
+        if self.config.test_guild_ids:
+            for guild_id in self.config.test_guild_ids:
+                guild = discord.Object(id=guild_id)
+                self.tree.copy_global_to(guild=guild)
+                await self.tree.sync(guild=guild)
+        else:
+            await self.tree.sync()
+
+    async def close(self) -> None:
+        await self.bot.close()
+
+    # -- messages --------------------------------------------------------------------------------
+
+    def inbound(self, message: discord.Message) -> Inbound:
+        me = self.bot.user
+        is_dm = message.guild is None
+        text = message.content
+        mentions_bot = me is not None and any(u.id == me.id for u in message.mentions)
+        if me is not None:
+            text = re.sub(rf"<@!?{me.id}>", "", text).strip()
+        reference = message.reference.resolved if message.reference else None
+        replied_to_bot = isinstance(reference, discord.Message) and me is not None and reference.author.id == me.id
+        roles = tuple(f"{PLATFORM}:{r.id}" for r in getattr(message.author, "roles", []) if not r.is_default())
+        channel_name = getattr(message.channel, "name", None) or f"DM with {message.author.display_name}"
+        incoming = IncomingMessage(
+            platform=PLATFORM,
+            channel_id=str(message.channel.id),
+            author_id=str(message.author.id),
+            author_name=message.author.display_name,
+            text=text,
+            is_dm=is_dm,
+            channel_name=str(channel_name),
+            server_id=None if is_dm else str(message.guild.id),  # type: ignore[union-attr]
+            mentions_bot=mentions_bot,
+            reply_to=str(message.reference.message_id) if message.reference else None,
+            sent_at=message.created_at,
+        )
+        return Inbound(
+            incoming,
+            is_self=me is not None and message.author.id == me.id,
+            author_is_bot=message.author.bot,
+            replied_to_bot=replied_to_bot,
+            roles=roles,
+            is_admin=_is_admin(message.author, self.config),
+        )
+
+    async def on_message(self, message: discord.Message) -> None:
+        sink = DiscordSink(message, self.app.config.chat.typing_indicator)
+        try:
+            await self.app.router.handle(self.inbound(message), sink)
+        except Exception:
+            log.exception("Discord: failed to handle message %s", message.id)
+
+    # -- slash commands --------------------------------------------------------------------------
+
+    def context(self, interaction: discord.Interaction, persona: str) -> CommandContext:
+        user = interaction.user
+        is_dm = interaction.guild is None
+        return CommandContext(
+            platform=PLATFORM,
+            user_key=f"{PLATFORM}:{user.id}",
+            user_name=user.display_name,
+            channel_key=f"{PLATFORM}:{interaction.channel_id}",
+            persona=persona,
+            # In an interaction Discord sends the member's resolved permissions in this channel.
+            is_admin=_is_admin(user, self.config) or (
+                not is_dm and (interaction.permissions.manage_guild or interaction.permissions.administrator)
+            ),
+            is_dm=is_dm,
+            server_key=None if is_dm else f"{PLATFORM}:{interaction.guild_id}",
+        )
+
+    async def run_slash(self, interaction: discord.Interaction, line: str, *, always_private: bool = False) -> None:
+        """Dispatch ``line`` through the command layer and answer the interaction."""
+        incoming = IncomingMessage(
+            PLATFORM, str(interaction.channel_id), str(interaction.user.id), interaction.user.display_name, line,
+            is_dm=interaction.guild is None, server_id=None if interaction.guild is None else str(interaction.guild_id),
+        )
+        persona = await self.app.router.persona_for(Inbound(incoming))
+        reply = await self.app.commands.dispatch(line, self.context(interaction, persona))
+        text, files = _reply_payload(reply)
+        await interaction.response.send_message(
+            text, files=files, ephemeral=reply.private or always_private, allowed_mentions=NO_PINGS
+        )
+
+
+FileChoice = app_commands.Choice[str]
+FILE_CHOICES = [app_commands.Choice(name=f, value=f) for f in FILENAMES]
+
+
+def build_slash_commands(adapter: DiscordAdapter) -> None:
+    """The command layer as application commands: /memory …, /cortex …, /help, /summary, /stats, /persona."""
+    tree = adapter.tree
+    memory = app_commands.Group(name="memory", description="Your own cortex files with this persona")
+    cortex = app_commands.Group(name="cortex", description="Cortex updates and settings")
+    admin = app_commands.Group(
+        name="cortex-admin", description="Cortex settings and stats (admins)",
+        default_permissions=discord.Permissions(manage_guild=True),
+    )
+
+    @memory.command(name="show", description="Show your cortex files (all, or one)")
+    @app_commands.choices(file=FILE_CHOICES)
+    async def show(interaction: discord.Interaction, file: FileChoice | None = None) -> None:
+        await adapter.run_slash(interaction, "!memory show" + (f" {file.value}" if file else ""))
+
+    @memory.command(name="history", description="The versions of a file: who changed it, when and why")
+    @app_commands.choices(file=FILE_CHOICES)
+    async def history(interaction: discord.Interaction, file: FileChoice) -> None:
+        await adapter.run_slash(interaction, f"!memory history {file.value}")
+
+    @memory.command(name="diff", description="What changed between two versions of a file")
+    @app_commands.choices(file=FILE_CHOICES)
+    async def diff(interaction: discord.Interaction, file: FileChoice, v1: int, v2: int) -> None:
+        await adapter.run_slash(interaction, f"!memory diff {file.value} {v1} {v2}")
+
+    @memory.command(name="revert", description="Bring back an earlier version (saved as a new version)")
+    @app_commands.choices(file=FILE_CHOICES)
+    async def revert(interaction: discord.Interaction, file: FileChoice, version: int) -> None:
+        await adapter.run_slash(interaction, f"!memory revert {file.value} {version}")
+
+    @memory.command(name="reset", description="Start a file (or all) over from the template")
+    @app_commands.choices(file=FILE_CHOICES)
+    async def reset(interaction: discord.Interaction, file: FileChoice | None = None) -> None:
+        await adapter.run_slash(interaction, "!memory reset" + (f" {file.value}" if file else ""))
+
+    @memory.command(name="edit", description="Replace a file with your own text")
+    @app_commands.choices(file=FILE_CHOICES)
+    async def edit(interaction: discord.Interaction, file: FileChoice, content: str) -> None:
+        await adapter.run_slash(interaction, f"!memory edit {file.value}\n{content}")
+
+    @memory.command(name="export", description="Download all your files and their versions")
+    async def export(interaction: discord.Interaction) -> None:
+        await adapter.run_slash(interaction, "!memory export")
+
+    @memory.command(name="forget-me", description="Delete everything the bot stores about you")
+    async def forget_me(interaction: discord.Interaction, confirm: bool = False) -> None:
+        await adapter.run_slash(interaction, "!memory forget-me" + (" confirm" if confirm else ""))
+
+    @cortex.command(name="update", description="Update your cortex files now")
+    async def update(interaction: discord.Interaction) -> None:
+        await adapter.run_slash(interaction, "!cortex update")
+
+    @admin.command(name="settings", description="Show the cortex settings, or set one (value 'default' resets)")
+    async def settings(
+        interaction: discord.Interaction, key: str | None = None, value: str | None = None,
+        persona_scope: bool = False,
+    ) -> None:
+        line = "!cortex settings" + (f" {key} {value}" if key and value else f" {key}" if key else "")
+        await adapter.run_slash(interaction, line + (" --persona" if persona_scope else ""), always_private=True)
+
+    @admin.command(name="stats", description="Cortex update runs, tokens and recent errors")
+    async def stats(interaction: discord.Interaction) -> None:
+        await adapter.run_slash(interaction, "!cortex stats", always_private=True)
+
+    @tree.command(name="help", description="List the commands")
+    async def help_command(interaction: discord.Interaction) -> None:
+        await adapter.run_slash(interaction, "!help", always_private=True)
+
+    @tree.command(name="summary", description="This conversation's rolling summary")
+    async def summary(interaction: discord.Interaction) -> None:
+        await adapter.run_slash(interaction, "!summary", always_private=True)
+
+    @tree.command(name="persona", description="Show the persona here, or pick one")
+    async def persona(interaction: discord.Interaction, name: str | None = None) -> None:
+        await adapter.run_slash(interaction, "!persona" + (f" {name}" if name else ""))
+
+    @persona.autocomplete("name")
+    async def persona_names(interaction: discord.Interaction, current: str) -> list[FileChoice]:
+        return [app_commands.Choice(name=p.name, value=p.name) for p in adapter.app.config.personas
+                if current.lower() in p.name.lower()][:25]
+
+    tree.add_command(memory)
+    tree.add_command(cortex)
+    tree.add_command(admin)
+
+
+def read_token(config: DiscordConfig) -> str:
+    import os
+
+    token = os.environ.get(config.token_env, "").strip()
+    if not token:
+        raise RuntimeError(f"[discord] is enabled but ${config.token_env} holds no bot token")
+    return token

@@ -1,0 +1,166 @@
+"""The Discord adapter: real discord.py objects, dpytest for the gateway side (no Discord here),
+the real command tree for slash commands with a recorded interaction response."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import discord
+import discord.ext.test as dpytest
+import pytest
+import pytest_asyncio
+
+from adapters.discord import DiscordAdapter, _reply_payload
+from bot.app import App
+from bot.commands import Attachment, CommandReply
+from bot.config import parse_config
+from tests.fakes.provider import ScriptedProvider
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest_asyncio.fixture
+async def adapter(tmp_path: Path) -> AsyncIterator[DiscordAdapter]:
+    config = parse_config({
+        "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
+        "chat": {"streaming": False},
+        "cortex": {"context_limit": 1000},
+    })
+    app = App(config, llm=ScriptedProvider())
+    await app.start()
+    intents = discord.Intents.default()
+    intents.members = True
+    intents.message_content = True
+    adapter = DiscordAdapter(app, config.discord, intents=intents)
+    await adapter.bot._async_setup_hook()
+    dpytest.configure(adapter.bot)
+    yield adapter
+    await dpytest.empty_queue()
+    await app.stop()
+
+
+@pytest.fixture
+def sent_kwargs(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Every keyword set the bot passes to Messageable.send (to check that pings are off)."""
+    calls: list[dict[str, Any]] = []
+    original = discord.abc.Messageable.send
+
+    async def spy(self: Any, content: Any = None, **kwargs: Any) -> Any:
+        calls.append({"content": content, **kwargs})
+        return await original(self, content, **kwargs)
+
+    monkeypatch.setattr(discord.abc.Messageable, "send", spy)
+    return calls
+
+
+async def test_mention_in_a_channel_gets_a_reply_without_pings(adapter: DiscordAdapter, sent_kwargs) -> None:
+    me = adapter.bot.user
+    await dpytest.message(f"<@{me.id}> hello @everyone")
+    reply = dpytest.get_message()
+    assert reply.content.startswith("echo: ")
+    assert "hello @everyone" in reply.content
+    assert sent_kwargs and all(k["allowed_mentions"].to_dict() == {"parse": []} for k in sent_kwargs)
+    # the stored user message has the bot mention stripped
+    app = adapter.app
+    channel = await app.storage.get_channel(f"discord:{reply.channel.id}")
+    texts = [m.text for m in await app.storage.recent_messages(channel.id, 10)]
+    assert "hello @everyone" in texts
+
+
+async def test_unaddressed_channel_message_is_ignored(adapter: DiscordAdapter) -> None:
+    await dpytest.message("just chatting among humans")
+    assert dpytest.verify().message().nothing()
+
+
+async def test_dm_is_answered_and_commands_run(adapter: DiscordAdapter) -> None:
+    member = dpytest.get_config().members[0]
+    dm = await member.create_dm()
+    await dpytest.message("hi in private", channel=dm)
+    assert dpytest.get_message().content == "echo: hi in private"
+    await dpytest.message("!memory show memory.md", channel=dm)
+    assert "memory.md (version 1" in dpytest.get_message().content
+
+
+async def test_memory_command_in_a_channel_answers_by_dm(adapter: DiscordAdapter) -> None:
+    await dpytest.message("!memory show")
+    first, second = dpytest.get_message(), dpytest.get_message()
+    private, notice = (first, second) if first.guild is None else (second, first)
+    assert private.guild is None and "memory.md" in private.content
+    assert notice.guild is not None and "direct message" in notice.content
+
+
+def test_long_replies_become_attachments() -> None:
+    text, files = _reply_payload(CommandReply("line\n" * 1000, attachments=(Attachment("a.zip", b"zip"),)))
+    assert len(text) <= 2000 and "attached as reply.md" in text
+    assert [f.filename for f in files] == ["a.zip", "reply.md"]
+
+
+async def test_slash_commands_are_built_offline(adapter: DiscordAdapter) -> None:
+    tree = adapter.tree
+    payloads = {c.name: c.to_dict(tree) for c in tree.get_commands()}
+    assert {"memory", "cortex", "cortex-admin", "help", "summary", "persona"} <= set(payloads)
+    memory_subs = {o["name"]: o for o in payloads["memory"]["options"]}
+    assert set(memory_subs) == {"show", "history", "diff", "revert", "reset", "edit", "export", "forget-me"}
+    file_option = memory_subs["history"]["options"][0]
+    assert file_option["required"] and [c["value"] for c in file_option["choices"]] == [
+        "memory.md", "soul.md", "relationship.md"]
+    admin = payloads["cortex-admin"]
+    assert int(admin["default_member_permissions"]) == discord.Permissions(manage_guild=True).value
+    assert payloads["memory"].get("default_member_permissions") is None
+
+
+async def _interact(adapter: DiscordAdapter, monkeypatch: pytest.MonkeyPatch, name: str,
+                    options: list[dict[str, Any]], *, permissions: int = 0) -> dict[str, Any]:
+    """Dispatch an INTERACTION_CREATE through the real command tree; return the recorded response."""
+    recorded: list[dict[str, Any]] = []
+
+    async def fake_response(self: Any, interaction_id: int, token: str, *, session: Any, params: Any,
+                            **kw: Any) -> dict[str, Any]:
+        recorded.append(params.payload)
+        return {"interaction": {"id": str(interaction_id), "type": 2}}
+
+    monkeypatch.setattr(discord.webhook.async_.AsyncWebhookAdapter, "create_interaction_response", fake_response)
+    bot = adapter.bot
+    bot._connection._command_tree = adapter.tree
+    config = dpytest.get_config()
+    guild, channel, member = config.guilds[0], config.channels[0], config.members[0]
+    payload = {
+        "id": "1111", "application_id": str(bot.user.id), "type": 2, "token": "tok", "version": 1,
+        "attachment_size_limit": 8_000_000, "guild_id": str(guild.id),
+        "channel": {"id": str(channel.id), "type": 0, "guild_id": str(guild.id), "name": channel.name,
+                    "position": 0},
+        "channel_id": str(channel.id),
+        "member": {"user": {"id": str(member.id), "username": member.name, "discriminator": "0001",
+                            "avatar": None}, "roles": [], "joined_at": "2024-01-01T00:00:00+00:00",
+                   "deaf": False, "mute": False, "flags": 0, "permissions": str(permissions)},
+        "data": {"id": "2222", "name": name, "type": 1, "options": options},
+    }
+    bot._connection.parse_interaction_create(payload)
+    for _ in range(200):
+        if recorded:
+            break
+        await asyncio.sleep(0.01)
+    assert recorded, "the command tree never answered"
+    return recorded[0]
+
+
+async def test_slash_memory_show_is_ephemeral(adapter: DiscordAdapter, monkeypatch: pytest.MonkeyPatch) -> None:
+    response = await _interact(adapter, monkeypatch, "memory", [
+        {"name": "show", "type": 1, "options": [{"name": "file", "type": 3, "value": "soul.md"}]}])
+    assert response["type"] == 4
+    assert "soul.md (version 1" in response["data"]["content"]
+    assert response["data"]["flags"] & 64  # ephemeral
+    assert response["data"]["allowed_mentions"] == {"parse": []}
+
+
+async def test_slash_admin_commands_check_permissions(adapter: DiscordAdapter,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    refused = await _interact(adapter, monkeypatch, "cortex-admin", [{"name": "stats", "type": 1, "options": []}])
+    assert "for admins only" in refused["data"]["content"]
+    manage = discord.Permissions(manage_guild=True).value
+    allowed = await _interact(adapter, monkeypatch, "cortex-admin", [{"name": "stats", "type": 1, "options": []}],
+                              permissions=manage)
+    assert "runs" in allowed["data"]["content"] and allowed["data"]["flags"] & 64
