@@ -13,6 +13,7 @@ import pytest_asyncio  # noqa: E402
 from bot.storage.sqlite import SQLiteStorage  # noqa: E402
 from bot.tokens import BPETokenEstimator  # noqa: E402
 from tests.fakes.llm_server import FakeLLMServer  # noqa: E402
+from tests.synapse import SynapseServer  # noqa: E402
 
 
 @pytest.fixture
@@ -32,3 +33,15 @@ async def storage(tmp_path: Path) -> AsyncIterator[SQLiteStorage]:
 @pytest.fixture
 def estimator() -> BPETokenEstimator:
     return BPETokenEstimator(margin=0.0)
+
+
+@pytest.fixture(scope="session")
+def synapse() -> Iterator[SynapseServer]:
+    """One real Synapse homeserver (127.0.0.1, server name "localhost") for the whole session.
+
+    The first run installs Synapse into its own venv (see ``tests/synapse.py``); an install or start-up
+    failure errors the tests that use this fixture rather than skipping them. Tests share the server,
+    so they should register unique user names.
+    """
+    with SynapseServer() as server:
+        yield server

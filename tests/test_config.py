@@ -8,6 +8,7 @@ from bot.config import Config, ConfigError, load_config, parse_config, read_secr
 from bot.prompt import resolve_variables
 
 ROOT = Path(__file__).resolve().parents[1]
+SECTIONS = ("bot", "storage", "llm", "history", "jobs", "cortex", "chat", "access", "discord", "matrix", "terminal")
 
 
 def test_no_file_gives_defaults_and_a_builtin_persona() -> None:
@@ -24,7 +25,7 @@ def test_no_file_gives_defaults_and_a_builtin_persona() -> None:
 def test_example_config_is_valid_and_documents_every_key() -> None:
     config = load_config(ROOT / "config.example.toml")
     text = (ROOT / "config.example.toml").read_text()
-    for section in ("bot", "storage", "llm", "history", "jobs", "cortex", "chat", "access", "discord", "matrix", "terminal"):
+    for section in SECTIONS:
         model = type(getattr(config, section))
         for key in model.model_fields:
             assert f"{key} =" in text or f"# {key} =" in text, f"[{section}] {key} is not in config.example.toml"
@@ -36,7 +37,7 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
 def test_every_key_is_in_the_readme_table() -> None:
     readme = (ROOT / "README.md").read_text()
     config = Config()
-    for section in ("bot", "storage", "llm", "history", "jobs", "cortex", "chat", "access", "discord", "matrix", "terminal"):
+    for section in SECTIONS:
         for key in type(getattr(config, section)).model_fields:
             assert f"`{section}.{key}`" in readme, f"{section}.{key} missing from the README config table"
     for key in type(config.personas[0]).model_fields:

@@ -1,0 +1,245 @@
+"""The Matrix adapter against a real Synapse on 127.0.0.1, with the real nio clients on both sides."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nio import AsyncClient, AsyncClientConfig, RoomCreateResponse, SyncResponse
+
+from adapters.matrix import MatrixAdapter
+from bot.app import App
+from bot.config import parse_config
+from tests.fakes.provider import ScriptedProvider
+from tests.synapse import SynapseServer
+
+pytestmark = pytest.mark.slow
+PASSWORD = "correct horse battery staple"
+DEADLINE = 25.0
+
+
+def _unique(name: str) -> str:
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass
+class Bot:
+    app: App
+    adapter: MatrixAdapter
+    task: asyncio.Task[None]
+    user_id: str
+
+
+async def start_bot(synapse: SynapseServer, store: Path, user_id: str | None = None, **matrix: Any) -> Bot:
+    user_id = user_id or synapse.register(_unique("cortex"), PASSWORD)
+    config = parse_config({
+        "storage": {"url": f"sqlite:///{store / 'bot.db'}"},
+        "matrix": {"enabled": True, "homeserver": synapse.url, "user_id": user_id, "password_env": "MX_PW",
+                   "store_path": str(store / "matrix"), **matrix},
+        "chat": {"edit_interval_seconds": 0.2, "typing_indicator": True},
+        "cortex": {"context_limit": 1000},
+    })
+    app = App(config, llm=ScriptedProvider())
+    await app.start()
+    adapter = MatrixAdapter(app, config.matrix, env={"MX_PW": PASSWORD})
+    task = asyncio.create_task(adapter.run())
+    waiter = asyncio.create_task(adapter.ready.wait())
+    done, _ = await asyncio.wait({task, waiter}, timeout=DEADLINE, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        task.result()  # raises the adapter's start-up error
+    assert waiter in done, "the bot did not get ready"
+    return Bot(app, adapter, task, user_id)
+
+
+async def stop_bot(bot: Bot) -> None:
+    await bot.adapter.close()
+    bot.task.cancel()
+    await asyncio.gather(bot.task, return_exceptions=True)
+    await bot.app.stop()
+
+
+async def user(synapse: SynapseServer, name: str, store: Path | None = None) -> AsyncClient:
+    user_id = synapse.register(_unique(name), PASSWORD)
+    config = AsyncClientConfig(encryption_enabled=store is not None, store_sync_tokens=True)
+    client = AsyncClient(synapse.url, user_id, store_path=str(store) if store else "", config=config)
+    await client.login(PASSWORD)
+    if store is not None:
+        await client.keys_upload()
+    return client
+
+
+class Timeline:
+    """What one client has seen, room by room, as raw event dicts (decrypted where it could)."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self.client = client
+        self.events: dict[str, list[dict[str, Any]]] = {}
+
+    async def sync_until(self, done: Callable[[], bool], what: str, deadline: float = DEADLINE) -> None:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + deadline
+        while loop.time() < end:
+            response = await self.client.sync(timeout=500)
+            assert isinstance(response, SyncResponse), response
+            for room_id, room in response.rooms.join.items():
+                for event in room.timeline.events:
+                    source = dict(event.source)
+                    if getattr(event, "decrypted", False):
+                        source["encrypted"] = True  # it came as m.room.encrypted and was decrypted here
+                    body = getattr(event, "body", None)
+                    if body is not None and source.get("type") == "m.room.encrypted":
+                        source = {"type": "m.room.message", "sender": event.sender, "event_id": event.event_id,
+                                  "content": {"body": body, "msgtype": "m.text"}, "encrypted": True}
+                    self.events.setdefault(room_id, []).append(source)
+            if done():
+                return
+        seen = {room: [e["content"].get("body", "")[:80] for e in events if e.get("type") == "m.room.message"]
+                for room, events in self.events.items()}
+        raise AssertionError(f"timed out waiting for {what}; messages seen: {seen}")
+
+    def from_(self, room_id: str, sender: str) -> list[dict[str, Any]]:
+        return [e for e in self.events.get(room_id, []) if e.get("sender") == sender
+                and e.get("type") == "m.room.message"]
+
+    def bodies(self, room_id: str, sender: str) -> list[str]:
+        return [e["content"].get("body", "") for e in self.from_(room_id, sender)]
+
+
+async def send_text(client: AsyncClient, room_id: str, text: str, **extra: Any) -> None:
+    await client.room_send(room_id, "m.room.message", {"msgtype": "m.text", "body": text, **extra},
+                           ignore_unverified_devices=True)
+
+
+async def open_room(client: AsyncClient, invite: list[str], *, direct: bool, encrypted: bool = False) -> str:
+    state = [{"type": "m.room.encryption", "state_key": "", "content": {"algorithm": "m.megolm.v1.aes-sha2"}}]
+    response = await client.room_create(is_direct=direct, invite=invite, initial_state=state if encrypted else [])
+    assert isinstance(response, RoomCreateResponse), response
+    return response.room_id
+
+
+async def joined(timeline: Timeline, room_id: str, user_id: str) -> None:
+    def has_joined() -> bool:
+        room = timeline.client.rooms.get(room_id)
+        return room is not None and user_id in room.users
+    await timeline.sync_until(has_joined, f"{user_id} to join {room_id}")
+
+
+@pytest.fixture
+async def bot(synapse: SynapseServer, tmp_path: Path) -> AsyncIterator[Bot]:
+    running = await start_bot(synapse, tmp_path)
+    yield running
+    await stop_bot(running)
+
+
+async def test_dm_conversation_streamed_edit_and_commands(synapse: SynapseServer, bot: Bot) -> None:
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    try:
+        room = await open_room(alice, [bot.user_id], direct=True)
+        await joined(seen, room, bot.user_id)
+        await send_text(alice, room, "hello bot, how are you?")
+        await seen.sync_until(lambda: any(
+            e["content"].get("m.new_content", {}).get("body") == "echo: hello bot, how are you?"
+            for e in seen.from_(room, bot.user_id)), "the streamed reply's final edit")
+        first = seen.from_(room, bot.user_id)[0]["content"]
+        assert first["msgtype"] == "m.notice" and first["format"] == "org.matrix.custom.html"
+        assert first["m.mentions"] == {} and "m.in_reply_to" in first["m.relates_to"]
+        edit = next(e for e in seen.from_(room, bot.user_id) if "m.new_content" in e["content"])
+        assert edit["content"]["m.relates_to"]["rel_type"] == "m.replace"
+        await send_text(alice, room, "!memory show memory.md")
+        await seen.sync_until(lambda: any("memory.md (version 1" in b for b in seen.bodies(room, bot.user_id)),
+                              "the memory command's answer")
+    finally:
+        await alice.close()
+
+
+async def test_room_mentions_privacy_and_admin_checks(synapse: SynapseServer, bot: Bot) -> None:
+    alice, bob = await user(synapse, "alice"), await user(synapse, "bob")
+    seen, bob_seen = Timeline(alice), Timeline(bob)
+    try:
+        room = await open_room(alice, [bot.user_id, bob.user_id], direct=False)
+        await bob.join(room)
+        await joined(seen, room, bot.user_id)
+        await joined(seen, room, bob.user_id)
+        await send_text(alice, room, "just talking to bob here")
+        await send_text(alice, room, f"{bot.user_id}: what is the weather?")
+        await seen.sync_until(lambda: any("what is the weather?" in b for b in seen.bodies(room, bot.user_id)),
+                              "an answer to the mention")
+        assert not any("just talking" in b for b in seen.bodies(room, bot.user_id))
+        await send_text(bob, room, "!cortex settings")
+        await seen.sync_until(lambda: any("for admins only" in b for b in seen.bodies(room, bot.user_id)),
+                              "the admin refusal for bob")
+        await send_text(alice, room, "!cortex stats")  # alice created the room: power level 100
+        await seen.sync_until(lambda: any("runs" in b and "tokens" in b for b in seen.bodies(room, bot.user_id)),
+                              "the admin answer for alice")
+        await send_text(bob, room, "!memory show")
+        await seen.sync_until(lambda: any("answered you in a direct message" in b
+                                          for b in seen.bodies(room, bot.user_id)), "the privacy notice")
+        assert not any("memory.md (version" in b for b in seen.bodies(room, bot.user_id))
+        await bob_seen.sync_until(lambda: bool(bob.invited_rooms), "bob's DM invite")
+        dm = next(iter(bob.invited_rooms))
+        await bob.join(dm)
+        await bob_seen.sync_until(lambda: any("memory.md (version" in b for b in bob_seen.bodies(dm, bot.user_id)),
+                                  "bob's private answer")
+    finally:
+        await alice.close()
+        await bob.close()
+
+
+async def test_restart_does_not_replay_old_messages(synapse: SynapseServer, tmp_path: Path) -> None:
+    first = await start_bot(synapse, tmp_path)
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    try:
+        room = await open_room(alice, [first.user_id], direct=True)
+        await joined(seen, room, first.user_id)
+        await send_text(alice, room, "before the restart")
+        await seen.sync_until(lambda: any("before the restart" in b for b in seen.bodies(room, first.user_id)),
+                              "the first answer")
+        def answers() -> int:  # new bot messages (not edits)
+            return sum("m.new_content" not in e["content"] for e in seen.from_(room, first.user_id))
+
+        before = answers()
+        await stop_bot(first)
+        second = await start_bot(synapse, tmp_path, user_id=first.user_id)
+        try:
+            await send_text(alice, room, "after the restart")
+            await seen.sync_until(lambda: any("after the restart" in b for b in seen.bodies(room, first.user_id)),
+                                  "the answer after the restart")
+            await asyncio.sleep(1.0)
+            await seen.sync_until(lambda: True, "a last sync")
+            assert answers() == before + 1  # only the new message was answered
+            channel = await second.app.storage.get_channel(f"matrix:{room}")
+            users = [m.text for m in await second.app.storage.recent_messages(channel.id, 20) if m.role == "user"]
+            assert users == ["after the restart", "before the restart"]
+        finally:
+            await stop_bot(second)
+    finally:
+        await alice.close()
+
+
+async def test_encrypted_dm(synapse: SynapseServer, tmp_path: Path) -> None:
+    bot = await start_bot(synapse, tmp_path, e2ee=True)
+    (tmp_path / "alice").mkdir()
+    alice = await user(synapse, "alice", store=tmp_path / "alice")
+    seen = Timeline(alice)
+    try:
+        room = await open_room(alice, [bot.user_id], direct=True, encrypted=True)
+        await joined(seen, room, bot.user_id)
+        await seen.sync_until(lambda: True, "keys")
+        await send_text(alice, room, "a secret hello")
+        await seen.sync_until(lambda: any("a secret hello" in b for b in seen.bodies(room, bot.user_id)),
+                              "the decrypted, encrypted answer")
+        answer = next(e for e in seen.from_(room, bot.user_id) if "a secret hello" in e["content"]["body"])
+        assert answer.get("encrypted") is True  # it came as m.room.encrypted and alice decrypted it
+        channel = await bot.app.storage.get_channel(f"matrix:{room}")
+        assert [m.text for m in await bot.app.storage.recent_messages(channel.id, 5) if m.role == "user"] == [
+            "a secret hello"]
+    finally:
+        await alice.close()
+        await stop_bot(bot)
