@@ -170,6 +170,10 @@ class CortexConfig(_Section):
         default=6000, ge=200, description="Budget of the conversation an update reads (newest first)."
     )
     prompt_tokens: int = Field(default=3000, ge=100, description="Budget of the cortex files in a reply prompt.")
+    use_in_groups: bool = Field(
+        default=False,
+        description="Put a user's cortex files (which hold what they said in DMs too) into prompts in group channels.",
+    )
 
     @field_validator("tiers")
     @classmethod

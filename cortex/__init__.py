@@ -51,6 +51,6 @@ def build_cortex(
     job_store = CortexStore(job_storage) if job_storage is not None else store
     job_files = CortexFiles(job_store, config.cortex.file_max_chars)
     updater = CortexUpdater(config, job_store, job_files, SettingsResolver(config.cortex, job_store), llm, estimator)
-    section = CortexSection(store, estimator, config.cortex.prompt_tokens)
+    section = CortexSection(store, estimator, config.cortex.prompt_tokens, resolver)
     commands = CortexCommands(config, storage, store, files, resolver, tiers, updater)
     return Cortex(store, files, resolver, tiers, updater, section, commands)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from bot.ports import PromptContext, PromptSection, SectionSlot
 from bot.tokens import TokenEstimator
+from cortex.settings import SettingsResolver
 from cortex.store import CortexStore
 
 ORDER = ("memory.md", "relationship.md", "soul.md")
@@ -17,12 +18,21 @@ CUT_NOTE = "\n(… the rest of this file did not fit here)"
 class CortexSection:
     slot: SectionSlot = "cortex"
 
-    def __init__(self, store: CortexStore, estimator: TokenEstimator, budget: int) -> None:
+    def __init__(
+        self, store: CortexStore, estimator: TokenEstimator, budget: int, resolver: SettingsResolver
+    ) -> None:
         self.store = store
         self.estimator = estimator
         self.budget = budget
+        self.resolver = resolver
 
     async def sections(self, context: PromptContext, budget: int) -> list[PromptSection]:
+        if not context.is_dm:
+            # The files also hold what the user told the persona in private: in a group channel they
+            # are used only where the server allows it.
+            effective = await self.resolver.effective(context.persona, context.server_key)
+            if not effective.settings.use_in_groups:
+                return []
         files = await self.store.files_for_prompt(context.user_db_id, context.persona)
         if not files:
             return []

@@ -27,6 +27,7 @@ OVERRIDABLE: dict[str, str] = {
     "model": "a model name (or 'default')",
     "temperature": "0 to 2 (or 'default')",
     "daily_token_budget": "tokens per pair and UTC day (0: no limit)",
+    "use_in_groups": "on/off: use what a user shared in DMs in group channels too",
 }
 CACHE_SECONDS = 5.0
 
@@ -56,7 +57,7 @@ def parse_value(key: str, text: str) -> Any:
     raw = text.strip()
     lowered = raw.lower()
     try:
-        if key == "enabled":
+        if key in ("enabled", "use_in_groups"):
             if lowered in ("on", "true", "yes", "1", "enable", "enabled"):
                 return True
             if lowered in ("off", "false", "no", "0", "disable", "disabled"):

@@ -159,3 +159,18 @@ async def test_persona_per_channel_and_per_dm_user(tmp_path: Path) -> None:
         bad = Sink()
         await app.router.handle(inbound("!persona Nobody", dm=True), bad)
         assert "unknown persona" in bad.public[0].text
+
+
+async def test_dm_memory_stays_out_of_group_channels_unless_the_server_allows(tmp_path: Path) -> None:
+    llm = ScriptedProvider()
+    async with App(_config(tmp_path), llm=llm) as app:
+        await app.router.handle(inbound("!memory edit memory.md\n# Notes\n- my secret diagnosis\n", dm=True), Sink())
+        await app.router.handle(inbound("hi", dm=True), Sink())
+        assert "my secret diagnosis" in llm.requests[-1].system
+        await app.router.handle(inbound("hi all", mention=True), Sink())
+        assert "my secret diagnosis" not in llm.requests[-1].system
+        allow = Sink()
+        await app.router.handle(inbound("!cortex settings use_in_groups on", is_admin=True), allow)
+        assert "set to True for server:discord:guild1" in allow.public[0].text
+        await app.router.handle(inbound("hi again", mention=True), Sink())
+        assert "my secret diagnosis" in llm.requests[-1].system
