@@ -267,13 +267,34 @@ def build_slash_commands(adapter: DiscordAdapter) -> None:
     async def history(interaction: discord.Interaction, file: FileChoice) -> None:
         await adapter.run_slash(interaction, f"!memory history {file.value}")
 
+    async def version_choices(interaction: discord.Interaction, current: str) -> list[app_commands.Choice[int]]:
+        """The caller's own versions of the chosen file, newest first."""
+        namespace = interaction.namespace
+        filename = getattr(namespace, "file", None) or "memory.md"
+        user = await adapter.app.storage.get_user(f"{PLATFORM}:{interaction.user.id}")
+        if user is None:
+            return []
+        incoming = IncomingMessage(PLATFORM, str(interaction.channel_id), str(interaction.user.id),
+                                   interaction.user.display_name, "", is_dm=interaction.guild is None)
+        persona = await adapter.app.router.persona_for(Inbound(incoming))
+        pair = await adapter.app.cortex.store.get_pair(user.id, persona)
+        if pair is None:
+            return []
+        versions = await adapter.app.cortex.store.versions(pair.id, str(filename))
+        return [
+            app_commands.Choice(name=f"v{v.version} · {v.author} · {v.created_at:%Y-%m-%d %H:%M}", value=v.version)
+            for v in reversed(versions) if current in str(v.version)
+        ][:25]
+
     @memory.command(name="diff", description="What changed between two versions of a file")
     @app_commands.choices(file=FILE_CHOICES)
+    @app_commands.autocomplete(v1=version_choices, v2=version_choices)
     async def diff(interaction: discord.Interaction, file: FileChoice, v1: int, v2: int) -> None:
         await adapter.run_slash(interaction, f"!memory diff {file.value} {v1} {v2}")
 
     @memory.command(name="revert", description="Bring back an earlier version (saved as a new version)")
     @app_commands.choices(file=FILE_CHOICES)
+    @app_commands.autocomplete(version=version_choices)
     async def revert(interaction: discord.Interaction, file: FileChoice, version: int) -> None:
         await adapter.run_slash(interaction, f"!memory revert {file.value} {version}")
 

@@ -113,7 +113,7 @@ async def test_slash_commands_are_built_offline(adapter: DiscordAdapter) -> None
 
 
 async def _interact(adapter: DiscordAdapter, monkeypatch: pytest.MonkeyPatch, name: str,
-                    options: list[dict[str, Any]], *, permissions: int = 0) -> dict[str, Any]:
+                    options: list[dict[str, Any]], *, permissions: int = 0, kind: int = 2) -> dict[str, Any]:
     """Dispatch an INTERACTION_CREATE through the real command tree; return the recorded response."""
     recorded: list[dict[str, Any]] = []
 
@@ -128,7 +128,7 @@ async def _interact(adapter: DiscordAdapter, monkeypatch: pytest.MonkeyPatch, na
     config = dpytest.get_config()
     guild, channel, member = config.guilds[0], config.channels[0], config.members[0]
     payload = {
-        "id": "1111", "application_id": str(bot.user.id), "type": 2, "token": "tok", "version": 1,
+        "id": "1111", "application_id": str(bot.user.id), "type": kind, "token": "tok", "version": 1,
         "attachment_size_limit": 8_000_000, "guild_id": str(guild.id),
         "channel": {"id": str(channel.id), "type": 0, "guild_id": str(guild.id), "name": channel.name,
                     "position": 0},
@@ -164,3 +164,31 @@ async def test_slash_admin_commands_check_permissions(adapter: DiscordAdapter,
     allowed = await _interact(adapter, monkeypatch, "cortex-admin", [{"name": "stats", "type": 1, "options": []}],
                               permissions=manage)
     assert "runs" in allowed["data"]["content"] and allowed["data"]["flags"] & 64
+
+
+async def test_version_autocomplete_offers_the_callers_own_versions(adapter: DiscordAdapter,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    await _interact(adapter, monkeypatch, "memory", [
+        {"name": "edit", "type": 1, "options": [{"name": "file", "type": 3, "value": "memory.md"},
+                                                 {"name": "content", "type": 3, "value": "# Mine\n- tea"}]}])
+    response = await _interact(adapter, monkeypatch, "memory", [
+        {"name": "revert", "type": 1, "options": [
+            {"name": "file", "type": 3, "value": "memory.md"},
+            {"name": "version", "type": 4, "value": "", "focused": True}]}], kind=4)
+    assert response["type"] == 8
+    choices = response["data"]["choices"]
+    assert [c["value"] for c in choices] == [2, 1] and "user" in choices[0]["name"]
+
+
+async def test_missing_message_content_intent_says_how_to_enable_it(adapter: DiscordAdapter,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    async def refuse(token: str) -> None:
+        raise discord.PrivilegedIntentsRequired(None)
+
+    async def closed() -> None:
+        return None
+
+    monkeypatch.setattr(adapter.bot, "start", refuse)
+    monkeypatch.setattr(adapter.bot, "close", closed)  # dpytest's fake state has no HTTP session to close
+    with pytest.raises(RuntimeError, match="MESSAGE CONTENT INTENT"):
+        await adapter.run("token")
