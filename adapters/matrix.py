@@ -197,6 +197,9 @@ class MatrixAdapter:
                 raise MatrixError(f"Matrix sync failed: {first}")
             since = first.next_batch
             self._save_state(next_batch=since)
+            # Invites are not history: answer the ones that arrived before the bot first ran.
+            for invited in list(self.client.invited_rooms.values()):
+                await self._consider_invite(invited, getattr(invited, "inviter", None) or "")
         self.client.next_batch = since
         self.client.add_event_callback(self._on_message, RoomMessageText)
         self.client.add_event_callback(self._on_invite, InviteMemberEvent)
@@ -229,7 +232,9 @@ class MatrixAdapter:
     async def _on_invite(self, room: MatrixRoom, event: InviteMemberEvent) -> None:
         if event.state_key != self.config.user_id or event.membership != "invite":
             return
-        inviter = event.sender
+        await self._consider_invite(room, event.sender)
+
+    async def _consider_invite(self, room: MatrixRoom, inviter: str) -> None:
         servers = self.config.invite_servers or [self.server_name]
         allowed = self.config.auto_join and inviter.split(":", 1)[-1] in servers
         access = self.app.config.access

@@ -125,7 +125,7 @@ async def open_room(client: AsyncClient, invite: list[str], *, direct: bool, enc
 async def joined(timeline: Timeline, room_id: str, user_id: str) -> None:
     def has_joined() -> bool:
         room = timeline.client.rooms.get(room_id)
-        return room is not None and user_id in room.users
+        return room is not None and user_id in room.users and user_id not in room.invited_users
     await timeline.sync_until(has_joined, f"{user_id} to join {room_id}")
 
 
@@ -243,3 +243,43 @@ async def test_encrypted_dm(synapse: SynapseServer, tmp_path: Path) -> None:
     finally:
         await alice.close()
         await stop_bot(bot)
+
+
+async def test_cortexbot_run_serves_matrix_and_stops_on_sigterm(
+    synapse: SynapseServer, tmp_path: Path, fake_llm: Any
+) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    bot_id = synapse.register(_unique("cortex"), PASSWORD)
+    config = tmp_path / "config.toml"
+    config.write_text(
+        f'[storage]\nurl = "sqlite:///{tmp_path / "bot.db"}"\n'
+        f'[llm]\nbase_url = "{fake_llm.anthropic_url}"\napi_key_env = "CB_TEST_API_KEY"\nmax_retries = 0\n'
+        f'[matrix]\nenabled = true\nhomeserver = "{synapse.url}"\nuser_id = "{bot_id}"\n'
+        f'password_env = "MX_PW"\nstore_path = "{tmp_path / "mx"}"\n'
+        '[terminal]\nenabled = false\n'
+    )
+    env = {**os.environ, "CB_TEST_API_KEY": "test-key", "MX_PW": PASSWORD}
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "cortexbot"), "--config", str(config), "run"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    failure: AssertionError | None = None
+    try:
+        room = await open_room(alice, [bot_id], direct=True)
+        await joined(seen, room, bot_id)
+        await send_text(alice, room, "hello through cortexbot run")
+        await seen.sync_until(lambda: any("echo: hello through cortexbot run" in b
+                                          for b in seen.bodies(room, bot_id)), "the answer from `cortexbot run`")
+    except AssertionError as exc:
+        failure = exc
+    finally:
+        await alice.close()
+        proc.send_signal(signal.SIGTERM)
+        out, err = await asyncio.to_thread(proc.communicate, timeout=30)
+    assert failure is None, f"{failure}\nstderr of cortexbot run:\n{err[-3000:]}"
+    assert proc.returncode in (0, 130), err[-3000:]
+    assert "Traceback" not in err and "test-key" not in err + out and PASSWORD not in err + out
