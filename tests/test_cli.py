@@ -311,3 +311,19 @@ def test_sigterm_stops_cleanly_and_requeues_the_running_job(tmp_path: Path, fake
     jobs = db_rows(tmp_path, "SELECT status, attempts FROM jobs WHERE kind = 'summary'")
     assert jobs and all(job == ("queued", 0) for job in jobs)  # the interrupted one went back untouched
     assert db_rows(tmp_path, "SELECT count(*) FROM messages") == [(30,)]
+
+
+def test_run_with_discord_but_no_token_says_so(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    config = write_config(tmp_path, fake_llm)
+    config.write_text(config.read_text() + '[discord]\nenabled = true\ntoken_env = "CB_NO_SUCH_TOKEN"\n')
+    result = cortexbot("--config", str(config), "run", env={"CB_NO_SUCH_TOKEN": ""}, timeout=60)
+    assert result.returncode == 1
+    assert "CB_NO_SUCH_TOKEN" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_run_with_matrix_missing_settings_names_them(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    config = write_config(tmp_path, fake_llm)
+    config.write_text(config.read_text() + "[matrix]\nenabled = true\n")
+    result = cortexbot("--config", str(config), "run", timeout=60)
+    assert result.returncode == 1
+    assert "homeserver, user_id is not set" in result.stderr and "Traceback" not in result.stderr

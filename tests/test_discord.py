@@ -192,3 +192,19 @@ async def test_missing_message_content_intent_says_how_to_enable_it(adapter: Dis
     monkeypatch.setattr(adapter.bot, "close", closed)  # dpytest's fake state has no HTTP session to close
     with pytest.raises(RuntimeError, match="MESSAGE CONTENT INTENT"):
         await adapter.run("token")
+
+
+async def test_commands_are_synced_on_ready(adapter: DiscordAdapter, monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[Any] = []
+
+    async def fake_sync(*, guild: Any = None) -> list[Any]:
+        synced.append(guild.id if guild else "global")
+        return []
+
+    monkeypatch.setattr(adapter.tree, "sync", fake_sync)
+    await adapter.on_ready()
+    assert synced == ["global"]
+    adapter.config.test_guild_ids = [111, 222]
+    synced.clear()
+    await adapter.on_ready()
+    assert synced == [111, 222]

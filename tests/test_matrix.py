@@ -285,3 +285,32 @@ async def test_cortexbot_run_serves_matrix_and_stops_on_sigterm(
     assert failure is None, f"{failure}\nstderr of cortexbot run:\n{err[-3000:]}"
     assert proc.returncode in (0, 130), err[-3000:]
     assert "Traceback" not in err and "test-key" not in err + out and PASSWORD not in err + out
+
+
+async def test_threads_are_kept_and_admins_can_make_the_bot_leave(synapse: SynapseServer, bot: Bot) -> None:
+    alice, bob = await user(synapse, "alice"), await user(synapse, "bob")
+    seen = Timeline(alice)
+    try:
+        room = await open_room(alice, [bot.user_id, bob.user_id], direct=False)
+        await bob.join(room)
+        await joined(seen, room, bot.user_id)
+        root = await alice.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "a thread starts"})
+        await send_text(alice, room, f"{bot.user_id}: inside the thread", **{
+            "m.relates_to": {"rel_type": "m.thread", "event_id": root.event_id}})
+        await seen.sync_until(lambda: any(e["content"].get("m.relates_to", {}).get("rel_type") == "m.thread"
+                                          for e in seen.from_(room, bot.user_id)), "a reply inside the thread")
+        reply = next(e for e in seen.from_(room, bot.user_id)
+                     if e["content"].get("m.relates_to", {}).get("rel_type") == "m.thread")
+        assert reply["content"]["m.relates_to"]["event_id"] == root.event_id
+        await send_text(bob, room, "!leave")  # bob is no admin: the bot stays
+        await seen.sync_until(lambda: any("Unknown command !leave" in b for b in seen.bodies(room, bot.user_id)),
+                              "the answer to bob's !leave")
+        assert bot.user_id in alice.rooms[room].users
+        await send_text(alice, room, "!leave")
+
+        def bot_left() -> bool:
+            return bot.user_id not in alice.rooms[room].users
+        await seen.sync_until(bot_left, "the bot to leave")
+    finally:
+        await alice.close()
+        await bob.close()
