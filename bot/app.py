@@ -16,6 +16,7 @@ from bot.jobs import JobQueue, WorkerPool
 from bot.llm import create_provider
 from bot.llm.base import LLMProvider
 from bot.router import Router
+from bot.scheduler import Scheduler
 from bot.storage.sqlite import SQLiteStorage, open_storage
 from bot.summary import JOB_KIND as SUMMARY_JOB
 from bot.summary import SummaryEngine
@@ -88,8 +89,13 @@ class App:
                 {SUMMARY_JOB: self.summaries.run_job, CORTEX_JOB: self.cortex.updater.run_job},
                 storage=self.job_storage,
             )
+            self.scheduler = Scheduler()
             if workers:
                 await self.workers.start()
+                self.scheduler.every(
+                    self.config.jobs.lease_seconds, "requeue-abandoned-jobs", self.workers.recover
+                )
+                self.scheduler.start()
         except BaseException:
             if getattr(self, "job_storage", None) is not None:
                 await self.job_storage.close()
@@ -114,6 +120,7 @@ class App:
             return
         self._started = False
         try:
+            self.scheduler.stop()
             await self.workers.stop(grace)
             await self.storage.set_setting(self._calibration_key, f"{self.estimator.factor:.4f}")
         finally:

@@ -109,10 +109,17 @@ class WorkerPool:
     def running_jobs(self) -> int:
         return len(self._running)
 
-    async def start(self) -> None:
+    async def recover(self) -> int:
+        """Requeue jobs whose worker is gone (lease expired, or its process on this host died)."""
         recovered = await self.storage.recover_jobs(lambda w: worker_is_dead(w, own_worker=self.worker_id))
         for job in recovered:
             log.warning("job %d (%s) was interrupted by a stop; it is queued again", job.id, job.kind)
+        if recovered:
+            self.queue.wakeup.set()
+        return len(recovered)
+
+    async def start(self) -> None:
+        await self.recover()
         self._stopping.clear()
         for index in range(self.config.concurrency):
             self._loops.append(asyncio.create_task(self._supervise(index), name=f"job-worker-{index}"))

@@ -173,3 +173,43 @@ def test_worker_liveness() -> None:
     assert not worker_is_dead(me, own_worker=me)
     assert not worker_is_dead("other-host:1:x", own_worker=me)  # only the lease can tell
     assert not worker_is_dead("garbage", own_worker=me)
+
+
+async def test_the_scheduler_requeues_jobs_whose_lease_expired(tmp_path) -> None:
+    from bot.app import App
+    from bot.config import parse_config
+    from tests.fakes.provider import ScriptedProvider
+
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
+                           "jobs": {"lease_seconds": 5, "poll_seconds": 0.05}})
+    async with App(config, llm=ScriptedProvider()) as app:
+        job = await app.storage.enqueue_job("summary", "channel:999", {"channel_id": 999}, 3)
+        # another machine's worker took it and vanished: only its lease can tell
+        assert await app.storage.claim_job("elsewhere:1:x", ["summary"], 0.01) is not None
+        await asyncio.sleep(0.05)
+        assert await app.workers.recover() == 1
+        done = await _wait_status(app.storage, job.id, "done")
+        assert "interrupted" in done.last_error
+        assert app.scheduler._scheduler.get_job("requeue-abandoned-jobs") is not None
+
+
+async def test_scheduler_runs_jobs_periodically_and_survives_failures() -> None:
+    from bot.scheduler import Scheduler
+
+    scheduler = Scheduler()
+    calls = {"ok": 0, "bad": 0}
+
+    async def ok() -> None:
+        calls["ok"] += 1
+
+    async def bad() -> None:
+        calls["bad"] += 1
+        raise RuntimeError("boom")
+
+    scheduler.every(0.05, "ok", ok)
+    scheduler.every(0.05, "bad", bad)
+    scheduler.start()
+    await asyncio.sleep(0.4)
+    scheduler.stop()
+    assert calls["ok"] >= 3 and calls["bad"] >= 3
+    assert scheduler.runs["ok"] == calls["ok"] and scheduler.failures["bad"] == calls["bad"]
