@@ -174,7 +174,15 @@ class MatrixAdapter:
         if state.get("access_token") and state.get("device_id"):
             self.client.restore_login(self.config.user_id, state["device_id"], state["access_token"])
         elif self.token:
-            self.client.restore_login(self.config.user_id, state.get("device_id", ""), self.token)
+            device_id = state.get("device_id", "")
+            if not device_id:  # the token belongs to a device: ask the server which
+                self.client.access_token = self.token
+                who = await self.client.whoami()
+                device_id = getattr(who, "device_id", None) or ""
+                if not device_id:
+                    raise MatrixError(f"Matrix rejected the access token for {self.config.user_id}: {who}")
+                self._save_state(device_id=device_id)
+            self.client.restore_login(self.config.user_id, device_id, self.token)
         else:
             response = await self.client.login(self.password, device_name=self.config.device_name)
             if not isinstance(response, LoginResponse):

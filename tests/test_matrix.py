@@ -314,3 +314,37 @@ async def test_threads_are_kept_and_admins_can_make_the_bot_leave(synapse: Synap
     finally:
         await alice.close()
         await bob.close()
+
+
+async def test_login_with_an_access_token(synapse: SynapseServer, tmp_path: Path) -> None:
+    bot_id = synapse.register(_unique("cortex"), PASSWORD)
+    token, _device = synapse.login_token(bot_id.split(":")[0][1:], PASSWORD)
+    config = parse_config({
+        "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
+        "matrix": {"enabled": True, "homeserver": synapse.url, "user_id": bot_id,
+                   "access_token_env": "MX_TOKEN", "store_path": str(tmp_path / "mx")},
+    })
+    app = App(config, llm=ScriptedProvider())
+    await app.start()
+    adapter = MatrixAdapter(app, config.matrix, env={"MX_TOKEN": token})
+    task = asyncio.create_task(adapter.run())
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    try:
+        waiter = asyncio.create_task(adapter.ready.wait())
+        done, _ = await asyncio.wait({task, waiter}, timeout=DEADLINE, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            task.result()
+        room = await open_room(alice, [bot_id], direct=True)
+        await joined(seen, room, bot_id)
+        await send_text(alice, room, "token login works?")
+        await seen.sync_until(lambda: any("token login works?" in b for b in seen.bodies(room, bot_id)),
+                              "an answer from the token-logged-in bot")
+        assert not (tmp_path / "mx" / "session.json").exists() or "access_token" not in (
+            tmp_path / "mx" / "session.json").read_text()
+    finally:
+        await alice.close()
+        await adapter.close()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await app.stop()
