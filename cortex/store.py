@@ -418,6 +418,9 @@ class CortexStore:
                 f"DELETE FROM cortex_versions WHERE pair_id IN ({marks}) RETURNING id", pair_ids)
             runs = await db.execute_fetchall(
                 f"DELETE FROM cortex_runs WHERE pair_id IN ({marks}) RETURNING id", pair_ids)
+            await db.execute(f"UPDATE memory_items SET supersedes = NULL, superseded_by = NULL"
+                             f" WHERE pair_id IN ({marks})", pair_ids)
+            await db.execute(f"DELETE FROM memory_items WHERE pair_id IN ({marks})", pair_ids)
             for pair_id in pair_ids:
                 await db.execute("DELETE FROM jobs WHERE key = ? AND status IN ('queued', 'failed')",
                                  (f"pair:{pair_id}",))

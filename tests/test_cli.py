@@ -193,7 +193,7 @@ def test_missing_api_key_is_explained(tmp_path: Path, fake_llm: FakeLLMServer) -
 def test_migrate_then_up_to_date(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
     config = write_config(tmp_path, fake_llm)
     first = cortexbot("--config", str(config), "migrate")
-    assert first.returncode == 0 and "applied migration(s) 1, 2" in first.stdout
+    assert first.returncode == 0 and "applied migration(s) 1, 2, 3" in first.stdout
     second = cortexbot("--config", str(config), "migrate")
     assert second.returncode == 0 and "is up to date" in second.stdout
 

@@ -120,12 +120,19 @@ async def test_forget_me_asks_then_deletes_everything_of_that_user_only(tmp_path
         await run(app, "!memory edit memory.md\n# notes\n- b\n", ctx("bob"))
         channel = await app.storage.get_channel("console:room")
         await app.storage.add_summary(channel.id, "Ann and Bob chatted", 1, 2, 5, "m")
+        from cortex.memory.store import MemoryStore
+
+        memory = MemoryStore(app.storage)
+        ann_pair = await _pair_id(app, "ann")
+        first = await memory.remember(ann_pair, "Ann's allergy: penicillin")
+        await memory.remember(ann_pair, "Ann's allergy: penicillin and latex", supersedes=first.id)
         warning = await run(app, "!memory forget-me", ctx("ann"))
         assert "cannot be undone" in warning.text and "!memory forget-me confirm" in warning.text
         assert await app.storage.get_user("console:ann") is not None  # nothing deleted yet
         done = (await run(app, "!memory forget-me confirm", ctx("ann"))).text
         assert "Deleted 6 messages" in done
         assert await app.storage.get_user("console:ann") is None
+        assert (await app.storage.fetch_one("SELECT count(*) FROM memory_items"))[0] == 0
         texts = [m.text for m in await app.storage.recent_messages(channel.id, 100)]
         assert texts and not any("ann says" in t for t in texts) and any("bob says" in t for t in texts)
         assert all(m.user_id is not None for m in await app.storage.recent_messages(channel.id, 100))

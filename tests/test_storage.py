@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from bot.storage.base import LLMCallRecord, ReplyStats
-from bot.storage.migrations import Migration
+from bot.storage.migrations import SQLITE_MIGRATIONS, Migration
 from bot.storage.sqlite import SQLiteStorage, StorageError
 
 
 async def test_migrations_apply_once_and_are_recorded(tmp_path: Path) -> None:
     store = await SQLiteStorage(tmp_path / "a.db").open()
-    assert await store.pending_migrations() == [1, 2]
-    assert await store.migrate() == [1, 2]
+    assert await store.pending_migrations() == [m.version for m in SQLITE_MIGRATIONS]
+    assert await store.migrate() == [m.version for m in SQLITE_MIGRATIONS]
     assert await store.migrate() == []
     assert await store.pending_migrations() == []
     await store.close()
@@ -28,7 +28,6 @@ async def test_migrations_apply_once_and_are_recorded(tmp_path: Path) -> None:
 
 async def test_a_failing_migration_is_rolled_back_whole(tmp_path: Path) -> None:
     broken = Migration(99, "broken", ("CREATE TABLE extra (x)", "CREATE TABLE nonsense ("))
-    from bot.storage.migrations import SQLITE_MIGRATIONS
 
     store = await SQLiteStorage(tmp_path / "b.db", migrations=(*SQLITE_MIGRATIONS, broken)).open()
     with pytest.raises(sqlite3.Error):

@@ -169,4 +169,58 @@ SQLITE_MIGRATIONS: tuple[Migration, ...] = (
                 PRIMARY KEY (scope, key))""",
         ),
     ),
+    Migration(
+        3,
+        "memory store: items per pair with full-text search; full-text search over messages",
+        (
+            """CREATE TABLE memory_items (
+                id INTEGER PRIMARY KEY,
+                pair_id INTEGER NOT NULL REFERENCES cortex_pairs(id),
+                category TEXT NOT NULL CHECK (category IN ('fact', 'preference', 'decision', 'user_info',
+                    'project_context', 'learned_behavior', 'correction', 'temporal', 'event')),
+                key TEXT NOT NULL DEFAULT '',
+                content TEXT NOT NULL,
+                importance INTEGER NOT NULL DEFAULT 5 CHECK (importance BETWEEN 1 AND 10),
+                pinned INTEGER NOT NULL DEFAULT 0,
+                expires_at REAL,
+                supersedes INTEGER REFERENCES memory_items(id),
+                superseded_by INTEGER REFERENCES memory_items(id),
+                tags TEXT NOT NULL DEFAULT '[]',
+                source TEXT NOT NULL DEFAULT 'user',
+                source_ref TEXT NOT NULL DEFAULT '',
+                metadata TEXT NOT NULL DEFAULT '{}',
+                created_at REAL NOT NULL,
+                updated_at REAL NOT NULL,
+                access_count INTEGER NOT NULL DEFAULT 0,
+                last_accessed REAL,
+                archived_at REAL,
+                archive_reason TEXT NOT NULL DEFAULT '',
+                embedding BLOB,
+                embedding_model TEXT NOT NULL DEFAULT '')""",
+            "CREATE INDEX memory_items_by_pair ON memory_items (pair_id, archived_at)",
+            """CREATE VIRTUAL TABLE memory_fts USING fts5(
+                content, key, tags, content='memory_items', content_rowid='id', tokenize='porter unicode61')""",
+            """CREATE TRIGGER memory_fts_insert AFTER INSERT ON memory_items BEGIN
+                INSERT INTO memory_fts (rowid, content, key, tags) VALUES (NEW.id, NEW.content, NEW.key, NEW.tags);
+            END""",
+            """CREATE TRIGGER memory_fts_delete AFTER DELETE ON memory_items BEGIN
+                INSERT INTO memory_fts (memory_fts, rowid, content, key, tags)
+                VALUES ('delete', OLD.id, OLD.content, OLD.key, OLD.tags);
+            END""",
+            """CREATE TRIGGER memory_fts_update AFTER UPDATE OF content, key, tags ON memory_items BEGIN
+                INSERT INTO memory_fts (memory_fts, rowid, content, key, tags)
+                VALUES ('delete', OLD.id, OLD.content, OLD.key, OLD.tags);
+                INSERT INTO memory_fts (rowid, content, key, tags) VALUES (NEW.id, NEW.content, NEW.key, NEW.tags);
+            END""",
+            """CREATE VIRTUAL TABLE messages_fts USING fts5(
+                text, content='messages', content_rowid='id', tokenize='porter unicode61')""",
+            "INSERT INTO messages_fts (messages_fts) VALUES ('rebuild')",
+            """CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages BEGIN
+                INSERT INTO messages_fts (rowid, text) VALUES (NEW.id, NEW.text);
+            END""",
+            """CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages BEGIN
+                INSERT INTO messages_fts (messages_fts, rowid, text) VALUES ('delete', OLD.id, OLD.text);
+            END""",
+        ),
+    ),
 )

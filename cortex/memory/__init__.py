@@ -1,0 +1,1 @@
+"""The memory store: embedders and (later) the indexed store of remembered items."""

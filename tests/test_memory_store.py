@@ -1,0 +1,146 @@
+"""The memory store on real SQLite: lifecycle, visibility, each ranking signal, escaping, recall."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bot.app import App
+from bot.config import parse_config
+from bot.ports import IncomingMessage
+from cortex.memory.store import MemoryError, MemoryStore, Weights, fts_query
+from tests.fakes.provider import ScriptedProvider
+
+DAY = 86_400.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def _setup(tmp_path: Path, **store_kw):
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "cortex": {"context_limit": 1000}})
+    app = App(config, llm=ScriptedProvider())
+    await app.start()
+    users = {}
+    for name in ("ann", "bob"):
+        user = await app.storage.upsert_user(f"console:{name}", name.title())
+        users[name] = (user, await app.cortex.store.count_messages(user.id, "Cora", 0))
+    clock = Clock()
+    store = MemoryStore(app.storage, clock=clock, **store_kw)
+    return app, store, users, clock
+
+
+async def test_lifecycle_supersede_archive_restore_expire(tmp_path: Path) -> None:
+    app, store, users, clock = await _setup(tmp_path)
+    try:
+        pair = users["ann"][1].id
+        old = await store.remember(pair, "Ann lives in Hamburg", category="user_info", importance=7)
+        new = await store.remember(pair, "Ann moved to Leipzig", category="correction", supersedes=old.id)
+        hits = await store.search(pair, "where does Ann live Hamburg Leipzig")
+        assert [h.id for h in hits] == [new.id]  # the corrected item is hidden, the chain is kept
+        assert (await store.get(pair, old.id, count_access=False)).superseded_by == new.id
+        with pytest.raises(MemoryError, match="already corrected"):
+            await store.remember(pair, "again", supersedes=old.id)
+        archived = await store.archive(pair, new.id, "the user asked to forget it")
+        assert archived.archived_at is not None and await store.search(pair, "Leipzig") == []
+        listed, total = await store.list_items(pair, archived=True)
+        assert total == 1 and listed[0].id == new.id
+        await store.restore(pair, new.id)
+        assert [h.id for h in await store.search(pair, "Leipzig")] == [new.id]
+        soon = await store.remember(pair, "Ann's exam is on Friday", category="temporal",
+                                    expires_at=clock.now + DAY)
+        assert [h.id for h in await store.search(pair, "exam")] == [soon.id]
+        clock.now += 2 * DAY
+        assert await store.search(pair, "exam") == []  # expired: hidden, not deleted
+        assert (await store.get(pair, soon.id, count_access=False)).content == "Ann's exam is on Friday"
+        for bad in ({"category": "gossip"}, {"importance": 11}):
+            with pytest.raises(MemoryError):
+                await store.remember(pair, "x", **bad)
+        with pytest.raises(MemoryError, match="nothing to remember"):
+            await store.remember(pair, "   ")
+    finally:
+        await app.stop()
+
+
+async def test_pairs_never_see_each_other(tmp_path: Path) -> None:
+    app, store, users, _ = await _setup(tmp_path)
+    try:
+        ann, bob = users["ann"][1].id, users["bob"][1].id
+        secret = await store.remember(ann, "Ann's bank PIN hint: her cat's birthday")
+        assert await store.search(bob, "bank PIN hint cat birthday") == []
+        with pytest.raises(MemoryError, match="no memory item"):
+            await store.get(bob, secret.id)
+        with pytest.raises(MemoryError):
+            await store.archive(bob, secret.id, "x")
+        assert (await store.list_items(bob))[1] == 0
+    finally:
+        await app.stop()
+
+
+@pytest.mark.parametrize("hostile", ['foo-bar', '"unbalanced', "NEAR(a b)", "a AND OR NOT", "*", "col:umn", "'; DROP"])
+async def test_hostile_queries_never_break_full_text_search(tmp_path: Path, hostile: str) -> None:
+    app, store, users, _ = await _setup(tmp_path)
+    try:
+        pair = users["ann"][1].id
+        await store.remember(pair, "foo bar baz and a column with drop shadows")
+        await store.search(pair, hostile)  # must not raise
+        assert all(part.startswith('"') for part in fts_query(hostile).split(" OR ") if part)
+    finally:
+        await app.stop()
+
+
+async def test_each_signal_moves_the_ranking(tmp_path: Path) -> None:
+    app, store, users, clock = await _setup(tmp_path, weights=Weights(), half_life_days=30)
+    try:
+        pair = users["ann"][1].id
+        # importance
+        low = await store.remember(pair, "Ann likes green tea", importance=2)
+        high = await store.remember(pair, "Ann likes black tea", importance=9)
+        assert [h.id for h in await store.search(pair, "Ann likes tea")][:2] == [high.id, low.id]
+        # recency: the same text, one of them a year older
+        clock.now -= 365 * DAY
+        old = await store.remember(pair, "Ann plays chess on Sundays")
+        clock.now += 365 * DAY
+        fresh = await store.remember(pair, "Ann plays chess on Sundays")
+        ranked = [h.id for h in await store.search(pair, "chess Sundays")]
+        assert ranked.index(fresh.id) < ranked.index(old.id)
+        # access frequency
+        a = await store.remember(pair, "Ann's sister is called Mia")
+        b = await store.remember(pair, "Ann's sister is called Mia")
+        for _ in range(5):
+            await store.get(pair, b.id)  # fetched singly: counts
+        assert [h.id for h in await store.search(pair, "sister Mia")][0] == b.id
+        listed, _ = await store.list_items(pair)
+        assert (await store.get(pair, a.id, count_access=False)).access_count == 0  # list views do not count
+        assert len(listed) >= 6
+        # vector similarity outranks a weak text match
+        v1 = await store.remember(pair, "Ann's favourite city is Lisbon")
+        v2 = await store.remember(pair, "Ann once visited a city")
+        await store.set_embedding(v1.id, np.array([1.0, 0.0], dtype=np.float32), "test")
+        await store.set_embedding(v2.id, np.array([0.0, 1.0], dtype=np.float32), "test")
+        hits = await store.search(pair, "city", query_vector=np.array([1.0, 0.0], dtype=np.float32))
+        assert hits[0].id == v1.id and hits[0].signals["vector"] == pytest.approx(1.0)
+    finally:
+        await app.stop()
+
+
+async def test_past_messages_are_found_with_their_source(tmp_path: Path) -> None:
+    app, store, users, _ = await _setup(tmp_path)
+    try:
+        user, pair = users["ann"]
+        await app.core.reply(IncomingMessage("console", "dm-ann", "ann", "Ann", "My dentist is Dr. Okafor")).text()
+        await app.core.reply(IncomingMessage("console", "dm-bob", "bob", "Bob", "My dentist is Dr. Lindqvist")).text()
+        hits = await store.search(pair.id, "dentist", user_id=user.id, persona="Cora")
+        texts = [h.text for h in hits if h.kind == "message"]
+        assert any("Okafor" in t for t in texts) and not any("Lindqvist" in t for t in texts)
+        assert all(h.source.startswith("message #") for h in hits if h.kind == "message")
+    finally:
+        await app.stop()
