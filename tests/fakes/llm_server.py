@@ -10,8 +10,14 @@ event loop, so the real SDKs (and a bot started as a subprocess) talk to it over
         assert srv.requests[0].body["model"] == "claude-test"
 
 Routes: ``POST /v1/messages`` (Anthropic, JSON or SSE), ``POST /v1/messages/count_tokens``,
-``POST /v1/chat/completions`` (OpenAI, JSON or SSE) and ``GET /v1/models`` (Anthropic shape when the
-request carries an ``anthropic-version`` header, OpenAI shape otherwise).
+``POST /v1/chat/completions`` (OpenAI, JSON or SSE), ``POST /v1/embeddings`` (OpenAI shape) and
+``GET /v1/models`` (Anthropic shape when the request carries an ``anthropic-version`` header, OpenAI
+shape otherwise).
+
+Embeddings are deterministic: each input's vector is derived from a SHA-256 of the model name and the
+input (``srv.embedding_dim`` values, default 8, deliberately not unit length; see
+:func:`fake_embedding`). Queue an error or malformed answer for the next embeddings POST with
+``srv.enqueue_embedding(FakeResponse.error(500))``; that queue is separate from the completions queue.
 
 Every request is recorded. Each POST to messages / chat completions takes the next queued
 :class:`FakeResponse`; when the queue is empty ``srv.responder`` decides (default: echo the last user
@@ -22,8 +28,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import collections
+import hashlib
 import json
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -446,6 +455,41 @@ def openai_chunks(resp: FakeResponse, model: str, include_usage: bool) -> Iterat
         }
 
 
+def fake_embedding(text: object, dim: int, model: str = "") -> list[float]:
+    """The fake server's deterministic embedding of one input (a string, or a token list as JSON)."""
+    data = text if isinstance(text, str) else json.dumps(text)
+    values: list[float] = []
+    counter = 0
+    while len(values) < dim:
+        digest = hashlib.sha256(f"{model}\0{counter}\0{data}".encode()).digest()
+        values.extend((byte - 127.5) / 64.0 for byte in digest)
+        counter += 1
+    return values[:dim]
+
+
+def openai_embeddings(body: dict[str, Any], dim: int) -> dict[str, Any]:
+    """An OpenAI ``/v1/embeddings`` answer for a request body (``encoding_format`` float or base64)."""
+    model = str(body.get("model", "fake-embedding"))
+    raw = body.get("input", "")
+    if isinstance(raw, str) or (isinstance(raw, list) and raw and all(isinstance(x, int) for x in raw)):
+        inputs: list[Any] = [raw]
+    else:
+        inputs = list(raw) if isinstance(raw, list) else [raw]
+    use_base64 = body.get("encoding_format") == "base64"
+    data: list[dict[str, Any]] = []
+    for index, item in enumerate(inputs):
+        vector = fake_embedding(item, dim, model)
+        embedding: Any = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode() if use_base64 else vector
+        data.append({"object": "embedding", "index": index, "embedding": embedding})
+    tokens = sum(len(str(item).split()) for item in inputs)
+    return {
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+
+
 # --------------------------------------------------------------------------- the server
 
 
@@ -457,8 +501,10 @@ class FakeLLMServer:
         self.port = port
         self.responder: Responder = echo_responder
         self.models: list[str] = list(DEFAULT_MODELS)
+        self.embedding_dim = 8
         self._requests: list[RecordedRequest] = []
         self._queue: collections.deque[FakeResponse] = collections.deque()
+        self._embedding_queue: collections.deque[FakeResponse] = collections.deque()
         self._cond = threading.Condition()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -524,6 +570,7 @@ class FakeLLMServer:
         app.router.add_post("/v1/messages", self._handle_anthropic)
         app.router.add_post("/v1/messages/count_tokens", self._handle_count_tokens)
         app.router.add_post("/v1/chat/completions", self._handle_openai)
+        app.router.add_post("/v1/embeddings", self._handle_embeddings)
         app.router.add_get("/v1/models", self._handle_models)
         runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5, access_log=None)
         await runner.setup()
@@ -559,6 +606,17 @@ class FakeLLMServer:
         """Only the messages / chat-completions POSTs."""
         return [r for r in self.requests if r.is_completion]
 
+    @property
+    def embedding_requests(self) -> list[RecordedRequest]:
+        """Only the ``/v1/embeddings`` POSTs."""
+        return [r for r in self.requests if r.path == "/v1/embeddings"]
+
+    def enqueue_embedding(self, *responses: FakeResponse) -> None:
+        """Queue answers for embeddings POSTs (``error`` / ``malformed``; anything else means "answer
+        normally"). When this queue is empty, embeddings get deterministic vectors."""
+        with self._cond:
+            self._embedding_queue.extend(responses)
+
     def enqueue(self, *responses: FakeResponse) -> None:
         """Queue responses; each completion POST consumes one, in order."""
         with self._cond:
@@ -575,8 +633,10 @@ class FakeLLMServer:
         with self._cond:
             self._requests.clear()
             self._queue.clear()
+            self._embedding_queue.clear()
             self.responder = echo_responder
             self.models = list(DEFAULT_MODELS)
+            self.embedding_dim = 8
 
     def wait_for(
         self, predicate: Callable[[RecordedRequest], bool] = lambda r: True, timeout: float = 5.0
@@ -690,6 +750,20 @@ class FakeLLMServer:
 
     async def _handle_openai(self, request: web.Request) -> web.StreamResponse:
         return await self._answer(request, "openai")
+
+    async def _handle_embeddings(self, request: web.Request) -> web.StreamResponse:
+        recorded = await self._record(request, "openai")
+        with self._cond:
+            resp = self._embedding_queue.popleft() if self._embedding_queue else None
+            dim = self.embedding_dim
+        if resp is not None:
+            if resp.delay:
+                await asyncio.sleep(resp.delay)
+            if resp.kind == "error":
+                return web.json_response(_openai_error_body(resp), status=resp.status, headers=resp.headers)
+            if resp.kind == "malformed":
+                return web.Response(body=resp.body, status=resp.status, headers={"Content-Type": resp.content_type})
+        return web.json_response(openai_embeddings(recorded.body, dim))
 
     async def _handle_count_tokens(self, request: web.Request) -> web.StreamResponse:
         recorded = await self._record(request, "anthropic")
