@@ -83,6 +83,7 @@ class App:
             self.commands = CommandRegistry()
             register_core_commands(self.commands, self.storage, self.estimator)
             self.cortex.commands.register(self.commands)
+            self.cortex.memory_commands.register(self.commands)
             self.router = Router(self.config, self.storage, self.core, self.commands)
             self.workers = WorkerPool(
                 self.queue,

@@ -16,6 +16,8 @@ from bot.storage.sqlite import SQLiteStorage
 from bot.tokens import TokenEstimator
 from cortex.commands import CortexCommands
 from cortex.files import CortexFiles
+from cortex.memory.commands import MemoryCommands
+from cortex.memory.store import MemoryStore
 from cortex.section import CortexSection
 from cortex.settings import SettingsResolver
 from cortex.store import CortexStore
@@ -32,6 +34,8 @@ class Cortex:
     updater: CortexUpdater
     section: CortexSection
     commands: CortexCommands
+    memory: MemoryStore
+    memory_commands: MemoryCommands
 
 
 def build_cortex(
@@ -53,4 +57,6 @@ def build_cortex(
     updater = CortexUpdater(config, job_store, job_files, SettingsResolver(config.cortex, job_store), llm, estimator)
     section = CortexSection(store, estimator, config.cortex.prompt_tokens, resolver)
     commands = CortexCommands(config, storage, store, files, resolver, tiers, updater)
-    return Cortex(store, files, resolver, tiers, updater, section, commands)
+    memory = MemoryStore(storage)
+    memory_commands = MemoryCommands(storage, store, memory)
+    return Cortex(store, files, resolver, tiers, updater, section, commands, memory, memory_commands)

@@ -200,3 +200,26 @@ async def _pair_id_after_show(app: App) -> int:
 async def test_wrong_arguments_explain_the_usage(tmp_path: Path, line: str) -> None:
     async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
         assert "Usage: !memory" in (await run(app, line)).text
+
+
+async def test_memory_item_commands_and_their_isolation(tmp_path: Path) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        saved = (await run(app, "!memory remember Ann is allergic to penicillin --category user_info "
+                                "--importance 9 --pin")).text
+        assert saved.startswith("Remembered as #") and "(pinned)" in saved
+        item_id = saved.split("#")[1].split(" ")[0]
+        listed = (await run(app, "!memory list user_info")).text
+        assert "penicillin" in listed and "📌" in listed and "page 1/1" in listed
+        found = (await run(app, "!memory search penicillin allergy")).text
+        assert "penicillin" in found and f"memory item #{item_id}" in found
+        bob = ctx("bob")
+        assert "Nothing found" in (await run(app, "!memory search penicillin", bob)).text
+        assert "no memory item" in (await run(app, f"!memory forget {item_id}", bob)).text
+        assert "archived" in (await run(app, f"!memory forget {item_id}")).text
+        assert "Nothing found" in (await run(app, "!memory search penicillin")).text
+        assert "penicillin" in (await run(app, "!memory archived")).text
+        assert "is back" in (await run(app, f"!memory restore {item_id}")).text
+        assert "no longer pinned" in (await run(app, f"!memory unpin {item_id}")).text
+        assert "unknown category" in (await run(app, "!memory remember x --category gossip")).text
+        assert "unknown category" in (await run(app, "!memory list gossip")).text
+        assert "Give its number" in (await run(app, "!memory pin")).text

@@ -1,0 +1,142 @@
+"""``!memory remember|forget|pin|unpin|list|search|archived|restore``: a user's own memory items.
+
+Like the file commands these act only on the asking user's pair with the channel's persona; list and
+search views do not count as accesses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from bot.commands import Command, CommandContext, CommandError, CommandRegistry, Handler
+from bot.storage.base import Storage
+from cortex.memory.store import CATEGORIES, MemoryError, MemoryItem, MemoryStore
+from cortex.store import CortexStore
+
+PAGE = 10
+
+
+def _line(item: MemoryItem) -> str:
+    marks = ("📌 " if item.pinned else "") + (f"[{item.category}] ")
+    when = f"{item.created_at:%Y-%m-%d}"
+    return f"#{item.id} {marks}{item.content}  (importance {item.importance}, {when})"
+
+
+@dataclass
+class MemoryCommands:
+    storage: Storage
+    pairs: CortexStore
+    memory: MemoryStore
+
+    def register(self, registry: CommandRegistry) -> None:
+        commands: list[tuple[str, str, str, Handler]] = [
+            ("remember", "<text> [--category C] [--importance 1-10] [--pin]", "store a fact about you",
+             self.remember),
+            ("forget", "<id>", "archive one of your memory items (restore brings it back)", self.forget),
+            ("pin", "<id>", "always keep an item in the persona's mind", self.pin),
+            ("unpin", "<id>", "stop pinning an item", self.unpin),
+            ("list", "[category] [page]", "your memory items, newest first", self.list_items),
+            ("search", "<words>", "search your memory items and past messages", self.search),
+            ("archived", "[page]", "your archived (forgotten or pruned) items", self.archived),
+            ("restore", "<id>", "bring an archived item back", self.restore),
+        ]
+        for name, usage, summary, handler in commands:
+            registry.register(Command(f"memory {name}", summary, handler, usage=usage, private=True))
+
+    async def _pair(self, ctx: CommandContext) -> int:
+        user = await self.storage.upsert_user(ctx.user_key, ctx.user_name)
+        return (await self.pairs.count_messages(user.id, ctx.persona, 0)).id
+
+    @staticmethod
+    def _id(args: Sequence[str]) -> int:
+        try:
+            return int(args[0].lstrip("#"))
+        except (IndexError, ValueError):
+            raise CommandError("Which item? Give its number, e.g. 12 (see list or search).") from None
+
+    async def remember(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        words, category, importance, pin = [], "fact", 5, False
+        it = iter(args)
+        for word in it:
+            if word == "--category":
+                category = next(it, "")
+            elif word == "--importance":
+                try:
+                    importance = int(next(it, ""))
+                except ValueError:
+                    raise CommandError("importance is a number from 1 to 10") from None
+            elif word == "--pin":
+                pin = True
+            else:
+                words.append(word)
+        text = " ".join(words) or ctx.body
+        try:
+            item = await self.memory.remember(await self._pair(ctx), text, category=category, importance=importance,
+                                              pinned=pin, source="user", source_ref=ctx.channel_key)
+        except MemoryError as exc:
+            raise CommandError(f"{exc}. Categories: {', '.join(CATEGORIES)}") from None
+        return f"Remembered as #{item.id}" + (" (pinned)." if item.pinned else ".")
+
+    async def _change(self, ctx: CommandContext, args: Sequence[str], what: str) -> str:
+        pair, item_id = await self._pair(ctx), self._id(args)
+        try:
+            if what == "forget":
+                await self.memory.archive(pair, item_id, "forgotten by the user")
+                return f"#{item_id} is archived; `memory restore {item_id}` brings it back."
+            if what == "restore":
+                item = await self.memory.restore(pair, item_id)
+                return f"#{item.id} is back: {item.content}"
+            item = await self.memory.set_pinned(pair, item_id, what == "pin")
+            return f"#{item.id} is {'pinned' if item.pinned else 'no longer pinned'}."
+        except MemoryError as exc:
+            raise CommandError(str(exc)) from None
+
+    async def forget(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        return await self._change(ctx, args, "forget")
+
+    async def restore(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        return await self._change(ctx, args, "restore")
+
+    async def pin(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        return await self._change(ctx, args, "pin")
+
+    async def unpin(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        return await self._change(ctx, args, "unpin")
+
+    async def _page(self, ctx: CommandContext, args: Sequence[str], *, archived: bool) -> str:
+        category = next((a for a in args if a in CATEGORIES), None)
+        numbers = [a for a in args if a.isdigit()]
+        page = max(int(numbers[0]) if numbers else 1, 1)
+        unknown = [a for a in args if a not in CATEGORIES and not a.isdigit()]
+        if unknown:
+            raise CommandError(f"unknown category {unknown[0]!r}; categories: {', '.join(CATEGORIES)}")
+        items, total = await self.memory.list_items(
+            await self._pair(ctx), category=category, archived=archived, limit=PAGE, offset=(page - 1) * PAGE)
+        if not total:
+            if archived:
+                return "No archived items."
+            return "No memory items yet (the persona and `memory remember` add them)."
+        pages = (total + PAGE - 1) // PAGE
+        head = f"{'Archived items' if archived else 'Your memory items'}" + (f" ({category})" if category else "")
+        lines = [f"{head}: page {page}/{pages}, {total} in all"]
+        lines += [_line(i) + (f"  — archived: {i.archive_reason}" if archived else "") for i in items]
+        return "\n".join(lines)
+
+    async def list_items(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        return await self._page(ctx, args, archived=False)
+
+    async def archived(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        return await self._page(ctx, args, archived=True)
+
+    async def search(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        query = " ".join(args).strip()
+        if not query:
+            raise CommandError("What should I look for?")
+        user = await self.storage.upsert_user(ctx.user_key, ctx.user_name)
+        pair = await self._pair(ctx)
+        hits = await self.memory.search(pair, query, user_id=user.id, persona=ctx.persona, limit=10)
+        if not hits:
+            return f"Nothing found for {query!r}."
+        return "\n".join([f"Results for {query!r}:"] + [
+            f"{h.score:.2f}  {h.text[:200]}  ({h.source}, {h.created_at:%Y-%m-%d})" for h in hits])
