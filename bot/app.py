@@ -78,7 +78,7 @@ class App:
             )
             self.core = ConversationCore(
                 self.config, self.storage, self.llm, self.estimator, self.summaries,
-                section_providers=[self.cortex.section], observers=[self.cortex.tiers],
+                section_providers=[self.cortex.section, self.cortex.knowledge], observers=[self.cortex.tiers],
             )
             self.commands = CommandRegistry()
             register_core_commands(self.commands, self.storage, self.estimator)

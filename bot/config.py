@@ -184,6 +184,21 @@ class CortexConfig(_Section):
         return tuple(self.tiers) if self.tiers else FREQUENCY_PRESETS[self.frequency]
 
 
+class MemoryConfig(_Section):
+    """The memory store beside the cortex files: search weights and the prompt's knowledge section."""
+
+    weight_vector: float = Field(default=0.50, ge=0, description="Weight of vector similarity in search.")
+    weight_text: float = Field(default=0.20, ge=0, description="Weight of full-text (bm25) relevance.")
+    weight_importance: float = Field(default=0.15, ge=0, description="Weight of an item's importance (1-10).")
+    weight_recency: float = Field(default=0.10, ge=0, description="Weight of recency (exponential decay).")
+    weight_access: float = Field(default=0.05, ge=0, description="Weight of how often an item was used.")
+    half_life_days: float = Field(default=30.0, gt=0, description="Age at which the recency signal halves.")
+    candidates: int = Field(default=50, ge=5, le=1000, description="Candidates taken by text and by vector.")
+    relevant_items: int = Field(default=8, ge=0, le=50, description="Relevant items put into a reply prompt.")
+    prompt_tokens: int = Field(default=800, ge=50, description="Budget of the knowledge section in a reply prompt.")
+    recent_days: float = Field(default=7.0, ge=0, description="Items younger than this appear in full in prompts.")
+
+
 class ChatConfig(_Section):
     """How replies are delivered on chat platforms."""
 
@@ -302,6 +317,7 @@ class Config(_Section):
     history: HistoryConfig = Field(default_factory=HistoryConfig)
     jobs: JobsConfig = Field(default_factory=JobsConfig)
     cortex: CortexConfig = Field(default_factory=CortexConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
     chat: ChatConfig = Field(default_factory=ChatConfig)
     access: AccessConfig = Field(default_factory=AccessConfig)
     discord: DiscordConfig = Field(default_factory=DiscordConfig)

@@ -17,7 +17,8 @@ from bot.tokens import TokenEstimator
 from cortex.commands import CortexCommands
 from cortex.files import CortexFiles
 from cortex.memory.commands import MemoryCommands
-from cortex.memory.store import MemoryStore
+from cortex.memory.section import KnowledgeSection
+from cortex.memory.store import MemoryStore, Weights
 from cortex.section import CortexSection
 from cortex.settings import SettingsResolver
 from cortex.store import CortexStore
@@ -36,6 +37,7 @@ class Cortex:
     commands: CortexCommands
     memory: MemoryStore
     memory_commands: MemoryCommands
+    knowledge: KnowledgeSection
 
 
 def build_cortex(
@@ -57,6 +59,11 @@ def build_cortex(
     updater = CortexUpdater(config, job_store, job_files, SettingsResolver(config.cortex, job_store), llm, estimator)
     section = CortexSection(store, estimator, config.cortex.prompt_tokens, resolver)
     commands = CortexCommands(config, storage, store, files, resolver, tiers, updater)
-    memory = MemoryStore(storage)
+    memory_config = config.memory
+    weights = Weights(memory_config.weight_vector, memory_config.weight_text, memory_config.weight_importance,
+                      memory_config.weight_recency, memory_config.weight_access)
+    memory = MemoryStore(storage, weights=weights, half_life_days=memory_config.half_life_days,
+                         candidates=memory_config.candidates)
     memory_commands = MemoryCommands(storage, store, memory)
-    return Cortex(store, files, resolver, tiers, updater, section, commands, memory, memory_commands)
+    knowledge = KnowledgeSection(store, memory, estimator, memory_config, resolver)
+    return Cortex(store, files, resolver, tiers, updater, section, commands, memory, memory_commands, knowledge)

@@ -8,7 +8,9 @@ from bot.config import Config, ConfigError, load_config, parse_config, read_secr
 from bot.prompt import resolve_variables
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("bot", "storage", "llm", "history", "jobs", "cortex", "chat", "access", "discord", "matrix", "terminal")
+SECTIONS = (
+    "bot", "storage", "llm", "history", "jobs", "cortex", "memory", "chat", "access", "discord", "matrix", "terminal",
+)
 
 
 def test_no_file_gives_defaults_and_a_builtin_persona() -> None:

@@ -144,3 +144,28 @@ async def test_past_messages_are_found_with_their_source(tmp_path: Path) -> None
         assert all(h.source.startswith("message #") for h in hits if h.kind == "message")
     finally:
         await app.stop()
+
+
+async def test_knowledge_section_in_the_reply_prompt(tmp_path: Path) -> None:
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "cortex": {"context_limit": 1000},
+                           "memory": {"prompt_tokens": 120, "relevant_items": 20}})
+    llm = ScriptedProvider()
+    async with App(config, llm=llm) as app:
+        user = await app.storage.upsert_user("console:ann", "Ann")
+        pair = await app.cortex.store.count_messages(user.id, "Cora", 0)
+        memory = app.cortex.memory
+        pinned = await memory.remember(pair.id, "Ann is vegetarian", pinned=True, importance=8)
+        relevant = await memory.remember(pair.id, "Ann's sister Mia lives in Oslo with two dogs")
+        for i in range(12):
+            await memory.remember(pair.id, f"Ann visited Oslo in spring number {i} and liked the museums there")
+        await app.core.reply(IncomingMessage("console", "dm", "ann", "Ann", "what about my sister in Oslo?",
+                                             is_dm=True)).text()
+        system = llm.requests[-1].system
+        assert "Ann is vegetarian" in system and "sister Mia lives in Oslo" in system
+        assert "more related memories that did not fit" in system  # the budget holds
+        assert (await memory.get(pair.id, relevant.id, count_access=False)).access_count == 1
+        assert (await memory.get(pair.id, pinned.id, count_access=False)).access_count == 0
+        # in a group channel the user's memory stays out by default
+        await app.core.reply(IncomingMessage("console", "room", "ann", "Ann", "my sister in Oslo?",
+                                             server_id="g1")).text()
+        assert "vegetarian" not in llm.requests[-1].system
