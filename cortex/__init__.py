@@ -65,5 +65,5 @@ def build_cortex(
     memory = MemoryStore(storage, weights=weights, half_life_days=memory_config.half_life_days,
                          candidates=memory_config.candidates)
     memory_commands = MemoryCommands(storage, store, memory)
-    knowledge = KnowledgeSection(store, memory, estimator, memory_config, resolver)
+    knowledge = KnowledgeSection(memory, estimator, memory_config, resolver)
     return Cortex(store, files, resolver, tiers, updater, section, commands, memory, memory_commands, knowledge)

@@ -16,7 +16,6 @@ from bot.ports import PromptContext, PromptSection, SectionSlot
 from bot.tokens import TokenEstimator
 from cortex.memory.store import MemoryItem, MemoryStore
 from cortex.settings import SettingsResolver
-from cortex.store import CortexStore
 
 SHORT = 100
 
@@ -25,10 +24,8 @@ class KnowledgeSection:
     slot: SectionSlot = "knowledge"
 
     def __init__(
-        self, pairs: CortexStore, memory: MemoryStore, estimator: TokenEstimator, config: MemoryConfig,
-        resolver: SettingsResolver,
+        self, memory: MemoryStore, estimator: TokenEstimator, config: MemoryConfig, resolver: SettingsResolver
     ) -> None:
-        self.pairs = pairs
         self.memory = memory
         self.estimator = estimator
         self.config = config
@@ -39,13 +36,13 @@ class KnowledgeSection:
             effective = await self.resolver.effective(context.persona, context.server_key)
             if not effective.settings.use_in_groups:
                 return []
-        pair = await self.pairs.get_pair(context.user_db_id, context.persona)
-        if pair is None:
-            return []
-        pinned = await self.memory.pinned(pair.id)
+        pair_id, items = await self.memory.pair_with_items(context.user_db_id, context.persona)
+        if pair_id is None or not items:
+            return []  # the common case costs one query
+        pinned = await self.memory.pinned(pair_id)
         relevant: list[MemoryItem] = []
         if self.config.relevant_items:
-            hits = await self.memory.search(pair.id, context.message, limit=self.config.relevant_items,
+            hits = await self.memory.search(pair_id, context.message, limit=self.config.relevant_items,
                                             include_messages=False)
             seen = {i.id for i in pinned}
             relevant = [h.item for h in hits if h.item is not None and h.item.id not in seen]

@@ -234,6 +234,15 @@ class MemoryStore:
         )
         return [self._item(r) for r in rows], int(total[0]) if total else 0
 
+    async def pair_with_items(self, user_id: int, persona: str) -> tuple[int | None, int]:
+        """The pair's id and how many live items it has, in one query (the reply path asks this first)."""
+        row = await self.storage.fetch_one(
+            "SELECT p.id, (SELECT count(*) FROM memory_items WHERE pair_id = p.id AND archived_at IS NULL)"
+            " FROM cortex_pairs AS p WHERE p.user_id = ? AND p.persona = ?",
+            (user_id, persona),
+        )
+        return (None, 0) if row is None else (int(row[0]), int(row[1]))
+
     async def pinned(self, pair_id: int) -> list[MemoryItem]:
         rows = await self.storage.fetch_all(
             "SELECT * FROM memory_items WHERE pair_id = ? AND pinned = 1 AND archived_at IS NULL"
