@@ -183,11 +183,13 @@ async def test_the_scheduler_requeues_jobs_whose_lease_expired(tmp_path) -> None
     config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
                            "jobs": {"lease_seconds": 5, "poll_seconds": 0.05}})
     async with App(config, llm=ScriptedProvider()) as app:
+        await app.workers.stop()  # so that this process's own workers cannot take the job first
         job = await app.storage.enqueue_job("summary", "channel:999", {"channel_id": 999}, 3)
         # another machine's worker took it and vanished: only its lease can tell
         assert await app.storage.claim_job("elsewhere:1:x", ["summary"], 0.01) is not None
         await asyncio.sleep(0.05)
-        assert await app.workers.recover() == 1
+        assert await app.workers.recover() == 1  # what the periodic upkeep job runs
+        await app.workers.start()
         done = await _wait_status(app.storage, job.id, "done")
         assert "interrupted" in done.last_error
         assert app.scheduler._scheduler.get_job("requeue-abandoned-jobs") is not None
