@@ -27,12 +27,8 @@ class CortexSection:
         self.resolver = resolver
 
     async def sections(self, context: PromptContext, budget: int) -> list[PromptSection]:
-        if not context.is_dm:
-            # The files also hold what the user told the persona in private: in a group channel they
-            # are used only where the server allows it.
-            effective = await self.resolver.effective(context.persona, context.server_key)
-            if not effective.settings.use_in_groups:
-                return []
+        if not await self.resolver.private_memory_allowed(context.persona, context.server_key, context.is_dm):
+            return []
         files = await self.store.files_for_prompt(context.user_db_id, context.persona)
         if not files:
             return []

@@ -111,6 +111,13 @@ class SettingsResolver:
             sources = {key: "config" for key in merged}
         return Effective(settings, sources)
 
+    async def private_memory_allowed(self, persona: str, server_key: str | None, is_dm: bool) -> bool:
+        """Whether a user's files and items (which hold what they said in DMs) may enter this prompt:
+        always in a DM, in a group channel only where the server set ``use_in_groups``."""
+        if is_dm:
+            return True
+        return (await self.effective(persona, server_key)).settings.use_in_groups
+
     async def set(self, scope: str, key: str, text: str, updated_by: str) -> Any:
         value = parse_value(key, text)
         candidate = self.defaults.model_dump() | {key: value}

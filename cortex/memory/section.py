@@ -32,10 +32,8 @@ class KnowledgeSection:
         self.resolver = resolver
 
     async def sections(self, context: PromptContext, budget: int) -> list[PromptSection]:
-        if not context.is_dm:
-            effective = await self.resolver.effective(context.persona, context.server_key)
-            if not effective.settings.use_in_groups:
-                return []
+        if not await self.resolver.private_memory_allowed(context.persona, context.server_key, context.is_dm):
+            return []
         pair_id, items = await self.memory.pair_with_items(context.user_db_id, context.persona)
         if pair_id is None or not items:
             return []  # the common case costs one query
