@@ -157,28 +157,22 @@ async def _serve(config: Config, platforms: list[str]) -> int:
     closers: list[Callable[[], Awaitable[None]]] = []
     tasks: list[asyncio.Task[None]] = []
     try:
-        if "discord" in platforms:
-            from adapters.discord import DiscordAdapter, read_token
+        try:
+            if "discord" in platforms:
+                from adapters.discord import DiscordAdapter, read_token
 
-            token = read_token(config.discord)
-            discord_adapter = DiscordAdapter(app, config.discord)
-            tasks.append(asyncio.create_task(discord_adapter.run(token), name="discord"))
-            closers.append(discord_adapter.close)
-        if "matrix" in platforms:
-            from adapters.matrix import MatrixAdapter
+                token = read_token(config.discord)
+                discord_adapter = DiscordAdapter(app, config.discord)
+                tasks.append(asyncio.create_task(discord_adapter.run(token), name="discord"))
+                closers.append(discord_adapter.close)
+            if "matrix" in platforms:
+                from adapters.matrix import MatrixAdapter
 
-            matrix_adapter = MatrixAdapter(app, config.matrix)
-            tasks.append(asyncio.create_task(matrix_adapter.run(), name="matrix"))
-            closers.append(matrix_adapter.close)
-    except RuntimeError as exc:  # a missing token or password, named by the adapter
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for close in closers:
-            await close()
-        await app.stop()
-        raise click.ClickException(str(exc)) from None
-    try:
+                matrix_adapter = MatrixAdapter(app, config.matrix)
+                tasks.append(asyncio.create_task(matrix_adapter.run(), name="matrix"))
+                closers.append(matrix_adapter.close)
+        except RuntimeError as exc:  # a missing token or password, named by the adapter
+            raise click.ClickException(str(exc)) from None
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for task in done:
             if task.exception() is not None:

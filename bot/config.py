@@ -340,6 +340,12 @@ class Config(_Section):
             )
         return self
 
+    def model_for(self, persona: PersonaConfig) -> str:
+        return persona.model or self.llm.model
+
+    def temperature_for(self, persona: PersonaConfig) -> float | None:
+        return persona.temperature if persona.temperature is not None else self.llm.temperature
+
     def persona(self, name: str | None = None) -> PersonaConfig:
         """The persona called ``name`` (case-insensitive), or the default one."""
         wanted = name or self.bot.default_persona

@@ -158,13 +158,13 @@ class ConversationCore:
         raw_prompt = self.estimator.raw_count(system) + sum(
             m.token_count + PER_MESSAGE_OVERHEAD for m in (*window.messages, user_msg)
         )
-        model = persona.model or self.config.llm.model
+        model = self.config.model_for(persona)
         request = LLMRequest(
             system=system,
             messages=tuple(turns),
             model=model,
             max_tokens=self.config.llm.max_tokens,
-            temperature=persona.temperature if persona.temperature is not None else self.config.llm.temperature,
+            temperature=self.config.temperature_for(persona),
         )
         completion = None
         started = time.monotonic()
@@ -226,7 +226,7 @@ class ConversationCore:
         summary_used = summary is not None
         await self.storage.record_llm_call(
             LLMCallRecord(
-                "reply", completion.model or persona.model or self.config.llm.model,
+                "reply", completion.model or self.config.model_for(persona),
                 completion.usage.input_tokens, completion.usage.output_tokens, duration_ms,
                 estimated_input_tokens=raw_prompt,
             )

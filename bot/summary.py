@@ -164,7 +164,7 @@ class SummaryEngine:
         latest: Summary | None,
         evicted: list[StoredMessage],
     ) -> Summary:
-        model = self.config.llm.summary_model or persona.model or self.config.llm.model
+        model = self.config.llm.summary_model or self.config.model_for(persona)
         parts = []
         if latest:
             parts.append(f"Previous summary:\n{latest.text}")
@@ -174,7 +174,7 @@ class SummaryEngine:
             messages=(ChatMessage(role="user", content="\n\n".join(parts)),),
             model=model,
             max_tokens=max(budgets.summary_tokens * 2, 256),
-            temperature=persona.temperature if persona.temperature is not None else self.config.llm.temperature,
+            temperature=self.config.temperature_for(persona),
         )
         started = time.monotonic()
         try:

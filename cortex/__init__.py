@@ -64,6 +64,6 @@ def build_cortex(
                       memory_config.weight_recency, memory_config.weight_access)
     memory = MemoryStore(storage, weights=weights, half_life_days=memory_config.half_life_days,
                          candidates=memory_config.candidates)
-    memory_commands = MemoryCommands(storage, store, memory)
+    memory_commands = MemoryCommands(store, memory)
     knowledge = KnowledgeSection(memory, estimator, memory_config, resolver)
     return Cortex(store, files, resolver, tiers, updater, section, commands, memory, memory_commands, knowledge)

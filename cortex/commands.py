@@ -70,8 +70,7 @@ class CortexCommands:
     # -- helpers ---------------------------------------------------------------------------------
 
     async def _pair(self, ctx: CommandContext) -> tuple[User, Pair]:
-        user = await self.storage.upsert_user(ctx.user_key, ctx.user_name)
-        pair = await self.store.count_messages(user.id, ctx.persona, 0)
+        user, pair = await self.store.pair_for(ctx.user_key, ctx.user_name, ctx.persona)
         persona = self.config.persona(ctx.persona)
         await self.files.ensure(pair, persona.language, user.display_name)
         return user, pair

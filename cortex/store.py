@@ -117,6 +117,11 @@ class CortexStore:
         assert row is not None
         return self._pair(row)
 
+    async def pair_for(self, user_key: str, user_name: str, persona: str) -> tuple[User, Pair]:
+        """The user (created or renamed) and their pair with ``persona`` (created), for commands."""
+        user = await self.storage.upsert_user(user_key, user_name)
+        return user, await self.count_messages(user.id, persona, 0)
+
     async def get_pair(self, user_id: int, persona: str) -> Pair | None:
         row = await self.storage.fetch_one(
             "SELECT * FROM cortex_pairs WHERE user_id = ? AND persona = ?", (user_id, persona)

@@ -156,7 +156,7 @@ class CortexUpdater:
         self, pair: Pair, persona: PersonaConfig, user_name: str, tier: str, settings: CortexConfig,
         history: list[tuple[StoredMessage, str]], tools: CortexTools, totals: list[int],
     ) -> tuple[RunStatus, str]:
-        model = settings.model or persona.model or self.config.llm.model
+        model = settings.model or self.config.model_for(persona)
         system = system_prompt(
             persona, user_name, tier_stage(tier, settings), datetime.now(UTC).strftime("%Y-%m-%d"),
             settings.file_max_chars,

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bot.commands import Command, CommandContext, CommandError, CommandRegistry, Handler
-from bot.storage.base import Storage
 from cortex.memory.store import CATEGORIES, MemoryError, MemoryItem, MemoryStore
 from cortex.store import CortexStore
 
@@ -25,7 +24,6 @@ def _line(item: MemoryItem) -> str:
 
 @dataclass
 class MemoryCommands:
-    storage: Storage
     pairs: CortexStore
     memory: MemoryStore
 
@@ -45,8 +43,7 @@ class MemoryCommands:
             registry.register(Command(f"memory {name}", summary, handler, usage=usage, private=True))
 
     async def _pair(self, ctx: CommandContext) -> int:
-        user = await self.storage.upsert_user(ctx.user_key, ctx.user_name)
-        return (await self.pairs.count_messages(user.id, ctx.persona, 0)).id
+        return (await self.pairs.pair_for(ctx.user_key, ctx.user_name, ctx.persona))[1].id
 
     @staticmethod
     def _id(args: Sequence[str]) -> int:
@@ -133,9 +130,8 @@ class MemoryCommands:
         query = " ".join(args).strip()
         if not query:
             raise CommandError("What should I look for?")
-        user = await self.storage.upsert_user(ctx.user_key, ctx.user_name)
-        pair = await self._pair(ctx)
-        hits = await self.memory.search(pair, query, user_id=user.id, persona=ctx.persona, limit=10)
+        user, pair = await self.pairs.pair_for(ctx.user_key, ctx.user_name, ctx.persona)
+        hits = await self.memory.search(pair.id, query, user_id=user.id, persona=ctx.persona, limit=10)
         if not hits:
             return f"Nothing found for {query!r}."
         return "\n".join([f"Results for {query!r}:"] + [

@@ -288,7 +288,8 @@ class MemoryStore:
             marks = ",".join("?" for _ in candidate_ids)
             rows = await self.storage.fetch_all(f"SELECT * FROM memory_items WHERE id IN ({marks})", candidate_ids)
             items = [self._item(r) for r in rows]
-        hits = [self._score_item(i, text_scores, vector_scores, now, items) for i in items]
+        most_accessed = max((i.access_count for i in items), default=0)
+        hits = [self._score_item(i, text_scores, vector_scores, now, most_accessed) for i in items]
         if include_messages and user_id is not None and persona is not None and match:
             hits += await self._message_hits(user_id, persona, match, now)
         # One ranking: normalise text scores over all hits so items and messages compete fairly.
@@ -311,9 +312,8 @@ class MemoryStore:
 
     def _score_item(
         self, item: MemoryItem, text_scores: dict[int, float], vector_scores: dict[int, float], now: float,
-        items: list[MemoryItem],
+        most_accessed: int,
     ) -> Hit:
-        most_accessed = max((i.access_count for i in items), default=0)
         signals = {
             "text_raw": max(text_scores.get(item.id, 0.0), 0.0),
             "vector": max(vector_scores.get(item.id, 0.0), 0.0),
