@@ -22,6 +22,7 @@ from bot.summary import JOB_KIND as SUMMARY_JOB
 from bot.summary import SummaryEngine
 from bot.tokens import BPETokenEstimator
 from cortex import build_cortex
+from cortex.memory.embedders import Embedder
 from cortex.tiers import JOB_KIND as CORTEX_JOB
 
 log = logging.getLogger(__name__)
@@ -52,9 +53,10 @@ def build_provider(config: Config, env: Mapping[str, str] | None = None) -> LLMP
 
 
 class App:
-    def __init__(self, config: Config, *, llm: LLMProvider | None = None) -> None:
+    def __init__(self, config: Config, *, llm: LLMProvider | None = None, embedder: Embedder | None = None) -> None:
         self.config = config
         self._llm = llm
+        self._embedder = embedder
         self._started = False
 
     async def start(self, *, workers: bool = True) -> App:
@@ -74,7 +76,7 @@ class App:
             self.queue = JobQueue(self.storage, self.config.jobs)
             self.summaries = SummaryEngine(self.config, self.job_storage, self.llm, self.estimator, self.queue)
             self.cortex = build_cortex(
-                self.config, self.storage, self.llm, self.estimator, self.queue, self.job_storage
+                self.config, self.storage, self.llm, self.estimator, self.queue, self.job_storage, self._embedder
             )
             self.core = ConversationCore(
                 self.config, self.storage, self.llm, self.estimator, self.summaries,
@@ -96,6 +98,10 @@ class App:
                 self.scheduler.every(
                     self.config.jobs.lease_seconds, "requeue-abandoned-jobs", self.workers.recover
                 )
+                if self.cortex.embeddings is not None:
+                    self.scheduler.every(
+                        self.config.memory.backfill_seconds, "embed-backfill", self.cortex.embeddings.backfill
+                    )
                 self.scheduler.start()
         except BaseException:
             if getattr(self, "job_storage", None) is not None:

@@ -197,6 +197,37 @@ class MemoryConfig(_Section):
     relevant_items: int = Field(default=8, ge=0, le=50, description="Relevant items put into a reply prompt.")
     prompt_tokens: int = Field(default=800, ge=50, description="Budget of the knowledge section in a reply prompt.")
     recent_days: float = Field(default=7.0, ge=0, description="Items younger than this appear in full in prompts.")
+    recalled_messages: int = Field(
+        default=4, ge=0, le=20, description="Past messages (outside the history window) recalled into a reply prompt."
+    )
+    embedder: Literal["default", "openai", "none"] = Field(
+        default="default",
+        description="default: multilingual-e5-small, offline on CPU; openai: an OpenAI-compatible /v1/embeddings "
+        "server; none: full-text search only.",
+    )
+    embedder_model: str = Field(default="", description="Model name for the openai embedder.")
+    embedder_base_url: str | None = Field(default=None, description="Server of the openai embedder (Ollama, vLLM).")
+    embedder_api_key_env: str = Field(default="OPENAI_API_KEY", description="Variable holding the embedder's key.")
+    embed_messages: bool = Field(default=True, description="Embed past messages too (recall by meaning).")
+    query_timeout_seconds: float = Field(
+        default=2.0, gt=0, description="A reply prompt waits this long for the query's embedding, then uses text only."
+    )
+    backfill_seconds: float = Field(default=60.0, ge=5, description="How often missing embeddings are computed.")
+    backfill_max_seconds: float = Field(default=45.0, gt=0, description="Longest stretch of one backfill run.")
+    prune_every_hours: float = Field(default=24.0, gt=0, description="How often unused items are archived.")
+    prune_unused_days: float = Field(
+        default=90.0, gt=0, description="Archive items older than this that were never accessed."
+    )
+    prune_rarely_used_days: float = Field(
+        default=365.0, gt=0, description="Archive items older than this accessed fewer than prune_min_access times."
+    )
+    prune_min_access: int = Field(default=3, ge=1, description="Accesses that keep an old item (see above).")
+
+    @model_validator(mode="after")
+    def _embedder_model(self) -> MemoryConfig:
+        if self.embedder == "openai" and not self.embedder_model:
+            raise ValueError("[memory] embedder = \"openai\" needs embedder_model (e.g. \"nomic-embed-text\")")
+        return self
 
 
 class ChatConfig(_Section):

@@ -132,6 +132,7 @@ class ConversationCore:
             server_key=message.server_key,
             message=user_msg.text,
             now=now,
+            in_prompt=frozenset(m.id for m in (*window.messages, user_msg)),
         )
         sections: dict[str, list[PromptSection]] = {slot: [] for slot in ("guidelines", "cortex", "knowledge")}
         for provider in self.section_providers:

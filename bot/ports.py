@@ -59,6 +59,7 @@ class PromptContext:
     server_key: str | None
     message: str
     now: datetime
+    in_prompt: frozenset[int] = frozenset()  # ids of the stored messages already in the prompt's history
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,8 +17,11 @@ from bot.tokens import TokenEstimator
 from cortex.commands import CortexCommands
 from cortex.files import CortexFiles
 from cortex.memory.commands import MemoryCommands
+from cortex.memory.embedders import Embedder
+from cortex.memory.embedding import EmbeddingService, build_embedders
 from cortex.memory.section import KnowledgeSection
 from cortex.memory.store import MemoryStore, Weights
+from cortex.memory.vectors import VectorIndex
 from cortex.section import CortexSection
 from cortex.settings import SettingsResolver
 from cortex.store import CortexStore
@@ -38,6 +41,7 @@ class Cortex:
     memory: MemoryStore
     memory_commands: MemoryCommands
     knowledge: KnowledgeSection
+    embeddings: EmbeddingService | None
 
 
 def build_cortex(
@@ -47,23 +51,36 @@ def build_cortex(
     estimator: TokenEstimator,
     queue: JobQueue,
     job_storage: SQLiteStorage | None = None,
+    embedder: Embedder | None = None,
 ) -> Cortex:
     """``storage`` serves the reply path and commands; ``job_storage`` (a sibling connection sharing its
-    caches) serves the update jobs, so their queries never queue in front of a reply's."""
+    caches) serves the update jobs, so their queries never queue in front of a reply's. ``embedder``
+    replaces the configured one (tests pass a test double)."""
     store = CortexStore(storage)
     files = CortexFiles(store, config.cortex.file_max_chars)
     resolver = SettingsResolver(config.cortex, store)
     tiers = TierEngine(store, resolver, queue)
     job_store = CortexStore(job_storage) if job_storage is not None else store
     job_files = CortexFiles(job_store, config.cortex.file_max_chars)
-    updater = CortexUpdater(config, job_store, job_files, SettingsResolver(config.cortex, job_store), llm, estimator)
     section = CortexSection(store, estimator, config.cortex.prompt_tokens, resolver)
-    commands = CortexCommands(config, storage, store, files, resolver, tiers, updater)
     memory_config = config.memory
     weights = Weights(memory_config.weight_vector, memory_config.weight_text, memory_config.weight_importance,
                       memory_config.weight_recency, memory_config.weight_access)
+    pair_embedders = (embedder, embedder) if embedder is not None else build_embedders(memory_config)
+    embeddings = None
+    if pair_embedders is not None:
+        index = VectorIndex(storage, pair_embedders[0].name)
+        embeddings = EmbeddingService(job_storage or storage, *pair_embedders, index, memory_config)
     memory = MemoryStore(storage, weights=weights, half_life_days=memory_config.half_life_days,
-                         candidates=memory_config.candidates)
+                         candidates=memory_config.candidates, embeddings=embeddings)
+    job_memory = MemoryStore(job_storage or storage, weights=weights, half_life_days=memory_config.half_life_days,
+                             candidates=memory_config.candidates, embeddings=embeddings)
+    updater = CortexUpdater(
+        config, job_store, job_files, SettingsResolver(config.cortex, job_store), llm, estimator, job_memory
+    )
+    commands = CortexCommands(config, storage, store, files, resolver, tiers, updater)
     memory_commands = MemoryCommands(store, memory)
     knowledge = KnowledgeSection(memory, estimator, memory_config, resolver)
-    return Cortex(store, files, resolver, tiers, updater, section, commands, memory, memory_commands, knowledge)
+    return Cortex(
+        store, files, resolver, tiers, updater, section, commands, memory, memory_commands, knowledge, embeddings
+    )

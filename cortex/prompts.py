@@ -61,8 +61,20 @@ RULES = (
 )
 
 
+MEMORY_GUIDE = (
+    "## Your long-term memory\n"
+    "Beside the files you have a searchable memory of single facts, which reaches you in later conversations "
+    "when it matters. Use it for the details the files have no room for:\n"
+    "- remember: one self-contained fact per call (who, what, when: \"{user_name}'s sister Mia lives in "
+    "Lyon\"), with a category and an importance from 1 to 10. Search first: do not store a fact twice.\n"
+    "- update_memory: when a stored fact is no longer right, give its id and the corrected fact.\n"
+    "- forget: archive an item that is wrong or no longer matters, with a reason.\n"
+    "- search_memory: find items and their ids."
+)
+
+
 def system_prompt(
-    persona: PersonaConfig, user_name: str, stage: str, date: str, max_chars: int
+    persona: PersonaConfig, user_name: str, stage: str, date: str, max_chars: int, *, with_memory: bool = False
 ) -> str:
     soul = "\n\n".join(f"### {SOUL_TITLES[name]}\n{body.strip()}" for name, body in persona.soul_sections())
     parts = [
@@ -78,6 +90,8 @@ def system_prompt(
         GUIDANCE[stage],
         RULES,
     ]
+    if with_memory:
+        parts.insert(3, MEMORY_GUIDE)
     variables = {
         "char_name": persona.name,
         "user_name": user_name,

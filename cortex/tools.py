@@ -1,4 +1,5 @@
-"""The tools a persona uses on its own cortex files: ``read_file`` and ``write_file``.
+"""The tools a persona uses on its own cortex files: ``read_file`` and ``write_file`` (and, when the
+memory store is on, the memory tools of :mod:`cortex.memory.tools`).
 
 Whatever the model sends, :meth:`CortexTools.execute` answers with a tool result, never an
 exception: an unknown tool, a file name outside the three (``../x``, ``/etc/passwd``), missing or
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 
 from bot.llm.base import ToolCall, ToolSpec
 from cortex.files import CortexFiles, check_model_write
+from cortex.memory.tools import MEMORY_TOOL_NAMES, MemoryTools
 from cortex.store import FILENAMES, Pair
 
 FILENAME_SCHEMA = {
@@ -63,12 +65,17 @@ class CortexTools:
     tier: str
     run_id: int
     max_chars: int
+    memory: MemoryTools | None = None
     files_read: list[str] = field(default_factory=list)
     files_written: list[str] = field(default_factory=list)
 
     async def execute(self, call: ToolCall) -> ToolOutcome:
+        if call.name in MEMORY_TOOL_NAMES and self.memory is not None:
+            result = await self.memory.execute(call)
+            return ToolOutcome(result.content, result.is_error)
         if call.name not in ("read_file", "write_file"):
-            return ToolOutcome(f"unknown tool {call.name!r}; the tools are read_file and write_file", True)
+            names = ["read_file", "write_file"] + (sorted(MEMORY_TOOL_NAMES) if self.memory is not None else [])
+            return ToolOutcome(f"unknown tool {call.name!r}; the tools are {', '.join(names)}", True)
         if call.arguments is None:
             shown = call.raw_arguments[:200]
             return ToolOutcome(

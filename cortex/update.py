@@ -24,6 +24,8 @@ from bot.llm.errors import LLMBadRequest, LLMError
 from bot.storage.base import Job, LLMCallRecord, StoredMessage
 from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator
 from cortex.files import CortexFiles
+from cortex.memory.store import MemoryStore
+from cortex.memory.tools import MEMORY_TOOLS, MemoryTools
 from cortex.prompts import conversation_message, system_prompt
 from cortex.settings import SettingsResolver
 from cortex.store import CortexStore, Pair, RunStatus
@@ -56,7 +58,9 @@ class CortexUpdater:
         resolver: SettingsResolver,
         llm: LLMProvider,
         estimator: TokenEstimator,
+        memory: MemoryStore | None = None,
     ) -> None:
+        self.memory = memory
         self.config = config
         self.store = store
         self.files = files
@@ -108,7 +112,8 @@ class CortexUpdater:
             return Outcome("skipped", reason, run_id)
         await self.files.ensure(pair, persona.language, user.display_name)
         run_id = await self.store.start_run(pair.id, job_id, tier)
-        tools = CortexTools(self.files, pair, tier, run_id, settings.file_max_chars)
+        memory_tools = MemoryTools(self.memory, pair.id, run_id) if self.memory is not None else None
+        tools = CortexTools(self.files, pair, tier, run_id, settings.file_max_chars, memory_tools)
         started = time.monotonic()
         totals = [0, 0, 0]  # rounds, input tokens, output tokens
         try:
@@ -159,7 +164,7 @@ class CortexUpdater:
         model = settings.model or self.config.model_for(persona)
         system = system_prompt(
             persona, user_name, tier_stage(tier, settings), datetime.now(UTC).strftime("%Y-%m-%d"),
-            settings.file_max_chars,
+            settings.file_max_chars, with_memory=self.memory is not None,
         )
         messages: list[ChatMessage] = [ChatMessage("user", conversation_message(persona, history, user_name))]
         midnight = utc_midnight(time.time())
@@ -169,7 +174,8 @@ class CortexUpdater:
             totals[1] += completion.usage.input_tokens
             totals[2] += completion.usage.output_tokens
             if not completion.tool_calls:
-                return "success", "" if tools.files_written else "the model found nothing new to record"
+                learned = tools.files_written or (tools.memory is not None and tools.memory.written)
+                return "success", "" if learned else "the model found nothing new to record"
             messages.append(ChatMessage("assistant", completion.text, tool_calls=completion.tool_calls))
             for call in completion.tool_calls:
                 outcome = await tools.execute(call)
@@ -188,7 +194,7 @@ class CortexUpdater:
         temperature = None if model in self._temperature_rejected else settings.temperature
         request = LLMRequest(
             system=system, messages=tuple(messages), model=model, max_tokens=settings.max_tokens,
-            temperature=temperature, tools=TOOLS,
+            temperature=temperature, tools=TOOLS + MEMORY_TOOLS if self.memory is not None else TOOLS,
         )
         started = time.monotonic()
         try:

@@ -93,7 +93,8 @@ async def test_read_then_write_becomes_a_model_version_with_audit(app: App, fake
     requests = cortex_requests(fake_llm)
     assert len(requests) == 3
     first = requests[0].body
-    assert {t["name"] for t in first["tools"]} == {"read_file", "write_file"}
+    assert {t["name"] for t in first["tools"]} == {"read_file", "write_file", "remember", "search_memory",
+                                                   "update_memory", "forget"}
     assert first["tools"][0]["input_schema"]["properties"]["filename"]["enum"] == [
         "memory.md", "soul.md", "relationship.md"]
     assert "You are Cora" in first["system"] and "first person" in first["system"]

@@ -5,13 +5,15 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from bot.app import App
 from bot.config import parse_config
 from bot.ports import IncomingMessage
+from cortex.memory.embedders import HashEmbedder
+from cortex.memory.embedding import EmbeddingService
 from cortex.memory.store import MemoryError, MemoryStore, Weights, fts_query
+from cortex.memory.vectors import VectorIndex
 from tests.fakes.provider import ScriptedProvider
 
 DAY = 86_400.0
@@ -121,13 +123,20 @@ async def test_each_signal_moves_the_ranking(tmp_path: Path) -> None:
         listed, _ = await store.list_items(pair)
         assert (await store.get(pair, a.id, count_access=False)).access_count == 0  # list views do not count
         assert len(listed) >= 6
-        # vector similarity outranks a weak text match
-        v1 = await store.remember(pair, "Ann's favourite city is Lisbon")
-        v2 = await store.remember(pair, "Ann once visited a city")
-        await store.set_embedding(v1.id, np.array([1.0, 0.0], dtype=np.float32), "test")
-        await store.set_embedding(v2.id, np.array([0.0, 1.0], dtype=np.float32), "test")
-        hits = await store.search(pair, "city", query_vector=np.array([1.0, 0.0], dtype=np.float32))
+        # vector similarity: once the backfill embedded the items, a query with no word in common finds
+        # the right one by meaning (here: the test double's shared word pieces)
+        service = EmbeddingService(app.storage, HashEmbedder(), HashEmbedder(), VectorIndex(app.storage, "hash"),
+                                   app.config.memory)
+        vstore = MemoryStore(app.storage, clock=clock, embeddings=service)
+        v1 = await vstore.remember(pair, "Ann's favourite city is Lisbon")
+        v2 = await vstore.remember(pair, "Ann once visited a city")
+        assert v1.id not in [h.id for h in await vstore.search(pair, "Lisboa")]  # not embedded yet: text only
+        report = await service.backfill()
+        assert report.items == (await vstore.list_items(pair))[1] and not report.error
+        hits = await vstore.search(pair, "Lisboa")
         assert hits[0].id == v1.id and hits[0].signals["vector"] == pytest.approx(1.0)
+        assert hits[0].signals["text"] == 0.0  # found by meaning alone
+        assert v2.id in [h.id for h in hits]
     finally:
         await app.stop()
 

@@ -223,4 +223,23 @@ SQLITE_MIGRATIONS: tuple[Migration, ...] = (
             END""",
         ),
     ),
+    Migration(
+        4,
+        "memory store: message embeddings for recall by vector",
+        (
+            # One row per embedded message of a user-persona pair; ``model`` names the embedder, so a
+            # change of embedder shows which vectors are stale. Rows go with their message.
+            """CREATE TABLE message_vectors (
+                message_id INTEGER PRIMARY KEY REFERENCES messages(id),
+                user_id INTEGER NOT NULL,
+                persona TEXT NOT NULL,
+                model TEXT NOT NULL,
+                vector BLOB NOT NULL)""",
+            "CREATE INDEX message_vectors_by_pair ON message_vectors (user_id, persona, model)",
+            """CREATE TRIGGER message_vectors_delete AFTER DELETE ON messages BEGIN
+                DELETE FROM message_vectors WHERE message_id = OLD.id;
+            END""",
+            "CREATE INDEX memory_items_by_model ON memory_items (embedding_model, archived_at)",
+        ),
+    ),
 )

@@ -2,7 +2,9 @@
 
 Pinned items first, then the items most relevant to the new message, with a recency gradient: items
 younger than ``recent_days`` in full, older ones compressed to one short line, and what no longer
-fits the budget only counted. Items put in as relevant count as accessed. In group channels the
+fits the budget only counted. Items put in as relevant count as accessed. Then, in the same budget,
+up to ``recalled_messages`` past messages of the pair that are not in the prompt's history window
+(recall memory: what no update extracted), when they score close to the best hit. In group channels the
 section follows the same rule as the cortex files (``cortex.use_in_groups``), since items hold what a
 user said in private too.
 """
@@ -14,10 +16,16 @@ from datetime import UTC, timedelta
 from bot.config import MemoryConfig
 from bot.ports import PromptContext, PromptSection, SectionSlot
 from bot.tokens import TokenEstimator
-from cortex.memory.store import MemoryItem, MemoryStore
+from cortex.memory.store import Hit, MemoryItem, MemoryStore
 from cortex.settings import SettingsResolver
 
 SHORT = 100
+RECALL_CHARS = 400
+RECALL_FLOOR = 0.6
+
+
+def _short(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit].rstrip() + "…"
 
 
 class KnowledgeSection:
@@ -35,16 +43,27 @@ class KnowledgeSection:
         if not await self.resolver.private_memory_allowed(context.persona, context.server_key, context.is_dm):
             return []
         pair_id, items = await self.memory.pair_with_items(context.user_db_id, context.persona)
-        if pair_id is None or not items:
-            return []  # the common case costs one query
-        pinned = await self.memory.pinned(pair_id)
+        if pair_id is None:
+            return []  # nobody the persona knows yet: one query
+        recall = self.config.recalled_messages
+        if not items and not recall:
+            return []
+        pinned = await self.memory.pinned(pair_id) if items else []
         relevant: list[MemoryItem] = []
-        if self.config.relevant_items:
-            hits = await self.memory.search(pair_id, context.message, limit=self.config.relevant_items,
-                                            include_messages=False)
+        recalled: list[Hit] = []
+        if self.config.relevant_items or recall:
+            hits = await self.memory.search(
+                pair_id, context.message, user_id=context.user_db_id, persona=context.persona,
+                limit=self.config.relevant_items + recall, include_messages=recall > 0,
+                exclude_messages=context.in_prompt,
+            )
             seen = {i.id for i in pinned}
             relevant = [h.item for h in hits if h.item is not None and h.item.id not in seen]
-        if not pinned and not relevant:
+            relevant = relevant[: self.config.relevant_items]
+            best = max((h.score for h in hits), default=0.0)
+            # Past messages only when they are about as relevant as the best hit: they cost tokens.
+            recalled = [h for h in hits if h.kind == "message" and h.score >= RECALL_FLOOR * best][:recall]
+        if not pinned and not relevant and not recalled:
             return []
         remaining = min(budget, self.config.prompt_tokens)
         lines: list[str] = []
@@ -63,12 +82,28 @@ class KnowledgeSection:
                 used.append(item.id)
         if left_out:
             lines.append(f"(and {left_out} more related memories that did not fit here)")
+        sections = []
+        if lines:
+            body = "Facts you remember about {user_name}:\n" + "\n".join(lines)
+            sections.append(PromptSection("What you know", body))
+        said = []
+        for hit in sorted(recalled, key=lambda h: h.created_at):
+            line = f"- {hit.created_at.astimezone(UTC):%Y-%m-%d} {_short(hit.text, RECALL_CHARS)}"
+            cost = self.estimator.count(line + "\n")
+            if cost > remaining:
+                break
+            said.append(line)
+            remaining -= cost
+        if said:
+            sections.append(PromptSection(
+                "From earlier conversations", "Things said before that may matter now:\n" + "\n".join(said)
+            ))
         await self.memory.count_access(used)
-        return [PromptSection("What you know", "Facts you remember about {user_name}:\n" + "\n".join(lines))]
+        return sections
 
     @staticmethod
     def _line(item: MemoryItem, *, full: bool) -> str:
-        text = item.content if full or len(item.content) <= SHORT else item.content[:SHORT].rstrip() + "…"
+        text = item.content if full else _short(item.content, SHORT)
         when = item.created_at.astimezone(UTC).strftime("%Y-%m-%d")
         return f"- {text} ({item.category}, {when}{', pinned' if item.pinned else ''})"
 

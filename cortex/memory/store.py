@@ -18,14 +18,18 @@ import json
 import math
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+import numpy.typing as npt
 
 from bot.storage.sqlite import SQLiteStorage
+
+if TYPE_CHECKING:
+    from cortex.memory.embedding import EmbeddingService
 
 CATEGORIES: tuple[str, ...] = (
     "fact", "preference", "decision", "user_info", "project_context", "learned_behavior", "correction",
@@ -35,10 +39,27 @@ Source = Literal["user", "model", "system"]
 _WORD = re.compile(r"\w+", re.UNICODE)
 
 
+# Function words of the two languages the personas mostly speak. Matching them ranks nothing and makes
+# bm25 score every message that contains "the": they are left out of queries (not of the index).
+STOPWORDS = frozenset("""
+a about after again all also am an and any are as at be been before being but by can could did do does
+doing down during each few for from had has have having he her here hers him his how i if in into is it
+its just me more most my no nor not now of off on once only or other our out over own same she should
+so some such than that the their them then there these they this those through to too under until up
+very was we were what when where which while who whom why will with would you your yours
+aber alle also am an auch auf aus bei bin bis bist da damit dann das dass dem den der des die dies doch
+du durch ein eine einem einen einer er es für hat hatte ich ihr im in ist ja kann mein mit nach nicht
+noch nun nur ob oder sich sie sind so um und uns von vor war was wenn wer wie wir wird wo zu zum zur
+""".split())
+
+
 def fts_query(text: str) -> str:
-    """User text as a safe FTS5 query: every word quoted, OR-ed (raw ``foo-bar`` would make MATCH raise)."""
-    words = [w for w in _WORD.findall(text.lower()) if len(w) > 1][:32]
-    return " OR ".join(f'"{w}"' for w in words)
+    """User text as a safe FTS5 query: every word quoted, OR-ed (raw ``foo-bar`` would make MATCH raise).
+
+    Function words are dropped unless nothing else is left."""
+    words = [w for w in _WORD.findall(text.lower()) if len(w) > 1]
+    content = [w for w in words if w not in STOPWORDS] or words
+    return " OR ".join(f'"{w}"' for w in dict.fromkeys(content[:32]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +129,10 @@ class MemoryStore:
         half_life_days: float = 30.0,
         candidates: int = 50,
         clock: Callable[[], float] = time.time,
+        embeddings: EmbeddingService | None = None,
     ) -> None:
         self.storage = storage
+        self.embeddings = embeddings
         self.weights = weights
         self.half_life_days = half_life_days
         self.candidates = candidates
@@ -210,6 +233,8 @@ class MemoryStore:
             " WHERE id = ? AND pair_id = ?",
             (self.clock(), item_id, pair_id),
         )
+        if self.embeddings is not None:
+            self.embeddings.index.invalidate(("items", pair_id))
         return await self.get(pair_id, item_id, count_access=False)
 
     # -- reading ---------------------------------------------------------------------------------
@@ -255,11 +280,23 @@ class MemoryStore:
 
     async def search(
         self, pair_id: int, query: str, *, user_id: int | None = None, persona: str | None = None, limit: int = 10,
-        query_vector: np.ndarray | None = None, include_messages: bool = True,
+        query_vector: npt.NDArray[np.float32] | None = None, include_messages: bool = True,
+        exclude_messages: Collection[int] = (), use_vectors: bool = True,
     ) -> list[Hit]:
-        """Hybrid search over the pair's visible items (and its past messages when ``user_id``/``persona``)."""
+        """Hybrid search over the pair's visible items (and its past messages when ``user_id``/``persona``).
+
+        The query is embedded here when an embedding service is attached (``use_vectors``) unless
+        ``query_vector`` is given; without a vector the search runs on full text and the other signals.
+        """
         now = self.clock()
         match = fts_query(query)
+        index = self.embeddings.index if self.embeddings is not None else None
+        if query_vector is None and use_vectors and self.embeddings is not None and index is not None:
+            # Embedding the query costs ~16 ms of CPU: only when there is something to compare it with.
+            messages = include_messages and user_id is not None and persona is not None
+            if len((await index.items(pair_id)).ids) or (
+                    messages and len((await index.messages(user_id or 0, persona or "")).ids)):
+                query_vector = await self.embeddings.embed_query(query)
         text_scores: dict[int, float] = {}
         if match:
             rows = await self.storage.fetch_all(
@@ -270,35 +307,41 @@ class MemoryStore:
             )
             text_scores = {int(r[0]): -float(r[1]) for r in rows}
         vector_scores: dict[int, float] = {}
-        if query_vector is not None:
-            rows = await self.storage.fetch_all(
-                "SELECT id, embedding FROM memory_items WHERE pair_id = ? AND embedding IS NOT NULL"
-                " AND archived_at IS NULL AND superseded_by IS NULL AND (expires_at IS NULL OR expires_at > ?)",
-                (pair_id, now),
-            )
-            if rows:
-                ids = np.array([int(r[0]) for r in rows])
-                matrix = np.vstack([np.frombuffer(r[1], dtype=np.float32) for r in rows])
-                sims = matrix @ query_vector.astype(np.float32)
-                top = np.argsort(-sims)[: self.candidates]
-                vector_scores = {int(ids[i]): float(sims[i]) for i in top}
+        if query_vector is not None and index is not None:
+            # Hidden items may sit in the matrix: take a few more than needed, the fetch below filters.
+            vector_scores = (await index.items(pair_id)).top(query_vector, self.candidates * 2)
         candidate_ids = sorted(set(text_scores) | set(vector_scores))
         items: list[MemoryItem] = []
         if candidate_ids:
             marks = ",".join("?" for _ in candidate_ids)
-            rows = await self.storage.fetch_all(f"SELECT * FROM memory_items WHERE id IN ({marks})", candidate_ids)
+            rows = await self.storage.fetch_all(
+                f"SELECT * FROM memory_items WHERE id IN ({marks}) AND pair_id = ? AND archived_at IS NULL"
+                " AND superseded_by IS NULL AND (expires_at IS NULL OR expires_at > ?)",
+                (*candidate_ids, pair_id, now),
+            )
             items = [self._item(r) for r in rows]
         most_accessed = max((i.access_count for i in items), default=0)
         hits = [self._score_item(i, text_scores, vector_scores, now, most_accessed) for i in items]
-        if include_messages and user_id is not None and persona is not None and match:
-            hits += await self._message_hits(user_id, persona, match, now)
-        # One ranking: normalise text scores over all hits so items and messages compete fairly.
+        if include_messages and user_id is not None and persona is not None:
+            hits += await self._message_hits(
+                user_id, persona, match, query_vector if index is not None else None, now, set(exclude_messages)
+            )
+        return self._rank(hits, limit)
+
+    def _rank(self, hits: list[Hit], limit: int) -> list[Hit]:
+        """One ranking: text and vector scores are normalised over all hits, so items and messages compete
+        fairly (text by the best bm25, vectors min-max over the candidates)."""
         top_text = max((h.signals.get("text_raw", 0.0) for h in hits), default=0.0)
+        sims = [h.signals["vector_raw"] for h in hits if "vector_raw" in h.signals]
+        low, high = (min(sims), max(sims)) if sims else (0.0, 0.0)
         ranked = []
         for hit in hits:
-            text = hit.signals.get("text_raw", 0.0) / top_text if top_text > 0 else 0.0
-            signals = dict(hit.signals, text=text)
-            score = (self.weights.vector * signals.get("vector", 0.0) + self.weights.text * text
+            signals = dict(hit.signals)
+            signals["text"] = signals.get("text_raw", 0.0) / top_text if top_text > 0 else 0.0
+            if "vector_raw" in signals:
+                raw = signals["vector_raw"]
+                signals["vector"] = (raw - low) / (high - low) if high - low > 1e-6 else max(raw, 0.0)
+            score = (self.weights.vector * signals.get("vector", 0.0) + self.weights.text * signals["text"]
                      + self.weights.importance * signals.get("importance", 0.0)
                      + self.weights.recency * signals.get("recency", 0.0)
                      + self.weights.access * signals.get("access", 0.0))
@@ -316,33 +359,48 @@ class MemoryStore:
     ) -> Hit:
         signals = {
             "text_raw": max(text_scores.get(item.id, 0.0), 0.0),
-            "vector": max(vector_scores.get(item.id, 0.0), 0.0),
             "importance": (item.importance - 1) / 9,
             "recency": self._recency(item.created_at, now),
             "access": math.log1p(item.access_count) / math.log1p(most_accessed) if most_accessed else 0.0,
         }
+        if item.id in vector_scores:
+            signals["vector_raw"] = vector_scores[item.id]
         return Hit("item", item.id, item.content, 0.0, item.created_at, f"memory item #{item.id} ({item.category})",
                    signals, item)
 
-    async def _message_hits(self, user_id: int, persona: str, match: str, now: float) -> list[Hit]:
+    async def _message_hits(
+        self, user_id: int, persona: str, match: str, query_vector: npt.NDArray[np.float32] | None, now: float,
+        exclude: set[int],
+    ) -> list[Hit]:
+        text_scores: dict[int, float] = {}
+        if match:
+            rows = await self.storage.fetch_all(
+                "SELECT m.id, bm25(messages_fts) FROM messages_fts JOIN messages AS m ON m.id = messages_fts.rowid"
+                " WHERE messages_fts MATCH ? AND m.user_id = ? AND m.persona = ? ORDER BY bm25(messages_fts) LIMIT ?",
+                (match, user_id, persona, self.candidates + len(exclude)),
+            )
+            text_scores = {int(r[0]): max(-float(r[1]), 0.0) for r in rows if int(r[0]) not in exclude}
+        vector_scores: dict[int, float] = {}
+        if query_vector is not None and self.embeddings is not None:
+            block = await self.embeddings.index.messages(user_id, persona)
+            vector_scores = {i: v for i, v in block.top(query_vector, self.candidates + len(exclude)).items()
+                             if i not in exclude}
+        ids = sorted(set(text_scores) | set(vector_scores))
+        if not ids:
+            return []
+        marks = ",".join("?" for _ in ids)
         rows = await self.storage.fetch_all(
-            "SELECT m.id, m.text, m.created_at, m.author_name, c.name, bm25(messages_fts)"
-            " FROM messages_fts JOIN messages AS m ON m.id = messages_fts.rowid"
-            " JOIN channels AS c ON c.id = m.channel_id"
-            " WHERE messages_fts MATCH ? AND m.user_id = ? AND m.persona = ? ORDER BY bm25(messages_fts) LIMIT ?",
-            (match, user_id, persona, self.candidates),
+            "SELECT m.id, m.text, m.created_at, m.author_name, c.name FROM messages AS m"
+            f" JOIN channels AS c ON c.id = m.channel_id WHERE m.id IN ({marks})",
+            ids,
         )
         hits = []
         for row in rows:
+            message_id = int(row[0])
             created = _dt(float(row[2])) or datetime.now(UTC)
-            hits.append(Hit(
-                "message", int(row[0]), f"{row[3]}: {row[1]}", 0.0, created, f"message #{row[0]} in {row[4]}",
-                {"text_raw": max(-float(row[5]), 0.0), "recency": self._recency(created, now)},
-            ))
+            signals = {"text_raw": text_scores.get(message_id, 0.0), "recency": self._recency(created, now)}
+            if message_id in vector_scores:
+                signals["vector_raw"] = vector_scores[message_id]
+            hits.append(Hit("message", message_id, f"{row[3]}: {row[1]}", 0.0, created,
+                            f"message #{message_id} in {row[4]}", signals))
         return hits
-
-    async def set_embedding(self, item_id: int, vector: np.ndarray, model: str) -> None:
-        await self.storage.write(
-            "UPDATE memory_items SET embedding = ?, embedding_model = ? WHERE id = ?",
-            (vector.astype(np.float32).tobytes(), model, item_id),
-        )

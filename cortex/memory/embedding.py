@@ -1,0 +1,247 @@
+"""Embeddings for the memory store, computed in the background and at query time.
+
+* **Backfill** (a scheduler job, every ``memory.backfill_seconds``): items without a vector of the
+  current embedder, then the pairs' messages (newest first) when ``memory.embed_messages``, in small
+  batches on a worker thread, for at most ``memory.backfill_max_seconds`` per run. New items are
+  searchable by text at once and by meaning once the backfill reached them. A changed embedder makes
+  every stored vector stale (each carries the embedder's name), so the same job re-embeds everything,
+  reporting progress in the log and in :meth:`EmbeddingService.status` (``!cortex embedder``).
+* **Queries** (the reply path and ``!memory search``): one embedding on a second embedder instance,
+  so a query never queues behind a backfill batch; bounded by ``memory.query_timeout_seconds``, after
+  which the search runs on full text alone.
+
+An embedder error (a server down, a bad answer) never reaches a user: the query falls back to text,
+the backfill stops the run, keeps the error for the status and tries again next time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from bot.config import MemoryConfig, read_secret
+from bot.storage.sqlite import SQLiteStorage
+from cortex.memory.embedders import Embedder, EmbedderError, create_embedder, embed_queries
+from cortex.memory.vectors import VectorIndex
+
+log = logging.getLogger(__name__)
+
+BATCH = 16
+
+
+@dataclass(frozen=True, slots=True)
+class BackfillReport:
+    items: int = 0
+    messages: int = 0
+    seconds: float = 0.0
+    error: str = ""
+    more: bool = False  # stopped by the time limit with work left
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedderStatus:
+    model: str
+    items_total: int
+    items_embedded: int
+    messages_total: int
+    messages_embedded: int
+    last_run: BackfillReport | None
+    last_run_at: float | None
+    last_error: str
+    texts_per_second: float
+
+    @property
+    def pending(self) -> int:
+        return self.items_total - self.items_embedded + self.messages_total - self.messages_embedded
+
+
+def build_embedders(config: MemoryConfig) -> tuple[Embedder, Embedder] | None:
+    """Two instances of the configured embedder (backfill, queries), or None for ``embedder = "none"``."""
+    if config.embedder == "none":
+        return None
+    if config.embedder == "openai":
+        key = read_secret(config.embedder_api_key_env)
+
+        def make() -> Embedder:
+            return create_embedder(
+                "openai", model=config.embedder_model, base_url=config.embedder_base_url, api_key=key
+            )
+
+        return make(), make()
+    return create_embedder("default"), create_embedder("default")
+
+
+class EmbeddingService:
+    def __init__(
+        self,
+        storage: SQLiteStorage,
+        embedder: Embedder,
+        query_embedder: Embedder,
+        index: VectorIndex,
+        config: MemoryConfig,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.storage = storage
+        self.embedder = embedder
+        self.query_embedder = query_embedder
+        self.index = index
+        self.config = config
+        self.clock = clock
+        self.last_run: BackfillReport | None = None
+        self.last_run_at: float | None = None
+        self.last_error = ""
+        self._rate = 0.0
+        self._query_failures = 0
+
+    @property
+    def model(self) -> str:
+        return self.embedder.name
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    async def embed_query(self, text: str) -> npt.NDArray[np.float32] | None:
+        """The query's vector, or None when the embedder fails or is slower than the timeout."""
+        if not text.strip():
+            return None
+        try:
+            vectors = await asyncio.wait_for(
+                asyncio.to_thread(embed_queries, self.query_embedder, [text]), self.config.query_timeout_seconds
+            )
+        except (TimeoutError, EmbedderError) as exc:
+            self._query_failures += 1
+            if self._query_failures in (1, 10, 100) or self._query_failures % 1000 == 0:
+                log.warning("query embedding failed (%d so far), searching by text only: %s",
+                            self._query_failures, exc or "timed out")
+            return None
+        vector: npt.NDArray[np.float32] = vectors[0]
+        return vector
+
+    # -- backfill --------------------------------------------------------------------------------
+
+    async def backfill(self, max_seconds: float | None = None) -> BackfillReport:
+        """Embed what lacks a current vector, items first, until done or ``max_seconds`` passed."""
+        limit = self.config.backfill_max_seconds if max_seconds is None else max_seconds
+        started = time.monotonic()
+        items = messages = 0
+        error = ""
+        more = False
+        try:
+            while True:
+                if time.monotonic() - started >= limit:
+                    more = True
+                    break
+                done = await self._item_batch()
+                if not done and self.config.embed_messages:
+                    done = await self._message_batch()
+                    messages += done
+                else:
+                    items += done
+                if not done:
+                    break
+        except EmbedderError as exc:
+            error = str(exc)
+            self.last_error = error
+            log.warning("embedding backfill stopped, retried next run: %s", error)
+        seconds = time.monotonic() - started
+        report = BackfillReport(items, messages, seconds, error, more)
+        if items or messages:
+            self._rate = (items + messages) / seconds if seconds > 0 else 0.0
+            status = await self.status()
+            log.info("embedding backfill: %d items and %d messages in %.1f s; %d of %d embedded (%.0f%%)",
+                     items, messages, seconds, status.items_embedded + status.messages_embedded,
+                     status.items_total + status.messages_total, self._percent(status))
+        if not error:
+            self.last_error = ""
+        self.last_run, self.last_run_at = report, self.clock()
+        return report
+
+    @staticmethod
+    def _percent(status: EmbedderStatus) -> float:
+        total = status.items_total + status.messages_total
+        return 100.0 if not total else 100.0 * (total - status.pending) / total
+
+    async def _embed(self, texts: list[str]) -> npt.NDArray[np.float32]:
+        vectors = await asyncio.to_thread(self.embedder.embed, texts)
+        if vectors.ndim != 2 or vectors.shape[0] != len(texts):
+            raise EmbedderError(f"the embedder returned vectors of shape {vectors.shape} for {len(texts)} texts")
+        return vectors.astype(np.float32)
+
+    async def _item_batch(self) -> int:
+        rows = await self.storage.fetch_all(
+            "SELECT id, pair_id, key, content FROM memory_items WHERE archived_at IS NULL AND embedding_model != ?"
+            " ORDER BY id DESC LIMIT ?",
+            (self.model, BATCH),
+        )
+        if not rows:
+            return 0
+        texts = [f"{r['key']}: {r['content']}" if r["key"] else str(r["content"]) for r in rows]
+        vectors = await self._embed(texts)
+        async with self.storage.transaction() as db:
+            await db.executemany(
+                "UPDATE memory_items SET embedding = ?, embedding_model = ? WHERE id = ?",
+                [(vectors[n].tobytes(), self.model, int(r["id"])) for n, r in enumerate(rows)],
+            )
+        by_pair: dict[int, list[int]] = {}
+        for n, r in enumerate(rows):
+            by_pair.setdefault(int(r["pair_id"]), []).append(n)
+        for pair_id, rows_of_pair in by_pair.items():
+            self.index.add(("items", pair_id), [int(rows[n]["id"]) for n in rows_of_pair], vectors[rows_of_pair])
+        return len(rows)
+
+    async def _message_batch(self) -> int:
+        rows = await self.storage.fetch_all(
+            "SELECT m.id, m.user_id, m.persona, m.author_name, m.text FROM messages AS m"
+            " LEFT JOIN message_vectors AS v ON v.message_id = m.id"
+            " WHERE m.user_id IS NOT NULL AND (v.model IS NULL OR v.model != ?) ORDER BY m.id DESC LIMIT ?",
+            (self.model, BATCH),
+        )
+        if not rows:
+            return 0
+        vectors = await self._embed([message_text(str(r["author_name"]), str(r["text"])) for r in rows])
+        async with self.storage.transaction() as db:
+            await db.executemany(
+                "INSERT OR REPLACE INTO message_vectors (message_id, user_id, persona, model, vector)"
+                " VALUES (?, ?, ?, ?, ?)",
+                [(int(r["id"]), int(r["user_id"]), str(r["persona"]), self.model, vectors[n].tobytes())
+                 for n, r in enumerate(rows)],
+            )
+        by_pair: dict[tuple[int, str], list[int]] = {}
+        for n, r in enumerate(rows):
+            by_pair.setdefault((int(r["user_id"]), str(r["persona"])), []).append(n)
+        for (user_id, persona), rows_of_pair in by_pair.items():
+            self.index.add(("messages", user_id, persona), [int(rows[n]["id"]) for n in rows_of_pair],
+                           vectors[rows_of_pair])
+        return len(rows)
+
+    # -- status ----------------------------------------------------------------------------------
+
+    async def status(self) -> EmbedderStatus:
+        items = await self.storage.fetch_one(
+            "SELECT count(*), coalesce(sum(embedding_model = ?), 0) FROM memory_items WHERE archived_at IS NULL",
+            (self.model,),
+        )
+        messages_total = 0
+        messages_embedded = 0
+        if self.config.embed_messages:
+            total = await self.storage.fetch_one("SELECT count(*) FROM messages WHERE user_id IS NOT NULL")
+            embedded = await self.storage.fetch_one(
+                "SELECT count(*) FROM message_vectors WHERE model = ?", (self.model,)
+            )
+            messages_total = int(total[0]) if total else 0
+            messages_embedded = int(embedded[0]) if embedded else 0
+        return EmbedderStatus(
+            self.model, int(items[0]) if items else 0, int(items[1]) if items else 0,
+            messages_total, messages_embedded, self.last_run, self.last_run_at, self.last_error, self._rate,
+        )
+
+
+def message_text(author: str, text: str) -> str:
+    """What is embedded for a message: who said it and what."""
+    return f"{author}: {text}"

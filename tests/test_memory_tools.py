@@ -1,0 +1,161 @@
+"""The update loop's memory tools through the real anthropic SDK against the fake server, on real SQLite;
+and facts coming back in later replies."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from bot.app import App
+from bot.config import parse_config
+from bot.ports import IncomingMessage
+from cortex.memory.embedders import HashEmbedder
+from cortex.memory.tools import MEMORY_TOOL_NAMES
+from tests.fakes.llm_server import FakeLLMServer, FakeResponse
+from tests.fakes.provider import ScriptedProvider
+from tests.test_cortex_update import KEY_ENV, _config, _pair, _talk, cortex_requests, result_text, tool_results
+
+CONVERSATION = ["My sister Mia moved to Lyon", "I am a nurse on night shifts", "Exam on Friday, wish me luck"]
+
+
+@pytest_asyncio.fixture
+async def app(tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[App]:
+    monkeypatch.setenv(KEY_ENV, "test-key")
+    async with App(_config(tmp_path, fake_llm), embedder=HashEmbedder()) as application:
+        yield application
+
+
+async def _run(app: App):
+    pair = await _pair(app)
+    return pair, await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective("Cora")).settings)
+
+
+async def test_remember_search_update_forget_through_the_loop(app: App, fake_llm: FakeLLMServer) -> None:
+    await _talk(app, CONVERSATION)
+    pair = await _pair(app)
+    old = await app.cortex.memory.remember(pair.id, "Ann's sister Mia lives in Paris", category="user_info")
+    stale = await app.cortex.memory.remember(pair.id, "Ann works in a bakery", category="user_info")
+    fake_llm.enqueue(
+        FakeResponse.tool_calls([("1", "search_memory", {"query": "sister Mia"})]),
+        FakeResponse.tool_calls([
+            ("2", "update_memory", {"id": old.id, "content": "Ann's sister Mia lives in Lyon"}),
+            ("3", "remember", {"content": "Ann is a nurse on night shifts", "category": "user_info",
+                               "importance": 8, "key": "job"}),
+            ("4", "remember", {"content": "Ann has an exam on Friday", "category": "temporal",
+                               "expires_in_days": 4}),
+            ("5", "forget", {"id": stale.id, "reason": "she is a nurse now"}),
+        ]),
+        FakeResponse.text(""),
+    )
+    _, outcome = await _run(app)
+    assert outcome.status == "success" and outcome.reason == ""
+    requests = cortex_requests(fake_llm)
+    assert MEMORY_TOOL_NAMES <= {t["name"] for t in requests[0].body["tools"]}
+    assert "long-term memory" in requests[0].body["system"]
+    found = result_text(tool_results(requests[1])[0])
+    assert f"#{old.id} [user_info" in found and "Paris" in found
+    texts = [result_text(r) for r in tool_results(requests[2])]
+    assert not any(r.get("is_error") for r in tool_results(requests[2]))
+    assert texts[0].startswith("saved #") and f"replacing #{old.id}" in texts[0]
+    memory = app.cortex.memory
+    items, _ = await memory.list_items(pair.id)
+    by_text = {i.content: i for i in items}
+    lyon = by_text["Ann's sister Mia lives in Lyon"]
+    assert lyon.supersedes == old.id and lyon.source == "model" and lyon.category == "user_info"
+    assert lyon.source_ref == f"cortex update run {outcome.run_id}"
+    assert (await memory.get(pair.id, old.id, count_access=False)).superseded_by == lyon.id  # chain kept
+    nurse = by_text["Ann is a nurse on night shifts"]
+    assert (nurse.importance, nurse.key) == (8, "job")
+    exam = by_text["Ann has an exam on Friday"]
+    assert exam.expires_at is not None and exam.category == "temporal"
+    forgotten = await memory.get(pair.id, stale.id, count_access=False)
+    assert forgotten.archived_at is not None and "she is a nurse now" in forgotten.archive_reason
+    assert "Paris" not in {i.content for i in items} and stale.id not in by_text.values()
+
+
+async def test_bad_memory_tool_calls_get_clear_errors_and_write_nothing(app: App, fake_llm: FakeLLMServer) -> None:
+    await _talk(app, CONVERSATION)
+    await _talk(app, ["hello there", "how are you", "fine"], user="bob")
+    bob = await _pair(app, "bob")
+    bobs = await app.cortex.memory.remember(bob.id, "Bob's secret")
+    pair = await _pair(app)
+    pinned = await app.cortex.memory.remember(pair.id, "Ann is vegetarian", pinned=True)
+    archived = await app.cortex.memory.remember(pair.id, "Ann had a cold")
+    await app.cortex.memory.archive(pair.id, archived.id, "over")
+    bad_calls = [
+        ("1", "remember", {"category": "fact"}),
+        ("2", "remember", {"content": "x", "category": "gossip"}),
+        ("3", "remember", {"content": "x", "category": "fact", "importance": 11}),
+        ("4", "remember", {"content": "x", "category": "fact", "importance": "very"}),
+        ("5", "remember", {"content": "   ", "category": "fact"}),
+        ("6", "remember", {"content": "x", "category": "fact", "tags": "a,b"}),
+        ("7", "remember", {"content": "x", "category": "fact", "expires_in_days": -2}),
+        ("8", "update_memory", {"id": bobs.id, "content": "Bob's secret is mine now"}),
+        ("9", "update_memory", {"id": "twelve", "content": "x"}),
+        ("10", "update_memory", {"id": archived.id, "content": "x"}),
+        ("11", "forget", {"id": pinned.id, "reason": "no"}),
+        ("12", "forget", {"id": bobs.id, "reason": "no"}),
+        ("13", "forget", {"id": pinned.id}),
+        ("14", "search_memory", {}),
+        ("15", "remember", '{"content": "unterminated'),
+        ("16", "update_memory", {"id": 10**30, "content": "x"}),
+    ]
+    fake_llm.enqueue(FakeResponse.tool_calls(bad_calls), FakeResponse.text("ok"))
+    before = await app.storage.fetch_all("SELECT * FROM memory_items ORDER BY id")
+    _, outcome = await _run(app)
+    assert outcome.status == "success"
+    results = tool_results(cortex_requests(fake_llm)[1])
+    assert len(results) == len(bad_calls) and all(r.get("is_error") for r in results)
+    texts = [result_text(r) for r in results]
+    assert "'content' must be a non-empty string" in texts[0] and "'content'" in texts[4]
+    assert "'category' must be one of fact" in texts[1]
+    assert "from 1 to 10, got 11" in texts[2] and "whole number" in texts[3]
+    assert "'tags' must be a list" in texts[5] and "'expires_in_days' must be a positive" in texts[6]
+    assert f"no memory item #{bobs.id}" in texts[7] and f"no memory item #{bobs.id}" in texts[11]
+    assert "whole number" in texts[8] and "archived" in texts[9]
+    assert "pinned by the user" in texts[10] and "'reason' must be" in texts[12]
+    assert "'query' must be" in texts[13] and "needs a JSON object" in texts[14]
+    assert "'id' must be from 1" in texts[15]
+    after = await app.storage.fetch_all("SELECT * FROM memory_items ORDER BY id")
+    assert [tuple(r) for r in after] == [tuple(r) for r in before]
+
+
+async def test_a_run_writes_at_most_its_limit_of_items(app: App, fake_llm: FakeLLMServer) -> None:
+    await _talk(app, CONVERSATION)
+    calls = [(str(i), "remember", {"content": f"fact number {i}", "category": "fact"}) for i in range(25)]
+    fake_llm.enqueue(FakeResponse.tool_calls(calls), FakeResponse.text(""))
+    pair, _ = await _run(app)
+    results = tool_results(cortex_requests(fake_llm)[1])
+    assert sum(1 for r in results if not r.get("is_error")) == 20
+    assert "limit per update" in result_text(results[-1])
+    assert (await app.cortex.memory.list_items(pair.id))[1] == 20
+
+
+async def test_a_fact_comes_back_after_it_left_the_window(tmp_path: Path) -> None:
+    """Said once, long ago: neither in the history window nor in any file, it still reaches the reply
+    prompt, by its words (full text) and, once embedded, by vector too."""
+    config = parse_config({
+        "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
+        "history": {"history_tokens": 60, "min_exchanges": 1},
+        "cortex": {"context_limit": 1000},
+    })
+    llm = ScriptedProvider()
+    async with App(config, llm=llm, embedder=HashEmbedder()) as app:
+        say = lambda text: app.core.reply(  # noqa: E731
+            IncomingMessage("console", "dm-ann", "ann", "Ann", text, is_dm=True)).text()
+        await say("My grandmother's lasagne recipe uses nutmeg and three cheeses")
+        for i in range(8):
+            await say(f"small talk number {i} about the weather today")
+        window = llm.requests[-1].messages
+        assert not any("nutmeg" in str(m) for m in window)
+        await say("what goes into the lasagne again?")
+        system = llm.requests[-1].system
+        assert "From earlier conversations" in system and "nutmeg" in system
+        assert "weather" not in system.split("From earlier conversations")[1]  # only what is relevant
+        report = await app.cortex.embeddings.backfill()
+        assert report.messages >= 20 and not report.error
+        await say("the lasagne?")
+        assert "nutmeg" in llm.requests[-1].system
