@@ -12,8 +12,9 @@ from __future__ import annotations
 import io
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
+from typing import Any
 
 import discord
 from discord import app_commands
@@ -25,6 +26,7 @@ from bot.policy import Inbound
 from bot.ports import IncomingMessage
 from bot.splitting import split_message
 from bot.streaming import RateLimited
+from cortex.memory.store import CATEGORIES
 from cortex.store import FILENAMES
 
 log = logging.getLogger(__name__)
@@ -316,6 +318,45 @@ def build_slash_commands(adapter: DiscordAdapter) -> None:
     async def forget_me(interaction: discord.Interaction, confirm: bool = False) -> None:
         await adapter.run_slash(interaction, "!memory forget-me" + (" confirm" if confirm else ""))
 
+    categories = [app_commands.Choice(name=c, value=c) for c in CATEGORIES]
+
+    @memory.command(name="remember", description="Store a fact about you in the persona's long-term memory")
+    @app_commands.choices(category=categories)
+    async def remember(
+        interaction: discord.Interaction, text: str, category: FileChoice | None = None,
+        importance: app_commands.Range[int, 1, 10] | None = None, pin: bool = False,
+    ) -> None:
+        line = "!memory remember" + (f" --category {category.value}" if category else "")
+        line += (f" --importance {importance}" if importance else "") + (" --pin" if pin else "")
+        await adapter.run_slash(interaction, f"{line}\n{text}", always_private=True)
+
+    for name, description in (
+        ("forget", "Archive one of your memory items (restore brings it back)"),
+        ("pin", "Always keep an item in the persona's mind"),
+        ("unpin", "Stop pinning an item"),
+        ("restore", "Bring an archived item back"),
+    ):
+        memory.add_command(app_commands.Command(
+            name=name, description=description, callback=_item_command(adapter, name),
+        ))
+
+    @memory.command(name="list", description="Your memory items, newest first")
+    @app_commands.choices(category=categories)
+    async def list_items(
+        interaction: discord.Interaction, category: FileChoice | None = None,
+        page: app_commands.Range[int, 1] = 1,
+    ) -> None:
+        line = "!memory list" + (f" {category.value}" if category else "") + f" {page}"
+        await adapter.run_slash(interaction, line, always_private=True)
+
+    @memory.command(name="search", description="Search your memory items and past messages")
+    async def search(interaction: discord.Interaction, words: str) -> None:
+        await adapter.run_slash(interaction, "!memory search\n" + words, always_private=True)
+
+    @memory.command(name="archived", description="Your archived (forgotten or pruned) items")
+    async def archived(interaction: discord.Interaction, page: app_commands.Range[int, 1] = 1) -> None:
+        await adapter.run_slash(interaction, f"!memory archived {page}", always_private=True)
+
     @cortex.command(name="update", description="Update your cortex files now")
     async def update(interaction: discord.Interaction) -> None:
         await adapter.run_slash(interaction, "!cortex update")
@@ -331,6 +372,23 @@ def build_slash_commands(adapter: DiscordAdapter) -> None:
     @admin.command(name="stats", description="Cortex update runs, tokens and recent errors")
     async def stats(interaction: discord.Interaction) -> None:
         await adapter.run_slash(interaction, "!cortex stats", always_private=True)
+
+    @admin.command(name="prune", description="Archive unused memory items now (report per category)")
+    async def prune(interaction: discord.Interaction) -> None:
+        await adapter.run_slash(interaction, "!cortex prune", always_private=True)
+
+    @admin.command(name="weights", description="Show or set the search weights, e.g. vector=0.6 text=0.3, or default")
+    async def weights(interaction: discord.Interaction, values: str | None = None) -> None:
+        await adapter.run_slash(interaction, "!cortex weights" + (f" {values}" if values else ""),
+                                always_private=True)
+
+    @admin.command(name="budgets", description="Token budgets of prompts and cortex updates, and today's spending")
+    async def budgets(interaction: discord.Interaction) -> None:
+        await adapter.run_slash(interaction, "!cortex budgets", always_private=True)
+
+    @admin.command(name="embedder", description="The embedder, backfill progress and errors")
+    async def embedder(interaction: discord.Interaction) -> None:
+        await adapter.run_slash(interaction, "!cortex embedder", always_private=True)
 
     @tree.command(name="help", description="List the commands")
     async def help_command(interaction: discord.Interaction) -> None:
@@ -352,6 +410,15 @@ def build_slash_commands(adapter: DiscordAdapter) -> None:
     tree.add_command(memory)
     tree.add_command(cortex)
     tree.add_command(admin)
+
+
+def _item_command(
+    adapter: DiscordAdapter, name: str
+) -> Callable[[discord.Interaction, int], Coroutine[Any, Any, None]]:
+    async def callback(interaction: discord.Interaction, item: int) -> None:
+        await adapter.run_slash(interaction, f"!memory {name} {item}", always_private=True)
+
+    return callback
 
 
 def read_token(config: DiscordConfig) -> str:

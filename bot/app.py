@@ -27,6 +27,7 @@ from cortex.tiers import JOB_KIND as CORTEX_JOB
 
 log = logging.getLogger(__name__)
 
+PRUNE_AFTER_START = 300.0  # seconds: a bot that restarts daily still prunes
 CALIBRATION_SETTING = "tokens.calibration.{provider}.{model}"
 
 
@@ -86,6 +87,8 @@ class App:
             register_core_commands(self.commands, self.storage, self.estimator)
             self.cortex.commands.register(self.commands)
             self.cortex.memory_commands.register(self.commands)
+            self.cortex.memory_admin.register(self.commands)
+            await self.cortex.memory_admin.load()
             self.router = Router(self.config, self.storage, self.core, self.commands)
             self.workers = WorkerPool(
                 self.queue,
@@ -93,11 +96,14 @@ class App:
                 storage=self.job_storage,
             )
             self.scheduler = Scheduler()
+            self.cortex.memory_admin.scheduler = self.scheduler
             if workers:
                 await self.workers.start()
                 self.scheduler.every(
                     self.config.jobs.lease_seconds, "requeue-abandoned-jobs", self.workers.recover
                 )
+                self.scheduler.every(self.config.memory.prune_every_hours * 3600, "prune-memory",
+                                     self.cortex.pruner.prune, first_after=PRUNE_AFTER_START)
                 if self.cortex.embeddings is not None:
                     self.scheduler.every(
                         self.config.memory.backfill_seconds, "embed-backfill", self.cortex.embeddings.backfill

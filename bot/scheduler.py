@@ -2,38 +2,79 @@
 
 Each job is supervised: a failure is logged with the job's name and the schedule goes on; jobs never
 overlap themselves (``max_instances=1``) and a missed run is folded into the next one (``coalesce``).
-Today it requeues jobs whose worker (maybe another process sharing the database) stopped renewing
-its lease; the memory store adds embedding backfill and pruning here.
+Jobs: requeue work whose worker (maybe another process sharing the database) stopped renewing its
+lease, the embedding backfill and memory pruning. Every job's runs, failures and last outcome are
+kept for ``!cortex stats``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(slots=True)
+class JobRecord:
+    name: str
+    interval_seconds: float
+    runs: int = 0
+    failures: int = 0
+    last_run_at: float | None = None
+    last_seconds: float = 0.0
+    last_error: str = ""
+
+    def describe(self) -> str:
+        every = (f"{self.interval_seconds / 3600:g} h" if self.interval_seconds >= 3600
+                 else f"{self.interval_seconds:g} s")
+        last = "never ran yet" if self.last_run_at is None else (
+            f"last {time.strftime('%Y-%m-%d %H:%M', time.gmtime(self.last_run_at))} UTC "
+            f"({self.last_seconds:.1f} s)")
+        error = f"; last error: {self.last_error}" if self.last_error else ""
+        return f"{self.name} (every {every}): {self.runs} runs, {self.failures} failed, {last}{error}"
+
+
 class Scheduler:
     def __init__(self) -> None:
         self._scheduler = AsyncIOScheduler(timezone="UTC")
-        self.runs: dict[str, int] = {}
-        self.failures: dict[str, int] = {}
+        self.jobs: dict[str, JobRecord] = {}
 
-    def every(self, seconds: float, name: str, job: Callable[[], Awaitable[object]]) -> None:
+    def every(
+        self, seconds: float, name: str, job: Callable[[], Awaitable[object]], *, first_after: float | None = None
+    ) -> None:
+        """Run ``job`` every ``seconds``; the first time after ``first_after`` seconds (default: one interval),
+        so a daily job also runs for a bot that restarts more often than daily."""
+        record = self.jobs[name] = JobRecord(name, seconds)
+
         async def supervised() -> None:
+            started = time.monotonic()
             try:
                 await job()
-                self.runs[name] = self.runs.get(name, 0) + 1
-            except Exception:
-                self.failures[name] = self.failures.get(name, 0) + 1
+                record.runs += 1
+                record.last_error = ""
+            except Exception as exc:
+                record.failures += 1
+                record.last_error = f"{type(exc).__name__}: {exc}"[:300]
                 log.exception("periodic job %s failed; it runs again in %.0f s", name, seconds)
+            finally:
+                record.last_run_at = time.time()
+                record.last_seconds = time.monotonic() - started
 
+        first = None if first_after is None else datetime.now(UTC) + timedelta(seconds=first_after)
         self._scheduler.add_job(
-            supervised, "interval", seconds=seconds, id=name, name=name, max_instances=1, coalesce=True
+            supervised, "interval", seconds=seconds, id=name, name=name, max_instances=1, coalesce=True,
+            **({"next_run_time": first} if first is not None else {}),
         )
+
+    @property
+    def running(self) -> bool:
+        return bool(self._scheduler.running)
 
     def start(self) -> None:
         self._scheduler.start()

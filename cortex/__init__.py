@@ -16,11 +16,13 @@ from bot.storage.sqlite import SQLiteStorage
 from bot.tokens import TokenEstimator
 from cortex.commands import CortexCommands
 from cortex.files import CortexFiles
+from cortex.memory.admin import MemoryAdminCommands
 from cortex.memory.commands import MemoryCommands
 from cortex.memory.embedders import Embedder
 from cortex.memory.embedding import EmbeddingService, build_embedders
 from cortex.memory.section import KnowledgeSection
 from cortex.memory.store import MemoryStore, Weights
+from cortex.memory.upkeep import Pruner
 from cortex.memory.vectors import VectorIndex
 from cortex.section import CortexSection
 from cortex.settings import SettingsResolver
@@ -42,6 +44,8 @@ class Cortex:
     memory_commands: MemoryCommands
     knowledge: KnowledgeSection
     embeddings: EmbeddingService | None
+    pruner: Pruner
+    memory_admin: MemoryAdminCommands
 
 
 def build_cortex(
@@ -81,6 +85,16 @@ def build_cortex(
     commands = CortexCommands(config, storage, store, files, resolver, tiers, updater)
     memory_commands = MemoryCommands(store, memory)
     knowledge = KnowledgeSection(memory, estimator, memory_config, resolver)
+
+    def drop_vectors(pairs: set[int]) -> None:
+        if embeddings is not None:
+            for pair_id in pairs:
+                embeddings.index.invalidate(("items", pair_id))
+
+    pruner = Pruner(job_storage or storage, memory_config, on_archive=drop_vectors)
+    memory_admin = MemoryAdminCommands(config, storage, [memory, job_memory], pruner, embeddings, store, resolver)
+    commands.extra_stats = memory_admin.stats_lines
     return Cortex(
-        store, files, resolver, tiers, updater, section, commands, memory, memory_commands, knowledge, embeddings
+        store, files, resolver, tiers, updater, section, commands, memory, memory_commands, knowledge, embeddings,
+        pruner, memory_admin,
     )

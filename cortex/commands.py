@@ -8,7 +8,7 @@ user's files through any command.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from bot.commands import (
@@ -43,6 +43,7 @@ class CortexCommands:
     updater: CortexUpdater
 
     prefix: str = "!"
+    extra_stats: Callable[[], Awaitable[list[str]]] | None = None  # the memory store's jobs and pruning
 
     def register(self, registry: CommandRegistry) -> None:
         p = self.prefix = registry.prefix
@@ -268,4 +269,6 @@ class CortexCommands:
             lines.append("Recent failures:")
             lines += [f"  run {r.id} (pair {r.pair_id}, tier {r.tier}, {r.started_at:%Y-%m-%d %H:%M} UTC): "
                       f"{r.reason or r.error}" for r in errors]
+        if self.extra_stats is not None:
+            lines += await self.extra_stats()
         return "\n".join(lines)

@@ -223,3 +223,10 @@ async def test_memory_item_commands_and_their_isolation(tmp_path: Path) -> None:
         assert "unknown category" in (await run(app, "!memory remember x --category gossip")).text
         assert "unknown category" in (await run(app, "!memory list gossip")).text
         assert "Give its number" in (await run(app, "!memory pin")).text
+        # free text with an apostrophe, on the command line or on the lines after it
+        assert "Remembered" in (await run(app, "!memory remember Ann's sister is called Mia")).text
+        assert "Remembered" in (await run(app, "!memory remember --category user_info\nAnn's cat is Pixel")).text
+        listed = (await run(app, "!memory list")).text
+        assert "Ann's sister is called Mia" in listed and "[user_info] Ann's cat is Pixel" in listed
+        assert "Mia" in (await run(app, "!memory search Ann's sister")).text
+        assert "Pixel" in (await run(app, "!memory search\nwhat's the cat's name?")).text

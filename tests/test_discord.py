@@ -103,7 +103,11 @@ async def test_slash_commands_are_built_offline(adapter: DiscordAdapter) -> None
     payloads = {c.name: c.to_dict(tree) for c in tree.get_commands()}
     assert {"memory", "cortex", "cortex-admin", "help", "summary", "persona"} <= set(payloads)
     memory_subs = {o["name"]: o for o in payloads["memory"]["options"]}
-    assert set(memory_subs) == {"show", "history", "diff", "revert", "reset", "edit", "export", "forget-me"}
+    assert set(memory_subs) == {"show", "history", "diff", "revert", "reset", "edit", "export", "forget-me",
+                                "remember", "forget", "pin", "unpin", "list", "search", "archived", "restore"}
+    assert [o["name"] for o in memory_subs["forget"]["options"]] == ["item"]
+    admin_subs = {o["name"] for o in payloads["cortex-admin"]["options"]}
+    assert admin_subs == {"settings", "stats", "prune", "weights", "budgets", "embedder"}
     file_option = memory_subs["history"]["options"][0]
     assert file_option["required"] and [c["value"] for c in file_option["choices"]] == [
         "memory.md", "soul.md", "relationship.md"]
@@ -164,6 +168,35 @@ async def test_slash_admin_commands_check_permissions(adapter: DiscordAdapter,
     allowed = await _interact(adapter, monkeypatch, "cortex-admin", [{"name": "stats", "type": 1, "options": []}],
                               permissions=manage)
     assert "runs" in allowed["data"]["content"] and allowed["data"]["flags"] & 64
+
+
+async def test_slash_memory_items_remember_search_forget(adapter: DiscordAdapter,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    saved = await _interact(adapter, monkeypatch, "memory", [{"name": "remember", "type": 1, "options": [
+        {"name": "text", "type": 3, "value": "I'm allergic to penicillin"},
+        {"name": "category", "type": 3, "value": "user_info"}, {"name": "importance", "type": 4, "value": 9}]}])
+    assert saved["data"]["content"].startswith("Remembered as #") and saved["data"]["flags"] & 64
+    item = int(saved["data"]["content"].split("#")[1].split(".")[0])
+    found = await _interact(adapter, monkeypatch, "memory", [{"name": "search", "type": 1, "options": [
+        {"name": "words", "type": 3, "value": "what's my allergy? penicillin"}]}])
+    assert "I'm allergic to penicillin" in found["data"]["content"]
+    forgotten = await _interact(adapter, monkeypatch, "memory", [{"name": "forget", "type": 1, "options": [
+        {"name": "item", "type": 4, "value": item}]}])
+    assert f"#{item} is archived" in forgotten["data"]["content"]
+    listed = await _interact(adapter, monkeypatch, "memory", [{"name": "archived", "type": 1, "options": []}])
+    assert "penicillin" in listed["data"]["content"]
+
+
+async def test_slash_admin_prune_and_embedder(adapter: DiscordAdapter, monkeypatch: pytest.MonkeyPatch) -> None:
+    refused = await _interact(adapter, monkeypatch, "cortex-admin", [{"name": "prune", "type": 1, "options": []}])
+    assert "for admins only" in refused["data"]["content"]
+    manage = discord.Permissions(manage_guild=True).value
+    pruned = await _interact(adapter, monkeypatch, "cortex-admin", [{"name": "prune", "type": 1, "options": []}],
+                             permissions=manage)
+    assert "Pruning at" in pruned["data"]["content"] and pruned["data"]["flags"] & 64
+    weights = await _interact(adapter, monkeypatch, "cortex-admin", [{"name": "weights", "type": 1, "options": [
+        {"name": "values", "type": 3, "value": "vector=0.6"}]}], permissions=manage)
+    assert "Search weights now: vector 0.6" in weights["data"]["content"]
 
 
 async def test_version_autocomplete_offers_the_callers_own_versions(adapter: DiscordAdapter,

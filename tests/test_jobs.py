@@ -214,4 +214,8 @@ async def test_scheduler_runs_jobs_periodically_and_survives_failures() -> None:
     await asyncio.sleep(0.4)
     scheduler.stop()
     assert calls["ok"] >= 3 and calls["bad"] >= 3
-    assert scheduler.runs["ok"] == calls["ok"] and scheduler.failures["bad"] == calls["bad"]
+    ok_job, bad_job = scheduler.jobs["ok"], scheduler.jobs["bad"]
+    assert ok_job.runs == calls["ok"] and ok_job.failures == 0 and not ok_job.last_error
+    assert bad_job.failures == calls["bad"] and bad_job.runs == 0
+    assert bad_job.last_error == "RuntimeError: boom" and bad_job.last_run_at is not None
+    assert "2 failed" not in ok_job.describe() and "last error: RuntimeError: boom" in bad_job.describe()

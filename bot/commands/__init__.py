@@ -85,8 +85,8 @@ class CommandRegistry:
         first, _, body = text.strip().partition("\n")
         try:
             words = shlex.split(first[len(self.prefix):])
-        except ValueError as exc:
-            return CommandReply(f"Could not read that command ({exc}). Type {self.prefix}help for the list.")
+        except ValueError:  # an apostrophe in free text ("Ann's sister"): plain words, as typed
+            words = first[len(self.prefix):].split()
         if not words:
             return CommandReply(f"Type {self.prefix}help for the list of commands.")
         command, args = self._find(words)

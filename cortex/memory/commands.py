@@ -127,7 +127,7 @@ class MemoryCommands:
         return await self._page(ctx, args, archived=True)
 
     async def search(self, ctx: CommandContext, args: Sequence[str]) -> str:
-        query = " ".join(args).strip()
+        query = (" ".join(args) or ctx.body).strip()
         if not query:
             raise CommandError("What should I look for?")
         user, pair = await self.pairs.pair_for(ctx.user_key, ctx.user_name, ctx.persona)

@@ -229,9 +229,10 @@ class MemoryStore:
         if item.archived_at is None:
             raise MemoryError(f"item #{item_id} is not archived")
         await self.storage.write(
-            "UPDATE memory_items SET archived_at = NULL, archive_reason = '', updated_at = ?"
-            " WHERE id = ? AND pair_id = ?",
-            (self.clock(), item_id, pair_id),
+            # A restored item that had expired no longer expires: the user wants it back.
+            "UPDATE memory_items SET archived_at = NULL, archive_reason = '', updated_at = ?,"
+            " expires_at = CASE WHEN expires_at <= ? THEN NULL ELSE expires_at END WHERE id = ? AND pair_id = ?",
+            (self.clock(), self.clock(), item_id, pair_id),
         )
         if self.embeddings is not None:
             self.embeddings.index.invalidate(("items", pair_id))

@@ -1,0 +1,156 @@
+"""Admin commands for the memory store: ``!cortex prune|weights|budgets|embedder``, and the background
+jobs' lines in ``!cortex stats``.
+
+They show counts and settings only, never anybody's memory content.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+
+from bot.commands import Command, CommandContext, CommandError, CommandRegistry
+from bot.config import Config
+from bot.scheduler import Scheduler
+from bot.storage.sqlite import SQLiteStorage
+from cortex.memory.embedding import EmbeddingService
+from cortex.memory.store import MemoryStore, Weights
+from cortex.memory.upkeep import Pruner
+from cortex.settings import SettingsResolver
+from cortex.store import CortexStore
+from cortex.update import utc_midnight
+
+WEIGHTS_SETTING = "memory.weights"
+SIGNALS = tuple(f.name for f in fields(Weights))
+
+
+def parse_weights(args: Sequence[str], current: Weights) -> Weights:
+    """``vector=0.6 text=0.3`` (signals not named keep their value) as new weights."""
+    changes: dict[str, float] = {}
+    for arg in args:
+        name, _, value = arg.partition("=")
+        if name not in SIGNALS or not value:
+            raise CommandError(f"Write signal=value, e.g. vector=0.6; signals: {', '.join(SIGNALS)}.")
+        try:
+            number = float(value)
+        except ValueError:
+            raise CommandError(f"{name}: {value!r} is not a number") from None
+        if not 0 <= number <= 10:
+            raise CommandError(f"{name}: a weight is a number from 0 to 10")
+        changes[name] = number
+    weights = replace(current, **changes)
+    if not any(getattr(weights, s) for s in SIGNALS):
+        raise CommandError("At least one weight must be above 0.")
+    return weights
+
+
+def _weights_line(weights: Weights) -> str:
+    return ", ".join(f"{s} {getattr(weights, s):g}" for s in SIGNALS)
+
+
+@dataclass
+class MemoryAdminCommands:
+    config: Config
+    storage: SQLiteStorage
+    stores: Sequence[MemoryStore]  # every store whose ranking the weights change
+    pruner: Pruner
+    embeddings: EmbeddingService | None
+    cortex_store: CortexStore
+    resolver: SettingsResolver
+    scheduler: Scheduler | None = None  # set by the app once it runs its jobs
+
+    def register(self, registry: CommandRegistry) -> None:
+        p = registry.prefix
+        for name, summary, handler, usage in (
+            ("prune", "archive unused memory items now (report per category)", self.prune, ""),
+            ("weights", f"show or set the search weights ({p}cortex weights vector=0.6 …, or default)",
+             self.weights, "[signal=value …|default]"),
+            ("budgets", "token budgets of prompts and cortex updates, and today's spending", self.budgets, ""),
+            ("embedder", "the embedder, how much is embedded, backfill progress and errors", self.embedder, ""),
+        ):
+            registry.register(Command(f"cortex {name}", summary, handler, usage=usage, admin=True))
+
+    async def load(self) -> None:
+        """Apply weights an admin saved earlier (they outlive restarts)."""
+        saved = await self.storage.get_setting(WEIGHTS_SETTING)
+        if saved:
+            try:
+                self._apply(Weights(**{k: float(v) for k, v in json.loads(saved).items() if k in SIGNALS}))
+            except (ValueError, TypeError):
+                pass
+
+    def _apply(self, weights: Weights) -> None:
+        for store in self.stores:
+            store.weights = weights
+
+    async def prune(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        return "\n".join((await self.pruner.prune()).lines())
+
+    async def weights(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        current = self.stores[0].weights
+        if not args:
+            return (f"Search weights: {_weights_line(current)}. Each signal is scaled to 0-1 first; "
+                    f"half-life of recency: {self.config.memory.half_life_days:g} days.")
+        if list(args) == ["default"]:
+            c = self.config.memory
+            weights = Weights(c.weight_vector, c.weight_text, c.weight_importance, c.weight_recency, c.weight_access)
+            await self.storage.set_setting(WEIGHTS_SETTING, "")
+        else:
+            weights = parse_weights(args, current)
+            await self.storage.set_setting(WEIGHTS_SETTING, json.dumps({s: getattr(weights, s) for s in SIGNALS}))
+        self._apply(weights)
+        return f"Search weights now: {_weights_line(weights)}."
+
+    async def budgets(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        settings = (await self.resolver.effective(ctx.persona, ctx.server_key)).settings
+        spent = await self.cortex_store.tokens_since(utc_midnight(time.time()))
+        pair_budget = f"{settings.daily_token_budget:,}" if settings.daily_token_budget else "unlimited"
+        bot_budget = f"{settings.bot_daily_token_budget:,}" if settings.bot_daily_token_budget else "unlimited"
+        c = self.config
+        return "\n".join([
+            f"Reply prompt budgets (tokens): history {c.history.history_tokens:,}, summary "
+            f"{c.history.summary_tokens:,}, cortex files {settings.prompt_tokens:,}, knowledge "
+            f"{c.memory.prompt_tokens:,} ({c.memory.relevant_items} items, {c.memory.recalled_messages} "
+            "recalled messages).",
+            f"Cortex updates: {settings.history_tokens:,} tokens of conversation each, at most "
+            f"{settings.max_tokens:,} out per call and {settings.max_rounds} rounds.",
+            f"Daily cortex budgets: {pair_budget} per user, {bot_budget} for the bot; spent today (UTC): "
+            f"{spent:,} tokens.",
+            "Change them with the cortex settings command (keys daily_token_budget, bot_daily_token_budget, "
+            "prompt_tokens, history_tokens) or in the config file.",
+        ])
+
+    async def embedder(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        if self.embeddings is None:
+            return "No embedder: [memory] embedder = \"none\"; search uses full text and the other signals only."
+        s = await self.embeddings.status()
+        total = s.items_total + s.messages_total
+        done = total - s.pending
+        percent = 100.0 if not total else 100.0 * done / total
+        lines = [
+            f"Embedder: {s.model}.",
+            f"Embedded: {s.items_embedded:,} of {s.items_total:,} memory items, {s.messages_embedded:,} of "
+            f"{s.messages_total:,} messages ({percent:.0f}%).",
+        ]
+        if s.pending:
+            eta = f", about {s.pending / s.texts_per_second / 60:.0f} min to go" if s.texts_per_second else ""
+            lines.append(f"Backfill in progress: {s.pending:,} left at {s.texts_per_second:.0f} texts/s{eta}.")
+        if s.last_run is not None and s.last_run_at is not None:
+            lines.append(f"Last backfill {time.strftime('%H:%M', time.gmtime(s.last_run_at))} UTC: "
+                         f"{s.last_run.items} items, {s.last_run.messages} messages in {s.last_run.seconds:.1f} s.")
+        if s.last_error:
+            lines.append(f"Last error: {s.last_error}")
+        return "\n".join(lines)
+
+    async def stats_lines(self) -> list[str]:
+        """Background jobs and the last pruning, for ``!cortex stats``."""
+        lines = []
+        if self.scheduler is not None and self.scheduler.jobs:
+            lines.append("Background jobs:")
+            lines += [f"  {job.describe()}" for job in self.scheduler.jobs.values()]
+        last = await self.pruner.last_report()
+        if last is not None:
+            lines += last.lines()
+        return lines

@@ -1,0 +1,103 @@
+"""Forgetting: pruning of unused items and archiving of expired ones (a daily job and ``!cortex prune``).
+
+Rules (thresholds from ``[memory]``, ages counted from an item's creation, ``now`` from the injected
+clock): an item older than ``prune_unused_days`` that was never accessed, or older than
+``prune_rarely_used_days`` and accessed fewer than ``prune_min_access`` times, is archived. Pinned
+items are exempt. Items past ``expires_at`` are hidden from search at once; this job also archives
+them, so they show up in ``!memory archived`` with the reason. Nothing is deleted: users restore.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from bot.config import MemoryConfig
+from bot.storage.sqlite import SQLiteStorage
+
+DAY = 86_400.0
+LAST_PRUNE_SETTING = "memory.last_prune"
+
+
+@dataclass(frozen=True, slots=True)
+class PruneReport:
+    at: float
+    # category -> reason -> number of items archived
+    archived: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(sum(reasons.values()) for reasons in self.archived.values())
+
+    def lines(self) -> list[str]:
+        when = datetime.fromtimestamp(self.at, tz=UTC).strftime("%Y-%m-%d %H:%M UTC")
+        if not self.total:
+            return [f"Pruning at {when}: nothing to archive."]
+        lines = [f"Pruning at {when}: archived {self.total} item(s) (restorable with memory restore):"]
+        for category in sorted(self.archived):
+            reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(self.archived[category].items()))
+            lines.append(f"  {category}: {reasons}")
+        return lines
+
+    def to_json(self) -> str:
+        return json.dumps({"at": self.at, "archived": self.archived})
+
+    @classmethod
+    def from_json(cls, text: str) -> PruneReport:
+        data = json.loads(text)
+        return cls(float(data["at"]), {str(k): {str(r): int(n) for r, n in v.items()}
+                                       for k, v in data["archived"].items()})
+
+
+class Pruner:
+    def __init__(
+        self, storage: SQLiteStorage, config: MemoryConfig, *, clock: Callable[[], float] = time.time,
+        on_archive: Callable[[set[int]], None] | None = None,
+    ) -> None:
+        self.storage = storage
+        self.config = config
+        self.clock = clock
+        self.on_archive = on_archive  # told which pairs lost items (vector caches drop them)
+
+    def _rules(self, now: float) -> list[tuple[str, str, tuple[float | int, ...]]]:
+        c = self.config
+        unused = f"never used in {c.prune_unused_days:g} days"
+        rarely = f"used fewer than {c.prune_min_access} times in {c.prune_rarely_used_days:g} days"
+        return [
+            ("expired", "expires_at IS NOT NULL AND expires_at <= ?", (now,)),
+            (unused, "pinned = 0 AND access_count = 0 AND created_at < ?", (now - c.prune_unused_days * DAY,)),
+            (rarely, "pinned = 0 AND access_count < ? AND created_at < ?",
+             (c.prune_min_access, now - c.prune_rarely_used_days * DAY)),
+        ]
+
+    async def prune(self) -> PruneReport:
+        """Archive what the rules select, in one transaction; returns (and saves) the report."""
+        now = self.clock()
+        archived: dict[str, dict[str, int]] = {}
+        pairs: set[int] = set()
+        async with self.storage.transaction() as db:
+            for reason, where, params in self._rules(now):
+                rows = await db.execute_fetchall(
+                    f"UPDATE memory_items SET archived_at = ?, archive_reason = ? WHERE archived_at IS NULL AND {where}"
+                    " RETURNING category, pair_id",
+                    (now, f"pruned: {reason}", *params),
+                )
+                for row in rows:
+                    by_reason = archived.setdefault(str(row[0]), {})
+                    by_reason[reason] = by_reason.get(reason, 0) + 1
+                    pairs.add(int(row[1]))
+        report = PruneReport(now, archived)
+        await self.storage.set_setting(LAST_PRUNE_SETTING, report.to_json())
+        if pairs and self.on_archive is not None:
+            self.on_archive(pairs)
+        return report
+
+    async def last_report(self) -> PruneReport | None:
+        saved = await self.storage.get_setting(LAST_PRUNE_SETTING)
+        try:
+            return PruneReport.from_json(saved) if saved else None
+        except (ValueError, KeyError, TypeError):
+            return None

@@ -1,0 +1,184 @@
+"""Forgetting and the memory admin commands on real SQLite: pruning rules at their boundaries (injected
+clock), expiry, restore, the report, weights, budgets, embedder status, jobs in stats, permissions."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from bot.app import App
+from bot.config import parse_config
+from cortex.memory.embedders import HashEmbedder
+from cortex.memory.store import MemoryStore
+from cortex.memory.upkeep import Pruner
+from tests.fakes.provider import ScriptedProvider
+from tests.test_cortex_commands import ctx, run
+
+DAY = 86_400.0
+SECOND = 1.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _config(tmp_path: Path, **memory: object):
+    return parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "cortex": {"context_limit": 1000},
+                         "memory": memory})
+
+
+async def _pair(app: App, user: str = "ann") -> int:
+    account = await app.storage.upsert_user(f"console:{user}", user.title())
+    return (await app.cortex.store.count_messages(account.id, "Cora", 0)).id
+
+
+async def test_pruning_rules_at_their_boundaries(tmp_path: Path) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        pair = await _pair(app)
+        clock = Clock()
+        store = MemoryStore(app.storage, clock=clock)
+        start = clock.now
+
+        async def item(text: str, age_days: float, *, accesses: int = 0, **kw: object) -> int:
+            clock.now = start - age_days * DAY
+            made = await store.remember(pair, text, **kw)  # type: ignore[arg-type]
+            for _ in range(accesses):
+                await store.get(pair, made.id)
+            return made.id
+
+        young_unused = await item("89 days old, never used", 90 - 1 / 24)
+        old_unused = await item("just over 90 days old, never used", 90 + 1 / 24)
+        old_used_once = await item("100 days old, used once", 100, accesses=1)
+        pinned_old = await item("a pinned memory from long ago", 400, pinned=True)
+        year_rare = await item("just over a year old, used twice", 365 + 1 / 24, accesses=2, category="event")
+        year_enough = await item("just over a year old, used three times", 365 + 1 / 24, accesses=3)
+        year_young = await item("almost a year old, used twice", 365 - 1 / 24, accesses=2)
+        expired = await item("exam on Friday", 2, category="temporal", expires_at=start - SECOND)
+        not_yet = await item("exam next week", 2, category="temporal", expires_at=start + DAY)
+        clock.now = start
+        pruner = Pruner(app.storage, app.config.memory, clock=clock)
+        report = await pruner.prune()
+        archived = {i.id: i for i in (await store.list_items(pair, archived=True, limit=50))[0]}
+        assert set(archived) == {old_unused, year_rare, expired}
+        for kept in (young_unused, old_used_once, pinned_old, year_enough, year_young, not_yet):
+            assert (await store.get(pair, kept, count_access=False)).archived_at is None
+        assert archived[old_unused].archive_reason == "pruned: never used in 90 days"
+        assert archived[year_rare].archive_reason == "pruned: used fewer than 3 times in 365 days"
+        assert report.archived == {
+            "fact": {"never used in 90 days": 1},
+            "event": {"used fewer than 3 times in 365 days": 1},
+            "temporal": {"expired": 1},
+        }
+        text = "\n".join(report.lines())
+        assert "archived 3 item(s)" in text and "event: 1 used fewer than 3 times in 365 days" in text
+        assert (await pruner.last_report()) == report
+        assert (await pruner.prune()).total == 0  # nothing left to do, nothing done twice
+        # restoring brings an item back; an expired one stops expiring
+        await store.restore(pair, expired)
+        back = await store.get(pair, expired, count_access=False)
+        assert back.archived_at is None and back.expires_at is None and back.visible
+
+
+async def test_thresholds_are_configurable(tmp_path: Path) -> None:
+    async with App(_config(tmp_path, prune_unused_days=10, prune_rarely_used_days=20, prune_min_access=5),
+                   llm=ScriptedProvider()) as app:
+        pair = await _pair(app)
+        clock = Clock()
+        store = MemoryStore(app.storage, clock=clock)
+        clock.now -= 11 * DAY
+        unused = await store.remember(pair, "eleven days, never used")
+        clock.now -= 10 * DAY
+        rare = await store.remember(pair, "twenty-one days, used four times")
+        for _ in range(4):
+            await store.get(pair, rare.id)
+        clock.now += 21 * DAY
+        report = await Pruner(app.storage, app.config.memory, clock=clock).prune()
+        assert report.archived == {"fact": {"never used in 10 days": 1, "used fewer than 5 times in 20 days": 1}}
+        assert {i.id for i in (await store.list_items(pair, archived=True))[0]} == {unused.id, rare.id}
+
+
+async def test_admin_commands_prune_weights_budgets_embedder_and_stats(tmp_path: Path) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider(), embedder=HashEmbedder()) as app:
+        pair = await _pair(app)
+        old = await app.cortex.memory.remember(pair, "Ann's secret diary entry")
+        await app.storage.write("UPDATE memory_items SET created_at = created_at - ? WHERE id = ?", (100 * DAY, old.id))
+        admin = ctx(admin=True)
+        for line in ("!cortex prune", "!cortex weights", "!cortex weights vector=1", "!cortex budgets",
+                     "!cortex embedder"):
+            refused = await run(app, line, ctx("bob"))
+            assert "is for admins only" in refused.text
+        assert (await app.cortex.memory.get(pair, old.id, count_access=False)).archived_at is None
+        report = (await run(app, "!cortex prune", admin)).text
+        assert "archived 1 item(s)" in report and "fact: 1 never used in 90 days" in report
+        assert "secret diary" not in report  # counts only, never content
+        assert f"#{old.id} " in (await run(app, "!memory archived")).text
+        # weights: shown, validated, applied to search at once, kept across a restart
+        assert "vector 0.5, text 0.2, importance 0.15, recency 0.1, access 0.05" in (
+            await run(app, "!cortex weights", admin)).text
+        for bad in ("vector=lots", "speed=1", "vector=-1", "vector=0 text=0 importance=0 recency=0 access=0"):
+            assert (await run(app, f"!cortex weights {bad}", admin)).text.startswith(("Write", "vector", "At least"))
+        set_reply = (await run(app, "!cortex weights vector=0.7 text=0.3", admin)).text
+        assert "vector 0.7, text 0.3, importance 0.15" in set_reply
+        assert app.cortex.memory.weights.vector == 0.7 and app.cortex.updater.memory.weights.text == 0.3
+        budgets = (await run(app, "!cortex budgets", admin)).text
+        assert "knowledge 800" in budgets and "spent today" in budgets
+        status = (await run(app, "!cortex embedder", admin)).text
+        assert "hash-trigram-64" in status and "0 of 0 memory items" in status
+        await app.cortex.memory.remember(pair, "Ann collects stamps")
+        status = (await run(app, "!cortex embedder", admin)).text
+        assert "0 of 1 memory items" in status and "Backfill in progress: 1 left" in status
+        await app.cortex.embeddings.backfill()
+        status = (await run(app, "!cortex embedder", admin)).text
+        assert "1 of 1 memory items" in status and "Last backfill" in status and "in progress" not in status
+        stats = (await run(app, "!cortex stats", admin)).text
+        assert "Background jobs:" in stats and "prune-memory (every 24 h)" in stats
+        assert "embed-backfill (every 60 s)" in stats and "requeue-abandoned-jobs" in stats
+        assert "archived 1 item(s)" in stats
+    async with App(_config(tmp_path), llm=ScriptedProvider(), embedder=HashEmbedder()) as app:
+        assert app.cortex.memory.weights.vector == 0.7
+        await run(app, "!cortex weights default", ctx(admin=True))
+        assert app.cortex.memory.weights.vector == 0.5
+
+
+@pytest.mark.parametrize("embedder", ["none"])
+async def test_without_an_embedder_search_and_status_still_work(tmp_path: Path, embedder: str) -> None:
+    async with App(_config(tmp_path, embedder=embedder), llm=ScriptedProvider()) as app:
+        assert app.cortex.embeddings is None and "embed-backfill" not in app.scheduler.jobs
+        pair = await _pair(app)
+        item = await app.cortex.memory.remember(pair, "Ann collects stamps")
+        assert [h.id for h in await app.cortex.memory.search(pair, "stamps")] == [item.id]
+        assert "No embedder" in (await run(app, "!cortex embedder", ctx(admin=True))).text
+
+
+async def test_an_embedder_failure_is_kept_for_the_status_and_retried(tmp_path: Path) -> None:
+    class Broken(HashEmbedder):
+        fail = True
+
+        def embed(self, texts):  # type: ignore[no-untyped-def]
+            if self.fail:
+                from cortex.memory.embedders import EmbedderError
+                raise EmbedderError("cannot reach http://127.0.0.1:9/v1 for embeddings")
+            return super().embed(texts)
+
+    broken = Broken()
+    async with App(_config(tmp_path), llm=ScriptedProvider(), embedder=broken) as app:
+        pair = await _pair(app)
+        await app.cortex.memory.remember(pair, "Ann collects stamps")
+        report = await app.cortex.embeddings.backfill()
+        assert report.error and report.items == 0
+        status = (await run(app, "!cortex embedder", ctx(admin=True))).text
+        assert "Last error: cannot reach" in status
+        # queries fall back to full text, with no error for the user
+        await app.storage.write("UPDATE memory_items SET embedding = ?, embedding_model = ?",
+                                (b"\0" * 256, broken.name))
+        hits = await app.cortex.memory.search(pair, "stamps")
+        assert hits and hits[0].signals["text"] == 1.0
+        broken.fail = False
+        assert (await app.cortex.embeddings.backfill()).error == ""
+        assert "Last error" not in (await run(app, "!cortex embedder", ctx(admin=True))).text
