@@ -178,3 +178,27 @@ async def test_knowledge_section_in_the_reply_prompt(tmp_path: Path) -> None:
         await app.core.reply(IncomingMessage("console", "room", "ann", "Ann", "my sister in Oslo?",
                                              server_id="g1")).text()
         assert "vegetarian" not in llm.requests[-1].system
+
+
+async def test_words_too_common_to_rank_by_are_left_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranking by bm25 scores every matching row: a word found everywhere is dropped from the query, and
+    when every word is that common the newest matches are ranked (bounded cost, same visibility)."""
+    import cortex.memory.store as store_module
+
+    monkeypatch.setattr(store_module, "COMMON_MATCHES", 5)
+    app, store, users, _ = await _setup(tmp_path, candidates=5)
+    try:
+        user, pair = users["ann"]
+        channel = await app.storage.upsert_channel("console:dm-ann", "dm", is_dm=True)
+        rare = await app.storage.add_message(channel.id, user.id, "Cora", "user", "Ann", "my garden has okra", 5)
+        for i in range(12):
+            await app.storage.add_message(channel.id, user.id, "Cora", "user", "Ann", f"garden day {i}", 3)
+        assert await store._bounded("messages_fts", fts_query("garden okra")) == ('"okra"', "bm25(messages_fts)")
+        hits = await store.search(pair.id, "garden okra", user_id=user.id, persona="Cora")
+        assert [h.id for h in hits] == [rare.id]
+        match, order = await store._bounded("messages_fts", fts_query("garden"))
+        assert (match, order) == ('"garden"', "messages_fts.rowid DESC")
+        hits = await store.search(pair.id, "garden", user_id=user.id, persona="Cora", limit=20)
+        assert {h.text for h in hits} == {f"Ann: garden day {i}" for i in range(7, 12)}  # the 5 newest
+    finally:
+        await app.stop()

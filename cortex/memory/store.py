@@ -37,6 +37,7 @@ CATEGORIES: tuple[str, ...] = (
 )
 Source = Literal["user", "model", "system"]
 _WORD = re.compile(r"\w+", re.UNICODE)
+COMMON_MATCHES = 2000  # a query word found in more rows than this is too common to rank by (see _bounded)
 
 
 # Function words of the two languages the personas mostly speak. Matching them ranks nothing and makes
@@ -133,6 +134,7 @@ class MemoryStore:
     ) -> None:
         self.storage = storage
         self.embeddings = embeddings
+        self._table_sizes: dict[str, tuple[int, float]] = {}
         self.weights = weights
         self.half_life_days = half_life_days
         self.candidates = candidates
@@ -300,11 +302,12 @@ class MemoryStore:
                 query_vector = await self.embeddings.embed_query(query)
         text_scores: dict[int, float] = {}
         if match:
+            item_match, order = await self._bounded("memory_fts", match)
             rows = await self.storage.fetch_all(
                 "SELECT m.id, bm25(memory_fts) FROM memory_fts JOIN memory_items AS m ON m.id = memory_fts.rowid"
                 " WHERE memory_fts MATCH ? AND m.pair_id = ? AND m.archived_at IS NULL AND m.superseded_by IS NULL"
-                " AND (m.expires_at IS NULL OR m.expires_at > ?) ORDER BY bm25(memory_fts) LIMIT ?",
-                (match, pair_id, now, self.candidates),
+                f" AND (m.expires_at IS NULL OR m.expires_at > ?) ORDER BY {order} LIMIT ?",
+                (item_match, pair_id, now, self.candidates),
             )
             text_scores = {int(r[0]): -float(r[1]) for r in rows}
         vector_scores: dict[int, float] = {}
@@ -328,6 +331,34 @@ class MemoryStore:
                 user_id, persona, match, query_vector if index is not None else None, now, set(exclude_messages)
             )
         return self._rank(hits, limit)
+
+    async def _bounded(self, table: str, match: str) -> tuple[str, str]:
+        """The MATCH expression and ORDER BY that keep a full-text query's cost bounded.
+
+        bm25 ranking scores every row that matches, so one word found in half of 100k messages costs
+        ~50 ms. Words matching more than ``COMMON_MATCHES`` rows say little (their idf is low): they are
+        left out. When every word is that common, the newest matches are ranked instead of all of them.
+        Small tables skip the check (its extra query costs more than it saves).
+        """
+        size, checked = self._table_sizes.get(table, (0, 0.0))
+        if time.monotonic() - checked > 60:
+            row = await self.storage.fetch_one(f"SELECT coalesce(max(rowid), 0) FROM {table}")
+            size = int(row[0]) if row else 0
+            self._table_sizes[table] = (size, time.monotonic())
+        by_rank = f"bm25({table})"
+        if size <= COMMON_MATCHES:
+            return match, by_rank
+        terms = match.split(" OR ")
+        counts = await self.storage.fetch_one(
+            "SELECT " + ", ".join(
+                f"(SELECT count(*) FROM (SELECT 1 FROM {table} WHERE {table} MATCH ? LIMIT {COMMON_MATCHES + 1}))"
+                for _ in terms),
+            terms,
+        )
+        rare = [t for t, n in zip(terms, counts or (), strict=False) if int(n) <= COMMON_MATCHES]
+        if rare:
+            return " OR ".join(rare), by_rank
+        return match, f"{table}.rowid DESC"
 
     def _rank(self, hits: list[Hit], limit: int) -> list[Hit]:
         """One ranking: text and vector scores are normalised over all hits, so items and messages compete
@@ -375,10 +406,11 @@ class MemoryStore:
     ) -> list[Hit]:
         text_scores: dict[int, float] = {}
         if match:
+            message_match, order = await self._bounded("messages_fts", match)
             rows = await self.storage.fetch_all(
                 "SELECT m.id, bm25(messages_fts) FROM messages_fts JOIN messages AS m ON m.id = messages_fts.rowid"
-                " WHERE messages_fts MATCH ? AND m.user_id = ? AND m.persona = ? ORDER BY bm25(messages_fts) LIMIT ?",
-                (match, user_id, persona, self.candidates + len(exclude)),
+                f" WHERE messages_fts MATCH ? AND m.user_id = ? AND m.persona = ? ORDER BY {order} LIMIT ?",
+                (message_match, user_id, persona, self.candidates + len(exclude)),
             )
             text_scores = {int(r[0]): max(-float(r[1]), 0.0) for r in rows if int(r[0]) not in exclude}
         vector_scores: dict[int, float] = {}
