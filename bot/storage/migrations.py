@@ -225,8 +225,23 @@ SQLITE_MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(
         4,
-        "memory store: message embeddings for recall by vector",
+        "memory store: message embeddings for recall by vector; the author's name in message full text",
         (
+            # The text index sees what the embedder sees ("author: text"), so "what did Ann say about…"
+            # finds Ann's messages by name too.
+            "DROP TRIGGER messages_fts_insert",
+            "DROP TRIGGER messages_fts_delete",
+            "DROP TABLE messages_fts",
+            """CREATE VIRTUAL TABLE messages_fts USING fts5(
+                author_name, text, content='messages', content_rowid='id', tokenize='porter unicode61')""",
+            "INSERT INTO messages_fts (messages_fts) VALUES ('rebuild')",
+            """CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages BEGIN
+                INSERT INTO messages_fts (rowid, author_name, text) VALUES (NEW.id, NEW.author_name, NEW.text);
+            END""",
+            """CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages BEGIN
+                INSERT INTO messages_fts (messages_fts, rowid, author_name, text)
+                VALUES ('delete', OLD.id, OLD.author_name, OLD.text);
+            END""",
             # One row per embedded message of a user-persona pair; ``model`` names the embedder, so a
             # change of embedder shows which vectors are stale. Rows go with their message.
             """CREATE TABLE message_vectors (
@@ -239,7 +254,7 @@ SQLITE_MIGRATIONS: tuple[Migration, ...] = (
             """CREATE TRIGGER message_vectors_delete AFTER DELETE ON messages BEGIN
                 DELETE FROM message_vectors WHERE message_id = OLD.id;
             END""",
-            "CREATE INDEX memory_items_by_model ON memory_items (embedding_model, archived_at)",
+            "CREATE INDEX memory_items_by_pair_model ON memory_items (pair_id, embedding_model)",
         ),
     ),
 )

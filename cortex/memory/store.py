@@ -14,6 +14,8 @@ no importance), so facts no update extracted can still be found; each hit says w
 
 from __future__ import annotations
 
+import asyncio
+import heapq
 import json
 import math
 import re
@@ -38,6 +40,7 @@ CATEGORIES: tuple[str, ...] = (
 Source = Literal["user", "model", "system"]
 _WORD = re.compile(r"\w+", re.UNICODE)
 COMMON_MATCHES = 2000  # a query word found in more rows than this is too common to rank by (see _bounded)
+TERM_COUNT_TTL = 600.0  # seconds a word's row count is trusted
 
 
 # Function words of the two languages the personas mostly speak. Matching them ranks nothing and makes
@@ -101,6 +104,24 @@ class MemoryItem:
             self.expires_at is None or self.expires_at > now)
 
 
+@dataclass(slots=True)
+class _Candidate:
+    """A search candidate before ranking: its signals and its database row (a Hit is built only for the top)."""
+
+    kind: Literal["item", "message"]
+    id: int
+    signals: dict[str, float]
+    row: Any
+    score: float = 0.0
+
+
+# Every column but the embedding (1.5 KB per row that search never reads).
+ITEM_COLUMNS = (
+    "id, pair_id, category, key, content, importance, pinned, expires_at, supersedes, superseded_by, tags, source,"
+    " source_ref, created_at, updated_at, access_count, last_accessed, archived_at, archive_reason"
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Hit:
     kind: Literal["item", "message"]
@@ -135,6 +156,7 @@ class MemoryStore:
         self.storage = storage
         self.embeddings = embeddings
         self._table_sizes: dict[str, tuple[int, float]] = {}
+        self._term_counts: dict[tuple[str, str], tuple[int, float]] = {}  # (table, term) -> (rows, when)
         self.weights = weights
         self.half_life_days = half_life_days
         self.candidates = candidates
@@ -176,7 +198,7 @@ class MemoryStore:
             rows = await db.execute_fetchall(
                 "INSERT INTO memory_items (pair_id, category, key, content, importance, pinned, expires_at, supersedes,"
                 " tags, source, source_ref, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-                " RETURNING *",
+                f" RETURNING {ITEM_COLUMNS}",
                 (pair_id, category, key, content, importance, int(pinned), expires_at, supersedes,
                  json.dumps(list(tags)), source, source_ref, now, now),
             )
@@ -191,7 +213,7 @@ class MemoryStore:
     async def get(self, pair_id: int, item_id: int, *, count_access: bool = True) -> MemoryItem:
         """One item of this pair (fetching it singly counts as an access)."""
         row = await self.storage.fetch_one(
-            "SELECT * FROM memory_items WHERE id = ? AND pair_id = ?", (item_id, pair_id)
+            f"SELECT {ITEM_COLUMNS} FROM memory_items WHERE id = ? AND pair_id = ?", (item_id, pair_id)
         )
         if row is None:
             raise MemoryError(f"you have no memory item #{item_id}")
@@ -257,7 +279,7 @@ class MemoryStore:
         clause = " AND ".join(where)
         total = await self.storage.fetch_one(f"SELECT count(*) FROM memory_items WHERE {clause}", params)
         rows = await self.storage.fetch_all(
-            f"SELECT * FROM memory_items WHERE {clause} ORDER BY pinned DESC, id DESC LIMIT ? OFFSET ?",
+            f"SELECT {ITEM_COLUMNS} FROM memory_items WHERE {clause} ORDER BY pinned DESC, id DESC LIMIT ? OFFSET ?",
             (*params, limit, offset),
         )
         return [self._item(r) for r in rows], int(total[0]) if total else 0
@@ -273,7 +295,7 @@ class MemoryStore:
 
     async def pinned(self, pair_id: int) -> list[MemoryItem]:
         rows = await self.storage.fetch_all(
-            "SELECT * FROM memory_items WHERE pair_id = ? AND pinned = 1 AND archived_at IS NULL"
+            f"SELECT {ITEM_COLUMNS} FROM memory_items WHERE pair_id = ? AND pinned = 1 AND archived_at IS NULL"
             " AND superseded_by IS NULL AND (expires_at IS NULL OR expires_at > ?) ORDER BY importance DESC, id",
             (pair_id, self.clock()),
         )
@@ -290,18 +312,34 @@ class MemoryStore:
 
         The query is embedded here when an embedding service is attached (``use_vectors``) unless
         ``query_vector`` is given; without a vector the search runs on full text and the other signals.
+        Items and messages, and within each the full-text and the vector part, run concurrently.
         """
         now = self.clock()
         match = fts_query(query)
         index = self.embeddings.index if self.embeddings is not None else None
+        messages = include_messages and user_id is not None and persona is not None
         if query_vector is None and use_vectors and self.embeddings is not None and index is not None:
             # Embedding the query costs ~16 ms of CPU: only when there is something to compare it with.
-            messages = include_messages and user_id is not None and persona is not None
             if len((await index.items(pair_id)).ids) or (
                     messages and len((await index.messages(user_id or 0, persona or "")).ids)):
                 query_vector = await self.embeddings.embed_query(query)
-        text_scores: dict[int, float] = {}
-        if match:
+        vector = query_vector if index is not None else None
+        if messages:
+            item_part, message_part = await asyncio.gather(
+                self._item_candidates(pair_id, match, vector, now),
+                self._message_candidates(user_id or 0, persona or "", match, vector, now, set(exclude_messages)),
+            )
+            candidates = item_part + message_part
+        else:
+            candidates = await self._item_candidates(pair_id, match, vector, now)
+        return self._rank(candidates, limit, now)
+
+    async def _item_candidates(
+        self, pair_id: int, match: str, vector: npt.NDArray[np.float32] | None, now: float
+    ) -> list[_Candidate]:
+        async def by_text() -> dict[int, float]:
+            if not match:
+                return {}
             item_match, order = await self._bounded("memory_fts", match)
             rows = await self.storage.fetch_all(
                 "SELECT m.id, bm25(memory_fts) FROM memory_fts JOIN memory_items AS m ON m.id = memory_fts.rowid"
@@ -309,28 +347,81 @@ class MemoryStore:
                 f" AND (m.expires_at IS NULL OR m.expires_at > ?) ORDER BY {order} LIMIT ?",
                 (item_match, pair_id, now, self.candidates),
             )
-            text_scores = {int(r[0]): -float(r[1]) for r in rows}
-        vector_scores: dict[int, float] = {}
-        if query_vector is not None and index is not None:
-            # Hidden items may sit in the matrix: take a few more than needed, the fetch below filters.
-            vector_scores = (await index.items(pair_id)).top(query_vector, self.candidates * 2)
-        candidate_ids = sorted(set(text_scores) | set(vector_scores))
-        items: list[MemoryItem] = []
-        if candidate_ids:
-            marks = ",".join("?" for _ in candidate_ids)
+            return {int(r[0]): max(-float(r[1]), 0.0) for r in rows}
+
+        async def by_vector() -> dict[int, float]:
+            if vector is None or self.embeddings is None:
+                return {}
+            # Hidden items may sit in the matrix: take more than needed, the fetch below filters.
+            return await (await self.embeddings.index.items(pair_id)).top_async(vector, self.candidates * 2)
+
+        text_scores, vector_scores = await asyncio.gather(by_text(), by_vector())
+        ids = sorted(set(text_scores) | set(vector_scores))
+        if not ids:
+            return []
+        marks = ",".join("?" for _ in ids)
+        rows = await self.storage.fetch_all(
+            f"SELECT {ITEM_COLUMNS} FROM memory_items WHERE id IN ({marks}) AND pair_id = ? AND archived_at IS NULL"
+            " AND superseded_by IS NULL AND (expires_at IS NULL OR expires_at > ?)",
+            (*ids, pair_id, now),
+        )
+        most_accessed = max((int(r["access_count"]) for r in rows), default=0)
+        scale = math.log1p(most_accessed) if most_accessed else 0.0
+        candidates = []
+        for row in rows:
+            item_id = int(row["id"])
+            signals = {
+                "text_raw": text_scores.get(item_id, 0.0),
+                "importance": (int(row["importance"]) - 1) / 9,
+                "recency": self._recency(float(row["created_at"]), now),
+                "access": math.log1p(int(row["access_count"])) / scale if scale else 0.0,
+            }
+            if item_id in vector_scores:
+                signals["vector_raw"] = vector_scores[item_id]
+            candidates.append(_Candidate("item", item_id, signals, row))
+        return candidates
+
+    async def _message_candidates(
+        self, user_id: int, persona: str, match: str, vector: npt.NDArray[np.float32] | None, now: float,
+        exclude: set[int],
+    ) -> list[_Candidate]:
+        async def by_text() -> dict[int, float]:
+            if not match:
+                return {}
+            message_match, order = await self._bounded("messages_fts", match)
             rows = await self.storage.fetch_all(
-                f"SELECT * FROM memory_items WHERE id IN ({marks}) AND pair_id = ? AND archived_at IS NULL"
-                " AND superseded_by IS NULL AND (expires_at IS NULL OR expires_at > ?)",
-                (*candidate_ids, pair_id, now),
+                "SELECT m.id, bm25(messages_fts) FROM messages_fts JOIN messages AS m ON m.id = messages_fts.rowid"
+                f" WHERE messages_fts MATCH ? AND m.user_id = ? AND m.persona = ? ORDER BY {order} LIMIT ?",
+                (message_match, user_id, persona, self.candidates + len(exclude)),
             )
-            items = [self._item(r) for r in rows]
-        most_accessed = max((i.access_count for i in items), default=0)
-        hits = [self._score_item(i, text_scores, vector_scores, now, most_accessed) for i in items]
-        if include_messages and user_id is not None and persona is not None:
-            hits += await self._message_hits(
-                user_id, persona, match, query_vector if index is not None else None, now, set(exclude_messages)
-            )
-        return self._rank(hits, limit)
+            return {int(r[0]): max(-float(r[1]), 0.0) for r in rows if int(r[0]) not in exclude}
+
+        async def by_vector() -> dict[int, float]:
+            if vector is None or self.embeddings is None:
+                return {}
+            block = await self.embeddings.index.messages(user_id, persona)
+            found = await block.top_async(vector, self.candidates + len(exclude))
+            return {i: v for i, v in found.items() if i not in exclude}
+
+        text_scores, vector_scores = await asyncio.gather(by_text(), by_vector())
+        ids = sorted(set(text_scores) | set(vector_scores))
+        if not ids:
+            return []
+        marks = ",".join("?" for _ in ids)
+        rows = await self.storage.fetch_all(
+            "SELECT m.id, m.text, m.created_at, m.author_name, c.name AS channel FROM messages AS m"
+            f" JOIN channels AS c ON c.id = m.channel_id WHERE m.id IN ({marks})",
+            ids,
+        )
+        candidates = []
+        for row in rows:
+            message_id = int(row["id"])
+            signals = {"text_raw": text_scores.get(message_id, 0.0),
+                       "recency": self._recency(float(row["created_at"]), now)}
+            if message_id in vector_scores:
+                signals["vector_raw"] = vector_scores[message_id]
+            candidates.append(_Candidate("message", message_id, signals, row))
+        return candidates
 
     async def _bounded(self, table: str, match: str) -> tuple[str, str]:
         """The MATCH expression and ORDER BY that keep a full-text query's cost bounded.
@@ -349,91 +440,54 @@ class MemoryStore:
         if size <= COMMON_MATCHES:
             return match, by_rank
         terms = match.split(" OR ")
-        counts = await self.storage.fetch_one(
-            "SELECT " + ", ".join(
-                f"(SELECT count(*) FROM (SELECT 1 FROM {table} WHERE {table} MATCH ? LIMIT {COMMON_MATCHES + 1}))"
-                for _ in terms),
-            terms,
-        )
-        rare = [t for t, n in zip(terms, counts or (), strict=False) if int(n) <= COMMON_MATCHES]
+        # How common a word is changes slowly: counts are cached for a while (most queries reuse words).
+        stamp = time.monotonic()
+        unknown = [t for t in terms if stamp - self._term_counts.get((table, t), (0, -1e9))[1] > TERM_COUNT_TTL]
+        if unknown:
+            counts = await self.storage.fetch_one(
+                "SELECT " + ", ".join(
+                    f"(SELECT count(*) FROM (SELECT 1 FROM {table} WHERE {table} MATCH ? LIMIT {COMMON_MATCHES + 1}))"
+                    for _ in unknown),
+                unknown,
+            )
+            if len(self._term_counts) > 50_000:
+                self._term_counts.clear()
+            for term, count in zip(unknown, counts or (), strict=False):
+                self._term_counts[(table, term)] = (int(count), stamp)
+        rare = [t for t in terms if self._term_counts.get((table, t), (0, 0.0))[0] <= COMMON_MATCHES]
         if rare:
             return " OR ".join(rare), by_rank
         return match, f"{table}.rowid DESC"
 
-    def _rank(self, hits: list[Hit], limit: int) -> list[Hit]:
-        """One ranking: text and vector scores are normalised over all hits, so items and messages compete
-        fairly (text by the best bm25, vectors min-max over the candidates)."""
-        top_text = max((h.signals.get("text_raw", 0.0) for h in hits), default=0.0)
-        sims = [h.signals["vector_raw"] for h in hits if "vector_raw" in h.signals]
-        low, high = (min(sims), max(sims)) if sims else (0.0, 0.0)
-        ranked = []
-        for hit in hits:
-            signals = dict(hit.signals)
-            signals["text"] = signals.get("text_raw", 0.0) / top_text if top_text > 0 else 0.0
+    def _rank(self, candidates: list[_Candidate], limit: int, now: float) -> list[Hit]:
+        """One ranking: text and vector scores are normalised over all candidates, so items and messages
+        compete fairly (text by the best bm25, vectors by the best excess over typical similarity).
+        Only the top ``limit`` become :class:`Hit` objects."""
+        w = self.weights
+        top_text = max((c.signals["text_raw"] for c in candidates), default=0.0)
+        top_vector = max((c.signals.get("vector_raw", 0.0) for c in candidates), default=0.0)
+        for c in candidates:
+            signals = c.signals
+            signals["text"] = signals["text_raw"] / top_text if top_text > 0 else 0.0
             if "vector_raw" in signals:
-                raw = signals["vector_raw"]
-                signals["vector"] = (raw - low) / (high - low) if high - low > 1e-6 else max(raw, 0.0)
-            score = (self.weights.vector * signals.get("vector", 0.0) + self.weights.text * signals["text"]
-                     + self.weights.importance * signals.get("importance", 0.0)
-                     + self.weights.recency * signals.get("recency", 0.0)
-                     + self.weights.access * signals.get("access", 0.0))
-            ranked.append(Hit(hit.kind, hit.id, hit.text, score, hit.created_at, hit.source, signals, hit.item))
-        ranked.sort(key=lambda h: h.score, reverse=True)
-        return ranked[:limit]
+                excess = signals["vector_raw"]  # similarity above the typical level (see Block.top)
+                signals["vector"] = max(excess, 0.0) / top_vector if top_vector > 0 else 0.0
+            c.score = (w.vector * signals.get("vector", 0.0) + w.text * signals["text"]
+                       + w.importance * signals.get("importance", 0.0) + w.recency * signals["recency"]
+                       + w.access * signals.get("access", 0.0))
+        best = heapq.nlargest(limit, candidates, key=lambda c: c.score)
+        return [self._hit(c) for c in best]
 
-    def _recency(self, created: datetime, now: float) -> float:
-        age_days = max(now - created.timestamp(), 0.0) / 86_400
+    def _hit(self, candidate: _Candidate) -> Hit:
+        row = candidate.row
+        if candidate.kind == "item":
+            item = self._item(row)
+            return Hit("item", item.id, item.content, candidate.score, item.created_at,
+                       f"memory item #{item.id} ({item.category})", candidate.signals, item)
+        created = _dt(float(row["created_at"])) or datetime.now(UTC)
+        return Hit("message", candidate.id, f"{row['author_name']}: {row['text']}", candidate.score, created,
+                   f"message #{candidate.id} in {row['channel']}", candidate.signals)
+
+    def _recency(self, created: float, now: float) -> float:
+        age_days = max(now - created, 0.0) / 86_400
         return math.exp(-math.log(2) * age_days / self.half_life_days)
-
-    def _score_item(
-        self, item: MemoryItem, text_scores: dict[int, float], vector_scores: dict[int, float], now: float,
-        most_accessed: int,
-    ) -> Hit:
-        signals = {
-            "text_raw": max(text_scores.get(item.id, 0.0), 0.0),
-            "importance": (item.importance - 1) / 9,
-            "recency": self._recency(item.created_at, now),
-            "access": math.log1p(item.access_count) / math.log1p(most_accessed) if most_accessed else 0.0,
-        }
-        if item.id in vector_scores:
-            signals["vector_raw"] = vector_scores[item.id]
-        return Hit("item", item.id, item.content, 0.0, item.created_at, f"memory item #{item.id} ({item.category})",
-                   signals, item)
-
-    async def _message_hits(
-        self, user_id: int, persona: str, match: str, query_vector: npt.NDArray[np.float32] | None, now: float,
-        exclude: set[int],
-    ) -> list[Hit]:
-        text_scores: dict[int, float] = {}
-        if match:
-            message_match, order = await self._bounded("messages_fts", match)
-            rows = await self.storage.fetch_all(
-                "SELECT m.id, bm25(messages_fts) FROM messages_fts JOIN messages AS m ON m.id = messages_fts.rowid"
-                f" WHERE messages_fts MATCH ? AND m.user_id = ? AND m.persona = ? ORDER BY {order} LIMIT ?",
-                (message_match, user_id, persona, self.candidates + len(exclude)),
-            )
-            text_scores = {int(r[0]): max(-float(r[1]), 0.0) for r in rows if int(r[0]) not in exclude}
-        vector_scores: dict[int, float] = {}
-        if query_vector is not None and self.embeddings is not None:
-            block = await self.embeddings.index.messages(user_id, persona)
-            vector_scores = {i: v for i, v in block.top(query_vector, self.candidates + len(exclude)).items()
-                             if i not in exclude}
-        ids = sorted(set(text_scores) | set(vector_scores))
-        if not ids:
-            return []
-        marks = ",".join("?" for _ in ids)
-        rows = await self.storage.fetch_all(
-            "SELECT m.id, m.text, m.created_at, m.author_name, c.name FROM messages AS m"
-            f" JOIN channels AS c ON c.id = m.channel_id WHERE m.id IN ({marks})",
-            ids,
-        )
-        hits = []
-        for row in rows:
-            message_id = int(row[0])
-            created = _dt(float(row[2])) or datetime.now(UTC)
-            signals = {"text_raw": text_scores.get(message_id, 0.0), "recency": self._recency(created, now)}
-            if message_id in vector_scores:
-                signals["vector_raw"] = vector_scores[message_id]
-            hits.append(Hit("message", message_id, f"{row[3]}: {row[1]}", 0.0, created,
-                            f"message #{message_id} in {row[4]}", signals))
-        return hits

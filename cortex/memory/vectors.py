@@ -1,10 +1,13 @@
 """Stored embeddings of one pair, held in memory as float32 matrices for brute-force search.
 
 Vectors live in the database (``memory_items.embedding`` and ``message_vectors``, float32 blobs,
-tagged with the embedder's name). Loading a pair's blobs costs far more than scoring them (10k × 384
-dims: ~20 ms to read, ~0.6 ms for the matrix product), so each pair's matrix is loaded once, kept in
-an LRU cache and grown in place as the backfill adds vectors. Only vectors of the current embedder
-count; visibility (archived, expired, superseded) is checked by the caller on the candidates.
+tagged with the embedder's name). Loading a pair's blobs costs far more than scoring them (100k × 384
+dims: ~0.7 s to read, ~10-15 ms for the matrix product), so each pair's matrix is loaded once, in
+pages straight into a preallocated array (the peak memory stays near the matrix's own size and the
+event loop gets a turn between pages), kept in an LRU cache and grown in place as the backfill adds
+vectors. Only vectors of the current embedder count; visibility (archived, expired, superseded) is
+checked by the caller on the candidates. Large matrices are scored on a worker thread (numpy releases
+the GIL), so the full-text part of a search runs meanwhile.
 
 The cache belongs to one process: another process writing vectors to the same database is not seen
 until this one's entry is evicted or invalidated (SQLite deployments run one bot process).
@@ -12,8 +15,9 @@ until this one's entry is evicted or invalidated (SQLite deployments run one bot
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +29,10 @@ ItemScope = tuple[str, int]  # ("items", pair_id)
 MessageScope = tuple[str, int, str]  # ("messages", user_id, persona)
 Scope = ItemScope | MessageScope
 
+PAGE = 4096
+THREAD_ABOVE = 20_000  # vectors: bigger matrices are scored on a worker thread
+TYPICAL_MIN = 30  # vectors needed to estimate a query's typical similarity from their spread
+
 
 @dataclass(slots=True)
 class Block:
@@ -32,15 +40,35 @@ class Block:
     matrix: npt.NDArray[np.float32]
 
     def top(self, query: npt.NDArray[np.float32], k: int) -> dict[int, float]:
-        """The ``k`` best ids by dot product with ``query`` (cosine: all vectors are unit length)."""
+        """The ``k`` best ids, each with how far its cosine similarity to ``query`` rises above what is
+        typical for this query in this block (the mean plus two standard deviations over all its
+        vectors; over fewer than ``TYPICAL_MIN`` vectors, the lowest similarity).
+
+        Raw cosines of one embedder sit in a narrow band (e5: ~0.75-0.9 for anything), so min-max
+        scaling over a few candidates inflates small differences; the excess over the typical level
+        says how much a vector stands out. Measured on LoCoMo (R@10): 64.8 against 60.2 for min-max.
+        Values can be negative (less similar than typical); callers clip."""
         if not len(self.ids) or self.matrix.shape[1] != query.shape[0]:
             return {}
         sims = self.matrix @ query
+        if len(sims) >= TYPICAL_MIN:
+            floor = float(sims.mean() + 2.0 * sims.std())
+        else:
+            floor = float(sims.min()) if len(sims) > 1 else 0.0
         if k < len(sims):
             best = np.argpartition(-sims, k)[:k]
         else:
             best = np.arange(len(sims))
-        return {int(self.ids[i]): float(sims[i]) for i in best}
+        return dict(zip(self.ids[best].tolist(), (sims[best] - floor).tolist(), strict=True))
+
+    async def top_async(self, query: npt.NDArray[np.float32], k: int) -> dict[int, float]:
+        if len(self.ids) > THREAD_ABOVE:
+            return await asyncio.to_thread(self.top, query, k)
+        return self.top(query, k)
+
+
+def _empty() -> Block:
+    return Block(np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.float32))
 
 
 class VectorIndex:
@@ -49,6 +77,7 @@ class VectorIndex:
         self.model = model
         self.max_scopes = max_scopes
         self._blocks: OrderedDict[Scope, Block] = OrderedDict()
+        self._loading: dict[Scope, asyncio.Future[Block]] = {}
 
     async def items(self, pair_id: int) -> Block:
         return await self._block(("items", pair_id))
@@ -61,33 +90,64 @@ class VectorIndex:
         if block is not None:
             self._blocks.move_to_end(scope)
             return block
-        if len(scope) == 2:
-            rows = await self.storage.fetch_all(
-                "SELECT id, embedding FROM memory_items WHERE pair_id = ? AND embedding_model = ?"
-                " AND embedding IS NOT NULL AND archived_at IS NULL",
-                (scope[1], self.model),
-            )
-        else:
-            rows = await self.storage.fetch_all(
-                "SELECT message_id, vector FROM message_vectors WHERE user_id = ? AND persona = ? AND model = ?",
-                (scope[1], scope[2], self.model),
-            )
-        block = self._from_rows((int(r[0]), bytes(r[1])) for r in rows)
-        self._blocks[scope] = block
-        if len(self._blocks) > self.max_scopes:
-            self._blocks.popitem(last=False)
-        return block
+        pending = self._loading.get(scope)
+        if pending is not None:  # another search is loading it: share the load
+            return await asyncio.shield(pending)
+        future: asyncio.Future[Block] = asyncio.get_running_loop().create_future()
+        self._loading[scope] = future
+        try:
+            block = await self._load(scope)
+            self._blocks[scope] = block
+            if len(self._blocks) > self.max_scopes:
+                self._blocks.popitem(last=False)
+            future.set_result(block)
+            return block
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: no "never retrieved" warning when nobody else waited
+            raise
+        finally:
+            del self._loading[scope]
 
-    @staticmethod
-    def _from_rows(rows: Iterable[tuple[int, bytes]]) -> Block:
-        listed = list(rows)
-        size = len(listed[-1][1]) if listed else 0  # the newest vector's size; older odd ones are skipped
-        pairs = [(i, blob) for i, blob in listed if len(blob) == size and size]
-        if not pairs:
-            return Block(np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.float32))
-        ids = np.fromiter((i for i, _ in pairs), dtype=np.int64, count=len(pairs))
-        matrix = np.frombuffer(b"".join(blob for _, blob in pairs), dtype=np.float32).reshape(len(pairs), size // 4)
-        return Block(ids, matrix)
+    def _where(self, scope: Scope) -> tuple[str, str, str, tuple[object, ...]]:
+        """(id column, vector column, FROM … WHERE …, parameters) of a scope's vectors."""
+        if len(scope) == 2:
+            return ("id", "embedding", "FROM memory_items WHERE pair_id = ? AND embedding_model = ?"
+                    " AND embedding IS NOT NULL AND archived_at IS NULL", (scope[1], self.model))
+        return ("message_id", "vector", "FROM message_vectors WHERE user_id = ? AND persona = ? AND model = ?",
+                (scope[1], scope[2], self.model))
+
+    async def _load(self, scope: Scope) -> Block:
+        id_column, vector_column, where, params = self._where(scope)
+        counted = await self.storage.fetch_one(f"SELECT count(*) {where}", params)
+        sql = f"SELECT {id_column}, {vector_column} {where} AND {id_column} > ? ORDER BY {id_column} LIMIT ?"
+        capacity = int(counted[0]) if counted else 0
+        ids = np.zeros(capacity, dtype=np.int64)
+        matrix: npt.NDArray[np.float32] | None = None
+        filled = 0
+        after = 0
+        while True:
+            rows = await self.storage.fetch_all(sql, (*params, after, PAGE))
+            if not rows:
+                break
+            after = int(rows[-1][0])
+            if matrix is None:
+                matrix = np.zeros((capacity, len(rows[-1][1]) // 4), dtype=np.float32)
+            page = [(int(r[0]), r[1]) for r in rows if len(r[1]) == matrix.shape[1] * 4]
+            if filled + len(page) > capacity:  # the backfill added vectors meanwhile
+                capacity = filled + len(page) + PAGE
+                ids = np.resize(ids, capacity)
+                matrix = np.resize(matrix, (capacity, matrix.shape[1]))
+            if page:
+                ids[filled:filled + len(page)] = [i for i, _ in page]
+                matrix[filled:filled + len(page)] = np.frombuffer(
+                    b"".join(blob for _, blob in page), dtype=np.float32).reshape(len(page), -1)
+                filled += len(page)
+            if len(rows) < PAGE:
+                break
+        if matrix is None or not filled:
+            return _empty()
+        return Block(ids[:filled], matrix[:filled])
 
     def add(self, scope: Scope, ids: Sequence[int], vectors: npt.NDArray[np.float32]) -> None:
         """Grow a cached scope with freshly stored vectors (an uncached scope loads them later)."""

@@ -1,0 +1,387 @@
+"""Evidence recall of the project's memory search on LoCoMo, side by side with a plain BM25 baseline.
+
+Every turn of each LoCoMo conversation is stored as a message through the project's own storage
+(``SQLiteStorage.add_message``: the speaker as author, the session's date as its time, a few seconds
+per turn to keep the order; an image turn's caption appended as ``[shares <caption>]``). Each
+conversation is one user (``locomo:<sample_id>``, named after speaker A) with persona Cora in a DM
+channel of its own, so a search sees only its own conversation. The messages are embedded by the
+project's embedding backfill with the configured default embedder (multilingual-e5-small), unless
+``--no-vectors``. Each question of categories 1-4 is then asked of ``MemoryStore.search``
+(``include_messages=True``) and of a plain Okapi BM25 over the same turns, in the same run.
+
+Recall@k of a question is the fraction of its evidence ``dia_id``s found among the top k turns;
+evidence ids that match no turn (a few are malformed in the release) are ignored, and a question
+left with none is skipped. Printed per k: overall and per category (1 multi-hop, 2 temporal,
+3 open-domain, 4 single-hop), project vs BM25; then the index timings (storing, embedding) and
+the query latencies (p50/p95) of both.
+
+* Project search: as configured by default (FTS5 bm25 with porter stemming and stop words dropped
+  from the query, e5 vectors, weighted with recency); the search clock is set to the time of the
+  conversation's last turn (``--clock last-turn``, the default: the questions are asked right after
+  the last session) or left at the real time (``--clock now``: every turn is years old, so the
+  recency signal is ~0 for all of them).
+* BM25 baseline: Okapi BM25 in this file (k1 1.5, b 0.75, idf ``ln(1 + (N - n + 0.5) / (n + 0.5))``),
+  lower-cased ``\\w+`` tokens, no stemming, no stop words, over ``speaker: text [shares <caption>]``;
+  the query is the bare question. Turns with score 0 are never returned.
+
+With ``--json`` the last line printed is one JSON object: ``recall@K`` and ``bm25_recall@K`` for every
+K asked, each ``{"overall": r, "1": r, "2": r, "3": r, "4": r}`` with r a fraction in [0, 1], plus the
+question counts and the timings.
+
+    python bench/locomo_retrieval.py --data PATH [--k 1 5 10 20] [--json] [--limit-conversations N]
+        [--no-vectors] [--clock last-turn|now]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import heapq
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.core_overhead import InstantProvider  # noqa: E402
+from bot.app import App  # noqa: E402
+from bot.config import parse_config  # noqa: E402
+
+PERSONA = "Cora"  # the default persona
+CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
+SECONDS_PER_TURN = 5
+DATE_FORMAT = "%I:%M %p on %d %B, %Y"  # "1:56 pm on 8 May, 2023"
+_WORD = re.compile(r"\w+", re.UNICODE)
+_SESSION = re.compile(r"session_(\d+)")
+
+
+# -- data --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    dia_id: str
+    speaker: str
+    text: str  # the message text: the turn's text, plus "[shares <caption>]" for an image
+    created_at: datetime
+
+    @property
+    def document(self) -> str:
+        """What the BM25 baseline indexes: ``speaker: text [shares <caption>]``."""
+        return f"{self.speaker}: {self.text}"
+
+
+@dataclass(frozen=True, slots=True)
+class Question:
+    text: str
+    category: int
+    evidence: tuple[str, ...]  # only ids that match a turn
+
+
+@dataclass(slots=True)
+class Conversation:
+    sample_id: str
+    speaker_a: str
+    turns: list[Turn]
+    questions: list[Question]
+    skipped_questions: int = 0  # no evidence id matches a turn
+    ignored_ids: int = 0  # malformed evidence ids of kept questions
+
+
+def parse_date(value: str) -> datetime:
+    return datetime.strptime(value.strip(), DATE_FORMAT).replace(tzinfo=UTC)
+
+
+def load(path: Path, limit: int | None) -> list[Conversation]:
+    samples = json.loads(path.read_text(encoding="utf-8"))
+    conversations = []
+    for sample in samples[:limit]:
+        conv = sample["conversation"]
+        sessions = sorted(
+            (int(m.group(1)), key) for key in conv if (m := _SESSION.fullmatch(key)) and conv[key]
+        )
+        turns: list[Turn] = []
+        for number, key in sessions:
+            start = parse_date(conv[f"session_{number}_date_time"])
+            for i, turn in enumerate(conv[key]):
+                text = str(turn["text"])
+                if turn.get("blip_caption"):
+                    text = f"{text} [shares {turn['blip_caption']}]"
+                turns.append(Turn(str(turn["dia_id"]), str(turn["speaker"]), text,
+                                  start + timedelta(seconds=SECONDS_PER_TURN * i)))
+        known = {t.dia_id for t in turns}
+        result = Conversation(str(sample["sample_id"]), str(conv["speaker_a"]), turns, [])
+        for qa in sample["qa"]:
+            category = int(qa["category"])
+            if category not in CATEGORIES:
+                continue
+            evidence = tuple(dict.fromkeys(e for e in qa.get("evidence", []) if e in known))
+            if not evidence:
+                result.skipped_questions += 1
+                continue
+            result.ignored_ids += sum(1 for e in qa.get("evidence", []) if e not in known)
+            result.questions.append(Question(str(qa["question"]), category, evidence))
+        conversations.append(result)
+    return conversations
+
+
+# -- the plain BM25 baseline -------------------------------------------------------------------------
+
+
+def tokens(text: str) -> list[str]:
+    return _WORD.findall(text.lower())
+
+
+class BM25:
+    """Okapi BM25 over a fixed list of documents; ``top`` returns document positions, best first."""
+
+    def __init__(self, documents: list[str], k1: float = 1.5, b: float = 0.75) -> None:
+        counts = [Counter(tokens(d)) for d in documents]
+        lengths = [sum(c.values()) for c in counts]
+        average = sum(lengths) / len(lengths) if lengths else 0.0
+        size = len(documents)
+        self.postings: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        for doc, counter in enumerate(counts):
+            norm = k1 * (1 - b + b * lengths[doc] / average) if average else k1
+            for word, tf in counter.items():
+                self.postings[word].append((doc, tf * (k1 + 1) / (tf + norm)))
+        self.idf = {w: math.log(1 + (size - len(p) + 0.5) / (len(p) + 0.5)) for w, p in self.postings.items()}
+
+    def top(self, query: str, k: int) -> list[int]:
+        scores: dict[int, float] = defaultdict(float)
+        for word in tokens(query):
+            idf = self.idf.get(word)
+            if idf is None:
+                continue
+            for doc, weight in self.postings[word]:
+                scores[doc] += idf * weight
+        return heapq.nlargest(k, scores, key=lambda d: (scores[d], -d))
+
+
+# -- measuring ---------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Results:
+    ks: list[int]
+    # recall[k][category] -> per-question recall values (category 0: overall)
+    project: dict[int, dict[int, list[float]]] = field(default_factory=dict)
+    bm25: dict[int, dict[int, list[float]]] = field(default_factory=dict)
+    project_ms: list[float] = field(default_factory=list)
+    bm25_ms: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for table in (self.project, self.bm25):
+            for k in self.ks:
+                table[k] = {c: [] for c in (0, *CATEGORIES)}
+
+    def add(self, table: dict[int, dict[int, list[float]]], question: Question, ranked: list[str]) -> None:
+        wanted = set(question.evidence)
+        for k in self.ks:
+            value = len(wanted & set(ranked[:k])) / len(wanted)
+            table[k][0].append(value)
+            table[k][question.category].append(value)
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def percentile(values: list[float], q: int) -> float:
+    if len(values) < 2:
+        return values[0] if values else float("nan")
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+@dataclass(slots=True)
+class Indexed:
+    conversation: Conversation
+    user_id: int
+    pair_id: int
+    dia_of: dict[int, str]  # message id -> dia_id
+    last_ts: float
+
+
+def frozen_clock(ts: float) -> Callable[[], float]:
+    return lambda: ts
+
+
+async def store_turns(app: App, conversations: list[Conversation]) -> list[Indexed]:
+    indexed = []
+    for conv in conversations:
+        user = await app.storage.upsert_user(f"locomo:{conv.sample_id}", conv.speaker_a)
+        channel = await app.storage.upsert_channel(f"locomo:{conv.sample_id}", conv.sample_id, is_dm=True)
+        dia_of: dict[int, str] = {}
+        for turn in conv.turns:
+            message = await app.storage.add_message(
+                channel.id, user.id, PERSONA, "user", turn.speaker, turn.text,
+                app.estimator.raw_count(turn.text), created_at=turn.created_at,
+            )
+            dia_of[message.id] = turn.dia_id
+        pair = await app.cortex.store.count_messages(user.id, PERSONA, 0)
+        last_ts = max(t.created_at for t in conv.turns).timestamp()
+        indexed.append(Indexed(conv, user.id, pair.id, dia_of, last_ts))
+    return indexed
+
+
+async def run(args: argparse.Namespace, workdir: Path) -> tuple[Results, dict[str, Any]]:
+    conversations = load(args.data, args.limit_conversations)
+    total_turns = sum(len(c.turns) for c in conversations)
+    config: dict[str, Any] = {"storage": {"url": f"sqlite:///{workdir / 'locomo.db'}"}}
+    if args.no_vectors:
+        config["memory"] = {"embedder": "none"}
+    app = App(parse_config(config), llm=InstantProvider())
+    await app.start(workers=False)  # no scheduler: the backfill runs once, below, and is timed
+    try:
+        started = time.perf_counter()
+        indexed = await store_turns(app, conversations)
+        store_s = time.perf_counter() - started
+        embed_s = 0.0
+        embedded = 0
+        embedder = "none (full text only)"
+        if app.cortex.embeddings is not None:
+            embedder = app.cortex.embeddings.model
+            started = time.perf_counter()
+            report = await app.cortex.embeddings.backfill(max_seconds=1e9)
+            embed_s = time.perf_counter() - started
+            if report.error:
+                raise SystemExit(f"embedding failed: {report.error}")
+            embedded = report.messages
+        started = time.perf_counter()
+        baselines = [BM25([t.document for t in item.conversation.turns]) for item in indexed]
+        bm25_s = time.perf_counter() - started
+
+        results = Results(sorted(set(args.k)))
+        limit = max(results.ks)
+        memory = app.cortex.memory
+        weights = memory.weights
+        for item, baseline in zip(indexed, baselines, strict=True):
+            if args.clock == "last-turn":
+                memory.clock = frozen_clock(item.last_ts)
+            else:
+                memory.clock = time.time
+            turns = item.conversation.turns
+            for question in item.conversation.questions:
+                started = time.perf_counter()
+                hits = await memory.search(item.pair_id, question.text, user_id=item.user_id, persona=PERSONA,
+                                           limit=limit, include_messages=True)
+                results.project_ms.append((time.perf_counter() - started) * 1000)
+                results.add(results.project, question,
+                            [item.dia_of[h.id] for h in hits if h.kind == "message" and h.id in item.dia_of])
+                started = time.perf_counter()
+                best = baseline.top(question.text, limit)
+                results.bm25_ms.append((time.perf_counter() - started) * 1000)
+                results.add(results.bm25, question, [turns[d].dia_id for d in best])
+    finally:
+        await app.stop()
+    info = {
+        "conversations": len(conversations),
+        "turns": total_turns,
+        "skipped_questions": sum(c.skipped_questions for c in conversations),
+        "ignored_ids": sum(c.ignored_ids for c in conversations),
+        "embedder": embedder,
+        "embedded": embedded,
+        "store_s": store_s,
+        "embed_s": embed_s,
+        "bm25_index_s": bm25_s,
+        "weights": ("" if args.no_vectors else f"vector {weights.vector:.2f}, ")
+        + f"text {weights.text:.2f}, recency {weights.recency:.2f} (half-life {memory.half_life_days:g} d),"
+        f" candidates {memory.candidates} by text" + ("" if args.no_vectors else f" + {memory.candidates} by vector"),
+    }
+    return results, info
+
+
+# -- output ------------------------------------------------------------------------------------------
+
+
+def rate(count: int, seconds: float) -> str:
+    return f"{count / seconds:,.0f} turns/s" if seconds > 0 else "-"
+
+
+def report(args: argparse.Namespace, results: Results, info: dict[str, Any]) -> dict[str, Any]:
+    counts = {c: len(results.project[results.ks[0]][c]) for c in (0, *CATEGORIES)}
+    clock = "time of the conversation's last turn" if args.clock == "last-turn" else "real time (recency ~0)"
+    print(f"LoCoMo evidence recall: {info['conversations']} conversations, {info['turns']} turns, "
+          f"{counts[0]} questions of categories 1-4 ({info['skipped_questions']} without a valid evidence id "
+          f"skipped, {info['ignored_ids']} malformed evidence ids ignored)")
+    print(f"project: MemoryStore.search over stored messages; embedder {info['embedder']}; {info['weights']}; "
+          f"clock = {clock}")
+    print("BM25:    plain Okapi BM25 (k1 1.5, b 0.75), lower-cased \\w+ tokens, no stemming, no stop words, "
+          "over 'speaker: text [shares caption]'")
+    print()
+    columns = ["overall", *(f"{c} {name}" for c, name in CATEGORIES.items())]
+    print(f"{'recall %':<16}" + "".join(f"{c:>15}" for c in columns))
+    print(f"{'questions':<16}" + "".join(f"{counts[c]:>15}" for c in (0, *CATEGORIES)))
+    for k in results.ks:
+        project = [100 * mean(results.project[k][c]) for c in (0, *CATEGORIES)]
+        bm25 = [100 * mean(results.bm25[k][c]) for c in (0, *CATEGORIES)]
+        print(f"{f'R@{k}  project':<16}" + "".join(f"{v:>15.1f}" for v in project))
+        print(f"{f'R@{k}  BM25':<16}" + "".join(f"{v:>15.1f}" for v in bm25))
+        print(f"{f'R@{k}  Δ':<16}" + "".join(f"{p - b:>+15.1f}" for p, b in zip(project, bm25, strict=True)))
+    print()
+    turns = info["turns"]
+    index_s = info["store_s"] + info["embed_s"]
+    embed = (f"embedded {info['embedded']} in {info['embed_s']:.1f} s ({rate(info['embedded'], info['embed_s'])})"
+             if info["embed_s"] else "no embedding (--no-vectors)")
+    print(f"index:   project {index_s:.1f} s ({rate(turns, index_s)}): stored {turns} turns in {info['store_s']:.2f} s "
+          f"({rate(turns, info['store_s'])}), {embed}")
+    print(f"         BM25 {info['bm25_index_s'] * 1000:.0f} ms ({rate(turns, info['bm25_index_s'])})")
+    project_ms, bm25_ms = results.project_ms, results.bm25_ms
+    print(f"query:   project p50 {percentile(project_ms, 50):.2f} ms, p95 {percentile(project_ms, 95):.2f} ms"
+          f"   BM25 p50 {percentile(bm25_ms, 50):.2f} ms, p95 {percentile(bm25_ms, 95):.2f} ms"
+          f"   ({len(project_ms)} queries each)")
+
+    def by_category(table: dict[int, dict[int, list[float]]], k: int) -> dict[str, float]:
+        return {("overall" if c == 0 else str(c)): round(mean(table[k][c]), 4) for c in (0, *CATEGORIES)}
+
+    summary: dict[str, Any] = {}
+    for k in results.ks:
+        summary[f"recall@{k}"] = by_category(results.project, k)
+        summary[f"bm25_recall@{k}"] = by_category(results.bm25, k)
+    summary["questions"] = {("overall" if c == 0 else str(c)): n for c, n in counts.items()}
+    summary["vectors"] = not args.no_vectors
+    summary["clock"] = args.clock
+    summary["index_seconds"] = {"store": round(info["store_s"], 3), "embed": round(info["embed_s"], 3),
+                                "bm25": round(info["bm25_index_s"], 4)}
+    summary["query_ms"] = {
+        "project_p50": round(percentile(results.project_ms, 50), 3),
+        "project_p95": round(percentile(results.project_ms, 95), 3),
+        "bm25_p50": round(percentile(results.bm25_ms, 50), 3),
+        "bm25_p95": round(percentile(results.bm25_ms, 95), 3),
+    }
+    return summary
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, required=True, help="LoCoMo JSON (a list of samples)")
+    parser.add_argument("--k", type=int, nargs="+", default=[1, 5, 10, 20], help="cut-offs (default 1 5 10 20)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument("--limit-conversations", type=int, default=None, metavar="N", help="only the first N")
+    parser.add_argument("--no-vectors", action="store_true", help="no embedder: the project searches full text only")
+    parser.add_argument("--clock", choices=["last-turn", "now"], default="last-turn",
+                        help="the search clock: the conversation's last turn (default) or the real time")
+    args = parser.parse_args()
+    if min(args.k) < 1:
+        parser.error("--k values must be at least 1")
+    with tempfile.TemporaryDirectory() as tmp:
+        results, info = await run(args, Path(tmp))
+    summary = report(args, results, info)
+    if args.json:
+        print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

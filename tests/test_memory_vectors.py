@@ -1,0 +1,97 @@
+"""The per-pair vector cache on real SQLite: paged loading, growth, the similarity floor, invalidation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cortex.memory.vectors as vectors_module
+from bot.app import App
+from bot.config import parse_config
+from cortex.memory.embedders import HashEmbedder, normalize
+from cortex.memory.vectors import Block, VectorIndex
+from tests.fakes.provider import ScriptedProvider
+
+
+async def _app(tmp_path: Path) -> App:
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "memory": {"embedder": "none"}})
+    return await App(config, llm=ScriptedProvider()).start(workers=False)
+
+
+async def _items(app: App, count: int, dim: int = 8, model: str = "m") -> tuple[int, list[int], np.ndarray]:
+    user = await app.storage.upsert_user("console:ann", "Ann")
+    pair = (await app.cortex.store.count_messages(user.id, "Cora", 0)).id
+    rng = np.random.default_rng(3)
+    matrix = normalize(rng.standard_normal((count, dim)))
+    ids = []
+    for n in range(count):
+        item = await app.cortex.memory.remember(pair, f"item {n}")
+        await app.storage.write("UPDATE memory_items SET embedding = ?, embedding_model = ? WHERE id = ?",
+                                (matrix[n].tobytes(), model, item.id))
+        ids.append(item.id)
+    return pair, ids, matrix
+
+
+async def test_pages_fill_one_array_and_survive_concurrent_growth(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    app = await _app(tmp_path)
+    try:
+        pair, ids, matrix = await _items(app, 11)
+        await app.cortex.memory.archive(pair, ids[4], "gone")
+        await app.storage.write("UPDATE memory_items SET embedding_model = 'old' WHERE id = ?", (ids[5],))
+        monkeypatch.setattr(vectors_module, "PAGE", 3)
+        block = await VectorIndex(app.storage, "m").items(pair)
+        keep = [n for n in range(11) if n not in (4, 5)]  # archived and stale vectors stay out
+        assert block.ids.tolist() == [ids[n] for n in keep]
+        assert np.array_equal(block.matrix, matrix[keep])
+        # vectors written between the count and the last page: the array grows
+        real_fetch_one = app.storage.fetch_one
+
+        async def stale_count(sql: str, params: object = ()) -> object:
+            row = await real_fetch_one(sql, params)  # type: ignore[arg-type]
+            return (int(row[0]) - 5,) if sql.startswith("SELECT count(*)") else row
+
+        monkeypatch.setattr(app.storage, "fetch_one", stale_count)
+        grown = await VectorIndex(app.storage, "m").items(pair)
+        assert grown.ids.tolist() == block.ids.tolist() and np.array_equal(grown.matrix, block.matrix)
+    finally:
+        await app.stop()
+
+
+async def test_similarity_is_scored_above_the_typical_level(tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    matrix = normalize(rng.standard_normal((200, 16)))
+    block = Block(np.arange(200, dtype=np.int64), matrix)
+    query = matrix[17]
+    sims = matrix @ query
+    top = block.top(query, 5)
+    assert len(top) == 5 and max(top, key=lambda i: top[i]) == 17
+    floor = sims.mean() + 2 * sims.std()
+    assert top[17] == pytest.approx(1.0 - floor, abs=1e-5)
+    assert sum(1 for value in block.top(query, 200).values() if value > 0) <= 20  # few stand out
+    small = Block(np.arange(3, dtype=np.int64), matrix[:3])  # too few to estimate a spread: the minimum
+    values = small.top(matrix[0], 3)
+    assert values[0] == pytest.approx(1.0 - float((matrix[:3] @ matrix[0]).min()), abs=1e-5)
+    assert min(values.values()) == pytest.approx(0.0, abs=1e-6)
+    assert Block(np.arange(3, dtype=np.int64), matrix[:3]).top(np.ones(4, dtype=np.float32), 3) == {}
+
+
+async def test_cached_blocks_grow_with_the_backfill_and_drop_on_restore(tmp_path: Path) -> None:
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}})
+    async with App(config, llm=ScriptedProvider(), embedder=HashEmbedder()) as app:
+        user = await app.storage.upsert_user("console:ann", "Ann")
+        pair = (await app.cortex.store.count_messages(user.id, "Cora", 0)).id
+        memory, index = app.cortex.memory, app.cortex.embeddings.index
+        first = await memory.remember(pair, "Ann plays the cello")
+        await app.cortex.embeddings.backfill()
+        assert (await index.items(pair)).ids.tolist() == [first.id]  # cached now
+        second = await memory.remember(pair, "Ann grows tomatoes")
+        await app.cortex.embeddings.backfill()
+        assert (await index.items(pair)).ids.tolist() == [first.id, second.id]  # grown in place
+        await memory.archive(pair, first.id, "test")
+        index.invalidate(("items", pair))
+        assert (await index.items(pair)).ids.tolist() == [second.id]
+        await memory.restore(pair, first.id)
+        assert sorted((await index.items(pair)).ids.tolist()) == [first.id, second.id]
