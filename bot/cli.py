@@ -7,6 +7,7 @@ import getpass
 import logging
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -247,6 +248,25 @@ def doctor(ctx: click.Context) -> None:
     console.print("[green]All checks passed.[/green]")
 
 
+async def _doctor_embedder(config: Config, report: Callable[..., None]) -> None:
+    """Load the memory embedder and embed one text, as the backfill would."""
+    from cortex.memory.embedders import EmbedderError
+    from cortex.memory.embedding import build_embedders
+
+    if config.memory.embedder == "none":
+        report(True, "embedder", "none: memory search uses full text only")
+        return
+    try:
+        embedders = build_embedders(config.memory)
+        assert embedders is not None
+        started = time.monotonic()
+        vectors = await asyncio.wait_for(asyncio.to_thread(embedders[0].embed, ["doctor probe"]), timeout=60)
+        took = (time.monotonic() - started) * 1000
+        report(True, "embedder", f"{embedders[0].name}, {vectors.shape[1]} dimensions, first text in {took:.0f} ms")
+    except (EmbedderError, ValueError, TimeoutError, OSError) as exc:
+        report(False, "embedder", str(exc) or "no answer (timed out)")
+
+
 async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
     from bot.app import build_provider
     from bot.storage.sqlite import open_storage
@@ -271,6 +291,7 @@ async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
         report(True, "tokenizer", "offline cl100k BPE loaded")
     except Exception as exc:
         report(False, "tokenizer", str(exc))
+    await _doctor_embedder(config, report)
 
     llm = config.llm
     if read_secret(llm.key_env_name) is None and not (llm.provider == "openai" and llm.base_url):

@@ -204,6 +204,7 @@ def test_doctor_reports_what_is_wrong(tmp_path: Path, fake_llm: FakeLLMServer) -
     good = cortexbot("--config", str(config), "doctor")
     assert good.returncode == 0, good.stdout + good.stderr
     assert "All checks passed" in good.stdout and "database" in good.stdout
+    assert "✓ embedder: multilingual-e5-small-q4, 384 dimensions" in good.stdout  # loaded offline
     fake_llm.models = ["other-model"]
     wrong_model = cortexbot("--config", str(config), "doctor")
     assert wrong_model.returncode == 1
