@@ -10,6 +10,7 @@ import pytest
 
 from bot.app import App
 from bot.config import parse_config
+from bot.ports import IncomingMessage
 from cortex.memory.embedders import HashEmbedder
 from cortex.memory.store import MemoryStore
 from cortex.memory.upkeep import Pruner
@@ -182,3 +183,28 @@ async def test_an_embedder_failure_is_kept_for_the_status_and_retried(tmp_path: 
         broken.fail = False
         assert (await app.cortex.embeddings.backfill()).error == ""
         assert "Last error" not in (await run(app, "!cortex embedder", ctx(admin=True))).text
+
+
+async def test_changing_the_embedder_re_embeds_everything_with_progress(tmp_path: Path) -> None:
+    config = _config(tmp_path, backfill_max_seconds=30)
+    async with App(config, llm=ScriptedProvider(), embedder=HashEmbedder(64)) as app:
+        pair = await _pair(app)
+        for n in range(5):
+            await app.cortex.memory.remember(pair, f"Ann's fact number {n}")
+        await app.core.reply(IncomingMessage("console", "dm-ann", "ann", "Ann", "I collect stamps", is_dm=True)).text()
+        await app.cortex.embeddings.backfill()
+        done = await app.cortex.embeddings.status()
+        assert (done.items_embedded, done.messages_embedded, done.pending) == (5, 2, 0)
+    async with App(config, llm=ScriptedProvider(), embedder=HashEmbedder(32)) as app:
+        status = (await run(app, "!cortex embedder", ctx(admin=True))).text
+        assert "hash-trigram-32" in status and "0 of 5 memory items, 0 of 2 messages (0%)" in status
+        assert "Backfill in progress: 7 left" in status
+        report = await app.cortex.embeddings.backfill()
+        assert (report.items, report.messages) == (5, 2)
+        status = (await run(app, "!cortex embedder", ctx(admin=True))).text
+        assert "5 of 5 memory items, 2 of 2 messages (100%)" in status
+        rows = await app.storage.fetch_all("SELECT DISTINCT embedding_model, length(embedding) FROM memory_items")
+        assert [tuple(r) for r in rows] == [("hash-trigram-32", 32 * 4)]
+        ann = await app.storage.get_user("console:ann")
+        hits = await app.cortex.memory.search(pair, "stamps collection", user_id=ann.id, persona="Cora")
+        assert hits and "vector" in hits[0].signals
