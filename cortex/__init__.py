@@ -19,7 +19,7 @@ from cortex.files import CortexFiles
 from cortex.memory.admin import MemoryAdminCommands
 from cortex.memory.commands import MemoryCommands
 from cortex.memory.embedders import Embedder
-from cortex.memory.embedding import EmbeddingService, build_embedders
+from cortex.memory.embedding import EmbeddingService, build_embedders, message_model
 from cortex.memory.section import KnowledgeSection
 from cortex.memory.store import MemoryStore, Weights
 from cortex.memory.upkeep import Pruner
@@ -73,7 +73,8 @@ def build_cortex(
     pair_embedders = (embedder, embedder) if embedder is not None else build_embedders(memory_config)
     embeddings = None
     if pair_embedders is not None:
-        index = VectorIndex(storage, pair_embedders[0].name)
+        name = pair_embedders[0].name
+        index = VectorIndex(storage, name, message_model=message_model(name))
         embeddings = EmbeddingService(job_storage or storage, *pair_embedders, index, memory_config)
     memory = MemoryStore(storage, weights=weights, half_life_days=memory_config.half_life_days,
                          candidates=memory_config.candidates, embeddings=embeddings)

@@ -95,3 +95,32 @@ async def test_cached_blocks_grow_with_the_backfill_and_drop_on_restore(tmp_path
         assert (await index.items(pair)).ids.tolist() == [second.id]
         await memory.restore(pair, first.id)
         assert sorted((await index.items(pair)).ids.tolist()) == [first.id, second.id]
+
+
+async def test_a_message_is_embedded_with_the_one_it_answers(tmp_path: Path) -> None:
+    class Recording(HashEmbedder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.texts: list[str] = []
+
+        def embed(self, texts):  # type: ignore[no-untyped-def]
+            self.texts.extend(texts)
+            return super().embed(texts)
+
+    embedder = Recording()
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}})
+    async with App(config, llm=ScriptedProvider(), embedder=embedder) as app:
+        ann = await app.storage.upsert_user("console:ann", "Ann")
+        dm = await app.storage.upsert_channel("console:dm-ann", "dm", is_dm=True)
+        room = await app.storage.upsert_channel("console:room", "room", is_dm=False)
+        await app.storage.add_message(dm.id, ann.id, "Cora", "assistant", "Cora", "What are your pets' names?", 7)
+        await app.storage.add_message(room.id, ann.id, "Cora", "user", "Ann", "unrelated " * 100, 100)
+        await app.storage.add_message(dm.id, ann.id, "Cora", "user", "Ann", "Luna and Oliver!", 5)
+        await app.storage.add_message(room.id, ann.id, "Cora", "user", "Ann", "hello room", 3)
+        report = await app.cortex.embeddings.backfill()
+        assert report.messages == 4
+        assert "Cora: What are your pets' names?\nAnn: Luna and Oliver!" in embedder.texts
+        answer_in_room = next(t for t in embedder.texts if t.endswith("Ann: hello room"))
+        assert answer_in_room.startswith("Ann: unrelated") and len(answer_in_room) < 260  # context is cut
+        rows = await app.storage.fetch_all("SELECT DISTINCT model FROM message_vectors")
+        assert [r[0] for r in rows] == [f"{embedder.name}|prev-turn"]

@@ -72,9 +72,12 @@ def _empty() -> Block:
 
 
 class VectorIndex:
-    def __init__(self, storage: SQLiteStorage, model: str, *, max_scopes: int = 256) -> None:
+    def __init__(
+        self, storage: SQLiteStorage, model: str, *, message_model: str | None = None, max_scopes: int = 256
+    ) -> None:
         self.storage = storage
-        self.model = model
+        self.model = model  # the tag of item vectors
+        self.message_model = message_model or model  # the tag of message vectors
         self.max_scopes = max_scopes
         self._blocks: OrderedDict[Scope, Block] = OrderedDict()
         self._loading: dict[Scope, asyncio.Future[Block]] = {}
@@ -115,7 +118,7 @@ class VectorIndex:
             return ("id", "embedding", "FROM memory_items WHERE pair_id = ? AND embedding_model = ?"
                     " AND embedding IS NOT NULL AND archived_at IS NULL", (scope[1], self.model))
         return ("message_id", "vector", "FROM message_vectors WHERE user_id = ? AND persona = ? AND model = ?",
-                (scope[1], scope[2], self.model))
+                (scope[1], scope[2], self.message_model))
 
     async def _load(self, scope: Scope) -> Block:
         id_column, vector_column, where, params = self._where(scope)
