@@ -125,8 +125,8 @@ async def test_each_signal_moves_the_ranking(tmp_path: Path) -> None:
         assert len(listed) >= 6
         # vector similarity: once the backfill embedded the items, a query with no word in common finds
         # the right one by meaning (here: the test double's shared word pieces)
-        service = EmbeddingService(app.storage, HashEmbedder(), HashEmbedder(), VectorIndex(app.storage, HashEmbedder().name),
-                                   app.config.memory)
+        index = VectorIndex(app.storage, HashEmbedder().name)
+        service = EmbeddingService(app.storage, HashEmbedder(), HashEmbedder(), index, app.config.memory)
         vstore = MemoryStore(app.storage, clock=clock, embeddings=service)
         v1 = await vstore.remember(pair, "Ann's favourite city is Lisbon")
         v2 = await vstore.remember(pair, "Ann once visited a city")
