@@ -133,6 +133,7 @@ class ConversationCore:
             message=user_msg.text,
             now=now,
             in_prompt=frozenset(m.id for m in (*window.messages, user_msg)),
+            previous=window.messages[-1].text if window.messages else "",
         )
         sections: dict[str, list[PromptSection]] = {slot: [] for slot in ("guidelines", "cortex", "knowledge")}
         for provider in self.section_providers:

@@ -60,6 +60,7 @@ class PromptContext:
     message: str
     now: datetime
     in_prompt: frozenset[int] = frozenset()  # ids of the stored messages already in the prompt's history
+    previous: str = ""  # the message before this one in the channel ("" when there is none)
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,7 +44,9 @@ async def test_lifecycle_supersede_archive_restore_expire(tmp_path: Path) -> Non
     app, store, users, clock = await _setup(tmp_path)
     try:
         pair = users["ann"][1].id
-        old = await store.remember(pair, "Ann lives in Hamburg", category="user_info", importance=7)
+        old = await store.remember(pair, "Ann lives in Hamburg", category="user_info", importance=7,
+                                   metadata={"told_in": "a DM", "confidence": 0.9})
+        assert (await store.get(pair, old.id, count_access=False)).metadata == {"told_in": "a DM", "confidence": 0.9}
         new = await store.remember(pair, "Ann moved to Leipzig", category="correction", supersedes=old.id)
         hits = await store.search(pair, "where does Ann live Hamburg Leipzig")
         assert [h.id for h in hits] == [new.id]  # the corrected item is hidden, the chain is kept
@@ -202,3 +204,20 @@ async def test_words_too_common_to_rank_by_are_left_out(tmp_path: Path, monkeypa
         assert {h.text for h in hits} == {f"Ann: garden day {i}" for i in range(7, 12)}  # the 5 newest
     finally:
         await app.stop()
+
+
+async def test_a_short_follow_up_searches_with_the_message_before_it(tmp_path: Path) -> None:
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "cortex": {"context_limit": 1000},
+                           "memory": {"embedder": "none"}})
+    llm = ScriptedProvider()
+    async with App(config, llm=llm) as app:
+        user = await app.storage.upsert_user("console:ann", "Ann")
+        pair = await app.cortex.store.count_messages(user.id, "Cora", 0)
+        await app.cortex.memory.remember(pair.id, "Ann's sister Mia lives in Oslo")
+        say = lambda text: app.core.reply(  # noqa: E731
+            IncomingMessage("console", "dm", "ann", "Ann", text, is_dm=True)).text()
+        await say("where is that again?")
+        assert "Mia lives in Oslo" not in llm.requests[-1].system  # nothing to go on
+        await say("I keep thinking about my sister")
+        await say("where is that again?")  # short: the reply before it ("echo: … my sister") joins the search
+        assert "Mia lives in Oslo" in llm.requests[-1].system

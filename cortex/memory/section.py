@@ -24,6 +24,17 @@ RECALL_CHARS = 400
 RECALL_FLOOR = 0.6
 
 
+FOLLOW_UP_WORDS = 8
+
+
+def search_text(context: PromptContext) -> str:
+    """What the section searches for: the new message, and for a short follow-up ("and her sister?")
+    the message before it too, which names what the follow-up is about."""
+    if len(context.message.split()) < FOLLOW_UP_WORDS and context.previous:
+        return f"{_short(context.previous, RECALL_CHARS)}\n{context.message}"
+    return context.message
+
+
 def _short(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit].rstrip() + "…"
 
@@ -53,7 +64,7 @@ class KnowledgeSection:
         recalled: list[Hit] = []
         if self.config.relevant_items or recall:
             hits = await self.memory.search(
-                pair_id, context.message, user_id=context.user_db_id, persona=context.persona,
+                pair_id, search_text(context), user_id=context.user_db_id, persona=context.persona,
                 limit=self.config.relevant_items + recall, include_messages=recall > 0,
                 exclude_messages=context.in_prompt,
             )

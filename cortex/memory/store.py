@@ -20,7 +20,7 @@ import json
 import math
 import re
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
@@ -96,6 +96,7 @@ class MemoryItem:
     last_accessed: datetime | None
     archived_at: datetime | None
     archive_reason: str
+    metadata: dict[str, Any] = field(default_factory=dict)
 
     @property
     def visible(self) -> bool:
@@ -118,7 +119,7 @@ class _Candidate:
 # Every column but the embedding (1.5 KB per row that search never reads).
 ITEM_COLUMNS = (
     "id, pair_id, category, key, content, importance, pinned, expires_at, supersedes, superseded_by, tags, source,"
-    " source_ref, created_at, updated_at, access_count, last_accessed, archived_at, archive_reason"
+    " source_ref, metadata, created_at, updated_at, access_count, last_accessed, archived_at, archive_reason"
 )
 
 
@@ -173,6 +174,7 @@ class MemoryStore:
             updated_at=_dt(row["updated_at"]) or datetime.now(UTC),
             access_count=int(row["access_count"]), last_accessed=_dt(row["last_accessed"]),
             archived_at=_dt(row["archived_at"]), archive_reason=str(row["archive_reason"]),
+            metadata=json.loads(row["metadata"] or "{}"),
         )
 
     # -- writing ---------------------------------------------------------------------------------
@@ -180,6 +182,7 @@ class MemoryStore:
     async def remember(
         self, pair_id: int, content: str, *, category: str = "fact", key: str = "", importance: int = 5,
         pinned: bool = False, expires_at: float | None = None, tags: Sequence[str] = (), source: Source = "user",
+        metadata: Mapping[str, Any] | None = None,
         source_ref: str = "", supersedes: int | None = None,
     ) -> MemoryItem:
         content = content.strip()
@@ -197,10 +200,11 @@ class MemoryStore:
         async with self.storage.transaction() as db:
             rows = await db.execute_fetchall(
                 "INSERT INTO memory_items (pair_id, category, key, content, importance, pinned, expires_at, supersedes,"
-                " tags, source, source_ref, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                " tags, source, source_ref, metadata, created_at, updated_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
                 f" RETURNING {ITEM_COLUMNS}",
                 (pair_id, category, key, content, importance, int(pinned), expires_at, supersedes,
-                 json.dumps(list(tags)), source, source_ref, now, now),
+                 json.dumps(list(tags)), source, source_ref, json.dumps(dict(metadata or {})), now, now),
             )
             item = self._item(next(iter(rows)))
             if supersedes is not None:
