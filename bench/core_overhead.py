@@ -2,13 +2,15 @@
 
 Everything a reply costs except waiting for the model: storing the user message, building the
 token-budgeted window, loading the summary, assembling the prompt, storing the reply and its
-metrics, checking whether a summary job is due. The provider answers instantly (in process).
+metrics, checking whether a summary job is due, and by default the memory section's recall of past
+messages (full text over the pair's messages; no embeddings exist in this run, since the backfill is
+not started). The provider answers instantly (in process).
 
 Runs once with 1k and once with 100k messages already stored in the channel (same process), and
 prints p50/p99 per reply, the ratio 100k/1k (flat means the window never scans history), and the
 peak RSS of the process.
 
-    python bench/core_overhead.py [--replies 400] [--sizes 1000 100000]
+    python bench/core_overhead.py [--replies 400] [--sizes 1000 100000] [--no-recall]
 """
 
 from __future__ import annotations
@@ -83,8 +85,10 @@ async def preload(app: App, channel_key: str, count: int) -> None:
     await db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # start measuring from a settled database
 
 
-async def measure(size: int, replies: int, workdir: Path) -> list[float]:
-    config = parse_config({"storage": {"url": f"sqlite:///{workdir / f'bench-{size}.db'}"}})
+async def measure(size: int, replies: int, workdir: Path, recall: bool = True) -> list[float]:
+    memory = {} if recall else {"recalled_messages": 0}
+    config = parse_config({"storage": {"url": f"sqlite:///{workdir / f'bench-{size}-{recall}.db'}"},
+                           "memory": memory})
     app = App(config, llm=InstantProvider())
     await app.start(workers=False)  # summary jobs are queued, not run: we time the reply path only
     try:
@@ -110,11 +114,14 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replies", type=int, default=400, help="measured replies per size (default 400)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 100_000], help="messages stored first")
+    parser.add_argument("--no-recall", action="store_true",
+                        help="without memory recall (memory.recalled_messages = 0): the core alone")
     args = parser.parse_args()
     results: dict[int, tuple[float, float]] = {}
+    print("memory recall of past messages: " + ("off (the core alone)" if args.no_recall else "on (default)"))
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
-            timings = await measure(size, args.replies, Path(tmp))
+            timings = await measure(size, args.replies, Path(tmp), recall=not args.no_recall)
             results[size] = (percentile(timings, 50), percentile(timings, 99))
             print(f"{size:>7} messages stored: p50 {results[size][0]:6.2f} ms   p99 {results[size][1]:6.2f} ms"
                   f"   ({len(timings)} replies)")

@@ -66,7 +66,7 @@ class KnowledgeSection:
             hits = await self.memory.search(
                 pair_id, search_text(context), user_id=context.user_db_id, persona=context.persona,
                 limit=self.config.relevant_items + recall, include_messages=recall > 0,
-                exclude_messages=context.in_prompt,
+                exclude_messages=context.in_prompt, include_items=items > 0,
             )
             seen = {i.id for i in pinned}
             relevant = [h.item for h in hits if h.item is not None and h.item.id not in seen]

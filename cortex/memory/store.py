@@ -122,6 +122,9 @@ ITEM_COLUMNS = (
     " source_ref, metadata, created_at, updated_at, access_count, last_accessed, archived_at, archive_reason"
 )
 
+ITEM_COLUMNS_M = ", ".join(f"m.{c.strip()}" for c in ITEM_COLUMNS.split(","))
+MESSAGE_COLUMNS = "m.id, m.text, m.created_at, m.author_name, c.name AS channel"
+
 
 @dataclass(frozen=True, slots=True)
 class Hit:
@@ -310,7 +313,7 @@ class MemoryStore:
     async def search(
         self, pair_id: int, query: str, *, user_id: int | None = None, persona: str | None = None, limit: int = 10,
         query_vector: npt.NDArray[np.float32] | None = None, include_messages: bool = True,
-        exclude_messages: Collection[int] = (), use_vectors: bool = True,
+        exclude_messages: Collection[int] = (), use_vectors: bool = True, include_items: bool = True,
     ) -> list[Hit]:
         """Hybrid search over the pair's visible items (and its past messages when ``user_id``/``persona``).
 
@@ -324,34 +327,38 @@ class MemoryStore:
         messages = include_messages and user_id is not None and persona is not None
         if query_vector is None and use_vectors and self.embeddings is not None and index is not None:
             # Embedding the query costs ~16 ms of CPU: only when there is something to compare it with.
-            if len((await index.items(pair_id)).ids) or (
+            if (include_items and len((await index.items(pair_id)).ids)) or (
                     messages and len((await index.messages(user_id or 0, persona or "")).ids)):
                 query_vector = await self.embeddings.embed_query(query)
         vector = query_vector if index is not None else None
+        parts = []
+        if include_items:  # a caller that knows the pair has no items saves the query
+            parts.append(self._item_candidates(pair_id, match, vector, now))
         if messages:
-            item_part, message_part = await asyncio.gather(
-                self._item_candidates(pair_id, match, vector, now),
-                self._message_candidates(user_id or 0, persona or "", match, vector, now, set(exclude_messages)),
+            parts.append(
+                self._message_candidates(user_id or 0, persona or "", match, vector, now, set(exclude_messages))
             )
-            candidates = item_part + message_part
-        else:
-            candidates = await self._item_candidates(pair_id, match, vector, now)
+        candidates = [c for part in await asyncio.gather(*parts) for c in part]
         return self._rank(candidates, limit, now)
 
     async def _item_candidates(
         self, pair_id: int, match: str, vector: npt.NDArray[np.float32] | None, now: float
     ) -> list[_Candidate]:
+        found: dict[int, Any] = {}  # rows the full-text query already brought
+
         async def by_text() -> dict[int, float]:
             if not match:
                 return {}
             item_match, order = await self._bounded("memory_fts", match)
             rows = await self.storage.fetch_all(
-                "SELECT m.id, bm25(memory_fts) FROM memory_fts JOIN memory_items AS m ON m.id = memory_fts.rowid"
+                f"SELECT {ITEM_COLUMNS_M}, bm25(memory_fts) AS rank FROM memory_fts"
+                " JOIN memory_items AS m ON m.id = memory_fts.rowid"
                 " WHERE memory_fts MATCH ? AND m.pair_id = ? AND m.archived_at IS NULL AND m.superseded_by IS NULL"
                 f" AND (m.expires_at IS NULL OR m.expires_at > ?) ORDER BY {order} LIMIT ?",
                 (item_match, pair_id, now, self.candidates),
             )
-            return {int(r[0]): max(-float(r[1]), 0.0) for r in rows}
+            found.update((int(r["id"]), r) for r in rows)
+            return {int(r["id"]): max(-float(r["rank"]), 0.0) for r in rows}
 
         async def by_vector() -> dict[int, float]:
             if vector is None or self.embeddings is None:
@@ -360,15 +367,15 @@ class MemoryStore:
             return await (await self.embeddings.index.items(pair_id)).top_async(vector, self.candidates * 2)
 
         text_scores, vector_scores = await asyncio.gather(by_text(), by_vector())
-        ids = sorted(set(text_scores) | set(vector_scores))
-        if not ids:
-            return []
-        marks = ",".join("?" for _ in ids)
-        rows = await self.storage.fetch_all(
-            f"SELECT {ITEM_COLUMNS} FROM memory_items WHERE id IN ({marks}) AND pair_id = ? AND archived_at IS NULL"
-            " AND superseded_by IS NULL AND (expires_at IS NULL OR expires_at > ?)",
-            (*ids, pair_id, now),
-        )
+        rows = list(found.values())
+        missing = sorted(set(vector_scores) - set(found))
+        if missing:
+            marks = ",".join("?" for _ in missing)
+            rows += await self.storage.fetch_all(
+                f"SELECT {ITEM_COLUMNS} FROM memory_items WHERE id IN ({marks}) AND pair_id = ?"
+                " AND archived_at IS NULL AND superseded_by IS NULL AND (expires_at IS NULL OR expires_at > ?)",
+                (*missing, pair_id, now),
+            )
         most_accessed = max((int(r["access_count"]) for r in rows), default=0)
         scale = math.log1p(most_accessed) if most_accessed else 0.0
         candidates = []
@@ -389,16 +396,21 @@ class MemoryStore:
         self, user_id: int, persona: str, match: str, vector: npt.NDArray[np.float32] | None, now: float,
         exclude: set[int],
     ) -> list[_Candidate]:
+        found: dict[int, Any] = {}  # rows the full-text query already brought
+
         async def by_text() -> dict[int, float]:
             if not match:
                 return {}
             message_match, order = await self._bounded("messages_fts", match)
             rows = await self.storage.fetch_all(
-                "SELECT m.id, bm25(messages_fts) FROM messages_fts JOIN messages AS m ON m.id = messages_fts.rowid"
+                f"SELECT {MESSAGE_COLUMNS}, bm25(messages_fts) AS rank FROM messages_fts"
+                " JOIN messages AS m ON m.id = messages_fts.rowid JOIN channels AS c ON c.id = m.channel_id"
                 f" WHERE messages_fts MATCH ? AND m.user_id = ? AND m.persona = ? ORDER BY {order} LIMIT ?",
                 (message_match, user_id, persona, self.candidates + len(exclude)),
             )
-            return {int(r[0]): max(-float(r[1]), 0.0) for r in rows if int(r[0]) not in exclude}
+            rows = [r for r in rows if int(r["id"]) not in exclude]
+            found.update((int(r["id"]), r) for r in rows)
+            return {int(r["id"]): max(-float(r["rank"]), 0.0) for r in rows}
 
         async def by_vector() -> dict[int, float]:
             if vector is None or self.embeddings is None:
@@ -408,15 +420,15 @@ class MemoryStore:
             return {i: v for i, v in found.items() if i not in exclude}
 
         text_scores, vector_scores = await asyncio.gather(by_text(), by_vector())
-        ids = sorted(set(text_scores) | set(vector_scores))
-        if not ids:
-            return []
-        marks = ",".join("?" for _ in ids)
-        rows = await self.storage.fetch_all(
-            "SELECT m.id, m.text, m.created_at, m.author_name, c.name AS channel FROM messages AS m"
-            f" JOIN channels AS c ON c.id = m.channel_id WHERE m.id IN ({marks})",
-            ids,
-        )
+        rows = list(found.values())
+        missing = sorted(set(vector_scores) - set(found))
+        if missing:
+            marks = ",".join("?" for _ in missing)
+            rows += await self.storage.fetch_all(
+                f"SELECT {MESSAGE_COLUMNS} FROM messages AS m JOIN channels AS c ON c.id = m.channel_id"
+                f" WHERE m.id IN ({marks})",
+                missing,
+            )
         candidates = []
         for row in rows:
             message_id = int(row["id"])
