@@ -124,3 +124,16 @@ async def test_a_message_is_embedded_with_the_one_it_answers(tmp_path: Path) -> 
         assert answer_in_room.startswith("Ann: unrelated") and len(answer_in_room) < 260  # context is cut
         rows = await app.storage.fetch_all("SELECT DISTINCT model FROM message_vectors")
         assert [r[0] for r in rows] == [f"{embedder.name}|prev-turn"]
+
+
+async def test_a_big_block_scanned_in_two_halves_gives_the_same_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(9)
+    matrix = normalize(rng.standard_normal((501, 16)))
+    block = Block(np.arange(1000, 1501, dtype=np.int64), matrix)
+    query = matrix[333]
+    whole = block.top(query, 40)
+    monkeypatch.setattr(vectors_module, "THREAD_ABOVE", 100)
+    halves = await block.top_async(query, 40)
+    assert halves.keys() == whole.keys() and max(halves, key=lambda i: halves[i]) == 1333
+    for key, value in whole.items():
+        assert halves[key] == pytest.approx(value, abs=1e-5)

@@ -50,21 +50,53 @@ class Block:
         Values can be negative (less similar than typical); callers clip."""
         if not len(self.ids) or self.matrix.shape[1] != query.shape[0]:
             return {}
-        sims = self.matrix @ query
-        if len(sims) >= TYPICAL_MIN:
-            floor = float(sims.mean() + 2.0 * sims.std())
-        else:
-            floor = float(sims.min()) if len(sims) > 1 else 0.0
-        if k < len(sims):
-            best = np.argpartition(-sims, k)[:k]
-        else:
-            best = np.arange(len(sims))
-        return dict(zip(self.ids[best].tolist(), (sims[best] - floor).tolist(), strict=True))
+        return _combine([_scan(self.matrix, query, k, 0)], self.ids, k)
 
     async def top_async(self, query: npt.NDArray[np.float32], k: int) -> dict[int, float]:
-        if len(self.ids) > THREAD_ABOVE:
-            return await asyncio.to_thread(self.top, query, k)
-        return self.top(query, k)
+        """:meth:`top`; a big block is scanned in two halves on two worker threads (numpy releases the
+        GIL, so both cores work while the event loop waits)."""
+        n = len(self.ids)
+        if n <= THREAD_ABOVE or self.matrix.shape[1] != query.shape[0]:
+            return self.top(query, k)
+        half = n // 2
+        parts = await asyncio.gather(
+            asyncio.to_thread(_scan, self.matrix[:half], query, k, 0),
+            asyncio.to_thread(_scan, self.matrix[half:], query, k, half),
+        )
+        return _combine(list(parts), self.ids, k)
+
+
+@dataclass(frozen=True, slots=True)
+class _Scan:
+    rows: npt.NDArray[np.int64]  # the best rows of this part (indexes into the whole block)
+    sims: npt.NDArray[np.float32]
+    count: int
+    total: float
+    squares: float
+    lowest: float
+
+
+def _scan(matrix: npt.NDArray[np.float32], query: npt.NDArray[np.float32], k: int, offset: int) -> _Scan:
+    sims = matrix @ query
+    best = np.argpartition(-sims, k)[:k] if k < len(sims) else np.arange(len(sims))
+    return _Scan(best + offset, sims[best], len(sims), float(sims.sum(dtype=np.float64)),
+                 float(np.dot(sims, sims)), float(sims.min()))
+
+
+def _combine(parts: list[_Scan], ids: npt.NDArray[np.int64], k: int) -> dict[int, float]:
+    count = sum(p.count for p in parts)
+    if count >= TYPICAL_MIN:
+        mean = sum(p.total for p in parts) / count
+        variance = max(sum(p.squares for p in parts) / count - mean * mean, 0.0)
+        floor = mean + 2.0 * variance ** 0.5
+    else:
+        floor = min(p.lowest for p in parts) if count > 1 else 0.0
+    rows = np.concatenate([p.rows for p in parts])
+    sims = np.concatenate([p.sims for p in parts])
+    if k < len(sims):
+        keep = np.argpartition(-sims, k)[:k]
+        rows, sims = rows[keep], sims[keep]
+    return dict(zip(ids[rows].tolist(), (sims - floor).tolist(), strict=True))
 
 
 def _empty() -> Block:
