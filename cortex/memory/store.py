@@ -39,7 +39,7 @@ CATEGORIES: tuple[str, ...] = (
 )
 Source = Literal["user", "model", "system"]
 _WORD = re.compile(r"\w+", re.UNICODE)
-COMMON_MATCHES = 2000  # a query word found in more rows than this is too common to rank by (see _bounded)
+COMMON_MATCHES = 1000  # a query word found in more rows than this is too common to rank by (see _bounded)
 TERM_COUNT_TTL = 600.0  # seconds a word's row count is trusted
 
 
