@@ -133,7 +133,7 @@ class App:
             return
         self._started = False
         try:
-            self.scheduler.stop()
+            await self.scheduler.aclose()
             await self.workers.stop(grace)
             await self.storage.set_setting(self._calibration_key, f"{self.estimator.factor:.4f}")
         finally:

@@ -9,6 +9,7 @@ kept for ``!cortex stats``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -44,6 +45,7 @@ class Scheduler:
     def __init__(self) -> None:
         self._scheduler = AsyncIOScheduler(timezone="UTC")
         self.jobs: dict[str, JobRecord] = {}
+        self._running: set[asyncio.Task[None]] = set()
 
     def every(
         self, seconds: float, name: str, job: Callable[[], Awaitable[object]], *, first_after: float | None = None
@@ -54,6 +56,9 @@ class Scheduler:
 
         async def supervised() -> None:
             started = time.monotonic()
+            task = asyncio.current_task()
+            if task is not None:
+                self._running.add(task)
             try:
                 await job()
                 record.runs += 1
@@ -65,6 +70,8 @@ class Scheduler:
             finally:
                 record.last_run_at = time.time()
                 record.last_seconds = time.monotonic() - started
+                if task is not None:
+                    self._running.discard(task)
 
         first = None if first_after is None else datetime.now(UTC) + timedelta(seconds=first_after)
         self._scheduler.add_job(
@@ -82,3 +89,11 @@ class Scheduler:
     def stop(self) -> None:
         if self._scheduler.running:
             self._scheduler.shutdown(wait=False)
+
+    async def aclose(self) -> None:
+        """Stop scheduling and cancel the runs in progress (before the database they use is closed)."""
+        self.stop()
+        running = list(self._running)
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)

@@ -129,3 +129,13 @@ def test_template_variables_resolve_and_other_braces_stay() -> None:
     text = "I am {char_name}, talking to {user_name} in {language} on {date}; {unknown} {json: 1}"
     out = resolve_variables(text, {"char_name": "Cora", "user_name": "Ann", "language": "German", "date": "today"})
     assert out == "I am Cora, talking to Ann in German on today; {unknown} {json: 1}"
+
+
+def test_memory_embedder_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="embedder_model"):
+        parse_config({"memory": {"embedder": "openai"}})
+    with pytest.raises(ConfigError, match="embedder"):
+        parse_config({"memory": {"embedder": "word2vec"}})
+    config = parse_config({"memory": {"embedder": "openai", "embedder_model": "nomic-embed-text",
+                                      "embedder_base_url": "http://127.0.0.1:11434/v1"}})
+    assert config.memory.embedder_model == "nomic-embed-text"

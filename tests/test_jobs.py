@@ -219,3 +219,25 @@ async def test_scheduler_runs_jobs_periodically_and_survives_failures() -> None:
     assert bad_job.failures == calls["bad"] and bad_job.runs == 0
     assert bad_job.last_error == "RuntimeError: boom" and bad_job.last_run_at is not None
     assert "2 failed" not in ok_job.describe() and "last error: RuntimeError: boom" in bad_job.describe()
+
+
+async def test_scheduler_close_cancels_a_run_in_progress() -> None:
+    from bot.scheduler import Scheduler
+
+    scheduler = Scheduler()
+    started = asyncio.Event()
+    finished: list[str] = []
+
+    async def slow() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        finally:
+            finished.append("cleaned up")
+
+    scheduler.every(60, "slow", slow, first_after=0.01)
+    scheduler.start()
+    await asyncio.wait_for(started.wait(), 5)
+    await asyncio.wait_for(scheduler.aclose(), 2)  # does not wait out the 30 s
+    assert finished == ["cleaned up"] and not scheduler.running
+    assert scheduler.jobs["slow"].runs == 0 and scheduler.jobs["slow"].last_run_at is not None

@@ -14,6 +14,7 @@ from bot.ports import IncomingMessage
 from cortex.memory.embedders import HashEmbedder
 from cortex.memory.store import MemoryStore
 from cortex.memory.upkeep import Pruner
+from tests.fakes.llm_server import FakeLLMServer
 from tests.fakes.provider import ScriptedProvider
 from tests.test_cortex_commands import ctx, run
 
@@ -208,3 +209,30 @@ async def test_changing_the_embedder_re_embeds_everything_with_progress(tmp_path
         ann = await app.storage.get_user("console:ann")
         hits = await app.cortex.memory.search(pair, "stamps collection", user_id=ann.id, persona="Cora")
         assert hits and "vector" in hits[0].signals
+
+
+async def test_an_openai_compatible_embedder_from_the_config(tmp_path: Path, fake_llm: FakeLLMServer,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The configured /v1/embeddings server (Ollama, vLLM, OpenAI) through the real SDK; its key from the
+    environment; a server outage keeps the items, shows in the status and heals on the next run."""
+    monkeypatch.setenv("CB_EMBED_KEY", "sk-embed-secret")
+    config = _config(tmp_path, embedder="openai", embedder_model="nomic-embed-text",
+                     embedder_base_url=fake_llm.openai_url, embedder_api_key_env="CB_EMBED_KEY")
+    async with App(config, llm=ScriptedProvider()) as app:
+        pair = await _pair(app)
+        item = await app.cortex.memory.remember(pair, "Ann collects stamps")
+        report = await app.cortex.embeddings.backfill()
+        assert report.items == 1 and not report.error
+        request = fake_llm.embedding_requests[-1]
+        assert request.body["model"] == "nomic-embed-text" and request.body["input"] == ["Ann collects stamps"]
+        assert request.headers.get("authorization") == "Bearer sk-embed-secret"
+        status = (await run(app, "!cortex embedder", ctx(admin=True))).text
+        assert "openai:nomic-embed-text" in status and "1 of 1 memory items" in status
+        hits = await app.cortex.memory.search(pair, "stamp collecting")
+        assert hits[0].id == item.id and "vector" in hits[0].signals
+        fake_llm.stop()
+        await app.cortex.memory.remember(pair, "Ann's stamps are from Peru")
+        down = await app.cortex.embeddings.backfill()
+        assert down.error and "sk-embed-secret" not in down.error
+        assert [h.id for h in await app.cortex.memory.search(pair, "Peru")]  # text still finds it
+        assert "Last error" in (await run(app, "!cortex embedder", ctx(admin=True))).text

@@ -152,8 +152,9 @@ class EmbeddingService:
                     break
         except EmbedderError as exc:
             error = str(exc)
+            if error != self.last_error:  # a lasting outage is logged once, not every minute
+                log.warning("embedding backfill stopped, retried every run until it works: %s", error)
             self.last_error = error
-            log.warning("embedding backfill stopped, retried next run: %s", error)
         seconds = time.monotonic() - started
         report = BackfillReport(items, messages, seconds, error, more)
         if items or messages:
