@@ -221,3 +221,14 @@ async def test_a_short_follow_up_searches_with_the_message_before_it(tmp_path: P
         await say("I keep thinking about my sister")
         await say("where is that again?")  # short: the reply before it ("echo: … my sister") joins the search
         assert "Mia lives in Oslo" in llm.requests[-1].system
+
+
+def test_full_text_queries_drop_function_words_and_keep_a_long_texts_longest_words() -> None:
+    assert fts_query("What is the name of my sister?") == '"name" OR "sister"'
+    assert fts_query("what is it?") == '"what" OR "is" OR "it"'  # nothing else left: keep them
+    assert fts_query("Wie heißt meine Schwester?") == '"heißt" OR "meine" OR "schwester"'
+    long_text = " ".join(f"w{i}" for i in range(40)) + " extraordinarily photosynthesis"
+    terms = fts_query(long_text).split(" OR ")
+    assert len(terms) == 16 and terms[:2] == ['"w10"', '"w11"'] and terms[-2:] == [
+        '"extraordinarily"', '"photosynthesis"']
+    assert fts_query("") == "" and fts_query("!!! ???") == ""

@@ -40,6 +40,7 @@ CATEGORIES: tuple[str, ...] = (
 Source = Literal["user", "model", "system"]
 _WORD = re.compile(r"\w+", re.UNICODE)
 COMMON_MATCHES = 1000  # a query word found in more rows than this is too common to rank by (see _bounded)
+MAX_TERMS = 16
 TERM_COUNT_TTL = 600.0  # seconds a word's row count is trusted
 
 
@@ -60,10 +61,14 @@ noch nun nur ob oder sich sie sind so um und uns von vor war was wenn wer wie wi
 def fts_query(text: str) -> str:
     """User text as a safe FTS5 query: every word quoted, OR-ed (raw ``foo-bar`` would make MATCH raise).
 
-    Function words are dropped unless nothing else is left."""
+    Function words are dropped unless nothing else is left; of a long text, the ``MAX_TERMS`` longest
+    words are kept (each OR-ed word adds bm25 work for every row it matches)."""
     words = [w for w in _WORD.findall(text.lower()) if len(w) > 1]
-    content = [w for w in words if w not in STOPWORDS] or words
-    return " OR ".join(f'"{w}"' for w in dict.fromkeys(content[:32]))
+    content = list(dict.fromkeys([w for w in words if w not in STOPWORDS] or words))
+    if len(content) > MAX_TERMS:  # a long message: its longest words, which tend to be the rarest
+        keep = set(sorted(content, key=len, reverse=True)[:MAX_TERMS])
+        content = [w for w in content if w in keep]
+    return " OR ".join(f'"{w}"' for w in content)
 
 
 @dataclass(frozen=True, slots=True)
