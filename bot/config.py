@@ -212,6 +212,9 @@ class MemoryConfig(_Section):
     query_timeout_seconds: float = Field(
         default=2.0, gt=0, description="A reply prompt waits this long for the query's embedding, then uses text only."
     )
+    vector_cache: int = Field(
+        default=150_000, ge=1000, description="Vectors kept in memory over all pairs (384 dims: ~1.5 KB each)."
+    )
     backfill_seconds: float = Field(default=60.0, ge=5, description="How often missing embeddings are computed.")
     backfill_max_seconds: float = Field(default=45.0, gt=0, description="Longest stretch of one backfill run.")
     prune_every_hours: float = Field(default=24.0, gt=0, description="How often unused items are archived.")

@@ -74,7 +74,7 @@ def build_cortex(
     embeddings = None
     if pair_embedders is not None:
         name = pair_embedders[0].name
-        index = VectorIndex(storage, name, message_model=message_model(name))
+        index = VectorIndex(storage, name, message_model=message_model(name), max_vectors=memory_config.vector_cache)
         embeddings = EmbeddingService(job_storage or storage, *pair_embedders, index, memory_config)
     memory = MemoryStore(storage, weights=weights, half_life_days=memory_config.half_life_days,
                          candidates=memory_config.candidates, embeddings=embeddings)
@@ -95,6 +95,8 @@ def build_cortex(
     pruner = Pruner(job_storage or storage, memory_config, on_archive=drop_vectors)
     memory_admin = MemoryAdminCommands(config, storage, [memory, job_memory], pruner, embeddings, store, resolver)
     commands.extra_stats = memory_admin.stats_lines
+    if embeddings is not None:
+        commands.on_forget = embeddings.index.invalidate
     return Cortex(
         store, files, resolver, tiers, updater, section, commands, memory, memory_commands, knowledge, embeddings,
         pruner, memory_admin,

@@ -44,6 +44,7 @@ class CortexCommands:
 
     prefix: str = "!"
     extra_stats: Callable[[], Awaitable[list[str]]] | None = None  # the memory store's jobs and pruning
+    on_forget: Callable[[], None] | None = None  # drops caches that could hold a forgotten user's data
 
     def register(self, registry: CommandRegistry) -> None:
         p = self.prefix = registry.prefix
@@ -190,18 +191,22 @@ class CortexCommands:
         if not args or args[0].lower() != CONFIRM_WORD:
             return CommandReply(
                 "This deletes everything the bot stores about you, for every persona: your messages and the "
-                "replies to you, your cortex files with all their versions, and their update log. Rolling "
+                "replies to you, your cortex files with all their versions, your memory items (archived ones "
+                "too) and the update log. Rolling "
                 "summaries of conversations you were part of are deleted too and written anew from what "
                 f"remains. This cannot be undone (export first if you want a copy).\nTo go ahead, send: "
                 f"{prefix}memory forget-me {CONFIRM_WORD}",
                 private=True,
             )
         report = await self.store.forget_user(ctx.user_key)
+        if self.on_forget is not None:
+            self.on_forget()  # ids are reused after a delete: no cache may keep the old owner's rows
         if report is None:
             return CommandReply("The bot stores nothing about you.", private=True)
         return CommandReply(
             f"Done. Deleted {report.messages} messages, {report.versions} file versions of {report.pairs} "
-            f"persona(s), {report.runs} update runs and {report.summaries} summaries that could mention you.",
+            f"persona(s), {report.items} memory items, {report.runs} update runs and {report.summaries} "
+            "summaries that could mention you.",
             private=True,
         )
 

@@ -87,6 +87,7 @@ class ForgetReport:
     pairs: int
     versions: int
     runs: int
+    items: int = 0
 
 
 class CortexStore:
@@ -407,7 +408,7 @@ class CortexStore:
 
         Their messages and the replies to them go; every rolling summary of a channel they wrote in
         goes too (it may mention them) and is written anew from what remains; their cortex files, all
-        versions, update runs and queued cortex jobs go; the user row goes last.
+        versions, memory items, update runs and queued cortex jobs go; the user row goes last.
         """
         user = await self.storage.get_user(user_key)
         if user is None:
@@ -425,7 +426,8 @@ class CortexStore:
                 f"DELETE FROM cortex_runs WHERE pair_id IN ({marks}) RETURNING id", pair_ids)
             await db.execute(f"UPDATE memory_items SET supersedes = NULL, superseded_by = NULL"
                              f" WHERE pair_id IN ({marks})", pair_ids)
-            await db.execute(f"DELETE FROM memory_items WHERE pair_id IN ({marks})", pair_ids)
+            items = await db.execute_fetchall(
+                f"DELETE FROM memory_items WHERE pair_id IN ({marks}) RETURNING id", pair_ids)
             for pair_id in pair_ids:
                 await db.execute("DELETE FROM jobs WHERE key = ? AND status IN ('queued', 'failed')",
                                  (f"pair:{pair_id}",))
@@ -444,5 +446,6 @@ class CortexStore:
         self.storage.forget_cached(user_key=user_key, channel_ids=channels)
         self._prompt_files.clear()
         return ForgetReport(
-            len(list(messages)), len(list(summaries)), len(pair_ids), len(list(versions)), len(list(runs))
+            len(list(messages)), len(list(summaries)), len(pair_ids), len(list(versions)), len(list(runs)),
+            len(list(items)),
         )

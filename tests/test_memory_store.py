@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from bot.app import App
+from bot.commands import CommandContext
 from bot.config import parse_config
 from bot.ports import IncomingMessage
 from cortex.memory.embedders import HashEmbedder
@@ -232,3 +233,46 @@ def test_full_text_queries_drop_function_words_and_keep_a_long_texts_longest_wor
     assert len(terms) == 16 and terms[:2] == ['"w10"', '"w11"'] and terms[-2:] == [
         '"extraordinarily"', '"photosynthesis"']
     assert fts_query("") == "" and fts_query("!!! ???") == ""
+
+
+async def test_after_forget_me_reused_ids_never_show_another_users_messages(tmp_path: Path) -> None:
+    """SQLite reuses the ids of deleted rows: nothing cached for the forgotten user may surface the
+    messages of whoever gets those ids next."""
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "cortex": {"context_limit": 1000}})
+    async with App(config, llm=ScriptedProvider(), embedder=HashEmbedder()) as app:
+        def say(user: str, text: str):  # type: ignore[no-untyped-def]
+            return app.core.reply(IncomingMessage("console", f"dm-{user}", user, user.title(), text,
+                                                  is_dm=True)).text()
+
+        await say("carl", "hello")  # Carl came first: user 1, messages 1-2
+        await say("ann", "my garden has roses")  # Ann: user 2, messages 3-4
+        await app.cortex.embeddings.backfill()
+        ann = await app.storage.get_user("console:ann")
+        pair = await app.cortex.store.count_messages(ann.id, "Cora", 0)
+        assert await app.cortex.memory.search(pair.id, "roses garden", user_id=ann.id, persona="Cora")
+        context = CommandContext("console", "console:ann", "Ann", "console:dm-ann", "Cora", is_dm=True)
+        assert "Done" in (await app.commands.dispatch("!memory forget-me confirm", context)).text
+        await say("carl", "my bank PIN is 4821 and my garden has roses")
+        await app.cortex.embeddings.backfill()
+        await say("ann", "hello again")
+        ann = await app.storage.get_user("console:ann")
+        assert ann.id == 2  # the same id as before: what made stale caches dangerous
+        pair = await app.cortex.store.count_messages(ann.id, "Cora", 0)
+        hits = await app.cortex.memory.search(pair.id, "bank PIN garden roses", user_id=ann.id, persona="Cora")
+        assert not any("Carl" in h.text or "PIN" in h.text for h in hits)
+
+
+async def test_a_word_found_nowhere_does_not_hide_the_others(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import cortex.memory.store as store_module
+
+    monkeypatch.setattr(store_module, "COMMON_MATCHES", 5)
+    app, store, users, _ = await _setup(tmp_path)
+    try:
+        user, pair = users["ann"]
+        channel = await app.storage.upsert_channel("console:dm-ann", "dm", is_dm=True)
+        for i in range(8):
+            await app.storage.add_message(channel.id, user.id, "Cora", "user", "Ann", f"tea time {i}", 3)
+        hits = await store.search(pair.id, "tea qwertyuiop", user_id=user.id, persona="Cora")
+        assert hits and all("tea" in h.text for h in hits)  # the typo matches nothing; tea still counts
+    finally:
+        await app.stop()

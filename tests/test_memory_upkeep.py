@@ -85,6 +85,10 @@ async def test_pruning_rules_at_their_boundaries(tmp_path: Path) -> None:
         await store.restore(pair, expired)
         back = await store.get(pair, expired, count_access=False)
         assert back.archived_at is None and back.expires_at is None and back.visible
+        # a restored item starts afresh: the next pruning leaves it alone
+        await store.restore(pair, old_unused)
+        assert (await pruner.prune()).total == 0
+        assert (await store.get(pair, old_unused, count_access=False)).archived_at is None
 
 
 async def test_thresholds_are_configurable(tmp_path: Path) -> None:
@@ -109,7 +113,8 @@ async def test_admin_commands_prune_weights_budgets_embedder_and_stats(tmp_path:
     async with App(_config(tmp_path), llm=ScriptedProvider(), embedder=HashEmbedder()) as app:
         pair = await _pair(app)
         old = await app.cortex.memory.remember(pair, "Ann's secret diary entry")
-        await app.storage.write("UPDATE memory_items SET created_at = created_at - ? WHERE id = ?", (100 * DAY, old.id))
+        await app.storage.write("UPDATE memory_items SET created_at = created_at - ?, updated_at = updated_at - ?"
+                                " WHERE id = ?", (100 * DAY, 100 * DAY, old.id))
         admin = ctx(admin=True)
         for line in ("!cortex prune", "!cortex weights", "!cortex weights vector=1", "!cortex budgets",
                      "!cortex embedder"):

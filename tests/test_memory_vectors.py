@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import numpy as np
@@ -137,3 +138,52 @@ async def test_a_big_block_scanned_in_two_halves_gives_the_same_answer(monkeypat
     assert halves.keys() == whole.keys() and max(halves, key=lambda i: halves[i]) == 1333
     for key, value in whole.items():
         assert halves[key] == pytest.approx(value, abs=1e-5)
+
+
+async def test_vectors_added_while_a_block_loads_are_kept_and_a_cancelled_caller_cancels_nobody(
+        tmp_path: Path) -> None:
+    app = await _app(tmp_path)
+    try:
+        pair, ids, matrix = await _items(app, 4)
+        index = VectorIndex(app.storage, "m")
+        gate = asyncio.Event()
+        real_load = index._load
+
+        async def slow_load(scope):  # type: ignore[no-untyped-def]
+            await gate.wait()
+            return await real_load(scope)
+
+        index._load = slow_load  # type: ignore[method-assign]
+        first = asyncio.ensure_future(index.items(pair))
+        second = asyncio.ensure_future(index.items(pair))
+        await asyncio.sleep(0.01)
+        extra = normalize(np.ones((1, 8)))
+        index.add(("items", pair), [999], extra)  # the backfill writes while the block loads
+        first.cancel()  # a reply gives up: the load goes on for the other caller
+        gate.set()
+        block = await second
+        assert block.ids.tolist() == [*ids, 999] and np.array_equal(block.matrix[-1], extra[0])
+        assert (await index.items(pair)) is block  # cached, with the addition
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        # an invalidation during a load is not lost either
+        index.invalidate()
+        gate.clear()
+        loading = asyncio.ensure_future(index.items(pair))
+        await asyncio.sleep(0.01)
+        index.invalidate(("items", pair))
+        gate.set()
+        await loading
+        assert ("items", pair) not in index._blocks
+    finally:
+        await app.stop()
+
+
+def test_a_block_grows_without_copying_on_every_append() -> None:
+    block = Block(np.arange(3, dtype=np.int64), normalize(np.eye(3, 8)))
+    buffers = []
+    for n in range(3, 200):
+        block.append([n, 1], normalize(np.ones((2, 8))))  # id 1 is known: kept once
+        buffers.append(id(block._matrix))
+    assert block.ids.tolist() == list(range(200)) and block.matrix.shape == (200, 8)
+    assert len(set(buffers)) <= 4  # doubling: a handful of reallocations for 197 appends

@@ -220,3 +220,26 @@ async def test_another_process_summary_is_seen_after_the_cache_expires(tmp_path:
     assert latest is not None and latest.text == "from the other process"
     await first.close()
     await second.close()
+
+
+@pytest.mark.parametrize("cancel_after", [0, 1, 3])
+async def test_a_cancelled_transaction_leaves_the_connection_usable(storage: SQLiteStorage, cancel_after: int) -> None:
+    """Cancelled at any point (while BEGIN is still on aiosqlite's thread, or inside the body), the
+    connection ends up outside any transaction and nothing half-done is committed."""
+
+    async def writer() -> None:
+        async with storage.transaction() as db:
+            await db.execute("INSERT INTO settings (key, value, updated_at) VALUES ('half', 'done', 0)")
+            await asyncio.sleep(10)
+
+    task = asyncio.ensure_future(writer())
+    for _ in range(cancel_after):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not storage.db.in_transaction
+    assert await storage.get_setting("half") is None
+    async with storage.transaction() as db:  # and the next one works
+        await db.execute("INSERT INTO settings (key, value, updated_at) VALUES ('next', 'ok', 0)")
+    assert await storage.get_setting("next") == "ok"

@@ -20,6 +20,7 @@ Times are stored as UNIX seconds (REAL); the interface speaks UTC ``datetime``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import sqlite3
@@ -194,7 +195,16 @@ class SQLiteStorage:
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[aiosqlite.Connection]:
         async with self._tx_lock:
-            await self.db.execute("BEGIN IMMEDIATE")
+            begin = asyncio.ensure_future(self.db.execute("BEGIN IMMEDIATE"))
+            try:
+                await asyncio.shield(begin)
+            except asyncio.CancelledError:
+                # The BEGIN still runs on aiosqlite's thread: wait for it and undo it, or the connection
+                # would stay inside a transaction nobody ends.
+                with contextlib.suppress(Exception):
+                    await begin
+                    await self.db.execute("ROLLBACK")
+                raise
             try:
                 yield self.db
             except BaseException:

@@ -274,6 +274,7 @@ class OpenAIEmbedder:
         batch_size: int = 128,
         timeout: float = 60.0,
         max_retries: int = 2,
+        max_chars: int = 4000,
     ) -> None:
         if not model:
             raise ValueError("OpenAIEmbedder needs a model name")
@@ -283,6 +284,7 @@ class OpenAIEmbedder:
         self.name = f"openai:{model}"
         self.base_url = base_url
         self.batch_size = batch_size
+        self.max_chars = max_chars
         # Ollama and vLLM take any key; the SDK insists on one.
         self._api_key = api_key or os.environ.get("OPENAI_API_KEY") or "unused"
         self._dim = dim
@@ -361,8 +363,9 @@ class OpenAIEmbedder:
         items = _check_texts(texts)
         if not items:
             return np.zeros((0, self.dim), dtype=np.float32)
-        # Some servers reject empty strings; a single space embeds as "nothing" everywhere.
-        items = [text if text.strip() else " " for text in items]
+        # Some servers reject empty strings; a single space embeds as "nothing" everywhere. Long texts
+        # are cut (servers refuse what exceeds the model's context, which would stall the backfill).
+        items = [truncate_text(text, self.max_chars) if text.strip() else " " for text in items]
         parts = [self._request(items[i : i + self.batch_size]) for i in range(0, len(items), self.batch_size)]
         vectors = parts[0] if len(parts) == 1 else np.concatenate(parts)
         if self._dim is None:

@@ -138,13 +138,14 @@ class EmbeddingService:
         error = ""
         more = False
         try:
+            below: list[int | None] = [None]  # messages: each batch goes on below the last one
             while True:
                 if time.monotonic() - started >= limit:
                     more = True
                     break
                 done = await self._item_batch()
                 if not done and self.config.embed_messages:
-                    done = await self._message_batch()
+                    done = await self._message_batch(below)
                     messages += done
                 else:
                     items += done
@@ -201,25 +202,28 @@ class EmbeddingService:
             self.index.add(("items", pair_id), [int(rows[n]["id"]) for n in rows_of_pair], vectors[rows_of_pair])
         return len(rows)
 
-    async def _message_batch(self) -> int:
+    async def _message_batch(self, below: list[int | None]) -> int:
         rows = await self.storage.fetch_all(
             "SELECT m.id, m.user_id, m.persona, m.author_name, m.text, p.author_name AS before_author,"
             " p.text AS before_text FROM messages AS m LEFT JOIN message_vectors AS v ON v.message_id = m.id"
             " LEFT JOIN messages AS p ON p.id = (SELECT max(id) FROM messages"
             " WHERE channel_id = m.channel_id AND id < m.id)"
-            " WHERE m.user_id IS NOT NULL AND (v.model IS NULL OR v.model != ?) ORDER BY m.id DESC LIMIT ?",
-            (self.message_model, BATCH),
+            " WHERE m.user_id IS NOT NULL AND (v.model IS NULL OR v.model != ?) AND m.id < ?"
+            " ORDER BY m.id DESC LIMIT ?",
+            (self.message_model, below[0] if below[0] is not None else 2**62, BATCH),
         )
         if not rows:
             return 0
+        below[0] = int(rows[-1]["id"])
         vectors = await self._embed([
             message_text(str(r["author_name"]), str(r["text"]), r["before_author"], r["before_text"]) for r in rows
         ])
         async with self.storage.transaction() as db:
+            # Only while the message still exists with the same owner (forget-me may have run meanwhile).
             await db.executemany(
                 "INSERT OR REPLACE INTO message_vectors (message_id, user_id, persona, model, vector)"
-                " VALUES (?, ?, ?, ?, ?)",
-                [(int(r["id"]), int(r["user_id"]), str(r["persona"]), self.message_model, vectors[n].tobytes())
+                " SELECT id, user_id, persona, ?, ? FROM messages WHERE id = ? AND user_id = ? AND persona = ?",
+                [(self.message_model, vectors[n].tobytes(), int(r["id"]), int(r["user_id"]), str(r["persona"]))
                  for n, r in enumerate(rows)],
             )
         by_pair: dict[tuple[int, str], list[int]] = {}

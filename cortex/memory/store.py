@@ -431,8 +431,8 @@ class MemoryStore:
             marks = ",".join("?" for _ in missing)
             rows += await self.storage.fetch_all(
                 f"SELECT {MESSAGE_COLUMNS} FROM messages AS m JOIN channels AS c ON c.id = m.channel_id"
-                f" WHERE m.id IN ({marks})",
-                missing,
+                f" WHERE m.id IN ({marks}) AND m.user_id = ? AND m.persona = ?",  # never another user's
+                (*missing, user_id, persona),
             )
         candidates = []
         for row in rows:
@@ -475,10 +475,14 @@ class MemoryStore:
                 self._term_counts.clear()
             for term, count in zip(unknown, counts or (), strict=False):
                 self._term_counts[(table, term)] = (int(count), stamp)
-        rare = [t for t in terms if self._term_counts.get((table, t), (0, 0.0))[0] <= COMMON_MATCHES]
+        counted = {t: self._term_counts.get((table, t), (0, 0.0))[0] for t in terms}
+        found = [t for t in terms if counted[t] > 0]  # a word found nowhere (a typo) ranks nothing
+        rare = [t for t in found if counted[t] <= COMMON_MATCHES]
         if rare:
             return " OR ".join(rare), by_rank
-        return match, f"{table}.rowid DESC"
+        if found:
+            return " OR ".join(found), f"{table}.rowid DESC"
+        return match, by_rank  # nothing matches: the query is cheap
 
     def _rank(self, candidates: list[_Candidate], limit: int, now: float) -> list[Hit]:
         """One ranking: text and vector scores are normalised over all candidates, so items and messages

@@ -10,6 +10,7 @@ A run may write at most ``max_writes`` items, so a confused model cannot flood t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,7 +191,8 @@ class MemoryTools:
         category = _category(args, None)
         importance = _int(args, "importance", required=False, low=1, high=10) or 5
         days = args.get("expires_in_days")
-        if days is not None and (isinstance(days, bool) or not isinstance(days, (int, float)) or days <= 0):
+        if days is not None and (isinstance(days, bool) or not isinstance(days, (int, float))
+                                 or not math.isfinite(days) or days <= 0):
             raise BadArguments(f"'expires_in_days' must be a positive number, got {days!r}")
         tags = args.get("tags", [])
         if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):

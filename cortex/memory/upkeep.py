@@ -1,6 +1,7 @@
 """Forgetting: pruning of unused items and archiving of expired ones (a daily job and ``!cortex prune``).
 
-Rules (thresholds from ``[memory]``, ages counted from an item's creation, ``now`` from the injected
+Rules (thresholds from ``[memory]``, ages counted from an item's last change: its creation, or a
+user's pin, unpin or restore, so a restored item gets a fresh start; ``now`` from the injected
 clock): an item older than ``prune_unused_days`` that was never accessed, or older than
 ``prune_rarely_used_days`` and accessed fewer than ``prune_min_access`` times, is archived. Pinned
 items are exempt. Items past ``expires_at`` are hidden from search at once; this job also archives
@@ -68,8 +69,8 @@ class Pruner:
         rarely = f"used fewer than {c.prune_min_access} times in {c.prune_rarely_used_days:g} days"
         return [
             ("expired", "expires_at IS NOT NULL AND expires_at <= ?", (now,)),
-            (unused, "pinned = 0 AND access_count = 0 AND created_at < ?", (now - c.prune_unused_days * DAY,)),
-            (rarely, "pinned = 0 AND access_count < ? AND created_at < ?",
+            (unused, "pinned = 0 AND access_count = 0 AND updated_at < ?", (now - c.prune_unused_days * DAY,)),
+            (rarely, "pinned = 0 AND access_count < ? AND updated_at < ?",
              (c.prune_min_access, now - c.prune_rarely_used_days * DAY)),
         ]
 

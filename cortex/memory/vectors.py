@@ -32,12 +32,53 @@ Scope = ItemScope | MessageScope
 PAGE = 4096
 THREAD_ABOVE = 20_000  # vectors: bigger matrices are scored on a worker thread
 TYPICAL_MIN = 30  # vectors needed to estimate a query's typical similarity from their spread
+MAX_CACHED_VECTORS = 150_000  # over all cached scopes (~230 MB at 384 dimensions); least recently used go
 
 
-@dataclass(slots=True)
 class Block:
-    ids: npt.NDArray[np.int64]
-    matrix: npt.NDArray[np.float32]
+    """One scope's vectors: ``ids`` and ``matrix`` are views of buffers that grow by doubling, so the
+    backfill's small additions cost no copy of the whole matrix."""
+
+    __slots__ = ("_ids", "_matrix", "_size", "_known")
+
+    def __init__(self, ids: npt.NDArray[np.int64], matrix: npt.NDArray[np.float32]) -> None:
+        self._ids = ids
+        self._matrix = matrix
+        self._size = len(ids)
+        self._known: set[int] | None = None  # built on the first append only
+
+    @property
+    def ids(self) -> npt.NDArray[np.int64]:
+        return self._ids[: self._size]
+
+    @property
+    def matrix(self) -> npt.NDArray[np.float32]:
+        return self._matrix[: self._size]
+
+    def append(self, ids: Sequence[int], vectors: npt.NDArray[np.float32]) -> None:
+        if not len(ids):
+            return
+        if not self._size or self._matrix.shape[1] != vectors.shape[1]:  # empty, or another dimension
+            self._ids, self._matrix, self._size = np.asarray(ids, dtype=np.int64), vectors.copy(), len(ids)
+            self._known = None
+            return
+        if self._known is None:
+            self._known = set(self.ids.tolist())
+        keep = [n for n, i in enumerate(ids) if i not in self._known]
+        if not keep:
+            return
+        need = self._size + len(keep)
+        if need > len(self._ids):
+            capacity = max(need, 2 * len(self._ids), 64)
+            grown_ids = np.zeros(capacity, dtype=np.int64)
+            grown_ids[: self._size] = self.ids
+            grown = np.zeros((capacity, self._matrix.shape[1]), dtype=np.float32)
+            grown[: self._size] = self.matrix
+            self._ids, self._matrix = grown_ids, grown
+        self._ids[self._size:need] = [ids[n] for n in keep]
+        self._matrix[self._size:need] = vectors[keep]
+        self._size = need
+        self._known.update(ids[n] for n in keep)
 
     def top(self, query: npt.NDArray[np.float32], k: int) -> dict[int, float]:
         """The ``k`` best ids, each with how far its cosine similarity to ``query`` rises above what is
@@ -105,14 +146,19 @@ def _empty() -> Block:
 
 class VectorIndex:
     def __init__(
-        self, storage: SQLiteStorage, model: str, *, message_model: str | None = None, max_scopes: int = 256
+        self, storage: SQLiteStorage, model: str, *, message_model: str | None = None,
+        max_vectors: int = MAX_CACHED_VECTORS,
     ) -> None:
         self.storage = storage
         self.model = model  # the tag of item vectors
         self.message_model = message_model or model  # the tag of message vectors
-        self.max_scopes = max_scopes
+        self.max_vectors = max_vectors
         self._blocks: OrderedDict[Scope, Block] = OrderedDict()
-        self._loading: dict[Scope, asyncio.Future[Block]] = {}
+        self._loading: dict[Scope, asyncio.Task[Block]] = {}
+        # While a scope loads, what the backfill adds meanwhile (applied after) and whether it was
+        # invalidated (then the loaded block is not kept).
+        self._pending: dict[Scope, list[tuple[list[int], npt.NDArray[np.float32]]]] = {}
+        self._stale: set[Scope] = set()
 
     async def items(self, pair_id: int) -> Block:
         return await self._block(("items", pair_id))
@@ -125,24 +171,37 @@ class VectorIndex:
         if block is not None:
             self._blocks.move_to_end(scope)
             return block
-        pending = self._loading.get(scope)
-        if pending is not None:  # another search is loading it: share the load
-            return await asyncio.shield(pending)
-        future: asyncio.Future[Block] = asyncio.get_running_loop().create_future()
-        self._loading[scope] = future
+        task = self._loading.get(scope)
+        if task is None:
+            # The load is a task of its own that every caller shields: a caller that is cancelled
+            # (a reply abandoned, a job losing its lease) never cancels the load for the others.
+            task = asyncio.ensure_future(self._load_and_keep(scope))
+            self._loading[scope] = task
+            self._pending[scope] = []
+        return await asyncio.shield(task)
+
+    async def _load_and_keep(self, scope: Scope) -> Block:
         try:
             block = await self._load(scope)
-            self._blocks[scope] = block
-            if len(self._blocks) > self.max_scopes:
-                self._blocks.popitem(last=False)
-            future.set_result(block)
+            for ids, vectors in self._pending.get(scope, []):
+                block.append(ids, vectors)
+            if scope not in self._stale:
+                self._blocks[scope] = block
+                self._evict(keep=scope)
             return block
-        except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # retrieved: no "never retrieved" warning when nobody else waited
-            raise
         finally:
             del self._loading[scope]
+            self._pending.pop(scope, None)
+            self._stale.discard(scope)
+
+    def _evict(self, keep: Scope) -> None:
+        """Drop least recently used scopes while the cache holds more than ``max_vectors`` vectors."""
+        total = sum(len(b.ids) for b in self._blocks.values())
+        for scope in list(self._blocks):
+            if total <= self.max_vectors:
+                break
+            if scope != keep:
+                total -= len(self._blocks.pop(scope).ids)
 
     def _where(self, scope: Scope) -> tuple[str, str, str, tuple[object, ...]]:
         """(id column, vector column, FROM … WHERE …, parameters) of a scope's vectors."""
@@ -185,24 +244,21 @@ class VectorIndex:
         return Block(ids[:filled], matrix[:filled])
 
     def add(self, scope: Scope, ids: Sequence[int], vectors: npt.NDArray[np.float32]) -> None:
-        """Grow a cached scope with freshly stored vectors (an uncached scope loads them later)."""
-        block = self._blocks.get(scope)
-        if block is None or not len(ids):
+        """Grow a cached (or loading) scope with freshly stored vectors; an uncached scope loads them later."""
+        if not len(ids):
             return
         vectors = vectors.astype(np.float32)
-        if not len(block.ids) or block.matrix.shape[1] != vectors.shape[1]:
-            block.ids = np.asarray(ids, dtype=np.int64)
-            block.matrix = vectors
-            return
-        known = set(block.ids.tolist())
-        keep = [n for n, i in enumerate(ids) if i not in known]
-        if not keep:
-            return
-        block.ids = np.concatenate([block.ids, np.asarray([ids[n] for n in keep], dtype=np.int64)])
-        block.matrix = np.concatenate([block.matrix, vectors[keep]])
+        if scope in self._pending:
+            self._pending[scope].append((list(ids), vectors))
+        block = self._blocks.get(scope)
+        if block is not None:
+            block.append(ids, vectors)
 
     def invalidate(self, scope: Scope | None = None) -> None:
         if scope is None:
             self._blocks.clear()
+            self._stale.update(self._loading)
         else:
             self._blocks.pop(scope, None)
+            if scope in self._loading:
+                self._stale.add(scope)
