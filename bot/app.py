@@ -134,6 +134,8 @@ class App:
         self._started = False
         try:
             await self.scheduler.aclose()
+            if self.cortex.embeddings is not None:
+                self.cortex.embeddings.close()
             await self.workers.stop(grace)
             await self.storage.set_setting(self._calibration_key, f"{self.estimator.factor:.4f}")
         finally:

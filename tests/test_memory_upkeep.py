@@ -241,3 +241,23 @@ async def test_an_openai_compatible_embedder_from_the_config(tmp_path: Path, fak
         assert down.error and "sk-embed-secret" not in down.error
         assert [h.id for h in await app.cortex.memory.search(pair, "Peru")]  # text still finds it
         assert "Last error" in (await run(app, "!cortex embedder", ctx(admin=True))).text
+
+
+async def test_the_backfill_embeds_on_a_low_priority_thread_of_its_own(tmp_path: Path) -> None:
+    import os
+    import threading
+
+    seen: list[tuple[str, int]] = []
+
+    class Watching(HashEmbedder):
+        def embed(self, texts):  # type: ignore[no-untyped-def]
+            niceness = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            seen.append((threading.current_thread().name, niceness))
+            return super().embed(texts)
+
+    async with App(_config(tmp_path), llm=ScriptedProvider(), embedder=Watching()) as app:
+        pair = await _pair(app)
+        await app.cortex.memory.remember(pair, "Ann collects stamps")
+        await app.cortex.embeddings.backfill()
+    assert seen and seen[0][0].startswith("embed-backfill")
+    assert seen[0][1] > os.getpriority(os.PRIO_PROCESS, 0)  # nicer than the event loop's thread

@@ -2,9 +2,10 @@
 
 * **Backfill** (a scheduler job, every ``memory.backfill_seconds``): items without a vector of the
   current embedder, then the pairs' messages (newest first) when ``memory.embed_messages``, in small
-  batches on a worker thread, for at most ``memory.backfill_max_seconds`` per run. New items are
-  searchable by text at once and by meaning once the backfill reached them. A changed embedder makes
-  every stored vector stale (each carries the embedder's name), so the same job re-embeds everything,
+  batches on a thread of its own at lower CPU priority, for at most ``memory.backfill_max_seconds``
+  per run. New items are searchable by text at once and by meaning once the backfill reached them.
+  A changed embedder makes every stored vector stale (each carries the embedder's name), so the same
+  job re-embeds everything,
   reporting progress in the log and in :meth:`EmbeddingService.status` (``!cortex embedder``).
 * **Queries** (the reply path and ``!memory search``): one embedding on a second embedder instance,
   so a query never queues behind a backfill batch; bounded by ``memory.query_timeout_seconds``, after
@@ -18,8 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +37,7 @@ from cortex.memory.vectors import VectorIndex
 log = logging.getLogger(__name__)
 
 BATCH = 16
+BACKFILL_NICENESS = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +64,15 @@ class EmbedderStatus:
     @property
     def pending(self) -> int:
         return self.items_total - self.items_embedded + self.messages_total - self.messages_embedded
+
+
+def _lower_priority() -> None:
+    """Give the backfill's thread a lower CPU priority (Linux: per thread), so on a small machine the
+    event loop and query embeddings win when they compete with bulk embedding."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKFILL_NICENESS)
+    except (AttributeError, OSError):  # not Linux, or not allowed: run at normal priority
+        pass
 
 
 def build_embedders(config: MemoryConfig) -> tuple[Embedder, Embedder] | None:
@@ -99,6 +113,12 @@ class EmbeddingService:
         self.last_error = ""
         self._rate = 0.0
         self._query_failures = 0
+        self._executor: ThreadPoolExecutor | None = None  # the backfill's own, low-priority thread
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
 
     @property
     def model(self) -> str:
@@ -175,7 +195,9 @@ class EmbeddingService:
         return 100.0 if not total else 100.0 * (total - status.pending) / total
 
     async def _embed(self, texts: list[str]) -> npt.NDArray[np.float32]:
-        vectors = await asyncio.to_thread(self.embedder.embed, texts)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="embed-backfill", initializer=_lower_priority)
+        vectors = await asyncio.get_running_loop().run_in_executor(self._executor, self.embedder.embed, texts)
         if vectors.ndim != 2 or vectors.shape[0] != len(texts):
             raise EmbedderError(f"the embedder returned vectors of shape {vectors.shape} for {len(texts)} texts")
         return vectors.astype(np.float32)
