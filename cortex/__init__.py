@@ -21,7 +21,7 @@ from cortex.memory.commands import MemoryCommands
 from cortex.memory.embedders import Embedder
 from cortex.memory.embedding import EmbeddingService, build_embedders, message_model
 from cortex.memory.section import KnowledgeSection
-from cortex.memory.store import MemoryStore, Weights
+from cortex.memory.store import MemoryStore, configured_weights
 from cortex.memory.upkeep import Pruner
 from cortex.memory.vectors import VectorIndex
 from cortex.section import CortexSection
@@ -68,18 +68,19 @@ def build_cortex(
     job_files = CortexFiles(job_store, config.cortex.file_max_chars)
     section = CortexSection(store, estimator, config.cortex.prompt_tokens, resolver)
     memory_config = config.memory
-    weights = Weights(memory_config.weight_vector, memory_config.weight_text, memory_config.weight_importance,
-                      memory_config.weight_recency, memory_config.weight_access)
     pair_embedders = (embedder, embedder) if embedder is not None else build_embedders(memory_config)
     embeddings = None
     if pair_embedders is not None:
         name = pair_embedders[0].name
         index = VectorIndex(storage, name, message_model=message_model(name), max_vectors=memory_config.vector_cache)
         embeddings = EmbeddingService(job_storage or storage, *pair_embedders, index, memory_config)
-    memory = MemoryStore(storage, weights=weights, half_life_days=memory_config.half_life_days,
-                         candidates=memory_config.candidates, embeddings=embeddings)
-    job_memory = MemoryStore(job_storage or storage, weights=weights, half_life_days=memory_config.half_life_days,
-                             candidates=memory_config.candidates, embeddings=embeddings)
+
+    def memory_store(on: SQLiteStorage) -> MemoryStore:
+        return MemoryStore(on, weights=configured_weights(memory_config), half_life_days=memory_config.half_life_days,
+                           candidates=memory_config.candidates, embeddings=embeddings)
+
+    memory = memory_store(storage)
+    job_memory = memory_store(job_storage or storage)
     updater = CortexUpdater(
         config, job_store, job_files, SettingsResolver(config.cortex, job_store), llm, estimator, job_memory
     )

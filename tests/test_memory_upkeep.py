@@ -3,7 +3,6 @@ clock), expiry, restore, the report, weights, budgets, embedder status, jobs in 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -17,17 +16,10 @@ from cortex.memory.upkeep import Pruner
 from tests.fakes.llm_server import FakeLLMServer
 from tests.fakes.provider import ScriptedProvider
 from tests.test_cortex_commands import ctx, run
+from tests.test_memory_store import Clock
 
 DAY = 86_400.0
 SECOND = 1.0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = time.time()
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _config(tmp_path: Path, **memory: object):

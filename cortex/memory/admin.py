@@ -16,7 +16,7 @@ from bot.config import Config
 from bot.scheduler import Scheduler
 from bot.storage.sqlite import SQLiteStorage
 from cortex.memory.embedding import EmbeddingService
-from cortex.memory.store import MemoryStore, Weights
+from cortex.memory.store import MemoryStore, Weights, configured_weights
 from cortex.memory.upkeep import Pruner
 from cortex.settings import SettingsResolver
 from cortex.store import CortexStore
@@ -94,8 +94,7 @@ class MemoryAdminCommands:
             return (f"Search weights: {_weights_line(current)}. Each signal is scaled to 0-1 first; "
                     f"half-life of recency: {self.config.memory.half_life_days:g} days.")
         if list(args) == ["default"]:
-            c = self.config.memory
-            weights = Weights(c.weight_vector, c.weight_text, c.weight_importance, c.weight_recency, c.weight_access)
+            weights = configured_weights(self.config.memory)
             await self.storage.set_setting(WEIGHTS_SETTING, "")
         else:
             weights = parse_weights(args, current)

@@ -20,7 +20,7 @@ import json
 import math
 import re
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from bot.config import MemoryConfig
 from bot.storage.sqlite import SQLiteStorage
 
 if TYPE_CHECKING:
@@ -78,6 +79,12 @@ class Weights:
     importance: float = 0.15
     recency: float = 0.10
     access: float = 0.05
+
+
+def configured_weights(config: MemoryConfig) -> Weights:
+    """The search weights of the ``[memory]`` section."""
+    return Weights(config.weight_vector, config.weight_text, config.weight_importance, config.weight_recency,
+                   config.weight_access)
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,21 +356,19 @@ class MemoryStore:
     async def _item_candidates(
         self, pair_id: int, match: str, vector: npt.NDArray[np.float32] | None, now: float
     ) -> list[_Candidate]:
-        found: dict[int, Any] = {}  # rows the full-text query already brought
+        visible = "m.pair_id = ? AND m.archived_at IS NULL AND m.superseded_by IS NULL" \
+                  " AND (m.expires_at IS NULL OR m.expires_at > ?)"
 
-        async def by_text() -> dict[int, float]:
+        async def by_text() -> list[Any]:
             if not match:
-                return {}
+                return []
             item_match, order = await self._bounded("memory_fts", match)
-            rows = await self.storage.fetch_all(
+            return await self.storage.fetch_all(
                 f"SELECT {ITEM_COLUMNS_M}, bm25(memory_fts) AS rank FROM memory_fts"
-                " JOIN memory_items AS m ON m.id = memory_fts.rowid"
-                " WHERE memory_fts MATCH ? AND m.pair_id = ? AND m.archived_at IS NULL AND m.superseded_by IS NULL"
-                f" AND (m.expires_at IS NULL OR m.expires_at > ?) ORDER BY {order} LIMIT ?",
+                f" JOIN memory_items AS m ON m.id = memory_fts.rowid WHERE memory_fts MATCH ? AND {visible}"
+                f" ORDER BY {order} LIMIT ?",
                 (item_match, pair_id, now, self.candidates),
             )
-            found.update((int(r["id"]), r) for r in rows)
-            return {int(r["id"]): max(-float(r["rank"]), 0.0) for r in rows}
 
         async def by_vector() -> dict[int, float]:
             if vector is None or self.embeddings is None:
@@ -371,16 +376,14 @@ class MemoryStore:
             # Hidden items may sit in the matrix: take more than needed, the fetch below filters.
             return await (await self.embeddings.index.items(pair_id)).top_async(vector, self.candidates * 2)
 
-        text_scores, vector_scores = await asyncio.gather(by_text(), by_vector())
-        rows = list(found.values())
-        missing = sorted(set(vector_scores) - set(found))
-        if missing:
-            marks = ",".join("?" for _ in missing)
-            rows += await self.storage.fetch_all(
-                f"SELECT {ITEM_COLUMNS} FROM memory_items WHERE id IN ({marks}) AND pair_id = ?"
-                " AND archived_at IS NULL AND superseded_by IS NULL AND (expires_at IS NULL OR expires_at > ?)",
-                (*missing, pair_id, now),
+        async def fetch(ids: list[int]) -> list[Any]:
+            marks = ",".join("?" for _ in ids)
+            return await self.storage.fetch_all(
+                f"SELECT {ITEM_COLUMNS_M} FROM memory_items AS m WHERE m.id IN ({marks}) AND {visible}",
+                (*ids, pair_id, now),
             )
+
+        rows, text_scores, vector_scores = await self._candidate_rows(by_text(), by_vector(), fetch)
         most_accessed = max((int(r["access_count"]) for r in rows), default=0)
         scale = math.log1p(most_accessed) if most_accessed else 0.0
         candidates = []
@@ -401,11 +404,9 @@ class MemoryStore:
         self, user_id: int, persona: str, match: str, vector: npt.NDArray[np.float32] | None, now: float,
         exclude: set[int],
     ) -> list[_Candidate]:
-        found: dict[int, Any] = {}  # rows the full-text query already brought
-
-        async def by_text() -> dict[int, float]:
+        async def by_text() -> list[Any]:
             if not match:
-                return {}
+                return []
             message_match, order = await self._bounded("messages_fts", match)
             rows = await self.storage.fetch_all(
                 f"SELECT {MESSAGE_COLUMNS}, bm25(messages_fts) AS rank FROM messages_fts"
@@ -413,9 +414,7 @@ class MemoryStore:
                 f" WHERE messages_fts MATCH ? AND m.user_id = ? AND m.persona = ? ORDER BY {order} LIMIT ?",
                 (message_match, user_id, persona, self.candidates + len(exclude)),
             )
-            rows = [r for r in rows if int(r["id"]) not in exclude]
-            found.update((int(r["id"]), r) for r in rows)
-            return {int(r["id"]): max(-float(r["rank"]), 0.0) for r in rows}
+            return [r for r in rows if int(r["id"]) not in exclude]
 
         async def by_vector() -> dict[int, float]:
             if vector is None or self.embeddings is None:
@@ -424,16 +423,15 @@ class MemoryStore:
             found = await block.top_async(vector, self.candidates + len(exclude))
             return {i: v for i, v in found.items() if i not in exclude}
 
-        text_scores, vector_scores = await asyncio.gather(by_text(), by_vector())
-        rows = list(found.values())
-        missing = sorted(set(vector_scores) - set(found))
-        if missing:
-            marks = ",".join("?" for _ in missing)
-            rows += await self.storage.fetch_all(
+        async def fetch(ids: list[int]) -> list[Any]:
+            marks = ",".join("?" for _ in ids)
+            return await self.storage.fetch_all(
                 f"SELECT {MESSAGE_COLUMNS} FROM messages AS m JOIN channels AS c ON c.id = m.channel_id"
                 f" WHERE m.id IN ({marks}) AND m.user_id = ? AND m.persona = ?",  # never another user's
-                (*missing, user_id, persona),
+                (*ids, user_id, persona),
             )
+
+        rows, text_scores, vector_scores = await self._candidate_rows(by_text(), by_vector(), fetch)
         candidates = []
         for row in rows:
             message_id = int(row["id"])
@@ -443,6 +441,20 @@ class MemoryStore:
                 signals["vector_raw"] = vector_scores[message_id]
             candidates.append(_Candidate("message", message_id, signals, row))
         return candidates
+
+    @staticmethod
+    async def _candidate_rows(
+        text: Awaitable[list[Any]], vector: Awaitable[dict[int, float]],
+        fetch: Callable[[list[int]], Awaitable[list[Any]]],
+    ) -> tuple[list[Any], dict[int, float], dict[int, float]]:
+        """The rows of the union of full-text and vector candidates, with their raw text and vector scores
+        by id. Both run concurrently; the full-text query brings its own rows (with a ``rank`` column),
+        so only vector-only candidates are fetched, through ``fetch`` (which also checks visibility)."""
+        text_rows, vector_scores = await asyncio.gather(text, vector)
+        text_scores = {int(r["id"]): max(-float(r["rank"]), 0.0) for r in text_rows}
+        missing = sorted(set(vector_scores) - set(text_scores))
+        rows = list(text_rows) + (await fetch(missing) if missing else [])
+        return rows, text_scores, vector_scores
 
     async def _bounded(self, table: str, match: str) -> tuple[str, str]:
         """The MATCH expression and ORDER BY that keep a full-text query's cost bounded.
