@@ -5,18 +5,32 @@ It only translates. A ``discord.Message`` becomes a :class:`bot.policy.Inbound` 
 (a DM for text commands, ephemeral for slash commands). Slash commands are built from the same
 command layer: each one composes the equivalent ``!…`` line and dispatches it. Everything the bot
 sends carries ``AllowedMentions.none()``: no @everyone, @here, role or user pings, ever.
+
+Sharding: with ``[discord] shard_count`` the client is discord.py's :class:`discord.AutoShardedClient`
+running ``shard_ids`` (all shards when unset), so a fleet of processes splits the shards between them.
+Slash commands are synced by one process only: the one whose shards include shard 0, or an unsharded
+one (:func:`syncs_commands`); the others log that they skip it.
+
+Testing aid (never set it in production): when the environment variable ``CORTEXBOT_DISCORD_API_BASE``
+is set (e.g. ``http://127.0.0.1:8800/api/v10``), :meth:`DiscordAdapter.run` points discord.py's
+``Route.BASE`` at it, and the gateway websocket at ``CORTEXBOT_DISCORD_GATEWAY`` when that is set, else
+at the ``url`` the server's ``GET /gateway/bot`` answers. That lets a ``cortexbot run`` subprocess talk
+to the fake Discord of ``tests/fakes/discord_server.py``; it logs a warning when in use.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import os
 import re
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
+import aiohttp
 import discord
+import yarl
 from discord import app_commands
 
 from bot.app import App
@@ -34,6 +48,8 @@ log = logging.getLogger(__name__)
 PLATFORM = "discord"
 LIMIT = 2000
 NO_PINGS = discord.AllowedMentions.none()
+API_BASE_ENV = "CORTEXBOT_DISCORD_API_BASE"  # testing aids: see the module docstring
+GATEWAY_ENV = "CORTEXBOT_DISCORD_GATEWAY"
 INTENTS_HELP = (
     "Discord refused the message content intent. Open https://discord.com/developers/applications → your "
     "application → Bot → Privileged Gateway Intents, switch on MESSAGE CONTENT INTENT, save, and start again."
@@ -44,6 +60,49 @@ def default_intents() -> discord.Intents:
     intents = discord.Intents.default()
     intents.message_content = True  # privileged: must be enabled in the developer portal
     return intents
+
+
+def build_client(config: DiscordConfig, intents: discord.Intents) -> discord.Client:
+    """A plain client, or with ``shard_count`` the auto-sharded one running ``shard_ids`` (all when unset)."""
+    if config.shard_count is None:
+        return discord.Client(intents=intents, allowed_mentions=NO_PINGS)
+    sharding: dict[str, Any] = {"shard_count": config.shard_count}
+    if config.shard_ids is not None:
+        sharding["shard_ids"] = config.shard_ids
+    return discord.AutoShardedClient(intents=intents, allowed_mentions=NO_PINGS, **sharding)
+
+
+def syncs_commands(config: DiscordConfig) -> bool:
+    """Whether this process syncs the slash commands: one process per fleet, the one running shard 0."""
+    return config.shard_count is None or config.shard_ids is None or 0 in config.shard_ids
+
+
+def _shards_label(config: DiscordConfig) -> str:
+    if config.shard_count is None:
+        return "unsharded"
+    if config.shard_ids is None:
+        return f"all {config.shard_count} shard(s)"
+    return f"shard(s) {', '.join(map(str, config.shard_ids))} of {config.shard_count}"
+
+
+async def redirect_for_tests(environ: Mapping[str, str], token: str) -> bool:
+    """Testing aid (see the module docstring): point discord.py at a fake Discord. True when redirected."""
+    base = environ.get(API_BASE_ENV, "").strip().rstrip("/")
+    if not base:
+        return False
+    log.warning("Discord: $%s is set: talking to %s instead of Discord (a testing aid)", API_BASE_ENV, base)
+    discord.http.Route.BASE = base
+    gateway = environ.get(GATEWAY_ENV, "").strip() or await _bot_gateway(base, token)
+    discord.gateway.DiscordWebSocket.DEFAULT_GATEWAY = yarl.URL(gateway)
+    return True
+
+
+async def _bot_gateway(base: str, token: str) -> str:
+    """The gateway URL the (fake) server names in ``GET /gateway/bot``."""
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{base}/gateway/bot", headers={"Authorization": f"Bot {token}"}) as response:
+            response.raise_for_status()
+            return str((await response.json())["url"])
 
 
 def _as_file(name: str, data: bytes) -> discord.File:
@@ -138,7 +197,7 @@ class DiscordAdapter:
     def __init__(self, app: App, config: DiscordConfig, *, intents: discord.Intents | None = None) -> None:
         self.app = app
         self.config = config
-        self.bot = discord.Client(intents=intents or default_intents(), allowed_mentions=NO_PINGS)
+        self.bot = build_client(config, intents or default_intents())
         self.tree = app_commands.CommandTree(self.bot)
         self.bot.event(self.on_message)
         self.bot.event(self.on_ready)
@@ -147,6 +206,7 @@ class DiscordAdapter:
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def run(self, token: str) -> None:
+        await redirect_for_tests(os.environ, token)
         try:
             async with self.bot:
                 await self.bot.start(token)
@@ -156,8 +216,13 @@ class DiscordAdapter:
             raise RuntimeError(f"Discord rejected the bot token (from ${self.config.token_env}).") from None
 
     async def on_ready(self) -> None:
-        log.info("Discord: logged in as %s in %d server(s)", self.bot.user, len(self.bot.guilds))
+        log.info("Discord: logged in as %s in %d server(s), %s", self.bot.user, len(self.bot.guilds),
+                 _shards_label(self.config))
         if not self.config.sync_commands:
+            return
+        if not syncs_commands(self.config):
+            log.info("Discord: not syncing slash commands: %s do not include shard 0, whose process syncs them",
+                     _shards_label(self.config))
             return
         if self.config.test_guild_ids:
             for guild_id in self.config.test_guild_ids:

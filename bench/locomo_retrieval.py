@@ -1,7 +1,7 @@
 """Evidence recall of the project's memory search on LoCoMo, side by side with a plain BM25 baseline.
 
 Every turn of each LoCoMo conversation is stored as a message through the project's own storage
-(``SQLiteStorage.add_message``: the speaker as author, the session's date as its time, a few seconds
+(``Storage.add_message``: the speaker as author, the session's date as its time, a few seconds
 per turn to keep the order; an image turn's caption appended as ``[shares <caption>]``). Each
 conversation is one user (``locomo:<sample_id>``, named after speaker A) with persona Cora in a DM
 channel of its own, so a search sees only its own conversation. The messages are embedded by the

@@ -17,7 +17,7 @@ from bot.llm import create_provider
 from bot.llm.base import LLMProvider
 from bot.router import Router
 from bot.scheduler import Scheduler
-from bot.storage.sqlite import SQLiteStorage, open_storage
+from bot.storage import Storage, open_storage
 from bot.summary import JOB_KIND as SUMMARY_JOB
 from bot.summary import SummaryEngine
 from bot.tokens import BPETokenEstimator
@@ -62,13 +62,14 @@ class App:
 
     async def start(self, *, workers: bool = True) -> App:
         self.llm = self._llm or build_provider(self.config)
-        self.storage: SQLiteStorage = await open_storage(self.config.storage.url)
+        url, password = self.config.storage.resolve()
+        self.storage: Storage = await open_storage(url, password=password, pool_size=self.config.storage.pool_size)
         try:
             applied = await self.storage.migrate()
             if applied:
                 log.info("database migrated to version %d", applied[-1])
             for persona in self.config.personas:
-                await self.storage.upsert_persona(persona.name)
+                await self.storage.upsert_persona(persona.name, persona.language)
             self.estimator = BPETokenEstimator(
                 margin=self.config.history.token_margin, factor=await self._load_calibration()
             )
@@ -94,6 +95,7 @@ class App:
                 self.queue,
                 {SUMMARY_JOB: self.summaries.run_job, CORTEX_JOB: self.cortex.updater.run_job},
                 storage=self.job_storage,
+                pid_checks=not self.storage.db.shared_across_hosts,
             )
             self.scheduler = Scheduler()
             self.cortex.memory_admin.scheduler = self.scheduler

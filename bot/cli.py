@@ -16,7 +16,7 @@ import click
 
 from bot.config import Config, ConfigError, load_config, read_secret, resolve_config_path
 from bot.llm.errors import LLMError
-from bot.storage.sqlite import StorageError
+from bot.storage import StorageError
 
 T = TypeVar("T")
 
@@ -200,9 +200,10 @@ def migrate(ctx: click.Context) -> None:
     setup_logging("WARNING")
 
     async def main() -> list[int]:
-        from bot.storage.sqlite import open_storage
+        from bot.storage import open_storage
 
-        storage = await open_storage(config.storage.url)
+        url, password = config.storage.resolve()
+        storage = await open_storage(url, password=password, pool_size=config.storage.pool_size)
         try:
             return await storage.migrate()
         finally:
@@ -210,7 +211,7 @@ def migrate(ctx: click.Context) -> None:
 
     try:
         applied = _run_async(main)
-    except StorageError as exc:
+    except (StorageError, ConfigError) as exc:
         raise click.ClickException(str(exc)) from None
     if applied:
         click.echo(f"applied migration(s) {', '.join(map(str, applied))} to {config.storage.url}")
@@ -269,14 +270,15 @@ async def _doctor_embedder(config: Config, report: Callable[..., None]) -> None:
 
 async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
     from bot.app import build_provider
-    from bot.storage.sqlite import open_storage
+    from bot.storage import open_storage
     from bot.tokens import BPETokenEstimator
 
     try:
-        storage = await open_storage(config.storage.url)
+        url, password = config.storage.resolve()
+        storage = await open_storage(url, password=password, pool_size=config.storage.pool_size)
         try:
             pending = await storage.pending_migrations()
-            await storage.db.execute("CREATE TEMP TABLE doctor_probe (x)")
+            await storage.check_writable()
         finally:
             await storage.close()
         report(

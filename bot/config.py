@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import platformdirs
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 SOUL_SECTIONS: tuple[str, ...] = (
     "identity",
@@ -60,21 +62,79 @@ class BotConfig(_Section):
 
 
 class StorageConfig(_Section):
-    url: str = Field(default_factory=default_database_url, description="sqlite:///path/to/bot.db")
+    url: str = Field(
+        default_factory=default_database_url,
+        description="sqlite:///path/to/bot.db (default) or postgresql://user@host:5432/dbname",
+    )
+    url_env: str = Field(default="", description="Environment variable holding the whole URL (overrides url).")
+    password_env: str = Field(
+        default="", description="Environment variable holding the PostgreSQL password (else PGPASSWORD)."
+    )
+    pool_size: int = Field(default=10, ge=1, le=200, description="PostgreSQL: connections per process.")
 
     @field_validator("url")
     @classmethod
     def _known_scheme(cls, value: str) -> str:
-        if not value.startswith("sqlite:///"):
+        value = check_storage_url(value)
+        if value.startswith("postgres") and urlsplit(value).password:
             raise ValueError(
-                "only sqlite URLs are supported so far; write it as sqlite:///path/to/bot.db "
-                "(three slashes, then the path)"
+                "the URL holds a password, and the config file is no place for it: remove it from the URL and "
+                "put it in an environment variable named by [storage] password_env (or PGPASSWORD), or the "
+                "whole URL in one named by [storage] url_env"
             )
         return value
+
+    @field_validator("url_env", "password_env")
+    @classmethod
+    def _env_name(cls, value: str) -> str:
+        if value and not ENV_NAME.fullmatch(value):
+            raise ValueError(f"{value!r} is not an environment variable name (letters, digits, _)")
+        return value
+
+    def resolve(self, env: Mapping[str, str] | None = None) -> tuple[str, str | None]:
+        """The URL to open (``url_env``'s value when set) and the PostgreSQL password from the environment."""
+        env = os.environ if env is None else env
+        url = self.url
+        if self.url_env:
+            value = env.get(self.url_env, "").strip()
+            if not value:
+                raise ConfigError(f"[storage] url_env names {self.url_env}, but that environment variable is empty")
+            try:
+                url = check_storage_url(value)
+            except ValueError as exc:
+                raise ConfigError(f"the storage URL in ${self.url_env}: {exc}") from None
+        password = env.get(self.password_env) if self.password_env else None
+        if self.password_env and not password:
+            raise ConfigError(f"[storage] password_env names {self.password_env}, but that variable is not set")
+        return url, password
 
     @property
     def sqlite_path(self) -> Path:
         return Path(self.url.removeprefix("sqlite:///")).expanduser()
+
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def check_storage_url(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("the storage URL contains a NUL character")
+    if value.startswith("sqlite:///"):
+        if len(value) == len("sqlite:///"):
+            raise ValueError("the sqlite URL names no file: write sqlite:///path/to/bot.db")
+        return value
+    if value.startswith(("postgresql://", "postgres://")):
+        parts = urlsplit(value)
+        if not parts.hostname and "host=" not in parts.query:
+            raise ValueError("the postgresql URL names no host: write postgresql://user@host:5432/dbname")
+        try:
+            _ = parts.port
+        except ValueError:
+            raise ValueError("the postgresql URL's port is not a number") from None
+        return value
+    raise ValueError(
+        "use sqlite:///path/to/bot.db (three slashes, then the path) or postgresql://user@host:5432/dbname"
+    )
 
 
 class LLMConfig(_Section):
@@ -259,6 +319,9 @@ class AccessConfig(_Section):
     allow_bots: list[str] = Field(default_factory=list, description="Other bots the bot may answer.")
 
 
+MAX_SHARDS = 10_000  # far above what any bot needs (Discord allows ~2,500 servers per shard)
+
+
 class DiscordConfig(_Section):
     enabled: bool = Field(default=False, description="Serve Discord with `cortexbot run`.")
     token_env: str = Field(default="DISCORD_TOKEN", description="Environment variable holding the bot token.")
@@ -267,6 +330,41 @@ class DiscordConfig(_Section):
     )
     admin_ids: list[int] = Field(default_factory=list, description="User ids with admin rights everywhere.")
     sync_commands: bool = Field(default=True, description="Register the slash commands at start.")
+    shard_count: int | None = Field(
+        default=None, ge=1, le=MAX_SHARDS,
+        description="Shards of the whole fleet; unset: one process, unsharded. Same value in every process.",
+    )
+    shard_ids: list[int] | None = Field(
+        default=None, description="The shards this process runs (0 … shard_count-1); unset: all of them."
+    )
+
+    @field_validator("shard_ids")
+    @classmethod
+    def _shards_within_count(cls, value: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        if value is None:
+            return None
+        if "shard_count" not in info.data:  # shard_count itself is invalid and reported
+            return value
+        return _check_shard_ids(value, info.data["shard_count"])
+
+
+def _check_shard_ids(ids: list[int], count: int | None) -> list[int]:
+    if count is None:
+        raise ValueError(
+            "needs shard_count: set [discord] shard_count to the number of shards of the whole fleet "
+            "(the same value in every process), or remove shard_ids"
+        )
+    if not ids:
+        raise ValueError("is empty: list the shards this process runs, or remove the key to run all of them")
+    outside = sorted({i for i in ids if not 0 <= i < count})
+    if outside:
+        raise ValueError(
+            f"{outside} are outside 0 … {count - 1}: each id must be at least 0 and below shard_count = {count}"
+        )
+    twice = sorted({i for i in ids if ids.count(i) > 1})
+    if twice:
+        raise ValueError(f"lists {twice} more than once: list each shard once")
+    return ids
 
 
 class MatrixConfig(_Section):

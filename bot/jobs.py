@@ -94,13 +94,17 @@ class WorkerPool:
         *,
         worker_id: str | None = None,
         storage: Storage | None = None,
+        pid_checks: bool = True,
     ) -> None:
         self.queue = queue
-        # Workers may claim through a connection of their own (see SQLiteStorage.sibling).
+        # Workers may claim through a connection of their own (see Storage.sibling).
         self.storage = storage or queue.storage
         self.config = queue.config
         self.handlers = dict(handlers)
         self.worker_id = worker_id or new_worker_id()
+        # On a database only this machine uses (SQLite), a job whose worker's process is gone is requeued
+        # at once; on a shared one (PostgreSQL) only an expired lease tells, whatever the host.
+        self.pid_checks = pid_checks
         self._loops: list[asyncio.Task[None]] = []
         self._running: dict[int, asyncio.Task[None]] = {}
         self._stopping = asyncio.Event()
@@ -111,7 +115,8 @@ class WorkerPool:
 
     async def recover(self) -> int:
         """Requeue jobs whose worker is gone (lease expired, or its process on this host died)."""
-        recovered = await self.storage.recover_jobs(lambda w: worker_is_dead(w, own_worker=self.worker_id))
+        dead = (lambda w: worker_is_dead(w, own_worker=self.worker_id)) if self.pid_checks else None
+        recovered = await self.storage.recover_jobs(dead)
         for job in recovered:
             log.warning("job %d (%s) was interrupted by a stop; it is queued again", job.id, job.kind)
         if recovered:
@@ -170,16 +175,19 @@ class WorkerPool:
         try:
             await handler(job)
         except asyncio.CancelledError:
-            await self.storage.release_job(job.id)
+            await self.storage.release_job(job.id, self.worker_id)
             log.info("job %d (%s) was stopped by shutdown; it is queued again", job.id, job.kind)
             raise
         except Exception as exc:
             await self._after_failure(job, exc)
         else:
-            await self.storage.finish_job(job.id)
-            log.info(
-                "job %d (%s) done in %.2f s", job.id, job.kind, asyncio.get_running_loop().time() - started
-            )
+            if await self.storage.finish_job(job.id, self.worker_id):
+                log.info(
+                    "job %d (%s) done in %.2f s", job.id, job.kind, asyncio.get_running_loop().time() - started
+                )
+            else:
+                log.warning("job %d (%s) finished after its lease ran out; it was not marked done (it may run "
+                            "again: another worker may have taken it over)", job.id, job.kind)
         finally:
             lease.cancel()
             await asyncio.gather(lease, return_exceptions=True)
@@ -188,13 +196,13 @@ class WorkerPool:
         error = f"{type(exc).__name__}: {exc}"[:2000]
         if getattr(exc, "transient", False) and job.attempts < job.max_attempts:
             delay = backoff_delay(job.attempts, self.config)
-            await self.storage.retry_job(job.id, error, datetime.now(UTC) + timedelta(seconds=delay))
+            await self.storage.retry_job(job.id, error, datetime.now(UTC) + timedelta(seconds=delay), self.worker_id)
             log.warning(
                 "job %d (%s) attempt %d/%d failed (%s); retrying in %.1f s",
                 job.id, job.kind, job.attempts, job.max_attempts, type(exc).__name__, delay,
             )
             return
-        await self.storage.fail_job(job.id, error)
+        await self.storage.fail_job(job.id, error, self.worker_id)
         if isinstance(exc, LLMError):
             # No traceback: a chained SDK exception could carry request details.
             log.error("job %d (%s) failed after %d attempt(s): %s", job.id, job.kind, job.attempts, type(exc).__name__)

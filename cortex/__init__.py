@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from bot.config import Config
 from bot.jobs import JobQueue
 from bot.llm.base import LLMProvider
-from bot.storage.sqlite import SQLiteStorage
+from bot.storage.core import Storage
 from bot.tokens import TokenEstimator
 from cortex.commands import CortexCommands
 from cortex.files import CortexFiles
@@ -23,7 +23,7 @@ from cortex.memory.embedding import EmbeddingService, build_embedders, message_m
 from cortex.memory.section import KnowledgeSection
 from cortex.memory.store import MemoryStore, configured_weights
 from cortex.memory.upkeep import Pruner
-from cortex.memory.vectors import VectorIndex
+from cortex.memory.vectors import vector_search
 from cortex.section import CortexSection
 from cortex.settings import SettingsResolver
 from cortex.store import CortexStore
@@ -50,11 +50,11 @@ class Cortex:
 
 def build_cortex(
     config: Config,
-    storage: SQLiteStorage,
+    storage: Storage,
     llm: LLMProvider,
     estimator: TokenEstimator,
     queue: JobQueue,
-    job_storage: SQLiteStorage | None = None,
+    job_storage: Storage | None = None,
     embedder: Embedder | None = None,
 ) -> Cortex:
     """``storage`` serves the reply path and commands; ``job_storage`` (a sibling connection sharing its
@@ -72,10 +72,10 @@ def build_cortex(
     embeddings = None
     if pair_embedders is not None:
         name = pair_embedders[0].name
-        index = VectorIndex(storage, name, message_model=message_model(name), max_vectors=memory_config.vector_cache)
+        index = vector_search(storage, name, message_model=message_model(name), max_vectors=memory_config.vector_cache)
         embeddings = EmbeddingService(job_storage or storage, *pair_embedders, index, memory_config)
 
-    def memory_store(on: SQLiteStorage) -> MemoryStore:
+    def memory_store(on: Storage) -> MemoryStore:
         return MemoryStore(on, weights=configured_weights(memory_config), half_life_days=memory_config.half_life_days,
                            candidates=memory_config.candidates, embeddings=embeddings)
 

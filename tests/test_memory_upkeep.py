@@ -105,7 +105,7 @@ async def test_admin_commands_prune_weights_budgets_embedder_and_stats(tmp_path:
     async with App(_config(tmp_path), llm=ScriptedProvider(), embedder=HashEmbedder()) as app:
         pair = await _pair(app)
         old = await app.cortex.memory.remember(pair, "Ann's secret diary entry")
-        await app.storage.write("UPDATE memory_items SET created_at = created_at - ?, updated_at = updated_at - ?"
+        await app.storage.db.write("UPDATE memory_items SET created_at = created_at - ?, updated_at = updated_at - ?"
                                 " WHERE id = ?", (100 * DAY, 100 * DAY, old.id))
         admin = ctx(admin=True)
         for line in ("!cortex prune", "!cortex weights", "!cortex weights vector=1", "!cortex budgets",
@@ -174,7 +174,7 @@ async def test_an_embedder_failure_is_kept_for_the_status_and_retried(tmp_path: 
         status = (await run(app, "!cortex embedder", ctx(admin=True))).text
         assert "Last error: cannot reach" in status
         # queries fall back to full text, with no error for the user
-        await app.storage.write("UPDATE memory_items SET embedding = ?, embedding_model = ?",
+        await app.storage.db.write("UPDATE memory_items SET embedding = ?, embedding_model = ?",
                                 (b"\0" * 256, broken.name))
         hits = await app.cortex.memory.search(pair, "stamps")
         assert hits and hits[0].signals["text"] == 1.0
@@ -201,7 +201,7 @@ async def test_changing_the_embedder_re_embeds_everything_with_progress(tmp_path
         assert (report.items, report.messages) == (5, 2)
         status = (await run(app, "!cortex embedder", ctx(admin=True))).text
         assert "5 of 5 memory items, 2 of 2 messages (100%)" in status
-        rows = await app.storage.fetch_all("SELECT DISTINCT embedding_model, length(embedding) FROM memory_items")
+        rows = await app.storage.db.fetch_all("SELECT DISTINCT embedding_model, length(embedding) FROM memory_items")
         assert [tuple(r) for r in rows] == [("hash-trigram-32", 32 * 4)]
         ann = await app.storage.get_user("console:ann")
         hits = await app.cortex.memory.search(pair, "stamps collection", user_id=ann.id, persona="Cora")

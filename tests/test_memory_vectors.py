@@ -29,7 +29,7 @@ async def _items(app: App, count: int, dim: int = 8, model: str = "m") -> tuple[
     ids = []
     for n in range(count):
         item = await app.cortex.memory.remember(pair, f"item {n}")
-        await app.storage.write("UPDATE memory_items SET embedding = ?, embedding_model = ? WHERE id = ?",
+        await app.storage.db.write("UPDATE memory_items SET embedding = ?, embedding_model = ? WHERE id = ?",
                                 (matrix[n].tobytes(), model, item.id))
         ids.append(item.id)
     return pair, ids, matrix
@@ -41,20 +41,19 @@ async def test_pages_fill_one_array_and_survive_concurrent_growth(tmp_path: Path
     try:
         pair, ids, matrix = await _items(app, 11)
         await app.cortex.memory.archive(pair, ids[4], "gone")
-        await app.storage.write("UPDATE memory_items SET embedding_model = 'old' WHERE id = ?", (ids[5],))
+        await app.storage.db.write("UPDATE memory_items SET embedding_model = 'old' WHERE id = ?", (ids[5],))
         monkeypatch.setattr(vectors_module, "PAGE", 3)
         block = await VectorIndex(app.storage, "m").items(pair)
         keep = [n for n in range(11) if n not in (4, 5)]  # archived and stale vectors stay out
         assert block.ids.tolist() == [ids[n] for n in keep]
         assert np.array_equal(block.matrix, matrix[keep])
         # vectors written between the count and the last page: the array grows
-        real_fetch_one = app.storage.fetch_one
+        real_count = app.storage.memory.count_vectors
 
-        async def stale_count(sql: str, params: object = ()) -> object:
-            row = await real_fetch_one(sql, params)  # type: ignore[arg-type]
-            return (int(row[0]) - 5,) if sql.startswith("SELECT count(*)") else row
+        async def stale_count(*args: object) -> int:
+            return await real_count(*args) - 5  # type: ignore[arg-type]
 
-        monkeypatch.setattr(app.storage, "fetch_one", stale_count)
+        monkeypatch.setattr(app.storage.memory, "count_vectors", stale_count)
         grown = await VectorIndex(app.storage, "m").items(pair)
         assert grown.ids.tolist() == block.ids.tolist() and np.array_equal(grown.matrix, block.matrix)
     finally:
@@ -123,7 +122,7 @@ async def test_a_message_is_embedded_with_the_one_it_answers(tmp_path: Path) -> 
         assert "Cora: What are your pets' names?\nAnn: Luna and Oliver!" in embedder.texts
         answer_in_room = next(t for t in embedder.texts if t.endswith("Ann: hello room"))
         assert answer_in_room.startswith("Ann: unrelated") and len(answer_in_room) < 260  # context is cut
-        rows = await app.storage.fetch_all("SELECT DISTINCT model FROM message_vectors")
+        rows = await app.storage.db.fetch_all("SELECT DISTINCT model FROM message_vectors")
         assert [r[0] for r in rows] == [f"{embedder.name}|prev-turn"]
 
 

@@ -9,19 +9,20 @@ from pathlib import Path
 
 import pytest
 
+from bot.storage import Storage, StorageError, open_sqlite
 from bot.storage.base import LLMCallRecord, ReplyStats
-from bot.storage.migrations import SQLITE_MIGRATIONS, Migration
-from bot.storage.sqlite import SQLiteStorage, StorageError
+from bot.storage.engine import Migration
+from bot.storage.migrations import MIGRATIONS
 
 
 async def test_migrations_apply_once_and_are_recorded(tmp_path: Path) -> None:
-    store = await SQLiteStorage(tmp_path / "a.db").open()
-    assert await store.pending_migrations() == [m.version for m in SQLITE_MIGRATIONS]
-    assert await store.migrate() == [m.version for m in SQLITE_MIGRATIONS]
+    store = await open_sqlite(tmp_path / "a.db")
+    assert await store.pending_migrations() == [m.version for m in MIGRATIONS]
+    assert await store.migrate() == [m.version for m in MIGRATIONS]
     assert await store.migrate() == []
     assert await store.pending_migrations() == []
     await store.close()
-    again = await SQLiteStorage(tmp_path / "a.db").open()
+    again = await open_sqlite(tmp_path / "a.db")
     assert await again.migrate() == []
     await again.close()
 
@@ -29,29 +30,29 @@ async def test_migrations_apply_once_and_are_recorded(tmp_path: Path) -> None:
 async def test_a_failing_migration_is_rolled_back_whole(tmp_path: Path) -> None:
     broken = Migration(99, "broken", ("CREATE TABLE extra (x)", "CREATE TABLE nonsense ("))
 
-    store = await SQLiteStorage(tmp_path / "b.db", migrations=(*SQLITE_MIGRATIONS, broken)).open()
+    store = await open_sqlite(tmp_path / "b.db", migrations=(*MIGRATIONS, broken))
     with pytest.raises(sqlite3.Error):
         await store.migrate()
-    assert await store.applied_migrations() == [m.version for m in SQLITE_MIGRATIONS]
-    tables = {r[0] for r in await store.fetch_all("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert await store.applied_migrations() == [m.version for m in MIGRATIONS]
+    tables = {r[0] for r in await store.db.fetch_all("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert "extra" not in tables  # the first statement of the failed migration did not stick
     await store.close()
 
 
-async def test_pragmas(storage: SQLiteStorage) -> None:
-    assert (await storage.fetch_one("PRAGMA journal_mode"))[0] == "wal"
-    assert (await storage.fetch_one("PRAGMA foreign_keys"))[0] == 1
-    assert (await storage.fetch_one("PRAGMA busy_timeout"))[0] >= 5000
+async def test_pragmas(storage: Storage) -> None:
+    assert (await storage.db.fetch_one("PRAGMA journal_mode"))[0] == "wal"
+    assert (await storage.db.fetch_one("PRAGMA foreign_keys"))[0] == 1
+    assert (await storage.db.fetch_one("PRAGMA busy_timeout"))[0] >= 5000
 
 
 async def test_unopenable_database_gives_a_clear_error(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(StorageError, match="cannot create the database folder"):
-        await SQLiteStorage(blocker / "sub" / "bot.db").open()
+        await open_sqlite(blocker / "sub" / "bot.db")
 
 
-async def test_users_channels_and_messages(storage: SQLiteStorage) -> None:
+async def test_users_channels_and_messages(storage: Storage) -> None:
     ann = await storage.upsert_user("console:ann", "Ann")
     ann2 = await storage.upsert_user("console:ann", "Annie")
     assert ann.id == ann2.id and ann2.display_name == "Annie"
@@ -76,13 +77,13 @@ async def test_users_channels_and_messages(storage: SQLiteStorage) -> None:
     assert await storage.count_messages_between(channel.id, ids[0], ids[4]) == 3
 
 
-async def test_message_role_is_checked(storage: SQLiteStorage) -> None:
+async def test_message_role_is_checked(storage: Storage) -> None:
     channel = await storage.upsert_channel("console:x", "x", is_dm=True)
     with pytest.raises(sqlite3.IntegrityError):
         await storage.add_message(channel.id, None, "Cora", "system", "x", "t", 1)  # type: ignore[arg-type]
 
 
-async def test_summaries_are_versioned_and_latest_is_the_newest_good(storage: SQLiteStorage) -> None:
+async def test_summaries_are_versioned_and_latest_is_the_newest_good(storage: Storage) -> None:
     channel = await storage.upsert_channel("console:s", "s", is_dm=True)
     assert await storage.latest_summary(channel.id) is None
     first = await storage.add_summary(channel.id, "one", 1, 10, 5, "m")
@@ -98,7 +99,7 @@ async def test_summaries_are_versioned_and_latest_is_the_newest_good(storage: SQ
     ]
 
 
-async def test_jobs_claim_dedupe_and_one_per_key(storage: SQLiteStorage) -> None:
+async def test_jobs_claim_dedupe_and_one_per_key(storage: Storage) -> None:
     a1 = await storage.enqueue_job("summary", "channel:1", {"n": 1}, 3)
     assert a1 is not None
     assert await storage.enqueue_job("summary", "channel:1", {"n": 2}, 3) is None  # deduped while queued
@@ -116,7 +117,7 @@ async def test_jobs_claim_dedupe_and_one_per_key(storage: SQLiteStorage) -> None
     assert await storage.claim_job("w3", ["other-kind"], 60) is None
 
 
-async def test_retry_fail_release_and_recover(storage: SQLiteStorage) -> None:
+async def test_retry_fail_release_and_recover(storage: Storage) -> None:
     job = await storage.enqueue_job("k", "key", {}, 3)
     assert job is not None
     await storage.claim_job("host:1:a", ["k"], 60)
@@ -148,12 +149,12 @@ async def test_retry_fail_release_and_recover(storage: SQLiteStorage) -> None:
 
 async def test_concurrent_claims_never_hand_out_a_job_twice(tmp_path: Path) -> None:
     path = tmp_path / "c.db"
-    stores = [await SQLiteStorage(path).open() for _ in range(3)]
+    stores = [await open_sqlite(path) for _ in range(3)]
     await stores[0].migrate()
     for i in range(30):
         await stores[0].enqueue_job("k", f"key{i}", {}, 3)
 
-    async def drain(store: SQLiteStorage, name: str) -> list[int]:
+    async def drain(store: Storage, name: str) -> list[int]:
         got = []
         while (job := await store.claim_job(name, ["k"], 60)) is not None:
             got.append(job.id)
@@ -167,7 +168,7 @@ async def test_concurrent_claims_never_hand_out_a_job_twice(tmp_path: Path) -> N
         await s.close()
 
 
-async def test_metrics_and_llm_calls_and_settings(storage: SQLiteStorage) -> None:
+async def test_metrics_and_llm_calls_and_settings(storage: Storage) -> None:
     channel = await storage.upsert_channel("console:m", "m", is_dm=True)
     empty = await storage.reply_metrics()
     assert empty.replies == 0 and empty.trim_rate == 0.0
@@ -191,27 +192,27 @@ async def test_metrics_and_llm_calls_and_settings(storage: SQLiteStorage) -> Non
 
 
 async def test_audit_rows_are_buffered_but_never_lost_on_close(tmp_path: Path) -> None:
-    store = await SQLiteStorage(tmp_path / "audit.db").open()
+    store = await open_sqlite(tmp_path / "audit.db")
     await store.migrate()
     for i in range(3):
         await store.record_llm_call(LLMCallRecord("summary", "m", i, 1, 5))
     await store.close()  # flushes
-    again = await SQLiteStorage(tmp_path / "audit.db").open()
+    again = await open_sqlite(tmp_path / "audit.db")
     assert [c["input_tokens"] for c in await again.list_llm_calls()] == [2, 1, 0]
     # a full buffer is written without waiting for the timer
     for i in range(70):
         await again.record_llm_call(LLMCallRecord("reply", "m", i, 1, 5))
     await asyncio.sleep(0.1)
-    assert (await again.fetch_one("SELECT count(*) FROM llm_calls"))[0] >= 64
+    assert (await again.db.fetch_one("SELECT count(*) FROM llm_calls"))[0] >= 64
     await again.close()
 
 
 async def test_another_process_summary_is_seen_after_the_cache_expires(tmp_path: Path, monkeypatch) -> None:
-    import bot.storage.sqlite as engine
+    import bot.storage.core as engine
 
-    first = await SQLiteStorage(tmp_path / "shared.db").open()
+    first = await open_sqlite(tmp_path / "shared.db")
     await first.migrate()
-    second = await SQLiteStorage(tmp_path / "shared.db").open()
+    second = await open_sqlite(tmp_path / "shared.db")
     channel = await first.upsert_channel("console:c", "c", is_dm=True)
     assert await first.latest_summary(channel.id) is None
     await second.add_summary(channel.id, "from the other process", 1, 5, 4, "m")
@@ -223,12 +224,12 @@ async def test_another_process_summary_is_seen_after_the_cache_expires(tmp_path:
 
 
 @pytest.mark.parametrize("cancel_after", [0, 1, 3])
-async def test_a_cancelled_transaction_leaves_the_connection_usable(storage: SQLiteStorage, cancel_after: int) -> None:
+async def test_a_cancelled_transaction_leaves_the_connection_usable(storage: Storage, cancel_after: int) -> None:
     """Cancelled at any point (while BEGIN is still on aiosqlite's thread, or inside the body), the
     connection ends up outside any transaction and nothing half-done is committed."""
 
     async def writer() -> None:
-        async with storage.transaction() as db:
+        async with storage.db.transaction() as db:
             await db.execute("INSERT INTO settings (key, value, updated_at) VALUES ('half', 'done', 0)")
             await asyncio.sleep(10)
 
@@ -240,6 +241,6 @@ async def test_a_cancelled_transaction_leaves_the_connection_usable(storage: SQL
         await task
     assert not storage.db.in_transaction
     assert await storage.get_setting("half") is None
-    async with storage.transaction() as db:  # and the next one works
+    async with storage.db.transaction() as db:  # and the next one works
         await db.execute("INSERT INTO settings (key, value, updated_at) VALUES ('next', 'ok', 0)")
     assert await storage.get_setting("next") == "ok"

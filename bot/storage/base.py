@@ -1,15 +1,14 @@
-"""The storage port: records the core reads and writes, and the interface every engine implements.
+"""The storage port: records the core reads and writes, and the interface it reads and writes them by.
 
-The core only talks to :class:`Storage`. ``bot.storage.sqlite`` implements it on aiosqlite; a
-PostgreSQL engine can implement the same interface and run the same test suite
-(``tests/test_storage.py`` is written against the interface, parametrised by engine).
+The core only talks to :class:`Storage`; ``bot.storage.core.Storage`` implements it once for both
+engines (SQLite, PostgreSQL), and ``tests/test_storage.py`` runs against it on each engine.
 
 Times are UTC ``datetime`` objects at the interface; engines store them as they see fit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, Protocol
@@ -202,17 +201,19 @@ class Storage(Protocol):
 
     async def renew_lease(self, job_id: int, worker: str, lease_seconds: float) -> bool: ...
 
-    async def finish_job(self, job_id: int) -> None: ...
+    # Fenced: with ``worker``, a job changes only while that worker holds it under a live lease (a
+    # worker whose lease ran out, or whose job went to another, changes nothing and gets False).
+    async def finish_job(self, job_id: int, worker: str | None = None) -> bool: ...
 
-    async def retry_job(self, job_id: int, error: str, run_after: datetime) -> None: ...
+    async def retry_job(self, job_id: int, error: str, run_after: datetime, worker: str | None = None) -> bool: ...
 
-    async def fail_job(self, job_id: int, error: str) -> None: ...
+    async def fail_job(self, job_id: int, error: str, worker: str | None = None) -> bool: ...
 
-    async def release_job(self, job_id: int) -> None:
+    async def release_job(self, job_id: int, worker: str | None = None) -> bool:
         """Put a running job back in the queue untouched (clean shutdown)."""
 
-    async def recover_jobs(self, is_worker_dead: Any) -> list[Job]:
-        """Requeue running jobs whose lease expired or whose worker ``is_worker_dead(worker)``."""
+    async def recover_jobs(self, is_worker_dead: Callable[[str], bool] | None = None) -> list[Job]:
+        """Requeue running jobs whose lease expired (or whose worker ``is_worker_dead(worker)``)."""
 
     async def get_job(self, job_id: int) -> Job | None: ...
 

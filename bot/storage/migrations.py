@@ -1,23 +1,16 @@
-"""Schema migrations as code: numbered, described, each applied in one transaction, never destructive.
+"""Schema migrations as code: one numbered list, each applied in one transaction, never destructive.
 
-A migration only adds (tables, columns, indexes) or copies data; it never drops user data. Engines
-keep their own statement lists because SQL dialects differ; versions and descriptions must match
-across engines so ``cortexbot migrate`` reports the same thing everywhere.
+A migration only adds (tables, columns, indexes) or copies data; it never drops user data. Where the
+engines' SQL differs a migration carries a PostgreSQL fork (``postgres=``, in ``bot.storage.pg_schema``);
+versions and descriptions are shared, so ``cortexbot migrate`` reports the same thing everywhere.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from bot.storage import pg_schema
+from bot.storage.engine import Migration
 
-
-@dataclass(frozen=True, slots=True)
-class Migration:
-    version: int
-    description: str
-    statements: tuple[str, ...]
-
-
-SQLITE_MIGRATIONS: tuple[Migration, ...] = (
+MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
         "users, personas, channels, messages, summaries, jobs, llm calls, reply stats, settings",
@@ -116,6 +109,7 @@ SQLITE_MIGRATIONS: tuple[Migration, ...] = (
                 value TEXT NOT NULL,
                 updated_at REAL NOT NULL)""",
         ),
+        postgres=pg_schema.V1,
     ),
     Migration(
         2,
@@ -168,6 +162,7 @@ SQLITE_MIGRATIONS: tuple[Migration, ...] = (
                 updated_at REAL NOT NULL,
                 PRIMARY KEY (scope, key))""",
         ),
+        postgres=pg_schema.V2,
     ),
     Migration(
         3,
@@ -222,6 +217,7 @@ SQLITE_MIGRATIONS: tuple[Migration, ...] = (
                 INSERT INTO messages_fts (messages_fts, rowid, text) VALUES ('delete', OLD.id, OLD.text);
             END""",
         ),
+        postgres=pg_schema.V3,
     ),
     Migration(
         4,
@@ -255,6 +251,23 @@ SQLITE_MIGRATIONS: tuple[Migration, ...] = (
                 DELETE FROM message_vectors WHERE message_id = OLD.id;
             END""",
             "CREATE INDEX memory_items_by_pair_model ON memory_items (pair_id, embedding_model)",
+        ),
+        postgres=pg_schema.V4,
+    ),
+    Migration(
+        5,
+        "scale-out: one running job per key, fleet-wide periodic runs, instance locks, live processes",
+        (
+            # A crash could in theory have left two running jobs of one key: requeue all but the oldest.
+            "UPDATE jobs SET status = 'queued', locked_by = '', lease_until = 0 WHERE status = 'running'"
+            " AND id NOT IN (SELECT min(id) FROM jobs WHERE status = 'running' GROUP BY key)",
+            *pg_schema.V5,
+            "ALTER TABLE personas ADD COLUMN ts_config TEXT NOT NULL DEFAULT 'simple'",
+        ),
+        postgres=(
+            "UPDATE jobs SET status = 'queued', locked_by = '', lease_until = 0 WHERE status = 'running'"
+            " AND id NOT IN (SELECT min(id) FROM jobs WHERE status = 'running' GROUP BY key)",
+            *pg_schema.V5,
         ),
     ),
 )

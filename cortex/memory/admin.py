@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 from bot.commands import Command, CommandContext, CommandError, CommandRegistry
 from bot.config import Config
 from bot.scheduler import Scheduler
-from bot.storage.sqlite import SQLiteStorage
+from bot.storage.core import Storage
 from cortex.memory.embedding import EmbeddingService
 from cortex.memory.store import MemoryStore, Weights, configured_weights
 from cortex.memory.upkeep import Pruner
@@ -53,7 +53,7 @@ def _weights_line(weights: Weights) -> str:
 @dataclass
 class MemoryAdminCommands:
     config: Config
-    storage: SQLiteStorage
+    storage: Storage
     stores: Sequence[MemoryStore]  # every store whose ranking the weights change
     pruner: Pruner
     embeddings: EmbeddingService | None

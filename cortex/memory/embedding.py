@@ -30,9 +30,9 @@ import numpy as np
 import numpy.typing as npt
 
 from bot.config import MemoryConfig, read_secret
-from bot.storage.sqlite import SQLiteStorage
+from bot.storage.core import Storage
 from cortex.memory.embedders import Embedder, EmbedderError, create_embedder, embed_queries
-from cortex.memory.vectors import VectorIndex
+from cortex.memory.vectors import VectorSearch
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +94,10 @@ def build_embedders(config: MemoryConfig) -> tuple[Embedder, Embedder] | None:
 class EmbeddingService:
     def __init__(
         self,
-        storage: SQLiteStorage,
+        storage: Storage,
         embedder: Embedder,
         query_embedder: Embedder,
-        index: VectorIndex,
+        index: VectorSearch,
         config: MemoryConfig,
         *,
         clock: Callable[[], float] = time.time,
@@ -203,20 +203,13 @@ class EmbeddingService:
         return vectors.astype(np.float32)
 
     async def _item_batch(self) -> int:
-        rows = await self.storage.fetch_all(
-            "SELECT id, pair_id, key, content FROM memory_items WHERE archived_at IS NULL AND embedding_model != ?"
-            " ORDER BY id DESC LIMIT ?",
-            (self.model, BATCH),
-        )
+        rows = await self.storage.memory.items_to_embed(self.model, BATCH)
         if not rows:
             return 0
         texts = [f"{r['key']}: {r['content']}" if r["key"] else str(r["content"]) for r in rows]
         vectors = await self._embed(texts)
-        async with self.storage.transaction() as db:
-            await db.executemany(
-                "UPDATE memory_items SET embedding = ?, embedding_model = ? WHERE id = ?",
-                [(vectors[n].tobytes(), self.model, int(r["id"])) for n, r in enumerate(rows)],
-            )
+        await self.storage.memory.store_item_vectors(
+            self.model, [(int(r["id"]), vectors[n]) for n, r in enumerate(rows)])
         by_pair: dict[int, list[int]] = {}
         for n, r in enumerate(rows):
             by_pair.setdefault(int(r["pair_id"]), []).append(n)
@@ -225,29 +218,17 @@ class EmbeddingService:
         return len(rows)
 
     async def _message_batch(self, below: list[int | None]) -> int:
-        rows = await self.storage.fetch_all(
-            "SELECT m.id, m.user_id, m.persona, m.author_name, m.text, p.author_name AS before_author,"
-            " p.text AS before_text FROM messages AS m LEFT JOIN message_vectors AS v ON v.message_id = m.id"
-            " LEFT JOIN messages AS p ON p.id = (SELECT max(id) FROM messages"
-            " WHERE channel_id = m.channel_id AND id < m.id)"
-            " WHERE m.user_id IS NOT NULL AND (v.model IS NULL OR v.model != ?) AND m.id < ?"
-            " ORDER BY m.id DESC LIMIT ?",
-            (self.message_model, below[0] if below[0] is not None else 2**62, BATCH),
-        )
+        rows = await self.storage.memory.messages_to_embed(
+            self.message_model, below[0] if below[0] is not None else 2**62, BATCH)
         if not rows:
             return 0
         below[0] = int(rows[-1]["id"])
         vectors = await self._embed([
             message_text(str(r["author_name"]), str(r["text"]), r["before_author"], r["before_text"]) for r in rows
         ])
-        async with self.storage.transaction() as db:
-            # Only while the message still exists with the same owner (forget-me may have run meanwhile).
-            await db.executemany(
-                "INSERT OR REPLACE INTO message_vectors (message_id, user_id, persona, model, vector)"
-                " SELECT id, user_id, persona, ?, ? FROM messages WHERE id = ? AND user_id = ? AND persona = ?",
-                [(self.message_model, vectors[n].tobytes(), int(r["id"]), int(r["user_id"]), str(r["persona"]))
-                 for n, r in enumerate(rows)],
-            )
+        await self.storage.memory.store_message_vectors(
+            self.message_model,
+            [(int(r["id"]), int(r["user_id"]), str(r["persona"]), vectors[n]) for n, r in enumerate(rows)])
         by_pair: dict[tuple[int, str], list[int]] = {}
         for n, r in enumerate(rows):
             by_pair.setdefault((int(r["user_id"]), str(r["persona"])), []).append(n)
@@ -259,22 +240,11 @@ class EmbeddingService:
     # -- status ----------------------------------------------------------------------------------
 
     async def status(self) -> EmbedderStatus:
-        items = await self.storage.fetch_one(
-            "SELECT count(*), coalesce(sum(embedding_model = ?), 0) FROM memory_items WHERE archived_at IS NULL",
-            (self.model,),
-        )
-        messages_total = 0
-        messages_embedded = 0
-        if self.config.embed_messages:
-            total = await self.storage.fetch_one("SELECT count(*) FROM messages WHERE user_id IS NOT NULL")
-            embedded = await self.storage.fetch_one(
-                "SELECT count(*) FROM message_vectors WHERE model = ?", (self.message_model,)
-            )
-            messages_total = int(total[0]) if total else 0
-            messages_embedded = int(embedded[0]) if embedded else 0
+        items, items_embedded, messages_total, messages_embedded = await self.storage.memory.embedding_counts(
+            self.model, self.message_model, self.config.embed_messages)
         return EmbedderStatus(
-            self.model, int(items[0]) if items else 0, int(items[1]) if items else 0,
-            messages_total, messages_embedded, self.last_run, self.last_run_at, self.last_error, self._rate,
+            self.model, items, items_embedded, messages_total, messages_embedded, self.last_run, self.last_run_at,
+            self.last_error, self._rate,
         )
 
 

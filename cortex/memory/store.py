@@ -29,7 +29,8 @@ import numpy as np
 import numpy.typing as npt
 
 from bot.config import MemoryConfig
-from bot.storage.sqlite import SQLiteStorage
+from bot.storage.core import Storage
+from bot.storage.memory import ITEM_COLUMNS, FtsTable, item_fields
 
 if TYPE_CHECKING:
     from cortex.memory.embedding import EmbeddingService
@@ -128,14 +129,7 @@ class _Candidate:
     score: float = 0.0
 
 
-# Every column but the embedding (1.5 KB per row that search never reads).
-ITEM_COLUMNS = (
-    "id, pair_id, category, key, content, importance, pinned, expires_at, supersedes, superseded_by, tags, source,"
-    " source_ref, metadata, created_at, updated_at, access_count, last_accessed, archived_at, archive_reason"
-)
-
-ITEM_COLUMNS_M = ", ".join(f"m.{c.strip()}" for c in ITEM_COLUMNS.split(","))
-MESSAGE_COLUMNS = "m.id, m.text, m.created_at, m.author_name, c.name AS channel"
+__all__ = ["ITEM_COLUMNS", "CATEGORIES", "Hit", "MemoryError", "MemoryItem", "MemoryStore", "Weights"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +155,7 @@ class MemoryError(ValueError):
 class MemoryStore:
     def __init__(
         self,
-        storage: SQLiteStorage,
+        storage: Storage,
         *,
         weights: Weights = Weights(),
         half_life_days: float = 30.0,
@@ -170,9 +164,11 @@ class MemoryStore:
         embeddings: EmbeddingService | None = None,
     ) -> None:
         self.storage = storage
+        self.repo = storage.memory
         self.embeddings = embeddings
         self._table_sizes: dict[str, tuple[int, float]] = {}
-        self._term_counts: dict[tuple[str, str], tuple[int, float]] = {}  # (table, term) -> (rows, when)
+        # (table, persona or pair, term) -> (rows, when)
+        self._term_counts_cache: dict[tuple[str, str, str], tuple[int, float]] = {}
         self.weights = weights
         self.half_life_days = half_life_days
         self.candidates = candidates
@@ -211,29 +207,14 @@ class MemoryStore:
             old = await self.get(pair_id, supersedes, count_access=False)
             if old.superseded_by is not None:
                 raise MemoryError(f"item #{supersedes} was already corrected by #{old.superseded_by}")
-        now = self.clock()
-        async with self.storage.transaction() as db:
-            rows = await db.execute_fetchall(
-                "INSERT INTO memory_items (pair_id, category, key, content, importance, pinned, expires_at, supersedes,"
-                " tags, source, source_ref, metadata, created_at, updated_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-                f" RETURNING {ITEM_COLUMNS}",
-                (pair_id, category, key, content, importance, int(pinned), expires_at, supersedes,
-                 json.dumps(list(tags)), source, source_ref, json.dumps(dict(metadata or {})), now, now),
-            )
-            item = self._item(next(iter(rows)))
-            if supersedes is not None:
-                await db.execute(
-                    "UPDATE memory_items SET superseded_by = ?, updated_at = ? WHERE id = ? AND pair_id = ?",
-                    (item.id, now, supersedes, pair_id),
-                )
-        return item
+        fields = item_fields(category=category, key=key, content=content, importance=importance, pinned=pinned,
+                             expires_at=expires_at, tags=list(tags), source=source, source_ref=source_ref,
+                             metadata=dict(metadata or {}))
+        return self._item(await self.repo.add_item(pair_id, fields, supersedes, self.clock()))
 
     async def get(self, pair_id: int, item_id: int, *, count_access: bool = True) -> MemoryItem:
         """One item of this pair (fetching it singly counts as an access)."""
-        row = await self.storage.fetch_one(
-            f"SELECT {ITEM_COLUMNS} FROM memory_items WHERE id = ? AND pair_id = ?", (item_id, pair_id)
-        )
+        row = await self.repo.item(pair_id, item_id)
         if row is None:
             raise MemoryError(f"you have no memory item #{item_id}")
         if count_access:
@@ -241,42 +222,26 @@ class MemoryStore:
         return self._item(row)
 
     async def count_access(self, item_ids: Sequence[int]) -> None:
-        if not item_ids:
-            return
-        marks = ",".join("?" for _ in item_ids)
-        await self.storage.write(
-            f"UPDATE memory_items SET access_count = access_count + 1, last_accessed = ? WHERE id IN ({marks})",
-            (self.clock(), *item_ids),
-        )
+        if item_ids:
+            await self.repo.count_access(item_ids, self.clock())
 
     async def set_pinned(self, pair_id: int, item_id: int, pinned: bool) -> MemoryItem:
         await self.get(pair_id, item_id, count_access=False)
-        await self.storage.write(
-            "UPDATE memory_items SET pinned = ?, updated_at = ? WHERE id = ? AND pair_id = ?",
-            (int(pinned), self.clock(), item_id, pair_id),
-        )
+        await self.repo.set_pinned(pair_id, item_id, pinned, self.clock())
         return await self.get(pair_id, item_id, count_access=False)
 
     async def archive(self, pair_id: int, item_id: int, reason: str) -> MemoryItem:
         item = await self.get(pair_id, item_id, count_access=False)
         if item.archived_at is not None:
             raise MemoryError(f"item #{item_id} is already archived")
-        await self.storage.write(
-            "UPDATE memory_items SET archived_at = ?, archive_reason = ? WHERE id = ? AND pair_id = ?",
-            (self.clock(), reason, item_id, pair_id),
-        )
+        await self.repo.archive(pair_id, item_id, reason, self.clock())
         return await self.get(pair_id, item_id, count_access=False)
 
     async def restore(self, pair_id: int, item_id: int) -> MemoryItem:
         item = await self.get(pair_id, item_id, count_access=False)
         if item.archived_at is None:
             raise MemoryError(f"item #{item_id} is not archived")
-        await self.storage.write(
-            # A restored item that had expired no longer expires: the user wants it back.
-            "UPDATE memory_items SET archived_at = NULL, archive_reason = '', updated_at = ?,"
-            " expires_at = CASE WHEN expires_at <= ? THEN NULL ELSE expires_at END WHERE id = ? AND pair_id = ?",
-            (self.clock(), self.clock(), item_id, pair_id),
-        )
+        await self.repo.restore(pair_id, item_id, self.clock())
         if self.embeddings is not None:
             self.embeddings.index.invalidate(("items", pair_id))
         return await self.get(pair_id, item_id, count_access=False)
@@ -287,38 +252,16 @@ class MemoryStore:
         self, pair_id: int, *, category: str | None = None, archived: bool = False, limit: int = 20, offset: int = 0,
     ) -> tuple[list[MemoryItem], int]:
         """A page of the pair's items (newest first) and how many there are; list views count no access."""
-        where = ["pair_id = ?", "archived_at IS NOT NULL" if archived else "archived_at IS NULL"]
-        params: list[Any] = [pair_id]
-        if not archived:
-            where += ["superseded_by IS NULL", "(expires_at IS NULL OR expires_at > ?)"]
-            params.append(self.clock())
-        if category:
-            where.append("category = ?")
-            params.append(category)
-        clause = " AND ".join(where)
-        total = await self.storage.fetch_one(f"SELECT count(*) FROM memory_items WHERE {clause}", params)
-        rows = await self.storage.fetch_all(
-            f"SELECT {ITEM_COLUMNS} FROM memory_items WHERE {clause} ORDER BY pinned DESC, id DESC LIMIT ? OFFSET ?",
-            (*params, limit, offset),
-        )
-        return [self._item(r) for r in rows], int(total[0]) if total else 0
+        rows, total = await self.repo.list_items(
+            pair_id, category=category, archived=archived, limit=limit, offset=offset, now=self.clock())
+        return [self._item(r) for r in rows], total
 
     async def pair_with_items(self, user_id: int, persona: str) -> tuple[int | None, int]:
         """The pair's id and how many live items it has, in one query (the reply path asks this first)."""
-        row = await self.storage.fetch_one(
-            "SELECT p.id, (SELECT count(*) FROM memory_items WHERE pair_id = p.id AND archived_at IS NULL)"
-            " FROM cortex_pairs AS p WHERE p.user_id = ? AND p.persona = ?",
-            (user_id, persona),
-        )
-        return (None, 0) if row is None else (int(row[0]), int(row[1]))
+        return await self.repo.pair_with_items(user_id, persona)
 
     async def pinned(self, pair_id: int) -> list[MemoryItem]:
-        rows = await self.storage.fetch_all(
-            f"SELECT {ITEM_COLUMNS} FROM memory_items WHERE pair_id = ? AND pinned = 1 AND archived_at IS NULL"
-            " AND superseded_by IS NULL AND (expires_at IS NULL OR expires_at > ?) ORDER BY importance DESC, id",
-            (pair_id, self.clock()),
-        )
-        return [self._item(r) for r in rows]
+        return [self._item(r) for r in await self.repo.pinned(pair_id, self.clock())]
 
     # -- search ----------------------------------------------------------------------------------
 
@@ -339,8 +282,8 @@ class MemoryStore:
         messages = include_messages and user_id is not None and persona is not None
         if query_vector is None and use_vectors and self.embeddings is not None and index is not None:
             # Embedding the query costs ~16 ms of CPU: only when there is something to compare it with.
-            if (include_items and len((await index.items(pair_id)).ids)) or (
-                    messages and len((await index.messages(user_id or 0, persona or "")).ids)):
+            if (include_items and await index.has_vectors(("items", pair_id))) or (
+                    messages and await index.has_vectors(("messages", user_id or 0, persona or ""))):
                 query_vector = await self.embeddings.embed_query(query)
         vector = query_vector if index is not None else None
         parts = []
@@ -356,32 +299,20 @@ class MemoryStore:
     async def _item_candidates(
         self, pair_id: int, match: str, vector: npt.NDArray[np.float32] | None, now: float
     ) -> list[_Candidate]:
-        visible = "m.pair_id = ? AND m.archived_at IS NULL AND m.superseded_by IS NULL" \
-                  " AND (m.expires_at IS NULL OR m.expires_at > ?)"
-
         async def by_text() -> list[Any]:
             if not match:
                 return []
-            item_match, order = await self._bounded("memory_fts", match)
-            return await self.storage.fetch_all(
-                f"SELECT {ITEM_COLUMNS_M}, bm25(memory_fts) AS rank FROM memory_fts"
-                f" JOIN memory_items AS m ON m.id = memory_fts.rowid WHERE memory_fts MATCH ? AND {visible}"
-                f" ORDER BY {order} LIMIT ?",
-                (item_match, pair_id, now, self.candidates),
-            )
+            terms, newest = await self._bounded("memory_fts", match, pair_id=pair_id)
+            return await self.repo.item_text_candidates(pair_id, terms, newest=newest, now=now, limit=self.candidates)
 
         async def by_vector() -> dict[int, float]:
             if vector is None or self.embeddings is None:
                 return {}
             # Hidden items may sit in the matrix: take more than needed, the fetch below filters.
-            return await (await self.embeddings.index.items(pair_id)).top_async(vector, self.candidates * 2)
+            return await self.embeddings.index.top(("items", pair_id), vector, self.candidates * 2)
 
         async def fetch(ids: list[int]) -> list[Any]:
-            marks = ",".join("?" for _ in ids)
-            return await self.storage.fetch_all(
-                f"SELECT {ITEM_COLUMNS_M} FROM memory_items AS m WHERE m.id IN ({marks}) AND {visible}",
-                (*ids, pair_id, now),
-            )
+            return await self.repo.visible_items(pair_id, ids, now)
 
         rows, text_scores, vector_scores = await self._candidate_rows(by_text(), by_vector(), fetch)
         most_accessed = max((int(r["access_count"]) for r in rows), default=0)
@@ -407,29 +338,20 @@ class MemoryStore:
         async def by_text() -> list[Any]:
             if not match:
                 return []
-            message_match, order = await self._bounded("messages_fts", match)
-            rows = await self.storage.fetch_all(
-                f"SELECT {MESSAGE_COLUMNS}, bm25(messages_fts) AS rank FROM messages_fts"
-                " JOIN messages AS m ON m.id = messages_fts.rowid JOIN channels AS c ON c.id = m.channel_id"
-                f" WHERE messages_fts MATCH ? AND m.user_id = ? AND m.persona = ? ORDER BY {order} LIMIT ?",
-                (message_match, user_id, persona, self.candidates + len(exclude)),
-            )
+            terms, newest = await self._bounded("messages_fts", match, persona=persona)
+            rows = await self.repo.message_text_candidates(
+                user_id, persona, terms, newest=newest, limit=self.candidates + len(exclude))
             return [r for r in rows if int(r["id"]) not in exclude]
 
         async def by_vector() -> dict[int, float]:
             if vector is None or self.embeddings is None:
                 return {}
-            block = await self.embeddings.index.messages(user_id, persona)
-            found = await block.top_async(vector, self.candidates + len(exclude))
+            found = await self.embeddings.index.top(("messages", user_id, persona), vector,
+                                                     self.candidates + len(exclude))
             return {i: v for i, v in found.items() if i not in exclude}
 
         async def fetch(ids: list[int]) -> list[Any]:
-            marks = ",".join("?" for _ in ids)
-            return await self.storage.fetch_all(
-                f"SELECT {MESSAGE_COLUMNS} FROM messages AS m JOIN channels AS c ON c.id = m.channel_id"
-                f" WHERE m.id IN ({marks}) AND m.user_id = ? AND m.persona = ?",  # never another user's
-                (*ids, user_id, persona),
-            )
+            return await self.repo.pair_messages(user_id, persona, ids)
 
         rows, text_scores, vector_scores = await self._candidate_rows(by_text(), by_vector(), fetch)
         candidates = []
@@ -456,45 +378,54 @@ class MemoryStore:
         rows = list(text_rows) + (await fetch(missing) if missing else [])
         return rows, text_scores, vector_scores
 
-    async def _bounded(self, table: str, match: str) -> tuple[str, str]:
-        """The MATCH expression and ORDER BY that keep a full-text query's cost bounded.
+    async def _bounded(
+        self, table: FtsTable, match: str, *, persona: str | None = None, pair_id: int = 0
+    ) -> tuple[dict[str, float], bool]:
+        """The query words to rank by, each with its weight, and whether to take the newest matches
+        instead of the best (when every word is too common).
 
-        bm25 ranking scores every row that matches, so one word found in half of 100k messages costs
-        ~50 ms. Words matching more than ``COMMON_MATCHES`` rows say little (their idf is low): they are
-        left out. When every word is that common, the newest matches are ranked instead of all of them.
-        Small tables skip the check (its extra query costs more than it saves).
+        Ranking scores every row that matches, so one word found in half of 100k messages costs ~50 ms.
+        Words matching more than ``COMMON_MATCHES`` rows say little (their idf is low): they are left
+        out. When every word is that common, the newest matches are ranked instead of all of them.
+        Small tables skip the check (its extra query costs more than it saves) unless the engine needs
+        the words' rarity for ranking (PostgreSQL's ts_rank has no idf: each word is weighted by its idf
+        here, as bm25 does).
         """
-        size, checked = self._table_sizes.get(table, (0, 0.0))
-        if time.monotonic() - checked > 60:
-            row = await self.storage.fetch_one(f"SELECT coalesce(max(rowid), 0) FROM {table}")
-            size = int(row[0]) if row else 0
-            self._table_sizes[table] = (size, time.monotonic())
-        by_rank = f"bm25({table})"
-        if size <= COMMON_MATCHES:
-            return match, by_rank
         terms = match.split(" OR ")
-        # How common a word is changes slowly: counts are cached for a while (most queries reuse words).
-        stamp = time.monotonic()
-        unknown = [t for t in terms if stamp - self._term_counts.get((table, t), (0, -1e9))[1] > TERM_COUNT_TTL]
-        if unknown:
-            counts = await self.storage.fetch_one(
-                "SELECT " + ", ".join(
-                    f"(SELECT count(*) FROM (SELECT 1 FROM {table} WHERE {table} MATCH ? LIMIT {COMMON_MATCHES + 1}))"
-                    for _ in unknown),
-                unknown,
-            )
-            if len(self._term_counts) > 50_000:
-                self._term_counts.clear()
-            for term, count in zip(unknown, counts or (), strict=False):
-                self._term_counts[(table, term)] = (int(count), stamp)
-        counted = {t: self._term_counts.get((table, t), (0, 0.0))[0] for t in terms}
+        weighted = self.repo.needs_term_weights
+        size = await self._table_size(table)
+        if size <= COMMON_MATCHES and not weighted:
+            return dict.fromkeys(terms, 1.0), False
+        counted = await self._term_counts(table, terms, persona, pair_id)
         found = [t for t in terms if counted[t] > 0]  # a word found nowhere (a typo) ranks nothing
         rare = [t for t in found if counted[t] <= COMMON_MATCHES]
-        if rare:
-            return " OR ".join(rare), by_rank
-        if found:
-            return " OR ".join(found), f"{table}.rowid DESC"
-        return match, by_rank  # nothing matches: the query is cheap
+        chosen, newest = (rare, False) if rare else (found, True) if found else (terms, False)
+        if not weighted:
+            return dict.fromkeys(chosen, 1.0), newest
+        total = max(size, 1)
+        return {t: math.log(1 + (total - counted[t] + 0.5) / (counted[t] + 0.5)) for t in chosen}, newest
+
+    async def _table_size(self, table: FtsTable) -> int:
+        size, checked = self._table_sizes.get(table, (0, 0.0))
+        if time.monotonic() - checked > 60:
+            size = await self.repo.fts_size(table)
+            self._table_sizes[table] = (size, time.monotonic())
+        return size
+
+    async def _term_counts(self, table: FtsTable, terms: list[str], persona: str | None, pair_id: int
+                           ) -> dict[str, int]:
+        """Rows matching each word (capped), cached for a while: how common a word is changes slowly."""
+        scope = (table, persona or f"pair:{pair_id}") if self.repo.needs_term_weights else (table, "")
+        stamp = time.monotonic()
+        unknown = [t for t in terms if stamp - self._term_counts_cache.get((*scope, t), (0, -1e9))[1] > TERM_COUNT_TTL]
+        if unknown:
+            counts = await self.repo.fts_term_counts(table, unknown, COMMON_MATCHES + 1, persona=persona,
+                                                     pair_id=pair_id)
+            if len(self._term_counts_cache) > 50_000:
+                self._term_counts_cache.clear()
+            for term, count in zip(unknown, counts, strict=False):
+                self._term_counts_cache[(*scope, term)] = (int(count), stamp)
+        return {t: self._term_counts_cache.get((*scope, t), (0, 0.0))[0] for t in terms}
 
     def _rank(self, candidates: list[_Candidate], limit: int, now: float) -> list[Hit]:
         """One ranking: text and vector scores are normalised over all candidates, so items and messages

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from bot.config import MemoryConfig
-from bot.storage.sqlite import SQLiteStorage
+from bot.storage.core import Storage
+from bot.storage.memory import PruneReasons
 
 DAY = 86_400.0
 LAST_PRUNE_SETTING = "memory.last_prune"
@@ -55,7 +56,7 @@ class PruneReport:
 
 class Pruner:
     def __init__(
-        self, storage: SQLiteStorage, config: MemoryConfig, *, clock: Callable[[], float] = time.time,
+        self, storage: Storage, config: MemoryConfig, *, clock: Callable[[], float] = time.time,
         on_archive: Callable[[set[int]], None] | None = None,
     ) -> None:
         self.storage = storage
@@ -63,33 +64,27 @@ class Pruner:
         self.clock = clock
         self.on_archive = on_archive  # told which pairs lost items (vector caches drop them)
 
-    def _rules(self, now: float) -> list[tuple[str, str, tuple[float | int, ...]]]:
+    def _reasons(self) -> PruneReasons:
         c = self.config
-        unused = f"never used in {c.prune_unused_days:g} days"
-        rarely = f"used fewer than {c.prune_min_access} times in {c.prune_rarely_used_days:g} days"
-        return [
-            ("expired", "expires_at IS NOT NULL AND expires_at <= ?", (now,)),
-            (unused, "pinned = 0 AND access_count = 0 AND updated_at < ?", (now - c.prune_unused_days * DAY,)),
-            (rarely, "pinned = 0 AND access_count < ? AND updated_at < ?",
-             (c.prune_min_access, now - c.prune_rarely_used_days * DAY)),
-        ]
+        return PruneReasons(
+            expired="expired",
+            unused=f"never used in {c.prune_unused_days:g} days",
+            rarely=f"used fewer than {c.prune_min_access} times in {c.prune_rarely_used_days:g} days",
+        )
 
     async def prune(self) -> PruneReport:
         """Archive what the rules select, in one transaction; returns (and saves) the report."""
         now = self.clock()
         archived: dict[str, dict[str, int]] = {}
         pairs: set[int] = set()
-        async with self.storage.transaction() as db:
-            for reason, where, params in self._rules(now):
-                rows = await db.execute_fetchall(
-                    f"UPDATE memory_items SET archived_at = ?, archive_reason = ? WHERE archived_at IS NULL AND {where}"
-                    " RETURNING category, pair_id",
-                    (now, f"pruned: {reason}", *params),
-                )
-                for row in rows:
-                    by_reason = archived.setdefault(str(row[0]), {})
-                    by_reason[reason] = by_reason.get(reason, 0) + 1
-                    pairs.add(int(row[1]))
+        c = self.config
+        pruned = await self.storage.memory.prune_items(
+            now, self._reasons(), unused_before=now - c.prune_unused_days * DAY,
+            rarely_before=now - c.prune_rarely_used_days * DAY, min_access=c.prune_min_access)
+        for reason, category, pair_id in pruned:
+            by_reason = archived.setdefault(category, {})
+            by_reason[reason] = by_reason.get(reason, 0) + 1
+            pairs.add(pair_id)
         report = PruneReport(now, archived)
         await self.storage.set_setting(LAST_PRUNE_SETTING, report.to_json())
         if pairs and self.on_archive is not None:

@@ -10,7 +10,9 @@ checked by the caller on the candidates. Large matrices are scored on a worker t
 the GIL), so the full-text part of a search runs meanwhile.
 
 The cache belongs to one process: another process writing vectors to the same database is not seen
-until this one's entry is evicted or invalidated (SQLite deployments run one bot process).
+until this one's entry is evicted or invalidated (SQLite deployments run one bot process). On
+PostgreSQL nothing is cached: :class:`DatabaseVectors` searches pgvector's HNSW index instead, so
+every process sees every vector at once.
 """
 
 from __future__ import annotations
@@ -23,11 +25,10 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from bot.storage.sqlite import SQLiteStorage
+from bot.storage.core import Storage
+from bot.storage.memory import ItemScope, MessageScope, VectorScope
 
-ItemScope = tuple[str, int]  # ("items", pair_id)
-MessageScope = tuple[str, int, str]  # ("messages", user_id, persona)
-Scope = ItemScope | MessageScope
+Scope = tuple[str, int] | tuple[str, int, str]  # ("items", pair_id) or ("messages", user_id, persona)
 
 PAGE = 4096
 THREAD_ABOVE = 20_000  # vectors: bigger matrices are scored on a worker thread
@@ -144,12 +145,18 @@ def _empty() -> Block:
     return Block(np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.float32))
 
 
+def repo_scope(scope: Scope) -> VectorScope:
+    return ItemScope(int(scope[1])) if len(scope) == 2 else MessageScope(int(scope[1]), str(scope[2]))
+
+
 class VectorIndex:
+    """Vectors of the SQLite engine: loaded per scope into numpy matrices, scanned by brute force."""
+
     def __init__(
-        self, storage: SQLiteStorage, model: str, *, message_model: str | None = None,
+        self, storage: Storage, model: str, *, message_model: str | None = None,
         max_vectors: int = MAX_CACHED_VECTORS,
     ) -> None:
-        self.storage = storage
+        self.repo = storage.memory
         self.model = model  # the tag of item vectors
         self.message_model = message_model or model  # the tag of message vectors
         self.max_vectors = max_vectors
@@ -159,6 +166,15 @@ class VectorIndex:
         # invalidated (then the loaded block is not kept).
         self._pending: dict[Scope, list[tuple[list[int], npt.NDArray[np.float32]]]] = {}
         self._stale: set[Scope] = set()
+
+    def model_of(self, scope: Scope) -> str:
+        return self.model if len(scope) == 2 else self.message_model
+
+    async def has_vectors(self, scope: Scope) -> bool:
+        return bool(len((await self._block(scope)).ids))
+
+    async def top(self, scope: Scope, query: npt.NDArray[np.float32], k: int) -> dict[int, float]:
+        return await (await self._block(scope)).top_async(query, k)
 
     async def items(self, pair_id: int) -> Block:
         return await self._block(("items", pair_id))
@@ -203,31 +219,21 @@ class VectorIndex:
             if scope != keep:
                 total -= len(self._blocks.pop(scope).ids)
 
-    def _where(self, scope: Scope) -> tuple[str, str, str, tuple[object, ...]]:
-        """(id column, vector column, FROM … WHERE …, parameters) of a scope's vectors."""
-        if len(scope) == 2:
-            return ("id", "embedding", "FROM memory_items WHERE pair_id = ? AND embedding_model = ?"
-                    " AND embedding IS NOT NULL AND archived_at IS NULL", (scope[1], self.model))
-        return ("message_id", "vector", "FROM message_vectors WHERE user_id = ? AND persona = ? AND model = ?",
-                (scope[1], scope[2], self.message_model))
-
     async def _load(self, scope: Scope) -> Block:
-        id_column, vector_column, where, params = self._where(scope)
-        counted = await self.storage.fetch_one(f"SELECT count(*) {where}", params)
-        sql = f"SELECT {id_column}, {vector_column} {where} AND {id_column} > ? ORDER BY {id_column} LIMIT ?"
-        capacity = int(counted[0]) if counted else 0
+        where, model = repo_scope(scope), self.model_of(scope)
+        capacity = await self.repo.count_vectors(where, model)
         ids = np.zeros(capacity, dtype=np.int64)
         matrix: npt.NDArray[np.float32] | None = None
         filled = 0
         after = 0
         while True:
-            rows = await self.storage.fetch_all(sql, (*params, after, PAGE))
+            rows = await self.repo.load_vectors(where, model, after, PAGE)
             if not rows:
                 break
-            after = int(rows[-1][0])
+            after = rows[-1][0]
             if matrix is None:
                 matrix = np.zeros((capacity, len(rows[-1][1]) // 4), dtype=np.float32)
-            page = [(int(r[0]), r[1]) for r in rows if len(r[1]) == matrix.shape[1] * 4]
+            page = [(i, blob) for i, blob in rows if len(blob) == matrix.shape[1] * 4]
             if filled + len(page) > capacity:  # the backfill added vectors meanwhile
                 capacity = filled + len(page) + PAGE
                 ids = np.resize(ids, capacity)
@@ -262,3 +268,38 @@ class VectorIndex:
             self._blocks.pop(scope, None)
             if scope in self._loading:
                 self._stale.add(scope)
+
+
+class DatabaseVectors:
+    """Vectors of the PostgreSQL engine: searched where they are stored (pgvector, HNSW), never cached,
+    so a vector written by any process is found by every process at once."""
+
+    def __init__(self, storage: Storage, model: str, *, message_model: str | None = None) -> None:
+        self.repo = storage.memory
+        self.model = model
+        self.message_model = message_model or model
+
+    def model_of(self, scope: Scope) -> str:
+        return self.model if len(scope) == 2 else self.message_model
+
+    async def has_vectors(self, scope: Scope) -> bool:
+        return await self.repo.has_vectors(repo_scope(scope), self.model_of(scope))
+
+    async def top(self, scope: Scope, query: npt.NDArray[np.float32], k: int) -> dict[int, float]:
+        return await self.repo.vector_top(repo_scope(scope), self.model_of(scope), query, k)
+
+    def add(self, scope: Scope, ids: Sequence[int], vectors: npt.NDArray[np.float32]) -> None:
+        """Nothing to do: the database is the index."""
+
+    def invalidate(self, scope: Scope | None = None) -> None:
+        """Nothing to do: nothing is cached."""
+
+
+VectorSearch = VectorIndex | DatabaseVectors
+
+
+def vector_search(storage: Storage, model: str, *, message_model: str, max_vectors: int) -> VectorSearch:
+    """The engine's way to search vectors: in the database (PostgreSQL) or over cached matrices (SQLite)."""
+    if storage.memory.vectors_in_database:
+        return DatabaseVectors(storage, model, message_model=message_model)
+    return VectorIndex(storage, model, message_model=message_model, max_vectors=max_vectors)

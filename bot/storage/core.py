@@ -1,0 +1,634 @@
+"""The core repository: users, channels, messages, summaries, jobs, audit rows, settings; and the
+:class:`Storage` handle that carries the other repositories (cortex, memory, fleet) of one database.
+
+Written once for every engine (see ``bot.storage.engine``); forks on ``db.dialect`` are marked.
+
+The reply path keeps database round trips few: identical user/channel upserts are answered from
+memory (ids are never reused while cached: a delete drops the entries), the newest summary of a
+channel is cached (invalidated by this process's writes, re-read after ``SUMMARY_CACHE_SECONDS`` for
+other processes' writes), and audit rows (LLM calls, reply stats) are buffered and written in batches
+(at most ``AUDIT_FLUSH_SECONDS`` late; flushed before they are read and on close). A crash can lose
+that last second of audit rows, never a message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Any
+
+from bot.storage.base import (
+    Channel,
+    Job,
+    JobStatus,
+    LLMCallRecord,
+    MessageRole,
+    ReplyMetrics,
+    ReplyStats,
+    StoredMessage,
+    Summary,
+    SummaryStatus,
+    User,
+)
+from bot.storage.cortex import CortexRepository, ForgetReport
+from bot.storage.engine import Database, Migration, Row, StorageError, is_conflict
+from bot.storage.fleet import FleetRepository
+from bot.storage.memory import MemoryRepository
+from bot.storage.migrations import MIGRATIONS
+from bot.storage.rows import MESSAGE_COLUMNS, message_from_row
+from bot.storage.rows import dt as _dt
+from bot.storage.rows import ts as _ts
+from bot.storage.textsearch import text_search_config
+
+log = logging.getLogger(__name__)
+
+AUDIT_FLUSH_ROWS = 64  # buffered audit rows written in one go ...
+AUDIT_FLUSH_SECONDS = 1.0  # ... or after this long
+SUMMARY_CACHE_SECONDS = 5.0  # how stale another process's new summary may look here
+
+LLM_CALL_SQL = (
+    "INSERT INTO llm_calls (purpose, model, input_tokens, output_tokens, estimated_input_tokens,"
+    " duration_ms, error, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
+REPLY_STATS_SQL = (
+    "INSERT INTO reply_stats (channel_id, message_id, history_tokens, history_budget, window_messages,"
+    " trimmed_messages, summary_used, prompt_tokens, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+JOB_DONE = "locked_by = '', lease_until = 0"
+
+
+class Storage:
+    """One database: the core's records directly, the cortex, memory and fleet repositories as attributes."""
+
+    def __init__(self, db: Database, *, migrations: Sequence[Migration] = MIGRATIONS) -> None:
+        self.db = db
+        self._migrations = tuple(sorted(migrations, key=lambda m: m.version))
+        caches = db.caches
+        self._users: dict[str, User] = caches.named("core.users")
+        self._channels: dict[str, Channel] = caches.named("core.channels")
+        self._summaries: dict[int, tuple[float, Summary | None]] = caches.named("core.summaries")
+        self._audit: list[tuple[str, tuple[Any, ...]]] = []
+        self._audit_timer: asyncio.Task[None] | None = None
+        self.cortex = CortexRepository(db)
+        self.memory = MemoryRepository(db)
+        self.fleet = FleetRepository(db)
+
+    @property
+    def dialect(self) -> str:
+        return self.db.dialect
+
+    @property
+    def caches(self) -> Any:
+        return self.db.caches
+
+    async def sibling(self) -> Storage:
+        """A second handle on the same database sharing caches (see ``Database.sibling``)."""
+        return Storage(await self.db.sibling(), migrations=self._migrations)
+
+    async def close(self) -> None:
+        if self._audit_timer is not None:
+            self._audit_timer.cancel()
+        try:
+            await self.flush_audit()
+        except Exception:
+            log.exception("could not write %d buffered audit rows at close", len(self._audit))
+        finally:
+            await self.db.close()
+
+    # -- migrations ------------------------------------------------------------------------------
+
+    async def applied_migrations(self) -> list[int]:
+        return await self.db.applied_migrations()
+
+    async def pending_migrations(self) -> list[int]:
+        done = set(await self.applied_migrations())
+        self._refuse_newer(done)
+        return [m.version for m in self._migrations if m.version not in done]
+
+    async def migrate(self) -> list[int]:
+        self._refuse_newer(set(await self.applied_migrations()))
+        return await self.db.migrate(self._migrations)
+
+    async def check_writable(self) -> None:
+        """Write to the database without changing its data (``cortexbot doctor``)."""
+        await self.db.write("CREATE TEMP TABLE IF NOT EXISTS doctor_probe (x INTEGER)")
+
+    def _refuse_newer(self, applied: set[int]) -> None:
+        known = max((m.version for m in self._migrations), default=0)
+        newer = sorted(v for v in applied if v > known)
+        if newer:
+            raise StorageError(
+                f"the database {self.db.url} was upgraded by a newer cortex-bot (schema version {newer[-1]}; this "
+                f"one knows up to {known}): upgrade cortex-bot, or point [storage] at another database"
+            )
+
+    # -- users, personas, channels ---------------------------------------------------------------
+
+    async def upsert_user(self, key: str, display_name: str) -> User:
+        cached = self._users.get(key)
+        if cached is not None and cached.display_name == display_name:
+            return cached
+        now = time.time()
+        row = await self.db.write_one(
+            "INSERT INTO users (key, display_name, created_at, updated_at) VALUES (?, ?, ?, ?)"
+            " ON CONFLICT (key) DO UPDATE SET display_name = excluded.display_name, updated_at = excluded.updated_at"
+            " RETURNING id, key, display_name",
+            (key, display_name, now, now),
+        )
+        assert row is not None
+        user = User(int(row["id"]), str(row["key"]), str(row["display_name"]))
+        self._users[key] = user
+        return user
+
+    async def get_user(self, key: str) -> User | None:
+        row = await self.db.fetch_one("SELECT id, key, display_name FROM users WHERE key = ?", (key,))
+        return None if row is None else User(int(row["id"]), str(row["key"]), str(row["display_name"]))
+
+    async def upsert_persona(self, name: str, language: str = "") -> None:
+        """Record the persona (names are unique regardless of case) with the full-text configuration of
+        its language (used by PostgreSQL's full text; SQLite stems English for every persona)."""
+        config = text_search_config(language)
+        row = await self.db.fetch_one("SELECT ts_config FROM personas WHERE lower(name) = lower(?)", (name,))
+        if row is None:
+            await self.db.write(
+                "INSERT INTO personas (name, created_at, ts_config) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+                (name, time.time(), config),
+            )
+        elif str(row[0]) != config:
+            await self.db.write("UPDATE personas SET ts_config = ? WHERE lower(name) = lower(?)", (config, name))
+
+    async def upsert_channel(self, key: str, name: str, is_dm: bool) -> Channel:
+        cached = self._channels.get(key)
+        if cached is not None and (cached.name, cached.is_dm) == (name, is_dm):
+            return cached
+        now = time.time()
+        row = await self.db.write_one(
+            "INSERT INTO channels (key, name, is_dm, created_at, updated_at) VALUES (?, ?, ?, ?, ?)"
+            " ON CONFLICT (key) DO UPDATE SET name = excluded.name, is_dm = excluded.is_dm,"
+            " updated_at = excluded.updated_at RETURNING *",
+            (key, name, int(is_dm), now, now),
+        )
+        assert row is not None
+        channel = self._channel(row)
+        self._channels[key] = channel
+        return channel
+
+    async def get_channel(self, key: str) -> Channel | None:
+        row = await self.db.fetch_one("SELECT * FROM channels WHERE key = ?", (key,))
+        return None if row is None else self._channel(row)
+
+    async def count_messages(self, channel_id: int) -> int:
+        row = await self.db.fetch_one("SELECT message_count FROM channels WHERE id = ?", (channel_id,))
+        return int(row[0]) if row else 0
+
+    @staticmethod
+    def _channel(row: Row) -> Channel:
+        return Channel(int(row["id"]), str(row["key"]), str(row["name"]), bool(row["is_dm"]))
+
+    # -- messages --------------------------------------------------------------------------------
+
+    async def add_message(
+        self,
+        channel_id: int,
+        user_id: int | None,
+        persona: str,
+        role: MessageRole,
+        author_name: str,
+        text: str,
+        token_count: int,
+        created_at: datetime | None = None,
+    ) -> StoredMessage:
+        ts = _ts(created_at)
+        params = (channel_id, user_id, persona, role, author_name, text, token_count, ts)
+        if self.db.dialect == "postgres":
+            # One statement: bumping the counter locks the channel's row, so concurrent inserts into one
+            # channel (from any process) get consecutive positions.
+            row = await self.db.write_one(
+                "WITH c AS (UPDATE channels SET message_count = message_count + 1, updated_at = $8"
+                " WHERE id = $1 RETURNING message_count)"
+                " INSERT INTO messages (channel_id, user_id, persona, role, author_name, text, token_count, seq,"
+                " created_at) SELECT $1, $2::bigint, $3, $4, $5, $6, $7::integer, c.message_count, $8 FROM c"
+                " RETURNING id, seq",
+                params,
+            )
+        else:
+            # One statement: its seq is the channel's count so far + 1, and the trigger bumps the count.
+            row = await self.db.write_one(
+                "INSERT INTO messages (channel_id, user_id, persona, role, author_name, text, token_count, seq,"
+                " created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7,"
+                " (SELECT message_count + 1 FROM channels WHERE id = ?1), ?8) RETURNING id, seq",
+                params,
+            )
+        if row is None:
+            raise StorageError(f"channel {channel_id} does not exist")
+        return StoredMessage(
+            int(row[0]), channel_id, user_id, persona, role, author_name, text, token_count, int(row[1]), _dt(ts)
+        )
+
+    async def recent_messages(
+        self, channel_id: int, limit: int, before_id: int | None = None
+    ) -> list[StoredMessage]:
+        rows = await self.db.fetch_all(
+            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE channel_id = ? AND id < ? ORDER BY id DESC LIMIT ?",
+            (channel_id, before_id if before_id is not None else 2**62, limit),
+        )
+        return [message_from_row(r) for r in rows]
+
+    async def messages_between(
+        self, channel_id: int, after_id: int, before_id: int, limit: int
+    ) -> list[StoredMessage]:
+        rows = await self.db.fetch_all(
+            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE channel_id = ? AND id > ? AND id < ? ORDER BY id LIMIT ?",
+            (channel_id, after_id, before_id, limit),
+        )
+        return [message_from_row(r) for r in rows]
+
+    async def count_messages_between(self, channel_id: int, after_id: int, before_id: int) -> int:
+        row = await self.db.fetch_one(
+            "SELECT count(*) FROM messages WHERE channel_id = ? AND id > ? AND id < ?",
+            (channel_id, after_id, before_id),
+        )
+        return int(row[0]) if row else 0
+
+    # -- summaries -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _summary(row: Row) -> Summary:
+        return Summary(
+            id=int(row["id"]),
+            channel_id=int(row["channel_id"]),
+            version=int(row["version"]),
+            text=str(row["text"]),
+            covers_from_id=int(row["covers_from_id"]),
+            covers_to_id=int(row["covers_to_id"]),
+            covers_to_seq=int(row["covers_to_seq"]),
+            token_count=int(row["token_count"]),
+            model=str(row["model"]),
+            status=row["status"],
+            reason=str(row["reason"]),
+            created_at=_dt(float(row["created_at"])),
+        )
+
+    async def latest_summary(self, channel_id: int) -> Summary | None:
+        cached = self._summaries.get(channel_id)
+        if cached is not None and time.monotonic() - cached[0] < SUMMARY_CACHE_SECONDS:
+            return cached[1]
+        row = await self.db.fetch_one(
+            "SELECT * FROM summaries WHERE channel_id = ? AND status = 'ok' ORDER BY version DESC LIMIT 1",
+            (channel_id,),
+        )
+        summary = None if row is None else self._summary(row)
+        self._summaries[channel_id] = (time.monotonic(), summary)
+        return summary
+
+    async def add_summary(
+        self,
+        channel_id: int,
+        text: str,
+        covers_from_id: int,
+        covers_to_id: int,
+        token_count: int,
+        model: str,
+        status: SummaryStatus = "ok",
+        reason: str = "",
+    ) -> Summary:
+        # One statement: the next version number and the insert are atomic together.
+        row = await self.db.write_one(
+            "INSERT INTO summaries (channel_id, version, text, covers_from_id, covers_to_id, covers_to_seq,"
+            " token_count, model, status, reason, created_at)"
+            " SELECT CAST(? AS BIGINT), coalesce(max(version), 0) + 1, CAST(? AS TEXT), CAST(? AS BIGINT),"
+            " CAST(? AS BIGINT), coalesce((SELECT seq FROM messages WHERE id = ?), 0), CAST(? AS INTEGER),"
+            " CAST(? AS TEXT), CAST(? AS TEXT), CAST(? AS TEXT), CAST(? AS DOUBLE PRECISION) FROM summaries"
+            " WHERE channel_id = ? RETURNING *",
+            (channel_id, text, covers_from_id, covers_to_id, covers_to_id, token_count, model, status, reason,
+             time.time(), channel_id),
+        )
+        assert row is not None
+        summary = self._summary(row)
+        if summary.status == "ok":
+            self._summaries[channel_id] = (time.monotonic(), summary)
+        return summary
+
+    async def list_summaries(self, channel_id: int) -> list[Summary]:
+        rows = await self.db.fetch_all("SELECT * FROM summaries WHERE channel_id = ? ORDER BY version", (channel_id,))
+        return [self._summary(r) for r in rows]
+
+    # -- jobs ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _job(row: Row) -> Job:
+        return Job(
+            id=int(row["id"]),
+            kind=str(row["kind"]),
+            key=str(row["key"]),
+            payload=json.loads(row["payload"]),
+            status=row["status"],
+            attempts=int(row["attempts"]),
+            max_attempts=int(row["max_attempts"]),
+            run_after=_dt(float(row["run_after"])),
+            last_error=str(row["last_error"]),
+            locked_by=str(row["locked_by"]),
+            created_at=_dt(float(row["created_at"])),
+            updated_at=_dt(float(row["updated_at"])),
+        )
+
+    async def enqueue_job(
+        self,
+        kind: str,
+        key: str,
+        payload: dict[str, Any],
+        max_attempts: int,
+        *,
+        dedupe: bool = True,
+        run_after: datetime | None = None,
+    ) -> Job | None:
+        now = time.time()
+        # One statement, so the duplicate check and the insert are atomic without a transaction.
+        duplicate = (
+            "NOT EXISTS (SELECT 1 FROM jobs WHERE kind = ? AND key = ? AND status = 'queued')" if dedupe else "1 = 1"
+        )
+        row = await self.db.write_one(
+            "INSERT INTO jobs (kind, key, payload, status, max_attempts, run_after, created_at, updated_at)"
+            " SELECT CAST(? AS TEXT), CAST(? AS TEXT), CAST(? AS TEXT), 'queued', CAST(? AS INTEGER),"
+            f" CAST(? AS DOUBLE PRECISION), CAST(? AS DOUBLE PRECISION), CAST(? AS DOUBLE PRECISION) WHERE {duplicate}"
+            " RETURNING *",
+            (
+                kind, key, json.dumps(payload), max_attempts, _ts(run_after) if run_after else now, now, now,
+                *((kind, key) if dedupe else ()),
+            ),
+        )
+        return None if row is None else self._job(row)
+
+    async def claim_job(self, worker: str, kinds: Sequence[str], lease_seconds: float) -> Job | None:
+        """Take the oldest runnable queued job whose key has no running job, in one statement.
+
+        A partial unique index allows one running job per key: when two processes take two jobs of one
+        key at the same moment (PostgreSQL), one of them fails on it and looks again."""
+        if not kinds:
+            return None
+        marks = ",".join("?" for _ in kinds)
+        skip_locked = " FOR UPDATE SKIP LOCKED" if self.db.dialect == "postgres" else ""
+        runnable = (
+            f"SELECT id FROM jobs AS j WHERE status = 'queued' AND run_after <= ? AND kind IN ({marks})"
+            " AND NOT EXISTS (SELECT 1 FROM jobs AS r WHERE r.key = j.key AND r.status = 'running')"
+            " ORDER BY run_after, id LIMIT 1"
+        )
+        for _attempt in range(3):
+            now = time.time()
+            # Idle workers poll: look first without taking a write lock.
+            if await self.db.fetch_one(runnable, (now, *kinds)) is None:
+                return None
+            try:
+                row = await self.db.write_one(
+                    "UPDATE jobs SET status = 'running', attempts = attempts + 1, locked_by = ?, lease_until = ?,"
+                    f" updated_at = ? WHERE id = ({runnable}{skip_locked}) RETURNING *",
+                    (worker, now + lease_seconds, now, now, *kinds),
+                )
+            except Exception as exc:
+                if not is_conflict(exc):
+                    raise
+                continue
+            return None if row is None else self._job(row)
+        return None
+
+    async def renew_lease(self, job_id: int, worker: str, lease_seconds: float) -> bool:
+        """Extend the lease of a job this worker still holds (False: it was taken away)."""
+        renewed = await self.db.write(
+            "UPDATE jobs SET lease_until = ? WHERE id = ? AND status = 'running' AND locked_by = ? RETURNING id",
+            (time.time() + lease_seconds, job_id, worker),
+        )
+        return bool(renewed)
+
+    async def _set_job(self, job_id: int, worker: str | None, sql_set: str, params: Sequence[Any]) -> bool:
+        """Change a job that ``worker`` holds under a live lease (fenced: a worker whose lease ran out,
+        or whose job was handed to another, changes nothing); ``worker`` None changes it regardless."""
+        now = time.time()
+        fence = "" if worker is None else " AND status = 'running' AND locked_by = ? AND lease_until >= ?"
+        changed = await self.db.write(
+            f"UPDATE jobs SET {sql_set}, updated_at = ? WHERE id = ?{fence} RETURNING id",
+            (*params, now, job_id, *(() if worker is None else (worker, now))),
+        )
+        return bool(changed)
+
+    async def finish_job(self, job_id: int, worker: str | None = None) -> bool:
+        return await self._set_job(job_id, worker, f"status = 'done', {JOB_DONE}", ())
+
+    async def retry_job(self, job_id: int, error: str, run_after: datetime, worker: str | None = None) -> bool:
+        return await self._set_job(
+            job_id, worker, f"status = 'queued', last_error = ?, run_after = ?, {JOB_DONE}",
+            (error, run_after.timestamp()),
+        )
+
+    async def fail_job(self, job_id: int, error: str, worker: str | None = None) -> bool:
+        return await self._set_job(job_id, worker, f"status = 'failed', last_error = ?, {JOB_DONE}", (error,))
+
+    async def release_job(self, job_id: int, worker: str | None = None) -> bool:
+        return await self._set_job(
+            job_id, worker,
+            f"status = 'queued', attempts = CASE WHEN attempts > 0 THEN attempts - 1 ELSE 0 END, {JOB_DONE}", (),
+        )
+
+    async def recover_jobs(self, is_worker_dead: Callable[[str], bool] | None = None) -> list[Job]:
+        """Requeue running jobs whose lease expired (or, on a single-machine engine, whose worker
+        ``is_worker_dead``); each requeue is one statement, so two processes never both take one."""
+        now = time.time()
+        recovered: list[Job] = []
+        for row in await self.db.fetch_all("SELECT * FROM jobs WHERE status = 'running'"):
+            expired = float(row["lease_until"]) < now
+            if not expired and not (is_worker_dead is not None and is_worker_dead(str(row["locked_by"]))):
+                continue
+            taken = await self.db.write(
+                "UPDATE jobs SET status = 'queued', locked_by = '', lease_until = 0, updated_at = ?, last_error = ?"
+                " WHERE id = ? AND status = 'running' AND locked_by = ? RETURNING id",
+                (now, "interrupted: the worker running it stopped", row["id"], row["locked_by"]),
+            )
+            if taken:
+                recovered.append(self._job(row))
+        return recovered
+
+    async def get_job(self, job_id: int) -> Job | None:
+        row = await self.db.fetch_one("SELECT * FROM jobs WHERE id = ?", (job_id,))
+        return None if row is None else self._job(row)
+
+    async def active_job(self, key: str) -> Job | None:
+        row = await self.db.fetch_one(
+            "SELECT * FROM jobs WHERE key = ? AND status IN ('queued', 'running') ORDER BY id LIMIT 1", (key,)
+        )
+        return None if row is None else self._job(row)
+
+    async def list_jobs(self, status: JobStatus | None = None, limit: int = 100) -> list[Job]:
+        if status is None:
+            rows = await self.db.fetch_all("SELECT * FROM jobs ORDER BY id DESC LIMIT ?", (limit,))
+        else:
+            rows = await self.db.fetch_all(
+                "SELECT * FROM jobs WHERE status = ? ORDER BY id DESC LIMIT ?", (status, limit))
+        return [self._job(r) for r in rows]
+
+    async def count_jobs(self, statuses: Sequence[JobStatus]) -> int:
+        marks = ",".join("?" for _ in statuses)
+        row = await self.db.fetch_one(f"SELECT count(*) FROM jobs WHERE status IN ({marks})", tuple(statuses))
+        return int(row[0]) if row else 0
+
+    # -- audit and metrics -----------------------------------------------------------------------
+
+    def _buffer_audit(self, sql: str, params: tuple[Any, ...]) -> None:
+        self._audit.append((sql, params))
+        if len(self._audit) >= AUDIT_FLUSH_ROWS:
+            self._schedule_flush(0.0)
+        else:
+            self._schedule_flush(AUDIT_FLUSH_SECONDS)
+
+    def _schedule_flush(self, delay: float) -> None:
+        if self._audit_timer is not None and not self._audit_timer.done():
+            if delay > 0:
+                return
+            self._audit_timer.cancel()
+        self._audit_timer = asyncio.create_task(self._flush_after(delay), name="storage-audit-flush")
+
+    async def _flush_after(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        try:
+            await self.flush_audit()
+        except Exception:
+            log.exception("could not write %d buffered audit rows; will retry", len(self._audit))
+
+    async def flush_audit(self) -> None:
+        """Write buffered audit rows (LLM calls, reply stats) now."""
+        if not self._audit:
+            return
+        pending, self._audit = self._audit, []
+        try:
+            async with self.db.transaction() as tx:
+                for sql in dict.fromkeys(sql for sql, _ in pending):
+                    await tx.executemany(sql, [params for s, params in pending if s == sql])
+        except Exception as exc:
+            if type(exc).__name__ not in ("IntegrityError", "ForeignKeyViolationError"):
+                self._audit[:0] = pending
+                raise
+            # Rows that can never be written (their message was deleted meanwhile): retrying won't help.
+            log.error("dropped %d audit rows that no longer fit the database", len(pending))
+        except BaseException:
+            self._audit[:0] = pending
+            raise
+
+    async def record_llm_call(self, record: LLMCallRecord) -> None:
+        self._buffer_audit(
+            LLM_CALL_SQL,
+            (
+                record.purpose,
+                record.model,
+                record.input_tokens,
+                record.output_tokens,
+                record.estimated_input_tokens,
+                record.duration_ms,
+                record.error,
+                time.time(),
+            ),
+        )
+
+    async def list_llm_calls(self, limit: int = 100) -> list[dict[str, Any]]:
+        await self.flush_audit()
+        rows = await self.db.fetch_all("SELECT * FROM llm_calls ORDER BY id DESC LIMIT ?", (limit,))
+        return [dict(r) for r in rows]
+
+    async def record_reply_stats(self, stats: ReplyStats) -> None:
+        self._buffer_audit(
+            REPLY_STATS_SQL,
+            (
+                stats.channel_id,
+                stats.message_id,
+                stats.history_tokens,
+                stats.history_budget,
+                stats.window_messages,
+                stats.trimmed_messages,
+                int(stats.summary_used),
+                stats.prompt_tokens,
+                time.time(),
+            ),
+        )
+
+    async def reply_metrics(self, channel_id: int | None = None) -> ReplyMetrics:
+        await self.flush_audit()
+        where, params = ("WHERE channel_id = ?", (channel_id,)) if channel_id is not None else ("", ())
+        row = await self.db.fetch_one(
+            "SELECT count(*) AS n,"
+            " avg(CAST(history_tokens AS DOUBLE PRECISION) / CASE WHEN history_budget > 1 THEN history_budget"
+            " ELSE 1 END) AS util, avg(CASE WHEN trimmed_messages > 0 THEN 1.0 ELSE 0.0 END) AS trimmed,"
+            " avg(CAST(summary_used AS DOUBLE PRECISION)) AS hit"
+            f" FROM reply_stats {where}",
+            params,
+        )
+        srow = await self.db.fetch_one(
+            "SELECT sum(CASE WHEN status = 'ok' THEN 1 ELSE 0 END) AS ok,"
+            f" sum(CASE WHEN status = 'rejected' THEN 1 ELSE 0 END) AS bad FROM summaries {where}", params
+        )
+        replies = int(row["n"]) if row else 0
+        written = int(srow["ok"] or 0) if srow else 0
+        rejected = int(srow["bad"] or 0) if srow else 0
+        return ReplyMetrics(
+            replies=replies,
+            token_utilisation=float(row["util"] or 0.0) if row else 0.0,
+            trim_rate=float(row["trimmed"] or 0.0) if row else 0.0,
+            summary_hit_rate=float(row["hit"] or 0.0) if row else 0.0,
+            summary_generation_rate=(written / replies) if replies else 0.0,
+            summaries_written=written,
+            summaries_rejected=rejected,
+        )
+
+    def forget_cached(self, *, user_key: str, channel_ids: Sequence[int] = ()) -> None:
+        """Drop cached rows of a deleted user and of channels whose summaries were deleted."""
+        self._users.pop(user_key, None)
+        for channel_id in channel_ids:
+            self._summaries.pop(channel_id, None)
+
+    async def get_setting(self, key: str) -> str | None:
+        row = await self.db.fetch_one("SELECT value FROM settings WHERE key = ?", (key,))
+        return None if row is None else str(row["value"])
+
+    async def set_setting(self, key: str, value: str) -> None:
+        await self.db.write(
+            "INSERT INTO settings (key, value, updated_at) VALUES (?, ?, ?)"
+            " ON CONFLICT (key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at",
+            (key, value, time.time()),
+        )
+
+
+
+    # -- forget me -------------------------------------------------------------------------------
+
+    async def forget_user(self, user_key: str) -> ForgetReport | None:
+        """Delete everything stored about one user, for every persona, in one transaction.
+
+        Their messages and the replies to them go (with their vectors); every rolling summary of a
+        channel they wrote in goes too (it may mention them; the caller has it written anew from what
+        remains); their cortex files with all versions, memory items, update runs and queued cortex jobs
+        go; the user row goes last. Returns None for an unknown user."""
+        user = await self.get_user(user_key)
+        if user is None:
+            return None
+        await self.flush_audit()  # buffered reply stats may point at messages deleted below
+        async with self.db.transaction() as tx:
+            pair_ids = [int(r[0]) for r in await tx.fetch_all(
+                "SELECT id FROM cortex_pairs WHERE user_id = ?", (user.id,))]
+            channels = [int(r[0]) for r in await tx.fetch_all(
+                "SELECT DISTINCT channel_id FROM messages WHERE user_id = ?", (user.id,))]
+            counts = await self.cortex.delete_pairs(tx, pair_ids)
+            await tx.execute(
+                "DELETE FROM reply_stats WHERE message_id IN (SELECT id FROM messages WHERE user_id = ?)", (user.id,))
+            await tx.execute("DELETE FROM message_vectors WHERE message_id IN"
+                             " (SELECT id FROM messages WHERE user_id = ?)", (user.id,))
+            messages = await tx.fetch_all("DELETE FROM messages WHERE user_id = ? RETURNING id", (user.id,))
+            ch_marks = ",".join("?" for _ in channels) or "NULL"
+            summaries = await tx.fetch_all(f"DELETE FROM summaries WHERE channel_id IN ({ch_marks}) RETURNING id",
+                                           channels)
+            await tx.execute(
+                "UPDATE channels SET message_count = (SELECT count(*) FROM messages WHERE channel_id = channels.id)"
+                f" WHERE id IN ({ch_marks})", channels)
+            await tx.execute("DELETE FROM users WHERE id = ?", (user.id,))
+        self.forget_cached(user_key=user_key, channel_ids=channels)
+        return ForgetReport(len(messages), len(summaries), len(pair_ids), counts["versions"], counts["runs"],
+                            counts["items"])

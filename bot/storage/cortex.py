@@ -1,0 +1,416 @@
+"""The cortex repository: pairs and their tier cycle, versioned files, update runs, settings.
+
+Lives in the same database as the core (tables from migration 2), written once for both engines.
+Every accepted file write is a new row in ``cortex_versions``; nothing is ever updated in place, so
+a process killed at any moment leaves each file at a whole version.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from bot.storage.base import StoredMessage, User
+from bot.storage.engine import Database, Tx
+from bot.storage.rows import MESSAGE_COLUMNS, message_from_row
+
+FILENAMES: tuple[str, ...] = ("memory.md", "soul.md", "relationship.md")
+PROMPT_CACHE_SECONDS = 5.0
+Author = Literal["model", "user", "system"]
+RunStatus = Literal["running", "success", "failed", "skipped"]
+
+
+def _dt(value: float | None) -> datetime | None:
+    return None if value is None else datetime.fromtimestamp(value, tz=UTC)
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    id: int
+    user_id: int
+    persona: str
+    cycle: int
+    cycle_count: int
+    fired_tiers: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FileVersion:
+    id: int
+    pair_id: int
+    filename: str
+    version: int
+    content: str
+    author: Author
+    reason: str
+    tier: str
+    run_id: int | None
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class CortexRun:
+    id: int
+    pair_id: int
+    job_id: int | None
+    tier: str
+    status: RunStatus
+    reason: str
+    rounds: int
+    files_read: list[str]
+    files_written: list[str]
+    input_tokens: int
+    output_tokens: int
+    duration_ms: int
+    error: str
+    started_at: datetime
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class RunStats:
+    by_status: dict[str, int]
+    input_tokens: int
+    output_tokens: int
+    average_duration_ms: float
+    last_errors: list[CortexRun]
+
+
+@dataclass(frozen=True, slots=True)
+class ForgetReport:
+    messages: int
+    summaries: int
+    pairs: int
+    versions: int
+    runs: int
+    items: int = 0
+
+
+class CortexRepository:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        # Current files per (user id, persona) for reply prompts; cleared by every write here and
+        # re-read after PROMPT_CACHE_SECONDS for other processes' writes.
+        self._prompt_files: dict[tuple[int, str], tuple[float, dict[str, str]]] = db.caches.named(
+            "cortex.prompt_files"
+        )
+        self._pair_keys: dict[int, tuple[int, str]] = db.caches.named("cortex.pair_keys")
+
+    # -- pairs -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _pair(row: Any) -> Pair:
+        return Pair(
+            int(row["id"]), int(row["user_id"]), str(row["persona"]), int(row["cycle"]),
+            int(row["cycle_count"]), tuple(json.loads(row["fired_tiers"])),
+        )
+
+    async def ensure_pair(self, user_id: int, persona: str) -> Pair:
+        row = await self.db.write_one(
+            "INSERT INTO cortex_pairs (user_id, persona, created_at) VALUES (?, ?, ?)"
+            " ON CONFLICT (user_id, persona) DO UPDATE SET persona = excluded.persona RETURNING *",
+            (user_id, persona, time.time()),
+        )
+        assert row is not None
+        return self._pair(row)
+
+    async def get_pair(self, user_id: int, persona: str) -> Pair | None:
+        row = await self.db.fetch_one(
+            "SELECT * FROM cortex_pairs WHERE user_id = ? AND persona = ?", (user_id, persona)
+        )
+        return None if row is None else self._pair(row)
+
+    async def pair_by_id(self, pair_id: int) -> Pair | None:
+        row = await self.db.fetch_one("SELECT * FROM cortex_pairs WHERE id = ?", (pair_id,))
+        return None if row is None else self._pair(row)
+
+    async def count_messages(self, user_id: int, persona: str, added: int) -> Pair:
+        """Add ``added`` messages to the pair's cycle counter (creating the pair), atomically."""
+        row = await self.db.write_one(
+            "INSERT INTO cortex_pairs (user_id, persona, cycle_count, created_at) VALUES (?, ?, ?, ?)"
+            " ON CONFLICT (user_id, persona) DO UPDATE SET"
+            " cycle_count = cortex_pairs.cycle_count + excluded.cycle_count"
+            " RETURNING *",
+            (user_id, persona, added, time.time()),
+        )
+        assert row is not None
+        return self._pair(row)
+
+    async def replace_cycle(self, seen: Pair, new: Pair) -> bool:
+        """Store ``new`` cycle state only if the row still is ``seen`` (compare and set)."""
+        return bool(await self.db.write(
+            "UPDATE cortex_pairs SET cycle = ?, cycle_count = ?, fired_tiers = ?"
+            " WHERE id = ? AND cycle = ? AND cycle_count = ? AND fired_tiers = ? RETURNING id",
+            (
+                new.cycle, new.cycle_count, json.dumps(sorted(new.fired_tiers)),
+                seen.id, seen.cycle, seen.cycle_count, json.dumps(sorted(seen.fired_tiers)),
+            ),
+        ))
+
+    async def user_of(self, pair: Pair) -> User:
+        row = await self.db.fetch_one("SELECT id, key, display_name FROM users WHERE id = ?", (pair.user_id,))
+        assert row is not None
+        return User(int(row[0]), str(row[1]), str(row[2]))
+
+    async def pair_messages(self, user_id: int, persona: str, limit: int, before_id: int | None = None
+                            ) -> list[tuple[StoredMessage, str]]:
+        """The pair's own exchanges in every channel (never other users' messages), newest first,
+        each with its channel's name."""
+        rows = await self.db.fetch_all(
+            f"SELECT {', '.join('m.' + c.strip() for c in MESSAGE_COLUMNS.split(','))}, c.name"
+            " FROM messages AS m JOIN channels AS c ON c.id = m.channel_id"
+            " WHERE m.user_id = ? AND m.persona = ? AND m.id < ? ORDER BY m.id DESC LIMIT ?",
+            (user_id, persona, before_id if before_id is not None else 2**62, limit),
+        )
+        return [(message_from_row(row), str(row[10])) for row in rows]
+
+    # -- files -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _version(row: Any) -> FileVersion:
+        return FileVersion(
+            int(row["id"]), int(row["pair_id"]), str(row["filename"]), int(row["version"]), str(row["content"]),
+            row["author"], str(row["reason"]), str(row["tier"]),
+            None if row["run_id"] is None else int(row["run_id"]), _dt(float(row["created_at"])) or datetime.now(UTC),
+        )
+
+    async def current(self, pair_id: int, filename: str) -> FileVersion | None:
+        row = await self.db.fetch_one(
+            "SELECT * FROM cortex_versions WHERE pair_id = ? AND filename = ? ORDER BY version DESC LIMIT 1",
+            (pair_id, filename),
+        )
+        return None if row is None else self._version(row)
+
+    async def current_all(self, pair_id: int) -> dict[str, FileVersion]:
+        rows = await self.db.fetch_all(
+            "SELECT v.* FROM cortex_versions AS v WHERE v.pair_id = ? AND v.version = ("
+            " SELECT max(version) FROM cortex_versions WHERE pair_id = v.pair_id AND filename = v.filename)",
+            (pair_id,),
+        )
+        return {str(r["filename"]): self._version(r) for r in rows}
+
+    async def add_version(
+        self, pair_id: int, filename: str, content: str, author: Author, reason: str = "", tier: str = "",
+        run_id: int | None = None,
+    ) -> FileVersion:
+        if filename not in FILENAMES:
+            raise ValueError(f"not a cortex file: {filename!r}")
+        # One statement: the next version number and the insert are atomic together.
+        row = await self.db.write_one(
+            "INSERT INTO cortex_versions (pair_id, filename, version, content, author, reason, tier, run_id,"
+            " created_at) SELECT CAST(? AS BIGINT), CAST(? AS TEXT), coalesce(max(version), 0) + 1, CAST(? AS TEXT),"
+            " CAST(? AS TEXT), CAST(? AS TEXT), CAST(? AS TEXT), CAST(? AS BIGINT), CAST(? AS DOUBLE PRECISION)"
+            " FROM cortex_versions"
+            " WHERE pair_id = ? AND filename = ? RETURNING *",
+            (pair_id, filename, content, author, reason, tier, run_id, time.time(), pair_id, filename),
+        )
+        assert row is not None
+        self._files_changed(pair_id)
+        return self._version(row)
+
+    async def files_for_prompt(self, user_id: int, persona: str) -> dict[str, str]:
+        """Current content of the pair's files (empty when the pair has none yet), cached briefly."""
+        key = (user_id, persona)
+        cached = self._prompt_files.get(key)
+        if cached is not None and time.monotonic() - cached[0] < PROMPT_CACHE_SECONDS:
+            return cached[1]
+        rows = await self.db.fetch_all(
+            "SELECT v.filename, v.content, p.id FROM cortex_pairs AS p JOIN cortex_versions AS v"
+            " ON v.pair_id = p.id WHERE p.user_id = ? AND p.persona = ? AND v.version = ("
+            " SELECT max(version) FROM cortex_versions WHERE pair_id = p.id AND filename = v.filename)",
+            (user_id, persona),
+        )
+        files = {str(r[0]): str(r[1]) for r in rows}
+        self._prompt_files[key] = (time.monotonic(), files)
+        if rows:
+            self._pair_keys[int(rows[0][2])] = key
+        return files
+
+    def _files_changed(self, pair_id: int) -> None:
+        key = self._pair_keys.get(pair_id)
+        if key is not None:
+            self._prompt_files.pop(key, None)
+        else:  # a pair not seen by a prompt yet (e.g. its first files): its cache entry is unknown
+            self._prompt_files.clear()
+
+    async def versions(self, pair_id: int, filename: str) -> list[FileVersion]:
+        rows = await self.db.fetch_all(
+            "SELECT * FROM cortex_versions WHERE pair_id = ? AND filename = ? ORDER BY version", (pair_id, filename)
+        )
+        return [self._version(r) for r in rows]
+
+    async def all_versions(self, pair_id: int) -> list[FileVersion]:
+        rows = await self.db.fetch_all(
+            "SELECT * FROM cortex_versions WHERE pair_id = ? ORDER BY filename, version", (pair_id,)
+        )
+        return [self._version(r) for r in rows]
+
+    async def version(self, pair_id: int, filename: str, number: int) -> FileVersion | None:
+        row = await self.db.fetch_one(
+            "SELECT * FROM cortex_versions WHERE pair_id = ? AND filename = ? AND version = ?",
+            (pair_id, filename, number),
+        )
+        return None if row is None else self._version(row)
+
+    # -- runs (audit) ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _run(row: Any) -> CortexRun:
+        return CortexRun(
+            id=int(row["id"]),
+            pair_id=int(row["pair_id"]),
+            job_id=None if row["job_id"] is None else int(row["job_id"]),
+            tier=str(row["tier"]),
+            status=row["status"],
+            reason=str(row["reason"]),
+            rounds=int(row["rounds"]),
+            files_read=json.loads(row["files_read"]),
+            files_written=json.loads(row["files_written"]),
+            input_tokens=int(row["input_tokens"]),
+            output_tokens=int(row["output_tokens"]),
+            duration_ms=int(row["duration_ms"]),
+            error=str(row["error"]),
+            started_at=_dt(float(row["started_at"])) or datetime.now(UTC),
+            finished_at=_dt(None if row["finished_at"] is None else float(row["finished_at"])),
+        )
+
+    async def start_run(self, pair_id: int, job_id: int | None, tier: str) -> int:
+        # A run of this pair still marked running was cut off by a stop (one job per pair runs at a time).
+        # Look first (no write lock taken) since there rarely is one.
+        if await self.db.fetch_one(
+            "SELECT 1 FROM cortex_runs WHERE pair_id = ? AND status = 'running' LIMIT 1", (pair_id,)
+        ):
+            await self.db.write(
+                "UPDATE cortex_runs SET status = 'failed', error = 'interrupted: the process stopped during the"
+                " run', finished_at = ? WHERE pair_id = ? AND status = 'running'",
+                (time.time(), pair_id),
+            )
+        row = await self.db.write_one(
+            "INSERT INTO cortex_runs (pair_id, job_id, tier, status, started_at) VALUES (?, ?, ?, 'running', ?)"
+            " RETURNING id",
+            (pair_id, job_id, tier, time.time()),
+        )
+        assert row is not None
+        return int(row[0])
+
+    async def finish_run(
+        self,
+        run_id: int,
+        status: RunStatus,
+        *,
+        reason: str = "",
+        rounds: int = 0,
+        files_read: Sequence[str] = (),
+        files_written: Sequence[str] = (),
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        duration_ms: int = 0,
+        error: str = "",
+    ) -> None:
+        await self.db.write(
+            "UPDATE cortex_runs SET status = ?, reason = ?, rounds = ?, files_read = ?, files_written = ?,"
+            " input_tokens = ?, output_tokens = ?, duration_ms = ?, error = ?, finished_at = ? WHERE id = ?",
+            (
+                status, reason, rounds, json.dumps(sorted(set(files_read))), json.dumps(sorted(set(files_written))),
+                input_tokens, output_tokens, duration_ms, error, time.time(), run_id,
+            ),
+        )
+
+    async def record_skip(self, pair_id: int, job_id: int | None, tier: str, reason: str) -> int:
+        now = time.time()
+        row = await self.db.write_one(
+            "INSERT INTO cortex_runs (pair_id, job_id, tier, status, reason, started_at, finished_at)"
+            " VALUES (?, ?, ?, 'skipped', ?, ?, ?) RETURNING id",
+            (pair_id, job_id, tier, reason, now, now),
+        )
+        assert row is not None
+        return int(row[0])
+
+    async def last_update_started(self, pair_id: int, exclude_job: int | None = None) -> float | None:
+        """When the pair's last real (not skipped) update started: the cooldown counts from there.
+        Runs of ``exclude_job`` do not count (a job resumed after a crash must not block itself)."""
+        row = await self.db.fetch_one(
+            "SELECT max(started_at) FROM cortex_runs WHERE pair_id = ? AND status != 'skipped'"
+            " AND (job_id IS NULL OR job_id != ?)",
+            (pair_id, -1 if exclude_job is None else exclude_job),
+        )
+        return None if row is None or row[0] is None else float(row[0])
+
+    async def tokens_since(self, since: float, pair_id: int | None = None) -> int:
+        where = "started_at >= ?" + (" AND pair_id = ?" if pair_id is not None else "")
+        params: tuple[Any, ...] = (since, pair_id) if pair_id is not None else (since,)
+        row = await self.db.fetch_one(
+            f"SELECT coalesce(sum(input_tokens + output_tokens), 0) FROM cortex_runs WHERE {where}", params
+        )
+        return int(row[0]) if row else 0
+
+    async def runs(self, pair_id: int | None = None, limit: int = 20) -> list[CortexRun]:
+        if pair_id is None:
+            rows = await self.db.fetch_all("SELECT * FROM cortex_runs ORDER BY id DESC LIMIT ?", (limit,))
+        else:
+            rows = await self.db.fetch_all(
+                "SELECT * FROM cortex_runs WHERE pair_id = ? ORDER BY id DESC LIMIT ?", (pair_id, limit)
+            )
+        return [self._run(r) for r in rows]
+
+    async def run_stats(self, since: float = 0.0) -> RunStats:
+        rows = await self.db.fetch_all(
+            "SELECT status, count(*) FROM cortex_runs WHERE started_at >= ? GROUP BY status", (since,)
+        )
+        totals = await self.db.fetch_one(
+            "SELECT coalesce(sum(input_tokens), 0), coalesce(sum(output_tokens), 0),"
+            " coalesce(avg(CASE WHEN status IN ('success', 'failed') THEN duration_ms END), 0)"
+            " FROM cortex_runs WHERE started_at >= ?",
+            (since,),
+        )
+        errors = await self.db.fetch_all(
+            "SELECT * FROM cortex_runs WHERE status = 'failed' AND started_at >= ? ORDER BY id DESC LIMIT 5",
+            (since,),
+        )
+        assert totals is not None
+        return RunStats(
+            by_status={str(r[0]): int(r[1]) for r in rows},
+            input_tokens=int(totals[0]),
+            output_tokens=int(totals[1]),
+            average_duration_ms=float(totals[2]),
+            last_errors=[self._run(r) for r in errors],
+        )
+
+    # -- settings --------------------------------------------------------------------------------
+
+    async def settings(self, scope: str) -> dict[str, Any]:
+        rows = await self.db.fetch_all("SELECT key, value FROM cortex_settings WHERE scope = ?", (scope,))
+        return {str(r[0]): json.loads(r[1]) for r in rows}
+
+    async def set_setting(self, scope: str, key: str, value: Any, updated_by: str) -> None:
+        await self.db.write(
+            "INSERT INTO cortex_settings (scope, key, value, updated_by, updated_at) VALUES (?, ?, ?, ?, ?)"
+            " ON CONFLICT (scope, key) DO UPDATE SET value = excluded.value, updated_by = excluded.updated_by,"
+            " updated_at = excluded.updated_at",
+            (scope, key, json.dumps(value), updated_by, time.time()),
+        )
+
+    async def clear_setting(self, scope: str, key: str) -> bool:
+        return bool(await self.db.write(
+            "DELETE FROM cortex_settings WHERE scope = ? AND key = ? RETURNING key", (scope, key)
+        ))
+
+    # -- forget me (inside the core's one transaction, see Storage.forget_user) -----------------------
+
+    async def delete_pairs(self, tx: Tx, pair_ids: list[int]) -> dict[str, int]:
+        """Delete the pairs with their file versions, runs, memory items and unfinished jobs."""
+        marks = ",".join("?" for _ in pair_ids) or "NULL"
+        versions = await tx.fetch_all(f"DELETE FROM cortex_versions WHERE pair_id IN ({marks}) RETURNING id", pair_ids)
+        runs = await tx.fetch_all(f"DELETE FROM cortex_runs WHERE pair_id IN ({marks}) RETURNING id", pair_ids)
+        await tx.execute(
+            f"UPDATE memory_items SET supersedes = NULL, superseded_by = NULL WHERE pair_id IN ({marks})", pair_ids)
+        items = await tx.fetch_all(f"DELETE FROM memory_items WHERE pair_id IN ({marks}) RETURNING id", pair_ids)
+        for pair_id in pair_ids:
+            await tx.execute("DELETE FROM jobs WHERE key = ? AND status IN ('queued', 'failed')", (f"pair:{pair_id}",))
+        await tx.execute(f"DELETE FROM cortex_pairs WHERE id IN ({marks})", pair_ids)
+        self._prompt_files.clear()
+        return {"versions": len(versions), "runs": len(runs), "items": len(items)}

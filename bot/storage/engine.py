@@ -1,0 +1,114 @@
+"""What every database engine offers the repositories: queries, single writes, transactions, migrations.
+
+Repositories (``bot.storage.core``, ``cortex``, ``memory``, ``fleet``) are written once against this
+small interface in a portable SQL subset with ``?`` placeholders (the PostgreSQL engine numbers them);
+where the engines differ (full text, vectors, the message counter, upserts of a scalar maximum) a
+repository forks on :attr:`Database.dialect`. Rows support both ``row["column"]`` and ``row[0]``
+(``sqlite3.Row`` and ``asyncpg.Record`` both do).
+
+Times are UNIX seconds (floating point) in both engines; the repositories speak UTC ``datetime``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+Row = Any  # sqlite3.Row or asyncpg.Record: both index by position and by column name
+Dialect = Literal["sqlite", "postgres"]
+
+
+class StorageError(Exception):
+    """The database cannot be opened or used; the message says which one, why, and what to do."""
+
+
+class Tx(Protocol):
+    """A transaction in progress: every statement runs inside it."""
+
+    async def fetch_all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]: ...
+
+    async def fetch_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None: ...
+
+    async def execute(self, sql: str, params: Sequence[Any] = ()) -> None: ...
+
+    async def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None: ...
+
+
+@dataclass
+class StorageCaches:
+    """What one process remembers between calls; shared by the handles it opens on one database.
+
+    ``write_lock`` serialises writes of those handles in the process itself (SQLite: two connections
+    meeting its write lock would make one sleep in SQLite's busy handler)."""
+
+    write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    extra: dict[str, dict[Any, Any]] = field(default_factory=dict)  # caches of components on this storage
+
+    def named(self, name: str) -> dict[Any, Any]:
+        return self.extra.setdefault(name, {})
+
+
+class Database(Protocol):
+    """One engine's connection (SQLite) or pool (PostgreSQL)."""
+
+    @property
+    def dialect(self) -> Dialect: ...
+
+    @property
+    def url(self) -> str:
+        """For messages: never holds a password."""
+
+    @property
+    def caches(self) -> StorageCaches: ...
+
+    @property
+    def shared_across_hosts(self) -> bool:
+        """Whether processes of other machines may use it (then no pid checks)."""
+
+    async def fetch_all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]: ...
+
+    async def fetch_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None: ...
+
+    async def write(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        """One writing statement (RETURNING tells what it did), atomic on its own."""
+
+    async def write_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None: ...
+
+    def transaction(self) -> AbstractAsyncContextManager[Tx]:
+        """Statements that must see and change the data atomically; rolled back on any error."""
+
+    async def applied_migrations(self) -> list[int]: ...
+
+    async def migrate(self, migrations: Sequence[Migration]) -> list[int]:
+        """Apply the pending ``migrations`` (each in a transaction, each once even when several
+        processes start together); return the versions applied."""
+
+    async def sibling(self) -> Database:
+        """A second handle on the same database sharing this one's caches (background jobs use it)."""
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    """A numbered schema change; ``sqlite`` and ``postgres`` hold each engine's statements (the same
+    list serves both where the SQL is portable)."""
+
+    version: int
+    description: str
+    sqlite: tuple[str, ...]
+    postgres: tuple[str, ...] | None = None
+
+    def statements(self, dialect: Dialect) -> tuple[str, ...]:
+        if dialect == "postgres":
+            return self.sqlite if self.postgres is None else self.postgres
+        return self.sqlite
+
+
+def is_conflict(exc: BaseException) -> bool:
+    """Whether a write failed on a unique constraint (either engine's driver)."""
+    return type(exc).__name__ in ("IntegrityError", "UniqueViolationError") and (
+        "UNIQUE" in str(exc).upper() or type(exc).__name__ == "UniqueViolationError")

@@ -1,0 +1,109 @@
+"""The fleet repository: what several bot processes sharing one database agree on through it.
+
+* **Periodic runs**: a process runs a periodic job only after claiming the period in one statement
+  (an upsert that succeeds only when the last run started long enough ago), so upkeep runs once per
+  period across the fleet, whoever's timer fires first.
+* **Instance locks**: a named lock with an owner and an expiry, renewed while held (a Matrix account
+  served by one process only); a lock whose holder died expires.
+* **Processes**: each process writes a heartbeat row (host, pid, shards, …); ``cortexbot status``
+  lists those seen recently, with the queue's depth.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from bot.storage.engine import Database
+
+LIVE_SECONDS = 45.0  # a process whose heartbeat is older than this is taken for dead
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessInfo:
+    id: str
+    host: str
+    pid: int
+    info: dict[str, Any]
+    started_at: float
+    last_seen: float
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    queued: int
+    running: int
+    failed: int
+    oldest_queued_at: float | None
+
+
+class FleetRepository:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def claim_period(self, name: str, period_seconds: float, owner: str, *, now: float | None = None) -> bool:
+        """Whether this process should run ``name`` now: true for exactly one claimant per period.
+
+        A run counts as due a little early (5 % of the period, at most 5 s), so timers of different
+        processes that drift by a moment never skip a period."""
+        now = time.time() if now is None else now
+        slack = min(period_seconds * 0.05, 5.0)
+        row = await self.db.write_one(
+            "INSERT INTO periodic_runs (name, last_started, owner) VALUES (?, ?, ?)"
+            " ON CONFLICT (name) DO UPDATE SET last_started = excluded.last_started, owner = excluded.owner"
+            " WHERE periodic_runs.last_started <= ? RETURNING name",
+            (name, now, owner, now - period_seconds + slack),
+        )
+        return row is not None
+
+    async def acquire_lock(self, name: str, owner: str, ttl_seconds: float) -> str | None:
+        """Take or renew the lock ``name`` for ``owner``; returns None when taken, else the holder."""
+        now = time.time()
+        row = await self.db.write_one(
+            "INSERT INTO instance_locks (name, owner, expires_at) VALUES (?, ?, ?)"
+            " ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, expires_at = excluded.expires_at"
+            " WHERE instance_locks.owner = excluded.owner OR instance_locks.expires_at < ? RETURNING owner",
+            (name, owner, now + ttl_seconds, now),
+        )
+        if row is not None:
+            return None
+        holder = await self.db.fetch_one("SELECT owner FROM instance_locks WHERE name = ?", (name,))
+        return str(holder[0]) if holder else "another process"
+
+    async def release_lock(self, name: str, owner: str) -> None:
+        await self.db.write("DELETE FROM instance_locks WHERE name = ? AND owner = ?", (name, owner))
+
+    async def heartbeat(self, process_id: str, host: str, pid: int, info: dict[str, Any], started_at: float) -> None:
+        await self.db.write(
+            "INSERT INTO processes (id, host, pid, info, started_at, last_seen) VALUES (?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (id) DO UPDATE SET info = excluded.info, last_seen = excluded.last_seen",
+            (process_id, host, pid, json.dumps(info), started_at, time.time()),
+        )
+
+    async def leave(self, process_id: str) -> None:
+        await self.db.write("DELETE FROM processes WHERE id = ?", (process_id,))
+
+    async def live_processes(self, *, within: float = LIVE_SECONDS) -> list[ProcessInfo]:
+        """Processes seen within ``within`` seconds (older rows are removed)."""
+        cutoff = time.time() - within
+        await self.db.write("DELETE FROM processes WHERE last_seen < ?", (cutoff - 86_400,))
+        rows = await self.db.fetch_all(
+            "SELECT id, host, pid, info, started_at, last_seen FROM processes WHERE last_seen >= ? ORDER BY started_at",
+            (cutoff,),
+        )
+        return [ProcessInfo(str(r[0]), str(r[1]), int(r[2]), json.loads(r[3]), float(r[4]), float(r[5])) for r in rows]
+
+    async def queue_stats(self) -> QueueStats:
+        row = await self.db.fetch_one(
+            "SELECT sum(CASE WHEN status = 'queued' THEN 1 ELSE 0 END),"
+            " sum(CASE WHEN status = 'running' THEN 1 ELSE 0 END),"
+            " sum(CASE WHEN status = 'failed' THEN 1 ELSE 0 END),"
+            " min(CASE WHEN status = 'queued' THEN created_at END) FROM jobs"
+            " WHERE status IN ('queued', 'running', 'failed')"
+        )
+        if row is None:
+            return QueueStats(0, 0, 0, None)
+        return QueueStats(int(row[0] or 0), int(row[1] or 0), int(row[2] or 0),
+                          None if row[3] is None else float(row[3]))

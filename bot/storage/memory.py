@@ -1,0 +1,430 @@
+"""The memory repository: items per pair, full-text and vector candidates, the embedding backlog, pruning.
+
+Ranking (weights, recency, normalisation) is not here: ``cortex.memory.store`` does it in plain
+Python over the candidates this repository finds. Engines differ in three places, each a fork here:
+
+* **Full text.** SQLite: FTS5 tables with bm25 (porter stemming). PostgreSQL: ``tsvector`` columns
+  (the persona language's configuration) with GIN indexes, ranked by ``ts_rank`` per word weighted by
+  the word's rarity (an idf, given by the caller), which is what bm25 does.
+* **Vectors.** SQLite: float32 blobs the caller loads into memory and scans with numpy
+  (``load_vectors``). PostgreSQL: pgvector columns with an HNSW index per dimension (cosine),
+  searched in the database (``vector_top``) with iterative scans, so a per-pair filter never returns
+  fewer hits than exist; no process keeps vectors in memory.
+* **Upserts** of message vectors.
+
+A candidate row carries the columns of ``ITEM_COLUMNS`` (items) or ``MESSAGE_HIT_COLUMNS`` (messages)
+plus ``rank`` (lower is better, like bm25).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from bot.storage.engine import Database, Row
+from bot.storage.textsearch import tsquery
+
+log = logging.getLogger(__name__)
+
+# Every column but the embedding (1.5 KB per row that search never reads).
+ITEM_COLUMNS = (
+    "id, pair_id, category, key, content, importance, pinned, expires_at, supersedes, superseded_by, tags, source,"
+    " source_ref, metadata, created_at, updated_at, access_count, last_accessed, archived_at, archive_reason"
+)
+ITEM_COLUMNS_M = ", ".join(f"m.{c.strip()}" for c in ITEM_COLUMNS.split(","))
+MESSAGE_HIT_COLUMNS = "m.id, m.text, m.created_at, m.author_name, c.name AS channel"
+VISIBLE = (
+    "m.pair_id = ? AND m.archived_at IS NULL AND m.superseded_by IS NULL AND (m.expires_at IS NULL OR m.expires_at > ?)"
+)
+TYPICAL_SAMPLE = 2000  # vectors a PostgreSQL query's typical similarity is estimated from
+TYPICAL_MIN = 30  # below this many vectors, the lowest similarity is the typical level (as in the numpy scan)
+
+FtsTable = Literal["memory_fts", "messages_fts"]
+
+
+@dataclass(frozen=True, slots=True)
+class ItemScope:
+    pair_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class MessageScope:
+    user_id: int
+    persona: str
+
+
+VectorScope = ItemScope | MessageScope
+
+
+class MemoryRepository:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self._vector_indexes: set[int] = set()  # dimensions whose HNSW index exists (PostgreSQL)
+
+    @property
+    def vectors_in_database(self) -> bool:
+        """Whether vector search runs in the database (PostgreSQL) rather than over loaded matrices."""
+        return self.db.dialect == "postgres"
+
+    @property
+    def needs_term_weights(self) -> bool:
+        """Whether full-text ranking needs the caller's per-word rarity weights (bm25 has its own)."""
+        return self.db.dialect == "postgres"
+
+    # -- items -----------------------------------------------------------------------------------
+
+    async def add_item(self, pair_id: int, fields: Mapping[str, Any], supersedes: int | None, now: float) -> Row:
+        """Insert an item (and mark the one it corrects) in one transaction; returns its row."""
+        values = {**fields, "pair_id": pair_id, "supersedes": supersedes, "created_at": now, "updated_at": now}
+        columns = ", ".join(values)
+        marks = ", ".join("?" for _ in values)
+        async with self.db.transaction() as tx:
+            row = await tx.fetch_one(
+                f"INSERT INTO memory_items ({columns}) VALUES ({marks}) RETURNING {ITEM_COLUMNS}",
+                tuple(values.values()),
+            )
+            assert row is not None
+            if supersedes is not None:
+                await tx.execute(
+                    "UPDATE memory_items SET superseded_by = ?, updated_at = ? WHERE id = ? AND pair_id = ?",
+                    (int(row["id"]), now, supersedes, pair_id),
+                )
+        return row
+
+    async def item(self, pair_id: int, item_id: int) -> Row | None:
+        return await self.db.fetch_one(
+            f"SELECT {ITEM_COLUMNS} FROM memory_items WHERE id = ? AND pair_id = ?", (item_id, pair_id)
+        )
+
+    async def count_access(self, item_ids: Sequence[int], now: float) -> None:
+        marks = ",".join("?" for _ in item_ids)
+        await self.db.write(
+            f"UPDATE memory_items SET access_count = access_count + 1, last_accessed = ? WHERE id IN ({marks})",
+            (now, *item_ids),
+        )
+
+    async def set_pinned(self, pair_id: int, item_id: int, pinned: bool, now: float) -> None:
+        await self.db.write(
+            "UPDATE memory_items SET pinned = ?, updated_at = ? WHERE id = ? AND pair_id = ?",
+            (int(pinned), now, item_id, pair_id),
+        )
+
+    async def archive(self, pair_id: int, item_id: int, reason: str, now: float) -> None:
+        await self.db.write(
+            "UPDATE memory_items SET archived_at = ?, archive_reason = ? WHERE id = ? AND pair_id = ?",
+            (now, reason, item_id, pair_id),
+        )
+
+    async def restore(self, pair_id: int, item_id: int, now: float) -> None:
+        # A restored item that had expired no longer expires: the user wants it back.
+        await self.db.write(
+            "UPDATE memory_items SET archived_at = NULL, archive_reason = '', updated_at = ?,"
+            " expires_at = CASE WHEN expires_at <= ? THEN NULL ELSE expires_at END WHERE id = ? AND pair_id = ?",
+            (now, now, item_id, pair_id),
+        )
+
+    async def list_items(
+        self, pair_id: int, *, category: str | None, archived: bool, limit: int, offset: int, now: float,
+    ) -> tuple[list[Row], int]:
+        where = ["pair_id = ?", "archived_at IS NOT NULL" if archived else "archived_at IS NULL"]
+        params: list[Any] = [pair_id]
+        if not archived:
+            where += ["superseded_by IS NULL", "(expires_at IS NULL OR expires_at > ?)"]
+            params.append(now)
+        if category:
+            where.append("category = ?")
+            params.append(category)
+        clause = " AND ".join(where)
+        total = await self.db.fetch_one(f"SELECT count(*) FROM memory_items WHERE {clause}", params)
+        rows = await self.db.fetch_all(
+            f"SELECT {ITEM_COLUMNS} FROM memory_items WHERE {clause} ORDER BY pinned DESC, id DESC LIMIT ? OFFSET ?",
+            (*params, limit, offset),
+        )
+        return rows, int(total[0]) if total else 0
+
+    async def pair_with_items(self, user_id: int, persona: str) -> tuple[int | None, int]:
+        row = await self.db.fetch_one(
+            "SELECT p.id, (SELECT count(*) FROM memory_items WHERE pair_id = p.id AND archived_at IS NULL)"
+            " FROM cortex_pairs AS p WHERE p.user_id = ? AND p.persona = ?",
+            (user_id, persona),
+        )
+        return (None, 0) if row is None else (int(row[0]), int(row[1]))
+
+    async def pinned(self, pair_id: int, now: float) -> list[Row]:
+        return await self.db.fetch_all(
+            f"SELECT {ITEM_COLUMNS_M} FROM memory_items AS m WHERE {VISIBLE} AND m.pinned = 1"
+            " ORDER BY m.importance DESC, m.id",
+            (pair_id, now),
+        )
+
+    async def visible_items(self, pair_id: int, ids: Sequence[int], now: float) -> list[Row]:
+        marks = ",".join("?" for _ in ids)
+        return await self.db.fetch_all(
+            f"SELECT {ITEM_COLUMNS_M} FROM memory_items AS m WHERE m.id IN ({marks}) AND {VISIBLE}",
+            (*ids, pair_id, now),
+        )
+
+    async def pair_messages(self, user_id: int, persona: str, ids: Sequence[int]) -> list[Row]:
+        """Messages by id, only those of this user-persona pair (never another user's)."""
+        marks = ",".join("?" for _ in ids)
+        return await self.db.fetch_all(
+            f"SELECT {MESSAGE_HIT_COLUMNS} FROM messages AS m JOIN channels AS c ON c.id = m.channel_id"
+            f" WHERE m.id IN ({marks}) AND m.user_id = ? AND m.persona = ?",
+            (*ids, user_id, persona),
+        )
+
+    # -- full text -------------------------------------------------------------------------------
+
+    async def fts_size(self, table: FtsTable) -> int:
+        """A cheap upper bound of the rows a full-text table covers."""
+        source = {"memory_fts": "memory_items", "messages_fts": "messages"}[table]
+        name = table if self.db.dialect == "sqlite" else source
+        row = await self.db.fetch_one(f"SELECT coalesce(max({'rowid' if name == table else 'id'}), 0) FROM {name}")
+        return int(row[0]) if row else 0
+
+    async def fts_term_counts(
+        self, table: FtsTable, terms: Sequence[str], cap: int, *, persona: str | None = None, pair_id: int = 0
+    ) -> list[int]:
+        """How many rows match each term (counting stops at ``cap``; PostgreSQL reads words the way the
+        language configuration of ``persona``, or of the pair's persona, does)."""
+        if self.db.dialect == "sqlite":
+            sql = "SELECT " + ", ".join(
+                f"(SELECT count(*) FROM (SELECT 1 FROM {table} WHERE {table} MATCH ? LIMIT {cap}))" for _ in terms)
+            row = await self.db.fetch_one(sql, list(terms))
+        else:
+            source = {"memory_fts": "memory_items", "messages_fts": "messages"}[table]
+            sql = "SELECT " + ", ".join(
+                f"(SELECT count(*) FROM (SELECT 1 FROM {source} WHERE ts @@ to_tsquery(cfg.c, ?) LIMIT {cap}) t)"
+                for _ in terms)
+            row = await self.db.fetch_one(
+                "WITH cfg AS (SELECT cortex_ts_config(coalesce(CAST(? AS TEXT),"
+                f" (SELECT persona FROM cortex_pairs WHERE id = ?))) AS c) {sql} FROM cfg",
+                [persona, pair_id, *(tsquery([t]) for t in terms)],
+            )
+        return [int(c) for c in row] if row else [0] * len(terms)
+
+    def _pg_rank(self, terms: Mapping[str, float], first: int) -> tuple[str, list[str]]:
+        """``-(Σ weight × ts_rank(ts, word))`` over the query words (numbered from ``$first``) and the
+        tsquery texts (one per word, in the persona's configuration ``cfg``)."""
+        parts = [f"{float(w):.6f} * ts_rank(m.ts, to_tsquery(cfg.c, ${first + n}), 1)"
+                 for n, w in enumerate(terms.values())]
+        return "-(" + " + ".join(parts) + ")", [tsquery([t]) for t in terms]
+
+    async def item_text_candidates(
+        self, pair_id: int, terms: Mapping[str, float], *, newest: bool, now: float, limit: int
+    ) -> list[Row]:
+        """Visible items matching any of ``terms`` (FTS5-quoted words with their weights), best first
+        (or newest first when ``newest``), each with ``rank``."""
+        if self.db.dialect == "sqlite":
+            order = "memory_fts.rowid DESC" if newest else "bm25(memory_fts)"
+            return await self.db.fetch_all(
+                f"SELECT {ITEM_COLUMNS_M}, bm25(memory_fts) AS rank FROM memory_fts"
+                f" JOIN memory_items AS m ON m.id = memory_fts.rowid WHERE memory_fts MATCH ? AND {VISIBLE}"
+                f" ORDER BY {order} LIMIT ?",
+                (" OR ".join(terms), pair_id, now, limit),
+            )
+        rank, words = self._pg_rank(terms, 5)
+        return await self.db.fetch_all(
+            "WITH cfg AS (SELECT cortex_ts_config((SELECT persona FROM cortex_pairs WHERE id = $1)) AS c)"
+            f" SELECT {ITEM_COLUMNS_M}, {rank} AS rank FROM memory_items AS m, cfg"
+            " WHERE m.ts @@ to_tsquery(cfg.c, $3) AND m.pair_id = $1 AND m.archived_at IS NULL"
+            " AND m.superseded_by IS NULL AND (m.expires_at IS NULL OR m.expires_at > $2)"
+            f" ORDER BY {'m.id DESC' if newest else 'rank'} LIMIT $4",
+            (pair_id, now, tsquery(list(terms)), limit, *words),
+        )
+
+    async def message_text_candidates(
+        self, user_id: int, persona: str, terms: Mapping[str, float], *, newest: bool, limit: int
+    ) -> list[Row]:
+        """The pair's messages matching any of ``terms``, best first (or newest), each with ``rank``."""
+        if self.db.dialect == "sqlite":
+            order = "messages_fts.rowid DESC" if newest else "bm25(messages_fts)"
+            return await self.db.fetch_all(
+                f"SELECT {MESSAGE_HIT_COLUMNS}, bm25(messages_fts) AS rank FROM messages_fts"
+                " JOIN messages AS m ON m.id = messages_fts.rowid JOIN channels AS c ON c.id = m.channel_id"
+                f" WHERE messages_fts MATCH ? AND m.user_id = ? AND m.persona = ? ORDER BY {order} LIMIT ?",
+                (" OR ".join(terms), user_id, persona, limit),
+            )
+        rank, words = self._pg_rank(terms, 5)
+        return await self.db.fetch_all(
+            "WITH cfg AS (SELECT cortex_ts_config($2) AS c)"
+            f" SELECT {MESSAGE_HIT_COLUMNS}, {rank} AS rank FROM messages AS m JOIN channels AS c"
+            " ON c.id = m.channel_id, cfg WHERE m.ts @@ to_tsquery(cfg.c, $3) AND m.user_id = $1 AND m.persona = $2"
+            f" ORDER BY {'m.id DESC' if newest else 'rank'} LIMIT $4",
+            (user_id, persona, tsquery(list(terms)), limit, *words),
+        )
+
+    # -- vectors ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _vector_where(scope: VectorScope) -> tuple[str, str, str, tuple[Any, ...]]:
+        """(id column, vector column, FROM … WHERE … (the model is the last parameter), parameters)."""
+        if isinstance(scope, ItemScope):
+            return ("id", "embedding", "FROM memory_items WHERE pair_id = ? AND embedding IS NOT NULL"
+                    " AND archived_at IS NULL AND embedding_model = ?", (scope.pair_id,))
+        return ("message_id", "vector", "FROM message_vectors WHERE user_id = ? AND persona = ? AND model = ?",
+                (scope.user_id, scope.persona))
+
+    async def count_vectors(self, scope: VectorScope, model: str) -> int:
+        _id, _vector, where, params = self._vector_where(scope)
+        row = await self.db.fetch_one(f"SELECT count(*) {where}", (*params, model))
+        return int(row[0]) if row else 0
+
+    async def has_vectors(self, scope: VectorScope, model: str) -> bool:
+        _id, _vector, where, params = self._vector_where(scope)
+        return await self.db.fetch_one(f"SELECT 1 {where} LIMIT 1", (*params, model)) is not None
+
+    async def load_vectors(self, scope: VectorScope, model: str, after: int, limit: int) -> list[tuple[int, bytes]]:
+        """A page of the scope's float32 vectors as (id, raw bytes), by id (SQLite)."""
+        id_column, vector_column, where, params = self._vector_where(scope)
+        rows = await self.db.fetch_all(
+            f"SELECT {id_column}, {vector_column} {where} AND {id_column} > ? ORDER BY {id_column} LIMIT ?",
+            (*params, model, after, limit),
+        )
+        return [(int(r[0]), bytes(r[1])) for r in rows]
+
+    async def vector_top(
+        self, scope: VectorScope, model: str, query: npt.NDArray[np.float32], k: int
+    ) -> dict[int, float]:
+        """PostgreSQL: the ``k`` nearest ids with how far their cosine similarity rises above the query's
+        typical similarity in the scope (mean + 2σ over up to ``TYPICAL_SAMPLE`` of its vectors; the
+        lowest below ``TYPICAL_MIN``), the same measure as the numpy scan of the SQLite engine."""
+        dims = int(query.shape[0])
+        await self.ensure_vector_index(dims)
+        id_column, vector_column, where, params = self._vector_where(scope)
+        typed = f"{vector_column}::vector({dims})"
+        scoped = f"{where} AND vector_dims({vector_column}) = {dims}"
+        rows = await self.db.fetch_all(
+            f"WITH knn AS MATERIALIZED (SELECT {id_column} AS id, {typed} <=> ?::vector({dims}) AS dist {scoped}"
+            f" ORDER BY {typed} <=> ?::vector({dims}) LIMIT ?),"
+            f" sample AS (SELECT 1 - ({typed} <=> ?::vector({dims})) AS s {scoped} LIMIT {TYPICAL_SAMPLE}),"
+            " stats AS (SELECT count(*) AS n, avg(s) AS mean, stddev_pop(s) AS sd, min(s) AS low FROM sample)"
+            " SELECT knn.id, 1 - knn.dist AS sim, stats.n, stats.mean, stats.sd, stats.low FROM knn, stats",
+            (query, *params, model, query, k, query, *params, model),
+        )
+        if not rows:
+            return {}
+        count, mean, sd, low = int(rows[0][2]), float(rows[0][3] or 0), float(rows[0][4] or 0), float(rows[0][5] or 0)
+        floor = mean + 2.0 * sd if count >= TYPICAL_MIN else (low if count > 1 else 0.0)
+        return {int(r[0]): float(r[1]) - floor for r in rows}
+
+    async def ensure_vector_index(self, dims: int) -> None:
+        """PostgreSQL: the HNSW (cosine) indexes for vectors of ``dims`` dimensions, made once."""
+        if self.db.dialect != "postgres" or dims in self._vector_indexes:
+            return
+        for table, column in (("message_vectors", "vector"), ("memory_items", "embedding")):
+            await self.db.write(
+                f"CREATE INDEX IF NOT EXISTS {table}_hnsw_{dims} ON {table} USING hnsw"
+                f" (({column}::vector({dims})) vector_cosine_ops) WHERE vector_dims({column}) = {dims}"
+            )
+        self._vector_indexes.add(dims)
+
+    def _vector_param(self, vector: npt.NDArray[np.float32]) -> Any:
+        return vector if self.db.dialect == "postgres" else vector.astype(np.float32).tobytes()
+
+    # -- embedding backlog -----------------------------------------------------------------------
+
+    async def items_to_embed(self, model: str, limit: int) -> list[Row]:
+        return await self.db.fetch_all(
+            "SELECT id, pair_id, key, content FROM memory_items WHERE archived_at IS NULL AND embedding_model != ?"
+            " ORDER BY id DESC LIMIT ?",
+            (model, limit),
+        )
+
+    async def store_item_vectors(self, model: str, rows: Sequence[tuple[int, npt.NDArray[np.float32]]]) -> None:
+        async with self.db.transaction() as tx:
+            await tx.executemany(
+                "UPDATE memory_items SET embedding = ?, embedding_model = ? WHERE id = ?",
+                [(self._vector_param(vector), model, item_id) for item_id, vector in rows],
+            )
+
+    async def messages_to_embed(self, model: str, below: int, limit: int) -> list[Row]:
+        """Messages of users (newest first, ids below ``below``) without a vector of ``model``, each with
+        the channel's message before it (``before_author``, ``before_text``)."""
+        return await self.db.fetch_all(
+            "SELECT m.id, m.user_id, m.persona, m.author_name, m.text, p.author_name AS before_author,"
+            " p.text AS before_text FROM messages AS m LEFT JOIN message_vectors AS v ON v.message_id = m.id"
+            " LEFT JOIN messages AS p ON p.id = (SELECT max(id) FROM messages"
+            " WHERE channel_id = m.channel_id AND id < m.id)"
+            " WHERE m.user_id IS NOT NULL AND (v.model IS NULL OR v.model != ?) AND m.id < ?"
+            " ORDER BY m.id DESC LIMIT ?",
+            (model, below, limit),
+        )
+
+    async def store_message_vectors(
+        self, model: str, rows: Sequence[tuple[int, int, str, npt.NDArray[np.float32]]]
+    ) -> None:
+        """Store (message id, user id, persona, vector) rows, only while the message still exists with the
+        same owner (forget-me may have run meanwhile)."""
+        async with self.db.transaction() as tx:
+            await tx.executemany(
+                "INSERT INTO message_vectors (message_id, user_id, persona, model, vector)"
+                " SELECT id, user_id, persona, CAST(? AS TEXT), ? FROM messages WHERE id = ? AND user_id = ?"
+                " AND persona = ? ON CONFLICT (message_id) DO UPDATE SET model = excluded.model,"
+                " vector = excluded.vector",
+                [(model, self._vector_param(vector), message_id, user_id, persona)
+                 for message_id, user_id, persona, vector in rows],
+            )
+
+    async def embedding_counts(self, model: str, message_model: str, messages: bool) -> tuple[int, int, int, int]:
+        """(items, items embedded, user messages, messages embedded)."""
+        items = await self.db.fetch_one(
+            "SELECT count(*), coalesce(sum(CASE WHEN embedding_model = ? THEN 1 ELSE 0 END), 0) FROM memory_items"
+            " WHERE archived_at IS NULL",
+            (model,),
+        )
+        total = embedded = 0
+        if messages:
+            row = await self.db.fetch_one(
+                "SELECT (SELECT count(*) FROM messages WHERE user_id IS NOT NULL),"
+                " (SELECT count(*) FROM message_vectors WHERE model = ?)", (message_model,))
+            total, embedded = (int(row[0]), int(row[1])) if row else (0, 0)
+        return (int(items[0]), int(items[1]), total, embedded) if items else (0, 0, total, embedded)
+
+    # -- pruning ---------------------------------------------------------------------------------
+
+    async def prune_items(
+        self, now: float, reasons: PruneReasons, *, unused_before: float, rarely_before: float, min_access: int
+    ) -> list[tuple[str, str, int]]:
+        """Archive, in one transaction, unpinned items changed last before ``unused_before`` and never
+        accessed, or before ``rarely_before`` and accessed fewer than ``min_access`` times, and expired
+        items; returns (reason, category, pair id) per archived item."""
+        rules: list[tuple[str, str, tuple[Any, ...]]] = [
+            (reasons.expired, "expires_at IS NOT NULL AND expires_at <= ?", (now,)),
+            (reasons.unused, "pinned = 0 AND access_count = 0 AND updated_at < ?", (unused_before,)),
+            (reasons.rarely, "pinned = 0 AND access_count < ? AND updated_at < ?", (min_access, rarely_before)),
+        ]
+        archived: list[tuple[str, str, int]] = []
+        async with self.db.transaction() as tx:
+            for reason, where, params in rules:
+                rows = await tx.fetch_all(
+                    f"UPDATE memory_items SET archived_at = ?, archive_reason = ? WHERE archived_at IS NULL AND {where}"
+                    " RETURNING category, pair_id",
+                    (now, f"pruned: {reason}", *params),
+                )
+                archived += [(reason, str(r[0]), int(r[1])) for r in rows]
+        return archived
+
+
+@dataclass(frozen=True, slots=True)
+class PruneReasons:
+    expired: str
+    unused: str
+    rarely: str
+
+
+def item_fields(**fields: Any) -> dict[str, Any]:
+    """Item columns as stored (lists and mappings as JSON, flags as 0/1)."""
+    out = dict(fields)
+    for name in ("tags", "metadata"):
+        if name in out and not isinstance(out[name], str):
+            out[name] = json.dumps(out[name])
+    if "pinned" in out:
+        out["pinned"] = int(bool(out["pinned"]))
+    return out

@@ -1,0 +1,240 @@
+"""The PostgreSQL engine (asyncpg + pgvector): for bots that outgrow one machine or one process.
+
+Why asyncpg: it is the fastest asyncio driver (binary protocol, prepared statements cached per
+connection, no libpq), has a built-in pool, and pgvector ships an adapter for it; mautrix-python's
+database layer, the model for this one, runs on it too. Statements are written with ``?`` like the
+SQLite ones and numbered here (``$1``, ``$2``, …) once per distinct statement.
+
+Every handle is a pool: statements outside a transaction take any free connection, a transaction
+holds one. Migrations take a transaction-level advisory lock, so processes starting together apply
+each migration exactly once. The password never sits in the config file: it comes from
+``[storage] password_env`` or the standard ``PGPASSWORD`` (or a URL held by ``[storage] url_env``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+from bot.storage.engine import Migration, Row, StorageCaches, StorageError
+
+if TYPE_CHECKING:
+    import asyncpg
+
+log = logging.getLogger(__name__)
+
+MIGRATION_LOCK = 0x636F7274  # "cort": the advisory lock every process takes to migrate
+POOL_MIN = 1
+POOL_MAX = 10
+CONNECT_TIMEOUT = 10.0
+_PLACEHOLDER = re.compile(r"'(?:[^']|'')*'|\?")
+
+
+@lru_cache(maxsize=4096)
+def numbered(sql: str) -> str:
+    """``?`` placeholders as ``$1``, ``$2``, … (question marks inside string literals stay)."""
+    counter = 0
+
+    def number(match: re.Match[str]) -> str:
+        nonlocal counter
+        if match.group(0) != "?":
+            return match.group(0)
+        counter += 1
+        return f"${counter}"
+
+    return _PLACEHOLDER.sub(number, sql)
+
+
+def redacted(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+class _PgTx:
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self._conn = conn
+
+    async def fetch_all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        return list(await self._conn.fetch(numbered(sql), *params))
+
+    async def fetch_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
+        return await self._conn.fetchrow(numbered(sql), *params)
+
+    async def execute(self, sql: str, params: Sequence[Any] = ()) -> None:
+        if params:
+            await self._conn.execute(numbered(sql), *params)
+        else:
+            await self._conn.execute(sql)
+
+    async def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+        await self._conn.executemany(numbered(sql), list(rows))
+
+
+def _import_asyncpg() -> Any:
+    try:
+        import asyncpg
+    except ImportError:
+        raise StorageError(
+            "the PostgreSQL driver is not installed: pip install 'cortex-bot[postgres]' "
+            "(or scripts/install.sh postgres)"
+        ) from None
+    return asyncpg
+
+
+def _connect_error(exc: BaseException, url: str) -> StorageError:
+    asyncpg = _import_asyncpg()
+    where = redacted(url)
+    if isinstance(exc, asyncpg.InvalidPasswordError | asyncpg.InvalidAuthorizationSpecificationError):
+        return StorageError(
+            f"PostgreSQL refused the login for {where}: check the user and the password "
+            "(set it in the variable named by [storage] password_env, or PGPASSWORD)")
+    if isinstance(exc, asyncpg.InvalidCatalogNameError):
+        return StorageError(f"the database of {where} does not exist: create it (createdb NAME) or fix the URL")
+    if isinstance(exc, OSError | asyncio.TimeoutError):
+        return StorageError(
+            f"cannot reach PostgreSQL at {where} ({type(exc).__name__}: {exc}): is the server running and "
+            "listening there?")
+    return StorageError(f"cannot open the PostgreSQL database {where}: {type(exc).__name__}: {exc}")
+
+
+class PostgresDatabase:
+    dialect: Literal["postgres"] = "postgres"
+    shared_across_hosts = True
+
+    def __init__(self, url: str, *, password: str | None = None, caches: StorageCaches | None = None,
+                 min_size: int = POOL_MIN, max_size: int = POOL_MAX) -> None:
+        self._dsn = url.replace("postgresql+asyncpg://", "postgresql://", 1)
+        self.url = redacted(url)
+        self._password = password
+        self.caches = caches or StorageCaches()
+        self._min_size = min_size
+        self._max_size = max_size
+        self._pool: asyncpg.Pool | None = None
+        self._owner = True
+
+    async def open(self) -> PostgresDatabase:
+        asyncpg = _import_asyncpg()
+        try:
+            await self._ensure_vector(asyncpg)
+            self._pool = await asyncpg.create_pool(
+                self._dsn, password=self._password, min_size=min(self._min_size, self._max_size),
+                max_size=self._max_size, timeout=CONNECT_TIMEOUT, init=self._init_connection, command_timeout=300,
+            )
+        except StorageError:
+            raise
+        except Exception as exc:
+            raise _connect_error(exc, self._dsn) from None
+        return self
+
+    async def _ensure_vector(self, asyncpg: Any) -> None:
+        """pgvector must exist before the pool's connections register its type."""
+        conn = await asyncpg.connect(self._dsn, password=self._password, timeout=CONNECT_TIMEOUT)
+        try:
+            if await conn.fetchval("SELECT 1 FROM pg_extension WHERE extname = 'vector'"):
+                return
+            if not await conn.fetchval("SELECT 1 FROM pg_available_extensions WHERE name = 'vector'"):
+                raise StorageError(
+                    f"the PostgreSQL server of {self.url} has no pgvector extension: install pgvector on the server "
+                    "(e.g. the postgresql-NN-pgvector package, or the pgvector/pgvector Docker image)")
+            try:
+                await conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+            except asyncpg.InsufficientPrivilegeError:
+                raise StorageError(
+                    f"the extension 'vector' is not enabled in {self.url} and this user may not enable it: "
+                    "run CREATE EXTENSION vector; as a superuser in that database, then start again") from None
+            except asyncpg.UniqueViolationError:
+                pass  # another process created it at the same moment
+        finally:
+            await conn.close()
+
+    @staticmethod
+    async def _init_connection(conn: asyncpg.Connection) -> None:
+        from pgvector.asyncpg import register_vector
+
+        await register_vector(conn)
+        # Filtered k-NN over an HNSW index goes on scanning until enough rows pass the filter.
+        await conn.execute("SET hnsw.iterative_scan = relaxed_order")
+
+    async def sibling(self) -> PostgresDatabase:
+        """The same pool (a pool already gives background work connections of its own)."""
+        twin = PostgresDatabase.__new__(PostgresDatabase)
+        twin.__dict__.update(self.__dict__)
+        twin._owner = False
+        return twin
+
+    async def close(self) -> None:
+        if self._pool is not None and self._owner:
+            pool, self._pool = self._pool, None
+            try:
+                await asyncio.wait_for(pool.close(), timeout=10)
+            except TimeoutError:
+                pool.terminate()
+        self._pool = None
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        if self._pool is None:
+            raise StorageError("storage is not open")
+        return self._pool
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[_PgTx]:
+        async with self.pool.acquire() as conn, conn.transaction():
+            yield _PgTx(conn)
+
+    async def fetch_all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        return list(await self.pool.fetch(numbered(sql), *params))
+
+    async def fetch_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
+        return await self.pool.fetchrow(numbered(sql), *params)
+
+    async def write(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        return list(await self.pool.fetch(numbered(sql), *params))
+
+    async def write_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
+        return await self.pool.fetchrow(numbered(sql), *params)
+
+    # -- migrations ------------------------------------------------------------------------------
+
+    async def applied_migrations(self) -> list[int]:
+        await self._schema_table()
+        return [int(r[0]) for r in await self.fetch_all("SELECT version FROM schema_version ORDER BY 1")]
+
+    async def _schema_table(self) -> None:
+        async with self.transaction() as tx:
+            await tx.execute(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK})")
+            await tx.execute(
+                "CREATE TABLE IF NOT EXISTS schema_version ("
+                " version INTEGER PRIMARY KEY, description TEXT NOT NULL, applied_at DOUBLE PRECISION NOT NULL)"
+            )
+
+    async def migrate(self, migrations: Sequence[Migration]) -> list[int]:
+        await self._schema_table()
+        applied: list[int] = []
+        for migration in migrations:
+            async with self.transaction() as tx:
+                # Every process waits here for the one migrating; then it finds the version applied.
+                await tx.execute(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK})")
+                if await tx.fetch_one("SELECT 1 FROM schema_version WHERE version = ?", (migration.version,)):
+                    continue
+                for statement in migration.statements(self.dialect):
+                    await tx.execute(statement)
+                await tx.execute(
+                    "INSERT INTO schema_version (version, description, applied_at) VALUES (?, ?, ?)",
+                    (migration.version, migration.description, time.time()),
+                )
+            log.info("applied migration %d: %s", migration.version, migration.description)
+            applied.append(migration.version)
+        return applied

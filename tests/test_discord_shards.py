@@ -1,0 +1,237 @@
+"""Discord sharding: the config checks, the sync rule, and a fleet of two real `cortexbot run` processes
+(shard 0 and shard 1 of 2, one SQLite file) against the fake Discord of ``tests/fakes/discord_server.py``
+and the fake LLM server. Each process gets its own token value so the fake can tell them apart."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import discord
+import pytest
+import yarl
+
+from adapters.discord import API_BASE_ENV, GATEWAY_ENV, build_client, redirect_for_tests, syncs_commands
+from bot.config import ConfigError, DiscordConfig, parse_config
+from tests.fakes.discord_server import FakeDiscord, shard_for
+from tests.fakes.llm_server import FakeLLMServer
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+BIN = Path(sys.executable).parent
+API_KEY = "sk-test-shards"
+TOKENS = {0: "token-of-the-shard-0-process", 1: "token-of-the-shard-1-process"}
+SKIP_LOG = "not syncing slash commands"
+STOPPED_BY_SIGNAL = 130  # bot/cli.py (_run_async): a SIGTERM'd or Ctrl-C'd run prints "stopped." and exits 130
+
+
+# -- config and rule (fast, in-process) ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(("discord_section", "expected"), [
+    ({"shard_ids": [0]}, "[discord] key 'shard_ids': Value error, needs shard_count"),
+    ({"shard_count": 2, "shard_ids": [0, 2, -1]}, "[-1, 2] are outside 0 … 1"),
+    ({"shard_count": 2, "shard_ids": [1, 1]}, "lists [1] more than once"),
+    ({"shard_count": 2, "shard_ids": []}, "[discord] key 'shard_ids': Value error, is empty"),
+    ({"shard_count": 0}, "[discord] key 'shard_count': Input should be greater than or equal to 1"),
+    ({"shard_count": 10_001}, "[discord] key 'shard_count': Input should be less than or equal to 10000"),
+    ({"shard_count": 2, "shard_ids": ["one"]}, "[discord] key 'shard_ids.0'"),
+])
+def test_bad_shard_settings_are_named_with_the_fix(discord_section: dict[str, object], expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({"discord": discord_section}, source="config.toml")
+    assert expected in str(info.value)
+
+
+def test_shard_settings_parse() -> None:
+    assert parse_config({}).discord.shard_count is None and parse_config({}).discord.shard_ids is None
+    config = parse_config({"discord": {"shard_count": 4, "shard_ids": [3, 1]}}).discord
+    assert (config.shard_count, config.shard_ids) == (4, [3, 1])
+    assert parse_config({"discord": {"shard_count": 4}}).discord.shard_ids is None
+
+
+@pytest.mark.parametrize(("count", "ids", "syncs"), [
+    (None, None, True), (2, None, True), (2, [0], True), (4, [2, 0], True), (2, [1], False), (4, [1, 2, 3], False),
+])
+def test_only_the_process_with_shard_0_syncs(count: int | None, ids: list[int] | None, syncs: bool) -> None:
+    assert syncs_commands(DiscordConfig(shard_count=count, shard_ids=ids)) is syncs
+
+
+def test_the_client_is_auto_sharded_only_with_a_shard_count() -> None:
+    intents = discord.Intents.default()
+    plain = build_client(DiscordConfig(), intents)
+    assert type(plain) is discord.Client
+    sharded = build_client(DiscordConfig(shard_count=3, shard_ids=[2]), intents)
+    assert isinstance(sharded, discord.AutoShardedClient)
+    assert (sharded.shard_count, sharded.shard_ids) == (3, [2])
+    every = build_client(DiscordConfig(shard_count=3), intents)
+    assert isinstance(every, discord.AutoShardedClient) and every.shard_ids is None
+
+
+async def test_the_test_hook_redirects_only_when_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(discord.http.Route, "BASE", discord.http.Route.BASE)  # restored afterwards
+    monkeypatch.setattr(discord.gateway.DiscordWebSocket, "DEFAULT_GATEWAY",
+                        discord.gateway.DiscordWebSocket.DEFAULT_GATEWAY)
+    assert not await redirect_for_tests({}, "token")
+    assert discord.http.Route.BASE == "https://discord.com/api/v10"
+    assert await redirect_for_tests({API_BASE_ENV: "http://127.0.0.1:1/api/v10/", GATEWAY_ENV: "ws://127.0.0.1:1/gw"},
+                                    "token")
+    assert discord.http.Route.BASE == "http://127.0.0.1:1/api/v10"
+    assert discord.gateway.DiscordWebSocket.DEFAULT_GATEWAY == yarl.URL("ws://127.0.0.1:1/gw")
+    with FakeDiscord() as fake:  # without the gateway variable: the server's GET /gateway/bot names it
+        assert await redirect_for_tests({API_BASE_ENV: fake.api_base}, "token")
+    assert discord.gateway.DiscordWebSocket.DEFAULT_GATEWAY == yarl.URL(fake.gateway_url)
+    assert [(r.method, r.path, r.token) for r in fake.requests] == [("GET", "/gateway/bot", "token")]
+
+
+async def test_the_fake_routes_dms_to_shard_0_and_guild_events_by_guild_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fake itself: two in-process auto-sharded clients, each given its events only."""
+    with FakeDiscord(shard_count=2) as fake:
+        guild_id = next(g << 22 for g in range(1, 100) if shard_for(g << 22, 2) == 1)
+        fake.add_guild(guild_id)
+        monkeypatch.setattr(discord.http.Route, "BASE", fake.api_base)
+        monkeypatch.setattr(discord.gateway.DiscordWebSocket, "DEFAULT_GATEWAY", yarl.URL(fake.gateway_url))
+        received: dict[int, list[str]] = {0: [], 1: []}
+        clients = [_recording_client(shard, received[shard]) for shard in (0, 1)]
+        runs = [asyncio.create_task(c.start(f"token-{i}")) for i, c in enumerate(clients)]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(c.wait_until_ready() for c in clients)), 10)
+            assert [g.id for g in clients[1].guilds] == [guild_id] and not clients[0].guilds
+            assert fake.dispatch_message("in private").shard_id == 0
+            assert fake.dispatch_message("in the server", guild_id=guild_id).shard_id == 1
+            for _ in range(100):
+                if received[0] and received[1]:
+                    break
+                await asyncio.sleep(0.02)
+            assert received == {0: ["in private"], 1: ["in the server"]}
+        finally:
+            for client in clients:
+                await client.close()
+            await asyncio.gather(*runs)
+    assert [d.close_code for d in fake.disconnects] == [1000, 1000]
+
+
+def _recording_client(shard: int, into: list[str]) -> discord.AutoShardedClient:
+    intents = discord.Intents.default()
+    intents.message_content = True
+    client = discord.AutoShardedClient(intents=intents, shard_count=2, shard_ids=[shard], guild_ready_timeout=0.05)
+
+    async def on_message(message: discord.Message) -> None:
+        into.append(message.content)
+
+    client.event(on_message)
+    return client
+
+
+# -- a fleet of two processes ---------------------------------------------------------------------
+
+
+@dataclass
+class BotProcess:
+    shard_id: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def token(self) -> str:
+        return TOKENS[self.shard_id]
+
+    def stderr(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for_log(self, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.stderr():
+            assert self.proc.poll() is None, f"shard {self.shard_id} process exited:\n{self.stderr()}"
+            assert time.monotonic() < deadline, f"no {text!r} from shard {self.shard_id} within {timeout} s"
+            time.sleep(0.05)
+
+
+def write_shard_config(tmp_path: Path, llm: FakeLLMServer, shard_id: int) -> Path:
+    path = tmp_path / f"shard-{shard_id}.toml"
+    path.write_text("\n".join([
+        "[storage]", f'url = "sqlite:///{tmp_path / "bot.db"}"',
+        "[llm]", 'provider = "anthropic"', 'model = "test-model"', f'base_url = "{llm.anthropic_url}"',
+        'api_key_env = "CB_TEST_API_KEY"', "max_retries = 0",
+        "[memory]", 'embedder = "none"',
+        "[chat]", "streaming = false",
+        "[jobs]", "poll_seconds = 0.1", "shutdown_grace_seconds = 2",
+        "[discord]", "enabled = true", "shard_count = 2", f"shard_ids = [{shard_id}]",
+    ]) + "\n")
+    return path
+
+
+def start_bot(tmp_path: Path, llm: FakeLLMServer, fake: FakeDiscord, shard_id: int) -> BotProcess:
+    env = {**os.environ, "CB_TEST_API_KEY": API_KEY, "OPENBLAS_NUM_THREADS": "1",
+           "DISCORD_TOKEN": TOKENS[shard_id], API_BASE_ENV: fake.api_base}
+    env.pop(GATEWAY_ENV, None)
+    if shard_id == 0:  # the other process finds the gateway through GET /gateway/bot
+        env[GATEWAY_ENV] = fake.gateway_url
+    log = tmp_path / f"shard-{shard_id}.log"
+    with log.open("wb") as stderr:
+        proc = subprocess.Popen(
+            [str(BIN / "cortexbot"), "--config", str(write_shard_config(tmp_path, llm, shard_id)), "run"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, env=env,
+        )
+    return BotProcess(shard_id, proc, log)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, fake_llm: FakeLLMServer) -> Iterator[tuple[FakeDiscord, list[BotProcess]]]:
+    with FakeDiscord(shard_count=2) as fake:
+        bots = [start_bot(tmp_path, fake_llm, fake, shard) for shard in (0, 1)]
+        try:
+            yield fake, bots
+        finally:
+            for bot in bots:
+                if bot.proc.poll() is None:
+                    bot.proc.kill()
+                    bot.proc.wait(10)
+
+
+@pytest.mark.slow
+def test_two_processes_split_the_shards_and_one_syncs(
+    tmp_path: Path, fake_llm: FakeLLMServer, fleet: tuple[FakeDiscord, list[BotProcess]]
+) -> None:
+    fake, bots = fleet
+    fake.wait_until(lambda f: len(f.identifies) >= 2, timeout=30)
+    assert sorted((i.token, i.shard) for i in fake.identifies) == [(TOKENS[0], (0, 2)), (TOKENS[1], (1, 2))]
+
+    # Both are ready (on_ready): shard 0's process synced, shard 1's says it skips.
+    fake.wait_until(lambda f: f.command_syncs, timeout=20)
+    bots[1].wait_for_log(SKIP_LOG, timeout=20)
+    assert SKIP_LOG not in bots[0].stderr()
+
+    sent = fake.dispatch_message("hello from a DM")
+    assert (sent.shard_id, sent.token) == (0, TOKENS[0])
+    fake.wait_until(lambda f: f.messages_in(sent.channel_id), timeout=20)
+    replies = fake.messages_in(sent.channel_id)
+    assert [(m.token, m.content) for m in replies] == [(TOKENS[0], "echo: hello from a DM")]
+    assert [r.last_user_text() for r in fake_llm.completion_requests] == ["hello from a DM"]
+
+    syncs = fake.command_syncs
+    assert [(s.token, s.guild_id) for s in syncs] == [(TOKENS[0], None)]
+    assert {"memory", "cortex", "help"} <= set(syncs[0].names)
+    assert not [r for r in fake.requests if r.token == TOKENS[1] and "/commands" in r.path]
+
+    with sqlite3.connect(tmp_path / "bot.db") as db:  # both share the database; shard 0 wrote the exchange
+        texts = [row[0] for row in db.execute("SELECT text FROM messages ORDER BY id")]
+    assert texts == ["hello from a DM", "echo: hello from a DM"]
+
+    for bot in bots:
+        bot.proc.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    codes = [bot.proc.wait(timeout=20) for bot in bots]
+    assert time.monotonic() - started < 20
+    for bot in bots:
+        assert "Traceback" not in bot.stderr() and bot.stderr().endswith("stopped.\n"), bot.stderr()
+    assert codes == [STOPPED_BY_SIGNAL] * 2, [bot.stderr()[-2000:] for bot in bots]
+    assert sorted((d.identify.token, d.close_code) for d in fake.disconnects) == [(TOKENS[0], 1000), (TOKENS[1], 1000)]
