@@ -196,6 +196,8 @@ class MatrixAdapter:
     # -- running ---------------------------------------------------------------------------------
 
     async def run(self) -> None:
+        # One process per account: a second one would answer every message twice.
+        await self.app.fleet.hold(f"matrix:{self.config.user_id}", f"the Matrix account {self.config.user_id}")
         await self.login()
         since = self._load_state().get("next_batch")
         if not since:

@@ -12,6 +12,7 @@ from bot.commands import CommandRegistry
 from bot.commands.core import register_core_commands
 from bot.config import Config, ConfigError, read_secret
 from bot.conversation import ConversationCore
+from bot.fleet import HEARTBEAT_SECONDS, Fleet
 from bot.jobs import JobQueue, WorkerPool
 from bot.llm import create_provider
 from bot.llm.base import LLMProvider
@@ -27,7 +28,8 @@ from cortex.tiers import JOB_KIND as CORTEX_JOB
 
 log = logging.getLogger(__name__)
 
-PRUNE_AFTER_START = 300.0  # seconds: a bot that restarts daily still prunes
+PRUNE_AFTER_START = 300.0
+SETTINGS_RELOAD_SECONDS = 5.0  # seconds: a bot that restarts daily still prunes
 CALIBRATION_SETTING = "tokens.calibration.{provider}.{model}"
 
 
@@ -91,15 +93,22 @@ class App:
             self.cortex.memory_admin.register(self.commands)
             await self.cortex.memory_admin.load()
             self.router = Router(self.config, self.storage, self.core, self.commands)
+            self.fleet = Fleet(self.storage)
             self.workers = WorkerPool(
                 self.queue,
                 {SUMMARY_JOB: self.summaries.run_job, CORTEX_JOB: self.cortex.updater.run_job},
                 storage=self.job_storage,
                 pid_checks=not self.storage.db.shared_across_hosts,
+                worker_id=self.fleet.process_id,
             )
-            self.scheduler = Scheduler()
+            self.scheduler = Scheduler(gate=self.fleet.claim_period)
             self.cortex.memory_admin.scheduler = self.scheduler
             if workers:
+                await self.fleet.heartbeat()
+                self.scheduler.every(HEARTBEAT_SECONDS, "heartbeat", self.fleet.heartbeat, fleet_once=False)
+                # Admin-tuned values another process saved reach this one within seconds.
+                self.scheduler.every(SETTINGS_RELOAD_SECONDS, "reload-settings", self.cortex.memory_admin.load,
+                                     fleet_once=False)
                 await self.workers.start()
                 self.scheduler.every(
                     self.config.jobs.lease_seconds, "requeue-abandoned-jobs", self.workers.recover
@@ -136,6 +145,7 @@ class App:
         self._started = False
         try:
             await self.scheduler.aclose()
+            await self.fleet.leave()
             if self.cortex.embeddings is not None:
                 self.cortex.embeddings.close()
             await self.workers.stop(grace)

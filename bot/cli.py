@@ -155,6 +155,8 @@ async def _serve(config: Config, platforms: list[str]) -> int:
         await app.start()
     except (ConfigError, StorageError) as exc:
         raise click.ClickException(str(exc)) from None
+    app.fleet.info = _fleet_info(config, platforms)
+    await app.fleet.heartbeat()
     closers: list[Callable[[], Awaitable[None]]] = []
     tasks: list[asyncio.Task[None]] = []
     try:
@@ -190,6 +192,74 @@ async def _serve(config: Config, platforms: list[str]) -> int:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await app.stop()
+
+
+def _fleet_info(config: Config, platforms: list[str]) -> dict[str, Any]:
+    """What `cortexbot status` shows about this process."""
+    info: dict[str, Any] = {"adapters": platforms}
+    if "discord" in platforms:
+        d = config.discord
+        info["discord_shards"] = (
+            "all (unsharded)" if d.shard_count is None else
+            f"{', '.join(map(str, d.shard_ids)) if d.shard_ids else 'all'} of {d.shard_count}"
+        )
+    if "matrix" in platforms:
+        info["matrix_account"] = config.matrix.user_id
+    return info
+
+
+@cli.command()
+@click.pass_context
+def status(ctx: click.Context) -> None:
+    """List the bot processes running on the configured database, their shards, and the job queue."""
+    config = _load(ctx)
+    setup_logging("WARNING")
+    try:
+        processes, queue = _run_async(lambda: _fleet_status(config))
+    except (StorageError, ConfigError) as exc:
+        raise click.ClickException(str(exc)) from None
+    _print_status(processes, queue)
+
+
+async def _fleet_status(config: Config) -> tuple[list[Any], Any]:
+    from bot.storage import open_storage
+
+    url, password = config.storage.resolve()
+    storage = await open_storage(url, password=password, pool_size=2)
+    try:
+        if await storage.pending_migrations():
+            raise StorageError(f"{storage.db.url} is not migrated yet: run cortexbot migrate (or start the bot)")
+        return await storage.fleet.live_processes(), await storage.fleet.queue_stats()
+    finally:
+        await storage.close()
+
+
+def _print_status(processes: list[Any], queue: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False, soft_wrap=True)
+    now = time.time()
+    table = Table("process", "adapters", "Discord shards", "Matrix account", "up", "last seen", title=None)
+    for p in processes:
+        info = p.info
+        table.add_row(p.id, ", ".join(info.get("adapters", [])) or "workers only", info.get("discord_shards", "-"),
+                      info.get("matrix_account", "-"), _ago(now - p.started_at), f"{now - p.last_seen:.0f} s ago")
+    console.print(f"{len(processes)} live process(es)")
+    if processes:
+        console.print(table)
+    oldest = "none" if queue.oldest_queued_at is None else f"queued {_ago(now - queue.oldest_queued_at)} ago"
+    console.print(f"jobs: {queue.queued} queued, {queue.running} running, {queue.failed} failed; "
+                  f"oldest queued: {oldest}")
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(seconds, 0.0)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 @cli.command()

@@ -27,6 +27,7 @@ class JobRecord:
     interval_seconds: float
     runs: int = 0
     failures: int = 0
+    elsewhere: int = 0  # periods another process of the fleet ran it
     last_run_at: float | None = None
     last_seconds: float = 0.0
     last_error: str = ""
@@ -38,28 +39,45 @@ class JobRecord:
             f"last {time.strftime('%Y-%m-%d %H:%M', time.gmtime(self.last_run_at))} UTC "
             f"({self.last_seconds:.1f} s)")
         error = f"; last error: {self.last_error}" if self.last_error else ""
-        return f"{self.name} (every {every}): {self.runs} runs, {self.failures} failed, {last}{error}"
+        elsewhere = f", {self.elsewhere} run by another process" if self.elsewhere else ""
+        return f"{self.name} (every {every}): {self.runs} runs, {self.failures} failed{elsewhere}, {last}{error}"
+
+
+Gate = Callable[[str, float], Awaitable[bool]]
 
 
 class Scheduler:
-    def __init__(self) -> None:
+    """``gate(name, seconds)``, when given, decides for each due run of a fleet-wide job whether this
+    process runs it (see ``bot.fleet.Fleet.claim_period``): several processes sharing one database
+    then run it once per period between them."""
+
+    def __init__(self, gate: Gate | None = None) -> None:
+        self._gate = gate
         self._scheduler = AsyncIOScheduler(timezone="UTC")
         self.jobs: dict[str, JobRecord] = {}
         self._running: set[asyncio.Task[None]] = set()
 
     def every(
-        self, seconds: float, name: str, job: Callable[[], Awaitable[object]], *, first_after: float | None = None
+        self, seconds: float, name: str, job: Callable[[], Awaitable[object]], *, first_after: float | None = None,
+        fleet_once: bool = True,
     ) -> None:
         """Run ``job`` every ``seconds``; the first time after ``first_after`` seconds (default: one interval),
-        so a daily job also runs for a bot that restarts more often than daily."""
+        so a daily job also runs for a bot that restarts more often than daily. With ``fleet_once`` (and a
+        gate) the run happens in one process of the fleet per period."""
         record = self.jobs[name] = JobRecord(name, seconds)
+        gate = self._gate if fleet_once else None
 
         async def supervised() -> None:
             started = time.monotonic()
             task = asyncio.current_task()
             if task is not None:
                 self._running.add(task)
+            ran = True
             try:
+                if gate is not None and not await gate(name, seconds):
+                    record.elsewhere += 1
+                    ran = False
+                    return
                 await job()
                 record.runs += 1
                 record.last_error = ""
@@ -68,8 +86,9 @@ class Scheduler:
                 record.last_error = f"{type(exc).__name__}: {exc}"[:300]
                 log.exception("periodic job %s failed; it runs again in %.0f s", name, seconds)
             finally:
-                record.last_run_at = time.time()
-                record.last_seconds = time.monotonic() - started
+                if ran:
+                    record.last_run_at = time.time()
+                    record.last_seconds = time.monotonic() - started
                 if task is not None:
                     self._running.discard(task)
 

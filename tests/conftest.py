@@ -10,7 +10,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import pytest_asyncio  # noqa: E402
 
-from bot.storage import Storage, open_sqlite  # noqa: E402
+from bot.storage import Storage, open_sqlite, open_storage  # noqa: E402
 from bot.tokens import BPETokenEstimator  # noqa: E402
 from tests.fakes.llm_server import FakeLLMServer  # noqa: E402
 from tests.postgres import PostgresServer  # noqa: E402
@@ -23,8 +23,31 @@ def fake_llm() -> Iterator[FakeLLMServer]:
         yield server
 
 
+ENGINES = ("sqlite", "postgres")
+
+
+@pytest.fixture(params=ENGINES)
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh database's URL, once per engine: SQLite in the test's folder, PostgreSQL on the session's
+    real server (``pg_url``)."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'bot.db'}"
+    url: str = request.getfixturevalue("pg_url")
+    return url
+
+
 @pytest_asyncio.fixture
-async def storage(tmp_path: Path) -> AsyncIterator[Storage]:
+async def storage(db_url: str) -> AsyncIterator[Storage]:
+    """A migrated storage on each engine (the contract every engine keeps)."""
+    store = await open_storage(db_url)
+    await store.migrate()
+    yield store
+    await store.close()
+
+
+@pytest_asyncio.fixture
+async def sqlite_storage(tmp_path: Path) -> AsyncIterator[Storage]:
+    """A migrated SQLite storage (for what only that engine has: pragmas, its write lock, vector caches)."""
     store = await open_sqlite(tmp_path / "bot.db")
     await store.migrate()
     yield store

@@ -189,6 +189,11 @@ class PostgresDatabase:
             raise StorageError("storage is not open")
         return self._pool
 
+    @property
+    def in_transaction(self) -> bool:
+        """Whether a connection is checked out of the pool (inside a transaction or a statement)."""
+        return bool(self.pool.get_idle_size() < self.pool.get_size())
+
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[_PgTx]:
         async with self.pool.acquire() as conn, conn.transaction():

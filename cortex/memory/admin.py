@@ -73,13 +73,16 @@ class MemoryAdminCommands:
             registry.register(Command(f"cortex {name}", summary, handler, usage=usage, admin=True))
 
     async def load(self) -> None:
-        """Apply weights an admin saved earlier (they outlive restarts)."""
+        """Apply the weights an admin saved (they outlive restarts; the app reloads them every few seconds,
+        so a change made through another process sharing the database arrives here too)."""
         saved = await self.storage.get_setting(WEIGHTS_SETTING)
-        if saved:
-            try:
-                self._apply(Weights(**{k: float(v) for k, v in json.loads(saved).items() if k in SIGNALS}))
-            except (ValueError, TypeError):
-                pass
+        if not saved:
+            self._apply(configured_weights(self.config.memory))
+            return
+        try:
+            self._apply(Weights(**{k: float(v) for k, v in json.loads(saved).items() if k in SIGNALS}))
+        except (ValueError, TypeError):
+            pass
 
     def _apply(self, weights: Weights) -> None:
         for store in self.stores:

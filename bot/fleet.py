@@ -1,0 +1,92 @@
+"""This process as one of a fleet sharing a database: its id, its heartbeat, fleet-wide periodic runs
+and named locks (one process per Matrix account).
+
+With SQLite there is one process (or a few on one machine) and all of this still works the same way;
+with PostgreSQL it is what lets several bot processes (Discord shards, several Matrix accounts) share
+one database: periodic upkeep runs once per period across the fleet, and ``cortexbot status`` lists
+who is alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import Any
+
+from bot.storage.core import Storage
+from bot.storage.fleet import ProcessInfo, QueueStats
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_SECONDS = 15.0
+LOCK_TTL_SECONDS = 60.0
+
+
+class LockHeld(RuntimeError):
+    """Another live process holds a lock this one needs; the message names it and what to do."""
+
+
+def new_process_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class Fleet:
+    def __init__(self, storage: Storage, *, process_id: str | None = None) -> None:
+        self.storage = storage
+        self.process_id = process_id or new_process_id()
+        self.started_at = time.time()
+        self.info: dict[str, Any] = {}  # shown by `cortexbot status` (adapters, shards, accounts)
+        self._locks: dict[str, asyncio.Task[None]] = {}
+
+    async def claim_period(self, name: str, seconds: float) -> bool:
+        """Whether this process runs the periodic job ``name`` this period (exactly one does)."""
+        return await self.storage.fleet.claim_period(name, seconds, self.process_id)
+
+    async def heartbeat(self) -> None:
+        await self.storage.fleet.heartbeat(
+            self.process_id, socket.gethostname(), os.getpid(), self.info, self.started_at)
+
+    async def hold(self, name: str, what: str) -> None:
+        """Take the lock ``name`` for as long as this process runs, renewing it in the background;
+        :class:`LockHeld` when another live process holds it."""
+        holder = await self.storage.fleet.acquire_lock(name, self.process_id, LOCK_TTL_SECONDS)
+        if holder is not None:
+            raise LockHeld(
+                f"{what} is already served by another running process ({holder}); run one process per "
+                f"account, or stop the other one (its claim expires {LOCK_TTL_SECONDS:.0f} s after it stops)"
+            )
+        self._locks[name] = asyncio.create_task(self._renew(name, what), name=f"fleet-lock-{name}")
+
+    async def _renew(self, name: str, what: str) -> None:
+        while True:
+            await asyncio.sleep(LOCK_TTL_SECONDS / 3)
+            try:
+                holder = await self.storage.fleet.acquire_lock(name, self.process_id, LOCK_TTL_SECONDS)
+            except Exception as exc:  # the database may be back by the next renewal
+                log.warning("could not renew the claim on %s: %s", what, exc)
+                continue
+            if holder is not None:
+                log.error("the claim on %s was taken over by %s (this process stalled too long)", what, holder)
+
+    async def live(self) -> list[ProcessInfo]:
+        return await self.storage.fleet.live_processes()
+
+    async def queue(self) -> QueueStats:
+        return await self.storage.fleet.queue_stats()
+
+    async def leave(self) -> None:
+        """Release the locks and remove the heartbeat row (a clean stop)."""
+        for name, task in list(self._locks.items()):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            with contextlib.suppress(Exception):
+                await self.storage.fleet.release_lock(name, self.process_id)
+        self._locks.clear()
+        with contextlib.suppress(Exception):
+            await self.storage.fleet.leave(self.process_id)
