@@ -12,6 +12,8 @@ import pytest_asyncio  # noqa: E402
 
 from bot.storage import Storage, open_sqlite, open_storage  # noqa: E402
 from bot.tokens import BPETokenEstimator  # noqa: E402
+from tests import engines  # noqa: E402
+from tests.engines import ENGINES  # noqa: E402
 from tests.fakes.llm_server import FakeLLMServer  # noqa: E402
 from tests.postgres import PostgresServer  # noqa: E402
 from tests.synapse import SynapseServer  # noqa: E402
@@ -23,7 +25,21 @@ def fake_llm() -> Iterator[FakeLLMServer]:
         yield server
 
 
-ENGINES = ("sqlite", "postgres")
+@pytest.fixture(autouse=True)
+def engine(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The engine of this test: "sqlite" unless its module is marked ``both_engines`` (then each test
+    runs on both; on "postgres" ``tests.engines.db_url_for`` gives a fresh database of the real server)."""
+    name = getattr(request, "param", "sqlite")
+    engines.use(request.getfixturevalue("pg_url") if name == "postgres" else None)
+    try:
+        yield name
+    finally:
+        engines.use(None)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if metafunc.definition.get_closest_marker("both_engines") and "engine" in metafunc.fixturenames:
+        metafunc.parametrize("engine", ENGINES, indirect=True)
 
 
 @pytest.fixture(params=ENGINES)

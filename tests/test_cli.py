@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sqlite3
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 
 from bot.tokens import BPETokenEstimator
+from tests.engines import db_url_for
 from tests.fakes.llm_server import FakeLLMServer, FakeResponse, RecordedRequest
 
 API_KEY = "sk-test-DO-NOT-LOG-1234567890"
@@ -80,9 +82,12 @@ def write_config(tmp_path: Path, server: FakeLLMServer, provider: str = "anthrop
     base = server.anthropic_url if provider == "anthropic" else server.openai_url
     history = {"history_tokens": 400, "summary_tokens": 200, "summary_trigger": 20, **sections.pop("history", {})}
     jobs = {"poll_seconds": 0.1, "retry_base_seconds": 0.05, "shutdown_grace_seconds": 20, **sections.pop("jobs", {})}
+    if db_url_for(tmp_path).startswith("postgresql"):
+        # A shared database finds a killed process's jobs by their lease alone: keep it short here.
+        jobs.setdefault("lease_seconds", 5)
     lines = [
         "[storage]",
-        f'url = "sqlite:///{tmp_path / "bot.db"}"',
+        f'url = "{db_url_for(tmp_path)}"',
         "[llm]",
         f'provider = "{provider}"',
         'model = "test-model"',
@@ -108,8 +113,22 @@ def cortexbot(*args: str, stdin: str = "", env: dict[str, str] | None = None, ti
 
 
 def db_rows(tmp_path: Path, sql: str) -> list[tuple]:
-    with sqlite3.connect(tmp_path / "bot.db") as db:
-        return db.execute(sql).fetchall()
+    """Rows of the test's database (its SQLite file, or its PostgreSQL database) as plain tuples."""
+    url = db_url_for(tmp_path)
+    if url.startswith("sqlite:///"):
+        with sqlite3.connect(tmp_path / "bot.db") as db:
+            return db.execute(sql).fetchall()
+
+    async def fetch() -> list[tuple]:
+        import asyncpg
+
+        conn = await asyncpg.connect(url)
+        try:
+            return [tuple(r) for r in await conn.fetch(sql)]
+        finally:
+            await conn.close()
+
+    return asyncio.run(fetch())
 
 
 def test_every_subcommand_has_help() -> None:
@@ -121,6 +140,7 @@ def test_every_subcommand_has_help() -> None:
 
 
 @pytest.mark.parametrize("provider", ["anthropic", "openai"])
+@pytest.mark.both_engines
 def test_piped_chat_streams_replies_and_runs_commands(tmp_path: Path, fake_llm: FakeLLMServer, provider: str) -> None:
     fake_llm.responder = responder()
     config = write_config(tmp_path, fake_llm, provider)
@@ -190,6 +210,7 @@ def test_missing_api_key_is_explained(tmp_path: Path, fake_llm: FakeLLMServer) -
     assert "CB_TEST_API_KEY" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.both_engines
 def test_migrate_then_up_to_date(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
     config = write_config(tmp_path, fake_llm)
     first = cortexbot("--config", str(config), "migrate")
@@ -222,6 +243,7 @@ def test_doctor_reports_what_is_wrong(tmp_path: Path, fake_llm: FakeLLMServer) -
 
 
 @pytest.mark.slow
+@pytest.mark.both_engines
 def test_300_message_conversation_stays_in_budget_with_versioned_summaries(
     tmp_path: Path, fake_llm: FakeLLMServer
 ) -> None:
@@ -254,6 +276,7 @@ def test_300_message_conversation_stays_in_budget_with_versioned_summaries(
 
 
 @pytest.mark.slow
+@pytest.mark.both_engines
 def test_killed_during_a_summary_job_the_job_completes_after_restart(
     tmp_path: Path, fake_llm: FakeLLMServer
 ) -> None:

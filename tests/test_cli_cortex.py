@@ -13,6 +13,8 @@ import pytest
 from tests.fakes.llm_server import FakeLLMServer, FakeResponse, RecordedRequest
 from tests.test_cli import API_KEY, BIN, cortexbot, db_rows, is_cortex_update, is_reply, realistic_usage, write_config
 
+pytestmark = pytest.mark.both_engines
+
 MARKER = "Ann grows tomatoes on her balcony"
 NEW_MEMORY = f"# My memories of Ann\n\n## What Ann told me about themselves\n- {MARKER}.\n"
 

@@ -12,13 +12,16 @@ from bot.errors import EmptyMessage, MessageTooLong
 from bot.llm.base import Completion, LLMRequest, Usage
 from bot.llm.errors import LLMOverloaded
 from bot.ports import IncomingMessage
+from tests.engines import db_url_for
 from tests.fakes.provider import ScriptedProvider
+
+pytestmark = pytest.mark.both_engines
 
 
 def _config(tmp_path: Path, **history):
     return parse_config(
         {
-            "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
+            "storage": {"url": db_url_for(tmp_path)},
             "history": {"history_tokens": 300, "summary_tokens": 120, "summary_trigger": 10, "summary_batch": 2,
                         **history},
             "jobs": {"poll_seconds": 0.05, "retry_base_seconds": 0.01, "retry_max_seconds": 0.02},

@@ -13,12 +13,15 @@ from bot.app import App
 from bot.commands import CommandContext
 from bot.config import parse_config
 from bot.ports import IncomingMessage
+from tests.engines import db_url_for
 from tests.fakes.provider import ScriptedProvider
+
+pytestmark = pytest.mark.both_engines
 
 
 def _config(tmp_path: Path):
     return parse_config({
-        "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
+        "storage": {"url": db_url_for(tmp_path)},
         "cortex": {"context_limit": 1000, "cooldown_seconds": 0},
         "personas": [{"name": "Cora"}, {"name": "Lena", "language": "German"}],
     })

@@ -11,7 +11,10 @@ from bot.config import CortexConfig, parse_config
 from bot.ports import IncomingMessage
 from cortex.store import Pair
 from cortex.tiers import decide, thresholds, tier_stage
+from tests.engines import db_url_for
 from tests.fakes.provider import ScriptedProvider
+
+pytestmark = pytest.mark.both_engines
 
 
 def _pair(count: int, fired: tuple[int, ...] = (), cycle: int = 1) -> Pair:
@@ -80,7 +83,7 @@ def test_tier_stages() -> None:
 
 def _config(tmp_path: Path, **cortex) -> object:
     return parse_config({
-        "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
+        "storage": {"url": db_url_for(tmp_path)},
         "cortex": {"context_limit": 10, "cooldown_seconds": 0, **cortex},
         "jobs": {"poll_seconds": 0.05},
     })
@@ -125,7 +128,7 @@ async def test_disabled_cortex_counts_nothing(tmp_path: Path) -> None:
 
 async def test_pairs_are_per_user_and_persona(tmp_path: Path) -> None:
     config = parse_config({
-        "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
+        "storage": {"url": db_url_for(tmp_path)},
         "cortex": {"context_limit": 100},
         "personas": [{"name": "Cora"}, {"name": "Max"}],
     })

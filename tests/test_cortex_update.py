@@ -15,14 +15,17 @@ from bot.config import parse_config
 from bot.llm.errors import LLMOverloaded
 from bot.ports import IncomingMessage
 from cortex.store import Pair
+from tests.engines import db_url_for
 from tests.fakes.llm_server import FakeLLMServer, FakeResponse, RecordedRequest
+
+pytestmark = pytest.mark.both_engines
 
 KEY_ENV = "CB_CORTEX_TEST_KEY"
 
 
 def _config(tmp_path: Path, server: FakeLLMServer, **cortex: Any):
     return parse_config({
-        "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
+        "storage": {"url": db_url_for(tmp_path)},
         "llm": {"base_url": server.anthropic_url, "api_key_env": KEY_ENV, "max_retries": 0, "model": "test-model"},
         "cortex": {"context_limit": 1000, "cooldown_seconds": 0, **cortex},
         "jobs": {"poll_seconds": 0.05, "retry_base_seconds": 0.05, "retry_max_seconds": 0.1},

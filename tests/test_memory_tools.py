@@ -14,9 +14,12 @@ from bot.config import parse_config
 from bot.ports import IncomingMessage
 from cortex.memory.embedders import HashEmbedder
 from cortex.memory.tools import MEMORY_TOOL_NAMES
+from tests.engines import db_url_for
 from tests.fakes.llm_server import FakeLLMServer, FakeResponse
 from tests.fakes.provider import ScriptedProvider
 from tests.test_cortex_update import KEY_ENV, _config, _pair, _talk, cortex_requests, result_text, tool_results
+
+pytestmark = pytest.mark.both_engines
 
 CONVERSATION = ["My sister Mia moved to Lyon", "I am a nurse on night shifts", "Exam on Friday, wish me luck"]
 
@@ -138,7 +141,7 @@ async def test_a_fact_comes_back_after_it_left_the_window(tmp_path: Path) -> Non
     """Said once, long ago: neither in the history window nor in any file, it still reaches the reply
     prompt, by its words (full text) and, once embedded, by vector too."""
     config = parse_config({
-        "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
+        "storage": {"url": db_url_for(tmp_path)},
         "history": {"history_tokens": 60, "min_exchanges": 1},
         "cortex": {"context_limit": 1000},
     })

@@ -167,8 +167,8 @@ class MemoryStore:
         self.repo = storage.memory
         self.embeddings = embeddings
         self._table_sizes: dict[str, tuple[int, float]] = {}
-        # (table, persona or pair, term) -> (rows, when)
-        self._term_counts_cache: dict[tuple[str, str, str], tuple[int, float]] = {}
+        # (table, persona or pair, term) -> (rows, when, table size then)
+        self._term_counts_cache: dict[tuple[str, str, str], tuple[int, float, int]] = {}
         self.weights = weights
         self.half_life_days = half_life_days
         self.candidates = candidates
@@ -407,25 +407,37 @@ class MemoryStore:
 
     async def _table_size(self, table: FtsTable) -> int:
         size, checked = self._table_sizes.get(table, (0, 0.0))
-        if time.monotonic() - checked > 60:
+        # Rarity weights (PostgreSQL) need the size as it is while the table is small and growing fast.
+        stale_after = 1.0 if self.repo.needs_term_weights and size < 10 * COMMON_MATCHES else 60.0
+        if time.monotonic() - checked > stale_after:
             size = await self.repo.fts_size(table)
             self._table_sizes[table] = (size, time.monotonic())
         return size
 
     async def _term_counts(self, table: FtsTable, terms: list[str], persona: str | None, pair_id: int
                            ) -> dict[str, int]:
-        """Rows matching each word (capped), cached for a while: how common a word is changes slowly."""
+        """Rows matching each word (capped), cached for a while: how common a word is changes slowly.
+        A count is taken again once the table grew by a tenth since (a small table's counts would
+        otherwise misstate rarity for long), and never cached below ``COMMON_MATCHES`` rows."""
         scope = (table, persona or f"pair:{pair_id}") if self.repo.needs_term_weights else (table, "")
         stamp = time.monotonic()
-        unknown = [t for t in terms if stamp - self._term_counts_cache.get((*scope, t), (0, -1e9))[1] > TERM_COUNT_TTL]
+        size = self._table_sizes.get(table, (0, 0.0))[0]
+
+        def fresh(term: str) -> bool:
+            count, when, at_size = self._term_counts_cache.get((*scope, term), (0, -1e9, 0))
+            return stamp - when <= TERM_COUNT_TTL and size <= at_size * 1.1 and at_size > COMMON_MATCHES
+
+        unknown = [t for t in terms if not fresh(t)]
+        counted: dict[str, int] = {}
         if unknown:
             counts = await self.repo.fts_term_counts(table, unknown, COMMON_MATCHES + 1, persona=persona,
                                                      pair_id=pair_id)
             if len(self._term_counts_cache) > 50_000:
                 self._term_counts_cache.clear()
             for term, count in zip(unknown, counts, strict=False):
-                self._term_counts_cache[(*scope, term)] = (int(count), stamp)
-        return {t: self._term_counts_cache.get((*scope, t), (0, 0.0))[0] for t in terms}
+                counted[term] = int(count)
+                self._term_counts_cache[(*scope, term)] = (int(count), stamp, size)
+        return {t: counted[t] if t in counted else self._term_counts_cache[(*scope, t)][0] for t in terms}
 
     def _rank(self, candidates: list[_Candidate], limit: int, now: float) -> list[Hit]:
         """One ranking: text and vector scores are normalised over all candidates, so items and messages
