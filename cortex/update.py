@@ -167,12 +167,16 @@ class CortexUpdater:
             settings.file_max_chars, with_memory=self.memory is not None,
         )
         messages: list[ChatMessage] = [ChatMessage("user", conversation_message(persona, history, user_name))]
-        midnight = utc_midnight(time.time())
         for round_number in range(1, settings.max_rounds + 1):
+            if round_number > 1 and (spent := await self._budget_spent(pair, settings)):
+                return "failed", f"stopped: {spent} ran out during the update"
             completion = await self._call(model, system, messages, settings)
             totals[0] = round_number
-            totals[1] += completion.usage.input_tokens
-            totals[2] += completion.usage.output_tokens
+            totals[1] += max(completion.usage.input_tokens, 0)  # a server's negative count credits nothing
+            totals[2] += max(completion.usage.output_tokens, 0)
+            # Spending is counted in the database as it happens, so every process (and the next round's
+            # check) sees it: two processes cannot each spend a whole daily budget.
+            await self.store.record_progress(tools.run_id, totals[0], totals[1], totals[2])
             if not completion.tool_calls:
                 learned = tools.files_written or (tools.memory is not None and tools.memory.written)
                 return "success", "" if learned else "the model found nothing new to record"
@@ -182,11 +186,18 @@ class CortexUpdater:
                 messages.append(
                     ChatMessage("tool", outcome.content, tool_call_id=call.id, is_error=outcome.is_error)
                 )
-            if settings.daily_token_budget and (
-                await self.store.tokens_since(midnight, pair.id) + totals[1] + totals[2] >= settings.daily_token_budget
-            ):
-                return "failed", "stopped: this pair's daily token budget ran out during the update"
         return "failed", f"stopped after {settings.max_rounds} rounds without finishing (max_rounds)"
+
+    async def _budget_spent(self, pair: Pair, settings: CortexConfig) -> str | None:
+        """Which daily budget (the pair's or the bot's) today's recorded spending has used up, if any."""
+        midnight = utc_midnight(time.time())
+        if settings.daily_token_budget and (
+                await self.store.tokens_since(midnight, pair.id) >= settings.daily_token_budget):
+            return "this pair's daily token budget"
+        if settings.bot_daily_token_budget and (
+                await self.store.tokens_since(midnight) >= settings.bot_daily_token_budget):
+            return "the bot's daily cortex token budget"
+        return None
 
     async def _call(
         self, model: str, system: str, messages: list[ChatMessage], settings: CortexConfig

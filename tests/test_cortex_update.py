@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -320,3 +321,32 @@ async def test_a_model_that_rejects_temperature_is_retried_without_it(app: App, 
     first, second = cortex_requests(fake_llm)
     assert first.body.get("temperature") == 0.3 and "temperature" not in second.body
 
+
+
+async def test_spending_counts_in_the_database_as_it_happens(
+    tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two processes share one bot budget: each round's tokens are recorded at once, so an update in one
+    process stops at its next round once another process's spending used the budget up."""
+    monkeypatch.setenv(KEY_ENV, "test-key")
+    config = _config(tmp_path, fake_llm, bot_daily_token_budget=5000)
+    async with App(config) as app, App(config) as other:  # two processes on one database
+        await _talk(app, CONVERSATION)
+        await _talk(other, CONVERSATION, user="bob")
+        ann, bob = await _pair(app), await _pair(other, "bob")
+        settings = (await app.cortex.resolver.effective("Cora")).settings
+        read = FakeResponse.tool_calls([("r1", "read_file", {"filename": "memory.md"})], input_tokens=3000,
+                                       output_tokens=100, delay=0.5)
+        fake_llm.enqueue(read)  # Ann's first round: 3,100 tokens, then a slow second round ...
+        fake_llm.enqueue(FakeResponse.tool_calls([("r2", "read_file", {"filename": "soul.md"})], input_tokens=10,
+                                                 delay=1.0))
+        first = asyncio.ensure_future(app.cortex.updater.run(ann, "50", settings))
+        await asyncio.sleep(0.8)  # ... meanwhile the other process sees Ann's spending already
+        assert await other.cortex.store.tokens_since(0) >= 3100
+        fake_llm.enqueue(FakeResponse.tool_calls([("b1", "read_file", {"filename": "memory.md"})],
+                                                 input_tokens=2500, output_tokens=0))
+        second = await other.cortex.updater.run(bob, "50", settings)
+        outcome = await first
+        assert second.status == "failed" and "bot's daily cortex token budget" in second.reason
+        assert outcome.status == "failed" and "bot's daily cortex token budget" in outcome.reason
+        assert await app.cortex.store.tokens_since(0) < 5000 + 3110  # overshoot bounded by one round

@@ -320,6 +320,13 @@ class CortexRepository:
             ),
         )
 
+    async def record_progress(self, run_id: int, rounds: int, input_tokens: int, output_tokens: int) -> None:
+        """A running update's rounds and tokens so far (budgets count them at once, in every process)."""
+        await self.db.write(
+            "UPDATE cortex_runs SET rounds = ?, input_tokens = ?, output_tokens = ? WHERE id = ?",
+            (rounds, input_tokens, output_tokens, run_id),
+        )
+
     async def record_skip(self, pair_id: int, job_id: int | None, tier: str, reason: str) -> int:
         now = time.time()
         row = await self.db.write_one(
