@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs cortex-bot into ./.venv (created with Python 3.11+ if missing). Idempotent.
 #   scripts/install.sh          the bot and everything it needs to run
-#   scripts/install.sh dev      plus what the tests and benchmarks need
+#   scripts/install.sh postgres plus the PostgreSQL driver (asyncpg, pgvector)
+#   scripts/install.sh dev      plus what the tests and benchmarks need (PostgreSQL included)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,7 +27,10 @@ if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi
 
-spec="."
-[ "$extra" = "dev" ] && spec=".[dev]"
+case "$extra" in
+  "") spec="." ;;
+  dev|postgres) spec=".[$extra]" ;;
+  *) echo "unknown extra '$extra': use dev or postgres" >&2; exit 2 ;;
+esac
 # Editable, so a checkout that is edited and re-run needs no reinstall.
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e "$spec"

@@ -1,0 +1,380 @@
+"""Copy one bot's database into another (SQLite → PostgreSQL and back): ``cortexbot copy-data``.
+
+Every table goes over in foreign-key order, page by page along its primary key (keyset pagination, so
+a page costs the same at the start and the end of a big table), ids kept as they are so every reference
+stays valid. Each page is inserted in one transaction with ``ON CONFLICT DO NOTHING``: a copy that was
+interrupted is resumed by running it again, and a second run copies nothing twice. Rows the source
+changed after they were copied are not brought up to date (copy with the bot stopped).
+
+What differs between the engines is handled here:
+
+* **Columns**: only the columns both databases have; PostgreSQL's ``tsvector`` columns are left out (its
+  triggers fill them from the persona's language, which is why personas go before messages).
+* **Vectors**: SQLite float32 blobs become pgvector ``vector`` values and back (numpy float32).
+* **Counters and triggers**: SQLite's message trigger bumps ``channels.message_count`` (and its
+  ``updated_at``) for every copied message, so after the messages each channel gets the source's values
+  again; PostgreSQL's identity sequences are moved past the largest copied id.
+* **Self references**: ``memory_items.supersedes``/``superseded_by`` may point at a later row, so items
+  are inserted without them and the links are set once every item is there.
+
+A database's bot is named by the settings row ``bot.instance_id`` (a uuid4, made in the source when it
+has none). The copy refuses a target whose id differs, a target without an id that already holds users
+or messages, and a copy of a database onto itself. At the end every table's rows are counted on both
+sides; a difference is reported, never hidden.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from bot.storage.core import Storage
+from bot.storage.engine import Database, Row, StorageError
+
+__all__ = ["INSTANCE_KEY", "TABLES", "CopyReport", "TableCount", "copy_data", "ensure_instance_id"]
+
+INSTANCE_KEY = "bot.instance_id"
+# Foreign-key order (``processes`` and ``schema_version`` stay behind: they describe the database, not the bot).
+TABLES: tuple[str, ...] = (
+    "users", "personas", "channels", "messages", "summaries", "jobs", "llm_calls", "reply_stats", "settings",
+    "cortex_pairs", "cortex_versions", "cortex_runs", "cortex_settings", "memory_items", "message_vectors",
+    "periodic_runs", "instance_locks",
+)
+# Columns that may point at rows copied later: inserted empty, set after the whole table.
+DEFERRED: dict[str, tuple[str, ...]] = {"memory_items": ("supersedes", "superseded_by")}
+ENGINE_ONLY_TYPES = frozenset({"tsvector"})  # filled by the engine itself
+MAX_PARAMETERS = 30_000  # per statement (PostgreSQL allows 32767, SQLite 32766)
+
+Progress = Callable[[str, int, int], None]  # (table, rows done, rows in the source)
+
+
+@dataclass(frozen=True, slots=True)
+class TableCount:
+    table: str
+    source_rows: int
+    target_rows: int
+    copied: int  # rows this run inserted
+
+    @property
+    def matches(self) -> bool:
+        return self.source_rows == self.target_rows
+
+
+@dataclass(frozen=True, slots=True)
+class CopyReport:
+    source: str
+    target: str
+    instance_id: str
+    tables: tuple[TableCount, ...]
+    seconds: float = 0.0
+
+    @property
+    def mismatches(self) -> list[TableCount]:
+        return [t for t in self.tables if not t.matches]
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    @property
+    def copied(self) -> int:
+        return sum(t.copied for t in self.tables)
+
+
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """One table as one engine has it: column types (SQLite's declared type or PostgreSQL's type name,
+    lower case), primary key, identity column."""
+
+    types: dict[str, str]
+    key: tuple[str, ...]
+    identity: str | None = None
+
+
+@dataclass(slots=True)
+class _Plan:
+    table: str
+    columns: tuple[str, ...]
+    key: tuple[str, ...]
+    convert: dict[int, Callable[[Any], Any]] = field(default_factory=dict)  # column position -> converter
+    deferred: tuple[str, ...] = ()
+
+
+# -- the copy ------------------------------------------------------------------------------------
+
+
+async def copy_data(source: Storage, target: Storage, *, progress: Progress | None = None,
+                    batch: int = 1000) -> CopyReport:
+    """Copy every table of ``source`` into ``target`` (migrated first); see the module's docstring."""
+    if batch < 1:
+        raise StorageError("the batch size must be at least 1")
+    started = time.monotonic()
+    if await _identity(source.db) == await _identity(target.db):
+        raise StorageError(f"{target.db.url} is the configured database itself: name another database to copy into")
+    pending = await source.pending_migrations()
+    if pending:
+        raise StorageError(f"the source database {source.db.url} lacks migration(s) {', '.join(map(str, pending))}: "
+                           "run cortexbot migrate (or start the bot once), then copy")
+    instance = await ensure_instance_id(source)
+    if await target.applied_migrations():  # refuse another bot's database before touching its schema
+        await _check_target(target.db, instance)
+    await target.migrate()
+    await _claim_target(source.db, target.db, instance)
+    copied: dict[str, int] = {}
+    for table in TABLES:
+        copied[table] = await _copy_table(source.db, target.db, table, batch, progress)
+        if table == "messages":
+            await _restore_channel_counters(source.db, target.db, batch)
+    if target.db.dialect == "postgres":
+        await _move_sequences(target.db)
+    counts = [TableCount(t, await _count(source.db, t), await _count(target.db, t), copied[t]) for t in TABLES]
+    return CopyReport(source.db.url, target.db.url, instance, tuple(counts), time.monotonic() - started)
+
+
+async def ensure_instance_id(storage: Storage) -> str:
+    """The database's bot id (``bot.instance_id``), made now (a uuid4) when it has none."""
+    await storage.db.write(
+        "INSERT INTO settings (key, value, updated_at) VALUES (?, ?, ?) ON CONFLICT (key) DO NOTHING",
+        (INSTANCE_KEY, str(uuid.uuid4()), time.time()),
+    )
+    value = await storage.get_setting(INSTANCE_KEY)
+    assert value is not None
+    return value
+
+
+async def _claim_target(source: Database, target: Database, instance: str) -> None:
+    """Refuse another bot's database; else mark the target as this bot's before any row goes in (so an
+    interrupted copy, which leaves data there, is still recognised as ours)."""
+    if await _check_target(target, instance):
+        return
+    mine = await source.fetch_one("SELECT key, value, updated_at FROM settings WHERE key = ?", (INSTANCE_KEY,))
+    assert mine is not None
+    await target.write("INSERT INTO settings (key, value, updated_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+                       tuple(mine))
+
+
+async def _check_target(target: Database, instance: str) -> bool:
+    """Whether the target is already this bot's; a clear error when it is another's."""
+    row = await target.fetch_one("SELECT value FROM settings WHERE key = ?", (INSTANCE_KEY,))
+    if row is not None and str(row[0]) != instance:
+        raise StorageError(
+            f"{target.url} holds another bot's data (bot.instance_id {row[0]}, this bot's is {instance}): "
+            "copy into an empty database, or drop and recreate that one if its data is no longer wanted")
+    if row is None:
+        users = await _count(target, "users")
+        messages = await _count(target, "messages")
+        if users or messages:
+            raise StorageError(
+                f"{target.url} already holds data ({users} users, {messages} messages) of a bot with no "
+                "bot.instance_id: copy into an empty database, or drop and recreate that one if its data is no "
+                "longer wanted")
+    return row is not None
+
+
+async def _copy_table(source: Database, target: Database, table: str, batch: int, progress: Progress | None) -> int:
+    """Copy one table page by page; returns the rows inserted."""
+    plan = _plan(table, await _shape(source, table), await _shape(target, table))
+    select = _select_sql(plan, batch)
+    total = await _count(source, table)
+    done = copied = 0
+    if progress is not None:
+        progress(table, 0, total)
+    last: tuple[Any, ...] | None = None
+    while True:
+        rows = await source.fetch_all(select[last is not None], () if last is None else last)
+        if not rows:
+            break
+        copied += await _insert(target, plan, rows)
+        done += len(rows)
+        last = tuple(rows[-1][plan.columns.index(k)] for k in plan.key)
+        if progress is not None:
+            progress(table, done, max(total, done))
+        if len(rows) < batch:
+            break
+    if plan.deferred:
+        await _copy_deferred(source, target, plan, batch)
+    return copied
+
+
+async def _insert(target: Database, plan: _Plan, rows: Sequence[Row]) -> int:
+    """Insert one page in one transaction (statements of up to ``MAX_PARAMETERS``); returns the rows inserted."""
+    values = [_target_values(plan, row) for row in rows]
+    per_statement = max(1, MAX_PARAMETERS // len(plan.columns))
+    names = ", ".join(_quote(c) for c in plan.columns)
+    marks = "(" + ", ".join("?" for _ in plan.columns) + ")"
+    inserted = 0
+    try:
+        async with target.transaction() as tx:
+            for start in range(0, len(values), per_statement):
+                chunk = values[start:start + per_statement]
+                inserted += len(await tx.fetch_all(
+                    f"INSERT INTO {_quote(plan.table)} ({names}) VALUES {', '.join(marks for _ in chunk)}"
+                    " ON CONFLICT DO NOTHING RETURNING 1",
+                    [value for row in chunk for value in row],
+                ))
+    except StorageError:
+        raise
+    except Exception as exc:
+        raise StorageError(f"copying {plan.table} into {target.url} failed: {type(exc).__name__}: {exc}") from exc
+    return inserted
+
+
+def _target_values(plan: _Plan, row: Row) -> list[Any]:
+    values = list(row)
+    for position, convert in plan.convert.items():
+        if values[position] is not None:
+            values[position] = convert(values[position])
+    for name in plan.deferred:
+        values[plan.columns.index(name)] = None
+    return values
+
+
+async def _copy_deferred(source: Database, target: Database, plan: _Plan, batch: int) -> None:
+    """Set the self references left out at insert (only where the target's are still empty)."""
+    columns = plan.deferred
+    sets = ", ".join(f"{_quote(c)} = ?" for c in columns)
+    empty = " AND ".join(f"{_quote(c)} IS NULL" for c in columns)
+    wanted = " OR ".join(f"{_quote(c)} IS NOT NULL" for c in columns)
+    key = plan.key[0]
+    last: Any = None
+    while True:
+        after = "" if last is None else f" AND {_quote(key)} > ?"
+        rows = await source.fetch_all(
+            f"SELECT {_quote(key)}, {', '.join(_quote(c) for c in columns)} FROM {_quote(plan.table)}"
+            f" WHERE ({wanted}){after} ORDER BY {_quote(key)} LIMIT {batch}", () if last is None else (last,))
+        if not rows:
+            return
+        async with target.transaction() as tx:
+            await tx.executemany(f"UPDATE {_quote(plan.table)} SET {sets} WHERE {_quote(key)} = ? AND {empty}",
+                                 [(*row[1:], row[0]) for row in rows])
+        last = rows[-1][0]
+
+
+async def _restore_channel_counters(source: Database, target: Database, batch: int) -> None:
+    """Give every channel the source's message counter and ``updated_at`` (SQLite's message trigger
+    bumped both while the messages went in)."""
+    last = 0
+    while True:
+        rows = await source.fetch_all(
+            f"SELECT id, message_count, updated_at FROM channels WHERE id > ? ORDER BY id LIMIT {batch}", (last,))
+        if not rows:
+            return
+        async with target.transaction() as tx:
+            await tx.executemany("UPDATE channels SET message_count = ?, updated_at = ? WHERE id = ?",
+                                 [(row[1], row[2], row[0]) for row in rows])
+        last = int(rows[-1][0])
+
+
+async def _move_sequences(target: Database) -> None:
+    """PostgreSQL: every identity sequence continues after the largest id (or new rows would collide)."""
+    for table in TABLES:
+        identity = (await _shape(target, table)).identity
+        if identity is not None:
+            await target.write(
+                f"SELECT setval(pg_get_serial_sequence(?, ?), coalesce(max({_quote(identity)}), 0) + 1, false)"
+                f" FROM {_quote(table)}", (table, identity))
+
+
+async def _count(db: Database, table: str) -> int:
+    row = await db.fetch_one(f"SELECT count(*) FROM {_quote(table)}")
+    return int(row[0]) if row else 0
+
+
+# -- planning ------------------------------------------------------------------------------------
+
+
+def _plan(table: str, source: _Shape, target: _Shape) -> _Plan:
+    """The columns both sides have (engine-only ones left out), converters for vectors, the key to page by."""
+    if not source.types or not target.types:
+        where = "source" if not source.types else "target"
+        raise StorageError(f"the {where} database has no table {table}: is it a cortex-bot database?")
+    columns = tuple(c for c, kind in source.types.items()
+                    if c in target.types and kind not in ENGINE_ONLY_TYPES and target.types[c] not in ENGINE_ONLY_TYPES)
+    key = source.key or target.key
+    if not key or any(k not in columns for k in key):
+        raise StorageError(f"the table {table} has no primary key both databases share: cannot copy it")
+    convert: dict[int, Callable[[Any], Any]] = {}
+    for position, name in enumerate(columns):
+        into_vector, from_vector = target.types[name] == "vector", source.types[name] == "vector"
+        if into_vector and not from_vector:
+            convert[position] = _blob_to_vector
+        elif from_vector and not into_vector:
+            convert[position] = _vector_to_blob
+    deferred = tuple(c for c in DEFERRED.get(table, ()) if c in columns)
+    return _Plan(table, columns, key, convert, deferred)
+
+
+def _select_sql(plan: _Plan, batch: int) -> tuple[str, str]:
+    """(first page, next page after the key ``?``…) along the primary key."""
+    names = ", ".join(_quote(c) for c in plan.columns)
+    order = ", ".join(_quote(k) for k in plan.key)
+    if len(plan.key) == 1:
+        after = f"{order} > ?"
+    else:
+        after = f"({order}) > ({', '.join('?' for _ in plan.key)})"
+    base = f"SELECT {names} FROM {_quote(plan.table)}"
+    return (f"{base} ORDER BY {order} LIMIT {batch}", f"{base} WHERE {after} ORDER BY {order} LIMIT {batch}")
+
+
+async def _shape(db: Database, table: str) -> _Shape:
+    if db.dialect == "sqlite":
+        rows = await db.fetch_all(f"PRAGMA table_info({_quote(table)})")
+        key = tuple(str(r["name"]) for r in sorted((r for r in rows if r["pk"]), key=lambda r: int(r["pk"])))
+        return _Shape({str(r["name"]): str(r["type"]).lower() for r in rows}, key)
+    rows = await db.fetch_all(
+        "SELECT column_name, udt_name, is_identity FROM information_schema.columns"
+        " WHERE table_schema = current_schema() AND table_name = ? ORDER BY ordinal_position", (table,))
+    keys = await db.fetch_all(
+        "SELECT k.column_name FROM information_schema.table_constraints AS c"
+        " JOIN information_schema.key_column_usage AS k ON k.constraint_name = c.constraint_name"
+        " AND k.constraint_schema = c.constraint_schema AND k.table_name = c.table_name"
+        " WHERE c.table_schema = current_schema() AND c.table_name = ? AND c.constraint_type = 'PRIMARY KEY'"
+        " ORDER BY k.ordinal_position", (table,))
+    identity = next((str(r[0]) for r in rows if r[2] == "YES"), None)
+    return _Shape({str(r[0]): str(r[1]).lower() for r in rows}, tuple(str(r[0]) for r in keys), identity)
+
+
+def _blob_to_vector(value: Any) -> Any:
+    return np.frombuffer(bytes(value), dtype=np.float32)
+
+
+def _vector_to_blob(value: Any) -> bytes:
+    array = value.to_numpy() if hasattr(value, "to_numpy") else np.asarray(value)
+    return bytes(np.asarray(array, dtype=np.float32).tobytes())
+
+
+def _quote(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+# -- which database is which -----------------------------------------------------------------------
+
+
+async def _identity(db: Database) -> tuple[str, ...]:
+    """What tells two handles on one database apart from handles on two: the file (device and inode) for
+    SQLite, the server's system identifier and the database's name for PostgreSQL (the URL's host, port and
+    name when the server won't say)."""
+    if db.dialect == "sqlite":
+        from bot.storage.sqlite import sqlite_path
+
+        path = sqlite_path(db.url)
+        try:
+            stat = os.stat(path)
+        except OSError:
+            return ("sqlite", str(path.resolve()))
+        return ("sqlite", str(stat.st_dev), str(stat.st_ino))
+    try:
+        row = await db.fetch_one("SELECT system_identifier::text, current_database() FROM pg_control_system()")
+    except Exception:
+        row = None
+    if row is not None:
+        return ("postgres", str(row[0]), str(row[1]))
+    parts = urlsplit(db.url)
+    return ("postgres", (parts.hostname or "").lower(), str(parts.port or 5432), parts.path.lstrip("/"))

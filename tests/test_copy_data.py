@@ -1,0 +1,263 @@
+"""``copy_data`` and ``cortexbot copy-data`` on real engines: SQLite files and a real PostgreSQL with pgvector."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+import bot.storage.copy as copy_module
+from bot.storage import Storage, StorageError, open_storage
+from bot.storage.base import LLMCallRecord, ReplyStats
+from bot.storage.copy import INSTANCE_KEY, TABLES, CopyReport, TableCount, copy_data
+from bot.storage.memory import ItemScope
+from cortex.memory.store import MemoryStore
+
+BIN = Path(sys.executable).parent
+DIMS = 8
+SKIPPED_COLUMNS = {"ts"}  # PostgreSQL's tsvector columns (made by its triggers)
+
+
+def vec(seed: int) -> np.ndarray[Any, np.dtype[np.float32]]:
+    values = np.random.default_rng(seed).standard_normal(DIMS).astype(np.float32)
+    return values / np.linalg.norm(values)
+
+
+async def fill(storage: Storage) -> None:
+    """A small bot's life through the app's own storage API: every copied table gets rows."""
+    await storage.upsert_persona("Cora", "en")
+    await storage.upsert_persona("Lena", "de")
+    ann = await storage.upsert_user("discord:1", "Ann")
+    bob = await storage.upsert_user("matrix:@bob:example.org", "Bob")
+    general = await storage.upsert_channel("discord:g", "general", is_dm=False)
+    dm = await storage.upsert_channel("matrix:!dm", "bob dm", is_dm=True)
+    said = []
+    for n in range(5):
+        said.append(await storage.add_message(general.id, ann.id, "Cora", "user", "Ann", f"I went sailing, day {n}", 7))
+        said.append(await storage.add_message(general.id, None, "Cora", "assistant", "Cora", f"Lovely, day {n}!", 4))
+    said.append(await storage.add_message(dm.id, bob.id, "Lena", "user", "Bob", "Ich mag Fahrräder", 5))
+    await storage.add_summary(general.id, "Ann sails a lot.", said[0].id, said[3].id, 6, "model-x")
+    await storage.add_summary(general.id, "bad", said[0].id, said[5].id, 1, "model-x", "rejected", "too short")
+    await storage.enqueue_job("cortex_update", "pair:ann:Cora", {"user": ann.id, "tier": 50}, 3)
+    await storage.record_llm_call(LLMCallRecord("reply", "model-x", 120, 30, 250, estimated_input_tokens=118))
+    await storage.record_reply_stats(ReplyStats(general.id, said[1].id, 100, 4000, 2, 0, True, 300))
+    await storage.flush_audit()
+    await storage.set_setting("memory.weights", '{"vector": 0.5}')
+    pair = await storage.cortex.count_messages(ann.id, "Cora", 5)
+    run = await storage.cortex.start_run(pair.id, None, "50%")
+    await storage.cortex.add_version(pair.id, "memory.md", "# Ann\nSails on weekends.", "model", "tier", "50%", run)
+    await storage.cortex.add_version(pair.id, "memory.md", "# Ann\nSails a red kayak.", "user", "edit")
+    await storage.cortex.finish_run(run, "success", rounds=2, files_read=["memory.md"], files_written=["memory.md"],
+                                    input_tokens=900, output_tokens=80, duration_ms=1234)
+    await storage.cortex.set_setting("global", "budget", {"tokens": 5000}, "admin")
+    await storage.cortex.count_messages(bob.id, "Lena", 1)
+    store = MemoryStore(storage)
+    kayak = await store.remember(pair.id, "Ann owns a red kayak called Otter", tags=["boats"], importance=8)
+    kiel = await store.remember(pair.id, "Ann lives in Kiel", category="user_info", metadata={"from": "chat"})
+    await store.remember(pair.id, "Ann moved to Lübeck", category="correction", supersedes=kiel.id, pinned=True)
+    await storage.memory.store_item_vectors("e5-test", [(kayak.id, vec(1)), (kiel.id, vec(2))])
+    await storage.memory.store_message_vectors(
+        "e5-test", [(m.id, m.user_id, m.persona, vec(10 + m.id)) for m in said if m.user_id is not None])
+    await storage.fleet.claim_period("memory-prune", 86_400, "host-a:1")
+    await storage.fleet.acquire_lock("matrix:@cora:example.org", "host-a:1", 60)
+    await storage.fleet.heartbeat("host-a:1", "host-a", 1, {}, 1.0)  # processes: not copied
+
+
+async def dump(storage: Storage, table: str) -> list[dict[str, Any]]:
+    """A table's rows in key order, engine differences taken out (vectors as float32 tuples, no tsvectors)."""
+    order = {"settings": "key", "cortex_settings": "scope, key", "periodic_runs": "name", "instance_locks": "name",
+             "message_vectors": "message_id"}.get(table, "id")
+    rows = await storage.db.fetch_all(f"SELECT * FROM {table} ORDER BY {order}")
+    out = []
+    for row in rows:
+        record = {k: v for k, v in dict(row).items() if k not in SKIPPED_COLUMNS}
+        for name in ("embedding", "vector"):
+            value = record.get(name)
+            if isinstance(value, bytes | memoryview):
+                record[name] = tuple(np.frombuffer(bytes(value), dtype=np.float32).tolist())
+            elif value is not None and name in record:
+                record[name] = tuple(value.to_numpy().astype(np.float32).tolist())
+        out.append(record)
+    return out
+
+
+async def assert_same(a: Storage, b: Storage) -> None:
+    for table in TABLES:
+        assert await dump(a, table) == await dump(b, table), table
+
+
+@pytest_asyncio.fixture
+async def source(tmp_path: Path) -> AsyncIterator[Storage]:
+    store = await open_storage(f"sqlite:///{tmp_path / 'source.db'}")
+    await store.migrate()
+    await fill(store)
+    yield store
+    await store.close()
+
+
+@pytest_asyncio.fixture
+async def pg(pg_url: str) -> AsyncIterator[Storage]:
+    store = await open_storage(pg_url)
+    yield store
+    await store.close()
+
+
+async def test_sqlite_to_postgres_and_back_keeps_every_row(source: Storage, pg: Storage, tmp_path: Path) -> None:
+    seen: list[tuple[str, int, int]] = []
+    report = await copy_data(source, pg, progress=lambda t, done, total: seen.append((t, done, total)), batch=3)
+    assert report.ok, report.mismatches
+    assert [t.table for t in report.tables] == list(TABLES)
+    assert all(t.source_rows > 0 for t in report.tables), report.tables
+    # Every row copied once; the instance id went in first, to mark the target as this bot's.
+    assert {t.table: t.source_rows - t.copied for t in report.tables if t.copied != t.source_rows} == {"settings": 1}
+    assert ("messages", 11, 11) in seen and ("messages", 3, 11) in seen
+    assert await pg.db.fetch_one("SELECT 1 FROM processes") is None
+    await assert_same(source, pg)
+
+    back = await open_storage(f"sqlite:///{tmp_path / 'back.db'}")
+    try:
+        assert (await copy_data(pg, back)).ok
+        await assert_same(source, back)  # SQLite's message trigger did not leave its counts behind
+        assert await back.get_setting(INSTANCE_KEY) == await source.get_setting(INSTANCE_KEY)
+    finally:
+        await back.close()
+
+
+async def test_the_copy_works_as_a_bot_database(source: Storage, pg: Storage) -> None:
+    await copy_data(source, pg)
+    ann = await pg.get_user("discord:1")
+    assert ann is not None
+    pair = await pg.cortex.get_pair(ann.id, "Cora")
+    assert pair is not None
+    hits = await MemoryStore(pg).search(pair.id, "kayak", user_id=ann.id, persona="Cora")
+    assert any(h.kind == "item" and "Otter" in h.text for h in hits)
+    assert any(h.kind == "message" and "sailing" in h.text for h in await MemoryStore(pg).search(
+        pair.id, "sailing", user_id=ann.id, persona="Cora"))
+    visible, _ = await MemoryStore(pg).list_items(pair.id)
+    assert {i.content for i in visible} == {"Ann owns a red kayak called Otter", "Ann moved to Lübeck"}
+    near = await pg.memory.vector_top(ItemScope(pair.id), "e5-test", vec(1), 1)
+    assert list(near) == [int((await dump(source, "memory_items"))[0]["id"])]
+    # New rows get fresh ids (the identity sequences moved past the copied ones).
+    general = await pg.get_channel("discord:g")
+    assert general is not None
+    before = await pg.count_messages(general.id)
+    message = await pg.add_message(general.id, ann.id, "Cora", "user", "Ann", "new on PostgreSQL", 4)
+    assert message.id == 12 and message.seq == before + 1
+    assert (await pg.upsert_user("discord:3", "Cy")).id == 3
+    assert (await MemoryStore(pg).remember(pair.id, "Ann also has a canoe")).id == 4
+    assert (await pg.enqueue_job("x", "y", {}, 1)) is not None
+
+
+async def test_a_second_run_copies_nothing(source: Storage, pg: Storage) -> None:
+    first = await copy_data(source, pg)
+    second = await copy_data(source, pg)
+    assert second.ok and second.copied == 0
+    assert [t.target_rows for t in second.tables] == [t.target_rows for t in first.tables]
+
+
+async def test_an_interrupted_copy_resumes(source: Storage, pg: Storage, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_insert = copy_module._insert
+    pages: list[str] = []
+
+    async def failing_insert(target: Any, plan: Any, rows: Any) -> int:
+        if plan.table == "messages" and pages.count("messages") == 1:
+            raise StorageError("connection lost")
+        pages.append(plan.table)
+        return await real_insert(target, plan, rows)
+
+    monkeypatch.setattr(copy_module, "_insert", failing_insert)
+    with pytest.raises(StorageError, match="connection lost"):
+        await copy_data(source, pg, batch=2)
+    assert len(await dump(pg, "messages")) == 2
+    monkeypatch.setattr(copy_module, "_insert", real_insert)
+    report = await copy_data(source, pg, batch=2)
+    assert report.ok
+    counts = {t.table: t for t in report.tables}
+    assert counts["messages"].copied == 9 and counts["users"].copied == 0
+    await assert_same(source, pg)
+
+
+async def test_another_bots_database_is_refused(source: Storage, pg: Storage, tmp_path: Path) -> None:
+    await pg.migrate()
+    await pg.set_setting(INSTANCE_KEY, "someone-else")
+    with pytest.raises(StorageError, match="another bot's data"):
+        await copy_data(source, pg)
+    assert await pg.get_user("discord:1") is None
+
+    unnamed = await open_storage(f"sqlite:///{tmp_path / 'unnamed.db'}")
+    try:
+        await unnamed.migrate()
+        await unnamed.upsert_user("discord:9", "Zed")
+        with pytest.raises(StorageError, match="already holds data"):
+            await copy_data(source, unnamed)
+    finally:
+        await unnamed.close()
+
+
+async def test_copying_a_database_onto_itself_is_refused(source: Storage, pg: Storage, pg_url: str,
+                                                        tmp_path: Path) -> None:
+    same = await open_storage(f"sqlite:///{tmp_path}/./source.db")
+    try:
+        with pytest.raises(StorageError, match="itself"):
+            await copy_data(source, same)
+    finally:
+        await same.close()
+    await pg.migrate()
+    again = await open_storage(pg_url.replace("127.0.0.1", "localhost"))
+    try:
+        with pytest.raises(StorageError, match="itself"):
+            await copy_data(pg, again)
+    finally:
+        await again.close()
+
+
+def counts(stdout: str) -> dict[str, list[str]]:
+    """The printed table: source rows, target rows, copied now per table."""
+    rows = [line.split("│") for line in stdout.splitlines() if line.count("│") >= 5]
+    return {cells[1].strip(): [c.strip() for c in cells[2:5]] for cells in rows}
+
+
+def test_the_command_copies_and_prints_the_counts(tmp_path: Path, pg_url: str) -> None:
+    async def prepare() -> None:
+        store = await open_storage(f"sqlite:///{tmp_path / 'bot.db'}")
+        await store.migrate()
+        await fill(store)
+        await store.close()
+
+    asyncio.run(prepare())
+    config = tmp_path / "config.toml"
+    config.write_text(f'[storage]\nurl = "sqlite:///{tmp_path / "bot.db"}"\n')
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    args = [str(BIN / "cortexbot"), "--config", str(config), "copy-data", "--to", pg_url, "--batch", "4"]
+    result = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert set(TABLES) <= set(counts(result.stdout)), result.stdout
+    assert counts(result.stdout)["messages"] == ["11", "11", "11"]
+    assert "every table's row count matches" in result.stdout
+
+    async def add_user_on_target() -> None:  # as if the bot had run on the target meanwhile
+        store = await open_storage(pg_url)
+        await store.upsert_user("discord:3", "Cy")
+        await store.close()
+
+    asyncio.run(add_user_on_target())
+    again = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+    assert again.returncode == 1, again.stderr
+    assert "row counts differ for: users" in again.stdout
+    assert counts(again.stdout)["messages"] == ["11", "11", "0"]
+    assert counts(again.stdout)["users"] == ["2", "3", "0"]
+    bad = subprocess.run([*args[:-4], "--to", "mysql://x"], capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode == 1 and "--to:" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_report_names_mismatches() -> None:
+    report = CopyReport("a", "b", "id", (TableCount("users", 2, 2, 0), TableCount("messages", 5, 4, 1)))
+    assert not report.ok and [t.table for t in report.mismatches] == ["messages"] and report.copied == 1
