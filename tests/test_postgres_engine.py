@@ -1,0 +1,95 @@
+"""The PostgreSQL engine's own behaviour on a real server: clear one-line errors at start, migrations
+that run once when processes start together, the password kept out of files and messages."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+
+import pytest
+
+from bot.config import ConfigError, parse_config
+from bot.storage import MIGRATIONS, Storage, StorageError, open_storage
+from tests.postgres import PostgresServer
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_a_refused_connection_says_where_and_what_to_check() -> None:
+    with pytest.raises(StorageError, match=r"cannot reach PostgreSQL at postgresql://u@127\.0\.0\.1:\d+/db .*running"):
+        await open_storage(f"postgresql://u@127.0.0.1:{_closed_port()}/db")
+
+
+async def test_a_missing_database_is_named(postgres_server: PostgresServer) -> None:
+    with pytest.raises(StorageError, match="does not exist: create it"):
+        await open_storage(postgres_server.url_for("no_such_database"))
+
+
+async def test_a_wrong_password_is_refused_clearly_and_never_shown(postgres_server: PostgresServer, pg_url: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    postgres_server.psql("DROP ROLE IF EXISTS pwuser; CREATE ROLE pwuser LOGIN PASSWORD 'right-secret';")
+    hba = postgres_server.directory / "data" / "pg_hba.conf"
+    rules = hba.read_text()
+    if "pwuser" not in rules:  # first match wins: only this role needs a password
+        hba.write_text("host all pwuser 127.0.0.1/32 scram-sha-256\n" + rules)
+        postgres_server.psql("SELECT pg_reload_conf();")
+    url = pg_url.replace("//postgres@", "//pwuser@")
+    with pytest.raises(StorageError, match="refused the login") as caught:
+        await open_storage(url, password="wrong-secret")
+    assert "wrong-secret" not in str(caught.value) and "right-secret" not in str(caught.value)
+    monkeypatch.setenv("CB_DB_PASSWORD", "right-secret")
+    config = parse_config({"storage": {"url": url, "password_env": "CB_DB_PASSWORD"}})
+    resolved, password = config.storage.resolve()
+    storage = await open_storage(resolved, password=password)
+    await storage.close()
+    monkeypatch.setenv("PGPASSWORD", "right-secret")  # the standard variable works too
+    storage = await open_storage(url)
+    await storage.close()
+
+
+def test_a_password_in_the_configured_url_is_refused() -> None:
+    with pytest.raises(ConfigError, match="no place for it"):
+        parse_config({"storage": {"url": "postgresql://cortex:hunter2@db:5432/cortex"}})
+
+
+async def test_a_missing_vector_extension_is_created_or_explained(postgres_server: PostgresServer) -> None:
+    name = postgres_server.unique_database_name("novector")
+    url = postgres_server.create_database(name, extensions=())
+    storage = await open_storage(url)  # the superuser may create it: it is created
+    await storage.close()
+    postgres_server.psql(f"DROP ROLE IF EXISTS plain; CREATE ROLE plain LOGIN; "
+                         f"CREATE DATABASE {name}_b; GRANT ALL ON DATABASE {name}_b TO plain;")
+    try:
+        plain = f"postgresql://plain@127.0.0.1:{postgres_server.port}/{name}_b"
+        with pytest.raises(StorageError, match="CREATE EXTENSION vector; as a superuser"):
+            await open_storage(plain)
+    finally:
+        postgres_server.drop_database(f"{name}_b")
+        postgres_server.drop_database(name)
+
+
+async def test_a_missing_driver_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "asyncpg", None)
+    with pytest.raises(StorageError, match=r"pip install 'cortex-bot\[postgres\]'"):
+        await open_storage("postgresql://u@127.0.0.1:5432/db")
+
+
+async def test_processes_starting_together_migrate_exactly_once(pg_url: str) -> None:
+    stores = await asyncio.gather(*(open_storage(pg_url) for _ in range(4)))
+    try:
+        applied = await asyncio.gather(*(s.migrate() for s in stores))
+        assert sorted(v for a in applied for v in a) == [m.version for m in MIGRATIONS]
+        assert await stores[0].applied_migrations() == [m.version for m in MIGRATIONS]
+    finally:
+        await asyncio.gather(*(s.close() for s in stores))
+
+
+async def test_a_database_newer_than_the_code_is_refused(storage: Storage) -> None:
+    await storage.db.write("INSERT INTO schema_version (version, description, applied_at) VALUES (999, 'x', 0)")
+    with pytest.raises(StorageError, match="upgraded by a newer cortex-bot .*version 999"):
+        await storage.migrate()
