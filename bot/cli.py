@@ -239,22 +239,18 @@ async def _fleet_status(config: Config) -> tuple[list[Any], Any]:
 
 
 def _print_status(processes: list[Any], queue: Any) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(highlight=False, soft_wrap=True)
     now = time.time()
-    table = Table("process", "adapters", "Discord shards", "Matrix account", "up", "last seen", title=None)
+    click.echo(f"{len(processes)} live process(es)")
     for p in processes:
         info = p.info
-        table.add_row(p.id, ", ".join(info.get("adapters", [])) or "workers only", info.get("discord_shards", "-"),
-                      info.get("matrix_account", "-"), _ago(now - p.started_at), f"{now - p.last_seen:.0f} s ago")
-    console.print(f"{len(processes)} live process(es)")
-    if processes:
-        console.print(table)
+        click.echo(
+            f"  {p.id}  adapters: {', '.join(info.get('adapters', [])) or 'workers only'}"
+            f"  Discord shards: {info.get('discord_shards', '-')}  Matrix: {info.get('matrix_account', '-')}"
+            f"  up {_ago(now - p.started_at)}, seen {now - p.last_seen:.0f} s ago"
+        )
     oldest = "none" if queue.oldest_queued_at is None else f"queued {_ago(now - queue.oldest_queued_at)} ago"
-    console.print(f"jobs: {queue.queued} queued, {queue.running} running, {queue.failed} failed; "
-                  f"oldest queued: {oldest}")
+    click.echo(f"jobs: {queue.queued} queued, {queue.running} running, {queue.failed} failed; "
+               f"oldest queued: {oldest}")
 
 
 def _ago(seconds: float) -> str:

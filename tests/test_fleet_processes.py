@@ -1,0 +1,120 @@
+"""Several processes on one database, as each of them sees it: heartbeats and `cortexbot status`,
+periodic upkeep once per period, one process per Matrix account, admin changes reaching every process."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from adapters.matrix import MatrixAdapter
+from bot.app import App
+from bot.commands import CommandContext
+from bot.config import parse_config
+from bot.fleet import LockHeld
+from bot.scheduler import Scheduler
+from cortex.memory.embedders import HashEmbedder
+from tests.engines import db_url_for
+from tests.fakes.llm_server import FakeLLMServer
+from tests.fakes.provider import ScriptedProvider
+from tests.test_cli import cortexbot, write_config
+
+pytestmark = pytest.mark.both_engines
+
+
+def _config(tmp_path: Path):  # type: ignore[no-untyped-def]
+    return parse_config({"storage": {"url": db_url_for(tmp_path)}, "memory": {"embedder": "none"}})
+
+
+async def test_two_processes_share_one_lock_and_periodic_runs(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    async with App(config, llm=ScriptedProvider()) as one, App(config, llm=ScriptedProvider()) as two:
+        await one.fleet.hold("matrix:@bot:example.org", "the Matrix account @bot:example.org")
+        held = f"already served by another running process \\({one.fleet.process_id}\\)"
+        with pytest.raises(LockHeld, match=held):
+            await two.fleet.hold("matrix:@bot:example.org", "the Matrix account @bot:example.org")
+        assert await one.fleet.claim_period("probe", 60) and not await two.fleet.claim_period("probe", 60)
+        assert not await one.fleet.claim_period("probe", 60)  # once per period, whoever asks
+        await one.stop()  # a clean stop releases the claim: another process may take the account now
+        await two.fleet.hold("matrix:@bot:example.org", "the Matrix account @bot:example.org")
+        assert {p.id for p in await two.fleet.live()} == {two.fleet.process_id}
+
+
+async def test_a_second_process_on_one_matrix_account_refuses_before_logging_in(tmp_path: Path) -> None:
+    config = parse_config({
+        "storage": {"url": db_url_for(tmp_path)}, "memory": {"embedder": "none"},
+        "matrix": {"enabled": True, "homeserver": "http://127.0.0.1:9", "user_id": "@cortex:localhost",
+                   "password_env": "CB_MATRIX_PW", "store_path": str(tmp_path / "matrix")},
+    })
+    async with App(config, llm=ScriptedProvider()) as one, App(config, llm=ScriptedProvider()) as two:
+        await one.fleet.hold("matrix:@cortex:localhost", "the Matrix account @cortex:localhost")
+        adapter = MatrixAdapter(two, config.matrix, env={"CB_MATRIX_PW": "x"})
+        try:
+            with pytest.raises(LockHeld, match="the Matrix account @cortex:localhost is already served"):
+                await adapter.run()  # refused before any request to the (unreachable) homeserver
+        finally:
+            await adapter.close()
+
+
+async def test_a_gated_scheduler_runs_a_job_in_one_process_per_period(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    async with App(config, llm=ScriptedProvider()) as one, App(config, llm=ScriptedProvider()) as two:
+        runs: list[str] = []
+        schedulers = []
+        for name, app in (("one", one), ("two", two)):
+            scheduler = Scheduler(gate=app.fleet.claim_period)
+
+            async def job(name: str = name) -> None:
+                runs.append(name)
+
+            scheduler.every(1.0, "fleet-probe", job, first_after=0.0)
+            scheduler.start()
+            schedulers.append(scheduler)
+        await asyncio.sleep(3.5)
+        for scheduler in schedulers:
+            await scheduler.aclose()
+        assert 3 <= len(runs) <= 5  # about one per second between both, never one per process
+        skipped = sum(s.jobs["fleet-probe"].elsewhere for s in schedulers)
+        described = " ".join(s.jobs["fleet-probe"].describe() for s in schedulers)
+        assert skipped >= 2 and "run by another process" in described
+
+
+async def test_admin_changes_reach_the_other_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import cortex.settings as settings_module
+
+    monkeypatch.setattr(settings_module, "CACHE_SECONDS", 0.0)
+    config = _config(tmp_path)
+    async with App(config, llm=ScriptedProvider(), embedder=HashEmbedder()) as one, \
+            App(config, llm=ScriptedProvider(), embedder=HashEmbedder()) as two:
+        admin = CommandContext("console", "console:root", "Root", "console:room", "Cora", is_dm=True, is_admin=True)
+        reply = await one.commands.dispatch("!cortex weights vector=0.9 text=0.05", admin)
+        assert "0.9" in reply.text
+        await two.cortex.memory_admin.load()  # what its reload job does every few seconds
+        assert two.cortex.memory.weights.vector == 0.9 and two.cortex.memory.weights.text == 0.05
+        await one.commands.dispatch("!cortex settings cooldown_seconds 7", admin)
+        assert (await two.cortex.resolver.effective("Cora")).settings.cooldown_seconds == 7
+        await one.commands.dispatch("!cortex weights default", admin)
+        await two.cortex.memory_admin.load()
+        assert two.cortex.memory.weights.vector == config.memory.weight_vector
+
+
+@pytest.mark.slow
+def test_status_lists_live_processes_and_the_queue(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    config = write_config(tmp_path, fake_llm)
+
+    async def alive() -> None:
+        from bot.config import load_config
+
+        async with App(load_config(config), llm=ScriptedProvider()) as app:
+            app.fleet.info = {"adapters": ["discord"], "discord_shards": "0, 1 of 4"}
+            await app.fleet.heartbeat()
+            await app.storage.enqueue_job("probe", "k", {}, 1)
+            result = await asyncio.to_thread(cortexbot, "--config", str(config), "status")
+            assert result.returncode == 0, result.stderr
+            assert "1 live process(es)" in result.stdout and app.fleet.process_id in result.stdout
+            assert "0, 1 of 4" in result.stdout and "1 queued" in result.stdout
+        result = cortexbot("--config", str(config), "status")
+        assert "0 live process(es)" in result.stdout  # a clean stop leaves the fleet
+
+    asyncio.run(alive())
