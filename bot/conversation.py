@@ -30,6 +30,7 @@ from bot.ports import (
 )
 from bot.prompt import PromptParts, history_turns, render_system
 from bot.storage.base import Channel, LLMCallRecord, ReplyStats, Storage, StoredMessage, Summary, User
+from bot.storage.engine import StaleReference
 from bot.summary import SummaryEngine, budgets_for
 from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator
 
@@ -196,16 +197,25 @@ class ConversationCore:
     async def _store_incoming(
         self, message: IncomingMessage, persona: PersonaConfig
     ) -> tuple[User, Channel, StoredMessage]:
-        user = await self.storage.upsert_user(message.author_key, message.author_name)
-        channel = await self.storage.upsert_channel(
-            message.channel_key, message.channel_name or message.channel_id, message.is_dm
-        )
         text = message.text.strip()
-        stored = await self.storage.add_message(
-            channel.id, user.id, persona.name, "user", user.display_name, text,
-            self.estimator.raw_count(text), message.sent_at,
-        )
-        return user, channel, stored
+        for attempt in range(2):
+            user = await self.storage.upsert_user(message.author_key, message.author_name)
+            channel = await self.storage.upsert_channel(
+                message.channel_key, message.channel_name or message.channel_id, message.is_dm
+            )
+            try:
+                stored = await self.storage.add_message(
+                    channel.id, user.id, persona.name, "user", user.display_name, text,
+                    self.estimator.raw_count(text), message.sent_at,
+                )
+            except StaleReference:
+                if attempt:
+                    raise
+                # Another process deleted this user (forget-me) while this one had them cached: start afresh.
+                self.storage.forget_cached(user_key=message.author_key)
+                continue
+            return user, channel, stored
+        raise AssertionError("unreachable")
 
     async def _finish(
         self,

@@ -118,3 +118,21 @@ def test_status_lists_live_processes_and_the_queue(tmp_path: Path, fake_llm: Fak
         assert "0 live process(es)" in result.stdout  # a clean stop leaves the fleet
 
     asyncio.run(alive())
+
+
+async def test_a_user_forgotten_by_another_process_can_talk_again_at_once(tmp_path: Path) -> None:
+    from bot.ports import IncomingMessage
+
+    config = _config(tmp_path)
+    async with App(config, llm=ScriptedProvider()) as one, App(config, llm=ScriptedProvider()) as two:
+        def hello(text: str) -> IncomingMessage:
+            return IncomingMessage("console", "dm-ann", "ann", "Ann", text, is_dm=True)
+
+        await one.core.reply(hello("my cat is called Pixel")).text()  # "one" now has Ann cached
+        ann = CommandContext("console", "console:ann", "Ann", "console:dm-ann", "Cora", is_dm=True)
+        assert "Done" in (await two.commands.dispatch("!memory forget-me confirm", ann)).text
+        await one.core.reply(hello("hello again")).text()  # no stale user id: stored for a new Ann
+        user = await two.storage.get_user("console:ann")
+        assert user is not None
+        texts = [m.text for m, _channel in await two.storage.cortex.pair_messages(user.id, "Cora", 10)]
+        assert [t for t in texts if "Pixel" in t] == [] and "hello again" in texts

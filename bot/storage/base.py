@@ -232,6 +232,10 @@ class Storage(Protocol):
     async def reply_metrics(self, channel_id: int | None = None) -> ReplyMetrics: ...
 
     # small persistent settings (e.g. tokenizer calibration)
+    def forget_cached(self, *, user_key: str, channel_ids: Sequence[int] = ()) -> None:
+        """Drop what this process cached of a user (and channels' summaries), e.g. after another process
+        deleted them."""
+
     async def get_setting(self, key: str) -> str | None: ...
 
     async def set_setting(self, key: str, value: str) -> None: ...

@@ -35,7 +35,15 @@ from bot.storage.base import (
     User,
 )
 from bot.storage.cortex import CortexRepository, ForgetReport
-from bot.storage.engine import Database, Migration, Row, StorageError, is_conflict
+from bot.storage.engine import (
+    Database,
+    Migration,
+    Row,
+    StaleReference,
+    StorageError,
+    is_conflict,
+    is_missing_reference,
+)
 from bot.storage.fleet import FleetRepository
 from bot.storage.memory import MemoryRepository
 from bot.storage.migrations import MIGRATIONS
@@ -202,7 +210,18 @@ class Storage:
         token_count: int,
         created_at: datetime | None = None,
     ) -> StoredMessage:
-        ts = _ts(created_at)
+        try:
+            return await self._add_message(channel_id, user_id, persona, role, author_name, text, token_count,
+                                           _ts(created_at))
+        except Exception as exc:
+            if is_missing_reference(exc):
+                raise StaleReference(f"user {user_id} or channel {channel_id} no longer exists") from None
+            raise
+
+    async def _add_message(
+        self, channel_id: int, user_id: int | None, persona: str, role: MessageRole, author_name: str, text: str,
+        token_count: int, ts: float,
+    ) -> StoredMessage:
         params = (channel_id, user_id, persona, role, author_name, text, token_count, ts)
         if self.db.dialect == "postgres":
             # One statement: bumping the counter locks the channel's row, so concurrent inserts into one

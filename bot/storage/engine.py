@@ -25,6 +25,17 @@ class StorageError(Exception):
     """The database cannot be opened or used; the message says which one, why, and what to do."""
 
 
+class StaleReference(StorageError):
+    """A write referred to a row that no longer exists (e.g. a user another process just forgot while
+    this one still had it cached); the caller drops its cached copy and tries again."""
+
+
+def is_missing_reference(exc: BaseException) -> bool:
+    """Whether a write failed on a foreign key (either engine's driver)."""
+    name = type(exc).__name__
+    return name == "ForeignKeyViolationError" or (name == "IntegrityError" and "FOREIGN KEY" in str(exc).upper())
+
+
 class Tx(Protocol):
     """A transaction in progress: every statement runs inside it."""
 
