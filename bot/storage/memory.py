@@ -27,7 +27,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from bot.storage.engine import Database, Row
+from bot.storage.engine import Database, Row, is_conflict
 from bot.storage.textsearch import tsquery
 
 log = logging.getLogger(__name__)
@@ -296,7 +296,6 @@ class MemoryRepository:
         typical similarity in the scope (mean + 2σ over up to ``TYPICAL_SAMPLE`` of its vectors; the
         lowest below ``TYPICAL_MIN``), the same measure as the numpy scan of the SQLite engine."""
         dims = int(query.shape[0])
-        await self.ensure_vector_index(dims)
         id_column, vector_column, where, params = self._vector_where(scope)
         typed = f"{vector_column}::vector({dims})"
         scoped = f"{where} AND vector_dims({vector_column}) = {dims}"
@@ -315,14 +314,20 @@ class MemoryRepository:
         return {int(r[0]): float(r[1]) - floor for r in rows}
 
     async def ensure_vector_index(self, dims: int) -> None:
-        """PostgreSQL: the HNSW (cosine) indexes for vectors of ``dims`` dimensions, made once."""
+        """PostgreSQL: the HNSW (cosine) indexes for vectors of ``dims`` dimensions, made once (by the
+        background backfill, never in a reply: building over a big table takes a while; searches scan
+        exactly until the index exists)."""
         if self.db.dialect != "postgres" or dims in self._vector_indexes:
             return
         for table, column in (("message_vectors", "vector"), ("memory_items", "embedding")):
-            await self.db.write(
-                f"CREATE INDEX IF NOT EXISTS {table}_hnsw_{dims} ON {table} USING hnsw"
-                f" (({column}::vector({dims})) vector_cosine_ops) WHERE vector_dims({column}) = {dims}"
-            )
+            try:
+                await self.db.write(
+                    f"CREATE INDEX IF NOT EXISTS {table}_hnsw_{dims} ON {table} USING hnsw"
+                    f" (({column}::vector({dims})) vector_cosine_ops) WHERE vector_dims({column}) = {dims}"
+                )
+            except Exception as exc:  # another process created it at the same moment
+                if not is_conflict(exc) and "already exists" not in str(exc):
+                    raise
         self._vector_indexes.add(dims)
 
     def _vector_param(self, vector: npt.NDArray[np.float32]) -> Any:

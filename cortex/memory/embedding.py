@@ -208,6 +208,7 @@ class EmbeddingService:
             return 0
         texts = [f"{r['key']}: {r['content']}" if r["key"] else str(r["content"]) for r in rows]
         vectors = await self._embed(texts)
+        await self.storage.memory.ensure_vector_index(int(vectors.shape[1]))
         await self.storage.memory.store_item_vectors(
             self.model, [(int(r["id"]), vectors[n]) for n, r in enumerate(rows)])
         by_pair: dict[int, list[int]] = {}
@@ -226,6 +227,7 @@ class EmbeddingService:
         vectors = await self._embed([
             message_text(str(r["author_name"]), str(r["text"]), r["before_author"], r["before_text"]) for r in rows
         ])
+        await self.storage.memory.ensure_vector_index(int(vectors.shape[1]))
         await self.storage.memory.store_message_vectors(
             self.message_model,
             [(int(r["id"]), int(r["user_id"]), str(r["persona"]), vectors[n]) for n, r in enumerate(rows)])
