@@ -19,6 +19,7 @@ from bot.commands import (
     CommandRegistry,
     CommandReply,
     Handler,
+    parse_number,
 )
 from bot.config import FREQUENCY_PRESETS, Config
 from bot.storage.base import Storage, User
@@ -88,10 +89,9 @@ class CortexCommands:
 
     @staticmethod
     def _int_arg(args: Sequence[str], index: int, what: str) -> int:
-        try:
-            return int(args[index].lstrip("v"))
-        except (IndexError, ValueError):
-            raise CommandError(f"{what} must be a version number") from None
+        if len(args) <= index:
+            raise CommandError(f"{what} must be a version number")
+        return parse_number(args[index], f"{what} (a version number)", prefix="v")
 
     def _long(self, text: str, filename: str) -> CommandReply:
         """Long output goes as an attached file instead of flooding the chat."""

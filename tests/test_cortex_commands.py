@@ -233,3 +233,42 @@ async def test_memory_item_commands_and_their_isolation(tmp_path: Path) -> None:
         assert "Ann's sister is called Mia" in listed and "[user_info] Ann's cat is Pixel" in listed
         assert "Mia" in (await run(app, "!memory search Ann's sister")).text
         assert "Pixel" in (await run(app, "!memory search\nwhat's the cat's name?")).text
+
+
+HOSTILE_NUMBERS = [
+    ("!memory list ²", "must be a number"),
+    ("!memory archived 0", "out of range"),
+    ("!memory forget 99999999999999999999", "out of range"),
+    ("!memory pin 9223372036854775808", "out of range"),
+    ("!memory restore #-3", "must be a number"),
+    ("!memory unpin ١٢", "must be a number"),  # Arabic-Indic digits: isdigit() says yes, ids say no
+    ("!memory diff memory.md 1 99999999999999999999", "out of range"),
+    ("!memory revert memory.md v1e9", "must be a number"),
+]
+
+
+@pytest.mark.parametrize(("line", "answer"), HOSTILE_NUMBERS)
+async def test_odd_numbers_get_a_clear_answer(tmp_path: Path, line: str, answer: str) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        await run(app, "!memory remember Ann likes figs")
+        reply = (await run(app, line)).text
+        assert answer in reply and "Usage: !memory" in reply
+
+
+async def test_a_page_past_the_end_says_how_many_there_are(tmp_path: Path) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        await run(app, "!memory remember Ann likes figs")
+        assert (await run(app, "!memory list 2")).text == "There is only 1 page (1 items)."
+
+
+async def test_a_command_that_breaks_answers_politely_and_the_bot_goes_on(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        async def broken(*args: object, **kwargs: object) -> None:
+            raise KeyError("boom")
+
+        monkeypatch.setattr(app.cortex.memory, "list_items", broken)
+        reply = await run(app, "!memory list")
+        assert reply.text.startswith("Sorry, !memory list failed (KeyError).") and "boom" not in reply.text
+        assert "Your memory" not in reply.text
+        assert "Remembered" in (await run(app, "!memory remember Ann likes figs")).text  # the next one works

@@ -9,9 +9,28 @@ command; any further lines are its *body* (the new content for ``!memory edit``)
 
 from __future__ import annotations
 
+import logging
 import shlex
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
+
+log = logging.getLogger(__name__)
+
+MAX_NUMBER = 2**31 - 1  # ids, versions and pages fit every engine's integer columns
+
+
+def parse_number(text: str, what: str, *, prefix: str = "") -> int:
+    """A positive whole number a user typed (``12``, ``#12``, ``v3`` with ``prefix``), or a
+    :class:`CommandError` saying what was expected: only ASCII digits (``²`` is not a number),
+    and never so large that the database could not hold it."""
+    digits = text.strip()
+    if prefix and digits[:1].lower() == prefix:
+        digits = digits[1:]
+    if not digits or not (digits.isascii() and digits.isdigit()):
+        raise CommandError(f"{what} must be a number like 12, not {text[:20]!r}")
+    if len(digits) > 10 or not 1 <= int(digits) <= MAX_NUMBER:
+        raise CommandError(f"{what} {digits[:20]} is out of range (1 to {MAX_NUMBER:,})")
+    return int(digits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +125,13 @@ class CommandRegistry:
             result = await command.handler(ctx, args)
         except CommandError as exc:
             return CommandReply(f"{exc}\nUsage: {self.usage(command)}", private=command.private)
+        except Exception as exc:  # a command may fail; the bot may not
+            log.exception("command %s%s failed", self.prefix, command.name)
+            return CommandReply(
+                f"Sorry, {self.prefix}{command.name} failed ({type(exc).__name__}). "
+                "Try again, or tell an admin (the details are in the bot's log).",
+                private=command.private,
+            )
         if isinstance(result, str):
             return CommandReply(result, private=command.private)
         return result

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bot.commands import Command, CommandContext, CommandError, CommandRegistry, Handler
+from bot.commands import Command, CommandContext, CommandError, CommandRegistry, Handler, parse_number
 from cortex.memory.store import CATEGORIES, MemoryError, MemoryItem, MemoryStore
 from cortex.store import CortexStore
 
@@ -47,10 +47,9 @@ class MemoryCommands:
 
     @staticmethod
     def _id(args: Sequence[str]) -> int:
-        try:
-            return int(args[0].lstrip("#"))
-        except (IndexError, ValueError):
-            raise CommandError("Which item? Give its number, e.g. 12 (see list or search).") from None
+        if not args:
+            raise CommandError("Which item? Give its number, e.g. 12 (see list or search).")
+        return parse_number(args[0], "the item", prefix="#")
 
     async def remember(self, ctx: CommandContext, args: Sequence[str]) -> str:
         words, category, importance, pin = [], "fact", 5, False
@@ -103,9 +102,9 @@ class MemoryCommands:
 
     async def _page(self, ctx: CommandContext, args: Sequence[str], *, archived: bool) -> str:
         category = next((a for a in args if a in CATEGORIES), None)
-        numbers = [a for a in args if a.isdigit()]
-        page = max(int(numbers[0]) if numbers else 1, 1)
-        unknown = [a for a in args if a not in CATEGORIES and not a.isdigit()]
+        numbers = [a for a in args if a not in CATEGORIES and a[:1].isdigit()]
+        page = parse_number(numbers[0], "the page") if numbers else 1
+        unknown = [a for a in args if a not in CATEGORIES and a not in numbers]
         if unknown:
             raise CommandError(f"unknown category {unknown[0]!r}; categories: {', '.join(CATEGORIES)}")
         items, total = await self.memory.list_items(
@@ -115,6 +114,8 @@ class MemoryCommands:
                 return "No archived items."
             return "No memory items yet (the persona and `memory remember` add them)."
         pages = (total + PAGE - 1) // PAGE
+        if page > pages:
+            return f"There {'is only 1 page' if pages == 1 else f'are only {pages} pages'} ({total} items)."
         head = f"{'Archived items' if archived else 'Your memory items'}" + (f" ({category})" if category else "")
         lines = [f"{head}: page {page}/{pages}, {total} in all"]
         lines += [_line(i) + (f"  — archived: {i.archive_reason}" if archived else "") for i in items]
