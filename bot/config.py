@@ -285,6 +285,9 @@ class MemoryConfig(_Section):
         default=365.0, gt=0, description="Archive items older than this accessed fewer than prune_min_access times."
     )
     prune_min_access: int = Field(default=3, ge=1, description="Accesses that keep an old item (see above).")
+    max_item_chars: int = Field(
+        default=2000, ge=100, le=20_000, description="Longest memory item (from a user or the persona)."
+    )
 
     @model_validator(mode="after")
     def _embedder_model(self) -> MemoryConfig:

@@ -77,7 +77,8 @@ def build_cortex(
 
     def memory_store(on: Storage) -> MemoryStore:
         return MemoryStore(on, weights=configured_weights(memory_config), half_life_days=memory_config.half_life_days,
-                           candidates=memory_config.candidates, embeddings=embeddings)
+                           candidates=memory_config.candidates, embeddings=embeddings,
+                           max_chars=memory_config.max_item_chars)
 
     memory = memory_store(storage)
     job_memory = memory_store(job_storage or storage)

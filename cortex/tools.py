@@ -9,12 +9,16 @@ error the model can act on. Accepted writes become new versions at once.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from bot.llm.base import ToolCall, ToolSpec
 from cortex.files import CortexFiles, check_model_write
 from cortex.memory.tools import MEMORY_TOOL_NAMES, MemoryTools
 from cortex.store import FILENAMES, Pair
+
+log = logging.getLogger(__name__)
+MAX_WRITES_PER_FILE = 5  # saves of one file in one update
 
 FILENAME_SCHEMA = {
     "type": "string",
@@ -68,8 +72,20 @@ class CortexTools:
     memory: MemoryTools | None = None
     files_read: list[str] = field(default_factory=list)
     files_written: list[str] = field(default_factory=list)
+    # Each file as this update first saw it: the shrink guard measures against it, so a file cannot be
+    # whittled down in small steps within one update.
+    started_with: dict[str, str] = field(default_factory=dict)
 
     async def execute(self, call: ToolCall) -> ToolOutcome:
+        """The outcome of one tool call; never an exception (a bug in one call must not end the update)."""
+        try:
+            return await self._execute(call)
+        except Exception:
+            log.exception("tool %s failed unexpectedly (run %d)", call.name, self.run_id)
+            return ToolOutcome(f"{call.name} failed because of an internal error; nothing was changed by this "
+                               "call. Go on without it.", True)
+
+    async def _execute(self, call: ToolCall) -> ToolOutcome:
         if call.name in MEMORY_TOOL_NAMES and self.memory is not None:
             result = await self.memory.execute(call)
             return ToolOutcome(result.content, result.is_error)
@@ -96,12 +112,18 @@ class CortexTools:
 
     async def _read(self, filename: str) -> ToolOutcome:
         current = await self.files.store.current(self.pair.id, filename)
+        self.started_with.setdefault(filename, current.content if current else "")
         self.files_read.append(filename)
         return ToolOutcome(current.content if current else "")
 
     async def _write(self, filename: str, content: str) -> ToolOutcome:
+        if self.files_written.count(filename) >= MAX_WRITES_PER_FILE:
+            return ToolOutcome(
+                f"refused: {filename} was already saved {MAX_WRITES_PER_FILE} times in this update; that is the "
+                "limit. Nothing was saved. Finish the update.", True)
         current = await self.files.store.current(self.pair.id, filename)
-        refusal = check_model_write(filename, current.content if current else "", content, self.max_chars)
+        before = self.started_with.setdefault(filename, current.content if current else "")
+        refusal = check_model_write(filename, before, content, self.max_chars)
         if refusal is not None:
             return ToolOutcome(refusal.reason, True)
         saved = await self.files.write(

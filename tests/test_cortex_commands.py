@@ -272,3 +272,10 @@ async def test_a_command_that_breaks_answers_politely_and_the_bot_goes_on(tmp_pa
         assert reply.text.startswith("Sorry, !memory list failed (KeyError).") and "boom" not in reply.text
         assert "Your memory" not in reply.text
         assert "Remembered" in (await run(app, "!memory remember Ann likes figs")).text  # the next one works
+
+
+async def test_an_oversized_memory_item_is_refused_with_the_limit(tmp_path: Path) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        reply = (await run(app, "!memory remember " + "figs " * 20_000)).text
+        assert "a memory item holds at most 2,000" in reply and "Remembered" not in reply
+        assert "No memory items yet" in (await run(app, "!memory list")).text

@@ -350,3 +350,60 @@ async def test_spending_counts_in_the_database_as_it_happens(
         assert second.status == "failed" and "bot's daily cortex token budget" in second.reason
         assert outcome.status == "failed" and "bot's daily cortex token budget" in outcome.reason
         assert await app.cortex.store.tokens_since(0) < 5000 + 3110  # overshoot bounded by one round
+
+
+async def test_a_file_cannot_be_whittled_down_or_rewritten_without_end(app: App, fake_llm: FakeLLMServer) -> None:
+    await _talk(app, CONVERSATION)
+    pair = await _pair(app)
+    await app.cortex.files.ensure(pair, "English", "Ann")
+    long_memory = "# Memories\n" + "".join(f"- fact number {i} about Ann's life\n" for i in range(40))
+    await app.cortex.files.edit(pair, "memory.md", long_memory)
+    shorter = long_memory[: int(len(long_memory) * 0.6)]  # each step keeps 60 % of the one before ...
+    shortest = shorter[: int(len(shorter) * 0.6)]  # ... but only 36 % of what the update started from
+    fake_llm.enqueue(
+        FakeResponse.tool_calls([("1", "write_file", {"filename": "memory.md", "content": shorter})]),
+        FakeResponse.tool_calls([("2", "write_file", {"filename": "memory.md", "content": shortest})]),
+        *(FakeResponse.tool_calls([(f"s{n}", "write_file", {"filename": "soul.md", "content": f"# Soul v{n}\n"})])
+          for n in range(6)),
+        FakeResponse.text("done"),
+    )
+    outcome = await app.cortex.updater.run(pair, "95", (await app.cortex.resolver.effective("Cora")).settings)
+    assert outcome.status == "success"
+    results = [result_text(tool_results(r)[0]) for r in cortex_requests(fake_llm)[1:]]
+    assert results[0].startswith("saved memory.md") and "would drop most of memory.md" in results[1]
+    assert (await app.cortex.store.current(pair.id, "memory.md")).content == shorter
+    assert all(r.startswith("saved soul.md") for r in results[2:7])
+    assert "already saved 5 times in this update" in results[7]
+    assert (await app.cortex.store.current(pair.id, "soul.md")).content == "# Soul v4\n"
+
+
+async def test_an_absurd_or_crashing_tool_call_is_a_tool_error_not_a_failed_update(
+    app: App, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await _talk(app, CONVERSATION)
+    pair = await _pair(app)
+    real_search = app.cortex.updater.memory.search
+
+    async def crash(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(app.cortex.updater.memory, "search", crash)
+    fake_llm.enqueue(
+        FakeResponse.tool_calls([("1", "remember", {"content": "Ann has a cat", "category": "fact",
+                                                    "expires_in_days": 99999999})]),
+        FakeResponse.tool_calls([("2", "search_memory", {"query": "cat"})]),
+        FakeResponse.tool_calls([("3", "remember", {"content": "x" * 5000, "category": "fact"})]),
+        FakeResponse.tool_calls([("4", "remember", {"content": "Ann has a cat", "category": "fact",
+                                                    "expires_in_days": 30})]),
+        FakeResponse.text("done"),
+    )
+    outcome = await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective("Cora")).settings)
+    monkeypatch.setattr(app.cortex.updater.memory, "search", real_search)
+    assert outcome.status == "success"
+    results = [result_text(tool_results(r)[0]) for r in cortex_requests(fake_llm)[1:]]
+    assert "'expires_in_days' must be a number of days above 0 and at most 36,500" in results[0]
+    assert "internal error" in results[1] and "disk on fire" not in results[1]
+    assert "a memory item holds at most 2,000" in results[2]
+    assert results[3].startswith("remembered as #")
+    items, total = await app.cortex.memory.list_items(pair.id)
+    assert total == 1 and items[0].expires_at is not None

@@ -162,7 +162,9 @@ class MemoryStore:
         candidates: int = 50,
         clock: Callable[[], float] = time.time,
         embeddings: EmbeddingService | None = None,
+        max_chars: int = 2000,
     ) -> None:
+        self.max_chars = max_chars
         self.storage = storage
         self.repo = storage.memory
         self.embeddings = embeddings
@@ -199,6 +201,9 @@ class MemoryStore:
         content = content.strip()
         if not content:
             raise MemoryError("there is nothing to remember: the text is empty")
+        if len(content) > self.max_chars:
+            raise MemoryError(f"that is {len(content):,} characters; a memory item holds at most {self.max_chars:,}: "
+                              "keep one fact per item, in a sentence or two")
         if category not in CATEGORIES:
             raise MemoryError(f"unknown category {category!r}; categories: {', '.join(CATEGORIES)}")
         if not 1 <= importance <= 10:

@@ -10,6 +10,7 @@ A run may write at most ``max_writes`` items, so a confused model cannot flood t
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,6 +101,11 @@ class MemoryToolResult:
     is_error: bool = False
 
 
+log = logging.getLogger(__name__)
+MAX_EXPIRY_DAYS = 36_500  # a hundred years: beyond that, a fact does not expire
+MAX_TAG_CHARS = 50
+
+
 class BadArguments(ValueError):
     pass
 
@@ -171,6 +177,10 @@ class MemoryTools:
                 return await self._forget(call.arguments)
         except (BadArguments, MemoryError) as exc:
             return MemoryToolResult(f"{call.name}: {exc}", True)
+        except Exception:  # one bad call must not end the whole update
+            log.exception("memory tool %s failed unexpectedly (run %d)", call.name, self.run_id)
+            return MemoryToolResult(f"{call.name} failed because of an internal error; nothing was stored by this "
+                                    "call. Go on without it.", True)
         return MemoryToolResult(f"unknown memory tool {call.name!r}", True)
 
     @property
@@ -192,11 +202,13 @@ class MemoryTools:
         importance = _int(args, "importance", required=False, low=1, high=10) or 5
         days = args.get("expires_in_days")
         if days is not None and (isinstance(days, bool) or not isinstance(days, (int, float))
-                                 or not math.isfinite(days) or days <= 0):
-            raise BadArguments(f"'expires_in_days' must be a positive number, got {days!r}")
+                                 or not math.isfinite(days) or not 0 < days <= MAX_EXPIRY_DAYS):
+            raise BadArguments(
+                f"'expires_in_days' must be a number of days above 0 and at most {MAX_EXPIRY_DAYS:,}; got {days!r} "
+                "(leave it out for a fact that does not expire)")
         tags = args.get("tags", [])
-        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-            raise BadArguments("'tags' must be a list of strings")
+        if not isinstance(tags, list) or not all(isinstance(t, str) and len(t) <= MAX_TAG_CHARS for t in tags):
+            raise BadArguments(f"'tags' must be a list of short strings (at most {MAX_TAG_CHARS} characters each)")
         item = await self.memory.remember(
             self.pair_id, content, category=category, key=_text(args, "key", required=False), importance=importance,
             tags=tags[:10], expires_at=self.memory.clock() + float(days) * DAY if days else None, source="model",
