@@ -18,6 +18,7 @@ from bot.commands import Attachment, CommandContext
 from bot.errors import UserFacingError
 from bot.llm.errors import LLMError
 from bot.ports import IncomingMessage
+from bot.text import printable
 
 PLATFORM = "console"
 
@@ -64,7 +65,7 @@ class TerminalAdapter:
             self.stdout.write("you › ")
             self.stdout.flush()
         line = await self._readline_in_thread()
-        return None if line == "" else line.rstrip("\r\n")
+        return None if line == "" else printable(line.rstrip("\r\n"))
 
     async def _readline_in_thread(self) -> str:
         """Read one line without blocking the loop. A daemon thread, not the default executor: a
@@ -94,7 +95,7 @@ class TerminalAdapter:
         return await future
 
     def _error(self, text: str) -> None:
-        self.stderr.write(f"error: {text}\n")
+        self.stderr.write(f"error: {printable(text)}\n")
         self.stderr.flush()
 
     async def run(self) -> int:
@@ -124,7 +125,7 @@ class TerminalAdapter:
                 self._error("no content given; nothing changed")
                 return
             reply = await self.app.commands.dispatch(f"{line}\n{body}", self._context())
-        self.stdout.write(reply.text.rstrip() + "\n")
+        self.stdout.write(printable(reply.text.rstrip()) + "\n")
         for attachment in reply.attachments:
             path = self._save(attachment)
             self.stdout.write(f"saved {path}\n")
@@ -137,7 +138,7 @@ class TerminalAdapter:
             line = await self._readline_in_thread()
             if line == "":
                 return None
-            text = line.rstrip("\r\n")
+            text = printable(line.rstrip("\r\n"))
             if text.strip() == ".":
                 return "\n".join(lines) if any(part.strip() for part in lines) else None
             lines.append(text)
@@ -179,7 +180,7 @@ class TerminalAdapter:
                 if not started:
                     self.stdout.write(f"{self.persona.name}: ")
                     started = True
-                self.stdout.write(delta)
+                self.stdout.write(printable(delta))
                 self.stdout.flush()
         except LLMError as exc:
             self.failures += 1

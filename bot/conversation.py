@@ -32,6 +32,7 @@ from bot.prompt import PromptParts, history_turns, render_system
 from bot.storage.base import Channel, LLMCallRecord, ReplyStats, Storage, StoredMessage, Summary, User
 from bot.storage.engine import StaleReference
 from bot.summary import SummaryEngine, budgets_for
+from bot.text import without_surrogates
 from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator
 
 log = logging.getLogger(__name__)
@@ -197,7 +198,7 @@ class ConversationCore:
     async def _store_incoming(
         self, message: IncomingMessage, persona: PersonaConfig
     ) -> tuple[User, Channel, StoredMessage]:
-        text = message.text.strip()
+        text = without_surrogates(message.text.strip())
         for attempt in range(2):
             user = await self.storage.upsert_user(message.author_key, message.author_name)
             channel = await self.storage.upsert_channel(

@@ -351,3 +351,23 @@ def test_run_with_matrix_missing_settings_names_them(tmp_path: Path, fake_llm: F
     result = cortexbot("--config", str(config), "run", timeout=60)
     assert result.returncode == 1
     assert "homeserver, user_id is not set" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_odd_bytes_in_and_control_sequences_out(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """A non-UTF-8 byte typed into the terminal is stored as U+FFFD, and a model (or a stored message)
+    cannot move the cursor, clear the screen or retitle the window."""
+    fake_llm.responder = lambda request: FakeResponse.text(
+        "ok \x1b]0;pwned\x07\x1b[2J\x1b[31mred\x1b[0m done\x07\x08")
+    config = write_config(tmp_path, fake_llm)
+    env = {**os.environ, "CB_TEST_API_KEY": API_KEY}
+    result = subprocess.run(
+        [str(BIN / "cortexbot"), "--config", str(config), "chat", "--user", "ann"],
+        input=b"caf\xe9 \xff\xfe and \x1b[A up\n!memory remember caf\xe9 au lait\n", capture_output=True, env=env,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert b"\x1b" not in result.stdout and b"\x07" not in result.stdout and b"\x08" not in result.stdout
+    assert b"ok red done" in result.stdout and b"Remembered as #" in result.stdout
+    users = [r[0] for r in db_rows(tmp_path, "SELECT text FROM messages WHERE role = 'user' ORDER BY id")]
+    assert users == ["caf\ufffd \ufffd\ufffd and  up"]
+    assert db_rows(tmp_path, "SELECT content FROM memory_items") == [("caf\ufffd au lait",)]

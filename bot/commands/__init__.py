@@ -14,6 +14,8 @@ import shlex
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from bot.text import without_surrogates
+
 log = logging.getLogger(__name__)
 
 MAX_NUMBER = 2**31 - 1  # ids, versions and pages fit every engine's integer columns
@@ -101,7 +103,7 @@ class CommandRegistry:
         return f"{self.prefix}{command.name}" + (f" {command.usage}" if command.usage else "")
 
     async def dispatch(self, text: str, context: CommandContext) -> CommandReply:
-        first, _, body = text.strip().partition("\n")
+        first, _, body = without_surrogates(text).strip().partition("\n")
         try:
             words = shlex.split(first[len(self.prefix):])
         except ValueError:  # an apostrophe in free text ("Ann's sister"): plain words, as typed

@@ -1,0 +1,23 @@
+"""Text that is safe to store and to show: no lone surrogates (they cannot be encoded as UTF-8: a
+non-UTF-8 byte read from a terminal, or ``"\\ud800"`` in a JSON event, arrives as one), and, for
+terminals, no control sequences (model output or a stored message must not move the cursor, clear the
+screen or set the window title)."""
+
+from __future__ import annotations
+
+import re
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# CSI/OSC/other escape sequences, then any remaining C0/C1 control character but tab and newline.
+_ESCAPE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])|\x9b[0-?]*[ -/]*[@-~]")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def without_surrogates(text: str) -> str:
+    """``text`` with every lone surrogate replaced by U+FFFD, the replacement character."""
+    return _SURROGATE.sub("\ufffd", text)
+
+
+def printable(text: str) -> str:
+    """``text`` for a terminal: escape sequences and control characters removed (tabs and newlines kept)."""
+    return _CONTROL.sub("", _ESCAPE.sub("", without_surrogates(text)))
