@@ -41,8 +41,18 @@ class ConfigError(Exception):
     """A config problem a person can fix; the message says which key and how."""
 
 
+MAX_NUMBER = 10**12  # no setting needs more; far larger ones overflow timers and sleeps
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _sane_number(cls, value: Any) -> Any:
+        if isinstance(value, int | float) and not isinstance(value, bool) and abs(value) > MAX_NUMBER:
+            raise ValueError(f"{value:g} is far too large (at most {MAX_NUMBER:,})")
+        return value
 
 
 def default_database_url() -> str:
@@ -137,10 +147,28 @@ def check_storage_url(value: str) -> str:
     )
 
 
+def check_http_url(value: str) -> str:
+    """An http(s) URL with a host, e.g. http://localhost:11434/v1."""
+    parts = urlsplit(value.strip())
+    try:
+        _ = parts.port
+    except ValueError:
+        raise ValueError(f"{value!r} has a port that is not a number") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or any(c in value for c in " \x00\n"):
+        raise ValueError(f"{value!r} is not an http(s) URL: write it like http://localhost:11434/v1")
+    return value.strip()
+
+
 class LLMConfig(_Section):
     provider: Literal["anthropic", "openai"] = "anthropic"
     model: str = "claude-sonnet-4-5"
     base_url: str | None = None
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        return None if value is None else check_http_url(value)
+
     api_key_env: str | None = Field(
         default=None,
         description="Environment variable holding the API key; default ANTHROPIC_API_KEY / OPENAI_API_KEY.",
@@ -149,8 +177,8 @@ class LLMConfig(_Section):
     temperature: float | None = Field(
         default=None, ge=0.0, le=2.0, description="Unset: the server's default (newer Claude models reject it)."
     )
-    timeout_seconds: float = Field(default=120.0, gt=0)
-    connect_timeout_seconds: float = Field(default=10.0, gt=0)
+    timeout_seconds: float = Field(default=120.0, gt=0, le=3600)
+    connect_timeout_seconds: float = Field(default=10.0, gt=0, le=600)
     max_retries: int = Field(default=2, ge=0, le=10)
     summary_model: str | None = Field(default=None, description="Cheaper model for summaries; default: model.")
 
@@ -181,11 +209,11 @@ class HistoryConfig(_Section):
 class JobsConfig(_Section):
     concurrency: int = Field(default=2, ge=1, le=64)
     max_attempts: int = Field(default=5, ge=1, le=100)
-    retry_base_seconds: float = Field(default=2.0, gt=0)
-    retry_max_seconds: float = Field(default=300.0, gt=0)
-    lease_seconds: float = Field(default=60.0, ge=5)
-    poll_seconds: float = Field(default=1.0, gt=0)
-    shutdown_grace_seconds: float = Field(default=10.0, ge=0)
+    retry_base_seconds: float = Field(default=2.0, gt=0, le=3600)
+    retry_max_seconds: float = Field(default=300.0, gt=0, le=86_400)
+    lease_seconds: float = Field(default=60.0, ge=5, le=86_400)
+    poll_seconds: float = Field(default=1.0, gt=0, le=3600)
+    shutdown_grace_seconds: float = Field(default=10.0, ge=0, le=3600)
 
 
 FREQUENCY_PRESETS: dict[str, tuple[int, ...]] = {
@@ -214,7 +242,9 @@ class CortexConfig(_Section):
         default_factory=list, description="Explicit tier percentages of context_limit; overrides frequency."
     )
     context_limit: int = Field(default=60, ge=4, le=100_000, description="Messages per tier cycle.")
-    cooldown_seconds: float = Field(default=30.0, ge=0, description="Least time between two updates of a pair.")
+    cooldown_seconds: float = Field(
+        default=30.0, ge=0, le=30 * 86_400,
+        description="Least time between two updates of a pair.")
     max_rounds: int = Field(default=10, ge=1, le=50, description="Most model calls in one update.")
     file_max_chars: int = Field(default=8000, ge=200, le=200_000, description="Size cap of each cortex file.")
     daily_token_budget: int = Field(
@@ -252,11 +282,13 @@ class MemoryConfig(_Section):
     weight_importance: float = Field(default=0.15, ge=0, description="Weight of an item's importance (1-10).")
     weight_recency: float = Field(default=0.10, ge=0, description="Weight of recency (exponential decay).")
     weight_access: float = Field(default=0.05, ge=0, description="Weight of how often an item was used.")
-    half_life_days: float = Field(default=30.0, gt=0, description="Age at which the recency signal halves.")
+    half_life_days: float = Field(default=30.0, gt=0, le=36_500, description="Age at which the recency signal halves.")
     candidates: int = Field(default=50, ge=5, le=1000, description="Candidates taken by text and by vector.")
     relevant_items: int = Field(default=8, ge=0, le=50, description="Relevant items put into a reply prompt.")
     prompt_tokens: int = Field(default=800, ge=50, description="Budget of the knowledge section in a reply prompt.")
-    recent_days: float = Field(default=7.0, ge=0, description="Items younger than this appear in full in prompts.")
+    recent_days: float = Field(
+        default=7.0, ge=0, le=36_500,
+        description="Items younger than this appear in full in prompts.")
     recalled_messages: int = Field(
         default=4, ge=0, le=20, description="Past messages (outside the history window) recalled into a reply prompt."
     )
@@ -267,22 +299,34 @@ class MemoryConfig(_Section):
     )
     embedder_model: str = Field(default="", description="Model name for the openai embedder.")
     embedder_base_url: str | None = Field(default=None, description="Server of the openai embedder (Ollama, vLLM).")
+
+    @field_validator("embedder_base_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        return None if value is None else check_http_url(value)
+
     embedder_api_key_env: str = Field(default="OPENAI_API_KEY", description="Variable holding the embedder's key.")
     embed_messages: bool = Field(default=True, description="Embed past messages too (recall by meaning).")
     query_timeout_seconds: float = Field(
-        default=2.0, gt=0, description="A reply prompt waits this long for the query's embedding, then uses text only."
+        default=2.0, gt=0, le=60,
+        description="A reply prompt waits this long for the query's embedding, then uses text only.",
     )
     vector_cache: int = Field(
         default=150_000, ge=1000, description="Vectors kept in memory over all pairs (384 dims: ~1.5 KB each)."
     )
-    backfill_seconds: float = Field(default=60.0, ge=5, description="How often missing embeddings are computed.")
-    backfill_max_seconds: float = Field(default=45.0, gt=0, description="Longest stretch of one backfill run.")
-    prune_every_hours: float = Field(default=24.0, gt=0, description="How often unused items are archived.")
+    backfill_seconds: float = Field(
+        default=60.0, ge=5, le=86_400,
+        description="How often missing embeddings are computed.")
+    backfill_max_seconds: float = Field(default=45.0, gt=0, le=3600, description="Longest stretch of one backfill run.")
+    prune_every_hours: float = Field(
+        default=24.0, gt=0, le=24 * 365,
+        description="How often unused items are archived.")
     prune_unused_days: float = Field(
-        default=90.0, gt=0, description="Archive items older than this that were never accessed."
+        default=90.0, gt=0, le=36_500, description="Archive items older than this that were never accessed."
     )
     prune_rarely_used_days: float = Field(
-        default=365.0, gt=0, description="Archive items older than this accessed fewer than prune_min_access times."
+        default=365.0, gt=0, le=36_500,
+        description="Archive items older than this accessed fewer than prune_min_access times.",
     )
     prune_min_access: int = Field(default=3, ge=1, description="Accesses that keep an old item (see above).")
     max_item_chars: int = Field(
@@ -300,7 +344,7 @@ class ChatConfig(_Section):
     """How replies are delivered on chat platforms."""
 
     streaming: bool = Field(default=True, description="Edit the reply in place as it streams in.")
-    edit_interval_seconds: float = Field(default=1.2, ge=0.2, description="Least time between two edits.")
+    edit_interval_seconds: float = Field(default=1.2, ge=0.2, le=60, description="Least time between two edits.")
     rate_limit_per_minute: int = Field(default=12, ge=0, description="Messages a user may send per minute (0: off).")
     typing_indicator: bool = True
 
@@ -524,12 +568,16 @@ def load_config(path: str | os.PathLike[str] | None) -> Config:
         raise ConfigError(f"cannot read config file {file}: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{file} is not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{file} nests arrays or tables too deeply to be a cortex-bot config") from None
     return parse_config(raw, source=str(file))
 
 
 def parse_config(raw: Mapping[str, Any], source: str = "config") -> Config:
     try:
         return Config.model_validate(raw)
+    except RecursionError:
+        raise ConfigError(f"{source} nests arrays or tables too deeply to be a cortex-bot config") from None
     except ValidationError as exc:
         lines = [_describe_error(err, raw) for err in exc.errors()]
         raise ConfigError(f"{source} has {len(lines)} problem(s):\n" + "\n".join(f"  - {x}" for x in lines)) from None

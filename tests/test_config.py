@@ -139,3 +139,22 @@ def test_memory_embedder_settings_are_checked() -> None:
     config = parse_config({"memory": {"embedder": "openai", "embedder_model": "nomic-embed-text",
                                       "embedder_base_url": "http://127.0.0.1:11434/v1"}})
     assert config.memory.embedder_model == "nomic-embed-text"
+
+
+@pytest.mark.parametrize(("toml", "named"), [
+    ("[jobs]\nlease_seconds = 1e300\n", "[jobs] key 'lease_seconds'"),
+    ("[jobs]\nretry_base_seconds = inf\n", "[jobs] key 'retry_base_seconds'"),
+    ("[memory]\nprune_every_hours = nan\n", "[memory] key 'prune_every_hours'"),
+    ("[memory]\nbackfill_seconds = 1e18\n", "[memory] key 'backfill_seconds'"),
+    ("[history]\nhistory_tokens = 100000000000000000000\n", "[history] key 'history_tokens'"),
+    ('[llm]\nbase_url = "localhost:11434"\n', "[llm] key 'base_url'"),
+    ('[llm]\nbase_url = "http://"\n', "[llm] key 'base_url'"),
+    ('[storage]\nurl = "sqlite:///a\\u0000b"\n', "[storage] key 'url'"),
+    ("x = " + "[" * 500 + "]" * 500 + "\n", "too deeply"),
+])
+def test_values_the_bot_cannot_use_stop_start_up_clearly(tmp_path: Path, toml: str, named: str) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert named in str(caught.value)
