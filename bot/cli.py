@@ -437,6 +437,22 @@ async def _doctor_embedder(config: Config, report: Callable[..., None]) -> None:
         report(False, "embedder", str(exc) or "no answer (timed out)")
 
 
+STUCK_AFTER_SECONDS = 600.0
+
+
+async def _doctor_queue(storage: Any, report: Callable[..., None]) -> None:
+    """The job queue: stuck (the oldest queued job waits long), failed jobs, live processes."""
+    queue = await storage.fleet.queue_stats()
+    live = await storage.fleet.live_processes()
+    waited = time.time() - queue.oldest_queued_at if queue.oldest_queued_at is not None else 0.0
+    detail = (f"{queue.queued} queued, {queue.running} running, {queue.failed} failed; "
+              f"{len(live)} live bot process(es)")
+    if waited > STUCK_AFTER_SECONDS:
+        detail += f"; the oldest queued job has waited {_ago(waited)}" + (
+            " and no bot process is running to take it" if not live else "")
+    report(waited <= STUCK_AFTER_SECONDS, "job queue", detail)
+
+
 async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
     from bot.app import build_provider
     from bot.storage import open_storage
@@ -448,13 +464,15 @@ async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
         try:
             pending = await storage.pending_migrations()
             await storage.check_writable()
+            report(
+                True,
+                "database",
+                f"{storage.db.url}" + (f" ({len(pending)} migration(s) to apply at start)" if pending else ""),
+            )
+            if not pending:
+                await _doctor_queue(storage, report)
         finally:
             await storage.close()
-        report(
-            True,
-            "database",
-            f"{config.storage.url}" + (f" ({len(pending)} migration(s) to apply at start)" if pending else ""),
-        )
     except Exception as exc:
         report(False, "database", str(exc))
     try:

@@ -371,3 +371,24 @@ def test_odd_bytes_in_and_control_sequences_out(tmp_path: Path, fake_llm: FakeLL
     users = [r[0] for r in db_rows(tmp_path, "SELECT text FROM messages WHERE role = 'user' ORDER BY id")]
     assert users == ["caf\ufffd \ufffd\ufffd and  up"]
     assert db_rows(tmp_path, "SELECT content FROM memory_items") == [("caf\ufffd au lait",)]
+
+
+@pytest.mark.both_engines
+def test_doctor_reports_a_stuck_job_queue(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    config = write_config(tmp_path, fake_llm)
+    assert cortexbot("--config", str(config), "migrate").returncode == 0
+
+    async def old_job() -> None:
+        from bot.storage import open_storage
+
+        storage = await open_storage(db_url_for(tmp_path))
+        job = await storage.enqueue_job("summary", "channel:1", {}, 3)
+        assert job is not None
+        await storage.db.write("UPDATE jobs SET created_at = created_at - 3600 WHERE id = ?", (job.id,))
+        await storage.close()
+
+    asyncio.run(old_job())
+    result = cortexbot("--config", str(config), "doctor")
+    assert result.returncode == 1
+    assert "✗ job queue: 1 queued, 0 running, 0 failed; 0 live bot process(es); the oldest queued job has waited" \
+        in result.stdout and "no bot process is running to take it" in result.stdout
