@@ -117,7 +117,7 @@ async def _chat(config: Config, user: str, persona: str | None) -> int:
     try:
         adapter = TerminalAdapter(app, user=user, persona=persona)
         status = await adapter.run()
-        pending = await app.storage.count_jobs(("queued", "running"))
+        pending = await app.storage.count_jobs(("queued", "running"), app.workers.handlers)
         if pending:
             grace = config.jobs.shutdown_grace_seconds
             click.echo(f"waiting up to {grace:.0f} s for {pending} background job(s)…", err=True)

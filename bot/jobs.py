@@ -118,7 +118,8 @@ class WorkerPool:
         dead = (lambda w: worker_is_dead(w, own_worker=self.worker_id)) if self.pid_checks else None
         recovered = await self.storage.recover_jobs(dead)
         for job in recovered:
-            log.warning("job %d (%s) was interrupted by a stop; it is queued again", job.id, job.kind)
+            log.warning("job %d (%s) was interrupted (its worker stopped or its lease ran out); it is queued again",
+                        job.id, job.kind)
         if recovered:
             self.queue.wakeup.set()
         return len(recovered)
@@ -166,7 +167,13 @@ class WorkerPool:
         interval = max(self.config.lease_seconds / 3, 1.0)
         while True:
             await asyncio.sleep(interval)
-            await self.storage.renew_lease(job.id, self.worker_id, self.config.lease_seconds)
+            try:
+                if not await self.storage.renew_lease(job.id, self.worker_id, self.config.lease_seconds):
+                    log.warning("job %d (%s) lost its lease (another worker took it over after a stall); its "
+                                "result will not count", job.id, job.kind)
+                    return
+            except Exception as exc:  # a dropped connection: the next renewal may work, keep trying
+                log.warning("could not renew the lease of job %d (%s): %s", job.id, job.kind, exc)
 
     async def _run(self, job: Job) -> None:
         handler = self.handlers[job.kind]
@@ -214,7 +221,7 @@ class WorkerPool:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while loop.time() < deadline:
-            if not self._running and await self.storage.count_jobs(("queued", "running")) == 0:
+            if not self._running and await self.storage.count_jobs(("queued", "running"), self.handlers) == 0:
                 return True
             self.queue.wakeup.set()
             await asyncio.sleep(0.05)

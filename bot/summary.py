@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from bot.config import Config, PersonaConfig
 from bot.history import HistoryWindow, build_window, message_cost
@@ -28,6 +29,7 @@ from bot.tokens import TokenEstimator
 
 log = logging.getLogger(__name__)
 
+FAILED_BACKOFF_SECONDS = 600.0
 JOB_KIND = "summary"
 
 
@@ -108,8 +110,26 @@ class SummaryEngine:
         uncovered = window.trimmed - (latest.covers_to_seq if latest else 0)
         if uncovered < self.config.history.summary_batch:
             return None
+        key = f"channel:{channel_id}"
+        if await self._backing_off(key):
+            return None
         payload = {"channel_id": channel_id, "persona": persona}
-        return await self.queue.enqueue(JOB_KIND, f"channel:{channel_id}", payload)
+        return await self.queue.enqueue(JOB_KIND, key, payload)
+
+    async def _backing_off(self, key: str) -> bool:
+        """After summary jobs of a channel failed for good, wait before the next one: 10 minutes after one
+        failure, doubling with each further one (at most a day), instead of one new job per reply."""
+        failed = 0
+        last_failure = None
+        for job in await self.storage.recent_jobs(key):
+            if job.status != "failed":
+                break
+            failed += 1
+            last_failure = last_failure or job.updated_at
+        if not failed or last_failure is None:
+            return False
+        wait = min(FAILED_BACKOFF_SECONDS * 2 ** (failed - 1), 86_400.0)
+        return bool((datetime.now(UTC) - last_failure).total_seconds() < wait)
 
     # -- in the background -----------------------------------------------------------------------
 

@@ -217,3 +217,26 @@ async def test_summaries_are_batched_not_written_after_every_reply(tmp_path: Pat
     assert 3 <= len(summaries) <= 9
     steps = [b.covers_to_seq - a.covers_to_seq for a, b in zip(summaries, summaries[1:], strict=False)]
     assert all(step >= 10 for step in steps)
+
+
+async def test_a_summary_that_keeps_failing_backs_off_instead_of_one_job_per_reply(tmp_path: Path) -> None:
+    llm = ScriptedProvider()
+
+    def respond(request: LLMRequest) -> Completion:
+        if is_summary(request):
+            return Completion(text="", usage=Usage(10, 10))  # always rejected: empty
+        return Completion(text="Antwort " + "lang " * 30, usage=Usage(10, 10))
+
+    llm.default = respond
+    async with App(_config(tmp_path), llm=llm) as app:
+        for i in range(12):
+            await app.core.reply(_msg(f"Nachricht {i} " + "text " * 20)).text()
+        assert await app.workers.drain(5)
+        failed = await app.storage.list_jobs("failed")
+        asked = sum(is_summary(r) for r in llm.requests)
+        assert failed and asked == sum(job.attempts for job in failed)
+        for i in range(12):  # every one of these replies finds a summary due ...
+            await app.core.reply(_msg(f"Mehr {i} " + "text " * 20)).text()
+        assert await app.workers.drain(5)
+        assert len(await app.storage.list_jobs("failed")) == len(failed)  # ... but none is queued while backing off
+        assert sum(is_summary(r) for r in llm.requests) == asked

@@ -8,7 +8,7 @@ Times are UTC ``datetime`` objects at the interface; engines store them as they 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, Protocol
@@ -220,9 +220,12 @@ class Storage(Protocol):
     async def active_job(self, key: str) -> Job | None:
         """A queued or running job with this key, if any."""
 
+    async def recent_jobs(self, key: str, limit: int = 5) -> list[Job]:
+        """The newest jobs of one key, newest first."""
+
     async def list_jobs(self, status: JobStatus | None = None, limit: int = 100) -> list[Job]: ...
 
-    async def count_jobs(self, statuses: Sequence[JobStatus]) -> int: ...
+    async def count_jobs(self, statuses: Sequence[JobStatus], kinds: Iterable[str] | None = None) -> int: ...
 
     # audit and metrics
     async def record_llm_call(self, record: LLMCallRecord) -> None: ...

@@ -17,7 +17,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -479,6 +479,11 @@ class Storage:
         )
         return None if row is None else self._job(row)
 
+    async def recent_jobs(self, key: str, limit: int = 5) -> list[Job]:
+        """The newest jobs of one key, newest first."""
+        rows = await self.db.fetch_all("SELECT * FROM jobs WHERE key = ? ORDER BY id DESC LIMIT ?", (key, limit))
+        return [self._job(r) for r in rows]
+
     async def list_jobs(self, status: JobStatus | None = None, limit: int = 100) -> list[Job]:
         if status is None:
             rows = await self.db.fetch_all("SELECT * FROM jobs ORDER BY id DESC LIMIT ?", (limit,))
@@ -487,9 +492,15 @@ class Storage:
                 "SELECT * FROM jobs WHERE status = ? ORDER BY id DESC LIMIT ?", (status, limit))
         return [self._job(r) for r in rows]
 
-    async def count_jobs(self, statuses: Sequence[JobStatus]) -> int:
+    async def count_jobs(self, statuses: Sequence[JobStatus], kinds: Iterable[str] | None = None) -> int:
+        """Jobs in ``statuses`` (of ``kinds`` only, when given)."""
         marks = ",".join("?" for _ in statuses)
-        row = await self.db.fetch_one(f"SELECT count(*) FROM jobs WHERE status IN ({marks})", tuple(statuses))
+        kind_list = list(kinds) if kinds is not None else []
+        of_kinds = f" AND kind IN ({','.join('?' for _ in kind_list)})" if kinds is not None else ""
+        if kinds is not None and not kind_list:
+            return 0
+        row = await self.db.fetch_one(f"SELECT count(*) FROM jobs WHERE status IN ({marks}){of_kinds}",
+                                      (*statuses, *kind_list))
         return int(row[0]) if row else 0
 
     # -- audit and metrics -----------------------------------------------------------------------
