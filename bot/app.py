@@ -121,6 +121,11 @@ class App:
                     )
                 self.scheduler.start()
         except BaseException:
+            # Whatever started stops before the database it uses closes.
+            if getattr(self, "scheduler", None) is not None:
+                await self.scheduler.aclose()
+            if getattr(self, "workers", None) is not None:
+                await self.workers.stop(0)
             if getattr(self, "job_storage", None) is not None:
                 await self.job_storage.close()
             await self.storage.close()

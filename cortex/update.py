@@ -167,13 +167,16 @@ class CortexUpdater:
             settings.file_max_chars, with_memory=self.memory is not None,
         )
         messages: list[ChatMessage] = [ChatMessage("user", conversation_message(persona, history, user_name))]
+        last_round = 0
         for round_number in range(1, settings.max_rounds + 1):
-            if round_number > 1 and (spent := await self._budget_spent(pair, settings)):
+            if round_number > 1 and (spent := await self._budget_spent(pair, settings, next_round=last_round)):
                 return "failed", f"stopped: {spent} ran out during the update"
             completion = await self._call(model, system, messages, settings)
             totals[0] = round_number
-            totals[1] += max(completion.usage.input_tokens, 0)  # a server's negative count credits nothing
-            totals[2] += max(completion.usage.output_tokens, 0)
+            used = max(completion.usage.input_tokens, 0), max(completion.usage.output_tokens, 0)
+            totals[1] += used[0]  # a server's negative count credits nothing
+            totals[2] += used[1]
+            last_round = sum(used)  # the next round costs at least as much: its input holds this one's
             # Spending is counted in the database as it happens, so every process (and the next round's
             # check) sees it: two processes cannot each spend a whole daily budget.
             await self.store.record_progress(tools.run_id, totals[0], totals[1], totals[2])
@@ -188,14 +191,15 @@ class CortexUpdater:
                 )
         return "failed", f"stopped after {settings.max_rounds} rounds without finishing (max_rounds)"
 
-    async def _budget_spent(self, pair: Pair, settings: CortexConfig) -> str | None:
-        """Which daily budget (the pair's or the bot's) today's recorded spending has used up, if any."""
+    async def _budget_spent(self, pair: Pair, settings: CortexConfig, *, next_round: int = 0) -> str | None:
+        """Which daily budget (the pair's or the bot's) today's recorded spending plus what the next round
+        will likely cost would exceed, if any: a run stops before it overshoots, not after."""
         midnight = utc_midnight(time.time())
         if settings.daily_token_budget and (
-                await self.store.tokens_since(midnight, pair.id) >= settings.daily_token_budget):
+                await self.store.tokens_since(midnight, pair.id) + next_round > settings.daily_token_budget):
             return "this pair's daily token budget"
         if settings.bot_daily_token_budget and (
-                await self.store.tokens_since(midnight) >= settings.bot_daily_token_budget):
+                await self.store.tokens_since(midnight) + next_round > settings.bot_daily_token_budget):
             return "the bot's daily cortex token budget"
         return None
 

@@ -407,3 +407,22 @@ async def test_an_absurd_or_crashing_tool_call_is_a_tool_error_not_a_failed_upda
     assert results[3].startswith("remembered as #")
     items, total = await app.cortex.memory.list_items(pair.id)
     assert total == 1 and items[0].expires_at is not None
+
+
+async def test_a_run_stops_before_a_round_that_would_overshoot_the_budget(
+    tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(KEY_ENV, "test-key")
+    async with App(_config(tmp_path, fake_llm, daily_token_budget=10_000)) as app:
+        await _talk(app, CONVERSATION)
+        pair = await _pair(app)
+        fake_llm.enqueue(
+            FakeResponse.tool_calls([("r1", "read_file", {"filename": "memory.md"})], input_tokens=6000,
+                                    output_tokens=100),
+            FakeResponse.tool_calls([("r2", "read_file", {"filename": "soul.md"})], input_tokens=6500),
+            FakeResponse.text("done"),
+        )
+        outcome = await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective("Cora")).settings)
+        assert outcome.status == "failed" and "this pair's daily token budget" in outcome.reason
+        assert len(cortex_requests(fake_llm)) == 1  # the second round (≈ 6,100 more) never started
+        assert await app.cortex.store.tokens_since(0, pair.id) == 6100
