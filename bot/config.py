@@ -169,6 +169,15 @@ class LLMConfig(_Section):
     def _http_url(cls, value: str | None) -> str | None:
         return None if value is None else check_http_url(value)
 
+    @model_validator(mode="after")
+    def _anthropic_adds_v1(self) -> LLMConfig:
+        if self.provider == "anthropic" and self.base_url and self.base_url.rstrip("/").endswith("/v1"):
+            raise ValueError(
+                f"base_url {self.base_url!r} ends in /v1, but the Anthropic SDK adds /v1 itself: write it without "
+                "(or set provider = \"openai\" for an OpenAI-compatible server)"
+            )
+        return self
+
     api_key_env: str | None = Field(
         default=None,
         description="Environment variable holding the API key; default ANTHROPIC_API_KEY / OPENAI_API_KEY.",

@@ -158,3 +158,9 @@ def test_values_the_bot_cannot_use_stop_start_up_clearly(tmp_path: Path, toml: s
     with pytest.raises(ConfigError) as caught:
         load_config(path)
     assert named in str(caught.value)
+
+
+def test_an_anthropic_base_url_ending_in_v1_is_explained() -> None:
+    with pytest.raises(ConfigError, match="ends in /v1, but the Anthropic SDK adds /v1 itself"):
+        parse_config({"llm": {"provider": "anthropic", "base_url": "http://localhost:8080/v1"}})
+    assert parse_config({"llm": {"provider": "openai", "base_url": "http://localhost:8080/v1"}}).llm.base_url

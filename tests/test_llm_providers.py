@@ -389,6 +389,8 @@ async def test_http_errors_map_to_the_error_tree(
     assert info.value.status_code == status
     assert str(status) in str(info.value) and message in str(info.value)
     assert len(fake_llm.completion_requests) == 1  # max_retries=0
+    if expected is LLMBadRequest:  # what to fix reaches the user, not just "rejected"
+        assert f"HTTP {status}" in info.value.user_message and message in info.value.user_message
 
 
 @pytest.mark.asyncio

@@ -71,6 +71,15 @@ class LLMOutOfCredit(LLMPermanentError):
 class LLMBadRequest(LLMPermanentError):
     user_message = "The language model rejected the request."
 
+    def __init__(self, detail: str = "", *, status_code: int | None = None) -> None:
+        super().__init__(detail, status_code=status_code)
+        # The server's own words say what to fix (an unknown model, a prompt too long): show them.
+        said = detail.split(": ", 1)[1] if ": " in detail else ""
+        if said or status_code:
+            status = f"HTTP {status_code}" if status_code else ""
+            reason = "; ".join(part for part in (status, said[:300]) if part)
+            self.user_message = f"The language model rejected the request ({reason})."
+
 
 class LLMBadResponse(LLMPermanentError):
     user_message = "The language model sent a response the bot could not read."
