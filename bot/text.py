@@ -21,3 +21,12 @@ def without_surrogates(text: str) -> str:
 def printable(text: str) -> str:
     """``text`` for a terminal: escape sequences and control characters removed (tabs and newlines kept)."""
     return _CONTROL.sub("", _ESCAPE.sub("", without_surrogates(text)))
+
+
+def plural(count: int, singular: str, many: str | None = None) -> str:
+    """``1 reply``, ``2 replies``, ``1,200 summaries`` (``many`` for irregular plurals)."""
+    if count == 1:
+        return f"1 {singular}"
+    if many is None:
+        many = singular[:-1] + "ies" if singular.endswith("y") and singular[-2:-1] not in "aeiou" else singular + "s"
+    return f"{count:,} {many}"

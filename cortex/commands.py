@@ -23,6 +23,7 @@ from bot.commands import (
 )
 from bot.config import FREQUENCY_PRESETS, Config
 from bot.storage.base import Storage, User
+from bot.text import plural
 from cortex.files import CortexFiles, FileError, normalise_filename, unified_diff
 from cortex.settings import OVERRIDABLE, SettingError, SettingsResolver, persona_scope, server_scope
 from cortex.store import FILENAMES, CortexStore, Pair
@@ -204,9 +205,10 @@ class CortexCommands:
         if report is None:
             return CommandReply("The bot stores nothing about you.", private=True)
         return CommandReply(
-            f"Done. Deleted {report.messages} messages, {report.versions} file versions of {report.pairs} "
-            f"persona(s), {report.items} memory items, {report.runs} update runs and {report.summaries} "
-            "summaries that could mention you.",
+            f"Done. Deleted {plural(report.messages, 'message')}, {plural(report.versions, 'file version')} of "
+            f"{plural(report.pairs, 'persona')}, {plural(report.items, 'memory item')}, "
+            f"{plural(report.runs, 'update run')} and {plural(report.summaries, 'summary', 'summaries')} that could "
+            "mention you.",
             private=True,
         )
 

@@ -195,7 +195,7 @@ async def test_commands_summary_and_stats(tmp_path: Path) -> None:
         assert "no rolling summary yet" in (await app.commands.dispatch("!summary", ctx)).text
         await app.core.reply(_msg("hi")).text()
         stats = (await app.commands.dispatch("!stats", ctx)).text
-        assert "This conversation: 1 replies" in stats and "trim rate" in stats and "summary hit rate" in stats
+        assert "This conversation: 1 reply" in stats and "trim rate" in stats and "summary hit rate" in stats
         help_text = (await app.commands.dispatch("!help", ctx)).text
         assert "!summary" in help_text and "!stats" in help_text and "!help" in help_text
         assert "Unknown command !nope" in (await app.commands.dispatch("!nope", ctx)).text

@@ -258,7 +258,7 @@ async def test_odd_numbers_get_a_clear_answer(tmp_path: Path, line: str, answer:
 async def test_a_page_past_the_end_says_how_many_there_are(tmp_path: Path) -> None:
     async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
         await run(app, "!memory remember Ann likes figs")
-        assert (await run(app, "!memory list 2")).text == "There is only 1 page (1 items)."
+        assert (await run(app, "!memory list 2")).text == "There is only 1 page (1 item)."
 
 
 async def test_a_command_that_breaks_answers_politely_and_the_bot_goes_on(tmp_path: Path,

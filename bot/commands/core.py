@@ -6,17 +6,18 @@ from collections.abc import Sequence
 
 from bot.commands import Command, CommandContext, CommandRegistry
 from bot.storage.base import ReplyMetrics, Storage
+from bot.text import plural
 from bot.tokens import TokenEstimator
 
 
 def _metrics_lines(title: str, m: ReplyMetrics) -> list[str]:
     return [
-        f"{title}: {m.replies} replies",
+        f"{title}: {plural(m.replies, 'reply')}",
         f"  token utilisation   {m.token_utilisation:6.1%}  (history tokens used / budget)",
         f"  trim rate           {m.trim_rate:6.1%}  (replies whose window left messages out)",
         f"  summary hit rate    {m.summary_hit_rate:6.1%}  (replies whose prompt carried a summary)",
         f"  summary generation  {m.summary_generation_rate:6.1%}  "
-        f"({m.summaries_written} summaries written, {m.summaries_rejected} rejected)",
+        f"({plural(m.summaries_written, 'summary')} written, {m.summaries_rejected} rejected)",
     ]
 
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bot.commands import Command, CommandContext, CommandError, CommandRegistry, Handler, parse_number
+from bot.text import plural
 from cortex.memory.store import CATEGORIES, MemoryError, MemoryItem, MemoryStore
 from cortex.store import CortexStore
 
@@ -115,7 +116,7 @@ class MemoryCommands:
             return "No memory items yet (the persona and `memory remember` add them)."
         pages = (total + PAGE - 1) // PAGE
         if page > pages:
-            return f"There {'is only 1 page' if pages == 1 else f'are only {pages} pages'} ({total} items)."
+            return f"There {'is only 1 page' if pages == 1 else f'are only {pages} pages'} ({plural(total, 'item')})."
         head = f"{'Archived items' if archived else 'Your memory items'}" + (f" ({category})" if category else "")
         lines = [f"{head}: page {page}/{pages}, {total} in all"]
         lines += [_line(i) + (f"  — archived: {i.archive_reason}" if archived else "") for i in items]
