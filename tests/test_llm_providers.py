@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -432,6 +433,24 @@ async def test_hung_request_times_out(fake_llm: FakeLLMServer, kind: str, stream
             await run(prov, request(), streaming)
     finally:
         await prov.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", PROVIDERS)
+@pytest.mark.parametrize("streaming", [False, True], ids=["complete", "stream"])
+async def test_the_timeout_bounds_the_whole_answer_retries_included(
+    fake_llm: FakeLLMServer, kind: str, streaming: bool
+) -> None:
+    for _ in range(4):
+        fake_llm.enqueue(FakeResponse.text("too late", delay=5))
+    prov = make_provider(kind, fake_llm, timeout=0.8, max_retries=3)  # per attempt 0.8 s, four attempts
+    started = time.monotonic()
+    try:
+        with pytest.raises(LLMTimeout, match="no complete answer within 0.8 s"):
+            await run(prov, request(), streaming)
+    finally:
+        await prov.aclose()
+    assert time.monotonic() - started < 1.6  # not 4 × 0.8 s plus back-off
 
 
 @pytest.mark.asyncio

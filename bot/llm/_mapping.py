@@ -11,10 +11,13 @@ API key: every configured secret is redacted from them.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from bot.llm.errors import (
     LLMAuthError,
@@ -209,3 +212,28 @@ def _translate(exc: BaseException, provider: str, sdk: SdkErrors) -> LLMError:
 
 def _short(exc: BaseException) -> str:
     return str(exc)[:_MAX_MESSAGE_CHARS]
+
+
+T = TypeVar("T")
+
+
+class Deadline:
+    """``llm.timeout_seconds`` as the time for a whole answer, retries included: the SDK's own timeout
+    applies to each attempt, so with retries a hung server could otherwise hold a user for minutes."""
+
+    def __init__(self, seconds: float, provider: str) -> None:
+        self.seconds = seconds
+        self.provider = provider
+        self.end = time.monotonic() + seconds
+
+    async def run(self, awaitable: Awaitable[T]) -> T:
+        remaining = self.end - time.monotonic()
+        try:
+            if remaining <= 0:
+                raise TimeoutError
+            return await asyncio.wait_for(awaitable, remaining)
+        except TimeoutError:
+            if inspect.iscoroutine(awaitable):
+                awaitable.close()
+            raise LLMTimeout(f"{self.provider}: no complete answer within {self.seconds:g} s "
+                             "(llm.timeout_seconds, retries included)") from None

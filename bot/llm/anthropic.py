@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 import anthropic
 import httpx2
 
-from bot.llm._mapping import SdkErrors, to_llm_error
+from bot.llm._mapping import Deadline, SdkErrors, to_llm_error
 from bot.llm.base import (
     ChatMessage,
     Completion,
@@ -297,6 +297,7 @@ class AnthropicProvider:
     ) -> None:
         """Raises :class:`LLMAuthError` when ``api_key`` is None and the SDK's credential lookup fails."""
         self._api_key = api_key
+        self._deadline = timeout_seconds
         self._timeout = anthropic.Timeout(timeout_seconds, connect=connect_timeout_seconds)
         try:
             self._client = anthropic.AsyncAnthropic(
@@ -333,7 +334,8 @@ class AnthropicProvider:
 
     async def complete(self, request: LLMRequest) -> Completion:
         try:
-            message = await self._client.messages.create(**self._params(request))
+            deadline = Deadline(self._deadline, "anthropic")
+            message = await deadline.run(self._client.messages.create(**self._params(request)))
             return completion_from_message(message, request.model)
         except LLMError:
             raise
@@ -343,9 +345,15 @@ class AnthropicProvider:
     async def stream(self, request: LLMRequest) -> AsyncIterator[StreamEvent]:
         accumulator = _StreamAccumulator(fallback_model=request.model)
         try:
-            events = await self._client.messages.create(**self._params(request), stream=True)
+            deadline = Deadline(self._deadline, "anthropic")
+            events = await deadline.run(self._client.messages.create(**self._params(request), stream=True))
             async with events:
-                async for event in events:
+                iterator = aiter(events)
+                while True:
+                    try:
+                        event = await deadline.run(anext(iterator))
+                    except StopAsyncIteration:
+                        break
                     text = accumulator.feed(event)
                     if text:
                         yield TextDelta(text)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 import httpx2
 import openai
 
-from bot.llm._mapping import SdkErrors, to_llm_error
+from bot.llm._mapping import Deadline, SdkErrors, to_llm_error
 from bot.llm.base import (
     ChatMessage,
     Completion,
@@ -268,6 +268,7 @@ class OpenAICompatProvider:
     ) -> None:
         key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY") or NO_API_KEY
         self._api_key = key
+        self._deadline = timeout_seconds
         self._timeout = openai.Timeout(timeout_seconds, connect=connect_timeout_seconds)
         try:
             self._client = openai.AsyncOpenAI(
@@ -296,7 +297,8 @@ class OpenAICompatProvider:
 
     async def complete(self, request: LLMRequest) -> Completion:
         try:
-            response = await self._client.chat.completions.create(**self._params(request))
+            deadline = Deadline(self._deadline, "openai")
+            response = await deadline.run(self._client.chat.completions.create(**self._params(request)))
             return completion_from_response(response, request.model)
         except LLMError:
             raise
@@ -306,11 +308,17 @@ class OpenAICompatProvider:
     async def stream(self, request: LLMRequest) -> AsyncIterator[StreamEvent]:
         accumulator = _StreamAccumulator(fallback_model=request.model)
         try:
-            chunks = await self._client.chat.completions.create(
+            deadline = Deadline(self._deadline, "openai")
+            chunks = await deadline.run(self._client.chat.completions.create(
                 **self._params(request), stream=True, stream_options={"include_usage": True}
-            )
+            ))
             async with chunks:
-                async for chunk in chunks:
+                iterator = aiter(chunks)
+                while True:
+                    try:
+                        chunk = await deadline.run(anext(iterator))
+                    except StopAsyncIteration:
+                        break
                     text = accumulator.feed(chunk)
                     if text:
                         yield TextDelta(text)
