@@ -114,6 +114,7 @@ async def _chat(config: Config, user: str, persona: str | None) -> int:
         await app.start()
     except (ConfigError, StorageError) as exc:
         raise click.ClickException(str(exc)) from None
+    waited = False
     try:
         adapter = TerminalAdapter(app, user=user, persona=persona)
         status = await adapter.run()
@@ -121,10 +122,12 @@ async def _chat(config: Config, user: str, persona: str | None) -> int:
         if pending:
             grace = config.jobs.shutdown_grace_seconds
             click.echo(f"waiting up to {grace:.0f} s for {pending} background job(s)…", err=True)
+            waited = True
             await app.workers.drain(grace)
         return status
     finally:
-        await app.stop()
+        # The grace was spent waiting above: jobs still running now are requeued at once, not waited for twice.
+        await app.stop(0 if waited else None)
 
 
 @cli.command()
