@@ -85,6 +85,9 @@ class CortexUpdater:
         bot_budget = settings.bot_daily_token_budget
         if bot_budget and await self.store.tokens_since(midnight) >= bot_budget:
             return f"the bot's daily cortex token budget ({bot_budget:,}) is spent"
+        said = len(await self.store.pair_messages(pair.user_id, pair.persona, MIN_MESSAGES))
+        if said < MIN_MESSAGES:
+            return f"too little conversation to learn from yet ({said} messages; {MIN_MESSAGES} needed)"
         return None
 
     async def run_job(self, job: Job) -> None:

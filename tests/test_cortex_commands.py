@@ -148,8 +148,12 @@ async def test_forget_me_asks_then_deletes_everything_of_that_user_only(tmp_path
 async def test_cortex_update_command_respects_guards(tmp_path: Path) -> None:
     async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
         await app.workers.stop()
+        reply = await run(app, "!cortex update")  # said up front, not queued to be skipped later
+        assert reply.text == "Not now: too little conversation to learn from yet (0 messages; 4 needed)."
+        for text in ("I grow tomatoes", "and basil"):
+            await app.core.reply(IncomingMessage("console", "dm-ann", "ann", "Ann", text, is_dm=True)).text()
         reply = await run(app, "!cortex update")
-        assert "Update queued" in reply.text and "0/1000 messages" in reply.text
+        assert "Update queued" in reply.text and "4/1000 messages" in reply.text
         assert "already queued or running" in (await run(app, "!cortex update")).text
         jobs = await app.storage.list_jobs("queued")
         assert [(j.kind, j.payload["tier"]) for j in jobs] == [("cortex_update", "manual")]
