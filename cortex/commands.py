@@ -34,6 +34,19 @@ MAX_INLINE_CHARS = 6000
 CONFIRM_WORD = "confirm"
 
 
+def shown(value: object) -> str:
+    """A setting's value as a person types it: on/off, not set, plain numbers and lists."""
+    if value is None:
+        return "not set"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float) and value.is_integer():
+        return f"{value:g}"
+    if isinstance(value, list):
+        return ", ".join(map(str, value)) or "none"
+    return str(value)
+
+
 @dataclass
 class CortexCommands:
     config: Config
@@ -244,18 +257,18 @@ class CortexCommands:
                     note = "override removed" if cleared else "there was no override"
                 else:
                     stored = await self.resolver.set(scope, key, value, ctx.user_key)
-                    note = f"set to {stored!r}"
+                    note = f"set to {shown(stored)}"
             except SettingError as exc:
                 raise CommandError(str(exc)) from None
             effective = await self.resolver.effective(ctx.persona, ctx.server_key)
             return (f"{key}: {note} for {scope}. Effective now: "
-                    f"{getattr(effective.settings, key)!r} (from {effective.sources[key]}).")
+                    f"{shown(getattr(effective.settings, key))} (from {effective.sources[key]}).")
         effective = await self.resolver.effective(ctx.persona, ctx.server_key)
         lines = [f"Cortex settings for persona {ctx.persona}" + (f" on {ctx.server_key}" if ctx.server_key else "")
                  + " (value, where it comes from):"]
         for key, value in effective.settings.model_dump().items():
             mark = "" if key in OVERRIDABLE else "  (config only)"
-            lines.append(f"  {key:<22} {value!r:<24} {effective.sources[key]}{mark}")
+            lines.append(f"  {key:<22} {shown(value):<24} {effective.sources[key]}{mark}")
         steps = ", ".join(f"{pct}% → message {at}" for pct, at in thresholds(effective.settings))
         lines.append(f"Tiers this cycle: {steps}. Presets: " + "; ".join(
             f"{name} {'/'.join(map(str, pcts))}%" for name, pcts in FREQUENCY_PRESETS.items()))

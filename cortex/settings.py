@@ -32,6 +32,18 @@ OVERRIDABLE: dict[str, str] = {
 CACHE_SECONDS = 5.0
 
 
+def plain_problem(exc: ValidationError) -> str:
+    """A validation error as a person would say it ("at least 4", not "Input should be greater than...")."""
+    error = exc.errors()[0]
+    context = error.get("ctx") or {}
+    for bound, words in (("ge", "at least"), ("gt", "more than"), ("le", "at most"), ("lt", "less than")):
+        if bound in context:
+            return f"it must be {words} {context[bound]:g}" if isinstance(context[bound], int | float) else \
+                f"it must be {words} {context[bound]}"
+    message = str(error.get("msg", "invalid value"))
+    return message.removeprefix("Value error, ").replace("Input should be", "it must be")
+
+
 class SettingError(ValueError):
     """An override that cannot be stored; the message says what is accepted."""
 
@@ -124,8 +136,7 @@ class SettingsResolver:
         try:
             CortexConfig.model_validate(candidate)
         except ValidationError as exc:
-            problem = exc.errors()[0].get("msg", "invalid value")
-            raise SettingError(f"{key} = {text!r} is not accepted: {problem}") from None
+            raise SettingError(f"{key} = {text!r} is not accepted: {plain_problem(exc)}") from None
         await self.store.set_setting(scope, key, value, updated_by)
         self._cache.pop(scope, None)
         return value

@@ -166,7 +166,9 @@ async def test_settings_are_admin_only_scoped_validated_and_shown(tmp_path: Path
         shown = (await run(app, "!cortex settings", admin)).text
         assert "context_limit" in shown and "1000" in shown and "config" in shown
         changed = (await run(app, "!cortex settings frequency rare", admin)).text
-        assert "set to 'rare' for persona:cora" in changed and "from persona:cora" in changed
+        assert "set to rare for persona:cora" in changed and "from persona:cora" in changed
+        assert "None" not in shown and "True" not in shown and "'" not in shown  # values as people type them
+        assert "use_in_groups          off" in shown
         server_admin = ctx(admin=True, server="console:guild1")
         (await run(app, "!cortex settings tiers 30,60", server_admin))
         eff = await app.cortex.resolver.effective("Cora", "console:guild1")
@@ -175,6 +177,8 @@ async def test_settings_are_admin_only_scoped_validated_and_shown(tmp_path: Path
         bad = (await run(app, "!cortex settings tiers 30,300", admin)).text
         assert "not accepted" in bad
         assert "must be on/off" in (await run(app, "!cortex settings enabled maybe", admin)).text
+        small = (await run(app, "!cortex settings context_limit 2", admin)).text
+        assert "context_limit = '2' is not accepted: it must be at least 4" in small and "Input should" not in small
         assert "unknown setting" in (await run(app, "!cortex settings file_max_chars 10", admin)).text
         assert "override removed" in (await run(app, "!cortex settings frequency default", admin)).text
         assert (await app.cortex.resolver.effective("Cora")).sources["frequency"] == "config"
