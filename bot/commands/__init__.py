@@ -147,7 +147,8 @@ class CommandRegistry:
 
     async def _help(self, context: CommandContext, args: Sequence[str]) -> str:
         lines = ["Commands:"]
-        for command in self.commands:
+        groups = list(dict.fromkeys(c.name.split(" ")[0] for c in self.commands))  # in order of first use
+        for command in sorted(self.commands, key=lambda c: groups.index(c.name.split(" ")[0])):
             if command.admin and not context.is_admin:
                 continue
             lines.append(f"  {self.usage(command)} — {command.summary}")

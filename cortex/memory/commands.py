@@ -72,7 +72,7 @@ class MemoryCommands:
             item = await self.memory.remember(await self._pair(ctx), text, category=category, importance=importance,
                                               pinned=pin, source="user", source_ref=ctx.channel_key)
         except MemoryError as exc:
-            raise CommandError(f"{exc}. Categories: {', '.join(CATEGORIES)}") from None
+            raise CommandError(str(exc)) from None
         return f"Remembered as #{item.id}" + (" (pinned)." if item.pinned else ".")
 
     async def _change(self, ctx: CommandContext, args: Sequence[str], what: str) -> str:
