@@ -24,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import platformdirs
 from markdown_it import MarkdownIt
 from nio import (
@@ -169,6 +170,30 @@ class MatrixAdapter:
         os.chmod(tmp, 0o600)  # it holds the access token
         tmp.replace(self._state_file)
 
+    async def wait_for_homeserver(self, first_wait: float = 2.0, longest_wait: float = 300.0) -> None:
+        """Until the homeserver answers, say once which URL cannot be reached and why, then keep trying
+        with back-off (nio alone would retry silently, or fill the log)."""
+        url = self.config.homeserver.rstrip("/") + "/_matrix/client/versions"
+        wait = first_wait
+        told = False
+        while True:
+            try:
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as session, \
+                        session.get(url) as response:
+                    if response.status < 500:
+                        if told:
+                            log.info("Matrix: %s answers again; connecting", self.config.homeserver)
+                        return
+                    problem = f"HTTP {response.status}"
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                problem = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            if not told:
+                log.error("Matrix: cannot reach the homeserver at %s (%s); check [matrix] homeserver. Retrying with "
+                          "back-off (at most every %.0f s)", self.config.homeserver, problem, longest_wait)
+                told = True
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, longest_wait)
+
     async def login(self) -> None:
         state = self._load_state()
         if state.get("access_token") and state.get("device_id"):
@@ -198,6 +223,7 @@ class MatrixAdapter:
     async def run(self) -> None:
         # One process per account: a second one would answer every message twice.
         await self.app.fleet.hold(f"matrix:{self.config.user_id}", f"the Matrix account {self.config.user_id}")
+        await self.wait_for_homeserver()
         await self.login()
         since = self._load_state().get("next_batch")
         if not since:

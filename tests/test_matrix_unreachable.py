@@ -1,0 +1,39 @@
+"""A homeserver that cannot be reached is named once, clearly, and the adapter keeps trying."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from pathlib import Path
+
+import pytest
+
+from adapters.matrix import MatrixAdapter
+from bot.app import App
+from bot.config import parse_config
+from tests.fakes.provider import ScriptedProvider
+
+
+async def test_an_unreachable_homeserver_is_reported_once_and_retried(tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: nothing listens there
+    config = parse_config({
+        "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "memory": {"embedder": "none"},
+        "matrix": {"enabled": True, "homeserver": f"http://127.0.0.1:{port}", "user_id": "@cortex:localhost",
+                   "password_env": "CB_MATRIX_PW", "store_path": str(tmp_path / "matrix")},
+    })
+    async with App(config, llm=ScriptedProvider()) as app:
+        adapter = MatrixAdapter(app, config.matrix, env={"CB_MATRIX_PW": "x"})
+        caplog.set_level(logging.INFO, logger="adapters.matrix")
+        waiting = asyncio.ensure_future(adapter.wait_for_homeserver(first_wait=0.05, longest_wait=0.2))
+        await asyncio.sleep(1.0)
+        assert not waiting.done()  # still trying
+        told = [r.getMessage() for r in caplog.records if "cannot reach the homeserver" in r.getMessage()]
+        assert len(told) == 1 and f"http://127.0.0.1:{port}" in told[0] and "[matrix] homeserver" in told[0]
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await adapter.close()
