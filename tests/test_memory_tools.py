@@ -116,7 +116,7 @@ async def test_bad_memory_tool_calls_get_clear_errors_and_write_nothing(app: App
     assert "'content' must be a non-empty string" in texts[0] and "'content'" in texts[4]
     assert "'category' must be one of fact" in texts[1]
     assert "from 1 to 10, got 11" in texts[2] and "whole number" in texts[3]
-    assert "'tags' must be a list" in texts[5] and "'expires_in_days' must be a positive" in texts[6]
+    assert "'tags' must be a list" in texts[5] and "'expires_in_days' must be a number of days above 0" in texts[6]
     assert f"no memory item #{bobs.id}" in texts[7] and f"no memory item #{bobs.id}" in texts[11]
     assert "whole number" in texts[8] and "archived" in texts[9]
     assert "pinned by the user" in texts[10] and "'reason' must be" in texts[12]
