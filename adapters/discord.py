@@ -20,6 +20,7 @@ to the fake Discord of ``tests/fakes/discord_server.py``; it logs a warning when
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 import os
@@ -64,6 +65,9 @@ def default_intents() -> discord.Intents:
 
 def build_client(config: DiscordConfig, intents: discord.Intents) -> discord.Client:
     """A plain client, or with ``shard_count`` the auto-sharded one running ``shard_ids`` (all when unset)."""
+    # The bot never joins voice: discord.py's start-up warnings about voice libraries are noise here.
+    discord.VoiceClient.warn_nacl = False
+    discord.VoiceClient.warn_dave = False
     if config.shard_count is None:
         return discord.Client(intents=intents, allowed_mentions=NO_PINGS)
     sharding: dict[str, Any] = {"shard_count": config.shard_count}
@@ -232,7 +236,14 @@ class DiscordAdapter:
         else:
             await self.tree.sync()
 
-    async def close(self) -> None:
+    async def close(self, grace: float = 10.0) -> None:
+        """Let replies and commands in flight finish (at most ``grace`` seconds), then disconnect:
+        ``Client.close`` alone would cut their requests off mid-send."""
+        current = asyncio.current_task()
+        handlers = [t for t in asyncio.all_tasks() if t is not current and not t.done()
+                    and (t.get_name().startswith("discord.py: on_") or t.get_name() == "CommandTree-invoker")]
+        if handlers:
+            await asyncio.wait(handlers, timeout=grace)
         await self.bot.close()
 
     # -- messages --------------------------------------------------------------------------------
