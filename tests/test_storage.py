@@ -245,3 +245,30 @@ async def test_a_cancelled_transaction_leaves_the_connection_usable(storage: Sto
     async with storage.db.transaction() as db:  # and the next one works
         await db.execute("INSERT INTO settings (key, value, updated_at) VALUES ('next', 'ok', 0)")
     assert await storage.get_setting("next") == "ok"
+
+
+async def test_an_upgrade_keeps_every_row(db_url: str) -> None:
+    """A database made by the previous release (migrations 1-4) with data in it: the upgrade adds what is
+    new and loses nothing."""
+    from bot.storage import open_storage
+
+    old = await open_storage(db_url, migrations=MIGRATIONS[:4])
+    assert await old.migrate() == [1, 2, 3, 4]
+    ann = await old.upsert_user("console:ann", "Ann")
+    channel = await old.upsert_channel("console:c", "c", is_dm=True)
+    said = [await old.add_message(channel.id, ann.id, "Cora", "user", "Ann", f"message {i}", 3) for i in range(3)]
+    await old.add_summary(channel.id, "Ann said three things", said[0].id, said[2].id, 5, "m")
+    job = await old.enqueue_job("summary", "channel:1", {"channel_id": 1}, 3)
+    await old.set_setting("memory.weights", '{"vector": 0.9}')
+    await old.close()
+    new = await open_storage(db_url)
+    try:
+        assert await new.pending_migrations() == [5]
+        assert await new.migrate() == [5]
+        assert [m.text for m in reversed(await new.recent_messages(channel.id, 10))] == [m.text for m in said]
+        assert (await new.latest_summary(channel.id)).text == "Ann said three things"
+        assert (await new.get_job(job.id)).status == "queued"
+        assert await new.get_setting("memory.weights") == '{"vector": 0.9}'
+        assert (await new.get_user("console:ann")).id == ann.id
+    finally:
+        await new.close()
