@@ -1,17 +1,25 @@
 """The terminal adapter: chat with a persona on stdin/stdout.
 
-Works interactively (a prompt, streamed replies) and with piped input (one message per line; at end
-of input it waits a bounded time for background jobs, then exits). Lines starting with ``!`` are
-commands. Failures print one line to stderr, never a traceback; the user's message stays stored.
+Works interactively (a prompt with line editing and history by prompt-toolkit, streamed replies; Ctrl-C
+stops the reply being written, or clears the line at the prompt; Ctrl-D quits) and with piped input
+(one message per line; at end of input it waits a bounded time for background jobs, then exits).
+Lines starting with ``!`` are commands. Failures print one line to stderr, never a traceback; the
+user's message stays stored.
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import threading
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
+
+import platformdirs
+from prompt_toolkit import PromptSession
+from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 
 from bot.app import App
 from bot.commands import Attachment, CommandContext
@@ -44,6 +52,7 @@ class TerminalAdapter:
         self.interactive = self.stdin.isatty()
         self.export_dir = Path(export_dir) if export_dir else Path.cwd()
         self.failures = 0
+        self._session: PromptSession[str] | None = None
 
     @property
     def channel_id(self) -> str:
@@ -62,10 +71,27 @@ class TerminalAdapter:
 
     async def _read_line(self) -> str | None:
         if self.interactive:
-            self.stdout.write("you › ")
-            self.stdout.flush()
+            return await self._prompt()
         line = await self._readline_in_thread()
         return None if line == "" else printable(line.rstrip("\r\n"))
+
+    async def _prompt(self) -> str | None:
+        """One line typed at the prompt (editing, and arrow keys through the history); None on Ctrl-D."""
+        if self._session is None:
+            history_file = Path(platformdirs.user_data_dir("cortex-bot", appauthor=False)) / "terminal-history"
+            try:
+                history_file.parent.mkdir(parents=True, exist_ok=True)
+                history: History = FileHistory(str(history_file))
+            except OSError:
+                history = InMemoryHistory()
+            self._session = PromptSession(history=history)
+        while True:
+            try:
+                return printable(await self._session.prompt_async("you › "))
+            except KeyboardInterrupt:  # Ctrl-C at the prompt clears the line, as in a shell
+                continue
+            except EOFError:
+                return None
 
     async def _readline_in_thread(self) -> str:
         """Read one line without blocking the loop. A daemon thread, not the default executor: a
@@ -113,7 +139,8 @@ class TerminalAdapter:
             await self.handle_line(line)
         if self.interactive:
             self.stdout.write("\n")
-        return 1 if self.failures else 0
+        # Piped input reports failed messages in the exit status; Ctrl-D at a prompt is simply "quit".
+        return 1 if self.failures and not self.interactive else 0
 
     async def run_command(self, line: str) -> None:
         reply = await self.app.commands.dispatch(line, self._context())
@@ -174,6 +201,33 @@ class TerminalAdapter:
             self.failures += 1
             self._error(exc.user_message)
             return
+        if self.interactive:
+            await self._interruptible(self._show_reply(stream))
+        else:
+            await self._show_reply(stream)
+
+    async def _interruptible(self, work: Awaitable[None]) -> None:
+        """Run ``work`` so that Ctrl-C stops it (the reply being written), not the whole chat."""
+        loop = asyncio.get_running_loop()
+        main = asyncio.current_task()
+        task = asyncio.ensure_future(work)
+        try:
+            loop.add_signal_handler(signal.SIGINT, task.cancel)
+        except (NotImplementedError, RuntimeError):  # pragma: no cover - not Unix
+            await task
+            return
+        try:
+            await task
+        except asyncio.CancelledError:
+            if main is not None and main.cancelling():
+                raise
+            self.stdout.write("\n(reply stopped; your message was kept)\n")
+            self.stdout.flush()
+        finally:
+            if main is not None:
+                loop.add_signal_handler(signal.SIGINT, main.cancel)
+
+    async def _show_reply(self, stream: Any) -> None:
         started = False
         try:
             async for delta in stream:

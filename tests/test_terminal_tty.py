@@ -1,0 +1,86 @@
+"""The interactive terminal on a real pseudo-terminal: line editing and history, Ctrl-C stops the reply
+being written (not the chat), Ctrl-D quits with status 0."""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fakes.llm_server import FakeLLMServer, FakeResponse, RecordedRequest
+from tests.test_cli import API_KEY, BIN, db_rows, write_config
+
+
+class Tty:
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        pid, fd = pty.fork()
+        if pid == 0:  # the child: the chat, on the pseudo-terminal as its controlling terminal
+            os.execve(argv[0], argv, env)
+        self.pid, self.fd, self.seen = pid, fd, b""
+
+    def expect(self, text: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while text.encode() not in self.seen:
+            remaining = deadline - time.monotonic()
+            assert remaining > 0, f"{text!r} did not appear; the screen so far: {self.seen[-600:]!r}"
+            ready, _, _ = select.select([self.fd], [], [], remaining)
+            if ready:
+                try:
+                    self.seen += os.read(self.fd, 4096)
+                except OSError:
+                    break
+        assert text.encode() in self.seen, self.seen[-600:]
+
+    def send(self, keys: str) -> None:
+        os.write(self.fd, keys.encode())
+
+    def mark(self) -> None:
+        self.seen = b""
+
+    def wait(self, timeout: float = 30.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                return os.waitstatus_to_exitcode(status)
+            select.select([self.fd], [], [], 0.1)
+            try:
+                self.seen += os.read(self.fd, 4096)
+            except OSError:
+                pass
+        os.kill(self.pid, signal.SIGKILL)
+        raise AssertionError(f"the chat did not exit; the screen: {self.seen[-600:]!r}")
+
+
+@pytest.mark.slow
+def test_editing_history_ctrl_c_and_ctrl_d(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    def respond(request: RecordedRequest) -> FakeResponse:
+        text = request.last_user_text()
+        return FakeResponse.text(f"echo: {text}", delay=60 if "slow" in text else 0)
+
+    fake_llm.responder = respond
+    config = write_config(tmp_path, fake_llm)
+    env = {**os.environ, "CB_TEST_API_KEY": API_KEY, "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1", "XDG_DATA_HOME": str(tmp_path / "data")}
+    chat = Tty([str(BIN / "cortexbot"), "--config", str(config), "chat", "--user", "ann"], env)
+    chat.expect("you ›")
+    chat.send("helo\x1b[Dl\r")  # a typo mended with the left arrow: no escape sequence reaches the message
+    chat.expect("Cora: echo: hello")
+    chat.mark()
+    chat.send("\x1b[A\r")  # the up arrow brings the last line back
+    chat.expect("Cora: echo: hello")
+    chat.mark()
+    chat.send("a slow question\r")
+    time.sleep(1.0)
+    chat.send("\x03")  # Ctrl-C while the reply is being written: that reply stops, the chat goes on
+    chat.expect("(reply stopped; your message was kept)")
+    chat.expect("you ›")
+    chat.send("partial line\x03")  # Ctrl-C at the prompt clears the line
+    chat.send("\x04")  # Ctrl-D quits
+    assert chat.wait() == 0
+    users = [r[0] for r in db_rows(tmp_path, "SELECT text FROM messages WHERE role = 'user' ORDER BY id")]
+    assert users == ["hello", "hello", "a slow question"]
