@@ -42,17 +42,22 @@ class Tty:
     def mark(self) -> None:
         self.seen = b""
 
+    def after(self, text: str) -> None:
+        """Forget the screen up to ``text``: the next expect waits for what comes after it."""
+        self.seen = self.seen.split(text.encode(), 1)[1]
+
     def wait(self, timeout: float = 30.0) -> int:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
             if pid:
                 return os.waitstatus_to_exitcode(status)
-            select.select([self.fd], [], [], 0.1)
-            try:
-                self.seen += os.read(self.fd, 4096)
-            except OSError:
-                pass
+            ready, _, _ = select.select([self.fd], [], [], 0.1)
+            if ready:  # never a blocking read: the chat may have nothing more to say
+                try:
+                    self.seen += os.read(self.fd, 4096)
+                except OSError:
+                    pass
         os.kill(self.pid, signal.SIGKILL)
         raise AssertionError(f"the chat did not exit; the screen: {self.seen[-600:]!r}")
 
@@ -78,8 +83,12 @@ def test_editing_history_ctrl_c_and_ctrl_d(tmp_path: Path, fake_llm: FakeLLMServ
     time.sleep(1.0)
     chat.send("\x03")  # Ctrl-C while the reply is being written: that reply stops, the chat goes on
     chat.expect("(reply stopped; your message was kept)")
-    chat.expect("you ›")
+    chat.after("(reply stopped; your message was kept)")
+    chat.expect("you ›")  # a new prompt, ready for keys
     chat.send("partial line\x03")  # Ctrl-C at the prompt clears the line
+    chat.expect("partial line")
+    chat.after("partial line")
+    chat.expect("you ›")
     chat.send("\x04")  # Ctrl-D quits
     assert chat.wait() == 0
     users = [r[0] for r in db_rows(tmp_path, "SELECT text FROM messages WHERE role = 'user' ORDER BY id")]
