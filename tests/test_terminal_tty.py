@@ -70,7 +70,8 @@ def test_editing_history_ctrl_c_and_ctrl_d(tmp_path: Path, fake_llm: FakeLLMServ
 
     fake_llm.responder = respond
     config = write_config(tmp_path, fake_llm)
-    env = {**os.environ, "CB_TEST_API_KEY": API_KEY, "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1", "XDG_DATA_HOME": str(tmp_path / "data")}
+    env = {**os.environ, "CB_TEST_API_KEY": API_KEY, "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1",
+           "XDG_DATA_HOME": str(tmp_path / "data")}
     chat = Tty([str(BIN / "cortexbot"), "--config", str(config), "chat", "--user", "ann"], env)
     chat.expect("you ›")
     chat.send("helo\x1b[Dl\r")  # a typo mended with the left arrow: no escape sequence reaches the message
