@@ -15,7 +15,7 @@ import asyncio
 import inspect
 import json
 import time
-from collections.abc import Awaitable, Iterable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -237,3 +237,13 @@ class Deadline:
                 awaitable.close()
             raise LLMTimeout(f"{self.provider}: no complete answer within {self.seconds:g} s "
                              "(llm.timeout_seconds, retries included)") from None
+
+    async def each(self, items: AsyncIterable[T]) -> AsyncIterator[T]:
+        """The items of a stream, each awaited within what is left of the deadline."""
+        iterator = aiter(items)
+        while True:
+            try:
+                item = await self.run(anext(iterator))
+            except StopAsyncIteration:
+                return
+            yield item

@@ -348,12 +348,7 @@ class AnthropicProvider:
             deadline = Deadline(self._deadline, "anthropic")
             events = await deadline.run(self._client.messages.create(**self._params(request), stream=True))
             async with events:
-                iterator = aiter(events)
-                while True:
-                    try:
-                        event = await deadline.run(anext(iterator))
-                    except StopAsyncIteration:
-                        break
+                async for event in deadline.each(events):
                     text = accumulator.feed(event)
                     if text:
                         yield TextDelta(text)

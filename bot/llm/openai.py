@@ -313,12 +313,7 @@ class OpenAICompatProvider:
                 **self._params(request), stream=True, stream_options={"include_usage": True}
             ))
             async with chunks:
-                iterator = aiter(chunks)
-                while True:
-                    try:
-                        chunk = await deadline.run(anext(iterator))
-                    except StopAsyncIteration:
-                        break
+                async for chunk in deadline.each(chunks):
                     text = accumulator.feed(chunk)
                     if text:
                         yield TextDelta(text)

@@ -12,10 +12,14 @@ Times are UNIX seconds (floating point) in both engines; the repositories speak 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
+
+log = logging.getLogger(__name__)
 
 Row = Any  # sqlite3.Row or asyncpg.Record: both index by position and by column name
 Dialect = Literal["sqlite", "postgres"]
@@ -123,3 +127,24 @@ def is_conflict(exc: BaseException) -> bool:
     """Whether a write failed on a unique constraint (either engine's driver)."""
     return type(exc).__name__ in ("IntegrityError", "UniqueViolationError") and (
         "UNIQUE" in str(exc).upper() or type(exc).__name__ == "UniqueViolationError")
+
+
+async def apply_migrations(db: Database, migrations: Sequence[Migration], *, lock: str = "") -> list[int]:
+    """Apply each pending migration in a transaction of its own (after ``lock``, a statement that makes
+    other processes wait: they then find the version applied and skip it); return the versions applied."""
+    applied: list[int] = []
+    for migration in migrations:
+        async with db.transaction() as tx:
+            if lock:
+                await tx.execute(lock)
+            if await tx.fetch_one("SELECT 1 FROM schema_version WHERE version = ?", (migration.version,)):
+                continue
+            for statement in migration.statements(db.dialect):
+                await tx.execute(statement)
+            await tx.execute(
+                "INSERT INTO schema_version (version, description, applied_at) VALUES (?, ?, ?)",
+                (migration.version, migration.description, time.time()),
+            )
+        log.info("applied migration %d: %s", migration.version, migration.description)
+        applied.append(migration.version)
+    return applied

@@ -16,14 +16,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from bot.storage.engine import Migration, Row, StorageCaches, StorageError
+from bot.storage.engine import Migration, Row, StorageCaches, StorageError, apply_migrations
 
 if TYPE_CHECKING:
     import asyncpg
@@ -227,19 +226,5 @@ class PostgresDatabase:
 
     async def migrate(self, migrations: Sequence[Migration]) -> list[int]:
         await self._schema_table()
-        applied: list[int] = []
-        for migration in migrations:
-            async with self.transaction() as tx:
-                # Every process waits here for the one migrating; then it finds the version applied.
-                await tx.execute(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK})")
-                if await tx.fetch_one("SELECT 1 FROM schema_version WHERE version = ?", (migration.version,)):
-                    continue
-                for statement in migration.statements(self.dialect):
-                    await tx.execute(statement)
-                await tx.execute(
-                    "INSERT INTO schema_version (version, description, applied_at) VALUES (?, ?, ?)",
-                    (migration.version, migration.description, time.time()),
-                )
-            log.info("applied migration %d: %s", migration.version, migration.description)
-            applied.append(migration.version)
-        return applied
+        # Every process waits at the lock for the one migrating; then it finds the version applied.
+        return await apply_migrations(self, migrations, lock=f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK})")

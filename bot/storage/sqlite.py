@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import sqlite3
-import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any, Literal
 
 import aiosqlite
 
-from bot.storage.engine import Migration, Row, StorageCaches, StorageError
+from bot.storage.engine import Migration, Row, StorageCaches, StorageError, apply_migrations
 
 log = logging.getLogger(__name__)
 
@@ -169,21 +168,8 @@ class SQLiteDatabase:
         return [int(r["version"]) for r in await self.fetch_all("SELECT version FROM schema_version ORDER BY 1")]
 
     async def migrate(self, migrations: Sequence[Migration]) -> list[int]:
-        applied: list[int] = []
-        for migration in migrations:
-            async with self.transaction() as tx:
-                # Re-check inside the write lock: another process may have just applied it.
-                if await tx.fetch_one("SELECT 1 FROM schema_version WHERE version = ?", (migration.version,)):
-                    continue
-                for statement in migration.statements(self.dialect):
-                    await tx.execute(statement)
-                await tx.execute(
-                    "INSERT INTO schema_version (version, description, applied_at) VALUES (?, ?, ?)",
-                    (migration.version, migration.description, time.time()),
-                )
-            log.info("applied migration %d: %s", migration.version, migration.description)
-            applied.append(migration.version)
-        return applied
+        # BEGIN IMMEDIATE takes SQLite's write lock: another process migrating at once waits, then skips.
+        return await apply_migrations(self, migrations)
 
     @property
     def in_transaction(self) -> bool:
