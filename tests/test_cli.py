@@ -232,6 +232,11 @@ def test_doctor_reports_what_is_wrong(tmp_path: Path, fake_llm: FakeLLMServer) -
     assert "model test-model: not offered by the server (it offers: other-model)" in wrong_model.stdout
     no_key = cortexbot("--config", str(config), "doctor", env={"CB_TEST_API_KEY": ""})
     assert no_key.returncode == 1 and "CB_TEST_API_KEY is not set" in no_key.stdout
+    fake_llm.models_missing = True
+    unlisted = cortexbot("--config", str(config), "doctor")
+    assert unlisted.returncode == 0, unlisted.stdout
+    assert "does not list its models (HTTP 404)" in unlisted.stdout and "<html" not in unlisted.stdout
+    fake_llm.models_missing = False
     fake_llm.stop()
     down = cortexbot("--config", str(config), "doctor")
     assert down.returncode == 1 and "cannot be reached" in down.stdout

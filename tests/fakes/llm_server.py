@@ -501,6 +501,7 @@ class FakeLLMServer:
         self.port = port
         self.responder: Responder = echo_responder
         self.models: list[str] = list(DEFAULT_MODELS)
+        self.models_missing = False  # GET /v1/models answers 404 with an HTML page
         self.embedding_dim = 8
         self._requests: list[RecordedRequest] = []
         self._queue: collections.deque[FakeResponse] = collections.deque()
@@ -636,6 +637,7 @@ class FakeLLMServer:
             self._embedding_queue.clear()
             self.responder = echo_responder
             self.models = list(DEFAULT_MODELS)
+            self.models_missing = False
             self.embedding_dim = 8
 
     def wait_for(
@@ -770,6 +772,10 @@ class FakeLLMServer:
         return web.json_response({"input_tokens": max(1, len(json.dumps(recorded.body)) // 4)})
 
     async def _handle_models(self, request: web.Request) -> web.StreamResponse:
+        if self.models_missing:  # a server that chats but lists no models, answering with an HTML page
+            return web.Response(status=404, content_type="text/html",
+                                text="<html><head><title>404 Not Found</title></head><body><h1>Not Found</h1>"
+                                     "<p>The requested URL was not found on this server.</p></body></html>")
         if "anthropic-version" in request.headers:
             await self._record(request, "anthropic")
             data: list[dict[str, Any]] = [
