@@ -93,3 +93,17 @@ async def test_a_database_newer_than_the_code_is_refused(storage: Storage) -> No
     await storage.db.write("INSERT INTO schema_version (version, description, applied_at) VALUES (999, 'x', 0)")
     with pytest.raises(StorageError, match="upgraded by a newer cortex-bot .*version 999"):
         await storage.migrate()
+
+
+async def test_every_pooled_connection_searches_vectors_with_iterative_scans(pg_url: str) -> None:
+    """The settings survive the pool's RESET ALL between uses (a plain SET would not)."""
+    storage = await open_storage(pg_url)
+    try:
+        for _ in range(3):
+            async with storage.db.transaction() as tx:
+                await tx.execute("SET hnsw.ef_search = 10")  # whatever one use changed ...
+            row = await storage.db.fetch_one("SELECT current_setting('hnsw.iterative_scan'),"
+                                             " current_setting('hnsw.ef_search')")
+            assert tuple(row) == ("relaxed_order", "200")  # ... the next use starts afresh
+    finally:
+        await storage.close()

@@ -209,10 +209,11 @@ class MemoryRepository:
             )
         return [int(c) for c in row] if row else [0] * len(terms)
 
-    def _pg_rank(self, terms: Mapping[str, float], first: int) -> tuple[str, list[str]]:
+    def _pg_rank(self, terms: Mapping[str, float], first: int, config: str) -> tuple[str, list[str]]:
         """``-(Σ weight × ts_rank(ts, word))`` over the query words (numbered from ``$first``) and the
-        tsquery texts (one per word, in the persona's configuration ``cfg``)."""
-        parts = [f"{float(w):.6f} * ts_rank(m.ts, to_tsquery(cfg.c, ${first + n}), 1)"
+        tsquery texts (one per word). Each tsquery is an uncorrelated scalar subquery in the language
+        configuration ``config``, so PostgreSQL computes it once per query, not once per matching row."""
+        parts = [f"{float(w):.6f} * ts_rank(m.ts, (SELECT to_tsquery({config}, ${first + n})), 1)"
                  for n, w in enumerate(terms.values())]
         return "-(" + " + ".join(parts) + ")", [tsquery([t]) for t in terms]
 
@@ -229,11 +230,11 @@ class MemoryRepository:
                 f" ORDER BY {order} LIMIT ?",
                 (" OR ".join(terms), pair_id, now, limit),
             )
-        rank, words = self._pg_rank(terms, 5)
+        config = "cortex_ts_config((SELECT persona FROM cortex_pairs WHERE id = $1))"
+        rank, words = self._pg_rank(terms, 5, config)
         return await self.db.fetch_all(
-            "WITH cfg AS (SELECT cortex_ts_config((SELECT persona FROM cortex_pairs WHERE id = $1)) AS c)"
-            f" SELECT {ITEM_COLUMNS_M}, {rank} AS rank FROM memory_items AS m, cfg"
-            " WHERE m.ts @@ to_tsquery(cfg.c, $3) AND m.pair_id = $1 AND m.archived_at IS NULL"
+            f"SELECT {ITEM_COLUMNS_M}, {rank} AS rank FROM memory_items AS m"
+            f" WHERE m.ts @@ (SELECT to_tsquery({config}, $3)) AND m.pair_id = $1 AND m.archived_at IS NULL"
             " AND m.superseded_by IS NULL AND (m.expires_at IS NULL OR m.expires_at > $2)"
             f" ORDER BY {'m.id DESC' if newest else 'rank'} LIMIT $4",
             (pair_id, now, tsquery(list(terms)), limit, *words),
@@ -251,11 +252,11 @@ class MemoryRepository:
                 f" WHERE messages_fts MATCH ? AND m.user_id = ? AND m.persona = ? ORDER BY {order} LIMIT ?",
                 (" OR ".join(terms), user_id, persona, limit),
             )
-        rank, words = self._pg_rank(terms, 5)
+        config = "cortex_ts_config($2)"
+        rank, words = self._pg_rank(terms, 5, config)
         return await self.db.fetch_all(
-            "WITH cfg AS (SELECT cortex_ts_config($2) AS c)"
-            f" SELECT {MESSAGE_HIT_COLUMNS}, {rank} AS rank FROM messages AS m JOIN channels AS c"
-            " ON c.id = m.channel_id, cfg WHERE m.ts @@ to_tsquery(cfg.c, $3) AND m.user_id = $1 AND m.persona = $2"
+            f"SELECT {MESSAGE_HIT_COLUMNS}, {rank} AS rank FROM messages AS m JOIN channels AS c ON c.id = m.channel_id"
+            f" WHERE m.ts @@ (SELECT to_tsquery({config}, $3)) AND m.user_id = $1 AND m.persona = $2"
             f" ORDER BY {'m.id DESC' if newest else 'rank'} LIMIT $4",
             (user_id, persona, tsquery(list(terms)), limit, *words),
         )

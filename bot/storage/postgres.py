@@ -33,6 +33,7 @@ MIGRATION_LOCK = 0x636F7274  # "cort": the advisory lock every process takes to 
 POOL_MIN = 1
 POOL_MAX = 10
 CONNECT_TIMEOUT = 10.0
+VECTOR_SETTINGS = {"hnsw.iterative_scan": "relaxed_order", "hnsw.ef_search": "200"}
 _PLACEHOLDER = re.compile(r"'(?:[^']|'')*'|\?")
 
 
@@ -130,6 +131,10 @@ class PostgresDatabase:
             self._pool = await asyncpg.create_pool(
                 self._dsn, password=self._password, min_size=min(self._min_size, self._max_size),
                 max_size=self._max_size, timeout=CONNECT_TIMEOUT, init=self._init_connection, command_timeout=300,
+                # Startup settings, so the pool's RESET ALL on every release keeps them (a SET would not last):
+                # filtered k-NN over an HNSW index goes on scanning until enough rows pass the filter, and
+                # looks at enough neighbours for the candidates a search asks for.
+                server_settings=VECTOR_SETTINGS,
             )
         except StorageError:
             raise
@@ -163,8 +168,6 @@ class PostgresDatabase:
         from pgvector.asyncpg import register_vector
 
         await register_vector(conn)
-        # Filtered k-NN over an HNSW index goes on scanning until enough rows pass the filter.
-        await conn.execute("SET hnsw.iterative_scan = relaxed_order")
 
     async def sibling(self) -> PostgresDatabase:
         """The same pool (a pool already gives background work connections of its own)."""
