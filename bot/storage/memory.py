@@ -324,7 +324,8 @@ class MemoryRepository:
             try:
                 await self.db.write(
                     f"CREATE INDEX IF NOT EXISTS {table}_hnsw_{dims} ON {table} USING hnsw"
-                    f" (({column}::vector({dims})) vector_cosine_ops) WHERE vector_dims({column}) = {dims}"
+                    f" (({column}::vector({dims})) vector_cosine_ops) WITH (m = 32, ef_construction = 128)"
+                    f" WHERE vector_dims({column}) = {dims}"
                 )
             except Exception as exc:  # another process created it at the same moment
                 if not is_conflict(exc) and "already exists" not in str(exc):
