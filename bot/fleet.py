@@ -19,7 +19,7 @@ import uuid
 from typing import Any
 
 from bot.storage.core import Storage
-from bot.storage.fleet import ProcessInfo, QueueStats
+from bot.storage.fleet import ProcessInfo
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +75,6 @@ class Fleet:
 
     async def live(self) -> list[ProcessInfo]:
         return await self.storage.fleet.live_processes()
-
-    async def queue(self) -> QueueStats:
-        return await self.storage.fleet.queue_stats()
 
     async def leave(self) -> None:
         """Release the locks and remove the heartbeat row (a clean stop)."""

@@ -85,14 +85,6 @@ class Storage:
         self.memory = MemoryRepository(db)
         self.fleet = FleetRepository(db)
 
-    @property
-    def dialect(self) -> str:
-        return self.db.dialect
-
-    @property
-    def caches(self) -> Any:
-        return self.db.caches
-
     async def sibling(self) -> Storage:
         """A second handle on the same database sharing caches (see ``Database.sibling``)."""
         return Storage(await self.db.sibling(), migrations=self._migrations)

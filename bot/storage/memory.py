@@ -46,6 +46,7 @@ TYPICAL_SAMPLE = 2000  # vectors a PostgreSQL query's typical similarity is esti
 TYPICAL_MIN = 30  # below this many vectors, the lowest similarity is the typical level (as in the numpy scan)
 
 FtsTable = Literal["memory_fts", "messages_fts"]
+FTS_SOURCE: dict[str, str] = {"memory_fts": "memory_items", "messages_fts": "messages"}  # PostgreSQL's tables
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,9 +184,11 @@ class MemoryRepository:
 
     async def fts_size(self, table: FtsTable) -> int:
         """A cheap upper bound of the rows a full-text table covers."""
-        source = {"memory_fts": "memory_items", "messages_fts": "messages"}[table]
-        name = table if self.db.dialect == "sqlite" else source
-        row = await self.db.fetch_one(f"SELECT coalesce(max({'rowid' if name == table else 'id'}), 0) FROM {name}")
+        if self.db.dialect == "sqlite":
+            sql = f"SELECT coalesce(max(rowid), 0) FROM {table}"
+        else:  # the tsvector lives on the source table itself
+            sql = f"SELECT coalesce(max(id), 0) FROM {FTS_SOURCE[table]}"
+        row = await self.db.fetch_one(sql)
         return int(row[0]) if row else 0
 
     async def fts_term_counts(
@@ -198,10 +201,8 @@ class MemoryRepository:
                 f"(SELECT count(*) FROM (SELECT 1 FROM {table} WHERE {table} MATCH ? LIMIT {cap}))" for _ in terms)
             row = await self.db.fetch_one(sql, list(terms))
         else:
-            source = {"memory_fts": "memory_items", "messages_fts": "messages"}[table]
-            sql = "SELECT " + ", ".join(
-                f"(SELECT count(*) FROM (SELECT 1 FROM {source} WHERE ts @@ to_tsquery(cfg.c, ?) LIMIT {cap}) t)"
-                for _ in terms)
+            count = f"(SELECT count(*) FROM (SELECT 1 FROM {FTS_SOURCE[table]} WHERE ts @@ to_tsquery(cfg.c, ?)"
+            sql = "SELECT " + ", ".join(f"{count} LIMIT {cap}) t)" for _ in terms)
             row = await self.db.fetch_one(
                 "WITH cfg AS (SELECT cortex_ts_config(coalesce(CAST(? AS TEXT),"
                 f" (SELECT persona FROM cortex_pairs WHERE id = ?))) AS c) {sql} FROM cfg",

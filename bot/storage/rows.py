@@ -19,10 +19,6 @@ def dt(value: float) -> datetime:
     return datetime.fromtimestamp(float(value), tz=UTC)
 
 
-def maybe_dt(value: float | None) -> datetime | None:
-    return None if value is None else dt(value)
-
-
 def message_from_row(row: Row) -> StoredMessage:
     """A message from a row of ``MESSAGE_COLUMNS``, in that order."""
     return StoredMessage(int(row[0]), int(row[1]), None if row[2] is None else int(row[2]), row[3], row[4], row[5],
