@@ -10,16 +10,19 @@ user's message stays stored.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import sys
 import threading
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
 import platformdirs
 from prompt_toolkit import PromptSession
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
+from prompt_toolkit.patch_stdout import patch_stdout
 
 from bot.app import App
 from bot.commands import Attachment, CommandContext
@@ -29,6 +32,45 @@ from bot.ports import IncomingMessage
 from bot.text import printable
 
 PLATFORM = "console"
+
+
+class _Held(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextmanager
+def logs_held() -> Iterator[None]:
+    """While a reply is written, log records wait and are printed after it: a log line from a background
+    job never lands in the middle of the persona's sentence."""
+    root = logging.getLogger()
+    handlers, held = root.handlers[:], _Held()
+    root.handlers = [held]
+    try:
+        yield
+    finally:
+        root.handlers = handlers
+        for record in held.records:
+            for handler in handlers:
+                if record.levelno >= handler.level:
+                    handler.handle(record)
+
+
+@contextmanager
+def logs_above_prompt() -> Iterator[None]:
+    """While the prompt waits for a line, log lines are printed above it instead of through it."""
+    with patch_stdout(raw=True):
+        swapped = [(handler, handler.setStream(sys.stderr)) for handler in logging.getLogger().handlers
+                   if type(handler) is logging.StreamHandler]
+        try:
+            yield
+        finally:
+            for handler, stream in swapped:
+                handler.setStream(stream)
 
 
 class TerminalAdapter:
@@ -87,7 +129,9 @@ class TerminalAdapter:
             self._session = PromptSession(history=history)
         while True:
             try:
-                return printable(await self._session.prompt_async("you › "))
+                with logs_above_prompt():
+                    line = await self._session.prompt_async("you › ")
+                return printable(line)
             except KeyboardInterrupt:  # Ctrl-C at the prompt clears the line, as in a shell
                 continue
             except EOFError:
@@ -228,6 +272,10 @@ class TerminalAdapter:
                 loop.add_signal_handler(signal.SIGINT, main.cancel)
 
     async def _show_reply(self, stream: Any) -> None:
+        with logs_held():
+            await self._write_reply(stream)
+
+    async def _write_reply(self, stream: Any) -> None:
         started = False
         try:
             async for delta in stream:

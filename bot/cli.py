@@ -19,6 +19,7 @@ import click
 from bot.config import Config, ConfigError, check_storage_url, load_config, read_secret, resolve_config_path
 from bot.llm.errors import LLMError
 from bot.storage import StorageError
+from bot.text import plural
 
 if TYPE_CHECKING:
     from bot.storage.copy import CopyReport
@@ -422,14 +423,14 @@ def doctor(ctx: click.Context) -> None:
     console.print("[green]All checks passed.[/green]")
 
 
-async def _doctor_embedder(config: Config, report: Callable[..., None]) -> None:
-    """Load the memory embedder and embed one text, as the backfill would."""
+async def _doctor_embedder(config: Config, report: Callable[..., None]) -> str | None:
+    """Load the memory embedder and embed one text, as the backfill would; returns its name."""
     from cortex.memory.embedders import EmbedderError
     from cortex.memory.embedding import build_embedders
 
     if config.memory.embedder == "none":
         report(True, "embedder", "none: memory search uses full text only")
-        return
+        return None
     try:
         embedders = build_embedders(config.memory)
         assert embedders is not None
@@ -437,8 +438,32 @@ async def _doctor_embedder(config: Config, report: Callable[..., None]) -> None:
         vectors = await asyncio.wait_for(asyncio.to_thread(embedders[0].embed, ["doctor probe"]), timeout=60)
         took = (time.monotonic() - started) * 1000
         report(True, "embedder", f"{embedders[0].name}, {vectors.shape[1]} dimensions, first text in {took:.0f} ms")
+        return embedders[0].name
     except (EmbedderError, ValueError, TimeoutError, OSError) as exc:
         report(False, "embedder", str(exc) or "no answer (timed out)")
+        return None
+
+
+async def _doctor_backlog(config: Config, embedder: str, report: Callable[..., None]) -> None:
+    """How much memory is still waiting to be embedded (searchable by meaning only once it is)."""
+    from bot.storage import open_storage
+    from cortex.memory.embedding import message_model
+
+    url, password = config.storage.resolve()
+    storage = await open_storage(url, password=password, pool_size=1)
+    try:
+        items, items_done, messages, messages_done = await storage.memory.embedding_counts(
+            embedder, message_model(embedder), config.memory.embed_messages)
+    finally:
+        await storage.close()
+    total, waiting = items + messages, (items - items_done) + (messages - messages_done)
+    if not waiting:
+        report(True, "embedding backlog", f"none: all {plural(total, 'text')} are embedded")
+        return
+    report(True, "embedding backlog",
+           f"{plural(waiting, 'text')} of {total:,} waiting ({items - items_done:,} memory items, "
+           f"{messages - messages_done:,} messages); a running bot embeds them in the background "
+           "(progress: !cortex embedder)")
 
 
 STUCK_AFTER_SECONDS = 600.0
@@ -483,14 +508,18 @@ async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
                 await _doctor_queue(storage, report)
         finally:
             await storage.close()
+        database_ready = not pending
     except Exception as exc:
         report(False, "database", str(exc))
+        database_ready = False
     try:
         BPETokenEstimator().raw_count("probe")
         report(True, "tokenizer", "offline cl100k BPE loaded")
     except Exception as exc:
         report(False, "tokenizer", str(exc))
-    await _doctor_embedder(config, report)
+    embedder = await _doctor_embedder(config, report)
+    if embedder is not None and database_ready:
+        await _doctor_backlog(config, embedder, report)
 
     llm = config.llm
     if read_secret(llm.key_env_name) is None and not (llm.provider == "openai" and llm.base_url):

@@ -356,6 +356,10 @@ class ChatConfig(_Section):
     edit_interval_seconds: float = Field(default=1.2, ge=0.2, le=60, description="Least time between two edits.")
     rate_limit_per_minute: int = Field(default=12, ge=0, description="Messages a user may send per minute (0: off).")
     typing_indicator: bool = True
+    still_working_seconds: float = Field(
+        default=8.0, ge=0, le=600,
+        description="Post \"still working…\" when no reply text has come after this long (0: never); the reply "
+                    "then replaces it.")
 
 
 class AccessConfig(_Section):

@@ -10,6 +10,7 @@ user's message is already stored by then.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections.abc import Sequence
@@ -41,6 +42,15 @@ class ChatSink(MessageSink, Protocol):
         """Answer only the author (Discord: ephemeral; Matrix: a DM plus a short notice in the room)."""
 
 
+STILL_WORKING = "⏳ still working…"
+
+
+async def _stop(task: asyncio.Task[None] | None) -> None:
+    if task is not None and not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 def channel_persona_key(channel_key: str) -> str:
     return f"persona.channel.{channel_key}"
 
@@ -60,7 +70,7 @@ class Router:
         self.limiter = RateLimiter(config.chat.rate_limit_per_minute)
         commands.register(Command(
             "persona", "show the persona here, or pick one (in a DM for yourself; in a channel admins only)",
-            self._persona_command, usage="[name]",
+            self._persona_command, usage="[name…]",
         ))
 
     async def persona_for(self, inbound: Inbound) -> str:
@@ -119,15 +129,24 @@ class Router:
         except UserFacingError as exc:
             await sink.send_reply(CommandReply(exc.user_message))
             return
-        shown = StreamedReply(sink, self.config.chat.edit_interval_seconds, self.config.chat.streaming)
+        chat = self.config.chat
+        shown = StreamedReply(sink, chat.edit_interval_seconds, chat.streaming)
+        waiting = asyncio.create_task(shown.placeholder_after(chat.still_working_seconds, STILL_WORKING)) \
+            if chat.still_working_seconds else None
         try:
             async with sink.typing():
                 async for delta in stream:
                     await shown.feed(delta)
         except LLMError as exc:
-            await shown.finish()
-            await sink.send_reply(CommandReply(f"⚠️ {exc.user_message}"))
+            await _stop(waiting)
+            if shown.sent and not shown.text:  # the error takes the place of the "still working…" line
+                await shown.finish(fallback=f"⚠️ {exc.user_message}")
+            else:  # keep what was said so far, then say what went wrong
+                await shown.finish()
+                await sink.send_reply(CommandReply(f"⚠️ {exc.user_message}"))
             return
+        finally:
+            await _stop(waiting)
         await shown.finish()
 
     async def _persona_command(self, ctx: CommandContext, args: Sequence[str]) -> str:

@@ -47,17 +47,39 @@ class StreamedReply:
     _handle: Any = None
     _shown: str = ""  # what the current message shows
     _last_edit: float = field(default=float("-inf"))
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one send or edit at a time
     sent: list[Any] = field(default_factory=list)  # handles of every message, in order
+
+    @property
+    def text(self) -> str:
+        return self._text
 
     async def feed(self, delta: str) -> None:
         self._text += delta
         if self.streaming and self.clock() - self._last_edit >= self.interval:
-            await self._show(final=False)
+            async with self._lock:
+                await self._show(final=False)
 
-    async def finish(self) -> list[Any]:
-        """Show the whole reply (final edit, and any overflow messages); returns the message handles."""
-        await self._show(final=True)
+    async def finish(self, fallback: str = "") -> list[Any]:
+        """Show the whole reply (final edit, and any overflow messages); returns the message handles.
+        With no reply text at all, ``fallback`` (an error line) is shown instead, in place of a placeholder."""
+        async with self._lock:
+            if not self._text and fallback:
+                await self._put(fallback)
+            else:
+                await self._show(final=True)
         return self.sent
+
+    async def placeholder_after(self, delay: float, text: str) -> None:
+        """After ``delay`` seconds without any reply text, show ``text`` ("still working…"); the reply
+        then replaces it. Run as a task and cancel it when the reply is done."""
+        await self.sleep(delay)
+        await asyncio.shield(self._placeholder(text))  # a cancel must not cut a send in half
+
+    async def _placeholder(self, text: str) -> None:
+        async with self._lock:
+            if not self.sent and not self._text:
+                await self._put(text)
 
     async def _show(self, *, final: bool) -> None:
         pieces = split_message(self._text, self.sink.limit)

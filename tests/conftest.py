@@ -56,18 +56,22 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 async def storage(db_url: str) -> AsyncIterator[Storage]:
     """A migrated storage on each engine (the contract every engine keeps)."""
     store = await open_storage(db_url)
-    await store.migrate()
-    yield store
-    await store.close()
+    try:
+        await store.migrate()
+        yield store
+    finally:
+        await store.close()  # a failing migration must not leave the connection's thread behind
 
 
 @pytest_asyncio.fixture
 async def sqlite_storage(tmp_path: Path) -> AsyncIterator[Storage]:
     """A migrated SQLite storage (for what only that engine has: pragmas, its write lock, vector caches)."""
     store = await open_sqlite(tmp_path / "bot.db")
-    await store.migrate()
-    yield store
-    await store.close()
+    try:
+        await store.migrate()
+        yield store
+    finally:
+        await store.close()  # a failing migration must not leave the connection's thread behind
 
 
 @pytest.fixture

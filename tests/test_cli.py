@@ -390,6 +390,10 @@ def test_doctor_reports_a_stuck_job_queue(tmp_path: Path, fake_llm: FakeLLMServe
         job = await storage.enqueue_job("summary", "channel:1", {}, 3)
         assert job is not None
         await storage.db.write("UPDATE jobs SET created_at = created_at - 3600 WHERE id = ?", (job.id,))
+        user = await storage.upsert_user("console:ann", "Ann")
+        channel = await storage.upsert_channel("console:dm-ann", "dm", True)
+        for text in ("I moved to Lyon", "my cat is Pixel"):
+            await storage.add_message(channel.id, user.id, "Cora", "user", "Ann", text, 5)
         await storage.close()
 
     asyncio.run(old_job())
@@ -397,3 +401,4 @@ def test_doctor_reports_a_stuck_job_queue(tmp_path: Path, fake_llm: FakeLLMServe
     assert result.returncode == 1
     assert "✗ job queue: 1 queued, 0 running, 0 failed; 0 live bot process(es); the oldest queued job has waited" \
         in result.stdout and "no bot process is running to take it" in result.stdout
+    assert "✓ embedding backlog: 2 texts of 2 waiting (0 memory items, 2 messages)" in result.stdout

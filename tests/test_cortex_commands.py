@@ -287,3 +287,25 @@ async def test_an_oversized_memory_item_is_refused_with_the_limit(tmp_path: Path
         reply = (await run(app, "!memory remember " + "figs " * 20_000)).text
         assert "a memory item holds at most 2,000" in reply and "Remembered" not in reply
         assert "No memory items yet" in (await run(app, "!memory list")).text
+
+
+EXTRA_ARGUMENTS = [
+    ("!memory export now please", "!memory export takes no arguments (not 'now please')"),
+    ("!memory show memory.md soul.md", "!memory show takes at most 1 argument (not 'soul.md')"),
+    ("!memory forget 1 2 3", "!memory forget takes at most 1 argument (not '2 3')"),
+    ("!memory list facts 2 3", "!memory list takes at most 2 arguments (not '3')"),
+    ("!summary please", "!summary takes no arguments"),
+]
+
+
+@pytest.mark.parametrize(("line", "answer"), EXTRA_ARGUMENTS)
+async def test_extra_arguments_are_refused_not_ignored(tmp_path: Path, line: str, answer: str) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        reply = (await run(app, line)).text
+        assert reply.startswith(answer) and "Usage: !" in reply
+
+
+async def test_free_text_commands_take_any_number_of_words(tmp_path: Path) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        assert "Remembered" in (await run(app, "!memory remember Ann has two cats and one dog")).text
+        assert "two cats" in (await run(app, "!memory search two cats and one dog")).text

@@ -127,6 +127,12 @@ async def test_admin_commands_prune_weights_budgets_embedder_and_stats(tmp_path:
         assert app.cortex.memory.weights.vector == 0.7 and app.cortex.updater.memory.weights.text == 0.3
         budgets = (await run(app, "!cortex budgets", admin)).text
         assert "knowledge 800" in budgets and "spent today" in budgets
+        # every key it sends to the settings command is one that command takes
+        pointed = budgets.split("Change ", 1)[1].split(" here with !cortex settings")[0].split(", ")
+        assert pointed == ["daily_token_budget", "max_rounds"]
+        for key in pointed:
+            assert f"{key}: set to 7" in (await run(app, f"!cortex settings {key} 7", admin)).text
+        assert "bot_daily_token_budget, prompt_tokens" in budgets.split("; ")[-1]
         status = (await run(app, "!cortex embedder", admin)).text
         assert "hash-trigram-64" in status and "0 of 0 memory items" in status
         await app.cortex.memory.remember(pair, "Ann collects stamps")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -174,3 +175,57 @@ async def test_dm_memory_stays_out_of_group_channels_unless_the_server_allows(tm
         assert "set to on for server:discord:guild1" in allow.public[0].text
         await app.router.handle(inbound("hi again", mention=True), Sink())
         assert "my secret diagnosis" in llm.requests[-1].system
+
+
+class RecordingSink(Sink):
+    """Remembers every text it was asked to show, in order (sends and edits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shown: list[str] = []
+
+    async def send(self, text: str) -> int:
+        self.shown.append(text)
+        return await super().send(text)
+
+    async def edit(self, handle: int, text: str) -> None:
+        self.shown.append(text)
+        await super().edit(handle, text)
+
+
+def _slow_config(tmp_path: Path, streaming: bool = True):
+    config = _config(tmp_path)
+    chat = config.chat.model_copy(update={"still_working_seconds": 0.2, "streaming": streaming})
+    return config.model_copy(update={"chat": chat})
+
+
+async def test_a_slow_model_shows_still_working_then_the_reply_replaces_it(tmp_path: Path) -> None:
+    for streaming in (True, False):
+        llm = ScriptedProvider(delay=0.6)
+        llm.enqueue("Here is my answer.")
+        async with App(_slow_config(tmp_path / str(streaming), streaming), llm=llm) as app:
+            sink = RecordingSink()
+            await app.router.handle(inbound("hi", dm=True), sink)
+        assert sink.shown[0] == "⏳ still working…"
+        assert sink.messages == ["Here is my answer."]  # one message: the placeholder, edited
+        assert sink.public == []
+
+
+async def test_a_quick_model_never_shows_still_working(tmp_path: Path) -> None:
+    llm = ScriptedProvider()
+    llm.enqueue("Quick.")
+    async with App(_slow_config(tmp_path), llm=llm) as app:
+        sink = RecordingSink()
+        await app.router.handle(inbound("hi", dm=True), sink)
+        await asyncio.sleep(0.3)  # past the delay: the cancelled timer posts nothing late
+    assert sink.shown == ["Quick."] and sink.messages == ["Quick."]
+
+
+async def test_an_error_after_still_working_takes_its_place(tmp_path: Path) -> None:
+    llm = ScriptedProvider(delay=0.6)
+    llm.enqueue(LLMRateLimited("429"))
+    async with App(_slow_config(tmp_path), llm=llm) as app:
+        sink = RecordingSink()
+        await app.router.handle(inbound("hi", dm=True), sink)
+    assert sink.shown[0] == "⏳ still working…"
+    assert sink.messages == [f"⚠️ {LLMRateLimited.user_message}"] and sink.public == []

@@ -263,12 +263,63 @@ async def test_an_upgrade_keeps_every_row(db_url: str) -> None:
     await old.close()
     new = await open_storage(db_url)
     try:
-        assert await new.pending_migrations() == [5]
-        assert await new.migrate() == [5]
+        assert await new.pending_migrations() == [5, 6]
+        assert await new.migrate() == [5, 6]
         assert [m.text for m in reversed(await new.recent_messages(channel.id, 10))] == [m.text for m in said]
         assert (await new.latest_summary(channel.id)).text == "Ann said three things"
         assert (await new.get_job(job.id)).status == "queued"
         assert await new.get_setting("memory.weights") == '{"vector": 0.9}'
         assert (await new.get_user("console:ann")).id == ann.id
+        # the rebuilt tables keep their triggers, full text and references
+        later = await new.add_message(channel.id, ann.id, "Cora", "user", "Ann", "figs are ripe", 3)
+        assert later.id > said[-1].id and await new.count_messages(channel.id) == 4
+        found = await new.memory.message_text_candidates(ann.id, "Cora", {"figs": 1.0}, newest=False, limit=5)
+        assert [int(r["id"]) for r in found] == [later.id]
+        assert [int(r["id"]) for r in await new.memory.message_text_candidates(
+            ann.id, "Cora", {"message": 1.0}, newest=True, limit=5)] == [m.id for m in reversed(said)]
     finally:
         await new.close()
+
+
+async def test_ids_are_never_reused_after_the_newest_rows_are_deleted(storage: Storage) -> None:
+    """Another process may still hold a forgotten user's id (or a message's, an item's) in a cache: a new
+    row must never get it, or a message would land under someone else."""
+    ann = await storage.upsert_user("console:ann", "Ann")
+    bob = await storage.upsert_user("console:bob", "Bob")
+    channel = await storage.upsert_channel("console:bob-dm", "dm", is_dm=True)
+    said = await storage.add_message(channel.id, bob.id, "Cora", "user", "Bob", "I am Bob", 3)
+    pair = await storage.cortex.ensure_pair(bob.id, "Cora")
+    assert await storage.forget_user("console:bob") is not None
+    cid = await storage.upsert_user("console:cid", "Cid")
+    assert cid.id > bob.id > ann.id
+    again = await storage.add_message(channel.id, cid.id, "Cora", "user", "Cid", "I am Cid", 3)
+    assert again.id > said.id
+    assert (await storage.cortex.ensure_pair(cid.id, "Cora")).id > pair.id
+
+
+async def test_closing_right_after_opening_leaves_no_connection_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cause of a flaky test: the WAL checkpointer connected inside its task, so closing the storage
+    while that connect was under way (slow under load) left a connection thread running past the close,
+    which then woke an event loop already closed ("Event loop is closed")."""
+    import threading
+    import time
+
+    import aiosqlite.core
+
+    from bot.storage.sqlite import SQLiteDatabase
+
+    real_connect = sqlite3.connect
+
+    def slow_connect(*args: object, **kwargs: object) -> sqlite3.Connection:
+        time.sleep(0.2)  # a loaded machine
+        return real_connect(*args, **kwargs)  # type: ignore[arg-type]
+
+    before = set(threading.enumerate())
+    monkeypatch.setattr(aiosqlite.core.sqlite3, "connect", slow_connect)
+    for _ in range(2):
+        db = await SQLiteDatabase(tmp_path / "bot.db").open()
+        await asyncio.sleep(0)  # the checkpointer task starts
+        await db.close()
+        await asyncio.sleep(0.05)  # a closed connection's thread ends at once; a connect still running does not
+        assert not set(threading.enumerate()) - before

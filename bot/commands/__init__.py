@@ -14,10 +14,11 @@ import shlex
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from bot.text import without_surrogates
+from bot.text import plural, printable, without_surrogates
 
 log = logging.getLogger(__name__)
 
+FREE_FORM = ("…", "<text>", "<words>", "--")
 MAX_NUMBER = 2**31 - 1  # ids, versions and pages fit every engine's integer columns
 
 
@@ -75,6 +76,14 @@ class Command:
     private: bool = False
     aliases: tuple[str, ...] = field(default_factory=tuple)
 
+    @property
+    def max_args(self) -> int | None:
+        """How many words may follow the name, read from ``usage``: one per ``<x>``/``[x]`` word, or no
+        limit when the usage takes free text (``…``, ``<text>``, ``<words>``) or ``--`` options."""
+        if any(mark in self.usage for mark in FREE_FORM):
+            return None
+        return len(self.usage.split())
+
 
 class CommandError(Exception):
     """A command was used wrongly; the message tells the user how to use it."""
@@ -122,6 +131,12 @@ class CommandRegistry:
             return CommandReply(f"Unknown command {self.prefix}{' '.join(words[:2])}. Type {self.prefix}help.")
         if command.admin and not context.is_admin:
             return CommandReply(f"{self.prefix}{command.name} is for admins only.")
+        limit = command.max_args
+        if limit is not None and len(args) > limit:
+            extra = " ".join(args[limit:])
+            takes = "no arguments" if limit == 0 else "at most " + plural(limit, "argument")
+            return CommandReply(f"{self.prefix}{command.name} takes {takes} (not {printable(extra)[:60]!r}). "
+                                f"Usage: {self.usage(command)}", private=command.private)
         ctx = context if not body else _with_body(context, body)
         try:
             result = await command.handler(ctx, args)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -116,6 +116,8 @@ class Migration:
     description: str
     sqlite: tuple[str, ...]
     postgres: tuple[str, ...] | None = None
+    # SQLite only: tables rebuilt with AUTOINCREMENT after the statements (see ``bot.storage.sqlite``).
+    sqlite_autoincrement: tuple[str, ...] = ()
 
     def statements(self, dialect: Dialect) -> tuple[str, ...]:
         if dialect == "postgres":
@@ -129,9 +131,15 @@ def is_conflict(exc: BaseException) -> bool:
         "UNIQUE" in str(exc).upper() or type(exc).__name__ == "UniqueViolationError")
 
 
-async def apply_migrations(db: Database, migrations: Sequence[Migration], *, lock: str = "") -> list[int]:
+MigrationStep = Callable[[Tx, Migration], Awaitable[None]]
+
+
+async def apply_migrations(
+    db: Database, migrations: Sequence[Migration], *, lock: str = "", after: MigrationStep | None = None
+) -> list[int]:
     """Apply each pending migration in a transaction of its own (after ``lock``, a statement that makes
-    other processes wait: they then find the version applied and skip it); return the versions applied."""
+    other processes wait: they then find the version applied and skip it); return the versions applied.
+    ``after`` runs in the same transaction once the statements have (an engine's own steps and checks)."""
     applied: list[int] = []
     for migration in migrations:
         async with db.transaction() as tx:
@@ -141,6 +149,8 @@ async def apply_migrations(db: Database, migrations: Sequence[Migration], *, loc
                 continue
             for statement in migration.statements(db.dialect):
                 await tx.execute(statement)
+            if after is not None:
+                await after(tx, migration)
             await tx.execute(
                 "INSERT INTO schema_version (version, description, applied_at) VALUES (?, ?, ?)",
                 (migration.version, migration.description, time.time()),

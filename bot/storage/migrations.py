@@ -270,4 +270,12 @@ MIGRATIONS: tuple[Migration, ...] = (
             *pg_schema.V5,
         ),
     ),
+    Migration(
+        6,
+        "ids are never reused, not even after the newest rows are deleted",
+        (),
+        postgres=(),  # identity columns never hand out an id twice
+        sqlite_autoincrement=("users", "personas", "channels", "messages", "summaries", "jobs", "llm_calls",
+                              "reply_stats", "cortex_pairs", "cortex_versions", "cortex_runs", "memory_items"),
+    ),
 )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import sqlite3
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -24,7 +25,7 @@ from typing import Any, Literal
 
 import aiosqlite
 
-from bot.storage.engine import Migration, Row, StorageCaches, StorageError, apply_migrations
+from bot.storage.engine import Migration, Row, StorageCaches, StorageError, Tx, apply_migrations
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class SQLiteDatabase:
         self._checkpoints = checkpoints
         self._db: aiosqlite.Connection | None = None
         self._checkpointer: asyncio.Task[None] | None = None
+        self._checkpoint_db: aiosqlite.Connection | None = None
 
     async def open(self) -> SQLiteDatabase:
         if self.path != Path(":memory:"):
@@ -88,7 +90,11 @@ class SQLiteDatabase:
             raise StorageError(f"cannot open the database {self.path}: {exc}") from None
         self._db = db
         if self._checkpoints and self.path != Path(":memory:"):
-            self._checkpointer = asyncio.create_task(self._checkpoint_loop(), name="storage-wal-checkpoint")
+            # Connected here, not inside the task: a task cancelled while aiosqlite was still connecting
+            # would leave a connection (and its thread) that nobody closes.
+            self._checkpoint_db = await aiosqlite.connect(self.path, isolation_level=None)
+            self._checkpointer = asyncio.create_task(self._checkpoint_loop(self._checkpoint_db),
+                                                     name="storage-wal-checkpoint")
         return self
 
     async def sibling(self) -> SQLiteDatabase:
@@ -96,25 +102,25 @@ class SQLiteDatabase:
         so their queries never wait in line with the reply path's on aiosqlite's thread."""
         return await SQLiteDatabase(self.path, caches=self.caches, checkpoints=False).open()
 
-    async def _checkpoint_loop(self) -> None:
+    @staticmethod
+    async def _checkpoint_loop(db: aiosqlite.Connection) -> None:
         """Checkpoint the WAL from a connection (and thread) of its own; PASSIVE never blocks writers."""
-        db = await aiosqlite.connect(self.path, isolation_level=None)
-        try:
-            await db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-            while True:
-                await asyncio.sleep(CHECKPOINT_SECONDS)
-                try:
-                    await db.execute("PRAGMA wal_checkpoint(PASSIVE)")
-                except sqlite3.Error as exc:
-                    log.warning("WAL checkpoint failed (%s); SQLite's own checkpoint is the backstop", exc)
-        finally:
-            await db.close()
+        await db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        while True:
+            await asyncio.sleep(CHECKPOINT_SECONDS)
+            try:
+                await db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            except sqlite3.Error as exc:
+                log.warning("WAL checkpoint failed (%s); SQLite's own checkpoint is the backstop", exc)
 
     async def close(self) -> None:
         if self._checkpointer is not None:
             self._checkpointer.cancel()
             await asyncio.gather(self._checkpointer, return_exceptions=True)
             self._checkpointer = None
+        if self._checkpoint_db is not None:
+            checkpoint_db, self._checkpoint_db = self._checkpoint_db, None
+            await checkpoint_db.close()  # waits for a statement still running on its thread
         if self._db is not None:
             db, self._db = self._db, None
             await db.close()
@@ -169,11 +175,61 @@ class SQLiteDatabase:
 
     async def migrate(self, migrations: Sequence[Migration]) -> list[int]:
         # BEGIN IMMEDIATE takes SQLite's write lock: another process migrating at once waits, then skips.
-        return await apply_migrations(self, migrations)
+        # Rebuilding a table needs foreign keys off (they are switched per connection, outside a
+        # transaction); every migration then checks them itself before it commits.
+        db = self.connection
+        await db.execute("PRAGMA foreign_keys=OFF")
+        try:
+            return await apply_migrations(self, migrations, after=_rebuild_and_check)
+        finally:
+            await db.execute("PRAGMA foreign_keys=ON")
 
     @property
     def in_transaction(self) -> bool:
         return bool(self.connection.in_transaction)
+
+
+async def _rebuild_and_check(tx: Tx, migration: Migration) -> None:
+    for table in migration.sqlite_autoincrement:
+        await rebuild_with_autoincrement(tx, table)
+    broken = await tx.fetch_all("PRAGMA foreign_key_check")
+    if broken:
+        raise StorageError(f"migration {migration.version} would leave {len(broken)} broken reference(s), "
+                           f"first in table {broken[0][0]}; nothing was changed")
+
+
+_ID_COLUMN = re.compile(r"\bid INTEGER PRIMARY KEY\b(?! AUTOINCREMENT)")
+
+
+async def rebuild_with_autoincrement(tx: Tx, table: str) -> None:
+    """Make ``table``'s ids never come back: without AUTOINCREMENT, SQLite gives a new row the largest
+    id + 1, so deleting the newest user (forget-me) would hand their id to the next new user while
+    another process still has it cached. The table is copied into one declared with AUTOINCREMENT
+    (SQLite's documented rebuild: same rows and ids, its indexes and triggers made again, the id
+    counter started at the largest id); foreign keys must be off, and are checked by the caller."""
+    row = await tx.fetch_one("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?", (table,))
+    if row is None:
+        raise StorageError(f"cannot rebuild table {table}: it does not exist")
+    create, count = _ID_COLUMN.subn("id INTEGER PRIMARY KEY AUTOINCREMENT", str(row[0]), count=1)
+    if not count:
+        return  # already rebuilt
+    create = re.sub(rf'^CREATE TABLE "?{table}"?', f'CREATE TABLE "{table}__rebuild"', create, count=1)
+    others = await tx.fetch_all(
+        "SELECT sql FROM sqlite_master WHERE tbl_name = ? AND type IN ('index', 'trigger') AND sql IS NOT NULL"
+        " ORDER BY type, name", (table,))
+    columns = ", ".join(f'"{r[1]}"' for r in await tx.fetch_all(f'PRAGMA table_info("{table}")'))
+    await tx.execute("PRAGMA legacy_alter_table = ON")  # the rename must not rewrite other tables' triggers
+    try:
+        await tx.execute(create)
+        await tx.execute(f'INSERT INTO "{table}__rebuild" ({columns}) SELECT {columns} FROM "{table}"')
+        await tx.execute(f'DROP TABLE "{table}"')
+        await tx.execute(f'ALTER TABLE "{table}__rebuild" RENAME TO "{table}"')
+    finally:
+        await tx.execute("PRAGMA legacy_alter_table = OFF")
+    for other in others:
+        await tx.execute(str(other[0]))
+    await tx.execute(
+        f"INSERT INTO sqlite_sequence (name, seq) SELECT ?, coalesce(max(id), 0) FROM \"{table}\"", (table,))
 
 
 def sqlite_path(url: str) -> Path:

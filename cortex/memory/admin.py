@@ -18,7 +18,7 @@ from bot.storage.core import Storage
 from cortex.memory.embedding import EmbeddingService
 from cortex.memory.store import MemoryStore, Weights, configured_weights
 from cortex.memory.upkeep import Pruner
-from cortex.settings import SettingsResolver
+from cortex.settings import OVERRIDABLE, SettingsResolver
 from cortex.store import CortexStore
 from cortex.update import utc_midnight
 
@@ -50,6 +50,18 @@ def _weights_line(weights: Weights) -> str:
     return ", ".join(f"{s} {getattr(weights, s):g}" for s in SIGNALS)
 
 
+BUDGET_KEYS = ("daily_token_budget", "bot_daily_token_budget", "prompt_tokens", "history_tokens", "max_tokens",
+               "max_rounds")
+
+
+def budget_pointer(prefix: str) -> str:
+    """Where each budget shown is changed: the settings command takes only its overridable keys."""
+    here = [key for key in BUDGET_KEYS if key in OVERRIDABLE]
+    file_only = [key for key in BUDGET_KEYS if key not in OVERRIDABLE]
+    return (f"Change {', '.join(here)} here with {prefix}cortex settings <key> <value>; "
+            f"{', '.join(file_only)} and the reply prompt budgets ([history], [memory]) in the config file.")
+
+
 @dataclass
 class MemoryAdminCommands:
     config: Config
@@ -60,9 +72,10 @@ class MemoryAdminCommands:
     cortex_store: CortexStore
     resolver: SettingsResolver
     scheduler: Scheduler | None = None  # set by the app once it runs its jobs
+    prefix: str = "!"
 
     def register(self, registry: CommandRegistry) -> None:
-        p = registry.prefix
+        p = self.prefix = registry.prefix
         for name, summary, handler, usage in (
             ("prune", "archive unused memory items now (report per category)", self.prune, ""),
             ("weights", f"show or set the search weights ({p}cortex weights vector=0.6 …, or default)",
@@ -120,8 +133,7 @@ class MemoryAdminCommands:
             f"{settings.max_tokens:,} out per call and {settings.max_rounds} rounds.",
             f"Daily cortex budgets: {pair_budget} per user, {bot_budget} for the bot; spent today (UTC): "
             f"{spent:,} tokens.",
-            "Change them with the cortex settings command (keys daily_token_budget, bot_daily_token_budget, "
-            "prompt_tokens, history_tokens) or in the config file.",
+            budget_pointer(self.prefix),
         ])
 
     async def embedder(self, ctx: CommandContext, args: Sequence[str]) -> str:

@@ -1,0 +1,44 @@
+"""The terminal adapter in-process: what it prints, in which order (the tty behaviour is in test_terminal_tty)."""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from adapters.terminal import TerminalAdapter
+from bot.app import App
+from bot.config import parse_config
+from bot.llm.base import LLMRequest, StreamEvent
+from tests.fakes.provider import ScriptedProvider
+
+
+class ChattyProvider(ScriptedProvider):
+    """Streams its answer while a background job logs, between every two words."""
+
+    async def stream(self, request: LLMRequest) -> AsyncIterator[StreamEvent]:
+        async for event in super().stream(request):
+            logging.getLogger("cortex.jobs").warning("a background job finished")
+            yield event
+
+
+async def test_log_lines_wait_until_the_reply_is_written(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    screen = io.StringIO()  # stdout and the log handler write to the same terminal
+    handler = logging.StreamHandler(screen)
+    handler.setFormatter(logging.Formatter("LOG %(message)s"))
+    monkeypatch.setattr(logging.getLogger(), "handlers", [handler])
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
+                           "personas": [{"name": "Cora"}]})
+    llm = ChattyProvider()
+    llm.enqueue("Lyon is lovely in spring.")
+    async with App(config, llm=llm) as app:
+        terminal = TerminalAdapter(app, user="ann", stdin=io.StringIO(), stdout=screen, stderr=screen)
+        await terminal.handle_line("tell me about Lyon")
+    lines = screen.getvalue().splitlines()
+    assert lines[0] == "Cora: Lyon is lovely in spring."  # whole, not cut by log lines
+    assert lines[1:6] == ["LOG a background job finished"] * 5 and len(lines) >= 6
+    assert logging.getLogger().handlers == [handler]  # put back
