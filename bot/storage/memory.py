@@ -18,8 +18,10 @@ plus ``rank`` (lower is better, like bm25).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -44,6 +46,7 @@ VISIBLE = (
 )
 TYPICAL_SAMPLE = 2000  # vectors a PostgreSQL query's typical similarity is estimated from
 TYPICAL_MIN = 30  # below this many vectors, the lowest similarity is the typical level (as in the numpy scan)
+TS_CONFIG_TTL = 60.0  # seconds a pair's or persona's text-search configuration is trusted (PostgreSQL)
 
 FtsTable = Literal["memory_fts", "messages_fts"]
 FTS_SOURCE: dict[str, str] = {"memory_fts": "memory_items", "messages_fts": "messages"}  # PostgreSQL's tables
@@ -67,6 +70,8 @@ class MemoryRepository:
     def __init__(self, db: Database) -> None:
         self.db = db
         self._vector_indexes: set[int] = set()  # dimensions whose HNSW index exists (PostgreSQL)
+        # (pair id or persona) -> (text-search configuration, when looked up) (PostgreSQL)
+        self._ts_configs: dict[int | str, tuple[str, float]] = {}
 
     @property
     def vectors_in_database(self) -> bool:
@@ -210,13 +215,52 @@ class MemoryRepository:
             )
         return [int(c) for c in row] if row else [0] * len(terms)
 
-    def _pg_rank(self, terms: Mapping[str, float], first: int, config: str) -> tuple[str, list[str]]:
-        """``-(Σ weight × ts_rank(ts, word))`` over the query words (numbered from ``$first``) and the
-        tsquery texts (one per word). Each tsquery is an uncorrelated scalar subquery in the language
-        configuration ``config``, so PostgreSQL computes it once per query, not once per matching row."""
-        parts = [f"{float(w):.6f} * ts_rank(m.ts, (SELECT to_tsquery({config}, ${first + n})), 1)"
+    async def _ts_config(self, *, pair_id: int = 0, persona: str | None = None) -> str:
+        """PostgreSQL: the text-search configuration of ``persona`` (or of the pair's persona), cached for
+        ``TS_CONFIG_TTL``: handed to the queries as a constant, it lets the planner fold ``to_tsquery``
+        and estimate how many rows a query matches from the column's statistics."""
+        key: int | str = pair_id if persona is None else persona
+        cached = self._ts_configs.get(key)
+        if cached is not None and time.monotonic() - cached[1] <= TS_CONFIG_TTL:
+            return cached[0]
+        if persona is None:
+            row = await self.db.fetch_one(
+                "SELECT CAST(cortex_ts_config((SELECT persona FROM cortex_pairs WHERE id = ?)) AS TEXT)", (pair_id,))
+        else:
+            row = await self.db.fetch_one("SELECT CAST(cortex_ts_config(?) AS TEXT)", (persona,))
+        config = str(row[0]) if row else "simple"
+        if len(self._ts_configs) > 10_000:
+            self._ts_configs.clear()
+        self._ts_configs[key] = (config, time.monotonic())
+        return config
+
+    @staticmethod
+    def _pg_rank(terms: Mapping[str, float], first: int) -> str:
+        """``-(Σ weight × ts_rank(ts, word))`` over the query words (their tsquery texts numbered from
+        ``$first``, one per word), in the configuration ``$5``. Each tsquery is an uncorrelated scalar
+        subquery, so PostgreSQL computes it once per query, not once per row, whatever the plan."""
+        parts = [f"{float(w):.6f} * ts_rank(m.ts, (SELECT to_tsquery($5, ${first + n})), 1)"
                  for n, w in enumerate(terms.values())]
-        return "-(" + " + ".join(parts) + ")", [tsquery([t]) for t in terms]
+        return "-(" + " + ".join(parts) + ")"
+
+    @staticmethod
+    def _pg_text_sql(columns: str, source: str, where: str, terms: Mapping[str, float], newest: bool) -> str:
+        """The full-text candidate query of PostgreSQL: ``$3`` the OR-ed tsquery text, ``$4`` the limit,
+        ``$5`` the text-search configuration, ``$6…`` the words of the rank.
+
+        Best first: every match is ranked (the caller keeps only rare words, so they are few); the
+        tsquery is a scalar subquery, computed once. Newest first (every word is common, thousands of
+        rows match): the newest matches are found first and only they are ranked. There the tsquery is
+        ``to_tsquery($5, $3)`` itself, which the planner folds into a constant and estimates from the
+        column's statistics: for common words it walks the primary key backwards and stops at the limit
+        (a few hundred rows) instead of fetching every match from the GIN bitmap and sorting them."""
+        rank = MemoryRepository._pg_rank(terms, 6)
+        if not newest:
+            return (f"SELECT {columns}, {rank} AS rank FROM {source}"
+                    f" WHERE m.ts @@ (SELECT to_tsquery($5, $3)) AND {where} ORDER BY rank LIMIT $4")
+        return (f"SELECT {columns}, {rank} AS rank FROM (SELECT m.* FROM {source}"
+                f" WHERE m.ts @@ to_tsquery($5, $3) AND {where} ORDER BY m.id DESC LIMIT $4) AS m"
+                " ORDER BY m.id DESC")
 
     async def item_text_candidates(
         self, pair_id: int, terms: Mapping[str, float], *, newest: bool, now: float, limit: int
@@ -231,15 +275,12 @@ class MemoryRepository:
                 f" ORDER BY {order} LIMIT ?",
                 (" OR ".join(terms), pair_id, now, limit),
             )
-        config = "cortex_ts_config((SELECT persona FROM cortex_pairs WHERE id = $1))"
-        rank, words = self._pg_rank(terms, 5, config)
+        config = await self._ts_config(pair_id=pair_id)
+        sql = self._pg_text_sql(
+            ITEM_COLUMNS_M, "memory_items AS m", "m.pair_id = $1 AND m.archived_at IS NULL AND m.superseded_by IS NULL"
+            " AND (m.expires_at IS NULL OR m.expires_at > $2)", terms, newest)
         return await self.db.fetch_all(
-            f"SELECT {ITEM_COLUMNS_M}, {rank} AS rank FROM memory_items AS m"
-            f" WHERE m.ts @@ (SELECT to_tsquery({config}, $3)) AND m.pair_id = $1 AND m.archived_at IS NULL"
-            " AND m.superseded_by IS NULL AND (m.expires_at IS NULL OR m.expires_at > $2)"
-            f" ORDER BY {'m.id DESC' if newest else 'rank'} LIMIT $4",
-            (pair_id, now, tsquery(list(terms)), limit, *words),
-        )
+            sql, (pair_id, now, tsquery(list(terms)), limit, config, *(tsquery([t]) for t in terms)))
 
     async def message_text_candidates(
         self, user_id: int, persona: str, terms: Mapping[str, float], *, newest: bool, limit: int
@@ -253,14 +294,13 @@ class MemoryRepository:
                 f" WHERE messages_fts MATCH ? AND m.user_id = ? AND m.persona = ? ORDER BY {order} LIMIT ?",
                 (" OR ".join(terms), user_id, persona, limit),
             )
-        config = "cortex_ts_config($2)"
-        rank, words = self._pg_rank(terms, 5, config)
+        config = await self._ts_config(persona=persona)
+        # The messages' own columns only: the channel of the few rows returned is joined afterwards.
+        sql = self._pg_text_sql("m.*", "messages AS m", "m.user_id = $1 AND m.persona = $2", terms, newest)
         return await self.db.fetch_all(
-            f"SELECT {MESSAGE_HIT_COLUMNS}, {rank} AS rank FROM messages AS m JOIN channels AS c ON c.id = m.channel_id"
-            f" WHERE m.ts @@ (SELECT to_tsquery({config}, $3)) AND m.user_id = $1 AND m.persona = $2"
-            f" ORDER BY {'m.id DESC' if newest else 'rank'} LIMIT $4",
-            (user_id, persona, tsquery(list(terms)), limit, *words),
-        )
+            f"SELECT {MESSAGE_HIT_COLUMNS}, m.rank FROM ({sql}) AS m JOIN channels AS c ON c.id = m.channel_id"
+            " ORDER BY " + ("m.id DESC" if newest else "m.rank"),
+            (user_id, persona, tsquery(list(terms)), limit, config, *(tsquery([t]) for t in terms)))
 
     # -- vectors ---------------------------------------------------------------------------------
 
@@ -297,23 +337,46 @@ class MemoryRepository:
         """PostgreSQL: the ``k`` nearest ids with how far their cosine similarity rises above the query's
         typical similarity in the scope (mean + 2σ over up to ``TYPICAL_SAMPLE`` of its vectors; the
         lowest below ``TYPICAL_MIN``), the same measure as the numpy scan of the SQLite engine."""
+        scores, _rows = await self._vector_knn(scope, model, query, k, "", ())
+        return scores
+
+    async def vector_top_items(
+        self, pair_id: int, model: str, query: npt.NDArray[np.float32], k: int, now: float
+    ) -> tuple[dict[int, float], list[Row]]:
+        """PostgreSQL: :meth:`vector_top` of the pair's items, with the rows (``ITEM_COLUMNS``) of those
+        of them that are visible, read by the same statement (a search saves a round trip)."""
+        visible = ", (m.superseded_by IS NULL AND (m.expires_at IS NULL OR m.expires_at > ?)) AS visible"
+        scores, rows = await self._vector_knn(ItemScope(pair_id), model, query, k, f", {ITEM_COLUMNS_M}{visible}",
+                                              (now,))
+        return scores, [r for r in rows if r["visible"]]
+
+    async def _vector_knn(
+        self, scope: VectorScope, model: str, query: npt.NDArray[np.float32], k: int, columns: str,
+        column_params: tuple[Any, ...],
+    ) -> tuple[dict[int, float], list[Row]]:
+        """The k-NN ids with their excess similarity (see :meth:`vector_top`), and the k-NN rows (the id,
+        the similarity, then ``columns`` over the scope's table as ``m``)."""
         dims = int(query.shape[0])
         id_column, vector_column, where, params = self._vector_where(scope)
         typed = f"{vector_column}::vector({dims})"
         scoped = f"{where} AND vector_dims({vector_column}) = {dims}"
-        rows = await self.db.fetch_all(
-            f"WITH knn AS MATERIALIZED (SELECT {id_column} AS id, {typed} <=> ?::vector({dims}) AS dist {scoped}"
-            f" ORDER BY {typed} <=> ?::vector({dims}) LIMIT ?),"
-            f" sample AS (SELECT 1 - ({typed} <=> ?::vector({dims})) AS s {scoped} LIMIT {TYPICAL_SAMPLE}),"
-            " stats AS (SELECT count(*) AS n, avg(s) AS mean, stddev_pop(s) AS sd, min(s) AS low FROM sample)"
-            " SELECT knn.id, 1 - knn.dist AS sim, stats.n, stats.mean, stats.sd, stats.low FROM knn, stats",
-            (query, *params, model, query, k, query, *params, model),
+        # Two statements on two pooled connections, at the same time: the k-NN walk of the HNSW graph
+        # and the sample's similarities cost about the same; in one statement they ran one after the other.
+        rows, stats = await asyncio.gather(
+            self.db.fetch_all(
+                f"SELECT {id_column} AS knn_id, 1 - ({typed} <=> ?::vector({dims})) AS knn_similarity{columns}"
+                f" {scoped.replace(' WHERE ', ' AS m WHERE ', 1)} ORDER BY {typed} <=> ?::vector({dims}) LIMIT ?",
+                (query, *column_params, *params, model, query, k)),
+            self.db.fetch_one(
+                "SELECT count(*), avg(s), stddev_pop(s), min(s) FROM (SELECT 1 - ("
+                f"{typed} <=> ?::vector({dims})) AS s {scoped} LIMIT {TYPICAL_SAMPLE}) AS sample",
+                (query, *params, model)),
         )
-        if not rows:
-            return {}
-        count, mean, sd, low = int(rows[0][2]), float(rows[0][3] or 0), float(rows[0][4] or 0), float(rows[0][5] or 0)
+        if not rows or stats is None:
+            return {}, []
+        count, mean, sd, low = int(stats[0]), float(stats[1] or 0), float(stats[2] or 0), float(stats[3] or 0)
         floor = mean + 2.0 * sd if count >= TYPICAL_MIN else (low if count > 1 else 0.0)
-        return {int(r[0]): float(r[1]) - floor for r in rows}
+        return {int(r[0]): float(r[1]) - floor for r in rows}, rows
 
     async def ensure_vector_index(self, dims: int) -> None:
         """PostgreSQL: the HNSW (cosine) indexes for vectors of ``dims`` dimensions, made once (by the

@@ -31,6 +31,7 @@ import numpy.typing as npt
 from bot.config import MemoryConfig
 from bot.storage.core import Storage
 from bot.storage.memory import ITEM_COLUMNS, FtsTable, item_fields
+from cortex.memory.vectors import DatabaseVectors
 
 if TYPE_CHECKING:
     from cortex.memory.embedding import EmbeddingService
@@ -310,13 +311,24 @@ class MemoryStore:
             terms, newest = await self._bounded("memory_fts", match, pair_id=pair_id)
             return await self.repo.item_text_candidates(pair_id, terms, newest=newest, now=now, limit=self.candidates)
 
+        fetched: dict[int, Any] | None = None  # PostgreSQL: the visible vector candidates' rows, by id
+
         async def by_vector() -> dict[int, float]:
+            nonlocal fetched
             if vector is None or self.embeddings is None:
                 return {}
+            index = self.embeddings.index
+            if isinstance(index, DatabaseVectors):  # the k-NN query brings the rows along: no fetch below
+                scores, rows = await self.repo.vector_top_items(
+                    pair_id, index.model_of(("items", pair_id)), vector, self.candidates * 2, now)
+                fetched = {int(r["id"]): r for r in rows}
+                return scores
             # Hidden items may sit in the matrix: take more than needed, the fetch below filters.
-            return await self.embeddings.index.top(("items", pair_id), vector, self.candidates * 2)
+            return await index.top(("items", pair_id), vector, self.candidates * 2)
 
         async def fetch(ids: list[int]) -> list[Any]:
+            if fetched is not None:
+                return [fetched[i] for i in ids if i in fetched]
             return await self.repo.visible_items(pair_id, ids, now)
 
         rows, text_scores, vector_scores = await self._candidate_rows(by_text(), by_vector(), fetch)
