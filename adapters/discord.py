@@ -113,6 +113,13 @@ def _as_file(name: str, data: bytes) -> discord.File:
     return discord.File(io.BytesIO(data), filename=name)
 
 
+def _parent_id(channel: object) -> str | None:
+    """A thread's (or forum post's) parent channel, whose persona it inherits."""
+    if isinstance(channel, discord.Thread) and channel.parent_id is not None:
+        return str(channel.parent_id)
+    return None
+
+
 def _is_admin(member: discord.abc.User, config: DiscordConfig) -> bool:
     if member.id in config.admin_ids:
         return True
@@ -271,6 +278,7 @@ class DiscordAdapter:
             mentions_bot=mentions_bot,
             reply_to=str(message.reference.message_id) if message.reference else None,
             sent_at=message.created_at,
+            parent_channel_id=_parent_id(message.channel),
         )
         return Inbound(
             incoming,
@@ -279,6 +287,7 @@ class DiscordAdapter:
             replied_to_bot=replied_to_bot,
             roles=roles,
             is_admin=_is_admin(message.author, self.config),
+            is_bot_admin=message.author.id in self.config.admin_ids,
         )
 
     async def on_message(self, message: discord.Message) -> None:
@@ -303,6 +312,7 @@ class DiscordAdapter:
             is_admin=_is_admin(user, self.config) or (
                 not is_dm and (interaction.permissions.manage_guild or interaction.permissions.administrator)
             ),
+            is_bot_admin=user.id in self.config.admin_ids,
             is_dm=is_dm,
             server_key=None if is_dm else f"{PLATFORM}:{interaction.guild_id}",
         )
@@ -312,6 +322,7 @@ class DiscordAdapter:
         incoming = IncomingMessage(
             PLATFORM, str(interaction.channel_id), str(interaction.user.id), interaction.user.display_name, line,
             is_dm=interaction.guild is None, server_id=None if interaction.guild is None else str(interaction.guild_id),
+            parent_channel_id=_parent_id(interaction.channel),
         )
         persona = await self.app.router.persona_for(Inbound(incoming))
         reply = await self.app.commands.dispatch(line, self.context(interaction, persona))
@@ -480,8 +491,8 @@ def build_slash_commands(adapter: DiscordAdapter) -> None:
 
     @persona.autocomplete("name")
     async def persona_names(interaction: discord.Interaction, current: str) -> list[FileChoice]:
-        return [app_commands.Choice(name=p.name, value=p.name) for p in adapter.app.config.personas
-                if current.lower() in p.name.lower()][:25]
+        return [app_commands.Choice(name=p, value=p) for p in adapter.app.personas.names()
+                if current.lower() in p.lower()][:25]
 
     tree.add_command(memory)
     tree.add_command(cortex)

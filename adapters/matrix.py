@@ -320,6 +320,7 @@ class MatrixAdapter:
             replied_to_bot=reply_to in self._sent,
             roles=(f"{PLATFORM}:power:{level}",),
             is_admin=event.sender in self.config.admin_ids or level >= self.config.admin_power_level,
+            is_bot_admin=event.sender in self.config.admin_ids,
         )
 
     async def _on_message(self, room: MatrixRoom, event: RoomMessageText) -> None:

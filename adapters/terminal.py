@@ -28,6 +28,7 @@ from bot.app import App
 from bot.commands import Attachment, CommandContext
 from bot.errors import UserFacingError
 from bot.llm.errors import LLMError
+from bot.policy import Inbound
 from bot.ports import IncomingMessage
 from bot.text import printable
 
@@ -87,7 +88,8 @@ class TerminalAdapter:
     ) -> None:
         self.app = app
         self.user = user
-        self.persona = app.config.persona(persona)
+        self.persona = app.personas.persona(persona)
+        self._chosen = persona is not None  # --persona wins until a !persona command picks another
         self.stdin = stdin or sys.stdin
         self.stdout = stdout or sys.stdout
         self.stderr = stderr or sys.stderr
@@ -108,6 +110,7 @@ class TerminalAdapter:
             channel_key=f"{PLATFORM}:{self.channel_id}",
             persona=self.persona.name,
             is_admin=True,  # the person at the terminal runs the bot
+            is_bot_admin=True,
             is_dm=True,
         )
 
@@ -170,6 +173,7 @@ class TerminalAdapter:
 
     async def run(self) -> int:
         """Chat until end of input. Returns the exit status (1 if any message failed)."""
+        await self._follow_router()
         if self.interactive:
             self.stdout.write(
                 f"Chatting with {self.persona.name} as {self.user}. Type !help for commands, Ctrl-D to quit.\n"
@@ -226,9 +230,20 @@ class TerminalAdapter:
         path.write_bytes(attachment.data)
         return path
 
+    async def _follow_router(self) -> None:
+        """The persona as the router picks it for this user's DMs (the same as on Discord and Matrix)."""
+        if self._chosen:
+            return
+        probe = IncomingMessage(PLATFORM, self.channel_id, self.user, self.user, "", is_dm=True)
+        self.persona = self.app.personas.persona(await self.app.router.persona_for(Inbound(probe)))
+
     async def handle_line(self, line: str) -> None:
+        await self._follow_router()
         if self.app.commands.is_command(line):
             await self.run_command(line)
+            if line.split(maxsplit=1)[0].lower() == f"{self.app.commands.prefix}persona":
+                self._chosen = False
+                await self._follow_router()
             return
         message = IncomingMessage(
             platform=PLATFORM,

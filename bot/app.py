@@ -24,6 +24,8 @@ from bot.summary import SummaryEngine
 from bot.tokens import BPETokenEstimator
 from cortex import build_cortex
 from cortex.memory.embedders import Embedder
+from cortex.personas.commands import PersonaCommands
+from cortex.personas.registry import PersonaRegistry
 from cortex.tiers import JOB_KIND as CORTEX_JOB
 
 log = logging.getLogger(__name__)
@@ -70,29 +72,33 @@ class App:
             applied = await self.storage.migrate()
             if applied:
                 log.info("database migrated to version %d", applied[-1])
-            for persona in self.config.personas:
-                await self.storage.upsert_persona(persona.name, persona.language)
+            self.personas = PersonaRegistry(self.config, self.storage)
+            await self.personas.start()
             self.estimator = BPETokenEstimator(
                 margin=self.config.history.token_margin, factor=await self._load_calibration()
             )
             # Background jobs get a connection of their own, so replies never queue behind their queries.
             self.job_storage = await self.storage.sibling()
             self.queue = JobQueue(self.storage, self.config.jobs)
-            self.summaries = SummaryEngine(self.config, self.job_storage, self.llm, self.estimator, self.queue)
+            self.summaries = SummaryEngine(self.config, self.job_storage, self.llm, self.estimator, self.queue,
+                                           self.personas)
             self.cortex = build_cortex(
-                self.config, self.storage, self.llm, self.estimator, self.queue, self.job_storage, self._embedder
+                self.config, self.storage, self.llm, self.estimator, self.queue, self.job_storage, self._embedder,
+                self.personas,
             )
             self.core = ConversationCore(
                 self.config, self.storage, self.llm, self.estimator, self.summaries,
                 section_providers=[self.cortex.section, self.cortex.knowledge], observers=[self.cortex.tiers],
+                personas=self.personas,
             )
             self.commands = CommandRegistry()
             register_core_commands(self.commands, self.storage, self.estimator)
             self.cortex.commands.register(self.commands)
             self.cortex.memory_commands.register(self.commands)
             self.cortex.memory_admin.register(self.commands)
+            PersonaCommands(self.personas, self.storage).register(self.commands)
             await self.cortex.memory_admin.load()
-            self.router = Router(self.config, self.storage, self.core, self.commands)
+            self.router = Router(self.config, self.storage, self.core, self.commands, self.personas)
             self.fleet = Fleet(self.storage)
             self.workers = WorkerPool(
                 self.queue,
@@ -107,8 +113,7 @@ class App:
                 await self.fleet.heartbeat()
                 self.scheduler.every(HEARTBEAT_SECONDS, "heartbeat", self.fleet.heartbeat, fleet_once=False)
                 # Admin-tuned values another process saved reach this one within seconds.
-                self.scheduler.every(SETTINGS_RELOAD_SECONDS, "reload-settings", self.cortex.memory_admin.load,
-                                     fleet_once=False)
+                self.scheduler.every(SETTINGS_RELOAD_SECONDS, "reload-settings", self._reload, fleet_once=False)
                 await self.workers.start()
                 self.scheduler.every(
                     self.config.jobs.lease_seconds, "requeue-abandoned-jobs", self.workers.recover
@@ -132,6 +137,10 @@ class App:
             raise
         self._started = True
         return self
+
+    async def _reload(self) -> None:
+        await self.cortex.memory_admin.load()
+        await self.personas.load()
 
     @property
     def _calibration_key(self) -> str:

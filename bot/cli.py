@@ -99,10 +99,6 @@ def chat(ctx: click.Context, user: str | None, persona: str | None) -> None:
     # The chat shows failures itself, one line each; logs only with -v.
     setup_logging(config.bot.log_level if ctx.obj["verbose"] else "ERROR")
     name = user or config.terminal.user or getpass.getuser() or "you"
-    try:
-        config.persona(persona)
-    except ConfigError as exc:
-        raise click.ClickException(str(exc)) from None
     status = _run_async(lambda: _chat(config, name, persona))
     sys.exit(status)
 
@@ -118,7 +114,10 @@ async def _chat(config: Config, user: str, persona: str | None) -> int:
         raise click.ClickException(str(exc)) from None
     waited = False
     try:
-        adapter = TerminalAdapter(app, user=user, persona=persona)
+        try:
+            adapter = TerminalAdapter(app, user=user, persona=persona)
+        except ConfigError as exc:  # --persona names none of the bot's personas
+            raise click.ClickException(str(exc)) from None
         status = await adapter.run()
         pending = await app.storage.count_jobs(("queued", "running"), app.workers.handlers)
         if pending:

@@ -16,7 +16,7 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit
 
 import platformdirs
@@ -493,6 +493,16 @@ class PersonaConfig(_Section):
         return [(name, getattr(self, name)) for name in self.soul_order if getattr(self, name).strip()]
 
 
+class ModelChoice(Protocol):
+    """What a persona says about its model (a config entry, or a persona from the database)."""
+
+    @property
+    def model(self) -> str | None: ...
+
+    @property
+    def temperature(self) -> float | None: ...
+
+
 DEFAULT_PERSONA = PersonaConfig(
     name="Cora",
     identity="You are {char_name}, a friendly and thoughtful companion in a chat with {user_name}.",
@@ -532,10 +542,10 @@ class Config(_Section):
             )
         return self
 
-    def model_for(self, persona: PersonaConfig) -> str:
+    def model_for(self, persona: ModelChoice) -> str:
         return persona.model or self.llm.model
 
-    def temperature_for(self, persona: PersonaConfig) -> float | None:
+    def temperature_for(self, persona: ModelChoice) -> float | None:
         return persona.temperature if persona.temperature is not None else self.llm.temperature
 
     def persona(self, name: str | None = None) -> PersonaConfig:

@@ -15,11 +15,12 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from bot.config import Config, PersonaConfig
+from bot.config import Config
 from bot.errors import EmptyMessage, MessageTooLong
 from bot.history import HistoryWindow, build_window
 from bot.llm.base import Completion, LLMProvider, LLMRequest, StreamEnd, TextDelta
 from bot.llm.errors import LLMBadResponse, LLMError
+from bot.persona import ConfigPersonas, Persona, PersonaSource
 from bot.ports import (
     Exchange,
     ExchangeObserver,
@@ -54,7 +55,7 @@ class ReplyResult:
 class ReplyStream:
     """Async iterator over the reply's text deltas; ``result`` is set once it is exhausted."""
 
-    def __init__(self, core: ConversationCore, message: IncomingMessage, persona: PersonaConfig) -> None:
+    def __init__(self, core: ConversationCore, message: IncomingMessage, persona: Persona) -> None:
         self._core = core
         self._message = message
         self._persona = persona
@@ -82,8 +83,10 @@ class ConversationCore:
         *,
         section_providers: Sequence[PromptSectionProvider] = (),
         observers: Sequence[ExchangeObserver] = (),
+        personas: PersonaSource | None = None,
     ) -> None:
         self.config = config
+        self.personas = personas or ConfigPersonas(config)
         self.storage = storage
         self.llm = llm
         self.estimator = estimator
@@ -103,7 +106,7 @@ class ConversationCore:
                 f"That message is {len(text):,} characters long; the limit is {limit:,}. "
                 "Please split it into shorter messages."
             )
-        return ReplyStream(self, message, self.config.persona(persona))
+        return ReplyStream(self, message, self.personas.persona(persona))
 
     async def _run(self, stream: ReplyStream) -> AsyncIterator[str]:
         message, persona = stream._message, stream._persona
@@ -196,7 +199,7 @@ class ConversationCore:
         )
 
     async def _store_incoming(
-        self, message: IncomingMessage, persona: PersonaConfig
+        self, message: IncomingMessage, persona: Persona
     ) -> tuple[User, Channel, StoredMessage]:
         text = without_surrogates(message.text.strip())
         for attempt in range(2):
@@ -220,7 +223,7 @@ class ConversationCore:
 
     async def _finish(
         self,
-        persona: PersonaConfig,
+        persona: Persona,
         user: User,
         channel: Channel,
         user_msg: StoredMessage,

@@ -23,6 +23,7 @@ class Inbound:
     replied_to_bot: bool = False
     roles: tuple[str, ...] = ()  # platform-qualified role ids, e.g. "discord:987" or "matrix:power:50"
     is_admin: bool = False  # the adapter's verdict: Manage Server / power level ≥ 50 / configured admin id
+    is_bot_admin: bool = False  # a configured admin id: admin of the whole bot, not only of one server
 
 
 def _listed(values: list[str], *candidates: str | None) -> bool:

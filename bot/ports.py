@@ -31,6 +31,7 @@ class IncomingMessage:
     mentions_bot: bool = False
     reply_to: str | None = None
     sent_at: datetime | None = None
+    parent_channel_id: str | None = None  # a thread's or forum post's channel: its persona is inherited
 
     @property
     def author_key(self) -> str:
@@ -39,6 +40,10 @@ class IncomingMessage:
     @property
     def channel_key(self) -> str:
         return f"{self.platform}:{self.channel_id}"
+
+    @property
+    def parent_channel_key(self) -> str | None:
+        return None if self.parent_channel_id is None else f"{self.platform}:{self.parent_channel_id}"
 
     @property
     def server_key(self) -> str | None:

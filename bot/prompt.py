@@ -12,34 +12,45 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from bot.config import PersonaConfig
 from bot.llm.base import ChatMessage
+from bot.persona import Persona, section_title
 from bot.ports import PromptSection
 from bot.storage.base import StoredMessage, Summary
 
-_VARIABLE = re.compile(r"\{(char_name|user_name|language|date)\}")
-
-SOUL_TITLES = {
-    "identity": "Identity",
-    "personality": "Personality",
-    "boundaries": "Boundaries",
-    "communication_style": "Communication style",
-    "values": "Values",
-    "tone": "Tone",
-    "domain_expertise": "Expertise",
-    "error_handling": "When something goes wrong",
+# {char_name} as before, and the seed's and the character cards' {{char}}, {{user}}, {{LANGUAGE}}, {{LANGUAGE_CODE}}.
+_VARIABLE = re.compile(r"\{\{\s*([A-Za-z_]+)\s*\}\}|\{(char_name|user_name|language|language_code|date)\}")
+ALIASES = {"char": "char_name", "user": "user_name"}
+LANGUAGE_CODES = {
+    "english": "en", "german": "de", "deutsch": "de", "french": "fr", "spanish": "es", "italian": "it",
+    "portuguese": "pt", "dutch": "nl", "polish": "pl", "russian": "ru", "ukrainian": "uk", "japanese": "ja",
+    "chinese": "zh", "korean": "ko", "turkish": "tr", "swedish": "sv", "danish": "da", "norwegian": "no",
+    "finnish": "fi", "czech": "cs", "greek": "el", "arabic": "ar", "hebrew": "he", "hindi": "hi",
 }
 
 
+def language_code(language: str) -> str:
+    """``German`` → ``de`` (a name this table does not know gives its own first two letters, lower case)."""
+    name = language.strip().lower()
+    return LANGUAGE_CODES.get(name, name[:2])
+
+
 def resolve_variables(text: str, variables: Mapping[str, str]) -> str:
-    return _VARIABLE.sub(lambda m: variables.get(m.group(1), m.group(0)), text)
+    """Fill the known template variables; anything else in braces stays exactly as written."""
+    def fill(match: re.Match[str]) -> str:
+        name = (match.group(1) or match.group(2)).lower()
+        key = ALIASES.get(name, name)
+        if key == "language_code" and key not in variables:
+            return language_code(variables.get("language", "")) or match.group(0)
+        return variables.get(key, match.group(0))
+
+    return _VARIABLE.sub(fill, text)
 
 
 @dataclass(frozen=True, slots=True)
 class PromptParts:
     global_rules: str
     guidelines: Sequence[PromptSection]
-    persona: PersonaConfig
+    persona: Persona
     cortex: Sequence[PromptSection]
     knowledge: Sequence[PromptSection]
     summary: Summary | None
@@ -50,7 +61,7 @@ def render_system(parts: PromptParts, variables: Mapping[str, str]) -> str:
     if parts.global_rules.strip():
         blocks.append(f"# Rules\n{parts.global_rules.strip()}")
     blocks.extend(f"# {s.title}\n{s.body.strip()}" for s in parts.guidelines if s.body.strip())
-    soul = [f"## {SOUL_TITLES[name]}\n{body.strip()}" for name, body in parts.persona.soul_sections()]
+    soul = [f"## {section_title(key)}\n{body.strip()}" for key, body in parts.persona.soul_sections()]
     if soul:
         blocks.append("# Who you are\n" + "\n\n".join(soul))
     blocks.extend(f"# {s.title}\n{s.body.strip()}" for s in parts.cortex if s.body.strip())

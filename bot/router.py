@@ -22,6 +22,7 @@ from bot.config import Config, ConfigError
 from bot.conversation import ConversationCore
 from bot.errors import UserFacingError
 from bot.llm.errors import LLMError
+from bot.persona import ConfigPersonas, PersonaSource
 from bot.policy import Inbound, refusal
 from bot.ratelimit import RateLimiter
 from bot.storage.base import Storage
@@ -61,9 +62,11 @@ def user_persona_key(user_key: str) -> str:
 
 class Router:
     def __init__(
-        self, config: Config, storage: Storage, core: ConversationCore, commands: CommandRegistry
+        self, config: Config, storage: Storage, core: ConversationCore, commands: CommandRegistry,
+        personas: PersonaSource | None = None,
     ) -> None:
         self.config = config
+        self.personas = personas or ConfigPersonas(config)
         self.storage = storage
         self.core = core
         self.commands = commands
@@ -74,15 +77,19 @@ class Router:
         ))
 
     async def persona_for(self, inbound: Inbound) -> str:
+        """A DM's persona is its user's pick; a channel's is the admins' pick for it, else its parent
+        channel's (threads and forum posts), else the default."""
         msg = inbound.message
-        for key in ([user_persona_key(msg.author_key)] if msg.is_dm else []) + [channel_persona_key(msg.channel_key)]:
+        keys = [user_persona_key(msg.author_key)] if msg.is_dm else []
+        keys += [channel_persona_key(key) for key in (msg.channel_key, msg.parent_channel_key) if key]
+        for key in keys:
             name = await self.storage.get_setting(key)
             if name:
                 try:
-                    return self.config.persona(name).name
+                    return self.personas.persona(name).name
                 except ConfigError:
                     log.warning("setting %s names a persona that no longer exists", key)
-        return self.config.persona(None).name
+        return self.personas.persona(None).name
 
     async def handle(self, inbound: Inbound, sink: ChatSink) -> None:
         msg = inbound.message
@@ -113,7 +120,8 @@ class Router:
             user_name=msg.author_name,
             channel_key=msg.channel_key,
             persona=persona,
-            is_admin=inbound.is_admin,
+            is_admin=inbound.is_admin or inbound.is_bot_admin,
+            is_bot_admin=inbound.is_bot_admin,
             is_dm=msg.is_dm,
             server_key=msg.server_key,
         )
@@ -150,11 +158,11 @@ class Router:
         await shown.finish()
 
     async def _persona_command(self, ctx: CommandContext, args: Sequence[str]) -> str:
-        names = ", ".join(p.name for p in self.config.personas)
+        names = ", ".join(self.personas.names())
         if not args:
             return f"Here you talk to {ctx.persona}. Personas: {names}."
         try:
-            chosen = self.config.persona(" ".join(args)).name
+            chosen = self.personas.persona(" ".join(args)).name
         except ConfigError as exc:
             raise CommandError(str(exc)) from None
         if ctx.is_dm:

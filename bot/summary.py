@@ -19,11 +19,12 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from bot.config import Config, PersonaConfig
+from bot.config import Config, ConfigError
 from bot.history import HistoryWindow, build_window, message_cost
 from bot.jobs import JobQueue
 from bot.llm.base import ChatMessage, LLMProvider, LLMRequest
 from bot.llm.errors import LLMError, LLMTransientError
+from bot.persona import ConfigPersonas, Persona, PersonaSource
 from bot.storage.base import Job, LLMCallRecord, Storage, StoredMessage, Summary
 from bot.tokens import TokenEstimator
 
@@ -45,7 +46,7 @@ class Budgets:
     summary_tokens: int
 
 
-def budgets_for(config: Config, persona: PersonaConfig) -> Budgets:
+def budgets_for(config: Config, persona: Persona) -> Budgets:
     return Budgets(
         history_tokens=persona.history_tokens or config.history.history_tokens,
         summary_tokens=persona.summary_tokens or config.history.summary_tokens,
@@ -83,8 +84,10 @@ class SummaryEngine:
         llm: LLMProvider,
         estimator: TokenEstimator,
         queue: JobQueue,
+        personas: PersonaSource | None = None,
     ) -> None:
         self.config = config
+        self.personas = personas or ConfigPersonas(config)
         self.storage = storage
         self.llm = llm
         self.estimator = estimator
@@ -135,7 +138,10 @@ class SummaryEngine:
 
     async def run_job(self, job: Job) -> None:
         channel_id = int(job.payload["channel_id"])
-        persona = self.config.persona(str(job.payload.get("persona") or "") or None)
+        try:
+            persona = self.personas.persona(str(job.payload.get("persona") or "") or None)
+        except ConfigError:  # the persona was deleted since: summarise in the default one's language
+            persona = self.personas.persona(None)
         budgets = budgets_for(self.config, persona)
         # The window as it is now: whatever lies before it and after the last summary is evicted.
         window = await build_window(
@@ -179,7 +185,7 @@ class SummaryEngine:
         self,
         job: Job,
         channel_id: int,
-        persona: PersonaConfig,
+        persona: Persona,
         budgets: Budgets,
         latest: Summary | None,
         evicted: list[StoredMessage],

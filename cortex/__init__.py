@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from bot.config import Config
 from bot.jobs import JobQueue
 from bot.llm.base import LLMProvider
+from bot.persona import ConfigPersonas, PersonaSource
 from bot.storage.core import Storage
 from bot.tokens import TokenEstimator
 from cortex.commands import CortexCommands
@@ -56,10 +57,12 @@ def build_cortex(
     queue: JobQueue,
     job_storage: Storage | None = None,
     embedder: Embedder | None = None,
+    personas: PersonaSource | None = None,
 ) -> Cortex:
     """``storage`` serves the reply path and commands; ``job_storage`` (a sibling connection sharing its
     caches) serves the update jobs, so their queries never queue in front of a reply's. ``embedder``
     replaces the configured one (tests pass a test double)."""
+    personas = personas or ConfigPersonas(config)
     store = CortexStore(storage)
     files = CortexFiles(store, config.cortex.file_max_chars)
     resolver = SettingsResolver(config.cortex, store)
@@ -83,9 +86,10 @@ def build_cortex(
     memory = memory_store(storage)
     job_memory = memory_store(job_storage or storage)
     updater = CortexUpdater(
-        config, job_store, job_files, SettingsResolver(config.cortex, job_store), llm, estimator, job_memory
+        config, job_store, job_files, SettingsResolver(config.cortex, job_store), llm, estimator, job_memory,
+        personas,
     )
-    commands = CortexCommands(config, storage, store, files, resolver, tiers, updater)
+    commands = CortexCommands(config, storage, store, files, resolver, tiers, updater, personas)
     memory_commands = MemoryCommands(store, memory)
     knowledge = KnowledgeSection(memory, estimator, memory_config, resolver)
 

@@ -22,6 +22,7 @@ from bot.commands import (
     parse_number,
 )
 from bot.config import FREQUENCY_PRESETS, Config
+from bot.persona import PersonaSource
 from bot.storage.base import Storage, User
 from bot.text import plural
 from cortex.files import CortexFiles, FileError, normalise_filename, unified_diff
@@ -56,6 +57,7 @@ class CortexCommands:
     resolver: SettingsResolver
     tiers: TierEngine
     updater: CortexUpdater
+    personas: PersonaSource
 
     prefix: str = "!"
     extra_stats: Callable[[], Awaitable[list[str]]] | None = None  # the memory store's jobs and pruning
@@ -88,7 +90,7 @@ class CortexCommands:
 
     async def _pair(self, ctx: CommandContext) -> tuple[User, Pair]:
         user, pair = await self.store.pair_for(ctx.user_key, ctx.user_name, ctx.persona)
-        persona = self.config.persona(ctx.persona)
+        persona = self.personas.persona(ctx.persona)
         await self.files.ensure(pair, persona.language, user.display_name)
         return user, pair
 
@@ -167,7 +169,7 @@ class CortexCommands:
     async def reset(self, ctx: CommandContext, args: Sequence[str]) -> str:
         user, pair = await self._pair(ctx)
         wanted = (self._file_arg(args),) if args else FILENAMES
-        persona = self.config.persona(ctx.persona)
+        persona = self.personas.persona(ctx.persona)
         changed = await self.files.reset(pair, wanted, persona.language, user.display_name)
         if not changed:
             return "Nothing to reset: already as the template."

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bot.config import PersonaConfig
-from bot.prompt import SOUL_TITLES, resolve_variables
+from bot.persona import Persona, section_title
+from bot.prompt import resolve_variables
 from bot.storage.base import StoredMessage
 
 GUIDANCE = {
@@ -74,9 +74,9 @@ MEMORY_GUIDE = (
 
 
 def system_prompt(
-    persona: PersonaConfig, user_name: str, stage: str, date: str, max_chars: int, *, with_memory: bool = False
+    persona: Persona, user_name: str, stage: str, date: str, max_chars: int, *, with_memory: bool = False
 ) -> str:
-    soul = "\n\n".join(f"### {SOUL_TITLES[name]}\n{body.strip()}" for name, body in persona.soul_sections())
+    soul = "\n\n".join(f"### {section_title(key)}\n{body.strip()}" for key, body in persona.soul_sections())
     parts = [
         f"You are {persona.name}. Not an AI playing {persona.name}: you are {persona.name}. What follows is your "
         "own inner life.",
@@ -105,7 +105,7 @@ def system_prompt(
 
 
 def conversation_message(
-    persona: PersonaConfig, messages: Sequence[tuple[StoredMessage, str]], user_name: str
+    persona: Persona, messages: Sequence[tuple[StoredMessage, str]], user_name: str
 ) -> str:
     """The pair's exchanges, oldest first, each labelled with date, channel and speaker."""
     lines = []

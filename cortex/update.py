@@ -18,9 +18,10 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from bot.config import Config, CortexConfig, PersonaConfig
+from bot.config import Config, ConfigError, CortexConfig
 from bot.llm.base import ChatMessage, Completion, LLMProvider, LLMRequest
 from bot.llm.errors import LLMBadRequest, LLMError
+from bot.persona import ConfigPersonas, Persona, PersonaSource
 from bot.storage.base import Job, LLMCallRecord, StoredMessage
 from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator
 from cortex.files import CortexFiles
@@ -59,8 +60,10 @@ class CortexUpdater:
         llm: LLMProvider,
         estimator: TokenEstimator,
         memory: MemoryStore | None = None,
+        personas: PersonaSource | None = None,
     ) -> None:
         self.memory = memory
+        self.personas = personas or ConfigPersonas(config)
         self.config = config
         self.store = store
         self.files = files
@@ -106,7 +109,11 @@ class CortexUpdater:
         await self.run(pair, tier, settings, job_id=job.id)
 
     async def run(self, pair: Pair, tier: str, settings: CortexConfig, *, job_id: int | None = None) -> Outcome:
-        persona = self.config.persona(pair.persona)
+        try:
+            persona = self.personas.persona(pair.persona)
+        except ConfigError:
+            reason = f"the persona {pair.persona} was deleted"
+            return Outcome("skipped", reason, await self.store.record_skip(pair.id, job_id, tier, reason))
         user = await self.store.user_of(pair)
         history = await self._history(pair, settings.history_tokens)
         if len(history) < MIN_MESSAGES:
@@ -161,7 +168,7 @@ class CortexUpdater:
             before = page[-1][0].id
 
     async def _loop(
-        self, pair: Pair, persona: PersonaConfig, user_name: str, tier: str, settings: CortexConfig,
+        self, pair: Pair, persona: Persona, user_name: str, tier: str, settings: CortexConfig,
         history: list[tuple[StoredMessage, str]], tools: CortexTools, totals: list[int],
     ) -> tuple[RunStatus, str]:
         model = settings.model or self.config.model_for(persona)

@@ -35,6 +35,8 @@ async def fill(storage: Storage) -> None:
     """A small bot's life through the app's own storage API: every copied table gets rows."""
     await storage.upsert_persona("Cora", "en")
     await storage.upsert_persona("Lena", "de")
+    await storage.personas.put("soul", "1", "identity", "You are Cora.", author="config")
+    await storage.personas.put("guidelines", "discord:guild1", "", "Be kind here.", author="discord:7")
     ann = await storage.upsert_user("discord:1", "Ann")
     bob = await storage.upsert_user("matrix:@bob:example.org", "Bob")
     general = await storage.upsert_channel("discord:g", "general", is_dm=False)

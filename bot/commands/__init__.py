@@ -43,7 +43,8 @@ class CommandContext:
     user_name: str
     channel_key: str
     persona: str
-    is_admin: bool = False
+    is_admin: bool = False  # of this server or room (or of the whole bot)
+    is_bot_admin: bool = False  # a configured admin id: may change what every server shares
     is_dm: bool = False
     server_key: str | None = None
     body: str = ""  # the lines after the command line
@@ -73,6 +74,7 @@ class Command:
     handler: Handler
     usage: str = ""  # arguments after the name, e.g. "<file> <version>"
     admin: bool = False
+    bot_admin: bool = False  # changes what every server shares (personas, global rules)
     private: bool = False
     aliases: tuple[str, ...] = field(default_factory=tuple)
 
@@ -129,6 +131,9 @@ class CommandRegistry:
                 lines += [f"  {self.usage(c)} — {c.summary}" for c in group if context.is_admin or not c.admin]
                 return CommandReply("\n".join(lines))
             return CommandReply(f"Unknown command {self.prefix}{' '.join(words[:2])}. Type {self.prefix}help.")
+        if command.bot_admin and not context.is_bot_admin:
+            return CommandReply(f"{self.prefix}{command.name} is for the bot's admins only (it changes what every "
+                                "server shares).")
         if command.admin and not context.is_admin:
             return CommandReply(f"{self.prefix}{command.name} is for admins only.")
         limit = command.max_args
@@ -164,7 +169,7 @@ class CommandRegistry:
         lines = ["Commands:"]
         groups = list(dict.fromkeys(c.name.split(" ")[0] for c in self.commands))  # in order of first use
         for command in sorted(self.commands, key=lambda c: groups.index(c.name.split(" ")[0])):
-            if command.admin and not context.is_admin:
+            if (command.admin and not context.is_admin) or (command.bot_admin and not context.is_bot_admin):
                 continue
             lines.append(f"  {self.usage(command)} — {command.summary}")
         lines.append("Anything else you type is sent to the persona.")

@@ -47,6 +47,7 @@ from bot.storage.engine import (
 from bot.storage.fleet import FleetRepository
 from bot.storage.memory import MemoryRepository
 from bot.storage.migrations import MIGRATIONS
+from bot.storage.personas import PersonaRepository
 from bot.storage.rows import MESSAGE_COLUMNS, message_from_row
 from bot.storage.rows import dt as _dt
 from bot.storage.rows import ts as _ts
@@ -84,6 +85,7 @@ class Storage:
         self.cortex = CortexRepository(db)
         self.memory = MemoryRepository(db)
         self.fleet = FleetRepository(db)
+        self.personas = PersonaRepository(db)
 
     async def sibling(self) -> Storage:
         """A second handle on the same database sharing caches (see ``Database.sibling``)."""
@@ -160,6 +162,11 @@ class Storage:
             )
         elif str(row[0]) != config:
             await self.db.write("UPDATE personas SET ts_config = ? WHERE lower(name) = lower(?)", (config, name))
+
+    async def settings_with_prefix(self, prefix: str) -> list[tuple[str, str]]:
+        rows = await self.db.fetch_all(
+            "SELECT key, value FROM settings WHERE substr(key, 1, length(?)) = ? ORDER BY key", (prefix, prefix))
+        return [(str(r[0]), str(r[1])) for r in rows]
 
     async def upsert_channel(self, key: str, name: str, is_dm: bool) -> Channel:
         cached = self._channels.get(key)

@@ -278,4 +278,12 @@ MIGRATIONS: tuple[Migration, ...] = (
         sqlite_autoincrement=("users", "personas", "channels", "messages", "summaries", "jobs", "llm_calls",
                               "reply_stats", "cortex_pairs", "cortex_versions", "cortex_runs", "memory_items"),
     ),
+    Migration(
+        7,
+        "personas as data: language and settings per persona, versioned soul sections, guidelines and rules",
+        tuple(statement.replace("DOUBLE PRECISION", "REAL").replace(f"id {pg_schema.ID}",
+                                                                   "id INTEGER PRIMARY KEY AUTOINCREMENT")
+              for statement in pg_schema.V7),
+        postgres=pg_schema.V7,
+    ),
 )

@@ -236,3 +236,26 @@ V5: tuple[str, ...] = (
         started_at DOUBLE PRECISION NOT NULL,
         last_seen DOUBLE PRECISION NOT NULL)""",
 )
+
+
+# Personas as data: their settings beside the name, and one table of versioned texts (soul sections,
+# guidelines, global rules): every change is a new row, the newest version of a name is the live one.
+V7: tuple[str, ...] = (
+    "ALTER TABLE personas ADD COLUMN language TEXT NOT NULL DEFAULT 'English'",
+    "ALTER TABLE personas ADD COLUMN settings TEXT NOT NULL DEFAULT '{}'",
+    "ALTER TABLE personas ADD COLUMN source TEXT NOT NULL DEFAULT 'config'",
+    "ALTER TABLE personas ADD COLUMN deleted_at DOUBLE PRECISION",
+    f"""CREATE TABLE versioned_texts (
+        id {ID},
+        kind TEXT NOT NULL CHECK (kind IN ('soul', 'guidelines', 'rule')),
+        scope TEXT NOT NULL,
+        name TEXT NOT NULL,
+        version INTEGER NOT NULL,
+        content TEXT NOT NULL,
+        position INTEGER NOT NULL DEFAULT 0,
+        enabled INTEGER NOT NULL DEFAULT 1,
+        author TEXT NOT NULL,
+        reason TEXT NOT NULL DEFAULT '',
+        created_at DOUBLE PRECISION NOT NULL,
+        UNIQUE (kind, scope, name, version))""",
+)

@@ -1,0 +1,175 @@
+"""``!persona …``: list, show, create, edit, history, revert and delete personas while the bot runs.
+
+Reading is for admins (of a server or the bot); changing a persona is for the bot's admins, because a
+persona is shared by every server. Every change is a new version of one soul section (who, when, why);
+``!persona NAME`` (pick one for your DMs, or an admin's pick for a channel) stays in the router.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from bot.commands import Command, CommandContext, CommandError, CommandRegistry, parse_number
+from bot.config import SOUL_SECTIONS, ConfigError
+from bot.persona import section_title
+from bot.storage import Storage
+from bot.storage.textsearch import text_search_config
+from cortex.personas.registry import PersonaRegistry
+
+MAX_SECTION_CHARS = 4000
+MAX_NAME_CHARS = 80
+SECTION_KEY = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
+KNOWN_VARIABLES = ("char_name", "user_name", "language", "date", "char", "user", "language_code")
+_BRACES = re.compile(r"\{\{?\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}?\}")
+
+
+def section_key(text: str) -> str:
+    """``Communication style`` → ``communication_style``; a free-form name must be a short word."""
+    key = "_".join(text.strip().lower().replace("-", " ").split())
+    if not SECTION_KEY.match(key):
+        raise CommandError(f"a section is one word like {', '.join(SOUL_SECTIONS[:3])} or a name of your own "
+                           "(letters, digits, _; at most 40)")
+    return key
+
+
+def unknown_variables(text: str) -> list[str]:
+    """Template variables the prompt will not fill (left visible as written)."""
+    return sorted({m.group(1) for m in _BRACES.finditer(text) if m.group(1).lower() not in KNOWN_VARIABLES})
+
+
+@dataclass
+class PersonaCommands:
+    registry: PersonaRegistry
+    storage: Storage
+    prefix: str = "!"
+
+    def register(self, registry: CommandRegistry) -> None:
+        self.prefix = registry.prefix
+        for name, usage, summary, handler, bot_admin in (
+            ("list", "", "every persona, where it comes from, its language", self.list_personas, False),
+            ("show", "[name…]", "a persona's soul sections with their versions", self.show, False),
+            ("history", "[section]", "how the soul of the persona here changed: who, when, why", self.history, False),
+            ("create", "<name…>", "a new persona (then give it a soul with edit)", self.create, True),
+            ("edit", "<section> <text…>", "rewrite one soul section of the persona here", self.edit, True),
+            ("revert", "<section> <version>", "bring back an earlier version of a section", self.revert, True),
+            ("delete", "<name…>", "remove a persona nobody uses (its history stays)", self.delete, True),
+        ):
+            registry.register(Command(f"persona {name}", summary, handler, usage=usage, admin=True,
+                                      bot_admin=bot_admin))
+
+    def _row_name(self, args: Sequence[str], ctx: CommandContext) -> str:
+        try:
+            return self.registry.persona(" ".join(args) if args else ctx.persona).name
+        except ConfigError as exc:
+            raise CommandError(str(exc)) from None
+
+    async def _scope(self, name: str) -> str:
+        row = await self.storage.personas.get_persona(name)
+        if row is None:
+            raise CommandError(f"unknown persona {name!r}")
+        return str(row.id)
+
+    async def list_personas(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        rows = await self.storage.personas.list_personas()
+        default = self.registry.default_name.casefold()
+        lines = ["Personas:"]
+        for row in rows:
+            marks = [f"from {'the config file' if row.source == 'config' else row.source}", row.language]
+            if row.name.casefold() == default:
+                marks.append("default")
+            lines.append(f"  {row.name} ({', '.join(marks)})")
+        return "\n".join(lines)
+
+    async def show(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        name = self._row_name(args, ctx)
+        live = [t for t in await self.storage.personas.current("soul", await self._scope(name)) if t.content.strip()]
+        if not live:
+            return f"{name} has no soul yet: {self.prefix}persona edit identity You are … (bot admins)."
+        blocks = [f"── {section_title(t.name)} [{t.name}] (version {t.version}, {t.author}, "
+                  f"{t.created_at:%Y-%m-%d %H:%M} UTC)\n{t.content.strip()}" for t in live]
+        return f"Persona {name}:\n" + "\n\n".join(blocks)
+
+    async def history(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        scope = await self._scope(ctx.persona)
+        key = section_key(args[0]) if args else None
+        versions = await self.storage.personas.history("soul", scope, key)
+        if not versions:
+            return f"No history for {ctx.persona}" + (f" section {key}." if key else ".")
+        lines = [f"History of {ctx.persona}" + (f" section {key}" if key else "") + " (oldest first):"]
+        for v in versions[-40:]:
+            why = f" — {v.reason}" if v.reason else ""
+            lines.append(f"  {v.name} v{v.version} {v.created_at:%Y-%m-%d %H:%M} by {v.author}, "
+                         f"{len(v.content):,} chars{why}")
+        return "\n".join(lines)
+
+    async def create(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        name = " ".join(args).strip()
+        if not name or len(name) > MAX_NAME_CHARS or any(not ch.isprintable() for ch in name):
+            raise CommandError(f"give the persona a name of 1 to {MAX_NAME_CHARS} printable characters")
+        default = self.registry.persona(None)
+        row = await self.storage.personas.create_persona(name, default.language, {}, "chat",
+                                                         text_search_config(default.language))
+        if row is None:
+            raise CommandError(f"a persona called {name!r} exists already")
+        await self.registry.load()
+        return (f"Persona {row.name} created ({row.language}). Pick it for a channel with {self.prefix}persona "
+                f"{row.name}, then give it a soul there: {self.prefix}persona edit identity You are …")
+
+    async def edit(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        if not args:
+            raise CommandError("which section? e.g. " + ", ".join(SOUL_SECTIONS))
+        key = section_key(args[0])
+        text = (" ".join(args[1:]) or ctx.body).strip()
+        if len(text) > MAX_SECTION_CHARS:
+            raise CommandError(f"a soul section holds at most {MAX_SECTION_CHARS:,} characters (this is "
+                               f"{len(text):,})")
+        scope = await self._scope(ctx.persona)
+        saved = await self.storage.personas.put("soul", scope, key, text, author=ctx.user_key,
+                                                reason="edited in chat")
+        await self.registry.load()
+        done = (f"{ctx.persona}: section {key} is now version {saved.version}" if text
+                else f"{ctx.persona}: section {key} emptied (version {saved.version})")
+        unknown = unknown_variables(text)
+        if unknown:
+            done += (f". Note: {', '.join('{' + u + '}' for u in unknown)} is no template variable and stays as "
+                     f"written (variables: {', '.join('{' + k + '}' for k in KNOWN_VARIABLES)})")
+        return done + "."
+
+    async def revert(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        if len(args) < 2:
+            raise CommandError("give the section and the version, e.g. identity 2")
+        key, number = section_key(args[0]), parse_number(args[1], "the version", prefix="v")
+        scope = await self._scope(ctx.persona)
+        old = await self.storage.personas.version("soul", scope, key, number)
+        if old is None:
+            raise CommandError(f"{ctx.persona} has no version {number} of section {key} "
+                               f"(see {self.prefix}persona history {key})")
+        saved = await self.storage.personas.put("soul", scope, key, old.content, author=ctx.user_key,
+                                                reason=f"reverted to version {number}")
+        await self.registry.load()
+        return f"{ctx.persona}: section {key} is back to version {number}'s text (as version {saved.version})."
+
+    async def delete(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        name = self._row_name(args, ctx) if args else ""
+        if not name:
+            raise CommandError("which persona?")
+        if self.registry.from_config(name):
+            raise CommandError(f"{name} comes from the config file: remove its [[personas]] entry there instead")
+        used = await self._used_where(name)
+        if used:
+            raise CommandError(f"{name} is in use ({'; '.join(used[:5])}): pick another persona there first")
+        row = await self.storage.personas.get_persona(name)
+        assert row is not None
+        await self.storage.personas.delete_persona(row.id)
+        await self.registry.load()
+        return f"Persona {name} deleted; its soul's history and its users' memory stay (create it again to revive)."
+
+    async def _used_where(self, name: str) -> list[str]:
+        places = []
+        for key, value in await self.storage.settings_with_prefix("persona."):
+            if value.casefold() == name.casefold():
+                kind, _, where = key.removeprefix("persona.").partition(".")
+                places.append(f"{'channel' if kind == 'channel' else 'direct messages of'} {where}")
+        return places

@@ -1,0 +1,167 @@
+"""Personas as data: seeding from config across restarts, versioned soul sections, the commands and
+who may use them, the prompt the model receives, threads inheriting their channel's persona."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bot.app import App
+from bot.commands import CommandContext
+from bot.config import parse_config
+from bot.policy import Inbound
+from bot.ports import IncomingMessage
+from tests.engines import db_url_for
+from tests.fakes.provider import ScriptedProvider
+from tests.test_router import Sink
+
+pytestmark = pytest.mark.both_engines
+
+
+def _config(tmp_path: Path, identity: str = "You are {char_name}, a gardener.", **persona: Any):
+    return parse_config({
+        "storage": {"url": db_url_for(tmp_path)},
+        "cortex": {"context_limit": 1000},
+        "personas": [{"name": "Cora", "identity": identity, "tone": "Warm.", **persona},
+                     {"name": "Max", "identity": "You are {char_name}."}],
+    })
+
+
+def ctx(admin: bool = True, bot_admin: bool = True, persona: str = "Cora") -> CommandContext:
+    return CommandContext("discord", "discord:7", "Ann", "discord:chan1", persona, is_admin=admin,
+                          is_bot_admin=bot_admin, server_key="discord:guild1")
+
+
+async def run(app: App, line: str, context: CommandContext | None = None) -> str:
+    return (await app.commands.dispatch(line, context or ctx())).text
+
+
+async def system_prompt(app: App, llm: ScriptedProvider, persona: str = "Cora") -> str:
+    await app.core.reply(IncomingMessage("discord", "dm-ann", "7", "Ann", "hello", is_dm=True), persona).text()
+    return llm.requests[-1].system
+
+
+async def test_seeding_twice_duplicates_nothing(tmp_path: Path) -> None:
+    for _ in range(2):
+        async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+            assert app.personas.names() == ["Cora", "Max"]
+            history = await run(app, "!persona history")
+    assert history.count(" v1 ") == 2 and " v2 " not in history  # identity and tone, once each
+
+
+async def test_a_changed_config_section_becomes_a_new_version(tmp_path: Path) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()):
+        pass
+    llm = ScriptedProvider()
+    async with App(_config(tmp_path, identity="You are {char_name}, a beekeeper."), llm=llm) as app:
+        assert "You are Cora, a beekeeper." in await system_prompt(app, llm)
+        history = await run(app, "!persona history identity")
+        assert "identity v2" in history and "by config" in history
+
+
+async def test_an_admins_edit_survives_a_config_change_and_the_log_says_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        assert "version 2" in await run(app, "!persona edit identity You are {char_name}, a potter.")
+    llm = ScriptedProvider()
+    with caplog.at_level(logging.WARNING, logger="cortex.personas.registry"):
+        async with App(_config(tmp_path, identity="You are {char_name}, a beekeeper."), llm=llm) as app:
+            system = await system_prompt(app, llm)
+            assert "You are Cora, a potter." in system and "beekeeper" not in system
+            history = await run(app, "!persona history identity")
+            assert "identity v3" in history and "identity v4" in history and "kept the chat edit" in history
+            assert "back to version 3" in await run(app, "!persona revert identity 3")  # take the config's text
+            assert "You are Cora, a beekeeper." in await system_prompt(app, llm)
+    assert "the chat edit stays" in caplog.text and "!persona revert identity 3" in caplog.text
+
+
+async def test_edit_history_revert_change_the_prompt_at_once(tmp_path: Path) -> None:
+    llm = ScriptedProvider()
+    async with App(_config(tmp_path), llm=llm) as app:
+        assert "Cora: section tone is now version 2" in await run(app, "!persona edit tone Dry and {{mood}}.")
+        assert "{mood} is no template variable" in await run(app, "!persona edit tone Dry and {mood}.")
+        await run(app, "!persona edit backstory Grew up in Lyon.")  # a free-form section
+        system = await system_prompt(app, llm)
+        assert "## Tone\nDry and {mood}." in system and "## Backstory\nGrew up in Lyon." in system
+        assert system.index("## Identity") < system.index("## Tone") < system.index("## Backstory")
+        shown = await run(app, "!persona show")
+        assert "Tone [tone] (version 3, discord:7" in shown and "Grew up in Lyon." in shown
+        assert "back to version 1" in await run(app, "!persona revert tone v1")
+        assert "## Tone\nWarm." in await system_prompt(app, llm)
+        assert "no version 9" in await run(app, "!persona revert tone 9")
+        assert "at most 4,000" in await run(app, "!persona edit tone " + "x" * 4001)
+        assert "a section is one word" in await run(app, "!persona edit ../../etc hi")
+
+
+async def test_who_may_do_what(tmp_path: Path) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        member, server_admin = ctx(admin=False, bot_admin=False), ctx(admin=True, bot_admin=False)
+        for line in ("!persona list", "!persona show", "!persona history", "!persona edit tone Rude."):
+            assert "admins only" in await run(app, line, member)
+        assert "Cora" in await run(app, "!persona list", server_admin)
+        for line in ("!persona edit tone Rude.", "!persona create Evil", "!persona revert tone 1",
+                     "!persona delete Max"):
+            assert "for the bot's admins only" in await run(app, line, server_admin)
+        assert "Rude" not in await run(app, "!persona show", server_admin)
+        helped = await run(app, "!help", server_admin)
+        assert "!persona show" in helped and "!persona edit" not in helped
+
+
+async def test_create_pick_delete(tmp_path: Path) -> None:
+    llm = ScriptedProvider()
+    async with App(_config(tmp_path), llm=llm) as app:
+        assert "Persona Nova created" in await run(app, "!persona create Nova")
+        assert "exists already" in await run(app, "!persona create nova")
+        assert "section identity is now version 1" in await run(app, "!persona edit identity You are {char_name}.",
+                                                                 ctx(persona="Nova"))
+        sink = Sink()
+        await app.router.handle(_inbound("!persona Nova", admin=True), sink)
+        assert "Nova now answers" in sink.public[0].text
+        await app.router.handle(_inbound("hi", mention=True), Sink())
+        assert "You are Nova." in llm.requests[-1].system
+        refused = await run(app, "!persona delete Nova")
+        assert "in use (channel discord:chan1)" in refused
+        assert "comes from the config file" in await run(app, "!persona delete Max")
+        await app.router.handle(_inbound("!persona Cora", admin=True), Sink())
+        assert "Persona Nova deleted" in await run(app, "!persona delete Nova")
+        assert "Nova" not in await run(app, "!persona list") and app.personas.names() == ["Cora", "Max"]
+
+
+async def test_threads_inherit_their_channels_persona_unless_set_themselves(tmp_path: Path) -> None:
+    llm = ScriptedProvider()
+    async with App(_config(tmp_path), llm=llm) as app:
+        await app.router.handle(_inbound("!persona Max", admin=True), Sink())
+        await app.router.handle(_inbound("hi", mention=True, channel="thread9", parent="chan1"), Sink())
+        assert "You are Max." in llm.requests[-1].system
+        await app.router.handle(_inbound("!persona Cora", admin=True, channel="thread9", parent="chan1"), Sink())
+        await app.router.handle(_inbound("hi", mention=True, channel="thread9", parent="chan1"), Sink())
+        assert "You are Cora" in llm.requests[-1].system
+
+
+async def test_another_process_sees_an_edit_after_its_reload(tmp_path: Path) -> None:
+    first_llm, second_llm = ScriptedProvider(), ScriptedProvider()
+    async with App(_config(tmp_path), llm=first_llm) as first, App(_config(tmp_path), llm=second_llm) as second:
+        await run(first, "!persona edit tone Solemn.")
+        await second.personas.load()  # what its reload job does every few seconds
+        assert "## Tone\nSolemn." in await system_prompt(second, second_llm)
+
+
+def _inbound(text: str, *, admin: bool = False, mention: bool = False, channel: str = "chan1",
+             parent: str | None = None) -> Inbound:
+    message = IncomingMessage("discord", channel, "7", "Ann", text, server_id="guild1", mentions_bot=mention,
+                              parent_channel_id=parent)
+    return Inbound(message, is_admin=admin)
+
+
+async def test_template_variables_in_both_spellings(tmp_path: Path) -> None:
+    llm = ScriptedProvider()
+    config = _config(tmp_path, identity="You are {{char}}, talking to {{user}} in {{LANGUAGE}} ({{LANGUAGE_CODE}}).",
+                     language="German")
+    async with App(config, llm=llm) as app:
+        assert "You are Cora, talking to Ann in German (de)." in await system_prompt(app, llm)
+        reply = await run(app, "!persona edit values Kind to {{user}}, fond of {{weather}}.")
+        assert "{weather} is no template variable" in reply
+        assert "Kind to Ann, fond of {{weather}}." in await system_prompt(app, llm)  # left visible, no crash

@@ -1,0 +1,47 @@
+"""Versioned texts and persona rows on both engines: every change a new version, the newest one live."""
+
+from __future__ import annotations
+
+import asyncio
+
+from bot.storage import Storage
+
+
+async def test_texts_are_versioned_and_the_newest_is_live(storage: Storage) -> None:
+    texts = storage.personas
+    first = await texts.put("soul", "1", "identity", "You are Cora.", author="config")
+    assert (first.version, first.position, first.enabled) == (1, 1, True)
+    tone = await texts.put("soul", "1", "tone", "Warm.", author="config")
+    assert tone.position == 2  # a new name goes last
+    second = await texts.put("soul", "1", "identity", "You are Cora, a gardener.", author="discord:7",
+                             reason="more detail")
+    assert (second.version, second.position) == (2, 1)  # the position is carried over
+    live = await texts.current("soul", "1")
+    assert [(t.name, t.version, t.content) for t in live] == [
+        ("identity", 2, "You are Cora, a gardener."), ("tone", 1, "Warm.")]
+    history = await texts.history("soul", "1", "identity")
+    assert [(h.version, h.author, h.reason) for h in history] == [(1, "config", ""), (2, "discord:7", "more detail")]
+    assert (await texts.version("soul", "1", "identity", 1)).content == "You are Cora."
+    assert await texts.current("soul", "2") == []  # another persona's soul is its own
+    off = await texts.put("rule", "*", "no-spoilers", "Never spoil endings.", author="x", enabled=False)
+    assert not off.enabled
+    assert not (await texts.put("rule", "*", "no-spoilers", "Never spoil books.", author="x")).enabled
+
+
+async def test_two_writers_at_once_get_consecutive_versions(storage: Storage) -> None:
+    writes = [storage.personas.put("guidelines", "discord:guild1", "", f"text {i}", author=f"u{i}")
+              for i in range(6)]
+    versions = sorted(v.version for v in await asyncio.gather(*writes))
+    assert versions == [1, 2, 3, 4, 5, 6]
+
+
+async def test_persona_rows_are_created_once_hidden_and_revived(storage: Storage) -> None:
+    repo = storage.personas
+    made = await repo.create_persona("Lena", "German", {"model": "m1"}, "chat", "german")
+    assert made is not None and made.settings == {"model": "m1"} and made.language == "German"
+    assert await repo.create_persona("lena", "English", {}, "chat", "english") is None  # names ignore case
+    assert [p.name for p in await repo.list_personas()] == ["Lena"]
+    await repo.delete_persona(made.id)
+    assert await repo.get_persona("Lena") is None and await repo.list_personas() == []
+    revived = await repo.create_persona("LENA", "French", {}, "chat", "french")
+    assert revived is not None and revived.id == made.id and revived.language == "French"
