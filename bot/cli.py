@@ -136,8 +136,8 @@ async def _chat(config: Config, user: str, persona: str | None) -> int:
 def run(ctx: click.Context) -> None:
     """Start the configured adapters and background workers until Ctrl-C or SIGTERM.
 
-    With [discord] or [matrix] enabled it serves those (plus the terminal when it is an interactive
-    one); with neither, it is a terminal chat like `cortexbot chat`.
+    With [discord] or [matrix] enabled it serves those; with neither, it is a terminal chat like
+    `cortexbot chat` ([terminal] enabled).
     """
     config = _load(ctx)
     setup_logging(config.bot.log_level)
