@@ -25,7 +25,9 @@ from bot.tokens import BPETokenEstimator
 from cortex import build_cortex
 from cortex.memory.embedders import Embedder
 from cortex.personas.commands import PersonaCommands
+from cortex.personas.guidelines import GuidelinesCommands, RulesCommands
 from cortex.personas.registry import PersonaRegistry
+from cortex.personas.sections import GuidelinesSection, RulesSection
 from cortex.tiers import JOB_KIND as CORTEX_JOB
 
 log = logging.getLogger(__name__)
@@ -88,7 +90,10 @@ class App:
             )
             self.core = ConversationCore(
                 self.config, self.storage, self.llm, self.estimator, self.summaries,
-                section_providers=[self.cortex.section, self.cortex.knowledge], observers=[self.cortex.tiers],
+                section_providers=[RulesSection(self.personas, self.estimator),
+                                   GuidelinesSection(self.personas, self.estimator), self.cortex.section,
+                                   self.cortex.knowledge],
+                observers=[self.cortex.tiers],
                 personas=self.personas,
             )
             self.commands = CommandRegistry()
@@ -96,7 +101,8 @@ class App:
             self.cortex.commands.register(self.commands)
             self.cortex.memory_commands.register(self.commands)
             self.cortex.memory_admin.register(self.commands)
-            PersonaCommands(self.personas, self.storage).register(self.commands)
+            for commands in (PersonaCommands, GuidelinesCommands, RulesCommands):
+                commands(self.personas, self.storage).register(self.commands)
             await self.cortex.memory_admin.load()
             self.router = Router(self.config, self.storage, self.core, self.commands, self.personas)
             self.fleet = Fleet(self.storage)

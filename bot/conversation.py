@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import get_args
 
 from bot.config import Config
 from bot.errors import EmptyMessage, MessageTooLong
@@ -28,6 +29,7 @@ from bot.ports import (
     PromptContext,
     PromptSection,
     PromptSectionProvider,
+    SectionSlot,
 )
 from bot.prompt import PromptParts, history_turns, render_system
 from bot.storage.base import Channel, LLMCallRecord, ReplyStats, Storage, StoredMessage, Summary, User
@@ -140,12 +142,14 @@ class ConversationCore:
             in_prompt=frozenset(m.id for m in (*window.messages, user_msg)),
             previous=window.messages[-1].text if window.messages else "",
         )
-        sections: dict[str, list[PromptSection]] = {slot: [] for slot in ("guidelines", "cortex", "knowledge")}
+        sections: dict[str, list[PromptSection]] = {slot: [] for slot in get_args(SectionSlot)}
         for provider in self.section_providers:
             sections[provider.slot].extend(await provider.sections(context, SECTION_BUDGET))
+        if not any(p.slot == "rules" for p in self.section_providers) and self.config.bot.global_rules.strip():
+            sections["rules"].append(PromptSection("Rules", self.config.bot.global_rules))
         system = render_system(
             PromptParts(
-                global_rules=self.config.bot.global_rules,
+                rules=sections["rules"],
                 guidelines=sections["guidelines"],
                 persona=persona,
                 cortex=sections["cortex"],

@@ -74,7 +74,7 @@ class PromptSection:
     body: str
 
 
-SectionSlot = Literal["guidelines", "cortex", "knowledge"]
+SectionSlot = Literal["rules", "guidelines", "cortex", "knowledge"]
 
 
 class PromptSectionProvider(Protocol):

@@ -48,7 +48,7 @@ def resolve_variables(text: str, variables: Mapping[str, str]) -> str:
 
 @dataclass(frozen=True, slots=True)
 class PromptParts:
-    global_rules: str
+    rules: Sequence[PromptSection]
     guidelines: Sequence[PromptSection]
     persona: Persona
     cortex: Sequence[PromptSection]
@@ -58,8 +58,9 @@ class PromptParts:
 
 def render_system(parts: PromptParts, variables: Mapping[str, str]) -> str:
     blocks: list[str] = []
-    if parts.global_rules.strip():
-        blocks.append(f"# Rules\n{parts.global_rules.strip()}")
+    rules = [s.body.strip() for s in parts.rules if s.body.strip()]
+    if rules:
+        blocks.append("# Rules\n" + "\n".join(rules))
     blocks.extend(f"# {s.title}\n{s.body.strip()}" for s in parts.guidelines if s.body.strip())
     soul = [f"## {section_title(key)}\n{body.strip()}" for key, body in parts.persona.soul_sections()]
     if soul:

@@ -88,3 +88,19 @@ class BPETokenEstimator:
         observed = min(max(reported / estimated_raw, self.MIN_FACTOR), self.MAX_FACTOR)
         with self._lock:
             self._factor += self._smoothing * (observed - self._factor)
+
+
+def fit_to_budget(estimator: TokenEstimator, text: str, budget: int, note: str) -> str:
+    """``text`` if it fits in ``budget`` tokens, else its whole lines from the top that fit, then ``note``
+    (which says that the rest was left out)."""
+    if estimator.count(text) <= budget:
+        return text
+    kept: list[str] = []
+    spent = estimator.count(note)
+    for line in text.splitlines():
+        cost = estimator.count(line + "\n")
+        if spent + cost > budget:
+            break
+        kept.append(line)
+        spent += cost
+    return "\n".join(kept) + note

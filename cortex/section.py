@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bot.ports import PromptContext, PromptSection, SectionSlot
-from bot.tokens import TokenEstimator
+from bot.tokens import TokenEstimator, fit_to_budget
 from cortex.settings import SettingsResolver
 from cortex.store import CortexStore
 
@@ -38,23 +38,8 @@ class CortexSection:
             content = files.get(filename, "").strip()
             if not content or remaining <= 0:
                 continue
-            block = f"## {filename}\n{content}"
+            block = fit_to_budget(self.estimator, f"## {filename}\n{content}", remaining, CUT_NOTE)
             cost = self.estimator.count(block)
-            if cost > remaining:
-                block = self._cut(block, remaining)
-                cost = self.estimator.count(block)
             parts.append(block)
             remaining -= cost
         return [PromptSection("Your inner files", "\n\n".join(parts))]
-
-    def _cut(self, block: str, budget: int) -> str:
-        """Whole lines from the top that fit in ``budget`` tokens, with a note that the rest is left out."""
-        kept: list[str] = []
-        spent = self.estimator.count(CUT_NOTE)
-        for line in block.splitlines():
-            cost = self.estimator.count(line + "\n")
-            if spent + cost > budget:
-                break
-            kept.append(line)
-            spent += cost
-        return "\n".join(kept) + CUT_NOTE

@@ -11,6 +11,9 @@ with the text the config gave *last time* (the newest version written by ``confi
   (so ``!persona revert`` can bring it in) and the admin's text is put back on top of it: **the newer
   deliberate edit in chat wins** over a config file that was changed without knowing of it; the log
   says so once, with the version numbers.
+
+``[bot] global_rules`` seeds the global rule named ``config`` by the same rule. Guidelines and rules are
+cached here too (one query each per reload) for the prompt sections in ``cortex.personas.sections``.
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ from collections.abc import Sequence
 from bot.config import Config, ConfigError, PersonaConfig
 from bot.persona import Persona, unknown_persona
 from bot.storage import Storage
-from bot.storage.personas import PersonaRow, TextVersion
+from bot.storage.personas import BOT_WIDE, PersonaRow, TextKind, TextVersion
 from bot.storage.textsearch import text_search_config
 
 log = logging.getLogger(__name__)
 
 CONFIG = "config"
+CONFIG_RULE = "config"  # the rule [bot] global_rules seeds
 SEED_LOCK = "persona-seed"
 SEED_LOCK_SECONDS = 60.0
 SETTING_KEYS = ("model", "temperature", "history_tokens", "summary_tokens")
@@ -63,6 +67,8 @@ class PersonaRegistry:
         self.config = config
         self.storage = storage
         self._personas: dict[str, Persona] = {}  # casefolded name -> persona, in creation order
+        self._guidelines: dict[str, str] = {}  # server key (or BOT_WIDE) -> live guidelines
+        self._rules: list[TextVersion] = []  # live rules by position, enabled or not
 
     # -- PersonaSource ---------------------------------------------------------------------------
 
@@ -79,6 +85,16 @@ class PersonaRegistry:
     @property
     def default_name(self) -> str:
         return self.config.bot.default_persona or self.config.personas[0].name
+
+    def guidelines_for(self, server_key: str | None) -> tuple[str, str]:
+        """The guidelines in force (a server's own, else the bot-wide default) and whose they are."""
+        own = self._guidelines.get(server_key or "", "") if server_key else ""
+        if own.strip():
+            return own, server_key or ""
+        return self._guidelines.get(BOT_WIDE, ""), BOT_WIDE
+
+    def rules(self) -> list[TextVersion]:
+        return list(self._rules)
 
     def from_config(self, name: str) -> bool:
         return any(p.name.casefold() == name.casefold() for p in self.config.personas)
@@ -97,6 +113,8 @@ class PersonaRegistry:
         for text in await repo.current_all("soul"):
             by_scope.setdefault(text.scope, []).append(text)
         self._personas = {row.name.casefold(): persona_from(row, by_scope.get(str(row.id), [])) for row in rows}
+        self._guidelines = {t.scope: t.content for t in await repo.current_all("guidelines")}
+        self._rules = sorted(await repo.current_all("rule"), key=lambda t: (t.position, t.name))
 
     async def seed(self) -> None:
         """Bring the config's personas into the database (see the module's rule), once at a time."""
@@ -110,7 +128,10 @@ class PersonaRegistry:
             for entry in self.config.personas:
                 row = await self._seed_row(entry)
                 for position, key in enumerate(entry.soul_order, start=1):
-                    await self._seed_section(row, key, getattr(entry, key), position)
+                    await self._seed_text("soul", str(row.id), key, getattr(entry, key), position,
+                                          f"persona {row.name}: section {key}", f"!persona revert {key}")
+            await self._seed_text("rule", BOT_WIDE, CONFIG_RULE, self.config.bot.global_rules, 0,
+                                  f"global rule {CONFIG_RULE!r} ([bot] global_rules)", f"!rules revert {CONFIG_RULE}")
         finally:
             await self.storage.fleet.release_lock(SEED_LOCK, owner)
 
@@ -128,10 +149,10 @@ class PersonaRegistry:
             await repo.update_persona(row.id, entry.language, config_settings(entry), ts_config)
         return row
 
-    async def _seed_section(self, row: PersonaRow, key: str, text: str, position: int) -> None:
+    async def _seed_text(self, kind: TextKind, scope: str, key: str, text: str, position: int, what: str,
+                         revert: str) -> None:
         repo = self.storage.personas
-        scope = str(row.id)
-        history = await repo.history("soul", scope, key)
+        history = await repo.history(kind, scope, key)
         from_config = [v for v in history if v.author == CONFIG]
         last_config = from_config[-1] if from_config else None
         live = history[-1] if history else None
@@ -139,17 +160,16 @@ class PersonaRegistry:
             return  # the config has not changed this section
         if live is None and not text.strip():
             return  # nothing to say
-        recorded = await repo.put("soul", scope, key, text, author=CONFIG, reason="from the config file",
+        recorded = await repo.put(kind, scope, key, text, author=CONFIG, reason="from the config file",
                                   position=position)
         if live is None or live.author == CONFIG:
-            log.info("persona %s: section %s %s from the config file (version %d)", row.name, key,
-                     "set" if live is None else "updated", recorded.version)
+            log.info("%s %s from the config file (version %d)", what, "set" if live is None else "updated",
+                     recorded.version)
             return
-        await repo.put("soul", scope, key, live.content, author=live.author, position=live.position,
-                       reason=f"kept the chat edit of version {live.version} over the config file's new text "
-                              f"(version {recorded.version})")
+        await repo.put(kind, scope, key, live.content, author=live.author, position=live.position,
+                       enabled=live.enabled, reason=f"kept the chat edit of version {live.version} over the config "
+                                                    f"file's new text (version {recorded.version})")
         log.warning(
-            "persona %s: section %s changed in the config file, but %s edited it in chat (version %d) after the "
-            "config last set it; the chat edit stays, the config's text is version %d (bring it in with "
-            "!persona revert %s %d)", row.name, key, live.author, live.version, recorded.version, key,
-            recorded.version)
+            "%s changed in the config file, but %s edited it in chat (version %d) after the config last set it; "
+            "the chat edit stays, the config's text is version %d (bring it in with %s %d)", what, live.author,
+            live.version, recorded.version, revert, recorded.version)

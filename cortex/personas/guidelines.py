@@ -1,0 +1,217 @@
+"""``!guidelines …`` (a server's own rules for the persona, by its admins) and ``!rules …`` (bot-wide
+rules, by the bot's admins). Both are versioned texts: every change is a new version with who and why,
+``revert`` brings an old text back as a new version, and the prompt changes at once in this process
+(and within seconds in every other one)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from bot.commands import Command, CommandContext, CommandError, CommandRegistry, parse_number
+from bot.storage import Storage
+from bot.storage.personas import BOT_WIDE, TextVersion
+from cortex.personas.commands import unknown_variables
+from cortex.personas.registry import PersonaRegistry
+
+MAX_GUIDELINES_CHARS = 8000
+MAX_RULE_CHARS = 2000
+RULE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
+DEFAULT_FLAG = "--default"
+
+
+def _variables_note(text: str) -> str:
+    unknown = unknown_variables(text)
+    return f" Note: {', '.join('{' + u + '}' for u in unknown)} is no template variable and stays as written." \
+        if unknown else ""
+
+
+def _history_lines(versions: Sequence[TextVersion]) -> list[str]:
+    lines = []
+    for v in versions[-30:]:
+        state = "" if v.enabled else ", disabled"
+        why = f" — {v.reason}" if v.reason else ""
+        lines.append(f"  v{v.version} {v.created_at:%Y-%m-%d %H:%M} by {v.author}, {len(v.content):,} chars"
+                     f"{state}{why}")
+    return lines
+
+
+@dataclass
+class GuidelinesCommands:
+    registry: PersonaRegistry
+    storage: Storage
+    prefix: str = "!"
+
+    def register(self, registry: CommandRegistry) -> None:
+        self.prefix = registry.prefix
+        registry.register(Command("guidelines show", "the guidelines in force here (this server's, else the bot's)",
+                                  self.show, usage=f"[{DEFAULT_FLAG}]", aliases=("guidelines",)))
+        for name, usage, summary, handler in (
+            ("set", f"[{DEFAULT_FLAG}] <text…>", "replace this server's guidelines", self.set_text),
+            ("history", f"[{DEFAULT_FLAG}]", "every version of this server's guidelines", self.history),
+            ("revert", f"[{DEFAULT_FLAG}] <version>", "bring back an earlier version", self.revert),
+            ("clear", f"[{DEFAULT_FLAG}]", "remove this server's guidelines (the bot's default applies)", self.clear),
+        ):
+            registry.register(Command(f"guidelines {name}", summary, handler, usage=usage, admin=True))
+
+    def _scope(self, ctx: CommandContext, args: Sequence[str], *, change: bool) -> tuple[str, list[str]]:
+        """The server's scope, or the bot-wide default (``--default``, or in a DM) — changing that one
+        is for the bot's admins (in a Matrix DM everyone has power 100 in their own room)."""
+        rest = [a for a in args if a != DEFAULT_FLAG]
+        scope = BOT_WIDE if DEFAULT_FLAG in args or not ctx.server_key else ctx.server_key
+        if scope == BOT_WIDE and change and not ctx.is_bot_admin:
+            raise CommandError("the bot-wide default guidelines are for the bot's admins; in a server, its admins "
+                               "set that server's own")
+        return scope, rest
+
+    @staticmethod
+    def _where(scope: str) -> str:
+        return "the bot-wide default guidelines" if scope == BOT_WIDE else f"the guidelines of {scope}"
+
+    async def show(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        if DEFAULT_FLAG in args:
+            text, scope = self.registry.guidelines_for(None)
+        else:
+            text, scope = self.registry.guidelines_for(ctx.server_key)
+        if not text.strip():
+            return f"No guidelines here. Admins set them with {self.prefix}guidelines set <text>."
+        return f"In force: {self._where(scope)}:\n{text.strip()}"
+
+    async def set_text(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        scope, rest = self._scope(ctx, args, change=True)
+        text = (" ".join(rest) or ctx.body).strip()
+        if not text:
+            raise CommandError(f"give the text (to remove them: {self.prefix}guidelines clear)")
+        if len(text) > MAX_GUIDELINES_CHARS:
+            raise CommandError(f"guidelines hold at most {MAX_GUIDELINES_CHARS:,} characters (these are "
+                               f"{len(text):,})")
+        saved = await self.storage.personas.put("guidelines", scope, "", text, author=ctx.user_key,
+                                                reason="set in chat")
+        await self.registry.load()
+        return f"Saved {self._where(scope)} as version {saved.version}." + _variables_note(text)
+
+    async def history(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        scope, _ = self._scope(ctx, args, change=False)
+        versions = await self.storage.personas.history("guidelines", scope, "")
+        if not versions:
+            return f"No versions of {self._where(scope)} yet."
+        return "\n".join([f"History of {self._where(scope)} (oldest first):", *_history_lines(versions)])
+
+    async def revert(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        scope, rest = self._scope(ctx, args, change=True)
+        if not rest:
+            raise CommandError("which version?")
+        number = parse_number(rest[0], "the version", prefix="v")
+        old = await self.storage.personas.version("guidelines", scope, "", number)
+        if old is None:
+            raise CommandError(f"there is no version {number} of {self._where(scope)}")
+        saved = await self.storage.personas.put("guidelines", scope, "", old.content, author=ctx.user_key,
+                                                reason=f"reverted to version {number}")
+        await self.registry.load()
+        return f"{self._where(scope).capitalize()} are back to version {number}'s text (as version {saved.version})."
+
+    async def clear(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        scope, _ = self._scope(ctx, args, change=True)
+        saved = await self.storage.personas.put("guidelines", scope, "", "", author=ctx.user_key, reason="cleared")
+        await self.registry.load()
+        return f"Cleared {self._where(scope)} (version {saved.version}; revert brings them back)."
+
+
+@dataclass
+class RulesCommands:
+    registry: PersonaRegistry
+    storage: Storage
+    prefix: str = "!"
+
+    def register(self, registry: CommandRegistry) -> None:
+        self.prefix = registry.prefix
+        for name, usage, summary, handler, bot_admin in (
+            ("list", "", "the bot-wide rules in prompt order, on or off", self.list_rules, False),
+            ("history", "<name>", "every version of a rule", self.history, False),
+            ("add", "<name> <text…>", "a new bot-wide rule (last in order)", self.add, True),
+            ("edit", "<name> <text…>", "rewrite a rule", self.edit, True),
+            ("disable", "<name>", "switch a rule off (kept, with its history)", self.disable, True),
+            ("enable", "<name>", "switch a rule back on", self.enable, True),
+            ("revert", "<name> <version>", "bring back an earlier version of a rule", self.revert, True),
+        ):
+            registry.register(Command(f"rules {name}", summary, handler, usage=usage, admin=True,
+                                      bot_admin=bot_admin))
+
+    @staticmethod
+    def _name(args: Sequence[str]) -> str:
+        if not args:
+            raise CommandError("which rule? (see the names with rules list)")
+        name = args[0].lower()
+        if not RULE_NAME.match(name):
+            raise CommandError("a rule's name is one word of letters, digits, - or _ (at most 40)")
+        return name
+
+    def _live(self, name: str) -> TextVersion:
+        for rule in self.registry.rules():
+            if rule.name == name:
+                return rule
+        raise CommandError(f"there is no rule {name!r} (see {self.prefix}rules list)")
+
+    @staticmethod
+    def _text(args: Sequence[str], ctx: CommandContext) -> str:
+        text = (" ".join(args[1:]) or ctx.body).strip()
+        if not text:
+            raise CommandError("give the rule's text")
+        if len(text) > MAX_RULE_CHARS:
+            raise CommandError(f"a rule holds at most {MAX_RULE_CHARS:,} characters (this is {len(text):,})")
+        return text
+
+    async def _put(self, ctx: CommandContext, name: str, text: str, reason: str, enabled: bool | None = None) -> int:
+        saved = await self.storage.personas.put("rule", BOT_WIDE, name, text, author=ctx.user_key, reason=reason,
+                                                enabled=enabled)
+        await self.registry.load()
+        return saved.version
+
+    async def list_rules(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        rules = [r for r in self.registry.rules() if r.content.strip()]
+        if not rules:
+            return f"No global rules. Bot admins add one with {self.prefix}rules add <name> <text>."
+        return "\n".join(["Global rules (prompt order):", *(
+            f"  {r.name} [{'on' if r.enabled else 'off'}] v{r.version}: {r.content.strip()[:200]}" for r in rules)])
+
+    async def history(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        name = self._name(args)
+        versions = await self.storage.personas.history("rule", BOT_WIDE, name)
+        if not versions:
+            raise CommandError(f"there is no rule {name!r}")
+        return "\n".join([f"History of rule {name} (oldest first):", *_history_lines(versions)])
+
+    async def add(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        name, text = self._name(args), self._text(args, ctx)
+        if any(r.name == name and r.content.strip() for r in self.registry.rules()):
+            raise CommandError(f"rule {name!r} exists already: change it with {self.prefix}rules edit")
+        version = await self._put(ctx, name, text, "added in chat", enabled=True)
+        return f"Rule {name} added (version {version})." + _variables_note(text)
+
+    async def edit(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        name, text = self._name(args), self._text(args, ctx)
+        self._live(name)
+        version = await self._put(ctx, name, text, "edited in chat")
+        return f"Rule {name} is now version {version}." + _variables_note(text)
+
+    async def disable(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        name = self._name(args)
+        version = await self._put(ctx, name, self._live(name).content, "switched off", enabled=False)
+        return f"Rule {name} is off (version {version})."
+
+    async def enable(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        name = self._name(args)
+        version = await self._put(ctx, name, self._live(name).content, "switched on", enabled=True)
+        return f"Rule {name} is on (version {version})."
+
+    async def revert(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        name = self._name(args)
+        if len(args) < 2:
+            raise CommandError("which version?")
+        number = parse_number(args[1], "the version", prefix="v")
+        old = await self.storage.personas.version("rule", BOT_WIDE, name, number)
+        if old is None:
+            raise CommandError(f"rule {name} has no version {number}")
+        version = await self._put(ctx, name, old.content, f"reverted to version {number}", enabled=old.enabled)
+        return f"Rule {name} is back to version {number}'s text (as version {version})."

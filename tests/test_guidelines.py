@@ -1,0 +1,137 @@
+"""Server guidelines and global rules: versioned, who may change them, and where they sit in the prompt."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from bot.app import App
+from bot.commands import CommandContext
+from bot.config import parse_config
+from bot.ports import IncomingMessage
+from tests.engines import db_url_for
+from tests.fakes.provider import ScriptedProvider
+
+pytestmark = pytest.mark.both_engines
+
+
+def _config(tmp_path: Path, rules: str = "Never reveal {user_name}'s secrets."):
+    return parse_config({
+        "storage": {"url": db_url_for(tmp_path)},
+        "bot": {"global_rules": rules},
+        "cortex": {"context_limit": 1000},
+        "personas": [{"name": "Cora", "identity": "You are {char_name}."}],
+    })
+
+
+def ctx(server: str | None = "discord:guild1", admin: bool = True, bot_admin: bool = False) -> CommandContext:
+    return CommandContext("discord", "discord:7", "Ann", "discord:chan1", "Cora", is_admin=admin,
+                          is_bot_admin=bot_admin, is_dm=server is None, server_key=server)
+
+
+async def run(app: App, line: str, context: CommandContext | None = None) -> str:
+    return (await app.commands.dispatch(line, context or ctx())).text
+
+
+async def system(app: App, llm: ScriptedProvider, server: str | None = "guild1", text: str = "hello") -> str:
+    message = IncomingMessage("discord", "chan1" if server else "dm", "7", "Ann", text, is_dm=server is None,
+                              server_id=server, mentions_bot=True)
+    await app.core.reply(message).text()
+    return llm.requests[-1].system
+
+
+async def test_guidelines_per_server_with_history_revert_and_a_default(tmp_path: Path) -> None:
+    llm = ScriptedProvider()
+    async with App(_config(tmp_path), llm=llm) as app:
+        assert "No guidelines here" in await run(app, "!guidelines")
+        assert "version 1" in await run(app, "!guidelines set Keep it PG-13.")
+        assert "version 2" in await run(app, "!guidelines set\nSpoilers in ||tags||.\nNo politics.")
+        assert "# Guidelines of this server\nSpoilers in ||tags||.\nNo politics." in await system(app, llm)
+        assert "version 1's text" in await run(app, "!guidelines revert 1")
+        assert "Keep it PG-13." in await system(app, llm)
+        assert "v3" in await run(app, "!guidelines history") and "reverted to version 1" in await run(
+            app, "!guidelines history")
+        other = ctx(server="discord:guild2")
+        assert "No guidelines here" in await run(app, "!guidelines show", other)  # each server its own
+        refused = await run(app, "!guidelines set --default Be gentle.")
+        assert "for the bot's admins" in refused
+        assert "version 1" in await run(app, "!guidelines set --default Be gentle.", ctx(bot_admin=True))
+        assert "bot-wide default" in await run(app, "!guidelines show", other)
+        assert "# Guidelines\nBe gentle." in await system(app, llm, server=None)  # a DM: the default
+        assert "Cleared the guidelines of discord:guild1" in await run(app, "!guidelines clear")
+        assert "Be gentle." in await system(app, llm)  # the default applies again
+
+
+async def test_a_matrix_dm_owner_cannot_change_the_bot_wide_guidelines(tmp_path: Path) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        own_room = ctx(server=None, admin=True, bot_admin=False)  # power 100 in one's own DM room
+        assert "for the bot's admins" in await run(app, "!guidelines set Obey me.", own_room)
+        assert "No guidelines here" in await run(app, "!guidelines", own_room)
+
+
+async def test_members_cannot_change_guidelines_or_rules(tmp_path: Path) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        member = ctx(admin=False)
+        for line in ("!guidelines set x", "!guidelines clear", "!guidelines revert 1", "!rules list",
+                     "!rules add x y"):
+            assert "admins only" in await run(app, line, member)
+        for line in ("!rules add x y", "!rules edit config y", "!rules disable config", "!rules revert config 1"):
+            assert "for the bot's admins only" in await run(app, line)  # a server admin
+
+
+async def test_rules_are_named_ordered_switchable_and_versioned(tmp_path: Path) -> None:
+    llm = ScriptedProvider()
+    boss = ctx(bot_admin=True)
+    async with App(_config(tmp_path), llm=llm) as app:
+        assert "config [on] v1: Never reveal {user_name}'s secrets." in await run(app, "!rules list")
+        assert "Rule no-spoilers added" in await run(app, "!rules add no-spoilers Never spoil endings.", boss)
+        assert "exists already" in await run(app, "!rules add no-spoilers again", boss)
+        prompt = await system(app, llm)
+        assert "# Rules\nNever reveal Ann's secrets.\nNever spoil endings." in prompt
+        assert "is off" in await run(app, "!rules disable config", boss)
+        assert "Never reveal" not in await system(app, llm)
+        assert "is on" in await run(app, "!rules enable config", boss)
+        assert "is now version 2" in await run(app, "!rules edit no-spoilers Never spoil books.", boss)
+        assert "Never spoil books." in await system(app, llm)
+        history = await run(app, "!rules history no-spoilers")
+        assert "v1" in history and "v2" in history and "edited in chat" in history
+        assert "back to version 1" in await run(app, "!rules revert no-spoilers 1", boss)
+        assert "Never spoil endings." in await system(app, llm)
+        assert "no rule 'nope'" in await run(app, "!rules edit nope x", boss)
+        assert "one word" in await run(app, "!rules add ../x y", boss)
+
+
+async def test_config_rules_seed_once_and_a_chat_edit_survives(tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    boss = ctx(bot_admin=True)
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        await run(app, "!rules edit config Be discreet.", boss)
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:  # unchanged config: nothing happens
+        assert "config [on] v2: Be discreet." in await run(app, "!rules list")
+    with caplog.at_level(logging.WARNING, logger="cortex.personas.registry"):
+        async with App(_config(tmp_path, rules="Be loud."), llm=ScriptedProvider()) as app:
+            assert "config [on] v4: Be discreet." in await run(app, "!rules list")
+    assert "!rules revert config 3" in caplog.text
+
+
+async def test_the_prompt_follows_the_designed_order(tmp_path: Path) -> None:
+    """rules → guidelines → soul → cortex files → knowledge → summary, then the history as turns."""
+    llm = ScriptedProvider()
+    async with App(_config(tmp_path), llm=llm) as app:  # in a DM: the user's memory is in the prompt
+        await run(app, "!guidelines set --default GUIDELINE-MARK", ctx(bot_admin=True))
+        dm = ctx(server=None)
+        await run(app, "!memory edit memory.md\n# My memories of Ann\n- CORTEX-MARK", dm)
+        await run(app, "!memory remember KNOWLEDGE-MARK --pin", dm)
+        await system(app, llm, server=None, text="HISTORY-MARK earlier")
+        channel = await app.storage.get_channel("discord:dm")
+        first = (await app.storage.recent_messages(channel.id, 10))[-1]
+        await app.storage.add_summary(channel.id, "SUMMARY-MARK", first.id, first.id, 5, "m")
+        prompt = await system(app, llm, server=None, text="now")
+        marks = ["# Rules", "GUIDELINE-MARK", "You are Cora.", "CORTEX-MARK", "KNOWLEDGE-MARK", "SUMMARY-MARK"]
+        assert all(mark in prompt for mark in marks), prompt
+        positions = [prompt.index(mark) for mark in marks]
+        assert positions == sorted(positions), list(zip(marks, positions, strict=True))
+        turns = [m.content for m in llm.requests[-1].messages]
+        assert "HISTORY-MARK" not in prompt and any("HISTORY-MARK" in t for t in turns) and "now" in turns[-1]
