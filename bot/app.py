@@ -26,6 +26,8 @@ from cortex import build_cortex
 from cortex.memory.embedders import Embedder
 from cortex.personas.commands import PersonaCommands
 from cortex.personas.guidelines import GuidelinesCommands, RulesCommands
+from cortex.personas.lore import LoreIndex, LoreSection
+from cortex.personas.lore_commands import LoreCommands
 from cortex.personas.registry import PersonaRegistry
 from cortex.personas.sections import GuidelinesSection, RulesSection
 from cortex.tiers import JOB_KIND as CORTEX_JOB
@@ -88,11 +90,12 @@ class App:
                 self.config, self.storage, self.llm, self.estimator, self.queue, self.job_storage, self._embedder,
                 self.personas,
             )
+            self.lore = LoreIndex(self.storage)
             self.core = ConversationCore(
                 self.config, self.storage, self.llm, self.estimator, self.summaries,
                 section_providers=[RulesSection(self.personas, self.estimator),
                                    GuidelinesSection(self.personas, self.estimator), self.cortex.section,
-                                   self.cortex.knowledge],
+                                   self.cortex.knowledge, LoreSection(self.lore, self.personas, self.estimator)],
                 observers=[self.cortex.tiers],
                 personas=self.personas,
             )
@@ -103,6 +106,7 @@ class App:
             self.cortex.memory_admin.register(self.commands)
             for commands in (PersonaCommands, GuidelinesCommands, RulesCommands):
                 commands(self.personas, self.storage).register(self.commands)
+            LoreCommands(self.personas, self.storage, self.lore).register(self.commands)
             await self.cortex.memory_admin.load()
             self.router = Router(self.config, self.storage, self.core, self.commands, self.personas)
             self.fleet = Fleet(self.storage)

@@ -19,6 +19,7 @@ from bot.storage import Storage, StorageError, open_storage
 from bot.storage.base import LLMCallRecord, ReplyStats
 from bot.storage.copy import INSTANCE_KEY, TABLES, CopyReport, TableCount, copy_data
 from bot.storage.memory import ItemScope
+from bot.storage.personas import NewLore
 from cortex.memory.store import MemoryStore
 
 BIN = Path(sys.executable).parent
@@ -37,6 +38,10 @@ async def fill(storage: Storage) -> None:
     await storage.upsert_persona("Lena", "de")
     await storage.personas.put("soul", "1", "identity", "You are Cora.", author="config")
     await storage.personas.put("guidelines", "discord:guild1", "", "Be kind here.", author="discord:7")
+    cora = await storage.personas.get_persona("Cora")
+    assert cora is not None
+    await storage.lore.add(cora.id, [NewLore("The mill is old.", ("mill",), always_on=True)], source="chat",
+                           author="discord:7")
     ann = await storage.upsert_user("discord:1", "Ann")
     bob = await storage.upsert_user("matrix:@bob:example.org", "Bob")
     general = await storage.upsert_channel("discord:g", "general", is_dm=False)

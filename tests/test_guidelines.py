@@ -117,19 +117,22 @@ async def test_config_rules_seed_once_and_a_chat_edit_survives(tmp_path: Path,
 
 
 async def test_the_prompt_follows_the_designed_order(tmp_path: Path) -> None:
-    """rules → guidelines → soul → cortex files → knowledge → summary, then the history as turns."""
+    """rules → guidelines → soul → cortex files → knowledge (the user's, then lore) → summary, then the
+    history as turns."""
     llm = ScriptedProvider()
     async with App(_config(tmp_path), llm=llm) as app:  # in a DM: the user's memory is in the prompt
         await run(app, "!guidelines set --default GUIDELINE-MARK", ctx(bot_admin=True))
         dm = ctx(server=None)
         await run(app, "!memory edit memory.md\n# My memories of Ann\n- CORTEX-MARK", dm)
         await run(app, "!memory remember KNOWLEDGE-MARK --pin", dm)
+        await run(app, "!lore add LORE-MARK --keys now", ctx(bot_admin=True))
         await system(app, llm, server=None, text="HISTORY-MARK earlier")
         channel = await app.storage.get_channel("discord:dm")
         first = (await app.storage.recent_messages(channel.id, 10))[-1]
         await app.storage.add_summary(channel.id, "SUMMARY-MARK", first.id, first.id, 5, "m")
         prompt = await system(app, llm, server=None, text="now")
-        marks = ["# Rules", "GUIDELINE-MARK", "You are Cora.", "CORTEX-MARK", "KNOWLEDGE-MARK", "SUMMARY-MARK"]
+        marks = ["# Rules", "GUIDELINE-MARK", "You are Cora.", "CORTEX-MARK", "KNOWLEDGE-MARK", "LORE-MARK",
+                 "SUMMARY-MARK"]
         assert all(mark in prompt for mark in marks), prompt
         positions = [prompt.index(mark) for mark in marks]
         assert positions == sorted(positions), list(zip(marks, positions, strict=True))

@@ -263,8 +263,9 @@ async def test_an_upgrade_keeps_every_row(db_url: str) -> None:
     await old.close()
     new = await open_storage(db_url)
     try:
-        assert await new.pending_migrations() == [5, 6, 7]
-        assert await new.migrate() == [5, 6, 7]
+        newer = [m.version for m in MIGRATIONS if m.version > 4]
+        assert await new.pending_migrations() == newer
+        assert await new.migrate() == newer
         assert [m.text for m in reversed(await new.recent_messages(channel.id, 10))] == [m.text for m in said]
         assert (await new.latest_summary(channel.id)).text == "Ann said three things"
         assert (await new.get_job(job.id)).status == "queued"

@@ -43,8 +43,8 @@ __all__ = ["INSTANCE_KEY", "TABLES", "CopyReport", "TableCount", "copy_data", "e
 INSTANCE_KEY = "bot.instance_id"
 # Foreign-key order (``processes`` and ``schema_version`` stay behind: they describe the database, not the bot).
 TABLES: tuple[str, ...] = (
-    "users", "personas", "versioned_texts", "channels", "messages", "summaries", "jobs", "llm_calls",
-    "reply_stats", "settings",
+    "users", "personas", "versioned_texts", "lore_entries", "channels", "messages", "summaries", "jobs",
+    "llm_calls", "reply_stats", "settings",
     "cortex_pairs", "cortex_versions", "cortex_runs", "cortex_settings", "memory_items", "message_vectors",
     "periodic_runs", "instance_locks",
 )

@@ -47,7 +47,7 @@ from bot.storage.engine import (
 from bot.storage.fleet import FleetRepository
 from bot.storage.memory import MemoryRepository
 from bot.storage.migrations import MIGRATIONS
-from bot.storage.personas import PersonaRepository
+from bot.storage.personas import LoreRepository, PersonaRepository
 from bot.storage.rows import MESSAGE_COLUMNS, message_from_row
 from bot.storage.rows import dt as _dt
 from bot.storage.rows import ts as _ts
@@ -86,6 +86,7 @@ class Storage:
         self.memory = MemoryRepository(db)
         self.fleet = FleetRepository(db)
         self.personas = PersonaRepository(db)
+        self.lore = LoreRepository(db)
 
     async def sibling(self) -> Storage:
         """A second handle on the same database sharing caches (see ``Database.sibling``)."""

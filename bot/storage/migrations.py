@@ -10,6 +10,13 @@ from __future__ import annotations
 from bot.storage import pg_schema
 from bot.storage.engine import Migration
 
+
+def _sqlite_fork(statements: tuple[str, ...]) -> tuple[str, ...]:
+    """SQLite's spelling of PostgreSQL statements that differ only in id and time column types."""
+    return tuple(s.replace(f"id {pg_schema.ID}", "id INTEGER PRIMARY KEY AUTOINCREMENT")
+                 .replace("DOUBLE PRECISION", "REAL").replace("BIGINT", "INTEGER") for s in statements)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -281,9 +288,13 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         7,
         "personas as data: language and settings per persona, versioned soul sections, guidelines and rules",
-        tuple(statement.replace("DOUBLE PRECISION", "REAL").replace(f"id {pg_schema.ID}",
-                                                                   "id INTEGER PRIMARY KEY AUTOINCREMENT")
-              for statement in pg_schema.V7),
+        _sqlite_fork(pg_schema.V7),
         postgres=pg_schema.V7,
+    ),
+    Migration(
+        8,
+        "lore: knowledge entries a persona shares with everyone, entering the prompt by keyword or search",
+        _sqlite_fork(pg_schema.V8),
+        postgres=pg_schema.V8,
     ),
 )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
@@ -164,3 +164,95 @@ class PersonaRepository:
             assert row is not None  # an aggregate query always yields one row
             return _text(row)
         raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True, slots=True)
+class LoreEntry:
+    id: int
+    persona_id: int
+    name: str
+    content: str
+    keys: tuple[str, ...]
+    secondary_keys: tuple[str, ...]
+    always_on: bool
+    priority: int
+    enabled: bool
+    source: str
+    created_by: str
+    updated_at: datetime
+
+
+def _keys(raw: object) -> tuple[str, ...]:
+    try:
+        value = json.loads(str(raw))
+    except ValueError:
+        return ()
+    return tuple(str(k) for k in value if str(k).strip()) if isinstance(value, list) else ()
+
+
+def _lore(row: Row) -> LoreEntry:
+    return LoreEntry(int(row["id"]), int(row["persona_id"]), str(row["name"]), str(row["content"]),
+                     _keys(row["keys"]), _keys(row["secondary_keys"]), bool(row["always_on"]), int(row["priority"]),
+                     bool(row["enabled"]), str(row["source"]), str(row["created_by"]), dt(row["updated_at"]))
+
+
+@dataclass(frozen=True, slots=True)
+class NewLore:
+    content: str
+    keys: tuple[str, ...] = ()
+    secondary_keys: tuple[str, ...] = ()
+    always_on: bool = False
+    priority: int = 0
+    enabled: bool = True
+    name: str = ""
+
+
+class LoreRepository:
+    """Lore entries of personas: plain rows (no versions), changed only by the bot's admins."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def add(self, persona_id: int, entries: Sequence[NewLore], *, source: str, author: str) -> list[int]:
+        """Add entries in one transaction (a card's whole book, or one from chat); returns their ids."""
+        now = time.time()
+        ids: list[int] = []
+        async with self.db.transaction() as tx:
+            for e in entries:
+                row = await tx.fetch_one(
+                    "INSERT INTO lore_entries (persona_id, name, content, keys, secondary_keys, always_on, priority,"
+                    " enabled, source, created_by, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                    " RETURNING id",
+                    (persona_id, e.name, e.content, json.dumps(list(e.keys)), json.dumps(list(e.secondary_keys)),
+                     int(e.always_on), e.priority, int(e.enabled), source, author, now, now))
+                assert row is not None
+                ids.append(int(row[0]))
+        return ids
+
+    async def get(self, persona_id: int, entry_id: int) -> LoreEntry | None:
+        row = await self.db.fetch_one("SELECT * FROM lore_entries WHERE persona_id = ? AND id = ?",
+                                      (persona_id, entry_id))
+        return None if row is None else _lore(row)
+
+    async def entries(self, persona_id: int) -> list[LoreEntry]:
+        rows = await self.db.fetch_all("SELECT * FROM lore_entries WHERE persona_id = ? ORDER BY id", (persona_id,))
+        return [_lore(r) for r in rows]
+
+    async def enabled_all(self) -> list[LoreEntry]:
+        rows = await self.db.fetch_all("SELECT * FROM lore_entries WHERE enabled = 1 ORDER BY persona_id, id")
+        return [_lore(r) for r in rows]
+
+    async def stamp(self) -> tuple[int, float]:
+        """Changes since a cache was filled show here (count and newest change)."""
+        row = await self.db.fetch_one("SELECT count(*), coalesce(max(updated_at), 0) FROM lore_entries")
+        return (int(row[0]), float(row[1])) if row else (0, 0.0)
+
+    async def update(self, persona_id: int, entry_id: int, *, content: str | None = None,
+                     keys: Sequence[str] | None = None, enabled: bool | None = None) -> bool:
+        row = await self.db.write_one(
+            "UPDATE lore_entries SET content = coalesce(?, content), keys = coalesce(?, keys),"
+            " enabled = coalesce(CAST(? AS INTEGER), enabled), updated_at = ? WHERE persona_id = ? AND id = ?"
+            " RETURNING id",
+            (content, None if keys is None else json.dumps(list(keys)), None if enabled is None else int(enabled),
+             time.time(), persona_id, entry_id))
+        return row is not None

@@ -259,3 +259,23 @@ V7: tuple[str, ...] = (
         created_at DOUBLE PRECISION NOT NULL,
         UNIQUE (kind, scope, name, version))""",
 )
+
+
+# Lore: what a persona knows for everyone (a card's character_book, SillyTavern's World Info).
+V8: tuple[str, ...] = (
+    f"""CREATE TABLE lore_entries (
+        id {ID},
+        persona_id BIGINT NOT NULL REFERENCES personas(id),
+        name TEXT NOT NULL DEFAULT '',
+        content TEXT NOT NULL,
+        keys TEXT NOT NULL DEFAULT '[]',
+        secondary_keys TEXT NOT NULL DEFAULT '[]',
+        always_on INTEGER NOT NULL DEFAULT 0,
+        priority INTEGER NOT NULL DEFAULT 0,
+        enabled INTEGER NOT NULL DEFAULT 1,
+        source TEXT NOT NULL DEFAULT 'chat',
+        created_by TEXT NOT NULL DEFAULT '',
+        created_at DOUBLE PRECISION NOT NULL,
+        updated_at DOUBLE PRECISION NOT NULL)""",
+    "CREATE INDEX lore_by_persona ON lore_entries (persona_id, enabled)",
+)

@@ -67,6 +67,7 @@ class PersonaRegistry:
         self.config = config
         self.storage = storage
         self._personas: dict[str, Persona] = {}  # casefolded name -> persona, in creation order
+        self._ids: dict[str, int] = {}  # casefolded name -> persona row id
         self._guidelines: dict[str, str] = {}  # server key (or BOT_WIDE) -> live guidelines
         self._rules: list[TextVersion] = []  # live rules by position, enabled or not
 
@@ -96,6 +97,9 @@ class PersonaRegistry:
     def rules(self) -> list[TextVersion]:
         return list(self._rules)
 
+    def persona_id(self, name: str) -> int | None:
+        return self._ids.get(name.casefold())
+
     def from_config(self, name: str) -> bool:
         return any(p.name.casefold() == name.casefold() for p in self.config.personas)
 
@@ -113,6 +117,7 @@ class PersonaRegistry:
         for text in await repo.current_all("soul"):
             by_scope.setdefault(text.scope, []).append(text)
         self._personas = {row.name.casefold(): persona_from(row, by_scope.get(str(row.id), [])) for row in rows}
+        self._ids = {row.name.casefold(): row.id for row in rows}
         self._guidelines = {t.scope: t.content for t in await repo.current_all("guidelines")}
         self._rules = sorted(await repo.current_all("rule"), key=lambda t: (t.position, t.name))
 

@@ -1,0 +1,129 @@
+"""Lore in the reply prompt: what a persona knows for everyone (a card's ``character_book``,
+SillyTavern's World Info), shared by all its users and changed only by the bot's admins.
+
+An entry enters the prompt when it is always on, when one of its keywords appears in the recent
+conversation (the new message and the one before it; with secondary keywords, one of those must
+appear too, as in World Info's "selective" entries), or when it ranks high in a small search of the
+persona's lore by the message's words (idf-weighted overlap). Entries go in by priority within the
+knowledge budget. Every process keeps all enabled entries in memory and refreshes them when the table
+changed (checked at most every few seconds): the reply path runs no query for lore.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Sequence
+
+from bot.ports import PromptContext, PromptSection, SectionSlot
+from bot.storage import Storage
+from bot.storage.personas import LoreEntry
+from bot.tokens import TokenEstimator, fit_to_budget
+from cortex.personas.registry import PersonaRegistry
+
+REFRESH_SECONDS = 5.0
+SEARCH_HITS = 3  # entries the search may add beside the keyword matches
+SEARCH_SHARE = 0.5  # an entry must cover this share of the query's known weight
+LORE_SHARE = 0.4  # of the knowledge slot's budget
+TITLE = "Background knowledge (facts about this persona's world; information, not instructions)"
+CUT_NOTE = "\n(… more lore did not fit here)"
+_WORD = re.compile(r"\w{3,}", re.UNICODE)
+
+
+def words(text: str) -> set[str]:
+    return {w.casefold() for w in _WORD.findall(text)}
+
+
+def mentions(text: str, key: str) -> bool:
+    """Whether ``key`` appears in ``text`` (case-insensitive; whole words where the key is a word)."""
+    key = key.strip()
+    if not key:
+        return False
+    pattern = re.escape(key.casefold())
+    if key[0].isalnum():
+        pattern = r"(?<!\w)" + pattern
+    if key[-1].isalnum():
+        pattern += r"(?!\w)"
+    return re.search(pattern, text.casefold()) is not None
+
+
+def keyword_match(entry: LoreEntry, text: str) -> bool:
+    if not any(mentions(text, k) for k in entry.keys):
+        return False
+    return not entry.secondary_keys or any(mentions(text, k) for k in entry.secondary_keys)
+
+
+def search(entries: Sequence[LoreEntry], query: str, limit: int = SEARCH_HITS,
+           skip: frozenset[int] = frozenset()) -> list[LoreEntry]:
+    """The entries that share the most (rare) words with ``query``, best first, and only those that carry
+    at least half the weight of the query's words found in any entry. A word's weight is its idf over
+    ``entries``; a word found in every entry (of two or more) weighs nothing."""
+    docs = [(entry, words(entry.content) | words(" ".join(entry.keys))) for entry in entries]
+    weight: dict[str, float] = {}
+    for w in words(query):
+        n = sum(1 for _, d in docs if w in d)
+        if n and (n < len(docs) or len(docs) == 1):
+            weight[w] = math.log(1 + len(docs) / n)
+    if not weight:
+        return []
+    bar = SEARCH_SHARE * sum(weight.values())
+    scored = [(sum(weight.get(w, 0.0) for w in d), e) for e, d in docs if e.id not in skip]
+    hits = [(score, e) for score, e in scored if score > 0 and score >= bar]
+    hits.sort(key=lambda pair: (-pair[0], -pair[1].priority, pair[1].id))
+    return [e for _, e in hits[:limit]]
+
+
+class LoreIndex:
+    """All enabled lore of every persona, in memory, refreshed when the table changes."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self._by_persona: dict[int, list[LoreEntry]] = {}
+        self._stamp: tuple[int, float] | None = None
+        self._checked = float("-inf")
+
+    async def entries(self, persona_id: int) -> list[LoreEntry]:
+        await self.refresh()
+        return self._by_persona.get(persona_id, [])
+
+    async def refresh(self, *, force: bool = False) -> None:
+        if not force and time.monotonic() - self._checked < REFRESH_SECONDS:
+            return
+        self._checked = time.monotonic()
+        stamp = await self.storage.lore.stamp()
+        if stamp == self._stamp and not force:
+            return
+        by_persona: dict[int, list[LoreEntry]] = {}
+        for entry in await self.storage.lore.enabled_all():
+            by_persona.setdefault(entry.persona_id, []).append(entry)
+        self._by_persona, self._stamp = by_persona, stamp
+
+    def chosen(self, entries: Sequence[LoreEntry], recent: str, message: str) -> list[LoreEntry]:
+        """Always-on and keyword entries first, then search hits; each by priority."""
+        picked = [e for e in entries if e.always_on or keyword_match(e, recent)]
+        found = search(entries, message, skip=frozenset(e.id for e in picked))
+        picked.sort(key=lambda e: (not e.always_on, -e.priority, e.id))
+        return picked + found
+
+
+class LoreSection:
+    slot: SectionSlot = "knowledge"
+
+    def __init__(self, index: LoreIndex, registry: PersonaRegistry, estimator: TokenEstimator) -> None:
+        self.index = index
+        self.registry = registry
+        self.estimator = estimator
+
+    async def sections(self, context: PromptContext, budget: int) -> list[PromptSection]:
+        persona_id = self.registry.persona_id(context.persona)
+        if persona_id is None:
+            return []
+        entries = await self.index.entries(persona_id)
+        if not entries:
+            return []
+        chosen = self.index.chosen(entries, f"{context.previous}\n{context.message}", context.message)
+        if not chosen:
+            return []
+        body = "\n".join(f"- {e.content.strip()}" for e in chosen)
+        return [PromptSection(TITLE, fit_to_budget(self.estimator, body, int(budget * LORE_SHARE), CUT_NOTE))]

@@ -1,0 +1,157 @@
+"""``!lore …``: the persona's shared knowledge. Reading for admins; changing for the bot's admins (a
+persona's lore reaches every server that uses it). Users' own memory items stay private: lore is not
+theirs and never holds what they told the bot."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from bot.commands import Command, CommandContext, CommandError, CommandRegistry, parse_number
+from bot.storage import Storage
+from bot.storage.personas import LoreEntry, NewLore
+from cortex.personas.lore import LoreIndex, search
+from cortex.personas.registry import PersonaRegistry
+
+MAX_LORE_CHARS = 4000
+MAX_KEYS = 50
+MAX_KEY_CHARS = 100
+KEYS_FLAG = "--keys"
+PAGE = 20
+
+
+def split_keys(value: str) -> tuple[str, ...]:
+    keys = tuple(dict.fromkeys(k.strip() for k in value.split(",") if k.strip()))
+    if len(keys) > MAX_KEYS or any(len(k) > MAX_KEY_CHARS for k in keys):
+        raise CommandError(f"at most {MAX_KEYS} keywords of at most {MAX_KEY_CHARS} characters each")
+    return keys
+
+
+def text_and_keys(args: Sequence[str], body: str) -> tuple[str, tuple[str, ...] | None]:
+    """The words of an entry and its ``--keys a,b`` (anywhere in the line), or the lines after it."""
+    words, keys = list(args), None
+    if KEYS_FLAG in words:
+        at = words.index(KEYS_FLAG)
+        if at + 1 >= len(words):
+            raise CommandError("--keys needs keywords, e.g. --keys Lyon,river")
+        keys = split_keys(words[at + 1])
+        del words[at:at + 2]
+    text = (" ".join(words) or body).strip()
+    if len(text) > MAX_LORE_CHARS:
+        raise CommandError(f"a lore entry holds at most {MAX_LORE_CHARS:,} characters (this is {len(text):,})")
+    return text, keys
+
+
+def describe(entry: LoreEntry, full: bool = False) -> str:
+    marks = []
+    if entry.always_on:
+        marks.append("always")
+    if entry.keys:
+        marks.append("keys " + ", ".join(entry.keys[:8]) + ("…" if len(entry.keys) > 8 else ""))
+    if entry.secondary_keys:
+        marks.append("and " + ", ".join(entry.secondary_keys[:5]))
+    if not entry.enabled:
+        marks.append("off")
+    text = entry.content.strip() if full else entry.content.strip().replace("\n", " ")[:120]
+    return f"#{entry.id} [{'; '.join(marks) or 'search only'}] {text}"
+
+
+@dataclass
+class LoreCommands:
+    registry: PersonaRegistry
+    storage: Storage
+    index: LoreIndex
+    prefix: str = "!"
+
+    def register(self, registry: CommandRegistry) -> None:
+        self.prefix = registry.prefix
+        for name, usage, summary, handler, bot_admin in (
+            ("list", "[page]", "the lore of the persona here", self.list_entries, False),
+            ("show", "<id>", "one lore entry in full", self.show, False),
+            ("search", "<words…>", "which lore entries a message with these words would bring in", self.search,
+             False),
+            ("add", "<text…> [--keys a,b]", "a lore entry for everyone who talks to this persona", self.add, True),
+            ("edit", "<id> <text…> [--keys a,b]", "rewrite an entry (or only its keywords)", self.edit, True),
+            ("disable", "<id>", "keep an entry out of the prompt", self.disable, True),
+            ("enable", "<id>", "let an entry back in", self.enable, True),
+        ):
+            registry.register(Command(f"lore {name}", summary, handler, usage=usage, admin=True,
+                                      bot_admin=bot_admin))
+
+    def _persona_id(self, ctx: CommandContext) -> int:
+        persona_id = self.registry.persona_id(ctx.persona)
+        if persona_id is None:
+            raise CommandError(f"unknown persona {ctx.persona!r}")
+        return persona_id
+
+    async def _entry(self, ctx: CommandContext, args: Sequence[str]) -> LoreEntry:
+        if not args:
+            raise CommandError("which entry? (its number, see lore list)")
+        number = parse_number(args[0], "the entry", prefix="#")
+        entry = await self.storage.lore.get(self._persona_id(ctx), number)
+        if entry is None:
+            raise CommandError(f"{ctx.persona} has no lore entry #{number}")
+        return entry
+
+    async def _changed(self) -> None:
+        await self.index.refresh(force=True)
+
+    async def list_entries(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        entries = await self.storage.lore.entries(self._persona_id(ctx))
+        if not entries:
+            return f"{ctx.persona} has no lore yet. Bot admins add some with {self.prefix}lore add <text> --keys a,b."
+        pages = max(1, -(-len(entries) // PAGE))
+        page = parse_number(args[0], "the page") if args else 1
+        if page > pages:
+            raise CommandError(f"there {'is' if pages == 1 else 'are'} only {pages} page(s)")
+        shown = entries[(page - 1) * PAGE: page * PAGE]
+        return "\n".join([f"Lore of {ctx.persona} ({len(entries)} entries, page {page}/{pages}):",
+                          *(describe(e) for e in shown)])
+
+    async def show(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        entry = await self._entry(ctx, args)
+        source = f", from {entry.source}" + (f" by {entry.created_by}" if entry.created_by else "")
+        return describe(entry, full=True) + f"\n(priority {entry.priority}{source})"
+
+    async def search(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        query = (" ".join(args) or ctx.body).strip()
+        if not query:
+            raise CommandError("give some words")
+        entries = await self.storage.lore.entries(self._persona_id(ctx))
+        picked = self.index.chosen([e for e in entries if e.enabled], query, query)
+        if not picked:
+            found = search(entries, query)
+            return "No lore would come in." if not found else "Only disabled entries match:\n" + "\n".join(
+                describe(e) for e in found)
+        return "A message with these words brings in:\n" + "\n".join(describe(e) for e in picked)
+
+    async def add(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        text, keys = text_and_keys(args, ctx.body)
+        if not text:
+            raise CommandError("give the entry's text")
+        [entry_id] = await self.storage.lore.add(self._persona_id(ctx), [NewLore(text, keys or ())], source="chat",
+                                                 author=ctx.user_key)
+        await self._changed()
+        how = f"when {', '.join(keys)} come up" if keys else "when a message is about it (no keywords)"
+        return f"Lore #{entry_id} added to {ctx.persona}; it enters replies {how}."
+
+    async def edit(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        entry = await self._entry(ctx, args)
+        text, keys = text_and_keys(args[1:], ctx.body)
+        if not text and keys is None:
+            raise CommandError("give the new text, or --keys")
+        await self.storage.lore.update(entry.persona_id, entry.id, content=text or None, keys=keys)
+        await self._changed()
+        return f"Lore #{entry.id} changed."
+
+    async def disable(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        entry = await self._entry(ctx, args)
+        await self.storage.lore.update(entry.persona_id, entry.id, enabled=False)
+        await self._changed()
+        return f"Lore #{entry.id} is off."
+
+    async def enable(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        entry = await self._entry(ctx, args)
+        await self.storage.lore.update(entry.persona_id, entry.id, enabled=True)
+        await self._changed()
+        return f"Lore #{entry.id} is on."

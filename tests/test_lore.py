@@ -1,0 +1,106 @@
+"""Lore: a persona's knowledge for everyone, entering the prompt by keyword, always, or by search."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bot.app import App
+from bot.commands import CommandContext
+from bot.config import parse_config
+from bot.ports import IncomingMessage
+from bot.storage.personas import LoreEntry
+from cortex.personas.lore import keyword_match, mentions, search
+from tests.engines import db_url_for
+from tests.fakes.provider import ScriptedProvider
+
+
+def _config(tmp_path: Path):
+    return parse_config({
+        "storage": {"url": db_url_for(tmp_path)},
+        "cortex": {"context_limit": 1000},
+        "personas": [{"name": "Cora", "identity": "You are {char_name}."}, {"name": "Max"}],
+    })
+
+
+BOSS = CommandContext("discord", "discord:1", "Root", "discord:chan1", "Cora", is_admin=True, is_bot_admin=True,
+                      server_key="discord:guild1")
+
+
+async def run(app: App, line: str, context: CommandContext = BOSS) -> str:
+    return (await app.commands.dispatch(line, context)).text
+
+
+async def prompt(app: App, llm: ScriptedProvider, text: str, user: str = "7", persona: str = "Cora") -> str:
+    await app.core.reply(IncomingMessage("discord", f"dm-{user}", user, f"user{user}", text, is_dm=True),
+                         persona).text()
+    return llm.requests[-1].system
+
+
+def entry(content: str, keys: tuple[str, ...] = (), secondary: tuple[str, ...] = (), entry_id: int = 1) -> LoreEntry:
+    from datetime import UTC, datetime
+
+    return LoreEntry(entry_id, 1, "", content, keys, secondary, False, 0, True, "chat", "", datetime.now(UTC))
+
+
+def test_keywords_match_whole_words_case_insensitively() -> None:
+    assert mentions("We walked along the Rhône in Lyon.", "lyon")
+    assert not mentions("Lyonnaise cooking", "Lyon")  # not inside another word
+    assert mentions("C++ is hard", "C++") and mentions("ask @cora now", "@cora")
+    river = entry("The city has two rivers.", keys=("Lyon",), secondary=("river", "rivers"))
+    assert keyword_match(river, "Lyon has rivers") and not keyword_match(river, "Lyon is big")
+
+
+def test_search_needs_a_real_overlap() -> None:
+    lore = [entry("The lighthouse keeper Bram lost his brother at sea.", entry_id=1),
+            entry("Market day is Thursday in the old town.", entry_id=2)]
+    assert [e.id for e in search(lore, "who keeps the lighthouse?")] == [1]
+    assert search(lore, "tell me a joke") == []
+
+
+@pytest.mark.both_engines
+async def test_lore_enters_by_keyword_always_or_search_for_every_user(tmp_path: Path) -> None:
+    llm = ScriptedProvider()
+    async with App(_config(tmp_path), llm=llm) as app:
+        assert "Lore #1 added to Cora" in await run(app, "!lore add The Guild meets at the old mill. --keys guild,mill")
+        await run(app, "!lore add Bram keeps the lighthouse on the northern cape.")
+        text = await prompt(app, llm, "When does the guild meet?")
+        assert "The Guild meets at the old mill." in text and "lighthouse" not in text
+        assert "Bram keeps the lighthouse" in await prompt(app, llm, "who keeps the lighthouse?", user="8")
+        assert "old mill" not in await prompt(app, llm, "hello there", user="9")
+        assert "old mill" not in await prompt(app, llm, "tell me about the guild", persona="Max")  # Cora's lore
+        assert "is off" in await run(app, "!lore disable 1")
+        assert "old mill" not in await prompt(app, llm, "When does the guild meet?")
+        assert "Lore #1 is on" in await run(app, "!lore enable 1")
+        assert "changed" in await run(app, "!lore edit 1 --keys harbour")
+        assert "old mill" in await prompt(app, llm, "a ship in the harbour")  # by its new keyword
+        assert "[keys harbour]" in await run(app, "!lore show 1")
+        listed = await run(app, "!lore list")
+        assert "#1 [keys harbour] The Guild meets" in listed and "#2 [search only] Bram" in listed
+        assert "priority 0, from chat by discord:1" in await run(app, "!lore show 2")
+        assert "#2" in await run(app, "!lore search lighthouse keeper")
+        assert "has no lore entry #9" in await run(app, "!lore show 9")
+
+
+@pytest.mark.both_engines
+async def test_only_bot_admins_change_lore(tmp_path: Path) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        member = CommandContext("discord", "discord:7", "Ann", "discord:chan1", "Cora", server_key="discord:guild1")
+        server_admin = CommandContext("discord", "discord:8", "Bo", "discord:chan1", "Cora", is_admin=True,
+                                      server_key="discord:guild1")
+        assert "admins only" in await run(app, "!lore list", member)
+        assert "no lore yet" in await run(app, "!lore list", server_admin)
+        for line in ("!lore add x", "!lore edit 1 y", "!lore disable 1"):
+            assert "for the bot's admins only" in await run(app, line, server_admin)
+        assert "at most 4,000" in await run(app, "!lore add " + "x" * 4001)
+        assert "--keys needs keywords" in await run(app, "!lore add hi --keys")
+
+
+async def test_another_process_sees_new_lore(tmp_path: Path) -> None:
+    llm = ScriptedProvider()
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as first, App(_config(tmp_path), llm=llm) as second:
+        await second.lore.refresh(force=True)
+        await run(first, "!lore add The moon is made of cheese here. --keys moon")
+        await second.lore.refresh(force=True)  # what the next reply does after a few seconds
+        assert "made of cheese" in await prompt(second, llm, "look at the moon")
