@@ -25,8 +25,9 @@ import io
 import logging
 import os
 import re
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -34,15 +35,14 @@ import discord
 import yarl
 from discord import app_commands
 
+from adapters.discord_slash import MAX_FILES, build_slash_commands, read_attachment
 from bot.app import App
-from bot.commands import CommandContext, CommandReply
+from bot.commands import Attachment, CommandContext, CommandReply
 from bot.config import DiscordConfig
 from bot.policy import Inbound
 from bot.ports import IncomingMessage
 from bot.splitting import split_message
 from bot.streaming import RateLimited
-from cortex.memory.store import CATEGORIES
-from cortex.store import FILENAMES
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +293,15 @@ class DiscordAdapter:
     async def on_message(self, message: discord.Message) -> None:
         sink = DiscordSink(message, self.app.config.chat.typing_indicator)
         try:
-            await self.app.router.handle(self.inbound(message), sink)
+            inbound = self.inbound(message)
+            if message.attachments and self.app.commands.is_command(inbound.message.text.strip()):
+                try:  # files are read only for commands (a card to import), never for chat
+                    files = tuple([await read_attachment(a) for a in message.attachments[:MAX_FILES]])
+                except ValueError as exc:
+                    await sink.send_reply(CommandReply(str(exc)))
+                    return
+                inbound = replace(inbound, attachments=files)
+            await self.app.router.handle(inbound, sink)
         except Exception:
             log.exception("Discord: failed to handle message %s", message.id)
 
@@ -317,195 +325,21 @@ class DiscordAdapter:
             server_key=None if is_dm else f"{PLATFORM}:{interaction.guild_id}",
         )
 
-    async def run_slash(self, interaction: discord.Interaction, line: str, *, always_private: bool = False) -> None:
-        """Dispatch ``line`` through the command layer and answer the interaction."""
+    async def run_slash(self, interaction: discord.Interaction, line: str, *, always_private: bool = False,
+                        attachments: tuple[Attachment, ...] = ()) -> None:
+        """Dispatch ``line`` (with the files of its attachment options) and answer the interaction."""
         incoming = IncomingMessage(
             PLATFORM, str(interaction.channel_id), str(interaction.user.id), interaction.user.display_name, line,
             is_dm=interaction.guild is None, server_id=None if interaction.guild is None else str(interaction.guild_id),
             parent_channel_id=_parent_id(interaction.channel),
         )
         persona = await self.app.router.persona_for(Inbound(incoming))
-        reply = await self.app.commands.dispatch(line, self.context(interaction, persona))
+        context = replace(self.context(interaction, persona), attachments=attachments)
+        reply = await self.app.commands.dispatch(line, context)
         text, files = _reply_payload(reply)
         await interaction.response.send_message(
             text, files=files, ephemeral=reply.private or always_private, allowed_mentions=NO_PINGS
         )
-
-
-FileChoice = app_commands.Choice[str]
-FILE_CHOICES = [app_commands.Choice(name=f, value=f) for f in FILENAMES]
-
-
-def build_slash_commands(adapter: DiscordAdapter) -> None:
-    """The command layer as application commands: /memory …, /cortex …, /help, /summary, /stats, /persona."""
-    tree = adapter.tree
-    memory = app_commands.Group(name="memory", description="Your own cortex files with this persona")
-    cortex = app_commands.Group(name="cortex", description="Cortex updates and settings")
-    admin = app_commands.Group(
-        name="cortex-admin", description="Cortex settings and stats (admins)",
-        default_permissions=discord.Permissions(manage_guild=True),
-    )
-
-    @memory.command(name="show", description="Show your cortex files (all, or one)")
-    @app_commands.choices(file=FILE_CHOICES)
-    async def show(interaction: discord.Interaction, file: FileChoice | None = None) -> None:
-        await adapter.run_slash(interaction, "!memory show" + (f" {file.value}" if file else ""))
-
-    @memory.command(name="history", description="The versions of a file: who changed it, when and why")
-    @app_commands.choices(file=FILE_CHOICES)
-    async def history(interaction: discord.Interaction, file: FileChoice) -> None:
-        await adapter.run_slash(interaction, f"!memory history {file.value}")
-
-    async def version_choices(interaction: discord.Interaction, current: str) -> list[app_commands.Choice[int]]:
-        """The caller's own versions of the chosen file, newest first."""
-        namespace = interaction.namespace
-        filename = getattr(namespace, "file", None) or "memory.md"
-        user = await adapter.app.storage.get_user(f"{PLATFORM}:{interaction.user.id}")
-        if user is None:
-            return []
-        incoming = IncomingMessage(PLATFORM, str(interaction.channel_id), str(interaction.user.id),
-                                   interaction.user.display_name, "", is_dm=interaction.guild is None)
-        persona = await adapter.app.router.persona_for(Inbound(incoming))
-        pair = await adapter.app.cortex.store.get_pair(user.id, persona)
-        if pair is None:
-            return []
-        versions = await adapter.app.cortex.store.versions(pair.id, str(filename))
-        return [
-            app_commands.Choice(name=f"v{v.version} · {v.author} · {v.created_at:%Y-%m-%d %H:%M}", value=v.version)
-            for v in reversed(versions) if current in str(v.version)
-        ][:25]
-
-    @memory.command(name="diff", description="What changed between two versions of a file")
-    @app_commands.choices(file=FILE_CHOICES)
-    @app_commands.autocomplete(v1=version_choices, v2=version_choices)
-    async def diff(interaction: discord.Interaction, file: FileChoice, v1: int, v2: int) -> None:
-        await adapter.run_slash(interaction, f"!memory diff {file.value} {v1} {v2}")
-
-    @memory.command(name="revert", description="Bring back an earlier version (saved as a new version)")
-    @app_commands.choices(file=FILE_CHOICES)
-    @app_commands.autocomplete(version=version_choices)
-    async def revert(interaction: discord.Interaction, file: FileChoice, version: int) -> None:
-        await adapter.run_slash(interaction, f"!memory revert {file.value} {version}")
-
-    @memory.command(name="reset", description="Start a file (or all) over from the template")
-    @app_commands.choices(file=FILE_CHOICES)
-    async def reset(interaction: discord.Interaction, file: FileChoice | None = None) -> None:
-        await adapter.run_slash(interaction, "!memory reset" + (f" {file.value}" if file else ""))
-
-    @memory.command(name="edit", description="Replace a file with your own text")
-    @app_commands.choices(file=FILE_CHOICES)
-    async def edit(interaction: discord.Interaction, file: FileChoice, content: str) -> None:
-        await adapter.run_slash(interaction, f"!memory edit {file.value}\n{content}")
-
-    @memory.command(name="export", description="Download all your files and their versions")
-    async def export(interaction: discord.Interaction) -> None:
-        await adapter.run_slash(interaction, "!memory export")
-
-    @memory.command(name="forget-me", description="Delete everything the bot stores about you")
-    async def forget_me(interaction: discord.Interaction, confirm: bool = False) -> None:
-        await adapter.run_slash(interaction, "!memory forget-me" + (" confirm" if confirm else ""))
-
-    categories = [app_commands.Choice(name=c, value=c) for c in CATEGORIES]
-
-    @memory.command(name="remember", description="Store a fact about you in the persona's long-term memory")
-    @app_commands.choices(category=categories)
-    async def remember(
-        interaction: discord.Interaction, text: str, category: FileChoice | None = None,
-        importance: app_commands.Range[int, 1, 10] | None = None, pin: bool = False,
-    ) -> None:
-        line = "!memory remember" + (f" --category {category.value}" if category else "")
-        line += (f" --importance {importance}" if importance else "") + (" --pin" if pin else "")
-        await adapter.run_slash(interaction, f"{line}\n{text}", always_private=True)
-
-    for name, description in (
-        ("forget", "Archive one of your memory items (restore brings it back)"),
-        ("pin", "Always keep an item in the persona's mind"),
-        ("unpin", "Stop pinning an item"),
-        ("restore", "Bring an archived item back"),
-    ):
-        memory.add_command(app_commands.Command(
-            name=name, description=description, callback=_item_command(adapter, name),
-        ))
-
-    @memory.command(name="list", description="Your memory items, newest first")
-    @app_commands.choices(category=categories)
-    async def list_items(
-        interaction: discord.Interaction, category: FileChoice | None = None,
-        page: app_commands.Range[int, 1] = 1,
-    ) -> None:
-        line = "!memory list" + (f" {category.value}" if category else "") + f" {page}"
-        await adapter.run_slash(interaction, line, always_private=True)
-
-    @memory.command(name="search", description="Search your memory items and past messages")
-    async def search(interaction: discord.Interaction, words: str) -> None:
-        await adapter.run_slash(interaction, "!memory search\n" + words, always_private=True)
-
-    @memory.command(name="archived", description="Your archived (forgotten or pruned) items")
-    async def archived(interaction: discord.Interaction, page: app_commands.Range[int, 1] = 1) -> None:
-        await adapter.run_slash(interaction, f"!memory archived {page}", always_private=True)
-
-    @cortex.command(name="update", description="Update your cortex files now")
-    async def update(interaction: discord.Interaction) -> None:
-        await adapter.run_slash(interaction, "!cortex update")
-
-    @admin.command(name="settings", description="Show the cortex settings, or set one (value 'default' resets)")
-    async def settings(
-        interaction: discord.Interaction, key: str | None = None, value: str | None = None,
-        persona_scope: bool = False,
-    ) -> None:
-        line = "!cortex settings" + (f" {key} {value}" if key and value else f" {key}" if key else "")
-        await adapter.run_slash(interaction, line + (" --persona" if persona_scope else ""), always_private=True)
-
-    @admin.command(name="stats", description="Cortex update runs, tokens and recent errors")
-    async def stats(interaction: discord.Interaction) -> None:
-        await adapter.run_slash(interaction, "!cortex stats", always_private=True)
-
-    @admin.command(name="prune", description="Archive unused memory items now (report per category)")
-    async def prune(interaction: discord.Interaction) -> None:
-        await adapter.run_slash(interaction, "!cortex prune", always_private=True)
-
-    @admin.command(name="weights", description="Show or set the search weights, e.g. vector=0.6 text=0.3, or default")
-    async def weights(interaction: discord.Interaction, values: str | None = None) -> None:
-        await adapter.run_slash(interaction, "!cortex weights" + (f" {values}" if values else ""),
-                                always_private=True)
-
-    @admin.command(name="budgets", description="Token budgets of prompts and cortex updates, and today's spending")
-    async def budgets(interaction: discord.Interaction) -> None:
-        await adapter.run_slash(interaction, "!cortex budgets", always_private=True)
-
-    @admin.command(name="embedder", description="The embedder, backfill progress and errors")
-    async def embedder(interaction: discord.Interaction) -> None:
-        await adapter.run_slash(interaction, "!cortex embedder", always_private=True)
-
-    @tree.command(name="help", description="List the commands")
-    async def help_command(interaction: discord.Interaction) -> None:
-        await adapter.run_slash(interaction, "!help", always_private=True)
-
-    @tree.command(name="summary", description="This conversation's rolling summary")
-    async def summary(interaction: discord.Interaction) -> None:
-        await adapter.run_slash(interaction, "!summary", always_private=True)
-
-    @tree.command(name="persona", description="Show the persona here, or pick one")
-    async def persona(interaction: discord.Interaction, name: str | None = None) -> None:
-        await adapter.run_slash(interaction, "!persona" + (f" {name}" if name else ""))
-
-    @persona.autocomplete("name")
-    async def persona_names(interaction: discord.Interaction, current: str) -> list[FileChoice]:
-        return [app_commands.Choice(name=p, value=p) for p in adapter.app.personas.names()
-                if current.lower() in p.lower()][:25]
-
-    tree.add_command(memory)
-    tree.add_command(cortex)
-    tree.add_command(admin)
-
-
-def _item_command(
-    adapter: DiscordAdapter, name: str
-) -> Callable[[discord.Interaction, int], Coroutine[Any, Any, None]]:
-    async def callback(interaction: discord.Interaction, item: int) -> None:
-        await adapter.run_slash(interaction, f"!memory {name} {item}", always_private=True)
-
-    return callback
 
 
 def read_token(config: DiscordConfig) -> str:

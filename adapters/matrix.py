@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import aiohttp
 import platformdirs
@@ -34,14 +34,18 @@ from nio import (
     LoginResponse,
     MatrixRoom,
     RoomCreateResponse,
+    RoomEncryptedFile,
+    RoomMessageFile,
     RoomMessageText,
     RoomSendResponse,
     SyncResponse,
     UploadResponse,
 )
+from nio.crypto.attachments import decrypt_attachment
+from nio.exceptions import EncryptionError
 
 from bot.app import App
-from bot.commands import CommandReply
+from bot.commands import Attachment, CommandReply
 from bot.config import MatrixConfig
 from bot.policy import Inbound
 from bot.ports import IncomingMessage
@@ -50,6 +54,8 @@ log = logging.getLogger(__name__)
 
 PLATFORM = "matrix"
 LIMIT = 16_000  # Matrix events may be 64 KiB; long replies stay readable in clients below this
+MAX_FILE_BYTES = 8 * 1024 * 1024  # a command's file (the card cap)
+FileEvent: TypeAlias = RoomMessageFile | RoomEncryptedFile
 _markdown = MarkdownIt("commonmark", {"html": False, "breaks": True}).enable("table")
 
 
@@ -238,6 +244,7 @@ class MatrixAdapter:
                 await self._consider_invite(invited, getattr(invited, "inviter", None) or "")
         self.client.next_batch = since
         self.client.add_event_callback(self._on_message, RoomMessageText)
+        self.client.add_event_callback(self._on_file, (RoomMessageFile, RoomEncryptedFile))
         self.client.add_event_callback(self._on_invite, InviteMemberEvent)
         self.client.add_response_callback(self._on_sync, SyncResponse)
         log.info("Matrix: %s syncing from %s", self.config.user_id, self.config.homeserver)
@@ -285,14 +292,14 @@ class MatrixAdapter:
             await self.client.room_leave(room.room_id)
             log.info("Matrix: declined an invite to %s", room.room_id)
 
-    def inbound(self, room: MatrixRoom, event: RoomMessageText) -> Inbound:
+    def inbound(self, room: MatrixRoom, event: RoomMessageText | FileEvent) -> Inbound:
         content = event.source.get("content", {})
         me = self.config.user_id
         mentions = content.get("m.mentions", {}).get("user_ids", [])
         display = room.user_name(me) or me
         body = event.body
         mentions_bot = me in mentions or me in body or (display and display in body) or me in (
-            event.formatted_body or "")
+            getattr(event, "formatted_body", None) or "")
         reply_to = content.get("m.relates_to", {}).get("m.in_reply_to", {}).get("event_id")
         is_dm = room.member_count <= 2
         level = room.power_levels.get_user_level(event.sender)
@@ -330,10 +337,46 @@ class MatrixAdapter:
             return  # an edit of an earlier message
         self._spawn(self._handle(room, event))
 
-    async def _handle(self, room: MatrixRoom, event: RoomMessageText) -> None:
+    async def _on_file(self, room: MatrixRoom, event: FileEvent) -> None:
+        """A file sent with a caption that is a command (``!persona import`` with a card): the caption is
+        the command and the file its attachment (MSC2530: a caption is a body that differs from the
+        ``filename``). Files without such a caption are not read."""
+        content = event.source.get("content", {})
+        filename = str(content.get("filename") or "")
+        caption = event.body.strip()
+        if event.sender == self.config.user_id or not filename or caption == filename:
+            return
+        if not caption.startswith(self.config.command_prefix):
+            return
+        self._spawn(self._handle(room, event, file=(filename, content)))
+
+    async def _download(self, event: FileEvent, filename: str, content: dict[str, Any]) -> Attachment:
+        """The file's bytes (decrypted in an encrypted room); ValueError with one line when it cannot be."""
+        size = int(content.get("info", {}).get("size") or 0)
+        if size > MAX_FILE_BYTES:
+            raise ValueError(f"{filename} is {size / 1e6:.1f} MB; commands take files of at most "
+                             f"{MAX_FILE_BYTES // 1024 // 1024} MB")
+        response = await self.client.download(mxc=event.url)
+        data = getattr(response, "body", None)
+        if not isinstance(data, bytes):
+            raise ValueError(f"could not download {filename}: {response}")
+        if len(data) > MAX_FILE_BYTES + 1024:
+            raise ValueError(f"{filename} is over {MAX_FILE_BYTES // 1024 // 1024} MB")
+        if isinstance(event, RoomEncryptedFile):
+            data = decrypt_attachment(data, event.key["k"], event.hashes["sha256"], event.iv)
+        return Attachment(filename, data)
+
+    async def _handle(self, room: MatrixRoom, event: RoomMessageText | FileEvent,
+                      file: tuple[str, dict[str, Any]] | None = None) -> None:
         try:
             await self._load_creators(room.room_id)
             inbound = self.inbound(room, event)
+            if file is not None and isinstance(event, RoomMessageFile | RoomEncryptedFile):
+                try:
+                    inbound = replace(inbound, attachments=(await self._download(event, *file),))
+                except (ValueError, EncryptionError) as exc:
+                    await MatrixSink(self, room, event).send_reply(CommandReply(str(exc)))
+                    return
             prefix = self.config.command_prefix
             if inbound.message.text.strip() in (f"{prefix}leave",) and inbound.is_admin and not inbound.message.is_dm:
                 await self.client.room_leave(room.room_id)

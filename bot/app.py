@@ -24,6 +24,7 @@ from bot.summary import SummaryEngine
 from bot.tokens import BPETokenEstimator
 from cortex import build_cortex
 from cortex.memory.embedders import Embedder
+from cortex.personas.card_commands import CardCommands
 from cortex.personas.commands import PersonaCommands
 from cortex.personas.guidelines import GuidelinesCommands, RulesCommands
 from cortex.personas.lore import LoreIndex, LoreSection
@@ -107,6 +108,7 @@ class App:
             for commands in (PersonaCommands, GuidelinesCommands, RulesCommands):
                 commands(self.personas, self.storage).register(self.commands)
             LoreCommands(self.personas, self.storage, self.lore).register(self.commands)
+            CardCommands(self.personas, self.storage).register(self.commands)
             await self.cortex.memory_admin.load()
             self.router = Router(self.config, self.storage, self.core, self.commands, self.personas)
             self.fleet = Fleet(self.storage)

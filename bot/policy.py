@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bot.commands import Attachment
 from bot.config import AccessConfig
 from bot.ports import IncomingMessage
 
@@ -24,6 +25,7 @@ class Inbound:
     roles: tuple[str, ...] = ()  # platform-qualified role ids, e.g. "discord:987" or "matrix:power:50"
     is_admin: bool = False  # the adapter's verdict: Manage Server / power level ≥ 50 / configured admin id
     is_bot_admin: bool = False  # a configured admin id: admin of the whole bot, not only of one server
+    attachments: tuple[Attachment, ...] = ()  # files sent with a command (read only for commands)
 
 
 def _listed(values: list[str], *candidates: str | None) -> bool:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
-from bot.commands import Command, CommandContext, CommandError, CommandRegistry, CommandReply
+from bot.commands import Command, CommandContext, CommandError, CommandRegistry, CommandReply, words
 from bot.config import Config, ConfigError
 from bot.conversation import ConversationCore
 from bot.errors import UserFacingError
@@ -73,7 +73,7 @@ class Router:
         self.limiter = RateLimiter(config.chat.rate_limit_per_minute)
         commands.register(Command(
             "persona", "show the persona here, or pick one (in a DM for yourself; in a channel admins only)",
-            self._persona_command, usage="[name…]",
+            self._persona_command, (words("name", "a persona's name", complete="personas"),), public=True,
         ))
 
     async def persona_for(self, inbound: Inbound) -> str:
@@ -122,6 +122,7 @@ class Router:
             persona=persona,
             is_admin=inbound.is_admin or inbound.is_bot_admin,
             is_bot_admin=inbound.is_bot_admin,
+            attachments=inbound.attachments,
             is_dm=msg.is_dm,
             server_key=msg.server_key,
         )

@@ -19,7 +19,13 @@ from bot.commands import (
     CommandRegistry,
     CommandReply,
     Handler,
+    Param,
+    flag,
+    number,
     parse_number,
+    text,
+    word,
+    words,
 )
 from bot.config import FREQUENCY_PRESETS, Config
 from bot.persona import PersonaSource
@@ -65,23 +71,33 @@ class CortexCommands:
 
     def register(self, registry: CommandRegistry) -> None:
         p = self.prefix = registry.prefix
-        memory: list[tuple[str, str, str, Handler]] = [
-            ("show", "[file]", "show your cortex files (all, or one)", self.show),
-            ("history", "<file>", "the versions of a file: who changed it, when and why", self.history),
-            ("diff", "<file> <v1> <v2>", "what changed between two versions", self.diff),
-            ("revert", "<file> <version>", "bring back an earlier version (as a new version)", self.revert),
-            ("reset", "[file]", "start a file (or all) over from the template", self.reset),
-            ("edit", "<file>", "replace a file with your own text (sent on the lines after the command)",
-             self.edit),
-            ("export", "", "download all your files and their versions (zip of Markdown + JSON)", self.export),
-            ("forget-me", f"[{CONFIRM_WORD}]", "delete everything the bot stores about you", self.forget_me),
+        file = word("file", "one of your cortex files", choices=FILENAMES)
+        needed = word("file", "one of your cortex files", choices=FILENAMES, required=True)
+
+        def version(name: str) -> Param:
+            return number(name, "a version of that file", required=True, complete="versions")
+
+        memory: list[tuple[str, tuple[Param, ...], str, Handler]] = [
+            ("show", (file,), "show your cortex files (all, or one)", self.show),
+            ("history", (needed,), "the versions of a file: who changed it, when and why", self.history),
+            ("diff", (needed, version("v1"), version("v2")), "what changed between two versions", self.diff),
+            ("revert", (needed, version("version")), "bring back an earlier version (as a new version)",
+             self.revert),
+            ("reset", (file,), "start a file (or all) over from the template", self.reset),
+            ("edit", (needed, text("content", "the file's new text (or on the lines after the command)")),
+             "replace a file with your own text", self.edit),
+            ("export", (), "download all your files and their versions (zip of Markdown + JSON)", self.export),
+            ("forget-me", (flag("confirm", "yes, delete everything", token=CONFIRM_WORD),),
+             "delete everything the bot stores about you", self.forget_me),
         ]
-        for name, usage, summary, handler in memory:
-            registry.register(Command(f"memory {name}", summary, handler, usage=usage, private=True))
+        for name, params, summary, handler in memory:
+            registry.register(Command(f"memory {name}", summary, handler, params, private=True))
         registry.register(Command("cortex update", "update your cortex files now", self.update, private=True))
         registry.register(Command(
             "cortex settings", f"show the cortex settings, or set one ({p}cortex settings <key> <value|default>)",
-            self.settings, usage="[key value] [--persona]", admin=True,
+            self.settings, (word("key", "a setting's name"), words("value", "its new value, or default"),
+                            flag("persona_scope", "set it for the persona, not this server", token="--persona")),
+            admin=True,
         ))
         registry.register(Command("cortex stats", "cortex update runs, tokens and recent errors", self.stats,
                                   admin=True))

@@ -31,15 +31,17 @@ async def adapter(tmp_path: Path) -> AsyncIterator[DiscordAdapter]:
     })
     app = App(config, llm=ScriptedProvider())
     await app.start()
-    intents = discord.Intents.default()
-    intents.members = True
-    intents.message_content = True
-    adapter = DiscordAdapter(app, config.discord, intents=intents)
-    await adapter.bot._async_setup_hook()
-    dpytest.configure(adapter.bot)
-    yield adapter
-    await dpytest.empty_queue()
-    await app.stop()
+    try:  # a failing setup must still stop the app (its database threads would keep pytest alive)
+        intents = discord.Intents.default()
+        intents.members = True
+        intents.message_content = True
+        adapter = DiscordAdapter(app, config.discord, intents=intents)
+        await adapter.bot._async_setup_hook()
+        dpytest.configure(adapter.bot)
+        yield adapter
+        await dpytest.empty_queue()
+    finally:
+        await app.stop()
 
 
 @pytest.fixture
@@ -117,7 +119,8 @@ async def test_slash_commands_are_built_offline(adapter: DiscordAdapter) -> None
 
 
 async def _interact(adapter: DiscordAdapter, monkeypatch: pytest.MonkeyPatch, name: str,
-                    options: list[dict[str, Any]], *, permissions: int = 0, kind: int = 2) -> dict[str, Any]:
+                    options: list[dict[str, Any]], *, permissions: int = 0, kind: int = 2,
+                    resolved: dict[str, Any] | None = None) -> dict[str, Any]:
     """Dispatch an INTERACTION_CREATE through the real command tree; return the recorded response."""
     recorded: list[dict[str, Any]] = []
 
@@ -140,7 +143,8 @@ async def _interact(adapter: DiscordAdapter, monkeypatch: pytest.MonkeyPatch, na
         "member": {"user": {"id": str(member.id), "username": member.name, "discriminator": "0001",
                             "avatar": None}, "roles": [], "joined_at": "2024-01-01T00:00:00+00:00",
                    "deaf": False, "mute": False, "flags": 0, "permissions": str(permissions)},
-        "data": {"id": "2222", "name": name, "type": 1, "options": options},
+        "data": {"id": "2222", "name": name, "type": 1, "options": options, **({"resolved": resolved} if resolved
+                                                                                  else {})},
     }
     bot._connection.parse_interaction_create(payload)
     for _ in range(200):
@@ -241,3 +245,103 @@ async def test_commands_are_synced_on_ready(adapter: DiscordAdapter, monkeypatch
     synced.clear()
     await adapter.on_ready()
     assert synced == [111, 222]
+
+
+async def test_every_declared_command_is_a_slash_command(adapter: DiscordAdapter) -> None:
+    """The tree is generated from the command layer: one slash command per declaration, its parameters as
+    options, admin commands in a group only Manage Server sees."""
+    tree = adapter.tree
+    payloads = {c.name: c.to_dict(tree) for c in tree.get_commands()}
+    manage = str(discord.Permissions(manage_guild=True).value)
+    for command in adapter.app.commands.commands:
+        head, _, sub = command.name.partition(" ")
+        if not sub:
+            slash = payloads[head]
+        else:
+            group = payloads[head + ("-admin" if command.admin or command.bot_admin else "")]
+            assert (str(group.get("default_member_permissions")) == manage) == (command.admin or command.bot_admin)
+            slash = {o["name"]: o for o in group["options"]}[sub]
+        options = {o["name"]: o for o in slash.get("options", [])}
+        assert set(options) == {p.name for p in command.params}, command.name
+        for param in command.params:
+            option = options[param.name]
+            assert option["required"] == (param.required and param.kind not in ("flag", "option")), param
+            assert option["type"] == {"flag": 5, "number": 4, "file": 11}.get(param.kind, 4 if param.minimum else 3)
+            assert [c["value"] for c in option.get("choices", [])] == list(param.choices)
+            assert option.get("autocomplete", False) == bool(param.complete and not param.choices)
+        assert len(slash["description"]) <= 100
+    assert {"persona-admin", "guidelines", "guidelines-admin", "rules-admin", "lore-admin", "stats"} <= set(payloads)
+
+
+async def test_new_slash_commands_run_through_the_command_layer(adapter: DiscordAdapter,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    manage = discord.Permissions(manage_guild=True).value
+    saved = await _interact(adapter, monkeypatch, "guidelines-admin", [{"name": "set", "type": 1, "options": [
+        {"name": "text", "type": 3, "value": "Don't spoil the 'ending'."}]}], permissions=manage)
+    assert "Saved the guidelines of discord:" in saved["data"]["content"] and saved["data"]["flags"] & 64
+    shown = await _interact(adapter, monkeypatch, "guidelines", [{"name": "show", "type": 1, "options": []}])
+    assert "Don't spoil the 'ending'." in shown["data"]["content"]
+    refused = await _interact(adapter, monkeypatch, "persona-admin", [{"name": "edit", "type": 1, "options": [
+        {"name": "section", "type": 3, "value": "tone"}, {"name": "text", "type": 3, "value": "Grumpy."}]}],
+        permissions=manage)
+    assert "for the bot's admins only" in refused["data"]["content"]  # Manage Server is not enough
+    member = dpytest.get_config().members[0]
+    monkeypatch.setattr(adapter, "config", adapter.config.model_copy(update={"admin_ids": [member.id]}))
+    edited = await _interact(adapter, monkeypatch, "persona-admin", [{"name": "edit", "type": 1, "options": [
+        {"name": "section", "type": 3, "value": "tone"}, {"name": "text", "type": 3, "value": "Grumpy."}]}])
+    assert "section tone is now version" in edited["data"]["content"]
+    lore = await _interact(adapter, monkeypatch, "lore-admin", [{"name": "add", "type": 1, "options": [
+        {"name": "text", "type": 3, "value": "The mill burned in 1890."},
+        {"name": "keys", "type": 3, "value": "mill,fire"}]}])
+    assert "enters replies when mill, fire come up" in lore["data"]["content"]
+    picked = await _interact(adapter, monkeypatch, "persona", [{"name": "name", "type": 3, "value": "Cora"}],
+                             permissions=manage)
+    assert "Cora now answers in this channel" in picked["data"]["content"]
+    assert not picked["data"].get("flags", 0) & 64  # a channel's pick is shown to the channel
+
+
+async def test_a_card_attached_to_a_slash_command_is_imported(adapter: DiscordAdapter,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.test_cards import dumps, v2_card
+
+    member = dpytest.get_config().members[0]
+    monkeypatch.setattr(adapter, "config", adapter.config.model_copy(update={"admin_ids": [member.id]}))
+    data = dumps(v2_card(name="Rosa"))
+
+    async def read(self: discord.Attachment, **kw: Any) -> bytes:  # Discord's CDN is not here
+        return data
+
+    monkeypatch.setattr(discord.Attachment, "read", read)
+    attachment = {"id": "3333", "filename": "rosa.json", "size": len(data), "url": "https://cdn.invalid/rosa.json",
+                  "proxy_url": "https://cdn.invalid/rosa.json"}
+    response = await _interact(adapter, monkeypatch, "persona-admin", [{"name": "import", "type": 1, "options": [
+        {"name": "card", "type": 11, "value": "3333"}]}], resolved={"attachments": {"3333": attachment}})
+    assert "Imported Rosa from rosa.json" in response["data"]["content"]
+    too_big = {**attachment, "id": "4444", "size": 9 * 1024 * 1024}
+    response = await _interact(adapter, monkeypatch, "persona-admin", [{"name": "import", "type": 1, "options": [
+        {"name": "card", "type": 11, "value": "4444"}]}], resolved={"attachments": {"4444": too_big}})
+    assert "commands take files of at most 8 MB" in response["data"]["content"]
+
+
+async def test_a_card_attached_to_a_command_message_is_imported(adapter: DiscordAdapter, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.test_cards import dumps, v2_card
+
+    member = dpytest.get_config().members[0]
+    monkeypatch.setattr(adapter, "config", adapter.config.model_copy(update={"admin_ids": [member.id]}))
+    card = tmp_path / "rosa.json"
+    card.write_bytes(dumps(v2_card(name="Rosa")))
+
+    reads: list[str] = []
+
+    async def read(self: discord.Attachment, **kw: Any) -> bytes:  # the file dpytest attached, not a CDN
+        reads.append(self.filename)
+        return card.read_bytes()
+
+    monkeypatch.setattr(discord.Attachment, "read", read)
+    dm = await member.create_dm()
+    await dpytest.message("!persona import", channel=dm, attachments=[card])
+    assert "Imported Rosa from rosa.json" in dpytest.get_message().content
+    await dpytest.message("look at this picture", channel=dm, attachments=[card])  # chat: files are not read
+    assert dpytest.get_message().content == "echo: look at this picture"
+    assert reads == ["rosa.json"]

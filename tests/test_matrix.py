@@ -348,3 +348,45 @@ async def test_login_with_an_access_token(synapse: SynapseServer, tmp_path: Path
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await app.stop()
+
+
+async def test_a_card_sent_with_a_command_caption_is_imported(synapse: SynapseServer, tmp_path: Path) -> None:
+    """A file whose caption is a command (MSC2530) reaches the command as its attachment; plain files are
+    not read, and only the bot's admins may import."""
+    import io
+
+    from nio import UploadResponse
+
+    from tests.test_cards import png, text_chunk, v2_card
+
+    alice, eve = await user(synapse, "alice"), await user(synapse, "eve")
+    running = await start_bot(synapse, tmp_path, admin_ids=[alice.user_id])
+    seen, eves = Timeline(alice), Timeline(eve)
+    try:
+        card = png(text_chunk("chara", v2_card(name="Rosa")))
+
+        async def send_card(client: AsyncClient, room: str, caption: str) -> None:
+            upload, _ = await client.upload(lambda *_: io.BytesIO(card), content_type="image/png",
+                                            filename="rosa.png", filesize=len(card))
+            assert isinstance(upload, UploadResponse), upload
+            await client.room_send(room, "m.room.message", {
+                "msgtype": "m.file", "body": caption, "filename": "rosa.png", "url": upload.content_uri,
+                "info": {"size": len(card), "mimetype": "image/png"}}, ignore_unverified_devices=True)
+
+        room = await open_room(alice, [running.user_id], direct=True)
+        await joined(seen, room, running.user_id)
+        await send_card(alice, room, "rosa.png")  # no caption: not a command, nothing read
+        await send_card(alice, room, "!persona import")
+        await seen.sync_until(lambda: any("Imported Rosa from rosa.png" in b
+                                          for b in seen.bodies(room, running.user_id)), "the import's answer")
+        assert len([b for b in seen.bodies(room, running.user_id) if "Imported" in b]) == 1
+        assert "Rosa" in running.app.personas.names()
+        eve_room = await open_room(eve, [running.user_id], direct=True)
+        await joined(eves, eve_room, running.user_id)
+        await send_card(eve, eve_room, "!persona import")  # power 100 in her own DM is not a bot admin
+        await eves.sync_until(lambda: any("for the bot's admins only" in b
+                                          for b in eves.bodies(eve_room, running.user_id)), "the refusal")
+    finally:
+        await alice.close()
+        await eve.close()
+        await stop_bot(running)

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import logging
 import shlex
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from bot.text import plural, printable, without_surrogates
 
 log = logging.getLogger(__name__)
 
-FREE_FORM = ("…", "<text>", "<words>", "--")
 MAX_NUMBER = 2**31 - 1  # ids, versions and pages fit every engine's integer columns
 
 
@@ -37,6 +37,12 @@ def parse_number(text: str, what: str, *, prefix: str = "") -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class Attachment:
+    filename: str
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class CommandContext:
     platform: str
     user_key: str
@@ -48,12 +54,7 @@ class CommandContext:
     is_dm: bool = False
     server_key: str | None = None
     body: str = ""  # the lines after the command line
-
-
-@dataclass(frozen=True, slots=True)
-class Attachment:
-    filename: str
-    data: bytes
+    attachments: tuple[Attachment, ...] = ()  # files sent with the command (a card to import)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,74 @@ class CommandReply:
 
 
 Handler = Callable[[CommandContext, Sequence[str]], Awaitable["CommandReply | str"]]
+ParamKind = Literal["word", "number", "words", "text", "flag", "option", "file"]
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    """One typed parameter of a command, declared once: the ``!`` line's usage and arity, the help, and
+    each platform's own form (Discord's slash-command options) are all made from it.
+
+    ``word`` is one token, ``number`` a whole number (``minimum``/``maximum``), ``words`` the rest of the
+    line as words (a persona's name), ``text`` free text (on the line or the lines after it; slash
+    commands send it after the line), ``flag`` a switch spelled ``token`` (default ``--name``), ``option``
+    a ``--name VALUE`` pair, ``file`` a file sent with the command (an attachment; in the terminal a
+    path on the line). ``choices`` are the only values a platform offers; ``complete`` names a
+    completer a platform may offer (``versions``: the caller's versions of the chosen file, ``personas``)."""
+
+    name: str
+    kind: ParamKind = "word"
+    required: bool = False
+    help: str = ""
+    choices: tuple[str, ...] = ()
+    complete: str = ""
+    minimum: int | None = None
+    maximum: int | None = None
+    token: str = ""
+
+    @property
+    def spelled(self) -> str:
+        return self.token or f"--{self.name}"
+
+    @property
+    def usage(self) -> str:
+        if self.kind == "flag":
+            return f"[{self.spelled}]"
+        if self.kind == "option":
+            return f"[{self.spelled} {self.name.upper()}]"
+        label = f"{self.name}…" if self.kind in ("words", "text") else self.name
+        return f"<{label}>" if self.required else f"[{label}]"
+
+
+def word(name: str, help: str = "", *, required: bool = False, choices: Sequence[str] = (),
+         complete: str = "") -> Param:
+    return Param(name, "word", required, help, tuple(choices), complete)
+
+
+def number(name: str, help: str = "", *, required: bool = False, complete: str = "", minimum: int = 1,
+           maximum: int | None = None) -> Param:
+    return Param(name, "number", required, help, complete=complete, minimum=minimum, maximum=maximum)
+
+
+def words(name: str, help: str = "", *, required: bool = False, complete: str = "") -> Param:
+    return Param(name, "words", required, help, complete=complete)
+
+
+def text(name: str, help: str = "", *, required: bool = False) -> Param:
+    return Param(name, "text", required, help)
+
+
+def flag(name: str, help: str = "", *, token: str = "") -> Param:
+    return Param(name, "flag", False, help, token=token)
+
+
+def file(name: str, help: str = "", *, required: bool = False) -> Param:
+    return Param(name, "file", required, help)
+
+
+def option(name: str, help: str = "", *, choices: Sequence[str] = (), minimum: int | None = None,
+           maximum: int | None = None) -> Param:
+    return Param(name, "option", False, help, tuple(choices), minimum=minimum, maximum=maximum)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,19 +141,44 @@ class Command:
     name: str  # "help" or "memory show"
     summary: str
     handler: Handler
-    usage: str = ""  # arguments after the name, e.g. "<file> <version>"
+    params: tuple[Param, ...] = ()
     admin: bool = False
     bot_admin: bool = False  # changes what every server shares (personas, global rules)
-    private: bool = False
+    private: bool = False  # about the caller's own data: answered only to them
+    public: bool = False  # a slash command's answer is shown to the channel (else only to the caller)
     aliases: tuple[str, ...] = field(default_factory=tuple)
 
     @property
+    def usage(self) -> str:
+        return " ".join(p.usage for p in self.params)
+
+    @property
     def max_args(self) -> int | None:
-        """How many words may follow the name, read from ``usage``: one per ``<x>``/``[x]`` word, or no
-        limit when the usage takes free text (``…``, ``<text>``, ``<words>``) or ``--`` options."""
-        if any(mark in self.usage for mark in FREE_FORM):
+        """How many words may follow the name: one per word or number parameter, or no limit when the
+        command takes free words, text, flags or options."""
+        if any(p.kind not in ("word", "number", "file") for p in self.params):
             return None
-        return len(self.usage.split())
+        return len(self.params)
+
+    def line(self, prefix: str, values: Mapping[str, object]) -> str:
+        """The ``!`` line (and body) that runs this command with ``values`` by parameter name (what a
+        platform's own form, e.g. a slash command, collected)."""
+        parts, body = [f"{prefix}{self.name}"], ""
+        for param in self.params:
+            value = values.get(param.name)
+            if value is None or value is False or value == "" or param.kind == "file":
+                continue  # files travel beside the line (CommandContext.attachments)
+            if param.kind == "flag":
+                parts.append(param.spelled)
+            elif param.kind == "option":
+                parts += [param.spelled, shlex.quote(str(value))]
+            elif param.kind == "text":
+                body = str(value)
+            elif param.kind == "words":
+                parts.append(str(value))
+            else:
+                parts.append(shlex.quote(str(value)))
+        return " ".join(parts) + (f"\n{body}" if body else "")
 
 
 class CommandError(Exception):

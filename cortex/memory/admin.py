@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
-from bot.commands import Command, CommandContext, CommandError, CommandRegistry
+from bot.commands import Command, CommandContext, CommandError, CommandRegistry, words
 from bot.config import Config
 from bot.scheduler import Scheduler
 from bot.storage.core import Storage
@@ -76,14 +76,14 @@ class MemoryAdminCommands:
 
     def register(self, registry: CommandRegistry) -> None:
         p = self.prefix = registry.prefix
-        for name, summary, handler, usage in (
-            ("prune", "archive unused memory items now (report per category)", self.prune, ""),
+        for name, summary, handler, params in (
+            ("prune", "archive unused memory items now (report per category)", self.prune, ()),
             ("weights", f"show or set the search weights ({p}cortex weights vector=0.6 …, or default)",
-             self.weights, "[signal=value …|default]"),
-            ("budgets", "token budgets of prompts and cortex updates, and today's spending", self.budgets, ""),
-            ("embedder", "the embedder, how much is embedded, backfill progress and errors", self.embedder, ""),
+             self.weights, (words("values", "signal=value pairs, or default"),)),
+            ("budgets", "token budgets of prompts and cortex updates, and today's spending", self.budgets, ()),
+            ("embedder", "the embedder, how much is embedded, backfill progress and errors", self.embedder, ()),
         ):
-            registry.register(Command(f"cortex {name}", summary, handler, usage=usage, admin=True))
+            registry.register(Command(f"cortex {name}", summary, handler, params, admin=True))
 
     async def load(self) -> None:
         """Apply the weights an admin saved (they outlive restarts; the app reloads them every few seconds,

@@ -9,7 +9,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bot.commands import Command, CommandContext, CommandError, CommandRegistry, Handler, parse_number
+from bot.commands import (
+    Command,
+    CommandContext,
+    CommandError,
+    CommandRegistry,
+    Handler,
+    Param,
+    flag,
+    number,
+    option,
+    parse_number,
+    text,
+    word,
+)
 from bot.text import plural
 from cortex.memory.store import CATEGORIES, MemoryError, MemoryItem, MemoryStore
 from cortex.store import CortexStore
@@ -29,19 +42,25 @@ class MemoryCommands:
     memory: MemoryStore
 
     def register(self, registry: CommandRegistry) -> None:
-        commands: list[tuple[str, str, str, Handler]] = [
-            ("remember", "<text> [--category C] [--importance 1-10] [--pin]", "store a fact about you",
-             self.remember),
-            ("forget", "<id>", "archive one of your memory items (restore brings it back)", self.forget),
-            ("pin", "<id>", "always keep an item in the persona's mind", self.pin),
-            ("unpin", "<id>", "stop pinning an item", self.unpin),
-            ("list", "[category] [page]", "your memory items, newest first", self.list_items),
-            ("search", "<words>", "search your memory items and past messages", self.search),
-            ("archived", "[page]", "your archived (forgotten or pruned) items", self.archived),
-            ("restore", "<id>", "bring an archived item back", self.restore),
+        item = number("item", "the item's number (#12)", required=True)
+        page = number("page", "which page")
+        commands: list[tuple[str, tuple[Param, ...], str, Handler]] = [
+            ("remember", (text("text", "the fact", required=True),
+                          option("category", "what kind of fact", choices=CATEGORIES),
+                          option("importance", "1 (trivia) to 10 (vital)", minimum=1, maximum=10),
+                          flag("pin", "always keep it in mind")), "store a fact about you", self.remember),
+            ("forget", (item,), "archive one of your memory items (restore brings it back)", self.forget),
+            ("pin", (item,), "always keep an item in the persona's mind", self.pin),
+            ("unpin", (item,), "stop pinning an item", self.unpin),
+            ("list", (word("category", "only this kind", choices=CATEGORIES), page),
+             "your memory items, newest first", self.list_items),
+            ("search", (text("words", "what to look for", required=True),),
+             "search your memory items and past messages", self.search),
+            ("archived", (page,), "your archived (forgotten or pruned) items", self.archived),
+            ("restore", (item,), "bring an archived item back", self.restore),
         ]
-        for name, usage, summary, handler in commands:
-            registry.register(Command(f"memory {name}", summary, handler, usage=usage, private=True))
+        for name, params, summary, handler in commands:
+            registry.register(Command(f"memory {name}", summary, handler, params, private=True))
 
     async def _pair(self, ctx: CommandContext) -> int:
         return (await self.pairs.pair_for(ctx.user_key, ctx.user_name, ctx.persona))[1].id
@@ -53,23 +72,23 @@ class MemoryCommands:
         return parse_number(args[0], "the item", prefix="#")
 
     async def remember(self, ctx: CommandContext, args: Sequence[str]) -> str:
-        words, category, importance, pin = [], "fact", 5, False
+        kept, category, importance, pin = [], "fact", 5, False
         it = iter(args)
-        for word in it:
-            if word == "--category":
+        for token in it:
+            if token == "--category":
                 category = next(it, "")
-            elif word == "--importance":
+            elif token == "--importance":
                 try:
                     importance = int(next(it, ""))
                 except ValueError:
                     raise CommandError("importance is a number from 1 to 10") from None
-            elif word == "--pin":
+            elif token == "--pin":
                 pin = True
             else:
-                words.append(word)
-        text = " ".join(words) or ctx.body
+                kept.append(token)
+        content = " ".join(kept) or ctx.body
         try:
-            item = await self.memory.remember(await self._pair(ctx), text, category=category, importance=importance,
+            item = await self.memory.remember(await self._pair(ctx), content, category=category, importance=importance,
                                               pinned=pin, source="user", source_ref=ctx.channel_key)
         except MemoryError as exc:
             raise CommandError(str(exc)) from None

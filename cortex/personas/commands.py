@@ -11,7 +11,17 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bot.commands import Command, CommandContext, CommandError, CommandRegistry, parse_number
+from bot.commands import (
+    Command,
+    CommandContext,
+    CommandError,
+    CommandRegistry,
+    number,
+    parse_number,
+    text,
+    word,
+    words,
+)
 from bot.config import SOUL_SECTIONS, ConfigError
 from bot.persona import section_title
 from bot.storage import Storage
@@ -47,17 +57,23 @@ class PersonaCommands:
 
     def register(self, registry: CommandRegistry) -> None:
         self.prefix = registry.prefix
-        for name, usage, summary, handler, bot_admin in (
-            ("list", "", "every persona, where it comes from, its language", self.list_personas, False),
-            ("show", "[name…]", "a persona's soul sections with their versions", self.show, False),
-            ("history", "[section]", "how the soul of the persona here changed: who, when, why", self.history, False),
-            ("create", "<name…>", "a new persona (then give it a soul with edit)", self.create, True),
-            ("edit", "<section> <text…>", "rewrite one soul section of the persona here", self.edit, True),
-            ("revert", "<section> <version>", "bring back an earlier version of a section", self.revert, True),
-            ("delete", "<name…>", "remove a persona nobody uses (its history stays)", self.delete, True),
+        name = words("name", "a persona's name", complete="personas")
+        section = word("section", "identity, personality, … or a name of your own", required=True)
+        for sub, params, summary, handler, bot_admin in (
+            ("list", (), "every persona, where it comes from, its language", self.list_personas, False),
+            ("show", (name,), "a persona's soul sections with their versions", self.show, False),
+            ("history", (word("section", "only this section"),),
+             "how the soul of the persona here changed: who, when, why", self.history, False),
+            ("create", (words("name", "the new persona's name", required=True),),
+             "a new persona (then give it a soul with edit)", self.create, True),
+            ("edit", (section, text("text", "the section's new text", required=True)),
+             "rewrite one soul section of the persona here", self.edit, True),
+            ("revert", (section, number("version", "the version to bring back", required=True)),
+             "bring back an earlier version of a section", self.revert, True),
+            ("delete", (words("name", "a persona's name", required=True, complete="personas"),),
+             "remove a persona nobody uses (its history stays)", self.delete, True),
         ):
-            registry.register(Command(f"persona {name}", summary, handler, usage=usage, admin=True,
-                                      bot_admin=bot_admin))
+            registry.register(Command(f"persona {sub}", summary, handler, params, admin=True, bot_admin=bot_admin))
 
     def _row_name(self, args: Sequence[str], ctx: CommandContext) -> str:
         try:

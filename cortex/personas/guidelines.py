@@ -9,7 +9,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bot.commands import Command, CommandContext, CommandError, CommandRegistry, parse_number
+from bot.commands import Command, CommandContext, CommandError, CommandRegistry, flag, number, parse_number, text, word
 from bot.storage import Storage
 from bot.storage.personas import BOT_WIDE, TextVersion
 from cortex.personas.commands import unknown_variables
@@ -45,15 +45,18 @@ class GuidelinesCommands:
 
     def register(self, registry: CommandRegistry) -> None:
         self.prefix = registry.prefix
+        default = flag("default", "the bot-wide default instead of this server's (bot admins)", token=DEFAULT_FLAG)
         registry.register(Command("guidelines show", "the guidelines in force here (this server's, else the bot's)",
-                                  self.show, usage=f"[{DEFAULT_FLAG}]", aliases=("guidelines",)))
-        for name, usage, summary, handler in (
-            ("set", f"[{DEFAULT_FLAG}] <text…>", "replace this server's guidelines", self.set_text),
-            ("history", f"[{DEFAULT_FLAG}]", "every version of this server's guidelines", self.history),
-            ("revert", f"[{DEFAULT_FLAG}] <version>", "bring back an earlier version", self.revert),
-            ("clear", f"[{DEFAULT_FLAG}]", "remove this server's guidelines (the bot's default applies)", self.clear),
+                                  self.show, (default,), aliases=("guidelines",)))
+        for name, params, summary, handler in (
+            ("set", (default, text("text", "the guidelines", required=True)), "replace this server's guidelines",
+             self.set_text),
+            ("history", (default,), "every version of this server's guidelines", self.history),
+            ("revert", (default, number("version", "the version to bring back", required=True)),
+             "bring back an earlier version", self.revert),
+            ("clear", (default,), "remove this server's guidelines (the bot's default applies)", self.clear),
         ):
-            registry.register(Command(f"guidelines {name}", summary, handler, usage=usage, admin=True))
+            registry.register(Command(f"guidelines {name}", summary, handler, params, admin=True))
 
     def _scope(self, ctx: CommandContext, args: Sequence[str], *, change: bool) -> tuple[str, list[str]]:
         """The server's scope, or the bot-wide default (``--default``, or in a DM) — changing that one
@@ -126,17 +129,19 @@ class RulesCommands:
 
     def register(self, registry: CommandRegistry) -> None:
         self.prefix = registry.prefix
-        for name, usage, summary, handler, bot_admin in (
-            ("list", "", "the bot-wide rules in prompt order, on or off", self.list_rules, False),
-            ("history", "<name>", "every version of a rule", self.history, False),
-            ("add", "<name> <text…>", "a new bot-wide rule (last in order)", self.add, True),
-            ("edit", "<name> <text…>", "rewrite a rule", self.edit, True),
-            ("disable", "<name>", "switch a rule off (kept, with its history)", self.disable, True),
-            ("enable", "<name>", "switch a rule back on", self.enable, True),
-            ("revert", "<name> <version>", "bring back an earlier version of a rule", self.revert, True),
+        name = word("name", "the rule's name", required=True)
+        rule = text("text", "the rule", required=True)
+        for sub, params, summary, handler, bot_admin in (
+            ("list", (), "the bot-wide rules in prompt order, on or off", self.list_rules, False),
+            ("history", (name,), "every version of a rule", self.history, False),
+            ("add", (name, rule), "a new bot-wide rule (last in order)", self.add, True),
+            ("edit", (name, rule), "rewrite a rule", self.edit, True),
+            ("disable", (name,), "switch a rule off (kept, with its history)", self.disable, True),
+            ("enable", (name,), "switch a rule back on", self.enable, True),
+            ("revert", (name, number("version", "the version to bring back", required=True)),
+             "bring back an earlier version of a rule", self.revert, True),
         ):
-            registry.register(Command(f"rules {name}", summary, handler, usage=usage, admin=True,
-                                      bot_admin=bot_admin))
+            registry.register(Command(f"rules {sub}", summary, handler, params, admin=True, bot_admin=bot_admin))
 
     @staticmethod
     def _name(args: Sequence[str]) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bot.commands import Command, CommandContext, CommandError, CommandRegistry, parse_number
+from bot.commands import Command, CommandContext, CommandError, CommandRegistry, number, option, parse_number, text
 from bot.storage import Storage
 from bot.storage.personas import LoreEntry, NewLore
 from cortex.personas.lore import LoreIndex, search
@@ -65,18 +65,21 @@ class LoreCommands:
 
     def register(self, registry: CommandRegistry) -> None:
         self.prefix = registry.prefix
-        for name, usage, summary, handler, bot_admin in (
-            ("list", "[page]", "the lore of the persona here", self.list_entries, False),
-            ("show", "<id>", "one lore entry in full", self.show, False),
-            ("search", "<words…>", "which lore entries a message with these words would bring in", self.search,
-             False),
-            ("add", "<text…> [--keys a,b]", "a lore entry for everyone who talks to this persona", self.add, True),
-            ("edit", "<id> <text…> [--keys a,b]", "rewrite an entry (or only its keywords)", self.edit, True),
-            ("disable", "<id>", "keep an entry out of the prompt", self.disable, True),
-            ("enable", "<id>", "let an entry back in", self.enable, True),
+        entry = number("entry", "the entry's number", required=True)
+        keys = option("keys", "keywords that bring it in, comma-separated")
+        for name, params, summary, handler, bot_admin in (
+            ("list", (number("page", "which page"),), "the lore of the persona here", self.list_entries, False),
+            ("show", (entry,), "one lore entry in full", self.show, False),
+            ("search", (text("words", "a message's words", required=True),),
+             "which lore entries a message with these words would bring in", self.search, False),
+            ("add", (text("text", "what everyone should know", required=True), keys),
+             "a lore entry for everyone who talks to this persona", self.add, True),
+            ("edit", (entry, text("text", "the new text"), keys), "rewrite an entry (or only its keywords)",
+             self.edit, True),
+            ("disable", (entry,), "keep an entry out of the prompt", self.disable, True),
+            ("enable", (entry,), "let an entry back in", self.enable, True),
         ):
-            registry.register(Command(f"lore {name}", summary, handler, usage=usage, admin=True,
-                                      bot_admin=bot_admin))
+            registry.register(Command(f"lore {name}", summary, handler, params, admin=True, bot_admin=bot_admin))
 
     def _persona_id(self, ctx: CommandContext) -> int:
         persona_id = self.registry.persona_id(ctx.persona)

@@ -1,0 +1,155 @@
+"""Discord's slash commands, generated from the command layer's declarations (``bot.commands.Command``).
+
+Every command of the registry becomes one: ``memory show`` → ``/memory show``, ``help`` → ``/help``.
+Commands for admins go into a group of their own, ``/<group>-admin``, that Discord shows only to members
+with Manage Server (Discord sets that per top-level command, not per subcommand); the command layer
+still checks the caller's rights on every use. Each parameter becomes a typed option (choices, number
+ranges, autocompletion); the values are turned back into the command's ``!`` line and dispatched like
+any other line, so nothing here knows what a command does.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, Literal, Optional, cast
+
+import discord
+from discord import app_commands
+
+from bot.commands import Attachment, Command, Param
+from bot.policy import Inbound
+from bot.ports import IncomingMessage
+
+if TYPE_CHECKING:
+    from adapters.discord import DiscordAdapter
+
+MAX_FILES = 1
+MAX_FILE_BYTES = 8 * 1024 * 1024  # a command's file (the card cap); larger ones are refused before download
+
+
+async def read_attachment(attachment: discord.Attachment) -> Attachment:
+    """The bytes of one attachment a command came with; ValueError (one line) when it is too large."""
+    if attachment.size > MAX_FILE_BYTES:
+        raise ValueError(f"{attachment.filename} is {attachment.size / 1e6:.1f} MB; commands take files of at "
+                         f"most {MAX_FILE_BYTES // 1024 // 1024} MB")
+    return Attachment(attachment.filename, await attachment.read())
+
+PLATFORM = "discord"
+ADMIN_SUFFIX = "-admin"
+DESCRIPTION_LIMIT = 100  # Discord's limit for command and option descriptions
+GROUP_DESCRIPTIONS = {
+    "memory": "Your own cortex files and memory items with this persona",
+    "cortex": "Cortex updates and settings",
+    "persona": "The personas: their souls and history",
+    "guidelines": "This server's guidelines for the persona",
+    "rules": "The bot-wide rules",
+    "lore": "What the persona knows for everyone",
+}
+Completer = Callable[[discord.Interaction, str], Coroutine[Any, Any, list[app_commands.Choice[Any]]]]
+
+
+def build_slash_commands(adapter: DiscordAdapter) -> None:
+    """Add every declared command to the adapter's command tree."""
+    groups: dict[str, app_commands.Group] = {}
+    for command in adapter.app.commands.commands:
+        head, _, sub = command.name.partition(" ")
+        slash = slash_command(adapter, command, sub or head)
+        if not sub:
+            adapter.tree.add_command(slash)
+            continue
+        admin = command.admin or command.bot_admin
+        name = head + (ADMIN_SUFFIX if admin else "")
+        group = groups.get(name)
+        if group is None:
+            about = GROUP_DESCRIPTIONS.get(head, f"The {head} commands") + (" (admins)" if admin else "")
+            group = groups[name] = app_commands.Group(
+                name=name, description=about[:DESCRIPTION_LIMIT],
+                default_permissions=discord.Permissions(manage_guild=True) if admin else None)
+            adapter.tree.add_command(group)
+        group.add_command(slash)
+
+
+def slash_command(adapter: DiscordAdapter, command: Command, name: str) -> app_commands.Command[Any, Any, None]:
+    prefix = adapter.app.commands.prefix
+
+    files = [p.name for p in command.params if p.kind == "file"]
+
+    async def callback(interaction: discord.Interaction, **values: Any) -> None:
+        try:
+            attached = tuple([await read_attachment(values[name]) for name in files if values.get(name)])
+        except ValueError as exc:
+            await interaction.response.send_message(str(exc), ephemeral=True)
+            return
+        await adapter.run_slash(interaction, command.line(prefix, values), always_private=not command.public,
+                                attachments=attached)
+
+    ordered = sorted(command.params, key=lambda p: not _required(p))  # Discord: required options first
+    callback.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter("interaction", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=discord.Interaction)]
+        + [_parameter(p) for p in ordered])
+    described = {p.name: (p.help or p.name)[:DESCRIPTION_LIMIT] for p in command.params}
+    if described:
+        app_commands.describe(**described)(callback)
+    completers = {p.name: _completer(adapter, p.complete) for p in command.params if p.complete and not p.choices}
+    if completers:
+        app_commands.autocomplete(**completers)(callback)
+    return app_commands.Command(name=name, description=command.summary[:DESCRIPTION_LIMIT],
+                                callback=cast(Any, callback))  # its signature is the one set above
+
+
+def _required(param: Param) -> bool:
+    return param.required and param.kind not in ("flag", "option")
+
+
+def _parameter(param: Param) -> inspect.Parameter:
+    annotation: Any
+    if param.kind == "flag":
+        return inspect.Parameter(param.name, inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=False)
+    if param.kind == "file":
+        annotation = discord.Attachment
+    elif param.kind == "number" or param.minimum is not None:
+        low = param.minimum if param.minimum is not None else 1
+        annotation = app_commands.Range[int, low, param.maximum] if param.maximum else app_commands.Range[int, low]
+    elif param.choices:
+        annotation = Literal[param.choices]
+    else:
+        annotation = str
+    if _required(param):
+        return inspect.Parameter(param.name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation)
+    return inspect.Parameter(param.name, inspect.Parameter.KEYWORD_ONLY, annotation=Optional[annotation],  # noqa: UP045
+                             default=None)
+
+
+def _completer(adapter: DiscordAdapter, kind: str) -> Completer:
+    async def versions(interaction: discord.Interaction, current: str) -> list[app_commands.Choice[Any]]:
+        return await version_choices(adapter, interaction, current)
+
+    if kind == "versions":
+        return versions
+
+    async def personas(interaction: discord.Interaction, current: str) -> list[app_commands.Choice[Any]]:
+        return [app_commands.Choice(name=p, value=p) for p in adapter.app.personas.names()
+                if current.lower() in p.lower()][:25]
+
+    return personas
+
+
+async def version_choices(adapter: DiscordAdapter, interaction: discord.Interaction,
+                          current: str) -> list[app_commands.Choice[Any]]:
+    """The caller's own versions of the chosen file, newest first."""
+    filename = getattr(interaction.namespace, "file", None) or "memory.md"
+    user = await adapter.app.storage.get_user(f"{PLATFORM}:{interaction.user.id}")
+    if user is None:
+        return []
+    incoming = IncomingMessage(PLATFORM, str(interaction.channel_id), str(interaction.user.id),
+                               interaction.user.display_name, "", is_dm=interaction.guild is None)
+    persona = await adapter.app.router.persona_for(Inbound(incoming))
+    pair = await adapter.app.cortex.store.get_pair(user.id, persona)
+    if pair is None:
+        return []
+    versions = await adapter.app.cortex.store.versions(pair.id, str(filename))
+    return [
+        app_commands.Choice(name=f"v{v.version} · {v.author} · {v.created_at:%Y-%m-%d %H:%M}", value=v.version)
+        for v in reversed(versions) if current in str(v.version)
+    ][:25]

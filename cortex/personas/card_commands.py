@@ -1,0 +1,108 @@
+"""``!persona import`` and ``!persona export``: Character Card V2/V3 in, V2 JSON out.
+
+A card comes as an attachment (Discord, Matrix: sent with the command) or, in the terminal only, as a
+path (the person at the terminal runs the bot; a chat user never names a file on the bot's machine).
+The whole card is checked before anything is written: a bad card gets one line and changes nothing.
+Its texts become soul sections (author ``import``), its ``character_book`` becomes lore.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from bot.commands import (
+    Attachment,
+    Command,
+    CommandContext,
+    CommandError,
+    CommandRegistry,
+    CommandReply,
+    file,
+    words,
+)
+from bot.config import ConfigError
+from bot.storage import Storage
+from bot.storage.personas import NewLore
+from bot.storage.textsearch import text_search_config
+from cortex.personas.cards import MAX_CARD_BYTES, Card, CardError, CardLoreEntry, export_card_v2, parse_card
+from cortex.personas.registry import PersonaRegistry
+
+IMPORT = "import"
+TERMINAL = "console"
+
+
+@dataclass
+class CardCommands:
+    registry: PersonaRegistry
+    storage: Storage
+    prefix: str = "!"
+
+    def register(self, registry: CommandRegistry) -> None:
+        self.prefix = registry.prefix
+        registry.register(Command(
+            "persona import", "a new persona from a character card (V2/V3, PNG or JSON)", self.import_card,
+            (file("card", "the card: a PNG or JSON file (in the terminal: its path)", required=True),),
+            admin=True, bot_admin=True))
+        registry.register(Command(
+            "persona export", "a persona as a Character Card V2 (JSON)", self.export_card,
+            (words("name", "a persona's name", complete="personas"),), admin=True))
+
+    def _card_bytes(self, ctx: CommandContext, args: Sequence[str]) -> tuple[str, bytes]:
+        if ctx.attachments:
+            return ctx.attachments[0].filename, ctx.attachments[0].data
+        if ctx.platform != TERMINAL:
+            raise CommandError("attach the card (a PNG or JSON file) to the command's message")
+        if not args:
+            raise CommandError("give the card's path, e.g. !persona import ~/cards/ada.png")
+        path = Path(" ".join(args)).expanduser()
+        try:
+            if path.stat().st_size > MAX_CARD_BYTES:
+                raise CommandError(f"the card is {path.stat().st_size / 1e6:.1f} MB; at most "
+                                   f"{MAX_CARD_BYTES // 1024 // 1024} MB")
+            return path.name, path.read_bytes()
+        except OSError as exc:
+            raise CommandError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+    async def import_card(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
+        filename, data = self._card_bytes(ctx, args)
+        try:
+            card = parse_card(data)
+        except CardError as exc:
+            raise CommandError(f"{filename}: {exc}") from None
+        default = self.registry.persona(None)
+        row = await self.storage.personas.create_persona(card.name, default.language, {}, IMPORT,
+                                                         text_search_config(default.language))
+        if row is None:
+            raise CommandError(f"a persona called {card.name!r} exists already: rename or delete it first")
+        await self._write(row.id, card, filename, ctx.user_key)
+        await self.registry.load()
+        return CommandReply(
+            f"Imported {card.name} from {filename} ({card.spec}): {len(card.sections)} soul section(s), "
+            f"{len(card.lore)} lore entr{'y' if len(card.lore) == 1 else 'ies'}. Pick it for a channel with "
+            f"{self.prefix}persona {card.name}.")
+
+    async def _write(self, persona_id: int, card: Card, filename: str, author: str) -> None:
+        reason = f"imported from {filename} by {author}"
+        for position, (key, content) in enumerate(card.sections, start=1):
+            await self.storage.personas.put("soul", str(persona_id), key, content, author=IMPORT, reason=reason,
+                                            position=position)
+        entries = [NewLore(e.content, e.keys, e.secondary_keys, e.always_on, e.priority, e.enabled, e.name)
+                   for e in card.lore]
+        if entries:
+            await self.storage.lore.add(persona_id, entries, source="card", author=author)
+
+    async def export_card(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
+        try:
+            persona = self.registry.persona(" ".join(args) if args else ctx.persona)
+        except ConfigError as exc:
+            raise CommandError(str(exc)) from None
+        persona_id = self.registry.persona_id(persona.name)
+        assert persona_id is not None
+        lore = [CardLoreEntry(e.content, e.keys, e.secondary_keys, e.always_on, e.priority, e.enabled, e.name)
+                for e in await self.storage.lore.entries(persona_id)]
+        data = export_card_v2(persona.name, persona.soul_sections(), lore)
+        safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in persona.name)[:60] or "persona"
+        return CommandReply(f"{persona.name} as a Character Card V2 ({len(lore)} lore entries).",
+                            attachments=(Attachment(f"{safe}.card.json", data),), private=True)

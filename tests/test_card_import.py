@@ -1,0 +1,111 @@
+"""Character cards through the commands: import (attachment, terminal path) into personas and lore,
+export back, bad cards changing nothing; the prompt checked where the real SDK sends it (the fake LLM
+server)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bot.app import App
+from bot.commands import Attachment, CommandContext
+from bot.config import parse_config
+from bot.ports import IncomingMessage
+from tests.engines import db_url_for
+from tests.fakes.llm_server import FakeLLMServer
+from tests.test_cards import dumps, png, text_chunk, v2_card, v3_card
+
+pytestmark = pytest.mark.both_engines
+
+
+def _config(tmp_path: Path, server: FakeLLMServer):
+    return parse_config({
+        "storage": {"url": db_url_for(tmp_path)},
+        "llm": {"provider": "anthropic", "model": "test-model", "base_url": server.anthropic_url,
+                "api_key_env": "CB_TEST_API_KEY", "max_retries": 0},
+        "cortex": {"context_limit": 1000},
+        "personas": [{"name": "Max", "identity": "You are {char_name}."}],
+    })
+
+
+def ctx(*files: Attachment, platform: str = "discord", persona: str = "Max") -> CommandContext:
+    return CommandContext(platform, f"{platform}:1", "Root", f"{platform}:dm", persona, is_admin=True,
+                          is_bot_admin=True, is_dm=True, attachments=files)
+
+
+async def run(app: App, line: str, context: CommandContext) -> str:
+    return (await app.commands.dispatch(line, context)).text
+
+
+async def test_a_png_card_becomes_a_persona_with_lore_and_reaches_the_model(
+        tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CB_TEST_API_KEY", "sk-test")
+    card = png(text_chunk("chara", v2_card()), text_chunk("ccv3", v3_card()))
+    async with App(_config(tmp_path, fake_llm)) as app:
+        reply = await run(app, "!persona import", ctx(Attachment("cora.png", card)))
+        assert reply.startswith("Imported Cora Three from cora.png (chara_card_v3): 7 soul section(s), 3 lore")
+        message = IncomingMessage("discord", "dm", "7", "Ann", "Is it raining on the greenhouse?", is_dm=True)
+        await app.core.reply(message, "Cora Three").text()
+        system = json.dumps(fake_llm.completion_requests[-1].body["system"])
+        assert "Cora Three is a gardener who talks to Ann about roses." in system  # {{char}}, {{user}} filled
+        assert "Stay in character as Cora Three." in system and "A greenhouse on a rainy afternoon." in system
+        assert "The greenhouse has a leaking roof." in system  # lore: key and secondary key in the message
+        assert "allergic to lilies" not in system  # a disabled entry
+        assert "Made for cozy chats" not in system and "example.invalid" not in system
+        history = await run(app, "!persona history", ctx(persona="Cora Three"))
+        assert "by import" in history and "imported from cora.png by discord:1" in history
+
+
+async def test_export_gives_a_v2_card_that_imports_again(tmp_path: Path, fake_llm: FakeLLMServer,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CB_TEST_API_KEY", "sk-test")
+    async with App(_config(tmp_path, fake_llm)) as app:
+        await run(app, "!persona import", ctx(Attachment("cora.json", dumps(v2_card()))))
+        exported = (await app.commands.dispatch("!persona export Cora", ctx())).attachments[0]
+        card = json.loads(exported.data)
+        assert card["spec"] == "chara_card_v2" and card["data"]["name"] == "Cora"
+        assert card["data"]["personality"] == "Warm, patient, a little nosy."
+        assert {e["content"] for e in card["data"]["character_book"]["entries"]} == {
+            "The greenhouse has a leaking roof.", "Cora is allergic to lilies."}
+        assert "exists already" in await run(app, "!persona import", ctx(Attachment("again.json", exported.data)))
+        await run(app, "!persona create Other", ctx())
+        renamed = json.dumps({**card, "data": {**card["data"], "name": "Cora Copy"}}).encode()
+        assert "Imported Cora Copy" in await run(app, "!persona import", ctx(Attachment("copy.json", renamed)))
+        assert "The greenhouse has a leaking roof." in await run(app, "!lore list", ctx(persona="Cora Copy"))
+
+
+async def test_bad_cards_get_one_line_and_change_nothing(tmp_path: Path, fake_llm: FakeLLMServer,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CB_TEST_API_KEY", "sk-test")
+    async with App(_config(tmp_path, fake_llm)) as app:
+        cases = [
+            (Attachment("cat.png", png()), "cat.png: the PNG holds no character card"),
+            (Attachment("notes.txt", b"hello"), "notes.txt: not a character card"),
+            (Attachment("v1.json", json.dumps({"name": "Old", "description": "x"}).encode()), "unsupported"),
+            (Attachment("huge.json", b" " * (9 * 1024 * 1024)), "at most 8 MB"),
+            (Attachment("max.json", dumps(v2_card(name="Max"))), "exists already"),
+        ]
+        for attachment, expected in cases:
+            reply = await run(app, "!persona import", ctx(attachment))
+            assert expected in reply and "\n" not in reply.split("Usage:")[0].strip(), reply
+        assert app.personas.names() == ["Max"]
+        assert "attach the card" in await run(app, "!persona import /etc/passwd", ctx())  # no paths from chat
+        member = CommandContext("discord", "discord:9", "Eve", "discord:dm", "Max", is_admin=True, is_dm=True,
+                                attachments=(Attachment("cora.json", dumps(v2_card())),))
+        assert "for the bot's admins only" in await run(app, "!persona import", member)
+        assert app.personas.names() == ["Max"]
+
+
+async def test_the_terminal_imports_by_path(tmp_path: Path, fake_llm: FakeLLMServer,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CB_TEST_API_KEY", "sk-test")
+    path = tmp_path / "cards" / "ada lovelace.png"
+    path.parent.mkdir()
+    path.write_bytes(png(text_chunk("chara", v2_card(name="Ada"))))
+    async with App(_config(tmp_path, fake_llm)) as app:
+        assert "Imported Ada from ada lovelace.png" in await run(app, f"!persona import '{path}'",
+                                                                 ctx(platform="console"))
+        assert "cannot read" in await run(app, f"!persona import {tmp_path}/missing.png", ctx(platform="console"))
+        assert "Ada" in app.personas.names()

@@ -1,0 +1,49 @@
+"""The command declarations: usage, arity and the line a platform form turns into."""
+
+from __future__ import annotations
+
+import shlex
+
+from bot.commands import Command, CommandContext, CommandRegistry, flag, number, option, text, word, words
+
+
+async def _handler(ctx: CommandContext, args: object) -> str:
+    return f"args={list(args)!r} body={ctx.body!r}"  # type: ignore[call-overload]
+
+
+REMEMBER = Command("memory remember", "store a fact", _handler, (
+    text("text", required=True), option("category", choices=("fact", "event")), option("importance", minimum=1,
+                                                                                         maximum=10), flag("pin")))
+DIFF = Command("memory diff", "compare", _handler, (word("file", required=True), number("v1", required=True),
+                                                     number("v2", required=True)))
+PICK = Command("persona", "pick one", _handler, (words("name"),))
+FORGET_ME = Command("memory forget-me", "delete all", _handler, (flag("confirm", token="confirm"),))
+
+
+def test_usage_and_arity_come_from_the_parameters() -> None:
+    assert REMEMBER.usage == "<text…> [--category CATEGORY] [--importance IMPORTANCE] [--pin]"
+    assert DIFF.usage == "<file> <v1> <v2>" and DIFF.max_args == 3
+    assert PICK.usage == "[name…]" and PICK.max_args is None
+    assert FORGET_ME.usage == "[confirm]" and Command("x", "y", _handler).max_args == 0
+
+
+def test_a_forms_values_become_the_commands_line() -> None:
+    line = REMEMBER.line("!", {"text": "Ann's cat is \"Pixel\"", "category": "fact", "importance": 9, "pin": True})
+    assert line == "!memory remember --category fact --importance 9 --pin\nAnn's cat is \"Pixel\""
+    assert DIFF.line("!", {"file": "memory.md", "v1": 1, "v2": 3}) == "!memory diff memory.md 1 3"
+    assert shlex.split(PICK.line("!", {"name": "Ada Lovelace"})) == ["!persona", "Ada", "Lovelace"]
+    assert FORGET_ME.line("!", {"confirm": True}) == "!memory forget-me confirm"
+    assert FORGET_ME.line("!", {"confirm": False}) == "!memory forget-me"
+    assert DIFF.line("!", {"file": "my file; rm -rf", "v1": 1, "v2": 2}).startswith("!memory diff 'my file; rm -rf'")
+
+
+async def test_the_line_dispatches_to_the_same_arguments() -> None:
+    registry = CommandRegistry()
+    registry.register(REMEMBER)
+    registry.register(DIFF)
+    ctx = CommandContext("discord", "discord:1", "Ann", "discord:c", "Cora")
+    reply = await registry.dispatch(REMEMBER.line("!", {"text": "two\nlines", "pin": True}), ctx)
+    assert reply.text == "args=['--pin'] body='two\\nlines'"  # the repr of the body
+    reply = await registry.dispatch(DIFF.line("!", {"file": "my file", "v1": 1, "v2": 2}), ctx)
+    assert reply.text == "args=['my file', '1', '2'] body=''"
+    assert "takes at most 3 arguments" in (await registry.dispatch("!memory diff a 1 2 3", ctx)).text
