@@ -102,17 +102,16 @@ class TerminalAdapter:
     def channel_id(self) -> str:
         return f"{self.user}/{self.persona.name}"
 
+    def _inbound(self, text: str) -> Inbound:
+        """This terminal's line as the router sees a platform's message: a DM of the person who runs the bot
+        (admin everywhere). Its persona and command context come from the router, as on Discord and
+        Matrix; the access lists and the rate limit are for platforms, not for the operator's console."""
+        message = IncomingMessage(PLATFORM, self.channel_id, self.user, self.user, text, is_dm=True,
+                                  channel_name=f"terminal chat of {self.user} with {self.persona.name}")
+        return Inbound(message, is_admin=True, is_bot_admin=True)
+
     def _context(self) -> CommandContext:
-        return CommandContext(
-            platform=PLATFORM,
-            user_key=f"{PLATFORM}:{self.user}",
-            user_name=self.user,
-            channel_key=f"{PLATFORM}:{self.channel_id}",
-            persona=self.persona.name,
-            is_admin=True,  # the person at the terminal runs the bot
-            is_bot_admin=True,
-            is_dm=True,
-        )
+        return self.app.router.context_for(self._inbound(""), self.persona.name)
 
     async def _read_line(self) -> str | None:
         if self.interactive:
@@ -234,8 +233,7 @@ class TerminalAdapter:
         """The persona as the router picks it for this user's DMs (the same as on Discord and Matrix)."""
         if self._chosen:
             return
-        probe = IncomingMessage(PLATFORM, self.channel_id, self.user, self.user, "", is_dm=True)
-        self.persona = self.app.personas.persona(await self.app.router.persona_for(Inbound(probe)))
+        self.persona = self.app.personas.persona(await self.app.router.persona_for(self._inbound("")))
 
     async def handle_line(self, line: str) -> None:
         await self._follow_router()
@@ -245,17 +243,8 @@ class TerminalAdapter:
                 self._chosen = False
                 await self._follow_router()
             return
-        message = IncomingMessage(
-            platform=PLATFORM,
-            channel_id=self.channel_id,
-            author_id=self.user,
-            author_name=self.user,
-            text=line,
-            is_dm=True,
-            channel_name=f"terminal chat of {self.user} with {self.persona.name}",
-        )
         try:
-            stream = self.app.core.reply(message, self.persona.name)
+            stream = self.app.core.reply(self._inbound(line).message, self.persona.name)
         except UserFacingError as exc:
             self.failures += 1
             self._error(exc.user_message)

@@ -31,7 +31,7 @@ from bot.ports import (
     PromptSectionProvider,
     SectionSlot,
 )
-from bot.prompt import PromptParts, history_turns, render_system
+from bot.prompt import PromptParts, fit_soul, history_turns, render_system
 from bot.storage.base import Channel, LLMCallRecord, ReplyStats, Storage, StoredMessage, Summary, User
 from bot.storage.engine import StaleReference
 from bot.summary import SummaryEngine, budgets_for
@@ -41,6 +41,7 @@ from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator
 log = logging.getLogger(__name__)
 
 SECTION_BUDGET = 2000  # tokens each slot of section providers may use
+SOUL_BUDGET = 3000  # tokens of soul sections (an imported card may hold far more)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +152,7 @@ class ConversationCore:
             PromptParts(
                 rules=sections["rules"],
                 guidelines=sections["guidelines"],
-                persona=persona,
+                persona=fit_soul(persona, self.estimator, SOUL_BUDGET),
                 cortex=sections["cortex"],
                 knowledge=sections["knowledge"],
                 summary=summary,

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from bot.llm.base import ChatMessage
 from bot.persona import Persona, section_title
 from bot.ports import PromptSection
 from bot.storage.base import StoredMessage, Summary
+from bot.tokens import TokenEstimator, fit_to_budget
 
 # {char_name} as before, and the seed's and the character cards' {{char}}, {{user}}, {{LANGUAGE}}, {{LANGUAGE_CODE}}.
 _VARIABLE = re.compile(r"\{\{\s*([A-Za-z_]+)\s*\}\}|\{(char_name|user_name|language|language_code|date)\}")
@@ -54,6 +55,23 @@ class PromptParts:
     cortex: Sequence[PromptSection]
     knowledge: Sequence[PromptSection]
     summary: Summary | None
+
+
+SOUL_CUT_NOTE = "\n(… the rest of this section did not fit here)"
+
+
+def fit_soul(persona: Persona, estimator: TokenEstimator, budget: int) -> Persona:
+    """The persona with its soul sections cut, in order, to ``budget`` tokens in all (a section that
+    does not fit keeps its first lines; the ones after it are left out)."""
+    kept: list[tuple[str, str]] = []
+    remaining = budget
+    for key, body in persona.soul_sections():
+        if remaining <= estimator.count(SOUL_CUT_NOTE):
+            break
+        text = fit_to_budget(estimator, body, remaining, SOUL_CUT_NOTE)
+        kept.append((key, text))
+        remaining -= estimator.count(text)
+    return replace(persona, sections=tuple(kept))
 
 
 def render_system(parts: PromptParts, variables: Mapping[str, str]) -> str:

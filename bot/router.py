@@ -113,8 +113,17 @@ class Router:
         await self._reply(inbound, sink, persona)
 
     async def _command(self, inbound: Inbound, sink: ChatSink, text: str, persona: str) -> None:
+        reply = await self.commands.dispatch(text, self.context_for(inbound, persona))
+        if reply.private and not inbound.message.is_dm:
+            await sink.send_private(reply)
+        else:
+            await sink.send_reply(reply)
+
+    @staticmethod
+    def context_for(inbound: Inbound, persona: str) -> CommandContext:
+        """Who runs a command where, with which persona: the same on every platform and the terminal."""
         msg = inbound.message
-        context = CommandContext(
+        return CommandContext(
             platform=msg.platform,
             user_key=msg.author_key,
             user_name=msg.author_name,
@@ -126,11 +135,6 @@ class Router:
             is_dm=msg.is_dm,
             server_key=msg.server_key,
         )
-        reply = await self.commands.dispatch(text, context)
-        if reply.private and not msg.is_dm:
-            await sink.send_private(reply)
-        else:
-            await sink.send_reply(reply)
 
     async def _reply(self, inbound: Inbound, sink: ChatSink, persona: str) -> None:
         try:

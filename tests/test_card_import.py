@@ -109,3 +109,16 @@ async def test_the_terminal_imports_by_path(tmp_path: Path, fake_llm: FakeLLMSer
                                                                  ctx(platform="console"))
         assert "cannot read" in await run(app, f"!persona import {tmp_path}/missing.png", ctx(platform="console"))
         assert "Ada" in app.personas.names()
+
+
+async def test_a_huge_card_keeps_the_prompt_within_the_soul_budget(tmp_path: Path, fake_llm: FakeLLMServer,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CB_TEST_API_KEY", "sk-test")
+    lines = "\n".join(f"Line {i} of a very long backstory about the greenhouse and its roses." for i in range(1500))
+    card = dumps(v2_card(description=lines[:19_000], personality="Warm.", system_prompt="Stay kind."))
+    async with App(_config(tmp_path, fake_llm)) as app:
+        assert "Imported Cora" in await run(app, "!persona import", ctx(Attachment("big.json", card)))
+        await app.core.reply(IncomingMessage("discord", "dm", "7", "Ann", "hi", is_dm=True), "Cora").text()
+        system = json.dumps(fake_llm.completion_requests[-1].body["system"])
+        assert "did not fit here" in system and "Line 0 of" in system and "Line 1400 of" not in system
+        assert app.estimator.count(system) < 3_600  # the soul's 3,000 tokens, the headings and the rest

@@ -266,7 +266,8 @@ async def test_every_declared_command_is_a_slash_command(adapter: DiscordAdapter
         for param in command.params:
             option = options[param.name]
             assert option["required"] == (param.required and param.kind not in ("flag", "option")), param
-            assert option["type"] == {"flag": 5, "number": 4, "file": 11}.get(param.kind, 4 if param.minimum else 3)
+            plain = 4 if param.minimum is not None else 3  # integer or string
+            assert option["type"] == {"flag": 5, "number": 4, "file": 11}.get(param.kind, plain)
             assert [c["value"] for c in option.get("choices", [])] == list(param.choices)
             assert option.get("autocomplete", False) == bool(param.complete and not param.choices)
         assert len(slash["description"]) <= 100

@@ -81,6 +81,12 @@ async def test_lore_enters_by_keyword_always_or_search_for_every_user(tmp_path: 
         assert "priority 0, from chat by discord:1" in await run(app, "!lore show 2")
         assert "#2" in await run(app, "!lore search lighthouse keeper")
         assert "has no lore entry #9" in await run(app, "!lore show 9")
+        assert "in every reply" in await run(app, "!lore add The sky is green here. --always --priority 7")
+        assert "The sky is green here." in await prompt(app, llm, "hello there", user="10")
+        assert "#3 [always] The sky is green" in await run(app, "!lore list")
+        assert "priority 7" in await run(app, "!lore show 3")
+        assert "changed" in await run(app, "!lore edit 3 --not-always --priority 0")
+        assert "The sky is green here." not in await prompt(app, llm, "hello there", user="11")
 
 
 @pytest.mark.both_engines
@@ -94,7 +100,9 @@ async def test_only_bot_admins_change_lore(tmp_path: Path) -> None:
         for line in ("!lore add x", "!lore edit 1 y", "!lore disable 1"):
             assert "for the bot's admins only" in await run(app, line, server_admin)
         assert "at most 4,000" in await run(app, "!lore add " + "x" * 4001)
-        assert "--keys needs keywords" in await run(app, "!lore add hi --keys")
+        assert "--keys needs a value" in await run(app, "!lore add hi --keys")
+        assert "out of range" in await run(app, "!lore add hi --priority -3") or "must be a number" in await run(
+            app, "!lore add hi --priority -3")
 
 
 async def test_another_process_sees_new_lore(tmp_path: Path) -> None:

@@ -42,3 +42,22 @@ async def test_log_lines_wait_until_the_reply_is_written(tmp_path: Path,
     assert lines[0] == "Cora: Lyon is lovely in spring."  # whole, not cut by log lines
     assert lines[1:6] == ["LOG a background job finished"] * 5 and len(lines) >= 6
     assert logging.getLogger().handlers == [handler]  # put back
+
+
+async def test_persona_picked_in_the_terminal_is_the_one_that_answers(tmp_path: Path) -> None:
+    """The terminal takes its persona and command context from the router, as Discord and Matrix do."""
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
+                           "personas": [{"name": "Cora", "identity": "You are {char_name}."},
+                                        {"name": "Max", "identity": "You are {char_name}."}]})
+    llm = ScriptedProvider()
+    screen = io.StringIO()
+    async with App(config, llm=llm) as app:
+        terminal = TerminalAdapter(app, user="ann", stdin=io.StringIO(), stdout=screen, stderr=screen)
+        await terminal.handle_line("hello")
+        assert "You are Cora." in llm.requests[-1].system
+        await terminal.handle_line("!persona Max")
+        await terminal.handle_line("hello again")
+        assert "You are Max." in llm.requests[-1].system
+        assert "Max: echo: hello again" in screen.getvalue()
+        await terminal.handle_line("!persona show")  # the operator is a bot admin here
+        assert "Persona Max:" in screen.getvalue()

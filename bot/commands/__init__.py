@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 MAX_NUMBER = 2**31 - 1  # ids, versions and pages fit every engine's integer columns
 
 
-def parse_number(text: str, what: str, *, prefix: str = "") -> int:
+def parse_number(text: str, what: str, *, prefix: str = "", minimum: int = 1) -> int:
     """A positive whole number a user typed (``12``, ``#12``, ``v3`` with ``prefix``), or a
     :class:`CommandError` saying what was expected: only ASCII digits (``²`` is not a number),
     and never so large that the database could not hold it."""
@@ -31,8 +31,8 @@ def parse_number(text: str, what: str, *, prefix: str = "") -> int:
         digits = digits[1:]
     if not digits or not (digits.isascii() and digits.isdigit()):
         raise CommandError(f"{what} must be a number like 12, not {text[:20]!r}")
-    if len(digits) > 10 or not 1 <= int(digits) <= MAX_NUMBER:
-        raise CommandError(f"{what} {digits[:20]} is out of range (1 to {MAX_NUMBER:,})")
+    if len(digits) > 10 or not minimum <= int(digits) <= MAX_NUMBER:
+        raise CommandError(f"{what} {digits[:20]} is out of range ({minimum} to {MAX_NUMBER:,})")
     return int(digits)
 
 

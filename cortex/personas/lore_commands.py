@@ -7,7 +7,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bot.commands import Command, CommandContext, CommandError, CommandRegistry, number, option, parse_number, text
+from bot.commands import (
+    Command,
+    CommandContext,
+    CommandError,
+    CommandRegistry,
+    flag,
+    number,
+    option,
+    parse_number,
+    text,
+)
 from bot.storage import Storage
 from bot.storage.personas import LoreEntry, NewLore
 from cortex.personas.lore import LoreIndex, search
@@ -17,6 +27,8 @@ MAX_LORE_CHARS = 4000
 MAX_KEYS = 50
 MAX_KEY_CHARS = 100
 KEYS_FLAG = "--keys"
+ALWAYS_FLAG, NOT_ALWAYS_FLAG = "--always", "--not-always"
+PRIORITY_FLAG = "--priority"
 PAGE = 20
 
 
@@ -27,19 +39,38 @@ def split_keys(value: str) -> tuple[str, ...]:
     return keys
 
 
-def text_and_keys(args: Sequence[str], body: str) -> tuple[str, tuple[str, ...] | None]:
-    """The words of an entry and its ``--keys a,b`` (anywhere in the line), or the lines after it."""
-    words, keys = list(args), None
-    if KEYS_FLAG in words:
-        at = words.index(KEYS_FLAG)
-        if at + 1 >= len(words):
-            raise CommandError("--keys needs keywords, e.g. --keys Lyon,river")
-        keys = split_keys(words[at + 1])
-        del words[at:at + 2]
+@dataclass(frozen=True, slots=True)
+class LoreInput:
+    text: str
+    keys: tuple[str, ...] | None = None  # None: not given
+    always: bool | None = None
+    priority: int | None = None
+
+
+def _take_value(words: list[str], flag: str, example: str) -> str | None:
+    if flag not in words:
+        return None
+    at = words.index(flag)
+    if at + 1 >= len(words):
+        raise CommandError(f"{flag} needs a value, e.g. {flag} {example}")
+    value = words[at + 1]
+    del words[at:at + 2]
+    return value
+
+
+def lore_input(args: Sequence[str], body: str) -> LoreInput:
+    """An entry's words and its options anywhere in the line (``--keys a,b``, ``--always``/``--not-always``,
+    ``--priority N``); the text may instead be on the lines after the command."""
+    words = list(args)
+    keys = _take_value(words, KEYS_FLAG, "Lyon,river")
+    priority = _take_value(words, PRIORITY_FLAG, "10")
+    always = True if ALWAYS_FLAG in words else False if NOT_ALWAYS_FLAG in words else None
+    words = [w for w in words if w not in (ALWAYS_FLAG, NOT_ALWAYS_FLAG)]
     text = (" ".join(words) or body).strip()
     if len(text) > MAX_LORE_CHARS:
         raise CommandError(f"a lore entry holds at most {MAX_LORE_CHARS:,} characters (this is {len(text):,})")
-    return text, keys
+    return LoreInput(text, None if keys is None else split_keys(keys), always,
+                     None if priority is None else parse_number(priority, "the priority", minimum=0))
 
 
 def describe(entry: LoreEntry, full: bool = False) -> str:
@@ -67,14 +98,18 @@ class LoreCommands:
         self.prefix = registry.prefix
         entry = number("entry", "the entry's number", required=True)
         keys = option("keys", "keywords that bring it in, comma-separated")
+        always = flag("always", "in every reply, keywords or not")
+        priority = option("priority", "higher goes first (0 and up)", minimum=0)
         for name, params, summary, handler, bot_admin in (
             ("list", (number("page", "which page"),), "the lore of the persona here", self.list_entries, False),
             ("show", (entry,), "one lore entry in full", self.show, False),
             ("search", (text("words", "a message's words", required=True),),
              "which lore entries a message with these words would bring in", self.search, False),
-            ("add", (text("text", "what everyone should know", required=True), keys),
+            ("add", (text("text", "what everyone should know", required=True), keys, always, priority),
              "a lore entry for everyone who talks to this persona", self.add, True),
-            ("edit", (entry, text("text", "the new text"), keys), "rewrite an entry (or only its keywords)",
+            ("edit", (entry, text("text", "the new text"), keys, always,
+                      flag("not_always", "only by keyword or search again", token=NOT_ALWAYS_FLAG), priority),
+             "rewrite an entry, or change its keywords, always-on or priority",
              self.edit, True),
             ("disable", (entry,), "keep an entry out of the prompt", self.disable, True),
             ("enable", (entry,), "let an entry back in", self.enable, True),
@@ -129,21 +164,23 @@ class LoreCommands:
         return "A message with these words brings in:\n" + "\n".join(describe(e) for e in picked)
 
     async def add(self, ctx: CommandContext, args: Sequence[str]) -> str:
-        text, keys = text_and_keys(args, ctx.body)
-        if not text:
+        given = lore_input(args, ctx.body)
+        if not given.text:
             raise CommandError("give the entry's text")
-        [entry_id] = await self.storage.lore.add(self._persona_id(ctx), [NewLore(text, keys or ())], source="chat",
-                                                 author=ctx.user_key)
+        new = NewLore(given.text, given.keys or (), always_on=bool(given.always), priority=given.priority or 0)
+        [entry_id] = await self.storage.lore.add(self._persona_id(ctx), [new], source="chat", author=ctx.user_key)
         await self._changed()
-        how = f"when {', '.join(keys)} come up" if keys else "when a message is about it (no keywords)"
+        how = ("in every reply" if new.always_on else f"when {', '.join(new.keys)} come up" if new.keys
+               else "when a message is about it (no keywords)")
         return f"Lore #{entry_id} added to {ctx.persona}; it enters replies {how}."
 
     async def edit(self, ctx: CommandContext, args: Sequence[str]) -> str:
         entry = await self._entry(ctx, args)
-        text, keys = text_and_keys(args[1:], ctx.body)
-        if not text and keys is None:
-            raise CommandError("give the new text, or --keys")
-        await self.storage.lore.update(entry.persona_id, entry.id, content=text or None, keys=keys)
+        given = lore_input(args[1:], ctx.body)
+        if not given.text and given.keys is None and given.always is None and given.priority is None:
+            raise CommandError("give the new text, --keys, --always/--not-always or --priority")
+        await self.storage.lore.update(entry.persona_id, entry.id, content=given.text or None, keys=given.keys,
+                                       always_on=given.always, priority=given.priority)
         await self._changed()
         return f"Lore #{entry.id} changed."
 
