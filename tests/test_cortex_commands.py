@@ -309,3 +309,27 @@ async def test_free_text_commands_take_any_number_of_words(tmp_path: Path) -> No
     async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
         assert "Remembered" in (await run(app, "!memory remember Ann has two cats and one dog")).text
         assert "two cats" in (await run(app, "!memory search two cats and one dog")).text
+
+
+async def test_forget_me_leaves_no_trace_in_the_database_files(tmp_path: Path) -> None:
+    """After forget-me the raw bytes of the SQLite file and its WAL hold none of the user's words: deleted
+    pages are zeroed (secure_delete), the full-text indexes are merged, the WAL is checkpointed and
+    truncated. Another user's words stay, which shows the check can see words at all."""
+    from cortex.memory.embedders import HashEmbedder
+
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
+                           "cortex": {"context_limit": 1000, "cooldown_seconds": 0},
+                           "personas": [{"name": "Cora"}]})
+    async with App(config, llm=ScriptedProvider(), embedder=HashEmbedder()) as app:
+        for user, word in (("ann", "xylophonequartz"), ("bob", "marmaladegiraffe")):
+            for i in range(30):
+                await app.core.reply(IncomingMessage("console", f"dm-{user}", user, user.title(),
+                                                     f"my secret {word} number {i}", is_dm=True)).text()
+            await run(app, f"!memory remember {word} is my password", ctx(user))
+            await run(app, f"!memory edit memory.md\n# Notes\n- {word} again", ctx(user))
+        await app.cortex.embeddings.backfill()
+        assert "Done" in (await run(app, "!memory forget-me confirm", ctx("ann"))).text
+        files = [p for p in tmp_path.iterdir() if p.name.startswith("bot.db")]
+        raw = b"".join(p.read_bytes() for p in files)
+        assert b"marmaladegiraffe" in raw
+        assert b"xylophone" not in raw and b"Ann" not in raw.replace(b"Annotation", b"")

@@ -68,6 +68,7 @@ REPLY_STATS_SQL = (
     " trimmed_messages, summary_used, prompt_tokens, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 JOB_DONE = "locked_by = '', lease_until = 0"
+SQLITE_TEXT_INDEXES = ("memory_fts", "messages_fts")  # merged after forget-me (SQLite's FTS5 tables)
 
 
 class Storage:
@@ -660,5 +661,6 @@ class Storage:
                 f" WHERE id IN ({ch_marks})", channels)
             await tx.execute("DELETE FROM users WHERE id = ?", (user.id,))
         self.forget_cached(user_key=user_key, channel_ids=channels)
+        await self.db.scrub(SQLITE_TEXT_INDEXES)
         return ForgetReport(len(messages), len(summaries), len(pair_ids), counts["versions"], counts["runs"],
                             counts["items"])

@@ -169,6 +169,9 @@ class PostgresDatabase:
 
         await register_vector(conn)
 
+    async def scrub(self, text_indexes: Sequence[str]) -> None:
+        return None  # rows are gone; VACUUM (autovacuum) reuses their space later (see the README)
+
     async def sibling(self) -> PostgresDatabase:
         """The same pool (a pool already gives background work connections of its own)."""
         twin = PostgresDatabase.__new__(PostgresDatabase)

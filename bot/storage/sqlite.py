@@ -29,6 +29,7 @@ from bot.storage.engine import Migration, Row, StorageCaches, StorageError, Tx, 
 
 log = logging.getLogger(__name__)
 
+SCRUB_ATTEMPTS = 20
 BUSY_TIMEOUT_MS = 10_000
 CHECKPOINT_SECONDS = 5.0  # WAL checkpoints run this often on a connection of their own ...
 WAL_AUTOCHECKPOINT_PAGES = 20_000  # ... so SQLite's own (inline, fsyncing) one is only a backstop
@@ -77,8 +78,10 @@ class SQLiteDatabase:
         try:
             db = await aiosqlite.connect(self.path, isolation_level=None)
             db.row_factory = sqlite3.Row
-            for pragma in ("journal_mode=WAL", "foreign_keys=ON", f"busy_timeout={BUSY_TIMEOUT_MS}",
-                           "synchronous=NORMAL", "cache_size=-16000", f"wal_autocheckpoint={WAL_AUTOCHECKPOINT_PAGES}"):
+            # secure_delete: freed pages are zeroed, so deleted words (forget-me) do not linger in the file.
+            for pragma in ("journal_mode=WAL", "foreign_keys=ON", "secure_delete=ON",
+                           f"busy_timeout={BUSY_TIMEOUT_MS}", "synchronous=NORMAL", "cache_size=-16000",
+                           f"wal_autocheckpoint={WAL_AUTOCHECKPOINT_PAGES}"):
                 await db.execute(f"PRAGMA {pragma}")
             await db.execute(
                 "CREATE TABLE IF NOT EXISTS schema_version ("
@@ -155,6 +158,20 @@ class SQLiteDatabase:
 
     async def fetch_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
         return next(iter(await self.connection.execute_fetchall(sql, params)), None)
+
+    async def scrub(self, text_indexes: Sequence[str]) -> None:
+        """Merge each FTS5 index (deleted rows leave their words in old segments until a merge), then
+        checkpoint the WAL into the file and truncate it (older page images of deleted rows live there)."""
+        async with self._tx_lock:
+            for table in text_indexes:
+                await self.connection.execute(f"INSERT INTO {table} ({table}) VALUES ('optimize')")
+            for _ in range(SCRUB_ATTEMPTS):
+                busy, _, _ = next(iter(await self.connection.execute_fetchall("PRAGMA wal_checkpoint(TRUNCATE)")))
+                if not busy:
+                    return
+                await asyncio.sleep(0.05)
+        log.warning("the WAL could not be truncated after deleting data (readers kept it busy); the next "
+                    "checkpoint will")
 
     async def fetch_all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         return list(await self.connection.execute_fetchall(sql, params))
