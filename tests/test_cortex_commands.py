@@ -311,6 +311,11 @@ async def test_free_text_commands_take_any_number_of_words(tmp_path: Path) -> No
         assert "two cats" in (await run(app, "!memory search two cats and one dog")).text
 
 
+def _database_bytes(folder: Path) -> bytes:
+    """The raw bytes of the database file, its WAL and shared-memory file, as they are on disk now."""
+    return b"".join(p.read_bytes() for p in sorted(folder.iterdir()) if p.name.startswith("bot.db"))
+
+
 async def test_forget_me_leaves_no_trace_in_the_database_files(tmp_path: Path) -> None:
     """After forget-me the raw bytes of the SQLite file and its WAL hold none of the user's words: deleted
     pages are zeroed (secure_delete), the full-text indexes are merged, the WAL is checkpointed and
@@ -329,7 +334,6 @@ async def test_forget_me_leaves_no_trace_in_the_database_files(tmp_path: Path) -
             await run(app, f"!memory edit memory.md\n# Notes\n- {word} again", ctx(user))
         await app.cortex.embeddings.backfill()
         assert "Done" in (await run(app, "!memory forget-me confirm", ctx("ann"))).text
-        files = [p for p in tmp_path.iterdir() if p.name.startswith("bot.db")]
-        raw = b"".join(p.read_bytes() for p in files)
+        raw = _database_bytes(tmp_path)
         assert b"marmaladegiraffe" in raw
         assert b"xylophone" not in raw and b"Ann" not in raw.replace(b"Annotation", b"")

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 # Every column but the embedding (1.5 KB per row that search never reads).
 ITEM_COLUMNS = (
     "id, pair_id, category, key, content, importance, pinned, expires_at, supersedes, superseded_by, tags, source,"
-    " source_ref, metadata, created_at, updated_at, access_count, last_accessed, archived_at, archive_reason"
+    " source_ref, metadata, created_at, updated_at, access_count, last_accessed, archived_at, archive_reason, scope"
 )
 ITEM_COLUMNS_M = ", ".join(f"m.{c.strip()}" for c in ITEM_COLUMNS.split(","))
 MESSAGE_HIT_COLUMNS = "m.id, m.text, m.created_at, m.author_name, c.name AS channel"
@@ -120,6 +120,10 @@ class MemoryRepository:
             "UPDATE memory_items SET pinned = ?, updated_at = ? WHERE id = ? AND pair_id = ?",
             (int(pinned), now, item_id, pair_id),
         )
+
+    async def set_scope(self, pair_id: int, item_id: int, scope: str, now: float) -> None:
+        await self.db.write("UPDATE memory_items SET scope = ?, updated_at = ? WHERE id = ? AND pair_id = ?",
+                            (scope, now, item_id, pair_id))
 
     async def archive(self, pair_id: int, item_id: int, reason: str, now: float) -> None:
         await self.db.write(

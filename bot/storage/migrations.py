@@ -297,4 +297,5 @@ MIGRATIONS: tuple[Migration, ...] = (
         _sqlite_fork(pg_schema.V8),
         postgres=pg_schema.V8,
     ),
+    Migration(9, "a privacy scope per memory item (private or shared)", pg_schema.V9),
 )

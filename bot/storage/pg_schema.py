@@ -279,3 +279,11 @@ V8: tuple[str, ...] = (
         updated_at DOUBLE PRECISION NOT NULL)""",
     "CREATE INDEX lore_by_persona ON lore_entries (persona_id, enabled)",
 )
+
+
+# Privacy scope per memory item: private (only in DMs and the owner's private answers) or shared (may
+# enter prompts in group channels). Existing items stay private.
+V9: tuple[str, ...] = (
+    "ALTER TABLE memory_items ADD COLUMN scope TEXT NOT NULL DEFAULT 'private'"
+    " CHECK (scope IN ('private', 'shared'))",
+)

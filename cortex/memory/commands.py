@@ -24,14 +24,14 @@ from bot.commands import (
     word,
 )
 from bot.text import plural
-from cortex.memory.store import CATEGORIES, MemoryError, MemoryItem, MemoryStore
+from cortex.memory.store import CATEGORIES, SCOPES, MemoryError, MemoryItem, MemoryStore, Scope
 from cortex.store import CortexStore
 
 PAGE = 10
 
 
 def _line(item: MemoryItem) -> str:
-    marks = ("📌 " if item.pinned else "") + (f"[{item.category}] ")
+    marks = ("📌 " if item.pinned else "") + (f"[{item.category}] ") + ("(shared) " if item.scope == "shared" else "")
     when = f"{item.created_at:%Y-%m-%d}"
     return f"#{item.id} {marks}{item.content}  (importance {item.importance}, {when})"
 
@@ -58,6 +58,8 @@ class MemoryCommands:
              "search your memory items and past messages", self.search),
             ("archived", (page,), "your archived (forgotten or pruned) items", self.archived),
             ("restore", (item,), "bring an archived item back", self.restore),
+            ("scope", (item, word("scope", "private: DMs only; shared: group channels too", required=True,
+                                  choices=SCOPES)), "who may see an item: private or shared", self.scope),
         ]
         for name, params, summary, handler in commands:
             registry.register(Command(f"memory {name}", summary, handler, params, private=True))
@@ -88,11 +90,26 @@ class MemoryCommands:
                 kept.append(token)
         content = " ".join(kept) or ctx.body
         try:
-            item = await self.memory.remember(await self._pair(ctx), content, category=category, importance=importance,
-                                              pinned=pin, source="user", source_ref=ctx.channel_key)
+            scope: Scope = "private" if ctx.is_dm else "shared"  # learned in a DM stays out of group channels
+            item = await self.memory.remember(await self._pair(ctx), content, scope=scope, category=category,
+                                              importance=importance, pinned=pin, source="user",
+                                              source_ref=ctx.channel_key)
         except MemoryError as exc:
             raise CommandError(str(exc)) from None
         return f"Remembered as #{item.id}" + (" (pinned)." if item.pinned else ".")
+
+    async def scope(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        item_id = self._id(args)
+        wanted = args[1].lower() if len(args) > 1 else ""
+        if wanted not in SCOPES:
+            raise CommandError("give the scope: private (only in DMs) or shared (group channels too)")
+        try:
+            item = await self.memory.set_scope(await self._pair(ctx), item_id, "private" if wanted == "private"
+                                               else "shared")
+        except MemoryError as exc:
+            raise CommandError(str(exc)) from None
+        where = "only in your DMs" if item.scope == "private" else "in group channels too"
+        return f"#{item.id} is {item.scope} now: it may come up {where}."
 
     async def _change(self, ctx: CommandContext, args: Sequence[str], what: str) -> str:
         pair, item_id = await self._pair(ctx), self._id(args)

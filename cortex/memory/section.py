@@ -16,7 +16,7 @@ from datetime import UTC, timedelta
 from bot.config import MemoryConfig
 from bot.ports import PromptContext, PromptSection, SectionSlot
 from bot.tokens import TokenEstimator
-from cortex.memory.store import Hit, MemoryItem, MemoryStore
+from cortex.memory.store import SCOPES, Hit, MemoryItem, MemoryStore
 from cortex.settings import SettingsResolver
 
 SHORT = 100
@@ -51,22 +51,24 @@ class KnowledgeSection:
         self.resolver = resolver
 
     async def sections(self, context: PromptContext, budget: int) -> list[PromptSection]:
-        if not await self.resolver.private_memory_allowed(context.persona, context.server_key, context.is_dm):
-            return []
+        # In a group channel where the server keeps DM memory out, only the speaker's shared items go in
+        # (no private items, no recalled messages); never anyone else's: the pair is the speaker's own.
+        everything = await self.resolver.private_memory_allowed(context.persona, context.server_key, context.is_dm)
+        scopes = SCOPES if everything else ("shared",)
         pair_id, items = await self.memory.pair_with_items(context.user_db_id, context.persona)
         if pair_id is None:
             return []  # nobody the persona knows yet: one query
-        recall = self.config.recalled_messages
+        recall = self.config.recalled_messages if everything else 0
         if not items and not recall:
             return []
-        pinned = await self.memory.pinned(pair_id) if items else []
+        pinned = [i for i in await self.memory.pinned(pair_id) if i.scope in scopes] if items else []
         relevant: list[MemoryItem] = []
         recalled: list[Hit] = []
         if self.config.relevant_items or recall:
             hits = await self.memory.search(
                 pair_id, search_text(context), user_id=context.user_db_id, persona=context.persona,
                 limit=self.config.relevant_items + recall, include_messages=recall > 0,
-                exclude_messages=context.in_prompt, include_items=items > 0,
+                exclude_messages=context.in_prompt, include_items=items > 0, scopes=scopes,
             )
             seen = {i.id for i in pinned}
             relevant = [h.item for h in hits if h.item is not None and h.item.id not in seen]

@@ -41,6 +41,8 @@ CATEGORIES: tuple[str, ...] = (
     "temporal", "event",
 )
 Source = Literal["user", "model", "system"]
+Scope = Literal["private", "shared"]
+SCOPES: tuple[Scope, ...] = ("private", "shared")
 _WORD = re.compile(r"\w+", re.UNICODE)
 COMMON_MATCHES = 1000  # a query word found in more rows than this is too common to rank by (see _bounded)
 MAX_TERMS = 16
@@ -111,6 +113,7 @@ class MemoryItem:
     archived_at: datetime | None
     archive_reason: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    scope: str = "private"  # private: DMs and the owner's private answers only; shared: group channels too
 
     @property
     def visible(self) -> bool:
@@ -188,7 +191,7 @@ class MemoryStore:
             updated_at=_dt(row["updated_at"]) or datetime.now(UTC),
             access_count=int(row["access_count"]), last_accessed=_dt(row["last_accessed"]),
             archived_at=_dt(row["archived_at"]), archive_reason=str(row["archive_reason"]),
-            metadata=json.loads(row["metadata"] or "{}"),
+            metadata=json.loads(row["metadata"] or "{}"), scope=str(row["scope"]),
         )
 
     # -- writing ---------------------------------------------------------------------------------
@@ -197,7 +200,7 @@ class MemoryStore:
         self, pair_id: int, content: str, *, category: str = "fact", key: str = "", importance: int = 5,
         pinned: bool = False, expires_at: float | None = None, tags: Sequence[str] = (), source: Source = "user",
         metadata: Mapping[str, Any] | None = None,
-        source_ref: str = "", supersedes: int | None = None,
+        source_ref: str = "", supersedes: int | None = None, scope: Scope = "private",
     ) -> MemoryItem:
         content = content.strip()
         if not content:
@@ -215,7 +218,7 @@ class MemoryStore:
                 raise MemoryError(f"item #{supersedes} was already corrected by #{old.superseded_by}")
         fields = item_fields(category=category, key=key, content=content, importance=importance, pinned=pinned,
                              expires_at=expires_at, tags=list(tags), source=source, source_ref=source_ref,
-                             metadata=dict(metadata or {}))
+                             metadata=dict(metadata or {}), scope=scope)
         return self._item(await self.repo.add_item(pair_id, fields, supersedes, self.clock()))
 
     async def get(self, pair_id: int, item_id: int, *, count_access: bool = True) -> MemoryItem:
@@ -234,6 +237,11 @@ class MemoryStore:
     async def set_pinned(self, pair_id: int, item_id: int, pinned: bool) -> MemoryItem:
         await self.get(pair_id, item_id, count_access=False)
         await self.repo.set_pinned(pair_id, item_id, pinned, self.clock())
+        return await self.get(pair_id, item_id, count_access=False)
+
+    async def set_scope(self, pair_id: int, item_id: int, scope: Scope) -> MemoryItem:
+        await self.get(pair_id, item_id, count_access=False)
+        await self.repo.set_scope(pair_id, item_id, scope, self.clock())
         return await self.get(pair_id, item_id, count_access=False)
 
     async def archive(self, pair_id: int, item_id: int, reason: str) -> MemoryItem:
@@ -275,6 +283,7 @@ class MemoryStore:
         self, pair_id: int, query: str, *, user_id: int | None = None, persona: str | None = None, limit: int = 10,
         query_vector: npt.NDArray[np.float32] | None = None, include_messages: bool = True,
         exclude_messages: Collection[int] = (), use_vectors: bool = True, include_items: bool = True,
+        scopes: Collection[str] = SCOPES,
     ) -> list[Hit]:
         """Hybrid search over the pair's visible items (and its past messages when ``user_id``/``persona``).
 
@@ -299,7 +308,8 @@ class MemoryStore:
             parts.append(
                 self._message_candidates(user_id or 0, persona or "", match, vector, now, set(exclude_messages))
             )
-        candidates = [c for part in await asyncio.gather(*parts) for c in part]
+        candidates = [c for part in await asyncio.gather(*parts) for c in part
+                      if c.kind != "item" or str(c.row["scope"]) in scopes]
         return self._rank(candidates, limit, now)
 
     async def _item_candidates(

@@ -1,0 +1,53 @@
+"""A privacy scope per memory item: private items stay in DMs, shared ones may enter group channels,
+and a group prompt never holds another user's items."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bot.app import App
+from bot.commands import CommandContext
+from bot.config import parse_config
+from bot.ports import IncomingMessage
+from tests.engines import db_url_for
+from tests.fakes.provider import ScriptedProvider
+
+pytestmark = pytest.mark.both_engines
+
+
+def ctx(user: str, *, dm: bool) -> CommandContext:
+    return CommandContext("discord", f"discord:{user}", user.title(), "discord:dm" if dm else "discord:chan1",
+                          "Cora", is_dm=dm, server_key=None if dm else "discord:guild1")
+
+
+async def prompt(app: App, llm: ScriptedProvider, user: str, *, dm: bool) -> str:
+    message = IncomingMessage("discord", f"dm-{user}" if dm else "chan1", user, user.title(), "hello",
+                              is_dm=dm, server_id=None if dm else "guild1", mentions_bot=True)
+    await app.core.reply(message).text()
+    return llm.requests[-1].system
+
+
+async def test_private_items_stay_out_of_group_channels(tmp_path: Path) -> None:
+    llm = ScriptedProvider()
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000}})
+    async with App(config, llm=llm) as app:
+        async def run(line: str, context: CommandContext) -> str:
+            return (await app.commands.dispatch(line, context)).text
+
+        assert "Remembered as #1" in await run("!memory remember --pin my diagnosis is asthma", ctx("ann", dm=True))
+        assert "Remembered as #2" in await run("!memory remember --pin I love jazz", ctx("ann", dm=False))
+        listed = await run("!memory list", ctx("ann", dm=True))
+        assert "(shared) I love jazz" in listed and "(shared) my diagnosis" not in listed
+        in_dm = await prompt(app, llm, "ann", dm=True)
+        assert "asthma" in in_dm and "jazz" in in_dm
+        in_group = await prompt(app, llm, "ann", dm=False)
+        assert "jazz" in in_group and "asthma" not in in_group
+        assert "jazz" not in await prompt(app, llm, "bob", dm=False)  # never another user's items
+        assert "#1 is shared now" in await run("!memory scope 1 shared", ctx("ann", dm=True))
+        assert "asthma" in await prompt(app, llm, "ann", dm=False)
+        assert "#1 is private now" in await run("!memory scope 1 private", ctx("ann", dm=True))
+        assert "asthma" not in await prompt(app, llm, "ann", dm=False)
+        assert "give the scope" in await run("!memory scope 1 public", ctx("ann", dm=True))
+        assert "no memory item #2" in await run("!memory scope 2 private", ctx("bob", dm=True))
