@@ -31,6 +31,7 @@ from bot.config import FREQUENCY_PRESETS, Config
 from bot.persona import PersonaSource
 from bot.storage.base import Storage, User
 from bot.text import plural
+from cortex.export import build_zip, export_data
 from cortex.files import CortexFiles, FileError, normalise_filename, unified_diff
 from cortex.settings import OVERRIDABLE, SettingError, SettingsResolver, persona_scope, server_scope
 from cortex.store import FILENAMES, CortexStore, Pair
@@ -209,12 +210,16 @@ class CortexCommands:
         return CommandReply(f"Saved your {filename} as version {saved.version}.", private=True)
 
     async def export(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
-        user, pair = await self._pair(ctx)
-        data = await self.files.export_zip(pair, user.key, user.display_name)
+        user, _ = await self._pair(ctx)
+        everything = await export_data(self.store, user)
+        data = build_zip(everything)
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-        safe = "".join(ch if ch.isalnum() else "-" for ch in f"{user.display_name}-{ctx.persona}")
+        safe = "".join(ch if ch.isalnum() else "-" for ch in user.display_name)
+        items = sum(len(p["memory_items"]) for p in everything["personas"])
         return CommandReply(
-            f"Your cortex files with every version and the update log ({len(data):,} bytes).",
+            f"Everything the bot holds about you: {plural(len(everything['personas']), 'persona')}' files with every "
+            f"version, {plural(items, 'memory item')}, {plural(len(everything['messages']), 'message')} and the "
+            f"update log ({len(data):,} bytes; README.md inside says what is where).",
             attachments=(Attachment(f"cortex-export-{safe}-{stamp}.zip", data),), private=True,
         )
 

@@ -5,9 +5,6 @@ reset, export. Every change is a new version; nothing is overwritten or deleted 
 from __future__ import annotations
 
 import difflib
-import io
-import json
-import zipfile
 from dataclasses import dataclass
 
 from cortex.store import FILENAMES, Author, CortexStore, FileVersion, Pair
@@ -119,38 +116,3 @@ class CortexFiles:
             if await self.write(pair, filename, template(filename, language, user_name), "user", "reset to template"):
                 changed.append(filename)
         return changed
-
-    async def export_zip(self, pair: Pair, user_key: str, user_name: str) -> bytes:
-        """Current files as Markdown, every version as Markdown, and all metadata as JSON, zipped."""
-        current = await self.store.current_all(pair.id)
-        versions = await self.store.all_versions(pair.id)
-        runs = await self.store.runs(pair.id, limit=10_000)
-        buffer = io.BytesIO()
-        with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
-            for filename, version in sorted(current.items()):
-                archive.writestr(filename, version.content)
-            for version in versions:
-                stem = version.filename.removesuffix(".md")
-                archive.writestr(f"versions/{stem}/v{version.version:04d}.md", version.content)
-            meta = {
-                "user": {"key": user_key, "name": user_name},
-                "persona": pair.persona,
-                "versions": [
-                    {
-                        "file": v.filename, "version": v.version, "author": v.author, "reason": v.reason,
-                        "tier": v.tier, "created_at": v.created_at.isoformat(), "characters": len(v.content),
-                    }
-                    for v in versions
-                ],
-                "update_runs": [
-                    {
-                        "tier": r.tier, "status": r.status, "reason": r.reason, "rounds": r.rounds,
-                        "files_read": r.files_read, "files_written": r.files_written,
-                        "input_tokens": r.input_tokens, "output_tokens": r.output_tokens,
-                        "started_at": r.started_at.isoformat(), "error": r.error,
-                    }
-                    for r in runs
-                ],
-            }
-            archive.writestr("cortex.json", json.dumps(meta, indent=2, ensure_ascii=False))
-        return buffer.getvalue()

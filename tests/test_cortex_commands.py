@@ -83,16 +83,32 @@ async def _pair_id(app: App, user: str, persona: str = "Cora") -> int:
 async def test_export_zip_holds_files_versions_and_metadata(tmp_path: Path) -> None:
     async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
         await run(app, "!memory edit relationship.md\n# Ann and me\n- we joke about tea\n")
+        await run(app, "!memory remember Ann grows figs")
+        await run(app, "!memory remember Ann hates rain")
+        await run(app, "!memory forget 2")
+        await run(app, "!memory remember Ann speaks German", ctx(persona="Lena"))
+        await app.core.reply(IncomingMessage("console", "dm-ann", "ann", "Ann", "I planted a fig tree",
+                                             is_dm=True), "Cora").text()
         reply = await run(app, "!memory export")
         assert len(reply.attachments) == 1 and reply.attachments[0].filename.endswith(".zip")
         archive = zipfile.ZipFile(io.BytesIO(reply.attachments[0].data))
         names = set(archive.namelist())
-        assert {"memory.md", "soul.md", "relationship.md", "cortex.json"} <= names
-        assert "versions/relationship/v0002.md" in names and "versions/relationship/v0001.md" in names
-        assert "we joke about tea" in archive.read("relationship.md").decode()
-        meta = json.loads(archive.read("cortex.json"))
-        assert meta["user"]["key"] == "console:ann" and meta["persona"] == "Cora"
-        assert any(v["author"] == "user" for v in meta["versions"])
+        assert {"README.md", "data.json", "messages.md", "summaries.md", "Cora/memory.md", "Cora/relationship.md",
+                "Cora/memory-items.md", "Lena/memory-items.md"} <= names
+        assert "Cora/versions/relationship/v0002.md" in names and "Cora/versions/relationship/v0001.md" in names
+        assert "we joke about tea" in archive.read("Cora/relationship.md").decode()
+        assert "data.json" in archive.read("README.md").decode()
+        data = json.loads(archive.read("data.json"))
+        assert data["format"] == "cortex-bot-export" and data["user"]["key"] == "console:ann"
+        cora = next(p for p in data["personas"] if p["persona"] == "Cora")
+        assert any(v["author"] == "user" for v in cora["file_versions"])
+        assert {(i["content"], i["archived_at"] is not None) for i in cora["memory_items"]} == {
+            ("Ann grows figs", False), ("Ann hates rain", True)}  # archived items too
+        assert [m["text"] for m in data["messages"]] == ["I planted a fig tree", "echo: I planted a fig tree"]
+        items_md = archive.read("Cora/memory-items.md").decode()
+        assert "Ann hates rain" in items_md and "archived" in items_md
+        assert "Ann speaks German" in archive.read("Lena/memory-items.md").decode()
+        assert "I planted a fig tree" in archive.read("messages.md").decode()
 
 
 async def test_users_only_ever_touch_their_own_files(tmp_path: Path) -> None:

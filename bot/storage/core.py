@@ -44,6 +44,7 @@ from bot.storage.engine import (
     is_conflict,
     is_missing_reference,
 )
+from bot.storage.export import ExportRepository
 from bot.storage.fleet import FleetRepository
 from bot.storage.memory import MemoryRepository
 from bot.storage.migrations import MIGRATIONS
@@ -88,6 +89,7 @@ class Storage:
         self.fleet = FleetRepository(db)
         self.personas = PersonaRepository(db)
         self.lore = LoreRepository(db)
+        self.export = ExportRepository(db)
 
     async def sibling(self) -> Storage:
         """A second handle on the same database sharing caches (see ``Database.sibling``)."""

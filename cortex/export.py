@@ -1,0 +1,112 @@
+"""``!memory export``: one zip with everything the bot holds about the caller, for every persona.
+
+JSON for machines (``data.json``, the format ``!memory import`` reads back) and Markdown for people,
+with a README inside that says what each file is.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+from datetime import UTC, datetime
+from typing import Any
+
+from bot.storage.base import User
+from cortex.store import CortexStore
+
+FORMAT = "cortex-bot-export"
+FORMAT_VERSION = 1
+README = """# Your data from cortex-bot
+
+Everything this bot stored about you when the export was made ({when} UTC), for every persona you
+talked to.
+
+- `data.json` — all of it in one file, for programs (and for `!memory import`, which reads it back into
+  this or another bot: only into the account that exported it, skipping what is already there).
+- `messages.md` — your messages and the bot's replies to you, oldest first, with where they were said.
+- `<persona>/memory.md`, `soul.md`, `relationship.md` — the persona's three files about you, as they are now.
+- `<persona>/versions/<file>/v0001.md …` — every earlier version of those files (who changed them, when
+  and why is in `data.json`).
+- `<persona>/memory-items.md` — your memory items: active, archived (forgotten or pruned), corrected
+  (superseded) and expired ones, with category, importance, scope and dates.
+- `summaries.md` — the rolling summaries of your direct-message conversations.
+
+Times are UTC. Ids are this bot's own numbers (`#12`), as the chat commands show them.
+"""
+
+
+def _time(value: Any) -> str:
+    return datetime.fromtimestamp(float(value), tz=UTC).strftime("%Y-%m-%d %H:%M") if value is not None else ""
+
+
+def _safe(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_ " else "_" for ch in name).strip() or "persona"
+
+
+async def persona_data(store: CortexStore, pair_id: int, persona: str) -> dict[str, Any]:
+    versions = await store.all_versions(pair_id)
+    runs = await store.runs(pair_id, limit=100_000)
+    return {
+        "persona": persona,
+        "file_versions": [{"file": v.filename, "version": v.version, "content": v.content, "author": v.author,
+                           "reason": v.reason, "tier": v.tier, "created_at": v.created_at.isoformat()}
+                          for v in versions],
+        "memory_items": await store.storage.export.items(pair_id),
+        "update_runs": [{"tier": r.tier, "status": r.status, "reason": r.reason, "rounds": r.rounds,
+                         "files_read": r.files_read, "files_written": r.files_written,
+                         "input_tokens": r.input_tokens, "output_tokens": r.output_tokens,
+                         "started_at": r.started_at.isoformat(), "error": r.error} for r in runs],
+    }
+
+
+async def export_data(store: CortexStore, user: User) -> dict[str, Any]:
+    repo = store.storage.export
+    personas = [await persona_data(store, int(p["id"]), str(p["persona"])) for p in await repo.pairs(user.id)]
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "exported_at": datetime.now(UTC).isoformat(),
+        "user": {"key": user.key, "name": user.display_name},
+        "personas": personas,
+        "messages": await repo.messages(user.id),
+        "dm_summaries": await repo.dm_summaries(user.id),
+    }
+
+
+def _items_markdown(items: list[dict[str, Any]]) -> str:
+    lines = ["# Memory items", ""]
+    for item in items:
+        state = ("archived: " + str(item["archive_reason"] or "forgotten") if item["archived_at"] is not None
+                 else f"corrected by #{item['superseded_by']}" if item["superseded_by"] is not None else "active")
+        lines.append(f"- #{item['id']} [{item['category']}] {item['content']}  \n  importance {item['importance']}, "
+                     f"{item['scope']}, {state}, since {_time(item['created_at'])}"
+                     + (" (pinned)" if item["pinned"] else ""))
+    return "\n".join(lines) + "\n"
+
+
+def _messages_markdown(messages: list[dict[str, Any]]) -> str:
+    lines = ["# Messages", ""]
+    lines += [f"- {_time(m['created_at'])} in {m['channel_name'] or m['channel']} — **{m['author_name']}**: {m['text']}"
+              for m in messages]
+    return "\n".join(lines) + "\n"
+
+
+def build_zip(data: dict[str, Any]) -> bytes:
+    """The archive: ``data.json``, README, and Markdown for reading."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("README.md", README.format(when=data["exported_at"][:16].replace("T", " ")))
+        archive.writestr("data.json", json.dumps(data, indent=2, ensure_ascii=False, default=str))
+        archive.writestr("messages.md", _messages_markdown(data["messages"]))
+        archive.writestr("summaries.md", "# Summaries of your direct messages\n\n" + "\n\n".join(
+            f"## {s['channel']} (version {s['version']})\n{s['text']}" for s in data["dm_summaries"]) + "\n")
+        for persona in data["personas"]:
+            folder = _safe(persona["persona"])
+            latest: dict[str, str] = {}
+            for v in persona["file_versions"]:
+                latest[v["file"]] = v["content"]
+                archive.writestr(f"{folder}/versions/{v['file'].removesuffix('.md')}/v{v['version']:04d}.md",
+                                 v["content"])
+            for filename, content in sorted(latest.items()):
+                archive.writestr(f"{folder}/{filename}", content)
+            archive.writestr(f"{folder}/memory-items.md", _items_markdown(persona["memory_items"]))
+    return buffer.getvalue()
