@@ -20,6 +20,7 @@ from bot.commands import (
     CommandReply,
     Handler,
     Param,
+    file,
     flag,
     number,
     parse_number,
@@ -27,12 +28,14 @@ from bot.commands import (
     word,
     words,
 )
+from bot.commands.files import attached_file
 from bot.config import FREQUENCY_PRESETS, Config
 from bot.persona import PersonaSource
 from bot.storage.base import Storage, User
 from bot.text import plural
-from cortex.export import build_zip, export_data
+from cortex.export import MAX_ARCHIVE_BYTES, ArchiveError, build_zip, export_data, read_archive
 from cortex.files import CortexFiles, FileError, normalise_filename, unified_diff
+from cortex.importing import Importer
 from cortex.settings import OVERRIDABLE, SettingError, SettingsResolver, persona_scope, server_scope
 from cortex.store import FILENAMES, CortexStore, Pair
 from cortex.tiers import MANUAL, TierEngine, job_key, thresholds
@@ -72,22 +75,24 @@ class CortexCommands:
 
     def register(self, registry: CommandRegistry) -> None:
         p = self.prefix = registry.prefix
-        file = word("file", "one of your cortex files", choices=FILENAMES)
+        any_file = word("file", "one of your cortex files", choices=FILENAMES)
         needed = word("file", "one of your cortex files", choices=FILENAMES, required=True)
 
         def version(name: str) -> Param:
             return number(name, "a version of that file", required=True, complete="versions")
 
         memory: list[tuple[str, tuple[Param, ...], str, Handler]] = [
-            ("show", (file,), "show your cortex files (all, or one)", self.show),
+            ("show", (any_file,), "show your cortex files (all, or one)", self.show),
             ("history", (needed,), "the versions of a file: who changed it, when and why", self.history),
             ("diff", (needed, version("v1"), version("v2")), "what changed between two versions", self.diff),
             ("revert", (needed, version("version")), "bring back an earlier version (as a new version)",
              self.revert),
-            ("reset", (file,), "start a file (or all) over from the template", self.reset),
+            ("reset", (any_file,), "start a file (or all) over from the template", self.reset),
             ("edit", (needed, text("content", "the file's new text (or on the lines after the command)")),
              "replace a file with your own text", self.edit),
-            ("export", (), "download all your files and their versions (zip of Markdown + JSON)", self.export),
+            ("export", (), "download everything the bot holds about you (zip of JSON and Markdown)", self.export),
+            ("import", (file("archive", "a zip made by memory export (in the terminal: its path)", required=True),),
+             "take an export of yours back in (what is here already is skipped)", self.import_archive),
             ("forget-me", (flag("confirm", "yes, delete everything", token=CONFIRM_WORD),),
              "delete everything the bot stores about you", self.forget_me),
         ]
@@ -222,6 +227,16 @@ class CortexCommands:
             f"update log ({len(data):,} bytes; README.md inside says what is where).",
             attachments=(Attachment(f"cortex-export-{safe}-{stamp}.zip", data),), private=True,
         )
+
+    async def import_archive(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
+        _, blob = attached_file(ctx, args, "your export (the zip !memory export made)", MAX_ARCHIVE_BYTES)
+        user, _ = await self._pair(ctx)
+        try:
+            report = await Importer(self.store, self.files, self.personas, self.config.memory.max_item_chars).run(
+                user, read_archive(blob))
+        except ArchiveError as exc:
+            raise CommandError(str(exc)) from None
+        return CommandReply(report.line(), private=True)
 
     async def forget_me(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
         prefix = self.prefix

@@ -9,10 +9,12 @@ from __future__ import annotations
 import io
 import json
 import zipfile
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from bot.storage.base import User
+from bot.text import plural
 from cortex.store import CortexStore
 
 FORMAT = "cortex-bot-export"
@@ -110,3 +112,48 @@ def build_zip(data: dict[str, Any]) -> bytes:
                 archive.writestr(f"{folder}/{filename}", content)
             archive.writestr(f"{folder}/memory-items.md", _items_markdown(persona["memory_items"]))
     return buffer.getvalue()
+
+
+MAX_ARCHIVE_BYTES = 50 * 1024 * 1024
+MAX_DATA_BYTES = 200 * 1024 * 1024  # data.json unpacked: a zip bomb stops here
+
+
+class ArchiveError(Exception):
+    """One line for the user: why the archive cannot be imported; nothing was changed."""
+
+
+@dataclass
+class ImportReport:
+    items: int = 0
+    files: int = 0
+    messages: int = 0
+    skipped: int = 0  # already here
+    left_out: list[str] = field(default_factory=list)  # what could not come in, and why
+
+    def line(self) -> str:
+        text = (f"Imported {plural(self.items, 'memory item')}, {plural(self.files, 'file')} and "
+                f"{plural(self.messages, 'message')}; {self.skipped:,} were here already.")
+        return text + (" Left out: " + "; ".join(self.left_out[:5]) + "." if self.left_out else "")
+
+
+def read_archive(blob: bytes) -> dict[str, Any]:
+    """``data.json`` of an export zip, checked for size and format."""
+    if len(blob) > MAX_ARCHIVE_BYTES:
+        raise ArchiveError(f"the archive is {len(blob) / 1e6:.1f} MB; at most {MAX_ARCHIVE_BYTES // 1024 // 1024} MB")
+    try:
+        with zipfile.ZipFile(io.BytesIO(blob)) as archive:
+            info = archive.getinfo("data.json")
+            if info.file_size > MAX_DATA_BYTES:
+                raise ArchiveError("its data.json is too large")
+            data = json.loads(archive.read(info))
+    except ArchiveError:
+        raise
+    except (zipfile.BadZipFile, KeyError):
+        raise ArchiveError("not a cortex-bot export (a zip with data.json, as !memory export makes)") from None
+    except (ValueError, RecursionError, OSError) as exc:
+        raise ArchiveError(f"its data.json is damaged ({type(exc).__name__})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ArchiveError("not a cortex-bot export (data.json has another format)")
+    if data.get("format_version") != FORMAT_VERSION:
+        raise ArchiveError(f"export format {data.get('format_version')!r} is not one this bot reads ({FORMAT_VERSION})")
+    return data

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from bot.storage.engine import Database, Row
 from bot.storage.memory import ITEM_COLUMNS
+
+# What an import may set of an item (ids and links are this database's own; links are made afterwards).
+IMPORTED_ITEM_COLUMNS = (
+    "category", "key", "content", "importance", "pinned", "expires_at", "tags", "source", "source_ref", "metadata",
+    "created_at", "updated_at", "access_count", "last_accessed", "archived_at", "archive_reason", "scope",
+)
 
 
 def plain(row: Row) -> dict[str, Any]:
@@ -44,3 +51,32 @@ class ExportRepository:
             " AND s.channel_id IN (SELECT DISTINCT channel_id FROM messages WHERE user_id = ?)"
             " ORDER BY c.key, s.version", (user_id,))
         return [plain(r) for r in rows]
+
+    # -- import ------------------------------------------------------------------------------------
+
+    async def has_item(self, pair_id: int, content: str, created_at: float) -> bool:
+        row = await self.db.fetch_one(
+            "SELECT 1 FROM memory_items WHERE pair_id = ? AND content = ? AND abs(created_at - ?) < 0.001",
+            (pair_id, content, created_at))
+        return row is not None
+
+    async def import_item(self, pair_id: int, fields: Mapping[str, Any]) -> int:
+        """Insert an item as exported (its own times and state); returns its new id."""
+        columns = [c for c in IMPORTED_ITEM_COLUMNS if c in fields]
+        row = await self.db.write_one(
+            f"INSERT INTO memory_items (pair_id, {', '.join(columns)}) VALUES (?, {', '.join('?' for _ in columns)})"
+            " RETURNING id", (pair_id, *(fields[c] for c in columns)))
+        assert row is not None
+        return int(row[0])
+
+    async def link_correction(self, pair_id: int, old_id: int, new_id: int) -> None:
+        await self.db.write("UPDATE memory_items SET superseded_by = ? WHERE id = ? AND pair_id = ?",
+                            (new_id, old_id, pair_id))
+        await self.db.write("UPDATE memory_items SET supersedes = ? WHERE id = ? AND pair_id = ?",
+                            (old_id, new_id, pair_id))
+
+    async def has_message(self, channel_id: int, role: str, text: str, created_at: float) -> bool:
+        row = await self.db.fetch_one(
+            "SELECT 1 FROM messages WHERE channel_id = ? AND role = ? AND text = ? AND abs(created_at - ?) < 0.001",
+            (channel_id, role, text, created_at))
+        return row is not None

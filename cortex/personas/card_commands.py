@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from bot.commands import (
     Attachment,
@@ -22,6 +21,7 @@ from bot.commands import (
     file,
     words,
 )
+from bot.commands.files import attached_file
 from bot.config import ConfigError
 from bot.storage import Storage
 from bot.storage.personas import NewLore
@@ -30,7 +30,6 @@ from cortex.personas.cards import MAX_CARD_BYTES, Card, CardError, CardLoreEntry
 from cortex.personas.registry import PersonaRegistry
 
 IMPORT = "import"
-TERMINAL = "console"
 
 
 @dataclass
@@ -49,24 +48,8 @@ class CardCommands:
             "persona export", "a persona as a Character Card V2 (JSON)", self.export_card,
             (words("name", "a persona's name", complete="personas"),), admin=True))
 
-    def _card_bytes(self, ctx: CommandContext, args: Sequence[str]) -> tuple[str, bytes]:
-        if ctx.attachments:
-            return ctx.attachments[0].filename, ctx.attachments[0].data
-        if ctx.platform != TERMINAL:
-            raise CommandError("attach the card (a PNG or JSON file) to the command's message")
-        if not args:
-            raise CommandError("give the card's path, e.g. !persona import ~/cards/ada.png")
-        path = Path(" ".join(args)).expanduser()
-        try:
-            if path.stat().st_size > MAX_CARD_BYTES:
-                raise CommandError(f"the card is {path.stat().st_size / 1e6:.1f} MB; at most "
-                                   f"{MAX_CARD_BYTES // 1024 // 1024} MB")
-            return path.name, path.read_bytes()
-        except OSError as exc:
-            raise CommandError(f"cannot read {path}: {exc.strerror or exc}") from None
-
     async def import_card(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
-        filename, data = self._card_bytes(ctx, args)
+        filename, data = attached_file(ctx, args, "the card (a PNG or JSON file)", MAX_CARD_BYTES)
         try:
             card = parse_card(data)
         except CardError as exc:

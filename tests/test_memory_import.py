@@ -1,0 +1,91 @@
+"""!memory export → !memory import: a second bot answers with the same memory; only one's own data,
+nothing twice, bad archives refused with one line."""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from bot.app import App
+from bot.commands import Attachment, CommandContext
+from bot.config import parse_config
+from bot.ports import IncomingMessage
+from tests.engines import db_url_for
+from tests.fakes.provider import ScriptedProvider
+
+pytestmark = pytest.mark.both_engines
+
+
+def _config(folder: Path, *, second: bool = False):
+    """The exporting bot on the engine under test; the importing one on a SQLite file of its own (on
+    PostgreSQL runs that is another engine too)."""
+    folder.mkdir(exist_ok=True)
+    url = f"sqlite:///{folder / 'bot.db'}" if second else db_url_for(folder)
+    return parse_config({"storage": {"url": url}, "cortex": {"context_limit": 1000},
+                         "personas": [{"name": "Cora"}, {"name": "Lena"}]})
+
+
+def ctx(user: str = "ann", *files: Attachment, platform: str = "discord") -> CommandContext:
+    return CommandContext(platform, f"discord:{user}", user.title(), f"discord:dm-{user}", "Cora", is_dm=True,
+                          attachments=files)
+
+
+async def run(app: App, line: str, context: CommandContext | None = None) -> str:
+    return (await app.commands.dispatch(line, context or ctx())).text
+
+
+async def say(app: App, text: str, user: str = "ann") -> str:
+    await app.core.reply(IncomingMessage("discord", f"dm-{user}", user, user.title(), text, is_dm=True)).text()
+    return app.core.llm.requests[-1].system  # type: ignore[attr-defined]
+
+
+async def _export(tmp_path: Path) -> bytes:
+    async with App(_config(tmp_path / "first"), llm=ScriptedProvider()) as first:
+        await run(first, "!memory remember --pin Ann grows figs on her balcony")
+        await run(first, "!memory remember Ann hates rain")
+        await run(first, "!memory forget 2")
+        await run(first, "!memory edit memory.md\n# My memories of Ann\n- Ann is training for a marathon")
+        await say(first, "I ran 20 km today")
+        return (await first.commands.dispatch("!memory export", ctx())).attachments[0].data
+
+
+async def test_a_second_bot_answers_with_the_same_memory(tmp_path: Path) -> None:
+    archive = await _export(tmp_path)
+    async with App(_config(tmp_path / "second", second=True), llm=ScriptedProvider()) as second:
+        reply = await run(second, "!memory import", ctx("ann", Attachment("export.zip", archive)))
+        assert reply.startswith("Imported 2 memory items, 1 file and 2 messages"), reply
+        system = await say(second, "how is my training going?")
+        assert "Ann grows figs on her balcony" in system and "training for a marathon" in system
+        assert "Ann hates rain" in await run(second, "!memory archived")  # archived stays archived
+        history = [m.content for m in second.core.llm.requests[-1].messages]  # type: ignore[attr-defined]
+        assert "I ran 20 km today" in history  # the DM's messages came back
+        again = await run(second, "!memory import", ctx("ann", Attachment("export.zip", archive)))
+        assert again.startswith("Imported 0 memory items, 0 files and 0 messages") and "were here already" in again
+
+
+async def test_only_ones_own_export_and_only_real_exports(tmp_path: Path) -> None:
+    archive = await _export(tmp_path)
+    async with App(_config(tmp_path / "second", second=True), llm=ScriptedProvider()) as second:
+        refused = await run(second, "!memory import", ctx("eve", Attachment("export.zip", archive)))
+        assert "belongs to 'discord:ann', not to you (discord:eve)" in refused
+        assert "No memory items yet" in await run(second, "!memory list", ctx("eve"))
+        assert "not a cortex-bot export" in await run(second, "!memory import", ctx("ann", Attachment("x.zip", b"PK")))
+        other = io.BytesIO()
+        with zipfile.ZipFile(other, "w") as z:
+            z.writestr("data.json", json.dumps({"format": "something-else"}))
+        assert "another format" in await run(second, "!memory import", ctx("ann", Attachment("y.zip",
+                                                                                             other.getvalue())))
+        assert "attach your export" in await run(second, "!memory import /etc/passwd", ctx("ann"))
+
+
+async def test_the_terminal_imports_by_path(tmp_path: Path) -> None:
+    archive = await _export(tmp_path)
+    path = tmp_path / "export.zip"
+    path.write_bytes(archive)
+    async with App(_config(tmp_path / "second", second=True), llm=ScriptedProvider()) as second:
+        assert "Imported 2 memory items" in await run(second, f"!memory import {path}",
+                                                      ctx("ann", platform="console"))
