@@ -7,6 +7,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
+from cortex.memory.guard import guarded
 from cortex.store import FILENAMES, Author, CortexStore, FileVersion, Pair
 from cortex.templates import template
 
@@ -84,6 +85,8 @@ class CortexFiles:
         run_id: int | None = None,
     ) -> FileVersion | None:
         """Store ``content`` as a new version; None when it equals the current one."""
+        if author != "system":
+            guarded(filename, content, f"{author} on pair {pair.id}", FileError)
         current = await self.store.current(pair.id, filename)
         if current is not None and current.content == content:
             return None

@@ -17,6 +17,7 @@ from bot.persona import PersonaSource
 from bot.storage.base import User
 from cortex.export import ArchiveError, ImportReport
 from cortex.files import CortexFiles
+from cortex.memory.guard import check_memory_text
 from cortex.memory.store import CATEGORIES, SCOPES
 from cortex.store import FILENAMES, CortexStore
 
@@ -98,6 +99,8 @@ class Importer:
             fields = item_fields(item, self.max_item_chars) if isinstance(item, dict) else None
             if fields is None:
                 report.left_out.append("an unusable memory item")
+            elif not check_memory_text(fields["content"]).ok:
+                report.left_out.append("an item that reads like instructions to the bot")
             elif await repo.has_item(pair_id, fields["content"], fields["created_at"]):
                 report.skipped += 1
             else:

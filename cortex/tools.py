@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 
 from bot.llm.base import ToolCall, ToolSpec
-from cortex.files import CortexFiles, check_model_write
+from cortex.files import CortexFiles, FileError, check_model_write
 from cortex.memory.tools import MEMORY_TOOL_NAMES, MemoryTools
 from cortex.store import FILENAMES, Pair
 
@@ -126,10 +126,13 @@ class CortexTools:
         refusal = check_model_write(filename, before, content, self.max_chars)
         if refusal is not None:
             return ToolOutcome(refusal.reason, True)
-        saved = await self.files.write(
-            self.pair, filename, content, "model", f"cortex update ({self._tier_label()})", tier=self.tier,
-            run_id=self.run_id,
-        )
+        try:
+            saved = await self.files.write(
+                self.pair, filename, content, "model", f"cortex update ({self._tier_label()})", tier=self.tier,
+                run_id=self.run_id,
+            )
+        except FileError as exc:  # the poisoning guard: nothing saved, the model is told why
+            return ToolOutcome(f"{exc}. Nothing was saved; write what you learned about the person as facts.", True)
         if saved is None:
             return ToolOutcome(f"{filename} is unchanged (the content is identical); nothing to save")
         self.files_written.append(filename)

@@ -31,6 +31,7 @@ import numpy.typing as npt
 from bot.config import MemoryConfig
 from bot.storage.core import Storage
 from bot.storage.memory import ITEM_COLUMNS, FtsTable, item_fields
+from cortex.memory.guard import guarded
 from cortex.memory.vectors import DatabaseVectors
 
 if TYPE_CHECKING:
@@ -210,6 +211,7 @@ class MemoryStore:
                               "keep one fact per item, in a sentence or two")
         if category not in CATEGORIES:
             raise MemoryError(f"unknown category {category!r}; categories: {', '.join(CATEGORIES)}")
+        guarded("memory item", content, f"{source} on pair {pair_id}", MemoryError)
         if not 1 <= importance <= 10:
             raise MemoryError("importance is a number from 1 to 10")
         if supersedes is not None:

@@ -26,6 +26,7 @@ from bot.config import ConfigError
 from bot.storage import Storage
 from bot.storage.personas import NewLore
 from bot.storage.textsearch import text_search_config
+from cortex.memory.guard import check_memory_text
 from cortex.personas.cards import MAX_CARD_BYTES, Card, CardError, CardLoreEntry, export_card_v2, parse_card
 from cortex.personas.registry import PersonaRegistry
 
@@ -54,6 +55,11 @@ class CardCommands:
             card = parse_card(data)
         except CardError as exc:
             raise CommandError(f"{filename}: {exc}") from None
+        for number, entry in enumerate(card.lore, start=1):  # lore reaches every user: the guard applies
+            verdict = check_memory_text(entry.content)
+            if not verdict.ok:
+                raise CommandError(f"{filename}: lore entry {number} {verdict.line().removeprefix('refused: it ')}; "
+                                   "nothing was imported")
         default = self.registry.persona(None)
         row = await self.storage.personas.create_persona(card.name, default.language, {}, IMPORT,
                                                          text_search_config(default.language))

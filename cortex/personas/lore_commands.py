@@ -20,6 +20,7 @@ from bot.commands import (
 )
 from bot.storage import Storage
 from bot.storage.personas import LoreEntry, NewLore
+from cortex.memory.guard import guarded
 from cortex.personas.lore import LoreIndex, search
 from cortex.personas.registry import PersonaRegistry
 
@@ -167,6 +168,7 @@ class LoreCommands:
         given = lore_input(args, ctx.body)
         if not given.text:
             raise CommandError("give the entry's text")
+        guarded("lore entry", given.text, ctx.user_key, CommandError)
         new = NewLore(given.text, given.keys or (), always_on=bool(given.always), priority=given.priority or 0)
         [entry_id] = await self.storage.lore.add(self._persona_id(ctx), [new], source="chat", author=ctx.user_key)
         await self._changed()
@@ -179,6 +181,8 @@ class LoreCommands:
         given = lore_input(args[1:], ctx.body)
         if not given.text and given.keys is None and given.always is None and given.priority is None:
             raise CommandError("give the new text, --keys, --always/--not-always or --priority")
+        if given.text:
+            guarded("lore entry", given.text, ctx.user_key, CommandError)
         await self.storage.lore.update(entry.persona_id, entry.id, content=given.text or None, keys=given.keys,
                                        always_on=given.always, priority=given.priority)
         await self._changed()
