@@ -34,6 +34,7 @@ from bot.ports import (
 from bot.prompt import PromptParts, fit_soul, history_turns, render_system
 from bot.storage.base import Channel, LLMCallRecord, ReplyStats, Storage, StoredMessage, Summary, User
 from bot.storage.engine import StaleReference
+from bot.storage.sources import ReplySource
 from bot.summary import SummaryEngine, budgets_for
 from bot.text import without_surrogates
 from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator
@@ -202,6 +203,10 @@ class ConversationCore:
         stream.result = await self._finish(
             persona, user, channel, user_msg, window, summary, raw_prompt, completion, duration_ms, message,
         )
+        used = [s for slot in sections.values() for section in slot for s in section.sources]
+        if summary is not None:
+            used.append(ReplySource("summary", summary.version))
+        await self.storage.sources.record(stream.result.reply.id, used)
 
     async def _store_incoming(
         self, message: IncomingMessage, persona: Persona

@@ -12,6 +12,7 @@ from datetime import datetime
 from typing import Literal, Protocol
 
 from bot.storage.base import StoredMessage
+from bot.storage.sources import ReplySource
 
 Platform = Literal["console", "discord", "matrix"]
 
@@ -72,6 +73,7 @@ class PromptContext:
 class PromptSection:
     title: str
     body: str
+    sources: tuple[ReplySource, ...] = ()  # what went into it (ids only), for "why did you say that"
 
 
 SectionSlot = Literal["rules", "guidelines", "cortex", "knowledge"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bot.ports import PromptContext, PromptSection, SectionSlot
+from bot.storage.sources import ReplySource
 from bot.tokens import TokenEstimator, fit_to_budget
 from cortex.settings import SettingsResolver
 from cortex.store import CortexStore
@@ -32,8 +33,9 @@ class CortexSection:
         files = await self.store.files_for_prompt(context.user_db_id, context.persona)
         if not files:
             return []
+        versions = self.store.prompt_versions(context.user_db_id, context.persona)
         remaining = min(budget, self.budget) - self.estimator.count(INTRO)
-        parts = [INTRO]
+        parts, shown = [INTRO], []
         for filename in ORDER:
             content = files.get(filename, "").strip()
             if not content or remaining <= 0:
@@ -41,5 +43,6 @@ class CortexSection:
             block = fit_to_budget(self.estimator, f"## {filename}\n{content}", remaining, CUT_NOTE)
             cost = self.estimator.count(block)
             parts.append(block)
+            shown.append(ReplySource("file", versions.get(filename, 0), filename))
             remaining -= cost
-        return [PromptSection("Your inner files", "\n\n".join(parts))]
+        return [PromptSection("Your inner files", "\n\n".join(parts), tuple(shown))]

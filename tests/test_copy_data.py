@@ -20,6 +20,7 @@ from bot.storage.base import LLMCallRecord, ReplyStats
 from bot.storage.copy import INSTANCE_KEY, TABLES, CopyReport, TableCount, copy_data
 from bot.storage.memory import ItemScope
 from bot.storage.personas import NewLore
+from bot.storage.sources import ReplySource
 from cortex.memory.store import MemoryStore
 
 BIN = Path(sys.executable).parent
@@ -73,6 +74,8 @@ async def fill(storage: Storage) -> None:
     await storage.memory.store_item_vectors("e5-test", [(kayak.id, vec(1)), (kiel.id, vec(2))])
     await storage.memory.store_message_vectors(
         "e5-test", [(m.id, m.user_id, m.persona, vec(10 + m.id)) for m in said if m.user_id is not None])
+    replies = [m for m in said if m.role == "assistant"]
+    await storage.sources.record(replies[0].id, [ReplySource("item", 1), ReplySource("file", 2, "memory.md")])
     await storage.fleet.claim_period("memory-prune", 86_400, "host-a:1")
     await storage.fleet.acquire_lock("matrix:@cora:example.org", "host-a:1", 60)
     await storage.fleet.heartbeat("host-a:1", "host-a", 1, {}, 1.0)  # processes: not copied
@@ -81,7 +84,7 @@ async def fill(storage: Storage) -> None:
 async def dump(storage: Storage, table: str) -> list[dict[str, Any]]:
     """A table's rows in key order, engine differences taken out (vectors as float32 tuples, no tsvectors)."""
     order = {"settings": "key", "cortex_settings": "scope, key", "periodic_runs": "name", "instance_locks": "name",
-             "message_vectors": "message_id"}.get(table, "id")
+             "message_vectors": "message_id", "reply_sources": "message_id, kind, ref"}.get(table, "id")
     rows = await storage.db.fetch_all(f"SELECT * FROM {table} ORDER BY {order}")
     out = []
     for row in rows:

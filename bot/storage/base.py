@@ -11,7 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    from bot.storage.sources import SourceRepository
 
 MessageRole = Literal["user", "assistant"]
 JobStatus = Literal["queued", "running", "done", "failed"]
@@ -117,6 +120,10 @@ class ReplyMetrics:
 
 class Storage(Protocol):
     """Everything the core persists. All methods are coroutines and safe to call concurrently."""
+
+    @property
+    def sources(self) -> SourceRepository:
+        """What shaped each reply (``bot.storage.sources``)."""
 
     async def migrate(self) -> list[int]:
         """Apply pending migrations; return the versions applied (empty when up to date)."""

@@ -52,6 +52,7 @@ from bot.storage.personas import LoreRepository, PersonaRepository
 from bot.storage.rows import MESSAGE_COLUMNS, message_from_row
 from bot.storage.rows import dt as _dt
 from bot.storage.rows import ts as _ts
+from bot.storage.sources import SourceRepository
 from bot.storage.textsearch import text_search_config
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class Storage:
         self.personas = PersonaRepository(db)
         self.lore = LoreRepository(db)
         self.export = ExportRepository(db)
+        self.sources = SourceRepository(db)
 
     async def sibling(self) -> Storage:
         """A second handle on the same database sharing caches (see ``Database.sibling``)."""
@@ -653,6 +655,8 @@ class Storage:
             await tx.execute(
                 "DELETE FROM reply_stats WHERE message_id IN (SELECT id FROM messages WHERE user_id = ?)", (user.id,))
             await tx.execute("DELETE FROM message_vectors WHERE message_id IN"
+                             " (SELECT id FROM messages WHERE user_id = ?)", (user.id,))
+            await tx.execute("DELETE FROM reply_sources WHERE message_id IN"
                              " (SELECT id FROM messages WHERE user_id = ?)", (user.id,))
             messages = await tx.fetch_all("DELETE FROM messages WHERE user_id = ? RETURNING id", (user.id,))
             ch_marks = ",".join("?" for _ in channels) or "NULL"

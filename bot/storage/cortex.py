@@ -99,6 +99,7 @@ class CortexRepository:
             "cortex.prompt_files"
         )
         self._pair_keys: dict[int, tuple[int, str]] = db.caches.named("cortex.pair_keys")
+        self._prompt_versions: dict[tuple[int, str], dict[str, int]] = db.caches.named("cortex.prompt_versions")
 
     # -- pairs -----------------------------------------------------------------------------------
 
@@ -219,16 +220,21 @@ class CortexRepository:
         if cached is not None and time.monotonic() - cached[0] < PROMPT_CACHE_SECONDS:
             return cached[1]
         rows = await self.db.fetch_all(
-            "SELECT v.filename, v.content, p.id FROM cortex_pairs AS p JOIN cortex_versions AS v"
+            "SELECT v.filename, v.content, p.id, v.version FROM cortex_pairs AS p JOIN cortex_versions AS v"
             " ON v.pair_id = p.id WHERE p.user_id = ? AND p.persona = ? AND v.version = ("
             " SELECT max(version) FROM cortex_versions WHERE pair_id = p.id AND filename = v.filename)",
             (user_id, persona),
         )
         files = {str(r[0]): str(r[1]) for r in rows}
         self._prompt_files[key] = (time.monotonic(), files)
+        self._prompt_versions[key] = {str(r[0]): int(r[3]) for r in rows}
         if rows:
             self._pair_keys[int(rows[0][2])] = key
         return files
+
+    def prompt_versions(self, user_id: int, persona: str) -> dict[str, int]:
+        """The versions of the files :meth:`files_for_prompt` gave last for this pair (for "why")."""
+        return self._prompt_versions.get((user_id, persona), {})
 
     def _files_changed(self, pair_id: int) -> None:
         key = self._pair_keys.get(pair_id)

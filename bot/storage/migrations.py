@@ -298,4 +298,6 @@ MIGRATIONS: tuple[Migration, ...] = (
         postgres=pg_schema.V8,
     ),
     Migration(9, "a privacy scope per memory item (private or shared)", pg_schema.V9),
+    Migration(10, "what shaped each reply: the ids of the memory, lore and messages in its prompt",
+              _sqlite_fork(pg_schema.V10), postgres=pg_schema.V10),
 )

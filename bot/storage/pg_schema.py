@@ -287,3 +287,14 @@ V9: tuple[str, ...] = (
     "ALTER TABLE memory_items ADD COLUMN scope TEXT NOT NULL DEFAULT 'private'"
     " CHECK (scope IN ('private', 'shared'))",
 )
+
+
+# What shaped each reply (ids only), for "why did you say that".
+V10: tuple[str, ...] = (
+    """CREATE TABLE reply_sources (
+        message_id BIGINT NOT NULL REFERENCES messages(id),
+        kind TEXT NOT NULL CHECK (kind IN ('item', 'lore', 'message', 'file', 'summary')),
+        ref BIGINT NOT NULL,
+        detail TEXT NOT NULL DEFAULT '',
+        PRIMARY KEY (message_id, kind, ref, detail))""",
+)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from bot.commands import (
     Command,
@@ -23,6 +24,7 @@ from bot.commands import (
     text,
     word,
 )
+from bot.storage.sources import ReplySource
 from bot.text import plural
 from cortex.memory.store import CATEGORIES, SCOPES, MemoryError, MemoryItem, MemoryStore, Scope
 from cortex.store import CortexStore
@@ -40,8 +42,10 @@ def _line(item: MemoryItem) -> str:
 class MemoryCommands:
     pairs: CortexStore
     memory: MemoryStore
+    prefix: str = "!"
 
     def register(self, registry: CommandRegistry) -> None:
+        self.prefix = registry.prefix
         item = number("item", "the item's number (#12)", required=True)
         page = number("page", "which page")
         commands: list[tuple[str, tuple[Param, ...], str, Handler]] = [
@@ -60,9 +64,46 @@ class MemoryCommands:
             ("restore", (item,), "bring an archived item back", self.restore),
             ("scope", (item, word("scope", "private: DMs only; shared: group channels too", required=True,
                                   choices=SCOPES)), "who may see an item: private or shared", self.scope),
+            ("why", (), "what shaped the persona's last reply to you here, and how to correct it", self.why),
         ]
         for name, params, summary, handler in commands:
             registry.register(Command(f"memory {name}", summary, handler, params, private=True))
+
+    async def why(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        user, pair = await self.pairs.pair_for(ctx.user_key, ctx.user_name, ctx.persona)
+        storage = self.pairs.storage
+        last = await storage.sources.last_reply(user.id, ctx.channel_key)
+        if last is None:
+            return "I have not answered you here yet."
+        sources = await storage.sources.of(last[0])
+        when = datetime.fromtimestamp(last[1], tz=UTC).strftime("%Y-%m-%d %H:%M")
+        if not sources:
+            return f"My last reply to you here ({when} UTC) used no memory: only the conversation itself."
+        lines = [f"What shaped my last reply to you here ({when} UTC):"]
+        for source in sources:
+            lines.append(await self._source_line(source, pair.id, user.id, ctx.persona))
+        return "\n".join(lines)
+
+    async def _source_line(self, source: ReplySource, pair_id: int, user_id: int, persona: str) -> str:
+        if source.kind == "item":
+            try:
+                item = await self.memory.get(pair_id, source.ref, count_access=False)
+            except MemoryError:
+                return f"- memory item #{source.ref} (no longer in your memory)"
+            if not item.visible:
+                return (f"- memory item #{item.id} (forgotten since; {self.prefix}memory restore {item.id} "
+                        "brings it back)")
+            return f"- memory item #{item.id}: {item.content} — wrong? {self.prefix}memory forget {item.id}"
+        if source.kind == "file":
+            return (f"- your {source.detail}, version {source.ref} — change it with {self.prefix}memory edit "
+                    f"{source.detail} (see {self.prefix}memory history {source.detail})")
+        if source.kind == "message":
+            rows = await self.pairs.storage.memory.pair_messages(user_id, persona, [source.ref])
+            said = f'"{str(rows[0]["text"])[:120]}"' if rows else "(deleted since)"
+            return f"- something said earlier: {said}"
+        if source.kind == "lore":
+            return f"- {persona}'s shared knowledge, lore #{source.ref} (admins: {self.prefix}lore show {source.ref})"
+        return f"- the summary of this conversation, version {source.ref} ({self.prefix}summary)"
 
     async def _pair(self, ctx: CommandContext) -> int:
         return (await self.pairs.pair_for(ctx.user_key, ctx.user_name, ctx.persona))[1].id

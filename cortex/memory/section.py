@@ -15,6 +15,7 @@ from datetime import UTC, timedelta
 
 from bot.config import MemoryConfig
 from bot.ports import PromptContext, PromptSection, SectionSlot
+from bot.storage.sources import ReplySource
 from bot.tokens import TokenEstimator
 from cortex.memory.store import SCOPES, Hit, MemoryItem, MemoryStore
 from cortex.settings import SettingsResolver
@@ -81,6 +82,7 @@ class KnowledgeSection:
         remaining = min(budget, self.config.prompt_tokens)
         lines: list[str] = []
         used: list[int] = []
+        shown: list[ReplySource] = []
         left_out = 0
         recent = context.now - timedelta(days=self.config.recent_days)
         for item, is_relevant in [(i, False) for i in pinned] + [(i, True) for i in relevant]:
@@ -90,6 +92,7 @@ class KnowledgeSection:
                 left_out += 1
                 continue
             lines.append(line)
+            shown.append(ReplySource("item", item.id))
             remaining -= cost
             if is_relevant:
                 used.append(item.id)
@@ -98,18 +101,20 @@ class KnowledgeSection:
         sections = []
         if lines:
             body = "Facts you remember about {user_name}:\n" + "\n".join(lines)
-            sections.append(PromptSection("What you know", body))
-        said = []
+            sections.append(PromptSection("What you know", body, tuple(shown)))
+        said, recalled_ids = [], []
         for hit in sorted(recalled, key=lambda h: h.created_at):
             line = f"- {hit.created_at.astimezone(UTC):%Y-%m-%d} {_short(hit.text, RECALL_CHARS)}"
             cost = self.estimator.count(line + "\n")
             if cost > remaining:
                 break
             said.append(line)
+            recalled_ids.append(ReplySource("message", hit.id))
             remaining -= cost
         if said:
             sections.append(PromptSection(
-                "From earlier conversations", "Things said before that may matter now:\n" + "\n".join(said)
+                "From earlier conversations", "Things said before that may matter now:\n" + "\n".join(said),
+                tuple(recalled_ids),
             ))
         await self.memory.count_access(used)
         return sections

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from bot.ports import PromptContext, PromptSection, SectionSlot
 from bot.storage import Storage
 from bot.storage.personas import LoreEntry
+from bot.storage.sources import ReplySource
 from bot.tokens import TokenEstimator, fit_to_budget
 from cortex.personas.registry import PersonaRegistry
 
@@ -125,5 +126,7 @@ class LoreSection:
         chosen = self.index.chosen(entries, f"{context.previous}\n{context.message}", context.message)
         if not chosen:
             return []
-        body = "\n".join(f"- {e.content.strip()}" for e in chosen)
-        return [PromptSection(TITLE, fit_to_budget(self.estimator, body, int(budget * LORE_SHARE), CUT_NOTE))]
+        body = fit_to_budget(self.estimator, "\n".join(f"- {e.content.strip()}" for e in chosen),
+                             int(budget * LORE_SHARE), CUT_NOTE)
+        shown = tuple(ReplySource("lore", e.id) for e in chosen if f"- {e.content.strip()}" in body)
+        return [PromptSection(TITLE, body, shown)]

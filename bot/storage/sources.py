@@ -1,0 +1,42 @@
+"""What shaped each reply: the ids of the memory items, lore entries, recalled messages, cortex file
+versions and summary version that went into its prompt (ids only, never their text), for ``!memory why``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from bot.storage.engine import Database
+
+
+@dataclass(frozen=True, slots=True)
+class ReplySource:
+    kind: str  # "item", "lore", "message", "file", "summary"
+    ref: int  # the item's, entry's or message's id; a file's or summary's version
+    detail: str = ""  # the file's name
+
+
+class SourceRepository:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def record(self, message_id: int, sources: Sequence[ReplySource]) -> None:
+        if not sources:
+            return
+        async with self.db.transaction() as tx:
+            await tx.executemany(
+                "INSERT INTO reply_sources (message_id, kind, ref, detail) VALUES (?, ?, ?, ?)",
+                [(message_id, s.kind, s.ref, s.detail) for s in dict.fromkeys(sources)])
+
+    async def of(self, message_id: int) -> list[ReplySource]:
+        rows = await self.db.fetch_all(
+            "SELECT kind, ref, detail FROM reply_sources WHERE message_id = ? ORDER BY kind, ref", (message_id,))
+        return [ReplySource(str(r[0]), int(r[1]), str(r[2])) for r in rows]
+
+    async def last_reply(self, user_id: int, channel_key: str) -> tuple[int, float] | None:
+        """The newest reply to ``user_id`` in the channel: its id and time."""
+        row = await self.db.fetch_one(
+            "SELECT m.id, m.created_at FROM messages AS m JOIN channels AS c ON c.id = m.channel_id"
+            " WHERE m.user_id = ? AND c.key = ? AND m.role = 'assistant' ORDER BY m.id DESC LIMIT 1",
+            (user_id, channel_key))
+        return None if row is None else (int(row[0]), float(row[1]))
