@@ -35,7 +35,7 @@ import discord
 import yarl
 from discord import app_commands
 
-from adapters.discord_slash import MAX_FILES, build_slash_commands, read_attachment
+from adapters.discord_slash import MAX_FILES, build_context_menus, build_slash_commands, read_attachment
 from bot.app import App
 from bot.commands import Attachment, CommandContext, CommandReply
 from bot.config import DiscordConfig
@@ -213,6 +213,7 @@ class DiscordAdapter:
         self.bot.event(self.on_message)
         self.bot.event(self.on_ready)
         build_slash_commands(self)
+        build_context_menus(self)
 
     # -- lifecycle -------------------------------------------------------------------------------
 

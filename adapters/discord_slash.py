@@ -153,3 +153,41 @@ async def version_choices(adapter: DiscordAdapter, interaction: discord.Interact
         app_commands.Choice(name=f"v{v.version} · {v.author} · {v.created_at:%Y-%m-%d %H:%M}", value=v.version)
         for v in reversed(versions) if current in str(v.version)
     ][:25]
+
+
+def build_context_menus(adapter: DiscordAdapter) -> None:
+    """Right-click a message → Apps → "Remember this" / "Forget this": the same ``!memory remember`` and
+    ``!memory forget`` as typed, with the message as the item's source. Allowed on one's own messages and
+    on the bot's messages in one's DM with it (in a server the bot's messages answer many people)."""
+    prefix = adapter.app.commands.prefix
+
+    async def remember(interaction: discord.Interaction, message: discord.Message) -> None:
+        if not _yours(interaction, message):
+            await interaction.response.send_message(NOT_YOURS, ephemeral=True)
+            return
+        line = f"{prefix}memory remember --from {message_ref(message)}\n{message.content}"
+        await adapter.run_slash(interaction, line, always_private=True)
+
+    async def forget(interaction: discord.Interaction, message: discord.Message) -> None:
+        if not _yours(interaction, message):
+            await interaction.response.send_message(NOT_YOURS, ephemeral=True)
+            return
+        await adapter.run_slash(interaction, f"{prefix}memory forget --from {message_ref(message)}",
+                                always_private=True)
+
+    adapter.tree.add_command(app_commands.ContextMenu(name="Remember this", callback=remember))
+    adapter.tree.add_command(app_commands.ContextMenu(name="Forget this", callback=forget))
+
+
+NOT_YOURS = "You can do that with your own messages, and with mine in our direct messages."
+
+
+def message_ref(message: discord.Message) -> str:
+    return f"{PLATFORM}-message:{message.id}"
+
+
+def _yours(interaction: discord.Interaction, message: discord.Message) -> bool:
+    if message.author.id == interaction.user.id:
+        return True
+    me = interaction.client.user
+    return me is not None and message.author.id == me.id and message.guild is None

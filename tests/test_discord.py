@@ -108,7 +108,7 @@ async def test_slash_commands_are_built_offline(adapter: DiscordAdapter) -> None
     assert set(memory_subs) == {"show", "history", "diff", "revert", "reset", "edit", "export", "forget-me",
                                 "remember", "forget", "pin", "unpin", "list", "search", "archived", "restore",
                                 "scope", "import", "why"}
-    assert [o["name"] for o in memory_subs["forget"]["options"]] == ["item"]
+    assert [o["name"] for o in memory_subs["forget"]["options"]] == ["item", "source"]
     admin_subs = {o["name"] for o in payloads["cortex-admin"]["options"]}
     assert admin_subs == {"settings", "stats", "prune", "weights", "budgets", "embedder"}
     file_option = memory_subs["history"]["options"][0]
@@ -121,7 +121,8 @@ async def test_slash_commands_are_built_offline(adapter: DiscordAdapter) -> None
 
 async def _interact(adapter: DiscordAdapter, monkeypatch: pytest.MonkeyPatch, name: str,
                     options: list[dict[str, Any]], *, permissions: int = 0, kind: int = 2,
-                    resolved: dict[str, Any] | None = None) -> dict[str, Any]:
+                    resolved: dict[str, Any] | None = None, command_type: int = 1,
+                    target_id: str | None = None) -> dict[str, Any]:
     """Dispatch an INTERACTION_CREATE through the real command tree; return the recorded response."""
     recorded: list[dict[str, Any]] = []
 
@@ -144,8 +145,8 @@ async def _interact(adapter: DiscordAdapter, monkeypatch: pytest.MonkeyPatch, na
         "member": {"user": {"id": str(member.id), "username": member.name, "discriminator": "0001",
                             "avatar": None}, "roles": [], "joined_at": "2024-01-01T00:00:00+00:00",
                    "deaf": False, "mute": False, "flags": 0, "permissions": str(permissions)},
-        "data": {"id": "2222", "name": name, "type": 1, "options": options, **({"resolved": resolved} if resolved
-                                                                                  else {})},
+        "data": {"id": "2222", "name": name, "type": command_type, "options": options,
+                 **({"resolved": resolved} if resolved else {}), **({"target_id": target_id} if target_id else {})},
     }
     bot._connection.parse_interaction_create(payload)
     for _ in range(200):
@@ -347,3 +348,34 @@ async def test_a_card_attached_to_a_command_message_is_imported(adapter: Discord
     await dpytest.message("look at this picture", channel=dm, attachments=[card])  # chat: files are not read
     assert dpytest.get_message().content == "echo: look at this picture"
     assert reads == ["rosa.json"]
+
+
+def _message_payload(message_id: str, author: Any, content: str, channel_id: int) -> dict[str, Any]:
+    return {"id": message_id, "channel_id": str(channel_id), "content": content,
+            "timestamp": "2026-11-23T08:00:00+00:00", "edited_timestamp": None, "tts": False,
+            "mention_everyone": False, "mentions": [], "mention_roles": [],
+            "attachments": [], "embeds": [], "pinned": False, "type": 0,
+            "author": {"id": str(author.id), "username": author.name, "discriminator": "0001", "avatar": None}}
+
+
+async def test_remember_this_and_forget_this_on_a_message(adapter: DiscordAdapter,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    config = dpytest.get_config()
+    member, channel = config.members[0], config.channels[0]
+
+    async def menu(name: str, author: Any, content: str = "I'm allergic to penicillin") -> dict[str, Any]:
+        payload = _message_payload("5555", author, content, channel.id)
+        return await _interact(adapter, monkeypatch, name, [], command_type=3, target_id="5555",
+                               resolved={"messages": {"5555": payload}})
+
+    saved = await menu("Remember this", member)
+    assert saved["data"]["content"].startswith("Remembered as #") and saved["data"]["flags"] & 64
+    found = await _interact(adapter, monkeypatch, "memory", [{"name": "search", "type": 1, "options": [
+        {"name": "words", "type": 3, "value": "penicillin"}]}])
+    assert "I'm allergic to penicillin" in found["data"]["content"]
+    forgotten = await menu("Forget this", member)
+    assert forgotten["data"]["content"].startswith("Forgotten: #")
+    assert "Nothing of yours" in (await menu("Forget this", member))["data"]["content"]
+    someone_else = config.members[1] if len(config.members) > 1 else adapter.bot.user
+    refused = await menu("Remember this", someone_else, "Bob's secret")
+    assert "your own messages" in refused["data"]["content"]

@@ -132,8 +132,8 @@ def file(name: str, help: str = "", *, required: bool = False) -> Param:
 
 
 def option(name: str, help: str = "", *, choices: Sequence[str] = (), minimum: int | None = None,
-           maximum: int | None = None) -> Param:
-    return Param(name, "option", False, help, tuple(choices), minimum=minimum, maximum=maximum)
+           maximum: int | None = None, token: str = "") -> Param:
+    return Param(name, "option", False, help, tuple(choices), minimum=minimum, maximum=maximum, token=token)
 
 
 @dataclass(frozen=True, slots=True)

@@ -131,6 +131,13 @@ class MemoryRepository:
             (now, reason, item_id, pair_id),
         )
 
+    async def archive_from(self, pair_id: int, source_ref: str, reason: str, now: float) -> list[int]:
+        """Archive the pair's visible items that came from ``source_ref`` (a message); their ids."""
+        rows = await self.db.write(
+            "UPDATE memory_items SET archived_at = ?, archive_reason = ? WHERE pair_id = ? AND source_ref = ?"
+            " AND archived_at IS NULL AND superseded_by IS NULL RETURNING id", (now, reason, pair_id, source_ref))
+        return sorted(int(r[0]) for r in rows)
+
     async def restore(self, pair_id: int, item_id: int, now: float) -> None:
         # A restored item that had expired no longer expires: the user wants it back.
         await self.db.write(

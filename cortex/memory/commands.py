@@ -38,6 +38,17 @@ def _line(item: MemoryItem) -> str:
     return f"#{item.id} {marks}{item.content}  (importance {item.importance}, {when})"
 
 
+FROM = "--from"
+
+
+def source_ref(text: str) -> str:
+    """Where an item came from, as a platform names a message (``discord-message:123``)."""
+    ref = text.strip()
+    if not ref or len(ref) > 200 or not ref.isprintable() or " " in ref:
+        raise CommandError("--from needs a message reference like discord-message:123")
+    return ref
+
+
 @dataclass
 class MemoryCommands:
     pairs: CortexStore
@@ -48,12 +59,14 @@ class MemoryCommands:
         self.prefix = registry.prefix
         item = number("item", "the item's number (#12)", required=True)
         page = number("page", "which page")
+        source = option("source", "the message it comes from (set by a platform's 'Remember this')", token=FROM)
         commands: list[tuple[str, tuple[Param, ...], str, Handler]] = [
             ("remember", (text("text", "the fact", required=True),
                           option("category", "what kind of fact", choices=CATEGORIES),
                           option("importance", "1 (trivia) to 10 (vital)", minimum=1, maximum=10),
-                          flag("pin", "always keep it in mind")), "store a fact about you", self.remember),
-            ("forget", (item,), "archive one of your memory items (restore brings it back)", self.forget),
+                          flag("pin", "always keep it in mind"), source), "store a fact about you", self.remember),
+            ("forget", (number("item", "the item's number (#12)"), source),
+             "archive one of your memory items, or those from a message (restore brings them back)", self.forget),
             ("pin", (item,), "always keep an item in the persona's mind", self.pin),
             ("unpin", (item,), "stop pinning an item", self.unpin),
             ("list", (word("category", "only this kind", choices=CATEGORIES), page),
@@ -115,7 +128,7 @@ class MemoryCommands:
         return parse_number(args[0], "the item", prefix="#")
 
     async def remember(self, ctx: CommandContext, args: Sequence[str]) -> str:
-        kept, category, importance, pin = [], "fact", 5, False
+        kept, category, importance, pin, origin = [], "fact", 5, False, ctx.channel_key
         it = iter(args)
         for token in it:
             if token == "--category":
@@ -127,6 +140,8 @@ class MemoryCommands:
                     raise CommandError("importance is a number from 1 to 10") from None
             elif token == "--pin":
                 pin = True
+            elif token == FROM:
+                origin = source_ref(next(it, ""))
             else:
                 kept.append(token)
         content = " ".join(kept) or ctx.body
@@ -134,7 +149,7 @@ class MemoryCommands:
             scope: Scope = "private" if ctx.is_dm else "shared"  # learned in a DM stays out of group channels
             item = await self.memory.remember(await self._pair(ctx), content, scope=scope, category=category,
                                               importance=importance, pinned=pin, source="user",
-                                              source_ref=ctx.channel_key)
+                                              source_ref=origin)
         except MemoryError as exc:
             raise CommandError(str(exc)) from None
         return f"Remembered as #{item.id}" + (" (pinned)." if item.pinned else ".")
@@ -167,7 +182,13 @@ class MemoryCommands:
             raise CommandError(str(exc)) from None
 
     async def forget(self, ctx: CommandContext, args: Sequence[str]) -> str:
-        return await self._change(ctx, args, "forget")
+        if FROM not in args:
+            return await self._change(ctx, args, "forget")
+        origin = source_ref(args[args.index(FROM) + 1] if args.index(FROM) + 1 < len(args) else "")
+        archived = await self.memory.archive_from(await self._pair(ctx), origin)
+        if not archived:
+            return "Nothing of yours was remembered from that message."
+        return f"Forgotten: {', '.join(f'#{i}' for i in archived)} ({self.prefix}memory restore brings one back)."
 
     async def restore(self, ctx: CommandContext, args: Sequence[str]) -> str:
         return await self._change(ctx, args, "restore")

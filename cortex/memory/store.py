@@ -253,6 +253,9 @@ class MemoryStore:
         await self.repo.archive(pair_id, item_id, reason, self.clock())
         return await self.get(pair_id, item_id, count_access=False)
 
+    async def archive_from(self, pair_id: int, source_ref: str) -> list[int]:
+        return await self.repo.archive_from(pair_id, source_ref, "forgotten", self.clock())
+
     async def restore(self, pair_id: int, item_id: int) -> MemoryItem:
         item = await self.get(pair_id, item_id, count_access=False)
         if item.archived_at is None:
