@@ -154,11 +154,26 @@ class Command:
 
     @property
     def max_args(self) -> int | None:
-        """How many words may follow the name: one per word or number parameter, or no limit when the
-        command takes free words, text, flags or options."""
-        if any(p.kind not in ("word", "number", "file") for p in self.params):
+        """How many words may follow the name besides its flags and options: one per word, number or file
+        parameter, or no limit when the command takes free words or text."""
+        if any(p.kind in ("words", "text") for p in self.params):
             return None
-        return len(self.params)
+        return sum(1 for p in self.params if p.kind in ("word", "number", "file"))
+
+    def positional(self, args: Sequence[str]) -> list[str]:
+        """``args`` without this command's flags and options (and the options' values)."""
+        flags = {p.spelled for p in self.params if p.kind == "flag"}
+        options = {p.spelled for p in self.params if p.kind == "option"}
+        left: list[str] = []
+        skip = False
+        for arg in args:
+            if skip:
+                skip = False
+            elif arg in options:
+                skip = True
+            elif arg not in flags:
+                left.append(arg)
+        return left
 
     def line(self, prefix: str, values: Mapping[str, object]) -> str:
         """The ``!`` line (and body) that runs this command with ``values`` by parameter name (what a
@@ -230,9 +245,9 @@ class CommandRegistry:
                                 "server shares).")
         if command.admin and not context.is_admin:
             return CommandReply(f"{self.prefix}{command.name} is for admins only.")
-        limit = command.max_args
-        if limit is not None and len(args) > limit:
-            extra = " ".join(args[limit:])
+        limit, positional = command.max_args, command.positional(args)
+        if limit is not None and len(positional) > limit:
+            extra = " ".join(positional[limit:])
             takes = "no arguments" if limit == 0 else "at most " + plural(limit, "argument")
             return CommandReply(f"{self.prefix}{command.name} takes {takes} (not {printable(extra)[:60]!r}). "
                                 f"Usage: {self.usage(command)}", private=command.private)
