@@ -33,6 +33,7 @@ from nio import (
     InviteMemberEvent,
     LoginResponse,
     MatrixRoom,
+    ReactionEvent,
     RoomCreateResponse,
     RoomEncryptedFile,
     RoomMessageFile,
@@ -44,6 +45,7 @@ from nio import (
 from nio.crypto.attachments import decrypt_attachment
 from nio.exceptions import EncryptionError
 
+from adapters.matrix_reactions import Reactions
 from bot.app import App
 from bot.commands import Attachment, CommandReply
 from bot.config import MatrixConfig
@@ -150,6 +152,7 @@ class MatrixAdapter:
         )
         self.server_name = config.user_id.split(":", 1)[1]
         self._sent: OrderedDict[str, None] = OrderedDict()  # recent event ids the bot sent
+        self.reactions = Reactions(self)
         self._dms: dict[str, str] = {}
         self._creators: dict[str, frozenset[str]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -245,6 +248,7 @@ class MatrixAdapter:
         self.client.next_batch = since
         self.client.add_event_callback(self._on_message, RoomMessageText)
         self.client.add_event_callback(self._on_file, (RoomMessageFile, RoomEncryptedFile))
+        self.client.add_event_callback(self.reactions.on_reaction, ReactionEvent)
         self.client.add_event_callback(self._on_invite, InviteMemberEvent)
         self.client.add_response_callback(self._on_sync, SyncResponse)
         log.info("Matrix: %s syncing from %s", self.config.user_id, self.config.homeserver)

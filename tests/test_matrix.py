@@ -390,3 +390,41 @@ async def test_a_card_sent_with_a_command_caption_is_imported(synapse: SynapseSe
         await alice.close()
         await eve.close()
         await stop_bot(running)
+
+
+async def test_brain_reaction_remembers_and_cross_undoes(synapse: SynapseServer, bot: Bot) -> None:
+    """🧠 on one's own message stores it as a memory item (answered in the DM); ❌ on that confirmation
+    archives it again; 🧠 on someone else's message is refused."""
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+
+    async def react(room: str, event_id: str, key: str) -> None:
+        await alice.room_send(room, "m.reaction", {"m.relates_to": {
+            "rel_type": "m.annotation", "event_id": event_id, "key": key}}, ignore_unverified_devices=True)
+
+    def answers(room: str, text: str) -> list[dict[str, Any]]:
+        return [e for e in seen.from_(room, bot.user_id) if text in e["content"].get("body", "")]
+
+    try:
+        room = await open_room(alice, [bot.user_id], direct=True)
+        await joined(seen, room, bot.user_id)
+        sent = await alice.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "my cat is called Pixel"},
+                                     ignore_unverified_devices=True)
+        await seen.sync_until(lambda: bool(seen.from_(room, bot.user_id)), "the bot's reply")
+        await react(room, sent.event_id, "🧠")
+        await seen.sync_until(lambda: bool(answers(room, "Remembered as #")), "the confirmation")
+        items, _ = await bot.app.cortex.memory.list_items(1)
+        assert [i.content for i in items] == ["my cat is called Pixel"]
+        assert items[0].source_ref == f"matrix-message:{sent.event_id}"
+        confirmation = answers(room, "Remembered as #")[0]["event_id"]
+        await react(room, confirmation, "❌")
+        await seen.sync_until(lambda: bool(answers(room, "Forgotten: #")), "the undo")
+        assert (await bot.app.cortex.memory.list_items(1))[0] == []
+        await react(room, confirmation, "🧠")  # a confirmation is not remembered
+        mine = seen.from_(room, bot.user_id)[0]["event_id"]
+        await react(room, mine, "🧠")  # the bot's reply in our DM: allowed
+        await seen.sync_until(lambda: len(answers(room, "Remembered as #")) >= 2, "a second confirmation")
+        items, _ = await bot.app.cortex.memory.list_items(1)
+        assert [i.content for i in items] == ["echo: my cat is called Pixel"]
+    finally:
+        await alice.close()
