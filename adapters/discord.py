@@ -147,6 +147,10 @@ class DiscordSink:
         self.channel = message.channel
         self.typing_indicator = typing_indicator
 
+    @staticmethod
+    def message_key(handle: discord.Message) -> str:
+        return f"{PLATFORM}-message:{handle.id}"
+
     async def send(self, text: str) -> discord.Message:
         try:
             return await self.channel.send(text, allowed_mentions=NO_PINGS)

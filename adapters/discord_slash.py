@@ -158,7 +158,8 @@ async def version_choices(adapter: DiscordAdapter, interaction: discord.Interact
 def build_context_menus(adapter: DiscordAdapter) -> None:
     """Right-click a message → Apps → "Remember this" / "Forget this": the same ``!memory remember`` and
     ``!memory forget`` as typed, with the message as the item's source. Allowed on one's own messages and
-    on the bot's messages in one's DM with it (in a server the bot's messages answer many people)."""
+    on the bot's messages in one's DM with it (in a server the bot's messages answer many people).
+    "Why?" on one of the bot's replies runs ``!memory why`` for it (only the caller's own replies answer)."""
     prefix = adapter.app.commands.prefix
 
     async def remember(interaction: discord.Interaction, message: discord.Message) -> None:
@@ -175,6 +176,10 @@ def build_context_menus(adapter: DiscordAdapter) -> None:
         await adapter.run_slash(interaction, f"{prefix}memory forget --from {message_ref(message)}",
                                 always_private=True)
 
+    async def why(interaction: discord.Interaction, message: discord.Message) -> None:
+        await adapter.run_slash(interaction, f"{prefix}memory why --of {message_ref(message)}", always_private=True)
+
+    adapter.tree.add_command(app_commands.ContextMenu(name="Why?", callback=why))
     adapter.tree.add_command(app_commands.ContextMenu(name="Remember this", callback=remember))
     adapter.tree.add_command(app_commands.ContextMenu(name="Forget this", callback=forget))
 

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from bot.commands import Command, CommandContext, CommandError, CommandRegistry, CommandReply, words
 from bot.config import Config, ConfigError
-from bot.conversation import ConversationCore
+from bot.conversation import ConversationCore, ReplyResult
 from bot.errors import UserFacingError
 from bot.llm.errors import LLMError
 from bot.persona import ConfigPersonas, PersonaSource
@@ -160,7 +160,18 @@ class Router:
             return
         finally:
             await _stop(waiting)
-        await shown.finish()
+        handles = await shown.finish()
+        await self._link(sink, handles, stream.result)
+
+    async def _link(self, sink: ChatSink, handles: Sequence[object], result: ReplyResult | None) -> None:
+        """Note which platform messages show the reply (for a platform's "Why?" on one of them); a sink
+        that cannot name its messages (the terminal, tests) is skipped."""
+        key_of = getattr(sink, "message_key", None)
+        if result is None or key_of is None:
+            return
+        keys = [key for key in (key_of(handle) for handle in handles) if key]
+        if keys:
+            await self.storage.sources.link(keys, result.reply.id)
 
     async def _persona_command(self, ctx: CommandContext, args: Sequence[str]) -> str:
         names = ", ".join(self.personas.names())

@@ -379,3 +379,23 @@ async def test_remember_this_and_forget_this_on_a_message(adapter: DiscordAdapte
     someone_else = config.members[1] if len(config.members) > 1 else adapter.bot.user
     refused = await menu("Remember this", someone_else, "Bob's secret")
     assert "your own messages" in refused["data"]["content"]
+
+
+async def test_why_on_a_reply_shows_what_shaped_it(adapter: DiscordAdapter, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = dpytest.get_config()
+    member = config.members[0]
+    dm = await member.create_dm()
+    await dpytest.message("!memory remember --pin I'm allergic to penicillin", channel=dm)
+    assert "Remembered" in dpytest.get_message().content
+    await dpytest.message("what should I avoid?", channel=dm)
+    reply = dpytest.get_message()
+    payload = _message_payload(str(reply.id), adapter.bot.user, reply.content, dm.id)
+    answer = await _interact(adapter, monkeypatch, "Why?", [], command_type=3, target_id=str(reply.id),
+                             resolved={"messages": {str(reply.id): payload}})
+    text = answer["data"]["content"]
+    assert "What shaped my last reply" in text and "I'm allergic to penicillin" in text
+    assert answer["data"]["flags"] & 64
+    other = _message_payload("7777", member, "not a reply", dm.id)
+    answer = await _interact(adapter, monkeypatch, "Why?", [], command_type=3, target_id="7777",
+                             resolved={"messages": {"7777": other}})
+    assert "not one of my replies to you" in answer["data"]["content"]

@@ -656,8 +656,9 @@ class Storage:
                 "DELETE FROM reply_stats WHERE message_id IN (SELECT id FROM messages WHERE user_id = ?)", (user.id,))
             await tx.execute("DELETE FROM message_vectors WHERE message_id IN"
                              " (SELECT id FROM messages WHERE user_id = ?)", (user.id,))
-            await tx.execute("DELETE FROM reply_sources WHERE message_id IN"
-                             " (SELECT id FROM messages WHERE user_id = ?)", (user.id,))
+            for table in ("reply_sources", "platform_messages"):
+                await tx.execute(f"DELETE FROM {table} WHERE message_id IN"
+                                 " (SELECT id FROM messages WHERE user_id = ?)", (user.id,))
             messages = await tx.fetch_all("DELETE FROM messages WHERE user_id = ? RETURNING id", (user.id,))
             ch_marks = ",".join("?" for _ in channels) or "NULL"
             summaries = await tx.fetch_all(f"DELETE FROM summaries WHERE channel_id IN ({ch_marks}) RETURNING id",

@@ -300,4 +300,6 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(9, "a privacy scope per memory item (private or shared)", pg_schema.V9),
     Migration(10, "what shaped each reply: the ids of the memory, lore and messages in its prompt",
               _sqlite_fork(pg_schema.V10), postgres=pg_schema.V10),
+    Migration(11, "which platform message shows which stored reply", _sqlite_fork(pg_schema.V11),
+              postgres=pg_schema.V11),
 )

@@ -298,3 +298,12 @@ V10: tuple[str, ...] = (
         detail TEXT NOT NULL DEFAULT '',
         PRIMARY KEY (message_id, kind, ref, detail))""",
 )
+
+
+# Which platform message shows which stored reply (Discord's "Why?" on a reply finds its sources).
+V11: tuple[str, ...] = (
+    """CREATE TABLE platform_messages (
+        key TEXT PRIMARY KEY,
+        message_id BIGINT NOT NULL REFERENCES messages(id))""",
+    "CREATE INDEX platform_messages_by_message ON platform_messages (message_id)",
+)

@@ -33,6 +33,19 @@ class SourceRepository:
             "SELECT kind, ref, detail FROM reply_sources WHERE message_id = ? ORDER BY kind, ref", (message_id,))
         return [ReplySource(str(r[0]), int(r[1]), str(r[2])) for r in rows]
 
+    async def link(self, keys: Sequence[str], message_id: int) -> None:
+        """Remember which platform messages (``discord-message:123``) show the stored reply."""
+        async with self.db.transaction() as tx:
+            await tx.executemany("INSERT INTO platform_messages (key, message_id) VALUES (?, ?) ON CONFLICT DO NOTHING",
+                                 [(key, message_id) for key in dict.fromkeys(keys)])
+
+    async def reply_shown_as(self, key: str, user_id: int) -> tuple[int, float] | None:
+        """The stored reply to ``user_id`` that the platform message ``key`` shows: its id and time."""
+        row = await self.db.fetch_one(
+            "SELECT m.id, m.created_at FROM platform_messages AS p JOIN messages AS m ON m.id = p.message_id"
+            " WHERE p.key = ? AND m.user_id = ? AND m.role = 'assistant'", (key, user_id))
+        return None if row is None else (int(row[0]), float(row[1]))
+
     async def last_reply(self, user_id: int, channel_key: str) -> tuple[int, float] | None:
         """The newest reply to ``user_id`` in the channel: its id and time."""
         row = await self.db.fetch_one(

@@ -39,6 +39,7 @@ def _line(item: MemoryItem) -> str:
 
 
 FROM = "--from"
+OF = "--of"
 
 
 def source_ref(text: str) -> str:
@@ -77,7 +78,8 @@ class MemoryCommands:
             ("restore", (item,), "bring an archived item back", self.restore),
             ("scope", (item, word("scope", "private: DMs only; shared: group channels too", required=True,
                                   choices=SCOPES)), "who may see an item: private or shared", self.scope),
-            ("why", (), "what shaped the persona's last reply to you here, and how to correct it", self.why),
+            ("why", (option("reply", "one reply (a platform's 'Why?' names it)", token=OF),),
+             "what shaped the persona's last reply to you here, and how to correct it", self.why),
         ]
         for name, params, summary, handler in commands:
             registry.register(Command(f"memory {name}", summary, handler, params, private=True))
@@ -85,7 +87,13 @@ class MemoryCommands:
     async def why(self, ctx: CommandContext, args: Sequence[str]) -> str:
         user, pair = await self.pairs.pair_for(ctx.user_key, ctx.user_name, ctx.persona)
         storage = self.pairs.storage
-        last = await storage.sources.last_reply(user.id, ctx.channel_key)
+        if OF in args:
+            ref = source_ref(args[args.index(OF) + 1] if args.index(OF) + 1 < len(args) else "")
+            last = await storage.sources.reply_shown_as(ref, user.id)
+            if last is None:
+                return "That is not one of my replies to you (or it was written before I kept track)."
+        else:
+            last = await storage.sources.last_reply(user.id, ctx.channel_key)
         if last is None:
             return "I have not answered you here yet."
         sources = await storage.sources.of(last[0])
