@@ -24,6 +24,7 @@ from bot.summary import SummaryEngine
 from bot.tokens import BPETokenEstimator
 from cortex import build_cortex
 from cortex.memory.embedders import Embedder
+from cortex.memory.upkeep import end_expired_incognito
 from cortex.personas.card_commands import CardCommands
 from cortex.personas.commands import PersonaCommands
 from cortex.personas.guidelines import GuidelinesCommands, RulesCommands
@@ -36,6 +37,7 @@ from cortex.tiers import JOB_KIND as CORTEX_JOB
 log = logging.getLogger(__name__)
 
 PRUNE_AFTER_START = 300.0
+INCOGNITO_CHECK_SECONDS = 600.0
 SETTINGS_RELOAD_SECONDS = 5.0  # seconds: a bot that restarts daily still prunes
 CALIBRATION_SETTING = "tokens.calibration.{provider}.{model}"
 
@@ -130,6 +132,7 @@ class App:
                 self.scheduler.every(
                     self.config.jobs.lease_seconds, "requeue-abandoned-jobs", self.workers.recover
                 )
+                self.scheduler.every(INCOGNITO_CHECK_SECONDS, "end-incognito", self._end_incognito)
                 self.scheduler.every(self.config.memory.prune_every_hours * 3600, "prune-memory",
                                      self.cortex.pruner.prune, first_after=PRUNE_AFTER_START)
                 if self.cortex.embeddings is not None:
@@ -149,6 +152,9 @@ class App:
             raise
         self._started = True
         return self
+
+    async def _end_incognito(self) -> None:
+        await end_expired_incognito(self.job_storage, self.config.memory.incognito_hours)
 
     async def _reload(self) -> None:
         await self.cortex.memory_admin.load()

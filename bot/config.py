@@ -341,6 +341,9 @@ class MemoryConfig(_Section):
     max_item_chars: int = Field(
         default=2000, ge=100, le=20_000, description="Longest memory item (from a user or the persona)."
     )
+    incognito_hours: float = Field(
+        default=24.0, gt=0, le=720,
+        description="An incognito stretch (!memory pause) ends by itself after this long; its messages are deleted.")
 
     @model_validator(mode="after")
     def _embedder_model(self) -> MemoryConfig:

@@ -44,6 +44,7 @@ class ChatSink(MessageSink, Protocol):
 
 
 STILL_WORKING = "⏳ still working…"
+INCOGNITO_MARK = "🕶️ "
 
 
 async def _stop(task: asyncio.Task[None] | None) -> None:
@@ -144,6 +145,8 @@ class Router:
             return
         chat = self.config.chat
         shown = StreamedReply(sink, chat.edit_interval_seconds, chat.streaming)
+        if await self._incognito(inbound.message.author_key, persona):
+            await shown.feed(INCOGNITO_MARK)  # shown on the platform, never stored with the reply
         waiting = asyncio.create_task(shown.placeholder_after(chat.still_working_seconds, STILL_WORKING)) \
             if chat.still_working_seconds else None
         try:
@@ -162,6 +165,10 @@ class Router:
             await _stop(waiting)
         handles = await shown.finish()
         await self._link(sink, handles, stream.result)
+
+    async def _incognito(self, user_key: str, persona: str) -> bool:
+        user = await self.storage.get_user(user_key)
+        return user is not None and await self.storage.incognito.since(user.id, persona) is not None
 
     async def _link(self, sink: ChatSink, handles: Sequence[object], result: ReplyResult | None) -> None:
         """Note which platform messages show the reply (for a platform's "Why?" on one of them); a sink

@@ -90,7 +90,7 @@ def build_cortex(
         personas,
     )
     commands = CortexCommands(config, storage, store, files, resolver, tiers, updater, personas)
-    memory_commands = MemoryCommands(store, memory)
+    memory_commands = MemoryCommands(store, memory, incognito_hours=memory_config.incognito_hours)
     knowledge = KnowledgeSection(memory, estimator, memory_config, resolver)
 
     def drop_vectors(pairs: set[int]) -> None:

@@ -77,6 +77,7 @@ async def fill(storage: Storage) -> None:
     replies = [m for m in said if m.role == "assistant"]
     await storage.sources.record(replies[0].id, [ReplySource("item", 1), ReplySource("file", 2, "memory.md")])
     await storage.sources.link(["discord-message:99"], replies[0].id)
+    await storage.incognito.start(bob.id, "Lena")
     await storage.fleet.claim_period("memory-prune", 86_400, "host-a:1")
     await storage.fleet.acquire_lock("matrix:@cora:example.org", "host-a:1", 60)
     await storage.fleet.heartbeat("host-a:1", "host-a", 1, {}, 1.0)  # processes: not copied
@@ -86,7 +87,7 @@ async def dump(storage: Storage, table: str) -> list[dict[str, Any]]:
     """A table's rows in key order, engine differences taken out (vectors as float32 tuples, no tsvectors)."""
     order = {"settings": "key", "cortex_settings": "scope, key", "periodic_runs": "name", "instance_locks": "name",
              "message_vectors": "message_id", "reply_sources": "message_id, kind, ref",
-             "platform_messages": "key"}.get(table, "id")
+             "platform_messages": "key", "incognito": "user_id, persona"}.get(table, "id")
     rows = await storage.db.fetch_all(f"SELECT * FROM {table} ORDER BY {order}")
     out = []
     for row in rows:

@@ -107,7 +107,7 @@ async def test_slash_commands_are_built_offline(adapter: DiscordAdapter) -> None
     memory_subs = {o["name"]: o for o in payloads["memory"]["options"]}
     assert set(memory_subs) == {"show", "history", "diff", "revert", "reset", "edit", "export", "forget-me",
                                 "remember", "forget", "pin", "unpin", "list", "search", "archived", "restore",
-                                "scope", "import", "why"}
+                                "scope", "import", "why", "pause", "resume"}
     assert [o["name"] for o in memory_subs["forget"]["options"]] == ["item", "source"]
     admin_subs = {o["name"] for o in payloads["cortex-admin"]["options"]}
     assert admin_subs == {"settings", "stats", "prune", "weights", "budgets", "embedder"}

@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
+    from bot.storage.incognito import IncognitoRepository
     from bot.storage.sources import SourceRepository
 
 MessageRole = Literal["user", "assistant"]
@@ -124,6 +125,10 @@ class Storage(Protocol):
     @property
     def sources(self) -> SourceRepository:
         """What shaped each reply (``bot.storage.sources``)."""
+
+    @property
+    def incognito(self) -> IncognitoRepository:
+        """Incognito stretches (``bot.storage.incognito``)."""
 
     async def migrate(self) -> list[int]:
         """Apply pending migrations; return the versions applied (empty when up to date)."""

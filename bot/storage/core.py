@@ -46,6 +46,7 @@ from bot.storage.engine import (
 )
 from bot.storage.export import ExportRepository
 from bot.storage.fleet import FleetRepository
+from bot.storage.incognito import IncognitoRepository, not_incognito
 from bot.storage.memory import MemoryRepository
 from bot.storage.migrations import MIGRATIONS
 from bot.storage.personas import LoreRepository, PersonaRepository
@@ -92,6 +93,7 @@ class Storage:
         self.lore = LoreRepository(db)
         self.export = ExportRepository(db)
         self.sources = SourceRepository(db)
+        self.incognito = IncognitoRepository(db)
 
     async def sibling(self) -> Storage:
         """A second handle on the same database sharing caches (see ``Database.sibling``)."""
@@ -120,6 +122,11 @@ class Storage:
     async def migrate(self) -> list[int]:
         self._refuse_newer(set(await self.applied_migrations()))
         return await self.db.migrate(self._migrations)
+
+    async def scrub(self) -> None:
+        """After deleting someone's data: leave no trace of it in the database's files where the engine
+        can (see ``Database.scrub``)."""
+        await self.db.scrub(SQLITE_TEXT_INDEXES)
 
     async def check_writable(self) -> None:
         """Write to the database without changing its data (``cortexbot doctor``)."""
@@ -266,7 +273,8 @@ class Storage:
         self, channel_id: int, after_id: int, before_id: int, limit: int
     ) -> list[StoredMessage]:
         rows = await self.db.fetch_all(
-            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE channel_id = ? AND id > ? AND id < ? ORDER BY id LIMIT ?",
+            f"SELECT {MESSAGE_COLUMNS} FROM messages AS m WHERE channel_id = ? AND id > ? AND id < ?"
+            f" AND {not_incognito('m')} ORDER BY id LIMIT ?",
             (channel_id, after_id, before_id, limit),
         )
         return [message_from_row(r) for r in rows]
@@ -656,6 +664,7 @@ class Storage:
                 "DELETE FROM reply_stats WHERE message_id IN (SELECT id FROM messages WHERE user_id = ?)", (user.id,))
             await tx.execute("DELETE FROM message_vectors WHERE message_id IN"
                              " (SELECT id FROM messages WHERE user_id = ?)", (user.id,))
+            await tx.execute("DELETE FROM incognito WHERE user_id = ?", (user.id,))
             for table in ("reply_sources", "platform_messages"):
                 await tx.execute(f"DELETE FROM {table} WHERE message_id IN"
                                  " (SELECT id FROM messages WHERE user_id = ?)", (user.id,))
@@ -668,6 +677,6 @@ class Storage:
                 f" WHERE id IN ({ch_marks})", channels)
             await tx.execute("DELETE FROM users WHERE id = ?", (user.id,))
         self.forget_cached(user_key=user_key, channel_ids=channels)
-        await self.db.scrub(SQLITE_TEXT_INDEXES)
+        await self.scrub()
         return ForgetReport(len(messages), len(summaries), len(pair_ids), counts["versions"], counts["runs"],
                             counts["items"])

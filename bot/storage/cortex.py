@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from bot.storage.base import StoredMessage, User
 from bot.storage.engine import Database, Tx
+from bot.storage.incognito import not_incognito
 from bot.storage.rows import MESSAGE_COLUMNS, message_from_row
 
 FILENAMES: tuple[str, ...] = ("memory.md", "soul.md", "relationship.md")
@@ -164,7 +165,8 @@ class CortexRepository:
         rows = await self.db.fetch_all(
             f"SELECT {', '.join('m.' + c.strip() for c in MESSAGE_COLUMNS.split(','))}, c.name"
             " FROM messages AS m JOIN channels AS c ON c.id = m.channel_id"
-            " WHERE m.user_id = ? AND m.persona = ? AND m.id < ? ORDER BY m.id DESC LIMIT ?",
+            " WHERE m.user_id = ? AND m.persona = ? AND m.id < ?"
+            f" AND {not_incognito('m')} ORDER BY m.id DESC LIMIT ?",
             (user_id, persona, before_id if before_id is not None else 2**62, limit),
         )
         return [(message_from_row(row), str(row[10])) for row in rows]

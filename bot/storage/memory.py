@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from bot.storage.engine import Database, Row, is_conflict
+from bot.storage.incognito import not_incognito
 from bot.storage.textsearch import tsquery
 
 log = logging.getLogger(__name__)
@@ -435,6 +436,7 @@ class MemoryRepository:
             " LEFT JOIN messages AS p ON p.id = (SELECT max(id) FROM messages"
             " WHERE channel_id = m.channel_id AND id < m.id)"
             " WHERE m.user_id IS NOT NULL AND (v.model IS NULL OR v.model != ?) AND m.id < ?"
+            f" AND {not_incognito('m')}"
             " ORDER BY m.id DESC LIMIT ?",
             (model, below, limit),
         )

@@ -302,4 +302,5 @@ MIGRATIONS: tuple[Migration, ...] = (
               _sqlite_fork(pg_schema.V10), postgres=pg_schema.V10),
     Migration(11, "which platform message shows which stored reply", _sqlite_fork(pg_schema.V11),
               postgres=pg_schema.V11),
+    Migration(12, "incognito stretches per user and persona", _sqlite_fork(pg_schema.V12), postgres=pg_schema.V12),
 )

@@ -307,3 +307,14 @@ V11: tuple[str, ...] = (
         message_id BIGINT NOT NULL REFERENCES messages(id))""",
     "CREATE INDEX platform_messages_by_message ON platform_messages (message_id)",
 )
+
+
+# Incognito stretches: while a row exists, the pair's messages since started_at stay out of summaries,
+# cortex updates and embeddings, and they are deleted when it ends.
+V12: tuple[str, ...] = (
+    """CREATE TABLE incognito (
+        user_id BIGINT NOT NULL REFERENCES users(id),
+        persona TEXT NOT NULL,
+        started_at DOUBLE PRECISION NOT NULL,
+        PRIMARY KEY (user_id, persona))""",
+)

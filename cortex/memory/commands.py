@@ -55,6 +55,7 @@ class MemoryCommands:
     pairs: CortexStore
     memory: MemoryStore
     prefix: str = "!"
+    incognito_hours: float = 24.0
 
     def register(self, registry: CommandRegistry) -> None:
         self.prefix = registry.prefix
@@ -78,11 +79,29 @@ class MemoryCommands:
             ("restore", (item,), "bring an archived item back", self.restore),
             ("scope", (item, word("scope", "private: DMs only; shared: group channels too", required=True,
                                   choices=SCOPES)), "who may see an item: private or shared", self.scope),
+            ("pause", (), "talk without being remembered (incognito) until resume", self.pause),
+            ("resume", (), "end incognito: what was said meanwhile is deleted", self.resume),
             ("why", (option("reply", "one reply (a platform's 'Why?' names it)", token=OF),),
              "what shaped the persona's last reply to you here, and how to correct it", self.why),
         ]
         for name, params, summary, handler in commands:
             registry.register(Command(f"memory {name}", summary, handler, params, private=True))
+
+    async def pause(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        user, _ = await self.pairs.pair_for(ctx.user_key, ctx.user_name, ctx.persona)
+        started = await self.pairs.storage.incognito.start(user.id, ctx.persona)
+        since = datetime.fromtimestamp(started, tz=UTC).strftime("%H:%M")
+        return (f"Incognito with {ctx.persona} since {since} UTC: I still answer, but nothing said from then on "
+                "reaches my summaries, your files, your memory items or search by meaning, and it is deleted "
+                f"when you send {self.prefix}memory resume (or after {self.incognito_hours:g} hours at the latest).")
+
+    async def resume(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        user, _ = await self.pairs.pair_for(ctx.user_key, ctx.user_name, ctx.persona)
+        deleted = await self.pairs.storage.incognito.end(user.id, ctx.persona)
+        if deleted is None:
+            return f"You were not incognito with {ctx.persona}."
+        await self.pairs.storage.scrub()
+        return f"Incognito ended: {plural(deleted, 'message')} from that stretch are deleted. I remember again."
 
     async def why(self, ctx: CommandContext, args: Sequence[str]) -> str:
         user, pair = await self.pairs.pair_for(ctx.user_key, ctx.user_name, ctx.persona)

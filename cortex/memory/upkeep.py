@@ -11,6 +11,7 @@ them, so they show up in ``!memory archived`` with the reason. Nothing is delete
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from datetime import UTC, datetime
 from bot.config import MemoryConfig
 from bot.storage.core import Storage
 from bot.storage.memory import PruneReasons
+
+log = logging.getLogger(__name__)
 
 DAY = 86_400.0
 LAST_PRUNE_SETTING = "memory.last_prune"
@@ -97,3 +100,15 @@ class Pruner:
             return PruneReport.from_json(saved) if saved else None
         except (ValueError, KeyError, TypeError):
             return None
+
+
+async def end_expired_incognito(storage: Storage, hours: float) -> int:
+    """End the incognito stretches older than ``hours`` (their messages are deleted); how many ended."""
+    ended = 0
+    for user_id, persona in await storage.incognito.expired(time.time() - hours * 3600):
+        if await storage.incognito.end(user_id, persona) is not None:
+            ended += 1
+    if ended:
+        await storage.scrub()
+        log.info("ended %d incognito stretch(es) that ran past %g hours", ended, hours)
+    return ended

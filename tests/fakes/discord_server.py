@@ -504,8 +504,9 @@ class FakeDiscord:
         token = request.headers.get("Authorization", "").removeprefix("Bot ")
         self._record("command_syncs", CommandSync(token, app_id, guild_id, tuple(c["name"] for c in commands)))
         scope = {"guild_id": guild_id} if guild_id else {}
-        return _json([{**c, "id": str(self._snowflake()), "application_id": app_id, "version": "1", **scope}
-                      for c in commands])
+        # Discord answers every command with a description ("" for context-menu commands, which send none).
+        return _json([{"description": "", **c, "id": str(self._snowflake()), "application_id": app_id,
+                       "version": "1", **scope} for c in commands])
 
     async def _interaction_callback(self, request: web.Request) -> web.Response:
         body, files = await _body(request)

@@ -1,0 +1,76 @@
+"""Incognito: the bot answers, but nothing from the stretch reaches summaries, cortex updates, tiers or
+embeddings, replies carry a marker, and the stretch's messages are deleted when it ends (by command or
+after incognito_hours) — on SQLite without a trace in the file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bot.app import App
+from bot.config import parse_config
+from bot.policy import Inbound
+from bot.ports import IncomingMessage
+from cortex.memory.upkeep import end_expired_incognito
+from tests.engines import db_url_for
+from tests.fakes.provider import ScriptedProvider
+from tests.test_router import Sink
+
+pytestmark = pytest.mark.both_engines
+
+
+def _inbound(text: str) -> Inbound:
+    return Inbound(IncomingMessage("discord", "dm-ann", "7", "Ann", text, is_dm=True))
+
+
+def _database_bytes(folder: Path) -> bytes:
+    return b"".join(p.read_bytes() for p in sorted(folder.iterdir()) if p.name.startswith("bot.db"))
+
+
+async def test_an_incognito_stretch_is_answered_kept_apart_and_deleted(tmp_path: Path) -> None:
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000}})
+    async with App(config, llm=ScriptedProvider()) as app:
+        async def say(text: str) -> Sink:
+            sink = Sink()
+            await app.router.handle(_inbound(text), sink)
+            return sink
+
+        await say("my garden has roses")
+        paused = await say("!memory pause")
+        assert "Incognito with Cora since" in paused.public[0].text
+        replies = [await say(f"my secret word is xyzzyplover {i}") for i in range(3)]
+        assert all(r.messages[0].startswith("🕶️ echo: my secret word") for r in replies)
+        user = await app.storage.get_user("discord:7")
+        pair = await app.cortex.store.count_messages(user.id, "Cora", 0)
+        assert pair.cycle_count == 2  # the two messages before the stretch (one exchange) only
+        channel = await app.storage.get_channel("discord:dm-ann")
+        visible = [m.text for m in await app.storage.messages_between(channel.id, 0, 2**40, 100)]
+        assert visible and not any("xyzzyplover" in t for t in visible)  # summaries never see them
+        history = [m.text for m, _ in await app.cortex.store.pair_messages(user.id, "Cora", 100)]
+        assert not any("xyzzyplover" in t for t in history)  # nor cortex updates
+        backlog = [r["text"] for r in await app.storage.memory.messages_to_embed("any-model", 2**40, 100)]
+        assert backlog and not any("xyzzyplover" in t for t in backlog)  # nor embeddings
+        window = [m.text for m in await app.storage.recent_messages(channel.id, 20)]
+        assert any("xyzzyplover" in t for t in window)  # the conversation itself still has them
+        ended = await say("!memory resume")
+        assert "6 messages from that stretch are deleted" in ended.public[0].text
+        window = [m.text for m in await app.storage.recent_messages(channel.id, 20)]
+        assert not any("xyzzyplover" in t for t in window) and "my garden has roses" in window
+        assert "not incognito" in (await say("!memory resume")).public[0].text
+        assert not (await say("hello again")).messages[0].startswith("🕶️")
+    if db_url_for(tmp_path).startswith("sqlite"):
+        assert b"xyzzyplover" not in _database_bytes(tmp_path)
+
+
+async def test_a_forgotten_stretch_ends_by_itself(tmp_path: Path) -> None:
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "memory": {"incognito_hours": 1}})
+    async with App(config, llm=ScriptedProvider()) as app:
+        await app.router.handle(_inbound("!memory pause"), Sink())
+        await app.router.handle(_inbound("a secret"), Sink())
+        assert await end_expired_incognito(app.storage, 1) == 0  # not yet
+        await app.storage.db.write("UPDATE incognito SET started_at = started_at - 7200")
+        await app.storage.db.write("UPDATE messages SET created_at = created_at - 3600")
+        assert await end_expired_incognito(app.storage, 1) == 1
+        channel = await app.storage.get_channel("discord:dm-ann")
+        assert await app.storage.recent_messages(channel.id, 10) == []
