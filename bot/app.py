@@ -24,7 +24,7 @@ from bot.summary import SummaryEngine
 from bot.tokens import BPETokenEstimator
 from cortex import build_cortex
 from cortex.memory.embedders import Embedder
-from cortex.memory.upkeep import end_expired_incognito
+from cortex.memory.upkeep import end_expired_incognito, expire_old_messages
 from cortex.personas.card_commands import CardCommands
 from cortex.personas.commands import PersonaCommands
 from cortex.personas.guidelines import GuidelinesCommands, RulesCommands
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 PRUNE_AFTER_START = 300.0
 INCOGNITO_CHECK_SECONDS = 600.0
+RETENTION_SECONDS = 86_400.0
 SETTINGS_RELOAD_SECONDS = 5.0  # seconds: a bot that restarts daily still prunes
 CALIBRATION_SETTING = "tokens.calibration.{provider}.{model}"
 
@@ -133,6 +134,9 @@ class App:
                     self.config.jobs.lease_seconds, "requeue-abandoned-jobs", self.workers.recover
                 )
                 self.scheduler.every(INCOGNITO_CHECK_SECONDS, "end-incognito", self._end_incognito)
+                if self.config.memory.keep_messages_days:
+                    self.scheduler.every(RETENTION_SECONDS, "expire-old-messages", self._expire_messages,
+                                         first_after=PRUNE_AFTER_START)
                 self.scheduler.every(self.config.memory.prune_every_hours * 3600, "prune-memory",
                                      self.cortex.pruner.prune, first_after=PRUNE_AFTER_START)
                 if self.cortex.embeddings is not None:
@@ -152,6 +156,9 @@ class App:
             raise
         self._started = True
         return self
+
+    async def _expire_messages(self) -> None:
+        await expire_old_messages(self.job_storage, self.config.memory.keep_messages_days)
 
     async def _end_incognito(self) -> None:
         await end_expired_incognito(self.job_storage, self.config.memory.incognito_hours)

@@ -341,6 +341,10 @@ class MemoryConfig(_Section):
     max_item_chars: int = Field(
         default=2000, ge=100, le=20_000, description="Longest memory item (from a user or the persona)."
     )
+    keep_messages_days: float = Field(
+        default=0.0, ge=0, le=36_500,
+        description="Delete raw messages older than this many days in the daily upkeep (0: keep them forever); "
+                    "files, items and summaries stay.")
     incognito_hours: float = Field(
         default=24.0, gt=0, le=720,
         description="An incognito stretch (!memory pause) ends by itself after this long; its messages are deleted.")

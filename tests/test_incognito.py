@@ -74,3 +74,22 @@ async def test_a_forgotten_stretch_ends_by_itself(tmp_path: Path) -> None:
         assert await end_expired_incognito(app.storage, 1) == 1
         channel = await app.storage.get_channel("discord:dm-ann")
         assert await app.storage.recent_messages(channel.id, 10) == []
+
+
+async def test_messages_older_than_the_retention_go_and_memory_stays(tmp_path: Path) -> None:
+    from cortex.memory.upkeep import expire_old_messages
+
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "memory": {"keep_messages_days": 30}})
+    async with App(config, llm=ScriptedProvider()) as app:
+        await app.router.handle(_inbound("an old message"), Sink())
+        await app.router.handle(_inbound("!memory remember Ann grows figs"), Sink())
+        channel = await app.storage.get_channel("discord:dm-ann")
+        await app.storage.db.write("UPDATE messages SET created_at = created_at - 40 * 86400")
+        await app.router.handle(_inbound("a new message"), Sink())
+        assert await expire_old_messages(app.storage, 0) == 0  # 0: keep forever
+        assert await expire_old_messages(app.storage, 30) == 2  # the old message and its reply
+        texts = [m.text for m in await app.storage.recent_messages(channel.id, 10)]
+        assert "an old message" not in texts and "a new message" in texts
+        assert await app.storage.count_messages(channel.id) == 2
+        listed = (await app.commands.dispatch("!memory list", app.router.context_for(_inbound(""), "Cora"))).text
+        assert "Ann grows figs" in listed  # items stay

@@ -1,6 +1,7 @@
 """Incognito stretches (``!memory pause`` … ``!memory resume``): per user and persona, the messages
 since the start are answered with but kept out of summaries, cortex updates and embeddings
-(:data:`NOT_INCOGNITO` in those queries), and deleted — with all that points at them — when it ends."""
+(:data:`NOT_INCOGNITO` in those queries), and deleted — with all that points at them — when it ends.
+The retention of ``[memory] keep_messages_days`` deletes old messages the same way."""
 
 from __future__ import annotations
 
@@ -55,6 +56,20 @@ class IncognitoRepository:
             await tx.execute("UPDATE channels SET message_count = (SELECT count(*) FROM messages"
                              f" WHERE channel_id = channels.id) WHERE id IN ({marks})", channels)
             await tx.execute("DELETE FROM incognito WHERE user_id = ? AND persona = ?", (user_id, persona))
+        return len(deleted)
+
+    async def delete_messages_before(self, before: float) -> int:
+        """Retention: every message older than ``before`` goes (with what points at it); how many."""
+        async with self.db.transaction() as tx:
+            old = "SELECT id FROM messages WHERE created_at < ?"
+            for table in (*DEPENDENT, "reply_stats"):
+                await tx.execute(f"DELETE FROM {table} WHERE message_id IN ({old})", (before,))
+            channels = [int(r[0]) for r in await tx.fetch_all(
+                "SELECT DISTINCT channel_id FROM messages WHERE created_at < ?", (before,))]
+            deleted = await tx.fetch_all("DELETE FROM messages WHERE created_at < ? RETURNING id", (before,))
+            marks = ",".join("?" for _ in channels) or "NULL"
+            await tx.execute("UPDATE channels SET message_count = (SELECT count(*) FROM messages"
+                             f" WHERE channel_id = channels.id) WHERE id IN ({marks})", channels)
         return len(deleted)
 
     async def expired(self, started_before: float) -> list[tuple[int, str]]:

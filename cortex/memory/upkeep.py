@@ -112,3 +112,14 @@ async def end_expired_incognito(storage: Storage, hours: float) -> int:
         await storage.scrub()
         log.info("ended %d incognito stretch(es) that ran past %g hours", ended, hours)
     return ended
+
+
+async def expire_old_messages(storage: Storage, days: float) -> int:
+    """Delete raw messages older than ``days`` (0: keep them); the files, items and summaries stay."""
+    if days <= 0:
+        return 0
+    deleted = await storage.incognito.delete_messages_before(time.time() - days * 86_400)
+    if deleted:
+        await storage.scrub()
+        log.info("deleted %d message(s) older than %g days (memory.keep_messages_days)", deleted, days)
+    return deleted
