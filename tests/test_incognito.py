@@ -93,3 +93,24 @@ async def test_messages_older_than_the_retention_go_and_memory_stays(tmp_path: P
         assert await app.storage.count_messages(channel.id) == 2
         listed = (await app.commands.dispatch("!memory list", app.router.context_for(_inbound(""), "Cora"))).text
         assert "Ann grows figs" in listed  # items stay
+
+
+async def test_ending_a_stretch_after_its_reply_stats_were_written(tmp_path: Path) -> None:
+    """Reply statistics point at the stretch's messages once the buffer is written: ending the stretch
+    (and the retention) must take them along, not fail on the reference."""
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}})
+    async with App(config, llm=ScriptedProvider()) as app:
+        await app.router.handle(_inbound("!memory pause"), Sink())
+        await app.router.handle(_inbound("a secret"), Sink())
+        await app.storage.flush_audit()
+        assert (await app.storage.db.fetch_one("SELECT count(*) FROM reply_stats"))[0] == 1
+        ended = Sink()
+        await app.router.handle(_inbound("!memory resume"), ended)
+        assert "2 messages from that stretch are deleted" in ended.public[0].text
+        assert (await app.storage.db.fetch_one("SELECT count(*) FROM reply_stats"))[0] == 0
+        await app.router.handle(_inbound("an old one"), Sink())
+        await app.storage.db.write("UPDATE messages SET created_at = created_at - 40 * 86400")
+        from cortex.memory.upkeep import expire_old_messages
+
+        assert await expire_old_messages(app.storage, 30) == 2  # its reply stats are buffered, then go too
+        assert (await app.storage.db.fetch_one("SELECT count(*) FROM reply_stats"))[0] == 0

@@ -41,6 +41,7 @@ from bot.storage.engine import (
     Row,
     StaleReference,
     StorageError,
+    Tx,
     is_conflict,
     is_missing_reference,
 )
@@ -71,6 +72,21 @@ REPLY_STATS_SQL = (
     " trimmed_messages, summary_used, prompt_tokens, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 JOB_DONE = "locked_by = '', lease_until = 0"
+MESSAGE_DEPENDENTS = ("reply_stats", "message_vectors", "reply_sources", "platform_messages")
+
+
+async def delete_messages(tx: Tx, where: str, params: Sequence[Any]) -> tuple[list[int], list[int]]:
+    """Delete the messages ``where`` selects, first everything that points at them, and recount their
+    channels (forget-me, the end of an incognito stretch, retention); (message ids, channel ids)."""
+    channels = [int(r[0]) for r in await tx.fetch_all(f"SELECT DISTINCT channel_id FROM messages WHERE {where}",
+                                                      params)]
+    for table in MESSAGE_DEPENDENTS:
+        await tx.execute(f"DELETE FROM {table} WHERE message_id IN (SELECT id FROM messages WHERE {where})", params)
+    deleted = [int(r[0]) for r in await tx.fetch_all(f"DELETE FROM messages WHERE {where} RETURNING id", params)]
+    marks = ",".join("?" for _ in channels) or "NULL"
+    await tx.execute("UPDATE channels SET message_count = (SELECT count(*) FROM messages"
+                     f" WHERE channel_id = channels.id) WHERE id IN ({marks})", channels)
+    return deleted, channels
 SQLITE_TEXT_INDEXES = ("memory_fts", "messages_fts")  # merged after forget-me (SQLite's FTS5 tables)
 
 
@@ -122,6 +138,27 @@ class Storage:
     async def migrate(self) -> list[int]:
         self._refuse_newer(set(await self.applied_migrations()))
         return await self.db.migrate(self._migrations)
+
+    async def end_incognito(self, user_id: int, persona: str) -> int | None:
+        """End the pair's incognito stretch: its messages (the user's and the replies) go, with what points
+        at them, in one transaction; how many (None when there was no stretch)."""
+        await self.flush_audit()  # buffered reply stats may point at messages deleted below
+        async with self.db.transaction() as tx:
+            row = await tx.fetch_one("SELECT started_at FROM incognito WHERE user_id = ? AND persona = ?",
+                                     (user_id, persona))
+            if row is None:
+                return None
+            deleted, _ = await delete_messages(tx, "user_id = ? AND persona = ? AND created_at >= ?",
+                                               (user_id, persona, float(row[0])))
+            await tx.execute("DELETE FROM incognito WHERE user_id = ? AND persona = ?", (user_id, persona))
+        return len(deleted)
+
+    async def delete_messages_before(self, before: float) -> int:
+        """Retention: every message older than ``before`` goes, with what points at it; how many."""
+        await self.flush_audit()
+        async with self.db.transaction() as tx:
+            deleted, _ = await delete_messages(tx, "created_at < ?", (before,))
+        return len(deleted)
 
     async def scrub(self) -> None:
         """After deleting someone's data: leave no trace of it in the database's files where the engine
@@ -657,24 +694,12 @@ class Storage:
         async with self.db.transaction() as tx:
             pair_ids = [int(r[0]) for r in await tx.fetch_all(
                 "SELECT id FROM cortex_pairs WHERE user_id = ?", (user.id,))]
-            channels = [int(r[0]) for r in await tx.fetch_all(
-                "SELECT DISTINCT channel_id FROM messages WHERE user_id = ?", (user.id,))]
             counts = await self.cortex.delete_pairs(tx, pair_ids)
-            await tx.execute(
-                "DELETE FROM reply_stats WHERE message_id IN (SELECT id FROM messages WHERE user_id = ?)", (user.id,))
-            await tx.execute("DELETE FROM message_vectors WHERE message_id IN"
-                             " (SELECT id FROM messages WHERE user_id = ?)", (user.id,))
             await tx.execute("DELETE FROM incognito WHERE user_id = ?", (user.id,))
-            for table in ("reply_sources", "platform_messages"):
-                await tx.execute(f"DELETE FROM {table} WHERE message_id IN"
-                                 " (SELECT id FROM messages WHERE user_id = ?)", (user.id,))
-            messages = await tx.fetch_all("DELETE FROM messages WHERE user_id = ? RETURNING id", (user.id,))
+            messages, channels = await delete_messages(tx, "user_id = ?", (user.id,))
             ch_marks = ",".join("?" for _ in channels) or "NULL"
             summaries = await tx.fetch_all(f"DELETE FROM summaries WHERE channel_id IN ({ch_marks}) RETURNING id",
                                            channels)
-            await tx.execute(
-                "UPDATE channels SET message_count = (SELECT count(*) FROM messages WHERE channel_id = channels.id)"
-                f" WHERE id IN ({ch_marks})", channels)
             await tx.execute("DELETE FROM users WHERE id = ?", (user.id,))
         self.forget_cached(user_key=user_key, channel_ids=channels)
         await self.scrub()

@@ -97,7 +97,7 @@ class MemoryCommands:
 
     async def resume(self, ctx: CommandContext, args: Sequence[str]) -> str:
         user, _ = await self.pairs.pair_for(ctx.user_key, ctx.user_name, ctx.persona)
-        deleted = await self.pairs.storage.incognito.end(user.id, ctx.persona)
+        deleted = await self.pairs.storage.end_incognito(user.id, ctx.persona)
         if deleted is None:
             return f"You were not incognito with {ctx.persona}."
         await self.pairs.storage.scrub()

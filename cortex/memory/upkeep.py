@@ -106,7 +106,7 @@ async def end_expired_incognito(storage: Storage, hours: float) -> int:
     """End the incognito stretches older than ``hours`` (their messages are deleted); how many ended."""
     ended = 0
     for user_id, persona in await storage.incognito.expired(time.time() - hours * 3600):
-        if await storage.incognito.end(user_id, persona) is not None:
+        if await storage.end_incognito(user_id, persona) is not None:
             ended += 1
     if ended:
         await storage.scrub()
@@ -118,7 +118,7 @@ async def expire_old_messages(storage: Storage, days: float) -> int:
     """Delete raw messages older than ``days`` (0: keep them); the files, items and summaries stay."""
     if days <= 0:
         return 0
-    deleted = await storage.incognito.delete_messages_before(time.time() - days * 86_400)
+    deleted = await storage.delete_messages_before(time.time() - days * 86_400)
     if deleted:
         await storage.scrub()
         log.info("deleted %d message(s) older than %g days (memory.keep_messages_days)", deleted, days)
