@@ -139,6 +139,15 @@ class PersonaRepository:
             (kind, scope, name, version))
         return None if row is None else _text(row)
 
+    async def revert(self, kind: TextKind, scope: str, name: str, number: int, *, author: str) -> TextVersion | None:
+        """Bring back version ``number``'s text (and its on/off state) as the next version; None when there
+        is no such version."""
+        old = await self.version(kind, scope, name, number)
+        if old is None:
+            return None
+        return await self.put(kind, scope, name, old.content, author=author, enabled=old.enabled,
+                              reason=f"reverted to version {number}")
+
     async def put(self, kind: TextKind, scope: str, name: str, content: str, *, author: str, reason: str = "",
                   position: int | None = None, enabled: bool | None = None) -> TextVersion:
         """Add the next version of a text (position and enabled carried over from the live one unless

@@ -25,6 +25,7 @@ from bot.commands import (
 from bot.config import SOUL_SECTIONS, ConfigError
 from bot.persona import section_title
 from bot.storage import Storage
+from bot.storage.personas import TextVersion
 from bot.storage.textsearch import text_search_config
 from cortex.personas.registry import PersonaRegistry
 
@@ -47,6 +48,27 @@ def section_key(text: str) -> str:
 def unknown_variables(text: str) -> list[str]:
     """Template variables the prompt will not fill (left visible as written)."""
     return sorted({m.group(1) for m in _BRACES.finditer(text) if m.group(1).lower() not in KNOWN_VARIABLES})
+
+
+def variables_note(text: str) -> str:
+    """" Note: …" naming the template variables in ``text`` that the prompt will not fill ("" if none)."""
+    unknown = unknown_variables(text)
+    if not unknown:
+        return ""
+    return (f" Note: {', '.join('{' + u + '}' for u in unknown)} is no template variable and stays as written "
+            f"(variables: {', '.join('{' + k + '}' for k in KNOWN_VARIABLES)}).")
+
+
+def history_lines(versions: Sequence[TextVersion], *, named: bool = False, limit: int = 40) -> list[str]:
+    """One line per version (the newest ``limit``): when, who, how long, on/off, why."""
+    lines = []
+    for v in versions[-limit:]:
+        name = f"{v.name} " if named else ""
+        state = "" if v.enabled else ", disabled"
+        why = f" — {v.reason}" if v.reason else ""
+        lines.append(f"  {name}v{v.version} {v.created_at:%Y-%m-%d %H:%M} by {v.author}, {len(v.content):,} chars"
+                     f"{state}{why}")
+    return lines
 
 
 @dataclass
@@ -113,12 +135,8 @@ class PersonaCommands:
         versions = await self.storage.personas.history("soul", scope, key)
         if not versions:
             return f"No history for {ctx.persona}" + (f" section {key}." if key else ".")
-        lines = [f"History of {ctx.persona}" + (f" section {key}" if key else "") + " (oldest first):"]
-        for v in versions[-40:]:
-            why = f" — {v.reason}" if v.reason else ""
-            lines.append(f"  {v.name} v{v.version} {v.created_at:%Y-%m-%d %H:%M} by {v.author}, "
-                         f"{len(v.content):,} chars{why}")
-        return "\n".join(lines)
+        title = f"History of {ctx.persona}" + (f" section {key}" if key else "") + " (oldest first):"
+        return "\n".join([title, *history_lines(versions, named=True)])
 
     async def create(self, ctx: CommandContext, args: Sequence[str]) -> str:
         name = " ".join(args).strip()
@@ -147,23 +165,17 @@ class PersonaCommands:
         await self.registry.load()
         done = (f"{ctx.persona}: section {key} is now version {saved.version}" if text
                 else f"{ctx.persona}: section {key} emptied (version {saved.version})")
-        unknown = unknown_variables(text)
-        if unknown:
-            done += (f". Note: {', '.join('{' + u + '}' for u in unknown)} is no template variable and stays as "
-                     f"written (variables: {', '.join('{' + k + '}' for k in KNOWN_VARIABLES)})")
-        return done + "."
+        return f"{done}.{variables_note(text)}"
 
     async def revert(self, ctx: CommandContext, args: Sequence[str]) -> str:
         if len(args) < 2:
             raise CommandError("give the section and the version, e.g. identity 2")
         key, number = section_key(args[0]), parse_number(args[1], "the version", prefix="v")
-        scope = await self._scope(ctx.persona)
-        old = await self.storage.personas.version("soul", scope, key, number)
-        if old is None:
+        saved = await self.storage.personas.revert("soul", await self._scope(ctx.persona), key, number,
+                                                   author=ctx.user_key)
+        if saved is None:
             raise CommandError(f"{ctx.persona} has no version {number} of section {key} "
                                f"(see {self.prefix}persona history {key})")
-        saved = await self.storage.personas.put("soul", scope, key, old.content, author=ctx.user_key,
-                                                reason=f"reverted to version {number}")
         await self.registry.load()
         return f"{ctx.persona}: section {key} is back to version {number}'s text (as version {saved.version})."
 

@@ -12,29 +12,13 @@ from dataclasses import dataclass
 from bot.commands import Command, CommandContext, CommandError, CommandRegistry, flag, number, parse_number, text, word
 from bot.storage import Storage
 from bot.storage.personas import BOT_WIDE, TextVersion
-from cortex.personas.commands import unknown_variables
+from cortex.personas.commands import history_lines, variables_note
 from cortex.personas.registry import PersonaRegistry
 
 MAX_GUIDELINES_CHARS = 8000
 MAX_RULE_CHARS = 2000
 RULE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
 DEFAULT_FLAG = "--default"
-
-
-def _variables_note(text: str) -> str:
-    unknown = unknown_variables(text)
-    return f" Note: {', '.join('{' + u + '}' for u in unknown)} is no template variable and stays as written." \
-        if unknown else ""
-
-
-def _history_lines(versions: Sequence[TextVersion]) -> list[str]:
-    lines = []
-    for v in versions[-30:]:
-        state = "" if v.enabled else ", disabled"
-        why = f" — {v.reason}" if v.reason else ""
-        lines.append(f"  v{v.version} {v.created_at:%Y-%m-%d %H:%M} by {v.author}, {len(v.content):,} chars"
-                     f"{state}{why}")
-    return lines
 
 
 @dataclass
@@ -92,25 +76,23 @@ class GuidelinesCommands:
         saved = await self.storage.personas.put("guidelines", scope, "", text, author=ctx.user_key,
                                                 reason="set in chat")
         await self.registry.load()
-        return f"Saved {self._where(scope)} as version {saved.version}." + _variables_note(text)
+        return f"Saved {self._where(scope)} as version {saved.version}." + variables_note(text)
 
     async def history(self, ctx: CommandContext, args: Sequence[str]) -> str:
         scope, _ = self._scope(ctx, args, change=False)
         versions = await self.storage.personas.history("guidelines", scope, "")
         if not versions:
             return f"No versions of {self._where(scope)} yet."
-        return "\n".join([f"History of {self._where(scope)} (oldest first):", *_history_lines(versions)])
+        return "\n".join([f"History of {self._where(scope)} (oldest first):", *history_lines(versions, limit=30)])
 
     async def revert(self, ctx: CommandContext, args: Sequence[str]) -> str:
         scope, rest = self._scope(ctx, args, change=True)
         if not rest:
             raise CommandError("which version?")
         number = parse_number(rest[0], "the version", prefix="v")
-        old = await self.storage.personas.version("guidelines", scope, "", number)
-        if old is None:
+        saved = await self.storage.personas.revert("guidelines", scope, "", number, author=ctx.user_key)
+        if saved is None:
             raise CommandError(f"there is no version {number} of {self._where(scope)}")
-        saved = await self.storage.personas.put("guidelines", scope, "", old.content, author=ctx.user_key,
-                                                reason=f"reverted to version {number}")
         await self.registry.load()
         return f"{self._where(scope).capitalize()} are back to version {number}'s text (as version {saved.version})."
 
@@ -185,20 +167,20 @@ class RulesCommands:
         versions = await self.storage.personas.history("rule", BOT_WIDE, name)
         if not versions:
             raise CommandError(f"there is no rule {name!r}")
-        return "\n".join([f"History of rule {name} (oldest first):", *_history_lines(versions)])
+        return "\n".join([f"History of rule {name} (oldest first):", *history_lines(versions, limit=30)])
 
     async def add(self, ctx: CommandContext, args: Sequence[str]) -> str:
         name, text = self._name(args), self._text(args, ctx)
         if any(r.name == name and r.content.strip() for r in self.registry.rules()):
             raise CommandError(f"rule {name!r} exists already: change it with {self.prefix}rules edit")
         version = await self._put(ctx, name, text, "added in chat", enabled=True)
-        return f"Rule {name} added (version {version})." + _variables_note(text)
+        return f"Rule {name} added (version {version})." + variables_note(text)
 
     async def edit(self, ctx: CommandContext, args: Sequence[str]) -> str:
         name, text = self._name(args), self._text(args, ctx)
         self._live(name)
         version = await self._put(ctx, name, text, "edited in chat")
-        return f"Rule {name} is now version {version}." + _variables_note(text)
+        return f"Rule {name} is now version {version}." + variables_note(text)
 
     async def disable(self, ctx: CommandContext, args: Sequence[str]) -> str:
         name = self._name(args)
@@ -215,8 +197,8 @@ class RulesCommands:
         if len(args) < 2:
             raise CommandError("which version?")
         number = parse_number(args[1], "the version", prefix="v")
-        old = await self.storage.personas.version("rule", BOT_WIDE, name, number)
-        if old is None:
+        saved = await self.storage.personas.revert("rule", BOT_WIDE, name, number, author=ctx.user_key)
+        if saved is None:
             raise CommandError(f"rule {name} has no version {number}")
-        version = await self._put(ctx, name, old.content, f"reverted to version {number}", enabled=old.enabled)
-        return f"Rule {name} is back to version {number}'s text (as version {version})."
+        await self.registry.load()
+        return f"Rule {name} is back to version {number}'s text (as version {saved.version})."
