@@ -344,27 +344,28 @@ class MemoryRepository:
         return [(int(r[0]), bytes(r[1])) for r in rows]
 
     async def vector_top(
-        self, scope: VectorScope, model: str, query: npt.NDArray[np.float32], k: int
+        self, scope: VectorScope, model: str, query: npt.NDArray[np.float32], k: int, least: float = -1.0
     ) -> dict[int, float]:
         """PostgreSQL: the ``k`` nearest ids with how far their cosine similarity rises above the query's
         typical similarity in the scope (mean + 2σ over up to ``TYPICAL_SAMPLE`` of its vectors; the
-        lowest below ``TYPICAL_MIN``), the same measure as the numpy scan of the SQLite engine."""
-        scores, _rows = await self._vector_knn(scope, model, query, k, "", ())
+        lowest below ``TYPICAL_MIN``), the same measure as the numpy scan of the SQLite engine; none with a
+        similarity below ``least`` (the relevance floor)."""
+        scores, _rows = await self._vector_knn(scope, model, query, k, "", (), least)
         return scores
 
     async def vector_top_items(
-        self, pair_id: int, model: str, query: npt.NDArray[np.float32], k: int, now: float
+        self, pair_id: int, model: str, query: npt.NDArray[np.float32], k: int, now: float, least: float = -1.0
     ) -> tuple[dict[int, float], list[Row]]:
         """PostgreSQL: :meth:`vector_top` of the pair's items, with the rows (``ITEM_COLUMNS``) of those
         of them that are visible, read by the same statement (a search saves a round trip)."""
         visible = ", (m.superseded_by IS NULL AND (m.expires_at IS NULL OR m.expires_at > ?)) AS visible"
         scores, rows = await self._vector_knn(ItemScope(pair_id), model, query, k, f", {ITEM_COLUMNS_M}{visible}",
-                                              (now,))
-        return scores, [r for r in rows if r["visible"]]
+                                              (now,), least)
+        return scores, [r for r in rows if r["visible"] and int(r["knn_id"]) in scores]
 
     async def _vector_knn(
         self, scope: VectorScope, model: str, query: npt.NDArray[np.float32], k: int, columns: str,
-        column_params: tuple[Any, ...],
+        column_params: tuple[Any, ...], least: float = -1.0,
     ) -> tuple[dict[int, float], list[Row]]:
         """The k-NN ids with their excess similarity (see :meth:`vector_top`), and the k-NN rows (the id,
         the similarity, then ``columns`` over the scope's table as ``m``)."""
@@ -388,7 +389,7 @@ class MemoryRepository:
             return {}, []
         count, mean, sd, low = int(stats[0]), float(stats[1] or 0), float(stats[2] or 0), float(stats[3] or 0)
         floor = mean + 2.0 * sd if count >= TYPICAL_MIN else (low if count > 1 else 0.0)
-        return {int(r[0]): float(r[1]) - floor for r in rows}, rows
+        return {int(r[0]): float(r[1]) - floor for r in rows if float(r[1]) >= least}, rows
 
     async def ensure_vector_index(self, dims: int) -> None:
         """PostgreSQL: the HNSW (cosine) indexes for vectors of ``dims`` dimensions, made once (by the

@@ -31,12 +31,16 @@ import numpy.typing as npt
 
 from bot.config import MemoryConfig, read_secret
 from bot.storage.core import Storage
+from cortex.memory.background import BACKGROUND, shipped_background
 from cortex.memory.embedders import Embedder, EmbedderError, create_embedder, embed_queries
 from cortex.memory.vectors import VectorSearch
 
 log = logging.getLogger(__name__)
 
 BATCH = 16
+# Standard deviations above unrelated text a hit found by meaning alone needs (relevance_levels).
+MESSAGE_Z = 4.0
+ITEM_Z = 0.7
 BACKFILL_NICENESS = 10
 
 
@@ -114,6 +118,7 @@ class EmbeddingService:
         self._rate = 0.0
         self._query_failures = 0
         self._executor: ThreadPoolExecutor | None = None  # the backfill's own, low-priority thread
+        self._background: asyncio.Future[npt.NDArray[np.float32] | None] | None = None  # relevance yardstick
 
     def close(self) -> None:
         if self._executor is not None:
@@ -147,6 +152,48 @@ class EmbeddingService:
             return None
         vector: npt.NDArray[np.float32] = vectors[0]
         return vector
+
+    async def relevance_levels(self, query: npt.NDArray[np.float32]) -> tuple[float, float]:
+        """The least cosine similarity an item and a past message need to count as related to ``query``
+        by meaning: the query's mean similarity to unrelated everyday sentences (``BACKGROUND``) plus
+        ``ITEM_Z`` or ``MESSAGE_Z`` of their standard deviations. (-1, -1), no floor, for an embedder
+        without a measured yardstick. How the two were chosen: see the README's "Relevance floor"."""
+        background = await self._background_vectors()
+        if background is None or background.shape[1] != query.shape[0]:
+            return -1.0, -1.0
+        sims = background @ query
+        mean, sd = float(sims.mean()), float(sims.std())
+        return mean + ITEM_Z * sd, mean + MESSAGE_Z * sd
+
+    def warm_up(self) -> None:
+        """Check the relevance yardstick now, so the first search does not wait for it."""
+        if self._background is None:
+            self._background = asyncio.ensure_future(self._load_background())
+            self._background.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def _background_vectors(self) -> npt.NDArray[np.float32] | None:
+        if self._background is None:
+            self._background = asyncio.ensure_future(self._load_background())
+        try:
+            return await asyncio.shield(self._background)
+        except EmbedderError as exc:  # retried by a later search
+            self._background = None
+            log.warning("could not check the relevance yardstick; searching without a floor: %s", exc)
+            return None
+
+    async def _load_background(self) -> npt.NDArray[np.float32] | None:
+        """The yardstick's vectors, shipped for the default embedder (whose floors were measured) and
+        checked against a fresh embedding of the first sentence, so changed weights are noticed. Other
+        embedders have no floor: their levels were never measured."""
+        shipped = shipped_background(self.embedder.name)
+        if shipped is None:
+            return None
+        first = np.asarray(await asyncio.to_thread(self.query_embedder.embed, [BACKGROUND[0]]), dtype=np.float32)
+        if first.ndim != 2 or first.shape[1] != shipped.shape[1] or float(first[0] @ shipped[0]) < 0.999:
+            log.warning("the shipped relevance yardstick does not match %s; searching without a floor",
+                        self.embedder.name)
+            return None
+        return shipped
 
     # -- backfill --------------------------------------------------------------------------------
 

@@ -8,8 +8,11 @@ deletes, and a user can restore. Expired items (``expires_at`` in the past) are 
 Search scores every candidate with a weighted sum of signals normalised to [0, 1]: vector similarity,
 full text (FTS5 bm25, porter stemming), importance, recency (exponential decay with a half-life) and
 access frequency. Candidates are the top ``candidates`` by full text and the top ``candidates`` by
-vector, merged. The pair's past messages join the same ranking (full text and recency; they carry
-no importance), so facts no update extracted can still be found; each hit says where it came from.
+vector, merged. The relevance floor: a candidate found by meaning alone (no query word in it) must be
+clearly more similar to the query than unrelated text is (``EmbeddingService.relevance_levels``), so a
+search with nothing related finds nothing instead of the least bad ten. The pair's past messages join
+the same ranking (full text and recency; they carry no importance), so facts no update extracted can
+still be found; each hit says where it came from.
 """
 
 from __future__ import annotations
@@ -306,19 +309,21 @@ class MemoryStore:
                     messages and await index.has_vectors(("messages", user_id or 0, persona or ""))):
                 query_vector = await self.embeddings.embed_query(query)
         vector = query_vector if index is not None else None
+        # The relevance floor: a candidate found only by meaning must stand far above unrelated text.
+        least_item, least_message = (await self.embeddings.relevance_levels(vector)
+                                     if vector is not None and self.embeddings is not None else (-1.0, -1.0))
         parts = []
         if include_items:  # a caller that knows the pair has no items saves the query
-            parts.append(self._item_candidates(pair_id, match, vector, now))
+            parts.append(self._item_candidates(pair_id, match, vector, now, least_item))
         if messages:
-            parts.append(
-                self._message_candidates(user_id or 0, persona or "", match, vector, now, set(exclude_messages))
-            )
+            parts.append(self._message_candidates(user_id or 0, persona or "", match, vector, now,
+                                                  set(exclude_messages), least_message))
         candidates = [c for part in await asyncio.gather(*parts) for c in part
                       if c.kind != "item" or str(c.row["scope"]) in scopes]
         return self._rank(candidates, limit, now)
 
     async def _item_candidates(
-        self, pair_id: int, match: str, vector: npt.NDArray[np.float32] | None, now: float
+        self, pair_id: int, match: str, vector: npt.NDArray[np.float32] | None, now: float, least: float
     ) -> list[_Candidate]:
         async def by_text() -> list[Any]:
             if not match:
@@ -335,11 +340,11 @@ class MemoryStore:
             index = self.embeddings.index
             if isinstance(index, DatabaseVectors):  # the k-NN query brings the rows along: no fetch below
                 scores, rows = await self.repo.vector_top_items(
-                    pair_id, index.model_of(("items", pair_id)), vector, self.candidates * 2, now)
+                    pair_id, index.model_of(("items", pair_id)), vector, self.candidates * 2, now, least)
                 fetched = {int(r["id"]): r for r in rows}
                 return scores
             # Hidden items may sit in the matrix: take more than needed, the fetch below filters.
-            return await index.top(("items", pair_id), vector, self.candidates * 2)
+            return await index.top(("items", pair_id), vector, self.candidates * 2, least)
 
         async def fetch(ids: list[int]) -> list[Any]:
             if fetched is not None:
@@ -365,7 +370,7 @@ class MemoryStore:
 
     async def _message_candidates(
         self, user_id: int, persona: str, match: str, vector: npt.NDArray[np.float32] | None, now: float,
-        exclude: set[int],
+        exclude: set[int], least: float,
     ) -> list[_Candidate]:
         async def by_text() -> list[Any]:
             if not match:
@@ -379,7 +384,7 @@ class MemoryStore:
             if vector is None or self.embeddings is None:
                 return {}
             found = await self.embeddings.index.top(("messages", user_id, persona), vector,
-                                                     self.candidates + len(exclude))
+                                                     self.candidates + len(exclude), least)
             return {i: v for i, v in found.items() if i not in exclude}
 
         async def fetch(ids: list[int]) -> list[Any]:

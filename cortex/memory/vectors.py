@@ -81,7 +81,7 @@ class Block:
         self._size = need
         self._known.update(ids[n] for n in keep)
 
-    def top(self, query: npt.NDArray[np.float32], k: int) -> dict[int, float]:
+    def top(self, query: npt.NDArray[np.float32], k: int, least: float = -1.0) -> dict[int, float]:
         """The ``k`` best ids, each with how far its cosine similarity to ``query`` rises above what is
         typical for this query in this block (the mean plus two standard deviations over all its
         vectors; over fewer than ``TYPICAL_MIN`` vectors, the lowest similarity).
@@ -92,20 +92,20 @@ class Block:
         Values can be negative (less similar than typical); callers clip."""
         if not len(self.ids) or self.matrix.shape[1] != query.shape[0]:
             return {}
-        return _combine([_scan(self.matrix, query, k, 0)], self.ids, k)
+        return _combine([_scan(self.matrix, query, k, 0)], self.ids, k, least)
 
-    async def top_async(self, query: npt.NDArray[np.float32], k: int) -> dict[int, float]:
+    async def top_async(self, query: npt.NDArray[np.float32], k: int, least: float = -1.0) -> dict[int, float]:
         """:meth:`top`; a big block is scanned in two halves on two worker threads (numpy releases the
         GIL, so both cores work while the event loop waits)."""
         n = len(self.ids)
         if n <= THREAD_ABOVE or self.matrix.shape[1] != query.shape[0]:
-            return self.top(query, k)
+            return self.top(query, k, least)
         half = n // 2
         parts = await asyncio.gather(
             asyncio.to_thread(_scan, self.matrix[:half], query, k, 0),
             asyncio.to_thread(_scan, self.matrix[half:], query, k, half),
         )
-        return _combine(list(parts), self.ids, k)
+        return _combine(list(parts), self.ids, k, least)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +125,9 @@ def _scan(matrix: npt.NDArray[np.float32], query: npt.NDArray[np.float32], k: in
                  float(np.dot(sims, sims)), float(sims.min()))
 
 
-def _combine(parts: list[_Scan], ids: npt.NDArray[np.int64], k: int) -> dict[int, float]:
+def _combine(parts: list[_Scan], ids: npt.NDArray[np.int64], k: int, least: float = -1.0) -> dict[int, float]:
+    """The ``k`` best of the parts as excess over the typical level; those with a similarity below
+    ``least`` (the relevance floor) are left out after the typical level was measured over all."""
     count = sum(p.count for p in parts)
     if count >= TYPICAL_MIN:
         mean = sum(p.total for p in parts) / count
@@ -138,6 +140,9 @@ def _combine(parts: list[_Scan], ids: npt.NDArray[np.int64], k: int) -> dict[int
     if k < len(sims):
         keep = np.argpartition(-sims, k)[:k]
         rows, sims = rows[keep], sims[keep]
+    if least > -1.0:
+        related = sims >= least
+        rows, sims = rows[related], sims[related]
     return dict(zip(ids[rows].tolist(), (sims - floor).tolist(), strict=True))
 
 
@@ -173,8 +178,10 @@ class VectorIndex:
     async def has_vectors(self, scope: Scope) -> bool:
         return bool(len((await self._block(scope)).ids))
 
-    async def top(self, scope: Scope, query: npt.NDArray[np.float32], k: int) -> dict[int, float]:
-        return await (await self._block(scope)).top_async(query, k)
+    async def top(self, scope: Scope, query: npt.NDArray[np.float32], k: int, least: float = -1.0
+                  ) -> dict[int, float]:
+        """The ``k`` most similar ids of the scope (see :meth:`Block.top`), none below ``least``."""
+        return await (await self._block(scope)).top_async(query, k, least)
 
     async def items(self, pair_id: int) -> Block:
         return await self._block(("items", pair_id))
@@ -285,8 +292,9 @@ class DatabaseVectors:
     async def has_vectors(self, scope: Scope) -> bool:
         return await self.repo.has_vectors(repo_scope(scope), self.model_of(scope))
 
-    async def top(self, scope: Scope, query: npt.NDArray[np.float32], k: int) -> dict[int, float]:
-        return await self.repo.vector_top(repo_scope(scope), self.model_of(scope), query, k)
+    async def top(self, scope: Scope, query: npt.NDArray[np.float32], k: int, least: float = -1.0
+                  ) -> dict[int, float]:
+        return await self.repo.vector_top(repo_scope(scope), self.model_of(scope), query, k, least)
 
     def add(self, scope: Scope, ids: Sequence[int], vectors: npt.NDArray[np.float32]) -> None:
         """Nothing to do: the database is the index."""
