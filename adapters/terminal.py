@@ -244,7 +244,8 @@ class TerminalAdapter:
                 await self._follow_router()
             return
         try:
-            stream = self.app.core.reply(self._inbound(line).message, self.persona.name)
+            stream = self.app.core.reply(self._inbound(line).message, self.persona.name, is_admin=True,
+                                         is_bot_admin=True)
         except UserFacingError as exc:
             self.failures += 1
             self._error(exc.user_message)
@@ -281,6 +282,12 @@ class TerminalAdapter:
 
     async def _write_reply(self, stream: Any) -> None:
         started = False
+
+        async def status(line: str) -> None:
+            self.stdout.write(f"{'' if not started else chr(10)}({printable(line)})\n")
+            self.stdout.flush()
+
+        stream.on_status = status
         try:
             async for delta in stream:
                 if not started:

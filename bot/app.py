@@ -32,6 +32,8 @@ from cortex.personas.lore import LoreIndex, LoreSection
 from cortex.personas.lore_commands import LoreCommands
 from cortex.personas.registry import PersonaRegistry
 from cortex.personas.sections import GuidelinesSection, RulesSection
+from cortex.skills.builtin import Builtins
+from cortex.skills.setup import Skills
 from cortex.tiers import JOB_KIND as CORTEX_JOB
 
 log = logging.getLogger(__name__)
@@ -95,6 +97,12 @@ class App:
                 self.personas,
             )
             self.lore = LoreIndex(self.storage)
+            if self.cortex.embeddings is not None:
+                self.cortex.embeddings.warm_up()
+            self.skills = Skills(self.config, self.storage, Builtins(
+                self.config, self.storage, self.cortex.store, self.cortex.memory,
+                self.lore, self.personas))
+            await self.skills.start()
             self.core = ConversationCore(
                 self.config, self.storage, self.llm, self.estimator, self.summaries,
                 section_providers=[RulesSection(self.personas, self.estimator),
@@ -102,6 +110,7 @@ class App:
                                    self.cortex.knowledge, LoreSection(self.lore, self.personas, self.estimator)],
                 observers=[self.cortex.tiers],
                 personas=self.personas,
+                tools=self.skills.tools,
             )
             self.commands = CommandRegistry()
             register_core_commands(self.commands, self.storage, self.estimator)
@@ -112,6 +121,8 @@ class App:
                 commands(self.personas, self.storage).register(self.commands)
             LoreCommands(self.personas, self.storage, self.lore).register(self.commands)
             CardCommands(self.personas, self.storage).register(self.commands)
+            self.skills.commands.register(self.commands)
+            self.cortex.commands.extra_stats = self._extra_stats
             await self.cortex.memory_admin.load()
             self.router = Router(self.config, self.storage, self.core, self.commands, self.personas)
             self.fleet = Fleet(self.storage)
@@ -152,10 +163,15 @@ class App:
                 await self.workers.stop(0)
             if getattr(self, "job_storage", None) is not None:
                 await self.job_storage.close()
+            if getattr(self, "skills", None) is not None:
+                await self.skills.aclose()
             await self.storage.close()
             raise
         self._started = True
         return self
+
+    async def _extra_stats(self) -> list[str]:
+        return await self.cortex.memory_admin.stats_lines() + await self.skills.commands.stats_lines()
 
     async def _expire_messages(self) -> None:
         await expire_old_messages(self.job_storage, self.config.memory.keep_messages_days)
@@ -190,6 +206,7 @@ class App:
             await self.workers.stop(grace)
             await self.storage.set_setting(self._calibration_key, f"{self.estimator.factor:.4f}")
         finally:
+            await self.skills.aclose()
             await self.llm.aclose()
             await self.job_storage.close()
             await self.storage.close()

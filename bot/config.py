@@ -463,6 +463,77 @@ class MatrixConfig(_Section):
         return self
 
 
+_SKILL_NAME = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"
+
+
+class HttpSkillConfig(_Section):
+    """One ``[[skills.http]]`` entry: an HTTP endpoint the persona may call as a tool."""
+
+    name: str = Field(pattern=_SKILL_NAME, description="Tool name the model sees.")
+    description: str = Field(min_length=1, max_length=2000, description="What the tool does, for the model.")
+    parameters: dict[str, Any] = Field(
+        default_factory=lambda: {"type": "object", "properties": {}},
+        description="JSON schema (an object schema) of the arguments.",
+    )
+    method: Literal["GET", "POST", "PUT", "PATCH", "DELETE"] = "GET"
+    url: str = Field(min_length=1, description="URL template; {arg} is replaced by the URL-quoted argument.")
+    headers: dict[str, str] = Field(default_factory=dict, description="Fixed request headers.")
+    headers_env: dict[str, str] = Field(
+        default_factory=dict, description="Header name -> environment variable holding its value (secrets)."
+    )
+    timeout_seconds: float = Field(default=10.0, gt=0, le=300)
+    max_response_bytes: int = Field(default=100_000, ge=100, le=10_000_000)
+    result_path: str = Field(
+        default="", description="Dotted path into a JSON response the model sees (e.g. data.items); empty: all."
+    )
+    admin_only: bool = False
+    triggers: list[str] = Field(default_factory=list, description="Offered only when a message has one of these.")
+
+
+class McpServerConfig(_Section):
+    """One ``[[skills.mcp]]`` entry: an MCP server whose tools the persona may call."""
+
+    name: str = Field(pattern=_SKILL_NAME)
+    command: list[str] = Field(default_factory=list, description="A stdio server: program and arguments.")
+    url: str = Field(default="", description="A streamable HTTP server's URL.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for a stdio server.")
+    env_from: dict[str, str] = Field(
+        default_factory=dict, description="Variable for the server -> variable of the bot's environment (secrets)."
+    )
+    headers_env: dict[str, str] = Field(
+        default_factory=dict, description="HTTP server: header name -> environment variable holding its value."
+    )
+    tools: list[str] = Field(default_factory=list, description="Allowed tool names; empty: all.")
+    timeout_seconds: float = Field(default=30.0, gt=0, le=600, description="Longest tool call.")
+    admin_only: bool = False
+    triggers: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> McpServerConfig:
+        if bool(self.command) == bool(self.url):
+            raise ValueError(f"[[skills.mcp]] {self.name!r}: set either command (stdio) or url (HTTP), not both")
+        return self
+
+
+class SkillsConfig(_Section):
+    """Tools the persona may use while replying."""
+
+    enabled: bool = Field(default=True, description="Offer skills to the model in replies.")
+    builtin: list[str] = Field(
+        default_factory=lambda: ["remember", "search_memory", "search_lore", "current_time", "read_soul",
+                                 "read_guidelines", "edit_soul", "edit_guidelines"],
+        description="Built-in skills on by default.",
+    )
+    disabled: list[str] = Field(default_factory=list, description="Skills off by default (admins may enable).")
+    max_rounds: int = Field(default=4, ge=1, le=20, description="Most model calls in one reply.")
+    reply_token_cap: int = Field(default=20_000, ge=1000, description="Tokens one reply may spend over all rounds.")
+    calls_per_user_per_day: int = Field(default=50, ge=0, description="Calls of one skill per user per day (0: off).")
+    result_max_chars: int = Field(default=8000, ge=200, le=200_000, description="Longest tool result the model sees.")
+    timezone: str = Field(default="UTC", description="current_time's zone when the user's is unknown.")
+    http: list[HttpSkillConfig] = Field(default_factory=list)
+    mcp: list[McpServerConfig] = Field(default_factory=list)
+
+
 class TerminalConfig(_Section):
     enabled: bool = Field(default=True, description="Whether `cortexbot run` starts the terminal adapter.")
     user: str = Field(default="", description="Name of the local user; default: the login name.")
@@ -532,6 +603,7 @@ class Config(_Section):
     discord: DiscordConfig = Field(default_factory=DiscordConfig)
     matrix: MatrixConfig = Field(default_factory=MatrixConfig)
     terminal: TerminalConfig = Field(default_factory=TerminalConfig)
+    skills: SkillsConfig = Field(default_factory=SkillsConfig)
     personas: list[PersonaConfig] = Field(default_factory=lambda: [DEFAULT_PERSONA.model_copy()])
 
     @model_validator(mode="after")

@@ -9,17 +9,18 @@ enqueue durable jobs: a reply never waits on background work.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import get_args
 
 from bot.config import Config
 from bot.errors import EmptyMessage, MessageTooLong
 from bot.history import HistoryWindow, build_window
-from bot.llm.base import Completion, LLMProvider, LLMRequest, StreamEnd, TextDelta
+from bot.llm.base import ChatMessage, Completion, LLMProvider, LLMRequest, StreamEnd, TextDelta, Usage
 from bot.llm.errors import LLMBadResponse, LLMError
 from bot.persona import ConfigPersonas, Persona, PersonaSource
 from bot.ports import (
@@ -30,6 +31,8 @@ from bot.ports import (
     PromptSection,
     PromptSectionProvider,
     SectionSlot,
+    Toolbox,
+    ToolProvider,
 )
 from bot.prompt import PromptParts, fit_soul, history_turns, render_system
 from bot.storage.base import Channel, LLMCallRecord, ReplyStats, Storage, StoredMessage, Summary, User
@@ -59,11 +62,17 @@ class ReplyResult:
 class ReplyStream:
     """Async iterator over the reply's text deltas; ``result`` is set once it is exhausted."""
 
-    def __init__(self, core: ConversationCore, message: IncomingMessage, persona: Persona) -> None:
+    def __init__(self, core: ConversationCore, message: IncomingMessage, persona: Persona, is_admin: bool,
+                 is_bot_admin: bool) -> None:
         self._core = core
         self._message = message
         self._persona = persona
+        self._is_admin = is_admin or is_bot_admin
+        self._is_bot_admin = is_bot_admin
         self.result: ReplyResult | None = None
+        # Set by whoever shows the reply: called with a short line while a tool runs ("looking that up…").
+        self.on_status: Callable[[str], Awaitable[None]] | None = None
+        self.rounds = 0  # model calls the reply took (more than one when it used tools)
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._core._run(self)
@@ -88,7 +97,9 @@ class ConversationCore:
         section_providers: Sequence[PromptSectionProvider] = (),
         observers: Sequence[ExchangeObserver] = (),
         personas: PersonaSource | None = None,
+        tools: ToolProvider | None = None,
     ) -> None:
+        self.tools = tools
         self.config = config
         self.personas = personas or ConfigPersonas(config)
         self.storage = storage
@@ -99,8 +110,10 @@ class ConversationCore:
         self.observers = list(observers)
         self._window_sizes: dict[int, int] = {}  # channel id -> messages in its last window
 
-    def reply(self, message: IncomingMessage, persona: str | None = None) -> ReplyStream:
-        """Validate ``message`` (raises :class:`bot.errors.UserFacingError`) and prepare its reply."""
+    def reply(self, message: IncomingMessage, persona: str | None = None, *, is_admin: bool = False,
+              is_bot_admin: bool = False) -> ReplyStream:
+        """Validate ``message`` (raises :class:`bot.errors.UserFacingError`) and prepare its reply;
+        ``is_admin``: the author is an admin where it was sent (admin-only skills are offered)."""
         text = message.text.strip()
         if not text:
             raise EmptyMessage()
@@ -110,7 +123,7 @@ class ConversationCore:
                 f"That message is {len(text):,} characters long; the limit is {limit:,}. "
                 "Please split it into shorter messages."
             )
-        return ReplyStream(self, message, self.personas.persona(persona))
+        return ReplyStream(self, message, self.personas.persona(persona), is_admin, is_bot_admin)
 
     async def _run(self, stream: ReplyStream) -> AsyncIterator[str]:
         message, persona = stream._message, stream._persona
@@ -143,6 +156,8 @@ class ConversationCore:
             now=now,
             in_prompt=frozenset(m.id for m in (*window.messages, user_msg)),
             previous=window.messages[-1].text if window.messages else "",
+            is_admin=stream._is_admin,
+            is_bot_admin=stream._is_bot_admin,
         )
         sections: dict[str, list[PromptSection]] = {slot: [] for slot in get_args(SectionSlot)}
         for provider in self.section_providers:
@@ -179,16 +194,17 @@ class ConversationCore:
             max_tokens=self.config.llm.max_tokens,
             temperature=self.config.temperature_for(persona),
         )
-        completion = None
+        toolbox = await self.tools.toolbox(context) if self.tools is not None else None
+        if toolbox is not None:  # the tool definitions are part of the prompt the model is billed for
+            raw_prompt += self.estimator.raw_count(" ".join(
+                f"{s.name} {s.description} {json.dumps(s.input_schema)}" for s in toolbox.specs))
+        done: list[Completion] = []
         started = time.monotonic()
         try:
-            async for event in self.llm.stream(request):
-                if isinstance(event, TextDelta):
-                    if event.text:
-                        yield event.text
-                elif isinstance(event, StreamEnd):
-                    completion = event.completion
-            if completion is None or not completion.text.strip():
+            async for text in self._generate(request, toolbox, stream, done):
+                yield text
+            completion = done[0]
+            if not completion.text.strip():
                 raise LLMBadResponse("the model returned an empty reply")
         except LLMError as exc:
             await self.storage.record_llm_call(
@@ -202,11 +218,55 @@ class ConversationCore:
         duration_ms = int((time.monotonic() - started) * 1000)
         stream.result = await self._finish(
             persona, user, channel, user_msg, window, summary, raw_prompt, completion, duration_ms, message,
+            stream.rounds,
         )
         used = [s for slot in sections.values() for section in slot for s in section.sources]
         if summary is not None:
             used.append(ReplySource("summary", summary.version))
         await self.storage.sources.record(stream.result.reply.id, used)
+
+    async def _generate(
+        self, request: LLMRequest, toolbox: Toolbox | None, stream: ReplyStream, done: list[Completion]
+    ) -> AsyncIterator[str]:
+        """The model's text as it streams, over as many rounds as tool calls need (at most the toolbox's
+        ``max_rounds``; the last round, or the first over the token cap, must answer in text). Each
+        round's text streams at once; rounds are joined by a blank line. Appends the whole completion."""
+        messages, usage = list(request.messages), Usage()
+        texts: list[str] = []
+        rounds = toolbox.max_rounds if toolbox is not None else 1
+        completion: Completion | None = None
+        for number in range(rounds):
+            last = toolbox is None or number == rounds - 1 or (
+                usage.input_tokens + usage.output_tokens >= toolbox.token_cap)
+            offered = replace(request, messages=tuple(messages), tools=toolbox.specs if toolbox else (),
+                              tool_choice="none" if last else "auto")
+            completion = None
+            separate = any(t.strip() for t in texts)
+            async for event in self.llm.stream(offered):
+                if isinstance(event, TextDelta) and event.text:
+                    if separate:
+                        yield "\n\n"
+                        separate = False
+                    yield event.text
+                elif isinstance(event, StreamEnd):
+                    completion = event.completion
+            if completion is None:
+                raise LLMBadResponse("the model's stream ended without a result")
+            texts.append(completion.text)
+            usage = Usage(usage.input_tokens + completion.usage.input_tokens,
+                          usage.output_tokens + completion.usage.output_tokens)
+            if last or toolbox is None or not completion.tool_calls:
+                break
+            messages.append(ChatMessage("assistant", completion.text, completion.tool_calls))
+            for call in completion.tool_calls:
+                if stream.on_status is not None:
+                    await stream.on_status(toolbox.status(call))
+                outcome = await toolbox.execute(call)
+                messages.append(ChatMessage("tool", outcome.content, tool_call_id=call.id, is_error=outcome.is_error))
+        assert completion is not None
+        text = "\n\n".join(t.strip() for t in texts if t.strip())
+        stream.rounds = len(texts)
+        done.append(replace(completion, text=text, usage=usage, tool_calls=()))
 
     async def _store_incoming(
         self, message: IncomingMessage, persona: Persona
@@ -243,6 +303,7 @@ class ConversationCore:
         completion: Completion,
         duration_ms: int,
         message: IncomingMessage,
+        rounds: int = 1,
     ) -> ReplyResult:
         text = completion.text.strip()
         reply = await self.storage.add_message(
@@ -269,7 +330,8 @@ class ConversationCore:
                 prompt_tokens=prompt_tokens,
             )
         )
-        self.estimator.calibrate(raw_prompt, completion.usage.input_tokens)
+        if rounds == 1:  # several rounds bill the prompt several times: no measure of one prompt
+            self.estimator.calibrate(raw_prompt, completion.usage.input_tokens)
         log.info(
             "reply in channel %d: history %d/%d tokens, %d messages, %d trimmed, summary %s",
             channel.id, window.tokens, window.budget, len(window.messages), window.trimmed,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal, Protocol
 
+from bot.llm.base import ToolCall, ToolSpec
 from bot.storage.base import StoredMessage
 from bot.storage.sources import ReplySource
 
@@ -67,6 +68,8 @@ class PromptContext:
     now: datetime
     in_prompt: frozenset[int] = frozenset()  # ids of the stored messages already in the prompt's history
     previous: str = ""  # the message before this one in the channel ("" when there is none)
+    is_admin: bool = False  # the author is an admin where the message was sent (or a bot admin)
+    is_bot_admin: bool = False  # the author is one of the bot's own admins
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,3 +113,35 @@ class ExchangeObserver(Protocol):
     """Told after every stored exchange. Must only record or enqueue work, never wait on it."""
 
     async def on_exchange(self, exchange: Exchange) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ToolOutcome:
+    """A tool's answer to the model: data, never instructions; ``is_error`` when the call failed."""
+
+    content: str
+    is_error: bool = False
+
+
+class Toolbox(Protocol):
+    """The tools offered for one reply (already filtered by permission, place and trigger)."""
+
+    @property
+    def specs(self) -> tuple[ToolSpec, ...]: ...
+
+    @property
+    def max_rounds(self) -> int: ...
+
+    @property
+    def token_cap(self) -> int: ...
+
+    def status(self, call: ToolCall) -> str:
+        """A short line the platform shows while ``call`` runs ("looking that up…")."""
+
+    async def execute(self, call: ToolCall) -> ToolOutcome:
+        """Run one call; never raises (a failure is an outcome with ``is_error``)."""
+
+
+class ToolProvider(Protocol):
+    async def toolbox(self, context: PromptContext) -> Toolbox | None:
+        """The tools for this reply, or None when none are offered here."""

@@ -139,12 +139,14 @@ class Router:
 
     async def _reply(self, inbound: Inbound, sink: ChatSink, persona: str) -> None:
         try:
-            stream = self.core.reply(inbound.message, persona)
+            stream = self.core.reply(inbound.message, persona, is_admin=inbound.is_admin,
+                                     is_bot_admin=inbound.is_bot_admin)
         except UserFacingError as exc:
             await sink.send_reply(CommandReply(exc.user_message))
             return
         chat = self.config.chat
         shown = StreamedReply(sink, chat.edit_interval_seconds, chat.streaming)
+        stream.on_status = shown.status
         if await self._incognito(inbound.message.author_key, persona):
             await shown.feed(INCOGNITO_MARK)  # shown on the platform, never stored with the reply
         waiting = asyncio.create_task(shown.placeholder_after(chat.still_working_seconds, STILL_WORKING)) \

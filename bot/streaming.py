@@ -70,6 +70,18 @@ class StreamedReply:
                 await self._show(final=True)
         return self.sent
 
+    async def status(self, line: str) -> None:
+        """Show ``line`` under the text so far while a tool runs ("looking that up…"); the next text
+        (or the final edit) replaces it. Not part of the reply's text; nothing with streaming off."""
+        if not self.streaming:
+            return
+        async with self._lock:
+            pieces = split_message(self._text, self.sink.limit)
+            current = pieces[-1] if pieces and self._done_chunks == len(pieces) - 1 else ""
+            shown = f"{current}\n\n_{line}_" if current else f"_{line}_"
+            if len(shown) <= self.sink.limit:
+                await self._put(shown)
+
     async def placeholder_after(self, delay: float, text: str) -> None:
         """After ``delay`` seconds without any reply text, show ``text`` ("still working…"); the reply
         then replaces it. Run as a task and cancel it when the reply is done."""

@@ -33,6 +33,8 @@ talked to.
 - `<persona>/memory-items.md` — your memory items: active, archived (forgotten or pruned), corrected
   (superseded) and expired ones, with category, importance, scope and dates.
 - `summaries.md` — the rolling summaries of your direct-message conversations.
+- In `data.json` only: `skill_calls`, the tools the personas used while answering you (arguments as
+  recorded, secrets replaced).
 
 Times are UTC. Ids are this bot's own numbers (`#12`), as the chat commands show them.
 """
@@ -71,6 +73,10 @@ async def export_data(store: CortexStore, user: User) -> dict[str, Any]:
         "personas": personas,
         "messages": await repo.messages(user.id),
         "dm_summaries": await repo.dm_summaries(user.id),
+        "skill_calls": [{"skill": c.skill, "persona": c.persona, "channel": c.channel_key, "arguments": c.arguments,
+                         "ok": c.ok, "error": c.error, "duration_ms": c.duration_ms,
+                         "at": datetime.fromtimestamp(c.created_at, UTC).isoformat()}
+                        for c in await store.storage.skills.recent(user.key, limit=100_000)],
     }
 
 

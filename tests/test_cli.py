@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sqlite3
@@ -47,7 +48,7 @@ def is_summary(request: RecordedRequest) -> bool:
 
 
 def is_cortex_update(request: RecordedRequest) -> bool:
-    return bool(request.body.get("tools")) and "Your inner files" in system_text(request)
+    return any(t.get("function", t).get("name") == "write_file" for t in request.body.get("tools", []))
 
 
 def is_reply(request: RecordedRequest) -> bool:
@@ -56,9 +57,12 @@ def is_reply(request: RecordedRequest) -> bool:
 
 def realistic_usage(request: RecordedRequest) -> int:
     """Input tokens as a real provider would report them (so calibration stays honest)."""
+    specs = [t.get("function", t) for t in request.body.get("tools", [])]  # OpenAI nests them in "function"
+    tools = " ".join(f"{t['name']} {t['description']} {json.dumps(t.get('input_schema', t.get('parameters')))}"
+                     for t in specs)
     return ESTIMATOR.raw_count(system_text(request)) + sum(
         ESTIMATOR.raw_count(text_of(m)) + 4 for m in chat_messages(request)
-    )
+    ) + (ESTIMATOR.raw_count(tools) if tools else 0)
 
 
 def responder(summary_delay: float = 0.0):
@@ -260,7 +264,7 @@ def test_300_message_conversation_stays_in_budget_with_versioned_summaries(
                        timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     replies = [r for r in fake_llm.completion_requests if is_reply(r)]
-    assert len(replies) == 150
+    assert len(replies) == 150, result.stdout[-1500:] + result.stderr[-1500:]
     for request in replies:
         history = chat_messages(request)[:-1]
         used = sum(ESTIMATOR.raw_count(text_of(m)) + 4 for m in history)

@@ -20,6 +20,7 @@ from bot.storage.base import LLMCallRecord, ReplyStats
 from bot.storage.copy import INSTANCE_KEY, TABLES, CopyReport, TableCount, copy_data
 from bot.storage.memory import ItemScope
 from bot.storage.personas import NewLore
+from bot.storage.skills import SkillExecution
 from bot.storage.sources import ReplySource
 from cortex.memory.store import MemoryStore
 
@@ -78,6 +79,8 @@ async def fill(storage: Storage) -> None:
     await storage.sources.record(replies[0].id, [ReplySource("item", 1), ReplySource("file", 2, "memory.md")])
     await storage.sources.link(["discord-message:99"], replies[0].id)
     await storage.incognito.start(bob.id, "Lena")
+    await storage.skills.record(SkillExecution("current_time", "Lena", "console:bob", "console:dm-bob", "", "{}", True,
+                                               "", 3, "model", 1_700_000_000.5))
     await storage.fleet.claim_period("memory-prune", 86_400, "host-a:1")
     await storage.fleet.acquire_lock("matrix:@cora:example.org", "host-a:1", 60)
     await storage.fleet.heartbeat("host-a:1", "host-a", 1, {}, 1.0)  # processes: not copied

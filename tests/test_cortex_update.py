@@ -55,7 +55,12 @@ async def _pair(app: App, user: str = "ann") -> Pair:
 
 
 def cortex_requests(server: FakeLLMServer) -> list[RecordedRequest]:
-    return [r for r in server.completion_requests if r.body.get("tools")]
+    return [r for r in server.completion_requests if is_cortex_request(r)]
+
+
+def is_cortex_request(request: RecordedRequest) -> bool:
+    """A cortex update's request (it offers the file tools; a reply may offer skills, never these)."""
+    return any(t.get("function", t).get("name") == "write_file" for t in request.body.get("tools", []))
 
 
 def tool_results(request: RecordedRequest) -> list[dict[str, Any]]:
@@ -112,7 +117,7 @@ async def test_read_then_write_becomes_a_model_version_with_audit(app: App, fake
     assert "saved memory.md as version 2" in result_text(tool_results(requests[2])[0])
     # the very next reply carries the new content
     await app.core.reply(_msg("what do you know about me?")).text()
-    reply_request = [r for r in fake_llm.completion_requests if not r.body.get("tools")][-1]
+    reply_request = [r for r in fake_llm.completion_requests if not is_cortex_request(r)][-1]
     assert "Ann has a cat called Pixel." in reply_request.body["system"]
 
 

@@ -99,3 +99,31 @@ def test_rate_limiter_sliding_window() -> None:
     clock.now = 60.5
     assert limiter.check("ann") == 0.0
     assert RateLimiter(0).check("x") == 0.0
+
+
+async def test_a_tool_status_shows_under_the_text_and_the_next_text_replaces_it() -> None:
+    sink = _StatusSink()
+    shown = StreamedReply(sink, interval=0.0)
+    await shown.feed("Let me check.")
+    await shown.status("looking that up…")
+    assert sink.messages == ["Let me check.\n\n_looking that up…_"]
+    await shown.feed(" It is noon.")
+    await shown.finish()
+    assert sink.messages == ["Let me check. It is noon."]
+    quiet = _StatusSink()
+    await StreamedReply(quiet, streaming=False).status("looking that up…")
+    assert quiet.messages == []  # with streaming off nothing is sent before the reply
+
+
+class _StatusSink:
+    limit = 2000
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    async def send(self, text: str) -> int:
+        self.messages.append(text)
+        return len(self.messages) - 1
+
+    async def edit(self, handle: int, text: str) -> None:
+        self.messages[handle] = text

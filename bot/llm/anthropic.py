@@ -325,6 +325,8 @@ class AnthropicProvider:
             params["extra_body"] = {"temperature": request.temperature}
         if request.tools:
             params["tools"] = cast("list[ToolParam]", convert_tools(request.tools))
+            if request.tool_choice == "none":
+                params["tool_choice"] = {"type": "none"}
         return params
 
     def _error(self, exc: BaseException) -> LLMError:

@@ -76,6 +76,7 @@ class LLMRequest:
     max_tokens: int
     temperature: float | None = None
     tools: tuple[ToolSpec, ...] = ()
+    tool_choice: Literal["auto", "none"] = "auto"  # "none": answer in text even though tools are defined
 
 
 @dataclass(frozen=True, slots=True)

@@ -290,6 +290,8 @@ class OpenAICompatProvider:
             params["temperature"] = request.temperature
         if request.tools:
             params["tools"] = cast("list[ChatCompletionToolParam]", convert_tools(request.tools))
+            if request.tool_choice == "none":
+                params["tool_choice"] = "none"
         return params
 
     def _error(self, exc: BaseException) -> LLMError:

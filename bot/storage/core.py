@@ -54,6 +54,7 @@ from bot.storage.personas import LoreRepository, PersonaRepository
 from bot.storage.rows import MESSAGE_COLUMNS, message_from_row
 from bot.storage.rows import dt as _dt
 from bot.storage.rows import ts as _ts
+from bot.storage.skills import SkillAuditRepository
 from bot.storage.sources import SourceRepository
 from bot.storage.textsearch import text_search_config
 
@@ -110,6 +111,7 @@ class Storage:
         self.export = ExportRepository(db)
         self.sources = SourceRepository(db)
         self.incognito = IncognitoRepository(db)
+        self.skills = SkillAuditRepository(db)
 
     async def sibling(self) -> Storage:
         """A second handle on the same database sharing caches (see ``Database.sibling``)."""
@@ -696,6 +698,7 @@ class Storage:
                 "SELECT id FROM cortex_pairs WHERE user_id = ?", (user.id,))]
             counts = await self.cortex.delete_pairs(tx, pair_ids)
             await tx.execute("DELETE FROM incognito WHERE user_id = ?", (user.id,))
+            await tx.execute("DELETE FROM skill_executions WHERE user_key = ?", (user_key,))
             messages, channels = await delete_messages(tx, "user_id = ?", (user.id,))
             ch_marks = ",".join("?" for _ in channels) or "NULL"
             summaries = await tx.fetch_all(f"DELETE FROM summaries WHERE channel_id IN ({ch_marks}) RETURNING id",

@@ -303,4 +303,5 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(11, "which platform message shows which stored reply", _sqlite_fork(pg_schema.V11),
               postgres=pg_schema.V11),
     Migration(12, "incognito stretches per user and persona", _sqlite_fork(pg_schema.V12), postgres=pg_schema.V12),
+    Migration(13, "an audit row for every skill execution", _sqlite_fork(pg_schema.V13), postgres=pg_schema.V13),
 )

@@ -318,3 +318,21 @@ V12: tuple[str, ...] = (
         started_at DOUBLE PRECISION NOT NULL,
         PRIMARY KEY (user_id, persona))""",
 )
+
+V13: tuple[str, ...] = (
+    f"""CREATE TABLE skill_executions (
+        id {ID},
+        skill TEXT NOT NULL,
+        persona TEXT NOT NULL,
+        user_key TEXT NOT NULL,
+        channel_key TEXT NOT NULL,
+        server_key TEXT NOT NULL DEFAULT '',
+        arguments TEXT NOT NULL DEFAULT '{{}}',
+        ok INTEGER NOT NULL,
+        error TEXT NOT NULL DEFAULT '',
+        duration_ms INTEGER NOT NULL DEFAULT 0,
+        triggered_by TEXT NOT NULL DEFAULT 'model',
+        created_at DOUBLE PRECISION NOT NULL)""",
+    "CREATE INDEX skill_executions_user ON skill_executions (user_key, skill, created_at)",
+    "CREATE INDEX skill_executions_time ON skill_executions (created_at)",
+)

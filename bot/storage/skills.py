@@ -1,0 +1,78 @@
+"""The skill audit: one row per skill execution (who, where, which skill, sanitised arguments, outcome,
+duration), for ``!skills stats``, ``!cortex stats`` and the per-user daily call limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bot.storage.engine import Database
+
+
+@dataclass(frozen=True, slots=True)
+class SkillExecution:
+    skill: str
+    persona: str
+    user_key: str
+    channel_key: str
+    server_key: str
+    arguments: str  # JSON, secrets replaced
+    ok: bool
+    error: str
+    duration_ms: int
+    triggered_by: str  # "model" or "admin"
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class SkillStats:
+    skill: str
+    calls: int
+    failures: int
+    average_ms: float
+    last_at: float
+    last_error: str
+
+
+class SkillAuditRepository:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def record(self, row: SkillExecution) -> None:
+        async with self.db.transaction() as tx:
+            await tx.execute(
+                "INSERT INTO skill_executions (skill, persona, user_key, channel_key, server_key, arguments, ok,"
+                " error, duration_ms, triggered_by, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (row.skill, row.persona, row.user_key, row.channel_key, row.server_key, row.arguments, int(row.ok),
+                 row.error, row.duration_ms, row.triggered_by, row.created_at))
+
+    async def calls_since(self, user_key: str, skill: str, since: float) -> int:
+        row = await self.db.fetch_one(
+            "SELECT COUNT(*) FROM skill_executions WHERE user_key = ? AND skill = ? AND created_at >= ?",
+            (user_key, skill, since))
+        return int(row[0]) if row else 0
+
+    async def stats(self, since: float, persona: str | None = None) -> list[SkillStats]:
+        """Per skill since ``since`` (optionally for one persona): calls, failures, mean duration, last error."""
+        where = "created_at >= ?"
+        params: tuple[object, ...] = (since,)
+        if persona is not None:
+            where, params = where + " AND persona = ?", (*params, persona)
+        rows = await self.db.fetch_all(
+            "SELECT skill, COUNT(*), SUM(1 - ok), AVG(duration_ms), MAX(created_at)"
+            f" FROM skill_executions WHERE {where} GROUP BY skill ORDER BY COUNT(*) DESC, skill", params)
+        errors = await self.db.fetch_all(
+            "SELECT skill, error FROM skill_executions"
+            f" WHERE {where} AND ok = 0 ORDER BY created_at DESC, id DESC", params)
+        last_error: dict[str, str] = {}
+        for skill, error in errors:
+            last_error.setdefault(str(skill), str(error))
+        return [SkillStats(str(r[0]), int(r[1]), int(r[2] or 0), float(r[3] or 0), float(r[4]),
+                           last_error.get(str(r[0]), "")) for r in rows]
+
+    async def recent(self, user_key: str, limit: int = 100) -> list[SkillExecution]:
+        rows = await self.db.fetch_all(
+            "SELECT skill, persona, user_key, channel_key, server_key, arguments, ok, error, duration_ms,"
+            " triggered_by, created_at FROM skill_executions WHERE user_key = ? ORDER BY id DESC LIMIT ?",
+            (user_key, limit))
+        return [SkillExecution(str(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4]), str(r[5]), bool(r[6]),
+                               str(r[7]), int(r[8]), str(r[9]), float(r[10])) for r in rows]

@@ -1,0 +1,63 @@
+"""What every skill is: a name, a description and a JSON schema for the model, and ``run``.
+
+A skill never raises to its caller for anything the model or the outside world did wrong (bad
+arguments, a timeout, an HTTP error, a server that is down): it answers a :class:`SkillResult` with
+``is_error`` set and a message the model can act on. Whatever a skill returns is data for the model,
+never instructions (the reply loop wraps it as a tool result and caps its size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal, Protocol
+
+Origin = Literal["builtin", "http", "mcp"]
+
+
+class SkillFailure(Exception):
+    """Raised inside a skill for an expected failure; the loop turns it into a tool error."""
+
+
+@dataclass(frozen=True, slots=True)
+class SkillContext:
+    """Who the skill runs for, and where."""
+
+    user_db_id: int
+    user_key: str
+    user_name: str
+    persona: str
+    channel_key: str
+    server_key: str | None
+    is_dm: bool
+    is_admin: bool  # admin where this message was sent (server admin or bot admin)
+    now: datetime
+    is_bot_admin: bool = False  # one of the bot's own admins (changes that reach every server)
+
+
+@dataclass(frozen=True, slots=True)
+class SkillResult:
+    content: str
+    is_error: bool = False
+    changed: bool = False  # the skill stored or changed something (shown in the audit)
+
+
+@dataclass(frozen=True, slots=True)
+class SkillInfo:
+    """How a skill presents itself: to the model (name, description, schema) and to admins."""
+
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+    origin: Origin
+    admin_only: bool = False
+    triggers: tuple[str, ...] = ()  # empty: always offered (where allowed)
+    server: str = ""  # the MCP server it comes from
+    secrets: tuple[str, ...] = field(default=())  # argument/header values never written to the audit
+
+
+class Skill(Protocol):
+    @property
+    def info(self) -> SkillInfo: ...
+
+    async def run(self, arguments: dict[str, Any], context: SkillContext) -> SkillResult: ...

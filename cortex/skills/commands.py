@@ -1,0 +1,96 @@
+"""``!skills list | enable NAME | disable NAME | stats``: which tools the persona in use may call here,
+with each one's effective value and where it comes from; admins switch them per server (the default in
+a server), per channel (``--channel``) or bot-wide for the persona (``--everywhere``, bot admins; the
+only scope in a direct message)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from bot.commands import Command, CommandContext, CommandError, CommandRegistry, flag, word
+from bot.storage.core import Storage
+from cortex.skills.toolbox import SkillTools
+
+WEEK = 7 * 86_400.0
+
+
+@dataclass
+class SkillCommands:
+    tools: SkillTools
+    storage: Storage
+    prefix: str = "!"
+
+    def register(self, registry: CommandRegistry) -> None:
+        self.prefix = registry.prefix
+        scope = (flag("channel", "only in this channel", token="--channel"),
+                 flag("everywhere", "for this persona everywhere (bot admins)", token="--everywhere"))
+        name = word("name", "the skill's name", required=True)
+        registry.register(Command("skills list", "the skills this persona may use here, and why", self.list_skills,
+                                  admin=True, aliases=("skills",)))
+        registry.register(Command("skills enable", "let the persona use a skill", self.enable, (name, *scope),
+                                  admin=True))
+        registry.register(Command("skills disable", "stop the persona using a skill", self.disable, (name, *scope),
+                                  admin=True))
+        registry.register(Command("skills stats", "skill calls of the last 7 days: count, failures, time",
+                                  self.stats, admin=True))
+
+    async def list_skills(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        skills = self.tools.all()
+        if not self.tools.config.enabled:
+            return "Skills are switched off for the whole bot ([skills] enabled = false)."
+        if not skills:
+            return "No skills are available."
+        lines = [f"Skills of {ctx.persona} here (✅ on, ⛔ off; change with {self.prefix}skills enable|disable NAME):"]
+        for skill in sorted(skills, key=lambda s: (s.info.origin, s.info.name)):
+            info = skill.info
+            effective = await self.tools.policy.effective(info, ctx.persona, ctx.server_key, ctx.channel_key)
+            notes = [info.origin + (f" {info.server}" if info.server else ""), effective.source]
+            if info.admin_only:
+                notes.append("admins only")
+            if info.triggers:
+                notes.append("when a message says " + ", ".join(info.triggers[:5]))
+            lines.append(f"{'✅' if effective.enabled else '⛔'} {info.name} ({'; '.join(notes)}): "
+                         f"{info.description[:120]}")
+        return "\n".join(lines)
+
+    async def enable(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        return await self._switch(ctx, args, True)
+
+    async def disable(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        return await self._switch(ctx, args, False)
+
+    async def _switch(self, ctx: CommandContext, args: Sequence[str], enabled: bool) -> str:
+        names = [a for a in args if not a.startswith("--")]
+        known = {s.info.name: s for s in self.tools.all()}
+        if not names or names[0] not in known:
+            raise CommandError(f"unknown skill {names[0] if names else ''!r}; see {self.prefix}skills list")
+        scope, where = self._scope(ctx, args)
+        await self.tools.policy.set(ctx.persona, scope, names[0], enabled)
+        return f"{names[0]} is now {'on' if enabled else 'off'} for {ctx.persona} {where}."
+
+    @staticmethod
+    def _scope(ctx: CommandContext, args: Sequence[str]) -> tuple[str, str]:
+        if "--channel" in args:
+            return f"channel:{ctx.channel_key}", "in this channel"
+        if "--everywhere" in args or not ctx.server_key:
+            if not ctx.is_bot_admin:
+                raise CommandError("switching a skill everywhere (and in direct messages) is for the bot's admins; "
+                                   "server admins switch it for their server or with --channel")
+            return "*", "everywhere"
+        return f"server:{ctx.server_key}", "in this server"
+
+    async def stats(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        lines = await self.stats_lines(ctx.persona)
+        return "\n".join(lines) if lines else f"No skill calls by {ctx.persona} in the last 7 days."
+
+    async def stats_lines(self, persona: str | None = None) -> list[str]:
+        rows = await self.storage.skills.stats(time.time() - WEEK, persona)
+        if not rows:
+            return []
+        lines = ["Skill calls, last 7 days" + (f" ({persona})" if persona else "") + ":"]
+        for r in rows:
+            line = f"  {r.skill}: {r.calls} calls, {r.failures} failed, average {r.average_ms:.0f} ms"
+            lines.append(line + (f"; last error: {r.last_error[:120]}" if r.last_error else ""))
+        return lines

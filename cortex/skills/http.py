@@ -1,0 +1,294 @@
+"""HTTP skills: an endpoint declared in ``[[skills.http]]`` that the persona may call as a tool.
+
+The model's arguments are checked against the entry's JSON schema, put into the URL template
+(``{name}`` is replaced by the URL-quoted value), and the rest go out as query parameters (GET, DELETE)
+or as a JSON body (POST, PUT, PATCH). Secret headers come from the environment, read once when the
+skill is built; their values never appear in a result or a log line (a server that echoes them back
+gets them redacted). Every failure - bad arguments, a timeout, an HTTP error status, a response larger
+than ``max_response_bytes`` (never read in full), a host that is down - is a :class:`SkillResult` with
+``is_error`` set, never an exception.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+import aiohttp
+from jsonschema import exceptions as schema_errors
+from jsonschema import validators
+
+from bot.config import HttpSkillConfig
+from cortex.skills.base import SkillContext, SkillFailure, SkillInfo, SkillResult
+
+log = logging.getLogger(__name__)
+
+MAX_REDIRECTS = 3  # redirects followed (aiohttp's max_redirects counts the first response too)
+ERROR_BODY_CHARS = 300
+_ERROR_BODY_BYTES = 4 * ERROR_BODY_CHARS + 4  # enough for 300 characters of UTF-8
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_REDACTED = "[redacted]"
+_MAX_SCHEMA_ERRORS = 5
+
+SessionFactory = Callable[[], aiohttp.ClientSession]
+
+
+class HttpSkill:
+    """One ``[[skills.http]]`` entry as a skill. Owns one :class:`aiohttp.ClientSession`, made on the
+    first call (by ``session_factory`` if given, else one without a cookie jar); :meth:`aclose` closes it."""
+
+    def __init__(self, config: HttpSkillConfig, session_factory: SessionFactory | None = None) -> None:
+        _check_template(config)
+        self._config = config
+        self._validator = _schema_validator(config)
+        self._secret_headers = _read_secret_headers(config)
+        self._redact_values = _redaction_values(tuple(self._secret_headers.values()))
+        self._session_factory = session_factory
+        self._session: aiohttp.ClientSession | None = None
+        self._info = SkillInfo(
+            name=config.name,
+            description=config.description,
+            input_schema=config.parameters,
+            origin="http",
+            admin_only=config.admin_only,
+            triggers=tuple(config.triggers),
+            secrets=tuple(self._secret_headers.values()),
+        )
+
+    @property
+    def info(self) -> SkillInfo:
+        return self._info
+
+    async def run(self, arguments: dict[str, Any], context: SkillContext) -> SkillResult:
+        """Call the endpoint with ``arguments``; the answer (or what went wrong) is the result."""
+        try:
+            self._validate(arguments)
+            url, rest = fill_template(self._config.url, arguments)
+            _check_scheme(url)
+            content = await self._request(url, rest)
+        except SkillFailure as failure:
+            message = self._redact(str(failure))
+            log.info("http skill %s for %s failed: %s", self._config.name, context.user_key, message)
+            return SkillResult(message, is_error=True)
+        return SkillResult(self._redact(content))
+
+    async def aclose(self) -> None:
+        """Close the session (if one was made); a later call makes a new one."""
+        session, self._session = self._session, None
+        if session is not None and not session.closed:
+            await session.close()
+
+    def _validate(self, arguments: dict[str, Any]) -> None:
+        if not isinstance(arguments, dict):
+            raise SkillFailure("invalid arguments: expected a JSON object")
+        errors = sorted(self._validator.iter_errors(arguments), key=lambda e: list(e.absolute_path))
+        if errors:
+            raise SkillFailure("invalid arguments: " + "; ".join(_describe(e) for e in errors[:_MAX_SCHEMA_ERRORS]))
+
+    def _session_now(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            factory = self._session_factory or _new_session
+            self._session = factory()
+        return self._session
+
+    async def _request(self, url: str, rest: dict[str, Any]) -> str:
+        config = self._config
+        headers = {**config.headers, **self._secret_headers}
+        # A redirect could carry a secret header to another host: skills with secrets follow none.
+        follow = not self._secret_headers
+        options: dict[str, Any] = {"headers": headers, "allow_redirects": follow, "max_redirects": MAX_REDIRECTS + 1,
+                                   "timeout": aiohttp.ClientTimeout(total=config.timeout_seconds)}
+        if config.method in _BODY_METHODS:
+            options["json"] = rest
+        elif rest:
+            options["params"] = query_params(rest)
+        log.debug("http skill %s: %s %s", config.name, config.method, self._redact(url))
+        try:
+            async with self._session_now().request(config.method, url, **options) as response:
+                if not follow and 300 <= response.status < 400:
+                    raise SkillFailure(f"the server answered with a redirect ({response.status}); a skill with secret "
+                                       "headers follows no redirects, so that they never reach another host")
+                return await self._answer(response)
+        except TimeoutError as exc:
+            raise SkillFailure(f"the request timed out after {config.timeout_seconds:g} s") from exc
+        except aiohttp.TooManyRedirects as exc:
+            raise SkillFailure(f"too many redirects (more than {MAX_REDIRECTS})") from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise SkillFailure(f"could not connect to {exc.host}:{exc.port} ({_os_reason(exc)})") from exc
+        except (aiohttp.ClientError, ValueError) as exc:
+            raise SkillFailure(f"the request failed: {type(exc).__name__}: {exc}") from exc
+
+    async def _answer(self, response: aiohttp.ClientResponse) -> str:
+        if response.status >= 400:
+            body = (await read_limited(response, _ERROR_BODY_BYTES)).decode("utf-8", errors="replace")
+            excerpt = body[:ERROR_BODY_CHARS].strip() or "(empty body)"
+            raise SkillFailure(f"the server answered HTTP {response.status} {response.reason or ''}".rstrip()
+                               + f": {excerpt}")
+        limit = self._config.max_response_bytes
+        if response.content_length is not None and response.content_length > limit:
+            raise SkillFailure(_too_large(response.content_length, limit))
+        raw = await read_limited(response, limit + 1)
+        if len(raw) > limit:
+            raise SkillFailure(_too_large(None, limit))
+        if not raw:
+            return f"(empty response, HTTP {response.status})"
+        return extract(raw.decode("utf-8", errors="replace"), _is_json(response), self._config.result_path)
+
+    def _redact(self, text: str) -> str:
+        for value in self._redact_values:
+            text = text.replace(value, _REDACTED)
+        return text
+
+
+def _new_session() -> aiohttp.ClientSession:
+    # No cookie jar: the session serves every user, so one user's cookies must not reach another's call.
+    return aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
+
+
+def fill_template(template: str, arguments: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The URL with each ``{name}`` replaced by the quoted argument, and the arguments not used in it."""
+    used: set[str] = set()
+
+    def replace(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if arguments.get(name) is None:
+            raise SkillFailure(f"missing argument {name!r} (it is part of the URL)")
+        used.add(name)
+        return quote(_as_text(arguments[name]), safe="")
+
+    url = _PLACEHOLDER.sub(replace, template)
+    return url, {key: value for key, value in arguments.items() if key not in used}
+
+
+def query_params(arguments: dict[str, Any]) -> list[tuple[str, str]]:
+    """Query parameters for ``arguments``: a list repeats its key, ``null`` is left out."""
+    params: list[tuple[str, str]] = []
+    for key, value in arguments.items():
+        for item in value if isinstance(value, list) else [value]:
+            if item is not None:
+                params.append((key, _as_text(item)))
+    return params
+
+
+async def read_limited(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """At most ``limit`` bytes of the body, read as it streams in (a huge body is never loaded)."""
+    chunks: list[bytes] = []
+    size = 0
+    while size < limit:
+        chunk = await response.content.read(limit - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+def extract(text: str, is_json: bool, result_path: str) -> str:
+    """The part of the response the model sees: ``result_path`` of a JSON body, else the text."""
+    if not is_json and not result_path:
+        return text
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        if result_path:
+            raise SkillFailure(f"the response is not JSON, so result_path {result_path!r} cannot apply") from exc
+        return text
+    if result_path:
+        data = walk(data, result_path)
+    return data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+def walk(data: Any, path: str) -> Any:
+    """Follow a dotted path (``a.b.0.c``) through objects and list indexes."""
+    done: list[str] = []
+    for step in path.split("."):
+        if isinstance(data, dict) and step in data:
+            data = data[step]
+        elif isinstance(data, list) and re.fullmatch(r"-?\d+", step) and -len(data) <= int(step) < len(data):
+            data = data[int(step)]
+        else:
+            where = ".".join(done) or "the top level"
+            raise SkillFailure(f"result_path {path!r} not found in the response: no {step!r} at {where}")
+        done.append(step)
+    return data
+
+
+def _check_template(config: HttpSkillConfig) -> None:
+    scheme = urlsplit(config.url).scheme.lower()
+    if scheme not in ("http", "https"):
+        raise ValueError(f"[[skills.http]] {config.name!r}: the url must start with http:// or https://")
+
+
+def _check_scheme(url: str) -> None:
+    if urlsplit(url).scheme.lower() not in ("http", "https"):
+        raise SkillFailure("only http and https URLs may be called")
+
+
+def _schema_validator(config: HttpSkillConfig) -> Any:
+    cls = validators.validator_for(config.parameters)
+    try:
+        cls.check_schema(config.parameters)
+    except schema_errors.SchemaError as exc:
+        raise ValueError(f"[[skills.http]] {config.name!r}: parameters is not a valid JSON schema: "
+                         f"{exc.message}") from exc
+    return cls(config.parameters)
+
+
+def _read_secret_headers(config: HttpSkillConfig) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    for header, variable in config.headers_env.items():
+        value = os.environ.get(variable, "")
+        if not value:
+            raise ValueError(f"[[skills.http]] {config.name!r}: environment variable {variable} "
+                             f"(for header {header}) is not set")
+        headers[header] = value
+    return headers
+
+
+def _redaction_values(secrets: tuple[str, ...]) -> tuple[str, ...]:
+    """The secrets, and the credential after a scheme word ("Bearer abc" -> also "abc"), longest first."""
+    values = set(secrets)
+    for secret in secrets:
+        _, _, credential = secret.partition(" ")
+        if len(credential.strip()) >= 8:
+            values.add(credential.strip())
+    return tuple(sorted(values, key=len, reverse=True))
+
+
+def _describe(error: schema_errors.ValidationError) -> str:
+    message = str(error.message)
+    if len(message) > 200:
+        message = message[:200] + "..."
+    path = "/".join(str(part) for part in error.absolute_path)
+    return f"{message} (at {path})" if path else message
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return str(value)
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _is_json(response: aiohttp.ClientResponse) -> bool:
+    mime = response.content_type.lower()
+    return mime == "application/json" or mime.endswith("+json")
+
+
+def _os_reason(exc: aiohttp.ClientConnectorError) -> str:
+    error = exc.os_error
+    return (error.strerror or str(error) or type(error).__name__).lower()
+
+
+def _too_large(size: int | None, limit: int) -> str:
+    told = f" ({size} bytes)" if size is not None else ""
+    return f"the response is too large{told}: more than max_response_bytes = {limit}"

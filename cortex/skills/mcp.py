@@ -1,0 +1,498 @@
+"""Skills from MCP servers: the tools of every ``[[skills.mcp]]`` server, through the official ``mcp`` SDK.
+
+One :class:`McpServer` per configured server. Its connection (the stdio child process or the streamable
+HTTP client, and the :class:`~mcp.ClientSession` over it) lives in ONE long-lived asyncio task that
+enters and leaves the SDK's context managers (anyio cancel scopes must be entered and exited in the
+same task); calls reach that task through a queue and are answered through futures.
+
+The task supervises the connection: when the stdio process exits, the HTTP connection fails or the
+server stops answering pings, the server is marked down and reconnected with a backoff (1 s doubling up
+to 60 s by default); after every (re)connection, and whenever the server sends
+``notifications/tools/list_changed``, its tools are listed again. A call while the server is down
+answers an error result at once; a call running past ``timeout_seconds`` answers an error result and
+leaves the session usable.
+
+:class:`McpTool` is one tool as a :class:`~cortex.skills.base.Skill`; :class:`McpSkills` runs all
+configured servers and names their tools for the model (a tool keeps its own name unless two servers
+offer the same one: then both are called ``<server>_<tool>``).
+
+Secrets (``env_from`` variables for a stdio server, ``headers_env`` headers for an HTTP server) are read
+from the bot's environment when connecting and are never logged. A stdio server inherits only the SDK's
+small safe environment (PATH, HOME, ...) plus ``env`` and ``env_from``, never the bot's own secrets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import sys
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager, suppress
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Protocol, Self, TextIO
+
+import anyio
+import httpx2
+import mcp.types as types
+from mcp import ClientSession, StdioServerParameters
+from mcp.client import IncomingMessage, Transport
+from mcp.client.stdio import stdio_client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
+from mcp.shared.message import SessionMessage
+
+from bot.config import McpServerConfig
+from cortex.skills.base import SkillContext, SkillInfo, SkillResult
+
+log = logging.getLogger(__name__)
+
+_MODEL_NAME_MAX = 64
+_INVALID_NAME_CHARS = re.compile(r"[^A-Za-z0-9_-]")
+
+
+@dataclass(frozen=True, slots=True)
+class McpOptions:
+    """How servers are supervised (tests shorten these)."""
+
+    backoff_initial: float = 1.0  # first wait before reconnecting
+    backoff_max: float = 60.0  # the wait doubles up to this
+    stable_after: float = 60.0  # a connection up this long resets the wait to backoff_initial
+    connect_timeout: float = 20.0  # longest initialize + tools/list (and the longest start() waits)
+    health_interval: float = 30.0  # ping an established connection this often
+    close_timeout: float = 10.0  # longest aclose() waits for a server's task before cancelling it
+    errlog: TextIO | None = None  # where stdio servers' stderr goes (default: the bot's stderr)
+
+
+@dataclass(slots=True)
+class _Call:
+    name: str
+    arguments: dict[str, Any]
+    future: asyncio.Future[SkillResult]
+
+
+class _Receiver(Protocol):
+    async def receive(self) -> SessionMessage | Exception: ...
+
+    async def aclose(self) -> None: ...
+
+
+class _WatchedReadStream:
+    """The transport's read stream, noticing its end (the stdio server exited, the connection closed)."""
+
+    def __init__(self, inner: _Receiver) -> None:
+        self._inner = inner
+        self.ended = asyncio.Event()
+
+    @property
+    def last_context(self) -> Any:
+        """The sender's context, for transports that carry one (read by the SDK's dispatcher)."""
+        return getattr(self._inner, "last_context", None)
+
+    async def receive(self) -> SessionMessage | Exception:
+        try:
+            return await self._inner.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            self.ended.set()
+            raise
+
+    async def aclose(self) -> None:
+        self.ended.set()
+        await self._inner.aclose()
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> SessionMessage | Exception:
+        try:
+            return await self.receive()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+
+def _model_name(name: str) -> str:
+    """A name the model APIs accept (letters, digits, ``_`` and ``-``; at most 64 characters)."""
+    return _INVALID_NAME_CHARS.sub("_", name)[:_MODEL_NAME_MAX] or "tool"
+
+
+def _describe_error(exc: BaseException) -> str:
+    """A one-line description of an exception (the leaves of an exception group)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_describe_error(inner) for inner in exc.exceptions)
+    if isinstance(exc, MCPError):
+        return f"MCP error {exc.code}: {exc.message}"
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _describe_part(part: types.ContentBlock) -> str:
+    if isinstance(part, types.TextContent):
+        return part.text
+    if isinstance(part, types.EmbeddedResource):
+        resource = part.resource
+        if isinstance(resource, types.TextResourceContents):
+            return resource.text
+        return f"[resource {resource.uri}]"
+    if isinstance(part, types.ResourceLink):
+        return f"[resource link {part.uri}]"
+    return f"[{part.type}]"  # image, audio
+
+
+def result_text(result: types.CallToolResult) -> str:
+    """The text of a tool result: its text parts joined, other parts described (``[image]``, ...)."""
+    parts = [_describe_part(part) for part in result.content]
+    if not parts and result.structured_content is not None:
+        parts.append(json.dumps(result.structured_content, ensure_ascii=False, default=str))
+    return "\n".join(parts)
+
+
+class McpTool:
+    """One tool of an MCP server, as a skill; ``run`` calls it on its server by its original name."""
+
+    def __init__(self, server: McpServer, tool: types.Tool, name: str | None = None) -> None:
+        self._server = server
+        self._tool = tool
+        config = server.config
+        self._info = SkillInfo(
+            name=name or _model_name(tool.name),
+            description=tool.description or tool.title or f"The {tool.name} tool of the {config.name} MCP server.",
+            input_schema=dict(tool.input_schema),
+            origin="mcp",
+            admin_only=config.admin_only,
+            triggers=tuple(config.triggers),
+            server=config.name,
+        )
+
+    @property
+    def info(self) -> SkillInfo:
+        return self._info
+
+    @property
+    def original_name(self) -> str:
+        """The tool's name on its server."""
+        return self._tool.name
+
+    @property
+    def server(self) -> McpServer:
+        return self._server
+
+    def renamed(self, name: str) -> McpTool:
+        """The same tool offered to the model under another name."""
+        return McpTool(self._server, self._tool, name)
+
+    async def run(self, arguments: dict[str, Any], context: SkillContext) -> SkillResult:
+        return await self._server.call(self._tool.name, arguments)
+
+
+class McpServer:
+    """One configured MCP server: its supervised connection, its tools, and calls to them."""
+
+    def __init__(self, config: McpServerConfig, options: McpOptions | None = None) -> None:
+        self.config = config
+        self._options = options or McpOptions()
+        self._queue: asyncio.Queue[_Call] = asyncio.Queue()
+        self._tools: list[McpTool] = []
+        self._up = False
+        self._task: asyncio.Task[None] | None = None
+        self._attempted = asyncio.Event()  # the first connection attempt is over (either way)
+        self._stop = asyncio.Event()
+        self._relist = asyncio.Event()
+        self._interruptible: anyio.CancelScope | None = None  # a connect or a backoff wait aclose() may cut
+        self._connected_at: float | None = None
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def up(self) -> bool:
+        """Whether the server is connected and its tools listed."""
+        return self._up
+
+    @property
+    def tools(self) -> list[McpTool]:
+        """The server's tools allowed by the config (as last listed; kept while the server is down)."""
+        return list(self._tools)
+
+    async def start(self) -> None:
+        """Start the supervising task and wait (at most ``connect_timeout``) for its first attempt.
+
+        Never raises: a server that cannot start is logged and retried in the background."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._supervise(), name=f"mcp-server:{self.name}")
+        with suppress(TimeoutError):
+            async with asyncio.timeout(self._options.connect_timeout):
+                await self._attempted.wait()
+
+    async def aclose(self) -> None:
+        """Stop the server: close the session, end a stdio child process; answer pending calls."""
+        self._stop.set()
+        if self._interruptible is not None:
+            self._interruptible.cancel()
+        task, self._task = self._task, None
+        if task is not None:
+            done, _ = await asyncio.wait({task}, timeout=self._options.close_timeout)
+            if not done:
+                log.warning("mcp server %s: did not stop in time; cancelling it", self.name)
+                task.cancel()
+                with suppress(asyncio.CancelledError):
+                    await task
+        self._up = False
+        self._fail_queued()
+
+    async def call(self, name: str, arguments: dict[str, Any]) -> SkillResult:
+        """Call the tool ``name`` (its name on the server); never raises for the server's failures."""
+        if self.config.tools and name not in self.config.tools:
+            return SkillResult(f"the {self.name} server does not offer the tool {name!r}", is_error=True)
+        if not self._up or self._stop.is_set():
+            return self._unreachable()
+        future: asyncio.Future[SkillResult] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait(_Call(name, arguments, future))
+        try:
+            async with asyncio.timeout(self.config.timeout_seconds + self._options.connect_timeout):
+                return await future
+        except TimeoutError:
+            return self._timed_out(name)
+
+    def _unreachable(self) -> SkillResult:
+        return SkillResult(f"the {self.name} server is not reachable right now", is_error=True)
+
+    def _timed_out(self, name: str) -> SkillResult:
+        seconds = self.config.timeout_seconds
+        return SkillResult(f"the {name} tool of the {self.name} server did not answer within {seconds:g} s",
+                           is_error=True)
+
+    def _fail_queued(self) -> None:
+        while not self._queue.empty():
+            call = self._queue.get_nowait()
+            if not call.future.done():
+                call.future.set_result(self._unreachable())
+
+    # --- the supervising task -------------------------------------------------------------------
+
+    async def _supervise(self) -> None:
+        delay = self._options.backoff_initial
+        last_reason = ""
+        while not self._stop.is_set():
+            reason = "the connection ended"
+            try:
+                await self._connect_and_serve()
+            except Exception as exc:  # any failure of the server or its transport
+                reason = _describe_error(exc)
+            finally:
+                self._up = False
+                self._fail_queued()
+                self._attempted.set()
+            if self._stop.is_set():
+                break
+            loop_time = asyncio.get_running_loop().time()
+            if self._connected_at is not None and loop_time - self._connected_at >= self._options.stable_after:
+                delay = self._options.backoff_initial
+            level = logging.DEBUG if reason == last_reason else logging.WARNING  # no flood from a dead server
+            log.log(level, "mcp server %s is down (%s); retrying in %g s", self.name, reason, delay)
+            last_reason = reason
+            with anyio.CancelScope() as self._interruptible:
+                await anyio.sleep(delay)
+            self._interruptible = None
+            delay = min(delay * 2, self._options.backoff_max)
+
+    async def _connect_and_serve(self) -> None:
+        """Connect, initialize, list the tools, then serve calls until the connection ends or stop."""
+        self._connected_at = None
+        self._relist.clear()
+        async with AsyncExitStack() as stack:
+            read_stream, write_stream = await stack.enter_async_context(self._transport())
+            watched = _WatchedReadStream(read_stream)
+            session = await stack.enter_async_context(
+                ClientSession(watched, write_stream, message_handler=self._on_message)
+            )
+            with anyio.CancelScope() as self._interruptible:  # aclose() may cut the handshake short
+                if not self._stop.is_set():
+                    with anyio.fail_after(self._options.connect_timeout):
+                        await session.initialize()
+                        await self._list_tools(session)
+            self._interruptible = None
+            if self._stop.is_set():
+                return
+            self._connected_at = asyncio.get_running_loop().time()
+            self._up = True
+            self._attempted.set()
+            log.info("mcp server %s connected: %d tools", self.name, len(self._tools))
+            try:
+                await self._serve(session, watched)
+            finally:
+                self._up = False
+
+    def _transport(self) -> Transport:
+        if self.config.command:
+            command, *args = self.config.command
+            params = StdioServerParameters(command=command, args=args, env=self._stdio_env())
+            return stdio_client(params, errlog=self._options.errlog or sys.stderr)
+        return self._http_transport()
+
+    @asynccontextmanager
+    async def _http_transport(self) -> AsyncIterator[Any]:
+        timeout = httpx2.Timeout(30.0, read=300.0)  # the SDK's defaults (a response stream may stay open)
+        async with httpx2.AsyncClient(headers=self._http_headers(), timeout=timeout) as client:
+            async with streamable_http_client(self.config.url, http_client=client) as streams:
+                yield streams
+
+    def _stdio_env(self) -> dict[str, str]:
+        env = dict(self.config.env)
+        env.update(self._from_environment(self.config.env_from, "env_from"))
+        return env
+
+    def _http_headers(self) -> dict[str, str]:
+        return self._from_environment(self.config.headers_env, "headers_env")
+
+    def _from_environment(self, mapping: dict[str, str], field: str) -> dict[str, str]:
+        """``key -> value of the bot's environment variable``; a missing variable is logged by name only."""
+        values: dict[str, str] = {}
+        for key, variable in mapping.items():
+            value = os.environ.get(variable)
+            if value is None:
+                log.warning("mcp server %s: %s %s: the environment variable %s is not set",
+                            self.name, field, key, variable)
+            else:
+                values[key] = value
+        return values
+
+    async def _serve(self, session: ClientSession, watched: _WatchedReadStream) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._cancel_when, watched.ended, tg.cancel_scope)
+            tg.start_soon(self._cancel_when, self._stop, tg.cancel_scope)
+            tg.start_soon(self._keep_listing, session)
+            tg.start_soon(self._keep_pinging, session, tg.cancel_scope)
+            while True:
+                call = await self._queue.get()
+                if not call.future.done():  # its caller may have given up while it waited
+                    tg.start_soon(self._answer, session, call)
+
+    @staticmethod
+    async def _cancel_when(event: asyncio.Event, scope: anyio.CancelScope) -> None:
+        await event.wait()
+        scope.cancel()
+
+    async def _keep_listing(self, session: ClientSession) -> None:
+        while True:
+            await self._relist.wait()
+            self._relist.clear()
+            try:
+                with anyio.fail_after(self._options.connect_timeout):
+                    await self._list_tools(session)
+                log.info("mcp server %s: tool list changed: %d tools", self.name, len(self._tools))
+            except Exception as exc:
+                log.warning("mcp server %s: listing its tools failed: %s", self.name, _describe_error(exc))
+
+    async def _keep_pinging(self, session: ClientSession, scope: anyio.CancelScope) -> None:
+        while True:
+            await anyio.sleep(self._options.health_interval)
+            try:
+                with anyio.fail_after(self._options.connect_timeout):
+                    await session.send_ping()
+            except Exception as exc:
+                log.warning("mcp server %s did not answer a ping: %s", self.name, _describe_error(exc))
+                scope.cancel()
+                return
+
+    async def _on_message(self, message: IncomingMessage) -> None:
+        if isinstance(message, types.ToolListChangedNotification):
+            self._relist.set()
+        elif isinstance(message, Exception):
+            log.debug("mcp server %s: transport error: %s", self.name, _describe_error(message))
+
+    async def _list_tools(self, session: ClientSession) -> None:
+        listed: list[types.Tool] = []
+        cursor: str | None = None
+        while True:
+            params = types.PaginatedRequestParams(cursor=cursor) if cursor else None
+            page = await session.list_tools(params=params)
+            listed.extend(page.tools)
+            cursor = page.next_cursor
+            if not cursor:
+                break
+        allowed = set(self.config.tools)
+        self._tools = [McpTool(self, tool) for tool in listed if not allowed or tool.name in allowed]
+        missing = allowed - {tool.name for tool in listed}
+        if missing:
+            log.warning("mcp server %s does not offer the configured tools %s", self.name, sorted(missing))
+
+    async def _answer(self, session: ClientSession, call: _Call) -> None:
+        result: SkillResult | None = None
+        try:
+            result = await self._call_tool(session, call.name, call.arguments)
+        finally:
+            if result is None:  # cut short: the connection is being lost
+                self._up = False
+            if not call.future.done():
+                call.future.set_result(result or self._unreachable())
+
+    async def _call_tool(self, session: ClientSession, name: str, arguments: dict[str, Any]) -> SkillResult:
+        try:
+            with anyio.fail_after(self.config.timeout_seconds):
+                result = await session.call_tool(name, arguments)
+        except TimeoutError:
+            return self._timed_out(name)
+        except MCPError as exc:
+            if exc.code == types.CONNECTION_CLOSED:
+                self._up = False
+                return self._unreachable()
+            return SkillResult(f"the {self.name} server refused the call: {exc.message}", is_error=True)
+        except Exception as exc:  # e.g. a result that fails the tool's output schema
+            log.warning("mcp server %s: calling %s failed: %s", self.name, name, _describe_error(exc))
+            return SkillResult(f"calling {name} on the {self.name} server failed: {_describe_error(exc)}",
+                               is_error=True)
+        text = result_text(result)
+        if result.is_error:
+            return SkillResult(text or f"the {name} tool failed", is_error=True)
+        return SkillResult(text)
+
+
+class McpSkills:
+    """All configured MCP servers, and their tools named for the model."""
+
+    def __init__(self, configs: Sequence[McpServerConfig], options: McpOptions | None = None) -> None:
+        self._servers = [McpServer(config, options) for config in configs]
+
+    @property
+    def servers(self) -> list[McpServer]:
+        return list(self._servers)
+
+    async def start(self) -> None:
+        """Start every server concurrently; one that fails is retried in the background."""
+        await asyncio.gather(*(server.start() for server in self._servers))
+
+    async def aclose(self) -> None:
+        """Stop every server (stdio children end)."""
+        await asyncio.gather(*(server.aclose() for server in self._servers))
+
+    def skills(self) -> list[McpTool]:
+        """The tools of all servers as now known: a name two servers share becomes ``<server>_<tool>``."""
+        offered = [tool for server in self._servers for tool in server.tools]
+        owners: dict[str, set[str]] = {}
+        for tool in offered:
+            owners.setdefault(tool.info.name, set()).add(tool.server.name)
+        skills: list[McpTool] = []
+        taken: set[str] = set()
+        for tool in offered:
+            name = tool.info.name
+            if len(owners[name]) > 1:
+                name = _model_name(f"{tool.server.name}_{tool.original_name}")
+            if name in taken:
+                log.warning("mcp server %s: skipping the tool %s: the name %s is taken",
+                            tool.server.name, tool.original_name, name)
+                continue
+            taken.add(name)
+            skills.append(tool if name == tool.info.name else tool.renamed(name))
+        return skills

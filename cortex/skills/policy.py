@@ -1,0 +1,76 @@
+"""Which skills a persona may use where: the config's defaults, then admins' overrides per persona —
+bot-wide, per server and per channel, the narrowest one winning — each reported with its source.
+
+Overrides live in the settings table (one JSON value per persona: ``{"*": {...}, "server:KEY": {...},
+"channel:KEY": {...}}`` mapping skill names to on/off), read through a short cache so every process
+sees a change within seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from bot.config import SkillsConfig
+from bot.storage.core import Storage
+from cortex.skills.base import SkillInfo
+
+CACHE_SECONDS = 5.0
+Overrides = dict[str, dict[str, bool]]
+
+
+def settings_key(persona: str) -> str:
+    return f"skills:{persona.casefold()}"
+
+
+@dataclass(frozen=True, slots=True)
+class Effective:
+    enabled: bool
+    source: str  # "default", "config (disabled)", "bot-wide", "this server", "this channel"
+
+
+class SkillPolicy:
+    def __init__(self, config: SkillsConfig, storage: Storage) -> None:
+        self.config = config
+        self.storage = storage
+        self._cache: dict[str, tuple[float, Overrides]] = {}
+
+    def default(self, info: SkillInfo) -> Effective:
+        if info.name in self.config.disabled:
+            return Effective(False, "config (disabled)")
+        if info.origin == "builtin" and info.name not in self.config.builtin:
+            return Effective(False, "config (not in builtin)")
+        return Effective(True, "default")
+
+    async def overrides(self, persona: str) -> Overrides:
+        key = settings_key(persona)
+        cached = self._cache.get(key)
+        if cached is not None and time.monotonic() - cached[0] < CACHE_SECONDS:
+            return cached[1]
+        raw = await self.storage.get_setting(key)
+        try:
+            loaded = json.loads(raw) if raw else {}
+        except ValueError:
+            loaded = {}
+        value: Overrides = {str(s): {str(n): bool(v) for n, v in m.items()} for s, m in loaded.items()
+                            if isinstance(m, dict)} if isinstance(loaded, dict) else {}
+        self._cache[key] = (time.monotonic(), value)
+        return value
+
+    async def effective(self, info: SkillInfo, persona: str, server_key: str | None, channel_key: str) -> Effective:
+        found = await self.overrides(persona)
+        for scope, label in ((f"channel:{channel_key}", "this channel"),
+                             (f"server:{server_key}" if server_key else "", "this server"), ("*", "bot-wide")):
+            if scope and info.name in found.get(scope, {}):
+                return Effective(found[scope][info.name], label)
+        return self.default(info)
+
+    async def set(self, persona: str, scope: str, name: str, enabled: bool) -> None:
+        """Record an override (``scope``: ``*``, ``server:KEY`` or ``channel:KEY``); read-modify-write of
+        one small value: admins changing the same persona's skills in the same second may lose one."""
+        self._cache.pop(settings_key(persona), None)
+        found = dict(await self.overrides(persona))
+        found[scope] = {**found.get(scope, {}), name: enabled}
+        await self.storage.set_setting(settings_key(persona), json.dumps(found, sort_keys=True))
+        self._cache.pop(settings_key(persona), None)

@@ -1,0 +1,166 @@
+"""The skills offered in one reply, and how a call runs: allowed → within the daily limit → run with a
+time limit → result capped → audited.
+
+:class:`SkillTools` is the core's :class:`bot.ports.ToolProvider`: for each reply it picks the skills
+that are enabled here (see :mod:`cortex.skills.policy`), admin-only ones only for admins, and those
+with trigger words only when the message has one of them. :class:`SkillToolbox.execute` never raises:
+an unknown or unoffered skill, arguments that are not a JSON object, a daily limit reached, a
+timeout, a skill's own failure or a bug each become a tool error the model sees, and the reply goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bot.config import SkillsConfig
+from bot.llm.base import ToolCall, ToolSpec
+from bot.ports import PromptContext, ToolOutcome
+from bot.storage.core import Storage
+from bot.storage.skills import SkillExecution
+from cortex.skills.base import Skill, SkillContext, SkillFailure, SkillResult
+from cortex.skills.policy import SkillPolicy
+
+log = logging.getLogger(__name__)
+DAY = 86_400.0
+BUILTIN_TIMEOUT = 30.0  # seconds; HTTP and MCP skills have their own configured limits
+AUDIT_VALUE_CHARS = 200
+STATUS = {"remember": "noting that…", "current_time": "checking the time…"}
+MEMORY_WRITES = frozenset({"remember"})  # never offered in an incognito stretch: nothing of it may be kept
+
+
+def status_line(name: str) -> str:
+    if name in STATUS:
+        return STATUS[name]
+    return "looking that up…" if name.startswith("search") else f"using {name}…"
+
+
+def sanitised(arguments: Any, secrets: Sequence[str]) -> str:
+    """The arguments as JSON for the audit: secret values replaced, long strings cut."""
+    def clean(value: Any) -> Any:
+        if isinstance(value, str):
+            for secret in secrets:
+                if secret:
+                    value = value.replace(secret, "***")
+            return value if len(value) <= AUDIT_VALUE_CHARS else value[:AUDIT_VALUE_CHARS] + "…"
+        if isinstance(value, dict):
+            return {str(k): clean(v) for k, v in list(value.items())[:50]}
+        if isinstance(value, list):
+            return [clean(v) for v in value[:50]]
+        return value
+    return json.dumps(clean(arguments), ensure_ascii=False)[:4000]
+
+
+def triggered(triggers: Sequence[str], message: str) -> bool:
+    lowered = message.casefold()
+    return not triggers or any(t.casefold() in lowered for t in triggers if t.strip())
+
+
+@dataclass
+class SkillToolbox:
+    skills: dict[str, Skill]
+    context: SkillContext
+    config: SkillsConfig
+    storage: Storage
+
+    @property
+    def specs(self) -> tuple[ToolSpec, ...]:
+        return tuple(ToolSpec(s.info.name, s.info.description, s.info.input_schema) for s in self.skills.values())
+
+    @property
+    def max_rounds(self) -> int:
+        return self.config.max_rounds
+
+    @property
+    def token_cap(self) -> int:
+        return self.config.reply_token_cap
+
+    def status(self, call: ToolCall) -> str:
+        return status_line(call.name)
+
+    async def execute(self, call: ToolCall) -> ToolOutcome:
+        skill = self.skills.get(call.name)
+        if skill is None:
+            return ToolOutcome(f"there is no tool {call.name!r} here; the tools are {', '.join(self.skills)}", True)
+        started = time.monotonic()
+        result = await self._run(skill, call)
+        cap = self.config.result_max_chars
+        content = result.content if len(result.content) <= cap else (
+            result.content[:cap] + f"\n[… cut: the result had {len(result.content):,} characters]")
+        await self._audit(skill, call, result, int((time.monotonic() - started) * 1000))
+        return ToolOutcome(content, result.is_error)
+
+    async def _run(self, skill: Skill, call: ToolCall) -> SkillResult:
+        if call.arguments is None:
+            return SkillResult(f"{call.name} needs a JSON object as input; got: {call.raw_arguments[:200]!r}", True)
+        if skill.info.admin_only and not self.context.is_admin:  # also checked when offered: never trust the model
+            return SkillResult(f"{call.name} is for admins only; the person you answer is not one", True)
+        limit = self.config.calls_per_user_per_day
+        if limit and await self.storage.skills.calls_since(
+                self.context.user_key, call.name, self.context.now.timestamp() - DAY) >= limit:
+            return SkillResult(f"{call.name} was used {limit} times for this person today; that is the limit. "
+                               "Answer without it.", True)
+        timeout = None if skill.info.origin != "builtin" else BUILTIN_TIMEOUT
+        try:
+            return await asyncio.wait_for(skill.run(call.arguments, self.context), timeout)
+        except SkillFailure as exc:
+            return SkillResult(f"{call.name}: {exc}", True)
+        except TimeoutError:
+            return SkillResult(f"{call.name} timed out; answer without it", True)
+        except Exception:
+            log.exception("skill %s failed unexpectedly", call.name)
+            return SkillResult(f"{call.name} failed because of an internal error; answer without it", True)
+
+    async def _audit(self, skill: Skill, call: ToolCall, result: SkillResult, duration_ms: int) -> None:
+        ctx = self.context
+        row = SkillExecution(
+            call.name, ctx.persona, ctx.user_key, ctx.channel_key, ctx.server_key or "",
+            sanitised(call.arguments if call.arguments is not None else call.raw_arguments[:500], skill.info.secrets),
+            not result.is_error, result.content[:300] if result.is_error else "", duration_ms, "model", time.time())
+        try:
+            await self.storage.skills.record(row)
+        except Exception:  # the audit must not cost the reply
+            log.exception("could not record the execution of skill %s", call.name)
+
+
+class SkillTools:
+    """The core's tool provider: every skill source, filtered per reply."""
+
+    def __init__(self, config: SkillsConfig, storage: Storage, sources: Sequence[Callable[[], Sequence[Skill]]]
+                 ) -> None:
+        self.config = config
+        self.storage = storage
+        self.policy = SkillPolicy(config, storage)
+        self.sources = list(sources)
+
+    def all(self) -> list[Skill]:
+        seen: dict[str, Skill] = {}
+        for source in self.sources:
+            for skill in source():
+                seen.setdefault(skill.info.name, skill)  # built-ins first: a clashing later name is skipped
+        return list(seen.values())
+
+    async def toolbox(self, context: PromptContext) -> SkillToolbox | None:
+        if not self.config.enabled:
+            return None
+        chosen: dict[str, Skill] = {}
+        incognito = await self.storage.incognito.since(context.user_db_id, context.persona) is not None
+        for skill in self.all():
+            info = skill.info
+            if (info.admin_only and not context.is_admin) or not triggered(info.triggers, context.message):
+                continue
+            if incognito and info.origin == "builtin" and info.name in MEMORY_WRITES:
+                continue
+            if (await self.policy.effective(info, context.persona, context.server_key, context.channel_key)).enabled:
+                chosen[info.name] = skill
+        if not chosen:
+            return None
+        ctx = SkillContext(context.user_db_id, context.user_key, context.user_name, context.persona,
+                           context.channel_key, context.server_key, context.is_dm, context.is_admin, context.now,
+                           context.is_bot_admin)
+        return SkillToolbox(chosen, ctx, self.config, self.storage)

@@ -1,0 +1,218 @@
+"""Skills in a reply, end to end: the real ``anthropic`` and ``openai`` SDKs against the fake LLM server
+scripting tool calls in a streamed chat; built-in skills, an HTTP skill against a local server, an MCP
+server over stdio; permissions, limits, the bounded loop, failures that still end in a reply, the
+audit, ``!skills`` and forget-me."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from aiohttp import web
+
+from bot.app import App
+from bot.commands import CommandContext
+from bot.config import ConfigError, parse_config
+from bot.ports import IncomingMessage
+from cortex.export import export_data
+from tests.engines import db_url_for
+from tests.fakes.llm_server import FakeLLMServer, FakeResponse, RecordedRequest
+
+KEY_ENV = "CB_SKILLS_TEST_KEY"
+FAKE_MCP = Path(__file__).parent / "fakes" / "mcp_server.py"
+ANN_DM = CommandContext("console", "console:ann", "Ann", "console:dm-ann", "Cora", is_dm=True)
+
+
+def _config(tmp_path: Path, server: FakeLLMServer, provider: str = "anthropic", **skills: Any) -> Any:
+    url = server.anthropic_url if provider == "anthropic" else server.openai_url
+    return parse_config({
+        "storage": {"url": db_url_for(tmp_path)},
+        "llm": {"provider": provider, "base_url": url, "api_key_env": KEY_ENV, "max_retries": 0, "model": "m"},
+        "cortex": {"context_limit": 1000}, "skills": skills,
+    })
+
+
+@pytest.fixture(autouse=True)
+def _key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(KEY_ENV, "test-key")
+
+
+def _msg(text: str, *, user: str = "ann", server: str | None = None) -> IncomingMessage:
+    if server is None:
+        return IncomingMessage("console", f"dm-{user}", user, user.title(), text, is_dm=True)
+    return IncomingMessage("console", "room", user, user.title(), text, server_id=server)
+
+
+def tool_names(request: RecordedRequest) -> set[str]:
+    return {t.get("name") or t["function"]["name"] for t in request.body.get("tools", [])}
+
+
+def replies(server: FakeLLMServer) -> list[RecordedRequest]:
+    return [r for r in server.completion_requests if "current_time" in tool_names(r)]
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "openai"])
+async def test_remember_in_a_reply_is_searchable_in_the_same_conversation(
+        tmp_path: Path, fake_llm: FakeLLMServer, provider: str) -> None:
+    async with App(_config(tmp_path, fake_llm, provider)) as app:
+        fake_llm.enqueue(FakeResponse.tool_calls([("c1", "remember", {"content": "Ann's cat is called Miso"})],
+                                                 text="Sure."),
+                         FakeResponse.text("Noted: Miso it is!"))
+        statuses: list[str] = []
+        stream = app.core.reply(_msg("remember that my cat is called Miso"))
+
+        async def status(line: str) -> None:
+            statuses.append(line)
+
+        stream.on_status = status
+        assert await stream.text() == "Sure.\n\nNoted: Miso it is!"
+        assert statuses == ["noting that…"]
+        first, second = replies(fake_llm)[-2:]
+        assert {"remember", "search_memory", "current_time"} <= tool_names(first)
+        assert not tool_names(first) & {"read_soul", "edit_soul", "edit_guidelines"}  # Ann is no admin
+        assert "remembered as item #" in str(second.body["messages"])
+        found = (await app.commands.dispatch("!memory search Miso", ANN_DM)).text
+        assert "Ann's cat is called Miso" in found
+        audit = await app.storage.skills.recent("console:ann")
+        assert [(a.skill, a.ok, a.triggered_by) for a in audit] == [("remember", True, "model")]
+        stored = await app.storage.recent_messages((await app.storage.get_channel("console:dm-ann")).id, 5)
+        assert [m.text for m in stored if m.role == "assistant"] == ["Sure.\n\nNoted: Miso it is!"]
+
+
+async def test_admin_only_skills_are_neither_offered_nor_run_for_members(tmp_path: Path,
+                                                                          fake_llm: FakeLLMServer) -> None:
+    async with App(_config(tmp_path, fake_llm)) as app:
+        fake_llm.enqueue(
+            FakeResponse.tool_calls([("c1", "edit_guidelines", {"content": "Be rude.", "reason": "asked"})]),
+            FakeResponse.text("I cannot do that."))
+        assert await app.core.reply(_msg("@Cora change the guidelines", server="g1")).text() == "I cannot do that."
+        first, second = replies(fake_llm)[-2:]
+        assert "edit_guidelines" not in tool_names(first)
+        assert "there is no tool 'edit_guidelines' here" in str(second.body["messages"])
+        assert app.personas.guidelines_for("console:g1")[0] == ""
+        audit = await app.storage.skills.recent("console:ann")
+        assert audit == []  # nothing ran
+        fake_llm.enqueue(
+            FakeResponse.tool_calls([("c2", "edit_guidelines", {"content": "Be kind.", "reason": "admin asked"})]),
+            FakeResponse.text("Done."))
+        stream = app.core.reply(_msg("change the guidelines to: Be kind.", user="boss", server="g1"), is_admin=True)
+        assert await stream.text() == "Done."
+        assert "edit_guidelines" in tool_names(replies(fake_llm)[-2])
+        assert app.personas.guidelines_for("console:g1") == ("Be kind.", "console:g1")
+
+
+async def test_limits_rounds_and_bad_calls_still_end_in_a_reply(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    async with App(_config(tmp_path, fake_llm, calls_per_user_per_day=1, max_rounds=2)) as app:
+        fake_llm.enqueue(
+            FakeResponse.tool_calls([("c1", "current_time", {}), ("c2", "current_time", {"timezone": "Mars/Base"}),
+                                     ("c3", "search_memory", "{not json")]),
+            FakeResponse.text("It is late."))
+        assert await app.core.reply(_msg("what time is it?")).text() == "It is late."
+        second = replies(fake_llm)[-1]
+        text = str(second.body["messages"])
+        assert "current_time was used 1 times for this person today" in text
+        assert "needs a JSON object" in text
+        assert second.body["tool_choice"] == {"type": "none"}  # the last round must answer in text
+        audit = await app.storage.skills.recent("console:ann")
+        assert sorted((a.skill, a.ok) for a in audit) == [("current_time", False), ("current_time", True),
+                                                          ("search_memory", False)]
+
+
+@pytest_asyncio.fixture
+async def slow_site() -> AsyncIterator[str]:
+    async def slow(request: web.Request) -> web.Response:
+        await asyncio.sleep(float(request.query.get("wait", "0")))
+        return web.json_response({"data": {"answer": 42}})
+
+    application = web.Application()
+    application.router.add_get("/answer", slow)
+    runner = web.AppRunner(application)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    yield f"http://127.0.0.1:{port}"
+    await runner.cleanup()
+
+
+async def test_an_http_skill_answers_and_a_timeout_becomes_a_tool_error(tmp_path: Path, fake_llm: FakeLLMServer,
+                                                                        slow_site: str) -> None:
+    http = [{"name": "lookup", "description": "Look it up.", "url": slow_site + "/answer", "timeout_seconds": 0.5,
+             "result_path": "data.answer",
+             "parameters": {"type": "object", "properties": {"wait": {"type": "number"}}}}]
+    async with App(_config(tmp_path, fake_llm, http=http)) as app:
+        fake_llm.enqueue(FakeResponse.tool_calls([("c1", "lookup", {"wait": 0})]), FakeResponse.text("42."),
+                         FakeResponse.tool_calls([("c2", "lookup", {"wait": 3})]), FakeResponse.text("No luck."))
+        assert await app.core.reply(_msg("look up the answer")).text() == "42."
+        assert "{'type': 'tool_result', 'tool_use_id': 'c1', 'content': '42'}" in str(
+            replies(fake_llm)[-1].body["messages"])
+        assert await app.core.reply(_msg("and again, slowly")).text() == "No luck."
+        assert "timed out after 0.5 s" in str(replies(fake_llm)[-1].body["messages"])
+        audit = await app.storage.skills.recent("console:ann")
+        assert [(a.skill, a.ok) for a in audit] == [("lookup", False), ("lookup", True)]
+
+
+async def test_an_mcp_servers_tools_are_offered_and_called(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    mcp = [{"name": "calc", "command": [sys.executable, str(FAKE_MCP)], "tools": ["add"]}]
+    async with App(_config(tmp_path, fake_llm, provider="openai", mcp=mcp)) as app:
+        fake_llm.enqueue(FakeResponse.tool_calls([("c1", "add", {"a": 2, "b": 3})]), FakeResponse.text("Five."))
+        assert await app.core.reply(_msg("what is 2 + 3?")).text() == "Five."
+        first, second = replies(fake_llm)[-2:]
+        assert "add" in tool_names(first) and "echo" not in tool_names(first)
+        tool_message = [m for m in second.body["messages"] if m["role"] == "tool"]
+        assert tool_message and tool_message[0]["content"].strip() == "5"
+
+
+async def test_skills_commands_switch_per_server_and_forget_me_removes_the_audit(
+        tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    async with App(_config(tmp_path, fake_llm)) as app:
+        admin = CommandContext("console", "console:boss", "Boss", "console:room", "Cora", is_admin=True,
+                               server_key="console:g1")
+        member = CommandContext("console", "console:ann", "Ann", "console:room", "Cora", server_key="console:g1")
+        listing = (await app.commands.dispatch("!skills list", admin)).text
+        assert "✅ remember (builtin; default)" in listing
+        assert (await app.commands.dispatch("!skills disable remember", member)).text == \
+            "!skills disable is for admins only."
+        assert "remember is now off for Cora in this server" in (
+            await app.commands.dispatch("!skills disable remember", admin)).text
+        assert "⛔ remember (builtin; this server)" in (await app.commands.dispatch("!skills list", admin)).text
+        fake_llm.enqueue(FakeResponse.text("Hi."), FakeResponse.text("Hello."))
+        await app.core.reply(_msg("hi", server="g1")).text()
+        assert "remember" not in tool_names(replies(fake_llm)[-1])
+        await app.core.reply(_msg("hi")).text()  # a DM is not that server
+        assert "remember" in tool_names(replies(fake_llm)[-1])
+        assert "everywhere" in (await app.commands.dispatch("!skills enable remember --everywhere", admin)).text \
+            and "bot's admins" in (await app.commands.dispatch("!skills enable remember --everywhere", admin)).text
+        fake_llm.enqueue(FakeResponse.tool_calls([("c1", "current_time", {})]), FakeResponse.text("Noon."))
+        await app.core.reply(_msg("time?")).text()
+        assert "current_time: 1 calls, 0 failed" in (await app.commands.dispatch("!skills stats", admin)).text
+        exported = await export_data(app.cortex.store, await app.storage.get_user("console:ann"))
+        calls = [(c["skill"], c["ok"], c["arguments"]) for c in exported["skill_calls"]]
+        assert calls == [("current_time", True, "{}")]
+        assert "current_time: 1 calls" in (await app.commands.dispatch("!cortex stats", admin)).text
+        await app.commands.dispatch("!memory forget-me", ANN_DM)
+        await app.commands.dispatch("!memory forget-me confirm", ANN_DM)
+        assert await app.storage.skills.recent("console:ann") == []
+
+
+async def test_an_incognito_stretch_offers_no_memory_writes(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    async with App(_config(tmp_path, fake_llm)) as app:
+        assert (await app.commands.dispatch("!memory pause", ANN_DM)).text.startswith("Incognito with Cora since")
+        fake_llm.enqueue(FakeResponse.text("Hi."))
+        await app.core.reply(_msg("remember that I like plums")).text()
+        offered = tool_names(replies(fake_llm)[-1])
+        assert "remember" not in offered and "search_memory" in offered
+
+
+async def test_a_missing_secret_of_an_http_skill_stops_the_start_with_one_clear_line(
+        tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CB_SKILLS_MISSING_KEY", raising=False)
+    http = [{"name": "weather", "description": "Weather.", "url": "https://example.invalid/{city}",
+             "headers_env": {"X-Api-Key": "CB_SKILLS_MISSING_KEY"}}]
+    with pytest.raises(ConfigError, match=r"\[\[skills.http\]\] 'weather': .*CB_SKILLS_MISSING_KEY"):
+        await App(_config(tmp_path, fake_llm, http=http)).start()

@@ -1,0 +1,312 @@
+"""HTTP skills (``[[skills.http]]``) against a real aiohttp server on 127.0.0.1: URL templates, query
+parameters and JSON bodies, secret headers that reach the server but never the result, result_path,
+argument checks, and every failure (timeout, error status, oversize body, refused connection) as an
+error result rather than an exception."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from aiohttp import web
+
+from bot.config import HttpSkillConfig
+from cortex.skills.base import SkillContext
+from cortex.skills.http import HttpSkill
+
+SECRET = "s3cr3t-token-value-0123456789"
+SECRET_ENV = "CORTEX_TEST_HTTP_SKILL_KEY"
+BIG_TOTAL = 64 * 1024 * 1024
+CONTEXT_FIELDS: dict[str, Any] = {
+    "user_db_id": 1, "user_key": "discord:1", "user_name": "Ann", "persona": "Cora", "channel_key": "c1",
+    "server_key": None, "is_dm": True, "is_admin": False,
+}
+
+
+def _context() -> SkillContext:
+    return SkillContext(**CONTEXT_FIELDS, now=datetime.now(UTC))
+
+
+class Recorder:
+    """What the test server saw."""
+
+    def __init__(self) -> None:
+        self.requests: list[web.Request] = []
+        self.big_sent = 0
+        self.release = asyncio.Event()  # set at teardown: the slow handlers end
+
+
+def _routes(seen: Recorder) -> web.Application:
+    async def echo(request: web.Request) -> web.Response:
+        seen.requests.append(request)
+        body = await request.json() if request.can_read_body else None
+        return web.json_response({"method": request.method, "path": request.raw_path.split("?")[0],
+                                  "query": [[k, v] for k, v in request.query.items()], "body": body})
+
+    async def reflect_key(request: web.Request) -> web.Response:
+        seen.requests.append(request)
+        return web.Response(text=f"your key is {request.headers.get('X-Api-Key')}")
+
+    async def cookie(request: web.Request) -> web.Response:
+        seen.requests.append(request)
+        response = web.Response(text="ok")
+        response.set_cookie("session", "ann-private")
+        return response
+
+    async def nested(request: web.Request) -> web.Response:
+        return web.json_response({"data": {"items": [{"name": "first", "tags": ["a", "b"]}, {"name": "second"}]}})
+
+    async def slow(request: web.Request) -> web.Response:
+        await asyncio.wait_for(seen.release.wait(), 5)
+        return web.Response(text="too late")
+
+    async def slow_body(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await response.prepare(request)
+        await response.write(b"the start, ")
+        await asyncio.wait_for(seen.release.wait(), 5)
+        await response.write(b"the end")
+        return response
+
+    async def fail(request: web.Request) -> web.Response:
+        return web.Response(status=500, text="boom " + "x" * 1000)
+
+    async def big(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        chunk = b"y" * 65536
+        while seen.big_sent < BIG_TOTAL:
+            await response.write(chunk)
+            seen.big_sent += len(chunk)
+        return response
+
+    async def declared_big(request: web.Request) -> web.Response:
+        return web.Response(body=b"z" * 5000)
+
+    async def hop(request: web.Request) -> web.Response:
+        seen.requests.append(request)
+        left = int(request.match_info["left"])
+        if left == 0:
+            return web.Response(text="arrived")
+        raise web.HTTPFound(f"/hop/{left - 1}")
+
+    app = web.Application()
+    app.router.add_route("*", "/echo/{tail:.*}", echo)
+    app.router.add_get("/reflect", reflect_key)
+    app.router.add_get("/nested", nested)
+    app.router.add_get("/cookie", cookie)
+    app.router.add_get("/slow", slow)
+    app.router.add_get("/slow-body", slow_body)
+    app.router.add_get("/fail", fail)
+    app.router.add_get("/big", big)
+    app.router.add_get("/declared-big", declared_big)
+    app.router.add_get("/hop/{left}", hop)
+    return app
+
+
+@pytest_asyncio.fixture
+async def server() -> AsyncIterator[tuple[str, Recorder]]:
+    seen = Recorder()
+    runner = web.AppRunner(_routes(seen))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}", seen
+    finally:
+        seen.release.set()
+        await runner.cleanup()
+
+
+@pytest_asyncio.fixture
+async def make() -> AsyncIterator[Callable[..., HttpSkill]]:
+    skills: list[HttpSkill] = []
+
+    def build(**fields: Any) -> HttpSkill:
+        fields.setdefault("name", "probe")
+        fields.setdefault("description", "A test endpoint.")
+        skill = HttpSkill(HttpSkillConfig(**fields))
+        skills.append(skill)
+        return skill
+
+    yield build
+    for skill in skills:
+        await skill.aclose()
+
+
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+
+
+async def test_get_fills_the_template_and_sends_the_rest_as_query(server: tuple[str, Recorder], make: Any) -> None:
+    base, _ = server
+    skill = make(url=base + "/echo/weather/{city}?lang=en", parameters=CITY_SCHEMA, triggers=["weather"])
+    result = await skill.run({"city": "New York/NY", "days": 3, "metric": True}, _context())
+    assert not result.is_error, result.content
+    data = json.loads(result.content)
+    assert data["method"] == "GET" and data["body"] is None
+    assert data["path"] == "/echo/weather/New%20York%2FNY"  # one path segment, slash quoted
+    assert data["query"] == [["lang", "en"], ["days", "3"], ["metric", "true"]]
+    assert result.content == json.dumps(data, separators=(",", ":"))  # compact
+    info = skill.info
+    assert (info.name, info.origin, info.triggers, info.input_schema) == ("probe", "http", ("weather",), CITY_SCHEMA)
+    assert info.secrets == () and not info.admin_only
+
+
+async def test_post_sends_unused_arguments_as_json_body(server: tuple[str, Recorder], make: Any) -> None:
+    base, _ = server
+    schema = {"type": "object", "properties": {"list": {"type": "string"}, "item": {"type": "object"},
+                                               "count": {"type": "number"}}}
+    skill = make(url=base + "/echo/lists/{list}", method="POST", parameters=schema, admin_only=True)
+    result = await skill.run({"list": "groceries", "item": {"name": "milk", "qty": 2}, "count": 1.5}, _context())
+    assert not result.is_error, result.content
+    data = json.loads(result.content)
+    assert data["method"] == "POST" and data["path"] == "/echo/lists/groceries" and data["query"] == []
+    assert data["body"] == {"item": {"name": "milk", "qty": 2}, "count": 1.5}
+    assert skill.info.admin_only
+
+
+async def test_secret_header_reaches_the_server_but_not_the_result(
+    server: tuple[str, Recorder], make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base, seen = server
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    skill = make(url=base + "/reflect", headers={"X-Fixed": "plain"}, headers_env={"X-Api-Key": SECRET_ENV})
+    result = await skill.run({}, _context())
+    assert not result.is_error, result.content
+    assert seen.requests[-1].headers["X-Api-Key"] == SECRET
+    assert seen.requests[-1].headers["X-Fixed"] == "plain"
+    assert SECRET not in result.content and result.content == "your key is [redacted]"
+    assert skill.info.secrets == (SECRET,)
+    assert SECRET not in repr(skill.info.input_schema)
+
+
+async def test_result_path_walks_objects_and_list_indexes(server: tuple[str, Recorder], make: Any) -> None:
+    base, _ = server
+    first = await make(url=base + "/nested", result_path="data.items.0.name").run({}, _context())
+    assert (first.content, first.is_error) == ("first", False)  # a string as it is, not JSON-quoted
+    tags = await make(url=base + "/nested", result_path="data.items.0.tags").run({}, _context())
+    assert tags.content == '["a","b"]' and not tags.is_error
+    missing = await make(url=base + "/nested", result_path="data.items.5.name").run({}, _context())
+    assert missing.is_error and "data.items.5.name" in missing.content and "'5'" in missing.content
+
+
+async def test_missing_required_argument_is_an_error_and_no_request(
+    server: tuple[str, Recorder], make: Any
+) -> None:
+    base, seen = server
+    skill = make(url=base + "/echo/weather/{city}", parameters=CITY_SCHEMA)
+    result = await skill.run({"days": 2}, _context())
+    assert result.is_error and "'city' is a required property" in result.content
+    assert seen.requests == []
+    loose = make(url=base + "/echo/weather/{city}", parameters={"type": "object", "properties": {}})
+    unfilled = await loose.run({}, _context())
+    assert unfilled.is_error and "missing argument 'city'" in unfilled.content and seen.requests == []
+
+
+async def test_wrong_type_and_unknown_key_are_errors(server: tuple[str, Recorder], make: Any) -> None:
+    base, seen = server
+    skill = make(url=base + "/echo/weather/{city}", parameters=CITY_SCHEMA)
+    wrong = await skill.run({"city": "Lyon", "days": "three"}, _context())
+    assert wrong.is_error and "'three' is not of type 'integer'" in wrong.content and "days" in wrong.content
+    boolean = await skill.run({"city": "Lyon", "days": True}, _context())
+    assert boolean.is_error and "not of type 'integer'" in boolean.content  # a bool is not an integer
+    unknown = await skill.run({"city": "Lyon", "colour": "red"}, _context())
+    assert unknown.is_error and "'colour' was unexpected" in unknown.content
+    assert seen.requests == []
+
+
+async def test_timeout_is_an_error(server: tuple[str, Recorder], make: Any) -> None:
+    base, _ = server
+    started = asyncio.get_running_loop().time()
+    result = await make(url=base + "/slow", timeout_seconds=0.3).run({}, _context())
+    assert result.is_error and result.content == "the request timed out after 0.3 s"
+    stalled = await make(url=base + "/slow-body", timeout_seconds=0.3).run({}, _context())
+    assert stalled.is_error and stalled.content == "the request timed out after 0.3 s"  # the body counts too
+    assert asyncio.get_running_loop().time() - started < 2
+
+
+async def test_error_status_gives_status_and_start_of_body(server: tuple[str, Recorder], make: Any) -> None:
+    base, _ = server
+    result = await make(url=base + "/fail").run({}, _context())
+    assert result.is_error and "HTTP 500" in result.content and "boom xxx" in result.content
+    excerpt = result.content.split(": ", 1)[1]
+    assert len(excerpt) == 300
+
+
+async def test_oversize_response_is_refused_without_reading_it_all(
+    server: tuple[str, Recorder], make: Any
+) -> None:
+    base, seen = server
+    result = await make(url=base + "/big", max_response_bytes=1000).run({}, _context())
+    assert result.is_error and "too large" in result.content and "1000" in result.content
+    assert "y" * 100 not in result.content
+    assert seen.big_sent < BIG_TOTAL  # the client stopped reading; the server never got to send it all
+    declared = await make(url=base + "/declared-big", max_response_bytes=4999).run({}, _context())
+    assert declared.is_error and "5000 bytes" in declared.content
+    fits = await make(url=base + "/declared-big", max_response_bytes=5000).run({}, _context())
+    assert not fits.is_error and fits.content == "z" * 5000
+
+
+async def test_connection_refused_is_an_error(make: Any) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = await make(url=f"http://127.0.0.1:{port}/x").run({}, _context())
+    assert result.is_error and f"could not connect to 127.0.0.1:{port}" in result.content
+
+
+async def test_three_redirects_are_followed_not_four(server: tuple[str, Recorder], make: Any) -> None:
+    base, seen = server
+    three = await make(url=base + "/hop/3").run({}, _context())
+    assert (three.content, three.is_error) == ("arrived", False)
+    assert len(seen.requests) == 4  # the first request and three redirects
+    four = await make(url=base + "/hop/4").run({}, _context())
+    assert four.is_error and four.content == "too many redirects (more than 3)"
+    assert len(seen.requests) == 8  # stopped at the fourth redirect, /hop/0 never reached
+
+
+def test_missing_env_variable_fails_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    config = HttpSkillConfig(name="probe", description="d", url="https://example.invalid/",
+                             headers_env={"Authorization": SECRET_ENV})
+    with pytest.raises(ValueError, match=SECRET_ENV):
+        HttpSkill(config)
+    monkeypatch.setenv(SECRET_ENV, f"Bearer {SECRET}")
+    assert HttpSkill(config).info.secrets == (f"Bearer {SECRET}",)
+
+
+def test_only_http_urls_and_valid_schemas_are_accepted() -> None:
+    with pytest.raises(ValueError, match="http:// or https://"):
+        HttpSkill(HttpSkillConfig(name="probe", description="d", url="file:///etc/passwd"))
+    with pytest.raises(ValueError, match="not a valid JSON schema"):
+        HttpSkill(HttpSkillConfig(name="probe", description="d", url="https://x.invalid/",
+                                  parameters={"type": "object", "properties": {"a": {"type": "nope"}}}))
+
+
+async def test_cookies_are_not_kept_between_calls(server: tuple[str, Recorder], make: Any) -> None:
+    base, seen = server
+    skill = make(url=base.replace("127.0.0.1", "localhost") + "/cookie")  # a jar keeps no cookies of IPs
+    assert (await skill.run({}, _context())).content == "ok"
+    assert (await skill.run({}, _context())).content == "ok"
+    assert len(seen.requests) == 2 and "session" not in seen.requests[1].cookies  # no jar shared by users
+
+
+async def test_a_skill_with_secret_headers_follows_no_redirect(server: tuple[str, Recorder], make: Any,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    base, seen = server
+    monkeypatch.setenv(SECRET_ENV, f"Bearer {SECRET}")
+    result = await make(url=base + "/hop/1", headers_env={"Authorization": SECRET_ENV}).run({}, _context())
+    assert result.is_error and "follows no redirects" in result.content
+    assert len(seen.requests) == 1  # the redirect's target was never asked

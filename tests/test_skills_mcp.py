@@ -1,0 +1,275 @@
+"""MCP skills against a real MCP server (tests/fakes/mcp_server.py) over stdio and streamable HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from bot.config import McpServerConfig
+from cortex.skills.base import SkillContext, SkillResult
+from cortex.skills.mcp import McpOptions, McpServer, McpSkills, McpTool
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+FAKE = Path(__file__).parent / "fakes" / "mcp_server.py"
+FAST = McpOptions(backoff_initial=0.2, backoff_max=1.0, connect_timeout=20.0)
+SECRET = "s3cret-value-for-mcp"
+CONTEXT = SkillContext(user_db_id=1, user_key="u", user_name="U", persona="p", channel_key="c", server_key=None,
+                       is_dm=True, is_admin=False, now=datetime.now(UTC))
+
+
+def stdio_config(name: str = "fake", **fields: Any) -> McpServerConfig:
+    return McpServerConfig(name=name, command=[sys.executable, str(FAKE)], **fields)
+
+
+def by_name(tools: list[McpTool]) -> dict[str, McpTool]:
+    return {tool.info.name: tool for tool in tools}
+
+
+async def eventually(condition: Any, seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def server_pid(server: McpServer) -> int:
+    result = await server.call("pid", {})
+    assert not result.is_error, result.content
+    return int(result.content)
+
+
+@pytest.fixture(scope="module")
+def secret_env() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CORTEX_TEST_MCP_SECRET", SECRET)
+        yield
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def fake(secret_env: None) -> AsyncIterator[McpServer]:
+    """One stdio server shared by the tests that do not break it."""
+    config = stdio_config(timeout_seconds=1.0, env={"PLAIN": "plain"},
+                          env_from={"TOKEN": "CORTEX_TEST_MCP_SECRET"}, admin_only=True, triggers=["math"])
+    server = McpServer(config, FAST)
+    await server.start()
+    yield server
+    await server.aclose()
+
+
+async def test_stdio_round_trip(fake: McpServer) -> None:
+    assert fake.up
+    tools = by_name(fake.tools)
+    assert {"add", "echo", "slow", "fail", "crash", "pid"} <= tools.keys()
+    add = tools["add"]
+    assert add.info.origin == "mcp" and add.info.server == "fake"
+    assert add.info.description == "Add two integers."
+    assert add.info.input_schema["required"] == ["a", "b"]
+    assert add.info.admin_only and add.info.triggers == ("math",)
+    assert await add.run({"a": 2, "b": 3}, CONTEXT) == SkillResult("5")
+    assert await tools["echo"].run({"text": "hé ho"}, CONTEXT) == SkillResult("hé ho")
+
+
+async def test_env_and_env_from_reach_stdio_server(fake: McpServer) -> None:
+    assert (await fake.call("env", {"name": "TOKEN"})).content == SECRET
+    assert (await fake.call("env", {"name": "PLAIN"})).content == "plain"
+    # The bot's own environment is not passed on wholesale.
+    assert (await fake.call("env", {"name": "CORTEX_TEST_MCP_SECRET"})).content == "<unset>"
+
+
+async def test_tool_error_is_an_error_result(fake: McpServer) -> None:
+    result = await fake.call("fail", {})
+    assert result.is_error
+    assert "this tool always fails" in result.content
+    unknown = await fake.call("no_such_tool", {})
+    assert unknown.is_error
+
+
+async def test_timeout_then_session_still_usable(fake: McpServer) -> None:
+    started = time.monotonic()
+    result = await fake.call("slow", {"seconds": 5})
+    assert result.is_error and "did not answer within 1 s" in result.content
+    assert time.monotonic() - started < 3
+    assert fake.up
+    assert await fake.call("add", {"a": 1, "b": 1}) == SkillResult("2")
+
+
+async def test_non_text_parts_are_described(fake: McpServer) -> None:
+    assert await fake.call("picture", {}) == SkillResult("a caption\n[image]")
+
+
+async def test_tools_list_changed_lists_again(fake: McpServer) -> None:
+    assert "extra" not in by_name(fake.tools)
+    assert await fake.call("grow", {}) == SkillResult("grown")
+    await eventually(lambda: "extra" in by_name(fake.tools), 10)
+    assert await by_name(fake.tools)["extra"].run({}, CONTEXT) == SkillResult("extra!")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def wait_for_port(port: int, process: asyncio.subprocess.Process) -> None:
+    deadline = time.monotonic() + 20
+    while True:
+        assert process.returncode is None, "the HTTP server exited"
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            assert time.monotonic() < deadline, "the HTTP server did not listen in time"
+            await asyncio.sleep(0.05)
+            continue
+        writer.close()
+        await writer.wait_closed()
+        return
+
+
+class HttpServer:
+    """The fake server over streamable HTTP, as a subprocess on a free port (restartable on that port)."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/mcp"
+        self.process: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        self.process = await asyncio.create_subprocess_exec(sys.executable, str(FAKE), "--http", str(self.port))
+        await wait_for_port(self.port, self.process)
+
+    async def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            await self.process.wait()
+            self.process = None
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def http_server() -> AsyncIterator[HttpServer]:
+    server = HttpServer()
+    try:
+        await server.start()
+        yield server
+    finally:
+        await server.stop()
+
+
+async def test_http_round_trip(http_server: HttpServer, secret_env: None, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    config = McpServerConfig(name="web", url=http_server.url, headers_env={"X-Api-Key": "CORTEX_TEST_MCP_SECRET"})
+    server = McpServer(config, FAST)
+    try:
+        await server.start()
+        assert server.up
+        tools = by_name(server.tools)
+        assert await tools["add"].run({"a": 20, "b": 22}, CONTEXT) == SkillResult("42")
+        assert (await server.call("fail", {})).is_error
+        assert SECRET not in caplog.text  # the header's value is never logged
+        assert await server.call("header", {"name": "x-api-key"}) == SkillResult(SECRET)
+    finally:
+        await server.aclose()
+
+
+async def test_http_server_restart_reconnects(http_server: HttpServer) -> None:
+    server = McpServer(McpServerConfig(name="web", url=http_server.url), FAST)
+    try:
+        await server.start()
+        assert await server.call("add", {"a": 1, "b": 1}) == SkillResult("2")
+        await http_server.stop()
+        lost = await server.call("add", {"a": 1, "b": 1})
+        assert lost == SkillResult("the web server is not reachable right now", is_error=True)
+        assert not server.up
+        await http_server.start()
+        await eventually(lambda: server.up)
+        assert await server.call("add", {"a": 2, "b": 2}) == SkillResult("4")
+    finally:
+        await server.aclose()
+
+
+async def test_tools_filter_and_name_clash() -> None:
+    skills = McpSkills([stdio_config("alpha", tools=["add", "echo"]), stdio_config("beta", tools=["add", "pid"])],
+                       FAST)
+    try:
+        await skills.start()
+        alpha, beta = skills.servers
+        assert {tool.original_name for tool in alpha.tools} == {"add", "echo"}
+        assert {tool.original_name for tool in beta.tools} == {"add", "pid"}
+        offered = by_name(skills.skills())
+        assert offered.keys() == {"alpha_add", "beta_add", "echo", "pid"}
+        assert offered["alpha_add"].info.server == "alpha" and offered["beta_add"].info.server == "beta"
+        assert await offered["alpha_add"].run({"a": 1, "b": 2}, CONTEXT) == SkillResult("3")
+        assert await offered["beta_add"].run({"a": 3, "b": 4}, CONTEXT) == SkillResult("7")
+        refused = await alpha.call("slow", {"seconds": 0})
+        assert refused.is_error and "does not offer" in refused.content
+    finally:
+        await skills.aclose()
+
+
+async def test_crash_then_restart() -> None:
+    server = McpServer(stdio_config("crashy"), FAST)
+    try:
+        await server.start()
+        first_pid = await server_pid(server)
+        crashed = await server.call("crash", {})
+        assert crashed == SkillResult("the crashy server is not reachable right now", is_error=True)
+        down = await server.call("add", {"a": 1, "b": 2})
+        assert down == SkillResult("the crashy server is not reachable right now", is_error=True)
+        await eventually(lambda: server.up)
+        assert await server.call("add", {"a": 1, "b": 2}) == SkillResult("3")
+        assert await server_pid(server) != first_pid
+        assert not alive(first_pid)
+    finally:
+        await server.aclose()
+
+
+async def test_bad_command_does_not_block_others() -> None:
+    bad = McpServerConfig(name="broken", command=["/nonexistent/mcp-server-binary"])
+    skills = McpSkills([bad, stdio_config("good")], FAST)
+    try:
+        started = time.monotonic()
+        await skills.start()
+        assert time.monotonic() - started < 15
+        broken, good = skills.servers
+        assert good.up and not broken.up
+        assert {tool.info.server for tool in skills.skills()} == {"good"}
+        assert await good.call("add", {"a": 2, "b": 2}) == SkillResult("4")
+        result = await broken.call("add", {"a": 2, "b": 2})
+        assert result == SkillResult("the broken server is not reachable right now", is_error=True)
+        await asyncio.sleep(0.5)  # a few retries in the background do not disturb the good server
+        assert good.up and await good.call("echo", {"text": "still"}) == SkillResult("still")
+    finally:
+        await skills.aclose()
+
+
+async def test_aclose_leaves_no_child_process() -> None:
+    skills = McpSkills([stdio_config("one")], FAST)
+    await skills.start()
+    (server,) = skills.servers
+    pid = await server_pid(server)
+    assert alive(pid)
+    await skills.aclose()
+    assert not alive(pid)
+    assert not server.up
+    after = await server.call("add", {"a": 1, "b": 1})
+    assert after.is_error and "not reachable" in after.content
