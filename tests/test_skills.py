@@ -20,6 +20,7 @@ from bot.commands import CommandContext
 from bot.config import ConfigError, parse_config
 from bot.ports import IncomingMessage
 from cortex.export import export_data
+from cortex.skills.toolbox import sanitised
 from tests.engines import db_url_for
 from tests.fakes.llm_server import FakeLLMServer, FakeResponse, RecordedRequest
 
@@ -214,5 +215,12 @@ async def test_a_missing_secret_of_an_http_skill_stops_the_start_with_one_clear_
     monkeypatch.delenv("CB_SKILLS_MISSING_KEY", raising=False)
     http = [{"name": "weather", "description": "Weather.", "url": "https://example.invalid/{city}",
              "headers_env": {"X-Api-Key": "CB_SKILLS_MISSING_KEY"}}]
-    with pytest.raises(ConfigError, match=r"\[\[skills.http\]\] 'weather': .*CB_SKILLS_MISSING_KEY"):
+    with pytest.raises(ConfigError, match=r"\[\[skills.http\]\] 'weather': .*CB_SKILLS_MISSING_KEY") as caught:
         await App(_config(tmp_path, fake_llm, http=http)).start()
+    assert str(caught.value).count("[[skills.http]]") == 1
+
+
+def test_the_audit_hides_a_secret_and_the_credential_inside_it() -> None:
+    recorded = sanitised({"q": "use abcdefghij please", "n": 3}, ("Bearer abcdefghij",))
+    assert recorded == '{"q": "use *** please", "n": 3}'
+

@@ -15,6 +15,17 @@ from typing import Any, Literal, Protocol
 Origin = Literal["builtin", "http", "mcp"]
 
 
+def redaction_values(secrets: tuple[str, ...]) -> tuple[str, ...]:
+    """The secrets, and the credential after a scheme word ("Bearer abc" -> also "abc"), longest first:
+    what is replaced wherever a skill's text could show a secret (results, logs, the audit)."""
+    values = {s for s in secrets if s}
+    for secret in secrets:
+        _, _, credential = secret.partition(" ")
+        if len(credential.strip()) >= 8:
+            values.add(credential.strip())
+    return tuple(sorted(values, key=len, reverse=True))
+
+
 class SkillFailure(Exception):
     """Raised inside a skill for an expected failure; the loop turns it into a tool error."""
 

@@ -20,13 +20,13 @@ from bot.config import SOUL_SECTIONS, Config
 from bot.storage.core import Storage
 from bot.storage.personas import BOT_WIDE
 from cortex.memory.store import CATEGORIES, MemoryError, MemoryStore
+from cortex.personas.commands import MAX_SECTION_CHARS
+from cortex.personas.guidelines import MAX_GUIDELINES_CHARS
 from cortex.personas.lore import LoreIndex, search
 from cortex.personas.registry import PersonaRegistry
 from cortex.skills.base import SkillContext, SkillFailure, SkillInfo, SkillResult
 from cortex.store import CortexStore
 
-MAX_SECTION_CHARS = 4000
-MAX_GUIDELINES_CHARS = 8000
 _TEXT = {"type": "string"}
 Handler = Callable[[dict[str, Any], SkillContext], Awaitable[SkillResult]]
 

@@ -24,7 +24,7 @@ from jsonschema import exceptions as schema_errors
 from jsonschema import validators
 
 from bot.config import HttpSkillConfig
-from cortex.skills.base import SkillContext, SkillFailure, SkillInfo, SkillResult
+from cortex.skills.base import SkillContext, SkillFailure, SkillInfo, SkillResult, redaction_values
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class HttpSkill:
         self._config = config
         self._validator = _schema_validator(config)
         self._secret_headers = _read_secret_headers(config)
-        self._redact_values = _redaction_values(tuple(self._secret_headers.values()))
+        self._redact_values = redaction_values(tuple(self._secret_headers.values()))
         self._session_factory = session_factory
         self._session: aiohttp.ClientSession | None = None
         self._info = SkillInfo(
@@ -249,16 +249,6 @@ def _read_secret_headers(config: HttpSkillConfig) -> dict[str, str]:
                              f"(for header {header}) is not set")
         headers[header] = value
     return headers
-
-
-def _redaction_values(secrets: tuple[str, ...]) -> tuple[str, ...]:
-    """The secrets, and the credential after a scheme word ("Bearer abc" -> also "abc"), longest first."""
-    values = set(secrets)
-    for secret in secrets:
-        _, _, credential = secret.partition(" ")
-        if len(credential.strip()) >= 8:
-            values.add(credential.strip())
-    return tuple(sorted(values, key=len, reverse=True))
 
 
 def _describe(error: schema_errors.ValidationError) -> str:

@@ -32,7 +32,7 @@ class Skills:
         try:
             return HttpSkill(entry)
         except ValueError as exc:  # a missing secret variable, a bad schema or URL: one clear line at start
-            raise ConfigError(f"[[skills.http]] {entry.name!r}: {exc}") from None
+            raise ConfigError(str(exc)) from None  # the message already names [[skills.http]] and the skill
 
     def _builtin_skills(self) -> Sequence[Skill]:
         return self._builtins

@@ -23,7 +23,7 @@ from bot.llm.base import ToolCall, ToolSpec
 from bot.ports import PromptContext, ToolOutcome
 from bot.storage.core import Storage
 from bot.storage.skills import SkillExecution
-from cortex.skills.base import Skill, SkillContext, SkillFailure, SkillResult
+from cortex.skills.base import Skill, SkillContext, SkillFailure, SkillResult, redaction_values
 from cortex.skills.policy import SkillPolicy
 
 log = logging.getLogger(__name__)
@@ -42,11 +42,12 @@ def status_line(name: str) -> str:
 
 def sanitised(arguments: Any, secrets: Sequence[str]) -> str:
     """The arguments as JSON for the audit: secret values replaced, long strings cut."""
+    hidden = redaction_values(tuple(secrets))
+
     def clean(value: Any) -> Any:
         if isinstance(value, str):
-            for secret in secrets:
-                if secret:
-                    value = value.replace(secret, "***")
+            for secret in hidden:
+                value = value.replace(secret, "***")
             return value if len(value) <= AUDIT_VALUE_CHARS else value[:AUDIT_VALUE_CHARS] + "…"
         if isinstance(value, dict):
             return {str(k): clean(v) for k, v in list(value.items())[:50]}
