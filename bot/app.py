@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 from bot.commands import CommandRegistry
 from bot.commands.core import register_core_commands
+from bot.commands.dashboard import register_dashboard
 from bot.config import Config, ConfigError, read_secret
 from bot.conversation import ConversationCore
 from bot.fleet import HEARTBEAT_SECONDS, Fleet
@@ -122,6 +123,7 @@ class App:
             LoreCommands(self.personas, self.storage, self.lore).register(self.commands)
             CardCommands(self.personas, self.storage).register(self.commands)
             self.skills.commands.register(self.commands)
+            register_dashboard(self.commands, self.storage.web, self.config.web)
             self.cortex.commands.extra_stats = self._extra_stats
             await self.cortex.memory_admin.load()
             self.router = Router(self.config, self.storage, self.core, self.commands, self.personas)

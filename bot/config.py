@@ -534,6 +534,41 @@ class SkillsConfig(_Section):
     mcp: list[McpServerConfig] = Field(default_factory=list)
 
 
+class WebConfig(_Section):
+    """The web page: memory and admin views, a JSON API, health and metrics, served by the bot itself."""
+
+    enabled: bool = Field(default=False, description="Serve the web page beside the adapters.")
+    host: str = Field(default="127.0.0.1", description="Address to listen on (behind a proxy: keep loopback).")
+    port: int = Field(default=8080, ge=0, le=65535, description="Port to listen on (0: any free port).")
+    public_url: str = Field(
+        default="", description="The address people open (behind a reverse proxy); default http://host:port.")
+    session_hours: float = Field(default=12.0, gt=0, le=24 * 90, description="How long a login lasts.")
+    link_minutes: float = Field(default=10.0, gt=0, le=60, description="How long a !dashboard link works.")
+    metrics: bool = Field(default=True, description="Serve Prometheus /metrics.")
+    metrics_host: str = Field(default="", description="Serve /metrics on another address (default: the page's).")
+    metrics_port: int | None = Field(default=None, ge=0, le=65535, description="… and port.")
+    max_body_kb: int = Field(default=256, ge=16, le=65_536, description="Largest request body accepted.")
+
+    @field_validator("public_url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        value = value.strip().rstrip("/")
+        if value and not value.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https:// (e.g. https://bot.example.org)")
+        return value
+
+    @property
+    def base_url(self) -> str:
+        if self.public_url:
+            return self.public_url
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def secure_cookies(self) -> bool:
+        return self.base_url.startswith("https://")
+
+
 class TerminalConfig(_Section):
     enabled: bool = Field(default=True, description="Whether `cortexbot run` starts the terminal adapter.")
     user: str = Field(default="", description="Name of the local user; default: the login name.")
@@ -604,6 +639,7 @@ class Config(_Section):
     matrix: MatrixConfig = Field(default_factory=MatrixConfig)
     terminal: TerminalConfig = Field(default_factory=TerminalConfig)
     skills: SkillsConfig = Field(default_factory=SkillsConfig)
+    web: WebConfig = Field(default_factory=WebConfig)
     personas: list[PersonaConfig] = Field(default_factory=lambda: [DEFAULT_PERSONA.model_copy()])
 
     @model_validator(mode="after")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import get_args
 
+from bot import metrics
 from bot.config import Config
 from bot.errors import EmptyMessage, MessageTooLong
 from bot.history import HistoryWindow, build_window
@@ -127,6 +128,7 @@ class ConversationCore:
 
     async def _run(self, stream: ReplyStream) -> AsyncIterator[str]:
         message, persona = stream._message, stream._persona
+        began = time.monotonic()
         user, channel, user_msg = await self._store_incoming(message, persona)
         budgets = budgets_for(self.config, persona)
         window = await build_window(
@@ -218,7 +220,7 @@ class ConversationCore:
         duration_ms = int((time.monotonic() - started) * 1000)
         stream.result = await self._finish(
             persona, user, channel, user_msg, window, summary, raw_prompt, completion, duration_ms, message,
-            stream.rounds,
+            stream.rounds, began,
         )
         used = [s for slot in sections.values() for section in slot for s in section.sources]
         if summary is not None:
@@ -304,6 +306,7 @@ class ConversationCore:
         duration_ms: int,
         message: IncomingMessage,
         rounds: int = 1,
+        message_started: float = 0.0,
     ) -> ReplyResult:
         text = completion.text.strip()
         reply = await self.storage.add_message(
@@ -318,18 +321,18 @@ class ConversationCore:
                 estimated_input_tokens=raw_prompt,
             )
         )
-        await self.storage.record_reply_stats(
-            ReplyStats(
-                channel_id=channel.id,
-                message_id=reply.id,
-                history_tokens=window.tokens,
-                history_budget=window.budget,
-                window_messages=len(window.messages),
-                trimmed_messages=window.trimmed,
-                summary_used=summary_used,
-                prompt_tokens=prompt_tokens,
-            )
+        stats = ReplyStats(
+            channel_id=channel.id,
+            message_id=reply.id,
+            history_tokens=window.tokens,
+            history_budget=window.budget,
+            window_messages=len(window.messages),
+            trimmed_messages=window.trimmed,
+            summary_used=summary_used,
+            prompt_tokens=prompt_tokens,
         )
+        await self.storage.record_reply_stats(stats)
+        metrics.observe_reply(stats, time.monotonic() - message_started - duration_ms / 1000)
         if rounds == 1:  # several rounds bill the prompt several times: no measure of one prompt
             self.estimator.calibrate(raw_prompt, completion.usage.input_tokens)
         log.info(

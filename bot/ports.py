@@ -145,3 +145,23 @@ class Toolbox(Protocol):
 class ToolProvider(Protocol):
     async def toolbox(self, context: PromptContext) -> Toolbox | None:
         """The tools for this reply, or None when none are offered here."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerRef:
+    """A Discord server or a Matrix room someone administers, as the web page lists it."""
+
+    key: str  # discord:<guild id> or matrix:<room id>, as IncomingMessage.server_key
+    name: str
+
+
+class AdminDirectory(Protocol):
+    """A platform's live answer to "is this user an admin there?" (the web page asks on every request,
+    as the chat commands check the platform's permissions on every use)."""
+
+    platform: str
+
+    async def is_admin(self, user_key: str, server_key: str) -> bool: ...
+
+    async def servers(self, user_key: str) -> list[ServerRef]:
+        """Servers or rooms the bot shares with the user where the user is an admin."""

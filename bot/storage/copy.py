@@ -46,7 +46,7 @@ TABLES: tuple[str, ...] = (
     "users", "personas", "versioned_texts", "lore_entries", "channels", "messages", "summaries", "jobs",
     "llm_calls", "reply_stats", "settings",
     "cortex_pairs", "cortex_versions", "cortex_runs", "cortex_settings", "memory_items", "message_vectors",
-    "reply_sources", "platform_messages", "incognito", "skill_executions",
+    "reply_sources", "platform_messages", "incognito", "skill_executions", "web_links", "web_sessions",
     "periodic_runs", "instance_locks",
 )
 # Columns that may point at rows copied later: inserted empty, set after the whole table.

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
+from bot import metrics
 from bot.storage.base import (
     Channel,
     Job,
@@ -57,6 +58,7 @@ from bot.storage.rows import ts as _ts
 from bot.storage.skills import SkillAuditRepository
 from bot.storage.sources import SourceRepository
 from bot.storage.textsearch import text_search_config
+from bot.storage.web import HealthRepository, WebLoginRepository
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +114,8 @@ class Storage:
         self.sources = SourceRepository(db)
         self.incognito = IncognitoRepository(db)
         self.skills = SkillAuditRepository(db)
+        self.web = WebLoginRepository(db)
+        self.health = HealthRepository(db)
 
     async def sibling(self) -> Storage:
         """A second handle on the same database sharing caches (see ``Database.sibling``)."""
@@ -380,6 +384,7 @@ class Storage:
         )
         assert row is not None
         summary = self._summary(row)
+        metrics.observe_summary(summary.status == "ok")
         if summary.status == "ok":
             self._summaries[channel_id] = (time.monotonic(), summary)
         return summary
@@ -598,6 +603,7 @@ class Storage:
             raise
 
     async def record_llm_call(self, record: LLMCallRecord) -> None:
+        metrics.observe_llm_call(record)  # every recorded call is counted for Prometheus too
         self._buffer_audit(
             LLM_CALL_SQL,
             (
@@ -699,6 +705,8 @@ class Storage:
             counts = await self.cortex.delete_pairs(tx, pair_ids)
             await tx.execute("DELETE FROM incognito WHERE user_id = ?", (user.id,))
             await tx.execute("DELETE FROM skill_executions WHERE user_key = ?", (user_key,))
+            await tx.execute("DELETE FROM web_sessions WHERE user_key = ?", (user_key,))
+            await tx.execute("DELETE FROM web_links WHERE user_key = ?", (user_key,))
             messages, channels = await delete_messages(tx, "user_id = ?", (user.id,))
             ch_marks = ",".join("?" for _ in channels) or "NULL"
             summaries = await tx.fetch_all(f"DELETE FROM summaries WHERE channel_id IN ({ch_marks}) RETURNING id",

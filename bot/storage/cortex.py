@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from bot import metrics
 from bot.storage.base import StoredMessage, User
 from bot.storage.engine import Database, Tx
 from bot.storage.incognito import not_incognito
@@ -319,6 +320,7 @@ class CortexRepository:
         duration_ms: int = 0,
         error: str = "",
     ) -> None:
+        metrics.observe_cortex_update(status)
         await self.db.write(
             "UPDATE cortex_runs SET status = ?, reason = ?, rounds = ?, files_read = ?, files_written = ?,"
             " input_tokens = ?, output_tokens = ?, duration_ms = ?, error = ?, finished_at = ? WHERE id = ?",

@@ -304,4 +304,6 @@ MIGRATIONS: tuple[Migration, ...] = (
               postgres=pg_schema.V11),
     Migration(12, "incognito stretches per user and persona", _sqlite_fork(pg_schema.V12), postgres=pg_schema.V12),
     Migration(13, "an audit row for every skill execution", _sqlite_fork(pg_schema.V13), postgres=pg_schema.V13),
+    Migration(14, "web page logins: single-use links and sessions (hashes only)", _sqlite_fork(pg_schema.V14),
+              postgres=pg_schema.V14),
 )

@@ -336,3 +336,24 @@ V13: tuple[str, ...] = (
     "CREATE INDEX skill_executions_user ON skill_executions (user_key, skill, created_at)",
     "CREATE INDEX skill_executions_time ON skill_executions (created_at)",
 )
+
+# Web logins: a !dashboard link (single use, minutes) and the session it opens. Only hashes of the
+# secrets are stored, so a copy of the database opens no session.
+V14: tuple[str, ...] = (
+    """CREATE TABLE web_links (
+        token_hash TEXT PRIMARY KEY,
+        user_key TEXT NOT NULL,
+        user_name TEXT NOT NULL DEFAULT '',
+        created_at DOUBLE PRECISION NOT NULL,
+        expires_at DOUBLE PRECISION NOT NULL,
+        used_at DOUBLE PRECISION)""",
+    """CREATE TABLE web_sessions (
+        id_hash TEXT PRIMARY KEY,
+        user_key TEXT NOT NULL,
+        user_name TEXT NOT NULL DEFAULT '',
+        csrf TEXT NOT NULL,
+        created_at DOUBLE PRECISION NOT NULL,
+        expires_at DOUBLE PRECISION NOT NULL)""",
+    "CREATE INDEX web_links_expiry ON web_links (expires_at)",
+    "CREATE INDEX web_sessions_user ON web_sessions (user_key)",
+)

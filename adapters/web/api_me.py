@@ -1,0 +1,167 @@
+"""``/api/me`` and the caller's cortex files: read, edit (with the version the edit is based on), versions,
+side-by-side diff, revert and reset. Everything here works on the logged-in user's own pairs only: no
+route takes a user id."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
+
+from adapters.web.errors import fail, not_found
+from adapters.web.render import markdown_html, side_by_side
+from adapters.web.server import WebContext, ok, read_body
+from adapters.web.userdata import own_pair, own_user
+from bot.commands import MAX_NUMBER
+from cortex.files import FileError
+from cortex.store import FILENAMES, FileVersion
+
+FILE_ROUTE = "/api/me/personas/{persona}/files/{file}"
+
+
+class FileEdit(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    content: str
+    version: int = Field(ge=1, le=MAX_NUMBER, description="the version the edit is based on")
+
+
+class Revert(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    version: int = Field(ge=1, le=MAX_NUMBER)
+
+
+def version_json(v: FileVersion, *, content: bool = True) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "file": v.filename, "version": v.version, "author": v.author, "reason": v.reason, "tier": v.tier,
+        "run_id": v.run_id, "created_at": v.created_at.isoformat(), "chars": len(v.content),
+    }
+    if content:
+        data.update(content=v.content, html=markdown_html(v.content))
+    return data
+
+
+def filename(request: web.Request) -> str:
+    name = request.match_info["file"].lower()
+    if not name.endswith(".md"):
+        name += ".md"
+    if name not in FILENAMES:
+        not_found(f"no such file (files: {', '.join(FILENAMES)})")
+    return name
+
+
+def version_number(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or len(text) > 10 or not 1 <= int(text) <= MAX_NUMBER:
+        fail(400, f"a version is a number from 1 up, not {text[:20]!r}")
+    return int(text)
+
+
+def routes(ctx: WebContext) -> list[web.RouteDef]:
+    auth, store, files = ctx.auth, ctx.app.cortex.store, ctx.app.cortex.files
+
+    async def me(request: web.Request) -> web.Response:
+        caller = await auth.require(request)
+        user = await own_user(ctx, caller)
+        talked = [str(p["persona"]) for p in await ctx.app.storage.export.pairs(user.id)]
+        personas = [{"name": n, "language": ctx.app.personas.persona(n).language, "talked": n in talked}
+                    for n in ctx.app.personas.names()]
+        servers = [{"key": s.key, "name": s.name} for d in auth.directories.values()
+                   for s in await d.servers(caller.user_key)]
+        return ok({
+            "user": {"key": caller.user_key, "name": user.display_name}, "csrf": caller.session.csrf,
+            "is_bot_admin": auth.is_bot_admin(caller), "admin_servers": servers, "personas": personas,
+            "files": list(FILENAMES), "file_max_chars": files.file_max_chars,
+            "session_expires_at": caller.session.expires_at,
+        })
+
+    async def all_files(request: web.Request) -> web.Response:
+        caller = await auth.require(request)
+        _, pair = await own_pair(ctx, caller, request.match_info["persona"])
+        current = await store.current_all(pair.id)
+        return ok({"persona": pair.persona, "files": [version_json(current[f]) for f in FILENAMES]})
+
+    async def get_file(request: web.Request) -> web.Response:
+        caller = await auth.require(request)
+        name = filename(request)
+        _, pair = await own_pair(ctx, caller, request.match_info["persona"])
+        current = await store.current(pair.id, name)
+        assert current is not None  # own_pair made every file
+        return ok(version_json(current) | {"max_chars": files.file_max_chars})
+
+    async def put_file(request: web.Request) -> web.Response:
+        caller = await auth.require(request)
+        name = filename(request)
+        edit = await read_body(request, FileEdit)
+        _, pair = await own_pair(ctx, caller, request.match_info["persona"])
+        current = await store.current(pair.id, name)
+        assert current is not None
+        if current.version != edit.version:
+            fail(409, f"{name} changed since you opened it (now version {current.version}, yours was based on "
+                      f"version {edit.version}): reload it, then make your change again")
+        try:
+            saved = await files.edit(pair, name, edit.content.strip() + "\n")
+        except FileError as exc:
+            fail(422, str(exc))
+        return ok(version_json(saved or current) | {"changed": saved is not None})
+
+    async def versions(request: web.Request) -> web.Response:
+        caller = await auth.require(request)
+        name = filename(request)
+        _, pair = await own_pair(ctx, caller, request.match_info["persona"])
+        found = await store.versions(pair.id, name)
+        return ok({"file": name, "versions": [version_json(v, content=False) for v in reversed(found)]})
+
+    async def one_version(request: web.Request) -> web.Response:
+        caller = await auth.require(request)
+        name, number = filename(request), version_number(request.match_info["version"])
+        _, pair = await own_pair(ctx, caller, request.match_info["persona"])
+        found = await store.version(pair.id, name, number)
+        if found is None:
+            not_found(f"{name} has no version {number}")
+        return ok(version_json(found))
+
+    async def diff(request: web.Request) -> web.Response:
+        caller = await auth.require(request)
+        name = filename(request)
+        first = version_number(request.query.get("from", ""))
+        second = version_number(request.query.get("to", ""))
+        _, pair = await own_pair(ctx, caller, request.match_info["persona"])
+        a, b = await store.version(pair.id, name, first), await store.version(pair.id, name, second)
+        if a is None or b is None:
+            not_found(f"{name} has no version {first if a is None else second}")
+        return ok({"file": name, "from": first, "to": second, "rows": side_by_side(a.content, b.content)})
+
+    async def revert(request: web.Request) -> web.Response:
+        caller = await auth.require(request)
+        name = filename(request)
+        wanted = await read_body(request, Revert)
+        _, pair = await own_pair(ctx, caller, request.match_info["persona"])
+        try:
+            saved = await files.revert(pair, name, wanted.version)
+        except FileError as exc:
+            not_found(str(exc))
+        current = saved or await store.current(pair.id, name)
+        assert current is not None
+        return ok(version_json(current) | {"changed": saved is not None})
+
+    async def reset(request: web.Request) -> web.Response:
+        caller = await auth.require(request)
+        name = filename(request)
+        user, pair = await own_pair(ctx, caller, request.match_info["persona"])
+        language = ctx.app.personas.persona(pair.persona).language
+        changed = await files.reset(pair, (name,), language, user.display_name)
+        current = await store.current(pair.id, name)
+        assert current is not None
+        return ok(version_json(current) | {"changed": bool(changed)})
+
+    return [
+        web.get("/api/me", me),
+        web.get("/api/me/personas/{persona}/files", all_files),
+        web.get(FILE_ROUTE, get_file),
+        web.put(FILE_ROUTE, put_file),
+        web.get(FILE_ROUTE + "/versions", versions),
+        web.get(FILE_ROUTE + "/versions/{version}", one_version),
+        web.get(FILE_ROUTE + "/diff", diff),
+        web.post(FILE_ROUTE + "/revert", revert),
+        web.post(FILE_ROUTE + "/reset", reset),
+    ]

@@ -1,0 +1,127 @@
+"""Login by a single-use link, sessions in a cookie, CSRF and origin checks, and who may do what.
+
+A ``!dashboard`` link opens a small page whose button posts the token back: chat platforms fetch links
+to show previews, and a GET that used the link up would lock its owner out. The session cookie is
+HttpOnly and SameSite=Strict (and Secure, with the ``__Host-`` prefix, when the public URL is https).
+Every change (POST, PUT, PATCH, DELETE) must carry the session's CSRF token in ``X-CSRF-Token`` and,
+when the browser sends an Origin, come from the page's own origin.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Sequence
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from aiohttp import web
+
+from adapters.web.errors import fail
+from bot.config import Config
+from bot.ports import AdminDirectory
+from bot.storage.web import WebLoginRepository, WebSession
+
+CHANGES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+CSRF_HEADER = "X-CSRF-Token"
+
+
+def cookie_name(secure: bool) -> str:
+    return "__Host-cortexbot" if secure else "cortexbot_session"
+
+
+def is_bot_admin(config: Config, user_key: str) -> bool:
+    """A configured admin id of a chat platform, or the terminal's user (who runs the bot)."""
+    platform, _, user_id = user_key.partition(":")
+    if platform == "console":
+        return True
+    if platform == "discord":
+        return user_id.isdigit() and int(user_id) in config.discord.admin_ids
+    if platform == "matrix":
+        return user_id in config.matrix.admin_ids
+    return False
+
+
+def origin_of(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}".lower()
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who sent this request (from a valid session) and the session's id."""
+
+    session_id: str
+    session: WebSession
+
+    @property
+    def user_key(self) -> str:
+        return self.session.user_key
+
+
+class Auth:
+    def __init__(self, config: Config, logins: WebLoginRepository, directories: Sequence[AdminDirectory]) -> None:
+        self.config = config
+        self.logins = logins
+        self.directories = {d.platform: d for d in directories}
+        self.cookie = cookie_name(config.web.secure_cookies)
+
+    async def caller(self, request: web.Request) -> Caller | None:
+        session_id = request.cookies.get(self.cookie, "")
+        if not session_id or len(session_id) > 200:
+            return None
+        session = await self.logins.session(session_id)
+        return None if session is None else Caller(session_id, session)
+
+    async def require(self, request: web.Request) -> Caller:
+        """The logged-in caller; a 401 without a valid session, a 403 for a change without its CSRF token
+        or from another origin."""
+        caller = await self.caller(request)
+        if caller is None:
+            fail(401, "not logged in (or the session ended): send !dashboard in a chat for a new link")
+        if request.method in CHANGES:
+            self.check_origin(request)
+            sent = request.headers.get(CSRF_HEADER, "")
+            if not hmac.compare_digest(sent.encode(), caller.session.csrf.encode()):
+                fail(403, f"missing or wrong {CSRF_HEADER} header (reload the page)")
+        return caller
+
+    def check_origin(self, request: web.Request) -> None:
+        origin = request.headers.get("Origin")
+        if origin is None:
+            return  # not a browser (or an old one): the CSRF token still has to match
+        allowed = {origin_of(self.config.web.base_url), f"{request.scheme}://{request.host}".lower()}
+        if origin.lower() not in allowed:
+            fail(403, "requests to the page must come from the page itself")
+
+    def set_cookie(self, response: web.StreamResponse, session_id: str, max_age: float) -> None:
+        response.set_cookie(self.cookie, session_id, max_age=int(max_age), path="/", httponly=True,
+                            samesite="Strict", secure=self.config.web.secure_cookies)
+
+    def clear_cookie(self, response: web.StreamResponse) -> None:
+        response.del_cookie(self.cookie, path="/")
+
+    # -- permissions -----------------------------------------------------------------------------
+
+    def is_bot_admin(self, caller: Caller) -> bool:
+        return is_bot_admin(self.config, caller.user_key)
+
+    async def is_server_admin(self, caller: Caller, server_key: str) -> bool:
+        """Asked live on every request, as the chat commands check the platform's permissions each time."""
+        if self.is_bot_admin(caller):
+            return True
+        directory = self.directories.get(server_key.partition(":")[0])
+        if directory is None or caller.user_key.partition(":")[0] != directory.platform:
+            return False
+        return await directory.is_admin(caller.user_key, server_key)
+
+    async def require_bot_admin(self, request: web.Request) -> Caller:
+        caller = await self.require(request)
+        if not self.is_bot_admin(caller):
+            fail(403, "only the bot's admins may see or change this")
+        return caller
+
+    async def require_server_admin(self, request: web.Request, server_key: str) -> Caller:
+        caller = await self.require(request)
+        if not await self.is_server_admin(caller, server_key):
+            fail(403, "only that server's admins may see or change this")
+        return caller

@@ -1,0 +1,71 @@
+"""``/login/{token}`` (a page with a button), ``POST /login`` (uses the link up, opens a session) and
+``POST /api/logout``."""
+
+from __future__ import annotations
+
+import html
+
+from aiohttp import web
+
+from adapters.web.server import WebContext, ok
+
+MAX_TOKEN_CHARS = 100
+
+LOGIN_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>cortex-bot: log in</title><link rel="stylesheet" href="/static/app.css"></head>
+<body class="login"><main class="card">
+<h1>cortex-bot</h1>
+{body}
+</main></body></html>
+"""
+
+
+def _page(body: str, status: int = 200) -> web.Response:
+    return web.Response(text=LOGIN_PAGE.format(body=body), status=status, content_type="text/html")
+
+
+def _expired() -> web.Response:
+    return _page("<p>This login link has expired or was used already.</p>"
+                 "<p>Send <code>!dashboard</code> (or <code>/dashboard</code> on Discord) in a chat with the bot "
+                 "for a new one.</p>", status=410)
+
+
+def routes(ctx: WebContext) -> list[web.RouteDef]:
+    logins, auth = ctx.app.storage.web, ctx.auth
+    session_seconds = ctx.app.config.web.session_hours * 3600
+
+    async def show(request: web.Request) -> web.Response:
+        token = request.match_info["token"]
+        if len(token) > MAX_TOKEN_CHARS or not await logins.link_valid(token):
+            return _expired()
+        return _page(
+            "<p>Log in to see and edit what the bot remembers about you.</p>"
+            '<form method="post" action="/login">'
+            f'<input type="hidden" name="token" value="{html.escape(token, quote=True)}">'
+            '<button type="submit" id="login">Log in</button></form>'
+            "<p class=\"hint\">The link works once; this browser then stays logged in for "
+            f"{ctx.app.config.web.session_hours:g} hours or until you log out.</p>")
+
+    async def use(request: web.Request) -> web.StreamResponse:
+        auth.check_origin(request)
+        form = await request.post()
+        token = form.get("token")
+        if not isinstance(token, str) or len(token) > MAX_TOKEN_CHARS:
+            return _expired()
+        opened = await logins.consume_link(token, session_seconds)
+        if opened is None:
+            return _expired()
+        session_id, _ = opened
+        response = web.Response(status=303, headers={"Location": "/"})
+        auth.set_cookie(response, session_id, session_seconds)
+        return response
+
+    async def logout(request: web.Request) -> web.Response:
+        caller = await auth.require(request)
+        await logins.end_session(caller.session_id)
+        response = ok({"logged_out": True})
+        auth.clear_cookie(response)
+        return response
+
+    return [web.get("/login/{token}", show), web.post("/login", use), web.post("/api/logout", logout)]

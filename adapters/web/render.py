@@ -1,0 +1,32 @@
+"""Markdown to safe HTML (raw HTML in the text is shown as text, never run) and a side-by-side diff."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from markdown_it import MarkdownIt
+
+_md = MarkdownIt("commonmark", {"html": False, "linkify": False}).disable("image")
+
+
+def markdown_html(text: str) -> str:
+    html: str = _md.render(text)
+    return html
+
+
+def side_by_side(old: str, new: str) -> list[dict[str, Any]]:
+    """Rows of a two-column diff: ``op`` (equal, replace, delete, insert), each side's line number and text
+    (None where that side has no line)."""
+    a, b = old.splitlines(), new.splitlines()
+    rows: list[dict[str, Any]] = []
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes():
+        for k in range(max(i2 - i1, j2 - j1)):
+            left = i1 + k if i1 + k < i2 else None
+            right = j1 + k if j1 + k < j2 else None
+            rows.append({
+                "op": op,
+                "left_no": None if left is None else left + 1, "left": None if left is None else a[left],
+                "right_no": None if right is None else right + 1, "right": None if right is None else b[right],
+            })
+    return rows

@@ -1,0 +1,159 @@
+"""The web server: an aiohttp application in the bot's own event loop, beside the chat adapters.
+
+aiohttp because discord.py already depends on it (one HTTP stack in the process, no second server
+framework) and its server side is mature: AppRunner sites, middlewares, a request body cap.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from adapters.web.auth import Auth
+from adapters.web.errors import ApiError, fail, json_error
+from bot.ports import AdminDirectory
+
+if TYPE_CHECKING:
+    from bot.app import App
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+MAX_BODY = web.AppKey("max_body", int)
+CSP = ("default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; object-src 'none'; "
+       "frame-ancestors 'none'; base-uri 'none'; form-action 'self'")
+
+
+@dataclass
+class WebContext:
+    """What every route module works with: the running bot's services and the authorisation."""
+
+    app: App
+    auth: Auth
+    adapters: Mapping[str, Callable[[], bool]] = field(default_factory=dict)  # name -> connected?
+
+
+def ok(data: Any, status: int = 200) -> web.Response:
+    return web.json_response(data, status=status, dumps=lambda v: json.dumps(v, ensure_ascii=False, default=str))
+
+
+async def read_body(request: web.Request, model: type[M]) -> M:
+    """The request's JSON body as ``model``: a 400 when it is not JSON, a 422 naming the first bad field,
+    a 413 when it is larger than ``[web] max_body_kb``."""
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        fail(413, f"the request body is too large (at most {request.app[MAX_BODY]:,} bytes)")
+    try:
+        data = json.loads(raw or b"null")
+    except (ValueError, UnicodeDecodeError):
+        fail(400, "the request body is not valid JSON")
+    if not isinstance(data, dict):
+        fail(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        fail(422, f"{where}: {first['msg']}")
+
+
+@web.middleware
+async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Bad input is a 4xx with a JSON message; nothing a client sends produces a 500 with a traceback."""
+    api = request.path.startswith("/api/")
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return json_error(exc.status, exc.message)
+    except web.HTTPException as exc:
+        if not api or exc.status < 400:
+            raise
+        return json_error(exc.status, exc.reason)
+    except Exception:
+        log.exception("web request %s %s failed", request.method, request.path)
+        return json_error(500, "internal error (the details are in the bot's log)")
+
+
+@web.middleware
+async def headers(request: web.Request, handler: Handler) -> web.StreamResponse:
+    response = await handler(request)
+    response.headers.setdefault("Content-Security-Policy", CSP)
+    response.headers.setdefault("X-Content-Type-Options", "nosniff")
+    response.headers.setdefault("Referrer-Policy", "no-referrer")  # a login link never leaks as a Referer
+    response.headers.setdefault("X-Frame-Options", "DENY")
+    if request.path.startswith(("/api/", "/login")):
+        response.headers.setdefault("Cache-Control", "no-store")
+    return response
+
+
+def static_file(name: str) -> bytes:
+    return resources.files("adapters.web").joinpath("static", name).read_bytes()
+
+
+class WebServer:
+    """Serves the page, the API, /healthz and /metrics on ``[web] host:port`` (and /metrics alone on
+    ``metrics_host:metrics_port`` when set)."""
+
+    def __init__(self, app: App, *, directories: Sequence[AdminDirectory] = (),
+                 adapters: Mapping[str, Callable[[], bool]] | None = None) -> None:
+        self.config = app.config.web
+        self.context = WebContext(app, Auth(app.config, app.storage.web, directories), dict(adapters or {}))
+        self._runners: list[web.AppRunner] = []
+        self.url = ""
+        self.metrics_url = ""
+
+    def build(self) -> web.Application:
+        from adapters.web import api_admin, api_me, health, login, page
+
+        max_body = self.config.max_body_kb * 1024
+        application = web.Application(middlewares=[headers, errors], client_max_size=max_body)
+        application[MAX_BODY] = max_body
+        for module in (login, page, api_me, api_admin):
+            application.add_routes(module.routes(self.context))
+        application.add_routes(health.routes(self.context, metrics=self.config.metrics and not self._separate_metrics))
+        return application
+
+    @property
+    def _separate_metrics(self) -> bool:
+        return self.config.metrics and (self.config.metrics_port is not None or bool(self.config.metrics_host))
+
+    async def start(self) -> None:
+        from adapters.web import health
+
+        self.url = await self._serve(self.build(), self.config.host, self.config.port)
+        if self._separate_metrics:
+            metrics_app = web.Application(middlewares=[headers, errors])
+            metrics_app.add_routes(health.metrics_routes(self.context))
+            self.metrics_url = await self._serve(metrics_app, self.config.metrics_host or self.config.host,
+                                                 self.config.metrics_port or 0)
+        log.info("web page at %s (listening on %s)", self.config.public_url or self.url, self.url)
+
+    async def _serve(self, application: web.Application, host: str, port: int) -> str:
+        runner = web.AppRunner(application, access_log=None)
+        await runner.setup()
+        self._runners.append(runner)
+        site = web.TCPSite(runner, host, port)
+        try:
+            await site.start()
+        except OSError as exc:
+            await self.stop()
+            raise RuntimeError(f"the web page cannot listen on {host}:{port}: {exc.strerror or exc} "
+                               "(change [web] host/port)") from None
+        sockets = getattr(site._server, "sockets", None) or []
+        bound = sockets[0].getsockname()[1] if sockets else port
+        shown = f"[{host}]" if ":" in host else host
+        return f"http://{shown}:{bound}"
+
+    async def stop(self) -> None:
+        for runner in reversed(self._runners):
+            await runner.cleanup()
+        self._runners.clear()

@@ -1,0 +1,111 @@
+"""Web page logins: single-use links a ``!dashboard`` command hands out, and the sessions they open.
+
+Only SHA-256 hashes of the link tokens and session ids are stored: whoever reads the database (or a
+backup of it) cannot open a session with what they find there. Consuming a link is one statement,
+so two requests racing with the same link open at most one session.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+from dataclasses import dataclass
+
+from bot.storage.engine import Database
+
+TOKEN_BYTES = 32
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class WebSession:
+    user_key: str
+    user_name: str
+    csrf: str
+    created_at: float
+    expires_at: float
+
+
+class WebLoginRepository:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def create_link(self, user_key: str, user_name: str, valid_seconds: float) -> str:
+        """A new login token for ``user_key`` (returned once, stored as its hash)."""
+        token, now = secrets.token_urlsafe(TOKEN_BYTES), time.time()
+        await self.db.write(
+            "INSERT INTO web_links (token_hash, user_key, user_name, created_at, expires_at) VALUES (?, ?, ?, ?, ?)",
+            (token_hash(token), user_key, user_name, now, now + valid_seconds))
+        await self.db.write("DELETE FROM web_links WHERE expires_at < ?", (now - 86_400,))
+        return token
+
+    async def link_valid(self, token: str) -> bool:
+        row = await self.db.fetch_one(
+            "SELECT 1 FROM web_links WHERE token_hash = ? AND used_at IS NULL AND expires_at > ?",
+            (token_hash(token), time.time()))
+        return row is not None
+
+    async def consume_link(self, token: str, session_seconds: float) -> tuple[str, WebSession] | None:
+        """Use a link once: a new session (its id and row), or None when the link is unknown, used or expired."""
+        now = time.time()
+        row = await self.db.write_one(
+            "UPDATE web_links SET used_at = ? WHERE token_hash = ? AND used_at IS NULL AND expires_at > ?"
+            " RETURNING user_key, user_name", (now, token_hash(token), now))
+        if row is None:
+            return None
+        session_id, csrf = secrets.token_urlsafe(TOKEN_BYTES), secrets.token_urlsafe(TOKEN_BYTES)
+        session = WebSession(str(row[0]), str(row[1]), csrf, now, now + session_seconds)
+        await self.db.write(
+            "INSERT INTO web_sessions (id_hash, user_key, user_name, csrf, created_at, expires_at)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (token_hash(session_id), session.user_key, session.user_name, csrf, now, session.expires_at))
+        await self.db.write("DELETE FROM web_sessions WHERE expires_at < ?", (now,))
+        return session_id, session
+
+    async def session(self, session_id: str) -> WebSession | None:
+        row = await self.db.fetch_one(
+            "SELECT user_key, user_name, csrf, created_at, expires_at FROM web_sessions"
+            " WHERE id_hash = ? AND expires_at > ?", (token_hash(session_id), time.time()))
+        if row is None:
+            return None
+        return WebSession(str(row[0]), str(row[1]), str(row[2]), float(row[3]), float(row[4]))
+
+    async def end_session(self, session_id: str) -> None:
+        await self.db.write("DELETE FROM web_sessions WHERE id_hash = ?", (token_hash(session_id),))
+
+    async def end_sessions_of(self, user_key: str) -> None:
+        await self.db.write("DELETE FROM web_sessions WHERE user_key = ?", (user_key,))
+        await self.db.write("DELETE FROM web_links WHERE user_key = ?", (user_key,))
+
+
+@dataclass(frozen=True, slots=True)
+class QueueState:
+    by_status: dict[str, int]
+    oldest_queued_at: float | None  # created_at of the oldest queued job
+
+
+class HealthRepository:
+    """What ``/healthz`` and the ``/metrics`` gauges read: cheap aggregate queries, no user data."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def ping(self) -> None:
+        await self.db.fetch_one("SELECT 1")
+
+    async def queue(self) -> QueueState:
+        rows = await self.db.fetch_all("SELECT status, COUNT(*) FROM jobs GROUP BY status")
+        oldest = await self.db.fetch_one("SELECT MIN(created_at) FROM jobs WHERE status = 'queued'")
+        at = oldest[0] if oldest is not None else None
+        return QueueState({str(r[0]): int(r[1]) for r in rows}, None if at is None else float(at))
+
+    async def item_states(self) -> dict[str, int]:
+        row = await self.db.fetch_one(
+            "SELECT SUM(CASE WHEN archived_at IS NULL AND superseded_by IS NULL THEN 1 ELSE 0 END),"
+            " SUM(CASE WHEN archived_at IS NOT NULL THEN 1 ELSE 0 END), COUNT(*) FROM memory_items")
+        active, archived, total = (int(v or 0) for v in (row or (0, 0, 0)))
+        return {"active": active, "archived": archived, "superseded": total - active - archived}

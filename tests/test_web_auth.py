@@ -1,0 +1,125 @@
+"""The web page's login and authorisation, served by the real bot on 127.0.0.1: a !dashboard link works
+once and expires, the session cookie's flags, 401 without a session, CSRF and origin checks on every
+change, logout, and JSON 4xx errors for bad input."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.web_support import running_bot
+
+pytestmark = pytest.mark.both_engines
+
+
+@pytest.fixture(autouse=True)
+def _key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CB_WEB_TEST_KEY", "test-key")
+
+
+async def test_a_login_link_works_once_and_sets_a_strict_http_only_cookie(tmp_path: Path) -> None:
+    async with running_bot(tmp_path) as bot:
+        url, token = await bot.link("ann")
+        assert url.startswith(bot.url + "/login/")
+        async with aiohttp.ClientSession() as http:
+            # Opening the link (as a chat's link preview does) shows a button and does not use it up.
+            for _ in range(2):
+                async with http.get(url) as page:
+                    assert page.status == 200
+                    assert 'action="/login"' in await page.text()
+                    assert page.headers["Referrer-Policy"] == "no-referrer"
+            async with http.post(bot.url + "/login", data={"token": token}, allow_redirects=False) as response:
+                assert response.status == 303 and response.headers["Location"] == "/"
+                cookie = response.headers["Set-Cookie"]
+        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/" in cookie
+        assert "Secure" not in cookie  # plain http on loopback: a Secure cookie would never come back
+        async with aiohttp.ClientSession() as http:
+            async with http.post(bot.url + "/login", data={"token": token}, allow_redirects=False) as again:
+                assert again.status == 410
+            async with http.get(url) as page:
+                assert page.status == 410 and "!dashboard" in await page.text()
+
+
+async def test_an_expired_or_unknown_link_opens_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with running_bot(tmp_path, link_minutes=1) as bot:
+        _, token = await bot.link("ann")
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() + 61)
+        async with aiohttp.ClientSession() as http:
+            for sent in (token, "made-up", "x" * 5000, ""):
+                async with http.post(bot.url + "/login", data={"token": sent}, allow_redirects=False) as response:
+                    assert response.status == 410, sent[:20]
+                    assert "Set-Cookie" not in response.headers
+
+
+async def test_https_public_url_makes_the_cookie_secure(tmp_path: Path) -> None:
+    async with running_bot(tmp_path, public_url="https://bot.example.org/") as bot:
+        url, token = await bot.link("ann")
+        assert url.startswith("https://bot.example.org/login/")
+        async with aiohttp.ClientSession() as http:
+            async with http.post(bot.url + "/login", data={"token": token}, allow_redirects=False,
+                                 headers={"Origin": "https://bot.example.org"}) as response:
+                cookie = response.headers["Set-Cookie"]
+        assert cookie.startswith("__Host-cortexbot=") and "Secure" in cookie
+
+
+async def test_without_a_session_the_api_answers_401_in_json(tmp_path: Path) -> None:
+    async with running_bot(tmp_path) as bot, aiohttp.ClientSession(base_url=bot.url) as http:
+        for method, path in (("GET", "/api/me"), ("GET", "/api/me/personas/Cora/files/memory"),
+                             ("PUT", "/api/me/personas/Cora/files/memory"), ("POST", "/api/logout")):
+            async with http.request(method, path, cookies={"cortexbot_session": "forged"}) as response:
+                assert response.status == 401, path
+                assert "dashboard" in (await response.json())["error"]
+
+
+async def test_changes_need_the_csrf_token_and_the_pages_origin(tmp_path: Path) -> None:
+    async with running_bot(tmp_path) as bot, bot.client("ann") as ann:
+        path = "/api/me/personas/Cora/files/memory"
+        status, current = await ann.call("GET", path)
+        assert status == 200
+        body = {"content": "# Memory\nAnn likes tea.", "version": current["version"]}
+        status, error = await ann.call("PUT", path, body, csrf=False)
+        assert status == 403 and "X-CSRF-Token" in error["error"]
+        async with ann.http.put(path, json=body, headers={"X-CSRF-Token": ann.csrf,
+                                                          "Origin": "https://evil.example"}) as response:
+            assert response.status == 403
+        status, _ = await ann.call("GET", path)
+        assert status == 200 and (await ann.call("GET", path))[1]["version"] == current["version"]
+        status, saved = await ann.call("PUT", path, body)
+        assert status == 200 and saved["version"] == current["version"] + 1
+
+
+async def test_logout_ends_the_session_on_the_server(tmp_path: Path) -> None:
+    async with running_bot(tmp_path) as bot, bot.client("ann") as ann:
+        cookie = next(iter(ann.http.cookie_jar))
+        status, _ = await ann.call("POST", "/api/logout")
+        assert status == 200
+        async with aiohttp.ClientSession(base_url=bot.url) as other:  # the old cookie, replayed
+            async with other.get("/api/me", cookies={cookie.key: cookie.value}) as response:
+                assert response.status == 401
+
+
+async def test_bad_input_is_a_json_4xx_never_a_500(tmp_path: Path) -> None:
+    async with running_bot(tmp_path, max_body_kb=16) as bot, bot.client("ann") as ann:
+        path = "/api/me/personas/Cora/files/memory"
+        headers = {"X-CSRF-Token": ann.csrf, "Content-Type": "application/json"}
+        for raw, expected in ((b"{not json", 400), (b"[1, 2]", 400), (b'{"content": 5, "version": 1}', 422),
+                              (b'{"content": "x", "version": "1"}', 422), (b'{"content": "x"}', 422),
+                              (b'{"content": "x", "version": 1, "extra": 1}', 422),
+                              (b'{"content": "x", "version": 99999999999}', 422),
+                              (b'{"content": "' + b"a" * 20_000 + b'", "version": 1}', 413)):
+            async with ann.http.put(path, data=raw, headers=headers) as response:
+                assert response.status == expected, (raw[:40], await response.text())
+                assert "error" in await response.json()
+        for method, bad in (("GET", "/api/me/personas/Cora/files/passwords"), ("GET", "/api/me/personas/Nobody/files"),
+                            ("GET", "/api/me/personas/Cora/files/memory/versions/999"),
+                            ("GET", "/api/nothing-here")):
+            status, error = await ann.call(method, bad)
+            assert status == 404 and "error" in error, bad
+        status, error = await ann.call("GET", "/api/me/personas/Cora/files/memory/versions/abc")
+        assert status == 400
+        status, error = await ann.call("GET", "/api/me/personas/Cora/files/memory/diff?from=1&to=x")
+        assert status == 400
