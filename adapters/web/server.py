@@ -112,12 +112,12 @@ class WebServer:
         self.metrics_url = ""
 
     def build(self) -> web.Application:
-        from adapters.web import api_admin, api_me, health, login, page
+        from adapters.web import api_activity, api_admin, api_items, api_me, health, login, page
 
         max_body = self.config.max_body_kb * 1024
         application = web.Application(middlewares=[headers, errors], client_max_size=max_body)
         application[MAX_BODY] = max_body
-        for module in (login, page, api_me, api_admin):
+        for module in (login, page, api_me, api_items, api_activity, api_admin):
             application.add_routes(module.routes(self.context))
         application.add_routes(health.routes(self.context, metrics=self.config.metrics and not self._separate_metrics))
         return application
