@@ -113,10 +113,12 @@ async def _chat(config: Config, user: str, persona: str | None) -> int:
     except (ConfigError, StorageError) as exc:
         raise click.ClickException(str(exc)) from None
     waited = False
+    web = None
     try:
         try:
             adapter = TerminalAdapter(app, user=user, persona=persona)
-        except ConfigError as exc:  # --persona names none of the bot's personas
+            web = await _start_web(app, {})
+        except (ConfigError, RuntimeError) as exc:  # --persona names no persona; the web page's port is taken
             raise click.ClickException(str(exc)) from None
         status = await adapter.run()
         pending = await app.storage.count_jobs(("queued", "running"), app.workers.handlers)
@@ -127,6 +129,8 @@ async def _chat(config: Config, user: str, persona: str | None) -> int:
             await app.workers.drain(grace)
         return status
     finally:
+        if web is not None:
+            await web.stop()
         # The grace was spent waiting above: jobs still running now are requeued at once, not waited for twice.
         await app.stop(0 if waited else None)
 
@@ -167,6 +171,7 @@ async def _serve(config: Config, platforms: list[str]) -> int:
     await app.fleet.heartbeat()
     closers: list[Callable[[], Awaitable[None]]] = []
     tasks: list[asyncio.Task[None]] = []
+    connected: dict[str, Callable[[], bool]] = {}
     try:
         try:
             if "discord" in platforms:
@@ -176,13 +181,18 @@ async def _serve(config: Config, platforms: list[str]) -> int:
                 discord_adapter = DiscordAdapter(app, config.discord)
                 tasks.append(asyncio.create_task(discord_adapter.run(token), name="discord"))
                 closers.append(discord_adapter.close)
+                connected["discord"] = discord_adapter.bot.is_ready
             if "matrix" in platforms:
                 from adapters.matrix import MatrixAdapter
 
                 matrix_adapter = MatrixAdapter(app, config.matrix)
                 tasks.append(asyncio.create_task(matrix_adapter.run(), name="matrix"))
                 closers.append(matrix_adapter.close)
-        except RuntimeError as exc:  # a missing token or password, named by the adapter
+                connected["matrix"] = lambda: bool(matrix_adapter.client.logged_in)
+            web = await _start_web(app, connected)
+            if web is not None:
+                closers.insert(0, web.stop)
+        except RuntimeError as exc:  # a missing token or password, named by the adapter; a port in use
             raise click.ClickException(str(exc)) from None
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for task in done:
@@ -200,6 +210,18 @@ async def _serve(config: Config, platforms: list[str]) -> int:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await app.stop()
+
+
+async def _start_web(app: Any, connected: dict[str, Callable[[], bool]]) -> Any:
+    """The web page beside the adapters when ``[web] enabled``; None otherwise."""
+    if not app.config.web.enabled:
+        return None
+    from adapters.web import WebServer
+
+    server = WebServer(app, adapters=connected)
+    await server.start()
+    click.echo(f"web page: {app.config.web.base_url} (log in with !dashboard in a chat)", err=True)
+    return server
 
 
 def _fleet_info(config: Config, platforms: list[str]) -> dict[str, Any]:

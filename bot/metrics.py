@@ -8,10 +8,11 @@ shared database, so every process reports the same values for them.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from bot.storage.base import LLMCallRecord, ReplyStats
 
+disable_created_metrics()  # type: ignore[no-untyped-call]  # the *_created series double every counter and no dashboard here uses them
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 REPLIES = Counter("cortexbot_replies", "Replies sent.", registry=REGISTRY)

@@ -2,7 +2,8 @@
 # Installs cortex-bot into ./.venv (created with Python 3.11+ if missing). Idempotent.
 #   scripts/install.sh          the bot and everything it needs to run
 #   scripts/install.sh postgres plus the PostgreSQL driver (asyncpg, pgvector)
-#   scripts/install.sh dev      plus what the tests and benchmarks need (PostgreSQL included)
+#   scripts/install.sh dev      plus what the tests and benchmarks need (PostgreSQL included, and Debian's
+#                               Chromium for the web page's browser test, through apt-get as root or sudo)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,3 +35,18 @@ case "$extra" in
 esac
 # Editable, so a checkout that is edited and re-run needs no reinstall.
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e "$spec"
+
+# The page test drives a real browser: Debian's Chromium (Playwright never downloads one here).
+if [ "$extra" = dev ] && ! command -v chromium >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    as_root=""
+    [ "$(id -u)" -eq 0 ] || as_root="sudo -n"
+    echo "installing Debian's chromium for the browser test" >&2
+    if ! { $as_root apt-get update -qq && DEBIAN_FRONTEND=noninteractive $as_root apt-get install -y -qq chromium; } \
+        >/dev/null 2>&1; then
+      echo "could not install chromium (needs root or sudo): the browser test will say so" >&2
+    fi
+  else
+    echo "no apt-get: install Chromium yourself for the browser test (it looks for 'chromium' on PATH)" >&2
+  fi
+fi

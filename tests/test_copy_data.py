@@ -81,6 +81,8 @@ async def fill(storage: Storage) -> None:
     await storage.incognito.start(bob.id, "Lena")
     await storage.skills.record(SkillExecution("current_time", "Lena", "console:bob", "console:dm-bob", "", "{}", True,
                                                "", 3, "model", 1_700_000_000.5))
+    token = await storage.web.create_link("console:bob", "Bob", 600)
+    await storage.web.consume_link(token, 3600)  # a web session copied keeps its owner logged in
     await storage.fleet.claim_period("memory-prune", 86_400, "host-a:1")
     await storage.fleet.acquire_lock("matrix:@cora:example.org", "host-a:1", 60)
     await storage.fleet.heartbeat("host-a:1", "host-a", 1, {}, 1.0)  # processes: not copied
@@ -90,7 +92,8 @@ async def dump(storage: Storage, table: str) -> list[dict[str, Any]]:
     """A table's rows in key order, engine differences taken out (vectors as float32 tuples, no tsvectors)."""
     order = {"settings": "key", "cortex_settings": "scope, key", "periodic_runs": "name", "instance_locks": "name",
              "message_vectors": "message_id", "reply_sources": "message_id, kind, ref",
-             "platform_messages": "key", "incognito": "user_id, persona"}.get(table, "id")
+             "platform_messages": "key", "incognito": "user_id, persona", "web_links": "token_hash",
+             "web_sessions": "id_hash"}.get(table, "id")
     rows = await storage.db.fetch_all(f"SELECT * FROM {table} ORDER BY {order}")
     out = []
     for row in rows:
