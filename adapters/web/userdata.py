@@ -28,7 +28,11 @@ def persona_name(ctx: WebContext, name: str) -> str:
 
 
 async def own_user(ctx: WebContext, caller: Caller) -> User:
-    user = await ctx.app.storage.upsert_user(caller.user_key, caller.session.user_name or caller.user_key)
+    """The caller's user row (made on first use with the name from the chat that sent the link; a name
+    changed in chat since is kept)."""
+    user = await ctx.app.storage.get_user(caller.user_key)
+    if user is None:
+        user = await ctx.app.storage.upsert_user(caller.user_key, caller.session.user_name or caller.user_key)
     return user
 
 
@@ -40,7 +44,7 @@ async def own_pair(ctx: WebContext, caller: Caller, persona: str) -> tuple[User,
         spec = ctx.app.personas.persona(name)
     except ConfigError:
         not_found(f"no persona called {persona[:80]!r}")
-    user, pair = await ctx.app.cortex.store.pair_for(caller.user_key, caller.session.user_name or caller.user_key,
-                                                     name)
+    known = await own_user(ctx, caller)
+    user, pair = await ctx.app.cortex.store.pair_for(known.key, known.display_name, name)
     await ctx.app.cortex.files.ensure(pair, spec.language, user.display_name)
     return user, pair
