@@ -1,0 +1,67 @@
+"""The web page served by ``cortexbot chat`` itself (a subprocess): the link !dashboard prints logs the
+terminal's user in, and the page closes with the chat."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from tests.fakes.llm_server import FakeLLMServer
+from tests.test_cli import API_KEY, BIN, write_config
+from tests.web_support import free_port
+
+
+def read_until(proc: subprocess.Popen[str], pattern: str, timeout: float = 60) -> re.Match[str]:
+    assert proc.stdout is not None
+    deadline, seen = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        found = re.search(pattern, line)
+        if found:
+            return found
+    raise AssertionError(f"{pattern!r} not printed; output was: {''.join(seen)[-2000:]}")
+
+
+async def log_in(port: int, token: str) -> dict[str, Any]:
+    """What /api/me says after logging in with ``token``."""
+    async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{port}",
+                                     cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
+        async with http.post("/login", data={"token": token}, allow_redirects=False) as response:
+            assert response.status == 303
+        async with http.get("/api/me") as response:
+            me: dict[str, Any] = await response.json()
+            return me
+
+
+def test_chat_serves_the_page_and_dashboard_logs_the_terminal_user_in(tmp_path: Path, fake_llm: FakeLLMServer
+                                                                      ) -> None:
+    port = free_port()
+    config = write_config(tmp_path, fake_llm)
+    config.write_text(config.read_text() + f"[web]\nenabled = true\nport = {port}\n")
+    with subprocess.Popen(
+        [str(BIN / "cortexbot"), "--config", str(config), "chat", "--user", "ann"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "CB_TEST_API_KEY": API_KEY, "OPENBLAS_NUM_THREADS": "1"},
+    ) as proc:
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write("!dashboard\n")
+            proc.stdin.flush()
+            token = read_until(proc, rf"http://127\.0\.0\.1:{port}/login/(\S+)").group(1)
+            me = asyncio.run(log_in(port, token))
+            assert me["user"]["key"] == "console:ann" and me["is_bot_admin"] is True  # the terminal runs the bot
+            _, err = proc.communicate(timeout=30)  # end of input: the chat ends, and the page with it
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0 and "Traceback" not in err
