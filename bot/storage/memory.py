@@ -166,6 +166,28 @@ class MemoryRepository:
         )
         return rows, int(total[0]) if total else 0
 
+    async def user_item(self, user_id: int, item_id: int) -> Row | None:
+        """The item (``ITEM_COLUMNS`` and its pair's ``persona``) when it belongs to one of the user's pairs."""
+        return await self.db.fetch_one(
+            f"SELECT {ITEM_COLUMNS_M}, p.persona FROM memory_items AS m JOIN cortex_pairs AS p ON p.id = m.pair_id"
+            " WHERE m.id = ? AND p.user_id = ?", (item_id, user_id))
+
+    async def user_items(
+        self, user_id: int, filters: ItemFilters, *, limit: int, offset: int, now: float,
+    ) -> tuple[list[Row], int]:
+        """A page of the user's items over all their pairs (or one persona's) with their pair's ``persona``,
+        and how many match. Active items (visible) pinned first, then newest; the others (archived,
+        corrected or expired) most recently archived or changed first."""
+        clause, params = filters.where(user_id, now)
+        source = "memory_items AS m JOIN cortex_pairs AS p ON p.id = m.pair_id"
+        order = "m.pinned DESC" if filters.active else "coalesce(m.archived_at, m.updated_at) DESC"
+        total = await self.db.fetch_one(f"SELECT count(*) FROM {source} WHERE {clause}", params)
+        rows = await self.db.fetch_all(
+            f"SELECT {ITEM_COLUMNS_M}, p.persona FROM {source} WHERE {clause} ORDER BY {order}, m.id DESC"
+            " LIMIT ? OFFSET ?",
+            (*params, limit, offset))
+        return rows, int(total[0]) if total else 0
+
     async def pair_with_items(self, user_id: int, persona: str) -> tuple[int | None, int]:
         row = await self.db.fetch_one(
             "SELECT p.id, (SELECT count(*) FROM memory_items WHERE pair_id = p.id AND archived_at IS NULL)"
@@ -495,6 +517,32 @@ class MemoryRepository:
                 )
                 archived += [(reason, str(r[0]), int(r[1])) for r in rows]
         return archived
+
+
+@dataclass(frozen=True, slots=True)
+class ItemFilters:
+    """Which of a user's items to list: active (visible) ones or the others, and optional conditions."""
+
+    active: bool = True
+    persona: str | None = None
+    category: str | None = None
+    pinned: bool | None = None
+    scope: str | None = None
+    words: tuple[str, ...] = ()  # each must occur in the content (case-insensitive)
+
+    def where(self, user_id: int, now: float) -> tuple[str, list[Any]]:
+        visible = "m.archived_at IS NULL AND m.superseded_by IS NULL AND (m.expires_at IS NULL OR m.expires_at > ?)"
+        where = ["p.user_id = ?", visible if self.active else f"NOT ({visible})"]
+        params: list[Any] = [user_id, now]
+        for column, value in (("p.persona", self.persona), ("m.category", self.category), ("m.scope", self.scope),
+                              ("m.pinned", None if self.pinned is None else int(self.pinned))):
+            if value is not None:
+                where.append(f"{column} = ?")
+                params.append(value)
+        for word in self.words:
+            where.append("lower(m.content) LIKE ? ESCAPE '\\'")
+            params.append("%" + word.lower().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%")
+        return " AND ".join(where), params
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,7 @@ import numpy.typing as npt
 
 from bot.config import MemoryConfig
 from bot.storage.core import Storage
-from bot.storage.memory import ITEM_COLUMNS, FtsTable, item_fields
+from bot.storage.memory import ITEM_COLUMNS, FtsTable, ItemFilters, item_fields
 from cortex.memory.guard import guarded
 from cortex.memory.vectors import DatabaseVectors
 
@@ -126,6 +126,14 @@ class MemoryItem:
             self.expires_at is None or self.expires_at > now)
 
 
+@dataclass(frozen=True, slots=True)
+class OwnedItem:
+    """An item with the persona of the pair it belongs to (views over all of a user's pairs)."""
+
+    persona: str
+    item: MemoryItem
+
+
 @dataclass(slots=True)
 class _Candidate:
     """A search candidate before ranking: its signals and its database row (a Hit is built only for the top)."""
@@ -137,7 +145,10 @@ class _Candidate:
     score: float = 0.0
 
 
-__all__ = ["ITEM_COLUMNS", "CATEGORIES", "Hit", "MemoryError", "MemoryItem", "MemoryStore", "Weights"]
+__all__ = [
+    "ITEM_COLUMNS", "CATEGORIES", "Hit", "ItemFilters", "MemoryError", "MemoryItem", "MemoryStore", "OwnedItem",
+    "Weights",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,6 +288,18 @@ class MemoryStore:
         rows, total = await self.repo.list_items(
             pair_id, category=category, archived=archived, limit=limit, offset=offset, now=self.clock())
         return [self._item(r) for r in rows], total
+
+    async def user_item(self, user_id: int, item_id: int) -> OwnedItem | None:
+        """One item of any of the user's pairs (None for another user's or a missing one); no access counted."""
+        row = await self.repo.user_item(user_id, item_id)
+        return None if row is None else OwnedItem(str(row["persona"]), self._item(row))
+
+    async def user_items(
+        self, user_id: int, filters: ItemFilters, *, limit: int = 20, offset: int = 0,
+    ) -> tuple[list[OwnedItem], int]:
+        """A page of the user's items over their pairs, and how many match; list views count no access."""
+        rows, total = await self.repo.user_items(user_id, filters, limit=limit, offset=offset, now=self.clock())
+        return [OwnedItem(str(r["persona"]), self._item(r)) for r in rows], total
 
     async def pair_with_items(self, user_id: int, persona: str) -> tuple[int | None, int]:
         """The pair's id and how many live items it has, in one query (the reply path asks this first)."""
