@@ -10,7 +10,7 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -172,8 +172,11 @@ async def _serve(config: Config, platforms: list[str]) -> int:
     closers: list[Callable[[], Awaitable[None]]] = []
     tasks: list[asyncio.Task[None]] = []
     connected: dict[str, Callable[[], bool]] = {}
+    directories: list[Any] = []  # who administers which server, asked live by the web page
     try:
         try:
+            from adapters.admin_directory import discord_directory, matrix_directory
+
             if "discord" in platforms:
                 from adapters.discord import DiscordAdapter, read_token
 
@@ -182,6 +185,7 @@ async def _serve(config: Config, platforms: list[str]) -> int:
                 tasks.append(asyncio.create_task(discord_adapter.run(token), name="discord"))
                 closers.append(discord_adapter.close)
                 connected["discord"] = discord_adapter.bot.is_ready
+                directories.append(discord_directory(discord_adapter))
             if "matrix" in platforms:
                 from adapters.matrix import MatrixAdapter
 
@@ -189,7 +193,8 @@ async def _serve(config: Config, platforms: list[str]) -> int:
                 tasks.append(asyncio.create_task(matrix_adapter.run(), name="matrix"))
                 closers.append(matrix_adapter.close)
                 connected["matrix"] = lambda: bool(matrix_adapter.client.logged_in)
-            web = await _start_web(app, connected)
+                directories.append(matrix_directory(matrix_adapter))
+            web = await _start_web(app, connected, directories)
             if web is not None:
                 closers.insert(0, web.stop)
         except RuntimeError as exc:  # a missing token or password, named by the adapter; a port in use
@@ -212,13 +217,13 @@ async def _serve(config: Config, platforms: list[str]) -> int:
         await app.stop()
 
 
-async def _start_web(app: Any, connected: dict[str, Callable[[], bool]]) -> Any:
+async def _start_web(app: Any, connected: dict[str, Callable[[], bool]], directories: Sequence[Any] = ()) -> Any:
     """The web page beside the adapters when ``[web] enabled``; None otherwise."""
     if not app.config.web.enabled:
         return None
     from adapters.web import WebServer
 
-    server = WebServer(app, adapters=connected)
+    server = WebServer(app, adapters=connected, directories=directories)
     await server.start()
     click.echo(f"web page: {app.config.web.base_url} (log in with !dashboard in a chat)", err=True)
     return server

@@ -22,6 +22,7 @@ from datetime import datetime
 from typing import Any
 
 from bot import metrics
+from bot.storage.admin import AdminRepository
 from bot.storage.base import (
     Channel,
     Job,
@@ -116,6 +117,7 @@ class Storage:
         self.skills = SkillAuditRepository(db)
         self.web = WebLoginRepository(db)
         self.health = HealthRepository(db)
+        self.admin = AdminRepository(db)
 
     async def sibling(self) -> Storage:
         """A second handle on the same database sharing caches (see ``Database.sibling``)."""

@@ -1,0 +1,165 @@
+"""Live answers to "is this user an admin of that server?" for the web page (:class:`bot.ports.AdminDirectory`),
+by the same rules as the chat adapters use for commands.
+
+* Discord: Manage Server or Administrator in the guild (``adapters.discord._is_admin``), or a configured
+  admin id. Server keys are ``discord:<guild id>``.
+* Matrix: a message's server key is ``matrix:<the sender's homeserver>``, and a sender is an admin where
+  their power level in the room is at least ``admin_power_level`` (room creators count as 100). So a
+  Matrix user administers ``matrix:<their homeserver>`` when they hold that level in a group room the bot
+  is in (direct rooms do not count: everyone has power 100 in their own), or are a configured admin id.
+
+Nothing here raises for a malformed or foreign key: the answer is simply no. ``cortexbot run`` builds
+them with :func:`discord_directory` and :func:`matrix_directory` from its running adapters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Collection, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from bot.config import DiscordConfig, MatrixConfig
+from bot.ports import ServerRef
+
+if TYPE_CHECKING:
+    from adapters.discord import DiscordAdapter
+    from adapters.matrix import MatrixAdapter
+
+log = logging.getLogger(__name__)
+
+DISCORD = "discord"
+MATRIX = "matrix"
+FETCH_GUILDS = 25  # listing a user's servers asks Discord about uncached members in at most this many
+FETCH_CONCURRENCY = 5
+LIST_SECONDS = 60.0  # a user's server list is kept this long (a page load asks for it; is_admin is always live)
+ROOM_CREATOR_LEVEL = 100
+
+
+def _id_of(key: str, platform: str) -> str:
+    """The id part of ``platform:id`` ("" for another platform's key)."""
+    prefix, _, rest = key.partition(":")
+    return rest if prefix == platform else ""
+
+
+def _snowflake(text: str) -> int | None:
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 20 else None
+
+
+class DiscordAdminDirectory:
+    """Over a connected ``discord.Client``: members from the cache, else fetched from Discord."""
+
+    platform = DISCORD
+
+    def __init__(self, client: Any, config: DiscordConfig) -> None:
+        self.client = client  # discord.Client (or AutoShardedClient)
+        self.config = config
+        self._listed: dict[int, tuple[float, list[ServerRef]]] = {}
+
+    async def _member(self, guild: Any, user_id: int, *, fetch: bool = True) -> Any:
+        import discord
+
+        member = guild.get_member(user_id)
+        if member is not None or not fetch:
+            return member
+        try:
+            return await guild.fetch_member(user_id)
+        except (discord.NotFound, discord.Forbidden):
+            return None
+        except discord.HTTPException as exc:
+            log.warning("Discord: could not look up member %s of guild %s: %s", user_id, guild.id, exc)
+            return None
+
+    def _admin(self, member: Any) -> bool:
+        from adapters.discord import _is_admin
+
+        return member is not None and _is_admin(member, self.config)
+
+    async def is_admin(self, user_key: str, server_key: str) -> bool:
+        user_id = _snowflake(_id_of(user_key, DISCORD))
+        guild_id = _snowflake(_id_of(server_key, DISCORD))
+        if user_id is None or guild_id is None:
+            return False
+        guild = self.client.get_guild(guild_id)
+        if guild is None:  # the bot is not in it (or not connected): nobody administers it through the bot
+            return False
+        return user_id in self.config.admin_ids or self._admin(await self._member(guild, user_id))
+
+    async def servers(self, user_key: str) -> list[ServerRef]:
+        user_id = _snowflake(_id_of(user_key, DISCORD))
+        if user_id is None:
+            return []
+        cached = self._listed.get(user_id)
+        if cached is not None and time.monotonic() - cached[0] < LIST_SECONDS:
+            return list(cached[1])
+        found = await self._list(user_id)
+        if len(self._listed) > 1000:
+            self._listed.clear()
+        self._listed[user_id] = (time.monotonic(), found)
+        return list(found)
+
+    async def _list(self, user_id: int) -> list[ServerRef]:
+        guilds = list(self.client.guilds)
+        if user_id in self.config.admin_ids:  # an admin everywhere, as in chat
+            return [ServerRef(f"{DISCORD}:{g.id}", str(g.name)) for g in guilds]
+        fetch = len(guilds) <= FETCH_GUILDS  # a bot in many servers answers from its member cache only
+        limit = asyncio.Semaphore(FETCH_CONCURRENCY)
+
+        async def check(guild: Any) -> ServerRef | None:
+            async with limit:
+                member = await self._member(guild, user_id, fetch=fetch)
+            return ServerRef(f"{DISCORD}:{guild.id}", str(guild.name)) if self._admin(member) else None
+
+        found = await asyncio.gather(*(check(g) for g in guilds))
+        return [ref for ref in found if ref is not None]
+
+
+class MatrixAdminDirectory:
+    """Over a logged-in ``nio.AsyncClient``: the power levels of the rooms it has synced."""
+
+    platform = MATRIX
+
+    def __init__(self, client: Any, config: MatrixConfig,
+                 creators: Mapping[str, Collection[str]] | None = None) -> None:
+        self.client = client  # nio.AsyncClient
+        self.config = config
+        self.creators = creators if creators is not None else {}  # room id -> its creators (room version 12)
+
+    def _level(self, room: Any, user_id: str) -> int:
+        level = int(room.power_levels.get_user_level(user_id))
+        if user_id in self.creators.get(room.room_id, ()):
+            level = max(level, ROOM_CREATOR_LEVEL)
+        return level
+
+    def _group_rooms(self) -> Iterable[Any]:
+        return (room for room in dict(self.client.rooms).values() if room.member_count > 2)
+
+    def _admin(self, user_id: str) -> bool:
+        if user_id in self.config.admin_ids:
+            return True
+        return any(user_id in room.users and self._level(room, user_id) >= self.config.admin_power_level
+                   for room in self._group_rooms())
+
+    async def is_admin(self, user_key: str, server_key: str) -> bool:
+        user_id, homeserver = _id_of(user_key, MATRIX), _id_of(server_key, MATRIX)
+        if not user_id.startswith("@") or ":" not in user_id or not homeserver:
+            return False
+        return user_id.split(":", 1)[1] == homeserver and self._admin(user_id)
+
+    async def servers(self, user_key: str) -> list[ServerRef]:
+        user_id = _id_of(user_key, MATRIX)
+        if not user_id.startswith("@") or ":" not in user_id:
+            return []
+        homeserver = user_id.split(":", 1)[1]
+        return [ServerRef(f"{MATRIX}:{homeserver}", homeserver)] if self._admin(user_id) else []
+
+
+def discord_directory(adapter: DiscordAdapter) -> DiscordAdminDirectory:
+    """The directory of a Discord adapter (its client, whose cache fills once it connects)."""
+    return DiscordAdminDirectory(adapter.bot, adapter.config)
+
+
+def matrix_directory(adapter: MatrixAdapter) -> MatrixAdminDirectory:
+    """The directory of a Matrix adapter (its client's synced rooms and the room creators it learnt)."""
+    return MatrixAdminDirectory(adapter.client, adapter.config, adapter._creators)
