@@ -30,7 +30,7 @@ async def test_a_login_link_works_once_and_sets_a_strict_http_only_cookie(tmp_pa
                 async with http.get(url) as page:
                     assert page.status == 200
                     assert 'action="/login"' in await page.text()
-                    assert page.headers["Referrer-Policy"] == "no-referrer"
+                    assert page.headers["Referrer-Policy"] == "same-origin"
             async with http.post(bot.url + "/login", data={"token": token}, allow_redirects=False) as response:
                 assert response.status == 303 and response.headers["Location"] == "/"
                 cookie = response.headers["Set-Cookie"]
@@ -123,3 +123,17 @@ async def test_bad_input_is_a_json_4xx_never_a_500(tmp_path: Path) -> None:
         assert status == 400
         status, error = await ann.call("GET", "/api/me/personas/Cora/files/memory/diff?from=1&to=x")
         assert status == 400
+
+
+async def test_a_login_form_posted_from_another_site_or_an_opaque_origin_is_refused(tmp_path: Path) -> None:
+    async with running_bot(tmp_path) as bot:
+        _, token = await bot.link("mallory")
+        async with aiohttp.ClientSession() as http:
+            for origin in ("https://evil.example", "null"):
+                async with http.post(bot.url + "/login", data={"token": token}, allow_redirects=False,
+                                     headers={"Origin": origin}) as response:
+                    assert response.status == 403, origin
+                    assert "Set-Cookie" not in response.headers
+            async with http.post(bot.url + "/login", data={"token": token}, allow_redirects=False,
+                                 headers={"Origin": bot.url}) as response:
+                assert response.status == 303  # refused attempts did not use the link up

@@ -88,7 +88,9 @@ async def headers(request: web.Request, handler: Handler) -> web.StreamResponse:
     response = await handler(request)
     response.headers.setdefault("Content-Security-Policy", CSP)
     response.headers.setdefault("X-Content-Type-Options", "nosniff")
-    response.headers.setdefault("Referrer-Policy", "no-referrer")  # a login link never leaks as a Referer
+    # A login link never leaks to another site as a Referer; same-origin (not no-referrer) because under
+    # no-referrer Chromium sends "Origin: null" with the login form, which the origin check must refuse.
+    response.headers.setdefault("Referrer-Policy", "same-origin")
     response.headers.setdefault("X-Frame-Options", "DENY")
     if request.path.startswith(("/api/", "/login")):
         response.headers.setdefault("Cache-Control", "no-store")
