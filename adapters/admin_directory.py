@@ -44,7 +44,11 @@ def _id_of(key: str, platform: str) -> str:
 
 
 def _snowflake(text: str) -> int | None:
-    return int(text) if text.isascii() and text.isdigit() and len(text) <= 20 else None
+    """A Discord id written as Discord writes it: ``discord:01`` is not guild 1 (its guidelines and settings
+    would be stored under a key the bot never reads)."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 20) or str(int(text)) != text:
+        return None
+    return int(text)
 
 
 class DiscordAdminDirectory:

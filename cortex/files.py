@@ -19,6 +19,15 @@ class FileError(ValueError):
     """A file operation a user asked for cannot be done; the message says why and what to do."""
 
 
+class FileConflict(FileError):
+    """The file changed since the version an edit was based on."""
+
+    def __init__(self, filename: str, newest: int, based_on: int) -> None:
+        super().__init__(f"{filename} changed since you opened it (now version {newest}, yours was based on version "
+                         f"{based_on}): reload it, then make your change again")
+        self.newest = newest
+
+
 @dataclass(frozen=True, slots=True)
 class Refusal:
     reason: str
@@ -92,14 +101,31 @@ class CortexFiles:
             return None
         return await self.store.add_version(pair.id, filename, content, author, reason, tier, run_id)
 
-    async def edit(self, pair: Pair, filename: str, content: str) -> FileVersion | None:
+    async def edit(self, pair: Pair, filename: str, content: str, *, based_on: int | None = None
+                   ) -> FileVersion | None:
+        """The user's own text as a new version (None: unchanged). With ``based_on``, only while that is still
+        the newest version, else :class:`FileConflict`: an edit never silently replaces one made meanwhile."""
         if not content.strip():
             raise FileError(f"the new {filename} is empty; to start it over use reset instead")
         if len(content) > self.file_max_chars:
             raise FileError(
                 f"the new {filename} has {len(content):,} characters; the limit is {self.file_max_chars:,}"
             )
-        return await self.write(pair, filename, content, "user", "edited by the user")
+        if based_on is None:
+            return await self.write(pair, filename, content, "user", "edited by the user")
+        guarded(filename, content, f"user on pair {pair.id}", FileError)
+        current = await self.store.current(pair.id, filename)
+        newest = current.version if current is not None else 0
+        if newest != based_on:
+            raise FileConflict(filename, newest, based_on)
+        if current is not None and current.content == content:
+            return None
+        saved = await self.store.add_version_based_on(based_on, pair.id, filename, content, "user",
+                                                      "edited by the user")
+        if saved is None:
+            latest = await self.store.current(pair.id, filename)
+            raise FileConflict(filename, latest.version if latest else 0, based_on)
+        return saved
 
     async def get_version(self, pair: Pair, filename: str, number: int) -> FileVersion:
         found = await self.store.version(pair.id, filename, number)

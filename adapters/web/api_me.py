@@ -4,6 +4,7 @@ route takes a user id."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from aiohttp import web
@@ -14,7 +15,7 @@ from adapters.web.render import markdown_html, side_by_side
 from adapters.web.server import WebContext, ok, read_body
 from adapters.web.userdata import own_pair, own_user
 from bot.commands import MAX_NUMBER
-from cortex.files import FileError
+from cortex.files import FileConflict, FileError
 from cortex.store import FILENAMES, FileVersion
 
 FILE_ROUTE = "/api/me/personas/{persona}/files/{file}"
@@ -58,6 +59,9 @@ def version_number(text: str) -> int:
 
 def routes(ctx: WebContext) -> list[web.RouteDef]:
     auth, store, files = ctx.auth, ctx.app.cortex.store, ctx.app.cortex.files
+    # A diff is pure Python and quadratic in the worst case; off the event loop (which also runs the chat
+    # adapters), a few at a time.
+    diffing = asyncio.Semaphore(2)
 
     async def me(request: web.Request) -> web.Response:
         caller = await auth.require(request)
@@ -93,16 +97,15 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         name = filename(request)
         edit = await read_body(request, FileEdit)
         _, pair = await own_pair(ctx, caller, request.match_info["persona"])
-        current = await store.current(pair.id, name)
-        assert current is not None
-        if current.version != edit.version:
-            fail(409, f"{name} changed since you opened it (now version {current.version}, yours was based on "
-                      f"version {edit.version}): reload it, then make your change again")
         try:
-            saved = await files.edit(pair, name, edit.content.strip() + "\n")
+            saved = await files.edit(pair, name, edit.content.strip() + "\n", based_on=edit.version)
+        except FileConflict as exc:
+            fail(409, str(exc))
         except FileError as exc:
             fail(422, str(exc))
-        return ok(version_json(saved or current) | {"changed": saved is not None})
+        current = saved or await store.current(pair.id, name)
+        assert current is not None
+        return ok(version_json(current) | {"changed": saved is not None})
 
     async def versions(request: web.Request) -> web.Response:
         caller = await auth.require(request)
@@ -129,7 +132,9 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         a, b = await store.version(pair.id, name, first), await store.version(pair.id, name, second)
         if a is None or b is None:
             not_found(f"{name} has no version {first if a is None else second}")
-        return ok({"file": name, "from": first, "to": second, "rows": side_by_side(a.content, b.content)})
+        async with diffing:
+            rows = await asyncio.to_thread(side_by_side, a.content, b.content)
+        return ok({"file": name, "from": first, "to": second, "rows": rows})
 
     async def revert(request: web.Request) -> web.Response:
         caller = await auth.require(request)

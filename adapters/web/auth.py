@@ -98,7 +98,10 @@ class Auth:
                             samesite="Strict", secure=self.config.web.secure_cookies)
 
     def clear_cookie(self, response: web.StreamResponse) -> None:
-        response.del_cookie(self.cookie, path="/")
+        # With the same attributes as when it was set: a browser ignores a __Host- cookie without Secure, so
+        # a deletion lacking it would leave the (dead) cookie in place.
+        response.del_cookie(self.cookie, path="/", secure=self.config.web.secure_cookies, httponly=True,
+                            samesite="Strict")
 
     # -- permissions -----------------------------------------------------------------------------
 

@@ -49,7 +49,11 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
 
     async def use(request: web.Request) -> web.StreamResponse:
         auth.check_origin(request)
-        form = await request.post()
+        try:
+            form = await request.post()
+        except (ValueError, LookupError):  # undecodable text, a bad charset, a broken multipart body
+            return _page("<p>This login request could not be read. Open the link again and press the button.</p>",
+                         status=400)
         token = form.get("token")
         if not isinstance(token, str) or len(token) > MAX_TOKEN_CHARS:
             return _expired()

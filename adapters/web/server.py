@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -28,6 +29,7 @@ M = TypeVar("M", bound=BaseModel)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_BODY = web.AppKey("max_body", int)
+SURROGATE = re.compile(r"[\ud800-\udfff]")
 CSP = ("default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; object-src 'none'; "
        "frame-ancestors 'none'; base-uri 'none'; form-action 'self'")
 
@@ -56,8 +58,12 @@ async def read_body(request: web.Request, model: type[M]) -> M:
         data = json.loads(raw or b"null")
     except (ValueError, UnicodeDecodeError):
         fail(400, "the request body is not valid JSON")
+    except RecursionError:
+        fail(400, "the request body is nested too deeply")
     if not isinstance(data, dict):
         fail(400, "the request body must be a JSON object")
+    if not storable(data):
+        fail(422, "text may not hold NUL characters or unpaired surrogates (\\u0000, \\ud800)")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -66,10 +72,29 @@ async def read_body(request: web.Request, model: type[M]) -> M:
         fail(422, f"{where}: {first['msg']}")
 
 
+def storable(data: Any) -> bool:
+    """Whether every string in the parsed JSON (keys too) can be stored: PostgreSQL refuses NUL in text and
+    no engine takes an unpaired surrogate (JSON allows both as escapes). Iterative: depth costs no stack."""
+    stack = [data]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            if "\x00" in value or SURROGATE.search(value):
+                return False
+        elif isinstance(value, dict):
+            stack += value.keys()
+            stack += value.values()
+        elif isinstance(value, list):
+            stack += value
+    return True
+
+
 @web.middleware
 async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Bad input is a 4xx with a JSON message; nothing a client sends produces a 500 with a traceback."""
     api = request.path.startswith("/api/")
+    if api and ("\x00" in request.path or any("\x00" in k or "\x00" in v for k, v in request.query.items())):
+        return json_error(400, "the address holds a NUL character")
     try:
         return await handler(request)
     except ApiError as exc:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from bot import metrics
 from bot.storage.base import StoredMessage, User
-from bot.storage.engine import Database, Tx
+from bot.storage.engine import Database, Tx, is_conflict
 from bot.storage.incognito import not_incognito
 from bot.storage.rows import MESSAGE_COLUMNS, message_from_row
 
@@ -213,6 +213,31 @@ class CortexRepository:
             (pair_id, filename, content, author, reason, tier, run_id, time.time(), pair_id, filename),
         )
         assert row is not None
+        self._files_changed(pair_id)
+        return self._version(row)
+
+    async def add_version_based_on(
+        self, based_on: int, pair_id: int, filename: str, content: str, author: Author, reason: str = "",
+    ) -> FileVersion | None:
+        """A new version only while ``based_on`` is still the newest (one statement, so two saves based on
+        the same version cannot both land, in any process); None when the file changed meanwhile."""
+        if filename not in FILENAMES:
+            raise ValueError(f"not a cortex file: {filename!r}")
+        try:
+            row = await self.db.write_one(
+                "INSERT INTO cortex_versions (pair_id, filename, version, content, author, reason, tier, run_id,"
+                " created_at) SELECT CAST(? AS BIGINT), CAST(? AS TEXT), coalesce(max(version), 0) + 1,"
+                " CAST(? AS TEXT), CAST(? AS TEXT), CAST(? AS TEXT), '', NULL, CAST(? AS DOUBLE PRECISION)"
+                " FROM cortex_versions WHERE pair_id = ? AND filename = ?"
+                " HAVING coalesce(max(version), 0) = ? RETURNING *",
+                (pair_id, filename, content, author, reason, time.time(), pair_id, filename, based_on),
+            )
+        except Exception as exc:
+            if is_conflict(exc):  # another writer took the same next version a moment earlier
+                return None
+            raise
+        if row is None:
+            return None
         self._files_changed(pair_id)
         return self._version(row)
 
