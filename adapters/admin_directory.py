@@ -139,24 +139,27 @@ class MatrixAdminDirectory:
     def _group_rooms(self) -> Iterable[Any]:
         return (room for room in dict(self.client.rooms).values() if room.member_count > 2)
 
-    def _admin(self, user_id: str) -> bool:
-        if user_id in self.config.admin_ids:
-            return True
-        return any(user_id in room.users and self._level(room, user_id) >= self.config.admin_power_level
-                   for room in self._group_rooms())
+    def _room_admin(self, room: Any, user_id: str) -> bool:
+        return user_id in room.users and self._level(room, user_id) >= self.config.admin_power_level
 
     async def is_admin(self, user_key: str, server_key: str) -> bool:
-        user_id, homeserver = _id_of(user_key, MATRIX), _id_of(server_key, MATRIX)
-        if not user_id.startswith("@") or ":" not in user_id or not homeserver:
+        """Admin of a group room the bot is in (the room is Matrix's "server": its guidelines and settings),
+        by the room's power levels; the configured admin ids everywhere."""
+        user_id, room_id = _id_of(user_key, MATRIX), _id_of(server_key, MATRIX)
+        if not user_id.startswith("@") or not room_id.startswith("!"):
             return False
-        return user_id.split(":", 1)[1] == homeserver and self._admin(user_id)
+        room = dict(self.client.rooms).get(room_id)
+        if room is None or room.member_count <= 2:
+            return False
+        return user_id in self.config.admin_ids or self._room_admin(room, user_id)
 
     async def servers(self, user_key: str) -> list[ServerRef]:
         user_id = _id_of(user_key, MATRIX)
-        if not user_id.startswith("@") or ":" not in user_id:
+        if not user_id.startswith("@"):
             return []
-        homeserver = user_id.split(":", 1)[1]
-        return [ServerRef(f"{MATRIX}:{homeserver}", homeserver)] if self._admin(user_id) else []
+        every = user_id in self.config.admin_ids
+        return [ServerRef(f"{MATRIX}:{room.room_id}", room.display_name or room.room_id)
+                for room in self._group_rooms() if every or self._room_admin(room, user_id)]
 
 
 def discord_directory(adapter: DiscordAdapter) -> DiscordAdminDirectory:

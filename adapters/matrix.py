@@ -321,7 +321,10 @@ class MatrixAdapter:
             text=text,
             is_dm=is_dm,
             channel_name=room.display_name,
-            server_id=None if is_dm else event.sender.split(":", 1)[-1],
+            # A room is Matrix's unit of administration (power levels): its guidelines, settings and skills
+            # belong to it, and a room admin is admin of that room only.
+            server_id=None if is_dm else room.room_id,
+            author_home=event.sender.split(":", 1)[-1],
             mentions_bot=bool(mentions_bot),
             reply_to=reply_to,
         )

@@ -93,7 +93,8 @@ class Reactions:
         adapter = self.adapter
         incoming = IncomingMessage("matrix", room.room_id, event.sender, room.user_name(event.sender) or event.sender,
                                    line, is_dm=room.member_count <= 2,
-                                   server_id=None if room.member_count <= 2 else event.sender.split(":", 1)[-1])
+                                   server_id=None if room.member_count <= 2 else room.room_id,
+                                   author_home=event.sender.split(":", 1)[-1])
         inbound = Inbound(incoming, is_bot_admin=event.sender in adapter.config.admin_ids)
         router = adapter.app.router
         context = router.context_for(inbound, await router.persona_for(inbound))

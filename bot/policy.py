@@ -43,14 +43,16 @@ def refusal(inbound: Inbound, access: AccessConfig, *, is_command: bool) -> str 
         return "direct messages are off"
     if _listed(access.deny_users, msg.author_key) or _listed(access.deny_channels, msg.channel_key):
         return "denied user or channel"
-    if _listed(access.deny_servers, msg.server_key) or any(r in access.deny_roles for r in inbound.roles):
+    # Servers: where it was sent, and the author's own home server where the platform has one (Matrix).
+    servers = (msg.server_key, msg.author_home_key)
+    if _listed(access.deny_servers, *servers) or any(r in access.deny_roles for r in inbound.roles):
         return "denied server or role"
     if access.allow_users and msg.author_key not in access.allow_users:
         return "user not allowed"
     if not msg.is_dm:
         if access.allow_channels and msg.channel_key not in access.allow_channels:
             return "channel not allowed"
-        if access.allow_servers and msg.server_key not in access.allow_servers:
+        if access.allow_servers and not _listed(access.allow_servers, *servers):
             return "server not allowed"
         if access.allow_roles and not any(r in access.allow_roles for r in inbound.roles):
             return "role not allowed"

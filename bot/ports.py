@@ -34,6 +34,7 @@ class IncomingMessage:
     reply_to: str | None = None
     sent_at: datetime | None = None
     parent_channel_id: str | None = None  # a thread's or forum post's channel: its persona is inherited
+    author_home: str | None = None  # the author's home server where a platform has one (Matrix: their homeserver)
 
     @property
     def author_key(self) -> str:
@@ -46,6 +47,10 @@ class IncomingMessage:
     @property
     def parent_channel_key(self) -> str | None:
         return None if self.parent_channel_id is None else f"{self.platform}:{self.parent_channel_id}"
+
+    @property
+    def author_home_key(self) -> str | None:
+        return None if self.author_home is None else f"{self.platform}:{self.author_home}"
 
     @property
     def server_key(self) -> str | None:

@@ -229,3 +229,21 @@ async def test_an_error_after_still_working_takes_its_place(tmp_path: Path) -> N
         await app.router.handle(inbound("hi", dm=True), sink)
     assert sink.shown[0] == "⏳ still working…"
     assert sink.messages == [f"⚠️ {LLMRateLimited.user_message}"] and sink.public == []
+
+
+def test_matrix_server_lists_match_the_room_or_the_authors_homeserver() -> None:
+    from bot.config import AccessConfig
+    from bot.policy import refusal
+
+    def matrix(sender: str, *, room: str = "!room:example.org", dm: bool = False) -> Inbound:
+        return Inbound(IncomingMessage("matrix", room, sender, sender, "hi", is_dm=dm, mentions_bot=True,
+                                       server_id=None if dm else room, author_home=sender.split(":", 1)[1]))
+
+    by_home = AccessConfig(allow_servers=["matrix:example.org"], deny_servers=["matrix:evil.org"])
+    assert refusal(matrix("@ann:example.org"), by_home, is_command=False) is None
+    assert refusal(matrix("@eve:other.net"), by_home, is_command=False) == "server not allowed"
+    assert refusal(matrix("@mal:evil.org", dm=True), by_home, is_command=False) == "denied server or role"
+    by_room = AccessConfig(allow_servers=["matrix:!room:example.org"])
+    assert refusal(matrix("@eve:other.net"), by_room, is_command=False) is None
+    assert refusal(matrix("@eve:other.net", room="!elsewhere:example.org"), by_room, is_command=False) == (
+        "server not allowed")

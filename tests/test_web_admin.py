@@ -388,27 +388,34 @@ async def test_the_discord_directory_asks_the_guilds_member_permissions() -> Non
     assert await directory.servers("matrix:@x:y") == [] and await directory.servers("discord:") == []
 
 
-async def test_the_matrix_directory_reads_power_levels_of_group_rooms() -> None:
+async def test_the_matrix_directory_makes_a_room_admin_admin_of_that_room_only() -> None:
     group = MatrixRoom("!group:example.org", "@bot:example.org")
+    other = MatrixRoom("!other:example.org", "@bot:example.org")  # eve made it: she is admin there only
     dm = MatrixRoom("!dm:example.org", "@bot:example.org")
     for user in ("@ann:example.org", "@bob:example.org", "@eve:other.net", "@bot:example.org"):
         group.add_member(user, None, None)
+    for user in ("@eve:other.net", "@mal:other.net", "@bot:example.org"):
+        other.add_member(user, None, None)
     for user in ("@cat:example.org", "@bot:example.org"):
         dm.add_member(user, None, None)
-    group.power_levels.users.update({"@ann:example.org": 50, "@eve:other.net": 100})
+    group.power_levels.users.update({"@ann:example.org": 50})
+    other.power_levels.users.update({"@eve:other.net": 100})
     dm.power_levels.users["@cat:example.org"] = 100
-    client = SimpleNamespace(rooms={group.room_id: group, dm.room_id: dm})
+    client = SimpleNamespace(rooms={r.room_id: r for r in (group, other, dm)})
     directory = MatrixAdminDirectory(client, MatrixConfig(admin_ids=["@root:example.org"]),
                                      {group.room_id: frozenset({"@bob:example.org"})})
-    assert await directory.is_admin("matrix:@ann:example.org", "matrix:example.org")
-    assert await directory.is_admin("matrix:@bob:example.org", "matrix:example.org")  # a room creator
-    assert await directory.is_admin("matrix:@eve:other.net", "matrix:other.net")
-    assert await directory.is_admin("matrix:@root:example.org", "matrix:example.org")
-    for user, server in (("matrix:@eve:other.net", "matrix:example.org"),  # another homeserver's key
-                         ("matrix:@cat:example.org", "matrix:example.org"),  # power 100 in a DM only
-                         ("matrix:@ann:example.org", "discord:1"), ("discord:1", "matrix:example.org"),
-                         ("matrix:ann", "matrix:example.org"), ("matrix:@ann:example.org", "matrix:")):
+    for user in ("@ann:example.org", "@bob:example.org", "@root:example.org"):  # power 50, creator, bot admin
+        assert await directory.is_admin(f"matrix:{user}", "matrix:!group:example.org"), user
+    assert await directory.is_admin("matrix:@eve:other.net", "matrix:!other:example.org")
+    for user, server in (("matrix:@eve:other.net", "matrix:!group:example.org"),  # admin of her own room only
+                         ("matrix:@eve:other.net", "matrix:other.net"),  # a homeserver is no server here
+                         ("matrix:@ann:example.org", "matrix:example.org"),
+                         ("matrix:@cat:example.org", "matrix:!dm:example.org"),  # power 100 in a DM only
+                         ("matrix:@ann:example.org", "matrix:!unknown:example.org"),
+                         ("matrix:@ann:example.org", "discord:1"), ("discord:1", "matrix:!group:example.org"),
+                         ("matrix:ann", "matrix:!group:example.org"), ("matrix:@ann:example.org", "matrix:")):
         assert not await directory.is_admin(user, server), (user, server)
-    assert await directory.servers("matrix:@ann:example.org") == [ServerRef("matrix:example.org", "example.org")]
+    assert [s.key for s in await directory.servers("matrix:@ann:example.org")] == ["matrix:!group:example.org"]
+    assert [s.key for s in await directory.servers("matrix:@eve:other.net")] == ["matrix:!other:example.org"]
     assert await directory.servers("matrix:@cat:example.org") == []
     assert await directory.servers("discord:10") == []
