@@ -333,7 +333,8 @@ class MatrixAdapter:
             is_self=event.sender == me,
             replied_to_bot=reply_to in self._sent,
             roles=(f"{PLATFORM}:power:{level}",),
-            is_admin=event.sender in self.config.admin_ids or level >= self.config.admin_power_level,
+            # In a DM everyone holds power 100 in their own room: that makes nobody an admin of anything.
+            is_admin=event.sender in self.config.admin_ids or (not is_dm and level >= self.config.admin_power_level),
             is_bot_admin=event.sender in self.config.admin_ids,
         )
 
