@@ -37,7 +37,7 @@ from cortex.export import MAX_ARCHIVE_BYTES, ArchiveError, build_zip, export_dat
 from cortex.files import CortexFiles, FileError, normalise_filename, unified_diff
 from cortex.importing import Importer
 from cortex.settings import OVERRIDABLE, SettingError, SettingsResolver, persona_scope, server_scope
-from cortex.store import FILENAMES, CortexStore, Pair
+from cortex.store import FILENAMES, CortexStore, ForgetReport, Pair
 from cortex.tiers import MANUAL, TierEngine, job_key, thresholds
 from cortex.update import CortexUpdater
 
@@ -238,6 +238,13 @@ class CortexCommands:
             raise CommandError(str(exc)) from None
         return CommandReply(report.line(), private=True)
 
+    async def forget_user(self, user_key: str) -> ForgetReport | None:
+        """Everything about one user goes, and every cache that could hold their rows (chat and web page)."""
+        report = await self.store.forget_user(user_key)
+        if self.on_forget is not None:
+            self.on_forget()  # ids are reused after a delete: no cache may keep the old owner's rows
+        return report
+
     async def forget_me(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
         prefix = self.prefix
         if not args or args[0].lower() != CONFIRM_WORD:
@@ -250,9 +257,7 @@ class CortexCommands:
                 f"{prefix}memory forget-me {CONFIRM_WORD}",
                 private=True,
             )
-        report = await self.store.forget_user(ctx.user_key)
-        if self.on_forget is not None:
-            self.on_forget()  # ids are reused after a delete: no cache may keep the old owner's rows
+        report = await self.forget_user(ctx.user_key)
         if report is None:
             return CommandReply("The bot stores nothing about you.", private=True)
         return CommandReply(

@@ -228,9 +228,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         if wanted.confirm != CONFIRM:
             fail(422, f'this deletes everything the bot stores about you and cannot be undone; to go ahead, send '
                       f'{{"confirm": "{CONFIRM}"}}')
-        report = await ctx.app.cortex.store.forget_user(caller.user_key)
-        if ctx.app.cortex.commands.on_forget is not None:
-            ctx.app.cortex.commands.on_forget()
+        report = await ctx.app.cortex.commands.forget_user(caller.user_key)
         counts = ("messages", "versions", "items", "runs", "summaries", "pairs")
         response = ok({"deleted": {name: 0 if report is None else getattr(report, name) for name in counts}})
         auth.clear_cookie(response)

@@ -16,7 +16,7 @@ from adapters.web.server import WebContext, ok, read_body
 from adapters.web.userdata import own_pair, own_user
 from bot.commands import MAX_NUMBER
 from cortex.files import FileConflict, FileError
-from cortex.store import FILENAMES, FileVersion
+from cortex.store import FILENAMES, FileVersion, Pair
 
 FILE_ROUTE = "/api/me/personas/{persona}/files/{file}"
 
@@ -63,6 +63,12 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
     # adapters), a few at a time.
     diffing = asyncio.Semaphore(2)
 
+    async def saved_or_current(pair: Pair, name: str, saved: FileVersion | None) -> web.Response:
+        """The version a change made, or the unchanged current one, with whether anything changed."""
+        current = saved or await store.current(pair.id, name)
+        assert current is not None
+        return ok(version_json(current) | {"changed": saved is not None})
+
     async def me(request: web.Request) -> web.Response:
         caller = await auth.require(request)
         user = await own_user(ctx, caller)
@@ -103,9 +109,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
             fail(409, str(exc))
         except FileError as exc:
             fail(422, str(exc))
-        current = saved or await store.current(pair.id, name)
-        assert current is not None
-        return ok(version_json(current) | {"changed": saved is not None})
+        return await saved_or_current(pair, name, saved)
 
     async def versions(request: web.Request) -> web.Response:
         caller = await auth.require(request)
@@ -145,9 +149,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
             saved = await files.revert(pair, name, wanted.version)
         except FileError as exc:
             not_found(str(exc))
-        current = saved or await store.current(pair.id, name)
-        assert current is not None
-        return ok(version_json(current) | {"changed": saved is not None})
+        return await saved_or_current(pair, name, saved)
 
     async def reset(request: web.Request) -> web.Response:
         caller = await auth.require(request)
