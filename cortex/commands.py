@@ -105,8 +105,8 @@ class CortexCommands:
                             flag("persona_scope", "set it for the persona, not this server", token="--persona")),
             admin=True,
         ))
-        registry.register(Command("cortex stats", "cortex update runs, tokens and recent errors", self.stats,
-                                  admin=True))
+        registry.register(Command("cortex stats", "cortex update runs, tokens and recent errors (bot-wide)",
+                                  self.stats, admin=True, bot_admin=True))
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -291,6 +291,9 @@ class CortexCommands:
         scope = persona_scope(ctx.persona) if "--persona" in args or not ctx.server_key else server_scope(
             ctx.server_key)
         if words:
+            if scope == persona_scope(ctx.persona) and not ctx.is_bot_admin:
+                raise CommandError("A persona-wide setting changes every server and direct message: that is for the "
+                                   "bot's admins. Server admins set it for their server (without --persona).")
             if len(words) < 2:
                 raise CommandError(f"Give a value for {words[0]}: {OVERRIDABLE.get(words[0], 'see the list')}")
             key, value = words[0], " ".join(words[1:])

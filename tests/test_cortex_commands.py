@@ -27,9 +27,12 @@ def _config(tmp_path: Path):
     })
 
 
-def ctx(user: str = "ann", persona: str = "Cora", admin: bool = False, server: str | None = None) -> CommandContext:
+def ctx(user: str = "ann", persona: str = "Cora", admin: bool = False, server: str | None = None,
+        bot_admin: bool | None = None) -> CommandContext:
+    """An admin in a DM is a configured admin id, i.e. a bot admin, as on every platform; a server admin is not."""
     return CommandContext("console", f"console:{user}", user.title(), f"console:dm-{user}", persona,
-                          is_admin=admin, is_dm=server is None, server_key=server)
+                          is_admin=admin, is_bot_admin=admin and server is None if bot_admin is None else bot_admin,
+                          is_dm=server is None, server_key=server)
 
 
 async def run(app: App, line: str, context: CommandContext | None = None):
@@ -190,6 +193,10 @@ async def test_settings_are_admin_only_scoped_validated_and_shown(tmp_path: Path
         eff = await app.cortex.resolver.effective("Cora", "console:guild1")
         assert eff.settings.tier_percentages() == (30, 60) and eff.sources["tiers"] == "server:console:guild1"
         assert (await app.cortex.resolver.effective("Cora")).settings.tier_percentages() == (95,)
+        refused = (await run(app, "!cortex settings tiers 10 --persona", server_admin)).text
+        assert "for the bot's admins" in refused
+        assert (await app.cortex.resolver.effective("Cora")).settings.tier_percentages() == (95,)
+        assert "tiers" in (await run(app, "!cortex settings --persona", server_admin)).text  # reading is fine
         bad = (await run(app, "!cortex settings tiers 30,300", admin)).text
         assert "not accepted" in bad
         assert "must be on/off" in (await run(app, "!cortex settings enabled maybe", admin)).text
@@ -210,6 +217,8 @@ async def test_cortex_stats_and_help(tmp_path: Path) -> None:
         stats = (await run(app, "!cortex stats", ctx(admin=True))).text
         assert "1 failed" in stats and "1 skipped" in stats and "tokens 100 in / 20 out" in stats
         assert "stopped after 10 rounds" in stats
+        server_admin = ctx("bo", admin=True, server="console:guild1")
+        assert "for the bot's admins" in (await run(app, "!cortex stats", server_admin)).text
         help_user = (await run(app, "!help")).text
         for line in ("!memory show [file]", "!memory forget-me", "!cortex update", "!summary"):
             assert line in help_user

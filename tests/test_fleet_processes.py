@@ -87,7 +87,8 @@ async def test_admin_changes_reach_the_other_process(tmp_path: Path, monkeypatch
     config = _config(tmp_path)
     async with App(config, llm=ScriptedProvider(), embedder=HashEmbedder()) as one, \
             App(config, llm=ScriptedProvider(), embedder=HashEmbedder()) as two:
-        admin = CommandContext("console", "console:root", "Root", "console:room", "Cora", is_dm=True, is_admin=True)
+        admin = CommandContext("console", "console:root", "Root", "console:room", "Cora", is_dm=True, is_admin=True,
+                               is_bot_admin=True)
         reply = await one.commands.dispatch("!cortex weights vector=0.9 text=0.05", admin)
         assert "0.9" in reply.text
         await two.cortex.memory_admin.load()  # what its reload job does every few seconds

@@ -174,8 +174,8 @@ async def test_room_mentions_privacy_and_admin_checks(synapse: SynapseServer, bo
         await send_text(bob, room, "!cortex settings")
         await seen.sync_until(lambda: any("for admins only" in b for b in seen.bodies(room, bot.user_id)),
                               "the admin refusal for bob")
-        await send_text(alice, room, "!cortex stats")  # alice created the room: power level 100
-        await seen.sync_until(lambda: any("runs" in b and "tokens" in b for b in seen.bodies(room, bot.user_id)),
+        await send_text(alice, room, "!cortex settings")  # alice created the room: power level 100
+        await seen.sync_until(lambda: any("Cortex settings for persona" in b for b in seen.bodies(room, bot.user_id)),
                               "the admin answer for alice")
         await send_text(bob, room, "!memory show")
         await seen.sync_until(lambda: any("answered you in a direct message" in b

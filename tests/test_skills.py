@@ -191,11 +191,14 @@ async def test_skills_commands_switch_per_server_and_forget_me_removes_the_audit
             and "bot's admins" in (await app.commands.dispatch("!skills enable remember --everywhere", admin)).text
         fake_llm.enqueue(FakeResponse.tool_calls([("c1", "current_time", {})]), FakeResponse.text("Noon."))
         await app.core.reply(_msg("time?")).text()
-        assert "current_time: 1 calls, 0 failed" in (await app.commands.dispatch("!skills stats", admin)).text
+        assert "bot's admins only" in (await app.commands.dispatch("!skills stats", admin)).text  # bot-wide
+        root = CommandContext("console", "console:root", "Root", "console:dm-root", "Cora", is_admin=True,
+                              is_bot_admin=True, is_dm=True)
+        assert "current_time: 1 calls, 0 failed" in (await app.commands.dispatch("!skills stats", root)).text
         exported = await export_data(app.cortex.store, await app.storage.get_user("console:ann"))
         calls = [(c["skill"], c["ok"], c["arguments"]) for c in exported["skill_calls"]]
         assert calls == [("current_time", True, "{}")]
-        assert "current_time: 1 calls" in (await app.commands.dispatch("!cortex stats", admin)).text
+        assert "current_time: 1 calls" in (await app.commands.dispatch("!cortex stats", root)).text
         await app.commands.dispatch("!memory forget-me", ANN_DM)
         await app.commands.dispatch("!memory forget-me confirm", ANN_DM)
         assert await app.storage.skills.recent("console:ann") == []

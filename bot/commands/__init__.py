@@ -241,8 +241,8 @@ class CommandRegistry:
                 return CommandReply("\n".join(lines))
             return CommandReply(f"Unknown command {self.prefix}{' '.join(words[:2])}. Type {self.prefix}help.")
         if command.bot_admin and not context.is_bot_admin:
-            return CommandReply(f"{self.prefix}{command.name} is for the bot's admins only (it changes what every "
-                                "server shares).")
+            return CommandReply(f"{self.prefix}{command.name} is for the bot's admins only (it concerns every "
+                                "server, not just this one).")
         if command.admin and not context.is_admin:
             return CommandReply(f"{self.prefix}{command.name} is for admins only.")
         limit, positional = command.max_args, command.positional(args)

@@ -76,14 +76,16 @@ class MemoryAdminCommands:
 
     def register(self, registry: CommandRegistry) -> None:
         p = self.prefix = registry.prefix
-        for name, summary, handler, params in (
-            ("prune", "archive unused memory items now (report per category)", self.prune, ()),
+        for name, summary, handler, params, bot_wide in (
+            ("prune", "archive unused memory items now, bot-wide (report per category)", self.prune, (), True),
             ("weights", f"show or set the search weights ({p}cortex weights vector=0.6 …, or default)",
-             self.weights, (words("values", "signal=value pairs, or default"),)),
-            ("budgets", "token budgets of prompts and cortex updates, and today's spending", self.budgets, ()),
-            ("embedder", "the embedder, how much is embedded, backfill progress and errors", self.embedder, ()),
+             self.weights, (words("values", "signal=value pairs, or default"),), False),
+            ("budgets", "token budgets of prompts and cortex updates, and today's spending", self.budgets, (),
+             False),
+            ("embedder", "the embedder, how much is embedded, backfill progress and errors", self.embedder, (),
+             False),
         ):
-            registry.register(Command(f"cortex {name}", summary, handler, params, admin=True))
+            registry.register(Command(f"cortex {name}", summary, handler, params, admin=True, bot_admin=bot_wide))
 
     async def load(self) -> None:
         """Apply the weights an admin saved (they outlive restarts; the app reloads them every few seconds,
@@ -109,6 +111,9 @@ class MemoryAdminCommands:
         if not args:
             return (f"Search weights: {_weights_line(current)}. Each signal is scaled to 0-1 first; "
                     f"half-life of recency: {self.config.memory.half_life_days:g} days.")
+        if not ctx.is_bot_admin:
+            raise CommandError("The search weights are the same for every server: changing them is for the bot's "
+                               "admins.")
         if list(args) == ["default"]:
             weights = configured_weights(self.config.memory)
             await self.storage.set_setting(WEIGHTS_SETTING, "")

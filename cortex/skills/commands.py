@@ -33,8 +33,8 @@ class SkillCommands:
                                   admin=True))
         registry.register(Command("skills disable", "stop the persona using a skill", self.disable, (name, *scope),
                                   admin=True))
-        registry.register(Command("skills stats", "skill calls of the last 7 days: count, failures, time",
-                                  self.stats, admin=True))
+        registry.register(Command("skills stats", "skill calls of the last 7 days, bot-wide: count, failures, time",
+                                  self.stats, admin=True, bot_admin=True))
 
     async def list_skills(self, ctx: CommandContext, args: Sequence[str]) -> str:
         skills = self.tools.all()
