@@ -112,6 +112,7 @@ class App:
                 observers=[self.cortex.tiers],
                 personas=self.personas,
                 tools=self.skills.tools,
+                preparers=[self.cortex.knowledge],
             )
             self.commands = CommandRegistry()
             register_core_commands(self.commands, self.storage, self.estimator)

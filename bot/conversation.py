@@ -31,6 +31,7 @@ from bot.ports import (
     PromptContext,
     PromptSection,
     PromptSectionProvider,
+    ReplyPreparer,
     SectionSlot,
     Toolbox,
     ToolProvider,
@@ -99,6 +100,7 @@ class ConversationCore:
         observers: Sequence[ExchangeObserver] = (),
         personas: PersonaSource | None = None,
         tools: ToolProvider | None = None,
+        preparers: Sequence[ReplyPreparer] = (),
     ) -> None:
         self.tools = tools
         self.config = config
@@ -109,7 +111,9 @@ class ConversationCore:
         self.summaries = summaries
         self.section_providers = list(section_providers)
         self.observers = list(observers)
+        self.preparers = list(preparers)
         self._window_sizes: dict[int, int] = {}  # channel id -> messages in its last window
+        self._last_text: dict[str, str] = {}  # channel key -> the last message stored there (by this process)
 
     def reply(self, message: IncomingMessage, persona: str | None = None, *, is_admin: bool = False,
               is_bot_admin: bool = False) -> ReplyStream:
@@ -129,7 +133,9 @@ class ConversationCore:
     async def _run(self, stream: ReplyStream) -> AsyncIterator[str]:
         message, persona = stream._message, stream._persona
         began = time.monotonic()
+        self._prepare(message, persona)
         user, channel, user_msg = await self._store_incoming(message, persona)
+        self._remember_last(message.channel_key, user_msg.text)
         budgets = budgets_for(self.config, persona)
         window = await build_window(
             self.storage,
@@ -270,6 +276,21 @@ class ConversationCore:
         stream.rounds = len(texts)
         done.append(replace(completion, text=text, usage=usage, tool_calls=()))
 
+    def _prepare(self, message: IncomingMessage, persona: Persona) -> None:
+        """Let the preparers start what the reply will need (the query embedding) before anything waits."""
+        text = without_surrogates(message.text.strip())
+        previous = self._last_text.get(message.channel_key, "")
+        for preparer in self.preparers:
+            try:
+                preparer.prepare(persona.name, text, previous)
+            except Exception:
+                log.exception("a reply preparer failed; the reply goes on without it")
+
+    def _remember_last(self, channel_key: str, text: str) -> None:
+        if len(self._last_text) > 10_000:
+            self._last_text.clear()
+        self._last_text[channel_key] = text
+
     async def _store_incoming(
         self, message: IncomingMessage, persona: Persona
     ) -> tuple[User, Channel, StoredMessage]:
@@ -312,6 +333,7 @@ class ConversationCore:
         reply = await self.storage.add_message(
             channel.id, user.id, persona.name, "assistant", persona.name, text, self.estimator.raw_count(text)
         )
+        self._remember_last(message.channel_key, reply.text)
         prompt_tokens = self.estimator.scale(raw_prompt)
         summary_used = summary is not None
         await self.storage.record_llm_call(

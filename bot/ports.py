@@ -114,6 +114,17 @@ class Exchange:
     extra: dict[str, object] = field(default_factory=dict)
 
 
+class ReplyPreparer(Protocol):
+    """Told the moment a message to answer arrives, before it is stored: may start work its reply will
+    need (the memory search's query embedding). Must return at once and never raise.
+
+    ``text`` is the message as it will be stored; ``previous`` the core's guess of the text its prompt's
+    history window will end with (the last message this process stored in the channel), "" if none.
+    """
+
+    def prepare(self, persona: str, text: str, previous: str) -> None: ...
+
+
 class ExchangeObserver(Protocol):
     """Told after every stored exchange. Must only record or enqueue work, never wait on it."""
 

@@ -384,11 +384,12 @@ def create_embedder(
     model: str | None = None,
     base_url: str | None = None,
     api_key: str | None = None,
+    threads: int = 1,
 ) -> Embedder:
     """Build an embedder: ``"default"`` (offline multilingual-e5-small), ``"openai"`` (needs ``model``) or ``"hash"``.
 
     For ``"hash"``, ``model`` may give the dimension (e.g. ``"64"``). ``base_url`` and ``api_key``
-    only apply to ``"openai"``.
+    only apply to ``"openai"``; ``threads`` (CPU threads per call) only to ``"default"``.
     """
     kind = kind.strip().lower()
     if kind not in EMBEDDER_KINDS:
@@ -408,4 +409,4 @@ def create_embedder(
             raise ValueError(f"the 'hash' embedder takes a dimension as its model, got {model!r}") from None
     if model not in (None, "", E5SmallEmbedder.name):
         raise ValueError(f"the default embedder is {E5SmallEmbedder.name!r}; got model {model!r}")
-    return E5SmallEmbedder()
+    return E5SmallEmbedder(threads=threads)

@@ -28,12 +28,12 @@ RECALL_FLOOR = 0.6
 FOLLOW_UP_WORDS = 8
 
 
-def search_text(context: PromptContext) -> str:
+def search_text(message: str, previous: str) -> str:
     """What the section searches for: the new message, and for a short follow-up ("and her sister?")
     the message before it too, which names what the follow-up is about."""
-    if len(context.message.split()) < FOLLOW_UP_WORDS and context.previous:
-        return f"{_short(context.previous, RECALL_CHARS)}\n{context.message}"
-    return context.message
+    if len(message.split()) < FOLLOW_UP_WORDS and previous:
+        return f"{_short(previous, RECALL_CHARS)}\n{message}"
+    return message
 
 
 def _short(text: str, limit: int) -> str:
@@ -51,6 +51,14 @@ class KnowledgeSection:
         self.config = config
         self.resolver = resolver
 
+    def prepare(self, persona: str, text: str, previous: str) -> None:
+        """Start the query's embedding now, while the core stores the message and builds the prompt
+        (``ReplyPreparer``): the search below then finds it done or under way. Costs one embedding on
+        a worker thread for a message whose author has nothing to search yet (a first message)."""
+        embeddings = self.memory.embeddings
+        if embeddings is not None and (self.config.relevant_items or self.config.recalled_messages):
+            embeddings.prefetch_query(search_text(text, previous))
+
     async def sections(self, context: PromptContext, budget: int) -> list[PromptSection]:
         # In a group channel where the server keeps DM memory out, only the speaker's shared items go in
         # (no private items, no recalled messages); never anyone else's: the pair is the speaker's own.
@@ -66,8 +74,9 @@ class KnowledgeSection:
         relevant: list[MemoryItem] = []
         recalled: list[Hit] = []
         if self.config.relevant_items or recall:
+            query = search_text(context.message, context.previous)
             hits = await self.memory.search(
-                pair_id, search_text(context), user_id=context.user_db_id, persona=context.persona,
+                pair_id, query, user_id=context.user_db_id, persona=context.persona,
                 limit=self.config.relevant_items + recall, include_messages=recall > 0,
                 exclude_messages=context.in_prompt, include_items=items > 0, scopes=scopes,
             )

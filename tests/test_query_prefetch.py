@@ -1,0 +1,145 @@
+"""The reply path starts its memory search's query embedding when the message arrives and embeds it once."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bot.app import App
+from bot.config import parse_config
+from bot.ports import IncomingMessage
+from cortex.memory.embedders import EmbedderError, HashEmbedder, Vectors
+from tests.fakes.provider import ScriptedProvider
+
+
+class GatedEmbedder(HashEmbedder):
+    """Records every query it embeds; a query waits for ``gate`` (open by default); ``failures`` first
+    calls raise, as an unreachable embedding server would."""
+
+    def __init__(self, failures: int = 0) -> None:
+        super().__init__()
+        self.queries: list[str] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.failures = failures
+
+    def embed_query(self, texts: Sequence[str]) -> Vectors:
+        self.queries.extend(texts)
+        if self.failures:
+            self.failures -= 1
+            raise EmbedderError("embedding server unreachable")
+        if not self.gate.wait(10):
+            raise EmbedderError("gate never opened")
+        return self.embed(texts)
+
+
+def _config(tmp_path: Path) -> object:
+    return parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
+                         "memory": {"query_timeout_seconds": 10}})
+
+
+def _dm(text: str) -> IncomingMessage:
+    return IncomingMessage("console", "dm-ann", "ann", "Ann", text, is_dm=True)
+
+
+async def _app_with_a_fact(tmp_path: Path, embedder: GatedEmbedder) -> App:
+    app = await App(_config(tmp_path), llm=ScriptedProvider(), embedder=embedder).start(workers=False)  # type: ignore[arg-type]
+    user = await app.storage.upsert_user("console:ann", "Ann")
+    pair = (await app.cortex.store.count_messages(user.id, "Cora", 0)).id
+    await app.cortex.memory.remember(pair, "Ann's cat Luna was adopted from the shelter in spring")
+    await app.cortex.embeddings.backfill()
+    return app
+
+
+def _knowledge(app: App) -> str:
+    llm = app.llm
+    assert isinstance(llm, ScriptedProvider)
+    return llm.requests[-1].system
+
+
+async def test_the_query_is_embedded_while_the_message_is_stored_and_only_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    embedder = GatedEmbedder()
+    app = await _app_with_a_fact(tmp_path, embedder)
+    stored, storing = asyncio.Event(), asyncio.Event()
+    add_message = app.storage.add_message
+
+    async def slow_add_message(*args: Any, **kwargs: Any) -> Any:
+        storing.set()
+        await stored.wait()  # the database is slow today
+        return await add_message(*args, **kwargs)
+
+    monkeypatch.setattr(app.storage, "add_message", slow_add_message)
+    try:
+        text = "Which shelter did my cat come from when I adopted her?"
+        reply = asyncio.create_task(app.core.reply(_dm(text)).text())
+        await asyncio.wait_for(storing.wait(), 5)
+        for _ in range(500):  # the embedding runs while the message is still being stored
+            if embedder.queries:
+                break
+            await asyncio.sleep(0.01)
+        assert embedder.queries == [text] and not reply.done()
+        stored.set()
+        await reply
+        assert embedder.queries == [text]  # the search took the embedding started on arrival
+        assert "Luna was adopted from the shelter" in _knowledge(app)
+    finally:
+        stored.set()
+        await app.stop()
+
+
+async def test_a_short_follow_up_is_searched_with_the_message_before_it(tmp_path: Path) -> None:
+    embedder = GatedEmbedder()
+    app = await _app_with_a_fact(tmp_path, embedder)
+    try:
+        llm = app.llm
+        assert isinstance(llm, ScriptedProvider)
+        llm.enqueue("Tell me about your pets first.")
+        await app.core.reply(_dm("Do you remember anything about the animals I live with at home?")).text()
+        await app.core.reply(_dm("the cat?")).text()
+        assert embedder.queries[-1] == "Tell me about your pets first.\nthe cat?"
+        assert embedder.queries.count(embedder.queries[-1]) == 1
+        assert "the cat?" not in embedder.queries  # the early start guessed the message before it right
+    finally:
+        await app.stop()
+
+
+async def test_a_failed_early_embedding_is_tried_again_by_the_search(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    embedder = GatedEmbedder(failures=1)
+    app = await _app_with_a_fact(tmp_path, embedder)
+    try:
+        text = "Which shelter did my cat come from when I adopted her?"
+        await app.core.reply(_dm(text)).text()
+        assert embedder.queries == [text, text]  # a failure is not kept as the query's answer
+        assert "Luna was adopted from the shelter" in _knowledge(app)
+        assert "query embedding failed" in caplog.text
+    finally:
+        await app.stop()
+
+
+async def test_prefetched_queries_are_bounded_and_dropped_on_close(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import cortex.memory.embedding as embedding_module
+
+    monkeypatch.setattr(embedding_module, "QUERY_CACHE", 3)
+    embedder = GatedEmbedder()
+    app = await _app_with_a_fact(tmp_path, embedder)
+    service = app.cortex.embeddings
+    assert service is not None
+    try:
+        for n in range(5):
+            service.prefetch_query(f"question number {n}")
+        service.prefetch_query("   ")  # nothing to embed
+        assert list(service._queries) == ["question number 2", "question number 3", "question number 4"]
+        vector = await service.embed_query("question number 4")
+        assert vector is not None and not vector.flags.writeable  # shared, so nobody may change it
+        assert embedder.queries.count("question number 4") == 1
+    finally:
+        await app.stop()
+    assert not service._queries
