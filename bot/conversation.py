@@ -282,7 +282,7 @@ class ConversationCore:
         previous = self._last_text.get(message.channel_key, "")
         for preparer in self.preparers:
             try:
-                preparer.prepare(persona.name, text, previous)
+                preparer.prepare(message, persona.name, text, previous)
             except Exception:
                 log.exception("a reply preparer failed; the reply goes on without it")
 

@@ -122,7 +122,7 @@ class ReplyPreparer(Protocol):
     history window will end with (the last message this process stored in the channel), "" if none.
     """
 
-    def prepare(self, persona: str, text: str, previous: str) -> None: ...
+    def prepare(self, message: IncomingMessage, persona: str, text: str, previous: str) -> None: ...
 
 
 class ExchangeObserver(Protocol):

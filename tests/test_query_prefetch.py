@@ -47,12 +47,18 @@ def _dm(text: str) -> IncomingMessage:
     return IncomingMessage("console", "dm-ann", "ann", "Ann", text, is_dm=True)
 
 
-async def _app_with_a_fact(tmp_path: Path, embedder: GatedEmbedder) -> App:
+async def _app_with_a_fact(tmp_path: Path, embedder: GatedEmbedder, *, talked: bool = True) -> App:
+    """Ann has one memory item, embedded; ``talked``: she had a reply here already (so the bot knows that
+    her replies search by meaning), and the embedder's record starts empty."""
     app = await App(_config(tmp_path), llm=ScriptedProvider(), embedder=embedder).start(workers=False)  # type: ignore[arg-type]
     user = await app.storage.upsert_user("console:ann", "Ann")
     pair = (await app.cortex.store.count_messages(user.id, "Cora", 0)).id
     await app.cortex.memory.remember(pair, "Ann's cat Luna was adopted from the shelter in spring")
+    assert app.cortex.embeddings is not None
     await app.cortex.embeddings.backfill()
+    if talked:
+        await app.core.reply(_dm("Good morning, I hope you slept well and are ready for a long chat.")).text()
+        embedder.queries.clear()
     return app
 
 
@@ -95,7 +101,7 @@ async def test_the_query_is_embedded_while_the_message_is_stored_and_only_once(
 
 async def test_a_short_follow_up_is_searched_with_the_message_before_it(tmp_path: Path) -> None:
     embedder = GatedEmbedder()
-    app = await _app_with_a_fact(tmp_path, embedder)
+    app = await _app_with_a_fact(tmp_path, embedder, talked=False)
     try:
         llm = app.llm
         assert isinstance(llm, ScriptedProvider)
@@ -111,8 +117,9 @@ async def test_a_short_follow_up_is_searched_with_the_message_before_it(tmp_path
 
 async def test_a_failed_early_embedding_is_tried_again_by_the_search(tmp_path: Path,
                                                                      caplog: pytest.LogCaptureFixture) -> None:
-    embedder = GatedEmbedder(failures=1)
+    embedder = GatedEmbedder()
     app = await _app_with_a_fact(tmp_path, embedder)
+    embedder.failures = 1
     try:
         text = "Which shelter did my cat come from when I adopted her?"
         await app.core.reply(_dm(text)).text()
@@ -143,3 +150,23 @@ async def test_prefetched_queries_are_bounded_and_dropped_on_close(tmp_path: Pat
     finally:
         await app.stop()
     assert not service._queries
+
+
+async def test_no_query_is_embedded_for_someone_with_nothing_to_compare_it_with(tmp_path: Path) -> None:
+    embedder = GatedEmbedder()
+    app = await App(_config(tmp_path), llm=ScriptedProvider(), embedder=embedder).start(workers=False)  # type: ignore[arg-type]
+    try:
+        for text in ("Hello, I am new here and would like to talk about gardening today.", "What grows in May?"):
+            await app.core.reply(_dm(text)).text()
+        assert embedder.queries == []  # neither early nor in the search: no vectors of Ann's to compare with
+        user = await app.storage.upsert_user("console:ann", "Ann")
+        pair = (await app.cortex.store.count_messages(user.id, "Cora", 0)).id
+        await app.cortex.memory.remember(pair, "Ann grows tomatoes on her balcony")
+        assert app.cortex.embeddings is not None
+        await app.cortex.embeddings.backfill()
+        first = "Which vegetables do I grow on my balcony these days?"
+        await app.core.reply(_dm(first)).text()
+        assert embedder.queries == [first]  # the search embeds it; from now on replies start it early
+        assert "Ann grows tomatoes" in _knowledge(app)
+    finally:
+        await app.stop()

@@ -14,7 +14,7 @@ from __future__ import annotations
 from datetime import UTC, timedelta
 
 from bot.config import MemoryConfig
-from bot.ports import PromptContext, PromptSection, SectionSlot
+from bot.ports import IncomingMessage, PromptContext, PromptSection, SectionSlot
 from bot.storage.sources import ReplySource
 from bot.tokens import TokenEstimator
 from cortex.memory.store import SCOPES, Hit, MemoryItem, MemoryStore
@@ -50,14 +50,22 @@ class KnowledgeSection:
         self.estimator = estimator
         self.config = config
         self.resolver = resolver
+        # (author, channel, persona) -> whether the last search for a reply there embedded its query
+        self._searched_by_meaning: dict[tuple[str, str, str], bool] = {}
 
-    def prepare(self, persona: str, text: str, previous: str) -> None:
+    def prepare(self, message: IncomingMessage, persona: str, text: str, previous: str) -> None:
         """Start the query's embedding now, while the core stores the message and builds the prompt
-        (``ReplyPreparer``): the search below then finds it done or under way. Costs one embedding on
-        a worker thread for a message whose author has nothing to search yet (a first message)."""
+        (``ReplyPreparer``): the search below then finds it done or under way. Only where the last
+        reply to this author here searched by meaning (there were vectors to compare with): a first
+        message, or one whose author has nothing embedded, costs no embedding at all."""
         embeddings = self.memory.embeddings
-        if embeddings is not None and (self.config.relevant_items or self.config.recalled_messages):
+        if embeddings is not None and self._searched_by_meaning.get((message.author_key, message.channel_key, persona)):
             embeddings.prefetch_query(search_text(text, previous))
+
+    def _remember_search(self, context: PromptContext, by_meaning: bool) -> None:
+        if len(self._searched_by_meaning) > 50_000:
+            self._searched_by_meaning.clear()
+        self._searched_by_meaning[(context.user_key, context.channel_key, context.persona)] = by_meaning
 
     async def sections(self, context: PromptContext, budget: int) -> list[PromptSection]:
         # In a group channel where the server keeps DM memory out, only the speaker's shared items go in
@@ -75,10 +83,16 @@ class KnowledgeSection:
         recalled: list[Hit] = []
         if self.config.relevant_items or recall:
             query = search_text(context.message, context.previous)
+            by_meaning = await self.memory.needs_query_vector(
+                pair_id, context.user_db_id, context.persona, items=items > 0, messages=recall > 0)
+            self._remember_search(context, by_meaning)
+            embeddings = self.memory.embeddings
+            vector = await embeddings.embed_query(query) if by_meaning and embeddings is not None else None
             hits = await self.memory.search(
                 pair_id, query, user_id=context.user_db_id, persona=context.persona,
                 limit=self.config.relevant_items + recall, include_messages=recall > 0,
                 exclude_messages=context.in_prompt, include_items=items > 0, scopes=scopes,
+                query_vector=vector, use_vectors=False,  # asked above: no second check, no second try
             )
             seen = {i.id for i in pinned}
             relevant = [h.item for h in hits if h.item is not None and h.item.id not in seen]

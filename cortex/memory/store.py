@@ -310,6 +310,17 @@ class MemoryStore:
 
     # -- search ----------------------------------------------------------------------------------
 
+    async def needs_query_vector(self, pair_id: int, user_id: int, persona: str, *, items: bool = True,
+                                 messages: bool = True) -> bool:
+        """Whether a search would compare its query by meaning: an embedder is attached and the pair's
+        items (or the user's messages with the persona) have vectors. Embedding a query costs ~16 ms of
+        CPU, spent only when there is something to compare it with."""
+        if self.embeddings is None:
+            return False
+        index = self.embeddings.index
+        return (items and await index.has_vectors(("items", pair_id))) or (
+            messages and await index.has_vectors(("messages", user_id, persona)))
+
     async def search(
         self, pair_id: int, query: str, *, user_id: int | None = None, persona: str | None = None, limit: int = 10,
         query_vector: npt.NDArray[np.float32] | None = None, include_messages: bool = True,
@@ -326,11 +337,9 @@ class MemoryStore:
         match = fts_query(query)
         index = self.embeddings.index if self.embeddings is not None else None
         messages = include_messages and user_id is not None and persona is not None
-        if query_vector is None and use_vectors and self.embeddings is not None and index is not None:
-            # Embedding the query costs ~16 ms of CPU: only when there is something to compare it with.
-            if (include_items and await index.has_vectors(("items", pair_id))) or (
-                    messages and await index.has_vectors(("messages", user_id or 0, persona or ""))):
-                query_vector = await self.embeddings.embed_query(query)
+        if query_vector is None and use_vectors and self.embeddings is not None and await self.needs_query_vector(
+                pair_id, user_id or 0, persona or "", items=include_items, messages=messages):
+            query_vector = await self.embeddings.embed_query(query)
         vector = query_vector if index is not None else None
         # The relevance floor: a candidate found only by meaning must stand far above unrelated text.
         least_item, least_message = (await self.embeddings.relevance_levels(vector)
