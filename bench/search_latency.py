@@ -481,7 +481,8 @@ async def measure(size: int, target: Target, url: str, args: argparse.Namespace,
             del block
 
         embed_ms: list[float] = []
-        for query in queries:  # the query embedding alone
+        for query in queries:  # the query embedding alone (cold: the bot keeps recent query vectors)
+            embeddings.forget_queries()
             t0 = time.perf_counter()
             await embeddings.embed_query(query)
             embed_ms.append((time.perf_counter() - t0) * 1000)
@@ -529,7 +530,8 @@ async def measure(size: int, target: Target, url: str, args: argparse.Namespace,
             result["exact_agree"] = agree
             result["exact_db_ms"] = (time.perf_counter() - started) * 1000 / checks if checks else float("nan")
         e2e_ms: list[float] = []
-        for query in queries:  # end to end: the search embeds the query itself
+        for query in queries:  # end to end: the search embeds the query itself (cold, as above)
+            embeddings.forget_queries()
             t0 = time.perf_counter()
             await memory.search(pair.id, query, limit=10, include_messages=False)
             e2e_ms.append((time.perf_counter() - t0) * 1000)

@@ -103,6 +103,7 @@ def build_cortex(
     commands.extra_stats = memory_admin.stats_lines
     if embeddings is not None:
         commands.on_forget = embeddings.index.invalidate
+        commands.embedding_backlog = embeddings.backlog_line
     return Cortex(
         store, files, resolver, tiers, updater, section, commands, memory, memory_commands, knowledge, embeddings,
         pruner, memory_admin,

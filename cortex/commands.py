@@ -72,6 +72,7 @@ class CortexCommands:
     prefix: str = "!"
     extra_stats: Callable[[], Awaitable[list[str]]] | None = None  # the memory store's jobs and pruning
     on_forget: Callable[[], None] | None = None  # drops caches that could hold a forgotten user's data
+    embedding_backlog: Callable[[], Awaitable[str]] | None = None  # how long until imports are found by meaning
 
     def register(self, registry: CommandRegistry) -> None:
         p = self.prefix = registry.prefix
@@ -236,7 +237,10 @@ class CortexCommands:
                 user, read_archive(blob))
         except ArchiveError as exc:
             raise CommandError(str(exc)) from None
-        return CommandReply(report.line(), private=True)
+        text = report.line()
+        if (report.items or report.messages) and self.embedding_backlog is not None:
+            text += " " + await self.embedding_backlog()
+        return CommandReply(text, private=True)
 
     async def forget_user(self, user_key: str) -> ForgetReport | None:
         """Everything about one user goes, and every cache that could hold their rows (chat and web page)."""

@@ -58,6 +58,7 @@ async def test_a_second_bot_answers_with_the_same_memory(tmp_path: Path) -> None
     async with App(_config(tmp_path / "second", second=True), llm=ScriptedProvider()) as second:
         reply = await run(second, "!memory import", ctx("ann", Attachment("export.zip", archive)))
         assert reply.startswith("Imported 2 memory items, 1 file and 2 messages"), reply
+        assert "can be found by its words" in reply  # and when by meaning (the embedding backlog)
         system = await say(second, "how is my training going?")
         assert "Ann grows figs on her balcony" in system and "training for a marathon" in system
         assert "Ann hates rain" in await run(second, "!memory archived")  # archived stays archived
@@ -65,6 +66,7 @@ async def test_a_second_bot_answers_with_the_same_memory(tmp_path: Path) -> None
         assert "I ran 20 km today" in history  # the DM's messages came back
         again = await run(second, "!memory import", ctx("ann", Attachment("export.zip", archive)))
         assert again.startswith("Imported 0 memory items, 0 files and 0 messages") and "were here already" in again
+        assert "found by" not in again  # nothing new to find
 
 
 async def test_only_ones_own_export_and_only_real_exports(tmp_path: Path) -> None:

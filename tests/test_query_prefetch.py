@@ -115,13 +115,27 @@ async def test_a_short_follow_up_is_searched_with_the_message_before_it(tmp_path
         await app.stop()
 
 
-async def test_a_failed_early_embedding_is_tried_again_by_the_search(tmp_path: Path,
-                                                                     caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_failed_early_embedding_is_tried_again_by_the_search(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An early embedding that failed before the search asks is tried again (one that is still under way
+    when the search asks is shared, failure included: a reply never waits for two timeouts)."""
     embedder = GatedEmbedder()
     app = await _app_with_a_fact(tmp_path, embedder)
+    service = app.cortex.embeddings
+    assert service is not None
     embedder.failures = 1
+    text = "Which shelter did my cat come from when I adopted her?"
+    add_message = app.storage.add_message
+
+    async def add_message_once_the_early_try_failed(*args: Any, **kwargs: Any) -> Any:
+        for _ in range(500):
+            if embedder.queries and text not in service._queries:
+                break
+            await asyncio.sleep(0.01)
+        return await add_message(*args, **kwargs)
+
+    monkeypatch.setattr(app.storage, "add_message", add_message_once_the_early_try_failed)
     try:
-        text = "Which shelter did my cat come from when I adopted her?"
         await app.core.reply(_dm(text)).text()
         assert embedder.queries == [text, text]  # a failure is not kept as the query's answer
         assert "Luna was adopted from the shelter" in _knowledge(app)
@@ -168,5 +182,24 @@ async def test_no_query_is_embedded_for_someone_with_nothing_to_compare_it_with(
         await app.core.reply(_dm(first)).text()
         assert embedder.queries == [first]  # the search embeds it; from now on replies start it early
         assert "Ann grows tomatoes" in _knowledge(app)
+    finally:
+        await app.stop()
+
+
+async def test_the_backlog_line_says_when_new_texts_are_found_by_meaning(tmp_path: Path) -> None:
+    embedder = GatedEmbedder()
+    app = await _app_with_a_fact(tmp_path, embedder, talked=False)
+    service = app.cortex.embeddings
+    assert service is not None
+    try:
+        assert await service.backlog_line() == "All of it can be found by its words and by its meaning now."
+        user = await app.storage.upsert_user("console:ann", "Ann")
+        pair = (await app.cortex.store.count_messages(user.id, "Cora", 0)).id
+        for n in range(3):
+            await app.cortex.memory.remember(pair, f"Ann visited museum number {n}")
+        line = await service.backlog_line()
+        assert "found by its words now" in line and "3 texts of the bot's are waiting" in line
+        service._rate = 0.01  # the last backfill run's pace: 3 texts take 5 minutes
+        assert "by its meaning in about 5 min" in await service.backlog_line()
     finally:
         await app.stop()

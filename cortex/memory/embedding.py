@@ -155,7 +155,21 @@ class EmbeddingService:
         """The tag of message vectors: the embedder and how a message's text is put together."""
         return message_model(self.embedder.name)
 
+    async def backlog_line(self) -> str:
+        """For someone who just added a lot (an import): found by words at once, by meaning when?"""
+        status = await self.status()
+        if not status.pending:
+            return "All of it can be found by its words and by its meaning now."
+        when = (f"in about {max(1, round(status.pending / status.texts_per_second / 60)):,} min"
+                if status.texts_per_second > 0 else "as the background embedding gets to it")
+        return (f"All of it can be found by its words now, and by its meaning {when} "
+                f"({status.pending:,} texts of the bot's are waiting to be embedded).")
+
     # -- queries ---------------------------------------------------------------------------------
+
+    def forget_queries(self) -> None:
+        """Drop the kept query vectors (a benchmark timing cold queries; nothing else needs it)."""
+        self._queries.clear()
 
     def prefetch_query(self, text: str) -> None:
         """Start embedding ``text`` as a search query and return at once: a search for the same text
