@@ -9,6 +9,7 @@ enqueue durable jobs: a reply never waits on background work.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -168,8 +169,10 @@ class ConversationCore:
             is_bot_admin=stream._is_bot_admin,
         )
         sections: dict[str, list[PromptSection]] = {slot: [] for slot in get_args(SectionSlot)}
-        for provider in self.section_providers:
-            sections[provider.slot].extend(await provider.sections(context, SECTION_BUDGET))
+        # Concurrently: while one waits (the memory search for its query's embedding), the others work.
+        built = await asyncio.gather(*(p.sections(context, SECTION_BUDGET) for p in self.section_providers))
+        for provider, provided in zip(self.section_providers, built, strict=True):
+            sections[provider.slot].extend(provided)
         if not any(p.slot == "rules" for p in self.section_providers) and self.config.bot.global_rules.strip():
             sections["rules"].append(PromptSection("Rules", self.config.bot.global_rules))
         system = render_system(
