@@ -3,10 +3,11 @@ by the same rules as the chat adapters use for commands.
 
 * Discord: Manage Server or Administrator in the guild (``adapters.discord._is_admin``), or a configured
   admin id. Server keys are ``discord:<guild id>``.
-* Matrix: a message's server key is ``matrix:<the sender's homeserver>``, and a sender is an admin where
-  their power level in the room is at least ``admin_power_level`` (room creators count as 100). So a
-  Matrix user administers ``matrix:<their homeserver>`` when they hold that level in a group room the bot
-  is in (direct rooms do not count: everyone has power 100 in their own), or are a configured admin id.
+* Matrix: a group room is the "server" (key ``matrix:<room id>``); a user administers it when their power
+  level there is at least ``admin_power_level`` (room creators count as 100), or is a configured admin id.
+  Direct rooms administer nothing (everyone has power 100 in their own).
+* Discord in more than ``FETCH_GUILDS`` servers lists a user's servers from its member cache only
+  (asking Discord about every one would take too long); ``is_admin`` always asks Discord when needed.
 
 Nothing here raises for a malformed or foreign key: the answer is simply no. ``cortexbot run`` builds
 them with :func:`discord_directory` and :func:`matrix_directory` from its running adapters.
