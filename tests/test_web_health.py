@@ -3,12 +3,14 @@ move with real replies, carry no user text or ids, can be switched off or served
 
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
 
 import aiohttp
 import pytest
 
+from adapters.web import health
 from bot.ports import IncomingMessage
 from tests.web_support import free_port, running_bot
 
@@ -16,6 +18,7 @@ from tests.web_support import free_port, running_bot
 @pytest.fixture(autouse=True)
 def _key(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CB_WEB_TEST_KEY", "test-key")
+    monkeypatch.setattr(health, "GAUGE_SECONDS", 0.0)  # every scrape reads the database (one test says otherwise)
 
 
 def sample(text: str, name: str, **labels: str) -> float:
@@ -102,3 +105,26 @@ async def test_a_taken_port_is_one_clear_error(tmp_path: Path) -> None:
         second = WebServer(bot.app)
         with pytest.raises(RuntimeError, match=r"cannot listen on 127\.0\.0\.1:\d+.*\[web\] host/port"):
             await second.start()
+
+
+async def test_scrapes_in_quick_succession_read_the_database_once(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(health, "GAUGE_SECONDS", 3600.0)
+    async with running_bot(tmp_path) as bot:
+        reads = 0
+        queue = bot.app.storage.health.queue
+
+        async def counted() -> object:
+            nonlocal reads
+            reads += 1
+            return await queue()
+
+        monkeypatch.setattr(bot.app.storage.health, "queue", counted)
+        first = await scrape(bot.url)
+        texts = await asyncio.gather(*(scrape(bot.url) for _ in range(20)))
+        assert reads == 1  # anyone hammering /metrics makes the bot count once per GAUGE_SECONDS
+        assert all(sample(t, "cortexbot_storage_up") == 1 for t in (first, *texts))
+        healthz_reads = reads
+        async with aiohttp.ClientSession() as http, http.get(bot.url + "/healthz") as response:
+            assert response.status == 200
+        assert reads == healthz_reads + 1  # /healthz always asks the database

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -12,6 +13,24 @@ from adapters.web.server import WebContext, ok
 from bot import metrics
 
 log = logging.getLogger(__name__)
+GAUGE_SECONDS = 10.0  # the database gauges are read at most this often, however often /metrics is scraped
+
+
+class _Gauges:
+    """Reads the database gauges for a scrape unless they were read less than ``GAUGE_SECONDS`` ago:
+    counting a big database's queue, items and embedding backlog is not free, and anyone who can reach
+    ``/metrics`` could otherwise make the bot count as fast as they can ask. Concurrent scrapes share one
+    read."""
+
+    def __init__(self) -> None:
+        self.read_at = -float("inf")
+        self.lock = asyncio.Lock()
+
+    async def refresh(self, ctx: WebContext) -> None:
+        async with self.lock:
+            if time.monotonic() - self.read_at >= GAUGE_SECONDS:
+                await _refresh_gauges(ctx)
+                self.read_at = time.monotonic()
 
 
 async def _refresh_gauges(ctx: WebContext) -> None:
@@ -33,8 +52,10 @@ async def _refresh_gauges(ctx: WebContext) -> None:
 
 
 def metrics_routes(ctx: WebContext) -> list[web.RouteDef]:
+    gauges = _Gauges()
+
     async def scrape(request: web.Request) -> web.Response:
-        await _refresh_gauges(ctx)
+        await gauges.refresh(ctx)
         response = web.Response(body=metrics.render())
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return response
