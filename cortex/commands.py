@@ -33,7 +33,7 @@ from bot.config import FREQUENCY_PRESETS, Config
 from bot.persona import PersonaSource
 from bot.storage.base import Storage, User
 from bot.text import plural
-from cortex.export import MAX_ARCHIVE_BYTES, ArchiveError, build_zip, export_data, read_archive
+from cortex.export import MAX_ARCHIVE_BYTES, ArchiveError, build_zip, export_data, export_filename, read_archive
 from cortex.files import CortexFiles, FileError, normalise_filename, unified_diff
 from cortex.importing import Importer
 from cortex.settings import OVERRIDABLE, SettingError, SettingsResolver, persona_scope, server_scope
@@ -219,14 +219,12 @@ class CortexCommands:
         user, _ = await self._pair(ctx)
         everything = await export_data(self.store, user)
         data = build_zip(everything)
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-        safe = "".join(ch if ch.isalnum() else "-" for ch in user.display_name)
         items = sum(len(p["memory_items"]) for p in everything["personas"])
         return CommandReply(
             f"Everything the bot holds about you: {plural(len(everything['personas']), 'persona')}' files with every "
             f"version, {plural(items, 'memory item')}, {plural(len(everything['messages']), 'message')} and the "
             f"update log ({len(data):,} bytes; README.md inside says what is where).",
-            attachments=(Attachment(f"cortex-export-{safe}-{stamp}.zip", data),), private=True,
+            attachments=(Attachment(export_filename(user), data),), private=True,
         )
 
     async def import_archive(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:

@@ -124,6 +124,14 @@ MAX_ARCHIVE_BYTES = 50 * 1024 * 1024
 MAX_DATA_BYTES = 200 * 1024 * 1024  # data.json unpacked: a zip bomb stops here
 
 
+def export_filename(user: User, now: datetime | None = None) -> str:
+    """The archive's file name: ASCII only (every platform and browser keeps it as it is), the display
+    name cut to 40 characters, and the time in UTC."""
+    safe = "".join(ch if ch.isascii() and ch.isalnum() else "-" for ch in user.display_name[:40]).strip("-")
+    stamp = (now or datetime.now(UTC)).strftime("%Y%m%d-%H%M%S")
+    return f"cortex-export-{safe or 'user'}-{stamp}.zip"
+
+
 class ArchiveError(Exception):
     """One line for the user: why the archive cannot be imported; nothing was changed."""
 

@@ -91,3 +91,20 @@ async def test_the_terminal_imports_by_path(tmp_path: Path) -> None:
     async with App(_config(tmp_path / "second", second=True), llm=ScriptedProvider()) as second:
         assert "Imported 2 memory items" in await run(second, f"!memory import {path}",
                                                       ctx("ann", platform="console"))
+
+
+def test_the_export_file_name_is_safe_anywhere() -> None:
+    from datetime import UTC, datetime
+
+    from bot.storage.base import User
+    from cortex.export import export_filename
+
+    at = datetime(2026, 11, 23, 17, 5, 9, tzinfo=UTC)
+
+    def name(display: str) -> str:
+        return export_filename(User(1, "discord:1", display), at)
+
+    assert name("Ann") == "cortex-export-Ann-20261123-170509.zip"
+    assert name('Jürgen "x"\r\nSet-Cookie: a') == "cortex-export-J-rgen--x---Set-Cookie--a-20261123-170509.zip"
+    assert name("😀😀") == "cortex-export-user-20261123-170509.zip"
+    assert len(name("A" * 500)) == len("cortex-export--20261123-170509.zip") + 40

@@ -4,7 +4,6 @@ only: someone else's item and a missing one answer the same 404."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -19,7 +18,7 @@ from adapters.web.server import WebContext, ok, read_body
 from adapters.web.userdata import own_user, persona_name
 from bot.commands import MAX_NUMBER
 from bot.storage.base import User
-from cortex.export import build_zip, export_data
+from cortex.export import build_zip, export_data, export_filename
 from cortex.memory.store import CATEGORIES, SCOPES, ItemFilters, MemoryError, MemoryItem, OwnedItem
 
 PAGE = 25
@@ -111,12 +110,6 @@ def matches(item: MemoryItem, filters: ItemFilters) -> bool:
 
 def page_json(items: list[dict[str, Any]], total: int, page: int) -> dict[str, Any]:
     return {"items": items, "total": total, "page": page, "pages": max(1, -(-total // PAGE))}
-
-
-def export_filename(user: User) -> str:
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    safe = "".join(ch if ch.isascii() and ch.isalnum() else "-" for ch in user.display_name)
-    return f"cortex-export-{safe}-{stamp}.zip"
 
 
 def routes(ctx: WebContext) -> list[web.RouteDef]:
