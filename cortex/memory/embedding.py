@@ -9,11 +9,12 @@
   reporting progress in the log and in :meth:`EmbeddingService.status` (``!cortex embedder``).
 * **Queries** (the reply path and ``!memory search``): one embedding on a second embedder instance,
   so a query never queues behind a backfill batch; bounded by ``memory.query_timeout_seconds``, after
-  which the search runs on full text alone. The offline default embeds queries on two threads (the
-  backfill's one runs at a lower priority): about 40 % faster per query than one thread, also while
-  the backfill runs. The reply path starts a query's embedding the moment its message arrives
-  (:meth:`EmbeddingService.prefetch_query`), while the message is stored and the prompt is built;
-  the search then picks up that very embedding (the last ``QUERY_CACHE`` queries are kept by text).
+  which the search runs on full text alone. The offline default embeds a query on two threads while
+  the machine has a core to spare (the backfill's one thread runs at a lower priority), else on one:
+  about 40 % faster per query on a quiet machine, never much slower on a busy one. The reply path
+  starts a query's embedding the moment its message arrives (:meth:`EmbeddingService.prefetch_query`),
+  while the message is stored and the prompt is built; the search then picks up that very embedding
+  (the last ``QUERY_CACHE`` queries are kept by text).
 
 An embedder error (a server down, a bad answer) never reaches a user: the query falls back to text,
 the backfill stops the run, keeps the error for the status and tries again next time.
@@ -45,7 +46,6 @@ Vector = npt.NDArray[np.float32]
 
 BATCH = 16
 QUERY_CACHE = 256  # query vectors kept by their text (a prefetched one, a repeated search)
-QUERY_THREADS = 2
 # Standard deviations above unrelated text a hit found by meaning alone needs (relevance_levels).
 MESSAGE_Z = 4.0
 ITEM_Z = 0.7
@@ -100,16 +100,7 @@ def build_embedders(config: MemoryConfig) -> tuple[Embedder, Embedder] | None:
             )
 
         return make(), make()
-    return create_embedder("default"), create_embedder("default", threads=query_threads())
-
-
-def query_threads() -> int:
-    """Threads for one query embedding: two where the process may use two cores, else one."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(QUERY_THREADS, cores))
+    return create_embedder("default"), create_embedder("default", threads=0)  # queries: two threads when spare
 
 
 class EmbeddingService:
