@@ -35,7 +35,7 @@ from cortex.settings import OVERRIDABLE, SettingError, persona_scope, server_sco
 from cortex.tiers import thresholds
 from cortex.update import utc_midnight
 
-SERVER_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,19}:[^\s/]{1,200}$")
+SERVER_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,19}:[^\s/\x00-\x1f\x7f-\x9f]{1,200}$")  # no control characters
 JOB_STATUSES: tuple[JobStatus, ...] = get_args(JobStatus)
 SPENDING_DAYS = 14
 DAY = 86_400
@@ -120,12 +120,12 @@ def by_name(versions: Sequence[TextVersion]) -> dict[str, list[TextVersion]]:
 
 
 def server_key(text: str, *, bot_wide: bool = False) -> str:
-    """A server key such as ``discord:123`` or ``matrix:example.org`` (``*``, the bot-wide default
+    """A server key such as ``discord:123`` or ``matrix:!room:example.org`` (``*``, the bot-wide default
     guidelines, where ``bot_wide``); a 400 for anything else."""
     if bot_wide and text == BOT_WIDE:
         return text
     if not SERVER_KEY.match(text):
-        fail(400, f"{text[:60]!r} is no server key (like discord:123456 or matrix:example.org)")
+        fail(400, f"{text[:60]!r} is no server key (like discord:123456 or matrix:!room:example.org)")
     return text
 
 
