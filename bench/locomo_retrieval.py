@@ -34,19 +34,29 @@ matched by ``dia_id``), so engines differ only in how they search. On PostgreSQL
 KEY=VALUE`` sets a server setting on every connection of the bot's pool (e.g. ``hnsw.ef_search=400``
 or ``enable_indexscan=off`` to compare HNSW with an exact scan).
 
+Embedding the ~3k turns of five conversations takes minutes. ``--vectors-cache FILE`` (.npz) keeps
+them: when FILE exists and was made with the same embedder (its name and message-vector tag) and the
+same turns (a SHA-256 of every turn's sample id, dia_id, speaker and text, in order), the vectors are
+loaded from it and stored like another engine's, through ``MemoryRepository.store_message_vectors``
+(the project's backfill does not run, and the index line says so instead of printing an embedding
+rate); otherwise the turns are embedded as usual and FILE is written (replaced if stale).
+
 With ``--json`` the last line printed is one JSON object: ``recall@K`` and ``bm25_recall@K`` for every
 K asked, each ``{"overall": r, "1": r, "2": r, "3": r, "4": r}`` with r a fraction in [0, 1], plus the
-question counts and the timings (of the first engine); with several engines, ``engines`` holds each
+question counts, the timings (of the first engine) and ``vectors_from`` (``embedded``, or ``cache``:
+then the embed timing is only the storing of cached vectors); with several engines, ``engines`` holds each
 engine's ``recall@K`` and query timings by its label.
 
     python bench/locomo_retrieval.py --data PATH [--storage sqlite postgres] [--k 1 5 10 20] [--json]
         [--limit-conversations N] [--no-vectors] [--clock last-turn|now] [--pg-option KEY=VALUE ...]
+        [--vectors-cache FILE.npz]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import heapq
 import json
 import math
@@ -251,14 +261,75 @@ async def store_turns(app: App, conversations: list[Conversation]) -> list[Index
 
 # Message vectors of the first engine, by (sample id, dia_id): (message model, vector).
 Vectors = dict[tuple[str, str], tuple[str, np.ndarray]]
+CACHE_FORMAT = 1
 
 
-async def embed(app: App, indexed: list[Indexed], vectors: Vectors | None) -> tuple[int, float, Vectors]:
+def turns_digest(conversations: list[Conversation]) -> str:
+    """SHA-256 of every turn as embedded (sample id, dia_id, speaker, text, in order: a message's vector also
+    holds the turn before it), the key of a vector cache."""
+    digest = hashlib.sha256()
+    for conv in conversations:
+        for turn in conv.turns:
+            digest.update("\x1f".join((conv.sample_id, turn.dia_id, turn.speaker, turn.text)).encode())
+            digest.update(b"\x1e")
+    return digest.hexdigest()
+
+
+def load_vectors(path: Path, embedder: str, message_model: str, digest: str) -> tuple[Vectors | None, str]:
+    """The vectors of a ``--vectors-cache`` file, or None and why not (missing, other embedder or turns)."""
+    if not path.exists():
+        return None, "no cache file yet"
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            meta = {k: str(data[k]) for k in ("format", "embedder", "message_model", "turns_sha256")}
+            keys = [str(k) for k in data["keys"]]
+            matrix = np.asarray(data["vectors"], dtype=np.float32)
+    except (OSError, KeyError, ValueError) as exc:
+        return None, f"unreadable cache ({exc})"
+    wanted = {"format": str(CACHE_FORMAT), "embedder": embedder, "message_model": message_model,
+              "turns_sha256": digest}
+    stale = [k for k, v in wanted.items() if meta[k] != v]
+    if stale or len(keys) != len(matrix):
+        return None, f"cache made with another {', '.join(stale) or 'shape'}"
+    vectors: Vectors = {}
+    for key, vector in zip(keys, matrix, strict=True):
+        sample, dia = key.split("\t", 1)
+        vectors[(sample, dia)] = (message_model, vector)
+    return vectors, "loaded"
+
+
+def save_vectors(path: Path, vectors: Vectors, embedder: str, message_model: str, digest: str) -> None:
+    keys = sorted(vectors)
+    temporary = path.with_name(path.name + ".tmp")
+    with temporary.open("wb") as out:  # a file object: np.savez would append ".npz" to a bare name
+        np.savez(out, format=np.array(str(CACHE_FORMAT)), embedder=np.array(embedder),
+                 message_model=np.array(message_model), turns_sha256=np.array(digest),
+                 keys=np.array([f"{s}\t{d}" for s, d in keys]),
+                 vectors=np.stack([vectors[k][1] for k in keys]).astype(np.float32))
+    temporary.replace(path)
+
+
+@dataclass(frozen=True, slots=True)
+class VectorCache:
+    path: Path
+    digest: str  # turns_digest of the conversations measured
+
+
+async def embed(app: App, indexed: list[Indexed], vectors: Vectors | None, cache: VectorCache | None
+                ) -> tuple[int, float, Vectors, str]:
     """Embed the stored turns with the project's backfill (timed), or, when ``vectors`` came from an
-    earlier engine, store those same vectors through the storage API. Returns (count, seconds, vectors)."""
+    earlier engine or from ``cache`` (a file made with the same embedder and turns), store those same
+    vectors through the storage API. Returns (count, seconds, vectors, where the vectors came from:
+    ``embedded``, ``engine`` or ``cache``); a cache that was missing or stale is written after embedding."""
     embeddings = app.cortex.embeddings
     assert embeddings is not None
     memory = embeddings.storage.memory
+    model = embeddings.message_model
+    source = "engine"
+    if vectors is None and cache is not None:
+        vectors, why = load_vectors(cache.path, embeddings.model, model, cache.digest)
+        print(f"vectors cache {cache.path}: {why}" + ("" if vectors is not None else ", embedding"), flush=True)
+        source = "cache"
     started = time.perf_counter()
     if vectors is None:
         captured: list[tuple[int, np.ndarray]] = []
@@ -275,10 +346,13 @@ async def embed(app: App, indexed: list[Indexed], vectors: Vectors | None) -> tu
             del memory.store_message_vectors  # back to the class's method
         if report.error:
             raise SystemExit(f"embedding failed: {report.error}")
+        elapsed = time.perf_counter() - started
         where = {m: (item.conversation.sample_id, dia) for item in indexed for m, dia in item.dia_of.items()}
-        vectors = {where[m]: (embeddings.message_model, v) for m, v in captured if m in where}
-        return report.messages, time.perf_counter() - started, vectors
-    model = embeddings.message_model
+        vectors = {where[m]: (model, v) for m, v in captured if m in where}
+        if cache is not None:
+            save_vectors(cache.path, vectors, embeddings.model, model, cache.digest)
+            print(f"vectors cache {cache.path}: saved {len(vectors)} vectors", flush=True)
+        return report.messages, elapsed, vectors, "embedded"
     rows = []
     for item in indexed:
         for message_id, dia in item.dia_of.items():
@@ -290,7 +364,7 @@ async def embed(app: App, indexed: list[Indexed], vectors: Vectors | None) -> tu
             rows.append((message_id, item.user_id, PERSONA, found[1]))
     for first in range(0, len(rows), 256):
         await memory.store_message_vectors(model, rows[first:first + 256])
-    return len(rows), time.perf_counter() - started, vectors
+    return len(rows), time.perf_counter() - started, vectors, source
 
 
 async def run(args: argparse.Namespace, target: Target, url: str, conversations: list[Conversation],
@@ -310,11 +384,11 @@ async def run(args: argparse.Namespace, target: Target, url: str, conversations:
         embed_s = 0.0
         embedded = 0
         embedder = "none (full text only)"
-        copied = False
+        source = "none"
         if app.cortex.embeddings is not None:
             embedder = app.cortex.embeddings.model
-            copied = "vectors" in shared
-            embedded, embed_s, shared["vectors"] = await embed(app, indexed, shared.get("vectors"))
+            embedded, embed_s, shared["vectors"], source = await embed(app, indexed, shared.get("vectors"),
+                                                                       shared.get("cache"))
         started = time.perf_counter()
         baselines = [BM25([t.document for t in item.conversation.turns]) for item in indexed]
         bm25_s = time.perf_counter() - started
@@ -352,7 +426,7 @@ async def run(args: argparse.Namespace, target: Target, url: str, conversations:
         "ignored_ids": sum(c.ignored_ids for c in conversations),
         "embedder": embedder,
         "embedded": embedded,
-        "copied": copied,
+        "vectors_from": source,
         "store_s": store_s,
         "embed_s": embed_s,
         "bm25_index_s": bm25_s,
@@ -407,9 +481,12 @@ def report(args: argparse.Namespace, runs: list[tuple[Results, dict[str, Any]]])
     turns = info["turns"]
     for _run_results, engine in runs:
         index_s = engine["store_s"] + engine["embed_s"]
-        if engine["copied"]:
+        if engine["vectors_from"] == "engine":
             embed = (f"stored the first engine's {engine['embedded']} vectors in {engine['embed_s']:.1f} s "
                      "(same vectors, not embedded again)")
+        elif engine["vectors_from"] == "cache":
+            embed = (f"NOT embedded: stored {engine['embedded']} vectors from the --vectors-cache file in "
+                     f"{engine['embed_s']:.1f} s (embedding rate not measured)")
         elif engine["embed_s"]:
             embed = (f"embedded {engine['embedded']} in {engine['embed_s']:.1f} s "
                      f"({rate(engine['embedded'], engine['embed_s'])})")
@@ -447,6 +524,7 @@ def report(args: argparse.Namespace, runs: list[tuple[Results, dict[str, Any]]])
     summary["clock"] = args.clock
     summary["index_seconds"] = {"store": round(info["store_s"], 3), "embed": round(info["embed_s"], 3),
                                 "bm25": round(info["bm25_index_s"], 4)}
+    summary["vectors_from"] = info["vectors_from"]  # embedded, cache (index_seconds.embed: storing them only)
     summary["query_ms"] = {
         "project_p50": round(percentile(results.project_ms, 50), 3),
         "project_p95": round(percentile(results.project_ms, 95), 3),
@@ -477,7 +555,12 @@ async def main() -> None:
                         help="the search clock: the conversation's last turn (default) or the real time")
     parser.add_argument("--pg-option", action="append", default=[], metavar="KEY=VALUE",
                         help="PostgreSQL: a setting of every connection of the bot's pool (diagnostics)")
+    parser.add_argument("--vectors-cache", type=Path, default=None, metavar="FILE",
+                        help="an .npz of the turns' vectors: loaded instead of embedding when it was made with the "
+                             "same embedder and turns, else written after embedding")
     args = parser.parse_args()
+    if args.vectors_cache is not None and args.no_vectors:
+        parser.error("--vectors-cache needs vectors (not --no-vectors)")
     if min(args.k) < 1:
         parser.error("--k values must be at least 1")
     if any("=" not in o for o in args.pg_option):
@@ -488,6 +571,8 @@ async def main() -> None:
         parser.error(str(exc))
     conversations = load(args.data, args.limit_conversations)
     shared: dict[str, Any] = {}
+    if args.vectors_cache is not None:
+        shared["cache"] = VectorCache(args.vectors_cache, turns_digest(conversations))
     runs = []
     with Targets(targets) as where:
         for target in targets:

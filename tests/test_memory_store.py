@@ -280,3 +280,59 @@ async def test_a_word_found_nowhere_does_not_hide_the_others(tmp_path: Path, mon
         assert hits and all("tea" in h.text for h in hits)  # the typo matches nothing; tea still counts
     finally:
         await app.stop()
+
+
+async def test_message_neighbours_are_the_pairs_own_in_the_same_channel(tmp_path: Path) -> None:
+    app, store, users, _ = await _setup(tmp_path)
+    try:
+        (ann, _), (bob, _) = users["ann"], users["bob"]
+        group = await app.storage.upsert_channel("console:group", "group", is_dm=False)
+        dm = await app.storage.upsert_channel("console:dm-ann", "dm", is_dm=True)
+
+        async def say(channel: int, user: int, text: str, persona: str = "Cora", role: str = "user") -> int:
+            return (await app.storage.add_message(channel, user, persona, role, "x", text, 3)).id
+
+        a1 = await say(group.id, ann.id, "one")
+        await say(group.id, bob.id, "bob speaks")
+        a2 = await say(group.id, ann.id, "reply to ann", role="assistant")
+        await say(dm.id, ann.id, "in the DM")
+        await say(group.id, ann.id, "to another persona", persona="Max")
+        a3 = await say(group.id, ann.id, "three")
+        a4 = await say(group.id, ann.id, "four")
+        b1 = await say(group.id, bob.id, "bob again")
+        found = await app.storage.memory.message_neighbours(ann.id, "Cora", [a2, a4, b1], 2)
+        assert sorted(found) == [(a2, a1, 1), (a2, a3, 1), (a2, a4, 2), (a4, a2, 2), (a4, a3, 1)]
+        assert await app.storage.memory.message_neighbours(ann.id, "Cora", [], 2) == []
+    finally:
+        await app.stop()
+
+
+async def test_a_message_takes_relevance_from_the_turns_next_to_it(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import cortex.memory.store as store_module
+
+    app, store, users, _ = await _setup(tmp_path)
+    try:
+        ann, pair = users["ann"]
+        dm = await app.storage.upsert_channel("console:dm-ann", "dm", is_dm=True)
+        turns = [("user", "Do you remember my dog Rufus?"), ("user", "His birthday is on Friday."),
+                 *[("assistant", f"Unrelated small talk number {n}.") for n in range(6)],
+                 ("user", "Birthday birthday cake.")]
+        ids = [(await app.storage.add_message(dm.id, ann.id, "Cora", role, "Ann", text, 5)).id
+               for role, text in turns]
+        said_with_rufus, cake = ids[1], ids[-1]
+
+        async def order() -> list[int]:
+            hits = await store.search(pair.id, "Rufus birthday", user_id=ann.id, persona="Cora", include_items=False)
+            return [h.id for h in hits]
+
+        ranked = await order()
+        assert ranked.index(said_with_rufus) < ranked.index(cake)  # "his birthday" next to "my dog Rufus"
+        hit = next(h for h in await store.search(pair.id, "Rufus birthday", user_id=ann.id, persona="Cora")
+                   if h.id == said_with_rufus)
+        assert hit.signals["context"] > 0
+        monkeypatch.setattr(store_module, "CONTEXT_SHARE", 0.0)
+        alone = await order()
+        assert alone.index(cake) < alone.index(said_with_rufus)  # without its neighbour the short one wins
+    finally:
+        await app.stop()

@@ -41,7 +41,8 @@ ITEM_COLUMNS = (
     " source_ref, metadata, created_at, updated_at, access_count, last_accessed, archived_at, archive_reason, scope"
 )
 ITEM_COLUMNS_M = ", ".join(f"m.{c.strip()}" for c in ITEM_COLUMNS.split(","))
-MESSAGE_HIT_COLUMNS = "m.id, m.text, m.created_at, m.author_name, c.name AS channel"
+MESSAGE_HIT_COLUMNS = "m.id, m.text, m.created_at, m.author_name, c.name AS channel, m.channel_id"
+NEIGHBOUR_SPAN = 5000  # ids a neighbour lookup walks back or forth at most (other people's messages in a busy group)
 VISIBLE = (
     "m.pair_id = ? AND m.archived_at IS NULL AND m.superseded_by IS NULL AND (m.expires_at IS NULL OR m.expires_at > ?)"
 )
@@ -218,6 +219,32 @@ class MemoryRepository:
             f" WHERE m.id IN ({marks}) AND m.user_id = ? AND m.persona = ?",
             (*ids, user_id, persona),
         )
+
+    async def message_neighbours(self, user_id: int, persona: str, ids: Sequence[int], per_side: int
+                                 ) -> list[tuple[int, int, int]]:
+        """For each message of ``ids`` (this user-persona pair's only), the pair's ``per_side`` messages just
+        before and just after it in its channel, as (message id, neighbour id, distance 1..per_side).
+        Each lookup walks the channel's index from the message, at most ``NEIGHBOUR_SPAN`` ids."""
+        if not ids or per_side < 1:
+            return []
+        same = "n.channel_id = m.channel_id AND n.user_id = m.user_id AND n.persona = m.persona"
+        columns = [
+            f"(SELECT n.id FROM messages AS n WHERE {same} AND n.id {op} m.id AND n.id {bound}"
+            f" ORDER BY n.id {order} LIMIT 1 OFFSET {k})"
+            for op, bound, order in (("<", f"> m.id - {NEIGHBOUR_SPAN}", "DESC"),
+                                     (">", f"< m.id + {NEIGHBOUR_SPAN}", "ASC"))
+            for k in range(per_side)
+        ]
+        marks = ",".join("?" for _ in ids)
+        rows = await self.db.fetch_all(
+            f"SELECT m.id, {', '.join(columns)} FROM messages AS m WHERE m.id IN ({marks}) AND m.user_id = ?"
+            " AND m.persona = ?", (*ids, user_id, persona))
+        found = []
+        for row in rows:
+            for n, neighbour in enumerate(list(row)[1:]):
+                if neighbour is not None:
+                    found.append((int(row[0]), int(neighbour), n % per_side + 1))
+        return found
 
     # -- full text -------------------------------------------------------------------------------
 

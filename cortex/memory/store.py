@@ -12,7 +12,9 @@ vector, merged. The relevance floor: a candidate found by meaning alone (no quer
 clearly more similar to the query than unrelated text is (``EmbeddingService.relevance_levels``), so a
 search with nothing related finds nothing instead of the least bad ten. The pair's past messages join
 the same ranking (full text and recency; they carry no importance), so facts no update extracted can
-still be found; each hit says where it came from.
+still be found; each hit says where it came from. A message is read in its conversation: it also takes
+part of the relevance of the candidates next to it in its channel (a question and its answer, a
+statement and its follow-up hold the fact together).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ _WORD = re.compile(r"\w+", re.UNICODE)
 COMMON_MATCHES = 1000  # a query word found in more rows than this is too common to rank by (see _bounded)
 MAX_TERMS = 16
 TERM_COUNT_TTL = 600.0  # seconds a word's row count is trusted
+CONTEXT_SHARE = 0.4  # of a neighbouring candidate's relevance that a message takes (see _neighbour_context)
+CONTEXT_TURNS = 2  # neighbours on each side that lend relevance; the second lends half as much
 
 
 # Function words of the two languages the personas mostly speak. Matching them ranks nothing and makes
@@ -352,7 +356,11 @@ class MemoryStore:
                                                   set(exclude_messages), least_message))
         candidates = [c for part in await asyncio.gather(*parts) for c in part
                       if c.kind != "item" or str(c.row["scope"]) in scopes]
-        return self._rank(candidates, limit, now)
+        self._score(candidates, now)
+        if messages:
+            await self._neighbour_context(candidates, user_id or 0, persona or "")
+        best = heapq.nlargest(limit, candidates, key=lambda c: c.score)
+        return [self._hit(c) for c in best]
 
     async def _item_candidates(
         self, pair_id: int, match: str, vector: npt.NDArray[np.float32] | None, now: float, least: float
@@ -508,10 +516,10 @@ class MemoryStore:
                 self._term_counts_cache[(*scope, term)] = (int(count), stamp, size)
         return {t: counted[t] if t in counted else self._term_counts_cache[(*scope, t)][0] for t in terms}
 
-    def _rank(self, candidates: list[_Candidate], limit: int, now: float) -> list[Hit]:
+    def _score(self, candidates: list[_Candidate], now: float) -> None:
         """One ranking: text and vector scores are normalised over all candidates, so items and messages
         compete fairly (text by the best bm25, vectors by the best excess over typical similarity).
-        Only the top ``limit`` become :class:`Hit` objects."""
+        Only the top ones become :class:`Hit` objects (in :meth:`search`)."""
         w = self.weights
         top_text = max((c.signals["text_raw"] for c in candidates), default=0.0)
         top_vector = max((c.signals.get("vector_raw", 0.0) for c in candidates), default=0.0)
@@ -524,8 +532,35 @@ class MemoryStore:
             c.score = (w.vector * signals.get("vector", 0.0) + w.text * signals["text"]
                        + w.importance * signals.get("importance", 0.0) + w.recency * signals["recency"]
                        + w.access * signals.get("access", 0.0))
-        best = heapq.nlargest(limit, candidates, key=lambda c: c.score)
-        return [self._hit(c) for c in best]
+
+    async def _neighbour_context(self, candidates: list[_Candidate], user_id: int, persona: str) -> None:
+        """A message candidate's score also takes ``CONTEXT_SHARE`` of the relevance (its vector and text
+        parts) of the candidates among its ``CONTEXT_TURNS`` nearest messages of the pair on each side in
+        the same channel, the second one counting half: "Luna and Oliver!" next to "what are your pets'
+        names?", or the turn that names the thing next to the one that says what happened to it.
+        Measured on LoCoMo's five tuning conversations: R@10 68.8 → 73.6 (multi-hop 37.7 → 40.4,
+        temporal 82.4 → 86.4, single-hop 77.5 → 83.7; R@1 28.3 → 27.8).
+
+        Only candidates lend relevance, so one query finds the neighbours of the candidates that share
+        a channel with another candidate, and none runs when no two do."""
+        by_channel: dict[int, list[_Candidate]] = {}
+        for c in candidates:
+            if c.kind == "message":
+                by_channel.setdefault(int(c.row["channel_id"]), []).append(c)
+        shared = [c for group in by_channel.values() if len(group) > 1 for c in group]
+        if not shared:
+            return
+        w = self.weights
+        relevance = {c.id: w.vector * c.signals.get("vector", 0.0) + w.text * c.signals["text"] for c in shared}
+        lent: dict[int, float] = {}
+        for around, neighbour, distance in await self.repo.message_neighbours(
+                user_id, persona, sorted(relevance), CONTEXT_TURNS):
+            if neighbour in relevance:
+                lent[around] = lent.get(around, 0.0) + relevance[neighbour] * 0.5 ** (distance - 1)
+        for c in shared:
+            if lent.get(c.id, 0.0) > 0:
+                c.signals["context"] = lent[c.id]
+                c.score += CONTEXT_SHARE * lent[c.id]
 
     def _hit(self, candidate: _Candidate) -> Hit:
         row = candidate.row
