@@ -49,7 +49,7 @@ engine's ``recall@K`` and query timings by its label.
 
     python bench/locomo_retrieval.py --data PATH [--storage sqlite postgres] [--k 1 5 10 20] [--json]
         [--limit-conversations N] [--no-vectors] [--clock last-turn|now] [--pg-option KEY=VALUE ...]
-        [--vectors-cache FILE.npz]
+        [--vectors-cache FILE.npz] [--language German]
 """
 
 from __future__ import annotations
@@ -372,7 +372,7 @@ async def run(args: argparse.Namespace, target: Target, url: str, conversations:
     total_turns = sum(len(c.turns) for c in conversations)
     if target.kind == "postgres":
         url = with_options(url, args.pg_option)
-    config: dict[str, Any] = {"storage": {"url": url}}
+    config: dict[str, Any] = {"storage": {"url": url}, "personas": [{"name": PERSONA, "language": args.language}]}
     if args.no_vectors:
         config["memory"] = {"embedder": "none"}
     app = App(parse_config(config), llm=InstantProvider())
@@ -452,7 +452,7 @@ def report(args: argparse.Namespace, runs: list[tuple[Results, dict[str, Any]]])
           f"{counts[0]} questions of categories 1-4 ({info['skipped_questions']} without a valid evidence id "
           f"skipped, {info['ignored_ids']} malformed evidence ids ignored)")
     print(f"project: MemoryStore.search over stored messages; embedder {info['embedder']}; {info['weights']}; "
-          f"clock = {clock}")
+          f"clock = {clock}; persona language {args.language}")
     for _, engine in runs:
         print(f"  engine {engine['engine']}: {engine['where']}")
     print("BM25:    plain Okapi BM25 (k1 1.5, b 0.75), lower-cased \\w+ tokens, no stemming, no stop words, "
@@ -555,6 +555,9 @@ async def main() -> None:
                         help="the search clock: the conversation's last turn (default) or the real time")
     parser.add_argument("--pg-option", action="append", default=[], metavar="KEY=VALUE",
                         help="PostgreSQL: a setting of every connection of the bot's pool (diagnostics)")
+    parser.add_argument("--language", default="English",
+                        help="the persona's language (default English): PostgreSQL's text search follows it "
+                             "(e.g. German for bench/data/memory_de.json)")
     parser.add_argument("--vectors-cache", type=Path, default=None, metavar="FILE",
                         help="an .npz of the turns' vectors: loaded instead of embedding when it was made with the "
                              "same embedder and turns, else written after embedding")

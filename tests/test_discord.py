@@ -168,11 +168,18 @@ async def test_slash_memory_show_is_ephemeral(adapter: DiscordAdapter, monkeypat
 
 async def test_slash_admin_commands_check_permissions(adapter: DiscordAdapter,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    refused = await _interact(adapter, monkeypatch, "cortex-admin", [{"name": "stats", "type": 1, "options": []}])
+    budgets = [{"name": "budgets", "type": 1, "options": []}]
+    refused = await _interact(adapter, monkeypatch, "cortex-admin", budgets)
     assert "for admins only" in refused["data"]["content"]
     manage = discord.Permissions(manage_guild=True).value
-    allowed = await _interact(adapter, monkeypatch, "cortex-admin", [{"name": "stats", "type": 1, "options": []}],
-                              permissions=manage)
+    allowed = await _interact(adapter, monkeypatch, "cortex-admin", budgets, permissions=manage)
+    assert "Daily cortex budgets" in allowed["data"]["content"] and allowed["data"]["flags"] & 64
+    stats = [{"name": "stats", "type": 1, "options": []}]
+    bot_wide = await _interact(adapter, monkeypatch, "cortex-admin", stats, permissions=manage)
+    assert "for the bot's admins only" in bot_wide["data"]["content"]  # every server's runs
+    member = dpytest.get_config().members[0]
+    monkeypatch.setattr(adapter, "config", adapter.config.model_copy(update={"admin_ids": [member.id]}))
+    allowed = await _interact(adapter, monkeypatch, "cortex-admin", stats)
     assert "runs" in allowed["data"]["content"] and allowed["data"]["flags"] & 64
 
 
@@ -194,14 +201,19 @@ async def test_slash_memory_items_remember_search_forget(adapter: DiscordAdapter
 
 
 async def test_slash_admin_prune_and_embedder(adapter: DiscordAdapter, monkeypatch: pytest.MonkeyPatch) -> None:
-    refused = await _interact(adapter, monkeypatch, "cortex-admin", [{"name": "prune", "type": 1, "options": []}])
-    assert "for admins only" in refused["data"]["content"]
+    prune = [{"name": "prune", "type": 1, "options": []}]
+    set_weights = [{"name": "weights", "type": 1, "options": [{"name": "values", "type": 3, "value": "vector=0.6"}]}]
+    refused = await _interact(adapter, monkeypatch, "cortex-admin", prune)
+    assert "admins only" in refused["data"]["content"]
     manage = discord.Permissions(manage_guild=True).value
-    pruned = await _interact(adapter, monkeypatch, "cortex-admin", [{"name": "prune", "type": 1, "options": []}],
-                             permissions=manage)
+    for options in (prune, set_weights):  # both change every server: Manage Server is not enough
+        refused = await _interact(adapter, monkeypatch, "cortex-admin", options, permissions=manage)
+        assert "for the bot's admins" in refused["data"]["content"]
+    member = dpytest.get_config().members[0]
+    monkeypatch.setattr(adapter, "config", adapter.config.model_copy(update={"admin_ids": [member.id]}))
+    pruned = await _interact(adapter, monkeypatch, "cortex-admin", prune)
     assert "Pruning at" in pruned["data"]["content"] and pruned["data"]["flags"] & 64
-    weights = await _interact(adapter, monkeypatch, "cortex-admin", [{"name": "weights", "type": 1, "options": [
-        {"name": "values", "type": 3, "value": "vector=0.6"}]}], permissions=manage)
+    weights = await _interact(adapter, monkeypatch, "cortex-admin", set_weights)
     assert "Search weights now: vector 0.6" in weights["data"]["content"]
 
 
