@@ -6,7 +6,7 @@ Tests and benchmarks build the same graph with a different provider (``llm=``) o
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from bot.commands import CommandRegistry
 from bot.commands.core import register_core_commands
@@ -126,6 +126,7 @@ class App:
             self.skills.commands.register(self.commands)
             register_dashboard(self.commands, self.storage.web, self.config.web)
             self.cortex.commands.extra_stats = self._extra_stats
+            self.cortex.commands.on_forget = self._forget_caches(self.cortex.commands.on_forget)
             await self.cortex.memory_admin.load()
             self.router = Router(self.config, self.storage, self.core, self.commands, self.personas)
             self.fleet = Fleet(self.storage)
@@ -196,6 +197,15 @@ class App:
             return float(saved) if saved else 1.0
         except ValueError:
             return 1.0
+
+    def _forget_caches(self, cortex_caches: Callable[[], None] | None) -> Callable[[], None]:
+        """What forget-me drops besides the rows: the cortex's caches and the core's recent texts."""
+        def forget() -> None:
+            if cortex_caches is not None:
+                cortex_caches()
+            self.core.forget_recent_texts()
+
+        return forget
 
     async def stop(self, grace: float | None = None) -> None:
         if not self._started:

@@ -48,6 +48,7 @@ from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator
 log = logging.getLogger(__name__)
 
 SECTION_BUDGET = 2000  # tokens each slot of section providers may use
+PREVIOUS_CHARS = 1000  # of a channel's last message kept for ReplyPreparer (they use its start)
 SOUL_BUDGET = 3000  # tokens of soul sections (an imported card may hold far more)
 
 
@@ -292,7 +293,11 @@ class ConversationCore:
     def _remember_last(self, channel_key: str, text: str) -> None:
         if len(self._last_text) > 10_000:
             self._last_text.clear()
-        self._last_text[channel_key] = text
+        self._last_text[channel_key] = text[:PREVIOUS_CHARS]
+
+    def forget_recent_texts(self) -> None:
+        """Drop the last texts kept per channel (forget-me: they may be the forgotten user's words)."""
+        self._last_text.clear()
 
     async def _store_incoming(
         self, message: IncomingMessage, persona: Persona

@@ -119,7 +119,8 @@ class ReplyPreparer(Protocol):
     need (the memory search's query embedding). Must return at once and never raise.
 
     ``text`` is the message as it will be stored; ``previous`` the core's guess of the text its prompt's
-    history window will end with (the last message this process stored in the channel), "" if none.
+    history window will end with (the start, at most 1,000 characters, of the last message this process
+    stored in the channel), "" if none.
     """
 
     def prepare(self, message: IncomingMessage, persona: str, text: str, previous: str) -> None: ...

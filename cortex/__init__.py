@@ -102,7 +102,11 @@ def build_cortex(
     memory_admin = MemoryAdminCommands(config, storage, [memory, job_memory], pruner, embeddings, store, resolver)
     commands.extra_stats = memory_admin.stats_lines
     if embeddings is not None:
-        commands.on_forget = embeddings.index.invalidate
+        def forget_vectors() -> None:  # ids are reused after a delete; kept queries hold a user's words
+            embeddings.index.invalidate()
+            embeddings.forget_queries()
+
+        commands.on_forget = forget_vectors
         commands.embedding_backlog = embeddings.backlog_line
     return Cortex(
         store, files, resolver, tiers, updater, section, commands, memory, memory_commands, knowledge, embeddings,

@@ -7,6 +7,7 @@ user's files through any command.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ from cortex.update import CortexUpdater
 
 MAX_INLINE_CHARS = 6000
 CONFIRM_WORD = "confirm"
+
+log = logging.getLogger(__name__)
 
 
 def shown(value: object) -> str:
@@ -237,7 +240,10 @@ class CortexCommands:
             raise CommandError(str(exc)) from None
         text = report.line()
         if (report.items or report.messages) and self.embedding_backlog is not None:
-            text += " " + await self.embedding_backlog()
+            try:
+                text += " " + await self.embedding_backlog()
+            except Exception:  # the import is done: a status that cannot be read must not say otherwise
+                log.exception("could not read the embedding backlog after an import")
         return CommandReply(text, private=True)
 
     async def forget_user(self, user_key: str) -> ForgetReport | None:

@@ -320,15 +320,18 @@ def test_the_query_embedder_decides_per_call_and_waits_passively(monkeypatch: py
     from bot.config import parse_config
     from cortex.memory.embedding import build_embedders
 
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     embedders = build_embedders(parse_config({}).memory)
     assert embedders is not None
+    assert os.environ.get("OMP_WAIT_POLICY") == "PASSIVE"  # set before the engine loads, unless already chosen
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    E5SmallEmbedder()
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"  # an operator's choice stays
     backfill, query = embedders
     assert isinstance(query, E5SmallEmbedder) and query.threads == 0  # two threads or one, per call
     assert isinstance(backfill, E5SmallEmbedder) and backfill.threads == 1
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     vectors = query.embed_query(["where does Ann's sister live?"])
     assert vectors.shape == (1, 384) and abs(float(np.linalg.norm(vectors[0])) - 1) < 1e-5
-    assert os.environ.get("OMP_WAIT_POLICY") == "PASSIVE"  # set before the engine loads, unless already chosen
     with pytest.raises(ValueError):
         E5SmallEmbedder(threads=-1)

@@ -113,9 +113,11 @@ async def test_admin_commands_prune_weights_budgets_embedder_and_stats(tmp_path:
             refused = await run(app, line, ctx("bob"))
             assert "admins only" in refused.text
         server_admin = ctx("bo", admin=True, server="console:guild1")
-        for line in ("!cortex prune", "!cortex weights vector=1", "!cortex stats"):
+        for line in ("!cortex prune", "!cortex weights vector=1", "!cortex stats", "!cortex embedder"):
             assert "for the bot's admins" in (await run(app, line, server_admin)).text
         assert "Search weights:" in (await run(app, "!cortex weights", server_admin)).text
+        their_budgets = (await run(app, "!cortex budgets", server_admin)).text
+        assert "Daily cortex budgets" in their_budgets and "spent today" not in their_budgets  # bot-wide spending
         assert (await app.cortex.memory.get(pair, old.id, count_access=False)).archived_at is None
         report = (await run(app, "!cortex prune", admin)).text
         assert "archived 1 item(s)" in report and "fact: 1 never used in 90 days" in report

@@ -193,13 +193,33 @@ async def test_the_backlog_line_says_when_new_texts_are_found_by_meaning(tmp_pat
     assert service is not None
     try:
         assert await service.backlog_line() == "All of it can be found by its words and by its meaning now."
+        service._rate = 0.0  # no backfill run has measured its pace yet
         user = await app.storage.upsert_user("console:ann", "Ann")
         pair = (await app.cortex.store.count_messages(user.id, "Cora", 0)).id
         for n in range(3):
             await app.cortex.memory.remember(pair, f"Ann visited museum number {n}")
         line = await service.backlog_line()
-        assert "found by its words now" in line and "3 texts of the bot's are waiting" in line
+        assert line == "All of it can be found by its words now, and by its meaning as the background embedding " \
+            "gets to it."
         service._rate = 0.01  # the last backfill run's pace: 3 texts take 5 minutes
         assert "by its meaning in about 5 min" in await service.backlog_line()
+    finally:
+        await app.stop()
+
+
+async def test_forget_me_drops_the_kept_query_texts(tmp_path: Path) -> None:
+    from bot.commands import CommandContext
+
+    embedder = GatedEmbedder()
+    app = await _app_with_a_fact(tmp_path, embedder)
+    service = app.cortex.embeddings
+    assert service is not None
+    try:
+        text = "Which shelter did my cat come from when I adopted her?"
+        await app.core.reply(_dm(text)).text()
+        assert text in service._queries and any("shelter" in t for t in app.core._last_text.values())
+        ann = CommandContext("console", "console:ann", "Ann", "console:dm-ann", "Cora", is_dm=True)
+        await app.commands.dispatch("!memory forget-me confirm", ann)
+        assert not service._queries and not app.core._last_text  # her words are in no cache either
     finally:
         await app.stop()

@@ -340,6 +340,7 @@ async def test_bad_input_is_a_json_4xx(tmp_path: Path) -> None:
                 ("GET", guidelines_path("discord:1 2"), None, 400),
                 ("PUT", guidelines_path("matrix:!room\x07:example.org"), {"text": "Be kind."}, 400),  # a control char
                 ("PUT", guidelines_path("matrix:!room\u0085:example.org"), {"text": "Be kind."}, 400),
+                ("PUT", guidelines_path("matrix:!room\u202e:example.org"), {"text": "Be kind."}, 400),  # invisible
                 ("POST", guidelines_path(ANN_SERVER) + "/revert", {"version": "1"}, 422),
                 ("POST", guidelines_path(ANN_SERVER) + "/revert", {"version": 0}, 422),
                 ("GET", f"/api/admin/settings?persona=Cora&server={quote('*')}", None, 400),

