@@ -124,7 +124,17 @@ async def test_scrapes_in_quick_succession_read_the_database_once(tmp_path: Path
         texts = await asyncio.gather(*(scrape(bot.url) for _ in range(20)))
         assert reads == 1  # anyone hammering /metrics makes the bot count once per GAUGE_SECONDS
         assert all(sample(t, "cortexbot_storage_up") == 1 for t in (first, *texts))
+        pings = 0
+        ping = bot.app.storage.health.ping
+
+        async def counted_ping() -> None:
+            nonlocal pings
+            pings += 1
+            await ping()
+
+        monkeypatch.setattr(bot.app.storage.health, "ping", counted_ping)
         healthz_reads = reads
-        async with aiohttp.ClientSession() as http, http.get(bot.url + "/healthz") as response:
-            assert response.status == 200
-        assert reads == healthz_reads + 1  # /healthz always asks the database
+        for _ in range(5):
+            async with aiohttp.ClientSession() as http, http.get(bot.url + "/healthz") as response:
+                assert response.status == 200 and (await response.json())["queue"]["queued"] >= 0
+        assert pings == 5 and reads == healthz_reads + 1  # the database is pinged each time, counted once

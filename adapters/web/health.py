@@ -64,12 +64,23 @@ def metrics_routes(ctx: WebContext) -> list[web.RouteDef]:
 
 
 def routes(ctx: WebContext, *, metrics: bool) -> list[web.RouteDef]:
+    queue_counts: dict[str, int] = {}
+    counted_at = -float("inf")
+
+    async def queue() -> dict[str, int]:
+        """The job queue's counts, read at most every ``GAUGE_SECONDS`` (the ping below is always live)."""
+        nonlocal queue_counts, counted_at
+        if time.monotonic() - counted_at >= GAUGE_SECONDS:
+            found = await ctx.app.storage.health.queue()
+            queue_counts = {s: found.by_status.get(s, 0) for s in ("queued", "running", "failed")}
+            counted_at = time.monotonic()
+        return queue_counts
+
     async def healthz(request: web.Request) -> web.Response:
         body: dict[str, object] = {"status": "ok", "database": True}
         try:
             await ctx.app.storage.health.ping()
-            queue = await ctx.app.storage.health.queue()
-            body["queue"] = {s: queue.by_status.get(s, 0) for s in ("queued", "running", "failed")}
+            body["queue"] = await queue()
         except Exception as exc:
             body.update(status="unavailable", database=False, error=type(exc).__name__)
         adapters = {name: bool(connected()) for name, connected in ctx.adapters.items()}
