@@ -37,7 +37,14 @@ from bot.text import plural
 from cortex.export import MAX_ARCHIVE_BYTES, ArchiveError, build_zip, export_data, export_filename, read_archive
 from cortex.files import CortexFiles, FileError, normalise_filename, unified_diff
 from cortex.importing import Importer
-from cortex.settings import OVERRIDABLE, SettingError, SettingsResolver, persona_scope, server_scope
+from cortex.settings import (
+    OVERRIDABLE,
+    SettingError,
+    SettingsResolver,
+    check_may_change,
+    persona_scope,
+    server_scope,
+)
 from cortex.store import FILENAMES, CortexStore, ForgetReport, Pair
 from cortex.tiers import MANUAL, TierEngine, job_key, thresholds
 from cortex.update import CortexUpdater
@@ -306,6 +313,7 @@ class CortexCommands:
                 raise CommandError(f"Give a value for {words[0]}: {OVERRIDABLE.get(words[0], 'see the list')}")
             key, value = words[0], " ".join(words[1:])
             try:
+                check_may_change(key, bot_admin=ctx.is_bot_admin)
                 if value.lower() == "default":
                     cleared = await self.resolver.clear(scope, key)
                     note = "override removed" if cleared else "there was no override"

@@ -30,6 +30,16 @@ OVERRIDABLE: dict[str, str] = {
     "use_in_groups": "on/off: use what a user shared in DMs in group channels too",
 }
 CACHE_SECONDS = 5.0
+# What the bot's operator pays for: a server admin may tune how the persona remembers, not the bill.
+OPERATOR_KEYS = frozenset({"model", "daily_token_budget", "max_rounds"})
+
+
+def check_may_change(key: str, *, bot_admin: bool) -> None:
+    """Raise :class:`SettingError` when someone who is not a bot admin changes (or clears) a setting that
+    decides the operator's spending: which model updates run on, how many tokens a pair may spend a day
+    and how many calls one update may make."""
+    if key in OPERATOR_KEYS and not bot_admin:
+        raise SettingError(f"{key} decides what the bot's operator pays for: only the bot's admins change it")
 
 
 def plain_problem(exc: ValidationError) -> str:

@@ -193,6 +193,11 @@ async def test_settings_are_admin_only_scoped_validated_and_shown(tmp_path: Path
         eff = await app.cortex.resolver.effective("Cora", "console:guild1")
         assert eff.settings.tier_percentages() == (30, 60) and eff.sources["tiers"] == "server:console:guild1"
         assert (await app.cortex.resolver.effective("Cora")).settings.tier_percentages() == (95,)
+        for spending in ("model some-expensive-model", "daily_token_budget 0", "max_rounds 40", "model default"):
+            assert "only the bot's admins" in (await run(app, f"!cortex settings {spending}", server_admin)).text
+        assert (await app.cortex.resolver.effective("Cora", "console:guild1")).sources["max_rounds"] == "config"
+        boss = ctx("boss", admin=True, server="console:guild1", bot_admin=True)
+        assert "set to 4" in (await run(app, "!cortex settings max_rounds 4", boss)).text
         refused = (await run(app, "!cortex settings tiers 10 --persona", server_admin)).text
         assert "for the bot's admins" in refused
         assert (await app.cortex.resolver.effective("Cora")).settings.tier_percentages() == (95,)

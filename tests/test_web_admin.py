@@ -212,6 +212,11 @@ async def test_settings_show_their_sources_and_a_server_override_changes_the_eff
         assert (await bot.app.cortex.resolver.effective("Cora")).settings.context_limit == 60
         status, _ = await ann.call("PUT", "/api/admin/settings", change | {"server": OTHER_SERVER})
         assert status == 403
+        for key, value in (("model", "the-most-expensive-model"), ("daily_token_budget", "0"), ("max_rounds", "50")):
+            status, error = await ann.call("PUT", "/api/admin/settings", change | {"key": key, "value": value})
+            assert status == 403 and "operator pays" in error["error"], key  # her server, the operator's bill
+        status, _ = await admin.call("PUT", "/api/admin/settings", change | {"key": "max_rounds", "value": "5"})
+        assert status == 200  # a bot admin may, also for one server
         status, _ = await ann.call("PUT", "/api/admin/settings", change | {"server": None})
         assert status == 403
         status, persona_wide = await admin.call("PUT", "/api/admin/settings",

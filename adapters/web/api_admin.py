@@ -32,7 +32,7 @@ from cortex.commands import shown
 from cortex.memory.admin import BUDGET_KEYS
 from cortex.personas.commands import MAX_SECTION_CHARS, section_key, unknown_variables
 from cortex.personas.guidelines import MAX_GUIDELINES_CHARS, MAX_RULE_CHARS, RULE_NAME
-from cortex.settings import OVERRIDABLE, SettingError, persona_scope, server_scope
+from cortex.settings import OVERRIDABLE, SettingError, check_may_change, persona_scope, server_scope
 from cortex.tiers import thresholds
 from cortex.update import utc_midnight
 
@@ -357,6 +357,10 @@ class AdminApi:
             _, server = await self.server_admin(request, change.server)
         elif not self.auth.is_bot_admin(caller):
             fail(403, "settings of a persona everywhere are for the bot's admins; give a server you administer")
+        try:
+            check_may_change(change.key, bot_admin=self.auth.is_bot_admin(caller))
+        except SettingError as exc:
+            fail(403, str(exc))
         persona = persona_name(self.ctx, change.persona)
         scope = server_scope(server) if server else persona_scope(persona)
         if len(change.value) > MAX_VALUE_CHARS:
