@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -13,24 +15,27 @@ from adapters.web.server import WebContext, ok
 from bot import metrics
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 GAUGE_SECONDS = 10.0  # the database gauges are read at most this often, however often /metrics is scraped
 
 
-class _Gauges:
-    """Reads the database gauges for a scrape unless they were read less than ``GAUGE_SECONDS`` ago:
-    counting a big database's queue, items and embedding backlog is not free, and anyone who can reach
-    ``/metrics`` could otherwise make the bot count as fast as they can ask. Concurrent scrapes share one
-    read."""
+class _AtMostEvery(Generic[T]):
+    """Runs ``read`` at most every ``GAUGE_SECONDS`` and answers with what it last returned; concurrent
+    callers share one run. Counting a big database's queue, items and embedding backlog is not free, and
+    anyone who can reach ``/metrics`` or ``/healthz`` could otherwise make the bot count as fast as they ask."""
 
-    def __init__(self) -> None:
+    def __init__(self, read: Callable[[], Awaitable[T]]) -> None:
+        self.read = read
         self.read_at = -float("inf")
+        self.kept: tuple[T] | None = None  # the last answer (a tuple, so that None can be an answer)
         self.lock = asyncio.Lock()
 
-    async def refresh(self, ctx: WebContext) -> None:
+    async def __call__(self) -> T:
         async with self.lock:
-            if time.monotonic() - self.read_at >= GAUGE_SECONDS:
-                await _refresh_gauges(ctx)
+            if self.kept is None or time.monotonic() - self.read_at >= GAUGE_SECONDS:
+                self.kept = (await self.read(),)
                 self.read_at = time.monotonic()
+            return self.kept[0]
 
 
 async def _refresh_gauges(ctx: WebContext) -> None:
@@ -52,10 +57,10 @@ async def _refresh_gauges(ctx: WebContext) -> None:
 
 
 def metrics_routes(ctx: WebContext) -> list[web.RouteDef]:
-    gauges = _Gauges()
+    gauges = _AtMostEvery(lambda: _refresh_gauges(ctx))
 
     async def scrape(request: web.Request) -> web.Response:
-        await gauges.refresh(ctx)
+        await gauges()
         response = web.Response(body=metrics.render())
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return response
@@ -64,17 +69,11 @@ def metrics_routes(ctx: WebContext) -> list[web.RouteDef]:
 
 
 def routes(ctx: WebContext, *, metrics: bool) -> list[web.RouteDef]:
-    queue_counts: dict[str, int] = {}
-    counted_at = -float("inf")
+    async def count_queue() -> dict[str, int]:
+        found = await ctx.app.storage.health.queue()
+        return {s: found.by_status.get(s, 0) for s in ("queued", "running", "failed")}
 
-    async def queue() -> dict[str, int]:
-        """The job queue's counts, read at most every ``GAUGE_SECONDS`` (the ping below is always live)."""
-        nonlocal queue_counts, counted_at
-        if time.monotonic() - counted_at >= GAUGE_SECONDS:
-            found = await ctx.app.storage.health.queue()
-            queue_counts = {s: found.by_status.get(s, 0) for s in ("queued", "running", "failed")}
-            counted_at = time.monotonic()
-        return queue_counts
+    queue = _AtMostEvery(count_queue)  # the ping below is always live
 
     async def healthz(request: web.Request) -> web.Response:
         body: dict[str, object] = {"status": "ok", "database": True}
