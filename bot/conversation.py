@@ -135,8 +135,9 @@ class ConversationCore:
     async def _run(self, stream: ReplyStream) -> AsyncIterator[str]:
         message, persona = stream._message, stream._persona
         began = time.monotonic()
-        self._prepare(message, persona)
-        user, channel, user_msg = await self._store_incoming(message, persona)
+        text = without_surrogates(message.text.strip())  # as it is stored and as the preparers see it
+        self._prepare(message, persona, text)
+        user, channel, user_msg = await self._store_incoming(message, persona, text)
         self._remember_last(message.channel_key, user_msg.text)
         budgets = budgets_for(self.config, persona)
         window = await build_window(
@@ -280,9 +281,8 @@ class ConversationCore:
         stream.rounds = len(texts)
         done.append(replace(completion, text=text, usage=usage, tool_calls=()))
 
-    def _prepare(self, message: IncomingMessage, persona: Persona) -> None:
+    def _prepare(self, message: IncomingMessage, persona: Persona, text: str) -> None:
         """Let the preparers start what the reply will need (the query embedding) before anything waits."""
-        text = without_surrogates(message.text.strip())
         previous = self._last_text.get(message.channel_key, "")
         for preparer in self.preparers:
             try:
@@ -300,9 +300,8 @@ class ConversationCore:
         self._last_text.clear()
 
     async def _store_incoming(
-        self, message: IncomingMessage, persona: Persona
+        self, message: IncomingMessage, persona: Persona, text: str
     ) -> tuple[User, Channel, StoredMessage]:
-        text = without_surrogates(message.text.strip())
         for attempt in range(2):
             user = await self.storage.upsert_user(message.author_key, message.author_name)
             channel = await self.storage.upsert_channel(

@@ -125,7 +125,10 @@ class MemoryAdminCommands:
 
     async def budgets(self, ctx: CommandContext, args: Sequence[str]) -> str:
         settings = (await self.resolver.effective(ctx.persona, ctx.server_key)).settings
-        spent = await self.cortex_store.tokens_since(utc_midnight(time.time())) if ctx.is_bot_admin else 0
+        spending = "."  # the whole bot's spending is for bot admins
+        if ctx.is_bot_admin:
+            spent = await self.cortex_store.tokens_since(utc_midnight(time.time()))
+            spending = f"; spent today (UTC): {spent:,} tokens."
         pair_budget = f"{settings.daily_token_budget:,}" if settings.daily_token_budget else "unlimited"
         bot_budget = f"{settings.bot_daily_token_budget:,}" if settings.bot_daily_token_budget else "unlimited"
         c = self.config
@@ -136,8 +139,7 @@ class MemoryAdminCommands:
             "recalled messages).",
             f"Cortex updates: {settings.history_tokens:,} tokens of conversation each, at most "
             f"{settings.max_tokens:,} out per call and {settings.max_rounds} rounds.",
-            f"Daily cortex budgets: {pair_budget} per user, {bot_budget} for the bot"
-            + (f"; spent today (UTC): {spent:,} tokens." if ctx.is_bot_admin else "."),
+            f"Daily cortex budgets: {pair_budget} per user, {bot_budget} for the bot{spending}",
             budget_pointer(self.prefix),
         ])
 
