@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from bot.config import Config, ConfigError, HttpSkillConfig
 from bot.storage.core import Storage
@@ -12,8 +13,10 @@ from cortex.skills.base import Skill
 from cortex.skills.builtin import Builtins
 from cortex.skills.commands import SkillCommands
 from cortex.skills.http import HttpSkill
-from cortex.skills.mcp import McpSkills
 from cortex.skills.toolbox import SkillTools
+
+if TYPE_CHECKING:
+    from cortex.skills.mcp import McpSkills
 
 log = logging.getLogger(__name__)
 
@@ -23,9 +26,17 @@ class Skills:
         self.config = config
         self._builtins: list[Skill] = list(builtins.skills())
         self.http = [self._http_skill(entry) for entry in config.skills.http]
-        self.mcp = McpSkills(config.skills.mcp) if config.skills.mcp else None
+        self.mcp = self._mcp(config) if config.skills.mcp else None
         self.tools = SkillTools(config.skills, storage, [self._builtin_skills, self._http_skills, self._mcp_skills])
         self.commands = SkillCommands(self.tools, storage)
+
+    @staticmethod
+    def _mcp(config: Config) -> McpSkills:
+        # The MCP SDK takes ~1.4 s to import (pydantic models by the hundred): only a bot that has MCP
+        # servers configured pays for it, at start, not every `cortexbot` command.
+        from cortex.skills.mcp import McpSkills
+
+        return McpSkills(config.skills.mcp)
 
     @staticmethod
     def _http_skill(entry: HttpSkillConfig) -> HttpSkill:
