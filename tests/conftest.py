@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
@@ -16,7 +17,9 @@ from tests import engines  # noqa: E402
 from tests.engines import ENGINES  # noqa: E402
 from tests.fakes.llm_server import FakeLLMServer  # noqa: E402
 from tests.postgres import PostgresServer  # noqa: E402
-from tests.synapse import SynapseServer  # noqa: E402
+from tests.synapse import SynapseError, SynapseServer, ensure_synapse_venv  # noqa: E402
+
+_synapse_install: threading.Thread | None = None
 
 
 @pytest.fixture
@@ -79,6 +82,22 @@ def estimator() -> BPETokenEstimator:
     return BPETokenEstimator(margin=0.0)
 
 
+def _install_synapse() -> None:
+    try:
+        ensure_synapse_venv()
+    except SynapseError:
+        pass  # the fixture tries again and errors its tests with the reason
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """On a fresh clone Synapse's venv takes ~45 s to install: when Matrix tests are selected, that starts
+    in the background now, while the tests before them run (the fixture waits for it)."""
+    global _synapse_install
+    if any("synapse" in getattr(item, "fixturenames", ()) for item in session.items):
+        _synapse_install = threading.Thread(target=_install_synapse, name="synapse-install", daemon=True)
+        _synapse_install.start()
+
+
 @pytest.fixture(scope="session")
 def synapse() -> Iterator[SynapseServer]:
     """One real Synapse homeserver (127.0.0.1, server name "localhost") for the whole session.
@@ -87,6 +106,8 @@ def synapse() -> Iterator[SynapseServer]:
     failure errors the tests that use this fixture rather than skipping them. Tests share the server,
     so they should register unique user names.
     """
+    if _synapse_install is not None:
+        _synapse_install.join()
     with SynapseServer() as server:
         yield server
 
