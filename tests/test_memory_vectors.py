@@ -12,7 +12,7 @@ import cortex.memory.vectors as vectors_module
 from bot.app import App
 from bot.config import parse_config
 from cortex.memory.embedders import HashEmbedder, normalize
-from cortex.memory.vectors import Block, VectorIndex
+from cortex.memory.vectors import Block, CentredFloor, VectorIndex
 from tests.fakes.provider import ScriptedProvider
 
 
@@ -186,3 +186,19 @@ def test_a_block_grows_without_copying_on_every_append() -> None:
         buffers.append(id(block._matrix))
     assert block.ids.tolist() == list(range(200)) and block.matrix.shape == (200, 8)
     assert len(set(buffers)) <= 4  # doubling: a handful of reallocations for 197 appends
+
+
+def test_the_centred_floor_looks_past_the_direction_every_vector_shares() -> None:
+    """Every vector leans the same way (as e5's do), so raw cosines are all high; once the typical
+    directions are taken out, only the item that shares the query's own direction passes."""
+    common = np.eye(8, dtype=np.float32)[0]
+    items = normalize(np.stack([3 * common + np.eye(8, dtype=np.float32)[i + 1] for i in range(5)]))
+    query = normalize((3 * common + np.eye(8, dtype=np.float32)[2])[None, :])[0]
+    assert (items @ query).min() > 0.8  # raw: everything looks related
+    floor = CentredFloor.of(query, mean_query=common * 0.95, mean_passage=items.mean(axis=0), least=0.5)
+    assert floor.passes(items).tolist() == [False, True, False, False, False]
+    block = Block(np.arange(10, 15, dtype=np.int64), items)
+    assert set(block.top(query, 5)) == {10, 11, 12, 13, 14}
+    assert set(block.top(query, 5, floor=floor)) == {11}
+    assert floor.passes(np.zeros((0, 8), dtype=np.float32)).tolist() == []
+    assert floor.passes(np.ones((2, 4), dtype=np.float32)).tolist() == [True, True]  # another embedder: no floor

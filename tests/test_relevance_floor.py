@@ -24,6 +24,19 @@ FACTS = [
     "Ann drives an old red Volvo", "Ann's birthday is on the 3rd of March", "Ann collects vinyl records",
     "Ann wants to visit Japan next spring",
 ]
+MORE_FACTS = [  # with these, 40 facts: a pair's memory after some weeks
+    "Ann is vegetarian", "Ann's son Leo starts school in September", "Ann speaks fluent Portuguese",
+    "Ann is afraid of flying", "Ann goes bouldering twice a week", "Ann lives in a flat above a bakery in Leeds",
+    "Ann's husband Tom is a carpenter", "Ann takes medication for high blood pressure",
+    "Ann is saving money for a house deposit", "Ann volunteers at a food bank on Thursdays",
+    "Ann hates coriander", "Ann studied chemistry at university", "Ann has two cats called Pixel and Mochi",
+    "Ann usually goes to bed after midnight", "Ann's favourite food is Thai green curry",
+    "Ann supports Liverpool football club", "Ann is colour-blind", "Ann prefers tea over coffee",
+    "Ann is reading the Harry Potter series to her son", "Ann's mother passed away last year",
+    "Ann spielt seit Jahren Schach", "Ann backt jeden Samstag Brot", "Ann hat eine Laktoseintoleranz",
+    "Ann fährt im Winter gern Ski", "Ann sammelt alte Briefmarken", "Ann träumt von einer Reise nach Island",
+    "Ann hat Angst vor Spinnen", "Anns Großvater hat früher in einer Zeche gearbeitet",
+]
 ANN = CommandContext("console", "console:ann", "Ann", "console:dm-ann", "Cora", is_dm=True)
 
 
@@ -32,15 +45,15 @@ def e5():  # type: ignore[no-untyped-def]
     return create_embedder("default")
 
 
-async def _app(tmp_path: Path, e5, llm: ScriptedProvider) -> App:  # type: ignore[no-untyped-def]
+async def _app(tmp_path: Path, e5, llm: ScriptedProvider, facts: list[str] = FACTS) -> App:  # type: ignore[no-untyped-def]
     config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000}})
     app = await App(config, llm=llm, embedder=e5).start(workers=False)
     _, pair = await app.cortex.store.pair_for("console:ann", "Ann", "Cora")
-    for fact in FACTS:
+    for fact in facts:
         await app.cortex.memory.remember(pair.id, fact)
     assert app.cortex.embeddings is not None
     report = await app.cortex.embeddings.backfill(max_seconds=120)
-    assert report.items == len(FACTS)
+    assert report.items == len(facts)
     return app
 
 
@@ -67,5 +80,26 @@ async def test_the_reply_prompt_uses_the_same_floor(tmp_path: Path, e5) -> None:
         await app.core.reply(IncomingMessage("console", "dm-ann-2", "ann", "Ann", "what instrument do I play?",
                                              is_dm=True)).text()
         assert "learning to play the cello" in llm.requests[-1].system
+    finally:
+        await app.stop()
+
+
+async def test_forty_items_leave_unrelated_queries_empty_and_find_paraphrases(tmp_path: Path, e5) -> None:  # type: ignore[no-untyped-def]
+    """With more items, a floor on raw cosines let nearly every query through (some items are "hubs",
+    near to anything); the centred floor keeps gibberish and unrelated questions empty and still finds
+    facts asked for in other words (no word of the question is in the fact), in English and German."""
+    app = await _app(tmp_path, e5, ScriptedProvider(), FACTS + MORE_FACTS)
+    try:
+        for nonsense in ("blorf snargle", "zzzqqq", "How do I configure a BGP router?", "explain quantum tunnelling",
+                         "Wie funktioniert eine Wärmepumpe?", "thanks!"):
+            reply = (await app.commands.dispatch(f"!memory search {nonsense}", ANN)).text
+            assert reply == f"Nothing found for {nonsense!r}.", reply
+        pair = (await app.cortex.store.pair_for("console:ann", "Ann", "Cora"))[1].id
+        for question, fact in (("what's my dog called?", "Ann has a golden retriever named Rufus"),
+                               ("Wo wohnt meine Schwester?", "Ann's sister Mia lives in Oslo"),
+                               ("am I scared of planes?", "Ann is afraid of flying"),
+                               ("which herb do I dislike?", "Ann hates coriander")):
+            hits = await app.cortex.memory.search(pair, question)
+            assert hits and hits[0].text == fact, (question, [h.text for h in hits])
     finally:
         await app.stop()

@@ -1,10 +1,13 @@
 """Everyday chat sentences (English and German) unrelated to anyone's memory: the yardstick of the
 relevance floor. A query's similarity to these says how similar *unrelated* text typically is to it
 for the embedder in use; a memory counts as related by meaning only when it stands far above that
-(see ``EmbeddingService.relevance_level``). Written for this project; not tuned on any evaluation data.
+(see ``EmbeddingService.relevance_floors``). Written for this project; not tuned on any evaluation data.
 
-The vectors of these sentences for the default embedder ship beside this file (``background-<name>.npy``,
-written by ``python -m cortex.memory.background``), so no process spends seconds embedding them.
+The vectors of these sentences for the default embedder ship beside this file, embedded as passages
+(``background-<name>.npy``) and as queries (``background-<name>-queries.npy``), both written by
+``python -m cortex.memory.background``, so no process spends seconds embedding them. Their means are
+the typical directions of the embedder's passages and queries, which the items' relevance floor takes
+out before comparing (see ``cortex.memory.vectors.CentredFloor``).
 """
 
 from __future__ import annotations
@@ -109,13 +112,14 @@ BACKGROUND: tuple[str, ...] = (
 )
 
 
-def shipped_path(embedder_name: str) -> Path:
-    return Path(__file__).with_name(f"background-{re.sub(r'[^A-Za-z0-9_.-]', '_', embedder_name)}.npy")
+def shipped_path(embedder_name: str, *, queries: bool = False) -> Path:
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", embedder_name)
+    return Path(__file__).with_name(f"background-{name}{'-queries' if queries else ''}.npy")
 
 
-def shipped_background(embedder_name: str) -> npt.NDArray[np.float32] | None:
-    """The shipped vectors of ``BACKGROUND`` for this embedder, or None."""
-    path = shipped_path(embedder_name)
+def shipped_background(embedder_name: str, *, queries: bool = False) -> npt.NDArray[np.float32] | None:
+    """The shipped vectors of ``BACKGROUND`` for this embedder (as passages, or as ``queries``), or None."""
+    path = shipped_path(embedder_name, queries=queries)
     if not path.is_file():
         return None
     vectors = np.load(path, allow_pickle=False).astype(np.float32)
@@ -123,8 +127,10 @@ def shipped_background(embedder_name: str) -> npt.NDArray[np.float32] | None:
 
 
 if __name__ == "__main__":  # pragma: no cover - writes the shipped file for the default embedder
-    from cortex.memory.embedders import create_embedder
+    from cortex.memory.embedders import create_embedder, embed_queries
 
     embedder = create_embedder("default")
-    np.save(shipped_path(embedder.name), np.asarray(embedder.embed(list(BACKGROUND)), dtype=np.float16))
-    print(f"wrote {shipped_path(embedder.name)}")  # noqa: T201
+    for as_queries, vectors in ((False, embedder.embed(list(BACKGROUND))),
+                                (True, embed_queries(embedder, list(BACKGROUND)))):
+        np.save(shipped_path(embedder.name, queries=as_queries), np.asarray(vectors, dtype=np.float16))
+        print(f"wrote {shipped_path(embedder.name, queries=as_queries)}")  # noqa: T201

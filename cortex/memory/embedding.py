@@ -39,17 +39,28 @@ from bot.config import MemoryConfig, read_secret
 from bot.storage.core import Storage
 from cortex.memory.background import BACKGROUND, shipped_background
 from cortex.memory.embedders import Embedder, EmbedderError, create_embedder, embed_queries
-from cortex.memory.vectors import VectorSearch
+from cortex.memory.vectors import CentredFloor, RelevanceFloors, VectorSearch
 
 log = logging.getLogger(__name__)
 Vector = npt.NDArray[np.float32]
 
 BATCH = 16
 QUERY_CACHE = 256  # query vectors kept by their text (a prefetched one, a repeated search)
-# Standard deviations above unrelated text a hit found by meaning alone needs (relevance_levels).
+# What a hit found by meaning alone needs (relevance_floors): a past message, standard deviations above
+# the query's similarity to unrelated text; an item, this cosine with the typical directions taken out.
 MESSAGE_Z = 4.0
-ITEM_Z = 0.7
+ITEM_CENTRED = 0.21
 BACKFILL_NICENESS = 10
+
+
+@dataclass(frozen=True, slots=True)
+class Yardstick:
+    """The relevance yardstick of the embedder: ``BACKGROUND`` as passages, and the means of it as
+    passages and as queries (the embedder's typical directions)."""
+
+    passages: npt.NDArray[np.float32]
+    mean_passage: npt.NDArray[np.float32]
+    mean_query: npt.NDArray[np.float32]
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +137,7 @@ class EmbeddingService:
         self._rate = 0.0
         self._query_failures = 0
         self._executor: ThreadPoolExecutor | None = None  # the backfill's own, low-priority thread
-        self._background: asyncio.Future[npt.NDArray[np.float32] | None] | None = None  # relevance yardstick
+        self._background: asyncio.Future[Yardstick | None] | None = None  # relevance yardstick
         self._queries: OrderedDict[str, asyncio.Future[Vector | None]] = OrderedDict()  # by query text
 
     def close(self) -> None:
@@ -207,17 +218,19 @@ class EmbeddingService:
         vector.setflags(write=False)  # shared by every search for this text
         return vector
 
-    async def relevance_levels(self, query: npt.NDArray[np.float32]) -> tuple[float, float]:
-        """The least cosine similarity an item and a past message need to count as related to ``query``
-        by meaning: the query's mean similarity to unrelated everyday sentences (``BACKGROUND``) plus
-        ``ITEM_Z`` or ``MESSAGE_Z`` of their standard deviations. (-1, -1), no floor, for an embedder
-        without a measured yardstick. How the two were chosen: see the README's "Relevance floor"."""
-        background = await self._background_vectors()
-        if background is None or background.shape[1] != query.shape[0]:
-            return -1.0, -1.0
-        sims = background @ query
-        mean, sd = float(sims.mean()), float(sims.std())
-        return mean + ITEM_Z * sd, mean + MESSAGE_Z * sd
+    async def relevance_floors(self, query: npt.NDArray[np.float32]) -> RelevanceFloors:
+        """The floors a candidate found by meaning alone must pass to count as related to ``query``: a past
+        message, the query's mean similarity to unrelated everyday sentences (``BACKGROUND``) plus
+        ``MESSAGE_Z`` of their standard deviations; an item, a centred cosine of ``ITEM_CENTRED`` (see
+        :class:`CentredFloor`). No floors for an embedder without a measured yardstick. How they were
+        chosen: see the README's "Relevance floor"."""
+        yardstick = await self._yardstick()
+        if yardstick is None or yardstick.passages.shape[1] != query.shape[0]:
+            return RelevanceFloors()
+        sims = yardstick.passages @ query
+        return RelevanceFloors(
+            CentredFloor.of(query, yardstick.mean_query, yardstick.mean_passage, ITEM_CENTRED),
+            float(sims.mean()) + MESSAGE_Z * float(sims.std()))
 
     def warm_up(self) -> None:
         """Check the relevance yardstick now, so the first search does not wait for it."""
@@ -225,7 +238,7 @@ class EmbeddingService:
             self._background = asyncio.ensure_future(self._load_background())
             self._background.add_done_callback(lambda f: f.cancelled() or f.exception())
 
-    async def _background_vectors(self) -> npt.NDArray[np.float32] | None:
+    async def _yardstick(self) -> Yardstick | None:
         if self._background is None:
             self._background = asyncio.ensure_future(self._load_background())
         try:
@@ -235,19 +248,25 @@ class EmbeddingService:
             log.warning("could not check the relevance yardstick; searching without a floor: %s", exc)
             return None
 
-    async def _load_background(self) -> npt.NDArray[np.float32] | None:
+    async def _load_background(self) -> Yardstick | None:
         """The yardstick's vectors, shipped for the default embedder (whose floors were measured) and
-        checked against a fresh embedding of the first sentence, so changed weights are noticed. Other
-        embedders have no floor: their levels were never measured."""
-        shipped = shipped_background(self.embedder.name)
-        if shipped is None:
+        checked against fresh embeddings of the first sentence as a passage and as a query, so changed
+        weights are noticed. Other embedders have no floor: their levels were never measured."""
+        passages = shipped_background(self.embedder.name)
+        queries = shipped_background(self.embedder.name, queries=True)
+        if passages is None or queries is None:
             return None
-        first = np.asarray(await asyncio.to_thread(self.query_embedder.embed, [BACKGROUND[0]]), dtype=np.float32)
-        if first.ndim != 2 or first.shape[1] != shipped.shape[1] or float(first[0] @ shipped[0]) < 0.999:
+        first, first_query = await asyncio.to_thread(self._first_of_background)
+        if not all(fresh.ndim == 2 and fresh.shape[1] == shipped.shape[1] and float(fresh[0] @ shipped[0]) >= 0.999
+                   for fresh, shipped in ((first, passages), (first_query, queries))):
             log.warning("the shipped relevance yardstick does not match %s; searching without a floor",
                         self.embedder.name)
             return None
-        return shipped
+        return Yardstick(passages, passages.mean(axis=0), queries.mean(axis=0))
+
+    def _first_of_background(self) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        return (np.asarray(self.query_embedder.embed([BACKGROUND[0]]), dtype=np.float32),
+                np.asarray(embed_queries(self.query_embedder, [BACKGROUND[0]]), dtype=np.float32))
 
     # -- backfill --------------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ Search scores every candidate with a weighted sum of signals normalised to [0, 1
 full text (FTS5 bm25, porter stemming), importance, recency (exponential decay with a half-life) and
 access frequency. Candidates are the top ``candidates`` by full text and the top ``candidates`` by
 vector, merged. The relevance floor: a candidate found by meaning alone (no query word in it) must be
-clearly more similar to the query than unrelated text is (``EmbeddingService.relevance_levels``), so a
+clearly more similar to the query than unrelated text is (``EmbeddingService.relevance_floors``), so a
 search with nothing related finds nothing instead of the least bad ten. The pair's past messages join
 the same ranking (full text and recency; they carry no importance), so facts no update extracted can
 still be found; each hit says where it came from. A message is read in its conversation: it also takes
@@ -37,7 +37,7 @@ from bot.config import MemoryConfig
 from bot.storage.core import Storage
 from bot.storage.memory import ITEM_COLUMNS, FtsTable, ItemFilters, item_fields
 from cortex.memory.guard import guarded
-from cortex.memory.vectors import DatabaseVectors
+from cortex.memory.vectors import CentredFloor, DatabaseVectors, RelevanceFloors
 
 if TYPE_CHECKING:
     from cortex.memory.embedding import EmbeddingService
@@ -346,14 +346,14 @@ class MemoryStore:
             query_vector = await self.embeddings.embed_query(query)
         vector = query_vector if index is not None else None
         # The relevance floor: a candidate found only by meaning must stand far above unrelated text.
-        least_item, least_message = (await self.embeddings.relevance_levels(vector)
-                                     if vector is not None and self.embeddings is not None else (-1.0, -1.0))
+        floors = (await self.embeddings.relevance_floors(vector)
+                  if vector is not None and self.embeddings is not None else RelevanceFloors())
         parts = []
         if include_items:  # a caller that knows the pair has no items saves the query
-            parts.append(self._item_candidates(pair_id, match, vector, now, least_item))
+            parts.append(self._item_candidates(pair_id, match, vector, now, floors.item))
         if messages:
             parts.append(self._message_candidates(user_id or 0, persona or "", match, vector, now,
-                                                  set(exclude_messages), least_message))
+                                                  set(exclude_messages), floors.message))
         candidates = [c for part in await asyncio.gather(*parts) for c in part
                       if c.kind != "item" or str(c.row["scope"]) in scopes]
         self._score(candidates, now)
@@ -363,7 +363,8 @@ class MemoryStore:
         return [self._hit(c) for c in best]
 
     async def _item_candidates(
-        self, pair_id: int, match: str, vector: npt.NDArray[np.float32] | None, now: float, least: float
+        self, pair_id: int, match: str, vector: npt.NDArray[np.float32] | None, now: float,
+        floor: CentredFloor | None,
     ) -> list[_Candidate]:
         async def by_text() -> list[Any]:
             if not match:
@@ -380,11 +381,14 @@ class MemoryStore:
             index = self.embeddings.index
             if isinstance(index, DatabaseVectors):  # the k-NN query brings the rows along: no fetch below
                 scores, rows = await self.repo.vector_top_items(
-                    pair_id, index.model_of(("items", pair_id)), vector, self.candidates * 2, now, least)
+                    pair_id, index.model_of(("items", pair_id)), vector, self.candidates * 2, now)
+                if floor is not None and rows:
+                    passing = floor.passes(np.stack([np.asarray(r["knn_vector"], dtype=np.float32) for r in rows]))
+                    rows = [r for r, ok in zip(rows, passing.tolist(), strict=True) if ok]
                 fetched = {int(r["id"]): r for r in rows}
-                return scores
+                return {i: v for i, v in scores.items() if i in fetched}
             # Hidden items may sit in the matrix: take more than needed, the fetch below filters.
-            return await index.top(("items", pair_id), vector, self.candidates * 2, least)
+            return await index.top(("items", pair_id), vector, self.candidates * 2, floor=floor)
 
         async def fetch(ids: list[int]) -> list[Any]:
             if fetched is not None:

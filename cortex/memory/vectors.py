@@ -36,6 +36,49 @@ TYPICAL_MIN = 30  # vectors needed to estimate a query's typical similarity from
 MAX_CACHED_VECTORS = 150_000  # over all cached scopes (~230 MB at 384 dimensions); least recently used go
 
 
+@dataclass(frozen=True, slots=True)
+class CentredFloor:
+    """The relevance floor of memory items: an item found by meaning counts only when its cosine to the
+    query stays at least ``least`` once the embedder's typical directions are taken out of both (the
+    query minus the mean query, the item minus the mean passage, each re-normalised).
+
+    Why: every e5 vector shares one common direction, so raw cosines sit in a narrow band (0.75-0.9 for
+    anything) and a few items ("hubs") come out on top for nearly any query. Gibberish scores 0.8
+    against every fact. A floor on raw cosines, however set, either let nearly every unrelated query
+    through or dropped most true ones; centred, the hubs are gone and one threshold holds from 12 to 40
+    items. How it was chosen: see the README's "Relevance floor"."""
+
+    direction: npt.NDArray[np.float32]  # the query minus the mean query, normalised
+    offset: npt.NDArray[np.float32]  # the mean passage
+    least: float
+
+    @classmethod
+    def of(cls, query: npt.NDArray[np.float32], mean_query: npt.NDArray[np.float32],
+           mean_passage: npt.NDArray[np.float32], least: float) -> CentredFloor:
+        direction = query - mean_query
+        norm = float(np.linalg.norm(direction))
+        return cls((direction / norm if norm > 0 else direction).astype(np.float32),
+                   mean_passage.astype(np.float32), least)
+
+    def passes(self, vectors: npt.NDArray[np.float32]) -> npt.NDArray[np.bool_]:
+        """Which rows of ``vectors`` (one per item) stand above the floor."""
+        if not len(vectors) or vectors.shape[1] != self.direction.shape[0]:
+            return np.ones(len(vectors), dtype=np.bool_)
+        centred = vectors - self.offset
+        norms = np.maximum(np.linalg.norm(centred, axis=1), 1e-6)
+        passing: npt.NDArray[np.bool_] = (centred @ self.direction) / norms >= self.least
+        return passing
+
+
+@dataclass(frozen=True, slots=True)
+class RelevanceFloors:
+    """What a candidate found by meaning alone must pass: items ``item`` (None: no floor), past
+    messages a cosine of at least ``message`` (-1: no floor)."""
+
+    item: CentredFloor | None = None
+    message: float = -1.0
+
+
 class Block:
     """One scope's vectors: ``ids`` and ``matrix`` are views of buffers that grow by doubling, so the
     backfill's small additions cost no copy of the whole matrix."""
@@ -81,7 +124,8 @@ class Block:
         self._size = need
         self._known.update(ids[n] for n in keep)
 
-    def top(self, query: npt.NDArray[np.float32], k: int, least: float = -1.0) -> dict[int, float]:
+    def top(self, query: npt.NDArray[np.float32], k: int, least: float = -1.0,
+            floor: CentredFloor | None = None) -> dict[int, float]:
         """The ``k`` best ids, each with how far its cosine similarity to ``query`` rises above what is
         typical for this query in this block (the mean plus two standard deviations over all its
         vectors; over fewer than ``TYPICAL_MIN`` vectors, the lowest similarity).
@@ -89,23 +133,35 @@ class Block:
         Raw cosines of one embedder sit in a narrow band (e5: ~0.75-0.9 for anything), so min-max
         scaling over a few candidates inflates small differences; the excess over the typical level
         says how much a vector stands out. Measured on LoCoMo (R@10): 64.8 against 60.2 for min-max.
-        Values can be negative (less similar than typical); callers clip."""
+        Values can be negative (less similar than typical); callers clip. None has a similarity below
+        ``least``, nor fails ``floor``."""
         if not len(self.ids) or self.matrix.shape[1] != query.shape[0]:
             return {}
-        return _combine([_scan(self.matrix, query, k, 0)], self.ids, k, least)
+        return self._floored(_combine([_scan(self.matrix, query, k, 0)], self.ids, k, least), floor)
 
-    async def top_async(self, query: npt.NDArray[np.float32], k: int, least: float = -1.0) -> dict[int, float]:
+    def _floored(self, found: tuple[npt.NDArray[np.int64], dict[int, float]], floor: CentredFloor | None
+                 ) -> dict[int, float]:
+        rows, scores = found
+        if floor is None or not scores:
+            return scores
+        ids = self.ids[rows[~floor.passes(self.matrix[rows])]].tolist()
+        for gone in ids:
+            del scores[gone]
+        return scores
+
+    async def top_async(self, query: npt.NDArray[np.float32], k: int, least: float = -1.0,
+                        floor: CentredFloor | None = None) -> dict[int, float]:
         """:meth:`top`; a big block is scanned in two halves on two worker threads (numpy releases the
         GIL, so both cores work while the event loop waits)."""
         n = len(self.ids)
         if n <= THREAD_ABOVE or self.matrix.shape[1] != query.shape[0]:
-            return self.top(query, k, least)
+            return self.top(query, k, least, floor)
         half = n // 2
         parts = await asyncio.gather(
             asyncio.to_thread(_scan, self.matrix[:half], query, k, 0),
             asyncio.to_thread(_scan, self.matrix[half:], query, k, half),
         )
-        return _combine(list(parts), self.ids, k, least)
+        return self._floored(_combine(list(parts), self.ids, k, least), floor)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,9 +181,11 @@ def _scan(matrix: npt.NDArray[np.float32], query: npt.NDArray[np.float32], k: in
                  float(np.dot(sims, sims)), float(sims.min()))
 
 
-def _combine(parts: list[_Scan], ids: npt.NDArray[np.int64], k: int, least: float = -1.0) -> dict[int, float]:
-    """The ``k`` best of the parts as excess over the typical level; those with a similarity below
-    ``least`` (the relevance floor) are left out after the typical level was measured over all."""
+def _combine(parts: list[_Scan], ids: npt.NDArray[np.int64], k: int, least: float = -1.0
+             ) -> tuple[npt.NDArray[np.int64], dict[int, float]]:
+    """The ``k`` best of the parts as excess over the typical level (by id), and their rows; those with a
+    similarity below ``least`` (the relevance floor) are left out after the typical level was measured
+    over all."""
     count = sum(p.count for p in parts)
     if count >= TYPICAL_MIN:
         mean = sum(p.total for p in parts) / count
@@ -143,7 +201,7 @@ def _combine(parts: list[_Scan], ids: npt.NDArray[np.int64], k: int, least: floa
     if least > -1.0:
         related = sims >= least
         rows, sims = rows[related], sims[related]
-    return dict(zip(ids[rows].tolist(), (sims - floor).tolist(), strict=True))
+    return rows, dict(zip(ids[rows].tolist(), (sims - floor).tolist(), strict=True))
 
 
 def _empty() -> Block:
@@ -178,10 +236,10 @@ class VectorIndex:
     async def has_vectors(self, scope: Scope) -> bool:
         return bool(len((await self._block(scope)).ids))
 
-    async def top(self, scope: Scope, query: npt.NDArray[np.float32], k: int, least: float = -1.0
-                  ) -> dict[int, float]:
-        """The ``k`` most similar ids of the scope (see :meth:`Block.top`), none below ``least``."""
-        return await (await self._block(scope)).top_async(query, k, least)
+    async def top(self, scope: Scope, query: npt.NDArray[np.float32], k: int, least: float = -1.0,
+                  floor: CentredFloor | None = None) -> dict[int, float]:
+        """The ``k`` most similar ids of the scope (see :meth:`Block.top`), none below ``least`` or ``floor``."""
+        return await (await self._block(scope)).top_async(query, k, least, floor)
 
     async def items(self, pair_id: int) -> Block:
         return await self._block(("items", pair_id))
