@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import signal
 import sys
 import threading
@@ -33,6 +34,28 @@ from bot.ports import IncomingMessage
 from bot.text import printable
 
 PLATFORM = "console"
+
+
+class _PrivateHistory(FileHistory):
+    """The prompt's history file, one per user: a line typed during an incognito stretch is not written
+    (``keep`` is off), and forget-me empties the file (:meth:`forget`), as it empties the database."""
+
+    def __init__(self, filename: str) -> None:
+        super().__init__(filename)
+        self.keep = True
+
+    def store_string(self, string: str) -> None:
+        if self.keep:
+            super().store_string(string)
+
+    def forget(self) -> None:
+        self._loaded_strings.clear()
+        Path(str(self.filename)).unlink(missing_ok=True)
+
+
+def history_path(user: str) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", user)[:60] or "user"
+    return Path(platformdirs.user_data_dir("cortex-bot", appauthor=False)) / f"terminal-history-{safe}"
 
 
 class _Held(logging.Handler):
@@ -97,6 +120,7 @@ class TerminalAdapter:
         self.export_dir = Path(export_dir) if export_dir else Path.cwd()
         self.failures = 0
         self._session: PromptSession[str] | None = None
+        self._history: _PrivateHistory | None = None
 
     @property
     def channel_id(self) -> str:
@@ -122,13 +146,17 @@ class TerminalAdapter:
     async def _prompt(self) -> str | None:
         """One line typed at the prompt (editing, and arrow keys through the history); None on Ctrl-D."""
         if self._session is None:
-            history_file = Path(platformdirs.user_data_dir("cortex-bot", appauthor=False)) / "terminal-history"
+            history: History = InMemoryHistory()
             try:
-                history_file.parent.mkdir(parents=True, exist_ok=True)
-                history: History = FileHistory(str(history_file))
+                history_path(self.user).parent.mkdir(parents=True, exist_ok=True)
+                self._history = _PrivateHistory(str(history_path(self.user)))
+                history = self._history
             except OSError:
-                history = InMemoryHistory()
+                pass
             self._session = PromptSession(history=history)
+        if self._history is not None:
+            self._history.keep = not await self.app.router.incognito(self._inbound("").message.author_key,
+                                                                     self.persona.name)
         while True:
             try:
                 with logs_above_prompt():
@@ -191,6 +219,9 @@ class TerminalAdapter:
 
     async def run_command(self, line: str) -> None:
         reply = await self.app.commands.dispatch(line, self._context())
+        if self._history is not None and line.lower().split()[:2] == [f"{self.app.commands.prefix}memory", "forget-me"]:
+            if await self.app.storage.get_user(self._inbound("").message.author_key) is None:
+                self._history.forget()  # forget-me ran: no typed line stays behind on the disk either
         if reply.needs_body:
             self.stdout.write(reply.needs_body + "\n")
             self.stdout.flush()

@@ -147,7 +147,7 @@ class Router:
         chat = self.config.chat
         shown = StreamedReply(sink, chat.edit_interval_seconds, chat.streaming)
         stream.on_status = shown.status
-        if await self._incognito(inbound.message.author_key, persona):
+        if await self.incognito(inbound.message.author_key, persona):
             await shown.feed(INCOGNITO_MARK)  # shown on the platform, never stored with the reply
         waiting = asyncio.create_task(shown.placeholder_after(chat.still_working_seconds, STILL_WORKING)) \
             if chat.still_working_seconds else None
@@ -168,7 +168,8 @@ class Router:
         handles = await shown.finish()
         await self._link(sink, handles, stream.result)
 
-    async def _incognito(self, user_key: str, persona: str) -> bool:
+    async def incognito(self, user_key: str, persona: str) -> bool:
+        """Whether the user is in an incognito stretch with the persona (``!memory pause``)."""
         user = await self.storage.get_user(user_key)
         return user is not None and await self.storage.incognito.since(user.id, persona) is not None
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 
-from bot.commands import Command, CommandContext, CommandRegistry, flag, number, option, text, word, words
+from bot.commands import Command, CommandContext, CommandRegistry, flag, number, option, split_words, text, word, words
 
 
 async def _handler(ctx: CommandContext, args: object) -> str:
@@ -35,6 +35,9 @@ def test_a_forms_values_become_the_commands_line() -> None:
     assert FORGET_ME.line("!", {"confirm": True}) == "!memory forget-me confirm"
     assert FORGET_ME.line("!", {"confirm": False}) == "!memory forget-me"
     assert DIFF.line("!", {"file": "my file; rm -rf", "v1": 1, "v2": 2}).startswith("!memory diff 'my file; rm -rf'")
+    for value in ("Ann's Bot", "C:\\Users\\ann", "x' y\" z", '"q', "tab\there"):
+        quoted = DIFF.line("!", {"file": value, "v1": 1, "v2": 2}).removeprefix("!memory diff ").rsplit(" ", 2)[0]
+        assert [t.value for t in split_words(quoted)] == [value.replace("' ", '" ') if '" ' in value else value]
 
 
 async def test_the_line_dispatches_to_the_same_arguments() -> None:
@@ -43,7 +46,30 @@ async def test_the_line_dispatches_to_the_same_arguments() -> None:
     registry.register(DIFF)
     ctx = CommandContext("discord", "discord:1", "Ann", "discord:c", "Cora")
     reply = await registry.dispatch(REMEMBER.line("!", {"text": "two\nlines", "pin": True}), ctx)
-    assert reply.text == "args=['--pin'] body='two\\nlines'"  # the repr of the body
+    assert reply.text == "args=['--pin', 'two\\nlines'] body='two\\nlines'"  # the free text as one argument
     reply = await registry.dispatch(DIFF.line("!", {"file": "my file", "v1": 1, "v2": 2}), ctx)
     assert reply.text == "args=['my file', '1', '2'] body=''"
     assert "takes at most 3 arguments" in (await registry.dispatch("!memory diff a 1 2 3", ctx)).text
+
+
+async def test_free_text_arrives_exactly_as_typed() -> None:
+    """Apostrophes, backslashes, quotes and spacing of free text stay as typed; flags count only before
+    or after the text; text on the command line and on the lines after it are one text."""
+    registry = CommandRegistry()
+    registry.register(REMEMBER)
+    ctx = CommandContext("matrix", "matrix:@ann:x", "Ann", "matrix:!r:x", "Cora")
+
+    async def args_of(line: str) -> str:
+        return (await registry.dispatch(line, ctx)).text
+
+    typed = "Ann's cat and Bob's dog are friends, see C:\\Users\\ann and \"carpe diem\"   (Horace)"
+    assert await args_of(f"!memory remember {typed}") == f"args={[typed]!r} body={typed!r}"
+    assert await args_of("!memory remember Use --pin wisely") == "args=['Use --pin wisely'] body='Use --pin wisely'"
+    assert await args_of("!memory remember --pin I like tea --category fact") == (
+        "args=['--pin', 'I like tea', '--category', 'fact'] body='I like tea'")
+    assert await args_of("!memory remember My address is:\nBaker Street 5") == (
+        "args=['My address is:\\nBaker Street 5'] body='My address is:\\nBaker Street 5'")
+    assert await args_of("!memory remember 'it's quoted' and so 'is this'") == (
+        "args=[\"'it's quoted' and so 'is this'\"] body=\"'it's quoted' and so 'is this'\"")
+    missing = await registry.dispatch("!memory remember --pin", ctx)
+    assert "needs the text" in missing.text and missing.needs_body

@@ -94,3 +94,31 @@ def test_editing_history_ctrl_c_and_ctrl_d(tmp_path: Path, fake_llm: FakeLLMServ
     assert chat.wait() == 0
     users = [r[0] for r in db_rows(tmp_path, "SELECT text FROM messages WHERE role = 'user' ORDER BY id")]
     assert users == ["hello", "hello", "a slow question"]
+
+
+@pytest.mark.slow
+def test_the_history_file_keeps_nothing_of_incognito_and_nothing_after_forget_me(
+        tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    fake_llm.responder = lambda request: FakeResponse.text(f"echo: {request.last_user_text()}")
+    config = write_config(tmp_path, fake_llm)
+    env = {**os.environ, "CB_TEST_API_KEY": API_KEY, "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1",
+           "XDG_DATA_HOME": str(tmp_path / "data")}
+    history = tmp_path / "data" / "cortex-bot" / "terminal-history-ann"
+    chat = Tty([str(BIN / "cortexbot"), "--config", str(config), "chat", "--user", "ann"], env)
+    for line, answer in (("an ordinary line", "Cora: echo: an ordinary line"), ("!memory pause", "Incognito with"),
+                         ("my secret is hunter2", "Cora: echo: my secret is hunter2"), ("!memory resume", "deleted"),
+                         ("after the pause", "Cora: echo: after the pause")):
+        chat.expect("you ›")  # the next prompt, ready for keys
+        chat.send(line + "\r")
+        chat.expect(answer)
+        chat.after(answer)
+    kept = history.read_text()
+    assert "an ordinary line" in kept and "after the pause" in kept and "hunter2" not in kept
+    chat.mark()
+    chat.send("!memory forget-me confirm\r")
+    chat.expect("Done. Deleted")
+    chat.after("Done. Deleted")
+    chat.expect("you ›")  # the next prompt, ready for keys
+    chat.send("\x04")
+    assert chat.wait() == 0
+    assert not history.exists() or "ordinary" not in history.read_text()

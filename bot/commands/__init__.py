@@ -5,12 +5,17 @@ same line from a slash command) and a :class:`CommandContext` saying who asks wh
 one word (``!help``) or a group and a subcommand (``!memory show``). A message's first line is the
 command; any further lines are its *body* (the new content for ``!memory edit``). Handlers return a
 :class:`CommandReply` (or plain text) and never touch a platform.
+
+Words are split at white space and kept as typed (an apostrophe, a backslash, a quote inside a word stay);
+a word opening with a quote runs to the matching quote (``--persona "Captain Nemo"``). A command's free
+text is handed over exactly as typed, from its first word to its last, with the lines after it: only the
+flags and options before and after it are taken out, so "Use --pin wisely" stays a sentence.
 """
 
 from __future__ import annotations
 
 import logging
-import shlex
+import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -160,6 +165,45 @@ class Command:
             return None
         return sum(1 for p in self.params if p.kind in ("word", "number", "file"))
 
+    def free_text(self, tokens: Sequence[Token], line: str, body: str) -> tuple[list[str], str] | None:
+        """For a command with a ``text`` parameter: its arguments with the free text as one argument, exactly
+        as typed (then the lines after the command line), and that text (also the context's body). The
+        leading words the command takes come first; flags and options count only before the text or
+        after it. None for a command without free text."""
+        if not any(p.kind == "text" for p in self.params):
+            return None
+        flags = {p.spelled for p in self.params if p.kind == "flag"}
+        options = {p.spelled for p in self.params if p.kind == "option"}
+        leading = 0
+        for param in self.params:
+            if param.kind == "text":
+                break
+            leading += param.kind in ("word", "number")
+        head: list[str] = []
+        start = 0
+        while start < len(tokens):  # options, flags and the leading words, up to the text
+            value = tokens[start].value
+            if value in options:
+                head += [t.value for t in tokens[start:start + 2]]
+                start += 2
+            elif value in flags or leading > 0:
+                leading -= value not in flags
+                head.append(value)
+                start += 1
+            else:
+                break
+        end = len(tokens)
+        while end > start:  # options and flags after the text
+            if end - 2 >= start and tokens[end - 2].value in options:
+                end -= 2
+            elif tokens[end - 1].value in flags or tokens[end - 1].value in options:  # an option's value missing:
+                end -= 1  # the handler says so
+            else:
+                break
+        inline = line[tokens[start].start:tokens[end - 1].end] if end > start else ""
+        text = "\n".join(part for part in (inline, body) if part.strip())
+        return head + ([text] if text else []) + [t.value for t in tokens[end:]], text
+
     def positional(self, args: Sequence[str]) -> list[str]:
         """``args`` without this command's flags and options (and the options' values)."""
         flags = {p.spelled for p in self.params if p.kind == "flag"}
@@ -186,14 +230,58 @@ class Command:
             if param.kind == "flag":
                 parts.append(param.spelled)
             elif param.kind == "option":
-                parts += [param.spelled, shlex.quote(str(value))]
+                parts += [param.spelled, quote_word(str(value))]
             elif param.kind == "text":
                 body = str(value)
             elif param.kind == "words":
                 parts.append(str(value))
             else:
-                parts.append(shlex.quote(str(value)))
+                parts.append(quote_word(str(value)))
         return " ".join(parts) + (f"\n{body}" if body else "")
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    value: str  # the word, without the quotes it was typed in
+    start: int  # where it was typed in the line (quotes included)
+    end: int
+
+
+def split_words(line: str) -> list[Token]:
+    """The words of a command line as typed (see the module's docstring): unlike ``shlex``, an apostrophe
+    or a backslash is just a character ("Ann's", "C:\\Users"); a word that starts with a quote ends at the
+    same quote where a word ends, and an unmatched quote is a character too."""
+    tokens: list[Token] = []
+    i, n = 0, len(line)
+    while i < n:
+        if line[i].isspace():
+            i += 1
+            continue
+        if line[i] in "'\"":
+            close = i + 1
+            while (close := line.find(line[i], close)) != -1 and close + 1 < n and not line[close + 1].isspace():
+                close += 1
+            if close != -1:
+                tokens.append(Token(line[i + 1:close], i, close + 1))
+                i = close + 1
+                continue
+        end = i
+        while end < n and not line[end].isspace():
+            end += 1
+        tokens.append(Token(line[i:end], i, end))
+        i = end
+    return tokens
+
+
+def quote_word(value: str) -> str:
+    """``value`` as one word of a command line, read back by :func:`split_words` as it is (a value with
+    both a ``' `` and a ``" `` inside, which no quote can hold, has its ``" `` made ``' ``)."""
+    if value and value[0] not in "'\"" and not any(c.isspace() for c in value):
+        return value
+    for quote in "'\"":
+        if not re.search(quote + r"\s", value):
+            return f"{quote}{value}{quote}"
+    return "'" + re.sub(r"'(?=\s)", '"', value) + "'"
 
 
 class CommandError(Exception):
@@ -224,10 +312,9 @@ class CommandRegistry:
 
     async def dispatch(self, text: str, context: CommandContext) -> CommandReply:
         first, _, body = without_surrogates(text).strip().partition("\n")
-        try:
-            words = shlex.split(first[len(self.prefix):])
-        except ValueError:  # an apostrophe in free text ("Ann's sister"): plain words, as typed
-            words = first[len(self.prefix):].split()
+        line = first[len(self.prefix):]
+        tokens = split_words(line)
+        words = [t.value for t in tokens]
         if not words:
             return CommandReply(f"Type {self.prefix}help for the list of commands.")
         command, args = self._find(words)
@@ -251,6 +338,15 @@ class CommandRegistry:
             takes = "no arguments" if limit == 0 else "at most " + plural(limit, "argument")
             return CommandReply(f"{self.prefix}{command.name} takes {takes} (not {printable(extra)[:60]!r}). "
                                 f"Usage: {self.usage(command)}", private=command.private)
+        free = command.free_text(tokens[len(words) - len(args):], line, body)
+        if free is not None:
+            args, body = free
+            missing = next((p for p in command.params if p.kind == "text" and p.required and not body), None)
+            if missing is not None:
+                return CommandReply(
+                    f"{self.prefix}{command.name} needs the {missing.name}: after the command, or on the lines "
+                    f"below it. Usage: {self.usage(command)}", private=command.private,
+                    needs_body=f"Type the {missing.name}; end with a line holding only a dot (.)")
         ctx = context if not body else _with_body(context, body)
         try:
             result = await command.handler(ctx, args)
