@@ -424,6 +424,7 @@ def _print_copy_report(report: CopyReport) -> None:
 def doctor(ctx: click.Context) -> None:
     """Check the config, the database and the LLM, and say what is wrong."""
     from rich.console import Console
+    from rich.markup import escape
 
     console = Console(highlight=False, soft_wrap=True)
     setup_logging("ERROR")
@@ -433,7 +434,7 @@ def doctor(ctx: click.Context) -> None:
         nonlocal problems
         problems += 0 if ok else 1
         mark = "[green]✓[/green]" if ok else "[red]✗[/red]"
-        console.print(f"{mark} {what}" + (f": {detail}" if detail else ""))
+        console.print(f"{mark} {escape(what)}" + (f": {escape(detail)}" if detail else ""))  # "[llm]" is text
 
     path = resolve_config_path(ctx.obj["config_path"])
     try:

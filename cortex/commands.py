@@ -231,7 +231,7 @@ class CortexCommands:
         data = build_zip(everything)
         items = sum(len(p["memory_items"]) for p in everything["personas"])
         return CommandReply(
-            f"Everything the bot holds about you: {plural(len(everything['personas']), 'persona')}' files with every "
+            f"Everything the bot holds about you: {plural(len(everything['personas']), 'persona')}: files with every "
             f"version, {plural(items, 'memory item')}, {plural(len(everything['messages']), 'message')} and the "
             f"update log ({len(data):,} bytes; README.md inside says what is where).",
             attachments=(Attachment(export_filename(user), data),), private=True,

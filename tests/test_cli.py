@@ -249,6 +249,9 @@ def test_doctor_reports_what_is_wrong(tmp_path: Path, fake_llm: FakeLLMServer) -
     broken.write_text("[nope]\n")
     bad = cortexbot("--config", str(broken), "doctor")
     assert bad.returncode == 1 and "key 'nope' at the top level" in bad.stdout
+    broken.write_text("[llm]\nmax_token = 1024\n")  # the section's name in brackets is printed, not taken as markup
+    bad = cortexbot("--config", str(broken), "doctor")
+    assert bad.returncode == 1 and "unknown [llm] key 'max_token'" in bad.stdout, bad.stdout
 
 
 @pytest.mark.slow

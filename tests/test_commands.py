@@ -73,3 +73,6 @@ async def test_free_text_arrives_exactly_as_typed() -> None:
         "args=[\"'it's quoted' and so 'is this'\"] body=\"'it's quoted' and so 'is this'\"")
     missing = await registry.dispatch("!memory remember --pin", ctx)
     assert "needs the text" in missing.text and missing.needs_body
+    registry.register(FORGET_ME)
+    assert await args_of("!memory forget-me CONFIRM") == "args=['CONFIRM'] body=''"  # a flag's word in any case
+    assert "takes no arguments" in await args_of("!memory forget-me yes")

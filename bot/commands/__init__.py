@@ -215,7 +215,7 @@ class Command:
                 skip = False
             elif arg in options:
                 skip = True
-            elif arg not in flags:
+            elif arg not in flags and arg.lower() not in flags:  # "CONFIRM" is the confirm word too
                 left.append(arg)
         return left
 

@@ -199,7 +199,7 @@ class MemoryCommands:
         try:
             if what == "forget":
                 await self.memory.archive(pair, item_id, "forgotten by the user")
-                return f"#{item_id} is archived; `memory restore {item_id}` brings it back."
+                return f"#{item_id} is archived; {self.prefix}memory restore {item_id} brings it back."
             if what == "restore":
                 item = await self.memory.restore(pair, item_id)
                 return f"#{item.id} is back: {item.content}"
@@ -238,7 +238,7 @@ class MemoryCommands:
         if not total:
             if archived:
                 return "No archived items."
-            return "No memory items yet (the persona and `memory remember` add them)."
+            return f"No memory items yet (the persona and {self.prefix}memory remember add them)."
         pages = (total + PAGE - 1) // PAGE
         if page > pages:
             return f"There {'is only 1 page' if pages == 1 else f'are only {pages} pages'} ({plural(total, 'item')})."
@@ -260,6 +260,11 @@ class MemoryCommands:
         user, pair = await self.pairs.pair_for(ctx.user_key, ctx.user_name, ctx.persona)
         hits = await self.memory.search(pair.id, query, user_id=user.id, persona=ctx.persona, limit=10)
         if not hits:
-            return f"Nothing found for {query!r}."
-        return "\n".join([f"Results for {query!r}:"] + [
+            return f"Nothing found for {_shown(query)!r}."
+        return "\n".join([f"Results for {_shown(query)!r}:"] + [
             f"{h.score:.2f}  {h.text[:200]}  ({h.source}, {h.created_at:%Y-%m-%d})" for h in hits])
+
+
+def _shown(query: str, limit: int = 80) -> str:
+    """A query as a reply repeats it: a long one shortened (the caller typed it; it need not come back whole)."""
+    return query if len(query) <= limit else query[:limit - 1] + "…"

@@ -125,10 +125,9 @@ class RulesCommands:
         ):
             registry.register(Command(f"rules {sub}", summary, handler, params, admin=True, bot_admin=bot_admin))
 
-    @staticmethod
-    def _name(args: Sequence[str]) -> str:
+    def _name(self, args: Sequence[str]) -> str:
         if not args:
-            raise CommandError("which rule? (see the names with rules list)")
+            raise CommandError(f"which rule? (see the names with {self.prefix}rules list)")
         name = args[0].lower()
         if not RULE_NAME.match(name):
             raise CommandError("a rule's name is one word of letters, digits, - or _ (at most 40)")
