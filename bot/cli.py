@@ -38,6 +38,8 @@ def setup_logging(level: str) -> None:
     # SDK and HTTP loggers can print request headers at DEBUG: keep them quiet so keys never reach logs.
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    # The scheduler logs every run of every periodic job at INFO (two lines every 5 s on an idle bot).
+    logging.getLogger("apscheduler").setLevel(logging.DEBUG if level == "DEBUG" else logging.WARNING)
 
 
 def _load(ctx: click.Context) -> Config:
@@ -422,7 +424,8 @@ def _print_copy_report(report: CopyReport) -> None:
 @cli.command()
 @click.pass_context
 def doctor(ctx: click.Context) -> None:
-    """Check the config, the database and the LLM, and say what is wrong."""
+    """Check the config, the chat platforms' credentials, the database, the tokenizer, the embedder and
+    the LLM, and say what is wrong."""
     from rich.console import Console
     from rich.markup import escape
 
@@ -515,8 +518,23 @@ async def _doctor_queue(storage: Any, report: Callable[..., None]) -> None:
     report(waited <= STUCK_AFTER_SECONDS, "job queue", detail)
 
 
+def _doctor_adapters(config: Config, report: Callable[..., None]) -> None:
+    """The enabled chat platforms' secrets are there (what ``run`` needs before it connects)."""
+    if config.discord.enabled:
+        env = config.discord.token_env
+        report(bool(read_secret(env)), "Discord", f"bot token read from ${env}" if read_secret(env)
+               else f"[discord] is enabled but ${env} holds no bot token")
+    if config.matrix.enabled:
+        env = config.matrix.access_token_env or config.matrix.password_env
+        what = "access token" if config.matrix.access_token_env else "password"
+        report(bool(read_secret(env)), "Matrix", f"{what} read from ${env} for {config.matrix.user_id}"
+               if read_secret(env) else f"[matrix] is enabled but ${env} (the {what}) is not set")
+
+
 async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
     from bot.app import build_provider
+
+    _doctor_adapters(config, report)
     from bot.storage import open_storage
     from bot.tokens import BPETokenEstimator
 

@@ -45,7 +45,7 @@ MAX_NUMBER = 10**12  # no setting needs more; far larger ones overflow timers an
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False, strict=True)
 
     @field_validator("*", mode="after")
     @classmethod

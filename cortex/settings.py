@@ -72,10 +72,17 @@ class Effective:
     sources: dict[str, str]  # key -> "config" | scope that set it
 
 
+def _unknown(key: str) -> str:
+    if key in CortexConfig.model_fields:
+        return (f"{key} is set in the config file only ([cortex] {key}), not in chat; settings here: "
+                f"{', '.join(OVERRIDABLE)}")
+    return f"unknown setting {key!r}; settings: {', '.join(OVERRIDABLE)}"
+
+
 def parse_value(key: str, text: str) -> Any:
     """Read a value typed in a command; raises :class:`SettingError` with the accepted form."""
     if key not in OVERRIDABLE:
-        raise SettingError(f"unknown setting {key!r}; settings: {', '.join(OVERRIDABLE)}")
+        raise SettingError(_unknown(key))
     raw = text.strip()
     lowered = raw.lower()
     try:
@@ -126,7 +133,7 @@ class SettingsResolver:
                     merged[key] = value
                     sources[key] = scope
         try:
-            settings = CortexConfig.model_validate(merged)
+            settings = CortexConfig.model_validate(merged, strict=False)  # stored by older versions too
         except ValidationError:
             # An override that no longer validates (e.g. after an upgrade) must not stop replies.
             settings = self.defaults
@@ -153,6 +160,6 @@ class SettingsResolver:
 
     async def clear(self, scope: str, key: str) -> bool:
         if key not in OVERRIDABLE:
-            raise SettingError(f"unknown setting {key!r}; settings: {', '.join(OVERRIDABLE)}")
+            raise SettingError(_unknown(key))
         self._cache.pop(scope, None)
         return await self.store.clear_setting(scope, key)

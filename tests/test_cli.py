@@ -234,8 +234,11 @@ def test_doctor_reports_what_is_wrong(tmp_path: Path, fake_llm: FakeLLMServer) -
     wrong_model = cortexbot("--config", str(config), "doctor")
     assert wrong_model.returncode == 1
     assert "model test-model: not offered by the server (it offers: other-model)" in wrong_model.stdout
-    no_key = cortexbot("--config", str(config), "doctor", env={"CB_TEST_API_KEY": ""})
+    with_discord = tmp_path / "discord.toml"  # what `run` would refuse, doctor reports too
+    with_discord.write_text(config.read_text() + '[discord]\nenabled = true\ntoken_env = "CB_TEST_NO_TOKEN"\n')
+    no_key = cortexbot("--config", str(with_discord), "doctor", env={"CB_TEST_API_KEY": "", "CB_TEST_NO_TOKEN": ""})
     assert no_key.returncode == 1 and "CB_TEST_API_KEY is not set" in no_key.stdout
+    assert "✗ Discord: [discord] is enabled but $CB_TEST_NO_TOKEN holds no bot token" in no_key.stdout
     fake_llm.models_missing = True
     unlisted = cortexbot("--config", str(config), "doctor")
     assert unlisted.returncode == 0, unlisted.stdout

@@ -65,6 +65,10 @@ def test_unknown_section_is_named() -> None:
 def test_wrong_type_names_key_and_value() -> None:
     message = _error({"llm": {"max_tokens": "lots"}})
     assert "[llm] key 'max_tokens'" in message and "'lots'" in message
+    # TOML has numbers and booleans: a quoted one is a mistake, not read as what it might mean
+    assert "[history] key 'history_tokens'" in _error({"history": {"history_tokens": "2000"}})
+    assert "[cortex] key 'use_in_groups'" in _error({"cortex": {"use_in_groups": "on"}})
+    assert parse_config({"memory": {"weight_text": 1}}).memory.weight_text == 1.0  # a whole number is a number
 
 
 def test_missing_required_persona_name() -> None:

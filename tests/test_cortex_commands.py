@@ -207,7 +207,9 @@ async def test_settings_are_admin_only_scoped_validated_and_shown(tmp_path: Path
         assert "must be on/off" in (await run(app, "!cortex settings enabled maybe", admin)).text
         small = (await run(app, "!cortex settings context_limit 2", admin)).text
         assert "context_limit = '2' is not accepted: it must be at least 4" in small and "Input should" not in small
-        assert "unknown setting" in (await run(app, "!cortex settings file_max_chars 10", admin)).text
+        config_only = (await run(app, "!cortex settings file_max_chars 10", admin)).text
+        assert "config file only ([cortex] file_max_chars)" in config_only
+        assert "unknown setting 'nope'" in (await run(app, "!cortex settings nope 10", admin)).text
         assert "override removed" in (await run(app, "!cortex settings frequency default", admin)).text
         assert (await app.cortex.resolver.effective("Cora")).sources["frequency"] == "config"
 
