@@ -73,15 +73,36 @@ def _run_async(main: Callable[[], Awaitable[T]]) -> T:
         sys.exit(130)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
-    "--config",
-    "config_path",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Config file (TOML). Default: $CORTEXBOT_CONFIG, else ./config.toml, else built-in defaults.",
-)
-@click.option("-v", "--verbose", is_flag=True, help="Log progress to stderr (INFO; DEBUG with [bot] log_level).")
+CONFIG_HELP = "Config file (TOML). Default: $CORTEXBOT_CONFIG, else ./config.toml, else built-in defaults."
+VERBOSE_HELP = "Log progress to stderr (INFO; DEBUG with [bot] log_level)."
+
+
+def _into_obj(key: str) -> Callable[[click.Context, click.Parameter, Any], Any]:
+    def keep(ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
+        if value:  # given after the subcommand: wins over the group's (shared ctx.obj)
+            ctx.ensure_object(dict)[key] = value
+        return value
+    return keep
+
+
+class _Cli(click.Group):
+    """The main options are also taken after the subcommand (``cortexbot doctor --config x.toml``), where
+    people type them, not only before it."""
+
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        cmd.params += [
+            click.Option(["--config", "sub_config"], type=click.Path(dir_okay=False, path_type=Path), default=None,
+                         expose_value=False, callback=_into_obj("config_path"), help=CONFIG_HELP),
+            click.Option(["-v", "--verbose", "sub_verbose"], is_flag=True, expose_value=False,
+                         callback=_into_obj("verbose"), help=VERBOSE_HELP),
+        ]
+        super().add_command(cmd, name)
+
+
+@click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help=CONFIG_HELP)
+@click.option("-v", "--verbose", is_flag=True, help=VERBOSE_HELP)
 @click.version_option(package_name="cortex-bot")
 @click.pass_context
 def cli(ctx: click.Context, config_path: Path | None, verbose: bool) -> None:

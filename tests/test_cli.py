@@ -141,6 +141,7 @@ def test_every_subcommand_has_help() -> None:
         assert result.returncode == 0, result.stderr
         assert "Usage: cortexbot" in result.stdout
     assert "--persona" in cortexbot("chat", "--help").stdout
+    assert "--config FILE" in cortexbot("doctor", "--help").stdout
 
 
 @pytest.mark.parametrize("provider", ["anthropic", "openai"])
@@ -231,7 +232,7 @@ def test_doctor_reports_what_is_wrong(tmp_path: Path, fake_llm: FakeLLMServer) -
     assert "All checks passed" in good.stdout and "database" in good.stdout
     assert "✓ embedder: multilingual-e5-small-q4, 384 dimensions" in good.stdout  # loaded offline
     fake_llm.models = ["other-model"]
-    wrong_model = cortexbot("--config", str(config), "doctor")
+    wrong_model = cortexbot("doctor", "--config", str(config))  # the main options also after the subcommand
     assert wrong_model.returncode == 1
     assert "model test-model: not offered by the server (it offers: other-model)" in wrong_model.stdout
     with_discord = tmp_path / "discord.toml"  # what `run` would refuse, doctor reports too
