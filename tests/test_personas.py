@@ -94,6 +94,11 @@ async def test_edit_history_revert_change_the_prompt_at_once(tmp_path: Path) -> 
         assert "no version 9" in await run(app, "!persona revert tone 9")
         assert "at most 4,000" in await run(app, "!persona edit tone " + "x" * 4001)
         assert "a section is one word" in await run(app, "!persona edit ../../etc hi")
+        assert "did you mean identity?" in await run(app, "!persona edit identiy You are a pirate.")
+        asked = await run(app, "!persona edit tone")  # no text: asked for, not emptied
+        assert "Give the new text of tone" in asked and "--empty" in asked
+        assert "section tone emptied" in await run(app, "!persona edit tone --empty")
+        assert "section backstory is now version 2" in await run(app, "!persona edit backstory Grew up\nin Lyon.")
 
 
 async def test_who_may_do_what(tmp_path: Path) -> None:

@@ -189,6 +189,9 @@ async def test_skills_commands_switch_per_server_and_forget_me_removes_the_audit
         assert "remember" in tool_names(replies(fake_llm)[-1])
         assert "everywhere" in (await app.commands.dispatch("!skills enable remember --everywhere", admin)).text \
             and "bot's admins" in (await app.commands.dispatch("!skills enable remember --everywhere", admin)).text
+        both = (await app.commands.dispatch("!skills enable remember --channel --everywhere", admin)).text
+        assert "choose one of --channel and --everywhere" in both
+        assert "which skill?" in (await app.commands.dispatch("!skills enable", admin)).text
         fake_llm.enqueue(FakeResponse.tool_calls([("c1", "current_time", {})]), FakeResponse.text("Noon."))
         await app.core.reply(_msg("time?")).text()
         assert "bot's admins only" in (await app.commands.dispatch("!skills stats", admin)).text  # bot-wide

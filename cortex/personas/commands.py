@@ -7,6 +7,7 @@ persona is shared by every server. Every change is a new version of one soul sec
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from bot.commands import (
     CommandContext,
     CommandError,
     CommandRegistry,
+    CommandReply,
+    flag,
     number,
     parse_number,
     text,
@@ -34,6 +37,8 @@ MAX_NAME_CHARS = 80
 SECTION_KEY = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
 KNOWN_VARIABLES = ("char_name", "user_name", "language", "date", "char", "user", "language_code")
 _BRACES = re.compile(r"\{\{?\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}?\}")
+
+EMPTY_FLAG = "--empty"
 
 
 def section_key(text: str) -> str:
@@ -88,7 +93,7 @@ class PersonaCommands:
              "how the soul of the persona here changed: who, when, why", self.history, False),
             ("create", (words("name", "the new persona's name", required=True),),
              "a new persona (then give it a soul with edit)", self.create, True),
-            ("edit", (section, text("text", "the section's new text", required=True)),
+            ("edit", (section, text("text", "the section's new text"), flag("empty", "empty the section")),
              "rewrite one soul section of the persona here", self.edit, True),
             ("revert", (section, number("version", "the version to bring back", required=True)),
              "bring back an earlier version of a section", self.revert, True),
@@ -151,15 +156,24 @@ class PersonaCommands:
         return (f"Persona {row.name} created ({row.language}). Pick it for a channel with {self.prefix}persona "
                 f"{row.name}, then give it a soul there: {self.prefix}persona edit identity You are …")
 
-    async def edit(self, ctx: CommandContext, args: Sequence[str]) -> str:
-        if not args:
+    async def edit(self, ctx: CommandContext, args: Sequence[str]) -> str | CommandReply:
+        if not args or args[0] == EMPTY_FLAG:
             raise CommandError("which section? e.g. " + ", ".join(SOUL_SECTIONS))
         key = section_key(args[0])
-        text = (" ".join(args[1:]) or ctx.body).strip()
+        text = "" if EMPTY_FLAG in args else (" ".join(args[1:]) or ctx.body).strip()
+        if not text and EMPTY_FLAG not in args:
+            return CommandReply(f"Give the new text of {key} after the command or on the lines below it "
+                                f"(to empty the section: {self.prefix}persona edit {key} {EMPTY_FLAG}).",
+                                needs_body=f"Type the new text of {key}; end with a line holding only a dot (.)")
         if len(text) > MAX_SECTION_CHARS:
             raise CommandError(f"a soul section holds at most {MAX_SECTION_CHARS:,} characters (this is "
                                f"{len(text):,})")
         scope = await self._scope(ctx.persona)
+        if key not in SOUL_SECTIONS and key not in {t.name for t in await self.storage.personas.current("soul", scope)}:
+            close = difflib.get_close_matches(key, SOUL_SECTIONS, n=1, cutoff=0.8)
+            if close:  # a typo would make a new section of its own
+                raise CommandError(f"{ctx.persona} has no section {key}: did you mean {close[0]}? (a section of "
+                                   "your own needs a name that is not this close to a standard one)")
         saved = await self.storage.personas.put("soul", scope, key, text, author=ctx.user_key,
                                                 reason="edited in chat")
         await self.registry.load()

@@ -65,6 +65,8 @@ def lore_input(args: Sequence[str], body: str) -> LoreInput:
     words = list(args)
     keys = _take_value(words, KEYS_FLAG, "Lyon,river")
     priority = _take_value(words, PRIORITY_FLAG, "10")
+    if ALWAYS_FLAG in words and NOT_ALWAYS_FLAG in words:
+        raise CommandError(f"choose one of {ALWAYS_FLAG} and {NOT_ALWAYS_FLAG}")
     always = True if ALWAYS_FLAG in words else False if NOT_ALWAYS_FLAG in words else None
     words = [w for w in words if w not in (ALWAYS_FLAG, NOT_ALWAYS_FLAG)]
     text = (" ".join(words) or body).strip()

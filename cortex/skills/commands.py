@@ -64,14 +64,18 @@ class SkillCommands:
     async def _switch(self, ctx: CommandContext, args: Sequence[str], enabled: bool) -> str:
         names = [a for a in args if not a.startswith("--")]
         known = {s.info.name: s for s in self.tools.all()}
-        if not names or names[0] not in known:
-            raise CommandError(f"unknown skill {names[0] if names else ''!r}; see {self.prefix}skills list")
+        if not names:
+            raise CommandError(f"which skill? see {self.prefix}skills list")
+        if names[0] not in known:
+            raise CommandError(f"unknown skill {names[0]!r}; see {self.prefix}skills list")
         scope, where = self._scope(ctx, args)
         await self.tools.policy.set(ctx.persona, scope, names[0], enabled)
         return f"{names[0]} is now {'on' if enabled else 'off'} for {ctx.persona} {where}."
 
     @staticmethod
     def _scope(ctx: CommandContext, args: Sequence[str]) -> tuple[str, str]:
+        if "--channel" in args and "--everywhere" in args:
+            raise CommandError("choose one of --channel and --everywhere")
         if "--channel" in args:
             return f"channel:{ctx.channel_key}", "in this channel"
         if "--everywhere" in args or not ctx.server_key:
