@@ -281,7 +281,7 @@ class DiscordAdapter:
             channel_name=str(channel_name),
             server_id=None if is_dm else str(message.guild.id),  # type: ignore[union-attr]
             mentions_bot=mentions_bot,
-            reply_to=str(message.reference.message_id) if message.reference else None,
+            reply_to=f"{PLATFORM}-message:{message.reference.message_id}" if message.reference else None,
             sent_at=message.created_at,
             parent_channel_id=_parent_id(message.channel),
         )

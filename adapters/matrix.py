@@ -72,6 +72,19 @@ def render(text: str, msgtype: str) -> dict[str, Any]:
     }
 
 
+def without_reply_fallback(body: str) -> str:
+    """A reply's own text: older clients start its body with the quoted message (lines beginning with
+    ``>``, then an empty line), which the spec no longer asks for; a command sent as a reply must still
+    start with its ``!``."""
+    lines = body.split("\n")
+    quoted = 0
+    while quoted < len(lines) and lines[quoted].startswith(">"):
+        quoted += 1
+    if not quoted or quoted == len(lines):
+        return body
+    return "\n".join(lines[quoted + (lines[quoted] == ""):])
+
+
 class MatrixError(RuntimeError):
     pass
 
@@ -93,6 +106,11 @@ class MatrixSink:
             return {"rel_type": "m.thread", "event_id": self.thread_root, "is_falling_back": True,
                     "m.in_reply_to": {"event_id": self.event.event_id}}
         return {"m.in_reply_to": {"event_id": self.event.event_id}}
+
+    @staticmethod
+    def message_key(handle: str) -> str:
+        """How a reply's message is named (for ``!memory why`` sent as a reply to it)."""
+        return f"{PLATFORM}-message:{handle}"
 
     async def send(self, text: str) -> str:
         content = render(text, self.adapter.config.msgtype) | {"m.relates_to": self._relation()}
@@ -301,10 +319,10 @@ class MatrixAdapter:
         me = self.config.user_id
         mentions = content.get("m.mentions", {}).get("user_ids", [])
         display = room.user_name(me) or me
-        body = event.body
+        reply_to = content.get("m.relates_to", {}).get("m.in_reply_to", {}).get("event_id")
+        body = without_reply_fallback(event.body) if reply_to else event.body
         mentions_bot = me in mentions or me in body or (display and display in body) or me in (
             getattr(event, "formatted_body", None) or "")
-        reply_to = content.get("m.relates_to", {}).get("m.in_reply_to", {}).get("event_id")
         is_dm = room.member_count <= 2
         level = room.power_levels.get_user_level(event.sender)
         if event.sender in self._creators.get(room.room_id, ()):
@@ -326,7 +344,7 @@ class MatrixAdapter:
             server_id=None if is_dm else room.room_id,
             author_home=event.sender.split(":", 1)[-1],
             mentions_bot=bool(mentions_bot),
-            reply_to=reply_to,
+            reply_to=f"{PLATFORM}-message:{reply_to}" if reply_to else None,
         )
         return Inbound(
             incoming,

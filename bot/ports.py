@@ -31,7 +31,7 @@ class IncomingMessage:
     channel_name: str = ""
     server_id: str | None = None  # Discord guild / Matrix server; None in DMs
     mentions_bot: bool = False
-    reply_to: str | None = None
+    reply_to: str | None = None  # the message this one answers, as a sink names messages (discord-message:ID)
     sent_at: datetime | None = None
     parent_channel_id: str | None = None  # a thread's or forum post's channel: its persona is inherited
     author_home: str | None = None  # the author's home server where a platform has one (Matrix: their homeserver)

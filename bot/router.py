@@ -135,6 +135,7 @@ class Router:
             attachments=inbound.attachments,
             is_dm=msg.is_dm,
             server_key=msg.server_key,
+            reply_to=msg.reply_to,
         )
 
     async def _reply(self, inbound: Inbound, sink: ChatSink, persona: str) -> None:

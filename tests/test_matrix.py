@@ -428,3 +428,28 @@ async def test_brain_reaction_remembers_and_cross_undoes(synapse: SynapseServer,
         assert [i.content for i in items] == ["echo: my cat is called Pixel"]
     finally:
         await alice.close()
+
+
+async def test_memory_why_sent_as_a_reply_explains_that_reply(synapse: SynapseServer, bot: Bot) -> None:
+    """`!memory why` sent as a reply to one of the bot's messages explains that one (not the last), also
+    from a client that starts a reply's body with the quoted message."""
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    try:
+        room = await open_room(alice, [bot.user_id], direct=True)
+        await joined(seen, room, bot.user_id)
+        await send_text(alice, room, "first question")
+        await seen.sync_until(lambda: len(seen.from_(room, bot.user_id)) >= 1, "the first reply")
+        first = seen.from_(room, bot.user_id)[0]["event_id"]
+        await send_text(alice, room, "second question")
+        await seen.sync_until(lambda: any("echo: second question" in b for b in seen.bodies(room, bot.user_id)),
+                              "the second reply")
+        await send_text(alice, room, f"> <{bot.user_id}> echo: first question\n\n!memory why",
+                        **{"m.relates_to": {"m.in_reply_to": {"event_id": first}}})
+        await seen.sync_until(lambda: any("That reply of mine" in b for b in seen.bodies(room, bot.user_id)),
+                              "why, for the first reply")
+        await send_text(alice, room, "!memory why")
+        await seen.sync_until(lambda: any("My last reply to you here" in b for b in seen.bodies(room, bot.user_id)),
+                              "why, for the last reply")
+    finally:
+        await alice.close()

@@ -58,6 +58,7 @@ class CommandContext:
     is_bot_admin: bool = False  # a configured admin id: may change what every server shares
     is_dm: bool = False
     server_key: str | None = None
+    reply_to: str | None = None  # the message the command was sent in reply to (discord-message:ID)
     body: str = ""  # the lines after the command line
     attachments: tuple[Attachment, ...] = ()  # files sent with the command (a card to import)
 
