@@ -405,7 +405,7 @@ async def test_why_on_a_reply_shows_what_shaped_it(adapter: DiscordAdapter, monk
     answer = await _interact(adapter, monkeypatch, "Why?", [], command_type=3, target_id=str(reply.id),
                              resolved={"messages": {str(reply.id): payload}})
     text = answer["data"]["content"]
-    assert "What shaped my last reply" in text and "I'm allergic to penicillin" in text
+    assert "What shaped that reply of mine" in text and "I'm allergic to penicillin" in text
     assert answer["data"]["flags"] & 64
     other = _message_payload("7777", member, "not a reply", dm.id)
     answer = await _interact(adapter, monkeypatch, "Why?", [], command_type=3, target_id="7777",
