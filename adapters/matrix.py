@@ -17,6 +17,7 @@ import io
 import json
 import logging
 import os
+import re
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -72,10 +73,15 @@ def render(text: str, msgtype: str) -> dict[str, Any]:
     }
 
 
+_FALLBACK = re.compile(r"^> (\* )?<@[^>\s]+:[^>\s]+>")  # "> <@ann:example.org> what was said"
+
+
 def without_reply_fallback(body: str) -> str:
-    """A reply's own text: older clients start its body with the quoted message (lines beginning with
-    ``>``, then an empty line), which the spec no longer asks for; a command sent as a reply must still
-    start with its ``!``."""
+    """A reply's own text: older clients start its body with the quoted message (``> <@sender:server> …``
+    lines, then an empty line), which the spec no longer asks for; a command sent as a reply must still
+    start with its ``!``. A quote the user typed (``> something``) is their text and stays."""
+    if not _FALLBACK.match(body):
+        return body
     lines = body.split("\n")
     quoted = 0
     while quoted < len(lines) and lines[quoted].startswith(">"):

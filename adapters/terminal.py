@@ -10,6 +10,7 @@ user's message stays stored.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import re
 import signal
@@ -50,12 +51,17 @@ class _PrivateHistory(FileHistory):
 
     def forget(self) -> None:
         self._loaded_strings.clear()
-        Path(str(self.filename)).unlink(missing_ok=True)
+        path = Path(str(self.filename))
+        path.unlink(missing_ok=True)
+        path.with_name("terminal-history").unlink(missing_ok=True)  # the file all users shared before
 
 
 def history_path(user: str) -> Path:
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", user)[:60] or "user"
-    return Path(platformdirs.user_data_dir("cortex-bot", appauthor=False)) / f"terminal-history-{safe}"
+    """The user's own history file: a readable part of the name and a hash of all of it, so no two
+    names share a file ("Иван" and "Петр" are both "____" when made readable)."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", user)[:40] or "user"
+    digest = hashlib.sha256(user.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return Path(platformdirs.user_data_dir("cortex-bot", appauthor=False)) / f"terminal-history-{safe}-{digest}"
 
 
 class _Held(logging.Handler):
@@ -227,6 +233,7 @@ class TerminalAdapter:
             self.stdout.flush()
             body = await self._read_body()
             if body is None:
+                self.failures += 1
                 self._error("no content given; nothing changed")
                 return
             reply = await self.app.commands.dispatch(f"{line}\n{body}", self._context())

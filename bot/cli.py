@@ -546,11 +546,12 @@ def _doctor_adapters(config: Config, report: Callable[..., None]) -> None:
         env = config.discord.token_env
         report(bool(read_secret(env)), "Discord", f"bot token read from ${env}" if read_secret(env)
                else f"[discord] is enabled but ${env} holds no bot token")
-    if config.matrix.enabled:
-        env = config.matrix.access_token_env or config.matrix.password_env
-        what = "access token" if config.matrix.access_token_env else "password"
-        report(bool(read_secret(env)), "Matrix", f"{what} read from ${env} for {config.matrix.user_id}"
-               if read_secret(env) else f"[matrix] is enabled but ${env} (the {what}) is not set")
+    if config.matrix.enabled:  # either secret will do, as for the adapter
+        named = [(env, what) for env, what in ((config.matrix.access_token_env, "access token"),
+                                               (config.matrix.password_env, "password")) if env]
+        found = next(((env, what) for env, what in named if read_secret(env)), None)
+        report(found is not None, "Matrix", f"{found[1]} read from ${found[0]} for {config.matrix.user_id}" if found
+               else "[matrix] is enabled but " + " and ".join(f"${env}" for env, _ in named) + " hold nothing")
 
 
 async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:

@@ -236,10 +236,14 @@ def test_doctor_reports_what_is_wrong(tmp_path: Path, fake_llm: FakeLLMServer) -
     assert wrong_model.returncode == 1
     assert "model test-model: not offered by the server (it offers: other-model)" in wrong_model.stdout
     with_discord = tmp_path / "discord.toml"  # what `run` would refuse, doctor reports too
-    with_discord.write_text(config.read_text() + '[discord]\nenabled = true\ntoken_env = "CB_TEST_NO_TOKEN"\n')
-    no_key = cortexbot("--config", str(with_discord), "doctor", env={"CB_TEST_API_KEY": "", "CB_TEST_NO_TOKEN": ""})
+    with_discord.write_text(config.read_text() + '[discord]\nenabled = true\ntoken_env = "CB_TEST_NO_TOKEN"\n'
+                            '[matrix]\nenabled = true\nhomeserver = "http://127.0.0.1:9"\nuser_id = "@cora:x.org"\n'
+                            'access_token_env = "CB_TEST_MX_TOKEN"\npassword_env = "CB_TEST_MX_PASSWORD"\n')
+    no_key = cortexbot("--config", str(with_discord), "doctor", env={
+        "CB_TEST_API_KEY": "", "CB_TEST_NO_TOKEN": "", "CB_TEST_MX_TOKEN": "", "CB_TEST_MX_PASSWORD": "pw"})
     assert no_key.returncode == 1 and "CB_TEST_API_KEY is not set" in no_key.stdout
     assert "✗ Discord: [discord] is enabled but $CB_TEST_NO_TOKEN holds no bot token" in no_key.stdout
+    assert "✓ Matrix: password read from $CB_TEST_MX_PASSWORD for @cora:x.org" in no_key.stdout  # either will do
     fake_llm.models_missing = True
     unlisted = cortexbot("--config", str(config), "doctor")
     assert unlisted.returncode == 0, unlisted.stdout

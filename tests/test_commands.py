@@ -72,7 +72,12 @@ async def test_free_text_arrives_exactly_as_typed() -> None:
     assert await args_of("!memory remember 'it's quoted' and so 'is this'") == (
         "args=[\"'it's quoted' and so 'is this'\"] body=\"'it's quoted' and so 'is this'\"")
     missing = await registry.dispatch("!memory remember --pin", ctx)
-    assert "needs the text" in missing.text and missing.needs_body
+    assert "needs the text" in missing.text and not missing.needs_body  # piped input goes on with the next line
+    slow = "!memory remember " + "'a " * 30_000  # quotes that never close: still one pass over the line
+    assert (await registry.dispatch(slow, ctx)).text.startswith("args=[\"'a 'a")
+    assert len(split_words("'a " * 30_000)) == 30_000
     registry.register(FORGET_ME)
     assert await args_of("!memory forget-me CONFIRM") == "args=['CONFIRM'] body=''"  # a flag's word in any case
+    registry.register(Command("guidelines clear", "clear", _handler, (flag("default"),)))
+    assert "takes no arguments" in await args_of("!guidelines clear --DEFAULT")  # not taken for --default
     assert "takes no arguments" in await args_of("!memory forget-me yes")

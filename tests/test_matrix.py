@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from nio import AsyncClient, AsyncClientConfig, RoomCreateResponse, SyncResponse
 
-from adapters.matrix import MatrixAdapter
+from adapters.matrix import MatrixAdapter, without_reply_fallback
 from bot.app import App
 from bot.config import parse_config
 from tests.fakes.provider import ScriptedProvider
@@ -453,3 +453,10 @@ async def test_memory_why_sent_as_a_reply_explains_that_reply(synapse: SynapseSe
                               "why, for the last reply")
     finally:
         await alice.close()
+
+
+def test_only_a_real_reply_fallback_is_dropped() -> None:
+    assert without_reply_fallback("> <@bot:x.org> echo: hi\n> more\n\n!memory why") == "!memory why"
+    assert without_reply_fallback("> * <@ann:x.org> waves\n\n!help") == "!help"
+    assert without_reply_fallback("> my own quote\n\nI disagree") == "> my own quote\n\nI disagree"
+    assert without_reply_fallback("> <@bot:x.org> only a quote") == "> <@bot:x.org> only a quote"

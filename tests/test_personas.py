@@ -97,7 +97,9 @@ async def test_edit_history_revert_change_the_prompt_at_once(tmp_path: Path) -> 
         assert "did you mean identity?" in await run(app, "!persona edit identiy You are a pirate.")
         asked = await run(app, "!persona edit tone")  # no text: asked for, not emptied
         assert "Give the new text of tone" in asked and "--empty" in asked
-        assert "section tone emptied" in await run(app, "!persona edit tone --empty")
+        assert "either the new text or --empty" in await run(app, "!persona edit tone Be warm, say --empty")
+        assert "did you mean boundaries?" in await run(app, "!persona edit boundary Be kind.")
+        assert "section tone emptied" in await run(app, "!persona edit --empty tone")
         assert "section backstory is now version 2" in await run(app, "!persona edit backstory Grew up\nin Lyon.")
 
 

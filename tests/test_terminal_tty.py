@@ -103,7 +103,9 @@ def test_the_history_file_keeps_nothing_of_incognito_and_nothing_after_forget_me
     config = write_config(tmp_path, fake_llm)
     env = {**os.environ, "CB_TEST_API_KEY": API_KEY, "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1",
            "XDG_DATA_HOME": str(tmp_path / "data")}
-    history = tmp_path / "data" / "cortex-bot" / "terminal-history-ann"
+    folder = tmp_path / "data" / "cortex-bot"
+    folder.mkdir(parents=True)
+    (folder / "terminal-history").write_text("+lines of every user, from before\n")
     chat = Tty([str(BIN / "cortexbot"), "--config", str(config), "chat", "--user", "ann"], env)
     for line, answer in (("an ordinary line", "Cora: echo: an ordinary line"), ("!memory pause", "Incognito with"),
                          ("my secret is hunter2", "Cora: echo: my secret is hunter2"), ("!memory resume", "deleted"),
@@ -112,6 +114,8 @@ def test_the_history_file_keeps_nothing_of_incognito_and_nothing_after_forget_me
         chat.send(line + "\r")
         chat.expect(answer)
         chat.after(answer)
+    history = next(folder.glob("terminal-history-ann-*"))
+    assert next(folder.glob("terminal-history-*")) == history  # one file for ann
     kept = history.read_text()
     assert "an ordinary line" in kept and "after the pause" in kept and "hunter2" not in kept
     chat.mark()
@@ -122,3 +126,4 @@ def test_the_history_file_keeps_nothing_of_incognito_and_nothing_after_forget_me
     chat.send("\x04")
     assert chat.wait() == 0
     assert not history.exists() or "ordinary" not in history.read_text()
+    assert not (folder / "terminal-history").exists()

@@ -14,6 +14,7 @@ flags and options before and after it are taken out, so "Use --pin wisely" stays
 
 from __future__ import annotations
 
+import bisect
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -216,8 +217,8 @@ class Command:
                 skip = False
             elif arg in options:
                 skip = True
-            elif arg not in flags and arg.lower() not in flags:  # "CONFIRM" is the confirm word too
-                left.append(arg)
+            elif arg not in flags and not (arg.lower() in flags and not arg.startswith("-")):
+                left.append(arg)  # a flag that is a plain word ("confirm") counts in any case: "CONFIRM"
         return left
 
     def line(self, prefix: str, values: Mapping[str, object]) -> str:
@@ -251,18 +252,21 @@ class Token:
 def split_words(line: str) -> list[Token]:
     """The words of a command line as typed (see the module's docstring): unlike ``shlex``, an apostrophe
     or a backslash is just a character ("Ann's", "C:\\Users"); a word that starts with a quote ends at the
-    same quote where a word ends, and an unmatched quote is a character too."""
+    same quote where a word ends, and an unmatched quote is a character too. Linear in the line's length
+    (each quoted word finds its end by bisection, never by scanning again)."""
+    n = len(line)
+    ends = {q: [j for j in range(n) if line[j] == q and (j + 1 == n or line[j + 1].isspace())] for q in "'\""}
     tokens: list[Token] = []
-    i, n = 0, len(line)
+    i = 0
     while i < n:
         if line[i].isspace():
             i += 1
             continue
-        if line[i] in "'\"":
-            close = i + 1
-            while (close := line.find(line[i], close)) != -1 and close + 1 < n and not line[close + 1].isspace():
-                close += 1
-            if close != -1:
+        if line[i] in ends:
+            candidates = ends[line[i]]
+            at = bisect.bisect_right(candidates, i)
+            if at < len(candidates):
+                close = candidates[at]
                 tokens.append(Token(line[i + 1:close], i, close + 1))
                 i = close + 1
                 continue
@@ -346,8 +350,7 @@ class CommandRegistry:
             if missing is not None:
                 return CommandReply(
                     f"{self.prefix}{command.name} needs the {missing.name}: after the command, or on the lines "
-                    f"below it. Usage: {self.usage(command)}", private=command.private,
-                    needs_body=f"Type the {missing.name}; end with a line holding only a dot (.)")
+                    f"below it. Usage: {self.usage(command)}", private=command.private)
         ctx = context if not body else _with_body(context, body)
         try:
             result = await command.handler(ctx, args)

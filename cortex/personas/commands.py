@@ -157,11 +157,14 @@ class PersonaCommands:
                 f"{row.name}, then give it a soul there: {self.prefix}persona edit identity You are …")
 
     async def edit(self, ctx: CommandContext, args: Sequence[str]) -> str | CommandReply:
-        if not args or args[0] == EMPTY_FLAG:
+        empty, words_given = EMPTY_FLAG in args, [a for a in args if a != EMPTY_FLAG]
+        if not words_given:
             raise CommandError("which section? e.g. " + ", ".join(SOUL_SECTIONS))
-        key = section_key(args[0])
-        text = "" if EMPTY_FLAG in args else (" ".join(args[1:]) or ctx.body).strip()
-        if not text and EMPTY_FLAG not in args:
+        key = section_key(words_given[0])
+        text = (" ".join(words_given[1:]) or ctx.body).strip()
+        if text and empty:
+            raise CommandError(f"give either the new text or {EMPTY_FLAG}, not both")
+        if not text and not empty:
             return CommandReply(f"Give the new text of {key} after the command or on the lines below it "
                                 f"(to empty the section: {self.prefix}persona edit {key} {EMPTY_FLAG}).",
                                 needs_body=f"Type the new text of {key}; end with a line holding only a dot (.)")
@@ -170,7 +173,7 @@ class PersonaCommands:
                                f"{len(text):,})")
         scope = await self._scope(ctx.persona)
         if key not in SOUL_SECTIONS and key not in {t.name for t in await self.storage.personas.current("soul", scope)}:
-            close = difflib.get_close_matches(key, SOUL_SECTIONS, n=1, cutoff=0.8)
+            close = difflib.get_close_matches(key, SOUL_SECTIONS, n=1, cutoff=0.75)
             if close:  # a typo would make a new section of its own
                 raise CommandError(f"{ctx.persona} has no section {key}: did you mean {close[0]}? (a section of "
                                    "your own needs a name that is not this close to a standard one)")
