@@ -769,4 +769,7 @@ def _describe_error(err: Mapping[str, Any], raw: Mapping[str, Any]) -> str:
         return f"missing required {where}: add it"
     got = err.get("input")
     shown = "" if isinstance(got, Mapping) or got is None else f" (got {got!r})"
-    return f"{where}: {err.get('msg', 'invalid value')}{shown}"
+    message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")  # pydantic's wording
+    if isinstance(got, Mapping) and message.startswith("["):
+        return message  # a whole section's check, which names the section itself
+    return f"{where}: {message}{shown}"

@@ -69,6 +69,8 @@ def test_wrong_type_names_key_and_value() -> None:
     assert "[history] key 'history_tokens'" in _error({"history": {"history_tokens": "2000"}})
     assert "[cortex] key 'use_in_groups'" in _error({"cortex": {"use_in_groups": "on"}})
     assert parse_config({"memory": {"weight_text": 1}}).memory.weight_text == 1.0  # a whole number is a number
+    section = _error({"matrix": {"enabled": True}})  # a whole section's check names the section itself
+    assert "- [matrix] is enabled but homeserver, user_id is not set" in section and "Value error" not in section
 
 
 def test_missing_required_persona_name() -> None:
