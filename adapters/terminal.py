@@ -18,6 +18,7 @@ import sys
 import threading
 from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -225,6 +226,9 @@ class TerminalAdapter:
 
     async def run_command(self, line: str) -> None:
         reply = await self.app.commands.dispatch(line, self._context())
+        if reply.needs_body and not (self.interactive or reply.pipe_may_answer):
+            self.failures += 1  # a forgotten text: the next piped lines are not taken for it
+            reply = replace(reply, needs_body="")
         if self._history is not None and line.lower().split()[:2] == [f"{self.app.commands.prefix}memory", "forget-me"]:
             if await self.app.storage.get_user(self._inbound("").message.author_key) is None:
                 self._history.forget()  # forget-me ran: no typed line stays behind on the disk either

@@ -72,10 +72,14 @@ async def test_free_text_arrives_exactly_as_typed() -> None:
     assert await args_of("!memory remember 'it's quoted' and so 'is this'") == (
         "args=[\"'it's quoted' and so 'is this'\"] body=\"'it's quoted' and so 'is this'\"")
     missing = await registry.dispatch("!memory remember --pin", ctx)
-    assert "needs the text" in missing.text and not missing.needs_body  # piped input goes on with the next line
+    assert "needs the text" in missing.text and missing.needs_body  # asked for at a prompt
+    assert not missing.pipe_may_answer  # piped input goes on with its next line
     slow = "!memory remember " + "'a " * 30_000  # quotes that never close: still one pass over the line
     assert (await registry.dispatch(slow, ctx)).text.startswith("args=[\"'a 'a")
     assert len(split_words("'a " * 30_000)) == 30_000
+    registry.register(Command("rules add", "add", _handler, (word("name", required=True), text("text", required=True))))
+    assert not (await registry.dispatch("!rules add", ctx)).needs_body  # the name first: a prompt would take the text
+    assert (await registry.dispatch("!rules add kind", ctx)).needs_body
     registry.register(FORGET_ME)
     assert await args_of("!memory forget-me CONFIRM") == "args=['CONFIRM'] body=''"  # a flag's word in any case
     registry.register(Command("guidelines clear", "clear", _handler, (flag("default"),)))

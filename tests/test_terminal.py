@@ -61,3 +61,20 @@ async def test_persona_picked_in_the_terminal_is_the_one_that_answers(tmp_path: 
         assert "Max: echo: hello again" in screen.getvalue()
         await terminal.handle_line("!persona show")  # the operator is a bot admin here
         assert "Persona Max:" in screen.getvalue()
+
+
+async def test_piped_lines_after_a_command_missing_its_text_are_not_taken_for_it(tmp_path: Path) -> None:
+    """Piped: a forgotten text is an error (counted in the exit status) and the next lines go on as
+    typed; a body asked for by the command itself (!memory edit) is read up to the dot line."""
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
+    llm = ScriptedProvider()
+    llm.enqueue("Hi Ann.")
+    screen = io.StringIO()
+    piped = io.StringIO("!memory search\nhello there\n!memory edit memory\nAnn likes tea.\n.\n!memory show memory\n")
+    async with App(config, llm=llm) as app:
+        terminal = TerminalAdapter(app, user="ann", stdin=piped, stdout=screen, stderr=screen)
+        assert await terminal.run() == 1
+    shown = screen.getvalue()
+    assert "!memory search needs the words" in shown and "Cora: Hi Ann." in shown
+    assert len(llm.requests) == 1 and "hello there" in str(llm.requests[0].messages[-1])  # sent as a message
+    assert "Saved your memory.md as version" in shown and "Ann likes tea." in shown

@@ -116,6 +116,12 @@ def test_the_history_file_keeps_nothing_of_incognito_and_nothing_after_forget_me
         chat.after(answer)
     history = next(folder.glob("terminal-history-ann-*"))
     assert next(folder.glob("terminal-history-*")) == history  # one file for ann
+    chat.expect("you ›")
+    chat.send("!guidelines set\r")  # the text forgotten: at a prompt it is asked for, up to a dot line
+    chat.expect("Type the text; end with a line holding only a dot (.)")
+    chat.send("Be kind.\rAlways.\r.\r")
+    chat.expect("as version 1")
+    chat.after("as version 1")
     kept = history.read_text()
     assert "an ordinary line" in kept and "after the pause" in kept and "hunter2" not in kept
     chat.mark()

@@ -70,6 +70,7 @@ class CommandReply:
     attachments: tuple[Attachment, ...] = ()
     private: bool = False  # about the user's own data: adapters answer only to them
     needs_body: str = ""  # set when the command waits for content: the prompt to show
+    pipe_may_answer: bool = True  # piped input may give that content (else only a person at a prompt)
 
 
 Handler = Callable[[CommandContext, Sequence[str]], Awaitable["CommandReply | str"]]
@@ -167,20 +168,23 @@ class Command:
             return None
         return sum(1 for p in self.params if p.kind in ("word", "number", "file"))
 
-    def free_text(self, tokens: Sequence[Token], line: str, body: str) -> tuple[list[str], str] | None:
+    def free_text(self, tokens: Sequence[Token], line: str, body: str) -> tuple[list[str], str, bool] | None:
         """For a command with a ``text`` parameter: its arguments with the free text as one argument, exactly
-        as typed (then the lines after the command line), and that text (also the context's body). The
-        leading words the command takes come first; flags and options count only before the text or
-        after it. None for a command without free text."""
+        as typed (then the lines after the command line), that text (also the context's body), and whether
+        the required words before the text were all given. The leading words the command takes come
+        first; flags and options count only before the text or after it. None for a command without
+        free text."""
         if not any(p.kind == "text" for p in self.params):
             return None
         flags = {p.spelled for p in self.params if p.kind == "flag"}
         options = {p.spelled for p in self.params if p.kind == "option"}
-        leading = 0
+        leading = needed = 0
         for param in self.params:
             if param.kind == "text":
                 break
             leading += param.kind in ("word", "number")
+            needed += param.kind in ("word", "number") and param.required
+        wanted = leading
         head: list[str] = []
         start = 0
         while start < len(tokens):  # options, flags and the leading words, up to the text
@@ -204,7 +208,7 @@ class Command:
                 break
         inline = line[tokens[start].start:tokens[end - 1].end] if end > start else ""
         text = "\n".join(part for part in (inline, body) if part.strip())
-        return head + ([text] if text else []) + [t.value for t in tokens[end:]], text
+        return head + ([text] if text else []) + [t.value for t in tokens[end:]], text, wanted - leading >= needed
 
     def positional(self, args: Sequence[str]) -> list[str]:
         """``args`` without this command's flags and options (and the options' values)."""
@@ -345,12 +349,13 @@ class CommandRegistry:
                                 f"Usage: {self.usage(command)}", private=command.private)
         free = command.free_text(tokens[len(words) - len(args):], line, body)
         if free is not None:
-            args, body = free
+            args, body, complete = free
             missing = next((p for p in command.params if p.kind == "text" and p.required and not body), None)
-            if missing is not None:
+            if missing is not None:  # at a prompt, asked for (once the words before it are there)
                 return CommandReply(
                     f"{self.prefix}{command.name} needs the {missing.name}: after the command, or on the lines "
-                    f"below it. Usage: {self.usage(command)}", private=command.private)
+                    f"below it. Usage: {self.usage(command)}", private=command.private, pipe_may_answer=False,
+                    needs_body=f"Type the {missing.name}; end with a line holding only a dot (.)" if complete else "")
         ctx = context if not body else _with_body(context, body)
         try:
             result = await command.handler(ctx, args)
