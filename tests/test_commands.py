@@ -71,6 +71,8 @@ async def test_free_text_arrives_exactly_as_typed() -> None:
         "args=['My address is:\\nBaker Street 5'] body='My address is:\\nBaker Street 5'")
     assert await args_of("!memory remember 'it's quoted' and so 'is this'") == (
         "args=[\"'it's quoted' and so 'is this'\"] body=\"'it's quoted' and so 'is this'\"")
+    assert await args_of('!memory remember "Ann likes tea"') == "args=['Ann likes tea'] body='Ann likes tea'"
+    assert "needs the text" in await args_of("!memory remember ''")  # quotes around nothing: no text
     missing = await registry.dispatch("!memory remember --pin", ctx)
     assert "needs the text" in missing.text and missing.needs_body  # asked for at a prompt
     assert not missing.pipe_may_answer  # piped input goes on with its next line

@@ -86,6 +86,7 @@ async def test_lore_enters_by_keyword_always_or_search_for_every_user(tmp_path: 
         assert "#3 [always] The sky is green" in await run(app, "!lore list")
         assert "priority 7" in await run(app, "!lore show 3")
         assert "choose one of --always and --not-always" in await run(app, "!lore edit 3 --always --not-always")
+        assert "--priority is given twice" in await run(app, "!lore edit 3 --priority 5 --priority 6")
         assert "changed" in await run(app, "!lore edit 3 --not-always --priority 0")
         assert "The sky is green here." not in await prompt(app, llm, "hello there", user="11")
 

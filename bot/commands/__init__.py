@@ -207,6 +207,8 @@ class Command:
             else:
                 break
         inline = line[tokens[start].start:tokens[end - 1].end] if end > start else ""
+        if end - start == 1 and len(inline) == len(tokens[start].value) + 2:  # all of it in quotes: what is inside
+            inline = tokens[start].value
         text = "\n".join(part for part in (inline, body) if part.strip())
         return head + ([text] if text else []) + [t.value for t in tokens[end:]], text, wanted - leading >= needed
 

@@ -51,6 +51,8 @@ class LoreInput:
 def _take_value(words: list[str], flag: str, example: str) -> str | None:
     if flag not in words:
         return None
+    if words.count(flag) > 1:
+        raise CommandError(f"{flag} is given twice")
     at = words.index(flag)
     if at + 1 >= len(words):
         raise CommandError(f"{flag} needs a value, e.g. {flag} {example}")
