@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from bot.config import DiscordConfig, MatrixConfig
@@ -126,10 +126,12 @@ class MatrixAdminDirectory:
     platform = MATRIX
 
     def __init__(self, client: Any, config: MatrixConfig,
-                 creators: Mapping[str, Collection[str]] | None = None) -> None:
+                 creators: Mapping[str, Collection[str]] | None = None,
+                 is_dm: Callable[[Any], bool] | None = None) -> None:
         self.client = client  # nio.AsyncClient
         self.config = config
         self.creators = creators if creators is not None else {}  # room id -> its creators (room version 12)
+        self.is_dm: Callable[[Any], bool] = is_dm or (lambda room: room.member_count <= 2)  # the adapter's rule
 
     def _level(self, room: Any, user_id: str) -> int:
         level = int(room.power_levels.get_user_level(user_id))
@@ -138,7 +140,7 @@ class MatrixAdminDirectory:
         return level
 
     def _group_rooms(self) -> Iterable[Any]:
-        return (room for room in dict(self.client.rooms).values() if room.member_count > 2)
+        return (room for room in dict(self.client.rooms).values() if not self.is_dm(room))
 
     def _room_admin(self, room: Any, user_id: str) -> bool:
         return user_id in room.users and self._level(room, user_id) >= self.config.admin_power_level
@@ -150,7 +152,7 @@ class MatrixAdminDirectory:
         if not user_id.startswith("@") or not room_id.startswith("!"):
             return False
         room = dict(self.client.rooms).get(room_id)
-        if room is None or room.member_count <= 2:
+        if room is None or self.is_dm(room):
             return False
         return user_id in self.config.admin_ids or self._room_admin(room, user_id)
 
@@ -170,4 +172,4 @@ def discord_directory(adapter: DiscordAdapter) -> DiscordAdminDirectory:
 
 def matrix_directory(adapter: MatrixAdapter) -> MatrixAdminDirectory:
     """The directory of a Matrix adapter (its client's synced rooms and the room creators it learnt)."""
-    return MatrixAdminDirectory(adapter.client, adapter.config, adapter._creators)
+    return MatrixAdminDirectory(adapter.client, adapter.config, adapter._creators, adapter.is_dm)

@@ -73,6 +73,14 @@ def render(text: str, msgtype: str) -> dict[str, Any]:
     }
 
 
+_MX_REPLY = re.compile(r"<mx-reply>.*?</mx-reply>", re.DOTALL)
+
+
+def _names(text: str, name: str) -> bool:
+    """Whether ``text`` names ``name`` as a word of its own ("Cora, hi", not "Coral reefs")."""
+    return re.search(rf"(?<!\w){re.escape(name)}(?!\w)", text) is not None
+
+
 _FALLBACK = re.compile(r"^> (\* )?<@[^>\s]+:[^>\s]+>")  # "> <@ann:example.org> what was said"
 
 
@@ -178,6 +186,9 @@ class MatrixAdapter:
         self._sent: OrderedDict[str, None] = OrderedDict()  # recent event ids the bot sent
         self.reactions = Reactions(self)
         self._dms: dict[str, str] = {}
+        # Rooms the bot joined as a direct chat ("dm": the invite said is_direct, or the bot opened it) or as
+        # a group ("group"), kept in the session file: a group room down to two members stays a group.
+        self._kinds: dict[str, str] = dict(self._load_state().get("room_kinds", {}))
         self._creators: dict[str, frozenset[str]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
@@ -303,9 +314,18 @@ class MatrixAdapter:
     async def _on_invite(self, room: MatrixRoom, event: InviteMemberEvent) -> None:
         if event.state_key != self.config.user_id or event.membership != "invite":
             return
-        await self._consider_invite(room, event.sender)
+        await self._consider_invite(room, event.sender, bool(event.content.get("is_direct")))
 
-    async def _consider_invite(self, room: MatrixRoom, inviter: str) -> None:
+    def is_dm(self, room: MatrixRoom) -> bool:
+        """A direct chat: two members, in a room the bot joined as a direct chat. A room joined before the
+        bot kept track (no kind recorded) counts as direct by its two members alone, as it did then."""
+        return room.member_count <= 2 and self._kinds.get(room.room_id, "dm") == "dm"
+
+    def _remember_kind(self, room_id: str, kind: str) -> None:
+        self._kinds[room_id] = kind
+        self._save_state(room_kinds=self._kinds)
+
+    async def _consider_invite(self, room: MatrixRoom, inviter: str, direct: bool | None = None) -> None:
         servers = self.config.invite_servers or [self.server_name]
         allowed = self.config.auto_join and inviter.split(":", 1)[-1] in servers
         access = self.app.config.access
@@ -314,6 +334,8 @@ class MatrixAdapter:
         ):
             allowed = False
         if allowed:
+            if direct is not None:
+                self._remember_kind(room.room_id, "dm" if direct else "group")
             await self.client.join(room.room_id)
             log.info("Matrix: joined %s on invite", room.room_id)
         else:
@@ -327,15 +349,15 @@ class MatrixAdapter:
         display = room.user_name(me) or me
         reply_to = content.get("m.relates_to", {}).get("m.in_reply_to", {}).get("event_id")
         body = without_reply_fallback(event.body) if reply_to else event.body
-        mentions_bot = me in mentions or me in body or (display and display in body) or me in (
-            getattr(event, "formatted_body", None) or "")
-        is_dm = room.member_count <= 2
+        formatted = _MX_REPLY.sub("", getattr(event, "formatted_body", None) or "")  # not the quoted message
+        mentions_bot = me in mentions or _names(body, me) or bool(display and _names(body, display)) or me in formatted
+        is_dm = self.is_dm(room)
         level = room.power_levels.get_user_level(event.sender)
         if event.sender in self._creators.get(room.room_id, ()):
             level = max(level, 100)  # room version 12: creators outrank everyone and are not listed
         text = body
         for name in (me, display):
-            if name and text.startswith(name):
+            if name and text.startswith(name) and not text[len(name):len(name) + 1].isalnum():  # not "Coral"
                 text = text[len(name):].lstrip(":, ")
         incoming = IncomingMessage(
             platform=PLATFORM,
@@ -470,11 +492,12 @@ class MatrixAdapter:
 
     async def dm_room(self, user_id: str) -> str:
         """The bot's direct room with ``user_id`` (created, and the user invited, when there is none)."""
-        if user_id in self._dms:
-            return str(self._dms[user_id])
+        cached = self.client.rooms.get(self._dms.get(user_id, ""))
+        if cached is not None and self.is_dm(cached) and user_id in (set(cached.users) | set(cached.invited_users)):
+            return str(cached.room_id)
         for room in self.client.rooms.values():
             members = set(room.users) | set(room.invited_users)
-            if room.member_count <= 2 and members == {self.config.user_id, user_id}:
+            if self.is_dm(room) and members == {self.config.user_id, user_id}:
                 self._dms[user_id] = room.room_id
                 return str(room.room_id)
         response = await self.client.room_create(
@@ -485,6 +508,7 @@ class MatrixAdapter:
         if not isinstance(response, RoomCreateResponse):
             raise MatrixError(f"could not open a direct room with {user_id}: {response}")
         self._dms[user_id] = response.room_id
+        self._remember_kind(response.room_id, "dm")
         return str(response.room_id)
 
 

@@ -58,7 +58,7 @@ class Reactions:
         body = await self._latest_text(room.room_id, event.reacts_to, getattr(target, "body", None))
         if target is None or not isinstance(body, str) or not body.strip():
             return  # not a text message (an image, a state event): nothing to remember
-        is_dm = room.member_count <= 2
+        is_dm = adapter.is_dm(room)
         if not (target.sender == event.sender or (target.sender == adapter.config.user_id and is_dm)):
             await self._answer(event.sender, NOT_YOURS)
             return
@@ -92,8 +92,8 @@ class Reactions:
     async def _run(self, room: MatrixRoom, event: ReactionEvent, line: str) -> CommandReply:
         adapter = self.adapter
         incoming = IncomingMessage("matrix", room.room_id, event.sender, room.user_name(event.sender) or event.sender,
-                                   line, is_dm=room.member_count <= 2,
-                                   server_id=None if room.member_count <= 2 else room.room_id,
+                                   line, is_dm=adapter.is_dm(room),
+                                   server_id=None if adapter.is_dm(room) else room.room_id,
                                    author_home=event.sender.split(":", 1)[-1])
         inbound = Inbound(incoming, is_bot_admin=event.sender in adapter.config.admin_ids)
         router = adapter.app.router

@@ -460,3 +460,39 @@ def test_only_a_real_reply_fallback_is_dropped() -> None:
     assert without_reply_fallback("> * <@ann:x.org> waves\n\n!help") == "!help"
     assert without_reply_fallback("> my own quote\n\nI disagree") == "> my own quote\n\nI disagree"
     assert without_reply_fallback("> <@bot:x.org> only a quote") == "> <@bot:x.org> only a quote"
+
+
+async def test_a_group_room_down_to_two_members_stays_a_group_room(synapse: SynapseServer, bot: Bot) -> None:
+    """A room the bot joined as a group (the invite was not direct) keeps group rules with only one user
+    left in it: private answers go to a real DM, its creator stays its admin, the bot answers only when
+    named as a word ("Coral reefs" does not call a bot shown as "Cora"); a reply to someone else's
+    message with `!memory why` says that it is not one of the bot's replies."""
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    await bot.adapter.client.set_displayname("Cora")
+    try:
+        room = await open_room(alice, [bot.user_id], direct=False)
+        await joined(seen, room, bot.user_id)
+        await send_text(alice, room, "Coral reefs are dying")
+        await send_text(alice, room, "!memory show")
+        await seen.sync_until(lambda: any("answered you in a direct message" in b
+                                          for b in seen.bodies(room, bot.user_id)), "the privacy notice")
+        assert not any("memory.md (version" in b for b in seen.bodies(room, bot.user_id))
+        await send_text(alice, room, "!cortex settings")  # she made the room: its admin
+        await seen.sync_until(lambda: any("Cortex settings for persona" in b for b in seen.bodies(room, bot.user_id)),
+                              "the admin answer")
+        await send_text(alice, room, "Cora, what is the weather?")
+        await seen.sync_until(lambda: any("what is the weather?" in b for b in seen.bodies(room, bot.user_id)),
+                              "an answer to the name")
+        assert not any("reefs" in b for b in seen.bodies(room, bot.user_id))
+        own = next(e["event_id"] for e in seen.events[room] if e.get("sender") == alice.user_id
+                   and e.get("content", {}).get("body") == "Coral reefs are dying")
+        await send_text(alice, room, "!memory why", **{"m.relates_to": {"m.in_reply_to": {"event_id": own}}})
+        await seen.sync_until(lambda: bool(alice.invited_rooms), "the invite to a real DM")
+        dm = next(iter(alice.invited_rooms))
+        assert dm != room
+        await alice.join(dm)
+        await seen.sync_until(lambda: any("not one of my replies to you" in b for b in seen.bodies(dm, bot.user_id)),
+                              "why, for a message that is not a reply of the bot, in the DM")
+    finally:
+        await alice.close()

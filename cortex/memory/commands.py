@@ -106,7 +106,7 @@ class MemoryCommands:
     async def why(self, ctx: CommandContext, args: Sequence[str]) -> str:
         user, pair = await self.pairs.pair_for(ctx.user_key, ctx.user_name, ctx.persona)
         storage = self.pairs.storage
-        which = "my last reply to you here"
+        which, note = "my last reply to you here", ""
         if OF in args:
             ref = source_ref(args[args.index(OF) + 1] if args.index(OF) + 1 < len(args) else "")
             last = await storage.sources.reply_shown_as(ref, user.id)
@@ -115,15 +115,18 @@ class MemoryCommands:
             which = "that reply of mine"
         else:  # sent as a reply to one of mine: that one; else the last one here
             last = await storage.sources.reply_shown_as(ctx.reply_to, user.id) if ctx.reply_to else None
-            which = "that reply of mine" if last is not None else which
+            if last is not None:
+                which = "that reply of mine"
+            elif ctx.reply_to:  # a reply to someone else's message, or to my reply to someone else
+                note = "The message you answered is not one of my replies to you. "
             last = last or await storage.sources.last_reply(user.id, ctx.channel_key)
         if last is None:
-            return "I have not answered you here yet."
+            return note + "I have not answered you here yet."
         sources = await storage.sources.of(last[0])
         when = datetime.fromtimestamp(last[1], tz=UTC).strftime("%Y-%m-%d %H:%M")
         if not sources:
-            return f"{which[0].upper()}{which[1:]} ({when} UTC) used no memory: only the conversation itself."
-        lines = [f"What shaped {which} ({when} UTC):"]
+            return f"{note}{which[0].upper()}{which[1:]} ({when} UTC) used no memory: only the conversation itself."
+        lines = [f"{note}What shaped {which} ({when} UTC):"]
         for source in sources:
             lines.append(await self._source_line(source, pair.id, user.id, ctx.persona))
         return "\n".join(lines)
