@@ -19,7 +19,7 @@ import logging
 import os
 import re
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -103,6 +103,18 @@ class MatrixError(RuntimeError):
     pass
 
 
+def read_secrets(config: MatrixConfig, env: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """The account's password and access token from the environment (either may be empty, not both)."""
+    environment = env if env is not None else os.environ
+    password = environment.get(config.password_env, "") if config.password_env else ""
+    token = environment.get(config.access_token_env, "") if config.access_token_env else ""
+    if not (password or token):
+        raise MatrixError(
+            f"[matrix] needs a password or an access token: set ${config.password_env or config.access_token_env}"
+        )
+    return password, token
+
+
 class MatrixSink:
     """Delivery for one incoming message (see :class:`bot.router.ChatSink`)."""
 
@@ -169,13 +181,7 @@ class MatrixAdapter:
     def __init__(self, app: App, config: MatrixConfig, *, env: dict[str, str] | None = None) -> None:
         self.app = app
         self.config = config
-        environment = env if env is not None else dict(os.environ)
-        self.password = environment.get(config.password_env, "") if config.password_env else ""
-        self.token = environment.get(config.access_token_env, "") if config.access_token_env else ""
-        if not (self.password or self.token):
-            raise MatrixError(
-                f"[matrix] needs a password or an access token: set ${config.password_env or config.access_token_env}"
-            )
+        self.password, self.token = read_secrets(config, env)
         self.store = Path(config.store_path or Path(platformdirs.user_data_dir("cortex-bot")) / "matrix")
         self.store.mkdir(parents=True, exist_ok=True)
         self.client = AsyncClient(

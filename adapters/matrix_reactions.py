@@ -91,9 +91,9 @@ class Reactions:
 
     async def _run(self, room: MatrixRoom, event: ReactionEvent, line: str) -> CommandReply:
         adapter = self.adapter
+        is_dm = adapter.is_dm(room)
         incoming = IncomingMessage("matrix", room.room_id, event.sender, room.user_name(event.sender) or event.sender,
-                                   line, is_dm=adapter.is_dm(room),
-                                   server_id=None if adapter.is_dm(room) else room.room_id,
+                                   line, is_dm=is_dm, server_id=None if is_dm else room.room_id,
                                    author_home=event.sender.split(":", 1)[-1])
         inbound = Inbound(incoming, is_bot_admin=event.sender in adapter.config.admin_ids)
         router = adapter.app.router

@@ -154,9 +154,10 @@ class TerminalAdapter:
         """One line typed at the prompt (editing, and arrow keys through the history); None on Ctrl-D."""
         if self._session is None:
             history: History = InMemoryHistory()
+            path = history_path(self.user)
             try:
-                history_path(self.user).parent.mkdir(parents=True, exist_ok=True)
-                self._history = _PrivateHistory(str(history_path(self.user)))
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self._history = _PrivateHistory(str(path))
                 history = self._history
             except OSError:
                 pass

@@ -541,26 +541,33 @@ async def _doctor_queue(storage: Any, report: Callable[..., None]) -> None:
 
 
 def _doctor_adapters(config: Config, report: Callable[..., None]) -> None:
-    """The enabled chat platforms' secrets are there (what ``run`` needs before it connects)."""
+    """The enabled chat platforms' secrets are there, read as ``run`` reads them before it connects."""
     if config.discord.enabled:
-        env = config.discord.token_env
-        report(bool(read_secret(env)), "Discord", f"bot token read from ${env}" if read_secret(env)
-               else f"[discord] is enabled but ${env} holds no bot token")
-    if config.matrix.enabled:  # either secret will do, as for the adapter
-        named = [(env, what) for env, what in ((config.matrix.access_token_env, "access token"),
-                                               (config.matrix.password_env, "password")) if env]
-        found = next(((env, what) for env, what in named if read_secret(env)), None)
-        report(found is not None, "Matrix", f"{found[1]} read from ${found[0]} for {config.matrix.user_id}" if found
-               else "[matrix] is enabled but " + " and ".join(f"${env}" for env, _ in named) + " hold nothing")
+        from adapters.discord import read_token
+
+        try:
+            read_token(config.discord)
+            report(True, "Discord", f"bot token read from ${config.discord.token_env}")
+        except RuntimeError as exc:
+            report(False, "Discord", str(exc))
+    if config.matrix.enabled:
+        from adapters.matrix import MatrixError, read_secrets
+
+        matrix = config.matrix
+        try:
+            _password, token = read_secrets(matrix)
+            report(True, "Matrix", f"access token read from ${matrix.access_token_env} for {matrix.user_id}" if token
+                   else f"password read from ${matrix.password_env} for {matrix.user_id}")
+        except MatrixError as exc:
+            report(False, "Matrix", str(exc))
 
 
 async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
     from bot.app import build_provider
-
-    _doctor_adapters(config, report)
     from bot.storage import open_storage
     from bot.tokens import BPETokenEstimator
 
+    _doctor_adapters(config, report)
     try:
         url, password = config.storage.resolve()
         storage = await open_storage(url, password=password, pool_size=config.storage.pool_size)

@@ -122,6 +122,13 @@ async def open_room(client: AsyncClient, invite: list[str], *, direct: bool, enc
     return response.room_id
 
 
+async def dm_with(timeline: Timeline, bot_id: str) -> str:
+    """A direct room of the timeline's user with the bot, once the bot has joined it."""
+    room = await open_room(timeline.client, [bot_id], direct=True)
+    await joined(timeline, room, bot_id)
+    return room
+
+
 async def joined(timeline: Timeline, room_id: str, user_id: str) -> None:
     def has_joined() -> bool:
         room = timeline.client.rooms.get(room_id)
@@ -140,8 +147,7 @@ async def test_dm_conversation_streamed_edit_and_commands(synapse: SynapseServer
     alice = await user(synapse, "alice")
     seen = Timeline(alice)
     try:
-        room = await open_room(alice, [bot.user_id], direct=True)
-        await joined(seen, room, bot.user_id)
+        room = await dm_with(seen, bot.user_id)
         await send_text(alice, room, "hello bot, how are you?")
         await seen.sync_until(lambda: any(
             e["content"].get("m.new_content", {}).get("body") == "echo: hello bot, how are you?"
@@ -196,8 +202,7 @@ async def test_restart_does_not_replay_old_messages(synapse: SynapseServer, tmp_
     alice = await user(synapse, "alice")
     seen = Timeline(alice)
     try:
-        room = await open_room(alice, [first.user_id], direct=True)
-        await joined(seen, room, first.user_id)
+        room = await dm_with(seen, first.user_id)
         await send_text(alice, room, "before the restart")
         await seen.sync_until(lambda: any("before the restart" in b for b in seen.bodies(room, first.user_id)),
                               "the first answer")
@@ -271,8 +276,7 @@ async def test_cortexbot_run_serves_matrix_and_stops_on_sigterm(
     seen = Timeline(alice)
     failure: AssertionError | None = None
     try:
-        room = await open_room(alice, [bot_id], direct=True)
-        await joined(seen, room, bot_id)
+        room = await dm_with(seen, bot_id)
         await send_text(alice, room, "hello through cortexbot run")
         await seen.sync_until(lambda: any("echo: hello through cortexbot run" in b
                                           for b in seen.bodies(room, bot_id)), "the answer from `cortexbot run`")
@@ -335,8 +339,7 @@ async def test_login_with_an_access_token(synapse: SynapseServer, tmp_path: Path
         done, _ = await asyncio.wait({task, waiter}, timeout=DEADLINE, return_when=asyncio.FIRST_COMPLETED)
         if task in done:
             task.result()
-        room = await open_room(alice, [bot_id], direct=True)
-        await joined(seen, room, bot_id)
+        room = await dm_with(seen, bot_id)
         await send_text(alice, room, "token login works?")
         await seen.sync_until(lambda: any("token login works?" in b for b in seen.bodies(room, bot_id)),
                               "an answer from the token-logged-in bot")
@@ -373,8 +376,7 @@ async def test_a_card_sent_with_a_command_caption_is_imported(synapse: SynapseSe
                 "msgtype": "m.file", "body": caption, "filename": "rosa.png", "url": upload.content_uri,
                 "info": {"size": len(card), "mimetype": "image/png"}}, ignore_unverified_devices=True)
 
-        room = await open_room(alice, [running.user_id], direct=True)
-        await joined(seen, room, running.user_id)
+        room = await dm_with(seen, running.user_id)
         await send_card(alice, room, "rosa.png")  # no caption: not a command, nothing read
         await send_card(alice, room, "!persona import")
         await seen.sync_until(lambda: any("Imported Rosa from rosa.png" in b
@@ -406,8 +408,7 @@ async def test_brain_reaction_remembers_and_cross_undoes(synapse: SynapseServer,
         return [e for e in seen.from_(room, bot.user_id) if text in e["content"].get("body", "")]
 
     try:
-        room = await open_room(alice, [bot.user_id], direct=True)
-        await joined(seen, room, bot.user_id)
+        room = await dm_with(seen, bot.user_id)
         sent = await alice.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "my cat is called Pixel"},
                                      ignore_unverified_devices=True)
         await seen.sync_until(lambda: bool(seen.from_(room, bot.user_id)), "the bot's reply")
@@ -436,8 +437,7 @@ async def test_memory_why_sent_as_a_reply_explains_that_reply(synapse: SynapseSe
     alice = await user(synapse, "alice")
     seen = Timeline(alice)
     try:
-        room = await open_room(alice, [bot.user_id], direct=True)
-        await joined(seen, room, bot.user_id)
+        room = await dm_with(seen, bot.user_id)
         await send_text(alice, room, "first question")
         await seen.sync_until(lambda: len(seen.from_(room, bot.user_id)) >= 1, "the first reply")
         first = seen.from_(room, bot.user_id)[0]["event_id"]

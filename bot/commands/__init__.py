@@ -19,6 +19,7 @@ import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import takewhile
 from typing import Literal
 
 from bot.text import plural, printable, without_surrogates
@@ -168,6 +169,11 @@ class Command:
             return None
         return sum(1 for p in self.params if p.kind in ("word", "number", "file"))
 
+    def _switches(self) -> tuple[set[str], set[str]]:
+        """How this command's flags and options are spelled on the line."""
+        return ({p.spelled for p in self.params if p.kind == "flag"},
+                {p.spelled for p in self.params if p.kind == "option"})
+
     def free_text(self, tokens: Sequence[Token], line: str, body: str) -> tuple[list[str], str, bool] | None:
         """For a command with a ``text`` parameter: its arguments with the free text as one argument, exactly
         as typed (then the lines after the command line), that text (also the context's body), and whether
@@ -176,24 +182,17 @@ class Command:
         free text."""
         if not any(p.kind == "text" for p in self.params):
             return None
-        flags = {p.spelled for p in self.params if p.kind == "flag"}
-        options = {p.spelled for p in self.params if p.kind == "option"}
-        leading = needed = 0
-        for param in self.params:
-            if param.kind == "text":
-                break
-            leading += param.kind in ("word", "number")
-            needed += param.kind in ("word", "number") and param.required
-        wanted = leading
+        flags, options = self._switches()
+        before = [p for p in takewhile(lambda p: p.kind != "text", self.params) if p.kind in ("word", "number")]
         head: list[str] = []
-        start = 0
+        start = given = 0
         while start < len(tokens):  # options, flags and the leading words, up to the text
             value = tokens[start].value
             if value in options:
                 head += [t.value for t in tokens[start:start + 2]]
                 start += 2
-            elif value in flags or leading > 0:
-                leading -= value not in flags
+            elif value in flags or given < len(before):
+                given += value not in flags
                 head.append(value)
                 start += 1
             else:
@@ -210,12 +209,12 @@ class Command:
         if end - start == 1 and len(inline) == len(tokens[start].value) + 2:  # all of it in quotes: what is inside
             inline = tokens[start].value
         text = "\n".join(part for part in (inline, body) if part.strip())
-        return head + ([text] if text else []) + [t.value for t in tokens[end:]], text, wanted - leading >= needed
+        complete = given >= sum(p.required for p in before)
+        return head + ([text] if text else []) + [t.value for t in tokens[end:]], text, complete
 
     def positional(self, args: Sequence[str]) -> list[str]:
         """``args`` without this command's flags and options (and the options' values)."""
-        flags = {p.spelled for p in self.params if p.kind == "flag"}
-        options = {p.spelled for p in self.params if p.kind == "option"}
+        flags, options = self._switches()
         left: list[str] = []
         skip = False
         for arg in args:

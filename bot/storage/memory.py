@@ -403,14 +403,14 @@ class MemoryRepository:
         return scores
 
     async def vector_top_items(
-        self, pair_id: int, model: str, query: npt.NDArray[np.float32], k: int, now: float, least: float = -1.0
+        self, pair_id: int, model: str, query: npt.NDArray[np.float32], k: int, now: float
     ) -> tuple[dict[int, float], list[Row]]:
         """PostgreSQL: :meth:`vector_top` of the pair's items, with the rows (``ITEM_COLUMNS`` and the
         vector as ``knn_vector``, for the caller's relevance floor) of those of them that are visible, read
         by the same statement (a search saves a round trip)."""
         visible = ", (m.superseded_by IS NULL AND (m.expires_at IS NULL OR m.expires_at > ?)) AS visible"
         columns = f", {ITEM_COLUMNS_M}, m.embedding::real[] AS knn_vector{visible}"
-        scores, rows = await self._vector_knn(ItemScope(pair_id), model, query, k, columns, (now,), least)
+        scores, rows = await self._vector_knn(ItemScope(pair_id), model, query, k, columns, (now,))
         return scores, [r for r in rows if r["visible"] and int(r["knn_id"]) in scores]
 
     async def _vector_knn(

@@ -58,7 +58,7 @@ class CentredFloor:
         direction = query - mean_query
         norm = float(np.linalg.norm(direction))
         return cls((direction / norm if norm > 0 else direction).astype(np.float32),
-                   mean_passage.astype(np.float32), least)
+                   np.asarray(mean_passage, dtype=np.float32), least)
 
     def passes(self, vectors: npt.NDArray[np.float32]) -> npt.NDArray[np.bool_]:
         """Which rows of ``vectors`` (one per item) stand above the floor."""
