@@ -13,7 +13,7 @@ from bot.config import parse_config
 from bot.ports import IncomingMessage
 from cortex.memory.embedders import HashEmbedder
 from cortex.memory.embedding import EmbeddingService
-from cortex.memory.store import MemoryError, MemoryStore, Weights, fts_query
+from cortex.memory.store import Hit, MemoryError, MemoryStore, Weights, fts_query, says_name
 from cortex.memory.vectors import VectorIndex
 from tests.engines import db_url_for
 from tests.fakes.provider import ScriptedProvider
@@ -334,5 +334,54 @@ async def test_a_message_takes_relevance_from_the_turns_next_to_it(tmp_path: Pat
         monkeypatch.setattr(store_module, "CONTEXT_SHARE", 0.0)
         alone = await order()
         assert alone.index(cake) < alone.index(said_with_rufus)  # without its neighbour the short one wins
+    finally:
+        await app.stop()
+
+
+def test_a_query_names_a_person_by_a_word_of_their_name_or_its_possessive() -> None:
+    def words(query: str) -> set[str]:
+        return set(query.lower().replace("'", " ").split())
+
+    assert says_name(words("Was kostete Pauls Wagen?"), "Paul")
+    assert says_name(words("What is Jonas' job?"), "Jonas")
+    assert says_name(words("what did carolines mum say"), "Caroline Smith")
+    assert says_name(words("where does smith live"), "Caroline Smith")
+    assert not says_name(words("Coral reefs are dying"), "Cora")  # a word of its own, not a part of one
+    assert not says_name(words("what is the plan"), "The")  # function words are nobody's name
+    assert not says_name(words("a b c"), "A B")
+
+
+async def test_messages_of_the_person_the_query_names_rank_first(tmp_path: Path) -> None:
+    app, store, users, _ = await _setup(tmp_path)
+    try:
+        ann, pair = users["ann"]
+        dm = await app.storage.upsert_channel("console:dm-ann", "dm", is_dm=True)
+        said = [("user", "Ann", "I went hiking in the Alps last summer."),
+                ("assistant", "Cora", "Ann, hiking in the Alps every summer! Going hiking there in summer, "
+                                      "what a dream."),
+                *[("assistant", "Cora", f"Unrelated small talk number {n}.") for n in range(4)]]
+        ids = [(await app.storage.add_message(dm.id, ann.id, "Cora", role, author, text, 9)).id
+               for role, author, text in said]
+        item = await store.remember(pair.id, "Ann hikes in the Alps every summer", importance=1)
+        anns, coras = ids[0], ids[1]
+
+        async def hits(query: str) -> list[Hit]:
+            return await store.search(pair.id, query, user_id=ann.id, persona="Cora")
+
+        named = await hits("Where does Ann go hiking in summer?")
+        order = [h.id for h in named if h.kind == "message"]
+        assert order.index(anns) < order.index(coras)
+        assert {h.id: h.signals.get("author") for h in named if h.kind == "message"}[anns] == 1.0
+        assert "author" not in next(h for h in named if h.id == coras).signals
+        assert next(h for h in named if h.kind == "item").signals["author"] == 1.0  # what is known of Ann
+        # the same query without the signal, naming nobody, or naming only the persona: Cora's says more
+        store.weights = Weights(author=0.0)
+        assert [h.id for h in await hits("Where does Ann go hiking in summer?") if h.kind == "message"][0] == coras
+        store.weights = Weights()
+        for query in ("Where does she go hiking in summer?", "Cora, where do I go hiking in summer?"):
+            found = await hits(query)
+            assert [h.id for h in found if h.kind == "message"][0] == coras, query
+            assert not any("author" in h.signals for h in found), query
+        assert item.id in {h.id for h in found if h.kind == "item"}
     finally:
         await app.stop()

@@ -3,6 +3,7 @@ clock), expiry, restore, the report, weights, budgets, embedder status, jobs in 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from bot.app import App
 from bot.config import parse_config
 from bot.ports import IncomingMessage
 from cortex.memory.embedders import HashEmbedder
-from cortex.memory.store import MemoryStore
+from cortex.memory.store import MemoryStore, Weights
 from cortex.memory.upkeep import Pruner
 from tests.fakes.llm_server import FakeLLMServer
 from tests.fakes.provider import ScriptedProvider
@@ -126,7 +127,8 @@ async def test_admin_commands_prune_weights_budgets_embedder_and_stats(tmp_path:
         # weights: shown, validated, applied to search at once, kept across a restart
         assert "vector 0.5, text 0.2, importance 0.15, recency 0.1, access 0.05" in (
             await run(app, "!cortex weights", admin)).text
-        for bad in ("vector=lots", "speed=1", "vector=-1", "vector=0 text=0 importance=0 recency=0 access=0"):
+        for bad in ("vector=lots", "speed=1", "vector=-1", "vector=0 text=0 importance=0 recency=0 access=0",
+                    "vector=0 text=0 importance=0 recency=0 access=0 author=1"):
             assert (await run(app, f"!cortex weights {bad}", admin)).text.startswith(("Write", "vector", "At least"))
         set_reply = (await run(app, "!cortex weights vector=0.7 text=0.3", admin)).text
         assert "vector 0.7, text 0.3, importance 0.15" in set_reply
@@ -151,8 +153,14 @@ async def test_admin_commands_prune_weights_budgets_embedder_and_stats(tmp_path:
         assert "Background jobs:" in stats and "prune-memory (every 24 h)" in stats
         assert "embed-backfill (every 60 s)" in stats and "requeue-abandoned-jobs" in stats
         assert "archived 1 item(s)" in stats
-    async with App(_config(tmp_path), llm=ScriptedProvider(), embedder=HashEmbedder()) as app:
-        assert app.cortex.memory.weights.vector == 0.7
+    async with App(_config(tmp_path, weight_author=0.25), llm=ScriptedProvider(), embedder=HashEmbedder()) as app:
+        assert app.cortex.memory.weights.vector == 0.7 and app.cortex.memory.weights.author == 0.4  # as saved
+        # weights saved by a version without the author signal: it keeps the config file's weight
+        await app.storage.set_setting("memory.weights", json.dumps(
+            {"vector": 0.6, "text": 0.2, "importance": 0.1, "recency": 0.1, "access": 0.0}))
+        await app.cortex.memory_admin.load()
+        assert app.cortex.memory.weights == Weights(0.6, 0.2, 0.1, 0.1, 0.0, 0.25)
+        assert "author 0.25" in (await run(app, "!cortex weights", ctx(admin=True))).text
         await run(app, "!cortex weights default", ctx(admin=True))
         assert app.cortex.memory.weights.vector == 0.5
 

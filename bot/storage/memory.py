@@ -41,7 +41,7 @@ ITEM_COLUMNS = (
     " source_ref, metadata, created_at, updated_at, access_count, last_accessed, archived_at, archive_reason, scope"
 )
 ITEM_COLUMNS_M = ", ".join(f"m.{c.strip()}" for c in ITEM_COLUMNS.split(","))
-MESSAGE_HIT_COLUMNS = "m.id, m.text, m.created_at, m.author_name, c.name AS channel, m.channel_id"
+MESSAGE_HIT_COLUMNS = "m.id, m.text, m.created_at, m.author_name, m.role, c.name AS channel, m.channel_id"
 NEIGHBOUR_SPAN = 5000  # ids a neighbour lookup walks back or forth at most (other people's messages in a busy group)
 VISIBLE = (
     "m.pair_id = ? AND m.archived_at IS NULL AND m.superseded_by IS NULL AND (m.expires_at IS NULL OR m.expires_at > ?)"

@@ -41,8 +41,8 @@ def parse_weights(args: Sequence[str], current: Weights) -> Weights:
             raise CommandError(f"{name}: a weight is a number from 0 to 10")
         changes[name] = number
     weights = replace(current, **changes)
-    if not any(getattr(weights, s) for s in SIGNALS):
-        raise CommandError("At least one weight must be above 0.")
+    if not any(getattr(weights, s) for s in SIGNALS if s != "author"):  # author only lifts what the others rank
+        raise CommandError("At least one weight other than author must be above 0.")
     return weights
 
 
@@ -95,7 +95,9 @@ class MemoryAdminCommands:
             self._apply(configured_weights(self.config.memory))
             return
         try:
-            self._apply(Weights(**{k: float(v) for k, v in json.loads(saved).items() if k in SIGNALS}))
+            # A signal the saved weights lack (saved by an older version) keeps the config file's weight.
+            self._apply(replace(configured_weights(self.config.memory),
+                                **{k: float(v) for k, v in json.loads(saved).items() if k in SIGNALS}))
         except (ValueError, TypeError):
             pass
 

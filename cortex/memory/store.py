@@ -84,6 +84,13 @@ def fts_query(text: str) -> str:
     return " OR ".join(f'"{w}"' for w in content)
 
 
+def says_name(words: Collection[str], name: str) -> bool:
+    """Whether a query's lower-cased words name ``name`` (a display name): one of its words, or that word
+    with a possessive s ("Pauls Wagen", "Carolines"); function words and single letters do not count."""
+    return any(w in words or w + "s" in words for w in _WORD.findall(name.lower())
+               if len(w) > 1 and w not in STOPWORDS)
+
+
 @dataclass(frozen=True, slots=True)
 class Weights:
     vector: float = 0.50
@@ -91,12 +98,13 @@ class Weights:
     importance: float = 0.15
     recency: float = 0.10
     access: float = 0.05
+    author: float = 0.40  # a message by the person the query names (see MemoryStore._named_author)
 
 
 def configured_weights(config: MemoryConfig) -> Weights:
     """The search weights of the ``[memory]`` section."""
     return Weights(config.weight_vector, config.weight_text, config.weight_importance, config.weight_recency,
-                   config.weight_access)
+                   config.weight_access, config.weight_author)
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,6 +367,7 @@ class MemoryStore:
         self._score(candidates, now)
         if messages:
             await self._neighbour_context(candidates, user_id or 0, persona or "")
+            self._named_author(candidates, query)
         best = heapq.nlargest(limit, candidates, key=lambda c: c.score)
         return [self._hit(c) for c in best]
 
@@ -565,6 +574,28 @@ class MemoryStore:
             if lent.get(c.id, 0.0) > 0:
                 c.signals["context"] = lent[c.id]
                 c.score += CONTEXT_SHARE * lent[c.id]
+
+    def _named_author(self, candidates: list[_Candidate], query: str) -> None:
+        """When the query names a person whose messages are among the candidates ("What does Caroline do to
+        destress?"), that person's messages gain ``weights.author`` over the others', and so do items (what
+        is known about the pair's user, the one person who writes a pair's messages in a chat).
+
+        What someone does, likes or went through is mostly said by them: on LoCoMo's five tuning
+        conversations 97 % of the evidence of a question naming one speaker is that speaker's, against 57 %
+        of the top ten found without this signal (R@10 73.6 → 76.1; multi-hop 40.4 → 46.1, open-domain
+        37.7 → 46.8). Only people's names count: a persona's name is how users address it ("Cora, what
+        was my dog's name?"), not what they ask about. A query that names every author says nothing."""
+        if not self.weights.author:
+            return
+        authors = {str(c.row["author_name"]): str(c.row["role"]) for c in candidates if c.kind == "message"}
+        words = set(_WORD.findall(query.lower()))
+        named = {name for name, role in authors.items() if role == "user" and says_name(words, name)}
+        if not named or named == set(authors):
+            return
+        for c in candidates:
+            if c.kind == "item" or str(c.row["author_name"]) in named:
+                c.signals["author"] = 1.0
+                c.score += self.weights.author
 
     def _hit(self, candidate: _Candidate) -> Hit:
         row = candidate.row
