@@ -4,11 +4,12 @@ The provider answers chat replies instantly (we time the core, not the model) an
 update calls after a latency (default 1 s per call; real ones take 1-10 s), running the real tool loop: read memory.md,
 rewrite it, stop, so every update does real reads, checked writes, new versions and audit rows.
 The reply path is timed alone and while 50 pairs are updated continuously (each as soon as its
-previous update finishes), alternating the two phases over several rounds in one process so that
-drift of the machine hits both alike. Prints p50/p99 of both and their ratio; the target is ≤ 1.1,
+previous update finishes), alternating the two phases over several rounds in one process, in ABBA
+order (alone, loaded, loaded, alone, ...), so that drift of the machine and the growing history hit
+both alike. Prints p50/p99 of both and their ratio; the target is ≤ 1.1,
 in five runs in a row (``--runs 5``: each a whole measurement in a fresh bot, each printed).
 
-    python bench/nonblocking.py [--replies 2000] [--rounds 5] [--updates 50] [--latency-ms 1000] [--runs 5]
+    python bench/nonblocking.py [--replies 2000] [--rounds 10] [--updates 50] [--latency-ms 1000] [--runs 5]
 """
 
 from __future__ import annotations
@@ -164,13 +165,19 @@ async def measure(args: argparse.Namespace) -> tuple[list[float], list[float], i
             await time_replies(app, 50)  # warm-up
             load = UpdateLoad(app, users)
             load.start()
-            # Alternate the phases so that drift of the machine hits both alike.
-            for _ in range(args.rounds):
-                await load.pause()
-                alone += await time_replies(app, per_round)
-                load.running.set()
-                await asyncio.sleep(args.latency_ms / 1000 * 1.5)  # every pair mid-update
-                loaded += await time_replies(app, per_round)
+            # Alternate the phases so that drift hits both alike, in ABBA order (alone, loaded, loaded,
+            # alone, ...): the history grows with every reply and the machine's speed drifts, and with
+            # "alone" always first each round's loaded phase would always meet the longer history.
+            for number in range(args.rounds):
+                for phase in ("alone", "loaded") if number % 2 == 0 else ("loaded", "alone"):
+                    if phase == "alone":
+                        await load.pause()
+                        alone += await time_replies(app, per_round)
+                    else:
+                        if not load.running.is_set():
+                            load.running.set()
+                            await asyncio.sleep(args.latency_ms / 1000 * 1.5)  # every pair mid-update
+                        loaded += await time_replies(app, per_round)
             finished = load.finished
             await load.stop()
         finally:
@@ -181,7 +188,7 @@ async def measure(args: argparse.Namespace) -> tuple[list[float], list[float], i
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replies", type=int, default=2000, help="timed replies per phase (default 2000)")
-    parser.add_argument("--rounds", type=int, default=5, help="alternations of the two phases (default 5)")
+    parser.add_argument("--rounds", type=int, default=10, help="alternations of the two phases (default 10)")
     parser.add_argument("--updates", type=int, default=50, help="updates in flight at once (default 50)")
     parser.add_argument("--latency-ms", type=float, default=1000.0,
                         help="LLM latency per update call (default 1000; real ones take 1-10 s)")

@@ -11,7 +11,7 @@ import pytest
 
 from bot.storage import Storage, StorageError, open_sqlite
 from bot.storage.base import LLMCallRecord, ReplyStats
-from bot.storage.engine import Migration
+from bot.storage.engine import Migration, WriteLock
 from bot.storage.migrations import MIGRATIONS
 
 
@@ -324,3 +324,40 @@ async def test_closing_right_after_opening_leaves_no_connection_thread(
         await db.close()
         await asyncio.sleep(0.05)  # a closed connection's thread ends at once; a connect still running does not
         assert not set(threading.enumerate()) - before
+
+
+async def test_the_reply_paths_writes_go_before_background_writes_waiting() -> None:
+    lock = WriteLock()
+    order: list[str] = []
+
+    async def write(name: str, urgent: bool) -> None:
+        async with lock.line(urgent):
+            order.append(name)
+            await asyncio.sleep(0)
+
+    async with lock.line(urgent=False):  # a background write in progress
+        waiting = [asyncio.ensure_future(write(f"job{i}", False)) for i in range(3)]
+        await asyncio.sleep(0)
+        replies = [asyncio.ensure_future(write(f"reply{i}", True)) for i in range(2)]
+        await asyncio.sleep(0)
+    await asyncio.gather(*waiting, *replies)
+    assert order == ["reply0", "reply1", "job0", "job1", "job2"]  # each line first come, first served
+
+
+async def test_a_write_cancelled_while_waiting_or_just_let_in_never_keeps_the_lock() -> None:
+    lock = WriteLock()
+    await lock.acquire(urgent=False)
+    gone = asyncio.ensure_future(lock.acquire(urgent=True))
+    let_in = asyncio.ensure_future(lock.acquire(urgent=True))
+    after = asyncio.ensure_future(lock.acquire(urgent=False))
+    await asyncio.sleep(0)
+    gone.cancel()  # cancelled while waiting: skipped
+    await asyncio.sleep(0)
+    lock.release()  # hands the lock to let_in ...
+    let_in.cancel()  # ... which is cancelled before it runs: it passes the lock on
+    for task in (gone, let_in):
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    await asyncio.wait_for(after, 1)
+    lock.release()
+    await asyncio.wait_for(lock.acquire(urgent=True), 1)  # free again

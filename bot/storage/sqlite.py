@@ -56,11 +56,13 @@ class SQLiteDatabase:
     dialect: Literal["sqlite"] = "sqlite"
     shared_across_hosts = False
 
-    def __init__(self, path: str | Path, *, caches: StorageCaches | None = None, checkpoints: bool = True) -> None:
+    def __init__(self, path: str | Path, *, caches: StorageCaches | None = None, checkpoints: bool = True,
+                 urgent: bool = True) -> None:
         self.path = Path(path)
         self.url = f"sqlite:///{self.path}"
         self.caches = caches or StorageCaches()
-        self._tx_lock = self.caches.write_lock
+        # A sibling (background jobs) is not urgent: the reply path's writes go before its own.
+        self._tx_lock = self.caches.write_lock.line(urgent)
         self._checkpoints = checkpoints
         self._db: aiosqlite.Connection | None = None
         self._checkpointer: asyncio.Task[None] | None = None
@@ -102,8 +104,9 @@ class SQLiteDatabase:
 
     async def sibling(self) -> SQLiteDatabase:
         """A second connection to the same database sharing this one's caches: background jobs use it,
-        so their queries never wait in line with the reply path's on aiosqlite's thread."""
-        return await SQLiteDatabase(self.path, caches=self.caches, checkpoints=False).open()
+        so their queries never wait in line with the reply path's on aiosqlite's thread, and its writes
+        let the reply path's go first."""
+        return await SQLiteDatabase(self.path, caches=self.caches, checkpoints=False, urgent=False).open()
 
     @staticmethod
     async def _checkpoint_loop(db: aiosqlite.Connection) -> None:
