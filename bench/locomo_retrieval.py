@@ -9,6 +9,13 @@ project's embedding backfill with the configured default embedder (multilingual-
 ``--no-vectors``. Each question of categories 1-4 is then asked of ``MemoryStore.search``
 (``include_messages=True``) and of a plain Okapi BM25 over the same turns, in the same run.
 
+``--in-person`` asks as a chat would: speaker A is the user and speaker B the persona (B's turns are
+stored as the bot's replies), and a question naming one speaker is put in the first person (about A:
+"What does Caroline do to destress?" becomes "What does I do to destress?") or the second (about B);
+``--language German`` uses "ich/mein" and "du/dein". The grammar is left as it falls. The named form
+favours what a name matches (the speaker's name is in every one of their messages' vectors and text);
+users ask about themselves and the persona in the first and second person.
+
 Recall@k of a question is the fraction of its evidence ``dia_id``s found among the top k turns;
 evidence ids that match no turn (a few are malformed in the release) are ignored, and a question
 left with none is skipped. Printed per k: overall and per category (1 multi-hop, 2 temporal,
@@ -117,6 +124,7 @@ class Question:
 class Conversation:
     sample_id: str
     speaker_a: str
+    speaker_b: str
     turns: list[Turn]
     questions: list[Question]
     skipped_questions: int = 0  # no evidence id matches a turn
@@ -145,7 +153,7 @@ def load(path: Path, limit: int | None) -> list[Conversation]:
                 turns.append(Turn(str(turn["dia_id"]), str(turn["speaker"]), text,
                                   start + timedelta(seconds=SECONDS_PER_TURN * i)))
         known = {t.dia_id for t in turns}
-        result = Conversation(str(sample["sample_id"]), str(conv["speaker_a"]), turns, [])
+        result = Conversation(str(sample["sample_id"]), str(conv["speaker_a"]), str(conv["speaker_b"]), turns, [])
         for qa in sample["qa"]:
             category = int(qa["category"])
             if category not in CATEGORIES:
@@ -241,7 +249,7 @@ def frozen_clock(ts: float) -> Callable[[], float]:
     return lambda: ts
 
 
-async def store_turns(app: App, conversations: list[Conversation]) -> list[Indexed]:
+async def store_turns(app: App, conversations: list[Conversation], in_person: bool = False) -> list[Indexed]:
     indexed = []
     for conv in conversations:
         user = await app.storage.upsert_user(f"locomo:{conv.sample_id}", conv.speaker_a)
@@ -249,7 +257,8 @@ async def store_turns(app: App, conversations: list[Conversation]) -> list[Index
         dia_of: dict[int, str] = {}
         for turn in conv.turns:
             message = await app.storage.add_message(
-                channel.id, user.id, PERSONA, "user", turn.speaker, turn.text,
+                channel.id, user.id, PERSONA, "assistant" if in_person and turn.speaker != conv.speaker_a else "user",
+                turn.speaker, turn.text,
                 app.estimator.raw_count(turn.text), created_at=turn.created_at,
             )
             dia_of[message.id] = turn.dia_id
@@ -262,6 +271,24 @@ async def store_turns(app: App, conversations: list[Conversation]) -> list[Index
 # Message vectors of the first engine, by (sample id, dia_id): (message model, vector).
 Vectors = dict[tuple[str, str], tuple[str, np.ndarray]]
 CACHE_FORMAT = 1
+
+
+PERSON_WORDS = {"English": ("I", "my", "you", "your"), "German": ("ich", "mein", "du", "dein")}
+
+
+def in_person(question: str, speaker_a: str, speaker_b: str, language: str) -> str:
+    """A question that names one speaker, as the chat would ask it (``--in-person``): about speaker A (the
+    user) in the first person, about B (the persona) in the second. The grammar is left as it falls
+    ("When did I go", "Wann hat du"); a question naming both speakers or neither is kept."""
+    i, my, you, your = PERSON_WORDS.get(language, PERSON_WORDS["English"])
+    named_a = re.search(rf"\b{re.escape(speaker_a)}", question) is not None
+    named_b = re.search(rf"\b{re.escape(speaker_b)}", question) is not None
+    if named_a == named_b:
+        return question
+    name, subject, possessive = (speaker_a, i, my) if named_a else (speaker_b, you, your)
+    name = re.escape(name)
+    question = re.sub(rf"\b{name}(?:'s\b|s\b|')", possessive, question)  # Caroline's, Miriams, Jonas'
+    return re.sub(rf"\b{name}\b", subject, question)
 
 
 def turns_digest(conversations: list[Conversation]) -> str:
@@ -379,7 +406,7 @@ async def run(args: argparse.Namespace, target: Target, url: str, conversations:
     await app.start(workers=False)  # no scheduler: the backfill runs once, below, and is timed
     try:
         started = time.perf_counter()
-        indexed = await store_turns(app, conversations)
+        indexed = await store_turns(app, conversations, args.in_person)
         store_s = time.perf_counter() - started
         embed_s = 0.0
         embedded = 0
@@ -453,6 +480,9 @@ def report(args: argparse.Namespace, runs: list[tuple[Results, dict[str, Any]]])
           f"skipped, {info['ignored_ids']} malformed evidence ids ignored)")
     print(f"project: MemoryStore.search over stored messages; embedder {info['embedder']}; {info['weights']}; "
           f"clock = {clock}; persona language {args.language}")
+    if args.in_person:
+        print("in person: speaker A is the user, B the persona (the bot's replies); questions naming one speaker "
+              "ask in the first (A) or second (B) person")
     for _, engine in runs:
         print(f"  engine {engine['engine']}: {engine['where']}")
     print("BM25:    plain Okapi BM25 (k1 1.5, b 0.75), lower-cased \\w+ tokens, no stemming, no stop words, "
@@ -558,6 +588,9 @@ async def main() -> None:
     parser.add_argument("--language", default="English",
                         help="the persona's language (default English): PostgreSQL's text search follows it "
                              "(e.g. German for bench/data/memory_de.json)")
+    parser.add_argument("--in-person", action="store_true",
+                        help="as in a chat: speaker A is the user, B the persona (its turns stored as the bot's "
+                             "replies), and a question naming one speaker asks in the first (A) or second (B) person")
     parser.add_argument("--vectors-cache", type=Path, default=None, metavar="FILE",
                         help="an .npz of the turns' vectors: loaded instead of embedding when it was made with the "
                              "same embedder and turns, else written after embedding")
@@ -573,6 +606,10 @@ async def main() -> None:
     except ValueError as exc:
         parser.error(str(exc))
     conversations = load(args.data, args.limit_conversations)
+    if args.in_person:
+        for conv in conversations:
+            conv.questions = [Question(in_person(q.text, conv.speaker_a, conv.speaker_b, args.language), q.category,
+                                       q.evidence) for q in conv.questions]
     shared: dict[str, Any] = {}
     if args.vectors_cache is not None:
         shared["cache"] = VectorCache(args.vectors_cache, turns_digest(conversations))

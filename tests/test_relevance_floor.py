@@ -103,3 +103,37 @@ async def test_forty_items_leave_unrelated_queries_empty_and_find_paraphrases(tm
             assert hits and hits[0].text == fact, (question, [h.text for h in hits])
     finally:
         await app.stop()
+
+
+CONVERSATION = [  # a DM in German: (role, author, text)
+    ("user", "Ann", "Seit März arbeite ich auf der Kardiologie an der Uniklinik."),
+    ("assistant", "Cora", "Das klingt nach viel Verantwortung. Wie sind die Kollegen?"),
+    ("user", "Ann", "Am Wochenende war ich mit Lena klettern, dabei habe ich mir die Hand verstaucht."),
+    ("assistant", "Cora", "Autsch, gute Besserung!"),
+    ("user", "Ann", "Meine Schwester hat im Juli ein Mädchen bekommen, sie heißt Frieda."),
+    ("assistant", "Cora", "Wie schön, herzlichen Glückwunsch an euch alle!"),
+    ("user", "Ann", "Im Herbst ziehen wir nach Connewitz, die neue Wohnung hat einen Balkon."),
+    ("assistant", "Cora", "Dann kannst du endlich Tomaten pflanzen."),
+]
+
+
+async def test_questions_in_the_first_person_find_past_messages_by_meaning(tmp_path: Path, e5) -> None:  # type: ignore[no-untyped-def]
+    """As a user asks (about themself, in German, no word shared with the message): the floor for past
+    messages once stood so high that these found nothing, while questions naming the speaker did."""
+    app = await _app(tmp_path, e5, ScriptedProvider(), facts=[])
+    try:
+        user = await app.storage.upsert_user("console:ann", "Ann")
+        dm = await app.storage.upsert_channel("console:dm-ann", "dm-ann", is_dm=True)
+        ids = [(await app.storage.add_message(dm.id, user.id, "Cora", role, author, text, 20)).id
+               for role, author, text in CONVERSATION]
+        assert (await app.cortex.embeddings.backfill(max_seconds=120)).messages == len(ids)
+        pair = (await app.cortex.store.pair_for("console:ann", "Ann", "Cora"))[1].id
+        for question, said in (("Auf welcher Station bin ich tätig?", ids[0]),
+                               ("Welchen Namen hat meine Nichte?", ids[4]),
+                               ("Wo werde ich bald wohnen?", ids[6])):
+            hits = await app.cortex.memory.search(pair, question, user_id=user.id, persona="Cora")
+            assert said in [h.id for h in hits[:3]], (question, [h.text for h in hits])
+        for nonsense in ("zzzqqq", "🙂🙂🙂"):
+            assert not await app.cortex.memory.search(pair, nonsense, user_id=user.id, persona="Cora")
+    finally:
+        await app.stop()

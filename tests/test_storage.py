@@ -361,3 +361,24 @@ async def test_a_write_cancelled_while_waiting_or_just_let_in_never_keeps_the_lo
     await asyncio.wait_for(after, 1)
     lock.release()
     await asyncio.wait_for(lock.acquire(urgent=True), 1)  # free again
+
+
+async def test_a_busy_reply_path_lets_a_background_write_in_after_a_few_of_its_own() -> None:
+    lock = WriteLock()
+    order: list[str] = []
+
+    async def write(name: str, urgent: bool) -> None:
+        async with lock.line(urgent):
+            order.append(name)
+            await asyncio.sleep(0)
+
+    async with lock.line(urgent=True):
+        job = asyncio.ensure_future(write("job", False))
+        await asyncio.sleep(0)
+        replies = [asyncio.ensure_future(write(f"reply{i}", True)) for i in range(12)]
+        await asyncio.sleep(0)
+    await asyncio.gather(job, *replies)
+    assert order.index("job") == WriteLock.URGENT_RUN  # not last: a lease renewal cannot wait for ever
+    assert [n for n in order if n != "job"] == [f"reply{i}" for i in range(12)]
+    with pytest.raises(RuntimeError):
+        lock.release()  # not held: a second release must not let two writers in

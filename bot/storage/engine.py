@@ -59,12 +59,16 @@ class WriteLock:
 
     With a plain FIFO lock a reply's write queued behind every background write already waiting: 50
     cortex updates whose model calls return together put about as many writes ahead of it. Now it
-    waits at most for the write in progress. Background writes wait while urgent ones keep coming;
-    the reply path writes a few short statements per reply, so they never wait for long."""
+    waits at most for the write in progress (and, rarely, one background write: after ``URGENT_RUN``
+    urgent writes in a row while background ones wait, one of those goes, so a busy reply path can
+    never hold back a job's lease renewal until the lease runs out)."""
+
+    URGENT_RUN = 8
 
     def __init__(self) -> None:
         self._held = False
         self._lines: tuple[deque[asyncio.Future[None]], deque[asyncio.Future[None]]] = (deque(), deque())
+        self._urgent_run = 0  # urgent hand-overs in a row while background waiters waited
 
     def line(self, urgent: bool) -> _LockLine:
         """An ``async with`` handle that queues in one of the two lines."""
@@ -84,14 +88,20 @@ class WriteLock:
             raise
 
     def release(self) -> None:
-        """Hand the lock to the next waiter (urgent line first; cancelled waiters are skipped)."""
-        for line in self._lines:
+        """Hand the lock to the next waiter (urgent line first, bounded; cancelled waiters are skipped)."""
+        if not self._held:
+            raise RuntimeError("WriteLock released while not held")
+        urgent, background = self._lines
+        for line in (background, urgent) if self._urgent_run >= self.URGENT_RUN else (urgent, background):
             while line:
                 turn = line.popleft()
                 if not turn.done():
+                    waiting = any(not t.done() for t in background)
+                    self._urgent_run = self._urgent_run + 1 if line is urgent and waiting else 0
                     turn.set_result(None)
                     return
         self._held = False
+        self._urgent_run = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,7 +48,7 @@ BATCH = 16
 QUERY_CACHE = 256  # query vectors kept by their text (a prefetched one, a repeated search)
 # What a hit found by meaning alone needs (relevance_floors): a past message, standard deviations above
 # the query's similarity to unrelated text; an item, this cosine with the typical directions taken out.
-MESSAGE_Z = 4.0
+MESSAGE_Z = 2.0
 ITEM_CENTRED = 0.21
 BACKFILL_NICENESS = 10
 

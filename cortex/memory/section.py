@@ -93,6 +93,7 @@ class KnowledgeSection:
                 limit=self.config.relevant_items + recall, include_messages=recall > 0,
                 exclude_messages=context.in_prompt, include_items=items > 0, scopes=scopes,
                 query_vector=vector, use_vectors=False,  # asked above: no second check, no second try
+                about=context.message,  # the user's own words: "I" in the reply before a follow-up is the persona
             )
             seen = {i.id for i in pinned}
             relevant = [h.item for h in hits if h.item is not None and h.item.id not in seen]
