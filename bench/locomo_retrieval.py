@@ -281,14 +281,16 @@ def in_person(question: str, speaker_a: str, speaker_b: str, language: str) -> s
     user) in the first person, about B (the persona) in the second. The grammar is left as it falls
     ("When did I go", "Wann hat du"); a question naming both speakers or neither is kept."""
     i, my, you, your = PERSON_WORDS.get(language, PERSON_WORDS["English"])
-    named_a = re.search(rf"\b{re.escape(speaker_a)}", question) is not None
-    named_b = re.search(rf"\b{re.escape(speaker_b)}", question) is not None
+    def names(name: str) -> bool:  # the name or its possessive as a word of its own ("Sam" is not in "Samantha")
+        return re.search(rf"\b{re.escape(name)}(?:['’]s|s|')?(?!\w)", question) is not None
+
+    named_a, named_b = names(speaker_a), names(speaker_b)
     if named_a == named_b:
         return question
     name, subject, possessive = (speaker_a, i, my) if named_a else (speaker_b, you, your)
     name = re.escape(name)
-    question = re.sub(rf"\b{name}(?:'s\b|s\b|')", possessive, question)  # Caroline's, Miriams, Jonas'
-    return re.sub(rf"\b{name}\b", subject, question)
+    question = re.sub(rf"\b{name}(?:['’]s|s|')(?!\w)", possessive, question)  # Caroline's, Miriams, Jonas'
+    return re.sub(rf"\b{name}(?!\w)", subject, question)
 
 
 def turns_digest(conversations: list[Conversation]) -> str:

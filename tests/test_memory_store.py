@@ -384,19 +384,29 @@ async def test_messages_of_the_person_the_query_names_rank_first(tmp_path: Path)
         assert [h.id for h in await hits("Where does Ann go hiking in summer?") if h.kind == "message"][0] == coras
         store.weights = Weights()
         for query in ("Where does she go hiking in summer?", "Cora, where do we go hiking in summer?",
-                      "Do you remember where I go hiking in summer?"):  # nobody, the persona's name, both
+                      "Where do you and I go hiking in summer?"):  # nobody, the persona's name, both
             found = await hits(query)
             assert [h.id for h in found if h.kind == "message"][0] == coras, query
             assert not any("author" in h.signals for h in found), query
         assert item.id in {h.id for h in found if h.kind == "item"}
         # the user speaking of themself means the user; speaking to the persona, the persona
-        mine = await hits("Where do I go hiking in summer?")
-        assert [h.id for h in mine if h.kind == "message"][0] == anns
-        assert next(h for h in mine if h.kind == "item").signals["author"] == 1.0
+        for query in ("Where do I go hiking in summer?", "Do you remember where I go hiking in summer?",
+                      "Weißt du noch, wo ich im Sommer wandern gehe? hiking"):  # a way of asking is no "you"
+            mine = await hits(query)
+            assert [h.id for h in mine if h.kind == "message"][0] == anns, query
+            assert next(h for h in mine if h.kind == "item").signals["author"] == 1.0
         yours = await store.search(pair.id, "Where do you go hiking in summer?", user_id=ann.id,
                                    persona="Cora", include_items=False)
         assert yours[0].id == coras and "author" in yours[0].signals and "author" not in next(
             h for h in yours if h.id == anns).signals
+        # the persona's messages never push the user's items out: items keep their place against them
+        pick = {("message", coras), ("item", item.id)}
+        both = [h for h in await hits("Where do you go hiking in summer?") if (h.kind, h.id) in pick]
+        store.weights = Weights(author=0.0)
+        plain = [h for h in await hits("Where do you go hiking in summer?") if (h.kind, h.id) in pick]
+        store.weights = Weights()
+        assert len(both) == 2 and [h.kind for h in both] == [h.kind for h in plain]
+        assert all(h.signals["author"] == 1.0 for h in both)
         # only the searcher's own words say who is meant: "I" in the persona's reply before a follow-up is not
         # the user
         follow_up = await hits("Cora: I would go hiking in summer!\nand Ann?")

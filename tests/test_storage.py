@@ -381,4 +381,4 @@ async def test_a_busy_reply_path_lets_a_background_write_in_after_a_few_of_its_o
     assert order.index("job") == WriteLock.URGENT_RUN  # not last: a lease renewal cannot wait for ever
     assert [n for n in order if n != "job"] == [f"reply{i}" for i in range(12)]
     with pytest.raises(RuntimeError):
-        lock.release()  # not held: a second release must not let two writers in
+        lock.release()  # not held at all: a stray release is an error, not a free pass
