@@ -402,6 +402,16 @@ class MemoryRepository:
         scores, _rows = await self._vector_knn(scope, model, query, k, "", (), least)
         return scores
 
+    async def vector_top_with_vectors(
+        self, scope: VectorScope, model: str, query: npt.NDArray[np.float32], k: int
+    ) -> tuple[dict[int, float], dict[int, npt.NDArray[np.float32]]]:
+        """PostgreSQL: :meth:`vector_top` with the vectors of the ids returned (for the caller's relevance
+        floor), read by the same statement."""
+        column = self._vector_where(scope)[1]
+        scores, rows = await self._vector_knn(scope, model, query, k, f", m.{column}::real[] AS knn_vector", ())
+        return scores, {int(r["knn_id"]): np.asarray(r["knn_vector"], dtype=np.float32)
+                        for r in rows if int(r["knn_id"]) in scores}
+
     async def vector_top_items(
         self, pair_id: int, model: str, query: npt.NDArray[np.float32], k: int, now: float
     ) -> tuple[dict[int, float], list[Row]]:

@@ -30,7 +30,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -46,10 +46,10 @@ Vector = npt.NDArray[np.float32]
 
 BATCH = 16
 QUERY_CACHE = 256  # query vectors kept by their text (a prefetched one, a repeated search)
-# What a hit found by meaning alone needs (relevance_floors): a past message, standard deviations above
-# the query's similarity to unrelated text; an item, this cosine with the typical directions taken out.
-MESSAGE_Z = 2.0
+# What a hit found by meaning alone needs (relevance_floors): its cosine to the query with the embedder's
+# typical directions taken out of both (CentredFloor), for an item and for a past message.
 ITEM_CENTRED = 0.21
+MESSAGE_CENTRED = 0.15
 BACKFILL_NICENESS = 10
 
 
@@ -219,18 +219,15 @@ class EmbeddingService:
         return vector
 
     async def relevance_floors(self, query: npt.NDArray[np.float32]) -> RelevanceFloors:
-        """The floors a candidate found by meaning alone must pass to count as related to ``query``: a past
-        message, the query's mean similarity to unrelated everyday sentences (``BACKGROUND``) plus
-        ``MESSAGE_Z`` of their standard deviations; an item, a centred cosine of ``ITEM_CENTRED`` (see
-        :class:`CentredFloor`). No floors for an embedder without a measured yardstick. How they were
+        """The floors a candidate found by meaning alone must pass to count as related to ``query``: a
+        centred cosine (:class:`CentredFloor`) of ``ITEM_CENTRED`` for an item, of ``MESSAGE_CENTRED``
+        for a past message. No floors for an embedder without a measured yardstick. How they were
         chosen: see the README's "Relevance floor"."""
         yardstick = await self._yardstick()
         if yardstick is None or yardstick.passages.shape[1] != query.shape[0]:
             return RelevanceFloors()
-        sims = yardstick.passages @ query
-        return RelevanceFloors(
-            CentredFloor.of(query, yardstick.mean_query, yardstick.mean_passage, ITEM_CENTRED),
-            float(sims.mean()) + MESSAGE_Z * float(sims.std()))
+        item = CentredFloor.of(query, yardstick.mean_query, yardstick.mean_passage, ITEM_CENTRED)
+        return RelevanceFloors(item, replace(item, least=MESSAGE_CENTRED))
 
     def warm_up(self) -> None:
         """Check the relevance yardstick now, so the first search does not wait for it."""

@@ -444,7 +444,7 @@ class MemoryStore:
 
     async def _message_candidates(
         self, user_id: int, persona: str, match: str, vector: npt.NDArray[np.float32] | None, now: float,
-        exclude: set[int], least: float,
+        exclude: set[int], floor: CentredFloor | None,
     ) -> list[_Candidate]:
         async def by_text() -> list[Any]:
             if not match:
@@ -458,7 +458,7 @@ class MemoryStore:
             if vector is None or self.embeddings is None:
                 return {}
             found = await self.embeddings.index.top(("messages", user_id, persona), vector,
-                                                     self.candidates + len(exclude), least)
+                                                     self.candidates + len(exclude), floor=floor)
             return {i: v for i, v in found.items() if i not in exclude}
 
         async def fetch(ids: list[int]) -> list[Any]:

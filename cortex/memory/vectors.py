@@ -72,11 +72,11 @@ class CentredFloor:
 
 @dataclass(frozen=True, slots=True)
 class RelevanceFloors:
-    """What a candidate found by meaning alone must pass: items ``item`` (None: no floor), past
-    messages a cosine of at least ``message`` (-1: no floor)."""
+    """What a candidate found by meaning alone must pass, items ``item`` and past messages ``message``
+    (None: no floor)."""
 
     item: CentredFloor | None = None
-    message: float = -1.0
+    message: CentredFloor | None = None
 
 
 class Block:
@@ -350,9 +350,16 @@ class DatabaseVectors:
     async def has_vectors(self, scope: Scope) -> bool:
         return await self.repo.has_vectors(repo_scope(scope), self.model_of(scope))
 
-    async def top(self, scope: Scope, query: npt.NDArray[np.float32], k: int, least: float = -1.0
-                  ) -> dict[int, float]:
-        return await self.repo.vector_top(repo_scope(scope), self.model_of(scope), query, k, least)
+    async def top(self, scope: Scope, query: npt.NDArray[np.float32], k: int, least: float = -1.0,
+                  floor: CentredFloor | None = None) -> dict[int, float]:
+        if floor is None:
+            return await self.repo.vector_top(repo_scope(scope), self.model_of(scope), query, k, least)
+        scores, vectors = await self.repo.vector_top_with_vectors(repo_scope(scope), self.model_of(scope), query, k)
+        if not scores:
+            return {}
+        ids = list(scores)
+        passing = floor.passes(np.stack([vectors[i] for i in ids]))
+        return {i: scores[i] for i, ok in zip(ids, passing.tolist(), strict=True) if ok}
 
     def add(self, scope: Scope, ids: Sequence[int], vectors: npt.NDArray[np.float32]) -> None:
         """Nothing to do: the database is the index."""
