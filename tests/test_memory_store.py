@@ -391,6 +391,7 @@ async def test_messages_of_the_person_the_query_names_rank_first(tmp_path: Path)
         assert item.id in {h.id for h in found if h.kind == "item"}
         # the user speaking of themself means the user; speaking to the persona, the persona
         for query in ("Where do I go hiking in summer?", "Do you remember where I go hiking in summer?",
+                      "Could you tell me where I go hiking in summer?",
                       "Weißt du noch, wo ich im Sommer wandern gehe? hiking"):  # a way of asking is no "you"
             mine = await hits(query)
             assert [h.id for h in mine if h.kind == "message"][0] == anns, query

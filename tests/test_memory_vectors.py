@@ -202,3 +202,36 @@ def test_the_centred_floor_looks_past_the_direction_every_vector_shares() -> Non
     assert set(block.top(query, 5, floor=floor)) == {11}
     assert floor.passes(np.zeros((0, 8), dtype=np.float32)).tolist() == []
     assert floor.passes(np.ones((2, 4), dtype=np.float32)).tolist() == [True, True]  # another embedder: no floor
+
+
+@pytest.mark.both_engines
+async def test_the_message_floor_keeps_the_same_messages_on_both_engines(tmp_path: Path) -> None:
+    """The centred floor of past messages: numpy on SQLite (the cached block), SQL on PostgreSQL (the
+    k-NN computes each hit's centred cosine): both keep exactly the hits numpy says pass."""
+    from cortex.memory.vectors import DatabaseVectors
+    from tests.engines import db_url_for
+
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "memory": {"embedder": "none"}})
+    app = await App(config, llm=ScriptedProvider()).start(workers=False)
+    try:
+        user = await app.storage.upsert_user("console:ann", "Ann")
+        dm = await app.storage.upsert_channel("console:dm-ann", "dm", is_dm=True)
+        rng = np.random.default_rng(5)
+        common = normalize(rng.standard_normal((1, 8)))[0]
+        matrix = normalize(rng.standard_normal((30, 8)) * 0.6 + common)  # every vector leans one way, like e5's
+        ids = [(await app.storage.add_message(dm.id, user.id, "Cora", "user", "Ann", f"m{n}", 2)).id
+               for n in range(30)]
+        await app.storage.memory.store_message_vectors(
+            "m", [(i, user.id, "Cora", v) for i, v in zip(ids, matrix, strict=True)])
+        query = normalize(matrix[3:4] + 0.3 * rng.standard_normal((1, 8)))[0]
+        floor = CentredFloor.of(query, mean_query=common * 0.9, mean_passage=matrix.mean(axis=0), least=0.3)
+        index = (DatabaseVectors(app.storage, "m") if app.storage.db.dialect == "postgres"
+                 else VectorIndex(app.storage, "m"))
+        scope = ("messages", user.id, "Cora")
+        everything = await index.top(scope, query, 30)
+        kept = await index.top(scope, query, 30, floor=floor)
+        expected = {i for i, ok in zip(ids, floor.passes(matrix).tolist(), strict=True) if ok}
+        assert len(everything) == 30 and 0 < len(kept) < 30
+        assert set(kept) == expected and all(kept[i] == pytest.approx(everything[i], abs=1e-5) for i in kept)
+    finally:
+        await app.stop()

@@ -393,24 +393,28 @@ class MemoryRepository:
         return [(int(r[0]), bytes(r[1])) for r in rows]
 
     async def vector_top(
-        self, scope: VectorScope, model: str, query: npt.NDArray[np.float32], k: int, least: float = -1.0
+        self, scope: VectorScope, model: str, query: npt.NDArray[np.float32], k: int
     ) -> dict[int, float]:
         """PostgreSQL: the ``k`` nearest ids with how far their cosine similarity rises above the query's
         typical similarity in the scope (mean + 2σ over up to ``TYPICAL_SAMPLE`` of its vectors; the
-        lowest below ``TYPICAL_MIN``), the same measure as the numpy scan of the SQLite engine; none with a
-        similarity below ``least`` (the relevance floor)."""
-        scores, _rows = await self._vector_knn(scope, model, query, k, "", (), least)
+        lowest below ``TYPICAL_MIN``), the same measure as the numpy scan of the SQLite engine."""
+        scores, _rows = await self._vector_knn(scope, model, query, k, "", ())
         return scores
 
-    async def vector_top_with_vectors(
-        self, scope: VectorScope, model: str, query: npt.NDArray[np.float32], k: int
-    ) -> tuple[dict[int, float], dict[int, npt.NDArray[np.float32]]]:
-        """PostgreSQL: :meth:`vector_top` with the vectors of the ids returned (for the caller's relevance
-        floor), read by the same statement."""
-        column = self._vector_where(scope)[1]
-        scores, rows = await self._vector_knn(scope, model, query, k, f", m.{column}::real[] AS knn_vector", ())
-        return scores, {int(r["knn_id"]): np.asarray(r["knn_vector"], dtype=np.float32)
-                        for r in rows if int(r["knn_id"]) in scores}
+    async def vector_top_centred(
+        self, scope: VectorScope, model: str, query: npt.NDArray[np.float32], k: int,
+        direction: npt.NDArray[np.float32], offset: npt.NDArray[np.float32],
+    ) -> tuple[dict[int, float], dict[int, float]]:
+        """PostgreSQL: :meth:`vector_top`, and each id's cosine to ``direction`` once ``offset`` is taken out
+        of its vector (the centred cosine of the relevance floor, ``CentredFloor``), by the same statement:
+        ((v - o)·d) / |v - o| = (v·d - o·d) / |v - o|, with no vector sent back."""
+        dims = int(query.shape[0])
+        typed = f"m.{self._vector_where(scope)[1]}::vector({dims})"
+        centred = (f", (-({typed} <#> ?::vector({dims})) - ?) / GREATEST({typed} <-> ?::vector({dims}), 1e-6)"
+                   " AS knn_centred")
+        scores, rows = await self._vector_knn(scope, model, query, k, centred,
+                                              (direction, float(offset @ direction), offset))
+        return scores, {int(r["knn_id"]): float(r["knn_centred"]) for r in rows if int(r["knn_id"]) in scores}
 
     async def vector_top_items(
         self, pair_id: int, model: str, query: npt.NDArray[np.float32], k: int, now: float
@@ -425,7 +429,7 @@ class MemoryRepository:
 
     async def _vector_knn(
         self, scope: VectorScope, model: str, query: npt.NDArray[np.float32], k: int, columns: str,
-        column_params: tuple[Any, ...], least: float = -1.0,
+        column_params: tuple[Any, ...],
     ) -> tuple[dict[int, float], list[Row]]:
         """The k-NN ids with their excess similarity (see :meth:`vector_top`), and the k-NN rows (the id,
         the similarity, then ``columns`` over the scope's table as ``m``)."""
@@ -449,7 +453,7 @@ class MemoryRepository:
             return {}, []
         count, mean, sd, low = int(stats[0]), float(stats[1] or 0), float(stats[2] or 0), float(stats[3] or 0)
         floor = mean + 2.0 * sd if count >= TYPICAL_MIN else (low if count > 1 else 0.0)
-        return {int(r[0]): float(r[1]) - floor for r in rows if float(r[1]) >= least}, rows
+        return {int(r[0]): float(r[1]) - floor for r in rows}, rows
 
     async def ensure_vector_index(self, dims: int) -> None:
         """PostgreSQL: the HNSW (cosine) indexes for vectors of ``dims`` dimensions, made once (by the

@@ -124,8 +124,7 @@ class Block:
         self._size = need
         self._known.update(ids[n] for n in keep)
 
-    def top(self, query: npt.NDArray[np.float32], k: int, least: float = -1.0,
-            floor: CentredFloor | None = None) -> dict[int, float]:
+    def top(self, query: npt.NDArray[np.float32], k: int, floor: CentredFloor | None = None) -> dict[int, float]:
         """The ``k`` best ids, each with how far its cosine similarity to ``query`` rises above what is
         typical for this query in this block (the mean plus two standard deviations over all its
         vectors; over fewer than ``TYPICAL_MIN`` vectors, the lowest similarity).
@@ -133,11 +132,11 @@ class Block:
         Raw cosines of one embedder sit in a narrow band (e5: ~0.75-0.9 for anything), so min-max
         scaling over a few candidates inflates small differences; the excess over the typical level
         says how much a vector stands out. Measured on LoCoMo (R@10): 64.8 against 60.2 for min-max.
-        Values can be negative (less similar than typical); callers clip. None has a similarity below
-        ``least``, nor fails ``floor``."""
+        Values can be negative (less similar than typical); callers clip. None fails ``floor`` (the
+        relevance floor, applied after the typical level was measured over all)."""
         if not len(self.ids) or self.matrix.shape[1] != query.shape[0]:
             return {}
-        return self._floored(_combine([_scan(self.matrix, query, k, 0)], self.ids, k, least), floor)
+        return self._floored(_combine([_scan(self.matrix, query, k, 0)], self.ids, k), floor)
 
     def _floored(self, found: tuple[npt.NDArray[np.int64], dict[int, float]], floor: CentredFloor | None
                  ) -> dict[int, float]:
@@ -149,19 +148,19 @@ class Block:
             del scores[gone]
         return scores
 
-    async def top_async(self, query: npt.NDArray[np.float32], k: int, least: float = -1.0,
-                        floor: CentredFloor | None = None) -> dict[int, float]:
+    async def top_async(self, query: npt.NDArray[np.float32], k: int, floor: CentredFloor | None = None
+                        ) -> dict[int, float]:
         """:meth:`top`; a big block is scanned in two halves on two worker threads (numpy releases the
         GIL, so both cores work while the event loop waits)."""
         n = len(self.ids)
         if n <= THREAD_ABOVE or self.matrix.shape[1] != query.shape[0]:
-            return self.top(query, k, least, floor)
+            return self.top(query, k, floor)
         half = n // 2
         parts = await asyncio.gather(
             asyncio.to_thread(_scan, self.matrix[:half], query, k, 0),
             asyncio.to_thread(_scan, self.matrix[half:], query, k, half),
         )
-        return self._floored(_combine(list(parts), self.ids, k, least), floor)
+        return self._floored(_combine(list(parts), self.ids, k), floor)
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,11 +180,8 @@ def _scan(matrix: npt.NDArray[np.float32], query: npt.NDArray[np.float32], k: in
                  float(np.dot(sims, sims)), float(sims.min()))
 
 
-def _combine(parts: list[_Scan], ids: npt.NDArray[np.int64], k: int, least: float = -1.0
-             ) -> tuple[npt.NDArray[np.int64], dict[int, float]]:
-    """The ``k`` best of the parts as excess over the typical level (by id), and their rows; those with a
-    similarity below ``least`` (the relevance floor) are left out after the typical level was measured
-    over all."""
+def _combine(parts: list[_Scan], ids: npt.NDArray[np.int64], k: int) -> tuple[npt.NDArray[np.int64], dict[int, float]]:
+    """The ``k`` best of the parts as excess over the typical level (by id), and their rows."""
     count = sum(p.count for p in parts)
     if count >= TYPICAL_MIN:
         mean = sum(p.total for p in parts) / count
@@ -198,9 +194,6 @@ def _combine(parts: list[_Scan], ids: npt.NDArray[np.int64], k: int, least: floa
     if k < len(sims):
         keep = np.argpartition(-sims, k)[:k]
         rows, sims = rows[keep], sims[keep]
-    if least > -1.0:
-        related = sims >= least
-        rows, sims = rows[related], sims[related]
     return rows, dict(zip(ids[rows].tolist(), (sims - floor).tolist(), strict=True))
 
 
@@ -236,10 +229,10 @@ class VectorIndex:
     async def has_vectors(self, scope: Scope) -> bool:
         return bool(len((await self._block(scope)).ids))
 
-    async def top(self, scope: Scope, query: npt.NDArray[np.float32], k: int, least: float = -1.0,
-                  floor: CentredFloor | None = None) -> dict[int, float]:
-        """The ``k`` most similar ids of the scope (see :meth:`Block.top`), none below ``least`` or ``floor``."""
-        return await (await self._block(scope)).top_async(query, k, least, floor)
+    async def top(self, scope: Scope, query: npt.NDArray[np.float32], k: int, floor: CentredFloor | None = None
+                  ) -> dict[int, float]:
+        """The ``k`` most similar ids of the scope (see :meth:`Block.top`), none failing ``floor``."""
+        return await (await self._block(scope)).top_async(query, k, floor)
 
     async def items(self, pair_id: int) -> Block:
         return await self._block(("items", pair_id))
@@ -350,16 +343,13 @@ class DatabaseVectors:
     async def has_vectors(self, scope: Scope) -> bool:
         return await self.repo.has_vectors(repo_scope(scope), self.model_of(scope))
 
-    async def top(self, scope: Scope, query: npt.NDArray[np.float32], k: int, least: float = -1.0,
-                  floor: CentredFloor | None = None) -> dict[int, float]:
+    async def top(self, scope: Scope, query: npt.NDArray[np.float32], k: int, floor: CentredFloor | None = None
+                  ) -> dict[int, float]:
         if floor is None:
-            return await self.repo.vector_top(repo_scope(scope), self.model_of(scope), query, k, least)
-        scores, vectors = await self.repo.vector_top_with_vectors(repo_scope(scope), self.model_of(scope), query, k)
-        if not scores:
-            return {}
-        ids = list(scores)
-        passing = floor.passes(np.stack([vectors[i] for i in ids]))
-        return {i: scores[i] for i, ok in zip(ids, passing.tolist(), strict=True) if ok}
+            return await self.repo.vector_top(repo_scope(scope), self.model_of(scope), query, k)
+        scores, centred = await self.repo.vector_top_centred(repo_scope(scope), self.model_of(scope), query, k,
+                                                             floor.direction, floor.offset)
+        return {i: score for i, score in scores.items() if centred[i] >= floor.least}
 
     def add(self, scope: Scope, ids: Sequence[int], vectors: npt.NDArray[np.float32]) -> None:
         """Nothing to do: the database is the index."""
