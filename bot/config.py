@@ -292,7 +292,7 @@ class MemoryConfig(_Section):
     weight_recency: float = Field(default=0.10, ge=0, description="Weight of recency (exponential decay).")
     weight_access: float = Field(default=0.05, ge=0, description="Weight of how often an item was used.")
     weight_author: float = Field(default=0.40, ge=0, description="Weight of a message being by the person the "
-                                 "query names (and of the user's items then).")
+                                 "search is about (the user for I/my, the persona for you, anyone named).")
     half_life_days: float = Field(default=30.0, gt=0, le=36_500, description="Age at which the recency signal halves.")
     candidates: int = Field(default=50, ge=5, le=1000, description="Candidates taken by text and by vector.")
     relevant_items: int = Field(default=8, ge=0, le=50, description="Relevant items put into a reply prompt.")
