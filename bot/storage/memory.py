@@ -405,27 +405,37 @@ class MemoryRepository:
         self, scope: VectorScope, model: str, query: npt.NDArray[np.float32], k: int,
         direction: npt.NDArray[np.float32], offset: npt.NDArray[np.float32],
     ) -> tuple[dict[int, float], dict[int, float]]:
-        """PostgreSQL: :meth:`vector_top`, and each id's cosine to ``direction`` once ``offset`` is taken out
-        of its vector (the centred cosine of the relevance floor, ``CentredFloor``), by the same statement:
-        ((v - o)·d) / |v - o| = (v·d - o·d) / |v - o|, with no vector sent back."""
-        dims = int(query.shape[0])
-        typed = f"m.{self._vector_where(scope)[1]}::vector({dims})"
-        centred = (f", (-({typed} <#> ?::vector({dims})) - ?) / GREATEST({typed} <-> ?::vector({dims}), 1e-6)"
-                   " AS knn_centred")
-        scores, rows = await self._vector_knn(scope, model, query, k, centred,
-                                              (direction, float(offset @ direction), offset))
+        """PostgreSQL: :meth:`vector_top`, and each id's centred cosine (``knn_centred``, see
+        :meth:`_centred_column`), by the same statement."""
+        centred, params = self._centred_column(scope, query, direction, offset)
+        scores, rows = await self._vector_knn(scope, model, query, k, centred, params)
         return scores, {int(r["knn_id"]): float(r["knn_centred"]) for r in rows if int(r["knn_id"]) in scores}
 
     async def vector_top_items(
-        self, pair_id: int, model: str, query: npt.NDArray[np.float32], k: int, now: float
+        self, pair_id: int, model: str, query: npt.NDArray[np.float32], k: int, now: float,
+        centring: tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]] | None = None,
     ) -> tuple[dict[int, float], list[Row]]:
-        """PostgreSQL: :meth:`vector_top` of the pair's items, with the rows (``ITEM_COLUMNS`` and the
-        vector as ``knn_vector``, for the caller's relevance floor) of those of them that are visible, read
-        by the same statement (a search saves a round trip)."""
+        """PostgreSQL: :meth:`vector_top` of the pair's items, with the rows (``ITEM_COLUMNS``, and with
+        ``centring`` (direction, offset) each one's centred cosine as ``knn_centred`` for the caller's
+        relevance floor) of those of them that are visible, read by the same statement (a search saves a
+        round trip)."""
+        scope = ItemScope(pair_id)
+        centred, params = self._centred_column(scope, query, *centring) if centring is not None else ("", ())
         visible = ", (m.superseded_by IS NULL AND (m.expires_at IS NULL OR m.expires_at > ?)) AS visible"
-        columns = f", {ITEM_COLUMNS_M}, m.embedding::real[] AS knn_vector{visible}"
-        scores, rows = await self._vector_knn(ItemScope(pair_id), model, query, k, columns, (now,))
+        scores, rows = await self._vector_knn(scope, model, query, k, f", {ITEM_COLUMNS_M}{visible}{centred}",
+                                              (now, *params))
         return scores, [r for r in rows if r["visible"] and int(r["knn_id"]) in scores]
+
+    def _centred_column(self, scope: VectorScope, query: npt.NDArray[np.float32], direction: npt.NDArray[np.float32],
+                        offset: npt.NDArray[np.float32]) -> tuple[str, tuple[Any, ...]]:
+        """The column ``knn_centred`` of a k-NN row (:meth:`_vector_knn`) and its parameters: the cosine of
+        its vector to ``direction`` once ``offset`` is taken out (the centred cosine of the relevance
+        floor, ``CentredFloor``), ((v - o)·d) / |v - o| = (v·d - o·d) / |v - o|, so no vector is sent back."""
+        dims = int(query.shape[0])
+        typed = f"m.{self._vector_where(scope)[1]}::vector({dims})"
+        column = (f", (-({typed} <#> ?::vector({dims})) - ?) / GREATEST({typed} <-> ?::vector({dims}), 1e-6)"
+                  " AS knn_centred")
+        return column, (direction, float(offset @ direction), offset)
 
     async def _vector_knn(
         self, scope: VectorScope, model: str, query: npt.NDArray[np.float32], k: int, columns: str,

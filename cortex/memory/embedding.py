@@ -55,10 +55,9 @@ BACKFILL_NICENESS = 10
 
 @dataclass(frozen=True, slots=True)
 class Yardstick:
-    """The relevance yardstick of the embedder: ``BACKGROUND`` as passages, and the means of it as
-    passages and as queries (the embedder's typical directions)."""
+    """The relevance yardstick of the embedder: the means of ``BACKGROUND`` as passages and as queries
+    (the embedder's typical directions)."""
 
-    passages: npt.NDArray[np.float32]
     mean_passage: npt.NDArray[np.float32]
     mean_query: npt.NDArray[np.float32]
 
@@ -224,7 +223,7 @@ class EmbeddingService:
         for a past message. No floors for an embedder without a measured yardstick. How they were
         chosen: see the README's "Relevance floor"."""
         yardstick = await self._yardstick()
-        if yardstick is None or yardstick.passages.shape[1] != query.shape[0]:
+        if yardstick is None or yardstick.mean_query.shape[0] != query.shape[0]:
             return RelevanceFloors()
         item = CentredFloor.of(query, yardstick.mean_query, yardstick.mean_passage, ITEM_CENTRED)
         return RelevanceFloors(item, replace(item, least=MESSAGE_CENTRED))
@@ -259,7 +258,7 @@ class EmbeddingService:
             log.warning("the shipped relevance yardstick does not match %s; searching without a floor",
                         self.embedder.name)
             return None
-        return Yardstick(passages, passages.mean(axis=0), queries.mean(axis=0))
+        return Yardstick(passages.mean(axis=0), queries.mean(axis=0))
 
     def _first_of_background(self) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
         return (np.asarray(self.query_embedder.embed([BACKGROUND[0]]), dtype=np.float32),

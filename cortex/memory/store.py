@@ -414,10 +414,10 @@ class MemoryStore:
             index = self.embeddings.index
             if isinstance(index, DatabaseVectors):  # the k-NN query brings the rows along: no fetch below
                 scores, rows = await self.repo.vector_top_items(
-                    pair_id, index.model_of(("items", pair_id)), vector, self.candidates * 2, now)
-                if floor is not None and rows:
-                    passing = floor.passes(np.stack([np.asarray(r["knn_vector"], dtype=np.float32) for r in rows]))
-                    rows = [r for r, ok in zip(rows, passing.tolist(), strict=True) if ok]
+                    pair_id, index.model_of(("items", pair_id)), vector, self.candidates * 2, now,
+                    (floor.direction, floor.offset) if floor is not None else None)
+                if floor is not None:
+                    rows = [r for r in rows if float(r["knn_centred"]) >= floor.least]
                 fetched = {int(r["id"]): r for r in rows}
                 return {i: v for i, v in scores.items() if i in fetched}
             # Hidden items may sit in the matrix: take more than needed, the fetch below filters.
