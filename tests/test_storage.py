@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -326,14 +327,21 @@ async def test_closing_right_after_opening_leaves_no_connection_thread(
         assert not set(threading.enumerate()) - before
 
 
-async def test_the_reply_paths_writes_go_before_background_writes_waiting() -> None:
-    lock = WriteLock()
-    order: list[str] = []
+def _writer(lock: WriteLock, order: list[str]) -> Callable[[str, bool], Awaitable[None]]:
+    """A write through ``lock``'s urgent or background line that records its turn in ``order``."""
 
     async def write(name: str, urgent: bool) -> None:
         async with lock.line(urgent):
             order.append(name)
             await asyncio.sleep(0)
+
+    return write
+
+
+async def test_the_reply_paths_writes_go_before_background_writes_waiting() -> None:
+    lock = WriteLock()
+    order: list[str] = []
+    write = _writer(lock, order)
 
     async with lock.line(urgent=False):  # a background write in progress
         waiting = [asyncio.ensure_future(write(f"job{i}", False)) for i in range(3)]
@@ -366,11 +374,7 @@ async def test_a_write_cancelled_while_waiting_or_just_let_in_never_keeps_the_lo
 async def test_a_busy_reply_path_lets_a_background_write_in_after_a_few_of_its_own() -> None:
     lock = WriteLock()
     order: list[str] = []
-
-    async def write(name: str, urgent: bool) -> None:
-        async with lock.line(urgent):
-            order.append(name)
-            await asyncio.sleep(0)
+    write = _writer(lock, order)
 
     async with lock.line(urgent=True):
         job = asyncio.ensure_future(write("job", False))
