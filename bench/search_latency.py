@@ -76,12 +76,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
+import cortex.memory.vectors as vectors_module  # noqa: E402
 from bench.core_overhead import InstantProvider  # noqa: E402
 from bench.storage_targets import Target, Targets, parse_targets, with_options  # noqa: E402
 from bot.app import App  # noqa: E402
 from bot.config import parse_config  # noqa: E402
 from bot.storage.memory import ItemScope  # noqa: E402
 from cortex.memory.embedders import normalize  # noqa: E402
+from cortex.memory.sketch import SKETCH_ABOVE  # noqa: E402
 from cortex.memory.store import CATEGORIES  # noqa: E402
 
 # search p95 on the 2-core machine, per engine
@@ -474,10 +476,15 @@ async def measure(size: int, target: Target, url: str, args: argparse.Namespace,
             started = time.perf_counter()
             block = await embeddings.index.items(pair.id)  # type: ignore[union-attr]
             result["load_ms"] = (time.perf_counter() - started) * 1000
+            started = time.perf_counter()
+            await block.sketched()  # a large block's sketch (built in the background when a search needs it)
+            result["sketch_ms"] = (time.perf_counter() - started) * 1000
             result["rss_loaded_mb"] = rss_mb()
+            sketch = (f"; sketch built in {result['sketch_ms']:.0f} ms" if len(block.ids) > SKETCH_ABOVE
+                      else "; exact (no sketch)")
             print(f"{size:>7} items on {target.label}: filled in {result['fill_s']:.1f} s; vector cache load "
-                  f"{result['load_ms']:.0f} ms ({len(block.ids)} vectors, RSS {result['rss_bot_start_mb']:.0f} → "
-                  f"{result['rss_loaded_mb']:.0f} MB)")
+                  f"{result['load_ms']:.0f} ms ({len(block.ids)} vectors{sketch}, RSS "
+                  f"{result['rss_bot_start_mb']:.0f} → {result['rss_loaded_mb']:.0f} MB)")
             del block
 
         embed_ms: list[float] = []
@@ -496,6 +503,8 @@ async def measure(size: int, target: Target, url: str, args: argparse.Namespace,
             found = await memory.search(pair.id, query, limit=10, query_vector=vector, include_messages=False)
             search_ms.append((time.perf_counter() - t0) * 1000)
             hits += len(found)
+        if not postgres:
+            result.update(await against_exact(app, pair.id, queries, query_vectors))
         vec_ms: list[float] = []
         candidates: list[dict[int, float]] = []
         scope = ("items", pair.id)
@@ -542,14 +551,55 @@ async def measure(size: int, target: Target, url: str, args: argparse.Namespace,
         result["hits_per_query"] = hits / len(queries)
         result["rss_end_mb"] = rss_mb()
         result["rss_bot_peak_mb"] = rss_mb("VmHWM") if result["peak_reset"] else float("nan")
+        if not postgres:  # read after the RSS: the exact product below is the benchmark's, not the bot's
+            result.update(await sketch_recall(app, pair.id, query_vectors, candidates))
         return result
     finally:
         await app.stop()
 
 
+async def against_exact(app: App, pair_id: int, queries: list[str], query_vectors: list[np.ndarray]
+                        ) -> dict[str, Any]:
+    """A sketched block's searches timed against the exact product in the same process: each query
+    searched both ways in turn (the sketch set aside and not rebuilt for the exact one); {} below."""
+    assert app.cortex.embeddings is not None
+    block = await app.cortex.embeddings.index.items(pair_id)  # type: ignore[union-attr]
+    if len(block.ids) <= SKETCH_ABOVE:
+        return {}
+    sketched_ms: list[float] = []
+    exact_ms: list[float] = []
+    for query, vector in zip(queries, query_vectors, strict=True):
+        for exact, times in ((False, sketched_ms), (True, exact_ms)):
+            sketch, threshold = block._sketch, vectors_module.SKETCH_ABOVE
+            if exact:
+                block._sketch, vectors_module.SKETCH_ABOVE = None, len(block.ids)
+            try:
+                t0 = time.perf_counter()
+                await app.cortex.memory.search(pair_id, query, limit=10, query_vector=vector, include_messages=False)
+                times.append((time.perf_counter() - t0) * 1000)
+            finally:
+                block._sketch, vectors_module.SKETCH_ABOVE = sketch, threshold
+    return {"paired_sketch": p50_p95(sketched_ms), "paired_exact": p50_p95(exact_ms)}
+
+
+async def sketch_recall(app: App, pair_id: int, query_vectors: list[np.ndarray], candidates: list[dict[int, float]]
+                        ) -> dict[str, float]:
+    """SQLite above ``SKETCH_ABOVE`` vectors searches through a sketch: the best 10 and all k of the vector
+    part's candidates against the exact ones (a numpy product over the cached matrix); {} below."""
+    assert app.cortex.embeddings is not None
+    block = await app.cortex.embeddings.index.items(pair_id)  # type: ignore[union-attr]
+    if len(block.ids) <= SKETCH_ABOVE:
+        return {}
+    exact = [block.ids[np.asarray(rows) - 1].tolist() for rows in exact_top(block.matrix, query_vectors, VECTOR_K)]
+    pairs = list(zip(candidates, exact, strict=True))
+    tens = [len(set(sorted(c, key=lambda i: -c[i])[:10]) & set(w[:10])) / 10 for c, w in pairs]
+    return {"recall10": statistics.fmean(tens), "recall10_min": min(tens),
+            "recall_k": statistics.fmean(len(set(c) & set(w)) / len(w) for c, w in pairs)}
+
+
 def setup_column(r: dict[str, Any]) -> str:
     if r["kind"] != "postgres":
-        return f"load {r['load_ms']:6.0f} ms"
+        return f"load {r['load_ms'] + r['sketch_ms']:6.0f} ms"
     return f"index {r['index_s']:5.1f} s" + ("*" if "index_timeout_s" in r else "")
 
 
@@ -568,8 +618,20 @@ def print_report(results: list[dict[str, Any]], state: dict[str, Any], args: arg
     print(f"({args.queries} queries per size after {WARMUP} warm-up searches; search = FTS + vector + ranking with a "
           f"precomputed query vector; vec = the vector part alone (k={VECTOR_K}); embed = embed_query alone; "
           f"e2e = search embedding the query itself; fill = bulk load (setup); setup = SQLite's first vector cache "
-          f"load, PostgreSQL's HNSW build (* = ensure_vector_index timed out, built by the bench); recall@10 = "
-          f"HNSW top-10 against the exact top-10; RSS bot = after the searches, peak = bot phase incl. the load)")
+          f"load and, above {SKETCH_ABOVE} vectors, its sketch, PostgreSQL's HNSW build (* = ensure_vector_index timed "
+          f"out, built by the bench); recall@10 = the vector part's top-10 (PostgreSQL: HNSW; SQLite: through the "
+          f"sketch) against the exact top-10; RSS bot = after the searches, peak = bot phase incl. the load)")
+    for r in results:
+        if "paired_exact" in r:
+            sk, ex = r["paired_sketch"], r["paired_exact"]
+            print(f"{r['engine']} {r['size']}: each query searched through the sketch and exactly in turn: "
+                  f"sketch p50 {sk['p50']:.2f} ms p95 {sk['p95']:.2f}, exact p50 {ex['p50']:.2f} ms p95 "
+                  f"{ex['p95']:.2f}; ratio sketch/exact p50 ×{sk['p50'] / ex['p50']:.2f} "
+                  f"p95 ×{sk['p95'] / ex['p95']:.2f}")
+        if r["kind"] != "postgres" and "recall10" in r:
+            print(f"{r['engine']} {r['size']}: through the sketch, recall@10 of the best 10 of the k={VECTOR_K} "
+                  f"candidates {r['recall10']:.3f} (worst query {r['recall10_min']:.1f}); recall@{VECTOR_K} of the "
+                  f"candidates against the exact top-{VECTOR_K} {r['recall_k']:.3f}")
     pg = [r for r in results if r["kind"] == "postgres"]
     for r in pg:
         print(f"{r['engine']} {r['size']}: recall@10 mean {r['recall10']:.3f} (worst query "
@@ -617,7 +679,8 @@ def print_report(results: list[dict[str, Any]], state: dict[str, Any], args: arg
             ok = r["recall10"] >= TARGET_RECALL
             targets[f"{r['engine']}_recall10_{r['size']}"] = {"value": r["recall10"], "limit": TARGET_RECALL,
                                                                 "pass": ok}
-            print(f"target {r['engine']} HNSW recall@10 ≥ {TARGET_RECALL:g} at {r['size']}: {r['recall10']:.3f} "
+            how = "HNSW" if r["kind"] == "postgres" else "sketch"
+            print(f"target {r['engine']} {how} recall@10 ≥ {TARGET_RECALL:g} at {r['size']}: {r['recall10']:.3f} "
                   f"{'PASS' if ok else 'MISS'}")
     for engine, rows in by_engine.items():
         peaks = [r for r in rows if r["rss_bot_peak_mb"] == r["rss_bot_peak_mb"]]  # not NaN

@@ -7,7 +7,8 @@ pages straight into a preallocated array (the peak memory stays near the matrix'
 event loop gets a turn between pages), kept in an LRU cache and grown in place as the backfill adds
 vectors. Only vectors of the current embedder count; visibility (archived, expired, superseded) is
 checked by the caller on the candidates. Large matrices are scored on a worker thread (numpy releases
-the GIL), so the full-text part of a search runs meanwhile.
+the GIL), so the full-text part of a search runs meanwhile; above ``SKETCH_ABOVE`` vectors a block is
+searched through its sketch (:mod:`cortex.memory.sketch`: a shortlist, then the exact product over it).
 
 The cache belongs to one process: another process writing vectors to the same database is not seen
 until this one's entry is evicted or invalidated (SQLite deployments run one bot process). On
@@ -18,6 +19,7 @@ every process sees every vector at once.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,12 +29,16 @@ import numpy.typing as npt
 
 from bot.storage.core import Storage
 from bot.storage.memory import ItemScope, MessageScope, VectorScope
+from cortex.memory.sketch import REBUILD_GROWTH, SHORTLIST, SKETCH_ABOVE, Sketch
+
+log = logging.getLogger(__name__)
 
 Scope = tuple[str, int] | tuple[str, int, str]  # ("items", pair_id) or ("messages", user_id, persona)
 
 PAGE = 4096
 THREAD_ABOVE = 20_000  # vectors: bigger matrices are scored on a worker thread
 TYPICAL_MIN = 30  # vectors needed to estimate a query's typical similarity from their spread
+GATHER = 512  # shortlisted rows copied out of the matrix at a time
 MAX_CACHED_VECTORS = 150_000  # over all cached scopes (~230 MB at 384 dimensions); least recently used go
 
 
@@ -81,15 +87,20 @@ class RelevanceFloors:
 
 class Block:
     """One scope's vectors: ``ids`` and ``matrix`` are views of buffers that grow by doubling, so the
-    backfill's small additions cost no copy of the whole matrix."""
+    backfill's small additions cost no copy of the whole matrix. A large block also keeps a
+    :class:`Sketch` of its rows, rebuilt in the background once the block has outgrown it."""
 
-    __slots__ = ("_ids", "_matrix", "_size", "_known")
+    __slots__ = ("_ids", "_matrix", "_size", "_known", "_sketch", "_building", "_generation", "_failed_at")
 
     def __init__(self, ids: npt.NDArray[np.int64], matrix: npt.NDArray[np.float32]) -> None:
         self._ids = ids
         self._matrix = matrix
         self._size = len(ids)
         self._known: set[int] | None = None  # built on the first append only
+        self._sketch: Sketch | None = None
+        self._building: asyncio.Task[None] | None = None
+        self._generation = 0  # bumped when the rows are replaced: a sketch built before is dropped
+        self._failed_at = 0  # rows when a sketch build last failed: tried again once the block has grown
 
     @property
     def ids(self) -> npt.NDArray[np.int64]:
@@ -104,7 +115,8 @@ class Block:
             return
         if not self._size or self._matrix.shape[1] != vectors.shape[1]:  # empty, or another dimension
             self._ids, self._matrix, self._size = np.asarray(ids, dtype=np.int64), vectors.copy(), len(ids)
-            self._known = None
+            self._known, self._sketch = None, None
+            self._generation += 1
             return
         if self._known is None:
             self._known = set(self.ids.tolist())
@@ -151,16 +163,50 @@ class Block:
     async def top_async(self, query: npt.NDArray[np.float32], k: int, floor: CentredFloor | None = None
                         ) -> dict[int, float]:
         """:meth:`top`; a big block is scanned in two halves on two worker threads (numpy releases the
-        GIL, so both cores work while the event loop waits)."""
+        GIL, so both cores work while the event loop waits), a sketched one through its sketch."""
         n = len(self.ids)
         if n <= THREAD_ABOVE or self.matrix.shape[1] != query.shape[0]:
             return self.top(query, k, floor)
+        sketch = self._current_sketch()
+        if sketch is not None:
+            scan = await asyncio.to_thread(_sketched_scan, self.matrix, sketch, query, k)
+            return self._floored(_combine([scan], self.ids, k), floor)
         half = n // 2
         parts = await asyncio.gather(
             asyncio.to_thread(_scan, self.matrix[:half], query, k, 0),
             asyncio.to_thread(_scan, self.matrix[half:], query, k, half),
         )
         return self._floored(_combine(list(parts), self.ids, k), floor)
+
+
+    def _current_sketch(self) -> Sketch | None:
+        """The sketch to search with (None: scan exactly), starting a rebuild in the background when
+        the block has none or has outgrown it; an outgrown sketch serves until the new one is ready."""
+        sketch, rows = self._sketch, self._size
+        if sketch is not None and not sketch.fits(rows, self._matrix.shape[1]):
+            sketch = self._sketch = None
+        wanted = sketch is None or sketch.stale(rows)
+        if rows > SKETCH_ABOVE and wanted and self._building is None and rows >= self._failed_at * REBUILD_GROWTH:
+            self._building = asyncio.ensure_future(self._build_sketch())
+        return sketch
+
+    async def sketched(self) -> None:
+        """Build the sketch now if the block is large enough and has none (or an outgrown one)."""
+        self._current_sketch()
+        if self._building is not None:
+            await asyncio.shield(self._building)
+
+    async def _build_sketch(self) -> None:
+        generation, matrix = self._generation, self.matrix
+        try:
+            sketch = await asyncio.to_thread(Sketch.build, matrix)
+            if generation == self._generation:
+                self._sketch = sketch
+        except Exception:  # searches go on exactly; tried again once the block has grown by half
+            self._failed_at = len(matrix)
+            log.exception("building the sketch of a block of %d vectors failed", len(matrix))
+        finally:
+            self._building = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +224,22 @@ def _scan(matrix: npt.NDArray[np.float32], query: npt.NDArray[np.float32], k: in
     best = np.argpartition(-sims, k)[:k] if k < len(sims) else np.arange(len(sims))
     return _Scan(best + offset, sims[best], len(sims), float(sims.sum(dtype=np.float64)),
                  float(np.dot(sims, sims)), float(sims.min()))
+
+
+def _sketched_scan(matrix: npt.NDArray[np.float32], sketch: Sketch, query: npt.NDArray[np.float32], k: int
+                   ) -> _Scan:
+    """:func:`_scan` through ``sketch``: its shortlist and the rows added since, scored exactly; the sums
+    for the typical level from the sketch's moments (covered rows) and the exact scores (the rest)."""
+    tail = np.arange(sketch.covered, len(matrix), dtype=np.int64)
+    rows = np.concatenate([np.sort(sketch.shortlist(query, max(SHORTLIST, 20 * k))), tail])
+    sims = np.empty(len(rows), dtype=np.float32)
+    for start in range(0, len(rows), GATHER):  # in slices: a worker thread's memory keeps no 6 MB copy
+        sims[start:start + GATHER] = matrix[rows[start:start + GATHER]] @ query
+    best = np.argpartition(-sims, k)[:k] if k < len(sims) else np.arange(len(sims))
+    total, squares = sketch.moments(query)
+    rest = sims[len(rows) - len(tail):]
+    return _Scan(rows[best], sims[best], len(matrix), total + float(rest.sum(dtype=np.float64)),
+                 squares + float(np.dot(rest, rest)), float(sims.min()))
 
 
 def _combine(parts: list[_Scan], ids: npt.NDArray[np.int64], k: int) -> tuple[npt.NDArray[np.int64], dict[int, float]]:
