@@ -136,6 +136,32 @@ async def test_links_and_sessions_from_before_forget_me_open_nothing(tmp_path: P
         assert await bot.app.storage.get_user("discord:ann") is None
 
 
+@pytest.mark.both_engines
+@pytest.mark.parametrize("window", ["before the user row is read", "after it is read"])
+async def test_a_request_racing_forget_me_brings_nothing_back(tmp_path: Path, window: str) -> None:
+    """The request passed its login check; then a forget-me (from the chat, or another tab) finishes
+    before the request makes the user's row, or after it read the row and before it makes the pair."""
+    async with running_bot(tmp_path) as bot, bot.client("ann") as ann:
+        storage, store = bot.app.storage, bot.app.cortex.store
+        target, name = (storage, "get_user") if window.startswith("before") else (store, "count_messages")
+        real = getattr(target, name)
+        raced: list[object] = []
+
+        async def forgotten_first(*args: object) -> object:
+            if not raced:  # once (the forget-me itself reads the user too)
+                raced.append(None)
+                raced[0] = await bot.app.cortex.commands.forget_user("discord:ann")
+            return await real(*args)
+
+        setattr(target, name, forgotten_first)
+        status, body = await ann.call("GET", FILE)
+        assert raced and raced[0] is not None  # the forget-me did delete the user's data meanwhile
+        assert status == 401 and "session ended" in body["error"], (status, body)
+        assert await storage.get_user("discord:ann") is None
+        for table in ("users", "cortex_pairs", "cortex_versions"):
+            assert (await storage.db.fetch_one(f"SELECT count(*) FROM {table}"))[0] == 0, table
+
+
 async def test_the_host_cookie_is_deleted_with_secure_so_browsers_accept_it(tmp_path: Path) -> None:
     async with running_bot(tmp_path, public_url="https://bot.example.org") as bot:
         for path, body in (("/api/logout", None), ("/api/me/forget-me", {"confirm": "forget me"})):

@@ -5,15 +5,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from adapters.web.auth import Caller
-from adapters.web.errors import not_found
+from adapters.web.errors import fail, not_found
 from bot.config import ConfigError
 from bot.storage.base import User
+from bot.storage.engine import is_missing_reference
 from cortex.store import Pair
 
 if TYPE_CHECKING:
     from adapters.web.server import WebContext
 
 MAX_NAME_CHARS = 200
+SESSION_ENDED = "the session ended (after forget-me or logout): send !dashboard in a chat for a new link"
 
 
 def persona_name(ctx: WebContext, name: str) -> str:
@@ -29,10 +31,14 @@ def persona_name(ctx: WebContext, name: str) -> str:
 
 async def own_user(ctx: WebContext, caller: Caller) -> User:
     """The caller's user row (made on first use with the name from the chat that sent the link; a name
-    changed in chat since is kept)."""
+    changed in chat since is kept). Made only while the session lasts: a forget-me that finished after
+    this request's login check ended the session, and a 401 answers instead of a new row."""
     user = await ctx.app.storage.get_user(caller.user_key)
     if user is None:
-        user = await ctx.app.storage.upsert_user(caller.user_key, caller.session.user_name or caller.user_key)
+        row = await ctx.app.storage.web.session_user(caller.session_id)
+        if row is None:
+            fail(401, SESSION_ENDED)
+        user = User(*row)
     return user
 
 
@@ -44,7 +50,12 @@ async def own_pair(ctx: WebContext, caller: Caller, persona: str) -> tuple[User,
         spec = ctx.app.personas.persona(name)
     except ConfigError:
         not_found(f"no persona called {persona[:80]!r}")
-    known = await own_user(ctx, caller)
-    user, pair = await ctx.app.cortex.store.pair_for(known.key, known.display_name, name)
-    await ctx.app.cortex.files.ensure(pair, spec.language, user.display_name)
+    user = await own_user(ctx, caller)
+    try:
+        pair = await ctx.app.cortex.store.count_messages(user.id, name, 0)
+        await ctx.app.cortex.files.ensure(pair, spec.language, user.display_name)
+    except Exception as exc:
+        if not is_missing_reference(exc):
+            raise
+        fail(401, SESSION_ENDED)  # a forget-me removed the user after the row was read: nothing comes back
     return user, pair

@@ -74,6 +74,20 @@ class WebLoginRepository:
             return None
         return WebSession(str(row[0]), str(row[1]), str(row[2]), float(row[3]), float(row[4]))
 
+    async def session_user(self, session_id: str) -> tuple[int, str, str] | None:
+        """The session's user row (id, key, display name), made from the name the session was opened with
+        when there is none: in one statement, and only while the session exists, so a request that raced
+        a forget-me (which ends the user's sessions in its transaction) cannot bring the row back. None
+        when the session has ended. A row that exists keeps its name (one changed in chat since)."""
+        now = time.time()
+        row = await self.db.write_one(
+            "INSERT INTO users (key, display_name, created_at, updated_at)"
+            " SELECT user_key, coalesce(nullif(user_name, ''), user_key), ?, ? FROM web_sessions"
+            " WHERE id_hash = ? AND expires_at > ?"
+            " ON CONFLICT (key) DO UPDATE SET key = users.key RETURNING id, key, display_name",
+            (now, now, token_hash(session_id), now))
+        return None if row is None else (int(row[0]), str(row[1]), str(row[2]))
+
     async def end_session(self, session_id: str) -> None:
         await self.db.write("DELETE FROM web_sessions WHERE id_hash = ?", (token_hash(session_id),))
 
