@@ -293,7 +293,7 @@ async def test_new_slash_commands_run_through_the_command_layer(adapter: Discord
     manage = discord.Permissions(manage_guild=True).value
     saved = await _interact(adapter, monkeypatch, "guidelines-admin", [{"name": "set", "type": 1, "options": [
         {"name": "text", "type": 3, "value": "Don't spoil the 'ending'."}]}], permissions=manage)
-    assert "Saved the guidelines of discord:" in saved["data"]["content"] and saved["data"]["flags"] & 64
+    assert "Saved this server's guidelines" in saved["data"]["content"] and saved["data"]["flags"] & 64
     shown = await _interact(adapter, monkeypatch, "guidelines", [{"name": "show", "type": 1, "options": []}])
     assert "Don't spoil the 'ending'." in shown["data"]["content"]
     refused = await _interact(adapter, monkeypatch, "persona-admin", [{"name": "edit", "type": 1, "options": [

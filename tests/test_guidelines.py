@@ -60,7 +60,11 @@ async def test_guidelines_per_server_with_history_revert_and_a_default(tmp_path:
         assert "version 1" in await run(app, "!guidelines set --default Be gentle.", ctx(bot_admin=True))
         assert "bot-wide default" in await run(app, "!guidelines show", other)
         assert "# Guidelines\nBe gentle." in await system(app, llm, server=None)  # a DM: the default
-        assert "Cleared the guidelines of discord:guild1" in await run(app, "!guidelines clear")
+        assert "Cleared this server's guidelines" in await run(app, "!guidelines clear")
+        room = CommandContext("matrix", "matrix:@ann:hs", "Ann", "matrix:!r:hs", "Cora", is_admin=True,
+                              server_key="matrix:!r:hs")
+        saved = await run(app, "!guidelines set Keep it short.", room)
+        assert saved.startswith("Saved this room's guidelines as version 1") and "!r:hs" not in saved
         assert "Be gentle." in await system(app, llm)  # the default applies again
 
 

@@ -54,7 +54,11 @@ class GuidelinesCommands:
 
     @staticmethod
     def _where(scope: str) -> str:
-        return "the bot-wide default guidelines" if scope == BOT_WIDE else f"the guidelines of {scope}"
+        """How a reply names the guidelines: the bot-wide default, or this server's (a Matrix room's) own;
+        the scope is always the one the command was sent in, so no id is shown."""
+        if scope == BOT_WIDE:
+            return "the bot-wide default guidelines"
+        return f"this {'room' if scope.startswith('matrix:') else 'server'}'s guidelines"
 
     async def show(self, ctx: CommandContext, args: Sequence[str]) -> str:
         if DEFAULT_FLAG in args:
