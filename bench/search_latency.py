@@ -477,11 +477,10 @@ async def measure(size: int, target: Target, url: str, args: argparse.Namespace,
             block = await embeddings.index.items(pair.id)  # type: ignore[union-attr]
             result["load_ms"] = (time.perf_counter() - started) * 1000
             started = time.perf_counter()
-            await block.sketched()  # a large block's sketch (built in the background when a search needs it)
+            built = await block.sketched()  # a large block's sketch (built in the background when searched)
             result["sketch_ms"] = (time.perf_counter() - started) * 1000
             result["rss_loaded_mb"] = rss_mb()
-            sketch = (f"; sketch built in {result['sketch_ms']:.0f} ms" if len(block.ids) > SKETCH_ABOVE
-                      else "; exact (no sketch)")
+            sketch = f"; sketch built in {result['sketch_ms']:.0f} ms" if built else "; exact (no sketch)"
             print(f"{size:>7} items on {target.label}: filled in {result['fill_s']:.1f} s; vector cache load "
                   f"{result['load_ms']:.0f} ms ({len(block.ids)} vectors{sketch}, RSS "
                   f"{result['rss_bot_start_mb']:.0f} → {result['rss_loaded_mb']:.0f} MB)")

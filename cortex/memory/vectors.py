@@ -39,7 +39,9 @@ PAGE = 4096
 THREAD_ABOVE = 20_000  # vectors: bigger matrices are scored on a worker thread
 TYPICAL_MIN = 30  # vectors needed to estimate a query's typical similarity from their spread
 GATHER = 512  # shortlisted rows copied out of the matrix at a time
-MAX_CACHED_VECTORS = 150_000  # over all cached scopes (~230 MB at 384 dimensions); least recently used go
+# Over all cached scopes, a sketch counting as its share of a vector (~230 MB at 384 dimensions, ~290 MB
+# if every block were sketched); least recently used go.
+MAX_CACHED_VECTORS = 150_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,39 +147,36 @@ class Block:
         scaling over a few candidates inflates small differences; the excess over the typical level
         says how much a vector stands out. Measured on LoCoMo (R@10): 64.8 against 60.2 for min-max.
         Values can be negative (less similar than typical); callers clip. None fails ``floor`` (the
-        relevance floor, applied after the typical level was measured over all)."""
-        if not len(self.ids) or self.matrix.shape[1] != query.shape[0]:
+        relevance floor, applied after the typical level was measured over all). Exact: a sketched
+        block's search (:meth:`top_async`) is approximate and estimates the typical level instead."""
+        ids, matrix = self.ids, self.matrix
+        if not len(ids) or matrix.shape[1] != query.shape[0]:
             return {}
-        return self._floored(_combine([_scan(self.matrix, query, k, 0)], self.ids, k), floor)
-
-    def _floored(self, found: tuple[npt.NDArray[np.int64], dict[int, float]], floor: CentredFloor | None
-                 ) -> dict[int, float]:
-        rows, scores = found
-        if floor is None or not scores:
-            return scores
-        ids = self.ids[rows[~floor.passes(self.matrix[rows])]].tolist()
-        for gone in ids:
-            del scores[gone]
-        return scores
+        return _floored(_combine([_scan(matrix, query, k, 0)], ids, k), ids, matrix, floor)
 
     async def top_async(self, query: npt.NDArray[np.float32], k: int, floor: CentredFloor | None = None
                         ) -> dict[int, float]:
         """:meth:`top`; a big block is scanned in two halves on two worker threads (numpy releases the
         GIL, so both cores work while the event loop waits), a sketched one through its sketch."""
-        n = len(self.ids)
-        if n <= THREAD_ABOVE or self.matrix.shape[1] != query.shape[0]:
+        ids, matrix = self.ids, self.matrix  # views: the backfill appending meanwhile shifts no row
+        if len(ids) <= THREAD_ABOVE or matrix.shape[1] != query.shape[0]:
             return self.top(query, k, floor)
         sketch = self._current_sketch()
         if sketch is not None:
-            scan = await asyncio.to_thread(_sketched_scan, self.matrix, sketch, query, k)
-            return self._floored(_combine([scan], self.ids, k), floor)
-        half = n // 2
+            scan = await asyncio.to_thread(_sketched_scan, matrix, sketch, query, k)
+            return _floored(_combine([scan], ids, k), ids, matrix, floor)
+        half = len(ids) // 2
         parts = await asyncio.gather(
-            asyncio.to_thread(_scan, self.matrix[:half], query, k, 0),
-            asyncio.to_thread(_scan, self.matrix[half:], query, k, half),
+            asyncio.to_thread(_scan, matrix[:half], query, k, 0),
+            asyncio.to_thread(_scan, matrix[half:], query, k, half),
         )
-        return self._floored(_combine(list(parts), self.ids, k), floor)
+        return _floored(_combine(list(parts), ids, k), ids, matrix, floor)
 
+    @property
+    def footprint(self) -> int:
+        """The memory it holds, in vectors: its rows, and its sketch's (a quarter more at 384 dimensions)."""
+        sketch = self._sketch
+        return self._size + (sketch.covered * sketch.codes.shape[1] // max(self._matrix.shape[1], 1) if sketch else 0)
 
     def _current_sketch(self) -> Sketch | None:
         """The sketch to search with (None: scan exactly), starting a rebuild in the background when
@@ -185,19 +184,23 @@ class Block:
         sketch, rows = self._sketch, self._size
         if sketch is not None and not sketch.fits(rows, self._matrix.shape[1]):
             sketch = self._sketch = None
-        wanted = sketch is None or sketch.stale(rows)
-        if rows > SKETCH_ABOVE and wanted and self._building is None and rows >= self._failed_at * REBUILD_GROWTH:
-            self._building = asyncio.ensure_future(self._build_sketch())
+        idle = self._building is None or self._building.done()  # done: also one cancelled before it ran
+        if rows > SKETCH_ABOVE and (sketch is None or sketch.stale(rows)) and idle \
+                and rows >= self._failed_at * REBUILD_GROWTH:
+            # The rows as they are now: rows replaced before the build runs make its result stale.
+            self._building = asyncio.ensure_future(self._build_sketch(self._generation, self.matrix))
         return sketch
 
-    async def sketched(self) -> None:
-        """Build the sketch now if the block is large enough and has none (or an outgrown one)."""
+    async def sketched(self) -> bool:
+        """Build the sketch now if the block is large enough and has none (or an outgrown one); whether
+        a sketch now covers every row."""
         self._current_sketch()
-        if self._building is not None:
-            await asyncio.shield(self._building)
+        building = self._building
+        if building is not None and not building.done():
+            await asyncio.shield(building)
+        return self._sketch is not None and self._sketch.covered == self._size
 
-    async def _build_sketch(self) -> None:
-        generation, matrix = self._generation, self.matrix
+    async def _build_sketch(self, generation: int, matrix: npt.NDArray[np.float32]) -> None:
         try:
             sketch = await asyncio.to_thread(Sketch.build, matrix)
             if generation == self._generation:
@@ -207,6 +210,17 @@ class Block:
             log.exception("building the sketch of a block of %d vectors failed", len(matrix))
         finally:
             self._building = None
+
+
+def _floored(found: tuple[npt.NDArray[np.int64], dict[int, float]], ids: npt.NDArray[np.int64],
+             matrix: npt.NDArray[np.float32], floor: CentredFloor | None) -> dict[int, float]:
+    """``found``'s scores without the rows that fail ``floor``."""
+    rows, scores = found
+    if floor is None or not scores:
+        return scores
+    for gone in ids[rows[~floor.passes(matrix[rows])]].tolist():
+        del scores[gone]
+    return scores
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,16 +244,17 @@ def _sketched_scan(matrix: npt.NDArray[np.float32], sketch: Sketch, query: npt.N
                    ) -> _Scan:
     """:func:`_scan` through ``sketch``: its shortlist and the rows added since, scored exactly; the sums
     for the typical level from the sketch's moments (covered rows) and the exact scores (the rest)."""
-    tail = np.arange(sketch.covered, len(matrix), dtype=np.int64)
-    rows = np.concatenate([np.sort(sketch.shortlist(query, max(SHORTLIST, 20 * k))), tail])
-    sims = np.empty(len(rows), dtype=np.float32)
-    for start in range(0, len(rows), GATHER):  # in slices: a worker thread's memory keeps no 6 MB copy
-        sims[start:start + GATHER] = matrix[rows[start:start + GATHER]] @ query
+    short = np.sort(sketch.shortlist(query, max(SHORTLIST, 20 * k)))
+    scored = np.empty(len(short), dtype=np.float32)
+    for start in range(0, len(short), GATHER):  # in slices: a worker thread's memory keeps no 6 MB copy
+        scored[start:start + GATHER] = matrix[short[start:start + GATHER]] @ query
+    tail = matrix[sketch.covered:] @ query  # the rows added since: contiguous, one product
+    rows = np.concatenate([short, np.arange(sketch.covered, len(matrix), dtype=np.int64)])
+    sims = np.concatenate([scored, tail])
     best = np.argpartition(-sims, k)[:k] if k < len(sims) else np.arange(len(sims))
     total, squares = sketch.moments(query)
-    rest = sims[len(rows) - len(tail):]
-    return _Scan(rows[best], sims[best], len(matrix), total + float(rest.sum(dtype=np.float64)),
-                 squares + float(np.dot(rest, rest)), float(sims.min()))
+    return _Scan(rows[best], sims[best], len(matrix), total + float(tail.sum(dtype=np.float64)),
+                 squares + float(np.dot(tail, tail)), float(sims.min()))
 
 
 def _combine(parts: list[_Scan], ids: npt.NDArray[np.int64], k: int) -> tuple[npt.NDArray[np.int64], dict[int, float]]:
@@ -331,13 +346,14 @@ class VectorIndex:
             self._stale.discard(scope)
 
     def _evict(self, keep: Scope) -> None:
-        """Drop least recently used scopes while the cache holds more than ``max_vectors`` vectors."""
-        total = sum(len(b.ids) for b in self._blocks.values())
+        """Drop least recently used scopes while the cache holds more than ``max_vectors`` vectors (their
+        sketches included, see :attr:`Block.footprint`)."""
+        total = sum(b.footprint for b in self._blocks.values())
         for scope in list(self._blocks):
             if total <= self.max_vectors:
                 break
             if scope != keep:
-                total -= len(self._blocks.pop(scope).ids)
+                total -= self._blocks.pop(scope).footprint
 
     async def _load(self, scope: Scope) -> Block:
         where, model = repo_scope(scope), self.model_of(scope)
