@@ -10,13 +10,16 @@ import random
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 from urllib.parse import quote
 
 import aiohttp
 import pytest
 
 from adapters.admin_directory import DiscordAdminDirectory
+from adapters.web.errors import GONE
 from adapters.web.render import markdown_html
+from adapters.web.userdata import SESSION_ENDED
 from bot.config import DiscordConfig
 from tests.test_web_admin import FakeGuild, member
 from tests.web_support import running_bot
@@ -156,10 +159,71 @@ async def test_a_request_racing_forget_me_brings_nothing_back(tmp_path: Path, wi
         setattr(target, name, forgotten_first)
         status, body = await ann.call("GET", FILE)
         assert raced and raced[0] is not None  # the forget-me did delete the user's data meanwhile
-        assert status == 401 and "session ended" in body["error"], (status, body)
+        assert (status, body) == (401, {"error": SESSION_ENDED})
         assert await storage.get_user("discord:ann") is None
         for table in ("users", "cortex_pairs", "cortex_versions"):
             assert (await storage.db.fetch_one(f"SELECT count(*) FROM {table}"))[0] == 0, table
+
+
+@pytest.mark.both_engines
+@pytest.mark.parametrize("write", ["based on the version read", "unconditional"])
+async def test_a_forget_me_landing_after_the_pair_was_read_is_a_409_and_writes_nothing(
+        tmp_path: Path, write: str) -> None:
+    """The edit's check finds the file gone (a conflict), or a write that checks nothing meets the
+    foreign key of the deleted pair (the error middleware's 409): either way nothing comes back."""
+    async with running_bot(tmp_path) as bot, bot.client("ann") as ann:
+        _, current = await ann.call("GET", FILE)
+        real = bot.app.cortex.files.edit
+
+        async def forgotten_first(pair: Any, name: str, content: str, *, based_on: int | None = None) -> Any:
+            await bot.app.cortex.commands.forget_user("discord:ann")
+            return await real(pair, name, content, based_on=based_on if write.startswith("based") else None)
+
+        bot.app.cortex.files.edit = forgotten_first  # type: ignore[method-assign]
+        edit = {"content": "# Memory\nAnn likes tea.", "version": current["version"]}
+        status, body = await ann.call("PUT", FILE, edit)
+        assert status == 409 and "reload" in body["error"], (status, body)
+        if write == "unconditional":
+            assert body == {"error": GONE}
+        for table in ("users", "cortex_pairs", "cortex_versions"):
+            assert (await bot.app.storage.db.fetch_one(f"SELECT count(*) FROM {table}"))[0] == 0, table
+
+
+@pytest.mark.both_engines
+async def test_a_row_made_by_the_chat_meanwhile_keeps_its_name(tmp_path: Path) -> None:
+    """The page finds no row, then a chat message makes it (with the name the chat shows now) before the
+    page does: the page takes that row as it is."""
+    async with running_bot(tmp_path) as bot, bot.client("ann") as ann:
+        storage = bot.app.storage
+        await bot.app.cortex.commands.forget_user("discord:ann")  # no row (the session is gone with it)
+        async with bot.client("ann") as again:
+            real = storage.get_user
+
+            async def chat_first(key: str) -> object:
+                await storage.upsert_user(key, "Ann Renamed")
+                return None
+
+            storage.get_user = chat_first  # type: ignore[method-assign]
+            try:
+                status, _ = await again.call("GET", FILE)
+            finally:
+                storage.get_user = real  # type: ignore[method-assign]
+            assert status == 200
+            user = await storage.get_user("discord:ann")
+            assert user is not None and user.display_name == "Ann Renamed"
+        assert (await ann.call("GET", FILE))[0] == 401  # the first session ended with the forget-me
+
+
+@pytest.mark.both_engines
+async def test_forget_me_before_the_user_has_a_row_still_ends_links_and_sessions(tmp_path: Path) -> None:
+    async with running_bot(tmp_path) as bot:
+        _, token = await bot.link("bob")  # !dashboard alone stores no user row
+        assert await bot.app.storage.get_user("discord:bob") is None
+        assert await bot.app.cortex.commands.forget_user("discord:bob") is None
+        async with aiohttp.ClientSession() as http:
+            async with http.post(bot.url + "/login", data={"token": token}, allow_redirects=False) as response:
+                assert response.status == 410
+        assert await bot.app.storage.get_user("discord:bob") is None
 
 
 async def test_the_host_cookie_is_deleted_with_secure_so_browsers_accept_it(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from adapters.web.errors import fail, not_found
+from adapters.web.errors import GONE, fail, not_found
 from adapters.web.render import markdown_html, side_by_side
 from adapters.web.server import WebContext, ok, read_body
 from adapters.web.userdata import own_pair, own_user
@@ -66,7 +66,8 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
     async def saved_or_current(pair: Pair, name: str, saved: FileVersion | None) -> web.Response:
         """The version a change made, or the unchanged current one, with whether anything changed."""
         current = saved or await store.current(pair.id, name)
-        assert current is not None
+        if current is None:  # a forget-me took the files since
+            fail(409, GONE)
         return ok(version_json(current) | {"changed": saved is not None})
 
     async def me(request: web.Request) -> web.Response:
@@ -88,6 +89,8 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         caller = await auth.require(request)
         _, pair = await own_pair(ctx, caller, request.match_info["persona"])
         current = await store.current_all(pair.id)
+        if any(f not in current for f in FILENAMES):  # own_pair made every file: a forget-me since took them
+            fail(409, GONE)
         return ok({"persona": pair.persona, "files": [version_json(current[f]) for f in FILENAMES]})
 
     async def get_file(request: web.Request) -> web.Response:
@@ -95,7 +98,8 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         name = filename(request)
         _, pair = await own_pair(ctx, caller, request.match_info["persona"])
         current = await store.current(pair.id, name)
-        assert current is not None  # own_pair made every file
+        if current is None:  # own_pair made every file: a forget-me since took them
+            fail(409, GONE)
         return ok(version_json(current) | {"max_chars": files.file_max_chars})
 
     async def put_file(request: web.Request) -> web.Response:
@@ -158,7 +162,8 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         language = ctx.app.personas.persona(pair.persona).language
         changed = await files.reset(pair, (name,), language, user.display_name)
         current = await store.current(pair.id, name)
-        assert current is not None
+        if current is None:  # a forget-me took the files since
+            fail(409, GONE)
         return ok(version_json(current) | {"changed": bool(changed)})
 
     return [

@@ -7,6 +7,9 @@ from typing import NoReturn
 
 from aiohttp import web
 
+# A request whose rows went while it ran: a forget-me (from the chat or another tab) removed the user.
+GONE = "what this request refers to was deleted meanwhile (a forget-me?): reload the page"
+
 
 def json_error(status: int, message: str) -> web.Response:
     return web.Response(status=status, text=json.dumps({"error": message}), content_type="application/json")

@@ -18,8 +18,9 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from adapters.web.auth import Auth
-from adapters.web.errors import ApiError, fail, json_error
+from adapters.web.errors import GONE, ApiError, fail, json_error
 from bot.ports import AdminDirectory
+from bot.storage.engine import is_missing_reference
 
 if TYPE_CHECKING:
     from bot.app import App
@@ -103,7 +104,9 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         if not api or exc.status < 400:
             raise
         return json_error(exc.status, exc.reason)
-    except Exception:
+    except Exception as exc:
+        if is_missing_reference(exc):  # e.g. a forget-me removed the user while this request wrote for them
+            return json_error(409, GONE)
         log.exception("web request %s %s failed", request.method, request.path)
         return json_error(500, "internal error (the details are in the bot's log)")
 

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from adapters.web.server import WebContext
 
 MAX_NAME_CHARS = 200
-SESSION_ENDED = "the session ended (after forget-me or logout): send !dashboard in a chat for a new link"
+SESSION_ENDED = "the session ended (forget-me, logout or its time ran out): send !dashboard in a chat for a new link"
 
 
 def persona_name(ctx: WebContext, name: str) -> str:

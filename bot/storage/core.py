@@ -690,15 +690,27 @@ class Storage:
 
     # -- forget me -------------------------------------------------------------------------------
 
+    @staticmethod
+    async def _forget_by_key(tx: Tx, user_key: str) -> None:
+        """What is kept by the user's key rather than their row. Links before sessions: on PostgreSQL a
+        login using a link holds its row until it has made its session, so the sessions' delete after
+        it sees that session."""
+        await tx.execute("DELETE FROM skill_executions WHERE user_key = ?", (user_key,))
+        await tx.execute("DELETE FROM web_links WHERE user_key = ?", (user_key,))
+        await tx.execute("DELETE FROM web_sessions WHERE user_key = ?", (user_key,))
+
     async def forget_user(self, user_key: str) -> ForgetReport | None:
         """Delete everything stored about one user, for every persona, in one transaction.
 
         Their messages and the replies to them go (with their vectors); every rolling summary of a
         channel they wrote in goes too (it may mention them; the caller has it written anew from what
         remains); their cortex files with all versions, memory items, update runs and queued cortex jobs
-        go; the user row goes last. Returns None for an unknown user."""
+        go; the user row goes last. Returns None for an unknown user (whose web links and sessions, and
+        skill runs, which are kept by key and can exist before the row, still go)."""
         user = await self.get_user(user_key)
         if user is None:
+            async with self.db.transaction() as tx:
+                await self._forget_by_key(tx, user_key)
             return None
         await self.flush_audit()  # buffered reply stats may point at messages deleted below
         async with self.db.transaction() as tx:
@@ -706,9 +718,7 @@ class Storage:
                 "SELECT id FROM cortex_pairs WHERE user_id = ?", (user.id,))]
             counts = await self.cortex.delete_pairs(tx, pair_ids)
             await tx.execute("DELETE FROM incognito WHERE user_id = ?", (user.id,))
-            await tx.execute("DELETE FROM skill_executions WHERE user_key = ?", (user_key,))
-            await tx.execute("DELETE FROM web_sessions WHERE user_key = ?", (user_key,))
-            await tx.execute("DELETE FROM web_links WHERE user_key = ?", (user_key,))
+            await self._forget_by_key(tx, user_key)
             messages, channels = await delete_messages(tx, "user_id = ?", (user.id,))
             ch_marks = ",".join("?" for _ in channels) or "NULL"
             summaries = await tx.fetch_all(f"DELETE FROM summaries WHERE channel_id IN ({ch_marks}) RETURNING id",

@@ -52,17 +52,19 @@ class WebLoginRepository:
     async def consume_link(self, token: str, session_seconds: float) -> tuple[str, WebSession] | None:
         """Use a link once: a new session (its id and row), or None when the link is unknown, used or expired."""
         now = time.time()
-        row = await self.db.write_one(
-            "UPDATE web_links SET used_at = ? WHERE token_hash = ? AND used_at IS NULL AND expires_at > ?"
-            " RETURNING user_key, user_name", (now, token_hash(token), now))
-        if row is None:
-            return None
         session_id, csrf = secrets.token_urlsafe(TOKEN_BYTES), secrets.token_urlsafe(TOKEN_BYTES)
-        session = WebSession(str(row[0]), str(row[1]), csrf, now, now + session_seconds)
-        await self.db.write(
-            "INSERT INTO web_sessions (id_hash, user_key, user_name, csrf, created_at, expires_at)"
-            " VALUES (?, ?, ?, ?, ?, ?)",
-            (token_hash(session_id), session.user_key, session.user_name, csrf, now, session.expires_at))
+        # One transaction: a forget-me cannot fall between the link's use and the session it opens.
+        async with self.db.transaction() as tx:
+            row = await tx.fetch_one(
+                "UPDATE web_links SET used_at = ? WHERE token_hash = ? AND used_at IS NULL AND expires_at > ?"
+                " RETURNING user_key, user_name", (now, token_hash(token), now))
+            if row is None:
+                return None
+            session = WebSession(str(row[0]), str(row[1]), csrf, now, now + session_seconds)
+            await tx.execute(
+                "INSERT INTO web_sessions (id_hash, user_key, user_name, csrf, created_at, expires_at)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (token_hash(session_id), session.user_key, session.user_name, csrf, now, session.expires_at))
         await self.db.write("DELETE FROM web_sessions WHERE expires_at < ?", (now,))
         return session_id, session
 
