@@ -230,15 +230,19 @@ class EmbeddingService:
 
     def warm_up(self) -> None:
         """Check the relevance yardstick now, so the first search does not wait for it."""
+        self._start_background()
+
+    def _start_background(self) -> asyncio.Future[Yardstick | None]:
+        """The yardstick's check, started once (again after a failure); its outcome is always retrieved."""
         if self._background is None:
             self._background = asyncio.ensure_future(self._load_background())
             self._background.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return self._background
 
     async def _yardstick(self) -> Yardstick | None:
-        if self._background is None:
-            self._background = asyncio.ensure_future(self._load_background())
+        background = self._start_background()
         try:
-            return await asyncio.shield(self._background)
+            return await asyncio.shield(background)
         except EmbedderError as exc:  # retried by a later search
             self._background = None
             log.warning("could not check the relevance yardstick; searching without a floor: %s", exc)
