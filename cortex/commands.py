@@ -266,7 +266,7 @@ class CortexCommands:
             return CommandReply(
                 "This deletes everything the bot stores about you, for every persona: your messages and the "
                 "replies to you, your cortex files with all their versions, your memory items (archived ones "
-                "too) and the update log. Rolling "
+                "too), the update log, your skill runs and your web page logins. Rolling "
                 "summaries of conversations you were part of are deleted too and written anew from what "
                 f"remains. This cannot be undone (export first if you want a copy).\nTo go ahead, send: "
                 f"{prefix}memory forget-me {CONFIRM_WORD}",
@@ -274,7 +274,8 @@ class CortexCommands:
             )
         report = await self.forget_user(ctx.user_key)
         if report is None:
-            return CommandReply("The bot stores nothing about you.", private=True)
+            return CommandReply("The bot stores nothing about you (web page links and logins you had, if any, "
+                                "are ended).", private=True)
         return CommandReply(
             f"Done. Deleted {plural(report.messages, 'message')}, {plural(report.versions, 'file version')} of "
             f"{plural(report.pairs, 'persona')}, {plural(report.items, 'memory item')}, "

@@ -22,7 +22,7 @@ from adapters.web.render import markdown_html
 from adapters.web.userdata import SESSION_ENDED
 from bot.config import DiscordConfig
 from tests.test_web_admin import FakeGuild, member
-from tests.web_support import running_bot
+from tests.web_support import context, running_bot
 
 FILE = "/api/me/personas/Cora/files/memory"
 
@@ -166,25 +166,28 @@ async def test_a_request_racing_forget_me_brings_nothing_back(tmp_path: Path, wi
 
 
 @pytest.mark.both_engines
-@pytest.mark.parametrize("write", ["based on the version read", "unconditional"])
+@pytest.mark.parametrize("route", ["edit", "reset"])
 async def test_a_forget_me_landing_after_the_pair_was_read_is_a_409_and_writes_nothing(
-        tmp_path: Path, write: str) -> None:
-    """The edit's check finds the file gone (a conflict), or a write that checks nothing meets the
-    foreign key of the deleted pair (the error middleware's 409): either way nothing comes back."""
+        tmp_path: Path, route: str) -> None:
+    """An edit's check finds the file gone (a conflict); a reset, which checks nothing, meets the foreign
+    key of the deleted pair (the error middleware's 409): either way nothing comes back."""
     async with running_bot(tmp_path) as bot, bot.client("ann") as ann:
         _, current = await ann.call("GET", FILE)
-        real = bot.app.cortex.files.edit
+        files = bot.app.cortex.files
+        real = getattr(files, route)
 
-        async def forgotten_first(pair: Any, name: str, content: str, *, based_on: int | None = None) -> Any:
+        async def forgotten_first(*args: Any, **kwargs: Any) -> Any:
             await bot.app.cortex.commands.forget_user("discord:ann")
-            return await real(pair, name, content, based_on=based_on if write.startswith("based") else None)
+            return await real(*args, **kwargs)
 
-        bot.app.cortex.files.edit = forgotten_first  # type: ignore[method-assign]
-        edit = {"content": "# Memory\nAnn likes tea.", "version": current["version"]}
-        status, body = await ann.call("PUT", FILE, edit)
-        assert status == 409 and "reload" in body["error"], (status, body)
-        if write == "unconditional":
-            assert body == {"error": GONE}
+        setattr(files, route, forgotten_first)
+        if route == "edit":
+            status, body = await ann.call("PUT", FILE, {"content": "# Memory\nAnn likes tea.",
+                                                        "version": current["version"]})
+            assert status == 409 and "reload" in body["error"], (status, body)
+        else:
+            status, body = await ann.call("POST", FILE + "/reset")
+            assert (status, body) == (409, {"error": GONE})
         for table in ("users", "cortex_pairs", "cortex_versions"):
             assert (await bot.app.storage.db.fetch_one(f"SELECT count(*) FROM {table}"))[0] == 0, table
 
@@ -216,14 +219,49 @@ async def test_a_row_made_by_the_chat_meanwhile_keeps_its_name(tmp_path: Path) -
 
 @pytest.mark.both_engines
 async def test_forget_me_before_the_user_has_a_row_still_ends_links_and_sessions(tmp_path: Path) -> None:
-    async with running_bot(tmp_path) as bot:
+    async with running_bot(tmp_path) as bot, aiohttp.ClientSession(
+            base_url=bot.url, cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
         _, token = await bot.link("bob")  # !dashboard alone stores no user row
+        _, spare = await bot.link("bob")
+        async with http.post("/login", data={"token": token}, allow_redirects=False) as response:
+            assert response.status == 303  # a session, still no row
         assert await bot.app.storage.get_user("discord:bob") is None
-        assert await bot.app.cortex.commands.forget_user("discord:bob") is None
-        async with aiohttp.ClientSession() as http:
-            async with http.post(bot.url + "/login", data={"token": token}, allow_redirects=False) as response:
-                assert response.status == 410
+        reply = await bot.app.commands.dispatch("!memory forget-me confirm", context("bob"))
+        assert "stores nothing about you" in reply.text and "logins" in reply.text
+        async with http.get(FILE) as response:
+            assert response.status == 401  # the session ended: the page makes no row for it
+        async with http.post("/login", data={"token": spare}, allow_redirects=False) as response:
+            assert response.status == 410
         assert await bot.app.storage.get_user("discord:bob") is None
+
+
+async def test_a_login_racing_forget_me_keeps_no_session(tmp_path: Path) -> None:
+    """The forget-me comes right after the login used its link, before the session is made: the
+    session must not outlive it (SQLite: the login's transaction makes the forget-me wait)."""
+    async with running_bot(tmp_path) as bot:
+        _, token = await bot.link("ann")
+        connection = bot.app.storage.db.connection  # type: ignore[attr-defined]
+        real = connection.execute_fetchall
+        forgetting: list[asyncio.Task[object]] = []
+
+        async def racing(sql: str, params: Any = ()) -> Any:
+            rows = await real(sql, params)
+            if sql.startswith("UPDATE web_links SET used_at") and not forgetting:
+                forgetting.append(asyncio.ensure_future(bot.app.cortex.commands.forget_user("discord:ann")))
+                await asyncio.sleep(0.05)  # the forget-me runs now, as far as it can
+            return rows
+
+        connection.execute_fetchall = racing
+        async with aiohttp.ClientSession(base_url=bot.url) as http:
+            async with http.post("/login", data={"token": token}, allow_redirects=False) as response:
+                assert response.status == 303
+                session = response.cookies["cortexbot_session"].value
+            await asyncio.gather(*forgetting)
+            async with http.get(FILE, cookies={"cortexbot_session": session}) as response:
+                assert response.status == 401
+        assert forgetting
+        assert (await bot.app.storage.db.fetch_one("SELECT count(*) FROM web_sessions"))[0] == 0
+        assert await bot.app.storage.get_user("discord:ann") is None
 
 
 async def test_the_host_cookie_is_deleted_with_secure_so_browsers_accept_it(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from adapters.web.auth import Caller
-from adapters.web.errors import fail, not_found
+from adapters.web.errors import GONE, fail, not_found
 from adapters.web.server import WebContext, ok, read_body
 from adapters.web.userdata import persona_name
 from bot.commands import MAX_NUMBER, CommandError
@@ -431,7 +431,8 @@ class AdminApi:
             fail(409, f"job {number} was not requeued: a job of the same kind and key is queued already, or it "
                       "changed meanwhile")
         requeued = await self.storage.get_job(number)
-        assert requeued is not None
+        if requeued is None:  # a forget-me deleted its user's jobs meanwhile
+            fail(409, GONE)
         return ok(job_json(requeued))
 
     async def users(self, request: web.Request) -> web.Response:

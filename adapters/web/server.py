@@ -106,6 +106,8 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return json_error(exc.status, exc.reason)
     except Exception as exc:
         if is_missing_reference(exc):  # e.g. a forget-me removed the user while this request wrote for them
+            log.warning("web request %s %s met a deleted row (a forget-me meanwhile?): %s", request.method,
+                        request.path, type(exc).__name__)
             return json_error(409, GONE)
         log.exception("web request %s %s failed", request.method, request.path)
         return json_error(500, "internal error (the details are in the bot's log)")

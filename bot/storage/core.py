@@ -62,6 +62,7 @@ from bot.storage.textsearch import text_search_config
 from bot.storage.web import HealthRepository, WebLoginRepository
 
 log = logging.getLogger(__name__)
+FORGET_ATTEMPTS = 3  # a forget-me that met a row written meanwhile runs again, this many times in all
 
 AUDIT_FLUSH_ROWS = 64  # buffered audit rows written in one go ...
 AUDIT_FLUSH_SECONDS = 1.0  # ... or after this long
@@ -705,25 +706,36 @@ class Storage:
         Their messages and the replies to them go (with their vectors); every rolling summary of a
         channel they wrote in goes too (it may mention them; the caller has it written anew from what
         remains); their cortex files with all versions, memory items, update runs and queued cortex jobs
-        go; the user row goes last. Returns None for an unknown user (whose web links and sessions, and
-        skill runs, which are kept by key and can exist before the row, still go)."""
-        user = await self.get_user(user_key)
-        if user is None:
-            async with self.db.transaction() as tx:
-                await self._forget_by_key(tx, user_key)
-            return None
+        go; the user row goes last. What is kept by their key (web links and sessions, skill runs) goes
+        first, before the row is looked up in the same transaction, so a web request cannot make the
+        row meanwhile. Returns None when there was no user row. A write for the user that slipped in
+        during the transaction (PostgreSQL) fails it on a foreign key: it is run again, a few times."""
         await self.flush_audit()  # buffered reply stats may point at messages deleted below
+        for attempt in range(FORGET_ATTEMPTS):
+            try:
+                return await self._forget_once(user_key)
+            except Exception as exc:
+                if not is_missing_reference(exc) or attempt == FORGET_ATTEMPTS - 1:
+                    raise
+                log.info("forget-me met a row written meanwhile; running it again")
+        raise AssertionError("unreachable")
+
+    async def _forget_once(self, user_key: str) -> ForgetReport | None:
         async with self.db.transaction() as tx:
-            pair_ids = [int(r[0]) for r in await tx.fetch_all(
-                "SELECT id FROM cortex_pairs WHERE user_id = ?", (user.id,))]
-            counts = await self.cortex.delete_pairs(tx, pair_ids)
-            await tx.execute("DELETE FROM incognito WHERE user_id = ?", (user.id,))
             await self._forget_by_key(tx, user_key)
-            messages, channels = await delete_messages(tx, "user_id = ?", (user.id,))
+            row = await tx.fetch_one("SELECT id FROM users WHERE key = ?", (user_key,))
+            if row is None:
+                return None
+            user_id = int(row[0])
+            pair_ids = [int(r[0]) for r in await tx.fetch_all(
+                "SELECT id FROM cortex_pairs WHERE user_id = ?", (user_id,))]
+            counts = await self.cortex.delete_pairs(tx, pair_ids)
+            await tx.execute("DELETE FROM incognito WHERE user_id = ?", (user_id,))
+            messages, channels = await delete_messages(tx, "user_id = ?", (user_id,))
             ch_marks = ",".join("?" for _ in channels) or "NULL"
             summaries = await tx.fetch_all(f"DELETE FROM summaries WHERE channel_id IN ({ch_marks}) RETURNING id",
                                            channels)
-            await tx.execute("DELETE FROM users WHERE id = ?", (user.id,))
+            await tx.execute("DELETE FROM users WHERE id = ?", (user_id,))
         self.forget_cached(user_key=user_key, channel_ids=channels)
         await self.scrub()
         return ForgetReport(len(messages), len(summaries), len(pair_ids), counts["versions"], counts["runs"],

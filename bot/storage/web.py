@@ -82,20 +82,19 @@ class WebLoginRepository:
         a forget-me (which ends the user's sessions in its transaction) cannot bring the row back. None
         when the session has ended. A row that exists keeps its name (one changed in chat since)."""
         now = time.time()
+        # PostgreSQL: the session row is locked while it is read, so a forget-me deleting it meanwhile is
+        # waited for (and then nothing is made) or waits (and then sees the row made here and deletes it).
+        lock = " FOR SHARE" if self.db.dialect == "postgres" else ""
         row = await self.db.write_one(
             "INSERT INTO users (key, display_name, created_at, updated_at)"
             " SELECT user_key, coalesce(nullif(user_name, ''), user_key), ?, ? FROM web_sessions"
-            " WHERE id_hash = ? AND expires_at > ?"
+            f" WHERE id_hash = ? AND expires_at > ?{lock}"
             " ON CONFLICT (key) DO UPDATE SET key = users.key RETURNING id, key, display_name",
             (now, now, token_hash(session_id), now))
         return None if row is None else (int(row[0]), str(row[1]), str(row[2]))
 
     async def end_session(self, session_id: str) -> None:
         await self.db.write("DELETE FROM web_sessions WHERE id_hash = ?", (token_hash(session_id),))
-
-    async def end_sessions_of(self, user_key: str) -> None:
-        await self.db.write("DELETE FROM web_sessions WHERE user_key = ?", (user_key,))
-        await self.db.write("DELETE FROM web_links WHERE user_key = ?", (user_key,))
 
 
 @dataclass(frozen=True, slots=True)
