@@ -68,6 +68,18 @@ def shown(value: object) -> str:
     return str(value)
 
 
+def scope_words(scope: str) -> str:
+    """How a reply names where a setting is set: the config file, the persona everywhere, or this server
+    (a Matrix room): a reply is always about the server it was sent in, so no id is shown."""
+    if scope == "config":
+        return "the config file"
+    if scope.startswith("persona:"):
+        return "the persona everywhere"
+    if scope.startswith("server:"):
+        return "this room" if scope.startswith("server:matrix:") else "this server"
+    return scope
+
+
 @dataclass
 class CortexCommands:
     config: Config
@@ -324,14 +336,14 @@ class CortexCommands:
             except SettingError as exc:
                 raise CommandError(str(exc)) from None
             effective = await self.resolver.effective(ctx.persona, ctx.server_key)
-            return (f"{key}: {note} for {scope}. Effective now: "
-                    f"{shown(getattr(effective.settings, key))} (from {effective.sources[key]}).")
+            return (f"{key}: {note} for {scope_words(scope)}. Effective now: "
+                    f"{shown(getattr(effective.settings, key))} (from {scope_words(effective.sources[key])}).")
         effective = await self.resolver.effective(ctx.persona, ctx.server_key)
-        lines = [f"Cortex settings for persona {ctx.persona}" + (f" on {ctx.server_key}" if ctx.server_key else "")
-                 + " (value, where it comes from):"]
+        here = f" in {scope_words(server_scope(ctx.server_key))}" if ctx.server_key else ""
+        lines = [f"Cortex settings for persona {ctx.persona}{here} (value, where it comes from):"]
         for key, value in effective.settings.model_dump().items():
             mark = "" if key in OVERRIDABLE else "  (config only)"
-            lines.append(f"  {key:<22} {shown(value):<24} {effective.sources[key]}{mark}")
+            lines.append(f"  {key:<22} {shown(value):<24} {scope_words(effective.sources[key])}{mark}")
         steps = ", ".join(f"{pct}% → message {at}" for pct, at in thresholds(effective.settings))
         lines.append(f"Tiers this cycle: {steps}. Presets: " + "; ".join(
             f"{name} {'/'.join(map(str, pcts))}%" for name, pcts in FREQUENCY_PRESETS.items()))

@@ -185,7 +185,8 @@ async def test_settings_are_admin_only_scoped_validated_and_shown(tmp_path: Path
         shown = (await run(app, "!cortex settings", admin)).text
         assert "context_limit" in shown and "1000" in shown and "config" in shown
         changed = (await run(app, "!cortex settings frequency rare", admin)).text
-        assert "set to rare for persona:cora" in changed and "from persona:cora" in changed
+        assert "set to rare for the persona everywhere" in changed and "(from the persona everywhere)" in changed
+        assert "persona:cora" not in changed
         assert "None" not in shown and "True" not in shown and "'" not in shown  # values as people type them
         assert "use_in_groups          off" in shown
         server_admin = ctx(admin=True, server="console:guild1")

@@ -172,7 +172,7 @@ async def test_dm_memory_stays_out_of_group_channels_unless_the_server_allows(tm
         assert "my secret diagnosis" not in llm.requests[-1].system
         allow = Sink()
         await app.router.handle(inbound("!cortex settings use_in_groups on", is_admin=True), allow)
-        assert "set to on for server:discord:guild1" in allow.public[0].text
+        assert "set to on for this server. Effective now: on (from this server)" in allow.public[0].text
         await app.router.handle(inbound("hi again", mention=True), Sink())
         assert "my secret diagnosis" in llm.requests[-1].system
 
