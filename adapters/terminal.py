@@ -128,6 +128,20 @@ class TerminalAdapter:
         self.failures = 0
         self._session: PromptSession[str] | None = None
         self._history: _PrivateHistory | None = None
+        self._watch_forget()
+
+    def _watch_forget(self) -> None:
+        """A forget-me of this terminal's user, from a command typed here or from the web page this
+        process serves, empties the history file too, as it empties the database."""
+        earlier, key = self.app.cortex.commands.on_forget, self._inbound("").message.author_key
+
+        def forget(user_key: str) -> None:
+            if earlier is not None:
+                earlier(user_key)
+            if user_key == key and self._history is not None:
+                self._history.forget()
+
+        self.app.cortex.commands.on_forget = forget
 
     @property
     def channel_id(self) -> str:
@@ -230,9 +244,6 @@ class TerminalAdapter:
         if reply.needs_body and not (self.interactive or reply.pipe_may_answer):
             self.failures += 1  # a forgotten text: the next piped lines are not taken for it
             reply = replace(reply, needs_body="")
-        if self._history is not None and line.lower().split()[:2] == [f"{self.app.commands.prefix}memory", "forget-me"]:
-            if await self.app.storage.get_user(self._inbound("").message.author_key) is None:
-                self._history.forget()  # forget-me ran: no typed line stays behind on the disk either
         if reply.needs_body:
             self.stdout.write(reply.needs_body + "\n")
             self.stdout.flush()

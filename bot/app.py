@@ -198,11 +198,11 @@ class App:
         except ValueError:
             return 1.0
 
-    def _forget_caches(self, cortex_caches: Callable[[], None] | None) -> Callable[[], None]:
+    def _forget_caches(self, cortex_caches: Callable[[str], None] | None) -> Callable[[str], None]:
         """What forget-me drops besides the rows: the cortex's caches and the core's recent texts."""
-        def forget() -> None:
+        def forget(user_key: str) -> None:
             if cortex_caches is not None:
-                cortex_caches()
+                cortex_caches(user_key)
             self.core.forget_recent_texts()
 
         return forget

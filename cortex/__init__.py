@@ -102,7 +102,7 @@ def build_cortex(
     memory_admin = MemoryAdminCommands(config, storage, [memory, job_memory], pruner, embeddings, store, resolver)
     commands.extra_stats = memory_admin.stats_lines
     if embeddings is not None:
-        def forget_vectors() -> None:  # ids are reused after a delete; kept queries hold a user's words
+        def forget_vectors(user_key: str) -> None:  # ids are reused after a delete; kept queries hold a user's words
             embeddings.index.invalidate()
             embeddings.forget_queries()
 

@@ -93,7 +93,9 @@ class CortexCommands:
 
     prefix: str = "!"
     extra_stats: Callable[[], Awaitable[list[str]]] | None = None  # the memory store's jobs and pruning
-    on_forget: Callable[[], None] | None = None  # drops caches that could hold a forgotten user's data
+    # Drops what could hold a forgotten user's data besides the rows (caches; the terminal's history file),
+    # told the user's key.
+    on_forget: Callable[[str], None] | None = None
     embedding_backlog: Callable[[], Awaitable[str]] | None = None  # how long until imports are found by meaning
 
     def register(self, registry: CommandRegistry) -> None:
@@ -269,7 +271,7 @@ class CortexCommands:
         """Everything about one user goes, and every cache that could hold their rows (chat and web page)."""
         report = await self.store.forget_user(user_key)
         if self.on_forget is not None:
-            self.on_forget()  # ids are reused after a delete: no cache may keep the old owner's rows
+            self.on_forget(user_key)  # ids are reused after a delete: no cache may keep the old owner's rows
         return report
 
     async def forget_me(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:

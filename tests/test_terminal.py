@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from adapters.terminal import TerminalAdapter
+from adapters.terminal import TerminalAdapter, _PrivateHistory
 from bot.app import App
 from bot.config import parse_config
 from bot.llm.base import LLMRequest, StreamEvent
@@ -78,3 +78,24 @@ async def test_piped_lines_after_a_command_missing_its_text_are_not_taken_for_it
     assert "!memory search needs the words" in shown and "Cora: Hi Ann." in shown
     assert len(llm.requests) == 1 and "hello there" in str(llm.requests[0].messages[-1])  # sent as a message
     assert "Saved your memory.md as version" in shown and "Ann likes tea." in shown
+
+
+async def test_a_forget_me_from_anywhere_in_the_process_empties_the_users_history_file(tmp_path: Path) -> None:
+    """The typed command, and the web page this process serves (which calls the same forget_user): the
+    terminal hears of it by the user's key, and only its own user's forget-me touches its file."""
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
+    llm = ScriptedProvider()
+    llm.enqueue("Hello Ann.")
+    async with App(config, llm=llm) as app:
+        screen = io.StringIO()
+        terminal = TerminalAdapter(app, user="ann", stdin=io.StringIO(), stdout=screen, stderr=screen)
+        terminal._history = _PrivateHistory(str(tmp_path / "history"))
+        terminal._history.store_string("my secret is hunter2")
+        await terminal.handle_line("hello")  # ann has a row now
+        await app.cortex.commands.forget_user("console:bob")  # someone else: the file stays
+        assert "hunter2" in (tmp_path / "history").read_text()
+        await app.cortex.commands.forget_user("console:ann")  # as POST /api/me/forget-me does
+        assert not (tmp_path / "history").exists() and await app.storage.get_user("console:ann") is None
+        terminal._history.store_string("a new start")
+        await terminal.run_command("!memory forget-me confirm")  # typed: the same way
+        assert not (tmp_path / "history").exists()
