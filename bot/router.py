@@ -139,9 +139,15 @@ class Router:
         )
 
     async def _reply(self, inbound: Inbound, sink: ChatSink, persona: str) -> None:
+        message = inbound.message
+        if not message.text.strip():  # a bare mention (or a picture alone): who answers, and how to talk
+            where = "" if message.is_dm else " after the mention (or as a reply to one of mine)"
+            await sink.send_reply(CommandReply(
+                f"Hi {message.author_name}, {persona} here. I read text: write your message{where}, or send "
+                f"{self.commands.prefix}help to see what I can do."))
+            return
         try:
-            stream = self.core.reply(inbound.message, persona, is_admin=inbound.is_admin,
-                                     is_bot_admin=inbound.is_bot_admin)
+            stream = self.core.reply(message, persona, is_admin=inbound.is_admin, is_bot_admin=inbound.is_bot_admin)
         except UserFacingError as exc:
             await sink.send_reply(CommandReply(exc.user_message))
             return

@@ -247,3 +247,15 @@ def test_matrix_server_lists_match_the_room_or_the_authors_homeserver() -> None:
     assert refusal(matrix("@eve:other.net"), by_room, is_command=False) is None
     assert refusal(matrix("@eve:other.net", room="!elsewhere:example.org"), by_room, is_command=False) == (
         "server not allowed")
+
+
+async def test_a_bare_mention_gets_a_greeting_with_a_way_on_and_stores_nothing(tmp_path: Path) -> None:
+    llm = ScriptedProvider()
+    async with App(_config(tmp_path), llm=llm) as app:
+        in_channel, in_dm = Sink(), Sink()
+        await app.router.handle(inbound("   ", mention=True), in_channel)  # "@Cora" alone, the mention stripped
+        await app.router.handle(inbound("", dm=True), in_dm)  # a picture alone in a DM
+        greeting = in_channel.public[0].text
+        assert greeting.startswith("Hi user1, Cora here.") and "after the mention" in greeting and "!help" in greeting
+        assert "after the mention" not in in_dm.public[0].text and "!help" in in_dm.public[0].text
+        assert llm.requests == [] and await app.storage.get_channel("discord:chan1") is None
