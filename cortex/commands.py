@@ -25,6 +25,7 @@ from bot.commands import (
     flag,
     number,
     parse_number,
+    place_word,
     text,
     word,
     words,
@@ -76,7 +77,7 @@ def scope_words(scope: str) -> str:
     if scope.startswith("persona:"):
         return "the persona everywhere"
     if scope.startswith("server:"):
-        return "this room" if scope.startswith("server:matrix:") else "this server"
+        return f"this {place_word(scope.removeprefix('server:'))}"
     return scope
 
 

@@ -283,6 +283,12 @@ def split_words(line: str) -> list[Token]:
     return tokens
 
 
+def place_word(server_key: str) -> str:
+    """What a reply calls the server a command was sent in: a room on Matrix (its unit of administration),
+    a server elsewhere; a reply says "this server" rather than showing the key."""
+    return "room" if server_key.startswith("matrix:") else "server"
+
+
 def quote_word(value: str) -> str:
     """``value`` as one word of a command line, read back by :func:`split_words` as it is (a value with
     both a ``' `` and a ``" `` inside, which no quote can hold, has its ``" `` made ``' ``)."""

@@ -9,7 +9,18 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bot.commands import Command, CommandContext, CommandError, CommandRegistry, flag, number, parse_number, text, word
+from bot.commands import (
+    Command,
+    CommandContext,
+    CommandError,
+    CommandRegistry,
+    flag,
+    number,
+    parse_number,
+    place_word,
+    text,
+    word,
+)
 from bot.storage import Storage
 from bot.storage.personas import BOT_WIDE, TextVersion
 from cortex.personas.commands import history_lines, variables_note
@@ -58,7 +69,7 @@ class GuidelinesCommands:
         the scope is always the one the command was sent in, so no id is shown."""
         if scope == BOT_WIDE:
             return "the bot-wide default guidelines"
-        return f"this {'room' if scope.startswith('matrix:') else 'server'}'s guidelines"
+        return f"this {place_word(scope)}'s guidelines"
 
     async def show(self, ctx: CommandContext, args: Sequence[str]) -> str:
         if DEFAULT_FLAG in args:
