@@ -33,7 +33,7 @@ from bot.commands import (
 from bot.commands.files import attached_file
 from bot.config import FREQUENCY_PRESETS, Config
 from bot.persona import PersonaSource
-from bot.storage.base import Storage, User
+from bot.storage.base import Channel, Storage, User
 from bot.text import plural
 from cortex.export import MAX_ARCHIVE_BYTES, ArchiveError, build_zip, export_data, export_filename, read_archive
 from cortex.files import CortexFiles, FileError, normalise_filename, unified_diff
@@ -257,7 +257,7 @@ class CortexCommands:
         user, _ = await self._pair(ctx)
         try:
             report = await Importer(self.store, self.files, self.personas, self.config.memory.max_item_chars).run(
-                user, read_archive(blob))
+                user, read_archive(blob), await self._dm_channel(ctx))
         except ArchiveError as exc:
             raise CommandError(str(exc)) from None
         text = report.line()
@@ -267,6 +267,14 @@ class CortexCommands:
             except Exception:  # the import is done: a status that cannot be read must not say otherwise
                 log.exception("could not read the embedding backlog after an import")
         return CommandReply(text, private=True)
+
+    async def _dm_channel(self, ctx: CommandContext) -> Channel | None:
+        """The direct-message channel a command was sent in (made if new), or None outside one."""
+        if not ctx.is_dm:
+            return None
+        storage = self.store.storage
+        channel = await storage.get_channel(ctx.channel_key) or await storage.upsert_channel(ctx.channel_key, "", True)
+        return channel if channel.is_dm else None
 
     async def forget_user(self, user_key: str) -> ForgetReport | None:
         """Everything about one user goes, and every cache that could hold their rows (chat and web page)."""
