@@ -100,6 +100,9 @@ class Router:
         if reason is not None:
             log.debug("not answering message in %s: %s", msg.channel_key, reason)
             return
+        if is_command and not (msg.is_dm or msg.mentions_bot or self.commands.knows(text)):
+            log.debug("not answering %s in %s: another bot's command, perhaps", text[:40], msg.channel_key)
+            return
         persona = await self.persona_for(inbound)
         if is_command:
             await self._command(inbound, sink, text, persona)

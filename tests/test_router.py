@@ -259,3 +259,19 @@ async def test_a_bare_mention_gets_a_greeting_with_a_way_on_and_stores_nothing(t
         assert greeting.startswith("Hi user1, Cora here.") and "after the mention" in greeting and "!help" in greeting
         assert "after the mention" not in in_dm.public[0].text and "!help" in in_dm.public[0].text
         assert llm.requests == [] and await app.storage.get_channel("discord:chan1") is None
+
+
+async def test_other_bots_commands_in_a_channel_get_no_answer(tmp_path: Path) -> None:
+    """``!play`` in a channel is a music bot's: no "Unknown command" there. Asked of this bot (a DM, or
+    with a mention) it still says what it knows; its own commands answer anywhere."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        sink = Sink()
+        await app.router.handle(inbound("!play never gonna give you up"), sink)
+        await app.router.handle(inbound("!"), sink)
+        assert sink.public == [] and sink.private == [] and sink.messages == []
+        await app.router.handle(inbound("!play it", mention=True), sink)
+        await app.router.handle(inbound("!play it", dm=True), sink)
+        assert [r.text for r in sink.public] == ["Unknown command !play it. Type !help."] * 2
+        await app.router.handle(inbound("!HELP"), sink)
+        await app.router.handle(inbound("!memory nonsense"), sink)
+        assert sink.public[2].text.startswith("Commands:") and "Unknown command !memory nonsense" in sink.public[3].text

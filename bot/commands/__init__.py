@@ -323,6 +323,12 @@ class CommandRegistry:
     def is_command(self, text: str) -> bool:
         return text.startswith(self.prefix) and len(text.strip()) > len(self.prefix)
 
+    def knows(self, text: str) -> bool:
+        """Whether a command line's first word names one of these commands or command groups. In a
+        channel shared with other bots their commands (``!play``) are not this bot's to answer."""
+        first = without_surrogates(text).strip()[len(self.prefix):].split(None, 1)
+        return bool(first) and first[0].lower() in {c.name.split(" ")[0] for c in self.commands}
+
     def usage(self, command: Command) -> str:
         return f"{self.prefix}{command.name}" + (f" {command.usage}" if command.usage else "")
 
