@@ -303,9 +303,18 @@ class CortexCommands:
             f"Done. Deleted {plural(report.messages, 'message')}, {plural(report.versions, 'file version')} of "
             f"{plural(report.pairs, 'persona')}, {plural(report.items, 'memory item')}, "
             f"{plural(report.runs, 'update run')} and {plural(report.summaries, 'summary', 'summaries')} that could "
-            "mention you.",
+            f"mention you.{await self._still_paused(ctx.user_key)}",
             private=True,
         )
+
+    async def _still_paused(self, user_key: str) -> str:
+        """A forget-me keeps a pause going (``Storage.forget_user``): say so."""
+        user = await self.storage.get_user(user_key)
+        personas = await self.storage.incognito.personas(user.id) if user is not None else []
+        if not personas:
+            return ""
+        return (f" You are still incognito with {', '.join(personas)}: what you say there is deleted when you "
+                f"send {self.prefix}memory resume.")
 
     # -- cortex ----------------------------------------------------------------------------------
 

@@ -114,3 +114,31 @@ async def test_ending_a_stretch_after_its_reply_stats_were_written(tmp_path: Pat
 
         assert await expire_old_messages(app.storage, 30) == 2  # its reply stats are buffered, then go too
         assert (await app.storage.db.fetch_one("SELECT count(*) FROM reply_stats"))[0] == 0
+
+
+async def test_a_forget_me_during_a_pause_keeps_the_pause(tmp_path: Path) -> None:
+    """Everything goes, the pause does not: the next message is answered incognito and never kept, and
+    the stretch still ends on time (from its first start)."""
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000},
+                           "memory": {"incognito_hours": 1}})
+    async with App(config, llm=ScriptedProvider()) as app:
+        async def say(text: str) -> Sink:
+            sink = Sink()
+            await app.router.handle(_inbound(text), sink)
+            return sink
+
+        await say("my garden has roses")
+        await say("!memory pause")
+        started = await app.storage.incognito.since((await app.storage.get_user("discord:7")).id, "Cora")
+        forgot = (await say("!memory forget-me confirm")).public[0].text
+        assert forgot.startswith("Done. Deleted 2 messages") and "still incognito with Cora" in forgot, forgot
+        assert (await say("after the forget-me xyzzyplover")).messages[0].startswith("🕶️")
+        user = await app.storage.get_user("discord:7")
+        assert user is not None and await app.storage.incognito.since(user.id, "Cora") == started
+        assert await app.storage.export.messages(user.id) != []  # kept while the stretch runs, then gone:
+        await app.storage.db.write("UPDATE incognito SET started_at = started_at - 7200")
+        assert await end_expired_incognito(app.storage, 1) == 1
+        assert await app.storage.export.messages(user.id) == []
+        assert "not incognito" in (await say("!memory resume")).public[0].text
+        nothing = (await say("!memory forget-me confirm")).public[0].text
+        assert "still incognito" not in nothing

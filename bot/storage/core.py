@@ -720,6 +720,19 @@ class Storage:
                 log.info("forget-me met a row written meanwhile; running it again")
         raise AssertionError("unreachable")
 
+    @staticmethod
+    async def _keep_incognito(tx: Tx, user_key: str, stretches: list[tuple[str, float]]) -> None:
+        """A forget-me during ``!memory pause`` keeps the pause: someone who asked not to be remembered and
+        then had everything deleted does not expect their next message to be kept. A bare user row (key
+        only, no name) carries the stretches on from their original start (so they end on time)."""
+        now = time.time()
+        row = await tx.fetch_one("INSERT INTO users (key, display_name, created_at, updated_at) VALUES (?, '', ?, ?)"
+                                 " RETURNING id", (user_key, now, now))
+        assert row is not None
+        for persona, started in stretches:
+            await tx.execute("INSERT INTO incognito (user_id, persona, started_at) VALUES (?, ?, ?)",
+                             (int(row[0]), persona, started))
+
     async def _forget_once(self, user_key: str) -> ForgetReport | None:
         async with self.db.transaction() as tx:
             await self._forget_by_key(tx, user_key)
@@ -730,12 +743,15 @@ class Storage:
             pair_ids = [int(r[0]) for r in await tx.fetch_all(
                 "SELECT id FROM cortex_pairs WHERE user_id = ?", (user_id,))]
             counts = await self.cortex.delete_pairs(tx, pair_ids)
-            await tx.execute("DELETE FROM incognito WHERE user_id = ?", (user_id,))
+            stretches = await tx.fetch_all("DELETE FROM incognito WHERE user_id = ? RETURNING persona, started_at",
+                                           (user_id,))
             messages, channels = await delete_messages(tx, "user_id = ?", (user_id,))
             ch_marks = ",".join("?" for _ in channels) or "NULL"
             summaries = await tx.fetch_all(f"DELETE FROM summaries WHERE channel_id IN ({ch_marks}) RETURNING id",
                                            channels)
             await tx.execute("DELETE FROM users WHERE id = ?", (user_id,))
+            if stretches:
+                await self._keep_incognito(tx, user_key, [(str(r[0]), float(r[1])) for r in stretches])
         self.forget_cached(user_key=user_key, channel_ids=channels)
         await self.scrub()
         return ForgetReport(len(messages), len(summaries), len(pair_ids), counts["versions"], counts["runs"],

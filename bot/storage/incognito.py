@@ -35,6 +35,11 @@ class IncognitoRepository:
                                       (user_id, persona))
         return None if row is None else float(row[0])
 
+    async def personas(self, user_id: int) -> list[str]:
+        """The personas the user is incognito with."""
+        rows = await self.db.fetch_all("SELECT persona FROM incognito WHERE user_id = ? ORDER BY persona", (user_id,))
+        return [str(r[0]) for r in rows]
+
     async def expired(self, started_before: float) -> list[tuple[int, str]]:
         rows = await self.db.fetch_all("SELECT user_id, persona FROM incognito WHERE started_at < ?",
                                        (started_before,))
