@@ -371,6 +371,9 @@ class ChatConfig(_Section):
                     "then replaces it.")
 
 
+ACCESS_PLATFORMS = ("discord", "matrix", "console")
+
+
 class AccessConfig(_Section):
     """Who and where the bot answers. Ids are written platform:id (discord:1234, matrix:@ann:example.org,
     matrix:!room:example.org); an empty allow list allows everyone, a deny list always wins."""
@@ -386,6 +389,22 @@ class AccessConfig(_Section):
     allow_roles: list[str] = Field(default_factory=list, description="Discord role ids / Matrix power:NN.")
     deny_roles: list[str] = Field(default_factory=list)
     allow_bots: list[str] = Field(default_factory=list, description="Other bots the bot may answer.")
+
+    @field_validator("always_answer_channels", "allow_users", "deny_users", "allow_channels", "deny_channels",
+                     "allow_servers", "deny_servers", "allow_roles", "deny_roles", "allow_bots")
+    @classmethod
+    def _platform_ids(cls, ids: list[str], info: ValidationInfo) -> list[str]:
+        """A bare id ("1234", "general") matches nothing, so a list of them would silently refuse or let
+        through everyone: each id must say its platform, and a Discord id is a number."""
+        for entry in ids:
+            platform, _, rest = entry.partition(":")
+            if platform not in ACCESS_PLATFORMS or not rest.strip():
+                raise ValueError(f"{entry!r} in {info.field_name}: write ids as platform:id, e.g. discord:1234, "
+                                 "matrix:@ann:example.org, matrix:!room:example.org (console:NAME in the terminal)")
+            if platform == "discord" and not (rest.isascii() and rest.isdigit()):
+                raise ValueError(f"{entry!r} in {info.field_name}: a Discord id is a number (Developer Mode, "
+                                 "right click, Copy ID), e.g. discord:123456789012345678")
+        return ids
 
 
 MAX_SHARDS = 10_000  # far above what any bot needs (Discord allows ~2,500 servers per shard)

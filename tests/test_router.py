@@ -7,6 +7,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bot.app import App
 from bot.commands import CommandReply
 from bot.config import parse_config
@@ -62,7 +64,7 @@ def inbound(text: str, *, user: str = "1", dm: bool = False, mention: bool = Fal
 
 
 async def test_addressing_rules(tmp_path: Path) -> None:
-    async with App(_config(tmp_path, always_answer_channels=["discord:chan2"]), llm=ScriptedProvider()) as app:
+    async with App(_config(tmp_path, always_answer_channels=["discord:202"]), llm=ScriptedProvider()) as app:
         cases = [
             (inbound("hi", dm=True), True),
             (inbound("hi"), False),
@@ -71,7 +73,7 @@ async def test_addressing_rules(tmp_path: Path) -> None:
             (inbound("hi", mention=True, is_self=True), False),
             (inbound("hi", mention=True, author_is_bot=True), False),
         ]
-        always = IncomingMessage("discord", "chan2", "1", "u", "hello", server_id="guild1")
+        always = IncomingMessage("discord", "202", "1", "u", "hello", server_id="guild1")
         cases.append((Inbound(always), True))
         for item, answers in cases:
             sink = Sink()
@@ -80,13 +82,13 @@ async def test_addressing_rules(tmp_path: Path) -> None:
 
 
 async def test_allow_and_deny_lists(tmp_path: Path) -> None:
-    config = _config(tmp_path, deny_users=["discord:2"], allow_bots=["discord:9"], allow_roles=["discord:r1"])
+    config = _config(tmp_path, deny_users=["discord:2"], allow_bots=["discord:9"], allow_roles=["discord:501"])
     async with App(config, llm=ScriptedProvider()) as app:
         for item, answers in [
-            (inbound("hi", user="2", mention=True, roles=("discord:r1",)), False),  # denied user
-            (inbound("hi", user="9", mention=True, author_is_bot=True, roles=("discord:r1",)), True),
+            (inbound("hi", user="2", mention=True, roles=("discord:501",)), False),  # denied user
+            (inbound("hi", user="9", mention=True, author_is_bot=True, roles=("discord:501",)), True),
             (inbound("hi", mention=True), False),  # lacks the allowed role
-            (inbound("hi", mention=True, roles=("discord:r1",)), True),
+            (inbound("hi", mention=True, roles=("discord:501",)), True),
             (inbound("hi", dm=True), True),  # roles do not apply in DMs
         ]:
             sink = Sink()
@@ -275,3 +277,18 @@ async def test_other_bots_commands_in_a_channel_get_no_answer(tmp_path: Path) ->
         await app.router.handle(inbound("!HELP"), sink)
         await app.router.handle(inbound("!memory nonsense"), sink)
         assert sink.public[2].text.startswith("Commands:") and "Unknown command !memory nonsense" in sink.public[3].text
+
+
+def test_access_lists_need_ids_with_their_platform() -> None:
+    """A bare id matches nobody: such a list would silently refuse (or let through) everyone."""
+    from bot.config import AccessConfig
+
+    for field, ids, says in [("allow_users", ["123456"], "write ids as platform:id"),
+                             ("allow_channels", ["discord:general"], "a Discord id is a number"),
+                             ("deny_users", ["slack:U1"], "write ids as platform:id"),
+                             ("allow_servers", ["matrix: "], "write ids as platform:id")]:
+        with pytest.raises(ValueError, match=says):
+            AccessConfig(**{field: ids})
+    ok = AccessConfig(allow_users=["discord:1", "matrix:@ann:example.org", "console:ann"],
+                      allow_roles=["matrix:power:50"], allow_servers=["matrix:example.org"])
+    assert ok.allow_users[2] == "console:ann"
