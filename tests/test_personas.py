@@ -122,6 +122,9 @@ async def test_create_pick_delete(tmp_path: Path) -> None:
     async with App(_config(tmp_path), llm=llm) as app:
         assert "Persona Nova created" in await run(app, "!persona create Nova")
         assert "exists already" in await run(app, "!persona create nova")
+        for name in ("History Buff", "list", "EXPORT me"):  # "!persona History Buff" would run !persona history
+            assert "is a command, so nobody could pick it" in await run(app, f"!persona create {name}")
+        assert "on one line" in await run(app, "!persona create Ada\nLovelace")
         assert "section identity is now version 1" in await run(app, "!persona edit identity You are {char_name}.",
                                                                  ctx(persona="Nova"))
         sink = Sink()

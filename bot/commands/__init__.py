@@ -323,6 +323,10 @@ class CommandRegistry:
     def is_command(self, text: str) -> bool:
         return text.startswith(self.prefix) and len(text.strip()) > len(self.prefix)
 
+    def subcommands(self, group: str) -> set[str]:
+        """The second words of a group's commands (``persona`` → list, show, create, …)."""
+        return {c.name.split(" ")[1] for c in self.commands if c.name.startswith(f"{group} ")}
+
     def knows(self, text: str) -> bool:
         """Whether a command line's first word names one of these commands or command groups. In a
         channel shared with other bots their commands (``!play``) are not this bot's to answer."""

@@ -28,6 +28,7 @@ from bot.storage.personas import NewLore
 from bot.storage.textsearch import text_search_config
 from cortex.memory.guard import check_memory_text
 from cortex.personas.cards import MAX_CARD_BYTES, Card, CardError, CardLoreEntry, export_card_v2, parse_card
+from cortex.personas.commands import check_persona_name
 from cortex.personas.registry import PersonaRegistry
 
 IMPORT = "import"
@@ -38,9 +39,11 @@ class CardCommands:
     registry: PersonaRegistry
     storage: Storage
     prefix: str = "!"
+    commands: CommandRegistry | None = None
 
     def register(self, registry: CommandRegistry) -> None:
         self.prefix = registry.prefix
+        self.commands = registry
         registry.register(Command(
             "persona import", "a new persona from a character card (V2/V3, PNG or JSON)", self.import_card,
             (file("card", "the card: a PNG or JSON file (in the terminal: its path)", required=True),),
@@ -55,6 +58,10 @@ class CardCommands:
             card = parse_card(data)
         except CardError as exc:
             raise CommandError(f"{filename}: {exc}") from None
+        try:
+            check_persona_name(card.name, self.commands)
+        except CommandError as exc:
+            raise CommandError(f"{filename}: {exc}; nothing was imported") from None
         for number, entry in enumerate(card.lore, start=1):  # lore reaches every user: the guard applies
             verdict = check_memory_text(entry.content)
             if not verdict.ok:

@@ -76,14 +76,24 @@ def history_lines(versions: Sequence[TextVersion], *, named: bool = False, limit
     return lines
 
 
+def check_persona_name(name: str, commands: CommandRegistry | None) -> None:
+    """Refuse a name nobody could pick: ``!persona History Buff`` runs ``!persona history``."""
+    first = name.split(None, 1)[0].casefold() if name.strip() else ""
+    if commands is not None and first in commands.subcommands("persona"):
+        raise CommandError(f"a persona's name cannot start with {first!r}: {commands.prefix}persona {first} "
+                           "is a command, so nobody could pick it")
+
+
 @dataclass
 class PersonaCommands:
     registry: PersonaRegistry
     storage: Storage
     prefix: str = "!"
+    commands: CommandRegistry | None = None
 
     def register(self, registry: CommandRegistry) -> None:
         self.prefix = registry.prefix
+        self.commands = registry
         name = words("name", "a persona's name", complete="personas")
         section = word("section", "identity, personality, … or a name of your own", required=True)
         for sub, params, summary, handler, bot_admin in (
@@ -145,8 +155,9 @@ class PersonaCommands:
 
     async def create(self, ctx: CommandContext, args: Sequence[str]) -> str:
         name = " ".join(args).strip()
-        if not name or len(name) > MAX_NAME_CHARS or any(not ch.isprintable() for ch in name):
-            raise CommandError(f"give the persona a name of 1 to {MAX_NAME_CHARS} printable characters")
+        if not name or len(name) > MAX_NAME_CHARS or any(not ch.isprintable() for ch in name) or ctx.body.strip():
+            raise CommandError(f"give the persona a name of 1 to {MAX_NAME_CHARS} printable characters, on one line")
+        check_persona_name(name, self.commands)
         default = self.registry.persona(None)
         row = await self.storage.personas.create_persona(name, default.language, {}, "chat",
                                                          text_search_config(default.language))
