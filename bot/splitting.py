@@ -3,6 +3,10 @@
 Cuts prefer, in order: a paragraph break, a line break, a sentence end, a space, and only then a
 hard cut. A cut inside a fenced code block closes the fence at the end of the piece and reopens it
 (with the same info string, e.g. ```python) at the start of the next, so every piece renders.
+As in CommonMark, a backtick fence's info string holds no backtick: ```ls -la``` on a line of its
+own is inline code, not the start of a block. A reopened fence carries at most a short info string
+(a language name), and a marker longer than ``MAX_MARKER`` opens nothing, so what is repeated on
+every piece stays small.
 """
 
 from __future__ import annotations
@@ -10,15 +14,28 @@ from __future__ import annotations
 import re
 
 _FENCE = re.compile(r"^\s*(```+|~~~+)(.*)$")
+MAX_INFO = 24  # a longer info string is not repeated on the next piece (a language name is short)
+MAX_MARKER = 16
+
+
+def _fence(line: str) -> tuple[str, str] | None:
+    """The marker and info string of a fence line, or None."""
+    match = _FENCE.match(line)
+    if not match:
+        return None
+    marker, info = match.group(1), match.group(2).strip()
+    if len(marker) > MAX_MARKER or (marker[0] == "`" and "`" in info):
+        return None
+    return marker, info if len(info) <= MAX_INFO else ""
 
 
 def _open_fence_after(text: str, state: tuple[str, str] | None) -> tuple[str, str] | None:
     """The fence (marker, info) still open after ``text``, given the one open before it."""
     for line in text.split("\n"):
-        match = _FENCE.match(line)
-        if not match:
+        found = _fence(line)
+        if found is None:
             continue
-        marker, info = match.group(1), match.group(2).strip()
+        marker, info = found
         if state is None:
             state = (marker, info)
         elif marker.startswith(state[0][0]) and len(marker) >= len(state[0]) and not info:

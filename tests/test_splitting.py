@@ -66,3 +66,24 @@ def test_random_texts_keep_every_character_and_the_limit(seed: int) -> None:
     stripped = "".join(text.split())
     rebuilt = "".join("".join(p.split()) for p in pieces).replace("```js", "").replace("```", "")
     assert rebuilt == stripped.replace("```js", "").replace("```", "")
+
+
+def test_a_one_line_code_span_opens_no_block() -> None:
+    """```ls -la``` alone on a line is inline code (CommonMark: a backtick fence's info string holds no
+    backtick); read as a block, every later piece repeated it and the reply became dozens of messages."""
+    one_liner = "```" + "ls -la /very/long/path " * 80 + "```"
+    text = "Run this:\n" + one_liner + "\n\n" + "\n\n".join("Then a paragraph of text. " * 8 for _ in range(12))
+    pieces = split_message(text, 2000)
+    assert len(pieces) <= len(text) // 1500 + 1
+    assert all(len(p) <= 2000 for p in pieces)
+    assert sum(p.count("ls -la /very/long/path") for p in pieces) == 80  # nothing repeated
+
+
+def test_a_long_info_string_or_marker_is_not_repeated() -> None:
+    code = "\n".join(f"x = {i}" for i in range(400))
+    for opening in ("```" + "python " * 100, "`" * 200 + "py"):
+        pieces = split_message(opening + "\n" + code + "\n```", 300)
+        assert all(len(p) <= 300 for p in pieces)
+        assert len(pieces) < 20, len(pieces)
+    pieces = split_message("```python title=x\n" + code + "\n```", 300)
+    assert all(p.startswith("```python title=x\n") for p in pieces)
