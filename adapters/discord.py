@@ -39,7 +39,7 @@ from adapters.discord_slash import MAX_FILES, build_context_menus, build_slash_c
 from bot.app import App
 from bot.commands import Attachment, CommandContext, CommandReply
 from bot.config import DiscordConfig
-from bot.policy import Inbound
+from bot.policy import Inbound, refusal
 from bot.ports import IncomingMessage
 from bot.splitting import split_message
 from bot.streaming import RateLimited
@@ -49,6 +49,20 @@ log = logging.getLogger(__name__)
 PLATFORM = "discord"
 LIMIT = 2000
 NO_PINGS = discord.AllowedMentions.none()
+SLASH_PATIENCE = 2.0  # Discord wants an interaction's first response within 3 s: slower commands defer
+CHAT_TYPES = (discord.MessageType.default, discord.MessageType.reply)  # not joins, pins, boosts, thread starts
+TOO_LARGE = ("The file is larger than Discord lets me send here (its upload limit), so it is not attached. "
+             "The web page (!dashboard), where this bot runs one, has the same export as a download.")
+
+
+def _too_large(exc: discord.HTTPException) -> bool:
+    return exc.status == 413 or exc.code == 40005
+
+
+def _with_note(text: str, note: str) -> str:
+    """``text`` shortened so that ``note`` fits after it within one message."""
+    room = LIMIT - len(note) - 3
+    return (text if len(text) <= room else text[:room].rstrip() + "…") + "\n" + note
 API_BASE_ENV = "CORTEXBOT_DISCORD_API_BASE"  # testing aids: see the module docstring
 GATEWAY_ENV = "CORTEXBOT_DISCORD_GATEWAY"
 INTENTS_HELP = (
@@ -189,7 +203,12 @@ class DiscordSink:
     async def send_private(self, reply: CommandReply) -> None:
         text, files = _reply_payload(reply)
         try:
-            await self.message.author.send(text, files=files, allowed_mentions=NO_PINGS)
+            try:
+                await self.message.author.send(text, files=files, allowed_mentions=NO_PINGS)
+            except discord.HTTPException as exc:
+                if not (files and _too_large(exc)) or isinstance(exc, discord.Forbidden):
+                    raise
+                await self.message.author.send(_with_note(text, TOO_LARGE), allowed_mentions=NO_PINGS)
         except discord.Forbidden:
             await self.channel.send(
                 "I could not send you a direct message (your DMs are closed). Use the slash command instead: "
@@ -296,10 +315,13 @@ class DiscordAdapter:
         )
 
     async def on_message(self, message: discord.Message) -> None:
+        if message.type not in CHAT_TYPES:
+            return
         sink = DiscordSink(message, self.app.config.chat.typing_indicator)
         try:
             inbound = self.inbound(message)
-            if message.attachments and self.app.commands.is_command(inbound.message.text.strip()):
+            if message.attachments and self.app.commands.is_command(inbound.message.text.strip()) and refusal(
+                    inbound, self.app.config.access, is_command=True) is None:
                 try:  # files are read only for commands (a card to import), never for chat
                     files = tuple([await read_attachment(a) for a in message.attachments[:MAX_FILES]])
                 except ValueError as exc:
@@ -340,11 +362,27 @@ class DiscordAdapter:
         )
         persona = await self.app.router.persona_for(Inbound(incoming))
         context = replace(self.context(interaction, persona), attachments=attachments)
-        reply = await self.app.commands.dispatch(line, context)
+        work = asyncio.ensure_future(self.app.commands.dispatch(line, context))
+        if not (await asyncio.wait({work}, timeout=SLASH_PATIENCE))[0]:
+            # Slow (an export, a first search, a forget-me): "thinking…" now, the answer follows. Only
+            # the user sees it: what is slow is about their own data.
+            await interaction.response.defer(ephemeral=True, thinking=True)
+        reply = await work
+        try:
+            await self._answer(interaction, reply, always_private)
+        except discord.HTTPException as exc:
+            if not (reply.attachments and _too_large(exc)):
+                raise
+            await self._answer(interaction, CommandReply(_with_note(reply.text, TOO_LARGE), private=True), True)
+
+    @staticmethod
+    async def _answer(interaction: discord.Interaction, reply: CommandReply, always_private: bool) -> None:
         text, files = _reply_payload(reply)
-        await interaction.response.send_message(
-            text, files=files, ephemeral=reply.private or always_private, allowed_mentions=NO_PINGS
-        )
+        if interaction.response.is_done():  # deferred: the first follow-up takes the "thinking…" place
+            await interaction.followup.send(text, files=files, ephemeral=True, allowed_mentions=NO_PINGS)
+        else:
+            await interaction.response.send_message(
+                text, files=files, ephemeral=reply.private or always_private, allowed_mentions=NO_PINGS)
 
 
 def read_token(config: DiscordConfig) -> str:

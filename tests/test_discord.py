@@ -411,3 +411,80 @@ async def test_why_on_a_reply_shows_what_shaped_it(adapter: DiscordAdapter, monk
     answer = await _interact(adapter, monkeypatch, "Why?", [], command_type=3, target_id="7777",
                              resolved={"messages": {"7777": other}})
     assert "not one of my replies to you" in answer["data"]["content"]
+
+
+async def test_a_slow_slash_command_defers_then_follows_up(adapter: DiscordAdapter,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Discord drops an interaction not answered within 3 s ("The application did not respond") even
+    when the work (a forget-me) went through: a slow command answers "thinking…" first, privately,
+    and its reply follows up in that place."""
+    import adapters.discord as module
+
+    followups: list[dict[str, Any]] = []
+
+    async def record(self: Any, webhook_id: int, token: str, **kw: Any) -> None:
+        followups.append(kw.get("payload") or kw.get("multipart"))
+
+    monkeypatch.setattr(module, "SLASH_PATIENCE", 0.0)  # every command counts as slow here
+    monkeypatch.setattr(discord.webhook.async_.AsyncWebhookAdapter, "execute_webhook", record)
+    response = await _interact(adapter, monkeypatch, "memory", [
+        {"name": "show", "type": 1, "options": [{"name": "file", "type": 3, "value": "soul.md"}]}])
+    assert response["type"] == 5 and response["data"]["flags"] & 64  # deferred, "thinking…", ephemeral
+    for _ in range(200):
+        if followups:
+            break
+        await asyncio.sleep(0.01)
+    assert followups and "soul.md (version 1" in followups[0]["content"]
+    assert followups[0]["flags"] & 64 and followups[0]["allowed_mentions"] == {"parse": []}
+
+
+async def test_system_messages_are_not_chat(adapter: DiscordAdapter) -> None:
+    """A pin, a join or a boost has no text: in a DM (or an always-answer channel) it got the greeting."""
+    from discord.ext.test import factories
+
+    member = dpytest.get_config().members[0]
+    dm = await member.create_dm()
+    data = factories.make_message_dict(dm, member, content="")
+    for kind in (discord.MessageType.pins_add, discord.MessageType.new_member, discord.MessageType.thread_created):
+        await adapter.on_message(discord.Message(state=adapter.bot._connection, channel=dm,
+                                                 data={**data, "type": kind.value}))
+    assert dpytest.verify().message().nothing()
+    await adapter.on_message(discord.Message(state=adapter.bot._connection, channel=dm, data={**data, "type": 0}))
+    assert "here. I read text" in dpytest.get_message().content  # a real empty message: the greeting
+
+
+async def test_an_export_over_discords_upload_limit_says_so(adapter: DiscordAdapter,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    sent: list[dict[str, Any]] = []
+
+    async def upload_limited(self: Any, interaction_id: int, token: str, *, session: Any, params: Any,
+                             **kw: Any) -> dict[str, Any]:
+        if params.files:
+            raise discord.HTTPException(SimpleNamespace(status=413, reason="Payload Too Large"),
+                                        {"code": 40005, "message": "Request entity too large"})
+        sent.append(params.payload)
+        return {"interaction": {"id": str(interaction_id), "type": 2}}
+
+    monkeypatch.setattr(discord.webhook.async_.AsyncWebhookAdapter, "create_interaction_response", upload_limited)
+    bot = adapter.bot
+    bot._connection._command_tree = adapter.tree
+    config = dpytest.get_config()
+    guild, channel, member = config.guilds[0], config.channels[0], config.members[0]
+    bot._connection.parse_interaction_create({
+        "id": "1112", "application_id": str(bot.user.id), "type": 2, "token": "tok", "version": 1,
+        "attachment_size_limit": 8_000_000,
+        "guild_id": str(guild.id), "channel_id": str(channel.id),
+        "channel": {"id": str(channel.id), "type": 0, "guild_id": str(guild.id), "name": channel.name, "position": 0},
+        "member": {"user": {"id": str(member.id), "username": member.name, "discriminator": "0001", "avatar": None},
+                   "roles": [], "joined_at": "2024-01-01T00:00:00+00:00", "deaf": False, "mute": False, "flags": 0,
+                   "permissions": "0"},
+        "data": {"id": "2222", "name": "memory", "type": 1, "options": [{"name": "export", "type": 1, "options": []}]},
+    })
+    for _ in range(300):
+        if sent:
+            break
+        await asyncio.sleep(0.01)
+    assert sent and "larger than Discord lets me send here" in sent[0]["data"]["content"]
+    assert sent[0]["data"]["flags"] & 64
