@@ -438,9 +438,27 @@ def _print_copy_report(report: CopyReport) -> None:
         console.print(f"copied {report.copied} row(s) in {report.seconds:.1f} s; every table's row count matches "
                       f"(bot.instance_id {report.instance_id}).")
     else:
-        names = ", ".join(t.table for t in report.mismatches)
-        console.print(f"[red]row counts differ for: {names}[/red] (was the bot running during the copy? stop it and "
-                      "run copy-data again; rows the target holds from elsewhere are not overwritten)")
+        console.print(f"[red]row counts differ for: {', '.join(t.table for t in report.mismatches)}[/red]")
+        for line in _mismatch_advice(report):
+            console.print(line)
+
+
+def _mismatch_advice(report: CopyReport) -> list[str]:
+    """What a difference means: fewer rows in the target, a copy the bot wrote into meanwhile; more, rows
+    deleted here since an earlier copy (which copy-data, adding only, never takes out of the target)."""
+    short = [t.table for t in report.mismatches if t.target_rows < t.source_rows]
+    extra = [t.table for t in report.mismatches if t.target_rows > t.source_rows]
+    advice = []
+    if short:
+        advice.append(f"The target lacks rows of {', '.join(short)}: was the bot running during the copy? Stop it "
+                      "and run copy-data again (it goes on where it stopped).")
+    if extra:
+        advice.append(f"The target holds rows of {', '.join(extra)} that this database no longer has: rows deleted "
+                      "here since an earlier copy (a forget-me, expired messages, an ended incognito stretch) or "
+                      "written there by a bot running on the target. copy-data only adds rows, so running it again "
+                      "does not change this. For an exact copy, copy into a new, empty database, and delete the old "
+                      "copy: it still holds what was deleted here.")
+    return advice
 
 
 @cli.command()

@@ -271,6 +271,8 @@ def test_the_command_copies_and_prints_the_counts(tmp_path: Path, pg_url: str) -
     again = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
     assert again.returncode == 1, again.stderr
     assert "row counts differ for: users" in again.stdout
+    assert "The target holds rows of users that this database no longer has" in " ".join(again.stdout.split())
+    assert "was the bot running" not in again.stdout  # running it again would not help
     assert counts(again.stdout)["messages"] == ["11", "11", "0"]
     assert counts(again.stdout)["users"] == ["2", "3", "0"]
     bad = subprocess.run([*args[:-4], "--to", "mysql://x"], capture_output=True, text=True, env=env, timeout=60)
