@@ -285,6 +285,10 @@ HOSTILE_NUMBERS = [
     ("!memory unpin ١٢", "must be a number"),  # Arabic-Indic digits: isdigit() says yes, ids say no
     ("!memory diff memory.md 1 99999999999999999999", "out of range"),
     ("!memory revert memory.md v1e9", "must be a number"),
+    ("!memory archived -1", "the page must be a number like 12, not '-1'"),
+    ("!memory list fact -5", "the page must be a number like 12, not '-5'"),
+    ("!memory archived soon", "'soon' is not a page number"),
+    ("!memory why --of", "--of needs a message reference"),
 ]
 
 

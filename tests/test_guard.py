@@ -286,3 +286,13 @@ def test_an_injection_deep_in_a_long_text_is_found() -> None:
 def test_any_text_gets_a_verdict(text: str) -> None:
     verdict = check_memory_text(text)
     assert verdict.ok == (verdict.reasons == ())
+
+
+@pytest.mark.parametrize("text", ["\u200b", "\u2060\ufeff", "\u3164", " \u00ad ", "\ufe0f\n\u200b"])
+def test_nothing_but_invisible_characters_is_refused(text: str) -> None:
+    """Such an item shows as a blank line in every list: refused (as hidden content), while text with
+    an invisible character in it passes."""
+    verdict = check_memory_text(text)
+    assert not verdict.ok
+    assert verdict.line() == "refused: it holds hidden or encoded content (nothing but invisible characters)"
+    assert check_memory_text(f"Ann{text}likes tea").ok

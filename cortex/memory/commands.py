@@ -42,11 +42,11 @@ FROM = "--from"
 OF = "--of"
 
 
-def source_ref(text: str) -> str:
+def source_ref(text: str, flag: str = FROM) -> str:
     """Where an item came from, as a platform names a message (``discord-message:123``)."""
     ref = text.strip()
     if not ref or len(ref) > 200 or not ref.isprintable() or " " in ref:
-        raise CommandError("--from needs a message reference like discord-message:123")
+        raise CommandError(f"{flag} needs a message reference like discord-message:123")
     return ref
 
 
@@ -108,7 +108,7 @@ class MemoryCommands:
         storage = self.pairs.storage
         which, note = "my last reply to you here", ""
         if OF in args:
-            ref = source_ref(args[args.index(OF) + 1] if args.index(OF) + 1 < len(args) else "")
+            ref = source_ref(args[args.index(OF) + 1] if args.index(OF) + 1 < len(args) else "", OF)
             last = await storage.sources.reply_shown_as(ref, user.id)
             if last is None:
                 return "That is not one of my replies to you (or it was written before I kept track)."
@@ -235,9 +235,11 @@ class MemoryCommands:
 
     async def _page(self, ctx: CommandContext, args: Sequence[str], *, archived: bool) -> str:
         category = next((a for a in args if a in CATEGORIES), None)
-        numbers = [a for a in args if a not in CATEGORIES and a[:1].isdigit()]
+        numbers = [a for a in args if a not in CATEGORIES and a.lstrip("+-")[:1].isdigit()]
         page = parse_number(numbers[0], "the page") if numbers else 1
         unknown = [a for a in args if a not in CATEGORIES and a not in numbers]
+        if unknown and archived:
+            raise CommandError(f"{unknown[0]!r} is not a page number")
         if unknown:
             raise CommandError(f"unknown category {unknown[0]!r}; categories: {', '.join(CATEGORIES)}")
         items, total = await self.memory.list_items(

@@ -78,7 +78,8 @@ TAG_CHARACTERS = "hidden Unicode tag characters"
 BIDI = "bidirectional override characters"
 ZERO_WIDTH = "many zero-width characters"
 BASE64 = "a long base64 blob"
-_HIDDEN = frozenset({TAG_CHARACTERS, BIDI, ZERO_WIDTH, BASE64})
+NOTHING_VISIBLE = "nothing but invisible characters"
+_HIDDEN = frozenset({TAG_CHARACTERS, BIDI, ZERO_WIDTH, BASE64, NOTHING_VISIBLE})
 
 MAX_ZERO_WIDTH = 3
 MIN_BASE64 = 200
@@ -572,6 +573,8 @@ def check_memory_text(text: str) -> Verdict:
     found = [*_phrase_reasons(visible, normal), *_structure_reasons(normal), *_hidden_reasons(text, exotic)]
     if _has_base64_blob(visible):
         found.append(BASE64)
+    if text.strip() and not visible.strip():  # "\u200b", "\u3164": an item that shows as blank
+        found.append(NOTHING_VISIBLE)
     reasons = tuple(dict.fromkeys(found))
     return Verdict(ok=not reasons, reasons=reasons)
 
