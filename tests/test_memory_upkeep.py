@@ -119,6 +119,8 @@ async def test_admin_commands_prune_weights_budgets_embedder_and_stats(tmp_path:
         assert "Search weights:" in (await run(app, "!cortex weights", server_admin)).text
         their_budgets = (await run(app, "!cortex budgets", server_admin)).text
         assert "Daily cortex budgets" in their_budgets and "spent today" not in their_budgets  # bot-wide spending
+        assert "only the bot's admins change daily_token_budget, max_rounds" in their_budgets
+        assert "Change " not in their_budgets  # nothing here is theirs to change
         assert (await app.cortex.memory.get(pair, old.id, count_access=False)).archived_at is None
         report = (await run(app, "!cortex prune", admin)).text
         assert "archived 1 item(s)" in report and "fact: 1 never used in 90 days" in report

@@ -18,7 +18,7 @@ from bot.storage.core import Storage
 from cortex.memory.embedding import EmbeddingService
 from cortex.memory.store import MemoryStore, Weights, configured_weights
 from cortex.memory.upkeep import Pruner
-from cortex.settings import OVERRIDABLE, SettingsResolver
+from cortex.settings import OPERATOR_KEYS, OVERRIDABLE, SettingsResolver
 from cortex.store import CortexStore
 from cortex.update import utc_midnight
 
@@ -54,12 +54,18 @@ BUDGET_KEYS = ("daily_token_budget", "bot_daily_token_budget", "prompt_tokens", 
                "max_rounds")
 
 
-def budget_pointer(prefix: str) -> str:
-    """Where each budget shown is changed: the settings command takes only its overridable keys."""
-    here = [key for key in BUDGET_KEYS if key in OVERRIDABLE]
+def budget_pointer(prefix: str, *, bot_admin: bool) -> str:
+    """Where each budget shown is changed, for the one who asks: the settings command takes only its
+    overridable keys, and of those only a bot admin changes what the operator pays for."""
+    here = [key for key in BUDGET_KEYS if key in OVERRIDABLE and (bot_admin or key not in OPERATOR_KEYS)]
+    theirs = [] if bot_admin else [key for key in BUDGET_KEYS if key in OPERATOR_KEYS]
     file_only = [key for key in BUDGET_KEYS if key not in OVERRIDABLE]
-    return (f"Change {', '.join(here)} here with {prefix}cortex settings <key> <value>; "
-            f"{', '.join(file_only)} and the reply prompt budgets ([history], [memory]) in the config file.")
+    parts = [f"Change {', '.join(here)} here with {prefix}cortex settings <key> <value>"] if here else []
+    if theirs:
+        parts.append(f"only the bot's admins change {', '.join(theirs)} (the operator pays for them)")
+    parts.append(f"{', '.join(file_only)} and the reply prompt budgets ([history], [memory]) are set in the config "
+                 "file.")
+    return "; ".join(parts)
 
 
 @dataclass
@@ -142,7 +148,7 @@ class MemoryAdminCommands:
             f"Cortex updates: {settings.history_tokens:,} tokens of conversation each, at most "
             f"{settings.max_tokens:,} out per call and {settings.max_rounds} rounds.",
             f"Daily cortex budgets: {pair_budget} per user, {bot_budget} for the bot{spending}",
-            budget_pointer(self.prefix),
+            budget_pointer(self.prefix, bot_admin=ctx.is_bot_admin),
         ])
 
     async def embedder(self, ctx: CommandContext, args: Sequence[str]) -> str:

@@ -113,6 +113,9 @@ class GuidelinesCommands:
 
     async def clear(self, ctx: CommandContext, args: Sequence[str]) -> str:
         scope, _ = self._scope(ctx, args, change=True)
+        text, found = self.registry.guidelines_for(None if scope == BOT_WIDE else scope)
+        if found != scope or not text.strip():
+            return f"There is nothing to clear: {self._where(scope)} are empty."
         saved = await self.storage.personas.put("guidelines", scope, "", "", author=ctx.user_key, reason="cleared")
         await self.registry.load()
         return f"Cleared {self._where(scope)} (version {saved.version}; revert brings them back)."
