@@ -50,6 +50,7 @@ PLATFORM = "discord"
 LIMIT = 2000
 NO_PINGS = discord.AllowedMentions.none()
 SLASH_PATIENCE = 2.0  # Discord wants an interaction's first response within 3 s: slower commands defer
+SLASH_REFUSED = "This bot does not take commands from you here (its access settings)."
 CHAT_TYPES = (discord.MessageType.default, discord.MessageType.reply)  # not joins, pins, boosts, thread starts
 TOO_LARGE = ("The file is larger than Discord lets me send here (its upload limit), so it is not attached. "
              "The web page (!dashboard), where this bot runs one, has the same export as a download.")
@@ -355,12 +356,10 @@ class DiscordAdapter:
     async def run_slash(self, interaction: discord.Interaction, line: str, *, always_private: bool = False,
                         attachments: tuple[Attachment, ...] = ()) -> None:
         """Dispatch ``line`` (with the files of its attachment options) and answer the interaction."""
-        incoming = IncomingMessage(
-            PLATFORM, str(interaction.channel_id), str(interaction.user.id), interaction.user.display_name, line,
-            is_dm=interaction.guild is None, server_id=None if interaction.guild is None else str(interaction.guild_id),
-            parent_channel_id=_parent_id(interaction.channel),
-        )
-        persona = await self.app.router.persona_for(Inbound(incoming))
+        inbound = self.slash_inbound(interaction, line)
+        if await self.refuse_slash(interaction, inbound):
+            return
+        persona = await self.app.router.persona_for(inbound)
         context = replace(self.context(interaction, persona), attachments=attachments)
         work = asyncio.ensure_future(self.app.commands.dispatch(line, context))
         if not (await asyncio.wait({work}, timeout=SLASH_PATIENCE))[0]:
@@ -374,6 +373,28 @@ class DiscordAdapter:
             if not (reply.attachments and _too_large(exc)):
                 raise
             await self._answer(interaction, CommandReply(_with_note(reply.text, TOO_LARGE), private=True), True)
+
+    @staticmethod
+    def slash_inbound(interaction: discord.Interaction, line: str) -> Inbound:
+        """A slash command as the access policy sees a message: who, where, with which roles."""
+        user = interaction.user
+        incoming = IncomingMessage(
+            PLATFORM, str(interaction.channel_id), str(user.id), user.display_name, line,
+            is_dm=interaction.guild is None, server_id=None if interaction.guild is None else str(interaction.guild_id),
+            parent_channel_id=_parent_id(interaction.channel),
+        )
+        roles = tuple(f"{PLATFORM}:{r.id}" for r in getattr(user, "roles", []) if not r.is_default())
+        return Inbound(incoming, author_is_bot=user.bot, roles=roles)
+
+    async def refuse_slash(self, interaction: discord.Interaction, inbound: Inbound | None = None) -> bool:
+        """Answer (privately) that the access settings leave this user or place out, as ``!`` commands
+        are; a slash command must get some answer, or Discord shows an error."""
+        reason = refusal(inbound or self.slash_inbound(interaction, ""), self.app.config.access, is_command=True)
+        if reason is None:
+            return False
+        log.debug("refusing a slash command in %s: %s", interaction.channel_id, reason)
+        await interaction.response.send_message(SLASH_REFUSED, ephemeral=True, allowed_mentions=NO_PINGS)
+        return True
 
     @staticmethod
     async def _answer(interaction: discord.Interaction, reply: CommandReply, always_private: bool) -> None:

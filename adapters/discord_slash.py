@@ -76,6 +76,8 @@ def slash_command(adapter: DiscordAdapter, command: Command, name: str) -> app_c
     files = [p.name for p in command.params if p.kind == "file"]
 
     async def callback(interaction: discord.Interaction, **values: Any) -> None:
+        if files and await adapter.refuse_slash(interaction):  # nothing is downloaded for a refused user
+            return
         try:
             attached = tuple([await read_attachment(values[name]) for name in files if values.get(name)])
         except ValueError as exc:

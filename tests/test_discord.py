@@ -488,3 +488,19 @@ async def test_an_export_over_discords_upload_limit_says_so(adapter: DiscordAdap
         await asyncio.sleep(0.01)
     assert sent and "larger than Discord lets me send here" in sent[0]["data"]["content"]
     assert sent[0]["data"]["flags"] & 64
+
+
+async def test_slash_commands_follow_the_access_lists(adapter: DiscordAdapter, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A denied user gets no command answered by slash either (as with ! commands): a private line says
+    why, since Discord shows an error for an interaction left unanswered."""
+    from bot.config import AccessConfig
+
+    member = dpytest.get_config().members[0]
+    monkeypatch.setattr(adapter.app.config, "access", AccessConfig(deny_users=[f"discord:{member.id}"]))
+    show = [{"name": "show", "type": 1, "options": [{"name": "file", "type": 3, "value": "soul.md"}]}]
+    refused = await _interact(adapter, monkeypatch, "memory", show)
+    assert refused["data"]["content"] == "This bot does not take commands from you here (its access settings)."
+    assert refused["data"]["flags"] & 64
+    assert await adapter.app.storage.get_user(f"discord:{member.id}") is None  # nothing ran
+    monkeypatch.setattr(adapter.app.config, "access", AccessConfig())
+    assert "soul.md (version 1" in (await _interact(adapter, monkeypatch, "memory", show))["data"]["content"]
