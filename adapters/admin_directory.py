@@ -7,7 +7,8 @@ by the same rules as the chat adapters use for commands.
   level there is at least ``admin_power_level`` (room creators count as 100), or is a configured admin id.
   Direct rooms administer nothing (everyone has power 100 in their own).
 * Discord in more than ``FETCH_GUILDS`` servers lists a user's servers from its member cache only
-  (asking Discord about every one would take too long); ``is_admin`` always asks Discord when needed.
+  (asking Discord about every one would take too long); ``is_admin`` asks Discord when the member is not
+  in the cache, and keeps that answer (yes or no) for ``ANSWER_SECONDS`` per server and user.
 
 Nothing here raises for a malformed or foreign key: the answer is simply no. ``cortexbot run`` builds
 them with :func:`discord_directory` and :func:`matrix_directory` from its running adapters.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -34,8 +36,26 @@ DISCORD = "discord"
 MATRIX = "matrix"
 FETCH_GUILDS = 25  # listing a user's servers asks Discord about uncached members in at most this many
 FETCH_CONCURRENCY = 5
-LIST_SECONDS = 60.0  # a user's server list is kept this long (a page load asks for it; is_admin is always live)
+LIST_SECONDS = 60.0  # a user's server list is kept this long (a page load asks for it)
+# is_admin answers from the member cache at once; an answer that needed a REST call (a member Discord did not
+# send, or a non-member) is kept this long per (server, user), so a page's requests, or anyone's requests
+# naming a server they are not in, cannot spend the bot's rate limit. Rights are asked again after it.
+ANSWER_SECONDS = 30.0
+MAX_ANSWERS = 10_000
 ROOM_CREATOR_LEVEL = 100
+
+
+# The server keys the bot itself reads (IncomingMessage.server_key): a guild id as Discord writes it, a Matrix
+# room id (``!`` and printable ASCII; room version 12 ids carry no server name). Nothing else is a server.
+DISCORD_SERVER_KEY = re.compile(r"discord:[1-9][0-9]{0,19}")
+MATRIX_SERVER_KEY = re.compile(r"matrix:![!-.0-~]{1,254}")  # printable ASCII without "/"
+
+
+def is_server_key(key: str) -> bool:
+    """Whether ``key`` is a server key the bot can meet in a chat: ``discord:<guild id>`` (canonical digits,
+    no leading zero, not fullwidth) or ``matrix:!<room id>``. Settings or guidelines stored under any other
+    key would never be read."""
+    return bool(DISCORD_SERVER_KEY.fullmatch(key) or MATRIX_SERVER_KEY.fullmatch(key))
 
 
 def _id_of(key: str, platform: str) -> str:
@@ -57,24 +77,33 @@ class DiscordAdminDirectory:
 
     platform = DISCORD
 
-    def __init__(self, client: Any, config: DiscordConfig) -> None:
+    def __init__(self, client: Any, config: DiscordConfig, *, answer_seconds: float = ANSWER_SECONDS) -> None:
         self.client = client  # discord.Client (or AutoShardedClient)
         self.config = config
+        self.answer_seconds = answer_seconds
         self._listed: dict[int, tuple[float, list[ServerRef]]] = {}
+        # (guild id, user id) -> (when asked, the REST lookup's answer); concurrent askers share one lookup
+        self._answers: dict[tuple[int, int], tuple[float, asyncio.Future[bool]]] = {}
 
-    async def _member(self, guild: Any, user_id: int, *, fetch: bool = True) -> Any:
+    async def _guild_admin(self, guild: Any, user_id: int, *, fetch: bool = True) -> bool:
+        """From the member cache; else (when ``fetch``) as Discord answers, kept for ``answer_seconds``."""
+        member = guild.get_member(user_id)
+        if member is not None:
+            return self._admin(member)
+        return fetch and await self._fetched_admin(guild, user_id)
+
+    async def _fetch(self, guild: Any, user_id: int) -> tuple[Any, bool]:
+        """The member as Discord answers (None when not a member) and whether that answer is definite
+        (False after an error: it is not kept)."""
         import discord
 
-        member = guild.get_member(user_id)
-        if member is not None or not fetch:
-            return member
         try:
-            return await guild.fetch_member(user_id)
+            return await guild.fetch_member(user_id), True
         except (discord.NotFound, discord.Forbidden):
-            return None
+            return None, True
         except discord.HTTPException as exc:
             log.warning("Discord: could not look up member %s of guild %s: %s", user_id, guild.id, exc)
-            return None
+            return None, False
 
     def _admin(self, member: Any) -> bool:
         from adapters.discord import _is_admin
@@ -89,7 +118,37 @@ class DiscordAdminDirectory:
         guild = self.client.get_guild(guild_id)
         if guild is None:  # the bot is not in it (or not connected): nobody administers it through the bot
             return False
-        return user_id in self.config.admin_ids or self._admin(await self._member(guild, user_id))
+        return user_id in self.config.admin_ids or await self._guild_admin(guild, user_id)
+
+    async def _fetched_admin(self, guild: Any, user_id: int) -> bool:
+        """Whether a member missing from the cache administers ``guild``: asked from Discord at most once per
+        ``answer_seconds`` for each (server, user), concurrent askers waiting for the same lookup."""
+        key, now = (int(guild.id), user_id), time.monotonic()
+        kept = self._answers.get(key)
+        if kept is None or now - kept[0] >= self.answer_seconds:
+            self._forget_old_answers(now)
+            kept = (now, asyncio.ensure_future(self._ask(guild, user_id)))
+            self._answers[key] = kept
+        # shielded: a request that goes away (its client disconnected) does not cancel the others' lookup
+        return await asyncio.shield(kept[1])
+
+    async def _ask(self, guild: Any, user_id: int) -> bool:
+        definite = False
+        try:
+            member, definite = await self._fetch(guild, user_id)
+            return self._admin(member)
+        finally:
+            if not definite:  # Discord failed to answer: the next request asks again
+                self._answers.pop((int(guild.id), user_id), None)
+
+    def _forget_old_answers(self, now: float) -> None:
+        if len(self._answers) < MAX_ANSWERS:
+            return
+        for key, (asked, _) in list(self._answers.items()):
+            if now - asked >= self.answer_seconds:
+                del self._answers[key]
+        if len(self._answers) >= MAX_ANSWERS:  # all fresh: a flood of distinct lookups; start over
+            self._answers.clear()
 
     async def servers(self, user_key: str) -> list[ServerRef]:
         user_id = _snowflake(_id_of(user_key, DISCORD))
@@ -113,8 +172,8 @@ class DiscordAdminDirectory:
 
         async def check(guild: Any) -> ServerRef | None:
             async with limit:
-                member = await self._member(guild, user_id, fetch=fetch)
-            return ServerRef(f"{DISCORD}:{guild.id}", str(guild.name)) if self._admin(member) else None
+                admin = await self._guild_admin(guild, user_id, fetch=fetch)
+            return ServerRef(f"{DISCORD}:{guild.id}", str(guild.name)) if admin else None
 
         found = await asyncio.gather(*(check(g) for g in guilds))
         return [ref for ref in found if ref is not None]

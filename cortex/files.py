@@ -80,14 +80,23 @@ class CortexFiles:
         self.file_max_chars = file_max_chars
 
     async def ensure(self, pair: Pair, language: str, user_name: str) -> dict[str, FileVersion]:
-        """The pair's current files, creating missing ones from the language's templates."""
+        """The pair's current files, creating missing ones from the language's templates. Idempotent under
+        concurrency: a template becomes version 1 only while the file has no version at all, so concurrent
+        first visits make one version, and one that saw the file missing never lands after a first edit."""
         current = await self.store.current_all(pair.id)
         for filename in FILENAMES:
             if filename not in current:
-                current[filename] = await self.store.add_version(
-                    pair.id, filename, template(filename, language, user_name), "system", "created from template"
-                )
+                current[filename] = await self._create(pair, filename, template(filename, language, user_name))
         return current
+
+    async def _create(self, pair: Pair, filename: str, content: str) -> FileVersion:
+        made = await self.store.add_first_version(pair.id, filename, content, "system", "created from template")
+        if made is not None:
+            return made
+        latest = await self.store.current(pair.id, filename)  # made meanwhile by another request or writer
+        if latest is None:
+            raise FileError(f"{filename} was deleted while it was being created (a forget-me?): try again")
+        return latest
 
     async def write(
         self, pair: Pair, filename: str, content: str, author: Author, reason: str, *, tier: str = "",

@@ -9,15 +9,14 @@ live through the platform's :class:`bot.ports.AdminDirectory` on every request.
 
 from __future__ import annotations
 
-import re
 import time
-import unicodedata
 from collections.abc import Sequence
 from typing import Any, get_args
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
+from adapters.admin_directory import is_server_key
 from adapters.web.auth import Caller
 from adapters.web.errors import GONE, fail, not_found
 from adapters.web.server import WebContext, ok, read_body
@@ -36,7 +35,6 @@ from cortex.settings import OVERRIDABLE, SettingError, check_may_change, persona
 from cortex.tiers import thresholds
 from cortex.update import utc_midnight
 
-SERVER_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,19}:[^\s/]{1,200}$")  # and no character of category C (server_key)
 JOB_STATUSES: tuple[JobStatus, ...] = get_args(JobStatus)
 SPENDING_DAYS = 14
 DAY = 86_400
@@ -125,8 +123,9 @@ def server_key(text: str, *, bot_wide: bool = False) -> str:
     guidelines, where ``bot_wide``); a 400 for anything else."""
     if bot_wide and text == BOT_WIDE:
         return text
-    if not SERVER_KEY.match(text) or any(unicodedata.category(ch).startswith("C") for ch in text):
-        fail(400, f"{text[:60]!r} is no server key (like discord:123456 or matrix:!room:example.org)")
+    if not is_server_key(text):
+        fail(400, f"{text[:60]!r} is no server key the bot uses: discord:<the server's id, digits as Discord "
+                  "writes them> or matrix:!<room id> (like discord:123456 or matrix:!room:example.org)")
     return text
 
 

@@ -19,7 +19,7 @@ from adapters.web.userdata import own_user, persona_name
 from bot.commands import MAX_NUMBER
 from bot.storage.base import User
 from cortex.export import build_zip, export_data, export_filename
-from cortex.memory.store import CATEGORIES, SCOPES, ItemFilters, MemoryError, MemoryItem, OwnedItem
+from cortex.memory.store import CATEGORIES, SCOPES, ItemFilters, MemoryConflict, MemoryError, MemoryItem, OwnedItem
 
 PAGE = 25
 SEARCH_LIMIT = 200  # hits per persona a search ranks; pages are cut from these
@@ -170,6 +170,8 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
                 item = await correct(item, wanted)
             else:
                 item = await set_flags(item, wanted)
+        except MemoryConflict as exc:  # another correction or a forget of this item landed first
+            fail(409, str(exc))
         except MemoryError as exc:
             fail(422, str(exc))
         return ok(item_json(OwnedItem(found.persona, item)))

@@ -41,6 +41,27 @@ def is_bot_admin(config: Config, user_key: str) -> bool:
     return False
 
 
+def access_refusal(config: Config, user_key: str) -> str | None:
+    """Why ``[access]`` keeps this user off the page as it does in chat (the deny list always wins, a
+    non-empty allow list lets in only those on it), or None. Checked on every request, so a session opened
+    before the user was listed ends there. The terminal's user runs the bot and is never refused (the
+    terminal applies no lists either)."""
+    access = config.access
+    if user_key.partition(":")[0] == "console":
+        return None
+    if user_key in access.deny_users:
+        return "the bot's operator has denied you access ([access] deny_users): this page is closed to you"
+    if access.allow_users and user_key not in access.allow_users:
+        return "the bot's operator has not allowed you access ([access] allow_users): this page is closed to you"
+    return None
+
+
+def csrf_matches(sent: str, expected: str) -> bool:
+    """In constant time. A header's bytes that are not UTF-8 arrive as surrogate escapes, which no token
+    holds (and a plain ``str.encode`` refuses): they never match."""
+    return hmac.compare_digest(sent.encode("utf-8", "surrogatepass"), expected.encode("utf-8", "surrogatepass"))
+
+
 def origin_of(url: str) -> str:
     parts = urlsplit(url)
     return f"{parts.scheme}://{parts.netloc}".lower()
@@ -78,10 +99,12 @@ class Auth:
         caller = await self.caller(request)
         if caller is None:
             fail(401, "not logged in (or the session ended): send !dashboard in a chat for a new link")
+        refused = access_refusal(self.config, caller.user_key)
+        if refused is not None:
+            fail(403, refused)
         if request.method in CHANGES:
             self.check_origin(request)
-            sent = request.headers.get(CSRF_HEADER, "")
-            if not hmac.compare_digest(sent.encode(), caller.session.csrf.encode()):
+            if not csrf_matches(request.headers.get(CSRF_HEADER, ""), caller.session.csrf):
                 fail(403, f"missing or wrong {CSRF_HEADER} header (reload the page)")
         return caller
 

@@ -1,4 +1,7 @@
-"""Markdown to safe HTML (raw HTML in the text is shown as text, never run) and a side-by-side diff."""
+"""Markdown to safe HTML (raw HTML in the text is shown as text, never run) and a side-by-side diff.
+
+Links and images stay the text they were written as: what a memory holds is written by its user and by the
+model, and a live link to another site on the bot's own page would lend that site the page's trust."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from typing import Any
 
 from markdown_it import MarkdownIt
 
-_md = MarkdownIt("commonmark", {"html": False, "linkify": False}).disable("image")
+_md = MarkdownIt("commonmark", {"html": False, "linkify": False}).disable(["image", "link", "autolink", "reference"])
 
 
 def markdown_html(text: str) -> str:

@@ -31,6 +31,7 @@ M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_BODY = web.AppKey("max_body", int)
 SURROGATE = re.compile(r"[\ud800-\udfff]")
+LOGIN_TOKEN = re.compile(r"/login/[^/?#]+", re.IGNORECASE)
 CSP = ("default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; object-src 'none'; "
        "frame-ancestors 'none'; base-uri 'none'; form-action 'self'")
 
@@ -90,6 +91,11 @@ def storable(data: Any) -> bool:
     return True
 
 
+def loggable_path(path: str) -> str:
+    """``path`` for the log: a login link's token is a live credential and never written there."""
+    return LOGIN_TOKEN.sub("/login/<token>", path)
+
+
 @web.middleware
 async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Bad input is a 4xx with a JSON message; nothing a client sends produces a 500 with a traceback."""
@@ -107,15 +113,15 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except Exception as exc:
         if is_missing_reference(exc):  # e.g. a forget-me removed the user while this request wrote for them
             log.warning("web request %s %s met a deleted row (a forget-me meanwhile?): %s", request.method,
-                        request.path, type(exc).__name__)
+                        loggable_path(request.path), type(exc).__name__)
             return json_error(409, GONE)
-        log.exception("web request %s %s failed", request.method, request.path)
+        log.exception("web request %s %s failed", request.method, loggable_path(request.path))
         return json_error(500, "internal error (the details are in the bot's log)")
 
 
-@web.middleware
-async def headers(request: web.Request, handler: Handler) -> web.StreamResponse:
-    response = await handler(request)
+async def security_headers(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    """On every response as it is sent (``on_response_prepare``): the handlers' own and the errors aiohttp
+    makes of an HTTPException (a 404, 405 or 413 outside the API) alike."""
     response.headers.setdefault("Content-Security-Policy", CSP)
     response.headers.setdefault("X-Content-Type-Options", "nosniff")
     # A login link never leaks to another site as a Referer; same-origin (not no-referrer) because under
@@ -124,7 +130,13 @@ async def headers(request: web.Request, handler: Handler) -> web.StreamResponse:
     response.headers.setdefault("X-Frame-Options", "DENY")
     if request.path.startswith(("/api/", "/login")):
         response.headers.setdefault("Cache-Control", "no-store")
-    return response
+
+
+def web_application(**kwargs: Any) -> web.Application:
+    """An application with the error middleware and the security headers on every response."""
+    application = web.Application(middlewares=[errors], **kwargs)
+    application.on_response_prepare.append(security_headers)
+    return application
 
 
 def static_file(name: str) -> bytes:
@@ -147,7 +159,7 @@ class WebServer:
         from adapters.web import api_activity, api_admin, api_items, api_me, health, login, page
 
         max_body = self.config.max_body_kb * 1024
-        application = web.Application(middlewares=[headers, errors], client_max_size=max_body)
+        application = web_application(client_max_size=max_body)
         application[MAX_BODY] = max_body
         for module in (login, page, api_me, api_items, api_activity, api_admin):
             application.add_routes(module.routes(self.context))
@@ -163,7 +175,7 @@ class WebServer:
 
         self.url = await self._serve(self.build(), self.config.host, self.config.port)
         if self._separate_metrics:
-            metrics_app = web.Application(middlewares=[headers, errors])
+            metrics_app = web_application()
             metrics_app.add_routes(health.metrics_routes(self.context))
             self.metrics_url = await self._serve(metrics_app, self.config.metrics_host or self.config.host,
                                                  self.config.metrics_port or 0)

@@ -241,6 +241,12 @@ class CortexRepository:
         self._files_changed(pair_id)
         return self._version(row)
 
+    async def add_first_version(self, pair_id: int, filename: str, content: str, author: Author, reason: str = ""
+                                ) -> FileVersion | None:
+        """Version 1 of a file that has no version yet; None (nothing stored) when it has one, made meanwhile
+        by anyone (the same one-statement check as :meth:`add_version_based_on`)."""
+        return await self.add_version_based_on(0, pair_id, filename, content, author, reason)
+
     async def files_for_prompt(self, user_id: int, persona: str) -> dict[str, str]:
         """Current content of the pair's files (empty when the pair has none yet), cached briefly."""
         key = (user_id, persona)

@@ -68,6 +68,11 @@ class MessageScope:
 VectorScope = ItemScope | MessageScope
 
 
+class _StaleCorrection(Exception):
+    """Raised inside :meth:`MemoryRepository.add_item`'s transaction to roll back a correction of an item
+    that is no longer active."""
+
+
 class MemoryRepository:
     def __init__(self, db: Database) -> None:
         self.db = db
@@ -87,22 +92,30 @@ class MemoryRepository:
 
     # -- items -----------------------------------------------------------------------------------
 
-    async def add_item(self, pair_id: int, fields: Mapping[str, Any], supersedes: int | None, now: float) -> Row:
-        """Insert an item (and mark the one it corrects) in one transaction; returns its row."""
+    async def add_item(self, pair_id: int, fields: Mapping[str, Any], supersedes: int | None, now: float
+                       ) -> Row | None:
+        """Insert an item (and mark the one it corrects) in one transaction; returns its row. None, with
+        nothing stored, when the item to correct is no longer active (corrected or archived meanwhile): the
+        check is the corrected item's UPDATE itself, inside the transaction, so of concurrent corrections of
+        one item exactly one lands, in any process and on either engine."""
         values = {**fields, "pair_id": pair_id, "supersedes": supersedes, "created_at": now, "updated_at": now}
         columns = ", ".join(values)
         marks = ", ".join("?" for _ in values)
-        async with self.db.transaction() as tx:
-            row = await tx.fetch_one(
-                f"INSERT INTO memory_items ({columns}) VALUES ({marks}) RETURNING {ITEM_COLUMNS}",
-                tuple(values.values()),
-            )
-            assert row is not None
-            if supersedes is not None:
-                await tx.execute(
-                    "UPDATE memory_items SET superseded_by = ?, updated_at = ? WHERE id = ? AND pair_id = ?",
-                    (int(row["id"]), now, supersedes, pair_id),
+        try:
+            async with self.db.transaction() as tx:
+                row = await tx.fetch_one(
+                    f"INSERT INTO memory_items ({columns}) VALUES ({marks}) RETURNING {ITEM_COLUMNS}",
+                    tuple(values.values()),
                 )
+                assert row is not None
+                if supersedes is not None and await tx.fetch_one(
+                    "UPDATE memory_items SET superseded_by = ?, updated_at = ? WHERE id = ? AND pair_id = ?"
+                    " AND superseded_by IS NULL AND archived_at IS NULL RETURNING id",
+                    (int(row["id"]), now, supersedes, pair_id),
+                ) is None:
+                    raise _StaleCorrection  # rolls the new item back
+        except _StaleCorrection:
+            return None
         return row
 
     async def item(self, pair_id: int, item_id: int) -> Row | None:
@@ -127,11 +140,14 @@ class MemoryRepository:
         await self.db.write("UPDATE memory_items SET scope = ?, updated_at = ? WHERE id = ? AND pair_id = ?",
                             (scope, now, item_id, pair_id))
 
-    async def archive(self, pair_id: int, item_id: int, reason: str, now: float) -> None:
-        await self.db.write(
-            "UPDATE memory_items SET archived_at = ?, archive_reason = ? WHERE id = ? AND pair_id = ?",
+    async def archive(self, pair_id: int, item_id: int, reason: str, now: float) -> bool:
+        """Archive an active item (neither archived nor corrected); False when it no longer is one (checked
+        in the UPDATE itself, so a forget racing a correction or another forget changes nothing)."""
+        return bool(await self.db.write(
+            "UPDATE memory_items SET archived_at = ?, archive_reason = ? WHERE id = ? AND pair_id = ?"
+            " AND archived_at IS NULL AND superseded_by IS NULL RETURNING id",
             (now, reason, item_id, pair_id),
-        )
+        ))
 
     async def archive_from(self, pair_id: int, source_ref: str, reason: str, now: float) -> list[int]:
         """Archive the pair's visible items that came from ``source_ref`` (a message); their ids."""

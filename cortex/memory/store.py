@@ -180,8 +180,8 @@ class _Candidate:
 
 
 __all__ = [
-    "ITEM_COLUMNS", "CATEGORIES", "Hit", "ItemFilters", "MemoryError", "MemoryItem", "MemoryStore", "OwnedItem",
-    "Weights",
+    "ITEM_COLUMNS", "CATEGORIES", "Hit", "ItemFilters", "MemoryConflict", "MemoryError", "MemoryItem", "MemoryStore",
+    "OwnedItem", "Weights",
 ]
 
 
@@ -203,6 +203,10 @@ def _dt(value: float | None) -> datetime | None:
 
 class MemoryError(ValueError):
     """A memory operation a user asked for cannot be done; the message says why."""
+
+
+class MemoryConflict(MemoryError):
+    """The item changed meanwhile (another correction or a forget landed first); nothing was stored."""
 
 
 class MemoryStore:
@@ -263,13 +267,29 @@ class MemoryStore:
         if not 1 <= importance <= 10:
             raise MemoryError("importance is a number from 1 to 10")
         if supersedes is not None:
-            old = await self.get(pair_id, supersedes, count_access=False)
-            if old.superseded_by is not None:
-                raise MemoryError(f"item #{supersedes} was already corrected by #{old.superseded_by}")
+            self._check_correctable(await self.get(pair_id, supersedes, count_access=False))
         fields = item_fields(category=category, key=key, content=content, importance=importance, pinned=pinned,
                              expires_at=expires_at, tags=list(tags), source=source, source_ref=source_ref,
                              metadata=dict(metadata or {}), scope=scope)
-        return self._item(await self.repo.add_item(pair_id, fields, supersedes, self.clock()))
+        row = await self.repo.add_item(pair_id, fields, supersedes, self.clock())
+        if row is None:  # the item changed after the check above: the database's own check refused it
+            assert supersedes is not None
+            raise await self._changed_meanwhile(pair_id, supersedes)
+        return self._item(row)
+
+    @staticmethod
+    def _check_correctable(old: MemoryItem) -> None:
+        if old.superseded_by is not None:
+            raise MemoryError(f"item #{old.id} was already corrected by #{old.superseded_by}")
+        if old.archived_at is not None:
+            raise MemoryError(f"item #{old.id} is archived: restore it first")
+
+    async def _changed_meanwhile(self, pair_id: int, item_id: int) -> MemoryConflict:
+        """The error for a correction or forget of an item that a concurrent one changed first."""
+        now = await self.get(pair_id, item_id, count_access=False)
+        what = (f"was corrected by #{now.superseded_by}" if now.superseded_by is not None
+                else "was archived" if now.archived_at is not None else "changed")
+        return MemoryConflict(f"item #{item_id} {what} meanwhile; nothing was saved: reload and try again")
 
     async def get(self, pair_id: int, item_id: int, *, count_access: bool = True) -> MemoryItem:
         """One item of this pair (fetching it singly counts as an access)."""
@@ -298,7 +318,10 @@ class MemoryStore:
         item = await self.get(pair_id, item_id, count_access=False)
         if item.archived_at is not None:
             raise MemoryError(f"item #{item_id} is already archived")
-        await self.repo.archive(pair_id, item_id, reason, self.clock())
+        if item.superseded_by is not None:
+            raise MemoryError(f"item #{item_id} was corrected by #{item.superseded_by}: forget that one")
+        if not await self.repo.archive(pair_id, item_id, reason, self.clock()):
+            raise await self._changed_meanwhile(pair_id, item_id)
         return await self.get(pair_id, item_id, count_access=False)
 
     async def archive_from(self, pair_id: int, source_ref: str) -> list[int]:

@@ -1,0 +1,343 @@
+"""The web page's hardening, on the real bot and its storage: corrections and forgets of one item racing
+(exactly one lands, in the database's own check), files made from their templates once however many first
+visits race, Discord's answers about non-members kept briefly (the bot's rate limit), undecodable CSRF
+headers, security headers on aiohttp's own error pages, server keys the bot never reads, login tokens kept
+out of the log, links in memory shown as text, and the [access] lists applied to web sessions."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+import aiohttp
+import pytest
+
+from adapters.admin_directory import DiscordAdminDirectory
+from adapters.web import WebServer
+from adapters.web.render import markdown_html
+from bot.app import App
+from bot.config import DiscordConfig
+from cortex.files import CortexFiles
+from cortex.memory.embedders import HashEmbedder
+from cortex.memory.store import MemoryError
+from cortex.store import FILENAMES, CortexStore, FileVersion
+from tests.fakes.provider import ScriptedProvider
+from tests.test_web_admin import FakeGuild, member
+from tests.web_support import Bot, Client, running_bot, web_config
+
+FILES = "/api/me/personas/Cora/files"
+
+
+@pytest.fixture(autouse=True)
+def _key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CB_WEB_TEST_KEY", "test-key")
+
+
+async def ann_item(bot: Bot, text: str = "Ann lives in Bern") -> tuple[int, int]:
+    """(Ann's pair with Cora, a new memory item of hers)."""
+    _, pair = await bot.app.cortex.store.pair_for("discord:ann", "Ann", "Cora")
+    return pair.id, (await bot.app.cortex.memory.remember(pair.id, text)).id
+
+
+async def active_corrections(bot: Bot, pair_id: int, item_id: int) -> list[int]:
+    items, _ = await bot.app.cortex.memory.list_items(pair_id, limit=100)
+    return [i.id for i in items if i.supersedes == item_id]
+
+
+# -- 1: one correction of an item, however many race -------------------------------------------------
+
+
+@pytest.mark.both_engines
+async def test_concurrent_corrections_of_one_item_land_once(tmp_path: Path) -> None:
+    async with running_bot(tmp_path) as bot:
+        memory = bot.app.cortex.memory
+        pair, old = await ann_item(bot)
+        results = await asyncio.gather(
+            *(memory.remember(pair, f"Ann lives in town {n}", supersedes=old) for n in range(6)),
+            return_exceptions=True)
+        landed = [r for r in results if not isinstance(r, BaseException)]
+        assert len(landed) == 1, results
+        assert all(isinstance(r, MemoryError) for r in results if isinstance(r, BaseException)), results
+        assert await active_corrections(bot, pair, old) == [landed[0].id]
+        assert (await memory.get(pair, old, count_access=False)).superseded_by == landed[0].id
+
+
+@pytest.mark.both_engines
+async def test_the_database_refuses_a_correction_of_an_item_no_longer_active(tmp_path: Path) -> None:
+    """The check is in the transaction's UPDATE: a correction whose earlier look found the item active
+    stores nothing once another correction or a forget got there first."""
+    async with running_bot(tmp_path) as bot:
+        memory, repo = bot.app.cortex.memory, bot.app.storage.memory
+        pair, old = await ann_item(bot)
+        fields = {"category": "fact", "content": "Ann lives in Basel", "source": "user"}
+        assert await repo.add_item(pair, fields, old, 1.0) is not None
+        assert await repo.add_item(pair, fields, old, 2.0) is None  # corrected meanwhile
+        _, other = await ann_item(bot, "Ann plays chess")
+        await memory.archive(pair, other, "forgotten by the user")
+        assert await repo.add_item(pair, fields, other, 3.0) is None  # archived meanwhile
+        items, total = await memory.list_items(pair, limit=100)
+        assert total == 1 and [i.content for i in items] == ["Ann lives in Basel"]  # nothing else was stored
+
+
+@pytest.mark.both_engines
+async def test_a_forget_racing_a_correction_leaves_no_archived_item_with_an_active_correction(tmp_path: Path) -> None:
+    async with running_bot(tmp_path) as bot:
+        memory = bot.app.cortex.memory
+        pair, old = await ann_item(bot)
+        results = await asyncio.gather(memory.archive(pair, old, "forgotten by the user"),
+                                       memory.remember(pair, "Ann lives in Zurich", supersedes=old),
+                                       return_exceptions=True)
+        assert sum(isinstance(r, MemoryError) for r in results) == 1, results
+        now = await memory.get(pair, old, count_access=False)
+        assert (now.archived_at is None) != (now.superseded_by is None), now  # archived or corrected, not both
+        with pytest.raises(MemoryError, match="corrected by|archived"):
+            await memory.archive(pair, old, "again")
+
+
+@pytest.mark.both_engines
+async def test_concurrent_patches_of_one_item_answer_one_200_and_409s(tmp_path: Path) -> None:
+    async with running_bot(tmp_path) as bot, bot.client("ann") as ann:
+        pair, old = await ann_item(bot)
+        answers = await asyncio.gather(*(ann.call("PATCH", f"/api/me/items/{old}", {"content": f"Ann in town {n}"})
+                                         for n in range(4)))
+        assert sorted(status for status, _ in answers) == [200, 409, 409, 409], answers
+        assert len(await active_corrections(bot, pair, old)) == 1
+        _, fresh = await ann_item(bot, "Ann plays chess")
+        raced = await asyncio.gather(ann.call("POST", f"/api/me/items/{fresh}/forget"),
+                                     ann.call("PATCH", f"/api/me/items/{fresh}", {"content": "Ann plays go"}))
+        assert sorted(status for status, _ in raced) == [200, 409], raced  # forgotten or corrected, not both
+        assert all("meanwhile" in body["error"] or "corrected by" in body["error"] or "archived" in body["error"]
+                   for status, body in (*answers, *raced) if status == 409), (answers, raced)
+
+
+# -- 2: files from their templates, once -------------------------------------------------------------
+
+
+@pytest.mark.both_engines
+async def test_concurrent_first_visits_make_each_file_once(tmp_path: Path) -> None:
+    async with running_bot(tmp_path) as bot, bot.client("ann") as ann:
+        answers = await asyncio.gather(*(ann.call("GET", FILES) for _ in range(8)))
+        assert [status for status, _ in answers] == [200] * 8, answers
+        _, pair = await bot.app.cortex.store.pair_for("discord:ann", "Ann", "Cora")
+        for filename in FILENAMES:
+            assert [v.version for v in await bot.app.cortex.store.versions(pair.id, filename)] == [1], filename
+
+
+@pytest.mark.both_engines
+async def test_concurrent_ensures_through_the_store_make_one_version_each(tmp_path: Path) -> None:
+    async with running_bot(tmp_path) as bot:
+        _, pair = await bot.app.cortex.store.pair_for("discord:bob", "Bob", "Cora")
+        made = await asyncio.gather(*(bot.app.cortex.files.ensure(pair, "English", "Bob") for _ in range(8)))
+        assert all({f: v.version for f, v in files.items()} == dict.fromkeys(FILENAMES, 1) for files in made), made
+        for filename in FILENAMES:
+            assert len(await bot.app.cortex.store.versions(pair.id, filename)) == 1
+
+
+class FirstEditMeanwhile(CortexStore):
+    """The real store, with the user's first save landing just after a look found the files missing."""
+
+    async def current_all(self, pair_id: int) -> dict[str, FileVersion]:
+        found = await super().current_all(pair_id)
+        await self.add_version(pair_id, "memory.md", "# Bob's own notes", "user", "edited by the user")
+        return found
+
+
+@pytest.mark.both_engines
+async def test_a_template_never_lands_after_the_users_first_edit(tmp_path: Path) -> None:
+    async with running_bot(tmp_path) as bot:
+        _, pair = await bot.app.cortex.store.pair_for("discord:bob", "Bob", "Cora")
+        files = await CortexFiles(FirstEditMeanwhile(bot.app.storage), 8000).ensure(pair, "English", "Bob")
+        assert (files["memory.md"].version, files["memory.md"].content) == (1, "# Bob's own notes")
+        versions = await bot.app.cortex.store.versions(pair.id, "memory.md")
+        assert [(v.version, v.author) for v in versions] == [(1, "user")]
+
+
+# -- 3: Discord's answers about a server's members, kept briefly --------------------------------------
+
+
+def books(**kept: float) -> tuple[DiscordAdminDirectory, FakeGuild]:
+    """discord:1 "Books": discord:10 (cached) holds Manage Server, discord:11 is an administrator Discord
+    has not sent the bot yet, discord:20 is no member."""
+    guild = FakeGuild(1, "Books", [member(10, manage=True)], [member(11, administrator=True)])
+    client = SimpleNamespace(guilds=[guild], get_guild=lambda gid: guild if gid == 1 else None)
+    return DiscordAdminDirectory(client, DiscordConfig(), **kept), guild
+
+
+async def test_a_non_members_requests_ask_discord_once(tmp_path: Path) -> None:
+    directory, guild = books()
+    async with running_bot(tmp_path, directories=[directory]) as bot, bot.client("20") as outsider:
+        path = f"/api/admin/servers/{quote('discord:1', safe='')}/guidelines"
+        for _ in range(5):
+            assert (await outsider.call("GET", path))[0] == 403
+        answers = await asyncio.gather(*(outsider.call("GET", path) for _ in range(5)))
+        assert [status for status, _ in answers] == [403] * 5
+        assert guild.fetched == [20]
+
+
+async def test_kept_answers_are_asked_again_after_their_time() -> None:
+    directory, guild = books(answer_seconds=0.2)
+    assert await asyncio.gather(*(directory.is_admin("discord:11", "discord:1") for _ in range(4))) == [True] * 4
+    assert not await directory.is_admin("discord:20", "discord:1")
+    assert guild.fetched == [11, 20]
+    del guild.remote[11]  # no longer a member: the kept yes holds only until its time is up
+    assert await directory.is_admin("discord:11", "discord:1")
+    await asyncio.sleep(0.25)
+    assert not await directory.is_admin("discord:11", "discord:1")
+    assert await directory.is_admin("discord:10", "discord:1")  # from the member cache, never fetched
+    assert guild.fetched == [11, 20, 11]
+
+
+# -- 4: an undecodable CSRF header --------------------------------------------------------------------
+
+
+async def raw_request(url: str, head: bytes) -> bytes:
+    """Send ``head`` (a request without a body) to the server as bytes; its answer's status line."""
+    parts = urlsplit(url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    try:
+        writer.write(head)
+        await writer.drain()
+        return await reader.readline()
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+async def test_a_csrf_header_that_is_not_utf8_is_a_403(tmp_path: Path) -> None:
+    async with running_bot(tmp_path) as bot, bot.client("ann") as ann:
+        session = next(c for c in ann.http.cookie_jar if c.key == "cortexbot_session").value
+        host = urlsplit(bot.url).netloc.encode()
+        for token in (b"\xff\xfe", ann.csrf.encode() + b"\xc3", b"\xed\xa0\x80"):
+            head = (b"POST /api/logout HTTP/1.1\r\nHost: " + host + b"\r\nCookie: cortexbot_session="
+                    + session.encode() + b"\r\nX-CSRF-Token: " + token + b"\r\nContent-Length: 0\r\n"
+                    b"Connection: close\r\n\r\n")
+            assert (await raw_request(bot.url, head)).startswith(b"HTTP/1.1 403"), token
+        assert (await ann.call("GET", "/api/me"))[0] == 200  # still logged in
+
+
+# -- 5: security headers on aiohttp's own error answers -----------------------------------------------
+
+
+async def test_error_pages_carry_the_security_headers(tmp_path: Path) -> None:
+    async with running_bot(tmp_path, max_body_kb=16) as bot, aiohttp.ClientSession(bot.url) as http:
+        for method, path, body, status in (("GET", "/nowhere", None, 404), ("GET", "/static/x.js", None, 404),
+                                           ("DELETE", "/login", None, 405), ("PUT", "/", None, 405),
+                                           ("POST", "/login", {"token": "x" * 20_000}, 413)):
+            async with http.request(method, path, data=body, allow_redirects=False) as response:
+                assert response.status == status, (method, path, await response.text())
+                assert "default-src 'self'" in response.headers.get("Content-Security-Policy", ""), path
+                assert response.headers.get("X-Content-Type-Options") == "nosniff", path
+                assert response.headers.get("X-Frame-Options") == "DENY", path
+                assert response.headers.get("Referrer-Policy") == "same-origin", path
+                if path.startswith("/login"):
+                    assert response.headers.get("Cache-Control") == "no-store", path
+
+
+# -- 6: only server keys the bot reads ---------------------------------------------------------------
+
+
+def guidelines(server: str) -> str:
+    return f"/api/admin/servers/{quote(server, safe='')}/guidelines"
+
+
+async def test_guidelines_and_settings_only_under_server_keys_the_bot_reads(tmp_path: Path) -> None:
+    async with running_bot(tmp_path) as bot, bot.client("999") as admin:
+        for key in ("discord:abc", "discord:\uff11", "foo:bar", "discord:01", "discord:", "discord:1.0",
+                    "discord:123456789012345678901", "matrix:room:example.org", "matrix:!", "Discord:1",
+                    "matrix:!room\u00e9:example.org", "console:room"):
+            status, error = await admin.call("PUT", guidelines(key), {"text": "Be kind."})
+            assert status == 400 and "no server key" in error["error"], (key, error)
+            status, error = await admin.call("PUT", "/api/admin/settings", {
+                "persona": "Cora", "server": key, "key": "context_limit", "value": "40"})
+            assert status == 400, (key, error)
+            assert (await admin.call("GET", f"/api/admin/settings?server={quote(key, safe='')}"))[0] == 400
+        for key in ("discord:123456789012345678", "matrix:!room:example.org", "matrix:!abc_DEF-123"):
+            status, saved = await admin.call("PUT", guidelines(key), {"text": "Be kind."})
+            assert status == 200 and saved["server"] == key, (key, saved)
+
+
+# -- 7: login tokens never in the log -----------------------------------------------------------------
+
+
+async def test_a_failing_login_page_logs_no_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    async with running_bot(tmp_path) as bot, aiohttp.ClientSession(bot.url) as http:
+        link, token = await bot.link("ann")
+
+        async def broken(_: str) -> bool:
+            raise RuntimeError("the database went away")
+
+        monkeypatch.setattr(bot.app.storage.web, "link_valid", broken)  # an unexpected failure, injected
+        with caplog.at_level(logging.INFO, logger="adapters.web"):
+            async with http.get(urlsplit(link).path) as response:
+                assert response.status == 500
+        logged = "\n".join(r.getMessage() for r in caplog.records)
+        assert "/login/<token>" in logged and token not in logged and token not in caplog.text, logged
+
+
+# -- 8: links in memory are text ---------------------------------------------------------------------
+
+
+def test_links_in_memory_are_shown_as_text_not_followed() -> None:
+    for text, shown in (("[x](//evil.example/login)", "//evil.example/login"),
+                        ("<https://evil.example/x>", "https://evil.example/x"),
+                        ("[click](https://evil.example/a \"t\")", "https://evil.example/a"),
+                        ("[a]: https://evil.example/ref\n\n[a]", "https://evil.example/ref"),
+                        ("<ann@evil.example>", "ann@evil.example")):
+        rendered = markdown_html(text)
+        assert "<a" not in rendered and "href" not in rendered, rendered
+        assert shown in rendered, rendered
+    assert markdown_html("# Ann\n- likes *tea*") == "<h1>Ann</h1>\n<ul>\n<li>likes <em>tea</em></li>\n</ul>\n"
+
+
+# -- 9: the [access] lists on the web -----------------------------------------------------------------
+
+
+@asynccontextmanager
+async def bot_with_access(tmp_path: Path, **access: list[str]) -> AsyncIterator[Bot]:
+    """The bot restarted on the same database (sessions survive) with these ``[access]`` lists."""
+    config = web_config(tmp_path)
+    config = config.model_copy(update={"access": config.access.model_copy(update=access)})
+    async with App(config, llm=ScriptedProvider(), embedder=HashEmbedder()) as app:
+        server = WebServer(app)
+        await server.start()
+        try:
+            yield Bot(app, server)
+        finally:
+            await server.stop()
+
+
+async def session_of(bot: Bot, user: str) -> str:
+    async with bot.client(user) as client:
+        return next(c for c in client.http.cookie_jar if c.key == "cortexbot_session").value
+
+
+async def call_as(bot: Bot, session: str, method: str, path: str) -> tuple[int, Any]:
+    async with aiohttp.ClientSession(bot.url, cookies={"cortexbot_session": session}) as http:
+        client = Client(http, "", {})
+        status, me = await client.call("GET", "/api/me")
+        if method == "GET" or status != 200:
+            return status, me
+        client.csrf = me["csrf"]
+        return await client.call(method, path)
+
+
+@pytest.mark.both_engines
+async def test_a_denied_users_session_is_refused_on_every_request(tmp_path: Path) -> None:
+    async with running_bot(tmp_path) as bot:
+        sessions = {user: await session_of(bot, user) for user in ("ann", "bob", "carl")}
+    async with bot_with_access(tmp_path, deny_users=["discord:ann"]) as bot:
+        for method, path in (("GET", "/api/me"), ("GET", "/api/me/items"), ("GET", FILES)):
+            status, error = await call_as(bot, sessions["ann"], method, path)
+            assert status == 403 and "deny_users" in error["error"], (path, error)
+        assert (await call_as(bot, sessions["bob"], "POST", "/api/logout"))[0] == 200
+    async with bot_with_access(tmp_path, allow_users=["discord:ann"], deny_users=["discord:ann"]) as bot:
+        assert (await call_as(bot, sessions["ann"], "GET", "/api/me"))[0] == 403  # the deny list wins
+        status, error = await call_as(bot, sessions["carl"], "GET", "/api/me")
+        assert status == 403 and "allow_users" in error["error"], error
