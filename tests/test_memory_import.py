@@ -114,8 +114,8 @@ def _archive(user: str, **data: object) -> Attachment:
     """A hand-made export, as someone editing their data.json would send it."""
     blob = io.BytesIO()
     with zipfile.ZipFile(blob, "w") as z:
-        z.writestr("data.json", json.dumps({"format": "cortex-bot-export", "format_version": 1, "user": {"key": f"discord:{user}"},
-                                            **data}))
+        z.writestr("data.json", json.dumps({"format": "cortex-bot-export", "format_version": 1,
+                                            "user": {"key": f"discord:{user}"}, **data}))
     return Attachment("export.zip", blob.getvalue())
 
 
