@@ -13,17 +13,19 @@ the device keeps its keys.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import io
 import json
 import logging
 import os
 import re
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, ParamSpec, TypeAlias
 
 import aiohttp
 import platformdirs
@@ -52,18 +54,31 @@ from bot.commands import Attachment, CommandReply
 from bot.config import MatrixConfig
 from bot.policy import Inbound
 from bot.ports import IncomingMessage
+from bot.splitting import split_message
 
 log = logging.getLogger(__name__)
 
 PLATFORM = "matrix"
-LIMIT = 16_000  # Matrix events may be 64 KiB; long replies stay readable in clients below this
+# Synapse refuses an event over 65,536 bytes (its content with the envelope: ids, hashes, signatures).
+EVENT_BUDGET = 60_000  # bytes of an event's content, as the server (or, encrypted, the ciphertext) counts them
+# Characters per message. Each size ensures the plainest form of an edit (see _edit_forms: the text once, without
+# HTML) fits EVENT_BUDGET for any text: a character is at most 6 bytes of JSON (a control character as \u0001);
+# encrypted, nio encrypts ASCII-escaped JSON (up to 12 bytes a character: a surrogate pair) and the
+# ciphertext is base64 (4/3). Richer forms (HTML, the edit fallback) are sent when they fit.
+LIMIT = 8_000
+ENCRYPTED_LIMIT = 3_500
+ENCRYPTION_OVERHEAD = 1_024  # megolm's envelope: sender key, session and device ids, MAC, signature
 MAX_FILE_BYTES = 8 * 1024 * 1024  # a command's file (the card cap)
 FileEvent: TypeAlias = RoomMessageFile | RoomEncryptedFile
+P = ParamSpec("P")
 _markdown = MarkdownIt("commonmark", {"html": False, "breaks": True}).enable("table")
 
 
+_ROOM_PING = re.compile(r"@(room)", re.IGNORECASE)  # clients match the @room ping case-insensitively
+
+
 def render(text: str, msgtype: str) -> dict[str, Any]:
-    safe = text.replace("@room", "@\u2060room")  # never an @room ping
+    safe = _ROOM_PING.sub("@\u2060\\1", text)  # never an @room ping
     return {
         "msgtype": msgtype,
         "body": safe,
@@ -71,6 +86,85 @@ def render(text: str, msgtype: str) -> dict[str, Any]:
         "formatted_body": _markdown.render(safe).strip(),
         "m.mentions": {},
     }
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    """``value`` when it is a JSON object, else an empty one: anyone in a room writes the events' content."""
+    return value if isinstance(value, dict) else {}
+
+
+def relates_to(content: Any) -> dict[str, Any]:
+    """An event content's ``m.relates_to`` (empty when missing or malformed)."""
+    return _mapping(_mapping(content).get("m.relates_to"))
+
+
+def reply_target(content: Any) -> str | None:
+    """The event a message replies to. Not the ``m.in_reply_to`` that clients add to thread messages for
+    clients without threads (``is_falling_back``: the thread's latest event, which the user did not pick)."""
+    relation = relates_to(content)
+    if relation.get("is_falling_back") is True:
+        return None
+    target = _mapping(relation.get("m.in_reply_to")).get("event_id")
+    return target if isinstance(target, str) and target else None
+
+
+def _mentioned(content: Any) -> list[str]:
+    ids = _mapping(_mapping(content).get("m.mentions")).get("user_ids")
+    return [i for i in ids if isinstance(i, str)] if isinstance(ids, list) else []
+
+
+def event_size(content: dict[str, Any], encrypted: bool) -> int:
+    """Bytes ``content`` takes in its event: canonical JSON in UTF-8; encrypted, the base64 of the ASCII-escaped
+    JSON nio encrypts, with megolm's envelope."""
+    if encrypted:
+        return len(json.dumps(content, separators=(",", ":"))) * 4 // 3 + ENCRYPTION_OVERHEAD
+    return len(json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode())
+
+
+def _plain(content: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in content.items() if k not in ("format", "formatted_body")}
+
+
+def message_forms(new: dict[str, Any], relation: dict[str, Any] | None) -> Iterator[dict[str, Any]]:
+    """A message's content, richest first: with its HTML, then without."""
+    extra = {"m.relates_to": relation} if relation else {}
+    yield new | extra
+    yield _plain(new) | extra
+
+
+def edit_forms(new: dict[str, Any], handle: str) -> Iterator[dict[str, Any]]:
+    """An edit's content, richest first. Its fallback for clients without edits ("* text") repeats the text:
+    a long text drops the fallback's HTML, then shortens the fallback, then drops its own HTML."""
+    relation = {"m.relates_to": {"rel_type": "m.replace", "event_id": handle}}
+    plain = _plain(new)
+    short = {**plain, "body": f"* {new['body'][:80]}…"}
+    yield {**new, "body": f"* {new['body']}", "formatted_body": f"* {new['formatted_body']}",
+           "m.new_content": new} | relation
+    yield {**plain, "body": f"* {new['body']}", "m.new_content": new} | relation
+    yield {**short, "m.new_content": new} | relation
+    yield {**short, "m.new_content": plain} | relation
+
+
+def fitting(forms: Iterable[dict[str, Any]], encrypted: bool) -> dict[str, Any]:
+    """The first of ``forms`` within :data:`EVENT_BUDGET` (the last when none is; the pieces' size, LIMIT or
+    ENCRYPTED_LIMIT, keeps the last within it)."""
+    content: dict[str, Any] = {}
+    for content in forms:
+        if event_size(content, encrypted) <= EVENT_BUDGET:
+            break
+    return content
+
+
+def guarded(handler: Callable[P, Awaitable[None]]) -> Callable[P, Awaitable[None]]:
+    """A nio callback that logs its errors instead of raising them: an exception ends ``sync_forever`` (and with
+    it the bot), and as the sync token is saved after the callbacks, the same event would end it after a restart."""
+    @functools.wraps(handler)
+    async def run(*args: P.args, **kwargs: P.kwargs) -> None:
+        try:
+            await handler(*args, **kwargs)
+        except Exception:
+            log.exception("Matrix: %s failed; the event is skipped", getattr(handler, "__name__", "a callback"))
+    return run
 
 
 _MX_REPLY = re.compile(r"<mx-reply>.*?</mx-reply>", re.DOTALL)
@@ -120,12 +214,15 @@ class MatrixSink:
 
     limit = LIMIT
 
-    def __init__(self, adapter: MatrixAdapter, room: MatrixRoom, event: RoomMessageText) -> None:
+    def __init__(self, adapter: MatrixAdapter, room: MatrixRoom, event: RoomMessageText | FileEvent) -> None:
         self.adapter = adapter
         self.room = room
         self.event = event
-        relates = event.source.get("content", {}).get("m.relates_to", {})
-        self.thread_root = relates.get("event_id") if relates.get("rel_type") == "m.thread" else None
+        self.encrypted = adapter.is_encrypted(room.room_id)
+        self.limit = ENCRYPTED_LIMIT if self.encrypted else LIMIT
+        relates = relates_to(event.source.get("content"))
+        root = relates.get("event_id") if relates.get("rel_type") == "m.thread" else None
+        self.thread_root = root if isinstance(root, str) else None
 
     def _relation(self) -> dict[str, Any]:
         if self.thread_root:
@@ -139,19 +236,12 @@ class MatrixSink:
         return f"{PLATFORM}-message:{handle}"
 
     async def send(self, text: str) -> str:
-        content = render(text, self.adapter.config.msgtype) | {"m.relates_to": self._relation()}
-        return await self.adapter.send(self.room.room_id, content)
+        new = render(text, self.adapter.config.msgtype)
+        return await self.adapter.send(self.room.room_id, fitting(message_forms(new, self._relation()), self.encrypted))
 
     async def edit(self, handle: str, text: str) -> None:
         new = render(text, self.adapter.config.msgtype)
-        content = {
-            **new,
-            "body": f"* {new['body']}",
-            "formatted_body": f"* {new['formatted_body']}",
-            "m.new_content": new,
-            "m.relates_to": {"rel_type": "m.replace", "event_id": handle},
-        }
-        await self.adapter.send(self.room.room_id, content)
+        await self.adapter.send(self.room.room_id, fitting(edit_forms(new, handle), self.encrypted))
 
     @asynccontextmanager
     async def typing(self) -> AsyncIterator[None]:
@@ -191,13 +281,18 @@ class MatrixAdapter:
         self.server_name = config.user_id.split(":", 1)[1]
         self._sent: OrderedDict[str, None] = OrderedDict()  # recent event ids the bot sent
         self.reactions = Reactions(self)
-        self._dms: dict[str, str] = {}
+        state = self._load_state()
+        # The direct room the bot opened for each user (for private answers), kept in the session file.
+        self._dms: dict[str, str] = dict(state.get("dm_rooms", {}))
+        # Who invited the bot into each room it joined on an invite.
+        self._inviters: dict[str, str] = dict(state.get("room_inviters", {}))
         # Rooms the bot joined as a direct chat ("dm": the invite said is_direct, or the bot opened it) or as
         # a group ("group"), kept in the session file: a group room down to two members stays a group.
-        self._kinds: dict[str, str] = dict(self._load_state().get("room_kinds", {}))
+        self._kinds: dict[str, str] = dict(state.get("room_kinds", {}))
         self._creators: dict[str, frozenset[str]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
+        self._sync_seen = asyncio.Event()  # set (and replaced) after each sync
         self.ready = asyncio.Event()
 
     # -- state -----------------------------------------------------------------------------------
@@ -287,11 +382,12 @@ class MatrixAdapter:
             for invited in list(self.client.invited_rooms.values()):
                 await self._consider_invite(invited, getattr(invited, "inviter", None) or "")
         self.client.next_batch = since
-        self.client.add_event_callback(self._on_message, RoomMessageText)
-        self.client.add_event_callback(self._on_file, (RoomMessageFile, RoomEncryptedFile))
-        self.client.add_event_callback(self.reactions.on_reaction, ReactionEvent)
-        self.client.add_event_callback(self._on_invite, InviteMemberEvent)
-        self.client.add_response_callback(self._on_sync, SyncResponse)
+        # Every callback is guarded: one bad event must not end the sync (see ``guarded``).
+        self.client.add_event_callback(guarded(self._on_message), RoomMessageText)
+        self.client.add_event_callback(guarded(self._on_file), (RoomMessageFile, RoomEncryptedFile))
+        self.client.add_event_callback(guarded(self.reactions.on_reaction), ReactionEvent)
+        self.client.add_event_callback(guarded(self._on_invite), InviteMemberEvent)
+        self.client.add_response_callback(guarded(self._on_sync), SyncResponse)
         log.info("Matrix: %s syncing from %s", self.config.user_id, self.config.homeserver)
         self.ready.set()
         try:
@@ -306,6 +402,8 @@ class MatrixAdapter:
         await self.client.close()
 
     async def _on_sync(self, response: SyncResponse) -> None:
+        seen, self._sync_seen = self._sync_seen, asyncio.Event()
+        seen.set()
         self._save_state(next_batch=response.next_batch)
         if self.config.e2ee and self.client.should_upload_keys:
             await self.client.keys_upload()
@@ -342,25 +440,37 @@ class MatrixAdapter:
         if allowed:
             if direct is not None:
                 self._remember_kind(room.room_id, "dm" if direct else "group")
+            self._inviters[room.room_id] = inviter
+            self._save_state(room_inviters=self._inviters)
             await self.client.join(room.room_id)
             log.info("Matrix: joined %s on invite", room.room_id)
         else:
             await self.client.room_leave(room.room_id)
             log.info("Matrix: declined an invite to %s", room.room_id)
 
+    def power_level(self, room: MatrixRoom, user_id: str) -> int:
+        """The user's power level in the room (``_load_creators`` first: creators hold 100)."""
+        level = int(room.power_levels.get_user_level(user_id))
+        if user_id in self._creators.get(room.room_id, ()):
+            level = max(level, 100)  # room version 12: creators outrank everyone and are not listed
+        return level
+
+    async def roles_of(self, room: MatrixRoom, user_id: str) -> tuple[str, ...]:
+        """The user's roles in the room for the access rules (their power level)."""
+        await self._load_creators(room.room_id)
+        return (f"{PLATFORM}:power:{self.power_level(room, user_id)}",)
+
     def inbound(self, room: MatrixRoom, event: RoomMessageText | FileEvent) -> Inbound:
-        content = event.source.get("content", {})
+        content = event.source.get("content")
         me = self.config.user_id
-        mentions = content.get("m.mentions", {}).get("user_ids", [])
         display = room.user_name(me) or me
-        reply_to = content.get("m.relates_to", {}).get("m.in_reply_to", {}).get("event_id")
+        reply_to = reply_target(content)
         body = without_reply_fallback(event.body) if reply_to else event.body
         formatted = _MX_REPLY.sub("", getattr(event, "formatted_body", None) or "")  # not the quoted message
-        mentions_bot = me in mentions or _names(body, me) or bool(display and _names(body, display)) or me in formatted
+        mentions_bot = (me in _mentioned(content) or _names(body, me) or bool(display and _names(body, display))
+                        or me in formatted)
         is_dm = self.is_dm(room)
-        level = room.power_levels.get_user_level(event.sender)
-        if event.sender in self._creators.get(room.room_id, ()):
-            level = max(level, 100)  # room version 12: creators outrank everyone and are not listed
+        level = self.power_level(room, event.sender)
         text = body
         for name in (me, display):
             if name and text.startswith(name) and not text[len(name):len(name) + 1].isalnum():  # not "Coral"
@@ -393,7 +503,7 @@ class MatrixAdapter:
     async def _on_message(self, room: MatrixRoom, event: RoomMessageText) -> None:
         if event.sender == self.config.user_id:
             return
-        if event.source.get("content", {}).get("m.relates_to", {}).get("rel_type") == "m.replace":
+        if relates_to(event.source.get("content")).get("rel_type") == "m.replace":
             return  # an edit of an earlier message
         self._spawn(self._handle(room, event))
 
@@ -401,7 +511,7 @@ class MatrixAdapter:
         """A file sent with a caption that is a command (``!persona import`` with a card): the caption is
         the command and the file its attachment (MSC2530: a caption is a body that differs from the
         ``filename``). Files without such a caption are not read."""
-        content = event.source.get("content", {})
+        content = _mapping(event.source.get("content"))
         filename = str(content.get("filename") or "")
         caption = event.body.strip()
         if event.sender == self.config.user_id or not filename or caption == filename:
@@ -412,7 +522,7 @@ class MatrixAdapter:
 
     async def _download(self, event: FileEvent, filename: str, content: dict[str, Any]) -> Attachment:
         """The file's bytes (decrypted in an encrypted room); ValueError with one line when it cannot be."""
-        size = int(content.get("info", {}).get("size") or 0)
+        size = int(_mapping(content.get("info")).get("size") or 0)
         if size > MAX_FILE_BYTES:
             raise ValueError(f"{filename} is {size / 1e6:.1f} MB; commands take files of at most "
                              f"{MAX_FILE_BYTES // 1024 // 1024} MB")
@@ -438,8 +548,13 @@ class MatrixAdapter:
                     await MatrixSink(self, room, event).send_reply(CommandReply(str(exc)))
                     return
             prefix = self.config.command_prefix
-            if inbound.message.text.strip() in (f"{prefix}leave",) and inbound.is_admin and not inbound.message.is_dm:
-                await self.client.room_leave(room.room_id)
+            if inbound.message.text.strip() == f"{prefix}leave" and not inbound.message.is_dm:
+                if inbound.is_admin:
+                    await self.client.room_leave(room.room_id)
+                else:
+                    await MatrixSink(self, room, event).send_reply(CommandReply(
+                        f"{prefix}leave is for this room's admins (power level {self.config.admin_power_level} "
+                        "or more): they can make me leave."))
                 return
             if prefix != self.app.commands.prefix and inbound.message.text.startswith(prefix):
                 # The room's prefix is configurable; the command layer speaks "!".
@@ -460,8 +575,10 @@ class MatrixAdapter:
         for event in events:
             if isinstance(event, dict) and event.get("type") == "m.room.create":
                 creators.add(str(event.get("sender", "")))
-                content = event.get("content", {})
-                creators.update(str(c) for c in content.get("additional_creators", []))
+                content = _mapping(event.get("content"))
+                extra = content.get("additional_creators")
+                if isinstance(extra, list):
+                    creators.update(c for c in extra if isinstance(c, str))
                 if content.get("creator"):
                     creators.add(str(content["creator"]))
         self._creators[room_id] = frozenset(c for c in creators if c)
@@ -479,33 +596,63 @@ class MatrixAdapter:
             self._sent.popitem(last=False)
         return str(response.event_id)
 
+    def is_encrypted(self, room_id: str) -> bool:
+        """Whether the room is encrypted (a room not synced yet is one the bot just opened: encrypted with e2ee)."""
+        room = self.client.rooms.get(room_id)
+        return bool(room.encrypted) if room is not None else self.config.e2ee
+
     async def deliver(self, room_id: str, reply: CommandReply, relation: dict[str, Any] | None = None) -> None:
-        content = render(reply.text, self.config.msgtype)
-        if relation:
-            content["m.relates_to"] = relation
-        await self.send(room_id, content)
+        """A command's answer: its text (in pieces within an event's size) and its files."""
+        encrypted = self.is_encrypted(room_id)
+        for piece in split_message(reply.text, ENCRYPTED_LIMIT if encrypted else LIMIT) or [reply.text]:
+            new = render(piece, self.config.msgtype)
+            await self.send(room_id, fitting(message_forms(new, relation), encrypted))
         for attachment in reply.attachments:
-            upload, _ = await self.client.upload(
-                _bytes_reader(attachment.data), content_type="application/octet-stream",
-                filename=attachment.filename, filesize=len(attachment.data),
-            )
-            if not isinstance(upload, UploadResponse):
-                await self.send(room_id, render(f"(could not upload {attachment.filename}: {upload})",
-                                                self.config.msgtype))
-                continue
-            await self.send(room_id, {"msgtype": "m.file", "body": attachment.filename, "url": upload.content_uri,
-                                      "info": {"size": len(attachment.data)}, "m.mentions": {}})
+            await self._send_file(room_id, attachment, encrypted)
+
+    async def _send_file(self, room_id: str, attachment: Attachment, encrypted: bool) -> None:
+        """Upload a file and send it; in an encrypted room the file is encrypted too (its keys go in the event,
+        which is encrypted)."""
+        upload, keys = await self.client.upload(
+            _bytes_reader(attachment.data), content_type="application/octet-stream",
+            filename=attachment.filename, filesize=len(attachment.data), encrypt=encrypted,
+        )
+        if not isinstance(upload, UploadResponse):
+            await self.send(room_id, render(f"(could not upload {attachment.filename}: {upload})", self.config.msgtype))
+            return
+        where = {"file": {"url": upload.content_uri, **keys}} if keys else {"url": upload.content_uri}
+        await self.send(room_id, {"msgtype": "m.file", "body": attachment.filename, **where,
+                                  "info": {"size": len(attachment.data)}, "m.mentions": {}})
 
     async def dm_room(self, user_id: str) -> str:
-        """The bot's direct room with ``user_id`` (created, and the user invited, when there is none)."""
-        cached = self.client.rooms.get(self._dms.get(user_id, ""))
-        if cached is not None and self.is_dm(cached) and user_id in (set(cached.users) | set(cached.invited_users)):
-            return str(cached.room_id)
-        for room in self.client.rooms.values():
-            members = set(room.users) | set(room.invited_users)
-            if self.is_dm(room) and members == {self.config.user_id, user_id}:
-                self._dms[user_id] = room.room_id
+        """The room for private answers to ``user_id``: a direct room the bot opened for them or one they made
+        (see ``_private_to``); else a new one, with the user invited."""
+        mine = self.client.rooms.get(self._dms.get(user_id, ""))
+        for room in ([mine] if mine else []) + [r for r in self.client.rooms.values() if r is not mine]:
+            if await self._private_to(room, user_id):
                 return str(room.room_id)
+        return await self._open_dm(user_id)
+
+    async def _private_to(self, room: MatrixRoom, user_id: str) -> bool:
+        """Whether answers for ``user_id`` alone may go to ``room``. Anyone can make a room that looks direct
+        (invite the bot "directly", then the victim, and leave), so: only the bot and the user are in it, nobody
+        else is invited, and the bot opened it for the user (who may not have joined yet), or the user joined
+        it and made it or invited the bot into it."""
+        me = self.config.user_id
+        invited = set(room.invited_users)
+        joined = set(room.users) - invited
+        if not self.is_dm(room) or me not in joined:
+            return False
+        if self._dms.get(user_id) == room.room_id:
+            return joined | invited == {me, user_id} and invited <= {user_id}
+        if joined != {me, user_id} or invited or room.join_rule != "invite":
+            return False
+        if self._inviters.get(room.room_id) == user_id:
+            return True
+        await self._load_creators(room.room_id)
+        return user_id in self._creators.get(room.room_id, frozenset())
+
+    async def _open_dm(self, user_id: str) -> str:
         response = await self.client.room_create(
             is_direct=True, invite=[user_id],
             initial_state=[{"type": "m.room.encryption", "state_key": "",
@@ -513,9 +660,20 @@ class MatrixAdapter:
         )
         if not isinstance(response, RoomCreateResponse):
             raise MatrixError(f"could not open a direct room with {user_id}: {response}")
-        self._dms[user_id] = response.room_id
-        self._remember_kind(response.room_id, "dm")
-        return str(response.room_id)
+        room_id = str(response.room_id)
+        self._dms[user_id] = room_id
+        self._save_state(dm_rooms=self._dms)
+        self._remember_kind(room_id, "dm")
+        if self.config.e2ee:
+            await self._synced(room_id)  # nio encrypts only for rooms it has synced
+        return room_id
+
+    async def _synced(self, room_id: str, deadline: float = 30.0) -> None:
+        """Wait (at most ``deadline`` seconds) until a sync has brought the room."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(deadline):
+                while room_id not in self.client.rooms:
+                    await self._sync_seen.wait()
 
 
 def _with_text(inbound: Inbound, text: str) -> Inbound:

@@ -2,19 +2,21 @@
 memory item (its source is that event); ❌ on the bot's confirmation archives what was remembered from
 it. Allowed on one's own messages and on the bot's messages in one's DM with it. Confirmations are
 answered in the DM (memory is private). They run the same ``!memory remember --from`` and ``!memory
-forget --from`` commands as typed."""
+forget --from`` commands as typed, under the same access rules (deny lists, DMs off) and rate limit as
+messages."""
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from nio import MatrixRoom, ReactionEvent
 from nio.api import MessageDirection, RelationshipType
 
 from bot.commands import CommandReply
-from bot.policy import Inbound
+from bot.policy import Inbound, refusal
 from bot.ports import IncomingMessage
 
 if TYPE_CHECKING:
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 REMEMBER, UNDO = "🧠", "❌"
 NOT_YOURS = "You can do that with your own messages, and with mine in our direct messages."
 KEEP = 1000  # confirmations whose ❌ still undoes (per process)
+EDITS_READ = 50  # edits looked through for the sender's own latest one
 
 
 def _key(reaction: ReactionEvent) -> str:
@@ -53,55 +56,87 @@ class Reactions:
 
     async def _remember(self, room: MatrixRoom, event: ReactionEvent) -> None:
         adapter = self.adapter
+        inbound = await self._inbound(room, event)
+        if not self._allowed(inbound):
+            return
         response = await adapter.client.room_get_event(room.room_id, event.reacts_to)
         target = getattr(response, "event", None)
-        body = await self._latest_text(room.room_id, event.reacts_to, getattr(target, "body", None))
+        body = await self._latest_text(room.room_id, target)
         if target is None or not isinstance(body, str) or not body.strip():
             return  # not a text message (an image, a state event): nothing to remember
-        is_dm = adapter.is_dm(room)
-        if not (target.sender == event.sender or (target.sender == adapter.config.user_id and is_dm)):
+        if not (target.sender == event.sender or (target.sender == adapter.config.user_id and adapter.is_dm(room))):
             await self._answer(event.sender, NOT_YOURS)
             return
         source = f"matrix-message:{event.reacts_to}"
-        reply = await self._run(room, event, f"!memory remember --from {source}\n{body}")
+        reply = await self._run(inbound, f"!memory remember --from {source}\n{body}")
         confirmation = await self._answer(event.sender, f"{reply.text} React {UNDO} to this message to undo.")
         if reply.text.startswith("Remembered"):
             self._confirmed[confirmation] = (event.sender, source)
             while len(self._confirmed) > KEEP:
                 self._confirmed.popitem(last=False)
 
-    async def _latest_text(self, room_id: str, event_id: str, body: Any) -> Any:
-        """The message's text after its last edit (a streamed reply is one event edited many times;
-        servers no longer apply edits when an event is fetched)."""
-        latest = body
+    async def _latest_text(self, room_id: str, target: Any) -> Any:
+        """The message's text after its sender's last edit (a streamed reply is one event edited many times;
+        servers no longer apply edits when an event is fetched). Anyone can send an edit of any message:
+        another sender's is no edit."""
+        if target is None:
+            return None
+        read = 0
         async for related in self.adapter.client.room_get_event_relations(
-                room_id, event_id, RelationshipType.replacement, "m.room.message", MessageDirection.back, limit=1):
-            new = related.source.get("content", {}).get("m.new_content", {}).get("body")
-            if isinstance(new, str):
-                latest = new
-            break  # newest first
-        return latest
+                room_id, target.event_id, RelationshipType.replacement, "m.room.message", MessageDirection.back,
+                limit=20):  # newest first
+            new = _mapping(_mapping(related.source.get("content")).get("m.new_content")).get("body")
+            if related.sender == target.sender and isinstance(new, str):
+                return new
+            read += 1
+            if read >= EDITS_READ:
+                break
+        return getattr(target, "body", None)
 
     async def _undo(self, room: MatrixRoom, event: ReactionEvent) -> None:
         user, source = self._confirmed[event.reacts_to]
         if user != event.sender:
             return
-        reply = await self._run(room, event, f"!memory forget --from {source}")
+        inbound = await self._inbound(room, event)
+        if not self._allowed(inbound):
+            return
+        reply = await self._run(inbound, f"!memory forget --from {source}")
         await self._answer(event.sender, reply.text)
 
-    async def _run(self, room: MatrixRoom, event: ReactionEvent, line: str) -> CommandReply:
+    async def _inbound(self, room: MatrixRoom, event: ReactionEvent) -> Inbound:
+        """The reaction as a message of its sender (for the access rules and the command's context)."""
         adapter = self.adapter
         is_dm = adapter.is_dm(room)
         incoming = IncomingMessage("matrix", room.room_id, event.sender, room.user_name(event.sender) or event.sender,
-                                   line, is_dm=is_dm, server_id=None if is_dm else room.room_id,
+                                   "", is_dm=is_dm, server_id=None if is_dm else room.room_id,
                                    author_home=event.sender.split(":", 1)[-1])
-        inbound = Inbound(incoming, is_bot_admin=event.sender in adapter.config.admin_ids)
-        router = adapter.app.router
+        return Inbound(incoming, is_self=event.sender == adapter.config.user_id,
+                       roles=await adapter.roles_of(room, event.sender),
+                       is_bot_admin=event.sender in adapter.config.admin_ids)
+
+    def _allowed(self, inbound: Inbound) -> bool:
+        """Whether the reaction may run: the access rules a typed command meets (deny lists, DMs off...), and as
+        it stores something, the router's per-user rate limit of messages."""
+        app = self.adapter.app
+        reason = refusal(inbound, app.config.access, is_command=True)
+        if reason is None and app.router.limiter.check(inbound.message.author_key):
+            reason = "rate limit"
+        if reason is not None:
+            log.info("Matrix: ignored a reaction by %s: %s", inbound.message.author_id, reason)
+        return reason is None
+
+    async def _run(self, inbound: Inbound, line: str) -> CommandReply:
+        router = self.adapter.app.router
+        inbound = replace(inbound, message=replace(inbound.message, text=line))
         context = router.context_for(inbound, await router.persona_for(inbound))
-        return await adapter.app.commands.dispatch(line, context)
+        return await self.adapter.app.commands.dispatch(line, context)
 
     async def _answer(self, user_id: str, text: str) -> str:
         from adapters.matrix import render
 
         room = await self.adapter.dm_room(user_id)
         return await self.adapter.send(room, render(text, self.adapter.config.msgtype))
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}

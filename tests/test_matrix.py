@@ -35,15 +35,20 @@ class Bot:
     user_id: str
 
 
-async def start_bot(synapse: SynapseServer, store: Path, user_id: str | None = None, **matrix: Any) -> Bot:
+async def start_bot(synapse: SynapseServer, store: Path, user_id: str | None = None,
+                    sections: dict[str, dict[str, Any]] | None = None, **matrix: Any) -> Bot:
+    """A bot on its own account; ``sections`` adds to the config's sections (``{"access": {...}}``)."""
     user_id = user_id or synapse.register(_unique("cortex"), PASSWORD)
-    config = parse_config({
+    raw: dict[str, dict[str, Any]] = {
         "storage": {"url": f"sqlite:///{store / 'bot.db'}"},
         "matrix": {"enabled": True, "homeserver": synapse.url, "user_id": user_id, "password_env": "MX_PW",
                    "store_path": str(store / "matrix"), **matrix},
         "chat": {"edit_interval_seconds": 0.2, "typing_indicator": True},
         "cortex": {"context_limit": 1000},
-    })
+    }
+    for name, values in (sections or {}).items():
+        raw[name] = raw.get(name, {}) | values
+    config = parse_config(raw)
     app = App(config, llm=ScriptedProvider())
     await app.start()
     adapter = MatrixAdapter(app, config.matrix, env={"MX_PW": PASSWORD})
@@ -119,7 +124,7 @@ async def open_room(client: AsyncClient, invite: list[str], *, direct: bool, enc
     state = [{"type": "m.room.encryption", "state_key": "", "content": {"algorithm": "m.megolm.v1.aes-sha2"}}]
     response = await client.room_create(is_direct=direct, invite=invite, initial_state=state if encrypted else [])
     assert isinstance(response, RoomCreateResponse), response
-    return response.room_id
+    return str(response.room_id)
 
 
 async def dm_with(timeline: Timeline, bot_id: str) -> str:
@@ -220,6 +225,7 @@ async def test_restart_does_not_replay_old_messages(synapse: SynapseServer, tmp_
             await seen.sync_until(lambda: True, "a last sync")
             assert answers() == before + 1  # only the new message was answered
             channel = await second.app.storage.get_channel(f"matrix:{room}")
+            assert channel is not None
             users = [m.text for m in await second.app.storage.recent_messages(channel.id, 20) if m.role == "user"]
             assert users == ["after the restart", "before the restart"]
         finally:
@@ -243,6 +249,7 @@ async def test_encrypted_dm(synapse: SynapseServer, tmp_path: Path) -> None:
         answer = next(e for e in seen.from_(room, bot.user_id) if "a secret hello" in e["content"]["body"])
         assert answer.get("encrypted") is True  # it came as m.room.encrypted and alice decrypted it
         channel = await bot.app.storage.get_channel(f"matrix:{room}")
+        assert channel is not None
         assert [m.text for m in await bot.app.storage.recent_messages(channel.id, 5) if m.role == "user"] == [
             "a secret hello"]
     finally:
@@ -306,9 +313,9 @@ async def test_threads_are_kept_and_admins_can_make_the_bot_leave(synapse: Synap
         reply = next(e for e in seen.from_(room, bot.user_id)
                      if e["content"].get("m.relates_to", {}).get("rel_type") == "m.thread")
         assert reply["content"]["m.relates_to"]["event_id"] == root.event_id
-        await send_text(bob, room, "!leave")  # bob is no admin: the bot stays
-        await seen.sync_until(lambda: any("Unknown command !leave" in b for b in seen.bodies(room, bot.user_id)),
-                              "the answer to bob's !leave")
+        await send_text(bob, room, "!leave")  # bob is no admin: the bot stays, and says who may
+        await seen.sync_until(lambda: any("!leave is for this room's admins" in b
+                                          for b in seen.bodies(room, bot.user_id)), "the answer to bob's !leave")
         assert bot.user_id in alice.rooms[room].users
         await send_text(alice, room, "!leave")
 

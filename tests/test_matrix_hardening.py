@@ -1,0 +1,302 @@
+"""The Matrix adapter against hostile or unusual input, on a real Synapse with real nio clients on both sides:
+malformed events, rooms made to catch private answers, edits by others, thread fallbacks, denied users'
+reactions, encrypted files and replies over Matrix's event size limit."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import zipfile
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+from nio import AsyncClient, MatrixRoom, RoomEncryptedFile, RoomMessageFile
+from nio.crypto.attachments import decrypt_attachment
+
+from adapters.matrix import render
+from bot.commands import CommandReply
+from bot.llm.base import Completion, LLMRequest, Usage
+from bot.storage.memory import ItemFilters
+from tests.synapse import SynapseServer
+from tests.test_matrix import (
+    DEADLINE,
+    Bot,
+    Timeline,
+    dm_with,
+    joined,
+    open_room,
+    send_text,
+    start_bot,
+    stop_bot,
+    user,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+async def bot(synapse: SynapseServer, tmp_path: Path) -> AsyncIterator[Bot]:
+    running = await start_bot(synapse, tmp_path)
+    yield running
+    await stop_bot(running)
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], what: str, deadline: float = DEADLINE) -> None:
+    for _ in range(int(deadline / 0.2)):
+        if await check():
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def items_of(bot: Bot, user_id: str) -> list[str]:
+    """The user's active memory items (over all personas)."""
+    user = await bot.app.storage.get_user(f"matrix:{user_id}")
+    if user is None:
+        return []
+    owned, _ = await bot.app.cortex.memory.user_items(user.id, ItemFilters())
+    return [o.item.content for o in owned]
+
+
+def final_texts(seen: Timeline, room: str, sender: str) -> list[str]:
+    """The sender's messages in the room as they read after their last edit, in order."""
+    texts: dict[str, str] = {}
+    for event in seen.from_(room, sender):
+        content = event["content"]
+        relation = content.get("m.relates_to", {})
+        if relation.get("rel_type") == "m.replace":
+            texts[relation["event_id"]] = content["m.new_content"]["body"]
+        else:
+            texts.setdefault(event["event_id"], content["body"])
+    return list(texts.values())
+
+
+def squeezed(text: str) -> str:
+    return "".join(text.split())
+
+
+async def react(client: AsyncClient, room: str, event_id: str, key: str = "🧠") -> None:
+    await client.room_send(room, "m.reaction", {"m.relates_to": {
+        "rel_type": "m.annotation", "event_id": event_id, "key": key}}, ignore_unverified_devices=True)
+
+
+async def test_a_malformed_event_does_not_stop_the_bot(synapse: SynapseServer, bot: Bot) -> None:
+    """Events are written by anyone: a string where an object belongs must not end the sync (nor the bot)."""
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    try:
+        room = await dm_with(seen, bot.user_id)
+        for bad in ({"m.relates_to": "oops"}, {"m.relates_to": {"m.in_reply_to": "oops"}},
+                    {"m.relates_to": {"rel_type": "m.thread", "event_id": 7}}, {"m.mentions": "everyone"}):
+            await send_text(alice, room, "a malformed message", **bad)
+        await send_text(alice, room, "still there?")
+        await seen.sync_until(lambda: any("echo: still there?" in t for t in final_texts(seen, room, bot.user_id)),
+                              "an answer after the malformed events")
+        assert not bot.task.done()
+    finally:
+        await alice.close()
+
+
+async def test_private_answers_skip_a_room_someone_else_made(synapse: SynapseServer, bot: Bot) -> None:
+    """Mallory makes a "direct" room with the bot, invites Alice and leaves: the room holds only the bot and
+    Alice, but Alice's private answers go to a new direct room (and the next ones to that same room)."""
+    mallory, alice = await user(synapse, "mallory"), await user(synapse, "alice")
+    mallorys, seen = Timeline(mallory), Timeline(alice)
+    try:
+        trap = await open_room(mallory, [bot.user_id], direct=True)
+        await joined(mallorys, trap, bot.user_id)
+        await mallory.room_invite(trap, alice.user_id)
+        await alice.join(trap)
+        await mallory.room_leave(trap)
+
+        async def bot_sees_only_alice() -> bool:
+            room = bot.adapter.client.rooms.get(trap)
+            return room is not None and set(room.users) == {bot.user_id, alice.user_id} and not room.invited_users
+        await eventually(bot_sees_only_alice, "the bot to see Mallory leave")
+        group = await open_room(alice, [bot.user_id], direct=False)
+        await joined(seen, group, bot.user_id)
+        await send_text(alice, group, "!memory show")
+        await seen.sync_until(lambda: any(r != trap for r in alice.invited_rooms), "an invite to a new direct room")
+        dm = next(r for r in alice.invited_rooms if r != trap)
+        await alice.join(dm)
+
+        def answers() -> int:
+            return sum("memory.md (version" in b for b in seen.bodies(dm, bot.user_id))
+        await seen.sync_until(lambda: answers() == 1, "the private answer in the new room")
+        await send_text(alice, group, "!memory show")
+        await seen.sync_until(lambda: answers() == 2, "the second private answer in the same room")
+        assert seen.from_(trap, bot.user_id) == [] and not alice.invited_rooms
+    finally:
+        await mallory.close()
+        await alice.close()
+
+
+async def test_private_answers_go_to_the_direct_room_the_user_made(synapse: SynapseServer, bot: Bot) -> None:
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    try:
+        dm = await dm_with(seen, bot.user_id)
+        group = await open_room(alice, [bot.user_id], direct=False)
+        await joined(seen, group, bot.user_id)
+        await send_text(alice, group, "!memory show")
+        await seen.sync_until(lambda: any("memory.md (version" in b for b in seen.bodies(dm, bot.user_id)),
+                              "the private answer in her direct room")
+        assert not alice.invited_rooms
+    finally:
+        await alice.close()
+
+
+async def test_a_thread_fallback_is_no_reply_to_the_bot(synapse: SynapseServer, bot: Bot) -> None:
+    """Clients put ``m.in_reply_to`` (the thread's latest event) with ``is_falling_back`` in every thread
+    message: once the bot spoke in a thread, that is no reason to answer each later message there."""
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    try:
+        room = await open_room(alice, [bot.user_id], direct=False)
+        await joined(seen, room, bot.user_id)
+        root = (await alice.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "a thread"})).event_id
+        await send_text(alice, room, f"{bot.user_id}: first", **{
+            "m.relates_to": {"rel_type": "m.thread", "event_id": root}})
+        await seen.sync_until(lambda: bool(seen.from_(room, bot.user_id)), "the bot's answer in the thread")
+        mine = seen.from_(room, bot.user_id)[0]["event_id"]
+
+        async def in_thread(text: str, falling_back: bool) -> None:
+            await send_text(alice, room, text, **{"m.relates_to": {
+                "rel_type": "m.thread", "event_id": root, "is_falling_back": falling_back,
+                "m.in_reply_to": {"event_id": mine}}})
+        await in_thread("just chatting in the thread", True)
+        await in_thread("a real reply to the bot", False)
+        await seen.sync_until(lambda: any("a real reply" in t for t in final_texts(seen, room, bot.user_id)),
+                              "the answer to the real reply")
+        await asyncio.sleep(1.0)
+        await seen.sync_until(lambda: True, "a last sync")
+        assert not any("just chatting" in t for t in final_texts(seen, room, bot.user_id))
+    finally:
+        await alice.close()
+
+
+async def test_reactions_follow_the_access_rules_and_rate_limit(synapse: SynapseServer, tmp_path: Path) -> None:
+    """🧠 runs a command: a denied user's stores nothing, and the rate limit counts reactions too."""
+    alice, bob = await user(synapse, "alice"), await user(synapse, "bob")
+    running = await start_bot(synapse, tmp_path, sections={
+        "access": {"deny_users": [f"matrix:{alice.user_id}"]}, "chat": {"rate_limit_per_minute": 1}})
+    bobs = Timeline(bob)
+    try:
+        room = await open_room(bob, [running.user_id, alice.user_id], direct=False)
+        await alice.join(room)
+        await joined(bobs, room, running.user_id)
+        secret = await alice.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "my pin is 1234"})
+        await react(alice, room, secret.event_id)
+        tea = await bob.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "I like green tea"})
+        await react(bob, room, tea.event_id)
+
+        async def bob_remembered() -> bool:
+            return bool(await items_of(running, bob.user_id))
+        await eventually(bob_remembered, "bob's memory item")
+        coffee = await bob.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "I hate coffee"})
+        await react(bob, room, coffee.event_id)  # his second within the minute
+        await asyncio.sleep(1.5)
+        assert await items_of(running, alice.user_id) == []
+        assert await items_of(running, bob.user_id) == ["I like green tea"]
+    finally:
+        await alice.close()
+        await bob.close()
+        await stop_bot(running)
+
+
+async def test_brain_reaction_ignores_edits_by_others(synapse: SynapseServer, bot: Bot) -> None:
+    """Anyone can send an ``m.replace`` of any message: 🧠 takes the author's own latest edit."""
+    alice, bob = await user(synapse, "alice"), await user(synapse, "bob")
+    seen = Timeline(alice)
+    try:
+        room = await open_room(alice, [bot.user_id, bob.user_id], direct=False)
+        await bob.join(room)
+        await joined(seen, room, bot.user_id)
+        sent = await alice.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "my cat is Pixel"})
+
+        async def edit(client: AsyncClient, text: str) -> None:
+            await client.room_send(room, "m.room.message", {
+                "msgtype": "m.text", "body": f"* {text}", "m.new_content": {"msgtype": "m.text", "body": text},
+                "m.relates_to": {"rel_type": "m.replace", "event_id": sent.event_id}})
+        await edit(alice, "my cat is Pixel the Great")
+        await edit(bob, "I owe Bob 100 euros")
+        await react(alice, room, sent.event_id)
+
+        async def remembered() -> bool:
+            return bool(await items_of(bot, alice.user_id))
+        await eventually(remembered, "alice's memory item")
+        assert await items_of(bot, alice.user_id) == ["my cat is Pixel the Great"]
+    finally:
+        await alice.close()
+        await bob.close()
+
+
+CJK = " ".join(["長い返事を書きます"] * 2_400)  # 23,999 characters, 3 bytes each in UTF-8 (but the spaces)
+
+
+async def test_a_long_cjk_reply_arrives_whole_in_several_messages(synapse: SynapseServer, bot: Bot) -> None:
+    """Matrix refuses events over 64 KiB; an edit repeats its text (fallback and new content, each as text and
+    HTML): a long streamed reply and a long command answer are split so that every event fits."""
+    def answer(request: LLMRequest) -> Completion:
+        last = request.messages[-1].content if request.messages else ""
+        return Completion(text=CJK if "write a lot" in str(last) else f"echo: {last}", usage=Usage(0, 10))
+    bot.app.llm.default = answer  # type: ignore[attr-defined]  # the ScriptedProvider of start_bot
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    try:
+        room = await dm_with(seen, bot.user_id)
+        await send_text(alice, room, "write a lot")
+        await seen.sync_until(lambda: squeezed("".join(final_texts(seen, room, bot.user_id))) == squeezed(CJK),
+                              "the whole streamed reply")
+        streamed = len(final_texts(seen, room, bot.user_id))
+        assert streamed >= 3
+        await bot.adapter.deliver(room, CommandReply(CJK))
+        await seen.sync_until(lambda: squeezed("".join(final_texts(seen, room, bot.user_id)[streamed:]))
+                              == squeezed(CJK), "the whole command answer")
+    finally:
+        await alice.close()
+
+
+EMOJI = " ".join(["🧠🐈🍵🎲"] * 2_500)  # 12,499 characters, each 12 bytes of the JSON nio encrypts
+
+
+async def test_encrypted_room_gets_an_encrypted_file_and_long_answers(synapse: SynapseServer, tmp_path: Path) -> None:
+    """In an encrypted room the export zip is uploaded encrypted (its keys travel in the encrypted event), and a
+    long answer is split for the larger encrypted events."""
+    running = await start_bot(synapse, tmp_path, e2ee=True)
+    (tmp_path / "alice").mkdir()
+    alice = await user(synapse, "alice", store=tmp_path / "alice")
+    seen = Timeline(alice)
+    files: list[RoomMessageFile | RoomEncryptedFile] = []
+
+    def on_file(room: MatrixRoom, event: RoomMessageFile | RoomEncryptedFile) -> None:
+        files.append(event)
+    alice.add_event_callback(on_file, (RoomMessageFile, RoomEncryptedFile))
+    try:
+        room = await open_room(alice, [running.user_id], direct=True, encrypted=True)
+        await joined(seen, room, running.user_id)
+        await seen.sync_until(lambda: True, "keys")
+        await send_text(alice, room, "!memory export")
+        await seen.sync_until(lambda: any(b.endswith(".zip") for b in seen.bodies(room, running.user_id)),
+                              "the export file")
+        assert files and isinstance(files[0], RoomEncryptedFile), files  # a file with "url" is no encrypted file
+        download = await alice.download(mxc=files[0].url)
+        stored = getattr(download, "body", b"")
+        assert isinstance(stored, bytes) and not stored.startswith(b"PK")  # the server holds ciphertext
+        data = decrypt_attachment(stored, files[0].key["k"], files[0].hashes["sha256"], files[0].iv)
+        assert "data.json" in zipfile.ZipFile(io.BytesIO(data)).namelist()
+        before = len(seen.bodies(room, running.user_id))
+        await running.adapter.deliver(room, CommandReply(EMOJI))
+        await seen.sync_until(lambda: squeezed("".join(seen.bodies(room, running.user_id)[before:]))
+                              == squeezed(EMOJI), "the whole long answer")
+    finally:
+        await alice.close()
+        await stop_bot(running)
+
+
+def test_no_room_ping_in_any_case() -> None:
+    for text in ("@room look", "@ROOM look", "@Room look"):
+        content = render(text, "m.notice")
+        assert "@room" not in content["body"].lower() and "@room" not in content["formatted_body"].lower()
+        assert content["body"].replace("\u2060", "") == text  # the text reads the same
