@@ -155,6 +155,14 @@ def fitting(forms: Iterable[dict[str, Any]], encrypted: bool) -> dict[str, Any]:
     return content
 
 
+def creators_outrank(room_version: Any) -> bool:
+    """Whether a room's creators hold the highest power whatever its power levels say: from room version 12
+    on. In older rooms a creator is an admin only while the power levels say so (they may have lowered
+    their own). A missing version is "1"; unknown (unstable) versions count as older."""
+    version = str(room_version or "1")
+    return version.isascii() and version.isdigit() and int(version) >= 12
+
+
 def guarded(handler: Callable[P, Awaitable[None]]) -> Callable[P, Awaitable[None]]:
     """A nio callback that logs its errors instead of raising them: an exception ends ``sync_forever`` (and with
     it the bot), and as the sync token is saved after the callbacks, the same event would end it after a restart."""
@@ -290,6 +298,7 @@ class MatrixAdapter:
         # a group ("group"), kept in the session file: a group room down to two members stays a group.
         self._kinds: dict[str, str] = dict(state.get("room_kinds", {}))
         self._creators: dict[str, frozenset[str]] = {}
+        self._creators_outrank: set[str] = set()  # rooms of version 12 or later: their creators hold power 100
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
         self._sync_seen = asyncio.Event()  # set (and replaced) after each sync
@@ -451,7 +460,7 @@ class MatrixAdapter:
     def power_level(self, room: MatrixRoom, user_id: str) -> int:
         """The user's power level in the room (``_load_creators`` first: creators hold 100)."""
         level = int(room.power_levels.get_user_level(user_id))
-        if user_id in self._creators.get(room.room_id, ()):
+        if room.room_id in self._creators_outrank and user_id in self._creators.get(room.room_id, ()):
             level = max(level, 100)  # room version 12: creators outrank everyone and are not listed
         return level
 
@@ -581,6 +590,8 @@ class MatrixAdapter:
                     creators.update(c for c in extra if isinstance(c, str))
                 if content.get("creator"):
                     creators.add(str(content["creator"]))
+                if creators_outrank(content.get("room_version")):
+                    self._creators_outrank.add(room_id)
         self._creators[room_id] = frozenset(c for c in creators if c)
 
     # -- sending ---------------------------------------------------------------------------------

@@ -300,3 +300,11 @@ def test_no_room_ping_in_any_case() -> None:
         content = render(text, "m.notice")
         assert "@room" not in content["body"].lower() and "@room" not in content["formatted_body"].lower()
         assert content["body"].replace("\u2060", "") == text  # the text reads the same
+
+
+def test_creators_outrank_the_power_levels_only_from_room_version_12() -> None:
+    """Before version 12 a creator who lowered their own power level is no admin any more."""
+    from adapters.matrix import creators_outrank
+
+    assert [creators_outrank(v) for v in ("12", "13", 12)] == [True, True, True]
+    assert [creators_outrank(v) for v in (None, "1", "10", "11", "org.matrix.hydra.11", "１２", "")] == [False] * 7
