@@ -15,31 +15,23 @@ import re
 
 _FENCE = re.compile(r"^\s*(```+|~~~+)(.*)$")
 MAX_INFO = 24  # a longer info string is not repeated on the next piece (a language name is short)
-MAX_MARKER = 16
-
-
-def _fence(line: str) -> tuple[str, str] | None:
-    """The marker and info string of a fence line, or None."""
-    match = _FENCE.match(line)
-    if not match:
-        return None
-    marker, info = match.group(1), match.group(2).strip()
-    if len(marker) > MAX_MARKER or (marker[0] == "`" and "`" in info):
-        return None
-    return marker, info if len(info) <= MAX_INFO else ""
+MAX_MARKER = 16  # a longer opening marker opens nothing here
+MIN_LIMIT = 2 * (MAX_MARKER + 1) + MAX_INFO + 8  # a piece holds a reopened fence, some text and the closing
 
 
 def _open_fence_after(text: str, state: tuple[str, str] | None) -> tuple[str, str] | None:
-    """The fence (marker, info) still open after ``text``, given the one open before it."""
+    """The fence (marker, info) still open after ``text``, given the one open before it. The info kept is
+    what a reopened piece repeats: empty when the line's was long."""
     for line in text.split("\n"):
-        found = _fence(line)
-        if found is None:
+        match = _FENCE.match(line)
+        if not match:
             continue
-        marker, info = found
+        marker, info = match.group(1), match.group(2).strip()
         if state is None:
-            state = (marker, info)
+            if len(marker) <= MAX_MARKER and not (marker[0] == "`" and "`" in info):
+                state = (marker, info if len(info) <= MAX_INFO else "")
         elif marker.startswith(state[0][0]) and len(marker) >= len(state[0]) and not info:
-            state = None
+            state = None  # a closing fence: the opener's character, at least as long, no info string
     return state
 
 
@@ -60,8 +52,8 @@ def _best_cut(text: str, limit: int) -> int:
 
 def split_message(text: str, limit: int) -> list[str]:
     """Pieces of ``text`` each at most ``limit`` characters (an empty text gives no pieces)."""
-    if limit < 20:
-        raise ValueError("limit must leave room for closing and reopening a code fence")
+    if limit < MIN_LIMIT:
+        raise ValueError(f"limit must be at least {MIN_LIMIT}: room to close and reopen a code fence")
     pieces: list[str] = []
     rest = text
     fence: tuple[str, str] | None = None

@@ -87,3 +87,28 @@ def test_a_long_info_string_or_marker_is_not_repeated() -> None:
         assert len(pieces) < 20, len(pieces)
     pieces = split_message("```python title=x\n" + code + "\n```", 300)
     assert all(p.startswith("```python title=x\n") for p in pieces)
+
+
+def test_a_fence_line_with_a_long_info_string_inside_a_block_is_content() -> None:
+    """Inside an open ```python block, ```typescript title="…long…" is code (a closing fence has no info
+    string), so the block is still open at every cut and every piece renders as code."""
+    code = "\n".join(f"line {i} of code" for i in range(200))
+    inner = '```typescript title="src/components/a/very/long/Button.tsx"'
+    pieces = split_message(f"```python\n{inner}\n{code}\n```", 300)
+    assert all(p.startswith("```python\n") and p.rstrip().endswith("```") for p in pieces)
+    assert all(len(p) <= 300 for p in pieces)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_small_limits_end_and_keep_the_limit(seed: int) -> None:
+    from bot.splitting import MIN_LIMIT
+
+    rng = random.Random(seed)
+    parts = [rng.choice(["`" * rng.randint(3, 30) + "x" * rng.randint(0, 40), "word " * rng.randint(1, 30),
+                         "```", "~~~~", "a" * rng.randint(1, 200)]) for _ in range(rng.randint(5, 60))]
+    text = "\n".join(parts)
+    for limit in (MIN_LIMIT, MIN_LIMIT + 7, 100):
+        pieces = split_message(text, limit)
+        assert all(len(p) <= limit for p in pieces)
+    with pytest.raises(ValueError, match="at least"):
+        split_message(text, MIN_LIMIT - 1)
