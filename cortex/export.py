@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import zipfile
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -147,7 +148,10 @@ class ImportReport:
     def line(self) -> str:
         text = (f"Imported {plural(self.items, 'memory item')}, {plural(self.files, 'file')} and "
                 f"{plural(self.messages, 'message')}; {self.skipped:,} were here already.")
-        return text + (" Left out: " + "; ".join(self.left_out[:5]) + "." if self.left_out else "")
+        reasons = Counter(self.left_out)  # in order of first appearance, each once with its count
+        named = [reason if count == 1 else f"{reason} (×{count:,})" for reason, count in reasons.items()]
+        more = f"; and {plural(len(named) - 8, 'other reason')}" if len(named) > 8 else ""
+        return text + (" Left out: " + "; ".join(named[:8]) + more + "." if named else "")
 
 
 def read_archive(blob: bytes) -> dict[str, Any]:

@@ -56,6 +56,19 @@ def _optional_time(item: Mapping[str, Any], key: str, *, future: bool = False) -
     return MISSING if checked is None else checked
 
 
+def _json_as(value: Any, kind: type[list[Any]] | type[dict[str, Any]]) -> Any:
+    """``value`` as a ``kind`` (list or dict): itself, or the JSON text of one (as data.json writes them);
+    empty when missing; None when it is anything else (every later view of the item would fail on it)."""
+    if value is None or value == "":
+        return kind()
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            return None
+    return value if isinstance(value, kind) else None
+
+
 def _list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 
@@ -73,15 +86,17 @@ def item_fields(item: Mapping[str, Any], max_chars: int) -> dict[str, Any] | Non
              for key in ("expires_at", "updated_at", "archived_at")}
     if MISSING in times.values():
         return None
-    tags, metadata = item.get("tags"), item.get("metadata")
+    tags, metadata = _json_as(item.get("tags"), list), _json_as(item.get("metadata"), dict)
+    if tags is None or metadata is None or not all(isinstance(t, str) for t in tags):
+        return None
     return {
         "category": item["category"], "key": str(item.get("key") or "")[:200], "content": content,
         "importance": importance, "pinned": int(bool(item.get("pinned"))),
         "expires_at": times["expires_at"],
-        "tags": tags if isinstance(tags, str) else json.dumps(tags or []),
+        "tags": json.dumps(tags),
         "source": str(item.get("source") or "user") if item.get("source") in ("user", "model", "system") else "user",
         "source_ref": str(item.get("source_ref") or "")[:200],
-        "metadata": metadata if isinstance(metadata, str) else json.dumps(metadata or {}),
+        "metadata": json.dumps(metadata),
         "created_at": created, "updated_at": times["updated_at"] or created,
         "access_count": 0, "archived_at": times["archived_at"],
         "archive_reason": str(item.get("archive_reason") or "")[:200],

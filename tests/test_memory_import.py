@@ -160,6 +160,8 @@ async def test_times_no_date_can_show_are_left_out(tmp_path: Path, when: object)
     the user's memory keeps working (before, one such item made every reply to them fail)."""
     good = {"category": "fact", "content": "Ann grows figs", "importance": 5, "created_at": 1_700_000_000}
     items = [good, {**good, "content": "bad created", "created_at": when},
+             {**good, "content": "bad tags", "tags": "not json"}, {**good, "content": "odd tags", "tags": [1]},
+             {**good, "content": "bad metadata", "metadata": "[1]"},
              {**good, "content": "bad archived", "archived_at": when},
              {**good, "content": "bad expiry", "expires_at": when},
              {**good, "content": "bad updated", "updated_at": when}]
@@ -168,7 +170,13 @@ async def test_times_no_date_can_show_are_left_out(tmp_path: Path, when: object)
         archive = _archive("ann", personas=[{"persona": "Cora", "memory_items": items}], messages=[message])
         reply = await run(app, "!memory import", ctx("ann", archive))
         assert reply.startswith("Imported 1 memory item, 0 files and 0 messages"), reply
-        assert reply.count("an unusable memory item") == 4 and "1 message without a usable time" in reply
+        good_json = {**good, "content": "Ann's tags as text", "tags": '["garden"]', "metadata": '{"a": 1}'}
+        again = await run(app, "!memory import", ctx("ann", _archive("ann", personas=[
+            {"persona": "Cora", "memory_items": [good_json]}])))
+        assert again.startswith("Imported 1 memory item"), again
+        assert "an unusable memory item (×7)" in reply and "1 message without a usable time" in reply
+        listed = await run(app, "!memory list")
+        assert "Ann grows figs" in listed and "bad" not in listed and "odd tags" not in listed
         assert "Ann grows figs" in await run(app, "!memory list")
         assert "Ann grows figs" in await say(app, "what do I grow?")
         assert (await app.commands.dispatch("!memory export", ctx())).attachments
