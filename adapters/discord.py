@@ -199,7 +199,12 @@ class DiscordSink:
         pieces = split_message(text, LIMIT) or [""]
         for piece in pieces[:-1]:
             await self.channel.send(piece, allowed_mentions=NO_PINGS)
-        await self.channel.send(pieces[-1] or None, files=files, allowed_mentions=NO_PINGS)
+        try:
+            await self.channel.send(pieces[-1] or None, files=files, allowed_mentions=NO_PINGS)
+        except discord.HTTPException as exc:
+            if not (files and _too_large(exc)):
+                raise
+            await self.channel.send(_with_note(pieces[-1], TOO_LARGE), allowed_mentions=NO_PINGS)
 
     async def send_private(self, reply: CommandReply) -> None:
         text, files = _reply_payload(reply)
@@ -321,9 +326,8 @@ class DiscordAdapter:
         sink = DiscordSink(message, self.app.config.chat.typing_indicator)
         try:
             inbound = self.inbound(message)
-            if message.attachments and self.app.commands.is_command(inbound.message.text.strip()) and refusal(
-                    inbound, self.app.config.access, is_command=True) is None:
-                try:  # files are read only for commands (a card to import), never for chat
+            if message.attachments and self._reads_files(inbound):
+                try:
                     files = tuple([await read_attachment(a) for a in message.attachments[:MAX_FILES]])
                 except ValueError as exc:
                     await sink.send_reply(CommandReply(str(exc)))
@@ -332,6 +336,14 @@ class DiscordAdapter:
             await self.app.router.handle(inbound, sink)
         except Exception:
             log.exception("Discord: failed to handle message %s", message.id)
+
+    def _reads_files(self, inbound: Inbound) -> bool:
+        """Files are read only for a command this bot answers (a card to import), never for chat, another
+        bot's command (``!play`` with a file) or someone the access lists leave out."""
+        msg, commands = inbound.message, self.app.commands
+        text = msg.text.strip()
+        return (commands.is_command(text) and (msg.is_dm or msg.mentions_bot or commands.knows(text))
+                and refusal(inbound, self.app.config.access, is_command=True) is None)
 
     # -- slash commands --------------------------------------------------------------------------
 
@@ -359,13 +371,15 @@ class DiscordAdapter:
         inbound = self.slash_inbound(interaction, line)
         if await self.refuse_slash(interaction, inbound):
             return
-        persona = await self.app.router.persona_for(inbound)
-        context = replace(self.context(interaction, persona), attachments=attachments)
-        work = asyncio.ensure_future(self.app.commands.dispatch(line, context))
+        work = asyncio.ensure_future(self._dispatch_slash(interaction, inbound, line, attachments))
         if not (await asyncio.wait({work}, timeout=SLASH_PATIENCE))[0]:
-            # Slow (an export, a first search, a forget-me): "thinking…" now, the answer follows. Only
-            # the user sees it: what is slow is about their own data.
-            await interaction.response.defer(ephemeral=True, thinking=True)
+            # Slow (an export, a first search, a forget-me): "thinking…" now, the answer follows in its
+            # place, as private as the command's answers are.
+            try:
+                await interaction.response.defer(ephemeral=always_private, thinking=True)
+            except BaseException:
+                work.cancel()
+                raise
         reply = await work
         try:
             await self._answer(interaction, reply, always_private)
@@ -373,6 +387,12 @@ class DiscordAdapter:
             if not (reply.attachments and _too_large(exc)):
                 raise
             await self._answer(interaction, CommandReply(_with_note(reply.text, TOO_LARGE), private=True), True)
+
+    async def _dispatch_slash(self, interaction: discord.Interaction, inbound: Inbound, line: str,
+                              attachments: tuple[Attachment, ...]) -> CommandReply:
+        persona = await self.app.router.persona_for(inbound)
+        context = replace(self.context(interaction, persona), attachments=attachments)
+        return await self.app.commands.dispatch(line, context)
 
     @staticmethod
     def slash_inbound(interaction: discord.Interaction, line: str) -> Inbound:
@@ -400,7 +420,8 @@ class DiscordAdapter:
     async def _answer(interaction: discord.Interaction, reply: CommandReply, always_private: bool) -> None:
         text, files = _reply_payload(reply)
         if interaction.response.is_done():  # deferred: the first follow-up takes the "thinking…" place
-            await interaction.followup.send(text, files=files, ephemeral=True, allowed_mentions=NO_PINGS)
+            await interaction.followup.send(text, files=files, ephemeral=reply.private or always_private,
+                                            allowed_mentions=NO_PINGS)
         else:
             await interaction.response.send_message(
                 text, files=files, ephemeral=reply.private or always_private, allowed_mentions=NO_PINGS)

@@ -504,3 +504,40 @@ async def test_slash_commands_follow_the_access_lists(adapter: DiscordAdapter, m
     assert await adapter.app.storage.get_user(f"discord:{member.id}") is None  # nothing ran
     monkeypatch.setattr(adapter.app.config, "access", AccessConfig())
     assert "soul.md (version 1" in (await _interact(adapter, monkeypatch, "memory", show))["data"]["content"]
+
+
+async def test_an_export_over_the_upload_limit_in_a_dm_says_so(adapter: DiscordAdapter,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """!memory export typed in a DM answers with send_reply: a refused upload gets a line, not silence."""
+    from types import SimpleNamespace
+
+    original = discord.abc.Messageable.send
+
+    async def upload_limited(self: Any, content: Any = None, **kwargs: Any) -> Any:
+        if kwargs.get("files"):
+            raise discord.HTTPException(SimpleNamespace(status=413, reason="Payload Too Large"),
+                                        {"code": 40005, "message": "Request entity too large"})
+        return await original(self, content, **kwargs)
+
+    monkeypatch.setattr(discord.abc.Messageable, "send", upload_limited)
+    member = dpytest.get_config().members[0]
+    dm = await member.create_dm()
+    await dpytest.message("!memory export", channel=dm)
+    answer = dpytest.get_message().content
+    assert "larger than Discord lets me send here" in answer and answer.startswith("Everything the bot holds")
+
+
+async def test_files_with_another_bots_command_are_not_downloaded(adapter: DiscordAdapter,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import adapters.discord_slash as slash
+
+    read: list[str] = []
+
+    async def spy(attachment: Any) -> Attachment:
+        read.append(attachment.filename)
+        return Attachment(attachment.filename, b"x")
+
+    monkeypatch.setattr("adapters.discord.read_attachment", spy)
+    assert slash.read_attachment is not spy  # the adapter's own reference is the one replaced
+    await dpytest.message("!play this song", attachments=[str(Path(__file__))])
+    assert read == [] and dpytest.verify().message().nothing()
