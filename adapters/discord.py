@@ -326,7 +326,7 @@ class DiscordAdapter:
         sink = DiscordSink(message, self.app.config.chat.typing_indicator)
         try:
             inbound = self.inbound(message)
-            if message.attachments and self._reads_files(inbound):
+            if message.attachments and self.app.router.reads_files(inbound):
                 try:
                     files = tuple([await read_attachment(a) for a in message.attachments[:MAX_FILES]])
                 except ValueError as exc:
@@ -336,14 +336,6 @@ class DiscordAdapter:
             await self.app.router.handle(inbound, sink)
         except Exception:
             log.exception("Discord: failed to handle message %s", message.id)
-
-    def _reads_files(self, inbound: Inbound) -> bool:
-        """Files are read only for a command this bot answers (a card to import), never for chat, another
-        bot's command (``!play`` with a file) or someone the access lists leave out."""
-        msg, commands = inbound.message, self.app.commands
-        text = msg.text.strip()
-        return (commands.is_command(text) and (msg.is_dm or msg.mentions_bot or commands.knows(text))
-                and refusal(inbound, self.app.config.access, is_command=True) is None)
 
     # -- slash commands --------------------------------------------------------------------------
 

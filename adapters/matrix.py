@@ -550,14 +550,19 @@ class MatrixAdapter:
         try:
             await self._load_creators(room.room_id)
             inbound = self.inbound(room, event)
+            prefix = self.config.command_prefix
+            if prefix != self.app.commands.prefix and inbound.message.text.startswith(prefix):
+                # The room's prefix is configurable; the command layer speaks "!".
+                inbound = _with_text(inbound, self.app.commands.prefix + inbound.message.text[len(prefix):])
             if file is not None and isinstance(event, RoomMessageFile | RoomEncryptedFile):
+                if not self.app.router.reads_files(inbound):
+                    return  # a caption that is no command of this bot's, or a sender the access lists leave out
                 try:
                     inbound = replace(inbound, attachments=(await self._download(event, *file),))
                 except (ValueError, EncryptionError) as exc:
                     await MatrixSink(self, room, event).send_reply(CommandReply(str(exc)))
                     return
-            prefix = self.config.command_prefix
-            if inbound.message.text.strip() == f"{prefix}leave" and not inbound.message.is_dm:
+            if inbound.message.text.strip() == f"{self.app.commands.prefix}leave" and not inbound.message.is_dm:
                 if inbound.is_admin:
                     await self.client.room_leave(room.room_id)
                 else:
@@ -565,9 +570,6 @@ class MatrixAdapter:
                         f"{prefix}leave is for this room's admins (power level {self.config.admin_power_level} "
                         "or more): they can make me leave."))
                 return
-            if prefix != self.app.commands.prefix and inbound.message.text.startswith(prefix):
-                # The room's prefix is configurable; the command layer speaks "!".
-                inbound = _with_text(inbound, self.app.commands.prefix + inbound.message.text[len(prefix):])
             await self.app.router.handle(inbound, MatrixSink(self, room, event))
         except Exception:
             log.exception("Matrix: failed to handle event %s in %s", event.event_id, room.room_id)

@@ -116,6 +116,15 @@ class Router:
             return
         await self._reply(inbound, sink, persona)
 
+    def reads_files(self, inbound: Inbound) -> bool:
+        """Whether an adapter should download the files sent with this message: only for a command this bot
+        answers (a card to import), never for chat, another bot's command (``!play`` with a file) or someone
+        the access lists leave out."""
+        msg = inbound.message
+        text = msg.text.strip()
+        return (self.commands.is_command(text) and (msg.is_dm or msg.mentions_bot or self.commands.knows(text))
+                and refusal(inbound, self.config.access, is_command=True) is None)
+
     async def _command(self, inbound: Inbound, sink: ChatSink, text: str, persona: str) -> None:
         reply = await self.commands.dispatch(text, self.context_for(inbound, persona))
         if reply.private and not inbound.message.is_dm:

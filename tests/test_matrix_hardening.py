@@ -308,3 +308,37 @@ def test_creators_outrank_the_power_levels_only_from_room_version_12() -> None:
 
     assert [creators_outrank(v) for v in ("12", "13", 12)] == [True, True, True]
     assert [creators_outrank(v) for v in (None, "1", "10", "11", "org.matrix.hydra.11", "１２", "")] == [False] * 7
+
+
+async def test_files_with_another_bots_command_are_not_downloaded(synapse: SynapseServer, bot: Bot,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a group room a file captioned with another bot's command (``!play``) is neither read nor
+    answered; captioned with one of this bot's commands it is read (the command then decides)."""
+    from nio import UploadResponse
+
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    read: list[str] = []
+    download = bot.adapter._download
+
+    async def spy(event: RoomMessageFile | RoomEncryptedFile, filename: str, content: dict[str, object]) -> object:
+        read.append(event.body)
+        return await download(event, filename, content)
+
+    monkeypatch.setattr(bot.adapter, "_download", spy)
+    try:
+        room = await open_room(alice, [bot.user_id], direct=False)
+        await joined(seen, room, bot.user_id)
+        upload, _ = await alice.upload(lambda *_: io.BytesIO(b"{}"), content_type="application/json",
+                                       filename="card.json", filesize=2)
+        assert isinstance(upload, UploadResponse), upload
+        for caption in ("!play my song", "!persona import"):
+            await alice.room_send(room, "m.room.message", {
+                "msgtype": "m.file", "body": caption, "filename": "card.json", "url": upload.content_uri,
+                "info": {"size": 2, "mimetype": "application/json"}})
+        await seen.sync_until(lambda: any("!persona import" in b or "admins" in b
+                                          for b in seen.bodies(room, bot.user_id)), "the answer to the import")
+        assert read == ["!persona import"]
+        assert not any("Unknown command" in b for b in seen.bodies(room, bot.user_id))
+    finally:
+        await alice.close()
