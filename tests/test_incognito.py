@@ -139,6 +139,10 @@ async def test_a_forget_me_during_a_pause_keeps_the_pause(tmp_path: Path) -> Non
         await app.storage.db.write("UPDATE incognito SET started_at = started_at - 7200")
         assert await end_expired_incognito(app.storage, 1) == 1
         assert await app.storage.export.messages(user.id) == []
-        assert "not incognito" in (await say("!memory resume")).public[0].text
+        assert await app.storage.get_user("discord:7") is not None  # the message named them: a user again
+        await say("!memory pause")
+        await say("!memory forget-me confirm")
+        assert "Incognito ended" in (await say("!memory resume")).public[0].text
+        assert await app.storage.get_user("discord:7") is None  # the key kept for the pause goes with it
         nothing = (await say("!memory forget-me confirm")).public[0].text
-        assert "still incognito" not in nothing
+        assert nothing.startswith("The bot stores nothing about you")

@@ -150,7 +150,8 @@ class Storage:
 
     async def end_incognito(self, user_id: int, persona: str) -> int | None:
         """End the pair's incognito stretch: its messages (the user's and the replies) go, with what points
-        at them, in one transaction; how many (None when there was no stretch)."""
+        at them, in one transaction; how many (None when there was no stretch). A user row that only
+        carried the stretch over a forget-me (no name, nothing else stored) goes too."""
         await self.flush_audit()  # buffered reply stats may point at messages deleted below
         async with self.db.transaction() as tx:
             row = await tx.fetch_one("SELECT started_at FROM incognito WHERE user_id = ? AND persona = ?",
@@ -160,6 +161,13 @@ class Storage:
             deleted, _ = await delete_messages(tx, "user_id = ? AND persona = ? AND created_at >= ?",
                                                (user_id, persona, float(row[0])))
             await tx.execute("DELETE FROM incognito WHERE user_id = ? AND persona = ?", (user_id, persona))
+            bare = await tx.fetch_one(  # the key-only row a forget-me kept for a pause (_keep_incognito)
+                "DELETE FROM users WHERE id = ? AND display_name = ''"
+                " AND NOT EXISTS (SELECT 1 FROM messages WHERE user_id = ?)"
+                " AND NOT EXISTS (SELECT 1 FROM cortex_pairs WHERE user_id = ?)"
+                " AND NOT EXISTS (SELECT 1 FROM incognito WHERE user_id = ?) RETURNING key", (user_id,) * 4)
+        if bare is not None:
+            self.forget_cached(user_key=str(bare[0]))
         return len(deleted)
 
     async def delete_messages_before(self, before: float) -> int:

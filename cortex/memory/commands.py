@@ -96,8 +96,8 @@ class MemoryCommands:
                 f"when you send {self.prefix}memory resume (or after {self.incognito_hours:g} hours at the latest).")
 
     async def resume(self, ctx: CommandContext, args: Sequence[str]) -> str:
-        user, _ = await self.pairs.pair_for(ctx.user_key, ctx.user_name, ctx.persona)
-        deleted = await self.pairs.storage.end_incognito(user.id, ctx.persona)
+        user = await self.pairs.storage.get_user(ctx.user_key)  # looked up, not made: resuming stores nothing
+        deleted = await self.pairs.storage.end_incognito(user.id, ctx.persona) if user is not None else None
         if deleted is None:
             return f"You were not incognito with {ctx.persona}."
         await self.pairs.storage.scrub()
