@@ -86,6 +86,7 @@ async def test_bad_cards_get_one_line_and_change_nothing(tmp_path: Path, fake_ll
             (Attachment("v1.json", json.dumps({"name": "Old", "description": "x"}).encode()), "unsupported"),
             (Attachment("huge.json", b" " * (9 * 1024 * 1024)), "at most 8 MB"),
             (Attachment("max.json", dumps(v2_card(name="Max"))), "exists already"),
+            (Attachment("bell.json", dumps(v2_card(name="Bell\u0007\u200b"))), "bell.json: give the persona a name"),
             (Attachment("buff.json", dumps(v2_card(name="History Buff"))),
              "buff.json: a persona's name cannot start with 'history': !persona history is a command"),
         ]

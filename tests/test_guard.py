@@ -288,7 +288,7 @@ def test_any_text_gets_a_verdict(text: str) -> None:
     assert verdict.ok == (verdict.reasons == ())
 
 
-@pytest.mark.parametrize("text", ["\u200b", "\u2060\ufeff", "\u3164", " \u00ad ", "\ufe0f\n\u200b"])
+@pytest.mark.parametrize("text", ["\u200b", "\u2060\ufeff", "\u3164", " \u00ad ", "\ufe0f\n\u200b", "\u2800"])
 def test_nothing_but_invisible_characters_is_refused(text: str) -> None:
     """Such an item shows as a blank line in every list: refused (as hidden content), while text with
     an invisible character in it passes."""

@@ -63,6 +63,9 @@ async def test_guidelines_per_server_with_history_revert_and_a_default(tmp_path:
         assert "Cleared this server's guidelines" in await run(app, "!guidelines clear")
         assert "nothing to clear: this server's guidelines are empty" in await run(app, "!guidelines clear")
         assert "nothing to clear" in await run(app, "!guidelines clear", other)
+        await app.storage.personas.put("guidelines", "discord:guild2", "", "Set by another process.",
+                                       author="discord:9", reason="elsewhere")  # this process has not loaded it
+        assert "Cleared this server's guidelines" in await run(app, "!guidelines clear", other)
         room = CommandContext("matrix", "matrix:@ann:hs", "Ann", "matrix:!r:hs", "Cora", is_admin=True,
                               server_key="matrix:!r:hs")
         saved = await run(app, "!guidelines set Keep it short.", room)

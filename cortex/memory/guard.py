@@ -138,7 +138,7 @@ def _has_base64_blob(visible: str) -> bool:
 
 _INVISIBLE = re.compile(
     "[\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b-\u200f\u202a-\u202e\u2060-\u206f"
-    "\u3164\ufe00-\ufe0f\ufeff\uffa0\U000e0000-\U000e007f]"
+    "\u2800\u3164\ufe00-\ufe0f\ufeff\uffa0\U000e0000-\U000e007f]"
 )
 _NON_ASCII = re.compile("[^\x00-\x7f]+")
 _CONFUSABLE_CHARS = re.compile("[\u0370-\u03ff\u0400-\u04ff]")

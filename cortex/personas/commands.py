@@ -77,8 +77,11 @@ def history_lines(versions: Sequence[TextVersion], *, named: bool = False, limit
 
 
 def check_persona_name(name: str, commands: CommandRegistry | None) -> None:
-    """Refuse a name nobody could pick: ``!persona History Buff`` runs ``!persona history``."""
-    first = name.split(None, 1)[0].casefold() if name.strip() else ""
+    """Refuse a name nobody could pick or read: empty, too long, with control or invisible characters,
+    or starting with a subcommand (``!persona History Buff`` runs ``!persona history``)."""
+    if not name.strip() or len(name) > MAX_NAME_CHARS or any(not ch.isprintable() for ch in name):
+        raise CommandError(f"give the persona a name of 1 to {MAX_NAME_CHARS} printable characters, on one line")
+    first = name.split(None, 1)[0].casefold()
     if commands is not None and first in commands.subcommands("persona"):
         raise CommandError(f"a persona's name cannot start with {first!r}: {commands.prefix}persona {first} "
                            "is a command, so nobody could pick it")
@@ -155,9 +158,7 @@ class PersonaCommands:
 
     async def create(self, ctx: CommandContext, args: Sequence[str]) -> str:
         name = " ".join(args).strip()
-        if not name or len(name) > MAX_NAME_CHARS or any(not ch.isprintable() for ch in name) or ctx.body.strip():
-            raise CommandError(f"give the persona a name of 1 to {MAX_NAME_CHARS} printable characters, on one line")
-        check_persona_name(name, self.commands)
+        check_persona_name(name + ("\n" if ctx.body.strip() else ""), self.commands)  # a second line: refused
         default = self.registry.persona(None)
         row = await self.storage.personas.create_persona(name, default.language, {}, "chat",
                                                          text_search_config(default.language))

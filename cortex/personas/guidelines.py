@@ -113,6 +113,7 @@ class GuidelinesCommands:
 
     async def clear(self, ctx: CommandContext, args: Sequence[str]) -> str:
         scope, _ = self._scope(ctx, args, change=True)
+        await self.registry.load()  # as stored now: another process or the web page may have changed them
         text, found = self.registry.guidelines_for(None if scope == BOT_WIDE else scope)
         if found != scope or not text.strip():
             return f"There is nothing to clear: {self._where(scope)} are empty."
