@@ -307,10 +307,13 @@ class CortexCommands:
             private=True,
         )
 
-    async def _still_paused(self, user_key: str) -> str:
-        """A forget-me keeps a pause going (``Storage.forget_user``): say so."""
+    async def paused_personas(self, user_key: str) -> list[str]:
+        """The personas a user is incognito with (a forget-me keeps a pause going: ``Storage.forget_user``)."""
         user = await self.storage.get_user(user_key)
-        personas = await self.storage.incognito.personas(user.id) if user is not None else []
+        return await self.storage.incognito.personas(user.id) if user is not None else []
+
+    async def _still_paused(self, user_key: str) -> str:
+        personas = await self.paused_personas(user_key)
         if not personas:
             return ""
         return (f" You are still incognito with {', '.join(personas)}: what you say there is deleted when you "

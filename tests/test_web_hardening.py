@@ -29,7 +29,7 @@ from cortex.memory.store import MemoryError
 from cortex.store import FILENAMES, CortexStore, FileVersion
 from tests.fakes.provider import ScriptedProvider
 from tests.test_web_admin import FakeGuild, member
-from tests.web_support import Bot, Client, running_bot, web_config
+from tests.web_support import Bot, Client, context, running_bot, web_config
 
 FILES = "/api/me/personas/Cora/files"
 
@@ -341,3 +341,14 @@ async def test_a_denied_users_session_is_refused_on_every_request(tmp_path: Path
         assert (await call_as(bot, sessions["ann"], "GET", "/api/me"))[0] == 403  # the deny list wins
         status, error = await call_as(bot, sessions["carl"], "GET", "/api/me")
         assert status == 403 and "allow_users" in error["error"], error
+
+
+async def test_a_forget_me_from_the_page_says_a_pause_goes_on(tmp_path: Path) -> None:
+    """As in chat: the pause survives the forget-me, and the answer names the personas it runs with."""
+    async with running_bot(tmp_path) as bot, bot.client("ann") as ann:
+        assert "Incognito with Cora" in (await bot.app.commands.dispatch("!memory pause", context("ann"))).text
+        status, body = await ann.call("POST", "/api/me/forget-me", {"confirm": "forget me"})
+        assert status == 200 and body["still_incognito"] == ["Cora"]
+    async with running_bot(tmp_path / "other") as bot, bot.client("bob") as bob:
+        status, body = await bob.call("POST", "/api/me/forget-me", {"confirm": "forget me"})
+        assert status == 200 and body["still_incognito"] == []

@@ -225,7 +225,8 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
                       f'{{"confirm": "{CONFIRM}"}}')
         report = await ctx.app.cortex.commands.forget_user(caller.user_key)
         counts = ("messages", "versions", "items", "runs", "summaries", "pairs")
-        response = ok({"deleted": {name: 0 if report is None else getattr(report, name) for name in counts}})
+        response = ok({"deleted": {name: 0 if report is None else getattr(report, name) for name in counts},
+                       "still_incognito": await ctx.app.cortex.commands.paused_personas(caller.user_key)})
         auth.clear_cookie(response)
         return response
 

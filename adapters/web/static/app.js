@@ -1064,9 +1064,12 @@
 
   async function forgetMe(phrase, trigger) {
     await attempt(async () => {
-      await api('POST', '/api/me/forget-me', { confirm: phrase.value.trim().toLowerCase() });
+      const result = await api('POST', '/api/me/forget-me', { confirm: phrase.value.trim().toLowerCase() });
+      const paused = (result && result.still_incognito) || [];
       ended('Everything about you is deleted', ['The bot keeps nothing about you any more, and you are logged out. ',
-        'If you talk to it again, it starts over.']);
+        'If you talk to it again, it starts over.',
+        ...(paused.length ? [' You are still incognito with ' + paused.join(', ') + ': what you say there is ',
+          'deleted when you send !memory resume.'] : [])]);
     }, trigger);
   }
 
