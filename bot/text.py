@@ -6,11 +6,29 @@ screen or set the window title)."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 # CSI/OSC/other escape sequences, then any remaining C0/C1 control character but tab and newline.
 _ESCAPE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])|\x9b[0-?]*[ -/]*[@-~]")
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def storable(text: str) -> str:
+    """``text`` as every store takes it: lone surrogates (UTF-8 has none) become U+FFFD and NUL characters
+    (PostgreSQL's text has none) go. For what a model or another program sends."""
+    return without_surrogates(text).replace("\x00", "") if text else text
+
+
+def storable_json(value: Any) -> Any:
+    """``value`` (parsed JSON: dicts, lists, strings) with every string made :func:`storable`."""
+    if isinstance(value, str):
+        return storable(value)
+    if isinstance(value, dict):
+        return {storable(str(k)): storable_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [storable_json(v) for v in value]
+    return value
 
 
 def without_surrogates(text: str) -> str:

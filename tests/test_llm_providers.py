@@ -162,6 +162,22 @@ async def test_openai_stream_without_usage_gives_zero_usage(
     assert last_completion_body(fake_llm)["stream_options"] == {"include_usage": True}
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("streaming", [False, True], ids=["complete", "stream"])
+async def test_lone_surrogates_and_nul_never_leave_the_provider(
+    provider: LLMProvider, fake_llm: FakeLLMServer, streaming: bool
+) -> None:
+    """JSON may escape a lone surrogate or a NUL; no store takes either (a reply that could not be stored
+    was lost, its user shown a half-finished answer): they become U+FFFD and nothing."""
+    fake_llm.enqueue(FakeResponse.text("hello \ud800 there\x00!", chunks=["hello \ud800", " there\x00!"]))
+    completion = await run(provider, request(), streaming)
+    assert completion.text == "hello \ufffd there!"
+    fake_llm.enqueue(FakeResponse.tool_calls([("call_1", "weather", {"city": "Par\udc00is\x00"})]))
+    [call] = (await run(provider, request(tools=(WEATHER,)), streaming)).tool_calls
+    assert call.arguments == {"city": "Par\ufffdis"} and "\x00" not in call.raw_arguments
+    call.raw_arguments.encode()  # storable
+
+
 # --------------------------------------------------------------------------- tool calls
 
 
@@ -624,3 +640,13 @@ def test_fake_server_serves_plain_http_and_records_requests(fake_llm: FakeLLMSer
     assert texts == ["queued", "scripted"]
     fake_llm.reset()
     assert fake_llm.requests == [] and fake_llm.pending == 0
+
+
+@pytest.mark.asyncio
+async def test_a_key_in_a_long_error_message_is_redacted_before_the_message_is_cut(
+    provider: LLMProvider, fake_llm: FakeLLMServer
+) -> None:
+    fake_llm.enqueue(FakeResponse.error(400, "x" * 480 + f" bad key {API_KEY}"))
+    with pytest.raises(LLMError) as info:
+        await provider.complete(request())
+    assert API_KEY[:8] not in info.value.detail and "[redacted]" in info.value.detail

@@ -86,6 +86,11 @@ class _ErrorInfo:
     request_id: str | None
 
 
+def _shortened(detail: str) -> str:
+    limit = _MAX_MESSAGE_CHARS + 200  # the server's message plus what names the error around it
+    return detail if len(detail) <= limit else detail[:limit] + "…"
+
+
 def redact(text: str, secrets: Iterable[str | None]) -> str:
     """Replace every secret (of four characters or more) in ``text``."""
     for secret in secrets:
@@ -143,7 +148,7 @@ def _error_info(exc: BaseException) -> _ErrorInfo:
     return _ErrorInfo(
         status=status if isinstance(status, int) else None,
         error_type=error_type,
-        message=message[:_MAX_MESSAGE_CHARS],
+        message=message,  # cut only after the secrets are taken out (to_llm_error): a cut key would stay
         request_id=request_id if isinstance(request_id, str) else None,
     )
 
@@ -182,7 +187,7 @@ def to_llm_error(
 ) -> LLMError:
     """Translate any exception raised while talking to the SDK into an :class:`LLMError`."""
     error = _translate(exc, provider, sdk)
-    clean = redact(error.detail, list(secrets))
+    clean = _shortened(redact(error.detail, list(secrets)))  # redacted first: a key cut in half would not match
     if clean != error.detail:
         error = type(error)(clean, status_code=error.status_code)
     return error
@@ -211,7 +216,7 @@ def _translate(exc: BaseException, provider: str, sdk: SdkErrors) -> LLMError:
 
 
 def _short(exc: BaseException) -> str:
-    return str(exc)[:_MAX_MESSAGE_CHARS]
+    return str(exc)
 
 
 T = TypeVar("T")

@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from bot.text import storable, storable_json
+
 Role = Literal["user", "assistant", "tool"]
 
 
@@ -40,6 +42,12 @@ class ToolCall:
     arguments: dict[str, Any] | None
     raw_arguments: str = ""
 
+    def __post_init__(self) -> None:  # what a model sends is made storable once, here (see bot.text.storable)
+        object.__setattr__(self, "name", storable(self.name))
+        object.__setattr__(self, "raw_arguments", storable(self.raw_arguments))
+        if self.arguments is not None:
+            object.__setattr__(self, "arguments", storable_json(self.arguments))
+
 
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
@@ -61,11 +69,17 @@ StopReason = Literal["end_turn", "max_tokens", "tool_use", "stop_sequence", "oth
 
 @dataclass(frozen=True, slots=True)
 class Completion:
+    """A model's answer. Its text never holds a lone surrogate or a NUL (a model can send both, as JSON
+    escapes): no store takes them, and a reply that could not be stored would be lost."""
+
     text: str
     tool_calls: tuple[ToolCall, ...] = ()
     usage: Usage = field(default_factory=Usage)
     stop_reason: StopReason = "end_turn"
     model: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "text", storable(self.text))
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +96,9 @@ class LLMRequest:
 @dataclass(frozen=True, slots=True)
 class TextDelta:
     text: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "text", storable(self.text))
 
 
 @dataclass(frozen=True, slots=True)
