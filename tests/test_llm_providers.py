@@ -650,3 +650,23 @@ async def test_a_key_in_a_long_error_message_is_redacted_before_the_message_is_c
     with pytest.raises(LLMError) as info:
         await provider.complete(request())
     assert API_KEY[:8] not in info.value.detail and "[redacted]" in info.value.detail
+
+
+@pytest.mark.asyncio
+async def test_openai_stream_of_whole_calls_without_an_index(openai_provider: LLMProvider,
+                                                             fake_llm: FakeLLMServer) -> None:
+    """Some compatible servers stream each tool call whole and leave out ``index``: each new id is a call
+    of its own (they were glued into one call whose arguments were no JSON)."""
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        return "data: " + json.dumps({"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) + "\n\n"
+
+    def call(call_id: str, city: str) -> dict[str, Any]:
+        return {"tool_calls": [{"id": call_id, "type": "function",
+                                "function": {"name": "weather", "arguments": json.dumps({"city": city})}}]}
+
+    body = (chunk({"role": "assistant", "content": ""}) + chunk(call("a", "Oslo")) + chunk(call("b", "Rome"))
+            + chunk({}, "tool_calls") + "data: [DONE]\n\n")
+    fake_llm.enqueue(FakeResponse.malformed(body.encode(), content_type="text/event-stream"))
+    completion = (await collect(openai_provider, request(tools=(WEATHER,))))[1]
+    assert [(c.id, c.arguments) for c in completion.tool_calls] == [("a", {"city": "Oslo"}), ("b", {"city": "Rome"})]

@@ -216,11 +216,19 @@ class _StreamAccumulator:
         if delta is None:
             return None
         for position, call in enumerate(delta.tool_calls or ()):
-            self._feed_call(call.index if call.index is not None else position, call)
+            self._feed_call(call.index if call.index is not None else self._index_without(position, call), call)
         if delta.content:
             self.texts.append(delta.content)
             return delta.content
         return None
+
+    def _index_without(self, position: int, call: Any) -> int:
+        """Where a call piece sent without an ``index`` belongs (some compatible servers stream each call
+        whole, without one): a new ``id`` starts a new call; a piece without an id continues the last."""
+        if call.id:
+            known = [index for index, partial in self.calls.items() if partial.call_id == call.id]
+            return known[0] if known else max(self.calls, default=-1) + 1
+        return max(self.calls, default=position)
 
     def _feed_call(self, index: int, call: Any) -> None:
         partial = self.calls.setdefault(index, _PartialCall())
