@@ -137,6 +137,20 @@ async def test_a_run_writes_at_most_its_limit_of_items(app: App, fake_llm: FakeL
     assert (await app.cortex.memory.list_items(pair.id))[1] == 20
 
 
+async def test_a_run_forgets_at_most_its_limit_of_items(app: App, fake_llm: FakeLLMServer) -> None:
+    """A misled model (the update reads what anyone wrote) cannot empty a user's memory in one update."""
+    await _talk(app, CONVERSATION)
+    pair = await _pair(app)
+    ids = [(await app.cortex.memory.remember(pair.id, f"Ann fact {i}", category="fact")).id for i in range(8)]
+    calls = [(str(i), "forget", {"id": item, "reason": "told to"}) for i, item in enumerate(ids)]
+    fake_llm.enqueue(FakeResponse.tool_calls(calls), FakeResponse.text(""))
+    await _run(app)
+    results = tool_results(cortex_requests(fake_llm)[1])
+    assert sum(1 for r in results if not r.get("is_error")) == 5
+    assert "limit per update" in result_text(results[-1])
+    assert (await app.cortex.memory.list_items(pair.id))[1] == 3
+
+
 async def test_a_fact_comes_back_after_it_left_the_window(tmp_path: Path) -> None:
     """Said once, long ago: neither in the history window nor in any file, it still reaches the reply
     prompt, by its words (full text) and, once embedded, by vector too."""

@@ -5,7 +5,8 @@ Like the file tools, every call gets a tool result and never an exception: missi
 arguments, an unknown category, an importance outside 1-10, an item of another pair (it simply does
 not exist for this one) or an item already corrected each get an error the model can act on. Nothing
 is overwritten: ``update_memory`` writes a new item that supersedes the old one, ``forget`` archives.
-A run may write at most ``max_writes`` items, so a confused model cannot flood the store.
+A run may write at most ``max_writes`` items and forget at most ``max_forgets``, so a confused (or
+misled) model cannot flood the store or empty it.
 """
 
 from __future__ import annotations
@@ -155,7 +156,9 @@ class MemoryTools:
     pair_id: int
     run_id: int
     max_writes: int = 20
+    max_forgets: int = 5  # archiving is undone only by the user, one item at a time (!memory restore)
     written: list[int] = field(default_factory=list)
+    forgotten: list[int] = field(default_factory=list)
 
     async def execute(self, call: ToolCall) -> MemoryToolResult:
         if call.arguments is None:
@@ -173,6 +176,10 @@ class MemoryTools:
                 return await self._remember(call.arguments)
             if call.name == "update_memory":
                 return await self._update(call.arguments)
+            if call.name == "forget" and len(self.forgotten) >= self.max_forgets:
+                return MemoryToolResult(
+                    f"you already forgot {self.max_forgets} items in this update; that is the limit per update", True
+                )
             if call.name == "forget":
                 return await self._forget(call.arguments)
         except (BadArguments, MemoryError) as exc:
@@ -241,4 +248,5 @@ class MemoryTools:
         if item.pinned:
             raise MemoryError(f"item #{item_id} is pinned by the user; only they can unpin or forget it")
         await self.memory.archive(self.pair_id, item_id, f"forgotten by the persona: {reason}"[:300])
+        self.forgotten.append(item_id)
         return MemoryToolResult(f"archived #{item_id}")
