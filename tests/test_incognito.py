@@ -146,3 +146,25 @@ async def test_a_forget_me_during_a_pause_keeps_the_pause(tmp_path: Path) -> Non
         assert await app.storage.get_user("discord:7") is None  # the key kept for the pause goes with it
         nothing = (await say("!memory forget-me confirm")).public[0].text
         assert nothing.startswith("The bot stores nothing about you")
+
+
+async def test_skill_calls_during_a_stretch_leave_no_words_in_the_audit(tmp_path: Path) -> None:
+    """The skill audit keeps which tool ran and when, never what it was asked during a pause (the stretch's
+    words would outlive !memory resume there)."""
+    from bot.llm.base import Completion, ToolCall, Usage
+
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000}})
+    llm = ScriptedProvider()
+    async with App(config, llm=llm) as app:
+        async def say(text: str) -> None:
+            await app.router.handle(_inbound(text), Sink())
+
+        await say("!memory pause")
+        llm.enqueue(Completion("", tool_calls=(ToolCall("c1", "search_memory", {"query": "my diagnosis xyzzyplover"}),),
+                               usage=Usage(0, 1)), "ok")
+        await say("did I tell you about my diagnosis xyzzyplover?")
+        await say("!memory resume")
+        rows = await app.storage.db.fetch_all("SELECT skill, arguments FROM skill_executions")
+        assert [str(r[0]) for r in rows] == ["search_memory"] and "xyzzyplover" not in str(rows[0][1])
+    if db_url_for(tmp_path).startswith("sqlite"):
+        assert b"xyzzyplover" not in _database_bytes(tmp_path)

@@ -62,12 +62,16 @@ def triggered(triggers: Sequence[str], message: str) -> bool:
     return not triggers or any(t.casefold() in lowered for t in triggers if t.strip())
 
 
+INCOGNITO_ARGUMENTS = json.dumps({"withheld": "called during an incognito stretch"})
+
+
 @dataclass
 class SkillToolbox:
     skills: dict[str, Skill]
     context: SkillContext
     config: SkillsConfig
     storage: Storage
+    incognito: bool = False  # the audit keeps no arguments: a pause leaves no trace of what was said
 
     @property
     def specs(self) -> tuple[ToolSpec, ...]:
@@ -121,8 +125,10 @@ class SkillToolbox:
         ctx = self.context
         row = SkillExecution(
             call.name, ctx.persona, ctx.user_key, ctx.channel_key, ctx.server_key or "",
-            sanitised(call.arguments if call.arguments is not None else call.raw_arguments[:500], skill.info.secrets),
-            not result.is_error, result.content[:300] if result.is_error else "", duration_ms, "model", time.time())
+            INCOGNITO_ARGUMENTS if self.incognito else sanitised(
+                call.arguments if call.arguments is not None else call.raw_arguments[:500], skill.info.secrets),
+            not result.is_error, result.content[:300] if result.is_error and not self.incognito else "", duration_ms,
+            "model", time.time())
         try:
             await self.storage.skills.record(row)
         except Exception:  # the audit must not cost the reply
@@ -164,4 +170,4 @@ class SkillTools:
         ctx = SkillContext(context.user_db_id, context.user_key, context.user_name, context.persona,
                            context.channel_key, context.server_key, context.is_dm, context.is_admin, context.now,
                            context.is_bot_admin)
-        return SkillToolbox(chosen, ctx, self.config, self.storage)
+        return SkillToolbox(chosen, ctx, self.config, self.storage, incognito)
