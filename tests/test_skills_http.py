@@ -202,6 +202,18 @@ async def test_result_path_walks_objects_and_list_indexes(server: tuple[str, Rec
     assert missing.is_error and "data.items.5.name" in missing.content and "'5'" in missing.content
 
 
+async def test_dot_segments_cannot_leave_the_templates_path(server: tuple[str, Recorder], make: Any) -> None:
+    """A URL resolves "." and "..": /users/{id}/profile with id ".." would call /profile."""
+    base, seen = server
+    skill = make(url=base + "/echo/weather/{city}/today", parameters=CITY_SCHEMA)
+    for value in ("..", ".", " ", ""):
+        result = await skill.run({"city": value}, _context())
+        assert result.is_error and "part of the URL's path" in result.content, value
+    assert seen.requests == []
+    fine = await skill.run({"city": "...x"}, _context())
+    assert json.loads(fine.content)["path"] == "/echo/weather/...x/today"
+
+
 async def test_missing_required_argument_is_an_error_and_no_request(
     server: tuple[str, Recorder], make: Any
 ) -> None:

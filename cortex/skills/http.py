@@ -160,7 +160,10 @@ def fill_template(template: str, arguments: dict[str, Any]) -> tuple[str, dict[s
         if arguments.get(name) is None:
             raise SkillFailure(f"missing argument {name!r} (it is part of the URL)")
         used.add(name)
-        return quote(_as_text(arguments[name]), safe="")
+        value = _as_text(arguments[name])
+        if value.strip() in ("", ".", ".."):  # a URL resolves "." and "..": the call would leave its path
+            raise SkillFailure(f"argument {name!r} is part of the URL's path and cannot be {value!r}")
+        return quote(value, safe="")
 
     url = _PLACEHOLDER.sub(replace, template)
     return url, {key: value for key, value in arguments.items() if key not in used}
