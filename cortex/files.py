@@ -100,15 +100,23 @@ class CortexFiles:
 
     async def write(
         self, pair: Pair, filename: str, content: str, author: Author, reason: str, *, tier: str = "",
-        run_id: int | None = None,
+        run_id: int | None = None, based_on: int | None = None,
     ) -> FileVersion | None:
-        """Store ``content`` as a new version; None when it equals the current one."""
+        """Store ``content`` as a new version; None when it equals the current one. With ``based_on`` (the
+        version the writer read), only while that is still the newest, else :class:`FileConflict`."""
         if author != "system":
             guarded(filename, content, f"{author} on pair {pair.id}", FileError)
         current = await self.store.current(pair.id, filename)
         if current is not None and current.content == content:
             return None
-        return await self.store.add_version(pair.id, filename, content, author, reason, tier, run_id)
+        if based_on is None:
+            return await self.store.add_version(pair.id, filename, content, author, reason, tier, run_id)
+        saved = await self.store.add_version_based_on(based_on, pair.id, filename, content, author, reason, tier,
+                                                      run_id)
+        if saved is None:
+            latest = await self.store.current(pair.id, filename)
+            raise FileConflict(filename, latest.version if latest else 0, based_on)
+        return saved
 
     async def edit(self, pair: Pair, filename: str, content: str, *, based_on: int | None = None
                    ) -> FileVersion | None:

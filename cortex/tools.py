@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 
 from bot.llm.base import ToolCall, ToolSpec
-from cortex.files import CortexFiles, FileError, check_model_write
+from cortex.files import CortexFiles, FileConflict, FileError, check_model_write
 from cortex.memory.tools import MEMORY_TOOL_NAMES, MemoryTools
 from cortex.store import FILENAMES, Pair
 
@@ -75,6 +75,9 @@ class CortexTools:
     # Each file as this update first saw it: the shrink guard measures against it, so a file cannot be
     # whittled down in small steps within one update.
     started_with: dict[str, str] = field(default_factory=dict)
+    # The version of each file the model last read or saved: a save lands only while it is still the newest,
+    # so a user's edit made during the update is never overwritten by a model that did not see it.
+    seen: dict[str, int] = field(default_factory=dict)
 
     async def execute(self, call: ToolCall) -> ToolOutcome:
         """The outcome of one tool call; never an exception (a bug in one call must not end the update)."""
@@ -113,6 +116,7 @@ class CortexTools:
     async def _read(self, filename: str) -> ToolOutcome:
         current = await self.files.store.current(self.pair.id, filename)
         self.started_with.setdefault(filename, current.content if current else "")
+        self.seen[filename] = current.version if current else 0
         self.files_read.append(filename)
         return ToolOutcome(current.content if current else "")
 
@@ -129,13 +133,18 @@ class CortexTools:
         try:
             saved = await self.files.write(
                 self.pair, filename, content, "model", f"cortex update ({self._tier_label()})", tier=self.tier,
-                run_id=self.run_id,
+                run_id=self.run_id, based_on=self.seen.get(filename),
             )
+        except FileConflict as exc:
+            return ToolOutcome(f"refused: {filename} was changed by someone else since you read it (it is now "
+                               f"version {exc.newest}), probably the person themselves. Nothing was saved. Read it "
+                               "again and keep their changes in what you write.", True)
         except FileError as exc:  # the poisoning guard: nothing saved, the model is told why
             return ToolOutcome(f"{exc}. Nothing was saved; write what you learned about the person as facts.", True)
         if saved is None:
             return ToolOutcome(f"{filename} is unchanged (the content is identical); nothing to save")
         self.files_written.append(filename)
+        self.seen[filename] = saved.version
         return ToolOutcome(f"saved {filename} as version {saved.version} ({len(content):,} characters)")
 
     def _tier_label(self) -> str:

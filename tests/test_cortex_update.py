@@ -121,6 +121,31 @@ async def test_read_then_write_becomes_a_model_version_with_audit(app: App, fake
     assert "Ann has a cat called Pixel." in reply_request.body["system"]
 
 
+async def test_a_users_edit_during_an_update_is_never_overwritten(app: App, fake_llm: FakeLLMServer) -> None:
+    """The model read version 1; the person saved their own correction while it thought; its write based on
+    version 1 is refused (it is told to read again), and the person's text stays the current file."""
+    await _talk(app, CONVERSATION)
+    mine = "# My memories of Ann\n- Ann's cat is called Pixie, not Pixel.\n"
+    fake_llm.enqueue(
+        FakeResponse.tool_calls([("t1", "read_file", {"filename": "memory.md"})]),
+        FakeResponse.tool_calls([("t2", "write_file", {"filename": "memory.md", "content": NEW_MEMORY})], delay=1.0),
+        FakeResponse.text(""),
+    )
+    pair = await _pair(app)
+    settings = (await app.cortex.resolver.effective("Cora")).settings
+    run = asyncio.create_task(app.cortex.updater.run(pair, "50", settings))
+    for _ in range(500):  # until the read's result is on its way back: the model is thinking
+        if len(cortex_requests(fake_llm)) >= 2:
+            break
+        await asyncio.sleep(0.02)
+    await app.cortex.files.edit(pair, "memory.md", mine, based_on=1)
+    outcome = await run
+    assert outcome.status == "success"
+    assert (await app.cortex.store.current(pair.id, "memory.md")).content == mine
+    refusal = result_text(tool_results(cortex_requests(fake_llm)[2])[0])
+    assert "changed by someone else since you read it (it is now version 2)" in refusal
+
+
 async def test_parallel_tool_calls_in_one_turn(app: App, fake_llm: FakeLLMServer) -> None:
     await _talk(app, CONVERSATION)
     fake_llm.enqueue(

@@ -218,6 +218,7 @@ class CortexRepository:
 
     async def add_version_based_on(
         self, based_on: int, pair_id: int, filename: str, content: str, author: Author, reason: str = "",
+        tier: str = "", run_id: int | None = None,
     ) -> FileVersion | None:
         """A new version only while ``based_on`` is still the newest (one statement, so two saves based on
         the same version cannot both land, in any process); None when the file changed meanwhile."""
@@ -227,10 +228,10 @@ class CortexRepository:
             row = await self.db.write_one(
                 "INSERT INTO cortex_versions (pair_id, filename, version, content, author, reason, tier, run_id,"
                 " created_at) SELECT CAST(? AS BIGINT), CAST(? AS TEXT), coalesce(max(version), 0) + 1,"
-                " CAST(? AS TEXT), CAST(? AS TEXT), CAST(? AS TEXT), '', NULL, CAST(? AS DOUBLE PRECISION)"
-                " FROM cortex_versions WHERE pair_id = ? AND filename = ?"
+                " CAST(? AS TEXT), CAST(? AS TEXT), CAST(? AS TEXT), CAST(? AS TEXT), CAST(? AS BIGINT),"
+                " CAST(? AS DOUBLE PRECISION) FROM cortex_versions WHERE pair_id = ? AND filename = ?"
                 " HAVING coalesce(max(version), 0) = ? RETURNING *",
-                (pair_id, filename, content, author, reason, time.time(), pair_id, filename, based_on),
+                (pair_id, filename, content, author, reason, tier, run_id, time.time(), pair_id, filename, based_on),
             )
         except Exception as exc:
             if is_conflict(exc):  # another writer took the same next version a moment earlier
