@@ -13,6 +13,7 @@ again by the worker pool and runs afresh on the current files.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -31,11 +32,14 @@ from cortex.prompts import conversation_message, system_prompt
 from cortex.settings import SettingsResolver
 from cortex.store import CortexStore, Pair, RunStatus
 from cortex.tiers import tier_stage
-from cortex.tools import TOOLS, CortexTools
+from cortex.tools import TOOLS, CortexTools, ToolOutcome
 
 log = logging.getLogger(__name__)
 
 MIN_MESSAGES = 4
+PROMPT_OVERHEAD = 1_500  # tokens of an update's system prompt and tool definitions, for the first round's estimate
+MAX_CALLS_PER_TURN = 25  # tool calls of one model turn that run; the rest are refused (each result costs input)
+RESULT_CHARS_PER_TOKEN = 3  # a tool result's cost in the next round's input, counted generously
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +75,9 @@ class CortexUpdater:
         self.llm = llm
         self.estimator = estimator
         self._temperature_rejected: set[str] = set()  # models that refused a temperature
+        # A budget check and the reservation of the round it lets through go together: this process's
+        # concurrent updates cannot all pass the check before any of them has counted its round.
+        self._reserving = asyncio.Lock()
 
     async def guard(self, pair: Pair, settings: CortexConfig, *, job_id: int | None = None) -> str | None:
         """Why an update of ``pair`` must not run now, or None."""
@@ -177,16 +184,18 @@ class CortexUpdater:
             settings.file_max_chars, with_memory=self.memory is not None,
         )
         messages: list[ChatMessage] = [ChatMessage("user", conversation_message(persona, history, user_name))]
-        last_round = 0
+        next_round = PROMPT_OVERHEAD + sum(self.estimator.scale(m.token_count + PER_MESSAGE_OVERHEAD)
+                                           for m, _ in history)
         for round_number in range(1, settings.max_rounds + 1):
-            if round_number > 1 and (spent := await self._budget_spent(pair, settings, next_round=last_round)):
-                return "failed", f"stopped: {spent} ran out during the update"
+            if spent := await self._reserve(pair, settings, tools.run_id, totals, next_round):
+                return "failed", f"stopped: {spent} would run out {'before' if round_number == 1 else 'during'} " \
+                                 "the update"
             completion = await self._call(model, system, messages, settings)
             totals[0] = round_number
             used = max(completion.usage.input_tokens, 0), max(completion.usage.output_tokens, 0)
             totals[1] += used[0]  # a server's negative count credits nothing
             totals[2] += used[1]
-            last_round = sum(used)  # the next round costs at least as much: its input holds this one's
+            next_round = sum(used)  # the next round costs at least as much: its input holds this one's
             # Spending is counted in the database as it happens, so every process (and the next round's
             # check) sees it: two processes cannot each spend a whole daily budget.
             await self.store.record_progress(tools.run_id, totals[0], totals[1], totals[2])
@@ -194,12 +203,26 @@ class CortexUpdater:
                 learned = tools.files_written or (tools.memory is not None and tools.memory.written)
                 return "success", "" if learned else "the model found nothing new to record"
             messages.append(ChatMessage("assistant", completion.text, tool_calls=completion.tool_calls))
-            for call in completion.tool_calls:
-                outcome = await tools.execute(call)
+            for number, call in enumerate(completion.tool_calls):
+                outcome = await tools.execute(call) if number < MAX_CALLS_PER_TURN else ToolOutcome(
+                    f"refused: at most {MAX_CALLS_PER_TURN} tool calls run per turn; nothing was done. Call it "
+                    "again in your next turn if you still need it.", True)
                 messages.append(
                     ChatMessage("tool", outcome.content, tool_call_id=call.id, is_error=outcome.is_error)
                 )
+                next_round += len(outcome.content) // RESULT_CHARS_PER_TOKEN  # the results are the next input
         return "failed", f"stopped after {settings.max_rounds} rounds without finishing (max_rounds)"
+
+    async def _reserve(self, pair: Pair, settings: CortexConfig, run_id: int, totals: list[int],
+                       next_round: int) -> str | None:
+        """Which daily budget the next round (estimated at ``next_round`` tokens) would exceed; else count
+        that estimate as spent at once (the call's real figures replace it), so that the checks of updates
+        running meanwhile, here or in another process, see it."""
+        async with self._reserving:
+            spent = await self._budget_spent(pair, settings, next_round=next_round)
+            if spent is None:
+                await self.store.record_progress(run_id, totals[0], totals[1] + next_round, totals[2])
+            return spent
 
     async def _budget_spent(self, pair: Pair, settings: CortexConfig, *, next_round: int = 0) -> str | None:
         """Which daily budget (the pair's or the bot's) today's recorded spending plus what the next round

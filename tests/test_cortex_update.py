@@ -311,11 +311,11 @@ async def test_bot_wide_budget_and_guards_hold_across_restart(
     tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(KEY_ENV, "test-key")
-    config = _config(tmp_path, fake_llm, cooldown_seconds=3600, bot_daily_token_budget=500)
+    config = _config(tmp_path, fake_llm, cooldown_seconds=3600, bot_daily_token_budget=3000)
     async with App(config) as app:
         await _talk(app, CONVERSATION)
         pair = await _pair(app)
-        fake_llm.enqueue(FakeResponse.text("nothing new", input_tokens=400, output_tokens=200))
+        fake_llm.enqueue(FakeResponse.text("nothing new", input_tokens=2500, output_tokens=700))
         await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective("Cora")).settings)
     async with App(config) as app:  # a restart: both guards come from the database
         pair = await _pair(app)
@@ -323,7 +323,7 @@ async def test_bot_wide_budget_and_guards_hold_across_restart(
         assert (await app.cortex.updater.guard(pair, settings)).startswith("cooldown")
         await app.cortex.resolver.set("persona:cora", "cooldown_seconds", "0", "test")
         settings = (await app.cortex.resolver.effective("Cora")).settings
-        assert "bot's daily cortex token budget (500) is spent" in await app.cortex.updater.guard(pair, settings)
+        assert "bot's daily cortex token budget (3,000) is spent" in await app.cortex.updater.guard(pair, settings)
 
 
 async def test_update_input_holds_only_the_pairs_own_exchanges(app: App, fake_llm: FakeLLMServer) -> None:
@@ -456,3 +456,56 @@ async def test_a_run_stops_before_a_round_that_would_overshoot_the_budget(
         assert outcome.status == "failed" and "this pair's daily token budget" in outcome.reason
         assert len(cortex_requests(fake_llm)) == 1  # the second round (≈ 6,100 more) never started
         assert await app.cortex.store.tokens_since(0, pair.id) == 6100
+
+
+async def test_the_first_round_and_tool_results_count_before_they_are_spent(
+    tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second update may not start its first round on a budget the first one nearly spent: its input is
+    at least the conversation it reads."""
+    monkeypatch.setenv(KEY_ENV, "test-key")
+    async with App(_config(tmp_path, fake_llm, daily_token_budget=10_000, cooldown_seconds=0)) as app:
+        await _talk(app, CONVERSATION)
+        pair = await _pair(app)
+        settings = (await app.cortex.resolver.effective("Cora")).settings
+        fake_llm.enqueue(FakeResponse.text("nothing new", input_tokens=9_000, output_tokens=500))
+        await app.cortex.updater.run(pair, "50", settings)
+        assert await app.cortex.updater.guard(pair, settings) is None  # 9,500 of 10,000: not spent yet
+        outcome = await app.cortex.updater.run(pair, "75", settings)
+        assert outcome.status == "failed" and "would run out before the update" in outcome.reason
+        assert len(cortex_requests(fake_llm)) == 1 and await app.cortex.store.tokens_since(0, pair.id) == 9_500
+
+
+async def test_a_rounds_tool_results_count_in_the_next_rounds_estimate(
+    tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(KEY_ENV, "test-key")
+    async with App(_config(tmp_path, fake_llm, daily_token_budget=10_000)) as app:
+        await _talk(app, CONVERSATION)
+        pair = await _pair(app)
+        await app.cortex.files.edit(pair, "memory.md", "# Notes\n" + "- Ann likes long walks by the river.\n" * 200)
+        reads = [(f"r{i}", "read_file", {"filename": "memory.md"}) for i in range(30)]
+        fake_llm.enqueue(FakeResponse.tool_calls(reads, input_tokens=2_000, output_tokens=50), FakeResponse.text(""))
+        outcome = await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective("Cora")).settings)
+        assert outcome.status == "failed" and "would run out during the update" in outcome.reason
+        assert len(cortex_requests(fake_llm)) == 1  # 25 results of ~7,400 characters: far over the rest
+
+
+async def test_concurrent_updates_reserve_their_rounds(
+    tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Updates of six pairs start together on a bot-wide budget that holds about two: the checks and the
+    estimates they let through go one at a time, so the others stop before their first round."""
+    monkeypatch.setenv(KEY_ENV, "test-key")
+    async with App(_config(tmp_path, fake_llm, bot_daily_token_budget=6_000)) as app:
+        users = [f"u{i}" for i in range(6)]
+        for name in users:
+            await _talk(app, CONVERSATION, user=name)
+        pairs = [await _pair(app, name) for name in users]
+        settings = (await app.cortex.resolver.effective("Cora")).settings
+        fake_llm.enqueue(*[FakeResponse.text("", input_tokens=2_000, output_tokens=100, delay=0.3)
+                           for _ in users])
+        outcomes = await asyncio.gather(*(app.cortex.updater.run(p, "50", settings) for p in pairs))
+        ran = [o for o in outcomes if "would run out" not in o.reason]
+        assert 1 <= len(ran) <= 3 and len(cortex_requests(fake_llm)) == len(ran)
+        assert await app.cortex.store.tokens_since(0) <= 6_000 + 2_100
