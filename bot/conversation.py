@@ -22,7 +22,16 @@ from bot import metrics
 from bot.config import Config
 from bot.errors import EmptyMessage, MessageTooLong
 from bot.history import HistoryWindow, build_window
-from bot.llm.base import ChatMessage, Completion, LLMProvider, LLMRequest, StreamEnd, TextDelta, Usage
+from bot.llm.base import (
+    ChatMessage,
+    Completion,
+    LLMProvider,
+    LLMRequest,
+    StreamEnd,
+    TextDelta,
+    ToolCall,
+    Usage,
+)
 from bot.llm.errors import LLMBadResponse, LLMError
 from bot.persona import ConfigPersonas, Persona, PersonaSource
 from bot.ports import (
@@ -35,6 +44,7 @@ from bot.ports import (
     ReplyPreparer,
     SectionSlot,
     Toolbox,
+    ToolOutcome,
     ToolProvider,
 )
 from bot.prompt import PromptParts, fit_soul, history_turns, render_system
@@ -50,6 +60,33 @@ log = logging.getLogger(__name__)
 SECTION_BUDGET = 2000  # tokens each slot of section providers may use
 PREVIOUS_CHARS = 1000  # of a channel's last message kept for ReplyPreparer (they use its start)
 SOUL_BUDGET = 3000  # tokens of soul sections (an imported card may hold far more)
+MAX_REPLY_CHARS = 40_000  # a reply's text shown and stored: ~20 Discord messages (a broken server sent MBs)
+MAX_CALLS_PER_ROUND = 8  # tool calls of one model turn a reply runs; the rest are refused
+CUT_NOTE = "\n\n[… the rest of this reply was cut: it was too long]"
+
+
+class _Shown:
+    """How much of a reply's text went out: nothing past :data:`MAX_REPLY_CHARS` is shown or stored (a
+    reply that long would fill the history window and break the next request)."""
+
+    def __init__(self) -> None:
+        self.chars = 0
+        self.cut = False
+
+    def take(self, text: str) -> str:
+        """The part of ``text`` still within the limit (the note, once, where it is crossed)."""
+        room = MAX_REPLY_CHARS - self.chars
+        self.chars += len(text)
+        if room >= len(text):
+            return text
+        if self.cut:
+            return ""
+        self.cut = True
+        return text[:max(room, 0)] + CUT_NOTE
+
+    @staticmethod
+    def whole(text: str) -> str:
+        return text if len(text) <= MAX_REPLY_CHARS else text[:MAX_REPLY_CHARS] + CUT_NOTE
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,6 +285,7 @@ class ConversationCore:
         texts: list[str] = []
         rounds = toolbox.max_rounds if toolbox is not None else 1
         completion: Completion | None = None
+        shown = _Shown()
         for number in range(rounds):
             last = toolbox is None or number == rounds - 1 or (
                 usage.input_tokens + usage.output_tokens >= toolbox.token_cap)
@@ -256,11 +294,11 @@ class ConversationCore:
             completion = None
             separate = any(t.strip() for t in texts)
             async for event in self.llm.stream(offered):
-                if isinstance(event, TextDelta) and event.text:
+                if isinstance(event, TextDelta) and (piece := shown.take(event.text)):
                     if separate:
                         yield "\n\n"
                         separate = False
-                    yield event.text
+                    yield piece
                 elif isinstance(event, StreamEnd):
                     completion = event.completion
             if completion is None:
@@ -271,15 +309,20 @@ class ConversationCore:
             if last or toolbox is None or not completion.tool_calls:
                 break
             messages.append(ChatMessage("assistant", completion.text, completion.tool_calls))
-            for call in completion.tool_calls:
-                if stream.on_status is not None:
-                    await stream.on_status(toolbox.status(call))
-                outcome = await toolbox.execute(call)
+            for number_in_turn, call in enumerate(completion.tool_calls):
+                outcome = await self._tool(toolbox, call, stream) if number_in_turn < MAX_CALLS_PER_ROUND else (
+                    ToolOutcome(f"refused: at most {MAX_CALLS_PER_ROUND} tool calls run per turn", True))
                 messages.append(ChatMessage("tool", outcome.content, tool_call_id=call.id, is_error=outcome.is_error))
         assert completion is not None
-        text = "\n\n".join(t.strip() for t in texts if t.strip())
+        text = shown.whole("\n\n".join(t.strip() for t in texts if t.strip()))
         stream.rounds = len(texts)
         done.append(replace(completion, text=text, usage=usage, tool_calls=()))
+
+    @staticmethod
+    async def _tool(toolbox: Toolbox, call: ToolCall, stream: ReplyStream) -> ToolOutcome:
+        if stream.on_status is not None:
+            await stream.on_status(toolbox.status(call))
+        return await toolbox.execute(call)
 
     def _prepare(self, message: IncomingMessage, persona: Persona, text: str) -> None:
         """Let the preparers start what the reply will need (the query embedding) before anything waits."""

@@ -244,3 +244,35 @@ async def test_a_summary_that_keeps_failing_backs_off_instead_of_one_job_per_rep
         assert await app.workers.drain(5)
         assert len(await app.storage.list_jobs("failed")) == len(failed)  # ... but none is queued while backing off
         assert sum(is_summary(r) for r in llm.requests) == asked
+
+
+async def test_an_endless_reply_is_cut_where_it_is_shown_and_stored(tmp_path: Path) -> None:
+    """A broken server that ignores max_tokens (megabytes of text) must not become a thousand messages nor
+    a stored reply that fills every later prompt."""
+    from bot.conversation import MAX_REPLY_CHARS
+
+    llm = ScriptedProvider()
+    llm.enqueue("All work and no play. " * 50_000)  # 1.1 MB
+    async with App(_config(tmp_path), llm=llm) as app:
+        stream = app.core.reply(_msg("tell me everything"))
+        shown = "".join([d async for d in stream])
+        assert MAX_REPLY_CHARS <= len(shown) < MAX_REPLY_CHARS + 100 and shown.endswith("it was too long]")
+        stored = await app.storage.recent_messages(stream.result.reply.channel_id, 1)
+        assert stored[0].text == shown.strip()
+        llm.enqueue("short again")
+        assert "".join([d async for d in app.core.reply(_msg("and now?"))]) == "short again"
+
+
+async def test_a_turn_runs_at_most_eight_tool_calls(tmp_path: Path) -> None:
+    from bot.conversation import MAX_CALLS_PER_ROUND
+    from bot.llm.base import ToolCall
+
+    llm = ScriptedProvider()
+    calls = tuple(ToolCall(f"c{i}", "search_memory", {"query": f"thing {i}"}) for i in range(30))
+    llm.enqueue(Completion("", tool_calls=calls, usage=Usage(0, 1)), "done")
+    async with App(_config(tmp_path), llm=llm) as app:
+        assert "".join([d async for d in app.core.reply(_msg("look everything up"))]).endswith("done")
+        rows = await app.storage.db.fetch_all("SELECT count(*) FROM skill_executions")
+        assert int(rows[0][0]) == MAX_CALLS_PER_ROUND == 8
+        results = [m for m in llm.requests[-1].messages if m.role == "tool"]
+        assert len(results) == 30 and sum("at most 8 tool calls" in m.content for m in results) == 22
