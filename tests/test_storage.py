@@ -53,6 +53,20 @@ async def test_unopenable_database_gives_a_clear_error(tmp_path: Path) -> None:
         await open_sqlite(blocker / "sub" / "bot.db")
 
 
+async def test_another_programs_database_is_refused_and_left_untouched(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "theirs.db"
+    with sqlite3.connect(path) as theirs:
+        theirs.execute("CREATE TABLE users (x)")
+    before = path.read_bytes()
+    with pytest.raises(StorageError, match=r"not a cortex-bot database: it holds another program's tables \(users\)"):
+        await open_sqlite(path)
+    assert path.read_bytes() == before and not (tmp_path / "theirs.db-wal").exists()
+    store = await open_sqlite(tmp_path / "empty.db")  # an empty file, or none, becomes the bot's
+    await store.close()
+
+
 async def test_users_channels_and_messages(storage: Storage) -> None:
     ann = await storage.upsert_user("console:ann", "Ann")
     ann2 = await storage.upsert_user("console:ann", "Annie")

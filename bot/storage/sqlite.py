@@ -80,6 +80,7 @@ class SQLiteDatabase:
         try:
             db = await aiosqlite.connect(self.path, isolation_level=None)
             db.row_factory = sqlite3.Row
+            await _refuse_foreign(db, self.path)
             # secure_delete: freed pages are zeroed, so deleted words (forget-me) do not linger in the file.
             for pragma in ("journal_mode=WAL", "foreign_keys=ON", "secure_delete=ON",
                            f"busy_timeout={BUSY_TIMEOUT_MS}", "synchronous=NORMAL", "cache_size=-16000",
@@ -89,9 +90,11 @@ class SQLiteDatabase:
                 "CREATE TABLE IF NOT EXISTS schema_version ("
                 " version INTEGER PRIMARY KEY, description TEXT NOT NULL, applied_at REAL NOT NULL)"
             )
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, StorageError) as exc:
             if db is not None:
                 await db.close()
+            if isinstance(exc, StorageError):
+                raise
             raise StorageError(f"cannot open the database {self.path}: {exc}") from None
         self._db = db
         if self._checkpoints and self.path != Path(":memory:"):
@@ -207,6 +210,17 @@ class SQLiteDatabase:
     @property
     def in_transaction(self) -> bool:
         return bool(self.connection.in_transaction)
+
+
+async def _refuse_foreign(db: aiosqlite.Connection, path: Path) -> None:
+    """Before anything is changed (WAL mode, the migrations table): a file that holds tables but no
+    ``schema_version`` is another program's database, and is left as it is."""
+    rows = await db.execute_fetchall("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
+    names = [str(r[0]) for r in rows]
+    if names and "schema_version" not in names:
+        shown = ", ".join(names[:5]) + (", …" if len(names) > 5 else "")
+        raise StorageError(f"{path} is not a cortex-bot database: it holds another program's tables ({shown}). "
+                           "It was left untouched; point [storage] url at a new file")
 
 
 async def _rebuild_and_check(tx: Tx, migration: Migration) -> None:
