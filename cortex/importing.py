@@ -160,8 +160,10 @@ class Importer:
                 report.left_out.append("an unusable memory item")
             elif not check_memory_text(fields["content"]).ok:
                 report.left_out.append("an item that reads like instructions to the bot")
-            elif await repo.has_item(pair_id, fields["content"], fields["created_at"]):
-                report.skipped += 1
+            elif (here := await repo.item_like(pair_id, fields["content"], fields["created_at"])) is not None:
+                report.skipped += 1  # here already (an import run before): its corrections still link to it
+                if _is_id(item.get("id")):
+                    new_ids[item["id"]] = here
             else:
                 new_id = await repo.import_item(pair_id, fields)
                 if _is_id(item.get("id")):

@@ -54,11 +54,12 @@ class ExportRepository:
 
     # -- import ------------------------------------------------------------------------------------
 
-    async def has_item(self, pair_id: int, content: str, created_at: float) -> bool:
+    async def item_like(self, pair_id: int, content: str, created_at: float) -> int | None:
+        """The id of the pair's item with this text and time (an import's item already here), or None."""
         row = await self.db.fetch_one(
-            "SELECT 1 FROM memory_items WHERE pair_id = ? AND content = ? AND abs(created_at - ?) < 0.001",
-            (pair_id, content, created_at))
-        return row is not None
+            "SELECT id FROM memory_items WHERE pair_id = ? AND content = ? AND abs(created_at - ?) < 0.001"
+            " ORDER BY id LIMIT 1", (pair_id, content, created_at))
+        return None if row is None else int(row[0])
 
     async def import_item(self, pair_id: int, fields: Mapping[str, Any]) -> int:
         """Insert an item as exported (its own times and state); returns its new id."""
