@@ -612,6 +612,16 @@ class PersonaConfig(_Section):
     error_handling: str = ""
     soul_order: list[str] = Field(default_factory=lambda: list(SOUL_SECTIONS))
 
+    @field_validator("name")
+    @classmethod
+    def _readable_name(cls, name: str) -> str:
+        """A name people can read and type: not blank, no control or invisible characters (a name such as
+        "Co\u200bra" looks like "Cora" and cannot be picked by typing it)."""
+        if not name.strip() or name != name.strip() or any(not ch.isprintable() for ch in name):
+            raise ValueError(f"{name!r}: a persona's name is visible text without control or invisible characters "
+                             "and without spaces at either end")
+        return name
+
     @field_validator("soul_order")
     @classmethod
     def _known_sections(cls, value: list[str]) -> list[str]:

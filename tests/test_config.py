@@ -170,3 +170,9 @@ def test_an_anthropic_base_url_ending_in_v1_is_explained() -> None:
     with pytest.raises(ConfigError, match="ends in /v1, but the Anthropic SDK adds /v1 itself"):
         parse_config({"llm": {"provider": "anthropic", "base_url": "http://localhost:8080/v1"}})
     assert parse_config({"llm": {"provider": "openai", "base_url": "http://localhost:8080/v1"}}).llm.base_url
+
+
+@pytest.mark.parametrize("name", ["   ", "Co\u200bra", " Cora", "Cora\u0007"])
+def test_a_persona_name_is_visible_text(name: str) -> None:
+    with pytest.raises(ConfigError, match="a persona's name is visible text"):
+        parse_config({"personas": [{"name": name}]})
