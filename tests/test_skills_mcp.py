@@ -89,6 +89,17 @@ async def test_stdio_round_trip(fake: McpServer) -> None:
     assert await tools["echo"].run({"text": "hé ho"}, CONTEXT) == SkillResult("hé ho")
 
 
+async def test_a_servers_tools_are_offered_within_bounds(fake: McpServer) -> None:
+    """A server writes its tools' descriptions and schemas, and both go into every request: a long
+    description is cut, a tool with a huge schema is not offered."""
+    from cortex.skills.mcp import MAX_DESCRIPTION_CHARS
+
+    tools = by_name(fake.tools)
+    described = tools["rambling"].info.description
+    assert len(described) == MAX_DESCRIPTION_CHARS + 1 and described.endswith("…")
+    assert "sprawling" not in tools and "echo" in tools
+
+
 async def test_env_and_env_from_reach_stdio_server(fake: McpServer) -> None:
     assert (await fake.call("env", {"name": "TOKEN"})).content == SECRET
     assert (await fake.call("env", {"name": "PLAIN"})).content == "plain"

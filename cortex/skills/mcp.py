@@ -157,16 +157,29 @@ def result_text(result: types.CallToolResult) -> str:
     return "\n".join(parts)
 
 
+MAX_DESCRIPTION_CHARS = 1_000  # a tool's description goes into every prompt it is offered in
+MAX_SCHEMA_CHARS = 8_000  # a tool whose input schema is larger is not offered
+
+
+def offerable(tool: types.Tool) -> bool:
+    """Whether a server's tool is small enough to offer: its schema is sent with every request."""
+    return len(json.dumps(tool.input_schema, default=str)) <= MAX_SCHEMA_CHARS
+
+
 class McpTool:
-    """One tool of an MCP server, as a skill; ``run`` calls it on its server by its original name."""
+    """One tool of an MCP server, as a skill; ``run`` calls it on its server by its original name. The
+    server writes its description: it is cut at :data:`MAX_DESCRIPTION_CHARS` (every token of it is paid
+    for in every request, and it is text from outside the bot)."""
 
     def __init__(self, server: McpServer, tool: types.Tool, name: str | None = None) -> None:
         self._server = server
         self._tool = tool
         config = server.config
+        described = tool.description or tool.title or f"The {tool.name} tool of the {config.name} MCP server."
         self._info = SkillInfo(
             name=name or _model_name(tool.name),
-            description=tool.description or tool.title or f"The {tool.name} tool of the {config.name} MCP server.",
+            description=described if len(described) <= MAX_DESCRIPTION_CHARS
+            else described[:MAX_DESCRIPTION_CHARS] + "…",
             input_schema=dict(tool.input_schema),
             origin="mcp",
             admin_only=config.admin_only,
@@ -423,7 +436,11 @@ class McpServer:
             if not cursor:
                 break
         allowed = set(self.config.tools)
-        self._tools = [McpTool(self, tool) for tool in listed if not allowed or tool.name in allowed]
+        wanted = [tool for tool in listed if not allowed or tool.name in allowed]
+        self._tools = [McpTool(self, tool) for tool in wanted if offerable(tool)]
+        if len(self._tools) < len(wanted):
+            log.warning("mcp server %s: %d tool(s) with an input schema over %d characters are not offered",
+                        self.name, len(wanted) - len(self._tools), MAX_SCHEMA_CHARS)
         missing = allowed - {tool.name for tool in listed}
         if missing:
             log.warning("mcp server %s does not offer the configured tools %s", self.name, sorted(missing))
