@@ -33,8 +33,9 @@ from bot.errors import UserFacingError
 from bot.llm.errors import LLMError
 from bot.policy import Inbound
 from bot.ports import IncomingMessage
-from bot.text import printable
+from bot.text import error_line, printable
 
+log = logging.getLogger(__name__)
 PLATFORM = "console"
 
 
@@ -350,10 +351,17 @@ class TerminalAdapter:
                 self.stdout.write(printable(delta))
                 self.stdout.flush()
         except LLMError as exc:
-            self.failures += 1
-            if started:
-                self.stdout.write("\n")
-            self._error(f"{exc.user_message} (your message was kept)")
+            self._failed(started, f"{exc.user_message} (your message was kept)")
+            return
+        except Exception as exc:  # a full disk, a damaged database, a bug: one line here, the details with -v
+            log.info("the reply failed", exc_info=True)
+            self._failed(started, f"could not answer: {error_line(exc)} (run with -v for the details)")
             return
         self.stdout.write("\n")
         self.stdout.flush()
+
+    def _failed(self, started: bool, why: str) -> None:
+        self.failures += 1
+        if started:
+            self.stdout.write("\n")
+        self._error(why)

@@ -19,7 +19,7 @@ import click
 from bot.config import Config, ConfigError, check_storage_url, load_config, read_secret, resolve_config_path
 from bot.llm.errors import LLMError
 from bot.storage import StorageError
-from bot.text import plural
+from bot.text import error_line, plural
 
 if TYPE_CHECKING:
     from bot.storage.copy import CopyReport
@@ -156,7 +156,11 @@ async def _chat(config: Config, user: str, persona: str | None) -> int:
         if web is not None:
             await web.stop()
         # The grace was spent waiting above: jobs still running now are requeued at once, not waited for twice.
-        await app.stop(0 if waited else None)
+        try:
+            await app.stop(0 if waited else None)
+        except Exception as exc:  # e.g. a full disk: said in one line, and never in place of what went wrong before
+            logging.getLogger(__name__).info("shutdown failed", exc_info=True)
+            click.echo(f"error: could not shut down cleanly: {error_line(exc)}", err=True)
 
 
 @cli.command()

@@ -29,6 +29,8 @@ from bot.storage.base import Storage
 from bot.streaming import MessageSink, StreamedReply
 
 log = logging.getLogger(__name__)
+SOMETHING_WENT_WRONG = ("Something went wrong on my side while answering (the details are in the bot's log). "
+                        "Please try again in a moment.")
 
 
 class ChatSink(MessageSink, Protocol):
@@ -175,17 +177,25 @@ class Router:
                 async for delta in stream:
                     await shown.feed(delta)
         except LLMError as exc:
-            await _stop(waiting)
-            if shown.sent and not shown.text:  # the error takes the place of the "still working…" line
-                await shown.finish(fallback=f"⚠️ {exc.user_message}")
-            else:  # keep what was said so far, then say what went wrong
-                await shown.finish()
-                await sink.send_reply(CommandReply(f"⚠️ {exc.user_message}"))
+            await self._failed(shown, sink, waiting, exc.user_message)
+            return
+        except Exception:  # a bug, a full disk, a lost database: said in one line, never a silent end
+            log.exception("reply in %s failed", message.channel_key)
+            await self._failed(shown, sink, waiting, SOMETHING_WENT_WRONG)
             return
         finally:
             await _stop(waiting)
         handles = await shown.finish()
         await self._link(sink, handles, stream.result)
+
+    @staticmethod
+    async def _failed(shown: StreamedReply, sink: ChatSink, waiting: asyncio.Task[None] | None, why: str) -> None:
+        await _stop(waiting)
+        if shown.sent and not shown.text:  # the error takes the place of the "still working…" line
+            await shown.finish(fallback=f"⚠️ {why}")
+        else:  # keep what was said so far, then say what went wrong
+            await shown.finish()
+            await sink.send_reply(CommandReply(f"⚠️ {why}"))
 
     async def incognito(self, user_key: str, persona: str) -> bool:
         """Whether the user is in an incognito stretch with the persona (``!memory pause``)."""

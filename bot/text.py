@@ -48,3 +48,9 @@ def plural(count: int, singular: str, many: str | None = None) -> str:
     if many is None:
         many = singular[:-1] + "ies" if singular.endswith("y") and singular[-2:-1] not in "aeiou" else singular + "s"
     return f"{count:,} {many}"
+
+
+def error_line(exc: BaseException) -> str:
+    """An error as one line for a person: its type and the first line of its message."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__

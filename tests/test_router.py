@@ -292,3 +292,23 @@ def test_access_lists_need_ids_with_their_platform() -> None:
     ok = AccessConfig(allow_users=["discord:1", "matrix:@ann:example.org", "console:ann"],
                       allow_roles=["matrix:power:50"], allow_servers=["matrix:example.org"])
     assert ok.allow_users[2] == "console:ann"
+
+
+async def test_an_unexpected_failure_gets_one_line_and_the_bot_goes_on(tmp_path: Path) -> None:
+    """Not an outage of the model but a bug or a failing disk: the person is told in one line (before, the
+    reply just stopped), and the next message is answered."""
+    from bot.llm.base import Completion, LLMRequest
+
+    def broken(request: LLMRequest) -> Completion:
+        raise OSError("disk I/O error")
+
+    llm = ScriptedProvider()
+    llm.enqueue(broken)  # type: ignore[arg-type]
+    async with App(_config(tmp_path), llm=llm) as app:
+        sink = Sink()
+        await app.router.handle(inbound("hi", dm=True), sink)
+        assert [r.text for r in sink.public] == ["⚠️ Something went wrong on my side while answering (the details "
+                                                 "are in the bot's log). Please try again in a moment."]
+        sink = Sink()
+        await app.router.handle(inbound("hi again", dm=True), sink)
+        assert sink.messages == ["echo: hi again"]

@@ -99,3 +99,23 @@ async def test_a_forget_me_from_anywhere_in_the_process_empties_the_users_histor
         terminal._history.store_string("a new start")
         await terminal.run_command("!memory forget-me confirm")  # typed: the same way
         assert not (tmp_path / "history").exists()
+
+
+async def test_a_failure_that_is_no_outage_is_one_line_and_the_chat_goes_on(tmp_path: Path) -> None:
+    """A full disk or a damaged database while answering: one error line (no traceback), the exit status
+    says it, and the next line is answered."""
+    from bot.llm.base import Completion
+
+    def broken(request: LLMRequest) -> Completion:
+        raise OSError("database or disk is full")
+
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
+    llm = ScriptedProvider()
+    llm.enqueue(broken, "Still here.")  # type: ignore[arg-type]
+    screen = io.StringIO()
+    async with App(config, llm=llm) as app:
+        terminal = TerminalAdapter(app, user="ann", stdin=io.StringIO("first\nsecond\n"), stdout=screen, stderr=screen)
+        assert await terminal.run() == 1
+    shown = screen.getvalue()
+    assert "error: could not answer: OSError: database or disk is full (run with -v for the details)" in shown
+    assert "Traceback" not in shown and "Cora: Still here." in shown
