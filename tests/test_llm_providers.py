@@ -670,3 +670,23 @@ async def test_openai_stream_of_whole_calls_without_an_index(openai_provider: LL
     fake_llm.enqueue(FakeResponse.malformed(body.encode(), content_type="text/event-stream"))
     completion = (await collect(openai_provider, request(tools=(WEATHER,))))[1]
     assert [(c.id, c.arguments) for c in completion.tool_calls] == [("a", {"city": "Oslo"}), ("b", {"city": "Rome"})]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", PROVIDERS)
+@pytest.mark.parametrize("header", [{"retry-after-ms": "30000"}, {"retry-after-ms": "100000000"}])
+async def test_a_retry_after_longer_than_a_retry_may_wait_is_reported_at_once(
+    fake_llm: FakeLLMServer, kind: str, header: dict[str, str]
+) -> None:
+    """The SDKs obey any retry-after: a reply sat out its whole deadline, then said "too slow"."""
+    import time
+
+    prov = make_provider(kind, fake_llm, max_retries=2, timeout=6.0)
+    fake_llm.enqueue(*[FakeResponse.error(429, "slow down", headers=header) for _ in range(3)])
+    started = time.monotonic()
+    try:
+        with pytest.raises(LLMRateLimited):
+            await prov.complete(request())
+    finally:
+        await prov.aclose()
+    assert time.monotonic() - started < 2.0 and len(fake_llm.completion_requests) == 1

@@ -86,6 +86,31 @@ class _ErrorInfo:
     request_id: str | None
 
 
+MAX_RETRY_WAIT = 20.0  # seconds a retry may wait when a server asks for it (retry-after)
+
+
+def waits_too_long(retry_after: float | None, deadline: float) -> bool:
+    """Whether a server's retry-after asks for more wait than a retry may take. The SDKs obey any value
+    (Anthropic's up to weeks): a reply would sit out its whole deadline, then say "too slow" where the
+    truth is "rate limited", and a background job would hold its worker as long. Such an answer is not
+    retried: the rate limit is reported at once (and jobs back off on their own schedule)."""
+    return retry_after is not None and retry_after > min(MAX_RETRY_WAIT, deadline / 2)
+
+
+def limit_retry_waits(client: Any, deadline: float) -> None:
+    """Make an SDK client report a rate limit at once when the server asks for a longer wait than
+    :func:`waits_too_long` allows. Wrapped on the instance, not subclassed: the Anthropic SDK looks up
+    credentials only for its own class."""
+    should_retry = client._should_retry
+
+    def retry_unless_too_long(response: Any) -> bool:
+        if waits_too_long(client._parse_retry_after_header(response.headers), deadline):
+            return False
+        return bool(should_retry(response))
+
+    setattr(client, "_should_retry", retry_unless_too_long)  # noqa: B010 (a method, replaced on the instance)
+
+
 def _shortened(detail: str) -> str:
     limit = _MAX_MESSAGE_CHARS + 200  # the server's message plus what names the error around it
     return detail if len(detail) <= limit else detail[:limit] + "…"

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 import anthropic
 import httpx2
 
-from bot.llm._mapping import Deadline, SdkErrors, to_llm_error
+from bot.llm._mapping import Deadline, SdkErrors, limit_retry_waits, to_llm_error
 from bot.llm.base import (
     ChatMessage,
     Completion,
@@ -281,6 +281,7 @@ class _StreamAccumulator:
 # --------------------------------------------------------------------------- the provider
 
 
+
 class AnthropicProvider:
     """:class:`bot.llm.base.LLMProvider` for the Anthropic Messages API."""
 
@@ -306,6 +307,7 @@ class AnthropicProvider:
                 timeout=self._timeout,
                 max_retries=max_retries,
             )
+            limit_retry_waits(self._client, timeout_seconds)
         except anthropic.AnthropicError as exc:
             # Without api_key the SDK looks for credentials in the environment and in config files.
             raise LLMAuthError(f"anthropic: no usable credentials ({self._error(exc).detail})") from exc

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 import httpx2
 import openai
 
-from bot.llm._mapping import Deadline, SdkErrors, to_llm_error
+from bot.llm._mapping import Deadline, SdkErrors, limit_retry_waits, to_llm_error
 from bot.llm.base import (
     ChatMessage,
     Completion,
@@ -260,6 +260,7 @@ class _StreamAccumulator:
 # --------------------------------------------------------------------------- the provider
 
 
+
 class OpenAICompatProvider:
     """:class:`bot.llm.base.LLMProvider` for OpenAI and OpenAI-compatible chat-completions servers."""
 
@@ -285,6 +286,7 @@ class OpenAICompatProvider:
                 timeout=self._timeout,
                 max_retries=max_retries,
             )
+            limit_retry_waits(self._client, timeout_seconds)
         except openai.OpenAIError as exc:
             raise self._error(exc) from exc
 
