@@ -43,6 +43,7 @@ PRUNE_AFTER_START = 300.0
 INCOGNITO_CHECK_SECONDS = 600.0
 RETENTION_SECONDS = 86_400.0
 SETTINGS_RELOAD_SECONDS = 5.0  # seconds: a bot that restarts daily still prunes
+SHARED_CACHE_SECONDS = 60.0  # SQLite shared by several processes: cached vectors are read again this often
 CALIBRATION_SETTING = "tokens.calibration.{provider}.{model}"
 
 
@@ -74,6 +75,7 @@ class App:
         self._llm = llm
         self._embedder = embedder
         self._started = False
+        self._shared_warned = False
 
     async def start(self, *, workers: bool = True) -> App:
         self.llm = self._llm or build_provider(self.config)
@@ -144,6 +146,9 @@ class App:
                 self.scheduler.every(HEARTBEAT_SECONDS, "heartbeat", self.fleet.heartbeat, fleet_once=False)
                 # Admin-tuned values another process saved reach this one within seconds.
                 self.scheduler.every(SETTINGS_RELOAD_SECONDS, "reload-settings", self._reload, fleet_once=False)
+                if self.storage.db.dialect == "sqlite":
+                    self.scheduler.every(SHARED_CACHE_SECONDS, "shared-sqlite", self._shared_sqlite,
+                                         fleet_once=False)
                 await self.workers.start()
                 self.scheduler.every(
                     self.config.jobs.lease_seconds, "requeue-abandoned-jobs", self.workers.recover
@@ -186,6 +191,21 @@ class App:
     async def _reload(self) -> None:
         await self.cortex.memory_admin.load()
         await self.personas.load()
+
+    async def _shared_sqlite(self) -> None:
+        """Another process on this SQLite file (a `cortexbot chat` beside `cortexbot run`) embeds and stores
+        what this one's vector cache does not hold: while one lives, the cache is read again every
+        :data:`SHARED_CACHE_SECONDS`, and the log says once that PostgreSQL is the engine for several."""
+        others = [p for p in await self.fleet.live() if p.id != self.fleet.process_id]
+        if not others or self.cortex.embeddings is None:
+            return
+        if not self._shared_warned:
+            self._shared_warned = True
+            log.warning("another bot process (pid %d on %s) uses this SQLite database; each process keeps its "
+                        "own vector cache, read again every %.0f s while they share it. For several processes, "
+                        "PostgreSQL is the engine (README: Growing past one machine)", others[0].pid,
+                        others[0].host, SHARED_CACHE_SECONDS)
+        self.cortex.embeddings.index.invalidate()
 
     @property
     def _calibration_key(self) -> str:
