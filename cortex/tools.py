@@ -75,8 +75,8 @@ class CortexTools:
     # Each file as this update first saw it: the shrink guard measures against it, so a file cannot be
     # whittled down in small steps within one update.
     started_with: dict[str, str] = field(default_factory=dict)
-    # The version of each file the model last read or saved: a save lands only while it is still the newest,
-    # so a user's edit made during the update is never overwritten by a model that did not see it.
+    # The version of each file the model last read or saved (at first: as the update found it): a save lands
+    # only while it is still the newest, so an edit made during the update is never overwritten unseen.
     seen: dict[str, int] = field(default_factory=dict)
 
     async def execute(self, call: ToolCall) -> ToolOutcome:
@@ -115,8 +115,12 @@ class CortexTools:
 
     async def _read(self, filename: str) -> ToolOutcome:
         current = await self.files.store.current(self.pair.id, filename)
-        self.started_with.setdefault(filename, current.content if current else "")
-        self.seen[filename] = current.version if current else 0
+        version = current.version if current else 0
+        if filename not in self.started_with or self.seen.get(filename) != version:
+            # First look, or someone else saved it since (the person's own correction): the shrink guard
+            # measures against the file as it is now, so keeping their deletion is no "dropping most of it".
+            self.started_with[filename] = current.content if current else ""
+        self.seen[filename] = version
         self.files_read.append(filename)
         return ToolOutcome(current.content if current else "")
 

@@ -127,14 +127,20 @@ class CortexUpdater:
             reason = f"too little conversation to learn from ({len(history)} messages; {MIN_MESSAGES} needed)"
             run_id = await self.store.record_skip(pair.id, job_id, tier, reason)
             return Outcome("skipped", reason, run_id)
-        await self.files.ensure(pair, persona.language, user.display_name)
+        estimate = PROMPT_OVERHEAD + sum(self.estimator.scale(m.token_count + PER_MESSAGE_OVERHEAD) for m, _ in history)
+        if spent := await self._budget_spent(pair, settings, next_round=estimate):
+            reason = f"{spent} would run out: the update reads about {estimate:,} tokens"
+            return Outcome("skipped", reason, await self.store.record_skip(pair.id, job_id, tier, reason))
+        current = await self.files.ensure(pair, persona.language, user.display_name)
         run_id = await self.store.start_run(pair.id, job_id, tier)
         memory_tools = MemoryTools(self.memory, pair.id, run_id) if self.memory is not None else None
-        tools = CortexTools(self.files, pair, tier, run_id, settings.file_max_chars, memory_tools)
+        tools = CortexTools(self.files, pair, tier, run_id, settings.file_max_chars, memory_tools,
+                            seen={name: version.version for name, version in current.items()})
         started = time.monotonic()
         totals = [0, 0, 0]  # rounds, input tokens, output tokens
         try:
-            status, reason = await self._loop(pair, persona, user.display_name, tier, settings, history, tools, totals)
+            status, reason = await self._loop(pair, persona, user.display_name, tier, settings, history, tools, totals,
+                                              estimate)
         except LLMError as exc:
             await self.store.finish_run(
                 run_id, "failed", reason=exc.user_message, rounds=totals[0], files_read=tools.files_read,
@@ -144,6 +150,9 @@ class CortexUpdater:
             )
             log.warning("cortex run %d (pair %d) failed: %s", run_id, pair.id, type(exc).__name__)
             raise  # transient errors are retried by the job queue
+        except BaseException:  # cancelled (shutdown, a lost lease) or a bug: what was spent replaces the estimate
+            await asyncio.shield(self.store.record_progress(run_id, totals[0], totals[1], totals[2]))
+            raise
         await self.store.finish_run(
             run_id, status, reason=reason, rounds=totals[0], files_read=tools.files_read,
             files_written=tools.files_written, input_tokens=totals[1], output_tokens=totals[2],
@@ -176,7 +185,7 @@ class CortexUpdater:
 
     async def _loop(
         self, pair: Pair, persona: Persona, user_name: str, tier: str, settings: CortexConfig,
-        history: list[tuple[StoredMessage, str]], tools: CortexTools, totals: list[int],
+        history: list[tuple[StoredMessage, str]], tools: CortexTools, totals: list[int], next_round: int,
     ) -> tuple[RunStatus, str]:
         model = settings.model or self.config.model_for(persona)
         system = system_prompt(
@@ -184,8 +193,6 @@ class CortexUpdater:
             settings.file_max_chars, with_memory=self.memory is not None,
         )
         messages: list[ChatMessage] = [ChatMessage("user", conversation_message(persona, history, user_name))]
-        next_round = PROMPT_OVERHEAD + sum(self.estimator.scale(m.token_count + PER_MESSAGE_OVERHEAD)
-                                           for m, _ in history)
         for round_number in range(1, settings.max_rounds + 1):
             if spent := await self._reserve(pair, settings, tools.run_id, totals, next_round):
                 return "failed", f"stopped: {spent} would run out {'before' if round_number == 1 else 'during'} " \

@@ -146,6 +146,36 @@ async def test_a_users_edit_during_an_update_is_never_overwritten(app: App, fake
     assert "changed by someone else since you read it (it is now version 2)" in refusal
 
 
+async def test_a_blind_write_never_overwrites_an_edit_made_during_the_update(app: App,
+                                                                            fake_llm: FakeLLMServer) -> None:
+    """The model writes without reading: its save is based on the version the update found, so a person's
+    edit since is kept; after reading that edit, a save that keeps the person's deletion is not refused
+    as "dropping most of the file" (measured against the file as they left it)."""
+    await _talk(app, CONVERSATION)
+    pair = await _pair(app)
+    long = "# My memories of Ann\n" + "".join(f"- Ann fact {i}: a detail worth keeping.\n" for i in range(40))
+    await app.cortex.files.write(pair, "memory.md", long, "model", "earlier update")
+    short = "# My memories of Ann\n- Ann asked me to forget the rest.\n"
+    fake_llm.enqueue(
+        FakeResponse.tool_calls([("t1", "write_file", {"filename": "memory.md", "content": NEW_MEMORY})], delay=1.0),
+        FakeResponse.tool_calls([("t2", "read_file", {"filename": "memory.md"})]),
+        FakeResponse.tool_calls([("t3", "write_file", {"filename": "memory.md",
+                                                        "content": short + "- Ann has a cat called Pixel.\n"})]),
+        FakeResponse.text(""),
+    )
+    settings = (await app.cortex.resolver.effective("Cora")).settings
+    run = asyncio.create_task(app.cortex.updater.run(pair, "50", settings))
+    for _ in range(500):  # the first request is out: the person edits meanwhile
+        if cortex_requests(fake_llm):
+            break
+        await asyncio.sleep(0.02)
+    await app.cortex.files.edit(pair, "memory.md", short, based_on=1)
+    assert (await run).status == "success"
+    results = [result_text(tool_results(r)[0]) for r in cortex_requests(fake_llm)[1:]]
+    assert "changed by someone else" in results[0] and results[2].startswith("saved memory.md as version 3")
+    assert (await app.cortex.store.current(pair.id, "memory.md")).content.startswith(short)
+
+
 async def test_parallel_tool_calls_in_one_turn(app: App, fake_llm: FakeLLMServer) -> None:
     await _talk(app, CONVERSATION)
     fake_llm.enqueue(
@@ -472,7 +502,8 @@ async def test_the_first_round_and_tool_results_count_before_they_are_spent(
         await app.cortex.updater.run(pair, "50", settings)
         assert await app.cortex.updater.guard(pair, settings) is None  # 9,500 of 10,000: not spent yet
         outcome = await app.cortex.updater.run(pair, "75", settings)
-        assert outcome.status == "failed" and "would run out before the update" in outcome.reason
+        assert outcome.status == "skipped" and "this pair's daily token budget would run out: the update reads " \
+            "about" in outcome.reason
         assert len(cortex_requests(fake_llm)) == 1 and await app.cortex.store.tokens_since(0, pair.id) == 9_500
 
 
