@@ -135,8 +135,8 @@ async def _chat(config: Config, user: str, persona: str | None) -> int:
         await app.start()
     except (ConfigError, StorageError) as exc:
         raise click.ClickException(str(exc)) from None
-    waited = False
-    web = None
+    web: Any = None
+    status, waited = 1, False
     try:
         try:
             adapter = TerminalAdapter(app, user=user, persona=persona)
@@ -144,23 +144,37 @@ async def _chat(config: Config, user: str, persona: str | None) -> int:
             web = await _start_web(app, {})
         except (ConfigError, RuntimeError) as exc:  # --persona names no persona; the web page's port is taken
             raise click.ClickException(str(exc)) from None
-        status = await adapter.run()
-        pending = await app.storage.count_jobs(("queued", "running"), app.workers.handlers)
-        if pending:
-            grace = config.jobs.shutdown_grace_seconds
-            click.echo(f"waiting up to {grace:.0f} s for {pending} background job(s)…", err=True)
-            waited = True
-            await app.workers.drain(grace)
-        return status
+        status, waited = await _converse(app, config, adapter)
     finally:
         if web is not None:
             await web.stop()
-        # The grace was spent waiting above: jobs still running now are requeued at once, not waited for twice.
-        try:
-            await app.stop(0 if waited else None)
-        except Exception as exc:  # e.g. a full disk: said in one line, and never in place of what went wrong before
-            logging.getLogger(__name__).info("shutdown failed", exc_info=True)
-            click.echo(f"error: could not shut down cleanly: {error_line(exc)}", err=True)
+        stopped = await _stop_quietly(app, waited)
+    return status if stopped else 1
+
+
+async def _converse(app: Any, config: Config, adapter: Any) -> tuple[int, bool]:
+    """The terminal chat until the end of input, then the background jobs' grace: (exit status, whether
+    the grace was spent)."""
+    status: int = await adapter.run()
+    pending = await app.storage.count_jobs(("queued", "running"), app.workers.handlers)
+    if not pending:
+        return status, False
+    grace = config.jobs.shutdown_grace_seconds
+    click.echo(f"waiting up to {grace:.0f} s for {pending} background job(s)…", err=True)
+    await app.workers.drain(grace)
+    return status, True
+
+
+async def _stop_quietly(app: Any, waited: bool) -> bool:
+    """Stop the app; a failure (e.g. a full disk) is one line, never in place of an error before it."""
+    try:
+        # The grace was spent waiting already: jobs still running now are requeued at once, not waited for twice.
+        await app.stop(0 if waited else None)
+    except Exception as exc:
+        logging.getLogger(__name__).info("shutdown failed", exc_info=True)
+        click.echo(f"error: could not shut down cleanly: {error_line(exc)}", err=True)
+        return False
+    return True
 
 
 @cli.command()

@@ -690,3 +690,18 @@ async def test_a_retry_after_longer_than_a_retry_may_wait_is_reported_at_once(
     finally:
         await prov.aclose()
     assert time.monotonic() - started < 2.0 and len(fake_llm.completion_requests) == 1
+
+
+@pytest.mark.asyncio
+async def test_openai_chunk_of_two_calls_without_ids_or_indexes(openai_provider: LLMProvider,
+                                                                fake_llm: FakeLLMServer) -> None:
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        return "data: " + json.dumps({"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) + "\n\n"
+
+    calls = {"tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}},
+                            {"type": "function", "function": {"name": "weather", "arguments": '{"city": "Rome"}'}}]}
+    body = chunk({"role": "assistant", "content": ""}) + chunk(calls) + chunk({}, "tool_calls") + "data: [DONE]\n\n"
+    fake_llm.enqueue(FakeResponse.malformed(body.encode(), content_type="text/event-stream"))
+    completion = (await collect(openai_provider, request(tools=(WEATHER,))))[1]
+    assert [c.arguments for c in completion.tool_calls] == [{"city": "Oslo"}, {"city": "Rome"}]

@@ -210,3 +210,20 @@ async def test_an_import_run_again_after_an_interruption_keeps_its_corrections(t
         assert again.startswith("Imported 1 memory item") and "1 were here already" in again
         listed = await run(app, "!memory list")
         assert "Ann lives in Cologne" in listed and "Ann lives in Bonn" not in listed
+
+
+async def test_a_correction_made_between_two_imports_stays_the_one_that_counts(tmp_path: Path) -> None:
+    old = {"id": 1, "category": "fact", "content": "Ann lives in Bonn", "importance": 5, "created_at": 1_700_000_000,
+           "superseded_by": 2}
+    new = {"id": 2, "category": "fact", "content": "Ann lives in Cologne", "importance": 5,
+           "created_at": 1_700_000_100, "supersedes": 1}
+    async with App(_config(tmp_path / "bot"), llm=ScriptedProvider()) as app:
+        first = _archive("ann", personas=[{"persona": "Cora", "memory_items": [{**old, "superseded_by": None}]}])
+        await run(app, "!memory import", ctx("ann", first))
+        listed = await run(app, "!memory list")
+        item = int(listed.split("#")[1].split()[0].rstrip(":."))
+        pair = await app.cortex.store.count_messages((await app.storage.get_user("discord:ann")).id, "Cora", 0)
+        mine = await app.cortex.memory.remember(pair.id, "Ann lives in Berlin", category="fact", supersedes=item)
+        await run(app, "!memory import", ctx("ann", _archive("ann", personas=[
+            {"persona": "Cora", "memory_items": [old, new]}])))
+        assert (await app.cortex.memory.get(pair.id, item, count_access=False)).superseded_by == mine.id

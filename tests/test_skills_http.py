@@ -212,6 +212,9 @@ async def test_dot_segments_cannot_leave_the_templates_path(server: tuple[str, R
     assert seen.requests == []
     fine = await skill.run({"city": "...x"}, _context())
     assert json.loads(fine.content)["path"] == "/echo/weather/...x/today"
+    inside = make(url=base + "/echo/weather/{city}.json?q={q}", parameters={"type": "object", "properties": {}})
+    harmless = await inside.run({"city": ".", "q": ""}, _context())  # inside a segment, and in the query
+    assert not harmless.is_error and json.loads(harmless.content)["path"] == "/echo/weather/..json"
 
 
 async def test_missing_required_argument_is_an_error_and_no_request(

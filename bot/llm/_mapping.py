@@ -112,8 +112,10 @@ def limit_retry_waits(client: Any, deadline: float) -> None:
 
 
 def _shortened(detail: str) -> str:
-    limit = _MAX_MESSAGE_CHARS + 200  # the server's message plus what names the error around it
-    return detail if len(detail) <= limit else detail[:limit] + "…"
+    """A long detail cut in its middle (the server's message): its start names the error, its end the
+    request id and whether it came in the stream."""
+    limit = _MAX_MESSAGE_CHARS + 200
+    return detail if len(detail) <= limit else detail[:limit - 150] + " … " + detail[-150:]
 
 
 def redact(text: str, secrets: Iterable[str | None]) -> str:

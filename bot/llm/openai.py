@@ -224,11 +224,14 @@ class _StreamAccumulator:
 
     def _index_without(self, position: int, call: Any) -> int:
         """Where a call piece sent without an ``index`` belongs (some compatible servers stream each call
-        whole, without one): a new ``id`` starts a new call; a piece without an id continues the last."""
+        whole, without one): a new ``id`` starts a new call, as does a second piece in one chunk; any other
+        piece without an id continues the last call."""
         if call.id:
             known = [index for index, partial in self.calls.items() if partial.call_id == call.id]
             return known[0] if known else max(self.calls, default=-1) + 1
-        return max(self.calls, default=position)
+        if position > 0:  # a second piece in one chunk, without id or index: a call of its own
+            return max(self.calls, default=-1) + 1
+        return max(self.calls, default=0)
 
     def _feed_call(self, index: int, call: Any) -> None:
         partial = self.calls.setdefault(index, _PartialCall())

@@ -71,10 +71,15 @@ class ExportRepository:
         return int(row[0])
 
     async def link_correction(self, pair_id: int, old_id: int, new_id: int) -> None:
-        await self.db.write("UPDATE memory_items SET superseded_by = ? WHERE id = ? AND pair_id = ?",
-                            (new_id, old_id, pair_id))
-        await self.db.write("UPDATE memory_items SET supersedes = ? WHERE id = ? AND pair_id = ?",
-                            (old_id, new_id, pair_id))
+        """Mark ``new_id`` as the correction of ``old_id``, unless ``old_id`` has a correction already (one
+        its user made since an earlier import of it stays the one that counts)."""
+        async with self.db.transaction() as tx:
+            linked = await tx.fetch_one(
+                "UPDATE memory_items SET superseded_by = ? WHERE id = ? AND pair_id = ?"
+                " AND (superseded_by IS NULL OR superseded_by = ?) RETURNING id", (new_id, old_id, pair_id, new_id))
+            if linked is not None:
+                await tx.execute("UPDATE memory_items SET supersedes = ? WHERE id = ? AND pair_id = ?",
+                                 (old_id, new_id, pair_id))
 
     async def has_message(self, channel_id: int, role: str, text: str, created_at: float) -> bool:
         row = await self.db.fetch_one(

@@ -161,12 +161,21 @@ def fill_template(template: str, arguments: dict[str, Any]) -> tuple[str, dict[s
             raise SkillFailure(f"missing argument {name!r} (it is part of the URL)")
         used.add(name)
         value = _as_text(arguments[name])
-        if value.strip() in ("", ".", ".."):  # a URL resolves "." and "..": the call would leave its path
-            raise SkillFailure(f"argument {name!r} is part of the URL's path and cannot be {value!r}")
+        if value.strip() in ("", ".", "..") and _whole_segment(template, match):
+            # a URL resolves "." and "..": the call would leave its path (an empty segment, too, moves it)
+            raise SkillFailure(f"argument {name!r} is a part of the URL's path and cannot be {value!r}")
         return quote(value, safe="")
 
     url = _PLACEHOLDER.sub(replace, template)
     return url, {key: value for key, value in arguments.items() if key not in used}
+
+
+def _whole_segment(template: str, match: re.Match[str]) -> bool:
+    """Whether a placeholder fills a whole segment of the URL's path (``/users/{id}/``), where a dot
+    segment or nothing would change which path is called; in a query or inside a segment it cannot."""
+    start, end = match.span()
+    query = min((i for i in (template.find("?"), template.find("#")) if i >= 0), default=len(template))
+    return start < query and template[start - 1:start] == "/" and template[end:end + 1] in ("/", "?", "#", "")
 
 
 def query_params(arguments: dict[str, Any]) -> list[tuple[str, str]]:
