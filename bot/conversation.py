@@ -72,21 +72,24 @@ class _Shown:
     def __init__(self) -> None:
         self.chars = 0
         self.cut = False
+        self._pieces: list[str] = []
 
     def take(self, text: str) -> str:
         """The part of ``text`` still within the limit (the note, once, where it is crossed)."""
         room = MAX_REPLY_CHARS - self.chars
         self.chars += len(text)
-        if room >= len(text):
-            return text
         if self.cut:
             return ""
-        self.cut = True
-        return text[:max(room, 0)] + CUT_NOTE
+        if room < len(text):
+            self.cut = True
+            text = text[:max(room, 0)] + CUT_NOTE
+        self._pieces.append(text)
+        return text
 
-    @staticmethod
-    def whole(text: str) -> str:
-        return text if len(text) <= MAX_REPLY_CHARS else text[:MAX_REPLY_CHARS] + CUT_NOTE
+    @property
+    def text(self) -> str:
+        """Everything shown so far."""
+        return "".join(self._pieces)
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,43 +283,52 @@ class ConversationCore:
     ) -> AsyncIterator[str]:
         """The model's text as it streams, over as many rounds as tool calls need (at most the toolbox's
         ``max_rounds``; the last round, or the first over the token cap, must answer in text). Each
-        round's text streams at once; rounds are joined by a blank line. Appends the whole completion."""
+        round's text streams at once; rounds are joined by a blank line. Appends the whole completion:
+        its text is what was shown (cut at :data:`MAX_REPLY_CHARS`, and then no further round runs)."""
         messages, usage = list(request.messages), Usage()
         texts: list[str] = []
         rounds = toolbox.max_rounds if toolbox is not None else 1
-        completion: Completion | None = None
+        ended: list[Completion] = []
         shown = _Shown()
         for number in range(rounds):
             last = toolbox is None or number == rounds - 1 or (
                 usage.input_tokens + usage.output_tokens >= toolbox.token_cap)
             offered = replace(request, messages=tuple(messages), tools=toolbox.specs if toolbox else (),
                               tool_choice="none" if last else "auto")
-            completion = None
-            separate = any(t.strip() for t in texts)
-            async for event in self.llm.stream(offered):
-                if isinstance(event, TextDelta) and (piece := shown.take(event.text)):
-                    if separate:
-                        yield "\n\n"
-                        separate = False
-                    yield piece
-                elif isinstance(event, StreamEnd):
-                    completion = event.completion
-            if completion is None:
-                raise LLMBadResponse("the model's stream ended without a result")
+            async for piece in self._round(offered, shown, any(t.strip() for t in texts), ended):
+                yield piece
+            completion = ended[-1]
             texts.append(completion.text)
             usage = Usage(usage.input_tokens + completion.usage.input_tokens,
                           usage.output_tokens + completion.usage.output_tokens)
-            if last or toolbox is None or not completion.tool_calls:
+            if last or toolbox is None or not completion.tool_calls or shown.cut:
                 break
             messages.append(ChatMessage("assistant", completion.text, completion.tool_calls))
             for number_in_turn, call in enumerate(completion.tool_calls):
                 outcome = await self._tool(toolbox, call, stream) if number_in_turn < MAX_CALLS_PER_ROUND else (
                     ToolOutcome(f"refused: at most {MAX_CALLS_PER_ROUND} tool calls run per turn", True))
                 messages.append(ChatMessage("tool", outcome.content, tool_call_id=call.id, is_error=outcome.is_error))
-        assert completion is not None
-        text = shown.whole("\n\n".join(t.strip() for t in texts if t.strip()))
+        text = shown.text.strip() if shown.cut else "\n\n".join(t.strip() for t in texts if t.strip())
         stream.rounds = len(texts)
-        done.append(replace(completion, text=text, usage=usage, tool_calls=()))
+        done.append(replace(ended[-1], text=text, usage=usage, tool_calls=()))
+
+    async def _round(self, offered: LLMRequest, shown: _Shown, separate: bool, ended: list[Completion]
+                     ) -> AsyncIterator[str]:
+        """One model call's text as it streams (after a blank line when an earlier round said something);
+        its completion is appended to ``ended``."""
+        completion: Completion | None = None
+        async for event in self.llm.stream(offered):
+            if isinstance(event, TextDelta) and event.text:
+                if separate and (gap := shown.take("\n\n")):
+                    yield gap
+                separate = False
+                if piece := shown.take(event.text):
+                    yield piece
+            elif isinstance(event, StreamEnd):
+                completion = event.completion
+        if completion is None:
+            raise LLMBadResponse("the model's stream ended without a result")
+        ended.append(completion)
 
     @staticmethod
     async def _tool(toolbox: Toolbox, call: ToolCall, stream: ReplyStream) -> ToolOutcome:

@@ -276,3 +276,19 @@ async def test_a_turn_runs_at_most_eight_tool_calls(tmp_path: Path) -> None:
         assert int(rows[0][0]) == MAX_CALLS_PER_ROUND == 8
         results = [m for m in llm.requests[-1].messages if m.role == "tool"]
         assert len(results) == 30 and sum("at most 8 tool calls" in m.content for m in results) == 22
+
+
+async def test_a_reply_cut_across_rounds_is_stored_as_it_was_shown(tmp_path: Path) -> None:
+    from bot.llm.base import ToolCall
+
+    llm = ScriptedProvider()
+    lookup = (ToolCall("c1", "search_memory", {"query": "x"}),)
+    llm.enqueue(Completion("a" * 39_995, tool_calls=lookup, usage=Usage(0, 1)),
+                Completion("0123456789", tool_calls=lookup, usage=Usage(0, 1)), "never asked")
+    async with App(_config(tmp_path), llm=llm) as app:
+        stream = app.core.reply(_msg("go on"))
+        shown = "".join([d async for d in stream])
+        assert len(shown) <= 40_000 + 60 and shown.endswith("it was too long]")
+        stored = await app.storage.recent_messages(stream.result.reply.channel_id, 1)
+        assert stored[0].text == shown.strip()
+        assert len(llm.requests) == 2  # no round after the cut
