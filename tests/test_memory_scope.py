@@ -51,3 +51,23 @@ async def test_private_items_stay_out_of_group_channels(tmp_path: Path) -> None:
         assert "asthma" not in await prompt(app, llm, "ann", dm=False)
         assert "give the scope" in await run("!memory scope 1 public", ctx("ann", dm=True))
         assert "no memory item #2" in await run("!memory scope 2 private", ctx("bob", dm=True))
+
+
+async def test_many_private_matches_never_push_a_shared_item_out_of_a_group_search(tmp_path: Path) -> None:
+    """The candidates of a group channel's search are the shared items alone: many private items about the
+    garden (more than a search takes as candidates) once hid the one shared item about it."""
+    from cortex.memory.embedders import HashEmbedder
+
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}})
+    async with App(config, llm=ScriptedProvider(), embedder=HashEmbedder()) as app:
+        _, pair = await app.cortex.store.pair_for("discord:ann", "Ann", "Cora")
+        memory = app.cortex.memory
+        for i in range(150):  # more than a search takes as text (50) and as vector (100) candidates
+            await memory.remember(pair.id, f"Ann's garden, Ann's garden {i}", category="fact")
+        shared = await memory.remember(pair.id, "On Sundays Ann opens the old garden behind her house to the "
+                                       "visitors of the village fair", category="fact", scope="shared")
+        await app.cortex.embeddings.backfill()
+        hits = await memory.search(pair.id, "Ann's garden", scopes=("shared",), include_messages=False)
+        assert [h.id for h in hits] == [shared.id]
+        everything = await memory.search(pair.id, "Ann's garden", include_messages=False)
+        assert len(everything) == 10  # in a DM every item competes

@@ -46,6 +46,7 @@ NEIGHBOUR_SPAN = 5000  # ids a neighbour lookup walks back or forth at most (oth
 VISIBLE = (
     "m.pair_id = ? AND m.archived_at IS NULL AND m.superseded_by IS NULL AND (m.expires_at IS NULL OR m.expires_at > ?)"
 )
+SHARED = "scope = 'shared'"  # items a group channel may see (the scope column holds only 'private' or 'shared')
 TYPICAL_SAMPLE = 2000  # vectors a PostgreSQL query's typical similarity is estimated from
 TYPICAL_MIN = 30  # below this many vectors, the lowest similarity is the typical level (as in the numpy scan)
 TS_CONFIG_TTL = 60.0  # seconds a pair's or persona's text-search configuration is trusted (PostgreSQL)
@@ -57,6 +58,7 @@ FTS_SOURCE: dict[str, str] = {"memory_fts": "memory_items", "messages_fts": "mes
 @dataclass(frozen=True, slots=True)
 class ItemScope:
     pair_id: int
+    shared_only: bool = False  # a group channel's search: the pair's shared items only
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,10 +222,12 @@ class MemoryRepository:
             (pair_id, now),
         )
 
-    async def visible_items(self, pair_id: int, ids: Sequence[int], now: float) -> list[Row]:
+    async def visible_items(self, pair_id: int, ids: Sequence[int], now: float, *, shared_only: bool = False
+                            ) -> list[Row]:
         marks = ",".join("?" for _ in ids)
+        shared = f" AND m.{SHARED}" if shared_only else ""
         return await self.db.fetch_all(
-            f"SELECT {ITEM_COLUMNS_M} FROM memory_items AS m WHERE m.id IN ({marks}) AND {VISIBLE}",
+            f"SELECT {ITEM_COLUMNS_M} FROM memory_items AS m WHERE m.id IN ({marks}) AND {VISIBLE}{shared}",
             (*ids, pair_id, now),
         )
 
@@ -340,22 +344,24 @@ class MemoryRepository:
                 " ORDER BY m.id DESC")
 
     async def item_text_candidates(
-        self, pair_id: int, terms: Mapping[str, float], *, newest: bool, now: float, limit: int
+        self, pair_id: int, terms: Mapping[str, float], *, newest: bool, now: float, limit: int,
+        shared_only: bool = False,
     ) -> list[Row]:
-        """Visible items matching any of ``terms`` (FTS5-quoted words with their weights), best first
-        (or newest first when ``newest``), each with ``rank``."""
+        """Visible items (``shared_only``: only shared ones) matching any of ``terms`` (FTS5-quoted words
+        with their weights), best first (or newest first when ``newest``), each with ``rank``."""
+        shared = f" AND m.{SHARED}" if shared_only else ""
         if self.db.dialect == "sqlite":
             order = "memory_fts.rowid DESC" if newest else "bm25(memory_fts)"
             return await self.db.fetch_all(
                 f"SELECT {ITEM_COLUMNS_M}, bm25(memory_fts) AS rank FROM memory_fts"
-                f" JOIN memory_items AS m ON m.id = memory_fts.rowid WHERE memory_fts MATCH ? AND {VISIBLE}"
+                f" JOIN memory_items AS m ON m.id = memory_fts.rowid WHERE memory_fts MATCH ? AND {VISIBLE}{shared}"
                 f" ORDER BY {order} LIMIT ?",
                 (" OR ".join(terms), pair_id, now, limit),
             )
         config = await self._ts_config(pair_id=pair_id)
         sql = self._pg_text_sql(
             ITEM_COLUMNS_M, "memory_items AS m", "m.pair_id = $1 AND m.archived_at IS NULL AND m.superseded_by IS NULL"
-            " AND (m.expires_at IS NULL OR m.expires_at > $2)", terms, newest)
+            f" AND (m.expires_at IS NULL OR m.expires_at > $2){shared}", terms, newest)
         return await self.db.fetch_all(
             sql, (pair_id, now, tsquery(list(terms)), limit, config, *(tsquery([t]) for t in terms)))
 
@@ -385,8 +391,9 @@ class MemoryRepository:
     def _vector_where(scope: VectorScope) -> tuple[str, str, str, tuple[Any, ...]]:
         """(id column, vector column, FROM … WHERE … (the model is the last parameter), parameters)."""
         if isinstance(scope, ItemScope):
+            shared = f" AND {SHARED}" if scope.shared_only else ""
             return ("id", "embedding", "FROM memory_items WHERE pair_id = ? AND embedding IS NOT NULL"
-                    " AND archived_at IS NULL AND embedding_model = ?", (scope.pair_id,))
+                    f" AND archived_at IS NULL{shared} AND embedding_model = ?", (scope.pair_id,))
         return ("message_id", "vector", "FROM message_vectors WHERE user_id = ? AND persona = ? AND model = ?",
                 (scope.user_id, scope.persona))
 
@@ -429,13 +436,13 @@ class MemoryRepository:
 
     async def vector_top_items(
         self, pair_id: int, model: str, query: npt.NDArray[np.float32], k: int, now: float,
-        centring: tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]] | None = None,
+        centring: tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]] | None = None, *, shared_only: bool = False,
     ) -> tuple[dict[int, float], list[Row]]:
         """PostgreSQL: :meth:`vector_top` of the pair's items, with the rows (``ITEM_COLUMNS``, and with
         ``centring`` (direction, offset) each one's centred cosine as ``knn_centred`` for the caller's
         relevance floor) of those of them that are visible, read by the same statement (a search saves a
         round trip)."""
-        scope = ItemScope(pair_id)
+        scope = ItemScope(pair_id, shared_only)
         centred, params = self._centred_column(scope, query, *centring) if centring is not None else ("", ())
         visible = ", (m.superseded_by IS NULL AND (m.expires_at IS NULL OR m.expires_at > ?)) AS visible"
         scores, rows = await self._vector_knn(scope, model, query, k, f", {ITEM_COLUMNS_M}{visible}{centred}",

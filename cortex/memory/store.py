@@ -49,6 +49,7 @@ CATEGORIES: tuple[str, ...] = (
 Source = Literal["user", "model", "system"]
 Scope = Literal["private", "shared"]
 SCOPES: tuple[Scope, ...] = ("private", "shared")
+SHARED_ONLY_WIDER = 8  # a group channel's vector candidates are taken this many times over (private ones drop)
 _WORD = re.compile(r"\w+", re.UNICODE)
 COMMON_MATCHES = 1000  # a query word found in more rows than this is too common to rank by (see _bounded)
 MAX_TERMS = 16
@@ -405,7 +406,10 @@ class MemoryStore:
                   if vector is not None and self.embeddings is not None else RelevanceFloors())
         parts = []
         if include_items:  # a caller that knows the pair has no items saves the query
-            parts.append(self._item_candidates(pair_id, match, vector, now, floors.item))
+            # A group channel's search (shared items only) asks for those alone: private ones that match
+            # better would otherwise fill the candidates and push the shared ones out.
+            parts.append(self._item_candidates(pair_id, match, vector, now, floors.item,
+                                               shared_only=set(scopes) == {"shared"}))
         if messages:
             parts.append(self._message_candidates(user_id or 0, persona or "", match, vector, now,
                                                   set(exclude_messages), floors.message))
@@ -420,13 +424,14 @@ class MemoryStore:
 
     async def _item_candidates(
         self, pair_id: int, match: str, vector: npt.NDArray[np.float32] | None, now: float,
-        floor: CentredFloor | None,
+        floor: CentredFloor | None, *, shared_only: bool = False,
     ) -> list[_Candidate]:
         async def by_text() -> list[Any]:
             if not match:
                 return []
             terms, newest = await self._bounded("memory_fts", match, pair_id=pair_id)
-            return await self.repo.item_text_candidates(pair_id, terms, newest=newest, now=now, limit=self.candidates)
+            return await self.repo.item_text_candidates(pair_id, terms, newest=newest, now=now, limit=self.candidates,
+                                                        shared_only=shared_only)
 
         fetched: dict[int, Any] | None = None  # PostgreSQL: the visible vector candidates' rows, by id
 
@@ -438,18 +443,20 @@ class MemoryStore:
             if isinstance(index, DatabaseVectors):  # the k-NN query brings the rows along: no fetch below
                 scores, rows = await self.repo.vector_top_items(
                     pair_id, index.model_of(("items", pair_id)), vector, self.candidates * 2, now,
-                    (floor.direction, floor.offset) if floor is not None else None)
+                    (floor.direction, floor.offset) if floor is not None else None, shared_only=shared_only)
                 if floor is not None:
                     rows = [r for r in rows if float(r["knn_centred"]) >= floor.least]
                 fetched = {int(r["id"]): r for r in rows}
                 return {i: v for i, v in scores.items() if i in fetched}
-            # Hidden items may sit in the matrix: take more than needed, the fetch below filters.
-            return await index.top(("items", pair_id), vector, self.candidates * 2, floor=floor)
+            # Hidden items (and, for a group channel, private ones) may sit in the matrix: take more than
+            # needed, the fetch below filters.
+            wanted = self.candidates * (SHARED_ONLY_WIDER if shared_only else 2)
+            return await index.top(("items", pair_id), vector, wanted, floor=floor)
 
         async def fetch(ids: list[int]) -> list[Any]:
             if fetched is not None:
                 return [fetched[i] for i in ids if i in fetched]
-            return await self.repo.visible_items(pair_id, ids, now)
+            return await self.repo.visible_items(pair_id, ids, now, shared_only=shared_only)
 
         rows, text_scores, vector_scores = await self._candidate_rows(by_text(), by_vector(), fetch)
         most_accessed = max((int(r["access_count"]) for r in rows), default=0)
