@@ -25,7 +25,7 @@ from bot.app import App
 from bot.config import DiscordConfig
 from cortex.files import CortexFiles
 from cortex.memory.embedders import HashEmbedder
-from cortex.memory.store import MemoryError
+from cortex.memory.store import MemoryConflict, MemoryError
 from cortex.store import FILENAMES, CortexStore, FileVersion
 from tests.fakes.provider import ScriptedProvider
 from tests.test_web_admin import FakeGuild, member
@@ -108,6 +108,10 @@ async def test_concurrent_patches_of_one_item_answer_one_200_and_409s(tmp_path: 
                                          for n in range(4)))
         assert sorted(status for status, _ in answers) == [200, 409, 409, 409], answers
         assert len(await active_corrections(bot, pair, old)) == 1
+        # A request that read the item before the correction landed meets the store's own check: a conflict
+        # (409) too, as the one that met it inside the transaction, never a 422 depending on the timing.
+        with pytest.raises(MemoryConflict, match="already corrected"):
+            await bot.app.cortex.memory.remember(pair, "Ann in town later", supersedes=old)
         _, fresh = await ann_item(bot, "Ann plays chess")
         raced = await asyncio.gather(ann.call("POST", f"/api/me/items/{fresh}/forget"),
                                      ann.call("PATCH", f"/api/me/items/{fresh}", {"content": "Ann plays go"}))

@@ -280,10 +280,12 @@ class MemoryStore:
 
     @staticmethod
     def _check_correctable(old: MemoryItem) -> None:
+        """A conflict (409 on the web) whether the item changed long ago or a moment ago, in a request
+        racing this one: the two cannot be told apart, and the answer is the same."""
         if old.superseded_by is not None:
-            raise MemoryError(f"item #{old.id} was already corrected by #{old.superseded_by}")
+            raise MemoryConflict(f"item #{old.id} was already corrected by #{old.superseded_by}")
         if old.archived_at is not None:
-            raise MemoryError(f"item #{old.id} is archived: restore it first")
+            raise MemoryConflict(f"item #{old.id} is archived: restore it first")
 
     async def _changed_meanwhile(self, pair_id: int, item_id: int) -> MemoryConflict:
         """The error for a correction or forget of an item that a concurrent one changed first."""
@@ -318,9 +320,9 @@ class MemoryStore:
     async def archive(self, pair_id: int, item_id: int, reason: str) -> MemoryItem:
         item = await self.get(pair_id, item_id, count_access=False)
         if item.archived_at is not None:
-            raise MemoryError(f"item #{item_id} is already archived")
+            raise MemoryConflict(f"item #{item_id} is already archived")
         if item.superseded_by is not None:
-            raise MemoryError(f"item #{item_id} was corrected by #{item.superseded_by}: forget that one")
+            raise MemoryConflict(f"item #{item_id} was corrected by #{item.superseded_by}: forget that one")
         if not await self.repo.archive(pair_id, item_id, reason, self.clock()):
             raise await self._changed_meanwhile(pair_id, item_id)
         return await self.get(pair_id, item_id, count_access=False)
