@@ -37,7 +37,7 @@ from discord import app_commands
 
 from adapters.discord_slash import MAX_FILES, build_context_menus, build_slash_commands, read_attachment
 from bot.app import App
-from bot.commands import Attachment, CommandContext, CommandReply
+from bot.commands import CommandContext, CommandReply
 from bot.config import DiscordConfig
 from bot.policy import Inbound, refusal
 from bot.ports import IncomingMessage
@@ -358,12 +358,12 @@ class DiscordAdapter:
         )
 
     async def run_slash(self, interaction: discord.Interaction, line: str, *, always_private: bool = False,
-                        attachments: tuple[Attachment, ...] = ()) -> None:
+                        files: tuple[discord.Attachment, ...] = ()) -> None:
         """Dispatch ``line`` (with the files of its attachment options) and answer the interaction."""
         inbound = self.slash_inbound(interaction, line)
-        if await self.refuse_slash(interaction, inbound):
+        if await self.refuse_slash(interaction, inbound):  # nothing is downloaded for a refused user
             return
-        work = asyncio.ensure_future(self._dispatch_slash(interaction, inbound, line, attachments))
+        work = asyncio.ensure_future(self._dispatch_slash(interaction, inbound, line, files))
         if not (await asyncio.wait({work}, timeout=SLASH_PATIENCE))[0]:
             # Slow (an export, a first search, a forget-me): "thinking…" now, the answer follows in its
             # place, as private as the command's answers are.
@@ -381,7 +381,11 @@ class DiscordAdapter:
             await self._answer(interaction, CommandReply(_with_note(reply.text, TOO_LARGE), private=True), True)
 
     async def _dispatch_slash(self, interaction: discord.Interaction, inbound: Inbound, line: str,
-                              attachments: tuple[Attachment, ...]) -> CommandReply:
+                              files: tuple[discord.Attachment, ...]) -> CommandReply:
+        try:
+            attachments = tuple([await read_attachment(f) for f in files])
+        except ValueError as exc:  # too large, unreadable: one private line
+            return CommandReply(str(exc), private=True)
         persona = await self.app.router.persona_for(inbound)
         context = replace(self.context(interaction, persona), attachments=attachments)
         return await self.app.commands.dispatch(line, context)

@@ -76,15 +76,9 @@ def slash_command(adapter: DiscordAdapter, command: Command, name: str) -> app_c
     files = [p.name for p in command.params if p.kind == "file"]
 
     async def callback(interaction: discord.Interaction, **values: Any) -> None:
-        if files and await adapter.refuse_slash(interaction):  # nothing is downloaded for a refused user
-            return
-        try:
-            attached = tuple([await read_attachment(values[name]) for name in files if values.get(name)])
-        except ValueError as exc:
-            await interaction.response.send_message(str(exc), ephemeral=True)
-            return
+        # The files are read as part of the command (after the access check, within the reply's patience).
         await adapter.run_slash(interaction, command.line(prefix, values), always_private=not command.public,
-                                attachments=attached)
+                                files=tuple(values[name] for name in files if values.get(name)))
 
     ordered = sorted(command.params, key=lambda p: not _required(p))  # Discord: required options first
     callback.__signature__ = inspect.Signature(  # type: ignore[attr-defined]

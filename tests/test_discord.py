@@ -541,3 +541,38 @@ async def test_files_with_another_bots_command_are_not_downloaded(adapter: Disco
     assert slash.read_attachment is not spy  # the adapter's own reference is the one replaced
     await dpytest.message("!play this song", attachments=[str(Path(__file__))])
     assert read == [] and dpytest.verify().message().nothing()
+
+
+async def test_a_slow_download_of_a_slash_commands_file_defers(adapter: DiscordAdapter,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading the attached card is part of the command: a slow CDN shows "thinking…" in time instead of
+    Discord's "The application did not respond"."""
+    import adapters.discord as module
+    from tests.test_cards import dumps, v2_card
+
+    member = dpytest.get_config().members[0]
+    monkeypatch.setattr(adapter, "config", adapter.config.model_copy(update={"admin_ids": [member.id]}))
+    data = dumps(v2_card(name="Rosa"))
+
+    async def slow_read(self: discord.Attachment, **kw: Any) -> bytes:
+        await asyncio.sleep(0.5)
+        return data
+
+    followups: list[dict[str, Any]] = []
+
+    async def record(self: Any, webhook_id: int, token: str, **kw: Any) -> None:
+        followups.append(kw.get("payload") or kw.get("multipart"))
+
+    monkeypatch.setattr(discord.Attachment, "read", slow_read)
+    monkeypatch.setattr(module, "SLASH_PATIENCE", 0.2)
+    monkeypatch.setattr(discord.webhook.async_.AsyncWebhookAdapter, "execute_webhook", record)
+    attachment = {"id": "3333", "filename": "rosa.json", "size": len(data), "url": "https://cdn.invalid/rosa.json",
+                  "proxy_url": "https://cdn.invalid/rosa.json"}
+    response = await _interact(adapter, monkeypatch, "persona-admin", [{"name": "import", "type": 1, "options": [
+        {"name": "card", "type": 11, "value": "3333"}]}], resolved={"attachments": {"3333": attachment}})
+    assert response["type"] == 5
+    for _ in range(300):
+        if followups:
+            break
+        await asyncio.sleep(0.01)
+    assert followups and "Imported Rosa from rosa.json" in followups[0]["content"]
