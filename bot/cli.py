@@ -136,7 +136,7 @@ async def _chat(config: Config, user: str, persona: str | None) -> int:
     except (ConfigError, StorageError) as exc:
         raise click.ClickException(str(exc)) from None
     web: Any = None
-    status, waited = 1, False
+    status, grace = 1, {"spent": False}
     try:
         try:
             adapter = TerminalAdapter(app, user=user, persona=persona)
@@ -144,25 +144,26 @@ async def _chat(config: Config, user: str, persona: str | None) -> int:
             web = await _start_web(app, {})
         except (ConfigError, RuntimeError) as exc:  # --persona names no persona; the web page's port is taken
             raise click.ClickException(str(exc)) from None
-        status, waited = await _converse(app, config, adapter)
+        status = await _converse(app, config, adapter, grace)
     finally:
         if web is not None:
             await web.stop()
-        stopped = await _stop_quietly(app, waited)
+        stopped = await _stop_quietly(app, grace["spent"])
     return status if stopped else 1
 
 
-async def _converse(app: Any, config: Config, adapter: Any) -> tuple[int, bool]:
-    """The terminal chat until the end of input, then the background jobs' grace: (exit status, whether
-    the grace was spent)."""
+async def _converse(app: Any, config: Config, adapter: Any, grace: dict[str, bool]) -> int:
+    """The terminal chat until the end of input, then the background jobs' grace (``grace["spent"]`` is set
+    as it starts: a Ctrl-C during the wait must not wait again at the stop)."""
     status: int = await adapter.run()
     pending = await app.storage.count_jobs(("queued", "running"), app.workers.handlers)
     if not pending:
-        return status, False
-    grace = config.jobs.shutdown_grace_seconds
-    click.echo(f"waiting up to {grace:.0f} s for {pending} background job(s)…", err=True)
-    await app.workers.drain(grace)
-    return status, True
+        return status
+    seconds = config.jobs.shutdown_grace_seconds
+    click.echo(f"waiting up to {seconds:.0f} s for {pending} background job(s)…", err=True)
+    grace["spent"] = True
+    await app.workers.drain(seconds)
+    return status
 
 
 async def _stop_quietly(app: Any, waited: bool) -> bool:

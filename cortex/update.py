@@ -128,7 +128,7 @@ class CortexUpdater:
             run_id = await self.store.record_skip(pair.id, job_id, tier, reason)
             return Outcome("skipped", reason, run_id)
         estimate = PROMPT_OVERHEAD + sum(self.estimator.scale(m.token_count + PER_MESSAGE_OVERHEAD) for m, _ in history)
-        if spent := await self._budget_spent(pair, settings, next_round=estimate):
+        if spent := await self._budget_spent(pair, settings, next_round=estimate):  # not even the first round fits
             reason = f"{spent} would run out: the update reads about {estimate:,} tokens"
             return Outcome("skipped", reason, await self.store.record_skip(pair.id, job_id, tier, reason))
         current = await self.files.ensure(pair, persona.language, user.display_name)
@@ -142,13 +142,7 @@ class CortexUpdater:
             status, reason = await self._loop(pair, persona, user.display_name, tier, settings, history, tools, totals,
                                               estimate)
         except LLMError as exc:
-            await self.store.finish_run(
-                run_id, "failed", reason=exc.user_message, rounds=totals[0], files_read=tools.files_read,
-                files_written=tools.files_written, input_tokens=totals[1], output_tokens=totals[2],
-                duration_ms=int((time.monotonic() - started) * 1000),
-                error=f"{type(exc).__name__}: {exc.detail}"[:1000],
-            )
-            log.warning("cortex run %d (pair %d) failed: %s", run_id, pair.id, type(exc).__name__)
+            await self._failed(exc, tools, totals, started)
             raise  # transient errors are retried by the job queue
         except BaseException:  # cancelled (shutdown, a lost lease) or a bug: what was spent replaces the estimate
             await asyncio.shield(self.store.record_progress(run_id, totals[0], totals[1], totals[2]))
@@ -163,6 +157,14 @@ class CortexUpdater:
             run_id, pair.id, tier, status, totals[0], len(set(tools.files_written)), totals[1], totals[2],
         )
         return Outcome(status, reason, run_id)
+
+    async def _failed(self, exc: LLMError, tools: CortexTools, totals: list[int], started: float) -> None:
+        await self.store.finish_run(
+            tools.run_id, "failed", reason=exc.user_message, rounds=totals[0], files_read=tools.files_read,
+            files_written=tools.files_written, input_tokens=totals[1], output_tokens=totals[2],
+            duration_ms=int((time.monotonic() - started) * 1000), error=f"{type(exc).__name__}: {exc.detail}"[:1000],
+        )
+        log.warning("cortex run %d (pair %d) failed: %s", tools.run_id, tools.pair.id, type(exc).__name__)
 
     async def _history(self, pair: Pair, budget: int) -> list[tuple[StoredMessage, str]]:
         """The pair's newest exchanges within ``budget`` tokens, returned oldest first."""

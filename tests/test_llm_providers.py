@@ -705,3 +705,12 @@ async def test_openai_chunk_of_two_calls_without_ids_or_indexes(openai_provider:
     fake_llm.enqueue(FakeResponse.malformed(body.encode(), content_type="text/event-stream"))
     completion = (await collect(openai_provider, request(tools=(WEATHER,))))[1]
     assert [c.arguments for c in completion.tool_calls] == [{"city": "Oslo"}, {"city": "Rome"}]
+
+
+def test_a_long_error_detail_keeps_its_start_and_its_request_id() -> None:
+    from bot.llm._mapping import _shortened
+
+    detail = "anthropic API error HTTP 400 invalid_request_error: " + "x" * 2000 + " (request id req_0123)"
+    short = _shortened(detail)
+    assert short.startswith("anthropic API error HTTP 400") and short.endswith("(request id req_0123)")
+    assert len(short) <= 703 and _shortened("short") == "short"

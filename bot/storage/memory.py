@@ -470,6 +470,10 @@ class MemoryRepository:
         id_column, vector_column, where, params = self._vector_where(scope)
         typed = f"{vector_column}::vector({dims})"
         scoped = f"{where} AND vector_dims({vector_column}) = {dims}"
+        # The typical level is measured over all of the scope's vectors (as the numpy scan measures it),
+        # even when only shared items are wanted.
+        _, _, everything, _ = self._vector_where(ItemScope(scope.pair_id) if isinstance(scope, ItemScope) else scope)
+        sampled = f"{everything} AND vector_dims({vector_column}) = {dims}"
         # Two statements on two pooled connections, at the same time: the k-NN walk of the HNSW graph
         # and the sample's similarities cost about the same; in one statement they ran one after the other.
         rows, stats = await asyncio.gather(
@@ -479,7 +483,7 @@ class MemoryRepository:
                 (query, *column_params, *params, model, query, k)),
             self.db.fetch_one(
                 "SELECT count(*), avg(s), stddev_pop(s), min(s) FROM (SELECT 1 - ("
-                f"{typed} <=> ?::vector({dims})) AS s {scoped} LIMIT {TYPICAL_SAMPLE}) AS sample",
+                f"{typed} <=> ?::vector({dims})) AS s {sampled} LIMIT {TYPICAL_SAMPLE}) AS sample",
                 (query, *params, model)),
         )
         if not rows or stats is None:

@@ -461,6 +461,10 @@ class MemoryStore:
             return await self.repo.visible_items(pair_id, ids, now, shared_only=shared_only)
 
         rows, text_scores, vector_scores = await self._candidate_rows(by_text(), by_vector(), fetch)
+        return self._item_signals(rows, text_scores, vector_scores, now)
+
+    def _item_signals(self, rows: list[Any], text_scores: dict[int, float], vector_scores: dict[int, float],
+                      now: float) -> list[_Candidate]:
         most_accessed = max((int(r["access_count"]) for r in rows), default=0)
         scale = math.log1p(most_accessed) if most_accessed else 0.0
         candidates = []

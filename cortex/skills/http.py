@@ -160,22 +160,25 @@ def fill_template(template: str, arguments: dict[str, Any]) -> tuple[str, dict[s
         if arguments.get(name) is None:
             raise SkillFailure(f"missing argument {name!r} (it is part of the URL)")
         used.add(name)
-        value = _as_text(arguments[name])
-        if value.strip() in ("", ".", "..") and _whole_segment(template, match):
-            # a URL resolves "." and "..": the call would leave its path (an empty segment, too, moves it)
-            raise SkillFailure(f"argument {name!r} is a part of the URL's path and cannot be {value!r}")
-        return quote(value, safe="")
+        return quote(_as_text(arguments[name]), safe="")
 
     url = _PLACEHOLDER.sub(replace, template)
+    _check_path(template, url)
     return url, {key: value for key, value in arguments.items() if key not in used}
 
 
-def _whole_segment(template: str, match: re.Match[str]) -> bool:
-    """Whether a placeholder fills a whole segment of the URL's path (``/users/{id}/``), where a dot
-    segment or nothing would change which path is called; in a query or inside a segment it cannot."""
-    start, end = match.span()
-    query = min((i for i in (template.find("?"), template.find("#")) if i >= 0), default=len(template))
-    return start < query and template[start - 1:start] == "/" and template[end:end + 1] in ("/", "?", "#", "")
+def _check_path(template: str, url: str) -> None:
+    """Refuse a filled URL whose path gained a "." or ".." segment, or lost one to emptiness, where the
+    template had a placeholder: a URL resolves those, so the call would leave the path the skill's author
+    meant (``/users/{id}/profile`` with ``..`` calls ``/profile``; so does ``/{a}{b}/`` with "." twice).
+    Placeholders are quoted with "/" encoded, so the template's segments and the URL's pair up."""
+    def segments(text: str) -> list[str]:
+        return re.split(r"[?#]", text, maxsplit=1)[0].split("/")
+
+    for pattern, filled in zip(segments(template), segments(url), strict=False):
+        if _PLACEHOLDER.search(pattern) and filled.strip() in ("", ".", ".."):
+            raise SkillFailure(f"the arguments make a part of the URL's path {filled!r}, which would change the "
+                               "path called; give a real value")
 
 
 def query_params(arguments: dict[str, Any]) -> list[tuple[str, str]]:
