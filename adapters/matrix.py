@@ -446,6 +446,10 @@ class MatrixAdapter:
             access.allow_users and f"{PLATFORM}:{inviter}" not in access.allow_users
         ):
             allowed = False
+        if allowed and self._invited_enough(inviter):
+            log.warning("Matrix: declined an invite to %s: %s already brought the bot into %d rooms "
+                        "([matrix] max_rooms_per_inviter)", room.room_id, inviter, self.config.max_rooms_per_inviter)
+            allowed = False
         if allowed:
             if direct is not None:
                 self._remember_kind(room.room_id, "dm" if direct else "group")
@@ -456,6 +460,15 @@ class MatrixAdapter:
         else:
             await self.client.room_leave(room.room_id)
             log.info("Matrix: declined an invite to %s", room.room_id)
+
+    def _invited_enough(self, inviter: str) -> bool:
+        """Whether ``inviter`` (not an admin) already brought the bot into as many rooms as one user may: on
+        a public homeserver anyone could otherwise fill it with rooms, each one more to sync."""
+        limit = self.config.max_rooms_per_inviter
+        if not limit or inviter in self.config.admin_ids:
+            return False
+        rooms = sum(1 for room, who in self._inviters.items() if who == inviter and room in self.client.rooms)
+        return rooms >= limit
 
     def power_level(self, room: MatrixRoom, user_id: str) -> int:
         """The user's power level in the room (``_load_creators`` first: creators hold 100)."""

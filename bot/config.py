@@ -472,6 +472,9 @@ class MatrixConfig(_Section):
     invite_servers: list[str] = Field(
         default_factory=list, description="Servers whose users may invite the bot; default: its own."
     )
+    max_rooms_per_inviter: int = Field(
+        default=25, ge=0, description="Rooms one user (admins aside) may bring the bot into; further invites "
+                                      "are declined (0: no limit).")
 
     @model_validator(mode="after")
     def _complete_when_enabled(self) -> MatrixConfig:

@@ -342,3 +342,28 @@ async def test_files_with_another_bots_command_are_not_downloaded(synapse: Synap
         assert not any("Unknown command" in b for b in seen.bodies(room, bot.user_id))
     finally:
         await alice.close()
+
+
+async def test_one_user_brings_the_bot_into_a_limited_number_of_rooms(synapse: SynapseServer, tmp_path: Path) -> None:
+    """On a public homeserver anyone could fill the bot with rooms: past max_rooms_per_inviter a user's
+    invites are declined (an admin's are not)."""
+    alice, root = await user(synapse, "alice"), await user(synapse, "root")
+    running = await start_bot(synapse, tmp_path, max_rooms_per_inviter=2, admin_ids=[root.user_id])
+    seen, roots = Timeline(alice), Timeline(root)
+    try:
+        for _ in range(2):
+            await joined(seen, await open_room(alice, [running.user_id], direct=False), running.user_id)
+        third = await open_room(alice, [running.user_id], direct=False)
+
+        def declined() -> bool:
+            room = alice.rooms.get(third)
+            return room is not None and running.user_id not in room.users and running.user_id not in room.invited_users
+
+        await seen.sync_until(declined, "the third invite declined")
+        await joined(roots, await open_room(root, [running.user_id], direct=False), running.user_id)
+        await joined(roots, await open_room(root, [running.user_id], direct=False), running.user_id)
+        await joined(roots, await open_room(root, [running.user_id], direct=False), running.user_id)  # an admin
+    finally:
+        await alice.close()
+        await root.close()
+        await stop_bot(running)
