@@ -39,6 +39,7 @@ from nio import (
     ReactionEvent,
     RoomCreateResponse,
     RoomEncryptedFile,
+    RoomMemberEvent,
     RoomMessageFile,
     RoomMessageText,
     RoomSendResponse,
@@ -302,6 +303,7 @@ class MatrixAdapter:
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
         self._sync_seen = asyncio.Event()  # set (and replaced) after each sync
+        self._joining: set[str] = set()  # rooms joined on invite whose own join event is not seen yet
         self.ready = asyncio.Event()
 
     # -- state -----------------------------------------------------------------------------------
@@ -396,6 +398,7 @@ class MatrixAdapter:
         self.client.add_event_callback(guarded(self._on_file), (RoomMessageFile, RoomEncryptedFile))
         self.client.add_event_callback(guarded(self.reactions.on_reaction), ReactionEvent)
         self.client.add_event_callback(guarded(self._on_invite), InviteMemberEvent)
+        self.client.add_event_callback(guarded(self._on_member), RoomMemberEvent)
         self.client.add_response_callback(guarded(self._on_sync), SyncResponse)
         log.info("Matrix: %s syncing from %s", self.config.user_id, self.config.homeserver)
         self.ready.set()
@@ -413,6 +416,9 @@ class MatrixAdapter:
     async def _on_sync(self, response: SyncResponse) -> None:
         seen, self._sync_seen = self._sync_seen, asyncio.Event()
         seen.set()
+        # A join whose own event the timeline did not carry (a limited one): the room counts as joined after
+        # the first sync that brings it, whatever happens.
+        self._joining.difference_update(response.rooms.join)
         self._save_state(next_batch=response.next_batch)
         if self.config.e2ee and self.client.should_upload_keys:
             await self.client.keys_upload()
@@ -455,6 +461,7 @@ class MatrixAdapter:
                 self._remember_kind(room.room_id, "dm" if direct else "group")
             self._inviters[room.room_id] = inviter
             self._save_state(room_inviters=self._inviters)
+            self._joining.add(room.room_id)
             await self.client.join(room.room_id)
             log.info("Matrix: joined %s on invite", room.room_id)
         else:
@@ -522,8 +529,17 @@ class MatrixAdapter:
             is_bot_admin=event.sender in self.config.admin_ids,
         )
 
+    async def _on_member(self, room: MatrixRoom, event: RoomMemberEvent) -> None:
+        if event.state_key == self.config.user_id and event.membership == "join":
+            self._joining.discard(room.room_id)  # what follows in the timeline was said with the bot there
+
+    def _before_join(self, room: MatrixRoom) -> bool:
+        """Whether an event of a room just joined on invite precedes the bot's own join in the timeline (the
+        room's history, shown to newcomers): someone asked another member then, not the bot."""
+        return room.room_id in self._joining
+
     async def _on_message(self, room: MatrixRoom, event: RoomMessageText) -> None:
-        if event.sender == self.config.user_id:
+        if event.sender == self.config.user_id or self._before_join(room):
             return
         if relates_to(event.source.get("content")).get("rel_type") == "m.replace":
             return  # an edit of an earlier message
@@ -536,7 +552,7 @@ class MatrixAdapter:
         content = _mapping(event.source.get("content"))
         filename = str(content.get("filename") or "")
         caption = event.body.strip()
-        if event.sender == self.config.user_id or not filename or caption == filename:
+        if event.sender == self.config.user_id or not filename or caption == filename or self._before_join(room):
             return
         if not caption.startswith(self.config.command_prefix):
             return

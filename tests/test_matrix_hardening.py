@@ -367,3 +367,20 @@ async def test_one_user_brings_the_bot_into_a_limited_number_of_rooms(synapse: S
         await alice.close()
         await root.close()
         await stop_bot(running)
+
+
+async def test_what_was_said_before_the_bot_joined_is_not_answered(synapse: SynapseServer, bot: Bot) -> None:
+    """A room's history is shown to a newcomer: a question put to the bot's name before it was invited is
+    not answered on the join (it was asked of the room, not of the bot); the next one is."""
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    try:
+        room = await open_room(alice, [], direct=False)
+        await send_text(alice, room, f"{bot.user_id}: what is the capital of France?")
+        await alice.room_invite(room, bot.user_id)
+        await joined(seen, room, bot.user_id)
+        await send_text(alice, room, f"{bot.user_id}: and of Spain?")
+        await seen.sync_until(lambda: any("Spain" in b for b in seen.bodies(room, bot.user_id)), "the answer")
+        assert not any("France" in b for b in seen.bodies(room, bot.user_id))
+    finally:
+        await alice.close()
