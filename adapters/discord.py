@@ -199,22 +199,12 @@ class DiscordSink:
         pieces = split_message(text, LIMIT) or [""]
         for piece in pieces[:-1]:
             await self.channel.send(piece, allowed_mentions=NO_PINGS)
-        try:
-            await self.channel.send(pieces[-1] or None, files=files, allowed_mentions=NO_PINGS)
-        except discord.HTTPException as exc:
-            if not (files and _too_large(exc)):
-                raise
-            await self.channel.send(_with_note(pieces[-1], TOO_LARGE), allowed_mentions=NO_PINGS)
+        await _send_with_files(self.channel, pieces[-1], files)
 
     async def send_private(self, reply: CommandReply) -> None:
         text, files = _reply_payload(reply)
         try:
-            try:
-                await self.message.author.send(text, files=files, allowed_mentions=NO_PINGS)
-            except discord.HTTPException as exc:
-                if not (files and _too_large(exc)) or isinstance(exc, discord.Forbidden):
-                    raise
-                await self.message.author.send(_with_note(text, TOO_LARGE), allowed_mentions=NO_PINGS)
+            await _send_with_files(self.message.author, text, files)
         except discord.Forbidden:
             await self.channel.send(
                 "I could not send you a direct message (your DMs are closed). Use the slash command instead: "
@@ -222,6 +212,16 @@ class DiscordSink:
             )
             return
         await self.channel.send("I answered you in a direct message.", allowed_mentions=NO_PINGS)
+
+
+async def _send_with_files(target: discord.abc.Messageable, text: str, files: list[discord.File]) -> None:
+    """Send ``text`` with ``files``; files over Discord's upload limit are replaced by a line saying so."""
+    try:
+        await target.send(text or None, files=files, allowed_mentions=NO_PINGS)
+    except discord.HTTPException as exc:
+        if isinstance(exc, discord.Forbidden) or not (files and _too_large(exc)):
+            raise
+        await target.send(_with_note(text, TOO_LARGE), allowed_mentions=NO_PINGS)
 
 
 def _rate_limited(exc: discord.HTTPException) -> Exception:
