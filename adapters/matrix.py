@@ -49,6 +49,7 @@ from nio import (
 from nio.crypto.attachments import decrypt_attachment
 from nio.exceptions import EncryptionError
 
+from adapters.matrix_content import json_object, mentioned, relates_to, reply_target
 from adapters.matrix_reactions import Reactions
 from bot.app import App
 from bot.commands import Attachment, CommandReply
@@ -87,31 +88,6 @@ def render(text: str, msgtype: str) -> dict[str, Any]:
         "formatted_body": _markdown.render(safe).strip(),
         "m.mentions": {},
     }
-
-
-def _mapping(value: Any) -> dict[str, Any]:
-    """``value`` when it is a JSON object, else an empty one: anyone in a room writes the events' content."""
-    return value if isinstance(value, dict) else {}
-
-
-def relates_to(content: Any) -> dict[str, Any]:
-    """An event content's ``m.relates_to`` (empty when missing or malformed)."""
-    return _mapping(_mapping(content).get("m.relates_to"))
-
-
-def reply_target(content: Any) -> str | None:
-    """The event a message replies to. Not the ``m.in_reply_to`` that clients add to thread messages for
-    clients without threads (``is_falling_back``: the thread's latest event, which the user did not pick)."""
-    relation = relates_to(content)
-    if relation.get("is_falling_back") is True:
-        return None
-    target = _mapping(relation.get("m.in_reply_to")).get("event_id")
-    return target if isinstance(target, str) and target else None
-
-
-def _mentioned(content: Any) -> list[str]:
-    ids = _mapping(_mapping(content).get("m.mentions")).get("user_ids")
-    return [i for i in ids if isinstance(i, str)] if isinstance(ids, list) else []
 
 
 def event_size(content: dict[str, Any], encrypted: bool) -> int:
@@ -496,7 +472,7 @@ class MatrixAdapter:
         reply_to = reply_target(content)
         body = without_reply_fallback(event.body) if reply_to else event.body
         formatted = _MX_REPLY.sub("", getattr(event, "formatted_body", None) or "")  # not the quoted message
-        mentions_bot = (me in _mentioned(content) or _names(body, me) or bool(display and _names(body, display))
+        mentions_bot = (me in mentioned(content) or _names(body, me) or bool(display and _names(body, display))
                         or me in formatted)
         is_dm = self.is_dm(room)
         level = self.power_level(room, event.sender)
@@ -549,7 +525,7 @@ class MatrixAdapter:
         """A file sent with a caption that is a command (``!persona import`` with a card): the caption is
         the command and the file its attachment (MSC2530: a caption is a body that differs from the
         ``filename``). Files without such a caption are not read."""
-        content = _mapping(event.source.get("content"))
+        content = json_object(event.source.get("content"))
         filename = str(content.get("filename") or "")
         caption = event.body.strip()
         if event.sender == self.config.user_id or not filename or caption == filename or self._before_join(room):
@@ -560,7 +536,7 @@ class MatrixAdapter:
 
     async def _download(self, event: FileEvent, filename: str, content: dict[str, Any]) -> Attachment:
         """The file's bytes (decrypted in an encrypted room); ValueError with one line when it cannot be."""
-        size = int(_mapping(content.get("info")).get("size") or 0)
+        size = int(json_object(content.get("info")).get("size") or 0)
         if size > MAX_FILE_BYTES:
             raise ValueError(f"{filename} is {size / 1e6:.1f} MB; commands take files of at most "
                              f"{MAX_FILE_BYTES // 1024 // 1024} MB")
@@ -615,7 +591,7 @@ class MatrixAdapter:
         for event in events:
             if isinstance(event, dict) and event.get("type") == "m.room.create":
                 creators.add(str(event.get("sender", "")))
-                content = _mapping(event.get("content"))
+                content = json_object(event.get("content"))
                 extra = content.get("additional_creators")
                 if isinstance(extra, list):
                     creators.update(c for c in extra if isinstance(c, str))

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from nio import MatrixRoom, ReactionEvent
 from nio.api import MessageDirection, RelationshipType
 
+from adapters.matrix_content import json_object
 from bot.commands import CommandReply
 from bot.policy import Inbound, refusal
 from bot.ports import IncomingMessage
@@ -85,7 +86,7 @@ class Reactions:
         async for related in self.adapter.client.room_get_event_relations(
                 room_id, target.event_id, RelationshipType.replacement, "m.room.message", MessageDirection.back,
                 limit=20):  # newest first
-            new = _mapping(_mapping(related.source.get("content")).get("m.new_content")).get("body")
+            new = json_object(json_object(related.source.get("content")).get("m.new_content")).get("body")
             if related.sender == target.sender and isinstance(new, str):
                 return new
             read += 1
@@ -137,6 +138,3 @@ class Reactions:
         room = await self.adapter.dm_room(user_id)
         return await self.adapter.send(room, render(text, self.adapter.config.msgtype))
 
-
-def _mapping(value: Any) -> dict[str, Any]:
-    return value if isinstance(value, dict) else {}

@@ -1,0 +1,33 @@
+"""Reading Matrix event content that anyone in a room writes: each field is checked for its type before
+use, so a malformed event is a message without that field, never an exception (used by the adapter and
+its reactions)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def json_object(value: Any) -> dict[str, Any]:
+    """``value`` when it is a JSON object, else an empty one: anyone in a room writes the events' content."""
+    return value if isinstance(value, dict) else {}
+
+
+def relates_to(content: Any) -> dict[str, Any]:
+    """An event content's ``m.relates_to`` (empty when missing or malformed)."""
+    return json_object(json_object(content).get("m.relates_to"))
+
+
+def reply_target(content: Any) -> str | None:
+    """The event a message replies to. Not the ``m.in_reply_to`` that clients add to thread messages for
+    clients without threads (``is_falling_back``: the thread's latest event, which the user did not pick)."""
+    relation = relates_to(content)
+    if relation.get("is_falling_back") is True:
+        return None
+    target = json_object(relation.get("m.in_reply_to")).get("event_id")
+    return target if isinstance(target, str) and target else None
+
+
+def mentioned(content: Any) -> list[str]:
+    """The user ids an event's ``m.mentions`` names (only strings)."""
+    ids = json_object(json_object(content).get("m.mentions")).get("user_ids")
+    return [i for i in ids if isinstance(i, str)] if isinstance(ids, list) else []
