@@ -122,12 +122,12 @@ class CortexUpdater:
             reason = f"the persona {pair.persona} was deleted"
             return Outcome("skipped", reason, await self.store.record_skip(pair.id, job_id, tier, reason))
         user = await self.store.user_of(pair)
-        history = await self._history(pair, settings.history_tokens)
+        history, history_tokens = await self._history(pair, settings.history_tokens)
         if len(history) < MIN_MESSAGES:
             reason = f"too little conversation to learn from ({len(history)} messages; {MIN_MESSAGES} needed)"
             run_id = await self.store.record_skip(pair.id, job_id, tier, reason)
             return Outcome("skipped", reason, run_id)
-        estimate = PROMPT_OVERHEAD + sum(self.estimator.scale(m.token_count + PER_MESSAGE_OVERHEAD) for m, _ in history)
+        estimate = PROMPT_OVERHEAD + history_tokens
         if spent := await self._budget_spent(pair, settings, next_round=estimate):  # not even the first round fits
             reason = f"{spent} would run out: the update reads about {estimate:,} tokens"
             return Outcome("skipped", reason, await self.store.record_skip(pair.id, job_id, tier, reason))
@@ -166,8 +166,8 @@ class CortexUpdater:
         )
         log.warning("cortex run %d (pair %d) failed: %s", tools.run_id, tools.pair.id, type(exc).__name__)
 
-    async def _history(self, pair: Pair, budget: int) -> list[tuple[StoredMessage, str]]:
-        """The pair's newest exchanges within ``budget`` tokens, returned oldest first."""
+    async def _history(self, pair: Pair, budget: int) -> tuple[list[tuple[StoredMessage, str]], int]:
+        """The pair's newest exchanges within ``budget`` tokens, returned oldest first, and their tokens."""
         chosen: list[tuple[StoredMessage, str]] = []
         spent = 0
         before: int | None = None
@@ -177,12 +177,12 @@ class CortexUpdater:
                 cost = self.estimator.scale(message.token_count + PER_MESSAGE_OVERHEAD)
                 if spent + cost > budget and chosen:
                     chosen.reverse()
-                    return chosen
+                    return chosen, spent
                 chosen.append((message, channel))
                 spent += cost
             if len(page) < 100:
                 chosen.reverse()
-                return chosen
+                return chosen, spent
             before = page[-1][0].id
 
     async def _loop(
