@@ -22,6 +22,8 @@ from urllib.parse import urlsplit
 import platformdirs
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from bot.text import readable
+
 SOUL_SECTIONS: tuple[str, ...] = (
     "identity",
     "personality",
@@ -620,7 +622,7 @@ class PersonaConfig(_Section):
     def _readable_name(cls, name: str) -> str:
         """A name people can read and type: not blank, no control or invisible characters (a name such as
         "Co\u200bra" looks like "Cora" and cannot be picked by typing it)."""
-        if not name.strip() or name != name.strip() or any(not ch.isprintable() for ch in name):
+        if not readable(name) or name != name.strip():
             raise ValueError(f"{name!r}: a persona's name is visible text without control or invisible characters "
                              "and without spaces at either end")
         return name

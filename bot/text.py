@@ -31,6 +31,12 @@ def storable_json(value: Any) -> Any:
     return value
 
 
+def readable(name: str) -> bool:
+    """Whether a name people read and type is visible text: not blank, no control or invisible (format)
+    characters ("Co\u200bra" looks like "Cora" and cannot be typed)."""
+    return bool(name.strip()) and all(ch.isprintable() for ch in name)
+
+
 def without_surrogates(text: str) -> str:
     """``text`` with every lone surrogate replaced by U+FFFD, the replacement character."""
     return _SURROGATE.sub("\ufffd", text)

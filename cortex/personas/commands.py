@@ -30,6 +30,7 @@ from bot.persona import section_title
 from bot.storage import Storage
 from bot.storage.personas import TextVersion
 from bot.storage.textsearch import text_search_config
+from bot.text import readable
 from cortex.personas.registry import PersonaRegistry
 
 MAX_SECTION_CHARS = 4000
@@ -79,7 +80,7 @@ def history_lines(versions: Sequence[TextVersion], *, named: bool = False, limit
 def check_persona_name(name: str, commands: CommandRegistry | None) -> None:
     """Refuse a name nobody could pick or read: empty, too long, with control or invisible characters,
     or starting with a subcommand (``!persona History Buff`` runs ``!persona history``)."""
-    if not name.strip() or len(name) > MAX_NAME_CHARS or any(not ch.isprintable() for ch in name):
+    if len(name) > MAX_NAME_CHARS or not readable(name):
         raise CommandError(f"give the persona a name of 1 to {MAX_NAME_CHARS} printable characters, on one line")
     first = name.split(None, 1)[0].casefold()
     if commands is not None and first in commands.subcommands("persona"):
