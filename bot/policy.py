@@ -32,6 +32,15 @@ def _listed(values: list[str], *candidates: str | None) -> bool:
     return any(c is not None and c in values for c in candidates)
 
 
+def user_refusal(access: AccessConfig, user_key: str) -> str | None:
+    """Why the user lists leave this user out, wherever they come (a chat, the web page), or None."""
+    if user_key in access.deny_users:
+        return "denied user"
+    if access.allow_users and user_key not in access.allow_users:
+        return "user not allowed"
+    return None
+
+
 def refusal(inbound: Inbound, access: AccessConfig, *, is_command: bool) -> str | None:
     """Why the bot stays silent (for logs), or None when it answers."""
     msg = inbound.message
@@ -41,14 +50,15 @@ def refusal(inbound: Inbound, access: AccessConfig, *, is_command: bool) -> str 
         return "message from a bot"
     if msg.is_dm and not access.dms:
         return "direct messages are off"
-    if _listed(access.deny_users, msg.author_key) or _listed(access.deny_channels, msg.channel_key):
+    user = user_refusal(access, msg.author_key)
+    if user == "denied user" or _listed(access.deny_channels, msg.channel_key):
         return "denied user or channel"
     # Servers: where it was sent, and the author's own home server where the platform has one (Matrix).
     servers = (msg.server_key, msg.author_home_key)
     if _listed(access.deny_servers, *servers) or any(r in access.deny_roles for r in inbound.roles):
         return "denied server or role"
-    if access.allow_users and msg.author_key not in access.allow_users:
-        return "user not allowed"
+    if user is not None:
+        return user
     if not msg.is_dm:
         if access.allow_channels and msg.channel_key not in access.allow_channels:
             return "channel not allowed"

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from adapters.web.errors import fail
 from bot.config import Config
+from bot.policy import user_refusal
 from bot.ports import AdminDirectory
 from bot.storage.web import WebLoginRepository, WebSession
 
@@ -46,12 +47,12 @@ def access_refusal(config: Config, user_key: str) -> str | None:
     non-empty allow list lets in only those on it), or None. Checked on every request, so a session opened
     before the user was listed ends there. The terminal's user runs the bot and is never refused (the
     terminal applies no lists either)."""
-    access = config.access
     if user_key.partition(":")[0] == "console":
         return None
-    if user_key in access.deny_users:
+    reason = user_refusal(config.access, user_key)
+    if reason == "denied user":
         return "the bot's operator has denied you access ([access] deny_users): this page is closed to you"
-    if access.allow_users and user_key not in access.allow_users:
+    if reason is not None:
         return "the bot's operator has not allowed you access ([access] allow_users): this page is closed to you"
     return None
 
