@@ -24,6 +24,7 @@ from bot.errors import UserFacingError
 from bot.llm.errors import LLMError
 from bot.persona import ConfigPersonas, PersonaSource
 from bot.policy import Inbound, refusal
+from bot.ports import IncomingMessage
 from bot.ratelimit import RateLimiter
 from bot.storage.base import Storage
 from bot.streaming import MessageSink, StreamedReply
@@ -102,7 +103,7 @@ class Router:
         if reason is not None:
             log.debug("not answering message in %s: %s", msg.channel_key, reason)
             return
-        if is_command and not (msg.is_dm or msg.mentions_bot or self.commands.knows(text)):
+        if is_command and not self._for_this_bot(msg, text):
             log.debug("not answering %s in %s: another bot's command, perhaps", text[:40], msg.channel_key)
             return
         persona = await self.persona_for(inbound)
@@ -124,8 +125,13 @@ class Router:
         the access lists leave out."""
         msg = inbound.message
         text = msg.text.strip()
-        return (self.commands.is_command(text) and (msg.is_dm or msg.mentions_bot or self.commands.knows(text))
+        return (self.commands.is_command(text) and self._for_this_bot(msg, text)
                 and refusal(inbound, self.config.access, is_command=True) is None)
+
+    def _for_this_bot(self, msg: IncomingMessage, text: str) -> bool:
+        """Whether a command line is this bot's to answer: in a DM, with a mention, or one of its commands
+        (in a channel shared with other bots, ``!play`` is theirs)."""
+        return msg.is_dm or msg.mentions_bot or self.commands.knows(text)
 
     async def _command(self, inbound: Inbound, sink: ChatSink, text: str, persona: str) -> None:
         reply = await self.commands.dispatch(text, self.context_for(inbound, persona))
