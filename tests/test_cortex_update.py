@@ -488,7 +488,7 @@ async def test_a_run_stops_before_a_round_that_would_overshoot_the_budget(
         assert await app.cortex.store.tokens_since(0, pair.id) == 6100
 
 
-async def test_the_first_round_and_tool_results_count_before_they_are_spent(
+async def test_the_first_round_counts_before_it_is_spent(
     tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A second update may not start its first round on a budget the first one nearly spent: its input is

@@ -127,6 +127,14 @@ async def open_room(client: AsyncClient, invite: list[str], *, direct: bool, enc
     return str(response.room_id)
 
 
+async def group_with(timeline: Timeline, bot_id: str, member: AsyncClient) -> str:
+    """A group room of the timeline's user with the bot and ``member``, once both have joined it."""
+    room = await open_room(timeline.client, [bot_id, member.user_id], direct=False)
+    await member.join(room)
+    await joined(timeline, room, bot_id)
+    return room
+
+
 async def dm_with(timeline: Timeline, bot_id: str) -> str:
     """A direct room of the timeline's user with the bot, once the bot has joined it."""
     room = await open_room(timeline.client, [bot_id], direct=True)
@@ -173,9 +181,7 @@ async def test_room_mentions_privacy_and_admin_checks(synapse: SynapseServer, bo
     alice, bob = await user(synapse, "alice"), await user(synapse, "bob")
     seen, bob_seen = Timeline(alice), Timeline(bob)
     try:
-        room = await open_room(alice, [bot.user_id, bob.user_id], direct=False)
-        await bob.join(room)
-        await joined(seen, room, bot.user_id)
+        room = await group_with(seen, bot.user_id, bob)
         await joined(seen, room, bob.user_id)
         await send_text(alice, room, "just talking to bob here")
         await send_text(alice, room, f"{bot.user_id}: what is the weather?")
@@ -302,9 +308,7 @@ async def test_threads_are_kept_and_admins_can_make_the_bot_leave(synapse: Synap
     alice, bob = await user(synapse, "alice"), await user(synapse, "bob")
     seen = Timeline(alice)
     try:
-        room = await open_room(alice, [bot.user_id, bob.user_id], direct=False)
-        await bob.join(room)
-        await joined(seen, room, bot.user_id)
+        room = await group_with(seen, bot.user_id, bob)
         root = await alice.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "a thread starts"})
         await send_text(alice, room, f"{bot.user_id}: inside the thread", **{
             "m.relates_to": {"rel_type": "m.thread", "event_id": root.event_id}})

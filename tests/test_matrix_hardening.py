@@ -24,6 +24,7 @@ from tests.test_matrix import (
     Bot,
     Timeline,
     dm_with,
+    group_with,
     joined,
     open_room,
     send_text,
@@ -183,9 +184,7 @@ async def test_reactions_follow_the_access_rules_and_rate_limit(synapse: Synapse
         "access": {"deny_users": [f"matrix:{alice.user_id}"]}, "chat": {"rate_limit_per_minute": 1}})
     bobs = Timeline(bob)
     try:
-        room = await open_room(bob, [running.user_id, alice.user_id], direct=False)
-        await alice.join(room)
-        await joined(bobs, room, running.user_id)
+        room = await group_with(bobs, running.user_id, alice)
         secret = await alice.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "my pin is 1234"})
         await react(alice, room, secret.event_id)
         tea = await bob.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "I like green tea"})
@@ -210,9 +209,7 @@ async def test_brain_reaction_ignores_edits_by_others(synapse: SynapseServer, bo
     alice, bob = await user(synapse, "alice"), await user(synapse, "bob")
     seen = Timeline(alice)
     try:
-        room = await open_room(alice, [bot.user_id, bob.user_id], direct=False)
-        await bob.join(room)
-        await joined(seen, room, bot.user_id)
+        room = await group_with(seen, bot.user_id, bob)
         sent = await alice.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "my cat is Pixel"})
 
         async def edit(client: AsyncClient, text: str) -> None:

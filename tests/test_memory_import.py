@@ -195,13 +195,17 @@ async def test_a_refused_file_is_left_out_and_the_rest_comes_in(tmp_path: Path) 
         assert "we met at a fig market" in await run(app, "!memory show relationship.md")
 
 
+# An exported item and the correction that superseded it.
+BONN = {"id": 1, "category": "fact", "content": "Ann lives in Bonn", "importance": 5, "created_at": 1_700_000_000,
+        "superseded_by": 2}
+COLOGNE = {"id": 2, "category": "fact", "content": "Ann lives in Cologne", "importance": 5,
+           "created_at": 1_700_000_100, "supersedes": 1}
+
+
 async def test_an_import_run_again_after_an_interruption_keeps_its_corrections(tmp_path: Path) -> None:
     """The first run brought only the old item (it was stopped); the second brings its correction: the
     old item is still shown as corrected, not as a second truth next to the new one."""
-    old = {"id": 1, "category": "fact", "content": "Ann lives in Bonn", "importance": 5, "created_at": 1_700_000_000,
-           "superseded_by": 2}
-    new = {"id": 2, "category": "fact", "content": "Ann lives in Cologne", "importance": 5,
-           "created_at": 1_700_000_100, "supersedes": 1}
+    old, new = BONN, COLOGNE
     async with App(_config(tmp_path / "bot"), llm=ScriptedProvider()) as app:
         first = _archive("ann", personas=[{"persona": "Cora", "memory_items": [{**old, "superseded_by": None}]}])
         assert (await run(app, "!memory import", ctx("ann", first))).startswith("Imported 1 memory item")
@@ -213,10 +217,7 @@ async def test_an_import_run_again_after_an_interruption_keeps_its_corrections(t
 
 
 async def test_a_correction_made_between_two_imports_stays_the_one_that_counts(tmp_path: Path) -> None:
-    old = {"id": 1, "category": "fact", "content": "Ann lives in Bonn", "importance": 5, "created_at": 1_700_000_000,
-           "superseded_by": 2}
-    new = {"id": 2, "category": "fact", "content": "Ann lives in Cologne", "importance": 5,
-           "created_at": 1_700_000_100, "supersedes": 1}
+    old, new = BONN, COLOGNE
     async with App(_config(tmp_path / "bot"), llm=ScriptedProvider()) as app:
         first = _archive("ann", personas=[{"persona": "Cora", "memory_items": [{**old, "superseded_by": None}]}])
         await run(app, "!memory import", ctx("ann", first))
