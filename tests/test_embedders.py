@@ -24,7 +24,6 @@ from cortex.memory.embedders import (
     create_embedder,
     embed_queries,
     normalize,
-    spare_threads,
 )
 from tests.fakes.llm_server import FakeLLMServer, FakeResponse, fake_embedding
 
@@ -309,30 +308,24 @@ def test_create_embedder_kinds_and_errors() -> None:
         create_embedder("hash", model="big")
 
 
-@pytest.mark.parametrize(("cores", "load", "threads"), [(2, 0.3, 2), (2, 1.2, 1), (1, 0.0, 1), (8, 3.0, 2),
-                                                        (8, 7.5, 1)])
-def test_a_query_takes_two_threads_only_with_a_core_to_spare(monkeypatch: pytest.MonkeyPatch, cores: int,
-                                                             load: float, threads: int) -> None:
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
-    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
-    assert spare_threads() == threads
-
-
-def test_the_query_embedder_decides_per_call_and_the_backfill_uses_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("cores", "backfill_threads", "query_threads"), [(1, 1, 1), (2, 2, 2), (8, 4, 2)])
+def test_the_backfill_uses_the_cores_and_a_query_two(monkeypatch: pytest.MonkeyPatch, cores: int,
+                                                     backfill_threads: int, query_threads: int) -> None:
     from bot.config import parse_config
     from cortex.memory.embedding import build_embedders
 
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     embedders = build_embedders(parse_config({}).memory)
     assert embedders is not None
     backfill, query = embedders
-    assert isinstance(query, E5SmallEmbedder) and query.threads == 0  # two threads or one, per call
-    assert isinstance(backfill, E5SmallEmbedder) and backfill.threads == 2  # every core, at a lower priority
-    for load, threads in ((0.0, 2), (1.5, 1)):
-        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
-        vectors = query.embed_query(["where does Ann's sister live?"])
-        assert vectors.shape == (1, 384) and abs(float(np.linalg.norm(vectors[0])) - 1) < 1e-5
-        assert (threads, INT8) in query._runtime._sessions
-    assert sorted(query._runtime._sessions) == [(1, INT8), (2, INT8)]
+    assert isinstance(backfill, E5SmallEmbedder) and backfill.threads == backfill_threads
+    assert isinstance(query, E5SmallEmbedder) and query.threads == query_threads
+
+
+def test_a_query_runs_on_its_threads_with_8_bit_activations() -> None:
+    query = E5SmallEmbedder(threads=2)
+    vectors = query.embed_query(["where does Ann's sister live?"])
+    assert vectors.shape == (1, 384) and abs(float(np.linalg.norm(vectors[0])) - 1) < 1e-5
+    assert (2, INT8) in query._runtime._sessions
     with pytest.raises(ValueError):
-        E5SmallEmbedder(threads=-1)
+        E5SmallEmbedder(threads=0)

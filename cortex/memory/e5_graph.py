@@ -45,11 +45,13 @@ class _Graph:
         self.accuracy = accuracy
         self.nodes: list[NodeProto] = []
         self.initializers: list[TensorProto] = []
+        self.constants: dict[str, npt.NDArray[np.generic]] = {}
         self._count = 0
         self._array = numpy_helper.from_array
 
     def constant(self, name: str, array: npt.NDArray[np.generic]) -> str:
-        self.initializers.append(self._array(np.ascontiguousarray(array), name))
+        self.constants[name] = np.ascontiguousarray(array)
+        self.initializers.append(self._array(self.constants[name], name))
         return name
 
     def node(self, op: str, inputs: list[str], outputs: int = 1, *, ms: bool = False, **attrs: Any) -> list[str]:
@@ -89,9 +91,10 @@ class _Graph:
         return self.norm(x, self.linear(inner, f"l{n}.fo", [w.q4(f"l{n}.fo.w", h, ff)], [f"l{n}.fo.b"]), f"l{n}.oln")
 
 
-def build_encoder(weights: E5Weights, accuracy: int) -> bytes:
+def build_encoder(weights: E5Weights, accuracy: int) -> tuple[bytes, dict[str, npt.NDArray[np.generic]]]:
     """The serialised ONNX model: inputs ``hidden`` (batch, tokens, 384) and ``mask`` (batch, tokens; 1 for
-    a token, 0 for padding), output ``states`` (batch, tokens, 384)."""
+    a token, 0 for padding), output ``states`` (batch, tokens, 384); and its constants by name (the same
+    for every accuracy level), which sessions can share instead of each keeping a copy."""
     from onnx import TensorProto, helper
 
     graph = _Graph(weights, accuracy)
@@ -109,4 +112,4 @@ def build_encoder(weights: E5Weights, accuracy: int) -> bytes:
     model = helper.make_model(onnx_graph, opset_imports=[helper.make_opsetid("", OPSET),
                                                          helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 9
-    return bytes(model.SerializeToString())
+    return bytes(model.SerializeToString()), graph.constants

