@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -13,9 +14,9 @@ from bot.commands import CommandContext
 from bot.config import parse_config
 from bot.ports import IncomingMessage
 from cortex.memory.embedders import HashEmbedder
-from cortex.memory.embedding import EmbeddingService
+from cortex.memory.embedding import EmbeddingService, message_model
 from cortex.memory.store import Hit, MemoryError, MemoryStore, Weights, fts_query, says_name
-from cortex.memory.vectors import VectorIndex
+from cortex.memory.vectors import VectorIndex, vector_search
 from tests.engines import db_url_for
 from tests.fakes.provider import ScriptedProvider
 
@@ -416,5 +417,43 @@ async def test_messages_of_the_person_the_query_names_rank_first(tmp_path: Path)
                                    persona="Cora", about="and Ann?")
         assert [h.id for h in about if h.kind == "message"][0] == anns
         assert "author" not in next(h for h in about if h.id == coras).signals
+    finally:
+        await app.stop()
+
+
+class _WaitsForTheTextPart(HashEmbedder):
+    """A query embedder that finishes only once the search's full-text part has run (or after 3 s)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text_part_ran = threading.Event()
+        self.waited = False
+
+    def embed(self, texts):  # type: ignore[no-untyped-def]
+        self.waited = self.text_part_ran.wait(3.0)
+        return super().embed(texts)
+
+
+async def test_the_query_is_embedded_while_the_full_text_part_runs(tmp_path: Path) -> None:
+    app, store, users, clock = await _setup(tmp_path)
+    try:
+        pair = users["ann"][1].id
+        queries = _WaitsForTheTextPart()
+        config = app.config.memory.model_copy(update={"query_timeout_seconds": 10.0})
+        index = vector_search(app.storage, queries.name, message_model=message_model(queries.name), max_vectors=1000)
+        service = EmbeddingService(app.storage, HashEmbedder(), queries, index, config)
+        vstore = MemoryStore(app.storage, clock=clock, embeddings=service)
+        lisbon = await vstore.remember(pair, "Ann's favourite city is Lisbon")
+        await service.backfill()
+        text_part = vstore.repo.item_text_candidates
+
+        async def recorded(*args, **kwargs):  # type: ignore[no-untyped-def]
+            queries.text_part_ran.set()
+            return await text_part(*args, **kwargs)
+
+        vstore.repo.item_text_candidates = recorded  # type: ignore[method-assign]
+        hits = await vstore.search(pair, "Lisboa favourite")
+        assert queries.waited  # the embedding saw the text part start: they ran side by side
+        assert hits and hits[0].id == lisbon.id and hits[0].signals["vector"] > 0
     finally:
         await app.stop()

@@ -37,7 +37,7 @@ from bot.config import MemoryConfig
 from bot.storage.core import Storage
 from bot.storage.memory import ITEM_COLUMNS, FtsTable, ItemFilters, item_fields
 from cortex.memory.guard import guarded
-from cortex.memory.vectors import CentredFloor, DatabaseVectors, RelevanceFloors
+from cortex.memory.vectors import DatabaseVectors, RelevanceFloors
 
 if TYPE_CHECKING:
     from cortex.memory.embedding import EmbeddingService
@@ -397,26 +397,23 @@ class MemoryStore:
         """
         now = self.clock()
         match = fts_query(query)
-        index = self.embeddings.index if self.embeddings is not None else None
         messages = include_messages and user_id is not None and persona is not None
-        if query_vector is None and use_vectors and self.embeddings is not None and await self.needs_query_vector(
-                pair_id, user_id or 0, persona or "", items=include_items, messages=messages):
-            query_vector = await self.embeddings.embed_query(query)
-        vector = query_vector if index is not None else None
-        # The relevance floor: a candidate found only by meaning must stand far above unrelated text.
-        floors = (await self.embeddings.relevance_floors(vector)
-                  if vector is not None and self.embeddings is not None else RelevanceFloors())
-        parts = []
-        if include_items:  # a caller that knows the pair has no items saves the query
-            # A group channel's search (shared items only) asks for those alone: private ones that match
-            # better would otherwise fill the candidates and push the shared ones out.
-            parts.append(self._item_candidates(pair_id, match, vector, now, floors.item,
-                                               shared_only=set(scopes) == {"shared"}))
-        if messages:
-            parts.append(self._message_candidates(user_id or 0, persona or "", match, vector, now,
-                                                  set(exclude_messages), floors.message))
-        candidates = [c for part in await asyncio.gather(*parts) for c in part
-                      if c.kind != "item" or str(c.row["scope"]) in scopes]
+        # The query's embedding runs while the full-text parts do; the vector parts wait for it.
+        meaning = asyncio.ensure_future(self._meaning(
+            query, query_vector, use_vectors, pair_id, user_id or 0, persona or "", include_items, messages))
+        try:
+            parts = []
+            if include_items:  # a caller that knows the pair has no items saves the query
+                # A group channel's search (shared items only) asks for those alone: private ones that match
+                # better would otherwise fill the candidates and push the shared ones out.
+                parts.append(self._item_candidates(pair_id, match, meaning, now, shared_only=set(scopes) == {"shared"}))
+            if messages:
+                parts.append(self._message_candidates(user_id or 0, persona or "", match, meaning, now,
+                                                      set(exclude_messages)))
+            candidates = [c for part in await asyncio.gather(*parts) for c in part
+                          if c.kind != "item" or str(c.row["scope"]) in scopes]
+        finally:
+            meaning.cancel()  # a part failed before it was needed (done, it stays done)
         self._score(candidates, now)
         if messages:
             await self._neighbour_context(candidates, user_id or 0, persona or "")
@@ -424,9 +421,25 @@ class MemoryStore:
         best = heapq.nlargest(limit, candidates, key=lambda c: c.score)
         return [self._hit(c) for c in best]
 
+    async def _meaning(
+        self, query: str, given: npt.NDArray[np.float32] | None, use_vectors: bool, pair_id: int, user_id: int,
+        persona: str, items: bool, messages: bool,
+    ) -> tuple[npt.NDArray[np.float32] | None, RelevanceFloors]:
+        """The query's vector (``given``, or embedded when the pair has vectors to search) and the relevance
+        floors it sets: a candidate found only by meaning must stand far above unrelated text."""
+        if self.embeddings is None:
+            return None, RelevanceFloors()
+        vector = given
+        if vector is None and use_vectors and await self.needs_query_vector(
+                pair_id, user_id, persona, items=items, messages=messages):
+            vector = await self.embeddings.embed_query(query)
+        if vector is None:
+            return None, RelevanceFloors()
+        return vector, await self.embeddings.relevance_floors(vector)
+
     async def _item_candidates(
-        self, pair_id: int, match: str, vector: npt.NDArray[np.float32] | None, now: float,
-        floor: CentredFloor | None, *, shared_only: bool = False,
+        self, pair_id: int, match: str, meaning: Awaitable[tuple[npt.NDArray[np.float32] | None, RelevanceFloors]],
+        now: float, *, shared_only: bool = False,
     ) -> list[_Candidate]:
         async def by_text() -> list[Any]:
             if not match:
@@ -439,6 +452,8 @@ class MemoryStore:
 
         async def by_vector() -> dict[int, float]:
             nonlocal fetched
+            vector, floors = await meaning
+            floor = floors.item
             if vector is None or self.embeddings is None:
                 return {}
             index = self.embeddings.index
@@ -482,8 +497,8 @@ class MemoryStore:
         return candidates
 
     async def _message_candidates(
-        self, user_id: int, persona: str, match: str, vector: npt.NDArray[np.float32] | None, now: float,
-        exclude: set[int], floor: CentredFloor | None,
+        self, user_id: int, persona: str, match: str,
+        meaning: Awaitable[tuple[npt.NDArray[np.float32] | None, RelevanceFloors]], now: float, exclude: set[int],
     ) -> list[_Candidate]:
         async def by_text() -> list[Any]:
             if not match:
@@ -494,10 +509,11 @@ class MemoryStore:
             return [r for r in rows if int(r["id"]) not in exclude]
 
         async def by_vector() -> dict[int, float]:
+            vector, floors = await meaning
             if vector is None or self.embeddings is None:
                 return {}
             found = await self.embeddings.index.top(("messages", user_id, persona), vector,
-                                                     self.candidates + len(exclude), floor=floor)
+                                                     self.candidates + len(exclude), floor=floors.message)
             return {i: v for i, v in found.items() if i not in exclude}
 
         async def fetch(ids: list[int]) -> list[Any]:
