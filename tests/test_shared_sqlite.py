@@ -40,3 +40,29 @@ async def test_a_second_process_on_the_file_refreshes_the_vector_cache(tmp_path:
             assert "another bot process" in caplog.text and "PostgreSQL" in caplog.text
             block = await index.items(pair.id)
             assert len(block.ids) == 2  # the other process's vector is here now
+
+
+async def test_opening_waits_while_another_process_holds_the_file(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process starting while another one migrates (or holds a write lock longer than the busy timeout)
+    keeps trying instead of failing to start ("database is locked")."""
+    import sqlite3
+    import threading
+    import time
+
+    from bot.storage import open_storage, sqlite
+
+    monkeypatch.setattr(sqlite, "BUSY_TIMEOUT_MS", 200)
+    path = tmp_path / "bot.db"
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN EXCLUSIVE")
+    release = threading.Timer(5.5, holder.rollback)  # longer than sqlite3's default wait of 5 s
+    release.start()
+    started = time.monotonic()
+    try:
+        storage = await open_storage(f"sqlite:///{path}")
+        await storage.close()
+    finally:
+        release.cancel()
+        holder.close()
+    assert time.monotonic() - started >= 5.0  # it waited for the lock, then opened

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import re
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 
 SCRUB_ATTEMPTS = 20
 BUSY_TIMEOUT_MS = 10_000
+OPEN_PATIENCE_SECONDS = 30.0  # how long opening keeps trying while another process holds the file
+OPEN_RETRY_SECONDS = 0.1
 CHECKPOINT_SECONDS = 5.0  # WAL checkpoints run this often on a connection of their own ...
 WAL_AUTOCHECKPOINT_PAGES = 20_000  # ... so SQLite's own (inline, fsyncing) one is only a backstop
 
@@ -76,9 +79,31 @@ class SQLiteDatabase:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise StorageError(f"cannot create the database folder {self.path.parent}: {exc}") from None
-        db: aiosqlite.Connection | None = None
+        patience = time.monotonic() + OPEN_PATIENCE_SECONDS
+        while True:
+            try:
+                db = await self._connect()
+                break
+            except sqlite3.OperationalError as exc:
+                # Another process opening or migrating the same file at this moment: SQLite can answer
+                # "locked" at once (changing the journal mode, say) without waiting on the busy timeout.
+                if not _busy(exc) or time.monotonic() >= patience:
+                    raise StorageError(f"cannot open the database {self.path}: {exc}") from None
+                await asyncio.sleep(OPEN_RETRY_SECONDS)
+            except sqlite3.Error as exc:
+                raise StorageError(f"cannot open the database {self.path}: {exc}") from None
+        self._db = db
+        if self._checkpoints and self.path != Path(":memory:"):
+            # Connected here, not inside the task: a task cancelled while aiosqlite was still connecting
+            # would leave a connection (and its thread) that nobody closes.
+            self._checkpoint_db = await aiosqlite.connect(self.path, isolation_level=None)
+            self._checkpointer = asyncio.create_task(self._checkpoint_loop(self._checkpoint_db),
+                                                     name="storage-wal-checkpoint")
+        return self
+
+    async def _connect(self) -> aiosqlite.Connection:
+        db = await aiosqlite.connect(self.path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
         try:
-            db = await aiosqlite.connect(self.path, isolation_level=None)
             db.row_factory = sqlite3.Row
             await _refuse_foreign(db, self.path)
             # secure_delete: freed pages are zeroed, so deleted words (forget-me) do not linger in the file.
@@ -90,20 +115,10 @@ class SQLiteDatabase:
                 "CREATE TABLE IF NOT EXISTS schema_version ("
                 " version INTEGER PRIMARY KEY, description TEXT NOT NULL, applied_at REAL NOT NULL)"
             )
-        except (sqlite3.Error, StorageError) as exc:
-            if db is not None:
-                await db.close()
-            if isinstance(exc, StorageError):
-                raise
-            raise StorageError(f"cannot open the database {self.path}: {exc}") from None
-        self._db = db
-        if self._checkpoints and self.path != Path(":memory:"):
-            # Connected here, not inside the task: a task cancelled while aiosqlite was still connecting
-            # would leave a connection (and its thread) that nobody closes.
-            self._checkpoint_db = await aiosqlite.connect(self.path, isolation_level=None)
-            self._checkpointer = asyncio.create_task(self._checkpoint_loop(self._checkpoint_db),
-                                                     name="storage-wal-checkpoint")
-        return self
+        except BaseException:
+            await db.close()
+            raise
+        return db
 
     async def sibling(self) -> SQLiteDatabase:
         """A second connection to the same database sharing this one's caches: background jobs use it,
@@ -210,6 +225,11 @@ class SQLiteDatabase:
     @property
     def in_transaction(self) -> bool:
         return bool(self.connection.in_transaction)
+
+
+def _busy(exc: sqlite3.OperationalError) -> bool:
+    return getattr(exc, "sqlite_errorcode", None) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED) or any(
+        word in str(exc) for word in ("locked", "busy"))
 
 
 async def _refuse_foreign(db: aiosqlite.Connection, path: Path) -> None:
