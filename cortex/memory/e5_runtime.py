@@ -18,6 +18,8 @@ event loop needs.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import threading
 from collections.abc import Sequence
@@ -129,7 +131,20 @@ class E5Runtime:
                 for name, value in self._shared.items():
                     options.add_initializer(name, value)
                 self._sessions[key] = onnxruntime.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+                del model, constants
+                self.weights.release()
+                _return_free_heap()
             return self._sessions[key]
+
+
+def _return_free_heap() -> None:
+    """Hand the graph's build garbage (the model built, serialised and parsed: about 50 MB) back to the
+    system: glibc keeps freed heap otherwise, and the process would carry it for its whole life."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _niceness() -> int:

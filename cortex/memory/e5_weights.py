@@ -11,6 +11,7 @@ embeddings), and nothing is downloaded or converted on disk.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import struct
 import sys
@@ -98,6 +99,12 @@ class E5Weights:
     vocabulary: Vocabulary
     _tensors: dict[str, tuple[int, int, int]]  # name → (dtype, count, offset)
     _data: mmap.mmap
+
+    def release(self) -> None:
+        """Let the system drop the file's pages from this process's memory (they stay in the page cache
+        and come back when read again): the graph's weights are read once, when a session is built."""
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # no madvise here
+            self._data.madvise(mmap.MADV_DONTNEED)
 
     def count(self, name: str) -> int:
         """How many numbers tensor ``name`` holds."""
