@@ -133,3 +133,16 @@ def test_the_backfills_worker_threads_keep_its_lower_priority(lowered: ThreadPoo
     embedder.embed(["now from a thread at normal priority"])
     assert len(embedder._runtime._sessions) == sessions + 1
     assert threading.current_thread() is threading.main_thread()
+
+
+def test_an_engine_failure_is_an_embedder_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """onnxruntime refusing the model (here: a damaged one) reaches the backfill and the search as an
+    EmbedderError, which they report and retry, not as an exception that ends the job."""
+    from cortex.memory import e5_runtime
+    from cortex.memory.embedders import EmbedderError
+
+    monkeypatch.setattr(e5_runtime, "build_encoder", lambda weights, accuracy: (b"not an onnx model", {}))
+    embedder = E5SmallEmbedder(threads=1)
+    embedder._runtime = E5Runtime()
+    with pytest.raises(EmbedderError, match="the embedding engine failed"):
+        embedder.embed(["hello"])

@@ -68,7 +68,14 @@ class E5Runtime:
     def embed(self, texts: Sequence[str], is_query: bool, *, threads: int, max_tokens: int,
               batches: bool = False) -> Vectors:
         """L2-normalised vectors of ``texts`` (each cut to ``max_tokens`` tokens), in their order;
-        ``batches`` computes in float32, faster for many texts at once (the backfill)."""
+        ``batches`` computes in float32, faster for many texts at once (the backfill). What onnxruntime
+        refuses (a model it cannot load, memory it cannot get) is raised as :class:`EngineError`."""
+        try:
+            return self._embed(texts, is_query, threads, max_tokens, batches)
+        except _engine_errors() as exc:
+            raise EngineError(f"{type(exc).__name__}: {exc}") from exc
+
+    def _embed(self, texts: Sequence[str], is_query: bool, threads: int, max_tokens: int, batches: bool) -> Vectors:
         rows = [self.tokens(text, is_query, max_tokens) for text in texts]
         out = np.zeros((len(rows), self.weights.hidden), np.float32)
         session = self._session(threads, FLOAT32 if batches else INT8)
@@ -135,6 +142,18 @@ class E5Runtime:
                 self.weights.release()
                 _return_free_heap()
             return self._sessions[key]
+
+
+class EngineError(RuntimeError):
+    """onnxruntime could not build a session or run the model."""
+
+
+def _engine_errors() -> tuple[type[Exception], ...]:
+    """onnxruntime's exception classes (they derive from Exception alone, one per status code)."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as state
+
+    return tuple(value for value in vars(state).values()
+                 if isinstance(value, type) and issubclass(value, Exception)) + (MemoryError,)
 
 
 def _return_free_heap() -> None:

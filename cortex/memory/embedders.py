@@ -28,6 +28,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
+from cortex.memory.e5_runtime import EngineError
+
 Vectors = npt.NDArray[np.float32]
 
 __all__ = [
@@ -154,8 +156,11 @@ class E5SmallEmbedder:
         with self._lock:
             if self._runtime is None:
                 self._runtime = self._load()
-            vectors: Vectors = self._runtime.embed(
-                items, is_query, threads=self.threads, max_tokens=self.max_tokens, batches=self.batches)
+            try:
+                vectors: Vectors = self._runtime.embed(
+                    items, is_query, threads=self.threads, max_tokens=self.max_tokens, batches=self.batches)
+            except (EngineError, ImportError) as exc:
+                raise EmbedderError(f"the embedding engine failed: {exc}") from exc
         return vectors
 
     def embed(self, texts: Sequence[str]) -> Vectors:
