@@ -32,6 +32,8 @@ TEXTS = [
     "zero\u200bwidth and soft\u00adhyphen and combining e\u0301",
     "a" * 300,
     "Caroline: I went to the LGBTQ support group yesterday.\nMelanie: That sounds powerful!",
+    # Two segmentations with the same pieces and the same score: the C engine's float32 sums pick one.
+    "ok....", "AAAAAAAAAA", "'''''", "-----", "``` code ```", "bbb", "so ok.... then AAAAAAAAAA and -----",
 ]
 
 
@@ -85,6 +87,32 @@ def test_a_batch_of_mixed_lengths_gives_each_text_its_own_vector(runtime: E5Runt
     assert len(runtime.tokens(texts[1], False, 64)) == 64  # cut to the limit, <s> and </s> included
 
 
+def test_a_damaged_model_file_is_refused_clearly(tmp_path: Path) -> None:
+    data = bundled_model_path().read_bytes()
+    cut = tmp_path / "cut.bin"
+    cut.write_bytes(data[:-100])  # the last tensor cut off
+    with pytest.raises(WeightsError, match="damaged or cut off"):
+        read_weights(cut)
+    renamed = tmp_path / "renamed.bin"
+    renamed.write_bytes(data.replace(b"l11.fo.w", b"l11.fX.w", 1))
+    with pytest.raises(WeightsError, match="no tensor 'l11.fo.w'"):
+        read_weights(renamed)
+
+
+def test_long_words_are_cut_and_not_kept(runtime: E5Runtime) -> None:
+    from cortex.memory.e5_tokens import CACHED_LETTERS, LONGEST_WORD
+
+    tokenizer = runtime.tokenizer
+    kept = tokenizer._cached.cache_info().currsize
+    long_word = "Donaudampfschifffahrtsgesellschaftskapitän" * 3
+    assert len(long_word) > CACHED_LETTERS
+    runtime.embed([long_word, "\u3316" * 2000], False, threads=1, max_tokens=256)
+    assert tokenizer._cached.cache_info().currsize <= kept + 1  # "▁passage:" at most, nothing longer
+    assert max(len(w) for w in tokenizer.words("\u3316" * 2000)) == LONGEST_WORD  # ㌖ expands to 6 letters
+    with pytest.raises(ValueError, match="room"):
+        tokenizer.ids("hello", 2)
+
+
 def test_a_file_that_is_not_the_model_is_refused_clearly(tmp_path: Path) -> None:
     other = tmp_path / "other.bin"
     other.write_bytes(b"GGUF" + bytes(100))
@@ -132,6 +160,12 @@ def test_the_backfills_worker_threads_keep_its_lower_priority(lowered: ThreadPoo
     sessions = len(embedder._runtime._sessions)
     embedder.embed(["now from a thread at normal priority"])
     assert len(embedder._runtime._sessions) == sessions + 1
+    # A one-thread session has no workers to keep low: one serves every priority.
+    one = E5SmallEmbedder(threads=1, batches=True)
+    one._runtime = embedder._runtime
+    one.embed(["normal priority"])
+    lowered.submit(one.embed, ["lower priority"]).result()
+    assert len(embedder._runtime._sessions) == sessions + 2
     assert threading.current_thread() is threading.main_thread()
 
 

@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from cortex.memory.e5_graph import FLOAT32, INT8, build_encoder
 from cortex.memory.e5_tokens import E5Tokenizer
-from cortex.memory.e5_weights import E5Weights, read_weights
+from cortex.memory.e5_weights import E5Weights, WeightsError, read_weights
 
 Vectors = npt.NDArray[np.float32]
 GROUP_TOKENS = 4096  # tokens per run of the encoder (rows × longest row): bounds the activations' memory
@@ -120,7 +120,8 @@ class E5Runtime:
         return normalised
 
     def _session(self, threads: int, accuracy: int) -> Any:
-        key = (threads, accuracy, _niceness())  # its worker threads take the creating thread's priority
+        # Its worker threads take the priority of the thread that makes it (one thread: it has none).
+        key = (threads, accuracy, _niceness() if threads > 1 else 0)
         with self._lock:
             if key not in self._sessions:
                 import onnxruntime
@@ -149,11 +150,12 @@ class EngineError(RuntimeError):
 
 
 def _engine_errors() -> tuple[type[Exception], ...]:
-    """onnxruntime's exception classes (they derive from Exception alone, one per status code)."""
+    """onnxruntime's exception classes (they derive from Exception alone, one per status code), and what
+    reading the model's tensors for a new session can raise."""
     from onnxruntime.capi import onnxruntime_pybind11_state as state
 
     return tuple(value for value in vars(state).values()
-                 if isinstance(value, type) and issubclass(value, Exception)) + (MemoryError,)
+                 if isinstance(value, type) and issubclass(value, Exception)) + (MemoryError, WeightsError)
 
 
 def _return_free_heap() -> None:

@@ -5,8 +5,14 @@ vectors): each code point through the model's normalisation map, runs of spaces 
 word-start mark (``▁``) in front unless the text starts with a space, every space turned into ``▁``,
 then the segmentation into vocabulary pieces with the highest total score (Viterbi); a character no
 piece covers becomes ``<unk>``. No piece holds a ``▁`` after its first character, so the best
-segmentation of a text is the best segmentation of each of its words on its own: words are segmented
-once and kept (``CACHE_WORDS`` of them), which makes a chat message a few dictionary lookups.
+segmentation of a text is the best segmentation of each of its words on its own: words of up to
+``CACHED_LETTERS`` letters are segmented once and kept (``CACHE_WORDS`` of them), which makes a chat
+message a few dictionary lookups. One subtlety: the C engine adds the pieces' scores in float32 from
+the start of the text, so where two segmentations of a word score (nearly) the same ("bbb" as
+``b|bb`` or ``bb|b``), rounding decides, and differently after different words. Such a word (about
+one in twelve distinct words of a chat) is segmented again each time, the engine's way, from the
+text's running score. A word's letters past ``LONGEST_WORD`` are left out (the engine would run
+them, and this Viterbi in Python would take most of a second for a few thousand).
 
 The 250,002 pieces are found through a sorted table of their string hashes (8 bytes each, every hit
 checked against the piece itself) instead of a dictionary of strings, which would hold about 40 MB.
@@ -19,15 +25,25 @@ from array import array
 from bisect import bisect_left
 from functools import lru_cache
 
+import numpy as np
+
 from cortex.memory.e5_weights import Vocabulary
 
 MARK = "\u2581"  # SentencePiece's word start
-CACHE_WORDS = 65536
+CACHE_WORDS = 16384
+CACHED_LETTERS = 32  # longer words are segmented each time (a cache of them could grow without bound)
+LONGEST_WORD = 512  # letters of one word that are segmented; the rest of a longer one is left out
+LONGEST_TEXT = 20_000  # letters after normalisation (which can expand a character to several)
+# Paths whose scores (float64, from the word's start) are this close may come out the other way in the
+# C engine, which adds float32 scores from the text's start: such a word is segmented again its way.
+NEAR_TIE = 0.1
 _SPACES = re.compile(" {2,}")
 
 
 class E5Tokenizer:
     def __init__(self, vocabulary: Vocabulary) -> None:
+        if not all(0 <= i < len(vocabulary) for i in (vocabulary.bos, vocabulary.eos, vocabulary.unk)):
+            raise ValueError("the vocabulary's special tokens are not among its pieces")
         self.bos, self.eos, self.unk = vocabulary.bos, vocabulary.eos, vocabulary.unk
         self._vocabulary = vocabulary
         entries = []
@@ -43,27 +59,37 @@ class E5Tokenizer:
         self._hashes = array("q", (h for h, _ in entries))
         self._ids = array("l", (i for _, i in entries))
         self._longest = longest  # in characters
-        self._unk_score = min(vocabulary.scores) - 10.0
+        unk_score = np.float32(min(vocabulary.scores)) - np.float32(10.0)
+        self._unk_score = float(unk_score)
+        # What each id adds to a path's score; <unk> only ever stands for a letter no piece covers.
+        self._scores32 = np.array(vocabulary.scores, np.float32)
+        self._scores32[self.unk] = unk_score
         self._table = dict(vocabulary.normalisation)
-        self.word = lru_cache(maxsize=CACHE_WORDS)(self._segment)
+        self._cached = lru_cache(maxsize=CACHE_WORDS)(self._segment)
 
     def ids(self, text: str, max_tokens: int) -> list[int]:
         """``<s>``, the pieces of ``text`` (at most ``max_tokens - 2``), ``</s>``."""
+        if max_tokens < 3:
+            raise ValueError("max_tokens must leave room for <s>, a piece and </s>")
         pieces: list[int] = []
         for word in self.words(text):
-            pieces.extend(self.word(word))
+            found, near_tie = self._cached(word) if len(word) <= CACHED_LETTERS else self._segment(word)
+            if near_tie:  # as the C engine decides it: float32 sums carried from the text's start
+                found = self._segment_as_c(word, np.cumsum(self._scores32[pieces], dtype=np.float32)[-1]
+                                           if pieces else np.float32(0.0))
+            pieces.extend(found)
             if len(pieces) >= max_tokens - 2:
                 del pieces[max_tokens - 2 :]
                 break
         return [self.bos, *pieces, self.eos]
 
     def words(self, text: str) -> list[str]:
-        """``text`` normalised and cut into words, each starting with ``▁``."""
+        """``text`` normalised and cut into words, each starting with ``▁`` (long ones cut short)."""
         text = text.encode("utf-8", "replace").decode("utf-8").replace("\x00", "").translate(self._table)
-        text = _SPACES.sub(" ", text)
+        text = _SPACES.sub(" ", text[:LONGEST_TEXT])
         if not text.startswith(" "):
             text = " " + text
-        return [MARK + word for word in text[1:].split(" ")]
+        return [MARK + word[: LONGEST_WORD - 1] for word in text[1:].split(" ")]
 
     def piece_id(self, piece: str) -> int | None:
         """The id of vocabulary piece ``piece``, or None."""
@@ -76,20 +102,46 @@ class E5Tokenizer:
             at += 1
         return None
 
-    def _segment(self, word: str) -> tuple[int, ...]:
+    def _segment(self, word: str) -> tuple[tuple[int, ...], bool]:
+        """The best segmentation of ``word`` (Viterbi over its letters), and whether two paths came near a tie."""
         n = len(word)
         best = [0.0] + [-1e30] * n
         piece_at = [0] * (n + 1)
         start_at = [0] * (n + 1)
-        scores, lookup = self._vocabulary.scores, self.piece_id
+        near_tie = False
+        scores = self._vocabulary.scores
         for i in range(n):
             here = best[i]
-            for end in range(i + 1, min(n, i + self._longest) + 1):
-                found = lookup(word[i:end])
-                if found is not None and here + scores[found] > best[end]:
-                    best[end], piece_at[end], start_at[end] = here + scores[found], found, i
-            if here + self._unk_score > best[i + 1]:
-                best[i + 1], piece_at[i + 1], start_at[i + 1] = here + self._unk_score, self.unk, i
+            for end, found in self._pieces_from(word, i):
+                score = here + (scores[found] if found is not None else self._unk_score)
+                if best[end] > -1e29 and abs(score - best[end]) < NEAR_TIE:
+                    near_tie = True
+                if score > best[end]:
+                    best[end], piece_at[end], start_at[end] = score, self.unk if found is None else found, i
+        return self._path(piece_at, start_at, n), near_tie
+
+    def _segment_as_c(self, word: str, total: np.float32) -> tuple[int, ...]:
+        """The C engine's segmentation: float32 scores added to ``total``, the text's best score so far."""
+        n = len(word)
+        best = [total] + [np.float32(-1e30)] * n
+        piece_at = [0] * (n + 1)
+        start_at = [0] * (n + 1)
+        for i in range(n):
+            here = best[i]
+            for end, found in self._pieces_from(word, i):
+                score = here + self._scores32[self.unk if found is None else found]
+                if score > best[end]:
+                    best[end], piece_at[end], start_at[end] = score, self.unk if found is None else found, i
+        return self._path(piece_at, start_at, n)
+
+    def _pieces_from(self, word: str, i: int) -> list[tuple[int, int | None]]:
+        """Where a piece starting at letter ``i`` can end, with its id, in the C engine's order: every
+        vocabulary piece by length, then ``<unk>`` (None) for the single letter."""
+        found = [(end, self.piece_id(word[i:end])) for end in range(i + 1, min(len(word), i + self._longest) + 1)]
+        return [(end, piece) for end, piece in found if piece is not None] + [(i + 1, None)]
+
+    @staticmethod
+    def _path(piece_at: list[int], start_at: list[int], n: int) -> tuple[int, ...]:
         out: list[int] = []
         at = n
         while at > 0:

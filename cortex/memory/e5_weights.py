@@ -185,8 +185,23 @@ def _parse(r: _Reader) -> E5Weights:
     for _ in range(r.number()):
         name = bytes(r.raw(r.number("H"))).decode()
         dtype, count, offset, _size = (int(v) for v in r.take("BIQQ"))
+        end = offset + (count * 4 if dtype == 0 else count // BLOCK * BLOCK_BYTES)
+        if dtype not in (0, 1) or end > len(r.data):
+            raise WeightsError(f"tensor {name!r} is damaged or cut off")
         tensors[name] = (dtype, count, offset)
-    return E5Weights(hidden, layers, heads, ffn, max_positions, eps, vocabulary, tensors, r.data)
+    weights = E5Weights(hidden, layers, heads, ffn, max_positions, eps, vocabulary, tensors, r.data)
+    for name, dtype in _needed(layers):
+        weights._tensor(name, dtype)  # every tensor the model uses is there, with its type
+    return weights
+
+
+def _needed(layers: int) -> list[tuple[str, int]]:
+    names = [("emb.word", 1), ("emb.pos", 0), ("emb.type", 0), ("emb.ln.w", 0), ("emb.ln.b", 0)]
+    for n in range(layers):
+        names += [(f"l{n}.{part}.w", 1) for part in ("q", "k", "v", "ao", "fi", "fo")]
+        names += [(f"l{n}.{part}.b", 0) for part in ("q", "k", "v", "ao", "fi", "fo")]
+        names += [(f"l{n}.{norm}.{p}", 0) for norm in ("aln", "oln") for p in "wb"]
+    return names
 
 
 def _array(code: str, raw: memoryview) -> array[Any]:
