@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,14 @@ async def _talk(app: App, lines: list[str], user: str = "ann", **kw: Any) -> Non
 async def _pair(app: App, user: str = "ann") -> Pair:
     account = await app.storage.get_user(f"console:{user}")
     return await app.cortex.store.count_messages(account.id, "Cora", 0)
+
+
+@asynccontextmanager
+async def _after_a_talk(tmp_path: Path, server: FakeLLMServer, **cortex: Any) -> AsyncIterator[tuple[App, Pair]]:
+    """A bot with these cortex settings, after Ann's conversation with Cora; and their pair."""
+    async with App(_config(tmp_path, server, **cortex)) as app:
+        await _talk(app, CONVERSATION)
+        yield app, await _pair(app)
 
 
 def cortex_requests(server: FakeLLMServer) -> list[RecordedRequest]:
@@ -473,9 +482,7 @@ async def test_a_run_stops_before_a_round_that_would_overshoot_the_budget(
     tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(KEY_ENV, "test-key")
-    async with App(_config(tmp_path, fake_llm, daily_token_budget=10_000)) as app:
-        await _talk(app, CONVERSATION)
-        pair = await _pair(app)
+    async with _after_a_talk(tmp_path, fake_llm, daily_token_budget=10_000) as (app, pair):
         fake_llm.enqueue(
             FakeResponse.tool_calls([("r1", "read_file", {"filename": "memory.md"})], input_tokens=6000,
                                     output_tokens=100),
@@ -494,9 +501,7 @@ async def test_the_first_round_counts_before_it_is_spent(
     """A second update may not start its first round on a budget the first one nearly spent: its input is
     at least the conversation it reads."""
     monkeypatch.setenv(KEY_ENV, "test-key")
-    async with App(_config(tmp_path, fake_llm, daily_token_budget=10_000, cooldown_seconds=0)) as app:
-        await _talk(app, CONVERSATION)
-        pair = await _pair(app)
+    async with _after_a_talk(tmp_path, fake_llm, daily_token_budget=10_000) as (app, pair):
         settings = (await app.cortex.resolver.effective("Cora")).settings
         fake_llm.enqueue(FakeResponse.text("nothing new", input_tokens=9_000, output_tokens=500))
         await app.cortex.updater.run(pair, "50", settings)
@@ -511,9 +516,7 @@ async def test_a_rounds_tool_results_count_in_the_next_rounds_estimate(
     tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(KEY_ENV, "test-key")
-    async with App(_config(tmp_path, fake_llm, daily_token_budget=10_000)) as app:
-        await _talk(app, CONVERSATION)
-        pair = await _pair(app)
+    async with _after_a_talk(tmp_path, fake_llm, daily_token_budget=10_000) as (app, pair):
         await app.cortex.files.edit(pair, "memory.md", "# Notes\n" + "- Ann likes long walks by the river.\n" * 200)
         reads = [(f"r{i}", "read_file", {"filename": "memory.md"}) for i in range(30)]
         fake_llm.enqueue(FakeResponse.tool_calls(reads, input_tokens=2_000, output_tokens=50), FakeResponse.text(""))
