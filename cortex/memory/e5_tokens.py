@@ -23,9 +23,12 @@ from __future__ import annotations
 import re
 from array import array
 from bisect import bisect_left
+from collections.abc import Sequence
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from cortex.memory.e5_weights import Vocabulary
 
@@ -59,11 +62,11 @@ class E5Tokenizer:
         self._hashes = array("q", (h for h, _ in entries))
         self._ids = array("l", (i for _, i in entries))
         self._longest = longest  # in characters
-        unk_score = np.float32(min(vocabulary.scores)) - np.float32(10.0)
-        self._unk_score = float(unk_score)
-        # What each id adds to a path's score; <unk> only ever stands for a letter no piece covers.
+        # What each id adds to a path's score; <unk> only ever stands for a letter no piece covers, and
+        # scores the lowest piece's score less 10 (in float32, as the C engine computes it).
         self._scores32 = np.array(vocabulary.scores, np.float32)
-        self._scores32[self.unk] = unk_score
+        self._scores32[self.unk] = np.float32(min(vocabulary.scores)) - np.float32(10.0)
+        self._scores: list[float] = self._scores32.tolist()
         self._table = dict(vocabulary.normalisation)
         self._cached = lru_cache(maxsize=CACHE_WORDS)(self._segment)
 
@@ -104,47 +107,37 @@ class E5Tokenizer:
 
     def _segment(self, word: str) -> tuple[tuple[int, ...], bool]:
         """The best segmentation of ``word`` (Viterbi over its letters), and whether two paths came near a tie."""
-        n = len(word)
-        best = [0.0] + [-1e30] * n
-        piece_at = [0] * (n + 1)
-        start_at = [0] * (n + 1)
-        near_tie = False
-        scores = self._vocabulary.scores
-        for i in range(n):
-            here = best[i]
-            for end, found in self._pieces_from(word, i):
-                score = here + (scores[found] if found is not None else self._unk_score)
-                if best[end] > -1e29 and abs(score - best[end]) < NEAR_TIE:
-                    near_tie = True
-                if score > best[end]:
-                    best[end], piece_at[end], start_at[end] = score, self.unk if found is None else found, i
-        return self._path(piece_at, start_at, n), near_tie
+        return self._viterbi(word, 0.0, self._scores)
 
     def _segment_as_c(self, word: str, total: np.float32) -> tuple[int, ...]:
         """The C engine's segmentation: float32 scores added to ``total``, the text's best score so far."""
+        return self._viterbi(word, total, self._scores32)[0]
+
+    def _viterbi(self, word: str, total: float | np.float32, scores: Sequence[float] | npt.NDArray[np.float32]
+                 ) -> tuple[tuple[int, ...], bool]:
+        """Viterbi from ``total``, in the arithmetic of ``scores`` and ``total`` (float or float32)."""
         n = len(word)
-        best = [total] + [np.float32(-1e30)] * n
+        best: list[Any] = [total] + [None] * n  # None: no path reaches there yet
         piece_at = [0] * (n + 1)
         start_at = [0] * (n + 1)
+        near_tie = False
         for i in range(n):
             here = best[i]
             for end, found in self._pieces_from(word, i):
-                score = here + self._scores32[self.unk if found is None else found]
-                if score > best[end]:
-                    best[end], piece_at[end], start_at[end] = score, self.unk if found is None else found, i
-        return self._path(piece_at, start_at, n)
-
-    def _pieces_from(self, word: str, i: int) -> list[tuple[int, int | None]]:
-        """Where a piece starting at letter ``i`` can end, with its id, in the C engine's order: every
-        vocabulary piece by length, then ``<unk>`` (None) for the single letter."""
-        found = [(end, self.piece_id(word[i:end])) for end in range(i + 1, min(len(word), i + self._longest) + 1)]
-        return [(end, piece) for end, piece in found if piece is not None] + [(i + 1, None)]
-
-    @staticmethod
-    def _path(piece_at: list[int], start_at: list[int], n: int) -> tuple[int, ...]:
+                score = here + scores[found]
+                if best[end] is not None and abs(score - best[end]) < NEAR_TIE:
+                    near_tie = True
+                if best[end] is None or score > best[end]:
+                    best[end], piece_at[end], start_at[end] = score, found, i
         out: list[int] = []
         at = n
         while at > 0:
             out.append(piece_at[at])
             at = start_at[at]
-        return tuple(reversed(out))
+        return tuple(reversed(out)), near_tie
+
+    def _pieces_from(self, word: str, i: int) -> list[tuple[int, int]]:
+        """Where a piece starting at letter ``i`` can end, with its id, in the C engine's order: every
+        vocabulary piece by length, then ``<unk>`` for the single letter."""
+        found = [(end, self.piece_id(word[i:end])) for end in range(i + 1, min(len(word), i + self._longest) + 1)]
+        return [(end, piece) for end, piece in found if piece is not None] + [(i + 1, self.unk)]

@@ -108,7 +108,7 @@ class E5Weights:
 
     def count(self, name: str) -> int:
         """How many numbers tensor ``name`` holds."""
-        return self._tensor(name, self._tensors.get(name, (0,))[0])[1]
+        return self._tensor(name)[1]
 
     def floats(self, name: str) -> Floats:
         dtype, count, offset = self._tensor(name, 0)
@@ -121,12 +121,12 @@ class E5Weights:
         raw = np.frombuffer(self._data, np.uint8, count // BLOCK * BLOCK_BYTES, offset).reshape(-1, BLOCK_BYTES)
         return Q4Matrix(rows, cols, raw)
 
-    def _tensor(self, name: str, dtype: int) -> tuple[int, int, int]:
+    def _tensor(self, name: str, dtype: int | None = None) -> tuple[int, int, int]:
         try:
             found = self._tensors[name]
         except KeyError:
             raise WeightsError(f"the model file has no tensor {name!r}") from None
-        if found[0] != dtype:
+        if dtype is not None and found[0] != dtype:
             raise WeightsError(f"tensor {name!r} has type {found[0]}, expected {dtype}")
         return found
 
