@@ -52,7 +52,7 @@ from bot.storage.base import Channel, LLMCallRecord, ReplyStats, Storage, Stored
 from bot.storage.engine import StaleReference
 from bot.storage.sources import ReplySource
 from bot.summary import SummaryEngine, budgets_for
-from bot.text import without_surrogates
+from bot.text import storable
 from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ class ConversationCore:
               is_bot_admin: bool = False) -> ReplyStream:
         """Validate ``message`` (raises :class:`bot.errors.UserFacingError`) and prepare its reply;
         ``is_admin``: the author is an admin where it was sent (admin-only skills are offered)."""
-        text = message.text.strip()
+        text = storable(message.text).strip()
         if not text:
             raise EmptyMessage()
         limit = self.config.bot.max_message_chars
@@ -175,7 +175,7 @@ class ConversationCore:
     async def _run(self, stream: ReplyStream) -> AsyncIterator[str]:
         message, persona = stream._message, stream._persona
         began = time.monotonic()
-        text = without_surrogates(message.text.strip())  # as it is stored and as the preparers see it
+        text = storable(message.text).strip()  # as it is stored and as the preparers see it
         self._prepare(message, persona, text)
         user, channel, user_msg = await self._store_incoming(message, persona, text)
         self._remember_last(message.channel_key, user_msg.text)

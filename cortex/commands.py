@@ -7,6 +7,7 @@ user's files through any command.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -37,7 +38,7 @@ from bot.storage.base import Channel, Storage, User
 from bot.text import plural
 from cortex.export import MAX_ARCHIVE_BYTES, ArchiveError, build_zip, export_data, export_filename, read_archive
 from cortex.files import CortexFiles, FileError, normalise_filename, unified_diff
-from cortex.importing import Importer
+from cortex.importing import Importer, ImportLimits
 from cortex.settings import (
     OVERRIDABLE,
     SettingError,
@@ -256,8 +257,10 @@ class CortexCommands:
         _, blob = attached_file(ctx, args, "your export (the zip !memory export made)", MAX_ARCHIVE_BYTES)
         user, _ = await self._pair(ctx)
         try:
-            report = await Importer(self.store, self.files, self.personas, self.config.memory.max_item_chars).run(
-                user, read_archive(blob), await self._dm_channel(ctx))
+            data = await asyncio.to_thread(read_archive, blob)  # a large archive must not stall the replies
+            limits = ImportLimits(self.config.memory.max_item_chars, self.config.bot.max_message_chars)
+            report = await Importer(self.store, self.files, self.personas, limits).run(
+                user, data, await self._dm_channel(ctx))
         except ArchiveError as exc:
             raise CommandError(str(exc)) from None
         text = report.line()

@@ -49,6 +49,17 @@ def _safe(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_ " else "_" for ch in name).strip() or "persona"
 
 
+def _unique(folder: str, taken: set[str]) -> str:
+    """``folder``, numbered when another persona's name made the same one ("Cora?" and "Cora!" are both
+    ``Cora_``; "cora" too, where files are named without regard to case)."""
+    name, n = folder, 1
+    while name.casefold() in taken:
+        n += 1
+        name = f"{folder}-{n}"
+    taken.add(name.casefold())
+    return name
+
+
 async def persona_data(store: CortexStore, pair_id: int, persona: str) -> dict[str, Any]:
     versions = await store.all_versions(pair_id)
     runs = await store.runs(pair_id, limit=100_000)
@@ -108,8 +119,9 @@ def build_zip(data: dict[str, Any]) -> bytes:
         archive.writestr("messages.md", _messages_markdown(data["messages"]))
         archive.writestr("summaries.md", "# Summaries of your direct messages\n\n" + "\n\n".join(
             f"## {s['channel']} (version {s['version']})\n{s['text']}" for s in data["dm_summaries"]) + "\n")
+        folders: set[str] = set()
         for persona in data["personas"]:
-            folder = _safe(persona["persona"])
+            folder = _unique(_safe(persona["persona"]), folders)
             latest: dict[str, str] = {}
             for v in persona["file_versions"]:
                 latest[v["file"]] = v["content"]
@@ -122,7 +134,11 @@ def build_zip(data: dict[str, Any]) -> bytes:
 
 
 MAX_ARCHIVE_BYTES = 50 * 1024 * 1024
-MAX_DATA_BYTES = 200 * 1024 * 1024  # data.json unpacked: a zip bomb stops here
+MAX_DATA_BYTES = 100 * 1024 * 1024  # data.json unpacked: a zip bomb stops here
+# Objects and lists in data.json: each costs Python memory whatever its size ("{}," is 3 bytes and ~100
+# bytes parsed), so 100 MB of them would take gigabytes. An export has a few per message, item and
+# version: half a million covers about 150,000 messages.
+MAX_DATA_ENTRIES = 500_000
 
 
 def export_filename(user: User, now: datetime | None = None) -> str:
@@ -155,7 +171,8 @@ class ImportReport:
 
 
 def read_archive(blob: bytes) -> dict[str, Any]:
-    """``data.json`` of an export zip, checked for size and format."""
+    """``data.json`` of an export zip, checked for size and format (CPU-bound for a large one: callers
+    run it on a worker thread)."""
     if len(blob) > MAX_ARCHIVE_BYTES:
         raise ArchiveError(f"the archive is {len(blob) / 1e6:.1f} MB; at most {MAX_ARCHIVE_BYTES // 1024 // 1024} MB")
     try:
@@ -163,7 +180,11 @@ def read_archive(blob: bytes) -> dict[str, Any]:
             info = archive.getinfo("data.json")
             if info.file_size > MAX_DATA_BYTES:
                 raise ArchiveError("its data.json is too large")
-            data = json.loads(archive.read(info))
+            raw = archive.read(info)  # zipfile reads no more than the size checked above (else: BadZipFile)
+            if raw.count(b"{") + raw.count(b"[") > MAX_DATA_ENTRIES:  # braces inside strings count too: an upper bound
+                raise ArchiveError(f"its data.json holds more than {MAX_DATA_ENTRIES:,} entries, more than this bot "
+                                   "imports at once")
+            data = json.loads(raw)
     except ArchiveError:
         raise
     except (zipfile.BadZipFile, KeyError):

@@ -7,6 +7,12 @@ only into the direct-message channel the import is sent in: an archive names cha
 it names may be someone else's, so it never decides where a message goes. Times must be real ones
 (no NaN, nothing before 1970 or in the future). Update runs and summaries are not imported (summaries
 are written anew from the messages).
+
+An archive can be edited by hand, so it is read as untrusted input, and read whole before anything is
+written: every entry is checked and cleaned first (sizes as the chat enforces them, text PostgreSQL and
+UTF-8 can store, the guard against instruction-like text, tags and metadata of a sane size), and only
+then are the usable ones written. A bad value leaves that entry out (the report says why); it never stops
+an import halfway. Writing again after an interruption skips what came in already.
 """
 
 from __future__ import annotations
@@ -16,43 +22,63 @@ import math
 import time
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
+from bot.conversation import MAX_REPLY_CHARS
 from bot.persona import PersonaSource
 from bot.storage.base import Channel, User
 from bot.storage.core import Storage
-from bot.text import plural
+from bot.text import plural, storable, storable_json
 from cortex.export import ArchiveError, ImportReport
 from cortex.files import CortexFiles, FileError
 from cortex.memory.guard import check_memory_text
 from cortex.memory.store import CATEGORIES, SCOPES
+from cortex.memory.tools import MAX_TAG_CHARS
 from cortex.store import FILENAMES, CortexStore
 
 REASON = "imported from an export"
 LATEST_EXPIRY = 253_402_300_799.0  # 9999-12-31 23:59:59 UTC, the last second a date can show
-CLOCK_SKEW = 86_400.0  # an export from a bot whose clock ran a day ahead still comes in
+CLOCK_SKEW = 86_400.0  # an export from a bot whose clock ran a day ahead still comes in (items)
+MAX_TAGS = 10  # as the remember tool keeps them
+MAX_METADATA_CHARS = 4_000  # an item's metadata as JSON (every read of the item parses it)
+MAX_NAME_CHARS = 100  # a message's author name
 MISSING = object()
+Role = Literal["user", "assistant"]
+
+
+@dataclass(frozen=True, slots=True)
+class ImportLimits:
+    item_chars: int  # [memory] max_item_chars
+    message_chars: int  # [bot] max_message_chars: a user's message, as the chat takes it
+    reply_chars: int = MAX_REPLY_CHARS  # a reply, as the bot stores its own
 
 
 def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        return None
 
 
-def _time(value: Any, *, future: bool = False) -> float | None:
-    """A usable Unix time: finite, not before 1970 and (unless ``future``, as expiry may be) not ahead of
-    now. Anything else would break every later view of the row (dates past year 9999 cannot be shown)."""
+def _time(value: Any, *, latest: float | None = None) -> float | None:
+    """A usable Unix time: finite, not before 1970 and not after ``latest`` (default: now, give or take
+    ``CLOCK_SKEW``). Anything else would break every later view of the row (dates past year 9999 cannot
+    be shown)."""
     number = _number(value)
-    latest = LATEST_EXPIRY if future else time.time() + CLOCK_SKEW
+    latest = time.time() + CLOCK_SKEW if latest is None else latest
     return number if number is not None and math.isfinite(number) and 0 <= number <= latest else None
 
 
-def _optional_time(item: Mapping[str, Any], key: str, *, future: bool = False) -> float | None | object:
+def _optional_time(item: Mapping[str, Any], key: str, *, latest: float | None = None) -> float | None | object:
     """``None`` when the archive leaves the time out, the time when usable, else ``MISSING``."""
     value = item.get(key)
     if value is None:
         return None
-    checked = _time(value, future=future)
+    checked = _time(value, latest=latest)
     return MISSING if checked is None else checked
 
 
@@ -73,149 +99,212 @@ def _list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 
 
+def _text(value: Any, limit: int) -> str:
+    return storable(str(value or ""))[:limit]
+
+
+def _tags_and_metadata(item: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The item's tags and metadata as stored (JSON), or None when they are damaged or oversized."""
+    tags, metadata = _json_as(item.get("tags"), list), _json_as(item.get("metadata"), dict)
+    if tags is None or metadata is None or len(tags) > MAX_TAGS \
+            or not all(isinstance(t, str) and len(t) <= MAX_TAG_CHARS for t in tags):
+        return None
+    try:
+        metadata_json = json.dumps(storable_json(metadata), ensure_ascii=False)
+    except (ValueError, TypeError, RecursionError):  # e.g. a float too large, nesting too deep
+        return None
+    if len(metadata_json) > MAX_METADATA_CHARS:
+        return None
+    return json.dumps([storable(t) for t in tags], ensure_ascii=False), metadata_json
+
+
 def item_fields(item: Mapping[str, Any], max_chars: int) -> dict[str, Any] | None:
     """The columns of one exported item as they may be stored, or None when it is not usable."""
-    content = str(item.get("content") or "").strip()
+    content = storable(str(item.get("content") or "")).strip()
     created = _time(item.get("created_at"))
     importance = item.get("importance")
     if not content or len(content) > max_chars or created is None or item.get("category") not in CATEGORIES:
         return None
     if not isinstance(importance, int) or isinstance(importance, bool) or not 1 <= importance <= 10:
         return None
-    times = {key: _optional_time(item, key, future=key == "expires_at")
+    times = {key: _optional_time(item, key, latest=LATEST_EXPIRY if key == "expires_at" else None)
              for key in ("expires_at", "updated_at", "archived_at")}
-    if MISSING in times.values():
-        return None
-    tags, metadata = _json_as(item.get("tags"), list), _json_as(item.get("metadata"), dict)
-    if tags is None or metadata is None or not all(isinstance(t, str) for t in tags):
+    extras = _tags_and_metadata(item)
+    if MISSING in times.values() or extras is None:
         return None
     return {
-        "category": item["category"], "key": str(item.get("key") or "")[:200], "content": content,
+        "category": item["category"], "key": _text(item.get("key"), 200), "content": content,
         "importance": importance, "pinned": int(bool(item.get("pinned"))),
         "expires_at": times["expires_at"],
-        "tags": json.dumps(tags),
-        "source": str(item.get("source") or "user") if item.get("source") in ("user", "model", "system") else "user",
-        "source_ref": str(item.get("source_ref") or "")[:200],
-        "metadata": json.dumps(metadata),
+        "tags": extras[0],
+        "source": str(item["source"]) if item.get("source") in ("user", "model", "system") else "user",
+        "source_ref": _text(item.get("source_ref"), 200),
+        "metadata": extras[1],
         "created_at": created, "updated_at": times["updated_at"] or created,
         "access_count": 0, "archived_at": times["archived_at"],
-        "archive_reason": str(item.get("archive_reason") or "")[:200],
+        "archive_reason": _text(item.get("archive_reason"), 200),
         "scope": item.get("scope") if item.get("scope") in SCOPES else "private",
     }
-
-
-class Importer:
-    def __init__(self, store: CortexStore, files: CortexFiles, personas: PersonaSource, max_item_chars: int) -> None:
-        self.store = store
-        self.files = files
-        self.personas = personas
-        self.max_item_chars = max_item_chars
-        self.known = {name.casefold(): name for name in personas.names()}
-
-    async def run(self, user: User, data: Mapping[str, Any], dm_channel: Channel | None) -> ImportReport:
-        """Import ``data`` for ``user``; direct messages go into ``dm_channel`` (the user's direct-message
-        channel the import was sent in), or are left out when it was sent elsewhere."""
-        owner = data.get("user", {}).get("key") if isinstance(data.get("user"), dict) else None
-        if owner != user.key:
-            raise ArchiveError(f"this export belongs to {owner!r}, not to you ({user.key}): only your own data "
-                               "can be imported")
-        report = ImportReport()
-        for persona in _list(data.get("personas")):
-            name = self.known.get(str(persona.get("persona", "")).casefold()) if isinstance(persona, dict) else None
-            if name is None:
-                report.left_out.append(f"persona {persona.get('persona')!r} does not exist here"
-                                       if isinstance(persona, dict) else "a damaged persona entry")
-                continue
-            await self._persona(user, name, persona, report)
-        await _Messages(self.store.storage, user, dm_channel, self.known, report).run(_list(data.get("messages")))
-        return report
-
-    async def _persona(self, user: User, persona: str, data: Mapping[str, Any], report: ImportReport) -> None:
-        _, pair = await self.store.pair_for(user.key, user.display_name, persona)
-        latest: dict[str, str] = {}
-        for version in _list(data.get("file_versions")):
-            if isinstance(version, dict) and version.get("file") in FILENAMES:
-                latest[str(version["file"])] = str(version.get("content") or "")
-        for filename, content in latest.items():
-            if not content.strip() or len(content) > self.files.file_max_chars:
-                report.left_out.append(f"{persona}'s {filename} (empty or too long)")
-                continue
-            try:
-                written = await self.files.write(pair, filename, content, "user", REASON)
-            except FileError as exc:  # e.g. the guard refused it: the rest still comes in
-                report.left_out.append(f"{persona}'s {filename} ({exc})")
-                continue
-            if written is None:
-                report.skipped += 1
-            else:
-                report.files += 1
-        await self._items(pair.id, _list(data.get("memory_items")), report)
-
-    async def _items(self, pair_id: int, items: list[Any], report: ImportReport) -> None:
-        repo = self.store.storage.export
-        new_ids: dict[int, int] = {}
-        for item in items:
-            fields = item_fields(item, self.max_item_chars) if isinstance(item, dict) else None
-            if fields is None:
-                report.left_out.append("an unusable memory item")
-            elif not check_memory_text(fields["content"]).ok:
-                report.left_out.append("an item that reads like instructions to the bot")
-            elif (here := await repo.item_like(pair_id, fields["content"], fields["created_at"])) is not None:
-                report.skipped += 1  # here already (an import run before): its corrections still link to it
-                if _is_id(item.get("id")):
-                    new_ids[item["id"]] = here
-            else:
-                new_id = await repo.import_item(pair_id, fields)
-                if _is_id(item.get("id")):
-                    new_ids[item["id"]] = new_id
-                report.items += 1
-        for item in items:  # corrections between imported items keep their link
-            if isinstance(item, dict) and _is_id(item.get("superseded_by")) and _is_id(item.get("id")) \
-                    and item["superseded_by"] in new_ids and item["id"] in new_ids:
-                await repo.link_correction(pair_id, new_ids[item["id"]], new_ids[item["superseded_by"]])
 
 
 def _is_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+@dataclass
+class _PersonaPlan:
+    """One persona's part of the archive, checked: what may be written."""
+
+    name: str
+    files: dict[str, str] = field(default_factory=dict)
+    items: list[tuple[int | None, dict[str, Any]]] = field(default_factory=list)  # (id in the archive, columns)
+    corrections: list[tuple[int, int]] = field(default_factory=list)  # (archive id, archive id of its correction)
+
+
+class Importer:
+    def __init__(self, store: CortexStore, files: CortexFiles, personas: PersonaSource, limits: ImportLimits) -> None:
+        self.store = store
+        self.files = files
+        self.personas = personas
+        self.limits = limits
+        self.known = {name.casefold(): name for name in personas.names()}
+
+    async def run(self, user: User, data: Mapping[str, Any], dm_channel: Channel | None) -> ImportReport:
+        """Import ``data`` for ``user``; direct messages go into ``dm_channel`` (the user's direct-message
+        channel the import was sent in), or are left out when it was sent elsewhere. Everything is checked
+        before the first write."""
+        owner = data.get("user", {}).get("key") if isinstance(data.get("user"), dict) else None
+        if owner != user.key:
+            raise ArchiveError(f"this export belongs to {owner!r}, not to you ({user.key}): only your own data "
+                               "can be imported")
+        report = ImportReport()
+        plans = [plan for persona in _list(data.get("personas"))
+                 if (plan := self._plan_persona(persona, report)) is not None]
+        messages = _Messages(self.store.storage, user, dm_channel, self.known, self.limits, report)
+        messages.plan(_list(data.get("messages")))
+        for plan in plans:
+            await self._persona(user, plan, report)
+        await messages.write()
+        return report
+
+    def _plan_persona(self, persona: Any, report: ImportReport) -> _PersonaPlan | None:
+        name = self.known.get(str(persona.get("persona", "")).casefold()) if isinstance(persona, dict) else None
+        if name is None:
+            report.left_out.append(f"persona {_text(persona.get('persona'), 60)!r} does not exist here"
+                                   if isinstance(persona, dict) else "a damaged persona entry")
+            return None
+        plan = _PersonaPlan(name)
+        for version in _list(persona.get("file_versions")):
+            if isinstance(version, dict) and version.get("file") in FILENAMES:
+                plan.files[str(version["file"])] = storable(str(version.get("content") or ""))
+        for filename, content in list(plan.files.items()):
+            if not content.strip() or len(content) > self.files.file_max_chars:
+                report.left_out.append(f"{name}'s {filename} (empty or too long)")
+                del plan.files[filename]
+        for item in _list(persona.get("memory_items")):
+            fields = item_fields(item, self.limits.item_chars) if isinstance(item, dict) else None
+            if fields is None:
+                report.left_out.append("an unusable memory item")
+            elif not check_memory_text(fields["content"]).ok:
+                report.left_out.append("an item that reads like instructions to the bot")
+            else:
+                plan.items.append((item["id"] if _is_id(item.get("id")) else None, fields))
+                if _is_id(item.get("id")) and _is_id(item.get("superseded_by")) and item["superseded_by"] != item["id"]:
+                    plan.corrections.append((item["id"], item["superseded_by"]))
+        return plan
+
+    async def _persona(self, user: User, plan: _PersonaPlan, report: ImportReport) -> None:
+        _, pair = await self.store.pair_for(user.key, user.display_name, plan.name)
+        for filename, content in plan.files.items():
+            try:
+                written = await self.files.write(pair, filename, content, "user", REASON)
+            except FileError as exc:  # e.g. the guard refused it: the rest still comes in
+                report.left_out.append(f"{plan.name}'s {filename} ({exc})")
+                continue
+            if written is None:
+                report.skipped += 1
+            else:
+                report.files += 1
+        await self._items(pair.id, plan, report)
+
+    async def _items(self, pair_id: int, plan: _PersonaPlan, report: ImportReport) -> None:
+        repo = self.store.storage.export
+        new_ids: dict[int, int] = {}
+        for archive_id, fields in plan.items:
+            if (here := await repo.item_like(pair_id, fields["content"], fields["created_at"])) is not None:
+                report.skipped += 1  # here already (an import run before): its corrections still link to it
+                new_id = here
+            else:
+                new_id = await repo.import_item(pair_id, fields)
+                report.items += 1
+            if archive_id is not None:
+                new_ids[archive_id] = new_id
+        for old, new in plan.corrections:  # corrections between imported items keep their link
+            if old in new_ids and new in new_ids:
+                await repo.link_correction(pair_id, new_ids[old], new_ids[new])
+
+
 class _Messages:
     """The archive's direct messages, taken into the user's direct-message channel here."""
 
-    def __init__(self, storage: Storage, user: User, channel: Channel | None, personas: Mapping[str, str],
-                 report: ImportReport) -> None:
-        self.storage, self.user, self.channel, self.personas, self.report = storage, user, channel, personas, report
-        self.left_out: Counter[str] = Counter()
+    NOTES = {"group": "{n} from group channels (their history is everyone's)",
+             "elsewhere": "{n} from direct messages: send the import in a direct message with me to bring them back",
+             "persona": "{n} with personas this bot does not have",
+             "time": "{n} without a usable time",
+             "long": "{n} longer than this bot takes",
+             "guard": "{n} of the bot's that read like instructions to it"}
 
-    async def run(self, messages: list[Any]) -> None:
+    def __init__(self, storage: Storage, user: User, channel: Channel | None, personas: Mapping[str, str],
+                 limits: ImportLimits, report: ImportReport) -> None:
+        self.storage, self.user, self.channel, self.personas = storage, user, channel, personas
+        self.limits, self.report = limits, report
+        self.left_out: Counter[str] = Counter()
+        self.rows: list[tuple[str, Role, str, str, float]] = []  # persona, role, author, text, time
+
+    def plan(self, messages: list[Any]) -> None:
+        latest = time.time() + 60  # a message from the future would stay last in the window for as long
         for m in messages:
             if not isinstance(m, dict) or m.get("role") not in ("user", "assistant") or not isinstance(
-                    m.get("text"), str) or not m["text"]:
+                    m.get("text"), str):
                 continue
-            await self._one(m)
-        notes = {"group": "{n} from group channels (their history is everyone's)",
-                 "elsewhere": "{n} from direct messages: send the import in a direct message with me to bring them "
-                              "back",
-                 "persona": "{n} with personas this bot does not have",
-                 "time": "{n} without a usable time"}
+            text = storable(m["text"]).strip()
+            if text:
+                reason = self._refused(m, text, latest)
+                if reason:
+                    self.left_out[reason] += 1
+                else:
+                    persona = self.personas[str(m.get("persona") or "").casefold()]
+                    self.rows.append((persona, m["role"], _text(m.get("author_name"), MAX_NAME_CHARS), text,
+                                      _time(m.get("created_at"), latest=latest) or 0.0))
         for reason, count in self.left_out.items():
-            self.report.left_out.append(notes[reason].format(n=plural(count, "message")))
+            self.report.left_out.append(self.NOTES[reason].format(n=plural(count, "message")))
 
-    async def _one(self, m: Mapping[str, Any]) -> None:
-        persona = self.personas.get(str(m.get("persona") or "").casefold())
-        created = _time(m.get("created_at"))
+    def _refused(self, m: Mapping[str, Any], text: str, latest: float) -> str | None:
+        """Why a message cannot come in (a key of ``NOTES``), or None."""
+        limit = self.limits.message_chars if m["role"] == "user" else self.limits.reply_chars
         if not m.get("is_dm"):
-            self.left_out["group"] += 1
-        elif self.channel is None:
-            self.left_out["elsewhere"] += 1
-        elif persona is None:
-            self.left_out["persona"] += 1
-        elif created is None:
-            self.left_out["time"] += 1
-        elif await self.storage.export.has_message(self.channel.id, m["role"], m["text"], created):
-            self.report.skipped += 1
-        else:
-            await self.storage.add_message(self.channel.id, self.user.id, persona, m["role"],
-                                           str(m.get("author_name") or ""), m["text"], 0,
+            return "group"
+        if self.channel is None:
+            return "elsewhere"
+        if str(m.get("persona") or "").casefold() not in self.personas:
+            return "persona"
+        if _time(m.get("created_at"), latest=latest) is None:
+            return "time"
+        if len(text) > limit:
+            return "long"
+        # The bot's own turns go into every later prompt as its words: an edited archive must not put
+        # instructions there (the user's own turns are theirs to say, as in the chat).
+        if m["role"] == "assistant" and not check_memory_text(text).ok:
+            return "guard"
+        return None
+
+    async def write(self) -> None:
+        if self.channel is None:
+            return
+        for persona, role, author, text, created in self.rows:
+            if await self.storage.export.has_message(self.channel.id, role, text, created):
+                self.report.skipped += 1
+                continue
+            await self.storage.add_message(self.channel.id, self.user.id, persona, role, author, text, 0,
                                            datetime.fromtimestamp(created, tz=UTC))
             self.report.messages += 1

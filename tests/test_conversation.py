@@ -63,6 +63,21 @@ async def test_reply_streams_and_stores_both_messages(tmp_path: Path) -> None:
         assert request.messages[-1].content == "hi there"
 
 
+async def test_a_nul_character_in_a_message_is_dropped_on_both_engines(tmp_path: Path) -> None:
+    """A Matrix body can carry "\u0000": PostgreSQL's text has no NUL, so storing it failed the reply
+    there (and SQLite kept it, which blocked a later copy-data to PostgreSQL)."""
+    llm = ScriptedProvider()
+    llm.enqueue("Hallo!")
+    async with App(_config(tmp_path), llm=llm) as app:
+        stream = app.core.reply(IncomingMessage("console", "c1", "ann", "An\x00n", "hi\x00 there", is_dm=True))
+        assert await stream.text() == "Hallo!"
+        stored = await app.storage.recent_messages(stream.result.reply.channel_id, 10)  # type: ignore[union-attr]
+        assert [m.text for m in reversed(stored)] == ["hi there", "Hallo!"]
+        assert llm.requests[0].messages[-1].content == "hi there"
+        with pytest.raises(EmptyMessage):
+            app.core.reply(_msg("\x00 \x00"))
+
+
 async def test_user_message_is_kept_when_the_llm_fails(tmp_path: Path) -> None:
     llm = ScriptedProvider()
     llm.enqueue(LLMOverloaded("529"))

@@ -175,6 +175,19 @@ async def test_the_copy_works_as_a_bot_database(source: Storage, pg: Storage) ->
     assert (await pg.enqueue_job("x", "y", {}, 1)) is not None
 
 
+async def test_a_nul_stored_by_sqlite_does_not_block_the_copy(source: Storage, pg: Storage) -> None:
+    """SQLite stores NUL characters (older rows, imports); PostgreSQL's text has none. The copy failed on
+    such a row, and again on every run, so the move could never finish; the NUL now goes."""
+    general = await source.get_channel("discord:g")
+    ann = await source.get_user("discord:1")
+    assert general is not None and ann is not None
+    await source.add_message(general.id, ann.id, "Cora", "user", "An\x00n", "a\x00b", 2)
+    report = await copy_data(source, pg)
+    assert report.ok, report.mismatches
+    row = await pg.db.fetch_one("SELECT text, author_name FROM messages ORDER BY id DESC LIMIT 1")
+    assert row is not None and (row["text"], row["author_name"]) == ("ab", "Ann")
+
+
 async def test_a_second_run_copies_nothing(source: Storage, pg: Storage) -> None:
     first = await copy_data(source, pg)
     second = await copy_data(source, pg)

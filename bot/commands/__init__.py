@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from itertools import takewhile
 from typing import Literal
 
-from bot.text import plural, printable, without_surrogates
+from bot.text import plural, printable, storable, without_surrogates
 
 log = logging.getLogger(__name__)
 
@@ -337,7 +337,7 @@ class CommandRegistry:
         return f"{self.prefix}{command.name}" + (f" {command.usage}" if command.usage else "")
 
     async def dispatch(self, text: str, context: CommandContext) -> CommandReply:
-        first, _, body = without_surrogates(text).strip().partition("\n")
+        first, _, body = storable(text).strip().partition("\n")
         line = first[len(self.prefix):]
         tokens = split_words(line)
         words = [t.value for t in tokens]

@@ -72,8 +72,18 @@ class ExportRepository:
 
     async def link_correction(self, pair_id: int, old_id: int, new_id: int) -> None:
         """Mark ``new_id`` as the correction of ``old_id``, unless ``old_id`` has a correction already (one
-        its user made since an earlier import of it stays the one that counts)."""
+        its user made since an earlier import of it stays the one that counts). A link that would close a
+        loop (``new_id`` already corrected by ``old_id``, directly or down a chain) is not made: every item
+        of a loop would be hidden as superseded, for good."""
+        if old_id == new_id:
+            return
         async with self.db.transaction() as tx:
+            loop = await tx.fetch_one(
+                "WITH RECURSIVE chain (id) AS (SELECT superseded_by FROM memory_items WHERE id = ? AND pair_id = ?"
+                " UNION SELECT m.superseded_by FROM memory_items AS m JOIN chain ON m.id = chain.id"
+                " WHERE m.superseded_by IS NOT NULL) SELECT 1 FROM chain WHERE id = ?", (new_id, pair_id, old_id))
+            if loop is not None:
+                return
             linked = await tx.fetch_one(
                 "UPDATE memory_items SET superseded_by = ? WHERE id = ? AND pair_id = ?"
                 " AND (superseded_by IS NULL OR superseded_by = ?) RETURNING id", (new_id, old_id, pair_id, new_id))

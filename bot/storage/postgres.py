@@ -62,24 +62,32 @@ def redacted(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
+def _args(params: Sequence[Any]) -> Sequence[Any]:
+    """``params`` as PostgreSQL takes them: its text has no NUL character, which SQLite stores and a
+    platform or an older row may carry ("hi\\x00there" would fail the whole statement), so NULs go."""
+    if not any(isinstance(p, str) and "\x00" in p for p in params):
+        return params
+    return [p.replace("\x00", "") if isinstance(p, str) else p for p in params]
+
+
 class _PgTx:
     def __init__(self, conn: asyncpg.Connection) -> None:
         self._conn = conn
 
     async def fetch_all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        return list(await self._conn.fetch(numbered(sql), *params))
+        return list(await self._conn.fetch(numbered(sql), *_args(params)))
 
     async def fetch_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
-        return await self._conn.fetchrow(numbered(sql), *params)
+        return await self._conn.fetchrow(numbered(sql), *_args(params))
 
     async def execute(self, sql: str, params: Sequence[Any] = ()) -> None:
         if params:
-            await self._conn.execute(numbered(sql), *params)
+            await self._conn.execute(numbered(sql), *_args(params))
         else:
             await self._conn.execute(sql)
 
     async def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
-        await self._conn.executemany(numbered(sql), list(rows))
+        await self._conn.executemany(numbered(sql), [_args(row) for row in rows])
 
 
 def _import_asyncpg() -> Any:
@@ -205,16 +213,16 @@ class PostgresDatabase:
             yield _PgTx(conn)
 
     async def fetch_all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        return list(await self.pool.fetch(numbered(sql), *params))
+        return list(await self.pool.fetch(numbered(sql), *_args(params)))
 
     async def fetch_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
-        return await self.pool.fetchrow(numbered(sql), *params)
+        return await self.pool.fetchrow(numbered(sql), *_args(params))
 
     async def write(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        return list(await self.pool.fetch(numbered(sql), *params))
+        return list(await self.pool.fetch(numbered(sql), *_args(params)))
 
     async def write_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
-        return await self.pool.fetchrow(numbered(sql), *params)
+        return await self.pool.fetchrow(numbered(sql), *_args(params))
 
     # -- migrations ------------------------------------------------------------------------------
 

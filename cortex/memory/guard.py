@@ -278,6 +278,21 @@ _PHRASES: tuple[_Phrase, ...] = (
         rf" (?:{_DE_FILL} ){{0,3}}{_DE_AIM} (?:(?:{_DE_FILL}|{_DE_AIM}) ){{0,3}}{_DE_RULES}",
     ),
     _phrase(IGNORE_RULES, _DE_VERBS, r" (?:alles|alle) (?:bisherige|vorherige|obige|davor|zuvor|was (?:du|man) dir)"),
+    # the same in the persona's own voice (its files are written in the first person; an imported reply is
+    # its words): "I ignore all my rules", "from now on I'll disregard my previous instructions"
+    _phrase(
+        IGNORE_RULES,
+        "i ich",
+        r" (?:(?:will|ll|am going to|now|shall|must|can|simply|just|always) ){0,3}(?:ignore|disregard|bypass|override|"
+        r"forget) (?:(?:all|any|of) ){0,2}my (?:(?:previous|prior|original|initial|system|safety|programmed|default|"
+        r"old|own) ){0,2}(?:instructions|guidelines|programming|guardrails|system prompt|restrictions|"
+        r"rules(?! (?:about|for|on|of|when|at|around)\b))",
+        "my",
+    ),
+    *(_phrase(IGNORE_RULES, first, rf"{then} (?:(?:ab jetzt|nun|jetzt|einfach|alle|sämtliche) ){{0,2}}meine "
+              r"(?:(?:bisherigen|vorherigen|alten|eigenen) )?(?:anweisungen|regeln|instruktionen|richtlinien|"
+              r"vorgaben|programmierung)\b", "meine")
+      for first, then in (("ich", " (?:ignoriere|missachte|umgehe)"), ("ignoriere missachte umgehe", " ich"))),
     # a new role or standing behaviour
     _phrase(
         NEW_ROLE,
