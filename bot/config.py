@@ -366,6 +366,8 @@ class ChatConfig(_Section):
     streaming: bool = Field(default=True, description="Edit the reply in place as it streams in.")
     edit_interval_seconds: float = Field(default=1.2, ge=0.2, le=60, description="Least time between two edits.")
     rate_limit_per_minute: int = Field(default=12, ge=0, description="Messages a user may send per minute (0: off).")
+    command_rate_limit_per_minute: int = Field(
+        default=30, ge=0, description="Commands a user may send per minute (0: off; the terminal has no limit).")
     typing_indicator: bool = True
     still_working_seconds: float = Field(
         default=8.0, ge=0, le=600,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from bot.config import Config, ConfigError, PersonaConfig
+from bot.text import shown
 
 SOUL_TITLES = {
     "identity": "Identity",
@@ -70,4 +71,4 @@ class ConfigPersonas:
 
 
 def unknown_persona(wanted: str, names: list[str]) -> ConfigError:
-    return ConfigError(f"unknown persona {wanted!r}; personas: {', '.join(names) or 'none'}")
+    return ConfigError(f"unknown persona {shown(wanted)}; personas: {', '.join(names) or 'none'}")

@@ -1,4 +1,4 @@
-"""Per-user chat rate limit: at most N messages in any 60-second window (a sliding window)."""
+"""Per-user rate limits: at most N messages (or commands) in any 60-second window (a sliding window)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ class RateLimiter:
         self.per_minute = per_minute
         self.clock = clock
         self._seen: dict[str, deque[float]] = {}
+        self._told: dict[str, float] = {}  # key -> until when it was told to wait
 
     def check(self, key: str) -> float:
         """0 when ``key`` may send now (and counts it), else seconds until it may."""
@@ -28,3 +29,14 @@ class RateLimiter:
             for idle in [k for k, w in self._seen.items() if not w or now - w[-1] >= 60.0]:
                 del self._seen[idle]
         return 0.0
+
+    def tell(self, key: str, wait: float) -> bool:
+        """Whether to tell ``key`` to wait ``wait`` seconds: once per wait, not at every refused message (a
+        flood would otherwise get as many notices as it sent)."""
+        now = self.clock()
+        if self._told.get(key, 0.0) > now:
+            return False
+        if len(self._told) > 10_000:
+            self._told = {k: until for k, until in self._told.items() if until > now}
+        self._told[key] = now + wait
+        return True

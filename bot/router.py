@@ -18,6 +18,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
 from bot.commands import Command, CommandContext, CommandError, CommandRegistry, CommandReply, words
+from bot.commands.files import TERMINAL
 from bot.config import Config, ConfigError
 from bot.conversation import ConversationCore, ReplyResult
 from bot.errors import UserFacingError
@@ -75,6 +76,7 @@ class Router:
         self.core = core
         self.commands = commands
         self.limiter = RateLimiter(config.chat.rate_limit_per_minute)
+        self.command_limiter = RateLimiter(config.chat.command_rate_limit_per_minute)
         commands.register(Command(
             "persona", "show the persona here, or pick one (in a DM for yourself; in a channel admins only)",
             self._persona_command, (words("name", "a persona's name", complete="personas"),), public=True,
@@ -106,18 +108,31 @@ class Router:
         if is_command and not self._for_this_bot(msg, text):
             log.debug("not answering %s in %s: another bot's command, perhaps", text[:40], msg.channel_key)
             return
+        if await self._too_fast(msg, sink, is_command):
+            return
         persona = await self.persona_for(inbound)
         if is_command:
             await self._command(inbound, sink, text, persona)
             return
-        wait = self.limiter.check(msg.author_key)
-        if wait:
+        await self._reply(inbound, sink, persona)
+
+    async def _too_fast(self, msg: IncomingMessage, sink: ChatSink, is_command: bool) -> bool:
+        """Whether the author is over their rate limit (messages and commands each have one; the terminal's
+        commands none: its user runs the bot). They are told once per wait; what they send meanwhile is
+        dropped without another notice."""
+        if is_command and msg.platform == TERMINAL:
+            return False
+        limiter = self.command_limiter if is_command else self.limiter
+        wait = limiter.check(msg.author_key)
+        if not wait:
+            return False
+        if limiter.tell(msg.author_key, wait):
+            what = "commands" if is_command else "messages"
             await sink.send_reply(CommandReply(
-                f"{msg.author_name}, you are sending messages faster than I can answer them well. "
+                f"{msg.author_name}, you are sending {what} faster than I can answer them well. "
                 f"Please wait {math.ceil(wait)} s."
             ))
-            return
-        await self._reply(inbound, sink, persona)
+        return True
 
     def reads_files(self, inbound: Inbound) -> bool:
         """Whether an adapter should download the files sent with this message: only for a command this bot

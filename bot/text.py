@@ -47,6 +47,17 @@ def printable(text: str) -> str:
     return _CONTROL.sub("", _ESCAPE.sub("", without_surrogates(text)))
 
 
+def shown(text: str, limit: int = 60) -> str:
+    """Someone's input repeated in a reply: cut to ``limit`` characters, on one line, without control
+    characters, as inline code, so that what they typed shows as typed and never as a link, markup or
+    mention in the bot's own message (Discord and Matrix clients render Markdown and link bare URLs, but
+    neither inside code)."""
+    clean = " ".join(printable(text).split()).replace("`", "\u02cb")  # a backtick would end the code span
+    if len(clean) > limit:
+        clean = clean[: limit - 1] + "\u2026"
+    return f"`{clean}`" if clean else "(nothing)"
+
+
 def plural(count: int, singular: str, many: str | None = None) -> str:
     """``1 reply``, ``2 replies``, ``1,200 summaries`` (``many`` for irregular plurals)."""
     if count == 1:

@@ -254,7 +254,7 @@ class CortexCommands:
         )
 
     async def import_archive(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
-        _, blob = attached_file(ctx, args, "your export (the zip !memory export made)", MAX_ARCHIVE_BYTES)
+        _, blob = await attached_file(ctx, args, "your export (the zip !memory export made)", MAX_ARCHIVE_BYTES)
         user, _ = await self._pair(ctx)
         try:
             data = await asyncio.to_thread(read_archive, blob)  # a large archive must not stall the replies

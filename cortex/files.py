@@ -7,6 +7,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
+from bot.text import shown
 from cortex.memory.guard import guarded
 from cortex.store import FILENAMES, Author, CortexStore, FileVersion, Pair
 from cortex.templates import template
@@ -39,7 +40,7 @@ def normalise_filename(name: str) -> str:
     if not candidate.endswith(".md"):
         candidate += ".md"
     if candidate not in FILENAMES:
-        raise FileError(f"unknown file {name!r}; the files are {', '.join(FILENAMES)}")
+        raise FileError(f"unknown file {shown(name)}; the files are {', '.join(FILENAMES)}")
     return candidate
 
 

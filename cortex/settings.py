@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from bot.config import CortexConfig
+from bot.text import shown
 from cortex.store import CortexStore
 
 # Keys admins may override, with how a value typed in a chat command is read.
@@ -76,7 +77,7 @@ def _unknown(key: str) -> str:
     if key in CortexConfig.model_fields:
         return (f"{key} is set in the config file only ([cortex] {key}), not in chat; settings here: "
                 f"{', '.join(OVERRIDABLE)}")
-    return f"unknown setting {key!r}; settings: {', '.join(OVERRIDABLE)}"
+    return f"unknown setting {shown(key)}; settings: {', '.join(OVERRIDABLE)}"
 
 
 def parse_value(key: str, text: str) -> Any:
@@ -106,7 +107,7 @@ def parse_value(key: str, text: str) -> Any:
             return float(raw)
         return raw
     except ValueError:
-        raise SettingError(f"{key} must be {OVERRIDABLE[key]}; got {text!r}") from None
+        raise SettingError(f"{key} must be {OVERRIDABLE[key]}; got {shown(text)}") from None
 
 
 class SettingsResolver:
@@ -153,7 +154,7 @@ class SettingsResolver:
         try:
             CortexConfig.model_validate(candidate)
         except ValidationError as exc:
-            raise SettingError(f"{key} = {text!r} is not accepted: {plain_problem(exc)}") from None
+            raise SettingError(f"{key} = {shown(text)} is not accepted: {plain_problem(exc)}") from None
         await self.store.set_setting(scope, key, value, updated_by)
         self._cache.pop(scope, None)
         return value

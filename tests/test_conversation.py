@@ -213,13 +213,13 @@ async def test_commands_summary_and_stats(tmp_path: Path) -> None:
         assert "This conversation: 1 reply" in stats and "trim rate" in stats and "summary hit rate" in stats
         help_text = (await app.commands.dispatch("!help", ctx)).text
         assert "!summary" in help_text and "!stats" in help_text and "!help" in help_text
-        assert "Unknown command !nope" in (await app.commands.dispatch("!nope", ctx)).text
+        assert "Unknown command `!nope`" in (await app.commands.dispatch("!nope", ctx)).text
         # an unbalanced quote (an apostrophe in free text) is read as plain words, not refused as a quote
         assert "This conversation" in (await app.commands.dispatch("!stats", ctx)).text
         assert (await app.commands.dispatch('!stats "unclosed', ctx)).text.startswith(
-            "!stats takes no arguments (not '\"unclosed')")
+            "!stats takes no arguments (not `\"unclosed`)")
         assert (await app.commands.dispatch("!memory search Ann's \"unclosed", ctx)).text.startswith(
-            "Results for 'Ann\\'s \"unclosed'")
+            "Results for `Ann's \"unclosed`")
 
 
 async def test_summaries_are_batched_not_written_after_every_reply(tmp_path: Path) -> None:

@@ -207,10 +207,10 @@ async def test_settings_are_admin_only_scoped_validated_and_shown(tmp_path: Path
         assert "not accepted" in bad
         assert "must be on/off" in (await run(app, "!cortex settings enabled maybe", admin)).text
         small = (await run(app, "!cortex settings context_limit 2", admin)).text
-        assert "context_limit = '2' is not accepted: it must be at least 4" in small and "Input should" not in small
+        assert "context_limit = `2` is not accepted: it must be at least 4" in small and "Input should" not in small
         config_only = (await run(app, "!cortex settings file_max_chars 10", admin)).text
         assert "config file only ([cortex] file_max_chars)" in config_only
-        assert "unknown setting 'nope'" in (await run(app, "!cortex settings nope 10", admin)).text
+        assert "unknown setting `nope`" in (await run(app, "!cortex settings nope 10", admin)).text
         assert "override removed" in (await run(app, "!cortex settings frequency default", admin)).text
         assert (await app.cortex.resolver.effective("Cora")).sources["frequency"] == "config"
 
@@ -285,9 +285,9 @@ HOSTILE_NUMBERS = [
     ("!memory unpin ١٢", "must be a number"),  # Arabic-Indic digits: isdigit() says yes, ids say no
     ("!memory diff memory.md 1 99999999999999999999", "out of range"),
     ("!memory revert memory.md v1e9", "must be a number"),
-    ("!memory archived -1", "the page must be a number like 12, not '-1'"),
-    ("!memory list fact -5", "the page must be a number like 12, not '-5'"),
-    ("!memory archived soon", "'soon' is not a page number"),
+    ("!memory archived -1", "the page must be a number like 12, not `-1`"),
+    ("!memory list fact -5", "the page must be a number like 12, not `-5`"),
+    ("!memory archived soon", "`soon` is not a page number"),
     ("!memory why --of", "--of needs a message reference"),
 ]
 
@@ -327,10 +327,10 @@ async def test_an_oversized_memory_item_is_refused_with_the_limit(tmp_path: Path
 
 
 EXTRA_ARGUMENTS = [
-    ("!memory export now please", "!memory export takes no arguments (not 'now please')"),
-    ("!memory show memory.md soul.md", "!memory show takes at most 1 argument (not 'soul.md')"),
-    ("!memory forget 1 2 3", "!memory forget takes at most 1 argument (not '2 3')"),
-    ("!memory list facts 2 3", "!memory list takes at most 2 arguments (not '3')"),
+    ("!memory export now please", "!memory export takes no arguments (not `now please`)"),
+    ("!memory show memory.md soul.md", "!memory show takes at most 1 argument (not `soul.md`)"),
+    ("!memory forget 1 2 3", "!memory forget takes at most 1 argument (not `2 3`)"),
+    ("!memory list facts 2 3", "!memory list takes at most 2 arguments (not `3`)"),
     ("!summary please", "!summary takes no arguments"),
 ]
 

@@ -108,7 +108,7 @@ async def test_rules_are_named_ordered_switchable_and_versioned(tmp_path: Path) 
         assert "v1" in history and "v2" in history and "edited in chat" in history
         assert "back to version 1" in await run(app, "!rules revert no-spoilers 1", boss)
         assert "Never spoil endings." in await system(app, llm)
-        assert "no rule 'nope'" in await run(app, "!rules edit nope x", boss)
+        assert "no rule `nope`" in await run(app, "!rules edit nope x", boss)
         assert "one word" in await run(app, "!rules add ../x y", boss)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import zipfile
 from pathlib import Path
 
@@ -91,6 +92,17 @@ async def test_the_terminal_imports_by_path(tmp_path: Path) -> None:
     async with App(_config(tmp_path / "second", second=True), llm=ScriptedProvider()) as second:
         assert "Imported 2 memory items" in await run(second, f"!memory import {path}",
                                                       ctx("ann", platform="console"))
+        # A device or a pipe has no size to check and no end: reading /dev/zero took 24 GB until the
+        # kernel killed the bot, and a pipe nobody writes to would have blocked it for good.
+        fifo = tmp_path / "pipe"
+        os.mkfifo(fifo)
+        for special in ("/dev/zero", str(fifo), str(tmp_path)):
+            reply = await run(second, f"!memory import {special}", ctx("ann", platform="console"))
+            assert f"{special} is not a regular file" in reply, reply
+        big = tmp_path / "big.zip"
+        big.write_bytes(b"x" * (50 * 1024 * 1024 + 1))
+        assert "big.zip is 50.0 MB; at most 50 MB" in await run(second, f"!memory import {big}",
+                                                               ctx("ann", platform="console"))
 
 
 def test_the_export_file_name_is_safe_anywhere() -> None:

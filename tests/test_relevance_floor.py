@@ -62,7 +62,7 @@ async def test_a_search_for_nothing_related_finds_nothing(tmp_path: Path, e5, no
     app = await _app(tmp_path, e5, ScriptedProvider())
     try:
         reply = (await app.commands.dispatch(f"!memory search {nonsense}", ANN)).text
-        assert reply == f"Nothing found for {nonsense!r}."
+        assert reply == f"Nothing found for `{nonsense}`."
         # found by meaning alone: no word of the question is in the fact
         hits = await app.cortex.memory.search(
             (await app.cortex.store.pair_for("console:ann", "Ann", "Cora"))[1].id, "tell me about my dog")
@@ -93,7 +93,7 @@ async def test_forty_items_leave_unrelated_queries_empty_and_find_paraphrases(tm
         for nonsense in ("blorf snargle", "zzzqqq", "How do I configure a BGP router?", "explain quantum tunnelling",
                          "Wie funktioniert eine Wärmepumpe?", "thanks!"):
             reply = (await app.commands.dispatch(f"!memory search {nonsense}", ANN)).text
-            assert reply == f"Nothing found for {nonsense!r}.", reply
+            assert reply == f"Nothing found for `{nonsense}`.", reply
         pair = (await app.cortex.store.pair_for("console:ann", "Ann", "Cora"))[1].id
         for question, fact in (("what's my dog called?", "Ann has a golden retriever named Rufus"),
                                ("Wo wohnt meine Schwester?", "Ann's sister Mia lives in Oslo"),

@@ -116,6 +116,33 @@ async def test_memory_commands_in_a_channel_answer_privately(tmp_path: Path) -> 
         assert "context_limit" in admin.public[0].text
 
 
+async def test_commands_have_a_rate_limit_and_a_flood_gets_one_notice(tmp_path: Path) -> None:
+    """Commands skipped the limit: thirty "!memory <60,000 characters>" got thirty long public replies.
+    Now a user's commands are limited per minute like their messages, a flood is told to wait once, and
+    its echoes are short code spans (no links, no markup)."""
+    config = _config(tmp_path, rate=3)
+    config.chat.command_rate_limit_per_minute = 4
+    async with App(config, llm=ScriptedProvider()) as app:
+        sink = Sink()
+        for _ in range(10):
+            await app.router.handle(inbound("!memory [click](https://evil.example/login)" + "A" * 60_000), sink)
+        answers, notices = sink.public[:4], sink.public[4:]
+        assert all(a.text.startswith("Unknown command !memory `[click](https://evil.example/login)AAAA…`; !memory has:")
+                   for a in answers), answers[0].text[:200]
+        assert all(len(a.text) < 3_000 and "A" * 10 not in a.text for a in answers)
+        assert len(notices) == 1 and "sending commands faster than I can answer" in notices[0].text
+        chat = Sink()  # messages keep their own budget
+        await app.router.handle(inbound("hello", dm=True), chat)
+        assert chat.messages
+        other = Sink()
+        await app.router.handle(inbound("!help", user="2"), other)  # another user is not held up
+        assert other.public[0].text.startswith("Commands:")
+        console = Sink()  # the terminal's user runs the bot: no limit
+        for _ in range(6):
+            await app.router.handle(Inbound(IncomingMessage("console", "tty", "local", "You", "!help")), console)
+        assert len(console.public) == 6 and all(r.text.startswith("Commands:") for r in console.public)
+
+
 async def test_rate_limit_notice_and_llm_failure_message(tmp_path: Path) -> None:
     llm = ScriptedProvider()
     async with App(_config(tmp_path, rate=3), llm=llm) as app:
@@ -273,10 +300,11 @@ async def test_other_bots_commands_in_a_channel_get_no_answer(tmp_path: Path) ->
         assert sink.public == [] and sink.private == [] and sink.messages == []
         await app.router.handle(inbound("!play it", mention=True), sink)
         await app.router.handle(inbound("!play it", dm=True), sink)
-        assert [r.text for r in sink.public] == ["Unknown command !play it. Type !help."] * 2
+        assert [r.text for r in sink.public] == ["Unknown command `!play it`. Type !help."] * 2
         await app.router.handle(inbound("!HELP"), sink)
         await app.router.handle(inbound("!memory nonsense"), sink)
-        assert sink.public[2].text.startswith("Commands:") and "Unknown command !memory nonsense" in sink.public[3].text
+        assert sink.public[2].text.startswith("Commands:")
+        assert "Unknown command !memory `nonsense`" in sink.public[3].text
 
 
 def test_access_lists_need_ids_with_their_platform() -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from itertools import takewhile
 from typing import Literal
 
-from bot.text import plural, printable, storable, without_surrogates
+from bot.text import plural, shown, storable, without_surrogates
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def parse_number(text: str, what: str, *, prefix: str = "", minimum: int = 1) ->
     if prefix and digits[:1].lower() == prefix:
         digits = digits[1:]
     if not digits or not (digits.isascii() and digits.isdigit()):
-        raise CommandError(f"{what} must be a number like 12, not {text[:20]!r}")
+        raise CommandError(f"{what} must be a number like 12, not {shown(text, 20)}")
     if len(digits) > 10 or not minimum <= int(digits) <= MAX_NUMBER:
         raise CommandError(f"{what} {digits[:20]} is out of range ({minimum} to {MAX_NUMBER:,})")
     return int(digits)
@@ -348,11 +348,12 @@ class CommandRegistry:
             group = [c for c in self.commands if c.name.split(" ")[0] == words[0].lower()]
             if group:
                 head = f"{self.prefix}{words[0].lower()}"
-                lines = [f"Unknown command {head} {words[1]}; {head} has:" if len(words) > 1
+                lines = [f"Unknown command {head} {shown(words[1], 40)}; {head} has:" if len(words) > 1
                          else f"{head} needs a subcommand:"]
                 lines += [f"  {self.usage(c)} — {c.summary}" for c in group if context.is_admin or not c.admin]
                 return CommandReply("\n".join(lines))
-            return CommandReply(f"Unknown command {self.prefix}{' '.join(words[:2])}. Type {self.prefix}help.")
+            typed = shown(self.prefix + " ".join(words[:2]), 40)
+            return CommandReply(f"Unknown command {typed}. Type {self.prefix}help.")
         if command.bot_admin and not context.is_bot_admin:
             return CommandReply(f"{self.prefix}{command.name} is for the bot's admins only (it concerns every "
                                 "server, not just this one).")
@@ -362,7 +363,7 @@ class CommandRegistry:
         if limit is not None and len(positional) > limit:
             extra = " ".join(positional[limit:])
             takes = "no arguments" if limit == 0 else "at most " + plural(limit, "argument")
-            return CommandReply(f"{self.prefix}{command.name} takes {takes} (not {printable(extra)[:60]!r}). "
+            return CommandReply(f"{self.prefix}{command.name} takes {takes} (not {shown(extra)}). "
                                 f"Usage: {self.usage(command)}", private=command.private)
         free = command.free_text(tokens[len(words) - len(args):], line, body)
         if free is not None:

@@ -15,6 +15,7 @@ from bot.commands import Command, CommandContext, CommandError, CommandRegistry,
 from bot.config import Config
 from bot.scheduler import Scheduler
 from bot.storage.core import Storage
+from bot.text import shown
 from cortex.memory.embedding import EmbeddingService
 from cortex.memory.store import MemoryStore, Weights, configured_weights
 from cortex.memory.upkeep import Pruner
@@ -36,7 +37,7 @@ def parse_weights(args: Sequence[str], current: Weights) -> Weights:
         try:
             number = float(value)
         except ValueError:
-            raise CommandError(f"{name}: {value!r} is not a number") from None
+            raise CommandError(f"{name}: {shown(value)} is not a number") from None
         if not 0 <= number <= 10:
             raise CommandError(f"{name}: a weight is a number from 0 to 10")
         changes[name] = number

@@ -25,7 +25,7 @@ from bot.commands import (
     word,
 )
 from bot.storage.sources import ReplySource
-from bot.text import plural
+from bot.text import plural, shown
 from cortex.memory.store import CATEGORIES, SCOPES, MemoryError, MemoryItem, MemoryStore, Scope
 from cortex.store import CortexStore
 
@@ -239,9 +239,9 @@ class MemoryCommands:
         page = parse_number(numbers[0], "the page") if numbers else 1
         unknown = [a for a in args if a not in CATEGORIES and a not in numbers]
         if unknown and archived:
-            raise CommandError(f"{unknown[0]!r} is not a page number")
+            raise CommandError(f"{shown(unknown[0])} is not a page number")
         if unknown:
-            raise CommandError(f"unknown category {unknown[0]!r}; categories: {', '.join(CATEGORIES)}")
+            raise CommandError(f"unknown category {shown(unknown[0])}; categories: {', '.join(CATEGORIES)}")
         items, total = await self.memory.list_items(
             await self._pair(ctx), category=category, archived=archived, limit=PAGE, offset=(page - 1) * PAGE)
         if not total:
@@ -269,11 +269,6 @@ class MemoryCommands:
         user, pair = await self.pairs.pair_for(ctx.user_key, ctx.user_name, ctx.persona)
         hits = await self.memory.search(pair.id, query, user_id=user.id, persona=ctx.persona, limit=10)
         if not hits:
-            return f"Nothing found for {_shown(query)!r}."
-        return "\n".join([f"Results for {_shown(query)!r}:"] + [
+            return f"Nothing found for {shown(query, 80)}."
+        return "\n".join([f"Results for {shown(query, 80)}:"] + [
             f"{h.score:.2f}  {h.text[:200]}  ({h.source}, {h.created_at:%Y-%m-%d})" for h in hits])
-
-
-def _shown(query: str, limit: int = 80) -> str:
-    """A query as a reply repeats it: a long one shortened (the caller typed it; it need not come back whole)."""
-    return query if len(query) <= limit else query[:limit - 1] + "…"

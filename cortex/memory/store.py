@@ -36,6 +36,7 @@ import numpy.typing as npt
 from bot.config import MemoryConfig
 from bot.storage.core import Storage
 from bot.storage.memory import ITEM_COLUMNS, FtsTable, ItemFilters, item_fields
+from bot.text import shown
 from cortex.memory.guard import guarded
 from cortex.memory.vectors import DatabaseVectors, RelevanceFloors
 
@@ -263,7 +264,7 @@ class MemoryStore:
             raise MemoryError(f"that is {len(content):,} characters; a memory item holds at most {self.max_chars:,}: "
                               "keep one fact per item, in a sentence or two")
         if category not in CATEGORIES:
-            raise MemoryError(f"unknown category {category!r}; categories: {', '.join(CATEGORIES)}")
+            raise MemoryError(f"unknown category {shown(category)}; categories: {', '.join(CATEGORIES)}")
         guarded("memory item", content, f"{source} on pair {pair_id}", MemoryError)
         if not 1 <= importance <= 10:
             raise MemoryError("importance is a number from 1 to 10")

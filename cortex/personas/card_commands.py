@@ -26,6 +26,7 @@ from bot.config import ConfigError
 from bot.storage import Storage
 from bot.storage.personas import NewLore
 from bot.storage.textsearch import text_search_config
+from bot.text import shown
 from cortex.memory.guard import check_memory_text
 from cortex.personas.cards import MAX_CARD_BYTES, Card, CardError, CardLoreEntry, export_card_v2, parse_card
 from cortex.personas.commands import check_persona_name
@@ -53,7 +54,7 @@ class CardCommands:
             (words("name", "a persona's name", complete="personas"),), admin=True))
 
     async def import_card(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
-        filename, data = attached_file(ctx, args, "the card (a PNG or JSON file)", MAX_CARD_BYTES)
+        filename, data = await attached_file(ctx, args, "the card (a PNG or JSON file)", MAX_CARD_BYTES)
         try:
             card = parse_card(data)
         except CardError as exc:
@@ -71,7 +72,7 @@ class CardCommands:
         row = await self.storage.personas.create_persona(card.name, default.language, {}, IMPORT,
                                                          text_search_config(default.language))
         if row is None:
-            raise CommandError(f"a persona called {card.name!r} exists already: rename or delete it first")
+            raise CommandError(f"a persona called {shown(card.name)} exists already: rename or delete it first")
         await self._write(row.id, card, filename, ctx.user_key)
         await self.registry.load()
         return CommandReply(

@@ -30,7 +30,7 @@ from bot.persona import section_title
 from bot.storage import Storage
 from bot.storage.personas import TextVersion
 from bot.storage.textsearch import text_search_config
-from bot.text import readable
+from bot.text import readable, shown
 from cortex.personas.registry import PersonaRegistry
 
 MAX_SECTION_CHARS = 4000
@@ -84,7 +84,7 @@ def check_persona_name(name: str, commands: CommandRegistry | None) -> None:
         raise CommandError(f"give the persona a name of 1 to {MAX_NAME_CHARS} printable characters, on one line")
     first = name.split(None, 1)[0].casefold()
     if commands is not None and first in commands.subcommands("persona"):
-        raise CommandError(f"a persona's name cannot start with {first!r}: {commands.prefix}persona {first} "
+        raise CommandError(f"a persona's name cannot start with {shown(first)}: {commands.prefix}persona {first} "
                            "is a command, so nobody could pick it")
 
 
@@ -125,7 +125,7 @@ class PersonaCommands:
     async def _scope(self, name: str) -> str:
         row = await self.storage.personas.get_persona(name)
         if row is None:
-            raise CommandError(f"unknown persona {name!r}")
+            raise CommandError(f"unknown persona {shown(name)}")
         return str(row.id)
 
     async def list_personas(self, ctx: CommandContext, args: Sequence[str]) -> str:
@@ -164,7 +164,7 @@ class PersonaCommands:
         row = await self.storage.personas.create_persona(name, default.language, {}, "chat",
                                                          text_search_config(default.language))
         if row is None:
-            raise CommandError(f"a persona called {name!r} exists already")
+            raise CommandError(f"a persona called {shown(name)} exists already")
         await self.registry.load()
         return (f"Persona {row.name} created ({row.language}). Pick it for a channel with {self.prefix}persona "
                 f"{row.name}, then give it a soul there: {self.prefix}persona edit identity You are …")

@@ -23,6 +23,7 @@ from bot.commands import (
 )
 from bot.storage import Storage
 from bot.storage.personas import BOT_WIDE, TextVersion
+from bot.text import shown
 from cortex.personas.commands import history_lines, variables_note
 from cortex.personas.registry import PersonaRegistry
 
@@ -156,7 +157,7 @@ class RulesCommands:
         for rule in self.registry.rules():
             if rule.name == name:
                 return rule
-        raise CommandError(f"there is no rule {name!r} (see {self.prefix}rules list)")
+        raise CommandError(f"there is no rule {shown(name)} (see {self.prefix}rules list)")
 
     @staticmethod
     def _text(args: Sequence[str], ctx: CommandContext) -> str:
@@ -184,13 +185,13 @@ class RulesCommands:
         name = self._name(args)
         versions = await self.storage.personas.history("rule", BOT_WIDE, name)
         if not versions:
-            raise CommandError(f"there is no rule {name!r}")
+            raise CommandError(f"there is no rule {shown(name)}")
         return "\n".join([f"History of rule {name} (oldest first):", *history_lines(versions, limit=30)])
 
     async def add(self, ctx: CommandContext, args: Sequence[str]) -> str:
         name, text = self._name(args), self._text(args, ctx)
         if any(r.name == name and r.content.strip() for r in self.registry.rules()):
-            raise CommandError(f"rule {name!r} exists already: change it with {self.prefix}rules edit")
+            raise CommandError(f"rule {shown(name)} exists already: change it with {self.prefix}rules edit")
         version = await self._put(ctx, name, text, "added in chat", enabled=True)
         return f"Rule {name} added (version {version})." + variables_note(text)
 

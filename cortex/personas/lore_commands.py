@@ -20,6 +20,7 @@ from bot.commands import (
 )
 from bot.storage import Storage
 from bot.storage.personas import LoreEntry, NewLore
+from bot.text import shown
 from cortex.memory.guard import guarded
 from cortex.personas.lore import LoreIndex, search
 from cortex.personas.registry import PersonaRegistry
@@ -124,7 +125,7 @@ class LoreCommands:
     def _persona_id(self, ctx: CommandContext) -> int:
         persona_id = self.registry.persona_id(ctx.persona)
         if persona_id is None:
-            raise CommandError(f"unknown persona {ctx.persona!r}")
+            raise CommandError(f"unknown persona {shown(ctx.persona)}")
         return persona_id
 
     async def _entry(self, ctx: CommandContext, args: Sequence[str]) -> LoreEntry:

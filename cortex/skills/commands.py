@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from bot.commands import Command, CommandContext, CommandError, CommandRegistry, flag, word
 from bot.storage.core import Storage
+from bot.text import shown
 from cortex.skills.toolbox import SkillTools
 
 WEEK = 7 * 86_400.0
@@ -67,7 +68,7 @@ class SkillCommands:
         if not names:
             raise CommandError(f"which skill? see {self.prefix}skills list")
         if names[0] not in known:
-            raise CommandError(f"unknown skill {names[0]!r}; see {self.prefix}skills list")
+            raise CommandError(f"unknown skill {shown(names[0])}; see {self.prefix}skills list")
         scope, where = self._scope(ctx, args)
         await self.tools.policy.set(ctx.persona, scope, names[0], enabled)
         return f"{names[0]} is now {'on' if enabled else 'off'} for {ctx.persona} {where}."
