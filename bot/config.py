@@ -580,10 +580,25 @@ class WebConfig(_Section):
     @field_validator("public_url")
     @classmethod
     def _http_url(cls, value: str) -> str:
+        """The page's origin as a browser writes it in ``Origin`` (requests are checked against it): no
+        default port (":443" locked everyone out), no path (the page's links start at "/")."""
         value = value.strip().rstrip("/")
-        if value and not value.startswith(("http://", "https://")):
+        if not value:
+            return value
+        if not value.lower().startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https:// (e.g. https://bot.example.org)")
-        return value
+        parts = urlsplit(value)
+        try:
+            port = parts.port
+        except ValueError:
+            raise ValueError(f"{value!r} has a port that is not a number") from None
+        if not parts.hostname or parts.username is not None or parts.path or parts.query or parts.fragment:
+            raise ValueError("must be the page's address alone, like https://bot.example.org: the page is served at "
+                             "the root of it (a path, a query or a user name cannot be used)")
+        scheme = parts.scheme.lower()
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        default = {"http": 80, "https": 443}[scheme]
+        return f"{scheme}://{host}" + (f":{port}" if port is not None and port != default else "")
 
     @property
     def base_url(self) -> str:
@@ -737,7 +752,7 @@ def load_config(path: str | os.PathLike[str] | None) -> Config:
         return Config()
     file = Path(path)
     try:
-        raw = tomllib.loads(file.read_text(encoding="utf-8"))
+        raw = tomllib.loads(file.read_text(encoding="utf-8-sig"))  # -sig: a BOM some Windows editors write
     except FileNotFoundError:
         raise ConfigError(f"config file {file} does not exist; copy config.example.toml there to start") from None
     except (OSError, UnicodeDecodeError) as exc:

@@ -101,7 +101,7 @@ def parse_value(key: str, text: str) -> Any:
             return int(raw)
         if key == "cooldown_seconds":
             return float(raw)
-        if key in ("model", "temperature") and lowered in ("default", "none"):
+        if key in ("model", "temperature") and lowered in ("default", "none", "not set", ""):  # as shown when unset
             return None
         if key == "temperature":
             return float(raw)

@@ -171,6 +171,7 @@ def test_lore_entry_details() -> None:
          "priority": 2.0},
         {"keys": ["d"], "content": "   ", "comment": "no content: skipped"},
         {"keys": ["e", "e", ""], "content": "name over comment", "name": "N", "comment": "C", "priority": 10**20},
+        {"keys": ["f"], "content": "an integer of 400 digits", "insertion_order": -10**400},
     ]
     lore = parse_card(dumps(v2_card(character_book={"entries": entries}))).lore
     assert lore == (
@@ -178,6 +179,7 @@ def test_lore_entry_details() -> None:
         CardLoreEntry(content="numeric text and floats", keys=("b",), priority=3),
         CardLoreEntry(content="not selective", keys=("c",), priority=2),
         CardLoreEntry(content="name over comment", keys=("e",), priority=2**31 - 1, name="N"),
+        CardLoreEntry(content="an integer of 400 digits", keys=("f",), priority=-(2**31 - 1)),
     )
 
 

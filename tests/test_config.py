@@ -176,3 +176,27 @@ def test_an_anthropic_base_url_ending_in_v1_is_explained() -> None:
 def test_a_persona_name_is_visible_text(name: str) -> None:
     with pytest.raises(ConfigError, match="a persona's name is visible text"):
         parse_config({"personas": [{"name": name}]})
+
+
+def test_a_config_saved_with_a_byte_order_mark_loads(tmp_path: Path) -> None:
+    """Some Windows editors save UTF-8 with a BOM; it gave "not valid TOML (at line 1, column 1)"."""
+    path = tmp_path / "config.toml"
+    path.write_bytes("\ufeff[llm]\nmodel = \"claude-x\"\n".encode())
+    assert load_config(path).llm.model == "claude-x"
+
+
+@pytest.mark.parametrize(("given", "origin"), [
+    ("https://bot.example.org:443/", "https://bot.example.org"), ("HTTP://Bot.Example.org:80", "http://bot.example.org"),
+    ("https://bot.example.org:8443", "https://bot.example.org:8443"), ("http://[::1]:8080", "http://[::1]:8080"),
+])
+def test_the_public_url_is_the_origin_a_browser_sends(given: str, origin: str) -> None:
+    """Browsers leave the default port out of ``Origin``: with ":443" kept, every login and change was
+    refused as coming from another site."""
+    assert parse_config({"web": {"public_url": given}}).web.public_url == origin
+
+
+@pytest.mark.parametrize("given", ["https://bot.example.org/cortex", "https://bot.example.org/?a=1",
+                                   "https://me@bot.example.org", "https://bot.example.org:port", "https://"])
+def test_a_public_url_the_page_cannot_be_served_at_is_refused(given: str) -> None:
+    with pytest.raises(ConfigError, match="public_url"):
+        parse_config({"web": {"public_url": given}})

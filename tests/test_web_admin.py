@@ -427,3 +427,14 @@ async def test_the_matrix_directory_makes_a_room_admin_admin_of_that_room_only()
     assert [s.key for s in await directory.servers("matrix:@eve:other.net")] == ["matrix:!other:example.org"]
     assert await directory.servers("matrix:@cat:example.org") == []
     assert await directory.servers("discord:10") == []
+
+
+async def test_saving_an_untouched_unset_model_leaves_it_unset(tmp_path: Path) -> None:
+    """The page shows an unset model as "not set" and sends that text back on Save: it was stored as the
+    model's name, and every cortex update of the persona then asked the provider for a model "not set"."""
+    async with running_bot(tmp_path) as bot, bot.client("999") as admin:
+        for shown_value in ("not set", "", "Not Set"):
+            status, saved = await admin.call("PUT", "/api/admin/settings", {
+                "persona": "Cora", "server": None, "key": "model", "value": shown_value})
+            assert status == 200, saved
+            assert (await bot.app.cortex.resolver.effective("Cora")).settings.model is None

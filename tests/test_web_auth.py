@@ -55,8 +55,10 @@ async def test_an_expired_or_unknown_link_opens_nothing(tmp_path: Path, monkeypa
                     assert "Set-Cookie" not in response.headers
 
 
-async def test_https_public_url_makes_the_cookie_secure(tmp_path: Path) -> None:
-    async with running_bot(tmp_path, public_url="https://bot.example.org/") as bot:
+@pytest.mark.parametrize("public_url", ["https://bot.example.org/", "https://bot.example.org:443"])
+async def test_https_public_url_makes_the_cookie_secure(tmp_path: Path, public_url: str) -> None:
+    """(With ":443" written out, the browser's Origin, which has no default port, was refused.)"""
+    async with running_bot(tmp_path, public_url=public_url) as bot:
         url, token = await bot.link("ann")
         assert url.startswith("https://bot.example.org/login/")
         async with aiohttp.ClientSession() as http:

@@ -225,6 +225,27 @@ async def test_a_csrf_header_that_is_not_utf8_is_a_403(tmp_path: Path) -> None:
         assert (await ann.call("GET", "/api/me"))[0] == 200  # still logged in
 
 
+async def test_a_body_that_cannot_be_read_is_a_400_not_a_500(tmp_path: Path) -> None:
+    """A multipart part without its colon, an unknown transfer encoding of a part, gzip that is not gzip:
+    aiohttp raises while reading, and each was a 500 with a traceback in the log."""
+    broken = b"--xx\r\nbroken\r\n\r\nv\r\n--xx--\r\n"
+    odd_encoding = (b"--xx\r\nContent-Disposition: form-data; name=\"token\"\r\nContent-Transfer-Encoding: bogus"
+                    b"\r\n\r\nv\r\n--xx--\r\n")
+    multipart = {"Content-Type": "multipart/form-data; boundary=xx"}
+    async with running_bot(tmp_path) as bot, bot.client("ann") as ann:
+        for path, body, headers in (
+                ("/login", broken, multipart), ("/login", odd_encoding, multipart),
+                ("/login", b"token=abc", {"Content-Type": "application/x-www-form-urlencoded",
+                                          "Content-Encoding": "gzip"}),
+                ("/api/me/forget-me", b"{not gzip", {"Content-Type": "application/json", "Content-Encoding": "gzip",
+                                                     "X-CSRF-Token": ann.csrf})):
+            # (aiohttp closes such a connection after the answer: one connection per request)
+            async with ann.http.post(path, data=body, headers=headers | {"Connection": "close"},
+                                     allow_redirects=False) as response:
+                assert response.status == 400, (path, headers, response.status, await response.text())
+        assert (await ann.call("GET", "/api/me"))[0] == 200  # nothing happened: still there, still logged in
+
+
 # -- 5: security headers on aiohttp's own error answers -----------------------------------------------
 
 

@@ -7,7 +7,7 @@ import html
 
 from aiohttp import web
 
-from adapters.web.server import WebContext, ok
+from adapters.web.server import UNREADABLE_BODY, WebContext, ok
 
 MAX_TOKEN_CHARS = 100
 
@@ -51,7 +51,9 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         auth.check_origin(request)
         try:
             form = await request.post()
-        except (ValueError, LookupError):  # undecodable text, a bad charset, a broken multipart body
+        # undecodable text, a bad charset, a broken multipart body or part header, an unknown transfer
+        # encoding of a part (RuntimeError), a body that does not match its Content-Encoding
+        except (ValueError, LookupError, RuntimeError, *UNREADABLE_BODY):
             return _page("<p>This login request could not be read. Open the link again and press the button.</p>",
                          status=400)
         token = form.get("token")

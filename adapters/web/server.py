@@ -15,6 +15,8 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel, ValidationError
 
 from adapters.web.auth import Auth
@@ -32,6 +34,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_BODY = web.AppKey("max_body", int)
 SURROGATE = re.compile(r"[\ud800-\udfff]")
 LOGIN_TOKEN = re.compile(r"/login/[^/?#]+", re.IGNORECASE)
+# What reading a malformed body raises: a broken multipart header, a Content-Encoding the body does not
+# match (gzip that is not gzip). The client's fault: a 400, never a 500.
+UNREADABLE_BODY = (HttpProcessingError, RequestPayloadError)
 CSP = ("default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; object-src 'none'; "
        "frame-ancestors 'none'; base-uri 'none'; form-action 'self'")
 
@@ -56,6 +61,8 @@ async def read_body(request: web.Request, model: type[M]) -> M:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         fail(413, f"the request body is too large (at most {request.app[MAX_BODY]:,} bytes)")
+    except UNREADABLE_BODY:
+        fail(400, "the request body could not be read (a Content-Encoding it does not have?)")
     try:
         data = json.loads(raw or b"null")
     except (ValueError, UnicodeDecodeError):
@@ -110,6 +117,10 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         if not api or exc.status < 400:
             raise
         return json_error(exc.status, exc.reason)
+    except UNREADABLE_BODY:
+        if api:
+            return json_error(400, "the request body could not be read")
+        return web.Response(status=400, text="The request could not be read.")
     except Exception as exc:
         if is_missing_reference(exc):  # e.g. a forget-me removed the user while this request wrote for them
             log.warning("web request %s %s met a deleted row (a forget-me meanwhile?): %s", request.method,

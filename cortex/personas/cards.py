@@ -382,7 +382,7 @@ def _whole(value: object, field: str) -> int | None:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise CardError(f"{field} must be a number, not {_kind(value)}")
-    if not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):  # (math.isfinite cannot take a huge int)
         raise CardError(f"{field} is too large a number")
     return max(-_MAX_PRIORITY, min(_MAX_PRIORITY, int(value)))
 
