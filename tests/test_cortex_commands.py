@@ -374,3 +374,21 @@ async def test_forget_me_leaves_no_trace_in_the_database_files(tmp_path: Path) -
         raw = _database_bytes(tmp_path)
         assert b"marmaladegiraffe" in raw
         assert b"xylophone" not in raw and b"Ann" not in raw.replace(b"Annotation", b"")
+
+
+async def test_an_archived_item_is_not_pinned_and_its_scope_change_says_it_is_archived(tmp_path: Path) -> None:
+    """"#1 is pinned." and "it may come up in group channels too" were said of an archived item, which
+    comes up nowhere; and "forget 1 --from …" silently forgot by the message and ignored the item."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        await run(app, "!memory remember Ann drinks tea")
+        await run(app, "!memory remember Ann drinks coffee now")
+        assert "archived" in (await run(app, "!memory forget 1")).text
+        assert (await run(app, "!memory pin 1")).text.startswith("item #1 is archived: restore it first")
+        scoped = (await run(app, "!memory scope 1 shared")).text
+        assert scoped.startswith("#1 is shared now, but it is archived: it comes up nowhere until restored"), scoped
+        assert "no longer pinned" in (await run(app, "!memory unpin 1")).text  # unpinning is always fine
+        both = (await run(app, "!memory forget 2 --from discord-message:9")).text
+        assert both.startswith("give either an item or --from a message, not both"), both
+        assert "Ann drinks coffee now" in (await run(app, "!memory list")).text  # #2 untouched
+        assert "#1 is back" in (await run(app, "!memory restore 1")).text
+        assert (await run(app, "!memory pin 1")).text == "#1 is pinned."

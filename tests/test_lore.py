@@ -114,3 +114,11 @@ async def test_another_process_sees_new_lore(tmp_path: Path) -> None:
         await run(first, "!lore add The moon is made of cheese here. --keys moon")
         await second.lore.refresh(force=True)  # what the next reply does after a few seconds
         assert "made of cheese" in await prompt(second, llm, "look at the moon")
+
+
+async def test_not_always_on_a_new_entry_is_an_option_not_its_text(tmp_path: Path) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        assert "added" in await run(app, "!lore add Paris has many bridges --not-always")
+        assert "--not-always" not in await run(app, "!lore show 1")
+        assert "choose one of --always and --not-always" in await run(app, "!lore add --always --not-always x")
+        assert "(1 entry, page 1/1)" in await run(app, "!lore list")

@@ -199,6 +199,9 @@ class MemoryCommands:
         except MemoryError as exc:
             raise CommandError(str(exc)) from None
         where = "only in your DMs" if item.scope == "private" else "in group channels too"
+        if item.archived_at is not None or item.superseded_by is not None:
+            state = ("archived" if item.superseded_by is None else f"corrected by #{item.superseded_by}")
+            return f"#{item.id} is {item.scope} now, but it is {state}: it comes up nowhere until restored."
         return f"#{item.id} is {item.scope} now: it may come up {where}."
 
     async def _change(self, ctx: CommandContext, args: Sequence[str], what: str) -> str:
@@ -218,6 +221,8 @@ class MemoryCommands:
     async def forget(self, ctx: CommandContext, args: Sequence[str]) -> str:
         if FROM not in args:
             return await self._change(ctx, args, "forget")
+        if args.index(FROM) > 0 or len(args) > 2:  # an item and a message: which one was meant?
+            raise CommandError(f"give either an item or {FROM} a message, not both")
         origin = source_ref(args[args.index(FROM) + 1] if args.index(FROM) + 1 < len(args) else "")
         archived = await self.memory.archive_from(await self._pair(ctx), origin)
         if not archived:

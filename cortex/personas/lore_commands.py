@@ -20,7 +20,7 @@ from bot.commands import (
 )
 from bot.storage import Storage
 from bot.storage.personas import LoreEntry, NewLore
-from bot.text import shown
+from bot.text import plural, shown
 from cortex.memory.guard import guarded
 from cortex.personas.lore import LoreIndex, search
 from cortex.personas.registry import PersonaRegistry
@@ -105,16 +105,16 @@ class LoreCommands:
         entry = number("entry", "the entry's number", required=True)
         keys = option("keys", "keywords that bring it in, comma-separated")
         always = flag("always", "in every reply, keywords or not")
+        not_always = flag("not_always", "only by keyword or search (the default of a new entry)", token=NOT_ALWAYS_FLAG)
         priority = option("priority", "higher goes first (0 and up)", minimum=0)
         for name, params, summary, handler, bot_admin in (
             ("list", (number("page", "which page"),), "the lore of the persona here", self.list_entries, False),
             ("show", (entry,), "one lore entry in full", self.show, False),
             ("search", (text("words", "a message's words", required=True),),
              "which lore entries a message with these words would bring in", self.search, False),
-            ("add", (text("text", "what everyone should know", required=True), keys, always, priority),
+            ("add", (text("text", "what everyone should know", required=True), keys, always, not_always, priority),
              "a lore entry for everyone who talks to this persona", self.add, True),
-            ("edit", (entry, text("text", "the new text"), keys, always,
-                      flag("not_always", "only by keyword or search again", token=NOT_ALWAYS_FLAG), priority),
+            ("edit", (entry, text("text", "the new text"), keys, always, not_always, priority),
              "rewrite an entry, or change its keywords, always-on or priority",
              self.edit, True),
             ("disable", (entry,), "keep an entry out of the prompt", self.disable, True),
@@ -148,9 +148,9 @@ class LoreCommands:
         page = parse_number(args[0], "the page") if args else 1
         if page > pages:
             raise CommandError(f"there {'is' if pages == 1 else 'are'} only {pages} page(s)")
-        shown = entries[(page - 1) * PAGE: page * PAGE]
-        return "\n".join([f"Lore of {ctx.persona} ({len(entries)} entries, page {page}/{pages}):",
-                          *(describe(e) for e in shown)])
+        on_page = entries[(page - 1) * PAGE: page * PAGE]
+        return "\n".join([f"Lore of {ctx.persona} ({plural(len(entries), 'entry', 'entries')}, page {page}/{pages}):",
+                          *(describe(e) for e in on_page)])
 
     async def show(self, ctx: CommandContext, args: Sequence[str]) -> str:
         entry = await self._entry(ctx, args)
