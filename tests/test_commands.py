@@ -87,3 +87,20 @@ async def test_free_text_arrives_exactly_as_typed() -> None:
     registry.register(Command("guidelines clear", "clear", _handler, (flag("default"),)))
     assert "takes no arguments" in await args_of("!guidelines clear --DEFAULT")  # not taken for --default
     assert "takes no arguments" in await args_of("!memory forget-me yes")
+
+
+async def test_a_typo_of_a_subcommand_is_not_taken_by_the_groups_own_command() -> None:
+    """"!guidelines sett x" answered as "!guidelines show takes no arguments (not 'sett x')"; and a word
+    after a command that takes none but a word-spelled flag ("confirm") was refused as if it took none."""
+    registry = CommandRegistry()
+    show = Command("guidelines", "show them", _handler, (flag("default"),))
+    registry.register(show)
+    registry.register(Command("guidelines set", "set them", _handler, (text("text", required=True),)))
+    registry.register(FORGET_ME)
+    ctx = CommandContext("discord", "discord:1", "Ann", "discord:c", "Cora")
+    typo = (await registry.dispatch("!guidelines sett x", ctx)).text
+    assert typo.startswith("Unknown command !guidelines `sett`; !guidelines has:") and "!guidelines set" in typo
+    assert (await registry.dispatch("!guidelines --default", ctx)).text == "args=['--default'] body=''"
+    assert (await registry.dispatch("!guidelines", ctx)).text == "args=[] body=''"
+    refused = (await registry.dispatch("!memory forget-me yes", ctx)).text
+    assert refused.startswith("!memory forget-me takes no arguments besides confirm (not `yes`)"), refused

@@ -62,7 +62,8 @@ lines = st.lists(st.sampled_from(WORDS) | st.text(max_size=12), min_size=1, max_
 
 def test_any_command_line_gets_an_answer_and_the_bot_goes_on(tmp_path: Path) -> None:
     config = parse_config({
-        "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "chat": {"rate_limit_per_minute": 0},
+        "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
+        "chat": {"rate_limit_per_minute": 0, "command_rate_limit_per_minute": 0},
         "memory": {"embedder": "none"}, "cortex": {"context_limit": 1000},
     })
     loop = asyncio.new_event_loop()

@@ -363,6 +363,9 @@ class CommandRegistry:
         if limit is not None and len(positional) > limit:
             extra = " ".join(positional[limit:])
             takes = "no arguments" if limit == 0 else "at most " + plural(limit, "argument")
+            switches = [p.spelled for p in command.params if p.kind in ("flag", "option")]
+            if switches:  # "[confirm]" in its usage reads like an argument: say what may come instead
+                takes += f" besides {' / '.join(switches)}"
             return CommandReply(f"{self.prefix}{command.name} takes {takes} (not {shown(extra)}). "
                                 f"Usage: {self.usage(command)}", private=command.private)
         free = command.free_text(tokens[len(words) - len(args):], line, body)
@@ -395,7 +398,12 @@ class CommandRegistry:
             two = f"{words[0].lower()} {words[1].lower()}"
             if two in self._commands:
                 return self._commands[two], words[2:]
-        return self._commands.get(words[0].lower()), words[1:]
+        one = self._commands.get(words[0].lower())
+        if one is not None and one.max_args == 0 and one.positional(words[1:]) \
+                and self.subcommands(words[0].lower()):
+            # "!guidelines sett x": a group's own command taking no words got a typo of a subcommand
+            return None, words[1:]
+        return one, words[1:]
 
     async def _help(self, context: CommandContext, args: Sequence[str]) -> str:
         lines = ["Commands:"]
