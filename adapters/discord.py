@@ -145,7 +145,7 @@ def _is_admin(member: discord.abc.User, config: DiscordConfig) -> bool:
 def _reply_payload(reply: CommandReply) -> tuple[str, list[discord.File]]:
     """Text within the limit and files; an over-long text goes as an attached file."""
     files = [_as_file(a.filename, a.data) for a in reply.attachments]
-    text = reply.text
+    text = reply.markdown()
     if len(text) > LIMIT:
         files.append(_as_file("reply.md", text.encode()))
         text = text[: LIMIT - 80].rsplit("\n", 1)[0] + "\n… (the whole text is attached as reply.md)"

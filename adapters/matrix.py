@@ -622,7 +622,8 @@ class MatrixAdapter:
     async def deliver(self, room_id: str, reply: CommandReply, relation: dict[str, Any] | None = None) -> None:
         """A command's answer: its text (in pieces within an event's size) and its files."""
         encrypted = self.is_encrypted(room_id)
-        for piece in split_message(reply.text, ENCRYPTED_LIMIT if encrypted else LIMIT) or [reply.text]:
+        text = reply.markdown()
+        for piece in split_message(text, ENCRYPTED_LIMIT if encrypted else LIMIT) or [text]:
             new = render(piece, self.config.msgtype)
             await self.send(room_id, fitting(message_forms(new, relation), encrypted))
         for attachment in reply.attachments:

@@ -158,10 +158,10 @@ class CortexCommands:
             raise CommandError(f"{what} must be a version number")
         return parse_number(args[index], f"{what} (a version number)", prefix="v")
 
-    def _long(self, text: str, filename: str) -> CommandReply:
+    def _long(self, text: str, filename: str, preformatted: str = "") -> CommandReply:
         """Long output goes as an attached file instead of flooding the chat."""
         if len(text) <= MAX_INLINE_CHARS:
-            return CommandReply(text, private=True)
+            return CommandReply(text, private=True, preformatted=preformatted)
         return CommandReply(
             f"That is {len(text):,} characters long; it is attached as {filename}.",
             attachments=(Attachment(filename, text.encode()),), private=True,
@@ -190,7 +190,7 @@ class CortexCommands:
             why = v.reason + (f", run {v.run_id}" if v.run_id else "")
             lines.append(f"  v{v.version}  {v.created_at:%Y-%m-%d %H:%M} UTC  {v.author:<6}  "
                          f"{len(v.content):>5} chars  {why}")
-        return self._long("\n".join(lines), f"{filename}-history.txt")
+        return self._long("\n".join(lines), f"{filename}-history.txt", "text")
 
     async def diff(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
         filename = self._file_arg(args)
@@ -201,7 +201,7 @@ class CortexCommands:
             b = await self.files.get_version(pair, filename, second)
         except FileError as exc:
             raise CommandError(str(exc)) from None
-        return self._long(unified_diff(a, b), f"{filename}-v{first}-v{second}.diff")
+        return self._long(unified_diff(a, b), f"{filename}-v{first}-v{second}.diff", "diff")
 
     async def revert(self, ctx: CommandContext, args: Sequence[str]) -> str:
         filename = self._file_arg(args)
@@ -340,7 +340,7 @@ class CortexCommands:
             private=True,
         )
 
-    async def settings(self, ctx: CommandContext, args: Sequence[str]) -> str:
+    async def settings(self, ctx: CommandContext, args: Sequence[str]) -> str | CommandReply:
         words = [a for a in args if a != "--persona"]
         scope = persona_scope(ctx.persona) if "--persona" in args or not ctx.server_key else server_scope(
             ctx.server_key)
@@ -375,7 +375,7 @@ class CortexCommands:
             f"{name} {'/'.join(map(str, pcts))}%" for name, pcts in FREQUENCY_PRESETS.items()))
         lines.append(f"Change with: {self.prefix}cortex settings <key> <value|default> [--persona]; "
                      f"keys: {', '.join(OVERRIDABLE)}")
-        return "\n".join(lines)
+        return CommandReply("\n".join(lines), preformatted="text")  # in columns
 
     async def stats(self, ctx: CommandContext, args: Sequence[str]) -> str:
         day_start = time.time() - 86_400

@@ -392,3 +392,21 @@ async def test_an_archived_item_is_not_pinned_and_its_scope_change_says_it_is_ar
         assert "Ann drinks coffee now" in (await run(app, "!memory list")).text  # #2 untouched
         assert "#1 is back" in (await run(app, "!memory restore 1")).text
         assert (await run(app, "!memory pin 1")).text == "#1 is pinned."
+
+
+async def test_a_diff_and_the_settings_reach_markdown_platforms_as_code_blocks(tmp_path: Path) -> None:
+    """On Matrix a diff's removed blank line ("-") turned the line above it into a heading, and the
+    settings' columns lost their spaces: both now go as code blocks (the terminal shows them as they are)."""
+    from adapters.matrix import render
+
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        await run(app, "!memory edit memory.md\n# My memories of Ann\n\n- Ann likes ``tea``")
+        await run(app, "!memory edit memory.md\n# My memories of Ann\n- Ann likes coffee")
+        diff = await run(app, "!memory diff memory.md 2 3")
+        assert diff.preformatted == "diff" and diff.text.startswith("--- memory.md v2")
+        html = render(diff.markdown(), "m.notice")["formatted_body"]
+        assert "<h2>" not in html and html.startswith('<pre><code class="language-diff">'), html
+        assert "-- Ann likes ``tea``\n+- Ann likes coffee" in html  # its own backticks did not end the block
+        settings = await run(app, "!cortex settings", ctx(admin=True))
+        assert settings.preformatted == "text" and "context_limit" in settings.text
+        assert render(settings.markdown(), "m.notice")["formatted_body"].startswith("<pre><code")

@@ -576,3 +576,11 @@ async def test_a_slow_download_of_a_slash_commands_file_defers(adapter: DiscordA
             break
         await asyncio.sleep(0.01)
     assert followups and "Imported Rosa from rosa.json" in followups[0]["content"]
+
+
+def test_a_preformatted_reply_goes_to_discord_as_a_code_block() -> None:
+    from adapters.discord import _reply_payload
+
+    text, files = _reply_payload(CommandReply("--- memory.md v1\n+++ memory.md v2\n-\n+- tea", preformatted="diff"))
+    assert text == "```diff\n--- memory.md v1\n+++ memory.md v2\n-\n+- tea\n```" and files == []
+    assert _reply_payload(CommandReply("# plain *Markdown*"))[0] == "# plain *Markdown*"

@@ -72,6 +72,15 @@ class CommandReply:
     private: bool = False  # about the user's own data: adapters answer only to them
     needs_body: str = ""  # set when the command waits for content: the prompt to show
     pipe_may_answer: bool = True  # piped input may give that content (else only a person at a prompt)
+    preformatted: str = ""  # "": Markdown; else plain text in columns, a diff: a code block's language
+
+    def markdown(self) -> str:
+        """The text for a platform that renders Markdown: preformatted text in a code block (a diff's "-"
+        line would make the one above it a heading, and columns would lose their spaces)."""
+        if not self.preformatted or not self.text:
+            return self.text
+        fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", self.text)), default=0))
+        return f"{fence}{self.preformatted}\n{self.text}\n{fence}"
 
 
 Handler = Callable[[CommandContext, Sequence[str]], Awaitable["CommandReply | str"]]
