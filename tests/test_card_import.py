@@ -125,3 +125,22 @@ async def test_a_huge_card_keeps_the_prompt_within_the_soul_budget(tmp_path: Pat
         system = json.dumps(fake_llm.completion_requests[-1].body["system"])
         assert "did not fit here" in system and "Line 0 of" in system and "Line 1400 of" not in system
         assert app.estimator.count(system) < 3_600  # the soul's 3,000 tokens, the headings and the rest
+
+
+async def test_a_card_never_brings_back_a_deleted_persona_of_its_name(tmp_path: Path, fake_llm: FakeLLMServer,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Importing a card named like a deleted persona revived it with its old soul sections and lore mixed
+    into the card's ("secret_notes" and a vault code came back live)."""
+    monkeypatch.setenv("CB_TEST_API_KEY", "sk-test")
+    async with App(_config(tmp_path, fake_llm)) as app:
+        await run(app, "!persona create Zed", ctx())
+        edited = await run(app, "!persona edit secret_notes Zed keeps the spare keys", ctx(persona="Zed"))
+        assert "secret_notes" in edited
+        await run(app, "!persona delete Zed", ctx())
+        refused = await run(app, "!persona import", ctx(Attachment("zed.json", dumps(v2_card(name="Zed")))))
+        assert refused.startswith("a deleted persona was called `Zed`") and "nothing was imported" in refused, refused
+        assert "Zed" not in app.personas.names()
+        assert "Imported Zed Two" in await run(app, "!persona import", ctx(Attachment(
+            "zed.json", dumps(v2_card(name="Zed Two")))))
+        await run(app, "!persona create Zed", ctx())  # creating it again is the way back, with its soul
+        assert "spare keys" in await run(app, "!persona show Zed", ctx())

@@ -83,8 +83,9 @@ class PersonaRepository:
         return None if row is None else _persona(row)
 
     async def create_persona(self, name: str, language: str, settings: Mapping[str, Any], source: str,
-                             ts_config: str) -> PersonaRow | None:
-        """A new persona (or one deleted earlier, brought back with these values); None if the name is taken."""
+                             ts_config: str, *, revive: bool = True) -> PersonaRow | None:
+        """A new persona (or, with ``revive``, one deleted earlier, brought back with these values and its
+        soul and lore as they were); None if the name is taken (by a deleted one too, without ``revive``)."""
         now = time.time()
         row = await self.db.write_one(
             "INSERT INTO personas (name, created_at, ts_config, language, settings, source) VALUES (?, ?, ?, ?, ?, ?)"
@@ -92,6 +93,8 @@ class PersonaRepository:
             (name, now, ts_config, language, json.dumps(dict(settings)), source))
         if row is not None:
             return _persona(row)
+        if not revive:
+            return None
         revived = await self.db.write_one(
             "UPDATE personas SET deleted_at = NULL, language = ?, settings = ?, source = ?, ts_config = ?"
             " WHERE lower(name) = lower(?) AND deleted_at IS NOT NULL RETURNING *",

@@ -69,10 +69,16 @@ class CardCommands:
                 raise CommandError(f"{filename}: lore entry {number} {verdict.line().removeprefix('refused: it ')}; "
                                    "nothing was imported")
         default = self.registry.persona(None)
+        # Not into a deleted persona of that name: its old soul sections and lore would come back mixed
+        # with the card's (a revival is what "!persona create" is for).
         row = await self.storage.personas.create_persona(card.name, default.language, {}, IMPORT,
-                                                         text_search_config(default.language))
-        if row is None:
+                                                         text_search_config(default.language), revive=False)
+        if row is None and card.name.casefold() in {n.casefold() for n in self.registry.names()}:
             raise CommandError(f"a persona called {shown(card.name)} exists already: rename or delete it first")
+        if row is None:
+            raise CommandError(f"a deleted persona was called {shown(card.name)}; its soul and lore are kept, and "
+                               f"{self.prefix}persona create {card.name} brings it back. To import the card, give it "
+                               "another name; nothing was imported")
         await self._write(row.id, card, filename, ctx.user_key)
         await self.registry.load()
         return CommandReply(
