@@ -250,3 +250,22 @@ async def test_activity_shows_versions_runs_and_budgets(tmp_path: Path) -> None:
         assert status == 200 and theirs["runs"] == [] and len(theirs["files"]["memory.md"]) == 1
         status, _ = await ann.call("GET", "/api/me/personas/Nobody/activity")
         assert status == 404
+
+
+async def test_looking_at_a_personas_files_is_not_talking_to_it(tmp_path: Path) -> None:
+    """Opening Vex's files or activity made a pair (and its template files), and the page then said the
+    user had talked with Vex: the picker lost "(not talked yet)" from browsing alone."""
+    async with running_bot(tmp_path) as bot, bot.client("ann") as ann:
+        def talked(me: dict[str, Any]) -> dict[str, bool]:
+            return {p["name"]: p["talked"] for p in me["personas"]}
+
+        assert talked((await ann.call("GET", "/api/me"))[1]) == {"Cora": False, "Vex": False}
+        for path in ("/api/me/personas/Vex/activity", "/api/me/personas/Vex/files/memory"):
+            assert (await ann.call("GET", path))[0] == 200
+        assert talked((await ann.call("GET", "/api/me"))[1]) == {"Cora": False, "Vex": False}
+        await remember(bot, "ann", "Ann keeps bees", persona="Vex")
+        assert talked((await ann.call("GET", "/api/me"))[1]) == {"Cora": False, "Vex": True}
+        status, current = await ann.call("GET", "/api/me/personas/Cora/files/memory")
+        status, _ = await ann.call("PUT", "/api/me/personas/Cora/files/memory",
+                                   {"content": "# Ann\n- likes tea", "version": current["version"]})
+        assert status == 200 and talked((await ann.call("GET", "/api/me"))[1])["Cora"] is True

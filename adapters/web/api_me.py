@@ -73,7 +73,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
     async def me(request: web.Request) -> web.Response:
         caller = await auth.require(request)
         user = await own_user(ctx, caller)
-        talked = [str(p["persona"]) for p in await ctx.app.storage.export.pairs(user.id)]
+        talked = await ctx.app.storage.export.personas_talked_to(user.id)
         personas = [{"name": n, "language": ctx.app.personas.persona(n).language, "talked": n in talked}
                     for n in ctx.app.personas.names()]
         servers = [{"key": s.key, "name": s.name} for d in auth.directories.values()

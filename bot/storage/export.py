@@ -28,6 +28,17 @@ class ExportRepository:
                                        (user_id,))
         return [plain(r) for r in rows]
 
+    async def personas_talked_to(self, user_id: int) -> set[str]:
+        """The personas the user has something with: a message, a memory item or a file version beyond the
+        templates (a pair alone is made by merely looking at its files)."""
+        rows = await self.db.fetch_all(
+            "SELECT p.persona FROM cortex_pairs AS p WHERE p.user_id = ? AND ("
+            " EXISTS (SELECT 1 FROM messages AS m WHERE m.user_id = p.user_id AND m.persona = p.persona)"
+            " OR EXISTS (SELECT 1 FROM memory_items AS i WHERE i.pair_id = p.id)"
+            " OR EXISTS (SELECT 1 FROM cortex_versions AS v WHERE v.pair_id = p.id AND v.author <> 'system'))",
+            (user_id,))
+        return {str(r[0]) for r in rows}
+
     async def items(self, pair_id: int) -> list[dict[str, Any]]:
         """Every item of the pair: active, archived, superseded and expired, with all their metadata."""
         rows = await self.db.fetch_all(f"SELECT {ITEM_COLUMNS} FROM memory_items WHERE pair_id = ? ORDER BY id",
