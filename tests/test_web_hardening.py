@@ -246,6 +246,23 @@ async def test_a_body_that_cannot_be_read_is_a_400_not_a_500(tmp_path: Path) -> 
         assert (await ann.call("GET", "/api/me"))[0] == 200  # nothing happened: still there, still logged in
 
 
+async def test_pages_outside_the_api_answer_errors_as_pages_with_a_way_back(tmp_path: Path) -> None:
+    """A wrong address or method showed aiohttp's bare "404: Not Found"; a used login link had no way back
+    to the page for someone still logged in."""
+    async with running_bot(tmp_path) as bot, bot.client("ann") as ann:
+        for method, path, status in (("GET", "/nonexistent", 404), ("GET", "/login", 405),
+                                     ("POST", "/login/abc", 405), ("POST", "/login", 410)):
+            async with ann.http.request(method, path, headers={"X-CSRF-Token": ann.csrf},
+                                        data={"token": "used"} if path == "/login" else None) as response:
+                body = await response.text()
+                assert response.status == status and response.content_type == "text/html", (path, body)
+                assert '<a href="/">Go to your page</a>' in body and "<script" not in body, path
+                if status == 405:
+                    assert response.headers.get("Allow"), path
+        async with ann.http.get("/api/nowhere") as response:  # the API keeps answering in JSON
+            assert response.status == 404 and (await response.json())["error"]
+
+
 # -- 5: security headers on aiohttp's own error answers -----------------------------------------------
 
 

@@ -1,7 +1,9 @@
-"""JSON errors: every API failure is ``{"error": message}`` with a 4xx status a client can act on."""
+"""JSON errors: every API failure is ``{"error": message}`` with a 4xx status a client can act on; outside
+the API, a small page with a way back."""
 
 from __future__ import annotations
 
+import html
 import json
 from typing import NoReturn
 
@@ -9,6 +11,27 @@ from aiohttp import web
 
 # A request whose rows went while it ran: a forget-me (from the chat or another tab) removed the user.
 GONE = "what this request refers to was deleted meanwhile (a forget-me?): reload the page"
+
+
+PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>cortex-bot</title><link rel="stylesheet" href="/static/app.css"></head>
+<body class="login"><main class="card">
+<h1>cortex-bot</h1>
+{body}
+</main></body></html>
+"""
+BACK = '<p><a href="/">Go to your page</a> (if you are still logged in).</p>'
+
+
+def page(body: str, status: int = 200) -> web.Response:
+    """A small page of the site's look (``body`` is HTML: escape what is not the bot's own)."""
+    return web.Response(text=PAGE.format(body=body), status=status, content_type="text/html")
+
+
+def error_page(status: int, reason: str) -> web.Response:
+    """What a browser shows for a wrong address or method outside the API, instead of aiohttp's bare text."""
+    return page(f"<p>{status}: {html.escape(reason)}.</p>{BACK}", status)
 
 
 def json_error(status: int, message: str) -> web.Response:

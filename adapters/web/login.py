@@ -7,28 +7,16 @@ import html
 
 from aiohttp import web
 
+from adapters.web.errors import BACK, page
 from adapters.web.server import UNREADABLE_BODY, WebContext, ok
 
 MAX_TOKEN_CHARS = 100
 
-LOGIN_PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
-<title>cortex-bot: log in</title><link rel="stylesheet" href="/static/app.css"></head>
-<body class="login"><main class="card">
-<h1>cortex-bot</h1>
-{body}
-</main></body></html>
-"""
-
-
-def _page(body: str, status: int = 200) -> web.Response:
-    return web.Response(text=LOGIN_PAGE.format(body=body), status=status, content_type="text/html")
-
 
 def _expired() -> web.Response:
-    return _page("<p>This login link has expired or was used already.</p>"
+    return page("<p>This login link has expired or was used already.</p>"
                  "<p>Send <code>!dashboard</code> (or <code>/dashboard</code> on Discord) in a chat with the bot "
-                 "for a new one.</p>", status=410)
+                 f"for a new one.</p>{BACK}", status=410)
 
 
 def routes(ctx: WebContext) -> list[web.RouteDef]:
@@ -39,7 +27,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         token = request.match_info["token"]
         if len(token) > MAX_TOKEN_CHARS or not await logins.link_valid(token):
             return _expired()
-        return _page(
+        return page(
             "<p>Log in to see and edit what the bot remembers about you.</p>"
             '<form method="post" action="/login">'
             f'<input type="hidden" name="token" value="{html.escape(token, quote=True)}">'
@@ -54,7 +42,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         # undecodable text, a bad charset, a broken multipart body or part header, an unknown transfer
         # encoding of a part (RuntimeError), a body that does not match its Content-Encoding
         except (ValueError, LookupError, RuntimeError, *UNREADABLE_BODY):
-            return _page("<p>This login request could not be read. Open the link again and press the button.</p>",
+            return page("<p>This login request could not be read. Open the link again and press the button.</p>",
                          status=400)
         token = form.get("token")
         if not isinstance(token, str) or len(token) > MAX_TOKEN_CHARS:

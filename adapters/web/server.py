@@ -20,7 +20,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel, ValidationError
 
 from adapters.web.auth import Auth
-from adapters.web.errors import GONE, ApiError, fail, json_error
+from adapters.web.errors import GONE, ApiError, error_page, fail, json_error
 from bot.ports import AdminDirectory
 from bot.storage.engine import is_missing_reference
 
@@ -114,9 +114,12 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except ApiError as exc:
         return json_error(exc.status, exc.message)
     except web.HTTPException as exc:
-        if not api or exc.status < 400:
+        if exc.status < 400:
             raise
-        return json_error(exc.status, exc.reason)
+        answer = json_error(exc.status, exc.reason) if api else error_page(exc.status, exc.reason)
+        if "Allow" in exc.headers:  # a 405 says which methods would do
+            answer.headers["Allow"] = exc.headers["Allow"]
+        return answer
     except UNREADABLE_BODY:
         if api:
             return json_error(400, "the request body could not be read")
