@@ -258,7 +258,8 @@ class CortexCommands:
         user, _ = await self._pair(ctx)
         try:
             data = await asyncio.to_thread(read_archive, blob)  # a large archive must not stall the replies
-            limits = ImportLimits(self.config.memory.max_item_chars, self.config.bot.max_message_chars)
+            limits = ImportLimits(self.config.memory.max_item_chars, self.config.bot.max_message_chars,
+                                  self.updater.estimator.raw_count)
             report = await Importer(self.store, self.files, self.personas, limits).run(
                 user, data, await self._dm_channel(ctx))
         except ArchiveError as exc:

@@ -21,7 +21,7 @@ import json
 import math
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -52,6 +52,7 @@ Role = Literal["user", "assistant"]
 class ImportLimits:
     item_chars: int  # [memory] max_item_chars
     message_chars: int  # [bot] max_message_chars: a user's message, as the chat takes it
+    tokens: Callable[[str], int]  # a message's tokens as the chat counts them (the history window's budget)
     reply_chars: int = MAX_REPLY_CHARS  # a reply, as the bot stores its own
 
 
@@ -305,6 +306,8 @@ class _Messages:
             if await self.storage.export.has_message(self.channel.id, role, text, created):
                 self.report.skipped += 1
                 continue
-            await self.storage.add_message(self.channel.id, self.user.id, persona, role, author, text, 0,
-                                           datetime.fromtimestamp(created, tz=UTC))
+            # Its token count as the chat stores it: counted as 0, a message took no room in the history
+            # window, and any number of them went into every prompt.
+            await self.storage.add_message(self.channel.id, self.user.id, persona, role, author, text,
+                                           self.limits.tokens(text), datetime.fromtimestamp(created, tz=UTC))
             self.report.messages += 1

@@ -340,3 +340,19 @@ def test_personas_whose_names_make_the_same_folder_keep_their_own_files() -> Non
         assert len(names) == len(set(names))
         assert z.read("Cora_/memory.md") == b"about Cora?" and z.read("Cora_-2/memory.md") == b"about Cora!"
         assert z.read("cora_-3/memory.md") == b"c"
+
+
+async def test_imported_messages_count_against_the_history_window(tmp_path: Path) -> None:
+    """Imported messages were stored with 0 tokens, so the window took all of them: 200 messages of
+    2,000 characters went into the next prompt, far over the history budget (2,000 tokens)."""
+    messages = [{"is_dm": True, "persona": "Cora", "role": "user" if n % 2 == 0 else "assistant",
+                 "text": f"message {n}: " + "lorem ipsum dolor " * 110, "created_at": 1_700_000_000 + n}
+                for n in range(200)]
+    async with App(_config(tmp_path / "bot"), llm=ScriptedProvider()) as app:
+        reply = await run(app, "!memory import", ctx("ann", _archive("ann", messages=messages)))
+        assert "200 messages" in reply, reply
+        await say(app, "what did we talk about?")
+        requests = app.core.llm.requests  # type: ignore[attr-defined]
+        sent = next(r.messages for r in reversed(requests) if r.messages[-1].content == "what did we talk about?")
+        assert 2 <= len(sent) <= 10, len(sent)  # (the rest is for the rolling summary to fold in)
+        assert sent[-1].content == "what did we talk about?" and "message 199" in sent[-2].content
