@@ -31,6 +31,22 @@ def storable_json(value: Any) -> Any:
     return value
 
 
+MAX_JSON_DEPTH = 64  # nesting a model's tool arguments may have (deeper: not taken as arguments)
+
+
+def nested_within(value: Any, depth: int = MAX_JSON_DEPTH) -> bool:
+    """Whether parsed JSON ``value`` nests at most ``depth`` lists and objects deep (checked without
+    recursion: a model looping on "[" sends thousands, and recursive code then fails the whole reply)."""
+    level: list[tuple[Any, int]] = [(value, 1)]
+    while level:
+        item, at = level.pop()
+        if isinstance(item, dict | list):
+            if at > depth:
+                return False
+            level.extend((child, at + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return True
+
+
 def readable(name: str) -> bool:
     """Whether a name people read and type is visible text: not blank, no control or invisible (format)
     characters ("Co\u200bra" looks like "Cora" and cannot be typed)."""

@@ -183,6 +183,24 @@ async def test_lone_surrogates_and_nul_never_leave_the_provider(
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("streaming", [False, True], ids=["complete", "stream"])
+@pytest.mark.parametrize("shape", ["broken", "valid"])
+async def test_tool_arguments_nested_thousands_deep_are_no_arguments_not_a_failed_reply(
+    provider: LLMProvider, fake_llm: FakeLLMServer, streaming: bool, shape: str
+) -> None:
+    """A degenerate model looping on "[" (or a valid object 700 deep) raised RecursionError in parsing
+    or cleaning, and the whole reply failed; now the call simply has no arguments (the tool loop then
+    tells the model what came)."""
+    sent = "[" * 3000 if shape == "broken" else '{"a":' * 700 + "1" + "}" * 700
+    fake_llm.enqueue(FakeResponse.tool_calls([("call_1", "weather", sent)]))
+    [call] = (await run(provider, request(tools=(WEATHER,)), streaming)).tool_calls
+    assert call.name == "weather" and call.arguments is None and call.raw_arguments
+    fake_llm.enqueue(FakeResponse.tool_calls([("call_2", "weather", {"city": {"a": [[["x"]]]}})]))
+    [fine] = (await run(provider, request(tools=(WEATHER,)), streaming)).tool_calls
+    assert fine.arguments == {"city": {"a": [[["x"]]]}}  # ordinary nesting is kept
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("streaming", [False, True], ids=["complete", "stream"])
 async def test_single_tool_call(provider: LLMProvider, fake_llm: FakeLLMServer, streaming: bool) -> None:
     fake_llm.enqueue(FakeResponse.tool_calls([("call_1", "weather", {"city": "Paris"})], text="Let me check."))
     completion = await run(provider, request(tools=(WEATHER,)), streaming)
@@ -673,6 +691,29 @@ async def test_openai_stream_of_whole_calls_without_an_index(openai_provider: LL
 
 
 @pytest.mark.asyncio
+async def test_openai_stream_of_calls_that_all_say_index_0(openai_provider: LLMProvider,
+                                                           fake_llm: FakeLLMServer) -> None:
+    """Ollama numbers every streamed call 0: a new id at a used index is a call of its own (two calls were
+    merged into one named "weatherweather" with arguments that were no JSON); pieces after it continue it."""
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        return "data: " + json.dumps({"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) + "\n\n"
+
+    def piece(call_id: str | None, name: str | None, arguments: str) -> dict[str, Any]:
+        function = {"arguments": arguments} | ({"name": name} if name else {})
+        return {"tool_calls": [{"index": 0, "type": "function", "function": function}
+                               | ({"id": call_id} if call_id else {})]}
+
+    body = (chunk({"role": "assistant", "content": ""}) + chunk(piece("call_a", "weather", '{"city": ')) +
+            chunk(piece(None, None, '"Oslo"}')) + chunk(piece("call_b", "weather", '{"city": "Rome"}')) +
+            chunk({}, "tool_calls") + "data: [DONE]\n\n")
+    fake_llm.enqueue(FakeResponse.malformed(body.encode(), content_type="text/event-stream"))
+    completion = (await collect(openai_provider, request(tools=(WEATHER,))))[1]
+    assert [(c.id, c.name, c.arguments) for c in completion.tool_calls] == [
+        ("call_a", "weather", {"city": "Oslo"}), ("call_b", "weather", {"city": "Rome"})]
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("kind", PROVIDERS)
 @pytest.mark.parametrize("header", [{"retry-after-ms": "30000"}, {"retry-after-ms": "100000000"}])
 async def test_a_retry_after_longer_than_a_retry_may_wait_is_reported_at_once(
@@ -714,3 +755,34 @@ def test_a_long_error_detail_keeps_its_start_and_its_request_id() -> None:
     short = _shortened(detail)
     assert short.startswith("anthropic API error HTTP 400") and short.endswith("(request id req_0123)")
     assert len(short) <= 703 and _shortened("short") == "short"
+
+
+def test_a_blank_text_before_a_tool_call_is_not_sent_back_to_anthropic() -> None:
+    """The API refuses a text block of whitespace only ("text content blocks must contain non-whitespace
+    text"): a model that wrote "\\n\\n" before its tool call made the next round fail."""
+    from bot.llm.anthropic import convert_messages
+    from bot.llm.base import ChatMessage, ToolCall
+
+    call = ToolCall("call_1", "current_time", {})
+    converted = convert_messages([
+        ChatMessage(role="user", content="what time is it?"),
+        ChatMessage(role="assistant", content="\n\n", tool_calls=(call,)),
+        ChatMessage(role="tool", content="12:00", tool_call_id="call_1"),
+    ])
+    assistant = converted[1]
+    assert assistant["role"] == "assistant" and [b["type"] for b in assistant["content"]] == ["tool_use"]
+    assert all(b.get("text", "x").strip() for turn in converted for b in turn["content"])
+
+
+@pytest.mark.asyncio
+async def test_a_tool_round_after_a_blank_text_goes_through(anthropic_provider: LLMProvider,
+                                                            fake_llm: FakeLLMServer) -> None:
+    """The same through the SDK to the fake server, which refuses a blank text block as the API does."""
+    from bot.llm.base import ToolCall
+
+    fake_llm.enqueue(FakeResponse.text("It is noon."))
+    exchange = (ChatMessage("user", "what time is it?"),
+                ChatMessage("assistant", "\n\n", tool_calls=(ToolCall("call_1", "weather", {"city": "Oslo"}),)),
+                ChatMessage("tool", "sunny", tool_call_id="call_1"))
+    completion = await anthropic_provider.complete(request(*exchange, tools=(WEATHER,)))
+    assert completion.text == "It is noon."

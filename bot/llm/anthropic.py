@@ -39,6 +39,7 @@ from bot.llm.base import (
     Usage,
 )
 from bot.llm.errors import LLMAuthError, LLMBadResponse, LLMError
+from bot.text import nested_within
 
 if TYPE_CHECKING:
     from anthropic.types import Message, MessageParam, RawMessageStreamEvent, ToolParam
@@ -85,12 +86,12 @@ def _message_blocks(message: ChatMessage) -> tuple[str, list[Block]]:
 
 
 def _normalise_blocks(blocks: list[Block]) -> list[Block]:
-    """Tool results first, adjacent text blocks joined with a blank line, no empty text."""
+    """Tool results first, adjacent text blocks joined with a blank line, no empty or blank text."""
     ordered = [b for b in blocks if b["type"] == "tool_result"] + [b for b in blocks if b["type"] != "tool_result"]
     merged: list[Block] = []
     for block in ordered:
         if block["type"] == "text":
-            if not block["text"]:
+            if not block["text"].strip():  # the API refuses a text block of whitespace only
                 continue
             if merged and merged[-1]["type"] == "text":
                 merged[-1] = {"type": "text", "text": merged[-1]["text"] + "\n\n" + block["text"]}
@@ -144,6 +145,8 @@ def map_stop_reason(reason: object) -> StopReason:
 
 def tool_call_from_input(call_id: str, name: str, tool_input: object) -> ToolCall:
     """A ``tool_use`` block's input: a dict becomes ``arguments``; anything else is kept only raw."""
+    if not nested_within(tool_input):
+        return ToolCall(id=call_id, name=name, arguments=None, raw_arguments="(an input nested too deep to read)")
     raw = json.dumps(tool_input, ensure_ascii=False)
     arguments = cast(dict[str, Any], tool_input) if isinstance(tool_input, dict) else None
     return ToolCall(id=call_id, name=name, arguments=arguments, raw_arguments=raw)
@@ -153,7 +156,7 @@ def tool_call_from_json(call_id: str, name: str, raw: str) -> ToolCall:
     """A streamed tool input (concatenated ``partial_json``): parsed if it is a JSON object."""
     try:
         parsed = json.loads(raw) if raw.strip() else {}
-    except ValueError:
+    except (ValueError, RecursionError):  # (RecursionError: nested thousands deep)
         parsed = None
     arguments = cast(dict[str, Any], parsed) if isinstance(parsed, dict) else None
     return ToolCall(id=call_id, name=name, arguments=arguments, raw_arguments=raw or "{}")

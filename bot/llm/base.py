@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from bot.text import storable, storable_json
+from bot.text import nested_within, storable, storable_json
 
 Role = Literal["user", "assistant", "tool"]
 
@@ -45,8 +45,9 @@ class ToolCall:
     def __post_init__(self) -> None:  # what a model sends is made storable once, here (see bot.text.storable)
         object.__setattr__(self, "name", storable(self.name))
         object.__setattr__(self, "raw_arguments", storable(self.raw_arguments))
-        if self.arguments is not None:
-            object.__setattr__(self, "arguments", storable_json(self.arguments))
+        if self.arguments is not None:  # (nested too deep: not arguments; the tool loop says what came)
+            object.__setattr__(self, "arguments",
+                               storable_json(self.arguments) if nested_within(self.arguments) else None)
 
 
 @dataclass(frozen=True, slots=True)

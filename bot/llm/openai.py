@@ -141,7 +141,7 @@ def parse_tool_call(call_id: str | None, name: str, raw: str | None) -> ToolCall
     raw = raw or ""
     try:
         parsed = json.loads(raw) if raw.strip() else {}
-    except ValueError:
+    except (ValueError, RecursionError):  # (RecursionError: nested thousands deep)
         parsed = None
     arguments = cast(dict[str, Any], parsed) if isinstance(parsed, dict) else None
     return ToolCall(id=call_id or _new_call_id(), name=name, arguments=arguments, raw_arguments=raw)
@@ -198,6 +198,7 @@ class _StreamAccumulator:
     chunks: int = 0
     texts: list[str] = field(default_factory=list)
     calls: dict[int, _PartialCall] = field(default_factory=dict)
+    _slots: dict[int, int] = field(default_factory=dict)  # a stream's call index -> the call it continues now
     finish_reason: str | None = None
     usage: Usage = field(default_factory=Usage)
 
@@ -216,11 +217,23 @@ class _StreamAccumulator:
         if delta is None:
             return None
         for position, call in enumerate(delta.tool_calls or ()):
-            self._feed_call(call.index if call.index is not None else self._index_without(position, call), call)
+            self._feed_call(self._slot(call.index, call) if call.index is not None
+                            else self._index_without(position, call), call)
         if delta.content:
             self.texts.append(delta.content)
             return delta.content
         return None
+
+    def _slot(self, index: int, call: Any) -> int:
+        """Where a piece sent with ``index`` belongs: that index's call, unless it brings a new ``id`` there
+        (Ollama numbers every call 0: two calls merged into one named "current_timeremember"); then it
+        starts a call of its own, and later pieces of that index continue it."""
+        slot = self._slots.get(index, index)
+        known = self.calls.get(slot)
+        if call.id and known is not None and known.call_id and known.call_id != call.id:
+            slot = max(max(self.calls), max(self._slots.values(), default=0)) + 1
+            self._slots[index] = slot
+        return slot
 
     def _index_without(self, position: int, call: Any) -> int:
         """Where a call piece sent without an ``index`` belongs (some compatible servers stream each call

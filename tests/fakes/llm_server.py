@@ -309,6 +309,16 @@ Responder = Callable[[RecordedRequest], FakeResponse]
 # --------------------------------------------------------------------------- wire formats
 
 
+def _anthropic_refusal(body: dict[str, Any]) -> str | None:
+    """The request checks of the real Messages API that a client can trip over (see its error messages)."""
+    for n, message in enumerate(body.get("messages") or ()):
+        content = message.get("content") if isinstance(message, dict) else None
+        for block in content if isinstance(content, list) else ():
+            if isinstance(block, dict) and block.get("type") == "text" and not str(block.get("text", "")).strip():
+                return f"messages.{n}: text content blocks must contain non-whitespace text"
+    return None
+
+
 def _anthropic_error_body(resp: FakeResponse) -> dict[str, Any]:
     err_type = resp.error_type or _ANTHROPIC_ERROR_TYPES.get(resp.status, "api_error")
     return {"type": "error", "error": {"type": err_type, "message": resp.message}}
@@ -687,6 +697,10 @@ class FakeLLMServer:
 
     async def _answer(self, request: web.Request, api: Api) -> web.StreamResponse:
         recorded = await self._record(request, api)
+        refused = _anthropic_refusal(recorded.body) if api == "anthropic" else None
+        if refused:  # what the real API refuses, it refuses here too (the queued answer stays queued)
+            return web.json_response({"type": "error", "error": {"type": "invalid_request_error", "message": refused}},
+                                     status=400)
         resp = self._next_response(recorded)
         if resp.delay:
             await asyncio.sleep(resp.delay)
