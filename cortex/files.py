@@ -5,6 +5,7 @@ reset, export. Every change is a new version; nothing is overwritten or deleted 
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass
 
 from bot.text import shown
@@ -14,6 +15,13 @@ from cortex.templates import template
 
 SHRINK_GUARD_MIN_CHARS = 400  # files shorter than this may be rewritten freely
 SHRINK_GUARD_RATIO = 0.5  # a model write keeping less than half of a longer file is refused
+_SUBSTANCE = re.compile(r"\w")  # what a file says: its letters and digits (any script), not its spacing
+
+
+def substance(text: str) -> int:
+    """The letters and digits of ``text``: the shrink guard compares these, so padding a short write with
+    spaces or dots to the old length does not get a file wiped."""
+    return len(_SUBSTANCE.findall(text))
 
 
 class FileError(ValueError):
@@ -56,9 +64,10 @@ def check_model_write(filename: str, old: str, new: str, max_chars: int) -> Refu
             "saved. Condense it (merge related points, drop what no longer matters, shorten wording) and call "
             "write_file again with the complete, shorter file."
         )
-    if len(old) >= SHRINK_GUARD_MIN_CHARS and len(new) < len(old) * SHRINK_GUARD_RATIO:
+    if len(old) >= SHRINK_GUARD_MIN_CHARS and substance(new) < substance(old) * SHRINK_GUARD_RATIO:
         return Refusal(
-            f"refused: this would drop most of {filename} (from {len(old):,} to {len(new):,} characters). Nothing "
+            f"refused: this would drop most of {filename} (from {substance(old):,} to {substance(new):,} letters and "
+            "digits). Nothing "
             "was saved. write_file replaces the whole file: read it, keep what still matters, and write the "
             "complete file again."
         )

@@ -280,6 +280,23 @@ async def test_a_write_that_drops_most_of_a_file_is_refused(app: App, fake_llm: 
     assert (await app.cortex.store.current(pair.id, "memory.md")).content == long_memory
 
 
+@pytest.mark.parametrize("padding", [" ", ".", "\n-"])
+async def test_padding_a_short_write_to_the_old_length_does_not_get_past_the_shrink_guard(
+        app: App, fake_llm: FakeLLMServer, padding: str) -> None:
+    """"# My memories of Ann" and 1,261 spaces was saved as the new memory.md (the guard compared lengths)."""
+    await _talk(app, CONVERSATION)
+    pair = await _pair(app)
+    await app.cortex.files.ensure(pair, "English", "Ann")
+    long_memory = "# Memories\n" + "".join(f"- fact number {i} about Ann's life\n" for i in range(40))
+    await app.cortex.files.edit(pair, "memory.md", long_memory)
+    padded = "# Memories\n- Pixel\n" + padding * (len(long_memory) // len(padding))
+    fake_llm.enqueue(FakeResponse.tool_calls([("1", "write_file", {"filename": "memory.md", "content": padded})]),
+                     FakeResponse.text("done"))
+    await app.cortex.updater.run(pair, "95", (await app.cortex.resolver.effective("Cora")).settings)
+    assert "would drop most of memory.md" in result_text(tool_results(cortex_requests(fake_llm)[1])[0])
+    assert (await app.cortex.store.current(pair.id, "memory.md")).content == long_memory
+
+
 async def test_a_model_that_never_stops_ends_at_max_rounds(app: App, fake_llm: FakeLLMServer) -> None:
     await _talk(app, CONVERSATION)
     await app.cortex.resolver.set("persona:cora", "max_rounds", "3", "test")
