@@ -23,6 +23,7 @@ from bot.config import Config
 from bot.errors import EmptyMessage, MessageTooLong
 from bot.history import HistoryWindow, build_window
 from bot.llm.base import (
+    CUT_OFF_CALL,
     ChatMessage,
     Completion,
     LLMProvider,
@@ -31,6 +32,7 @@ from bot.llm.base import (
     TextDelta,
     ToolCall,
     Usage,
+    cut_off_call,
 )
 from bot.llm.errors import LLMBadResponse, LLMError
 from bot.persona import ConfigPersonas, Persona, PersonaSource
@@ -304,9 +306,12 @@ class ConversationCore:
             if last or toolbox is None or not completion.tool_calls or shown.cut:
                 break
             messages.append(ChatMessage("assistant", completion.text, completion.tool_calls))
+            cut = cut_off_call(completion)
             for number_in_turn, call in enumerate(completion.tool_calls):
-                outcome = await self._tool(toolbox, call, stream) if number_in_turn < MAX_CALLS_PER_ROUND else (
-                    ToolOutcome(f"refused: at most {MAX_CALLS_PER_ROUND} tool calls run per turn", True))
+                outcome = await self._tool(toolbox, call, stream) if number_in_turn < MAX_CALLS_PER_ROUND \
+                    and number_in_turn != cut else ToolOutcome(
+                        CUT_OFF_CALL if number_in_turn == cut else
+                        f"refused: at most {MAX_CALLS_PER_ROUND} tool calls run per turn", True)
                 messages.append(ChatMessage("tool", outcome.content, tool_call_id=call.id, is_error=outcome.is_error))
         text = shown.text.strip() if shown.cut else "\n\n".join(t.strip() for t in texts if t.strip())
         stream.rounds = len(texts)

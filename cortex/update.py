@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from bot.config import Config, ConfigError, CortexConfig
-from bot.llm.base import ChatMessage, Completion, LLMProvider, LLMRequest
+from bot.llm.base import CUT_OFF_CALL, ChatMessage, Completion, LLMProvider, LLMRequest, cut_off_call
 from bot.llm.errors import LLMBadRequest, LLMError
 from bot.persona import ConfigPersonas, Persona, PersonaSource
 from bot.storage.base import Job, LLMCallRecord, StoredMessage
@@ -40,6 +40,7 @@ MIN_MESSAGES = 4
 PROMPT_OVERHEAD = 1_500  # tokens of an update's system prompt and tool definitions, for the first round's estimate
 MAX_CALLS_PER_TURN = 25  # tool calls of one model turn that run; the rest are refused (each result costs input)
 RESULT_CHARS_PER_TOKEN = 3  # a tool result's cost in the next round's input, counted generously
+CUT_OFF = CUT_OFF_CALL + " Write one file per turn, and keep it shorter."  # (running it would save half a file)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,8 +213,10 @@ class CortexUpdater:
                 learned = tools.files_written or (tools.memory is not None and tools.memory.written)
                 return "success", "" if learned else "the model found nothing new to record"
             messages.append(ChatMessage("assistant", completion.text, tool_calls=completion.tool_calls))
+            cut = cut_off_call(completion)
             for number, call in enumerate(completion.tool_calls):
-                outcome = await tools.execute(call) if number < MAX_CALLS_PER_TURN else ToolOutcome(
+                outcome = await tools.execute(call) if number < MAX_CALLS_PER_TURN and number != cut else ToolOutcome(
+                    CUT_OFF if number == cut else
                     f"refused: at most {MAX_CALLS_PER_TURN} tool calls run per turn; nothing was done. Call it "
                     "again in your next turn if you still need it.", True)
                 messages.append(

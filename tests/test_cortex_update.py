@@ -297,6 +297,26 @@ async def test_padding_a_short_write_to_the_old_length_does_not_get_past_the_shr
     assert (await app.cortex.store.current(pair.id, "memory.md")).content == long_memory
 
 
+async def test_a_call_cut_off_at_the_output_limit_is_not_run_and_the_model_is_told_why(
+        app: App, fake_llm: FakeLLMServer) -> None:
+    """Cut at max_tokens, a write_file's arguments are half a JSON object: the model was told "needs a JSON
+    object", never that its answer was too long, and spent every round writing it again."""
+    await _talk(app, CONVERSATION)
+    pair = await _pair(app)
+    before = (await app.cortex.files.ensure(pair, "English", "Ann"))["memory.md"].content
+    fake_llm.enqueue(
+        FakeResponse.tool_calls([("1", "read_file", {"filename": "memory.md"}),
+                                 ("2", "write_file", '{"filename": "memory.md", "content": "# Memories\\n- Pix')],
+                                stop_reason="max_tokens"),
+        FakeResponse.text("done"),
+    )
+    await app.cortex.updater.run(pair, "95", (await app.cortex.resolver.effective("Cora")).settings)
+    read, cut = (result_text(r) for r in tool_results(cortex_requests(fake_llm)[1]))
+    assert before.strip()[:20] in read  # the complete call before it ran
+    assert cut.startswith("refused: your answer reached the output limit while writing this call")
+    assert (await app.cortex.store.current(pair.id, "memory.md")).content == before
+
+
 async def test_a_model_that_never_stops_ends_at_max_rounds(app: App, fake_llm: FakeLLMServer) -> None:
     await _talk(app, CONVERSATION)
     await app.cortex.resolver.set("persona:cora", "max_rounds", "3", "test")

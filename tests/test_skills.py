@@ -85,6 +85,23 @@ async def test_remember_in_a_reply_is_searchable_in_the_same_conversation(
         assert [m.text for m in stored if m.role == "assistant"] == ["Sure.\n\nNoted: Miso it is!"]
 
 
+@pytest.mark.parametrize("provider", ["anthropic", "openai"])
+async def test_a_call_cut_off_at_the_output_limit_is_not_run(tmp_path: Path, fake_llm: FakeLLMServer,
+                                                             provider: str) -> None:
+    """A remember cut off by max_tokens is not run (its arguments would be half a fact), and the model is told
+    why; a complete call before it in the same turn runs."""
+    async with App(_config(tmp_path, fake_llm, provider)) as app:
+        fake_llm.enqueue(FakeResponse.tool_calls([("c1", "current_time", {}),
+                                                  ("c2", "remember", '{"content": "Ann\'s cat is ca')],
+                                                 stop_reason="max_tokens"),
+                         FakeResponse.text("Your cat's name, noted!"))
+        assert await app.core.reply(_msg("remember that my cat is called Miso")).text() == "Your cat's name, noted!"
+        sent = str(replies(fake_llm)[-1].body["messages"])
+        assert "reached the output limit while writing this call" in sent and "UTC" in sent
+        assert [a.skill for a in await app.storage.skills.recent("console:ann")] == ["current_time"]
+        assert "No memory items" in (await app.commands.dispatch("!memory list", ANN_DM)).text
+
+
 async def test_admin_only_skills_are_neither_offered_nor_run_for_members(tmp_path: Path,
                                                                           fake_llm: FakeLLMServer) -> None:
     async with App(_config(tmp_path, fake_llm)) as app:

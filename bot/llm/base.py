@@ -28,6 +28,16 @@ class ToolSpec:
     input_schema: dict[str, Any]
 
 
+# The answer to a tool call the output limit (max_tokens) cut off: its arguments are incomplete, so it is
+# not run ("not a JSON object" would not tell the model why).
+CUT_OFF_CALL = "refused: your answer reached the output limit while writing this call, so it was cut off and not run."
+
+
+def cut_off_call(completion: Completion) -> int:
+    """The index of the tool call the output limit cut off (the last one, when it stopped at max_tokens), or -1."""
+    return len(completion.tool_calls) - 1 if completion.stop_reason == "max_tokens" else -1
+
+
 @dataclass(frozen=True, slots=True)
 class ToolCall:
     """A tool call as the model sent it.
