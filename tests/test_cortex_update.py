@@ -355,6 +355,23 @@ async def test_529_mid_loop_keeps_accepted_writes_and_the_job_retries(app: App, 
     assert statuses[:2] == [("75", "success"), ("75", "failed")]
 
 
+@pytest.mark.parametrize("damaged", [b'{"id": "msg_1", "content": [', b"<html>502 Bad Gateway</html>"])
+async def test_an_answer_that_arrives_damaged_is_retried_by_the_job_queue(app: App, fake_llm: FakeLLMServer,
+                                                                          damaged: bytes) -> None:
+    """A body cut short or a proxy's HTML page with status 200 failed the update for good (its tier was
+    already marked as fired, so that update was lost for the whole cycle)."""
+    await _talk(app, CONVERSATION)
+    pair = await _pair(app)
+    fake_llm.enqueue(FakeResponse.malformed(damaged),
+                     FakeResponse.tool_calls([("1", "write_file", {"filename": "memory.md", "content": NEW_MEMORY})]),
+                     FakeResponse.text("done"))
+    job = await app.cortex.tiers.request_update(pair, "75", None)
+    assert await app.workers.drain(10)
+    finished = await app.storage.get_job(job.id)
+    assert finished.status == "done" and finished.attempts == 2
+    assert (await app.cortex.store.current(pair.id, "memory.md")).content == NEW_MEMORY
+
+
 async def test_guards_skip_with_reasons(app: App, fake_llm: FakeLLMServer) -> None:
     await _talk(app, ["just one line"])  # two messages
     pair = await _pair(app)

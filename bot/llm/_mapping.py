@@ -24,6 +24,7 @@ from bot.llm.errors import (
     LLMBadRequest,
     LLMBadResponse,
     LLMConnectionError,
+    LLMDamagedResponse,
     LLMError,
     LLMOutOfCredit,
     LLMOverloaded,
@@ -236,7 +237,7 @@ def _translate(exc: BaseException, provider: str, sdk: SdkErrors) -> LLMError:
     if isinstance(exc, sdk.api):
         return _from_api_error(exc, provider, in_stream=True)
     if isinstance(exc, _UNREADABLE):
-        return LLMBadResponse(f"{provider}: unreadable response ({name}: {_short(exc)})")
+        return LLMDamagedResponse(f"{provider}: unreadable response ({name}: {_short(exc)})")
     if isinstance(exc, sdk.base):
         return LLMBadRequest(f"{provider}: the SDK refused the request ({name}: {_short(exc)})")
     return LLMBadResponse(f"{provider}: unexpected failure ({name}: {_short(exc)})")

@@ -38,7 +38,7 @@ from bot.llm.base import (
     ToolSpec,
     Usage,
 )
-from bot.llm.errors import LLMAuthError, LLMBadResponse, LLMError
+from bot.llm.errors import LLMAuthError, LLMBadResponse, LLMDamagedResponse, LLMError
 from bot.text import nested_within
 
 if TYPE_CHECKING:
@@ -255,9 +255,9 @@ class _StreamAccumulator:
 
     def completion(self) -> Completion:
         if not self.started:
-            raise LLMBadResponse("anthropic: the stream ended without a message")
+            raise LLMDamagedResponse("anthropic: the stream ended without a message")
         if not self.finished:
-            raise LLMBadResponse("anthropic: the stream ended before message_stop")
+            raise LLMDamagedResponse("anthropic: the stream ended before message_stop")
         texts: list[str] = []
         calls: list[ToolCall] = []
         for _, entry in sorted(self.blocks.items()):

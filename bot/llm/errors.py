@@ -12,6 +12,7 @@
           ├── LLMOutOfCredit      billing / quota exhausted (402, or 429 "insufficient_quota")
           ├── LLMBadRequest       the request was rejected (400/404/422: unknown model, too long, ...)
           └── LLMBadResponse      the server answered with something that is not a valid response
+               └── LLMDamagedResponse  …because it arrived damaged (cut off, HTML from a proxy): transient
 
 Providers translate their SDK's exceptions into this tree (``bot.llm.anthropic``/``bot.llm.openai``);
 nothing above the provider layer catches SDK exceptions. Messages never contain API keys.
@@ -83,3 +84,12 @@ class LLMBadRequest(LLMPermanentError):
 
 class LLMBadResponse(LLMPermanentError):
     user_message = "The language model sent a response the bot could not read."
+
+
+class LLMDamagedResponse(LLMBadResponse):
+    """An answer that arrived damaged: a body cut short, a stream that ended early, a proxy's HTML page in
+    place of JSON. The server may well answer properly next time, so background jobs retry it (a wrong
+    shape of an answer that did arrive whole stays permanent)."""
+
+    user_message = "The language model's answer arrived damaged. Please try again."
+    transient = True

@@ -37,7 +37,7 @@ from bot.llm.base import (
     ToolSpec,
     Usage,
 )
-from bot.llm.errors import LLMBadResponse, LLMError
+from bot.llm.errors import LLMBadResponse, LLMDamagedResponse, LLMError
 
 if TYPE_CHECKING:
     from openai.types.chat import (
@@ -260,9 +260,9 @@ class _StreamAccumulator:
 
     def completion(self) -> Completion:
         if self.chunks == 0:
-            raise LLMBadResponse("openai: the stream ended without any chunk")
+            raise LLMDamagedResponse("openai: the stream ended without any chunk")
         if self.finish_reason is None:
-            raise LLMBadResponse("openai: the stream ended before a finish_reason")
+            raise LLMDamagedResponse("openai: the stream ended before a finish_reason")
         calls = tuple(parse_tool_call(p.call_id, p.name, "".join(p.arguments)) for _, p in sorted(self.calls.items()))
         return Completion(
             text="".join(self.texts),
