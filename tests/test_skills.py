@@ -122,6 +122,17 @@ async def test_admin_only_skills_are_neither_offered_nor_run_for_members(tmp_pat
         assert await stream.text() == "Done."
         assert "edit_guidelines" in tool_names(replies(fake_llm)[-2])
         assert app.personas.guidelines_for("console:g1") == ("Be kind.", "console:g1")
+        # An admin talking about something else: other people's messages in the channel (or a tool result)
+        # must not be able to talk the model into rewriting the rules or the persona meanwhile.
+        fake_llm.enqueue(FakeResponse.text("Sunny."))
+        await app.core.reply(_msg("what's the weather like?", user="boss", server="g1"), is_admin=True,
+                             is_bot_admin=True).text()
+        assert not tool_names(replies(fake_llm)[-1]) & {"edit_guidelines", "edit_soul"}
+        assert {"read_guidelines", "read_soul"} <= tool_names(replies(fake_llm)[-1])
+        fake_llm.enqueue(FakeResponse.text("Sure."))
+        await app.core.reply(_msg("make your personality a bit warmer", user="boss", server="g1"), is_admin=True,
+                             is_bot_admin=True).text()
+        assert "edit_soul" in tool_names(replies(fake_llm)[-1])
 
 
 async def test_limits_rounds_and_bad_calls_still_end_in_a_reply(tmp_path: Path, fake_llm: FakeLLMServer) -> None:

@@ -31,6 +31,14 @@ _TEXT = {"type": "string"}
 Handler = Callable[[dict[str, Any], SkillContext], Awaitable[SkillResult]]
 
 
+# The changing skills are offered only when the admin's own message names what they change: in a channel
+# the model also reads other people's messages (and tool results), and those must not be able to talk it
+# into rewriting the persona or the server's rules while it answers an admin about something else.
+SOUL_WORDS = ("soul", "persona", "personality", "character", "yourself", "seele", "persönlichkeit", "charakter",
+              "dich selbst")
+GUIDELINE_WORDS = ("guideline", "rule", "richtlinie", "regel")
+
+
 @dataclass(frozen=True, slots=True)
 class BuiltinSkill:
     info: SkillInfo
@@ -165,7 +173,7 @@ class Builtins:
         info = SkillInfo("edit_soul", "Change one section of your own soul as a bot admin asked (a new version).",
                          _schema({"section": {"type": "string", "enum": list(SOUL_SECTIONS)},
                                   "content": _TEXT, "reason": _TEXT}, ["section", "content", "reason"]),
-                         "builtin", admin_only=True)
+                         "builtin", admin_only=True, triggers=SOUL_WORDS)
         return BuiltinSkill(info, self.edit_soul)
 
     async def edit_soul(self, arguments: dict[str, Any], context: SkillContext) -> SkillResult:
@@ -196,7 +204,7 @@ class Builtins:
     def _edit_guidelines(self) -> BuiltinSkill:
         info = SkillInfo("edit_guidelines", "Replace this server's guidelines as an admin asked (a new version).",
                          _schema({"content": _TEXT, "reason": _TEXT}, ["content", "reason"]), "builtin",
-                         admin_only=True)
+                         admin_only=True, triggers=GUIDELINE_WORDS)
         return BuiltinSkill(info, self.edit_guidelines)
 
     async def edit_guidelines(self, arguments: dict[str, Any], context: SkillContext) -> SkillResult:
