@@ -54,7 +54,7 @@ from adapters.matrix_reactions import Reactions
 from bot.app import App
 from bot.commands import Attachment, CommandReply
 from bot.config import MatrixConfig
-from bot.policy import Inbound
+from bot.policy import Inbound, refusal
 from bot.ports import IncomingMessage
 from bot.splitting import split_message
 
@@ -555,6 +555,11 @@ class MatrixAdapter:
         try:
             await self._load_creators(room.room_id)
             inbound = self.inbound(room, event)
+            if inbound.message.is_dm and event.sender != self.config.user_id \
+                    and not await self._private_to(room, event.sender):
+                # A room made to look direct (invite the bot "directly", then the victim, and leave): what is
+                # private (answers, memory) must not land where its maker can read it. It is a group room.
+                inbound = replace(inbound, message=replace(inbound.message, is_dm=False, server_id=room.room_id))
             prefix = self.config.command_prefix
             if prefix != self.app.commands.prefix and inbound.message.text.startswith(prefix):
                 # The room's prefix is configurable; the command layer speaks "!".
@@ -568,6 +573,10 @@ class MatrixAdapter:
                     await MatrixSink(self, room, event).send_reply(CommandReply(str(exc)))
                     return
             if inbound.message.text.strip() == f"{self.app.commands.prefix}leave" and not inbound.message.is_dm:
+                # As every command: not from those the access lists leave out, and within the command limit.
+                if refusal(inbound, self.app.config.access, is_command=True) is not None \
+                        or self.app.router.command_limiter.check(inbound.message.author_key):
+                    return
                 if inbound.is_admin:
                     await self.client.room_leave(room.room_id)
                 else:

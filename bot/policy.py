@@ -51,7 +51,9 @@ def refusal(inbound: Inbound, access: AccessConfig, *, is_command: bool) -> str 
     if msg.is_dm and not access.dms:
         return "direct messages are off"
     user = user_refusal(access, msg.author_key)
-    if user == "denied user" or _listed(access.deny_channels, msg.channel_key):
+    # A thread or forum post is part of its channel: the channel lists hold for it too.
+    channels = (msg.channel_key, msg.parent_channel_key)
+    if user == "denied user" or _listed(access.deny_channels, *channels):
         return "denied user or channel"
     # Servers: where it was sent, and the author's own home server where the platform has one (Matrix).
     servers = (msg.server_key, msg.author_home_key)
@@ -60,13 +62,13 @@ def refusal(inbound: Inbound, access: AccessConfig, *, is_command: bool) -> str 
     if user is not None:
         return user
     if not msg.is_dm:
-        if access.allow_channels and msg.channel_key not in access.allow_channels:
+        if access.allow_channels and not _listed(access.allow_channels, *channels):
             return "channel not allowed"
         if access.allow_servers and not _listed(access.allow_servers, *servers):
             return "server not allowed"
         if access.allow_roles and not any(r in access.allow_roles for r in inbound.roles):
             return "role not allowed"
-        addressed = msg.mentions_bot or inbound.replied_to_bot or msg.channel_key in access.always_answer_channels
+        addressed = msg.mentions_bot or inbound.replied_to_bot or _listed(access.always_answer_channels, *channels)
         if not addressed and not is_command:
             return "not addressed"
     return None

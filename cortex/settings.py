@@ -33,14 +33,20 @@ OVERRIDABLE: dict[str, str] = {
 CACHE_SECONDS = 5.0
 # What the bot's operator pays for: a server admin may tune how the persona remembers, not the bill.
 OPERATOR_KEYS = frozenset({"model", "daily_token_budget", "max_rounds"})
+PRIVACY_KEYS = frozenset({"use_in_groups"})
 
 
 def check_may_change(key: str, *, bot_admin: bool) -> None:
     """Raise :class:`SettingError` when someone who is not a bot admin changes (or clears) a setting that
-    decides the operator's spending: which model updates run on, how many tokens a pair may spend a day
-    and how many calls one update may make."""
+    decides the operator's spending (which model updates run on, how many tokens a pair may spend a day
+    and how many calls one update may make) or the users' privacy (``use_in_groups``)."""
     if key in OPERATOR_KEYS and not bot_admin:
         raise SettingError(f"{key} decides what the bot's operator pays for: only the bot's admins change it")
+    if key in PRIVACY_KEYS and not bot_admin:
+        # A server admin is anyone who makes a Matrix room: their switch would decide where everyone else's
+        # private memory shows.
+        raise SettingError(f"{key} decides whether what people said in private shows in group channels: only the "
+                           "bot's admins change it")
 
 
 def plain_problem(exc: ValidationError) -> str:

@@ -191,7 +191,9 @@ async def test_persona_per_channel_and_per_dm_user(tmp_path: Path) -> None:
         assert "unknown persona" in bad.public[0].text
 
 
-async def test_dm_memory_stays_out_of_group_channels_unless_the_server_allows(tmp_path: Path) -> None:
+async def test_dm_memory_stays_out_of_group_channels_unless_the_bots_admins_allow(tmp_path: Path) -> None:
+    """A server admin (on Matrix: whoever makes a room) may not switch it on: their switch would decide where
+    everyone else's private memory shows."""
     llm = ScriptedProvider()
     async with App(_config(tmp_path), llm=llm) as app:
         await app.router.handle(inbound("!memory edit memory.md\n# Notes\n- my secret diagnosis\n", dm=True), Sink())
@@ -199,8 +201,13 @@ async def test_dm_memory_stays_out_of_group_channels_unless_the_server_allows(tm
         assert "my secret diagnosis" in llm.requests[-1].system
         await app.router.handle(inbound("hi all", mention=True), Sink())
         assert "my secret diagnosis" not in llm.requests[-1].system
+        refused = Sink()
+        await app.router.handle(inbound("!cortex settings use_in_groups on", is_admin=True), refused)
+        assert "only the bot's admins change it" in refused.public[0].text
+        await app.router.handle(inbound("hi all again", mention=True), Sink())
+        assert "my secret diagnosis" not in llm.requests[-1].system
         allow = Sink()
-        await app.router.handle(inbound("!cortex settings use_in_groups on", is_admin=True), allow)
+        await app.router.handle(inbound("!cortex settings use_in_groups on", is_admin=True, is_bot_admin=True), allow)
         assert "set to on for this server. Effective now: on (from this server)" in allow.public[0].text
         await app.router.handle(inbound("hi again", mention=True), Sink())
         assert "my secret diagnosis" in llm.requests[-1].system
@@ -340,3 +347,26 @@ async def test_an_unexpected_failure_gets_one_line_and_the_bot_goes_on(tmp_path:
         sink = Sink()
         await app.router.handle(inbound("hi again", dm=True), sink)
         assert sink.messages == ["echo: hi again"]
+
+
+async def test_a_threads_channel_lists_are_its_parent_channels(tmp_path: Path) -> None:
+    """A thread or forum post of a denied channel was answered (its own id is on no list), one of an
+    allowed channel refused, and "always answer" did not carry over."""
+    def in_thread(text: str, parent: str, *, mention: bool = False) -> Inbound:
+        message = IncomingMessage("discord", "309", "1", "user1", text, server_id="guild1",
+                                  mentions_bot=mention, parent_channel_id=parent)
+        return Inbound(message)
+
+    async with App(_config(tmp_path, deny_channels=["discord:301"]), llm=ScriptedProvider()) as app:
+        for line in ("@Cora hello", "!help"):
+            sink = Sink()
+            await app.router.handle(in_thread(line, "301", mention=True), sink)
+            assert sink.messages == [] and sink.public == [], line
+    async with App(_config(tmp_path / "b", allow_channels=["discord:302"],
+                           always_answer_channels=["discord:302"]), llm=ScriptedProvider()) as app:
+        sink = Sink()
+        await app.router.handle(in_thread("hello without a mention", "302"), sink)
+        assert sink.messages  # allowed, and answered without a mention like its channel
+        other = Sink()
+        await app.router.handle(in_thread("@Cora hi", "303", mention=True), other)
+        assert other.messages == [] and other.public == []
