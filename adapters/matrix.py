@@ -49,7 +49,7 @@ from nio import (
 from nio.crypto.attachments import decrypt_attachment
 from nio.exceptions import EncryptionError
 
-from adapters.matrix_content import json_object, mentioned, relates_to, reply_target
+from adapters.matrix_content import json_object, mentioned, relates_to, reply_target, without_reply_fallback
 from adapters.matrix_reactions import Reactions
 from bot.app import App
 from bot.commands import Attachment, CommandReply
@@ -160,22 +160,6 @@ def _names(text: str, name: str) -> bool:
     return re.search(rf"(?<!\w){re.escape(name)}(?!\w)", text) is not None
 
 
-_FALLBACK = re.compile(r"^> (\* )?<@[^>\s]+:[^>\s]+>")  # "> <@ann:example.org> what was said"
-
-
-def without_reply_fallback(body: str) -> str:
-    """A reply's own text: older clients start its body with the quoted message (``> <@sender:server> …``
-    lines, then an empty line), which the spec no longer asks for; a command sent as a reply must still
-    start with its ``!``. A quote the user typed (``> something``) is their text and stays."""
-    if not _FALLBACK.match(body):
-        return body
-    lines = body.split("\n")
-    quoted = 0
-    while quoted < len(lines) and lines[quoted].startswith(">"):
-        quoted += 1
-    if not quoted or quoted == len(lines):
-        return body
-    return "\n".join(lines[quoted + (lines[quoted] == ""):])
 
 
 class MatrixError(RuntimeError):

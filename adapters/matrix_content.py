@@ -4,6 +4,7 @@ its reactions)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 
@@ -31,3 +32,21 @@ def mentioned(content: Any) -> list[str]:
     """The user ids an event's ``m.mentions`` names (only strings)."""
     ids = json_object(json_object(content).get("m.mentions")).get("user_ids")
     return [i for i in ids if isinstance(i, str)] if isinstance(ids, list) else []
+
+
+_FALLBACK = re.compile(r"^> (\* )?<@[^>\s]+:[^>\s]+>")  # "> <@ann:example.org> what was said"
+
+
+def without_reply_fallback(body: str) -> str:
+    """A reply's own text: older clients start its body with the quoted message (``> <@sender:server> …``
+    lines, then an empty line), which the spec no longer asks for; a command sent as a reply must still
+    start with its ``!``. A quote the user typed (``> something``) is their text and stays."""
+    if not _FALLBACK.match(body):
+        return body
+    lines = body.split("\n")
+    quoted = 0
+    while quoted < len(lines) and lines[quoted].startswith(">"):
+        quoted += 1
+    if not quoted or quoted == len(lines):
+        return body
+    return "\n".join(lines[quoted + (lines[quoted] == ""):])

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from nio import MatrixRoom, ReactionEvent
 from nio.api import MessageDirection, RelationshipType
 
-from adapters.matrix_content import json_object
+from adapters.matrix_content import json_object, reply_target, without_reply_fallback
 from bot.commands import CommandReply
 from bot.policy import Inbound, refusal
 from bot.ports import IncomingMessage
@@ -92,7 +92,11 @@ class Reactions:
             read += 1
             if read >= EDITS_READ:
                 break
-        return getattr(target, "body", None)
+        body = getattr(target, "body", None)
+        # A reply's body may start with the quoted message (older clients): that is someone else's words.
+        source = getattr(target, "source", None)
+        content = source.get("content") if isinstance(source, dict) else None
+        return without_reply_fallback(body) if isinstance(body, str) and reply_target(content) else body
 
     async def _undo(self, room: MatrixRoom, event: ReactionEvent) -> None:
         user, source = self._confirmed[event.reacts_to]

@@ -127,7 +127,13 @@ async def test_private_answers_skip_a_room_someone_else_made(synapse: SynapseSer
         await seen.sync_until(lambda: answers() == 1, "the private answer in the new room")
         await send_text(alice, group, "!memory show")
         await seen.sync_until(lambda: answers() == 2, "the second private answer in the same room")
-        assert seen.from_(trap, bot.user_id) == [] and not alice.invited_rooms
+        # In the trap itself: it looks direct, but Mallory made it (and may read it): a group room, so the
+        # answer about Alice's memory goes to her real direct room, and nothing private lands in the trap.
+        await send_text(alice, trap, "!memory remember my bank PIN is 4711")
+        await seen.sync_until(lambda: any("Remembered as #" in b for b in seen.bodies(dm, bot.user_id)),
+                              "the private answer to a command sent in the trap")
+        assert all("4711" not in b and "Remembered" not in b for b in seen.bodies(trap, bot.user_id))
+        assert not any("4711" in b for b in seen.bodies(trap, bot.user_id)) and not alice.invited_rooms
     finally:
         await mallory.close()
         await alice.close()
@@ -204,6 +210,29 @@ async def test_reactions_follow_the_access_rules_and_rate_limit(synapse: Synapse
         await stop_bot(running)
 
 
+async def test_leave_follows_the_access_lists(synapse: SynapseServer, bot: Bot) -> None:
+    """!leave was handled before the access lists: in a denied room it was answered (each time, publicly)
+    or obeyed, where every other message is ignored."""
+    bob = await user(synapse, "bob")
+    bobs = Timeline(bob)
+    try:
+        denied = await open_room(bob, [bot.user_id], direct=False)
+        await joined(bobs, denied, bot.user_id)
+        bot.app.config.access.deny_channels.append(f"matrix:{denied}")
+        for _ in range(3):
+            await send_text(bob, denied, "!leave")  # bob made the room: he is its admin
+        other = await open_room(bob, [bot.user_id], direct=False)
+        await joined(bobs, other, bot.user_id)
+        await send_text(bob, other, f"{bot.user_id}: hello")
+        await bobs.sync_until(lambda: any("echo" in b for b in bobs.bodies(other, bot.user_id)), "an answer")
+        await asyncio.sleep(1.0)
+        members = await bob.joined_members(denied)
+        assert bot.user_id in {m.user_id for m in members.members}  # type: ignore[union-attr]
+        assert bobs.bodies(denied, bot.user_id) == []
+    finally:
+        await bob.close()
+
+
 async def test_brain_reaction_ignores_edits_by_others(synapse: SynapseServer, bot: Bot) -> None:
     """Anyone can send an ``m.replace`` of any message: 🧠 takes the author's own latest edit."""
     alice, bob = await user(synapse, "alice"), await user(synapse, "bob")
@@ -224,6 +253,28 @@ async def test_brain_reaction_ignores_edits_by_others(synapse: SynapseServer, bo
             return bool(await items_of(bot, alice.user_id))
         await eventually(remembered, "alice's memory item")
         assert await items_of(bot, alice.user_id) == ["my cat is Pixel the Great"]
+    finally:
+        await alice.close()
+        await bob.close()
+
+
+async def test_brain_reaction_on_a_reply_leaves_the_quoted_message_out(synapse: SynapseServer, bot: Bot) -> None:
+    """An older client's reply starts with the quoted message: 🧠 on Bob's own reply stored Alice's words
+    as Bob's memory (shared, so they came up in his replies in group channels)."""
+    alice, bob = await user(synapse, "alice"), await user(synapse, "bob")
+    seen = Timeline(alice)
+    try:
+        room = await group_with(seen, bot.user_id, bob)
+        hers = await alice.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "my diagnosis came back"})
+        reply = await bob.room_send(room, "m.room.message", {
+            "msgtype": "m.text", "body": f"> <{alice.user_id}> my diagnosis came back\n\nI'm vegetarian",
+            "m.relates_to": {"m.in_reply_to": {"event_id": hers.event_id}}})
+        await react(bob, room, reply.event_id)
+
+        async def remembered() -> bool:
+            return bool(await items_of(bot, bob.user_id))
+        await eventually(remembered, "bob's memory item")
+        assert await items_of(bot, bob.user_id) == ["I'm vegetarian"]
     finally:
         await alice.close()
         await bob.close()
