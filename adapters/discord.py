@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import math
 import os
 import re
 from collections.abc import AsyncIterator, Mapping
@@ -143,12 +144,15 @@ def _is_admin(member: discord.abc.User, config: DiscordConfig) -> bool:
 
 
 def _reply_payload(reply: CommandReply) -> tuple[str, list[discord.File]]:
-    """Text within the limit and files; an over-long text goes as an attached file."""
+    """Text within the limit and files; an over-long text goes as an attached file (the part shown is cut
+    before a code block is put around it, so the block is always closed)."""
     files = [_as_file(a.filename, a.data) for a in reply.attachments]
     text = reply.markdown()
     if len(text) > LIMIT:
-        files.append(_as_file("reply.md", text.encode()))
-        text = text[: LIMIT - 80].rsplit("\n", 1)[0] + "\n… (the whole text is attached as reply.md)"
+        files.append(_as_file("reply.txt" if reply.preformatted else "reply.md", reply.text.encode()))
+        room = LIMIT - 80 - (len(text) - len(reply.text))  # what the code block's fences take
+        shown = replace(reply, text=reply.text[:room].rsplit("\n", 1)[0]).markdown()
+        text = shown + f"\n… (the whole text is attached as {files[-1].filename})"
     return text, files
 
 
@@ -363,6 +367,12 @@ class DiscordAdapter:
         inbound = self.slash_inbound(interaction, line)
         if await self.refuse_slash(interaction, inbound):  # nothing is downloaded for a refused user
             return
+        wait = self.app.router.command_limiter.check(inbound.message.author_key)  # as typed commands are
+        if wait:
+            await interaction.response.send_message(
+                f"You are sending commands faster than I can answer them well. Please wait {math.ceil(wait)} s.",
+                ephemeral=True, allowed_mentions=NO_PINGS)
+            return
         work = asyncio.ensure_future(self._dispatch_slash(interaction, inbound, line, files))
         if not (await asyncio.wait({work}, timeout=SLASH_PATIENCE))[0]:
             # Slow (an export, a first search, a forget-me): "thinking…" now, the answer follows in its
@@ -372,7 +382,12 @@ class DiscordAdapter:
             except BaseException:
                 work.cancel()
                 raise
-        reply = await work
+        try:
+            reply = await work
+        except Exception:  # a command may fail, but the interaction must get an answer ("did not respond")
+            log.exception("Discord: the slash command %r failed", line.split("\n", 1)[0][:80])
+            reply = CommandReply("Sorry, that failed. Try again, or tell an admin (the details are in the bot's "
+                                 "log).", private=True)
         try:
             await self._answer(interaction, reply, always_private)
         except discord.HTTPException as exc:
@@ -386,6 +401,9 @@ class DiscordAdapter:
             attachments = tuple([await read_attachment(f) for f in files])
         except ValueError as exc:  # too large, unreadable: one private line
             return CommandReply(str(exc), private=True)
+        except (discord.HTTPException, aiohttp.ClientError, TimeoutError) as exc:  # the download failed
+            return CommandReply(f"The file could not be downloaded from Discord ({type(exc).__name__}); send it "
+                                "again.", private=True)
         persona = await self.app.router.persona_for(inbound)
         context = replace(self.context(interaction, persona), attachments=attachments)
         return await self.app.commands.dispatch(line, context)

@@ -18,8 +18,6 @@ import discord
 from discord import app_commands
 
 from bot.commands import Attachment, Command, Param
-from bot.policy import Inbound
-from bot.ports import IncomingMessage
 
 if TYPE_CHECKING:
     from adapters.discord import DiscordAdapter
@@ -138,9 +136,8 @@ async def version_choices(adapter: DiscordAdapter, interaction: discord.Interact
     user = await adapter.app.storage.get_user(f"{PLATFORM}:{interaction.user.id}")
     if user is None:
         return []
-    incoming = IncomingMessage(PLATFORM, str(interaction.channel_id), str(interaction.user.id),
-                               interaction.user.display_name, "", is_dm=interaction.guild is None)
-    persona = await adapter.app.router.persona_for(Inbound(incoming))
+    # As a command would see it (a thread's or forum post's persona is its channel's)
+    persona = await adapter.app.router.persona_for(adapter.slash_inbound(interaction, ""))
     pair = await adapter.app.cortex.store.get_pair(user.id, persona)
     if pair is None:
         return []
@@ -162,6 +159,9 @@ def build_context_menus(adapter: DiscordAdapter) -> None:
         if not _yours(interaction, message):
             await interaction.response.send_message(NOT_YOURS, ephemeral=True)
             return
+        if not message.content.strip():  # an image, a sticker, an embed: there are no words to keep
+            await interaction.response.send_message(NO_TEXT, ephemeral=True)
+            return
         line = f"{prefix}memory remember --from {message_ref(message)}\n{message.content}"
         await adapter.run_slash(interaction, line, always_private=True)
 
@@ -181,6 +181,7 @@ def build_context_menus(adapter: DiscordAdapter) -> None:
 
 
 NOT_YOURS = "You can do that with your own messages, and with mine in our direct messages."
+NO_TEXT = "That message has no text to remember (only an image, a file or an embed)."
 
 
 def message_ref(message: discord.Message) -> str:

@@ -391,6 +391,43 @@ async def test_remember_this_and_forget_this_on_a_message(adapter: DiscordAdapte
     someone_else = config.members[1] if len(config.members) > 1 else adapter.bot.user
     refused = await menu("Remember this", someone_else, "Bob's secret")
     assert "your own messages" in refused["data"]["content"]
+    image_only = await menu("Remember this", member, "")  # it answered with the usage of !memory remember
+    assert image_only["data"]["content"] == "That message has no text to remember (only an image, a file or an embed)."
+
+
+async def test_slash_commands_keep_the_command_rate_limit(adapter: DiscordAdapter,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only typed commands were limited: five /memory remember in a row all ran."""
+    adapter.app.router.command_limiter.per_minute = 2
+    answers = []
+    for n in range(4):
+        response = await _interact(adapter, monkeypatch, "memory", [{"name": "remember", "type": 1, "options": [
+            {"name": "text", "type": 3, "value": f"fact number {n}"}]}])
+        answers.append(response["data"]["content"])
+    assert [a.startswith("Remembered as #") for a in answers] == [True, True, False, False]
+    assert "faster than I can answer them well" in answers[2]
+
+
+async def test_a_slash_command_that_fails_still_gets_an_answer(adapter: DiscordAdapter,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception outside the command layer (a download from Discord failing, a bug) left the user with
+    Discord's "The application did not respond"."""
+    async def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(adapter, "_dispatch_slash", broken)
+    response = await _interact(adapter, monkeypatch, "memory", [{"name": "list", "type": 1, "options": []}])
+    assert response["data"]["content"].startswith("Sorry, that failed.") and response["data"]["flags"] & 64
+
+
+def test_a_long_code_block_is_closed_before_the_note_about_its_file() -> None:
+    from adapters.discord import LIMIT, _reply_payload
+
+    diff = "\n".join(f"-old line {n}\n+new line {n}" for n in range(200))
+    text, files = _reply_payload(CommandReply(diff, preformatted="diff"))
+    assert len(text) <= LIMIT and text.startswith("```diff\n") and text.count("```") == 2
+    assert text.endswith("```\n… (the whole text is attached as reply.txt)")
+    assert [f.filename for f in files] == ["reply.txt"]
 
 
 async def test_why_on_a_reply_shows_what_shaped_it(adapter: DiscordAdapter, monkeypatch: pytest.MonkeyPatch) -> None:
