@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
-from bot.commands import Command, CommandContext, CommandError, CommandRegistry, CommandReply, words
+from bot.commands import Command, CommandContext, CommandRegistry, CommandReply, words
 from bot.commands.files import TERMINAL
 from bot.config import Config, ConfigError
 from bot.conversation import ConversationCore, ReplyResult
@@ -233,18 +233,19 @@ class Router:
         if keys:
             await self.storage.sources.link(keys, result.reply.id)
 
-    async def _persona_command(self, ctx: CommandContext, args: Sequence[str]) -> str:
+    async def _persona_command(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
+        """Only a channel's new persona is announced to the channel; everything else answers the asker."""
         names = ", ".join(self.personas.names())
         if not args:
-            return f"Here you talk to {ctx.persona}. Personas: {names}."
+            return CommandReply(f"Here you talk to {ctx.persona}. Personas: {names}.", private=True)
         try:
             chosen = self.personas.persona(" ".join(args)).name
         except ConfigError as exc:
-            raise CommandError(str(exc)) from None
+            return CommandReply(str(exc), private=True)
         if ctx.is_dm:
             await self.storage.set_setting(user_persona_key(ctx.user_key), chosen)
-            return f"In your direct messages you now talk to {chosen}."
+            return CommandReply(f"In your direct messages you now talk to {chosen}.", private=True)
         if not ctx.is_admin:
-            return "Only admins pick the persona of a channel."
+            return CommandReply("Only admins pick the persona of a channel.", private=True)
         await self.storage.set_setting(channel_persona_key(ctx.channel_key), chosen)
-        return f"{chosen} now answers in this channel."
+        return CommandReply(f"{chosen} now answers in this channel.")

@@ -621,3 +621,11 @@ def test_a_preformatted_reply_goes_to_discord_as_a_code_block() -> None:
     text, files = _reply_payload(CommandReply("--- memory.md v1\n+++ memory.md v2\n-\n+- tea", preformatted="diff"))
     assert text == "```diff\n--- memory.md v1\n+++ memory.md v2\n-\n+- tea\n```" and files == []
     assert _reply_payload(CommandReply("# plain *Markdown*"))[0] == "# plain *Markdown*"
+
+
+async def test_a_persona_named_in_the_slash_option_is_never_a_subcommand(adapter: DiscordAdapter,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """/persona name:list ran "!persona list" (the admins' list, posted to the channel); now "list" is the
+    name asked for, and the answer goes to the asker alone."""
+    response = await _interact(adapter, monkeypatch, "persona", [{"name": "name", "type": 3, "value": "list"}])
+    assert response["data"]["content"].startswith("unknown persona `list`") and response["data"]["flags"] & 64

@@ -175,8 +175,15 @@ async def test_persona_per_channel_and_per_dm_user(tmp_path: Path) -> None:
     async with App(_config(tmp_path), llm=llm) as app:
         sink = Sink()
         await app.router.handle(inbound("!persona Max"), sink)
-        assert "Only admins" in sink.public[0].text
-        await app.router.handle(inbound("!persona Max", is_admin=True), Sink())
+        assert "Only admins" in sink.private[0].text and sink.public == []  # the refusal goes to the asker
+        announced = Sink()
+        await app.router.handle(inbound("!persona", is_admin=True), announced)
+        assert "Here you talk to Cora" in announced.private[0].text and announced.public == []
+        await app.router.handle(inbound("!persona list", is_admin=True), announced)  # the subcommand still works
+        assert announced.public[-1].text.startswith("Personas:\n  Cora")
+        picked = Sink()
+        await app.router.handle(inbound("!persona Max", is_admin=True), picked)
+        assert picked.public[0].text == "Max now answers in this channel."  # a pick is announced
         await app.router.handle(inbound("hi", mention=True), Sink())
         assert "You are Max" in llm.requests[-1].system
         dm = Sink()

@@ -249,8 +249,9 @@ class Command:
                 parts += [param.spelled, quote_word(str(value))]
             elif param.kind == "text":
                 body = str(value)
-            elif param.kind == "words":
-                parts.append(str(value))
+            elif param.kind == "words":  # its first word quoted: a value is never read as a subcommand
+                first, _, rest = str(value).strip().partition(" ")
+                parts.append(_quoted(first) + (f" {rest}" if rest else ""))
             else:
                 parts.append(quote_word(str(value)))
         return " ".join(parts) + (f"\n{body}" if body else "")
@@ -296,6 +297,12 @@ def place_word(server_key: str) -> str:
     """What a reply calls the server a command was sent in: a room on Matrix (its unit of administration),
     a server elsewhere; a reply says "this server" rather than showing the key."""
     return "room" if server_key.startswith("matrix:") else "server"
+
+
+def _quoted(word: str) -> str:
+    """``word`` in quotes whatever it holds (a quoted word is never taken as a subcommand)."""
+    quoted = quote_word(word)
+    return quoted if quoted[:1] in ("'", '"') else f'"{word}"'
 
 
 def quote_word(value: str) -> str:
@@ -352,7 +359,7 @@ class CommandRegistry:
         words = [t.value for t in tokens]
         if not words:
             return CommandReply(f"Type {self.prefix}help for the list of commands.")
-        command, args = self._find(words)
+        command, args = self._find(words, quoted_second=len(tokens) > 1 and line[tokens[1].start] in "'\"")
         if command is None:
             group = [c for c in self.commands if c.name.split(" ")[0] == words[0].lower()]
             if group:
@@ -402,8 +409,10 @@ class CommandRegistry:
             return CommandReply(result, private=command.private)
         return result
 
-    def _find(self, words: list[str]) -> tuple[Command | None, list[str]]:
-        if len(words) >= 2:
+    def _find(self, words: list[str], *, quoted_second: bool = False) -> tuple[Command | None, list[str]]:
+        """The command the words name, and its arguments. A second word typed in quotes is an argument, not
+        a subcommand (``/persona name:list`` is the persona called "list")."""
+        if len(words) >= 2 and not quoted_second:
             two = f"{words[0].lower()} {words[1].lower()}"
             if two in self._commands:
                 return self._commands[two], words[2:]
