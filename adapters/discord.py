@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 PLATFORM = "discord"
 LIMIT = 2000
+MESSAGES_PER_REPLY = 4  # a command's answer up to this many messages long is sent as messages, not a file
 NO_PINGS = discord.AllowedMentions.none()
 SLASH_PATIENCE = 2.0  # Discord wants an interaction's first response within 3 s: slower commands defer
 SLASH_REFUSED = "This bot does not take commands from you here (its access settings)."
@@ -199,7 +200,12 @@ class DiscordSink:
                 await manager.__aexit__(None, None, None)
 
     async def send_reply(self, reply: CommandReply) -> None:
-        text, files = _reply_payload(reply)
+        # A text of a few messages (the help) is sent as those messages; a longer one as a file.
+        whole = reply.markdown()
+        if len(whole) <= MESSAGES_PER_REPLY * LIMIT:
+            text, files = whole, [_as_file(a.filename, a.data) for a in reply.attachments]
+        else:
+            text, files = _reply_payload(reply)
         pieces = split_message(text, LIMIT) or [""]
         for piece in pieces[:-1]:
             await self.channel.send(piece, allowed_mentions=NO_PINGS)

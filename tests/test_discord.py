@@ -629,3 +629,15 @@ async def test_a_persona_named_in_the_slash_option_is_never_a_subcommand(adapter
     name asked for, and the answer goes to the asker alone."""
     response = await _interact(adapter, monkeypatch, "persona", [{"name": "name", "type": 3, "value": "list"}])
     assert response["data"]["content"].startswith("unknown persona `list`") and response["data"]["flags"] & 64
+
+
+async def test_the_help_arrives_whole_in_a_few_messages(adapter: DiscordAdapter) -> None:
+    """The help is longer than one message: it was cut after 1,900 characters and the rest attached as a
+    file, though the sink splits messages (it never got the chance)."""
+    await dpytest.message("!help")
+    pieces = []
+    while not dpytest.sent_queue.empty():
+        pieces.append(await dpytest.sent_queue.get())
+    assert len(pieces) >= 2 and all(len(m.content) <= 2000 and not m.attachments for m in pieces)
+    whole = "\n".join(m.content for m in pieces)
+    assert whole.startswith("Commands:") and whole.endswith("Anything else you type is sent to the persona.")
