@@ -651,6 +651,10 @@ class MatrixAdapter:
         else is invited, and the bot opened it for the user (who may not have joined yet), or the user joined
         it and made it or invited the bot into it."""
         me = self.config.user_id
+        if me not in room.users and self.is_dm(room):
+            # Just after a start, a room's members may not be loaded yet (its summary's count is): load them
+            # (nio adds them to the room), or a real direct room would be taken for a group.
+            await self.client.joined_members(room.room_id)
         invited = set(room.invited_users)
         joined = set(room.users) - invited
         if not self.is_dm(room) or me not in joined:
