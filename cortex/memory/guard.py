@@ -248,6 +248,12 @@ _UNRESTRICTED = (
 )
 _BOT = "ai ki assistant assistent assistentin bot chatbot model modell llm persona"
 
+_FIRST_AIM = r"(?:previous|prior|original|initial|system|safety|programmed|default|old)"
+_FIRST_RULES = (r"(?:instructions|guidelines|programming|guardrails|system prompt|restrictions|"
+                r"rules(?! (?:about|for|on|of|when|at|around)\b))")
+_DE_FIRST_AIM = r"(?:bisherigen|vorherigen|ursprünglichen|alten)"
+_DE_FIRST_RULES = r"(?:anweisungen|regeln|instruktionen|richtlinien|vorgaben|programmierung)\b"
+
 _PHRASES: tuple[_Phrase, ...] = (
     # ignore / forget the rules
     _phrase(
@@ -279,20 +285,31 @@ _PHRASES: tuple[_Phrase, ...] = (
     ),
     _phrase(IGNORE_RULES, _DE_VERBS, r" (?:alles|alle) (?:bisherige|vorherige|obige|davor|zuvor|was (?:du|man) dir)"),
     # the same in the persona's own voice (its files are written in the first person; an imported reply is
-    # its words): "I ignore all my rules", "from now on I'll disregard my previous instructions"
+    # its words): "I ignore all my rules", "from now on I'll disregard my previous instructions". Everyday
+    # talk ("I forget my instructions for the washing machine") names no "all", "previous" or time: it passes.
     _phrase(
         IGNORE_RULES,
-        "i ich",
-        r" (?:(?:will|ll|am going to|now|shall|must|can|simply|just|always) ){0,3}(?:ignore|disregard|bypass|override|"
-        r"forget) (?:(?:all|any|of) ){0,2}my (?:(?:previous|prior|original|initial|system|safety|programmed|default|"
-        r"old|own) ){0,2}(?:instructions|guidelines|programming|guardrails|system prompt|restrictions|"
-        r"rules(?! (?:about|for|on|of|when|at|around)\b))",
+        "i",
+        r" (?:(?:will|ll|am going to|now|shall|must|can|simply|just|always) ){0,3}(?:ignore|disregard|bypass|"
+        rf"override|forget) (?:(?:all|any) (?:of )?my (?:{_FIRST_AIM} )?{_FIRST_RULES}|my {_FIRST_AIM} "
+        rf"{_FIRST_RULES}|my (?:programming|guardrails|system prompt))",
         "my",
     ),
-    *(_phrase(IGNORE_RULES, first, rf"{then} (?:(?:ab jetzt|nun|jetzt|einfach|alle|sämtliche) ){{0,2}}meine "
-              r"(?:(?:bisherigen|vorherigen|alten|eigenen) )?(?:anweisungen|regeln|instruktionen|richtlinien|"
-              r"vorgaben|programmierung)\b", "meine")
-      for first, then in (("ich", " (?:ignoriere|missachte|umgehe)"), ("ignoriere missachte umgehe", " ich"))),
+    _phrase(
+        IGNORE_RULES,
+        "ich",
+        r" (?:ignoriere|missachte|umgehe) (?:(?:ab jetzt|von nun an|ab sofort) (?:(?:einfach|alle|sämtliche) )?"
+        rf"meine (?:\w+ )?{_DE_FIRST_RULES}|(?:einfach )?(?:alle|sämtliche) meine (?:\w+ )?{_DE_FIRST_RULES}|"
+        rf"(?:einfach )?meine {_DE_FIRST_AIM} {_DE_FIRST_RULES})",
+        "meine",
+    ),
+    _phrase(
+        IGNORE_RULES,
+        "ab von",
+        rf" (?:jetzt|nun an|sofort) (?:ignoriere|missachte|umgehe) ich (?:(?:alle|sämtliche) )?meine (?:\w+ )?"
+        rf"{_DE_FIRST_RULES}",
+        "meine",
+    ),
     # a new role or standing behaviour
     _phrase(
         NEW_ROLE,
