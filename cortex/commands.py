@@ -353,7 +353,7 @@ class CortexCommands:
                 raise CommandError(f"Give a value for {words[0]}: {OVERRIDABLE.get(words[0], 'see the list')}")
             key, value = words[0], " ".join(words[1:])
             try:
-                check_may_change(key, bot_admin=ctx.is_bot_admin)
+                check_may_change(key, bot_admin=ctx.is_bot_admin, value=value)
                 if value.lower() == "default":
                     cleared = await self.resolver.clear(scope, key)
                     note = "override removed" if cleared else "there was no override"

@@ -36,17 +36,18 @@ OPERATOR_KEYS = frozenset({"model", "daily_token_budget", "max_rounds"})
 PRIVACY_KEYS = frozenset({"use_in_groups"})
 
 
-def check_may_change(key: str, *, bot_admin: bool) -> None:
+def check_may_change(key: str, *, bot_admin: bool, value: str = "") -> None:
     """Raise :class:`SettingError` when someone who is not a bot admin changes (or clears) a setting that
     decides the operator's spending (which model updates run on, how many tokens a pair may spend a day
-    and how many calls one update may make) or the users' privacy (``use_in_groups``)."""
+    and how many calls one update may make) or the users' privacy (switching ``use_in_groups`` on)."""
     if key in OPERATOR_KEYS and not bot_admin:
         raise SettingError(f"{key} decides what the bot's operator pays for: only the bot's admins change it")
-    if key in PRIVACY_KEYS and not bot_admin:
+    if key in PRIVACY_KEYS and not bot_admin and value.strip().lower() != "default" \
+            and parse_value(key, value) is True:
         # A server admin is anyone who makes a Matrix room: their switch would decide where everyone else's
-        # private memory shows.
+        # private memory shows. Switching it off (or back to the default) keeps things private: anyone may.
         raise SettingError(f"{key} decides whether what people said in private shows in group channels: only the "
-                           "bot's admins change it")
+                           "bot's admins switch it on")
 
 
 def plain_problem(exc: ValidationError) -> str:

@@ -210,7 +210,7 @@ async def test_dm_memory_stays_out_of_group_channels_unless_the_bots_admins_allo
         assert "my secret diagnosis" not in llm.requests[-1].system
         refused = Sink()
         await app.router.handle(inbound("!cortex settings use_in_groups on", is_admin=True), refused)
-        assert "only the bot's admins change it" in refused.public[0].text
+        assert "only the bot's admins switch it on" in refused.public[0].text
         await app.router.handle(inbound("hi all again", mention=True), Sink())
         assert "my secret diagnosis" not in llm.requests[-1].system
         allow = Sink()
@@ -218,6 +218,11 @@ async def test_dm_memory_stays_out_of_group_channels_unless_the_bots_admins_allo
         assert "set to on for this server. Effective now: on (from this server)" in allow.public[0].text
         await app.router.handle(inbound("hi again", mention=True), Sink())
         assert "my secret diagnosis" in llm.requests[-1].system
+        off = Sink()  # switching it off keeps things private: the server's admins may
+        await app.router.handle(inbound("!cortex settings use_in_groups off", is_admin=True), off)
+        assert "set to off for this server" in off.public[0].text
+        await app.router.handle(inbound("hi once more", mention=True), Sink())
+        assert "my secret diagnosis" not in llm.requests[-1].system
 
 
 class RecordingSink(Sink):

@@ -357,7 +357,7 @@ class AdminApi:
         elif not self.auth.is_bot_admin(caller):
             fail(403, "settings of a persona everywhere are for the bot's admins; give a server you administer")
         try:
-            check_may_change(change.key, bot_admin=self.auth.is_bot_admin(caller))
+            check_may_change(change.key, bot_admin=self.auth.is_bot_admin(caller), value=change.value)
         except SettingError as exc:
             fail(403, str(exc))
         persona = persona_name(self.ctx, change.persona)
