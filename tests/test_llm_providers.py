@@ -790,3 +790,18 @@ async def test_a_tool_round_after_a_blank_text_goes_through(anthropic_provider: 
                 ChatMessage("tool", "sunny", tool_call_id="call_1"))
     completion = await anthropic_provider.complete(request(*exchange, tools=(WEATHER,)))
     assert completion.text == "It is noon."
+
+
+@pytest.mark.asyncio
+async def test_an_answer_that_arrived_whole_but_odd_is_not_retried(openai_provider: LLMProvider,
+                                                                   fake_llm: FakeLLMServer) -> None:
+    """Only what arrives damaged is worth another try; a complete answer the bot cannot use (a tool call
+    without its function) would fail the same way each time, and a job would pay for every attempt."""
+    body = {"id": "c", "object": "chat.completion", "created": 1, "model": "m", "choices": [{
+        "index": 0, "finish_reason": "tool_calls",
+        "message": {"role": "assistant", "content": None,
+                    "tool_calls": [{"id": "c1", "type": "function", "function": None}]}}]}
+    fake_llm.enqueue(FakeResponse.malformed(json.dumps(body).encode()))
+    with pytest.raises(LLMBadResponse) as info:
+        await openai_provider.complete(request(tools=(WEATHER,)))
+    assert not info.value.transient

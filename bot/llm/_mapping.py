@@ -236,8 +236,10 @@ def _translate(exc: BaseException, provider: str, sdk: SdkErrors) -> LLMError:
         return _from_api_error(exc, provider, in_stream=False)
     if isinstance(exc, sdk.api):
         return _from_api_error(exc, provider, in_stream=True)
-    if isinstance(exc, _UNREADABLE):
+    if isinstance(exc, json.JSONDecodeError | UnicodeDecodeError):  # a body cut short, a proxy's HTML page
         return LLMDamagedResponse(f"{provider}: unreadable response ({name}: {_short(exc)})")
+    if isinstance(exc, _UNREADABLE):  # an answer that arrived whole but not as expected: the same next time
+        return LLMBadResponse(f"{provider}: unreadable response ({name}: {_short(exc)})")
     if isinstance(exc, sdk.base):
         return LLMBadRequest(f"{provider}: the SDK refused the request ({name}: {_short(exc)})")
     return LLMBadResponse(f"{provider}: unexpected failure ({name}: {_short(exc)})")
