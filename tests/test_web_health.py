@@ -96,6 +96,9 @@ async def test_metrics_can_be_switched_off_or_served_on_their_own_port(tmp_path:
             assert response.status == 404  # not on the page's port any more
         async with aiohttp.ClientSession() as http, http.get(bot.server.metrics_url + "/api/me") as response:
             assert response.status == 404  # the metrics port serves nothing else
+        async with aiohttp.ClientSession() as http, http.get(bot.server.metrics_url + "/nowhere") as response:
+            # plain text: the site's error page would link to a page (and a stylesheet) this port does not have
+            assert response.status == 404 and await response.text() == "404: Not Found"
 
 
 async def test_a_taken_port_is_one_clear_error(tmp_path: Path) -> None:

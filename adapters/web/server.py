@@ -32,6 +32,7 @@ M = TypeVar("M", bound=BaseModel)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_BODY = web.AppKey("max_body", int)
+PAGES = web.AppKey("pages", bool)  # errors outside the API as the site's pages
 SURROGATE = re.compile(r"[\ud800-\udfff]")
 LOGIN_TOKEN = re.compile(r"/login/[^/?#]+", re.IGNORECASE)
 # What reading a malformed body raises: a broken multipart header, a Content-Encoding the body does not
@@ -116,7 +117,12 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        answer = json_error(exc.status, exc.reason) if api else error_page(exc.status, exc.reason)
+        if api:
+            answer = json_error(exc.status, exc.reason)
+        elif request.app.get(PAGES, True):
+            answer = error_page(exc.status, exc.reason)
+        else:
+            answer = web.Response(status=exc.status, text=f"{exc.status}: {exc.reason}")
         if "Allow" in exc.headers:  # a 405 says which methods would do
             answer.headers["Allow"] = exc.headers["Allow"]
         return answer
@@ -146,9 +152,11 @@ async def security_headers(request: web.BaseRequest, response: web.StreamRespons
         response.headers.setdefault("Cache-Control", "no-store")
 
 
-def web_application(**kwargs: Any) -> web.Application:
-    """An application with the error middleware and the security headers on every response."""
+def web_application(*, pages: bool = True, **kwargs: Any) -> web.Application:
+    """An application with the error middleware and the security headers on every response; ``pages``:
+    errors outside the API are the site's small pages (not on the metrics port, which has no site)."""
     application = web.Application(middlewares=[errors], **kwargs)
+    application[PAGES] = pages
     application.on_response_prepare.append(security_headers)
     return application
 
@@ -189,7 +197,7 @@ class WebServer:
 
         self.url = await self._serve(self.build(), self.config.host, self.config.port)
         if self._separate_metrics:
-            metrics_app = web_application()
+            metrics_app = web_application(pages=False)
             metrics_app.add_routes(health.metrics_routes(self.context))
             self.metrics_url = await self._serve(metrics_app, self.config.metrics_host or self.config.host,
                                                  self.config.metrics_port or 0)
