@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 
 PLATFORM = "discord"
 LIMIT = 2000
+SLASH_NEEDS_TEXT = ("That needs its text: give it in the command's text option. An option holds one line; for a "
+                    "text of several lines, type the command with ! and put the text on the lines after it.")
 MESSAGES_PER_REPLY = 4  # a command's answer up to this many messages long is sent as messages, not a file
 NO_PINGS = discord.AllowedMentions.none()
 SLASH_PATIENCE = 2.0  # Discord wants an interaction's first response within 3 s: slower commands defer
@@ -394,6 +396,8 @@ class DiscordAdapter:
             log.exception("Discord: the slash command %r failed", line.split("\n", 1)[0][:80])
             reply = CommandReply("Sorry, that failed. Try again, or tell an admin (the details are in the bot's "
                                  "log).", private=True)
+        if reply.needs_body:  # "send it on the lines after the command": a slash command has no such lines
+            reply = CommandReply(SLASH_NEEDS_TEXT, private=True)
         try:
             await self._answer(interaction, reply, always_private)
         except discord.HTTPException as exc:

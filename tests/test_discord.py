@@ -641,3 +641,12 @@ async def test_the_help_arrives_whole_in_a_few_messages(adapter: DiscordAdapter)
     assert len(pieces) >= 2 and all(len(m.content) <= 2000 and not m.attachments for m in pieces)
     whole = "\n".join(m.content for m in pieces)
     assert whole.startswith("Commands:") and whole.endswith("Anything else you type is sent to the persona.")
+
+
+async def test_a_slash_command_missing_its_text_says_where_to_give_it(adapter: DiscordAdapter,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """It said "Send the complete new memory.md on the lines after the command", which a slash command has not."""
+    response = await _interact(adapter, monkeypatch, "memory", [
+        {"name": "edit", "type": 1, "options": [{"name": "file", "type": 3, "value": "memory.md"}]}])
+    assert response["data"]["content"].startswith("That needs its text: give it in the command's text option")
+    assert response["data"]["flags"] & 64
