@@ -302,6 +302,11 @@ class DiscordAdapter:
         is_dm = message.guild is None
         text = message.content
         mentions_bot = me is not None and any(u.id == me.id for u in message.mentions)
+        # Typing "@Bot" in a server, the client often inserts the bot's own (managed) role instead of the bot.
+        own_role = message.guild.self_role if message.guild is not None else None
+        if own_role is not None and any(r.id == own_role.id for r in message.role_mentions):
+            mentions_bot = True
+            text = text.replace(f"<@&{own_role.id}>", "").strip()
         if me is not None:
             text = re.sub(rf"<@!?{me.id}>", "", text).strip()
         reference = message.reference.resolved if message.reference else None

@@ -650,3 +650,22 @@ async def test_a_slash_command_missing_its_text_says_where_to_give_it(adapter: D
         {"name": "edit", "type": 1, "options": [{"name": "file", "type": 3, "value": "memory.md"}]}])
     assert response["data"]["content"].startswith("That needs its text: give it in the command's text option")
     assert response["data"]["flags"] & 64
+
+
+def test_a_mention_of_the_bots_own_role_is_a_mention_of_the_bot(adapter: DiscordAdapter) -> None:
+    """Typing "@Bot" in a server, the client often inserts the bot's managed role (<@&id>): the bot stayed
+    silent, as if nobody had addressed it. Another role's mention is no mention of the bot."""
+    from types import SimpleNamespace
+
+    own, other = SimpleNamespace(id=77), SimpleNamespace(id=88)
+
+    def message(content: str, roles: list[Any]) -> Any:
+        author = SimpleNamespace(id=5, display_name="Ann", bot=False, roles=[])
+        return SimpleNamespace(
+            content=content, mentions=[], role_mentions=roles, reference=None, author=author,
+            guild=SimpleNamespace(id=1, self_role=own), channel=SimpleNamespace(id=2, name="general"),
+            created_at=None)
+
+    addressed = adapter.inbound(message("<@&77> what's new?", [own])).message
+    assert addressed.mentions_bot and addressed.text == "what's new?"
+    assert not adapter.inbound(message("<@&88> team, lunch?", [other])).message.mentions_bot
