@@ -251,6 +251,7 @@ class DiscordAdapter:
         self.config = config
         self.bot = build_client(config, intents or default_intents())
         self.tree = app_commands.CommandTree(self.bot)
+        self._synced = False  # the slash commands, once per process (on_ready comes again after a reconnect)
         self.bot.event(self.on_message)
         self.bot.event(self.on_ready)
         build_slash_commands(self)
@@ -277,13 +278,21 @@ class DiscordAdapter:
             log.info("Discord: not syncing slash commands: %s do not include shard 0, whose process syncs them",
                      _shards_label(self.config))
             return
-        if self.config.test_guild_ids:
-            for guild_id in self.config.test_guild_ids:
-                guild = discord.Object(id=guild_id)
-                self.tree.copy_global_to(guild=guild)
-                await self.tree.sync(guild=guild)
-        else:
-            await self.tree.sync()
+        if self._synced:  # a reconnect: the commands are Discord's already (syncing is rate-limited)
+            return
+        try:
+            if self.config.test_guild_ids:
+                for guild_id in self.config.test_guild_ids:
+                    guild = discord.Object(id=guild_id)
+                    self.tree.copy_global_to(guild=guild)
+                    await self.tree.sync(guild=guild)
+            else:
+                await self.tree.sync()
+        except discord.HTTPException as exc:  # tried again at the next ready; the bot answers meanwhile
+            log.warning("Discord: syncing the slash commands failed (%s); they are tried again after a reconnect",
+                        exc)
+            return
+        self._synced = True
 
     async def close(self, grace: float = 10.0) -> None:
         """Let replies and commands in flight finish (at most ``grace`` seconds), then disconnect:

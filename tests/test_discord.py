@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import discord
@@ -255,10 +256,31 @@ async def test_commands_are_synced_on_ready(adapter: DiscordAdapter, monkeypatch
     monkeypatch.setattr(adapter.tree, "sync", fake_sync)
     await adapter.on_ready()
     assert synced == ["global"]
+    await adapter.on_ready()  # ready again after a reconnect: synced already (syncing is rate-limited)
+    assert synced == ["global"]
     adapter.config.test_guild_ids = [111, 222]
+    adapter._synced = False  # (a new process)
     synced.clear()
     await adapter.on_ready()
     assert synced == [111, 222]
+
+
+async def test_a_failed_sync_is_tried_again_at_the_next_ready(adapter: DiscordAdapter,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+
+    async def failing_sync(*, guild: Any = None) -> list[Any]:
+        calls.append("sync")
+        if len(calls) == 1:
+            response = SimpleNamespace(status=503, reason="Service Unavailable")
+            raise discord.HTTPException(response, "try later")  # type: ignore[arg-type]
+        return []
+
+    monkeypatch.setattr(adapter.tree, "sync", failing_sync)
+    await adapter.on_ready()  # the failure is logged, not raised out of the event
+    await adapter.on_ready()
+    await adapter.on_ready()
+    assert calls == ["sync", "sync"]
 
 
 async def test_every_declared_command_is_a_slash_command(adapter: DiscordAdapter) -> None:
