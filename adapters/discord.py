@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
-import math
 import os
 import re
 from collections.abc import AsyncIterator, Mapping
@@ -42,6 +41,7 @@ from bot.commands import CommandContext, CommandReply
 from bot.config import DiscordConfig
 from bot.policy import Inbound, refusal
 from bot.ports import IncomingMessage
+from bot.ratelimit import slow_down
 from bot.splitting import split_message
 from bot.streaming import RateLimited
 
@@ -391,9 +391,8 @@ class DiscordAdapter:
             return
         wait = self.app.router.command_limiter.check(inbound.message.author_key)  # as typed commands are
         if wait:
-            await interaction.response.send_message(
-                f"You are sending commands faster than I can answer them well. Please wait {math.ceil(wait)} s.",
-                ephemeral=True, allowed_mentions=NO_PINGS)
+            await interaction.response.send_message(slow_down("commands", wait), ephemeral=True,
+                                                    allowed_mentions=NO_PINGS)
             return
         work = asyncio.ensure_future(self._dispatch_slash(interaction, inbound, line, files))
         if not (await asyncio.wait({work}, timeout=SLASH_PATIENCE))[0]:

@@ -54,7 +54,7 @@ from adapters.matrix_reactions import Reactions
 from bot.app import App
 from bot.commands import Attachment, CommandReply
 from bot.config import MatrixConfig
-from bot.policy import Inbound, refusal
+from bot.policy import Inbound
 from bot.ports import IncomingMessage
 from bot.splitting import split_message
 
@@ -558,8 +558,7 @@ class MatrixAdapter:
                     return
             if inbound.message.text.strip() == f"{self.app.commands.prefix}leave" and not inbound.message.is_dm:
                 # As every command: not from those the access lists leave out, and within the command limit.
-                if refusal(inbound, self.app.config.access, is_command=True) is not None \
-                        or self.app.router.command_limiter.check(inbound.message.author_key):
+                if not await self.app.router.admits(inbound, MatrixSink(self, room, event), is_command=True):
                     return
                 if inbound.is_admin:
                     await self.client.room_leave(room.room_id)

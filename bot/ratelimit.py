@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -40,3 +41,9 @@ class RateLimiter:
             self._told = {k: until for k, until in self._told.items() if until > now}
         self._told[key] = now + wait
         return True
+
+
+def slow_down(what: str, wait: float, name: str = "") -> str:
+    """The notice for someone over their limit of ``what`` ("messages", "commands")."""
+    you = f"{name}, you" if name else "You"
+    return f"{you} are sending {what} faster than I can answer them well. Please wait {math.ceil(wait)} s."

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
@@ -26,7 +25,7 @@ from bot.llm.errors import LLMError
 from bot.persona import ConfigPersonas, PersonaSource
 from bot.policy import Inbound, refusal
 from bot.ports import IncomingMessage
-from bot.ratelimit import RateLimiter
+from bot.ratelimit import RateLimiter, slow_down
 from bot.storage.base import Storage
 from bot.streaming import MessageSink, StreamedReply
 
@@ -101,20 +100,25 @@ class Router:
         msg = inbound.message
         text = msg.text.strip()
         is_command = self.commands.is_command(text)
-        reason = refusal(inbound, self.config.access, is_command=is_command)
-        if reason is not None:
-            log.debug("not answering message in %s: %s", msg.channel_key, reason)
-            return
         if is_command and not self._for_this_bot(msg, text):
             log.debug("not answering %s in %s: another bot's command, perhaps", text[:40], msg.channel_key)
             return
-        if await self._too_fast(msg, sink, is_command):
+        if not await self.admits(inbound, sink, is_command=is_command):
             return
         persona = await self.persona_for(inbound)
         if is_command:
             await self._command(inbound, sink, text, persona)
             return
         await self._reply(inbound, sink, persona)
+
+    async def admits(self, inbound: Inbound, sink: ChatSink, *, is_command: bool) -> bool:
+        """Whether to answer: the access lists let the author in here, and they are within their rate limit
+        (for what an adapter handles itself, such as Matrix's !leave, as for everything else)."""
+        reason = refusal(inbound, self.config.access, is_command=is_command)
+        if reason is not None:
+            log.debug("not answering message in %s: %s", inbound.message.channel_key, reason)
+            return False
+        return not await self._too_fast(inbound.message, sink, is_command)
 
     async def _too_fast(self, msg: IncomingMessage, sink: ChatSink, is_command: bool) -> bool:
         """Whether the author is over their rate limit (messages and commands each have one; the terminal's
@@ -127,11 +131,8 @@ class Router:
         if not wait:
             return False
         if limiter.tell(msg.author_key, wait):
-            what = "commands" if is_command else "messages"
-            await sink.send_reply(CommandReply(
-                f"{msg.author_name}, you are sending {what} faster than I can answer them well. "
-                f"Please wait {math.ceil(wait)} s."
-            ))
+            await sink.send_reply(CommandReply(slow_down("commands" if is_command else "messages", wait,
+                                                         msg.author_name)))
         return True
 
     def reads_files(self, inbound: Inbound) -> bool:
