@@ -64,10 +64,12 @@ def check_model_write(filename: str, old: str, new: str, max_chars: int) -> Refu
             "saved. Condense it (merge related points, drop what no longer matters, shorten wording) and call "
             "write_file again with the complete, shorter file."
         )
-    if len(old) >= SHRINK_GUARD_MIN_CHARS and substance(new) < substance(old) * SHRINK_GUARD_RATIO:
+    if len(old) < SHRINK_GUARD_MIN_CHARS:
+        return None
+    had, kept = substance(old), substance(new)
+    if kept < had * SHRINK_GUARD_RATIO:
         return Refusal(
-            f"refused: this would drop most of {filename} (from {substance(old):,} to {substance(new):,} letters and "
-            "digits). Nothing "
+            f"refused: this would drop most of {filename} (from {had:,} to {kept:,} letters and digits). Nothing "
             "was saved. write_file replaces the whole file: read it, keep what still matters, and write the "
             "complete file again."
         )
