@@ -60,6 +60,14 @@ async def items_of(bot: Bot, user_id: str) -> list[str]:
     return [o.item.content for o in owned]
 
 
+async def remembered(bot: Bot, user_id: str) -> list[str]:
+    """The user's memory items, once there is one (a reaction is handled in the background)."""
+    async def stored() -> bool:
+        return bool(await items_of(bot, user_id))
+    await eventually(stored, f"{user_id}'s memory item")
+    return await items_of(bot, user_id)
+
+
 def final_texts(seen: Timeline, room: str, sender: str) -> list[str]:
     """The sender's messages in the room as they read after their last edit, in order."""
     texts: dict[str, str] = {}
@@ -195,10 +203,7 @@ async def test_reactions_follow_the_access_rules_and_rate_limit(synapse: Synapse
         await react(alice, room, secret.event_id)
         tea = await bob.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "I like green tea"})
         await react(bob, room, tea.event_id)
-
-        async def bob_remembered() -> bool:
-            return bool(await items_of(running, bob.user_id))
-        await eventually(bob_remembered, "bob's memory item")
+        await remembered(running, bob.user_id)
         coffee = await bob.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "I hate coffee"})
         await react(bob, room, coffee.event_id)  # his second within the minute
         await asyncio.sleep(1.5)
@@ -248,11 +253,7 @@ async def test_brain_reaction_ignores_edits_by_others(synapse: SynapseServer, bo
         await edit(alice, "my cat is Pixel the Great")
         await edit(bob, "I owe Bob 100 euros")
         await react(alice, room, sent.event_id)
-
-        async def remembered() -> bool:
-            return bool(await items_of(bot, alice.user_id))
-        await eventually(remembered, "alice's memory item")
-        assert await items_of(bot, alice.user_id) == ["my cat is Pixel the Great"]
+        assert await remembered(bot, alice.user_id) == ["my cat is Pixel the Great"]
     finally:
         await alice.close()
         await bob.close()
@@ -270,11 +271,7 @@ async def test_brain_reaction_on_a_reply_leaves_the_quoted_message_out(synapse: 
             "msgtype": "m.text", "body": f"> <{alice.user_id}> my diagnosis came back\n\nI'm vegetarian",
             "m.relates_to": {"m.in_reply_to": {"event_id": hers.event_id}}})
         await react(bob, room, reply.event_id)
-
-        async def remembered() -> bool:
-            return bool(await items_of(bot, bob.user_id))
-        await eventually(remembered, "bob's memory item")
-        assert await items_of(bot, bob.user_id) == ["I'm vegetarian"]
+        assert await remembered(bot, bob.user_id) == ["I'm vegetarian"]
     finally:
         await alice.close()
         await bob.close()
