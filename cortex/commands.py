@@ -57,7 +57,7 @@ CONFIRM_WORD = "confirm"
 log = logging.getLogger(__name__)
 
 
-def shown(value: object) -> str:
+def setting_text(value: object) -> str:
     """A setting's value as a person types it: on/off, not set, plain numbers and lists."""
     if value is None:
         return "not set"
@@ -359,18 +359,18 @@ class CortexCommands:
                     note = "override removed" if cleared else "there was no override"
                 else:
                     stored = await self.resolver.set(scope, key, value, ctx.user_key)
-                    note = f"set to {shown(stored)}"
+                    note = f"set to {setting_text(stored)}"
             except SettingError as exc:
                 raise CommandError(str(exc)) from None
             effective = await self.resolver.effective(ctx.persona, ctx.server_key)
             return (f"{key}: {note} for {scope_words(scope)}. Effective now: "
-                    f"{shown(getattr(effective.settings, key))} (from {scope_words(effective.sources[key])}).")
+                    f"{setting_text(getattr(effective.settings, key))} (from {scope_words(effective.sources[key])}).")
         effective = await self.resolver.effective(ctx.persona, ctx.server_key)
         here = f" in {scope_words(server_scope(ctx.server_key))}" if ctx.server_key else ""
         lines = [f"Cortex settings for persona {ctx.persona}{here} (value, where it comes from):"]
         for key, value in effective.settings.model_dump().items():
             mark = "" if key in OVERRIDABLE else "  (config only)"
-            lines.append(f"  {key:<22} {shown(value):<24} {scope_words(effective.sources[key])}{mark}")
+            lines.append(f"  {key:<22} {setting_text(value):<24} {scope_words(effective.sources[key])}{mark}")
         steps = ", ".join(f"{pct}% → message {at}" for pct, at in thresholds(effective.settings))
         lines.append(f"Tiers this cycle: {steps}. Presets: " + "; ".join(
             f"{name} {'/'.join(map(str, pcts))}%" for name, pcts in FREQUENCY_PRESETS.items()))

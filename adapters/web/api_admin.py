@@ -27,7 +27,7 @@ from bot.persona import section_title
 from bot.storage.base import Job, JobStatus
 from bot.storage.personas import BOT_WIDE, TextKind, TextVersion
 from bot.storage.rows import dt
-from cortex.commands import shown
+from cortex.commands import setting_text
 from cortex.memory.admin import BUDGET_KEYS
 from cortex.personas.commands import MAX_SECTION_CHARS, section_key, unknown_variables
 from cortex.personas.guidelines import MAX_GUIDELINES_CHARS, MAX_RULE_CHARS, RULE_NAME
@@ -331,7 +331,7 @@ class AdminApi:
     async def settings_view(self, persona: str, server: str | None) -> dict[str, Any]:
         """What ``!cortex settings`` shows: every effective value and where it comes from, and the tiers."""
         effective = await self.ctx.app.cortex.resolver.effective(persona, server)
-        settings = [{"key": key, "value": value, "shown": shown(value), "source": effective.sources[key],
+        settings = [{"key": key, "value": value, "shown": setting_text(value), "source": effective.sources[key],
                      "overridable": key in OVERRIDABLE, "accepts": OVERRIDABLE.get(key, "")}
                     for key, value in effective.settings.model_dump().items()]
         return {"persona": persona, "server": server, "settings": settings,
