@@ -135,6 +135,8 @@ class CortexUpdater:
         current = await self.files.ensure(pair, persona.language, user.display_name)
         run_id = await self.store.start_run(pair.id, job_id, tier)
         memory_tools = MemoryTools(self.memory, pair.id, run_id) if self.memory is not None else None
+        if memory_tools is not None and job_id is not None:
+            await memory_tools.count_earlier([r for r in await self.store.job_runs(pair.id, job_id) if r != run_id])
         tools = CortexTools(self.files, pair, tier, run_id, settings.file_max_chars, memory_tools,
                             seen={name: version.version for name, version in current.items()})
         started = time.monotonic()

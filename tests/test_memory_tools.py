@@ -151,6 +151,32 @@ async def test_a_run_forgets_at_most_its_limit_of_items(app: App, fake_llm: Fake
     assert (await app.cortex.memory.list_items(pair.id))[1] == 3
 
 
+async def test_a_retried_job_keeps_one_limit_over_all_its_attempts(app: App, fake_llm: FakeLLMServer) -> None:
+    """A 529 after the first attempt stored and forgot items: the retry gets what is left of the limits,
+    not a fresh 20 and 5 (before, one job could store 20 items per attempt)."""
+    await _talk(app, CONVERSATION)
+    pair = await _pair(app)
+    mine = [(await app.cortex.memory.remember(pair.id, f"Ann fact {i}", category="fact")).id for i in range(8)]
+    first = [(f"a{i}", "remember", {"content": f"first try fact {i}", "category": "fact"}) for i in range(15)]
+    first += [(f"f{i}", "forget", {"id": item, "reason": "told to"}) for i, item in enumerate(mine[:3])]
+    second = [(f"b{i}", "remember", {"content": f"second try fact {i}", "category": "fact"}) for i in range(10)]
+    second += [(f"g{i}", "forget", {"id": item, "reason": "told to"}) for i, item in enumerate(mine[3:])]
+    fake_llm.enqueue(FakeResponse.tool_calls(first), FakeResponse.error(529, "Overloaded"),
+                     FakeResponse.tool_calls(second), FakeResponse.text("done"))
+    job = await app.cortex.tiers.request_update(pair, "75", None)
+    assert await app.workers.drain(10)
+    assert (await app.storage.get_job(job.id)).attempts == 2
+    results = tool_results(cortex_requests(fake_llm)[-1])
+    assert [r.get("is_error", False) for r in results] == [False] * 5 + [True] * 5 + [False] * 2 + [True] * 3
+    assert "15 of them in its earlier attempts" in result_text(results[5])
+    assert "3 of them in its earlier attempts" in result_text(results[-1])
+    items, total = await app.cortex.memory.list_items(pair.id, limit=100)
+    assert total == len(items) == 23 and sum(i.content.startswith(("first", "second")) for i in items) == 20
+    assert sum(i.id in mine for i in items) == 3
+    forgotten = await app.cortex.memory.get(pair.id, mine[0], count_access=False)
+    assert forgotten.archive_reason.endswith(": told to") and "update run" in forgotten.archive_reason
+
+
 async def test_a_fact_comes_back_after_it_left_the_window(tmp_path: Path) -> None:
     """Said once, long ago: neither in the history window nor in any file, it still reaches the reply
     prompt, by its words (full text) and, once embedded, by vector too."""

@@ -379,6 +379,12 @@ class CortexRepository:
         assert row is not None
         return int(row[0])
 
+    async def job_runs(self, pair_id: int, job_id: int) -> list[int]:
+        """The ids of the pair's update runs that ``job_id`` started (its attempts so far), oldest first."""
+        rows = await self.db.fetch_all(
+            "SELECT id FROM cortex_runs WHERE pair_id = ? AND job_id = ? ORDER BY id", (pair_id, job_id))
+        return [int(r[0]) for r in rows]
+
     async def last_update_started(self, pair_id: int, exclude_job: int | None = None) -> float | None:
         """When the pair's last real (not skipped) update started: the cooldown counts from there.
         Runs of ``exclude_job`` do not count (a job resumed after a crash must not block itself)."""

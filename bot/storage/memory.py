@@ -151,6 +151,20 @@ class MemoryRepository:
             (now, reason, item_id, pair_id),
         ))
 
+    async def count_changes(self, pair_id: int, source_refs: Sequence[str], reason_prefixes: Sequence[str]
+                            ) -> tuple[int, int]:
+        """How many of the pair's items came from any of ``source_refs``, and how many were archived with
+        a reason starting with any of ``reason_prefixes`` (plain text, no wildcards)."""
+        if not source_refs and not reason_prefixes:
+            return 0, 0
+        refs = ", ".join("?" * len(source_refs)) or "NULL"
+        prefixes = " OR ".join("substr(archive_reason, 1, ?) = ?" for _ in reason_prefixes) or "FALSE"
+        row = await self.db.fetch_one(
+            f"SELECT (SELECT count(*) FROM memory_items WHERE pair_id = ? AND source_ref IN ({refs})),"
+            f" (SELECT count(*) FROM memory_items WHERE pair_id = ? AND archived_at IS NOT NULL AND ({prefixes}))",
+            (pair_id, *source_refs, pair_id, *(v for p in reason_prefixes for v in (len(p), p))))
+        return (int(row[0]), int(row[1])) if row else (0, 0)
+
     async def archive_from(self, pair_id: int, source_ref: str, reason: str, now: float) -> list[int]:
         """Archive the pair's visible items that came from ``source_ref`` (a message); their ids."""
         rows = await self.db.write(

@@ -5,14 +5,16 @@ Like the file tools, every call gets a tool result and never an exception: missi
 arguments, an unknown category, an importance outside 1-10, an item of another pair (it simply does
 not exist for this one) or an item already corrected each get an error the model can act on. Nothing
 is overwritten: ``update_memory`` writes a new item that supersedes the old one, ``forget`` archives.
-A run may write at most ``max_writes`` items and forget at most ``max_forgets``, so a confused (or
-misled) model cannot flood the store or empty it.
+An update may write at most ``max_writes`` items and forget at most ``max_forgets``, so a confused (or
+misled) model cannot flood the store or empty it; a job retried after an outage keeps one limit over
+all its attempts (:meth:`MemoryTools.count_earlier`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,6 +152,16 @@ def _line(item: MemoryItem) -> str:
     return f"#{item.id} [{item.category}, importance {item.importance}, {item.created_at:%Y-%m-%d}] {item.content}"
 
 
+def run_ref(run_id: int) -> str:
+    """The ``source_ref`` of the items an update run stores."""
+    return f"cortex update run {run_id}"
+
+
+def forget_prefix(run_id: int) -> str:
+    """How the archive reason of an item an update run forgets begins (the model's reason follows)."""
+    return f"forgotten by the persona in update run {run_id}: "
+
+
 @dataclass
 class MemoryTools:
     memory: MemoryStore
@@ -159,6 +171,14 @@ class MemoryTools:
     max_forgets: int = 5  # archiving is undone only by the user, one item at a time (!memory restore)
     written: list[int] = field(default_factory=list)
     forgotten: list[int] = field(default_factory=list)
+    earlier_writes: int = 0  # by the earlier attempts of the same job (a retry after a 429 keeps its limits)
+    earlier_forgets: int = 0
+
+    async def count_earlier(self, run_ids: Sequence[int]) -> None:
+        """Count what the runs ``run_ids`` (the job's earlier attempts) stored and forgot against this
+        run's limits: a job retried after an outage may not store ``max_writes`` items once per attempt."""
+        self.earlier_writes, self.earlier_forgets = await self.memory.repo.count_changes(
+            self.pair_id, [run_ref(r) for r in run_ids], [forget_prefix(r) for r in run_ids])
 
     async def execute(self, call: ToolCall) -> MemoryToolResult:
         if call.arguments is None:
@@ -168,17 +188,20 @@ class MemoryTools:
         try:
             if call.name == "search_memory":
                 return await self._search(call.arguments)
-            if call.name in ("remember", "update_memory") and len(self.written) >= self.max_writes:
+            stored, forgot = len(self.written) + self.earlier_writes, len(self.forgotten) + self.earlier_forgets
+            if call.name in ("remember", "update_memory") and stored >= self.max_writes:
                 return MemoryToolResult(
-                    f"you already stored {self.max_writes} items in this update; that is the limit per update", True
+                    f"you already stored {self.max_writes} items in this update{self._attempts(self.earlier_writes)};"
+                    " that is the limit per update", True
                 )
             if call.name == "remember":
                 return await self._remember(call.arguments)
             if call.name == "update_memory":
                 return await self._update(call.arguments)
-            if call.name == "forget" and len(self.forgotten) >= self.max_forgets:
+            if call.name == "forget" and forgot >= self.max_forgets:
                 return MemoryToolResult(
-                    f"you already forgot {self.max_forgets} items in this update; that is the limit per update", True
+                    f"you already forgot {self.max_forgets} items in this update{self._attempts(self.earlier_forgets)};"
+                    " that is the limit per update", True
                 )
             if call.name == "forget":
                 return await self._forget(call.arguments)
@@ -190,9 +213,13 @@ class MemoryTools:
                                     "call. Go on without it.", True)
         return MemoryToolResult(f"unknown memory tool {call.name!r}", True)
 
+    @staticmethod
+    def _attempts(earlier: int) -> str:
+        return f" ({earlier} of them in its earlier attempts)" if earlier else ""
+
     @property
     def _source_ref(self) -> str:
-        return f"cortex update run {self.run_id}"
+        return run_ref(self.run_id)
 
     async def _search(self, args: dict[str, Any]) -> MemoryToolResult:
         query = _text(args, "query", required=True)
@@ -247,6 +274,6 @@ class MemoryTools:
         item = await self.memory.get(self.pair_id, item_id, count_access=False)
         if item.pinned:
             raise MemoryError(f"item #{item_id} is pinned by the user; only they can unpin or forget it")
-        await self.memory.archive(self.pair_id, item_id, f"forgotten by the persona: {reason}"[:300])
+        await self.memory.archive(self.pair_id, item_id, f"{forget_prefix(self.run_id)}{reason}"[:300])
         self.forgotten.append(item_id)
         return MemoryToolResult(f"archived #{item_id}")
