@@ -36,7 +36,7 @@ from bot.config import FREQUENCY_PRESETS, Config
 from bot.persona import PersonaSource
 from bot.storage.base import Channel, Storage, User
 from bot.text import plural
-from cortex.export import MAX_ARCHIVE_BYTES, ArchiveError, build_zip, export_data, export_filename, read_archive
+from cortex.export import MAX_ARCHIVE_BYTES, ArchiveError, export_data, export_filename, read_archive, zipped
 from cortex.files import CortexFiles, FileError, normalise_filename, unified_diff
 from cortex.importing import Importer, ImportLimits
 from cortex.settings import (
@@ -244,7 +244,7 @@ class CortexCommands:
     async def export(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
         user, _ = await self._pair(ctx)
         everything = await export_data(self.store, user)
-        data = build_zip(everything)
+        data = await zipped(everything)
         items = sum(len(p["memory_items"]) for p in everything["personas"])
         return CommandReply(
             f"Everything the bot holds about you: {plural(len(everything['personas']), 'persona')}: files with every "

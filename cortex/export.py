@@ -6,6 +6,7 @@ with a README inside that says what each file is.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import zipfile
@@ -108,6 +109,12 @@ def _messages_markdown(messages: list[dict[str, Any]]) -> str:
     lines += [f"- {_time(m['created_at'])} in {m['channel_name'] or m['channel']} — **{m['author_name']}**: {m['text']}"
               for m in messages]
     return "\n".join(lines) + "\n"
+
+
+async def zipped(data: dict[str, Any]) -> bytes:
+    """:func:`build_zip` on a worker thread: serialising and compressing a long history takes seconds,
+    which every reply would otherwise wait for."""
+    return await asyncio.to_thread(build_zip, data)
 
 
 def build_zip(data: dict[str, Any]) -> bytes:

@@ -114,6 +114,28 @@ async def test_export_zip_holds_files_versions_and_metadata(tmp_path: Path) -> N
         assert "I planted a fig tree" in archive.read("messages.md").decode()
 
 
+async def test_the_export_archive_is_built_off_the_event_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """Serialising and compressing years of messages takes seconds: on the event loop every reply waited."""
+    import threading
+
+    import cortex.export
+
+    built_on: list[threading.Thread] = []
+    original = cortex.export.build_zip
+
+    def recording(data: dict) -> bytes:
+        built_on.append(threading.current_thread())
+        return original(data)
+
+    monkeypatch.setattr(cortex.export, "build_zip", recording)
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        await run(app, "!memory remember Ann grows figs")
+        reply = await run(app, "!memory export")
+    assert reply.attachments and zipfile.ZipFile(io.BytesIO(reply.attachments[0].data)).read("data.json")
+    assert len(built_on) == 1 and built_on[0] is not threading.main_thread()
+
+
 async def test_users_only_ever_touch_their_own_files(tmp_path: Path) -> None:
     async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
         await run(app, "!memory edit memory.md\n# Ann's private notes\n- Ann's secret\n", ctx("ann"))

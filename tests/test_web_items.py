@@ -181,7 +181,15 @@ async def test_bad_parameters_are_clear_4xx(tmp_path: Path) -> None:
         assert contents(await listed(ann)) == ["Ann runs marathons"]
 
 
-async def test_export_is_the_users_zip(tmp_path: Path) -> None:
+async def test_export_is_the_users_zip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import cortex.export
+
+    built_on: list[threading.Thread] = []
+    original = cortex.export.build_zip
+    monkeypatch.setattr(cortex.export, "build_zip", lambda data: built_on.append(threading.current_thread())
+                        or original(data))
     async with running_bot(tmp_path) as bot, bot.client("ann") as ann, bot.client("bob") as bob:
         await remember(bot, "ann", "Ann collects old maps")
         async with ann.http.get("/api/me/export") as response:
@@ -193,6 +201,7 @@ async def test_export_is_the_users_zip(tmp_path: Path) -> None:
             data = json.loads(archive.read("data.json"))
             assert "Ann collects old maps" in archive.read("Cora/memory-items.md").decode()
         assert data["user"]["key"] == "discord:ann"
+        assert built_on and threading.main_thread() not in built_on  # a big export never stalls the replies
         assert [i["content"] for i in data["personas"][0]["memory_items"]] == ["Ann collects old maps"]
         status, other = await bob.call("GET", "/api/me/export")
         assert status == 200 and b"old maps" not in other

@@ -18,7 +18,7 @@ from adapters.web.server import WebContext, ok, read_body
 from adapters.web.userdata import own_user, persona_name
 from bot.commands import MAX_NUMBER
 from bot.storage.base import User
-from cortex.export import build_zip, export_data, export_filename
+from cortex.export import export_data, export_filename, zipped
 from cortex.memory.store import CATEGORIES, SCOPES, ItemFilters, MemoryConflict, MemoryError, MemoryItem, OwnedItem
 
 PAGE = 25
@@ -213,7 +213,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
     async def export(request: web.Request) -> web.Response:
         caller = await auth.require(request)
         user = await own_user(ctx, caller)
-        data = build_zip(await export_data(ctx.app.cortex.store, user))
+        data = await zipped(await export_data(ctx.app.cortex.store, user))
         return web.Response(body=data, content_type="application/zip", headers={
             "Content-Disposition": f'attachment; filename="{export_filename(user)}"'})
 
