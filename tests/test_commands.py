@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import shlex
 
-from bot.commands import Command, CommandContext, CommandRegistry, flag, number, option, split_words, text, word, words
+from bot.commands import (
+    Command,
+    CommandContext,
+    CommandRegistry,
+    flag,
+    number,
+    option,
+    quote_word,
+    split_words,
+    text,
+    word,
+    words,
+)
 
 
 async def _handler(ctx: CommandContext, args: object) -> str:
@@ -50,6 +62,33 @@ async def test_the_line_dispatches_to_the_same_arguments() -> None:
     reply = await registry.dispatch(DIFF.line("!", {"file": "my file", "v1": 1, "v2": 2}), ctx)
     assert reply.text == "args=['my file', '1', '2'] body=''"
     assert "takes at most 3 arguments" in (await registry.dispatch("!memory diff a 1 2 3", ctx)).text
+
+
+async def test_a_phones_smart_punctuation_still_reads_as_flags_and_quotes() -> None:
+    """iOS and macOS turn ``--pin`` into ``—pin`` and ``"Captain Nemo"`` into ``“Captain Nemo”``: the flag was
+    stored as part of the fact, and the quoted name read as two words."""
+    registry = CommandRegistry()
+    registry.register(REMEMBER)
+    registry.register(Command("persona", "pick", _handler, (words("name"), option("for"))))
+    ctx = CommandContext("discord", "discord:1", "Ann", "discord:c", "Cora")
+
+    async def args_of(line: str) -> str:
+        return (await registry.dispatch(line, ctx)).text
+
+    assert await args_of("!memory remember I like tea \u2014pin") == "args=['I like tea', '--pin'] body='I like tea'"
+    assert await args_of("!memory remember \u2013category fact I like tea") == (
+        "args=['--category', 'fact', 'I like tea'] body='I like tea'")
+    assert await args_of("!memory remember The \u2014 dash and \u2014tea stay") == (
+        "args=['The \u2014 dash and \u2014tea stay'] body='The \u2014 dash and \u2014tea stay'")
+    assert await args_of("!memory remember I like tea '\u2014pin'") == (  # quoted: a word as typed
+        "args=[\"I like tea '\u2014pin'\"] body=\"I like tea '\u2014pin'\"")
+    for opening, closing in ("\u201c\u201d", "\u2018\u2019", "\u201e\u201c", "\u00ab\u00bb"):
+        assert await args_of(f"!persona --for {opening}Ann Lee{closing} Captain") == (
+            "args=['--for', 'Ann Lee', 'Captain'] body=''")
+        assert [t.value for t in split_words(f"{opening}x y{closing}")] == ["x y"]
+    assert await args_of("!persona Ann\u2019s \u2018bot") == "args=['Ann\u2019s', '\u2018bot'] body=''"
+    for value in ("\u201cq", "\u2014pin", "\u00abx y\u00bb z"):  # a form's value is read back as it is
+        assert [t.value for t in split_words(quote_word(value))] == [value]
 
 
 async def test_free_text_arrives_exactly_as_typed() -> None:

@@ -7,7 +7,8 @@ command; any further lines are its *body* (the new content for ``!memory edit``)
 :class:`CommandReply` (or plain text) and never touch a platform.
 
 Words are split at white space and kept as typed (an apostrophe, a backslash, a quote inside a word stay);
-a word opening with a quote runs to the matching quote (``--persona "Captain Nemo"``). A command's free
+a word opening with a quote runs to the matching quote (``--persona "Captain Nemo"``; typographic quotes
+and dashes, which phones put in for ``"`` and ``--``, count as such). A command's free
 text is handed over exactly as typed, from its first word to its last, with the lines after it: only the
 flags and options before and after it are taken out, so "Use --pin wisely" stays a sentence.
 """
@@ -26,6 +27,8 @@ from bot.text import plural, shown, storable, without_surrogates
 
 log = logging.getLogger(__name__)
 
+TYPOGRAPHIC_DASHES = "\u2014\u2013"  # em and en dash: what "--" becomes with smart punctuation
+QUOTES = {"'": "'", '"': '"', "\u201c": "\u201d", "\u2018": "\u2019", "\u201e": "\u201c", "\u00ab": "\u00bb"}
 MAX_NUMBER = 2**31 - 1  # ids, versions and pages fit every engine's integer columns
 
 
@@ -183,6 +186,20 @@ class Command:
         return ({p.spelled for p in self.params if p.kind == "flag"},
                 {p.spelled for p in self.params if p.kind == "option"})
 
+    def canonical(self, tokens: Sequence[Token]) -> list[Token]:
+        """``tokens`` with this command's flags and options as spelled, where a phone typed them with a
+        typographic dash (iOS and macOS turn ``--pin`` into ``—pin``); any other word, and a quoted one,
+        stays as typed."""
+        flags, options = self._switches()
+        out = []
+        for token in tokens:
+            value, typed = token.value, token.end - token.start
+            spelled = "--" + value.lstrip("-" + TYPOGRAPHIC_DASHES)
+            if value[:1] in TYPOGRAPHIC_DASHES and typed == len(value) and spelled in flags | options:
+                token = Token(spelled, token.start, token.end)
+            out.append(token)
+        return out
+
     def free_text(self, tokens: Sequence[Token], line: str, body: str) -> tuple[list[str], str, bool] | None:
         """For a command with a ``text`` parameter: its arguments with the free text as one argument, exactly
         as typed (then the lines after the command line), that text (also the context's body), and whether
@@ -270,7 +287,8 @@ def split_words(line: str) -> list[Token]:
     same quote where a word ends, and an unmatched quote is a character too. Linear in the line's length
     (each quoted word finds its end by bisection, never by scanning again)."""
     n = len(line)
-    ends = {q: [j for j in range(n) if line[j] == q and (j + 1 == n or line[j + 1].isspace())] for q in "'\""}
+    ends = {opening: [j for j in range(n) if line[j] == closing and (j + 1 == n or line[j + 1].isspace())]
+            for opening, closing in QUOTES.items()}
     tokens: list[Token] = []
     i = 0
     while i < n:
@@ -308,7 +326,8 @@ def _quoted(word: str) -> str:
 def quote_word(value: str) -> str:
     """``value`` as one word of a command line, read back by :func:`split_words` as it is (a value with
     both a ``' `` and a ``" `` inside, which no quote can hold, has its ``" `` made ``' ``)."""
-    if value and value[0] not in "'\"" and not any(c.isspace() for c in value):
+    plain = value[:1] not in QUOTES and value[:1] not in TYPOGRAPHIC_DASHES
+    if value and plain and not any(c.isspace() for c in value):
         return value
     for quote in "'\"":
         if not re.search(quote + r"\s", value):
@@ -359,7 +378,10 @@ class CommandRegistry:
         words = [t.value for t in tokens]
         if not words:
             return CommandReply(f"Type {self.prefix}help for the list of commands.")
-        command, args = self._find(words, quoted_second=len(tokens) > 1 and line[tokens[1].start] in "'\"")
+        command, args = self._find(words, quoted_second=len(tokens) > 1 and line[tokens[1].start] in QUOTES)
+        if command is not None:  # its switches as spelled, whatever dash a phone put in front of them
+            tokens = command.canonical(tokens)
+            words, args = [t.value for t in tokens], [t.value for t in tokens[len(tokens) - len(args):]]
         if command is None:
             group = [c for c in self.commands if c.name.split(" ")[0] == words[0].lower()]
             if group:
