@@ -343,24 +343,24 @@ def migrate(ctx: click.Context) -> None:
     config = _load(ctx)
     setup_logging("WARNING")
 
-    async def main() -> list[int]:
+    async def main() -> tuple[list[int], str]:
         from bot.storage import open_storage
 
         url, password = config.storage.resolve()
         storage = await open_storage(url, password=password, pool_size=config.storage.pool_size)
         try:
-            return await storage.migrate()
+            return await storage.migrate(), storage.db.url  # the URL opened (url_env's), without a password
         finally:
             await storage.close()
 
     try:
-        applied = _run_async(main)
+        applied, where = _run_async(main)
     except (StorageError, ConfigError) as exc:
         raise click.ClickException(str(exc)) from None
     if applied:
-        click.echo(f"applied migration(s) {', '.join(map(str, applied))} to {config.storage.url}")
+        click.echo(f"applied migration(s) {', '.join(map(str, applied))} to {where}")
     else:
-        click.echo(f"{config.storage.url} is up to date")
+        click.echo(f"{where} is up to date")
 
 
 @cli.command("copy-data")

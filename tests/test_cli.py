@@ -224,6 +224,24 @@ def test_migrate_then_up_to_date(tmp_path: Path, fake_llm: FakeLLMServer) -> Non
     assert second.returncode == 0 and "is up to date" in second.stdout
 
 
+def test_migrate_names_the_database_it_migrated_and_fails_in_one_line(tmp_path: Path) -> None:
+    """With ``url_env`` the migrated database is the variable's, and the report said the default file; a
+    database SQLite cannot open printed a thread's traceback after the error (aiosqlite's worker thread
+    answered into the closed event loop)."""
+    config = tmp_path / "env.toml"
+    config.write_text('[storage]\nurl_env = "CB_TEST_DB_URL"\n')
+    target = tmp_path / "elsewhere" / "env.db"
+    done = cortexbot("--config", str(config), "migrate", env={"CB_TEST_DB_URL": f"sqlite:///{target}"})
+    assert done.returncode == 0 and done.stdout.strip().endswith(f"to sqlite:///{target}"), done.stdout
+    assert target.is_file()
+    config.write_text('[storage]\nurl = "sqlite:////proc/1/cortexbot-test.db"\n')  # not creatable, even as root
+    for command in ("migrate", "status"):
+        failed = cortexbot("--config", str(config), command)
+        assert failed.returncode == 1 and failed.stdout == ""
+        assert failed.stderr.strip().splitlines() == [
+            "Error: cannot open the database /proc/1/cortexbot-test.db: unable to open database file"], failed.stderr
+
+
 def test_doctor_reports_what_is_wrong(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
     fake_llm.models = ["test-model", "other-model"]
     config = write_config(tmp_path, fake_llm)

@@ -38,6 +38,11 @@ CHECKPOINT_SECONDS = 5.0  # WAL checkpoints run this often on a connection of th
 WAL_AUTOCHECKPOINT_PAGES = 20_000  # ... so SQLite's own (inline, fsyncing) one is only a backstop
 
 
+def _can_open(path: Path) -> None:
+    """Open and close ``path`` with plain :mod:`sqlite3` (creating it if missing); raises its error."""
+    sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000).close()
+
+
 class _SQLiteTx:
     def __init__(self, db: aiosqlite.Connection) -> None:
         self._db = db
@@ -102,6 +107,9 @@ class SQLiteDatabase:
         return self
 
     async def _connect(self) -> aiosqlite.Connection:
+        # A file SQLite cannot open fails here, on a short-lived thread: aiosqlite's own worker thread, failing,
+        # would still be answering into the event loop after a CLI command's loop closed (a traceback).
+        await asyncio.to_thread(_can_open, self.path)
         db = await aiosqlite.connect(self.path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
         try:
             db.row_factory = sqlite3.Row
