@@ -53,9 +53,16 @@ class _PrivateHistory(FileHistory):
 
     def forget(self) -> None:
         self._loaded_strings.clear()
-        path = Path(str(self.filename))
-        path.unlink(missing_ok=True)
-        path.with_name("terminal-history").unlink(missing_ok=True)  # the file all users shared before
+        forget_history(Path(str(self.filename)))
+
+
+def forget_history(path: Path) -> None:
+    """Delete a user's history file (and the one all users shared before there was one per user)."""
+    for stale in (path, path.with_name("terminal-history")):
+        try:
+            stale.unlink(missing_ok=True)
+        except OSError as exc:  # the database is emptied all the same: say what is left behind
+            log.warning("could not delete the terminal history %s: %s", stale, exc.strerror or exc)
 
 
 def history_path(user: str) -> Path:
@@ -139,8 +146,12 @@ class TerminalAdapter:
         def forget(user_key: str) -> None:
             if earlier is not None:
                 earlier(user_key)
-            if user_key == key and self._history is not None:
+            if user_key != key:
+                return
+            if self._history is not None:
                 self._history.forget()
+            else:  # piped input keeps no history, but an earlier chat at a prompt may have left one
+                forget_history(history_path(self.user))
 
         self.app.cortex.commands.on_forget = forget
 
@@ -249,24 +260,31 @@ class TerminalAdapter:
             self.stdout.write(reply.needs_body + "\n")
             self.stdout.flush()
             body = await self._read_body()
-            if body is None:
+            if not body:
                 self.failures += 1
-                self._error("no content given; nothing changed")
+                self._error("no content given; nothing changed" if body is None else
+                            "the input ended before the line holding only a dot; nothing changed")
                 return
             reply = await self.app.commands.dispatch(f"{line}\n{body}", self._context())
         self.stdout.write(printable(reply.text.rstrip()) + "\n")
         for attachment in reply.attachments:
-            path = self._save(attachment)
+            try:
+                path = self._save(attachment)
+            except OSError as exc:  # a read-only folder, a full disk: the command failed, the chat goes on
+                self.failures += 1
+                self._error(f"cannot save {attachment.filename} in {self.export_dir}: {exc.strerror or exc}; "
+                            "run the chat from a folder you can write to")
+                continue
             self.stdout.write(f"saved {path}\n")
         self.stdout.flush()
 
     async def _read_body(self) -> str | None:
-        """Lines up to one holding only a dot; None at end of input or when nothing was typed."""
+        """Lines up to one holding only a dot; None when nothing was typed, "" when the input ended first."""
         lines: list[str] = []
         while True:
             line = await self._readline_in_thread()
             if line == "":
-                return None
+                return "" if any(part.strip() for part in lines) else None
             text = printable(line.rstrip("\r\n"))
             if text.strip() == ".":
                 return "\n".join(lines) if any(part.strip() for part in lines) else None
@@ -278,11 +296,18 @@ class TerminalAdapter:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / Path(attachment.filename).name
         stem, suffix, n = path.stem, path.suffix, 1
-        while path.exists():
-            path = folder / f"{stem}-{n}{suffix}"
-            n += 1
-        path.write_bytes(attachment.data)
-        return path
+        while True:
+            try:
+                with path.open("xb") as out:  # created here or not at all: never another file overwritten
+                    try:
+                        out.write(attachment.data)
+                    except OSError:  # a full disk: no half an archive left behind
+                        path.unlink(missing_ok=True)
+                        raise
+                return path
+            except FileExistsError:
+                path = folder / f"{stem}-{n}{suffix}"
+                n += 1
 
     async def _follow_router(self) -> None:
         """The persona as the router picks it for this user's DMs (the same as on Discord and Matrix)."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from adapters.terminal import TerminalAdapter, _PrivateHistory
+from adapters.terminal import TerminalAdapter, _PrivateHistory, history_path
 from bot.app import App
 from bot.config import parse_config
 from bot.llm.base import LLMRequest, StreamEvent
@@ -99,6 +99,55 @@ async def test_a_forget_me_from_anywhere_in_the_process_empties_the_users_histor
         terminal._history.store_string("a new start")
         await terminal.run_command("!memory forget-me confirm")  # typed: the same way
         assert not (tmp_path / "history").exists()
+
+
+async def test_a_piped_forget_me_deletes_the_history_an_earlier_prompt_left(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Piped input keeps no history of its own, so the file of an earlier interactive chat stayed, with
+    everything typed there, after the forget-me said it deleted everything."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    left = history_path("ann")
+    left.parent.mkdir(parents=True)
+    left.write_text("\n# 2026-11-20\n+my secret is hunter2\n")
+    bobs = history_path("bob")
+    bobs.write_text("\n+bob's own line\n")
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
+    screen = io.StringIO()
+    async with App(config, llm=ScriptedProvider()) as app:
+        terminal = TerminalAdapter(app, user="ann", stdin=io.StringIO("hello\n!memory forget-me confirm\n"),
+                                   stdout=screen, stderr=screen)
+        assert await terminal.run() == 0
+    assert "Deleted" in screen.getvalue()
+    assert not left.exists() and bobs.exists()
+
+
+async def test_an_export_that_cannot_be_saved_is_one_line_and_the_chat_goes_on(tmp_path: Path) -> None:
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
+    not_a_folder = tmp_path / "exports"
+    not_a_folder.write_text("a file where the folder should be")
+    screen, errors = io.StringIO(), io.StringIO()
+    piped = io.StringIO("!memory remember Ann grows figs\n!memory export\n!memory list\n")
+    async with App(config, llm=ScriptedProvider()) as app:
+        terminal = TerminalAdapter(app, user="ann", stdin=piped, stdout=screen, stderr=errors,
+                                   export_dir=not_a_folder)
+        assert await terminal.run() == 1  # the failed save counts in the exit status
+    assert errors.getvalue().startswith("error: cannot save cortex-export-ann-")
+    assert str(not_a_folder) in errors.getvalue()
+    assert len(errors.getvalue().splitlines()) == 1 and "Traceback" not in screen.getvalue()
+    assert "Ann grows figs" in screen.getvalue().split("Everything the bot holds")[1]  # !memory list still ran
+    assert not_a_folder.read_text() == "a file where the folder should be"
+
+
+async def test_a_text_cut_off_by_the_end_of_input_says_so(tmp_path: Path) -> None:
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
+    screen, errors = io.StringIO(), io.StringIO()
+    async with App(config, llm=ScriptedProvider()) as app:
+        terminal = TerminalAdapter(app, user="ann", stdin=io.StringIO("!memory edit memory\nAnn likes tea.\n"),
+                                   stdout=screen, stderr=errors)
+        assert await terminal.run() == 1
+        rows = await app.storage.db.fetch_all("SELECT content FROM cortex_versions")
+        assert not any("Ann likes tea" in str(r[0]) for r in rows)  # nothing saved
+    assert errors.getvalue() == "error: the input ended before the line holding only a dot; nothing changed\n"
 
 
 async def test_a_failure_that_is_no_outage_is_one_line_and_the_chat_goes_on(tmp_path: Path) -> None:
