@@ -141,6 +141,7 @@ async def _chat(config: Config, user: str, persona: str | None) -> int:
         try:
             adapter = TerminalAdapter(app, user=user, persona=persona)
             app.fleet.info = {"adapters": ["terminal"]}  # what `cortexbot status` shows of this process
+            await app.fleet.heartbeat()  # at once, not at the next beat
             web = await _start_web(app, {})
         except (ConfigError, RuntimeError) as exc:  # --persona names no persona; the web page's port is taken
             raise click.ClickException(str(exc)) from None

@@ -613,7 +613,9 @@ class WebConfig(_Section):
 
 
 class TerminalConfig(_Section):
-    enabled: bool = Field(default=True, description="Whether `cortexbot run` starts the terminal adapter.")
+    enabled: bool = Field(default=True, description=(
+        "Whether `cortexbot run` is a terminal chat when neither Discord nor Matrix is enabled (with them, `run` "
+        "serves those alone: a service reads no keyboard; chat beside it with `cortexbot chat`)."))
     user: str = Field(default="", description="Name of the local user; default: the login name.")
 
 

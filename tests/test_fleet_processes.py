@@ -121,6 +121,33 @@ def test_status_lists_live_processes_and_the_queue(tmp_path: Path, fake_llm: Fak
     asyncio.run(alive())
 
 
+@pytest.mark.slow
+def test_status_shows_a_terminal_chat_at_once(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """A chat's process beat first with no adapters and said what it is only at its next beat."""
+    import os
+    import subprocess
+    import time
+
+    from tests.test_cli import API_KEY, BIN
+
+    config = write_config(tmp_path, fake_llm)
+    env = {**os.environ, "CB_TEST_API_KEY": API_KEY, "OPENBLAS_NUM_THREADS": "1"}
+    chat = subprocess.Popen([str(BIN / "cortexbot"), "--config", str(config), "chat", "--user", "ann"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            result = cortexbot("--config", str(config), "status")
+            if "1 live process(es)" in result.stdout or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert "1 live process(es)" in result.stdout, result.stdout + result.stderr
+        assert "terminal" in result.stdout and "workers only" not in result.stdout, result.stdout
+    finally:
+        chat.communicate(b"", timeout=60)
+    assert chat.returncode == 0
+
+
 async def test_a_user_forgotten_by_another_process_can_talk_again_at_once(tmp_path: Path) -> None:
     from bot.ports import IncomingMessage
 
