@@ -161,6 +161,11 @@ def check_http_url(value: str) -> str:
     return value.strip()
 
 
+def optional_http_url(value: str | None) -> str | None:
+    """:func:`check_http_url`, where nothing (or an empty string: "the provider's own API") is None."""
+    return None if value is None or not value.strip() else check_http_url(value)
+
+
 class LLMConfig(_Section):
     provider: Literal["anthropic", "openai"] = "anthropic"
     model: str = "claude-sonnet-4-5"
@@ -169,7 +174,7 @@ class LLMConfig(_Section):
     @field_validator("base_url")
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
-        return None if value is None else check_http_url(value)
+        return optional_http_url(value)
 
     @model_validator(mode="after")
     def _anthropic_adds_v1(self) -> LLMConfig:
@@ -316,7 +321,7 @@ class MemoryConfig(_Section):
     @field_validator("embedder_base_url")
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
-        return None if value is None else check_http_url(value)
+        return optional_http_url(value)
 
     embedder_api_key_env: str = Field(default="OPENAI_API_KEY", description="Variable holding the embedder's key.")
     embed_messages: bool = Field(default=True, description="Embed past messages too (recall by meaning).")

@@ -166,6 +166,18 @@ def test_values_the_bot_cannot_use_stop_start_up_clearly(tmp_path: Path, toml: s
     assert named in str(caught.value)
 
 
+def test_an_empty_server_url_is_the_providers_own_api(tmp_path: Path) -> None:
+    """config.example.toml says "Empty: the provider's official API" above ``# base_url = ""``; taking the
+    comment off gave "'' is not an http(s) URL"."""
+    config = parse_config({"llm": {"base_url": ""}, "memory": {"embedder_base_url": "  "}})
+    assert config.llm.base_url is None and config.memory.embedder_base_url is None
+    example = Path(__file__).resolve().parents[1] / "config.example.toml"
+    text = example.read_text().replace('# base_url = ""', 'base_url = ""')
+    assert 'base_url = ""' in text
+    (tmp_path / "config.toml").write_text(text)
+    assert load_config(tmp_path / "config.toml").llm.base_url is None
+
+
 def test_an_anthropic_base_url_ending_in_v1_is_explained() -> None:
     with pytest.raises(ConfigError, match="ends in /v1, but the Anthropic SDK adds /v1 itself"):
         parse_config({"llm": {"provider": "anthropic", "base_url": "http://localhost:8080/v1"}})
