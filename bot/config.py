@@ -750,7 +750,9 @@ def resolve_config_path(explicit: str | os.PathLike[str] | None) -> Path | None:
     if from_env:
         return Path(from_env)
     local = Path(DEFAULT_CONFIG_NAME)
-    return local if local.is_file() else None
+    # Anything by that name is meant as the config: a folder (what Docker makes of a bind-mounted file that
+    # did not exist yet) or a broken link is reported when read, not passed over for the defaults.
+    return local if local.exists() or local.is_symlink() else None
 
 
 def load_config(path: str | os.PathLike[str] | None) -> Config:
@@ -761,6 +763,8 @@ def load_config(path: str | os.PathLike[str] | None) -> Config:
     try:
         raw = tomllib.loads(file.read_text(encoding="utf-8-sig"))  # -sig: a BOM some Windows editors write
     except FileNotFoundError:
+        if file.is_symlink():
+            raise ConfigError(f"config file {file} is a link to {os.readlink(file)}, which does not exist") from None
         raise ConfigError(f"config file {file} does not exist; copy config.example.toml there to start") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read config file {file}: {exc}") from None

@@ -212,3 +212,25 @@ def test_the_public_url_is_the_origin_a_browser_sends(given: str, origin: str) -
 def test_a_public_url_the_page_cannot_be_served_at_is_refused(given: str) -> None:
     with pytest.raises(ConfigError, match="public_url"):
         parse_config({"web": {"public_url": given}})
+
+
+@pytest.mark.parametrize("kind", ["folder", "broken link"])
+def test_a_config_toml_here_that_cannot_be_read_is_an_error_not_the_defaults(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """Docker makes a folder of a bind-mounted file that did not exist yet: the bot started on the
+    defaults (another model, another database) as if there were no config."""
+    from bot.config import resolve_config_path
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CORTEXBOT_CONFIG", raising=False)
+    assert resolve_config_path(None) is None  # nothing here: the defaults
+    if kind == "folder":
+        (tmp_path / "config.toml").mkdir()
+    else:
+        (tmp_path / "config.toml").symlink_to(tmp_path / "gone.toml")
+    found = resolve_config_path(None)
+    assert found is not None
+    expected = "cannot read config file config.toml: .*Is a directory" if kind == "folder" else (
+        "config file config.toml is a link to .*gone.toml, which does not exist")
+    with pytest.raises(ConfigError, match=expected):
+        load_config(found)
