@@ -158,8 +158,12 @@ async def slow_site() -> AsyncIterator[str]:
         await asyncio.sleep(float(request.query.get("wait", "0")))
         return web.json_response({"data": {"answer": 42}})
 
+    async def odd(request: web.Request) -> web.Response:  # valid JSON whose string escapes a lone surrogate
+        return web.Response(body=b'{"data": "caf\\ud800e and \\u0000 nul"}', content_type="application/json")
+
     application = web.Application()
     application.router.add_get("/answer", slow)
+    application.router.add_get("/odd", odd)
     runner = web.AppRunner(application)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -184,6 +188,23 @@ async def test_an_http_skill_answers_and_a_timeout_becomes_a_tool_error(tmp_path
         assert "timed out after 0.5 s" in str(replies(fake_llm)[-1].body["messages"])
         audit = await app.storage.skills.recent("console:ann")
         assert [(a.skill, a.ok) for a in audit] == [("lookup", False), ("lookup", True)]
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "openai"])
+async def test_a_tool_result_with_a_lone_surrogate_still_ends_in_a_reply(
+        tmp_path: Path, fake_llm: FakeLLMServer, slow_site: str, provider: str) -> None:
+    """An outside API answering a lone surrogate (a JSON escape): building the next request failed with
+    UnicodeEncodeError and the whole reply with it, reported as the model's "unreadable response"."""
+    http = [{"name": "lookup", "description": "Look it up.", "url": slow_site + "/odd", "result_path": "data"}]
+    async with App(_config(tmp_path, fake_llm, provider, http=http)) as app:
+        fake_llm.enqueue(FakeResponse.tool_calls([("c1", "lookup", {})]), FakeResponse.text("Done."))
+        assert await app.core.reply(_msg("look up the answer")).text() == "Done."
+        sent = str(replies(fake_llm)[-1].body["messages"])
+        assert "caf\ufffde and  nul" in sent
+        assert [(a.skill, a.ok) for a in await app.storage.skills.recent("console:ann")] == [("lookup", True)]
+    from bot.llm.base import ChatMessage
+
+    assert ChatMessage("tool", "x\ud800\x00y").content == "x\ufffdy"  # whatever else fills a request
 
 
 async def test_an_mcp_servers_tools_are_offered_and_called(tmp_path: Path, fake_llm: FakeLLMServer) -> None:

@@ -62,11 +62,17 @@ class ToolCall:
 
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
+    """One message of a request. Its content is made :func:`~bot.text.storable`: a lone surrogate from a
+    tool's result or an old row would fail the whole request as it is encoded."""
+
     role: Role
     content: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None  # for role == "tool"
     is_error: bool = False  # for role == "tool": the tool failed
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "content", storable(self.content))
 
 
 @dataclass(frozen=True, slots=True)

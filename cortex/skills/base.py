@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal, Protocol
 
+from bot.text import storable
+
 Origin = Literal["builtin", "http", "mcp"]
 
 
@@ -48,9 +50,15 @@ class SkillContext:
 
 @dataclass(frozen=True, slots=True)
 class SkillResult:
+    """What a skill answers. Its content never holds a lone surrogate or a NUL: an outside API or MCP server
+    can send both as JSON escapes, and neither a model's API nor a store takes them."""
+
     content: str
     is_error: bool = False
     changed: bool = False  # the skill stored or changed something (shown in the audit)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "content", storable(self.content))
 
 
 @dataclass(frozen=True, slots=True)
