@@ -140,6 +140,27 @@ async def test_create_pick_delete(tmp_path: Path) -> None:
         assert "Nova" not in await run(app, "!persona list") and app.personas.names() == ["Cora", "Max"]
 
 
+async def test_names_that_differ_only_in_unicode_case_are_one_persona(tmp_path: Path) -> None:
+    """SQL folds only ASCII letters, the registry all of Unicode: "!persona create ZOË" made a second row
+    that hid the config's Zoë (its soul gone from every prompt) and could not be deleted."""
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)},
+                           "personas": [{"name": "Zoë", "identity": "You are Zoë, a gardener."},
+                                        {"name": "Straße", "identity": "You are a street."}]})
+    llm = ScriptedProvider()
+    async with App(config, llm=llm) as app:
+        for name in ("ZOË", "STRASSE", "zoë"):
+            assert "exists already" in await run(app, f"!persona create {name}", ctx(persona="Zoë"))
+        assert app.personas.names() == ["Zoë", "Straße"]
+        assert "You are Zoë, a gardener." in await system_prompt(app, llm, "Zoë")
+        assert "Persona Élan created" in await run(app, "!persona create Élan", ctx(persona="Zoë"))
+        assert "exists already" in await run(app, "!persona create éLAN", ctx(persona="Zoë"))
+        assert "Persona Élan deleted" in await run(app, "!persona delete ÉLAN", ctx(persona="Zoë"))
+        revived = await run(app, "!persona create éLAN", ctx(persona="Zoë"))  # the deleted one comes back
+        assert "Persona Élan created" in revived and app.personas.names() == ["Zoë", "Straße", "Élan"]
+        rows = await app.storage.db.fetch_all("SELECT name FROM personas ORDER BY id")
+        assert [r[0] for r in rows] == ["Zoë", "Straße", "Élan"]
+
+
 async def test_threads_inherit_their_channels_persona_unless_set_themselves(tmp_path: Path) -> None:
     llm = ScriptedProvider()
     async with App(_config(tmp_path), llm=llm) as app:

@@ -78,27 +78,38 @@ class PersonaRepository:
         return [_persona(r) for r in rows]
 
     async def get_persona(self, name: str) -> PersonaRow | None:
-        row = await self.db.fetch_one(
-            "SELECT * FROM personas WHERE lower(name) = lower(?) AND deleted_at IS NULL", (name,))
+        """The live persona called ``name`` in any case (Unicode's: "ZOË" is "Zoë", "STRASSE" is "Straße")."""
+        row = await self._named(name, deleted=False)
         return None if row is None else _persona(row)
+
+    async def _named(self, name: str, *, deleted: bool | None) -> Row | None:
+        """The row called ``name`` under Unicode case folding, live (``deleted=False``), deleted (True) or
+        either (None). Folded here: SQL's lower() and NOCASE fold ASCII letters only, and a bot has few
+        personas."""
+        where = {False: " WHERE deleted_at IS NULL", True: " WHERE deleted_at IS NOT NULL", None: ""}[deleted]
+        wanted = name.casefold()
+        rows = await self.db.fetch_all(f"SELECT * FROM personas{where} ORDER BY deleted_at IS NULL DESC, id")
+        return next((r for r in rows if str(r["name"]).casefold() == wanted), None)
 
     async def create_persona(self, name: str, language: str, settings: Mapping[str, Any], source: str,
                              ts_config: str, *, revive: bool = True) -> PersonaRow | None:
         """A new persona (or, with ``revive``, one deleted earlier, brought back with these values and its
         soul and lore as they were); None if the name is taken (by a deleted one too, without ``revive``)."""
-        now = time.time()
-        row = await self.db.write_one(
-            "INSERT INTO personas (name, created_at, ts_config, language, settings, source) VALUES (?, ?, ?, ?, ?, ?)"
-            " ON CONFLICT DO NOTHING RETURNING *",
-            (name, now, ts_config, language, json.dumps(dict(settings)), source))
-        if row is not None:
-            return _persona(row)
-        if not revive:
+        taken = await self._named(name, deleted=None)  # live rows first
+        if taken is None:
+            row = await self.db.write_one(
+                "INSERT INTO personas (name, created_at, ts_config, language, settings, source)"
+                " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING RETURNING *",
+                (name, time.time(), ts_config, language, json.dumps(dict(settings)), source))
+            if row is not None:
+                return _persona(row)
+            taken = await self._named(name, deleted=None)  # another process, a moment ago
+        if not revive or taken is None or taken["deleted_at"] is None:
             return None
         revived = await self.db.write_one(
             "UPDATE personas SET deleted_at = NULL, language = ?, settings = ?, source = ?, ts_config = ?"
-            " WHERE lower(name) = lower(?) AND deleted_at IS NOT NULL RETURNING *",
-            (language, json.dumps(dict(settings)), source, ts_config, name))
+            " WHERE id = ? AND deleted_at IS NOT NULL RETURNING *",
+            (language, json.dumps(dict(settings)), source, ts_config, int(taken["id"])))
         return None if revived is None else _persona(revived)
 
     async def update_persona(self, persona_id: int, language: str, settings: Mapping[str, Any],
