@@ -256,6 +256,40 @@ async def test_skills_commands_switch_per_server_and_forget_me_removes_the_audit
         assert await app.storage.skills.recent("console:ann") == []
 
 
+async def test_a_switch_can_be_reset_and_a_bot_wide_one_names_what_still_overrides_it(
+        tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """Once a server had switched a skill, nobody could make it follow the bot-wide value again, and a
+    bot admin's "off everywhere" said so while that server kept it on."""
+    async with App(_config(tmp_path, fake_llm)) as app:
+        admin = CommandContext("console", "console:boss", "Boss", "console:room", "Cora", is_admin=True,
+                               server_key="console:g1")
+        root = CommandContext("console", "console:root", "Root", "console:room", "Cora", is_admin=True,
+                              is_bot_admin=True, server_key="console:g1")
+
+        async def say(line: str, who: CommandContext = admin) -> str:
+            return (await app.commands.dispatch(line, who)).text
+
+        await say("!skills disable remember")
+        await say("!skills enable remember")
+        everywhere = await say("!skills disable remember --everywhere", root)
+        assert "off for Cora everywhere" in everywhere and "server:console:g1" in everywhere
+        assert "!skills reset remember" in everywhere
+        assert "✅ remember (builtin; this server)" in await say("!skills list")
+        assert await say("!skills reset remember") == (
+            "remember has no switch of its own for Cora in this server any more; here it is off (bot-wide).")
+        assert "⛔ remember (builtin; bot-wide)" in await say("!skills list")
+        assert "had no switch of its own" in await say("!skills reset remember")
+        assert "no switch of its own for Cora everywhere any more; here it is on (default)" in await say(
+            "!skills reset remember --everywhere", root)
+        assert "bot's admins" in await say("!skills reset remember --everywhere")
+        assert "!skills reset is for admins only." == await say(
+            "!skills reset remember", CommandContext("console", "console:ann", "Ann", "console:room", "Cora",
+                                                     server_key="console:g1"))
+        fake_llm.enqueue(FakeResponse.text("Hi."))
+        await app.core.reply(_msg("hi", server="g1")).text()
+        assert "remember" in tool_names(replies(fake_llm)[-1])  # back to the default: offered again
+
+
 async def test_an_incognito_stretch_offers_no_memory_writes(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
     async with App(_config(tmp_path, fake_llm)) as app:
         assert (await app.commands.dispatch("!memory pause", ANN_DM)).text.startswith("Incognito with Cora since")

@@ -1,4 +1,4 @@
-"""``!skills list | enable NAME | disable NAME | stats``: which tools the persona in use may call here,
+"""``!skills list | enable NAME | disable NAME | reset NAME | stats``: which tools the persona in use may call here,
 with each one's effective value and where it comes from; admins switch them per server (the default in
 a server), per channel (``--channel``) or bot-wide for the persona (``--everywhere``, bot admins; the
 only scope in a direct message)."""
@@ -34,6 +34,8 @@ class SkillCommands:
                                   admin=True))
         registry.register(Command("skills disable", "stop the persona using a skill", self.disable, (name, *scope),
                                   admin=True))
+        registry.register(Command("skills reset", "drop this scope's switch: the skill follows the wider one again",
+                                  self.reset, (name, *scope), admin=True))
         registry.register(Command("skills stats", "skill calls of the last 7 days, bot-wide: count, failures, time",
                                   self.stats, admin=True, bot_admin=True))
 
@@ -62,16 +64,31 @@ class SkillCommands:
     async def disable(self, ctx: CommandContext, args: Sequence[str]) -> str:
         return await self._switch(ctx, args, False)
 
-    async def _switch(self, ctx: CommandContext, args: Sequence[str], enabled: bool) -> str:
+    async def reset(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        return await self._switch(ctx, args, None)
+
+    async def _switch(self, ctx: CommandContext, args: Sequence[str], enabled: bool | None) -> str:
         names = [a for a in args if not a.startswith("--")]
         known = {s.info.name: s for s in self.tools.all()}
         if not names:
             raise CommandError(f"which skill? see {self.prefix}skills list")
         if names[0] not in known:
             raise CommandError(f"unknown skill {shown(names[0])}; see {self.prefix}skills list")
+        name, policy = names[0], self.tools.policy
         scope, where = self._scope(ctx, args)
-        await self.tools.policy.set(ctx.persona, scope, names[0], enabled)
-        return f"{names[0]} is now {'on' if enabled else 'off'} for {ctx.persona} {where}."
+        had = await policy.set(ctx.persona, scope, name, enabled)
+        if enabled is None:
+            now = await policy.effective(known[name].info, ctx.persona, ctx.server_key, ctx.channel_key)
+            done = (f"{name} has no switch of its own for {ctx.persona} {where} any more" if had else
+                    f"{name} had no switch of its own for {ctx.persona} {where}")
+            return f"{done}; here it is {'on' if now.enabled else 'off'} ({now.source})."
+        done = f"{name} is now {'on' if enabled else 'off'} for {ctx.persona} {where}."
+        below = await policy.narrower(ctx.persona, name) if scope == "*" else []
+        if below:  # a server's or channel's own switch wins over the bot-wide one
+            shown_scopes = ", ".join(below[:5]) + (f" and {len(below) - 5} more" if len(below) > 5 else "")
+            done += (f" Switched on their own (and so unchanged): {shown_scopes}; {self.prefix}skills reset {name} "
+                     "there makes them follow this.")
+        return done
 
     @staticmethod
     def _scope(ctx: CommandContext, args: Sequence[str]) -> tuple[str, str]:

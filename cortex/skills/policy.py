@@ -66,11 +66,25 @@ class SkillPolicy:
                 return Effective(found[scope][info.name], label)
         return self.default(info)
 
-    async def set(self, persona: str, scope: str, name: str, enabled: bool) -> None:
-        """Record an override (``scope``: ``*``, ``server:KEY`` or ``channel:KEY``); read-modify-write of
+    async def set(self, persona: str, scope: str, name: str, enabled: bool | None) -> bool:
+        """Record an override (``scope``: ``*``, ``server:KEY`` or ``channel:KEY``), or remove it (``None``:
+        the scope follows the wider ones again); whether there was one to remove. A read-modify-write of
         one small value: admins changing the same persona's skills in the same second may lose one."""
         self._cache.pop(settings_key(persona), None)
         found = dict(await self.overrides(persona))
-        found[scope] = {**found.get(scope, {}), name: enabled}
+        mine = {**found.get(scope, {})}
+        had = mine.pop(name, None) is not None
+        if enabled is not None:
+            mine[name] = enabled
+        if mine:
+            found[scope] = mine
+        else:
+            found.pop(scope, None)
         await self.storage.set_setting(settings_key(persona), json.dumps(found, sort_keys=True))
         self._cache.pop(settings_key(persona), None)
+        return had
+
+    async def narrower(self, persona: str, name: str) -> list[str]:
+        """The server and channel scopes with an override of ``name`` (they win over a bot-wide one)."""
+        return sorted(scope for scope, values in (await self.overrides(persona)).items()
+                      if scope != "*" and name in values)
