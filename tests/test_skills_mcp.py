@@ -19,6 +19,7 @@ import pytest_asyncio
 from bot.config import McpServerConfig
 from cortex.skills.base import SkillContext, SkillResult
 from cortex.skills.mcp import McpOptions, McpServer, McpSkills, McpTool
+from cortex.skills.policy import Effective
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -235,6 +236,39 @@ async def test_tools_filter_and_name_clash() -> None:
         assert refused.is_error and "does not offer" in refused.content
     finally:
         await skills.aclose()
+
+
+async def test_a_switch_stays_with_its_tool_when_another_server_offers_the_same_name(tmp_path: Path) -> None:
+    """Switches were kept under the offered name: "extra" switched off became "alpha_extra" (on again)
+    once a second server offered an "extra" too."""
+    from bot.config import SkillsConfig
+    from bot.storage import open_sqlite
+    from cortex.skills.policy import SkillPolicy
+
+    storage = await open_sqlite(tmp_path / "bot.db")
+    await storage.migrate()
+    skills = McpSkills([stdio_config("alpha", tools=["extra", "grow"]), stdio_config("beta", tools=["extra", "grow"])],
+                       FAST)
+    try:
+        await skills.start()
+        alpha, beta = skills.servers
+        policy = SkillPolicy(SkillsConfig(), storage)
+        await alpha.call("grow", {})
+        await eventually(lambda: "extra" in by_name(skills.skills()), 10)
+        alone = by_name(skills.skills())["extra"].info
+        assert alone.key == "alpha/extra"
+        await policy.set("Cora", "*", alone, False)
+        assert not (await policy.effective(alone, "Cora", None, "c")).enabled
+        await beta.call("grow", {})
+        await eventually(lambda: "beta_extra" in by_name(skills.skills()), 10)
+        offered = by_name(skills.skills())
+        assert (await policy.effective(offered["alpha_extra"].info, "Cora", None, "c")) == Effective(False, "bot-wide")
+        assert (await policy.effective(offered["beta_extra"].info, "Cora", None, "c")) == Effective(True, "default")
+        assert await policy.set("Cora", "*", offered["alpha_extra"].info, None)  # reset finds it under either name
+        assert (await policy.effective(offered["alpha_extra"].info, "Cora", None, "c")).source == "default"
+    finally:
+        await skills.aclose()
+        await storage.close()
 
 
 async def test_crash_then_restart() -> None:

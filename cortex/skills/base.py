@@ -73,6 +73,13 @@ class SkillInfo:
     triggers: tuple[str, ...] = ()  # empty: always offered (where allowed)
     server: str = ""  # the MCP server it comes from
     secrets: tuple[str, ...] = field(default=())  # argument/header values never written to the audit
+    tool: str = ""  # an MCP tool's name on its server
+
+    @property
+    def key(self) -> str:
+        """What admins' switches are kept under: the offered name, except for an MCP tool, whose offered
+        name changes when another server offers a tool of the same name (``server/tool`` instead)."""
+        return f"{self.server}/{self.tool}" if self.server and self.tool else self.name
 
 
 class Skill(Protocol):

@@ -185,6 +185,7 @@ class McpTool:
             admin_only=config.admin_only,
             triggers=tuple(config.triggers),
             server=config.name,
+            tool=tool.name,
         )
 
     @property

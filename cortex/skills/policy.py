@@ -2,8 +2,8 @@
 bot-wide, per server and per channel, the narrowest one winning — each reported with its source.
 
 Overrides live in the settings table (one JSON value per persona: ``{"*": {...}, "server:KEY": {...},
-"channel:KEY": {...}}`` mapping skill names to on/off), read through a short cache so every process
-sees a change within seconds.
+"channel:KEY": {...}}`` mapping skills' keys to on/off: the name, ``server/tool`` for an MCP tool), read
+through a short cache so every process sees a change within seconds.
 """
 
 from __future__ import annotations
@@ -62,20 +62,21 @@ class SkillPolicy:
         found = await self.overrides(persona)
         for scope, label in ((f"channel:{channel_key}", "this channel"),
                              (f"server:{server_key}" if server_key else "", "this server"), ("*", "bot-wide")):
-            if scope and info.name in found.get(scope, {}):
-                return Effective(found[scope][info.name], label)
+            for name in (info.key, info.name):  # the name: a switch kept before keys were stable
+                if scope and name in found.get(scope, {}):
+                    return Effective(found[scope][name], label)
         return self.default(info)
 
-    async def set(self, persona: str, scope: str, name: str, enabled: bool | None) -> bool:
+    async def set(self, persona: str, scope: str, info: SkillInfo, enabled: bool | None) -> bool:
         """Record an override (``scope``: ``*``, ``server:KEY`` or ``channel:KEY``), or remove it (``None``:
         the scope follows the wider ones again); whether there was one to remove. A read-modify-write of
         one small value: admins changing the same persona's skills in the same second may lose one."""
         self._cache.pop(settings_key(persona), None)
         found = dict(await self.overrides(persona))
         mine = {**found.get(scope, {})}
-        had = mine.pop(name, None) is not None
+        had = any([mine.pop(name, None) is not None for name in {info.key, info.name}])
         if enabled is not None:
-            mine[name] = enabled
+            mine[info.key] = enabled
         if mine:
             found[scope] = mine
         else:
@@ -84,7 +85,7 @@ class SkillPolicy:
         self._cache.pop(settings_key(persona), None)
         return had
 
-    async def narrower(self, persona: str, name: str) -> list[str]:
-        """The server and channel scopes with an override of ``name`` (they win over a bot-wide one)."""
+    async def narrower(self, persona: str, info: SkillInfo) -> list[str]:
+        """The server and channel scopes with an override of this skill (they win over a bot-wide one)."""
         return sorted(scope for scope, values in (await self.overrides(persona)).items()
-                      if scope != "*" and name in values)
+                      if scope != "*" and (info.key in values or info.name in values))
