@@ -14,7 +14,7 @@ import difflib
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit
@@ -548,15 +548,21 @@ class McpServerConfig(_Section):
         return self
 
 
+BUILTIN_SKILLS = ("remember", "search_memory", "search_lore", "current_time", "read_soul", "read_guidelines",
+                  "edit_soul", "edit_guidelines")
+
+
+def _did_you_mean(name: str, known: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 class SkillsConfig(_Section):
     """Tools the persona may use while replying."""
 
     enabled: bool = Field(default=True, description="Offer skills to the model in replies.")
-    builtin: list[str] = Field(
-        default_factory=lambda: ["remember", "search_memory", "search_lore", "current_time", "read_soul",
-                                 "read_guidelines", "edit_soul", "edit_guidelines"],
-        description="Built-in skills on by default.",
-    )
+    builtin: list[str] = Field(default_factory=lambda: list(BUILTIN_SKILLS),
+                               description="Built-in skills on by default.")
     disabled: list[str] = Field(default_factory=list, description="Skills off by default (admins may enable).")
     max_rounds: int = Field(default=4, ge=1, le=20, description="Most model calls in one reply.")
     reply_token_cap: int = Field(default=20_000, ge=1000, description="Tokens one reply may spend over all rounds.")
@@ -565,6 +571,27 @@ class SkillsConfig(_Section):
     timezone: str = Field(default="UTC", description="current_time's zone when the user's is unknown.")
     http: list[HttpSkillConfig] = Field(default_factory=list)
     mcp: list[McpServerConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _names_are_known(self) -> SkillsConfig:
+        """A typo here switched skills off (or failed to) without a word: built-in names are checked, HTTP
+        skills may not share a name, and a ``disabled`` name close to a known one but not it is refused (an
+        MCP server's tools are known only once it runs)."""
+        for name in self.builtin:
+            if name not in BUILTIN_SKILLS:
+                raise ValueError(f"builtin: {name!r} is no built-in skill{_did_you_mean(name, BUILTIN_SKILLS)}; "
+                                 f"they are {', '.join(BUILTIN_SKILLS)}")
+        http: set[str] = set()
+        for entry in self.http:
+            if entry.name.casefold() in http or entry.name in BUILTIN_SKILLS:
+                raise ValueError(f"[[skills.http]] {entry.name!r}: a skill of that name exists already "
+                                 "(built-in or another http entry); give it a name of its own")
+            http.add(entry.name.casefold())
+        known = [*BUILTIN_SKILLS, *(entry.name for entry in self.http)]
+        for name in self.disabled:
+            if name.casefold() not in {k.casefold() for k in known} and (hint := _did_you_mean(name, known)):
+                raise ValueError(f"disabled: {name!r} names no skill{hint}")
+        return self
 
 
 class WebConfig(_Section):

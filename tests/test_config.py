@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -234,3 +235,33 @@ def test_a_config_toml_here_that_cannot_be_read_is_an_error_not_the_defaults(
         "config file config.toml is a link to .*gone.toml, which does not exist")
     with pytest.raises(ConfigError, match=expected):
         load_config(found)
+
+
+@pytest.mark.parametrize(("skills", "message"), [
+    ({"builtin": ["remember", "serch_memory"]}, "'serch_memory' is no built-in skill (did you mean 'search_memory'?)"),
+    ({"disabled": ["remmber"]}, "disabled: 'remmber' names no skill (did you mean 'remember'?)"),
+    ({"http": [{"name": "current_time", "description": "d", "url": "http://127.0.0.1:9/t"}]},
+     "'current_time': a skill of that name exists already"),
+    ({"http": [{"name": "weather", "description": "d", "url": "http://127.0.0.1:9/a"},
+               {"name": "Weather", "description": "d", "url": "http://127.0.0.1:9/b"}]},
+     "'Weather': a skill of that name exists already"),
+])
+def test_skill_names_in_the_config_are_checked(skills: dict, message: str) -> None:
+    """A typo in builtin switched the unlisted built-ins off without a word; a duplicate http skill, or one
+    named like a built-in, was dropped silently."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config({"skills": skills})
+
+
+def test_disabled_takes_any_case_and_names_it_cannot_check() -> None:
+    from bot.config import BUILTIN_SKILLS
+    from cortex.skills.base import SkillInfo
+    from cortex.skills.policy import SkillPolicy
+
+    config = parse_config({"skills": {"disabled": ["Weather", "some_mcp_tool", "alpha/extra"],
+                                      "http": [{"name": "weather", "description": "d", "url": "http://127.0.0.1:9"}]}})
+    policy = SkillPolicy(config.skills, storage=None)  # type: ignore[arg-type]  # default() reads no storage
+    assert not policy.default(SkillInfo("weather", "d", {}, "http")).enabled  # "Weather" meant it
+    assert not policy.default(SkillInfo("extra", "d", {}, "mcp", server="alpha", tool="extra")).enabled
+    assert policy.default(SkillInfo("other", "d", {}, "mcp", server="alpha", tool="other")).enabled
+    assert parse_config({}).skills.builtin == list(BUILTIN_SKILLS)

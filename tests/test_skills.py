@@ -313,3 +313,25 @@ def test_the_audit_hides_a_secret_and_the_credential_inside_it() -> None:
     recorded = sanitised({"q": "use abcdefghij please", "n": 3}, ("Bearer abcdefghij",))
     assert recorded == '{"q": "use *** please", "n": 3}'
 
+
+
+async def test_the_configs_built_in_names_are_the_built_in_skills(tmp_path: Path, fake_llm: FakeLLMServer,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """And a tool of an MCP server named like one of them is not offered, which the log says once."""
+    from bot.config import BUILTIN_SKILLS
+    from cortex.skills.base import SkillInfo
+    from cortex.skills.toolbox import SkillTools
+
+    async with App(_config(tmp_path, fake_llm)) as app:
+        builtins = [s for s in app.skills.tools.all() if s.info.origin == "builtin"]
+        assert {s.info.name for s in builtins} == set(BUILTIN_SKILLS)
+
+        class Clash:
+            info = SkillInfo("current_time", "d", {}, "mcp", server="clock", tool="current_time")
+
+        tools = SkillTools(app.config.skills, app.storage, [lambda: builtins, lambda: [Clash()]])
+        with caplog.at_level("WARNING", logger="cortex.skills.toolbox"):
+            for _ in range(3):
+                assert [s.info.origin for s in tools.all() if s.info.name == "current_time"] == ["builtin"]
+        warned = [r.getMessage() for r in caplog.records if "not offered" in r.getMessage()]
+        assert warned == ["skill current_time (mcp clock) is not offered: a builtin skill has that name"]

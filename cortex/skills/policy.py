@@ -37,7 +37,8 @@ class SkillPolicy:
         self._cache: dict[str, tuple[float, Overrides]] = {}
 
     def default(self, info: SkillInfo) -> Effective:
-        if info.name in self.config.disabled:
+        disabled = {name.casefold() for name in self.config.disabled}
+        if info.name.casefold() in disabled or info.key.casefold() in disabled:
             return Effective(False, "config (disabled)")
         if info.origin == "builtin" and info.name not in self.config.builtin:
             return Effective(False, "config (not in builtin)")

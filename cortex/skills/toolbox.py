@@ -144,12 +144,18 @@ class SkillTools:
         self.storage = storage
         self.policy = SkillPolicy(config, storage)
         self.sources = list(sources)
+        self._skipped: set[tuple[str, str]] = set()  # clashing names already logged (once each)
 
     def all(self) -> list[Skill]:
         seen: dict[str, Skill] = {}
         for source in self.sources:
             for skill in source():
-                seen.setdefault(skill.info.name, skill)  # built-ins first: a clashing later name is skipped
+                info = skill.info
+                first = seen.setdefault(info.name, skill)  # built-ins first: a clashing later name is skipped
+                if first is not skill and (info.name, info.key) not in self._skipped:
+                    self._skipped.add((info.name, info.key))
+                    log.warning("skill %s (%s%s) is not offered: a %s skill has that name", info.name, info.origin,
+                                f" {info.server}" if info.server else "", first.info.origin)
         return list(seen.values())
 
     async def toolbox(self, context: PromptContext) -> SkillToolbox | None:
