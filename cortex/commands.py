@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from bot.commands import (
@@ -32,7 +32,7 @@ from bot.commands import (
     words,
 )
 from bot.commands.files import attached_file
-from bot.config import FREQUENCY_PRESETS, Config
+from bot.config import FREQUENCY_PRESETS, Config, CortexConfig
 from bot.persona import PersonaSource
 from bot.storage.base import Channel, Storage, User
 from bot.text import plural
@@ -363,20 +363,30 @@ class CortexCommands:
             except SettingError as exc:
                 raise CommandError(str(exc)) from None
             effective = await self.resolver.effective(ctx.persona, ctx.server_key)
-            return (f"{key}: {note} for {scope_words(scope)}. Effective now: "
+            done = (f"{key}: {note} for {scope_words(scope)}. Effective now: "
                     f"{setting_text(getattr(effective.settings, key))} (from {scope_words(effective.sources[key])}).")
+            if key in ("frequency", "tiers"):  # the tiers decide when both are set: say what the plan is now
+                done += " " + self._tier_plan(effective.settings, effective.sources)
+            return done
         effective = await self.resolver.effective(ctx.persona, ctx.server_key)
         here = f" in {scope_words(server_scope(ctx.server_key))}" if ctx.server_key else ""
         lines = [f"Cortex settings for persona {ctx.persona}{here} (value, where it comes from):"]
         for key, value in effective.settings.model_dump().items():
             mark = "" if key in OVERRIDABLE else "  (config only)"
             lines.append(f"  {key:<22} {setting_text(value):<24} {scope_words(effective.sources[key])}{mark}")
-        steps = ", ".join(f"{pct}% → message {at}" for pct, at in thresholds(effective.settings))
-        lines.append(f"Tiers this cycle: {steps}. Presets: " + "; ".join(
+        lines.append(self._tier_plan(effective.settings, effective.sources) + " Presets: " + "; ".join(
             f"{name} {'/'.join(map(str, pcts))}%" for name, pcts in FREQUENCY_PRESETS.items()))
         lines.append(f"Change with: {self.prefix}cortex settings <key> <value|default> [--persona]; "
                      f"keys: {', '.join(OVERRIDABLE)}")
         return CommandReply("\n".join(lines), preformatted="text")  # in columns
+
+    @staticmethod
+    def _tier_plan(settings: CortexConfig, sources: Mapping[str, str]) -> str:
+        steps = ", ".join(f"{pct}% → message {at}" for pct, at in thresholds(settings))
+        if not settings.tiers:
+            return f"Tiers this cycle: {steps}."
+        return (f"Tiers this cycle: {steps}, from tiers ({scope_words(sources['tiers'])}), which decide over "
+                f"frequency while set (tiers default there lets frequency decide).")
 
     async def stats(self, ctx: CommandContext, args: Sequence[str]) -> str:
         day_start = time.time() - 86_400

@@ -237,6 +237,24 @@ async def test_settings_are_admin_only_scoped_validated_and_shown(tmp_path: Path
         assert (await app.cortex.resolver.effective("Cora")).sources["frequency"] == "config"
 
 
+async def test_frequency_under_a_tiers_override_says_the_tiers_decide(tmp_path: Path) -> None:
+    """A server admin set frequency and was told "Effective now: frequent" while a bot-wide tiers override
+    kept the plan at 95 %."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        boss = ctx("boss", admin=True, server="console:guild1", bot_admin=True)
+        server_admin = ctx(admin=True, server="console:guild1")
+        await run(app, "!cortex settings tiers 95 --persona", boss)
+        said = (await run(app, "!cortex settings frequency frequent", server_admin)).text
+        assert "Effective now: frequent (from this server)." in said
+        assert "Tiers this cycle: 95% → message" in said and "from tiers (the persona everywhere)" in said
+        assert "tiers default there lets frequency decide" in said
+        await run(app, "!cortex settings tiers default --persona", boss)
+        said = (await run(app, "!cortex settings frequency frequent", server_admin)).text
+        plan = (await app.cortex.resolver.effective("Cora", "console:guild1")).settings.tier_percentages()
+        assert plan != (95,) and f"Tiers this cycle: {plan[0]}% → message" in said and "decide over" not in said
+        assert "decide over" in "".join((await run(app, "!cortex settings tiers 50", server_admin)).text)
+
+
 async def test_cortex_stats_and_help(tmp_path: Path) -> None:
     async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
         pair_id = await _pair_id_after_show(app)
