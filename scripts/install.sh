@@ -33,8 +33,22 @@ case "$extra" in
   dev|postgres) spec=".[$extra]" ;;
   *) echo "unknown extra '$extra': use dev or postgres" >&2; exit 2 ;;
 esac
-# Editable, so a checkout that is edited and re-run needs no reinstall.
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e "$spec"
+# Editable, so a checkout that is edited and re-run needs no reinstall. Done once per pyproject.toml (and
+# extra): an installed bot starts without a package index (CORTEXBOT_REINSTALL=1 forces it).
+digest=$(cat pyproject.toml | { sha256sum 2>/dev/null || shasum -a 256; } | cut -d' ' -f1)
+stamp="$venv/.cortexbot-installed-${extra:-base}"
+if [ "${CORTEXBOT_REINSTALL:-}" != 1 ] && [ -x "$venv/bin/cortexbot" ] && [ -f "$stamp" ] &&
+   [ "$(cat "$stamp")" = "$digest" ]; then
+  echo "cortex-bot is installed in $venv (pyproject.toml unchanged)" >&2
+else
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e "$spec"
+  case "$extra" in  # what this install covers
+    dev) covered="dev postgres base" ;;
+    postgres) covered="postgres base" ;;
+    *) covered="base" ;;
+  esac
+  for part in $covered; do echo "$digest" > "$venv/.cortexbot-installed-$part"; done
+fi
 
 # The page test drives a real browser: Debian's Chromium (Playwright never downloads one here).
 if [ "$extra" = dev ] && ! command -v chromium >/dev/null 2>&1; then
