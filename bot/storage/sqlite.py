@@ -107,9 +107,10 @@ class SQLiteDatabase:
         return self
 
     async def _connect(self) -> aiosqlite.Connection:
-        # A file SQLite cannot open fails here, on a short-lived thread: aiosqlite's own worker thread, failing,
-        # would still be answering into the event loop after a CLI command's loop closed (a traceback).
-        await asyncio.to_thread(_can_open, self.path)
+        # A file SQLite cannot open fails here (opening takes well under a millisecond, and happens at start
+        # only): aiosqlite's own worker thread, failing, would still be answering into the event loop after a
+        # CLI command's loop closed (a traceback), and a worker thread here would outlive the open.
+        _can_open(self.path)
         db = await aiosqlite.connect(self.path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
         try:
             db.row_factory = sqlite3.Row
