@@ -25,7 +25,7 @@ from bot.jobs import JobQueue
 from bot.llm.base import ChatMessage, LLMProvider, LLMRequest
 from bot.llm.errors import LLMError, LLMTransientError
 from bot.persona import ConfigPersonas, Persona, PersonaSource
-from bot.storage.base import Job, LLMCallRecord, Storage, StoredMessage, Summary
+from bot.storage.base import Job, LLMCallRecord, Storage, StoredMessage, Summary, SummarySources
 from bot.tokens import TokenEstimator
 
 log = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ class SummaryEngine:
         budgets: Budgets,
         latest: Summary | None,
         evicted: list[StoredMessage],
-    ) -> Summary:
+    ) -> Summary | None:
         model = self.config.llm.summary_model or self.config.model_for(persona)
         parts = []
         if latest:
@@ -230,13 +230,19 @@ class SummaryEngine:
             reason = "summary cut off at the output limit"
         elif tokens > budgets.summary_tokens:
             reason = f"summary too long ({tokens} tokens > budget {budgets.summary_tokens})"
+        made_from = SummarySources(latest.id if latest else None, tuple(m.id for m in evicted))
         if reason:
             await self.storage.add_summary(
-                channel_id, text, covers_from, covers_to, tokens, model, status="rejected", reason=reason
-            )
+                channel_id, text, covers_from, covers_to, tokens, model, status="rejected", reason=reason,
+                made_from=made_from)
             log.warning("summary job %d for channel %d rejected: %s", job.id, channel_id, reason)
             raise SummaryRejected(reason)
-        summary = await self.storage.add_summary(channel_id, text, covers_from, covers_to, tokens, model)
+        summary = await self.storage.add_summary(channel_id, text, covers_from, covers_to, tokens, model,
+                                                 made_from=made_from)
+        if summary is None:  # the next reply that needs one asks again, from what is there then
+            log.info("summary job %d: channel %d's messages changed while it was written (someone was "
+                     "forgotten); it is dropped", job.id, channel_id)
+            return None
         log.info(
             "channel %d: summary v%d covers messages %d..%d (%d tokens, %d new messages)",
             channel_id, summary.version, covers_from, covers_to, tokens, len(evicted),

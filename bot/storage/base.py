@@ -68,6 +68,15 @@ class Summary:
 
 
 @dataclass(frozen=True, slots=True)
+class SummarySources:
+    """What a new summary was made from: the summary it continues (None: the first) and the messages it
+    folds in (ids)."""
+
+    previous: int | None
+    messages: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Job:
     id: int
     kind: str
@@ -191,7 +200,11 @@ class Storage(Protocol):
         model: str,
         status: SummaryStatus = "ok",
         reason: str = "",
-    ) -> Summary: ...
+        *,
+        made_from: SummarySources | None = None,
+    ) -> Summary | None:
+        """Store a summary; with ``made_from``, only while every message and the summary it was made from
+        still exist (None otherwise: a forget-me deleted some of them while the model wrote it)."""
 
     async def list_summaries(self, channel_id: int) -> list[Summary]: ...
 

@@ -33,6 +33,7 @@ from bot.storage.base import (
     ReplyStats,
     StoredMessage,
     Summary,
+    SummarySources,
     SummaryStatus,
     User,
 )
@@ -381,19 +382,32 @@ class Storage:
         model: str,
         status: SummaryStatus = "ok",
         reason: str = "",
-    ) -> Summary:
-        # One statement: the next version number and the insert are atomic together.
+        *,
+        made_from: SummarySources | None = None,
+    ) -> Summary | None:
+        # One statement: the next version number, the check of what it was made from and the insert are
+        # atomic together (a forget-me deleting a message it folds in makes it a summary of nobody's words).
+        fence, fenced = "", []
+        if made_from is not None:
+            ids = list(made_from.messages)
+            fence = (" HAVING (SELECT count(*) FROM messages WHERE id IN (" + ", ".join("?" * len(ids)) + ")) = ?"
+                     if ids else " HAVING TRUE")
+            fenced = [*ids, len(ids)] if ids else []
+            if made_from.previous is not None:
+                fence += " AND EXISTS (SELECT 1 FROM summaries WHERE id = ?)"
+                fenced.append(made_from.previous)
         row = await self.db.write_one(
             "INSERT INTO summaries (channel_id, version, text, covers_from_id, covers_to_id, covers_to_seq,"
             " token_count, model, status, reason, created_at)"
             " SELECT CAST(? AS BIGINT), coalesce(max(version), 0) + 1, CAST(? AS TEXT), CAST(? AS BIGINT),"
             " CAST(? AS BIGINT), coalesce((SELECT seq FROM messages WHERE id = ?), 0), CAST(? AS INTEGER),"
             " CAST(? AS TEXT), CAST(? AS TEXT), CAST(? AS TEXT), CAST(? AS DOUBLE PRECISION) FROM summaries"
-            " WHERE channel_id = ? RETURNING *",
+            f" WHERE channel_id = ?{fence} RETURNING *",
             (channel_id, text, covers_from_id, covers_to_id, covers_to_id, token_count, model, status, reason,
-             time.time(), channel_id),
+             time.time(), channel_id, *fenced),
         )
-        assert row is not None
+        if row is None:
+            return None
         summary = self._summary(row)
         metrics.observe_summary(summary.status == "ok")
         if summary.status == "ok":

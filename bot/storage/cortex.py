@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from bot import metrics
 from bot.storage.base import StoredMessage, User
-from bot.storage.engine import Database, Tx, is_conflict
+from bot.storage.engine import Database, StaleReference, Tx, is_conflict, is_missing_reference
 from bot.storage.incognito import not_incognito
 from bot.storage.rows import MESSAGE_COLUMNS, message_from_row
 
@@ -132,14 +132,20 @@ class CortexRepository:
         return None if row is None else self._pair(row)
 
     async def count_messages(self, user_id: int, persona: str, added: int) -> Pair:
-        """Add ``added`` messages to the pair's cycle counter (creating the pair), atomically."""
-        row = await self.db.write_one(
-            "INSERT INTO cortex_pairs (user_id, persona, cycle_count, created_at) VALUES (?, ?, ?, ?)"
-            " ON CONFLICT (user_id, persona) DO UPDATE SET"
-            " cycle_count = cortex_pairs.cycle_count + excluded.cycle_count"
-            " RETURNING *",
-            (user_id, persona, added, time.time()),
-        )
+        """Add ``added`` messages to the pair's cycle counter (creating the pair), atomically;
+        :class:`StaleReference` when the user is gone (forgotten meanwhile: no pair is made for nobody)."""
+        try:
+            row = await self.db.write_one(
+                "INSERT INTO cortex_pairs (user_id, persona, cycle_count, created_at) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (user_id, persona) DO UPDATE SET"
+                " cycle_count = cortex_pairs.cycle_count + excluded.cycle_count"
+                " RETURNING *",
+                (user_id, persona, added, time.time()),
+            )
+        except Exception as exc:
+            if is_missing_reference(exc):
+                raise StaleReference(f"user {user_id} no longer exists") from None
+            raise
         assert row is not None
         return self._pair(row)
 

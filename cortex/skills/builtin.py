@@ -18,6 +18,8 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from bot.config import SOUL_SECTIONS, Config
 from bot.storage.core import Storage
+from bot.storage.cortex import Pair
+from bot.storage.engine import StaleReference
 from bot.storage.personas import BOT_WIDE
 from cortex.memory.store import CATEGORIES, MemoryError, MemoryStore
 from cortex.personas.commands import MAX_SECTION_CHARS
@@ -84,6 +86,15 @@ class Builtins:
 
     # -- memory ----------------------------------------------------------------------------------
 
+    async def _pair(self, context: SkillContext) -> Pair:
+        """The pair of the person answered, by their row (never made again by their key: a reply still
+        running while they asked to be forgotten must not bring them back)."""
+        try:
+            return await self.cortex.count_messages(context.user_db_id, context.persona, 0)
+        except StaleReference:
+            raise SkillFailure("the person you answer has just asked to be forgotten: nothing about them is "
+                               "stored or looked up any more") from None
+
     def _remember(self) -> BuiltinSkill:
         info = SkillInfo("remember", (
             "Store one fact the user asked you to remember (or clearly wants kept) in your long-term memory of "
@@ -98,7 +109,7 @@ class Builtins:
         category = arguments.get("category", "fact")
         if category not in CATEGORIES:
             raise SkillFailure(f"'category' must be one of {', '.join(CATEGORIES)}")
-        _, pair = await self.cortex.pair_for(context.user_key, context.user_name, context.persona)
+        pair = await self._pair(context)
         try:
             item = await self.memory.remember(
                 pair.id, content, category=str(category), source="model", source_ref="remember skill in a reply",
@@ -119,7 +130,7 @@ class Builtins:
         limit = arguments.get("limit", 8)
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 20:
             raise SkillFailure("'limit' must be a whole number from 1 to 20")
-        _, pair = await self.cortex.pair_for(context.user_key, context.user_name, context.persona)
+        pair = await self._pair(context)
         scopes = ("private", "shared") if context.is_dm else ("shared",)
         hits = await self.memory.search(pair.id, query, limit=limit, include_messages=False, scopes=scopes)
         lines = [f"#{h.item.id} [{h.item.category}, {h.item.created_at:%Y-%m-%d}] {h.item.content}"

@@ -1,0 +1,98 @@
+"""Forget-me while work about the user is still running: a reply waiting on the model, a summary being
+written. Nothing of theirs may come back once forget-me said it is gone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from bot.app import App
+from bot.commands import CommandContext
+from bot.config import parse_config
+from bot.llm.base import Completion, LLMRequest, ToolCall, Usage
+from bot.ports import IncomingMessage
+from tests.engines import db_url_for
+from tests.fakes.provider import ScriptedProvider
+
+pytestmark = pytest.mark.both_engines
+
+SECRET = "zebraquokka"
+ANN = CommandContext("discord", "discord:ann", "Ann", "discord:dm-ann", "Cora", is_dm=True)
+
+
+class HeldProvider(ScriptedProvider):
+    """Answers its first call only once ``release`` is set (``waiting`` says it is being asked)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting, self.release = asyncio.Event(), asyncio.Event()
+
+    async def _next(self, request: LLMRequest) -> Completion:
+        if len(self.requests) == 0:
+            self.waiting.set()
+            await self.release.wait()
+        return await super()._next(request)
+
+
+def _config(tmp_path: Path, **sections: dict) -> object:
+    return parse_config({"storage": {"url": db_url_for(tmp_path)}, "personas": [{"name": "Cora"}], **sections})
+
+
+async def _rows(app: App, table: str) -> list[dict]:
+    return [dict(r) for r in await app.storage.db.fetch_all(f"SELECT * FROM {table}")]
+
+
+async def test_a_reply_waiting_on_the_model_stores_nothing_after_forget_me(tmp_path: Path) -> None:
+    """Its remember call made the user, a pair, the item and the audit row again (by the user's key)."""
+    llm = HeldProvider()
+    arguments = {"content": f"Ann's PIN is {SECRET}"}
+    llm.enqueue(Completion("", (ToolCall("t1", "remember", arguments, json.dumps(arguments)),), Usage(0, 10),
+                           stop_reason="tool_use"), "Noted.")
+    async with App(_config(tmp_path), llm=llm) as app:
+        message = IncomingMessage("discord", "dm-ann", "ann", "Ann", f"remember my PIN {SECRET}", is_dm=True)
+        reply = asyncio.create_task(app.core.reply(message, "Cora").text())
+        await asyncio.wait_for(llm.waiting.wait(), 10)
+        assert "Done. Deleted 1 message" in (await app.commands.dispatch("!memory forget-me confirm", ANN)).text
+        llm.release.set()
+        with pytest.raises(Exception):  # noqa: B017 - nobody is left to store the reply for
+            await reply
+        tool_result = str(llm.requests[-1].messages[-1].content)
+        assert "asked to be forgotten" in tool_result
+        for table in ("users", "cortex_pairs", "memory_items", "skill_executions", "messages"):
+            assert await _rows(app, table) == [], table
+
+
+async def test_a_summary_written_during_forget_me_is_dropped(tmp_path: Path) -> None:
+    llm = HeldProvider()
+    llm.enqueue(f"Ann told everyone {SECRET} is her secret.")
+    config = _config(tmp_path, history={"history_tokens": 60, "min_exchanges": 0, "summary_trigger": 2})
+    app = await App(config, llm=llm).start(workers=False)
+    try:
+        storage = app.storage
+        ann, bob = await storage.upsert_user("discord:ann", "Ann"), await storage.upsert_user("discord:bob", "Bob")
+        room = await storage.upsert_channel("discord:room", "room", False)
+        for i in range(12):
+            who = ann if i % 2 == 0 else bob
+            said = SECRET if who is ann else "hello"
+            await storage.add_message(room.id, who.id, "Cora", "user", who.display_name,
+                                      f"{who.display_name} says {said} {i} " * 3, 20)
+        job = await storage.enqueue_job("summary", f"channel:{room.id}", {"channel_id": room.id, "persona": "Cora"},
+                                        5)
+        running = asyncio.create_task(app.summaries.run_job(job))
+        await asyncio.wait_for(llm.waiting.wait(), 10)
+        assert "Done." in (await app.commands.dispatch("!memory forget-me confirm", ANN)).text
+        llm.release.set()
+        await running
+        assert await _rows(app, "summaries") == []
+        assert await storage.latest_summary(room.id) is None
+        # Bob's messages are still there: a summary made of them alone is written as usual.
+        llm.enqueue("Bob counted aloud.")
+        await app.summaries.run_job(job)  # the same job run again (it is still queued: run here, not by workers)
+        texts = [r["text"] for r in await _rows(app, "summaries")]
+        assert texts == ["Bob counted aloud."] and SECRET not in str(llm.requests[-1].messages)
+        assert "Bob says hello" in str(llm.requests[-1].messages)
+    finally:
+        await app.stop()
