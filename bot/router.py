@@ -27,6 +27,7 @@ from bot.policy import Inbound, refusal
 from bot.ports import IncomingMessage
 from bot.ratelimit import RateLimiter, slow_down
 from bot.storage.base import Storage
+from bot.storage.core import user_persona_key
 from bot.streaming import MessageSink, StreamedReply
 
 log = logging.getLogger(__name__)
@@ -58,10 +59,6 @@ async def _stop(task: asyncio.Task[None] | None) -> None:
 
 def channel_persona_key(channel_key: str) -> str:
     return f"persona.channel.{channel_key}"
-
-
-def user_persona_key(user_key: str) -> str:
-    return f"persona.dm.{user_key}"
 
 
 class Router:

@@ -12,9 +12,11 @@ import pytest
 from bot.app import App
 from bot.commands import CommandContext
 from bot.config import parse_config
+from bot.policy import Inbound
 from bot.ports import IncomingMessage
 from tests.engines import db_url_for
 from tests.fakes.provider import ScriptedProvider
+from tests.test_router import Sink
 
 pytestmark = pytest.mark.both_engines
 
@@ -134,6 +136,35 @@ async def test_the_export_archive_is_built_off_the_event_loop(tmp_path: Path, mo
         reply = await run(app, "!memory export")
     assert reply.attachments and zipfile.ZipFile(io.BytesIO(reply.attachments[0].data)).read("data.json")
     assert len(built_on) == 1 and built_on[0] is not threading.main_thread()
+
+
+async def test_forget_me_leaves_no_name_key_or_pick_of_the_user(tmp_path: Path) -> None:
+    """Left behind before: the DM channel named after them, their pick of persona for DMs (which went on
+    answering them), and their key on the guidelines, lore and settings they wrote as an admin."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        admin = ctx(admin=True, server="console:guild1")
+        bot_admin = ctx(admin=True)
+        await run(app, "!guidelines set Be kind to newcomers.", admin)
+        await run(app, "!lore add The Guild meets at the old mill. --keys guild", bot_admin)
+        await run(app, "!cortex settings frequency rare", admin)
+        await app.router.handle(Inbound(IncomingMessage("console", "dm-ann", "ann", "Ann", "!persona Lena",
+                                                        is_dm=True)), Sink())
+        await app.core.reply(IncomingMessage("console", "dm-ann", "ann", "Annabelle", "hello",
+                                             is_dm=True, channel_name="DM with Annabelle")).text()
+        assert await app.storage.get_setting("persona.dm.console:ann") == "Lena"
+        assert "Done." in (await run(app, "!memory forget-me confirm")).text
+        db = app.storage.db
+        assert await app.storage.get_setting("persona.dm.console:ann") is None
+        assert [tuple(r) for r in await db.fetch_all("SELECT name FROM channels WHERE is_dm = 1")] == [
+            ("a direct message",)]
+        rows = []
+        for table in ("versioned_texts", "lore_entries", "cortex_settings", "channels", "settings"):
+            rows += [str(tuple(r)) for r in await db.fetch_all(f"SELECT * FROM {table}")]
+        everything = " ".join(rows)
+        assert "console:ann" not in everything and "Annabelle" not in everything
+        assert "Be kind to newcomers." in everything and "a forgotten user" in everything  # the texts stay
+        inbound = Inbound(IncomingMessage("console", "dm-ann", "ann", "Ann", "hi again", is_dm=True))
+        assert await app.router.persona_for(inbound) == "Cora"  # the default again, not their old pick
 
 
 async def test_users_only_ever_touch_their_own_files(tmp_path: Path) -> None:

@@ -63,6 +63,13 @@ from bot.storage.textsearch import text_search_config
 from bot.storage.web import HealthRepository, WebLoginRepository
 
 log = logging.getLogger(__name__)
+FORGOTTEN_AUTHOR = "a forgotten user"  # who wrote a shared text, once its author asked to be forgotten
+FORGOTTEN_DM = "a direct message"  # a DM channel's name once its person asked to be forgotten
+
+
+def user_persona_key(user_key: str) -> str:
+    """The setting holding the persona someone picked for their direct messages."""
+    return f"persona.dm.{user_key}"
 FORGET_ATTEMPTS = 3  # a forget-me that met a row written meanwhile runs again, this many times in all
 
 AUDIT_FLUSH_ROWS = 64  # buffered audit rows written in one go ...
@@ -717,10 +724,15 @@ class Storage:
     async def _forget_by_key(tx: Tx, user_key: str) -> None:
         """What is kept by the user's key rather than their row. Links before sessions: on PostgreSQL a
         login using a link holds its row until it has made its session, so the sessions' delete after
-        it sees that session."""
+        it sees that session. Texts an admin wrote for everyone (guidelines, rules, soul sections, lore,
+        cortex settings) stay, no longer naming them."""
         await tx.execute("DELETE FROM skill_executions WHERE user_key = ?", (user_key,))
         await tx.execute("DELETE FROM web_links WHERE user_key = ?", (user_key,))
         await tx.execute("DELETE FROM web_sessions WHERE user_key = ?", (user_key,))
+        await tx.execute("DELETE FROM settings WHERE key = ?", (user_persona_key(user_key),))
+        for table, column in (("versioned_texts", "author"), ("lore_entries", "created_by"),
+                              ("cortex_settings", "updated_by")):
+            await tx.execute(f"UPDATE {table} SET {column} = ? WHERE {column} = ?", (FORGOTTEN_AUTHOR, user_key))
 
     async def forget_user(self, user_key: str) -> ForgetReport | None:
         """Delete everything stored about one user, for every persona, in one transaction.
@@ -771,6 +783,9 @@ class Storage:
             ch_marks = ",".join("?" for _ in channels) or "NULL"
             summaries = await tx.fetch_all(f"DELETE FROM summaries WHERE channel_id IN ({ch_marks}) RETURNING id",
                                            channels)
+            # A direct message's name is the platform's, often after the person ("DM with Ann").
+            await tx.execute(f"UPDATE channels SET name = ? WHERE is_dm = 1 AND id IN ({ch_marks})",
+                             [FORGOTTEN_DM, *channels])
             await tx.execute("DELETE FROM users WHERE id = ?", (user_id,))
             if stretches:
                 await self._keep_incognito(tx, user_key, [(str(r[0]), float(r[1])) for r in stretches])
