@@ -79,8 +79,8 @@ async def fill(storage: Storage) -> None:
     await storage.sources.record(replies[0].id, [ReplySource("item", 1), ReplySource("file", 2, "memory.md")])
     await storage.sources.link(["discord-message:99"], replies[0].id)
     await storage.incognito.start(bob.id, "Lena")
-    await storage.skills.record(SkillExecution("current_time", "Lena", "console:bob", "console:dm-bob", "", "{}", True,
-                                               "", 3, "model", 1_700_000_000.5))
+    await storage.skills.record(SkillExecution("current_time", "Lena", bob.key, "matrix:!dm", "", "{}", True,
+                                               "", 3, "model", 1_700_000_000.5))  # audited only for a user there
     token = await storage.web.create_link("console:bob", "Bob", 600)
     await storage.web.consume_link(token, 3600)  # a web session copied keeps its owner logged in
     await storage.fleet.claim_period("memory-prune", 86_400, "host-a:1")
@@ -215,6 +215,34 @@ async def test_an_interrupted_copy_resumes(source: Storage, pg: Storage, monkeyp
     counts = {t.table: t for t in report.tables}
     assert counts["messages"].copied == 9 and counts["users"].copied == 0
     await assert_same(source, pg)
+
+
+async def test_a_target_that_went_apart_is_refused_with_a_clear_line(source: Storage, pg: Storage) -> None:
+    """Bob forgotten and back (a new id, the same key) after a first copy: the second run failed for good on
+    a foreign key, and kept Bob's old words in the target."""
+    assert (await copy_data(source, pg)).ok
+    bob_key = "matrix:@bob:example.org"
+    await source.forget_user(bob_key)
+    back = await source.upsert_user(bob_key, "Bob")
+    channel = await source.upsert_channel("matrix:!dm", "bob dm", is_dm=True)
+    await source.add_message(channel.id, back.id, "Lena", "user", "Bob", "Hallo again", 3)
+    with pytest.raises(StorageError, match=r"has gone apart from this database: users \d+ is held there by another "
+                                           r"row with the same key .*Copy into an empty database"):
+        await copy_data(source, pg)
+
+
+async def test_ids_of_deleted_rows_are_not_handed_out_again_after_a_copy(source: Storage, pg: Storage,
+                                                                      tmp_path: Path) -> None:
+    gone = await source.upsert_user("discord:gone", "Gone")
+    await source.forget_user("discord:gone")
+    assert (await copy_data(source, pg)).ok
+    assert (await pg.upsert_user("discord:new", "New")).id > gone.id
+    back = await open_storage(f"sqlite:///{tmp_path / 'back.db'}")
+    try:
+        assert (await copy_data(pg, back)).ok
+        assert (await back.upsert_user("discord:newer", "Newer")).id > gone.id + 1
+    finally:
+        await back.close()
 
 
 async def test_another_bots_database_is_refused(source: Storage, pg: Storage, tmp_path: Path) -> None:

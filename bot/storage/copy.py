@@ -13,7 +13,12 @@ What differs between the engines is handled here:
 * **Vectors**: SQLite float32 blobs become pgvector ``vector`` values and back (numpy float32).
 * **Counters and triggers**: SQLite's message trigger bumps ``channels.message_count`` (and its
   ``updated_at``) for every copied message, so after the messages each channel gets the source's values
-  again; PostgreSQL's identity sequences are moved past the largest copied id.
+  again; each table's next id on the target (SQLite's ``sqlite_sequence``, PostgreSQL's identity
+  sequences) is past the largest copied id and no lower than the source's, so the id of a row deleted
+  there (a forgotten user) is never handed out again.
+* **A target that went apart**: a row not inserted must be there already as the same row (its id and,
+  for users, personas, channels and pairs, its unique name); otherwise the copy stops with one line
+  instead of keeping the target's row and pointing what follows at it.
 * **Self references**: ``memory_items.supersedes``/``superseded_by`` may point at a later row, so items
   are inserted without them and the links are set once every item is there.
 
@@ -49,6 +54,11 @@ TABLES: tuple[str, ...] = (
     "reply_sources", "platform_messages", "incognito", "skill_executions", "web_links", "web_sessions",
     "periodic_runs", "instance_locks",
 )
+# What names a row apart from its id (a unique column): a row the target holds under the same id must
+# agree on it, or the two databases went apart (a user forgotten and back under a new id, say).
+NATURAL_KEYS: dict[str, tuple[str, ...]] = {
+    "users": ("key",), "personas": ("name",), "channels": ("key",), "cortex_pairs": ("user_id", "persona"),
+}
 # Columns that may point at rows copied later: inserted empty, set after the whole table.
 DEFERRED: dict[str, tuple[str, ...]] = {"memory_items": ("supersedes", "superseded_by")}
 ENGINE_ONLY_TYPES = frozenset({"tsvector"})  # filled by the engine itself
@@ -134,8 +144,7 @@ async def copy_data(source: Storage, target: Storage, *, progress: Progress | No
         copied[table] = await _copy_table(source.db, target.db, table, batch, progress)
         if table == "messages":
             await _restore_channel_counters(source.db, target.db, batch)
-    if target.db.dialect == "postgres":
-        await _move_sequences(target.db)
+    await _move_sequences(target.db, await _next_ids(source.db))
     counts = [TableCount(t, await _count(source.db, t), await _count(target.db, t), copied[t]) for t in TABLES]
     return CopyReport(source.db.url, target.db.url, instance, tuple(counts), time.monotonic() - started)
 
@@ -193,7 +202,10 @@ async def _copy_table(source: Database, target: Database, table: str, batch: int
         rows = await source.fetch_all(select[last is not None], () if last is None else last)
         if not rows:
             break
-        copied += await _insert(target, plan, rows)
+        inserted = await _insert(target, plan, rows)
+        if inserted < len(rows):
+            await _check_same_rows(target, plan, rows)
+        copied += inserted
         done += len(rows)
         last = tuple(rows[-1][plan.columns.index(k)] for k in plan.key)
         if progress is not None:
@@ -274,14 +286,68 @@ async def _restore_channel_counters(source: Database, target: Database, batch: i
         last = int(rows[-1][0])
 
 
-async def _move_sequences(target: Database) -> None:
-    """PostgreSQL: every identity sequence continues after the largest id (or new rows would collide)."""
+async def _check_same_rows(target: Database, plan: _Plan, rows: Sequence[Row]) -> None:
+    """Rows of a page that were not inserted must be in the target already, as the same rows: under their
+    id and, for tables with a unique name besides it, with that name. Otherwise ``ON CONFLICT DO NOTHING``
+    would have kept the target's row (another user's, say) and the rows copied after would point at it."""
+    natural = tuple(c for c in NATURAL_KEYS.get(plan.table, ()) if c in plan.columns)
+    wanted = plan.key + natural
+    positions = [plan.columns.index(c) for c in wanted]
+    keys = [tuple(row[plan.columns.index(k)] for k in plan.key) for row in rows]
+    one = "(" + ", ".join("?" for _ in plan.key) + ")"
+    if len(plan.key) == 1:
+        where = f"{_quote(plan.key[0])} IN ({', '.join('?' for _ in keys)})"
+    else:
+        rows_sql = ("VALUES " if target.dialect == "sqlite" else "") + ", ".join(one for _ in keys)  # PG: typed
+        where = f"({', '.join(_quote(k) for k in plan.key)}) IN ({rows_sql})"
+    found = {tuple(r[:len(plan.key)]): tuple(r) for r in await target.fetch_all(
+        f"SELECT {', '.join(_quote(c) for c in wanted)} FROM {_quote(plan.table)} WHERE {where}",
+        [v for key in keys for v in key])}
+    for row, key in zip(rows, keys, strict=True):
+        there = found.get(key)
+        if there is None or there != tuple(row[p] for p in positions):
+            raise StorageError(
+                f"{target.url} has gone apart from this database: {plan.table} {'/'.join(map(str, key))} "
+                + ("is held there by another row with the same " + ", ".join(natural) if there is None else
+                   "is another row there") + " (this database changed since the earlier copy: someone was "
+                "forgotten, or the target was used). Copy into an empty database.")
+
+
+async def _next_ids(db: Database) -> dict[str, int]:
+    """The id each table would hand out next: never one a deleted row had (SQLite's sqlite_sequence,
+    PostgreSQL's identity sequences), so a copy keeps that promise too."""
+    if db.dialect == "sqlite":
+        return {str(r[0]): int(r[1]) + 1 for r in await db.fetch_all(
+            "SELECT name, max(seq) FROM sqlite_sequence GROUP BY name")}  # a rebuilt table may have two rows
+    found: dict[str, int] = {}
     for table in TABLES:
+        identity = (await _shape(db, table)).identity
+        if identity is not None:
+            row = await db.fetch_one("SELECT pg_sequence_last_value(pg_get_serial_sequence(?, ?))", (table, identity))
+            if row is not None and row[0] is not None:
+                found[table] = int(row[0]) + 1
+    return found
+
+
+async def _move_sequences(target: Database, source_next: dict[str, int]) -> None:
+    """Every table's next id on the target: after its largest id (or new rows would collide) and no lower
+    than the source's next (or the ids of rows deleted there would be handed out again)."""
+    for table in TABLES:
+        if target.dialect == "sqlite":
+            if table not in source_next:
+                continue
+            row = await target.fetch_one("SELECT max(seq) FROM sqlite_sequence WHERE name = ?", (table,))
+            wanted = source_next[table] - 1
+            if row is None or row[0] is None:
+                await target.write("INSERT INTO sqlite_sequence (name, seq) VALUES (?, ?)", (table, wanted))
+            elif int(row[0]) < wanted:
+                await target.write("UPDATE sqlite_sequence SET seq = ? WHERE name = ?", (wanted, table))
+            continue
         identity = (await _shape(target, table)).identity
         if identity is not None:
             await target.write(
-                f"SELECT setval(pg_get_serial_sequence(?, ?), coalesce(max({_quote(identity)}), 0) + 1, false)"
-                f" FROM {_quote(table)}", (table, identity))
+                f"SELECT setval(pg_get_serial_sequence(?, ?), greatest(coalesce(max({_quote(identity)}), 0) + 1,"
+                f" CAST(? AS BIGINT)), false) FROM {_quote(table)}", (table, identity, source_next.get(table, 1)))
 
 
 async def _count(db: Database, table: str) -> int:
