@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from bot.storage.base import User
+from bot.storage.core import user_persona_key
 from bot.text import plural
 from cortex.store import CortexStore
 
@@ -34,9 +35,11 @@ talked to.
   and why is in `data.json`).
 - `<persona>/memory-items.md` — your memory items: active, archived (forgotten or pruned), corrected
   (superseded) and expired ones, with category, importance, scope and dates.
-- `summaries.md` — the rolling summaries of your direct-message conversations.
+- `summaries.md` — the rolling summaries of your direct-message conversations (drafts the bot rejected
+  too, marked).
 - In `data.json` only: `skill_calls`, the tools the personas used while answering you (arguments as
-  recorded, secrets replaced).
+  recorded, secrets replaced); `dm_persona`, the persona you picked for direct messages; `paused`, the
+  `!memory pause` stretches running.
 
 Times are UTC. Ids are this bot's own numbers (`#12`), as the chat commands show them.
 """
@@ -86,6 +89,9 @@ async def export_data(store: CortexStore, user: User) -> dict[str, Any]:
         "personas": personas,
         "messages": await repo.messages(user.id),
         "dm_summaries": await repo.dm_summaries(user.id),
+        "dm_persona": await store.storage.get_setting(user_persona_key(user.key)),  # their pick, if any
+        "paused": [{"persona": persona, "since": datetime.fromtimestamp(since, UTC).isoformat()}
+                   for persona, since in await store.storage.incognito.stretches(user.id)],
         "skill_calls": [{"skill": c.skill, "persona": c.persona, "channel": c.channel_key, "arguments": c.arguments,
                          "ok": c.ok, "error": c.error, "duration_ms": c.duration_ms,
                          "at": datetime.fromtimestamp(c.created_at, UTC).isoformat()}
@@ -125,7 +131,9 @@ def build_zip(data: dict[str, Any]) -> bytes:
         archive.writestr("data.json", json.dumps(data, indent=2, ensure_ascii=False, default=str))
         archive.writestr("messages.md", _messages_markdown(data["messages"]))
         archive.writestr("summaries.md", "# Summaries of your direct messages\n\n" + "\n\n".join(
-            f"## {s['channel']} (version {s['version']})\n{s['text']}" for s in data["dm_summaries"]) + "\n")
+            f"## {s['channel']} (version {s['version']}"
+            + (f", a draft rejected: {s['reason']})" if s.get("status", "ok") != "ok" else ")") + f"\n{s['text']}"
+            for s in data["dm_summaries"]) + "\n")
         folders: set[str] = set()
         for persona in data["personas"]:
             folder = _unique(_safe(persona["persona"]), folders)

@@ -116,6 +116,28 @@ async def test_export_zip_holds_files_versions_and_metadata(tmp_path: Path) -> N
         assert "I planted a fig tree" in archive.read("messages.md").decode()
 
 
+async def test_the_export_holds_rejected_summaries_the_dm_persona_and_running_pauses(tmp_path: Path) -> None:
+    """Forget-me deletes these too, so the export that shows what is held must show them."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        await app.core.reply(IncomingMessage("console", "dm-ann", "ann", "Ann", "I live in Springfield",
+                                             is_dm=True)).text()
+        channel = await app.storage.get_channel("console:dm-ann")
+        said = await app.storage.recent_messages(channel.id, 2)
+        await app.storage.add_summary(channel.id, "Ann lives in Springfield (a draft)", said[-1].id, said[0].id, 9,
+                                      "m", status="rejected", reason="summary too long")
+        await app.router.handle(Inbound(IncomingMessage("console", "dm-ann", "ann", "Ann", "!persona Lena",
+                                                        is_dm=True)), Sink())
+        await run(app, "!memory pause", ctx(persona="Lena"))
+        reply = await run(app, "!memory export")
+        archive = zipfile.ZipFile(io.BytesIO(reply.attachments[0].data))
+        data = json.loads(archive.read("data.json"))
+        assert [(s["text"], s["status"], s["reason"]) for s in data["dm_summaries"]] == [
+            ("Ann lives in Springfield (a draft)", "rejected", "summary too long")]
+        assert "a draft rejected: summary too long" in archive.read("summaries.md").decode()
+        assert data["dm_persona"] == "Lena"
+        assert [p["persona"] for p in data["paused"]] == ["Lena"]
+
+
 async def test_the_export_archive_is_built_off_the_event_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                                               ) -> None:
     """Serialising and compressing years of messages takes seconds: on the event loop every reply waited."""

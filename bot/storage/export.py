@@ -54,11 +54,12 @@ class ExportRepository:
         return [plain(r) for r in rows]
 
     async def dm_summaries(self, user_id: int) -> list[dict[str, Any]]:
-        """The rolling summaries (accepted versions) of the direct-message channels the user wrote in."""
+        """The rolling summaries of the direct-message channels the user wrote in: every version, the
+        rejected drafts too (their ``status`` and ``reason`` say so)."""
         rows = await self.db.fetch_all(
-            "SELECT c.key AS channel, s.version, s.text, s.created_at FROM summaries AS s"
+            "SELECT c.key AS channel, s.version, s.text, s.status, s.reason, s.created_at FROM summaries AS s"
             " JOIN channels AS c ON c.id = s.channel_id"
-            " WHERE c.is_dm = 1 AND s.status = 'ok'"
+            " WHERE c.is_dm = 1"
             " AND s.channel_id IN (SELECT DISTINCT channel_id FROM messages WHERE user_id = ?)"
             " ORDER BY c.key, s.version", (user_id,))
         return [plain(r) for r in rows]

@@ -35,6 +35,12 @@ class IncognitoRepository:
                                       (user_id, persona))
         return None if row is None else float(row[0])
 
+    async def stretches(self, user_id: int) -> list[tuple[str, float]]:
+        """(persona, since when) of every pause the user has running."""
+        rows = await self.db.fetch_all(
+            "SELECT persona, started_at FROM incognito WHERE user_id = ? ORDER BY persona", (user_id,))
+        return [(str(r[0]), float(r[1])) for r in rows]
+
     async def personas(self, user_id: int) -> list[str]:
         """The personas the user is incognito with."""
         rows = await self.db.fetch_all("SELECT persona FROM incognito WHERE user_id = ? ORDER BY persona", (user_id,))
