@@ -36,9 +36,10 @@ class StaleReference(StorageError):
 
 
 def is_missing_reference(exc: BaseException) -> bool:
-    """Whether a write failed on a foreign key (either engine's driver)."""
+    """Whether a write failed on a foreign key (either engine's driver, or a repository that said so)."""
     name = type(exc).__name__
-    return name == "ForeignKeyViolationError" or (name == "IntegrityError" and "FOREIGN KEY" in str(exc).upper())
+    return isinstance(exc, StaleReference) or name == "ForeignKeyViolationError" or (
+        name == "IntegrityError" and "FOREIGN KEY" in str(exc).upper())
 
 
 class Tx(Protocol):
