@@ -231,6 +231,30 @@ async def test_a_target_that_went_apart_is_refused_with_a_clear_line(source: Sto
         await copy_data(source, pg)
 
 
+async def test_a_rerun_after_a_forget_me_reports_what_the_target_still_holds(source: Storage, pg: Storage) -> None:
+    """Ann forgotten here after a first copy, her channel's summary written anew (version 1 again, a new id):
+    the new summary cannot go in beside the old one; the copy finishes and says the counts differ."""
+    assert (await copy_data(source, pg)).ok
+    general = await source.upsert_channel("discord:g", "general", is_dm=False)
+    await source.forget_user("discord:1")
+    said = await source.recent_messages(general.id, 10)
+    await source.add_summary(general.id, "Cora answered.", said[-1].id, said[0].id, 3, "model-x")
+    report = await copy_data(source, pg)
+    assert not report.ok and "summaries" in {t.table for t in report.mismatches}
+
+
+async def test_a_page_bigger_than_a_statement_may_hold_is_checked_in_parts(source: Storage, pg: Storage) -> None:
+    """33,000 rows already there (a resumed copy) checked with one parameter each: over PostgreSQL's limit
+    of 32,767 the check failed with the driver's error."""
+    now = 1_700_000_000.0
+    async with source.db.transaction() as tx:
+        await tx.executemany("INSERT INTO users (key, display_name, created_at, updated_at) VALUES (?, ?, ?, ?)",
+                             [(f"discord:{n}", f"User {n}", now, now) for n in range(1000, 34_000)])
+    assert (await copy_data(source, pg, batch=50_000)).ok
+    again = await copy_data(source, pg, batch=50_000)
+    assert again.ok and again.copied == 0
+
+
 async def test_ids_of_deleted_rows_are_not_handed_out_again_after_a_copy(source: Storage, pg: Storage,
                                                                       tmp_path: Path) -> None:
     gone = await source.upsert_user("discord:gone", "Gone")

@@ -16,9 +16,9 @@ What differs between the engines is handled here:
   again; each table's next id on the target (SQLite's ``sqlite_sequence``, PostgreSQL's identity
   sequences) is past the largest copied id and no lower than the source's, so the id of a row deleted
   there (a forgotten user) is never handed out again.
-* **A target that went apart**: a row not inserted must be there already as the same row (its id and,
-  for users, personas, channels and pairs, its unique name); otherwise the copy stops with one line
-  instead of keeping the target's row and pointing what follows at it.
+* **A target that went apart**: a user, persona, channel or pair not inserted must be there already as
+  the same row (its id and its unique name); otherwise the copy stops with one line instead of keeping
+  the target's row and pointing what follows at it.
 * **Self references**: ``memory_items.supersedes``/``superseded_by`` may point at a later row, so items
   are inserted without them and the links are set once every item is there.
 
@@ -287,30 +287,31 @@ async def _restore_channel_counters(source: Database, target: Database, batch: i
 
 
 async def _check_same_rows(target: Database, plan: _Plan, rows: Sequence[Row]) -> None:
-    """Rows of a page that were not inserted must be in the target already, as the same rows: under their
-    id and, for tables with a unique name besides it, with that name. Otherwise ``ON CONFLICT DO NOTHING``
-    would have kept the target's row (another user's, say) and the rows copied after would point at it."""
+    """For the tables other rows point at by id (users, personas, channels, pairs): rows of a page that were
+    not inserted must be in the target already as the same rows, under their id and with their unique name.
+    Otherwise ``ON CONFLICT DO NOTHING`` kept the target's row of that name (a forgotten user, back under a
+    new id here) and the rows copied after would fail on it, or point at it. Elsewhere a row left out
+    (an old summary version, say) only shows in the counts at the end."""
     natural = tuple(c for c in NATURAL_KEYS.get(plan.table, ()) if c in plan.columns)
+    if not natural or len(plan.key) != 1:
+        return
     wanted = plan.key + natural
     positions = [plan.columns.index(c) for c in wanted]
-    keys = [tuple(row[plan.columns.index(k)] for k in plan.key) for row in rows]
-    one = "(" + ", ".join("?" for _ in plan.key) + ")"
-    if len(plan.key) == 1:
-        where = f"{_quote(plan.key[0])} IN ({', '.join('?' for _ in keys)})"
-    else:
-        rows_sql = ("VALUES " if target.dialect == "sqlite" else "") + ", ".join(one for _ in keys)  # PG: typed
-        where = f"({', '.join(_quote(k) for k in plan.key)}) IN ({rows_sql})"
-    found = {tuple(r[:len(plan.key)]): tuple(r) for r in await target.fetch_all(
-        f"SELECT {', '.join(_quote(c) for c in wanted)} FROM {_quote(plan.table)} WHERE {where}",
-        [v for key in keys for v in key])}
-    for row, key in zip(rows, keys, strict=True):
-        there = found.get(key)
+    ids = [row[positions[0]] for row in rows]
+    found: dict[Any, tuple[Any, ...]] = {}
+    for start in range(0, len(ids), MAX_PARAMETERS):  # within the engines' parameter limits
+        chunk = ids[start:start + MAX_PARAMETERS]
+        found.update((r[0], tuple(r)) for r in await target.fetch_all(
+            f"SELECT {', '.join(_quote(c) for c in wanted)} FROM {_quote(plan.table)}"
+            f" WHERE {_quote(plan.key[0])} IN ({', '.join('?' for _ in chunk)})", chunk))
+    for row in rows:
+        there = found.get(row[positions[0]])
         if there is None or there != tuple(row[p] for p in positions):
             raise StorageError(
-                f"{target.url} has gone apart from this database: {plan.table} {'/'.join(map(str, key))} "
+                f"{target.url} has gone apart from this database: {plan.table} {row[positions[0]]} "
                 + ("is held there by another row with the same " + ", ".join(natural) if there is None else
                    "is another row there") + " (this database changed since the earlier copy: someone was "
-                "forgotten, or the target was used). Copy into an empty database.")
+                "forgotten and came back, or the target was used). Copy into an empty database.")
 
 
 async def _next_ids(db: Database) -> dict[str, int]:
