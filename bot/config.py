@@ -575,8 +575,9 @@ class SkillsConfig(_Section):
     @model_validator(mode="after")
     def _names_are_known(self) -> SkillsConfig:
         """A typo here switched skills off (or failed to) without a word: built-in names are checked, HTTP
-        skills may not share a name, and a ``disabled`` name close to a known one but not it is refused (an
-        MCP server's tools are known only once it runs)."""
+        skills may not share a name, and a ``disabled`` name close to a known one but not it is refused when
+        no MCP server is configured (their tools are known only once they run; ``server/tool`` must name a
+        configured server)."""
         for name in self.builtin:
             if name not in BUILTIN_SKILLS:
                 raise ValueError(f"builtin: {name!r} is no built-in skill{_did_you_mean(name, BUILTIN_SKILLS)}; "
@@ -588,8 +589,15 @@ class SkillsConfig(_Section):
                                  "(built-in or another http entry); give it a name of its own")
             http.add(entry.name.casefold())
         known = [*BUILTIN_SKILLS, *(entry.name for entry in self.http)]
+        servers = {server.name for server in self.mcp}
         for name in self.disabled:
-            if name.casefold() not in {k.casefold() for k in known} and (hint := _did_you_mean(name, known)):
+            server, slash, _ = name.partition("/")
+            if slash and server not in servers:
+                raise ValueError(f"disabled: {name!r} names a tool of the MCP server {server!r}, which "
+                                 f"[[skills.mcp]] does not have")
+            if slash or servers or name.casefold() in {k.casefold() for k in known}:
+                continue  # an MCP server's tools are known only once it runs: any name may be one
+            if hint := _did_you_mean(name, known):
                 raise ValueError(f"disabled: {name!r} names no skill{hint}")
         return self
 

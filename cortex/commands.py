@@ -386,7 +386,7 @@ class CortexCommands:
         if not settings.tiers:
             return f"Tiers this cycle: {steps}."
         return (f"Tiers this cycle: {steps}, from tiers ({scope_words(sources['tiers'])}), which decide over "
-                f"frequency while set (tiers default there lets frequency decide).")
+                f"frequency while set (tiers none where you set frequency lets it decide there).")
 
     async def stats(self, ctx: CommandContext, args: Sequence[str]) -> str:
         day_start = time.time() - 86_400

@@ -258,10 +258,13 @@ def test_disabled_takes_any_case_and_names_it_cannot_check() -> None:
     from cortex.skills.base import SkillInfo
     from cortex.skills.policy import SkillPolicy
 
-    config = parse_config({"skills": {"disabled": ["Weather", "some_mcp_tool", "alpha/extra"],
-                                      "http": [{"name": "weather", "description": "d", "url": "http://127.0.0.1:9"}]}})
+    config = parse_config({"skills": {"disabled": ["Weather", "some_mcp_tool", "alpha/extra", "get_current_time"],
+                                      "http": [{"name": "weather", "description": "d", "url": "http://127.0.0.1:9"}],
+                                      "mcp": [{"name": "alpha", "command": ["true"]}]}})
     policy = SkillPolicy(config.skills, storage=None)  # type: ignore[arg-type]  # default() reads no storage
     assert not policy.default(SkillInfo("weather", "d", {}, "http")).enabled  # "Weather" meant it
     assert not policy.default(SkillInfo("extra", "d", {}, "mcp", server="alpha", tool="extra")).enabled
     assert policy.default(SkillInfo("other", "d", {}, "mcp", server="alpha", tool="other")).enabled
     assert parse_config({}).skills.builtin == list(BUILTIN_SKILLS)
+    with pytest.raises(ConfigError, match="names a tool of the MCP server 'time', which"):
+        parse_config({"skills": {"disabled": ["time/current_time"], "mcp": [{"name": "alpha", "command": ["x"]}]}})

@@ -300,7 +300,11 @@ async def test_frequency_under_a_tiers_override_says_the_tiers_decide(tmp_path: 
         said = (await run(app, "!cortex settings frequency frequent", server_admin)).text
         assert "Effective now: frequent (from this server)." in said
         assert "Tiers this cycle: 95% → message" in said and "from tiers (the persona everywhere)" in said
-        assert "tiers default there lets frequency decide" in said
+        assert "tiers none where you set frequency lets it decide there" in said
+        await run(app, "!cortex settings tiers none", server_admin)  # what the hint says, as a server admin
+        plan = (await app.cortex.resolver.effective("Cora", "console:guild1")).settings.tier_percentages()
+        assert plan != (95,)
+        await run(app, "!cortex settings tiers default", server_admin)
         await run(app, "!cortex settings tiers default --persona", boss)
         said = (await run(app, "!cortex settings frequency frequent", server_admin)).text
         plan = (await app.cortex.resolver.effective("Cora", "console:guild1")).settings.tier_percentages()
