@@ -96,3 +96,35 @@ async def test_a_summary_written_during_forget_me_is_dropped(tmp_path: Path) -> 
         assert "Bob says hello" in str(llm.requests[-1].messages)
     finally:
         await app.stop()
+
+
+async def test_a_skill_audit_written_while_forget_me_runs_is_not_kept(tmp_path: Path) -> None:
+    """PostgreSQL: forget-me deletes the audit by key first; an audit row written while the rest of its
+    transaction ran saw the user still there (not yet committed away) and stayed, with the call's words."""
+    from bot.storage.skills import SkillExecution
+
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        storage = app.storage
+        ann = await storage.upsert_user("discord:ann", "Ann")
+        channel = await storage.upsert_channel("discord:dm-ann", "dm", True)
+        await storage.add_message(channel.id, ann.id, "Cora", "user", "Ann", "hello", 2)
+        inside, release = asyncio.Event(), asyncio.Event()
+        real = storage.cortex.delete_pairs
+
+        async def held(*args: object) -> object:  # forget-me in the middle of its transaction
+            inside.set()
+            await release.wait()
+            return await real(*args)
+
+        storage.cortex.delete_pairs = held  # type: ignore[method-assign]
+        forgetting = asyncio.create_task(storage.forget_user("discord:ann"))
+        await asyncio.wait_for(inside.wait(), 10)
+        audit = asyncio.create_task(storage.skills.record(SkillExecution(
+            "remember", "Cora", "discord:ann", "discord:dm-ann", "", f'{{"content": "{SECRET}"}}', True, "", 3,
+            "model", 1_700_000_000.0)))
+        await asyncio.sleep(0.3)
+        assert not audit.done()  # it waits for the forget-me to end
+        release.set()
+        assert await forgetting is not None
+        await audit
+        assert await _rows(app, "skill_executions") == [] and await _rows(app, "users") == []

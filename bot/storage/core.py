@@ -397,8 +397,11 @@ class Storage:
         fence, fenced = "", []
         if made_from is not None:
             ids = list(made_from.messages)
-            fence = (" HAVING (SELECT count(*) FROM messages WHERE id IN (" + ", ".join("?" * len(ids)) + ")) = ?"
-                     if ids else " HAVING TRUE")
+            # PostgreSQL: the rows are locked while counted, so a forget-me deleting them meanwhile is waited
+            # for (and then they are gone) instead of counted from before it.
+            lock = " FOR SHARE" if self.db.dialect == "postgres" else ""
+            fence = (" HAVING (SELECT count(*) FROM (SELECT 1 FROM messages WHERE id IN ("
+                     + ", ".join("?" * len(ids)) + f"){lock}) AS m) = ?" if ids else " HAVING TRUE")
             fenced = [*ids, len(ids)] if ids else []
             if made_from.previous is not None:
                 fence += " AND EXISTS (SELECT 1 FROM summaries WHERE id = ?)"
@@ -769,6 +772,8 @@ class Storage:
 
     async def _forget_once(self, user_key: str) -> ForgetReport | None:
         async with self.db.transaction() as tx:
+            if self.db.dialect == "postgres":  # held to the commit: writes that check the row (FOR SHARE) wait
+                await tx.execute("SELECT id FROM users WHERE key = ? FOR UPDATE", (user_key,))
             await self._forget_by_key(tx, user_key)
             row = await tx.fetch_one("SELECT id FROM users WHERE key = ?", (user_key,))
             if row is None:

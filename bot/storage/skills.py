@@ -39,14 +39,16 @@ class SkillAuditRepository:
 
     async def record(self, row: SkillExecution) -> None:
         """Audit one call, unless its user is gone: a reply still running while they asked to be forgotten
-        must not write their words back."""
+        must not write their words back. PostgreSQL: the user's row is read locked, so a forget-me in
+        progress (which locks it first) is waited for."""
+        lock = " FOR SHARE" if self.db.dialect == "postgres" else ""
         async with self.db.transaction() as tx:
             await tx.execute(
                 "INSERT INTO skill_executions (skill, persona, user_key, channel_key, server_key, arguments, ok,"
                 " error, duration_ms, triggered_by, created_at) SELECT CAST(? AS TEXT), CAST(? AS TEXT),"
                 " CAST(? AS TEXT), CAST(? AS TEXT), CAST(? AS TEXT), CAST(? AS TEXT), CAST(? AS INTEGER),"
                 " CAST(? AS TEXT), CAST(? AS INTEGER), CAST(? AS TEXT), CAST(? AS DOUBLE PRECISION)"
-                " WHERE EXISTS (SELECT 1 FROM users WHERE key = ?)",
+                f" WHERE EXISTS (SELECT 1 FROM users WHERE key = ?{lock})",
                 (row.skill, row.persona, row.user_key, row.channel_key, row.server_key, row.arguments, int(row.ok),
                  row.error, row.duration_ms, row.triggered_by, row.created_at, row.user_key))
 
