@@ -27,7 +27,7 @@ from bot.policy import Inbound, refusal
 from bot.ports import IncomingMessage
 from bot.ratelimit import RateLimiter, slow_down
 from bot.storage.base import Storage
-from bot.storage.core import user_persona_key
+from bot.storage.core import channel_persona_key, user_persona_key
 from bot.streaming import MessageSink, StreamedReply
 
 log = logging.getLogger(__name__)
@@ -55,10 +55,6 @@ async def _stop(task: asyncio.Task[None] | None) -> None:
     if task is not None and not task.done():
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-
-
-def channel_persona_key(channel_key: str) -> str:
-    return f"persona.channel.{channel_key}"
 
 
 class Router:

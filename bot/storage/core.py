@@ -70,6 +70,13 @@ FORGOTTEN_DM = "a direct message"  # a DM channel's name once its person asked t
 def user_persona_key(user_key: str) -> str:
     """The setting holding the persona someone picked for their direct messages."""
     return f"persona.dm.{user_key}"
+
+
+def channel_persona_key(channel_key: str) -> str:
+    """The setting holding the persona admins picked for a channel."""
+    return f"persona.channel.{channel_key}"
+
+
 FORGET_ATTEMPTS = 3  # a forget-me that met a row written meanwhile runs again, this many times in all
 
 AUDIT_FLUSH_ROWS = 64  # buffered audit rows written in one go ...

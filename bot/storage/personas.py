@@ -79,14 +79,13 @@ class PersonaRepository:
 
     async def get_persona(self, name: str) -> PersonaRow | None:
         """The live persona called ``name`` in any case (Unicode's: "ZOË" is "Zoë", "STRASSE" is "Straße")."""
-        row = await self._named(name, deleted=False)
+        row = await self._named(name, live_only=True)
         return None if row is None else _persona(row)
 
-    async def _named(self, name: str, *, deleted: bool | None) -> Row | None:
-        """The row called ``name`` under Unicode case folding, live (``deleted=False``), deleted (True) or
-        either (None). Folded here: SQL's lower() and NOCASE fold ASCII letters only, and a bot has few
-        personas."""
-        where = {False: " WHERE deleted_at IS NULL", True: " WHERE deleted_at IS NOT NULL", None: ""}[deleted]
+    async def _named(self, name: str, *, live_only: bool) -> Row | None:
+        """The row called ``name`` under Unicode case folding (a live one before a deleted one). Folded
+        here: SQL's lower() and NOCASE fold ASCII letters only, and a bot has few personas."""
+        where = " WHERE deleted_at IS NULL" if live_only else ""
         wanted = name.casefold()
         rows = await self.db.fetch_all(f"SELECT * FROM personas{where} ORDER BY deleted_at IS NULL DESC, id")
         return next((r for r in rows if str(r["name"]).casefold() == wanted), None)
@@ -95,7 +94,7 @@ class PersonaRepository:
                              ts_config: str, *, revive: bool = True) -> PersonaRow | None:
         """A new persona (or, with ``revive``, one deleted earlier, brought back with these values and its
         soul and lore as they were); None if the name is taken (by a deleted one too, without ``revive``)."""
-        taken = await self._named(name, deleted=None)  # live rows first
+        taken = await self._named(name, live_only=False)  # live rows first
         if taken is None:
             row = await self.db.write_one(
                 "INSERT INTO personas (name, created_at, ts_config, language, settings, source)"
@@ -103,7 +102,7 @@ class PersonaRepository:
                 (name, time.time(), ts_config, language, json.dumps(dict(settings)), source))
             if row is not None:
                 return _persona(row)
-            taken = await self._named(name, deleted=None)  # another process, a moment ago
+            taken = await self._named(name, live_only=False)  # another process, a moment ago
         if not revive or taken is None or taken["deleted_at"] is None:
             return None
         revived = await self.db.write_one(

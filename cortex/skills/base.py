@@ -81,6 +81,12 @@ class SkillInfo:
         name changes when another server offers a tool of the same name (``server/tool`` instead)."""
         return f"{self.server}/{self.tool}" if self.server and self.tool else self.name
 
+    @property
+    def switch_names(self) -> tuple[str, ...]:
+        """Every name a switch of this skill may be kept under: its key, then its offered name (a switch
+        kept before keys were stable)."""
+        return (self.key,) if self.key == self.name else (self.key, self.name)
+
 
 class Skill(Protocol):
     @property

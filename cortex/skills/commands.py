@@ -74,16 +74,16 @@ class SkillCommands:
             raise CommandError(f"which skill? see {self.prefix}skills list")
         if names[0] not in known:
             raise CommandError(f"unknown skill {shown(names[0])}; see {self.prefix}skills list")
-        name, policy = names[0], self.tools.policy
+        name, info, policy = names[0], known[names[0]].info, self.tools.policy
         scope, where = self._scope(ctx, args)
-        had = await policy.set(ctx.persona, scope, known[name].info, enabled)
+        had = await policy.set(ctx.persona, scope, info, enabled)
         if enabled is None:
-            now = await policy.effective(known[name].info, ctx.persona, ctx.server_key, ctx.channel_key)
+            now = await policy.effective(info, ctx.persona, ctx.server_key, ctx.channel_key)
             done = (f"{name} has no switch of its own for {ctx.persona} {where} any more" if had else
                     f"{name} had no switch of its own for {ctx.persona} {where}")
             return f"{done}; here it is {'on' if now.enabled else 'off'} ({now.source})."
         done = f"{name} is now {'on' if enabled else 'off'} for {ctx.persona} {where}."
-        below = await policy.narrower(ctx.persona, known[name].info) if scope == "*" else []
+        below = await policy.narrower(ctx.persona, info) if scope == "*" else []
         if below:  # a server's or channel's own switch wins over the bot-wide one
             shown_scopes = ", ".join(below[:5]) + (f" and {len(below) - 5} more" if len(below) > 5 else "")
             done += (f" Switched on their own (and so unchanged): {shown_scopes}; {self.prefix}skills reset {name} "

@@ -35,10 +35,10 @@ class SkillPolicy:
         self.config = config
         self.storage = storage
         self._cache: dict[str, tuple[float, Overrides]] = {}
+        self._disabled = frozenset(name.casefold() for name in config.disabled)
 
     def default(self, info: SkillInfo) -> Effective:
-        disabled = {name.casefold() for name in self.config.disabled}
-        if info.name.casefold() in disabled or info.key.casefold() in disabled:
+        if any(name.casefold() in self._disabled for name in info.switch_names):
             return Effective(False, "config (disabled)")
         if info.origin == "builtin" and info.name not in self.config.builtin:
             return Effective(False, "config (not in builtin)")
@@ -63,7 +63,7 @@ class SkillPolicy:
         found = await self.overrides(persona)
         for scope, label in ((f"channel:{channel_key}", "this channel"),
                              (f"server:{server_key}" if server_key else "", "this server"), ("*", "bot-wide")):
-            for name in (info.key, info.name):  # the name: a switch kept before keys were stable
+            for name in info.switch_names:
                 if scope and name in found.get(scope, {}):
                     return Effective(found[scope][name], label)
         return self.default(info)
@@ -75,7 +75,7 @@ class SkillPolicy:
         self._cache.pop(settings_key(persona), None)
         found = dict(await self.overrides(persona))
         mine = {**found.get(scope, {})}
-        had = any([mine.pop(name, None) is not None for name in {info.key, info.name}])
+        had = any([mine.pop(name, None) is not None for name in info.switch_names])
         if enabled is not None:
             mine[info.key] = enabled
         if mine:
@@ -89,4 +89,4 @@ class SkillPolicy:
     async def narrower(self, persona: str, info: SkillInfo) -> list[str]:
         """The server and channel scopes with an override of this skill (they win over a bot-wide one)."""
         return sorted(scope for scope, values in (await self.overrides(persona)).items()
-                      if scope != "*" and (info.key in values or info.name in values))
+                      if scope != "*" and any(name in values for name in info.switch_names))
