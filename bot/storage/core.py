@@ -42,11 +42,11 @@ from bot.storage.engine import (
     Database,
     Migration,
     Row,
-    StaleReference,
     StorageError,
     Tx,
     is_conflict,
     is_missing_reference,
+    stale_if_missing,
 )
 from bot.storage.export import ExportRepository
 from bot.storage.fleet import FleetRepository
@@ -291,13 +291,9 @@ class Storage:
         token_count: int,
         created_at: datetime | None = None,
     ) -> StoredMessage:
-        try:
+        with stale_if_missing(f"user {user_id} or channel {channel_id} no longer exists"):
             return await self._add_message(channel_id, user_id, persona, role, author_name, text, token_count,
                                            _ts(created_at))
-        except Exception as exc:
-            if is_missing_reference(exc):
-                raise StaleReference(f"user {user_id} or channel {channel_id} no longer exists") from None
-            raise
 
     async def _add_message(
         self, channel_id: int, user_id: int | None, persona: str, role: MessageRole, author_name: str, text: str,

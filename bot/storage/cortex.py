@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from bot import metrics
 from bot.storage.base import StoredMessage, User
-from bot.storage.engine import Database, StaleReference, Tx, is_conflict, is_missing_reference
+from bot.storage.engine import Database, Tx, is_conflict, stale_if_missing
 from bot.storage.incognito import not_incognito
 from bot.storage.rows import MESSAGE_COLUMNS, message_from_row
 
@@ -134,7 +134,7 @@ class CortexRepository:
     async def count_messages(self, user_id: int, persona: str, added: int) -> Pair:
         """Add ``added`` messages to the pair's cycle counter (creating the pair), atomically;
         :class:`StaleReference` when the user is gone (forgotten meanwhile: no pair is made for nobody)."""
-        try:
+        with stale_if_missing(f"user {user_id} no longer exists"):
             row = await self.db.write_one(
                 "INSERT INTO cortex_pairs (user_id, persona, cycle_count, created_at) VALUES (?, ?, ?, ?)"
                 " ON CONFLICT (user_id, persona) DO UPDATE SET"
@@ -142,10 +142,6 @@ class CortexRepository:
                 " RETURNING *",
                 (user_id, persona, added, time.time()),
             )
-        except Exception as exc:
-            if is_missing_reference(exc):
-                raise StaleReference(f"user {user_id} no longer exists") from None
-            raise
         assert row is not None
         return self._pair(row)
 

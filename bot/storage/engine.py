@@ -15,8 +15,8 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -40,6 +40,20 @@ def is_missing_reference(exc: BaseException) -> bool:
     name = type(exc).__name__
     return isinstance(exc, StaleReference) or name == "ForeignKeyViolationError" or (
         name == "IntegrityError" and "FOREIGN KEY" in str(exc).upper())
+
+
+@contextmanager
+def stale_if_missing(what: str) -> Iterator[None]:
+    """A write inside whose foreign key points at a row gone meanwhile raises :class:`StaleReference` (``what``
+    says which row), whichever engine's driver noticed."""
+    try:
+        yield
+    except StaleReference:
+        raise
+    except Exception as exc:
+        if is_missing_reference(exc):
+            raise StaleReference(what) from None
+        raise
 
 
 class Tx(Protocol):
