@@ -297,6 +297,42 @@ async def test_an_upgrade_keeps_every_row(db_url: str) -> None:
         await new.close()
 
 
+async def test_sqlite_keeps_one_id_counter_per_table(tmp_path: Path) -> None:
+    """Migration 6's rebuild left two ``sqlite_sequence`` rows per non-empty table (the copy's, renamed with
+    the table, and one inserted after it): SQLite advanced the first, the second stayed stale. A rebuild now
+    leaves one, and migration 15 merges the pairs an older release left, keeping the larger counter."""
+    from bot.storage import open_storage
+
+    url = f"sqlite:///{tmp_path / 'bot.db'}"
+    old = await open_storage(url, migrations=MIGRATIONS[:5])
+    await old.migrate()
+    ann = await old.upsert_user("console:ann", "Ann")
+    await old.upsert_user("console:bob", "Bob")
+    await old.close()
+    upgraded = await open_storage(url, migrations=MIGRATIONS[:14])
+    try:
+        await upgraded.migrate()
+        db = upgraded.db
+        assert await db.fetch_all("SELECT name FROM sqlite_sequence GROUP BY name HAVING count(*) > 1") == []
+        assert [tuple(r) for r in await db.fetch_all("SELECT name, seq FROM sqlite_sequence WHERE name = 'users'")
+                ] == [("users", ann.id + 1)]
+        # what the older rebuild left: a stale second row (and one counter ahead of its table)
+        await db.write("INSERT INTO sqlite_sequence (name, seq) VALUES ('users', 1)")
+        await db.write("UPDATE sqlite_sequence SET seq = 40 WHERE name = 'users' AND seq = 1")
+        await db.write("INSERT INTO sqlite_sequence (name, seq) VALUES ('messages', 7)")
+    finally:
+        await upgraded.close()
+    new = await open_storage(url)
+    try:
+        assert await new.migrate() == [15]
+        rows = {r[0]: r[1] for r in await new.db.fetch_all("SELECT name, seq FROM sqlite_sequence")}
+        assert len(rows) == len(await new.db.fetch_all("SELECT name FROM sqlite_sequence"))
+        assert rows["users"] == 40 and rows["messages"] == 7
+        assert (await new.upsert_user("console:cid", "Cid")).id == 41
+    finally:
+        await new.close()
+
+
 async def test_ids_are_never_reused_after_the_newest_rows_are_deleted(storage: Storage) -> None:
     """Another process may still hold a forgotten user's id (or a message's, an item's) in a cache: a new
     row must never get it, or a message would land under someone else."""

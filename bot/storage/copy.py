@@ -319,7 +319,7 @@ async def _next_ids(db: Database) -> dict[str, int]:
     PostgreSQL's identity sequences), so a copy keeps that promise too."""
     if db.dialect == "sqlite":
         return {str(r[0]): int(r[1]) + 1 for r in await db.fetch_all(
-            "SELECT name, max(seq) FROM sqlite_sequence GROUP BY name")}  # a rebuilt table may have two rows
+            "SELECT name, max(seq) FROM sqlite_sequence GROUP BY name")}  # one row per name since migration 15
     found: dict[str, int] = {}
     for table in TABLES:
         identity = (await _shape(db, table)).identity

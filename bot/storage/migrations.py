@@ -306,4 +306,14 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(13, "an audit row for every skill execution", _sqlite_fork(pg_schema.V13), postgres=pg_schema.V13),
     Migration(14, "web page logins: single-use links and sessions (hashes only)", _sqlite_fork(pg_schema.V14),
               postgres=pg_schema.V14),
+    Migration(
+        15,
+        "one id counter per table (migration 6 left two rows per rebuilt table in SQLite's sqlite_sequence)",
+        (  # SQLite reads and advances the first row of a name: it keeps the larger value, the other goes
+            "UPDATE sqlite_sequence SET seq = (SELECT max(s.seq) FROM sqlite_sequence AS s"
+            " WHERE s.name = sqlite_sequence.name)",
+            "DELETE FROM sqlite_sequence WHERE rowid NOT IN (SELECT min(rowid) FROM sqlite_sequence GROUP BY name)",
+        ),
+        postgres=(),  # identity columns keep their own sequences
+    ),
 )

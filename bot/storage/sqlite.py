@@ -291,6 +291,9 @@ async def rebuild_with_autoincrement(tx: Tx, table: str) -> None:
         await tx.execute("PRAGMA legacy_alter_table = OFF")
     for other in others:
         await tx.execute(str(other[0]))
+    # The copy above already made the counter's row (under the new name, renamed with the table) unless
+    # the table was empty: one row per table, or SQLite reads the first and leaves the other stale.
+    await tx.execute("DELETE FROM sqlite_sequence WHERE name = ?", (table,))
     await tx.execute(
         f"INSERT INTO sqlite_sequence (name, seq) SELECT ?, coalesce(max(id), 0) FROM \"{table}\"", (table,))
 
