@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -216,6 +217,25 @@ async def test_an_mcp_servers_tools_are_offered_and_called(tmp_path: Path, fake_
         assert "add" in tool_names(first) and "echo" not in tool_names(first)
         tool_message = [m for m in second.body["messages"] if m["role"] == "tool"]
         assert tool_message and tool_message[0]["content"].strip() == "5"
+
+
+async def test_an_mcp_tools_calls_are_counted_under_server_and_tool(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """The audit and the daily limit kept an MCP tool's calls under its offered name, which changes when
+    another server offers a tool of the same name ("add" becomes "calc_add"): the day's count restarted."""
+    from bot.storage.skills import SkillExecution
+
+    mcp = [{"name": "calc", "command": [sys.executable, str(FAKE_MCP)], "tools": ["add"]}]
+    async with App(_config(tmp_path, fake_llm, provider="openai", mcp=mcp, calls_per_user_per_day=2)) as app:
+        fake_llm.enqueue(FakeResponse.tool_calls([("c1", "add", {"a": 2, "b": 3})]), FakeResponse.text("Five."))
+        assert await app.core.reply(_msg("what is 2 + 3?")).text() == "Five."
+        assert [(a.skill, a.ok) for a in await app.storage.skills.recent("console:ann")] == [("calc/add", True)]
+        # a call made while the tool was offered as "calc_add" (another server had an "add" then)
+        await app.storage.skills.record(SkillExecution("calc/add", "Cora", "console:ann", "console:dm-ann", "", "{}",
+                                                       True, "", 1, "model", time.time()))
+        fake_llm.enqueue(FakeResponse.tool_calls([("c2", "add", {"a": 1, "b": 1})]), FakeResponse.text("Two."))
+        assert await app.core.reply(_msg("and 1 + 1?")).text() == "Two."
+        tool_message = [m for m in replies(fake_llm)[-1].body["messages"] if m["role"] == "tool"][-1]
+        assert "add was used 2 times for this person today" in tool_message["content"]
 
 
 async def test_skills_commands_switch_per_server_and_forget_me_removes_the_audit(

@@ -10,7 +10,7 @@ from bot.storage.engine import Database
 
 @dataclass(frozen=True, slots=True)
 class SkillExecution:
-    skill: str
+    skill: str  # SkillInfo.key: the offered name, or server/tool for an MCP tool (its name may change)
     persona: str
     user_key: str
     channel_key: str

@@ -106,8 +106,8 @@ class SkillToolbox:
         if skill.info.admin_only and not self.context.is_admin:  # also checked when offered: never trust the model
             return SkillResult(f"{call.name} is for admins only; the person you answer is not one", True)
         limit = self.config.calls_per_user_per_day
-        if limit and await self.storage.skills.calls_since(
-                self.context.user_key, call.name, self.context.now.timestamp() - DAY) >= limit:
+        if limit and await self.storage.skills.calls_since(  # by key: an MCP tool renamed by a clash counts on
+                self.context.user_key, skill.info.key, self.context.now.timestamp() - DAY) >= limit:
             return SkillResult(f"{call.name} was used {limit} times for this person today; that is the limit. "
                                "Answer without it.", True)
         timeout = None if skill.info.origin != "builtin" else BUILTIN_TIMEOUT
@@ -124,7 +124,7 @@ class SkillToolbox:
     async def _audit(self, skill: Skill, call: ToolCall, result: SkillResult, duration_ms: int) -> None:
         ctx = self.context
         row = SkillExecution(
-            call.name, ctx.persona, ctx.user_key, ctx.channel_key, ctx.server_key or "",
+            skill.info.key, ctx.persona, ctx.user_key, ctx.channel_key, ctx.server_key or "",
             INCOGNITO_ARGUMENTS if self.incognito else sanitised(
                 call.arguments if call.arguments is not None else call.raw_arguments[:500], skill.info.secrets),
             not result.is_error, result.content[:300] if result.is_error and not self.incognito else "", duration_ms,
