@@ -124,11 +124,9 @@ class ReplyStream:
         return self._core._run(self)
 
     async def text(self) -> str:
-        """Consume the whole stream and return the reply text."""
-        async for _ in self:
-            pass
-        assert self.result is not None
-        return self.result.text
+        """Consume the whole stream and return the reply text (also when it was not stored: see ``_finish``)."""
+        shown = [piece async for piece in self]
+        return self.result.text if self.result is not None else "".join(shown).strip()
 
 
 class ConversationCore:
@@ -275,6 +273,8 @@ class ConversationCore:
             persona, user, channel, user_msg, window, summary, raw_prompt, completion, duration_ms, message,
             stream.rounds, began,
         )
+        if stream.result is None:
+            return
         used = [s for slot in sections.values() for section in slot for s in section.sources]
         if summary is not None:
             used.append(ReplySource("summary", summary.version))
@@ -395,21 +395,25 @@ class ConversationCore:
         message: IncomingMessage,
         rounds: int = 1,
         message_started: float = 0.0,
-    ) -> ReplyResult:
+    ) -> ReplyResult | None:
+        """Store the reply and its audit; None when its user asked to be forgotten (or their channel went)
+        while it was written: the reply was shown, nothing of it is kept but the model call's cost."""
         text = completion.text.strip()
-        reply = await self.storage.add_message(
-            channel.id, user.id, persona.name, "assistant", persona.name, text, self.estimator.raw_count(text)
-        )
+        call = LLMCallRecord("reply", completion.model or self.config.model_for(persona), completion.usage.input_tokens,
+                             completion.usage.output_tokens, duration_ms, estimated_input_tokens=raw_prompt)
+        try:
+            reply = await self.storage.add_message(
+                channel.id, user.id, persona.name, "assistant", persona.name, text, self.estimator.raw_count(text)
+            )
+        except StaleReference:
+            self.storage.forget_cached(user_key=user.key)
+            await self.storage.record_llm_call(call)
+            log.info("the reply in channel %d is not stored: its user was forgotten while it was written", channel.id)
+            return None
         self._remember_last(message.channel_key, reply.text)
         prompt_tokens = self.estimator.scale(raw_prompt)
         summary_used = summary is not None
-        await self.storage.record_llm_call(
-            LLMCallRecord(
-                "reply", completion.model or self.config.model_for(persona),
-                completion.usage.input_tokens, completion.usage.output_tokens, duration_ms,
-                estimated_input_tokens=raw_prompt,
-            )
-        )
+        await self.storage.record_llm_call(call)
         stats = ReplyStats(
             channel_id=channel.id,
             message_id=reply.id,
