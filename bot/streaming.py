@@ -6,6 +6,8 @@ while text streams in, and makes one final edit when the stream ends. When the t
 platform's limit, the current message is finished at a good boundary (see ``bot.splitting``) and
 the rest continues in a new message. A sink that is rate-limited raises :class:`RateLimited`; the
 reply then waits as asked and doubles its interval (Discord counts edits against message limits).
+A library that waits out the limit itself (discord.py sleeps through a 429 and retries) shows as an
+edit slower than the interval: the interval then grows to that edit's time, doubled.
 With ``streaming`` off, nothing is sent until the reply is complete.
 """
 
@@ -18,6 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from bot.splitting import split_message
+
+MAX_INTERVAL = 30.0  # seconds between edits at most, however rate-limited
+SLOW_EDIT = 1.0  # seconds: a send or edit that took longer (and longer than the interval) was held back
 
 
 class RateLimited(Exception):
@@ -110,6 +115,7 @@ class StreamedReply:
         if text == self._shown and self._handle is not None:
             return
         while True:
+            started = self.clock()
             try:
                 if self._handle is None:
                     self._handle = await self.sink.send(text)
@@ -118,7 +124,10 @@ class StreamedReply:
                     await self.sink.edit(self._handle, text)
                 break
             except RateLimited as limited:
-                self.interval = min(self.interval * 2, 30.0)
+                self.interval = min(self.interval * 2, MAX_INTERVAL)
                 await self.sleep(limited.retry_after)
+        took = self.clock() - started
+        if took > max(self.interval, SLOW_EDIT):  # waited out a limit inside the platform's library
+            self.interval = min(max(self.interval, took) * 2, MAX_INTERVAL)
         self._shown = text
         self._last_edit = self.clock()

@@ -77,6 +77,32 @@ async def test_rate_limited_edits_back_off_and_retry() -> None:
     assert slept == [0.25, 0.25] and reply.interval == 4.0
 
 
+async def test_an_edit_held_back_by_the_platforms_library_widens_the_interval() -> None:
+    """discord.py sleeps through a 429 itself and retries, so the adapter never sees the limit: the edit
+    just takes that long. The reply then edits less often instead of running into the limit again."""
+    clock, sink = Clock(), RecordingSink()
+    held = RecordingSink.edit
+
+    async def slow_edit(self: RecordingSink, handle: int, text: str) -> None:
+        clock.now += 3.0 if len(self.calls) == 1 else 0.1  # the first edit waited out a 3 s limit
+        await held(self, handle, text)
+
+    sink.edit = slow_edit.__get__(sink)  # type: ignore[method-assign]
+    reply = StreamedReply(sink, interval=1.0, clock=clock)
+    await reply.feed("hello")
+    clock.now += 1.5
+    await reply.feed(" there")
+    assert reply.interval == 6.0
+    clock.now += 0.5
+    for word in (" and", " more", " words"):  # within the wider interval: no edit
+        await reply.feed(word)
+        clock.now += 1.0
+    assert [c[0] for c in sink.calls] == ["send", "edit"]
+    await reply.finish()
+    assert sink.messages == ["hello there and more words"]
+    assert reply.interval == 6.0  # a quick edit does not narrow it again within this reply
+
+
 async def test_non_streaming_sends_once_at_the_end() -> None:
     sink = RecordingSink()
     reply = StreamedReply(sink, streaming=False)
