@@ -213,6 +213,52 @@ async def test_words_too_common_to_rank_by_are_left_out(tmp_path: Path, monkeypa
         await app.stop()
 
 
+async def test_the_newest_matches_of_common_words_rank_by_how_many_words_they_hold(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When every word is too common, the newest matches are taken; among them a message or item holding
+    more of the words ranks first (SQLite scores them from the words FTS5 marks, without its bm25's count
+    of every row each word matches)."""
+    import cortex.memory.store as store_module
+
+    monkeypatch.setattr(store_module, "COMMON_MATCHES", 5)
+    app, store, users, _ = await _setup(tmp_path, candidates=5)
+    try:
+        user, pair = users["ann"]
+        channel = await app.storage.upsert_channel("console:dm-ann", "dm", is_dm=True)
+        say = lambda text: app.storage.add_message(channel.id, user.id, "Cora", "user", "Ann", text, 3)  # noqa: E731
+        for i in range(8):
+            await say(f"garden day {i}")
+            await say(f"tea cup {i}")
+            await store.remember(pair.id, f"Ann's garden plot {i}")
+            await store.remember(pair.id, f"Ann's tea brand {i}")
+        both = await say("tea in the garden, the garden of tea")
+        item = await store.remember(pair.id, "Ann drinks tea in her garden")
+        await say("garden day 8")
+        await store.remember(pair.id, "Ann's garden plot 8")
+        assert (await store._bounded("messages_fts", fts_query("garden tea"), persona="Cora"))[1]  # newest mode
+        hits = await store.search(pair.id, "garden tea", user_id=user.id, persona="Cora", limit=5,
+                                  include_items=False)
+        assert hits[0].id == both.id and len(hits) == 5
+        assert {h.text for h in hits[1:]} >= {"Ann: garden day 8"}
+        items = await store.search(pair.id, "garden tea", include_messages=False, limit=5)
+        assert items[0].id == item.id
+    finally:
+        await app.stop()
+
+
+def test_marked_words_rank_like_bm25_without_counting_every_match() -> None:
+    from bot.storage.textsearch import MARK_CLOSE as C
+    from bot.storage.textsearch import MARK_OPEN as O
+    from bot.storage.textsearch import marked_ranks
+
+    one, two, twice, long_one, none = marked_ranks([
+        f"{O}tea{C} time", f"{O}tea{C} in the {O}garden{C}", f"{O}Tea{C} and {O}tea{C}",
+        f"{O}tea{C} " + "word " * 30, "nothing marked"])
+    assert two < twice < one < 0 and none == 0  # negative, lower is better (as FTS5's bm25)
+    assert long_one > one  # a long text holding the word once says less about it
+    assert marked_ranks([]) == []
+
+
 async def test_a_short_follow_up_searches_with_the_message_before_it(tmp_path: Path) -> None:
     config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000},
                            "memory": {"embedder": "none"}})

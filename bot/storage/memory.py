@@ -31,7 +31,7 @@ import numpy.typing as npt
 
 from bot.storage.engine import Database, Row, is_conflict
 from bot.storage.incognito import not_incognito
-from bot.storage.textsearch import tsquery
+from bot.storage.textsearch import MARK_CLOSE, MARK_OPEN, marked_ranks, tsquery
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,13 @@ ITEM_COLUMNS = (
 ITEM_COLUMNS_M = ", ".join(f"m.{c.strip()}" for c in ITEM_COLUMNS.split(","))
 MESSAGE_HIT_COLUMNS = "m.id, m.text, m.created_at, m.author_name, m.role, c.name AS channel, m.channel_id"
 NEIGHBOUR_SPAN = 5000  # ids a neighbour lookup walks back or forth at most (other people's messages in a busy group)
+def _marked(table: str, columns: int) -> str:
+    """The ``columns`` of an FTS5 row as one text, the matched words between :data:`MARK_OPEN` and
+    ``MARK_CLOSE`` (FTS5's ``highlight()``), as bm25 reads every column."""
+    marks = f"char({ord(MARK_OPEN)}), char({ord(MARK_CLOSE)})"
+    return " || ' ' || ".join(f"coalesce(highlight({table}, {c}, {marks}), '')" for c in range(columns))
+
+
 VISIBLE = (
     "m.pair_id = ? AND m.archived_at IS NULL AND m.superseded_by IS NULL AND (m.expires_at IS NULL OR m.expires_at > ?)"
 )
@@ -365,13 +372,15 @@ class MemoryRepository:
         with their weights), best first (or newest first when ``newest``), each with ``rank``."""
         shared = f" AND m.{SHARED}" if shared_only else ""
         if self.db.dialect == "sqlite":
-            order = "memory_fts.rowid DESC" if newest else "bm25(memory_fts)"
+            sql = (f" FROM memory_fts JOIN memory_items AS m ON m.id = memory_fts.rowid"
+                   f" WHERE memory_fts MATCH ? AND {VISIBLE}{shared} ORDER BY {{}} LIMIT ?")
+            params = (" OR ".join(terms), pair_id, now, limit)
+            if newest:
+                return await self._newest_sqlite(  # content, key, tags
+                    f"SELECT {ITEM_COLUMNS_M}, {_marked('memory_fts', 3)} AS marked"
+                    + sql.format("memory_fts.rowid DESC"), params)
             return await self.db.fetch_all(
-                f"SELECT {ITEM_COLUMNS_M}, bm25(memory_fts) AS rank FROM memory_fts"
-                f" JOIN memory_items AS m ON m.id = memory_fts.rowid WHERE memory_fts MATCH ? AND {VISIBLE}{shared}"
-                f" ORDER BY {order} LIMIT ?",
-                (" OR ".join(terms), pair_id, now, limit),
-            )
+                f"SELECT {ITEM_COLUMNS_M}, bm25(memory_fts) AS rank" + sql.format("bm25(memory_fts)"), params)
         config = await self._ts_config(pair_id=pair_id)
         sql = self._pg_text_sql(
             ITEM_COLUMNS_M, "memory_items AS m", "m.pair_id = $1 AND m.archived_at IS NULL AND m.superseded_by IS NULL"
@@ -384,13 +393,16 @@ class MemoryRepository:
     ) -> list[Row]:
         """The pair's messages matching any of ``terms``, best first (or newest), each with ``rank``."""
         if self.db.dialect == "sqlite":
-            order = "messages_fts.rowid DESC" if newest else "bm25(messages_fts)"
+            sql = (" FROM messages_fts JOIN messages AS m ON m.id = messages_fts.rowid"
+                   " JOIN channels AS c ON c.id = m.channel_id"
+                   " WHERE messages_fts MATCH ? AND m.user_id = ? AND m.persona = ? ORDER BY {} LIMIT ?")
+            params = (" OR ".join(terms), user_id, persona, limit)
+            if newest:
+                return await self._newest_sqlite(
+                    f"SELECT {MESSAGE_HIT_COLUMNS}, {_marked('messages_fts', 2)} AS marked"  # author, text
+                    + sql.format("messages_fts.rowid DESC"), params)
             return await self.db.fetch_all(
-                f"SELECT {MESSAGE_HIT_COLUMNS}, bm25(messages_fts) AS rank FROM messages_fts"
-                " JOIN messages AS m ON m.id = messages_fts.rowid JOIN channels AS c ON c.id = m.channel_id"
-                f" WHERE messages_fts MATCH ? AND m.user_id = ? AND m.persona = ? ORDER BY {order} LIMIT ?",
-                (" OR ".join(terms), user_id, persona, limit),
-            )
+                f"SELECT {MESSAGE_HIT_COLUMNS}, bm25(messages_fts) AS rank" + sql.format("bm25(messages_fts)"), params)
         config = await self._ts_config(persona=persona)
         # The messages' own columns only: the channel of the few rows returned is joined afterwards.
         sql = self._pg_text_sql("m.*", "messages AS m", "m.user_id = $1 AND m.persona = $2", terms, newest)
@@ -398,6 +410,15 @@ class MemoryRepository:
             f"SELECT {MESSAGE_HIT_COLUMNS}, m.rank FROM ({sql}) AS m JOIN channels AS c ON c.id = m.channel_id"
             " ORDER BY " + ("m.id DESC" if newest else "m.rank"),
             (user_id, persona, tsquery(list(terms)), limit, config, *(tsquery([t]) for t in terms)))
+
+    async def _newest_sqlite(self, sql: str, params: Sequence[Any]) -> list[Row]:
+        """SQLite: the newest matches with a ``rank`` from the words FTS5 marked in each (its ``bm25()``
+        would first count every row each word matches: as costly as ranking them all, see
+        :func:`marked_ranks`)."""
+        rows = await self.db.fetch_all(sql, params)
+        ranks = marked_ranks([str(r["marked"] or "") for r in rows])
+        return [{**{k: r[k] for k in r.keys() if k != "marked"}, "rank": rank}
+                for r, rank in zip(rows, ranks, strict=True)]
 
     # -- vectors ---------------------------------------------------------------------------------
 

@@ -1,9 +1,12 @@
 """Full-text helpers shared by the engines: a persona language's PostgreSQL text-search configuration,
-and user text turned into a safe query for FTS5 (SQLite) or ``to_tsquery`` (PostgreSQL)."""
+user text turned into a safe query for FTS5 (SQLite) or ``to_tsquery`` (PostgreSQL), and a bm25-like
+score of rows whose matched words FTS5 marked (see :func:`marked_ranks`)."""
 
 from __future__ import annotations
 
 import re
+from collections import Counter
+from collections.abc import Sequence
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 
@@ -37,3 +40,23 @@ def tsquery(terms: list[str]) -> str:
     Words are ``\\w+`` only, so quoting each is enough to keep the query's syntax intact."""
     words = [t.strip('"') for t in terms]
     return " | ".join(f"'{w}'" for w in words if _WORD.fullmatch(w))
+
+
+MARK_OPEN, MARK_CLOSE = "\x01", "\x02"  # what FTS5's highlight() puts around a matched word
+_MARKED = re.compile(f"{MARK_OPEN}(.*?){MARK_CLOSE}", re.DOTALL)
+K1, B = 1.2, 0.75  # bm25's term-frequency saturation and length normalisation
+
+
+def marked_ranks(marked: Sequence[str]) -> list[float]:
+    """A bm25-like rank (negative, lower is better, as FTS5's ``bm25()``) of each text in ``marked``,
+    where FTS5's ``highlight()`` marked the query's words: each matched word (as written, lower-cased)
+    counts with bm25's saturation of its frequency and the text's length against the mean of these texts.
+
+    For the newest matches of words that are all common (see ``MemoryStore._bounded``): FTS5's ``bm25()``
+    first counts every row each word matches, for its idf, which costs as much as ranking all matches;
+    the idf of such words is low and alike, so every word weighs the same here."""
+    found = [(Counter(w.lower() for span in _MARKED.findall(text) for w in _WORD.findall(span)),
+              len(_WORD.findall(text.replace(MARK_OPEN, " ").replace(MARK_CLOSE, " ")))) for text in marked]
+    mean = sum(length for _, length in found) / len(found) if found else 1.0
+    return [-sum((tf * (K1 + 1) / (tf + K1 * (1 - B + B * length / max(mean, 1.0))) for tf in words.values()), 0.0)
+            for words, length in found]
