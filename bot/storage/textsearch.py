@@ -55,8 +55,9 @@ def marked_ranks(marked: Sequence[str]) -> list[float]:
     For the newest matches of words that are all common (see ``MemoryStore._bounded``): FTS5's ``bm25()``
     first counts every row each word matches, for its idf, which costs as much as ranking all matches;
     the idf of such words is low and alike, so every word weighs the same here."""
-    found = [(Counter(w.lower() for span in _MARKED.findall(text) for w in _WORD.findall(span)),
-              len(_WORD.findall(text.replace(MARK_OPEN, " ").replace(MARK_CLOSE, " ")))) for text in marked]
+    # The marks are no word characters: the words of a marked text are those of the text. A query word is
+    # one phrase, so one mark holds one word (or the pieces of one, as "e-mail"): counted as one term.
+    found = [(Counter(map(str.lower, _MARKED.findall(text))), len(_WORD.findall(text))) for text in marked]
     mean = sum(length for _, length in found) / len(found) if found else 1.0
     return [-sum((tf * (K1 + 1) / (tf + K1 * (1 - B + B * length / max(mean, 1.0))) for tf in words.values()), 0.0)
             for words, length in found]
