@@ -53,6 +53,7 @@ class ToolCall:
     raw_arguments: str = ""
 
     def __post_init__(self) -> None:  # what a model sends is made storable once, here (see bot.text.storable)
+        object.__setattr__(self, "id", storable(self.id))
         object.__setattr__(self, "name", storable(self.name))
         object.__setattr__(self, "raw_arguments", storable(self.raw_arguments))
         if self.arguments is not None:  # (nested too deep: not arguments; the tool loop says what came)
@@ -73,12 +74,24 @@ class ChatMessage:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "content", storable(self.content))
+        if self.tool_call_id is not None:
+            object.__setattr__(self, "tool_call_id", storable(self.tool_call_id))
+
+
+MAX_REPORTED_TOKENS = 100_000_000  # per call: far past any model's context, and a sum of calls still fits a column
 
 
 @dataclass(frozen=True, slots=True)
 class Usage:
+    """Tokens a call used, as the server reported them: held within 0..``MAX_REPORTED_TOKENS`` (a broken
+    server's negative or absurd figure would fail the metrics and the audit's database columns)."""
+
     input_tokens: int = 0
     output_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("input_tokens", "output_tokens"):
+            object.__setattr__(self, name, min(max(int(getattr(self, name)), 0), MAX_REPORTED_TOKENS))
 
 
 StopReason = Literal["end_turn", "max_tokens", "tool_use", "stop_sequence", "other"]

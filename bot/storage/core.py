@@ -83,6 +83,10 @@ AUDIT_FLUSH_ROWS = 64  # buffered audit rows written in one go ...
 AUDIT_FLUSH_SECONDS = 1.0  # ... or after this long
 SUMMARY_CACHE_SECONDS = 5.0  # how stale another process's new summary may look here
 
+# Errors of an audit write that no retry mends: a reference gone meanwhile, a value no column holds (sqlite3
+# raises OverflowError for an integer over 64 bits, asyncpg a DataError for one over the column's type).
+NEVER_FITS = frozenset({"IntegrityError", "ForeignKeyViolationError", "OverflowError", "DataError"})
+
 LLM_CALL_SQL = (
     "INSERT INTO llm_calls (purpose, model, input_tokens, output_tokens, estimated_input_tokens,"
     " duration_ms, error, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
@@ -631,11 +635,12 @@ class Storage:
                 for sql in dict.fromkeys(sql for sql, _ in pending):
                     await tx.executemany(sql, [params for s, params in pending if s == sql])
         except Exception as exc:
-            if type(exc).__name__ not in ("IntegrityError", "ForeignKeyViolationError"):
+            if not {c.__name__ for c in type(exc).__mro__} & NEVER_FITS:
                 self._audit[:0] = pending
                 raise
-            # Rows that can never be written (their message was deleted meanwhile): retrying won't help.
-            log.error("dropped %d audit rows that no longer fit the database", len(pending))
+            # Rows that can never be written (their message was deleted meanwhile, a figure no column holds):
+            # retrying won't help, and a batch kept would fail every flush (forget-me flushes first).
+            log.error("dropped %d audit rows that do not fit the database (%s)", len(pending), type(exc).__name__)
         except BaseException:
             self._audit[:0] = pending
             raise

@@ -1,0 +1,79 @@
+"""A model server that misbehaves in ways the SDKs let through: absurd usage figures, tool-call ids no
+store takes, a summary the model refused to write, failed replies that still cost tokens. The real
+``anthropic`` and ``openai`` SDKs talk to the fake LLM server on loopback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bot.app import App
+from bot.commands import CommandContext
+from bot.config import parse_config
+from bot.ports import IncomingMessage
+from tests.engines import db_url_for
+from tests.fakes.llm_server import FakeLLMServer, FakeResponse
+
+pytestmark = pytest.mark.both_engines
+
+KEY_ENV = "CB_MISBEHAVING_TEST_KEY"
+ANN = CommandContext("console", "console:ann", "Ann", "console:dm-ann", "Cora", is_dm=True)
+
+
+@pytest.fixture(autouse=True)
+def _key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(KEY_ENV, "test-key")
+
+
+def _config(tmp_path: Path, server: FakeLLMServer, provider: str = "openai", **sections: Any) -> Any:
+    url = server.anthropic_url if provider == "anthropic" else server.openai_url
+    return parse_config({
+        "storage": {"url": db_url_for(tmp_path)},
+        "llm": {"provider": provider, "base_url": url, "api_key_env": KEY_ENV, "max_retries": 0, "model": "m"},
+        "personas": [{"name": "Cora"}], **sections,
+    })
+
+
+def _msg(text: str) -> IncomingMessage:
+    return IncomingMessage("console", "dm-ann", "ann", "Ann", text, is_dm=True)
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "openai"])
+@pytest.mark.parametrize("tokens", [2**64 - 1, 2**31, -7])
+async def test_an_absurd_usage_figure_is_held_in_range_and_forget_me_still_works(
+        tmp_path: Path, fake_llm: FakeLLMServer, provider: str, tokens: int) -> None:
+    """One figure no column holds failed every later audit flush, and forget-me flushes first: nobody
+    could be forgotten until a restart. A negative one failed the metrics after every reply."""
+    async with App(_config(tmp_path, fake_llm, provider)) as app:
+        fake_llm.enqueue(FakeResponse.text("Hello Ann.", input_tokens=tokens, output_tokens=tokens))
+        stream = app.core.reply(_msg("hi"))
+        assert await stream.text() == "Hello Ann." and stream.result is not None  # stored, fully recorded
+        calls = await app.storage.list_llm_calls()
+        assert [(c["input_tokens"], c["output_tokens"]) for c in calls] == [
+            (100_000_000, 100_000_000) if tokens > 0 else (0, 0)]
+        assert "Done. Deleted 2 messages" in (await app.commands.dispatch("!memory forget-me confirm", ANN)).text
+        assert await app.storage.get_user("console:ann") is None
+
+
+async def test_an_audit_row_that_fits_no_column_is_dropped_not_kept_forever(tmp_path: Path, fake_llm: FakeLLMServer
+                                                                            ) -> None:
+    from bot.storage.base import LLMCallRecord
+
+    async with App(_config(tmp_path, fake_llm)) as app:
+        await app.storage.upsert_user("console:ann", "Ann")
+        await app.storage.record_llm_call(LLMCallRecord("reply", "m", 2**64, 1, 1))  # past any column's type
+        await app.storage.flush_audit()  # dropped with an error in the log, not raised again and again
+        assert "Done." in (await app.commands.dispatch("!memory forget-me confirm", ANN)).text
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "openai"])
+async def test_a_tool_call_id_with_a_lone_surrogate_still_ends_in_a_reply(
+        tmp_path: Path, fake_llm: FakeLLMServer, provider: str) -> None:
+    """The id goes back with the tool's result: a lone surrogate in it failed the next request as an
+    "unreadable response", after the tool had run."""
+    async with App(_config(tmp_path, fake_llm, provider)) as app:
+        fake_llm.enqueue(FakeResponse.tool_calls([("c\ud800x", "current_time", {})]), FakeResponse.text("It is noon."))
+        assert await app.core.reply(_msg("what time is it?")).text() == "It is noon."
+        assert len(fake_llm.completion_requests) == 2
