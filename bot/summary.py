@@ -228,6 +228,8 @@ class SummaryEngine:
             reason = "empty summary"
         elif completion.stop_reason == "max_tokens":
             reason = "summary cut off at the output limit"
+        elif completion.stop_reason == "refused":  # what came is no summary ("I'm sorry, but I…")
+            reason = "the provider's content filter stopped the summary"
         elif tokens > budgets.summary_tokens:
             reason = f"summary too long ({tokens} tokens > budget {budgets.summary_tokens})"
         made_from = SummarySources(latest.id if latest else None, tuple(m.id for m in evicted))

@@ -77,3 +77,36 @@ async def test_a_tool_call_id_with_a_lone_surrogate_still_ends_in_a_reply(
         fake_llm.enqueue(FakeResponse.tool_calls([("c\ud800x", "current_time", {})]), FakeResponse.text("It is noon."))
         assert await app.core.reply(_msg("what time is it?")).text() == "It is noon."
         assert len(fake_llm.completion_requests) == 2
+
+
+@pytest.mark.parametrize(("provider", "refusal"), [("anthropic", "refusal"), ("openai", "content_filter")])
+async def test_a_summary_the_providers_filter_stopped_never_replaces_the_good_one(
+        tmp_path: Path, fake_llm: FakeLLMServer, provider: str, refusal: str) -> None:
+    from bot.summary import SummaryRejected
+
+    history = {"history_tokens": 60, "min_exchanges": 0, "summary_trigger": 2}
+    app = await App(_config(tmp_path, fake_llm, provider, history=history)).start(workers=False)
+    try:
+        storage = app.storage
+        ann = await storage.upsert_user("console:ann", "Ann")
+        room = await storage.upsert_channel("console:dm-ann", "dm", True)
+
+        job = await storage.enqueue_job("summary", f"channel:{room.id}", {"channel_id": room.id, "persona": "Cora"}, 5)
+        assert job is not None
+
+        async def summarise() -> None:  # the job run here, again, as workers would retry it
+            for i in range(8):
+                await storage.add_message(room.id, ann.id, "Cora", "user", "Ann", f"Pixel did trick {i} " * 3, 20)
+            await app.summaries.run_job(job)
+
+        fake_llm.enqueue(FakeResponse.text("Ann told Cora about her cat Pixel and its tricks."))
+        await summarise()
+        fake_llm.enqueue(FakeResponse.text("I'm sorry, but I", stop_reason=refusal))
+        with pytest.raises(SummaryRejected):
+            await summarise()
+        latest = await storage.latest_summary(room.id)
+        assert latest is not None and latest.text == "Ann told Cora about her cat Pixel and its tricks."
+        rejected = [dict(r) for r in await storage.db.fetch_all("SELECT * FROM summaries WHERE status = 'rejected'")]
+        assert [r["reason"] for r in rejected] == ["the provider's content filter stopped the summary"]
+    finally:
+        await app.stop()

@@ -50,6 +50,7 @@ _STOP_REASONS: dict[str, StopReason] = {
     "max_tokens": "max_tokens",
     "tool_use": "tool_use",
     "stop_sequence": "stop_sequence",
+    "refusal": "refused",
 }
 _SDK_ERRORS = SdkErrors(
     status=anthropic.APIStatusError,

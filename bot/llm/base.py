@@ -94,7 +94,8 @@ class Usage:
             object.__setattr__(self, name, min(max(int(getattr(self, name)), 0), MAX_REPORTED_TOKENS))
 
 
-StopReason = Literal["end_turn", "max_tokens", "tool_use", "stop_sequence", "other"]
+# "refused": the provider's safety layer stopped the answer (Anthropic's "refusal", OpenAI's "content_filter").
+StopReason = Literal["end_turn", "max_tokens", "tool_use", "stop_sequence", "refused", "other"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,7 @@ _FINISH_REASONS: dict[str, StopReason] = {
     "length": "max_tokens",
     "tool_calls": "tool_use",
     "function_call": "tool_use",
+    "content_filter": "refused",
 }
 _SDK_ERRORS = SdkErrors(
     status=openai.APIStatusError,
