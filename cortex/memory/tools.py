@@ -67,7 +67,7 @@ MEMORY_TOOLS: tuple[ToolSpec, ...] = (
         name="update_memory",
         description=(
             "Correct a memory item that is no longer right: stores the new content as a new item that replaces "
-            "the old one (the old one is kept in the history)."
+            "the old one (the old one is kept in the history). Pinned items are the user's: not these."
         ),
         input_schema={
             "type": "object",
@@ -257,11 +257,14 @@ class MemoryTools:
         old = await self.memory.get(self.pair_id, item_id, count_access=False)
         if old.archived_at is not None:
             raise MemoryError(f"item #{item_id} is archived; use remember for a new fact")
+        if old.pinned:  # a correction would replace it (and its pin) as surely as forget would drop it
+            raise MemoryError(f"item #{item_id} is pinned by the user; only they can change, unpin or forget it. "
+                              "Use remember for what is new beside it")
         content = _text(args, "content", required=True)
         item = await self.memory.remember(
             self.pair_id, content, category=_category(args, old.category),
             importance=_int(args, "importance", required=False, low=1, high=10) or old.importance,
-            key=old.key, tags=old.tags, pinned=old.pinned, source="model", source_ref=self._source_ref,
+            key=old.key, tags=old.tags, source="model", source_ref=self._source_ref,
             supersedes=old.id,
         )
         self.written.append(item.id)
