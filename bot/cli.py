@@ -19,7 +19,7 @@ import click
 from bot.config import Config, ConfigError, check_storage_url, load_config, read_secret, resolve_config_path
 from bot.llm.errors import LLMError
 from bot.storage import StorageError
-from bot.text import error_line, plural
+from bot.text import error_line, one_line_name, plural
 
 if TYPE_CHECKING:
     from bot.storage.copy import CopyReport
@@ -121,7 +121,8 @@ def chat(ctx: click.Context, user: str | None, persona: str | None) -> None:
     config = _load(ctx)
     # The chat shows failures itself, one line each; logs only with -v.
     setup_logging(config.bot.log_level if ctx.obj["verbose"] else "ERROR")
-    name = user or config.terminal.user or getpass.getuser() or "you"
+    # A name typed in another encoding than the terminal's arrives with lone surrogates: no store takes them.
+    name = one_line_name(user or config.terminal.user or getpass.getuser() or "") or "you"
     status = _run_async(lambda: _chat(config, name, persona))
     sys.exit(status)
 

@@ -14,6 +14,7 @@ from typing import Literal, Protocol
 from bot.llm.base import ToolCall, ToolSpec
 from bot.storage.base import StoredMessage
 from bot.storage.sources import ReplySource
+from bot.text import one_line_name
 
 Platform = Literal["console", "discord", "matrix"]
 
@@ -35,6 +36,10 @@ class IncomingMessage:
     sent_at: datetime | None = None
     parent_channel_id: str | None = None  # a thread's or forum post's channel: its persona is inherited
     author_home: str | None = None  # the author's home server where a platform has one (Matrix: their homeserver)
+
+    def __post_init__(self) -> None:  # names as prompts and stores may take them (see bot.text.one_line_name)
+        object.__setattr__(self, "author_name", one_line_name(self.author_name) or self.author_id)
+        object.__setattr__(self, "channel_name", one_line_name(self.channel_name))
 
     @property
     def author_key(self) -> str:

@@ -16,6 +16,7 @@ from bot.llm.base import ChatMessage
 from bot.persona import Persona, section_title
 from bot.ports import PromptSection
 from bot.storage.base import StoredMessage, Summary
+from bot.text import one_line_name
 from bot.tokens import TokenEstimator, fit_to_budget
 
 # {char_name} as before, and the seed's and the character cards' {{char}}, {{user}}, {{LANGUAGE}}, {{LANGUAGE_CODE}}.
@@ -123,8 +124,8 @@ def history_turns(messages: Sequence[StoredMessage], *, label_speakers: bool) ->
     """The window as chat turns; in group channels user turns carry the speaker's name."""
     turns: list[ChatMessage] = []
     for m in messages:
-        if m.role == "user" and label_speakers:
-            turns.append(ChatMessage(role="user", content=f"{m.author_name}: {m.text}"))
+        if m.role == "user" and label_speakers:  # (a name stored before names were kept on one line: made so)
+            turns.append(ChatMessage(role="user", content=f"{one_line_name(m.author_name)}: {m.text}"))
         else:
             turns.append(ChatMessage(role=m.role, content=m.text))
     return turns

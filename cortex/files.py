@@ -15,7 +15,7 @@ from cortex.templates import template
 
 SHRINK_GUARD_MIN_CHARS = 400  # files shorter than this may be rewritten freely
 SHRINK_GUARD_RATIO = 0.5  # a model write keeping less than half of a longer file is refused
-_SUBSTANCE = re.compile(r"\w")  # what a file says: its letters and digits (any script), not its spacing
+_SUBSTANCE = re.compile(r"[^\W_]")  # what a file says: its letters and digits (any script), not spacing or lines
 
 
 def substance(text: str) -> int:

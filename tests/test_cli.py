@@ -166,6 +166,19 @@ def test_piped_chat_streams_replies_and_runs_commands(tmp_path: Path, fake_llm: 
                     ("user", "second line"), ("assistant", "echo: second line")]
 
 
+def test_a_user_name_in_another_encoding_than_the_terminals_still_chats(tmp_path: Path, fake_llm: FakeLLMServer
+                                                                         ) -> None:
+    """``--user`` typed in Latin-1 on a UTF-8 system arrives with a lone surrogate, which no store takes:
+    the chat ended in a traceback before its first line."""
+    fake_llm.responder = responder()
+    config = write_config(tmp_path, fake_llm)
+    result = cortexbot("--config", str(config), "chat", "--user", os.fsdecode(b"J\xfcrgen"),
+                       stdin="hello\n!memory list\n")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert "Cora: echo: hello" in result.stdout
+    assert db_rows(tmp_path, "SELECT display_name FROM users") == [("J\ufffdrgen",)]
+
+
 def test_llm_outage_gives_one_line_errors_and_keeps_the_message(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
     fake_llm.enqueue(FakeResponse.error(529, "Overloaded", error_type="overloaded_error"))
     fake_llm.enqueue(FakeResponse.error(429, "slow down", error_type="rate_limit_error"))

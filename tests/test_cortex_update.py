@@ -280,7 +280,7 @@ async def test_a_write_that_drops_most_of_a_file_is_refused(app: App, fake_llm: 
     assert (await app.cortex.store.current(pair.id, "memory.md")).content == long_memory
 
 
-@pytest.mark.parametrize("padding", [" ", ".", "\n-"])
+@pytest.mark.parametrize("padding", [" ", ".", "\n-", "_"])
 async def test_padding_a_short_write_to_the_old_length_does_not_get_past_the_shrink_guard(
         app: App, fake_llm: FakeLLMServer, padding: str) -> None:
     """"# My memories of Ann" and 1,261 spaces was saved as the new memory.md (the guard compared lengths)."""
