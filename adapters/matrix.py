@@ -259,6 +259,7 @@ class MatrixAdapter:
         # a group ("group"), kept in the session file: a group room down to two members stays a group.
         self._kinds: dict[str, str] = dict(state.get("room_kinds", {}))
         self._creators: dict[str, frozenset[str]] = {}
+        self._makers: dict[str, str] = {}  # who sent each room's m.room.create (not its additional creators)
         self._creators_outrank: set[str] = set()  # rooms of version 12 or later: their creators hold power 100
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
@@ -583,6 +584,7 @@ class MatrixAdapter:
         for event in events:
             if isinstance(event, dict) and event.get("type") == "m.room.create":
                 creators.add(str(event.get("sender", "")))
+                self._makers[room_id] = str(event.get("sender", ""))
                 content = json_object(event.get("content"))
                 extra = content.get("additional_creators")
                 if isinstance(extra, list):
@@ -647,8 +649,8 @@ class MatrixAdapter:
     async def _private_to(self, room: MatrixRoom, user_id: str) -> bool:
         """Whether answers for ``user_id`` alone may go to ``room``. Anyone can make a room that looks direct
         (invite the bot "directly", then the victim, and leave), so: only the bot and the user are in it, nobody
-        else is invited, and the bot opened it for the user (who may not have joined yet), or the user joined
-        it and made it or invited the bot into it."""
+        else is invited, its history is not world-readable, and the bot opened it for the user (who may not have
+        joined yet), or the user joined it and made it (sent its create event) or invited the bot into it."""
         me = self.config.user_id
         if me not in room.users and self.is_dm(room):
             # Just after a start, a room's members may not be loaded yet (its summary's count is): load them
@@ -656,16 +658,18 @@ class MatrixAdapter:
             await self.client.joined_members(room.room_id)
         invited = set(room.invited_users)
         joined = set(room.users) - invited
-        if not self.is_dm(room) or me not in joined:
-            return False
+        if not self.is_dm(room) or me not in joined or room.history_visibility == "world_readable":
+            return False  # (world_readable: anyone may read it without joining)
         if self._dms.get(user_id) == room.room_id:
             return joined | invited == {me, user_id} and invited <= {user_id}
         if joined != {me, user_id} or invited or room.join_rule != "invite":
             return False
         if self._inviters.get(room.room_id) == user_id:
             return True
+        # Made by the user: the sender of its create event. Room version 12 lets a maker name others as
+        # "additional creators", which the user merely accepts by joining: those count as made by the maker.
         await self._load_creators(room.room_id)
-        return user_id in self._creators.get(room.room_id, frozenset())
+        return self._makers.get(room.room_id) == user_id
 
     async def _open_dm(self, user_id: str) -> str:
         response = await self.client.room_create(

@@ -107,15 +107,25 @@ async def test_a_malformed_event_does_not_stop_the_bot(synapse: SynapseServer, b
         await alice.close()
 
 
-async def test_private_answers_skip_a_room_someone_else_made(synapse: SynapseServer, bot: Bot) -> None:
+@pytest.mark.parametrize("trap_kind", ["invited", "additional creator"])
+async def test_private_answers_skip_a_room_someone_else_made(synapse: SynapseServer, bot: Bot, trap_kind: str) -> None:
     """Mallory makes a "direct" room with the bot, invites Alice and leaves: the room holds only the bot and
-    Alice, but Alice's private answers go to a new direct room (and the next ones to that same room)."""
+    Alice, but Alice's private answers go to a new direct room (and the next ones to that same room). Room
+    version 12 lets Mallory name Alice an "additional creator" of the room she made (and let anyone read its
+    history): Alice made nothing by accepting the invite."""
     mallory, alice = await user(synapse, "mallory"), await user(synapse, "alice")
     mallorys, seen = Timeline(mallory), Timeline(alice)
     try:
-        trap = await open_room(mallory, [bot.user_id], direct=True)
-        await joined(mallorys, trap, bot.user_id)
-        await mallory.room_invite(trap, alice.user_id)
+        if trap_kind == "invited":
+            trap = await open_room(mallory, [bot.user_id], direct=True)
+            await joined(mallorys, trap, bot.user_id)
+            await mallory.room_invite(trap, alice.user_id)
+        else:
+            trap = synapse.request("POST", "/_matrix/client/v3/createRoom", {
+                "room_version": "12", "is_direct": True, "preset": "private_chat",
+                "creation_content": {"additional_creators": [alice.user_id]},
+                "invite": [bot.user_id, alice.user_id]}, token=mallory.access_token)["room_id"]
+            await joined(mallorys, trap, bot.user_id)
         await alice.join(trap)
         await mallory.room_leave(trap)
 
@@ -158,6 +168,26 @@ async def test_private_answers_go_to_the_direct_room_the_user_made(synapse: Syna
         await seen.sync_until(lambda: any("memory.md (version" in b for b in seen.bodies(dm, bot.user_id)),
                               "the private answer in her direct room")
         assert not alice.invited_rooms
+    finally:
+        await alice.close()
+
+
+async def test_private_answers_skip_a_direct_room_anyone_may_read(synapse: SynapseServer, bot: Bot) -> None:
+    """A direct room whose history is world-readable is read by anyone, member or not: no private answers."""
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    try:
+        open_dm = synapse.request("POST", "/_matrix/client/v3/createRoom", {
+            "is_direct": True, "preset": "private_chat", "invite": [bot.user_id],
+            "initial_state": [{"type": "m.room.history_visibility", "state_key": "",
+                               "content": {"history_visibility": "world_readable"}}]},
+            token=alice.access_token)["room_id"]
+        await joined(seen, open_dm, bot.user_id)
+        group = await open_room(alice, [bot.user_id], direct=False)
+        await joined(seen, group, bot.user_id)
+        await send_text(alice, group, "!memory show")
+        await seen.sync_until(lambda: any(r != open_dm for r in alice.invited_rooms), "an invite to a new direct room")
+        assert not any("memory.md" in b for b in seen.bodies(open_dm, bot.user_id))
     finally:
         await alice.close()
 
