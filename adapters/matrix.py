@@ -43,8 +43,10 @@ from nio import (
     RoomMessageFile,
     RoomMessageText,
     RoomSendResponse,
+    SyncError,
     SyncResponse,
     UploadResponse,
+    WhoamiError,
 )
 from nio.crypto.attachments import decrypt_attachment
 from nio.exceptions import EncryptionError
@@ -74,6 +76,10 @@ MAX_FILE_BYTES = 8 * 1024 * 1024  # a command's file (the card cap)
 FileEvent: TypeAlias = RoomMessageFile | RoomEncryptedFile
 P = ParamSpec("P")
 _markdown = MarkdownIt("commonmark", {"html": False, "breaks": True}).enable("table")
+
+
+SYNC_RETRY_FIRST, SYNC_RETRY_LONGEST = 1.0, 300.0  # seconds between failed syncs: doubled from the first
+SIGNED_OUT = "M_UNKNOWN_TOKEN"  # the session was signed out (in a client, by an admin) or the token is wrong
 
 
 _ROOM_PING = re.compile(r"@(room)", re.IGNORECASE)  # clients match the @room ping case-insensitively
@@ -265,6 +271,8 @@ class MatrixAdapter:
         self._stopping = asyncio.Event()
         self._sync_seen = asyncio.Event()  # set (and replaced) after each sync
         self._joining: set[str] = set()  # rooms joined on invite whose own join event is not seen yet
+        self._sync_failures = 0  # failed syncs in a row (each waits longer before the next)
+        self._fatal: MatrixError | None = None  # why the sync stopped for good (run raises it)
         self.ready = asyncio.Event()
 
     # -- state -----------------------------------------------------------------------------------
@@ -313,7 +321,7 @@ class MatrixAdapter:
 
     async def login(self) -> None:
         state = self._load_state()
-        if state.get("access_token") and state.get("device_id"):
+        if state.get("access_token") and state.get("device_id") and await self._still_valid(state):
             self.client.restore_login(self.config.user_id, state["device_id"], state["access_token"])
         elif self.token:
             device_id = state.get("device_id", "")
@@ -334,6 +342,20 @@ class MatrixAdapter:
             self.client.load_store()
             if self.client.should_upload_keys:
                 await self.client.keys_upload()
+
+    async def _still_valid(self, state: dict[str, Any]) -> bool:
+        """Whether the session saved by an earlier password login is still signed in. One signed out since
+        (in a client, or by an admin) is dropped, so the password logs in anew; a check that fails for
+        another reason (the server busy) keeps it, and the sync tells."""
+        self.client.access_token = str(state["access_token"])
+        who = await self.client.whoami()
+        self.client.access_token = ""
+        if isinstance(who, WhoamiError) and who.status_code == SIGNED_OUT:
+            log.warning("Matrix: the saved session of %s was signed out; logging in again with the password",
+                        self.config.user_id)
+            self._save_state(access_token="")
+            return False
+        return True
 
     # -- running ---------------------------------------------------------------------------------
 
@@ -361,12 +383,15 @@ class MatrixAdapter:
         self.client.add_event_callback(guarded(self._on_invite), InviteMemberEvent)
         self.client.add_event_callback(guarded(self._on_member), RoomMemberEvent)
         self.client.add_response_callback(guarded(self._on_sync), SyncResponse)
+        self.client.add_response_callback(guarded(self._on_sync_error), SyncError)
         log.info("Matrix: %s syncing from %s", self.config.user_id, self.config.homeserver)
         self.ready.set()
         try:
             await self.client.sync_forever(timeout=10_000, since=since, full_state=True)
         finally:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._fatal is not None:
+            raise self._fatal
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -374,7 +399,50 @@ class MatrixAdapter:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.client.close()
 
+    async def _on_sync_error(self, response: SyncError) -> None:
+        """A failed sync (a proxy's 502, the server overloaded, the session signed out): nio would sync again
+        at once, thousands of times a minute. Wait, doubling up to ``SYNC_RETRY_LONGEST``; say so once."""
+        if response.status_code == SIGNED_OUT:
+            if not await self._login_again():
+                self._signed_out()
+            return
+        self._sync_failures += 1
+        wait = min(SYNC_RETRY_FIRST * 2 ** (self._sync_failures - 1), SYNC_RETRY_LONGEST)
+        wait = max(wait, (response.retry_after_ms or 0) / 1000)
+        if self._sync_failures == 1:
+            log.error("Matrix: sync with %s failed (%s); retrying with back-off (at most every %.0f s)",
+                      self.config.homeserver, _short(response), SYNC_RETRY_LONGEST)
+        await asyncio.sleep(wait)
+
+    async def _login_again(self) -> bool:
+        """With the password and without encryption, a signed-out session is replaced by a new login at once
+        (with encryption, the device's keys belong to the old session: a restart sets up the new device)."""
+        if not self.password or self.config.e2ee:
+            return False
+        response = await self.client.login(self.password, device_name=self.config.device_name)
+        if not isinstance(response, LoginResponse):
+            log.error("Matrix: logging in again failed: %s", response)
+            return False
+        self._save_state(device_id=response.device_id, access_token=response.access_token)
+        log.warning("Matrix: the session of %s was signed out; logged in again (a new device)", self.config.user_id)
+        return True
+
+    def _signed_out(self) -> None:
+        """The session is gone: stop with one clear line (the process ends; a restart logs in again with the
+        password, or needs a new access token)."""
+        if self.password:
+            self._save_state(access_token="")
+            how = "restart the bot: it logs in again with the password (a new device, with new keys)"
+        else:
+            how = f"put a new access token in {self.config.access_token_env} (or set password_env) and restart"
+        self._fatal = MatrixError(f"the Matrix session of {self.config.user_id} was signed out ({SIGNED_OUT}); {how}")
+        log.error("Matrix: %s", self._fatal)
+        self.client.stop_sync_forever()
+
     async def _on_sync(self, response: SyncResponse) -> None:
+        if self._sync_failures:
+            log.info("Matrix: syncing again after %d failed attempts", self._sync_failures)
+            self._sync_failures = 0
         seen, self._sync_seen = self._sync_seen, asyncio.Event()
         seen.set()
         # A join whose own event the timeline did not carry (a limited one): the room counts as joined after
@@ -693,6 +761,13 @@ class MatrixAdapter:
             async with asyncio.timeout(deadline):
                 while room_id not in self.client.rooms:
                     await self._sync_seen.wait()
+
+
+def _short(response: SyncError) -> str:
+    """A failed sync in a few words: its error code and message (a proxy's HTML page cut short)."""
+    status = getattr(getattr(response, "transport_response", None), "status", None)  # the HTTP answer's
+    parts = (f"HTTP {status}" if status else "", response.status_code or "", response.message or "")
+    return " ".join(" ".join(parts).split())[:200] or "no answer"
 
 
 def _with_text(inbound: Inbound, text: str) -> Inbound:
