@@ -39,8 +39,10 @@ from nio import (
     ReactionEvent,
     RoomCreateResponse,
     RoomEncryptedFile,
+    RoomEncryptedImage,
     RoomMemberEvent,
     RoomMessageFile,
+    RoomMessageImage,
     RoomMessageText,
     RoomSendResponse,
     SyncError,
@@ -73,7 +75,10 @@ LIMIT = 8_000
 ENCRYPTED_LIMIT = 3_500
 ENCRYPTION_OVERHEAD = 1_024  # megolm's envelope: sender key, session and device ids, MAC, signature
 MAX_FILE_BYTES = 8 * 1024 * 1024  # a command's file (the card cap)
-FileEvent: TypeAlias = RoomMessageFile | RoomEncryptedFile
+# A file a command may come with: Element sends a PNG (a character card) as an image.
+FileEvent: TypeAlias = RoomMessageFile | RoomEncryptedFile | RoomMessageImage | RoomEncryptedImage
+FILE_EVENTS = (RoomMessageFile, RoomEncryptedFile, RoomMessageImage, RoomEncryptedImage)
+ENCRYPTED_FILES = (RoomEncryptedFile, RoomEncryptedImage)
 P = ParamSpec("P")
 _markdown = MarkdownIt("commonmark", {"html": False, "breaks": True}).enable("table")
 
@@ -372,13 +377,16 @@ class MatrixAdapter:
                 raise MatrixError(f"Matrix sync failed: {first}")
             since = first.next_batch
             self._save_state(next_batch=since)
-            # Invites are not history: answer the ones that arrived before the bot first ran.
+            # Invites are not history: answer the ones that arrived before the bot first ran (as direct or
+            # group chats, as their invites said).
             for invited in list(self.client.invited_rooms.values()):
-                await self._consider_invite(invited, getattr(invited, "inviter", None) or "")
+                info = first.rooms.invite.get(invited.room_id)
+                await self._consider_invite(invited, getattr(invited, "inviter", None) or "",
+                                            self._invited_directly(info.invite_state if info else []))
         self.client.next_batch = since
         # Every callback is guarded: one bad event must not end the sync (see ``guarded``).
         self.client.add_event_callback(guarded(self._on_message), RoomMessageText)
-        self.client.add_event_callback(guarded(self._on_file), (RoomMessageFile, RoomEncryptedFile))
+        self.client.add_event_callback(guarded(self._on_file), FILE_EVENTS)
         self.client.add_event_callback(guarded(self.reactions.on_reaction), ReactionEvent)
         self.client.add_event_callback(guarded(self._on_invite), InviteMemberEvent)
         self.client.add_event_callback(guarded(self._on_member), RoomMemberEvent)
@@ -497,6 +505,14 @@ class MatrixAdapter:
             await self.client.room_leave(room.room_id)
             log.info("Matrix: declined an invite to %s", room.room_id)
 
+    def _invited_directly(self, invite_state: list[Any]) -> bool | None:
+        """Whether the invite (the bot's own member event among a room's invite state) says ``is_direct``;
+        None when the state does not hold it."""
+        for event in invite_state:
+            if isinstance(event, InviteMemberEvent) and event.state_key == self.config.user_id:
+                return bool(json_object(event.content).get("is_direct"))
+        return None
+
     def _invited_enough(self, inviter: str) -> bool:
         """Whether ``inviter`` (not an admin) already brought the bot into as many rooms as one user may: on
         a public homeserver anyone could otherwise fill it with rooms, each one more to sync."""
@@ -521,7 +537,9 @@ class MatrixAdapter:
     def inbound(self, room: MatrixRoom, event: RoomMessageText | FileEvent) -> Inbound:
         content = event.source.get("content")
         me = self.config.user_id
-        display = room.user_name(me) or me
+        # The bot's own display name: the room's form of it gains " (@id)" once a member copies the name.
+        bot_user = room.users.get(me)
+        display = (bot_user.display_name if bot_user is not None else None) or room.user_name(me) or me
         reply_to = reply_target(content)
         body = without_reply_fallback(event.body) if reply_to else event.body
         formatted = _MX_REPLY.sub("", getattr(event, "formatted_body", None) or "")  # not the quoted message
@@ -599,7 +617,7 @@ class MatrixAdapter:
             raise ValueError(f"could not download {filename}: {response}")
         if len(data) > MAX_FILE_BYTES + 1024:
             raise ValueError(f"{filename} is over {MAX_FILE_BYTES // 1024 // 1024} MB")
-        if isinstance(event, RoomEncryptedFile):
+        if isinstance(event, ENCRYPTED_FILES):
             data = decrypt_attachment(data, event.key["k"], event.hashes["sha256"], event.iv)
         return Attachment(filename, data)
 
@@ -617,7 +635,7 @@ class MatrixAdapter:
             if prefix != self.app.commands.prefix and inbound.message.text.startswith(prefix):
                 # The room's prefix is configurable; the command layer speaks "!".
                 inbound = _with_text(inbound, self.app.commands.prefix + inbound.message.text[len(prefix):])
-            if file is not None and isinstance(event, RoomMessageFile | RoomEncryptedFile):
+            if file is not None and isinstance(event, FILE_EVENTS):
                 if not self.app.router.reads_files(inbound):
                     return  # a caption that is no command of this bot's, or a sender the access lists leave out
                 try:

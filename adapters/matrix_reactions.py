@@ -41,8 +41,8 @@ class Reactions:
         self._confirmed: OrderedDict[str, tuple[str, str]] = OrderedDict()  # confirmation -> (user, source)
 
     async def on_reaction(self, room: MatrixRoom, event: ReactionEvent) -> None:
-        if event.sender == self.adapter.config.user_id:
-            return
+        if event.sender == self.adapter.config.user_id or self.adapter._before_join(room):
+            return  # (a reaction in the history shown to the bot as it joined was made before it was there)
         key = _key(event)
         if key == REMEMBER and event.reacts_to not in self._confirmed:  # a confirmation is no memory
             self.adapter._spawn(self._guarded(self._remember(room, event)))

@@ -364,9 +364,11 @@ async def test_login_with_an_access_token(synapse: SynapseServer, tmp_path: Path
         await app.stop()
 
 
-async def test_a_card_sent_with_a_command_caption_is_imported(synapse: SynapseServer, tmp_path: Path) -> None:
+@pytest.mark.parametrize("msgtype", ["m.file", "m.image"])
+async def test_a_card_sent_with_a_command_caption_is_imported(synapse: SynapseServer, tmp_path: Path,
+                                                              msgtype: str) -> None:
     """A file whose caption is a command (MSC2530) reaches the command as its attachment; plain files are
-    not read, and only the bot's admins may import."""
+    not read, and only the bot's admins may import. Element sends a PNG as an image."""
     import io
 
     from nio import UploadResponse
@@ -384,7 +386,7 @@ async def test_a_card_sent_with_a_command_caption_is_imported(synapse: SynapseSe
                                             filename="rosa.png", filesize=len(card))
             assert isinstance(upload, UploadResponse), upload
             await client.room_send(room, "m.room.message", {
-                "msgtype": "m.file", "body": caption, "filename": "rosa.png", "url": upload.content_uri,
+                "msgtype": msgtype, "body": caption, "filename": "rosa.png", "url": upload.content_uri,
                 "info": {"size": len(card), "mimetype": "image/png"}}, ignore_unverified_devices=True)
 
         room = await dm_with(seen, running.user_id)

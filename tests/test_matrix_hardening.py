@@ -452,10 +452,56 @@ async def test_what_was_said_before_the_bot_joined_is_not_answered(synapse: Syna
     try:
         room = await open_room(alice, [], direct=False)
         await send_text(alice, room, f"{bot.user_id}: what is the capital of France?")
+        before = await alice.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "my cat is Pixel"})
+        await react(alice, room, before.event_id)  # 🧠 before the bot was there: not for it either
         await alice.room_invite(room, bot.user_id)
         await joined(seen, room, bot.user_id)
         await send_text(alice, room, f"{bot.user_id}: and of Spain?")
         await seen.sync_until(lambda: any("Spain" in b for b in seen.bodies(room, bot.user_id)), "the answer")
         assert not any("France" in b for b in seen.bodies(room, bot.user_id))
+        after = await alice.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "my dog is Rex"})
+        await react(alice, room, after.event_id)
+        assert await remembered(bot, alice.user_id) == ["my dog is Rex"]  # (handled after the earlier one)
     finally:
         await alice.close()
+
+
+async def test_a_member_taking_the_bots_display_name_does_not_silence_it(synapse: SynapseServer, bot: Bot) -> None:
+    """Two members of one name are told apart as "Cora (@id)": the bot's own name must still call it."""
+    await bot.adapter.client.set_displayname("Cora")
+    alice, mal = await user(synapse, "alice"), await user(synapse, "mal")
+    seen = Timeline(alice)
+    try:
+        room = await group_with(seen, bot.user_id, mal)
+        await joined(seen, room, mal.user_id)
+        await mal.set_displayname("Cora")
+        await seen.sync_until(lambda: bot.adapter.client.rooms[room].user_name(bot.user_id) != "Cora",
+                              "the bot to see two members called Cora")
+        await send_text(alice, room, "Cora, are you still there?")
+        await seen.sync_until(lambda: any("are you still there?" in b for b in seen.bodies(room, bot.user_id)),
+                              "the answer to the bot's name")
+    finally:
+        await alice.close()
+        await mal.close()
+
+
+async def test_an_invite_from_before_the_first_start_keeps_its_kind(synapse: SynapseServer, tmp_path: Path) -> None:
+    """A group room's invite, waiting for the bot's first start, was joined as direct: its maker was then
+    nobody's admin there (everyone holds power 100 in a DM), and it would count as a DM at two members."""
+    from tests.test_matrix import PASSWORD, _unique
+
+    bot_id = synapse.register(_unique("cortex"), PASSWORD)
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    room = await open_room(alice, [bot_id], direct=False)
+    running = await start_bot(synapse, tmp_path, user_id=bot_id)
+    try:
+        await joined(seen, room, bot_id)
+        assert running.adapter._kinds.get(room) == "group"
+        await send_text(alice, room, "!cortex settings")
+        await seen.sync_until(lambda: any("Cortex settings" in b or "admins only" in b
+                                          for b in seen.bodies(room, bot_id)), "the answer")
+        assert not any("admins only" in b for b in seen.bodies(room, bot_id))
+    finally:
+        await alice.close()
+        await stop_bot(running)
