@@ -83,6 +83,7 @@ P = ParamSpec("P")
 _markdown = MarkdownIt("commonmark", {"html": False, "breaks": True}).enable("table")
 
 
+GROUP_PHASE = "/group"  # a direct room's channel while more than two are in it (see MatrixAdapter.inbound)
 SYNC_RETRY_FIRST, SYNC_RETRY_LONGEST = 1.0, 300.0  # seconds between failed syncs: doubled from the first
 SIGNED_OUT = "M_UNKNOWN_TOKEN"  # the session was signed out (in a client, by an admin) or the token is wrong
 
@@ -546,6 +547,11 @@ class MatrixAdapter:
         mentions_bot = (me in mentioned(content) or _names(body, me) or bool(display and _names(body, display))
                         or me in formatted)
         is_dm = self.is_dm(room)
+        channel_id, parent = room.room_id, None
+        if not is_dm and self._kinds.get(room.room_id) == "dm":
+            # A direct room others joined: a conversation of its own, so the direct one (its window, its
+            # summary) never reaches what they are shown; the room's lists and persona still apply (parent).
+            channel_id, parent = f"{room.room_id}{GROUP_PHASE}", room.room_id
         level = self.power_level(room, event.sender)
         text = body
         for name in (me, display):
@@ -553,7 +559,8 @@ class MatrixAdapter:
                 text = text[len(name):].lstrip(":, ")
         incoming = IncomingMessage(
             platform=PLATFORM,
-            channel_id=room.room_id,
+            channel_id=channel_id,
+            parent_channel_id=parent,
             author_id=event.sender,
             author_name=room.user_name(event.sender) or event.sender,
             text=text,

@@ -505,3 +505,36 @@ async def test_an_invite_from_before_the_first_start_keeps_its_kind(synapse: Syn
     finally:
         await alice.close()
         await stop_bot(running)
+
+
+async def test_a_direct_room_others_join_keeps_its_direct_conversation_out(synapse: SynapseServer, bot: Bot) -> None:
+    """Alice's DM became a group when she invited Bob: the DM's messages were in the window of Bob's replies
+    (with history visibility "joined" he cannot read them himself). Once Bob leaves, her DM goes on."""
+    alice, bob = await user(synapse, "alice"), await user(synapse, "bob")
+    seen = Timeline(alice)
+    try:
+        room = await dm_with(seen, bot.user_id)
+        await alice.room_put_state(room, "m.room.history_visibility", {"history_visibility": "joined"})
+        await send_text(alice, room, "my diagnosis is XYZ-42, keep it between us")
+        await seen.sync_until(lambda: any("XYZ-42" in b for b in seen.bodies(room, bot.user_id)), "the DM reply")
+        await alice.room_invite(room, bob.user_id)
+        await bob.join(room)
+        await eventually(lambda: _members(bot, room, 3), "the bot to see Bob join")
+        await send_text(bob, room, f"{bot.user_id}: what did alice tell you?")
+        await seen.sync_until(lambda: any("what did alice" in b for b in seen.bodies(room, bot.user_id)), "Bob's reply")
+        request = bot.app.llm.requests[-1]  # type: ignore[attr-defined]
+        assert "XYZ-42" not in str(request.system) + str([m.content for m in request.messages])
+        await bob.room_leave(room)
+        await eventually(lambda: _members(bot, room, 2), "the bot to see Bob leave")
+        await send_text(alice, room, "and what was my diagnosis?")
+        await seen.sync_until(lambda: any("my diagnosis?" in b for b in seen.bodies(room, bot.user_id)), "her reply")
+        request = bot.app.llm.requests[-1]  # type: ignore[attr-defined]
+        assert "XYZ-42" in str([m.content for m in request.messages])  # the DM's own window again
+    finally:
+        await alice.close()
+        await bob.close()
+
+
+async def _members(bot: Bot, room_id: str, count: int) -> bool:
+    room = bot.adapter.client.rooms.get(room_id)
+    return room is not None and room.member_count == count
