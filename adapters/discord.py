@@ -254,6 +254,8 @@ class DiscordAdapter:
         self._synced = False  # the slash commands, once per process (on_ready comes again after a reconnect)
         self.bot.event(self.on_message)
         self.bot.event(self.on_ready)
+        self.bot.event(self.on_raw_message_delete)
+        self.bot.event(self.on_raw_bulk_message_delete)
         build_slash_commands(self)
         build_context_menus(self)
 
@@ -335,6 +337,7 @@ class DiscordAdapter:
             reply_to=f"{PLATFORM}-message:{message.reference.message_id}" if message.reference else None,
             sent_at=message.created_at,
             parent_channel_id=_parent_id(message.channel),
+            message_key=DiscordSink.message_key(message),
         )
         return Inbound(
             incoming,
@@ -362,6 +365,20 @@ class DiscordAdapter:
             await self.app.router.handle(inbound, sink)
         except Exception:
             log.exception("Discord: failed to handle message %s", message.id)
+
+    async def on_raw_message_delete(self, payload: discord.RawMessageDeleteEvent) -> None:
+        """A message deleted (by its author or a moderator): the bot's copy goes too (``withdraw``)."""
+        await self._withdraw([payload.message_id])
+
+    async def on_raw_bulk_message_delete(self, payload: discord.RawBulkMessageDeleteEvent) -> None:
+        await self._withdraw(sorted(payload.message_ids))
+
+    async def _withdraw(self, message_ids: list[int]) -> None:
+        for message_id in message_ids:
+            try:
+                await self.app.core.withdraw(f"{PLATFORM}-message:{message_id}")
+            except Exception:
+                log.exception("Discord: could not remove deleted message %s", message_id)
 
     # -- slash commands --------------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ from nio import (
     LoginResponse,
     MatrixRoom,
     ReactionEvent,
+    RedactionEvent,
     RoomCreateResponse,
     RoomEncryptedFile,
     RoomEncryptedImage,
@@ -389,6 +390,7 @@ class MatrixAdapter:
         self.client.add_event_callback(guarded(self._on_message), RoomMessageText)
         self.client.add_event_callback(guarded(self._on_file), FILE_EVENTS)
         self.client.add_event_callback(guarded(self.reactions.on_reaction), ReactionEvent)
+        self.client.add_event_callback(guarded(self._on_redaction), RedactionEvent)
         self.client.add_event_callback(guarded(self._on_invite), InviteMemberEvent)
         self.client.add_event_callback(guarded(self._on_member), RoomMemberEvent)
         self.client.add_response_callback(guarded(self._on_sync), SyncResponse)
@@ -572,6 +574,7 @@ class MatrixAdapter:
             author_home=event.sender.split(":", 1)[-1],
             mentions_bot=bool(mentions_bot),
             reply_to=f"{PLATFORM}-message:{reply_to}" if reply_to else None,
+            message_key=MatrixSink.message_key(event.event_id),
         )
         return Inbound(
             incoming,
@@ -586,6 +589,11 @@ class MatrixAdapter:
     async def _on_member(self, room: MatrixRoom, event: RoomMemberEvent) -> None:
         if event.state_key == self.config.user_id and event.membership == "join":
             self._joining.discard(room.room_id)  # what follows in the timeline was said with the bot there
+
+    async def _on_redaction(self, room: MatrixRoom, event: RedactionEvent) -> None:
+        """A message taken back (by its sender or a moderator): the bot's copy goes too (see ``withdraw``)."""
+        if not self._before_join(room) and isinstance(event.redacts, str):
+            await self.app.core.withdraw(MatrixSink.message_key(event.redacts))
 
     def _before_join(self, room: MatrixRoom) -> bool:
         """Whether an event of a room just joined on invite precedes the bot's own join in the timeline (the

@@ -355,6 +355,18 @@ class ConversationCore:
             self._last_text.clear()
         self._last_text[channel_key] = text[:PREVIOUS_CHARS]
 
+    async def withdraw(self, message_key: str) -> bool:
+        """A platform message its author (or a moderator) took back (a Matrix redaction): the stored copy
+        goes with what points at it, and memory items remembered from it (a 🧠 reaction) are archived
+        (the user can restore them). Whether the bot held anything of it. What a summary or a cortex file
+        already took from it stays (``!memory`` shows and corrects those)."""
+        deleted, archived = await self.storage.withdraw_message(message_key, time.time())
+        if deleted or archived:
+            self._last_text.clear()  # the follow-up context may quote it
+            log.info("a withdrawn message: %s stored message and %d memory item(s) removed",
+                     "its" if deleted else "no", archived)
+        return deleted or bool(archived)
+
     def forget_recent_texts(self) -> None:
         """Drop the last texts kept per channel (forget-me: they may be the forgotten user's words)."""
         self._last_text.clear()
@@ -378,6 +390,8 @@ class ConversationCore:
                 # Another process deleted this user (forget-me) while this one had them cached: start afresh.
                 self.storage.forget_cached(user_key=message.author_key)
                 continue
+            if message.message_key:  # so that taking the message back on the platform deletes it here too
+                await self.storage.sources.link([message.message_key], stored.id)
             return user, channel, stored
         raise AssertionError("unreachable")
 

@@ -36,6 +36,7 @@ class IncomingMessage:
     sent_at: datetime | None = None
     parent_channel_id: str | None = None  # a thread's or forum post's channel: its persona is inherited
     author_home: str | None = None  # the author's home server where a platform has one (Matrix: their homeserver)
+    message_key: str | None = None  # the platform message, as sinks name them (matrix-message:$id): see withdraw
 
     def __post_init__(self) -> None:  # names as prompts and stores may take them (see bot.text.one_line_name)
         object.__setattr__(self, "author_name", one_line_name(self.author_name) or self.author_id)

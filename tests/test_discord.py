@@ -417,6 +417,28 @@ async def test_remember_this_and_forget_this_on_a_message(adapter: DiscordAdapte
     assert image_only["data"]["content"] == "That message has no text to remember (only an image, a file or an embed)."
 
 
+async def test_a_deleted_message_leaves_the_bots_store_and_memory(adapter: DiscordAdapter,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deleted on Discord (by its author or a moderator), a message stayed in the window of every later
+    reply and in the database; an item remembered from it stayed too."""
+    me = adapter.bot.user
+    sent = await dpytest.message(f"<@{me.id}> oops my password is hunter2")
+    dpytest.get_message()
+    config = dpytest.get_config()
+    payload = _message_payload(str(sent.id), config.members[0], sent.content, config.channels[0].id)
+    saved = await _interact(adapter, monkeypatch, "Remember this", [], command_type=3, target_id=str(sent.id),
+                            resolved={"messages": {str(sent.id): payload}})
+    assert saved["data"]["content"].startswith("Remembered as #")
+    app = adapter.app
+    assert await app.storage.db.fetch_all("SELECT id FROM messages WHERE text LIKE '%hunter2%' AND role = 'user'")
+    await adapter.on_raw_message_delete(discord.RawMessageDeleteEvent(
+        {"id": str(sent.id), "channel_id": str(sent.channel.id), "guild_id": str(sent.guild.id)}))
+    assert not await app.storage.db.fetch_all("SELECT id FROM messages WHERE text LIKE '%hunter2%' AND role = 'user'")
+    assert not await app.storage.db.fetch_all("SELECT id FROM memory_items WHERE archived_at IS NULL")
+    await adapter.on_raw_bulk_message_delete(discord.RawBulkMessageDeleteEvent(  # nothing held: nothing happens
+        {"ids": ["1", "2"], "channel_id": str(sent.channel.id)}))
+
+
 async def test_slash_commands_keep_the_command_rate_limit(adapter: DiscordAdapter,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Only typed commands were limited: five /memory remember in a row all ran."""

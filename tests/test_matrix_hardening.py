@@ -538,3 +538,30 @@ async def test_a_direct_room_others_join_keeps_its_direct_conversation_out(synap
 async def _members(bot: Bot, room_id: str, count: int) -> bool:
     room = bot.adapter.client.rooms.get(room_id)
     return room is not None and room.member_count == count
+
+
+async def test_a_redacted_message_leaves_the_bots_store_and_memory(synapse: SynapseServer, bot: Bot) -> None:
+    """"oops, my password is hunter2", then deleted in the client: it stayed in every later prompt's window
+    and in the database (and a 🧠 made of it stayed a memory item)."""
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    try:
+        room = await dm_with(seen, bot.user_id)
+        bot.app.llm.enqueue("Noted.")  # type: ignore[attr-defined]
+        oops = {"msgtype": "m.text", "body": "oops my password is hunter2"}
+        sent = await alice.room_send(room, "m.room.message", oops)
+        await seen.sync_until(lambda: "Noted." in seen.bodies(room, bot.user_id), "the reply")
+        await react(alice, room, sent.event_id)
+        assert await remembered(bot, alice.user_id) == ["oops my password is hunter2"]
+        await alice.room_redact(room, sent.event_id, reason="typed in the wrong window")
+
+        async def gone() -> bool:
+            rows = await bot.app.storage.db.fetch_all("SELECT text FROM messages WHERE text LIKE '%hunter2%'")
+            return not rows and not await items_of(bot, alice.user_id)
+        await eventually(gone, "the message and its memory item to go")
+        await send_text(alice, room, "what is new?")
+        await seen.sync_until(lambda: any("what is new?" in b for b in seen.bodies(room, bot.user_id)), "the answer")
+        request = bot.app.llm.requests[-1]  # type: ignore[attr-defined]
+        assert "hunter2" not in str(request.system) + str([m.content for m in request.messages])
+    finally:
+        await alice.close()

@@ -436,3 +436,21 @@ async def test_a_busy_reply_path_lets_a_background_write_in_after_a_few_of_its_o
     assert [n for n in order if n != "job"] == [f"reply{i}" for i in range(12)]
     with pytest.raises(RuntimeError):
         lock.release()  # not held at all: a stray release is an error, not a free pass
+
+
+async def test_a_withdrawn_platform_message_goes_with_what_points_at_it(storage: Storage) -> None:
+    ann = await storage.upsert_user("matrix:@ann:x", "Ann")
+    channel = await storage.upsert_channel("matrix:!dm:x", "dm", is_dm=True)
+    said = await storage.add_message(channel.id, ann.id, "Cora", "user", "Ann", "my password is hunter2", 5)
+    kept = await storage.add_message(channel.id, ann.id, "Cora", "user", "Ann", "hello", 1)
+    await storage.sources.link(["matrix-message:$a"], said.id)
+    await storage.sources.link(["matrix-message:$b"], kept.id)
+    pair = await storage.cortex.ensure_pair(ann.id, "Cora")
+    item = await storage.memory.add_item(pair.id, {"category": "fact", "content": "password hunter2",
+                                                   "source_ref": "matrix-message:$a"}, None, 1.0)
+    assert await storage.withdraw_message("matrix-message:$a", 2.0) == (True, 1)
+    assert [m.text for m in await storage.recent_messages(channel.id, 10)] == ["hello"]
+    assert (await storage.memory.item(pair.id, int(item["id"])))["archived_at"] == 2.0
+    assert await storage.withdraw_message("matrix-message:$a", 3.0) == (False, 0)  # once is enough
+    assert await storage.withdraw_message("matrix-message:$unknown", 3.0) == (False, 0)
+    assert await storage.count_messages(channel.id) == 1

@@ -259,6 +259,9 @@ class Storage(Protocol):
 
     async def reply_metrics(self, channel_id: int | None = None) -> ReplyMetrics: ...
 
+    async def withdraw_message(self, key: str, now: float) -> tuple[bool, int]:
+        """Delete the user's message the platform message ``key`` was, archive items remembered from it."""
+
     # small persistent settings (e.g. tokenizer calibration)
     def forget_cached(self, *, user_key: str, channel_ids: Sequence[int] = ()) -> None:
         """Drop what this process cached of a user (and channels' summaries), e.g. after another process

@@ -189,6 +189,20 @@ class Storage:
             self.forget_cached(user_key=str(bare[0]))
         return len(deleted)
 
+    async def withdraw_message(self, key: str, now: float) -> tuple[bool, int]:
+        """A platform message (``matrix-message:$event``) its author or a moderator took back: the user's
+        message it was (linked when it was stored) goes with what points at it, and memory items remembered
+        from it are archived. (Whether a message went, how many items were archived.)"""
+        await self.flush_audit()  # buffered reply stats may point at it
+        async with self.db.transaction() as tx:
+            row = await tx.fetch_one(
+                "SELECT m.id FROM platform_messages AS p JOIN messages AS m ON m.id = p.message_id"
+                " WHERE p.key = ? AND m.role = 'user'", (key,))
+            if row is not None:
+                await delete_messages(tx, "id = ?", (int(row[0]),))
+        archived = await self.memory.archive_from(None, key, "its message was deleted", now)
+        return row is not None, len(archived)
+
     async def delete_messages_before(self, before: float) -> int:
         """Retention: every message older than ``before`` goes, with what points at it; how many."""
         await self.flush_audit()
