@@ -119,6 +119,7 @@ class ReplyStream:
         # Set by whoever shows the reply: called with a short line while a tool runs ("looking that up…").
         self.on_status: Callable[[str], Awaitable[None]] | None = None
         self.rounds = 0  # model calls the reply took (more than one when it used tools)
+        self.usage = Usage()  # tokens of the model calls that finished
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._core._run(self)
@@ -259,11 +260,11 @@ class ConversationCore:
             completion = done[0]
             if not completion.text.strip():
                 raise LLMBadResponse("the model returned an empty reply")
-        except LLMError as exc:
+        except LLMError as exc:  # the rounds that finished (an empty answer, tools before an outage) were billed
             await self.storage.record_llm_call(
                 LLMCallRecord(
-                    "reply", model, 0, 0, int((time.monotonic() - started) * 1000), type(exc).__name__,
-                    estimated_input_tokens=raw_prompt,
+                    "reply", model, stream.usage.input_tokens, stream.usage.output_tokens,
+                    int((time.monotonic() - started) * 1000), type(exc).__name__, estimated_input_tokens=raw_prompt,
                 )
             )
             log.warning("reply in channel %d failed: %s", channel.id, type(exc).__name__)
@@ -303,6 +304,7 @@ class ConversationCore:
             texts.append(completion.text)
             usage = Usage(usage.input_tokens + completion.usage.input_tokens,
                           usage.output_tokens + completion.usage.output_tokens)
+            stream.usage = usage  # what the rounds so far cost, counted also when a later one fails
             if last or toolbox is None or not completion.tool_calls or shown.cut:
                 break
             messages.append(ChatMessage("assistant", completion.text, completion.tool_calls))

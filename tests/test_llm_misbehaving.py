@@ -12,6 +12,7 @@ import pytest
 from bot.app import App
 from bot.commands import CommandContext
 from bot.config import parse_config
+from bot.llm.errors import LLMError
 from bot.ports import IncomingMessage
 from tests.engines import db_url_for
 from tests.fakes.llm_server import FakeLLMServer, FakeResponse
@@ -110,3 +111,19 @@ async def test_a_summary_the_providers_filter_stopped_never_replaces_the_good_on
         assert [r["reason"] for r in rejected] == ["the provider's content filter stopped the summary"]
     finally:
         await app.stop()
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "openai"])
+async def test_a_failed_reply_still_counts_the_tokens_it_was_billed(
+        tmp_path: Path, fake_llm: FakeLLMServer, provider: str) -> None:
+    """An empty answer that reported its usage, and a tool round before an outage, were recorded as 0."""
+    async with App(_config(tmp_path, fake_llm, provider)) as app:
+        fake_llm.enqueue(FakeResponse.text("", input_tokens=1234, output_tokens=56))
+        fake_llm.enqueue(FakeResponse.tool_calls([("c1", "current_time", {})], input_tokens=5000, output_tokens=40),
+                         FakeResponse.error(500, "boom"))
+        for text in ("hi", "what time is it?"):
+            with pytest.raises(LLMError):
+                await app.core.reply(_msg(text)).text()
+        calls = await app.storage.list_llm_calls()
+        assert sorted((c["input_tokens"], c["output_tokens"], c["error"]) for c in calls) == [
+            (1234, 56, "LLMBadResponse"), (5000, 40, "LLMServerError")]
