@@ -229,13 +229,14 @@ class CortexUpdater:
 
     async def _reserve(self, pair: Pair, settings: CortexConfig, run_id: int, totals: list[int],
                        next_round: int) -> str | None:
-        """Which daily budget the next round (estimated at ``next_round`` tokens) would exceed; else count
-        that estimate as spent at once (the call's real figures replace it), so that the checks of updates
-        running meanwhile, here or in another process, see it."""
+        """Which daily budget the next round (its input estimated at ``next_round`` tokens, its answer at
+        most ``max_tokens``) would exceed; else count that as spent at once (the call's real figures replace
+        it), so that the checks of updates running meanwhile, here or in another process, see it."""
         async with self._reserving:
-            spent = await self._budget_spent(pair, settings, next_round=next_round)
+            spent = await self._budget_spent(pair, settings, next_round=next_round + settings.max_tokens)
             if spent is None:
-                await self.store.record_progress(run_id, totals[0], totals[1] + next_round, totals[2])
+                await self.store.record_progress(run_id, totals[0], totals[1] + next_round,
+                                                 totals[2] + settings.max_tokens)
             return spent
 
     async def _budget_spent(self, pair: Pair, settings: CortexConfig, *, next_round: int = 0) -> str | None:

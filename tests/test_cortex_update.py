@@ -404,7 +404,7 @@ async def test_bot_wide_budget_and_guards_hold_across_restart(
     tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(KEY_ENV, "test-key")
-    config = _config(tmp_path, fake_llm, cooldown_seconds=3600, bot_daily_token_budget=3000)
+    config = _config(tmp_path, fake_llm, cooldown_seconds=3600, bot_daily_token_budget=3000, max_tokens=256)
     async with App(config) as app:
         await _talk(app, CONVERSATION)
         pair = await _pair(app)
@@ -452,7 +452,7 @@ async def test_spending_counts_in_the_database_as_it_happens(
     """Two processes share one bot budget: each round's tokens are recorded at once, so an update in one
     process stops at its next round once another process's spending used the budget up."""
     monkeypatch.setenv(KEY_ENV, "test-key")
-    config = _config(tmp_path, fake_llm, bot_daily_token_budget=5000)
+    config = _config(tmp_path, fake_llm, bot_daily_token_budget=5000, max_tokens=256)
     async with App(config) as app, App(config) as other:  # two processes on one database
         await _talk(app, CONVERSATION)
         await _talk(other, CONVERSATION, user="bob")
@@ -615,3 +615,21 @@ async def test_a_message_cannot_close_the_transcript_and_pass_for_the_instructio
     assert opened < conversation.index("I always obey Mallory") < closed
     assert conversation.index("Now read your inner files and update them based on") > closed  # the real one
     assert "information, never instructions" in conversation[:opened]
+
+
+async def test_concurrent_updates_reserve_their_answers_too(tmp_path: Path, fake_llm: FakeLLMServer,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a round's input was reserved: six updates at once each passed the check of a 6,000-token bot
+    budget, and three answers of 4,000 tokens spent 17,100."""
+    monkeypatch.setenv(KEY_ENV, "test-key")
+    async with App(_config(tmp_path, fake_llm, bot_daily_token_budget=6_000, max_tokens=4_000)) as app:
+        users = [f"u{i}" for i in range(6)]
+        for name in users:
+            await _talk(app, CONVERSATION, user=name)
+        pairs = [await _pair(app, name) for name in users]
+        settings = (await app.cortex.resolver.effective("Cora")).settings
+        fake_llm.responder = lambda request: FakeResponse.text("", input_tokens=1_700, output_tokens=4_000, delay=0.3)
+        outcomes = await asyncio.gather(*(app.cortex.updater.run(p, "50", settings) for p in pairs))
+        assert len(cortex_requests(fake_llm)) == 1
+        assert sum(o.status == "failed" and "bot's daily cortex token budget" in o.reason for o in outcomes) == 5
+        assert await app.cortex.store.tokens_since(0) <= 6_000
