@@ -355,6 +355,7 @@ class CortexCommands:
             try:
                 check_may_change(key, bot_admin=ctx.is_bot_admin, value=value)
                 if value.lower() == "default":
+                    await self.resolver.check_may_clear(ctx.persona, key, bot_admin=ctx.is_bot_admin)
                     cleared = await self.resolver.clear(scope, key)
                     note = "override removed" if cleared else "there was no override"
                 else:

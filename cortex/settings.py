@@ -41,13 +41,13 @@ def check_may_change(key: str, *, bot_admin: bool, value: str = "") -> None:
     decides the operator's spending (which model updates run on, how many tokens a pair may spend a day
     and how many calls one update may make) or the users' privacy (switching ``use_in_groups`` on)."""
     if key in OPERATOR_KEYS and not bot_admin:
-        raise SettingError(f"{key} decides what the bot's operator pays for: only the bot's admins change it")
+        raise NotAllowed(f"{key} decides what the bot's operator pays for: only the bot's admins change it")
     if key in PRIVACY_KEYS and not bot_admin and value.strip().lower() != "default" \
             and parse_value(key, value) is True:
         # A server admin is anyone who makes a Matrix room: their switch would decide where everyone else's
-        # private memory shows. Switching it off (or back to the default) keeps things private: anyone may.
-        raise SettingError(f"{key} decides whether what people said in private shows in group channels: only the "
-                           "bot's admins switch it on")
+        # private memory shows. Switching it off keeps things private: anyone may (back to the default: see
+        # SettingsResolver.check_may_clear).
+        raise NotAllowed(_PRIVACY_REFUSAL.format(key=key))
 
 
 def plain_problem(exc: ValidationError) -> str:
@@ -64,6 +64,14 @@ def plain_problem(exc: ValidationError) -> str:
 
 class SettingError(ValueError):
     """An override that cannot be stored; the message says what is accepted."""
+
+
+class NotAllowed(SettingError):
+    """An override the one asking may not make (a server admin's spending or privacy switch)."""
+
+
+_PRIVACY_REFUSAL = ("{key} decides whether what people said in private shows in group channels: only the bot's "
+                    "admins switch it on")
 
 
 def persona_scope(persona: str) -> str:
@@ -165,6 +173,12 @@ class SettingsResolver:
         await self.store.set_setting(scope, key, value, updated_by)
         self._cache.pop(scope, None)
         return value
+
+    async def check_may_clear(self, persona: str, key: str, *, bot_admin: bool) -> None:
+        """Raise :class:`NotAllowed` when clearing a server's override of ``key`` would switch private memory
+        on there for someone who may not (the persona-wide or config value, which then applies, is on)."""
+        if key in PRIVACY_KEYS and not bot_admin and getattr((await self.effective(persona)).settings, key) is True:
+            raise NotAllowed(_PRIVACY_REFUSAL.format(key=key) + " (and back to the default switches it on here)")
 
     async def clear(self, scope: str, key: str) -> bool:
         if key not in OVERRIDABLE:

@@ -223,6 +223,14 @@ async def test_dm_memory_stays_out_of_group_channels_unless_the_bots_admins_allo
         assert "set to off for this server" in off.public[0].text
         await app.router.handle(inbound("hi once more", mention=True), Sink())
         assert "my secret diagnosis" not in llm.requests[-1].system
+        # With it on for the persona everywhere, "back to the default" would switch it on here: not theirs either
+        await app.router.handle(inbound("!cortex settings use_in_groups on --persona", is_admin=True,
+                                        is_bot_admin=True), Sink())
+        cleared = Sink()
+        await app.router.handle(inbound("!cortex settings use_in_groups default", is_admin=True), cleared)
+        assert "only the bot's admins switch it on" in cleared.public[0].text
+        await app.router.handle(inbound("hi at last", mention=True), Sink())
+        assert "my secret diagnosis" not in llm.requests[-1].system
 
 
 class RecordingSink(Sink):

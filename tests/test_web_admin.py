@@ -234,6 +234,18 @@ async def test_settings_show_their_sources_and_a_server_override_changes_the_eff
         assert "at least 4" in error["error"]
         status, _ = await admin.call("GET", "/api/admin/settings?persona=Nobody")
         assert status == 404
+        # Private memory in group channels: on for the persona, off for Ann's server by a bot admin; Ann may
+        # not switch it on there, neither by "on" nor by going back to the default (which is on).
+        privacy = change | {"key": "use_in_groups"}
+        for server, value in ((None, "on"), (ANN_SERVER, "off")):
+            status, _ = await admin.call("PUT", "/api/admin/settings", privacy | {"server": server, "value": value})
+            assert status == 200
+        for value in ("on", "default"):
+            status, error = await ann.call("PUT", "/api/admin/settings", privacy | {"value": value})
+            assert status == 403 and "only the bot's admins switch it on" in error["error"], value
+        assert not (await bot.app.cortex.resolver.effective("Cora", ANN_SERVER)).settings.use_in_groups
+        status, error = await ann.call("PUT", "/api/admin/settings", privacy | {"value": "maybe"})
+        assert status == 422 and "use_in_groups" in error["error"]  # a value it does not take, not a refusal
 
 
 async def test_jobs_are_listed_and_a_failed_one_is_retried(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from cortex.commands import setting_text
 from cortex.memory.admin import BUDGET_KEYS
 from cortex.personas.commands import MAX_SECTION_CHARS, section_key, unknown_variables
 from cortex.personas.guidelines import MAX_GUIDELINES_CHARS, MAX_RULE_CHARS, RULE_NAME
-from cortex.settings import OVERRIDABLE, SettingError, check_may_change, persona_scope, server_scope
+from cortex.settings import OVERRIDABLE, NotAllowed, SettingError, check_may_change, persona_scope, server_scope
 from cortex.tiers import thresholds
 from cortex.update import utc_midnight
 
@@ -356,21 +356,22 @@ class AdminApi:
             _, server = await self.server_admin(request, change.server)
         elif not self.auth.is_bot_admin(caller):
             fail(403, "settings of a persona everywhere are for the bot's admins; give a server you administer")
-        try:
-            check_may_change(change.key, bot_admin=self.auth.is_bot_admin(caller), value=change.value)
-        except SettingError as exc:
-            fail(403, str(exc))
-        persona = persona_name(self.ctx, change.persona)
-        scope = server_scope(server) if server else persona_scope(persona)
         if len(change.value) > MAX_VALUE_CHARS:
             fail(422, f"a setting's value has at most {MAX_VALUE_CHARS} characters")
+        persona = persona_name(self.ctx, change.persona)
+        scope = server_scope(server) if server else persona_scope(persona)
         resolver = self.ctx.app.cortex.resolver
+        bot_admin = self.auth.is_bot_admin(caller)
         try:
+            check_may_change(change.key, bot_admin=bot_admin, value=change.value)
             if change.value.strip().lower() == "default":
+                await resolver.check_may_clear(persona, change.key, bot_admin=bot_admin)
                 await resolver.clear(scope, change.key)
             else:
                 await resolver.set(scope, change.key, change.value, caller.user_key)
-        except SettingError as exc:
+        except NotAllowed as exc:
+            fail(403, str(exc))
+        except SettingError as exc:  # a value the key does not take
             fail(422, str(exc))
         return ok(await self.settings_view(persona, server) | {"key": change.key})
 
