@@ -290,6 +290,7 @@ def guidelines(server: str) -> str:
 
 async def test_guidelines_and_settings_only_under_server_keys_the_bot_reads(tmp_path: Path) -> None:
     async with running_bot(tmp_path) as bot, bot.client("999") as admin:
+        bot.server.context.auth.limiter.per_minute = 0  # 24 refused changes in a row: not the rate limit's test
         for key in ("discord:abc", "discord:\uff11", "foo:bar", "discord:01", "discord:", "discord:1.0",
                     "discord:123456789012345678901", "matrix:room:example.org", "matrix:!", "Discord:1",
                     "matrix:!room\u00e9:example.org", "console:room"):
@@ -394,3 +395,66 @@ async def test_a_forget_me_from_the_page_says_a_pause_goes_on(tmp_path: Path) ->
     async with running_bot(tmp_path / "other") as bot, bot.client("bob") as bob:
         status, body = await bob.call("POST", "/api/me/forget-me", {"confirm": "forget me"})
         assert status == 200 and body["still_incognito"] == []
+
+
+async def test_an_unexpected_failure_of_a_page_is_a_page(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 500 (or a 409 after a forget-me) outside the API came back as raw JSON in the browser."""
+    async with running_bot(tmp_path) as bot, aiohttp.ClientSession(bot.url) as http:
+        link, _ = await bot.link("ann")
+
+        async def broken(_: str) -> bool:
+            raise RuntimeError("the database went away")
+
+        monkeypatch.setattr(bot.app.storage.web, "link_valid", broken)
+        async with http.get(urlsplit(link).path) as response:
+            body = await response.text()
+            assert response.status == 500 and response.content_type == "text/html", body
+            assert "Internal error" in body and '<a href="/">Go to your page</a>' in body
+
+
+async def test_changes_from_the_page_keep_the_command_rate_limit(tmp_path: Path) -> None:
+    """600 saves of memory.md in under two seconds made 600 versions: the page skipped the limit chat
+    commands keep."""
+    async with running_bot(tmp_path) as bot, bot.client("ann") as ann:
+        bot.app.config.chat.command_rate_limit_per_minute = 5
+        bot.server.context.auth.limiter.per_minute = 5
+        path = "/api/me/personas/Cora/files/memory.md"
+        status, current = await ann.call("GET", path)
+        version, statuses = current["version"], []
+        for i in range(8):
+            status, saved = await ann.call("PUT", path, {"content": f"# Notes\n- fact {i}\n", "version": version})
+            statuses.append(status)
+            version = saved["version"] if status == 200 else version
+        assert statuses[:5] == [200] * 5 and statuses[5:] == [429] * 3
+        status, error = await ann.call("PUT", path, {"content": "# Notes\n", "version": version})
+        assert status == 429 and "too many changes in a minute (at most 5)" in error["error"]
+        assert (await bot.app.cortex.store.current((await _pair(bot, "ann")), "memory.md")).version == version
+        status, _ = await ann.call("GET", path)
+        assert status == 200  # reading is not limited
+
+
+async def _pair(bot: Bot, user: str) -> int:
+    account = await bot.app.storage.get_user(f"discord:{user}")
+    assert account is not None
+    return (await bot.app.cortex.store.count_messages(account.id, "Cora", 0)).id
+
+
+async def test_a_long_history_is_listed_newest_first_without_its_contents(tmp_path: Path) -> None:
+    import adapters.web.api_me as api_me
+
+    async with running_bot(tmp_path) as bot, bot.client("ann") as ann:
+        status, _ = await ann.call("GET", "/api/me/personas/Cora/files/memory.md")  # makes the files
+        user = await bot.app.storage.get_user("discord:ann")
+        pair = await bot.app.cortex.store.count_messages(user.id, "Cora", 0)
+        for i in range(12):
+            await bot.app.cortex.files.edit(pair, "memory.md", f"# Notes\n- fact {i}\n")
+        old, api_me.VERSIONS_LISTED = api_me.VERSIONS_LISTED, 5
+        try:
+            status, listed = await ann.call("GET", "/api/me/personas/Cora/files/memory.md/versions")
+        finally:
+            api_me.VERSIONS_LISTED = old
+        assert status == 200 and listed["total"] == 13
+        assert [v["version"] for v in listed["versions"]] == [13, 12, 11, 10, 9]
+        assert listed["versions"][0]["chars"] == len("# Notes\n- fact 11\n") and "content" not in listed["versions"][0]
+        status, activity = await ann.call("GET", "/api/me/personas/Cora/activity")
+        assert [v["version"] for v in activity["files"]["memory.md"]] == list(range(1, 14))  # oldest first

@@ -13,10 +13,11 @@ from bot.summary import budgets_for
 from cortex.store import FILENAMES, CortexRun, FileVersion
 
 MAX_RUNS = 50
+CHARTED = 500  # newest versions of each file the size chart draws (their sizes only)
 
 
 def version_json(v: FileVersion) -> dict[str, Any]:
-    return {"version": v.version, "chars": len(v.content), "created_at": v.created_at.isoformat(), "author": v.author}
+    return {"version": v.version, "chars": v.chars, "created_at": v.created_at.isoformat(), "author": v.author}
 
 
 def run_json(run: CortexRun) -> dict[str, Any]:
@@ -34,7 +35,8 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
     async def activity(request: web.Request) -> web.Response:
         caller = await ctx.auth.require(request)
         _, pair = await own_pair(ctx, caller, request.match_info["persona"])
-        files = {name: [version_json(v) for v in await store.versions(pair.id, name)] for name in FILENAMES}
+        files = {name: [version_json(v) for v in reversed((await store.versions_listed(pair.id, name, CHARTED))[0])]
+                 for name in FILENAMES}
         budgets = budgets_for(ctx.app.config, ctx.app.personas.persona(pair.persona))
         return ok({
             "persona": pair.persona, "files": files,

@@ -19,6 +19,7 @@ from cortex.files import FileConflict, FileError
 from cortex.store import FILENAMES, FileVersion, Pair
 
 FILE_ROUTE = "/api/me/personas/{persona}/files/{file}"
+VERSIONS_LISTED = 200  # newest versions a file's history lists (any older one is still shown and restored by number)
 
 
 class FileEdit(BaseModel):
@@ -35,7 +36,7 @@ class Revert(BaseModel):
 def version_json(v: FileVersion, *, content: bool = True) -> dict[str, Any]:
     data: dict[str, Any] = {
         "file": v.filename, "version": v.version, "author": v.author, "reason": v.reason, "tier": v.tier,
-        "run_id": v.run_id, "created_at": v.created_at.isoformat(), "chars": len(v.content),
+        "run_id": v.run_id, "created_at": v.created_at.isoformat(), "chars": v.chars,
     }
     if content:
         data.update(content=v.content, html=markdown_html(v.content))
@@ -119,8 +120,8 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         caller = await auth.require(request)
         name = filename(request)
         _, pair = await own_pair(ctx, caller, request.match_info["persona"])
-        found = await store.versions(pair.id, name)
-        return ok({"file": name, "versions": [version_json(v, content=False) for v in reversed(found)]})
+        found, total = await store.versions_listed(pair.id, name, VERSIONS_LISTED)
+        return ok({"file": name, "versions": [version_json(v, content=False) for v in found], "total": total})
 
     async def one_version(request: web.Request) -> web.Response:
         caller = await auth.require(request)

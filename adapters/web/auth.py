@@ -10,6 +10,7 @@ when the browser sends an Origin, come from the page's own origin.
 from __future__ import annotations
 
 import hmac
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -20,6 +21,7 @@ from adapters.web.errors import fail
 from bot.config import Config
 from bot.policy import user_refusal
 from bot.ports import AdminDirectory
+from bot.ratelimit import RateLimiter
 from bot.storage.web import WebLoginRepository, WebSession
 
 CHANGES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -81,11 +83,15 @@ class Caller:
 
 
 class Auth:
-    def __init__(self, config: Config, logins: WebLoginRepository, directories: Sequence[AdminDirectory]) -> None:
+    def __init__(self, config: Config, logins: WebLoginRepository, directories: Sequence[AdminDirectory],
+                 limiter: RateLimiter | None = None) -> None:
         self.config = config
         self.logins = logins
         self.directories = {d.platform: d for d in directories}
         self.cookie = cookie_name(config.web.secure_cookies)
+        # Changes count against the same per-user limit as chat commands: a page script must not write
+        # thousands of versions a minute where a chat could not.
+        self.limiter = limiter or RateLimiter(config.chat.command_rate_limit_per_minute)
 
     async def caller(self, request: web.Request) -> Caller | None:
         session_id = request.cookies.get(self.cookie, "")
@@ -107,6 +113,9 @@ class Auth:
             self.check_origin(request)
             if not csrf_matches(request.headers.get(CSRF_HEADER, ""), caller.session.csrf):
                 fail(403, f"missing or wrong {CSRF_HEADER} header (reload the page)")
+            if wait := self.limiter.check(caller.user_key):
+                fail(429, f"too many changes in a minute (at most {self.limiter.per_minute}): try again in "
+                          f"{math.ceil(wait)} s")
         return caller
 
     def check_origin(self, request: web.Request) -> None:

@@ -134,9 +134,13 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         if is_missing_reference(exc):  # e.g. a forget-me removed the user while this request wrote for them
             log.warning("web request %s %s met a deleted row (a forget-me meanwhile?): %s", request.method,
                         loggable_path(request.path), type(exc).__name__)
-            return json_error(409, GONE)
-        log.exception("web request %s %s failed", request.method, loggable_path(request.path))
-        return json_error(500, "internal error (the details are in the bot's log)")
+            status, message = 409, GONE
+        else:
+            log.exception("web request %s %s failed", request.method, loggable_path(request.path))
+            status, message = 500, "internal error (the details are in the bot's log)"
+        if api or not request.app.get(PAGES, True):  # (the metrics listener shows no pages)
+            return json_error(status, message)
+        return error_page(status, message[0].upper() + message[1:])
 
 
 async def security_headers(request: web.BaseRequest, response: web.StreamResponse) -> None:
@@ -172,7 +176,8 @@ class WebServer:
     def __init__(self, app: App, *, directories: Sequence[AdminDirectory] = (),
                  adapters: Mapping[str, Callable[[], bool]] | None = None) -> None:
         self.config = app.config.web
-        self.context = WebContext(app, Auth(app.config, app.storage.web, directories), dict(adapters or {}))
+        self.context = WebContext(app, Auth(app.config, app.storage.web, directories, app.router.command_limiter),
+                                  dict(adapters or {}))
         self._runners: list[web.AppRunner] = []
         self.url = ""
         self.metrics_url = ""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -52,6 +52,11 @@ class FileVersion:
     tier: str
     run_id: int | None
     created_at: datetime
+    size: int | None = None  # characters, when the content was left out (``versions_listed``)
+
+    @property
+    def chars(self) -> int:
+        return len(self.content) if self.size is None else self.size
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +290,17 @@ class CortexRepository:
             "SELECT * FROM cortex_versions WHERE pair_id = ? AND filename = ? ORDER BY version", (pair_id, filename)
         )
         return [self._version(r) for r in rows]
+
+    async def versions_listed(self, pair_id: int, filename: str, newest: int) -> tuple[list[FileVersion], int]:
+        """The ``newest`` versions of a file, newest first, without their content (``size`` instead), and how
+        many there are: a history view or chart, whatever a file's number of versions."""
+        rows = await self.db.fetch_all(
+            "SELECT id, pair_id, filename, version, '' AS content, author, reason, tier, run_id, created_at,"
+            " length(content) AS size FROM cortex_versions WHERE pair_id = ? AND filename = ?"
+            " ORDER BY version DESC LIMIT ?", (pair_id, filename, newest))
+        total = await self.db.fetch_one(
+            "SELECT count(*) FROM cortex_versions WHERE pair_id = ? AND filename = ?", (pair_id, filename))
+        return [replace(self._version(r), size=int(r["size"])) for r in rows], int(total[0]) if total else 0
 
     async def all_versions(self, pair_id: int) -> list[FileVersion]:
         rows = await self.db.fetch_all(

@@ -654,9 +654,11 @@
           ],
         },
       ], versions, { class: 'versions', testid: 'versions', 'aria-label': `Versions of ${state.file}, newest first` });
+      const older = data.total > versions.length
+        ? h('p', { class: 'hint', testid: 'versions-more' }, `The newest ${fmtInt(versions.length)} of ${fmtInt(data.total)} versions.`) : null;
       fill(body, h('h3', null, `History of ${state.file}`),
         h('p', { class: 'hint' }, 'Choose two versions to compare (From and To), view one as it was, or go back to one.'),
-        list, diffArea, preview);
+        list, older, diffArea, preview);
       showDiff(diffArea);
     });
   }
