@@ -82,6 +82,7 @@ class DiscordAdminDirectory:
         self.config = config
         self.answer_seconds = answer_seconds
         self._listed: dict[int, tuple[float, list[ServerRef]]] = {}
+        self._unanswered = 0  # lookups Discord failed to answer (a list made meanwhile is not kept)
         # (guild id, user id) -> (when asked, the REST lookup's answer); concurrent askers share one lookup
         self._answers: dict[tuple[int, int], tuple[float, asyncio.Future[bool]]] = {}
 
@@ -101,8 +102,9 @@ class DiscordAdminDirectory:
             return await guild.fetch_member(user_id), True
         except (discord.NotFound, discord.Forbidden):
             return None, True
-        except discord.HTTPException as exc:
-            log.warning("Discord: could not look up member %s of guild %s: %s", user_id, guild.id, exc)
+        except (discord.HTTPException, OSError, TimeoutError) as exc:  # (discord.py lets a reset connection through)
+            log.warning("Discord: could not look up member %s of guild %s: %s", user_id, guild.id,
+                        str(exc) or type(exc).__name__)
             return None, False
 
     def _admin(self, member: Any) -> bool:
@@ -140,6 +142,7 @@ class DiscordAdminDirectory:
         finally:
             if not definite:  # Discord failed to answer: the next request asks again
                 self._answers.pop((int(guild.id), user_id), None)
+                self._unanswered += 1
 
     def _forget_old_answers(self, now: float) -> None:
         if len(self._answers) < MAX_ANSWERS:
@@ -157,7 +160,10 @@ class DiscordAdminDirectory:
         cached = self._listed.get(user_id)
         if cached is not None and time.monotonic() - cached[0] < LIST_SECONDS:
             return list(cached[1])
+        unanswered = self._unanswered
         found = await self._list(user_id)
+        if self._unanswered != unanswered:  # a lookup failed (the network): this list is not kept
+            return list(found)
         if len(self._listed) > 1000:
             self._listed.clear()
         self._listed[user_id] = (time.monotonic(), found)

@@ -458,3 +458,22 @@ async def test_a_long_history_is_listed_newest_first_without_its_contents(tmp_pa
         assert listed["versions"][0]["chars"] == len("# Notes\n- fact 11\n") and "content" not in listed["versions"][0]
         status, activity = await ann.call("GET", "/api/me/personas/Cora/activity")
         assert [v["version"] for v in activity["files"]["memory.md"]] == list(range(1, 14))  # oldest first
+
+
+async def test_a_lost_connection_to_discord_lists_no_servers_and_breaks_nothing(tmp_path: Path) -> None:
+    """discord.py lets a reset connection through as an OSError: /api/me (which the page needs first) and
+    the admin overview answered 500, so nobody could open their memory while Discord's network hiccuped."""
+    directory, guild = books()
+
+    async def reset(user_id: int) -> Any:
+        guild.fetched.append(user_id)
+        raise ConnectionResetError("Connection reset by peer")
+
+    guild.fetch_member = reset  # type: ignore[method-assign]
+    async with running_bot(tmp_path, directories=[directory]) as bot, bot.client("20") as someone:
+        asked = len(guild.fetched)  # (logging in asked too)
+        status, me = await someone.call("GET", "/api/me")
+        assert status == 200 and me["admin_servers"] == [] and len(guild.fetched) == asked + 1
+        status, overview = await someone.call("GET", "/api/admin/overview")
+        assert status == 200 and overview["servers"] == []
+        assert len(guild.fetched) == asked + 2  # a failed answer is not kept: asked again next time

@@ -187,9 +187,8 @@ class AdminApi:
     async def overview(self, request: web.Request) -> web.Response:
         caller = await self.auth.require(request)
         servers: dict[str, str] = {}
-        for directory in self.auth.directories.values():
-            for ref in await directory.servers(caller.user_key):
-                servers.setdefault(ref.key, ref.name)
+        for ref in await self.auth.servers(caller.user_key):
+            servers.setdefault(ref.key, ref.name)
         is_bot_admin = self.auth.is_bot_admin(caller)
         if is_bot_admin:
             for text in await self.texts.current_all("guidelines"):

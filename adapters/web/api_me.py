@@ -77,8 +77,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         talked = await ctx.app.storage.export.personas_talked_to(user.id)
         personas = [{"name": n, "language": ctx.app.personas.persona(n).language, "talked": n in talked}
                     for n in ctx.app.personas.names()]
-        servers = [{"key": s.key, "name": s.name} for d in auth.directories.values()
-                   for s in await d.servers(caller.user_key)]
+        servers = [{"key": s.key, "name": s.name} for s in await auth.servers(caller.user_key)]
         return ok({
             "user": {"key": caller.user_key, "name": user.display_name}, "csrf": caller.session.csrf,
             "is_bot_admin": auth.is_bot_admin(caller), "admin_servers": servers, "personas": personas,

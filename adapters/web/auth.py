@@ -10,6 +10,7 @@ when the browser sends an Origin, come from the page's own origin.
 from __future__ import annotations
 
 import hmac
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,9 +21,11 @@ from aiohttp import web
 from adapters.web.errors import fail
 from bot.config import Config
 from bot.policy import user_refusal
-from bot.ports import AdminDirectory
+from bot.ports import AdminDirectory, ServerRef
 from bot.ratelimit import RateLimiter
 from bot.storage.web import WebLoginRepository, WebSession
+
+log = logging.getLogger(__name__)
 
 CHANGES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 CSRF_HEADER = "X-CSRF-Token"
@@ -137,6 +140,17 @@ class Auth:
                             samesite="Strict")
 
     # -- permissions -----------------------------------------------------------------------------
+
+    async def servers(self, user_key: str) -> list[ServerRef]:
+        """The servers ``user_key`` administers, from every platform that can tell; one that fails right now
+        (its network) lists none, so the page still opens."""
+        found: list[ServerRef] = []
+        for directory in self.directories.values():
+            try:
+                found += await directory.servers(user_key)
+            except Exception:
+                log.exception("the %s directory could not list the servers of a user", directory.platform)
+        return found
 
     def is_bot_admin(self, caller: Caller) -> bool:
         return is_bot_admin(self.config, caller.user_key)
