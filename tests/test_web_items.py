@@ -9,6 +9,7 @@ import json
 import zipfile
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import pytest
@@ -88,6 +89,11 @@ async def test_search_ranks_items_and_filters_still_apply(tmp_path: Path) -> Non
         for odd in ("%25", "_", "the", "%3F%3F", "cat%22+OR+%22"):  # LIKE wildcards and FTS syntax are plain text
             assert (await listed(ann, f"archived=true&query={odd}"))["items"] == [], odd
             await listed(ann, f"query={odd}")
+        apples = await remember(bot, "ann", "Ann buys Äpfel from Überlingen")
+        status, _ = await ann.call("POST", f"/api/me/items/{apples}/forget")
+        for word in ("äpfel", "Äpfel", "ÄPFEL", "überlingen"):  # SQLite's lower() folded ASCII letters only
+            found = await listed(ann, f"archived=true&query={quote(word)}")
+            assert [i["id"] for i in found["items"]] == [apples], word
 
 
 async def test_editing_the_content_makes_a_correction(tmp_path: Path) -> None:

@@ -220,7 +220,7 @@ class MemoryRepository:
         """A page of the user's items over all their pairs (or one persona's) with their pair's ``persona``,
         and how many match. Active items (visible) pinned first, then newest; the others (archived,
         corrected or expired) most recently archived or changed first."""
-        clause, params = filters.where(user_id, now)
+        clause, params = filters.where(user_id, now, self.db.dialect)
         source = "memory_items AS m JOIN cortex_pairs AS p ON p.id = m.pair_id"
         order = "m.pinned DESC" if filters.active else "coalesce(m.archived_at, m.updated_at) DESC"
         total = await self.db.fetch_one(f"SELECT count(*) FROM {source} WHERE {clause}", params)
@@ -646,7 +646,7 @@ class ItemFilters:
     scope: str | None = None
     words: tuple[str, ...] = ()  # each must occur in the content (case-insensitive)
 
-    def where(self, user_id: int, now: float) -> tuple[str, list[Any]]:
+    def where(self, user_id: int, now: float, dialect: str = "sqlite") -> tuple[str, list[Any]]:
         visible = "m.archived_at IS NULL AND m.superseded_by IS NULL AND (m.expires_at IS NULL OR m.expires_at > ?)"
         where = ["p.user_id = ?", visible if self.active else f"NOT ({visible})"]
         params: list[Any] = [user_id, now]
@@ -655,9 +655,12 @@ class ItemFilters:
             if value is not None:
                 where.append(f"{column} = ?")
                 params.append(value)
+        # Any script's capitals: SQLite's lower() folds ASCII only (the engine registers cortex_fold, Python's
+        # casefold); PostgreSQL's lower() folds by the database's locale.
+        fold, folded = ("cortex_fold", str.casefold) if dialect == "sqlite" else ("lower", str.lower)
         for word in self.words:
-            where.append("lower(m.content) LIKE ? ESCAPE '\\'")
-            params.append("%" + word.lower().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%")
+            where.append(f"{fold}(m.content) LIKE ? ESCAPE '\\'")
+            params.append("%" + folded(word).replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%")
         return " AND ".join(where), params
 
 

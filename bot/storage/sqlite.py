@@ -114,6 +114,8 @@ class SQLiteDatabase:
         db = await aiosqlite.connect(self.path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
         try:
             db.row_factory = sqlite3.Row
+            # SQL's lower() folds ASCII letters only: a search for "Äpfel" needs Unicode's case folding.
+            await db.create_function("cortex_fold", 1, _fold, deterministic=True)
             await _refuse_foreign(db, self.path)
             # secure_delete: freed pages are zeroed, so deleted words (forget-me) do not linger in the file.
             for pragma in ("journal_mode=WAL", "foreign_keys=ON", "secure_delete=ON",
@@ -234,6 +236,10 @@ class SQLiteDatabase:
     @property
     def in_transaction(self) -> bool:
         return bool(self.connection.in_transaction)
+
+
+def _fold(value: object) -> object:
+    return value.casefold() if isinstance(value, str) else value
 
 
 def _busy(exc: sqlite3.OperationalError) -> bool:
