@@ -271,6 +271,8 @@ async def _start_web(app: Any, connected: dict[str, Callable[[], bool]], directo
     server = WebServer(app, adapters=connected, directories=directories)
     await server.start()
     click.echo(f"web page: {app.config.web.base_url} (log in with !dashboard in a chat)", err=True)
+    if server.metrics_url:
+        click.echo(f"metrics: {server.metrics_url}/metrics", err=True)
     return server
 
 

@@ -20,7 +20,16 @@ from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit
 
 import platformdirs
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from bot.text import readable
 
@@ -636,14 +645,28 @@ class WebConfig(_Section):
             raise ValueError("must be the page's address alone, like https://bot.example.org: the page is served at "
                              "the root of it (a path, a query or a user name cannot be used)")
         scheme = parts.scheme.lower()
-        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        hostname = parts.hostname
+        if not hostname.isascii():  # a browser sends an internationalised name in Origin as punycode
+            try:
+                hostname = hostname.encode("idna").decode("ascii")
+            except UnicodeError:
+                raise ValueError(f"{value!r} is not a host name a browser can reach") from None
+        host = f"[{hostname}]" if ":" in hostname else hostname
         default = {"http": 80, "https": 443}[scheme]
         return f"{scheme}://{host}" + (f":{port}" if port is not None and port != default else "")
+
+    _listening: str = PrivateAttr(default="")  # the address the page was bound to (port 0: the port chosen)
+
+    def listening_on(self, url: str) -> None:
+        """Where the running page listens: its links use it when no ``public_url`` is set."""
+        self._listening = url
 
     @property
     def base_url(self) -> str:
         if self.public_url:
             return self.public_url
+        if self._listening:
+            return self._listening
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 

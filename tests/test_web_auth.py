@@ -20,6 +20,16 @@ def _key(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CB_WEB_TEST_KEY", "test-key")
 
 
+async def test_with_any_free_port_the_links_name_the_port_chosen(tmp_path: Path) -> None:
+    """``port = 0`` ("any free port") made links to http://127.0.0.1:0/login/…, which lead nowhere."""
+    async with running_bot(tmp_path, port=0) as bot:
+        assert not bot.url.endswith(":0") and bot.app.config.web.base_url == bot.url
+        url, token = await bot.link("ann")
+        assert url.startswith(bot.url + "/login/")
+        async with aiohttp.ClientSession() as http, http.get(url) as page:
+            assert page.status == 200
+
+
 async def test_a_login_link_works_once_and_sets_a_strict_http_only_cookie(tmp_path: Path) -> None:
     async with running_bot(tmp_path) as bot:
         url, token = await bot.link("ann")

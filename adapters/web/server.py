@@ -201,11 +201,13 @@ class WebServer:
         from adapters.web import health
 
         self.url = await self._serve(self.build(), self.config.host, self.config.port)
+        self.config.listening_on(self.url)  # with port 0, the port chosen: the login links point there
         if self._separate_metrics:
             metrics_app = web_application(pages=False)
             metrics_app.add_routes(health.metrics_routes(self.context))
             self.metrics_url = await self._serve(metrics_app, self.config.metrics_host or self.config.host,
                                                  self.config.metrics_port or 0)
+            log.info("metrics at %s/metrics", self.metrics_url)
         log.info("web page at %s (listening on %s)", self.config.public_url or self.url, self.url)
 
     async def _serve(self, application: web.Application, host: str, port: int) -> str:
