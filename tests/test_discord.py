@@ -706,7 +706,7 @@ def test_a_mention_of_the_bots_own_role_is_a_mention_of_the_bot(adapter: Discord
     def message(content: str, roles: list[Any]) -> Any:
         author = SimpleNamespace(id=5, display_name="Ann", bot=False, roles=[])
         return SimpleNamespace(
-            content=content, mentions=[], role_mentions=roles, reference=None, author=author,
+            id=9, content=content, mentions=[], role_mentions=roles, reference=None, author=author,
             guild=SimpleNamespace(id=1, self_role=own), channel=SimpleNamespace(id=2, name="general"),
             created_at=None)
 
