@@ -528,7 +528,7 @@ class HttpSkillConfig(_Section):
     result_path: str = Field(
         default="", description="Dotted path into a JSON response the model sees (e.g. data.items); empty: all."
     )
-    admin_only: bool = False
+    admin_only: bool = Field(default=False, description="Offered to the bot's admins (admin_ids) only.")
     triggers: list[str] = Field(default_factory=list, description="Offered only when a message has one of these.")
 
 
@@ -547,7 +547,7 @@ class McpServerConfig(_Section):
     )
     tools: list[str] = Field(default_factory=list, description="Allowed tool names; empty: all.")
     timeout_seconds: float = Field(default=30.0, gt=0, le=600, description="Longest tool call.")
-    admin_only: bool = False
+    admin_only: bool = Field(default=False, description="Its tools are offered to the bot's admins only.")
     triggers: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")

@@ -136,6 +136,28 @@ async def test_admin_only_skills_are_neither_offered_nor_run_for_members(tmp_pat
         assert "edit_soul" in tool_names(replies(fake_llm)[-1])
 
 
+async def test_an_admin_only_tool_from_the_config_is_for_the_bots_admins_only(
+        tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """A configured tool reaches the operator's own systems (the README's example: a file server): "admin
+    only" offered it to every server admin, and on Matrix whoever makes a room is one."""
+    mcp = [{"name": "files", "command": [sys.executable, str(FAKE_MCP)], "tools": ["add"], "admin_only": True}]
+    async with App(_config(tmp_path, fake_llm, provider="openai", mcp=mcp)) as app:
+        fake_llm.enqueue(FakeResponse.tool_calls([("c1", "add", {"a": 2, "b": 3})]), FakeResponse.text("No."))
+        room_admin = app.core.reply(_msg("what is 2 + 3?", server="g1"), is_admin=True)
+        assert await room_admin.text() == "No."
+        first, second = replies(fake_llm)[-2:]
+        assert "add" not in tool_names(first) and "current_time" in tool_names(first)
+        assert "there is no tool 'add' here" in str(second.body["messages"])
+        fake_llm.enqueue(FakeResponse.tool_calls([("c2", "add", {"a": 2, "b": 3})]), FakeResponse.text("Five."))
+        operator = app.core.reply(_msg("what is 2 + 3?", user="boss", server="g1"), is_admin=True, is_bot_admin=True)
+        assert await operator.text() == "Five."
+        assert "add" in tool_names(replies(fake_llm)[-2])
+        listed = (await app.commands.dispatch("!skills", CommandContext(
+            "console", "console:boss", "Boss", "console:room", "Cora", server_key="console:g1", is_admin=True,
+            is_bot_admin=True))).text
+        assert "the bot's admins only" in listed
+
+
 async def test_limits_rounds_and_bad_calls_still_end_in_a_reply(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
     async with App(_config(tmp_path, fake_llm, calls_per_user_per_day=1, max_rounds=2)) as app:
         fake_llm.enqueue(

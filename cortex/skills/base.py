@@ -88,6 +88,16 @@ class SkillInfo:
         return (self.key,) if self.key == self.name else (self.key, self.name)
 
 
+def admitted(info: SkillInfo, *, is_admin: bool, is_bot_admin: bool) -> bool:
+    """Whether an ``admin_only`` skill may be offered to (and run for) someone: a built-in acts on this
+    server (its admins may); an http or MCP tool from the config reaches the operator's own systems (a
+    file server, an internal API), so only the bot's admins, never whoever made a Matrix room or invited
+    the bot into their Discord server."""
+    if not info.admin_only:
+        return True
+    return is_admin if info.origin == "builtin" else is_bot_admin
+
+
 class Skill(Protocol):
     @property
     def info(self) -> SkillInfo: ...

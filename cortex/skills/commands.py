@@ -51,7 +51,7 @@ class SkillCommands:
             effective = await self.tools.policy.effective(info, ctx.persona, ctx.server_key, ctx.channel_key)
             notes = [info.origin + (f" {info.server}" if info.server else ""), effective.source]
             if info.admin_only:
-                notes.append("admins only")
+                notes.append("admins only" if info.origin == "builtin" else "the bot's admins only")
             if info.triggers:
                 notes.append("when a message says " + ", ".join(info.triggers[:5]))
             lines.append(f"{'✅' if effective.enabled else '⛔'} {info.name} ({'; '.join(notes)}): "

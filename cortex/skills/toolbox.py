@@ -23,7 +23,7 @@ from bot.llm.base import ToolCall, ToolSpec
 from bot.ports import PromptContext, ToolOutcome
 from bot.storage.core import Storage
 from bot.storage.skills import SkillExecution
-from cortex.skills.base import Skill, SkillContext, SkillFailure, SkillResult, redaction_values
+from cortex.skills.base import Skill, SkillContext, SkillFailure, SkillResult, admitted, redaction_values
 from cortex.skills.policy import SkillPolicy
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,8 @@ class SkillToolbox:
     async def _run(self, skill: Skill, call: ToolCall) -> SkillResult:
         if call.arguments is None:
             return SkillResult(f"{call.name} needs a JSON object as input; got: {call.raw_arguments[:200]!r}", True)
-        if skill.info.admin_only and not self.context.is_admin:  # also checked when offered: never trust the model
+        if not admitted(skill.info, is_admin=self.context.is_admin, is_bot_admin=self.context.is_bot_admin):
+            # (also checked when offered: never trust the model)
             return SkillResult(f"{call.name} is for admins only; the person you answer is not one", True)
         limit = self.config.calls_per_user_per_day
         if limit and await self.storage.skills.calls_since(  # by key: an MCP tool renamed by a clash counts on
@@ -165,7 +166,8 @@ class SkillTools:
         incognito = await self.storage.incognito.since(context.user_db_id, context.persona) is not None
         for skill in self.all():
             info = skill.info
-            if (info.admin_only and not context.is_admin) or not triggered(info.triggers, context.message):
+            if not admitted(info, is_admin=context.is_admin, is_bot_admin=context.is_bot_admin) \
+                    or not triggered(info.triggers, context.message):
                 continue
             if incognito and info.origin == "builtin" and info.name in MEMORY_WRITES:
                 continue
