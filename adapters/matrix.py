@@ -98,7 +98,8 @@ def render(text: str, msgtype: str) -> dict[str, Any]:
         "msgtype": msgtype,
         "body": safe,
         "format": "org.matrix.custom.html",
-        "formatted_body": _markdown.render(safe).strip(),
+        # again after rendering: Markdown decodes character references ("@&#114;oom" renders as "@room")
+        "formatted_body": _ROOM_PING.sub("@\u2060\\1", _markdown.render(safe)).strip(),
         "m.mentions": {},
     }
 
