@@ -127,3 +127,12 @@ async def test_a_failed_reply_still_counts_the_tokens_it_was_billed(
         calls = await app.storage.list_llm_calls()
         assert sorted((c["input_tokens"], c["output_tokens"], c["error"]) for c in calls) == [
             (1234, 56, "LLMBadResponse"), (5000, 40, "LLMServerError")]
+
+
+async def test_an_unknown_tools_name_is_not_sent_back_whole(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """The model's name for a tool went back uncut in the error (a 320 KB next request in one probe)."""
+    async with App(_config(tmp_path, fake_llm)) as app:
+        fake_llm.enqueue(FakeResponse.tool_calls([("c1", "x" * 50_000, {})]), FakeResponse.text("Sorry."))
+        assert await app.core.reply(_msg("hi")).text() == "Sorry."
+        tool = [m for m in fake_llm.completion_requests[-1].body["messages"] if m["role"] == "tool"][0]
+        assert "there is no tool 'xxxx" in tool["content"] and len(tool["content"]) < 500

@@ -91,7 +91,8 @@ class SkillToolbox:
     async def execute(self, call: ToolCall) -> ToolOutcome:
         skill = self.skills.get(call.name)
         if skill is None:
-            return ToolOutcome(f"there is no tool {call.name!r} here; the tools are {', '.join(self.skills)}", True)
+            named = call.name[:80]  # as the model sent it, cut: it goes back into the next request
+            return ToolOutcome(f"there is no tool {named!r} here; the tools are {', '.join(self.skills)}", True)
         started = time.monotonic()
         result = await self._run(skill, call)
         cap = self.config.result_max_chars
