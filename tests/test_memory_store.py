@@ -71,6 +71,12 @@ async def test_lifecycle_supersede_archive_restore_expire(tmp_path: Path) -> Non
         clock.now += 2 * DAY
         assert await store.search(pair, "exam") == []  # expired: hidden, not deleted
         assert (await store.get(pair, soon.id, count_access=False)).content == "Ann's exam is on Friday"
+        back = await store.restore(pair, soon.id)  # listed among the forgotten ones: restorable as they are
+        assert back.expires_at is None and [h.id for h in await store.search(pair, "exam")] == [soon.id]
+        with pytest.raises(MemoryError, match="not archived"):
+            await store.restore(pair, soon.id)
+        with pytest.raises(MemoryError, match="corrected by"):
+            await store.restore(pair, old.id)
         for bad in ({"category": "gossip"}, {"importance": 11}):
             with pytest.raises(MemoryError):
                 await store.remember(pair, "x", **bad)

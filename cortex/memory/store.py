@@ -339,9 +339,13 @@ class MemoryStore:
 
     async def restore(self, pair_id: int, item_id: int) -> MemoryItem:
         item = await self.get(pair_id, item_id, count_access=False)
-        if item.archived_at is None:
+        now = self.clock()
+        expired = item.expires_at is not None and item.expires_at.timestamp() <= now
+        if item.superseded_by is not None:
+            raise MemoryError(f"item #{item_id} was corrected by #{item.superseded_by}: restore that one")
+        if item.archived_at is None and not expired:  # an expired one is brought back too (it no longer expires)
             raise MemoryError(f"item #{item_id} is not archived")
-        await self.repo.restore(pair_id, item_id, self.clock())
+        await self.repo.restore(pair_id, item_id, now)
         if self.embeddings is not None:
             self.embeddings.index.invalidate(("items", pair_id))
         return await self.get(pair_id, item_id, count_access=False)
