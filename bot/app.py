@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from bot.commands import CommandRegistry
 from bot.commands.core import register_core_commands
@@ -76,6 +77,7 @@ class App:
         self._embedder = embedder
         self._started = False
         self._shared_warned = False
+        self.fleet_info: dict[str, Any] = {}  # what `cortexbot status` shows of this process from its first beat
 
     async def start(self, *, workers: bool = True) -> App:
         self.llm = self._llm or build_provider(self.config)
@@ -132,6 +134,7 @@ class App:
             await self.cortex.memory_admin.load()
             self.router = Router(self.config, self.storage, self.core, self.commands, self.personas)
             self.fleet = Fleet(self.storage)
+            self.fleet.info = dict(self.fleet_info)
             self.workers = WorkerPool(
                 self.queue,
                 {SUMMARY_JOB: self.summaries.run_job, CORTEX_JOB: self.cortex.updater.run_job},

@@ -132,6 +132,7 @@ async def _chat(config: Config, user: str, persona: str | None) -> int:
     from bot.app import App
 
     app = App(config)
+    app.fleet_info = {"adapters": ["terminal"]}  # from the first heartbeat (`cortexbot status`)
     try:
         await app.start()
     except (ConfigError, StorageError) as exc:
@@ -141,8 +142,6 @@ async def _chat(config: Config, user: str, persona: str | None) -> int:
     try:
         try:
             adapter = TerminalAdapter(app, user=user, persona=persona)
-            app.fleet.info = {"adapters": ["terminal"]}  # what `cortexbot status` shows of this process
-            await app.fleet.heartbeat()  # at once, not at the next beat
             web = await _start_web(app, {})
         except (ConfigError, RuntimeError) as exc:  # --persona names no persona; the web page's port is taken
             raise click.ClickException(str(exc)) from None
@@ -208,12 +207,11 @@ async def _serve(config: Config, platforms: list[str]) -> int:
     from bot.app import App
 
     app = App(config)
+    app.fleet_info = _fleet_info(config, platforms)  # from the first heartbeat (`cortexbot status`)
     try:
         await app.start()
     except (ConfigError, StorageError) as exc:
         raise click.ClickException(str(exc)) from None
-    app.fleet.info = _fleet_info(config, platforms)
-    await app.fleet.heartbeat()
     closers: list[Callable[[], Awaitable[None]]] = []
     tasks: list[asyncio.Task[None]] = []
     connected: dict[str, Callable[[], bool]] = {}
