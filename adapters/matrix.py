@@ -419,7 +419,7 @@ class MatrixAdapter:
                 self._signed_out()
             return
         self._sync_failures += 1
-        wait = min(SYNC_RETRY_FIRST * 2 ** (self._sync_failures - 1), SYNC_RETRY_LONGEST)
+        wait = min(SYNC_RETRY_FIRST * 2 ** min(self._sync_failures - 1, 20), SYNC_RETRY_LONGEST)
         wait = max(wait, (response.retry_after_ms or 0) / 1000)
         if self._sync_failures == 1:
             log.error("Matrix: sync with %s failed (%s); retrying with back-off (at most every %.0f s)",
@@ -550,11 +550,7 @@ class MatrixAdapter:
         mentions_bot = (me in mentioned(content) or _names(body, me) or bool(display and _names(body, display))
                         or me in formatted)
         is_dm = self.is_dm(room)
-        channel_id, parent = room.room_id, None
-        if not is_dm and self._kinds.get(room.room_id) == "dm":
-            # A direct room others joined: a conversation of its own, so the direct one (its window, its
-            # summary) never reaches what they are shown; the room's lists and persona still apply (parent).
-            channel_id, parent = f"{room.room_id}{GROUP_PHASE}", room.room_id
+        channel_id, parent = self.channel_of(room)
         level = self.power_level(room, event.sender)
         text = body
         for name in (me, display):
@@ -587,14 +583,31 @@ class MatrixAdapter:
             is_bot_admin=event.sender in self.config.admin_ids,
         )
 
+    def channel_of(self, room: MatrixRoom) -> tuple[str, str | None]:
+        """The room's channel id and its parent's. A direct room others joined is a conversation of its own,
+        so the direct one (its window, its summary) never reaches what they are shown; the room's lists and
+        persona still apply (the parent)."""
+        if not self.is_dm(room) and self._kinds.get(room.room_id) == "dm":
+            return f"{room.room_id}{GROUP_PHASE}", room.room_id
+        return room.room_id, None
+
     async def _on_member(self, room: MatrixRoom, event: RoomMemberEvent) -> None:
         if event.state_key == self.config.user_id and event.membership == "join":
             self._joining.discard(room.room_id)  # what follows in the timeline was said with the bot there
 
     async def _on_redaction(self, room: MatrixRoom, event: RedactionEvent) -> None:
-        """A message taken back (by its sender or a moderator): the bot's copy goes too (see ``withdraw``)."""
-        if not self._before_join(room) and isinstance(event.redacts, str):
-            await self.app.core.withdraw(MatrixSink.message_key(event.redacts))
+        """A message taken back (by its sender or a moderator): the bot's copy goes too (see ``withdraw``).
+        Redactions come from anyone's homeserver: the redacted event is asked of this room (it must be
+        there), and its sender's message goes only if they or someone who may redact here took it back."""
+        if self._before_join(room) or not isinstance(event.redacts, str):
+            return
+        response = await self.client.room_get_event(room.room_id, event.redacts)
+        sender = getattr(getattr(response, "event", None), "sender", None)
+        if not isinstance(sender, str):
+            return  # not an event of this room
+        if event.sender != sender and not room.power_levels.can_user_redact(event.sender):
+            return
+        await self.app.core.withdraw(MatrixSink.message_key(event.redacts), f"{PLATFORM}:{sender}")
 
     def _before_join(self, room: MatrixRoom) -> bool:
         """Whether an event of a room just joined on invite precedes the bot's own join in the timeline (the

@@ -112,9 +112,10 @@ class Reactions:
         """The reaction as a message of its sender (for the access rules and the command's context)."""
         adapter = self.adapter
         is_dm = adapter.is_dm(room)
-        incoming = IncomingMessage("matrix", room.room_id, event.sender, room.user_name(event.sender) or event.sender,
+        channel_id, parent = adapter.channel_of(room)  # (a direct room others joined: its group conversation)
+        incoming = IncomingMessage("matrix", channel_id, event.sender, room.user_name(event.sender) or event.sender,
                                    "", is_dm=is_dm, server_id=None if is_dm else room.room_id,
-                                   author_home=event.sender.split(":", 1)[-1])
+                                   author_home=event.sender.split(":", 1)[-1], parent_channel_id=parent)
         return Inbound(incoming, is_self=event.sender == adapter.config.user_id,
                        roles=await adapter.roles_of(room, event.sender),
                        is_bot_admin=event.sender in adapter.config.admin_ids)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit
 
+import idna
 import platformdirs
 from pydantic import (
     BaseModel,
@@ -647,9 +648,9 @@ class WebConfig(_Section):
         scheme = parts.scheme.lower()
         hostname = parts.hostname
         if not hostname.isascii():  # a browser sends an internationalised name in Origin as punycode
-            try:
-                hostname = hostname.encode("idna").decode("ascii")
-            except UnicodeError:
+            try:  # (UTS #46 as browsers: Python's own codec is IDNA 2003, which turns straße into strasse)
+                hostname = idna.encode(hostname, uts46=True, transitional=False).decode("ascii")
+            except idna.IDNAError:
                 raise ValueError(f"{value!r} is not a host name a browser can reach") from None
         host = f"[{hostname}]" if ":" in hostname else hostname
         default = {"http": 80, "https": 443}[scheme]

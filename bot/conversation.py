@@ -357,12 +357,13 @@ class ConversationCore:
             self._last_text.clear()
         self._last_text[channel_key] = text[:PREVIOUS_CHARS]
 
-    async def withdraw(self, message_key: str) -> bool:
+    async def withdraw(self, message_key: str, author_key: str | None = None) -> bool:
         """A platform message its author (or a moderator) took back (a Matrix redaction): the stored copy
         goes with what points at it, and memory items remembered from it (a 🧠 reaction) are archived
-        (the user can restore them). Whether the bot held anything of it. What a summary or a cortex file
-        already took from it stays (``!memory`` shows and corrects those)."""
-        deleted, archived = await self.storage.withdraw_message(message_key, time.time())
+        (the user can restore them). ``author_key``: whose message the platform says it was (only theirs
+        goes). Whether the bot held anything of it. What a summary or a cortex file already took from it
+        stays (``!memory`` shows and corrects those)."""
+        deleted, archived = await self.storage.withdraw_message(message_key, time.time(), author_key)
         if deleted or archived:
             self._last_text.clear()  # the follow-up context may quote it
             log.info("a withdrawn message: %s stored message and %d memory item(s) removed",
@@ -393,7 +394,10 @@ class ConversationCore:
                 self.storage.forget_cached(user_key=message.author_key)
                 continue
             if message.message_key:  # so that taking the message back on the platform deletes it here too
-                await self.storage.sources.link([message.message_key], stored.id)
+                try:
+                    await self.storage.sources.link([message.message_key], stored.id)
+                except Exception:  # (a forget-me meanwhile): the reply goes on, the message is not linked
+                    log.warning("could not link message %d to its platform key", stored.id, exc_info=True)
             return user, channel, stored
         raise AssertionError("unreachable")
 

@@ -26,6 +26,7 @@ from bot.llm.base import ChatMessage, LLMProvider, LLMRequest
 from bot.llm.errors import LLMError, LLMTransientError
 from bot.persona import ConfigPersonas, Persona, PersonaSource
 from bot.storage.base import Job, LLMCallRecord, Storage, StoredMessage, Summary, SummarySources
+from bot.text import one_line_name
 from bot.tokens import TokenEstimator
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ def summary_instructions(language: str, words: int, has_previous: bool) -> str:
 
 def transcript(messages: list[StoredMessage]) -> str:
     return "\n".join(
-        f"[{m.created_at:%Y-%m-%d %H:%M}] {m.author_name}: {m.text}" for m in messages
+        f"[{m.created_at:%Y-%m-%d %H:%M}] {one_line_name(m.author_name)}: {m.text}" for m in messages
     )
 
 

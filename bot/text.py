@@ -21,14 +21,17 @@ def storable(text: str) -> str:
 
 
 NAME_CHARS = 64  # of a display name, as it enters prompts and the store
-_NAME_BREAKS = re.compile(r"[\s\x00-\x1f\x7f-\x9f\u2028\u2029\u200b-\u200f\u202a-\u202e\u2060-\u2069\ufeff]+")
+_NAME_BREAKS = re.compile(r"[\s\x00-\x1f\x7f-\x9f\u2028\u2029]+")
+# Invisible characters that reorder or hide text (direction overrides and isolates, zero-width space, word
+# joiner, BOM); the zero-width (non-)joiners stay: Persian and Indic names and emoji sequences need them.
+_NAME_HIDDEN = re.compile(r"[\u200b\u200e\u200f\u202a-\u202e\u2060-\u2064\u2066-\u2069\ufeff]")
 
 
 def one_line_name(name: str) -> str:
-    """A display name (a user's, a channel's) as it may enter a prompt: storable, on one line (line breaks,
-    control and direction characters become one space, so a name cannot start a line of its own, such as
-    a "# Rules" heading, or forge a speaker's label) and at most ``NAME_CHARS`` characters."""
-    flat = _NAME_BREAKS.sub(" ", storable(name)).strip()
+    """A display name (a user's, a channel's) as it may enter a prompt: storable, on one line (line breaks
+    and control characters become one space, so a name cannot start a line of its own, such as a "# Rules"
+    heading, or forge a speaker's label), without direction overrides, and at most ``NAME_CHARS`` characters."""
+    flat = _NAME_BREAKS.sub(" ", _NAME_HIDDEN.sub("", storable(name))).strip()
     return flat if len(flat) <= NAME_CHARS else flat[:NAME_CHARS - 1].rstrip() + "…"
 
 

@@ -129,8 +129,10 @@ class CortexUpdater:
             run_id = await self.store.record_skip(pair.id, job_id, tier, reason)
             return Outcome("skipped", reason, run_id)
         estimate = PROMPT_OVERHEAD + history_tokens
-        if spent := await self._budget_spent(pair, settings, next_round=estimate):  # not even the first round fits
-            reason = f"{spent} would run out: the update reads about {estimate:,} tokens"
+        # not even the first round fits (as _reserve counts it: its input and its longest answer)
+        if spent := await self._budget_spent(pair, settings, next_round=estimate + settings.max_tokens):
+            reason = f"{spent} would run out: the update reads about {estimate:,} tokens and may write " \
+                     f"{settings.max_tokens:,}"
             return Outcome("skipped", reason, await self.store.record_skip(pair.id, job_id, tier, reason))
         current = await self.files.ensure(pair, persona.language, user.display_name)
         run_id = await self.store.start_run(pair.id, job_id, tier)

@@ -202,6 +202,7 @@ def test_a_config_saved_with_a_byte_order_mark_loads(tmp_path: Path) -> None:
     ("https://bot.example.org:443/", "https://bot.example.org"), ("HTTP://Bot.Example.org:80", "http://bot.example.org"),
     ("https://bot.example.org:8443", "https://bot.example.org:8443"), ("http://[::1]:8080", "http://[::1]:8080"),
     ("https://Bücher.example", "https://xn--bcher-kva.example"),  # as a browser writes it (punycode)
+    ("https://straße.de", "https://xn--strae-oqa.de"),  # UTS #46 as browsers (IDNA 2003 made it strasse.de)
 ])
 def test_the_public_url_is_the_origin_a_browser_sends(given: str, origin: str) -> None:
     """Browsers leave the default port out of ``Origin``: with ":443" kept, every login and change was

@@ -9,9 +9,10 @@ import io
 import zipfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from nio import AsyncClient, MatrixRoom, RoomEncryptedFile, RoomMessageFile
+from nio import AsyncClient, MatrixRoom, RedactionEvent, RoomEncryptedFile, RoomMessageFile
 from nio.crypto.attachments import decrypt_attachment
 
 from adapters.matrix import render
@@ -525,6 +526,10 @@ async def test_a_direct_room_others_join_keeps_its_direct_conversation_out(synap
         await seen.sync_until(lambda: any("what did alice" in b for b in seen.bodies(room, bot.user_id)), "Bob's reply")
         request = bot.app.llm.requests[-1]  # type: ignore[attr-defined]
         assert "XYZ-42" not in str(request.system) + str([m.content for m in request.messages])
+        reacted = await bot.adapter.reactions._inbound(bot.adapter.client.rooms[room], SimpleNamespace(
+            sender=bob.user_id))  # a 🧠 there is the group conversation's too (its persona, its lists)
+        assert reacted.message.channel_key == f"matrix:{room}/group"
+        assert reacted.message.parent_channel_key == f"matrix:{room}"
         await bob.room_leave(room)
         await eventually(lambda: _members(bot, room, 2), "the bot to see Bob leave")
         await send_text(alice, room, "and what was my diagnosis?")
@@ -554,6 +559,25 @@ async def test_a_redacted_message_leaves_the_bots_store_and_memory(synapse: Syna
         await seen.sync_until(lambda: "Noted." in seen.bodies(room, bot.user_id), "the reply")
         await react(alice, room, sent.event_id)
         assert await remembered(bot, alice.user_id) == ["oops my password is hunter2"]
+        # Redactions as another homeserver may deliver them (Synapse itself holds such ones back): naming her
+        # message from a room it is not in, or by someone without the power to redact others' messages
+        mallory = await user(synapse, "mallory")
+        try:
+            own = await open_room(mallory, [bot.user_id], direct=False)
+            await joined(Timeline(mallory), own, bot.user_id)
+
+            async def synced() -> bool:
+                return own in bot.adapter.client.rooms
+            await eventually(synced, "the bot to sync Mallory's room")
+            for where in (own, room):
+                forged = RedactionEvent.from_dict({
+                    "type": "m.room.redaction", "event_id": f"$forged{len(where)}", "sender": mallory.user_id,
+                    "origin_server_ts": 0, "redacts": sent.event_id, "content": {}, "room_id": where})
+                await bot.adapter._on_redaction(bot.adapter.client.rooms[where], forged)
+        finally:
+            await mallory.close()
+        assert await items_of(bot, alice.user_id) == ["oops my password is hunter2"]
+        assert await bot.app.storage.db.fetch_all("SELECT text FROM messages WHERE text LIKE '%hunter2%'")
         await alice.room_redact(room, sent.event_id, reason="typed in the wrong window")
 
         async def gone() -> bool:

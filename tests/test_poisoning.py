@@ -119,3 +119,12 @@ async def test_a_display_name_stays_one_short_line_in_the_prompt(tmp_path: Path,
         assert "\n" not in text
         user = await app.storage.get_user("console:mal")
         assert user is not None and len(user.display_name) <= 64 and "\n" not in user.display_name
+
+
+def test_a_name_keeps_its_joiners_and_loses_what_reorders_or_hides_text() -> None:
+    from bot.text import one_line_name
+
+    assert one_line_name("مهر\u200cناز") == "مهر\u200cناز"  # a Persian name's zero-width non-joiner stays
+    assert one_line_name("👩\u200d💻 Ann") == "👩\u200d💻 Ann"  # an emoji sequence's joiner too
+    assert one_line_name("Ann\u202e nimda\u202c") == "Ann nimda"  # a direction override goes
+    assert one_line_name("A\u200bn\u2060n\ufeff") == "Ann" and one_line_name("Ann\n\n# Rules") == "Ann # Rules"

@@ -448,7 +448,15 @@ async def test_a_withdrawn_platform_message_goes_with_what_points_at_it(storage:
     pair = await storage.cortex.ensure_pair(ann.id, "Cora")
     item = await storage.memory.add_item(pair.id, {"category": "fact", "content": "password hunter2",
                                                    "source_ref": "matrix-message:$a"}, None, 1.0)
-    assert await storage.withdraw_message("matrix-message:$a", 2.0) == (True, 1)
+    bob = await storage.upsert_user("matrix:@bob:x", "Bob")
+    bobs = await storage.cortex.ensure_pair(bob.id, "Cora")
+    await storage.memory.add_item(bobs.id, {"category": "fact", "content": "Bob's note",
+                                            "source_ref": "matrix-message:$a"}, None, 1.0)
+    # A redaction naming Ann's message while saying it was Bob's (any homeserver can send one): nothing of hers
+    assert await storage.withdraw_message("matrix-message:$a", 2.0, "matrix:@bob:x") == (False, 1)  # his item only
+    assert await storage.withdraw_message("matrix-message:$a", 2.0, "matrix:@nobody:x") == (False, 0)
+    assert len(await storage.recent_messages(channel.id, 10)) == 2
+    assert await storage.withdraw_message("matrix-message:$a", 2.0, "matrix:@ann:x") == (True, 1)
     assert [m.text for m in await storage.recent_messages(channel.id, 10)] == ["hello"]
     assert (await storage.memory.item(pair.id, int(item["id"])))["archived_at"] == 2.0
     assert await storage.withdraw_message("matrix-message:$a", 3.0) == (False, 0)  # once is enough

@@ -259,7 +259,7 @@ class Storage(Protocol):
 
     async def reply_metrics(self, channel_id: int | None = None) -> ReplyMetrics: ...
 
-    async def withdraw_message(self, key: str, now: float) -> tuple[bool, int]:
+    async def withdraw_message(self, key: str, now: float, author_key: str | None = None) -> tuple[bool, int]:
         """Delete the user's message the platform message ``key`` was, archive items remembered from it."""
 
     # small persistent settings (e.g. tokenizer calibration)

@@ -189,18 +189,26 @@ class Storage:
             self.forget_cached(user_key=str(bare[0]))
         return len(deleted)
 
-    async def withdraw_message(self, key: str, now: float) -> tuple[bool, int]:
+    async def withdraw_message(self, key: str, now: float, author_key: str | None = None) -> tuple[bool, int]:
         """A platform message (``matrix-message:$event``) its author or a moderator took back: the user's
         message it was (linked when it was stored) goes with what points at it, and memory items remembered
-        from it are archived. (Whether a message went, how many items were archived.)"""
+        from it are archived. With ``author_key`` (whose it was, as the platform says) only that user's
+        message and items; without (a platform that vouches for its deletions) whoever's they are. (Whether a
+        message went, how many items were archived.)"""
         await self.flush_audit()  # buffered reply stats may point at it
         async with self.db.transaction() as tx:
             row = await tx.fetch_one(
-                "SELECT m.id FROM platform_messages AS p JOIN messages AS m ON m.id = p.message_id"
-                " WHERE p.key = ? AND m.role = 'user'", (key,))
+                "SELECT m.id, m.user_id, u.key FROM platform_messages AS p JOIN messages AS m ON m.id = p.message_id"
+                " JOIN users AS u ON u.id = m.user_id WHERE p.key = ? AND m.role = 'user'", (key,))
+            if row is not None and author_key is not None and str(row[2]) != author_key:
+                row = None  # someone else's message under that key: not this withdrawal's
             if row is not None:
                 await delete_messages(tx, "id = ?", (int(row[0]),))
-        archived = await self.memory.archive_from(None, key, "its message was deleted", now)
+            owner = await tx.fetch_one("SELECT id FROM users WHERE key = ?", (author_key,)) if author_key else None
+        user_id = int(row[1]) if row is not None else int(owner[0]) if owner is not None else None
+        if author_key is not None and user_id is None:
+            return False, 0  # nothing of theirs is stored
+        archived = await self.memory.archive_from(None, key, "its message was deleted", now, user_id=user_id)
         return row is not None, len(archived)
 
     async def delete_messages_before(self, before: float) -> int:

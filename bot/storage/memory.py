@@ -172,10 +172,13 @@ class MemoryRepository:
             (pair_id, *source_refs, pair_id, *(v for p in reason_prefixes for v in (len(p), p))))
         return (int(row[0]), int(row[1])) if row else (0, 0)
 
-    async def archive_from(self, pair_id: int | None, source_ref: str, reason: str, now: float) -> list[int]:
-        """Archive the pair's (None: every pair's) visible items that came from ``source_ref`` (a message);
-        their ids."""
-        pair, params = ("pair_id = ? AND ", (pair_id,)) if pair_id is not None else ("", ())
+    async def archive_from(self, pair_id: int | None, source_ref: str, reason: str, now: float, *,
+                           user_id: int | None = None) -> list[int]:
+        """Archive the pair's (None: every pair's, or only ``user_id``'s pairs) visible items that came from
+        ``source_ref`` (a message); their ids."""
+        pair, params = ("pair_id = ? AND ", (pair_id,)) if pair_id is not None else (
+            ("pair_id IN (SELECT id FROM cortex_pairs WHERE user_id = ?) AND ", (user_id,)) if user_id is not None
+            else ("", ()))
         rows = await self.db.write(
             f"UPDATE memory_items SET archived_at = ?, archive_reason = ? WHERE {pair}source_ref = ?"
             " AND archived_at IS NULL AND superseded_by IS NULL RETURNING id", (now, reason, *params, source_ref))

@@ -17,6 +17,8 @@ def _sqlite_fork(statements: tuple[str, ...]) -> tuple[str, ...]:
                  .replace("DOUBLE PRECISION", "REAL").replace("BIGINT", "INTEGER") for s in statements)
 
 
+SOURCE_INDEX = "CREATE INDEX memory_items_by_source ON memory_items (source_ref)"
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -308,12 +310,14 @@ MIGRATIONS: tuple[Migration, ...] = (
               postgres=pg_schema.V14),
     Migration(
         15,
-        "one id counter per table (migration 6 left two rows per rebuilt table in SQLite's sqlite_sequence)",
+        "one id counter per table (migration 6 left two rows per rebuilt table in SQLite's sqlite_sequence);"
+        " memory items found by the message they came from (a deleted message archives them)",
         (  # SQLite reads and advances the first row of a name: it keeps the larger value, the other goes
             "UPDATE sqlite_sequence SET seq = (SELECT max(s.seq) FROM sqlite_sequence AS s"
             " WHERE s.name = sqlite_sequence.name)",
             "DELETE FROM sqlite_sequence WHERE rowid NOT IN (SELECT min(rowid) FROM sqlite_sequence GROUP BY name)",
+            SOURCE_INDEX,
         ),
-        postgres=(),  # identity columns keep their own sequences
+        postgres=(SOURCE_INDEX,),  # identity columns keep their own sequences
     ),
 )

@@ -36,7 +36,7 @@ import numpy.typing as npt
 from bot.config import MemoryConfig
 from bot.storage.core import Storage
 from bot.storage.memory import ITEM_COLUMNS, FtsTable, ItemFilters, item_fields
-from bot.text import shown
+from bot.text import one_line_name, shown
 from cortex.memory.guard import guarded
 from cortex.memory.vectors import DatabaseVectors, RelevanceFloors
 
@@ -701,7 +701,8 @@ class MemoryStore:
             return Hit("item", item.id, item.content, candidate.score, item.created_at,
                        f"memory item #{item.id} ({item.category})", candidate.signals, item)
         created = _dt(float(row["created_at"])) or datetime.now(UTC)
-        return Hit("message", candidate.id, f"{row['author_name']}: {row['text']}", candidate.score, created,
+        return Hit("message", candidate.id, f"{one_line_name(str(row['author_name']))}: {row['text']}", candidate.score,
+                   created,
                    f"message #{candidate.id} in {row['channel']}", candidate.signals)
 
     def _recency(self, created: float, now: float) -> float:
