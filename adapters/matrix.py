@@ -36,6 +36,7 @@ from nio import (
     InviteMemberEvent,
     LoginResponse,
     MatrixRoom,
+    MegolmEvent,
     ReactionEvent,
     RedactionEvent,
     RoomCreateResponse,
@@ -84,6 +85,8 @@ P = ParamSpec("P")
 _markdown = MarkdownIt("commonmark", {"html": False, "breaks": True}).enable("table")
 
 
+UNDECRYPTABLE = ("I could not read your last message: my device did not get its encryption keys. I asked your "
+                 "client for them; if I do not answer it, send it again (verifying my device helps).")
 GROUP_PHASE = "/group"  # a direct room's channel while more than two are in it (see MatrixAdapter.inbound)
 SYNC_RETRY_FIRST, SYNC_RETRY_LONGEST = 1.0, 300.0  # seconds between failed syncs: doubled from the first
 SIGNED_OUT = "M_UNKNOWN_TOKEN"  # the session was signed out (in a client, by an admin) or the token is wrong
@@ -280,6 +283,7 @@ class MatrixAdapter:
         self._sync_seen = asyncio.Event()  # set (and replaced) after each sync
         self._joining: set[str] = set()  # rooms joined on invite whose own join event is not seen yet
         self._sync_failures = 0  # failed syncs in a row (each waits longer before the next)
+        self._undecryptable: OrderedDict[tuple[str, str], None] = OrderedDict()  # (room, session) said once
         self._fatal: MatrixError | None = None  # why the sync stopped for good (run raises it)
         self.ready = asyncio.Event()
 
@@ -392,6 +396,7 @@ class MatrixAdapter:
         self.client.add_event_callback(guarded(self._on_file), FILE_EVENTS)
         self.client.add_event_callback(guarded(self.reactions.on_reaction), ReactionEvent)
         self.client.add_event_callback(guarded(self._on_redaction), RedactionEvent)
+        self.client.add_event_callback(guarded(self._on_undecryptable), MegolmEvent)
         self.client.add_event_callback(guarded(self._on_invite), InviteMemberEvent)
         self.client.add_event_callback(guarded(self._on_member), RoomMemberEvent)
         self.client.add_response_callback(guarded(self._on_sync), SyncResponse)
@@ -582,6 +587,25 @@ class MatrixAdapter:
             is_admin=event.sender in self.config.admin_ids or (not is_dm and level >= self.config.admin_power_level),
             is_bot_admin=event.sender in self.config.admin_ids,
         )
+
+    async def _on_undecryptable(self, room: MatrixRoom, event: MegolmEvent) -> None:
+        """A message the bot could not decrypt (its device lacks the session's keys): in a DM, ask the
+        sender's devices for the keys and say so once per session, instead of a silence that looks like a
+        dead bot. (In a group room it may not have been for the bot: the log says it.)"""
+        if event.sender == self.config.user_id or self._before_join(room):
+            return
+        key = (room.room_id, str(event.session_id))
+        if key in self._undecryptable:
+            return
+        self._undecryptable[key] = None
+        while len(self._undecryptable) > 1000:
+            self._undecryptable.popitem(last=False)
+        log.warning("Matrix: could not decrypt a message from %s in %s (session %s)", event.sender, room.room_id,
+                    event.session_id)
+        with contextlib.suppress(Exception):  # (already asked, or the sender's devices unknown)
+            await self.client.request_room_key(event)
+        if self.is_dm(room):
+            await self.deliver(room.room_id, CommandReply(UNDECRYPTABLE))
 
     def channel_of(self, room: MatrixRoom) -> tuple[str, str | None]:
         """The room's channel id and its parent's. A direct room others joined is a conversation of its own,

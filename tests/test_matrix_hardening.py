@@ -590,3 +590,29 @@ async def test_a_redacted_message_leaves_the_bots_store_and_memory(synapse: Syna
         assert "hunter2" not in str(request.system) + str([m.content for m in request.messages])
     finally:
         await alice.close()
+
+
+async def test_a_message_the_bot_cannot_decrypt_is_answered_once_not_ignored(synapse: SynapseServer,
+                                                                              tmp_path: Path) -> None:
+    """A message whose keys never reached the bot's device went unanswered, as if the bot were dead."""
+    bot = await start_bot(synapse, tmp_path, e2ee=True)
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    try:
+        room = await open_room(alice, [bot.user_id], direct=True, encrypted=True)
+        await joined(seen, room, bot.user_id)
+        for session in ("session-a", "session-a", "session-b"):  # as a client whose keys went astray sends it
+            await alice.room_send(room, "m.room.encrypted", {
+                "algorithm": "m.megolm.v1.aes-sha2", "sender_key": "c2VuZGVyIGtleQ", "device_id": "ALICEDEVICE",
+                "session_id": session, "ciphertext": "bm90IHJlYWxseSBlbmNyeXB0ZWQ"})
+
+        def notices() -> int:
+            return sum(1 for e in seen.events.get(room, []) if e.get("sender") == bot.user_id
+                       and e.get("type") == "m.room.encrypted")
+        await seen.sync_until(lambda: notices() >= 2, "a notice per undecryptable session")
+        await asyncio.sleep(1)
+        await seen.sync_until(lambda: True, "one more sync")
+        assert notices() == 2 and not bot.task.done()
+    finally:
+        await alice.close()
+        await stop_bot(bot)
