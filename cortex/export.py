@@ -10,6 +10,7 @@ import asyncio
 import io
 import json
 import zipfile
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -150,10 +151,10 @@ def build_zip(data: dict[str, Any]) -> bytes:
 
 MAX_ARCHIVE_BYTES = 50 * 1024 * 1024
 MAX_DATA_BYTES = 100 * 1024 * 1024  # data.json unpacked: a zip bomb stops here
-# Objects and lists in data.json: each costs Python memory whatever its size ("{}," is 3 bytes and ~100
-# bytes parsed), so 100 MB of them would take gigabytes. An export has a few per message, item and
-# version: half a million covers about 150,000 messages.
-MAX_DATA_ENTRIES = 500_000
+# Values in data.json (objects, lists, numbers, strings...): each costs Python memory whatever its size
+# ("{}," is 3 bytes and ~100 bytes parsed, "1," 2 bytes and ~30), so 100 MB of them would take gigabytes. A
+# message takes about 17 (its keys and values): three million cover about 170,000 messages.
+MAX_DATA_VALUES = 3_000_000
 
 
 def export_filename(user: User, now: datetime | None = None) -> str:
@@ -196,16 +197,23 @@ def read_archive(blob: bytes) -> dict[str, Any]:
             if info.file_size > MAX_DATA_BYTES:
                 raise ArchiveError("its data.json is too large")
             raw = archive.read(info)  # zipfile reads no more than the size checked above (else: BadZipFile)
-            if raw.count(b"{") + raw.count(b"[") > MAX_DATA_ENTRIES:  # braces inside strings count too: an upper bound
-                raise ArchiveError(f"its data.json holds more than {MAX_DATA_ENTRIES:,} entries, more than this bot "
+            # Every value is an object, an array, or follows a comma or a colon: counting those bounds what
+            # the parse would build (a list of 24 million numbers is 94 KB zipped). Inside strings they count
+            # too: an upper bound.
+            values = raw.count(b"{") + raw.count(b"[") + raw.count(b",") + raw.count(b":")
+            if values > MAX_DATA_VALUES:
+                raise ArchiveError(f"its data.json holds more than {MAX_DATA_VALUES:,} values, more than this bot "
                                    "imports at once")
             data = json.loads(raw)
     except ArchiveError:
         raise
     except (zipfile.BadZipFile, KeyError):
         raise ArchiveError("not a cortex-bot export (a zip with data.json, as !memory export makes)") from None
-    except (ValueError, RecursionError, OSError) as exc:
+    except (ValueError, RecursionError, OSError, EOFError, zlib.error) as exc:
         raise ArchiveError(f"its data.json is damaged ({type(exc).__name__})") from None
+    except (RuntimeError, NotImplementedError) as exc:  # an encrypted entry; a compression zipfile cannot read
+        raise ArchiveError(f"its data.json cannot be read: {str(exc)[:100] or type(exc).__name__} (send the zip "
+                           "as !memory export made it)") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ArchiveError("not a cortex-bot export (data.json has another format)")
     if data.get("format_version") != FORMAT_VERSION:
