@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bot.commands import (
     Attachment,
@@ -99,6 +99,7 @@ class CortexCommands:
     # told the user's key.
     on_forget: Callable[[str], None] | None = None
     embedding_backlog: Callable[[], Awaitable[str]] | None = None  # how long until imports are found by meaning
+    _importing: set[str] = field(default_factory=set)  # users whose import runs (one at a time each)
 
     def register(self, registry: CommandRegistry) -> None:
         p = self.prefix = registry.prefix
@@ -256,6 +257,9 @@ class CortexCommands:
     async def import_archive(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
         _, blob = await attached_file(ctx, args, "your export (the zip !memory export made)", MAX_ARCHIVE_BYTES)
         user, _ = await self._pair(ctx)
+        if user.key in self._importing:  # a resent command: both would find nothing there yet, and write twice
+            raise CommandError("an import of yours is still running; wait for its answer")
+        self._importing.add(user.key)
         try:
             data = await asyncio.to_thread(read_archive, blob)  # a large archive must not stall the replies
             limits = ImportLimits(self.config.memory.max_item_chars, self.config.bot.max_message_chars,
@@ -264,6 +268,8 @@ class CortexCommands:
                 user, data, await self._dm_channel(ctx))
         except ArchiveError as exc:
             raise CommandError(str(exc)) from None
+        finally:
+            self._importing.discard(user.key)
         text = report.line()
         if (report.items or report.messages) and self.embedding_backlog is not None:
             try:

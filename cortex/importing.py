@@ -129,7 +129,9 @@ def item_fields(item: Mapping[str, Any], max_chars: int) -> dict[str, Any] | Non
     if not isinstance(importance, int) or isinstance(importance, bool) or not 1 <= importance <= 10:
         return None
     times = {key: _optional_time(item, key, latest=LATEST_EXPIRY if key == "expires_at" else None)
-             for key in ("expires_at", "updated_at", "archived_at")}
+             for key in ("expires_at", "updated_at", "archived_at", "last_accessed")}
+    uses = item.get("access_count")  # how often it was used: the upkeep archives items never used
+    uses = min(uses, 1_000_000) if isinstance(uses, int) and not isinstance(uses, bool) and uses > 0 else 0
     extras = _tags_and_metadata(item)
     if MISSING in times.values() or extras is None:
         return None
@@ -142,7 +144,8 @@ def item_fields(item: Mapping[str, Any], max_chars: int) -> dict[str, Any] | Non
         "source_ref": _text(item.get("source_ref"), 200),
         "metadata": extras[1],
         "created_at": created, "updated_at": times["updated_at"] or created,
-        "access_count": 0, "archived_at": times["archived_at"],
+        "access_count": uses,
+        "last_accessed": times["last_accessed"], "archived_at": times["archived_at"],
         "archive_reason": _text(item.get("archive_reason"), 200),
         "scope": item.get("scope") if item.get("scope") in SCOPES else "private",
     }

@@ -3,6 +3,7 @@ nothing twice, bad archives refused with one line."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -386,3 +387,32 @@ async def test_imported_messages_count_against_the_history_window(tmp_path: Path
         sent = next(r.messages for r in reversed(requests) if r.messages[-1].content == "what did we talk about?")
         assert 2 <= len(sent) <= 10, len(sent)  # (the rest is for the rolling summary to fold in)
         assert sent[-1].content == "what did we talk about?" and "message 199" in sent[-2].content
+
+
+async def test_imported_items_keep_how_often_they_were_used(tmp_path: Path) -> None:
+    """Every imported item came in as never used, so the upkeep archived a migrated memory as "never used
+    in 90 days" (anything older than that)."""
+    used = {"category": "fact", "content": "Ann grows figs", "importance": 5, "created_at": 1_700_000_000,
+            "updated_at": 1_700_000_000, "access_count": 40, "last_accessed": 1_700_500_000}
+    odd = {**used, "content": "Ann hates rain", "access_count": -3, "last_accessed": None}
+    async with App(_config(tmp_path / "bot"), llm=ScriptedProvider()) as app:
+        reply = await run(app, "!memory import", ctx("ann", _archive("ann", personas=[
+            {"persona": "Cora", "memory_items": [used, odd]}])))
+        assert reply.startswith("Imported 2 memory items"), reply
+        rows = {r["content"]: (r["access_count"], r["last_accessed"]) for r in await app.storage.db.fetch_all(
+            "SELECT content, access_count, last_accessed FROM memory_items")}
+        assert rows == {"Ann grows figs": (40, 1_700_500_000), "Ann hates rain": (0, None)}
+        await app.cortex.memory_admin.pruner.prune()
+        listed = await run(app, "!memory list")
+        assert "Ann grows figs" in listed and "Ann hates rain" not in listed  # only the unused one goes
+
+
+async def test_an_import_sent_twice_at_once_writes_once(tmp_path: Path) -> None:
+    archive = _archive("ann", personas=[{"persona": "Cora", "memory_items": [
+        {"category": "fact", "content": f"Ann's fact {i}", "importance": 5, "created_at": 1_700_000_000 + i}
+        for i in range(20)]}])
+    async with App(_config(tmp_path / "bot"), llm=ScriptedProvider()) as app:
+        replies = await asyncio.gather(*(run(app, "!memory import", ctx("ann", archive)) for _ in range(2)))
+        assert sum(r.startswith("Imported 20 memory items") for r in replies) == 1, replies
+        assert any("still running" in r for r in replies), replies
+        assert len(await app.storage.db.fetch_all("SELECT id FROM memory_items")) == 20
