@@ -509,3 +509,23 @@ async def test_the_query_is_embedded_while_the_full_text_part_runs(tmp_path: Pat
         assert hits and hits[0].id == lisbon.id and hits[0].signals["vector"] > 0
     finally:
         await app.stop()
+
+
+async def test_a_reply_reads_a_bounded_number_of_pinned_items(tmp_path: Path) -> None:
+    """5,000 pinned items (as an import could bring) were all read and token-counted in every reply: half a
+    second of the event loop each time."""
+    import cortex.memory.section as section
+
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000},
+                           "memory": {"embedder": "none"}})
+    llm = ScriptedProvider()
+    async with App(config, llm=llm) as app:
+        user = await app.storage.upsert_user("console:ann", "Ann")
+        pair = await app.cortex.store.count_messages(user.id, "Cora", 0)
+        for i in range(section.PINNED_READ + 30):
+            await app.storage.memory.add_item(pair.id, {"category": "fact", "content": f"pinned fact {i}",
+                                                        "pinned": 1, "importance": 9 if i == 0 else 3}, None, 1.0)
+        read = await app.cortex.memory.pinned(pair.id, section.PINNED_READ)
+        assert len(read) == section.PINNED_READ and read[0].content == "pinned fact 0"  # the most important first
+        await app.core.reply(IncomingMessage("console", "dm", "ann", "Ann", "hello", is_dm=True)).text()
+        assert "pinned fact 0" in llm.requests[-1].system

@@ -241,11 +241,12 @@ class MemoryRepository:
         )
         return (None, 0) if row is None else (int(row[0]), int(row[1]))
 
-    async def pinned(self, pair_id: int, now: float) -> list[Row]:
+    async def pinned(self, pair_id: int, now: float, limit: int | None = None) -> list[Row]:
+        """The pair's visible pinned items, the most important first (at most ``limit``)."""
         return await self.db.fetch_all(
             f"SELECT {ITEM_COLUMNS_M} FROM memory_items AS m WHERE {VISIBLE} AND m.pinned = 1"
-            " ORDER BY m.importance DESC, m.id",
-            (pair_id, now),
+            " ORDER BY m.importance DESC, m.id" + (" LIMIT ?" if limit is not None else ""),
+            (pair_id, now, *(() if limit is None else (limit,))),
         )
 
     async def visible_items(self, pair_id: int, ids: Sequence[int], now: float, *, shared_only: bool = False

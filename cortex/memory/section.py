@@ -23,6 +23,7 @@ from cortex.settings import SettingsResolver
 SHORT = 100
 RECALL_CHARS = 400
 RECALL_FLOOR = 0.6
+PINNED_READ = 100  # pinned items a reply reads at most (more do not fit its memory budget anyway)
 
 
 FOLLOW_UP_WORDS = 8
@@ -78,7 +79,8 @@ class KnowledgeSection:
         recall = self.config.recalled_messages if everything else 0
         if not items and not recall:
             return []
-        pinned = [i for i in await self.memory.pinned(pair_id) if i.scope in scopes] if items else []
+        # (a few hundred pinned items, as an import can bring, cost every reply: the most important ones only)
+        pinned = [i for i in await self.memory.pinned(pair_id, PINNED_READ) if i.scope in scopes] if items else []
         relevant: list[MemoryItem] = []
         recalled: list[Hit] = []
         if self.config.relevant_items or recall:

@@ -376,8 +376,8 @@ class MemoryStore:
         """The pair's id and how many live items it has, in one query (the reply path asks this first)."""
         return await self.repo.pair_with_items(user_id, persona)
 
-    async def pinned(self, pair_id: int) -> list[MemoryItem]:
-        return [self._item(r) for r in await self.repo.pinned(pair_id, self.clock())]
+    async def pinned(self, pair_id: int, limit: int | None = None) -> list[MemoryItem]:
+        return [self._item(r) for r in await self.repo.pinned(pair_id, self.clock(), limit)]
 
     # -- search ----------------------------------------------------------------------------------
 
