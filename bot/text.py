@@ -6,6 +6,7 @@ screen or set the window title)."""
 from __future__ import annotations
 
 import re
+import unicodedata
 from typing import Any
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -25,6 +26,12 @@ _NAME_BREAKS = re.compile(r"[\s\x00-\x1f\x7f-\x9f\u2028\u2029]+")
 # Invisible characters that reorder or hide text (direction overrides and isolates, zero-width space, word
 # joiner, BOM); the zero-width (non-)joiners stay: Persian and Indic names and emoji sequences need them.
 _NAME_HIDDEN = re.compile(r"[\u200b\u200e\u200f\u202a-\u202e\u2060-\u2064\u2066-\u2069\ufeff]")
+
+
+def name_key(name: str) -> str:
+    """How two names are the same name: Unicode's caseless match ("ZOË", "zoë" typed as z-o-e and a
+    combining diaeresis, and "Zoë" are one), for personas."""
+    return unicodedata.normalize("NFC", unicodedata.normalize("NFD", name).casefold())
 
 
 def one_line_name(name: str) -> str:

@@ -148,8 +148,10 @@ async def test_names_that_differ_only_in_unicode_case_are_one_persona(tmp_path: 
                                         {"name": "Straße", "identity": "You are a street."}]})
     llm = ScriptedProvider()
     async with App(config, llm=llm) as app:
-        for name in ("ZOË", "STRASSE", "zoë"):
+        for name in ("ZOË", "STRASSE", "zoë", "Zoe\u0308", "ZOE\u0308"):  # (also as e and a combining diaeresis)
             assert "exists already" in await run(app, f"!persona create {name}", ctx(persona="Zoë"))
+        assert "Persona Corá created" in await run(app, "!persona create Cora\u0301", ctx(persona="Zoë"))
+        assert "Persona Corá deleted" in await run(app, "!persona delete Corá", ctx(persona="Zoë"))
         assert app.personas.names() == ["Zoë", "Straße"]
         assert "You are Zoë, a gardener." in await system_prompt(app, llm, "Zoë")
         assert "Persona Élan created" in await run(app, "!persona create Élan", ctx(persona="Zoë"))
@@ -158,7 +160,7 @@ async def test_names_that_differ_only_in_unicode_case_are_one_persona(tmp_path: 
         revived = await run(app, "!persona create éLAN", ctx(persona="Zoë"))  # the deleted one comes back
         assert "Persona Élan created" in revived and app.personas.names() == ["Zoë", "Straße", "Élan"]
         rows = await app.storage.db.fetch_all("SELECT name FROM personas ORDER BY id")
-        assert [r[0] for r in rows] == ["Zoë", "Straße", "Élan"]
+        assert [r[0] for r in rows] == ["Zoë", "Straße", "Corá", "Élan"]  # Corá deleted, stored as one "á"
 
 
 async def test_threads_inherit_their_channels_persona_unless_set_themselves(tmp_path: Path) -> None:

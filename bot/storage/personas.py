@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -18,6 +19,7 @@ from typing import Any, Literal
 
 from bot.storage.engine import Database, Row, is_conflict
 from bot.storage.rows import dt
+from bot.text import name_key
 
 TextKind = Literal["soul", "guidelines", "rule"]
 BOT_WIDE = "*"
@@ -86,14 +88,15 @@ class PersonaRepository:
         """The row called ``name`` under Unicode case folding (a live one before a deleted one). Folded
         here: SQL's lower() and NOCASE fold ASCII letters only, and a bot has few personas."""
         where = " WHERE deleted_at IS NULL" if live_only else ""
-        wanted = name.casefold()
+        wanted = name_key(name)
         rows = await self.db.fetch_all(f"SELECT * FROM personas{where} ORDER BY deleted_at IS NULL DESC, id")
-        return next((r for r in rows if str(r["name"]).casefold() == wanted), None)
+        return next((r for r in rows if name_key(str(r["name"])) == wanted), None)
 
     async def create_persona(self, name: str, language: str, settings: Mapping[str, Any], source: str,
                              ts_config: str, *, revive: bool = True) -> PersonaRow | None:
         """A new persona (or, with ``revive``, one deleted earlier, brought back with these values and its
         soul and lore as they were); None if the name is taken (by a deleted one too, without ``revive``)."""
+        name = unicodedata.normalize("NFC", name)  # one spelling of "Zoë" in the store, however typed
         taken = await self._named(name, live_only=False)  # live rows first
         if taken is None:
             row = await self.db.write_one(
