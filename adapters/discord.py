@@ -361,6 +361,10 @@ class DiscordAdapter:
                 except ValueError as exc:
                     await sink.send_reply(CommandReply(str(exc)))
                     return
+                except (discord.HTTPException, aiohttp.ClientError, TimeoutError) as exc:
+                    await sink.send_reply(CommandReply(
+                        f"The file could not be downloaded from Discord ({type(exc).__name__}); send it again."))
+                    return
                 inbound = replace(inbound, attachments=files)
             await self.app.router.handle(inbound, sink)
         except Exception:

@@ -31,6 +31,14 @@ class RateLimiter:
                 del self._seen[idle]
         return 0.0
 
+    def waiting(self, key: str) -> float:
+        """Seconds until ``key`` may send again (0: now), without counting anything."""
+        if self.per_minute <= 0:
+            return 0.0
+        now = self.clock()
+        window = [t for t in self._seen.get(key, ()) if now - t < 60.0]
+        return 60.0 - (now - window[0]) if len(window) >= self.per_minute else 0.0
+
     def tell(self, key: str, wait: float) -> bool:
         """Whether to tell ``key`` to wait ``wait`` seconds: once per wait, not at every refused message (a
         flood would otherwise get as many notices as it sent)."""

@@ -129,13 +129,19 @@ class Router:
         return True
 
     def reads_files(self, inbound: Inbound) -> bool:
-        """Whether an adapter should download the files sent with this message: only for a command this bot
-        answers (a card to import), never for chat, another bot's command (``!play`` with a file) or someone
-        the access lists leave out."""
+        """Whether an adapter should download the files sent with this message: only for a command of this
+        bot's that takes a file (a card to import), from someone who may run it now (the access lists, its
+        admin rights, the command rate limit); never for chat or another bot's command (``!play`` with a
+        file). The command itself then says what is missing or refused."""
         msg = inbound.message
         text = msg.text.strip()
-        return (self.commands.is_command(text) and self._for_this_bot(msg, text)
-                and refusal(inbound, self.config.access, is_command=True) is None)
+        if not (self.commands.is_command(text) and self._for_this_bot(msg, text)):
+            return False
+        command = self.commands.file_command(text)
+        return (command is not None and (inbound.is_admin or not command.admin)
+                and (inbound.is_bot_admin or not command.bot_admin)
+                and refusal(inbound, self.config.access, is_command=True) is None
+                and not self.command_limiter.waiting(msg.author_key))
 
     def _for_this_bot(self, msg: IncomingMessage, text: str) -> bool:
         """Whether a command line is this bot's to answer: in a DM, with a mention, or one of its commands

@@ -622,6 +622,37 @@ async def test_files_with_another_bots_command_are_not_downloaded(adapter: Disco
     assert slash.read_attachment is not spy  # the adapter's own reference is the one replaced
     await dpytest.message("!play this song", attachments=[str(Path(__file__))])
     assert read == [] and dpytest.verify().message().nothing()
+    # Nor for a command of this bot's that takes no file, one its sender may not run, or over the rate limit
+    # (any member could make the bot fetch 8 MB per message, and answer every size error)
+    await dpytest.message("!help", attachments=[str(Path(__file__))])
+    await dpytest.message("!persona import", attachments=[str(Path(__file__))])  # for the bot's admins only
+    assert read == []
+    assert "for the bot's admins only" in [m.content for m in _drain()][-1]
+    adapter.app.router.command_limiter.per_minute = 1
+    await dpytest.message("!memory list")  # the one command this minute
+    _drain()
+    adapter.app.config.discord.admin_ids.append(dpytest.get_config().members[0].id)
+    await dpytest.message("!persona import", attachments=[str(Path(__file__))])
+    assert read == []  # (the slow-down notice answers it)
+
+
+async def test_a_failed_download_of_a_commands_file_is_one_line(adapter: DiscordAdapter,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    async def unavailable(attachment: Any) -> Attachment:
+        raise discord.HTTPException(SimpleNamespace(status=503, reason="Service Unavailable"), "try later")
+
+    monkeypatch.setattr("adapters.discord.read_attachment", unavailable)
+    adapter.app.config.discord.admin_ids.append(dpytest.get_config().members[0].id)
+    await dpytest.message("!persona import", attachments=[str(Path(__file__))])
+    assert "could not be downloaded from Discord (HTTPException)" in dpytest.get_message().content
+
+
+def _drain() -> list[Any]:
+    """The bot's messages sent since the last look."""
+    sent = []
+    while not dpytest.sent_queue.empty():
+        sent.append(dpytest.sent_queue.get_nowait())
+    return sent
 
 
 async def test_a_slow_download_of_a_slash_commands_file_defers(adapter: DiscordAdapter,

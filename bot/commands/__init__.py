@@ -368,6 +368,17 @@ class CommandRegistry:
         first = without_surrogates(text).strip()[len(self.prefix):].split(None, 1)
         return bool(first) and first[0].lower() in {c.name.split(" ")[0] for c in self.commands}
 
+    def file_command(self, text: str) -> Command | None:
+        """The command a line runs when it takes a file (``!persona import``), else None: what an adapter may
+        download for."""
+        line = storable(text).strip().partition("\n")[0][len(self.prefix):]
+        tokens = split_words(line)
+        words = [t.value for t in tokens]
+        if not words:
+            return None
+        command, _ = self._find(words, quoted_second=len(tokens) > 1 and line[tokens[1].start] in QUOTES)
+        return command if command is not None and any(p.kind == "file" for p in command.params) else None
+
     def usage(self, command: Command) -> str:
         return f"{self.prefix}{command.name}" + (f" {command.usage}" if command.usage else "")
 
