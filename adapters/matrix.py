@@ -688,9 +688,10 @@ class MatrixAdapter:
             if prefix != self.app.commands.prefix and inbound.message.text.startswith(prefix):
                 # The room's prefix is configurable; the command layer speaks "!".
                 inbound = _with_text(inbound, self.app.commands.prefix + inbound.message.text[len(prefix):])
-            if file is not None and isinstance(event, FILE_EVENTS):
-                if not self.app.router.reads_files(inbound):
-                    return  # a caption that is no command of this bot's, or a sender the access lists leave out
+            # The file is fetched only for a command of this bot's that takes one, from someone who may run it
+            # now; otherwise the caption goes on as a command without it (refused, slowed down, or ignored
+            # when it is another bot's) as a typed one would.
+            if file is not None and isinstance(event, FILE_EVENTS) and self.app.router.reads_files(inbound):
                 try:
                     inbound = replace(inbound, attachments=(await self._download(event, *file),))
                 except (ValueError, EncryptionError) as exc:

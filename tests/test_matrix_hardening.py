@@ -390,7 +390,8 @@ def test_creators_outrank_the_power_levels_only_from_room_version_12() -> None:
 async def test_files_with_another_bots_command_are_not_downloaded(synapse: SynapseServer, bot: Bot,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """In a group room a file captioned with another bot's command (``!play``) is neither read nor
-    answered; captioned with one of this bot's commands it is read (the command then decides)."""
+    answered; captioned with one of this bot's that its sender may not run, it is answered (refused) but
+    not read either; for a bot admin it is read."""
     from nio import UploadResponse
 
     alice = await user(synapse, "alice")
@@ -413,10 +414,15 @@ async def test_files_with_another_bots_command_are_not_downloaded(synapse: Synap
             await alice.room_send(room, "m.room.message", {
                 "msgtype": "m.file", "body": caption, "filename": "card.json", "url": upload.content_uri,
                 "info": {"size": 2, "mimetype": "application/json"}})
-        await seen.sync_until(lambda: any("!persona import" in b or "admins" in b
-                                          for b in seen.bodies(room, bot.user_id)), "the answer to the import")
-        assert read == ["!persona import"]
+        await seen.sync_until(lambda: any("admins" in b for b in seen.bodies(room, bot.user_id)),
+                              "the refusal of the import")
+        assert read == []  # (a room admin, not the bot's: 8 MB fetched for a refusal, before)
         assert not any("Unknown command" in b for b in seen.bodies(room, bot.user_id))
+        bot.adapter.config.admin_ids.append(alice.user_id)
+        await alice.room_send(room, "m.room.message", {
+            "msgtype": "m.file", "body": "!persona import", "filename": "card.json", "url": upload.content_uri,
+            "info": {"size": 2, "mimetype": "application/json"}})
+        await seen.sync_until(lambda: read == ["!persona import"], "the bot admin's file read")
     finally:
         await alice.close()
 
