@@ -210,6 +210,7 @@ class ConversationCore:
             previous=window.messages[-1].text if window.messages else "",
             is_admin=stream._is_admin,
             is_bot_admin=stream._is_bot_admin,
+            message_key=message.message_key,
         )
         sections: dict[str, list[PromptSection]] = {slot: [] for slot in get_args(SectionSlot)}
         # Concurrently: while one waits (the memory search for its query's embedding), the others work.

@@ -81,6 +81,7 @@ class PromptContext:
     previous: str = ""  # the message before this one in the channel ("" when there is none)
     is_admin: bool = False  # the author is an admin where the message was sent (or a bot admin)
     is_bot_admin: bool = False  # the author is one of the bot's own admins
+    message_key: str | None = None  # the platform message answered (what is remembered from it says so)
 
 
 @dataclass(frozen=True, slots=True)

@@ -439,6 +439,27 @@ async def test_a_deleted_message_leaves_the_bots_store_and_memory(adapter: Disco
         {"ids": ["1", "2"], "channel_id": str(sent.channel.id)}))
 
 
+async def test_what_the_persona_remembered_from_a_deleted_message_goes_with_it(adapter: DiscordAdapter) -> None:
+    """The remember skill filed its items under "remember skill in a reply": neither deleting the message
+    nor "Forget this" on it reached them."""
+    import json
+
+    from bot.llm.base import Completion, ToolCall, Usage
+
+    arguments = {"content": "The user's password is hunter2"}
+    adapter.app.llm.enqueue(  # type: ignore[attr-defined]
+        Completion("", (ToolCall("t1", "remember", arguments, json.dumps(arguments)),), Usage(0, 10),
+                   stop_reason="tool_use"), "Noted.")
+    me = adapter.bot.user
+    sent = await dpytest.message(f"<@{me.id}> remember: my password is hunter2")
+    assert dpytest.get_message().content == "Noted."
+    rows = await adapter.app.storage.db.fetch_all("SELECT source_ref FROM memory_items WHERE archived_at IS NULL")
+    assert [r[0] for r in rows] == [f"discord-message:{sent.id}"]
+    await adapter.on_raw_message_delete(discord.RawMessageDeleteEvent(
+        {"id": str(sent.id), "channel_id": str(sent.channel.id), "guild_id": str(sent.guild.id)}))
+    assert not await adapter.app.storage.db.fetch_all("SELECT id FROM memory_items WHERE archived_at IS NULL")
+
+
 async def test_slash_commands_keep_the_command_rate_limit(adapter: DiscordAdapter,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Only typed commands were limited: five /memory remember in a row all ran."""

@@ -46,6 +46,7 @@ class SkillContext:
     is_admin: bool  # admin where this message was sent (server admin or bot admin)
     now: datetime
     is_bot_admin: bool = False  # one of the bot's own admins (changes that reach every server)
+    message_key: str | None = None  # the platform message answered (discord-message:123), when it has one
 
 
 @dataclass(frozen=True, slots=True)

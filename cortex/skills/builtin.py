@@ -112,7 +112,9 @@ class Builtins:
         pair = await self._pair(context)
         try:
             item = await self.memory.remember(
-                pair.id, content, category=str(category), source="model", source_ref="remember skill in a reply",
+                # from the message answered: deleting it (or "Forget this" on it) archives this item too
+                pair.id, content, category=str(category), source="model",
+                source_ref=context.message_key or "remember skill in a reply",
                 scope="private" if context.is_dm else "shared")
         except MemoryError as exc:
             raise SkillFailure(str(exc)) from None

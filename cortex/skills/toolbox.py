@@ -178,5 +178,5 @@ class SkillTools:
             return None
         ctx = SkillContext(context.user_db_id, context.user_key, context.user_name, context.persona,
                            context.channel_key, context.server_key, context.is_dm, context.is_admin, context.now,
-                           context.is_bot_admin)
+                           context.is_bot_admin, context.message_key)
         return SkillToolbox(chosen, ctx, self.config, self.storage, incognito)
