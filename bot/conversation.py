@@ -211,6 +211,7 @@ class ConversationCore:
             is_admin=stream._is_admin,
             is_bot_admin=stream._is_bot_admin,
             message_key=message.message_key,
+            parent_channel_key=message.parent_channel_key,
         )
         sections: dict[str, list[PromptSection]] = {slot: [] for slot in get_args(SectionSlot)}
         # Concurrently: while one waits (the memory search for its query's embedding), the others work.

@@ -82,6 +82,7 @@ class PromptContext:
     is_admin: bool = False  # the author is an admin where the message was sent (or a bot admin)
     is_bot_admin: bool = False  # the author is one of the bot's own admins
     message_key: str | None = None  # the platform message answered (what is remembered from it says so)
+    parent_channel_key: str | None = None  # a thread's or forum post's channel (its switches apply here too)
 
 
 @dataclass(frozen=True, slots=True)

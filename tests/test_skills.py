@@ -260,6 +260,22 @@ async def test_an_mcp_tools_calls_are_counted_under_server_and_tool(tmp_path: Pa
         assert "add was used 2 times for this person today" in tool_message["content"]
 
 
+async def test_a_channels_switch_holds_in_its_threads(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """A skill switched off for a channel was offered again in any thread of it: a member opened one."""
+    async with App(_config(tmp_path, fake_llm)) as app:
+        admin = CommandContext("console", "console:boss", "Boss", "console:room", "Cora", is_admin=True,
+                               server_key="console:g1")
+        assert "off" in (await app.commands.dispatch("!skills disable current_time --channel", admin)).text
+        fake_llm.enqueue(FakeResponse.text("Hi."), FakeResponse.text("Hello."))
+        await app.core.reply(_msg("hi", server="g1")).text()
+        offered = tool_names(fake_llm.completion_requests[-1])
+        assert "current_time" not in offered and "search_memory" in offered
+        thread = IncomingMessage("console", "thread9", "ann", "Ann", "hi", server_id="g1", parent_channel_id="room")
+        await app.core.reply(thread).text()
+        offered = tool_names(fake_llm.completion_requests[-1])
+        assert "current_time" not in offered and "search_memory" in offered
+
+
 async def test_skills_commands_switch_per_server_and_forget_me_removes_the_audit(
         tmp_path: Path, fake_llm: FakeLLMServer) -> None:
     async with App(_config(tmp_path, fake_llm)) as app:

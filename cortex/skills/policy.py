@@ -59,9 +59,13 @@ class SkillPolicy:
         self._cache[key] = (time.monotonic(), value)
         return value
 
-    async def effective(self, info: SkillInfo, persona: str, server_key: str | None, channel_key: str) -> Effective:
+    async def effective(self, info: SkillInfo, persona: str, server_key: str | None, channel_key: str,
+                        parent_key: str | None = None) -> Effective:
+        """Whether the skill is on here: the narrowest switch wins (this channel, the channel a thread or
+        forum post is in, the server, bot-wide), else the default."""
         found = await self.overrides(persona)
         for scope, label in ((f"channel:{channel_key}", "this channel"),
+                             (f"channel:{parent_key}" if parent_key else "", "this thread's channel"),
                              (f"server:{server_key}" if server_key else "", "this server"), ("*", "bot-wide")):
             for name in info.switch_names:
                 if scope and name in found.get(scope, {}):

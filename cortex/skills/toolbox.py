@@ -172,7 +172,8 @@ class SkillTools:
                 continue
             if incognito and info.origin == "builtin" and info.name in MEMORY_WRITES:
                 continue
-            if (await self.policy.effective(info, context.persona, context.server_key, context.channel_key)).enabled:
+            if (await self.policy.effective(info, context.persona, context.server_key, context.channel_key,
+                                            context.parent_channel_key)).enabled:
                 chosen[info.name] = skill
         if not chosen:
             return None
