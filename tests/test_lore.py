@@ -50,6 +50,15 @@ def test_keywords_match_whole_words_case_insensitively() -> None:
     assert mentions("C++ is hard", "C++") and mentions("ask @cora now", "@cora")
     river = entry("The city has two rivers.", keys=("Lyon",), secondary=("river", "rivers"))
     assert keyword_match(river, "Lyon has rivers") and not keyword_match(river, "Lyon is big")
+    # an entry's many keys are matched at once (one-word keys among the text's words, the rest as one
+    # pattern): the same answers as one key at a time
+    keys = ("Straße", "New York", "C++", "@cora", "Ann's", "dragons", " ", "")
+    many = entry("x", keys=keys)
+    for text, expected in (("the STRASSE was empty", True), ("Newer York", False), ("see new  york", False),
+                           ("in New York now", True), ("c++", True), ("mail @cora", True), ("Ann's cat", True),
+                           ("Anns cat", False), ("dragonsfire", False), ("Dragons!", True), ("nothing", False)):
+        assert keyword_match(many, text) is expected, text
+        assert any(mentions(text, k) for k in keys) is expected, text
 
 
 def test_search_needs_a_real_overlap() -> None:

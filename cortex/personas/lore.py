@@ -11,6 +11,7 @@ changed (checked at most every few seconds): the reply path runs no query for lo
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import time
@@ -36,23 +37,55 @@ def words(text: str) -> set[str]:
     return {w.casefold() for w in _WORD.findall(text)}
 
 
-def mentions(text: str, key: str) -> bool:
-    """Whether ``key`` appears in ``text`` (case-insensitive; whole words where the key is a word)."""
-    key = key.strip()
-    if not key:
-        return False
+def _key_regex(key: str) -> str:
+    """A key as a regular expression: case-folded, whole words where the key starts or ends with one."""
     pattern = re.escape(key.casefold())
     if key[0].isalnum():
         pattern = r"(?<!\w)" + pattern
     if key[-1].isalnum():
         pattern += r"(?!\w)"
-    return re.search(pattern, text.casefold()) is not None
+    return pattern
 
 
-def keyword_match(entry: LoreEntry, text: str) -> bool:
-    if not any(mentions(text, k) for k in entry.keys):
+_ONE_WORD = re.compile(r"\w+")
+
+
+@functools.lru_cache(maxsize=8192)
+def _any_of(keys: tuple[str, ...]) -> tuple[frozenset[str], re.Pattern[str] | None]:
+    """A set of keys (an entry's), prepared once: the one-word keys as a set (looked up among the text's
+    words), the others as one compiled pattern. Before, every reply compiled and ran one pattern per key:
+    a lore book's thousands of keys also overflowed the ``re`` module's cache of 512."""
+    stripped = [k.strip() for k in keys if k.strip()]
+    single = frozenset(k.casefold() for k in stripped if _ONE_WORD.fullmatch(k))
+    others = [_key_regex(k) for k in stripped if not _ONE_WORD.fullmatch(k)]
+    return single, re.compile("|".join(f"(?:{p})" for p in others)) if others else None
+
+
+def _found(keys: tuple[str, ...], text: str, text_words: set[str]) -> bool:
+    single, pattern = _any_of(keys)
+    return not single.isdisjoint(text_words) or (pattern is not None and pattern.search(text) is not None)
+
+
+def mentions(text: str, key: str) -> bool:
+    """Whether ``key`` appears in ``text`` (case-insensitive; whole words where the key is a word)."""
+    folded = text.casefold()
+    return _found((key,), folded, set(_ONE_WORD.findall(folded)))
+
+
+def keyword_match(entry: LoreEntry, text: str, *, folded: bool = False, text_words: set[str] | None = None) -> bool:
+    """Whether one of the entry's keys (and, when it has them, one of its secondary keys) is in ``text``
+    (``folded``: casefolded already; ``text_words``: its words, when known)."""
+    text = text if folded else text.casefold()
+    found = text_words if text_words is not None else set(_ONE_WORD.findall(text))
+    if not _found(tuple(entry.keys), text, found):
         return False
-    return not entry.secondary_keys or any(mentions(text, k) for k in entry.secondary_keys)
+    return not entry.secondary_keys or _found(tuple(entry.secondary_keys), text, found)
+
+
+@functools.lru_cache(maxsize=4096)
+def _entry_words(content: str, keys: tuple[str, ...]) -> frozenset[str]:
+    """The words of an entry, worked out once per text (not at every reply's search)."""
+    return frozenset(words(content) | words(" ".join(keys)))
 
 
 def search(entries: Sequence[LoreEntry], query: str, limit: int = SEARCH_HITS,
@@ -60,7 +93,7 @@ def search(entries: Sequence[LoreEntry], query: str, limit: int = SEARCH_HITS,
     """The entries that share the most (rare) words with ``query``, best first, and only those that carry
     at least half the weight of the query's words found in any entry. A word's weight is its idf over
     ``entries``; a word found in every entry (of two or more) weighs nothing."""
-    docs = [(entry, words(entry.content) | words(" ".join(entry.keys))) for entry in entries]
+    docs = [(entry, _entry_words(entry.content, tuple(entry.keys))) for entry in entries]
     weight: dict[str, float] = {}
     for w in words(query):
         n = sum(1 for _, d in docs if w in d)
@@ -102,7 +135,9 @@ class LoreIndex:
 
     def chosen(self, entries: Sequence[LoreEntry], recent: str, message: str) -> list[LoreEntry]:
         """Always-on and keyword entries first, then search hits; each by priority."""
-        picked = [e for e in entries if e.always_on or keyword_match(e, recent)]
+        folded = recent.casefold()
+        text_words = set(_ONE_WORD.findall(folded))
+        picked = [e for e in entries if e.always_on or keyword_match(e, folded, folded=True, text_words=text_words)]
         found = search(entries, message, skip=frozenset(e.id for e in picked))
         picked.sort(key=lambda e: (not e.always_on, -e.priority, e.id))
         return picked + found
