@@ -18,6 +18,7 @@ import discord
 from discord import app_commands
 
 from bot.commands import Attachment, Command, Param
+from bot.policy import refusal
 
 if TYPE_CHECKING:
     from adapters.discord import DiscordAdapter
@@ -116,13 +117,18 @@ def _parameter(param: Param) -> inspect.Parameter:
 
 
 def _completer(adapter: DiscordAdapter, kind: str) -> Completer:
+    def refused(interaction: discord.Interaction) -> bool:  # the [access] lists hold for suggestions too
+        return refusal(adapter.slash_inbound(interaction, ""), adapter.app.config.access, is_command=True) is not None
+
     async def versions(interaction: discord.Interaction, current: str) -> list[app_commands.Choice[Any]]:
-        return await version_choices(adapter, interaction, current)
+        return [] if refused(interaction) else await version_choices(adapter, interaction, current)
 
     if kind == "versions":
         return versions
 
     async def personas(interaction: discord.Interaction, current: str) -> list[app_commands.Choice[Any]]:
+        if refused(interaction):
+            return []
         return [app_commands.Choice(name=p, value=p) for p in adapter.app.personas.names()
                 if current.lower() in p.lower()][:25]
 
@@ -141,10 +147,10 @@ async def version_choices(adapter: DiscordAdapter, interaction: discord.Interact
     pair = await adapter.app.cortex.store.get_pair(user.id, persona)
     if pair is None:
         return []
-    versions = await adapter.app.cortex.store.versions(pair.id, str(filename))
+    versions, _ = await adapter.app.cortex.store.versions_listed(pair.id, str(filename), 200)  # newest, no text
     return [
         app_commands.Choice(name=f"v{v.version} · {v.author} · {v.created_at:%Y-%m-%d %H:%M}", value=v.version)
-        for v in reversed(versions) if current in str(v.version)
+        for v in versions if current in str(v.version)
     ][:25]
 
 

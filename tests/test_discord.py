@@ -230,6 +230,14 @@ async def test_version_autocomplete_offers_the_callers_own_versions(adapter: Dis
     assert response["type"] == 8
     choices = response["data"]["choices"]
     assert [c["value"] for c in choices] == [2, 1] and "user" in choices[0]["name"]
+    # someone the [access] lists leave out gets no suggestions either (as the command refuses them)
+    member = dpytest.get_config().members[0]
+    adapter.app.config.access.deny_users.append(f"discord:{member.id}")
+    denied = await _interact(adapter, monkeypatch, "memory", [
+        {"name": "revert", "type": 1, "options": [
+            {"name": "file", "type": 3, "value": "memory.md"},
+            {"name": "version", "type": 4, "value": "", "focused": True}]}], kind=4)
+    assert denied["data"]["choices"] == []
 
 
 async def test_missing_message_content_intent_says_how_to_enable_it(adapter: DiscordAdapter,
