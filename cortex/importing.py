@@ -248,6 +248,9 @@ class Importer:
                 await repo.link_correction(pair_id, new_ids[old], new_ids[new])
 
 
+EARLIER = "#imported"  # the companion channel of imported messages older than a channel's own (see write)
+
+
 class _Messages:
     """The archive's direct messages, taken into the user's direct-message channel here."""
 
@@ -305,12 +308,23 @@ class _Messages:
     async def write(self) -> None:
         if self.channel is None:
             return
+        # The history window reads a channel by id, newest last: messages older than what the channel holds
+        # would come after it and read as the latest exchange. Those go into a companion channel instead,
+        # where recall finds them and no window shows them.
+        newest = await self.storage.recent_messages(self.channel.id, 1)
+        since = newest[0].created_at.timestamp() if newest else float("-inf")
+        earlier = await self.storage.get_channel(f"{self.channel.key}{EARLIER}")  # an earlier import's
         for persona, role, author, text, created in self.rows:
-            if await self.storage.export.has_message(self.channel.id, role, text, created):
+            if earlier is None and created < since:
+                earlier = await self.storage.upsert_channel(f"{self.channel.key}{EARLIER}", self.channel.name,
+                                                            is_dm=True)
+            target = earlier if created < since and earlier is not None else self.channel
+            if any([await self.storage.export.has_message(c.id, role, text, created)
+                    for c in (self.channel, earlier) if c is not None]):
                 self.report.skipped += 1
                 continue
             # Its token count as the chat stores it: counted as 0, a message took no room in the history
             # window, and any number of them went into every prompt.
-            await self.storage.add_message(self.channel.id, self.user.id, persona, role, author, text,
+            await self.storage.add_message(target.id, self.user.id, persona, role, author, text,
                                            self.limits.tokens(text), datetime.fromtimestamp(created, tz=UTC))
             self.report.messages += 1

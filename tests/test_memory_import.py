@@ -416,3 +416,23 @@ async def test_an_import_sent_twice_at_once_writes_once(tmp_path: Path) -> None:
         assert sum(r.startswith("Imported 20 memory items") for r in replies) == 1, replies
         assert any("still running" in r for r in replies), replies
         assert len(await app.storage.db.fetch_all("SELECT id FROM memory_items")) == 20
+
+
+async def test_old_imported_messages_never_read_as_the_latest_exchange(tmp_path: Path) -> None:
+    """The window reads a channel by id: 2023's messages imported after today's came last, as if they were
+    what was just said. They go into a companion channel, found by recall, shown by no window."""
+    old = [{"channel": "discord:dm-ann", "is_dm": True, "role": "user", "persona": "Cora",
+            "text": f"OLD-2023 message {i}", "created_at": 1_680_000_000 + i} for i in range(4)]
+    async with App(_config(tmp_path / "bot"), llm=ScriptedProvider()) as app:
+        await say(app, "NEW: I moved to Berlin today")
+        reply = await run(app, "!memory import", ctx("ann", _archive("ann", messages=old)))
+        assert "4 messages" in reply, reply
+        again = await run(app, "!memory import", ctx("ann", _archive("ann", messages=old)))  # nothing twice
+        assert "0 messages" in again and "4 were here already" in again, again
+        await say(app, "where do I live now?")
+        window = [m.content for m in app.core.llm.requests[-1].messages]  # type: ignore[attr-defined]
+        assert not any("OLD-2023" in str(text) for text in window) and "where do I live now?" in str(window[-1])
+        user = await app.storage.get_user("discord:ann")
+        pair = await app.cortex.store.count_messages(user.id, "Cora", 0)
+        hits = await app.cortex.memory.search(pair.id, "OLD-2023 message", user_id=user.id, persona="Cora")
+        assert any("OLD-2023" in h.text for h in hits)
