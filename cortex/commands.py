@@ -43,7 +43,6 @@ from cortex.settings import (
     OVERRIDABLE,
     SettingError,
     SettingsResolver,
-    check_may_change,
     persona_scope,
     server_scope,
 )
@@ -359,16 +358,12 @@ class CortexCommands:
                 raise CommandError(f"Give a value for {words[0]}: {OVERRIDABLE.get(words[0], 'see the list')}")
             key, value = words[0], " ".join(words[1:])
             try:
-                check_may_change(key, bot_admin=ctx.is_bot_admin, value=value)
-                if value.lower() == "default":
-                    await self.resolver.check_may_clear(ctx.persona, key, bot_admin=ctx.is_bot_admin)
-                    cleared = await self.resolver.clear(scope, key)
-                    note = "override removed" if cleared else "there was no override"
-                else:
-                    stored = await self.resolver.set(scope, key, value, ctx.user_key)
-                    note = f"set to {setting_text(stored)}"
+                changed = await self.resolver.change(ctx.persona, scope, key, value, bot_admin=ctx.is_bot_admin,
+                                                     author=ctx.user_key)
             except SettingError as exc:
                 raise CommandError(str(exc)) from None
+            note = (f"set to {setting_text(changed.stored)}" if changed.cleared is None
+                    else "override removed" if changed.cleared else "there was no override")
             effective = await self.resolver.effective(ctx.persona, ctx.server_key)
             done = (f"{key}: {note} for {scope_words(scope)}. Effective now: "
                     f"{setting_text(getattr(effective.settings, key))} (from {scope_words(effective.sources[key])}).")

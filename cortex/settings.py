@@ -46,7 +46,7 @@ def check_may_change(key: str, *, bot_admin: bool, value: str = "") -> None:
             and parse_value(key, value) is True:
         # A server admin is anyone who makes a Matrix room: their switch would decide where everyone else's
         # private memory shows. Switching it off keeps things private: anyone may (back to the default: see
-        # SettingsResolver.check_may_clear).
+        # SettingsResolver.change).
         raise NotAllowed(_PRIVACY_REFUSAL.format(key=key))
 
 
@@ -80,6 +80,15 @@ def persona_scope(persona: str) -> str:
 
 def server_scope(server_key: str) -> str:
     return f"server:{server_key}"
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """What :meth:`SettingsResolver.change` did: the value stored, or (for "default") whether an override
+    was removed (None: it stored a value)."""
+
+    stored: Any = None
+    cleared: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,11 +183,18 @@ class SettingsResolver:
         self._cache.pop(scope, None)
         return value
 
-    async def check_may_clear(self, persona: str, key: str, *, bot_admin: bool) -> None:
-        """Raise :class:`NotAllowed` when clearing a server's override of ``key`` would switch private memory
-        on there for someone who may not (the persona-wide or config value, which then applies, is on)."""
+    async def change(self, persona: str, scope: str, key: str, value: str, *, bot_admin: bool,
+                     author: str) -> Change:
+        """What a chat command or the web page asks: set ``key`` in ``scope``, or clear it ("default"). Raises
+        :class:`NotAllowed` for what the one asking may not change (a server admin's spending or privacy
+        switch, also by clearing: the persona-wide or config value then applies), :class:`SettingError`
+        for a value the key does not take."""
+        check_may_change(key, bot_admin=bot_admin, value=value)
+        if value.strip().lower() != "default":
+            return Change(stored=await self.set(scope, key, value, author))
         if key in PRIVACY_KEYS and not bot_admin and getattr((await self.effective(persona)).settings, key) is True:
             raise NotAllowed(_PRIVACY_REFUSAL.format(key=key) + " (and back to the default switches it on here)")
+        return Change(cleared=await self.clear(scope, key))
 
     async def clear(self, scope: str, key: str) -> bool:
         if key not in OVERRIDABLE:

@@ -31,7 +31,7 @@ from cortex.commands import setting_text
 from cortex.memory.admin import BUDGET_KEYS
 from cortex.personas.commands import MAX_SECTION_CHARS, section_key, unknown_variables
 from cortex.personas.guidelines import MAX_GUIDELINES_CHARS, MAX_RULE_CHARS, RULE_NAME
-from cortex.settings import OVERRIDABLE, NotAllowed, SettingError, check_may_change, persona_scope, server_scope
+from cortex.settings import OVERRIDABLE, NotAllowed, SettingError, persona_scope, server_scope
 from cortex.tiers import thresholds
 from cortex.update import utc_midnight
 
@@ -359,15 +359,9 @@ class AdminApi:
             fail(422, f"a setting's value has at most {MAX_VALUE_CHARS} characters")
         persona = persona_name(self.ctx, change.persona)
         scope = server_scope(server) if server else persona_scope(persona)
-        resolver = self.ctx.app.cortex.resolver
-        bot_admin = self.auth.is_bot_admin(caller)
         try:
-            check_may_change(change.key, bot_admin=bot_admin, value=change.value)
-            if change.value.strip().lower() == "default":
-                await resolver.check_may_clear(persona, change.key, bot_admin=bot_admin)
-                await resolver.clear(scope, change.key)
-            else:
-                await resolver.set(scope, change.key, change.value, caller.user_key)
+            await self.ctx.app.cortex.resolver.change(persona, scope, change.key, change.value,
+                                                      bot_admin=self.auth.is_bot_admin(caller), author=caller.user_key)
         except NotAllowed as exc:
             fail(403, str(exc))
         except SettingError as exc:  # a value the key does not take
