@@ -20,12 +20,9 @@ class RateLimiter:
         if self.per_minute <= 0:
             return 0.0
         now = self.clock()
-        window = self._seen.setdefault(key, deque())
-        while window and now - window[0] >= 60.0:
-            window.popleft()
-        if len(window) >= self.per_minute:
-            return 60.0 - (now - window[0])
-        window.append(now)
+        if wait := self._wait(key, now):
+            return wait
+        self._seen.setdefault(key, deque()).append(now)
         if len(self._seen) > 10_000:  # forget idle users
             for idle in [k for k, w in self._seen.items() if not w or now - w[-1] >= 60.0]:
                 del self._seen[idle]
@@ -33,11 +30,14 @@ class RateLimiter:
 
     def waiting(self, key: str) -> float:
         """Seconds until ``key`` may send again (0: now), without counting anything."""
-        if self.per_minute <= 0:
-            return 0.0
-        now = self.clock()
-        window = [t for t in self._seen.get(key, ()) if now - t < 60.0]
-        return 60.0 - (now - window[0]) if len(window) >= self.per_minute else 0.0
+        return self._wait(key, self.clock()) if self.per_minute > 0 else 0.0
+
+    def _wait(self, key: str, now: float) -> float:
+        """Seconds until ``key`` may send again, its window's older sends dropped first."""
+        window = self._seen.get(key)
+        while window and now - window[0] >= 60.0:
+            window.popleft()
+        return 60.0 - (now - window[0]) if window and len(window) >= self.per_minute else 0.0
 
     def tell(self, key: str, wait: float) -> bool:
         """Whether to tell ``key`` to wait ``wait`` seconds: once per wait, not at every refused message (a

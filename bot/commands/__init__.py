@@ -371,13 +371,17 @@ class CommandRegistry:
     def file_command(self, text: str) -> Command | None:
         """The command a line runs when it takes a file (``!persona import``), else None: what an adapter may
         download for."""
-        line = storable(text).strip().partition("\n")[0][len(self.prefix):]
-        tokens = split_words(line)
-        words = [t.value for t in tokens]
-        if not words:
-            return None
-        command, _ = self._find(words, quoted_second=len(tokens) > 1 and line[tokens[1].start] in QUOTES)
+        _, command, _ = self._parse(storable(text).strip().partition("\n")[0][len(self.prefix):])
         return command if command is not None and any(p.kind == "file" for p in command.params) else None
+
+    def _parse(self, line: str) -> tuple[list[Token], Command | None, list[str]]:
+        """A command line (without its prefix) as typed words, the command they name and its arguments."""
+        tokens = split_words(line)
+        if not tokens:
+            return tokens, None, []
+        command, args = self._find([t.value for t in tokens],
+                                   quoted_second=len(tokens) > 1 and line[tokens[1].start] in QUOTES)
+        return tokens, command, args
 
     def usage(self, command: Command) -> str:
         return f"{self.prefix}{command.name}" + (f" {command.usage}" if command.usage else "")
@@ -385,11 +389,10 @@ class CommandRegistry:
     async def dispatch(self, text: str, context: CommandContext) -> CommandReply:
         first, _, body = storable(text).strip().partition("\n")
         line = first[len(self.prefix):]
-        tokens = split_words(line)
+        tokens, command, args = self._parse(line)
         words = [t.value for t in tokens]
         if not words:
             return CommandReply(f"Type {self.prefix}help for the list of commands.")
-        command, args = self._find(words, quoted_second=len(tokens) > 1 and line[tokens[1].start] in QUOTES)
         if command is not None:  # its switches as spelled, whatever dash a phone put in front of them
             tokens = command.canonical(tokens)
             words, args = [t.value for t in tokens], [t.value for t in tokens[len(tokens) - len(args):]]
