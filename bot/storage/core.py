@@ -204,8 +204,10 @@ class Storage:
                 row = None  # someone else's message under that key: not this withdrawal's
             if row is not None:
                 await delete_messages(tx, "id = ?", (int(row[0]),))
-            owner = await tx.fetch_one("SELECT id FROM users WHERE key = ?", (author_key,)) if author_key else None
-        user_id = int(row[1]) if row is not None else int(owner[0]) if owner is not None else None
+                user_id: int | None = int(row[1])
+            else:  # not stored (a message not for the bot): the author's items remembered from it still go
+                owner = await tx.fetch_one("SELECT id FROM users WHERE key = ?", (author_key,)) if author_key else None
+                user_id = int(owner[0]) if owner is not None else None
         if author_key is not None and user_id is None:
             return False, 0  # nothing of theirs is stored
         archived = await self.memory.archive_from(None, key, "its message was deleted", now, user_id=user_id)
