@@ -378,15 +378,19 @@ class MemoryRepository:
         with their weights), best first (or newest first when ``newest``), each with ``rank``."""
         shared = f" AND m.{SHARED}" if shared_only else ""
         if self.db.dialect == "sqlite":
-            sql = (f" FROM memory_fts JOIN memory_items AS m ON m.id = memory_fts.rowid"
-                   f" WHERE memory_fts MATCH ? AND {VISIBLE}{shared} ORDER BY {{}} LIMIT ?")
+            # Which matches are visible comes from an index (a few pages for hundreds of matches); only the
+            # rows kept are read from the table, whose rows are large (their vectors).
+            inner = ("SELECT memory_fts.rowid AS id, {} FROM memory_fts"
+                     " JOIN memory_items AS m INDEXED BY memory_items_visible ON m.id = memory_fts.rowid"
+                     f" WHERE memory_fts MATCH ? AND {VISIBLE}{shared} ORDER BY {{}} LIMIT ?")
+            outer = (f"SELECT {ITEM_COLUMNS_M}, t.{{}} FROM ({{}}) AS t"
+                     " JOIN memory_items AS m ON m.id = t.id ORDER BY {}")
             params = (" OR ".join(terms), pair_id, now, limit)
             if newest:
-                return await self._newest_sqlite(  # content, key, tags
-                    f"SELECT {ITEM_COLUMNS_M}, {_marked('memory_fts', 3)} AS marked"
-                    + sql.format("memory_fts.rowid DESC"), params)
-            return await self.db.fetch_all(
-                f"SELECT {ITEM_COLUMNS_M}, bm25(memory_fts) AS rank" + sql.format("bm25(memory_fts)"), params)
+                marked = inner.format(f"{_marked('memory_fts', 3)} AS marked", "memory_fts.rowid DESC")
+                return await self._newest_sqlite(outer.format("marked", marked, "t.id DESC"), params)
+            ranked = inner.format("bm25(memory_fts) AS rank", "rank")
+            return await self.db.fetch_all(outer.format("rank", ranked, "t.rank"), params)
         config = await self._ts_config(pair_id=pair_id)
         sql = self._pg_text_sql(
             ITEM_COLUMNS_M, "memory_items AS m", "m.pair_id = $1 AND m.archived_at IS NULL AND m.superseded_by IS NULL"
