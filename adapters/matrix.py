@@ -62,6 +62,7 @@ from bot.commands import Attachment, CommandReply
 from bot.config import MatrixConfig
 from bot.policy import Inbound
 from bot.ports import IncomingMessage
+from bot.privatefs import create_private, private_dir
 from bot.splitting import split_message
 
 log = logging.getLogger(__name__)
@@ -259,7 +260,7 @@ class MatrixAdapter:
         self.config = config
         self.password, self.token = read_secrets(config, env)
         self.store = Path(config.store_path or Path(platformdirs.user_data_dir("cortex-bot")) / "matrix")
-        self.store.mkdir(parents=True, exist_ok=True)
+        private_dir(self.store)  # the login and, with e2ee, the keys
         self.client = AsyncClient(
             config.homeserver, config.user_id, store_path=str(self.store),
             config=AsyncClientConfig(encryption_enabled=config.e2ee, store_sync_tokens=False),
@@ -303,8 +304,9 @@ class MatrixAdapter:
     def _save_state(self, **changes: Any) -> None:
         state = self._load_state() | {"user_id": self.config.user_id} | changes
         tmp = self._state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state))
-        os.chmod(tmp, 0o600)  # it holds the access token
+        tmp.unlink(missing_ok=True)  # left by a crash: created anew below, owner-only from the first byte
+        with create_private(tmp) as out:  # it holds the access token
+            out.write(json.dumps(state).encode())
         tmp.replace(self._state_file)
 
     async def wait_for_homeserver(self, first_wait: float = 2.0, longest_wait: float = 300.0) -> None:

@@ -33,6 +33,7 @@ from bot.errors import UserFacingError
 from bot.llm.errors import LLMError
 from bot.policy import Inbound
 from bot.ports import IncomingMessage
+from bot.privatefs import create_private, private_dir, private_file
 from bot.text import error_line, printable
 
 log = logging.getLogger(__name__)
@@ -182,7 +183,8 @@ class TerminalAdapter:
             history: History = InMemoryHistory()
             path = history_path(self.user)
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
+                private_dir(path.parent)
+                private_file(path)  # what the user typed: theirs alone to read
                 self._history = _PrivateHistory(str(path))
                 history = self._history
             except OSError:
@@ -293,12 +295,12 @@ class TerminalAdapter:
     def _save(self, attachment: Attachment) -> Path:
         """Write an attachment (an export, a long file) into the export folder, never overwriting."""
         folder = self.export_dir
-        folder.mkdir(parents=True, exist_ok=True)
+        private_dir(folder)
         path = folder / Path(attachment.filename).name
         stem, suffix, n = path.stem, path.suffix, 1
         while True:
             try:
-                with path.open("xb") as out:  # created here or not at all: never another file overwritten
+                with create_private(path) as out:  # created here or not at all: never another file overwritten
                     try:
                         out.write(attachment.data)
                     except OSError:  # a full disk: no half an archive left behind

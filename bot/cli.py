@@ -42,6 +42,13 @@ def setup_logging(level: str) -> None:
     logging.getLogger("apscheduler").setLevel(logging.DEBUG if level == "DEBUG" else logging.WARNING)
 
 
+def _log_level(ctx: click.Context, config: Config, quiet: str) -> str:
+    """``-v``: INFO (DEBUG when ``[bot] log_level`` or ``quiet`` says so); otherwise ``quiet``."""
+    if ctx.obj.get("verbose"):
+        return "DEBUG" if "DEBUG" in (config.bot.log_level, quiet) else "INFO"
+    return quiet
+
+
 def _load(ctx: click.Context) -> Config:
     path = resolve_config_path(ctx.obj["config_path"])
     try:
@@ -119,8 +126,8 @@ def cli(ctx: click.Context, config_path: Path | None, verbose: bool) -> None:
 def chat(ctx: click.Context, user: str | None, persona: str | None) -> None:
     """Chat with a persona in the terminal (reads piped stdin too, one message per line)."""
     config = _load(ctx)
-    # The chat shows failures itself, one line each; logs only with -v.
-    setup_logging(config.bot.log_level if ctx.obj["verbose"] else "ERROR")
+    # The chat shows failures itself, one line each; the log adds warnings (all progress with -v).
+    setup_logging(_log_level(ctx, config, "WARNING"))
     # A name typed in another encoding than the terminal's arrives with lone surrogates: no store takes them.
     name = one_line_name(user or config.terminal.user or getpass.getuser() or "") or "you"
     status = _run_async(lambda: _chat(config, name, persona))
@@ -188,8 +195,9 @@ def run(ctx: click.Context) -> None:
     `cortexbot chat` ([terminal] enabled).
     """
     config = _load(ctx)
-    setup_logging(config.bot.log_level)
     platforms = [name for name in ("discord", "matrix") if getattr(config, name).enabled]
+    # A server logs its progress ([bot] log_level); a terminal chat only warnings between the replies.
+    setup_logging(_log_level(ctx, config, config.bot.log_level if platforms else "WARNING"))
     if not platforms:
         if not config.terminal.enabled:
             raise click.ClickException(
@@ -293,7 +301,7 @@ def _fleet_info(config: Config, platforms: list[str]) -> dict[str, Any]:
 def status(ctx: click.Context) -> None:
     """List the bot processes running on the configured database, their shards, and the job queue."""
     config = _load(ctx)
-    setup_logging("WARNING")
+    setup_logging(_log_level(ctx, config, "WARNING"))
     try:
         processes, queue = _run_async(lambda: _fleet_status(config))
     except (StorageError, ConfigError) as exc:
@@ -343,7 +351,7 @@ def _ago(seconds: float) -> str:
 def migrate(ctx: click.Context) -> None:
     """Apply pending database migrations (they also run automatically at start)."""
     config = _load(ctx)
-    setup_logging("WARNING")
+    setup_logging(_log_level(ctx, config, "WARNING"))
 
     async def main() -> tuple[list[int], str]:
         from bot.storage import open_storage
@@ -367,7 +375,8 @@ def migrate(ctx: click.Context) -> None:
 
 @cli.command("copy-data")
 @click.option("--to", "to_url", required=True, metavar="URL",
-              help="The database to copy into: postgresql://user@host:5432/dbname or sqlite:///path/to/bot.db.")
+              help="The database to copy into: postgresql://user@host:5432/dbname or sqlite:////abs/path/bot.db "
+                   "(four slashes: absolute; three: relative to this folder).")
 @click.option("--to-password-env", default="", metavar="NAME",
               help="Environment variable holding the target's PostgreSQL password (default: PGPASSWORD).")
 @click.option("--batch", default=1000, show_default=True, type=click.IntRange(1, 100_000),
@@ -379,7 +388,7 @@ def copy_data_command(ctx: click.Context, to_url: str, to_password_env: str, bat
     Every table goes over with its ids; running it again resumes an interrupted copy and copies nothing
     twice. A database holding another bot's data is refused. Exits with 1 when row counts differ."""
     config = _load(ctx)
-    setup_logging("WARNING")
+    setup_logging(_log_level(ctx, config, "WARNING"))
     try:
         to_url = check_storage_url(to_url.strip())
     except ValueError as exc:
@@ -491,7 +500,6 @@ def doctor(ctx: click.Context) -> None:
     from rich.markup import escape
 
     console = Console(highlight=False, soft_wrap=True)
-    setup_logging("ERROR")
     problems = 0
 
     def report(ok: bool, what: str, detail: str = "") -> None:
@@ -506,12 +514,25 @@ def doctor(ctx: click.Context) -> None:
     except ConfigError as exc:
         report(False, "config", str(exc))
         sys.exit(1)
+    setup_logging(_log_level(ctx, config, "ERROR"))  # the checks report for themselves
     report(True, "config", str(path) if path else "no file, built-in defaults")
     _run_async(lambda: _doctor_checks(config, report))
     if problems:
         console.print(f"[red]{problems} problem(s) found.[/red]")
         sys.exit(1)
     console.print("[green]All checks passed.[/green]")
+
+
+def _doctor_file_modes(path: Path | None, report: Callable[..., None]) -> None:
+    """An SQLite file (and its WAL) other accounts of this machine may read: everyone's words are in it."""
+    from bot.privatefs import readable_by_others
+
+    if path is None:
+        return
+    exposed = [p for p in (path, path.with_name(path.name + "-wal")) if readable_by_others(p)]
+    if exposed:
+        report(False, "database file", f"other accounts of this machine may read {', '.join(map(str, exposed))}: "
+                                       f"chmod 600 {' '.join(map(str, exposed))}")
 
 
 async def _doctor_embedder(config: Config, report: Callable[..., None]) -> str | None:
@@ -618,6 +639,7 @@ async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
                 "database",
                 f"{storage.db.url}" + (f" ({len(pending)} migration(s) to apply at start)" if pending else ""),
             )
+            _doctor_file_modes(getattr(storage.db, "path", None), report)
             if not pending:
                 await _doctor_queue(storage, report)
         finally:

@@ -86,7 +86,8 @@ class BotConfig(_Section):
 class StorageConfig(_Section):
     url: str = Field(
         default_factory=default_database_url,
-        description="sqlite:///path/to/bot.db (default) or postgresql://user@host:5432/dbname",
+        description="sqlite:////abs/path/bot.db (four slashes: absolute; three: relative to the folder the bot "
+        "starts in) or postgresql://user@host:5432/dbname",
     )
     url_env: str = Field(default="", description="Environment variable holding the whole URL (overrides url).")
     password_env: str = Field(
@@ -143,7 +144,8 @@ def check_storage_url(value: str) -> str:
         raise ValueError("the storage URL contains a NUL character")
     if value.startswith("sqlite:///"):
         if len(value) == len("sqlite:///"):
-            raise ValueError("the sqlite URL names no file: write sqlite:///path/to/bot.db")
+            raise ValueError("the sqlite URL names no file: write sqlite:////var/lib/cortex/bot.db (four slashes: "
+                             "an absolute path) or sqlite:///bot.db (relative to the folder the bot starts in)")
         return value
     if value.startswith(("postgresql://", "postgres://")):
         parts = urlsplit(value)
@@ -155,7 +157,8 @@ def check_storage_url(value: str) -> str:
             raise ValueError("the postgresql URL's port is not a number") from None
         return value
     raise ValueError(
-        "use sqlite:///path/to/bot.db (three slashes, then the path) or postgresql://user@host:5432/dbname"
+        "use sqlite:////var/lib/cortex/bot.db (four slashes: an absolute path; sqlite:///bot.db is relative to the "
+        "folder the bot starts in) or postgresql://user@host:5432/dbname"
     )
 
 

@@ -252,7 +252,7 @@ def test_migrate_names_the_database_it_migrated_and_fails_in_one_line(tmp_path: 
         failed = cortexbot("--config", str(config), command)
         assert failed.returncode == 1 and failed.stdout == ""
         assert failed.stderr.strip().splitlines() == [
-            "Error: cannot open the database /proc/1/cortexbot-test.db: unable to open database file"], failed.stderr
+            "Error: cannot create the database /proc/1/cortexbot-test.db: No such file or directory"], failed.stderr
 
 
 def test_doctor_reports_what_is_wrong(tmp_path: Path, fake_llm: FakeLLMServer) -> None:

@@ -7,6 +7,7 @@ import os
 import pty
 import select
 import signal
+import stat
 import time
 from pathlib import Path
 
@@ -116,6 +117,7 @@ def test_the_history_file_keeps_nothing_of_incognito_and_nothing_after_forget_me
         chat.after(answer)
     history = next(folder.glob("terminal-history-ann-*"))
     assert next(folder.glob("terminal-history-*")) == history  # one file for ann
+    assert stat.S_IMODE(history.stat().st_mode) == 0o600  # what ann typed: hers alone to read
     chat.expect("you ›")
     chat.send("!guidelines set\r")  # the text forgotten: at a prompt it is asked for, up to a dot line
     chat.expect("Type the text; end with a line holding only a dot (.)")

@@ -33,8 +33,8 @@ async def open_storage(url: str, *, password: str | None = None, pool_size: int 
 
         return Storage(await PostgresDatabase(url, password=password, max_size=pool_size).open(), migrations=migrations)
     raise StorageError(
-        f"unsupported storage URL {url.split('://')[0]}://…: use sqlite:///path/to/bot.db or "
-        "postgresql://user@host:5432/dbname"
+        f"unsupported storage URL {url.split('://')[0]}://…: use sqlite:////abs/path/bot.db (four slashes: "
+        "absolute) or postgresql://user@host:5432/dbname"
     )
 
 

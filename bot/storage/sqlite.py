@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import aiosqlite
 
+from bot.privatefs import private_dir, private_file
 from bot.storage.engine import Migration, Row, StorageCaches, StorageError, Tx, apply_migrations
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,10 @@ class SQLiteDatabase:
 
     def __init__(self, path: str | Path, *, caches: StorageCaches | None = None, checkpoints: bool = True,
                  urgent: bool = True) -> None:
-        self.path = Path(path)
+        given = Path(path)
+        # Every message names the file itself: sqlite:///bot.db is relative to the folder the bot started in.
+        self.path = given if str(given) == ":memory:" else given.absolute()
+        self._relative = not given.is_absolute() and str(given) != ":memory:"
         self.url = f"sqlite:///{self.path}"
         self.caches = caches or StorageCaches()
         # A sibling (background jobs) is not urgent: the reply path's writes go before its own.
@@ -81,9 +85,17 @@ class SQLiteDatabase:
             if self.path.is_dir():
                 raise StorageError(f"the database path {self.path} is a folder: name a file, e.g. {self.path}/bot.db")
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
+                private_dir(self.path.parent)  # a new folder and file are the owner's alone: people's words
             except OSError as exc:
                 raise StorageError(f"cannot create the database folder {self.path.parent}: {exc}") from None
+            if self._relative and not self.path.exists():
+                log.warning("the database path in the URL is relative: a new database is created at %s (under "
+                            "the folder the bot was started in); an absolute path takes four slashes: sqlite:////%s",
+                            self.path, str(self.path).lstrip("/"))
+            try:
+                private_file(self.path)
+            except OSError as exc:
+                raise StorageError(f"cannot create the database {self.path}: {exc.strerror or exc}") from None
         patience = time.monotonic() + OPEN_PATIENCE_SECONDS
         while True:
             try:

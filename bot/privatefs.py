@@ -1,0 +1,57 @@
+"""Files that hold people's words (the database, terminal histories, exports, a Matrix login) are created
+readable by their owner alone, whatever the umask: other accounts of a shared server must not read them.
+
+Folders and files that exist already are left as they are (an operator may have chosen their modes);
+``cortexbot doctor`` says when the database can be read by others.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import BinaryIO
+
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+
+def private_dir(path: Path) -> None:
+    """Create ``path`` and its missing parents, each new one owner-only (``OSError`` when it cannot)."""
+    missing: list[Path] = []
+    current = path
+    while not current.exists() and current != current.parent:
+        missing.append(current)
+        current = current.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=DIR_MODE)
+        except FileExistsError:  # made meanwhile by another process: theirs to keep
+            if not folder.is_dir():
+                raise
+
+
+def private_file(path: Path) -> None:
+    """Create ``path`` empty and owner-only unless it exists (SQLite then creates its WAL and shared
+    memory files with the same mode as the database file)."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, FILE_MODE)
+    except FileExistsError:
+        return
+    os.close(fd)
+
+
+def create_private(path: Path) -> BinaryIO:
+    """A new file at ``path``, owner-only from its first byte, open for writing (``FileExistsError`` when
+    a file is there: nothing is ever overwritten)."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, FILE_MODE)
+    return os.fdopen(fd, "wb")
+
+
+def readable_by_others(path: Path) -> bool:
+    """Whether accounts other than the owner may read ``path`` (a missing file: no)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return False
+    return bool(mode & (stat.S_IRGRP | stat.S_IROTH))

@@ -1,0 +1,99 @@
+"""Files holding people's words are created for their owner's eyes alone, and the database's place is plain."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from adapters.terminal import TerminalAdapter
+from bot.app import App
+from bot.config import parse_config
+from bot.storage import open_storage
+from tests.fakes.provider import ScriptedProvider
+from tests.test_cli import cortexbot, write_config
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.fixture
+def open_umask() -> Iterator[None]:
+    """A umask that lets everyone read new files (022, the usual one): the bot must not rely on a strict one."""
+    before = os.umask(0o022)
+    try:
+        yield
+    finally:
+        os.umask(before)
+
+
+@pytest.mark.usefixtures("open_umask")
+async def test_a_new_database_its_folders_and_its_wal_are_the_owners_alone(tmp_path: Path) -> None:
+    path = tmp_path / "srv" / "cortex" / "bot.db"
+    storage = await open_storage(f"sqlite:///{path}")
+    try:
+        await storage.migrate()
+        await storage.upsert_user("console:ann", "Ann")
+        assert mode(path) == 0o600 and mode(path.with_name("bot.db-wal")) == 0o600
+        assert mode(tmp_path / "srv") == 0o700 and mode(tmp_path / "srv" / "cortex") == 0o700
+    finally:
+        await storage.close()
+
+
+@pytest.mark.usefixtures("open_umask")
+async def test_an_existing_database_keeps_the_mode_its_operator_gave_it(tmp_path: Path) -> None:
+    path = tmp_path / "bot.db"
+    path.touch(mode=0o640)
+    storage = await open_storage(f"sqlite:///{path}")
+    await storage.close()
+    assert mode(path) == 0o640
+
+
+@pytest.mark.usefixtures("open_umask")
+async def test_a_saved_export_is_the_users_alone(tmp_path: Path) -> None:
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
+    screen = io.StringIO()
+    exports = tmp_path / "exports" / "ann"
+    async with App(config, llm=ScriptedProvider()) as app:
+        terminal = TerminalAdapter(app, user="ann", stdin=io.StringIO("!memory remember Ann grows figs\n"
+                                                                      "!memory export\n"),
+                                   stdout=screen, stderr=screen, export_dir=exports)
+        assert await terminal.run() == 0
+    [saved] = list(exports.iterdir())
+    assert saved.name.endswith(".zip") and mode(saved) == 0o600 and mode(exports) == 0o700
+
+
+async def test_a_relative_sqlite_path_is_named_in_full_and_a_new_file_there_is_a_warning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="bot.storage.sqlite"):
+        storage = await open_storage("sqlite:///var/lib/cortex/bot.db")  # meant /var/lib/…: three slashes
+        await storage.close()
+    where = tmp_path / "var" / "lib" / "cortex" / "bot.db"
+    assert storage.db.url == f"sqlite:///{where}" and where.exists()
+    assert f"created at {where}" in caplog.text and "four slashes: sqlite:///" + str(where) in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="bot.storage.sqlite"):  # the same file again: nothing to say
+        await (await open_storage("sqlite:///var/lib/cortex/bot.db")).close()
+    assert caplog.text == ""
+
+
+def test_doctor_says_when_others_may_read_the_database(tmp_path: Path, fake_llm) -> None:  # type: ignore[no-untyped-def]
+    config = write_config(tmp_path, fake_llm)
+    if "postgresql" in config.read_text():
+        pytest.skip("an SQLite file's mode")
+    assert cortexbot("--config", str(config), "migrate").returncode == 0
+    db = tmp_path / "bot.db"
+    assert mode(db) == 0o600
+    assert "database file" not in cortexbot("--config", str(config), "doctor").stdout
+    db.chmod(0o644)
+    result = cortexbot("--config", str(config), "doctor")
+    assert result.returncode == 1
+    assert f"database file: other accounts of this machine may read {db}" in result.stdout
+    assert f"chmod 600 {db}" in result.stdout
