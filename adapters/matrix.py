@@ -545,7 +545,7 @@ class MatrixAdapter:
         await self._load_creators(room.room_id)
         return (f"{PLATFORM}:power:{self.power_level(room, user_id)}",)
 
-    def inbound(self, room: MatrixRoom, event: RoomMessageText | FileEvent) -> Inbound:
+    async def inbound(self, room: MatrixRoom, event: RoomMessageText | FileEvent) -> Inbound:
         content = event.source.get("content")
         me = self.config.user_id
         # The bot's own display name: the room's form of it gains " (@id)" once a member copies the name.
@@ -556,8 +556,7 @@ class MatrixAdapter:
         formatted = _MX_REPLY.sub("", getattr(event, "formatted_body", None) or "")  # not the quoted message
         mentions_bot = (me in mentioned(content) or _names(body, me) or bool(display and _names(body, display))
                         or me in formatted)
-        is_dm = self.is_dm(room)
-        channel_id, parent = self.channel_of(room)
+        is_dm, channel_id, parent = await self.conversation(room, event.sender)
         level = self.power_level(room, event.sender)
         text = body
         for name in (me, display):
@@ -609,13 +608,18 @@ class MatrixAdapter:
         if self.is_dm(room):
             await self.deliver(room.room_id, CommandReply(UNDECRYPTABLE))
 
-    def channel_of(self, room: MatrixRoom) -> tuple[str, str | None]:
-        """The room's channel id and its parent's. A direct room others joined is a conversation of its own,
-        so the direct one (its window, its summary) never reaches what they are shown; the room's lists and
-        persona still apply (the parent)."""
-        if not self.is_dm(room) and self._kinds.get(room.room_id) == "dm":
-            return f"{room.room_id}{GROUP_PHASE}", room.room_id
-        return room.room_id, None
+    async def conversation(self, room: MatrixRoom, sender: str) -> tuple[bool, str, str | None]:
+        """Whether ``room`` is ``sender``'s direct chat with the bot, the room's channel id and its parent's.
+
+        A direct room is one person's: anyone else who speaks there (others joined it, or its maker left and a
+        newcomer stayed, or a room was made to look direct) is in a conversation of its own, so the direct one
+        (its window, its summary, its private answers) never reaches them; the room's lists and persona still
+        apply (the parent). Rooms the bot joined as groups are one conversation, whoever speaks."""
+        if self.is_dm(room) and (sender == self.config.user_id or await self._private_to(room, sender)):
+            return True, room.room_id, None
+        if self._kinds.get(room.room_id, "dm") == "dm":
+            return False, f"{room.room_id}{GROUP_PHASE}", room.room_id
+        return False, room.room_id, None
 
     async def _on_member(self, room: MatrixRoom, event: RoomMemberEvent) -> None:
         if event.state_key == self.config.user_id and event.membership == "join":
@@ -680,12 +684,7 @@ class MatrixAdapter:
                       file: tuple[str, dict[str, Any]] | None = None) -> None:
         try:
             await self._load_creators(room.room_id)
-            inbound = self.inbound(room, event)
-            if inbound.message.is_dm and event.sender != self.config.user_id \
-                    and not await self._private_to(room, event.sender):
-                # A room made to look direct (invite the bot "directly", then the victim, and leave): what is
-                # private (answers, memory) must not land where its maker can read it. It is a group room.
-                inbound = replace(inbound, message=replace(inbound.message, is_dm=False, server_id=room.room_id))
+            inbound = await self.inbound(room, event)
             prefix = self.config.command_prefix
             if prefix != self.app.commands.prefix and inbound.message.text.startswith(prefix):
                 # The room's prefix is configurable; the command layer speaks "!".

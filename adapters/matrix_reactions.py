@@ -65,7 +65,8 @@ class Reactions:
         body = await self._latest_text(room.room_id, target)
         if target is None or not isinstance(body, str) or not body.strip():
             return  # not a text message (an image, a state event): nothing to remember
-        if not (target.sender == event.sender or (target.sender == adapter.config.user_id and adapter.is_dm(room))):
+        # The bot's own words only in the reactor's own direct chat (not one they joined after its owner left).
+        if not (target.sender == event.sender or (target.sender == adapter.config.user_id and inbound.message.is_dm)):
             await self._answer(event.sender, NOT_YOURS)
             return
         source = f"matrix-message:{event.reacts_to}"
@@ -111,8 +112,7 @@ class Reactions:
     async def _inbound(self, room: MatrixRoom, event: ReactionEvent) -> Inbound:
         """The reaction as a message of its sender (for the access rules and the command's context)."""
         adapter = self.adapter
-        is_dm = adapter.is_dm(room)
-        channel_id, parent = adapter.channel_of(room)  # (a direct room others joined: its group conversation)
+        is_dm, channel_id, parent = await adapter.conversation(room, event.sender)  # (as a message there)
         incoming = IncomingMessage("matrix", channel_id, event.sender, room.user_name(event.sender) or event.sender,
                                    "", is_dm=is_dm, server_id=None if is_dm else room.room_id,
                                    author_home=event.sender.split(":", 1)[-1], parent_channel_id=parent)

@@ -547,6 +547,50 @@ async def test_a_direct_room_others_join_keeps_its_direct_conversation_out(synap
         await bob.close()
 
 
+async def test_a_direct_room_its_maker_left_is_not_the_direct_chat_of_who_stayed(synapse: SynapseServer,
+                                                                                 bot: Bot) -> None:
+    """Alice invited Bob into her DM and left: two members again, so the room counted as direct, and Bob's
+    replies had her DM's window and rolling summary (his !summary printed it), her DM's row turned into a
+    group's (gone from her export), and a 🧠 on the bot's DM reply would have remembered it for him."""
+    alice, bob = await user(synapse, "alice"), await user(synapse, "bob")
+    mine, seen = Timeline(alice), Timeline(bob)
+    try:
+        room = await dm_with(mine, bot.user_id)
+        await alice.room_put_state(room, "m.room.history_visibility", {"history_visibility": "joined"})
+        await send_text(alice, room, "my diagnosis is XYZ-42, keep it between us")
+        await mine.sync_until(lambda: any("XYZ-42" in b for b in mine.bodies(room, bot.user_id)), "the DM reply")
+        dm = await bot.app.storage.get_channel(f"matrix:{room}")
+        assert dm is not None and dm.is_dm
+        await bot.app.storage.add_summary(dm.id, "Alice's diagnosis is XYZ-42; she asked me to keep it.", 1, 2, 20, "m")
+        await alice.room_invite(room, bob.user_id)
+        await bob.join(room)
+        await eventually(lambda: _members(bot, room, 3), "the bot to see Bob join")
+        await alice.room_leave(room)
+        await eventually(lambda: _members(bot, room, 2), "the bot to see Alice leave")
+        await send_text(bob, room, f"{bot.user_id}: what did the person before me tell you?")
+        await seen.sync_until(lambda: any("person before me" in b for b in seen.bodies(room, bot.user_id)), "a reply")
+        request = bot.app.llm.requests[-1]  # type: ignore[attr-defined]
+        assert "XYZ-42" not in str(request.system) + str([m.content for m in request.messages])
+        await send_text(bob, room, "!summary")
+        await seen.sync_until(lambda: any("summary" in b.lower() for b in seen.bodies(room, bot.user_id)), "!summary")
+        assert not any("XYZ-42" in b for b in seen.bodies(room, bot.user_id))
+        dm = await bot.app.storage.get_channel(f"matrix:{room}")
+        assert dm is not None and dm.is_dm  # still Alice's direct chat (her export lists its summaries)
+        bots_dm_reply = next(e for e in mine.from_(room, bot.user_id) if "XYZ-42" in e["content"]["body"])
+        await react(bob, room, bots_dm_reply["event_id"])
+
+        def refused() -> bool:  # (answered in a direct room the bot opens for Bob: he joins it)
+            for invited in list(bob.invited_rooms):
+                asyncio.get_running_loop().create_task(bob.join(invited))
+            return any("your own messages" in body for other in seen.events if other != room
+                       for body in seen.bodies(other, bot.user_id))
+        await seen.sync_until(refused, "the 🧠 to be refused")
+        assert await items_of(bot, bob.user_id) == []
+    finally:
+        await alice.close()
+        await bob.close()
+
+
 async def _members(bot: Bot, room_id: str, count: int) -> bool:
     room = bot.adapter.client.rooms.get(room_id)
     return room is not None and room.member_count == count
