@@ -126,6 +126,49 @@ async def test_a_message_is_embedded_with_the_one_it_answers(tmp_path: Path) -> 
         assert [r[0] for r in rows] == [f"{embedder.name}|prev-turn"]
 
 
+async def test_no_message_vector_keeps_the_words_of_a_forgotten_or_incognito_neighbour(tmp_path: Path) -> None:
+    """Each message is embedded with the one before it in its channel: Bob's "ok" after Ann's secret kept her
+    words in its vector after her forget-me (his search for them found it), and a message said in an incognito
+    stretch (deleted when it ends) became the context of the next one."""
+    class Recording(HashEmbedder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.texts: list[str] = []
+
+        def embed(self, texts):  # type: ignore[no-untyped-def]
+            self.texts.extend(texts)
+            return super().embed(texts)
+
+    embedder = Recording()
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}})
+    async with App(config, llm=ScriptedProvider(), embedder=embedder) as app:
+        storage = app.storage
+        ann, bob, cy = [await storage.upsert_user(f"console:{n}", n.title()) for n in ("ann", "bob", "cy")]
+        room = await storage.upsert_channel("console:room", "room", is_dm=False)
+        await storage.add_message(room.id, bob.id, "Cora", "user", "Bob", "how was the doctor?", 5)
+        await storage.add_message(room.id, ann.id, "Cora", "user", "Ann", "my diagnosis is zanzibar syndrome", 7)
+        ok = await storage.add_message(room.id, bob.id, "Cora", "user", "Bob", "ok", 1)
+        assert ann.id
+        await app.cortex.embeddings.backfill()
+        assert "Ann: my diagnosis is zanzibar syndrome\nBob: ok" in embedder.texts
+        embedder.texts.clear()
+        await app.cortex.commands.forget_user("console:ann")
+        await app.cortex.embeddings.backfill()
+        assert embedder.texts == ["Bob: how was the doctor?\nBob: ok"]  # embedded again, without her words
+        stored = await storage.db.fetch_one("SELECT vector FROM message_vectors WHERE message_id = ?", (ok.id,))
+        assert stored is not None
+        assert np.array_equal(np.frombuffer(stored[0], dtype=np.float32),
+                              embedder.embed(["Bob: how was the doctor?\nBob: ok"])[0])
+
+        await storage.incognito.start(cy.id, "Cora")
+        await storage.add_message(room.id, cy.id, "Cora", "user", "Cy", "off the record: I quit tomorrow", 8)
+        embedder.texts.clear()
+        reply = await storage.add_message(room.id, bob.id, "Cora", "user", "Bob", "wow", 1)
+        await app.cortex.embeddings.backfill()
+        assert embedder.texts == ["Bob: wow"]  # the incognito message is nobody's context
+        assert reply.id > ok.id
+
+
 async def test_a_big_block_scanned_in_two_halves_gives_the_same_answer(monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(9)
     matrix = normalize(rng.standard_normal((501, 16)))

@@ -104,6 +104,11 @@ async def delete_messages(tx: Tx, where: str, params: Sequence[Any]) -> tuple[li
     channels (forget-me, the end of an incognito stretch, retention); (message ids, channel ids)."""
     channels = [int(r[0]) for r in await tx.fetch_all(f"SELECT DISTINCT channel_id FROM messages WHERE {where}",
                                                       params)]
+    # The message after each one in its channel was embedded with it as its context: its vector goes too, and
+    # the backfill embeds it again with what is left before it (a forgotten user's words stay in nobody's).
+    await tx.execute("DELETE FROM message_vectors WHERE message_id IN (SELECT (SELECT min(n.id) FROM messages AS n"
+                     f" WHERE n.channel_id = messages.channel_id AND n.id > messages.id) FROM messages WHERE {where})",
+                     params)
     for table in MESSAGE_DEPENDENTS:
         await tx.execute(f"DELETE FROM {table} WHERE message_id IN (SELECT id FROM messages WHERE {where})", params)
     deleted = [int(r[0]) for r in await tx.fetch_all(f"DELETE FROM messages WHERE {where} RETURNING id", params)]

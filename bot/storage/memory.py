@@ -576,12 +576,13 @@ class MemoryRepository:
 
     async def messages_to_embed(self, model: str, below: int, limit: int) -> list[Row]:
         """Messages of users (newest first, ids below ``below``) without a vector of ``model``, each with
-        the channel's message before it (``before_author``, ``before_text``)."""
+        the channel's message before it (``before_author``, ``before_text``) unless that one was said in an
+        incognito stretch (it is deleted at the stretch's end: it must not live on in another's vector)."""
         return await self.db.fetch_all(
             "SELECT m.id, m.user_id, m.persona, m.author_name, m.text, p.author_name AS before_author,"
             " p.text AS before_text FROM messages AS m LEFT JOIN message_vectors AS v ON v.message_id = m.id"
             " LEFT JOIN messages AS p ON p.id = (SELECT max(id) FROM messages"
-            " WHERE channel_id = m.channel_id AND id < m.id)"
+            f" WHERE channel_id = m.channel_id AND id < m.id) AND {not_incognito('p')}"
             " WHERE m.user_id IS NOT NULL AND (v.model IS NULL OR v.model != ?) AND m.id < ?"
             f" AND {not_incognito('m')}"
             " ORDER BY m.id DESC LIMIT ?",
