@@ -17,6 +17,7 @@ an import halfway. Writing again after an interruption skips what came in alread
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -44,6 +45,11 @@ CLOCK_SKEW = 86_400.0  # an export from a bot whose clock ran a day ahead still 
 MAX_TAGS = 10  # as the remember tool keeps them
 MAX_METADATA_CHARS = 4_000  # an item's metadata as JSON (every read of the item parses it)
 MAX_NAME_CHARS = 100  # a message's author name
+# What one import brings at most: a small archive can hold a lot (40,000 items zip to 120 kB), and what it brings
+# is checked, stored and embedded for minutes. More comes in with another import, up to PAIR_ITEMS per persona.
+IMPORT_ITEMS = 20_000  # memory items per persona
+IMPORT_MESSAGES = 100_000  # direct messages
+PAIR_ITEMS = 50_000  # a user's memory items with one persona, after which an import adds none
 MISSING = object()
 Role = Literal["user", "assistant"]
 
@@ -54,6 +60,9 @@ class ImportLimits:
     message_chars: int  # [bot] max_message_chars: a user's message, as the chat takes it
     tokens: Callable[[str], int]  # a message's tokens as the chat counts them (the history window's budget)
     reply_chars: int = MAX_REPLY_CHARS  # a reply, as the bot stores its own
+    items: int = field(default_factory=lambda: IMPORT_ITEMS)
+    messages: int = field(default_factory=lambda: IMPORT_MESSAGES)
+    pair_items: int = field(default_factory=lambda: PAIR_ITEMS)
 
 
 def _number(value: Any) -> float | None:
@@ -182,14 +191,20 @@ class Importer:
             raise ArchiveError(f"this export belongs to {owner!r}, not to you ({user.key}): only your own data "
                                "can be imported")
         report = ImportReport()
-        plans = [plan for persona in _list(data.get("personas"))
-                 if (plan := self._plan_persona(persona, report)) is not None]
         messages = _Messages(self.store.storage, user, dm_channel, self.known, self.limits, report)
-        messages.plan(_list(data.get("messages")))
+        # Checking every entry (the poisoning guard's patterns on each) takes seconds for a large archive: off
+        # the event loop, so the bot goes on answering meanwhile.
+        plans = await asyncio.to_thread(self._plan, data, messages, report)
         for plan in plans:
             await self._persona(user, plan, report)
         await messages.write()
         return report
+
+    def _plan(self, data: Mapping[str, Any], messages: _Messages, report: ImportReport) -> list[_PersonaPlan]:
+        plans = [plan for persona in _list(data.get("personas"))
+                 if (plan := self._plan_persona(persona, report)) is not None]
+        messages.plan(_list(data.get("messages")))
+        return plans
 
     def _plan_persona(self, persona: Any, report: ImportReport) -> _PersonaPlan | None:
         name = self.known.get(str(persona.get("persona", "")).casefold()) if isinstance(persona, dict) else None
@@ -205,7 +220,12 @@ class Importer:
             if not content.strip() or len(content) > self.files.file_max_chars:
                 report.left_out.append(f"{name}'s {filename} (empty or too long)")
                 del plan.files[filename]
-        for item in _list(persona.get("memory_items")):
+        entries = _list(persona.get("memory_items"))
+        if len(entries) > self.limits.items:
+            report.left_out.append(f"{plural(len(entries) - self.limits.items, 'memory item')} of {name}'s beyond "
+                                   f"the {self.limits.items:,} one import brings (import the rest separately)")
+            entries = entries[:self.limits.items]
+        for item in entries:
             fields = item_fields(item, self.limits.item_chars) if isinstance(item, dict) else None
             if fields is None:
                 report.left_out.append("an unusable memory item")
@@ -234,15 +254,24 @@ class Importer:
     async def _items(self, pair_id: int, plan: _PersonaPlan, report: ImportReport) -> None:
         repo = self.store.storage.export
         new_ids: dict[int, int] = {}
+        room = self.limits.pair_items - await repo.active_items(pair_id)
+        full = 0
         for archive_id, fields in plan.items:
             if (here := await repo.item_like(pair_id, fields["content"], fields["created_at"])) is not None:
                 report.skipped += 1  # here already (an import run before): its corrections still link to it
                 new_id = here
+            elif room <= 0:
+                full += 1
+                continue
             else:
                 new_id = await repo.import_item(pair_id, fields)
                 report.items += 1
+                room -= 1
             if archive_id is not None:
                 new_ids[archive_id] = new_id
+        if full:
+            report.left_out.append(f"{plural(full, 'memory item')}: your memory with {plan.name} holds "
+                                   f"{self.limits.pair_items:,} already (forget some to make room)")
         for old, new in plan.corrections:  # corrections between imported items keep their link
             if old in new_ids and new in new_ids:
                 await repo.link_correction(pair_id, new_ids[old], new_ids[new])
@@ -270,6 +299,10 @@ class _Messages:
 
     def plan(self, messages: list[Any]) -> None:
         latest = time.time() + 60  # a message from the future would stay last in the window for as long
+        if len(messages) > self.limits.messages:  # the newest ones come in (an export lists them oldest first)
+            self.report.left_out.append(f"{plural(len(messages) - self.limits.messages, 'older message')} beyond "
+                                        f"the {self.limits.messages:,} one import brings")
+            messages = messages[-self.limits.messages:]
         for m in messages:
             if not isinstance(m, dict) or m.get("role") not in ("user", "assistant") or not isinstance(
                     m.get("text"), str):

@@ -436,3 +436,62 @@ async def test_old_imported_messages_never_read_as_the_latest_exchange(tmp_path:
         pair = await app.cortex.store.count_messages(user.id, "Cora", 0)
         hits = await app.cortex.memory.search(pair.id, "OLD-2023 message", user_id=user.id, persona="Cora")
         assert any("OLD-2023" in h.text for h in hits)
+
+
+async def test_an_import_brings_a_bounded_amount_and_keeps_the_bot_answering(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """40,000 copies of one item at different times zip to 120 kB: one import kept the bot busy for minutes
+    (each item was looked for among all the pair's items: quadratic), stalled the event loop while it checked
+    them, and repeated imports grew a memory without end. Now one import brings at most a set number of items
+    (per persona) and messages, an import adds none once the memory holds the most it may, and the checking
+    runs beside the event loop."""
+    import cortex.importing as importing
+
+    monkeypatch.setattr(importing, "IMPORT_ITEMS", 30)
+    monkeypatch.setattr(importing, "IMPORT_MESSAGES", 5)
+    monkeypatch.setattr(importing, "PAIR_ITEMS", 50)
+    item = {"category": "fact", "content": "Ann likes tea", "importance": 5}
+    message = {"is_dm": True, "role": "user", "persona": "Cora"}
+
+    def archive(start: int) -> Attachment:
+        return _archive("ann", personas=[{"persona": "Cora", "memory_items": [
+            {**item, "created_at": 1_700_000_000 + start + n} for n in range(40)]}],
+            messages=[{**message, "text": f"message {start + n}", "created_at": 1_700_000_000 + start + n}
+                      for n in range(8)])
+
+    ticks = 0
+
+    async def ticking() -> None:  # the event loop stays free while the archive is checked
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    async with App(_config(tmp_path / "bot"), llm=ScriptedProvider()) as app:
+        real_plan = importing.Importer._plan
+
+        def slow_plan(self, *args):  # type: ignore[no-untyped-def]
+            import time
+            time.sleep(0.3)  # as a large archive's checks take: on the loop, no tick would pass meanwhile
+            return real_plan(self, *args)
+
+        monkeypatch.setattr(importing.Importer, "_plan", slow_plan)
+        ticker = asyncio.create_task(ticking())
+        try:
+            first = await run(app, "!memory import", ctx("ann", archive(0)))
+        finally:
+            ticker.cancel()
+        assert ticks > 100
+        assert first.startswith("Imported 30 memory items, 0 files and 5 messages"), first
+        assert "10 memory items of Cora's beyond the 30 one import brings" in first
+        assert "3 older messages beyond the 5 one import brings" in first
+        history = await app.storage.export.messages((await app.storage.get_user("discord:ann")).id)  # type: ignore[union-attr]
+        assert [m["text"] for m in history] == [f"message {n}" for n in range(3, 8)]  # the newest ones
+        second = await run(app, "!memory import", ctx("ann", archive(1000)))
+        assert second.startswith("Imported 20 memory items"), second
+        assert "10 memory items: your memory with Cora holds 50 already" in second
+        user = await app.storage.get_user("discord:ann")
+        pair = await app.cortex.store.count_messages(user.id, "Cora", 0)  # type: ignore[union-attr]
+        assert await app.storage.export.active_items(pair.id) == 50
+        again = await run(app, "!memory import", ctx("ann", archive(0)))  # all here already: nothing twice
+        assert again.startswith("Imported 0 memory items, 0 files and 0 messages; 35 were here already"), again

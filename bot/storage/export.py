@@ -67,11 +67,18 @@ class ExportRepository:
     # -- import ------------------------------------------------------------------------------------
 
     async def item_like(self, pair_id: int, content: str, created_at: float) -> int | None:
-        """The id of the pair's item with this text and time (an import's item already here), or None."""
+        """The id of the pair's item with this text and time (an import's item already here), or None (found
+        through the pair's items by time: an import of thousands asks once per item)."""
         row = await self.db.fetch_one(
-            "SELECT id FROM memory_items WHERE pair_id = ? AND content = ? AND abs(created_at - ?) < 0.001"
-            " ORDER BY id LIMIT 1", (pair_id, content, created_at))
+            "SELECT id FROM memory_items WHERE pair_id = ? AND created_at > ? AND created_at < ? AND content = ?"
+            " ORDER BY id LIMIT 1", (pair_id, created_at - 0.001, created_at + 0.001, content))
         return None if row is None else int(row[0])
+
+    async def active_items(self, pair_id: int) -> int:
+        """The pair's items not archived (what an import may add to, up to a limit)."""
+        row = await self.db.fetch_one(
+            "SELECT count(*) FROM memory_items WHERE pair_id = ? AND archived_at IS NULL", (pair_id,))
+        return int(row[0]) if row else 0
 
     async def import_item(self, pair_id: int, fields: Mapping[str, Any]) -> int:
         """Insert an item as exported (its own times and state); returns its new id."""

@@ -330,4 +330,9 @@ MIGRATIONS: tuple[Migration, ...] = (
         (VISIBLE_INDEX,),
         postgres=(),  # the text query filters on the table's own columns there (and its rows are read anyway)
     ),
+    Migration(
+        17,
+        "memory items found by their time within a pair (an import checks each of its items against them)",
+        ("CREATE INDEX memory_items_by_pair_time ON memory_items (pair_id, created_at)",),
+    ),
 )
