@@ -494,8 +494,8 @@ def _mismatch_advice(report: CopyReport) -> list[str]:
 @cli.command()
 @click.pass_context
 def doctor(ctx: click.Context) -> None:
-    """Check the config, the chat platforms' credentials, the database, the tokenizer, the embedder and
-    the LLM, and say what is wrong."""
+    """Check the config, the chat platforms' credentials, the database, the skills (HTTP secrets, MCP servers),
+    the tokenizer, the embedder and the LLM, and say what is wrong."""
     from rich.console import Console
     from rich.markup import escape
 
@@ -535,6 +535,36 @@ def _doctor_file_modes(path: Path | None, report: Callable[..., None]) -> None:
                                        f"chmod 600 {' '.join(map(str, exposed))}")
 
 
+async def _doctor_skills(config: Config, report: Callable[..., None]) -> None:
+    """The configured HTTP skills (their secrets set) and MCP servers (each started, as the bot would, and
+    asked for its tools within its connect timeout)."""
+    from cortex.skills.http import HttpSkill
+
+    if not config.skills.enabled or not (config.skills.http or config.skills.mcp):
+        return
+    for entry in config.skills.http:
+        try:
+            await HttpSkill(entry).aclose()
+        except ValueError as exc:  # a missing secret variable, a bad schema or URL: what stops the bot at start
+            report(False, f"http skill {entry.name}", str(exc))
+        else:
+            report(True, f"http skill {entry.name}", entry.url)
+    if not config.skills.mcp:
+        return
+    from cortex.skills.mcp import McpSkills
+
+    servers = McpSkills(config.skills.mcp)  # (a stdio server's own complaints go to stderr, as in the bot)
+    try:
+        await servers.start()
+        down = dict(servers.down())
+        for server in servers.servers:
+            reason = down.get(server.name)
+            report(reason is None, f"mcp server {server.name}",
+                   f"{len(server.tools)} tool(s)" if reason is None else f"not reachable: {reason}")
+    finally:
+        await servers.aclose()
+
+
 async def _doctor_embedder(config: Config, report: Callable[..., None]) -> str | None:
     """Load the memory embedder and embed one text, as the backfill would; returns its name."""
     from cortex.memory.embedders import EmbedderError
@@ -551,7 +581,7 @@ async def _doctor_embedder(config: Config, report: Callable[..., None]) -> str |
         took = (time.monotonic() - started) * 1000
         report(True, "embedder", f"{embedders[0].name}, {vectors.shape[1]} dimensions, first text in {took:.0f} ms")
         return embedders[0].name
-    except (EmbedderError, ValueError, TimeoutError, OSError) as exc:
+    except (EmbedderError, ConfigError, ValueError, TimeoutError, OSError) as exc:
         report(False, "embedder", str(exc) or "no answer (timed out)")
         return None
 
@@ -653,6 +683,7 @@ async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
         report(True, "tokenizer", "offline cl100k BPE loaded")
     except Exception as exc:
         report(False, "tokenizer", str(exc))
+    await _doctor_skills(config, report)
     embedder = await _doctor_embedder(config, report)
     if embedder is not None and database_ready:
         await _doctor_backlog(config, embedder, report)

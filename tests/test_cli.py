@@ -293,6 +293,33 @@ def test_doctor_reports_what_is_wrong(tmp_path: Path, fake_llm: FakeLLMServer) -
     assert bad.returncode == 1 and "unknown [llm] key 'max_token'" in bad.stdout, bad.stdout
 
 
+def test_doctor_checks_the_skills_and_the_chat_shows_what_is_down(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """doctor said "All checks passed" for an HTTP skill whose secret is unset (the bot then refuses to
+    start), an MCP server that cannot start (no word anywhere: `chat` hid warnings, `!skills list` left it
+    out) and an embedder key variable that is unset (the embedder then failed quietly)."""
+    fake_llm.models = ["test-model"]
+    fake = Path(__file__).parent / "fakes" / "mcp_server.py"
+    mcp = (f'[[skills.mcp]]\nname = "broken"\ncommand = ["{tmp_path / "no-such-server"}"]\n'
+           f'[[skills.mcp]]\nname = "good"\ncommand = ["{sys.executable}", "{fake}"]\n')
+    http = ('[[skills.http]]\nname = "weather"\ndescription = "the weather"\nurl = "http://127.0.0.1:9/w"\n'
+            'headers_env = { "X-Key" = "CB_TEST_NO_SUCH_KEY" }\n')
+    config = write_config(tmp_path, fake_llm)
+    config.write_text(config.read_text() + mcp + http + '[memory]\nembedder = "openai"\nembedder_model = "e"\n'
+                      'embedder_api_key_env = "CB_TEST_NO_EMBED_KEY"\n')
+    doctor = cortexbot("--config", str(config), "doctor", env={"CB_TEST_NO_SUCH_KEY": "", "CB_TEST_NO_EMBED_KEY": ""})
+    assert doctor.returncode == 1, doctor.stdout
+    assert "✗ http skill weather:" in doctor.stdout and "CB_TEST_NO_SUCH_KEY" in doctor.stdout
+    assert "✗ mcp server broken: not reachable:" in doctor.stdout
+    assert "✓ mcp server good:" in doctor.stdout and "tool(s)" in doctor.stdout
+    assert "✗ embedder: [memory] embedder = \"openai\" needs its API key in $CB_TEST_NO_EMBED_KEY" in doctor.stdout
+    config.write_text(config.read_text().replace(http, "").replace('embedder = "openai"', 'embedder = "none"'))
+    chat = cortexbot("--config", str(config), "chat", stdin="!skills list\n")
+    assert chat.returncode == 0, chat.stderr
+    assert "⚠️ MCP server broken is not reachable (" in chat.stdout
+    assert "WARNING" in chat.stderr and "mcp server broken is down" in chat.stderr  # the log's warnings show
+    assert "INFO" not in chat.stderr  # (progress only with -v)
+
+
 @pytest.mark.slow
 @pytest.mark.both_engines
 def test_300_message_conversation_stays_in_budget_with_versioned_summaries(

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import numpy.typing as npt
 
-from bot.config import MemoryConfig, read_secret
+from bot.config import ConfigError, MemoryConfig, read_secret
 from bot.storage.core import Storage
 from cortex.memory.background import BACKGROUND, shipped_background
 from cortex.memory.embedders import Embedder, EmbedderError, create_embedder, embed_queries, usable_cores
@@ -106,6 +106,11 @@ def build_embedders(config: MemoryConfig) -> tuple[Embedder, Embedder] | None:
         return None
     if config.embedder == "openai":
         key = read_secret(config.embedder_api_key_env)
+        named = config.embedder_api_key_env != "OPENAI_API_KEY"
+        if key is None and (named or not config.embedder_base_url):  # OpenAI's own API (or a named key) needs one
+            raise ConfigError(
+                f"[memory] embedder = \"openai\" needs its API key in ${config.embedder_api_key_env}, which is not set"
+                + ("" if named else " (a server that takes no key: set embedder_base_url)"))
 
         def make() -> Embedder:
             return create_embedder(

@@ -6,7 +6,7 @@ only scope in a direct message)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from bot.commands import Command, CommandContext, CommandError, CommandRegistry, flag, word
@@ -21,6 +21,7 @@ WEEK = 7 * 86_400.0
 class SkillCommands:
     tools: SkillTools
     storage: Storage
+    down: Callable[[], list[tuple[str, str]]] = lambda: []  # configured MCP servers not connected now, and why
     prefix: str = "!"
 
     def register(self, registry: CommandRegistry) -> None:
@@ -43,8 +44,11 @@ class SkillCommands:
         skills = self.tools.all()
         if not self.tools.config.enabled:
             return "Skills are switched off for the whole bot ([skills] enabled = false)."
+        # A server that cannot be reached offers no tools: say so, or its skills would seem never configured.
+        down = [f"⚠️ MCP server {name} is not reachable ({reason[:200]}); its tools come back once it answers"
+                for name, reason in self.down()]
         if not skills:
-            return "No skills are available."
+            return "\n".join(["No skills are available.", *down])
         lines = [f"Skills of {ctx.persona} here (✅ on, ⛔ off; change with {self.prefix}skills enable|disable NAME):"]
         for skill in sorted(skills, key=lambda s: (s.info.origin, s.info.name)):
             info = skill.info
@@ -56,7 +60,7 @@ class SkillCommands:
                 notes.append("when a message says " + ", ".join(info.triggers[:5]))
             lines.append(f"{'✅' if effective.enabled else '⛔'} {info.name} ({'; '.join(notes)}): "
                          f"{info.description[:120]}")
-        return "\n".join(lines)
+        return "\n".join(lines + down)
 
     async def enable(self, ctx: CommandContext, args: Sequence[str]) -> str:
         return await self._switch(ctx, args, True)

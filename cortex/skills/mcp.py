@@ -224,6 +224,7 @@ class McpServer:
         self._relist = asyncio.Event()
         self._interruptible: anyio.CancelScope | None = None  # a connect or a backoff wait aclose() may cut
         self._connected_at: float | None = None
+        self.last_error = ""  # why the last connection failed or ended ("" while none did)
 
     @property
     def name(self) -> str:
@@ -307,6 +308,7 @@ class McpServer:
             finally:
                 self._up = False
                 self._fail_queued()
+                self.last_error = reason
                 self._attempted.set()
             if self._stop.is_set():
                 break
@@ -494,6 +496,10 @@ class McpSkills:
     async def aclose(self) -> None:
         """Stop every server (stdio children end)."""
         await asyncio.gather(*(server.aclose() for server in self._servers))
+
+    def down(self) -> list[tuple[str, str]]:
+        """The servers not connected now, each with why (its last failure, or "not connected yet")."""
+        return [(server.name, server.last_error or "not connected yet") for server in self._servers if not server.up]
 
     def skills(self) -> list[McpTool]:
         """The tools of all servers as now known: a name two servers share becomes ``<server>_<tool>``."""

@@ -28,7 +28,7 @@ class Skills:
         self.http = [self._http_skill(entry) for entry in config.skills.http]
         self.mcp = self._mcp(config) if config.skills.mcp else None
         self.tools = SkillTools(config.skills, storage, [self._builtin_skills, self._http_skills, self._mcp_skills])
-        self.commands = SkillCommands(self.tools, storage)
+        self.commands = SkillCommands(self.tools, storage, self._mcp_down)
 
     @staticmethod
     def _mcp(config: Config) -> McpSkills:
@@ -50,6 +50,9 @@ class Skills:
 
     def _http_skills(self) -> Sequence[Skill]:
         return self.http
+
+    def _mcp_down(self) -> list[tuple[str, str]]:
+        return self.mcp.down() if self.mcp is not None else []
 
     def _mcp_skills(self) -> Sequence[Skill]:
         return self.mcp.skills() if self.mcp is not None else []
