@@ -20,8 +20,25 @@ from bot.text import one_line_name
 from bot.tokens import TokenEstimator, fit_to_budget
 
 # {char_name} as before, and the seed's and the character cards' {{char}}, {{user}}, {{LANGUAGE}}, {{LANGUAGE_CODE}}.
-_VARIABLE = re.compile(r"\{\{\s*([A-Za-z_]+)\s*\}\}|\{(char_name|user_name|language|language_code|date)\}")
+VARIABLES = ("char_name", "user_name", "language", "language_code", "date")
+_VARIABLE = re.compile(r"\{\{\s*([A-Za-z_]+)\s*\}\}|\{(" + "|".join(VARIABLES) + r")\}")
 ALIASES = {"char": "char_name", "user": "user_name"}
+# Anything that looks like a variable: what an admin writes meaning one (checked by ``unfilled``).
+_PLACEHOLDER = re.compile(r"\{\{?\s*[A-Za-z_][A-Za-z0-9_]*\s*\}?\}")
+
+
+def unfilled(text: str) -> list[str]:
+    """The placeholders in ``text`` that :func:`resolve_variables` leaves as written ("{char}", "{Language}",
+    "{{mood}}"), each once, in order: single braces take the variables' exact names, double braces any case
+    and the aliases ``{{char}}`` and ``{{user}}``."""
+    def fills(placeholder: str) -> bool:
+        match = _VARIABLE.fullmatch(placeholder)
+        if match is None:
+            return False
+        name = (match.group(1) or match.group(2)).lower()
+        return ALIASES.get(name, name) in VARIABLES
+
+    return list(dict.fromkeys(p for p in (m.group(0) for m in _PLACEHOLDER.finditer(text)) if not fills(p)))
 LANGUAGE_CODES = {
     "english": "en", "german": "de", "deutsch": "de", "french": "fr", "spanish": "es", "italian": "it",
     "portuguese": "pt", "dutch": "nl", "polish": "pl", "russian": "ru", "ukrainian": "uk", "japanese": "ja",

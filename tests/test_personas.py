@@ -78,6 +78,20 @@ async def test_an_admins_edit_survives_a_config_change_and_the_log_says_so(
     assert "the chat edit stays" in caplog.text and "!persona revert identity 3" in caplog.text
 
 
+async def test_the_note_on_variables_names_exactly_what_the_prompt_leaves_as_written(tmp_path: Path) -> None:
+    """The note listed {char} and {user} as variables, but only {{char}} and {{user}} are filled; {Language}
+    and {CHAR_NAME} passed without a note and stayed as written."""
+    llm = ScriptedProvider()
+    async with App(_config(tmp_path), llm=llm) as app:
+        reply = await run(app, "!persona edit quirk {char} and {Language} and {CHAR_NAME}, {{CHAR}} in {{language}}"
+                               " for {user_name}, {{mood}}.")
+        assert "Note: {char}, {Language}, {CHAR_NAME}, {{mood}} are no template variables and stay as written" in reply
+        assert "{char_name}" in reply and "{{char}}" in reply  # what to write instead
+        system = await system_prompt(app, llm)
+        assert "{char} and {Language} and {CHAR_NAME}, Cora in English for Ann, {{mood}}." in system
+        assert "Note" not in await run(app, "!persona edit quirk {{char}} likes {{User}} on {date}.")
+
+
 async def test_edit_history_revert_change_the_prompt_at_once(tmp_path: Path) -> None:
     llm = ScriptedProvider()
     async with App(_config(tmp_path), llm=llm) as app:
@@ -196,5 +210,5 @@ async def test_template_variables_in_both_spellings(tmp_path: Path) -> None:
     async with App(config, llm=llm) as app:
         assert "You are Cora, talking to Ann in German (de)." in await system_prompt(app, llm)
         reply = await run(app, "!persona edit values Kind to {{user}}, fond of {{weather}}.")
-        assert "{weather} is no template variable" in reply
+        assert "{{weather}} is no template variable" in reply
         assert "Kind to Ann, fond of {{weather}}." in await system_prompt(app, llm)  # left visible, no crash

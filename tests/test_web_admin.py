@@ -135,7 +135,7 @@ async def test_a_bot_admin_edits_a_soul_section_as_a_new_version(tmp_path: Path)
         path = "/api/admin/personas/cora/sections/identity"
         status, saved = await admin.call("PUT", path, {"text": "You are Cora, a calm librarian. {mood}"})
         assert status == 200, saved
-        assert saved["name"] == "identity" and saved["version"] >= 1 and saved["unknown_variables"] == ["mood"]
+        assert saved["name"] == "identity" and saved["version"] >= 1 and saved["unknown_variables"] == ["{mood}"]
         assert saved["history"][0] | {"created_at": ""} == {
             "version": saved["version"], "author": "discord:999", "reason": "edited on the web page",
             "created_at": "", "enabled": True, "chars": len(saved["text"])}

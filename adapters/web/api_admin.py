@@ -24,12 +24,13 @@ from adapters.web.userdata import persona_name
 from bot.commands import MAX_NUMBER, CommandError
 from bot.config import FREQUENCY_PRESETS, SOUL_SECTIONS
 from bot.persona import section_title
+from bot.prompt import unfilled
 from bot.storage.base import Job, JobStatus
 from bot.storage.personas import BOT_WIDE, TextKind, TextVersion
 from bot.storage.rows import dt
 from cortex.commands import setting_text
 from cortex.memory.admin import BUDGET_KEYS
-from cortex.personas.commands import MAX_SECTION_CHARS, section_key, unknown_variables
+from cortex.personas.commands import MAX_SECTION_CHARS, section_key
 from cortex.personas.guidelines import MAX_GUIDELINES_CHARS, MAX_RULE_CHARS, RULE_NAME
 from cortex.settings import OVERRIDABLE, NotAllowed, SettingError, persona_scope, server_scope
 from cortex.tiers import thresholds
@@ -235,7 +236,7 @@ class AdminApi:
         text = checked_text(body.text, MAX_SECTION_CHARS, "soul section")
         changed = await self.put_text("soul", scope, key, text, caller, f"edited {WEB}")
         return ok(section_json(key, await self.texts.history("soul", scope, key))
-                  | {"changed": changed, "unknown_variables": unknown_variables(text)})
+                  | {"changed": changed, "unknown_variables": unfilled(text)})
 
     async def revert_section(self, request: web.Request) -> web.Response:
         caller = await self.auth.require_bot_admin(request)
@@ -289,7 +290,7 @@ class AdminApi:
     async def rule_response(self, name: str, changed: bool) -> web.Response:
         versions = await self.texts.history("rule", BOT_WIDE, name)
         return ok(rule_json(versions[-1], versions) | {"changed": changed,
-                                                       "unknown_variables": unknown_variables(versions[-1].content)})
+                                                       "unknown_variables": unfilled(versions[-1].content)})
 
     async def put_rule(self, request: web.Request) -> web.Response:
         caller = await self.auth.require_bot_admin(request)

@@ -27,6 +27,7 @@ from bot.commands import (
 )
 from bot.config import SOUL_SECTIONS, ConfigError
 from bot.persona import section_title
+from bot.prompt import VARIABLES, unfilled
 from bot.storage import Storage
 from bot.storage.personas import TextVersion
 from bot.storage.textsearch import text_search_config
@@ -36,8 +37,6 @@ from cortex.personas.registry import PersonaRegistry
 MAX_SECTION_CHARS = 4000
 MAX_NAME_CHARS = 80
 SECTION_KEY = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
-KNOWN_VARIABLES = ("char_name", "user_name", "language", "date", "char", "user", "language_code")
-_BRACES = re.compile(r"\{\{?\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}?\}")
 
 EMPTY_FLAG = "--empty"
 
@@ -51,18 +50,18 @@ def section_key(text: str) -> str:
     return key
 
 
-def unknown_variables(text: str) -> list[str]:
-    """Template variables the prompt will not fill (left visible as written)."""
-    return sorted({m.group(1) for m in _BRACES.finditer(text) if m.group(1).lower() not in KNOWN_VARIABLES})
-
-
 def variables_note(text: str) -> str:
-    """" Note: …" naming the template variables in ``text`` that the prompt will not fill ("" if none)."""
-    unknown = unknown_variables(text)
+    """" Note: …" naming the placeholders in ``text`` that the prompt will not fill ("" if none)."""
+    unknown = unfilled(text)
     if not unknown:
         return ""
-    return (f" Note: {', '.join('{' + u + '}' for u in unknown)} is no template variable and stays as written "
-            f"(variables: {', '.join('{' + k + '}' for k in KNOWN_VARIABLES)}).")
+    shown_ = ", ".join("".join(u.split()) for u in unknown[:10]) + (
+        f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
+    one = len(unknown) == 1
+    return (f" Note: {shown_} {'is no template variable' if one else 'are no template variables'}"
+            f" and stay{'s' if one else ''} as written (variables: "
+            f"{', '.join('{' + k + '}' for k in VARIABLES)}; in double braces also {{{{char}}}} and {{{{user}}}}, "
+            "in any case).")
 
 
 def history_lines(versions: Sequence[TextVersion], *, named: bool = False, limit: int = 40) -> list[str]:
