@@ -16,12 +16,13 @@ import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 from urllib.parse import urlsplit
 
 import idna
 import platformdirs
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -179,9 +180,20 @@ def optional_http_url(value: str | None) -> str | None:
     return None if value is None or not value.strip() else check_http_url(value)
 
 
+def _model_name(value: str) -> str:
+    """A model's name as servers spell them ("claude-sonnet-4-5", "llama3.1:8b", "Qwen/Qwen2.5-7B-Instruct")."""
+    if not value or len(value) > 200 or not value.isprintable() or any(ch.isspace() for ch in value):
+        raise ValueError("a model name is one word of at most 200 characters, as the server spells it "
+                         "(e.g. claude-sonnet-4-5)")
+    return value
+
+
+ModelName = Annotated[str, AfterValidator(_model_name)]
+
+
 class LLMConfig(_Section):
     provider: Literal["anthropic", "openai"] = "anthropic"
-    model: str = "claude-sonnet-4-5"
+    model: ModelName = "claude-sonnet-4-5"
     base_url: str | None = None
 
     @field_validator("base_url")
@@ -209,7 +221,7 @@ class LLMConfig(_Section):
     timeout_seconds: float = Field(default=120.0, gt=0, le=3600)
     connect_timeout_seconds: float = Field(default=10.0, gt=0, le=600)
     max_retries: int = Field(default=2, ge=0, le=10)
-    summary_model: str | None = Field(default=None, description="Cheaper model for summaries; default: model.")
+    summary_model: ModelName | None = Field(default=None, description="Cheaper model for summaries; default: model.")
 
     @property
     def key_env_name(self) -> str:
@@ -282,7 +294,7 @@ class CortexConfig(_Section):
     bot_daily_token_budget: int = Field(
         default=2_000_000, ge=0, description="Tokens all cortex updates together may use per UTC day (0: none)."
     )
-    model: str | None = Field(default=None, description="Model for updates; default: [llm] model.")
+    model: ModelName | None = Field(default=None, description="Model for updates; default: [llm] model.")
     temperature: float | None = Field(default=0.3, ge=0.0, le=2.0, description="Low keeps the files steady.")
     max_tokens: int = Field(default=4096, ge=256, le=64_000, description="Longest answer per update round.")
     history_tokens: int = Field(
@@ -329,6 +341,11 @@ class MemoryConfig(_Section):
         "server; none: full-text search only.",
     )
     embedder_model: str = Field(default="", description="Model name for the openai embedder.")
+
+    @field_validator("embedder_model")
+    @classmethod
+    def _embedder_model_name(cls, value: str) -> str:
+        return _model_name(value) if value else value
     embedder_base_url: str | None = Field(default=None, description="Server of the openai embedder (Ollama, vLLM).")
 
     @field_validator("embedder_base_url")
@@ -689,7 +706,7 @@ class TerminalConfig(_Section):
 class PersonaConfig(_Section):
     name: str = Field(min_length=1, max_length=80)
     language: str = "English"
-    model: str | None = None
+    model: ModelName | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     history_tokens: int | None = Field(default=None, ge=50)
     summary_tokens: int | None = Field(default=None, ge=20)

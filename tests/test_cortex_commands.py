@@ -507,3 +507,24 @@ async def test_a_diff_and_the_settings_reach_markdown_platforms_as_code_blocks(t
         settings = await run(app, "!cortex settings", ctx(admin=True))
         assert settings.preformatted == "text" and "context_limit" in settings.text
         assert render(settings.markdown(), "m.notice")["formatted_body"].startswith("<pre><code")
+
+
+async def test_a_model_name_is_one_word_of_reasonable_length(tmp_path: Path) -> None:
+    """`!cortex settings model` took 100,000 characters (stored, and echoed in every later listing)."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        admin = ctx(admin=True)
+        for bad in ("x" * 300, "gpt 4", "a\u200bb"):
+            reply = (await run(app, f"!cortex settings model {bad}", admin)).text
+            assert "a model name is one word of at most 200 characters" in reply and len(reply) < 600
+        assert "llama3.1:8b" in (await run(app, "!cortex settings model llama3.1:8b", admin)).text
+        assert "x" * 100 not in (await run(app, "!cortex settings", admin)).text
+
+
+@pytest.mark.parametrize("where", [{"llm": {"model": "gpt 4"}}, {"llm": {"summary_model": "m" * 201}},
+                                   {"cortex": {"model": ""}}, {"memory": {"embedder_model": "a b"}},
+                                   {"personas": [{"name": "Cora", "model": "two words"}]}])
+def test_model_names_in_the_config_are_checked(where: dict) -> None:
+    from bot.config import ConfigError
+
+    with pytest.raises(ConfigError, match="a model name is one word"):
+        parse_config(where)
