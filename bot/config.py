@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol
 from urllib.parse import urlsplit
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import idna
 import platformdirs
@@ -574,7 +575,9 @@ class McpServerConfig(_Section):
     @model_validator(mode="after")
     def _one_transport(self) -> McpServerConfig:
         if bool(self.command) == bool(self.url):
-            raise ValueError(f"[[skills.mcp]] {self.name!r}: set either command (stdio) or url (HTTP), not both")
+            which = "both command and url are set" if self.command else "neither command nor url is set"
+            raise ValueError(f"[[skills.mcp]] {self.name!r}: {which}: set command (a stdio server) or url "
+                             "(an HTTP one)")
         return self
 
 
@@ -601,6 +604,16 @@ class SkillsConfig(_Section):
     timezone: str = Field(default="UTC", description="current_time's zone when the user's is unknown.")
     http: list[HttpSkillConfig] = Field(default_factory=list)
     mcp: list[McpServerConfig] = Field(default_factory=list)
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_zone(cls, value: str) -> str:
+        try:
+            ZoneInfo(value)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError("no such time zone: use an IANA name like Europe/Berlin, America/New_York or UTC"
+                             ) from None
+        return value
 
     @model_validator(mode="after")
     def _names_are_known(self) -> SkillsConfig:
@@ -873,8 +886,11 @@ def _location(loc: tuple[int | str, ...]) -> str:
     if head == "personas" and parts and isinstance(parts[0], int):
         index = parts.pop(0)
         where = f"[[personas]] #{int(index) + 1}"
-    elif isinstance(head, str) and head in Config.model_fields and parts:
+    elif isinstance(head, str) and head in Config.model_fields:
         where = f"[{head}]"
+        if len(parts) >= 2 and isinstance(parts[0], str) and isinstance(parts[1], int):  # [[skills.http]] #1
+            where = f"[[{head}.{parts[0]}]] #{parts[1] + 1}"
+            parts = parts[2:]
     else:
         return f"key '{head}' at the top level" if not parts else f"'{'.'.join(map(str, loc))}'"
     return f"{where} key '{'.'.join(map(str, parts))}'" if parts else where

@@ -270,3 +270,23 @@ def test_disabled_takes_any_case_and_names_it_cannot_check() -> None:
     assert parse_config({}).skills.builtin == list(BUILTIN_SKILLS)
     with pytest.raises(ConfigError, match="names a tool of the MCP server 'time', which"):
         parse_config({"skills": {"disabled": ["time/current_time"], "mcp": [{"name": "alpha", "command": ["x"]}]}})
+
+
+@pytest.mark.parametrize(("raw", "line"), [
+    ({"skills": {"timezone": "Mars/Base"}},
+     "[skills] key 'timezone': no such time zone: use an IANA name like Europe/Berlin"),
+    ({"skills": {"builtin": ["remembr"]}}, "- [skills]: builtin: 'remembr' is no built-in skill"),
+    ({"skills": {"http": [{"name": "w", "description": "d", "url": "http://127.0.0.1:9/", "metod": "GET"}]}},
+     "- unknown [[skills.http]] #1 key 'metod': remove it or fix the spelling (did you mean 'method'?)"),
+    ({"skills": {"mcp": [{"name": "m", "command": ["x"]}, {"name": "n"}]}},
+     "[[skills.mcp]] 'n': neither command nor url is set: set command (a stdio server) or url (an HTTP one)"),
+    ({"skills": {"mcp": [{"name": "n", "command": ["x"], "url": "http://127.0.0.1:9/mcp"}]}},
+     "[[skills.mcp]] 'n': both command and url are set"),
+])
+def test_a_problem_deep_in_a_section_is_named_as_the_toml_reads(raw: dict, line: str) -> None:
+    """A time zone current_time cannot know passed (every call then failed); a typo in an [[skills.http]]
+    table was "[skills] key 'http.0.metod'", a bad builtin name "key 'skills' at the top level", and an MCP
+    server with neither command nor url was told to "set either …, not both"."""
+    with pytest.raises(ConfigError) as caught:
+        parse_config(raw)
+    assert line in str(caught.value)
