@@ -80,6 +80,25 @@ async def test_piped_lines_after_a_command_missing_its_text_are_not_taken_for_it
     assert "Saved your memory.md as version" in shown and "Ann likes tea." in shown
 
 
+async def test_piped_texts_of_several_lines_are_read_alike_for_every_command_that_edits_one(tmp_path: Path) -> None:
+    """!memory edit and !persona edit read their text from the piped lines up to a dot; !guidelines set and
+    !rules add did not: their text (and the dot) went to the model as chat messages, and were stored."""
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
+    llm = ScriptedProvider()
+    screen = io.StringIO()
+    piped = io.StringIO("!guidelines set\nBe kind.\nNo spoilers.\n.\n!rules add tone\nAnswer briefly.\n.\n"
+                        "!lore add\nThe shop opens at nine.\n.\n!guidelines\n")
+    async with App(config, llm=llm) as app:
+        terminal = TerminalAdapter(app, user="root", stdin=piped, stdout=screen, stderr=screen)
+        assert await terminal.run() == 0, screen.getvalue()
+        stored = await app.storage.db.fetch_all("SELECT text FROM messages")
+    shown = screen.getvalue()
+    assert "Saved the bot-wide default guidelines as version 1." in shown
+    assert shown.endswith("In force: the bot-wide default guidelines:\nBe kind.\nNo spoilers.\n")
+    assert "Rule tone added (version 1)." in shown and "Lore #1 added to Cora" in shown
+    assert llm.requests == [] and stored == []  # nothing of it reached the model or the conversation
+
+
 async def test_a_forget_me_from_anywhere_in_the_process_empties_the_users_history_file(tmp_path: Path) -> None:
     """The typed command, and the web page this process serves (which calls the same forget_user): the
     terminal hears of it by the user's key, and only its own user's forget-me touches its file."""

@@ -111,6 +111,7 @@ class Param:
     minimum: int | None = None
     maximum: int | None = None
     token: str = ""
+    document: bool = False  # a text of several lines (guidelines, a rule): piped input may give it, up to a dot
 
     @property
     def spelled(self) -> str:
@@ -140,8 +141,8 @@ def words(name: str, help: str = "", *, required: bool = False, complete: str = 
     return Param(name, "words", required, help, complete=complete)
 
 
-def text(name: str, help: str = "", *, required: bool = False) -> Param:
-    return Param(name, "text", required, help)
+def text(name: str, help: str = "", *, required: bool = False, document: bool = False) -> Param:
+    return Param(name, "text", required, help, document=document)
 
 
 def flag(name: str, help: str = "", *, token: str = "") -> Param:
@@ -427,7 +428,8 @@ class CommandRegistry:
             if missing is not None:  # at a prompt, asked for (once the words before it are there)
                 return CommandReply(
                     f"{self.prefix}{command.name} needs the {missing.name}: after the command, or on the lines "
-                    f"below it. Usage: {self.usage(command)}", private=command.private, pipe_may_answer=False,
+                    f"below it. Usage: {self.usage(command)}", private=command.private,
+                    pipe_may_answer=missing.document,  # a forgotten short text: never the next piped line
                     needs_body=f"Type the {missing.name}; end with a line holding only a dot (.)" if complete else "")
         ctx = context if not body else _with_body(context, body)
         try:

@@ -45,8 +45,8 @@ class GuidelinesCommands:
         registry.register(Command("guidelines show", "the guidelines in force here (this server's, else the bot's)",
                                   self.show, (default,), aliases=("guidelines",)))
         for name, params, summary, handler in (
-            ("set", (default, text("text", "the guidelines", required=True)), "replace this server's guidelines",
-             self.set_text),
+            ("set", (default, text("text", "the guidelines", required=True, document=True)),
+             "replace this server's guidelines", self.set_text),
             ("history", (default,), "every version of this server's guidelines", self.history),
             ("revert", (default, number("version", "the version to bring back", required=True)),
              "bring back an earlier version", self.revert),
@@ -132,7 +132,7 @@ class RulesCommands:
     def register(self, registry: CommandRegistry) -> None:
         self.prefix = registry.prefix
         name = word("name", "the rule's name", required=True)
-        rule = text("text", "the rule", required=True)
+        rule = text("text", "the rule", required=True, document=True)
         for sub, params, summary, handler, bot_admin in (
             ("list", (), "the bot-wide rules in prompt order, on or off", self.list_rules, False),
             ("history", (name,), "every version of a rule", self.history, False),
