@@ -121,7 +121,8 @@ def cli(ctx: click.Context, config_path: Path | None, verbose: bool) -> None:
 
 @cli.command()
 @click.option("--user", "user", default=None, help="Your name in the chat (default: [terminal] user, else login name).")
-@click.option("--persona", default=None, help="Persona to talk to (default: [bot] default_persona, else the first).")
+@click.option("--persona", default=None, help="Persona to talk to (default: the one you last chose with !persona, "
+                                             "else [bot] default_persona, else the first).")
 @click.pass_context
 def chat(ctx: click.Context, user: str | None, persona: str | None) -> None:
     """Chat with a persona in the terminal (reads piped stdin too, one message per line)."""

@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh
-exec .venv/bin/cortexbot chat "$@"
+exec "${CORTEXBOT_VENV:-.venv}/bin/cortexbot" chat "$@"
