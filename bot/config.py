@@ -888,12 +888,20 @@ def _location(loc: tuple[int | str, ...]) -> str:
         where = f"[[personas]] #{int(index) + 1}"
     elif isinstance(head, str) and head in Config.model_fields:
         where = f"[{head}]"
-        if len(parts) >= 2 and isinstance(parts[0], str) and isinstance(parts[1], int):  # [[skills.http]] #1
+        if len(parts) >= 2 and isinstance(parts[1], int) and _holds_tables(loc[:2]):  # [[skills.http]] #1
             where = f"[[{head}.{parts[0]}]] #{parts[1] + 1}"
             parts = parts[2:]
     else:
         return f"key '{head}' at the top level" if not parts else f"'{'.'.join(map(str, loc))}'"
     return f"{where} key '{'.'.join(map(str, parts))}'" if parts else where
+
+
+def _holds_tables(loc: tuple[int | str, ...]) -> bool:
+    """Whether the field at ``loc`` is an array of tables (``[[skills.http]]``), not of values."""
+    model = _model_for(loc)
+    field = model.model_fields.get(str(loc[-1])) if model is not None else None
+    args = getattr(field.annotation, "__args__", ()) if field is not None else ()
+    return any(isinstance(a, type) and issubclass(a, BaseModel) for a in args)
 
 
 def _model_for(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
