@@ -615,9 +615,11 @@ class MatrixAdapter:
         newcomer stayed, or a room was made to look direct) is in a conversation of its own, so the direct one
         (its window, its summary, its private answers) never reaches them; the room's lists and persona still
         apply (the parent). Rooms the bot joined as groups are one conversation, whoever speaks."""
-        if self.is_dm(room) and (sender == self.config.user_id or await self._private_to(room, sender)):
+        direct = self.is_dm(room)
+        if direct and (sender == self.config.user_id or await self._private_to(room, sender)):
             return True, room.room_id, None
-        if self._kinds.get(room.room_id, "dm") == "dm":
+        kind = self._kinds.get(room.room_id)
+        if kind == "dm" or (kind is None and direct):  # (no kind: a room joined before kinds were kept)
             return False, f"{room.room_id}{GROUP_PHASE}", room.room_id
         return False, room.room_id, None
 

@@ -37,3 +37,32 @@ async def test_an_unreachable_homeserver_is_reported_once_and_retried(tmp_path: 
         with pytest.raises(asyncio.CancelledError):
             await waiting
         await adapter.close()
+
+
+async def test_rooms_joined_before_kinds_were_kept_stay_their_own_conversation(tmp_path: Path) -> None:
+    """A group room the bot joined before it recorded rooms' kinds (or one whose invite said nothing) was
+    moved to a new conversation (`!room/group`): its window, summary and switches were left behind. Only a
+    room that is (or looks) direct and is not the speaker's own gets the separate conversation."""
+    from nio import MatrixRoom
+
+    config = parse_config({
+        "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "memory": {"embedder": "none"},
+        "matrix": {"enabled": True, "homeserver": "http://127.0.0.1:9", "user_id": "@cortex:localhost",
+                   "password_env": "CB_MATRIX_PW", "store_path": str(tmp_path / "matrix")},
+    })
+    async with App(config, llm=ScriptedProvider()) as app:
+        adapter = MatrixAdapter(app, config.matrix, env={"CB_MATRIX_PW": "x"})
+        legacy = MatrixRoom("!legacy:localhost", "@cortex:localhost")
+        for member in ("@cortex:localhost", "@ann:localhost", "@bob:localhost"):
+            legacy.add_member(member, None, None)
+        assert await adapter.conversation(legacy, "@ann:localhost") == (False, "!legacy:localhost", None)
+        adapter._kinds["!dm:localhost"] = "dm"
+        dm = MatrixRoom("!dm:localhost", "@cortex:localhost")
+        for member in ("@cortex:localhost", "@ann:localhost", "@bob:localhost"):
+            dm.add_member(member, None, None)
+        assert await adapter.conversation(dm, "@ann:localhost") == (False, "!dm:localhost/group", "!dm:localhost")
+        adapter._kinds["!group:localhost"] = "group"
+        group = MatrixRoom("!group:localhost", "@cortex:localhost")
+        for member in ("@cortex:localhost", "@ann:localhost"):
+            group.add_member(member, None, None)
+        assert await adapter.conversation(group, "@ann:localhost") == (False, "!group:localhost", None)
