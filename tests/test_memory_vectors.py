@@ -168,6 +168,22 @@ async def test_no_message_vector_keeps_the_words_of_a_forgotten_or_incognito_nei
         assert embedder.texts == ["Bob: wow"]  # the incognito message is nobody's context
         assert reply.id > ok.id
 
+        # The cached vectors follow: a message embedded again replaces its old vector in a loaded block too
+        # (a withdrawal or the end of a stretch does not empty the cache, as forget-me does).
+        dan = await storage.upsert_user("console:dan", "Dan")
+        said = await storage.add_message(room.id, dan.id, "Cora", "user", "Dan", "my pin is 4711", 5)
+        await storage.sources.link(["console-message:pin"], said.id)  # as a platform's message key is kept
+        after = await storage.add_message(room.id, bob.id, "Cora", "user", "Bob", "noted", 1)
+        await app.cortex.embeddings.backfill()
+        block = await app.cortex.embeddings.index.messages(bob.id, "Cora")  # loaded (and kept) now
+        row = block.ids.tolist().index(after.id)
+        assert np.array_equal(block.matrix[row], embedder.embed(["Dan: my pin is 4711\nBob: noted"])[0])
+        assert (await storage.withdraw_message("console-message:pin", 0.0))[0] and said.id
+        await app.cortex.embeddings.backfill()
+        block = await app.cortex.embeddings.index.messages(bob.id, "Cora")
+        assert np.array_equal(block.matrix[block.ids.tolist().index(after.id)],
+                              embedder.embed(["Bob: wow\nBob: noted"])[0])
+
 
 async def test_a_big_block_scanned_in_two_halves_gives_the_same_answer(monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(9)

@@ -98,7 +98,7 @@ class Block:
         self._ids = ids
         self._matrix = matrix
         self._size = len(ids)
-        self._known: set[int] | None = None  # built on the first append only
+        self._known: dict[int, int] | None = None  # id -> row, built on the first append only
         self._sketch: Sketch | None = None
         self._building: asyncio.Task[None] | None = None
         self._generation = 0  # bumped when the rows are replaced: a sketch built before is dropped
@@ -121,8 +121,15 @@ class Block:
             self._generation += 1
             return
         if self._known is None:
-            self._known = set(self.ids.tolist())
-        keep = [n for n, i in enumerate(ids) if i not in self._known]
+            self._known = {int(i): row for row, i in enumerate(self.ids.tolist())}
+        known = self._known
+        replaced = [(n, known[int(i)]) for n, i in enumerate(ids) if int(i) in known]
+        if replaced:  # embedded again (its context changed, a neighbour was deleted): the new vector counts
+            for n, row in replaced:
+                self._matrix[row] = vectors[n]
+            self._sketch = None
+            self._generation += 1
+        keep = [n for n, i in enumerate(ids) if int(i) not in known]
         if not keep:
             return
         need = self._size + len(keep)
@@ -135,8 +142,8 @@ class Block:
             self._ids, self._matrix = grown_ids, grown
         self._ids[self._size:need] = [ids[n] for n in keep]
         self._matrix[self._size:need] = vectors[keep]
+        known.update((int(ids[n]), self._size + k) for k, n in enumerate(keep))
         self._size = need
-        self._known.update(ids[n] for n in keep)
 
     def top(self, query: npt.NDArray[np.float32], k: int, floor: CentredFloor | None = None) -> dict[int, float]:
         """The ``k`` best ids, each with how far its cosine similarity to ``query`` rises above what is
