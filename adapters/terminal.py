@@ -50,6 +50,7 @@ class _PrivateHistory(FileHistory):
 
     def store_string(self, string: str) -> None:
         if self.keep:
+            private_file(Path(str(self.filename)))  # (made again after a forget-me: still the user's alone)
             super().store_string(string)
 
     def forget(self) -> None:

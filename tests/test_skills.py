@@ -393,3 +393,22 @@ async def test_the_configs_built_in_names_are_the_built_in_skills(tmp_path: Path
                 assert [s.info.origin for s in tools.all() if s.info.name == "current_time"] == ["builtin"]
         warned = [r.getMessage() for r in caplog.records if "not offered" in r.getMessage()]
         assert warned == ["skill current_time (mcp clock) is not offered: a builtin skill has that name"]
+
+
+async def test_an_unreachable_mcp_server_is_named_to_admins_and_why_only_to_the_bots_admins(tmp_path: Path) -> None:
+    """`!skills list` left a server that cannot start out (its tools seemed never configured); when it came
+    to name it, a room's admin would have read the operator's paths and URLs in the reason."""
+    from tests.fakes.provider import ScriptedProvider
+
+    hidden = tmp_path / "operator-only" / "bin" / "mcp-srv"
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "memory": {"embedder": "none"},
+                           "skills": {"mcp": [{"name": "files", "command": [str(hidden)]}]}})
+    async with App(config, llm=ScriptedProvider()) as app:
+        room_admin = CommandContext("discord", "discord:5", "Eve", "discord:chan", "Cora", is_admin=True,
+                                    is_bot_admin=False, server_key="discord:guild")
+        bot_admin = CommandContext("discord", "discord:1", "Root", "discord:dm-1", "Cora", is_admin=True,
+                                   is_bot_admin=True, is_dm=True)
+        shown = (await app.commands.dispatch("!skills list", room_admin)).text
+        assert "⚠️ MCP server files is not reachable; its tools come back once it answers" in shown
+        assert "operator-only" not in shown
+        assert str(hidden) in (await app.commands.dispatch("!skills list", bot_admin)).text

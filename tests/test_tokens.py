@@ -29,13 +29,29 @@ def test_margin_and_calibration() -> None:
     assert est.factor <= BPETokenEstimator.MAX_FACTOR
 
 
-def test_remembered_counts_match_the_tokenizer_below_and_above_the_cached_length() -> None:
-    """Counts of short texts are remembered between replies; they must stay the tokenizer's own, and long
-    texts (not remembered) are counted as well."""
-    from bot.tokens import CACHED_CHARS, _encoding
+def test_remembered_counts_match_the_tokenizer_keep_no_words_and_spare_the_bpe() -> None:
+    """Counts of short texts are remembered between replies (every reply counted the same rules and soul
+    sections again): they must stay the tokenizer's own, long texts are counted each time, and what is
+    remembered holds no text (people's messages are counted too, and must not outlive a forget-me)."""
+    import bot.tokens as tokens
+
+    class Counting:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def encode(self, text: str, disallowed_special: tuple[()] = ()) -> list[int]:
+            self.calls += 1
+            return tokens._encoding().encode(text, disallowed_special=disallowed_special)
 
     estimator = BPETokenEstimator()
-    texts = ["Hallo Welt", "naïve café 東京 🙂" * 3, "x" * CACHED_CHARS, "word " * (CACHED_CHARS // 5 + 10)]
-    for text in texts * 2:  # the second round is served from what the first remembered
-        assert estimator.raw_count(text) == len(_encoding().encode(text, disallowed_special=()))
-    assert estimator.raw_count("<|endoftext|>") == len(_encoding().encode("<|endoftext|>", disallowed_special=()))
+    counting = Counting()
+    estimator._encoding = counting  # type: ignore[assignment]
+    texts = ["Hallo Welt, remembered?", "naïve café 東京 🙂" * 3, "x" * tokens.CACHED_CHARS, "<|endoftext|> secret"]
+    long = "word " * (tokens.CACHED_CHARS // 5 + 10)
+    tokens._counts.clear()
+    first = [estimator.raw_count(t) for t in texts]
+    assert first == [len(tokens._encoding().encode(t, disallowed_special=())) for t in texts]
+    assert counting.calls == len(texts)
+    assert [estimator.raw_count(t) for t in texts] == first and counting.calls == len(texts)  # remembered
+    assert estimator.raw_count(long) == estimator.raw_count(long) and counting.calls == len(texts) + 2  # not
+    assert all(isinstance(part, int) for key in tokens._counts for part in key)  # no text kept

@@ -45,8 +45,9 @@ class SkillCommands:
         if not self.tools.config.enabled:
             return "Skills are switched off for the whole bot ([skills] enabled = false)."
         # A server that cannot be reached offers no tools: say so, or its skills would seem never configured.
-        down = [f"⚠️ MCP server {name} is not reachable ({reason[:200]}); its tools come back once it answers"
-                for name, reason in self.down()]
+        # Why is the operator's to know (paths, URLs): the bot's admins see it, a room's admins do not.
+        down = [f"⚠️ MCP server {name} is not reachable" + (f" ({reason[:200]})" if ctx.is_bot_admin else "")
+                + "; its tools come back once it answers" for name, reason in self.down()]
         if not skills:
             return "\n".join(["No skills are available.", *down])
         lines = [f"Skills of {ctx.persona} here (✅ on, ⛔ off; change with {self.prefix}skills enable|disable NAME):"]
