@@ -220,12 +220,7 @@ class Importer:
             if not content.strip() or len(content) > self.files.file_max_chars:
                 report.left_out.append(f"{name}'s {filename} (empty or too long)")
                 del plan.files[filename]
-        entries = _list(persona.get("memory_items"))
-        if len(entries) > self.limits.items:
-            report.left_out.append(f"{plural(len(entries) - self.limits.items, 'memory item')} of {name}'s beyond "
-                                   f"the {self.limits.items:,} one import brings (import the rest separately)")
-            entries = entries[:self.limits.items]
-        for item in entries:
+        for item in _list(persona.get("memory_items")):
             fields = item_fields(item, self.limits.item_chars) if isinstance(item, dict) else None
             if fields is None:
                 report.left_out.append("an unusable memory item")
@@ -255,8 +250,11 @@ class Importer:
         repo = self.store.storage.export
         new_ids: dict[int, int] = {}
         room = self.limits.pair_items - await repo.active_items(pair_id)
-        full = 0
+        added = full = later = 0
         for archive_id, fields in plan.items:
+            if added >= self.limits.items:  # one import's share: the same archive sent again brings the next
+                later += 1
+                continue
             if (here := await repo.item_like(pair_id, fields["content"], fields["created_at"])) is not None:
                 report.skipped += 1  # here already (an import run before): its corrections still link to it
                 new_id = here
@@ -265,10 +263,14 @@ class Importer:
                 continue
             else:
                 new_id = await repo.import_item(pair_id, fields)
-                report.items += 1
+                added += 1
                 room -= 1
             if archive_id is not None:
                 new_ids[archive_id] = new_id
+        report.items += added
+        if later:
+            report.left_out.append(f"{plural(later, 'memory item')} of {plan.name}'s for later: one import brings "
+                                   f"{self.limits.items:,} new ones (send the same archive again for the rest)")
         if full:
             report.left_out.append(f"{plural(full, 'memory item')}: your memory with {plan.name} holds "
                                    f"{self.limits.pair_items:,} already (forget some to make room)")
@@ -299,10 +301,6 @@ class _Messages:
 
     def plan(self, messages: list[Any]) -> None:
         latest = time.time() + 60  # a message from the future would stay last in the window for as long
-        if len(messages) > self.limits.messages:  # the newest ones come in (an export lists them oldest first)
-            self.report.left_out.append(f"{plural(len(messages) - self.limits.messages, 'older message')} beyond "
-                                        f"the {self.limits.messages:,} one import brings")
-            messages = messages[-self.limits.messages:]
         for m in messages:
             if not isinstance(m, dict) or m.get("role") not in ("user", "assistant") or not isinstance(
                     m.get("text"), str):
@@ -347,7 +345,12 @@ class _Messages:
         newest = await self.storage.recent_messages(self.channel.id, 1)
         since = newest[0].created_at.timestamp() if newest else float("-inf")
         earlier = await self.storage.get_channel(f"{self.channel.key}{EARLIER}")  # an earlier import's
-        for persona, role, author, text, created in self.rows:
+        for n, (persona, role, author, text, created) in enumerate(self.rows):
+            if self.report.messages >= self.limits.messages:  # one import's share; the same archive again: the rest
+                self.report.left_out.append(
+                    f"{plural(len(self.rows) - n, 'message')} for later: one import brings {self.limits.messages:,} "
+                    "new ones (send the same archive again for the rest)")
+                break
             if earlier is None and created < since:
                 earlier = await self.storage.upsert_channel(f"{self.channel.key}{EARLIER}", self.channel.name,
                                                             is_dm=True)

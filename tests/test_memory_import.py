@@ -483,15 +483,16 @@ async def test_an_import_brings_a_bounded_amount_and_keeps_the_bot_answering(
             ticker.cancel()
         assert ticks > 100
         assert first.startswith("Imported 30 memory items, 0 files and 5 messages"), first
-        assert "10 memory items of Cora's beyond the 30 one import brings" in first
-        assert "3 older messages beyond the 5 one import brings" in first
+        assert "10 memory items of Cora's for later: one import brings 30 new ones (send the same archive" in first
+        assert "3 messages for later: one import brings 5 new ones" in first
+        again = await run(app, "!memory import", ctx("ann", archive(0)))  # the same archive: the rest comes in
+        assert again.startswith("Imported 10 memory items, 0 files and 3 messages; 35 were here already"), again
+        assert "for later" not in again
         history = await app.storage.export.messages((await app.storage.get_user("discord:ann")).id)  # type: ignore[union-attr]
-        assert [m["text"] for m in history] == [f"message {n}" for n in range(3, 8)]  # the newest ones
-        second = await run(app, "!memory import", ctx("ann", archive(1000)))
-        assert second.startswith("Imported 20 memory items"), second
-        assert "10 memory items: your memory with Cora holds 50 already" in second
+        assert [m["text"] for m in history] == [f"message {n}" for n in range(8)]
+        more = await run(app, "!memory import", ctx("ann", archive(1000)))
+        assert more.startswith("Imported 10 memory items, 0 files and 5 messages"), more
+        assert "30 memory items: your memory with Cora holds 50 already (forget some to make room)" in more
         user = await app.storage.get_user("discord:ann")
         pair = await app.cortex.store.count_messages(user.id, "Cora", 0)  # type: ignore[union-attr]
         assert await app.storage.export.active_items(pair.id) == 50
-        again = await run(app, "!memory import", ctx("ann", archive(0)))  # all here already: nothing twice
-        assert again.startswith("Imported 0 memory items, 0 files and 0 messages; 35 were here already"), again

@@ -111,7 +111,7 @@ class ExportRepository:
                                  (old_id, new_id, pair_id))
 
     async def has_message(self, channel_id: int, role: str, text: str, created_at: float) -> bool:
-        row = await self.db.fetch_one(
-            "SELECT 1 FROM messages WHERE channel_id = ? AND role = ? AND text = ? AND abs(created_at - ?) < 0.001",
-            (channel_id, role, text, created_at))
+        row = await self.db.fetch_one(  # (found by time within the channel: an import asks once per message)
+            "SELECT 1 FROM messages WHERE channel_id = ? AND created_at > ? AND created_at < ? AND role = ?"
+            " AND text = ?", (channel_id, created_at - 0.001, created_at + 0.001, role, text))
         return row is not None

@@ -335,4 +335,9 @@ MIGRATIONS: tuple[Migration, ...] = (
         "memory items found by their time within a pair (an import checks each of its items against them)",
         ("CREATE INDEX memory_items_by_pair_time ON memory_items (pair_id, created_at)",),
     ),
+    Migration(
+        18,
+        "messages found by their time within a channel (an import checks each of its messages against them)",
+        ("CREATE INDEX messages_by_channel_time ON messages (channel_id, created_at)",),
+    ),
 )
