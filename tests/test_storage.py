@@ -462,3 +462,38 @@ async def test_a_withdrawn_platform_message_goes_with_what_points_at_it(storage:
     assert await storage.withdraw_message("matrix-message:$a", 3.0) == (False, 0)  # once is enough
     assert await storage.withdraw_message("matrix-message:$unknown", 3.0) == (False, 0)
     assert await storage.count_messages(channel.id) == 1
+
+
+@pytest.mark.both_engines
+async def test_an_upgrade_embeds_again_the_messages_of_channels_that_lost_some(tmp_path: Path) -> None:
+    """Each message was embedded with the one before it, and deleting a message left the next one's vector as
+    it was (a forgotten user's words in someone else's vector). The upgrade drops the vectors of every channel
+    whose messages were ever deleted (its positions have a gap), for the backfill to embed them again."""
+    from bot.storage import open_storage
+    from tests.engines import db_url_for
+
+    url = db_url_for(tmp_path)
+    old = await open_storage(url, migrations=MIGRATIONS[:18])
+    try:
+        await old.migrate()
+        ann = await old.upsert_user("console:ann", "Ann")
+        kept = await old.upsert_channel("console:kept", "kept", is_dm=False)
+        lost = await old.upsert_channel("console:lost", "lost", is_dm=False)
+        ids = {c.key: [(await old.add_message(c.id, ann.id, "Cora", "user", "Ann", f"{c.name} {n}", 2)).id
+                       for n in range(3)] for c in (kept, lost)}
+        import numpy as np
+
+        await old.memory.store_message_vectors("m", [(message_id, ann.id, "Cora", np.full(4, 0.5, dtype=np.float32))
+                                                     for message_id in [*ids["console:kept"], *ids["console:lost"]]])
+        await old.db.write("DELETE FROM message_vectors WHERE message_id = ?", (ids["console:lost"][1],))
+        await old.db.write("DELETE FROM messages WHERE id = ?", (ids["console:lost"][1],))  # as releases before did
+        await old.db.write("UPDATE channels SET message_count = 2 WHERE id = ?", (lost.id,))
+    finally:
+        await old.close()
+    new = await open_storage(url)
+    try:
+        assert await new.migrate() == [19]
+        left = sorted(int(r[0]) for r in await new.db.fetch_all("SELECT message_id FROM message_vectors"))
+        assert left == sorted(ids["console:kept"])
+    finally:
+        await new.close()

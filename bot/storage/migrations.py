@@ -340,4 +340,13 @@ MIGRATIONS: tuple[Migration, ...] = (
         "messages found by their time within a channel (an import checks each of its messages against them)",
         ("CREATE INDEX messages_by_channel_time ON messages (channel_id, created_at)",),
     ),
+    Migration(
+        19,
+        "messages of channels that lost messages are embedded again: each was embedded with the one before it,"
+        " and one deleted before this release (a forget-me, an incognito stretch, retention) may live on in it",
+        # A channel's seq runs 1, 2, 3 … in id order until a message in it is deleted (it is recounted then).
+        ("DELETE FROM message_vectors WHERE message_id IN (SELECT id FROM messages WHERE channel_id IN ("
+         "SELECT channel_id FROM (SELECT channel_id, seq, ROW_NUMBER() OVER (PARTITION BY channel_id ORDER BY id)"
+         " AS n FROM messages) AS numbered WHERE seq <> n))",),
+    ),
 )
