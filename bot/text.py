@@ -109,3 +109,9 @@ def error_line(exc: BaseException) -> str:
     """An error as one line for a person: its type and the first line of its message."""
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__
+
+
+def continued(text: str) -> str:
+    """``text`` as one entry of a transcript: its further lines indented, so none starts like a new entry."""
+    lines = text.splitlines()  # (every line break a reader may see: \r, \u2028, …)
+    return "\n    ".join(lines) if len(lines) > 1 else text
