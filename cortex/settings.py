@@ -7,6 +7,7 @@ effective value of every key can always be shown together with where it came fro
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,8 @@ CACHE_SECONDS = 5.0
 # What the bot's operator pays for: a server admin may tune how the persona remembers, not the bill.
 OPERATOR_KEYS = frozenset({"model", "daily_token_budget", "max_rounds"})
 PRIVACY_KEYS = frozenset({"use_in_groups"})
+
+log = logging.getLogger(__name__)
 
 
 def check_may_change(key: str, *, bot_admin: bool, value: str = "") -> None:
@@ -139,6 +142,7 @@ class SettingsResolver:
         self.defaults = defaults
         self.store = store
         self._cache: dict[str, tuple[float, dict[str, Any]]] = {}
+        self._warned: set[tuple[str, str, str]] = set()
 
     async def _scope(self, scope: str) -> dict[str, Any]:
         cached = self._cache.get(scope)
@@ -159,10 +163,23 @@ class SettingsResolver:
                     sources[key] = scope
         try:
             settings = CortexConfig.model_validate(merged, strict=False)  # stored by older versions too
-        except ValidationError:
-            # An override that no longer validates (e.g. after an upgrade) must not stop replies.
-            settings = self.defaults
-            sources = {key: "config" for key in merged}
+        except ValidationError as exc:
+            # An override that no longer validates (e.g. after an upgrade) must not stop replies: it alone
+            # falls back to the config's value, the others stay.
+            defaults = self.defaults.model_dump()
+            for key in {str(error["loc"][0]) for error in exc.errors() if error.get("loc")}:
+                if key in merged:
+                    stale = (sources.get(key, ""), key, repr(merged[key])[:200])
+                    if stale not in self._warned:  # once, not at every reply
+                        self._warned.add(stale)
+                        log.warning("the stored cortex setting %s = %s (%s) is no longer valid; the config's value "
+                                    "is used until an admin sets it again", key, stale[2], stale[0])
+                    merged[key], sources[key] = defaults[key], "config"
+            try:
+                settings = CortexConfig.model_validate(merged, strict=False)
+            except ValidationError:  # a check across keys: every override waits until an admin mends it
+                settings = self.defaults
+                sources = {key: "config" for key in merged}
         return Effective(settings, sources)
 
     async def private_memory_allowed(self, persona: str, server_key: str | None, is_dm: bool) -> bool:

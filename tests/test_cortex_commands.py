@@ -528,3 +528,22 @@ def test_model_names_in_the_config_are_checked(where: dict) -> None:
 
     with pytest.raises(ConfigError, match="a model name is one word"):
         parse_config(where)
+
+
+async def test_a_stored_setting_that_no_longer_validates_falls_back_alone(tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A stored override an upgrade no longer accepts (a model name with a space, stored before names were
+    checked) made every override of its scope fall back to the config, silently."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        admin = ctx(admin=True)
+        await run(app, "!cortex settings frequency rare", admin)
+        await app.cortex.store.set_setting("persona:cora", "model", "gpt 4", "console:root")  # as an old release
+        from cortex.settings import SettingsResolver
+
+        resolver = SettingsResolver(app.config.cortex, app.cortex.store)  # (as a process starting anew)
+        with caplog.at_level("WARNING", logger="cortex.settings"):
+            for _ in range(3):
+                effective = await resolver.effective("Cora")
+        assert effective.settings.frequency == "rare" and effective.sources["frequency"] == "persona:cora"
+        assert effective.sources["model"] == "config" and effective.settings.model != "gpt 4"
+        assert caplog.text.count("the stored cortex setting model = 'gpt 4'") == 1
