@@ -85,13 +85,20 @@ async def test_a_relative_sqlite_path_is_named_in_full_and_a_new_file_there_is_a
 
 
 def test_doctor_says_when_others_may_read_the_database(tmp_path: Path, fake_llm) -> None:  # type: ignore[no-untyped-def]
+    from bot.cli import _doctor_file_modes
+
     config = write_config(tmp_path, fake_llm)
     if "postgresql" in config.read_text():
         pytest.skip("an SQLite file's mode")
-    assert cortexbot("--config", str(config), "migrate").returncode == 0
     db = tmp_path / "bot.db"
-    assert mode(db) == 0o600
-    assert "database file" not in cortexbot("--config", str(config), "doctor").stdout
+
+    async def create() -> None:
+        await (await open_storage(f"sqlite:///{db}")).close()
+    import asyncio
+    asyncio.run(create())
+    said: list[tuple[bool, str, str]] = []
+    _doctor_file_modes(db, lambda ok, what, detail="": said.append((ok, what, detail)))
+    assert mode(db) == 0o600 and said == []
     db.chmod(0o644)
     result = cortexbot("--config", str(config), "doctor")
     assert result.returncode == 1
