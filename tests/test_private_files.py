@@ -90,6 +90,7 @@ def test_doctor_says_when_others_may_read_the_database(tmp_path: Path, fake_llm)
     config = write_config(tmp_path, fake_llm)
     if "postgresql" in config.read_text():
         pytest.skip("an SQLite file's mode")
+    config.write_text(config.read_text() + '[memory]\nembedder = "none"\n')  # (no model to load for this)
     db = tmp_path / "bot.db"
 
     async def create() -> None:
