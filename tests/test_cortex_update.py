@@ -631,6 +631,9 @@ async def test_concurrent_updates_reserve_their_answers_too(tmp_path: Path, fake
         fake_llm.responder = lambda request: FakeResponse.text("", input_tokens=1_700, output_tokens=4_000, delay=0.3)
         outcomes = await asyncio.gather(*(app.cortex.updater.run(p, "50", settings) for p in pairs))
         assert len(cortex_requests(fake_llm)) == 1
-        refused = [o for o in outcomes if o.status == "failed" and "bot's daily cortex token budget" in o.reason]
-        assert len(refused) == 5, outcomes
+        # Refused before the start ("skipped": another's reservation was already counted) or at the round's
+        # reservation ("failed"), as the timing falls: either way before any call.
+        refused = [o for o in outcomes if o.status in ("failed", "skipped") and "bot's daily cortex token budget"
+                   in o.reason]
+        assert len(refused) == 5, [f"{o.status}: {o.reason[:120]}" for o in outcomes if o not in refused]
         assert await app.cortex.store.tokens_since(0) <= 6_000
