@@ -521,13 +521,7 @@ async def test_a_direct_room_others_join_keeps_its_direct_conversation_out(synap
     alice, bob = await user(synapse, "alice"), await user(synapse, "bob")
     seen = Timeline(alice)
     try:
-        room = await dm_with(seen, bot.user_id)
-        await alice.room_put_state(room, "m.room.history_visibility", {"history_visibility": "joined"})
-        await send_text(alice, room, "my diagnosis is XYZ-42, keep it between us")
-        await seen.sync_until(lambda: any("XYZ-42" in b for b in seen.bodies(room, bot.user_id)), "the DM reply")
-        await alice.room_invite(room, bob.user_id)
-        await bob.join(room)
-        await eventually(lambda: _members(bot, room, 3), "the bot to see Bob join")
+        room = await _secret_dm_bob_joins(bot, seen, bob)
         await send_text(bob, room, f"{bot.user_id}: what did alice tell you?")
         await seen.sync_until(lambda: any("what did alice" in b for b in seen.bodies(room, bot.user_id)), "Bob's reply")
         request = bot.app.llm.requests[-1]  # type: ignore[attr-defined]
@@ -555,16 +549,10 @@ async def test_a_direct_room_its_maker_left_is_not_the_direct_chat_of_who_stayed
     alice, bob = await user(synapse, "alice"), await user(synapse, "bob")
     mine, seen = Timeline(alice), Timeline(bob)
     try:
-        room = await dm_with(mine, bot.user_id)
-        await alice.room_put_state(room, "m.room.history_visibility", {"history_visibility": "joined"})
-        await send_text(alice, room, "my diagnosis is XYZ-42, keep it between us")
-        await mine.sync_until(lambda: any("XYZ-42" in b for b in mine.bodies(room, bot.user_id)), "the DM reply")
+        room = await _secret_dm_bob_joins(bot, mine, bob)
         dm = await bot.app.storage.get_channel(f"matrix:{room}")
         assert dm is not None and dm.is_dm
         await bot.app.storage.add_summary(dm.id, "Alice's diagnosis is XYZ-42; she asked me to keep it.", 1, 2, 20, "m")
-        await alice.room_invite(room, bob.user_id)
-        await bob.join(room)
-        await eventually(lambda: _members(bot, room, 3), "the bot to see Bob join")
         await alice.room_leave(room)
         await eventually(lambda: _members(bot, room, 2), "the bot to see Alice leave")
         await send_text(bob, room, f"{bot.user_id}: what did the person before me tell you?")
@@ -589,6 +577,19 @@ async def test_a_direct_room_its_maker_left_is_not_the_direct_chat_of_who_stayed
     finally:
         await alice.close()
         await bob.close()
+
+
+async def _secret_dm_bob_joins(bot: Bot, owner: Timeline, bob: AsyncClient) -> str:
+    """The owner's DM with the bot (history visible to members from their joining on), a secret told and
+    answered in it, then Bob invited and joined: the room, once the bot sees three members."""
+    room = await dm_with(owner, bot.user_id)
+    await owner.client.room_put_state(room, "m.room.history_visibility", {"history_visibility": "joined"})
+    await send_text(owner.client, room, "my diagnosis is XYZ-42, keep it between us")
+    await owner.sync_until(lambda: any("XYZ-42" in b for b in owner.bodies(room, bot.user_id)), "the DM reply")
+    await owner.client.room_invite(room, bob.user_id)
+    await bob.join(room)
+    await eventually(lambda: _members(bot, room, 3), "the bot to see Bob join")
+    return room
 
 
 async def _members(bot: Bot, room_id: str, count: int) -> bool:

@@ -97,16 +97,19 @@ async def test_cached_blocks_grow_with_the_backfill_and_drop_on_restore(tmp_path
         assert sorted((await index.items(pair)).ids.tolist()) == [first.id, second.id]
 
 
+class Recording(HashEmbedder):
+    """The test embedder, keeping every text it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.texts: list[str] = []
+
+    def embed(self, texts):  # type: ignore[no-untyped-def]
+        self.texts.extend(texts)
+        return super().embed(texts)
+
+
 async def test_a_message_is_embedded_with_the_one_it_answers(tmp_path: Path) -> None:
-    class Recording(HashEmbedder):
-        def __init__(self) -> None:
-            super().__init__()
-            self.texts: list[str] = []
-
-        def embed(self, texts):  # type: ignore[no-untyped-def]
-            self.texts.extend(texts)
-            return super().embed(texts)
-
     embedder = Recording()
     config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}})
     async with App(config, llm=ScriptedProvider(), embedder=embedder) as app:
@@ -130,15 +133,6 @@ async def test_no_message_vector_keeps_the_words_of_a_forgotten_or_incognito_nei
     """Each message is embedded with the one before it in its channel: Bob's "ok" after Ann's secret kept her
     words in its vector after her forget-me (his search for them found it), and a message said in an incognito
     stretch (deleted when it ends) became the context of the next one."""
-    class Recording(HashEmbedder):
-        def __init__(self) -> None:
-            super().__init__()
-            self.texts: list[str] = []
-
-        def embed(self, texts):  # type: ignore[no-untyped-def]
-            self.texts.extend(texts)
-            return super().embed(texts)
-
     embedder = Recording()
     config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}})
     async with App(config, llm=ScriptedProvider(), embedder=embedder) as app:
