@@ -184,8 +184,7 @@ class TerminalAdapter:
             history: History = InMemoryHistory()
             path = history_path(self.user)
             try:
-                private_dir(path.parent)
-                private_file(path)  # what the user typed: theirs alone to read
+                private_dir(path.parent)  # (the file itself is made owner-only by the history as it writes)
                 self._history = _PrivateHistory(str(path))
                 history = self._history
             except OSError:

@@ -35,10 +35,9 @@ def private_file(path: Path) -> None:
     """Create ``path`` empty and owner-only unless it exists (SQLite then creates its WAL and shared
     memory files with the same mode as the database file)."""
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, FILE_MODE)
+        create_private(path).close()
     except FileExistsError:
         return
-    os.close(fd)
 
 
 def create_private(path: Path) -> BinaryIO:

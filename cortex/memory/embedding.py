@@ -106,7 +106,7 @@ def build_embedders(config: MemoryConfig) -> tuple[Embedder, Embedder] | None:
         return None
     if config.embedder == "openai":
         key = read_secret(config.embedder_api_key_env)
-        named = config.embedder_api_key_env != "OPENAI_API_KEY"
+        named = config.embedder_api_key_env != MemoryConfig.model_fields["embedder_api_key_env"].default
         if key is None and (named or not config.embedder_base_url):  # OpenAI's own API (or a named key) needs one
             raise ConfigError(
                 f"[memory] embedder = \"openai\" needs its API key in ${config.embedder_api_key_env}, which is not set"
