@@ -181,7 +181,8 @@ class ConversationCore:
         user, channel, user_msg = await self._store_incoming(message, persona, text)
         self._remember_last(message.channel_key, user_msg.text)
         budgets = budgets_for(self.config, persona)
-        window = await build_window(
+        # Whether the author is incognito is asked once, alongside the window (the tools and the tiers need it).
+        window, incognito_since = await asyncio.gather(build_window(
             self.storage,
             self.estimator,
             channel.id,
@@ -189,7 +190,7 @@ class ConversationCore:
             min_exchanges=self.config.history.min_exchanges,
             before_id=user_msg.id,
             size_hint=self._window_sizes.get(channel.id, 0),
-        )
+        ), self.storage.incognito.since(user.id, persona.name))
         if len(self._window_sizes) > 10_000:
             self._window_sizes.clear()
         self._window_sizes[channel.id] = len(window.messages)
@@ -212,6 +213,7 @@ class ConversationCore:
             is_bot_admin=stream._is_bot_admin,
             message_key=message.message_key,
             parent_channel_key=message.parent_channel_key,
+            incognito=incognito_since is not None,
         )
         sections: dict[str, list[PromptSection]] = {slot: [] for slot in get_args(SectionSlot)}
         # Concurrently: while one waits (the memory search for its query's embedding), the others work.
@@ -272,16 +274,19 @@ class ConversationCore:
             log.warning("reply in channel %d failed: %s", channel.id, type(exc).__name__)
             raise
         duration_ms = int((time.monotonic() - started) * 1000)
-        stream.result = await self._finish(
+        finished = await self._finish(
             persona, user, channel, user_msg, window, summary, raw_prompt, completion, duration_ms, message,
-            stream.rounds, began,
+            stream.rounds, began, incognito=context.incognito,
         )
-        if stream.result is None:
+        if finished is None:
             return
+        stream.result, exchange = finished
         used = [s for slot in sections.values() for section in slot for s in section.sources]
         if summary is not None:
             used.append(ReplySource("summary", summary.version))
-        await self.storage.sources.record(stream.result.reply.id, used)
+        # Independent of each other: their queries go to the database together instead of one after another.
+        await asyncio.gather(self.storage.sources.record(exchange.reply.id, used),
+                             self._check_summary(exchange, window, summary), self._observe(exchange))
 
     async def _generate(
         self, request: LLMRequest, toolbox: Toolbox | None, stream: ReplyStream, done: list[Completion]
@@ -417,7 +422,9 @@ class ConversationCore:
         message: IncomingMessage,
         rounds: int = 1,
         message_started: float = 0.0,
-    ) -> ReplyResult | None:
+        *,
+        incognito: bool | None = None,
+    ) -> tuple[ReplyResult, Exchange] | None:
         """Store the reply and its audit; None when its user asked to be forgotten (or their channel went)
         while it was written: the reply was shown, nothing of it is kept but the model call's cost."""
         text = completion.text.strip()
@@ -455,10 +462,6 @@ class ConversationCore:
             channel.id, window.tokens, window.budget, len(window.messages), window.trimmed,
             "yes" if summary_used else "no",
         )
-        try:
-            await self.summaries.on_reply(channel.id, reply.seq, window, persona.name, summary)
-        except Exception:
-            log.exception("could not check whether channel %d needs a summary", channel.id)
         exchange = Exchange(
             channel_db_id=channel.id,
             user_db_id=user.id,
@@ -468,10 +471,19 @@ class ConversationCore:
             server_key=message.server_key,
             user_message=user_msg,
             reply=reply,
+            incognito=incognito,
         )
+        return ReplyResult(text, user_msg, reply, window, summary_used, prompt_tokens, completion), exchange
+
+    async def _check_summary(self, exchange: Exchange, window: HistoryWindow, summary: Summary | None) -> None:
+        try:
+            await self.summaries.on_reply(exchange.channel_db_id, exchange.reply.seq, window, exchange.persona, summary)
+        except Exception:
+            log.exception("could not check whether channel %d needs a summary", exchange.channel_db_id)
+
+    async def _observe(self, exchange: Exchange) -> None:
         for observer in self.observers:
             try:
                 await observer.on_exchange(exchange)
             except Exception:
                 log.exception("exchange observer %s failed", type(observer).__name__)
-        return ReplyResult(text, user_msg, reply, window, summary_used, prompt_tokens, completion)

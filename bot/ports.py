@@ -83,6 +83,7 @@ class PromptContext:
     is_bot_admin: bool = False  # the author is one of the bot's own admins
     message_key: str | None = None  # the platform message answered (what is remembered from it says so)
     parent_channel_key: str | None = None  # a thread's or forum post's channel (its switches apply here too)
+    incognito: bool | None = None  # the author is incognito with the persona (None: not asked yet)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +121,7 @@ class Exchange:
     user_message: StoredMessage
     reply: StoredMessage
     extra: dict[str, object] = field(default_factory=dict)
+    incognito: bool | None = None  # as the reply path found it when the message arrived (None: not asked)
 
 
 class ReplyPreparer(Protocol):

@@ -84,7 +84,10 @@ class TierEngine:
         effective = await self.resolver.effective(exchange.persona, exchange.server_key)
         if not effective.settings.enabled:
             return
-        if await self.store.storage.incognito.since(exchange.user_db_id, exchange.persona) is not None:
+        incognito = exchange.incognito
+        if incognito is None:
+            incognito = await self.store.storage.incognito.since(exchange.user_db_id, exchange.persona) is not None
+        if incognito:
             return  # incognito: the stretch counts toward no tier
         pair = await self.store.count_messages(exchange.user_db_id, exchange.persona, MESSAGES_PER_EXCHANGE)
         for _attempt in range(5):

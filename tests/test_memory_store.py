@@ -252,6 +252,35 @@ async def test_the_newest_matches_of_common_words_rank_by_how_many_words_they_ho
         await app.stop()
 
 
+async def test_the_replys_own_window_is_left_out_before_the_limit(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Messages already in the prompt (the history window) are never recall candidates: the engine leaves
+    them out itself, so the limit counts only messages kept (best first and newest first alike)."""
+    import cortex.memory.store as store_module
+
+    monkeypatch.setattr(store_module, "COMMON_MATCHES", 5)
+    app, store, users, _ = await _setup(tmp_path, candidates=4)
+    try:
+        user, pair = users["ann"]
+        channel = await app.storage.upsert_channel("console:dm-ann", "dm", is_dm=True)
+        said = [await app.storage.add_message(channel.id, user.id, "Cora", "user", "Ann", f"garden day {i}", 3)
+                for i in range(12)]
+        window = {m.id for m in said[-6:]}
+        repo = app.storage.memory
+        for newest in (True, False):
+            rows = await repo.message_text_candidates(user.id, "Cora", {'"garden"': 1.0}, newest=newest, limit=4,
+                                                      exclude=window)
+            assert len(rows) == 4 and not {int(r["id"]) for r in rows} & window
+        newest_rows = await repo.message_text_candidates(user.id, "Cora", {'"garden"': 1.0}, newest=True, limit=4,
+                                                         exclude=window)
+        assert [int(r["id"]) for r in newest_rows] == [m.id for m in reversed(said[2:6])]
+        hits = await store.search(pair.id, "garden", user_id=user.id, persona="Cora", limit=10,
+                                  exclude_messages=window, include_items=False)
+        assert {h.text for h in hits} == {f"Ann: garden day {i}" for i in range(2, 6)}
+    finally:
+        await app.stop()
+
+
 def test_marked_words_rank_like_bm25_without_counting_every_match() -> None:
     from bot.storage.textsearch import MARK_CLOSE as C
     from bot.storage.textsearch import MARK_OPEN as O

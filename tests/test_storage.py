@@ -92,6 +92,24 @@ async def test_users_channels_and_messages(storage: Storage) -> None:
     assert await storage.count_messages_between(channel.id, ids[0], ids[4]) == 3
 
 
+async def test_a_replys_sources_are_kept_once_each_however_many(storage: Storage) -> None:
+    """What shaped a reply is recorded whole: duplicates once, a usual few in one statement, a great many
+    (a huge lore book) in one transaction."""
+    from bot.storage.sources import ROWS_PER_STATEMENT, ReplySource
+
+    ann = await storage.upsert_user("console:ann", "Ann")
+    channel = await storage.upsert_channel("console:room", "room", is_dm=False)
+    few = await storage.add_message(channel.id, ann.id, "Cora", "assistant", "Cora", "a reply", 2)
+    many = await storage.add_message(channel.id, ann.id, "Cora", "assistant", "Cora", "another", 2)
+    used = [ReplySource("item", 7), ReplySource("file", 3, "memory.md"), ReplySource("item", 7)]
+    await storage.sources.record(few.id, used)
+    assert await storage.sources.of(few.id) == [ReplySource("file", 3, "memory.md"), ReplySource("item", 7)]
+    lore = [ReplySource("lore", n) for n in range(ROWS_PER_STATEMENT * 2 + 5)]
+    await storage.sources.record(many.id, lore + lore[:10])
+    assert await storage.sources.of(many.id) == sorted(lore, key=lambda s: s.ref)
+    await storage.sources.record(many.id, [])  # nothing used: nothing written, nothing fails
+
+
 async def test_message_role_is_checked(storage: Storage) -> None:
     channel = await storage.upsert_channel("console:x", "x", is_dm=True)
     with pytest.raises(Exception, match="(?i)check constraint") as caught:

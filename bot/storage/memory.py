@@ -22,7 +22,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -399,14 +399,19 @@ class MemoryRepository:
             sql, (pair_id, now, tsquery(list(terms)), limit, config, *(tsquery([t]) for t in terms)))
 
     async def message_text_candidates(
-        self, user_id: int, persona: str, terms: Mapping[str, float], *, newest: bool, limit: int
+        self, user_id: int, persona: str, terms: Mapping[str, float], *, newest: bool, limit: int,
+        exclude: Collection[int] = (),
     ) -> list[Row]:
-        """The pair's messages matching any of ``terms``, best first (or newest), each with ``rank``."""
+        """The pair's messages matching any of ``terms``, best first (or newest), each with ``rank``; none of
+        ``exclude`` (the reply's own history window: left out here, so the limit counts only what is kept
+        and no excluded row is marked or ranked for nothing)."""
+        left_out = json.dumps(sorted(exclude))
         if self.db.dialect == "sqlite":
+            skip = " AND m.id NOT IN (SELECT value FROM json_each(?))" if exclude else ""
             sql = (" FROM messages_fts JOIN messages AS m ON m.id = messages_fts.rowid"
                    " JOIN channels AS c ON c.id = m.channel_id"
-                   " WHERE messages_fts MATCH ? AND m.user_id = ? AND m.persona = ? ORDER BY {} LIMIT ?")
-            params = (" OR ".join(terms), user_id, persona, limit)
+                   f" WHERE messages_fts MATCH ? AND m.user_id = ? AND m.persona = ?{skip} ORDER BY {{}} LIMIT ?")
+            params = (" OR ".join(terms), user_id, persona, *((left_out,) if exclude else ()), limit)
             if newest:
                 return await self._newest_sqlite(
                     f"SELECT {MESSAGE_HIT_COLUMNS}, {_marked('messages_fts', 2)} AS marked"  # author, text
@@ -414,12 +419,14 @@ class MemoryRepository:
             return await self.db.fetch_all(
                 f"SELECT {MESSAGE_HIT_COLUMNS}, bm25(messages_fts) AS rank" + sql.format("bm25(messages_fts)"), params)
         config = await self._ts_config(persona=persona)
+        last = 6 + len(terms)  # after the words of the rank
+        skip = f" AND m.id NOT IN (SELECT CAST(value AS BIGINT) FROM jsonb_array_elements_text(${last}::jsonb))"
         # The messages' own columns only: the channel of the few rows returned is joined afterwards.
-        sql = self._pg_text_sql("m.*", "messages AS m", "m.user_id = $1 AND m.persona = $2", terms, newest)
+        sql = self._pg_text_sql("m.*", "messages AS m", "m.user_id = $1 AND m.persona = $2" + skip, terms, newest)
         return await self.db.fetch_all(
             f"SELECT {MESSAGE_HIT_COLUMNS}, m.rank FROM ({sql}) AS m JOIN channels AS c ON c.id = m.channel_id"
             " ORDER BY " + ("m.id DESC" if newest else "m.rank"),
-            (user_id, persona, tsquery(list(terms)), limit, config, *(tsquery([t]) for t in terms)))
+            (user_id, persona, tsquery(list(terms)), limit, config, *(tsquery([t]) for t in terms), left_out))
 
     async def _newest_sqlite(self, sql: str, params: Sequence[Any]) -> list[Row]:
         """SQLite: the newest matches with a ``rank`` from the words FTS5 marked in each (its ``bm25()``

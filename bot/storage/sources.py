@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from bot.storage.engine import Database
 
+ROWS_PER_STATEMENT = 250  # rows inserted by one multi-row statement (4 parameters each, far below any engine's cap)
+
 
 @dataclass(frozen=True, slots=True)
 class ReplySource:
@@ -21,12 +23,15 @@ class SourceRepository:
         self.db = db
 
     async def record(self, message_id: int, sources: Sequence[ReplySource]) -> None:
-        if not sources:
+        rows = [(message_id, s.kind, s.ref, s.detail) for s in dict.fromkeys(sources)]
+        if not rows:
+            return
+        if len(rows) <= ROWS_PER_STATEMENT:  # a reply's usual few dozen: one statement, one round trip
+            await self.db.write("INSERT INTO reply_sources (message_id, kind, ref, detail) VALUES "
+                                + ", ".join("(?, ?, ?, ?)" for _ in rows), [v for row in rows for v in row])
             return
         async with self.db.transaction() as tx:
-            await tx.executemany(
-                "INSERT INTO reply_sources (message_id, kind, ref, detail) VALUES (?, ?, ?, ?)",
-                [(message_id, s.kind, s.ref, s.detail) for s in dict.fromkeys(sources)])
+            await tx.executemany("INSERT INTO reply_sources (message_id, kind, ref, detail) VALUES (?, ?, ?, ?)", rows)
 
     async def of(self, message_id: int) -> list[ReplySource]:
         rows = await self.db.fetch_all(

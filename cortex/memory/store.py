@@ -515,9 +515,8 @@ class MemoryStore:
             if not match:
                 return []
             terms, newest = await self._bounded("messages_fts", match, persona=persona)
-            rows = await self.repo.message_text_candidates(
-                user_id, persona, terms, newest=newest, limit=self.candidates + len(exclude))
-            return [r for r in rows if int(r["id"]) not in exclude]
+            return await self.repo.message_text_candidates(
+                user_id, persona, terms, newest=newest, limit=self.candidates, exclude=exclude)
 
         async def by_vector() -> dict[int, float]:
             vector, floors = await meaning
@@ -525,7 +524,8 @@ class MemoryStore:
                 return {}
             found = await self.embeddings.index.top(("messages", user_id, persona), vector,
                                                      self.candidates + len(exclude), floor=floors.message)
-            return {i: v for i, v in found.items() if i not in exclude}
+            kept = heapq.nlargest(self.candidates, ((v, i) for i, v in found.items() if i not in exclude))
+            return {i: v for v, i in kept}
 
         async def fetch(ids: list[int]) -> list[Any]:
             return await self.repo.pair_messages(user_id, persona, ids)

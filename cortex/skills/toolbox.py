@@ -164,7 +164,9 @@ class SkillTools:
         if not self.config.enabled:
             return None
         chosen: dict[str, Skill] = {}
-        incognito = await self.storage.incognito.since(context.user_db_id, context.persona) is not None
+        incognito = context.incognito
+        if incognito is None:
+            incognito = await self.storage.incognito.since(context.user_db_id, context.persona) is not None
         for skill in self.all():
             info = skill.info
             if not admitted(info, is_admin=context.is_admin, is_bot_admin=context.is_bot_admin) \
