@@ -241,6 +241,22 @@ async def test_audit_rows_are_buffered_but_never_lost_on_close(tmp_path: Path) -
     await again.close()
 
 
+async def test_many_buffered_audit_rows_of_both_tables_are_all_written_in_order(storage: Storage) -> None:
+    from bot.storage.core import AUDIT_ROWS_PER_STATEMENT
+
+    channel = await storage.upsert_channel("console:m", "m", is_dm=True)
+    msg = await storage.add_message(channel.id, None, "Cora", "assistant", "Cora", "hi", 1)
+    calls = AUDIT_ROWS_PER_STATEMENT * 2 + 7
+    for n in range(calls):
+        await storage.record_llm_call(LLMCallRecord("reply", f"model-{n}", n, 1, n))
+        if n % 100 == 0:
+            await storage.record_reply_stats(ReplyStats(channel.id, msg.id, n, 2000, 10, 0, False, 1500))
+    await storage.flush_audit()
+    written = await storage.list_llm_calls(limit=calls + 10)
+    assert [c["model"] for c in written] == [f"model-{n}" for n in reversed(range(calls))]
+    assert (await storage.reply_metrics(channel.id)).replies == 3
+
+
 async def test_another_process_summary_is_seen_after_the_cache_expires(tmp_path: Path, monkeypatch) -> None:
     import bot.storage.core as engine
 

@@ -81,6 +81,7 @@ FORGET_ATTEMPTS = 3  # a forget-me that met a row written meanwhile runs again, 
 
 AUDIT_FLUSH_ROWS = 64  # buffered audit rows written in one go ...
 AUDIT_FLUSH_SECONDS = 1.0  # ... or after this long
+AUDIT_ROWS_PER_STATEMENT = 100  # rows of one table per INSERT (9 parameters each: far below any engine's cap)
 SUMMARY_CACHE_SECONDS = 5.0  # how stale another process's new summary may look here
 
 # Errors of an audit write that no retry mends: a reference gone meanwhile, a value no column holds (sqlite3
@@ -655,24 +656,31 @@ class Storage:
             log.exception("could not write %d buffered audit rows; will retry", len(self._audit))
 
     async def flush_audit(self) -> None:
-        """Write buffered audit rows (LLM calls, reply stats) now."""
+        """Write buffered audit rows (LLM calls, reply stats) now: each table's rows in statements of many
+        rows, so the write lock (which the reply path's writes wait for) is held one round trip at a time."""
         if not self._audit:
             return
         pending, self._audit = self._audit, []
-        try:
-            async with self.db.transaction() as tx:
-                for sql in dict.fromkeys(sql for sql, _ in pending):
-                    await tx.executemany(sql, [params for s, params in pending if s == sql])
-        except Exception as exc:
-            if not {c.__name__ for c in type(exc).__mro__} & NEVER_FITS:
-                self._audit[:0] = pending
+        by_table: dict[str, list[tuple[Any, ...]]] = {}
+        for sql, params in pending:
+            by_table.setdefault(sql, []).append(params)
+        batches = [(sql, rows[start:start + AUDIT_ROWS_PER_STATEMENT])
+                   for sql, rows in by_table.items() for start in range(0, len(rows), AUDIT_ROWS_PER_STATEMENT)]
+        for number, (sql, rows) in enumerate(batches):
+            head, values = sql.split(" VALUES ")
+            try:
+                await self.db.write(f"{head} VALUES {', '.join(values for _ in rows)}",
+                                    [value for params in rows for value in params])
+            except Exception as exc:
+                if not {c.__name__ for c in type(exc).__mro__} & NEVER_FITS:
+                    self._audit[:0] = [(s, params) for s, later in batches[number:] for params in later]
+                    raise
+                # Rows that can never be written (their message was deleted meanwhile, a figure no column holds):
+                # retrying won't help, and a batch kept would fail every flush (forget-me flushes first).
+                log.error("dropped %d audit rows that do not fit the database (%s)", len(rows), type(exc).__name__)
+            except BaseException:
+                self._audit[:0] = [(s, params) for s, later in batches[number:] for params in later]
                 raise
-            # Rows that can never be written (their message was deleted meanwhile, a figure no column holds):
-            # retrying won't help, and a batch kept would fail every flush (forget-me flushes first).
-            log.error("dropped %d audit rows that do not fit the database (%s)", len(pending), type(exc).__name__)
-        except BaseException:
-            self._audit[:0] = pending
-            raise
 
     async def record_llm_call(self, record: LLMCallRecord) -> None:
         metrics.observe_llm_call(record)  # every recorded call is counted for Prometheus too
