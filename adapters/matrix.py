@@ -43,6 +43,7 @@ from nio import (
     RoomEncryptedFile,
     RoomEncryptedImage,
     RoomMemberEvent,
+    RoomMessageEmote,
     RoomMessageFile,
     RoomMessageImage,
     RoomMessageText,
@@ -201,7 +202,8 @@ class MatrixSink:
 
     limit = LIMIT
 
-    def __init__(self, adapter: MatrixAdapter, room: MatrixRoom, event: RoomMessageText | FileEvent) -> None:
+    def __init__(self, adapter: MatrixAdapter, room: MatrixRoom,
+                 event: RoomMessageText | RoomMessageEmote | FileEvent) -> None:
         self.adapter = adapter
         self.room = room
         self.event = event
@@ -394,7 +396,7 @@ class MatrixAdapter:
                                             self._invited_directly(info.invite_state if info else []))
         self.client.next_batch = since
         # Every callback is guarded: one bad event must not end the sync (see ``guarded``).
-        self.client.add_event_callback(guarded(self._on_message), RoomMessageText)
+        self.client.add_event_callback(guarded(self._on_message), (RoomMessageText, RoomMessageEmote))
         self.client.add_event_callback(guarded(self._on_file), FILE_EVENTS)
         self.client.add_event_callback(guarded(self.reactions.on_reaction), ReactionEvent)
         self.client.add_event_callback(guarded(self._on_redaction), RedactionEvent)
@@ -545,7 +547,7 @@ class MatrixAdapter:
         await self._load_creators(room.room_id)
         return (f"{PLATFORM}:power:{self.power_level(room, user_id)}",)
 
-    async def inbound(self, room: MatrixRoom, event: RoomMessageText | FileEvent) -> Inbound:
+    async def inbound(self, room: MatrixRoom, event: RoomMessageText | RoomMessageEmote | FileEvent) -> Inbound:
         content = event.source.get("content")
         me = self.config.user_id
         # The bot's own display name: the room's form of it gains " (@id)" once a member copies the name.
@@ -646,7 +648,7 @@ class MatrixAdapter:
         room's history, shown to newcomers): someone asked another member then, not the bot."""
         return room.room_id in self._joining
 
-    async def _on_message(self, room: MatrixRoom, event: RoomMessageText) -> None:
+    async def _on_message(self, room: MatrixRoom, event: RoomMessageText | RoomMessageEmote) -> None:
         if event.sender == self.config.user_id or self._before_join(room):
             return
         if relates_to(event.source.get("content")).get("rel_type") == "m.replace":
@@ -682,11 +684,15 @@ class MatrixAdapter:
             data = decrypt_attachment(data, event.key["k"], event.hashes["sha256"], event.iv)
         return Attachment(filename, data)
 
-    async def _handle(self, room: MatrixRoom, event: RoomMessageText | FileEvent,
+    async def _handle(self, room: MatrixRoom, event: RoomMessageText | RoomMessageEmote | FileEvent,
                       file: tuple[str, dict[str, Any]] | None = None) -> None:
         try:
             await self._load_creators(room.room_id)
             inbound = await self.inbound(room, event)
+            if isinstance(event, RoomMessageEmote):  # "/me waves": an action, as chats write one; never a command
+                if not inbound.message.text.strip():
+                    return
+                inbound = _with_text(inbound, f"*{inbound.message.text.strip()}*")
             prefix = self.config.command_prefix
             if prefix != self.app.commands.prefix and inbound.message.text.startswith(prefix):
                 # The room's prefix is configurable; the command layer speaks "!".

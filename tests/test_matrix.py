@@ -173,6 +173,13 @@ async def test_dm_conversation_streamed_edit_and_commands(synapse: SynapseServer
         await send_text(alice, room, "!memory show memory.md")
         await seen.sync_until(lambda: any("memory.md (version 1" in b for b in seen.bodies(room, bot.user_id)),
                               "the memory command's answer")
+        # "/me waves": an emote is answered as the action it is (and "/me !memory …" is no command)
+        await send_text(alice, room, "!memory pause", msgtype="m.emote")
+        await send_text(alice, room, "waves hello", msgtype="m.emote")
+        await seen.sync_until(lambda: any(
+            e["content"].get("m.new_content", {}).get("body") == "echo: *waves hello*"
+            for e in seen.from_(room, bot.user_id)), "the answer to an emote")
+        assert not any("Incognito" in b for b in seen.bodies(room, bot.user_id))
     finally:
         await alice.close()
 
