@@ -11,6 +11,7 @@ Starting without any config file gives safe defaults and one built-in persona.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 import re
 import tomllib
@@ -645,6 +646,33 @@ class SkillsConfig(_Section):
         return self
 
 
+MAX_ALLOWED_HOSTS = 100
+HOST_NAME = re.compile(r"(?:[a-z0-9_-]{1,63}\.)*[a-z0-9_-]{1,63}")
+
+
+def _allowed_host(entry: str) -> str:
+    """One ``[web] allowed_hosts`` entry as the Host header is compared with it: lower case, without a
+    trailing dot, an internationalised name in punycode (as browsers send it), an IPv6 address in brackets."""
+    shown = repr(entry[:60]) + ("…" if len(entry) > 60 else "")
+    if len(entry) > 253:
+        raise ValueError(f"{shown} in allowed_hosts is longer than a host name can be (at most 253 characters)")
+    if entry == "*":
+        return entry
+    name = entry.lower().removesuffix(".")
+    bare = name.removeprefix("[").removesuffix("]")
+    try:
+        if ":" in bare:
+            return f"[{ipaddress.IPv6Address(bare).compressed}]"
+        if not name.isascii():
+            name = idna.encode(name, uts46=True, transitional=False).decode("ascii")
+    except (ValueError, idna.IDNAError):
+        pass  # refused below
+    if not HOST_NAME.fullmatch(name):
+        raise ValueError(f"{shown} in allowed_hosts: write a host name alone, like bot.example.org, "
+                         "192.168.1.5 or [::1] (no http://, path, port or spaces; ports are not compared)")
+    return name
+
+
 class WebConfig(_Section):
     """The web page: memory and admin views, a JSON API, health and metrics, served by the bot itself."""
 
@@ -659,6 +687,16 @@ class WebConfig(_Section):
     metrics_host: str = Field(default="", description="Serve /metrics on another address (default: the page's).")
     metrics_port: int | None = Field(default=None, ge=0, le=65535, description="… and port.")
     max_body_kb: int = Field(default=256, ge=16, le=65_536, description="Largest request body accepted.")
+    allowed_hosts: list[str] = Field(default_factory=list, description=(
+        "More names the page answers to (Host header), beside public_url's, host and loopback; [\"*\"]: any."))
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_names(cls, names: list[str]) -> list[str]:
+        """Names as the Host header is compared with them (lower case, punycode, IPv6 in brackets)."""
+        if len(names) > MAX_ALLOWED_HOSTS:
+            raise ValueError(f"at most {MAX_ALLOWED_HOSTS} names (got {len(names)})")
+        return [_allowed_host(entry) for entry in names]
 
     @field_validator("public_url")
     @classmethod

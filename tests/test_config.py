@@ -217,6 +217,27 @@ def test_a_public_url_the_page_cannot_be_served_at_is_refused(given: str) -> Non
         parse_config({"web": {"public_url": given}})
 
 
+@pytest.mark.parametrize(("given", "compared"), [
+    (["Bot.Example.org."], ["bot.example.org"]), (["Bücher.example"], ["xn--bcher-kva.example"]),
+    (["192.168.1.5", "::1", "[0:0::1]"], ["192.168.1.5", "[::1]", "[::1]"]), (["*"], ["*"]), ([], []),
+])
+def test_allowed_hosts_are_kept_as_the_host_header_is_compared(given: list[str], compared: list[str]) -> None:
+    assert parse_config({"web": {"allowed_hosts": given}}).web.allowed_hosts == compared
+
+
+@pytest.mark.parametrize("entry", ["http://x", "a b", "bot.lan:8080", "bot.lan/page", "", " bot.lan", "[::zz]",
+                                   "x" * 254, "ann@bot.lan"])
+def test_a_bad_allowed_hosts_entry_is_an_error_naming_it(entry: str) -> None:
+    with pytest.raises(ConfigError, match=r"\[web\] key 'allowed_hosts': " + re.escape(repr(entry[:60]))):
+        parse_config({"web": {"allowed_hosts": ["bot.lan", entry]}})
+
+
+def test_allowed_hosts_holds_at_most_100_names() -> None:
+    parse_config({"web": {"allowed_hosts": [f"h{n}.lan" for n in range(100)]}})
+    with pytest.raises(ConfigError, match=r"allowed_hosts': at most 100 names \(got 101\)"):
+        parse_config({"web": {"allowed_hosts": [f"h{n}.lan" for n in range(101)]}})
+
+
 @pytest.mark.parametrize("kind", ["folder", "broken link"])
 def test_a_config_toml_here_that_cannot_be_read_is_an_error_not_the_defaults(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from adapters.web.auth import Auth
 from adapters.web.errors import GONE, ApiError, error_page, fail, json_error
+from adapters.web.hosts import HOSTS, HostCheck, allowed_hosts, checked_host, warn_if_unchecked
 from bot.ports import AdminDirectory
 from bot.storage.engine import is_missing_reference
 
@@ -156,11 +157,13 @@ async def security_headers(request: web.BaseRequest, response: web.StreamRespons
         response.headers.setdefault("Cache-Control", "no-store")
 
 
-def web_application(*, pages: bool = True, **kwargs: Any) -> web.Application:
-    """An application with the error middleware and the security headers on every response; ``pages``:
-    errors outside the API are the site's small pages (not on the metrics port, which has no site)."""
-    application = web.Application(middlewares=[errors], **kwargs)
+def web_application(*, pages: bool = True, hosts: frozenset[str] | None = None, **kwargs: Any) -> web.Application:
+    """An application with the error middleware, the Host check and the security headers on every response;
+    ``pages``: errors outside the API are the site's small pages (not on the metrics port, which has no site);
+    ``hosts``: the names it answers to (None: any)."""
+    application = web.Application(middlewares=[errors, checked_host], **kwargs)
     application[PAGES] = pages
+    application[HOSTS] = HostCheck(hosts)
     application.on_response_prepare.append(security_headers)
     return application
 
@@ -171,7 +174,7 @@ def static_file(name: str) -> bytes:
 
 class WebServer:
     """Serves the page, the API, /healthz and /metrics on ``[web] host:port`` (and /metrics alone on
-    ``metrics_host:metrics_port`` when set)."""
+    ``metrics_host:metrics_port`` when set), each to requests whose Host header names it (``adapters.web.hosts``)."""
 
     def __init__(self, app: App, *, directories: Sequence[AdminDirectory] = (),
                  adapters: Mapping[str, Callable[[], bool]] | None = None) -> None:
@@ -186,7 +189,7 @@ class WebServer:
         from adapters.web import api_activity, api_admin, api_items, api_me, health, login, page
 
         max_body = self.config.max_body_kb * 1024
-        application = web_application(client_max_size=max_body)
+        application = web_application(client_max_size=max_body, hosts=allowed_hosts(self.config, self.config.host))
         application[MAX_BODY] = max_body
         for module in (login, page, api_me, api_items, api_activity, api_admin):
             application.add_routes(module.routes(self.context))
@@ -200,13 +203,14 @@ class WebServer:
     async def start(self) -> None:
         from adapters.web import health
 
+        warn_if_unchecked(self.config)
         self.url = await self._serve(self.build(), self.config.host, self.config.port)
         self.config.listening_on(self.url)  # with port 0, the port chosen: the login links point there
         if self._separate_metrics:
-            metrics_app = web_application(pages=False)
+            metrics_host = self.config.metrics_host or self.config.host
+            metrics_app = web_application(pages=False, hosts=allowed_hosts(self.config, self.config.host, metrics_host))
             metrics_app.add_routes(health.metrics_routes(self.context))
-            self.metrics_url = await self._serve(metrics_app, self.config.metrics_host or self.config.host,
-                                                 self.config.metrics_port or 0)
+            self.metrics_url = await self._serve(metrics_app, metrics_host, self.config.metrics_port or 0)
             log.info("metrics at %s/metrics", self.metrics_url)
         log.info("web page at %s (listening on %s)", self.config.public_url or self.url, self.url)
 
