@@ -427,10 +427,23 @@ async def test_changes_from_the_page_keep_the_command_rate_limit(tmp_path: Path)
             version = saved["version"] if status == 200 else version
         assert statuses[:5] == [200] * 5 and statuses[5:] == [429] * 3
         status, error = await ann.call("PUT", path, {"content": "# Notes\n", "version": version})
-        assert status == 429 and "too many changes in a minute (at most 5)" in error["error"]
+        assert status == 429 and "too many changes or exports in a minute (at most 5)" in error["error"]
         assert (await bot.app.cortex.store.current((await _pair(bot, "ann")), "memory.md")).version == version
         status, _ = await ann.call("GET", path)
         assert status == 200  # reading is not limited
+
+
+async def test_exports_from_the_page_keep_the_command_rate_limit(tmp_path: Path) -> None:
+    """Each export zips everything a user has: a script fetching it in a loop kept the bot busy, where the
+    chat's !memory export counts against the command limit."""
+    async with running_bot(tmp_path) as bot, bot.client("ann") as ann, bot.client("bob") as bob:
+        bot.server.context.auth.limiter.per_minute = 3
+        statuses = [(await ann.call("GET", "/api/me/export"))[0] for _ in range(5)]
+        assert statuses == [200] * 3 + [429] * 2
+        status, error = await ann.call("GET", "/api/me/export")
+        assert status == 429 and "too many changes or exports in a minute (at most 3)" in error["error"]
+        assert (await bob.call("GET", "/api/me/export"))[0] == 200  # the limit is each user's own
+        assert (await ann.call("GET", "/api/me/items"))[0] == 200  # other reads are not limited
 
 
 async def _pair(bot: Bot, user: str) -> int:

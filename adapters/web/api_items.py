@@ -211,7 +211,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         return ok(item_json(OwnedItem(found.persona, item)))
 
     async def export(request: web.Request) -> web.Response:
-        caller = await auth.require(request)
+        caller = await auth.require(request, costly=True)
         user = await own_user(ctx, caller)
         data = await zipped(await export_data(ctx.app.cortex.store, user))
         return web.Response(body=data, content_type="application/zip", headers={
