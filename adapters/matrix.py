@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager
@@ -57,6 +58,7 @@ from nio.crypto.attachments import decrypt_attachment
 from nio.exceptions import EncryptionError
 
 from adapters.matrix_content import json_object, mentioned, relates_to, reply_target, without_reply_fallback
+from adapters.matrix_gaps import missed_redactions
 from adapters.matrix_reactions import Reactions
 from bot.app import App
 from bot.commands import Attachment, CommandReply
@@ -469,7 +471,12 @@ class MatrixAdapter:
         # A join whose own event the timeline did not carry (a limited one): the room counts as joined after
         # the first sync that brings it, whatever happens.
         self._joining.difference_update(response.rooms.join)
-        self._save_state(next_batch=response.next_batch)
+        previous = self._load_state().get("synced_at")
+        for room_id, info in response.rooms.join.items():
+            if info.timeline.limited and info.timeline.prev_batch:  # events before prev_batch were skipped
+                self._spawn(self._catch_up(room_id, info.timeline.prev_batch,
+                                           float(previous) if isinstance(previous, (int, float)) else None))
+        self._save_state(next_batch=response.next_batch, synced_at=time.time())
         if self.config.e2ee and self.client.should_upload_keys:
             await self.client.keys_upload()
 
@@ -642,6 +649,17 @@ class MatrixAdapter:
         if event.sender != sender and not room.power_levels.can_user_redact(event.sender):
             return
         await self.app.core.withdraw(MatrixSink.message_key(event.redacts), f"{PLATFORM}:{sender}")
+
+    async def _catch_up(self, room_id: str, prev_batch: str, since: float | None) -> None:
+        """Messages taken back in the events a limited sync skipped (see ``adapters.matrix_gaps``)."""
+        try:
+            async for event in missed_redactions(self.client, room_id, prev_batch, since):
+                room = self.client.rooms.get(room_id)
+                if room is None:
+                    return
+                await self._on_redaction(room, event)
+        except Exception:
+            log.exception("Matrix: reading back the redactions a limited sync skipped in %s failed", room_id)
 
     def _before_join(self, room: MatrixRoom) -> bool:
         """Whether an event of a room just joined on invite precedes the bot's own join in the timeline (the

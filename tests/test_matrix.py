@@ -247,6 +247,40 @@ async def test_restart_does_not_replay_old_messages(synapse: SynapseServer, tmp_
         await alice.close()
 
 
+async def test_a_message_taken_back_while_the_bot_was_away_goes_after_a_limited_sync(
+        synapse: SynapseServer, tmp_path: Path) -> None:
+    """More events than a sync returns happened while the bot was stopped: the redaction of a message it
+    stored was among those the sync skipped, and the stored message stayed. It is read back now."""
+    first = await start_bot(synapse, tmp_path)
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    try:
+        room = await dm_with(seen, first.user_id)
+        sent = await alice.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "my PIN is 4821"})
+        await send_text(alice, room, "and I like tea")
+        await seen.sync_until(lambda: any("I like tea" in b for b in seen.bodies(room, first.user_id)), "the answers")
+        await stop_bot(first)
+        await alice.room_redact(room, sent.event_id)
+        for n in range(15):  # more than a sync's timeline holds (10): the bot's next sync is limited
+            await alice.room_put_state(room, "m.room.topic", {"topic": f"topic {n}"})
+        second = await start_bot(synapse, tmp_path, user_id=first.user_id)
+        try:
+            channel = await second.app.storage.get_channel(f"matrix:{room}")
+            assert channel is not None
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while True:
+                said = [m.text for m in await second.app.storage.recent_messages(channel.id, 20) if m.role == "user"]
+                if said == ["and I like tea"]:
+                    break
+                assert loop.time() < deadline, f"the taken-back message is still stored: {said}"
+                await asyncio.sleep(0.2)
+        finally:
+            await stop_bot(second)
+    finally:
+        await alice.close()
+
+
 async def test_encrypted_dm(synapse: SynapseServer, tmp_path: Path) -> None:
     bot = await start_bot(synapse, tmp_path, e2ee=True)
     (tmp_path / "alice").mkdir()
