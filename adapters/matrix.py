@@ -271,6 +271,7 @@ class MatrixAdapter:
         )
         self.server_name = config.user_id.split(":", 1)[1]
         self._sent: OrderedDict[str, None] = OrderedDict()  # recent event ids the bot sent
+        self._senders: OrderedDict[str, str] = OrderedDict()  # who sent older events replied to (asked once)
         self.reactions = Reactions(self)
         state = self._load_state()
         # The direct room the bot opened for each user (for private answers), kept in the session file.
@@ -591,12 +592,29 @@ class MatrixAdapter:
         return Inbound(
             incoming,
             is_self=event.sender == me,
-            replied_to_bot=reply_to in self._sent,
+            # In a DM every message is answered: whose message it replies to matters in rooms only.
+            replied_to_bot=reply_to is not None and not is_dm and await self._sent_by_me(room.room_id, reply_to),
             roles=(f"{PLATFORM}:power:{level}",),
             # In a DM everyone holds power 100 in their own room: that makes nobody an admin of anything.
             is_admin=event.sender in self.config.admin_ids or (not is_dm and level >= self.config.admin_power_level),
             is_bot_admin=event.sender in self.config.admin_ids,
         )
+
+    async def _sent_by_me(self, room_id: str, event_id: str) -> bool:
+        """Whether the bot sent ``event_id``: its recent sends are known; an older one (sent before a restart,
+        or past the last 1,000) is asked of the server, once."""
+        if event_id in self._sent:
+            return True
+        sender = self._senders.get(event_id)
+        if sender is None:
+            response = await self.client.room_get_event(room_id, event_id)
+            sender = getattr(getattr(response, "event", None), "sender", None)
+            if not isinstance(sender, str):
+                return False  # not an event of this room (or the server did not answer): not the bot's
+            self._senders[event_id] = sender
+            while len(self._senders) > 1000:
+                self._senders.popitem(last=False)
+        return sender == self.config.user_id
 
     async def _on_undecryptable(self, room: MatrixRoom, event: MegolmEvent) -> None:
         """A message the bot could not decrypt (its device lacks the session's keys): in a DM, ask the

@@ -281,6 +281,32 @@ async def test_a_message_taken_back_while_the_bot_was_away_goes_after_a_limited_
         await alice.close()
 
 
+async def test_a_reply_to_the_bots_message_from_before_a_restart_is_answered(
+        synapse: SynapseServer, tmp_path: Path) -> None:
+    """In a room, a reply to the bot addresses it; which events were the bot's was known only for what this
+    process sent, so after a restart a reply to an earlier answer went unanswered."""
+    first = await start_bot(synapse, tmp_path)
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    try:
+        room = await open_room(alice, [first.user_id], direct=False)
+        await joined(seen, room, first.user_id)
+        await send_text(alice, room, f"{first.user_id} hello there")
+        await seen.sync_until(lambda: any("hello there" in b for b in seen.bodies(room, first.user_id)), "the answer")
+        answer = next(e for e in seen.from_(room, first.user_id) if "m.new_content" not in e["content"])
+        await stop_bot(first)
+        second = await start_bot(synapse, tmp_path, user_id=first.user_id)
+        try:
+            await send_text(alice, room, "no mention, only a reply", **{
+                "m.relates_to": {"m.in_reply_to": {"event_id": answer["event_id"]}}})
+            await seen.sync_until(lambda: any("only a reply" in b for b in seen.bodies(room, first.user_id)),
+                                  "the answer to a reply")
+        finally:
+            await stop_bot(second)
+    finally:
+        await alice.close()
+
+
 async def test_encrypted_dm(synapse: SynapseServer, tmp_path: Path) -> None:
     bot = await start_bot(synapse, tmp_path, e2ee=True)
     (tmp_path / "alice").mkdir()
