@@ -272,6 +272,8 @@ class MatrixAdapter:
         self.server_name = config.user_id.split(":", 1)[1]
         self._sent: OrderedDict[str, None] = OrderedDict()  # recent event ids the bot sent
         self._senders: OrderedDict[str, str] = OrderedDict()  # who sent older events replied to (asked once)
+        self._redactions: OrderedDict[str, None] = OrderedDict()  # redactions handled (a catch-up meets them again)
+        self._catching_up: set[str] = set()  # rooms whose skipped redactions are being read back
         self.reactions = Reactions(self)
         state = self._load_state()
         # The direct room the bot opened for each user (for private answers), kept in the session file.
@@ -658,8 +660,11 @@ class MatrixAdapter:
         """A message taken back (by its sender or a moderator): the bot's copy goes too (see ``withdraw``).
         Redactions come from anyone's homeserver: the redacted event is asked of this room (it must be
         there), and its sender's message goes only if they or someone who may redact here took it back."""
-        if self._before_join(room) or not isinstance(event.redacts, str):
+        if self._before_join(room) or not isinstance(event.redacts, str) or event.event_id in self._redactions:
             return
+        self._redactions[event.event_id] = None
+        while len(self._redactions) > 1000:
+            self._redactions.popitem(last=False)
         response = await self.client.room_get_event(room.room_id, event.redacts)
         sender = getattr(getattr(response, "event", None), "sender", None)
         if not isinstance(sender, str):
@@ -669,7 +674,11 @@ class MatrixAdapter:
         await self.app.core.withdraw(MatrixSink.message_key(event.redacts), f"{PLATFORM}:{sender}")
 
     async def _catch_up(self, room_id: str, prev_batch: str, since: float | None) -> None:
-        """Messages taken back in the events a limited sync skipped (see ``adapters.matrix_gaps``)."""
+        """Messages taken back in the events a limited sync skipped (see ``adapters.matrix_gaps``); one
+        catch-up per room at a time (a room flooded with events makes every sync limited)."""
+        if room_id in self._catching_up:
+            return
+        self._catching_up.add(room_id)
         try:
             async for event in missed_redactions(self.client, room_id, prev_batch, since):
                 room = self.client.rooms.get(room_id)
@@ -678,6 +687,8 @@ class MatrixAdapter:
                 await self._on_redaction(room, event)
         except Exception:
             log.exception("Matrix: reading back the redactions a limited sync skipped in %s failed", room_id)
+        finally:
+            self._catching_up.discard(room_id)
 
     def _before_join(self, room: MatrixRoom) -> bool:
         """Whether an event of a room just joined on invite precedes the bot's own join in the timeline (the

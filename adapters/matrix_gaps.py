@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 PAGE = 100  # redactions asked for at a time
 MAX_PAGES = 20  # 2,000 redactions a gap at most: a flood beyond that is not read back
-SKEW_SECONDS = 300.0  # server clocks differ: redactions up to this long before the previous sync are read too
+SKEW_SECONDS = 60.0  # server clocks differ: redactions up to this long before the previous sync are read too
 ONLY_REDACTIONS = {"types": ["m.room.redaction"]}
 
 
