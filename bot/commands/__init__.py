@@ -112,6 +112,7 @@ class Param:
     maximum: int | None = None
     token: str = ""
     document: bool = False  # a text of several lines (guidelines, a rule): piped input may give it, up to a dot
+    menu: bool = False  # filled in by a platform's message menu or reaction (a message reference): not in help
 
     @property
     def spelled(self) -> str:
@@ -154,8 +155,9 @@ def file(name: str, help: str = "", *, required: bool = False) -> Param:
 
 
 def option(name: str, help: str = "", *, choices: Sequence[str] = (), minimum: int | None = None,
-           maximum: int | None = None, token: str = "") -> Param:
-    return Param(name, "option", False, help, tuple(choices), minimum=minimum, maximum=maximum, token=token)
+           maximum: int | None = None, token: str = "", menu: bool = False) -> Param:
+    return Param(name, "option", False, help, tuple(choices), minimum=minimum, maximum=maximum, token=token,
+                 menu=menu)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +174,8 @@ class Command:
 
     @property
     def usage(self) -> str:
-        return " ".join(p.usage for p in self.params)
+        """The ``!`` line's arguments as help shows them (those a message menu fills in are nobody's to type)."""
+        return " ".join(p.usage for p in self.params if not p.menu)
 
     @property
     def max_args(self) -> int | None:

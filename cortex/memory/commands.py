@@ -61,7 +61,8 @@ class MemoryCommands:
         self.prefix = registry.prefix
         item = number("item", "the item's number (#12)", required=True)
         page = number("page", "which page")
-        source = option("source", "the message it comes from (set by a platform's 'Remember this')", token=FROM)
+        source = option("source", "the message it comes from (set by a platform's 'Remember this')", token=FROM,
+                        menu=True)
         commands: list[tuple[str, tuple[Param, ...], str, Handler]] = [
             ("remember", (text("text", "the fact", required=True),
                           option("category", "what kind of fact", choices=CATEGORIES),
@@ -81,7 +82,7 @@ class MemoryCommands:
                                   choices=SCOPES)), "who may see an item: private or shared", self.scope),
             ("pause", (), "talk without being remembered (incognito) until resume", self.pause),
             ("resume", (), "end incognito: what was said meanwhile is deleted", self.resume),
-            ("why", (option("reply", "one reply (a platform's 'Why?' names it)", token=OF),),
+            ("why", (option("reply", "one reply (a platform's 'Why?' names it)", token=OF, menu=True),),
              "what shaped the persona's last reply to you here, and how to correct it", self.why),
         ]
         for name, params, summary, handler in commands:
