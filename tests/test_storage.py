@@ -101,9 +101,10 @@ async def test_a_replys_sources_are_kept_once_each_however_many(storage: Storage
     channel = await storage.upsert_channel("console:room", "room", is_dm=False)
     few = await storage.add_message(channel.id, ann.id, "Cora", "assistant", "Cora", "a reply", 2)
     many = await storage.add_message(channel.id, ann.id, "Cora", "assistant", "Cora", "another", 2)
-    used = [ReplySource("item", 7), ReplySource("file", 3, "memory.md"), ReplySource("item", 7)]
-    await storage.sources.record(few.id, used)
-    assert await storage.sources.of(few.id) == [ReplySource("file", 3, "memory.md"), ReplySource("item", 7)]
+    used = [ReplySource("item", 7), ReplySource("file", 3, "memory.md"), ReplySource("item", 7), ReplySource("lore", 2)]
+    await storage.sources.record(few.id, used)  # three: one statement of four rows, the last one twice
+    assert await storage.sources.of(few.id) == [
+        ReplySource("file", 3, "memory.md"), ReplySource("item", 7), ReplySource("lore", 2)]
     lore = [ReplySource("lore", n) for n in range(ROWS_PER_STATEMENT * 2 + 5)]
     await storage.sources.record(many.id, lore + lore[:10])
     assert await storage.sources.of(many.id) == sorted(lore, key=lambda s: s.ref)
@@ -254,7 +255,45 @@ async def test_many_buffered_audit_rows_of_both_tables_are_all_written_in_order(
     await storage.flush_audit()
     written = await storage.list_llm_calls(limit=calls + 10)
     assert [c["model"] for c in written] == [f"model-{n}" for n in reversed(range(calls))]
-    assert (await storage.reply_metrics(channel.id)).replies == 3
+    assert (await storage.reply_metrics(channel.id)).replies == len(range(0, calls, 100))
+
+
+async def test_a_forget_me_during_a_flush_waits_for_it_and_keeps_other_users_audit_rows(storage: Storage) -> None:
+    """The timer's flush was under way (its rows no longer buffered) when a forget-me flushed and deleted: the
+    stats rows after the deletion met their deleted message, and the whole batch went, other users' too."""
+    channel = await storage.upsert_channel("console:room", "room", is_dm=False)
+    ann = await storage.upsert_user("console:ann", "Ann")
+    bob = await storage.upsert_user("console:bob", "Bob")
+    said = {}
+    for who in (ann, bob):
+        await storage.add_message(channel.id, who.id, "Cora", "user", who.display_name, "hi", 1)
+        said[who.id] = await storage.add_message(channel.id, who.id, "Cora", "assistant", "Cora", "hello", 1)
+    await storage.record_llm_call(LLMCallRecord("reply", "m", 1, 1, 1))
+    for who in (bob, ann):
+        await storage.record_reply_stats(ReplyStats(channel.id, said[who.id].id, 10, 100, 2, 0, False, 20))
+    flushing = asyncio.create_task(storage.flush_audit())
+    await asyncio.sleep(0)  # the flush has taken the rows and started writing
+    assert await storage.forget_user("console:ann") is not None
+    await flushing
+    assert (await storage.reply_metrics(channel.id)).replies == 1  # Bob's row; Ann's went with her
+
+
+async def test_a_flush_cut_short_neither_loses_nor_doubles_rows(storage: Storage) -> None:
+    """A cancelled flush's statement still runs on the database thread: its rows must not be queued again."""
+    for n in range(3):
+        await storage.record_llm_call(LLMCallRecord("reply", f"m{n}", n, 1, 1))
+    for turns in range(6):  # cut short at every point of its way
+        flushing = asyncio.create_task(storage.flush_audit())
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        flushing.cancel()
+        await asyncio.gather(flushing, return_exceptions=True)
+        await storage.flush_audit()
+        assert sorted(c["model"] for c in await storage.list_llm_calls()) == ["m0", "m1", "m2"]
+        await storage.db.write("DELETE FROM llm_calls")
+        for n in range(3):
+            await storage.record_llm_call(LLMCallRecord("reply", f"m{n}", n, 1, 1))
+    await storage.flush_audit()
 
 
 async def test_another_process_summary_is_seen_after_the_cache_expires(tmp_path: Path, monkeypatch) -> None:

@@ -46,6 +46,8 @@ from bot.storage.engine import (
     Tx,
     is_conflict,
     is_missing_reference,
+    multi_row,
+    power_chunks,
     stale_if_missing,
 )
 from bot.storage.export import ExportRepository
@@ -81,12 +83,23 @@ FORGET_ATTEMPTS = 3  # a forget-me that met a row written meanwhile runs again, 
 
 AUDIT_FLUSH_ROWS = 64  # buffered audit rows written in one go ...
 AUDIT_FLUSH_SECONDS = 1.0  # ... or after this long
-AUDIT_ROWS_PER_STATEMENT = 100  # rows of one table per INSERT (9 parameters each: far below any engine's cap)
+AUDIT_ROWS_PER_STATEMENT = 64  # rows of one table per INSERT at most (9 parameters each: far below any cap)
 SUMMARY_CACHE_SECONDS = 5.0  # how stale another process's new summary may look here
 
 # Errors of an audit write that no retry mends: a reference gone meanwhile, a value no column holds (sqlite3
 # raises OverflowError for an integer over 64 bits, asyncpg a DataError for one over the column's type).
 NEVER_FITS = frozenset({"IntegrityError", "ForeignKeyViolationError", "OverflowError", "DataError"})
+
+
+def _never_fits(exc: BaseException) -> bool:
+    """Whether a row failed for good (retrying cannot help), by the engines' error class names."""
+    return bool({c.__name__ for c in type(exc).__mro__} & NEVER_FITS)
+
+
+def _retrieved(future: asyncio.Future[None]) -> None:
+    """Mark a finished flush's error as seen (its caller re-raises it; a cancelled caller no longer can)."""
+    if not future.cancelled():
+        future.exception()
 
 LLM_CALL_SQL = (
     "INSERT INTO llm_calls (purpose, model, input_tokens, output_tokens, estimated_input_tokens,"
@@ -132,6 +145,8 @@ class Storage:
         self._summaries: dict[int, tuple[float, Summary | None]] = caches.named("core.summaries")
         self._audit: list[tuple[str, tuple[Any, ...]]] = []
         self._audit_timer: asyncio.Task[None] | None = None
+        self._audit_lock = asyncio.Lock()  # one flush at a time: a later one waits for the rows of the one before
+        self._audit_writing: asyncio.Future[None] | None = None
         self.cortex = CortexRepository(db)
         self.memory = MemoryRepository(db)
         self.fleet = FleetRepository(db)
@@ -656,31 +671,49 @@ class Storage:
             log.exception("could not write %d buffered audit rows; will retry", len(self._audit))
 
     async def flush_audit(self) -> None:
-        """Write buffered audit rows (LLM calls, reply stats) now: each table's rows in statements of many
-        rows, so the write lock (which the reply path's writes wait for) is held one round trip at a time."""
-        if not self._audit:
-            return
-        pending, self._audit = self._audit, []
+        """Write buffered audit rows (LLM calls, reply stats) now, after any flush still under way: a forget-me
+        flushes first and then deletes, and must find every buffered row written. The writing runs in a task
+        of its own that a cancelled caller does not stop (a statement cut short on the database thread may
+        have been written: it would be queued again, and counted twice)."""
+        async with self._audit_lock:
+            if self._audit_writing is not None and not self._audit_writing.done():
+                await asyncio.wait([self._audit_writing])
+            if not self._audit:
+                return
+            pending, self._audit = self._audit, []
+            self._audit_writing = asyncio.ensure_future(self._write_audit(pending))
+            self._audit_writing.add_done_callback(_retrieved)
+            await asyncio.shield(self._audit_writing)
+
+    async def _write_audit(self, pending: list[tuple[str, tuple[Any, ...]]]) -> None:
+        """Each table's rows in multi-row statements (of a few sizes), so the write lock the reply path's
+        writes wait for is held one round trip at a time. A statement whose rows do not all fit (a message
+        deleted meanwhile, a figure no column holds) is tried row by row and the unfit rows are dropped (retrying
+        cannot help them); what any other failure leaves unwritten is queued again."""
         by_table: dict[str, list[tuple[Any, ...]]] = {}
         for sql, params in pending:
             by_table.setdefault(sql, []).append(params)
-        batches = [(sql, rows[start:start + AUDIT_ROWS_PER_STATEMENT])
-                   for sql, rows in by_table.items() for start in range(0, len(rows), AUDIT_ROWS_PER_STATEMENT)]
-        for number, (sql, rows) in enumerate(batches):
-            head, values = sql.split(" VALUES ")
-            try:
-                await self.db.write(f"{head} VALUES {', '.join(values for _ in rows)}",
-                                    [value for params in rows for value in params])
-            except Exception as exc:
-                if not {c.__name__ for c in type(exc).__mro__} & NEVER_FITS:
-                    self._audit[:0] = [(s, params) for s, later in batches[number:] for params in later]
-                    raise
-                # Rows that can never be written (their message was deleted meanwhile, a figure no column holds):
-                # retrying won't help, and a batch kept would fail every flush (forget-me flushes first).
-                log.error("dropped %d audit rows that do not fit the database (%s)", len(rows), type(exc).__name__)
-            except BaseException:
-                self._audit[:0] = [(s, params) for s, later in batches[number:] for params in later]
-                raise
+        left = [(sql, chunk) for sql, rows in by_table.items()
+                for chunk in power_chunks(rows, AUDIT_ROWS_PER_STATEMENT)]
+        dropped = 0
+        try:
+            while left:
+                sql, rows = left[0]
+                try:
+                    await self.db.write(*multi_row(sql, rows))
+                    left.pop(0)
+                except Exception as exc:
+                    if not _never_fits(exc):
+                        raise
+                    dropped += len(rows) == 1
+                    left[0:1] = [(sql, [row]) for row in rows] if len(rows) > 1 else []
+        except BaseException:
+            self._audit[:0] = [(sql, params) for sql, rows in left for params in rows]
+            raise
+        finally:
+            if dropped:
+                log.error("dropped %d audit rows that do not fit the database (their message was deleted "
+                          "meanwhile, or a figure no column holds)", dropped)
 
     async def record_llm_call(self, record: LLMCallRecord) -> None:
         metrics.observe_llm_call(record)  # every recorded call is counted for Prometheus too

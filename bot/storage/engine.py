@@ -210,6 +210,26 @@ class Migration:
         return self.sqlite
 
 
+def multi_row(sql: str, rows: Sequence[Sequence[Any]]) -> tuple[str, list[Any]]:
+    """``INSERT … VALUES (?, …) [ON CONFLICT …]`` for one row as one statement inserting ``rows``, with their
+    values."""
+    head, rest = sql.split(" VALUES ", 1)
+    one, tail = rest[:rest.index(")") + 1], rest[rest.index(")") + 1:]
+    return f"{head} VALUES {', '.join(one for _ in rows)}{tail}", [value for row in rows for value in row]
+
+
+def power_chunks(rows: Sequence[Any], largest: int) -> list[Sequence[Any]]:
+    """``rows`` in chunks whose sizes are powers of two, at most ``largest`` (a power of two): multi-row
+    statements of a few sizes only, so the engines' statement caches (asyncpg keeps 100 per connection,
+    Python's sqlite3 128) hold them without pushing out the reply path's own."""
+    chunks, start = [], 0
+    while start < len(rows):
+        size = min(largest, 1 << ((len(rows) - start).bit_length() - 1))
+        chunks.append(rows[start:start + size])
+        start += size
+    return chunks
+
+
 def is_conflict(exc: BaseException) -> bool:
     """Whether a write failed on a unique constraint (either engine's driver)."""
     return type(exc).__name__ in ("IntegrityError", "UniqueViolationError") and (

@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bot.storage.engine import Database
+from bot.storage.engine import Database, multi_row, power_chunks
 
-ROWS_PER_STATEMENT = 250  # rows inserted by one multi-row statement (4 parameters each, far below any engine's cap)
+ROWS_PER_STATEMENT = 256  # rows inserted by one statement at most (4 parameters each, far below any engine's cap)
+SOURCE_SQL = "INSERT INTO reply_sources (message_id, kind, ref, detail) VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING"
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,12 +27,15 @@ class SourceRepository:
         rows = [(message_id, s.kind, s.ref, s.detail) for s in dict.fromkeys(sources)]
         if not rows:
             return
-        if len(rows) <= ROWS_PER_STATEMENT:  # a reply's usual few dozen: one statement, one round trip
-            await self.db.write("INSERT INTO reply_sources (message_id, kind, ref, detail) VALUES "
-                                + ", ".join("(?, ?, ?, ?)" for _ in rows), [v for row in rows for v in row])
+        if len(rows) <= ROWS_PER_STATEMENT:
+            # A reply's usual few dozen in one statement, one round trip; padded with copies of its last row
+            # (which the key makes no-ops) to a power of two, so few statement texts exist.
+            padded = rows + rows[-1:] * ((1 << (len(rows) - 1).bit_length()) - len(rows))
+            await self.db.write(*multi_row(SOURCE_SQL, padded))
             return
         async with self.db.transaction() as tx:
-            await tx.executemany("INSERT INTO reply_sources (message_id, kind, ref, detail) VALUES (?, ?, ?, ?)", rows)
+            for chunk in power_chunks(rows, ROWS_PER_STATEMENT):
+                await tx.execute(*multi_row(SOURCE_SQL, chunk))
 
     async def of(self, message_id: int) -> list[ReplySource]:
         rows = await self.db.fetch_all(
