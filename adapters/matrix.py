@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import re
-import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager
@@ -274,6 +273,7 @@ class MatrixAdapter:
         self._senders: OrderedDict[str, str] = OrderedDict()  # who sent older events replied to (asked once)
         self._redactions: OrderedDict[str, None] = OrderedDict()  # redactions handled (a catch-up meets them again)
         self._catching_up: set[str] = set()  # rooms whose skipped redactions are being read back
+        self._gaps: dict[str, tuple[str, str | None]] = {}  # per room: a skipped stretch still to read back
         self.reactions = Reactions(self)
         state = self._load_state()
         # The direct room the bot opened for each user (for private answers), kept in the session file.
@@ -474,12 +474,11 @@ class MatrixAdapter:
         # A join whose own event the timeline did not carry (a limited one): the room counts as joined after
         # the first sync that brings it, whatever happens.
         self._joining.difference_update(response.rooms.join)
-        previous = self._load_state().get("synced_at")
+        since = self._load_state().get("next_batch")  # where this sync started
         for room_id, info in response.rooms.join.items():
             if info.timeline.limited and info.timeline.prev_batch:  # events before prev_batch were skipped
-                self._spawn(self._catch_up(room_id, info.timeline.prev_batch,
-                                           float(previous) if isinstance(previous, (int, float)) else None))
-        self._save_state(next_batch=response.next_batch, synced_at=time.time())
+                self._gap(room_id, info.timeline.prev_batch, since if isinstance(since, str) else None)
+        self._save_state(next_batch=response.next_batch)
         if self.config.e2ee and self.client.should_upload_keys:
             await self.client.keys_upload()
 
@@ -594,8 +593,9 @@ class MatrixAdapter:
         return Inbound(
             incoming,
             is_self=event.sender == me,
-            # In a DM every message is answered: whose message it replies to matters in rooms only.
-            replied_to_bot=reply_to is not None and not is_dm and await self._sent_by_me(room.room_id, reply_to),
+            # Whose message it replies to matters only where it decides: in a room, without a mention.
+            replied_to_bot=(reply_to is not None and not is_dm and not mentions_bot
+                            and await self._sent_by_me(room.room_id, reply_to)),
             roles=(f"{PLATFORM}:power:{level}",),
             # In a DM everyone holds power 100 in their own room: that makes nobody an admin of anything.
             is_admin=event.sender in self.config.admin_ids or (not is_dm and level >= self.config.admin_power_level),
@@ -612,7 +612,9 @@ class MatrixAdapter:
             response = await self.client.room_get_event(room_id, event_id)
             sender = getattr(getattr(response, "event", None), "sender", None)
             if not isinstance(sender, str):
-                return False  # not an event of this room (or the server did not answer): not the bot's
+                if not str(getattr(response, "status_code", "") or "").startswith("M_"):
+                    return False  # the server did not answer: ask again next time
+                sender = ""  # the server says no such event here: kept too (a made-up id costs one request)
             self._senders[event_id] = sender
             while len(self._senders) > 1000:
                 self._senders.popitem(last=False)
@@ -673,18 +675,27 @@ class MatrixAdapter:
             return
         await self.app.core.withdraw(MatrixSink.message_key(event.redacts), f"{PLATFORM}:{sender}")
 
-    async def _catch_up(self, room_id: str, prev_batch: str, since: float | None) -> None:
-        """Messages taken back in the events a limited sync skipped (see ``adapters.matrix_gaps``); one
-        catch-up per room at a time (a room flooded with events makes every sync limited)."""
-        if room_id in self._catching_up:
-            return
-        self._catching_up.add(room_id)
+    def _gap(self, room_id: str, prev_batch: str, since: str | None) -> None:
+        """A stretch of the room a limited sync skipped (``since`` to ``prev_batch``), to read back for its
+        redactions: merged with one still waiting (the newest start, the oldest end), one catch-up per room
+        at a time (a room flooded with events makes every sync limited)."""
+        waiting = self._gaps.get(room_id)
+        self._gaps[room_id] = (prev_batch, waiting[1] if waiting is not None else since)
+        if room_id not in self._catching_up:
+            self._catching_up.add(room_id)
+            self._spawn(self._catch_up(room_id))
+
+    async def _catch_up(self, room_id: str) -> None:
+        """Messages taken back in the stretches limited syncs skipped (see ``adapters.matrix_gaps``)."""
         try:
-            async for event in missed_redactions(self.client, room_id, prev_batch, since):
-                room = self.client.rooms.get(room_id)
-                if room is None:
-                    return
-                await self._on_redaction(room, event)
+            while room_id in self._gaps:
+                prev_batch, since = self._gaps.pop(room_id)
+                async for event in missed_redactions(self.client, room_id, prev_batch, since):
+                    room = self.client.rooms.get(room_id)
+                    if room is None:  # left meanwhile
+                        self._gaps.pop(room_id, None)
+                        return
+                    await self._on_redaction(room, event)
         except Exception:
             log.exception("Matrix: reading back the redactions a limited sync skipped in %s failed", room_id)
         finally:

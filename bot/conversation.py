@@ -284,9 +284,14 @@ class ConversationCore:
         used = [s for slot in sections.values() for section in slot for s in section.sources]
         if summary is not None:
             used.append(ReplySource("summary", summary.version))
-        # Independent of each other: their queries go to the database together instead of one after another.
-        await asyncio.gather(self.storage.sources.record(exchange.reply.id, used),
-                             self._check_summary(exchange, window, summary), self._observe(exchange))
+        # Independent of each other: their queries go to the database together instead of one after another
+        # (all three end before a failure to record the sources is raised).
+        outcomes = await asyncio.gather(self.storage.sources.record(exchange.reply.id, used),
+                                        self._check_summary(exchange, window, summary), self._observe(exchange),
+                                        return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     async def _generate(
         self, request: LLMRequest, toolbox: Toolbox | None, stream: ReplyStream, done: list[Completion]

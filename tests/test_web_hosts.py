@@ -131,3 +131,14 @@ async def test_the_metrics_server_checks_the_host_with_its_own_name_added(tmp_pa
         status, kind, text = await answer(metrics, EVIL)
         assert status == 421 and kind == "text/plain" and text.startswith("421: "), (status, text)
         assert (await answer(bot.url + "/healthz", "127.0.0.2"))[0] == 421  # the metrics server's name only
+
+
+def test_an_ipv6_address_matches_however_it_is_written() -> None:
+    """One IPv6 address has many spellings: a configured one matches the shortest, which browsers send."""
+    from adapters.web.hosts import allowed_hosts, host_name
+    from bot.config import WebConfig
+
+    assert host_name("[2001:DB8:0:0::5]:8080") == host_name("[2001:db8::5]") == "[2001:db8::5]"
+    assert host_name("2001:db8:0:0::5") == "[2001:db8::5]" and host_name("[not:an:address") is None
+    names = allowed_hosts(WebConfig(host="2001:db8:0:0::5"), "2001:db8:0:0::5")
+    assert names is not None and "[2001:db8::5]" in names

@@ -11,6 +11,7 @@ checked, with one warning at start. ``allowed_hosts = ["*"]`` switches the check
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import re
 from collections.abc import Awaitable, Callable
@@ -42,7 +43,15 @@ def host_name(value: str) -> str | None:
     if name.count(":") > 1 and not name.startswith("["):
         name = f"[{name}]"  # a bare IPv6 address, as [web] host is written
     found = HOST_PORT.fullmatch(name)
-    return found.group(1).rstrip(".") if found else None
+    if found is None:
+        return None
+    host = found.group(1).rstrip(".")
+    if host.startswith("["):  # one IPv6 address has many spellings: the shortest, as allowed_hosts keeps it
+        try:
+            return f"[{ipaddress.IPv6Address(host[1:-1]).compressed}]"
+        except ValueError:
+            return None
+    return host
 
 
 def allowed_hosts(config: WebConfig, *listening: str) -> frozenset[str] | None:
