@@ -119,6 +119,7 @@ class ReplyStream:
         # Set by whoever shows the reply: called with a short line while a tool runs ("looking that up…").
         self.on_status: Callable[[str], Awaitable[None]] | None = None
         self.rounds = 0  # model calls the reply took (more than one when it used tools)
+        self.incognito: bool | None = None  # whether its author is incognito with the persona, once known
         self.usage = Usage()  # tokens of the model calls that finished
 
     def __aiter__(self) -> AsyncIterator[str]:
@@ -215,6 +216,7 @@ class ConversationCore:
             parent_channel_key=message.parent_channel_key,
             incognito=incognito_since is not None,
         )
+        stream.incognito = context.incognito  # before the first piece of text
         sections: dict[str, list[PromptSection]] = {slot: [] for slot in get_args(SectionSlot)}
         # Concurrently: while one waits (the memory search for its query's embedding), the others work.
         built = await asyncio.gather(*(p.sections(context, SECTION_BUDGET) for p in self.section_providers))

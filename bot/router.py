@@ -189,13 +189,13 @@ class Router:
         chat = self.config.chat
         shown = StreamedReply(sink, chat.edit_interval_seconds, chat.streaming)
         stream.on_status = shown.status
-        if await self.incognito(inbound.message.author_key, persona):
-            await shown.feed(INCOGNITO_MARK)  # shown on the platform, never stored with the reply
         waiting = asyncio.create_task(shown.placeholder_after(chat.still_working_seconds, STILL_WORKING)) \
             if chat.still_working_seconds else None
         try:
             async with sink.typing():
                 async for delta in stream:
+                    if stream.incognito and not shown.text:
+                        await shown.feed(INCOGNITO_MARK)  # shown on the platform, never stored with the reply
                     await shown.feed(delta)
         except LLMError as exc:
             await self._failed(shown, sink, waiting, exc.user_message)
