@@ -664,13 +664,14 @@ class MatrixAdapter:
         there), and its sender's message goes only if they or someone who may redact here took it back."""
         if self._before_join(room) or not isinstance(event.redacts, str) or event.event_id in self._redactions:
             return
-        self._redactions[event.event_id] = None
-        while len(self._redactions) > 1000:
-            self._redactions.popitem(last=False)
         response = await self.client.room_get_event(room.room_id, event.redacts)
         sender = getattr(getattr(response, "event", None), "sender", None)
+        if sender is not None or str(getattr(response, "status_code", "") or "").startswith("M_"):
+            self._redactions[event.event_id] = None  # answered: a catch-up meeting it again skips it
+            while len(self._redactions) > 1000:
+                self._redactions.popitem(last=False)
         if not isinstance(sender, str):
-            return  # not an event of this room
+            return  # not an event of this room (or the server did not answer: a catch-up may ask again)
         if event.sender != sender and not room.power_levels.can_user_redact(event.sender):
             return
         await self.app.core.withdraw(MatrixSink.message_key(event.redacts), f"{PLATFORM}:{sender}")
