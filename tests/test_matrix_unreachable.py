@@ -66,3 +66,42 @@ async def test_rooms_joined_before_kinds_were_kept_stay_their_own_conversation(t
         for member in ("@cortex:localhost", "@ann:localhost"):
             group.add_member(member, None, None)
         assert await adapter.conversation(group, "@ann:localhost") == (False, "!group:localhost", None)
+
+
+async def test_gaps_skipped_while_one_is_read_back_are_merged_not_dropped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every sync of a flooded room is limited: while one gap is read back, the next ones wait, merged into
+    one stretch (the newest start down to the oldest end) that is read right after. None is dropped."""
+    import adapters.matrix as matrix_module
+
+    config = parse_config({
+        "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "memory": {"embedder": "none"},
+        "matrix": {"enabled": True, "homeserver": "http://127.0.0.1:9", "user_id": "@cortex:localhost",
+                   "password_env": "CB_MATRIX_PW", "store_path": str(tmp_path / "matrix")},
+    })
+    read: list[tuple[str, str | None]] = []
+    release = asyncio.Event()
+
+    async def gap_read(client: object, room_id: str, prev_batch: str, since: str | None):  # type: ignore[no-untyped-def]
+        read.append((prev_batch, since))
+        await release.wait()
+        return
+        yield  # an async generator that yields nothing: no redaction in the gap
+
+    monkeypatch.setattr(matrix_module, "missed_redactions", gap_read)
+    async with App(config, llm=ScriptedProvider()) as app:
+        adapter = MatrixAdapter(app, config.matrix, env={"CB_MATRIX_PW": "x"})
+        adapter._gap("!r:x", "p1", "s0")
+        await asyncio.sleep(0.05)
+        adapter._gap("!r:x", "p2", "s1")  # while p1 … s0 is read back
+        adapter._gap("!r:x", "p3", "s2")
+        adapter._gap("!q:x", "q1", None)  # another room: its own catch-up, at once
+        await asyncio.sleep(0.05)
+        assert read == [("p1", "s0"), ("q1", None)]
+        release.set()
+        for _ in range(50):
+            if not adapter._catching_up:
+                break
+            await asyncio.sleep(0.02)
+        assert read == [("p1", "s0"), ("q1", None), ("p3", "s1")] and not adapter._gaps
+        await adapter.close()
