@@ -56,7 +56,7 @@ from nio import (
 from nio.crypto.attachments import decrypt_attachment
 from nio.exceptions import EncryptionError
 
-from adapters.matrix_content import json_object, mentioned, relates_to, reply_target, without_reply_fallback
+from adapters.matrix_content import json_object, keep, mentioned, relates_to, reply_target, without_reply_fallback
 from adapters.matrix_gaps import missed_redactions
 from adapters.matrix_reactions import Reactions
 from bot.app import App
@@ -609,16 +609,20 @@ class MatrixAdapter:
             return True
         sender = self._senders.get(event_id)
         if sender is None:
-            response = await self.client.room_get_event(room_id, event_id)
-            sender = getattr(getattr(response, "event", None), "sender", None)
-            if not isinstance(sender, str):
-                if not str(getattr(response, "status_code", "") or "").startswith("M_"):
-                    return False  # the server did not answer: ask again next time
-                sender = ""  # the server says no such event here: kept too (a made-up id costs one request)
-            self._senders[event_id] = sender
-            while len(self._senders) > 1000:
-                self._senders.popitem(last=False)
+            sender = await self._event_sender(room_id, event_id)
+            if sender is None:
+                return False  # the server did not answer: ask again next time
+            keep(self._senders, event_id, sender)  # "" (no such event here) too: a made-up id costs one request
         return sender == self.config.user_id
+
+    async def _event_sender(self, room_id: str, event_id: str) -> str | None:
+        """Who sent ``event_id`` in the room, as its server says; "" when the server says there is no such
+        event there; None when it did not answer."""
+        response = await self.client.room_get_event(room_id, event_id)
+        sender = getattr(getattr(response, "event", None), "sender", None)
+        if isinstance(sender, str):
+            return sender
+        return "" if str(getattr(response, "status_code", "") or "").startswith("M_") else None
 
     async def _on_undecryptable(self, room: MatrixRoom, event: MegolmEvent) -> None:
         """A message the bot could not decrypt (its device lacks the session's keys): in a DM, ask the
@@ -629,9 +633,7 @@ class MatrixAdapter:
         key = (room.room_id, str(event.session_id))
         if key in self._undecryptable:
             return
-        self._undecryptable[key] = None
-        while len(self._undecryptable) > 1000:
-            self._undecryptable.popitem(last=False)
+        keep(self._undecryptable, key, None)
         log.warning("Matrix: could not decrypt a message from %s in %s (session %s)", event.sender, room.room_id,
                     event.session_id)
         with contextlib.suppress(Exception):  # (already asked, or the sender's devices unknown)
@@ -664,13 +666,10 @@ class MatrixAdapter:
         there), and its sender's message goes only if they or someone who may redact here took it back."""
         if self._before_join(room) or not isinstance(event.redacts, str) or event.event_id in self._redactions:
             return
-        response = await self.client.room_get_event(room.room_id, event.redacts)
-        sender = getattr(getattr(response, "event", None), "sender", None)
-        if sender is not None or str(getattr(response, "status_code", "") or "").startswith("M_"):
-            self._redactions[event.event_id] = None  # answered: a catch-up meeting it again skips it
-            while len(self._redactions) > 1000:
-                self._redactions.popitem(last=False)
-        if not isinstance(sender, str):
+        sender = await self._event_sender(room.room_id, event.redacts)
+        if sender is not None:
+            keep(self._redactions, event.event_id, None)  # answered: a catch-up meeting it again skips it
+        if not sender:
             return  # not an event of this room (or the server did not answer: a catch-up may ask again)
         if event.sender != sender and not room.power_levels.can_user_redact(event.sender):
             return
@@ -811,9 +810,7 @@ class MatrixAdapter:
         )
         if not isinstance(response, RoomSendResponse):
             raise MatrixError(f"could not send to {room_id}: {response}")
-        self._sent[response.event_id] = None
-        while len(self._sent) > 1000:
-            self._sent.popitem(last=False)
+        keep(self._sent, response.event_id, None)
         return str(response.event_id)
 
     def is_encrypted(self, room_id: str) -> bool:

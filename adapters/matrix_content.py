@@ -1,11 +1,23 @@
 """Reading Matrix event content that anyone in a room writes: each field is checked for its type before
 use, so a malformed event is a message without that field, never an exception (used by the adapter and
-its reactions)."""
+its reactions); and the bounded records both keep of recent events."""
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections import OrderedDict
+from typing import Any, TypeVar
+
+K = TypeVar("K")
+V = TypeVar("V")
+RECENT = 1000  # entries a record of recent events keeps
+
+
+def keep(recent: OrderedDict[K, V], key: K, value: V, most: int = RECENT) -> None:
+    """Note ``key`` in a record of recent events, the oldest entries dropped beyond ``most``."""
+    recent[key] = value
+    while len(recent) > most:
+        recent.popitem(last=False)
 
 
 def json_object(value: Any) -> dict[str, Any]:

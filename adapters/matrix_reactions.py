@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from nio import MatrixRoom, ReactionEvent
 from nio.api import MessageDirection, RelationshipType
 
-from adapters.matrix_content import json_object, reply_target, without_reply_fallback
+from adapters.matrix_content import json_object, keep, reply_target, without_reply_fallback
 from bot.commands import CommandReply
 from bot.policy import Inbound, refusal
 from bot.ports import IncomingMessage
@@ -73,9 +73,7 @@ class Reactions:
         reply = await self._run(inbound, f"!memory remember --from {source}\n{body}")
         confirmation = await self._answer(event.sender, f"{reply.text} React {UNDO} to this message to undo.")
         if reply.text.startswith("Remembered"):
-            self._confirmed[confirmation] = (event.sender, source)
-            while len(self._confirmed) > KEEP:
-                self._confirmed.popitem(last=False)
+            keep(self._confirmed, confirmation, (event.sender, source), KEEP)
 
     async def _latest_text(self, room_id: str, target: Any) -> Any:
         """The message's text after its sender's last edit (a streamed reply is one event edited many times;
