@@ -650,15 +650,11 @@ MAX_ALLOWED_HOSTS = 100
 HOST_NAME = re.compile(r"(?:[a-z0-9_-]{1,63}\.)*[a-z0-9_-]{1,63}")
 
 
-def _allowed_host(entry: str) -> str:
-    """One ``[web] allowed_hosts`` entry as the Host header is compared with it: lower case, without a
-    trailing dot, an internationalised name in punycode (as browsers send it), an IPv6 address in brackets."""
-    shown = repr(entry[:60]) + ("…" if len(entry) > 60 else "")
-    if len(entry) > 253:
-        raise ValueError(f"{shown} in allowed_hosts is longer than a host name can be (at most 253 characters)")
-    if entry == "*":
-        return entry
-    name = entry.lower().removesuffix(".")
+def canonical_host(name: str) -> str | None:
+    """A host name (without its port) as Host headers are compared: lower case, without a trailing dot, an
+    internationalised name in punycode (as browsers send it), an IPv6 address in brackets in its shortest
+    spelling; None when it is no host name."""
+    name = name.lower().removesuffix(".")
     bare = name.removeprefix("[").removesuffix("]")
     try:
         if ":" in bare:
@@ -666,8 +662,19 @@ def _allowed_host(entry: str) -> str:
         if not name.isascii():
             name = idna.encode(name, uts46=True, transitional=False).decode("ascii")
     except (ValueError, idna.IDNAError):
-        pass  # refused below
-    if not HOST_NAME.fullmatch(name):
+        return None
+    return name if HOST_NAME.fullmatch(name) else None
+
+
+def _allowed_host(entry: str) -> str:
+    """One ``[web] allowed_hosts`` entry as the Host header is compared with it (see :func:`canonical_host`)."""
+    shown = repr(entry[:60]) + ("…" if len(entry) > 60 else "")
+    if len(entry) > 253:
+        raise ValueError(f"{shown} in allowed_hosts is longer than a host name can be (at most 253 characters)")
+    if entry == "*":
+        return entry
+    name = canonical_host(entry)
+    if name is None:
         raise ValueError(f"{shown} in allowed_hosts: write a host name alone, like bot.example.org, "
                          "192.168.1.5 or [::1] (no http://, path, port or spaces; ports are not compared)")
     return name

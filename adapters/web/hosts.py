@@ -11,7 +11,6 @@ checked, with one warning at start. ``allowed_hosts = ["*"]`` switches the check
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import re
 from collections.abc import Awaitable, Callable
@@ -20,7 +19,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import hdrs, web
 
-from bot.config import WebConfig
+from bot.config import WebConfig, canonical_host
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -37,21 +36,13 @@ UNCHECKED = ("[web] host %r listens on every address and neither [web] public_ur
 
 
 def host_name(value: str) -> str | None:
-    """``value`` (a Host header or a configured host) as names are compared: lower case, without its port or
-    a trailing dot, an IPv6 address in brackets; None when it is no host with an optional port."""
+    """``value`` (a Host header or a configured host) as names are compared (without its port, see
+    ``canonical_host``); None when it is no host with an optional port."""
     name = value.strip().lower()
     if name.count(":") > 1 and not name.startswith("["):
         name = f"[{name}]"  # a bare IPv6 address, as [web] host is written
     found = HOST_PORT.fullmatch(name)
-    if found is None:
-        return None
-    host = found.group(1).rstrip(".")
-    if host.startswith("["):  # one IPv6 address has many spellings: the shortest, as allowed_hosts keeps it
-        try:
-            return f"[{ipaddress.IPv6Address(host[1:-1]).compressed}]"
-        except ValueError:
-            return None
-    return host
+    return canonical_host(found.group(1).rstrip(".")) if found else None  # as allowed_hosts keeps its names
 
 
 def allowed_hosts(config: WebConfig, *listening: str) -> frozenset[str] | None:
