@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 import time
@@ -215,6 +216,59 @@ async def test_words_too_common_to_rank_by_are_left_out(tmp_path: Path, monkeypa
         assert (list(terms), newest) == (['"garden"'], True)
         hits = await store.search(pair.id, "garden", user_id=user.id, persona="Cora", limit=20)
         assert {h.text for h in hits} == {f"Ann: garden day {i}" for i in range(7, 12)}  # the 5 newest
+    finally:
+        await app.stop()
+
+
+async def test_ranking_scores_a_bounded_number_of_matches_rarest_words_first(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Words are ranked by rarest first, as many as match ``COMMON_MATCHES`` rows together: a query of many
+    words that each match a few hundred rows does not score thousands."""
+    import cortex.memory.store as store_module
+
+    monkeypatch.setattr(store_module, "COMMON_MATCHES", 10)
+    app, store, users, _ = await _setup(tmp_path, candidates=5)
+    try:
+        user, pair = users["ann"]
+        channel = await app.storage.upsert_channel("console:dm-ann", "dm", is_dm=True)
+        say = lambda text: app.storage.add_message(channel.id, user.id, "Cora", "user", "Ann", text, 3)  # noqa: E731
+        both = await say("okra and basil")
+        await say("okra soup")
+        for i in range(3):
+            await say(f"basil pesto {i}")
+        for i in range(7):
+            await say(f"garden day {i}")  # 7 matches: alone it would be ranked, but not after okra's and basil's 6
+        terms, newest = await store._bounded("messages_fts", fts_query("garden basil okra"), persona="Cora")
+        assert (list(terms), newest) == (['"basil"', '"okra"'], False)
+        hits = await store.search(pair.id, "garden basil okra", user_id=user.id, persona="Cora", limit=3)
+        assert hits[0].id == both.id and not any("garden" in h.text for h in hits)
+        terms, _ = await store._bounded("messages_fts", fts_query("garden"), persona="Cora")
+        assert list(terms) == ['"garden"']
+    finally:
+        await app.stop()
+
+
+async def test_a_small_table_that_grows_fast_has_its_words_checked_soon(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A table small enough to rank every match is measured again within seconds, not a minute later: a new
+    bot or an import fills it fast, and every match of every word would be ranked meanwhile."""
+    import cortex.memory.store as store_module
+
+    monkeypatch.setattr(store_module, "COMMON_MATCHES", 5)
+    app, store, users, _ = await _setup(tmp_path, candidates=5)
+    try:
+        user, _pair = users["ann"]
+        channel = await app.storage.upsert_channel("console:dm-ann", "dm", is_dm=True)
+        say = lambda text: app.storage.add_message(channel.id, user.id, "Cora", "user", "Ann", text, 3)  # noqa: E731
+        await say("garden day")
+        assert list((await store._bounded("messages_fts", fts_query("garden day"), persona="Cora"))[0]) == [
+            '"garden"', '"day"']
+        await say("okra")
+        for i in range(12):
+            await say(f"garden day {i}")
+        await asyncio.sleep(1.1)
+        terms, newest = await store._bounded("messages_fts", fts_query("garden okra"), persona="Cora")
+        assert (list(terms), newest) == (['"okra"'], False)
     finally:
         await app.stop()
 
