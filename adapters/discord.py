@@ -53,6 +53,7 @@ SLASH_NEEDS_TEXT = ("That needs its text: give it in the command's text option. 
                     "text of several lines, type the command with ! and put the text on the lines after it.")
 MESSAGES_PER_REPLY = 4  # a command's answer up to this many messages long is sent as messages, not a file
 NO_PINGS = discord.AllowedMentions.none()
+ANSWERED_PRIVATELY = "Answered privately."
 SLASH_PATIENCE = 2.0  # Discord wants an interaction's first response within 3 s: slower commands defer
 SLASH_REFUSED = "This bot does not take commands from you here (its access settings)."
 CHAT_TYPES = (discord.MessageType.default, discord.MessageType.reply)  # not joins, pins, boosts, thread starts
@@ -478,6 +479,10 @@ class DiscordAdapter:
     async def _answer(interaction: discord.Interaction, reply: CommandReply, always_private: bool) -> None:
         text, files = _reply_payload(reply)
         if interaction.response.is_done():  # deferred: the first follow-up takes the "thinking…" place
+            if reply.private and not always_private:
+                # That place is as public as the deferral was, whatever the follow-up asks: it is filled
+                # with a neutral line, and the private answer comes as a second follow-up, which can be.
+                await interaction.edit_original_response(content=ANSWERED_PRIVATELY, allowed_mentions=NO_PINGS)
             await interaction.followup.send(text, files=files, ephemeral=reply.private or always_private,
                                             allowed_mentions=NO_PINGS)
         else:

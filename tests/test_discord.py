@@ -548,6 +548,42 @@ async def test_a_slow_slash_command_defers_then_follows_up(adapter: DiscordAdapt
     assert followups[0]["flags"] & 64 and followups[0]["allowed_mentions"] == {"parse": []}
 
 
+async def test_a_slow_public_command_keeps_its_private_answer_private(adapter: DiscordAdapter,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """/persona answers in public, so a slow one defers in public; Discord shows the first follow-up in the
+    deferral's place, as public as it, whatever its flags say. A private answer ("unknown persona") went
+    to the whole channel: the public place now gets a neutral line and the answer a follow-up of its own."""
+    import adapters.discord as module
+
+    followups: list[dict[str, Any]] = []
+    edits: list[dict[str, Any]] = []
+
+    def sent(into: list[dict[str, Any]], kw: dict[str, Any]) -> dict[str, Any]:
+        from discord.ext.test import factories
+
+        into.append(kw.get("payload") or kw.get("multipart"))
+        return factories.make_message_dict(dpytest.get_config().channels[0], adapter.bot.user,
+                                           content=into[-1]["content"])
+
+    async def record(self: Any, webhook_id: int, token: str, **kw: Any) -> dict[str, Any]:
+        return sent(followups, kw)
+
+    async def edit(self: Any, application_id: int, token: str, **kw: Any) -> dict[str, Any]:
+        return sent(edits, kw)
+
+    monkeypatch.setattr(module, "SLASH_PATIENCE", 0.0)  # every command counts as slow here
+    monkeypatch.setattr(discord.webhook.async_.AsyncWebhookAdapter, "execute_webhook", record)
+    monkeypatch.setattr(discord.webhook.async_.AsyncWebhookAdapter, "edit_original_interaction_response", edit)
+    response = await _interact(adapter, monkeypatch, "persona", [{"name": "name", "type": 3, "value": "Nobody"}])
+    assert response["type"] == 5 and not response.get("data", {}).get("flags", 0) & 64  # deferred in public
+    for _ in range(200):
+        if followups:
+            break
+        await asyncio.sleep(0.01)
+    assert edits and edits[0]["content"] == module.ANSWERED_PRIVATELY and "Nobody" not in str(edits)
+    assert followups and "unknown persona" in followups[0]["content"] and followups[0]["flags"] & 64
+
+
 async def test_system_messages_are_not_chat(adapter: DiscordAdapter) -> None:
     """A pin, a join or a boost has no text: in a DM (or an always-answer channel) it got the greeting."""
     from discord.ext.test import factories
