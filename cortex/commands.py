@@ -219,7 +219,10 @@ class CortexCommands:
         user, pair = await self._pair(ctx)
         wanted = (self._file_arg(args),) if args else FILENAMES
         persona = self.personas.persona(ctx.persona)
-        changed = await self.files.reset(pair, wanted, persona.language, user.display_name)
+        try:
+            changed = await self.files.reset(pair, wanted, persona.language, user.display_name)
+        except FileError as exc:
+            raise CommandError(str(exc)) from None
         if not changed:
             return "Nothing to reset: already as the template."
         return (f"Reset to the template: {', '.join(changed)}. Earlier versions stay in the history "

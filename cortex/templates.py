@@ -6,6 +6,8 @@ English ones; the persona still writes the content in its own language.
 
 from __future__ import annotations
 
+from cortex.memory.guard import check_memory_text
+
 TEMPLATES: dict[str, dict[str, str]] = {
     "english": {
         "memory.md": (
@@ -52,8 +54,18 @@ TEMPLATES: dict[str, dict[str, str]] = {
 ALIASES = {"en": "english", "deutsch": "german", "de": "german"}
 
 
+# Said instead of a display name that reads like instructions ("Ignore all previous instructions"): the
+# files enter every prompt, and every later write of them (the persona's, a reset, a revert) is checked.
+NEUTRAL_NAMES = {"english": "my friend", "german": "mein Gegenüber"}
+
+
 def template(filename: str, language: str, user_name: str) -> str:
     key = language.strip().casefold()
     key = ALIASES.get(key, key)
     texts = TEMPLATES.get(key, TEMPLATES["english"])
-    return texts[filename].replace("{user_name}", user_name)
+    text = texts[filename].replace("{user_name}", user_name)
+    if check_memory_text(text).ok:
+        return text
+    neutral = NEUTRAL_NAMES.get(key, NEUTRAL_NAMES["english"])
+    return "\n".join(line[:2] + line[2:3].upper() + line[3:] if line.startswith("# ") else line
+                     for line in texts[filename].replace("{user_name}", neutral).split("\n"))

@@ -195,11 +195,10 @@ class MemoryRepository:
     async def list_items(
         self, pair_id: int, *, category: str | None, archived: bool, limit: int, offset: int, now: float,
     ) -> tuple[list[Row], int]:
-        where = ["pair_id = ?", "archived_at IS NOT NULL" if archived else "archived_at IS NULL"]
-        params: list[Any] = [pair_id]
-        if not archived:
-            where += ["superseded_by IS NULL", "(expires_at IS NULL OR expires_at > ?)"]
-            params.append(now)
+        # Archived: forgotten or pruned, and expired ones the daily prune has not archived yet (both restorable).
+        where = ["pair_id = ?", "(archived_at IS NOT NULL OR (superseded_by IS NULL AND expires_at <= ?))" if archived
+                 else "archived_at IS NULL AND superseded_by IS NULL AND (expires_at IS NULL OR expires_at > ?)"]
+        params: list[Any] = [pair_id, now]
         if category:
             where.append("category = ?")
             params.append(category)

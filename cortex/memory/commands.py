@@ -38,6 +38,12 @@ def _line(item: MemoryItem) -> str:
     return f"#{item.id} {marks}{item.content}  (importance {item.importance}, {when})"
 
 
+def _why_archived(item: MemoryItem) -> str:
+    if item.archived_at is None:  # expired, not pruned yet
+        return f"  — expired {item.expires_at:%Y-%m-%d}" if item.expires_at is not None else ""
+    return f"  — archived: {item.archive_reason}"
+
+
 FROM = "--from"
 OF = "--of"
 
@@ -259,7 +265,7 @@ class MemoryCommands:
             return f"There {'is only 1 page' if pages == 1 else f'are only {pages} pages'} ({plural(total, 'item')})."
         head = f"{'Archived items' if archived else 'Your memory items'}" + (f" ({category})" if category else "")
         lines = [f"{head}: page {page}/{pages}, {total} in all"]
-        lines += [_line(i) + (f"  — archived: {i.archive_reason}" if archived else "") for i in items]
+        lines += [_line(i) + (_why_archived(i) if archived else "") for i in items]
         return "\n".join(lines)
 
     async def list_items(self, ctx: CommandContext, args: Sequence[str]) -> str:

@@ -322,13 +322,15 @@ class MemoryStore:
             await self.repo.count_access(item_ids, self.clock())
 
     async def set_pinned(self, pair_id: int, item_id: int, pinned: bool) -> MemoryItem:
-        """Pin or unpin an item; an archived or corrected one cannot be pinned (it would not come up anyway,
-        while the reply said it always would)."""
+        """Pin or unpin an item; an archived, expired or corrected one cannot be pinned (it would not come up
+        anyway, while the reply said it always would)."""
         item = await self.get(pair_id, item_id, count_access=False)
         if pinned and item.superseded_by is not None:
             raise MemoryConflict(f"item #{item_id} was corrected by #{item.superseded_by}: pin that one")
         if pinned and item.archived_at is not None:
             raise MemoryConflict(f"item #{item_id} is archived: restore it first")
+        if pinned and item.expires_at is not None and item.expires_at.timestamp() <= self.clock():
+            raise MemoryConflict(f"item #{item_id} has expired: restore it first (it then no longer expires)")
         await self.repo.set_pinned(pair_id, item_id, pinned, self.clock())
         return await self.get(pair_id, item_id, count_access=False)
 
