@@ -361,8 +361,7 @@ class CortexCommands:
                 raise CommandError(f"Give a value for {words[0]}: {OVERRIDABLE.get(words[0], 'see the list')}")
             key, value = words[0], " ".join(words[1:])
             try:
-                changed = await self.resolver.change(ctx.persona, scope, key, value, bot_admin=ctx.is_bot_admin,
-                                                     author=ctx.user_key)
+                changed = await self.resolver.change(scope, key, value, bot_admin=ctx.is_bot_admin, author=ctx.user_key)
             except SettingError as exc:
                 raise CommandError(str(exc)) from None
             note = (f"set to {setting_text(changed.stored)}" if changed.cleared is None

@@ -200,8 +200,7 @@ class SettingsResolver:
         self._cache.pop(scope, None)
         return value
 
-    async def change(self, persona: str, scope: str, key: str, value: str, *, bot_admin: bool,
-                     author: str) -> Change:
+    async def change(self, scope: str, key: str, value: str, *, bot_admin: bool, author: str) -> Change:
         """What a chat command or the web page asks: set ``key`` in ``scope``, or clear it ("default"). Raises
         :class:`NotAllowed` for what the one asking may not change (a server admin's spending or privacy
         switch, also by clearing: the persona-wide or config value then applies), :class:`SettingError`
@@ -209,9 +208,17 @@ class SettingsResolver:
         check_may_change(key, bot_admin=bot_admin, value=value)
         if value.strip().lower() != "default":
             return Change(stored=await self.set(scope, key, value, author))
-        if key in PRIVACY_KEYS and not bot_admin and getattr((await self.effective(persona)).settings, key) is True:
+        if key in PRIVACY_KEYS and not bot_admin and await self._on_beneath(key):
             raise NotAllowed(_PRIVACY_REFUSAL.format(key=key) + " (and back to the default switches it on here)")
         return Change(cleared=await self.clear(scope, key))
+
+    async def _on_beneath(self, key: str) -> bool:
+        """Whether clearing a server's override of ``key`` would switch it on there for some persona: the
+        config's value, or any persona's own override (a server's override applies to every persona in it,
+        whichever one the command or request named)."""
+        if getattr(self.defaults, key) is True:
+            return True
+        return any(value is True for value in await self.store.persona_values(key))
 
     async def clear(self, scope: str, key: str) -> bool:
         if key not in OVERRIDABLE:

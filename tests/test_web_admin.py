@@ -450,3 +450,43 @@ async def test_saving_an_untouched_unset_model_leaves_it_unset(tmp_path: Path) -
                 "persona": "Cora", "server": None, "key": "model", "value": shown_value})
             assert status == 200, saved
             assert (await bot.app.cortex.resolver.effective("Cora")).settings.model is None
+
+
+SETTINGS = "/api/admin/settings"
+
+
+async def test_a_server_admin_cannot_undo_an_off_for_privacy_by_naming_another_persona(tmp_path: Path) -> None:
+    """A server's override applies to every persona in it: clearing it (by whichever persona the request names)
+    let Cora's persona-wide "on" through, where the bot's admins had switched DM memory off for that server."""
+    async with running_bot(tmp_path, directories=[FakeDirectory()]) as bot, \
+            bot.client("999") as admin, bot.client("ann") as ann:
+        assert (await admin.call("PUT", SETTINGS, {"persona": "Cora", "key": "use_in_groups", "value": "on"}))[0] == 200
+        assert (await admin.call("PUT", SETTINGS, {"persona": "Cora", "server": "discord:1",
+                                                    "key": "use_in_groups", "value": "off"}))[0] == 200
+        for persona in ("Cora", "Vex"):
+            status, body = await ann.call("PUT", SETTINGS, {"persona": persona, "server": "discord:1",
+                                                            "key": "use_in_groups", "value": "default"})
+            assert status == 403 and "only the bot's admins switch it on" in body["error"]
+        resolver = bot.app.cortex.resolver
+        resolver._cache.clear()
+        assert (await resolver.effective("Cora", "discord:1")).settings.use_in_groups is False
+
+
+async def test_a_server_setting_change_counts_once_against_the_limit(tmp_path: Path) -> None:
+    async with running_bot(tmp_path, directories=[FakeDirectory()]) as bot, bot.client("ann") as ann:
+        per = bot.app.router.command_limiter.per_minute
+        statuses = [(await ann.call("PUT", SETTINGS, {"persona": "Cora", "server": "discord:1",
+                                                      "key": "context_limit", "value": str(40 + i)}))[0]
+                    for i in range(per + 1)]
+        assert statuses == [200] * per + [429]
+
+
+async def test_a_rule_name_ending_in_a_newline_is_refused(tmp_path: Path) -> None:
+    """"kind\\n" passed the name's pattern ("$" matches before a final newline): two rules that look alike."""
+    async with running_bot(tmp_path) as bot, bot.client("999") as admin:
+        assert (await admin.call("POST", "/api/admin/rules", {"name": "kind", "text": "Be kind."}))[0] == 200
+        assert (await admin.call("POST", "/api/admin/rules", {"name": "kind\n", "text": "Other text."}))[0] == 422
+        assert (await admin.call("PUT", "/api/admin/rules/" + quote("kind\n"), {"enabled": False}))[0] in (400, 404,
+                                                                                                        422)
+        status, body = await admin.call("GET", "/api/admin/rules")
+        assert [r["name"] for r in body["rules"]] == ["kind"]

@@ -386,6 +386,21 @@ async def test_a_denied_users_session_is_refused_on_every_request(tmp_path: Path
         assert status == 403 and "allow_users" in error["error"], error
 
 
+@pytest.mark.both_engines
+async def test_a_denied_home_servers_matrix_user_is_refused_on_the_page(tmp_path: Path) -> None:
+    """In chat, deny_servers holds a Matrix user's home server too (wherever they write); the page took only the
+    user lists, so a session opened before the server was denied went on working."""
+    async with running_bot(tmp_path) as bot:
+        async with bot.client("@mallory:evil.org", platform="matrix") as mallory:
+            session = next(c for c in mallory.http.cookie_jar if c.key == "cortexbot_session").value
+        other = await session_of(bot, "ann")
+    async with bot_with_access(tmp_path, deny_servers=["matrix:evil.org"]) as bot:
+        for method, path in (("GET", "/api/me"), ("POST", "/api/me/personas/Cora/files/memory/reset")):
+            status, error = await call_as(bot, session, method, path)
+            assert status == 403 and "deny_servers" in error["error"], (path, error)
+        assert (await call_as(bot, other, "GET", "/api/me"))[0] == 200
+
+
 async def test_a_forget_me_from_the_page_says_a_pause_goes_on(tmp_path: Path) -> None:
     """As in chat: the pause survives the forget-me, and the answer names the personas it runs with."""
     async with running_bot(tmp_path) as bot, bot.client("ann") as ann:

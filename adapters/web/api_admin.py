@@ -163,9 +163,11 @@ class AdminApi:
         self.registry = ctx.app.personas
         self.repo = ctx.app.storage.admin
 
-    async def server_admin(self, request: web.Request, raw: str, *, bot_wide: bool = False) -> tuple[Caller, str]:
-        """The caller (401 without a session) and the server key (400), if they administer it (403)."""
-        caller = await self.auth.require(request)
+    async def server_admin(self, request: web.Request, raw: str, *, bot_wide: bool = False,
+                           caller: Caller | None = None) -> tuple[Caller, str]:
+        """The caller (401 without a session; ``caller`` when the handler has it already) and the server key
+        (400), if they administer it (403)."""
+        caller = caller or await self.auth.require(request)
         key = server_key(raw, bot_wide=bot_wide)
         allowed = self.auth.is_bot_admin(caller) if key == BOT_WIDE else await self.auth.is_server_admin(caller, key)
         if not allowed:
@@ -353,7 +355,7 @@ class AdminApi:
         change = await read_body(request, SettingChange)
         server = None
         if change.server:
-            _, server = await self.server_admin(request, change.server)
+            _, server = await self.server_admin(request, change.server, caller=caller)  # one count against the limit
         elif not self.auth.is_bot_admin(caller):
             fail(403, "settings of a persona everywhere are for the bot's admins; give a server you administer")
         if len(change.value) > MAX_VALUE_CHARS:
@@ -361,7 +363,7 @@ class AdminApi:
         persona = persona_name(self.ctx, change.persona)
         scope = server_scope(server) if server else persona_scope(persona)
         try:
-            await self.ctx.app.cortex.resolver.change(persona, scope, change.key, change.value,
+            await self.ctx.app.cortex.resolver.change(scope, change.key, change.value,
                                                       bot_admin=self.auth.is_bot_admin(caller), author=caller.user_key)
         except NotAllowed as exc:
             fail(403, str(exc))

@@ -47,9 +47,19 @@ def is_bot_admin(config: Config, user_key: str) -> bool:
     return False
 
 
+def home_server_key(user_key: str) -> str | None:
+    """The home server of a Matrix user (``matrix:@ann:example.org`` → ``matrix:example.org``), which the
+    chat's access lists see as the author's server; None on platforms without one."""
+    platform, _, user_id = user_key.partition(":")
+    if platform != "matrix" or ":" not in user_id:
+        return None
+    return f"matrix:{user_id.split(':', 1)[1]}"
+
+
 def access_refusal(config: Config, user_key: str) -> str | None:
     """Why ``[access]`` keeps this user off the page as it does in chat (the deny list always wins, a
-    non-empty allow list lets in only those on it), or None. Checked on every request, so a session opened
+    non-empty allow list lets in only those on it; a denied Matrix home server keeps out its users), or
+    None. Checked on every request, so a session opened
     before the user was listed ends there. The terminal's user runs the bot and is never refused (the
     terminal applies no lists either)."""
     if user_key.partition(":")[0] == "console":
@@ -57,6 +67,9 @@ def access_refusal(config: Config, user_key: str) -> str | None:
     reason = user_refusal(config.access, user_key)
     if reason == "denied user":
         return "the bot's operator has denied you access ([access] deny_users): this page is closed to you"
+    home = home_server_key(user_key)
+    if home is not None and home in config.access.deny_servers:
+        return "the bot's operator has denied your home server ([access] deny_servers): this page is closed to you"
     if reason is not None:
         return "the bot's operator has not allowed you access ([access] allow_users): this page is closed to you"
     return None

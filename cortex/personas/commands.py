@@ -36,7 +36,7 @@ from cortex.personas.registry import PersonaRegistry
 
 MAX_SECTION_CHARS = 4000
 MAX_NAME_CHARS = 80
-SECTION_KEY = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
+SECTION_KEY = re.compile(r"^[a-z][a-z0-9_]{0,39}\Z")
 
 EMPTY_FLAG = "--empty"
 

@@ -29,7 +29,7 @@ from cortex.personas.registry import PersonaRegistry
 
 MAX_GUIDELINES_CHARS = 8000
 MAX_RULE_CHARS = 2000
-RULE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
+RULE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}\Z")  # \Z: "$" would let a name end in a newline
 DEFAULT_FLAG = "--default"
 
 
