@@ -34,7 +34,7 @@ from bot.llm.base import (
     Usage,
     cut_off_call,
 )
-from bot.llm.errors import LLMBadResponse, LLMError
+from bot.llm.errors import LLMBadResponse, LLMError, LLMNoAnswer
 from bot.persona import ConfigPersonas, Persona, PersonaSource
 from bot.ports import (
     Exchange,
@@ -331,6 +331,9 @@ class ConversationCore:
                 messages.append(ChatMessage("tool", outcome.content, tool_call_id=call.id, is_error=outcome.is_error))
         text = shown.text.strip() if shown.cut else "\n\n".join(t.strip() for t in texts if t.strip())
         stream.rounds = len(texts)
+        if not text and ended[-1].tool_calls:
+            raise LLMNoAnswer(f"the model still called tools in round {len(texts)} of {rounds}, where it was "
+                              "asked to answer in text")
         done.append(replace(ended[-1], text=text, usage=usage, tool_calls=()))
 
     async def _round(self, offered: LLMRequest, shown: _Shown, separate: bool, ended: list[Completion]

@@ -178,6 +178,41 @@ async def test_lone_surrogates_and_nul_never_leave_the_provider(
     call.raw_arguments.encode()  # storable
 
 
+def _stream_naming(provider: str, model: object) -> bytes:
+    """A whole streamed answer ("Hello Ann.") whose every event names the model as ``model``."""
+    if provider == "anthropic":
+        events = [
+            {"type": "message_start", "message": {"id": "m", "type": "message", "role": "assistant", "model": model,
+                                                  "content": [], "stop_reason": None, "stop_sequence": None,
+                                                  "usage": {"input_tokens": 5, "output_tokens": 1}}},
+            {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+            {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hello Ann."}},
+            {"type": "content_block_stop", "index": 0},
+            {"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+             "usage": {"output_tokens": 3}},
+            {"type": "message_stop"},
+        ]
+        return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events).encode()
+    chunks = [{"id": "c", "object": "chat.completion.chunk", "created": 1, "model": model, "choices": [
+                  {"index": 0, "delta": {"role": "assistant", "content": "Hello Ann."}, "finish_reason": None}]},
+              {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": model,
+               "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
+    return ("".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n").encode()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("model", ["m\ud800x\x00", {"a": 1}, "x" * 5000], ids=["surrogate", "object", "long"])
+async def test_the_servers_model_name_is_a_storable_string(provider: LLMProvider, fake_llm: FakeLLMServer,
+                                                           model: object) -> None:
+    """The name goes into the audit rows: an object or a lone surrogate there failed every later flush of the
+    audit buffer, and with it forget-me, which flushes first."""
+    fake_llm.enqueue(FakeResponse.malformed(_stream_naming(provider.name, model), 200, "text/event-stream"))
+    _, completion = await collect(provider, request())
+    assert completion.text == "Hello Ann." and isinstance(completion.model, str) and len(completion.model) <= 200
+    completion.model.encode()
+    assert "\x00" not in completion.model
+
+
 # --------------------------------------------------------------------------- tool calls
 
 
@@ -426,6 +461,21 @@ async def test_http_errors_map_to_the_error_tree(
     assert len(fake_llm.completion_requests) == 1  # max_retries=0
     if expected is LLMBadRequest:  # what to fix reaches the user, not just "rejected"
         assert f"HTTP {status}" in info.value.user_message and message in info.value.user_message
+
+
+@pytest.mark.asyncio
+async def test_a_servers_rejection_reaches_chat_as_one_line(provider: LLMProvider, fake_llm: FakeLLMServer) -> None:
+    """A proxy's 400 may carry its whole traceback: it went to the channel with every line."""
+    fake_llm.enqueue(FakeResponse.error(400, "litellm.BadRequestError: model not found\n\nTraceback (most recent "
+                                             "call last):\n  File \"/app/litellm/main.py\", line 1234, in completion"))
+    with pytest.raises(LLMBadRequest) as info:
+        await provider.complete(request())
+    said = info.value.user_message
+    assert "\n" not in said and "model not found" in said and "Traceback" not in said and "/app/" not in said
+    fake_llm.enqueue(FakeResponse.error(400, "x" * 2000))
+    with pytest.raises(LLMBadRequest) as info:
+        await provider.complete(request())
+    assert len(info.value.user_message) < 400
 
 
 @pytest.mark.asyncio

@@ -19,11 +19,13 @@ from aiohttp import web
 from bot.app import App
 from bot.commands import CommandContext
 from bot.config import ConfigError, parse_config
+from bot.policy import Inbound
 from bot.ports import IncomingMessage
 from cortex.export import export_data
 from cortex.skills.toolbox import sanitised
 from tests.engines import db_url_for
 from tests.fakes.llm_server import FakeLLMServer, FakeResponse, RecordedRequest
+from tests.test_router import Sink
 
 KEY_ENV = "CB_SKILLS_TEST_KEY"
 FAKE_MCP = Path(__file__).parent / "fakes" / "mcp_server.py"
@@ -173,6 +175,21 @@ async def test_limits_rounds_and_bad_calls_still_end_in_a_reply(tmp_path: Path, 
         audit = await app.storage.skills.recent("console:ann")
         assert sorted((a.skill, a.ok) for a in audit) == [("current_time", False), ("current_time", True),
                                                           ("search_memory", False)]
+
+
+async def test_a_server_that_never_stops_calling_tools_gets_a_clear_answer(tmp_path: Path,
+                                                                          fake_llm: FakeLLMServer) -> None:
+    """Some compatible servers ignore tool_choice "none": the last round called tools again, and the user read
+    that the answer "could not be read"; every round is still counted."""
+    async with App(_config(tmp_path, fake_llm, provider="openai", max_rounds=2)) as app:
+        fake_llm.responder = lambda request: FakeResponse.tool_calls([("c", "current_time", {})])
+        sink = Sink()
+        await app.router.handle(Inbound(_msg("what time is it?")), sink)
+        said = " ".join([*sink.messages, *(m.text for m in (*sink.public, *sink.private))])
+        assert "kept calling tools and wrote no answer" in said
+        calls = await app.storage.list_llm_calls()
+        assert calls[0]["error"] == "LLMNoAnswer" and calls[0]["input_tokens"] > 0
+        assert len(replies(fake_llm)) == 2
 
 
 @pytest_asyncio.fixture

@@ -7,6 +7,7 @@ import sqlite3
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -276,6 +277,19 @@ async def test_a_forget_me_during_a_flush_waits_for_it_and_keeps_other_users_aud
     assert await storage.forget_user("console:ann") is not None
     await flushing
     assert (await storage.reply_metrics(channel.id)).replies == 1  # Bob's row; Ann's went with her
+
+
+@pytest.mark.parametrize("model", ["m\ud800x", {"an": "object"}], ids=["lone-surrogate", "object"])
+async def test_an_audit_row_no_column_takes_is_dropped_alone(storage: Storage, model: Any) -> None:
+    """A row whose value no column takes was put back in the buffer: every later flush failed on it, and with
+    them forget-me, the prune and the stats, which flush first."""
+    await storage.record_llm_call(LLMCallRecord("reply", "before", 1, 1, 1))
+    await storage.record_llm_call(LLMCallRecord("reply", model, 1, 1, 1))
+    await storage.record_llm_call(LLMCallRecord("reply", "after", 1, 1, 1))
+    await storage.flush_audit()
+    assert sorted(c["model"] for c in await storage.list_llm_calls()) == ["after", "before"]
+    await storage.upsert_user("console:ann", "Ann")
+    assert await storage.forget_user("console:ann") is not None
 
 
 async def test_a_flush_cut_short_neither_loses_nor_doubles_rows(storage: Storage) -> None:

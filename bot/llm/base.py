@@ -78,6 +78,7 @@ class ChatMessage:
             object.__setattr__(self, "tool_call_id", storable(self.tool_call_id))
 
 
+MODEL_NAME_CHARS = 200  # of the model name a server reports (names are far shorter)
 MAX_REPORTED_TOKENS = 100_000_000  # per call: far past any model's context, and a sum of calls still fits a column
 
 
@@ -111,6 +112,10 @@ class Completion:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "text", storable(self.text))
+        # The server's name for the model goes into the audit rows: only a storable string of sane length
+        # (a broken or hostile server's object or lone surrogate would fail every later audit flush).
+        model = self.model if isinstance(self.model, str) else ""
+        object.__setattr__(self, "model", storable(model)[:MODEL_NAME_CHARS])
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,16 +74,36 @@ class LLMBadRequest(LLMPermanentError):
 
     def __init__(self, detail: str = "", *, status_code: int | None = None) -> None:
         super().__init__(detail, status_code=status_code)
-        # The server's own words say what to fix (an unknown model, a prompt too long): show them.
-        said = detail.split(": ", 1)[1] if ": " in detail else ""
+        # The server's own words say what to fix (an unknown model, a prompt too long): show them, as one line
+        # (a proxy may send its whole traceback).
+        said = _first_words(detail.split(": ", 1)[1]) if ": " in detail else ""
         if said or status_code:
             status = f"HTTP {status_code}" if status_code else ""
-            reason = "; ".join(part for part in (status, said[:300]) if part)
+            reason = "; ".join(part for part in (status, said) if part)
             self.user_message = f"The language model rejected the request ({reason})."
+
+
+SAID_CHARS = 300
+
+
+def _first_words(said: str) -> str:
+    """A server's error text as one line for chat: before any traceback, whitespace collapsed, cut at
+    ``SAID_CHARS``; nothing when it holds no words (a bare list or number)."""
+    said = " ".join(said.split("Traceback (most recent call last)", 1)[0].split())
+    if not any(c.isalpha() for c in said):
+        return ""
+    return said if len(said) <= SAID_CHARS else said[:SAID_CHARS].rstrip() + "…"
 
 
 class LLMBadResponse(LLMPermanentError):
     user_message = "The language model sent a response the bot could not read."
+
+
+class LLMNoAnswer(LLMBadResponse):
+    """Every round called tools, the last one too, though it was asked to answer in text (some compatible
+    servers ignore ``tool_choice: none``)."""
+
+    user_message = "The language model kept calling tools and wrote no answer. Please try again."
 
 
 class LLMDamagedResponse(LLMBadResponse):

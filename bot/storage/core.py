@@ -87,8 +87,11 @@ AUDIT_ROWS_PER_STATEMENT = 64  # rows of one table per INSERT at most (9 paramet
 SUMMARY_CACHE_SECONDS = 5.0  # how stale another process's new summary may look here
 
 # Errors of an audit write that no retry mends: a reference gone meanwhile, a value no column holds (sqlite3
-# raises OverflowError for an integer over 64 bits, asyncpg a DataError for one over the column's type).
-NEVER_FITS = frozenset({"IntegrityError", "ForeignKeyViolationError", "OverflowError", "DataError"})
+# raises OverflowError for an integer over 64 bits, asyncpg a DataError for one over the column's type;
+# sqlite3 a ProgrammingError for a value of a type it has no column for, and a UnicodeEncodeError for a string
+# with a lone surrogate).
+NEVER_FITS = frozenset({"IntegrityError", "ForeignKeyViolationError", "OverflowError", "DataError", "ProgrammingError",
+                        "UnicodeError"})
 
 
 def _never_fits(exc: BaseException) -> bool:
