@@ -105,8 +105,12 @@ class BPETokenEstimator:
             self._factor += self._smoothing * (observed - self._factor)
 
 
+MIN_CUT_TOKENS = 24  # a line cut shorter than this would say too little: it is left out instead
+
+
 def fit_to_budget(estimator: TokenEstimator, text: str, budget: int, note: str) -> str:
-    """``text`` if it fits in ``budget`` tokens, else its whole lines from the top that fit, then ``note``
+    """``text`` if it fits in ``budget`` tokens, else its whole lines from the top that fit, then the start
+    of the first line that does not (a text of one long paragraph is not left out whole), then ``note``
     (which says that the rest was left out)."""
     if estimator.count(text) <= budget:
         return text
@@ -115,7 +119,26 @@ def fit_to_budget(estimator: TokenEstimator, text: str, budget: int, note: str) 
     for line in text.splitlines():
         cost = estimator.count(line + "\n")
         if spent + cost > budget:
+            if budget - spent >= MIN_CUT_TOKENS and (start := cut_to_budget(estimator, line, budget - spent, cost)):
+                kept.append(start)
             break
         kept.append(line)
         spent += cost
     return "\n".join(kept) + note
+
+
+def cut_to_budget(estimator: TokenEstimator, line: str, budget: int, cost: int) -> str:
+    """The start of ``line`` (``cost`` tokens whole) that fits in ``budget`` tokens with its "…", cut at a
+    space where one is near; "" if none does. Sized by the line's own characters per token, then checked:
+    two or three counts, not one per word."""
+    size = int(len(line) * budget / max(cost, 1))
+    for _ in range(8):
+        start = line[:size]
+        space = start.rfind(" ")
+        if space > size * 0.8:
+            start = start[:space]
+        start = start.rstrip() + "…"
+        if len(start) > 1 and estimator.count(start + "\n") <= budget:
+            return start
+        size = int(size * 0.85)
+    return ""

@@ -101,6 +101,20 @@ async def test_lore_enters_by_keyword_always_or_search_for_every_user(tmp_path: 
 
 
 @pytest.mark.both_engines
+async def test_a_long_entry_does_not_keep_the_other_lore_out(tmp_path: Path) -> None:
+    """Lore was cut by whole lines from the top: one entry longer than the lore's share of the prompt, ranked
+    first, left nothing but "(… more lore did not fit here)", though both entries said they enter every reply."""
+    llm = ScriptedProvider()
+    long = " ".join(f"The harbour of Vell has a story number {i} that goes on." for i in range(70))  # ~3,900 chars
+    async with App(_config(tmp_path), llm=llm) as app:
+        await run(app, "!lore add --always Vell's harbour master is called Oda.")
+        await run(app, f"!lore add --always --priority 10 {long}")
+        text = await prompt(app, llm, "hello")
+        assert "Vell's harbour master is called Oda." in text
+        assert "The harbour of Vell has a story number 0" in text  # the long one's start
+        assert "story number 69" not in text and "more lore did not fit here" in text
+
+
 async def test_only_bot_admins_change_lore(tmp_path: Path) -> None:
     async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
         member = CommandContext("discord", "discord:7", "Ann", "discord:chan1", "Cora", server_key="discord:guild1")

@@ -55,3 +55,18 @@ def test_remembered_counts_match_the_tokenizer_keep_no_words_and_spare_the_bpe()
     assert [estimator.raw_count(t) for t in texts] == first and counting.calls == len(texts)  # remembered
     assert estimator.raw_count(long) == estimator.raw_count(long) and counting.calls == len(texts) + 2  # not
     assert all(isinstance(part, int) for key in tokens._counts for part in key)  # no text kept
+
+
+def test_a_text_of_one_long_line_keeps_its_start() -> None:
+    """A soul section, a card's description or memory.md written as one paragraph was left out whole when it
+    did not fit: now its start comes, cut at a word, then the note."""
+    from bot.tokens import fit_to_budget
+
+    estimator = BPETokenEstimator(margin=0.0)
+    paragraph = " ".join(f"word{i}" for i in range(3000))
+    fitted = fit_to_budget(estimator, paragraph, 200, "\n(cut)")
+    assert fitted.startswith("word0 word1") and fitted.endswith("…\n(cut)")
+    assert estimator.count(fitted) <= 200 and estimator.count(fitted) > 150
+    assert fit_to_budget(estimator, paragraph, 20, "\n(cut)") == "\n(cut)"  # too little room for a start
+    lines = "short line\n" + paragraph
+    assert fit_to_budget(estimator, lines, 100, "").startswith("short line\nword0 word1")

@@ -161,7 +161,31 @@ class LoreSection:
         chosen = self.index.chosen(entries, f"{context.previous}\n{context.message}", context.message)
         if not chosen:
             return []
-        body = fit_to_budget(self.estimator, "\n".join(f"- {e.content.strip()}" for e in chosen),
-                             int(budget * LORE_SHARE), CUT_NOTE)
-        shown = tuple(ReplySource("lore", e.id) for e in chosen if f"- {e.content.strip()}" in body)
-        return [PromptSection(TITLE, body, shown)]
+        lines, used, whole = self._fitting(chosen, int(budget * LORE_SHARE))
+        if not lines:
+            return []
+        body = "\n".join(lines) + ("" if whole else CUT_NOTE)
+        return [PromptSection(TITLE, body, tuple(ReplySource("lore", e.id) for e in used))]
+
+    def _fitting(self, chosen: list[LoreEntry], budget: int) -> tuple[list[str], list[LoreEntry], bool]:
+        """The chosen entries, in their order, that fit in ``budget`` tokens: one that does not is left out
+        and the smaller ones after it still come (a long entry must not keep all the lore out); then the
+        start of the first one left out, if room for a few lines is left. Also whether all came whole."""
+        count = self.estimator.count
+        spent = count(CUT_NOTE)
+        lines: list[str] = []
+        used: list[LoreEntry] = []
+        left_out: tuple[str, LoreEntry] | None = None
+        for entry in chosen:
+            line = f"- {entry.content.strip()}"
+            cost = count(line + "\n")
+            if spent + cost <= budget:
+                lines.append(line)
+                used.append(entry)
+                spent += cost
+            elif left_out is None:
+                left_out = line, entry
+        if left_out is not None and (start := fit_to_budget(self.estimator, left_out[0], budget - spent, "")):
+            lines.append(start)
+            used.append(left_out[1])
+        return lines, used, left_out is None
