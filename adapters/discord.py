@@ -493,6 +493,9 @@ class DiscordAdapter:
 def read_token(config: DiscordConfig) -> str:
     import os
 
+    if not config.token_env:
+        raise RuntimeError("[discord] token_env is empty: name the environment variable that holds the bot token "
+                           "(DISCORD_TOKEN by default)")
     token = os.environ.get(config.token_env, "").strip()
     if not token:
         raise RuntimeError(f"[discord] is enabled but ${config.token_env} holds no bot token")

@@ -69,6 +69,26 @@ class _Section(BaseModel):
             raise ValueError(f"{value:g} is far too large (at most {MAX_NUMBER:,})")
         return value
 
+    @field_validator("*", mode="after")
+    @classmethod
+    def _env_names(cls, value: Any, info: ValidationInfo) -> Any:
+        """A ``*_env`` key (and ``env_from``, ``headers_env``) names an environment variable: a value that is
+        no such name is most likely the secret itself, pasted in; it is refused and never repeated."""
+        if _names_variables(info.field_name or ""):
+            for name in value.values() if isinstance(value, dict) else (value,):
+                if isinstance(name, str) and name and not ENV_NAME.fullmatch(name):
+                    raise ValueError(NOT_A_VARIABLE)
+        return value
+
+
+NOT_A_VARIABLE = ("this names an environment variable (letters, digits and _), and what is written here is not "
+                  "one: if it is the secret itself, remove it from the file, put it in an environment variable "
+                  "and write that variable's name here")
+
+
+def _names_variables(key: str) -> bool:
+    return key.endswith("_env") or key == "env_from"
+
 
 def default_database_url() -> str:
     data_dir = Path(platformdirs.user_data_dir("cortex-bot", appauthor=False))
@@ -108,13 +128,6 @@ class StorageConfig(_Section):
                 "put it in an environment variable named by [storage] password_env (or PGPASSWORD), or the "
                 "whole URL in one named by [storage] url_env"
             )
-        return value
-
-    @field_validator("url_env", "password_env")
-    @classmethod
-    def _env_name(cls, value: str) -> str:
-        if value and not ENV_NAME.fullmatch(value):
-            raise ValueError(f"{value!r} is not an environment variable name (letters, digits, _)")
         return value
 
     def resolve(self, env: Mapping[str, str] | None = None) -> tuple[str, str | None]:
@@ -980,7 +993,8 @@ def _describe_error(err: Mapping[str, Any], raw: Mapping[str, Any]) -> str:
     if kind == "missing":
         return f"missing required {where}: add it"
     got = err.get("input")
-    shown = "" if isinstance(got, Mapping) or got is None else f" (got {got!r})"
+    secret = any(isinstance(part, str) and _names_variables(part) for part in loc)  # maybe a secret pasted in
+    shown = "" if isinstance(got, Mapping) or got is None or secret else f" (got {got!r})"
     message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")  # pydantic's wording
     if isinstance(got, Mapping) and message.startswith("["):
         return message  # a whole section's check, which names the section itself

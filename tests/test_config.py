@@ -311,3 +311,29 @@ def test_a_problem_deep_in_a_section_is_named_as_the_toml_reads(raw: dict, line:
     with pytest.raises(ConfigError) as caught:
         parse_config(raw)
     assert line in str(caught.value)
+
+
+@pytest.mark.parametrize(("raw", "secret"), [
+    ({"llm": {"api_key_env": "sk-ant-api03-SECRETKEY1234567890"}}, "SECRETKEY"),
+    ({"discord": {"enabled": True, "token_env": "MTEx.SECRET.token"}}, "MTEx"),
+    ({"matrix": {"enabled": True, "homeserver": "https://m.org", "user_id": "@b:m.org",
+                 "password_env": "correct horse battery staple"}}, "horse"),
+    ({"memory": {"embedder_api_key_env": "sk-proj-EMBEDSECRET"}}, "EMBEDSECRET"),
+    ({"storage": {"password_env": "pg-Secret-pass"}}, "pg-Secret"),
+    ({"skills": {"http": [{"name": "files", "description": "d", "url": "https://x.org/{q}",
+                           "headers_env": {"Authorization": "Bearer SECRET-VALUE"}}]}}, "SECRET-VALUE"),
+    ({"skills": {"mcp": [{"name": "files", "command": ["x"], "env_from": {"TOKEN": "ghp-SECRET"}}]}}, "ghp-"),
+])
+def test_a_secret_pasted_where_a_variable_name_belongs_is_refused_and_never_repeated(raw: dict, secret: str) -> None:
+    """Every such key printed its value back (at start, in doctor, in the adapters' messages): a secret pasted
+    in went to the terminal and the logs."""
+    message = _error(raw)
+    assert "environment variable" in message and "the secret itself" in message and secret not in message
+
+
+def test_an_empty_discord_token_variable_says_so() -> None:
+    from adapters.discord import read_token
+
+    config = parse_config({"discord": {"enabled": True, "token_env": ""}})
+    with pytest.raises(RuntimeError, match="token_env is empty"):
+        read_token(config.discord)
