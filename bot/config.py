@@ -35,7 +35,7 @@ from pydantic import (
     model_validator,
 )
 
-from bot.text import readable
+from bot.text import name_key, readable
 
 SOUL_SECTIONS: tuple[str, ...] = (
     "identity",
@@ -856,11 +856,12 @@ class Config(_Section):
     def _personas_consistent(self) -> Config:
         if not self.personas:
             raise ValueError("at least one [[personas]] entry is needed (or leave the key out for the default)")
-        names = [p.name.casefold() for p in self.personas]
-        dupes = sorted({n for n in names if names.count(n) > 1})
+        names = [name_key(p.name) for p in self.personas]  # as the store tells names apart (case, Unicode form)
+        dupes = sorted({p.name for p, n in zip(self.personas, names, strict=True) if names.count(n) > 1})
         if dupes:
-            raise ValueError(f"persona names must be unique; duplicated: {', '.join(dupes)}")
-        if self.bot.default_persona and self.bot.default_persona.casefold() not in names:
+            raise ValueError(f"persona names must be unique (case and accents written two ways count as one); "
+                             f"duplicated: {', '.join(dupes)}")
+        if self.bot.default_persona and name_key(self.bot.default_persona) not in names:
             raise ValueError(
                 f"[bot] default_persona = {self.bot.default_persona!r} is not one of the [[personas]] names "
                 f"({', '.join(p.name for p in self.personas)})"

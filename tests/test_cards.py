@@ -300,6 +300,8 @@ def test_unsupported_specs() -> None:
     (v2_card(character_book={"entries": [{"keys": ["a"], "secondary_keys": [f"k{i}" for i in range(51)],
                                           "content": "x"}]}),
      "lore entry 1 has 51 'secondary_keys'; at most 50"),
+    (v2_card(character_book={"entries": [{"keys": ["a", "the harbour " * 9], "content": "x"}]}),  # 108 characters
+     "lore entry 1 has a 'keys' entry over 100 characters; keywords are words or short phrases"),
     (v2_card(character_book={"entries": [{"keys": ["a"], "content": "x"}, {"keys": "a", "content": "x"}]}),
      "lore entry 2's 'keys' must be a list of texts, not text"),
     (v2_card(character_book={"entries": [{"keys": ["a"], "content": 5}]}),

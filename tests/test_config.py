@@ -337,3 +337,12 @@ def test_an_empty_discord_token_variable_says_so() -> None:
     config = parse_config({"discord": {"enabled": True, "token_env": ""}})
     with pytest.raises(RuntimeError, match="token_env is empty"):
         read_token(config.discord)
+
+
+def test_persona_names_written_two_ways_are_one_name() -> None:
+    """"Zoë" precomposed and "Zoë" with a combining diaeresis passed as two personas; the store keeps one, and the
+    second one's soul was dropped without a word."""
+    message = _error({"personas": [{"name": "Zo\u00eb"}, {"name": "Zoe\u0308"}]})
+    assert "persona names must be unique" in message
+    assert "must be unique" in _error({"personas": [{"name": "Cora"}, {"name": "CORA"}]})
+    parse_config({"personas": [{"name": "Zo\u00eb"}], "bot": {"default_persona": "Zoe\u0308"}})  # the same one

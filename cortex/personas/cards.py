@@ -49,6 +49,7 @@ MAX_FIELD_CHARS = 20_000
 MAX_LORE_ENTRIES = 500
 MAX_ENTRY_CHARS = 4_000
 MAX_ENTRY_KEYS = 50
+MAX_KEY_CHARS = 100  # of one keyword, as `!lore` takes them: a reply matches every key of every entry
 
 SPEC_V2 = "chara_card_v2"
 SPEC_V3 = "chara_card_v3"
@@ -323,6 +324,9 @@ def _keys(raw: dict[Any, Any], key: str, where: str) -> tuple[str, ...]:
     keys = _strings(raw.get(key), f"{where}'s '{key}'")
     if len(keys) > MAX_ENTRY_KEYS:
         raise CardError(f"{where} has {len(keys)} '{key}'; at most {MAX_ENTRY_KEYS}")
+    if any(len(k) > MAX_KEY_CHARS for k in keys):
+        raise CardError(f"{where} has a '{key}' entry over {MAX_KEY_CHARS} characters; keywords are words or "
+                        "short phrases")
     return keys
 
 

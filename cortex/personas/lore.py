@@ -22,6 +22,7 @@ from bot.storage import Storage
 from bot.storage.personas import LoreEntry
 from bot.storage.sources import ReplySource
 from bot.tokens import TokenEstimator, fit_to_budget
+from cortex.personas.cards import MAX_KEY_CHARS
 from cortex.personas.registry import PersonaRegistry
 
 REFRESH_SECONDS = 5.0
@@ -55,7 +56,9 @@ def _any_of(keys: tuple[str, ...]) -> tuple[frozenset[str], re.Pattern[str] | No
     """A set of keys (an entry's), prepared once: the one-word keys as a set (looked up among the text's
     words), the others as one compiled pattern. Before, every reply compiled and ran one pattern per key:
     a lore book's thousands of keys also overflowed the ``re`` module's cache of 512."""
-    stripped = [k.strip() for k in keys if k.strip()]
+    # (keys over the length `!lore` and card imports take, stored by an older version, match nothing: thousands
+    # of long ones took seconds to compile on the event loop)
+    stripped = [k.strip() for k in keys if k.strip() and len(k) <= MAX_KEY_CHARS]
     single = frozenset(k.casefold() for k in stripped if _ONE_WORD.fullmatch(k))
     others = [_key_regex(k) for k in stripped if not _ONE_WORD.fullmatch(k)]
     return single, re.compile("|".join(f"(?:{p})" for p in others)) if others else None

@@ -22,12 +22,12 @@ from bot.storage import Storage
 from bot.storage.personas import LoreEntry, NewLore
 from bot.text import plural, shown
 from cortex.memory.guard import guarded
+from cortex.personas.cards import MAX_KEY_CHARS
 from cortex.personas.lore import LoreIndex, search
 from cortex.personas.registry import PersonaRegistry
 
 MAX_LORE_CHARS = 4000
 MAX_KEYS = 50
-MAX_KEY_CHARS = 100
 KEYS_FLAG = "--keys"
 ALWAYS_FLAG, NOT_ALWAYS_FLAG = "--always", "--not-always"
 PRIORITY_FLAG = "--priority"
