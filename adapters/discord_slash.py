@@ -18,13 +18,14 @@ import discord
 from discord import app_commands
 
 from bot.commands import Attachment, Command, Param
+from bot.commands.files import MAX_ATTACHMENT_BYTES
 from bot.policy import refusal
 
 if TYPE_CHECKING:
     from adapters.discord import DiscordAdapter
 
 MAX_FILES = 1
-MAX_FILE_BYTES = 8 * 1024 * 1024  # a command's file (the card cap); larger ones are refused before download
+MAX_FILE_BYTES = MAX_ATTACHMENT_BYTES  # larger ones are refused before download
 
 
 async def read_attachment(attachment: discord.Attachment) -> Attachment:

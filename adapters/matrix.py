@@ -61,6 +61,7 @@ from adapters.matrix_gaps import missed_redactions
 from adapters.matrix_reactions import Reactions
 from bot.app import App
 from bot.commands import Attachment, CommandReply
+from bot.commands.files import MAX_ATTACHMENT_BYTES
 from bot.config import MatrixConfig
 from bot.policy import Inbound
 from bot.ports import IncomingMessage
@@ -79,7 +80,7 @@ EVENT_BUDGET = 60_000  # bytes of an event's content, as the server (or, encrypt
 LIMIT = 8_000
 ENCRYPTED_LIMIT = 3_500
 ENCRYPTION_OVERHEAD = 1_024  # megolm's envelope: sender key, session and device ids, MAC, signature
-MAX_FILE_BYTES = 8 * 1024 * 1024  # a command's file (the card cap)
+MAX_FILE_BYTES = MAX_ATTACHMENT_BYTES  # a command's file (an export's zip at most)
 # A file a command may come with: Element sends a PNG (a character card) as an image.
 FileEvent: TypeAlias = RoomMessageFile | RoomEncryptedFile | RoomMessageImage | RoomEncryptedImage
 FILE_EVENTS = (RoomMessageFile, RoomEncryptedFile, RoomMessageImage, RoomEncryptedImage)

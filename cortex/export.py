@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from bot.commands.files import MAX_ATTACHMENT_BYTES
 from bot.storage.base import User
 from bot.storage.core import user_persona_key
 from bot.text import plural
@@ -149,7 +150,7 @@ def build_zip(data: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
-MAX_ARCHIVE_BYTES = 50 * 1024 * 1024
+MAX_ARCHIVE_BYTES = MAX_ATTACHMENT_BYTES  # what an adapter downloads for a command at most
 MAX_DATA_BYTES = 100 * 1024 * 1024  # data.json unpacked: a zip bomb stops here
 # Values in data.json (objects, lists, numbers, strings...): each costs Python memory whatever its size
 # ("{}," is 3 bytes and ~100 bytes parsed, "1," 2 bytes and ~30), so 100 MB of them would take gigabytes. A
@@ -186,11 +187,34 @@ class ImportReport:
         return text + (" Left out: " + "; ".join(named[:8]) + more + "." if named else "")
 
 
+# The zip's list of its files (its central directory), which zipfile reads whole into objects before anything
+# else: an export's is a few kilobytes per thousand file versions, but a 50 MB zip of a million empty entries
+# took 18 s and half a gigabyte.
+MAX_DIRECTORY_BYTES = 8 * 1024 * 1024
+_END, _END64, _LOCATOR64 = b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07"
+
+
+def _directory_bytes(blob: bytes) -> int:
+    """The size of the zip's central directory as its end record gives it (also a ZIP64 one), which is what
+    zipfile reads; 0 when there is no end record (zipfile then refuses the file itself)."""
+    at = blob.rfind(_END, max(0, len(blob) - 65_557))  # the record, after a comment of at most 64 KB
+    if at < 0:
+        return 0
+    size = int.from_bytes(blob[at + 12:at + 16], "little")
+    if size == 0xFFFFFFFF or blob[at - 20:at - 16] == _LOCATOR64:
+        start = int.from_bytes(blob[at - 12:at - 4], "little")
+        if blob[start:start + 4] == _END64:
+            size = int.from_bytes(blob[start + 40:start + 48], "little")
+    return size
+
+
 def read_archive(blob: bytes) -> dict[str, Any]:
     """``data.json`` of an export zip, checked for size and format (CPU-bound for a large one: callers
     run it on a worker thread)."""
     if len(blob) > MAX_ARCHIVE_BYTES:
         raise ArchiveError(f"the archive is {len(blob) / 1e6:.1f} MB; at most {MAX_ARCHIVE_BYTES // 1024 // 1024} MB")
+    if _directory_bytes(blob) > MAX_DIRECTORY_BYTES:
+        raise ArchiveError("its list of files is far longer than an export's (not a cortex-bot export?)")
     try:
         with zipfile.ZipFile(io.BytesIO(blob)) as archive:
             info = archive.getinfo("data.json")

@@ -362,10 +362,20 @@ async def test_a_card_attached_to_a_slash_command_is_imported(adapter: DiscordAd
     response = await _interact(adapter, monkeypatch, "persona-admin", [{"name": "import", "type": 1, "options": [
         {"name": "card", "type": 11, "value": "3333"}]}], resolved={"attachments": {"3333": attachment}})
     assert "Imported Rosa from rosa.json" in response["data"]["content"]
-    too_big = {**attachment, "id": "4444", "size": 9 * 1024 * 1024}
+    too_big = {**attachment, "id": "4444", "size": 51 * 1024 * 1024}  # over what any command takes: not fetched
     response = await _interact(adapter, monkeypatch, "persona-admin", [{"name": "import", "type": 1, "options": [
         {"name": "card", "type": 11, "value": "4444"}]}], resolved={"attachments": {"4444": too_big}})
-    assert "commands take files of at most 8 MB" in response["data"]["content"]
+    assert "commands take files of at most 50 MB" in response["data"]["content"]
+    big = b" " * (9 * 1024 * 1024)  # a card's cap is its reader's (an export of 9 MB must come through)
+
+    async def read_big(self: discord.Attachment, **kw: Any) -> bytes:
+        return big
+
+    monkeypatch.setattr(discord.Attachment, "read", read_big)
+    response = await _interact(adapter, monkeypatch, "persona-admin", [{"name": "import", "type": 1, "options": [
+        {"name": "card", "type": 11, "value": "5555"}]}],
+        resolved={"attachments": {"5555": {**attachment, "id": "5555", "size": len(big)}}})
+    assert "at most 8 MB" in response["data"]["content"] and "commands take files" not in response["data"]["content"]
 
 
 async def test_a_card_attached_to_a_command_message_is_imported(adapter: DiscordAdapter, tmp_path: Path,

@@ -11,6 +11,9 @@ from pathlib import Path
 from bot.commands import CommandContext, CommandError
 
 TERMINAL = "console"
+# The largest file any command takes (a memory export's zip), which the adapters download at most; each
+# command's reader holds its file to its own cap (a character card: 8 MB).
+MAX_ATTACHMENT_BYTES = 50 * 1024 * 1024
 
 
 async def attached_file(ctx: CommandContext, args: Sequence[str], what: str, max_bytes: int) -> tuple[str, bytes]:
