@@ -382,8 +382,12 @@ def migrate(ctx: click.Context) -> None:
               help="Environment variable holding the target's PostgreSQL password (default: PGPASSWORD).")
 @click.option("--batch", default=1000, show_default=True, type=click.IntRange(1, 100_000),
               help="Rows per page (each page is one transaction in the target).")
+@click.option("--while-running", is_flag=True,
+              help="Copy although a bot process is running on the source (rows it changes after they are "
+                   "copied stay old in the target).")
 @click.pass_context
-def copy_data_command(ctx: click.Context, to_url: str, to_password_env: str, batch: int) -> None:
+def copy_data_command(ctx: click.Context, to_url: str, to_password_env: str, batch: int,
+                      while_running: bool) -> None:
     """Copy the configured database ([storage]) into another one, SQLite <-> PostgreSQL.
 
     Every table goes over with its ids; running it again resumes an interrupted copy and copies nothing
@@ -396,7 +400,7 @@ def copy_data_command(ctx: click.Context, to_url: str, to_password_env: str, bat
         raise click.ClickException(f"--to: {exc}") from None
     password = _target_password(to_password_env)
     try:
-        report = _run_async(lambda: _copy_data(config, to_url, password, batch))
+        report = _run_async(lambda: _copy_data(config, to_url, password, batch, while_running))
     except (StorageError, ConfigError) as exc:
         raise click.ClickException(str(exc)) from None
     _print_copy_report(report)
@@ -414,13 +418,22 @@ def _target_password(env_name: str) -> str | None:
     return value
 
 
-async def _copy_data(config: Config, to_url: str, password: str | None, batch: int) -> CopyReport:
+async def _copy_data(config: Config, to_url: str, password: str | None, batch: int,
+                     while_running: bool) -> CopyReport:
     from bot.storage import open_storage
     from bot.storage.copy import copy_data
+    from bot.storage.sqlite import sqlite_path
 
     url, source_password = config.storage.resolve()
+    if url.startswith("sqlite:") and not (path := sqlite_path(url)).exists():  # opening would make an empty one
+        raise ConfigError(f"the configured database {path} does not exist: check [storage] url (or --config)")
     source = await open_storage(url, password=source_password, pool_size=2)
     try:
+        live = await source.fleet.live_processes()
+        if live and not while_running:
+            where = ", ".join(f"pid {p.pid} on {p.host}" for p in live[:5])
+            raise ConfigError(f"a bot is running on the source database ({where}): stop it first, so nothing "
+                              "changes while it is copied (or give --while-running)")
         target = await open_storage(to_url, password=password, pool_size=2)
         try:
             with _CopyProgress() as progress:

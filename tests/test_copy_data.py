@@ -314,6 +314,7 @@ def test_the_command_copies_and_prints_the_counts(tmp_path: Path, pg_url: str) -
         store = await open_storage(f"sqlite:///{tmp_path / 'bot.db'}")
         await store.migrate()
         await fill(store)
+        await store.fleet.leave("host-a:1")  # the bot stopped (a running one is refused: see below)
         await store.close()
 
     asyncio.run(prepare())
@@ -347,3 +348,26 @@ def test_the_command_copies_and_prints_the_counts(tmp_path: Path, pg_url: str) -
 def test_report_names_mismatches() -> None:
     report = CopyReport("a", "b", "id", (TableCount("users", 2, 2, 0), TableCount("messages", 5, 4, 1)))
     assert not report.ok and [t.table for t in report.mismatches] == ["messages"] and report.copied == 1
+
+
+async def test_the_command_refuses_a_missing_source_and_a_running_bot(tmp_path: Path, pg_url: str) -> None:
+    """A typo in [storage] url made an empty source (and the advice to migrate it); and the copy ran while a bot
+    wrote to the source, whose later changes to rows already copied stay old in the target."""
+    import time
+
+    from bot.cli import _copy_data
+    from bot.config import ConfigError, parse_config
+
+    missing = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'typo.db'}"}})
+    with pytest.raises(ConfigError, match="does not exist"):
+        await _copy_data(missing, pg_url, None, 100, False)
+    assert not (tmp_path / "typo.db").exists()
+    store = await open_storage(f"sqlite:///{tmp_path / 'bot.db'}")
+    await store.migrate()
+    await fill(store)
+    await store.fleet.heartbeat("p1", "host-a", 4242, {}, time.time())
+    await store.close()
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}})
+    with pytest.raises(ConfigError, match="a bot is running on the source database .*pid 4242 on host-a"):
+        await _copy_data(config, pg_url, None, 100, False)
+    assert (await _copy_data(config, pg_url, None, 100, True)).ok
