@@ -82,7 +82,7 @@ class MemoryCommands:
              "your memory items, newest first", self.list_items),
             ("search", (text("words", "what to look for", required=True),),
              "search your memory items and past messages", self.search),
-            ("archived", (page,), "your archived (forgotten or pruned) items", self.archived),
+            ("archived", (page,), "your archived (forgotten, pruned or expired) items", self.archived),
             ("restore", (item,), "bring an archived item back", self.restore),
             ("scope", (item, word("scope", "private: DMs only; shared: group channels too", required=True,
                                   choices=SCOPES)), "who may see an item: private or shared", self.scope),
