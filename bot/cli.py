@@ -429,7 +429,8 @@ async def _copy_data(config: Config, to_url: str, password: str | None, batch: i
         raise ConfigError(f"the configured database {path} does not exist: check [storage] url (or --config)")
     source = await open_storage(url, password=source_password, pool_size=2)
     try:
-        live = await source.fleet.live_processes()
+        # (a source without the processes table lacks migrations, which copy_data names in one line)
+        live = await source.fleet.live_processes() if not await source.pending_migrations() else []
         if live and not while_running:
             where = ", ".join(f"pid {p.pid} on {p.host}" for p in live[:5])
             raise ConfigError(f"a bot is running on the source database ({where}): stop it first, so nothing "

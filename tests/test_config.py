@@ -345,4 +345,5 @@ def test_persona_names_written_two_ways_are_one_name() -> None:
     message = _error({"personas": [{"name": "Zo\u00eb"}, {"name": "Zoe\u0308"}]})
     assert "persona names must be unique" in message
     assert "must be unique" in _error({"personas": [{"name": "Cora"}, {"name": "CORA"}]})
-    parse_config({"personas": [{"name": "Zo\u00eb"}], "bot": {"default_persona": "Zoe\u0308"}})  # the same one
+    config = parse_config({"personas": [{"name": "Zo\u00eb"}], "bot": {"default_persona": "zoe\u0308"}})
+    assert config.bot.default_persona == "Zo\u00eb"  # as its entry writes it: every lookup finds it

@@ -362,6 +362,10 @@ async def test_the_command_refuses_a_missing_source_and_a_running_bot(tmp_path: 
     with pytest.raises(ConfigError, match="does not exist"):
         await _copy_data(missing, pg_url, None, 100, False)
     assert not (tmp_path / "typo.db").exists()
+    (tmp_path / "empty.db").touch()  # a file the bot never ran on: the migrations it lacks are named
+    with pytest.raises(StorageError, match="lacks migration"):
+        await _copy_data(parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'empty.db'}"}}), pg_url, None, 100,
+                         False)
     store = await open_storage(f"sqlite:///{tmp_path / 'bot.db'}")
     await store.migrate()
     await fill(store)

@@ -115,6 +115,20 @@ async def test_a_long_entry_does_not_keep_the_other_lore_out(tmp_path: Path) -> 
         assert "story number 69" not in text and "more lore did not fit here" in text
 
 
+def test_lore_that_fits_exactly_comes_whole() -> None:
+    """The note's room was kept even when every entry fitted: lore at the budget's edge lost an entry."""
+    from bot.tokens import BPETokenEstimator
+    from cortex.personas.lore import LoreSection
+
+    estimator = BPETokenEstimator(margin=0.0)
+    chosen = [entry("Vell's harbour master is called Oda.", entry_id=1),
+              entry("The lighthouse keeper is named Brann and he is old.", entry_id=2)]
+    budget = estimator.count("\n".join(f"- {e.content}" for e in chosen))
+    section = LoreSection(None, None, estimator)  # type: ignore[arg-type]  # only the fitting is used here
+    lines, used, whole = section._fitting(chosen, budget)
+    assert whole and len(lines) == 2 and [e.id for e in used] == [1, 2]
+
+
 async def test_only_bot_admins_change_lore(tmp_path: Path) -> None:
     async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
         member = CommandContext("discord", "discord:7", "Ann", "discord:chan1", "Cora", server_key="discord:guild1")

@@ -244,6 +244,14 @@ async def test_ranking_scores_a_bounded_number_of_matches_rarest_words_first(
         assert hits[0].id == both.id and not any("garden" in h.text for h in hits)
         terms, _ = await store._bounded("messages_fts", fts_query("garden"), persona="Cora")
         assert list(terms) == ['"garden"']
+        # A table no larger than the budget costs at most its size to rank whole: every word is kept there
+        # (PostgreSQL counts them anyway, for its weights)
+        for i in range(6):
+            await say(f"garden basil okra mix {i}")  # 23 rows; the words' matches add up to 31
+        monkeypatch.setattr(store_module, "COMMON_MATCHES", 25)
+        store._table_sizes.clear()
+        terms, _ = await store._bounded("messages_fts", fts_query("garden basil okra"), persona="Cora")
+        assert sorted(terms) == ['"basil"', '"garden"', '"okra"']
     finally:
         await app.stop()
 

@@ -592,7 +592,8 @@ class MemoryStore:
             return dict.fromkeys(terms, 1.0), False
         counted = await self._term_counts(table, terms, persona, pair_id)
         found = [t for t in terms if counted[t] > 0]  # a word found nowhere (a typo) ranks nothing
-        rare = _rarest_within(found, counted, COMMON_MATCHES)
+        # (a table that small costs at most its size to rank whole: PostgreSQL counts only for the weights)
+        rare = _rarest_within(found, counted, COMMON_MATCHES) if size > COMMON_MATCHES else found
         chosen, newest = (rare, False) if rare else (found, True) if found else (terms, False)
         if not weighted:
             return dict.fromkeys(chosen, 1.0), newest

@@ -175,6 +175,9 @@ class LoreSection:
         and the smaller ones after it still come (a long entry must not keep all the lore out); then the
         start of the first one left out, if room for a few lines is left. Also whether all came whole."""
         count = self.estimator.count
+        every = [f"- {entry.content.strip()}" for entry in chosen]
+        if count("\n".join(every)) <= budget:
+            return every, list(chosen), True
         spent = count(CUT_NOTE)
         lines: list[str] = []
         used: list[LoreEntry] = []
