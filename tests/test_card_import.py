@@ -46,6 +46,9 @@ async def test_a_png_card_becomes_a_persona_with_lore_and_reaches_the_model(
     async with App(_config(tmp_path, fake_llm)) as app:
         reply = await run(app, "!persona import", ctx(Attachment("cora.png", card)))
         assert reply.startswith("Imported Cora Three from cora.png (chara_card_v3): 7 soul section(s), 3 lore")
+        # (the card's regular-expression keys are taken as plain keywords: the import says so)
+        assert reply.endswith("1 lore entry had regular expressions as keys: this bot takes them as plain keywords "
+                              "(check them with !lore list).")
         message = IncomingMessage("discord", "dm", "7", "Ann", "Is it raining on the greenhouse?", is_dm=True)
         await app.core.reply(message, "Cora Three").text()
         system = json.dumps(fake_llm.completion_requests[-1].body["system"])

@@ -81,10 +81,13 @@ class CardCommands:
                                "another name; nothing was imported")
         await self._write(row.id, card, filename, ctx.user_key)
         await self.registry.load()
+        patterns = sum(1 for e in card.lore if e.use_regex)
+        note = (f" {patterns} lore entr{'y' if patterns == 1 else 'ies'} had regular expressions as keys: this bot "
+                f"takes them as plain keywords (check them with {self.prefix}lore list)." if patterns else "")
         return CommandReply(
             f"Imported {card.name} from {filename} ({card.spec}): {len(card.sections)} soul section(s), "
             f"{len(card.lore)} lore entr{'y' if len(card.lore) == 1 else 'ies'}. Pick it for a channel with "
-            f"{self.prefix}persona {card.name}.")
+            f"{self.prefix}persona {card.name}.{note}")
 
     async def _write(self, persona_id: int, card: Card, filename: str, author: str) -> None:
         reason = f"imported from {filename} by {author}"
