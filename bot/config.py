@@ -862,13 +862,14 @@ class Config(_Section):
             raise ValueError(f"persona names must be unique (case and accents written two ways count as one); "
                              f"duplicated: {', '.join(dupes)}")
         if self.bot.default_persona:
-            if name_key(self.bot.default_persona) not in names:
+            wanted = name_key(self.bot.default_persona)
+            if wanted not in names:
                 raise ValueError(
                     f"[bot] default_persona = {self.bot.default_persona!r} is not one of the [[personas]] names "
                     f"({', '.join(p.name for p in self.personas)})"
                 )
             # as its [[personas]] entry writes it: every later lookup (settings, lists, the web page) finds it
-            self.bot.default_persona = self.personas[names.index(name_key(self.bot.default_persona))].name
+            self.bot.default_persona = self.personas[names.index(wanted)].name
         return self
 
     def model_for(self, persona: ModelChoice) -> str:

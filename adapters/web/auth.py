@@ -59,9 +59,8 @@ def home_server_key(user_key: str) -> str | None:
 def access_refusal(config: Config, user_key: str) -> str | None:
     """Why ``[access]`` keeps this user off the page as it does in chat (the deny list always wins, a
     non-empty allow list lets in only those on it; a denied Matrix home server keeps out its users), or
-    None. Checked on every request, so a session opened
-    before the user was listed ends there. The terminal's user runs the bot and is never refused (the
-    terminal applies no lists either)."""
+    None. Checked on every request, so a session opened before the user was listed ends there. The
+    terminal's user runs the bot and is never refused (the terminal applies no lists either)."""
     if user_key.partition(":")[0] == "console":
         return None
     reason = user_refusal(config.access, user_key)

@@ -182,8 +182,7 @@ class LoreSection:
         lines: list[str] = []
         used: list[LoreEntry] = []
         left_out: tuple[str, LoreEntry] | None = None
-        for entry in chosen:
-            line = f"- {entry.content.strip()}"
+        for line, entry in zip(every, chosen, strict=True):
             cost = count(line + "\n")
             if spent + cost <= budget:
                 lines.append(line)
