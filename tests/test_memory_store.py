@@ -6,7 +6,9 @@ import asyncio
 import re
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,6 +47,12 @@ async def _setup(tmp_path: Path, **store_kw):
     clock = Clock()
     store = MemoryStore(app.storage, clock=clock, **store_kw)
     return app, store, users, clock
+
+
+async def _ann_says(app: App, user: Any) -> Callable[[str], Awaitable[Any]]:
+    """Stores one of Ann's messages in her DM with Cora per call."""
+    channel = await app.storage.upsert_channel("console:dm-ann", "dm", is_dm=True)
+    return lambda text: app.storage.add_message(channel.id, user.id, "Cora", "user", "Ann", text, 3)
 
 
 async def test_lifecycle_supersede_archive_restore_expire(tmp_path: Path) -> None:
@@ -230,8 +238,7 @@ async def test_ranking_scores_a_bounded_number_of_matches_rarest_words_first(
     app, store, users, _ = await _setup(tmp_path, candidates=5)
     try:
         user, pair = users["ann"]
-        channel = await app.storage.upsert_channel("console:dm-ann", "dm", is_dm=True)
-        say = lambda text: app.storage.add_message(channel.id, user.id, "Cora", "user", "Ann", text, 3)  # noqa: E731
+        say = await _ann_says(app, user)
         both = await say("okra and basil")
         await say("okra soup")
         for i in range(3):
@@ -266,8 +273,7 @@ async def test_a_small_table_that_grows_fast_has_its_words_checked_soon(
     app, store, users, _ = await _setup(tmp_path, candidates=5)
     try:
         user, _pair = users["ann"]
-        channel = await app.storage.upsert_channel("console:dm-ann", "dm", is_dm=True)
-        say = lambda text: app.storage.add_message(channel.id, user.id, "Cora", "user", "Ann", text, 3)  # noqa: E731
+        say = await _ann_says(app, user)
         await say("garden day")
         assert list((await store._bounded("messages_fts", fts_query("garden day"), persona="Cora"))[0]) == [
             '"garden"', '"day"']
@@ -292,8 +298,7 @@ async def test_the_newest_matches_of_common_words_rank_by_how_many_words_they_ho
     app, store, users, _ = await _setup(tmp_path, candidates=5)
     try:
         user, pair = users["ann"]
-        channel = await app.storage.upsert_channel("console:dm-ann", "dm", is_dm=True)
-        say = lambda text: app.storage.add_message(channel.id, user.id, "Cora", "user", "Ann", text, 3)  # noqa: E731
+        say = await _ann_says(app, user)
         for i in range(8):
             await say(f"garden day {i}")
             await say(f"tea cup {i}")
