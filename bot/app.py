@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from bot.commands import CommandRegistry
+from bot.commands import CommandError, CommandRegistry
 from bot.commands.core import register_core_commands
 from bot.commands.dashboard import register_dashboard
 from bot.config import Config, ConfigError, read_secret
@@ -28,7 +28,7 @@ from cortex import build_cortex
 from cortex.memory.embedders import Embedder
 from cortex.memory.upkeep import end_expired_incognito, expire_old_messages
 from cortex.personas.card_commands import CardCommands
-from cortex.personas.commands import PersonaCommands
+from cortex.personas.commands import PersonaCommands, check_persona_name
 from cortex.personas.guidelines import GuidelinesCommands, RulesCommands
 from cortex.personas.lore import LoreIndex, LoreSection
 from cortex.personas.lore_commands import LoreCommands
@@ -129,6 +129,7 @@ class App:
             CardCommands(self.personas, self.storage).register(self.commands)
             self.skills.commands.register(self.commands)
             register_dashboard(self.commands, self.storage.web, self.config.web)
+            self._check_persona_names()
             self.cortex.commands.extra_stats = self._extra_stats
             self.cortex.commands.on_forget = self._forget_caches(self.cortex.commands.on_forget)
             await self.cortex.memory_admin.load()
@@ -181,6 +182,16 @@ class App:
             raise
         self._started = True
         return self
+
+    def _check_persona_names(self) -> None:
+        """A ``[[personas]]`` name that starts with a ``!persona`` subcommand ("List Buff") could never be
+        picked: ``!persona List Buff`` (and Discord's ``/persona``, which becomes that line) runs ``list``.
+        Refused at start, as ``!persona create`` and card imports refuse such a name."""
+        for persona in self.config.personas:
+            try:
+                check_persona_name(persona.name, self.commands)
+            except CommandError as exc:
+                raise ConfigError(f"[[personas]] name = {persona.name!r}: {exc}; rename it in the config") from None
 
     async def _extra_stats(self) -> list[str]:
         return await self.cortex.memory_admin.stats_lines() + await self.skills.commands.stats_lines()

@@ -11,7 +11,7 @@ import pytest
 
 from bot.app import App
 from bot.commands import CommandContext
-from bot.config import parse_config
+from bot.config import Config, ConfigError, parse_config
 from bot.policy import Inbound
 from bot.ports import IncomingMessage
 from tests.engines import db_url_for
@@ -212,3 +212,22 @@ async def test_template_variables_in_both_spellings(tmp_path: Path) -> None:
         reply = await run(app, "!persona edit values Kind to {{user}}, fond of {{weather}}.")
         assert "{{weather}} is no template variable" in reply
         assert "Kind to Ann, fond of {{weather}}." in await system_prompt(app, llm)  # left visible, no crash
+
+
+async def test_a_config_persona_named_like_a_subcommand_is_refused_at_start(tmp_path: Path) -> None:
+    """``!persona List Buff`` runs ``!persona list`` (and Discord's ``/persona`` becomes that line), so nobody
+    could pick such a persona: the config is refused in one line, as ``!persona create`` refuses the name."""
+    def config(second: str) -> Config:
+        return parse_config({"storage": {"url": db_url_for(tmp_path)},
+                             "personas": [{"name": "Cora"}, {"name": second, "identity": "You are {char_name}."}]})
+
+    with pytest.raises(ConfigError) as refused:
+        async with App(config("List Buff"), llm=ScriptedProvider()):
+            pass
+    assert "List Buff" in str(refused.value) and "persona list" in str(refused.value)
+    assert "\n" not in str(refused.value)
+    async with App(config("Buff List"), llm=ScriptedProvider()) as app:  # the word elsewhere in the name is fine
+        dm = CommandContext("discord", "discord:7", "Ann", "discord:dm-ann", "Cora", is_dm=True)
+        assert "Buff List" in await run(app, "!persona Buff List", dm)
+        assert await app.router.persona_for(Inbound(IncomingMessage(
+            "discord", "dm-ann", "7", "Ann", "hi", is_dm=True))) == "Buff List"
