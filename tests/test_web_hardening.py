@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,7 +20,7 @@ import aiohttp
 import pytest
 
 from adapters.admin_directory import DiscordAdminDirectory
-from adapters.web import WebServer
+from adapters.web import WebServer, api_me
 from adapters.web.render import markdown_html
 from bot.app import App
 from bot.config import DiscordConfig
@@ -505,3 +506,28 @@ async def test_a_lost_connection_to_discord_lists_no_servers_and_breaks_nothing(
         status, overview = await someone.call("GET", "/api/admin/overview")
         assert status == 200 and overview["servers"] == []
         assert len(guild.fetched) == asked + 2  # a failed answer is not kept: asked again next time
+
+
+async def test_a_files_html_is_rendered_off_the_event_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Markdown is pure Python, about 7 µs a character, and a user's own file can be written to be slow to
+    render (``_a`` repeated: 50-60 ms at the default cap, seconds at the largest one). The event loop also
+    runs the chat adapters, so every route that shows a file's HTML renders it on a worker thread."""
+    loop_thread, threads = threading.get_ident(), []
+
+    def recording(text: str) -> str:
+        threads.append(threading.get_ident())
+        return markdown_html(text)
+
+    monkeypatch.setattr(api_me, "markdown_html", recording)
+    path = "/api/me/personas/Cora/files/memory"
+    async with running_bot(tmp_path) as bot, bot.client("ann") as ann:
+        status, current = await ann.call("GET", path)
+        assert status == 200
+        status, saved = await ann.call("PUT", path, {"content": "_a" * 3000, "version": current["version"]})
+        assert status == 200 and saved["html"].startswith("<p>_a_a") and saved["content"].startswith("_a_a")
+        for method, route in (("GET", path), ("GET", f"{path}/versions/1"), ("GET", "/api/me/personas/Cora/files")):
+            status, shown = await ann.call(method, route)
+            assert status == 200, shown
+        status, _ = await ann.call("POST", f"{path}/reset")
+        assert status == 200
+    assert len(threads) >= 8 and loop_thread not in threads  # PUT, GET, one version, all three files, reset

@@ -33,14 +33,12 @@ class Revert(BaseModel):
     version: int = Field(ge=1, le=MAX_NUMBER)
 
 
-def version_json(v: FileVersion, *, content: bool = True) -> dict[str, Any]:
-    data: dict[str, Any] = {
+def version_json(v: FileVersion) -> dict[str, Any]:
+    """What a version is, without its text (see ``shown`` in :func:`routes` for the text and its HTML)."""
+    return {
         "file": v.filename, "version": v.version, "author": v.author, "reason": v.reason, "tier": v.tier,
         "run_id": v.run_id, "created_at": v.created_at.isoformat(), "chars": v.chars,
     }
-    if content:
-        data.update(content=v.content, html=markdown_html(v.content))
-    return data
 
 
 def filename(request: web.Request) -> str:
@@ -60,16 +58,23 @@ def version_number(text: str) -> int:
 
 def routes(ctx: WebContext) -> list[web.RouteDef]:
     auth, store, files = ctx.auth, ctx.app.cortex.store, ctx.app.cortex.files
-    # A diff is pure Python and quadratic in the worst case; off the event loop (which also runs the chat
-    # adapters), a few at a time.
-    diffing = asyncio.Semaphore(2)
+    # A diff (quadratic in the worst case) and Markdown's HTML (about 7 µs a character: 50-60 ms for a file at
+    # the default cap, seconds at the largest, and the text is the user's own) are pure Python: off the event
+    # loop, which also runs the chat adapters, a few at a time.
+    working = asyncio.Semaphore(2)
+
+    async def shown(v: FileVersion) -> dict[str, Any]:
+        """A version with its text and the text as HTML."""
+        async with working:
+            html = await asyncio.to_thread(markdown_html, v.content)
+        return version_json(v) | {"content": v.content, "html": html}
 
     async def saved_or_current(pair: Pair, name: str, saved: FileVersion | None) -> web.Response:
         """The version a change made, or the unchanged current one, with whether anything changed."""
         current = saved or await store.current(pair.id, name)
         if current is None:  # a forget-me took the files since
             fail(409, GONE)
-        return ok(version_json(current) | {"changed": saved is not None})
+        return ok(await shown(current) | {"changed": saved is not None})
 
     async def me(request: web.Request) -> web.Response:
         caller = await auth.require(request)
@@ -91,7 +96,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         current = await store.current_all(pair.id)
         if any(f not in current for f in FILENAMES):  # own_pair made every file: a forget-me since took them
             fail(409, GONE)
-        return ok({"persona": pair.persona, "files": [version_json(current[f]) for f in FILENAMES]})
+        return ok({"persona": pair.persona, "files": [await shown(current[f]) for f in FILENAMES]})
 
     async def get_file(request: web.Request) -> web.Response:
         caller = await auth.require(request)
@@ -100,7 +105,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         current = await store.current(pair.id, name)
         if current is None:  # own_pair made every file: a forget-me since took them
             fail(409, GONE)
-        return ok(version_json(current) | {"max_chars": files.file_max_chars})
+        return ok(await shown(current) | {"max_chars": files.file_max_chars})
 
     async def put_file(request: web.Request) -> web.Response:
         caller = await auth.require(request)
@@ -120,7 +125,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         name = filename(request)
         _, pair = await own_pair(ctx, caller, request.match_info["persona"])
         found, total = await store.versions_listed(pair.id, name, VERSIONS_LISTED)
-        return ok({"file": name, "versions": [version_json(v, content=False) for v in found], "total": total})
+        return ok({"file": name, "versions": [version_json(v) for v in found], "total": total})
 
     async def one_version(request: web.Request) -> web.Response:
         caller = await auth.require(request)
@@ -129,7 +134,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         found = await store.version(pair.id, name, number)
         if found is None:
             not_found(f"{name} has no version {number}")
-        return ok(version_json(found))
+        return ok(await shown(found))
 
     async def diff(request: web.Request) -> web.Response:
         caller = await auth.require(request)
@@ -140,7 +145,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         a, b = await store.version(pair.id, name, first), await store.version(pair.id, name, second)
         if a is None or b is None:
             not_found(f"{name} has no version {first if a is None else second}")
-        async with diffing:
+        async with working:
             rows = await asyncio.to_thread(side_by_side, a.content, b.content)
         return ok({"file": name, "from": first, "to": second, "rows": rows})
 
@@ -164,7 +169,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         current = await store.current(pair.id, name)
         if current is None:  # a forget-me took the files since
             fail(409, GONE)
-        return ok(version_json(current) | {"changed": bool(changed)})
+        return ok(await shown(current) | {"changed": bool(changed)})
 
     return [
         web.get("/api/me", me),
