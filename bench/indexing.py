@@ -106,9 +106,9 @@ async def one_run(way: str, conversations: list[Conversation], folder: str, n: i
         captured: dict[int, np.ndarray] = {}
         store = service.storage.memory.store_message_vectors
 
-        async def recording(model: str, rows: Any) -> None:
+        async def recording(model: str, rows: Any, **checks: Any) -> list[int]:
             captured.update((int(r[0]), np.asarray(r[3], dtype=np.float32)) for r in rows)
-            await store(model, rows)
+            return await store(model, rows, **checks)
 
         service.storage.memory.store_message_vectors = recording  # type: ignore[method-assign]
         started = time.perf_counter()

@@ -364,9 +364,9 @@ async def embed(app: App, indexed: list[Indexed], vectors: Vectors | None, cache
         captured: list[tuple[int, np.ndarray]] = []
         store = memory.store_message_vectors
 
-        async def recording(model: str, rows: Any) -> None:
+        async def recording(model: str, rows: Any, **checks: Any) -> list[int]:
             captured.extend((int(r[0]), np.asarray(r[3], dtype=np.float32)) for r in rows)
-            await store(model, rows)
+            return await store(model, rows, **checks)
 
         memory.store_message_vectors = recording  # type: ignore[method-assign]
         try:

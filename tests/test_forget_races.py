@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bot.app import App
@@ -14,6 +16,8 @@ from bot.commands import CommandContext
 from bot.config import parse_config
 from bot.llm.base import Completion, LLMRequest, ToolCall, Usage
 from bot.ports import IncomingMessage
+from cortex.memory.embedders import HashEmbedder
+from cortex.memory.vectors import VectorIndex
 from tests.engines import db_url_for
 from tests.fakes.provider import ScriptedProvider
 
@@ -127,3 +131,51 @@ async def test_a_skill_audit_written_while_forget_me_runs_is_not_kept(tmp_path: 
         assert await forgetting is not None
         await audit
         assert await _rows(app, "skill_executions") == [] and await _rows(app, "users") == []
+
+
+class HeldEmbedder(HashEmbedder):
+    """The test embedder, answering its first call only once ``release`` is set (it runs on a worker thread:
+    threading events); ``waiting`` says it was called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting, self.release = threading.Event(), threading.Event()
+
+    def embed(self, texts):  # type: ignore[no-untyped-def]
+        self.waiting.set()
+        self.release.wait(10)
+        return super().embed(texts)
+
+
+async def test_a_neighbours_vector_embedded_while_forget_me_runs_keeps_none_of_her_words(tmp_path: Path) -> None:
+    """Bob's "ok" is embedded with Ann's message before it as context. The backfill read both, forget-me deleted
+    hers (and his vector: there was none yet), and the backfill then stored his vector made with her words:
+    his search found her secret by meaning for good (a vector of the current model is never made again)."""
+    embedder = HeldEmbedder()
+    app = await App(_config(tmp_path), llm=ScriptedProvider(), embedder=embedder).start(workers=False)
+    try:
+        storage = app.storage
+        ann, bob = await storage.upsert_user("discord:ann", "Ann"), await storage.upsert_user("discord:bob", "Bob")
+        room = await storage.upsert_channel("discord:room", "room", False)
+        await storage.add_message(room.id, bob.id, "Cora", "user", "Bob", "how was the doctor?", 5)
+        await storage.add_message(room.id, ann.id, "Cora", "user", "Ann", f"my diagnosis is {SECRET}", 5)
+        ok = await storage.add_message(room.id, bob.id, "Cora", "user", "Bob", "ok", 1)
+        backfill = asyncio.create_task(app.cortex.embeddings.backfill())
+        assert await asyncio.to_thread(embedder.waiting.wait, 10)
+        assert "Done." in (await app.commands.dispatch("!memory forget-me confirm", ANN)).text
+        embedder.release.set()
+        await backfill
+        await app.cortex.embeddings.backfill()  # the next run embeds what has no vector
+        clean = embedder.embed(["Bob: how was the doctor?\nBob: ok"])[0]
+        row = await storage.db.fetch_one("SELECT vector FROM message_vectors WHERE message_id = ?", (ok.id,))
+        assert row is not None
+        raw = row[0]  # SQLite: bytes; PostgreSQL: pgvector's Vector
+        stored = np.frombuffer(raw, dtype=np.float32) if isinstance(raw, bytes) else np.asarray(raw.to_numpy())
+        assert not np.allclose(stored, embedder.embed([f"Ann: my diagnosis is {SECRET}\nBob: ok"])[0], atol=1e-6)
+        assert np.allclose(stored, clean, atol=1e-6)
+        index = app.cortex.embeddings.index
+        if isinstance(index, VectorIndex):  # SQLite: and as this process keeps it in memory
+            block = await index.messages(bob.id, "Cora")
+            assert np.allclose(block.matrix[block.ids.tolist().index(ok.id)], clean, atol=1e-6)
+    finally:
+        await app.stop()

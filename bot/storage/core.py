@@ -123,12 +123,17 @@ async def delete_messages(tx: Tx, where: str, params: Sequence[Any]) -> tuple[li
                                                       params)]
     # The message after each one in its channel was embedded with it as its context: its vector goes too, and
     # the backfill embeds it again with what is left before it (a forgotten user's words stay in nobody's).
-    await tx.execute("DELETE FROM message_vectors WHERE message_id IN (SELECT (SELECT min(n.id) FROM messages AS n"
-                     f" WHERE n.channel_id = messages.channel_id AND n.id > messages.id) FROM messages WHERE {where})",
-                     params)
+    # Dropped once the messages are gone: a backfill storing such a vector meanwhile (PostgreSQL) holds the
+    # message it was made with (``MemoryRepository.store_message_vectors``), so that delete waits for it.
+    after = [int(r[0]) for r in await tx.fetch_all(
+        "SELECT DISTINCT (SELECT min(n.id) FROM messages AS n WHERE n.channel_id = messages.channel_id"
+        f" AND n.id > messages.id) FROM messages WHERE {where}", params) if r[0] is not None]
     for table in MESSAGE_DEPENDENTS:
         await tx.execute(f"DELETE FROM {table} WHERE message_id IN (SELECT id FROM messages WHERE {where})", params)
     deleted = [int(r[0]) for r in await tx.fetch_all(f"DELETE FROM messages WHERE {where} RETURNING id", params)]
+    for start in range(0, len(after), 500):
+        chunk = after[start:start + 500]
+        await tx.execute(f"DELETE FROM message_vectors WHERE message_id IN ({','.join('?' for _ in chunk)})", chunk)
     marks = ",".join("?" for _ in channels) or "NULL"
     await tx.execute("UPDATE channels SET message_count = (SELECT count(*) FROM messages"
                      f" WHERE channel_id = channels.id) WHERE id IN ({marks})", channels)

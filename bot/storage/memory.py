@@ -583,10 +583,12 @@ class MemoryRepository:
     async def messages_to_embed(self, model: str, below: int, limit: int) -> list[Row]:
         """Messages of users (newest first, ids below ``below``) without a vector of ``model``, each with
         the channel's message before it (``before_author``, ``before_text``) unless that one was said in an
-        incognito stretch (it is deleted at the stretch's end: it must not live on in another's vector)."""
+        incognito stretch (it is deleted at the stretch's end: it must not live on in another's vector), and
+        the id of the message before it whatever it is (``before_id``, 0 for none: see store_message_vectors)."""
         return await self.db.fetch_all(
             "SELECT m.id, m.user_id, m.persona, m.author_name, m.text, p.author_name AS before_author,"
-            " p.text AS before_text FROM messages AS m LEFT JOIN message_vectors AS v ON v.message_id = m.id"
+            " p.text AS before_text, coalesce((SELECT max(id) FROM messages WHERE channel_id = m.channel_id"
+            " AND id < m.id), 0) AS before_id FROM messages AS m LEFT JOIN message_vectors AS v ON v.message_id = m.id"
             " LEFT JOIN messages AS p ON p.id = (SELECT max(id) FROM messages"
             f" WHERE channel_id = m.channel_id AND id < m.id) AND {not_incognito('p')}"
             " WHERE m.user_id IS NOT NULL AND (v.model IS NULL OR v.model != ?) AND m.id < ?"
@@ -596,19 +598,37 @@ class MemoryRepository:
         )
 
     async def store_message_vectors(
-        self, model: str, rows: Sequence[tuple[int, int, str, npt.NDArray[np.float32]]]
-    ) -> None:
+        self, model: str, rows: Sequence[tuple[int, int, str, npt.NDArray[np.float32]]], *,
+        before: Sequence[int] | None = None,
+    ) -> list[int]:
         """Store (message id, user id, persona, vector) rows, only while the message still exists with the
-        same owner (forget-me may have run meanwhile)."""
+        same owner (forget-me may have run meanwhile); the ids stored. With ``before`` (per row, the id of the
+        message before it when it was read, 0 for none: its context), only while that is still the one before
+        it: a message deleted meanwhile (forget-me, the end of an incognito stretch, a withdrawal) must not
+        live on in its neighbour's vector, which the deletion dropped before this one was stored."""
+        stored: list[int] = []
         async with self.db.transaction() as tx:
-            await tx.executemany(
-                "INSERT INTO message_vectors (message_id, user_id, persona, model, vector)"
-                " SELECT id, user_id, persona, CAST(? AS TEXT), ? FROM messages WHERE id = ? AND user_id = ?"
-                " AND persona = ? ON CONFLICT (message_id) DO UPDATE SET model = excluded.model,"
-                " vector = excluded.vector",
-                [(model, self._vector_param(vector), message_id, user_id, persona)
-                 for message_id, user_id, persona, vector in rows],
-            )
+            if before is not None and self.db.dialect == "postgres":
+                # A deletion that already took these rows makes this wait for its end (and the check below then
+                # sees them gone); one that comes later waits for this commit, and then drops the vectors of
+                # the messages after those it deleted (``delete_messages``), this one's too.
+                context = sorted({b for b in before if b})
+                if context:
+                    await tx.fetch_all(f"SELECT id FROM messages WHERE id IN ({', '.join('?' for _ in context)})"
+                                       " FOR SHARE", context)
+            for n, (message_id, user_id, persona, vector) in enumerate(rows):
+                check, params = ("", ()) if before is None else (
+                    " AND coalesce((SELECT max(p.id) FROM messages AS p WHERE p.channel_id = messages.channel_id"
+                    " AND p.id < messages.id), 0) = ?", (before[n],))
+                row = await tx.fetch_one(
+                    "INSERT INTO message_vectors (message_id, user_id, persona, model, vector)"
+                    " SELECT id, user_id, persona, CAST(? AS TEXT), ? FROM messages WHERE id = ? AND user_id = ?"
+                    f" AND persona = ?{check} ON CONFLICT (message_id) DO UPDATE SET model = excluded.model,"
+                    " vector = excluded.vector RETURNING message_id",
+                    (model, self._vector_param(vector), message_id, user_id, persona, *params))
+                if row is not None:
+                    stored.append(int(row[0]))
+        return stored
 
     async def embedding_counts(self, model: str, message_model: str, messages: bool) -> tuple[int, int, int, int]:
         """(items, items embedded, user messages, messages embedded)."""

@@ -358,11 +358,14 @@ class EmbeddingService:
             message_text(str(r["author_name"]), str(r["text"]), r["before_author"], r["before_text"]) for r in rows
         ])
         await self.storage.memory.ensure_vector_index(int(vectors.shape[1]))
-        await self.storage.memory.store_message_vectors(
+        stored = set(await self.storage.memory.store_message_vectors(
             self.message_model,
-            [(int(r["id"]), int(r["user_id"]), str(r["persona"]), vectors[n]) for n, r in enumerate(rows)])
+            [(int(r["id"]), int(r["user_id"]), str(r["persona"]), vectors[n]) for n, r in enumerate(rows)],
+            before=[int(r["before_id"]) for r in rows]))
         by_pair: dict[tuple[int, str], list[int]] = {}
         for n, r in enumerate(rows):
+            if int(r["id"]) not in stored:  # its message, or the one before it, was deleted meanwhile
+                continue
             by_pair.setdefault((int(r["user_id"]), str(r["persona"])), []).append(n)
         for (user_id, persona), rows_of_pair in by_pair.items():
             self.index.add(("messages", user_id, persona), [int(rows[n]["id"]) for n in rows_of_pair],
