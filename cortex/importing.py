@@ -31,6 +31,7 @@ from bot.conversation import MAX_REPLY_CHARS
 from bot.persona import PersonaSource
 from bot.storage.base import Channel, User
 from bot.storage.core import Storage
+from bot.storage.engine import is_missing_reference
 from bot.text import plural, storable, storable_json
 from cortex.export import ArchiveError, ImportReport
 from cortex.files import CortexFiles, FileError
@@ -195,9 +196,17 @@ class Importer:
         # Checking every entry (the poisoning guard's patterns on each) takes seconds for a large archive: off
         # the event loop, so the bot goes on answering meanwhile.
         plans = await asyncio.to_thread(self._plan, data, messages, report)
-        for plan in plans:
-            await self._persona(user, plan, report)
-        await messages.write()
+        try:
+            for plan in plans:
+                await self._persona(user, plan, report)
+            await messages.write()
+        except Exception as exc:
+            # A forget-me while this ran deleted what came in so far: nothing may be written for them after it
+            # (every write names their row, which is gone: a foreign key fails).
+            if is_missing_reference(exc) or getattr(await self.store.storage.get_user(user.key), "id", None) != user.id:
+                raise ArchiveError("you asked to be forgotten while the import ran: nothing of it was kept (send "
+                                   "it again to bring it back)") from None
+            raise
         return report
 
     def _plan(self, data: Mapping[str, Any], messages: _Messages, report: ImportReport) -> list[_PersonaPlan]:
@@ -233,7 +242,8 @@ class Importer:
         return plan
 
     async def _persona(self, user: User, plan: _PersonaPlan, report: ImportReport) -> None:
-        _, pair = await self.store.pair_for(user.key, user.display_name, plan.name)
+        # By the user's row as the import began, never made again: a forget-me meanwhile stops the import here.
+        pair = await self.store.count_messages(user.id, plan.name, 0)
         for filename, content in plan.files.items():
             try:
                 written = await self.files.write(pair, filename, content, "user", REASON)

@@ -510,3 +510,30 @@ async def test_an_import_brings_a_bounded_amount_and_keeps_the_bot_answering(
         user = await app.storage.get_user("discord:ann")
         pair = await app.cortex.store.count_messages(user.id, "Cora", 0)  # type: ignore[union-attr]
         assert await app.storage.export.active_items(pair.id) == 50
+
+
+async def test_forget_me_while_an_import_runs_leaves_nothing_of_it(tmp_path: Path) -> None:
+    """The import made the user again for each persona: a forget-me landing between two of its personas
+    said "Done. Deleted …", and the next persona's files and items came in for a user made anew, kept."""
+    archive = _archive("ann", personas=[
+        {"persona": persona, "memory_items": [{"category": "fact", "content": f"Ann told {persona} a secret",
+                                               "importance": 5, "created_at": 1_700_000_000}],
+         "file_versions": [{"file": "memory.md", "content": f"# {persona}'s memories\n- Ann's secret\n"}]}
+        for persona in ("Cora", "Lena")],
+        messages=[{"is_dm": True, "role": "user", "persona": "Cora", "text": "my secret", "created_at": 1_700_000_000}])
+    async with App(_config(tmp_path / "bot"), llm=ScriptedProvider()) as app:
+        repo = app.storage.export
+        real, forgotten = repo.import_item, []
+
+        async def forget_me_meanwhile(*args: object) -> int:  # the user sends forget-me once Cora's part is in
+            made = await real(*args)  # type: ignore[arg-type]
+            if not forgotten:
+                forgotten.append(await run(app, "!memory forget-me confirm"))
+            return made
+
+        repo.import_item = forget_me_meanwhile  # type: ignore[method-assign]
+        reply = await run(app, "!memory import", ctx("ann", archive))
+        assert forgotten and forgotten[0].startswith("Done. Deleted"), forgotten
+        for table in ("users", "cortex_pairs", "cortex_versions", "memory_items", "messages"):
+            assert [dict(r) for r in await app.storage.db.fetch_all(f"SELECT * FROM {table}")] == [], table
+        assert "forgotten" in reply, reply
