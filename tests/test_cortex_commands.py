@@ -592,3 +592,28 @@ async def test_a_stored_setting_that_no_longer_validates_falls_back_alone(tmp_pa
         assert effective.settings.frequency == "rare" and effective.sources["frequency"] == "persona:cora"
         assert effective.sources["model"] == "config" and effective.settings.model != "gpt 4"
         assert caplog.text.count("the stored cortex setting model = 'gpt 4'") == 1
+
+
+async def test_forget_me_sent_again_after_a_crash_before_the_scrub_leaves_no_trace(tmp_path: Path) -> None:
+    """The rows are deleted in one transaction and the files scrubbed after it: a process killed in between
+    left the words in the full-text index's old segments, and the forget-me the user sent again found no row
+    and answered "stores nothing" without scrubbing, so they stayed for good."""
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
+                           "personas": [{"name": "Cora"}]})
+    async with App(config, llm=ScriptedProvider()) as app:
+        for user, word in (("ann", "xylophonequartz"), ("bob", "marmaladegiraffe")):
+            for i in range(30):
+                await app.core.reply(IncomingMessage("console", f"dm-{user}", user, user.title(),
+                                                     f"my secret {word} number {i}", is_dm=True)).text()
+            await run(app, f"!memory remember {word} is my password", ctx(user))
+
+        async def killed() -> None:  # the process died right after the commit
+            return None
+
+        app.storage.scrub = killed  # type: ignore[method-assign]
+        assert "Done" in (await run(app, "!memory forget-me confirm", ctx("ann"))).text
+    async with App(config, llm=ScriptedProvider()) as app:
+        assert "stores nothing about you" in (await run(app, "!memory forget-me confirm", ctx("ann"))).text
+    raw = _database_bytes(tmp_path)
+    assert b"marmaladegiraffe" in raw
+    assert b"xylophone" not in raw

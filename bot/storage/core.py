@@ -836,7 +836,12 @@ class Storage:
         await self.flush_audit()  # buffered reply stats may point at messages deleted below
         for attempt in range(FORGET_ATTEMPTS):
             try:
-                return await self._forget_once(user_key)
+                report = await self._forget_once(user_key)
+                if report is None:
+                    # Nothing stored, but the files may still hold their words: a forget-me whose process died
+                    # after its commit never scrubbed them (see scrub), and this one sent again does.
+                    await self.scrub()
+                return report
             except Exception as exc:
                 if not is_missing_reference(exc) or attempt == FORGET_ATTEMPTS - 1:
                     raise
