@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -52,6 +53,7 @@ from cortex.update import CortexUpdater
 
 MAX_INLINE_CHARS = 6000
 CONFIRM_WORD = "confirm"
+IMPORT_CLAIM_SECONDS = 3600.0  # an import marked as running longer than this is one whose process died
 
 log = logging.getLogger(__name__)
 
@@ -259,8 +261,12 @@ class CortexCommands:
     async def import_archive(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
         _, blob = await attached_file(ctx, args, "your export (the zip !memory export made)", MAX_ARCHIVE_BYTES)
         user, _ = await self._pair(ctx)
+        busy = CommandError("an import of yours is still running; wait for its answer")
         if user.key in self._importing:  # a resent command: both would find nothing there yet, and write twice
-            raise CommandError("an import of yours is still running; wait for its answer")
+            raise busy
+        token, now = uuid.uuid4().hex, time.time()
+        if not await self.store.storage.export.claim_import(user.key, token, now, now - IMPORT_CLAIM_SECONDS):
+            raise busy  # sent to another process sharing the database (another shard, the terminal)
         self._importing.add(user.key)
         try:
             data = await asyncio.to_thread(read_archive, blob)  # a large archive must not stall the replies
@@ -272,6 +278,7 @@ class CortexCommands:
             raise CommandError(str(exc)) from None
         finally:
             self._importing.discard(user.key)
+            await self.store.storage.export.release_import(user.key, token)
         text = report.line()
         if (report.items or report.messages) and self.embedding_backlog is not None:
             try:

@@ -537,3 +537,17 @@ async def test_forget_me_while_an_import_runs_leaves_nothing_of_it(tmp_path: Pat
         for table in ("users", "cortex_pairs", "cortex_versions", "memory_items", "messages"):
             assert [dict(r) for r in await app.storage.db.fetch_all(f"SELECT * FROM {table}")] == [], table
         assert "forgotten" in reply, reply
+
+
+async def test_an_import_sent_to_two_processes_at_once_writes_once(tmp_path: Path) -> None:
+    """One import of a user's runs at a time: that was kept by each process for itself, so the same archive sent
+    to two bot processes sharing the database (two shards, or the terminal beside the bot) came in twice."""
+    archive = _archive("ann", personas=[{"persona": "Cora", "memory_items": [
+        {"category": "fact", "content": f"Ann's fact {i}", "importance": 5, "created_at": 1_700_000_000 + i}
+        for i in range(200)]}])
+    config = _config(tmp_path / "bot")
+    async with App(config, llm=ScriptedProvider()) as one, App(config, llm=ScriptedProvider()) as two:
+        replies = await asyncio.gather(run(one, "!memory import", ctx("ann", archive)),
+                                       run(two, "!memory import", ctx("ann", archive)))
+        rows = await one.storage.db.fetch_all("SELECT content FROM memory_items")
+        assert len(rows) == 200, replies

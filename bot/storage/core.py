@@ -50,7 +50,7 @@ from bot.storage.engine import (
     power_chunks,
     stale_if_missing,
 )
-from bot.storage.export import ExportRepository
+from bot.storage.export import ExportRepository, import_claim_key
 from bot.storage.fleet import FleetRepository
 from bot.storage.incognito import IncognitoRepository, not_incognito
 from bot.storage.memory import MemoryRepository
@@ -818,7 +818,8 @@ class Storage:
         await tx.execute("DELETE FROM skill_executions WHERE user_key = ?", (user_key,))
         await tx.execute("DELETE FROM web_links WHERE user_key = ?", (user_key,))
         await tx.execute("DELETE FROM web_sessions WHERE user_key = ?", (user_key,))
-        await tx.execute("DELETE FROM settings WHERE key = ?", (user_persona_key(user_key),))
+        await tx.execute("DELETE FROM settings WHERE key IN (?, ?)", (user_persona_key(user_key),
+                                                                     import_claim_key(user_key)))
         for table, column in (("versioned_texts", "author"), ("lore_entries", "created_by"),
                               ("cortex_settings", "updated_by")):
             await tx.execute(f"UPDATE {table} SET {column} = ? WHERE {column} = ?", (FORGOTTEN_AUTHOR, user_key))

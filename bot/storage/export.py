@@ -15,6 +15,11 @@ IMPORTED_ITEM_COLUMNS = (
 )
 
 
+def import_claim_key(user_key: str) -> str:
+    """The setting that says an import of the user's is running (see ``ExportRepository.claim_import``)."""
+    return f"import.running:{user_key}"
+
+
 def plain(row: Row) -> dict[str, Any]:
     return {key: row[key] for key in row.keys()}
 
@@ -65,6 +70,19 @@ class ExportRepository:
         return [plain(r) for r in rows]
 
     # -- import ------------------------------------------------------------------------------------
+
+    async def claim_import(self, user_key: str, token: str, now: float, stale_before: float) -> bool:
+        """Mark an import of the user's as running, for every process sharing the database (two at once
+        would each find nothing there yet and write everything twice); False while another runs. A mark
+        older than ``stale_before`` is one whose process died: taken over."""
+        row = await self.db.write_one(
+            "INSERT INTO settings (key, value, updated_at) VALUES (?, ?, ?) ON CONFLICT (key) DO UPDATE SET"
+            " value = excluded.value, updated_at = excluded.updated_at WHERE settings.updated_at < ? RETURNING key",
+            (import_claim_key(user_key), token, now, stale_before))
+        return row is not None
+
+    async def release_import(self, user_key: str, token: str) -> None:
+        await self.db.write("DELETE FROM settings WHERE key = ? AND value = ?", (import_claim_key(user_key), token))
 
     async def item_like(self, pair_id: int, content: str, created_at: float) -> int | None:
         """The id of the pair's item with this text and time (an import's item already here), or None (found
