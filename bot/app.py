@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 PRUNE_AFTER_START = 300.0
 INCOGNITO_CHECK_SECONDS = 600.0
 RETENTION_SECONDS = 86_400.0
+SCRUB_CHECK_SECONDS = 3600.0  # how soon the words of a message taken back leave the database's files
 SETTINGS_RELOAD_SECONDS = 5.0  # seconds: a bot that restarts daily still prunes
 SHARED_CACHE_SECONDS = 60.0  # SQLite shared by several processes: cached vectors are read again this often
 CALIBRATION_SETTING = "tokens.calibration.{provider}.{model}"
@@ -87,6 +88,8 @@ class App:
             applied = await self.storage.migrate()
             if applied:
                 log.info("database migrated to version %d", applied[-1])
+            if await self.storage.scrub_if_pending():  # a process stopped after deleting words, before scrubbing
+                log.info("scrubbed the database's files of words deleted before the last stop")
             self.personas = PersonaRegistry(self.config, self.storage)
             await self.personas.start()
             self.estimator = BPETokenEstimator(
@@ -158,6 +161,9 @@ class App:
                     self.config.jobs.lease_seconds, "requeue-abandoned-jobs", self.workers.recover
                 )
                 self.scheduler.every(INCOGNITO_CHECK_SECONDS, "end-incognito", self._end_incognito)
+                # Messages their authors took back are not scrubbed one by one (a merge of the full-text indexes
+                # each): their words leave the files within the hour.
+                self.scheduler.every(SCRUB_CHECK_SECONDS, "scrub-deleted", self.storage.scrub_if_pending)
                 if self.config.memory.keep_messages_days:
                     self.scheduler.every(RETENTION_SECONDS, "expire-old-messages", self._expire_messages,
                                          first_after=PRUNE_AFTER_START)

@@ -14,6 +14,7 @@ from bot.commands import CommandContext
 from bot.config import parse_config
 from bot.policy import Inbound
 from bot.ports import IncomingMessage
+from bot.storage.core import SCRUB_PENDING
 from tests.engines import db_url_for
 from tests.fakes.provider import ScriptedProvider
 from tests.test_router import Sink
@@ -617,3 +618,51 @@ async def test_forget_me_sent_again_after_a_crash_before_the_scrub_leaves_no_tra
     raw = _database_bytes(tmp_path)
     assert b"marmaladegiraffe" in raw
     assert b"xylophone" not in raw
+
+
+async def test_a_forget_me_stopped_before_its_scrub_is_scrubbed_at_the_next_start(tmp_path: Path) -> None:
+    """The deleting transaction leaves a note that the files still hold deleted words: the next start scrubs,
+    whether or not the user sends forget-me again."""
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
+    async with App(config, llm=ScriptedProvider()) as app:
+        for user, word in (("ann", "xylophonequartz"), ("bob", "marmaladegiraffe")):
+            for i in range(30):
+                await app.core.reply(IncomingMessage("console", f"dm-{user}", user, user.title(),
+                                                     f"my secret {word} number {i}", is_dm=True)).text()
+            await run(app, f"!memory remember {word} is my password", ctx(user))
+        scrub = app.storage.scrub
+
+        async def killed() -> None:  # the process died right after the commit
+            return None
+
+        app.storage.scrub = killed  # type: ignore[method-assign]
+        assert "Done" in (await run(app, "!memory forget-me confirm", ctx("ann"))).text
+        assert await app.storage.get_setting(SCRUB_PENDING) is not None
+        app.storage.scrub = scrub  # type: ignore[method-assign]
+    assert b"xylophone" in _database_bytes(tmp_path)  # the state a killed process leaves
+    async with App(config, llm=ScriptedProvider()) as app:
+        assert await app.storage.get_setting(SCRUB_PENDING) is None
+        assert not await app.storage.scrub_if_pending()  # nothing to do: the hourly check costs a lookup
+    raw = _database_bytes(tmp_path)
+    assert b"marmaladegiraffe" in raw
+    assert b"xylophone" not in raw
+
+
+async def test_a_message_taken_back_leaves_the_files_at_the_next_scrub_check(tmp_path: Path) -> None:
+    """A withdrawal (a Matrix redaction) is not scrubbed at once (each scrub merges the full-text indexes, and
+    anyone can redact often), but it leaves the note the periodic check acts on."""
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
+    async with App(config, llm=ScriptedProvider()) as app:
+        storage = app.storage
+        ann = await storage.upsert_user("matrix:@ann:x", "Ann")
+        room = await storage.upsert_channel("matrix:!dm:x", "dm", is_dm=True)
+        for i in range(40):
+            said = await storage.add_message(room.id, ann.id, "Cora", "user", "Ann", f"hello number {i}", 3)
+        said = await storage.add_message(room.id, ann.id, "Cora", "user", "Ann", "my pin is quokkaturbine", 5)
+        await storage.sources.link(["matrix-message:$pin"], said.id)
+        assert await storage.withdraw_message("matrix-message:$pin", 2.0, "matrix:@ann:x") == (True, 0)
+        assert await storage.get_setting(SCRUB_PENDING) is not None
+        assert await storage.scrub_if_pending()
+        assert await storage.get_setting(SCRUB_PENDING) is None
+        raw = _database_bytes(tmp_path)
+        assert b"hello number 7" in raw and b"quokkaturbine" not in raw

@@ -114,6 +114,14 @@ REPLY_STATS_SQL = (
 )
 JOB_DONE = "locked_by = '', lease_until = 0"
 MESSAGE_DEPENDENTS = ("reply_stats", "message_vectors", "reply_sources", "platform_messages")
+SCRUB_PENDING = "storage.scrub-pending"  # deleted words may still sit in the database's files (see Storage.scrub)
+
+
+async def note_scrub_pending(tx: Tx) -> None:
+    """Note, in the transaction that deletes someone's words, that the files still hold them until a scrub:
+    a process stopped before its scrub leaves the note for the next start or the hourly check."""
+    await tx.execute("INSERT INTO settings (key, value, updated_at) VALUES (?, '1', ?)"
+                     " ON CONFLICT (key) DO UPDATE SET updated_at = excluded.updated_at", (SCRUB_PENDING, time.time()))
 
 
 async def delete_messages(tx: Tx, where: str, params: Sequence[Any]) -> tuple[list[int], list[int]]:
@@ -137,6 +145,8 @@ async def delete_messages(tx: Tx, where: str, params: Sequence[Any]) -> tuple[li
     marks = ",".join("?" for _ in channels) or "NULL"
     await tx.execute("UPDATE channels SET message_count = (SELECT count(*) FROM messages"
                      f" WHERE channel_id = channels.id) WHERE id IN ({marks})", channels)
+    if deleted:
+        await note_scrub_pending(tx)
     return deleted, channels
 SQLITE_TEXT_INDEXES = ("memory_fts", "messages_fts")  # merged after forget-me (SQLite's FTS5 tables)
 
@@ -251,8 +261,18 @@ class Storage:
 
     async def scrub(self) -> None:
         """After deleting someone's data: leave no trace of it in the database's files where the engine
-        can (see ``Database.scrub``)."""
-        await self.db.scrub(SQLITE_TEXT_INDEXES)
+        can (see ``Database.scrub``), and clear the note of deletions made before it began."""
+        began = time.time()
+        if await self.db.scrub(SQLITE_TEXT_INDEXES):
+            await self.db.write("DELETE FROM settings WHERE key = ? AND updated_at <= ?", (SCRUB_PENDING, began))
+
+    async def scrub_if_pending(self) -> bool:
+        """Scrub when a deletion's note says it was not yet (a process stopped between a forget-me's commit
+        and its scrub, or a message its author took back, which is not scrubbed at once); whether it did."""
+        if await self.get_setting(SCRUB_PENDING) is None:
+            return False
+        await self.scrub()
+        return True
 
     async def check_writable(self) -> None:
         """Write to the database without changing its data (``cortexbot doctor``)."""
@@ -884,6 +904,7 @@ class Storage:
             await tx.execute(f"UPDATE channels SET name = ? WHERE is_dm = 1 AND id IN ({ch_marks})",
                              [FORGOTTEN_DM, *channels])
             await tx.execute("DELETE FROM users WHERE id = ?", (user_id,))
+            await note_scrub_pending(tx)  # items and files too: their words sit in the full-text indexes
             if stretches:
                 await self._keep_incognito(tx, user_key, [(str(r[0]), float(r[1])) for r in stretches])
         self.forget_cached(user_key=user_key, channel_ids=channels)

@@ -184,10 +184,11 @@ class Database(Protocol):
     async def sibling(self) -> Database:
         """A second handle on the same database sharing this one's caches (background jobs use it)."""
 
-    async def scrub(self, text_indexes: Sequence[str]) -> None:
+    async def scrub(self, text_indexes: Sequence[str]) -> bool:
         """Make data deleted a moment ago unreadable in the database's files where the engine can (SQLite:
         full-text indexes merged, the WAL checkpointed and truncated; deleted pages are zeroed as they
-        are freed). PostgreSQL keeps dead rows until VACUUM reuses their space: nothing to do here."""
+        are freed). PostgreSQL keeps dead rows until VACUUM reuses their space: nothing to do here.
+        Whether it is done (False: readers kept the WAL busy, and the next scrub tries again)."""
 
     async def close(self) -> None: ...
 

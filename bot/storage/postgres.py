@@ -177,8 +177,8 @@ class PostgresDatabase:
 
         await register_vector(conn)
 
-    async def scrub(self, text_indexes: Sequence[str]) -> None:
-        return None  # rows are gone; VACUUM (autovacuum) reuses their space later (see the README)
+    async def scrub(self, text_indexes: Sequence[str]) -> bool:
+        return True  # rows are gone; VACUUM (autovacuum) reuses their space later (see the README)
 
     async def sibling(self) -> PostgresDatabase:
         """The same pool (a pool already gives background work connections of its own)."""

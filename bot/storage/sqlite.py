@@ -203,7 +203,7 @@ class SQLiteDatabase:
     async def fetch_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
         return next(iter(await self.connection.execute_fetchall(sql, params)), None)
 
-    async def scrub(self, text_indexes: Sequence[str]) -> None:
+    async def scrub(self, text_indexes: Sequence[str]) -> bool:
         """Merge each FTS5 index (deleted rows leave their words in old segments until a merge), then
         checkpoint the WAL into the file and truncate it (older page images of deleted rows live there)."""
         async with self._tx_lock:
@@ -212,10 +212,11 @@ class SQLiteDatabase:
             for _ in range(SCRUB_ATTEMPTS):
                 busy, _, _ = next(iter(await self.connection.execute_fetchall("PRAGMA wal_checkpoint(TRUNCATE)")))
                 if not busy:
-                    return
+                    return True
                 await asyncio.sleep(0.05)
         log.warning("the WAL could not be truncated after deleting data (readers kept it busy); the next "
                     "checkpoint will")
+        return False
 
     async def fetch_all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         return list(await self.connection.execute_fetchall(sql, params))
