@@ -96,7 +96,12 @@ def _routes(seen: Recorder) -> web.Application:
             return web.Response(text="arrived")
         raise web.HTTPFound(f"/hop/{left - 1}")
 
+    async def go(request: web.Request) -> web.Response:
+        seen.requests.append(request)
+        raise web.HTTPFound(request.query["to"])
+
     app = web.Application()
+    app.router.add_get("/go", go)
     app.router.add_route("*", "/echo/{tail:.*}", echo)
     app.router.add_get("/reflect", reflect_key)
     app.router.add_get("/nested", nested)
@@ -331,3 +336,51 @@ async def test_a_skill_with_secret_headers_follows_no_redirect(server: tuple[str
     result = await make(url=base + "/hop/1", headers_env={"Authorization": SECRET_ENV}).run({}, _context())
     assert result.is_error and "follows no redirects" in result.content
     assert len(seen.requests) == 1  # the redirect's target was never asked
+
+
+@pytest_asyncio.fixture
+async def metadata() -> AsyncIterator[tuple[int, list[str]]]:
+    """An internal service (a cloud's metadata endpoint, say) on another loopback address: 127.0.0.2."""
+    asked: list[str] = []
+
+    async def credentials(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        return web.Response(text="AccessKeyId=ASIA-instance-role-secret")
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", credentials)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.2", 0).start()
+    try:
+        yield runner.addresses[0][1], asked
+    finally:
+        await runner.cleanup()
+
+
+async def test_only_the_configured_host_may_be_internal(
+    server: tuple[str, Recorder], metadata: tuple[int, list[str]], make: Any
+) -> None:
+    """The admin wrote the skill's host (here localhost, so it may be internal); a redirect the endpoint
+    answers (an open redirect, a hostile API) or a host the model's arguments make never reaches another
+    internal address, by address or by a name that resolves to one."""
+    base, seen = server
+    port, asked = metadata
+    local = base.replace("127.0.0.1", "localhost")
+    skill = make(url=local + "/go", parameters={"type": "object", "properties": {"to": {"type": "string"}}})
+    for target in (f"http://127.0.0.2:{port}/latest/meta-data/", f"http://[::ffff:127.0.0.2]:{port}/x",
+                   f"http://[::1]:{port}/x", f"http://0.0.0.0:{port}/x"):
+        result = await skill.run({"to": target}, _context())
+        assert result.is_error and "not a public address" in result.content, (target, result)
+        assert "ASIA" not in result.content
+    assert len(seen.requests) == 4 and asked == []
+    shaped = make(url="http://{host}:" + str(port) + "/latest/meta-data/",
+                  parameters={"type": "object", "properties": {"host": {"type": "string"}}})
+    for host in ("localhost", "127.0.0.2"):
+        named = await shaped.run({"host": host}, _context())
+        assert named.is_error and "not a public address" in named.content, (host, named)
+    assert asked == []
+    back = await skill.run({"to": local + "/hop/0"}, _context())  # the configured host itself: still fine
+    assert (back.content, back.is_error) == ("arrived", False)
+    direct = await make(url=f"http://127.0.0.2:{port}/written-by-the-admin").run({}, _context())
+    assert (direct.content, direct.is_error) == ("AccessKeyId=ASIA-instance-role-secret", False)

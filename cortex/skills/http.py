@@ -4,24 +4,31 @@ The model's arguments are checked against the entry's JSON schema, put into the 
 (``{name}`` is replaced by the URL-quoted value), and the rest go out as query parameters (GET, DELETE)
 or as a JSON body (POST, PUT, PATCH). Secret headers come from the environment, read once when the
 skill is built; their values never appear in a result or a log line (a server that echoes them back
-gets them redacted). Every failure - bad arguments, a timeout, an HTTP error status, a response larger
+gets them redacted). Only the host written in the skill's ``url`` may be an internal address (loopback,
+private, link-local such as 169.254.169.254): the admin named it. Any other host - a redirect's, or one the
+model's arguments shaped - must resolve to public addresses only, checked where the connection is made.
+Every failure - bad arguments, a timeout, an HTTP error status, a response larger
 than ``max_response_bytes`` (never read in full), a host that is down - is a :class:`SkillResult` with
 ``is_error`` set, never an exception.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
 import re
+import socket
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 import aiohttp
+from aiohttp.abc import AbstractResolver, ResolveResult
 from jsonschema import exceptions as schema_errors
 from jsonschema import validators
+from yarl import URL
 
 from bot.config import HttpSkillConfig
 from cortex.skills.base import SkillContext, SkillFailure, SkillInfo, SkillResult, redaction_values
@@ -51,6 +58,7 @@ class HttpSkill:
         self._redact_values = redaction_values(tuple(self._secret_headers.values()))
         self._session_factory = session_factory
         self._session: aiohttp.ClientSession | None = None
+        self._trusted = trusted_host(config.url)
         self._info = SkillInfo(
             name=config.name,
             description=config.description,
@@ -93,8 +101,7 @@ class HttpSkill:
 
     def _session_now(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            factory = self._session_factory or _new_session
-            self._session = factory()
+            self._session = self._session_factory() if self._session_factory else _new_session(self._trusted)
         return self._session
 
     async def _request(self, url: str, rest: dict[str, Any]) -> str:
@@ -103,7 +110,8 @@ class HttpSkill:
         # A redirect could carry a secret header to another host: skills with secrets follow none.
         follow = not self._secret_headers
         options: dict[str, Any] = {"headers": headers, "allow_redirects": follow, "max_redirects": MAX_REDIRECTS + 1,
-                                   "timeout": aiohttp.ClientTimeout(total=config.timeout_seconds)}
+                                   "timeout": aiohttp.ClientTimeout(total=config.timeout_seconds),
+                                   "middlewares": (self._guard,)}
         if config.method in _BODY_METHODS:
             options["json"] = rest
         elif rest:
@@ -140,15 +148,86 @@ class HttpSkill:
             return f"(empty response, HTTP {response.status})"
         return extract(raw.decode("utf-8", errors="replace"), _is_json(response), self._config.result_path)
 
+    async def _guard(self, request: aiohttp.ClientRequest, handler: aiohttp.ClientHandlerType
+                     ) -> aiohttp.ClientResponse:
+        """Every request, the first and each redirect's: an address written as the host must be public unless
+        it is the skill's own host (a name is checked as it resolves, by :class:`PublicOnlyResolver`)."""
+        host = request.url.raw_host or ""
+        if not _same_host(host, self._trusted) and _is_ip(host) and not _public(host):
+            raise SkillFailure(_internal(host))
+        return await handler(request)
+
     def _redact(self, text: str) -> str:
         for value in self._redact_values:
             text = text.replace(value, _REDACTED)
         return text
 
 
-def _new_session() -> aiohttp.ClientSession:
+def _new_session(trusted: str | None = None) -> aiohttp.ClientSession:
     # No cookie jar: the session serves every user, so one user's cookies must not reach another's call.
-    return aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
+    connector = aiohttp.TCPConnector(resolver=PublicOnlyResolver(trusted))
+    return aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(), connector=connector)
+
+
+def trusted_host(template: str) -> str | None:
+    """The host the skill's author wrote in its url, or None when a placeholder is part of it (then the
+    model's arguments choose the host, and it is trusted no more than a redirect's)."""
+    try:
+        netloc = urlsplit(template).netloc
+        return None if _PLACEHOLDER.search(netloc) else URL(template).raw_host
+    except ValueError:
+        return None
+
+
+class PublicOnlyResolver(AbstractResolver):
+    """Resolves as aiohttp does, but a host other than ``trusted`` gets its public addresses only (none:
+    refused): a redirect, or a host the model's arguments made, never reaches the bot's own machine, its
+    network or a cloud's metadata service (169.254.169.254). Checked on the addresses connected to, so a
+    name that resolves differently the second time (DNS rebinding) gains nothing."""
+
+    def __init__(self, trusted: str | None) -> None:
+        self._trusted = trusted
+        self._inner = aiohttp.DefaultResolver()
+
+    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+                      ) -> list[ResolveResult]:
+        found = await self._inner.resolve(host, port, family)
+        if _same_host(host, self._trusted):
+            return found
+        public = [address for address in found if _public(address["host"])]
+        if not public:
+            raise OSError(_internal(host))
+        return public
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
+def _same_host(host: str, trusted: str | None) -> bool:
+    return trusted is not None and host.casefold().rstrip(".") == trusted.casefold().rstrip(".")
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _public(address: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_global and not ip.is_multicast
+
+
+def _internal(host: str) -> str:
+    return (f"refused to call {host}: it is not a public address, and only the host in the skill's url may be "
+            "one (a redirect or the arguments led there)")
 
 
 def fill_template(template: str, arguments: dict[str, Any]) -> tuple[str, dict[str, Any]]:
