@@ -96,12 +96,17 @@ def _routes(seen: Recorder) -> web.Application:
             return web.Response(text="arrived")
         raise web.HTTPFound(f"/hop/{left - 1}")
 
+    async def deep(request: web.Request) -> web.Response:
+        depth = int(request.query.get("depth", "100000"))
+        return web.Response(text="[" * depth + "]" * depth, content_type="application/json")
+
     async def go(request: web.Request) -> web.Response:
         seen.requests.append(request)
         raise web.HTTPFound(request.query["to"])
 
     app = web.Application()
     app.router.add_get("/go", go)
+    app.router.add_get("/deep", deep)
     app.router.add_route("*", "/echo/{tail:.*}", echo)
     app.router.add_get("/reflect", reflect_key)
     app.router.add_get("/nested", nested)
@@ -384,3 +389,15 @@ async def test_only_the_configured_host_may_be_internal(
     assert (back.content, back.is_error) == ("arrived", False)
     direct = await make(url=f"http://127.0.0.2:{port}/written-by-the-admin").run({}, _context())
     assert (direct.content, direct.is_error) == ("AccessKeyId=ASIA-instance-role-secret", False)
+
+
+async def test_json_nested_too_deeply_is_an_error_result_not_an_exception(
+    server: tuple[str, Recorder], make: Any
+) -> None:
+    base, _ = server
+    for depth, path in ((100_000, ""), (100_000, "0"), (990, "0")):
+        skill = make(url=f"{base}/deep?depth={depth}", max_response_bytes=1_000_000, result_path=path)
+        result = await skill.run({}, _context())  # a skill never raises for what a server sends
+        assert result.is_error and "nests its JSON too deeply" in result.content, (depth, path)
+    shallow = await make(url=f"{base}/deep?depth=3", result_path="0").run({}, _context())
+    assert (shallow.content, shallow.is_error) == ("[[]]", False)

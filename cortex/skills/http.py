@@ -289,13 +289,18 @@ def extract(text: str, is_json: bool, result_path: str) -> str:
         return text
     try:
         data = json.loads(text)
+    except RecursionError as exc:  # nested deeper than Python's parser goes: no data the model could use
+        raise SkillFailure("the response nests its JSON too deeply to be read") from exc
     except ValueError as exc:
         if result_path:
             raise SkillFailure(f"the response is not JSON, so result_path {result_path!r} cannot apply") from exc
         return text
     if result_path:
         data = walk(data, result_path)
-    return data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    except RecursionError as exc:
+        raise SkillFailure("the response nests its JSON too deeply to be read") from exc
 
 
 def walk(data: Any, path: str) -> Any:
