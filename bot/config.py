@@ -567,6 +567,16 @@ class HttpSkillConfig(_Section):
     admin_only: bool = Field(default=False, description="Offered to the bot's admins (admin_ids) only.")
     triggers: list[str] = Field(default_factory=list, description="Offered only when a message has one of these.")
 
+    @field_validator("parameters")
+    @classmethod
+    def _an_object_schema(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """Both model APIs take a tool's input schema only as ``type = "object"``: any other made every
+        request that offers the skill fail, so the persona could not answer at all."""
+        if value.get("type") != "object":
+            raise ValueError('parameters must be an object schema: type = "object", with the arguments under '
+                             "properties (the model APIs refuse any other, and every reply would fail)")
+        return value
+
 
 class McpServerConfig(_Section):
     """One ``[[skills.mcp]]`` entry: an MCP server whose tools the persona may call."""

@@ -268,6 +268,12 @@ def test_a_config_toml_here_that_cannot_be_read_is_an_error_not_the_defaults(
     ({"http": [{"name": "weather", "description": "d", "url": "http://127.0.0.1:9/a"},
                {"name": "Weather", "description": "d", "url": "http://127.0.0.1:9/b"}]},
      "'Weather': a skill of that name exists already"),
+    ({"http": [{"name": "lookup", "description": "d", "url": "http://127.0.0.1:9/a",
+                "parameters": {"type": "string"}}]},
+     "[[skills.http]] #1 key 'parameters': parameters must be an object schema"),
+    ({"http": [{"name": "lookup", "description": "d", "url": "http://127.0.0.1:9/a",
+                "parameters": {"properties": {"q": {"type": "string"}}}}]},
+     "parameters must be an object schema: type = \"object\""),
 ])
 def test_skill_names_in_the_config_are_checked(skills: dict, message: str) -> None:
     """A typo in builtin switched the unlisted built-ins off without a word; a duplicate http skill, or one
