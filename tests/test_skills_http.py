@@ -100,6 +100,11 @@ def _routes(seen: Recorder) -> web.Application:
         depth = int(request.query.get("depth", "100000"))
         return web.Response(text="[" * depth + "]" * depth, content_type="application/json")
 
+    async def latin(request: web.Request) -> web.Response:
+        kind = request.query.get("kind", "text/plain")
+        text = '{"name": "Jürgen Müller"}' if kind == "application/json" else "Jürgen Müller, Straße 5"
+        return web.Response(body=text.encode("iso-8859-1"), content_type=kind, charset=request.query.get("charset"))
+
     async def go(request: web.Request) -> web.Response:
         seen.requests.append(request)
         raise web.HTTPFound(request.query["to"])
@@ -107,6 +112,7 @@ def _routes(seen: Recorder) -> web.Application:
     app = web.Application()
     app.router.add_get("/go", go)
     app.router.add_get("/deep", deep)
+    app.router.add_get("/latin", latin)
     app.router.add_route("*", "/echo/{tail:.*}", echo)
     app.router.add_get("/reflect", reflect_key)
     app.router.add_get("/nested", nested)
@@ -401,3 +407,18 @@ async def test_json_nested_too_deeply_is_an_error_result_not_an_exception(
         assert result.is_error and "nests its JSON too deeply" in result.content, (depth, path)
     shallow = await make(url=f"{base}/deep?depth=3", result_path="0").run({}, _context())
     assert (shallow.content, shallow.is_error) == ("[[]]", False)
+
+
+async def test_the_charset_the_server_names_is_used(server: tuple[str, Recorder], make: Any) -> None:
+    """A body in ISO-8859-1, said so in Content-Type, lost every umlaut to U+FFFD (read as UTF-8)."""
+    base, _ = server
+    plain = await make(url=base + "/latin?charset=iso-8859-1").run({}, _context())
+    assert (plain.content, plain.is_error) == ("Jürgen Müller, Straße 5", False)
+    data = await make(url=base + "/latin?charset=iso-8859-1&kind=application/json", result_path="name").run(
+        {}, _context())
+    assert (data.content, data.is_error) == ("Jürgen Müller", False)
+    for odd in ("no-such-codec", "rot13", "base64"):  # UTF-8, as if it said nothing
+        unknown = await make(url=base + f"/latin?charset={odd}").run({}, _context())
+        assert unknown.content == "J\ufffdrgen M\ufffdller, Stra\ufffde 5" and not unknown.is_error, odd
+    unsaid = await make(url=base + "/latin").run({}, _context())
+    assert "\ufffd" in unsaid.content and not unsaid.is_error

@@ -14,6 +14,7 @@ than ``max_response_bytes`` (never read in full), a host that is down - is a :cl
 
 from __future__ import annotations
 
+import codecs
 import ipaddress
 import json
 import logging
@@ -134,7 +135,7 @@ class HttpSkill:
 
     async def _answer(self, response: aiohttp.ClientResponse) -> str:
         if response.status >= 400:
-            body = (await read_limited(response, _ERROR_BODY_BYTES)).decode("utf-8", errors="replace")
+            body = (await read_limited(response, _ERROR_BODY_BYTES)).decode(_charset(response), errors="replace")
             excerpt = body[:ERROR_BODY_CHARS].strip() or "(empty body)"
             raise SkillFailure(f"the server answered HTTP {response.status} {response.reason or ''}".rstrip()
                                + f": {excerpt}")
@@ -146,7 +147,7 @@ class HttpSkill:
             raise SkillFailure(_too_large(None, limit))
         if not raw:
             return f"(empty response, HTTP {response.status})"
-        return extract(raw.decode("utf-8", errors="replace"), _is_json(response), self._config.result_path)
+        return extract(raw.decode(_charset(response), errors="replace"), _is_json(response), self._config.result_path)
 
     async def _guard(self, request: aiohttp.ClientRequest, handler: aiohttp.ClientHandlerType
                      ) -> aiohttp.ClientResponse:
@@ -366,6 +367,20 @@ def _as_text(value: Any) -> str:
     if isinstance(value, int | float):
         return str(value)
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _charset(response: aiohttp.ClientResponse) -> str:
+    """The text encoding the server names in Content-Type (ISO-8859-1, say), else UTF-8 (also for a name
+    Python knows no text codec of: "rot13" or "base64" would fail the decoding)."""
+    named = response.charset
+    if named:
+        try:
+            name = codecs.lookup(named).name
+            b"a".decode(name, "replace")  # LookupError for a codec that is no text encoding
+        except LookupError:
+            return "utf-8"
+        return name
+    return "utf-8"
 
 
 def _is_json(response: aiohttp.ClientResponse) -> bool:
