@@ -327,6 +327,9 @@ def test_missing_env_variable_fails_at_construction(monkeypatch: pytest.MonkeyPa
 def test_only_http_urls_and_valid_schemas_are_accepted() -> None:
     with pytest.raises(ValueError, match="http:// or https://"):
         HttpSkill(HttpSkillConfig(name="probe", description="d", url="file:///etc/passwd"))
+    invalid = r"^\[\[skills.http\]\] 'probe': the url is not a valid URL \(Invalid IPv6 URL\)$"
+    with pytest.raises(ValueError, match=invalid):
+        HttpSkill(HttpSkillConfig(name="probe", description="d", url="http://[::1/x"))
     with pytest.raises(ValueError, match="not a valid JSON schema"):
         HttpSkill(HttpSkillConfig(name="probe", description="d", url="https://x.invalid/",
                                   parameters={"type": "object", "properties": {"a": {"type": "nope"}}}))

@@ -320,7 +320,10 @@ def walk(data: Any, path: str) -> Any:
 
 
 def _check_template(config: HttpSkillConfig) -> None:
-    scheme = urlsplit(config.url).scheme.lower()
+    try:
+        scheme = urlsplit(config.url).scheme.lower()
+    except ValueError as exc:  # "Invalid IPv6 URL" alone named neither the skill nor the key
+        raise ValueError(f"[[skills.http]] {config.name!r}: the url is not a valid URL ({exc})") from None
     if scheme not in ("http", "https"):
         raise ValueError(f"[[skills.http]] {config.name!r}: the url must start with http:// or https://")
 
