@@ -6,6 +6,7 @@ audit, ``!skills`` and forget-me."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -429,3 +430,20 @@ async def test_an_unreachable_mcp_server_is_named_to_admins_and_why_only_to_the_
         assert "⚠️ MCP server files is not reachable; its tools come back once it answers" in shown
         assert "operator-only" not in shown
         assert str(hidden) in (await app.commands.dispatch("!skills list", bot_admin)).text
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "openai"])
+async def test_a_server_offering_hundreds_of_tools_cannot_crowd_out_the_reply(
+        tmp_path: Path, fake_llm: FakeLLMServer, provider: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Every offered tool goes into every model call: 600 of them (OpenAI takes 128; ~600,000 characters of
+    definitions overflow a context) made every reply fail. The built-ins stay; the flood is cut, and logged."""
+    mcp = [{"name": "flood", "command": [sys.executable, str(FAKE_MCP), "--tools", "600"]}]
+    async with App(_config(tmp_path, fake_llm, provider=provider, mcp=mcp)) as app:
+        assert len(app.skills.tools.all()) > 600
+        fake_llm.enqueue(FakeResponse.text("Hello."))
+        with caplog.at_level("WARNING", logger="cortex.skills.toolbox"):
+            assert await app.core.reply(_msg("hi")).text() == "Hello."
+        tools = replies(fake_llm)[-1].body["tools"]
+        assert len(tools) <= 128 and len(json.dumps(tools)) <= 250_000
+        assert {"remember", "search_memory", "current_time", "add"} <= tool_names(replies(fake_llm)[-1])
+        assert any("tool_0599 (mcp flood) is not offered" in r.getMessage() for r in caplog.records)

@@ -32,6 +32,11 @@ BUILTIN_TIMEOUT = 30.0  # seconds; HTTP and MCP skills have their own configured
 AUDIT_VALUE_CHARS = 200
 STATUS = {"remember": "noting that…", "current_time": "checking the time…"}
 MEMORY_WRITES = frozenset({"remember"})  # never offered in an incognito stretch: nothing of it may be kept
+# Every offered tool is sent with every model call of a reply. OpenAI takes at most 128 tools, and an MCP
+# server (or several) offering hundreds - each up to 9,000 characters - overflowed any model's context:
+# every reply failed. Past either bound the later skills (MCP tools come last) are not offered.
+MAX_OFFERED_TOOLS = 128
+MAX_OFFERED_CHARS = 200_000
 
 
 def status_line(name: str) -> str:
@@ -177,9 +182,28 @@ class SkillTools:
             if (await self.policy.effective(info, context.persona, context.server_key, context.channel_key,
                                             context.parent_channel_key)).enabled:
                 chosen[info.name] = skill
+        chosen = self._within_bounds(chosen)
         if not chosen:
             return None
         ctx = SkillContext(context.user_db_id, context.user_key, context.user_name, context.persona,
                            context.channel_key, context.server_key, context.is_dm, context.is_admin, context.now,
                            context.is_bot_admin, context.message_key)
         return SkillToolbox(chosen, ctx, self.config, self.storage, incognito)
+
+    def _within_bounds(self, chosen: dict[str, Skill]) -> dict[str, Skill]:
+        """The skills in order (built-ins, http, MCP) while at most :data:`MAX_OFFERED_TOOLS` of them and
+        :data:`MAX_OFFERED_CHARS` of their definitions; the log names what was left out (once each)."""
+        kept: dict[str, Skill] = {}
+        size = 0
+        for name, skill in chosen.items():
+            info = skill.info
+            cost = len(name) + len(info.description) + len(json.dumps(info.input_schema, default=str))
+            if len(kept) < MAX_OFFERED_TOOLS and size + cost <= MAX_OFFERED_CHARS:
+                kept[name] = skill
+                size += cost
+            elif ("(too many)", info.key) not in self._skipped:
+                self._skipped.add(("(too many)", info.key))
+                log.warning("skill %s (%s%s) is not offered: a reply offers at most %d tools and %d characters of "
+                            "their definitions", name, info.origin, f" {info.server}" if info.server else "",
+                            MAX_OFFERED_TOOLS, MAX_OFFERED_CHARS)
+        return kept

@@ -8,7 +8,8 @@ Tools: ``add(a, b)``, ``echo(text)``, ``slow(seconds)`` (sleeps, then answers), 
 ``env(name)`` (a variable of the server's environment), ``header(name)`` (a header of the HTTP request),
 ``picture()`` (a text part and an image part), ``grow()`` (adds the tool ``extra`` and sends
 ``notifications/tools/list_changed``), ``rambling()`` (a description of 5,000 characters that tries to
-instruct the model) and ``sprawling(text)`` (an input schema of about 10,000 characters).
+instruct the model) and ``sprawling(text)`` (an input schema of about 10,000 characters); with ``--tools N``
+N more tools, ``tool_0000``... (each an echo with a description of about 1,000 characters).
 """
 
 from __future__ import annotations
@@ -109,7 +110,11 @@ async def grow(ctx: Context) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--http", type=int, metavar="PORT", help="serve streamable HTTP on 127.0.0.1:PORT")
+    parser.add_argument("--tools", type=int, default=0, metavar="N",
+                        help="also offer N tools tool_0000... with long descriptions (a server offering too many)")
     args = parser.parse_args()
+    for number in range(args.tools):
+        server.add_tool(echo, name=f"tool_{number:04d}", description=f"Tool {number}. " + "Does a lot. " * 80)
     if args.http:
         server.run("streamable-http", host="127.0.0.1", port=args.http)
     else:
