@@ -23,6 +23,8 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import idna
 import platformdirs
+from jsonschema import exceptions as schema_errors
+from jsonschema import validators
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -542,6 +544,19 @@ class MatrixConfig(_Section):
 
 
 _SKILL_NAME = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,100}")
+
+
+def _remote_ref(schema: Any) -> str | None:
+    """The first ``$ref`` in ``schema`` that does not point into the schema itself (``#…``), if any."""
+    if isinstance(schema, dict):
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            return ref
+        return next((r for v in schema.values() if (r := _remote_ref(v)) is not None), None)
+    if isinstance(schema, list):
+        return next((r for v in schema if (r := _remote_ref(v)) is not None), None)
+    return None
 
 
 class HttpSkillConfig(_Section):
@@ -575,6 +590,25 @@ class HttpSkillConfig(_Section):
         if value.get("type") != "object":
             raise ValueError('parameters must be an object schema: type = "object", with the arguments under '
                              "properties (the model APIs refuse any other, and every reply would fail)")
+        remote = _remote_ref(value)
+        if remote is not None:  # the schema check would fetch it (or fail) at every call
+            raise ValueError(f"parameters: $ref {remote[:80]!r} points outside the schema; only local references "
+                             "(#/$defs/…) are followed")
+        try:
+            validators.validator_for(value).check_schema(value)
+        except schema_errors.SchemaError as exc:
+            raise ValueError(f"parameters is not a valid JSON schema: {exc.message[:200]}") from None
+        return value
+
+    @field_validator("headers", "headers_env")
+    @classmethod
+    def _header_names(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        """A header's name is an HTTP token and a fixed value one line: anything else failed every call."""
+        for name, given in value.items():
+            if not _HEADER_NAME.fullmatch(name):
+                raise ValueError(f"{name[:60]!r} is not a header name (letters, digits and !#$%&'*+-.^_`|~)")
+            if info.field_name == "headers" and any(ch in given for ch in "\r\n\x00"):
+                raise ValueError(f"the value of header {name!r} must be one line")
         return value
 
 

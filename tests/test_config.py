@@ -274,6 +274,18 @@ def test_a_config_toml_here_that_cannot_be_read_is_an_error_not_the_defaults(
     ({"http": [{"name": "lookup", "description": "d", "url": "http://127.0.0.1:9/a",
                 "parameters": {"properties": {"q": {"type": "string"}}}}]},
      "parameters must be an object schema: type = \"object\""),
+    ({"http": [{"name": "lookup", "description": "d", "url": "http://127.0.0.1:9/a",
+                "parameters": {"type": "object", "properties": {"q": {"$ref": "https://schemas.example/q.json"}}}}]},
+     "$ref 'https://schemas.example/q.json' points outside the schema"),
+    ({"http": [{"name": "lookup", "description": "d", "url": "http://127.0.0.1:9/a",
+                "parameters": {"type": "object", "properties": {"q": {"type": "text"}}}}]},
+     "parameters is not a valid JSON schema: 'text' is not valid"),
+    ({"http": [{"name": "lookup", "description": "d", "url": "http://127.0.0.1:9/a",
+                "headers": {"X-Token": "abc\r\nX-Evil: 1"}}]},
+     "the value of header 'X-Token' must be one line"),
+    ({"http": [{"name": "lookup", "description": "d", "url": "http://127.0.0.1:9/a",
+                "headers_env": {"X Token": "SOME_VAR"}}]},
+     "'X Token' is not a header name"),
 ])
 def test_skill_names_in_the_config_are_checked(skills: dict, message: str) -> None:
     """A typo in builtin switched the unlisted built-ins off without a word; a duplicate http skill, or one
@@ -353,3 +365,12 @@ def test_persona_names_written_two_ways_are_one_name() -> None:
     assert "must be unique" in _error({"personas": [{"name": "Cora"}, {"name": "CORA"}]})
     config = parse_config({"personas": [{"name": "Zo\u00eb"}], "bot": {"default_persona": "zoe\u0308"}})
     assert config.bot.default_persona == "Zo\u00eb"  # as its entry writes it: every lookup finds it
+
+
+def test_a_skill_schema_with_local_references_and_one_line_headers_is_taken() -> None:
+    schema = {"type": "object", "$defs": {"city": {"type": "string", "maxLength": 80}},
+              "properties": {"city": {"$ref": "#/$defs/city"}, "$ref": {"type": "string"}}}
+    config = parse_config({"skills": {"http": [{"name": "weather", "description": "d", "url": "http://127.0.0.1:9/a",
+                                                "parameters": schema, "headers": {"Accept": "application/json"},
+                                                "headers_env": {"X-Api-Key": "WEATHER_KEY"}}]}})
+    assert config.skills.http[0].parameters == schema  # a property named "$ref" is no reference
