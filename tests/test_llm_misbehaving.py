@@ -136,3 +136,25 @@ async def test_an_unknown_tools_name_is_not_sent_back_whole(tmp_path: Path, fake
         assert await app.core.reply(_msg("hi")).text() == "Sorry."
         tool = [m for m in fake_llm.completion_requests[-1].body["messages"] if m["role"] == "tool"][0]
         assert "there is no tool 'xxxx" in tool["content"] and len(tool["content"]) < 500
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "openai"])
+async def test_two_tool_calls_with_one_id_each_get_their_own_result(
+        tmp_path: Path, fake_llm: FakeLLMServer, provider: str) -> None:
+    """A broken server sent two calls under one id: both results went back under it, which the real APIs
+    refuse (or pair with the wrong call). The repeat is renamed, in the call and in its result alike."""
+    async with App(_config(tmp_path, fake_llm, provider)) as app:
+        fake_llm.enqueue(FakeResponse.tool_calls([("dup", "current_time", {}), ("dup", "current_time", {}),
+                                                  ("dup", "current_time", {})]),
+                         FakeResponse.text("It is noon."))
+        assert await app.core.reply(_msg("what time is it?")).text() == "It is noon."
+        messages = fake_llm.completion_requests[-1].body["messages"]
+        if provider == "anthropic":
+            calls = [b["id"] for m in messages if m["role"] == "assistant" and isinstance(m["content"], list)
+                     for b in m["content"] if b["type"] == "tool_use"]
+            results = [b["tool_use_id"] for m in messages if m["role"] == "user" and isinstance(m["content"], list)
+                       for b in m["content"] if b["type"] == "tool_result"]
+        else:
+            calls = [c["id"] for m in messages if m["role"] == "assistant" for c in m.get("tool_calls") or []]
+            results = [m["tool_call_id"] for m in messages if m["role"] == "tool"]
+        assert calls == ["dup", "dup-2", "dup-3"] and results == calls

@@ -11,7 +11,7 @@ Providers merge consecutive messages of the same role where their API requires s
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from bot.text import nested_within, storable, storable_json
@@ -116,6 +116,22 @@ class Completion:
         # (a broken or hostile server's object or lone surrogate would fail every later audit flush).
         model = self.model if isinstance(self.model, str) else ""
         object.__setattr__(self, "model", storable(model)[:MODEL_NAME_CHARS])
+        object.__setattr__(self, "tool_calls", unique_call_ids(self.tool_calls))
+
+
+def unique_call_ids(calls: tuple[ToolCall, ...]) -> tuple[ToolCall, ...]:
+    """Each tool result answers one call by its id, so a broken server's repeated (or empty) id would make
+    the API refuse the next request, or pair a result with the wrong call: a repeat gets a suffix."""
+    seen: set[str] = set()
+    unique = []
+    for call in calls:
+        base = call.id or "call"
+        new, n = base, 2
+        while new in seen:
+            new, n = f"{base}-{n}", n + 1
+        seen.add(new)
+        unique.append(call if new == call.id else replace(call, id=new))
+    return tuple(unique)
 
 
 @dataclass(frozen=True, slots=True)
