@@ -318,3 +318,38 @@ async def test_aclose_leaves_no_child_process() -> None:
     assert not server.up
     after = await server.call("add", {"a": 1, "b": 1})
     assert after.is_error and "not reachable" in after.content
+
+
+RAW_SERVER = r"""
+import json, sys
+for line in sys.stdin:
+    msg = json.loads(line)
+    if "id" not in msg:
+        continue
+    if msg["method"] == "initialize":
+        result = {"protocolVersion": msg["params"]["protocolVersion"], "capabilities": {"tools": {}},
+                  "serverInfo": {"name": "raw", "version": "1"}}
+    elif msg["method"] == "tools/list":
+        result = {"tools": [{"name": "fine", "inputSchema": {"type": "object"}},
+                            {"name": "odd", "inputSchema": {"type": "string"}}]}
+    else:
+        result = {}
+    print(json.dumps({"jsonrpc": "2.0", "id": msg["id"], "result": result}), flush=True)
+"""
+
+
+async def test_a_tool_list_the_sdk_refuses_is_logged_in_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    """One tool with a schema that is no object makes the SDK refuse the whole list: the log says so in one
+    line naming where, not with pydantic's page of text per retry."""
+    caplog.set_level(logging.WARNING, logger="cortex.skills.mcp")
+    server = McpServer(McpServerConfig(name="raw", command=[sys.executable, "-c", RAW_SERVER]), FAST)
+    try:
+        await server.start()
+        await eventually(lambda: any("raw" in r.getMessage() for r in caplog.records))
+        assert not server.up
+        (record, *_) = [r for r in caplog.records if "raw" in r.getMessage()]
+        message = record.getMessage()
+        assert "\n" not in message and len(message) < 500, message
+        assert "does not follow the protocol" in message and "tools.1.inputSchema" in message, message
+    finally:
+        await server.aclose()

@@ -44,6 +44,7 @@ from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
+from pydantic import ValidationError
 
 from bot.config import McpServerConfig
 from cortex.skills.base import SkillContext, SkillInfo, SkillResult
@@ -131,9 +132,19 @@ def _describe_error(exc: BaseException) -> str:
     if isinstance(exc, BaseExceptionGroup):
         return "; ".join(_describe_error(inner) for inner in exc.exceptions)
     if isinstance(exc, MCPError):
-        return f"MCP error {exc.code}: {exc.message}"
+        return _one_line(f"MCP error {exc.code}: {exc.message}")
+    if isinstance(exc, ValidationError):  # a server's answer the SDK refused: what, where (pydantic's is a page)
+        errors = exc.errors()
+        where = ".".join(str(part) for part in errors[0]["loc"]) if errors else ""
+        return _one_line(f"the server's answer does not follow the protocol ({exc.error_count()} problem(s); "
+                         f"{where}: {errors[0]['msg'] if errors else ''})")
     text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return _one_line(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[:limit - 1] + "…"
 
 
 def _describe_part(part: types.ContentBlock) -> str:
