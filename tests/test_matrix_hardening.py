@@ -452,6 +452,28 @@ async def test_one_user_brings_the_bot_into_a_limited_number_of_rooms(synapse: S
         await stop_bot(running)
 
 
+async def test_invites_arriving_together_count_against_the_limit(synapse: SynapseServer, tmp_path: Path) -> None:
+    """Invites that reach the bot in one sync (sent while it was stopped, or a burst) were each checked
+    against the rooms already synced as joined, not the ones joined a moment before: five went through a
+    limit of two."""
+    from tests.test_matrix import PASSWORD, _unique
+
+    bot_id = synapse.register(_unique("cortex"), PASSWORD)
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    rooms = [await open_room(alice, [bot_id], direct=False) for _ in range(5)]
+    running = await start_bot(synapse, tmp_path, user_id=bot_id, max_rooms_per_inviter=2)
+    try:
+        def answered() -> bool:  # every invite joined or declined
+            return all(alice.rooms.get(r) is not None and bot_id not in alice.rooms[r].invited_users for r in rooms)
+
+        await seen.sync_until(answered, "the invites answered")
+        assert sum(1 for r in rooms if bot_id in alice.rooms[r].users) == 2
+    finally:
+        await alice.close()
+        await stop_bot(running)
+
+
 async def test_what_was_said_before_the_bot_joined_is_not_answered(synapse: SynapseServer, bot: Bot) -> None:
     """A room's history is shown to a newcomer: a question put to the bot's name before it was invited is
     not answered on the join (it was asked of the room, not of the bot); the next one is."""
