@@ -34,6 +34,7 @@ from nio import (
     AsyncClient,
     AsyncClientConfig,
     InviteMemberEvent,
+    JoinResponse,
     LoginResponse,
     MatrixRoom,
     MegolmEvent,
@@ -522,7 +523,11 @@ class MatrixAdapter:
             self._inviters[room.room_id] = inviter
             self._save_state(room_inviters=self._inviters)
             self._joining.add(room.room_id)
-            await self.client.join(room.room_id)
+            response = await self.client.join(room.room_id)
+            if not isinstance(response, JoinResponse):
+                self._joining.discard(room.room_id)  # (not joined: no room of theirs to count)
+                log.warning("Matrix: could not join %s on invite: %s", room.room_id, response)
+                return
             log.info("Matrix: joined %s on invite", room.room_id)
         else:
             await self.client.room_leave(room.room_id)
@@ -542,7 +547,9 @@ class MatrixAdapter:
         limit = self.config.max_rooms_per_inviter
         if not limit or inviter in self.config.admin_ids:
             return False
-        rooms = sum(1 for room, who in self._inviters.items() if who == inviter and room in self.client.rooms)
+        # A room joined a moment ago (invites that came in one sync) is not in ``rooms`` until a sync brings it.
+        rooms = sum(1 for room, who in self._inviters.items()
+                    if who == inviter and (room in self.client.rooms or room in self._joining))
         return rooms >= limit
 
     def power_level(self, room: MatrixRoom, user_id: str) -> int:
