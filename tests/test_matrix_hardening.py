@@ -452,6 +452,40 @@ async def test_one_user_brings_the_bot_into_a_limited_number_of_rooms(synapse: S
         await stop_bot(running)
 
 
+async def test_a_file_bigger_than_it_claims_is_not_read_whole(synapse: SynapseServer, bot: Bot,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file's ``info.size`` is written by its sender: one that leaves it out (or says 0) was downloaded
+    whole into memory, whatever the homeserver allows to upload, and only then found too big."""
+    import tracemalloc
+
+    from nio import UploadResponse
+
+    import adapters.matrix
+
+    monkeypatch.setattr(adapters.matrix, "MAX_FILE_BYTES", 256 * 1024)
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    try:
+        room = await dm_with(seen, bot.user_id)
+        big = bytes(16 * 1024 * 1024)
+        upload, _ = await alice.upload(lambda *_: io.BytesIO(big), content_type="application/zip",
+                                       filename="export.zip", filesize=len(big))
+        assert isinstance(upload, UploadResponse), upload
+        tracemalloc.start()
+        try:
+            await alice.room_send(room, "m.room.message", {
+                "msgtype": "m.file", "body": "!memory import", "filename": "export.zip", "url": upload.content_uri,
+                "info": {"mimetype": "application/zip"}})
+            await seen.sync_until(lambda: any("export.zip is over" in b for b in seen.bodies(room, bot.user_id)),
+                                  "the refusal of the file")
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 4 * 1024 * 1024, f"{peak / 2**20:.1f} MiB held for a file refused at 0.25 MiB"
+    finally:
+        await alice.close()
+
+
 async def test_invites_arriving_together_count_against_the_limit(synapse: SynapseServer, tmp_path: Path) -> None:
     """Invites that reach the bot in one sync (sent while it was stopped, or a burst) were each checked
     against the rooms already synced as joined, not the ones joined a moment before: five went through a
