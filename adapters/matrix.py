@@ -26,6 +26,7 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, ParamSpec, TypeAlias
+from urllib.parse import quote, urlparse
 
 import aiohttp
 import platformdirs
@@ -54,6 +55,7 @@ from nio import (
     UploadResponse,
     WhoamiError,
 )
+from nio.api import MATRIX_MEDIA_API_PATH
 from nio.crypto.attachments import decrypt_attachment
 from nio.exceptions import EncryptionError
 
@@ -83,6 +85,7 @@ ENCRYPTED_LIMIT = 3_500
 ENCRYPTION_OVERHEAD = 1_024  # megolm's envelope: sender key, session and device ids, MAC, signature
 MAX_FILE_BYTES = MAX_ATTACHMENT_BYTES  # a command's file (an export's zip at most)
 # A file a command may come with: Element sends a PNG (a character card) as an image.
+DOWNLOAD_SECONDS = 120.0  # for one file a command came with, from the first byte asked to the last read
 FileEvent: TypeAlias = RoomMessageFile | RoomEncryptedFile | RoomMessageImage | RoomEncryptedImage
 FILE_EVENTS = (RoomMessageFile, RoomEncryptedFile, RoomMessageImage, RoomEncryptedImage)
 ENCRYPTED_FILES = (RoomEncryptedFile, RoomEncryptedImage)
@@ -736,19 +739,41 @@ class MatrixAdapter:
 
     async def _download(self, event: FileEvent, filename: str, content: dict[str, Any]) -> Attachment:
         """The file's bytes (decrypted in an encrypted room); ValueError with one line when it cannot be."""
-        size = int(json_object(content.get("info")).get("size") or 0)
-        if size > MAX_FILE_BYTES:
-            raise ValueError(f"{filename} is {size / 1e6:.1f} MB; commands take files of at most "
-                             f"{MAX_FILE_BYTES // 1024 // 1024} MB")
-        response = await self.client.download(mxc=event.url)
-        data = getattr(response, "body", None)
-        if not isinstance(data, bytes):
-            raise ValueError(f"could not download {filename}: {response}")
-        if len(data) > MAX_FILE_BYTES + 1024:
-            raise ValueError(f"{filename} is over {MAX_FILE_BYTES // 1024 // 1024} MB")
+        size = json_object(content.get("info")).get("size")
+        too_big = f"commands take files of at most {MAX_FILE_BYTES // 1024 // 1024} MB"
+        if isinstance(size, int | float) and size > MAX_FILE_BYTES:
+            raise ValueError(f"{filename} is {size / 1e6:.1f} MB; {too_big}")
+        data = await self._fetch(str(event.url or ""), filename)
         if isinstance(event, ENCRYPTED_FILES):
             data = decrypt_attachment(data, event.key["k"], event.hashes["sha256"], event.iv)
         return Attachment(filename, data)
+
+    async def _fetch(self, mxc: str, filename: str) -> bytes:
+        """The content at ``mxc``, read as it streams in and given up past ``MAX_FILE_BYTES`` or
+        ``DOWNLOAD_SECONDS``: the size an event claims is its sender's word, and nio's ``download`` reads
+        the whole body, however big, without a time limit."""
+        url = urlparse(mxc)
+        media = url.path.strip("/")
+        if url.scheme != "mxc" or not url.netloc or not media:
+            raise ValueError(f"could not download {filename}: it has no mxc:// address")
+        path = f"{MATRIX_MEDIA_API_PATH}/download/{quote(url.netloc, safe='')}/{quote(media, safe='')}"
+        headers = {"Authorization": f"Bearer {self.client.access_token}"} | (self.client.config.custom_headers or {})
+        over = f"{filename} is over {MAX_FILE_BYTES // 1024 // 1024} MB"
+        try:
+            response = await self.client.send("GET", path, headers=headers, timeout=DOWNLOAD_SECONDS)
+            async with response:
+                if response.status != 200:
+                    raise ValueError(f"could not download {filename}: HTTP {response.status}")
+                if (response.content_length or 0) > MAX_FILE_BYTES:
+                    raise ValueError(over)
+                data = bytearray()
+                async for chunk in response.content.iter_chunked(64 * 1024):
+                    data += chunk
+                    if len(data) > MAX_FILE_BYTES:
+                        raise ValueError(over)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise ValueError(f"could not download {filename}: {type(exc).__name__}") from exc
+        return bytes(data)
 
     async def _handle(self, room: MatrixRoom, event: RoomMessageText | RoomMessageEmote | FileEvent,
                       file: tuple[str, dict[str, Any]] | None = None) -> None:
