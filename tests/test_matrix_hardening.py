@@ -723,3 +723,29 @@ async def test_a_message_the_bot_cannot_decrypt_is_answered_once_not_ignored(syn
     finally:
         await alice.close()
         await stop_bot(bot)
+
+
+async def test_undecryptable_messages_follow_the_rate_limit(synapse: SynapseServer, tmp_path: Path) -> None:
+    """Each unknown session got its own notice: anyone in a DM with the bot could make it send one for every
+    made-up session id, past the rate limit every readable message meets."""
+    bot = await start_bot(synapse, tmp_path, e2ee=True, sections={"chat": {"rate_limit_per_minute": 2}})
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    try:
+        room = await open_room(alice, [bot.user_id], direct=True, encrypted=True)
+        await joined(seen, room, bot.user_id)
+        for session in range(6):
+            await alice.room_send(room, "m.room.encrypted", {
+                "algorithm": "m.megolm.v1.aes-sha2", "sender_key": "c2VuZGVyIGtleQ", "device_id": "ALICEDEVICE",
+                "session_id": f"made-up-{session}", "ciphertext": "bm90IHJlYWxseSBlbmNyeXB0ZWQ"})
+
+        def notices() -> int:
+            return sum(1 for e in seen.events.get(room, []) if e.get("sender") == bot.user_id
+                       and e.get("type") == "m.room.encrypted")
+        await seen.sync_until(lambda: notices() >= 2, "the first notices")
+        await asyncio.sleep(2)
+        await seen.sync_until(lambda: True, "one more sync")
+        assert notices() == 2
+    finally:
+        await alice.close()
+        await stop_bot(bot)
