@@ -644,12 +644,17 @@ class MatrixAdapter:
         key = (room.room_id, str(event.session_id))
         if key in self._undecryptable:
             return
+        direct = self.is_dm(room)
+        # A made-up session id is one more notice: in a DM, as a readable message would, they meet the access
+        # lists and the sender's rate limit.
+        if direct and not self.reactions.allowed(await self.reactions.inbound(room, event), "an undecryptable message"):
+            return
         keep(self._undecryptable, key, None)
         log.warning("Matrix: could not decrypt a message from %s in %s (session %s)", event.sender, room.room_id,
                     event.session_id)
         with contextlib.suppress(Exception):  # (already asked, or the sender's devices unknown)
             await self.client.request_room_key(event)
-        if self.is_dm(room):
+        if direct:
             await self.deliver(room.room_id, CommandReply(UNDECRYPTABLE))
 
     async def conversation(self, room: MatrixRoom, sender: str) -> tuple[bool, str, str | None]:

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from nio import MatrixRoom, ReactionEvent
+from nio import Event, MatrixRoom, ReactionEvent
 from nio.api import MessageDirection, RelationshipType
 
 from adapters.matrix_content import json_object, keep, reply_target, without_reply_fallback
@@ -57,8 +57,8 @@ class Reactions:
 
     async def _remember(self, room: MatrixRoom, event: ReactionEvent) -> None:
         adapter = self.adapter
-        inbound = await self._inbound(room, event)
-        if not self._allowed(inbound):
+        inbound = await self.inbound(room, event)
+        if not self.allowed(inbound):
             return
         response = await adapter.client.room_get_event(room.room_id, event.reacts_to)
         target = getattr(response, "event", None)
@@ -101,14 +101,15 @@ class Reactions:
         user, source = self._confirmed[event.reacts_to]
         if user != event.sender:
             return
-        inbound = await self._inbound(room, event)
-        if not self._allowed(inbound):
+        inbound = await self.inbound(room, event)
+        if not self.allowed(inbound):
             return
         reply = await self._run(inbound, f"!memory forget --from {source}")
         await self._answer(event.sender, reply.text)
 
-    async def _inbound(self, room: MatrixRoom, event: ReactionEvent) -> Inbound:
-        """The reaction as a message of its sender (for the access rules and the command's context)."""
+    async def inbound(self, room: MatrixRoom, event: Event) -> Inbound:
+        """The reaction (or another event) as a message of its sender (for the access rules and the command's
+        context)."""
         adapter = self.adapter
         is_dm, channel_id, parent = await adapter.conversation(room, event.sender)  # (as a message there)
         incoming = IncomingMessage("matrix", channel_id, event.sender, room.user_name(event.sender) or event.sender,
@@ -118,7 +119,7 @@ class Reactions:
                        roles=await adapter.roles_of(room, event.sender),
                        is_bot_admin=event.sender in adapter.config.admin_ids)
 
-    def _allowed(self, inbound: Inbound) -> bool:
+    def allowed(self, inbound: Inbound, what: str = "a reaction") -> bool:
         """Whether the reaction may run: the access rules a typed command meets (deny lists, DMs off...), and as
         it stores something, the router's per-user rate limit of messages."""
         app = self.adapter.app
@@ -126,7 +127,7 @@ class Reactions:
         if reason is None and app.router.limiter.check(inbound.message.author_key):
             reason = "rate limit"
         if reason is not None:
-            log.info("Matrix: ignored a reaction by %s: %s", inbound.message.author_id, reason)
+            log.info("Matrix: ignored %s by %s: %s", what, inbound.message.author_id, reason)
         return reason is None
 
     async def _run(self, inbound: Inbound, line: str) -> CommandReply:

@@ -582,7 +582,7 @@ async def test_a_direct_room_others_join_keeps_its_direct_conversation_out(synap
         await seen.sync_until(lambda: any("what did alice" in b for b in seen.bodies(room, bot.user_id)), "Bob's reply")
         request = bot.app.llm.requests[-1]  # type: ignore[attr-defined]
         assert "XYZ-42" not in str(request.system) + str([m.content for m in request.messages])
-        reacted = await bot.adapter.reactions._inbound(bot.adapter.client.rooms[room], SimpleNamespace(
+        reacted = await bot.adapter.reactions.inbound(bot.adapter.client.rooms[room], SimpleNamespace(
             sender=bob.user_id))  # a 🧠 there is the group conversation's too (its persona, its lists)
         assert reacted.message.channel_key == f"matrix:{room}/group"
         assert reacted.message.parent_channel_key == f"matrix:{room}"
