@@ -20,6 +20,7 @@ from discord import app_commands
 from bot.commands import Attachment, Command, Param
 from bot.commands.files import MAX_ATTACHMENT_BYTES
 from bot.policy import refusal
+from bot.text import shown
 
 if TYPE_CHECKING:
     from adapters.discord import DiscordAdapter
@@ -31,7 +32,7 @@ MAX_FILE_BYTES = MAX_ATTACHMENT_BYTES  # larger ones are refused before download
 async def read_attachment(attachment: discord.Attachment) -> Attachment:
     """The bytes of one attachment a command came with; ValueError (one line) when it is too large."""
     if attachment.size > MAX_FILE_BYTES:
-        raise ValueError(f"{attachment.filename} is {attachment.size / 1e6:.1f} MB; commands take files of at "
+        raise ValueError(f"{shown(attachment.filename)} is {attachment.size / 1e6:.1f} MB; commands take files of at "
                          f"most {MAX_FILE_BYTES // 1024 // 1024} MB")
     return Attachment(attachment.filename, await attachment.read())
 

@@ -70,6 +70,7 @@ from bot.policy import Inbound
 from bot.ports import IncomingMessage
 from bot.privatefs import create_private, private_dir
 from bot.splitting import split_message
+from bot.text import shown
 
 log = logging.getLogger(__name__)
 
@@ -747,7 +748,7 @@ class MatrixAdapter:
         size = json_object(content.get("info")).get("size")
         too_big = f"commands take files of at most {MAX_FILE_BYTES // 1024 // 1024} MB"
         if isinstance(size, int | float) and size > MAX_FILE_BYTES:
-            raise ValueError(f"{filename} is {size / 1e6:.1f} MB; {too_big}")
+            raise ValueError(f"{shown(filename)} is {size / 1e6:.1f} MB; {too_big}")
         data = await self._fetch(str(event.url or ""), filename)
         if isinstance(event, ENCRYPTED_FILES):
             data = decrypt_attachment(data, event.key["k"], event.hashes["sha256"], event.iv)
@@ -760,15 +761,15 @@ class MatrixAdapter:
         url = urlparse(mxc)
         media = url.path.strip("/")
         if url.scheme != "mxc" or not url.netloc or not media:
-            raise ValueError(f"could not download {filename}: it has no mxc:// address")
+            raise ValueError(f"could not download {shown(filename)}: it has no mxc:// address")
         path = f"{MATRIX_MEDIA_API_PATH}/download/{quote(url.netloc, safe='')}/{quote(media, safe='')}"
         headers = {"Authorization": f"Bearer {self.client.access_token}"} | (self.client.config.custom_headers or {})
-        over = f"{filename} is over {MAX_FILE_BYTES // 1024 // 1024} MB"
+        over = f"{shown(filename)} is over {MAX_FILE_BYTES // 1024 // 1024} MB"
         try:
             response = await self.client.send("GET", path, headers=headers, timeout=DOWNLOAD_SECONDS)
             async with response:
                 if response.status != 200:
-                    raise ValueError(f"could not download {filename}: HTTP {response.status}")
+                    raise ValueError(f"could not download {shown(filename)}: HTTP {response.status}")
                 if (response.content_length or 0) > MAX_FILE_BYTES:
                     raise ValueError(over)
                 data = bytearray()
@@ -777,7 +778,7 @@ class MatrixAdapter:
                     if len(data) > MAX_FILE_BYTES:
                         raise ValueError(over)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise ValueError(f"could not download {filename}: {type(exc).__name__}") from exc
+            raise ValueError(f"could not download {shown(filename)}: {type(exc).__name__}") from exc
         return bytes(data)
 
     async def _handle(self, room: MatrixRoom, event: RoomMessageText | RoomMessageEmote | FileEvent,

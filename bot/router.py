@@ -178,7 +178,8 @@ class Router:
         if not message.text.strip():  # a bare mention (or a picture alone): who answers, and how to talk
             where = "" if message.is_dm else " after the mention (or as a reply to one of mine)"
             await sink.send_reply(CommandReply(
-                f"Hi {message.author_name}, {persona} here. I read text: write your message{where}, or send "
+                # (no display name: one such as "[Claim your prize](https://…)" would be a link in the bot's words)
+                f"Hi, {persona} here. I read text: write your message{where}, or send "
                 f"{self.commands.prefix}help to see what I can do."))
             return
         try:

@@ -476,7 +476,7 @@ async def test_a_file_bigger_than_it_claims_is_not_read_whole(synapse: SynapseSe
             await alice.room_send(room, "m.room.message", {
                 "msgtype": "m.file", "body": "!memory import", "filename": "export.zip", "url": upload.content_uri,
                 "info": {"mimetype": "application/zip"}})
-            await seen.sync_until(lambda: any("export.zip is over" in b for b in seen.bodies(room, bot.user_id)),
+            await seen.sync_until(lambda: any("`export.zip` is over" in b for b in seen.bodies(room, bot.user_id)),
                                   "the refusal of the file")
             _, peak = tracemalloc.get_traced_memory()
         finally:

@@ -312,7 +312,7 @@ async def test_a_bare_mention_gets_a_greeting_with_a_way_on_and_stores_nothing(t
         await app.router.handle(inbound("   ", mention=True), in_channel)  # "@Cora" alone, the mention stripped
         await app.router.handle(inbound("", dm=True), in_dm)  # a picture alone in a DM
         greeting = in_channel.public[0].text
-        assert greeting.startswith("Hi user1, Cora here.") and "after the mention" in greeting and "!help" in greeting
+        assert greeting.startswith("Hi, Cora here.") and "after the mention" in greeting and "!help" in greeting
         assert "after the mention" not in in_dm.public[0].text and "!help" in in_dm.public[0].text
         assert llm.requests == [] and await app.storage.get_channel("discord:chan1") is None
 
