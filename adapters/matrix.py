@@ -87,6 +87,7 @@ ENCRYPTION_OVERHEAD = 1_024  # megolm's envelope: sender key, session and device
 MAX_FILE_BYTES = MAX_ATTACHMENT_BYTES  # a command's file (an export's zip at most)
 # A file a command may come with: Element sends a PNG (a character card) as an image.
 DOWNLOAD_SECONDS = 120.0  # for one file a command came with, from the first byte asked to the last read
+DOWNLOADS_AT_ONCE = 2  # files of commands fetched at a time (each held whole in memory, up to MAX_FILE_BYTES)
 FileEvent: TypeAlias = RoomMessageFile | RoomEncryptedFile | RoomMessageImage | RoomEncryptedImage
 FILE_EVENTS = (RoomMessageFile, RoomEncryptedFile, RoomMessageImage, RoomEncryptedImage)
 ENCRYPTED_FILES = (RoomEncryptedFile, RoomEncryptedImage)
@@ -281,6 +282,7 @@ class MatrixAdapter:
         self._catching_up: set[str] = set()  # rooms whose skipped redactions are being read back
         self._gaps: dict[str, tuple[str, str | None]] = {}  # per room: a skipped stretch still to read back
         self.reactions = Reactions(self)
+        self._downloads = asyncio.Semaphore(DOWNLOADS_AT_ONCE)  # a burst of file commands in one sync waits its turn
         state = self._load_state()
         # The direct room the bot opened for each user (for private answers), kept in the session file.
         self._dms: dict[str, str] = dict(state.get("dm_rooms", {}))
@@ -749,7 +751,8 @@ class MatrixAdapter:
         too_big = f"commands take files of at most {MAX_FILE_BYTES // 1024 // 1024} MB"
         if isinstance(size, int | float) and size > MAX_FILE_BYTES:
             raise ValueError(f"{shown(filename)} is {size / 1e6:.1f} MB; {too_big}")
-        data = await self._fetch(str(event.url or ""), filename)
+        async with self._downloads:
+            data = await self._fetch(str(event.url or ""), filename)
         if isinstance(event, ENCRYPTED_FILES):
             data = decrypt_attachment(data, event.key["k"], event.hashes["sha256"], event.iv)
         return Attachment(filename, data)

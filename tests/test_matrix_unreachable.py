@@ -105,3 +105,35 @@ async def test_gaps_skipped_while_one_is_read_back_are_merged_not_dropped(
             await asyncio.sleep(0.02)
         assert read == [("p1", "s0"), ("q1", None), ("p3", "s1")] and not adapter._gaps
         await adapter.close()
+
+
+async def test_files_of_commands_are_fetched_two_at_a_time(tmp_path: Path) -> None:
+    """Each file a command came with is held whole in memory (up to the 50 MB limit), and the router only
+    counts a command once it runs: a burst of file commands in one sync fetched all at once."""
+    from nio import RoomMessageFile
+
+    config = parse_config({
+        "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "memory": {"embedder": "none"},
+        "matrix": {"enabled": True, "homeserver": "http://127.0.0.1:9", "user_id": "@cortex:localhost",
+                   "password_env": "CB_MATRIX_PW", "store_path": str(tmp_path / "matrix")},
+    })
+    running, most = 0, 0
+
+    async def slow_fetch(mxc: str, filename: str) -> bytes:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        await asyncio.sleep(0.05)
+        running -= 1
+        return filename.encode()
+
+    async with App(config, llm=ScriptedProvider()) as app:
+        adapter = MatrixAdapter(app, config.matrix, env={"CB_MATRIX_PW": "x"})
+        adapter._fetch = slow_fetch  # type: ignore[method-assign]
+        events = [RoomMessageFile.from_dict({
+            "type": "m.room.message", "event_id": f"$f{i}", "sender": "@ann:localhost", "origin_server_ts": 1,
+            "content": {"msgtype": "m.file", "body": "!memory import", "filename": f"e{i}.zip",
+                        "url": f"mxc://localhost/f{i}"}}) for i in range(6)]
+        got = await asyncio.gather(*(adapter._download(e, f"e{n}.zip", {}) for n, e in enumerate(events)))
+        assert [a.data for a in got] == [f"e{n}.zip".encode() for n in range(6)] and most == 2
+        await adapter.close()
