@@ -741,6 +741,8 @@ class MatrixAdapter:
         caption = event.body.strip()
         if event.sender == self.config.user_id or not filename or caption == filename or self._before_join(room):
             return
+        if relates_to(content).get("rel_type") == "m.replace":
+            return  # an edit of an earlier file's caption: its command ran once, as an edited text's does not again
         if not caption.startswith(self.config.command_prefix):
             return
         self._spawn(self._handle(room, event, file=(filename, content)))

@@ -137,3 +137,31 @@ async def test_files_of_commands_are_fetched_two_at_a_time(tmp_path: Path) -> No
         got = await asyncio.gather(*(adapter._download(e, f"e{n}.zip", {}) for n, e in enumerate(events)))
         assert [a.data for a in got] == [f"e{n}.zip".encode() for n in range(6)] and most == 2
         await adapter.close()
+
+
+async def test_an_edited_file_caption_does_not_run_its_command_again(tmp_path: Path) -> None:
+    """Edits of text messages were ignored, but an edit of a file's caption ran its command (an import) again."""
+    from nio import MatrixRoom, RoomMessageFile
+
+    config = parse_config({
+        "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "memory": {"embedder": "none"},
+        "matrix": {"enabled": True, "homeserver": "http://127.0.0.1:9", "user_id": "@cortex:localhost",
+                   "password_env": "CB_MATRIX_PW", "store_path": str(tmp_path / "matrix")},
+    })
+    async with App(config, llm=ScriptedProvider()) as app:
+        adapter = MatrixAdapter(app, config.matrix, env={"CB_MATRIX_PW": "x"})
+        spawned: list[object] = []
+        adapter._spawn = lambda work: (spawned.append(work), work.close())  # type: ignore[assignment, method-assign]
+        room = MatrixRoom("!dm:localhost", "@cortex:localhost")
+        content = {"msgtype": "m.file", "body": "!memory import", "filename": "e.zip", "url": "mxc://localhost/f"}
+        first = RoomMessageFile.from_dict({"type": "m.room.message", "event_id": "$f", "sender": "@ann:localhost",
+                                           "origin_server_ts": 1, "content": content})
+        edit = RoomMessageFile.from_dict({"type": "m.room.message", "event_id": "$g", "sender": "@ann:localhost",
+                                          "origin_server_ts": 2, "content": {
+                                              **content, "body": "!memory import",
+                                              "m.new_content": content,
+                                              "m.relates_to": {"rel_type": "m.replace", "event_id": "$f"}}})
+        await adapter._on_file(room, first)
+        await adapter._on_file(room, edit)
+        assert len(spawned) == 1
+        await adapter.close()
