@@ -819,3 +819,18 @@ def test_a_mention_of_the_bots_own_role_is_a_mention_of_the_bot(adapter: Discord
     addressed = adapter.inbound(message("<@&77> what's new?", [own])).message
     assert addressed.mentions_bot and addressed.text == "what's new?"
     assert not adapter.inbound(message("<@&88> team, lunch?", [other])).message.mentions_bot
+
+
+async def test_the_slow_down_notice_does_not_repeat_a_display_name(adapter: DiscordAdapter) -> None:
+    """The channel's "please wait" notice began with the sender's display name: a member named
+    "[Claim your prize](https://evil.example)" who sent messages fast got that link posted in the bot's words."""
+    adapter.app.router.limiter.per_minute = 1
+    guild = dpytest.get_config().guilds[0]
+    lure = await dpytest.member_join(guild, name="[Claim your prize](https://evil.example)")
+    me = adapter.bot.user
+    for n in range(2):
+        await dpytest.message(f"<@{me.id}> hello {n}", member=lure)
+    dpytest.get_message()  # the answer to the first
+    notice = dpytest.get_message().content
+    assert "faster than I can answer" in notice
+    assert "evil.example" not in notice and "Claim your prize" not in notice, notice
