@@ -51,7 +51,7 @@ class RateLimiter:
         return True
 
 
-def slow_down(what: str, wait: float, name: str = "") -> str:
-    """The notice for someone over their limit of ``what`` ("messages", "commands")."""
-    you = f"{name}, you" if name else "You"
-    return f"{you} are sending {what} faster than I can answer them well. Please wait {math.ceil(wait)} s."
+def slow_down(what: str, wait: float) -> str:
+    """The notice for someone over their limit of ``what`` ("messages", "commands"). It names nobody: a display
+    name such as "[Claim your prize](https://…)" would be a link in the bot's words, in the channel."""
+    return f"You are sending {what} faster than I can answer them well. Please wait {math.ceil(wait)} s."

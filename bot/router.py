@@ -124,8 +124,7 @@ class Router:
         if not wait:
             return False
         if limiter.tell(msg.author_key, wait):
-            await sink.send_reply(CommandReply(slow_down("commands" if is_command else "messages", wait,
-                                                         msg.author_name)))
+            await sink.send_reply(CommandReply(slow_down("commands" if is_command else "messages", wait)))
         return True
 
     def reads_files(self, inbound: Inbound) -> bool:
