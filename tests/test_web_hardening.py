@@ -198,6 +198,46 @@ async def test_kept_answers_are_asked_again_after_their_time() -> None:
     assert guild.fetched == [11, 20, 11]
 
 
+
+def _member_payload(user_id: int, roles: list[int]) -> dict[str, Any]:
+    return {"user": {"id": str(user_id), "username": "mal", "discriminator": "0", "avatar": None},
+            "roles": [str(r) for r in roles], "joined_at": "2024-01-01T00:00:00+00:00", "deaf": False, "mute": False,
+            "flags": 0}
+
+
+async def test_a_member_cached_for_voice_is_asked_anew_without_the_members_intent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bot's own intents leave out the (privileged) members intent, so Discord sends no member updates; but
+    discord.py still caches whoever is in a voice channel, with the roles they had when they joined it. A
+    moderator demoted while in voice stayed an admin of the server on the web page for as long as they stayed."""
+    import discord
+
+    from adapters.discord import default_intents
+
+    client = discord.Client(intents=default_intents())
+    state = client._connection
+    state.user = discord.ClientUser(state=state, data={"id": "1", "username": "bot", "discriminator": "0",
+                                                       "avatar": None, "bot": True})
+    role = {"color": 0, "hoist": False, "managed": False, "mentionable": False}
+    guild = discord.Guild(state=state, data={"id": "100", "name": "Books", "owner_id": "9", "roles": [
+        {"id": "100", "name": "@everyone", "permissions": "0", "position": 0, **role},
+        {"id": "200", "name": "Mods", "permissions": str(discord.Permissions(manage_guild=True).value),
+         "position": 1, **role}], "channels": [], "members": [], "emojis": [], "features": []})
+    state._add_guild(guild)
+    state.parse_voice_state_update({  # joins a voice channel as a moderator: cached with the Mods role
+        "guild_id": "100", "channel_id": "300", "user_id": "42", "member": _member_payload(42, [200]),
+        "session_id": "s", "deaf": False, "mute": False, "self_deaf": False, "self_mute": False, "suppress": False,
+        "self_video": False, "request_to_speak_timestamp": None})
+    assert guild.get_member(42) is not None
+
+    async def fetch_member(self: Any, user_id: int) -> Any:  # what Discord says now: the Mods role is gone
+        return discord.Member(data=_member_payload(user_id, []), guild=self, state=state)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(discord.Guild, "fetch_member", fetch_member)
+    directory = DiscordAdminDirectory(client, DiscordConfig())
+    assert not await directory.is_admin("discord:42", "discord:100")
+
+
 # -- 4: an undecodable CSRF header --------------------------------------------------------------------
 
 
