@@ -8,7 +8,8 @@ by the same rules as the chat adapters use for commands.
   Direct rooms administer nothing (everyone has power 100 in their own).
 * Discord in more than ``FETCH_GUILDS`` servers lists a user's servers from its member cache only
   (asking Discord about every one would take too long); ``is_admin`` asks Discord when the member is not
-  in the cache, and keeps that answer (yes or no) for ``ANSWER_SECONDS`` per server and user.
+  in the cache, or always when the bot lacks the members intent (its cache is then not kept current), and
+  keeps that answer (yes or no) for ``ANSWER_SECONDS`` per server and user.
 
 Nothing here raises for a malformed or foreign key: the answer is simply no. ``cortexbot run`` builds
 them with :func:`discord_directory` and :func:`matrix_directory` from its running adapters.
@@ -86,9 +87,17 @@ class DiscordAdminDirectory:
         # (guild id, user id) -> (when asked, the REST lookup's answer); concurrent askers share one lookup
         self._answers: dict[tuple[int, int], tuple[float, asyncio.Future[bool]]] = {}
 
+    @property
+    def _cache_is_current(self) -> bool:
+        """Whether cached members are kept up to date: only with the (privileged) members intent does Discord
+        send member updates. Without it discord.py still caches whoever is in a voice channel, with the roles
+        they had when they joined it: a moderator demoted meanwhile would stay one here."""
+        return bool(getattr(getattr(self.client, "intents", None), "members", True))
+
     async def _guild_admin(self, guild: Any, user_id: int, *, fetch: bool = True) -> bool:
-        """From the member cache; else (when ``fetch``) as Discord answers, kept for ``answer_seconds``."""
-        member = guild.get_member(user_id)
+        """From the member cache (when it is kept current, or when nothing may be fetched: a listing); else (when
+        ``fetch``) as Discord answers, kept for ``answer_seconds``."""
+        member = guild.get_member(user_id) if self._cache_is_current or not fetch else None
         if member is not None:
             return self._admin(member)
         return fetch and await self._fetched_admin(guild, user_id)
