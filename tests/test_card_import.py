@@ -84,14 +84,14 @@ async def test_bad_cards_get_one_line_and_change_nothing(tmp_path: Path, fake_ll
     monkeypatch.setenv("CB_TEST_API_KEY", "sk-test")
     async with App(_config(tmp_path, fake_llm)) as app:
         cases = [
-            (Attachment("cat.png", png()), "cat.png: the PNG holds no character card"),
-            (Attachment("notes.txt", b"hello"), "notes.txt: not a character card"),
+            (Attachment("cat.png", png()), "`cat.png`: the PNG holds no character card"),
+            (Attachment("notes.txt", b"hello"), "`notes.txt`: not a character card"),
             (Attachment("v1.json", json.dumps({"name": "Old", "description": "x"}).encode()), "unsupported"),
             (Attachment("huge.json", b" " * (9 * 1024 * 1024)), "at most 8 MB"),
             (Attachment("max.json", dumps(v2_card(name="Max"))), "exists already"),
-            (Attachment("bell.json", dumps(v2_card(name="Bell\u0007\u200b"))), "bell.json: give the persona a name"),
+            (Attachment("bell.json", dumps(v2_card(name="Bell\u0007\u200b"))), "`bell.json`: give the persona a name"),
             (Attachment("buff.json", dumps(v2_card(name="History Buff"))),
-             "buff.json: a persona's name cannot start with `history`: !persona history is a command"),
+             "`buff.json`: a persona's name cannot start with `history`: !persona history is a command"),
         ]
         for attachment, expected in cases:
             reply = await run(app, "!persona import", ctx(attachment))

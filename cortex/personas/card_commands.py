@@ -58,16 +58,16 @@ class CardCommands:
         try:
             card = parse_card(data)
         except CardError as exc:
-            raise CommandError(f"{filename}: {exc}") from None
+            raise CommandError(f"{shown(filename)}: {exc}") from None
         try:
             check_persona_name(card.name, self.commands)
         except CommandError as exc:
-            raise CommandError(f"{filename}: {exc}; nothing was imported") from None
+            raise CommandError(f"{shown(filename)}: {exc}; nothing was imported") from None
         for number, entry in enumerate(card.lore, start=1):  # lore reaches every user: the guard applies
             verdict = check_memory_text(entry.content)
             if not verdict.ok:
-                raise CommandError(f"{filename}: lore entry {number} {verdict.line().removeprefix('refused: it ')}; "
-                                   "nothing was imported")
+                why = verdict.line().removeprefix("refused: it ")
+                raise CommandError(f"{shown(filename)}: lore entry {number} {why}; nothing was imported")
         default = self.registry.persona(None)
         # Not into a deleted persona of that name: its old soul sections and lore would come back mixed
         # with the card's (a revival is what "!persona create" is for).
