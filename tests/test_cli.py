@@ -475,3 +475,19 @@ def test_doctor_reports_a_stuck_job_queue(tmp_path: Path, fake_llm: FakeLLMServe
     assert "✗ job queue: 1 queued, 0 running, 0 failed; 0 live bot process(es); the oldest queued job has waited" \
         in result.stdout and "no bot process is running to take it" in result.stdout
     assert "✓ embedding backlog: 2 texts of 2 waiting (0 memory items, 2 messages)" in result.stdout
+
+
+def test_doctor_refuses_a_persona_name_that_start_refuses(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """doctor said "All checks passed" for a [[personas]] name starting with a !persona subcommand, which
+    `chat` and `run` then refuse at start."""
+    fake_llm.models = ["test-model"]
+    config = write_config(tmp_path, fake_llm)
+    config.write_text(config.read_text() + '[[personas]]\nname = "Import Buff"\n')
+    chat = cortexbot("--config", str(config), "chat", stdin="hi\n")
+    assert chat.returncode == 1 and "a persona's name cannot start with `import`" in chat.stderr, chat.stderr
+    result = cortexbot("--config", str(config), "doctor")
+    assert result.returncode == 1, result.stdout
+    assert "✗ personas: [[personas]] name = 'Import Buff': a persona's name cannot start with `import`" \
+        in result.stdout, result.stdout
+    assert "All checks passed" not in result.stdout
+
