@@ -190,14 +190,7 @@ class App:
         return self
 
     def _check_persona_names(self) -> None:
-        """A ``[[personas]]`` name that starts with a ``!persona`` subcommand ("List Buff") could never be
-        picked: ``!persona List Buff`` (and Discord's ``/persona``, which becomes that line) runs ``list``.
-        Refused at start, as ``!persona create`` and card imports refuse such a name."""
-        for persona in self.config.personas:
-            try:
-                check_persona_name(persona.name, self.commands)
-            except CommandError as exc:
-                raise ConfigError(f"[[personas]] name = {persona.name!r}: {exc}; rename it in the config") from None
+        check_persona_names(self.config, self.commands)
 
     async def _extra_stats(self) -> list[str]:
         return await self.cortex.memory_admin.stats_lines() + await self.skills.commands.stats_lines()
@@ -269,3 +262,14 @@ class App:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+def check_persona_names(config: Config, commands: CommandRegistry) -> None:
+    """A ``[[personas]]`` name that starts with a ``!persona`` subcommand ("List Buff") could never be
+    picked: ``!persona List Buff`` (and Discord's ``/persona``, which becomes that line) runs ``list``.
+    Refused at start (and by ``cortexbot doctor``), as ``!persona create`` and card imports refuse such a name."""
+    for persona in config.personas:
+        try:
+            check_persona_name(persona.name, commands)
+        except CommandError as exc:
+            raise ConfigError(f"[[personas]] name = {persona.name!r}: {exc}; rename it in the config") from None

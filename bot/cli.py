@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import click
 
@@ -667,12 +667,31 @@ def _doctor_adapters(config: Config, report: Callable[..., None]) -> None:
             report(False, "Matrix", str(exc))
 
 
+def _doctor_personas(config: Config, report: Callable[..., None]) -> None:
+    """The [[personas]] names `chat` and `run` refuse at start: one starting with a !persona subcommand."""
+    from bot.app import check_persona_names
+    from bot.commands import CommandRegistry
+    from cortex.personas.card_commands import CardCommands
+    from cortex.personas.commands import PersonaCommands
+
+    commands = CommandRegistry()
+    for group in (PersonaCommands, CardCommands):  # only the commands' names are read: no handler runs
+        group(cast(Any, None), cast(Any, None)).register(commands)
+    try:
+        check_persona_names(config, commands)
+    except ConfigError as exc:
+        report(False, "personas", str(exc))
+        return
+    report(True, "personas", ", ".join(p.name for p in config.personas))
+
+
 async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
     from bot.app import build_provider
     from bot.storage import open_storage
     from bot.tokens import BPETokenEstimator
 
     _doctor_adapters(config, report)
+    _doctor_personas(config, report)
     try:
         url, password = config.storage.resolve()
         storage = await open_storage(url, password=password, pool_size=config.storage.pool_size)
