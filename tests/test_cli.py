@@ -491,3 +491,16 @@ def test_doctor_refuses_a_persona_name_that_start_refuses(tmp_path: Path, fake_l
         in result.stdout, result.stdout
     assert "All checks passed" not in result.stdout
 
+
+def test_doctor_says_an_openai_base_url_lacks_v1(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """An OpenAI-compatible base_url without its /v1 (http://localhost:11434 for Ollama): doctor said
+    "reachable; it does not list its models" and "All checks passed", while every reply failed with 404."""
+    fake_llm.models = ["test-model"]
+    config = write_config(tmp_path, fake_llm, provider="openai")
+    config.write_text(config.read_text().replace(fake_llm.openai_url, fake_llm.url + "/"))
+    chat = cortexbot("--config", str(config), "chat", stdin="hi\n")
+    assert "HTTP 404" in chat.stdout + chat.stderr  # what a reply meets
+    result = cortexbot("--config", str(config), "doctor")
+    assert result.returncode == 1, result.stdout
+    assert f'[llm] base_url = "{fake_llm.openai_url}"' in result.stdout, result.stdout
+    assert "All checks passed" not in result.stdout
