@@ -737,6 +737,11 @@ async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
         models = await asyncio.wait_for(provider.list_models(), timeout=llm.connect_timeout_seconds + 5)
     except LLMError as exc:
         if exc.status_code in (404, 405, 501):  # servers that chat fine but do not list their models
+            with_v1 = await _doctor_base_url_with_v1(config) if exc.status_code == 404 else None
+            if with_v1 is not None:
+                report(False, where, f'nothing answers there, but {with_v1} does: write [llm] base_url = '
+                                     f'"{with_v1}" (OpenAI-compatible servers serve their API under /v1)')
+                return
             report(True, where, f"reachable; it does not list its models (HTTP {exc.status_code}), so the model "
                                 "names were not checked")
             return
@@ -754,6 +759,25 @@ async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
             report(False, f"model {model}", f"not offered by the server (it offers: {', '.join(models[:10])})")
         else:
             report(True, f"model {model}", "available")
+
+
+async def _doctor_base_url_with_v1(config: Config) -> str | None:
+    """The base_url with /v1 added when that one lists models where the configured one answers 404 (an
+    OpenAI-compatible server's address written without its /v1, such as http://localhost:11434): None otherwise."""
+    from bot.app import build_provider
+
+    llm = config.llm
+    if llm.provider != "openai" or not llm.base_url or llm.base_url.rstrip("/").endswith("/v1"):
+        return None
+    candidate = llm.base_url.rstrip("/") + "/v1"
+    provider = build_provider(config.model_copy(update={"llm": llm.model_copy(update={"base_url": candidate})}))
+    try:
+        await asyncio.wait_for(provider.list_models(), timeout=llm.connect_timeout_seconds + 5)
+    except (LLMError, TimeoutError):
+        return None
+    finally:
+        await provider.aclose()
+    return candidate
 
 
 def main(argv: list[str] | None = None) -> Any:
