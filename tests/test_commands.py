@@ -143,3 +143,28 @@ async def test_a_typo_of_a_subcommand_is_not_taken_by_the_groups_own_command() -
     assert (await registry.dispatch("!guidelines", ctx)).text == "args=[] body=''"
     refused = (await registry.dispatch("!memory forget-me yes", ctx)).text
     assert refused.startswith("!memory forget-me takes no arguments besides confirm (not `yes`)"), refused
+
+
+async def test_an_unknown_switch_before_or_after_free_text_is_refused_not_stored() -> None:
+    """``!memory remember --help`` stored the fact "--help", ``!memory remember I like tea --pinn`` stored
+    "I like tea --pinn" unpinned, and ``!persona edit identity --persona Nemo`` made Cora's identity the text
+    "--persona Nemo": a mistyped or foreign switch at either end of the text was taken as part of it."""
+    registry = CommandRegistry()
+    registry.register(REMEMBER)
+    ctx = CommandContext("discord", "discord:1", "Ann", "discord:c", "Cora")
+
+    async def args_of(line: str) -> str:
+        return (await registry.dispatch(line, ctx)).text
+
+    typo = await args_of("!memory remember I like tea --pinn")
+    assert typo.startswith("!memory remember has no option `--pinn` (did you mean --pin?)"), typo
+    assert "Usage: !memory remember" in typo and "args=" not in typo
+    assert "has no option `--help`" in await args_of("!memory remember --help")
+    assert "has no option `--persona`" in await args_of("!memory remember --persona Nemo I like tea")
+    assert await args_of("!memory remember Use --pin wisely") == "args=['Use --pin wisely'] body='Use --pin wisely'"
+    assert await args_of("!memory remember Use --pinn wisely") == (  # inside the text: the text's own
+        "args=['Use --pinn wisely'] body='Use --pinn wisely'")
+    assert await args_of('!memory remember "I always run make --verbose"') == (  # quoted: kept as typed
+        "args=['I always run make --verbose'] body='I always run make --verbose'")
+    assert await args_of("!memory remember a -- b --") == "args=['a -- b --'] body='a -- b --'"
+    assert await args_of("!memory remember I like tea --pin") == "args=['I like tea', '--pin'] body='I like tea'"
