@@ -16,6 +16,7 @@ flags and options before and after it are taken out, so "Use --pin wisely" stays
 from __future__ import annotations
 
 import bisect
+import difflib
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -28,6 +29,7 @@ from bot.text import plural, shown, storable, without_surrogates
 log = logging.getLogger(__name__)
 
 TYPOGRAPHIC_DASHES = "\u2014\u2013"  # em and en dash: what "--" becomes with smart punctuation
+_SWITCH = re.compile(r"--[A-Za-z][A-Za-z0-9_-]*")  # how an option is spelled on a command line
 QUOTES = {"'": "'", '"': '"', "\u201c": "\u201d", "\u2018": "\u2019", "\u201e": "\u201c", "\u00ab": "\u00bb"}
 MAX_NUMBER = 2**31 - 1  # ids, versions and pages fit every engine's integer columns
 
@@ -235,6 +237,11 @@ class Command:
                 end -= 1  # the handler says so
             else:
                 break
+        for edge in [*tokens[start:end][:1], *tokens[start + 1:end][-1:]]:  # "--pinn", "--help": not the text's
+            if _SWITCH.fullmatch(edge.value) and edge.end - edge.start == len(edge.value):  # typed unquoted
+                near = difflib.get_close_matches(edge.value, sorted(flags | options), n=1)
+                raise CommandError(f"no option {shown(edge.value)}" + (f" (did you mean {near[0]}?)" if near else "")
+                                   + "; a text that starts or ends with it goes in quotes")
         inline = line[tokens[start].start:tokens[end - 1].end] if end > start else ""
         if end - start == 1 and len(inline) == len(tokens[start].value) + 2:  # all of it in quotes: what is inside
             inline = tokens[start].value
@@ -424,7 +431,11 @@ class CommandRegistry:
                 takes += f" besides {' / '.join(switches)}"
             return CommandReply(f"{self.prefix}{command.name} takes {takes} (not {shown(extra)}). "
                                 f"Usage: {self.usage(command)}", private=command.private)
-        free = command.free_text(tokens[len(words) - len(args):], line, body)
+        try:
+            free = command.free_text(tokens[len(words) - len(args):], line, body)
+        except CommandError as exc:  # a switch it does not have, at an end of the text
+            return CommandReply(f"{self.prefix}{command.name} has {exc}\nUsage: {self.usage(command)}",
+                                private=command.private)
         if free is not None:
             args, body, complete = free
             missing = next((p for p in command.params if p.kind == "text" and p.required and not body), None)
