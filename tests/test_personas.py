@@ -78,6 +78,20 @@ async def test_an_admins_edit_survives_a_config_change_and_the_log_says_so(
     assert "the chat edit stays" in caplog.text and "!persona revert identity 3" in caplog.text
 
 
+async def test_a_section_the_config_leaves_empty_keeps_its_chat_text_without_a_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A section the config never set (values = "", as in config.example.toml) and an admin wrote in chat: the
+    next start stored the config's empty text as a version of its own, put the chat text back on top of it and
+    warned that the section "changed in the config file", which nobody had touched."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        assert "version 1" in await run(app, "!persona edit values Kindness first.")
+    with caplog.at_level(logging.WARNING, logger="cortex.personas.registry"):
+        async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+            history = await run(app, "!persona history values")
+    assert "values v1" in history and "values v2" not in history, history
+    assert "changed in the config file" not in caplog.text
+
+
 async def test_the_note_on_variables_names_exactly_what_the_prompt_leaves_as_written(tmp_path: Path) -> None:
     """The note listed {char} and {user} as variables, but only {{char}} and {{user}} are filled; {Language}
     and {CHAR_NAME} passed without a note and stayed as written."""
