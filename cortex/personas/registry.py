@@ -164,8 +164,8 @@ class PersonaRegistry:
         live = history[-1] if history else None
         if last_config is not None and last_config.content == text:
             return  # the config has not changed this section
-        if live is None and not text.strip():
-            return  # nothing to say
+        if last_config is None and not text.strip():
+            return  # the config has never said anything here, and still says nothing
         recorded = await repo.put(kind, scope, key, text, author=CONFIG, reason="from the config file",
                                   position=position)
         if live is None or live.author == CONFIG:
