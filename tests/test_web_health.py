@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 from pathlib import Path
 
 import aiohttp
@@ -108,6 +109,20 @@ async def test_a_taken_port_is_one_clear_error(tmp_path: Path) -> None:
         second = WebServer(bot.app)
         with pytest.raises(RuntimeError, match=r"cannot listen on 127\.0\.0\.1:\d+.*\[web\] host/port"):
             await second.start()
+
+
+async def test_a_taken_metrics_port_names_the_metrics_keys(tmp_path: Path) -> None:
+    """A taken metrics_port said "the web page cannot listen on …: change [web] host/port", which are free."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError) as refused:
+            async with running_bot(tmp_path, metrics_port=port):
+                pass
+    message = str(refused.value)
+    assert f"/metrics cannot listen on 127.0.0.1:{port}" in message and "[web] metrics_host/metrics_port" in message
+    assert "[web] host/port" not in message and "\n" not in message
 
 
 async def test_scrapes_in_quick_succession_read_the_database_once(tmp_path: Path,
