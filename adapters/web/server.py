@@ -210,11 +210,13 @@ class WebServer:
             metrics_host = self.config.metrics_host or self.config.host
             metrics_app = web_application(pages=False, hosts=allowed_hosts(self.config, self.config.host, metrics_host))
             metrics_app.add_routes(health.metrics_routes(self.context))
-            self.metrics_url = await self._serve(metrics_app, metrics_host, self.config.metrics_port or 0)
+            self.metrics_url = await self._serve(metrics_app, metrics_host, self.config.metrics_port or 0,
+                                                 what="/metrics", keys="metrics_host/metrics_port")
             log.info("metrics at %s/metrics", self.metrics_url)
         log.info("web page at %s (listening on %s)", self.config.public_url or self.url, self.url)
 
-    async def _serve(self, application: web.Application, host: str, port: int) -> str:
+    async def _serve(self, application: web.Application, host: str, port: int, *, what: str = "the web page",
+                     keys: str = "host/port") -> str:
         runner = web.AppRunner(application, access_log=None)
         await runner.setup()
         self._runners.append(runner)
@@ -223,8 +225,8 @@ class WebServer:
             await site.start()
         except OSError as exc:
             await self.stop()
-            raise RuntimeError(f"the web page cannot listen on {host}:{port}: {exc.strerror or exc} "
-                               "(change [web] host/port)") from None
+            raise RuntimeError(f"{what} cannot listen on {host}:{port}: {exc.strerror or exc} "
+                               f"(change [web] {keys})") from None
         sockets = getattr(site._server, "sockets", None) or []
         bound = sockets[0].getsockname()[1] if sockets else port
         shown = f"[{host}]" if ":" in host else host
