@@ -334,6 +334,15 @@ async def test_cortex_stats_and_help(tmp_path: Path) -> None:
         assert "--from" not in help_user and "--of" not in help_user
         assert "!cortex settings" in (await run(app, "!help", ctx(admin=True))).text
         assert "needs a subcommand" in (await run(app, "!memory")).text
+        # !help COMMAND explains one, or every command of a group, with what each part means
+        remember = (await run(app, "!help memory remember")).text
+        assert remember.startswith("!memory remember <text…>") and "[--pin] always keep it in mind" in remember
+        group = (await run(app, "!help !memory")).text
+        assert "!memory forget-me" in group and "!cortex" not in group and "!memory why" in group
+        assert "!cortex settings" not in (await run(app, "!help cortex")).text  # admins' stay hidden from users
+        assert "!cortex settings" in (await run(app, "!help cortex", ctx(admin=True))).text
+        assert (await run(app, "!help memroy")).text == "No command `!memroy` (did you mean !memory?). Type !help."
+        assert "did you mean !memory?" in (await run(app, "!memroy show")).text
 
 
 async def _pair_id_after_show(app: App) -> int:

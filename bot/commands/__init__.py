@@ -355,7 +355,8 @@ class CommandRegistry:
         self.prefix = prefix
         self._commands: dict[str, Command] = {}
         self._order: list[str] = []
-        self.register(Command("help", "list the commands", self._help))
+        self.register(Command("help", "list the commands, or explain one or a group (help memory)", self._help,
+                              (words("command", "a command or group, e.g. memory or memory remember"),)))
 
     def register(self, command: Command) -> None:
         for name in (command.name, *command.aliases):
@@ -416,7 +417,10 @@ class CommandRegistry:
                 lines += [f"  {self.usage(c)} — {c.summary}" for c in group if context.is_admin or not c.admin]
                 return CommandReply("\n".join(lines))
             typed = shown(self.prefix + " ".join(words[:2]), 40)
-            return CommandReply(f"Unknown command {typed}. Type {self.prefix}help.")
+            heads = sorted({c.name.split(" ")[0] for c in self.commands})
+            near = difflib.get_close_matches(words[0].lower(), heads, n=1)
+            hint = f" (did you mean {self.prefix}{near[0]}?)" if near else ""
+            return CommandReply(f"Unknown command {typed}{hint}. Type {self.prefix}help.")
         if command.bot_admin and not context.is_bot_admin:
             return CommandReply(f"{self.prefix}{command.name} is for the bot's admins only (it concerns every "
                                 "server, not just this one).")
@@ -476,13 +480,32 @@ class CommandRegistry:
         return one, words[1:]
 
     async def _help(self, context: CommandContext, args: Sequence[str]) -> str:
+        shown_here = [c for c in self.commands if self._may_run(c, context)]
+        if args:
+            return self._explain(" ".join(args).lower().removeprefix(self.prefix), shown_here)
         lines = ["Commands:"]
-        groups = list(dict.fromkeys(c.name.split(" ")[0] for c in self.commands))  # in order of first use
-        for command in sorted(self.commands, key=lambda c: groups.index(c.name.split(" ")[0])):
-            if (command.admin and not context.is_admin) or (command.bot_admin and not context.is_bot_admin):
-                continue
+        groups = list(dict.fromkeys(c.name.split(" ")[0] for c in shown_here))  # in order of first use
+        for command in sorted(shown_here, key=lambda c: groups.index(c.name.split(" ")[0])):
             lines.append(f"  {self.usage(command)} — {command.summary}")
-        lines.append("Anything else you type is sent to the persona.")
+        lines.append(f"Anything else you type is sent to the persona. {self.prefix}help COMMAND explains one.")
+        return "\n".join(lines)
+
+    @staticmethod
+    def _may_run(command: Command, context: CommandContext) -> bool:
+        return not ((command.admin and not context.is_admin) or (command.bot_admin and not context.is_bot_admin))
+
+    def _explain(self, topic: str, commands: Sequence[Command]) -> str:
+        """``!help memory remember``: the command (or every command of a group) with what each part means."""
+        found = [c for c in commands if c.name == topic or c.name.startswith(topic + " ")]
+        if not found:
+            names = sorted({c.name for c in commands} | {c.name.split(" ")[0] for c in commands})
+            near = difflib.get_close_matches(topic, names, n=1)
+            return (f"No command {shown(self.prefix + topic, 40)}"
+                    + (f" (did you mean {self.prefix}{near[0]}?)" if near else "") + f". Type {self.prefix}help.")
+        lines = []
+        for command in found:
+            lines.append(f"{self.usage(command)} — {command.summary}")
+            lines += [f"    {p.usage} {p.help}" for p in command.params if p.help and not p.menu]
         return "\n".join(lines)
 
 
