@@ -1028,6 +1028,13 @@ def _model_for(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
     return model
 
 
+def _toml_kind(err: Mapping[str, Any]) -> str:
+    got = err.get("input")
+    if isinstance(got, list):
+        return f"[[{'.'.join(map(str, err.get('loc', ())))}]], which makes a list"
+    return {bool: "true or false", int: "a number", float: "a number", str: "a text"}.get(type(got), "a value")
+
+
 def _describe_error(err: Mapping[str, Any], raw: Mapping[str, Any]) -> str:
     loc: tuple[int | str, ...] = tuple(err.get("loc", ()))
     kind = err.get("type", "")
@@ -1041,6 +1048,10 @@ def _describe_error(err: Mapping[str, Any], raw: Mapping[str, Any]) -> str:
         return f"unknown {where}: remove it or fix the spelling ({fix})"
     if kind == "missing":
         return f"missing required {where}: add it"
+    if kind == "model_type":  # a section written as a value or a list ([[llm]], llm = 5): pydantic names its class
+        names = [str(part) for part in loc if not isinstance(part, int)]
+        header = f"[[{'.'.join(names)}]]" if loc and isinstance(loc[-1], int) else f"[{'.'.join(names)}]"
+        return f"{where} must be a table: {header} on a line of its own, its keys below it (not {_toml_kind(err)})"
     got = err.get("input")
     secret = any(isinstance(part, str) and _names_variables(part) for part in loc)  # maybe a secret pasted in
     shown = "" if isinstance(got, Mapping) or got is None or secret else f" (got {got!r})"

@@ -374,3 +374,25 @@ def test_a_skill_schema_with_local_references_and_one_line_headers_is_taken() ->
                                                 "parameters": schema, "headers": {"Accept": "application/json"},
                                                 "headers_env": {"X-Api-Key": "WEATHER_KEY"}}]}})
     assert config.skills.http[0].parameters == schema  # a property named "$ref" is no reference
+
+
+@pytest.mark.parametrize(("toml", "message"), [
+    ('llm = 5\n', "[llm] must be a table: [llm] on a line of its own, its keys below it (not a number)"),
+    ('[[llm]]\nmodel = "x"\n', "[llm] must be a table: [llm] on a line of its own, its keys below it "
+                               "(not [[llm]], which makes a list)"),
+    ('[[personas]]\nname = "Cora"\n[[skills.http]]\n', None),
+    ('web = "yes"\n', "[web] must be a table: [web] on a line of its own, its keys below it (not a text)"),
+])
+def test_a_section_written_as_a_value_or_a_list_says_how_to_write_it(tmp_path: Path, toml: str,
+                                                                     message: str | None) -> None:
+    """pydantic's "Input should be a valid dictionary or instance of LLMConfig" named a class of the code."""
+    path = tmp_path / "config.toml"
+    path.write_text(toml, encoding="utf-8")
+    if message is None:  # an empty [[skills.http]] entry: what it lacks is named, no class
+        with pytest.raises(ConfigError) as refused:
+            load_config(path)
+        assert "missing required" in str(refused.value) and "Config" not in str(refused.value)
+        return
+    with pytest.raises(ConfigError) as refused:
+        load_config(path)
+    assert message in str(refused.value) and "Config" not in str(refused.value).removeprefix("config")
