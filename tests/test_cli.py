@@ -135,6 +135,23 @@ def db_rows(tmp_path: Path, sql: str) -> list[tuple]:
     return asyncio.run(fetch())
 
 
+def test_chat_sh_chats_in_the_folder_it_was_started_from(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """scripts/chat.sh installs into the checkout but chats where it was started: that folder's config.toml is
+    the one picked up, as the README says (it used to change to the checkout and read the config there)."""
+    fake_llm.responder = responder()
+    write_config(tmp_path, fake_llm)
+    env = {**os.environ, "CB_TEST_API_KEY": API_KEY, "OPENBLAS_NUM_THREADS": "1"}
+    env.pop("CORTEXBOT_CONFIG", None)
+    if BIN.parent.parent != Path(__file__).resolve().parent.parent:  # the tests' own venv, wherever it lives
+        env["CORTEXBOT_VENV"] = str(BIN.parent)
+    script = Path(__file__).resolve().parent.parent / "scripts" / "chat.sh"
+    result = subprocess.run(["bash", str(script), "--user", "ann"], input="hello there\n", capture_output=True,
+                            text=True, env=env, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "Cora: echo: hello there" in result.stdout
+    assert (tmp_path / "bot.db").exists()
+
+
 def test_every_subcommand_has_help() -> None:
     for args in ([], ["chat"], ["run"], ["migrate"], ["doctor"]):
         result = cortexbot(*args, "--help")
