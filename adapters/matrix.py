@@ -59,7 +59,15 @@ from nio.api import MATRIX_MEDIA_API_PATH
 from nio.crypto.attachments import decrypt_attachment
 from nio.exceptions import EncryptionError
 
-from adapters.matrix_content import json_object, keep, mentioned, relates_to, reply_target, without_reply_fallback
+from adapters.matrix_content import (
+    home_server,
+    json_object,
+    keep,
+    mentioned,
+    relates_to,
+    reply_target,
+    without_reply_fallback,
+)
 from adapters.matrix_gaps import missed_redactions
 from adapters.matrix_reactions import Reactions
 from bot.app import App
@@ -275,7 +283,7 @@ class MatrixAdapter:
             config.homeserver, config.user_id, store_path=str(self.store),
             config=AsyncClientConfig(encryption_enabled=config.e2ee, store_sync_tokens=False),
         )
-        self.server_name = config.user_id.split(":", 1)[1]
+        self.server_name = home_server(config.user_id)
         self._sent: OrderedDict[str, None] = OrderedDict()  # recent event ids the bot sent
         self._senders: OrderedDict[str, str] = OrderedDict()  # who sent older events replied to (asked once)
         self._redactions: OrderedDict[str, None] = OrderedDict()  # redactions handled (a catch-up meets them again)
@@ -513,7 +521,7 @@ class MatrixAdapter:
 
     async def _consider_invite(self, room: MatrixRoom, inviter: str, direct: bool | None = None) -> None:
         servers = self.config.invite_servers or [self.server_name]
-        allowed = self.config.auto_join and inviter.split(":", 1)[-1] in servers
+        allowed = self.config.auto_join and home_server(inviter) in servers
         access = self.app.config.access
         if f"{PLATFORM}:{inviter}" in access.deny_users or (
             access.allow_users and f"{PLATFORM}:{inviter}" not in access.allow_users
@@ -599,7 +607,7 @@ class MatrixAdapter:
             # A room is Matrix's unit of administration (power levels): its guidelines, settings and skills
             # belong to it, and a room admin is admin of that room only.
             server_id=None if is_dm else room.room_id,
-            author_home=event.sender.split(":", 1)[-1],
+            author_home=home_server(event.sender),
             mentions_bot=bool(mentions_bot),
             reply_to=f"{PLATFORM}-message:{reply_to}" if reply_to else None,
             message_key=MatrixSink.message_key(event.event_id),

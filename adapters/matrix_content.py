@@ -62,3 +62,9 @@ def without_reply_fallback(body: str) -> str:
     if not quoted or quoted == len(lines):
         return body
     return "\n".join(lines[quoted + (lines[quoted] == ""):])
+
+
+def home_server(user_id: str) -> str:
+    """The server part of a Matrix user id (``@ann:example.org`` → ``example.org``): where the user's account
+    lives, which the access lists and the invite rules see as the user's server."""
+    return user_id.split(":", 1)[-1]

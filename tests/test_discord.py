@@ -790,7 +790,8 @@ async def test_the_help_arrives_whole_in_a_few_messages(adapter: DiscordAdapter)
         pieces.append(await dpytest.sent_queue.get())
     assert len(pieces) >= 2 and all(len(m.content) <= 2000 and not m.attachments for m in pieces)
     whole = "\n".join(m.content for m in pieces)
-    assert whole.startswith("Commands:") and whole.endswith("Anything else you type is sent to the persona. !help COMMAND explains one.")
+    assert whole.startswith("Commands:")
+    assert whole.endswith("Anything else you type is sent to the persona. !help COMMAND explains one.")
 
 
 async def test_a_slash_command_missing_its_text_says_where_to_give_it(adapter: DiscordAdapter,

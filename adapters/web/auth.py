@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from adapters.matrix_content import home_server
 from adapters.web.errors import fail
 from bot.config import Config
 from bot.policy import user_refusal
@@ -53,7 +54,7 @@ def home_server_key(user_key: str) -> str | None:
     platform, _, user_id = user_key.partition(":")
     if platform != "matrix" or ":" not in user_id:
         return None
-    return f"matrix:{user_id.split(':', 1)[1]}"
+    return f"matrix:{home_server(user_id)}"
 
 
 def access_refusal(config: Config, user_key: str) -> str | None:
