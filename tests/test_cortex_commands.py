@@ -604,6 +604,15 @@ async def test_a_stored_setting_that_no_longer_validates_falls_back_alone(tmp_pa
         assert caplog.text.count("the stored cortex setting model = 'gpt 4'") == 1
 
 
+async def _two_users_tell_secrets(app: App) -> None:
+    """Ann and Bob each say a secret word 30 times and remember it as an item."""
+    for user, word in (("ann", "xylophonequartz"), ("bob", "marmaladegiraffe")):
+        for i in range(30):
+            await app.core.reply(IncomingMessage("console", f"dm-{user}", user, user.title(),
+                                                 f"my secret {word} number {i}", is_dm=True)).text()
+        await run(app, f"!memory remember {word} is my password", ctx(user))
+
+
 async def test_forget_me_sent_again_after_a_crash_before_the_scrub_leaves_no_trace(tmp_path: Path) -> None:
     """The rows are deleted in one transaction and the files scrubbed after it: a process killed in between
     left the words in the full-text index's old segments, and the forget-me the user sent again found no row
@@ -611,11 +620,7 @@ async def test_forget_me_sent_again_after_a_crash_before_the_scrub_leaves_no_tra
     config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
                            "personas": [{"name": "Cora"}]})
     async with App(config, llm=ScriptedProvider()) as app:
-        for user, word in (("ann", "xylophonequartz"), ("bob", "marmaladegiraffe")):
-            for i in range(30):
-                await app.core.reply(IncomingMessage("console", f"dm-{user}", user, user.title(),
-                                                     f"my secret {word} number {i}", is_dm=True)).text()
-            await run(app, f"!memory remember {word} is my password", ctx(user))
+        await _two_users_tell_secrets(app)
 
         async def killed() -> None:  # the process died right after the commit
             return None
@@ -634,11 +639,7 @@ async def test_a_forget_me_stopped_before_its_scrub_is_scrubbed_at_the_next_star
     whether or not the user sends forget-me again."""
     config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
     async with App(config, llm=ScriptedProvider()) as app:
-        for user, word in (("ann", "xylophonequartz"), ("bob", "marmaladegiraffe")):
-            for i in range(30):
-                await app.core.reply(IncomingMessage("console", f"dm-{user}", user, user.title(),
-                                                     f"my secret {word} number {i}", is_dm=True)).text()
-            await run(app, f"!memory remember {word} is my password", ctx(user))
+        await _two_users_tell_secrets(app)
         scrub = app.storage.scrub
 
         async def killed() -> None:  # the process died right after the commit
