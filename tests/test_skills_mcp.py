@@ -102,10 +102,23 @@ async def test_a_servers_tools_are_offered_within_bounds(fake: McpServer) -> Non
 
 
 async def test_env_and_env_from_reach_stdio_server(fake: McpServer) -> None:
-    assert (await fake.call("env", {"name": "TOKEN"})).content == SECRET
+    # The server has the secret (it answers exactly that value), but what it answers is redacted.
+    assert (await fake.call("env", {"name": "TOKEN"})).content == "[redacted]"
     assert (await fake.call("env", {"name": "PLAIN"})).content == "plain"
     # The bot's own environment is not passed on wholesale.
     assert (await fake.call("env", {"name": "CORTEX_TEST_MCP_SECRET"})).content == "<unset>"
+
+
+async def test_a_servers_secrets_never_come_back_from_it(fake: McpServer) -> None:
+    """An MCP server may echo its own token (in a result or an error): that text goes to the model, the
+    audit and the log, so every env_from / headers_env value is replaced; the tools' audits hide it too."""
+    echoed = await fake.call("echo", {"text": f"your key is {SECRET}, and Bearer {SECRET}"})
+    assert echoed == SkillResult("your key is [redacted], and Bearer [redacted]")
+    refused = await fake.call("refuse_with", {"name": "TOKEN"})
+    assert refused.is_error and "the token [redacted] was refused" in refused.content
+    assert SECRET not in refused.content
+    assert all(tool.info.secrets == (SECRET,) for tool in fake.tools)
+    assert (await fake.call("env", {"name": "PLAIN"})).content == "plain"  # config values are not secrets
 
 
 async def test_tool_error_is_an_error_result(fake: McpServer) -> None:
@@ -198,7 +211,9 @@ async def test_http_round_trip(http_server: HttpServer, secret_env: None, caplog
         assert await tools["add"].run({"a": 20, "b": 22}, CONTEXT) == SkillResult("42")
         assert (await server.call("fail", {})).is_error
         assert SECRET not in caplog.text  # the header's value is never logged
-        assert await server.call("header", {"name": "x-api-key"}) == SkillResult(SECRET)
+        # The header reached the server (it answers exactly its value), and the answer is redacted.
+        assert await server.call("header", {"name": "x-api-key"}) == SkillResult("[redacted]")
+        assert await server.call("header", {"name": "host"}) != SkillResult("[redacted]")
     finally:
         await server.aclose()
 

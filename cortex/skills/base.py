@@ -15,6 +15,7 @@ from typing import Any, Literal, Protocol
 from bot.text import storable
 
 Origin = Literal["builtin", "http", "mcp"]
+REDACTED = "[redacted]"
 
 
 def redaction_values(secrets: tuple[str, ...]) -> tuple[str, ...]:
@@ -26,6 +27,13 @@ def redaction_values(secrets: tuple[str, ...]) -> tuple[str, ...]:
         if len(credential.strip()) >= 8:
             values.add(credential.strip())
     return tuple(sorted(values, key=len, reverse=True))
+
+
+def redact(text: str, values: tuple[str, ...]) -> str:
+    """``text`` with each of ``values`` (from :func:`redaction_values`) replaced by ``[redacted]``."""
+    for value in values:
+        text = text.replace(value, REDACTED)
+    return text
 
 
 class SkillFailure(Exception):

@@ -32,7 +32,7 @@ from jsonschema import validators
 from yarl import URL
 
 from bot.config import HttpSkillConfig
-from cortex.skills.base import SkillContext, SkillFailure, SkillInfo, SkillResult, redaction_values
+from cortex.skills.base import SkillContext, SkillFailure, SkillInfo, SkillResult, redact, redaction_values
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,6 @@ ERROR_BODY_CHARS = 300
 _ERROR_BODY_BYTES = 4 * ERROR_BODY_CHARS + 4  # enough for 300 characters of UTF-8
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
-_REDACTED = "[redacted]"
 _MAX_SCHEMA_ERRORS = 5
 
 SessionFactory = Callable[[], aiohttp.ClientSession]
@@ -159,9 +158,7 @@ class HttpSkill:
         return await handler(request)
 
     def _redact(self, text: str) -> str:
-        for value in self._redact_values:
-            text = text.replace(value, _REDACTED)
-        return text
+        return redact(text, self._redact_values)
 
 
 def _new_session(trusted: str | None = None) -> aiohttp.ClientSession:

@@ -47,7 +47,7 @@ from mcp.shared.message import SessionMessage
 from pydantic import ValidationError
 
 from bot.config import McpServerConfig
-from cortex.skills.base import SkillContext, SkillInfo, SkillResult
+from cortex.skills.base import SkillContext, SkillInfo, SkillResult, redact, redaction_values
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +196,7 @@ class McpTool:
             admin_only=config.admin_only,
             triggers=tuple(config.triggers),
             server=config.name,
+            secrets=server.secrets,
             tool=tool.name,
         )
 
@@ -236,10 +237,21 @@ class McpServer:
         self._interruptible: anyio.CancelScope | None = None  # a connect or a backoff wait aclose() may cut
         self._connected_at: float | None = None
         self.last_error = ""  # why the last connection failed or ended ("" while none did)
+        self._secrets: tuple[str, ...] = ()  # env_from / headers_env values, as last read: never shown anywhere
 
     @property
     def name(self) -> str:
         return self.config.name
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """The values of the server's ``env_from`` variables and ``headers_env`` headers (as last read)."""
+        return self._secrets
+
+    def redacted(self, text: str) -> str:
+        """``text`` with every secret of the server replaced: a server may echo its token in a result or
+        an error, and both reach the model, the audit and the log."""
+        return redact(text, redaction_values(self._secrets))
 
     @property
     def up(self) -> bool:
@@ -315,7 +327,7 @@ class McpServer:
             try:
                 await self._connect_and_serve()
             except Exception as exc:  # any failure of the server or its transport
-                reason = _describe_error(exc)
+                reason = self.redacted(_describe_error(exc))
             finally:
                 self._up = False
                 self._fail_queued()
@@ -384,7 +396,8 @@ class McpServer:
         return self._from_environment(self.config.headers_env, "headers_env")
 
     def _from_environment(self, mapping: dict[str, str], field: str) -> dict[str, str]:
-        """``key -> value of the bot's environment variable``; a missing variable is logged by name only."""
+        """``key -> value of the bot's environment variable``; a missing variable is logged by name only.
+        The values read become the server's :attr:`secrets`."""
         values: dict[str, str] = {}
         for key, variable in mapping.items():
             value = os.environ.get(variable)
@@ -393,6 +406,7 @@ class McpServer:
                             self.name, field, key, variable)
             else:
                 values[key] = value
+        self._secrets = tuple(v for v in values.values() if v.strip())
         return values
 
     async def _serve(self, session: ClientSession, watched: _WatchedReadStream) -> None:
@@ -420,7 +434,8 @@ class McpServer:
                     await self._list_tools(session)
                 log.info("mcp server %s: tool list changed: %d tools", self.name, len(self._tools))
             except Exception as exc:
-                log.warning("mcp server %s: listing its tools failed: %s", self.name, _describe_error(exc))
+                log.warning("mcp server %s: listing its tools failed: %s", self.name,
+                            self.redacted(_describe_error(exc)))
 
     async def _keep_pinging(self, session: ClientSession, scope: anyio.CancelScope) -> None:
         while True:
@@ -429,7 +444,8 @@ class McpServer:
                 with anyio.fail_after(self._options.connect_timeout):
                     await session.send_ping()
             except Exception as exc:
-                log.warning("mcp server %s did not answer a ping: %s", self.name, _describe_error(exc))
+                log.warning("mcp server %s did not answer a ping: %s", self.name,
+                            self.redacted(_describe_error(exc)))
                 scope.cancel()
                 return
 
@@ -470,6 +486,11 @@ class McpServer:
                 call.future.set_result(result or self._unreachable())
 
     async def _call_tool(self, session: ClientSession, name: str, arguments: dict[str, Any]) -> SkillResult:
+        result = await self._call_tool_unredacted(session, name, arguments)
+        return SkillResult(self.redacted(result.content), result.is_error, result.changed)
+
+    async def _call_tool_unredacted(self, session: ClientSession, name: str, arguments: dict[str, Any]
+                                    ) -> SkillResult:
         try:
             with anyio.fail_after(self.config.timeout_seconds):
                 result = await session.call_tool(name, arguments)
@@ -481,9 +502,9 @@ class McpServer:
                 return self._unreachable()
             return SkillResult(f"the {self.name} server refused the call: {exc.message}", is_error=True)
         except Exception as exc:  # e.g. a result that fails the tool's output schema
-            log.warning("mcp server %s: calling %s failed: %s", self.name, name, _describe_error(exc))
-            return SkillResult(f"calling {name} on the {self.name} server failed: {_describe_error(exc)}",
-                               is_error=True)
+            described = self.redacted(_describe_error(exc))
+            log.warning("mcp server %s: calling %s failed: %s", self.name, name, described)
+            return SkillResult(f"calling {name} on the {self.name} server failed: {described}", is_error=True)
         text = result_text(result)
         if result.is_error:
             return SkillResult(text or f"the {name} tool failed", is_error=True)

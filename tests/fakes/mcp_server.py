@@ -5,7 +5,8 @@ Runs over stdio (``python tests/fakes/mcp_server.py``) or streamable HTTP on 127
 
 Tools: ``add(a, b)``, ``echo(text)``, ``slow(seconds)`` (sleeps, then answers), ``fail()`` (raises),
 ``crash()`` (kills the process at once with ``os._exit``), ``pid()`` (the server's process id),
-``env(name)`` (a variable of the server's environment), ``header(name)`` (a header of the HTTP request),
+``env(name)`` (a variable of the server's environment), ``refuse_with(name)`` (an
+error quoting one), ``header(name)`` (a header of the HTTP request),
 ``picture()`` (a text part and an image part), ``grow()`` (adds the tool ``extra`` and sends
 ``notifications/tools/list_changed``), ``rambling()`` (a description of 5,000 characters that tries to
 instruct the model) and ``sprawling(text)`` (an input schema of about 10,000 characters); with ``--tools N``
@@ -68,6 +69,12 @@ def pid() -> int:
 def env(name: str) -> str:
     """A variable of the server's environment ("<unset>" when missing)."""
     return os.environ.get(name, "<unset>")
+
+
+@server.tool()
+def refuse_with(name: str) -> str:
+    """Fails with an error that quotes a variable of the server's environment (as a careless API does)."""
+    raise ToolError(f"the token {os.environ.get(name, '<unset>')} was refused")
 
 
 @server.tool()
