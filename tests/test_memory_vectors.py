@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import cortex.memory.embedding as embedding_module
 import cortex.memory.vectors as vectors_module
 from bot.app import App
 from bot.config import parse_config
@@ -127,6 +129,48 @@ async def test_a_message_is_embedded_with_the_one_it_answers(tmp_path: Path) -> 
         assert answer_in_room.startswith("Ann: unrelated") and len(answer_in_room) < 260  # context is cut
         rows = await app.storage.db.fetch_all("SELECT DISTINCT model FROM message_vectors")
         assert [r[0] for r in rows] == [f"{embedder.name}|prev-turn"]
+
+
+class Slow(Recording):
+    """Recording, taking ``seconds`` per batch (as a real embedder takes its time on the backfill's thread)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def embed(self, texts):  # type: ignore[no-untyped-def]
+        time.sleep(self.seconds)
+        return super().embed(texts)
+
+
+async def test_the_backfill_embeds_each_message_once_in_overlapping_batches(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """While one batch is embedded the next is read and the last stored: every message is embedded exactly once,
+    each with the one before it, findable by its vector; a run that runs out of time says so and the next run
+    goes on where it stopped."""
+    monkeypatch.setattr(embedding_module, "BATCH", 3)
+    embedder = Slow(0.2)
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}})
+    async with App(config, llm=ScriptedProvider(), embedder=embedder) as app:
+        ann = await app.storage.upsert_user("console:ann", "Ann")
+        dm = await app.storage.upsert_channel("console:dm-ann", "dm", is_dm=True)
+        ids = [await app.storage.add_message(dm.id, ann.id, "Cora", role, name, f"turn{n} about topic{n}", 5)
+               for n, (role, name) in enumerate([("user", "Ann"), ("assistant", "Cora")] * 5)]
+        service = app.cortex.embeddings
+        assert service is not None
+        first = await service.backfill(max_seconds=0.3)
+        assert first.more and 3 <= first.messages < 10, first
+        second = await service.backfill()
+        assert not second.more and first.messages + second.messages == 10
+        said = [t.rsplit("\n", 1)[-1] for t in embedder.texts]
+        assert sorted(said) == sorted(f"{n}: turn{i} about topic{i}" for i, n in enumerate(["Ann", "Cora"] * 5))
+        assert "Ann: turn4 about topic4\nCora: turn5 about topic5" in embedder.texts
+        vectors = await app.storage.db.fetch_one("SELECT count(*) FROM message_vectors")
+        assert vectors is not None and vectors[0] == 10
+        for n in (0, 5, 9):
+            query = embedder.embed([embedder.texts[said.index(f"{['Ann', 'Cora'][n % 2]}: turn{n} about topic{n}")]])
+            found = await service.index.top(("messages", ann.id, "Cora"), query[0], 1)
+            assert list(found) == [ids[n].id]
 
 
 async def test_no_message_vector_keeps_the_words_of_a_forgotten_or_incognito_neighbour(tmp_path: Path) -> None:

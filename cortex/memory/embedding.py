@@ -38,6 +38,7 @@ import numpy.typing as npt
 
 from bot.config import ConfigError, MemoryConfig, read_secret
 from bot.storage.core import Storage
+from bot.storage.engine import Row
 from cortex.memory.background import BACKGROUND, shipped_background
 from cortex.memory.embedders import Embedder, EmbedderError, create_embedder, embed_queries, usable_cores
 from cortex.memory.vectors import CentredFloor, RelevanceFloors, VectorSearch
@@ -45,7 +46,7 @@ from cortex.memory.vectors import CentredFloor, RelevanceFloors, VectorSearch
 log = logging.getLogger(__name__)
 Vector = npt.NDArray[np.float32]
 
-BATCH = 64
+BATCH = 256  # texts the backfill reads and embeds at once: the more, the less padding (64: 105 texts/s, 256: 131)
 QUERY_CACHE = 256  # query vectors kept by their text (a prefetched one, a repeated search)
 # What a hit found by meaning alone needs (relevance_floors): its cosine to the query with the embedder's
 # typical directions taken out of both (CentredFloor), for an item and for a past message.
@@ -288,19 +289,14 @@ class EmbeddingService:
         error = ""
         more = False
         try:
-            below: list[int | None] = [None]  # messages: each batch goes on below the last one
-            while True:
-                if time.monotonic() - started >= limit:
-                    more = True
-                    break
+            deadline = started + limit
+            while not (more := time.monotonic() >= deadline):
                 done = await self._item_batch()
-                if not done and self.config.embed_messages:
-                    done = await self._message_batch(below)
-                    messages += done
-                else:
-                    items += done
                 if not done:
                     break
+                items += done
+            if not more and self.config.embed_messages:
+                messages, more = await self._message_batches(deadline)
         except EmbedderError as exc:
             error = str(exc)
             if error != self.last_error:  # a lasting outage is logged once, not every minute
@@ -348,15 +344,39 @@ class EmbeddingService:
             self.index.add(("items", pair_id), [int(rows[n]["id"]) for n in rows_of_pair], vectors[rows_of_pair])
         return len(rows)
 
-    async def _message_batch(self, below: list[int | None]) -> int:
-        rows = await self.storage.memory.messages_to_embed(
-            self.message_model, below[0] if below[0] is not None else 2**62, BATCH)
-        if not rows:
-            return 0
-        below[0] = int(rows[-1]["id"])
-        vectors = await self._embed([
-            message_text(str(r["author_name"]), str(r["text"]), r["before_author"], r["before_text"]) for r in rows
-        ])
+    async def _message_batches(self, deadline: float) -> tuple[int, bool]:
+        """Messages without a vector, newest first, in batches until none is left or ``deadline`` (monotonic)
+        passed: (messages embedded, whether time ran out first). While a batch is embedded on the backfill's
+        thread, the one before it is stored and the next one read, so the database's work overlaps the
+        embedding instead of leaving the cores idle."""
+        done, late = 0, False
+        rows = await self._messages_to_embed(2**62)
+        embedded: tuple[list[Row], Vector] | None = None  # not yet stored
+        while rows:
+            embedding = asyncio.ensure_future(self._embed([
+                message_text(str(r["author_name"]), str(r["text"]), r["before_author"], r["before_text"])
+                for r in rows]))
+            try:
+                late = time.monotonic() >= deadline
+                _, following = await asyncio.gather(
+                    self._store_messages(*embedded) if embedded else asyncio.sleep(0),
+                    self._messages_to_embed(int(rows[-1]["id"])) if not late else asyncio.sleep(0, []))
+                embedded = None
+                embedded = (rows, await embedding)
+            finally:
+                embedding.cancel()  # (done: a no-op) a failure above must not leave it running unawaited
+            done += len(rows)
+            rows = following
+        if embedded:
+            await self._store_messages(*embedded)
+        return done, late
+
+    async def _messages_to_embed(self, below: int) -> list[Row]:
+        return await self.storage.memory.messages_to_embed(self.message_model, below, BATCH)
+
+    async def _store_messages(self, rows: list[Row], vectors: Vector) -> None:
+        """Store a batch's vectors (those whose message, and the one before it, are still there) and add them to
+        the index."""
         await self.storage.memory.ensure_vector_index(int(vectors.shape[1]))
         stored = set(await self.storage.memory.store_message_vectors(
             self.message_model,
@@ -370,7 +390,6 @@ class EmbeddingService:
         for (user_id, persona), rows_of_pair in by_pair.items():
             self.index.add(("messages", user_id, persona), [int(rows[n]["id"]) for n in rows_of_pair],
                            vectors[rows_of_pair])
-        return len(rows)
 
     # -- status ----------------------------------------------------------------------------------
 
