@@ -365,6 +365,34 @@ async def test_a_failing_login_page_logs_no_token(tmp_path: Path, monkeypatch: p
         assert "/login/<token>" in logged and token not in logged and token not in caplog.text, logged
 
 
+async def test_a_malformed_request_logs_one_line_without_its_token(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """aiohttp logged each request it could not parse at ERROR with a traceback quoting the line it failed on: a
+    login link's token, or a header's value (a session cookie), with it, and ten lines per garbage request. Now
+    one line at INFO saying what was wrong, nothing of the request quoted."""
+    async with running_bot(tmp_path) as bot:
+        link, token = await bot.link("ann")
+        path = urlsplit(link).path.encode()
+        host, port = urlsplit(bot.url).hostname, urlsplit(bot.url).port
+        garbage = (b"GET " + path + b" HTTP/9.9\r\nHost: x\r\n\r\n",  # unsupported version
+                   b"G@T " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n",  # invalid method
+                   b"GET " + path + b"\x01 HTTP/1.1\r\nHost: x\r\n\r\n",  # invalid character in the path
+                   b"GET " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Length: " + token.encode() + b"\r\n\r\n")
+        with caplog.at_level(logging.DEBUG, logger="aiohttp"):
+            for raw in garbage:
+                reader, writer = await asyncio.open_connection(host, port)
+                writer.write(raw)
+                assert (await asyncio.wait_for(reader.read(100), 10)).startswith(b"HTTP/1.0 400"), raw
+                writer.close()
+            await asyncio.sleep(0.1)
+        served = [r for r in caplog.records if r.name == "aiohttp.server"]
+        assert len(served) == len(garbage), [r.getMessage() for r in served]
+        assert all(r.levelno == logging.INFO and r.exc_info is None for r in served)
+        assert all(r.getMessage().startswith("malformed request") for r in served)
+        assert token not in caplog.text and "/login" not in caplog.text, caplog.text
+        assert "Invalid method" in caplog.text and "Content-Length" in caplog.text
+
+
 # -- 8: links in memory are text ---------------------------------------------------------------------
 
 

@@ -105,6 +105,37 @@ def loggable_path(path: str) -> str:
     return LOGIN_TOKEN.sub("/login/<token>", path)
 
 
+LOGIN_TOKEN_IN_TEXT = re.compile(r"/login/[^/?#\s'\"]+", re.IGNORECASE)  # ends where a quoted request line does
+
+
+class MalformedRequests(logging.Filter):
+    """aiohttp logs every request it cannot parse at ERROR, with a traceback that quotes the raw line it failed
+    on: a login link's token or a session cookie with it, and ten lines per request for anyone who sends garbage.
+    Such a request is the client's fault (it got its 400): one line at INFO saying what was wrong, without the
+    quoted line or a traceback. Any other record of the logger keeps its level, login tokens hidden."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            lines = [line.strip() for line in str(exc.message).splitlines() if line.strip()]
+            detail = lines[0].rstrip(":") if lines else type(exc).__name__  # (the next lines quote the request)
+            record.msg, record.args = "malformed request (%s): %s", (record.getMessage(), detail)
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info = record.exc_text = None
+        message = record.getMessage()
+        hidden = LOGIN_TOKEN_IN_TEXT.sub("/login/<token>", message)
+        if hidden != message:
+            record.msg, record.args = hidden, ()
+        return True
+
+
+def quiet_malformed_requests() -> None:
+    """Install :class:`MalformedRequests` on aiohttp's server logger (once)."""
+    logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, MalformedRequests) for f in logger.filters):
+        logger.addFilter(MalformedRequests())
+
+
 @web.middleware
 async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Bad input is a 4xx with a JSON message; nothing a client sends produces a 500 with a traceback."""
@@ -217,6 +248,7 @@ class WebServer:
 
     async def _serve(self, application: web.Application, host: str, port: int, *, what: str = "the web page",
                      keys: str = "host/port") -> str:
+        quiet_malformed_requests()
         runner = web.AppRunner(application, access_log=None)
         await runner.setup()
         self._runners.append(runner)
