@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -53,7 +54,8 @@ from cortex.update import CortexUpdater
 
 MAX_INLINE_CHARS = 6000
 CONFIRM_WORD = "confirm"
-IMPORT_CLAIM_SECONDS = 3600.0  # an import marked as running longer than this is one whose process died
+IMPORT_RENEW_SECONDS = 20.0  # a running import renews its mark this often
+IMPORT_CLAIM_SECONDS = 90.0  # a mark not renewed for this long is an import whose process died
 
 log = logging.getLogger(__name__)
 
@@ -265,9 +267,11 @@ class CortexCommands:
         if user.key in self._importing:  # a resent command: both would find nothing there yet, and write twice
             raise busy
         token, now = uuid.uuid4().hex, time.time()
-        if not await self.store.storage.export.claim_import(user.key, token, now, now - IMPORT_CLAIM_SECONDS):
-            raise busy  # sent to another process sharing the database (another shard, the terminal)
+        exports = self.store.storage.export
+        if not await exports.claim_import(user.key, token, now, now - IMPORT_CLAIM_SECONDS):
+            raise await self._busy_elsewhere(user.key)  # sent to another process sharing the database
         self._importing.add(user.key)
+        renewing = asyncio.create_task(self._renew_import(user.key, token))
         try:
             data = await asyncio.to_thread(read_archive, blob)  # a large archive must not stall the replies
             limits = ImportLimits(self.config.memory.max_item_chars, self.config.bot.max_message_chars,
@@ -277,8 +281,9 @@ class CortexCommands:
         except ArchiveError as exc:
             raise CommandError(str(exc)) from None
         finally:
+            renewing.cancel()
             self._importing.discard(user.key)
-            await self.store.storage.export.release_import(user.key, token)
+            await exports.release_import(user.key, token)
         text = report.line()
         if (report.items or report.messages) and self.embedding_backlog is not None:
             try:
@@ -286,6 +291,24 @@ class CortexCommands:
             except Exception:  # the import is done: a status that cannot be read must not say otherwise
                 log.exception("could not read the embedding backlog after an import")
         return CommandReply(text, private=True)
+
+    async def _renew_import(self, user_key: str, token: str) -> None:
+        """Renew the import's mark while it runs, so that a process that dies mid-import blocks the user's next
+        import for ``IMPORT_CLAIM_SECONDS`` at most (a failed renewal is retried at the next beat)."""
+        while True:
+            await asyncio.sleep(IMPORT_RENEW_SECONDS)
+            try:
+                await self.store.storage.export.renew_import(user_key, token, time.time())
+            except Exception:
+                log.warning("could not renew the mark of %s's running import", user_key, exc_info=True)
+
+    async def _busy_elsewhere(self, user_key: str) -> CommandError:
+        """Another process runs an import of the user's, or ran one and stopped: then when to try again."""
+        marked = await self.store.storage.export.import_marked_at(user_key)
+        wait = IMPORT_CLAIM_SECONDS if marked is None else max(marked + IMPORT_CLAIM_SECONDS - time.time(), 1.0)
+        return CommandError("an import of yours is still running (sent before, perhaps where another of the bot's "
+                            "processes answers); wait for its answer. If none comes (the bot restarted meanwhile), "
+                            f"send the import again in {math.ceil(wait)} s.")
 
     async def _dm_channel(self, ctx: CommandContext) -> Channel | None:
         """The direct-message channel a command was sent in (made if new), or None outside one."""

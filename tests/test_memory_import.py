@@ -432,6 +432,44 @@ async def test_an_import_sent_twice_at_once_writes_once(tmp_path: Path) -> None:
         assert len(await app.storage.db.fetch_all("SELECT id FROM memory_items")) == 20
 
 
+async def test_an_import_left_running_by_a_dead_process_blocks_briefly_and_says_when(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An import marks itself as running for every process of the bot and renews the mark while it runs; a mark
+    its process left behind (killed mid-import) blocked that user's imports for an hour without saying why. Now
+    it is taken over once not renewed for a minute and a half, and the refusal says when to try again."""
+    import time
+
+    import cortex.commands as commands
+    from cortex.importing import Importer
+
+    archive = _archive("ann", personas=[{"persona": "Cora", "memory_items": [
+        {"category": "fact", "content": "Ann grows figs", "importance": 5, "created_at": 1_700_000_000}]}])
+    async with App(_config(tmp_path / "bot"), llm=ScriptedProvider()) as app:
+        exports = app.storage.export
+        assert await exports.claim_import("discord:ann", "dead-process", time.time() - 30, 0)
+        refused = await run(app, "!memory import", ctx("ann", archive))
+        assert "still running" in refused and "send the import again in 6" in refused, refused  # ~60 s left
+        # The mark made older (as if 100 s without renewal): the import takes it over.
+        assert await exports.claim_import("discord:ann", "dead-process", time.time() - 100, time.time())
+        assert (await run(app, "!memory import", ctx("ann", archive))).startswith("Imported 1 memory item")
+        assert await exports.import_marked_at("discord:ann") is None  # released when done
+
+        # While an import runs its mark is renewed, so a long import is never taken over.
+        monkeypatch.setattr(commands, "IMPORT_RENEW_SECONDS", 0.05)
+        original = Importer.run
+        marks: list[float | None] = []
+
+        async def slow(self: Importer, *args: object) -> object:
+            for _ in range(3):
+                marks.append(await exports.import_marked_at("discord:ann"))
+                await asyncio.sleep(0.15)
+            return await original(self, *args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(Importer, "run", slow)
+        assert "Imported" in await run(app, "!memory import", ctx("ann", archive))
+        assert all(m is not None for m in marks) and marks[0] < marks[1] < marks[2], marks  # type: ignore[operator]
+
+
 async def test_old_imported_messages_never_read_as_the_latest_exchange(tmp_path: Path) -> None:
     """The window reads a channel by id: 2023's messages imported after today's came last, as if they were
     what was just said. They go into a companion channel, found by recall, shown by no window."""

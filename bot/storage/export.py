@@ -81,6 +81,17 @@ class ExportRepository:
             (import_claim_key(user_key), token, now, stale_before))
         return row is not None
 
+    async def renew_import(self, user_key: str, token: str, now: float) -> bool:
+        """Keep a running import's mark fresh (its process is alive); False when the mark is no longer ours."""
+        row = await self.db.write_one("UPDATE settings SET updated_at = ? WHERE key = ? AND value = ? RETURNING key",
+                                      (now, import_claim_key(user_key), token))
+        return row is not None
+
+    async def import_marked_at(self, user_key: str) -> float | None:
+        """When the mark of the user's running import was last renewed (None: no import runs)."""
+        row = await self.db.fetch_one("SELECT updated_at FROM settings WHERE key = ?", (import_claim_key(user_key),))
+        return float(row[0]) if row else None
+
     async def release_import(self, user_key: str, token: str) -> None:
         await self.db.write("DELETE FROM settings WHERE key = ? AND value = ?", (import_claim_key(user_key), token))
 
