@@ -6,6 +6,9 @@ by the same rules as the chat adapters use for commands.
 * Matrix: a group room is the "server" (key ``matrix:<room id>``); a user administers it when their power
   level there is at least ``admin_power_level`` (room creators count as 100), or is a configured admin id.
   Direct rooms administer nothing (everyone has power 100 in their own).
+* Discord with shards split over processes (``shard_ids``): a guild of another process's shards is asked
+  from Discord (the guild, then the member), so its admins are admins on any process's web page; the list
+  of a user's servers holds this process's guilds only.
 * Discord in more than ``FETCH_GUILDS`` servers lists a user's servers from its member cache only
   (asking Discord about every one would take too long); ``is_admin`` asks Discord when the member is not
   in the cache, or always when the bot lacks the members intent (its cache is then not kept current), and
@@ -86,6 +89,8 @@ class DiscordAdminDirectory:
         self._unanswered = 0  # lookups Discord failed to answer (a list made meanwhile is not kept)
         # (guild id, user id) -> (when asked, the REST lookup's answer); concurrent askers share one lookup
         self._answers: dict[tuple[int, int], tuple[float, asyncio.Future[bool]]] = {}
+        # guild id -> (when asked, the guild as Discord answers): guilds of other processes' shards
+        self._guilds: dict[int, tuple[float, asyncio.Future[Any]]] = {}
 
     @property
     def _cache_is_current(self) -> bool:
@@ -127,9 +132,42 @@ class DiscordAdminDirectory:
         if user_id is None or guild_id is None:
             return False
         guild = self.client.get_guild(guild_id)
+        if guild is None and self._on_other_shards(guild_id):
+            guild = await self._fetched_guild(guild_id)
         if guild is None:  # the bot is not in it (or not connected): nobody administers it through the bot
             return False
         return user_id in self.config.admin_ids or await self._guild_admin(guild, user_id)
+
+    def _on_other_shards(self, guild_id: int) -> bool:
+        """Whether the guild belongs to a shard this process does not run (a fleet splits the shards: the web
+        page's process knows only its own shards' guilds, and asks Discord about the others)."""
+        shard_ids, count = getattr(self.client, "shard_ids", None), getattr(self.client, "shard_count", None)
+        if not shard_ids or not count:
+            return False
+        return (guild_id >> 22) % int(count) not in shard_ids
+
+    async def _fetched_guild(self, guild_id: int) -> Any:
+        """The guild as Discord answers (None: the bot is not in it), asked at most once per ``answer_seconds``."""
+        now = time.monotonic()
+        kept = self._guilds.get(guild_id)
+        if kept is None or now - kept[0] >= self.answer_seconds:
+            if len(self._guilds) >= MAX_ANSWERS:
+                self._guilds.clear()
+            kept = (now, asyncio.ensure_future(self._ask_guild(guild_id)))
+            self._guilds[guild_id] = kept
+        return await asyncio.shield(kept[1])
+
+    async def _ask_guild(self, guild_id: int) -> Any:
+        import discord
+
+        try:
+            return await self.client.fetch_guild(guild_id, with_counts=False)
+        except (discord.NotFound, discord.Forbidden):
+            return None
+        except (discord.HTTPException, OSError, TimeoutError) as exc:
+            log.warning("Discord: could not look up guild %s: %s", guild_id, str(exc) or type(exc).__name__)
+            self._guilds.pop(guild_id, None)  # not kept: the next request asks again
+            return None
 
     async def _fetched_admin(self, guild: Any, user_id: int) -> bool:
         """Whether a member missing from the cache administers ``guild``: asked from Discord at most once per

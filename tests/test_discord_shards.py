@@ -119,6 +119,37 @@ async def test_the_fake_routes_dms_to_shard_0_and_guild_events_by_guild_id(monke
     assert [d.close_code for d in fake.disconnects] == [1000, 1000]
 
 
+async def test_the_web_pages_directory_asks_discord_about_guilds_of_other_shards(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The web page runs in one process of a fleet, whose client holds only its own shards' guilds: admins of a
+    guild on another process's shard got 403 on its pages. Now such a guild and its member are asked from Discord
+    (the real discord.py against the fake REST API), the guild once for several lookups."""
+    from adapters.admin_directory import DiscordAdminDirectory
+
+    with FakeDiscord(shard_count=2) as fake:
+        elsewhere = next(g << 22 for g in range(1, 100) if shard_for(g << 22, 2) == 1)
+        here = next(g << 22 for g in range(1, 100) if shard_for(g << 22, 2) == 0)
+        fake.add_guild(elsewhere, moderators=(501,), members=(502,))
+        monkeypatch.setattr(discord.http.Route, "BASE", fake.api_base)
+        monkeypatch.setattr(discord.gateway.DiscordWebSocket, "DEFAULT_GATEWAY", yarl.URL(fake.gateway_url))
+        client = _recording_client(0, [])
+        run = asyncio.create_task(client.start("token-0"))
+        try:
+            await asyncio.wait_for(client.wait_until_ready(), 10)
+            assert client.get_guild(elsewhere) is None  # not this process's shard
+            directory = DiscordAdminDirectory(client, DiscordConfig(shard_count=2, shard_ids=[0]))
+            assert await directory.is_admin("discord:501", f"discord:{elsewhere}")  # Manage Server by a role
+            assert not await directory.is_admin("discord:502", f"discord:{elsewhere}")  # a member, no role
+            assert not await directory.is_admin("discord:503", f"discord:{elsewhere}")  # not a member
+            assert not await directory.is_admin("discord:501", f"discord:{elsewhere + (2 << 22)}")  # bot not in it
+            assert not await directory.is_admin("discord:501", f"discord:{here}")  # own shard: the cache says no
+            asked = [r.path for r in fake.requests if r.path.startswith("/guilds/")]
+            assert asked.count(f"/guilds/{elsewhere}") == 1 and f"/guilds/{here}" not in asked, asked
+        finally:
+            await client.close()
+            await run
+
+
 def _recording_client(shard: int, into: list[str]) -> discord.AutoShardedClient:
     intents = discord.Intents.default()
     intents.message_content = True

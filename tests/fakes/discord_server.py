@@ -125,11 +125,20 @@ class Dispatched:
     session_id: str
 
 
+MANAGE_GUILD = 1 << 5
+
+
 @dataclass
 class _Guild:
     id: int
     name: str
     channel_ids: tuple[int, ...]
+    moderators: tuple[int, ...] = ()  # members with the role "Moderators" (Manage Server)
+    members: tuple[int, ...] = ()  # members without a role
+
+    @property
+    def moderator_role(self) -> int:
+        return self.id + 2
 
 
 @dataclass
@@ -254,6 +263,8 @@ class FakeDiscord:
         api.post("/channels/{channel_id}/messages")(self._post_message)
         api.patch("/channels/{channel_id}/messages/{message_id}")(self._edit_message)
         api.post("/channels/{channel_id}/typing")(self._typing)
+        api.get("/guilds/{guild_id}")(self._get_guild)
+        api.get("/guilds/{guild_id}/members/{user_id}")(self._get_member)
         api.put("/applications/{app_id}/commands")(self._sync_commands)
         api.put("/applications/{app_id}/guilds/{guild_id}/commands")(self._sync_commands)
         api.post("/interactions/{interaction_id}/{token}/callback")(self._interaction_callback)
@@ -320,9 +331,11 @@ class FakeDiscord:
     def messages_in(self, channel_id: str) -> list[PostedMessage]:
         return [m for m in self.messages if m.channel_id == channel_id]
 
-    def add_guild(self, guild_id: int, *, name: str = "Test server", channel_ids: tuple[int, ...] = ()) -> None:
-        """A guild the bot is in (call before the bot connects); its channels are text channels."""
-        self._guilds[guild_id] = _Guild(guild_id, name, channel_ids or (guild_id + 1,))
+    def add_guild(self, guild_id: int, *, name: str = "Test server", channel_ids: tuple[int, ...] = (),
+                  moderators: tuple[int, ...] = (), members: tuple[int, ...] = ()) -> None:
+        """A guild the bot is in (call before the bot connects); its channels are text channels. ``moderators``
+        hold a role with Manage Server, ``members`` none; REST answers both (``GET /guilds/{id}/members/{id}``)."""
+        self._guilds[guild_id] = _Guild(guild_id, name, channel_ids or (guild_id + 1,), moderators, members)
 
     def wait_until(self, predicate: Callable[[FakeDiscord], object], timeout: float = 10.0) -> None:
         """Block until ``predicate(self)`` is true (re-checked whenever something is recorded)."""
@@ -441,11 +454,13 @@ class FakeDiscord:
     def _guild_payload(self, guild: _Guild) -> dict[str, Any]:
         everyone = {"id": str(guild.id), "name": "@everyone", "permissions": "104324673", "position": 0,
                     "color": 0, "hoist": False, "managed": False, "mentionable": False, "flags": 0}
+        moderators = everyone | {"id": str(guild.moderator_role), "name": "Moderators", "position": 1,
+                                 "permissions": str(104324673 | MANAGE_GUILD)}
         channels = [{"id": str(c), "type": 0, "name": f"channel-{i}", "position": i, "guild_id": str(guild.id),
                      "permission_overwrites": []} for i, c in enumerate(guild.channel_ids)]
         return {
             "id": str(guild.id), "name": guild.name, "owner_id": "1", "unavailable": False, "member_count": 2,
-            "roles": [everyone], "channels": channels, "members": [_member(self.bot_user)], "threads": [],
+            "roles": [everyone, moderators], "channels": channels, "members": [_member(self.bot_user)], "threads": [],
             "stage_instances": [], "emojis": [], "stickers": [], "features": [], "voice_states": [],
             "presences": [], "large": False, "joined_at": _now(),
         }
@@ -473,6 +488,25 @@ class FakeDiscord:
             "bot_public": True, "bot_require_code_grant": False, "owner": _user(1, "owner"),
             "verify_key": "0" * 64, "flags": 0,
         })
+
+    async def _get_guild(self, request: web.Request) -> web.Response:
+        guild = self._guilds.get(int(request.match_info["guild_id"]))
+        if guild is None:
+            return _json({"message": "Unknown Guild", "code": 10004}, 404)
+        payload = self._guild_payload(guild)
+        for gateway_only in ("channels", "members", "threads", "voice_states", "presences", "joined_at"):
+            payload.pop(gateway_only)
+        return _json(payload)
+
+    async def _get_member(self, request: web.Request) -> web.Response:
+        guild = self._guilds.get(int(request.match_info["guild_id"]))
+        user_id = int(request.match_info["user_id"])
+        if guild is None:
+            return _json({"message": "Unknown Guild", "code": 10004}, 404)
+        if user_id not in guild.moderators + guild.members:
+            return _json({"message": "Unknown Member", "code": 10007}, 404)
+        roles = [str(guild.moderator_role)] if user_id in guild.moderators else []
+        return _json(_member(_user(user_id, f"user{user_id}")) | {"roles": roles})
 
     async def _get_user(self, request: web.Request) -> web.Response:
         return _json(_user(int(request.match_info["user_id"]), "user"))
