@@ -24,6 +24,7 @@ from bot.errors import EmptyMessage, MessageTooLong
 from bot.history import HistoryWindow, build_window
 from bot.llm.base import (
     CUT_OFF_CALL,
+    MAX_CALL_ARGUMENT_CHARS,
     ChatMessage,
     Completion,
     LLMProvider,
@@ -33,6 +34,7 @@ from bot.llm.base import (
     ToolCall,
     Usage,
     cut_off_call,
+    sent_back,
 )
 from bot.llm.errors import LLMBadResponse, LLMError, LLMNoAnswer
 from bot.persona import ConfigPersonas, Persona, PersonaSource
@@ -65,6 +67,18 @@ SOUL_BUDGET = 3000  # tokens of soul sections (an imported card may hold far mor
 MAX_REPLY_CHARS = 40_000  # a reply's text shown and stored: ~20 Discord messages (a broken server sent MBs)
 MAX_CALLS_PER_ROUND = 8  # tool calls of one model turn a reply runs; the rest are refused
 CUT_NOTE = "\n\n[… the rest of this reply was cut: it was too long]"
+
+
+def _refusal(call: ToolCall, number_in_turn: int, cut: int) -> str:
+    """Why a call of the model's turn is not run ("": it runs)."""
+    if number_in_turn == cut:
+        return CUT_OFF_CALL
+    if number_in_turn >= MAX_CALLS_PER_ROUND:
+        return f"refused: at most {MAX_CALLS_PER_ROUND} tool calls run per turn"
+    if sent_back(call) is not call:
+        return f"refused: its arguments were {len(call.raw_arguments):,} characters long; at most " \
+               f"{MAX_CALL_ARGUMENT_CHARS:,}"
+    return ""
 
 
 class _Shown:
@@ -321,13 +335,10 @@ class ConversationCore:
             stream.usage = usage  # what the rounds so far cost, counted also when a later one fails
             if last or toolbox is None or not completion.tool_calls or shown.cut:
                 break
-            messages.append(ChatMessage("assistant", completion.text, completion.tool_calls))
+            messages.append(ChatMessage("assistant", completion.text, tuple(map(sent_back, completion.tool_calls))))
             cut = cut_off_call(completion)
             for number_in_turn, call in enumerate(completion.tool_calls):
-                outcome = await self._tool(toolbox, call, stream) if number_in_turn < MAX_CALLS_PER_ROUND \
-                    and number_in_turn != cut else ToolOutcome(
-                        CUT_OFF_CALL if number_in_turn == cut else
-                        f"refused: at most {MAX_CALLS_PER_ROUND} tool calls run per turn", True)
+                outcome = await self._tool(toolbox, call, stream, refused=_refusal(call, number_in_turn, cut))
                 messages.append(ChatMessage("tool", outcome.content, tool_call_id=call.id, is_error=outcome.is_error))
         text = shown.text.strip() if shown.cut else "\n\n".join(t.strip() for t in texts if t.strip())
         stream.rounds = len(texts)
@@ -355,7 +366,10 @@ class ConversationCore:
         ended.append(completion)
 
     @staticmethod
-    async def _tool(toolbox: Toolbox, call: ToolCall, stream: ReplyStream) -> ToolOutcome:
+    async def _tool(toolbox: Toolbox, call: ToolCall, stream: ReplyStream, *, refused: str = "") -> ToolOutcome:
+        """The call run (its status shown first), or ``refused`` with that reason."""
+        if refused:
+            return ToolOutcome(refused, True)
         if stream.on_status is not None:
             await stream.on_status(toolbox.status(call))
         return await toolbox.execute(call)

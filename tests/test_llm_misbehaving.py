@@ -158,3 +158,37 @@ async def test_two_tool_calls_with_one_id_each_get_their_own_result(
             calls = [c["id"] for m in messages if m["role"] == "assistant" for c in m.get("tool_calls") or []]
             results = [m["tool_call_id"] for m in messages if m["role"] == "tool"]
         assert calls == ["dup", "dup-2", "dup-3"] and results == calls
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "openai"])
+async def test_a_tool_call_with_megabytes_of_arguments_is_neither_run_nor_sent_back(
+        tmp_path: Path, fake_llm: FakeLLMServer, provider: str) -> None:
+    """A broken server sent a call with 2 MB of valid JSON arguments: it ran, and the next request (and every
+    later round's) repeated the 2 MB to the model. Now it is refused and left out of what is sent back."""
+    async with App(_config(tmp_path, fake_llm, provider)) as app:
+        huge = {"content": "x" * 2_000_000, "category": "fact"}
+        fake_llm.enqueue(FakeResponse.tool_calls([("c1", "remember", huge), ("c2", "current_time", {})]),
+                         FakeResponse.text("Noted."))
+        assert await app.core.reply(_msg("remember this")).text() == "Noted."
+        follow_up = fake_llm.completion_requests[-1]
+        sent = str(follow_up.body)
+        assert "x" * 1000 not in sent and len(sent) < 100_000, len(sent)
+        results = _tool_results(follow_up.body["messages"], provider)
+        assert results["c1"][1] and results["c1"][0].startswith("refused: its arguments were 2,000,0"), results
+        assert not results["c2"][1] and "refused" not in results["c2"][0], results  # the other call still ran
+        assert not await app.storage.db.fetch_all("SELECT id FROM memory_items")  # nothing remembered
+
+
+def _tool_results(messages: list[dict[str, Any]], provider: str) -> dict[str, tuple[str, bool]]:
+    """Each tool result of a request: call id -> (text, whether it is an error)."""
+    if provider == "openai":  # (the OpenAI format has no error flag: an error's text starts with "Error: ")
+        return {m["tool_call_id"]: (str(m["content"]).removeprefix("Error: "), str(m["content"]).startswith("Error: "))
+                for m in messages if m["role"] == "tool"}
+    found = {}
+    for message in messages:
+        for block in message["content"] if isinstance(message["content"], list) else ():
+            if block["type"] == "tool_result":
+                content = block["content"]
+                text = content if isinstance(content, str) else "".join(part["text"] for part in content)
+                found[block["tool_use_id"]] = (text, bool(block.get("is_error")))
+    return found

@@ -33,6 +33,18 @@ class ToolSpec:
 CUT_OFF_CALL = "refused: your answer reached the output limit while writing this call, so it was cut off and not run."
 
 
+MAX_CALL_ARGUMENT_CHARS = 65_536  # a tool call's arguments longer than this are neither run nor sent back
+
+
+def sent_back(call: ToolCall) -> ToolCall:
+    """The call as the next request repeats it to the model: arguments over :data:`MAX_CALL_ARGUMENT_CHARS`
+    characters are left out (a misbehaving server's megabytes would otherwise be sent with every later round,
+    each time costing their tokens or failing the request)."""
+    if len(call.raw_arguments) <= MAX_CALL_ARGUMENT_CHARS:
+        return call
+    return replace(call, arguments=None, raw_arguments=f"(arguments of {len(call.raw_arguments):,} characters)")
+
+
 def cut_off_call(completion: Completion) -> int:
     """The index of the tool call the output limit cut off (the last one, when it stopped at max_tokens), or -1."""
     return len(completion.tool_calls) - 1 if completion.stop_reason == "max_tokens" else -1
