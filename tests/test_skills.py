@@ -231,6 +231,30 @@ async def test_an_http_skill_answers_and_a_timeout_becomes_a_tool_error(tmp_path
         assert [(a.skill, a.ok) for a in audit] == [("lookup", False), ("lookup", True)]
 
 
+@pytest.mark.both_engines
+async def test_the_daily_limit_holds_for_calls_made_at_once(tmp_path: Path, fake_llm: FakeLLMServer,
+                                                             slow_site: str) -> None:
+    """The limit was checked before a call ran and counted once it had: three replies at once (three chats of
+    one user) each found no call yet and all ran a skill allowed once a day. Each call now counts first."""
+    http = [{"name": "lookup", "description": "Look it up.", "url": slow_site + "/answer", "result_path": "data.answer",
+             "parameters": {"type": "object", "properties": {"wait": {"type": "number"}}}}]
+
+    def respond(request: RecordedRequest) -> FakeResponse:
+        last = request.body["messages"][-1]
+        if isinstance(last["content"], list) and any(b.get("type") == "tool_result" for b in last["content"]):
+            return FakeResponse.text("Done.")
+        return FakeResponse.tool_calls([("c", "lookup", {"wait": 0.5})])
+
+    async with App(_config(tmp_path, fake_llm, http=http, calls_per_user_per_day=1)) as app:
+        fake_llm.responder = respond
+        chats = [IncomingMessage("console", f"dm-ann-{n}", "ann", "Ann", "look it up", is_dm=True) for n in range(3)]
+        assert await asyncio.gather(*(app.core.reply(chat).text() for chat in chats)) == ["Done."] * 3
+        audit = await app.storage.skills.recent("console:ann")
+        assert sorted((a.skill, a.ok) for a in audit) == [("lookup", False), ("lookup", False), ("lookup", True)]
+        refused = [r for r in replies(fake_llm) if "lookup was used 1 times for this person today" in str(r.body)]
+        assert len(refused) == 2
+
+
 @pytest.mark.parametrize("provider", ["anthropic", "openai"])
 async def test_a_tool_result_with_a_lone_surrogate_still_ends_in_a_reply(
         tmp_path: Path, fake_llm: FakeLLMServer, slow_site: str, provider: str) -> None:

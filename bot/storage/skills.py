@@ -37,20 +37,49 @@ class SkillAuditRepository:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    async def record(self, row: SkillExecution) -> None:
-        """Audit one call, unless its user is gone: a reply still running while they asked to be forgotten
-        must not write their words back. PostgreSQL: the user's row is read locked, so a forget-me in
-        progress (which locks it first) is waited for."""
+    def _insert(self, row: SkillExecution) -> tuple[str, tuple[object, ...]]:
+        """The row's INSERT (RETURNING its id), only while its user exists: a reply still running while they asked
+        to be forgotten must not write their words back. PostgreSQL: the user's row is read locked, so a
+        forget-me in progress (which locks it first) is waited for."""
         lock = " FOR SHARE" if self.db.dialect == "postgres" else ""
+        return (
+            "INSERT INTO skill_executions (skill, persona, user_key, channel_key, server_key, arguments, ok,"
+            " error, duration_ms, triggered_by, created_at) SELECT CAST(? AS TEXT), CAST(? AS TEXT),"
+            " CAST(? AS TEXT), CAST(? AS TEXT), CAST(? AS TEXT), CAST(? AS TEXT), CAST(? AS INTEGER),"
+            " CAST(? AS TEXT), CAST(? AS INTEGER), CAST(? AS TEXT), CAST(? AS DOUBLE PRECISION)"
+            f" WHERE EXISTS (SELECT 1 FROM users WHERE key = ?{lock}) RETURNING id",
+            (row.skill, row.persona, row.user_key, row.channel_key, row.server_key, row.arguments, int(row.ok),
+             row.error, row.duration_ms, row.triggered_by, row.created_at, row.user_key))
+
+    async def record(self, row: SkillExecution) -> None:
+        """Audit one call (unless its user is gone, see :meth:`_insert`)."""
+        sql, params = self._insert(row)
         async with self.db.transaction() as tx:
-            await tx.execute(
-                "INSERT INTO skill_executions (skill, persona, user_key, channel_key, server_key, arguments, ok,"
-                " error, duration_ms, triggered_by, created_at) SELECT CAST(? AS TEXT), CAST(? AS TEXT),"
-                " CAST(? AS TEXT), CAST(? AS TEXT), CAST(? AS TEXT), CAST(? AS TEXT), CAST(? AS INTEGER),"
-                " CAST(? AS TEXT), CAST(? AS INTEGER), CAST(? AS TEXT), CAST(? AS DOUBLE PRECISION)"
-                f" WHERE EXISTS (SELECT 1 FROM users WHERE key = ?{lock})",
-                (row.skill, row.persona, row.user_key, row.channel_key, row.server_key, row.arguments, int(row.ok),
-                 row.error, row.duration_ms, row.triggered_by, row.created_at, row.user_key))
+            await tx.fetch_one(sql, params)
+
+    async def reserve(self, row: SkillExecution, since: float, limit: int) -> int | None:
+        """Count a call against its user's daily limit before it runs: ``row`` (the call as not finished) is
+        written only while the user made fewer than ``limit`` calls of the skill since ``since``. Its id for
+        :meth:`finish`; 0 when the user is gone (nothing written); None at the limit. Concurrent calls (two
+        replies, two processes) are counted one after the other: SQLite's write lock, on PostgreSQL an
+        advisory lock on the user and skill."""
+        async with self.db.transaction() as tx:
+            if self.db.dialect == "postgres":
+                await tx.execute("SELECT pg_advisory_xact_lock(hashtextextended(CAST(? AS TEXT), 0))",
+                                 (f"skill-limit:{row.user_key}:{row.skill}",))
+            made = await tx.fetch_one(
+                "SELECT COUNT(*) FROM skill_executions WHERE user_key = ? AND skill = ? AND created_at >= ?",
+                (row.user_key, row.skill, since))
+            if made is not None and int(made[0]) >= limit:
+                return None
+            inserted = await tx.fetch_one(*self._insert(row))
+        return int(inserted[0]) if inserted else 0
+
+    async def finish(self, execution_id: int, arguments: str, ok: bool, error: str, duration_ms: int) -> None:
+        """Complete a reserved call's row (gone when its user was forgotten meanwhile: then nothing is written)."""
+        await self.db.write(
+            "UPDATE skill_executions SET arguments = ?, ok = ?, error = ?, duration_ms = ? WHERE id = ?",
+            (arguments, int(ok), error, duration_ms, execution_id))
 
     async def calls_since(self, user_key: str, skill: str, since: float) -> int:
         row = await self.db.fetch_one(

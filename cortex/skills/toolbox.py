@@ -99,12 +99,31 @@ class SkillToolbox:
             named = call.name[:80]  # as the model sent it, cut: it goes back into the next request
             return ToolOutcome(f"there is no tool {named!r} here; the tools are {', '.join(self.skills)}", True)
         started = time.monotonic()
-        result = await self._run(skill, call)
+        reserved = await self._reserve(skill, call)
+        result = await self._run(skill, call) if reserved is not None else SkillResult(
+            f"{call.name} was used {self.config.calls_per_user_per_day} times for this person today; that is the "
+            "limit. Answer without it.", True)
         cap = self.config.result_max_chars
         content = result.content if len(result.content) <= cap else (
             result.content[:cap] + f"\n[… cut: the result had {len(result.content):,} characters]")
-        await self._audit(skill, call, result, int((time.monotonic() - started) * 1000))
+        await self._audit(skill, call, result, int((time.monotonic() - started) * 1000), reserved or 0)
         return ToolOutcome(content, result.is_error)
+
+    async def _reserve(self, skill: Skill, call: ToolCall) -> int | None:
+        """With a daily limit, the call counted before it runs (parallel calls cannot all pass the same check):
+        its audit row's id, 0 when nothing was reserved (no limit, a call that will be refused anyway, a
+        database error: then it is audited after it ran), None at the limit."""
+        limit = self.config.calls_per_user_per_day
+        if not limit or call.arguments is None or not admitted(
+                skill.info, is_admin=self.context.is_admin, is_bot_admin=self.context.is_bot_admin):
+            return 0
+        since = self.context.now.timestamp() - DAY
+        try:  # by key: an MCP tool renamed by a clash counts on
+            return await self.storage.skills.reserve(self._row(skill, call, SkillResult("did not finish", True), 0),
+                                                     since, limit)
+        except Exception:
+            log.exception("could not count a call of skill %s against the daily limit", call.name)
+            return 0
 
     async def _run(self, skill: Skill, call: ToolCall) -> SkillResult:
         if call.arguments is None:
@@ -112,11 +131,6 @@ class SkillToolbox:
         if not admitted(skill.info, is_admin=self.context.is_admin, is_bot_admin=self.context.is_bot_admin):
             # (also checked when offered: never trust the model)
             return SkillResult(f"{call.name} is for admins only; the person you answer is not one", True)
-        limit = self.config.calls_per_user_per_day
-        if limit and await self.storage.skills.calls_since(  # by key: an MCP tool renamed by a clash counts on
-                self.context.user_key, skill.info.key, self.context.now.timestamp() - DAY) >= limit:
-            return SkillResult(f"{call.name} was used {limit} times for this person today; that is the limit. "
-                               "Answer without it.", True)
         timeout = None if skill.info.origin != "builtin" else BUILTIN_TIMEOUT
         try:
             return await asyncio.wait_for(skill.run(call.arguments, self.context), timeout)
@@ -128,16 +142,23 @@ class SkillToolbox:
             log.exception("skill %s failed unexpectedly", call.name)
             return SkillResult(f"{call.name} failed because of an internal error; answer without it", True)
 
-    async def _audit(self, skill: Skill, call: ToolCall, result: SkillResult, duration_ms: int) -> None:
+    def _row(self, skill: Skill, call: ToolCall, result: SkillResult, duration_ms: int) -> SkillExecution:
         ctx = self.context
-        row = SkillExecution(
+        return SkillExecution(
             skill.info.key, ctx.persona, ctx.user_key, ctx.channel_key, ctx.server_key or "",
             INCOGNITO_ARGUMENTS if self.incognito else sanitised(
                 call.arguments if call.arguments is not None else call.raw_arguments[:500], skill.info.secrets),
             not result.is_error, result.content[:300] if result.is_error and not self.incognito else "", duration_ms,
             "model", time.time())
+
+    async def _audit(self, skill: Skill, call: ToolCall, result: SkillResult, duration_ms: int, reserved: int
+                     ) -> None:
+        row = self._row(skill, call, result, duration_ms)
         try:
-            await self.storage.skills.record(row)
+            if reserved:
+                await self.storage.skills.finish(reserved, row.arguments, row.ok, row.error, duration_ms)
+            else:
+                await self.storage.skills.record(row)
         except Exception:  # the audit must not cost the reply
             log.exception("could not record the execution of skill %s", call.name)
 
