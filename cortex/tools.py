@@ -78,6 +78,8 @@ class CortexTools:
     # The version of each file the model last read or saved (at first: as the update found it): a save lands
     # only while it is still the newest, so an edit made during the update is never overwritten unseen.
     seen: dict[str, int] = field(default_factory=dict)
+    # Saves of each file by the earlier attempts of the same job (a retry after a 529 keeps the write limit).
+    earlier_writes: dict[str, int] = field(default_factory=dict)
 
     async def execute(self, call: ToolCall) -> ToolOutcome:
         """The outcome of one tool call; never an exception (a bug in one call must not end the update)."""
@@ -125,7 +127,7 @@ class CortexTools:
         return ToolOutcome(current.content if current else "")
 
     async def _write(self, filename: str, content: str) -> ToolOutcome:
-        if self.files_written.count(filename) >= MAX_WRITES_PER_FILE:
+        if self.files_written.count(filename) + self.earlier_writes.get(filename, 0) >= MAX_WRITES_PER_FILE:
             return ToolOutcome(
                 f"refused: {filename} was already saved {MAX_WRITES_PER_FILE} times in this update; that is the "
                 "limit. Nothing was saved. Finish the update.", True)

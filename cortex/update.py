@@ -30,7 +30,7 @@ from cortex.memory.store import MemoryStore
 from cortex.memory.tools import MEMORY_TOOLS, MemoryTools
 from cortex.prompts import conversation_message, system_prompt
 from cortex.settings import SettingsResolver
-from cortex.store import CortexStore, Pair, RunStatus
+from cortex.store import CortexStore, FileVersion, Pair, RunStatus
 from cortex.tiers import tier_stage
 from cortex.tools import TOOLS, CortexTools, ToolOutcome
 
@@ -136,11 +136,7 @@ class CortexUpdater:
             return Outcome("skipped", reason, await self.store.record_skip(pair.id, job_id, tier, reason))
         current = await self.files.ensure(pair, persona.language, user.display_name)
         run_id = await self.store.start_run(pair.id, job_id, tier)
-        memory_tools = MemoryTools(self.memory, pair.id, run_id) if self.memory is not None else None
-        if memory_tools is not None and job_id is not None:
-            await memory_tools.count_earlier([r for r in await self.store.job_runs(pair.id, job_id) if r != run_id])
-        tools = CortexTools(self.files, pair, tier, run_id, settings.file_max_chars, memory_tools,
-                            seen={name: version.version for name, version in current.items()})
+        tools = await self._tools(pair, tier, run_id, settings, current, job_id)
         started = time.monotonic()
         totals = [0, 0, 0]  # rounds, input tokens, output tokens
         try:
@@ -162,6 +158,25 @@ class CortexUpdater:
             run_id, pair.id, tier, status, totals[0], len(set(tools.files_written)), totals[1], totals[2],
         )
         return Outcome(status, reason, run_id)
+
+    async def _tools(self, pair: Pair, tier: str, run_id: int, settings: CortexConfig,
+                     current: dict[str, FileVersion], job_id: int | None) -> CortexTools:
+        """The run's tools. The earlier attempts of a retried job count: their saves against the write limits,
+        and the shrink guard measures a file they saved against the file as the job found it (else each attempt
+        after a 529 or a time-out could keep half of what the one before left)."""
+        earlier = [r for r in await self.store.job_runs(pair.id, job_id) if r != run_id] if job_id is not None else []
+        memory_tools = MemoryTools(self.memory, pair.id, run_id) if self.memory is not None else None
+        if memory_tools is not None and earlier:
+            await memory_tools.count_earlier(earlier)
+        tools = CortexTools(self.files, pair, tier, run_id, settings.file_max_chars, memory_tools,
+                            seen={name: version.version for name, version in current.items()})
+        for saved in await self.store.versions_of_runs(pair.id, earlier):
+            tools.earlier_writes[saved.filename] = tools.earlier_writes.get(saved.filename, 0) + 1
+            # (only while the job's save is still the newest: a person's edit since is the new starting point)
+            if saved.filename not in tools.started_with and current[saved.filename].run_id in earlier:
+                found = await self.store.version(pair.id, saved.filename, saved.version - 1)
+                tools.started_with[saved.filename] = found.content if found is not None else ""
+        return tools
 
     async def _failed(self, exc: LLMError, tools: CortexTools, totals: list[int], started: float) -> None:
         await self.store.finish_run(

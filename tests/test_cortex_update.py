@@ -637,3 +637,34 @@ async def test_concurrent_updates_reserve_their_answers_too(tmp_path: Path, fake
                    in o.reason]
         assert len(refused) == 5, [f"{o.status}: {o.reason[:120]}" for o in outcomes if o not in refused]
         assert await app.cortex.store.tokens_since(0) <= 6_000
+
+
+async def test_a_retried_job_cannot_whittle_a_file_down_attempt_by_attempt(app: App, fake_llm: FakeLLMServer) -> None:
+    """Each attempt of a job measured the shrink guard and the write limit afresh: a model that kept 60 % of
+    memory.md and then answered 529 (or timed out) got 60 % of that past the guard at the next attempt, and
+    so on down to nothing over the job's five attempts."""
+    await _talk(app, CONVERSATION)
+    pair = await _pair(app)
+    await app.cortex.files.ensure(pair, "English", "Ann")
+    long_memory = "# Memories\n" + "".join(f"- fact number {i} about Ann's life\n" for i in range(40))
+    await app.cortex.files.edit(pair, "memory.md", long_memory)
+    shorter = long_memory[: int(len(long_memory) * 0.6)]
+    shortest = shorter[: int(len(shorter) * 0.6)]  # 36 % of what the job started from
+    overloaded = FakeResponse.error(529, "Overloaded", error_type="overloaded_error")
+    soul = [FakeResponse.tool_calls([(f"s{n}", "write_file", {"filename": "soul.md", "content": f"# Soul v{n}\n"})])
+            for n in range(6)]
+    fake_llm.enqueue(
+        FakeResponse.tool_calls([("1", "write_file", {"filename": "memory.md", "content": shorter})]),
+        *soul[:3], overloaded,
+        FakeResponse.tool_calls([("2", "write_file", {"filename": "memory.md", "content": shortest})]),
+        *soul[3:], FakeResponse.text("done"),
+    )
+    job = await app.cortex.tiers.request_update(pair, "95", None)
+    assert await app.workers.drain(10)
+    assert (await app.storage.get_job(job.id)).attempts == 2
+    results = [result_text(tool_results(r)[0]) for r in cortex_requests(fake_llm)[1:] if tool_results(r)]
+    assert "would drop most of memory.md" in results[4]
+    assert (await app.cortex.store.current(pair.id, "memory.md")).content == shorter
+    assert [r.startswith("saved soul.md") for r in results[5:8]] == [True, True, False]
+    assert "already saved 5 times in this update" in results[7]
+    assert (await app.cortex.store.current(pair.id, "soul.md")).content == "# Soul v4\n"

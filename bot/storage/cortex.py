@@ -308,6 +308,17 @@ class CortexRepository:
         )
         return [self._version(r) for r in rows]
 
+    async def versions_of_runs(self, pair_id: int, run_ids: Sequence[int]) -> list[FileVersion]:
+        """The versions the update runs ``run_ids`` of the pair saved, oldest first."""
+        if not run_ids:
+            return []
+        marks = ", ".join("?" for _ in run_ids)
+        rows = await self.db.fetch_all(
+            f"SELECT * FROM cortex_versions WHERE pair_id = ? AND run_id IN ({marks}) ORDER BY id",
+            (pair_id, *run_ids),
+        )
+        return [self._version(r) for r in rows]
+
     async def version(self, pair_id: int, filename: str, number: int) -> FileVersion | None:
         row = await self.db.fetch_one(
             "SELECT * FROM cortex_versions WHERE pair_id = ? AND filename = ? AND version = ?",
