@@ -228,6 +228,8 @@ class CortexUpdater:
             # Spending is counted in the database as it happens, so every process (and the next round's
             # check) sees it: two processes cannot each spend a whole daily budget.
             await self.store.record_progress(tools.run_id, totals[0], totals[1], totals[2])
+            if completion.stop_reason == "refused":  # what came is no answer ("I'm sorry, but I…")
+                return "failed", "the provider's content filter stopped the update"
             if not completion.tool_calls:
                 learned = tools.files_written or (tools.memory is not None and tools.memory.written)
                 return "success", "" if learned else "the model found nothing new to record"

@@ -668,3 +668,18 @@ async def test_a_retried_job_cannot_whittle_a_file_down_attempt_by_attempt(app: 
     assert [r.startswith("saved soul.md") for r in results[5:8]] == [True, True, False]
     assert "already saved 5 times in this update" in results[7]
     assert (await app.cortex.store.current(pair.id, "soul.md")).content == "# Soul v4\n"
+
+
+async def test_an_update_the_providers_filter_stopped_is_not_recorded_as_a_success(app: App,
+                                                                                 fake_llm: FakeLLMServer) -> None:
+    """A refusal ends the loop like a final answer: the run was audited as a success in which "the model
+    found nothing new to record", hiding from the stats that no update happened."""
+    await _talk(app, CONVERSATION)
+    pair = await _pair(app)
+    fake_llm.enqueue(FakeResponse.tool_calls([("1", "read_file", {"filename": "memory.md"})]),
+                     FakeResponse.text("I can't help with that.", stop_reason="refusal"))
+    outcome = await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective("Cora")).settings)
+    assert outcome.status == "failed" and "content filter" in outcome.reason
+    run = (await app.cortex.store.runs(pair.id))[0]
+    assert (run.status, run.rounds, run.files_read) == ("failed", 2, ["memory.md"])
+    assert "content filter" in run.reason
