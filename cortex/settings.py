@@ -8,6 +8,7 @@ effective value of every key can always be shown together with where it came fro
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ from cortex.store import CortexStore
 OVERRIDABLE: dict[str, str] = {
     "enabled": "on/off",
     "frequency": "frequent, medium or rare",
-    "tiers": "percentages, e.g. 50,75,95 (or 'none' to use the frequency)",
+    "tiers": "percentages, e.g. 50,75,95 or 50 75 95 (or 'none' to use the frequency)",
     "context_limit": "messages per cycle, e.g. 60",
     "cooldown_seconds": "seconds, e.g. 30",
     "max_rounds": "model calls per update, e.g. 10",
@@ -123,7 +124,7 @@ def parse_value(key: str, text: str) -> Any:
         if key == "tiers":
             if lowered in ("none", "", "[]"):
                 return []
-            return [int(part) for part in raw.replace(" ", "").strip("[]").split(",") if part]
+            return [int(part) for part in re.split(r"[,\s]+", raw.strip("[] ")) if part]  # "50,75" or "50 75"
         if key in ("context_limit", "max_rounds", "daily_token_budget"):
             return int(raw)
         if key == "cooldown_seconds":

@@ -676,3 +676,15 @@ async def test_a_message_taken_back_leaves_the_files_at_the_next_scrub_check(tmp
         assert await storage.get_setting(SCRUB_PENDING) is None
         raw = _database_bytes(tmp_path)
         assert b"hello number 7" in raw and b"quokkaturbine" not in raw
+
+
+@pytest.mark.parametrize(("value", "tiers"), [("5 50", (5, 50)), ("25 50 75", (25, 50, 75)), ("30, 60", (30, 60)),
+                                              ("[40,80]", (40, 80)), ("1 5", (1, 5))])
+async def test_tiers_typed_with_spaces_are_read_as_separate_tiers(tmp_path: Path, value: str,
+                                                                  tiers: tuple[int, ...]) -> None:
+    """Spaces were removed before the value was split at commas: "5 50" was stored as the one tier 550 %
+    (refused as out of range) and "1 5" as 15 %, silently, a tier the admin never asked for."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        answer = (await run(app, f"!cortex settings tiers {value}", ctx(admin=True))).text
+        assert "set to" in answer, answer
+        assert (await app.cortex.resolver.effective("Cora")).settings.tier_percentages() == tiers
