@@ -33,6 +33,7 @@ from bot.tokens import TokenEstimator
 log = logging.getLogger(__name__)
 
 FAILED_BACKOFF_SECONDS = 600.0
+CHARS_PER_TOKEN_AT_MOST = 16  # a summary longer than its token budget times this is too long, uncounted
 JOB_KIND = "summary"
 
 
@@ -231,11 +232,18 @@ class SummaryEngine:
             )
         )
         text = completion.text.strip()
+        # A server that ignores max_tokens can send megabytes: too long whatever its tokens, and neither counted
+        # on the event loop nor stored whole (a rejected version is kept, once per attempt).
+        most = max(budgets.summary_tokens * CHARS_PER_TOKEN_AT_MOST, 4_000)
+        oversized = len(text) > most
+        text = text[:most] if oversized else text
         tokens = self.estimator.count(text)
         covers_from = latest.covers_from_id if latest else evicted[0].id
         covers_to = evicted[-1].id
         reason = ""
-        if not text:
+        if oversized:
+            reason = f"summary too long ({len(completion.text.strip()):,} characters; kept: the first {most:,})"
+        elif not text:
             reason = "empty summary"
         elif completion.stop_reason == "max_tokens":
             reason = "summary cut off at the output limit"

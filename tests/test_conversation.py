@@ -152,7 +152,7 @@ async def test_long_conversation_stays_in_budget_and_writes_versioned_summaries(
 
 @pytest.mark.parametrize(
     "bad, reason",
-    [("", "empty summary"), ("wort " * 400, "too long")],
+    [("", "empty summary"), ("wort " * 400, "too long"), ("w" * 2_000_000, "2,000,000 characters")],
 )
 async def test_bad_summaries_never_replace_the_good_one(tmp_path: Path, bad: str, reason: str) -> None:
     config = _config(tmp_path)
@@ -180,6 +180,7 @@ async def test_bad_summaries_never_replace_the_good_one(tmp_path: Path, bad: str
         assert latest is not None and latest.id == good.id
         rejected = [s for s in await app.storage.list_summaries(channel.id) if s.status == "rejected"]
         assert rejected and all(reason in s.reason for s in rejected)
+        assert all(len(s.text) <= 10_000 for s in rejected)  # a broken server's megabytes are not kept whole
         jobs = await app.storage.list_jobs("failed")
         assert jobs and "SummaryRejected" in jobs[0].last_error
         # the reply prompt still carries the last good summary
