@@ -169,15 +169,24 @@ def check_storage_url(value: str) -> str:
         parts = urlsplit(value)
         if not parts.hostname and "host=" not in parts.query:
             raise ValueError("the postgresql URL names no host: write postgresql://user@host:5432/dbname")
-        try:
-            _ = parts.port
-        except ValueError:
-            raise ValueError("the postgresql URL's port is not a number") from None
+        _check_port(parts.netloc)
         return value
     raise ValueError(
         "use sqlite:////var/lib/cortex/bot.db (four slashes: an absolute path; sqlite:///bot.db is relative to the "
         "folder the bot starts in) or postgresql://user@host:5432/dbname"
     )
+
+
+def _check_port(netloc: str) -> None:
+    """A PostgreSQL URL's port, if it names one, is a number from 1 to 65535 (said so, never with the URL)."""
+    port = netloc.rpartition("@")[2].rpartition("]")[2].partition(":")[2]
+    if not port:
+        return
+    if not port.isascii() or not port.isdigit():
+        raise ValueError("the postgresql URL's port is not a number: write postgresql://user@host:5432/dbname")
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"the postgresql URL's port {int(port)} is out of range: a port is 1 to 65535 "
+                         "(PostgreSQL's own is 5432)")
 
 
 def check_http_url(value: str) -> str:

@@ -396,3 +396,13 @@ def test_a_section_written_as_a_value_or_a_list_says_how_to_write_it(tmp_path: P
     with pytest.raises(ConfigError) as refused:
         load_config(path)
     assert message in str(refused.value) and "Config" not in str(refused.value).removeprefix("config")
+
+
+@pytest.mark.parametrize(("url", "wanted"), [
+    ("postgresql://cortex@db.example.org:99999/cortex", "port 99999 is out of range: a port is 1 to 65535"),
+    ("postgresql://cortex@db.example.org:0/cortex", "port 0 is out of range: a port is 1 to 65535"),
+    ("postgresql://cortex@db.example.org:54x2/cortex", "port is not a number"),
+])
+def test_a_storage_urls_bad_port_is_named_as_it_is(url: str, wanted: str) -> None:
+    """A port over 65535 was called "not a number"; port 0 went through to a connection that cannot work."""
+    assert wanted in _error({"storage": {"url": url}})
