@@ -164,6 +164,9 @@ def check_storage_url(value: str) -> str:
         if len(value) == len("sqlite:///"):
             raise ValueError("the sqlite URL names no file: write sqlite:////var/lib/cortex/bot.db (four slashes: "
                              "an absolute path) or sqlite:///bot.db (relative to the folder the bot starts in)")
+        if "?" in value:  # the path is taken as it is written: "?mode=ro" would name a new file
+            raise ValueError("the sqlite URL takes no options (?…): write the file's path alone, e.g. "
+                             "sqlite:////var/lib/cortex/bot.db (the bot always opens it for reading and writing)")
         return value
     if value.startswith(("postgresql://", "postgres://")):
         parts = urlsplit(value)

@@ -406,3 +406,10 @@ def test_a_section_written_as_a_value_or_a_list_says_how_to_write_it(tmp_path: P
 def test_a_storage_urls_bad_port_is_named_as_it_is(url: str, wanted: str) -> None:
     """A port over 65535 was called "not a number"; port 0 went through to a connection that cannot work."""
     assert wanted in _error({"storage": {"url": url}})
+
+
+@pytest.mark.parametrize("url", ["sqlite:///bot.db?mode=ro", "sqlite:////var/lib/cortex/bot.db?cache=shared"])
+def test_a_sqlite_url_with_options_is_refused(url: str) -> None:
+    """``?mode=ro`` became part of the file name: a new, empty database called "bot.db?mode=ro"."""
+    message = _error({"storage": {"url": url}})
+    assert "takes no options" in message and "sqlite:////var/lib/cortex/bot.db" in message
