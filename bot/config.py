@@ -992,8 +992,17 @@ def parse_config(raw: Mapping[str, Any], source: str = "config") -> Config:
     except RecursionError:
         raise ConfigError(f"{source} nests arrays or tables too deeply to be a cortex-bot config") from None
     except ValidationError as exc:
-        lines = [_describe_error(err, raw) for err in exc.errors()]
+        lines = [hide_url_passwords(_describe_error(err, raw)) for err in exc.errors()]
         raise ConfigError(f"{source} has {len(lines)} problem(s):\n" + "\n".join(f"  - {x}" for x in lines)) from None
+
+
+_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^\s:/@'\"]*):[^\s'\"]*@")
+
+
+def hide_url_passwords(text: str) -> str:
+    """``text`` with the password of every URL in it as ``***`` (up to the URL's last "@": a password may hold
+    one unencoded): a refused URL is shown back, but never the secret in it."""
+    return _URL_PASSWORD.sub(r"\1:***@", text)
 
 
 def _location(loc: tuple[int | str, ...]) -> str:

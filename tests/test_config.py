@@ -413,3 +413,20 @@ def test_a_sqlite_url_with_options_is_refused(url: str) -> None:
     """``?mode=ro`` became part of the file name: a new, empty database called "bot.db?mode=ro"."""
     message = _error({"storage": {"url": url}})
     assert "takes no options" in message and "sqlite:////var/lib/cortex/bot.db" in message
+
+
+@pytest.mark.parametrize("url", ["postgresql://cortex:hunter2@db.example.org:5432/cortex",
+                                 "postgresql://cortex:hunter2@db.example.org:99999/cortex",
+                                 "postgres://cortex:hunter2@db.example.org/cortex?sslmode=nope",
+                                 "postgresql://cortex:hunt%40er2@db:54x/cortex",
+                                 "postgresql://cortex:hunt@er2@db.example.org/cortex"])
+def test_a_password_in_a_refused_storage_url_is_never_repeated(url: str) -> None:
+    """The config file's URL was printed back in the refusal ("got 'postgresql://cortex:hunter2@…'"), the very
+    password the message says does not belong there."""
+    message = _error({"storage": {"url": url}})
+    assert "[storage] key 'url'" in message and "hunt" not in message
+
+
+def test_a_password_in_another_refused_url_is_never_repeated() -> None:
+    message = _error({"llm": {"provider": "openai", "base_url": "http://me:hunter2@localhost:port/v1"}})
+    assert "[llm] key 'base_url'" in message and "hunter2" not in message and "me:***@localhost" in message
