@@ -377,7 +377,7 @@ def migrate(ctx: click.Context) -> None:
 @cli.command("copy-data")
 @click.option("--to", "to_url", required=True, metavar="URL",
               help="The database to copy into: postgresql://user@host:5432/dbname or sqlite:////abs/path/bot.db "
-                   "(four slashes: absolute; three: relative to this folder).")
+                   "(four slashes: absolute; three: relative to this folder; its folder must exist).")
 @click.option("--to-password-env", default="", metavar="NAME",
               help="Environment variable holding the target's PostgreSQL password (default: PGPASSWORD).")
 @click.option("--batch", default=1000, show_default=True, type=click.IntRange(1, 100_000),
@@ -424,6 +424,7 @@ async def _copy_data(config: Config, to_url: str, password: str | None, batch: i
     from bot.storage.copy import copy_data
     from bot.storage.sqlite import sqlite_path
 
+    _check_target_folder(to_url)
     url, source_password = config.storage.resolve()
     if url.startswith("sqlite:") and not (path := sqlite_path(url)).exists():  # opening would make an empty one
         raise ConfigError(f"the configured database {path} does not exist: check [storage] url (or --config)")
@@ -443,6 +444,23 @@ async def _copy_data(config: Config, to_url: str, password: str | None, batch: i
             await target.close()
     finally:
         await source.close()
+
+
+def _check_target_folder(to_url: str) -> None:
+    """A SQLite target's folder must be there: opening would make every missing folder of a typo in --to (or of
+    a path written with three slashes where four were meant) without a word."""
+    from bot.storage.sqlite import sqlite_path
+
+    if not to_url.startswith("sqlite:"):
+        return
+    path = sqlite_path(to_url)
+    folder = path.absolute().parent
+    if folder.exists():
+        return
+    relative = "" if path.is_absolute() else (
+        f" ({to_url} is relative to this folder; an absolute path takes four slashes: sqlite:////{path})")
+    raise ConfigError(f"the folder {folder} does not exist: create it first (mkdir -p {folder}), or fix --to"
+                      + relative)
 
 
 class _CopyProgress:

@@ -375,3 +375,21 @@ async def test_the_command_refuses_a_missing_source_and_a_running_bot(tmp_path: 
     with pytest.raises(ConfigError, match="a bot is running on the source database .*pid 4242 on host-a"):
         await _copy_data(config, pg_url, None, 100, False)
     assert (await _copy_data(config, pg_url, None, 100, True)).ok
+
+
+async def test_a_sqlite_target_in_a_missing_folder_is_refused_naming_it(source: Storage, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A typo in --to (or three slashes meant as four) made the whole missing folder tree without a word, and
+    the copy went there."""
+    from bot.cli import _copy_data
+    from bot.config import ConfigError, parse_config
+
+    await source.fleet.leave("host-a:1")
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'source.db'}"}})
+    with pytest.raises(ConfigError, match=f"the folder {tmp_path / 'new' / 'dir'} does not exist: create it first"):
+        await _copy_data(config, f"sqlite:///{tmp_path / 'new' / 'dir' / 'copy.db'}", None, 100, False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"sqlite:///var/lib/cortex/copy.db is relative to this folder.*: sqlite:////var/lib/cortex/copy.db"):
+        await _copy_data(config, "sqlite:///var/lib/cortex/copy.db", None, 100, False)
+    assert sorted(os.listdir(tmp_path)) == ["source.db", "source.db-shm", "source.db-wal"]
+    assert (await _copy_data(config, "sqlite:///copy.db", None, 100, False)).ok  # an existing folder is fine
