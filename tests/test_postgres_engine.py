@@ -107,3 +107,22 @@ async def test_every_pooled_connection_searches_vectors_with_iterative_scans(pg_
             assert tuple(row) == ("relaxed_order", "200")  # ... the next use starts afresh
     finally:
         await storage.close()
+
+
+async def test_another_programs_database_is_refused_and_left_untouched(postgres_server: PostgresServer) -> None:
+    """A database holding another program's tables (a typo in the URL, a shared server) failed at the migration
+    with asyncpg's traceback, after the bot had already added its schema_version table and the vector extension."""
+    name = postgres_server.unique_database_name("theirs")
+    url = postgres_server.create_database(name, extensions=())
+    postgres_server.psql("CREATE TABLE users (id serial PRIMARY KEY, email text); CREATE TABLE orders (id int);",
+                         database=name)
+    try:
+        with pytest.raises(StorageError, match=r"not a cortex-bot database: it holds another program's tables "
+                                               r"\(orders, users\)\. It was left untouched"):
+            await open_storage(url)
+        left = postgres_server.psql(
+            "SELECT string_agg(tablename, ',' ORDER BY tablename) FROM pg_tables WHERE schemaname = 'public';"
+            " SELECT count(*) FROM pg_extension WHERE extname = 'vector';", database=name)
+        assert left.split() == ["orders,users", "0"]
+    finally:
+        postgres_server.drop_database(name)

@@ -151,9 +151,11 @@ class PostgresDatabase:
         return self
 
     async def _ensure_vector(self, asyncpg: Any) -> None:
-        """pgvector must exist before the pool's connections register its type."""
+        """pgvector must exist before the pool's connections register its type (in a database that is not
+        another program's: that one is refused first, and left as it is)."""
         conn = await asyncpg.connect(self._dsn, password=self._password, timeout=CONNECT_TIMEOUT)
         try:
+            await self._refuse_foreign(conn)
             if await conn.fetchval("SELECT 1 FROM pg_extension WHERE extname = 'vector'"):
                 return
             if not await conn.fetchval("SELECT 1 FROM pg_available_extensions WHERE name = 'vector'"):
@@ -170,6 +172,15 @@ class PostgresDatabase:
                 pass  # another process created it at the same moment
         finally:
             await conn.close()
+
+    async def _refuse_foreign(self, conn: asyncpg.Connection) -> None:
+        """A schema holding tables but no ``schema_version`` is another program's database (as for SQLite)."""
+        names = [str(r[0]) for r in await conn.fetch(
+            "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() ORDER BY tablename")]
+        if names and "schema_version" not in names:
+            shown = ", ".join(names[:5]) + (", …" if len(names) > 5 else "")
+            raise StorageError(f"{self.url} is not a cortex-bot database: it holds another program's tables "
+                               f"({shown}). It was left untouched; name a new, empty database")
 
     @staticmethod
     async def _init_connection(conn: asyncpg.Connection) -> None:
