@@ -393,3 +393,16 @@ async def test_a_sqlite_target_in_a_missing_folder_is_refused_naming_it(source: 
         await _copy_data(config, "sqlite:///var/lib/cortex/copy.db", None, 100, False)
     assert sorted(os.listdir(tmp_path)) == ["source.db", "source.db-shm", "source.db-wal"]
     assert (await _copy_data(config, "sqlite:///copy.db", None, 100, False)).ok  # an existing folder is fine
+
+
+async def test_a_target_a_bot_was_started_on_before_the_copy_is_refused(source: Storage, pg: Storage) -> None:
+    """The bot started once on the new database (no users, no messages yet, but its personas, souls and settings
+    from the config): the copy went in, kept the target's soul in place of this one's under the same ids and
+    left this one's guidelines out."""
+    await pg.migrate()
+    await pg.upsert_persona("Cora", "en")
+    await pg.personas.put("soul", "1", "identity", "You are someone else.", author="config")
+    with pytest.raises(StorageError, match=r"already holds data \(1 personas, 1 versioned_texts\) of a bot with no "
+                                           r"bot.instance_id"):
+        await copy_data(source, pg)
+    assert await pg.get_setting(INSTANCE_KEY) is None and await pg.get_user("discord:1") is None

@@ -23,8 +23,8 @@ What differs between the engines is handled here:
   are inserted without them and the links are set once every item is there.
 
 A database's bot is named by the settings row ``bot.instance_id`` (a uuid4, made in the source when it
-has none). The copy refuses a target whose id differs, a target without an id that already holds users
-or messages, and a copy of a database onto itself. At the end every table's rows are counted on both
+has none). The copy refuses a target whose id differs, a target without an id that already holds rows
+(a bot started on it, say), and a copy of a database onto itself. At the end every table's rows are counted on both
 sides; a difference is reported, never hidden.
 """
 
@@ -179,13 +179,14 @@ async def _check_target(target: Database, instance: str) -> bool:
             f"{target.url} holds another bot's data (bot.instance_id {row[0]}, this bot's is {instance}): "
             "copy into an empty database, or drop and recreate that one if its data is no longer wanted")
     if row is None:
-        users = await _count(target, "users")
-        messages = await _count(target, "messages")
-        if users or messages:
+        # Any row: a bot started there once holds no users yet, but its personas, souls and settings would stay
+        # in place of this one's under the same ids.
+        held = [f"{n} {table}" for table in TABLES if (n := await _count(target, table))]
+        if held:
             raise StorageError(
-                f"{target.url} already holds data ({users} users, {messages} messages) of a bot with no "
-                "bot.instance_id: copy into an empty database, or drop and recreate that one if its data is no "
-                "longer wanted")
+                f"{target.url} already holds data ({', '.join(held[:6])}{', …' if len(held) > 6 else ''}) of a bot "
+                "with no bot.instance_id (was the bot started on it before the copy?): copy into an empty database, "
+                "or drop and recreate that one if its data is no longer wanted")
     return row is not None
 
 
