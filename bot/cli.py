@@ -314,6 +314,8 @@ async def _fleet_status(config: Config) -> tuple[list[Any], Any]:
     from bot.storage import open_storage
 
     url, password = config.storage.resolve()
+    if (missing := _missing_sqlite(url)) is not None:  # opening would make an empty one
+        raise ConfigError(f"the configured database {missing} does not exist: check [storage] url (or --config)")
     storage = await open_storage(url, password=password, pool_size=2)
     try:
         if await storage.pending_migrations():
@@ -321,6 +323,15 @@ async def _fleet_status(config: Config) -> tuple[list[Any], Any]:
         return await storage.fleet.live_processes(), await storage.fleet.queue_stats()
     finally:
         await storage.close()
+
+
+def _missing_sqlite(url: str) -> Path | None:
+    """The file a SQLite URL names when it does not exist (opening it would make it, and its folders)."""
+    from bot.storage.sqlite import sqlite_path
+
+    if not url.startswith("sqlite:") or (path := sqlite_path(url)).exists():
+        return None
+    return path.absolute()
 
 
 def _print_status(processes: list[Any], queue: Any) -> None:
@@ -422,12 +433,11 @@ async def _copy_data(config: Config, to_url: str, password: str | None, batch: i
                      while_running: bool) -> CopyReport:
     from bot.storage import open_storage
     from bot.storage.copy import copy_data
-    from bot.storage.sqlite import sqlite_path
 
     _check_target_folder(to_url)
     url, source_password = config.storage.resolve()
-    if url.startswith("sqlite:") and not (path := sqlite_path(url)).exists():  # opening would make an empty one
-        raise ConfigError(f"the configured database {path} does not exist: check [storage] url (or --config)")
+    if (missing := _missing_sqlite(url)) is not None:  # opening would make an empty one
+        raise ConfigError(f"the configured database {missing} does not exist: check [storage] url (or --config)")
     source = await open_storage(url, password=source_password, pool_size=2)
     try:
         # (a source without the processes table lacks migrations, which copy_data names in one line)
@@ -703,33 +713,41 @@ def _doctor_personas(config: Config, report: Callable[..., None]) -> None:
     report(True, "personas", ", ".join(p.name for p in config.personas))
 
 
-async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
-    from bot.app import build_provider
+async def _doctor_database(config: Config, report: Callable[..., None]) -> bool:
+    """The database: reachable, writable, migrated, private, its job queue; whether it is ready for the backlog
+    check. A SQLite file that is not there yet is said so, not made."""
     from bot.storage import open_storage
-    from bot.tokens import BPETokenEstimator
 
-    _doctor_adapters(config, report)
-    _doctor_personas(config, report)
     try:
         url, password = config.storage.resolve()
+        if (missing := _missing_sqlite(url)) is not None:
+            report(True, "database", f"{missing} does not exist yet: the bot makes it at its first start (if it "
+                                     "ran before, check [storage] url)")
+            return False
         storage = await open_storage(url, password=password, pool_size=config.storage.pool_size)
         try:
             pending = await storage.pending_migrations()
             await storage.check_writable()
-            report(
-                True,
-                "database",
-                f"{storage.db.url}" + (f" ({len(pending)} migration(s) to apply at start)" if pending else ""),
-            )
+            report(True, "database",
+                   f"{storage.db.url}" + (f" ({len(pending)} migration(s) to apply at start)" if pending else ""))
             _doctor_file_modes(getattr(storage.db, "path", None), report)
             if not pending:
                 await _doctor_queue(storage, report)
         finally:
             await storage.close()
-        database_ready = not pending
+        return not pending
     except Exception as exc:
         report(False, "database", str(exc))
-        database_ready = False
+        return False
+
+
+async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
+    from bot.app import build_provider
+    from bot.tokens import BPETokenEstimator
+
+    _doctor_adapters(config, report)
+    _doctor_personas(config, report)
+    database_ready = await _doctor_database(config, report)
     try:
         BPETokenEstimator().raw_count("probe")
         report(True, "tokenizer", "offline cl100k BPE loaded")

@@ -265,11 +265,29 @@ def test_migrate_names_the_database_it_migrated_and_fails_in_one_line(tmp_path: 
     assert done.returncode == 0 and done.stdout.strip().endswith(f"to sqlite:///{target}"), done.stdout
     assert target.is_file()
     config.write_text('[storage]\nurl = "sqlite:////proc/1/cortexbot-test.db"\n')  # not creatable, even as root
-    for command in ("migrate", "status"):
-        failed = cortexbot("--config", str(config), command)
-        assert failed.returncode == 1 and failed.stdout == ""
-        assert failed.stderr.strip().splitlines() == [
-            "Error: cannot create the database /proc/1/cortexbot-test.db: No such file or directory"], failed.stderr
+    failed = cortexbot("--config", str(config), "migrate")
+    assert failed.returncode == 1 and failed.stdout == ""
+    assert failed.stderr.strip().splitlines() == [
+        "Error: cannot create the database /proc/1/cortexbot-test.db: No such file or directory"], failed.stderr
+    failed = cortexbot("--config", str(config), "status")  # status makes no database: it says there is none
+    assert failed.returncode == 1 and failed.stdout == ""
+    assert failed.stderr.strip().splitlines() == [
+        "Error: the configured database /proc/1/cortexbot-test.db does not exist: check [storage] url (or --config)"
+    ], failed.stderr
+
+
+def test_status_and_doctor_make_no_database(tmp_path: Path) -> None:
+    """Both made the configured SQLite file and its missing folders (a typo in the URL became a new database),
+    and status then advised to migrate it."""
+    config, missing = tmp_path / "typo.toml", tmp_path / "nothere" / "bot.db"
+    config.write_text(f'[storage]\nurl = "sqlite:///{missing}"\n[memory]\nembedder = "none"\n')
+    status = cortexbot("--config", str(config), "status")
+    assert status.returncode == 1 and status.stderr.strip() == (
+        f"Error: the configured database {missing} does not exist: check [storage] url (or --config)")
+    doctor = cortexbot("--config", str(config), "doctor", env={"ANTHROPIC_API_KEY": ""})
+    assert (f"✓ database: {missing} does not exist yet: the bot makes it at its first start "
+            "(if it ran before, check [storage] url)") in " ".join(doctor.stdout.split())
+    assert not (tmp_path / "nothere").exists()
 
 
 def test_doctor_reports_what_is_wrong(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
