@@ -147,3 +147,18 @@ async def test_a_card_never_brings_back_a_deleted_persona_of_its_name(tmp_path: 
             "zed.json", dumps(v2_card(name="Zed Two")))))
         await run(app, "!persona create Zed", ctx())  # creating it again is the way back, with its soul
         assert "spare keys" in await run(app, "!persona show Zed", ctx())
+
+
+async def test_a_file_name_with_odd_characters_imports_whole_on_one_line(
+        tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Matrix file's name is whatever its sender's client wrote: a lone surrogate (SQLite) or a NUL
+    (PostgreSQL) in it failed the import after the persona was made, leaving it without a soul and its
+    name taken; a line break in it forged lines of ``!persona history``."""
+    monkeypatch.setenv("CB_TEST_API_KEY", "sk-test")
+    odd = "ca\ud800rd\0\n  v9 2020-01-01 by someone else — forged\n" + "x" * 500 + ".json"
+    async with App(_config(tmp_path, fake_llm)) as app:
+        reply = await run(app, "!persona import", ctx(Attachment(odd, dumps(v2_card()))))
+        assert reply.startswith("Imported Cora from ca\ufffdrd v9 2020-01-01") and "\n" not in reply, reply
+        assert "Warm, patient" in await run(app, "!persona show Cora", ctx())
+        history = await run(app, "!persona history", ctx(persona="Cora"))
+        assert len(history.splitlines()) == 1 + 7 and "x" * 100 not in history, history

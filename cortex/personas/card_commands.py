@@ -26,7 +26,7 @@ from bot.config import ConfigError
 from bot.storage import Storage
 from bot.storage.personas import NewLore
 from bot.storage.textsearch import text_search_config
-from bot.text import name_key, shown
+from bot.text import name_key, one_line_name, shown
 from cortex.memory.guard import check_memory_text
 from cortex.personas.cards import MAX_CARD_BYTES, Card, CardError, CardLoreEntry, export_card_v2, parse_card
 from cortex.personas.commands import check_persona_name
@@ -54,7 +54,9 @@ class CardCommands:
             (words("name", "a persona's name", complete="personas"),), admin=True))
 
     async def import_card(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
-        filename, data = await attached_file(ctx, args, "the card (a PNG or JSON file)", MAX_CARD_BYTES)
+        sent_as, data = await attached_file(ctx, args, "the card (a PNG or JSON file)", MAX_CARD_BYTES)
+        # (a name as the sender's client wrote it: stored in the history's reason, so storable and on one line)
+        filename = one_line_name(sent_as) or "the card"
         try:
             card = parse_card(data)
         except CardError as exc:
