@@ -162,3 +162,15 @@ async def test_a_file_name_with_odd_characters_imports_whole_on_one_line(
         assert "Warm, patient" in await run(app, "!persona show Cora", ctx())
         history = await run(app, "!persona history", ctx(persona="Cora"))
         assert len(history.splitlines()) == 1 + 7 and "x" * 100 not in history, history
+
+
+async def test_a_persona_another_process_made_a_moment_ago_is_named_as_existing(
+        tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refusal asked the registry (reloaded every few seconds) whether the name was live, so a persona
+    another process had just made was called deleted, with advice to bring it back by creating it."""
+    monkeypatch.setenv("CB_TEST_API_KEY", "sk-test")
+    async with App(_config(tmp_path, fake_llm)) as app:
+        made = await app.storage.personas.create_persona("Cora", "English", {}, "chat", "english")
+        assert made is not None and "Cora" not in app.personas.names()  # this process has not reloaded yet
+        refused = await run(app, "!persona import", ctx(Attachment("cora.json", dumps(v2_card()))))
+        assert refused.startswith("a persona called `Cora` exists already"), refused

@@ -26,7 +26,7 @@ from bot.config import ConfigError
 from bot.storage import Storage
 from bot.storage.personas import NewLore
 from bot.storage.textsearch import text_search_config
-from bot.text import name_key, one_line_name, shown
+from bot.text import one_line_name, shown
 from cortex.memory.guard import check_memory_text
 from cortex.personas.cards import MAX_CARD_BYTES, Card, CardError, CardLoreEntry, export_card_v2, parse_card
 from cortex.personas.commands import check_persona_name
@@ -75,7 +75,7 @@ class CardCommands:
         # with the card's (a revival is what "!persona create" is for).
         row = await self.storage.personas.create_persona(card.name, default.language, {}, IMPORT,
                                                          text_search_config(default.language), revive=False)
-        if row is None and name_key(card.name) in {name_key(n) for n in self.registry.names()}:
+        if row is None and await self.storage.personas.get_persona(card.name) is not None:  # (live, in any process)
             raise CommandError(f"a persona called {shown(card.name)} exists already: rename or delete it first")
         if row is None:
             raise CommandError(f"a deleted persona was called {shown(card.name)}; its soul and lore are kept, and "
