@@ -174,3 +174,19 @@ async def test_a_persona_another_process_made_a_moment_ago_is_named_as_existing(
         assert made is not None and "Cora" not in app.personas.names()  # this process has not reloaded yet
         refused = await run(app, "!persona import", ctx(Attachment("cora.json", dumps(v2_card()))))
         assert refused.startswith("a persona called `Cora` exists already"), refused
+
+
+async def test_forget_me_takes_the_importers_key_out_of_the_soul_history(
+        tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forget-me takes a user's key off the texts they wrote as an admin, but an import's reason
+    ("imported from cora.png by discord:1") kept naming them in every section's history."""
+    monkeypatch.setenv("CB_TEST_API_KEY", "sk-test")
+    other = CommandContext("discord", "discord:12", "Bo", "discord:dm", "Max", is_admin=True, is_bot_admin=True,
+                           is_dm=True, attachments=(Attachment("ada.json", dumps(v2_card(name="Ada"))),))
+    async with App(_config(tmp_path, fake_llm)) as app:
+        await run(app, "!persona import", ctx(Attachment("cora.png", dumps(v2_card()))))
+        await run(app, "!persona import", other)
+        await app.storage.forget_user("discord:1")
+        history = await run(app, "!persona history", ctx(persona="Cora"))
+        assert "discord:1" not in history and history.count("imported from cora.png by a forgotten user") == 7
+        assert (await run(app, "!persona history", ctx(persona="Ada"))).count("ada.json by discord:12") == 7

@@ -843,6 +843,10 @@ class Storage:
         for table, column in (("versioned_texts", "author"), ("lore_entries", "created_by"),
                               ("cortex_settings", "updated_by")):
             await tx.execute(f"UPDATE {table} SET {column} = ? WHERE {column} = ?", (FORGOTTEN_AUTHOR, user_key))
+        suffix = f" by {user_key}"  # a card import's reason names its importer: "imported from cora.png by discord:1"
+        await tx.execute("UPDATE versioned_texts SET reason = substr(reason, 1, length(reason) - ?) || ?"
+                         " WHERE length(reason) >= ? AND substr(reason, length(reason) - ? + 1) = ?",
+                         (len(suffix), f" by {FORGOTTEN_AUTHOR}", len(suffix), len(suffix), suffix))
 
     async def forget_user(self, user_key: str) -> ForgetReport | None:
         """Delete everything stored about one user, for every persona, in one transaction.
