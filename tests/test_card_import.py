@@ -190,3 +190,18 @@ async def test_forget_me_takes_the_importers_key_out_of_the_soul_history(
         history = await run(app, "!persona history", ctx(persona="Cora"))
         assert "discord:1" not in history and history.count("imported from cora.png by a forgotten user") == 7
         assert (await run(app, "!persona history", ctx(persona="Ada"))).count("ada.json by discord:12") == 7
+
+
+async def test_export_writes_the_card_placeholders_other_programs_fill(
+        tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bot's own spelling of the names ("{char_name}", "{{ user_name }}") went into the card as written:
+    SillyTavern and the others fill only {{char}} and {{user}}, so their users read the braces."""
+    monkeypatch.setenv("CB_TEST_API_KEY", "sk-test")
+    async with App(_config(tmp_path, fake_llm)) as app:
+        await run(app, "!persona edit personality Calls {user_name} by name; {{ User_Name }} too; {mood} stays.",
+                  ctx())
+        await run(app, "!lore add {char_name} once met {{user}} at the harbour. --keys harbour", ctx())
+        card = json.loads((await app.commands.dispatch("!persona export", ctx())).attachments[0].data)["data"]
+        assert card["description"] == "You are {{char}}."
+        assert card["personality"] == "Calls {{user}} by name; {{user}} too; {mood} stays."
+        assert card["character_book"]["entries"][0]["content"] == "{{char}} once met {{user}} at the harbour."

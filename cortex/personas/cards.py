@@ -43,6 +43,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bot.prompt import resolve_variables
+
 MAX_CARD_BYTES = 8 * 1024 * 1024
 MAX_NAME_CHARS = 80
 MAX_FIELD_CHARS = 20_000
@@ -78,6 +80,7 @@ _LEGACY_USER = re.compile(r"<user>", re.IGNORECASE)
 _LEGACY_BOT = re.compile(r"<bot>", re.IGNORECASE)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _WHOLE_NUMBER = re.compile(r"[+-]?\d{1,12}")
+_CARD_NAMES = {"char_name": "{{char}}", "user_name": "{{user}}"}  # the bot's spellings → the cards' own
 
 
 class CardError(Exception):
@@ -445,7 +448,7 @@ def _section_texts(sections: Sequence[tuple[str, str]]) -> dict[str, str]:
     parts: dict[str, list[str]] = {field: [] for _, field in SECTION_FIELDS}
     extra: list[str] = []
     for key, raw in sections:
-        text = clean_text(raw).strip()
+        text = _card_placeholders(raw).strip()
         if not text:
             continue
         if key in _FIELD_OF:
@@ -456,6 +459,12 @@ def _section_texts(sections: Sequence[tuple[str, str]]) -> dict[str, str]:
     return {field: "\n\n".join(texts) for field, texts in parts.items()}
 
 
+def _card_placeholders(text: str) -> str:
+    """``text`` cleaned, with the persona's and the user's name in the spelling every card reader fills
+    (``{char_name}``, ``{{ Char_Name }}`` → ``{{char}}``); other variables stay as written."""
+    return resolve_variables(clean_text(text), _CARD_NAMES)
+
+
 def _title(key: str) -> str:
     words = " ".join(key.replace("_", " ").replace("-", " ").split())
     return words[:1].upper() + words[1:] if words else "Notes"
@@ -463,8 +472,8 @@ def _title(key: str) -> str:
 
 def _book_entry(entry: CardLoreEntry, index: int) -> dict[str, object]:
     book: dict[str, object] = {
-        "keys": list(entry.keys), "content": entry.content, "extensions": {}, "enabled": entry.enabled,
-        "insertion_order": entry.priority, "case_sensitive": False, "name": entry.name,
+        "keys": list(entry.keys), "content": _card_placeholders(entry.content), "extensions": {},
+        "enabled": entry.enabled, "insertion_order": entry.priority, "case_sensitive": False, "name": entry.name,
         "priority": entry.priority, "id": index, "comment": entry.name, "selective": bool(entry.secondary_keys),
         "secondary_keys": list(entry.secondary_keys), "constant": entry.always_on, "position": "before_char",
     }
