@@ -452,3 +452,9 @@ def test_any_bytes_give_a_card_or_a_card_error(data: bytes) -> None:
         assert str(exc) and "\n" not in str(exc)
     else:
         assert card.name and card.spec in {"chara_card_v2", "chara_card_v3"}
+
+
+def test_a_name_keeps_its_angle_brackets() -> None:
+    """The legacy placeholders were replaced in the name too: a card called "<Bot> Builder" made a persona
+    called "{{char}} Builder"."""
+    assert parse_card(dumps(v2_card(name="<Bot> Builder for <USER>"))).name == "<Bot> Builder for <USER>"

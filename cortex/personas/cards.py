@@ -274,7 +274,7 @@ def _spec(obj: dict[Any, Any]) -> str:
 
 
 def _name(data: dict[Any, Any]) -> str:
-    name = " ".join(_text(data.get("name"), "the card's 'name'").split())
+    name = " ".join(_text(data.get("name"), "the card's 'name'", placeholders=False).split())
     if not name:
         raise CardError("the card has no name")
     if len(name) > MAX_NAME_CHARS:
@@ -350,7 +350,9 @@ def _placeholders(text: str) -> str:
     return _LEGACY_BOT.sub("{{char}}", _LEGACY_USER.sub("{{user}}", text))
 
 
-def _text(value: object, field: str, limit: int = MAX_FIELD_CHARS) -> str:
+def _text(value: object, field: str, limit: int = MAX_FIELD_CHARS, *, placeholders: bool = True) -> str:
+    """A field's text, tidied; ``<USER>``/``<BOT>`` made ``{{user}}``/``{{char}}`` unless not ``placeholders``
+    (in a name they are just its letters)."""
     if value is None:
         return ""
     if not isinstance(value, str):
@@ -358,7 +360,7 @@ def _text(value: object, field: str, limit: int = MAX_FIELD_CHARS) -> str:
     text = _tidy(value).strip()
     if len(text) > limit:  # counted as the author wrote it, before <USER>/<BOT> become {{user}}/{{char}}
         raise CardError(f"{field} is {len(text):,} characters; at most {limit:,}")
-    return _placeholders(text)
+    return _placeholders(text) if placeholders else text
 
 
 def _strings(value: object, field: str) -> tuple[str, ...]:
