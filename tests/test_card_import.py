@@ -5,6 +5,7 @@ server)."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from bot.app import App
 from bot.commands import Attachment, CommandContext
 from bot.config import parse_config
 from bot.ports import IncomingMessage
+from cortex.personas import card_commands, cards
 from tests.engines import db_url_for
 from tests.fakes.llm_server import FakeLLMServer
 from tests.test_cards import dumps, png, text_chunk, v2_card, v3_card
@@ -205,3 +207,20 @@ async def test_export_writes_the_card_placeholders_other_programs_fill(
         assert card["description"] == "You are {{char}}."
         assert card["personality"] == "Calls {{user}} by name; {{user}} too; {mood} stays."
         assert card["character_book"]["entries"][0]["content"] == "{{char}} once met {{user}} at the harbour."
+
+
+async def test_a_card_is_read_beside_the_chat(tmp_path: Path, fake_llm: FakeLLMServer,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """An 8 MB card of a million short tags took 1.4 s to read on the event loop: no chat was answered
+    meanwhile. It is read in a worker thread, as a memory import's archive is."""
+    monkeypatch.setenv("CB_TEST_API_KEY", "sk-test")
+    on_loop: list[bool] = []
+
+    def parse(data: bytes) -> cards.Card:
+        on_loop.append(threading.current_thread() is threading.main_thread())
+        return cards.parse_card(data)
+
+    monkeypatch.setattr(card_commands, "parse_card", parse)
+    async with App(_config(tmp_path, fake_llm)) as app:
+        assert "Imported Cora" in await run(app, "!persona import", ctx(Attachment("cora.json", dumps(v2_card()))))
+        assert on_loop == [False]

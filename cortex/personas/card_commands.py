@@ -8,6 +8,7 @@ Its texts become soul sections (author ``import``), its ``character_book`` becom
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,8 +58,8 @@ class CardCommands:
         sent_as, data = await attached_file(ctx, args, "the card (a PNG or JSON file)", MAX_CARD_BYTES)
         # (a name as the sender's client wrote it: stored in the history's reason, so storable and on one line)
         filename = one_line_name(sent_as) or "the card"
-        try:
-            card = parse_card(data)
+        try:  # (beside the chat: 8 MB of JSON, a million short texts, take seconds to read and check)
+            card = await asyncio.to_thread(parse_card, data)
         except CardError as exc:
             raise CommandError(f"{shown(filename)}: {exc}") from None
         try:
