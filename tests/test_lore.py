@@ -61,6 +61,17 @@ def test_keywords_match_whole_words_case_insensitively() -> None:
         assert any(mentions(text, k) for k in keys) is expected, text
 
 
+def test_keywords_match_however_an_accent_is_typed() -> None:
+    """"Zoë" is one letter ë (NFC, most keyboards) or e and a combining diaeresis (NFD, macOS file names and
+    some cards and phones): a key written one way never matched a message written the other."""
+    nfc, nfd = "Zo\u00eb", "Zoe\u0308"
+    for key, text in ((nfc, f"Ask {nfd} about it"), (nfd, f"Ask {nfc} about it"), (f"{nfd} Vale", f"{nfc} VALE")):
+        assert mentions(text, key) and keyword_match(entry("x", keys=(key,)), text), (key, text)
+    assert not mentions(f"{nfd}s", nfc)  # still whole words only
+    lore = [entry(f"{nfc} tends the lighthouse.", entry_id=1), entry("Market day is Thursday.", entry_id=2)]
+    assert [e.id for e in search(lore, f"who is {nfd.upper()}?")] == [1]
+
+
 def test_search_needs_a_real_overlap() -> None:
     lore = [entry("The lighthouse keeper Bram lost his brother at sea.", entry_id=1),
             entry("Market day is Thursday in the old town.", entry_id=2)]

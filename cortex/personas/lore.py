@@ -21,6 +21,7 @@ from bot.ports import PromptContext, PromptSection, SectionSlot
 from bot.storage import Storage
 from bot.storage.personas import LoreEntry
 from bot.storage.sources import ReplySource
+from bot.text import name_key
 from bot.tokens import TokenEstimator, fit_to_budget
 from cortex.personas.cards import MAX_KEY_CHARS
 from cortex.personas.registry import PersonaRegistry
@@ -34,13 +35,19 @@ CUT_NOTE = "\n(… more lore did not fit here)"
 _WORD = re.compile(r"\w{3,}", re.UNICODE)
 
 
+def fold(text: str) -> str:
+    """``text`` as keys and messages are compared: case-folded, and an accent one way however it was typed
+    ("Zoë" as one letter, or as e and a combining diaeresis)."""
+    return name_key(text)
+
+
 def words(text: str) -> set[str]:
-    return {w.casefold() for w in _WORD.findall(text)}
+    return set(_WORD.findall(fold(text)))
 
 
 def _key_regex(key: str) -> str:
-    """A key as a regular expression: case-folded, whole words where the key starts or ends with one."""
-    pattern = re.escape(key.casefold())
+    """A (folded) key as a regular expression: whole words where the key starts or ends with one."""
+    pattern = re.escape(key)
     if key[0].isalnum():
         pattern = r"(?<!\w)" + pattern
     if key[-1].isalnum():
@@ -58,8 +65,8 @@ def _any_of(keys: tuple[str, ...]) -> tuple[frozenset[str], re.Pattern[str] | No
     a lore book's thousands of keys also overflowed the ``re`` module's cache of 512."""
     # (keys over the length `!lore` and card imports take, stored by an older version, match nothing: thousands
     # of long ones took seconds to compile on the event loop)
-    stripped = [k.strip() for k in keys if k.strip() and len(k) <= MAX_KEY_CHARS]
-    single = frozenset(k.casefold() for k in stripped if _ONE_WORD.fullmatch(k))
+    stripped = [fold(k.strip()) for k in keys if k.strip() and len(k) <= MAX_KEY_CHARS]
+    single = frozenset(k for k in stripped if _ONE_WORD.fullmatch(k))
     others = [_key_regex(k) for k in stripped if not _ONE_WORD.fullmatch(k)]
     return single, re.compile("|".join(f"(?:{p})" for p in others)) if others else None
 
@@ -71,14 +78,14 @@ def _found(keys: tuple[str, ...], text: str, text_words: set[str]) -> bool:
 
 def mentions(text: str, key: str) -> bool:
     """Whether ``key`` appears in ``text`` (case-insensitive; whole words where the key is a word)."""
-    folded = text.casefold()
-    return _found((key,), folded, set(_ONE_WORD.findall(folded)))
+    text = fold(text)
+    return _found((key,), text, set(_ONE_WORD.findall(text)))
 
 
 def keyword_match(entry: LoreEntry, text: str, *, folded: bool = False, text_words: set[str] | None = None) -> bool:
     """Whether one of the entry's keys (and, when it has them, one of its secondary keys) is in ``text``
-    (``folded``: casefolded already; ``text_words``: its words, when known)."""
-    text = text if folded else text.casefold()
+    (``folded``: through :func:`fold` already; ``text_words``: its words, when known)."""
+    text = text if folded else fold(text)
     found = text_words if text_words is not None else set(_ONE_WORD.findall(text))
     if not _found(tuple(entry.keys), text, found):
         return False
@@ -138,9 +145,9 @@ class LoreIndex:
 
     def chosen(self, entries: Sequence[LoreEntry], recent: str, message: str) -> list[LoreEntry]:
         """Always-on and keyword entries first, then search hits; each by priority."""
-        folded = recent.casefold()
-        text_words = set(_ONE_WORD.findall(folded))
-        picked = [e for e in entries if e.always_on or keyword_match(e, folded, folded=True, text_words=text_words)]
+        text = fold(recent)
+        text_words = set(_ONE_WORD.findall(text))
+        picked = [e for e in entries if e.always_on or keyword_match(e, text, folded=True, text_words=text_words)]
         found = search(entries, message, skip=frozenset(e.id for e in picked))
         picked.sort(key=lambda e: (not e.always_on, -e.priority, e.id))
         return picked + found
