@@ -72,6 +72,27 @@ def test_keywords_match_however_an_accent_is_typed() -> None:
     assert [e.id for e in search(lore, f"who is {nfd.upper()}?")] == [1]
 
 
+def test_keys_written_with_the_cards_placeholders_match_the_names() -> None:
+    """A card keys entries on {{char}} and {{user}} (or <BOT>, made {{char}} at import): stored as written, they
+    never matched a message. They stand for the persona's and the user's names when the text is read."""
+    sword = entry("Cora's sword is called Dawn.", keys=("{{char}}'s sword",))
+    assert keyword_match(sword, "Tell me about Cora's sword!", names=("Cora", "Ann"))
+    assert not keyword_match(sword, "Tell me about Max's sword!", names=("Cora", "Ann"))
+    assert not keyword_match(sword, "Tell me about Cora's sword!")  # (without the names: as written)
+    home = entry("Ann lives in Lyon.", keys=("{{user}}",), secondary=("{{ Char }}", "home"))
+    assert keyword_match(home, "Cora, where does Ann live?", names=("Cora", "Ann"))
+    assert not keyword_match(home, "Where does Ann live?", names=("Cora", "Ann"))  # the secondary key is missing
+    assert not keyword_match(home, "Cora, where does Bo live?", names=("Cora", "Bo Ann"))
+
+
+async def test_a_card_entry_keyed_on_the_persona_comes_into_the_reply(tmp_path: Path) -> None:
+    llm = ScriptedProvider()
+    async with App(_config(tmp_path), llm=llm) as app:
+        assert "added to Cora" in await run(app, '!lore add --keys "{{char}}\'s sword" Cora\'s sword is called Dawn.')
+        assert "called Dawn" in await prompt(app, llm, "Show me Cora's sword, please")
+        assert "called Dawn" not in await prompt(app, llm, "Show me Max's shield, please", user="8")
+
+
 def test_search_needs_a_real_overlap() -> None:
     lore = [entry("The lighthouse keeper Bram lost his brother at sea.", entry_id=1),
             entry("Market day is Thursday in the old town.", entry_id=2)]

@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 
 from bot.ports import PromptContext, PromptSection, SectionSlot
+from bot.prompt import resolve_variables
 from bot.storage import Storage
 from bot.storage.personas import LoreEntry
 from bot.storage.sources import ReplySource
@@ -59,20 +60,23 @@ _ONE_WORD = re.compile(r"\w+")
 
 
 @functools.lru_cache(maxsize=8192)
-def _any_of(keys: tuple[str, ...]) -> tuple[frozenset[str], re.Pattern[str] | None]:
+def _any_of(keys: tuple[str, ...], names: tuple[str, str] = ("", "")) -> tuple[frozenset[str], re.Pattern[str] | None]:
     """A set of keys (an entry's), prepared once: the one-word keys as a set (looked up among the text's
     words), the others as one compiled pattern. Before, every reply compiled and ran one pattern per key:
-    a lore book's thousands of keys also overflowed the ``re`` module's cache of 512."""
+    a lore book's thousands of keys also overflowed the ``re`` module's cache of 512. ``names`` (the persona's
+    and the user's) fill a key's ``{{char}}`` and ``{{user}}`` (cards key entries on them: "{{char}}'s sword")."""
     # (keys over the length `!lore` and card imports take, stored by an older version, match nothing: thousands
     # of long ones took seconds to compile on the event loop)
-    stripped = [fold(k.strip()) for k in keys if k.strip() and len(k) <= MAX_KEY_CHARS]
+    variables = {key: name for key, name in (("char_name", names[0]), ("user_name", names[1])) if name.strip()}
+    stripped = [fold(resolve_variables(k.strip(), variables)).strip() for k in keys
+                if k.strip() and len(k) <= MAX_KEY_CHARS]
     single = frozenset(k for k in stripped if _ONE_WORD.fullmatch(k))
     others = [_key_regex(k) for k in stripped if not _ONE_WORD.fullmatch(k)]
     return single, re.compile("|".join(f"(?:{p})" for p in others)) if others else None
 
 
-def _found(keys: tuple[str, ...], text: str, text_words: set[str]) -> bool:
-    single, pattern = _any_of(keys)
+def _found(keys: tuple[str, ...], text: str, text_words: set[str], names: tuple[str, str] = ("", "")) -> bool:
+    single, pattern = _any_of(keys, names)
     return not single.isdisjoint(text_words) or (pattern is not None and pattern.search(text) is not None)
 
 
@@ -82,14 +86,16 @@ def mentions(text: str, key: str) -> bool:
     return _found((key,), text, set(_ONE_WORD.findall(text)))
 
 
-def keyword_match(entry: LoreEntry, text: str, *, folded: bool = False, text_words: set[str] | None = None) -> bool:
+def keyword_match(entry: LoreEntry, text: str, *, folded: bool = False, text_words: set[str] | None = None,
+                  names: tuple[str, str] = ("", "")) -> bool:
     """Whether one of the entry's keys (and, when it has them, one of its secondary keys) is in ``text``
-    (``folded``: through :func:`fold` already; ``text_words``: its words, when known)."""
+    (``folded``: through :func:`fold` already; ``text_words``: its words, when known; ``names``: the persona's
+    and the user's, for keys written with ``{{char}}`` and ``{{user}}``)."""
     text = text if folded else fold(text)
     found = text_words if text_words is not None else set(_ONE_WORD.findall(text))
-    if not _found(tuple(entry.keys), text, found):
+    if not _found(tuple(entry.keys), text, found, names):
         return False
-    return not entry.secondary_keys or _found(tuple(entry.secondary_keys), text, found)
+    return not entry.secondary_keys or _found(tuple(entry.secondary_keys), text, found, names)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -143,11 +149,14 @@ class LoreIndex:
             by_persona.setdefault(entry.persona_id, []).append(entry)
         self._by_persona, self._stamp = by_persona, stamp
 
-    def chosen(self, entries: Sequence[LoreEntry], recent: str, message: str) -> list[LoreEntry]:
-        """Always-on and keyword entries first, then search hits; each by priority."""
+    def chosen(self, entries: Sequence[LoreEntry], recent: str, message: str, names: tuple[str, str] = ("", "")
+               ) -> list[LoreEntry]:
+        """Always-on and keyword entries first, then search hits; each by priority. ``names``: the persona's and
+        the user's, which a key's ``{{char}}`` and ``{{user}}`` stand for."""
         text = fold(recent)
         text_words = set(_ONE_WORD.findall(text))
-        picked = [e for e in entries if e.always_on or keyword_match(e, text, folded=True, text_words=text_words)]
+        picked = [e for e in entries
+                  if e.always_on or keyword_match(e, text, folded=True, text_words=text_words, names=names)]
         found = search(entries, message, skip=frozenset(e.id for e in picked))
         picked.sort(key=lambda e: (not e.always_on, -e.priority, e.id))
         return picked + found
@@ -168,7 +177,8 @@ class LoreSection:
         entries = await self.index.entries(persona_id)
         if not entries:
             return []
-        chosen = self.index.chosen(entries, f"{context.previous}\n{context.message}", context.message)
+        chosen = self.index.chosen(entries, f"{context.previous}\n{context.message}", context.message,
+                                   (context.persona, context.user_name))
         if not chosen:
             return []
         lines, used, whole = self._fitting(chosen, int(budget * LORE_SHARE))

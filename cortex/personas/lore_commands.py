@@ -163,7 +163,7 @@ class LoreCommands:
         if not query:
             raise CommandError("give some words")
         entries = await self.storage.lore.entries(self._persona_id(ctx))
-        picked = self.index.chosen([e for e in entries if e.enabled], query, query)
+        picked = self.index.chosen([e for e in entries if e.enabled], query, query, (ctx.persona, ctx.user_name))
         if not picked:
             found = search(entries, query)
             return "No lore would come in." if not found else "Only disabled entries match:\n" + "\n".join(
