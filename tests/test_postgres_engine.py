@@ -25,6 +25,15 @@ async def test_a_refused_connection_says_where_and_what_to_check() -> None:
         await open_storage(f"postgresql://u@127.0.0.1:{_closed_port()}/db")
 
 
+async def test_a_password_with_an_unencoded_slash_or_at_never_shows_in_part() -> None:
+    """A URL given whole (``url_env``, ``copy-data --to``) may hold a password written with "/" or "@" unencoded:
+    the URL parser took its tail for the host and path, and the error showed "…:***@ss/word@127.0.0.1…"."""
+    with pytest.raises(StorageError) as caught:
+        await open_storage(f"postgresql://u:p@ss/w0rd@127.0.0.1:{_closed_port()}/db")
+    assert "ss/w0rd" not in str(caught.value) and "w0rd" not in str(caught.value), str(caught.value)
+    assert "postgresql://u:***@127.0.0.1:" in str(caught.value)
+
+
 async def test_a_missing_database_is_named(postgres_server: PostgresServer) -> None:
     with pytest.raises(StorageError, match="does not exist: create it"):
         await open_storage(postgres_server.url_for("no_such_database"))

@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal
-from urllib.parse import urlsplit, urlunsplit
 
+from bot.config import hide_url_passwords
 from bot.storage.engine import Migration, Row, StorageCaches, StorageError, apply_migrations
 
 if TYPE_CHECKING:
@@ -53,13 +53,9 @@ def numbered(sql: str) -> str:
 
 
 def redacted(url: str) -> str:
-    """The URL without its password, for messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    """The URL without its password, for messages and logs (everything up to the URL's last "@" hidden: a
+    password written with an unencoded "/" or "@" would otherwise show in part as the host and path)."""
+    return hide_url_passwords(url)
 
 
 def _args(params: Sequence[Any]) -> Sequence[Any]:
