@@ -66,3 +66,26 @@ async def test_opening_waits_while_another_process_holds_the_file(tmp_path: Path
         release.cancel()
         holder.close()
     assert time.monotonic() - started >= 5.0  # it waited for the lock, then opened
+
+
+async def test_a_file_held_too_long_is_named_with_who_may_hold_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """The wait was silent for 30 s, then said only "database is locked"."""
+    import logging
+    import sqlite3
+
+    from bot.storage import StorageError, open_storage, sqlite
+
+    monkeypatch.setattr(sqlite, "BUSY_TIMEOUT_MS", 100)
+    monkeypatch.setattr(sqlite, "OPEN_PATIENCE_SECONDS", 0.5)
+    path = tmp_path / "bot.db"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        with caplog.at_level(logging.WARNING, logger="bot.storage"), pytest.raises(StorageError) as refused:
+            await open_storage(f"sqlite:///{path}")
+    finally:
+        holder.close()
+    assert "another process holds it" in str(refused.value) and "waited 0.5 s" in str(refused.value)
+    waiting = [r.getMessage() for r in caplog.records if "is busy" in r.getMessage()]
+    assert len(waiting) == 1 and "trying again for up to 0.5 s" in waiting[0], waiting

@@ -96,20 +96,7 @@ class SQLiteDatabase:
                 private_file(self.path)
             except OSError as exc:
                 raise StorageError(f"cannot create the database {self.path}: {exc.strerror or exc}") from None
-        patience = time.monotonic() + OPEN_PATIENCE_SECONDS
-        while True:
-            try:
-                db = await self._connect()
-                break
-            except sqlite3.OperationalError as exc:
-                # Another process opening or migrating the same file at this moment: SQLite can answer
-                # "locked" at once (changing the journal mode, say) without waiting on the busy timeout.
-                if not _busy(exc) or time.monotonic() >= patience:
-                    raise StorageError(f"cannot open the database {self.path}: {exc}") from None
-                await asyncio.sleep(OPEN_RETRY_SECONDS)
-            except sqlite3.Error as exc:
-                raise StorageError(f"cannot open the database {self.path}: {exc}") from None
-        self._db = db
+        self._db = await self._connect_patiently()
         if self._checkpoints and self.path != Path(":memory:"):
             # Connected here, not inside the task: a task cancelled while aiosqlite was still connecting
             # would leave a connection (and its thread) that nobody closes.
@@ -117,6 +104,30 @@ class SQLiteDatabase:
             self._checkpointer = asyncio.create_task(self._checkpoint_loop(self._checkpoint_db),
                                                      name="storage-wal-checkpoint")
         return self
+
+    async def _connect_patiently(self) -> aiosqlite.Connection:
+        """Connect, trying again for ``OPEN_PATIENCE_SECONDS`` while another process holds the file (opening or
+        migrating it at this moment: SQLite can answer "locked" at once, without waiting on the busy timeout),
+        saying so once: a start that waits in silence looks hung."""
+        patience, said = time.monotonic() + OPEN_PATIENCE_SECONDS, False
+        holder = ("another process holds it: a bot process starting or migrating, or a program such as the sqlite3 "
+                  "shell with a transaction open")
+        while True:
+            try:
+                return await self._connect()
+            except sqlite3.OperationalError as exc:
+                if not _busy(exc):
+                    raise StorageError(f"cannot open the database {self.path}: {exc}") from None
+                if time.monotonic() >= patience:
+                    raise StorageError(f"cannot open the database {self.path}: {exc} ({holder}; waited "
+                                       f"{OPEN_PATIENCE_SECONDS:g} s)") from None
+                if not said:
+                    log.warning("the database %s is busy (%s); trying again for up to %g s", self.path, holder,
+                                OPEN_PATIENCE_SECONDS)
+                    said = True
+                await asyncio.sleep(OPEN_RETRY_SECONDS)
+            except sqlite3.Error as exc:
+                raise StorageError(f"cannot open the database {self.path}: {exc}") from None
 
     async def _connect(self) -> aiosqlite.Connection:
         # A file SQLite cannot open fails here (opening takes well under a millisecond, and happens at start
