@@ -59,8 +59,9 @@ def _load(ctx: click.Context) -> Config:
     return config
 
 
-def _run_async(main: Callable[[], Awaitable[T]]) -> T:
-    """Run ``main`` with Ctrl-C and SIGTERM cancelling it cleanly (its ``finally`` blocks still run)."""
+def _run_async(main: Callable[[], Awaitable[T]], *, stopped: str = "stopped.") -> T:
+    """Run ``main`` with Ctrl-C and SIGTERM cancelling it cleanly (its ``finally`` blocks still run); then
+    ``stopped`` is said."""
 
     async def runner() -> T:
         task = asyncio.current_task()
@@ -76,7 +77,7 @@ def _run_async(main: Callable[[], Awaitable[T]]) -> T:
     try:
         return asyncio.run(runner())
     except (asyncio.CancelledError, KeyboardInterrupt):
-        click.echo("stopped.", err=True)
+        click.echo(stopped, err=True)
         sys.exit(130)
 
 
@@ -411,7 +412,8 @@ def copy_data_command(ctx: click.Context, to_url: str, to_password_env: str, bat
         raise click.ClickException(f"--to: {exc}") from None
     password = _target_password(to_password_env)
     try:
-        report = _run_async(lambda: _copy_data(config, to_url, password, batch, while_running))
+        report = _run_async(lambda: _copy_data(config, to_url, password, batch, while_running),
+                            stopped="stopped. Nothing copied is lost: run copy-data again to go on where it stopped.")
     except (StorageError, ConfigError) as exc:
         raise click.ClickException(str(exc)) from None
     _print_copy_report(report)

@@ -345,6 +345,49 @@ def test_the_command_copies_and_prints_the_counts(tmp_path: Path, pg_url: str) -
     assert bad.returncode == 1 and "--to:" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_a_copy_stopped_with_ctrl_c_says_how_to_go_on(tmp_path: Path, pg_url: str) -> None:
+    """Ctrl-C printed only "stopped.": the operator could not tell that running it again goes on."""
+    import signal
+    import time
+
+    async def prepare() -> None:
+        store = await open_storage(f"sqlite:///{tmp_path / 'bot.db'}")
+        await store.migrate()
+        ann = await store.upsert_user("discord:1", "Ann")
+        room = await store.upsert_channel("discord:g", "general", is_dm=False)
+        for n in range(3000):
+            await store.add_message(room.id, ann.id, "Cora", "user", "Ann", f"message {n}", 3)
+        await store.fleet.leave("host-a:1")
+        await store.close()
+
+    async def copied() -> int:
+        store = await open_storage(pg_url)
+        try:
+            row = await store.db.fetch_one("SELECT count(*) FROM messages")
+            return int(row[0]) if row else 0
+        except Exception:  # not migrated yet
+            return 0
+        finally:
+            await store.close()
+
+    asyncio.run(prepare())
+    config = tmp_path / "config.toml"
+    config.write_text(f'[storage]\nurl = "sqlite:///{tmp_path / "bot.db"}"\n')
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    args = [str(BIN / "cortexbot"), "--config", str(config), "copy-data", "--to", pg_url, "--batch", "1"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 60
+    while asyncio.run(copied()) == 0:  # (the target's tables exist once the copy has started)
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "run copy-data again to go on where it stopped" in stderr and "Traceback" not in stderr, stderr
+    again = subprocess.run(args[:-2], capture_output=True, text=True, env=env, timeout=120)
+    assert again.returncode == 0 and counts(again.stdout)["messages"][:2] == ["3000", "3000"], again.stdout
+
+
 def test_report_names_mismatches() -> None:
     report = CopyReport("a", "b", "id", (TableCount("users", 2, 2, 0), TableCount("messages", 5, 4, 1)))
     assert not report.ok and [t.table for t in report.mismatches] == ["messages"] and report.copied == 1
