@@ -224,3 +224,34 @@ async def test_a_card_is_read_beside_the_chat(tmp_path: Path, fake_llm: FakeLLMS
     async with App(_config(tmp_path, fake_llm)) as app:
         assert "Imported Cora" in await run(app, "!persona import", ctx(Attachment("cora.json", dumps(v2_card()))))
         assert on_loop == [False]
+
+
+async def test_an_import_that_fails_half_way_leaves_nothing_behind(tmp_path: Path, fake_llm: FakeLLMServer,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The persona row, each soul section and the lore were written one after the other: a failure on the way (a
+    database error, a process killed) left a persona without its soul whose name blocked the next import."""
+    import bot.storage.personas as personas_module
+
+    monkeypatch.setenv("CB_TEST_API_KEY", "sk-test")
+    original = personas_module._lore_insert
+    calls = {"n": 0}
+
+    def failing(*args: object, **kwargs: object) -> tuple[str, tuple[object, ...]]:
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second lore entry: the persona and its soul are written by now
+            raise RuntimeError("the database went away")
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(personas_module, "_lore_insert", failing)
+    async with App(_config(tmp_path, fake_llm)) as app:
+        card = Attachment("cora.json", dumps(v2_card()))
+        failed = await run(app, "!persona import", ctx(card))
+        assert not failed.startswith("Imported") and calls["n"] == 2, failed
+        assert await app.storage.personas.get_persona("Cora") is None
+        assert not await app.storage.db.fetch_all("SELECT id FROM personas WHERE name = 'Cora'")
+        assert not await app.storage.db.fetch_all("SELECT id FROM lore_entries")
+        assert len(await app.storage.db.fetch_all("SELECT id FROM versioned_texts WHERE kind = 'soul'")) == len(
+            await app.storage.db.fetch_all("SELECT id FROM versioned_texts WHERE kind = 'soul' AND scope IN"
+                                           " (SELECT CAST(id AS TEXT) FROM personas)"))
+        monkeypatch.setattr(personas_module, "_lore_insert", original)
+        assert (await run(app, "!persona import", ctx(card))).startswith("Imported Cora")

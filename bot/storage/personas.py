@@ -69,6 +69,23 @@ LATEST = ("version = (SELECT max(version) FROM versioned_texts v WHERE v.kind = 
           " AND v.name = t.name)")
 
 
+def _next_version(kind: TextKind, scope: str, name: str, content: str, author: str, reason: str,
+                  position: int | None, enabled: bool | None) -> tuple[str, tuple[Any, ...]]:
+    """The INSERT of a text's next version (RETURNING it), with its parameters."""
+    live = f"FROM versioned_texts t WHERE kind = ? AND scope = ? AND name = ? AND {LATEST}"
+    return (
+        "INSERT INTO versioned_texts (kind, scope, name, version, content, position, enabled, author,"
+        " reason, created_at)"
+        " SELECT ?, ?, ?, coalesce(max(version), 0) + 1, ?,"
+        f" coalesce(CAST(? AS INTEGER), (SELECT position {live}),"
+        "   (SELECT coalesce(max(position), 0) + 1 FROM versioned_texts WHERE kind = ? AND scope = ?)),"
+        f" coalesce(CAST(? AS INTEGER), (SELECT enabled {live}), 1), ?, ?, CAST(? AS DOUBLE PRECISION)"
+        " FROM versioned_texts WHERE kind = ? AND scope = ? AND name = ? RETURNING *",
+        (kind, scope, name, content, position, kind, scope, name, kind, scope,
+         None if enabled is None else int(enabled), kind, scope, name, author, reason, time.time(),
+         kind, scope, name))
+
+
 class PersonaRepository:
     def __init__(self, db: Database) -> None:
         self.db = db
@@ -113,6 +130,28 @@ class PersonaRepository:
             " WHERE id = ? AND deleted_at IS NOT NULL RETURNING *",
             (language, json.dumps(dict(settings)), source, ts_config, int(taken["id"])))
         return None if revived is None else _persona(revived)
+
+    async def import_persona(self, name: str, language: str, source: str, ts_config: str,
+                             sections: Sequence[tuple[str, str]], lore: Sequence[NewLore], *, author: str,
+                             reason: str, lore_author: str) -> PersonaRow | None:
+        """A new persona with its soul sections (``(key, content)`` in order) and lore, all or nothing: a
+        failure (or a process killed) half-way left a persona without its soul, whose name then blocked the
+        import. None if the name is taken (by a deleted persona too)."""
+        name = unicodedata.normalize("NFC", name)
+        if await self._named(name, live_only=False) is not None:
+            return None
+        async with self.db.transaction() as tx:
+            row = await tx.fetch_one(
+                "INSERT INTO personas (name, created_at, ts_config, language, settings, source)"
+                " VALUES (?, ?, ?, ?, '{}', ?) ON CONFLICT DO NOTHING RETURNING *",
+                (name, time.time(), ts_config, language, source))
+            if row is None:  # another process, a moment ago
+                return None
+            for position, (key, content) in enumerate(sections, start=1):
+                await tx.fetch_one(*_next_version("soul", str(row["id"]), key, content, author, reason, position, None))
+            for entry in lore:
+                await tx.fetch_one(*_lore_insert(int(row["id"]), entry, "card", lore_author, time.time()))
+        return _persona(row)
 
     async def update_persona(self, persona_id: int, language: str, settings: Mapping[str, Any],
                              ts_config: str) -> None:
@@ -170,18 +209,8 @@ class PersonaRepository:
         given; a new name goes last). Safe when several processes write the same text at once."""
         for attempt in range(VERSION_ATTEMPTS):
             try:
-                live = f"FROM versioned_texts t WHERE kind = ? AND scope = ? AND name = ? AND {LATEST}"
-                row = await self.db.write_one(
-                    "INSERT INTO versioned_texts (kind, scope, name, version, content, position, enabled, author,"
-                    " reason, created_at)"
-                    " SELECT ?, ?, ?, coalesce(max(version), 0) + 1, ?,"
-                    f" coalesce(CAST(? AS INTEGER), (SELECT position {live}),"
-                    "   (SELECT coalesce(max(position), 0) + 1 FROM versioned_texts WHERE kind = ? AND scope = ?)),"
-                    f" coalesce(CAST(? AS INTEGER), (SELECT enabled {live}), 1), ?, ?, CAST(? AS DOUBLE PRECISION)"
-                    " FROM versioned_texts WHERE kind = ? AND scope = ? AND name = ? RETURNING *",
-                    (kind, scope, name, content, position, kind, scope, name, kind, scope,
-                     None if enabled is None else int(enabled), kind, scope, name, author, reason, time.time(),
-                     kind, scope, name))
+                row = await self.db.write_one(*_next_version(kind, scope, name, content, author, reason, position,
+                                                             enabled))
             except Exception as exc:
                 if is_conflict(exc) and attempt < VERSION_ATTEMPTS - 1:
                     continue
@@ -232,6 +261,16 @@ class NewLore:
     name: str = ""
 
 
+def _lore_insert(persona_id: int, e: NewLore, source: str, author: str, now: float) -> tuple[str, tuple[Any, ...]]:
+    """The INSERT of one lore entry (RETURNING its id), with its parameters."""
+    return (
+        "INSERT INTO lore_entries (persona_id, name, content, keys, secondary_keys, always_on, priority,"
+        " enabled, source, created_by, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        " RETURNING id",
+        (persona_id, e.name, e.content, json.dumps(list(e.keys)), json.dumps(list(e.secondary_keys)),
+         int(e.always_on), e.priority, int(e.enabled), source, author, now, now))
+
+
 class LoreRepository:
     """Lore entries of personas: plain rows (no versions), changed only by the bot's admins."""
 
@@ -244,12 +283,7 @@ class LoreRepository:
         ids: list[int] = []
         async with self.db.transaction() as tx:
             for e in entries:
-                row = await tx.fetch_one(
-                    "INSERT INTO lore_entries (persona_id, name, content, keys, secondary_keys, always_on, priority,"
-                    " enabled, source, created_by, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-                    " RETURNING id",
-                    (persona_id, e.name, e.content, json.dumps(list(e.keys)), json.dumps(list(e.secondary_keys)),
-                     int(e.always_on), e.priority, int(e.enabled), source, author, now, now))
+                row = await tx.fetch_one(*_lore_insert(persona_id, e, source, author, now))
                 assert row is not None
                 ids.append(int(row[0]))
         return ids

@@ -29,7 +29,7 @@ from bot.storage.personas import NewLore
 from bot.storage.textsearch import text_search_config
 from bot.text import one_line_name, shown
 from cortex.memory.guard import check_memory_text
-from cortex.personas.cards import MAX_CARD_BYTES, Card, CardError, CardLoreEntry, export_card_v2, parse_card
+from cortex.personas.cards import MAX_CARD_BYTES, CardError, CardLoreEntry, export_card_v2, parse_card
 from cortex.personas.commands import check_persona_name
 from cortex.personas.registry import PersonaRegistry
 
@@ -74,15 +74,17 @@ class CardCommands:
         default = self.registry.persona(None)
         # Not into a deleted persona of that name: its old soul sections and lore would come back mixed
         # with the card's (a revival is what "!persona create" is for).
-        row = await self.storage.personas.create_persona(card.name, default.language, {}, IMPORT,
-                                                         text_search_config(default.language), revive=False)
+        lore = [NewLore(e.content, e.keys, e.secondary_keys, e.always_on, e.priority, e.enabled, e.name)
+                for e in card.lore]
+        row = await self.storage.personas.import_persona(  # all of it, or nothing
+            card.name, default.language, IMPORT, text_search_config(default.language), card.sections, lore,
+            author=IMPORT, reason=f"imported from {filename} by {ctx.user_key}", lore_author=ctx.user_key)
         if row is None and await self.storage.personas.get_persona(card.name) is not None:  # (live, in any process)
             raise CommandError(f"a persona called {shown(card.name)} exists already: rename or delete it first")
         if row is None:
             raise CommandError(f"a deleted persona was called {shown(card.name)}; its soul and lore are kept, and "
                                f"{self.prefix}persona create {card.name} brings it back. To import the card, give it "
                                "another name; nothing was imported")
-        await self._write(row.id, card, filename, ctx.user_key)
         await self.registry.load()
         patterns = sum(1 for e in card.lore if e.use_regex)
         note = (f" {patterns} lore entr{'y' if patterns == 1 else 'ies'} had regular expressions as keys: this bot "
@@ -91,16 +93,6 @@ class CardCommands:
             f"Imported {card.name} from {filename} ({card.spec}): {len(card.sections)} soul section(s), "
             f"{len(card.lore)} lore entr{'y' if len(card.lore) == 1 else 'ies'}. Pick it for a channel with "
             f"{self.prefix}persona {card.name}.{note}")
-
-    async def _write(self, persona_id: int, card: Card, filename: str, author: str) -> None:
-        reason = f"imported from {filename} by {author}"
-        for position, (key, content) in enumerate(card.sections, start=1):
-            await self.storage.personas.put("soul", str(persona_id), key, content, author=IMPORT, reason=reason,
-                                            position=position)
-        entries = [NewLore(e.content, e.keys, e.secondary_keys, e.always_on, e.priority, e.enabled, e.name)
-                   for e in card.lore]
-        if entries:
-            await self.storage.lore.add(persona_id, entries, source="card", author=author)
 
     async def export_card(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
         try:
