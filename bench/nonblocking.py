@@ -10,6 +10,10 @@ both alike. Prints p50/p99 of both and their ratio; the target is ≤ 1.1,
 in five runs in a row (``--runs 5``: each a whole measurement in a fresh bot, each printed).
 
     python bench/nonblocking.py [--replies 2000] [--rounds 10] [--updates 50] [--latency-ms 1000] [--runs 5]
+        [--no-load]
+
+``--no-load`` times both phases without updates (an A/A run): the ratios it prints are the noise floor of
+the measurement on this machine.
 """
 
 from __future__ import annotations
@@ -173,6 +177,9 @@ async def measure(args: argparse.Namespace) -> tuple[list[float], list[float], i
                     if phase == "alone":
                         await load.pause()
                         alone += await time_replies(app, per_round)
+                    elif args.no_load:  # the A/A check: "loaded" timed exactly as "alone"
+                        await load.pause()
+                        loaded += await time_replies(app, per_round)
                     else:
                         if not load.running.is_set():
                             load.running.set()
@@ -194,9 +201,13 @@ async def main() -> None:
                         help="LLM latency per update call (default 1000; real ones take 1-10 s)")
     parser.add_argument("--runs", type=int, default=1,
                         help="whole measurements one after the other, each in a fresh bot (the goal: 5 in a row)")
+    parser.add_argument("--no-load", action="store_true",
+                        help="time the second phase without updates too (an A/A run: how far the ratios stray "
+                             "from 1.0 by noise alone)")
     args = parser.parse_args()
     print(f"LLM latency per update call: {args.latency_ms:.0f} ms; {args.rounds} alternating rounds per run; "
-          f"load average before: {os.getloadavg()[0]:.2f}")
+          f"load average before: {os.getloadavg()[0]:.2f}"
+          + ("; A/A run: the second phase has no updates either" if args.no_load else ""))
     within = 0
     for run in range(1, args.runs + 1):
         alone, loaded, finished, calls = await measure(args)
@@ -204,8 +215,9 @@ async def main() -> None:
         l50, l99 = percentile(loaded, 50), percentile(loaded, 99)
         ok = l50 / a50 <= TARGET and l99 / a99 <= TARGET
         within += ok
-        print(f"run {run}: replies alone p50 {a50:6.2f} ms p99 {a99:6.2f} ms ({len(alone)}); with {args.updates} "
-              f"updates in flight p50 {l50:6.2f} ms p99 {l99:6.2f} ms ({finished} updates, {calls} calls); "
+        second = "again alone (A/A)" if args.no_load else f"with {args.updates} updates in flight"
+        print(f"run {run}: replies alone p50 {a50:6.2f} ms p99 {a99:6.2f} ms ({len(alone)}); {second} "
+              f"p50 {l50:6.2f} ms p99 {l99:6.2f} ms ({finished} updates, {calls} calls); "
               f"ratio p50 ×{l50 / a50:.2f} p99 ×{l99 / a99:.2f} {'PASS' if ok else 'MISS'}")
     print(f"runs with both ratios ≤ {TARGET}: {within} of {args.runs}; load average after: {os.getloadavg()[0]:.2f}")
     print(f"peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
