@@ -145,6 +145,9 @@ class CortexUpdater:
         except LLMError as exc:
             await self._failed(exc, tools, totals, started)
             raise  # transient errors are retried by the job queue
+        except Exception as exc:  # a bug or the database: the run says so now (not "the process stopped" later)
+            await self._broke(exc, tools, totals, started)
+            raise
         except BaseException:  # cancelled (shutdown, a lost lease) or a bug: what was spent replaces the estimate
             await asyncio.shield(self.store.record_progress(run_id, totals[0], totals[1], totals[2]))
             raise
@@ -185,6 +188,16 @@ class CortexUpdater:
             duration_ms=int((time.monotonic() - started) * 1000), error=f"{type(exc).__name__}: {exc.detail}"[:1000],
         )
         log.warning("cortex run %d (pair %d) failed: %s", tools.run_id, tools.pair.id, type(exc).__name__)
+
+    async def _broke(self, exc: Exception, tools: CortexTools, totals: list[int], started: float) -> None:
+        try:
+            await asyncio.shield(self.store.finish_run(
+                tools.run_id, "failed", reason="an internal error stopped the update (see the bot's log)",
+                rounds=totals[0], files_read=tools.files_read, files_written=tools.files_written,
+                input_tokens=totals[1], output_tokens=totals[2], duration_ms=int((time.monotonic() - started) * 1000),
+                error=f"{type(exc).__name__}: {exc}"[:1000]))
+        except Exception:  # (the database itself may be what failed: the original error is the one to raise)
+            log.warning("could not record that cortex run %d failed", tools.run_id, exc_info=True)
 
     async def _history(self, pair: Pair, budget: int) -> tuple[list[tuple[StoredMessage, str]], int]:
         """The pair's newest exchanges within ``budget`` tokens, returned oldest first, and their tokens."""

@@ -686,3 +686,22 @@ async def test_an_update_the_providers_filter_stopped_is_not_recorded_as_a_succe
     run = (await app.cortex.store.runs(pair.id))[0]
     assert (run.status, run.rounds, run.files_read) == ("failed", 2, ["memory.md"])
     assert "content filter" in run.reason
+
+
+async def test_an_update_a_bug_stops_is_recorded_as_failed_at_once(app: App, fake_llm: FakeLLMServer,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error that was not the model's (a bug, the database) left the run "running" until the pair's next
+    update called it "interrupted: the process stopped", which is not what happened."""
+    await _talk(app, CONVERSATION)
+    pair = await _pair(app)
+
+    async def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the disk is full")
+
+    monkeypatch.setattr(app.cortex.updater.store, "record_progress", broken)
+    fake_llm.enqueue(FakeResponse.tool_calls([("1", "read_file", {"filename": "memory.md"})]), FakeResponse.text(""))
+    with pytest.raises(RuntimeError, match="the disk is full"):
+        await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective("Cora")).settings)
+    run = (await app.cortex.store.runs(pair.id))[0]
+    assert run.status == "failed" and "internal error" in run.reason, run
+    assert run.error == "RuntimeError: the disk is full"
