@@ -371,7 +371,8 @@ class CortexCommands:
         reason = await self.updater.guard(pair, effective.settings)
         if reason is not None:
             return CommandReply(f"Not now: {reason}.", private=True)
-        await self.tiers.request_update(pair, MANUAL, ctx.server_key)
+        if await self.tiers.request_update(pair, MANUAL, ctx.server_key) is None:  # one came in meanwhile
+            return CommandReply("An update of your files is already queued or running.", private=True)
         steps = ", ".join(f"{pct}% at {at}" for pct, at in thresholds(effective.settings))
         return CommandReply(
             f"Update queued; your files change in the background (see {self.prefix}memory history). This cycle: "

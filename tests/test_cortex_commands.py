@@ -254,6 +254,28 @@ async def test_cortex_update_command_respects_guards(tmp_path: Path) -> None:
         assert [(j.kind, j.payload["tier"]) for j in jobs] == [("cortex_update", "manual")]
 
 
+async def test_cortex_update_never_says_queued_when_another_update_came_first(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between the command's check and its request a tier (or another process) queued an update: the request
+    queued nothing, and the command still said "Update queued"."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        await app.workers.stop()
+        for text in ("I grow tomatoes", "and basil"):
+            await app.core.reply(IncomingMessage("console", "dm-ann", "ann", "Ann", text, is_dm=True)).text()
+        assert "Update queued" in (await run(app, "!cortex update")).text
+        commands = app.cortex.commands
+        saw = commands.storage.active_job
+
+        async def not_yet(key: str) -> object:  # the command's own check, made just before the other update
+            return None
+
+        monkeypatch.setattr(commands.storage, "active_job", not_yet)
+        reply = await run(app, "!cortex update")
+        monkeypatch.setattr(commands.storage, "active_job", saw)
+        assert reply.text == "An update of your files is already queued or running.", reply.text
+        assert len(await app.storage.list_jobs("queued")) == 1
+
+
 async def test_settings_are_admin_only_scoped_validated_and_shown(tmp_path: Path) -> None:
     async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
         assert "for admins only" in (await run(app, "!cortex settings")).text
