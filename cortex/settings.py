@@ -128,11 +128,11 @@ def parse_value(key: str, text: str) -> Any:
         if key in ("context_limit", "max_rounds", "daily_token_budget"):
             return int(raw)
         if key == "cooldown_seconds":
-            return float(raw)
+            return float(raw) + 0.0  # (-0 is 0: it was kept, and shown, as "-0")
         if key in ("model", "temperature") and lowered in ("default", "none", "not set", ""):  # as shown when unset
             return None
         if key == "temperature":
-            return float(raw)
+            return float(raw) + 0.0
         return raw
     except ValueError:
         raise SettingError(f"{key} must be {OVERRIDABLE[key]}; got {shown(text)}") from None

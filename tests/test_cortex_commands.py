@@ -710,3 +710,13 @@ async def test_tiers_typed_with_spaces_are_read_as_separate_tiers(tmp_path: Path
         answer = (await run(app, f"!cortex settings tiers {value}", ctx(admin=True))).text
         assert "set to" in answer, answer
         assert (await app.cortex.resolver.effective("Cora")).settings.tier_percentages() == tiers
+
+
+def test_a_typed_minus_zero_is_zero() -> None:
+    import math
+
+    from cortex.settings import parse_value
+
+    for key in ("cooldown_seconds", "temperature"):
+        value = parse_value(key, "-0")
+        assert value == 0 and math.copysign(1, value) == 1, (key, value)
