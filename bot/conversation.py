@@ -454,6 +454,11 @@ class ConversationCore:
         text = completion.text.strip()
         call = LLMCallRecord("reply", completion.model or self.config.model_for(persona), completion.usage.input_tokens,
                              completion.usage.output_tokens, duration_ms, estimated_input_tokens=raw_prompt)
+        ended = "its incognito stretch ended while it was written"
+        if incognito and await self._stretch_ended(user, persona, user_msg):
+            await self.storage.record_llm_call(call)
+            log.info("the reply in channel %d is not stored: %s", channel.id, ended)
+            return None
         try:
             reply = await self.storage.add_message(
                 channel.id, user.id, persona.name, "assistant", persona.name, text, self.estimator.raw_count(text)
@@ -462,6 +467,11 @@ class ConversationCore:
             self.storage.forget_cached(user_key=user.key)
             await self.storage.record_llm_call(call)
             log.info("the reply in channel %d is not stored: its user was forgotten while it was written", channel.id)
+            return None
+        if incognito and await self._stretch_ended(user, persona, user_msg):  # (between the check and the store)
+            await self.storage.delete_message(reply.id)
+            await self.storage.record_llm_call(call)
+            log.info("the reply in channel %d is not kept: %s", channel.id, ended)
             return None
         self._remember_last(message.channel_key, reply.text)
         prompt_tokens = self.estimator.scale(raw_prompt)
@@ -498,6 +508,12 @@ class ConversationCore:
             incognito=incognito,
         )
         return ReplyResult(text, user_msg, reply, window, summary_used, prompt_tokens, completion), exchange
+
+    async def _stretch_ended(self, user: User, persona: Persona, user_msg: StoredMessage) -> bool:
+        """Whether the incognito stretch ``user_msg`` was sent in has ended since (``!memory resume``, or its
+        hours ran out): the message went with it, and a reply stored now would outlive it, outside any stretch."""
+        since = await self.storage.incognito.since(user.id, persona.name)
+        return since is None or since > user_msg.created_at.timestamp()
 
     async def _check_summary(self, exchange: Exchange, window: HistoryWindow, summary: Summary | None) -> None:
         try:

@@ -4,6 +4,7 @@ after incognito_hours) — on SQLite without a trace in the file."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from bot.ports import IncomingMessage
 from cortex.memory.upkeep import end_expired_incognito
 from tests.engines import db_url_for
 from tests.fakes.provider import ScriptedProvider
+from tests.test_forget_races import HeldProvider
 from tests.test_router import Sink
 
 pytestmark = pytest.mark.both_engines
@@ -168,3 +170,45 @@ async def test_skill_calls_during_a_stretch_leave_no_words_in_the_audit(tmp_path
         assert [str(r[0]) for r in rows] == ["search_memory"] and "xyzzyplover" not in str(rows[0][1])
     if db_url_for(tmp_path).startswith("sqlite"):
         assert b"xyzzyplover" not in _database_bytes(tmp_path)
+
+
+async def test_a_stretch_ended_while_its_reply_is_written_keeps_no_reply(tmp_path: Path) -> None:
+    """``!memory resume`` sent while the model still writes the answer to a paused message: the message goes
+    with the stretch, and the reply (which repeats it) must not be stored after it, outside any stretch,
+    where summaries, embeddings, recall and cortex updates would keep it."""
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}})
+    llm = HeldProvider()
+    async with App(config, llm=llm) as app:
+        await app.router.handle(_inbound("!memory pause"), Sink())
+        reply = asyncio.create_task(app.router.handle(_inbound("my secret word is xyzzyplover"), Sink()))
+        await asyncio.wait_for(llm.waiting.wait(), 10)
+        ended = Sink()
+        await app.router.handle(_inbound("!memory resume"), ended)
+        assert "1 message from that stretch" in ended.public[0].text, ended.public[0].text
+        llm.release.set()
+        await reply
+        rows = await app.storage.db.fetch_all("SELECT text FROM messages")
+        assert not any("xyzzyplover" in str(r[0]) for r in rows), rows
+        await app.storage.scrub()
+    if db_url_for(tmp_path).startswith("sqlite"):
+        assert b"xyzzyplover" not in _database_bytes(tmp_path)
+
+
+async def test_a_stretch_ended_just_before_its_reply_is_stored_keeps_no_reply(tmp_path: Path) -> None:
+    """The same when the stretch ends between the core's check and the reply's insert: the reply goes again."""
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}})
+    async with App(config, llm=ScriptedProvider()) as app:
+        await app.router.handle(_inbound("!memory pause"), Sink())
+        add_message = app.storage.add_message
+
+        async def resumed_first(*args: object, **kwargs: object) -> object:
+            if args[3] == "assistant":
+                user = await app.storage.get_user("discord:7")
+                assert user is not None and await app.storage.end_incognito(user.id, "Cora") == 1
+            return await add_message(*args, **kwargs)  # type: ignore[arg-type]
+
+        app.storage.add_message = resumed_first  # type: ignore[assignment, method-assign]
+        shown = Sink()
+        await app.router.handle(_inbound("my secret word is xyzzyplover"), shown)
+        assert shown.messages[0].startswith("🕶️ echo: my secret word")  # shown as it streamed
+        assert await app.storage.db.fetch_all("SELECT text FROM messages") == []

@@ -262,6 +262,9 @@ class Storage(Protocol):
     async def withdraw_message(self, key: str, now: float, author_key: str | None = None) -> tuple[bool, int]:
         """Delete the user's message the platform message ``key`` was, archive items remembered from it."""
 
+    async def delete_message(self, message_id: int) -> None:
+        """Delete one message with what points at it."""
+
     # small persistent settings (e.g. tokenizer calibration)
     def forget_cached(self, *, user_key: str, channel_ids: Sequence[int] = ()) -> None:
         """Drop what this process cached of a user (and channels' summaries), e.g. after another process

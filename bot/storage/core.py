@@ -259,6 +259,11 @@ class Storage:
             deleted, _ = await delete_messages(tx, "created_at < ?", (before,))
         return len(deleted)
 
+    async def delete_message(self, message_id: int) -> None:
+        """One message goes, with what points at it (a reply whose incognito stretch ended while it was written)."""
+        async with self.db.transaction() as tx:
+            await delete_messages(tx, "id = ?", (message_id,))
+
     async def scrub(self) -> None:
         """After deleting someone's data: leave no trace of it in the database's files where the engine
         can (see ``Database.scrub``), and clear the note of deletions made before it began."""
