@@ -79,6 +79,28 @@ async def test_remember_search_update_forget_through_the_loop(app: App, fake_llm
     assert "Paris" not in {i.content for i in items} and stale.id not in by_text.values()
 
 
+async def test_a_correction_keeps_the_scope_the_user_gave(app: App, fake_llm: FakeLLMServer) -> None:
+    """A shared item corrected by the persona stays shared (and a private one private): the old one is hidden,
+    so a correction made private would vanish from the group channels where the user wanted the fact."""
+    await _talk(app, CONVERSATION)
+    pair = await _pair(app)
+    memory = app.cortex.memory
+    shared = await memory.remember(pair.id, "Ann's team plays on Tuesdays", category="fact", scope="shared")
+    private = await memory.remember(pair.id, "Ann's sister Mia lives in Paris", category="user_info")
+    fake_llm.enqueue(
+        FakeResponse.tool_calls([
+            ("1", "update_memory", {"id": shared.id, "content": "Ann's team plays on Fridays"}),
+            ("2", "update_memory", {"id": private.id, "content": "Ann's sister Mia lives in Lyon"}),
+        ]),
+        FakeResponse.text(""),
+    )
+    _, outcome = await _run(app)
+    assert outcome.status == "success"
+    items, _ = await memory.list_items(pair.id)
+    scopes = {i.content: i.scope for i in items}
+    assert scopes == {"Ann's team plays on Fridays": "shared", "Ann's sister Mia lives in Lyon": "private"}
+
+
 async def test_bad_memory_tool_calls_get_clear_errors_and_write_nothing(app: App, fake_llm: FakeLLMServer) -> None:
     await _talk(app, CONVERSATION)
     await _talk(app, ["hello there", "how are you", "fine"], user="bob")

@@ -265,7 +265,7 @@ class MemoryTools:
             self.pair_id, content, category=_category(args, old.category),
             importance=_int(args, "importance", required=False, low=1, high=10) or old.importance,
             key=old.key, tags=old.tags, source="model", source_ref=self._source_ref,
-            supersedes=old.id,
+            supersedes=old.id, scope="shared" if old.scope == "shared" else "private",  # (the user chose who sees it)
         )
         self.written.append(item.id)
         return MemoryToolResult(f"saved #{item.id}, replacing #{old.id}")
