@@ -184,7 +184,7 @@ async def test_a_stretch_ended_while_its_reply_is_written_keeps_no_reply(tmp_pat
         await asyncio.wait_for(llm.waiting.wait(), 10)
         ended = Sink()
         await app.router.handle(_inbound("!memory resume"), ended)
-        assert "1 message from that stretch" in ended.public[0].text, ended.public[0].text
+        assert "1 message from that stretch is deleted" in ended.public[0].text, ended.public[0].text
         llm.release.set()
         await reply
         rows = await app.storage.db.fetch_all("SELECT text FROM messages")

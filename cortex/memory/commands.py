@@ -108,7 +108,8 @@ class MemoryCommands:
         if deleted is None:
             return f"You were not incognito with {ctx.persona}."
         await self.pairs.storage.scrub()
-        return f"Incognito ended: {plural(deleted, 'message')} from that stretch are deleted. I remember again."
+        verb = "is" if deleted == 1 else "are"
+        return f"Incognito ended: {plural(deleted, 'message')} from that stretch {verb} deleted. I remember again."
 
     async def why(self, ctx: CommandContext, args: Sequence[str]) -> str:
         user, pair = await self.pairs.pair_for(ctx.user_key, ctx.user_name, ctx.persona)
