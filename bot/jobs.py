@@ -2,7 +2,8 @@
 
 * **Durable.** A job is a row (``queued → running → done | failed``). A worker claims it atomically
   with a lease it keeps renewing; a job whose worker died (lease expired, or the worker's process is
-  gone) is put back in the queue by :meth:`WorkerPool.start` and runs again.
+  gone) is put back in the queue by :meth:`WorkerPool.start` and runs again, unless that was its last
+  attempt: a job that keeps killing its process fails after ``max_attempts`` instead of running for ever.
 * **One per key.** A job is never claimed while another job with the same key runs (summaries are
   keyed per channel, cortex updates per user-persona pair).
 * **Retries.** A handler that raises an error marked ``transient`` (LLM rate limits, outages,
@@ -118,9 +119,13 @@ class WorkerPool:
         dead = (lambda w: worker_is_dead(w, own_worker=self.worker_id)) if self.pid_checks else None
         recovered = await self.storage.recover_jobs(dead)
         for job in recovered:
-            log.warning("job %d (%s) was interrupted (its worker stopped or its lease ran out); it is queued again",
-                        job.id, job.kind)
-        if recovered:
+            if job.status == "failed":
+                log.error("job %d (%s) was interrupted on its last attempt (%d of %d: its worker stopped or its "
+                          "lease ran out each time); it failed", job.id, job.kind, job.attempts, job.max_attempts)
+            else:
+                log.warning("job %d (%s) was interrupted (its worker stopped or its lease ran out); it is queued "
+                            "again", job.id, job.kind)
+        if any(job.status == "queued" for job in recovered):
             self.queue.wakeup.set()
         return len(recovered)
 

@@ -241,3 +241,20 @@ async def test_scheduler_close_cancels_a_run_in_progress() -> None:
     await asyncio.wait_for(scheduler.aclose(), 2)  # does not wait out the 30 s
     assert finished == ["cleaned up"] and not scheduler.running
     assert scheduler.jobs["slow"].runs == 0 and scheduler.jobs["slow"].last_run_at is not None
+
+
+async def test_a_job_whose_worker_keeps_dying_fails_after_max_attempts(storage: Storage) -> None:
+    # A job that kills its process (out of memory, a SIGKILL mid-job) must not be run again for ever.
+    job = await storage.enqueue_job("k", "a", {}, 2)
+    assert job is not None
+    dead = f"{socket.gethostname()}:999999:deadbeef"
+    first = await storage.claim_job(dead, ["k"], 3600)
+    assert first is not None and first.attempts == 1
+    assert [(j.id, j.status) for j in await storage.recover_jobs(lambda _w: True)] == [(job.id, "queued")]
+    second = await storage.claim_job(dead, ["k"], 3600)
+    assert second is not None and second.attempts == 2
+    assert [(j.id, j.status) for j in await storage.recover_jobs(lambda _w: True)] == [(job.id, "failed")]
+    failed = await storage.get_job(job.id)
+    assert failed is not None and failed.status == "failed" and failed.attempts == 2
+    assert "interrupted" in failed.last_error
+    assert await storage.claim_job("w:1:a", ["k"], 30) is None

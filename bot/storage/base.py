@@ -238,7 +238,8 @@ class Storage(Protocol):
         """Put a running job back in the queue untouched (clean shutdown)."""
 
     async def recover_jobs(self, is_worker_dead: Callable[[str], bool] | None = None) -> list[Job]:
-        """Requeue running jobs whose lease expired (or whose worker ``is_worker_dead(worker)``)."""
+        """Requeue running jobs whose lease expired (or whose worker ``is_worker_dead(worker)``); one
+        interrupted on its last attempt fails instead. The jobs as they are now."""
 
     async def get_job(self, job_id: int) -> Job | None: ...
 

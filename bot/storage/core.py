@@ -630,20 +630,24 @@ class Storage:
 
     async def recover_jobs(self, is_worker_dead: Callable[[str], bool] | None = None) -> list[Job]:
         """Requeue running jobs whose lease expired (or, on a single-machine engine, whose worker
-        ``is_worker_dead``); each requeue is one statement, so two processes never both take one."""
+        ``is_worker_dead``); each requeue is one statement, so two processes never both take one. A job
+        interrupted on its last attempt fails instead (one that kills its process would otherwise run for
+        ever). The jobs as they are now (queued or failed)."""
         now = time.time()
         recovered: list[Job] = []
         for row in await self.db.fetch_all("SELECT * FROM jobs WHERE status = 'running'"):
             expired = float(row["lease_until"]) < now
             if not expired and not (is_worker_dead is not None and is_worker_dead(str(row["locked_by"]))):
                 continue
-            taken = await self.db.write(
-                "UPDATE jobs SET status = 'queued', locked_by = '', lease_until = 0, updated_at = ?, last_error = ?"
-                " WHERE id = ? AND status = 'running' AND locked_by = ? RETURNING id",
-                (now, "interrupted: the worker running it stopped", row["id"], row["locked_by"]),
+            taken = await self.db.write_one(
+                "UPDATE jobs SET status = CASE WHEN attempts >= max_attempts THEN 'failed' ELSE 'queued' END,"
+                " locked_by = '', lease_until = 0, updated_at = ?, last_error = CASE WHEN attempts >= max_attempts"
+                " THEN ? ELSE ? END WHERE id = ? AND status = 'running' AND locked_by = ? RETURNING *",
+                (now, f"interrupted on its last attempt ({row['attempts']}): the worker running it stopped",
+                 "interrupted: the worker running it stopped", row["id"], row["locked_by"]),
             )
-            if taken:
-                recovered.append(self._job(row))
+            if taken is not None:
+                recovered.append(self._job(taken))
         return recovered
 
     async def get_job(self, job_id: int) -> Job | None:
