@@ -587,3 +587,23 @@ async def test_three_bot_processes_share_one_postgres(pg_url: str, tmp_path: Pat
     print(f"\nfleet: {N_JOBS} jobs, killed {victim} with {len(interrupted)} job(s) in progress; all done "
           f"{all_done_at - killed_at:.1f} s after the kill; {len(ticks)} ticks; {during} user messages stored "
           f"between the kill and the end of the jobs; {elapsed:.1f} s in all")
+
+
+async def test_periodic_runs_and_locks_stamped_by_a_clock_that_was_far_ahead_do_not_block_for_ever(
+    db_url: str,
+) -> None:
+    # A machine that booted with its clock a year ahead, then was set right by NTP (or a process on a machine
+    # whose clock is wrong): its stamps lie in the future, and the upkeep and the lock must not wait for them.
+    storage = await migrated(db_url)
+    try:
+        repo, now, year = storage.fleet, time.time(), 365 * 86_400.0
+        assert await repo.claim_period("upkeep", 60, "wrong-clock", now=now + year)
+        assert await repo.claim_period("upkeep", 60, "right-clock", now=now)
+        assert not await repo.claim_period("upkeep", 60, "other", now=now + 1)  # still once per period
+        assert not await repo.claim_period("upkeep", 60, "other", now=now + 30)
+        # a lock whose expiry a clock a year ahead set (its holder is gone) is free
+        assert await repo.acquire_lock("matrix:@bot:example.org", "wrong-clock", year + 60) is None
+        assert await repo.acquire_lock("matrix:@bot:example.org", "right-clock", 60) is None
+        assert await repo.acquire_lock("matrix:@bot:example.org", "other", 60) == "right-clock"
+    finally:
+        await storage.close()

@@ -19,6 +19,9 @@ from typing import Any
 from bot.storage.engine import Database
 
 LIVE_SECONDS = 45.0  # a process whose heartbeat is older than this is taken for dead
+# A stamp further ahead of this clock than this was written by a clock that was wrong (it has been set back
+# since, or another machine's is far off): it does not hold up a periodic run or a lock until then.
+CLOCK_AHEAD_SECONDS = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,25 +50,28 @@ class FleetRepository:
         """Whether this process should run ``name`` now: true for exactly one claimant per period.
 
         A run counts as due a little early (5 % of the period, at most 5 s), so timers of different
-        processes that drift by a moment never skip a period."""
+        processes that drift by a moment never skip a period; a last start far in the future
+        (:data:`CLOCK_AHEAD_SECONDS`) counts as long ago."""
         now = time.time() if now is None else now
         slack = min(period_seconds * 0.05, 5.0)
         row = await self.db.write_one(
             "INSERT INTO periodic_runs (name, last_started, owner) VALUES (?, ?, ?)"
             " ON CONFLICT (name) DO UPDATE SET last_started = excluded.last_started, owner = excluded.owner"
-            " WHERE periodic_runs.last_started <= ? RETURNING name",
-            (name, now, owner, now - period_seconds + slack),
+            " WHERE periodic_runs.last_started <= ? OR periodic_runs.last_started > ? RETURNING name",
+            (name, now, owner, now - period_seconds + slack, now + period_seconds + CLOCK_AHEAD_SECONDS),
         )
         return row is not None
 
     async def acquire_lock(self, name: str, owner: str, ttl_seconds: float) -> str | None:
-        """Take or renew the lock ``name`` for ``owner``; returns None when taken, else the holder."""
+        """Take or renew the lock ``name`` for ``owner``; returns None when taken, else the holder. An
+        expiry far in the future (:data:`CLOCK_AHEAD_SECONDS`) counts as past."""
         now = time.time()
         row = await self.db.write_one(
             "INSERT INTO instance_locks (name, owner, expires_at) VALUES (?, ?, ?)"
             " ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, expires_at = excluded.expires_at"
-            " WHERE instance_locks.owner = excluded.owner OR instance_locks.expires_at < ? RETURNING owner",
-            (name, owner, now + ttl_seconds, now),
+            " WHERE instance_locks.owner = excluded.owner OR instance_locks.expires_at < ?"
+            " OR instance_locks.expires_at > ? RETURNING owner",
+            (name, owner, now + ttl_seconds, now, now + ttl_seconds + CLOCK_AHEAD_SECONDS),
         )
         if row is not None:
             return None
