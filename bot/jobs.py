@@ -107,7 +107,7 @@ class WorkerPool:
         # at once; on a shared one (PostgreSQL) only an expired lease tells, whatever the host.
         self.pid_checks = pid_checks
         self._loops: list[asyncio.Task[None]] = []
-        self._running: dict[int, asyncio.Task[None]] = {}
+        self._running: set[asyncio.Task[None]] = set()  # one job each (two may be claims of one job)
         self._stopping = asyncio.Event()
 
     @property
@@ -157,7 +157,7 @@ class WorkerPool:
                     pass
                 continue
             task = asyncio.create_task(self._run(job), name=f"job-{job.id}-{job.kind}")
-            self._running[job.id] = task
+            self._running.add(task)
             try:
                 await asyncio.shield(task)
             except asyncio.CancelledError:
@@ -166,14 +166,15 @@ class WorkerPool:
                     await asyncio.gather(task, return_exceptions=True)
                 raise
             finally:
-                self._running.pop(job.id, None)
+                self._running.discard(task)
 
     async def _keep_lease(self, job: Job) -> None:
         interval = max(self.config.lease_seconds / 3, 1.0)
         while True:
             await asyncio.sleep(interval)
             try:
-                if not await self.storage.renew_lease(job.id, self.worker_id, self.config.lease_seconds):
+                if not await self.storage.renew_lease(job.id, self.worker_id, self.config.lease_seconds,
+                                                      attempt=job.attempts):
                     log.warning("job %d (%s) lost its lease (another worker took it over after a stall); its "
                                 "result will not count", job.id, job.kind)
                     return
@@ -187,13 +188,13 @@ class WorkerPool:
         try:
             await handler(job)
         except asyncio.CancelledError:
-            await self.storage.release_job(job.id, self.worker_id)
+            await self.storage.release_job(job.id, self.worker_id, attempt=job.attempts)
             log.info("job %d (%s) was stopped by shutdown; it is queued again", job.id, job.kind)
             raise
         except Exception as exc:
             await self._after_failure(job, exc)
         else:
-            if await self.storage.finish_job(job.id, self.worker_id):
+            if await self.storage.finish_job(job.id, self.worker_id, attempt=job.attempts):
                 log.info(
                     "job %d (%s) done in %.2f s", job.id, job.kind, asyncio.get_running_loop().time() - started
                 )
@@ -208,13 +209,14 @@ class WorkerPool:
         error = f"{type(exc).__name__}: {exc}"[:2000]
         if getattr(exc, "transient", False) and job.attempts < job.max_attempts:
             delay = backoff_delay(job.attempts, self.config)
-            await self.storage.retry_job(job.id, error, datetime.now(UTC) + timedelta(seconds=delay), self.worker_id)
+            await self.storage.retry_job(job.id, error, datetime.now(UTC) + timedelta(seconds=delay), self.worker_id,
+                                         attempt=job.attempts)
             log.warning(
                 "job %d (%s) attempt %d/%d failed (%s); retrying in %.1f s",
                 job.id, job.kind, job.attempts, job.max_attempts, type(exc).__name__, delay,
             )
             return
-        await self.storage.fail_job(job.id, error, self.worker_id)
+        await self.storage.fail_job(job.id, error, self.worker_id, attempt=job.attempts)
         if isinstance(exc, LLMError):
             # No traceback: a chained SDK exception could carry request details.
             log.error("job %d (%s) failed after %d attempt(s): %s", job.id, job.kind, job.attempts, type(exc).__name__)
@@ -237,7 +239,7 @@ class WorkerPool:
         grace = self.config.shutdown_grace_seconds if grace is None else grace
         self._stopping.set()
         self.queue.wakeup.set()
-        running = list(self._running.values())
+        running = list(self._running)
         if running:
             log.info("waiting up to %.0f s for %d running job(s)", grace, len(running))
             _done, pending = await asyncio.wait(running, timeout=grace)

@@ -84,8 +84,8 @@ async def main(args: argparse.Namespace) -> int:
     # Observe (not replace) the fenced completion the worker pool asks for.
     real_finish = storage.finish_job
 
-    async def finish_job(job_id: int, worker: str | None = None) -> bool:
-        ok = await real_finish(job_id, worker)
+    async def finish_job(job_id: int, worker: str | None = None, *, attempt: int | None = None) -> bool:
+        ok = await real_finish(job_id, worker, attempt=attempt)
         record.write(ev="finish", job=job_id, ok=ok, t=time.time())
         return ok
 

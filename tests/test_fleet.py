@@ -80,8 +80,8 @@ async def test_a_worker_whose_lease_ran_out_cannot_finish_the_job_another_took_o
     def observe(name: str, storage: Storage) -> None:
         real = storage.finish_job
 
-        async def finish_job(job_id: int, worker: str | None = None) -> bool:
-            ok = await real(job_id, worker)
+        async def finish_job(job_id: int, worker: str | None = None, *, attempt: int | None = None) -> bool:
+            ok = await real(job_id, worker, attempt=attempt)
             finishes.append((name, ok))
             return ok
         storage.finish_job = finish_job  # type: ignore[method-assign]

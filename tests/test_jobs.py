@@ -1,7 +1,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
+from collections.abc import Callable
+
+import pytest
 
 from bot.config import JobsConfig
 from bot.jobs import JobQueue, WorkerPool, worker_is_dead
@@ -166,6 +170,17 @@ async def test_drain_waits_for_queued_jobs(storage: Storage) -> None:
     await pool.stop()
 
 
+async def _logged(caplog: pytest.LogCaptureFixture, matches: Callable[[str], bool], timeout: float = 5.0) -> None:
+    """Wait until a log line ``matches``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        if any(matches(r.getMessage()) for r in caplog.records):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the expected log line never came")
+
+
 def test_worker_liveness() -> None:
     me = f"{socket.gethostname()}:{__import__('os').getpid()}:aaaa"
     assert worker_is_dead(f"{socket.gethostname()}:999999:x", own_worker=me)
@@ -258,3 +273,40 @@ async def test_a_job_whose_worker_keeps_dying_fails_after_max_attempts(storage: 
     assert failed is not None and failed.status == "failed" and failed.attempts == 2
     assert "interrupted" in failed.last_error
     assert await storage.claim_job("w:1:a", ["k"], 30) is None
+
+
+async def test_a_stalled_run_cannot_finish_the_job_another_loop_of_its_own_pool_took_over(
+    storage: Storage, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # All the loops of one pool claim under one worker id: a run whose lease ran out (a stall, a clock that
+    # jumped) must still be told apart from the run of the same job that a sibling loop claimed afterwards.
+    first_started, first_release, second_started, second_release = (asyncio.Event() for _ in range(4))
+
+    async def handler(job: Job) -> None:
+        started, release = (first_started, first_release) if job.attempts == 1 else (second_started, second_release)
+        started.set()
+        await release.wait()
+
+    config = FAST.model_copy(update={"lease_seconds": 0.5, "concurrency": 2})
+    pool = WorkerPool(JobQueue(storage, config), {"k": handler})
+    caplog.set_level(logging.INFO, logger="bot.jobs")
+    try:
+        await pool.start()
+        job = await pool.queue.enqueue("k", "pair:1", {})
+        assert job is not None
+        await asyncio.wait_for(first_started.wait(), 10)
+        while not second_started.is_set():  # the lease runs out; the upkeep requeues it; the other loop takes it
+            await pool.recover()
+            await asyncio.sleep(0.05)
+        first_release.set()
+        await _logged(caplog, lambda m: m.startswith(f"job {job.id} (k) done in") or "finished after" in m)
+        held = await storage.get_job(job.id)
+        assert held is not None and held.status == "running" and held.attempts == 2
+        assert pool.running_jobs == 1
+        second_release.set()
+        done = await _wait_status(storage, job.id, "done")
+        assert done.attempts == 2
+    finally:
+        first_release.set()
+        second_release.set()
+        await pool.stop(1)

@@ -224,17 +224,22 @@ class Storage(Protocol):
     async def claim_job(self, worker: str, kinds: Sequence[str], lease_seconds: float) -> Job | None:
         """Atomically take the oldest runnable queued job whose key has no running job."""
 
-    async def renew_lease(self, job_id: int, worker: str, lease_seconds: float) -> bool: ...
+    async def renew_lease(self, job_id: int, worker: str, lease_seconds: float, *, attempt: int | None = None
+                          ) -> bool: ...
 
     # Fenced: with ``worker``, a job changes only while that worker holds it under a live lease (a
-    # worker whose lease ran out, or whose job went to another, changes nothing and gets False).
-    async def finish_job(self, job_id: int, worker: str | None = None) -> bool: ...
+    # worker whose lease ran out, or whose job went to another, changes nothing and gets False); with
+    # ``attempt`` too, only while it runs that claim (``Job.attempts`` as claimed): the worker loops of
+    # one pool share a worker id, and one may have claimed the job again after another's lease ran out.
+    async def finish_job(self, job_id: int, worker: str | None = None, *, attempt: int | None = None) -> bool: ...
 
-    async def retry_job(self, job_id: int, error: str, run_after: datetime, worker: str | None = None) -> bool: ...
+    async def retry_job(self, job_id: int, error: str, run_after: datetime, worker: str | None = None, *,
+                        attempt: int | None = None) -> bool: ...
 
-    async def fail_job(self, job_id: int, error: str, worker: str | None = None) -> bool: ...
+    async def fail_job(self, job_id: int, error: str, worker: str | None = None, *, attempt: int | None = None
+                       ) -> bool: ...
 
-    async def release_job(self, job_id: int, worker: str | None = None) -> bool:
+    async def release_job(self, job_id: int, worker: str | None = None, *, attempt: int | None = None) -> bool:
         """Put a running job back in the queue untouched (clean shutdown)."""
 
     async def recover_jobs(self, is_worker_dead: Callable[[str], bool] | None = None) -> list[Job]:

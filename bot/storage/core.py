@@ -117,6 +117,11 @@ MESSAGE_DEPENDENTS = ("reply_stats", "message_vectors", "reply_sources", "platfo
 SCRUB_PENDING = "storage.scrub-pending"  # deleted words may still sit in the database's files (see Storage.scrub)
 
 
+def _attempt_fence(attempt: int | None) -> tuple[str, tuple[int, ...]]:
+    """The condition (and its parameter) that a job is still in its claim ``attempt`` (None: any)."""
+    return ("", ()) if attempt is None else (" AND attempts = ?", (attempt,))
+
+
 async def note_scrub_pending(tx: Tx) -> None:
     """Note, in the transaction that deletes someone's words, that the files still hold them until a scrub:
     a process stopped before its scrub leaves the note for the next start or the hourly check."""
@@ -591,41 +596,49 @@ class Storage:
             return None if row is None else self._job(row)
         return None
 
-    async def renew_lease(self, job_id: int, worker: str, lease_seconds: float) -> bool:
-        """Extend the lease of a job this worker still holds (False: it was taken away)."""
+    async def renew_lease(self, job_id: int, worker: str, lease_seconds: float, *, attempt: int | None = None) -> bool:
+        """Extend the lease of a job this worker still holds (False: it was taken away); ``attempt``: only
+        while that claim of it runs (the loops of one pool share a worker id)."""
+        fence, fenced = _attempt_fence(attempt)
         renewed = await self.db.write(
-            "UPDATE jobs SET lease_until = ? WHERE id = ? AND status = 'running' AND locked_by = ? RETURNING id",
-            (time.time() + lease_seconds, job_id, worker),
+            f"UPDATE jobs SET lease_until = ? WHERE id = ? AND status = 'running' AND locked_by = ?{fence}"
+            " RETURNING id",
+            (time.time() + lease_seconds, job_id, worker, *fenced),
         )
         return bool(renewed)
 
-    async def _set_job(self, job_id: int, worker: str | None, sql_set: str, params: Sequence[Any]) -> bool:
+    async def _set_job(self, job_id: int, worker: str | None, sql_set: str, params: Sequence[Any],
+                       attempt: int | None = None) -> bool:
         """Change a job that ``worker`` holds under a live lease (fenced: a worker whose lease ran out,
-        or whose job was handed to another, changes nothing); ``worker`` None changes it regardless."""
+        or whose job was handed to another, changes nothing); ``worker`` None changes it regardless.
+        ``attempt`` fences off the claims of the same worker but that one (each claim counts an attempt)."""
         now = time.time()
         fence = "" if worker is None else " AND status = 'running' AND locked_by = ? AND lease_until >= ?"
+        by_attempt, fenced = _attempt_fence(attempt)
         changed = await self.db.write(
-            f"UPDATE jobs SET {sql_set}, updated_at = ? WHERE id = ?{fence} RETURNING id",
-            (*params, now, job_id, *(() if worker is None else (worker, now))),
+            f"UPDATE jobs SET {sql_set}, updated_at = ? WHERE id = ?{fence}{by_attempt} RETURNING id",
+            (*params, now, job_id, *(() if worker is None else (worker, now)), *fenced),
         )
         return bool(changed)
 
-    async def finish_job(self, job_id: int, worker: str | None = None) -> bool:
-        return await self._set_job(job_id, worker, f"status = 'done', {JOB_DONE}", ())
+    async def finish_job(self, job_id: int, worker: str | None = None, *, attempt: int | None = None) -> bool:
+        return await self._set_job(job_id, worker, f"status = 'done', {JOB_DONE}", (), attempt)
 
-    async def retry_job(self, job_id: int, error: str, run_after: datetime, worker: str | None = None) -> bool:
+    async def retry_job(self, job_id: int, error: str, run_after: datetime, worker: str | None = None, *,
+                        attempt: int | None = None) -> bool:
         return await self._set_job(
             job_id, worker, f"status = 'queued', last_error = ?, run_after = ?, {JOB_DONE}",
-            (error, run_after.timestamp()),
+            (error, run_after.timestamp()), attempt,
         )
 
-    async def fail_job(self, job_id: int, error: str, worker: str | None = None) -> bool:
-        return await self._set_job(job_id, worker, f"status = 'failed', last_error = ?, {JOB_DONE}", (error,))
+    async def fail_job(self, job_id: int, error: str, worker: str | None = None, *, attempt: int | None = None) -> bool:
+        return await self._set_job(job_id, worker, f"status = 'failed', last_error = ?, {JOB_DONE}", (error,), attempt)
 
-    async def release_job(self, job_id: int, worker: str | None = None) -> bool:
+    async def release_job(self, job_id: int, worker: str | None = None, *, attempt: int | None = None) -> bool:
         return await self._set_job(
             job_id, worker,
             f"status = 'queued', attempts = CASE WHEN attempts > 0 THEN attempts - 1 ELSE 0 END, {JOB_DONE}", (),
+            attempt,
         )
 
     async def recover_jobs(self, is_worker_dead: Callable[[str], bool] | None = None) -> list[Job]:
