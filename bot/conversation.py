@@ -56,7 +56,7 @@ from bot.storage.base import Channel, LLMCallRecord, ReplyStats, Storage, Stored
 from bot.storage.engine import StaleReference
 from bot.storage.sources import ReplySource
 from bot.summary import SummaryEngine, budgets_for
-from bot.text import storable
+from bot.text import storable, visible
 from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ class ConversationCore:
         """Validate ``message`` (raises :class:`bot.errors.UserFacingError`) and prepare its reply;
         ``is_admin``: the author is an admin where it was sent (admin-only skills are offered)."""
         text = storable(message.text).strip()
-        if not text:
+        if not visible(text):
             raise EmptyMessage()
         limit = self.config.bot.max_message_chars
         if len(text) > limit:

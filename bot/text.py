@@ -21,6 +21,12 @@ def storable(text: str) -> str:
     return without_surrogates(text).replace("\x00", "") if text else text
 
 
+def visible(text: str) -> bool:
+    """Whether ``text`` holds anything to read: a character that is not a space, a control or an invisible
+    format character (a zero-width space, a BOM, a word joiner)."""
+    return any(unicodedata.category(ch)[0] not in "CZ" for ch in text)
+
+
 NAME_CHARS = 64  # of a display name, as it enters prompts and the store
 _NAME_BREAKS = re.compile(r"[\s\x00-\x1f\x7f-\x9f\u2028\u2029]+")
 # Invisible characters that reorder or hide text (direction overrides and isolates, zero-width space, word

@@ -99,6 +99,8 @@ async def test_empty_and_huge_messages_are_refused_clearly(tmp_path: Path) -> No
     async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
         with pytest.raises(EmptyMessage):
             app.core.reply(_msg("   \n "))
+        with pytest.raises(EmptyMessage):  # only invisible characters: zero-width space, BOM, word joiner
+            app.core.reply(_msg("\u200b \ufeff\u2060\u3000\u200b"))
         with pytest.raises(MessageTooLong) as info:
             app.core.reply(_msg("x" * 9000))
         assert "9,000" in info.value.user_message and "8,000" in info.value.user_message
