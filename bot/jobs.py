@@ -53,6 +53,13 @@ class JobQueue:
         return job
 
 
+async def _cancelled(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` (if still running) and wait for it to end."""
+    if not task.done():
+        task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
 def new_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
@@ -169,25 +176,33 @@ class WorkerPool:
                 self._running.discard(task)
 
     async def _keep_lease(self, job: Job) -> None:
+        """Renew the job's lease until it is lost (then return: another worker took the job over)."""
         interval = max(self.config.lease_seconds / 3, 1.0)
         while True:
             await asyncio.sleep(interval)
             try:
                 if not await self.storage.renew_lease(job.id, self.worker_id, self.config.lease_seconds,
                                                       attempt=job.attempts):
-                    log.warning("job %d (%s) lost its lease (another worker took it over after a stall); its "
-                                "result will not count", job.id, job.kind)
                     return
             except Exception as exc:  # a dropped connection: the next renewal may work, keep trying
                 log.warning("could not renew the lease of job %d (%s): %s", job.id, job.kind, exc)
 
     async def _run(self, job: Job) -> None:
-        handler = self.handlers[job.kind]
+        """Run the job's handler while its lease is renewed; a run whose lease is lost stops at once (the
+        worker that took the job over runs it: two runs of one key at a time would each write their result)."""
         lease = asyncio.create_task(self._keep_lease(job), name=f"job-{job.id}-lease")
+        work = asyncio.ensure_future(self.handlers[job.kind](job))
         started = asyncio.get_running_loop().time()
         try:
-            await handler(job)
+            await asyncio.wait({work, lease}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                await _cancelled(work)
+                log.warning("job %d (%s) lost its lease (another worker took it over after a stall); this run "
+                            "stopped", job.id, job.kind)
+                return
+            await work
         except asyncio.CancelledError:
+            await _cancelled(work)
             await self.storage.release_job(job.id, self.worker_id, attempt=job.attempts)
             log.info("job %d (%s) was stopped by shutdown; it is queued again", job.id, job.kind)
             raise
@@ -202,8 +217,7 @@ class WorkerPool:
                 log.warning("job %d (%s) finished after its lease ran out; it was not marked done (it may run "
                             "again: another worker may have taken it over)", job.id, job.kind)
         finally:
-            lease.cancel()
-            await asyncio.gather(lease, return_exceptions=True)
+            await _cancelled(lease)
 
     async def _after_failure(self, job: Job, exc: Exception) -> None:
         error = f"{type(exc).__name__}: {exc}"[:2000]
