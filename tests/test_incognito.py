@@ -55,6 +55,9 @@ async def test_an_incognito_stretch_is_answered_kept_apart_and_deleted(tmp_path:
         assert backlog and not any("xyzzyplover" in t for t in backlog)  # nor embeddings
         window = [m.text for m in await app.storage.recent_messages(channel.id, 20)]
         assert any("xyzzyplover" in t for t in window)  # the conversation itself still has them
+        found = await app.cortex.memory.search(pair.id, "secret word xyzzyplover roses garden", user_id=user.id,
+                                               persona="Cora", use_vectors=False)
+        assert found and not any("xyzzyplover" in h.text for h in found)  # nor a search by words (another channel's)
         ended = await say("!memory resume")
         assert "6 messages from that stretch are deleted" in ended.public[0].text
         window = [m.text for m in await app.storage.recent_messages(channel.id, 20)]

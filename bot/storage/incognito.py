@@ -1,5 +1,6 @@
 """Incognito stretches (``!memory pause`` … ``!memory resume``): per user and persona, the messages
-since the start are answered with but kept out of summaries, cortex updates and embeddings
+since the start are answered with but kept out of summaries, cortex updates, embeddings and the search of
+past messages
 (:data:`NOT_INCOGNITO` in those queries), and deleted — with all that points at them — when it ends
 (``Storage.end_incognito``)."""
 

@@ -405,11 +405,13 @@ class MemoryRepository:
         ``exclude`` (the reply's own history window: left out here, so the limit counts only what is kept
         and no excluded row is marked or ranked for nothing)."""
         left_out = json.dumps(sorted(exclude))
+        paused = not_incognito("m")  # what is said in an incognito stretch is found by no search (it goes at its end)
         if self.db.dialect == "sqlite":
             skip = " AND m.id NOT IN (SELECT value FROM json_each(?))" if exclude else ""
             sql = (" FROM messages_fts JOIN messages AS m ON m.id = messages_fts.rowid"
                    " JOIN channels AS c ON c.id = m.channel_id"
-                   f" WHERE messages_fts MATCH ? AND m.user_id = ? AND m.persona = ?{skip} ORDER BY {{}} LIMIT ?")
+                   f" WHERE messages_fts MATCH ? AND m.user_id = ? AND m.persona = ?{skip} AND {paused}"
+                   " ORDER BY {} LIMIT ?")
             params = (" OR ".join(terms), user_id, persona, *((left_out,) if exclude else ()), limit)
             if newest:
                 return await self._newest_sqlite(
@@ -421,7 +423,8 @@ class MemoryRepository:
         last = 6 + len(terms)  # after the words of the rank
         skip = f" AND m.id NOT IN (SELECT CAST(value AS BIGINT) FROM jsonb_array_elements_text(${last}::jsonb))"
         # The messages' own columns only: the channel of the few rows returned is joined afterwards.
-        sql = self._pg_text_sql("m.*", "messages AS m", "m.user_id = $1 AND m.persona = $2" + skip, terms, newest)
+        sql = self._pg_text_sql("m.*", "messages AS m", f"m.user_id = $1 AND m.persona = $2{skip} AND {paused}", terms,
+                                newest)
         return await self.db.fetch_all(
             f"SELECT {MESSAGE_HIT_COLUMNS}, m.rank FROM ({sql}) AS m JOIN channels AS c ON c.id = m.channel_id"
             " ORDER BY " + ("m.id DESC" if newest else "m.rank"),
