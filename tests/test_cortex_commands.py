@@ -720,3 +720,17 @@ def test_a_typed_minus_zero_is_zero() -> None:
     for key in ("cooldown_seconds", "temperature"):
         value = parse_value(key, "-0")
         assert value == 0 and math.copysign(1, value) == 1, (key, value)
+
+
+@pytest.mark.parametrize(("line", "answer"), [
+    ("!memory list fact preference", "give one category"),
+    ("!memory list 1 2", "give one page"),
+])
+async def test_a_second_category_or_page_is_refused_not_ignored(tmp_path: Path, line: str, answer: str) -> None:
+    """``!memory list fact preference`` listed the facts alone and ``!memory list 1 2`` page 1, without a word."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        await run(app, "!memory remember Ann likes figs")
+        await run(app, "!memory remember Ann rides a bike --category preference")
+        reply = (await run(app, line)).text
+        assert answer in reply and "Usage: !memory list" in reply and "Ann" not in reply
+

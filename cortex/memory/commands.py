@@ -246,15 +246,26 @@ class MemoryCommands:
     async def unpin(self, ctx: CommandContext, args: Sequence[str]) -> str:
         return await self._change(ctx, args, "unpin")
 
-    async def _page(self, ctx: CommandContext, args: Sequence[str], *, archived: bool) -> str:
-        category = next((a for a in args if a in CATEGORIES), None)
+    @staticmethod
+    def _page_args(args: Sequence[str], *, archived: bool) -> tuple[str | None, int]:
+        """The category and the page a list command was given; a second of either is refused, not
+        ignored."""
+        categories = [a for a in args if a in CATEGORIES]
         numbers = [a for a in args if a not in CATEGORIES and a.lstrip("+-")[:1].isdigit()]
+        if len(numbers) > 1:
+            raise CommandError(f"give one page, not {shown(' '.join(numbers))}")
         page = parse_number(numbers[0], "the page") if numbers else 1
         unknown = [a for a in args if a not in CATEGORIES and a not in numbers]
         if unknown and archived:
             raise CommandError(f"{shown(unknown[0])} is not a page number")
         if unknown:
             raise CommandError(f"unknown category {shown(unknown[0])}; categories: {', '.join(CATEGORIES)}")
+        if len(categories) > 1:
+            raise CommandError(f"give one category, not {shown(' '.join(categories))}")
+        return (categories[0] if categories else None), page
+
+    async def _page(self, ctx: CommandContext, args: Sequence[str], *, archived: bool) -> str:
+        category, page = self._page_args(args, archived=archived)
         items, total = await self.memory.list_items(
             await self._pair(ctx), category=category, archived=archived, limit=PAGE, offset=(page - 1) * PAGE)
         if not total:
