@@ -734,3 +734,14 @@ async def test_a_second_category_or_page_is_refused_not_ignored(tmp_path: Path, 
         reply = (await run(app, line)).text
         assert answer in reply and "Usage: !memory list" in reply and "Ann" not in reply
 
+
+async def test_a_category_is_understood_in_any_case(tmp_path: Path) -> None:
+    """``!memory scope 1 SHARED`` and ``!MEMORY LIST`` worked, ``--category Preference`` and ``!memory list Fact``
+    were refused as unknown categories while the list of categories in the refusal named them."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        assert "Remembered" in (await run(app, "!memory remember Ann rides a bike --category Preference")).text
+        await run(app, "!memory remember Ann likes figs")
+        listed = (await run(app, "!memory list PREFERENCE")).text
+        assert "[preference] Ann rides a bike" in listed and "figs" not in listed
+        assert "Ann likes figs" in (await run(app, "!memory list Fact 1")).text
+        assert "unknown category `Facts`" in (await run(app, "!memory list Facts")).text

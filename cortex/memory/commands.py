@@ -174,7 +174,7 @@ class MemoryCommands:
         it = iter(args)
         for token in it:
             if token == "--category":
-                category = next(it, "")
+                category = next(it, "").lower()  # "Fact" is the category fact
             elif token == "--importance":
                 try:
                     importance = int(next(it, ""))
@@ -248,14 +248,14 @@ class MemoryCommands:
 
     @staticmethod
     def _page_args(args: Sequence[str], *, archived: bool) -> tuple[str | None, int]:
-        """The category and the page a list command was given; a second of either is refused, not
+        """The category (any case) and the page a list command was given; a second of either is refused, not
         ignored."""
-        categories = [a for a in args if a in CATEGORIES]
-        numbers = [a for a in args if a not in CATEGORIES and a.lstrip("+-")[:1].isdigit()]
+        categories = [a.lower() for a in args if a.lower() in CATEGORIES]
+        numbers = [a for a in args if a.lower() not in CATEGORIES and a.lstrip("+-")[:1].isdigit()]
         if len(numbers) > 1:
             raise CommandError(f"give one page, not {shown(' '.join(numbers))}")
         page = parse_number(numbers[0], "the page") if numbers else 1
-        unknown = [a for a in args if a not in CATEGORIES and a not in numbers]
+        unknown = [a for a in args if a.lower() not in CATEGORIES and a not in numbers]
         if unknown and archived:
             raise CommandError(f"{shown(unknown[0])} is not a page number")
         if unknown:
