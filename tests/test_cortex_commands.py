@@ -745,3 +745,18 @@ async def test_a_category_is_understood_in_any_case(tmp_path: Path) -> None:
         assert "[preference] Ann rides a bike" in listed and "figs" not in listed
         assert "Ann likes figs" in (await run(app, "!memory list Fact 1")).text
         assert "unknown category `Facts`" in (await run(app, "!memory list Facts")).text
+
+
+async def test_a_scope_change_of_an_expired_or_corrected_item_says_it_comes_up_nowhere(tmp_path: Path) -> None:
+    """Of an expired item "it may come up in group channels too" was said, and of a corrected one "until
+    restored", which a corrected item never is (!memory restore refuses it)."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        await run(app, "!memory remember Ann's exam is on Friday --category temporal")
+        await run(app, "!memory remember Ann drinks tea")
+        await app.storage.db.write("UPDATE memory_items SET expires_at = ? WHERE id = ?", (1.0, 1))
+        expired = (await run(app, "!memory scope 1 shared")).text
+        assert expired == "#1 is shared now, but it has expired: it comes up nowhere until restored.", expired
+        await app.cortex.memory.remember(await _pair_id(app, "ann"), "Ann drinks coffee", supersedes=2)
+        corrected = (await run(app, "!memory scope 2 shared")).text
+        assert corrected == "#2 is shared now, but it was corrected by #3: it comes up nowhere.", corrected
+        assert "was corrected by #3" in (await run(app, "!memory restore 2")).text

@@ -46,3 +46,25 @@ async def test_why_names_the_items_files_and_lore_behind_a_reply(tmp_path: Path)
         assert "#1 (forgotten since; !memory restore 1" in await run("!memory why")
         assert "Done" in await run("!memory forget-me confirm")  # its records go with the replies
         assert "not answered you here yet" in await run("!memory why")
+
+
+async def test_why_says_an_item_corrected_since_was_corrected_not_that_restore_brings_it_back(tmp_path: Path
+                                                                                          ) -> None:
+    """"forgotten since; !memory restore 1 brings it back" was said of an item the persona had corrected, which
+    !memory restore refuses; and of one that had expired, which no one forgot."""
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000}})
+    async with App(config, llm=ScriptedProvider()) as app:
+        async def run(line: str) -> str:
+            return (await app.commands.dispatch(line, ctx())).text
+
+        await run("!memory remember --pin Ann drinks tea")
+        await run("!memory remember --pin Ann's exam is on Friday")
+        await app.core.reply(IncomingMessage("discord", "dm-ann", "ann", "Ann", "hello", is_dm=True)).text()
+        account = await app.storage.get_user("discord:ann")
+        pair = await app.cortex.store.get_pair(account.id, "Cora")
+        assert pair is not None
+        await app.cortex.memory.remember(pair.id, "Ann drinks coffee", supersedes=1, source="model")
+        await app.storage.db.write("UPDATE memory_items SET expires_at = ? WHERE id = ?", (1.0, 2))
+        why = await run("!memory why")
+        assert "- memory item #1 (corrected since by #3)" in why and "restore 1" not in why, why
+        assert "- memory item #2 (expired since; !memory restore 2 brings it back)" in why, why

@@ -145,9 +145,11 @@ class MemoryCommands:
                 item = await self.memory.get(pair_id, source.ref, count_access=False)
             except MemoryError:
                 return f"- memory item #{source.ref} (no longer in your memory)"
+            if item.superseded_by is not None:  # restore refuses it: the correction is what counts
+                return f"- memory item #{item.id} (corrected since by #{item.superseded_by})"
             if not item.visible:
-                return (f"- memory item #{item.id} (forgotten since; {self.prefix}memory restore {item.id} "
-                        "brings it back)")
+                state = "forgotten" if item.archived_at is not None else "expired"
+                return f"- memory item #{item.id} ({state} since; {self.prefix}memory restore {item.id} brings it back)"
             return f"- memory item #{item.id}: {item.content} — wrong? {self.prefix}memory forget {item.id}"
         if source.kind == "file":
             return (f"- your {source.detail}, version {source.ref} — change it with {self.prefix}memory edit "
@@ -206,10 +208,13 @@ class MemoryCommands:
                                                else "shared")
         except MemoryError as exc:
             raise CommandError(str(exc)) from None
+        if item.superseded_by is not None:  # never restored: its correction comes up instead
+            return (f"#{item.id} is {item.scope} now, but it was corrected by #{item.superseded_by}: "
+                    "it comes up nowhere.")
+        if not item.visible:
+            state = "is archived" if item.archived_at is not None else "has expired"
+            return f"#{item.id} is {item.scope} now, but it {state}: it comes up nowhere until restored."
         where = "only in your DMs" if item.scope == "private" else "in group channels too"
-        if item.archived_at is not None or item.superseded_by is not None:
-            state = ("archived" if item.superseded_by is None else f"corrected by #{item.superseded_by}")
-            return f"#{item.id} is {item.scope} now, but it is {state}: it comes up nowhere until restored."
         return f"#{item.id} is {item.scope} now: it may come up {where}."
 
     async def _change(self, ctx: CommandContext, args: Sequence[str], what: str) -> str:
