@@ -760,3 +760,16 @@ async def test_a_scope_change_of_an_expired_or_corrected_item_says_it_comes_up_n
         corrected = (await run(app, "!memory scope 2 shared")).text
         assert corrected == "#2 is shared now, but it was corrected by #3: it comes up nowhere.", corrected
         assert "was corrected by #3" in (await run(app, "!memory restore 2")).text
+
+
+async def test_an_item_of_several_lines_is_listed_and_found_on_one_line(tmp_path: Path) -> None:
+    """An item's own lines broke the one-line-per-item layout of list and search, and a line of it that opened
+    a code block ("```") turned the rest of the reply into code on Discord and Matrix."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        await run(app, "!memory remember Ann likes figs")
+        await run(app, "!memory remember Ann's recipe:\n```\nfigs\u2028and honey")
+        listed = (await run(app, "!memory list")).text
+        assert "#2 [fact] Ann's recipe: ``` figs and honey  (importance 5" in listed, listed
+        assert len(listed.splitlines()) == 3
+        found = (await run(app, "!memory search honey")).text
+        assert "Ann's recipe: ``` figs and honey  (memory item #2" in found and len(found.splitlines()) == 2, found
