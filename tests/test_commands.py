@@ -168,3 +168,11 @@ async def test_an_unknown_switch_before_or_after_free_text_is_refused_not_stored
         "args=['I always run make --verbose'] body='I always run make --verbose'")
     assert await args_of("!memory remember a -- b --") == "args=['a -- b --'] body='a -- b --'"
     assert await args_of("!memory remember I like tea --pin") == "args=['I like tea', '--pin'] body='I like tea'"
+    # An option with its value after "=" is the command's own.
+    assert await args_of("!memory remember --category=preference Ann dances") == (
+        "args=['--category', 'preference', 'Ann dances'] body='Ann dances'")
+    typo = await args_of("!memory remember --categroy=preference Ann dances")
+    assert typo.startswith("!memory remember has no option `--categroy=preference` (did you mean --category?)"), typo
+    assert "has no option `--pin=yes`" in await args_of("!memory remember --pin=yes I like tea")  # a flag takes none
+    assert await args_of("!memory remember '--category=x' is my password") == (  # quoted: kept as typed
+        "args=[\"'--category=x' is my password\"] body=\"'--category=x' is my password\"")

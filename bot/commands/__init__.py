@@ -193,17 +193,27 @@ class Command:
                 {p.spelled for p in self.params if p.kind == "option"})
 
     def canonical(self, tokens: Sequence[Token]) -> list[Token]:
-        """``tokens`` with this command's flags and options as spelled, where a phone typed them with a
-        typographic dash (iOS and macOS turn ``--pin`` into ``—pin``); any other word, and a quoted one,
-        stays as typed."""
+        """``tokens`` with this command's flags and options as spelled, where typed unquoted with a typographic
+        dash (iOS and macOS turn ``--pin`` into ``—pin``) or with its value after "=" (``--category=fact`` is
+        ``--category fact``); any other word, and a quoted one, stays as typed (a flag's case too: ``--PIN`` is
+        not ``--pin``)."""
         flags, options = self._switches()
-        out = []
+        spelled_as = {name: name for name in flags | options}
+        out: list[Token] = []
         for token in tokens:
-            value, typed = token.value, token.end - token.start
-            spelled = "--" + value.lstrip("-" + TYPOGRAPHIC_DASHES)
-            if value[:1] in TYPOGRAPHIC_DASHES and typed == len(value) and spelled in flags | options:
-                token = Token(spelled, token.start, token.end)
-            out.append(token)
+            value, unquoted = token.value, token.end - token.start == len(token.value)
+            if not unquoted or not (value.startswith("--") or value[:1] in TYPOGRAPHIC_DASHES):
+                out.append(token)
+                continue
+            name, equals, rest = value.partition("=")
+            spelled = spelled_as.get("--" + name.lstrip("-" + TYPOGRAPHIC_DASHES))
+            if spelled is None or (equals and spelled not in options):
+                out.append(token)
+            elif not equals:
+                out.append(Token(spelled, token.start, token.end))
+            else:  # "--category=fact": the option and its value
+                split = token.start + len(name) + 1
+                out += [Token(spelled, token.start, split - 1), Token(rest, split, token.end)]
         return out
 
     def free_text(self, tokens: Sequence[Token], line: str, body: str) -> tuple[list[str], str, bool] | None:
@@ -238,8 +248,8 @@ class Command:
             else:
                 break
         for edge in [*tokens[start:end][:1], *tokens[start + 1:end][-1:]]:  # "--pinn", "--help": not the text's
-            if _SWITCH.fullmatch(edge.value) and edge.end - edge.start == len(edge.value):  # typed unquoted
-                near = difflib.get_close_matches(edge.value, sorted(flags | options), n=1)
+            if _SWITCH.fullmatch(edge.value.partition("=")[0]) and edge.end - edge.start == len(edge.value):  # unquoted
+                near = difflib.get_close_matches(edge.value.partition("=")[0], sorted(flags | options), n=1)
                 raise CommandError(f"no option {shown(edge.value)}" + (f" (did you mean {near[0]}?)" if near else "")
                                    + "; a text that starts or ends with it goes in quotes")
         inline = line[tokens[start].start:tokens[end - 1].end] if end > start else ""
@@ -406,8 +416,9 @@ class CommandRegistry:
         if not words:
             return CommandReply(f"Type {self.prefix}help for the list of commands.")
         if command is not None:  # its switches as spelled, whatever dash a phone put in front of them
+            named = len(tokens) - len(args)  # the command's own name (one option's "=" may make two of a token)
             tokens = command.canonical(tokens)
-            words, args = [t.value for t in tokens], [t.value for t in tokens[len(tokens) - len(args):]]
+            words, args = [t.value for t in tokens], [t.value for t in tokens[named:]]
         if command is None:
             group = [c for c in self.commands if c.name.split(" ")[0] == words[0].lower()]
             if group:
