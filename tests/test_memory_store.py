@@ -68,7 +68,12 @@ async def test_lifecycle_supersede_archive_restore_expire(tmp_path: Path) -> Non
         assert (await store.get(pair, old.id, count_access=False)).superseded_by == new.id
         with pytest.raises(MemoryError, match="already corrected"):
             await store.remember(pair, "again", supersedes=old.id)
+        # (the correction holds: "restore that one" would send the user to an item that is not archived)
+        with pytest.raises(MemoryError, match=rf"item #{old.id} was corrected: #{new.id} replaced it and holds now"):
+            await store.restore(pair, old.id)
         archived = await store.archive(pair, new.id, "the user asked to forget it")
+        with pytest.raises(MemoryError, match=rf"was corrected by #{new.id}: restore that one"):
+            await store.restore(pair, old.id)
         assert archived.archived_at is not None and await store.search(pair, "Leipzig") == []
         listed, total = await store.list_items(pair, archived=True)
         assert total == 1 and listed[0].id == new.id

@@ -357,13 +357,23 @@ class MemoryStore:
         now = self.clock()
         expired = item.expires_at is not None and item.expires_at.timestamp() <= now
         if item.superseded_by is not None:
-            raise MemoryError(f"item #{item_id} was corrected by #{item.superseded_by}: restore that one")
+            raise await self._replaced(pair_id, item_id, item.superseded_by)
         if item.archived_at is None and not expired:  # an expired one is brought back too (it no longer expires)
             raise MemoryError(f"item #{item_id} is not archived")
         await self.repo.restore(pair_id, item_id, now)
         if self.embeddings is not None:
             self.embeddings.index.invalidate(("items", pair_id))
         return await self.get(pair_id, item_id, count_access=False)
+
+    async def _replaced(self, pair_id: int, item_id: int, by: int) -> MemoryError:
+        """Why a corrected item cannot come back: its correction holds now (or, archived itself, can be restored)."""
+        try:
+            correction = await self.get(pair_id, by, count_access=False)
+        except MemoryError:  # gone meanwhile
+            return MemoryError(f"item #{item_id} was corrected by #{by}, which is gone too")
+        if correction.archived_at is not None or correction.superseded_by is not None:
+            return MemoryError(f"item #{item_id} was corrected by #{by}: restore that one")
+        return MemoryError(f"item #{item_id} was corrected: #{by} replaced it and holds now")
 
     # -- reading ---------------------------------------------------------------------------------
 
