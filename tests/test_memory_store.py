@@ -69,7 +69,8 @@ async def test_lifecycle_supersede_archive_restore_expire(tmp_path: Path) -> Non
         with pytest.raises(MemoryError, match="already corrected"):
             await store.remember(pair, "again", supersedes=old.id)
         # (the correction holds: "restore that one" would send the user to an item that is not archived)
-        with pytest.raises(MemoryError, match=rf"item #{old.id} was corrected: #{new.id} replaced it and holds now"):
+        with pytest.raises(MemoryError, match=rf"item #{old.id} was corrected by #{new.id}, which holds now: there is "
+                                              "nothing to restore"):
             await store.restore(pair, old.id)
         archived = await store.archive(pair, new.id, "the user asked to forget it")
         with pytest.raises(MemoryError, match=rf"was corrected by #{new.id}: restore that one"):

@@ -373,7 +373,7 @@ class MemoryStore:
             return MemoryError(f"item #{item_id} was corrected by #{by}, which is gone too")
         if correction.archived_at is not None or correction.superseded_by is not None:
             return MemoryError(f"item #{item_id} was corrected by #{by}: restore that one")
-        return MemoryError(f"item #{item_id} was corrected: #{by} replaced it and holds now")
+        return MemoryError(f"item #{item_id} was corrected by #{by}, which holds now: there is nothing to restore")
 
     # -- reading ---------------------------------------------------------------------------------
 
