@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import io
 import logging
 import re
 import signal
@@ -114,6 +115,15 @@ def logs_above_prompt() -> Iterator[None]:
                 handler.setStream(stream)
 
 
+def _tolerant(stream: TextIO, errors: str) -> TextIO:
+    """A standard stream that takes what its encoding cannot: under an ordinary locale (en_US.UTF-8) Python
+    decodes stdin strictly, so one Latin-1 byte in piped input ended the chat. A byte that is not UTF-8
+    arrives as a lone surrogate (shown and stored as U+FFFD), as it does under the C locale."""
+    if isinstance(stream, io.TextIOWrapper):
+        stream.reconfigure(errors=errors)
+    return stream
+
+
 class TerminalAdapter:
     def __init__(
         self,
@@ -130,7 +140,7 @@ class TerminalAdapter:
         self.user = user
         self.persona = app.personas.persona(persona)
         self._chosen = persona is not None  # --persona wins until a !persona command picks another
-        self.stdin = stdin or sys.stdin
+        self.stdin = stdin or _tolerant(sys.stdin, "surrogateescape")
         self.stdout = stdout or sys.stdout
         self.stderr = stderr or sys.stderr
         self.interactive = self.stdin.isatty()

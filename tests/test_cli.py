@@ -486,6 +486,21 @@ def test_odd_bytes_in_and_control_sequences_out(tmp_path: Path, fake_llm: FakeLL
     assert db_rows(tmp_path, "SELECT content FROM memory_items") == [("caf\ufffd au lait",)]
 
 
+def test_bytes_that_are_not_utf8_do_not_end_the_chat_under_a_strict_locale(tmp_path: Path,
+                                                                           fake_llm: FakeLLMServer) -> None:
+    """Under an ordinary UTF-8 locale (en_US.UTF-8; here the tests' C.UTF-8 is told so) Python decodes stdin
+    strictly: one Latin-1 byte in piped input ended the chat with a traceback, before its first line."""
+    fake_llm.responder = responder()
+    config = write_config(tmp_path, fake_llm)
+    env = {**os.environ, "CB_TEST_API_KEY": API_KEY, "PYTHONIOENCODING": "utf-8:strict"}
+    result = subprocess.run([str(BIN / "cortexbot"), "--config", str(config), "chat", "--user", "ann"],
+                            input=b"caf\xe9 au lait\nhello\n", capture_output=True, env=env, timeout=120)
+    assert result.returncode == 0 and b"Traceback" not in result.stderr, result.stderr
+    assert b"Cora: echo: caf\xef\xbf\xbd au lait\nCora: echo: hello\n" == result.stdout
+    users = [r[0] for r in db_rows(tmp_path, "SELECT text FROM messages WHERE role = 'user' ORDER BY id")]
+    assert users == ["caf\ufffd au lait", "hello"]
+
+
 @pytest.mark.both_engines
 def test_doctor_reports_a_stuck_job_queue(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
     config = write_config(tmp_path, fake_llm)
