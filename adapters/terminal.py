@@ -118,7 +118,8 @@ def logs_above_prompt() -> Iterator[None]:
 def _tolerant(stream: TextIO, errors: str) -> TextIO:
     """A standard stream that takes what its encoding cannot: under an ordinary locale (en_US.UTF-8) Python
     decodes stdin strictly, so one Latin-1 byte in piped input ended the chat. A byte that is not UTF-8
-    arrives as a lone surrogate (shown and stored as U+FFFD), as it does under the C locale."""
+    arrives as a lone surrogate (shown and stored as U+FFFD), as it does under the C locale; a character a
+    terminal that is not UTF-8 cannot show is printed as "?" (it failed the reply being written)."""
     if isinstance(stream, io.TextIOWrapper):
         stream.reconfigure(errors=errors)
     return stream
@@ -141,8 +142,8 @@ class TerminalAdapter:
         self.persona = app.personas.persona(persona)
         self._chosen = persona is not None  # --persona wins until a !persona command picks another
         self.stdin = stdin or _tolerant(sys.stdin, "surrogateescape")
-        self.stdout = stdout or sys.stdout
-        self.stderr = stderr or sys.stderr
+        self.stdout = stdout or _tolerant(sys.stdout, "replace")
+        self.stderr = stderr or _tolerant(sys.stderr, "replace")
         self.interactive = self.stdin.isatty()
         self.export_dir = Path(export_dir) if export_dir else Path.cwd()
         self.failures = 0

@@ -501,6 +501,21 @@ def test_bytes_that_are_not_utf8_do_not_end_the_chat_under_a_strict_locale(tmp_p
     assert users == ["caf\ufffd au lait", "hello"]
 
 
+def test_a_reply_the_terminals_encoding_cannot_show_is_still_shown_and_kept(tmp_path: Path,
+                                                                           fake_llm: FakeLLMServer) -> None:
+    """Under a locale that is not UTF-8 (Latin-1, ASCII) the first character it has no byte for (an emoji,
+    a "›") failed the reply: an error line, and the answer the model gave was not stored."""
+    fake_llm.responder = lambda request: FakeResponse.text("caf\u00e9 \u2615 ok")
+    config = write_config(tmp_path, fake_llm)
+    env = {**os.environ, "CB_TEST_API_KEY": API_KEY, "PYTHONIOENCODING": "ascii"}
+    result = subprocess.run([str(BIN / "cortexbot"), "--config", str(config), "chat", "--user", "ann"],
+                            input=b"hello\n", capture_output=True, env=env, timeout=120)
+    assert result.returncode == 0 and result.stderr == b"", result.stderr
+    assert result.stdout == b"Cora: caf? ? ok\n"
+    assert db_rows(tmp_path, "SELECT role, text FROM messages ORDER BY id") == [
+        ("user", "hello"), ("assistant", "caf\u00e9 \u2615 ok")]
+
+
 @pytest.mark.both_engines
 def test_doctor_reports_a_stuck_job_queue(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
     config = write_config(tmp_path, fake_llm)
