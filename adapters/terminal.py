@@ -186,8 +186,8 @@ class TerminalAdapter:
     async def _read_line(self) -> str | None:
         if self.interactive:
             return await self._prompt()
-        line = await self._readline_in_thread()
-        return None if line == "" else printable(line.rstrip("\r\n"))
+        line = await self._readline_in_thread()  # (a file from a Windows editor starts with a BOM: not the line's)
+        return None if line == "" else printable(line.rstrip("\r\n").lstrip("\ufeff"))
 
     async def _prompt(self) -> str | None:
         """One line typed at the prompt (editing, and arrow keys through the history); None on Ctrl-D."""

@@ -187,3 +187,20 @@ async def test_a_failure_that_is_no_outage_is_one_line_and_the_chat_goes_on(tmp_
     shown = screen.getvalue()
     assert "error: could not answer: OSError: database or disk is full (run with -v for the details)" in shown
     assert "Traceback" not in shown and "Cora: Still here." in shown
+
+
+async def test_a_byte_order_mark_before_the_piped_input_is_not_part_of_its_first_line(tmp_path: Path) -> None:
+    """A file saved by a Windows editor starts with a BOM: its first line, a command, went to the model as a
+    message (and was stored) instead of running."""
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
+    llm = ScriptedProvider()
+    screen = io.StringIO()
+    piped = io.StringIO("\ufeff!memory remember Ann grows figs\n\ufeffhello\n")
+    async with App(config, llm=llm) as app:
+        terminal = TerminalAdapter(app, user="ann", stdin=piped, stdout=screen, stderr=screen)
+        assert await terminal.run() == 0, screen.getvalue()
+        stored = await app.storage.db.fetch_all("SELECT text FROM messages WHERE role = 'user'")
+        items = await app.storage.db.fetch_all("SELECT content FROM memory_items")
+    assert "Remembered as #" in screen.getvalue()
+    assert [tuple(row) for row in items] == [("Ann grows figs",)]
+    assert [tuple(row) for row in stored] == [("hello",)] and len(llm.requests) == 1
