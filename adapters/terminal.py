@@ -35,7 +35,7 @@ from bot.llm.errors import LLMError
 from bot.policy import Inbound
 from bot.ports import IncomingMessage
 from bot.privatefs import create_private, private_dir, private_file
-from bot.text import error_line, printable
+from bot.text import error_line, printable, visible
 
 log = logging.getLogger(__name__)
 PLATFORM = "console"
@@ -256,7 +256,7 @@ class TerminalAdapter:
             line = await self._read_line()
             if line is None:
                 break
-            if not line.strip():
+            if not visible(line):  # blank, or only zero-width characters: nothing to send
                 continue
             await self.handle_line(line)
         if self.interactive:

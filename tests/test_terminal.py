@@ -204,3 +204,16 @@ async def test_a_byte_order_mark_before_the_piped_input_is_not_part_of_its_first
     assert "Remembered as #" in screen.getvalue()
     assert [tuple(row) for row in items] == [("Ann grows figs",)]
     assert [tuple(row) for row in stored] == [("hello",)] and len(llm.requests) == 1
+
+
+async def test_a_line_of_only_invisible_characters_is_skipped_as_a_blank_one_is(tmp_path: Path) -> None:
+    """A blank piped line is skipped; one of zero-width spaces or word joiners (as blank to read) printed an
+    error and made the exit status 1."""
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
+    llm = ScriptedProvider()
+    screen = io.StringIO()
+    piped = io.StringIO("   \n\u200b\u200b\n\u2060 \u200b\nhello\n")
+    async with App(config, llm=llm) as app:
+        terminal = TerminalAdapter(app, user="ann", stdin=piped, stdout=screen, stderr=screen)
+        assert await terminal.run() == 0, screen.getvalue()
+    assert screen.getvalue() == "Cora: echo: hello\n" and len(llm.requests) == 1
