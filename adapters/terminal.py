@@ -35,7 +35,7 @@ from bot.llm.errors import LLMError
 from bot.policy import Inbound
 from bot.ports import IncomingMessage
 from bot.privatefs import create_private, private_dir, private_file
-from bot.text import error_line, printable, visible
+from bot.text import PrintableStream, error_line, printable, visible
 
 log = logging.getLogger(__name__)
 PLATFORM = "console"
@@ -381,12 +381,13 @@ class TerminalAdapter:
             self.stdout.flush()
 
         stream.on_status = status
+        screen = PrintableStream()
         try:
             async for delta in stream:
                 if not started:
                     self.stdout.write(f"{self.persona.name}: ")
                     started = True
-                self.stdout.write(printable(delta))
+                self.stdout.write(screen.feed(delta))
                 self.stdout.flush()
         except LLMError as exc:
             self._failed(started, f"{exc.user_message} (your message was kept)")
@@ -395,7 +396,7 @@ class TerminalAdapter:
             log.info("the reply failed", exc_info=True)
             self._failed(started, f"could not answer: {error_line(exc)} (run with -v for the details)")
             return
-        self.stdout.write("\n")
+        self.stdout.write(screen.end() + "\n")
         self.stdout.flush()
 
     def _failed(self, started: bool, why: str) -> None:

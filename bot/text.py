@@ -91,6 +91,31 @@ def printable(text: str) -> str:
     return _CONTROL.sub("", _ESCAPE.sub("", without_surrogates(text)))
 
 
+# An escape sequence begun at the end of a piece of a stream, whose rest may come in the next piece.
+_ESCAPE_BEGUN = re.compile(r"(?:\x1b(?:\[[0-?]*[ -/]*|\][^\x07\x1b]*)?|\x9b[0-?]*[ -/]*)\Z")
+HELD_ESCAPE_CHARS = 256  # held at most: a sequence never ended does not hold back the rest of the reply
+
+
+class PrintableStream:
+    """:func:`printable` for a text that comes in pieces (a streamed reply): an escape sequence split between
+    two pieces is held until its end comes and then removed whole (each piece alone lost its escape character
+    but printed the rest, "[31m" or a window title, as text). :meth:`end` gives what is held at the end."""
+
+    def __init__(self) -> None:
+        self._held = ""
+
+    def feed(self, piece: str) -> str:
+        text = self._held + piece
+        begun = _ESCAPE_BEGUN.search(text)
+        cut = begun.start() if begun and len(text) - begun.start() <= HELD_ESCAPE_CHARS else len(text)
+        self._held = text[cut:]
+        return printable(text[:cut])
+
+    def end(self) -> str:
+        held, self._held = self._held, ""
+        return printable(held)
+
+
 def shown(text: str, limit: int = 60) -> str:
     """Someone's input repeated in a reply: cut to ``limit`` characters, on one line, without control
     characters, as inline code, so that what they typed shows as typed and never as a link, markup or

@@ -486,6 +486,19 @@ def test_odd_bytes_in_and_control_sequences_out(tmp_path: Path, fake_llm: FakeLL
     assert db_rows(tmp_path, "SELECT content FROM memory_items") == [("caf\ufffd au lait",)]
 
 
+def test_control_sequences_split_between_streamed_pieces_leave_nothing_on_the_screen(
+        tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """A sequence cut in two by the stream lost its escape character but printed the rest ("[31m", "0;title"
+    of a window title) as text."""
+    pieces = ["ok \x1b]0;pwn", "ed\x07\x1b[2", "J\x1b", "[31mred\x1b[0", "m\x9b1", "m done\x1b"]
+    fake_llm.responder = lambda request: FakeResponse.text("".join(pieces), chunks=pieces)
+    config = write_config(tmp_path, fake_llm)
+    result = cortexbot("--config", str(config), "chat", "--user", "ann", stdin="hello\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "Cora: ok red done\n"
+    assert db_rows(tmp_path, "SELECT text FROM messages WHERE role = 'assistant'") == [("".join(pieces),)]
+
+
 def test_bytes_that_are_not_utf8_do_not_end_the_chat_under_a_strict_locale(tmp_path: Path,
                                                                            fake_llm: FakeLLMServer) -> None:
     """Under an ordinary UTF-8 locale (en_US.UTF-8; here the tests' C.UTF-8 is told so) Python decodes stdin
