@@ -12,7 +12,9 @@ from typing import Any
 _SURROGATE = re.compile("[\ud800-\udfff]")
 # CSI/OSC/other escape sequences, then any remaining C0/C1 control character but tab and newline.
 _ESCAPE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])|\x9b[0-?]*[ -/]*[@-~]")
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# Control characters, and the bidirectional overrides, embeddings and isolates ("Trojan Source"): a terminal
+# that reorders text by them shows a line other than the one written, and so would a name repeated by `shown`.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
 def storable(text: str) -> str:
@@ -87,7 +89,8 @@ def without_surrogates(text: str) -> str:
 
 
 def printable(text: str) -> str:
-    """``text`` for a terminal: escape sequences and control characters removed (tabs and newlines kept)."""
+    """``text`` for a terminal: escape sequences, control characters and bidirectional overrides removed (tabs
+    and newlines kept)."""
     return _CONTROL.sub("", _ESCAPE.sub("", without_surrogates(text)))
 
 

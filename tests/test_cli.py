@@ -470,7 +470,7 @@ def test_odd_bytes_in_and_control_sequences_out(tmp_path: Path, fake_llm: FakeLL
     """A non-UTF-8 byte typed into the terminal is stored as U+FFFD, and a model (or a stored message)
     cannot move the cursor, clear the screen or retitle the window."""
     fake_llm.responder = lambda request: FakeResponse.text(
-        "ok \x1b]0;pwned\x07\x1b[2J\x1b[31mred\x1b[0m done\x07\x08")
+        "ok \x1b]0;pwned\x07\x1b[2J\x1b[31mred\x1b[0m done\x07\x08\u202e\u2066")  # (overrides reorder text)
     config = write_config(tmp_path, fake_llm)
     env = {**os.environ, "CB_TEST_API_KEY": API_KEY}
     result = subprocess.run(
@@ -480,6 +480,7 @@ def test_odd_bytes_in_and_control_sequences_out(tmp_path: Path, fake_llm: FakeLL
     )
     assert result.returncode == 0, result.stderr
     assert b"\x1b" not in result.stdout and b"\x07" not in result.stdout and b"\x08" not in result.stdout
+    assert "\u202e".encode() not in result.stdout and "\u2066".encode() not in result.stdout
     assert b"ok red done" in result.stdout and b"Remembered as #" in result.stdout
     users = [r[0] for r in db_rows(tmp_path, "SELECT text FROM messages WHERE role = 'user' ORDER BY id")]
     assert users == ["caf\ufffd \ufffd\ufffd and  up"]
