@@ -279,6 +279,7 @@ class TerminalAdapter:
                             "the input ended before the line holding only a dot; nothing changed")
                 return
             reply = await self.app.commands.dispatch(f"{line}\n{body}", self._context())
+        self.failures += reply.failed  # (piped: a script learns from the exit status that a command failed)
         self.stdout.write(printable(reply.text.rstrip()) + "\n")
         for attachment in reply.attachments:
             try:

@@ -228,6 +228,17 @@ def test_empty_and_oversized_lines(tmp_path: Path, fake_llm: FakeLLMServer) -> N
     assert len(fake_llm.completion_requests) == 1
 
 
+def test_a_failed_command_in_piped_input_sets_the_exit_status(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """A script could not tell that a command failed (a missing file, an item that is not there): the piped
+    chat exited 0 as after a success. Commands that did what was asked still exit 0."""
+    config = write_config(tmp_path, fake_llm)
+    fine = cortexbot("--config", str(config), "chat", "--user", "ann", stdin="!memory remember Ann likes tea\n")
+    assert fine.returncode == 0 and "Remembered as #" in fine.stdout, fine.stderr
+    for line in ("!memory forget 999", "!persona import /no/such/card.png", "!memroy list", "!memory show nope.md"):
+        failed = cortexbot("--config", str(config), "chat", "--user", "ann", stdin=f"{line}\n")
+        assert failed.returncode == 1, (line, failed.stdout, failed.stderr)
+
+
 def test_bad_config_stops_with_a_message_naming_the_key(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('[llm]\nmodle = "x"\nmax_tokens = "many"\n')

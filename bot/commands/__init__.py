@@ -78,6 +78,7 @@ class CommandReply:
     needs_body: str = ""  # set when the command waits for content: the prompt to show
     pipe_may_answer: bool = True  # piped input may give that content (else only a person at a prompt)
     preformatted: str = ""  # "": Markdown; else plain text in columns, a diff: a code block's language
+    failed: bool = False  # the command did nothing: unknown, not allowed, bad arguments, or it failed
 
     def markdown(self) -> str:
         """The text for a platform that renders Markdown: preformatted text in a code block (a diff's "-"
@@ -426,17 +427,17 @@ class CommandRegistry:
                 lines = [f"Unknown command {head} {shown(words[1], 40)}; {head} has:" if len(words) > 1
                          else f"{head} needs a subcommand:"]
                 lines += [f"  {self.usage(c)} — {c.summary}" for c in group if context.is_admin or not c.admin]
-                return CommandReply("\n".join(lines))
+                return CommandReply("\n".join(lines), failed=True)
             typed = shown(self.prefix + " ".join(words[:2]), 40)
             heads = sorted({c.name.split(" ")[0] for c in self.commands})
             near = difflib.get_close_matches(words[0].lower(), heads, n=1)
             hint = f" (did you mean {self.prefix}{near[0]}?)" if near else ""
-            return CommandReply(f"Unknown command {typed}{hint}. Type {self.prefix}help.")
+            return CommandReply(f"Unknown command {typed}{hint}. Type {self.prefix}help.", failed=True)
         if command.bot_admin and not context.is_bot_admin:
             return CommandReply(f"{self.prefix}{command.name} is for the bot's admins only (it concerns every "
-                                "server, not just this one).")
+                                "server, not just this one).", failed=True)
         if command.admin and not context.is_admin:
-            return CommandReply(f"{self.prefix}{command.name} is for admins only.")
+            return CommandReply(f"{self.prefix}{command.name} is for admins only.", failed=True)
         limit, positional = command.max_args, command.positional(args)
         if limit is not None and len(positional) > limit:
             extra = " ".join(positional[limit:])
@@ -445,12 +446,12 @@ class CommandRegistry:
             if switches:  # "[confirm]" in its usage reads like an argument: say what may come instead
                 takes += f" besides {' / '.join(switches)}"
             return CommandReply(f"{self.prefix}{command.name} takes {takes} (not {shown(extra)}). "
-                                f"Usage: {self.usage(command)}", private=command.private)
+                                f"Usage: {self.usage(command)}", private=command.private, failed=True)
         try:
             free = command.free_text(tokens[len(words) - len(args):], line, body)
         except CommandError as exc:  # a switch it does not have, at an end of the text
             return CommandReply(f"{self.prefix}{command.name} has {exc}\nUsage: {self.usage(command)}",
-                                private=command.private)
+                                private=command.private, failed=True)
         if free is not None:
             args, body, complete = free
             missing = next((p for p in command.params if p.kind == "text" and p.required and not body), None)
@@ -464,13 +465,13 @@ class CommandRegistry:
         try:
             result = await command.handler(ctx, args)
         except CommandError as exc:
-            return CommandReply(f"{exc}\nUsage: {self.usage(command)}", private=command.private)
+            return CommandReply(f"{exc}\nUsage: {self.usage(command)}", private=command.private, failed=True)
         except Exception as exc:  # a command may fail; the bot may not
             log.exception("command %s%s failed", self.prefix, command.name)
             return CommandReply(
                 f"Sorry, {self.prefix}{command.name} failed ({type(exc).__name__}). "
                 "Try again, or tell an admin (the details are in the bot's log).",
-                private=command.private,
+                private=command.private, failed=True,
             )
         if isinstance(result, str):
             return CommandReply(result, private=command.private)
