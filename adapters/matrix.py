@@ -3,7 +3,8 @@
 It only translates: a ``RoomMessageText`` becomes a :class:`bot.policy.Inbound` for
 :class:`bot.router.Router`, and :class:`MatrixSink` sends Markdown rendered to ``formatted_body``,
 edits, shows typing, answers privately in a DM (with a short notice in the room) and keeps threads
-and replies together. Everything sent carries empty ``m.mentions`` and never an ``@room`` ping.
+and replies together. Everything sent carries empty ``m.mentions``, never an ``@room`` ping and
+no link to a user (clients show one as a mention).
 
 State (user id, device id, access token, sync token) lives in ``store_path``: a restart resumes
 the sync where it stopped, so old messages are never answered twice, and with end-to-end encryption
@@ -26,7 +27,7 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, ParamSpec, TypeAlias
-from urllib.parse import quote, urlparse
+from urllib.parse import quote, unquote, urlparse
 
 import aiohttp
 import platformdirs
@@ -100,7 +101,17 @@ FileEvent: TypeAlias = RoomMessageFile | RoomEncryptedFile | RoomMessageImage | 
 FILE_EVENTS = (RoomMessageFile, RoomEncryptedFile, RoomMessageImage, RoomEncryptedImage)
 ENCRYPTED_FILES = (RoomEncryptedFile, RoomEncryptedImage)
 P = ParamSpec("P")
-_markdown = MarkdownIt("commonmark", {"html": False, "breaks": True}).enable("table")
+# A link to a user (matrix.to, Element's own permalinks, matrix: URIs), which clients show as a mention (a pill)
+_USER_LINK = re.compile(r"#/(user/)?@|^matrix:(//[^/]*)?/?u/", re.IGNORECASE)
+
+
+class _Markdown(MarkdownIt):
+    def validateLink(self, url: str) -> bool:  # (markdown-it's name)
+        """No link to a user: the Markdown of one (``[Ann](https://matrix.to/#/@ann:server)``) stays text."""
+        return super().validateLink(url) and not _USER_LINK.search(unquote(url))
+
+
+_markdown = _Markdown("commonmark", {"html": False, "breaks": True}).enable("table")
 
 
 UNDECRYPTABLE = ("I could not read your last message: my device did not get its encryption keys. I asked your "

@@ -379,6 +379,22 @@ def test_no_room_ping_in_any_case() -> None:
     # (Markdown turns a character reference into the character: "@&#114;oom" became "@room" in the HTML)
 
 
+MENTION_LINKS = ("[Alice](https://matrix.to/#/@alice:localhost)", "<https://matrix.to/#/@alice:localhost>",
+                 "[a](https://matrix.to/#/%40alice%3Alocalhost)", "[a](https://matrix.to/#/&#64;alice:localhost)",
+                 "[a](MATRIX:u/alice:localhost)", "[a](matrix://localhost/u/alice:localhost?action=chat)",
+                 "[a](https://app.element.io/#/user/@alice:localhost)", "[a][r]\n\n[r]: https://matrix.to/#/@alice:l")
+
+
+@pytest.mark.parametrize("text", MENTION_LINKS)
+def test_no_mention_link_in_the_html(text: str) -> None:
+    """A link to a user is shown by clients as a mention (a pill): the HTML never holds one, whatever the model
+    writes; the text stays readable, and other links stay links."""
+    html = render(text, "m.notice")["formatted_body"]
+    assert "<a " not in html and "alice" in html, html
+    assert '<a href="https://matrix.to/#/#room:localhost">' in render("[r](https://matrix.to/#/#room:localhost)",
+                                                                     "m.notice")["formatted_body"]
+
+
 def test_creators_outrank_the_power_levels_only_from_room_version_12() -> None:
     """Before version 12 a creator who lowered their own power level is no admin any more."""
     from adapters.matrix import creators_outrank
