@@ -7,19 +7,25 @@ platform's limit, the current message is finished at a good boundary (see ``bot.
 the rest continues in a new message. A sink that is rate-limited raises :class:`RateLimited`; the
 reply then waits as asked and doubles its interval (Discord counts edits against message limits).
 A library that waits out the limit itself (discord.py sleeps through a 429 and retries) shows as an
-edit slower than the interval: the interval then grows to that edit's time, doubled.
+edit slower than the interval: the interval then grows to that edit's time, doubled. Any other failure of an
+edit while the text streams in is logged and the reply goes on (the next edit shows it all); when the final
+edit fails, the rest of the reply is sent as a new message, so its end is never lost.
 With ``streaming`` off, nothing is sent until the reply is complete.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from bot.splitting import split_message
+from bot.text import error_line
+
+log = logging.getLogger(__name__)
 
 MAX_INTERVAL = 30.0  # seconds between edits at most, however rate-limited
 SLOW_EDIT = 1.0  # seconds: a send or edit that took longer (and longer than the interval) was held back
@@ -63,17 +69,31 @@ class StreamedReply:
         self._text += delta
         if self.streaming and self.clock() - self._last_edit >= self.interval:
             async with self._lock:
-                await self._show(final=False)
+                try:
+                    await self._show(final=False)
+                except Exception as exc:  # the platform refused an edit: the next one (or the final one) shows all
+                    log.warning("an edit of a streamed reply failed (%s); the reply goes on", error_line(exc))
+                    self._last_edit = self.clock()
 
     async def finish(self, fallback: str = "") -> list[Any]:
         """Show the whole reply (final edit, and any overflow messages); returns the message handles.
         With no reply text at all, ``fallback`` (an error line) is shown instead, in place of a placeholder."""
         async with self._lock:
-            if not self._text and fallback:
-                await self._put(fallback)
-            else:
-                await self._show(final=True)
+            try:
+                await self._end(fallback)
+            except Exception as exc:
+                if self._handle is None:  # a new message failed: there is nothing shown to continue from
+                    raise
+                log.warning("the last edit of a reply failed (%s); the rest goes in a new message", error_line(exc))
+                self._handle, self._shown = None, ""
+                await self._end(fallback)
         return self.sent
+
+    async def _end(self, fallback: str) -> None:
+        if not self._text and fallback:
+            await self._put(fallback)
+        else:
+            await self._show(final=True)
 
     async def status(self, line: str) -> None:
         """Show ``line`` under the text so far while a tool runs ("looking that up…"); the next text

@@ -77,6 +77,43 @@ async def test_rate_limited_edits_back_off_and_retry() -> None:
     assert slept == [0.25, 0.25] and reply.interval == 4.0
 
 
+async def test_a_failed_edit_on_the_way_does_not_end_the_reply() -> None:
+    """An edit while the text streams in fails (not a rate limit: the platform refused it): the reply goes on, and
+    the next edit shows everything."""
+    clock, sink = Clock(), RecordingSink()
+    refused = [ConnectionError("the platform refused the edit")]
+    edit = RecordingSink.edit
+
+    async def failing_edit(self: RecordingSink, handle: int, text: str) -> None:
+        if refused:
+            raise refused.pop()
+        await edit(self, handle, text)
+
+    sink.edit = failing_edit.__get__(sink)  # type: ignore[method-assign]
+    reply = StreamedReply(sink, interval=1.0, clock=clock)
+    for word in ("one", " two", " three"):
+        await reply.feed(word)
+        clock.now += 1.5
+    await reply.finish()
+    assert sink.messages == ["one two three"] and not refused
+
+
+async def test_a_failed_last_edit_sends_the_rest_anew() -> None:
+    """The final edit fails: the whole last piece goes in a new message, so no tail is lost."""
+    clock, sink = Clock(), RecordingSink(limit=100)
+    reply = StreamedReply(sink, interval=1.0, clock=clock)
+    await reply.feed("First words")
+    text = "First words and then " + "more words " * 20 + "to the end."
+    await reply.feed(text.removeprefix("First words"))
+
+    async def refused(handle: int, text: str) -> None:
+        raise ConnectionError("the platform refused the edit")
+
+    sink.edit = refused  # type: ignore[method-assign]
+    await reply.finish()
+    assert sink.messages[0] == "First words" and " ".join(sink.messages[1:]).split() == text.split()
+
+
 async def test_an_edit_held_back_by_the_platforms_library_widens_the_interval() -> None:
     """discord.py sleeps through a 429 itself and retries, so the adapter never sees the limit: the edit
     just takes that long. The reply then edits less often instead of running into the limit again."""

@@ -15,9 +15,9 @@ started as a subprocess both talk to it over loopback::
 What it records (thread-safe copies): every IDENTIFY with its ``shard`` (:attr:`identifies`) and how
 each session ended (:attr:`disconnects`, with the close code), every slash-command sync
 (``PUT /applications/{app}/commands`` and the guild variant, :attr:`command_syncs`), every message the
-bot posts or edits (:attr:`messages`, :attr:`edits`) and every REST request (:attr:`requests`). Each is
-tagged with the bot token that made it, which is how a test tells the processes of a fleet apart (give
-each its own token value).
+bot posts or edits (:attr:`messages`, :attr:`edits`; :meth:`fail_edits` makes the next edits fail) and every
+REST request (:attr:`requests`). Each is tagged with the bot token that made it, which is how a test tells the
+processes of a fleet apart (give each its own token value).
 
 Routing follows Discord: a DM goes to shard 0, a guild's events to shard ``(guild_id >> 22) % count``
 (:func:`shard_for`), each to the live session whose ``[shard_id, shard_count]`` owns it. Guilds added
@@ -195,6 +195,7 @@ class FakeDiscord:
         self._guilds: dict[int, _Guild] = {}
         self._sessions: list[_Session] = []  # only touched on the server's loop
         self._records = _Records()
+        self._failing_edits: list[int] = []  # HTTP statuses the next message edits are answered with
         self._cond = threading.Condition()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -336,6 +337,12 @@ class FakeDiscord:
         """A guild the bot is in (call before the bot connects); its channels are text channels. ``moderators``
         hold a role with Manage Server, ``members`` none; REST answers both (``GET /guilds/{id}/members/{id}``)."""
         self._guilds[guild_id] = _Guild(guild_id, name, channel_ids or (guild_id + 1,), moderators, members)
+
+    def fail_edits(self, *statuses: int) -> None:
+        """Answer the next message edits (``PATCH``) with these HTTP statuses, one each, unrecorded; then edits
+        work again. 404 is Discord's answer for a message deleted meanwhile, 403 for a channel closed to the bot."""
+        with self._cond:
+            self._failing_edits.extend(statuses)
 
     def wait_until(self, predicate: Callable[[FakeDiscord], object], timeout: float = 10.0) -> None:
         """Block until ``predicate(self)`` is true (re-checked whenever something is recorded)."""
@@ -525,6 +532,10 @@ class FakeDiscord:
     async def _edit_message(self, request: web.Request) -> web.Response:
         body, files = await _body(request)
         channel_id, message_id = request.match_info["channel_id"], request.match_info["message_id"]
+        with self._cond:
+            failure = self._failing_edits.pop(0) if self._failing_edits else None
+        if failure is not None:
+            return _json({"message": f"edit refused by the test ({failure})", "code": 0}, failure)
         self._record("edits", _posted(request, channel_id, message_id, body, files))
         data = self._message(channel_id, body.get("content"), self.bot_user, id=message_id, edited_timestamp=_now())
         return _json(data)
