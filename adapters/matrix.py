@@ -122,16 +122,25 @@ SIGNED_OUT = "M_UNKNOWN_TOKEN"  # the session was signed out (in a client, by an
 
 
 _ROOM_PING = re.compile(r"@(room)", re.IGNORECASE)  # clients match the @room ping case-insensitively
+# A user's permalink written as plain text, which clients (Element) show as a mention pill: a word joiner after
+# its "#/" (or "u/") keeps it text. Links to rooms stay as they are.
+_USER_PERMALINK = re.compile(r"(matrix\.to/#/(?=@|%40)|matrix:u/)", re.IGNORECASE)
+
+
+def _unpinged(text: str) -> str:
+    """``text`` (plain or HTML) with no @room ping and no user permalink a client would show as a pill."""
+    return _USER_PERMALINK.sub("\\1\u2060", _ROOM_PING.sub("@\u2060\\1", text))
 
 
 def render(text: str, msgtype: str) -> dict[str, Any]:
-    safe = _ROOM_PING.sub("@\u2060\\1", text)  # never an @room ping
+    safe = _unpinged(text)
     return {
         "msgtype": msgtype,
         "body": safe,
         "format": "org.matrix.custom.html",
-        # again after rendering: Markdown decodes character references ("@&#114;oom" renders as "@room")
-        "formatted_body": _ROOM_PING.sub("@\u2060\\1", _markdown.render(safe)).strip(),
+        # again after rendering: Markdown decodes character references ("@&#114;oom" renders as "@room"); a user's
+        # link is refused as a link by the renderer and stays text
+        "formatted_body": _unpinged(_markdown.render(_ROOM_PING.sub("@\u2060\\1", text))).strip(),
         "m.mentions": {},
     }
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import re
 import zipfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -393,6 +394,18 @@ def test_no_mention_link_in_the_html(text: str) -> None:
     assert "<a " not in html and "alice" in html, html
     assert '<a href="https://matrix.to/#/#room:localhost">' in render("[r](https://matrix.to/#/#room:localhost)",
                                                                      "m.notice")["formatted_body"]
+
+
+def test_a_users_permalink_written_as_text_is_no_pill() -> None:
+    """Element shows a user's matrix.to permalink in plain text as a mention pill too: a word joiner keeps it
+    text, in the body and the HTML; a room's permalink stays as it is."""
+    for text in ("ask https://matrix.to/#/@alice:localhost", "ask HTTPS://MATRIX.TO/#/%40alice:localhost",
+                 "ask matrix:u/alice:localhost"):
+        content = render(text, "m.notice")
+        for field in ("body", "formatted_body"):
+            assert not re.search(r"matrix\.to/#/(@|%40)|matrix:u/[a-z]", content[field], re.IGNORECASE), content
+            assert "alice" in content[field]
+    assert render("https://matrix.to/#/#room:localhost", "m.notice")["body"] == "https://matrix.to/#/#room:localhost"
 
 
 def test_creators_outrank_the_power_levels_only_from_room_version_12() -> None:
