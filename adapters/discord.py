@@ -56,6 +56,9 @@ NO_PINGS = discord.AllowedMentions.none()
 ANSWERED_PRIVATELY = "Answered privately."
 SLASH_PATIENCE = 2.0  # Discord wants an interaction's first response within 3 s: slower commands defer
 SLASH_REFUSED = "This bot does not take commands from you here (its access settings)."
+SLASH_STALE = ("Discord sent that command as it was before the bot was updated. Reload Discord (Ctrl+R, or "
+               "restart the app) so that it shows the current commands, then try again.")
+SLASH_FAILED = "Sorry, that failed. Try again, or tell an admin (the details are in the bot's log)."
 CHAT_TYPES = (discord.MessageType.default, discord.MessageType.reply)  # not joins, pins, boosts, thread starts
 TOO_LARGE = ("The file is larger than Discord lets me send here (its upload limit), so it is not attached. "
              "The web page (!dashboard), where this bot runs one, has the same export as a download.")
@@ -259,6 +262,7 @@ class DiscordAdapter:
         self.bot.event(self.on_raw_bulk_message_delete)
         build_slash_commands(self)
         build_context_menus(self)
+        self.tree.error(self.on_slash_error)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -429,8 +433,7 @@ class DiscordAdapter:
             reply = await work
         except Exception:  # a command may fail, but the interaction must get an answer ("did not respond")
             log.exception("Discord: the slash command %r failed", line.split("\n", 1)[0][:80])
-            reply = CommandReply("Sorry, that failed. Try again, or tell an admin (the details are in the bot's "
-                                 "log).", private=True)
+            reply = CommandReply(SLASH_FAILED, private=True)
         if reply.needs_body:  # "send it on the lines after the command": a slash command has no such lines
             reply = CommandReply(SLASH_NEEDS_TEXT, private=True)
         try:
@@ -474,6 +477,27 @@ class DiscordAdapter:
         log.debug("refusing a slash command in %s: %s", interaction.channel_id, reason)
         await interaction.response.send_message(SLASH_REFUSED, ephemeral=True, allowed_mentions=NO_PINGS)
         return True
+
+    async def on_slash_error(self, interaction: discord.Interaction, error: app_commands.AppCommandError) -> None:
+        """An interaction the command tree could not run still gets a private answer, never Discord's "The
+        application did not respond": a command or option Discord still shows from before an update (a
+        subcommand gone, an option now required), or a failure outside the command layer."""
+        stale = isinstance(error, (app_commands.CommandNotFound, app_commands.CommandSignatureMismatch))
+        if stale:
+            log.warning("Discord: a slash command from before an update (%s)", error)
+        else:
+            name = getattr(interaction.command, "qualified_name", "?")  # (never the options: a user's words)
+            log.error("Discord: the slash command %s failed", name, exc_info=error)
+        if interaction.type is not discord.InteractionType.application_command:
+            return  # an autocompletion gets no message
+        text = SLASH_STALE if stale else SLASH_FAILED
+        try:
+            if interaction.response.is_done():
+                await interaction.followup.send(text, ephemeral=True, allowed_mentions=NO_PINGS)
+            else:
+                await interaction.response.send_message(text, ephemeral=True, allowed_mentions=NO_PINGS)
+        except discord.HTTPException as exc:  # the interaction expired meanwhile
+            log.warning("Discord: could not answer the failed interaction (%s)", exc)
 
     @staticmethod
     async def _answer(interaction: discord.Interaction, reply: CommandReply, always_private: bool) -> None:

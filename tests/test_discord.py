@@ -835,3 +835,14 @@ async def test_the_slow_down_notice_does_not_repeat_a_display_name(adapter: Disc
     notice = dpytest.get_message().content
     assert "faster than I can answer" in notice
     assert "evil.example" not in notice and "Claim your prize" not in notice, notice
+
+
+async def test_a_slash_command_from_before_an_update_gets_an_answer(adapter: DiscordAdapter,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Discord's clients keep showing the commands as they were before the bot restarted with new ones: a
+    subcommand now gone, or an option now required, left the user with "The application did not respond"."""
+    gone = await _interact(adapter, monkeypatch, "memory", [{"name": "shw", "type": 1, "options": []}])
+    required_now = await _interact(adapter, monkeypatch, "memory", [{"name": "history", "type": 1, "options": []}])
+    for response in (gone, required_now):
+        assert response["data"]["content"].startswith("Discord sent that command as it was before the bot was")
+        assert response["data"]["flags"] & 64
