@@ -392,7 +392,7 @@ class DiscordAdapter:
     # -- slash commands --------------------------------------------------------------------------
 
     def context(self, interaction: discord.Interaction, persona: str) -> CommandContext:
-        user = interaction.user
+        user, parent = interaction.user, _parent_id(interaction.channel)
         is_dm = interaction.guild is None
         return CommandContext(
             platform=PLATFORM,
@@ -407,6 +407,7 @@ class DiscordAdapter:
             is_bot_admin=user.id in self.config.admin_ids,
             is_dm=is_dm,
             server_key=None if is_dm else f"{PLATFORM}:{interaction.guild_id}",
+            parent_channel_key=None if parent is None else f"{PLATFORM}:{parent}",
         )
 
     async def run_slash(self, interaction: discord.Interaction, line: str, *, always_private: bool = False,

@@ -169,6 +169,7 @@ class Router:
             attachments=inbound.attachments,
             is_dm=msg.is_dm,
             server_key=msg.server_key,
+            parent_channel_key=msg.parent_channel_key,
             reply_to=msg.reply_to,
         )
 

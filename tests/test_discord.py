@@ -123,8 +123,9 @@ async def test_slash_commands_are_built_offline(adapter: DiscordAdapter) -> None
 async def _interact(adapter: DiscordAdapter, monkeypatch: pytest.MonkeyPatch, name: str,
                     options: list[dict[str, Any]], *, permissions: int = 0, kind: int = 2,
                     resolved: dict[str, Any] | None = None, command_type: int = 1,
-                    target_id: str | None = None) -> dict[str, Any]:
-    """Dispatch an INTERACTION_CREATE through the real command tree; return the recorded response."""
+                    target_id: str | None = None, channel_data: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Dispatch an INTERACTION_CREATE through the real command tree (in the first channel, or the one of
+    ``channel_data``); return the recorded response."""
     recorded: list[dict[str, Any]] = []
 
     async def fake_response(self: Any, interaction_id: int, token: str, *, session: Any, params: Any,
@@ -140,9 +141,9 @@ async def _interact(adapter: DiscordAdapter, monkeypatch: pytest.MonkeyPatch, na
     payload = {
         "id": "1111", "application_id": str(bot.user.id), "type": kind, "token": "tok", "version": 1,
         "attachment_size_limit": 8_000_000, "guild_id": str(guild.id),
-        "channel": {"id": str(channel.id), "type": 0, "guild_id": str(guild.id), "name": channel.name,
-                    "position": 0},
-        "channel_id": str(channel.id),
+        "channel": channel_data or {"id": str(channel.id), "type": 0, "guild_id": str(guild.id),
+                                    "name": channel.name, "position": 0},
+        "channel_id": (channel_data or {}).get("id", str(channel.id)),
         "member": {"user": {"id": str(member.id), "username": member.name, "discriminator": "0001",
                             "avatar": None}, "roles": [], "joined_at": "2024-01-01T00:00:00+00:00",
                    "deaf": False, "mute": False, "flags": 0, "permissions": str(permissions)},
@@ -846,3 +847,25 @@ async def test_a_slash_command_from_before_an_update_gets_an_answer(adapter: Dis
     for response in (gone, required_now):
         assert response["data"]["content"].startswith("Discord sent that command as it was before the bot was")
         assert response["data"]["flags"] & 64
+
+
+async def test_skills_list_in_a_thread_shows_its_channels_switch(adapter: DiscordAdapter,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a thread the persona follows its channel's skill switches, but /skills-admin list there showed the
+    skill on: the command never looked at the thread's channel."""
+    config = dpytest.get_config()
+    guild, channel = config.guilds[0], config.channels[0]
+    skill = sorted(s.info.name for s in adapter.app.skills.tools.all())[0]
+    manage = discord.Permissions(manage_guild=True).value
+    off = await _interact(adapter, monkeypatch, "skills-admin", [{"name": "disable", "type": 1, "options": [
+        {"name": "name", "type": 3, "value": skill}, {"name": "channel", "type": 5, "value": True}]}],
+        permissions=manage)
+    assert f"{skill} is now off" in off["data"]["content"]
+    thread = {"id": "4444", "type": 11, "guild_id": str(guild.id), "parent_id": str(channel.id), "name": "a thread",
+              "owner_id": str(config.members[0].id), "message_count": 1, "member_count": 1, "thread_metadata": {
+                  "archived": False, "auto_archive_duration": 1440, "archive_timestamp": "2024-01-01T00:00:00+00:00",
+                  "locked": False}}
+    listed = await _interact(adapter, monkeypatch, "skills-admin", [{"name": "list", "type": 1, "options": []}],
+                             permissions=manage, channel_data=thread)
+    line = next(line for line in listed["data"]["content"].splitlines() if f" {skill} (" in line)
+    assert line.startswith("⛔") and "this thread's channel" in line, line

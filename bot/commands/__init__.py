@@ -65,6 +65,7 @@ class CommandContext:
     is_bot_admin: bool = False  # a configured admin id: may change what every server shares
     is_dm: bool = False
     server_key: str | None = None
+    parent_channel_key: str | None = None  # a thread's or forum post's channel: its switches apply here too
     reply_to: str | None = None  # the message the command was sent in reply to (discord-message:ID)
     body: str = ""  # the lines after the command line
     attachments: tuple[Attachment, ...] = ()  # files sent with the command (a card to import)

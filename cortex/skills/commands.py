@@ -53,7 +53,8 @@ class SkillCommands:
         lines = [f"Skills of {ctx.persona} here (✅ on, ⛔ off; change with {self.prefix}skills enable|disable NAME):"]
         for skill in sorted(skills, key=lambda s: (s.info.origin, s.info.name)):
             info = skill.info
-            effective = await self.tools.policy.effective(info, ctx.persona, ctx.server_key, ctx.channel_key)
+            effective = await self.tools.policy.effective(info, ctx.persona, ctx.server_key, ctx.channel_key,
+                                                            ctx.parent_channel_key)
             notes = [info.origin + (f" {info.server}" if info.server else ""), effective.source]
             if info.admin_only:
                 notes.append("admins only" if info.origin == "builtin" else "the bot's admins only")
@@ -83,7 +84,7 @@ class SkillCommands:
         scope, where = self._scope(ctx, args)
         had = await policy.set(ctx.persona, scope, info, enabled)
         if enabled is None:
-            now = await policy.effective(info, ctx.persona, ctx.server_key, ctx.channel_key)
+            now = await policy.effective(info, ctx.persona, ctx.server_key, ctx.channel_key, ctx.parent_channel_key)
             done = (f"{name} has no switch of its own for {ctx.persona} {where} any more" if had else
                     f"{name} had no switch of its own for {ctx.persona} {where}")
             return f"{done}; here it is {'on' if now.enabled else 'off'} ({now.source})."
