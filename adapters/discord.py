@@ -158,7 +158,7 @@ def _reply_payload(reply: CommandReply) -> tuple[str, list[discord.File]]:
     if len(text) > LIMIT:
         files.append(_as_file("reply.txt" if reply.preformatted else "reply.md", reply.text.encode()))
         room = LIMIT - 80 - (len(text) - len(reply.text))  # what the code block's fences take
-        shown = replace(reply, text=reply.text[:room].rsplit("\n", 1)[0]).markdown()
+        shown = replace(reply, text=reply.text[:max(room, 0)].rsplit("\n", 1)[0]).markdown()
         text = shown + f"\n… (the whole text is attached as {files[-1].filename})"
     return text, files
 

@@ -869,3 +869,13 @@ async def test_skills_list_in_a_thread_shows_its_channels_switch(adapter: Discor
                              permissions=manage, channel_data=thread)
     line = next(line for line in listed["data"]["content"].splitlines() if f" {skill} (" in line)
     assert line.startswith("⛔") and "this thread's channel" in line, line
+
+
+def test_a_code_block_with_a_long_run_of_backticks_stays_within_the_limit() -> None:
+    """A long run of backticks in the text (a user's own memory file in a diff) makes the code block's fences
+    longer than a message: the part shown was sliced from the end and went over 2,000 characters (HTTP 400)."""
+    from adapters.discord import LIMIT, _reply_payload
+
+    text, files = _reply_payload(CommandReply("+" + "`" * 1500 + "\n+more" * 300, preformatted="diff"))
+    assert len(text) <= LIMIT and text.endswith("(the whole text is attached as reply.txt)")
+    assert [f.filename for f in files] == ["reply.txt"]
