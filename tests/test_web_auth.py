@@ -114,6 +114,18 @@ async def test_logout_ends_the_session_on_the_server(tmp_path: Path) -> None:
                 assert response.status == 401
 
 
+async def test_logout_works_after_the_change_limit_is_used_up(tmp_path: Path) -> None:
+    """Logging out counted as a change: a user over the per-minute limit got a 429 and stayed logged in."""
+    async with running_bot(tmp_path) as bot, bot.client("ann") as ann:
+        bot.server.context.auth.limiter.per_minute = 2
+        for _ in range(2):
+            assert (await ann.call("POST", "/api/me/personas/Cora/files/memory.md/reset"))[0] == 200
+        assert (await ann.call("POST", "/api/me/personas/Cora/files/memory.md/reset"))[0] == 429
+        status, body = await ann.call("POST", "/api/logout")
+        assert status == 200, body
+        assert (await ann.call("GET", "/api/me"))[0] == 401
+
+
 async def test_bad_input_is_a_json_4xx_never_a_500(tmp_path: Path) -> None:
     async with running_bot(tmp_path, max_body_kb=16) as bot, bot.client("ann") as ann:
         path = "/api/me/personas/Cora/files/memory"

@@ -116,10 +116,10 @@ class Auth:
         session = await self.logins.session(session_id)
         return None if session is None else Caller(session_id, session)
 
-    async def require(self, request: web.Request, *, costly: bool = False) -> Caller:
+    async def require(self, request: web.Request, *, costly: bool = False, limited: bool = True) -> Caller:
         """The logged-in caller; a 401 without a valid session, a 403 for a change without its CSRF token
         or from another origin. Changes, and reads that are ``costly`` (an export builds a zip of everything),
-        count against the per-user limit (429 beyond it)."""
+        count against the per-user limit (429 beyond it) unless not ``limited`` (logging out always works)."""
         caller = await self.caller(request)
         if caller is None:
             fail(401, "not logged in (or the session ended): send !dashboard in a chat for a new link")
@@ -130,7 +130,7 @@ class Auth:
             self.check_origin(request)
             if not csrf_matches(request.headers.get(CSRF_HEADER, ""), caller.session.csrf):
                 fail(403, f"missing or wrong {CSRF_HEADER} header (reload the page)")
-        if (request.method in CHANGES or costly) and (wait := self.limiter.check(caller.user_key)):
+        if limited and (request.method in CHANGES or costly) and (wait := self.limiter.check(caller.user_key)):
             fail(429, f"too many changes or exports in a minute (at most {self.limiter.per_minute}): try again "
                       f"in {math.ceil(wait)} s")
         return caller

@@ -56,7 +56,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         return response
 
     async def logout(request: web.Request) -> web.Response:
-        caller = await auth.require(request)
+        caller = await auth.require(request, limited=False)  # a user over the change limit can still leave
         await logins.end_session(caller.session_id)
         response = ok({"logged_out": True})
         auth.clear_cookie(response)
