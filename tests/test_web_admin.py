@@ -6,6 +6,7 @@ input; and the Discord and Matrix admin directories over stand-ins of their clie
 
 from __future__ import annotations
 
+import asyncio
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -490,3 +491,34 @@ async def test_a_rule_name_ending_in_a_newline_is_refused(tmp_path: Path) -> Non
                                                                                                         422)
         status, body = await admin.call("GET", "/api/admin/rules")
         assert [r["name"] for r in body["rules"]] == ["kind"]
+
+
+async def test_two_admins_editing_the_same_version_of_a_text_get_a_conflict(tmp_path: Path) -> None:
+    """Two tabs (or two admins) editing the same guidelines, section or rule: the second save silently replaced
+    the first. An edit that names the version it started from is a 409 once another one landed."""
+    async with running_bot(tmp_path, directories=[FakeDirectory()]) as bot, bot.client("ann") as ann, \
+            bot.client("999") as admin:
+        await admin.call("POST", "/api/admin/rules", {"name": "kind", "text": "Be kind."})
+        for client, path in ((ann, guidelines_path(ANN_SERVER)), (admin, "/api/admin/personas/Cora/sections/identity"),
+                             (admin, "/api/admin/rules/kind")):
+            status, seen = await client.call("PUT", path, {"text": "Where both tabs start."})
+            assert status == 200, seen
+            status, first = await client.call("PUT", path, {"text": "First tab.", "version": seen["version"]})
+            assert status == 200 and first["version"] == seen["version"] + 1, first
+            status, error = await client.call("PUT", path, {"text": "Second tab.", "version": seen["version"]})
+            assert status == 409 and "changed meanwhile" in error["error"], (path, error)
+            status, again = await client.call("PUT", path, {"text": "Second tab.", "version": first["version"]})
+            assert status == 200 and again["text"] == "Second tab.", again
+        assert bot.app.personas.guidelines_for(ANN_SERVER) == ("Second tab.", ANN_SERVER)
+
+
+async def test_concurrent_edits_based_on_one_version_of_a_text_land_once(tmp_path: Path) -> None:
+    async with running_bot(tmp_path) as bot:
+        texts = bot.app.storage.personas
+        results = await asyncio.gather(*(texts.put_based_on(0, "guidelines", ANN_SERVER, "", f"text {n}",
+                                                            author="discord:999") for n in range(6)))
+        landed = [r for r in results if r is not None]
+        assert len(landed) == 1 and landed[0].version == 1, results
+        history = await texts.history("guidelines", ANN_SERVER, "")
+        assert [v.content for v in history] == [landed[0].content]
+        assert await texts.put_based_on(0, "guidelines", ANN_SERVER, "", "late", author="discord:999") is None

@@ -205,14 +205,23 @@ async def test_log_in_edit_compare_revert_and_screenshots(tmp_path: Path) -> Non
                 await section.locator("summary").click()
                 await expect(section.locator("pre")).to_have_text(PERSONALITY)
                 await page.screenshot(path=str(shots / "admin.png"), full_page=True)
+                # another admin saves the section meanwhile: this page's edit, based on v1, is refused (409)
+                persona = await bot.app.storage.personas.get_persona("Cora")
+                assert persona is not None
+                await bot.app.storage.personas.put("soul", str(persona.id), "personality", "Changed elsewhere.",
+                                                   author="discord:1000")
+                await section.get_by_role("button", name="Edit").click()
+                await section.locator("textarea").fill("Mine.")
+                await section.get_by_role("button", name="Save").click()
+                await expect(page.get_by_test_id("alert")).to_contain_text("changed meanwhile")
         finally:
             await browser.close()
 
     for name in ("files", "diff", "items", "admin"):
         assert (shots / f"{name}.png").stat().st_size > 10_000, name
     assert watch.problems == []  # no script error, nothing against the Content-Security-Policy
-    # The only failed requests: the two refused saves, /api/me after logging out (and maybe the login
-    # page's favicon).
+    # The only failed requests: the two refused saves, /api/me after logging out, the admin's save of a
+    # section changed meanwhile (and maybe the login page's favicon).
     memory = "/api/me/personas/Cora/files/memory.md"
-    expected = [(409, memory), (422, memory), (401, "/api/me")]
+    expected = [(409, memory), (422, memory), (401, "/api/me"), (409, "/api/admin/personas/Cora/sections/personality")]
     assert [f for f in watch.failed if f != (404, "/favicon.ico")] == expected, watch.failed

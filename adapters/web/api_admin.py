@@ -42,6 +42,8 @@ DAY = 86_400
 MAX_HISTORY = 100  # versions listed per text (the newest)
 MAX_VALUE_CHARS = 200
 WEB = "on the web page"
+CHANGED = ("it was changed meanwhile (it is at version {live}; your edit was based on version {based_on}): reload it, "
+           "then make your change again")
 
 
 class _Body(BaseModel):
@@ -50,11 +52,13 @@ class _Body(BaseModel):
 
 class TextBody(_Body):
     text: str
+    version: int | None = Field(default=None, ge=0, le=MAX_NUMBER, description="the version the edit is based on")
 
 
 class RuleChange(_Body):
     text: str | None = None
     enabled: bool | None = None
+    version: int | None = Field(default=None, ge=0, le=MAX_NUMBER, description="the version the edit is based on")
 
 
 class NewRule(_Body):
@@ -175,13 +179,23 @@ class AdminApi:
         return caller, key
 
     async def put_text(self, kind: TextKind, scope: str, name: str, text: str, caller: Caller, reason: str,
-                       *, enabled: bool | None = None) -> bool:
-        """A new version unless nothing changes; the prompt follows at once (as after a chat command)."""
+                       *, enabled: bool | None = None, based_on: int | None = None) -> bool:
+        """A new version unless nothing changes; the prompt follows at once (as after a chat command). With
+        ``based_on`` (the version the editor started from, 0: none), a 409 when another edit landed since."""
         versions = await self.texts.history(kind, scope, name)
         live = versions[-1] if versions else None
+        newest = live.version if live else 0
+        if based_on is not None and based_on != newest:
+            fail(409, CHANGED.format(live=newest, based_on=based_on))
         if (live.content if live else "") == text and (enabled is None or live is None or enabled == live.enabled):
             return False  # e.g. the same text saved twice, or clearing what was never set
-        await self.texts.put(kind, scope, name, text, author=caller.user_key, reason=reason, enabled=enabled)
+        author = caller.user_key
+        if based_on is None:
+            await self.texts.put(kind, scope, name, text, author=author, reason=reason, enabled=enabled)
+        elif await self.texts.put_based_on(based_on, kind, scope, name, text, author=author, reason=reason,
+                                           enabled=enabled) is None:
+            latest = await self.texts.history(kind, scope, name)
+            fail(409, CHANGED.format(live=latest[-1].version if latest else 0, based_on=based_on))
         await self.registry.load()
         return True
 
@@ -236,7 +250,7 @@ class AdminApi:
         body = await read_body(request, TextBody)
         _, scope, key = await self.section(request.match_info["persona"], request.match_info["section"])
         text = checked_text(body.text, MAX_SECTION_CHARS, "soul section")
-        changed = await self.put_text("soul", scope, key, text, caller, f"edited {WEB}")
+        changed = await self.put_text("soul", scope, key, text, caller, f"edited {WEB}", based_on=body.version)
         return ok(section_json(key, await self.texts.history("soul", scope, key))
                   | {"changed": changed, "unknown_variables": unfilled(text)})
 
@@ -259,7 +273,8 @@ class AdminApi:
         caller, key = await self.server_admin(request, request.match_info["server"], bot_wide=True)
         body = await read_body(request, TextBody)
         text = checked_text(body.text, MAX_GUIDELINES_CHARS, "server's guidelines")
-        changed = await self.put_text("guidelines", key, "", text, caller, f"{'set' if text else 'cleared'} {WEB}")
+        changed = await self.put_text("guidelines", key, "", text, caller, f"{'set' if text else 'cleared'} {WEB}",
+                                      based_on=body.version)
         return ok(guidelines_json(key, await self.texts.history("guidelines", key, "")) | {"changed": changed})
 
     async def revert_guidelines(self, request: web.Request) -> web.Response:
@@ -304,7 +319,8 @@ class AdminApi:
                                                                        required=True)
         enabled = live.enabled if change.enabled is None else change.enabled
         reason = f"edited {WEB}" if text != live.content else f"switched {'on' if enabled else 'off'} {WEB}"
-        changed = await self.put_text("rule", BOT_WIDE, live.name, text, caller, reason, enabled=enabled)
+        changed = await self.put_text("rule", BOT_WIDE, live.name, text, caller, reason, enabled=enabled,
+                                      based_on=change.version)
         return await self.rule_response(live.name, changed)
 
     async def add_rule(self, request: web.Request) -> web.Response:

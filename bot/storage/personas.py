@@ -70,9 +70,12 @@ LATEST = ("version = (SELECT max(version) FROM versioned_texts v WHERE v.kind = 
 
 
 def _next_version(kind: TextKind, scope: str, name: str, content: str, author: str, reason: str,
-                  position: int | None, enabled: bool | None) -> tuple[str, tuple[Any, ...]]:
-    """The INSERT of a text's next version (RETURNING it), with its parameters."""
+                  position: int | None, enabled: bool | None, based_on: int | None = None
+                  ) -> tuple[str, tuple[Any, ...]]:
+    """The INSERT of a text's next version (RETURNING it), with its parameters; with ``based_on``, it inserts
+    nothing unless that is still the newest version (0: none yet)."""
     live = f"FROM versioned_texts t WHERE kind = ? AND scope = ? AND name = ? AND {LATEST}"
+    having = "" if based_on is None else " HAVING coalesce(max(version), 0) = ?"
     return (
         "INSERT INTO versioned_texts (kind, scope, name, version, content, position, enabled, author,"
         " reason, created_at)"
@@ -80,10 +83,10 @@ def _next_version(kind: TextKind, scope: str, name: str, content: str, author: s
         f" coalesce(CAST(? AS INTEGER), (SELECT position {live}),"
         "   (SELECT coalesce(max(position), 0) + 1 FROM versioned_texts WHERE kind = ? AND scope = ?)),"
         f" coalesce(CAST(? AS INTEGER), (SELECT enabled {live}), 1), ?, ?, CAST(? AS DOUBLE PRECISION)"
-        " FROM versioned_texts WHERE kind = ? AND scope = ? AND name = ? RETURNING *",
+        f" FROM versioned_texts WHERE kind = ? AND scope = ? AND name = ?{having} RETURNING *",
         (kind, scope, name, content, position, kind, scope, name, kind, scope,
          None if enabled is None else int(enabled), kind, scope, name, author, reason, time.time(),
-         kind, scope, name))
+         kind, scope, name, *(() if based_on is None else (based_on,))))
 
 
 class PersonaRepository:
@@ -218,6 +221,20 @@ class PersonaRepository:
             assert row is not None  # an aggregate query always yields one row
             return _text(row)
         raise AssertionError("unreachable")
+
+    async def put_based_on(self, based_on: int, kind: TextKind, scope: str, name: str, content: str, *,
+                           author: str, reason: str = "", enabled: bool | None = None) -> TextVersion | None:
+        """Like :meth:`put`, but only while ``based_on`` is still the newest version (0: the text has none):
+        one statement, so of two edits based on the same version (two admins, two tabs, two processes) one
+        lands and the other gets None instead of silently replacing it."""
+        try:
+            row = await self.db.write_one(*_next_version(kind, scope, name, content, author, reason, None, enabled,
+                                                         based_on))
+        except Exception as exc:
+            if is_conflict(exc):  # another writer took the same next version a moment earlier
+                return None
+            raise
+        return None if row is None else _text(row)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1197,7 +1197,7 @@
     return h('details', { class: 'add-section' }, h('summary', null, 'Add a section'),
       h('div', { class: 'section-body' }, field('Section', which),
         textEditor('Text', '', max, (text, trigger) => change('PUT',
-          `/api/admin/personas/${enc(persona.name)}/sections/${enc(which.value)}`, { text },
+          `/api/admin/personas/${enc(persona.name)}/sections/${enc(which.value)}`, { text, version: 0 },
           `Added ${sectionLabel(which.value)} to ${persona.name}.`, reload, trigger), null, `new-section-${persona.name}`)));
   }
 
@@ -1208,7 +1208,7 @@
       sec.text ? h('pre', { class: 'text-block' }, sec.text) : empty('(empty)'),
       h('div', { class: 'actions' }, button('Edit', () => fill(body, 
         textEditor(`${sec.title || sec.name} of ${persona.name}`, sec.text || '', max,
-          (text, trigger) => change('PUT', path, { text }, `Saved ${persona.name}'s ${sec.title || sec.name}.`, reload, trigger),
+          (text, trigger) => change('PUT', path, { text, version: sec.version }, `Saved ${persona.name}'s ${sec.title || sec.name}.`, reload, trigger),
           show)), { class: 'btn btn-small' })),
       historyList(sec.history, sec.version, (version, trigger) => {
         if (!window.confirm(`Go back to version ${version} of ${persona.name}'s ${sec.title || sec.name}?`)) return;
@@ -1244,7 +1244,7 @@
       fill(area, h('div', { class: 'card' },
         h('p', { class: 'meta' }, data.version ? `Version ${data.version}` : 'Not set yet'),
         textEditor('Guidelines', data.text || '', data.max_chars,
-          (text, trigger) => change('PUT', path, { text }, 'Saved the guidelines.', load, trigger), null, 'guidelines'),
+          (text, trigger) => change('PUT', path, { text, version: data.version }, 'Saved the guidelines.', load, trigger), null, 'guidelines'),
         historyList(data.history, data.version, (version, trigger) => {
           if (!window.confirm(`Go back to version ${version} of these guidelines?`)) return;
           change('POST', `${path}/revert`, { version }, `The guidelines are back to version ${version}.`, load, trigger);
@@ -1276,7 +1276,7 @@
     const body = h('div', { class: 'section-body flush' });
     const show = () => fill(body, h('pre', { class: 'text-block' }, rule.text || ''),
       h('div', { class: 'actions' }, button('Edit', () => fill(body, textEditor(`Rule ${rule.name}`, rule.text || '', max,
-        (text, trigger) => change('PUT', path, { text }, `Saved rule ${rule.name}.`, reload, trigger), show)), { class: 'btn btn-small' })),
+        (text, trigger) => change('PUT', path, { text, version: rule.version }, `Saved rule ${rule.name}.`, reload, trigger), show)), { class: 'btn btn-small' })),
       historyList(rule.history, rule.version, (version, trigger) => {
         if (!window.confirm(`Go back to version ${version} of rule ${rule.name}?`)) return;
         change('POST', `${path}/revert`, { version }, `Rule ${rule.name} is back to version ${version}.`, reload, trigger);
