@@ -80,7 +80,7 @@ def flag(query: Mapping[str, str], name: str) -> bool | None:
 def choice(query: Mapping[str, str], name: str, allowed: tuple[str, ...]) -> str | None:
     value = query.get(name) or None
     if value is not None and value not in allowed:
-        fail(400, f"unknown {name} {value[:40]!r}; {name}s: {', '.join(allowed)}")
+        fail(400, f"unknown {name} {value[:40]!r}; it is one of: {', '.join(allowed)}")
     return value
 
 
