@@ -114,6 +114,21 @@ async def test_logout_ends_the_session_on_the_server(tmp_path: Path) -> None:
                 assert response.status == 401
 
 
+async def test_logging_in_again_ends_the_browsers_older_session(tmp_path: Path) -> None:
+    """A browser that logged in through a new link kept its older session valid on the server until it expired
+    (a cookie copied from it meanwhile went on working)."""
+    async with running_bot(tmp_path) as bot, bot.client("ann") as ann:
+        old = next(iter(ann.http.cookie_jar))
+        _, token = await bot.link("ann")
+        async with ann.http.post("/login", data={"token": token}, allow_redirects=False) as response:
+            assert response.status == 303
+        async with aiohttp.ClientSession(base_url=bot.url) as other:  # the older cookie, replayed
+            async with other.get("/api/me", cookies={old.key: old.value}) as replayed:
+                assert replayed.status == 401
+        async with ann.http.get("/api/me") as fresh:  # the new session works
+            assert fresh.status == 200
+
+
 async def test_logout_works_after_the_change_limit_is_used_up(tmp_path: Path) -> None:
     """Logging out counted as a change: a user over the per-minute limit got a 429 and stayed logged in."""
     async with running_bot(tmp_path) as bot, bot.client("ann") as ann:

@@ -51,6 +51,8 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         if opened is None:
             return _expired()
         session_id, _ = opened
+        if previous := request.cookies.get(auth.cookie, ""):  # this browser's older session ends: one at a time
+            await logins.end_session(previous[:MAX_TOKEN_CHARS])
         response = web.Response(status=303, headers={"Location": "/"})
         auth.set_cookie(response, session_id, session_seconds)
         return response
