@@ -164,6 +164,8 @@ def build_context_menus(adapter: DiscordAdapter) -> None:
     prefix = adapter.app.commands.prefix
 
     async def remember(interaction: discord.Interaction, message: discord.Message) -> None:
+        if await adapter.refuse_slash(interaction):  # the access lists first: a denied user learns nothing else
+            return
         if not _yours(interaction, message):
             await interaction.response.send_message(NOT_YOURS, ephemeral=True)
             return
@@ -174,6 +176,8 @@ def build_context_menus(adapter: DiscordAdapter) -> None:
         await adapter.run_slash(interaction, line, always_private=True)
 
     async def forget(interaction: discord.Interaction, message: discord.Message) -> None:
+        if await adapter.refuse_slash(interaction):
+            return
         if not _yours(interaction, message):
             await interaction.response.send_message(NOT_YOURS, ephemeral=True)
             return

@@ -658,6 +658,12 @@ async def test_slash_commands_follow_the_access_lists(adapter: DiscordAdapter, m
     refused = await _interact(adapter, monkeypatch, "memory", show)
     assert refused["data"]["content"] == "This bot does not take commands from you here (its access settings)."
     assert refused["data"]["flags"] & 64
+    channel = dpytest.get_config().channels[0]
+    for menu, text in (("Remember this", ""), ("Forget this", "x"), ("Remember this", "mine")):  # the lists first
+        payload = _message_payload("5556", member, text, channel.id)
+        answer = await _interact(adapter, monkeypatch, menu, [], command_type=3, target_id="5556",
+                                 resolved={"messages": {"5556": payload}})
+        assert answer["data"]["content"] == "This bot does not take commands from you here (its access settings)."
     assert await adapter.app.storage.get_user(f"discord:{member.id}") is None  # nothing ran
     monkeypatch.setattr(adapter.app.config, "access", AccessConfig())
     assert "soul.md (version 1" in (await _interact(adapter, monkeypatch, "memory", show))["data"]["content"]
