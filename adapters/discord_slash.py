@@ -11,6 +11,7 @@ any other line, so nothing here knows what a command does.
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Literal, Optional, cast
 
@@ -137,10 +138,28 @@ def _completer(adapter: DiscordAdapter, kind: str) -> Completer:
     return personas
 
 
+VERSIONS_KEPT_SECONDS = 5.0  # an autocompletion's list of versions serves the next keystrokes for this long
+
+
 async def version_choices(adapter: DiscordAdapter, interaction: discord.Interaction,
                           current: str) -> list[app_commands.Choice[Any]]:
-    """The caller's own versions of the chosen file, newest first."""
-    filename = getattr(interaction.namespace, "file", None) or "memory.md"
+    """The caller's own versions of the chosen file, newest first. Read once per few seconds per user and file
+    (Discord asks at every keystroke), and not at all for someone the rate limit holds off."""
+    filename = str(getattr(interaction.namespace, "file", None) or "memory.md")
+    if adapter.app.router.command_limiter.waiting(f"{PLATFORM}:{interaction.user.id}"):  # (the lists: by the caller)
+        return []
+    key, now = (interaction.user.id, filename), time.monotonic()
+    seen = adapter.versions_seen
+    kept = seen.get(key)
+    if kept is None or now - kept[0] > VERSIONS_KEPT_SECONDS:
+        kept = (now, await _versions(adapter, interaction, filename))
+        if len(seen) > 1000:
+            seen.clear()
+        seen[key] = kept
+    return [app_commands.Choice(name=name, value=number) for number, name in kept[1] if current in str(number)][:25]
+
+
+async def _versions(adapter: DiscordAdapter, interaction: discord.Interaction, filename: str) -> list[tuple[int, str]]:
     user = await adapter.app.storage.get_user(f"{PLATFORM}:{interaction.user.id}")
     if user is None:
         return []
@@ -149,11 +168,8 @@ async def version_choices(adapter: DiscordAdapter, interaction: discord.Interact
     pair = await adapter.app.cortex.store.get_pair(user.id, persona)
     if pair is None:
         return []
-    versions, _ = await adapter.app.cortex.store.versions_listed(pair.id, str(filename), 200)  # newest, no text
-    return [
-        app_commands.Choice(name=f"v{v.version} · {v.author} · {v.created_at:%Y-%m-%d %H:%M}", value=v.version)
-        for v in versions if current in str(v.version)
-    ][:25]
+    versions, _ = await adapter.app.cortex.store.versions_listed(pair.id, filename, 200)  # newest, no text
+    return [(v.version, f"v{v.version} · {v.author} · {v.created_at:%Y-%m-%d %H:%M}") for v in versions]
 
 
 def build_context_menus(adapter: DiscordAdapter) -> None:

@@ -231,6 +231,32 @@ async def test_version_autocomplete_offers_the_callers_own_versions(adapter: Dis
     assert response["type"] == 8
     choices = response["data"]["choices"]
     assert [c["value"] for c in choices] == [2, 1] and "user" in choices[0]["name"]
+    # Discord asks at every keystroke: the versions are read once for a few seconds, and never for someone the
+    # command rate limit holds off
+    store = adapter.app.cortex.store
+    reads: list[int] = []
+    listed = store.versions_listed
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        reads.append(1)
+        return await listed(*args, **kwargs)
+
+    monkeypatch.setattr(store, "versions_listed", counted)
+    for typed in ("", "1", "2", "1"):
+        again = await _interact(adapter, monkeypatch, "memory", [
+            {"name": "revert", "type": 1, "options": [
+                {"name": "file", "type": 3, "value": "memory.md"},
+                {"name": "version", "type": 4, "value": typed, "focused": True}]}], kind=4)
+        assert [c["value"] for c in again["data"]["choices"]] == [v for v in (2, 1) if typed in str(v)]
+    assert len(reads) == 0  # (the first answer above is still kept)
+    limiter = adapter.app.router.command_limiter
+    monkeypatch.setattr(limiter, "waiting", lambda key: 30.0)
+    held = await _interact(adapter, monkeypatch, "memory", [
+        {"name": "revert", "type": 1, "options": [
+            {"name": "file", "type": 3, "value": "soul.md"},
+            {"name": "version", "type": 4, "value": "", "focused": True}]}], kind=4)
+    assert held["data"]["choices"] == [] and len(reads) == 0
+    monkeypatch.undo()
     # someone the [access] lists leave out gets no suggestions either (as the command refuses them)
     member = dpytest.get_config().members[0]
     adapter.app.config.access.deny_users.append(f"discord:{member.id}")
