@@ -167,6 +167,7 @@ class Router:
             is_admin=inbound.is_admin or inbound.is_bot_admin,
             is_bot_admin=inbound.is_bot_admin,
             attachments=inbound.attachments,
+            attachments_seen_by_all=bool(inbound.attachments) and not msg.is_dm,  # (a slash command's are not)
             is_dm=msg.is_dm,
             server_key=msg.server_key,
             parent_channel_key=msg.parent_channel_key,

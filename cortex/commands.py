@@ -54,6 +54,8 @@ from cortex.update import CortexUpdater
 
 MAX_INLINE_CHARS = 6000
 CONFIRM_WORD = "confirm"
+EXPORT_IN_PUBLIC = ("Your export was posted where everyone in that channel can open it: delete that message now "
+                    "(it holds everything I knew about you), and next time send it in a direct message with me.")
 IMPORT_RENEW_SECONDS = 20.0  # a running import renews its mark this often
 IMPORT_CLAIM_SECONDS = 90.0  # a mark not renewed for this long is an import whose process died
 
@@ -279,12 +281,14 @@ class CortexCommands:
             report = await Importer(self.store, self.files, self.personas, limits).run(
                 user, data, await self._dm_channel(ctx))
         except ArchiveError as exc:
-            raise CommandError(str(exc)) from None
+            raise CommandError(f"{EXPORT_IN_PUBLIC} {exc}" if ctx.attachments_seen_by_all else str(exc)) from None
         finally:
             renewing.cancel()
             self._importing.discard(user.key)
             await exports.release_import(user.key, token)
         text = report.line()
+        if ctx.attachments_seen_by_all:
+            text = f"{EXPORT_IN_PUBLIC} {text}"
         if (report.items or report.messages) and self.embedding_backlog is not None:
             try:
                 text += " " + await self.embedding_backlog()

@@ -589,3 +589,27 @@ async def test_an_import_sent_to_two_processes_at_once_writes_once(tmp_path: Pat
                                        run(two, "!memory import", ctx("ann", archive)))
         rows = await one.storage.db.fetch_all("SELECT content FROM memory_items")
         assert len(rows) == 200, replies
+
+
+async def test_an_export_posted_in_a_channel_is_imported_with_a_warning_to_delete_it(tmp_path: Path) -> None:
+    """An export holds everything the bot knew about its owner: posted in a server channel (not through a slash
+    command, whose file only the bot sees), everyone there can open it. The private answer says so."""
+    from dataclasses import replace
+
+    from bot.policy import Inbound
+    from bot.router import Router
+
+    archive = _archive("ann", personas=[{"persona": "Cora", "memory_items": [
+        {"category": "fact", "content": "Ann grows figs", "importance": 5, "created_at": 1_700_000_000}]}])
+    async with App(_config(tmp_path / "bot"), llm=ScriptedProvider()) as app:
+        posted = IncomingMessage("discord", "general", "ann", "Ann", "!memory import", server_id="guild1")
+        context = Router.context_for(Inbound(posted, attachments=(archive,)), "Cora")
+        assert context.attachments_seen_by_all
+        reply = await run(app, "!memory import", context)
+        assert reply.startswith("Your export was posted where everyone in that channel can open it: delete that "
+                                "message now") and "Imported 1 memory item" in reply, reply
+        broken = await run(app, "!memory import", replace(context, attachments=(Attachment("x.zip", b"no zip"),)))
+        assert broken.startswith("Your export was posted where everyone"), broken
+        assert not (await run(app, "!memory import", ctx("ann", archive))).startswith("Your export")  # a DM
+        assert not Router.context_for(Inbound(replace(posted, is_dm=True, server_id=None), attachments=(archive,)),
+                                      "Cora").attachments_seen_by_all

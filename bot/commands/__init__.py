@@ -69,6 +69,7 @@ class CommandContext:
     reply_to: str | None = None  # the message the command was sent in reply to (discord-message:ID)
     body: str = ""  # the lines after the command line
     attachments: tuple[Attachment, ...] = ()  # files sent with the command (a card to import)
+    attachments_seen_by_all: bool = False  # those files were posted where everyone in the channel can open them
 
 
 @dataclass(frozen=True, slots=True)
