@@ -135,6 +135,7 @@ class App:
             self._check_persona_names()
             self.cortex.commands.extra_stats = self._extra_stats
             self.cortex.commands.on_forget = self._forget_caches(self.cortex.commands.on_forget)
+            self.cortex.memory_commands.on_resume = self._forget_paused
             await self.cortex.memory_admin.load()
             self.router = Router(self.config, self.storage, self.core, self.commands, self.personas)
             self.fleet = Fleet(self.storage)
@@ -199,7 +200,15 @@ class App:
         await expire_old_messages(self.job_storage, self.config.memory.keep_messages_days)
 
     async def _end_incognito(self) -> None:
-        await end_expired_incognito(self.job_storage, self.config.memory.incognito_hours)
+        if await end_expired_incognito(self.job_storage, self.config.memory.incognito_hours):
+            self._forget_paused()
+
+    def _forget_paused(self) -> None:
+        """After an incognito stretch ended: the texts of this process's recent messages and the kept query
+        vectors may hold what was said in it (memory only, but it was to be kept nowhere)."""
+        self.core.forget_recent_texts()
+        if self.cortex.embeddings is not None:
+            self.cortex.embeddings.forget_queries()
 
     async def _reload(self) -> None:
         await self.cortex.memory_admin.load()

@@ -215,3 +215,30 @@ async def test_a_stretch_ended_just_before_its_reply_is_stored_keeps_no_reply(tm
         await app.router.handle(_inbound("my secret word is xyzzyplover"), shown)
         assert shown.messages[0].startswith("🕶️ echo: my secret word")  # shown as it streamed
         assert await app.storage.db.fetch_all("SELECT text FROM messages") == []
+
+
+async def test_the_end_of_a_stretch_leaves_its_words_in_no_cache_of_the_process(tmp_path: Path) -> None:
+    """The rows went at the stretch's end, but the process still held its last words per channel (a follow-up's
+    context) and the query vectors it had kept; both are dropped now, at resume and when the stretch runs out."""
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000}})
+    async with App(config, llm=ScriptedProvider()) as app:
+        async def say(text: str) -> Sink:
+            sink = Sink()
+            await app.router.handle(_inbound(text), sink)
+            return sink
+
+        await say("!memory pause")
+        await say("my secret word is xyzzyplover")
+        assert any("xyzzyplover" in t for t in app.core._last_text.values())
+        embeddings = app.cortex.embeddings
+        if embeddings is not None:
+            embeddings._queries["my secret word is xyzzyplover"] = None  # type: ignore[assignment]
+        await say("!memory resume")
+        assert not any("xyzzyplover" in t for t in app.core._last_text.values())
+        assert embeddings is None or "my secret word is xyzzyplover" not in embeddings._queries
+        await say("!memory pause")
+        await say("my other word is plughxyzzy")
+        user = await app.storage.get_user("discord:7")
+        await app.storage.db.write("UPDATE incognito SET started_at = 0 WHERE user_id = ?", (user.id,))
+        await app._end_incognito()  # (the hourly check: it ran past incognito_hours)
+        assert not any("plughxyzzy" in t for t in app.core._last_text.values())

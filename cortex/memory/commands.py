@@ -6,7 +6,7 @@ search views do not count as accesses.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -69,6 +69,9 @@ class MemoryCommands:
     memory: MemoryStore
     prefix: str = "!"
     incognito_hours: float = 24.0
+    # After a stretch ends: drop what the process still holds of it in memory (the last texts per channel, the
+    # kept query vectors); the App wires it.
+    on_resume: Callable[[], None] | None = None
 
     def register(self, registry: CommandRegistry) -> None:
         self.prefix = registry.prefix
@@ -114,6 +117,8 @@ class MemoryCommands:
         deleted = await self.pairs.storage.end_incognito(user.id, ctx.persona) if user is not None else None
         if deleted is None:
             return f"You were not incognito with {ctx.persona}."
+        if self.on_resume is not None:
+            self.on_resume()
         await self.pairs.storage.scrub()
         verb = "is" if deleted == 1 else "are"
         return f"Incognito ended: {plural(deleted, 'message')} from that stretch {verb} deleted. I remember again."
