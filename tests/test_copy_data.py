@@ -449,3 +449,12 @@ async def test_a_target_a_bot_was_started_on_before_the_copy_is_refused(source: 
                                            r"bot.instance_id"):
         await copy_data(source, pg)
     assert await pg.get_setting(INSTANCE_KEY) is None and await pg.get_user("discord:1") is None
+
+
+async def test_a_target_a_newer_cortex_bot_upgraded_names_the_target_option(source: Storage, pg: Storage) -> None:
+    """The refusal told the operator to point [storage] elsewhere, when it was --to that named the target."""
+    await copy_data(source, pg)
+    await pg.db.write("INSERT INTO schema_version (version, description, applied_at) VALUES (999, 'x', 0)")
+    with pytest.raises(StorageError, match="upgraded by a newer cortex-bot") as refused:
+        await copy_data(source, pg)
+    assert "name another database with --to" in str(refused.value) and "[storage]" not in str(refused.value)

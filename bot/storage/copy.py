@@ -137,7 +137,7 @@ async def copy_data(source: Storage, target: Storage, *, progress: Progress | No
     instance = await ensure_instance_id(source)
     if await target.applied_migrations():  # refuse another bot's database before touching its schema
         await _check_target(target.db, instance)
-    await target.migrate()
+    await target.migrate(elsewhere="name another database with --to")
     await _claim_target(source.db, target.db, instance)
     copied: dict[str, int] = {}
     for table in TABLES:

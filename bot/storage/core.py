@@ -207,8 +207,10 @@ class Storage:
         self._refuse_newer(done)
         return [m.version for m in self._migrations if m.version not in done]
 
-    async def migrate(self) -> list[int]:
-        self._refuse_newer(set(await self.applied_migrations()))
+    async def migrate(self, *, elsewhere: str = "point [storage] at another database") -> list[int]:
+        """Apply the pending migrations; a database a newer cortex-bot upgraded is refused, saying to upgrade or
+        to use another database (``elsewhere``: how, for the setting that named this one)."""
+        self._refuse_newer(set(await self.applied_migrations()), elsewhere)
         return await self.db.migrate(self._migrations)
 
     async def end_incognito(self, user_id: int, persona: str) -> int | None:
@@ -288,13 +290,13 @@ class Storage:
         """Write to the database without changing its data (``cortexbot doctor``)."""
         await self.db.write("CREATE TEMP TABLE IF NOT EXISTS doctor_probe (x INTEGER)")
 
-    def _refuse_newer(self, applied: set[int]) -> None:
+    def _refuse_newer(self, applied: set[int], elsewhere: str = "point [storage] at another database") -> None:
         known = max((m.version for m in self._migrations), default=0)
         newer = sorted(v for v in applied if v > known)
         if newer:
             raise StorageError(
                 f"the database {self.db.url} was upgraded by a newer cortex-bot (schema version {newer[-1]}; this "
-                f"one knows up to {known}): upgrade cortex-bot, or point [storage] at another database"
+                f"one knows up to {known}): upgrade cortex-bot, or {elsewhere}"
             )
 
     # -- users, personas, channels ---------------------------------------------------------------
