@@ -321,3 +321,25 @@ async def test_a_stalled_run_cannot_finish_the_job_another_loop_of_its_own_pool_
         first_release.set()
         second_release.set()
         await pool.stop(1)
+
+
+async def test_a_job_whose_payload_is_no_json_object_fails_at_once(storage: Storage) -> None:
+    """A payload that is not a JSON object (a hand-edited row) failed inside every claim, after the row was set
+    running: the worker loop crashed and restarted, and the job sat running until its lease ran out, again and
+    again. Its handler now gets an empty payload, and the job fails at its first attempt."""
+    seen: list[dict[str, object]] = []
+
+    async def handler(job: Job) -> None:
+        seen.append(dict(job.payload))
+        raise KeyError("channel_id")  # as a real handler does without its fields
+
+    pool = WorkerPool(JobQueue(storage, FAST), {"k": handler})
+    job = await pool.queue.enqueue("k", "pair:1", {"channel_id": 1})
+    assert job is not None
+    await storage.db.write("UPDATE jobs SET payload = ? WHERE id = ?", ("{not json", job.id))
+    try:
+        await pool.start()
+        failed = await _wait_status(storage, job.id, "failed")
+    finally:
+        await pool.stop(1)
+    assert failed.attempts == 1 and "channel_id" in failed.last_error and seen == [{}]

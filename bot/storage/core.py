@@ -153,6 +153,19 @@ async def delete_messages(tx: Tx, where: str, params: Sequence[Any]) -> tuple[li
     if deleted:
         await note_scrub_pending(tx)
     return deleted, channels
+def _job_payload(job_id: int, text: Any) -> dict[str, Any]:
+    """A job's payload; one that is not a JSON object (a hand-edited row, a copy from elsewhere) is read as empty,
+    so its handler fails the job at once instead of every claim of it failing before it runs."""
+    try:
+        payload = json.loads(text)
+    except (TypeError, ValueError):
+        payload = None
+    if not isinstance(payload, dict):
+        log.warning("job %d has a payload that is not a JSON object; its handler gets an empty one", job_id)
+        return {}
+    return payload
+
+
 SQLITE_TEXT_INDEXES = ("memory_fts", "messages_fts")  # merged after forget-me (SQLite's FTS5 tables)
 
 
@@ -528,7 +541,7 @@ class Storage:
             id=int(row["id"]),
             kind=str(row["kind"]),
             key=str(row["key"]),
-            payload=json.loads(row["payload"]),
+            payload=_job_payload(int(row["id"]), row["payload"]),
             status=row["status"],
             attempts=int(row["attempts"]),
             max_attempts=int(row["max_attempts"]),
