@@ -309,6 +309,15 @@ def counts(stdout: str) -> dict[str, list[str]]:
     return {cells[1].strip(): [c.strip() for c in cells[2:5]] for cells in rows}
 
 
+def _copy_command(tmp_path: Path, to_url: str, *, batch: int) -> tuple[list[str], dict[str, str]]:
+    """``cortexbot copy-data`` from the test's SQLite database (``bot.db`` in ``tmp_path``, named by a config file
+    there) to ``to_url``, in pages of ``batch`` rows, and the environment to run it in."""
+    config = tmp_path / "config.toml"
+    config.write_text(f'[storage]\nurl = "sqlite:///{tmp_path / "bot.db"}"\n')
+    args = [str(BIN / "cortexbot"), "--config", str(config), "copy-data", "--to", to_url, "--batch", str(batch)]
+    return args, {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+
+
 def test_the_command_copies_and_prints_the_counts(tmp_path: Path, pg_url: str) -> None:
     async def prepare() -> None:
         store = await open_storage(f"sqlite:///{tmp_path / 'bot.db'}")
@@ -318,10 +327,7 @@ def test_the_command_copies_and_prints_the_counts(tmp_path: Path, pg_url: str) -
         await store.close()
 
     asyncio.run(prepare())
-    config = tmp_path / "config.toml"
-    config.write_text(f'[storage]\nurl = "sqlite:///{tmp_path / "bot.db"}"\n')
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
-    args = [str(BIN / "cortexbot"), "--config", str(config), "copy-data", "--to", pg_url, "--batch", "4"]
+    args, env = _copy_command(tmp_path, pg_url, batch=4)
     result = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     assert set(TABLES) <= set(counts(result.stdout)), result.stdout
@@ -371,10 +377,7 @@ def test_a_copy_stopped_with_ctrl_c_says_how_to_go_on(tmp_path: Path, pg_url: st
             await store.close()
 
     asyncio.run(prepare())
-    config = tmp_path / "config.toml"
-    config.write_text(f'[storage]\nurl = "sqlite:///{tmp_path / "bot.db"}"\n')
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
-    args = [str(BIN / "cortexbot"), "--config", str(config), "copy-data", "--to", pg_url, "--batch", "1"]
+    args, env = _copy_command(tmp_path, pg_url, batch=1)
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 60
     while asyncio.run(copied()) == 0:  # (the target's tables exist once the copy has started)

@@ -5,6 +5,7 @@ after incognito_hours) — on SQLite without a trace in the file."""
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,13 @@ def _inbound(text: str) -> Inbound:
     return Inbound(IncomingMessage("discord", "dm-ann", "7", "Ann", text, is_dm=True))
 
 
+async def _said(app: App, text: str) -> Sink:
+    """What Ann's DM ``text`` got back (through the router, as any platform sends it)."""
+    sink = Sink()
+    await app.router.handle(_inbound(text), sink)
+    return sink
+
+
 def _database_bytes(folder: Path) -> bytes:
     return b"".join(p.read_bytes() for p in sorted(folder.iterdir()) if p.name.startswith("bot.db"))
 
@@ -33,10 +41,7 @@ def _database_bytes(folder: Path) -> bytes:
 async def test_an_incognito_stretch_is_answered_kept_apart_and_deleted(tmp_path: Path) -> None:
     config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000}})
     async with App(config, llm=ScriptedProvider()) as app:
-        async def say(text: str) -> Sink:
-            sink = Sink()
-            await app.router.handle(_inbound(text), sink)
-            return sink
+        say = partial(_said, app)
 
         await say("my garden has roses")
         paused = await say("!memory pause")
@@ -127,10 +132,7 @@ async def test_a_forget_me_during_a_pause_keeps_the_pause(tmp_path: Path) -> Non
     config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000},
                            "memory": {"incognito_hours": 1}})
     async with App(config, llm=ScriptedProvider()) as app:
-        async def say(text: str) -> Sink:
-            sink = Sink()
-            await app.router.handle(_inbound(text), sink)
-            return sink
+        say = partial(_said, app)
 
         await say("my garden has roses")
         await say("!memory pause")
@@ -161,8 +163,7 @@ async def test_skill_calls_during_a_stretch_leave_no_words_in_the_audit(tmp_path
     config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000}})
     llm = ScriptedProvider()
     async with App(config, llm=llm) as app:
-        async def say(text: str) -> None:
-            await app.router.handle(_inbound(text), Sink())
+        say = partial(_said, app)
 
         await say("!memory pause")
         llm.enqueue(Completion("", tool_calls=(ToolCall("c1", "search_memory", {"query": "my diagnosis xyzzyplover"}),),
@@ -222,10 +223,7 @@ async def test_the_end_of_a_stretch_leaves_its_words_in_no_cache_of_the_process(
     context) and the query vectors it had kept; both are dropped now, at resume and when the stretch runs out."""
     config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000}})
     async with App(config, llm=ScriptedProvider()) as app:
-        async def say(text: str) -> Sink:
-            sink = Sink()
-            await app.router.handle(_inbound(text), sink)
-            return sink
+        say = partial(_said, app)
 
         await say("!memory pause")
         await say("my secret word is xyzzyplover")

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,16 +16,21 @@ from bot.config import parse_config
 from tests.fakes.provider import ScriptedProvider
 
 
+def _config(tmp_path: Path, homeserver: str = "http://127.0.0.1:9") -> Any:
+    """A bot with Matrix on (at ``homeserver``: by default a port where nothing listens) and no embedder."""
+    return parse_config({
+        "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "memory": {"embedder": "none"},
+        "matrix": {"enabled": True, "homeserver": homeserver, "user_id": "@cortex:localhost",
+                   "password_env": "CB_MATRIX_PW", "store_path": str(tmp_path / "matrix")},
+    })
+
+
 async def test_an_unreachable_homeserver_is_reported_once_and_retried(tmp_path: Path,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed once the block ends: nothing listens there
-    config = parse_config({
-        "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "memory": {"embedder": "none"},
-        "matrix": {"enabled": True, "homeserver": f"http://127.0.0.1:{port}", "user_id": "@cortex:localhost",
-                   "password_env": "CB_MATRIX_PW", "store_path": str(tmp_path / "matrix")},
-    })
+    config = _config(tmp_path, f"http://127.0.0.1:{port}")
     async with App(config, llm=ScriptedProvider()) as app:
         adapter = MatrixAdapter(app, config.matrix, env={"CB_MATRIX_PW": "x"})
         caplog.set_level(logging.INFO, logger="adapters.matrix")
@@ -45,11 +51,7 @@ async def test_rooms_joined_before_kinds_were_kept_stay_their_own_conversation(t
     room that is (or looks) direct and is not the speaker's own gets the separate conversation."""
     from nio import MatrixRoom
 
-    config = parse_config({
-        "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "memory": {"embedder": "none"},
-        "matrix": {"enabled": True, "homeserver": "http://127.0.0.1:9", "user_id": "@cortex:localhost",
-                   "password_env": "CB_MATRIX_PW", "store_path": str(tmp_path / "matrix")},
-    })
+    config = _config(tmp_path)
     async with App(config, llm=ScriptedProvider()) as app:
         adapter = MatrixAdapter(app, config.matrix, env={"CB_MATRIX_PW": "x"})
         legacy = MatrixRoom("!legacy:localhost", "@cortex:localhost")
@@ -74,11 +76,7 @@ async def test_gaps_skipped_while_one_is_read_back_are_merged_not_dropped(
     one stretch (the newest start down to the oldest end) that is read right after. None is dropped."""
     import adapters.matrix as matrix_module
 
-    config = parse_config({
-        "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "memory": {"embedder": "none"},
-        "matrix": {"enabled": True, "homeserver": "http://127.0.0.1:9", "user_id": "@cortex:localhost",
-                   "password_env": "CB_MATRIX_PW", "store_path": str(tmp_path / "matrix")},
-    })
+    config = _config(tmp_path)
     read: list[tuple[str, str | None]] = []
     release = asyncio.Event()
 
@@ -112,11 +110,7 @@ async def test_files_of_commands_are_fetched_two_at_a_time(tmp_path: Path) -> No
     counts a command once it runs: a burst of file commands in one sync fetched all at once."""
     from nio import RoomMessageFile
 
-    config = parse_config({
-        "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "memory": {"embedder": "none"},
-        "matrix": {"enabled": True, "homeserver": "http://127.0.0.1:9", "user_id": "@cortex:localhost",
-                   "password_env": "CB_MATRIX_PW", "store_path": str(tmp_path / "matrix")},
-    })
+    config = _config(tmp_path)
     running, most = 0, 0
 
     async def slow_fetch(mxc: str, filename: str) -> bytes:
@@ -143,11 +137,7 @@ async def test_an_edited_file_caption_does_not_run_its_command_again(tmp_path: P
     """Edits of text messages were ignored, but an edit of a file's caption ran its command (an import) again."""
     from nio import MatrixRoom, RoomMessageFile
 
-    config = parse_config({
-        "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "memory": {"embedder": "none"},
-        "matrix": {"enabled": True, "homeserver": "http://127.0.0.1:9", "user_id": "@cortex:localhost",
-                   "password_env": "CB_MATRIX_PW", "store_path": str(tmp_path / "matrix")},
-    })
+    config = _config(tmp_path)
     async with App(config, llm=ScriptedProvider()) as app:
         adapter = MatrixAdapter(app, config.matrix, env={"CB_MATRIX_PW": "x"})
         spawned: list[object] = []

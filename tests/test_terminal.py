@@ -6,6 +6,7 @@ import io
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,6 +15,17 @@ from bot.app import App
 from bot.config import parse_config
 from bot.llm.base import LLMRequest, StreamEvent
 from tests.fakes.provider import ScriptedProvider
+
+
+def _config(tmp_path: Path) -> Any:
+    return parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
+
+
+async def _run_piped(app: App, text: str, user: str = "ann") -> tuple[int, str]:
+    """The chat with ``text`` piped in, to its end: its exit status, and what it printed (out and errors)."""
+    screen = io.StringIO()
+    status = await TerminalAdapter(app, user=user, stdin=io.StringIO(text), stdout=screen, stderr=screen).run()
+    return status, screen.getvalue()
 
 
 class ChattyProvider(ScriptedProvider):
@@ -66,15 +78,13 @@ async def test_persona_picked_in_the_terminal_is_the_one_that_answers(tmp_path: 
 async def test_piped_lines_after_a_command_missing_its_text_are_not_taken_for_it(tmp_path: Path) -> None:
     """Piped: a forgotten text is an error (counted in the exit status) and the next lines go on as
     typed; a body asked for by the command itself (!memory edit) is read up to the dot line."""
-    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
+    config = _config(tmp_path)
     llm = ScriptedProvider()
     llm.enqueue("Hi Ann.")
-    screen = io.StringIO()
-    piped = io.StringIO("!memory search\nhello there\n!memory edit memory\nAnn likes tea.\n.\n!memory show memory\n")
     async with App(config, llm=llm) as app:
-        terminal = TerminalAdapter(app, user="ann", stdin=piped, stdout=screen, stderr=screen)
-        assert await terminal.run() == 1
-    shown = screen.getvalue()
+        status, shown = await _run_piped(app, "!memory search\nhello there\n!memory edit memory\nAnn likes tea.\n.\n"
+                                              "!memory show memory\n")
+    assert status == 1
     assert "!memory search needs the words" in shown and "Cora: Hi Ann." in shown
     assert len(llm.requests) == 1 and "hello there" in str(llm.requests[0].messages[-1])  # sent as a message
     assert "Saved your memory.md as version" in shown and "Ann likes tea." in shown
@@ -83,7 +93,7 @@ async def test_piped_lines_after_a_command_missing_its_text_are_not_taken_for_it
 async def test_piped_texts_of_several_lines_are_read_alike_for_every_command_that_edits_one(tmp_path: Path) -> None:
     """!memory edit and !persona edit read their text from the piped lines up to a dot; !guidelines set and
     !rules add did not: their text (and the dot) went to the model as chat messages, and were stored."""
-    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
+    config = _config(tmp_path)
     llm = ScriptedProvider()
     screen = io.StringIO()
     piped = io.StringIO("!guidelines set\nBe kind.\nNo spoilers.\n.\n!rules add tone\nAnswer briefly.\n.\n"
@@ -102,7 +112,7 @@ async def test_piped_texts_of_several_lines_are_read_alike_for_every_command_tha
 async def test_a_forget_me_from_anywhere_in_the_process_empties_the_users_history_file(tmp_path: Path) -> None:
     """The typed command, and the web page this process serves (which calls the same forget_user): the
     terminal hears of it by the user's key, and only its own user's forget-me touches its file."""
-    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
+    config = _config(tmp_path)
     llm = ScriptedProvider()
     llm.enqueue("Hello Ann.")
     async with App(config, llm=llm) as app:
@@ -130,7 +140,7 @@ async def test_a_piped_forget_me_deletes_the_history_an_earlier_prompt_left(tmp_
     left.write_text("\n# 2026-11-20\n+my secret is hunter2\n")
     bobs = history_path("bob")
     bobs.write_text("\n+bob's own line\n")
-    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
+    config = _config(tmp_path)
     screen = io.StringIO()
     async with App(config, llm=ScriptedProvider()) as app:
         terminal = TerminalAdapter(app, user="ann", stdin=io.StringIO("hello\n!memory forget-me confirm\n"),
@@ -141,7 +151,7 @@ async def test_a_piped_forget_me_deletes_the_history_an_earlier_prompt_left(tmp_
 
 
 async def test_an_export_that_cannot_be_saved_is_one_line_and_the_chat_goes_on(tmp_path: Path) -> None:
-    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
+    config = _config(tmp_path)
     not_a_folder = tmp_path / "exports"
     not_a_folder.write_text("a file where the folder should be")
     screen, errors = io.StringIO(), io.StringIO()
@@ -158,7 +168,7 @@ async def test_an_export_that_cannot_be_saved_is_one_line_and_the_chat_goes_on(t
 
 
 async def test_a_text_cut_off_by_the_end_of_input_says_so(tmp_path: Path) -> None:
-    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
+    config = _config(tmp_path)
     screen, errors = io.StringIO(), io.StringIO()
     async with App(config, llm=ScriptedProvider()) as app:
         terminal = TerminalAdapter(app, user="ann", stdin=io.StringIO("!memory edit memory\nAnn likes tea.\n"),
@@ -177,14 +187,12 @@ async def test_a_failure_that_is_no_outage_is_one_line_and_the_chat_goes_on(tmp_
     def broken(request: LLMRequest) -> Completion:
         raise OSError("database or disk is full")
 
-    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
+    config = _config(tmp_path)
     llm = ScriptedProvider()
     llm.enqueue(broken, "Still here.")  # type: ignore[arg-type]
-    screen = io.StringIO()
     async with App(config, llm=llm) as app:
-        terminal = TerminalAdapter(app, user="ann", stdin=io.StringIO("first\nsecond\n"), stdout=screen, stderr=screen)
-        assert await terminal.run() == 1
-    shown = screen.getvalue()
+        status, shown = await _run_piped(app, "first\nsecond\n")
+    assert status == 1
     assert "error: could not answer: OSError: database or disk is full (run with -v for the details)" in shown
     assert "Traceback" not in shown and "Cora: Still here." in shown
 
@@ -192,16 +200,14 @@ async def test_a_failure_that_is_no_outage_is_one_line_and_the_chat_goes_on(tmp_
 async def test_a_byte_order_mark_before_the_piped_input_is_not_part_of_its_first_line(tmp_path: Path) -> None:
     """A file saved by a Windows editor starts with a BOM: its first line, a command, went to the model as a
     message (and was stored) instead of running."""
-    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
+    config = _config(tmp_path)
     llm = ScriptedProvider()
-    screen = io.StringIO()
-    piped = io.StringIO("\ufeff!memory remember Ann grows figs\n\ufeffhello\n")
     async with App(config, llm=llm) as app:
-        terminal = TerminalAdapter(app, user="ann", stdin=piped, stdout=screen, stderr=screen)
-        assert await terminal.run() == 0, screen.getvalue()
+        status, shown = await _run_piped(app, "\ufeff!memory remember Ann grows figs\n\ufeffhello\n")
+        assert status == 0, shown
         stored = await app.storage.db.fetch_all("SELECT text FROM messages WHERE role = 'user'")
         items = await app.storage.db.fetch_all("SELECT content FROM memory_items")
-    assert "Remembered as #" in screen.getvalue()
+    assert "Remembered as #" in shown
     assert [tuple(row) for row in items] == [("Ann grows figs",)]
     assert [tuple(row) for row in stored] == [("hello",)] and len(llm.requests) == 1
 
@@ -209,11 +215,8 @@ async def test_a_byte_order_mark_before_the_piped_input_is_not_part_of_its_first
 async def test_a_line_of_only_invisible_characters_is_skipped_as_a_blank_one_is(tmp_path: Path) -> None:
     """A blank piped line is skipped; one of zero-width spaces or word joiners (as blank to read) printed an
     error and made the exit status 1."""
-    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
+    config = _config(tmp_path)
     llm = ScriptedProvider()
-    screen = io.StringIO()
-    piped = io.StringIO("   \n\u200b\u200b\n\u2060 \u200b\nhello\n")
     async with App(config, llm=llm) as app:
-        terminal = TerminalAdapter(app, user="ann", stdin=piped, stdout=screen, stderr=screen)
-        assert await terminal.run() == 0, screen.getvalue()
-    assert screen.getvalue() == "Cora: echo: hello\n" and len(llm.requests) == 1
+        status, shown = await _run_piped(app, "   \n\u200b\u200b\n\u2060 \u200b\nhello\n")
+    assert status == 0 and shown == "Cora: echo: hello\n" and len(llm.requests) == 1, shown
