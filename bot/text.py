@@ -119,14 +119,19 @@ class PrintableStream:
         return printable(held)
 
 
+def one_line(text: str, limit: int | None = None) -> str:
+    """``text`` on one line (every run of whitespace, line breaks included, one space), cut to ``limit``
+    characters with "…" at the end when longer."""
+    flat = " ".join(text.split())
+    return flat if limit is None or len(flat) <= limit else flat[:limit - 1] + "\u2026"
+
+
 def shown(text: str, limit: int = 60) -> str:
     """Someone's input repeated in a reply: cut to ``limit`` characters, on one line, without control
     characters, as inline code, so that what they typed shows as typed and never as a link, markup or
     mention in the bot's own message (Discord and Matrix clients render Markdown and link bare URLs, but
     neither inside code)."""
-    clean = " ".join(printable(text).split()).replace("`", "\u02cb")  # a backtick would end the code span
-    if len(clean) > limit:
-        clean = clean[: limit - 1] + "\u2026"
+    clean = one_line(printable(text), limit).replace("`", "\u02cb")  # a backtick would end the code span
     return f"`{clean}`" if clean else "(nothing)"
 
 

@@ -25,24 +25,19 @@ from bot.commands import (
     word,
 )
 from bot.storage.sources import ReplySource
-from bot.text import plural, shown
+from bot.text import one_line, plural, shown
 from cortex.memory.store import CATEGORIES, SCOPES, MemoryError, MemoryItem, MemoryStore, Scope
 from cortex.store import CortexStore
 
 PAGE = 10
 
 
-def _flat(text: str, limit: int | None = None) -> str:
-    """A stored text on one line of a list (its own line breaks would break the list, and a line of its own
-    such as a code fence or a heading would change how the rest of the reply renders), cut to ``limit``."""
-    flat = " ".join(text.split())
-    return flat if limit is None or len(flat) <= limit else flat[:limit - 1] + "…"
-
-
 def _line(item: MemoryItem) -> str:
+    """An item as one line of a list (its own line breaks would break the list, and a line of its own such as a
+    code fence or a heading would change how the rest of the reply renders)."""
     marks = ("📌 " if item.pinned else "") + (f"[{item.category}] ") + ("(shared) " if item.scope == "shared" else "")
     when = f"{item.created_at:%Y-%m-%d}"
-    return f"#{item.id} {marks}{_flat(item.content)}  (importance {item.importance}, {when})"
+    return f"#{item.id} {marks}{one_line(item.content)}  (importance {item.importance}, {when})"
 
 
 def _why_archived(item: MemoryItem) -> str:
@@ -312,4 +307,4 @@ class MemoryCommands:
         if not hits:
             return f"Nothing found for {shown(query, 80)}."
         return "\n".join([f"Results for {shown(query, 80)}:"] + [
-            f"{h.score:.2f}  {_flat(h.text, 200)}  ({h.source}, {h.created_at:%Y-%m-%d})" for h in hits])
+            f"{h.score:.2f}  {one_line(h.text, 200)}  ({h.source}, {h.created_at:%Y-%m-%d})" for h in hits])

@@ -47,9 +47,11 @@ from mcp.shared.message import SessionMessage
 from pydantic import ValidationError
 
 from bot.config import McpServerConfig
+from bot.text import one_line
 from cortex.skills.base import SkillContext, SkillInfo, SkillResult, redact, redaction_values
 
 log = logging.getLogger(__name__)
+ERROR_CHARS = 300  # a server's error, described in one line, at most
 
 _MODEL_NAME_MAX = 64
 _INVALID_NAME_CHARS = re.compile(r"[^A-Za-z0-9_-]")
@@ -132,19 +134,14 @@ def _describe_error(exc: BaseException) -> str:
     if isinstance(exc, BaseExceptionGroup):
         return "; ".join(_describe_error(inner) for inner in exc.exceptions)
     if isinstance(exc, MCPError):
-        return _one_line(f"MCP error {exc.code}: {exc.message}")
+        return one_line(f"MCP error {exc.code}: {exc.message}", ERROR_CHARS)
     if isinstance(exc, ValidationError):  # a server's answer the SDK refused: what, where (pydantic's is a page)
         errors = exc.errors()
         where = ".".join(str(part) for part in errors[0]["loc"]) if errors else ""
-        return _one_line(f"the server's answer does not follow the protocol ({exc.error_count()} problem(s); "
-                         f"{where}: {errors[0]['msg'] if errors else ''})")
+        return one_line(f"the server's answer does not follow the protocol ({exc.error_count()} problem(s); "
+                        f"{where}: {errors[0]['msg'] if errors else ''})", ERROR_CHARS)
     text = str(exc)
-    return _one_line(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
-
-
-def _one_line(text: str, limit: int = 300) -> str:
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[:limit - 1] + "…"
+    return one_line(f"{type(exc).__name__}: {text}" if text else type(exc).__name__, ERROR_CHARS)
 
 
 def _describe_part(part: types.ContentBlock) -> str:
