@@ -168,9 +168,7 @@ class WorkerPool:
             try:
                 await asyncio.shield(task)
             except asyncio.CancelledError:
-                if not task.done():
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
+                await _cancelled(task)
                 raise
             finally:
                 self._running.discard(task)

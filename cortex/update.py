@@ -182,22 +182,24 @@ class CortexUpdater:
         return tools
 
     async def _failed(self, exc: LLMError, tools: CortexTools, totals: list[int], started: float) -> None:
-        await self.store.finish_run(
-            tools.run_id, "failed", reason=exc.user_message, rounds=totals[0], files_read=tools.files_read,
-            files_written=tools.files_written, input_tokens=totals[1], output_tokens=totals[2],
-            duration_ms=int((time.monotonic() - started) * 1000), error=f"{type(exc).__name__}: {exc.detail}"[:1000],
-        )
+        await self._finish_failed(tools, totals, started, exc.user_message, f"{type(exc).__name__}: {exc.detail}")
         log.warning("cortex run %d (pair %d) failed: %s", tools.run_id, tools.pair.id, type(exc).__name__)
 
     async def _broke(self, exc: Exception, tools: CortexTools, totals: list[int], started: float) -> None:
         try:
-            await asyncio.shield(self.store.finish_run(
-                tools.run_id, "failed", reason="an internal error stopped the update (see the bot's log)",
-                rounds=totals[0], files_read=tools.files_read, files_written=tools.files_written,
-                input_tokens=totals[1], output_tokens=totals[2], duration_ms=int((time.monotonic() - started) * 1000),
-                error=f"{type(exc).__name__}: {exc}"[:1000]))
+            await asyncio.shield(self._finish_failed(tools, totals, started, "an internal error stopped the update "
+                                                     "(see the bot's log)", f"{type(exc).__name__}: {exc}"))
         except Exception:  # (the database itself may be what failed: the original error is the one to raise)
             log.warning("could not record that cortex run %d failed", tools.run_id, exc_info=True)
+
+    async def _finish_failed(self, tools: CortexTools, totals: list[int], started: float, reason: str, error: str
+                             ) -> None:
+        """The run recorded as failed: why (for people) and the error (for the log's reader), with what it did."""
+        await self.store.finish_run(
+            tools.run_id, "failed", reason=reason, rounds=totals[0], files_read=tools.files_read,
+            files_written=tools.files_written, input_tokens=totals[1], output_tokens=totals[2],
+            duration_ms=int((time.monotonic() - started) * 1000), error=error[:1000],
+        )
 
     async def _history(self, pair: Pair, budget: int) -> tuple[list[tuple[StoredMessage, str]], int]:
         """The pair's newest exchanges within ``budget`` tokens, returned oldest first, and their tokens."""

@@ -81,12 +81,6 @@ class SkillAuditRepository:
             "UPDATE skill_executions SET arguments = ?, ok = ?, error = ?, duration_ms = ? WHERE id = ?",
             (arguments, int(ok), error, duration_ms, execution_id))
 
-    async def calls_since(self, user_key: str, skill: str, since: float) -> int:
-        row = await self.db.fetch_one(
-            "SELECT COUNT(*) FROM skill_executions WHERE user_key = ? AND skill = ? AND created_at >= ?",
-            (user_key, skill, since))
-        return int(row[0]) if row else 0
-
     async def stats(self, since: float, persona: str | None = None) -> list[SkillStats]:
         """Per skill since ``since`` (optionally for one persona): calls, failures, mean duration, last error."""
         where = "created_at >= ?"
