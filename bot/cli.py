@@ -315,8 +315,7 @@ async def _fleet_status(config: Config) -> tuple[list[Any], Any]:
     from bot.storage import open_storage
 
     url, password = config.storage.resolve()
-    if (missing := _missing_sqlite(url)) is not None:  # opening would make an empty one
-        raise ConfigError(f"the configured database {missing} does not exist: check [storage] url (or --config)")
+    _require_configured_database(url)
     storage = await open_storage(url, password=password, pool_size=2)
     try:
         if await storage.pending_migrations():
@@ -324,6 +323,13 @@ async def _fleet_status(config: Config) -> tuple[list[Any], Any]:
         return await storage.fleet.live_processes(), await storage.fleet.queue_stats()
     finally:
         await storage.close()
+
+
+def _require_configured_database(url: str) -> None:
+    """A command that reads the configured database refuses a SQLite file that is not there (opening it would
+    make an empty one, and its folders)."""
+    if (missing := _missing_sqlite(url)) is not None:
+        raise ConfigError(f"the configured database {missing} does not exist: check [storage] url (or --config)")
 
 
 def _missing_sqlite(url: str) -> Path | None:
@@ -438,8 +444,7 @@ async def _copy_data(config: Config, to_url: str, password: str | None, batch: i
 
     _check_target_folder(to_url)
     url, source_password = config.storage.resolve()
-    if (missing := _missing_sqlite(url)) is not None:  # opening would make an empty one
-        raise ConfigError(f"the configured database {missing} does not exist: check [storage] url (or --config)")
+    _require_configured_database(url)
     source = await open_storage(url, password=source_password, pool_size=2)
     try:
         # (a source without the processes table lacks migrations, which copy_data names in one line)

@@ -30,6 +30,15 @@ class StorageError(Exception):
     """The database cannot be opened or used; the message says which one, why, and what to do."""
 
 
+def refuse_foreign(where: str, tables: Sequence[str], fix: str) -> None:
+    """Before anything is changed (the migrations table, an extension, WAL mode): a database that holds tables
+    (``tables``, sorted) but no ``schema_version`` is another program's, and is left as it is."""
+    if tables and "schema_version" not in tables:
+        shown = ", ".join(tables[:5]) + (", …" if len(tables) > 5 else "")
+        raise StorageError(f"{where} is not a cortex-bot database: it holds another program's tables ({shown}). "
+                           f"It was left untouched; {fix}")
+
+
 class StaleReference(StorageError):
     """A write referred to a row that no longer exists (e.g. a user another process just forgot while
     this one still had it cached); the caller drops its cached copy and tries again."""

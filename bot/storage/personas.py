@@ -69,6 +69,15 @@ LATEST = ("version = (SELECT max(version) FROM versioned_texts v WHERE v.kind = 
           " AND v.name = t.name)")
 
 
+def _new_persona(name: str, language: str, settings: Mapping[str, Any], source: str, ts_config: str
+                 ) -> tuple[str, tuple[Any, ...]]:
+    """The INSERT of a new persona (RETURNING it; nothing when the name was taken a moment ago), with its
+    parameters."""
+    return ("INSERT INTO personas (name, created_at, ts_config, language, settings, source)"
+            " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING RETURNING *",
+            (name, time.time(), ts_config, language, json.dumps(dict(settings)), source))
+
+
 def _next_version(kind: TextKind, scope: str, name: str, content: str, author: str, reason: str,
                   position: int | None, enabled: bool | None, based_on: int | None = None
                   ) -> tuple[str, tuple[Any, ...]]:
@@ -119,10 +128,7 @@ class PersonaRepository:
         name = unicodedata.normalize("NFC", name)  # one spelling of "Zoë" in the store, however typed
         taken = await self._named(name, live_only=False)  # live rows first
         if taken is None:
-            row = await self.db.write_one(
-                "INSERT INTO personas (name, created_at, ts_config, language, settings, source)"
-                " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING RETURNING *",
-                (name, time.time(), ts_config, language, json.dumps(dict(settings)), source))
+            row = await self.db.write_one(*_new_persona(name, language, settings, source, ts_config))
             if row is not None:
                 return _persona(row)
             taken = await self._named(name, live_only=False)  # another process, a moment ago
@@ -144,10 +150,7 @@ class PersonaRepository:
         if await self._named(name, live_only=False) is not None:
             return None
         async with self.db.transaction() as tx:
-            row = await tx.fetch_one(
-                "INSERT INTO personas (name, created_at, ts_config, language, settings, source)"
-                " VALUES (?, ?, ?, ?, '{}', ?) ON CONFLICT DO NOTHING RETURNING *",
-                (name, time.time(), ts_config, language, source))
+            row = await tx.fetch_one(*_new_persona(name, language, {}, source, ts_config))
             if row is None:  # another process, a moment ago
                 return None
             for position, (key, content) in enumerate(sections, start=1):

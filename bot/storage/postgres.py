@@ -22,7 +22,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal
 
 from bot.config import hide_url_passwords
-from bot.storage.engine import Migration, Row, StorageCaches, StorageError, apply_migrations
+from bot.storage.engine import Migration, Row, StorageCaches, StorageError, apply_migrations, refuse_foreign
 
 if TYPE_CHECKING:
     import asyncpg
@@ -170,13 +170,9 @@ class PostgresDatabase:
             await conn.close()
 
     async def _refuse_foreign(self, conn: asyncpg.Connection) -> None:
-        """A schema holding tables but no ``schema_version`` is another program's database (as for SQLite)."""
-        names = [str(r[0]) for r in await conn.fetch(
-            "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() ORDER BY tablename")]
-        if names and "schema_version" not in names:
-            shown = ", ".join(names[:5]) + (", …" if len(names) > 5 else "")
-            raise StorageError(f"{self.url} is not a cortex-bot database: it holds another program's tables "
-                               f"({shown}). It was left untouched; name a new, empty database")
+        rows = await conn.fetch(
+            "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() ORDER BY tablename")
+        refuse_foreign(self.url, [str(r[0]) for r in rows], "name a new, empty database")
 
     @staticmethod
     async def _init_connection(conn: asyncpg.Connection) -> None:

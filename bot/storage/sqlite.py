@@ -27,7 +27,7 @@ from typing import Any, Literal
 import aiosqlite
 
 from bot.privatefs import private_dir, private_file
-from bot.storage.engine import Migration, Row, StorageCaches, StorageError, Tx, apply_migrations
+from bot.storage.engine import Migration, Row, StorageCaches, StorageError, Tx, apply_migrations, refuse_foreign
 
 log = logging.getLogger(__name__)
 
@@ -272,14 +272,8 @@ def _busy(exc: sqlite3.OperationalError) -> bool:
 
 
 async def _refuse_foreign(db: aiosqlite.Connection, path: Path) -> None:
-    """Before anything is changed (WAL mode, the migrations table): a file that holds tables but no
-    ``schema_version`` is another program's database, and is left as it is."""
     rows = await db.execute_fetchall("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
-    names = [str(r[0]) for r in rows]
-    if names and "schema_version" not in names:
-        shown = ", ".join(names[:5]) + (", …" if len(names) > 5 else "")
-        raise StorageError(f"{path} is not a cortex-bot database: it holds another program's tables ({shown}). "
-                           "It was left untouched; point [storage] url at a new file")
+    refuse_foreign(str(path), [str(r[0]) for r in rows], "point [storage] url at a new file")
 
 
 async def _rebuild_and_check(tx: Tx, migration: Migration) -> None:
