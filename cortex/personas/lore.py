@@ -75,8 +75,15 @@ def _any_of(keys: tuple[str, ...], names: tuple[str, str] = ("", "")) -> tuple[f
     return single, re.compile("|".join(f"(?:{p})" for p in others)) if others else None
 
 
+@functools.lru_cache(maxsize=8192)
+def _names_a_placeholder(keys: tuple[str, ...]) -> bool:
+    """Whether a key may hold ``{{char}}`` or ``{{user}}``: only such keys are prepared per persona and user (every
+    other entry's keys once for everyone, whoever writes)."""
+    return any("{" in key for key in keys)
+
+
 def _found(keys: tuple[str, ...], text: str, text_words: set[str], names: tuple[str, str] = ("", "")) -> bool:
-    single, pattern = _any_of(keys, names)
+    single, pattern = _any_of(keys, names if _names_a_placeholder(keys) else ("", ""))
     return not single.isdisjoint(text_words) or (pattern is not None and pattern.search(text) is not None)
 
 
