@@ -166,6 +166,7 @@ def _job_payload(job_id: int, text: Any) -> dict[str, Any]:
     return payload
 
 
+ELSEWHERE = "point [storage] at another database"  # what to do instead of upgrading (the configured database)
 SQLITE_TEXT_INDEXES = ("memory_fts", "messages_fts")  # merged after forget-me (SQLite's FTS5 tables)
 
 
@@ -220,7 +221,7 @@ class Storage:
         self._refuse_newer(done)
         return [m.version for m in self._migrations if m.version not in done]
 
-    async def migrate(self, *, elsewhere: str = "point [storage] at another database") -> list[int]:
+    async def migrate(self, *, elsewhere: str = ELSEWHERE) -> list[int]:
         """Apply the pending migrations; a database a newer cortex-bot upgraded is refused, saying to upgrade or
         to use another database (``elsewhere``: how, for the setting that named this one)."""
         self._refuse_newer(set(await self.applied_migrations()), elsewhere)
@@ -303,7 +304,7 @@ class Storage:
         """Write to the database without changing its data (``cortexbot doctor``)."""
         await self.db.write("CREATE TEMP TABLE IF NOT EXISTS doctor_probe (x INTEGER)")
 
-    def _refuse_newer(self, applied: set[int], elsewhere: str = "point [storage] at another database") -> None:
+    def _refuse_newer(self, applied: set[int], elsewhere: str = ELSEWHERE) -> None:
         known = max((m.version for m in self._migrations), default=0)
         newer = sorted(v for v in applied if v > known)
         if newer:
