@@ -113,7 +113,18 @@ async def test_every_pooled_connection_searches_vectors_with_iterative_scans(pg_
                 await tx.execute("SET hnsw.ef_search = 10")  # whatever one use changed ...
             row = await storage.db.fetch_one("SELECT current_setting('hnsw.iterative_scan'),"
                                              " current_setting('hnsw.ef_search')")
-            assert tuple(row) == ("relaxed_order", "200")  # ... the next use starts afresh
+            assert tuple(row) == ("relaxed_order", "100")  # ... the next use starts afresh
+    finally:
+        await storage.close()
+
+
+async def test_a_setting_in_the_url_is_the_operators_and_kept(pg_url: str) -> None:
+    """asyncpg sends a URL's unknown parameters as settings, but the bot's own defaults used to override them."""
+    storage = await open_storage(pg_url + "?hnsw.ef_search=333")
+    try:
+        row = await storage.db.fetch_one("SELECT current_setting('hnsw.iterative_scan'),"
+                                         " current_setting('hnsw.ef_search')")
+        assert tuple(row) == ("relaxed_order", "333")
     finally:
         await storage.close()
 

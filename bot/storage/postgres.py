@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import parse_qsl, urlsplit
 
 from bot.config import hide_url_passwords
 from bot.storage.engine import Migration, Row, StorageCaches, StorageError, apply_migrations, refuse_foreign
@@ -33,7 +34,7 @@ MIGRATION_LOCK = 0x636F7274  # "cort": the advisory lock every process takes to 
 POOL_MIN = 1
 POOL_MAX = 10
 CONNECT_TIMEOUT = 10.0
-VECTOR_SETTINGS = {"hnsw.iterative_scan": "relaxed_order", "hnsw.ef_search": "200"}
+VECTOR_SETTINGS = {"hnsw.iterative_scan": "relaxed_order", "hnsw.ef_search": "100"}
 _PLACEHOLDER = re.compile(r"'(?:[^']|'')*'|\?")
 
 
@@ -137,14 +138,22 @@ class PostgresDatabase:
                 max_size=self._max_size, timeout=CONNECT_TIMEOUT, init=self._init_connection, command_timeout=300,
                 # Startup settings, so the pool's RESET ALL on every release keeps them (a SET would not last):
                 # filtered k-NN over an HNSW index goes on scanning until enough rows pass the filter, and
-                # looks at enough neighbours for the candidates a search asks for.
-                server_settings=VECTOR_SETTINGS,
+                # looks at enough neighbours for the candidates a search asks for. A setting the URL gives
+                # (``?hnsw.ef_search=400``) is the operator's: asyncpg would let these override it.
+                server_settings={k: v for k, v in VECTOR_SETTINGS.items() if k not in self._url_settings()},
             )
         except StorageError:
             raise
         except Exception as exc:
             raise _connect_error(exc, self._dsn) from None
         return self
+
+    def _url_settings(self) -> set[str]:
+        """The names of the query parameters of the URL (asyncpg sends those it does not know as settings)."""
+        try:
+            return {key for key, _ in parse_qsl(urlsplit(self._dsn).query)}
+        except ValueError:
+            return set()
 
     async def _ensure_vector(self, asyncpg: Any) -> None:
         """pgvector must exist before the pool's connections register its type (in a database that is not
