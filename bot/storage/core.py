@@ -204,6 +204,7 @@ class Storage:
     async def close(self) -> None:
         if self._audit_timer is not None:
             self._audit_timer.cancel()
+        await self.memory.close()
         try:
             await self.flush_audit()
         except Exception:
@@ -851,6 +852,7 @@ class Storage:
         self._users.pop(user_key, None)
         for channel_id in channel_ids:
             self._summaries.pop(channel_id, None)
+        self.memory.forget_spreads()
 
     async def get_setting(self, key: str) -> str | None:
         row = await self.db.fetch_one("SELECT value FROM settings WHERE key = ?", (key,))

@@ -31,6 +31,9 @@ import numpy.typing as npt
 
 from bot.storage.engine import Database, Row, is_conflict
 from bot.storage.incognito import not_incognito
+from bot.storage.spread import SAMPLE as SPREAD_SAMPLE
+from bot.storage.spread import TTL as SPREAD_TTL
+from bot.storage.spread import Spreads
 from bot.storage.textsearch import MARK_CLOSE, MARK_OPEN, marked_ranks, tsquery
 
 log = logging.getLogger(__name__)
@@ -43,6 +46,18 @@ ITEM_COLUMNS = (
 ITEM_COLUMNS_M = ", ".join(f"m.{c.strip()}" for c in ITEM_COLUMNS.split(","))
 MESSAGE_HIT_COLUMNS = "m.id, m.text, m.created_at, m.author_name, m.role, c.name AS channel, m.channel_id"
 NEIGHBOUR_SPAN = 5000  # ids a neighbour lookup walks back or forth at most (other people's messages in a busy group)
+
+
+def _estimated_count(source: str, word: int) -> str:
+    """PostgreSQL, in :meth:`MemoryRepository.fts_term_counts`: the rows of ``source`` matching the tsquery
+    word ``$word`` (at most ``$3``), estimated from the ``st`` row (``pg_stats``) when it lists the word's
+    lexeme among the most common, else counted."""
+    lexeme = f"trim(both '''' from CAST(to_tsquery(cfg.c, ${word}) AS TEXT))"
+    estimate = f"(SELECT round(st.freqs[array_position(st.elems, {lexeme})] * st.n) FROM st)"
+    count = f"(SELECT count(*) FROM (SELECT 1 FROM {source} WHERE ts @@ to_tsquery(cfg.c, ${word}) LIMIT $3) AS t)"
+    return f"least(coalesce({estimate}, {count}), $3)"
+
+
 def _marked(table: str, columns: int) -> str:
     """The ``columns`` of an FTS5 row as one text, the matched words between :data:`MARK_OPEN` and
     ``MARK_CLOSE`` (FTS5's ``highlight()``), as bm25 reads every column."""
@@ -54,6 +69,7 @@ VISIBLE = (
     "m.pair_id = ? AND m.archived_at IS NULL AND m.superseded_by IS NULL AND (m.expires_at IS NULL OR m.expires_at > ?)"
 )
 SHARED = "scope = 'shared'"  # items a group channel may see (the scope column holds only 'private' or 'shared')
+STATS_MIN_ROWS = 10_000  # PostgreSQL: from this many rows, common words are not counted (fts_term_counts)
 TYPICAL_SAMPLE = 2000  # vectors a PostgreSQL query's typical similarity is estimated from
 TYPICAL_MIN = 30  # below this many vectors, the lowest similarity is the typical level (as in the numpy scan)
 TS_CONFIG_TTL = 60.0  # seconds a pair's or persona's text-search configuration is trusted (PostgreSQL)
@@ -88,6 +104,7 @@ class MemoryRepository:
         self._vector_indexes: set[int] = set()  # dimensions whose HNSW index exists (PostgreSQL)
         # (pair id or persona) -> (text-search configuration, when looked up) (PostgreSQL)
         self._ts_configs: dict[int | str, tuple[str, float]] = {}
+        self._spreads = Spreads()  # PostgreSQL: large vector scopes' typical levels
 
     @property
     def vectors_in_database(self) -> bool:
@@ -307,19 +324,29 @@ class MemoryRepository:
         self, table: FtsTable, terms: Sequence[str], cap: int, *, persona: str | None = None, pair_id: int = 0
     ) -> list[int]:
         """How many rows match each term (counting stops at ``cap``; PostgreSQL reads words the way the
-        language configuration of ``persona``, or of the pair's persona, does)."""
+        language configuration of ``persona``, or of the pair's persona, does).
+
+        PostgreSQL: a word among the column's most common ones (``pg_stats``, kept by ANALYZE) is not
+        counted: its share of the rows there, times the rows, is close enough for a rarity weight, and
+        counting it would visit a table page per match (a millisecond per few hundred rows). Below
+        ``STATS_MIN_ROWS`` rows, or for a word not among those, the matches are counted."""
         if self.db.dialect == "sqlite":
             sql = "SELECT " + ", ".join(
                 f"(SELECT count(*) FROM (SELECT 1 FROM {table} WHERE {table} MATCH ? LIMIT {cap}))" for _ in terms)
             row = await self.db.fetch_one(sql, list(terms))
-        else:
-            count = f"(SELECT count(*) FROM (SELECT 1 FROM {FTS_SOURCE[table]} WHERE ts @@ to_tsquery(cfg.c, ?)"
-            sql = "SELECT " + ", ".join(f"{count} LIMIT {cap}) t)" for _ in terms)
-            row = await self.db.fetch_one(
-                "WITH cfg AS (SELECT cortex_ts_config(coalesce(CAST(? AS TEXT),"
-                f" (SELECT persona FROM cortex_pairs WHERE id = ?))) AS c) {sql} FROM cfg",
-                [persona, pair_id, *(tsquery([t]) for t in terms)],
-            )
+            return [int(c) for c in row] if row else [0] * len(terms)
+        source = FTS_SOURCE[table]
+        row = await self.db.fetch_one(
+            "WITH cfg AS (SELECT cortex_ts_config(coalesce(CAST($1 AS TEXT),"
+            " (SELECT persona FROM cortex_pairs WHERE id = $2))) AS c),"
+            " st AS (SELECT CAST(CAST(s.most_common_elems AS TEXT) AS TEXT[]) AS elems,"
+            " s.most_common_elem_freqs AS freqs, c.reltuples AS n FROM pg_stats AS s JOIN pg_class AS c"
+            " ON c.relname = s.tablename AND c.relnamespace = to_regnamespace(s.schemaname)"
+            f" WHERE s.schemaname = current_schema() AND s.tablename = '{source}' AND s.attname = 'ts'"
+            " AND c.reltuples >= $4) SELECT " + ", ".join(_estimated_count(source, n + 5) for n in range(len(terms)))
+            + " FROM cfg",
+            [persona, pair_id, cap, STATS_MIN_ROWS, *(tsquery([t]) for t in terms)],
+        )
         return [int(c) for c in row] if row else [0] * len(terms)
 
     async def _ts_config(self, *, pair_id: int = 0, persona: str | None = None) -> str:
@@ -342,18 +369,21 @@ class MemoryRepository:
         return config
 
     @staticmethod
-    def _pg_rank(terms: Mapping[str, float], first: int) -> str:
-        """``-(Σ weight × ts_rank(ts, word))`` over the query words (their tsquery texts numbered from
-        ``$first``, one per word), in the configuration ``$5``. Each tsquery is an uncorrelated scalar
-        subquery, so PostgreSQL computes it once per query, not once per row, whatever the plan."""
-        parts = [f"{float(w):.6f} * ts_rank(m.ts, (SELECT to_tsquery($5, ${first + n})), 1)"
-                 for n, w in enumerate(terms.values())]
+    def _pg_rank(count: int, first: int) -> str:
+        """``-(Σ weight × ts_rank(ts, word))`` over ``count`` query words: their tsquery texts are numbered
+        from ``$first``, their weights follow them, in the configuration ``$5``. Each tsquery is an
+        uncorrelated scalar subquery, so PostgreSQL computes it once per query, not once per row, whatever the
+        plan. The weights are parameters: as literals, every query would be a new statement for asyncpg's
+        cache, and pay a round trip to prepare it."""
+        parts = [f"${first + count + n}::float8 * ts_rank(m.ts, (SELECT to_tsquery($5, ${first + n})), 1)"
+                 for n in range(count)]
         return "-(" + " + ".join(parts) + ")"
 
     @staticmethod
-    def _pg_text_sql(columns: str, source: str, where: str, terms: Mapping[str, float], newest: bool) -> str:
+    def _pg_text_sql(columns: str, source: str, where: str, count: int, newest: bool) -> str:
         """The full-text candidate query of PostgreSQL: ``$3`` the OR-ed tsquery text, ``$4`` the limit,
-        ``$5`` the text-search configuration, ``$6…`` the words of the rank.
+        ``$5`` the text-search configuration, ``$6…`` the ``count`` words of the rank, then their weights
+        (see :meth:`_pg_params`).
 
         Best first: every match is ranked (the caller keeps only rare words, so they are few); the
         tsquery is a scalar subquery, computed once. Newest first (every word is common, thousands of
@@ -361,13 +391,19 @@ class MemoryRepository:
         ``to_tsquery($5, $3)`` itself, which the planner folds into a constant and estimates from the
         column's statistics: for common words it walks the primary key backwards and stops at the limit
         (a few hundred rows) instead of fetching every match from the GIN bitmap and sorting them."""
-        rank = MemoryRepository._pg_rank(terms, 6)
+        rank = MemoryRepository._pg_rank(count, 6)
         if not newest:
             return (f"SELECT {columns}, {rank} AS rank FROM {source}"
                     f" WHERE m.ts @@ (SELECT to_tsquery($5, $3)) AND {where} ORDER BY rank LIMIT $4")
         return (f"SELECT {columns}, {rank} AS rank FROM (SELECT m.* FROM {source}"
                 f" WHERE m.ts @@ to_tsquery($5, $3) AND {where} ORDER BY m.id DESC LIMIT $4) AS m"
                 " ORDER BY m.id DESC")
+
+    @staticmethod
+    def _pg_params(terms: Mapping[str, float], limit: int, config: str) -> tuple[Any, ...]:
+        """``$3``… of :meth:`_pg_text_sql`: the OR-ed tsquery, the limit, the configuration, the words and
+        their weights."""
+        return (tsquery(list(terms)), limit, config, *(tsquery([t]) for t in terms), *map(float, terms.values()))
 
     async def item_text_candidates(
         self, pair_id: int, terms: Mapping[str, float], *, newest: bool, now: float, limit: int,
@@ -393,9 +429,8 @@ class MemoryRepository:
         config = await self._ts_config(pair_id=pair_id)
         sql = self._pg_text_sql(
             ITEM_COLUMNS_M, "memory_items AS m", "m.pair_id = $1 AND m.archived_at IS NULL AND m.superseded_by IS NULL"
-            f" AND (m.expires_at IS NULL OR m.expires_at > $2){shared}", terms, newest)
-        return await self.db.fetch_all(
-            sql, (pair_id, now, tsquery(list(terms)), limit, config, *(tsquery([t]) for t in terms)))
+            f" AND (m.expires_at IS NULL OR m.expires_at > $2){shared}", len(terms), newest)
+        return await self.db.fetch_all(sql, (pair_id, now, *self._pg_params(terms, limit, config)))
 
     async def message_text_candidates(
         self, user_id: int, persona: str, terms: Mapping[str, float], *, newest: bool, limit: int,
@@ -420,15 +455,15 @@ class MemoryRepository:
             return await self.db.fetch_all(
                 f"SELECT {MESSAGE_HIT_COLUMNS}, bm25(messages_fts) AS rank" + sql.format("bm25(messages_fts)"), params)
         config = await self._ts_config(persona=persona)
-        last = 6 + len(terms)  # after the words of the rank
+        last = 6 + 2 * len(terms)  # after the words of the rank and their weights
         skip = f" AND m.id NOT IN (SELECT CAST(value AS BIGINT) FROM jsonb_array_elements_text(${last}::jsonb))"
         # The messages' own columns only: the channel of the few rows returned is joined afterwards.
-        sql = self._pg_text_sql("m.*", "messages AS m", f"m.user_id = $1 AND m.persona = $2{skip} AND {paused}", terms,
-                                newest)
+        sql = self._pg_text_sql("m.*", "messages AS m", f"m.user_id = $1 AND m.persona = $2{skip} AND {paused}",
+                                len(terms), newest)
         return await self.db.fetch_all(
             f"SELECT {MESSAGE_HIT_COLUMNS}, m.rank FROM ({sql}) AS m JOIN channels AS c ON c.id = m.channel_id"
             " ORDER BY " + ("m.id DESC" if newest else "m.rank"),
-            (user_id, persona, tsquery(list(terms)), limit, config, *(tsquery([t]) for t in terms), left_out))
+            (user_id, persona, *self._pg_params(terms, limit, config), left_out))
 
     async def _newest_sqlite(self, sql: str, params: Sequence[Any]) -> list[Row]:
         """SQLite: the newest matches with a ``rank`` from the words FTS5 marked in each (its ``bm25()``
@@ -528,23 +563,55 @@ class MemoryRepository:
         # even when only shared items are wanted.
         _, _, everything, _ = self._vector_where(ItemScope(scope.pair_id) if isinstance(scope, ItemScope) else scope)
         sampled = f"{everything} AND vector_dims({vector_column}) = {dims}"
+        knn = self.db.fetch_all(
+            f"SELECT {id_column} AS knn_id, 1 - ({typed} <=> ?::vector({dims})) AS knn_similarity{columns}"
+            f" {scoped.replace(' WHERE ', ' AS m WHERE ', 1)} ORDER BY {typed} <=> ?::vector({dims}) LIMIT ?",
+            (query, *column_params, *params, model, query, k))
+        key = (sampled, *params, model)
+        spread = self._spreads.get(key)
+        if spread is not None:  # a large scope: its typical level comes from its spread (see bot.storage.spread)
+            if time.monotonic() - spread.measured > SPREAD_TTL:
+                self._spreads.measure(key, lambda: self._spread_sample(vector_column, sampled, (*params, model)))
+            rows = await knn
+            floor = spread.level(query)
+            return {int(r[0]): float(r[1]) - floor for r in rows}, rows
         # Two statements on two pooled connections, at the same time: the k-NN walk of the HNSW graph
         # and the sample's similarities cost about the same; in one statement they ran one after the other.
-        rows, stats = await asyncio.gather(
-            self.db.fetch_all(
-                f"SELECT {id_column} AS knn_id, 1 - ({typed} <=> ?::vector({dims})) AS knn_similarity{columns}"
-                f" {scoped.replace(' WHERE ', ' AS m WHERE ', 1)} ORDER BY {typed} <=> ?::vector({dims}) LIMIT ?",
-                (query, *column_params, *params, model, query, k)),
-            self.db.fetch_one(
-                "SELECT count(*), avg(s), stddev_pop(s), min(s) FROM (SELECT 1 - ("
-                f"{typed} <=> ?::vector({dims})) AS s {sampled} LIMIT {TYPICAL_SAMPLE}) AS sample",
-                (query, *params, model)),
-        )
+        # The sample's similarity is the inner product, as the numpy scan's (every embedder's vectors have
+        # unit length, so it is their cosine): half the work of pgvector's cosine distance, which also
+        # measures both lengths.
+        rows, stats = await asyncio.gather(knn, self.db.fetch_one(
+            f"SELECT count(*), avg(s), stddev_pop(s), min(s) FROM (SELECT -({typed} <#> ?::vector({dims})) AS s"
+            f" {sampled} LIMIT {TYPICAL_SAMPLE}) AS sample", (query, *params, model)))
         if not rows or stats is None:
             return {}, []
         count, mean, sd, low = int(stats[0]), float(stats[1] or 0), float(stats[2] or 0), float(stats[3] or 0)
+        if count >= TYPICAL_SAMPLE:  # the next searches of this scope need no sample
+            self._spreads.measure(key, lambda: self._spread_sample(vector_column, sampled, (*params, model)))
         floor = mean + 2.0 * sd if count >= TYPICAL_MIN else (low if count > 1 else 0.0)
         return {int(r[0]): float(r[1]) - floor for r in rows}, rows
+
+    async def _spread_sample(self, vector_column: str, sampled: str, params: tuple[Any, ...]
+                             ) -> npt.NDArray[np.float32]:
+        """PostgreSQL: ``SPREAD_SAMPLE`` of the scope's vectors, drawn at random (the row addresses are
+        sorted, not the vectors, which would not fit in the sort's memory)."""
+        rows = await self.db.fetch_all(
+            f"SELECT {vector_column} {sampled} AND ctid = ANY(ARRAY(SELECT ctid {sampled}"
+            f" ORDER BY random() LIMIT {SPREAD_SAMPLE}))", (*params, *params))
+        if not rows:
+            return np.zeros((0, 0), dtype=np.float32)
+        return np.stack([np.asarray(r[0].to_numpy(), dtype=np.float32) for r in rows])  # pgvector's Vector
+
+    def forget_spreads(self) -> None:
+        """Drop the process's spreads of vector scopes (a forget-me: they derive from the user's vectors)."""
+        self._spreads.clear()
+
+    async def spreads_settled(self) -> None:
+        """Wait for the spreads being measured (tests)."""
+        await self._spreads.settled()
+
+    async def close(self) -> None:
+        await self._spreads.close()
 
     async def ensure_vector_index(self, dims: int) -> None:
         """PostgreSQL: the HNSW (cosine) indexes for vectors of ``dims`` dimensions, made once (by the

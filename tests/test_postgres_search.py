@@ -1,0 +1,195 @@
+"""How PostgreSQL keeps a memory search cheap on a real server: a common word's rarity read from the
+column's statistics instead of counted, and a large scope's typical similarity from its measured spread
+instead of a sample scored on every search."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import pytest_asyncio
+
+from bot.storage import Storage, open_storage
+from bot.storage.memory import STATS_MIN_ROWS, TYPICAL_SAMPLE, ItemScope
+from bot.storage.spread import Spread, Spreads
+
+DIMS = 384
+MODEL = "e5-test"
+
+
+@pytest_asyncio.fixture
+async def pg(pg_url: str) -> AsyncIterator[Storage]:
+    store = await open_storage(pg_url)
+    await store.migrate()
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+async def _pair(storage: Storage, key: str = "discord:1") -> int:
+    user = await storage.upsert_user(key, "Ann")
+    return (await storage.cortex.ensure_pair(user.id, "Cora")).id
+
+
+async def _items(storage: Storage, pair_id: int, texts: list[str],
+                 vectors: npt.NDArray[np.float32] | None = None) -> None:
+    async with storage.db.transaction() as tx:
+        await tx.executemany(
+            "INSERT INTO memory_items (pair_id, category, content, created_at, updated_at, embedding, embedding_model)"
+            " VALUES (?, 'fact', ?, 1, 1, ?, ?)",
+            [(pair_id, text, None if vectors is None else vectors[n], "" if vectors is None else MODEL)
+             for n, text in enumerate(texts)])
+
+
+# -- a word's rarity ------------------------------------------------------------------------------------
+
+
+def _texts(rows: int, **every: int) -> list[str]:
+    """Row n holds each word whose period divides n, and a word of its own."""
+    return [" ".join([f"w{n}x"] + [word for word, period in every.items() if n % period == 0]) for n in range(rows)]
+
+
+async def test_a_common_words_rarity_is_read_from_the_statistics_and_a_rare_one_is_counted(pg: Storage) -> None:
+    pair = await _pair(pg)
+    rows = STATS_MIN_ROWS + 2000
+    await _items(pg, pair, _texts(rows, heron=4, kestrel=20, osprey=2000))
+    await pg.db.write("ANALYZE memory_items")
+    counts = await pg.memory.fts_term_counts("memory_fts", ['"heron"', '"kestrel"', '"osprey"', '"wren"'], 1001,
+                                             pair_id=pair)
+    assert counts[0] == 1001  # capped, as a count would be
+    assert abs(counts[1] - rows / 20) <= rows / 20 * 0.15, counts  # an estimate, close to the 600 rows
+    assert counts[2:] == [6, 0]
+    # What is read is the statistics: rows added since ANALYZE are not seen for a word they list, but are
+    # counted for one they do not.
+    await _items(pg, pair, _texts(400, kestrel=1, wren=50))
+    again = await pg.memory.fts_term_counts("memory_fts", ['"kestrel"', '"wren"'], 1001, pair_id=pair)
+    assert again == [counts[1], 8]
+
+
+async def test_a_small_table_counts_every_word(pg: Storage) -> None:
+    pair = await _pair(pg)
+    await _items(pg, pair, _texts(2000, heron=4))
+    await pg.db.write("ANALYZE memory_items")
+    await _items(pg, pair, _texts(200, heron=1))
+    assert await pg.memory.fts_term_counts("memory_fts", ['"heron"'], 1001, pair_id=pair) == [700]
+
+
+async def test_a_search_ranks_by_the_rarer_word_with_weights_as_parameters(pg: Storage) -> None:
+    """The weights of the words travel as parameters (one prepared statement for any weights): the rarer
+    word still weighs more."""
+    pair = await _pair(pg)
+    await _items(pg, pair, ["heron " * 3 + "filler", "kestrel only once", *(f"heron number {n}" for n in range(60))])
+    rows = await pg.memory.item_text_candidates(pair, {'"heron"': 0.2, '"kestrel"': 4.0}, newest=False, now=2.0,
+                                                 limit=5)
+    assert rows[0]["content"] == "kestrel only once"
+    flipped = await pg.memory.item_text_candidates(pair, {'"heron"': 4.0, '"kestrel"': 0.2}, newest=False, now=2.0,
+                                                   limit=5)
+    assert flipped[0]["content"].startswith("heron heron heron")
+
+
+# -- a scope's typical similarity --------------------------------------------------------------------------
+
+
+def _unit(rows: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    return (rows / np.linalg.norm(rows, axis=1, keepdims=True)).astype(np.float32)
+
+
+def _two_clusters(old: int, new: int) -> npt.NDArray[np.float32]:
+    """``old`` vectors around one direction, then ``new`` around another: a sample of the first rows sees
+    only the first cluster."""
+    rng = np.random.default_rng(5)
+    a, b = rng.standard_normal(DIMS), rng.standard_normal(DIMS)
+    return _unit(np.vstack([a + 0.9 * rng.standard_normal((old, DIMS)), b + 0.9 * rng.standard_normal((new, DIMS))]
+                           ).astype(np.float32))
+
+
+def _level(vectors: npt.NDArray[np.float32], query: npt.NDArray[np.float32]) -> float:
+    similarities = vectors @ query
+    return float(similarities.mean() + 2 * similarities.std())
+
+
+async def _floor_used(pg: Storage, pair: int, vectors: npt.NDArray[np.float32], query: npt.NDArray[np.float32]
+                      ) -> float:
+    """The typical level a k-NN measured its hits against (similarity minus the excess it reported)."""
+    scores = await pg.memory.vector_top(ItemScope(pair), MODEL, query, 5)
+    first = next(iter(scores))
+    return float(vectors[first - 1] @ query) - scores[first]
+
+
+async def test_a_large_scopes_typical_level_comes_from_its_spread_over_all_its_vectors(pg: Storage) -> None:
+    pair = await _pair(pg)
+    vectors = _two_clusters(TYPICAL_SAMPLE, 600)
+    await _items(pg, pair, [f"item {n}" for n in range(len(vectors))], vectors)
+    query = vectors[-1]
+    everything, first_rows = _level(vectors, query), _level(vectors[:TYPICAL_SAMPLE], query)
+    assert abs(everything - first_rows) > 0.05  # the data tells the two apart
+    # The first search scores a sample of the scope (its first rows), and has the spread measured meanwhile.
+    assert await _floor_used(pg, pair, vectors, query) == pytest.approx(first_rows, abs=1e-4)
+    await pg.memory.spreads_settled()
+    # The next ones take the level from the spread: measured on every vector of a scope this small.
+    assert await _floor_used(pg, pair, vectors, query) == pytest.approx(everything, abs=1e-4)
+    other = vectors[5]
+    assert await _floor_used(pg, pair, vectors, other) == pytest.approx(_level(vectors, other), abs=1e-4)
+    # A forget-me (of anyone) drops what the process kept: the sample serves again.
+    await pg.upsert_user("discord:2", "Bo")
+    await pg.forget_user("discord:2")
+    assert await _floor_used(pg, pair, vectors, query) == pytest.approx(first_rows, abs=1e-4)
+
+
+async def test_a_small_scope_is_sampled_every_time(pg: Storage) -> None:
+    pair = await _pair(pg)
+    vectors = _two_clusters(200, 50)
+    await _items(pg, pair, [f"item {n}" for n in range(len(vectors))], vectors)
+    query = vectors[-1]
+    assert await _floor_used(pg, pair, vectors, query) == pytest.approx(_level(vectors, query), abs=1e-4)
+    await pg.memory.spreads_settled()
+    await _items(pg, pair, [f"more {n}" for n in range(100)], _two_clusters(100, 0))
+    grown = np.vstack([vectors, _two_clusters(100, 0)])
+    assert await _floor_used(pg, pair, grown, query) == pytest.approx(_level(grown, query), abs=1e-4)
+
+
+def _spread_of(seed: int) -> Any:
+    async def sample() -> npt.NDArray[np.float32]:
+        return _unit(np.random.default_rng(seed).standard_normal((200, 8)).astype(np.float32))
+    return sample
+
+
+async def test_spreads_keep_to_their_budget_and_drop_the_least_recently_used() -> None:
+    one = Spread.of(await _spread_of(0)())
+    spreads = Spreads(budget=2 * one.nbytes)
+    for key in ("a", "b"):
+        spreads.measure(key, _spread_of(1))
+    await spreads.settled()
+    assert spreads.get("a") is not None  # "a" is now the more recently used
+    spreads.measure("c", _spread_of(2))
+    await spreads.settled()
+    assert spreads.get("b") is None and spreads.get("a") is not None and spreads.get("c") is not None
+
+
+async def test_a_failed_measurement_is_logged_and_leaves_the_sample_serving(caplog: pytest.LogCaptureFixture
+                                                                           ) -> None:
+    async def broken() -> npt.NDArray[np.float32]:
+        raise ConnectionError("the pool is closing")
+
+    spreads = Spreads()
+    with caplog.at_level(logging.WARNING):
+        spreads.measure("a", broken)
+        await spreads.settled()
+    assert spreads.get("a") is None
+    assert "could not measure the spread" in caplog.text and "the pool is closing" in caplog.text
+    spreads.measure("b", _spread_of(3))  # and a closed one stops what is under way
+    await spreads.close()
+    assert spreads.get("b") is None
+    await asyncio.sleep(0)
+
+
+def test_a_spreads_level_is_the_mean_plus_two_deviations_of_the_similarities() -> None:
+    vectors = _unit(np.random.default_rng(9).standard_normal((500, 16)).astype(np.float32))
+    query = vectors[0]
+    assert Spread.of(vectors).level(query) == pytest.approx(_level(vectors, query), abs=1e-5)
