@@ -598,9 +598,10 @@ class MemoryRepository:
         rows = await self.db.fetch_all(
             f"SELECT {vector_column} {sampled} AND ctid = ANY(ARRAY(SELECT ctid {sampled}"
             f" ORDER BY random() LIMIT {SPREAD_SAMPLE}))", (*params, *params))
-        if not rows:
-            return np.zeros((0, 0), dtype=np.float32)
-        return np.stack([np.asarray(r[0].to_numpy(), dtype=np.float32) for r in rows])  # pgvector's Vector
+        sample = np.empty((len(rows), len(rows[0][0].to_numpy()) if rows else 0), dtype=np.float32)
+        for n, row in enumerate(rows):
+            sample[n] = row[0].to_numpy()  # pgvector's Vector
+        return sample
 
     def forget_spreads(self) -> None:
         """Drop the process's spreads of vector scopes (a forget-me: they derive from the user's vectors)."""
