@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 
 from bot.storage import Storage, open_storage
-from bot.storage.memory import STATS_MIN_ROWS, TYPICAL_SAMPLE, ItemScope
+from bot.storage.memory import STATS_MIN_ROWS, TYPICAL_SAMPLE, ItemScope, MessageScope
 from bot.storage.spread import Spread, Spreads
 
 DIMS = 384
@@ -140,6 +140,28 @@ async def test_a_large_scopes_typical_level_comes_from_its_spread_over_all_its_v
     await pg.upsert_user("discord:2", "Bo")
     await pg.forget_user("discord:2")
     assert await _floor_used(pg, pair, vectors, query) == pytest.approx(first_rows, abs=1e-4)
+
+
+async def test_a_users_messages_get_their_spread_too(pg: Storage) -> None:
+    user = await pg.upsert_user("discord:1", "Ann")
+    channel = await pg.upsert_channel("discord:c", "general", is_dm=False)
+    vectors = _two_clusters(TYPICAL_SAMPLE, 600)
+    async with pg.db.transaction() as tx:
+        await tx.executemany(
+            "INSERT INTO messages (id, channel_id, user_id, persona, role, author_name, text, token_count, seq,"
+            " created_at) VALUES (?, ?, ?, 'Cora', 'user', 'Ann', ?, 2, ?, 1)",
+            [(n + 1, channel.id, user.id, f"message {n}", n + 1) for n in range(len(vectors))])
+    await pg.memory.store_message_vectors(MODEL, [(n + 1, user.id, "Cora", v) for n, v in enumerate(vectors)])
+    scope, query = MessageScope(user.id, "Cora"), vectors[-1]
+
+    async def floor() -> float:
+        scores = await pg.memory.vector_top(scope, MODEL, query, 5)
+        first = next(iter(scores))
+        return float(vectors[first - 1] @ query) - scores[first]
+
+    assert await floor() == pytest.approx(_level(vectors[:TYPICAL_SAMPLE], query), abs=1e-4)
+    await pg.memory.spreads_settled()
+    assert await floor() == pytest.approx(_level(vectors, query), abs=1e-4)
 
 
 async def test_a_small_scope_is_sampled_every_time(pg: Storage) -> None:
