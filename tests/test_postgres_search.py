@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 
 from bot.storage import Storage, open_storage
-from bot.storage.memory import STATS_MIN_ROWS, TYPICAL_SAMPLE, ItemScope, MessageScope
+from bot.storage.memory import STATS_MIN_ROWS, TYPICAL_SAMPLE, ItemScope, MemoryRepository, MessageScope
 from bot.storage.spread import Spread, Spreads
 
 DIMS = 384
@@ -97,7 +97,7 @@ async def test_a_search_ranks_by_the_rarer_word_with_weights_as_parameters(pg: S
 
 
 def _unit(rows: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-    return (rows / np.linalg.norm(rows, axis=1, keepdims=True)).astype(np.float32)
+    return np.asarray(rows / np.linalg.norm(rows, axis=1, keepdims=True), dtype=np.float32)
 
 
 def _two_clusters(old: int, new: int) -> npt.NDArray[np.float32]:
@@ -215,3 +215,32 @@ def test_a_spreads_level_is_the_mean_plus_two_deviations_of_the_similarities() -
     vectors = _unit(np.random.default_rng(9).standard_normal((500, 16)).astype(np.float32))
     query = vectors[0]
     assert Spread.of(vectors).level(query) == pytest.approx(_level(vectors, query), abs=1e-5)
+
+
+# -- the vector index ----------------------------------------------------------------------------------
+
+
+async def _index_state(pg: Storage, name: str) -> tuple[int, bool] | None:
+    row = await pg.db.fetch_one("SELECT indexrelid::bigint, indisvalid FROM pg_index WHERE indexrelid = to_regclass(?)",
+                                (name,))
+    return None if row is None else (int(row[0]), bool(row[1]))
+
+
+async def test_a_vector_index_left_half_built_by_a_dead_process_is_built_again(
+        pg: Storage, caplog: pytest.LogCaptureFixture) -> None:
+    pair = await _pair(pg)
+    await _items(pg, pair, [f"item {n}" for n in range(50)], _two_clusters(40, 10))
+    await pg.memory.ensure_vector_index(DIMS)
+    first = await _index_state(pg, f"memory_items_hnsw_{DIMS}")
+    assert first is not None and first[1]
+    assert (await _index_state(pg, f"message_vectors_hnsw_{DIMS}") or (0, False))[1]
+    # What a CREATE INDEX CONCURRENTLY leaves when its process is killed: the index, marked invalid.
+    await pg.db.write("UPDATE pg_index SET indisvalid = false WHERE indexrelid = to_regclass(?)",
+                      (f"memory_items_hnsw_{DIMS}",))
+    with caplog.at_level(logging.INFO):
+        await MemoryRepository(pg.db).ensure_vector_index(DIMS)  # the next process to start
+    again = await _index_state(pg, f"memory_items_hnsw_{DIMS}")
+    assert again is not None and again[1] and again[0] != first[0]
+    assert "dropping the unfinished vector index memory_items_hnsw_384" in caplog.text
+    query = _two_clusters(40, 10)[-1]
+    assert len(await pg.memory.vector_top(ItemScope(pair), MODEL, query, 5)) == 5

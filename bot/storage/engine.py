@@ -181,6 +181,10 @@ class Database(Protocol):
 
     async def write_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None: ...
 
+    async def maintain(self, sql: str) -> None:
+        """A maintenance statement that may run for minutes (an index built over a big table): on its own,
+        outside any transaction, without the engine's statement timeout."""
+
     def transaction(self) -> AbstractAsyncContextManager[Tx]:
         """Statements that must see and change the data atomically; rolled back on any error."""
 

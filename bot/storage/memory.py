@@ -615,22 +615,42 @@ class MemoryRepository:
         await self._spreads.close()
 
     async def ensure_vector_index(self, dims: int) -> None:
-        """PostgreSQL: the HNSW (cosine) indexes for vectors of ``dims`` dimensions, made once (by the
-        background backfill, never in a reply: building over a big table takes a while; searches scan
-        exactly until the index exists)."""
+        """PostgreSQL: the HNSW (cosine) indexes for vectors of ``dims`` dimensions, made once by the
+        background backfill, never in a reply. Over a big table (a bot copied from SQLite) the build takes
+        minutes (about 10 at a million vectors on two cores), so it runs CONCURRENTLY (writes to the table go
+        on; searches scan exactly until it is done) and without the pool's statement timeout, which used to
+        cancel it after five minutes, every time the backfill tried again. A build another process runs is
+        left to it; one left invalid by a process that died is dropped and started again."""
         if self.db.dialect != "postgres" or dims in self._vector_indexes:
             return
-        for table, column in (("message_vectors", "vector"), ("memory_items", "embedding")):
-            try:
-                await self.db.write(
-                    f"CREATE INDEX IF NOT EXISTS {table}_hnsw_{dims} ON {table} USING hnsw"
-                    f" (({column}::vector({dims})) vector_cosine_ops) WITH (m = 32, ef_construction = 128)"
-                    f" WHERE vector_dims({column}) = {dims}"
-                )
-            except Exception as exc:  # another process created it at the same moment
-                if not is_conflict(exc) and "already exists" not in str(exc):
-                    raise
-        self._vector_indexes.add(dims)
+        ready = [await self._build_vector_index(table, column, dims)
+                 for table, column in (("message_vectors", "vector"), ("memory_items", "embedding"))]
+        if all(ready):
+            self._vector_indexes.add(dims)
+
+    async def _build_vector_index(self, table: str, column: str, dims: int) -> bool:
+        """Whether ``table``'s HNSW index for ``dims`` is valid once this returns (False: another process is
+        still building it)."""
+        name = f"{table}_hnsw_{dims}"
+        state = ("SELECT i.indisvalid, EXISTS (SELECT 1 FROM pg_stat_progress_create_index AS p"
+                 " WHERE p.index_relid = i.indexrelid) FROM pg_index AS i WHERE i.indexrelid = to_regclass(?)")
+        row = await self.db.fetch_one(state, (name,))
+        if row is not None and (row[0] or row[1]):
+            return bool(row[0])
+        if row is not None:  # invalid, and no one builds it: a build that died half-way
+            log.warning("dropping the unfinished vector index %s (its build stopped half-way) to build it again", name)
+            await self.db.maintain(f"DROP INDEX CONCURRENTLY IF EXISTS {name}")
+        log.info("building the vector index %s (over a big table this takes minutes; searches scan meanwhile)", name)
+        try:
+            await self.db.maintain(
+                f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {table} USING hnsw"
+                f" (({column}::vector({dims})) vector_cosine_ops) WITH (m = 32, ef_construction = 128)"
+                f" WHERE vector_dims({column}) = {dims}")
+        except Exception as exc:  # another process started it at the same moment
+            if not is_conflict(exc) and "already exists" not in str(exc):
+                raise
+        row = await self.db.fetch_one(state, (name,))
+        return row is not None and bool(row[0])
 
     def _vector_param(self, vector: npt.NDArray[np.float32]) -> Any:
         return vector if self.db.dialect == "postgres" else vector.astype(np.float32).tobytes()

@@ -34,6 +34,8 @@ MIGRATION_LOCK = 0x636F7274  # "cort": the advisory lock every process takes to 
 POOL_MIN = 1
 POOL_MAX = 10
 CONNECT_TIMEOUT = 10.0
+COMMAND_TIMEOUT = 300.0  # seconds a statement may take (asyncpg cancels it then)
+MAINTENANCE_TIMEOUT = 24 * 3600.0  # an index build over millions of rows: hours at worst, never for ever
 VECTOR_SETTINGS = {"hnsw.iterative_scan": "relaxed_order", "hnsw.ef_search": "100"}
 _PLACEHOLDER = re.compile(r"'(?:[^']|'')*'|\?")
 
@@ -135,7 +137,8 @@ class PostgresDatabase:
             await self._ensure_vector(asyncpg)
             self._pool = await asyncpg.create_pool(
                 self._dsn, password=self._password, min_size=min(self._min_size, self._max_size),
-                max_size=self._max_size, timeout=CONNECT_TIMEOUT, init=self._init_connection, command_timeout=300,
+                max_size=self._max_size, timeout=CONNECT_TIMEOUT, init=self._init_connection,
+                command_timeout=COMMAND_TIMEOUT,
                 # Startup settings, so the pool's RESET ALL on every release keeps them (a SET would not last):
                 # filtered k-NN over an HNSW index goes on scanning until enough rows pass the filter, and
                 # looks at enough neighbours for the candidates a search asks for. A setting the URL gives
@@ -235,6 +238,10 @@ class PostgresDatabase:
 
     async def write_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
         return await self.pool.fetchrow(numbered(sql), *_args(params))
+
+    async def maintain(self, sql: str) -> None:
+        async with self.pool.acquire() as conn:
+            await conn.execute(sql, timeout=MAINTENANCE_TIMEOUT)
 
     # -- migrations ------------------------------------------------------------------------------
 

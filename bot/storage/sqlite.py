@@ -235,6 +235,9 @@ class SQLiteDatabase:
     async def write_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
         return next(iter(await self.write(sql, params)), None)
 
+    async def maintain(self, sql: str) -> None:
+        await self.write(sql)
+
     async def write(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         """One writing statement (use RETURNING to learn what it did), never inside another task's
         open transaction."""
