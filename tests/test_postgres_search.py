@@ -80,6 +80,17 @@ async def test_a_small_table_counts_every_word(pg: Storage) -> None:
     assert await pg.memory.fts_term_counts("memory_fts", ['"heron"'], 1001, pair_id=pair) == [700]
 
 
+async def test_a_message_search_with_several_words_leaves_out_the_window(pg: Storage) -> None:
+    """The messages' query numbers the words, their weights, then the excluded ids."""
+    user = await pg.upsert_user("discord:1", "Ann")
+    channel = await pg.upsert_channel("discord:c", "general", is_dm=False)
+    said = [await pg.add_message(channel.id, user.id, "Cora", "user", "Ann", text, 4) for text in (
+        "my heron is called Ed", "a kestrel flew by", "heron and kestrel together", "nothing of note")]
+    rows = await pg.memory.message_text_candidates(user.id, "Cora", {'"heron"': 1.0, '"kestrel"': 2.0},
+                                                   newest=False, limit=10, exclude=[said[2].id])
+    assert [r["text"] for r in rows] == ["a kestrel flew by", "my heron is called Ed"]
+
+
 async def test_a_search_ranks_by_the_rarer_word_with_weights_as_parameters(pg: Storage) -> None:
     """The weights of the words travel as parameters (one prepared statement for any weights): the rarer
     word still weighs more."""
@@ -186,26 +197,45 @@ async def test_spreads_keep_to_their_budget_and_drop_the_least_recently_used() -
     one = Spread.of(await _spread_of(0)())
     spreads = Spreads(budget=2 * one.nbytes)
     for key in ("a", "b"):
-        spreads.measure(key, _spread_of(1))
-    await spreads.settled()
+        spreads.measure(key, 8, _spread_of(1))
+        await spreads.settled()
     assert spreads.get("a") is not None  # "a" is now the more recently used
-    spreads.measure("c", _spread_of(2))
+    spreads.measure("c", 8, _spread_of(2))
     await spreads.settled()
     assert spreads.get("b") is None and spreads.get("a") is not None and spreads.get("c") is not None
+    sampled = 0
+
+    async def counted() -> npt.NDArray[np.float32]:
+        nonlocal sampled
+        sampled += 1
+        return await _spread_of(3)()
+
+    spreads.measure("huge", 3072, counted)  # its covariance alone would not fit: never measured
+    await spreads.settled()
+    assert spreads.get("huge") is None and sampled == 0
+    spreads.measure("d", 8, counted)
+    await spreads.settled()
+    assert spreads.get("d") is not None and sampled == 1
 
 
-async def test_a_failed_measurement_is_logged_and_leaves_the_sample_serving(caplog: pytest.LogCaptureFixture
-                                                                           ) -> None:
+async def test_a_failed_measurement_is_logged_and_not_tried_again_at_once(caplog: pytest.LogCaptureFixture) -> None:
+    calls = 0
+
     async def broken() -> npt.NDArray[np.float32]:
+        nonlocal calls
+        calls += 1
         raise ConnectionError("the pool is closing")
 
     spreads = Spreads()
     with caplog.at_level(logging.WARNING):
-        spreads.measure("a", broken)
+        spreads.measure("a", 8, broken)
         await spreads.settled()
-    assert spreads.get("a") is None
+    assert spreads.get("a") is None and calls == 1
     assert "could not measure the spread" in caplog.text and "the pool is closing" in caplog.text
-    spreads.measure("b", _spread_of(3))  # and a closed one stops what is under way
+    spreads.measure("a", 8, broken)  # every search of the scope asks again: not before the TTL
+    await spreads.settled()
+    assert calls == 1
+    spreads.measure("b", 8, _spread_of(3))  # and a closed one stops what is under way
     await spreads.close()
     assert spreads.get("b") is None
     await asyncio.sleep(0)
@@ -241,6 +271,25 @@ async def test_a_vector_index_left_half_built_by_a_dead_process_is_built_again(
         await MemoryRepository(pg.db).ensure_vector_index(DIMS)  # the next process to start
     again = await _index_state(pg, f"memory_items_hnsw_{DIMS}")
     assert again is not None and again[1] and again[0] != first[0]
-    assert "dropping the unfinished vector index memory_items_hnsw_384" in caplog.text
+    assert "dropped the vector index memory_items_hnsw_384, which a build that stopped half-way" in caplog.text
     query = _two_clusters(40, 10)[-1]
     assert len(await pg.memory.vector_top(ItemScope(pair), MODEL, query, 5)) == 5
+
+
+async def test_an_index_another_process_is_building_is_left_to_it(pg: Storage, pg_url: str) -> None:
+    import asyncpg
+
+    await pg.memory.ensure_vector_index(DIMS)
+    name = f"memory_items_hnsw_{DIMS}"
+    first = await _index_state(pg, name)
+    await pg.db.write("UPDATE pg_index SET indisvalid = false WHERE indexrelid = to_regclass(?)", (name,))
+    builder = await asyncpg.connect(pg_url)  # what a process building it holds meanwhile
+    try:
+        await builder.fetchval("SELECT pg_try_advisory_lock(hashtext($1))", f"cortex-bot maintenance: {name}")
+        await MemoryRepository(pg.db).ensure_vector_index(DIMS)
+        assert await _index_state(pg, name) == (first[0] if first else 0, False)  # neither dropped nor rebuilt
+    finally:
+        await builder.close()
+    await MemoryRepository(pg.db).ensure_vector_index(DIMS)  # its process died: the next one builds it
+    again = await _index_state(pg, name)
+    assert again is not None and again[1] and first is not None and again[0] != first[0]

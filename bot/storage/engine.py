@@ -181,9 +181,11 @@ class Database(Protocol):
 
     async def write_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None: ...
 
-    async def maintain(self, sql: str) -> None:
+    async def maintain(self, sql: str, *, lock: str, when: str, params: Sequence[Any] = ()) -> bool:
         """A maintenance statement that may run for minutes (an index built over a big table): on its own,
-        outside any transaction, without the engine's statement timeout."""
+        outside any transaction, without the engine's statement timeout; only while this process holds the
+        lock named ``lock`` across the fleet (PostgreSQL: an advisory lock, not waited for), and only if the
+        query ``when`` (with ``params``) then answers true. Whether it ran."""
 
     def transaction(self) -> AbstractAsyncContextManager[Tx]:
         """Statements that must see and change the data atomically; rolled back on any error."""

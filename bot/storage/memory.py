@@ -48,6 +48,11 @@ MESSAGE_HIT_COLUMNS = "m.id, m.text, m.created_at, m.author_name, m.role, c.name
 NEIGHBOUR_SPAN = 5000  # ids a neighbour lookup walks back or forth at most (other people's messages in a busy group)
 
 
+def _array(vector: Any) -> npt.NDArray[np.float32]:
+    """A pgvector column's value as numpy (pgvector 0.4 decodes to numpy, later versions to ``Vector``)."""
+    return np.asarray(vector.to_numpy() if hasattr(vector, "to_numpy") else vector, dtype=np.float32)
+
+
 def _estimated_count(source: str, word: int) -> str:
     """PostgreSQL, in :meth:`MemoryRepository.fts_term_counts`: the rows of ``source`` matching the tsquery
     word ``$word`` (at most ``$3``), estimated from the ``st`` row (``pg_stats``) when it lists the word's
@@ -104,7 +109,8 @@ class MemoryRepository:
         self._vector_indexes: set[int] = set()  # dimensions whose HNSW index exists (PostgreSQL)
         # (pair id or persona) -> (text-search configuration, when looked up) (PostgreSQL)
         self._ts_configs: dict[int | str, tuple[str, float]] = {}
-        self._spreads = Spreads()  # PostgreSQL: large vector scopes' typical levels
+        # PostgreSQL: large vector scopes' typical levels, shared with the sibling handles (background jobs)
+        self._spreads: Spreads = db.caches.named("memory").setdefault("spreads", Spreads())
 
     @property
     def vectors_in_database(self) -> bool:
@@ -336,15 +342,15 @@ class MemoryRepository:
             row = await self.db.fetch_one(sql, list(terms))
             return [int(c) for c in row] if row else [0] * len(terms)
         source = FTS_SOURCE[table]
+        columns = ", ".join(_estimated_count(source, n + 5) for n in range(len(terms)))
         row = await self.db.fetch_one(
             "WITH cfg AS (SELECT cortex_ts_config(coalesce(CAST($1 AS TEXT),"
             " (SELECT persona FROM cortex_pairs WHERE id = $2))) AS c),"
             " st AS (SELECT CAST(CAST(s.most_common_elems AS TEXT) AS TEXT[]) AS elems,"
-            " s.most_common_elem_freqs AS freqs, c.reltuples AS n FROM pg_stats AS s JOIN pg_class AS c"
-            " ON c.relname = s.tablename AND c.relnamespace = to_regnamespace(s.schemaname)"
+            " s.most_common_elem_freqs AS freqs, c.reltuples * (1 - s.null_frac) AS n FROM pg_stats AS s"
+            f" JOIN pg_class AS c ON c.oid = to_regclass('{source}')"
             f" WHERE s.schemaname = current_schema() AND s.tablename = '{source}' AND s.attname = 'ts'"
-            " AND c.reltuples >= $4) SELECT " + ", ".join(_estimated_count(source, n + 5) for n in range(len(terms)))
-            + " FROM cfg",
+            f" AND NOT s.inherited AND c.reltuples >= $4) SELECT {columns} FROM cfg",
             [persona, pair_id, cap, STATS_MIN_ROWS, *(tsquery([t]) for t in terms)],
         )
         return [int(c) for c in row] if row else [0] * len(terms)
@@ -571,7 +577,7 @@ class MemoryRepository:
         spread = self._spreads.get(key)
         if spread is not None:  # a large scope: its typical level comes from its spread (see bot.storage.spread)
             if time.monotonic() - spread.measured > SPREAD_TTL:
-                self._spreads.measure(key, lambda: self._spread_sample(vector_column, sampled, (*params, model)))
+                self._spreads.measure(key, dims, lambda: self._spread_sample(vector_column, sampled, (*params, model)))
             rows = await knn
             floor = spread.level(query)
             return {int(r[0]): float(r[1]) - floor for r in rows}, rows
@@ -587,7 +593,7 @@ class MemoryRepository:
             return {}, []
         count, mean, sd, low = int(stats[0]), float(stats[1] or 0), float(stats[2] or 0), float(stats[3] or 0)
         if count >= TYPICAL_SAMPLE:  # the next searches of this scope need no sample
-            self._spreads.measure(key, lambda: self._spread_sample(vector_column, sampled, (*params, model)))
+            self._spreads.measure(key, dims, lambda: self._spread_sample(vector_column, sampled, (*params, model)))
         floor = mean + 2.0 * sd if count >= TYPICAL_MIN else (low if count > 1 else 0.0)
         return {int(r[0]): float(r[1]) - floor for r in rows}, rows
 
@@ -598,9 +604,9 @@ class MemoryRepository:
         rows = await self.db.fetch_all(
             f"SELECT {vector_column} {sampled} AND ctid = ANY(ARRAY(SELECT ctid {sampled}"
             f" ORDER BY random() LIMIT {SPREAD_SAMPLE}))", (*params, *params))
-        sample = np.empty((len(rows), len(rows[0][0].to_numpy()) if rows else 0), dtype=np.float32)
+        sample = np.empty((len(rows), len(_array(rows[0][0])) if rows else 0), dtype=np.float32)
         for n, row in enumerate(rows):
-            sample[n] = row[0].to_numpy()  # pgvector's Vector
+            sample[n] = _array(row[0])
         return sample
 
     def forget_spreads(self) -> None:
@@ -630,26 +636,30 @@ class MemoryRepository:
 
     async def _build_vector_index(self, table: str, column: str, dims: int) -> bool:
         """Whether ``table``'s HNSW index for ``dims`` is valid once this returns (False: another process is
-        still building it)."""
+        building it). Each step holds a lock of the index's name, and checks under it that it is still due."""
         name = f"{table}_hnsw_{dims}"
-        state = ("SELECT i.indisvalid, EXISTS (SELECT 1 FROM pg_stat_progress_create_index AS p"
-                 " WHERE p.index_relid = i.indexrelid) FROM pg_index AS i WHERE i.indexrelid = to_regclass(?)")
-        row = await self.db.fetch_one(state, (name,))
-        if row is not None and (row[0] or row[1]):
-            return bool(row[0])
-        if row is not None:  # invalid, and no one builds it: a build that died half-way
-            log.warning("dropping the unfinished vector index %s (its build stopped half-way) to build it again", name)
-            await self.db.maintain(f"DROP INDEX CONCURRENTLY IF EXISTS {name}")
-        log.info("building the vector index %s (over a big table this takes minutes; searches scan meanwhile)", name)
+        valid = "SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass(?)"
+        row = await self.db.fetch_one(valid, (name,))
+        if row is not None and row[0]:
+            return True
+        if row is not None:  # invalid: being built (its builder holds the lock), or left by a build that died
+            abandoned = "SELECT NOT indisvalid FROM pg_index WHERE indexrelid = to_regclass(?)"
+            if not await self.db.maintain(f"DROP INDEX CONCURRENTLY IF EXISTS {name}", lock=name, when=abandoned,
+                                          params=(name,)):
+                return False
+            log.warning("dropped the vector index %s, which a build that stopped half-way left unfinished", name)
+        log.info("building the vector index %s unless another process is (over a big table this takes minutes; "
+                 "searches scan meanwhile)", name)
         try:
             await self.db.maintain(
                 f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {table} USING hnsw"
                 f" (({column}::vector({dims})) vector_cosine_ops) WITH (m = 32, ef_construction = 128)"
-                f" WHERE vector_dims({column}) = {dims}")
-        except Exception as exc:  # another process started it at the same moment
+                f" WHERE vector_dims({column}) = {dims}", lock=name, when="SELECT to_regclass(?) IS NULL",
+                params=(name,))
+        except Exception as exc:  # a process of an older cortex-bot started it at the same moment
             if not is_conflict(exc) and "already exists" not in str(exc):
                 raise
-        row = await self.db.fetch_one(state, (name,))
+        row = await self.db.fetch_one(valid, (name,))
         return row is not None and bool(row[0])
 
     def _vector_param(self, vector: npt.NDArray[np.float32]) -> Any:

@@ -239,9 +239,18 @@ class PostgresDatabase:
     async def write_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
         return await self.pool.fetchrow(numbered(sql), *_args(params))
 
-    async def maintain(self, sql: str) -> None:
-        async with self.pool.acquire() as conn:
-            await conn.execute(sql, timeout=MAINTENANCE_TIMEOUT)
+    async def maintain(self, sql: str, *, lock: str, when: str, params: Sequence[Any] = ()) -> bool:
+        key = f"cortex-bot maintenance: {lock}"
+        async with self.pool.acquire() as conn:  # a session lock: the pool's reset on release frees it too
+            if not await conn.fetchval("SELECT pg_try_advisory_lock(hashtext($1))", key):
+                return False
+            try:
+                if not await conn.fetchval(numbered(when), *_args(params)):
+                    return False
+                await conn.execute(sql, timeout=MAINTENANCE_TIMEOUT)
+                return True
+            finally:
+                await conn.execute("SELECT pg_advisory_unlock(hashtext($1))", key)
 
     # -- migrations ------------------------------------------------------------------------------
 

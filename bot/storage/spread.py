@@ -73,6 +73,7 @@ class Spreads:
         self._budget = budget
         self._spreads: OrderedDict[Hashable, Spread] = OrderedDict()
         self._measuring: dict[Hashable, asyncio.Task[None]] = {}
+        self._failed: dict[Hashable, float] = {}  # scopes whose last measurement failed, and when
         self._bytes = 0
 
     def get(self, key: Hashable) -> Spread | None:
@@ -81,10 +82,14 @@ class Spreads:
             self._spreads.move_to_end(key)
         return spread
 
-    def measure(self, key: Hashable, sample: Callable[[], Awaitable[npt.NDArray[np.float32]]]) -> None:
+    def measure(self, key: Hashable, dims: int, sample: Callable[[], Awaitable[npt.NDArray[np.float32]]]) -> None:
         """Measure the scope's spread in the background from ``sample()`` (its vectors, a sample of them)
-        unless that is under way; until it is done, searches go on as they were."""
-        if key in self._measuring:
+        unless that is under way, failed less than ``TTL`` ago, or would not fit the budget (a covariance of
+        3,072 dimensions takes 38 MB); until it is done, searches go on as they were."""
+        if key in self._measuring or 4 * dims * (dims + 1) > self._budget:
+            return
+        failed = self._failed.get(key)
+        if failed is not None and time.monotonic() - failed < TTL:
             return
         task = asyncio.create_task(self._measure(key, sample), name="storage-vector-spread")
         self._measuring[key] = task
@@ -93,20 +98,24 @@ class Spreads:
     async def _measure(self, key: Hashable, sample: Callable[[], Awaitable[npt.NDArray[np.float32]]]) -> None:
         try:
             vectors = await sample()
-            if len(vectors) < LEAST:
-                self._drop(key)
-                return
-            spread = await asyncio.to_thread(Spread.of, vectors)
-            self._drop(key)
-            self._spreads[key] = spread
-            self._bytes += spread.nbytes
-            while self._bytes > self._budget and self._spreads:
-                self._drop(next(iter(self._spreads)))
+            spread = await asyncio.to_thread(Spread.of, vectors) if len(vectors) >= LEAST else None
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the pool closing, a lost connection: the statement serves meanwhile
             log.warning("could not measure the spread of a scope's vectors (%s: %s); searches sample them "
                         "instead", type(exc).__name__, exc)
+            spread = None
+        self._drop(key)
+        if spread is None:
+            if len(self._failed) > 10_000:
+                self._failed.clear()
+            self._failed[key] = time.monotonic()
+            return
+        self._failed.pop(key, None)
+        self._spreads[key] = spread
+        self._bytes += spread.nbytes
+        while self._bytes > self._budget and self._spreads:
+            self._drop(next(iter(self._spreads)))
 
     def _drop(self, key: Hashable) -> None:
         spread = self._spreads.pop(key, None)

@@ -235,8 +235,12 @@ class SQLiteDatabase:
     async def write_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
         return next(iter(await self.write(sql, params)), None)
 
-    async def maintain(self, sql: str) -> None:
+    async def maintain(self, sql: str, *, lock: str, when: str, params: Sequence[Any] = ()) -> bool:
+        row = await self.fetch_one(when, params)  # one process writes this file: no lock is needed
+        if row is None or not row[0]:
+            return False
         await self.write(sql)
+        return True
 
     async def write(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         """One writing statement (use RETURNING to learn what it did), never inside another task's
