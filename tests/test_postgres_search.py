@@ -5,6 +5,7 @@ instead of a sample scored on every search."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,6 +17,7 @@ import pytest_asyncio
 
 from bot.storage import Storage, open_storage
 from bot.storage.memory import STATS_MIN_ROWS, TYPICAL_SAMPLE, ItemScope, MemoryRepository, MessageScope
+from bot.storage.spread import TTL as SPREAD_TTL
 from bot.storage.spread import Spread, Spreads
 
 DIMS = 384
@@ -239,6 +241,19 @@ async def test_a_failed_measurement_is_logged_and_not_tried_again_at_once(caplog
     await spreads.close()
     assert spreads.get("b") is None
     await asyncio.sleep(0)
+
+
+async def test_a_spread_not_renewed_for_twice_its_ttl_is_dropped() -> None:
+    """A scope nobody searches any more (its user was forgotten by another process) is not kept."""
+    spreads = Spreads()
+    for key in ("old", "new"):
+        spreads.measure(key, 8, _spread_of(4))
+        await spreads.settled()
+    aged = spreads.get("old")
+    assert aged is not None
+    spreads._spreads["old"] = dataclasses.replace(aged, measured=aged.measured - 2 * SPREAD_TTL - 1)
+    spreads._swept -= SPREAD_TTL  # the sweep runs at most every TTL / 10
+    assert spreads.get("new") is not None and spreads.get("old") is None
 
 
 def test_a_spreads_level_is_the_mean_plus_two_deviations_of_the_similarities() -> None:

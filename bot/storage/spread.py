@@ -7,8 +7,9 @@ the k-NN itself, on every search. Over many vectors that level follows from thei
 C: the query's similarity has mean ``q·μ`` and variance ``qᵀCq`` (as SQLite's sketched blocks do it,
 ``cortex.memory.sketch``). So a scope of at least ``TYPICAL_SAMPLE`` vectors gets a :class:`Spread`,
 measured on a random sample of ``SAMPLE`` of them in the background after the first search that needed
-it, and renewed in the background once ``TTL`` old. Each process keeps at most ``BUDGET`` bytes of them,
-the least recently used going first; a forget-me drops them all.
+it, and renewed in the background once ``TTL`` old; one not renewed for twice that is dropped. Each
+process keeps at most ``BUDGET`` bytes of them, the least recently used going first; a forget-me drops
+them all.
 """
 
 from __future__ import annotations
@@ -75,8 +76,16 @@ class Spreads:
         self._measuring: dict[Hashable, asyncio.Task[None]] = {}
         self._failed: dict[Hashable, float] = {}  # scopes whose last measurement failed, and when
         self._bytes = 0
+        self._swept = time.monotonic()
 
     def get(self, key: Hashable) -> Spread | None:
+        """The scope's spread (renew it with :meth:`measure` once ``TTL`` old). Spreads not renewed for
+        ``2 × TTL`` are dropped meanwhile: one of a user forgotten by another process lives no longer."""
+        now = time.monotonic()
+        if now - self._swept > TTL / 10:
+            self._swept = now
+            for old in [k for k, spread in self._spreads.items() if now - spread.measured > 2 * TTL]:
+                self._drop(old)
         spread = self._spreads.get(key)
         if spread is not None:
             self._spreads.move_to_end(key)
