@@ -105,12 +105,12 @@ async def test_a_database_newer_than_the_code_is_refused(storage: Storage) -> No
 
 
 async def test_every_pooled_connection_searches_vectors_with_iterative_scans(pg_url: str) -> None:
-    """The settings survive the pool's RESET ALL between uses (a plain SET would not)."""
+    """The settings are the connections' own, from their start: every use begins with them."""
     storage = await open_storage(pg_url)
     try:
         for _ in range(3):
             async with storage.db.transaction() as tx:
-                await tx.execute("SET hnsw.ef_search = 10")  # whatever one use changed ...
+                await tx.execute("SET LOCAL hnsw.ef_search = 10")  # what one use changes for itself ...
             row = await storage.db.fetch_one("SELECT current_setting('hnsw.iterative_scan'),"
                                              " current_setting('hnsw.ef_search')")
             assert tuple(row) == ("relaxed_order", "100")  # ... the next use starts afresh
@@ -146,3 +146,21 @@ async def test_another_programs_database_is_refused_and_left_untouched(postgres_
         assert left.split() == ["orders,users", "0"]
     finally:
         postgres_server.drop_database(name)
+
+
+async def test_a_connection_given_back_mid_transaction_is_rolled_back(pg_url: str) -> None:
+    """The pool's reset of a released connection is asyncpg's rollback alone (no RESET ALL round trip): a
+    transaction a cancelled task left open must still not leak into the next use."""
+    storage = await open_storage(pg_url)
+    try:
+        await storage.migrate()
+        pool = storage.db.pool  # type: ignore[attr-defined]
+        conn = await pool.acquire()
+        await conn.execute("BEGIN")
+        await conn.execute("INSERT INTO settings (key, value, updated_at) VALUES ('half', 'done', 0)")
+        await pool.release(conn)
+        assert await storage.get_setting("half") is None
+        for _ in range(3):  # and every connection of the pool is usable afterwards
+            assert (await storage.db.fetch_one("SELECT 1"))[0] == 1
+    finally:
+        await storage.close()

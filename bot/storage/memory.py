@@ -53,15 +53,16 @@ def _array(vector: Any) -> npt.NDArray[np.float32]:
     return np.asarray(vector.to_numpy() if hasattr(vector, "to_numpy") else vector, dtype=np.float32)
 
 
-def _estimated_count(source: str, word: int) -> str:
+def _estimated_count(source: str, word: int, estimate: bool) -> str:
     """PostgreSQL, in :meth:`MemoryRepository.fts_term_counts`: the rows of ``source`` matching the tsquery
-    word ``$word`` (at most ``$3``), estimated from the ``st`` row (``pg_stats``) when it lists the word's
-    lexeme among the most common, else counted."""
-    lexeme = f"trim(both '''' from CAST(to_tsquery(cfg.c, ${word}) AS TEXT))"
-    estimate = f"(SELECT round(st.freqs[array_position(st.elems, {lexeme})] * st.n) FROM st)"
+    word ``$word`` (at most ``$3``): with ``estimate``, from the ``st`` row (``pg_stats``) when it lists the
+    word's lexeme among the most common; else counted."""
     count = f"(SELECT count(*) FROM (SELECT 1 FROM {source} WHERE ts @@ to_tsquery(cfg.c, ${word}) LIMIT $3) AS t)"
-    return f"least(coalesce({estimate}, {count}), $3)"
-
+    if not estimate:
+        return count
+    lexeme = f"trim(both '''' from CAST(to_tsquery(cfg.c, ${word}) AS TEXT))"
+    estimated = f"(SELECT round(st.freqs[array_position(st.elems, {lexeme})] * st.n) FROM st)"
+    return f"least(coalesce({estimated}, {count}), $3)"
 
 def _marked(table: str, columns: int) -> str:
     """The ``columns`` of an FTS5 row as one text, the matched words between :data:`MARK_OPEN` and
@@ -327,7 +328,8 @@ class MemoryRepository:
         return int(row[0]) if row else 0
 
     async def fts_term_counts(
-        self, table: FtsTable, terms: Sequence[str], cap: int, *, persona: str | None = None, pair_id: int = 0
+        self, table: FtsTable, terms: Sequence[str], cap: int, *, persona: str | None = None, pair_id: int = 0,
+        rows: int | None = None,
     ) -> list[int]:
         """How many rows match each term (counting stops at ``cap``; PostgreSQL reads words the way the
         language configuration of ``persona``, or of the pair's persona, does).
@@ -335,24 +337,24 @@ class MemoryRepository:
         PostgreSQL: a word among the column's most common ones (``pg_stats``, kept by ANALYZE) is not
         counted: its share of the rows there, times the rows, is close enough for a rarity weight, and
         counting it would visit a table page per match (a millisecond per few hundred rows). Below
-        ``STATS_MIN_ROWS`` rows, or for a word not among those, the matches are counted."""
+        ``STATS_MIN_ROWS`` rows, or for a word not among those, the matches are counted; ``rows``, the
+        table's size when the caller knows it, saves a small table planning the statistics' query."""
         if self.db.dialect == "sqlite":
             sql = "SELECT " + ", ".join(
                 f"(SELECT count(*) FROM (SELECT 1 FROM {table} WHERE {table} MATCH ? LIMIT {cap}))" for _ in terms)
             row = await self.db.fetch_one(sql, list(terms))
             return [int(c) for c in row] if row else [0] * len(terms)
-        source = FTS_SOURCE[table]
-        columns = ", ".join(_estimated_count(source, n + 5) for n in range(len(terms)))
+        source, estimate = FTS_SOURCE[table], rows is None or rows >= STATS_MIN_ROWS
+        stats = ("st AS (SELECT CAST(CAST(s.most_common_elems AS TEXT) AS TEXT[]) AS elems,"
+                 " s.most_common_elem_freqs AS freqs, c.reltuples * (1 - s.null_frac) AS n FROM pg_stats AS s"
+                 f" JOIN pg_class AS c ON c.oid = to_regclass('{source}') WHERE s.schemaname = current_schema()"
+                 f" AND s.tablename = '{source}' AND s.attname = 'ts' AND NOT s.inherited"
+                 f" AND c.reltuples >= {STATS_MIN_ROWS}), ")
+        columns = ", ".join(_estimated_count(source, n + 4, estimate) for n in range(len(terms)))
         row = await self.db.fetch_one(
-            "WITH cfg AS (SELECT cortex_ts_config(coalesce(CAST($1 AS TEXT),"
-            " (SELECT persona FROM cortex_pairs WHERE id = $2))) AS c),"
-            " st AS (SELECT CAST(CAST(s.most_common_elems AS TEXT) AS TEXT[]) AS elems,"
-            " s.most_common_elem_freqs AS freqs, c.reltuples * (1 - s.null_frac) AS n FROM pg_stats AS s"
-            f" JOIN pg_class AS c ON c.oid = to_regclass('{source}')"
-            f" WHERE s.schemaname = current_schema() AND s.tablename = '{source}' AND s.attname = 'ts'"
-            f" AND NOT s.inherited AND c.reltuples >= $4) SELECT {columns} FROM cfg",
-            [persona, pair_id, cap, STATS_MIN_ROWS, *(tsquery([t]) for t in terms)],
-        )
+            f"WITH {stats if estimate else ''}cfg AS (SELECT cortex_ts_config(coalesce(CAST($1 AS TEXT),"
+            f" (SELECT persona FROM cortex_pairs WHERE id = $2))) AS c) SELECT {columns} FROM cfg",
+            [persona, pair_id, cap, *(tsquery([t]) for t in terms)])
         return [int(c) for c in row] if row else [0] * len(terms)
 
     async def _ts_config(self, *, pair_id: int = 0, persona: str | None = None) -> str:

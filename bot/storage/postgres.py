@@ -116,6 +116,16 @@ def _connect_error(exc: BaseException, url: str) -> StorageError:
     return StorageError(f"cannot open the PostgreSQL database {where}: {type(exc).__name__}: {exc}")
 
 
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """The pool's reset of a connection given back. asyncpg's own (``RESET ALL``, ``CLOSE ALL``,
+    ``UNLISTEN *``, advisory locks released) is a round trip on every release, so about one per statement:
+    a reply's dozen cost more than a millisecond, most of what set PostgreSQL apart from SQLite on the
+    reply path. The bot leaves nothing in a session to reset: it sets no setting for a session (only at
+    connection start), listens to nothing, and takes advisory locks for a transaction, but for
+    :meth:`PostgresDatabase.maintain`, which releases its own. An open transaction is still rolled back
+    (asyncpg does that before calling this)."""
+
+
 class PostgresDatabase:
     dialect: Literal["postgres"] = "postgres"
     shared_across_hosts = True
@@ -138,7 +148,7 @@ class PostgresDatabase:
             self._pool = await asyncpg.create_pool(
                 self._dsn, password=self._password, min_size=min(self._min_size, self._max_size),
                 max_size=self._max_size, timeout=CONNECT_TIMEOUT, init=self._init_connection,
-                command_timeout=COMMAND_TIMEOUT,
+                command_timeout=COMMAND_TIMEOUT, reset=_keep_session,
                 # Startup settings, so the pool's RESET ALL on every release keeps them (a SET would not last):
                 # filtered k-NN over an HNSW index goes on scanning until enough rows pass the filter, and
                 # looks at enough neighbours for the candidates a search asks for. A setting the URL gives
@@ -250,7 +260,11 @@ class PostgresDatabase:
                 await conn.execute(sql, timeout=MAINTENANCE_TIMEOUT)
                 return True
             finally:
-                await conn.execute("SELECT pg_advisory_unlock(hashtext($1))", key)
+                try:
+                    await conn.execute("SELECT pg_advisory_unlock(hashtext($1))", key)
+                except BaseException:  # cancelled, or the connection broke: a new one replaces it, lockless
+                    conn.terminate()
+                    raise
 
     # -- migrations ------------------------------------------------------------------------------
 

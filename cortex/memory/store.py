@@ -637,7 +637,7 @@ class MemoryStore:
         counted: dict[str, int] = {}
         if unknown:
             counts = await self.repo.fts_term_counts(table, unknown, COMMON_MATCHES + 1, persona=persona,
-                                                     pair_id=pair_id)
+                                                     pair_id=pair_id, rows=size)
             if len(self._term_counts_cache) > 50_000:
                 self._term_counts_cache.clear()
             for term, count in zip(unknown, counts, strict=False):
