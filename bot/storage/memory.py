@@ -625,10 +625,11 @@ class MemoryRepository:
     async def ensure_vector_index(self, dims: int) -> None:
         """PostgreSQL: the HNSW (cosine) indexes for vectors of ``dims`` dimensions, made once by the
         background backfill, never in a reply. Over a big table (a bot copied from SQLite) the build takes
-        minutes (about 10 at a million vectors on two cores), so it runs CONCURRENTLY (writes to the table go
-        on; searches scan exactly until it is done) and without the pool's statement timeout, which used to
-        cancel it after five minutes, every time the backfill tried again. A build another process runs is
-        left to it; one left invalid by a process that died is dropped and started again."""
+        minutes (six at a million vectors on two cores, given the memory), so it runs CONCURRENTLY (writes
+        to the table go on; searches scan exactly until it is done) and without the pool's statement
+        timeout, which used to cancel it after five minutes, every time the backfill tried again. A build
+        another process runs is left to it; one left invalid by a process that died is dropped and started
+        again."""
         if self.db.dialect != "postgres" or dims in self._vector_indexes:
             return
         ready = [await self._build_vector_index(table, column, dims)
