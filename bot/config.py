@@ -158,8 +158,13 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def check_storage_url(value: str) -> str:
+    """A storage URL as the engines take it: the scheme in lower case (``SQLITE:///``), SQLAlchemy's
+    ``postgresql+asyncpg://`` as ``postgresql://``."""
     if "\x00" in value:
         raise ValueError("the storage URL contains a NUL character")
+    scheme, sep, rest = value.partition("://")
+    if sep and scheme.lower() in ("sqlite", "postgresql", "postgres", "postgresql+asyncpg"):
+        value = scheme.lower().removesuffix("+asyncpg") + sep + rest
     if value.startswith("sqlite:///"):
         if len(value) == len("sqlite:///"):
             raise ValueError("the sqlite URL names no file: write sqlite:////var/lib/cortex/bot.db (four slashes: "
@@ -173,6 +178,9 @@ def check_storage_url(value: str) -> str:
         if not parts.hostname and "host=" not in parts.query:
             raise ValueError("the postgresql URL names no host: write postgresql://user@host:5432/dbname")
         _check_port(parts.netloc)
+        if parts.path.strip("/") == "" and "dbname=" not in parts.query:
+            raise ValueError("the postgresql URL names no database: write postgresql://user@host:5432/dbname "
+                             "(without one, PostgreSQL takes the user's name for the database's)")
         return value
     raise ValueError(
         "use sqlite:////var/lib/cortex/bot.db (four slashes: an absolute path; sqlite:///bot.db is relative to the "

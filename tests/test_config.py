@@ -408,6 +408,26 @@ def test_a_storage_urls_bad_port_is_named_as_it_is(url: str, wanted: str) -> Non
     assert wanted in _error({"storage": {"url": url}})
 
 
+@pytest.mark.parametrize("url", ["postgresql://cortex@db.example.org:5432", "postgresql://cortex@db.example.org/",
+                                 "postgres://cortex@db.example.org:5432/?sslmode=require"])
+def test_a_postgresql_url_without_a_database_is_refused(url: str) -> None:
+    """Without a database name PostgreSQL connects to the one named like the user (often ``postgres``): the
+    bot's tables, or a copy-data, went there."""
+    assert "names no database: write postgresql://user@host:5432/dbname" in _error({"storage": {"url": url}})
+
+
+@pytest.mark.parametrize(("url", "taken"), [
+    ("SQLITE:////var/lib/cortex/bot.db", "sqlite:////var/lib/cortex/bot.db"),
+    ("PostgreSQL://cortex@db.example.org/cortex", "postgresql://cortex@db.example.org/cortex"),
+    ("postgresql+asyncpg://cortex@db.example.org/cortex", "postgresql://cortex@db.example.org/cortex"),
+    ("postgresql://cortex@db.example.org/?dbname=cortex", "postgresql://cortex@db.example.org/?dbname=cortex"),
+])
+def test_a_storage_urls_scheme_is_read_as_urls_are(url: str, taken: str) -> None:
+    """A scheme is case-insensitive, and SQLAlchemy's driver suffix names the driver the bot uses anyway:
+    both got "use sqlite:////… or postgresql://…", as if the URL were of another kind."""
+    assert parse_config({"storage": {"url": url}}).storage.url == taken
+
+
 @pytest.mark.parametrize("url", ["sqlite:///bot.db?mode=ro", "sqlite:////var/lib/cortex/bot.db?cache=shared"])
 def test_a_sqlite_url_with_options_is_refused(url: str) -> None:
     """``?mode=ro`` became part of the file name: a new, empty database called "bot.db?mode=ro"."""
