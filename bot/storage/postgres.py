@@ -251,8 +251,13 @@ class PostgresDatabase:
 
     async def maintain(self, sql: str, *, lock: str, when: str, params: Sequence[Any] = ()) -> bool:
         key = f"cortex-bot maintenance: {lock}"
-        async with self.pool.acquire() as conn:  # a session lock: the pool's reset on release frees it too
-            if not await conn.fetchval("SELECT pg_try_advisory_lock(hashtext($1))", key):
+        async with self.pool.acquire() as conn:  # a session lock: the pool's reset on release leaves it held
+            try:
+                locked = await conn.fetchval("SELECT pg_try_advisory_lock(hashtext($1))", key)
+            except BaseException:  # cancelled: the server may have granted it all the same, and a pooled
+                conn.terminate()  # session keeping it would stop every process's builds; a new one replaces it
+                raise
+            if not locked:
                 return False
             try:
                 if not await conn.fetchval(numbered(when), *_args(params)):
