@@ -18,7 +18,7 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import idna
@@ -178,10 +178,15 @@ def check_storage_url(value: str) -> str:
         if not parts.hostname and "host=" not in parts.query:
             raise ValueError("the postgresql URL names no host: write postgresql://user@host:5432/dbname")
         _check_port(parts.netloc)
-        if parts.path.strip("/") == "" and "dbname=" not in parts.query:
+        if parts.path.strip("/"):
+            return value
+        # asyncpg reads the database from the path, and only without one (not even "/") from ?dbname= or
+        # ?database= (a blank one is skipped): "host/?dbname=bot" opened the database named like the user.
+        named = {key for key, val in parse_qsl(parts.query, keep_blank_values=True) if val}
+        if not named & {"dbname", "database", "service"}:
             raise ValueError("the postgresql URL names no database: write postgresql://user@host:5432/dbname "
                              "(without one, PostgreSQL takes the user's name for the database's)")
-        return value
+        return f"{parts.scheme}://{parts.netloc}?{parts.query}" + (f"#{parts.fragment}" if parts.fragment else "")
     raise ValueError(
         "use sqlite:////var/lib/cortex/bot.db (four slashes: an absolute path; sqlite:///bot.db is relative to the "
         "folder the bot starts in) or postgresql://user@host:5432/dbname"

@@ -420,7 +420,8 @@ def test_a_postgresql_url_without_a_database_is_refused(url: str) -> None:
     ("SQLITE:////var/lib/cortex/bot.db", "sqlite:////var/lib/cortex/bot.db"),
     ("PostgreSQL://cortex@db.example.org/cortex", "postgresql://cortex@db.example.org/cortex"),
     ("postgresql+asyncpg://cortex@db.example.org/cortex", "postgresql://cortex@db.example.org/cortex"),
-    ("postgresql://cortex@db.example.org/?dbname=cortex", "postgresql://cortex@db.example.org/?dbname=cortex"),
+    ("postgresql://cortex@db.example.org/?dbname=bot", "postgresql://cortex@db.example.org?dbname=bot"),
+    ("postgresql:///?host=/tmp&database=bot", "postgresql://?host=/tmp&database=bot"),
 ])
 def test_a_storage_urls_scheme_is_read_as_urls_are(url: str, taken: str) -> None:
     """A scheme is case-insensitive, and SQLAlchemy's driver suffix names the driver the bot uses anyway:
@@ -450,3 +451,19 @@ def test_a_password_in_a_refused_storage_url_is_never_repeated(url: str) -> None
 def test_a_password_in_another_refused_url_is_never_repeated() -> None:
     message = _error({"llm": {"provider": "openai", "base_url": "http://me:hunter2@localhost:port/v1"}})
     assert "[llm] key 'base_url'" in message and "hunter2" not in message and "me:***@localhost" in message
+
+
+@pytest.mark.parametrize("url", ["postgresql://cortex@db.example.org/?dbname=",
+                                 "postgresql://cortex@db.example.org/?application_name=dbname=x"])
+def test_a_postgresql_url_naming_its_database_only_in_appearance_is_refused(url: str) -> None:
+    """asyncpg skips a blank ?dbname= and reads no other parameter's value as the database's name."""
+    assert "names no database" in _error({"storage": {"url": url}})
+
+
+@pytest.mark.parametrize(("url", "taken"), [
+    ("postgresql://cortex@db.example.org/?database=bot", "postgresql://cortex@db.example.org?database=bot"),
+    ("postgresql://?host=/tmp&database=bot", "postgresql://?host=/tmp&database=bot"),
+])
+def test_a_postgresql_url_naming_its_database_as_asyncpg_reads_it_is_taken(url: str, taken: str) -> None:
+    """``?database=`` is asyncpg's own name for ``?dbname=``; either is read only after no path at all."""
+    assert parse_config({"storage": {"url": url}}).storage.url == taken

@@ -164,3 +164,20 @@ async def test_a_connection_given_back_mid_transaction_is_rolled_back(pg_url: st
             assert (await storage.db.fetch_one("SELECT 1"))[0] == 1
     finally:
         await storage.close()
+
+
+@pytest.mark.parametrize("form", ["/?dbname=", "?dbname=", "/?database=", "?database="])
+async def test_a_database_named_in_the_urls_query_is_the_one_opened(pg_url: str, form: str) -> None:
+    """asyncpg reads ``?dbname=`` (or its own ``?database=``) only when the URL has no path at all: after
+    "host/" it opened the database named like the user (here ``postgres``) instead."""
+    from urllib.parse import urlsplit
+
+    from bot.config import check_storage_url
+
+    parts = urlsplit(pg_url)
+    name = parts.path.strip("/")
+    storage = await open_storage(check_storage_url(f"{parts.scheme}://{parts.netloc}{form}{name}"))
+    try:
+        assert (await storage.db.fetch_one("SELECT current_database()"))[0] == name
+    finally:
+        await storage.close()
