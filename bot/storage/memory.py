@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import numpy as np
@@ -577,9 +578,11 @@ class MemoryRepository:
             (query, *column_params, *params, model, query, k))
         key = (sampled, *params, model)
         spread = self._spreads.get(key)
+        measure = partial(self._spreads.measure, key, dims,
+                          partial(self._spread_sample, vector_column, sampled, (*params, model)))
         if spread is not None:  # a large scope: its typical level comes from its spread (see bot.storage.spread)
             if time.monotonic() - spread.measured > SPREAD_TTL:
-                self._spreads.measure(key, dims, lambda: self._spread_sample(vector_column, sampled, (*params, model)))
+                measure()
             rows = await knn
             floor = spread.level(query)
             return {int(r[0]): float(r[1]) - floor for r in rows}, rows
@@ -595,7 +598,7 @@ class MemoryRepository:
             return {}, []
         count, mean, sd, low = int(stats[0]), float(stats[1] or 0), float(stats[2] or 0), float(stats[3] or 0)
         if count >= TYPICAL_SAMPLE:  # the next searches of this scope need no sample
-            self._spreads.measure(key, dims, lambda: self._spread_sample(vector_column, sampled, (*params, model)))
+            measure()
         floor = mean + 2.0 * sd if count >= TYPICAL_MIN else (low if count > 1 else 0.0)
         return {int(r[0]): float(r[1]) - floor for r in rows}, rows
 
