@@ -31,6 +31,18 @@ async def _advisory_locks(pg_url: str) -> int:
         await conn.close()
 
 
+async def _locks_settle(pg_url: str, seconds: float = 5.0) -> int:
+    """Advisory locks still held once the server had time to end what a cancelled task left running (a
+    terminated connection's backend goes when it notices; a held lock stays for good)."""
+    held = await _advisory_locks(pg_url)
+    for _ in range(int(seconds / 0.05)):
+        if not held:
+            break
+        await asyncio.sleep(0.05)
+        held = await _advisory_locks(pg_url)
+    return held
+
+
 async def test_cancel_mid_transaction_leaves_nothing(pg: Storage, pg_url: str) -> None:
     async def work() -> None:
         async with pg.db.transaction() as tx:
@@ -49,7 +61,7 @@ async def test_cancel_mid_transaction_leaves_nothing(pg: Storage, pg_url: str) -
                                         " WHERE key = 'x')")
             assert row[1] == 0
             assert row[0] is False  # not inside an old transaction
-    assert await _advisory_locks(pg_url) == 0
+    assert await _locks_settle(pg_url) == 0
 
 
 async def test_cancel_maintain_mid_statement_releases_its_lock(pg: Storage, pg_url: str) -> None:
@@ -59,8 +71,7 @@ async def test_cancel_maintain_mid_statement_releases_its_lock(pg: Storage, pg_u
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.sleep(0.05)
-        assert await _advisory_locks(pg_url) == 0, delay
+        assert await _locks_settle(pg_url) == 0, delay
 
 
 async def test_cancel_landing_on_the_lock_query_leaks_no_session_lock(
@@ -81,7 +92,7 @@ async def test_cancel_landing_on_the_lock_query_leaks_no_session_lock(
     with pytest.raises(asyncio.CancelledError):
         await pg.db.maintain("SELECT 1", lock="leak", when="SELECT true")
     monkeypatch.setattr(asyncpg.Connection, "fetchval", real)
-    assert await _advisory_locks(pg_url) == 0
+    assert await _locks_settle(pg_url) == 0
 
 
 async def test_real_cancellation_race_on_the_lock(pg: Storage, pg_url: str) -> None:
@@ -95,8 +106,7 @@ async def test_real_cancellation_race_on_the_lock(pg: Storage, pg_url: str) -> N
             await task
         except asyncio.CancelledError:
             pass
-        await asyncio.sleep(0.02)
-        if await _advisory_locks(pg_url):
+        if await _locks_settle(pg_url):
             leaked.append(spins)
             break
     assert not leaked, leaked
