@@ -127,6 +127,11 @@ class SummaryEngine:
         if channel_message_count < self.config.history.summary_trigger or window.newest_evicted_id is None:
             return None
         uncovered = window.trimmed - (latest.covers_to_seq if latest else 0)
+        if latest is not None and uncovered <= 0 and window.newest_evicted_id > latest.covers_to_id:
+            # Messages were deleted since the summary was written (retention, a withdrawal): the channel's
+            # positions were recounted below what it covers, so count what it does not cover instead.
+            uncovered = await self.storage.count_messages_between(
+                channel_id, latest.covers_to_id, window.newest_evicted_id + 1)
         if uncovered < self.config.history.summary_batch:
             return None
         key = f"channel:{channel_id}"
