@@ -1,4 +1,4 @@
-"""Attacks on the rolling summary: positions after deletions."""
+"""Rolling summaries after old messages are deleted (retention, withdrawals): the positions they cover."""
 
 from __future__ import annotations
 
