@@ -113,7 +113,8 @@ def information(title: str, body: str) -> str:
 def render_system(parts: PromptParts, variables: Mapping[str, str]) -> str:
     """The system prompt. Variables are filled in each part before it is fenced, and their values cannot
     open or close a fence anywhere (a user's display name reaches the soul's text through ``{user_name}``);
-    the rolling summary is information too (a group's participants shape what it says)."""
+    the rolling summary is information too (a group's participants shape what it says), kept as written:
+    a ``{user_name}`` in it is one somebody typed, and filling it would put the present user's name there."""
     safe = {name: fenced(value) for name, value in variables.items()}  # a name fills the soul's text too
 
     def filled(text: str) -> str:
@@ -123,9 +124,9 @@ def render_system(parts: PromptParts, variables: Mapping[str, str]) -> str:
     memory = [information(s.title, filled(s.body)) for s in (*parts.cortex, *parts.knowledge) if s.body.strip()]
     summary = parts.summary.text.strip() if parts.summary is not None else ""
     if summary:
-        memory.append(information(
+        memory.append(information(  # as written: braces in it are what people said, not template variables
             "Earlier in this conversation",
-            "A summary of what was said before the messages below; you remember it.\n\n" + filled(summary)))
+            "A summary of what was said before the messages below; you remember it.\n\n" + summary))
     rules = [filled(s.body) for s in parts.rules if s.body.strip()] + ([INFO_RULE] if memory else [])
     if rules:
         blocks.append("# Rules\n" + "\n".join(rules))
