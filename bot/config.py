@@ -183,10 +183,11 @@ def check_storage_url(value: str) -> str:
         # asyncpg reads the database from the path, and only without one (not even "/") from ?dbname= or
         # ?database= (a blank one is skipped): "host/?dbname=bot" opened the database named like the user.
         named = {key for key, val in parse_qsl(parts.query, keep_blank_values=True) if val}
-        if not named & {"dbname", "database", "service"}:
+        if not named & {"dbname", "database", "service"} and not os.environ.get("PGDATABASE", "").strip():
             raise ValueError("the postgresql URL names no database: write postgresql://user@host:5432/dbname "
                              "(without one, PostgreSQL takes the user's name for the database's)")
-        return f"{parts.scheme}://{parts.netloc}?{parts.query}" + (f"#{parts.fragment}" if parts.fragment else "")
+        query = f"?{parts.query}" if parts.query else ""  # no path at all: asyncpg then reads ?dbname= or PGDATABASE
+        return f"{parts.scheme}://{parts.netloc}{query}" + (f"#{parts.fragment}" if parts.fragment else "")
     raise ValueError(
         "use sqlite:////var/lib/cortex/bot.db (four slashes: an absolute path; sqlite:///bot.db is relative to the "
         "folder the bot starts in) or postgresql://user@host:5432/dbname"

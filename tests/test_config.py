@@ -410,10 +410,21 @@ def test_a_storage_urls_bad_port_is_named_as_it_is(url: str, wanted: str) -> Non
 
 @pytest.mark.parametrize("url", ["postgresql://cortex@db.example.org:5432", "postgresql://cortex@db.example.org/",
                                  "postgres://cortex@db.example.org:5432/?sslmode=require"])
-def test_a_postgresql_url_without_a_database_is_refused(url: str) -> None:
+def test_a_postgresql_url_without_a_database_is_refused(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a database name PostgreSQL connects to the one named like the user (often ``postgres``): the
     bot's tables, or a copy-data, went there."""
+    monkeypatch.delenv("PGDATABASE", raising=False)
     assert "names no database: write postgresql://user@host:5432/dbname" in _error({"storage": {"url": url}})
+
+
+def test_a_postgresql_url_may_leave_the_database_to_pgdatabase(monkeypatch: pytest.MonkeyPatch) -> None:
+    """libpq's variable names the database as asyncpg reads it; the URL then has no path at all (with "/" asyncpg
+    would take an empty name instead)."""
+    monkeypatch.setenv("PGDATABASE", "cortex")
+    assert parse_config({"storage": {"url": "postgresql://cortex@db.example.org:5432/"}}).storage.url == (
+        "postgresql://cortex@db.example.org:5432")
+    monkeypatch.setenv("PGDATABASE", " ")
+    assert "names no database" in _error({"storage": {"url": "postgresql://cortex@db.example.org:5432/"}})
 
 
 @pytest.mark.parametrize(("url", "taken"), [
@@ -455,8 +466,10 @@ def test_a_password_in_another_refused_url_is_never_repeated() -> None:
 
 @pytest.mark.parametrize("url", ["postgresql://cortex@db.example.org/?dbname=",
                                  "postgresql://cortex@db.example.org/?application_name=dbname=x"])
-def test_a_postgresql_url_naming_its_database_only_in_appearance_is_refused(url: str) -> None:
+def test_a_postgresql_url_naming_its_database_only_in_appearance_is_refused(url: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """asyncpg skips a blank ?dbname= and reads no other parameter's value as the database's name."""
+    monkeypatch.delenv("PGDATABASE", raising=False)
     assert "names no database" in _error({"storage": {"url": url}})
 
 
