@@ -584,3 +584,28 @@ async def test_an_upgrade_embeds_again_the_messages_of_channels_that_lost_some(t
         assert left == sorted(ids["console:kept"])
     finally:
         await new.close()
+
+
+async def test_a_files_read_that_a_write_overtook_is_not_kept_for_the_next_prompts(
+        storage: Storage, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reply read the cortex files while an update's write landed (another connection, another task): the
+    read's older content went into the prompt cache after the write had cleared it, and the next replies
+    for five seconds were built without the update."""
+    ann = await storage.upsert_user("discord:1", "Ann")
+    pair = await storage.cortex.ensure_pair(ann.id, "Cora")
+    first = await storage.cortex.add_first_version(pair.id, "memory.md", "old", "model")
+    assert first is not None
+    assert await storage.cortex.files_for_prompt(ann.id, "Cora") == {"memory.md": "old"}
+    storage.cortex._prompt_files.clear()  # the cache entry expired: the next prompt reads again
+    real = storage.cortex.db.fetch_all
+
+    async def read_then_overtaken(sql: str, params: Any = ()) -> Any:
+        rows = await real(sql, params)
+        if "cortex_versions AS v" in sql:  # the update's write lands before this read is handed back
+            monkeypatch.setattr(storage.cortex.db, "fetch_all", real)
+            await storage.cortex.add_version_based_on(first.version, pair.id, "memory.md", "new", "model")
+        return rows
+
+    monkeypatch.setattr(storage.cortex.db, "fetch_all", read_then_overtaken)
+    assert await storage.cortex.files_for_prompt(ann.id, "Cora") == {"memory.md": "old"}  # begun before it
+    assert await storage.cortex.files_for_prompt(ann.id, "Cora") == {"memory.md": "new"}

@@ -107,6 +107,8 @@ class CortexRepository:
         )
         self._pair_keys: dict[int, tuple[int, str]] = db.caches.named("cortex.pair_keys")
         self._prompt_versions: dict[tuple[int, str], dict[str, int]] = db.caches.named("cortex.prompt_versions")
+        # How many times this process's writes cleared the cache: a read that a write overtook is not cached.
+        self._prompt_clears: dict[str, int] = db.caches.named("cortex.prompt_clears")
 
     # -- pairs -----------------------------------------------------------------------------------
 
@@ -261,6 +263,7 @@ class CortexRepository:
         cached = self._prompt_files.get(key)
         if cached is not None and time.monotonic() - cached[0] < PROMPT_CACHE_SECONDS:
             return cached[1]
+        clears = self._prompt_clears.get("n", 0)
         rows = await self.db.fetch_all(
             "SELECT v.filename, v.content, p.id, v.version FROM cortex_pairs AS p JOIN cortex_versions AS v"
             " ON v.pair_id = p.id WHERE p.user_id = ? AND p.persona = ? AND v.version = ("
@@ -268,7 +271,8 @@ class CortexRepository:
             (user_id, persona),
         )
         files = {str(r[0]): str(r[1]) for r in rows}
-        self._prompt_files[key] = (time.monotonic(), files)
+        if self._prompt_clears.get("n", 0) == clears:  # else a write landed meanwhile: the read may predate it
+            self._prompt_files[key] = (time.monotonic(), files)
         self._prompt_versions[key] = {str(r[0]): int(r[3]) for r in rows}
         if rows:
             self._pair_keys[int(rows[0][2])] = key
@@ -279,6 +283,7 @@ class CortexRepository:
         return self._prompt_versions.get((user_id, persona), {})
 
     def _files_changed(self, pair_id: int) -> None:
+        self._prompt_clears["n"] = self._prompt_clears.get("n", 0) + 1
         key = self._pair_keys.get(pair_id)
         if key is not None:
             self._prompt_files.pop(key, None)
@@ -502,5 +507,6 @@ class CortexRepository:
         for pair_id in pair_ids:
             await tx.execute("DELETE FROM jobs WHERE key = ? AND status IN ('queued', 'failed')", (f"pair:{pair_id}",))
         await tx.execute(f"DELETE FROM cortex_pairs WHERE id IN ({marks})", pair_ids)
+        self._prompt_clears["n"] = self._prompt_clears.get("n", 0) + 1
         self._prompt_files.clear()
         return {"versions": len(versions), "runs": len(runs), "items": len(items)}
