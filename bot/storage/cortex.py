@@ -282,9 +282,11 @@ class CortexRepository:
         """The versions of the files :meth:`files_for_prompt` gave last for this pair (for "why")."""
         return self._prompt_versions.get((user_id, persona), {})
 
-    def _files_changed(self, pair_id: int) -> None:
+    def _files_changed(self, pair_id: int | None = None) -> None:
+        """Drop the prompt cache's entry of ``pair_id`` (all entries without one), and count the clearing so
+        that a read it overtook is not cached (:meth:`files_for_prompt`)."""
         self._prompt_clears["n"] = self._prompt_clears.get("n", 0) + 1
-        key = self._pair_keys.get(pair_id)
+        key = self._pair_keys.get(pair_id) if pair_id is not None else None
         if key is not None:
             self._prompt_files.pop(key, None)
         else:  # a pair not seen by a prompt yet (e.g. its first files): its cache entry is unknown
@@ -507,6 +509,5 @@ class CortexRepository:
         for pair_id in pair_ids:
             await tx.execute("DELETE FROM jobs WHERE key = ? AND status IN ('queued', 'failed')", (f"pair:{pair_id}",))
         await tx.execute(f"DELETE FROM cortex_pairs WHERE id IN ({marks})", pair_ids)
-        self._prompt_clears["n"] = self._prompt_clears.get("n", 0) + 1
-        self._prompt_files.clear()
+        self._files_changed()
         return {"versions": len(versions), "runs": len(runs), "items": len(items)}

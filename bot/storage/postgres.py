@@ -149,7 +149,7 @@ class PostgresDatabase:
                 self._dsn, password=self._password, min_size=min(self._min_size, self._max_size),
                 max_size=self._max_size, timeout=CONNECT_TIMEOUT, init=self._init_connection,
                 command_timeout=COMMAND_TIMEOUT, reset=_keep_session,
-                # Startup settings, so the pool's RESET ALL on every release keeps them (a SET would not last):
+                # Startup settings, each connection's own from its start (the bot sets nothing per session):
                 # filtered k-NN over an HNSW index goes on scanning until enough rows pass the filter, and
                 # looks at enough neighbours for the candidates a search asks for. A setting the URL gives
                 # (``?hnsw.ef_search=400``) is the operator's: asyncpg would let these override it.
