@@ -67,6 +67,17 @@ async def storage(db_url: str) -> AsyncIterator[Storage]:
 
 
 @pytest_asyncio.fixture
+async def pg_storage(pg_url: str) -> AsyncIterator[Storage]:
+    """A migrated storage on the session's real PostgreSQL (for what only that engine has)."""
+    store = await open_storage(pg_url)
+    try:
+        await store.migrate()
+        yield store
+    finally:
+        await store.close()
+
+
+@pytest_asyncio.fixture
 async def sqlite_storage(tmp_path: Path) -> AsyncIterator[Storage]:
     """A migrated SQLite storage (for what only that engine has: pragmas, its write lock, vector caches)."""
     store = await open_sqlite(tmp_path / "bot.db")

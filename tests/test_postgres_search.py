@@ -7,15 +7,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import pytest
-import pytest_asyncio
 
-from bot.storage import Storage, open_storage
+from bot.storage import Storage
 from bot.storage.memory import STATS_MIN_ROWS, TYPICAL_SAMPLE, ItemScope, MemoryRepository, MessageScope
 from bot.storage.spread import TTL as SPREAD_TTL
 from bot.storage.spread import Spread, Spreads
@@ -24,14 +22,9 @@ DIMS = 384
 MODEL = "e5-test"
 
 
-@pytest_asyncio.fixture
-async def pg(pg_url: str) -> AsyncIterator[Storage]:
-    store = await open_storage(pg_url)
-    await store.migrate()
-    try:
-        yield store
-    finally:
-        await store.close()
+@pytest.fixture
+def pg(pg_storage: Storage) -> Storage:
+    return pg_storage
 
 
 async def _pair(storage: Storage, key: str = "discord:1") -> int:

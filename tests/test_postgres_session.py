@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
-import pytest_asyncio
 
-from bot.storage import Storage, open_storage
+from bot.storage import Storage
 
 
-@pytest_asyncio.fixture
-async def pg(pg_url: str) -> AsyncIterator[Storage]:
-    store = await open_storage(pg_url)
-    await store.migrate()
-    try:
-        yield store
-    finally:
-        await store.close()
+@pytest.fixture
+def pg(pg_storage: Storage) -> Storage:
+    return pg_storage
 
 
 async def _advisory_locks(pg_url: str) -> int:
