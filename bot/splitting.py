@@ -35,6 +35,12 @@ def _open_fence_after(text: str, state: tuple[str, str] | None) -> tuple[str, st
     return state
 
 
+def closing_fence(text: str) -> str:
+    """The line that closes a code block ``text`` leaves open ("```"), or "" when it leaves none open."""
+    fence = _open_fence_after(text, None)
+    return fence[0] if fence else ""
+
+
 def _best_cut(text: str, limit: int) -> int:
     window = text[:limit]
     for separator in ("\n\n", "\n"):

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from bot.splitting import split_message
+from bot.splitting import closing_fence, split_message
 from bot.text import error_line
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,8 @@ class StreamedReply:
         async with self._lock:
             pieces = split_message(self._text, self.sink.limit)
             current = pieces[-1] if pieces and self._done_chunks == len(pieces) - 1 else ""
+            if fence := closing_fence(current):  # under the code block, not inside it
+                current = current.rstrip("\n") + "\n" + fence
             shown = f"{current}\n\n_{line}_" if current else f"_{line}_"
             if len(shown) <= self.sink.limit:
                 await self._put(shown)

@@ -178,6 +178,22 @@ async def test_a_tool_status_shows_under_the_text_and_the_next_text_replaces_it(
     assert quiet.messages == []  # with streaming off nothing is sent before the reply
 
 
+async def test_a_tool_status_under_an_open_code_block_shows_below_the_block_not_inside_it() -> None:
+    sink = _StatusSink()
+    shown = StreamedReply(sink, interval=0.0)
+    await shown.feed("Try this:\n```python\nprint('hi')\n")
+    await shown.status("running it…")
+    assert sink.messages == ["Try this:\n```python\nprint('hi')\n```\n\n_running it…_"]
+    await shown.feed("```\nDone.")
+    await shown.finish()
+    assert sink.messages == ["Try this:\n```python\nprint('hi')\n```\nDone."]  # the final text as written
+    closed = _StatusSink()
+    done = StreamedReply(closed, interval=0.0)
+    await done.feed("~~~\nx\n~~~\nThen:")  # a closed block is left as it is
+    await done.status("checking…")
+    assert closed.messages == ["~~~\nx\n~~~\nThen:\n\n_checking…_"]
+
+
 class _StatusSink:
     limit = 2000
 
