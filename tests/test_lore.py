@@ -133,6 +133,31 @@ async def test_lore_enters_by_keyword_always_or_search_for_every_user(tmp_path: 
 
 
 @pytest.mark.both_engines
+async def test_lore_and_keys_narrow_an_entry_and_edit_sets_or_clears_them(tmp_path: Path) -> None:
+    llm = ScriptedProvider()
+    async with App(_config(tmp_path), llm=llm) as app:
+        added = await run(app, "!lore add Its stone arches are Roman. --keys Lyon --and-keys bridge,bridges")
+        assert "when Lyon come up with one of bridge, bridges" in added
+        assert "arches are Roman" in await prompt(app, llm, "Are the bridges of Lyon nice?")
+        assert "arches are Roman" not in await prompt(app, llm, "Is Lyon big?", user="8")
+        assert "[keys Lyon; and bridge, bridges]" in await run(app, "!lore show 1")
+        assert "changed" in await run(app, "!lore edit 1 --and-keys river")
+        assert "arches are Roman" in await prompt(app, llm, "the river in Lyon", user="9")
+        assert "arches are Roman" not in await prompt(app, llm, "Lyon bridges", user="10")
+        assert "changed" in await run(app, "!lore edit 1 --and-keys -")  # cleared: Lyon alone brings it in
+        assert "arches are Roman" in await prompt(app, llm, "Is Lyon big?", user="11")
+        assert "[keys Lyon]" in await run(app, "!lore show 1")
+        await run(app, "!lore edit 1 --and-keys river")
+        assert "changed" in await run(app, "!lore edit 1 --keys -")  # no keywords: their narrowing goes too
+        assert (await app.storage.lore.get(app.personas.persona_id("Cora") or 0, 1)).secondary_keys == ()
+        assert "[search only]" in await run(app, "!lore show 1")
+        assert "would have none" in await run(app, "!lore edit 1 --and-keys river")
+        assert "narrows --keys" in await run(app, "!lore add Rivers run. --and-keys river")
+        assert "--and-keys needs a value" in await run(app, "!lore edit 1 --and-keys")
+        assert "!lore edit" in (await run(app, "!help lore edit")) and "--and-keys" in await run(app, "!help lore edit")
+
+
+@pytest.mark.both_engines
 async def test_a_long_entry_does_not_keep_the_other_lore_out(tmp_path: Path) -> None:
     """Lore was cut by whole lines from the top: one entry longer than the lore's share of the prompt, ranked
     first, left nothing but "(… more lore did not fit here)", though both entries said they enter every reply."""

@@ -327,17 +327,21 @@ class LoreRepository:
         return (int(row[0]), float(row[1])) if row else (0, 0.0)
 
     async def update(self, persona_id: int, entry_id: int, *, content: str | None = None,
-                     keys: Sequence[str] | None = None, enabled: bool | None = None, always_on: bool | None = None,
-                     priority: int | None = None) -> bool:
+                     keys: Sequence[str] | None = None, secondary_keys: Sequence[str] | None = None,
+                     enabled: bool | None = None, always_on: bool | None = None, priority: int | None = None) -> bool:
         """Change the given fields of one entry (None: leave as is)."""
         def number(flag: bool | None) -> int | None:
             return None if flag is None else int(flag)
 
+        def listed(keys: Sequence[str] | None) -> str | None:
+            return None if keys is None else json.dumps(list(keys))
+
         row = await self.db.write_one(
             "UPDATE lore_entries SET content = coalesce(?, content), keys = coalesce(?, keys),"
+            " secondary_keys = coalesce(?, secondary_keys),"
             " enabled = coalesce(CAST(? AS INTEGER), enabled), always_on = coalesce(CAST(? AS INTEGER), always_on),"
             " priority = coalesce(CAST(? AS INTEGER), priority), updated_at = ? WHERE persona_id = ? AND id = ?"
             " RETURNING id",
-            (content, None if keys is None else json.dumps(list(keys)), number(enabled), number(always_on), priority,
+            (content, listed(keys), listed(secondary_keys), number(enabled), number(always_on), priority,
              time.time(), persona_id, entry_id))
         return row is not None

@@ -115,8 +115,10 @@ def search(entries: Sequence[LoreEntry], query: str, limit: int = SEARCH_HITS,
            skip: frozenset[int] = frozenset()) -> list[LoreEntry]:
     """The entries that share the most (rare) words with ``query``, best first, and only those that carry
     at least half the weight of the query's words found in any entry. A word's weight is its idf over
-    ``entries``; a word found in every entry (of two or more) weighs nothing."""
-    docs = [(entry, _entry_words(entry.content, tuple(entry.keys))) for entry in entries]
+    ``entries``; a word found in every entry (of two or more) weighs nothing. The keywords of an entry with
+    secondary ones are not among its words: one of them alone must not bring it in."""
+    docs = [(entry, _entry_words(entry.content, () if entry.secondary_keys else tuple(entry.keys)))
+            for entry in entries]
     weight: dict[str, float] = {}
     for w in words(query):
         n = sum(1 for _, d in docs if w in d)

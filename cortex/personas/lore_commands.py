@@ -29,12 +29,16 @@ from cortex.personas.registry import PersonaRegistry
 MAX_LORE_CHARS = 4000
 MAX_KEYS = 50
 KEYS_FLAG = "--keys"
+AND_KEYS_FLAG = "--and-keys"
+NO_KEYS = "-"  # ``--keys -`` / ``--and-keys -``: none
 ALWAYS_FLAG, NOT_ALWAYS_FLAG = "--always", "--not-always"
 PRIORITY_FLAG = "--priority"
 PAGE = 20
 
 
 def split_keys(value: str) -> tuple[str, ...]:
+    if value.strip() == NO_KEYS:
+        return ()
     keys = tuple(dict.fromkeys(k.strip() for k in value.split(",") if k.strip()))
     if len(keys) > MAX_KEYS or any(len(k) > MAX_KEY_CHARS for k in keys):
         raise CommandError(f"at most {MAX_KEYS} keywords of at most {MAX_KEY_CHARS} characters each")
@@ -45,6 +49,7 @@ def split_keys(value: str) -> tuple[str, ...]:
 class LoreInput:
     text: str
     keys: tuple[str, ...] | None = None  # None: not given
+    and_keys: tuple[str, ...] | None = None
     always: bool | None = None
     priority: int | None = None
 
@@ -63,10 +68,11 @@ def _take_value(words: list[str], flag: str, example: str) -> str | None:
 
 
 def lore_input(args: Sequence[str], body: str) -> LoreInput:
-    """An entry's words and its options anywhere in the line (``--keys a,b``, ``--always``/``--not-always``,
-    ``--priority N``); the text may instead be on the lines after the command."""
+    """An entry's words and its options anywhere in the line (``--keys a,b``, ``--and-keys c,d``,
+    ``--always``/``--not-always``, ``--priority N``); the text may instead be on the lines after the command."""
     words = list(args)
     keys = _take_value(words, KEYS_FLAG, "Lyon,river")
+    and_keys = _take_value(words, AND_KEYS_FLAG, "river,bridge")
     priority = _take_value(words, PRIORITY_FLAG, "10")
     if ALWAYS_FLAG in words and NOT_ALWAYS_FLAG in words:
         raise CommandError(f"choose one of {ALWAYS_FLAG} and {NOT_ALWAYS_FLAG}")
@@ -75,7 +81,8 @@ def lore_input(args: Sequence[str], body: str) -> LoreInput:
     text = (" ".join(words) or body).strip()
     if len(text) > MAX_LORE_CHARS:
         raise CommandError(f"a lore entry holds at most {MAX_LORE_CHARS:,} characters (this is {len(text):,})")
-    return LoreInput(text, None if keys is None else split_keys(keys), always,
+    return LoreInput(text, None if keys is None else split_keys(keys),
+                     None if and_keys is None else split_keys(and_keys), always,
                      None if priority is None else parse_number(priority, "the priority", minimum=0))
 
 
@@ -103,7 +110,9 @@ class LoreCommands:
     def register(self, registry: CommandRegistry) -> None:
         self.prefix = registry.prefix
         entry = number("entry", "the entry's number", required=True)
-        keys = option("keys", "keywords that bring it in, comma-separated")
+        keys = option("keys", "keywords that bring it in, comma-separated (- for none)")
+        and_keys = option("and_keys", "with keywords: one of these must come up too, comma-separated (- for none)",
+                          token=AND_KEYS_FLAG)
         always = flag("always", "in every reply, keywords or not")
         not_always = flag("not_always", "only by keyword or search (the default of a new entry)", token=NOT_ALWAYS_FLAG)
         priority = option("priority", "higher goes first (0 and up)", minimum=0)
@@ -112,10 +121,10 @@ class LoreCommands:
             ("show", (entry,), "one lore entry in full", self.show, False),
             ("search", (text("words", "a message's words", required=True),),
              "which lore entries a message with these words would bring in", self.search, False),
-            ("add", (text("text", "what everyone should know", required=True, document=True), keys, always, not_always,
-                     priority),
+            ("add", (text("text", "what everyone should know", required=True, document=True), keys, and_keys, always,
+                     not_always, priority),
              "a lore entry for everyone who talks to this persona", self.add, True),
-            ("edit", (entry, text("text", "the new text"), keys, always, not_always, priority),
+            ("edit", (entry, text("text", "the new text"), keys, and_keys, always, not_always, priority),
              "rewrite an entry, or change its keywords, always-on or priority",
              self.edit, True),
             ("disable", (entry,), "keep an entry out of the prompt", self.disable, True),
@@ -175,22 +184,30 @@ class LoreCommands:
         if not given.text:
             raise CommandError("give the entry's text")
         guarded("lore entry", given.text, ctx.user_key, CommandError)
-        new = NewLore(given.text, given.keys or (), always_on=bool(given.always), priority=given.priority or 0)
+        if given.and_keys and not given.keys:
+            raise CommandError(f"{AND_KEYS_FLAG} narrows {KEYS_FLAG}: give those too")
+        new = NewLore(given.text, given.keys or (), given.and_keys or (), always_on=bool(given.always),
+                      priority=given.priority or 0)
         [entry_id] = await self.storage.lore.add(self._persona_id(ctx), [new], source="chat", author=ctx.user_key)
         await self._changed()
-        how = ("in every reply" if new.always_on else f"when {', '.join(new.keys)} come up" if new.keys
+        also = f" with one of {', '.join(new.secondary_keys)}" if new.secondary_keys else ""
+        how = ("in every reply" if new.always_on else f"when {', '.join(new.keys)} come up{also}" if new.keys
                else "when a message is about it (no keywords)")
         return f"Lore #{entry_id} added to {ctx.persona}; it enters replies {how}."
 
     async def edit(self, ctx: CommandContext, args: Sequence[str]) -> str:
         entry = await self._entry(ctx, args)
         given = lore_input(args[1:], ctx.body)
-        if not given.text and given.keys is None and given.always is None and given.priority is None:
-            raise CommandError("give the new text, --keys, --always/--not-always or --priority")
+        if (not given.text and given.keys is None and given.and_keys is None and given.always is None
+                and given.priority is None):
+            raise CommandError(f"give the new text, {KEYS_FLAG}, {AND_KEYS_FLAG}, --always/--not-always or --priority")
+        if given.and_keys and not (entry.keys if given.keys is None else given.keys):
+            raise CommandError(f"{AND_KEYS_FLAG} narrows {KEYS_FLAG}, and entry #{entry.id} would have none")
         if given.text:
             guarded("lore entry", given.text, ctx.user_key, CommandError)
+        secondary = () if given.keys == () and given.and_keys is None else given.and_keys  # no keys: none of these
         await self.storage.lore.update(entry.persona_id, entry.id, content=given.text or None, keys=given.keys,
-                                       always_on=given.always, priority=given.priority)
+                                       secondary_keys=secondary, always_on=given.always, priority=given.priority)
         await self._changed()
         return f"Lore #{entry.id} changed."
 
