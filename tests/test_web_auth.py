@@ -75,6 +75,13 @@ async def test_https_public_url_makes_the_cookie_secure(tmp_path: Path, public_u
             async with http.post(bot.url + "/login", data={"token": token}, allow_redirects=False,
                                  headers={"Origin": "https://bot.example.org"}) as response:
                 cookie = response.headers["Set-Cookie"]
+            url, token = await bot.link("ann")
+            # a page on plain http at the same host (a proxy that also serves http, a network that forges it)
+            # is not the https page, though the proxy hands the bot plain http with that Host
+            async with http.post(bot.url + "/login", data={"token": token}, allow_redirects=False,
+                                 headers={"Origin": "http://bot.example.org", "Host": "bot.example.org"}) as response:
+                assert response.status == 403
+                assert "Set-Cookie" not in response.headers
         assert cookie.startswith("__Host-cortexbot=") and "Secure" in cookie
 
 

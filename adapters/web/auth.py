@@ -139,7 +139,10 @@ class Auth:
         origin = request.headers.get("Origin")
         if origin is None:
             return  # not a browser (or an old one): the CSRF token still has to match
-        allowed = {origin_of(self.config.web.base_url), f"{request.scheme}://{request.host}".lower()}
+        page = origin_of(self.config.web.base_url)
+        allowed = {page}
+        if page.startswith(f"{request.scheme}://"):  # behind an https page's proxy, plain http is not the page
+            allowed.add(f"{request.scheme}://{request.host}".lower())
         if origin.lower() not in allowed:
             fail(403, "requests to the page must come from the page itself")
 
