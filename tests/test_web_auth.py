@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.web_support import running_bot
+from tests.web_support import context, running_bot
 
 pytestmark = pytest.mark.both_engines
 
@@ -119,6 +119,28 @@ async def test_logout_ends_the_session_on_the_server(tmp_path: Path) -> None:
         async with aiohttp.ClientSession(base_url=bot.url) as other:  # the old cookie, replayed
             async with other.get("/api/me", cookies={cookie.key: cookie.value}) as response:
                 assert response.status == 401
+
+
+async def test_logging_out_everywhere_ends_every_session_and_unused_link_of_that_user_only(tmp_path: Path) -> None:
+    async with running_bot(tmp_path) as bot, bot.client("ann") as ann, bot.client("ann") as phone, \
+            bot.client("bob") as bob:
+        _, unused = await bot.link("ann")
+        status, body = await ann.call("POST", "/api/logout?everywhere=1")
+        assert status == 200 and body["sessions_ended"] == 2
+        assert (await phone.call("GET", "/api/me"))[0] == 401  # her other browser too
+        assert (await bob.call("GET", "/api/me"))[0] == 200  # nobody else
+        async with aiohttp.ClientSession(base_url=bot.url) as http:  # a link she had not used
+            async with http.post("/login", data={"token": unused}, allow_redirects=False) as response:
+                assert response.status == 410
+        # from chat (a link that leaked: the page may be out of reach), with the page's answer in words
+        async with bot.client("bob") as laptop:
+            reply = await bot.app.commands.dispatch("!dashboard --logout", context("bob"))
+            assert reply.private and "2 sessions ended" in reply.text
+            assert (await laptop.call("GET", "/api/me"))[0] == 401
+            assert (await bob.call("GET", "/api/me"))[0] == 401
+        assert "0 sessions ended" in (await bot.app.commands.dispatch("!dashboard --logout", context("ann"))).text
+        refused = await bot.app.commands.dispatch("!dashboard --everything", context("ann"))
+        assert refused.failed and "--logout" in refused.text
 
 
 async def test_logging_in_again_ends_the_browsers_older_session(tmp_path: Path) -> None:

@@ -182,10 +182,11 @@ async def test_log_in_edit_compare_revert_and_screenshots(tmp_path: Path) -> Non
                 await page.get_by_test_id("tab-activity").click()
                 await expect(page.get_by_test_id("activity-chart").locator(".series-0 circle")).to_have_count(4)
 
-                await page.get_by_test_id("logout").click()
-                await expect(page.get_by_test_id("ended")).to_contain_text("logged out")
-                await page.goto(bot.url + "/")
-                await expect(page.get_by_test_id("ended")).to_contain_text("!dashboard")
+                async with logged_in(browser, bot, "ann", watch) as phone:  # her second browser
+                    await page.get_by_test_id("logout-all").click()
+                    await expect(page.get_by_test_id("ended")).to_contain_text("logged out everywhere")
+                    await phone.reload()
+                    await expect(phone.get_by_test_id("ended")).to_contain_text("!dashboard")
 
             # a bot admin sees the Admin tab
             async with logged_in(browser, bot, "999", watch) as page:
@@ -214,14 +215,20 @@ async def test_log_in_edit_compare_revert_and_screenshots(tmp_path: Path) -> Non
                 await section.locator("textarea").fill("Mine.")
                 await section.get_by_role("button", name="Save").click()
                 await expect(page.get_by_test_id("alert")).to_contain_text("changed meanwhile")
+                await page.get_by_test_id("logout").click()
+                await expect(page.get_by_test_id("ended")).to_contain_text("logged out")
+                await page.goto(bot.url + "/")
+                await expect(page.get_by_test_id("ended")).to_contain_text("!dashboard")
         finally:
             await browser.close()
 
     for name in ("files", "diff", "items", "admin"):
         assert (shots / f"{name}.png").stat().st_size > 10_000, name
     assert watch.problems == []  # no script error, nothing against the Content-Security-Policy
-    # The only failed requests: the two refused saves, /api/me after logging out, the admin's save of a
-    # section changed meanwhile (and maybe the login page's favicon).
+    # The only failed requests: the two refused saves, /api/me in Ann's other browser after she logged out
+    # everywhere, the admin's save of a section changed meanwhile, /api/me after the admin logged out (and maybe
+    # the login page's favicon).
     memory = "/api/me/personas/Cora/files/memory.md"
-    expected = [(409, memory), (422, memory), (401, "/api/me"), (409, "/api/admin/personas/Cora/sections/personality")]
+    expected = [(409, memory), (422, memory), (401, "/api/me"), (409, "/api/admin/personas/Cora/sections/personality"),
+                (401, "/api/me")]
     assert [f for f in watch.failed if f != (404, "/favicon.ico")] == expected, watch.failed

@@ -59,8 +59,12 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
 
     async def logout(request: web.Request) -> web.Response:
         caller = await auth.require(request, limited=False)  # a user over the change limit can still leave
-        await logins.end_session(caller.session_id)
-        response = ok({"logged_out": True})
+        if request.query.get("everywhere", "").lower() in ("1", "true", "yes"):
+            ended = await logins.end_sessions(caller.session.user_key)
+        else:
+            await logins.end_session(caller.session_id)
+            ended = 1
+        response = ok({"logged_out": True, "sessions_ended": ended})
         auth.clear_cookie(response)
         return response
 

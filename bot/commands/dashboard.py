@@ -4,13 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bot.commands import Command, CommandContext, CommandRegistry, CommandReply
+from bot.commands import Command, CommandContext, CommandRegistry, CommandReply, flag
 from bot.config import WebConfig
 from bot.storage.web import WebLoginRepository
+from bot.text import plural
+
+LOGOUT_FLAG = "--logout"
 
 
 def register_dashboard(registry: CommandRegistry, logins: WebLoginRepository, web: WebConfig) -> None:
     async def dashboard(ctx: CommandContext, args: Sequence[str]) -> CommandReply:
+        if LOGOUT_FLAG in args:  # works with the page switched off too: sessions may be left from before
+            ended = await logins.end_sessions(ctx.user_key)
+            return CommandReply(f"Logged out of the web page everywhere: {plural(ended, 'session')} ended, and "
+                                "any login link you had not used yet no longer works.", private=True)
         if not web.enabled:
             return CommandReply("The web page is not switched on for this bot (its operator sets [web] enabled = "
                                 "true).", private=True)
@@ -21,5 +28,7 @@ def register_dashboard(registry: CommandRegistry, logins: WebLoginRepository, we
             private=True,
         )
 
-    registry.register(Command("dashboard", "a private login link to the web page (your memory, and admin views)",
-                              dashboard, private=True))
+    registry.register(Command(
+        "dashboard", "a private login link to the web page (your memory, and admin views)", dashboard,
+        (flag("logout", "instead, log out of the page everywhere (every browser, every unused link)"),),
+        private=True))

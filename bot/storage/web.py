@@ -96,6 +96,16 @@ class WebLoginRepository:
     async def end_session(self, session_id: str) -> None:
         await self.db.write("DELETE FROM web_sessions WHERE id_hash = ?", (token_hash(session_id),))
 
+    async def end_sessions(self, user_key: str) -> int:
+        """Log ``user_key`` out everywhere: end all their sessions and void their unused links (a link that
+        leaked must not open a new one); how many sessions ended. Links before sessions, as in a forget-me: on
+        PostgreSQL a login using a link holds its row until it has made its session, which the sessions'
+        delete then sees."""
+        async with self.db.transaction() as tx:
+            await tx.execute("DELETE FROM web_links WHERE user_key = ? AND used_at IS NULL", (user_key,))
+            ended = await tx.fetch_all("DELETE FROM web_sessions WHERE user_key = ? RETURNING id_hash", (user_key,))
+        return len(ended)
+
 
 @dataclass(frozen=True, slots=True)
 class QueueState:

@@ -324,7 +324,8 @@
 
   async function boot() {
     $('alert-close').addEventListener('click', clearAlert);
-    $('logout').addEventListener('click', logout);
+    $('logout').addEventListener('click', () => logout(false));
+    $('logout-all').addEventListener('click', () => logout(true));
     $('persona').addEventListener('change', (event) => choosePersona(event.target.value));
     $('tabs').addEventListener('keydown', tabKeys);
     for (const tab of document.querySelectorAll('[role="tab"][data-tab]')) {
@@ -435,9 +436,9 @@
     shows[state.tab]();
   }
 
-  async function logout() {
+  async function logout(everywhere) {
     try {
-      await api('POST', '/api/logout');
+      await api('POST', everywhere ? '/api/logout?everywhere=1' : '/api/logout');
     } catch (err) {
       if (!(err instanceof ApiError && err.status === 401)) {
         showError(err);
@@ -445,7 +446,8 @@
       }
     }
     clearAlert();
-    ended('You are logged out', ['To come back, send ', h('code', null, '!dashboard'),
+    const title = everywhere ? 'You are logged out everywhere' : 'You are logged out';
+    ended(title, ['To come back, send ', h('code', null, '!dashboard'),
       ' in a chat with the bot for a new login link.']);
   }
 
