@@ -84,7 +84,7 @@ from bench.core_overhead import InstantProvider  # noqa: E402
 from bench.storage_targets import Target, Targets, parse_targets, with_options  # noqa: E402
 from bot.app import App  # noqa: E402
 from bot.config import parse_config  # noqa: E402
-from bot.storage.memory import ItemScope  # noqa: E402
+from bot.storage.memory import LARGE_EF_SEARCH, LARGE_INDEX, ItemScope  # noqa: E402
 from cortex.memory.embedders import normalize  # noqa: E402
 from cortex.memory.sketch import SKETCH_ABOVE  # noqa: E402
 from cortex.memory.store import CATEGORIES  # noqa: E402
@@ -398,7 +398,7 @@ async def postgres_sizes(app: App, dims: int) -> dict[str, float]:
     pool = app.storage.db.pool  # type: ignore[attr-defined]
     row = await pool.fetchrow(
         "SELECT pg_total_relation_size('memory_items'), pg_relation_size(to_regclass($1)),"
-        " pg_database_size(current_database())", f"memory_items_hnsw_{dims}")
+        " pg_database_size(current_database())", f"memory_items_hnswh_{dims}")
     return {"table_mb": row[0] / 2**20, "hnsw_mb": (row[1] or 0) / 2**20, "database_mb": row[2] / 2**20}
 
 
@@ -523,6 +523,8 @@ async def measure(size: int, target: Target, url: str, args: argparse.Namespace,
             # What a pooled connection runs with after its first use (asyncpg resets sessions on release).
             result["pg_iterative_scan"] = await pool.fetchval("SHOW hnsw.iterative_scan") or "(reset: off)"
             result["pg_ef_search"] = await pool.fetchval("SHOW hnsw.ef_search")
+            if "hnsw.ef_search" not in app.storage.db.url_settings and size >= LARGE_INDEX:
+                result["pg_ef_search"] += f" ({LARGE_EF_SEARCH} in this index's searches: {LARGE_INDEX:,}+ vectors)"
             result["exact_checks"] = checks
             result["exact_agree"] = agree
             result["exact_db_ms"] = (time.perf_counter() - started) * 1000 / checks if checks else float("nan")

@@ -13,7 +13,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from bot.storage import Storage
+import bot.storage.memory as memory_module
+from bot.storage import Storage, open_storage
 from bot.storage.memory import STATS_MIN_ROWS, TYPICAL_SAMPLE, ItemScope, MemoryRepository, MessageScope
 from bot.storage.spread import TTL as SPREAD_TTL
 from bot.storage.spread import Spread, Spreads
@@ -272,17 +273,17 @@ async def test_a_vector_index_left_half_built_by_a_dead_process_is_built_again(
     pair = await _pair(pg)
     await _items(pg, pair, [f"item {n}" for n in range(50)], _two_clusters(40, 10))
     await pg.memory.ensure_vector_index(DIMS)
-    first = await _index_state(pg, f"memory_items_hnsw_{DIMS}")
+    first = await _index_state(pg, f"memory_items_hnswh_{DIMS}")
     assert first is not None and first[1]
-    assert (await _index_state(pg, f"message_vectors_hnsw_{DIMS}") or (0, False))[1]
+    assert (await _index_state(pg, f"message_vectors_hnswh_{DIMS}") or (0, False))[1]
     # What a CREATE INDEX CONCURRENTLY leaves when its process is killed: the index, marked invalid.
     await pg.db.write("UPDATE pg_index SET indisvalid = false WHERE indexrelid = to_regclass(?)",
-                      (f"memory_items_hnsw_{DIMS}",))
+                      (f"memory_items_hnswh_{DIMS}",))
     with caplog.at_level(logging.INFO):
         await MemoryRepository(pg.db).ensure_vector_index(DIMS)  # the next process to start
-    again = await _index_state(pg, f"memory_items_hnsw_{DIMS}")
+    again = await _index_state(pg, f"memory_items_hnswh_{DIMS}")
     assert again is not None and again[1] and again[0] != first[0]
-    assert "dropped the vector index memory_items_hnsw_384, which a build that stopped half-way" in caplog.text
+    assert "dropped the vector index memory_items_hnswh_384, which a build that stopped half-way" in caplog.text
     query = _two_clusters(40, 10)[-1]
     assert len(await pg.memory.vector_top(ItemScope(pair), MODEL, query, 5)) == 5
 
@@ -291,7 +292,7 @@ async def test_an_index_another_process_is_building_is_left_to_it(pg: Storage, p
     import asyncpg
 
     await pg.memory.ensure_vector_index(DIMS)
-    name = f"memory_items_hnsw_{DIMS}"
+    name = f"memory_items_hnswh_{DIMS}"
     first = await _index_state(pg, name)
     await pg.db.write("UPDATE pg_index SET indisvalid = false WHERE indexrelid = to_regclass(?)", (name,))
     builder = await asyncpg.connect(pg_url)  # what a process building it holds meanwhile
@@ -304,3 +305,81 @@ async def test_an_index_another_process_is_building_is_left_to_it(pg: Storage, p
     await MemoryRepository(pg.db).ensure_vector_index(DIMS)  # its process died: the next one builds it
     again = await _index_state(pg, name)
     assert again is not None and again[1] and first is not None and again[0] != first[0]
+
+
+async def _index_scans(pg: Storage, name: str, above: int = -1) -> int:
+    """How many scans PostgreSQL counted of index ``name``, waiting (up to 10 s) for more than ``above``: each
+    backend reports its counts on its own, within a second or so."""
+    for _ in range(100):
+        row = await pg.db.fetch_one("SELECT coalesce(sum(idx_scan), 0) FROM pg_stat_user_indexes"
+                                    " WHERE indexrelname = ?", (name,))
+        count = int(row[0]) if row else 0
+        if count > above:
+            return count
+        await asyncio.sleep(0.1)
+    return count
+
+
+async def test_a_database_with_an_older_versions_full_precision_index_searches_by_it_until_the_new_one_is_ready(
+        pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What an upgrade meets: the index of cortex-bot before half precision (full-precision vectors, another
+    name). Searches go by it until the half-precision one is built (over a big table that takes minutes: they
+    must not scan every vector meanwhile), then by the new one, and the old one is dropped."""
+    monkeypatch.setattr(memory_module, "OLD_INDEX_GRACE_SECONDS", 0.0)
+    pg = await open_storage(pg_url + "?enable_seqscan=off")  # a tiny table: only then is an index worth it
+    try:
+        await pg.migrate()
+        pair = await _pair(pg)
+        vectors = _two_clusters(40, 10)
+        await _items(pg, pair, [f"item {n}" for n in range(50)], vectors)
+        old, new = f"memory_items_hnsw_{DIMS}", f"memory_items_hnswh_{DIMS}"
+        await pg.db.write(f"CREATE INDEX {old} ON memory_items USING hnsw ((embedding::vector({DIMS}))"
+                          f" vector_cosine_ops) WITH (m = 32) WHERE vector_dims(embedding) = {DIMS}")
+        await pg.db.write("ANALYZE memory_items")
+        top = await pg.memory.vector_top(ItemScope(pair), MODEL, vectors[-1], 5)
+        assert len(top) == 5
+        assert await _index_scans(pg, old, above=0) >= 1  # by the old index, not by reading every row
+        await pg.memory.ensure_vector_index(DIMS)  # the backfill, once it runs
+        assert await _index_state(pg, old) is None  # dropped
+        state = await _index_state(pg, new)
+        assert state is not None and state[1]
+        before = await _index_scans(pg, new)
+        assert await pg.memory.vector_top(ItemScope(pair), MODEL, vectors[-1], 5) == top  # the same neighbours
+        assert await _index_scans(pg, new, above=before) > before  # now by the new index
+    finally:
+        await pg.close()
+
+
+async def test_searches_of_a_large_index_look_at_more_candidates_unless_the_url_says_how_many(
+        pg: Storage, pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph walk misses more of the exact neighbours the bigger the graph (at a million vectors, 0.94 of
+    the top-10 with 100 candidates, 0.96 with 150): an index of LARGE_INDEX vectors or more is searched with
+    hnsw.ef_search raised for that statement alone; an operator's own setting in the URL stays as it is."""
+    import bot.storage.postgres as postgres_module
+
+    sent: list[str] = []
+    execute = postgres_module._PgTx.execute
+
+    async def recording(self: Any, sql: str, params: Any = ()) -> None:
+        sent.append(sql)
+        await execute(self, sql, params)
+
+    monkeypatch.setattr(postgres_module._PgTx, "execute", recording)
+    monkeypatch.setattr(memory_module, "INDEX_SIZE_SECONDS", 0.0)  # every search reads the index's size
+    pair = await _pair(pg)
+    vectors = _two_clusters(40, 10)
+    await _items(pg, pair, [f"item {n}" for n in range(50)], vectors)
+    await pg.memory.ensure_vector_index(DIMS)  # its size: the 50 vectors
+    expected = await pg.memory.vector_top(ItemScope(pair), MODEL, vectors[-1], 5)
+    assert len(expected) == 5 and not [s for s in sent if "ef_search" in s]  # a small index: as it is
+    monkeypatch.setattr(memory_module, "LARGE_INDEX", 50)
+    assert await pg.memory.vector_top(ItemScope(pair), MODEL, vectors[-1], 5) == expected
+    assert [s for s in sent if "ef_search" in s] == ["SET LOCAL hnsw.ef_search = 150"]
+    assert (await pg.db.fetch_one("SELECT current_setting('hnsw.ef_search')"))[0] == "100"  # nothing else
+    sent.clear()
+    operators = await open_storage(pg_url + "?hnsw.ef_search=77")
+    try:
+        assert await operators.memory.vector_top(ItemScope(pair), MODEL, vectors[-1], 5) == expected
+        assert not [s for s in sent if "ef_search" in s]
+    finally:
+        await operators.close()

@@ -172,6 +172,11 @@ class Database(Protocol):
     def shared_across_hosts(self) -> bool:
         """Whether processes of other machines may use it (then no pid checks)."""
 
+    @property
+    def url_settings(self) -> frozenset[str]:
+        """The server settings the URL gives every connection (PostgreSQL: ``?hnsw.ef_search=200``): the
+        operator's, which the bot's own choices leave alone."""
+
     async def fetch_all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]: ...
 
     async def fetch_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None: ...

@@ -153,7 +153,7 @@ class PostgresDatabase:
                 # filtered k-NN over an HNSW index goes on scanning until enough rows pass the filter, and
                 # looks at enough neighbours for the candidates a search asks for. A setting the URL gives
                 # (``?hnsw.ef_search=400``) is the operator's: asyncpg would let these override it.
-                server_settings={k: v for k, v in VECTOR_SETTINGS.items() if k not in self._url_settings()},
+                server_settings={k: v for k, v in VECTOR_SETTINGS.items() if k not in self.url_settings},
             )
         except StorageError:
             raise
@@ -161,12 +161,13 @@ class PostgresDatabase:
             raise _connect_error(exc, self._dsn) from None
         return self
 
-    def _url_settings(self) -> set[str]:
+    @property
+    def url_settings(self) -> frozenset[str]:
         """The names of the query parameters of the URL (asyncpg sends those it does not know as settings)."""
         try:
-            return {key for key, _ in parse_qsl(urlsplit(self._dsn).query)}
+            return frozenset(key for key, _ in parse_qsl(urlsplit(self._dsn).query))
         except ValueError:
-            return set()
+            return frozenset()
 
     async def _ensure_vector(self, asyncpg: Any) -> None:
         """pgvector must exist before the pool's connections register its type (in a database that is not

@@ -64,6 +64,7 @@ class _SQLiteTx:
 class SQLiteDatabase:
     dialect: Literal["sqlite"] = "sqlite"
     shared_across_hosts = False
+    url_settings: frozenset[str] = frozenset()
 
     def __init__(self, path: str | Path, *, caches: StorageCaches | None = None, checkpoints: bool = True,
                  urgent: bool = True) -> None:
