@@ -672,8 +672,9 @@ class MemoryRepository:
     async def ensure_vector_index(self, dims: int) -> None:
         """PostgreSQL: the HNSW (cosine) indexes for vectors of ``dims`` dimensions, made once by the
         background backfill, never in a reply. Over a big table (a bot copied from SQLite) the build takes
-        minutes (six at a million vectors on two cores, given the memory), so it runs CONCURRENTLY (writes
-        to the table go on; searches scan exactly until it is done) and without the pool's statement
+        minutes (two at 100k vectors on two cores, over twenty at a million, given the memory), so it runs
+        CONCURRENTLY (writes to the table go on; searches scan exactly until it is done, or go by the index an
+        older version built) and without the pool's statement
         timeout, which used to cancel it after five minutes, every time the backfill tried again. A build
         another process runs is left to it; one left invalid by a process that died is dropped and started
         again."""
