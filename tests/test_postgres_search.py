@@ -351,35 +351,37 @@ async def test_a_database_with_an_older_versions_full_precision_index_searches_b
 
 
 async def test_searches_of_a_large_index_look_at_more_candidates_unless_the_url_says_how_many(
-        pg: Storage, pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A graph walk misses more of the exact neighbours the bigger the graph (at a million vectors, 0.94 of
-    the top-10 with 100 candidates, 0.96 with 150): an index of LARGE_INDEX vectors or more is searched with
-    hnsw.ef_search raised for that statement alone; an operator's own setting in the URL stays as it is."""
-    import bot.storage.postgres as postgres_module
-
-    sent: list[str] = []
-    execute = postgres_module._PgTx.execute
-
-    async def recording(self: Any, sql: str, params: Any = ()) -> None:
-        sent.append(sql)
-        await execute(self, sql, params)
-
-    monkeypatch.setattr(postgres_module._PgTx, "execute", recording)
+    the top-10 with 100 candidates, 0.96 with 150): a search of an index of LARGE_INDEX vectors or more runs on
+    a connection set to 150, one of a smaller index on one set to 100 (a pooled connection keeps what a search
+    set); an operator's own setting in the URL stays as it is."""
     monkeypatch.setattr(memory_module, "INDEX_SIZE_SECONDS", 0.0)  # every search reads the index's size
-    pair = await _pair(pg)
-    vectors = _two_clusters(40, 10)
-    await _items(pg, pair, [f"item {n}" for n in range(50)], vectors)
-    await pg.memory.ensure_vector_index(DIMS)  # its size: the 50 vectors
-    expected = await pg.memory.vector_top(ItemScope(pair), MODEL, vectors[-1], 5)
-    assert len(expected) == 5 and not [s for s in sent if "ef_search" in s]  # a small index: as it is
-    monkeypatch.setattr(memory_module, "LARGE_INDEX", 50)
-    assert await pg.memory.vector_top(ItemScope(pair), MODEL, vectors[-1], 5) == expected
-    assert [s for s in sent if "ef_search" in s] == ["SET LOCAL hnsw.ef_search = 150"]
-    assert (await pg.db.fetch_one("SELECT current_setting('hnsw.ef_search')"))[0] == "100"  # nothing else
-    sent.clear()
-    operators = await open_storage(pg_url + "?hnsw.ef_search=77")
+    pg = await open_storage(pg_url, pool_size=1)  # one connection: what the searches left on it shows
+
+    async def setting(storage: Storage) -> str:
+        return str((await storage.db.fetch_one("SELECT current_setting('hnsw.ef_search')"))[0])
+
     try:
-        assert await operators.memory.vector_top(ItemScope(pair), MODEL, vectors[-1], 5) == expected
-        assert not [s for s in sent if "ef_search" in s]
+        await pg.migrate()
+        pair = await _pair(pg)
+        vectors = _two_clusters(40, 10)
+        await _items(pg, pair, [f"item {n}" for n in range(50)], vectors)
+        await pg.memory.ensure_vector_index(DIMS)  # its size: the 50 vectors
+        expected = await pg.memory.vector_top(ItemScope(pair), MODEL, vectors[-1], 5)
+        assert len(expected) == 5 and await setting(pg) == "100"  # a small index
+        monkeypatch.setattr(memory_module, "LARGE_INDEX", 50)
+        assert await pg.memory.vector_top(ItemScope(pair), MODEL, vectors[-1], 5) == expected
+        assert await setting(pg) == "150"
+        monkeypatch.setattr(memory_module, "LARGE_INDEX", 51)  # small again: the connection goes back
+        assert await pg.memory.vector_top(ItemScope(pair), MODEL, vectors[-1], 5) == expected
+        assert await setting(pg) == "100"
+        monkeypatch.setattr(memory_module, "LARGE_INDEX", 50)
+        operators = await open_storage(pg_url + "?hnsw.ef_search=77", pool_size=1)
+        try:
+            assert await operators.memory.vector_top(ItemScope(pair), MODEL, vectors[-1], 5) == expected
+            assert await setting(operators) == "77"
+        finally:
+            await operators.close()
     finally:
-        await operators.close()
+        await pg.close()

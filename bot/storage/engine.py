@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -180,6 +180,9 @@ class Database(Protocol):
     async def fetch_all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]: ...
 
     async def fetch_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None: ...
+
+    async def fetch_all_set(self, sql: str, params: Sequence[Any], settings: Mapping[str, str]) -> list[Row]:
+        """:meth:`fetch_all` with session ``settings`` in force (PostgreSQL; SQLite has none: ignored)."""
 
     async def write(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         """One writing statement (RETURNING tells what it did), atomic on its own."""

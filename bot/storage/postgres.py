@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal
@@ -24,6 +24,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from bot.config import hide_url_passwords
 from bot.storage.engine import Migration, Row, StorageCaches, StorageError, apply_migrations, refuse_foreign
+from bot.storage.memory import EF_SEARCH
 
 if TYPE_CHECKING:
     import asyncpg
@@ -36,7 +37,7 @@ POOL_MAX = 10
 CONNECT_TIMEOUT = 10.0
 COMMAND_TIMEOUT = 300.0  # seconds a statement may take (asyncpg cancels it then)
 MAINTENANCE_TIMEOUT = 24 * 3600.0  # an index build over millions of rows: hours at worst, never for ever
-VECTOR_SETTINGS = {"hnsw.iterative_scan": "relaxed_order", "hnsw.ef_search": "100"}
+VECTOR_SETTINGS = {"hnsw.iterative_scan": "relaxed_order", "hnsw.ef_search": str(EF_SEARCH)}
 _PLACEHOLDER = re.compile(r"'(?:[^']|'')*'|\?")
 
 
@@ -140,6 +141,12 @@ class PostgresDatabase:
         self._max_size = max_size
         self._pool: asyncpg.Pool | None = None
         self._owner = True
+        # Each connection's own settings from its start: filtered k-NN over an HNSW index goes on scanning
+        # until enough rows pass the filter, and looks at enough neighbours for the candidates a search asks
+        # for. A setting the URL gives (``?hnsw.ef_search=400``) is the operator's: asyncpg would let these
+        # override it.
+        self._startup = {k: v for k, v in VECTOR_SETTINGS.items() if k not in self.url_settings}
+        self._session: dict[int, dict[str, str]] = {}  # backend pid -> what fetch_all_set set there (siblings share)
 
     async def open(self) -> PostgresDatabase:
         asyncpg = _import_asyncpg()
@@ -147,13 +154,9 @@ class PostgresDatabase:
             await self._ensure_vector(asyncpg)
             self._pool = await asyncpg.create_pool(
                 self._dsn, password=self._password, min_size=min(self._min_size, self._max_size),
-                max_size=self._max_size, timeout=CONNECT_TIMEOUT, init=self._init_connection,
+                max_size=self._max_size, timeout=CONNECT_TIMEOUT, init=self._new_connection,
                 command_timeout=COMMAND_TIMEOUT, reset=_keep_session,
-                # Startup settings, each connection's own from its start (the bot sets nothing per session):
-                # filtered k-NN over an HNSW index goes on scanning until enough rows pass the filter, and
-                # looks at enough neighbours for the candidates a search asks for. A setting the URL gives
-                # (``?hnsw.ef_search=400``) is the operator's: asyncpg would let these override it.
-                server_settings={k: v for k, v in VECTOR_SETTINGS.items() if k not in self.url_settings},
+                server_settings=self._startup,
             )
         except StorageError:
             raise
@@ -202,6 +205,22 @@ class PostgresDatabase:
         from pgvector.asyncpg import register_vector
 
         await register_vector(conn)
+
+    async def _new_connection(self, conn: asyncpg.Connection) -> None:
+        self._session.pop(conn.get_server_pid(), None)  # a new session (its backend may reuse an old one's pid)
+        await self._init_connection(conn)
+
+    async def fetch_all_set(self, sql: str, params: Sequence[Any], settings: Mapping[str, str]) -> list[Row]:
+        """:meth:`fetch_all` with ``settings`` in force on its connection: each one the connection does not have
+        yet is set for its session first (a pooled connection keeps it: once per connection and value, not a
+        transaction per statement). Missing values are the pool's startup ones."""
+        async with self.pool.acquire() as conn:
+            has = self._session.setdefault(conn.get_server_pid(), {})
+            for name, value in settings.items():
+                if has.get(name, self._startup.get(name)) != value:
+                    await conn.execute("SELECT set_config($1, $2, false)", name, value)
+                    has[name] = value
+            return list(await conn.fetch(numbered(sql), *_args(params)))
 
     async def scrub(self, text_indexes: Sequence[str]) -> bool:
         return True  # rows are gone; VACUUM (autovacuum) reuses their space later (see the README)

@@ -19,7 +19,7 @@ import logging
 import re
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -232,6 +232,9 @@ class SQLiteDatabase:
 
     async def fetch_all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         return list(await self.connection.execute_fetchall(sql, params))
+
+    async def fetch_all_set(self, sql: str, params: Sequence[Any], settings: Mapping[str, str]) -> list[Row]:
+        return await self.fetch_all(sql, params)
 
     async def write_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
         return next(iter(await self.write(sql, params)), None)
