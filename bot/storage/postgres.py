@@ -121,10 +121,11 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
     """The pool's reset of a connection given back. asyncpg's own (``RESET ALL``, ``CLOSE ALL``,
     ``UNLISTEN *``, advisory locks released) is a round trip on every release, so about one per statement:
     a reply's dozen cost more than a millisecond, most of what set PostgreSQL apart from SQLite on the
-    reply path. The bot leaves nothing in a session to reset: it sets no setting for a session (only at
-    connection start), listens to nothing, and takes advisory locks for a transaction, but for
-    :meth:`PostgresDatabase.maintain`, which releases its own. An open transaction is still rolled back
-    (asyncpg does that before calling this)."""
+    reply path. The bot leaves nothing in a session to reset: the one setting it changes for a session
+    (:meth:`PostgresDatabase.fetch_all_set`, the k-NN's ``hnsw.ef_search``) is tracked per connection and
+    set again by whatever needs another value; it listens to nothing, and takes advisory locks for a
+    transaction, but for :meth:`PostgresDatabase.maintain`, which releases its own. An open transaction is
+    still rolled back (asyncpg does that before calling this)."""
 
 
 class PostgresDatabase:
