@@ -56,6 +56,7 @@ class Scheduler:
         self._scheduler = AsyncIOScheduler(timezone="UTC")
         self.jobs: dict[str, JobRecord] = {}
         self._running: set[asyncio.Task[None]] = set()
+        self._closing = False
 
     def every(
         self, seconds: float, name: str, job: Callable[[], Awaitable[object]], *, first_after: float | None = None,
@@ -81,6 +82,10 @@ class Scheduler:
                 await job()
                 record.runs += 1
                 record.last_error = ""
+            except asyncio.CancelledError:
+                if not self._closing:
+                    raise
+                # The bot is stopping (aclose): not a failure, and APScheduler would log it as one, traceback and all.
             except Exception as exc:
                 record.failures += 1
                 record.last_error = f"{type(exc).__name__}: {exc}"[:300]
@@ -111,6 +116,7 @@ class Scheduler:
 
     async def aclose(self) -> None:
         """Stop scheduling and cancel the runs in progress (before the database they use is closed)."""
+        self._closing = True
         self.stop()
         running = list(self._running)
         for task in running:

@@ -236,7 +236,9 @@ async def test_scheduler_runs_jobs_periodically_and_survives_failures() -> None:
     assert "2 failed" not in ok_job.describe() and "last error: RuntimeError: boom" in bad_job.describe()
 
 
-async def test_scheduler_close_cancels_a_run_in_progress() -> None:
+async def test_scheduler_close_cancels_a_run_in_progress(caplog: pytest.LogCaptureFixture) -> None:
+    """(APScheduler logged the cancelled run as a job that "raised an exception", with a traceback, when the bot
+    stopped during a periodic run: seen under load in `cortexbot run` stopped by SIGTERM.)"""
     from bot.scheduler import Scheduler
 
     scheduler = Scheduler()
@@ -253,8 +255,11 @@ async def test_scheduler_close_cancels_a_run_in_progress() -> None:
     scheduler.every(60, "slow", slow, first_after=0.01)
     scheduler.start()
     await asyncio.wait_for(started.wait(), 5)
-    await asyncio.wait_for(scheduler.aclose(), 2)  # does not wait out the 30 s
+    with caplog.at_level(logging.WARNING):
+        await asyncio.wait_for(scheduler.aclose(), 2)  # does not wait out the 30 s
+        await asyncio.sleep(0.05)  # APScheduler's own callback on the cancelled run
     assert finished == ["cleaned up"] and not scheduler.running
+    assert not caplog.records, caplog.text  # stopping is not a failure
     assert scheduler.jobs["slow"].runs == 0 and scheduler.jobs["slow"].last_run_at is not None
 
 
