@@ -647,8 +647,8 @@ class MemoryRepository:
     async def _index_plan(self, table: str, dims: int) -> _IndexPlan:
         """How searches of ``table``'s vectors of ``dims`` go: by its half-precision HNSW index once that is
         valid (until then, in a database of an older cortex-bot and while the backfill builds the new index, by
-        the full-precision one such a database has), and how many candidates they look at (None: the
-        connection's ``hnsw.ef_search``). Looked up at most every ``HALF_CHECK_SECONDS`` until the index is
+        the full-precision one such a database has), and how many candidates they look at (None: as the URL
+        sets ``hnsw.ef_search``). Looked up at most every ``HALF_CHECK_SECONDS`` until the index is
         ready, then every ``INDEX_SIZE_SECONDS`` (its size)."""
         key, now = (table, dims), time.monotonic()
         plan = self._index_plans.get(key)
@@ -675,8 +675,8 @@ class MemoryRepository:
         background backfill, never in a reply. Over a big table (a bot copied from SQLite) the build takes
         minutes (two at 100k vectors on two cores, over twenty at a million, given the memory), so it runs
         CONCURRENTLY (writes to the table go on; searches scan exactly until it is done, or go by the index an
-        older version built) and without the pool's statement
-        timeout, which used to cancel it after five minutes, every time the backfill tried again. A build
+        older version built) and without the pool's statement timeout, which used to cancel it after five
+        minutes, every time the backfill tried again. A build
         another process runs is left to it; one left invalid by a process that died is dropped and started
         again."""
         if self.db.dialect != "postgres" or dims in self._vector_indexes:
