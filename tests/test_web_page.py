@@ -183,6 +183,8 @@ async def test_log_in_edit_compare_revert_and_screenshots(tmp_path: Path) -> Non
                 await expect(page.get_by_test_id("activity-chart").locator(".series-0 circle")).to_have_count(4)
 
                 async with logged_in(browser, bot, "ann", watch) as phone:  # her second browser
+                    await expect(phone.get_by_test_id("file-memory.md")).to_be_visible()
+                    await phone.wait_for_load_state("networkidle")  # its first requests answered before the logout
                     await page.get_by_test_id("logout-all").click()
                     await expect(page.get_by_test_id("ended")).to_contain_text("logged out everywhere")
                     await phone.reload()
