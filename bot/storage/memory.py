@@ -84,6 +84,7 @@ TS_CONFIG_TTL = 60.0  # seconds a pair's or persona's text-search configuration 
 # precision; the rows' cosines stay exact), with a graph built for recall: at a million vectors of near-duplicates
 # ef_construction 128 found 0.75 of the exact top-10 at ef_search 100, 256 found 0.88 and 512 0.94 (0.96 at 150).
 HNSW_BUILD = "m = 32, ef_construction = 512"
+VECTOR_TABLES = (("message_vectors", "vector"), ("memory_items", "embedding"))  # (table, vector column)
 HALF_CHECK_SECONDS = 10.0  # how often a process looks whether a table's half-precision index is ready yet
 OLD_INDEX_GRACE_SECONDS = 3 * HALF_CHECK_SECONDS  # then the full-precision one of an older version goes
 # A graph walk misses more of the exact neighbours the bigger the graph: searches of an index of LARGE_INDEX
@@ -682,10 +683,10 @@ class MemoryRepository:
         if self.db.dialect != "postgres" or dims in self._vector_indexes:
             return
         ready = [await self._build_vector_index(table, column, dims)
-                 for table, column in (("message_vectors", "vector"), ("memory_items", "embedding"))]
+                 for table, column in VECTOR_TABLES]
         if all(ready):
             self._vector_indexes.add(dims)
-            for table in ("message_vectors", "memory_items"):
+            for table, _column in VECTOR_TABLES:
                 self._index_plans.pop((table, dims), None)  # the next search looks again
             await self._drop_full_indexes(dims)
 
@@ -694,10 +695,10 @@ class MemoryRepository:
         ready: after ``OLD_INDEX_GRACE_SECONDS``, by when every process has looked and searches by the new ones
         (one that still searched by the old expression would scan exactly)."""
         old = []
-        for table in ("message_vectors", "memory_items"):
-            row = await self.db.fetch_one("SELECT to_regclass(?) IS NOT NULL", (_index_name(table, dims, half=False),))
+        for name in (_index_name(table, dims, half=False) for table, _column in VECTOR_TABLES):
+            row = await self.db.fetch_one("SELECT to_regclass(?) IS NOT NULL", (name,))
             if row is not None and row[0]:
-                old.append(_index_name(table, dims, half=False))
+                old.append(name)
         if not old:
             return
         log.info("the half-precision vector indexes are ready; the full-precision ones (%s) go in %g s",

@@ -62,6 +62,14 @@ def redacted(url: str) -> str:
     return hide_url_passwords(url)
 
 
+def _query_names(url: str) -> frozenset[str]:
+    """The names of the URL's query parameters (asyncpg sends those it does not know as settings)."""
+    try:
+        return frozenset(key for key, _ in parse_qsl(urlsplit(url).query))
+    except ValueError:
+        return frozenset()
+
+
 def _args(params: Sequence[Any]) -> Sequence[Any]:
     """``params`` as PostgreSQL takes them: its text has no NUL character, which SQLite stores and a
     platform or an older row may carry ("hi\\x00there" would fail the whole statement), so NULs go."""
@@ -146,6 +154,7 @@ class PostgresDatabase:
         # until enough rows pass the filter, and looks at enough neighbours for the candidates a search asks
         # for. A setting the URL gives (``?hnsw.ef_search=400``) is the operator's: asyncpg would let these
         # override it.
+        self.url_settings = _query_names(self._dsn)
         self._startup = {k: v for k, v in VECTOR_SETTINGS.items() if k not in self.url_settings}
         self._session: dict[int, dict[str, str]] = {}  # backend pid -> what fetch_all_set set there (siblings share)
 
@@ -164,14 +173,6 @@ class PostgresDatabase:
         except Exception as exc:
             raise _connect_error(exc, self._dsn) from None
         return self
-
-    @property
-    def url_settings(self) -> frozenset[str]:
-        """The names of the query parameters of the URL (asyncpg sends those it does not know as settings)."""
-        try:
-            return frozenset(key for key, _ in parse_qsl(urlsplit(self._dsn).query))
-        except ValueError:
-            return frozenset()
 
     async def _ensure_vector(self, asyncpg: Any) -> None:
         """pgvector must exist before the pool's connections register its type (in a database that is not
@@ -201,15 +202,11 @@ class PostgresDatabase:
             "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() ORDER BY tablename")
         refuse_foreign(self.url, [str(r[0]) for r in rows], "name a new, empty database")
 
-    @staticmethod
-    async def _init_connection(conn: asyncpg.Connection) -> None:
+    async def _new_connection(self, conn: asyncpg.Connection) -> None:
         from pgvector.asyncpg import register_vector
 
-        await register_vector(conn)
-
-    async def _new_connection(self, conn: asyncpg.Connection) -> None:
         self._session.pop(conn.get_server_pid(), None)  # a new session (its backend may reuse an old one's pid)
-        await self._init_connection(conn)
+        await register_vector(conn)
 
     async def fetch_all_set(self, sql: str, params: Sequence[Any], settings: Mapping[str, str]) -> list[Row]:
         """:meth:`fetch_all` with ``settings`` in force on its connection: each one the connection does not have
