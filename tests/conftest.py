@@ -5,7 +5,8 @@ import threading
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from collections.abc import AsyncIterator, Iterator  # noqa: E402
+from collections.abc import AsyncIterator, Awaitable, Iterator  # noqa: E402
+from contextlib import asynccontextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -55,37 +56,35 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return url
 
 
-@pytest_asyncio.fixture
-async def storage(db_url: str) -> AsyncIterator[Storage]:
-    """A migrated storage on each engine (the contract every engine keeps)."""
-    store = await open_storage(db_url)
+@asynccontextmanager
+async def _migrated(opened: Awaitable[Storage]) -> AsyncIterator[Storage]:
+    store = await opened
     try:
         await store.migrate()
         yield store
     finally:
         await store.close()  # a failing migration must not leave the connection's thread behind
+
+
+@pytest_asyncio.fixture
+async def storage(db_url: str) -> AsyncIterator[Storage]:
+    """A migrated storage on each engine (the contract every engine keeps)."""
+    async with _migrated(open_storage(db_url)) as store:
+        yield store
 
 
 @pytest_asyncio.fixture
 async def pg_storage(pg_url: str) -> AsyncIterator[Storage]:
     """A migrated storage on the session's real PostgreSQL (for what only that engine has)."""
-    store = await open_storage(pg_url)
-    try:
-        await store.migrate()
+    async with _migrated(open_storage(pg_url)) as store:
         yield store
-    finally:
-        await store.close()
 
 
 @pytest_asyncio.fixture
 async def sqlite_storage(tmp_path: Path) -> AsyncIterator[Storage]:
     """A migrated SQLite storage (for what only that engine has: pragmas, its write lock, vector caches)."""
-    store = await open_sqlite(tmp_path / "bot.db")
-    try:
-        await store.migrate()
+    async with _migrated(open_sqlite(tmp_path / "bot.db")) as store:
         yield store
-    finally:
-        await store.close()  # a failing migration must not leave the connection's thread behind
 
 
 @pytest.fixture
