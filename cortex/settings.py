@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from bot.config import CortexConfig
+from bot.config import FREQUENCY_PRESETS, CortexConfig
 from bot.text import shown
 from cortex.store import CortexStore
 
@@ -36,6 +36,9 @@ CACHE_SECONDS = 5.0
 # What the bot's operator pays for: a server admin may tune how the persona remembers, not the bill.
 OPERATOR_KEYS = frozenset({"model", "daily_token_budget", "max_rounds"})
 PRIVACY_KEYS = frozenset({"use_in_groups"})
+# How often updates run, so how many model calls the operator pays for: a server admin may set these for their
+# server only towards fewer updates than each persona's own settings (a bot admin sets them freely).
+PACE_KEYS = frozenset({"enabled", "frequency", "tiers", "context_limit", "cooldown_seconds"})
 
 log = logging.getLogger(__name__)
 
@@ -190,13 +193,17 @@ class SettingsResolver:
             return True
         return (await self.effective(persona, server_key)).settings.use_in_groups
 
-    async def set(self, scope: str, key: str, text: str, updated_by: str) -> Any:
+    async def set(self, scope: str, key: str, text: str, updated_by: str, *, paced: bool = False) -> Any:
+        """Store an override typed as ``text``; ``paced``: only if it has updates run no more often than each
+        persona's own settings (a server admin's change, see :meth:`_check_pace`)."""
         value = parse_value(key, text)
         candidate = self.defaults.model_dump() | {key: value}
         try:
             CortexConfig.model_validate(candidate)
         except ValidationError as exc:
             raise SettingError(f"{key} = {shown(text)} is not accepted: {plain_problem(exc)}") from None
+        if paced and key in PACE_KEYS:
+            await self._check_pace(scope, key, value, text)
         await self.store.set_setting(scope, key, value, updated_by)
         self._cache.pop(scope, None)
         return value
@@ -204,14 +211,41 @@ class SettingsResolver:
     async def change(self, scope: str, key: str, value: str, *, bot_admin: bool, author: str) -> Change:
         """What a chat command or the web page asks: set ``key`` in ``scope``, or clear it ("default"). Raises
         :class:`NotAllowed` for what the one asking may not change (a server admin's spending or privacy
-        switch, also by clearing: the persona-wide or config value then applies), :class:`SettingError`
+        switch, also by clearing: the persona-wide or config value then applies; updates more often than the
+        bot's own settings), :class:`SettingError`
         for a value the key does not take."""
         check_may_change(key, bot_admin=bot_admin, value=value)
         if value.strip().lower() != "default":
-            return Change(stored=await self.set(scope, key, value, author))
+            return Change(stored=await self.set(scope, key, value, author, paced=not bot_admin))
         if key in PRIVACY_KEYS and not bot_admin and await self._on_beneath(key):
             raise NotAllowed(_PRIVACY_REFUSAL.format(key=key) + " (and back to the default switches it on here)")
         return Change(cleared=await self.clear(scope, key))
+
+    async def _check_pace(self, scope: str, key: str, value: Any, typed: str) -> None:
+        """Raise :class:`NotAllowed` when a server admin's ``value`` would have updates run more often, for some
+        persona, than that persona's own settings beneath the server (the config's, with its persona-wide
+        overrides): an admin of one server (on Matrix, whoever makes a room) would otherwise spend the whole
+        bot's daily budget on their server. Making updates rarer is always allowed, and so is "default"."""
+        beneath = await self._beneath()
+        server = await self._scope(scope)
+        problem = _faster(key, value, beneath, server)
+        if problem:
+            raise NotAllowed(f"{key} {shown(typed)} would have updates run more often than the bot's own settings "
+                             f"({problem}): each update is model calls the bot's operator pays for, so a server "
+                             "admin may make them rarer, not more frequent. The bot's admins can change that.")
+
+    async def _beneath(self) -> list[CortexConfig]:
+        """The settings beneath any server: the config's, and each persona's with its persona-wide overrides
+        (one that no longer validates counts as the config's, as :meth:`effective` reads it)."""
+        found = [self.defaults]
+        defaults = self.defaults.model_dump()
+        for values in (await self.store.persona_overrides()).values():
+            merged = defaults | {k: v for k, v in values.items() if k in OVERRIDABLE}
+            try:
+                found.append(CortexConfig.model_validate(merged, strict=False))
+            except ValidationError:
+                continue
+        return found
 
     async def _on_beneath(self, key: str) -> bool:
         """Whether clearing a server's override of ``key`` would switch it on there for some persona: the
@@ -226,3 +260,30 @@ class SettingsResolver:
             raise SettingError(_unknown(key))
         self._cache.pop(scope, None)
         return await self.store.clear_setting(scope, key)
+
+
+def _tier_count(settings: CortexConfig, server: dict[str, Any], change: dict[str, Any]) -> int:
+    """Updates per cycle for a persona with ``settings`` once the server's overrides and ``change`` apply."""
+    over = server | change
+    tiers = over.get("tiers", settings.tiers)
+    if isinstance(tiers, list) and tiers:
+        return len(tiers)
+    frequency = over.get("frequency", settings.frequency)
+    return len(FREQUENCY_PRESETS.get(str(frequency), settings.tier_percentages()))
+
+
+def _faster(key: str, value: Any, beneath: list[CortexConfig], server: dict[str, Any]) -> str:
+    """Why ``value`` for ``key`` at a server would make updates more frequent than some persona's own settings
+    in ``beneath`` (given the server's other overrides), or "" when it does not."""
+    if key == "enabled":
+        return "updates are off bot-wide or for a persona" if value and not all(s.enabled for s in beneath) else ""
+    if key in ("context_limit", "cooldown_seconds"):
+        least = max(getattr(s, key) for s in beneath)
+        unit = " messages per cycle" if key == "context_limit" else " seconds"
+        return f"{key} at least {least:g}{unit}" if value < least else ""
+    allowed = [len(s.tier_percentages()) for s in beneath]
+    over = [n for s, n in zip(beneath, allowed, strict=True) if _tier_count(s, server, {key: value}) > n]
+    if not over:
+        return ""
+    most = min(over)
+    return f"at most {most} tier{'s' if most != 1 else ''} per cycle here"

@@ -11,7 +11,7 @@ import pytest
 
 from bot.app import App
 from bot.commands import CommandContext
-from bot.config import parse_config
+from bot.config import CortexConfig, parse_config
 from bot.policy import Inbound
 from bot.ports import IncomingMessage
 from bot.storage.core import SCRUB_PENDING
@@ -288,9 +288,10 @@ async def test_settings_are_admin_only_scoped_validated_and_shown(tmp_path: Path
         assert "None" not in shown and "True" not in shown and "'" not in shown  # values as people type them
         assert "use_in_groups          off" in shown
         server_admin = ctx(admin=True, server="console:guild1")
-        (await run(app, "!cortex settings tiers 30,60", server_admin))
+        assert "at most 1 tier per cycle here" in (await run(app, "!cortex settings tiers 30,60", server_admin)).text
+        (await run(app, "!cortex settings tiers 60", server_admin))
         eff = await app.cortex.resolver.effective("Cora", "console:guild1")
-        assert eff.settings.tier_percentages() == (30, 60) and eff.sources["tiers"] == "server:console:guild1"
+        assert eff.settings.tier_percentages() == (60,) and eff.sources["tiers"] == "server:console:guild1"
         assert (await app.cortex.resolver.effective("Cora")).settings.tier_percentages() == (95,)
         for spending in ("model some-expensive-model", "daily_token_budget 0", "max_rounds 40", "model default"):
             assert "only the bot's admins" in (await run(app, f"!cortex settings {spending}", server_admin)).text
@@ -314,25 +315,64 @@ async def test_settings_are_admin_only_scoped_validated_and_shown(tmp_path: Path
 
 
 async def test_frequency_under_a_tiers_override_says_the_tiers_decide(tmp_path: Path) -> None:
-    """A server admin set frequency and was told "Effective now: frequent" while a bot-wide tiers override
-    kept the plan at 95 %."""
+    """A server's frequency was set and the admin was told "Effective now: frequent" while a bot-wide tiers
+    override kept the plan at 95 %. (Set here by a bot admin at the server: a server admin may not make
+    updates more frequent than the bot's own settings.)"""
     async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
         boss = ctx("boss", admin=True, server="console:guild1", bot_admin=True)
-        server_admin = ctx(admin=True, server="console:guild1")
         await run(app, "!cortex settings tiers 95 --persona", boss)
-        said = (await run(app, "!cortex settings frequency frequent", server_admin)).text
+        said = (await run(app, "!cortex settings frequency frequent", boss)).text
         assert "Effective now: frequent (from this server)." in said
         assert "Tiers this cycle: 95% → message" in said and "from tiers (the persona everywhere)" in said
         assert "tiers none where you set frequency lets it decide there" in said
-        await run(app, "!cortex settings tiers none", server_admin)  # what the hint says, as a server admin
+        await run(app, "!cortex settings tiers none", boss)  # what the hint says
         plan = (await app.cortex.resolver.effective("Cora", "console:guild1")).settings.tier_percentages()
         assert plan != (95,)
-        await run(app, "!cortex settings tiers default", server_admin)
+        await run(app, "!cortex settings tiers default", boss)
         await run(app, "!cortex settings tiers default --persona", boss)
-        said = (await run(app, "!cortex settings frequency frequent", server_admin)).text
+        said = (await run(app, "!cortex settings frequency frequent", boss)).text
         plan = (await app.cortex.resolver.effective("Cora", "console:guild1")).settings.tier_percentages()
         assert plan != (95,) and f"Tiers this cycle: {plan[0]}% → message" in said and "decide over" not in said
-        assert "decide over" in "".join((await run(app, "!cortex settings tiers 50", server_admin)).text)
+        assert "decide over" in "".join((await run(app, "!cortex settings tiers 50", boss)).text)
+
+
+async def test_a_server_admin_may_make_updates_rarer_not_more_frequent(tmp_path: Path) -> None:
+    """Each update is model calls on the operator's bill, and on Matrix whoever makes a room is its admin: a
+    server admin's cooldown 0 and context_limit 4 spent the whole bot's daily budget on their server. The
+    floor is each persona's own value (the config's, or a persona-wide override), whichever is highest."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:  # config: context_limit 1000, cooldown 0
+        server_admin = ctx(admin=True, server="console:guild1")
+        boss = ctx("boss", admin=True, server="console:guild1", bot_admin=True)
+
+        async def said(line: str, who: CommandContext = server_admin) -> str:
+            return str((await run(app, f"!cortex settings {line}", who)).text)
+
+        async def effective() -> CortexConfig:
+            return (await app.cortex.resolver.effective("Cora", "console:guild1")).settings
+
+        refused = await said("context_limit 500")
+        assert "context_limit at least 1000 messages per cycle" in refused and "rarer, not more frequent" in refused
+        assert "set to 2000" in await said("context_limit 2000")
+        assert "set to 5" in await said("cooldown_seconds 5")  # the config's is 0
+        await run(app, "!cortex settings cooldown_seconds 60 --persona", boss)  # Cora's own floor rises
+        assert "cooldown_seconds at least 60 seconds" in await said("cooldown_seconds 30")
+        assert "set to 90" in await said("cooldown_seconds 90")
+        assert "at most 3 tiers per cycle here" in await said("frequency frequent")  # the config's: medium
+        assert "at most 3 tiers per cycle here" in await said("tiers 10 20 30 40")
+        assert "set to rare" in await said("frequency rare")
+        assert "Tiers this cycle: 95% → message" in await said("tiers none")  # the server's rare decides
+        assert "set to medium" in await said("frequency medium")  # as often as the bot's own: allowed
+        assert "at most 3 tiers per cycle here" in await said("frequency frequent")
+        assert "set to 20" in await said("tiers 20")
+        assert (await effective()).tier_percentages() == (20,)
+        assert "set to off" in await said("enabled off")
+        assert "set to on" in await said("enabled on")
+        await run(app, "!cortex settings enabled off --persona", boss)
+        assert "updates are off bot-wide or for a persona" in await said("enabled on")
+        assert "override removed" in await said("context_limit default")  # back to the bot's own: always allowed
+        assert (await effective()).context_limit == 1000
+        assert "set to 4" in await said("context_limit 4", boss)  # the bot's admins decide what they pay for
+        assert (await effective()).context_limit == 4
 
 
 async def test_cortex_stats_and_help(tmp_path: Path) -> None:

@@ -203,13 +203,16 @@ async def test_settings_show_their_sources_and_a_server_override_changes_the_eff
         assert setting(view, "file_max_chars")["overridable"] is False
         assert view["tiers"] == [{"percent": 50, "at": 30}, {"percent": 75, "at": 45}, {"percent": 95, "at": 57}]
         change = {"persona": "Cora", "server": ANN_SERVER, "key": "context_limit", "value": "40"}
+        status, error = await ann.call("PUT", "/api/admin/settings", change)  # more updates: on the operator's bill
+        assert status == 403 and "context_limit at least 60 messages per cycle" in error["error"], error
+        change["value"] = "80"
         status, changed = await ann.call("PUT", "/api/admin/settings", change)
         assert status == 200, changed
-        assert setting(changed, "context_limit")["value"] == 40
+        assert setting(changed, "context_limit")["value"] == 80
         assert setting(changed, "context_limit")["source"] == f"server:{ANN_SERVER}"
-        assert changed["tiers"][0] == {"percent": 50, "at": 20}
+        assert changed["tiers"][0] == {"percent": 50, "at": 40}
         effective = await bot.app.cortex.resolver.effective("Cora", ANN_SERVER)
-        assert effective.settings.context_limit == 40
+        assert effective.settings.context_limit == 80
         assert (await bot.app.cortex.resolver.effective("Cora")).settings.context_limit == 60
         status, _ = await ann.call("PUT", "/api/admin/settings", change | {"server": OTHER_SERVER})
         assert status == 403
@@ -477,7 +480,7 @@ async def test_a_server_setting_change_counts_once_against_the_limit(tmp_path: P
     async with running_bot(tmp_path, directories=[FakeDirectory()]) as bot, bot.client("ann") as ann:
         per = bot.app.router.command_limiter.per_minute
         statuses = [(await ann.call("PUT", SETTINGS, {"persona": "Cora", "server": "discord:1",
-                                                      "key": "context_limit", "value": str(40 + i)}))[0]
+                                                      "key": "context_limit", "value": str(60 + i)}))[0]
                     for i in range(per + 1)]
         assert statuses == [200] * per + [429]
 

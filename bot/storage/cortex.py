@@ -477,6 +477,15 @@ class CortexRepository:
         rows = await self.db.fetch_all("SELECT key, value FROM cortex_settings WHERE scope = ?", (scope,))
         return {str(r[0]): json.loads(r[1]) for r in rows}
 
+    async def persona_overrides(self) -> dict[str, dict[str, Any]]:
+        """Every persona-wide override (scope ``persona:…``), by scope."""
+        rows = await self.db.fetch_all(
+            "SELECT scope, key, value FROM cortex_settings WHERE scope LIKE 'persona:%' ORDER BY scope, key")
+        found: dict[str, dict[str, Any]] = {}
+        for row in rows:
+            found.setdefault(str(row[0]), {})[str(row[1])] = json.loads(row[2])
+        return found
+
     async def persona_values(self, key: str) -> list[Any]:
         """The values every persona-wide override (scope ``persona:…``) sets for ``key``."""
         rows = await self.db.fetch_all(
