@@ -255,3 +255,24 @@ async def test_an_import_that_fails_half_way_leaves_nothing_behind(tmp_path: Pat
                                            " (SELECT CAST(id AS TEXT) FROM personas)"))
         monkeypatch.setattr(personas_module, "_lore_insert", original)
         assert (await run(app, "!persona import", ctx(card))).startswith("Imported Cora")
+
+
+async def test_a_persona_too_big_for_a_card_is_not_exported_into_one_that_would_not_import(
+        tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Soul sections without a card field of their own go into the description: seven long ones made a
+    description over the 20,000 characters an import takes, so the exported backup could not come back."""
+    sections = {key: f"{key} " + "word " * 700 for key in (
+        "identity", "boundaries", "communication_style", "values", "tone", "domain_expertise", "error_handling")}
+    config = _config(tmp_path, fake_llm).model_dump()
+    config["personas"] = [{"name": "Max", **sections}]
+    monkeypatch.setenv("CB_TEST_API_KEY", "sk-test")
+    async with App(parse_config(config)) as app:
+        reply = await app.commands.dispatch("!persona export Max", ctx())
+        assert not reply.attachments
+        assert reply.text.startswith("Max does not fit in a character card: the card's 'description' is 24,")
+        assert "characters; at most 20,000" in reply.text
+        assert "Nothing was exported" in reply.text
+        await run(app, "!persona edit identity A short identity.", ctx())  # shortened: it fits now
+        await run(app, "!persona edit boundaries Few.", ctx())
+        exported = (await app.commands.dispatch("!persona export Max", ctx())).attachments[0]
+        assert cards.parse_card(exported.data).name == "Max"

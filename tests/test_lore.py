@@ -11,6 +11,7 @@ from bot.commands import CommandContext
 from bot.config import parse_config
 from bot.ports import IncomingMessage
 from bot.storage.personas import LoreEntry
+from cortex.personas import lore_commands
 from cortex.personas.lore import keyword_match, mentions, search
 from tests.engines import db_url_for
 from tests.fakes.provider import ScriptedProvider
@@ -26,6 +27,10 @@ def _config(tmp_path: Path):
 
 BOSS = CommandContext("discord", "discord:1", "Root", "discord:chan1", "Cora", is_admin=True, is_bot_admin=True,
                       server_key="discord:guild1")
+
+
+BOSS_OF_MAX = CommandContext("discord", "discord:1", "Root", "discord:chan1", "Max", is_admin=True, is_bot_admin=True,
+                             server_key="discord:guild1")
 
 
 async def run(app: App, line: str, context: CommandContext = BOSS) -> str:
@@ -193,12 +198,33 @@ async def test_only_bot_admins_change_lore(tmp_path: Path) -> None:
                                       server_key="discord:guild1")
         assert "admins only" in await run(app, "!lore list", member)
         assert "no lore yet" in await run(app, "!lore list", server_admin)
-        for line in ("!lore add x", "!lore edit 1 y", "!lore disable 1"):
+        for line in ("!lore add x", "!lore edit 1 y", "!lore disable 1", "!lore remove 1"):
             assert "for the bot's admins only" in await run(app, line, server_admin)
         assert "at most 4,000" in await run(app, "!lore add " + "x" * 4001)
         assert "--keys needs a value" in await run(app, "!lore add hi --keys")
         assert "out of range" in await run(app, "!lore add hi --priority -3") or "must be a number" in await run(
             app, "!lore add hi --priority -3")
+
+
+async def test_lore_remove_deletes_an_entry_and_a_persona_holds_what_a_card_holds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """There was no way to delete an entry, and `!lore add` had no cap: a persona with more entries than a
+    character card holds was exported as a card this bot refused to import again."""
+    monkeypatch.setattr(lore_commands, "MAX_LORE_ENTRIES", 2)  # 500 in use: the same code path, faster
+    llm = ScriptedProvider()
+    async with App(_config(tmp_path), llm=llm) as app:
+        await run(app, "!lore add The Guild meets at the old mill. --keys guild")
+        await run(app, "!lore add The ferry leaves at dawn. --keys ferry")
+        full = await run(app, "!lore add The bell rings at noon. --keys bell")
+        assert "Cora has 2 lore entries, as many as a character card holds" in full and "!lore remove" in full
+        assert "#3" not in await run(app, "!lore list")
+        removed = await run(app, "!lore remove 1")
+        assert removed == "Lore #1 removed. It said:\nThe Guild meets at the old mill."
+        assert "old mill" not in await prompt(app, llm, "When does the guild meet?")
+        assert "has no lore entry #1" in await run(app, "!lore remove 1")
+        assert "has no lore entry #2" in await run(app, "!lore remove 2", BOSS_OF_MAX)  # Cora's, not Max's
+        assert "added" in await run(app, "!lore add The bell rings at noon. --keys bell")
+        assert "rings at noon" in await prompt(app, llm, "is that the bell?")
 
 
 async def test_another_process_sees_new_lore(tmp_path: Path) -> None:

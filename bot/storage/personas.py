@@ -308,6 +308,11 @@ class LoreRepository:
                 ids.append(int(row[0]))
         return ids
 
+    async def remove(self, persona_id: int, entry_id: int) -> bool:
+        """Delete one entry; False when the persona has no such entry."""
+        return await self.db.write_one("DELETE FROM lore_entries WHERE persona_id = ? AND id = ? RETURNING id",
+                                       (persona_id, entry_id)) is not None
+
     async def get(self, persona_id: int, entry_id: int) -> LoreEntry | None:
         row = await self.db.fetch_one("SELECT * FROM lore_entries WHERE persona_id = ? AND id = ?",
                                       (persona_id, entry_id))

@@ -104,6 +104,12 @@ class CardCommands:
         lore = [CardLoreEntry(e.content, e.keys, e.secondary_keys, e.always_on, e.priority, e.enabled, e.name)
                 for e in await self.storage.lore.entries(persona_id)]
         data = export_card_v2(persona.name, persona.soul_sections(), lore)
+        try:  # what this bot could not import again is no backup: say what stands in the way instead
+            parse_card(data)
+        except CardError as exc:
+            raise CommandError(f"{persona.name} does not fit in a character card: {exc}. Nothing was exported; "
+                               f"shorten that (the card's description holds every soul section without a card "
+                               f"field of its own) and export again") from None
         safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in persona.name)[:60] or "persona"
         return CommandReply(f"{persona.name} as a Character Card V2 ({len(lore)} lore entries).",
                             attachments=(Attachment(f"{safe}.card.json", data),), private=True)

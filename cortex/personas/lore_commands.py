@@ -22,7 +22,7 @@ from bot.storage import Storage
 from bot.storage.personas import LoreEntry, NewLore
 from bot.text import plural, shown
 from cortex.memory.guard import guarded
-from cortex.personas.cards import MAX_KEY_CHARS
+from cortex.personas.cards import MAX_KEY_CHARS, MAX_LORE_ENTRIES
 from cortex.personas.lore import LoreIndex, search
 from cortex.personas.registry import PersonaRegistry
 
@@ -129,6 +129,7 @@ class LoreCommands:
              self.edit, True),
             ("disable", (entry,), "keep an entry out of the prompt", self.disable, True),
             ("enable", (entry,), "let an entry back in", self.enable, True),
+            ("remove", (entry,), "delete an entry for good (its text is in the answer)", self.remove, True),
         ):
             registry.register(Command(f"lore {name}", summary, handler, params, admin=True, bot_admin=bot_admin))
 
@@ -188,7 +189,12 @@ class LoreCommands:
             raise CommandError(f"{AND_KEYS_FLAG} narrows {KEYS_FLAG}: give those too")
         new = NewLore(given.text, given.keys or (), given.and_keys or (), always_on=bool(given.always),
                       priority=given.priority or 0)
-        [entry_id] = await self.storage.lore.add(self._persona_id(ctx), [new], source="chat", author=ctx.user_key)
+        persona_id = self._persona_id(ctx)
+        if len(await self.storage.lore.entries(persona_id)) >= MAX_LORE_ENTRIES:
+            raise CommandError(f"{ctx.persona} has {MAX_LORE_ENTRIES} lore entries, as many as a character card holds "
+                               f"(and {self.prefix}persona export writes one): remove one first "
+                               f"({self.prefix}lore remove <number>)")
+        [entry_id] = await self.storage.lore.add(persona_id, [new], source="chat", author=ctx.user_key)
         await self._changed()
         also = f" with one of {', '.join(new.secondary_keys)}" if new.secondary_keys else ""
         how = ("in every reply" if new.always_on else f"when {', '.join(new.keys)} come up{also}" if new.keys
@@ -216,6 +222,13 @@ class LoreCommands:
         await self.storage.lore.update(entry.persona_id, entry.id, enabled=False)
         await self._changed()
         return f"Lore #{entry.id} is off."
+
+    async def remove(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        entry = await self._entry(ctx, args)
+        if not await self.storage.lore.remove(entry.persona_id, entry.id):
+            raise CommandError(f"{ctx.persona} has no lore entry #{entry.id}")  # removed meanwhile
+        await self._changed()
+        return f"Lore #{entry.id} removed. It said:\n{entry.content}"
 
     async def enable(self, ctx: CommandContext, args: Sequence[str]) -> str:
         entry = await self._entry(ctx, args)
