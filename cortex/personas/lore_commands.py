@@ -193,7 +193,7 @@ class LoreCommands:
         if len(await self.storage.lore.entries(persona_id)) >= MAX_LORE_ENTRIES:
             raise CommandError(f"{ctx.persona} has {MAX_LORE_ENTRIES} lore entries, as many as a character card holds "
                                f"(and {self.prefix}persona export writes one): remove one first "
-                               f"({self.prefix}lore remove <number>)")
+                               f"({self.prefix}lore remove <id>)")
         [entry_id] = await self.storage.lore.add(persona_id, [new], source="chat", author=ctx.user_key)
         await self._changed()
         also = f" with one of {', '.join(new.secondary_keys)}" if new.secondary_keys else ""
