@@ -20,7 +20,11 @@ storage's pool, then the channel's message counter set and ``VACUUM ANALYZE``, a
 have done on a table grown over time).
 
     python bench/core_overhead.py [--storage sqlite postgres] [--replies 400] [--sizes 1000 100000]
-        [--no-recall]
+        [--no-recall] [--items N]
+
+``--items N`` gives the replying user's pair N memory items first (``search_latency.py``'s synthetic
+texts; found by full text, their vectors being under a model no embedder here has): what a reply costs
+for someone an import gave thousands of memories.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import resource
 import statistics
 import sys
@@ -74,6 +79,8 @@ class InstantProvider:
         return None
 
 
+UNSEARCHED_MODEL = "bench-unembedded"  # --items: vectors no embedder here compares with
+
 MESSAGE_COLUMNS = ("channel_id", "user_id", "persona", "role", "author_name", "text", "token_count", "seq",
                    "created_at")
 
@@ -103,13 +110,35 @@ async def preload(app: App, channel_key: str, count: int) -> None:
     await db.fetch_all("PRAGMA wal_checkpoint(TRUNCATE)")  # start measuring from a settled database
 
 
-async def measure(url: str, size: int, replies: int, recall: bool = True) -> list[float]:
+async def preload_items(app: App, count: int) -> None:
+    """``count`` memory items in the bench user's pair with Cora (setup only): ``search_latency.py``'s
+    synthetic texts, loaded in bulk as there. Their vectors are under a model no embedder here has, so a
+    reply finds them by full text, as in a bot whose backfill has not embedded them yet."""
+    import numpy as np
+
+    from bench.search_latency import fill_postgres, fill_sqlite, item_chunks, real_texts
+    from cortex.memory.embedders import normalize
+
+    user = await app.storage.upsert_user("console:bench", "Bench")
+    pair = await app.cortex.store.count_messages(user.id, "Cora", 0)
+    sample = real_texts(min(count, 2000), random.Random(7))
+    vectors = normalize(np.random.default_rng(7).standard_normal((len(sample), 384)).astype(np.float32))
+    chunks = item_chunks(count, sample, vectors, 7)
+    if app.storage.db.dialect == "postgres":
+        await fill_postgres(app, pair.id, chunks, UNSEARCHED_MODEL, np.empty((count, 384), np.float32))
+    else:
+        await fill_sqlite(app, pair.id, chunks, UNSEARCHED_MODEL)
+
+
+async def measure(url: str, size: int, replies: int, recall: bool = True, items: int = 0) -> list[float]:
     memory = {} if recall else {"recalled_messages": 0}
     config = parse_config({"storage": {"url": url}, "memory": memory})
     app = App(config, llm=InstantProvider())
     await app.start(workers=False)  # summary jobs are queued, not run: we time the reply path only
     try:
         await preload(app, "console:bench", size)
+        if items:
+            await preload_items(app, items)
         timings: list[float] = []
         for i in range(replies + 50):
             message = IncomingMessage("console", "bench", "bench", "Bench", LINES[i % len(LINES)], is_dm=True)
@@ -134,6 +163,8 @@ async def main() -> None:
                              "several are measured side by side")
     parser.add_argument("--replies", type=int, default=400, help="measured replies per size (default 400)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 100_000], help="messages stored first")
+    parser.add_argument("--items", type=int, default=0,
+                        help="memory items in the replying user's pair first (default 0; searched by full text)")
     parser.add_argument("--no-recall", action="store_true",
                         help="without memory recall (memory.recalled_messages = 0): the core alone")
     args = parser.parse_args()
@@ -142,7 +173,8 @@ async def main() -> None:
     except ValueError as exc:
         parser.error(str(exc))
     results: dict[tuple[str, int], tuple[float, float]] = {}
-    print("memory recall of past messages: " + ("off (the core alone)" if args.no_recall else "on (default)"))
+    print("memory recall of past messages: " + ("off (the core alone)" if args.no_recall else "on (default)")
+          + (f"; {args.items:,} memory items in the pair (found by full text)" if args.items else ""))
     for target in targets:
         print(f"engine {target.label}: {target.where}")
     with Targets(targets) as where:
@@ -150,7 +182,7 @@ async def main() -> None:
             for target in targets:
                 url = await where.url(target, f"core_{size}")
                 try:
-                    timings = await measure(url, size, args.replies, recall=not args.no_recall)
+                    timings = await measure(url, size, args.replies, recall=not args.no_recall, items=args.items)
                 finally:
                     await where.drop(target, url)
                 p50, p99 = percentile(timings, 50), percentile(timings, 99)

@@ -274,13 +274,15 @@ class MemoryRepository:
             (*params, limit, offset))
         return rows, int(total[0]) if total else 0
 
-    async def pair_with_items(self, user_id: int, persona: str) -> tuple[int | None, int]:
+    async def pair_with_items(self, user_id: int, persona: str) -> tuple[int | None, bool]:
+        """The pair's id and whether it has live items: one query, which stops at the first item (a count
+        read every item's index entry, at every reply: thousands for a pair an import filled)."""
         row = await self.db.fetch_one(
-            "SELECT p.id, (SELECT count(*) FROM memory_items WHERE pair_id = p.id AND archived_at IS NULL)"
+            "SELECT p.id, EXISTS (SELECT 1 FROM memory_items WHERE pair_id = p.id AND archived_at IS NULL)"
             " FROM cortex_pairs AS p WHERE p.user_id = ? AND p.persona = ?",
             (user_id, persona),
         )
-        return (None, 0) if row is None else (int(row[0]), int(row[1]))
+        return (None, False) if row is None else (int(row[0]), bool(row[1]))
 
     async def pinned(self, pair_id: int, now: float, limit: int | None = None) -> list[Row]:
         """The pair's visible pinned items, the most important first (at most ``limit``)."""

@@ -86,14 +86,14 @@ class KnowledgeSection:
         if self.config.relevant_items or recall:
             query = search_text(context.message, context.previous)
             by_meaning = await self.memory.needs_query_vector(
-                pair_id, context.user_db_id, context.persona, items=items > 0, messages=recall > 0)
+                pair_id, context.user_db_id, context.persona, items=items, messages=recall > 0)
             self._remember_search(context, by_meaning)
             embeddings = self.memory.embeddings
             vector = await embeddings.embed_query(query) if by_meaning and embeddings is not None else None
             hits = await self.memory.search(
                 pair_id, query, user_id=context.user_db_id, persona=context.persona,
                 limit=self.config.relevant_items + recall, include_messages=recall > 0,
-                exclude_messages=context.in_prompt, include_items=items > 0, scopes=scopes,
+                exclude_messages=context.in_prompt, include_items=items, scopes=scopes,
                 query_vector=vector, use_vectors=False,  # asked above: no second check, no second try
                 about=context.message,  # the user's own words: "I" in the reply before a follow-up is the persona
             )

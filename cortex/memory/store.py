@@ -397,8 +397,8 @@ class MemoryStore:
         rows, total = await self.repo.user_items(user_id, filters, limit=limit, offset=offset, now=self.clock())
         return [OwnedItem(str(r["persona"]), self._item(r)) for r in rows], total
 
-    async def pair_with_items(self, user_id: int, persona: str) -> tuple[int | None, int]:
-        """The pair's id and how many live items it has, in one query (the reply path asks this first)."""
+    async def pair_with_items(self, user_id: int, persona: str) -> tuple[int | None, bool]:
+        """The pair's id and whether it has live items, in one query (the reply path asks this first)."""
         return await self.repo.pair_with_items(user_id, persona)
 
     async def pinned(self, pair_id: int, limit: int | None = None) -> list[MemoryItem]:
