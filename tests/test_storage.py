@@ -579,7 +579,7 @@ async def test_an_upgrade_embeds_again_the_messages_of_channels_that_lost_some(t
         await old.close()
     new = await open_storage(url)
     try:
-        assert await new.migrate() == [19]
+        assert (await new.migrate())[:1] == [19]  # and any after it
         left = sorted(int(r[0]) for r in await new.db.fetch_all("SELECT message_id FROM message_vectors"))
         assert left == sorted(ids["console:kept"])
     finally:
