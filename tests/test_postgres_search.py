@@ -385,3 +385,20 @@ async def test_searches_of_a_large_index_look_at_more_candidates_unless_the_url_
             await operators.close()
     finally:
         await pg.close()
+
+
+async def test_a_scope_without_vectors_of_the_model_is_told_by_its_index_at_every_run(pg: Storage) -> None:
+    """A prepared statement runs by a generic plan from its sixth run on; with the model bound, that plan took
+    it for one every row had (the column held one other model) and read the whole table for a LIMIT 1, at
+    every reply: 57 ms at 100k items an embedder of another model had embedded. The model is in the
+    statement's text now, and every run goes by the (pair, model) index, on every pooled connection."""
+    pair = await _pair(pg)
+    rng = np.random.default_rng(3)
+    await _items(pg, pair, [f"item {n}" for n in range(3000)], rng.standard_normal((3000, DIMS)).astype(np.float32))
+    await pg.db.write("ANALYZE memory_items")
+    repo = MemoryRepository(pg.db)
+    before = await _index_scans(pg, "memory_items_by_pair_model")
+    for _ in range(30):
+        assert not await repo.has_vectors(ItemScope(pair), "another-model")
+    assert await _index_scans(pg, "memory_items_by_pair_model", above=before + 29) == before + 30
+    assert await repo.has_vectors(ItemScope(pair), MODEL)  # (the common one: its first row answers)
