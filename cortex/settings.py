@@ -219,6 +219,12 @@ class SettingsResolver:
             return Change(stored=await self.set(scope, key, value, author, paced=not bot_admin))
         if key in PRIVACY_KEYS and not bot_admin and await self._on_beneath(key):
             raise NotAllowed(_PRIVACY_REFUSAL.format(key=key) + " (and back to the default switches it on here)")
+        if key in ("tiers", "frequency") and not bot_admin:  # the other one, set at the server, may decide then
+            server = await self._scope(scope)
+            if problem := _more_tiers(await self._beneath(), {k: v for k, v in server.items() if k != key}):
+                raise NotAllowed(f"{key} default would have updates run more often than the bot's own settings "
+                                 f"({problem}): this server's {'frequency' if key == 'tiers' else 'tiers'} would "
+                                 "decide. Make that rarer first.")
         return Change(cleared=await self.clear(scope, key))
 
     async def _check_pace(self, scope: str, key: str, value: Any, typed: str) -> None:
@@ -262,9 +268,8 @@ class SettingsResolver:
         return await self.store.clear_setting(scope, key)
 
 
-def _tier_count(settings: CortexConfig, server: dict[str, Any], change: dict[str, Any]) -> int:
-    """Updates per cycle for a persona with ``settings`` once the server's overrides and ``change`` apply."""
-    over = server | change
+def _tier_count(settings: CortexConfig, over: dict[str, Any]) -> int:
+    """Updates per cycle for a persona with ``settings`` once a server's overrides ``over`` apply."""
     tiers = over.get("tiers", settings.tiers)
     if isinstance(tiers, list) and tiers:
         return len(tiers)
@@ -281,8 +286,14 @@ def _faster(key: str, value: Any, beneath: list[CortexConfig], server: dict[str,
         least = max(getattr(s, key) for s in beneath)
         unit = " messages per cycle" if key == "context_limit" else " seconds"
         return f"{key} at least {least:g}{unit}" if value < least else ""
+    return _more_tiers(beneath, server | {key: value})
+
+
+def _more_tiers(beneath: list[CortexConfig], server: dict[str, Any]) -> str:
+    """Why a server's overrides ``server`` would give some persona in ``beneath`` more tiers per cycle than its
+    own settings do, or "" when they do not."""
     allowed = [len(s.tier_percentages()) for s in beneath]
-    over = [n for s, n in zip(beneath, allowed, strict=True) if _tier_count(s, server, {key: value}) > n]
+    over = [n for s, n in zip(beneath, allowed, strict=True) if _tier_count(s, server) > n]
     if not over:
         return ""
     most = min(over)

@@ -365,6 +365,14 @@ async def test_a_server_admin_may_make_updates_rarer_not_more_frequent(tmp_path:
         assert "at most 3 tiers per cycle here" in await said("frequency frequent")
         assert "set to 20" in await said("tiers 20")
         assert (await effective()).tier_percentages() == (20,)
+        assert "set to frequent" in await said("frequency frequent")  # while the server's tiers decide: inert
+        refused = await said("tiers default")  # ... which would unmask it
+        assert "at most 3 tiers per cycle here" in refused and "this server's frequency would decide" in refused
+        assert (await effective()).tier_percentages() == (20,)
+        assert "set to rare" in await said("frequency rare")
+        assert "override removed" in await said("tiers default")
+        assert (await effective()).tier_percentages() == (95,)
+        assert "set to 20" in await said("tiers 20")
         assert "set to off" in await said("enabled off")
         assert "set to on" in await said("enabled on")
         await run(app, "!cortex settings enabled off --persona", boss)
