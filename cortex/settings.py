@@ -157,12 +157,25 @@ class SettingsResolver:
         return values
 
     async def effective(self, persona: str, server_key: str | None = None) -> Effective:
+        """The settings of ``persona`` (at ``server_key``): the config's, under the persona-wide overrides,
+        under the server's. A server's override of how often updates run counts only while it has them run
+        no more often than the persona's own settings do (one that was rarer when set stays so after a bot
+        admin made the persona's rarer still)."""
+        below = await self._layered([persona_scope(persona)])
+        if not server_key:
+            return below
+        scope = server_scope(server_key)
+        faster = _faster_keys(await self._scope(scope), below.settings)
+        return await self._layered([persona_scope(persona), scope], skip=faster)
+
+    async def _layered(self, scopes: list[str], skip: frozenset[str] = frozenset()) -> Effective:
+        """The config's settings under the overrides of ``scopes`` in turn (the last one's keys in ``skip``
+        left out); an override that no longer validates falls back to the config's value alone."""
         merged = self.defaults.model_dump()
         sources = {key: "config" for key in merged}
-        scopes = [persona_scope(persona)] + ([server_scope(server_key)] if server_key else [])
         for scope in scopes:
             for key, value in (await self._scope(scope)).items():
-                if key in OVERRIDABLE:
+                if key in OVERRIDABLE and not (scope == scopes[-1] and key in skip):
                     merged[key] = value
                     sources[key] = scope
         try:
@@ -195,7 +208,7 @@ class SettingsResolver:
 
     async def set(self, scope: str, key: str, text: str, updated_by: str, *, paced: bool = False) -> Any:
         """Store an override typed as ``text``; ``paced``: only if it has updates run no more often than each
-        persona's own settings (a server admin's change, see :meth:`_check_pace`)."""
+        persona's own settings (a server's setting, see :meth:`_check_pace`)."""
         value = parse_value(key, text)
         candidate = self.defaults.model_dump() | {key: value}
         try:
@@ -211,16 +224,16 @@ class SettingsResolver:
     async def change(self, scope: str, key: str, value: str, *, bot_admin: bool, author: str) -> Change:
         """What a chat command or the web page asks: set ``key`` in ``scope``, or clear it ("default"). Raises
         :class:`NotAllowed` for what the one asking may not change (a server admin's spending or privacy
-        switch, also by clearing: the persona-wide or config value then applies; updates more often than the
-        bot's own settings), :class:`SettingError`
+        switch, also by clearing: the persona-wide or config value then applies; a server's setting that has
+        updates run more often than the bot's own, whoever asks), :class:`SettingError`
         for a value the key does not take."""
         check_may_change(key, bot_admin=bot_admin, value=value)
         if value.strip().lower() != "default":
-            return Change(stored=await self.set(scope, key, value, author, paced=not bot_admin))
+            return Change(stored=await self.set(scope, key, value, author, paced=scope.startswith("server:")))
         if key in PRIVACY_KEYS and not bot_admin and await self._on_beneath(key):
             raise NotAllowed(_PRIVACY_REFUSAL.format(key=key) + " (and back to the default switches it on here)")
-        if key in ("tiers", "frequency") and not bot_admin:  # the other one, set at the server, may decide then
-            server = await self._scope(scope)
+        if key in ("tiers", "frequency") and scope.startswith("server:"):  # the server's other one may decide then
+            server = await self.store.settings(scope)
             if problem := _more_tiers(await self._beneath(), {k: v for k, v in server.items() if k != key}):
                 raise NotAllowed(f"{key} default would have updates run more often than the bot's own settings "
                                  f"({problem}): this server's {'frequency' if key == 'tiers' else 'tiers'} would "
@@ -228,30 +241,24 @@ class SettingsResolver:
         return Change(cleared=await self.clear(scope, key))
 
     async def _check_pace(self, scope: str, key: str, value: Any, typed: str) -> None:
-        """Raise :class:`NotAllowed` when a server admin's ``value`` would have updates run more often, for some
+        """Raise :class:`NotAllowed` when a server's ``value`` would have updates run more often, for some
         persona, than that persona's own settings beneath the server (the config's, with its persona-wide
         overrides): an admin of one server (on Matrix, whoever makes a room) would otherwise spend the whole
         bot's daily budget on their server. Making updates rarer is always allowed, and so is "default"."""
         beneath = await self._beneath()
-        server = await self._scope(scope)
+        server = await self.store.settings(scope)  # not the cache: another process may have set one a moment ago
         problem = _faster(key, value, beneath, server)
         if problem:
             raise NotAllowed(f"{key} {shown(typed)} would have updates run more often than the bot's own settings "
-                             f"({problem}): each update is model calls the bot's operator pays for, so a server "
-                             "admin may make them rarer, not more frequent. The bot's admins can change that.")
+                             f"({problem}): each update is model calls the bot's operator pays for, so a server's "
+                             "settings may make them rarer, not more frequent. For more, a bot admin sets it for the "
+                             "persona everywhere (--persona).")
 
     async def _beneath(self) -> list[CortexConfig]:
         """The settings beneath any server: the config's, and each persona's with its persona-wide overrides
-        (one that no longer validates counts as the config's, as :meth:`effective` reads it)."""
-        found = [self.defaults]
-        defaults = self.defaults.model_dump()
-        for values in (await self.store.persona_overrides()).values():
-            merged = defaults | {k: v for k, v in values.items() if k in OVERRIDABLE}
-            try:
-                found.append(CortexConfig.model_validate(merged, strict=False))
-            except ValidationError:
-                continue
-        return found
+        (read as :meth:`effective` reads them)."""
+        return [self.defaults] + [(await self._layered([scope])).settings
+                                  for scope in await self.store.persona_overrides()]
 
     async def _on_beneath(self, key: str) -> bool:
         """Whether clearing a server's override of ``key`` would switch it on there for some persona: the
@@ -285,7 +292,7 @@ def _faster(key: str, value: Any, beneath: list[CortexConfig], server: dict[str,
     if key in ("context_limit", "cooldown_seconds"):
         least = max(getattr(s, key) for s in beneath)
         unit = " messages per cycle" if key == "context_limit" else " seconds"
-        return f"{key} at least {least:g}{unit}" if value < least else ""
+        return f"{key} at least {least:.10g}{unit}" if value < least else ""
     return _more_tiers(beneath, server | {key: value})
 
 
@@ -298,3 +305,18 @@ def _more_tiers(beneath: list[CortexConfig], server: dict[str, Any]) -> str:
         return ""
     most = min(over)
     return f"at most {most} tier{'s' if most != 1 else ''} per cycle here"
+
+
+def _faster_keys(server: dict[str, Any], below: CortexConfig) -> frozenset[str]:
+    """The keys of a server's overrides ``server`` that would have updates run more often than ``below`` (the
+    persona's own settings) does: left out when the server's settings are read."""
+    faster: set[str] = set()
+    if server.get("enabled") is True and not below.enabled:
+        faster.add("enabled")
+    for key in ("context_limit", "cooldown_seconds"):
+        value = server.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value < getattr(below, key):
+            faster.add(key)
+    if _more_tiers([below], {k: v for k, v in server.items() if k in ("tiers", "frequency")}):
+        faster.update({"tiers", "frequency"})
+    return frozenset(faster)

@@ -276,3 +276,17 @@ async def test_a_persona_too_big_for_a_card_is_not_exported_into_one_that_would_
         await run(app, "!persona edit boundaries Few.", ctx())
         exported = (await app.commands.dispatch("!persona export Max", ctx())).attachments[0]
         assert cards.parse_card(exported.data).name == "Max"
+
+
+async def test_a_lore_book_too_big_for_a_card_is_named_with_what_to_do(
+        tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A persona of an older version could hold more lore entries than a card takes (`!lore add` had no cap):
+    its export says so and points at `!lore remove`."""
+    monkeypatch.setenv("CB_TEST_API_KEY", "sk-test")
+    monkeypatch.setattr(cards, "MAX_LORE_ENTRIES", 1)  # what a card takes (500 in use); !lore add keeps its own
+    async with App(_config(tmp_path, fake_llm)) as app:
+        for text in ("The mill is old.", "The river is cold."):
+            assert "added" in await run(app, f"!lore add {text}", ctx())
+        reply = await app.commands.dispatch("!persona export Max", ctx())
+        assert not reply.attachments and "lore book has 2 entries; at most 1" in reply.text
+        assert "remove entries with !lore remove and export again" in reply.text

@@ -315,25 +315,26 @@ async def test_settings_are_admin_only_scoped_validated_and_shown(tmp_path: Path
 
 
 async def test_frequency_under_a_tiers_override_says_the_tiers_decide(tmp_path: Path) -> None:
-    """A server's frequency was set and the admin was told "Effective now: frequent" while a bot-wide tiers
-    override kept the plan at 95 %. (Set here by a bot admin at the server: a server admin may not make
-    updates more frequent than the bot's own settings.)"""
+    """A server's frequency was set and the admin was told "Effective now: …" while a bot-wide tiers override
+    kept the plan where it was."""
     async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
         boss = ctx("boss", admin=True, server="console:guild1", bot_admin=True)
-        await run(app, "!cortex settings tiers 95 --persona", boss)
-        said = (await run(app, "!cortex settings frequency frequent", boss)).text
-        assert "Effective now: frequent (from this server)." in said
-        assert "Tiers this cycle: 95% → message" in said and "from tiers (the persona everywhere)" in said
+        server_admin = ctx(admin=True, server="console:guild1")
+        await run(app, "!cortex settings frequency frequent --persona", boss)
+        await run(app, "!cortex settings tiers 10,50,90 --persona", boss)
+        said = (await run(app, "!cortex settings frequency rare", server_admin)).text
+        assert "Effective now: rare (from this server)." in said
+        assert "Tiers this cycle: 10% → message" in said and "from tiers (the persona everywhere)" in said
         assert "tiers none where you set frequency lets it decide there" in said
-        await run(app, "!cortex settings tiers none", boss)  # what the hint says
+        await run(app, "!cortex settings tiers none", server_admin)  # what the hint says
         plan = (await app.cortex.resolver.effective("Cora", "console:guild1")).settings.tier_percentages()
-        assert plan != (95,)
-        await run(app, "!cortex settings tiers default", boss)
+        assert plan == (95,)
+        await run(app, "!cortex settings tiers default", server_admin)
         await run(app, "!cortex settings tiers default --persona", boss)
-        said = (await run(app, "!cortex settings frequency frequent", boss)).text
+        said = (await run(app, "!cortex settings frequency medium", server_admin)).text
         plan = (await app.cortex.resolver.effective("Cora", "console:guild1")).settings.tier_percentages()
-        assert plan != (95,) and f"Tiers this cycle: {plan[0]}% → message" in said and "decide over" not in said
-        assert "decide over" in "".join((await run(app, "!cortex settings tiers 50", boss)).text)
+        assert plan == (50, 75, 95) and "Tiers this cycle: 50% → message" in said and "decide over" not in said
+        assert "decide over" in "".join((await run(app, "!cortex settings tiers 50", server_admin)).text)
 
 
 async def test_a_server_admin_may_make_updates_rarer_not_more_frequent(tmp_path: Path) -> None:
@@ -376,11 +377,18 @@ async def test_a_server_admin_may_make_updates_rarer_not_more_frequent(tmp_path:
         assert "set to off" in await said("enabled off")
         assert "set to on" in await said("enabled on")
         await run(app, "!cortex settings enabled off --persona", boss)
+        assert not (await effective()).enabled  # the server's "on", set while Cora's was on, does not undo it
         assert "updates are off bot-wide or for a persona" in await said("enabled on")
         assert "override removed" in await said("context_limit default")  # back to the bot's own: always allowed
         assert (await effective()).context_limit == 1000
-        assert "set to 4" in await said("context_limit 4", boss)  # the bot's admins decide what they pay for
+        assert "context_limit at least 1000" in await said("context_limit 4", boss)  # a server's: for anyone
+        assert "set to 4" in await said("context_limit 4 --persona", boss)  # the bot's admins decide what they pay
         assert (await effective()).context_limit == 4
+        assert "set to 2000" in await said("context_limit 2000")  # rarer than Cora's 4 and the config's 1000
+        await run(app, "!cortex settings context_limit 3000 --persona", boss)  # Cora's own, rarer still
+        now = await app.cortex.resolver.effective("Cora", "console:guild1")
+        assert now.settings.context_limit == 3000 and now.sources["context_limit"] == "persona:cora"
+        assert (await app.cortex.resolver.effective("Lena", "console:guild1")).settings.context_limit == 2000
 
 
 async def test_cortex_stats_and_help(tmp_path: Path) -> None:

@@ -577,9 +577,9 @@ async def test_an_upgrade_embeds_again_the_messages_of_channels_that_lost_some(t
         await old.db.write("UPDATE channels SET message_count = 2 WHERE id = ?", (lost.id,))
     finally:
         await old.close()
-    new = await open_storage(url)
+    new = await open_storage(url, migrations=MIGRATIONS[:19])
     try:
-        assert (await new.migrate())[:1] == [19]  # and any after it
+        assert await new.migrate() == [19]
         left = sorted(int(r[0]) for r in await new.db.fetch_all("SELECT message_id FROM message_vectors"))
         assert left == sorted(ids["console:kept"])
     finally:

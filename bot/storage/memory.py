@@ -528,6 +528,7 @@ class MemoryRepository:
         how rare it is, and the (pair, model) index answers at once."""
         _id, _vector, where, params = self._vector_where(scope)
         if self.db.dialect == "postgres":
+            assert where.endswith(" = ?"), where  # the model's condition comes last
             return await self.db.fetch_one(f"SELECT 1 {where.removesuffix('?')}{_literal(model)} LIMIT 1",
                                            params) is not None
         return await self.db.fetch_one(f"SELECT 1 {where} LIMIT 1", (*params, model)) is not None

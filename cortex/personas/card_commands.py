@@ -105,11 +105,12 @@ class CardCommands:
                 for e in await self.storage.lore.entries(persona_id)]
         data = export_card_v2(persona.name, persona.soul_sections(), lore)
         try:  # what this bot could not import again is no backup: say what stands in the way instead
-            parse_card(data)
+            await asyncio.to_thread(parse_card, data)  # (megabytes of JSON with a big lore book)
         except CardError as exc:
+            hint = (f"remove entries with {self.prefix}lore remove" if "lore" in str(exc) else
+                    "shorten it (the card's description holds every soul section without a card field of its own)")
             raise CommandError(f"{persona.name} does not fit in a character card: {exc}. Nothing was exported; "
-                               f"shorten that (the card's description holds every soul section without a card "
-                               f"field of its own) and export again") from None
+                               f"{hint} and export again") from None
         safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in persona.name)[:60] or "persona"
         return CommandReply(f"{persona.name} as a Character Card V2 ({len(lore)} lore entries).",
                             attachments=(Attachment(f"{safe}.card.json", data),), private=True)
