@@ -176,3 +176,14 @@ async def test_an_unknown_switch_before_or_after_free_text_is_refused_not_stored
     assert "has no option `--pin=yes`" in await args_of("!memory remember --pin=yes I like tea")  # a flag takes none
     assert await args_of("!memory remember '--category=x' is my password") == (  # quoted: kept as typed
         "args=[\"'--category=x' is my password\"] body=\"'--category=x' is my password\"")
+    # An option misspelled or in other case with its value after it, at the text's end, went into the text:
+    # "!lore add The mill is old. --kyes mill" stored the words "--kyes mill" and no keyword.
+    for line, typed in (("I like tea --categroy preference", "--categroy"), ("I like tea --Category preference",
+                                                                            "--Category")):
+        said = await args_of(f"!memory remember {line}")
+        assert said.startswith(f"!memory remember has no option `{typed}` (did you mean --category?)"), said
+        assert "args=" not in said
+    assert await args_of("!memory remember make takes --verbose output") == (  # no option of this command's
+        "args=['make takes --verbose output'] body='make takes --verbose output'")
+    assert await args_of('!memory remember "I like tea --categroy preference"') == (  # quoted: the text
+        "args=['I like tea --categroy preference'] body='I like tea --categroy preference'")

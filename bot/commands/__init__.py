@@ -34,6 +34,19 @@ QUOTES = {"'": "'", '"': '"', "\u201c": "\u201d", "\u2018": "\u2019", "\u201e": 
 MAX_NUMBER = 2**31 - 1  # ids, versions and pages fit every engine's integer columns
 
 
+def _misspelled_option(tokens: Sequence[Token], options: set[str]) -> None:
+    """Refuse a text's last-but-one word when it is an option misspelled or in other case, with its value
+    after it ("… --kyes mill", "… --Keys mill"): it would have gone into the text, silently. Any other
+    dashed word there stays the text's ("takes --verbose output")."""
+    for token in tokens:
+        name = token.value
+        if _SWITCH.fullmatch(name) and token.end - token.start == len(name) and name not in options:
+            near = difflib.get_close_matches(name.lower(), sorted(options), n=1, cutoff=0.75)
+            if near:
+                raise CommandError(f"no option {shown(name)} (did you mean {near[0]}?); to keep it in the text, "
+                                   "put the text in quotes")
+
+
 def parse_number(text: str, what: str, *, prefix: str = "", minimum: int = 1) -> int:
     """A positive whole number a user typed (``12``, ``#12``, ``v3`` with ``prefix``), or a
     :class:`CommandError` saying what was expected: only ASCII digits (``²`` is not a number),
@@ -255,6 +268,7 @@ class Command:
                 near = difflib.get_close_matches(edge.value.partition("=")[0], sorted(flags | options), n=1)
                 raise CommandError(f"no option {shown(edge.value)}" + (f" (did you mean {near[0]}?)" if near else "")
                                    + "; a text that starts or ends with it goes in quotes")
+        _misspelled_option(tokens[start + 1:end][-2:-1], options)
         inline = line[tokens[start].start:tokens[end - 1].end] if end > start else ""
         if end - start == 1 and len(inline) == len(tokens[start].value) + 2:  # all of it in quotes: what is inside
             inline = tokens[start].value
