@@ -700,7 +700,29 @@ class MemoryRepository:
             self._vector_indexes.add(dims)
             for table, _column in VECTOR_TABLES:
                 self._index_plans.pop((table, dims), None)  # the next search looks again
+            await self._prewarm(dims)
             await self._drop_full_indexes(dims)
+
+    async def _prewarm(self, dims: int) -> None:
+        """Load the HNSW indexes into PostgreSQL's buffers, once a process finds them ready (built now, or at
+        its start), when the ``pg_prewarm`` extension is installed and an index fits in half of the buffers.
+        Right after a build or a server restart, a search of a large index otherwise reads its pages from
+        disk: at 1M items, the first 300 searches had a p95 of 19–20 ms, against 8–10 ms once warm. Loading
+        one of 1.3 GB takes seconds; a failure only costs the warm start."""
+        try:
+            if await self.db.fetch_one("SELECT 1 FROM pg_extension WHERE extname = 'pg_prewarm'") is None:
+                return
+            for table, _column in VECTOR_TABLES:
+                name = _index_name(table, dims)
+                row = await self.db.fetch_one("SELECT pg_relation_size(to_regclass(?)),"
+                                              " pg_size_bytes(current_setting('shared_buffers'))", (name,))
+                if row is None or row[0] is None or int(row[0]) > int(row[1]) // 2:
+                    continue
+                loaded = await self.db.fetch_one("SELECT pg_prewarm(to_regclass(?))", (name,))
+                log.info("loaded the vector index %s into PostgreSQL's buffers (%d blocks, pg_prewarm)", name,
+                         int(loaded[0]) if loaded else 0)
+        except Exception as exc:  # (a missing privilege, a pool closing): searches read from disk until warm
+            log.warning("could not load the vector indexes into PostgreSQL's buffers (pg_prewarm): %s", exc)
 
     async def _drop_full_indexes(self, dims: int) -> None:
         """Drop the full-precision HNSW indexes an older cortex-bot built, once the half-precision ones are
