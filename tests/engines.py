@@ -6,7 +6,12 @@ on the session's real PostgreSQL; their helpers build configs with :func:`db_url
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bot.storage import Storage
 
 ENGINES = ("sqlite", "postgres")
 _current: dict[str, str] = {}
@@ -23,3 +28,17 @@ def use(url: str | None) -> None:
 def db_url_for(tmp_path: Path, name: str = "bot.db") -> str:
     """The running test's database: its PostgreSQL database, or a SQLite file in ``tmp_path``."""
     return _current.get("url") or f"sqlite:///{tmp_path / name}"
+
+
+async def index_scans(storage: Storage, name: str, above: int = -1) -> int:
+    """PostgreSQL's count of scans of index ``name``, waiting (up to 10 s) for more than ``above``: each
+    backend reports its counts on its own, within a second or so."""
+    count = 0
+    for _ in range(100):
+        row = await storage.db.fetch_one(
+            "SELECT coalesce(sum(idx_scan), 0) FROM pg_stat_user_indexes WHERE indexrelname = ?", (name,))
+        count = int(row[0]) if row else 0
+        if count > above:
+            return count
+        await asyncio.sleep(0.1)
+    return count

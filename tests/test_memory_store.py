@@ -20,7 +20,7 @@ from cortex.memory.embedders import HashEmbedder
 from cortex.memory.embedding import EmbeddingService, message_model
 from cortex.memory.store import Hit, MemoryError, MemoryStore, Weights, fts_query, says_name
 from cortex.memory.vectors import VectorIndex, vector_search
-from tests.engines import db_url_for
+from tests.engines import db_url_for, index_scans
 from tests.fakes.provider import ScriptedProvider
 
 pytestmark = pytest.mark.both_engines
@@ -657,9 +657,9 @@ async def test_a_pairs_pinned_items_are_read_without_going_through_its_other_ite
         async def work() -> int:
             if app.storage.db.dialect == "postgres":
                 await app.storage.db.write("ANALYZE memory_items")
-                before = await _index_scans(app, "memory_items_pinned")
+                before = await index_scans(app.storage, "memory_items_pinned")
                 assert [i.content for i in await memory.pinned(pair.id, 100)] == ["pinned 1", "pinned 2", "pinned 0"]
-                return await _index_scans(app, "memory_items_pinned", above=before) - before
+                return await index_scans(app.storage, "memory_items_pinned", above=before) - before
             steps = 0
 
             def step() -> int:
@@ -684,16 +684,3 @@ async def test_a_pairs_pinned_items_are_read_without_going_through_its_other_ite
         else:
             assert many < few * 2, (few, many)  # a scan of the pair's items: about 40 times the steps
 
-
-async def _index_scans(app: App, name: str, above: int = -1) -> int:
-    """PostgreSQL's count of scans of index ``name``, waiting (up to 10 s) for more than ``above``: each
-    backend reports its counts on its own, within a second or so."""
-    count = 0
-    for _ in range(100):
-        row = await app.storage.db.fetch_one(
-            "SELECT coalesce(sum(idx_scan), 0) FROM pg_stat_user_indexes WHERE indexrelname = ?", (name,))
-        count = int(row[0]) if row else 0
-        if count > above:
-            return count
-        await asyncio.sleep(0.1)
-    return count

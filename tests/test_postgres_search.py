@@ -18,6 +18,7 @@ from bot.storage import Storage, open_storage
 from bot.storage.memory import STATS_MIN_ROWS, TYPICAL_SAMPLE, ItemScope, MemoryRepository, MessageScope
 from bot.storage.spread import TTL as SPREAD_TTL
 from bot.storage.spread import Spread, Spreads
+from tests.engines import index_scans
 
 DIMS = 384
 MODEL = "e5-test"
@@ -307,19 +308,6 @@ async def test_an_index_another_process_is_building_is_left_to_it(pg: Storage, p
     assert again is not None and again[1] and first is not None and again[0] != first[0]
 
 
-async def _index_scans(pg: Storage, name: str, above: int = -1) -> int:
-    """How many scans PostgreSQL counted of index ``name``, waiting (up to 10 s) for more than ``above``: each
-    backend reports its counts on its own, within a second or so."""
-    for _ in range(100):
-        row = await pg.db.fetch_one("SELECT coalesce(sum(idx_scan), 0) FROM pg_stat_user_indexes"
-                                    " WHERE indexrelname = ?", (name,))
-        count = int(row[0]) if row else 0
-        if count > above:
-            return count
-        await asyncio.sleep(0.1)
-    return count
-
-
 async def test_a_database_with_an_older_versions_full_precision_index_searches_by_it_until_the_new_one_is_ready(
         pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """What an upgrade meets: the index of cortex-bot before half precision (full-precision vectors, another
@@ -338,14 +326,14 @@ async def test_a_database_with_an_older_versions_full_precision_index_searches_b
         await pg.db.write("ANALYZE memory_items")
         top = await pg.memory.vector_top(ItemScope(pair), MODEL, vectors[-1], 5)
         assert len(top) == 5
-        assert await _index_scans(pg, old, above=0) >= 1  # by the old index, not by reading every row
+        assert await index_scans(pg, old, above=0) >= 1  # by the old index, not by reading every row
         await pg.memory.ensure_vector_index(DIMS)  # the backfill, once it runs
         assert await _index_state(pg, old) is None  # dropped
         state = await _index_state(pg, new)
         assert state is not None and state[1]
-        before = await _index_scans(pg, new)
+        before = await index_scans(pg, new)
         assert await pg.memory.vector_top(ItemScope(pair), MODEL, vectors[-1], 5) == top  # the same neighbours
-        assert await _index_scans(pg, new, above=before) > before  # now by the new index
+        assert await index_scans(pg, new, above=before) > before  # now by the new index
     finally:
         await pg.close()
 
@@ -397,10 +385,10 @@ async def test_a_scope_without_vectors_of_the_model_is_told_by_its_index_at_ever
     await _items(pg, pair, [f"item {n}" for n in range(3000)], rng.standard_normal((3000, DIMS)).astype(np.float32))
     await pg.db.write("ANALYZE memory_items")
     repo = MemoryRepository(pg.db)
-    before = await _index_scans(pg, "memory_items_by_pair_model")
+    before = await index_scans(pg, "memory_items_by_pair_model")
     for _ in range(30):
         assert not await repo.has_vectors(ItemScope(pair), "another-model")
-    assert await _index_scans(pg, "memory_items_by_pair_model", above=before + 29) == before + 30
+    assert await index_scans(pg, "memory_items_by_pair_model", above=before + 29) == before + 30
     assert await repo.has_vectors(ItemScope(pair), MODEL)  # (the common one: its first row answers)
 
 
