@@ -726,6 +726,9 @@ async def main() -> None:
     parser.add_argument("--pg-setting", action="append", default=[], metavar="KEY=VALUE",
                         help="a setting of the temporary PostgreSQL server (default: "
                              + ", ".join(f"{k}={v}" for k, v in PG_SETTINGS.items()) + ")")
+    parser.add_argument("--pg-extension", action="append", default=[], metavar="NAME",
+                        help="an extension the temporary PostgreSQL's databases get besides vector (e.g. pg_prewarm, "
+                             "which the bot then uses to load a built index into the buffers)")
     parser.add_argument("--pg-option", action="append", default=[], metavar="KEY=VALUE",
                         help="PostgreSQL: a setting of every connection of the bot's pool (e.g. hnsw.ef_search=200)")
     parser.add_argument("--vectors", choices=["noise", "mix"], default="noise",
@@ -750,13 +753,15 @@ async def main() -> None:
                  if target.spec == "postgres" else "")
         if target.kind == "postgres" and args.pg_option:
             extra += f"; connection settings: {', '.join(args.pg_option)}"
+        if target.spec == "postgres" and args.pg_extension:
+            extra += f"; extensions besides vector: {', '.join(args.pg_extension)}"
         print(f"engine {target.label}: {target.where}{extra}")
     print(f"item vectors: {args.vectors} ("
           + ("variants = their real text's vector + noise: near-duplicate clusters" if args.vectors == "noise" else
              f"variants = {1 - MIX:g} × their real text's vector + {MIX:g} × another's + noise") + ")")
     started = time.perf_counter()
     results = []
-    with Targets(targets, pg_settings=settings) as where:
+    with Targets(targets, pg_settings=settings, pg_extensions=tuple(args.pg_extension)) as where:
         for size in args.sizes:
             for target in targets:
                 url = await where.url(target, f"search_{size}")

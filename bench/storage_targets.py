@@ -87,11 +87,14 @@ def parse_targets(values: list[str]) -> list[Target]:
 class Targets:
     """Hands out fresh databases of the asked engines; starts a temporary PostgreSQL only if asked for.
 
-    ``pg_settings`` are server settings of the temporary PostgreSQL server (``-c key=value``)."""
+    ``pg_settings`` are server settings of the temporary PostgreSQL server (``-c key=value``), and
+    ``pg_extensions`` extensions its databases get besides ``vector`` (``pg_prewarm``, as an operator installs it)."""
 
-    def __init__(self, targets: list[Target], *, pg_settings: dict[str, str] | None = None) -> None:
+    def __init__(self, targets: list[Target], *, pg_settings: dict[str, str] | None = None,
+                 pg_extensions: tuple[str, ...] = ()) -> None:
         self.targets = targets
         self.pg_settings = dict(pg_settings or {})
+        self.pg_extensions = pg_extensions  # installed in each database of the temporary server, beside vector
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._server: PostgresServer | None = None
 
@@ -136,7 +139,8 @@ class Targets:
         db_name = self._db_name(name)
         if target.spec == "postgres":
             assert self._server is not None
-            return await asyncio.to_thread(self._server.create_database, db_name)
+            return await asyncio.to_thread(self._server.create_database, db_name,
+                                           extensions=("vector", *self.pg_extensions))
         import asyncpg
 
         conn = await asyncpg.connect(target.spec)
