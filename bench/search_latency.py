@@ -50,11 +50,13 @@ its first size, and PostgreSQL against SQLite at each size (same process, same q
 
 ``--vectors mix`` blends each variant's vector with another real text's (0.7/0.3) before the noise, so
 the items spread between the real vectors instead of forming tight clusters; ``--pg-option KEY=VALUE``
-sets a PostgreSQL setting on every connection of the bot's pool (e.g. ``hnsw.ef_search=200``).
+sets a PostgreSQL setting on every connection of the bot's pool (e.g. ``hnsw.ef_search=200``);
+``--pg-extension pg_prewarm`` installs that extension in the temporary server's databases, as an operator
+would, so the bot loads the index it built into the buffers before the searches.
 
     python bench/search_latency.py [--storage sqlite postgres] [--sizes 10000 100000] [--queries 300]
         [--real 2000] [--exact-checks 3] [--vectors noise|mix] [--pg-setting KEY=VALUE ...]
-        [--pg-option KEY=VALUE ...] [--json]
+        [--pg-option KEY=VALUE ...] [--pg-extension NAME ...] [--json]
 """
 
 from __future__ import annotations
