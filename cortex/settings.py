@@ -286,14 +286,17 @@ def _tier_count(settings: CortexConfig, over: dict[str, Any]) -> int:
 
 def _faster(key: str, value: Any, beneath: list[CortexConfig], server: dict[str, Any]) -> str:
     """Why ``value`` for ``key`` at a server would make updates more frequent than some persona's own settings
-    in ``beneath`` (given the server's other overrides), or "" when it does not."""
+    in ``beneath`` (given the server's other overrides), or "" when it does not: the rule of
+    :func:`_faster_keys`, which reading the settings applies, said with the least value allowed."""
+    over = [s for s in beneath if key in _faster_keys(server | {key: value}, s)]
+    if not over:
+        return ""
     if key == "enabled":
-        return "updates are off bot-wide or for a persona" if value and not all(s.enabled for s in beneath) else ""
+        return "updates are off bot-wide or for a persona"
     if key in ("context_limit", "cooldown_seconds"):
-        least = max(getattr(s, key) for s in beneath)
         unit = " messages per cycle" if key == "context_limit" else " seconds"
-        return f"{key} at least {least:.10g}{unit}" if value < least else ""
-    return _more_tiers(beneath, server | {key: value})
+        return f"{key} at least {max(getattr(s, key) for s in over):.10g}{unit}"
+    return _more_tiers(over, server | {key: value})
 
 
 def _more_tiers(beneath: list[CortexConfig], server: dict[str, Any]) -> str:
