@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from bot.storage import Storage
+from bot.storage.personas import NewLore
 
 
 async def test_texts_are_versioned_and_the_newest_is_live(storage: Storage) -> None:
@@ -45,3 +46,18 @@ async def test_persona_rows_are_created_once_hidden_and_revived(storage: Storage
     assert await repo.get_persona("Lena") is None and await repo.list_personas() == []
     revived = await repo.create_persona("LENA", "French", {}, "chat", "french")
     assert revived is not None and revived.id == made.id and revived.language == "French"
+
+
+async def test_concurrent_capped_lore_adds_never_pass_the_cap(storage: Storage) -> None:
+    """The cap was checked, then the entry written: two `!lore add` at once (two admins, two processes,
+    PostgreSQL's pooled connections) could both pass a count of 499 and leave 501 entries."""
+    persona = await storage.personas.create_persona("Cora", "English", {}, "chat", "english")
+    other = await storage.personas.create_persona("Max", "English", {}, "chat", "english")
+    assert persona is not None and other is not None
+    await storage.lore.add(other.id, [NewLore("Max's own.")] * 3, source="chat", author="x")
+    adds = [storage.lore.add_capped(persona.id, NewLore(f"entry {i}"), source="chat", author=f"u{i}", cap=4)
+            for i in range(12)]
+    ids = await asyncio.gather(*adds)
+    assert sum(i is not None for i in ids) == 4  # the cap counts Cora's entries, not Max's
+    assert len(await storage.lore.entries(persona.id)) == 4
+    assert await storage.lore.add_capped(other.id, NewLore("one more"), source="chat", author="x", cap=4) is not None

@@ -234,6 +234,14 @@ class Migration:
         return self.sqlite
 
 
+async def serialise(db: Database, tx: Tx, key: str) -> None:
+    """Make transactions that call this with the same ``key`` run one after the other, so that a count
+    checked in one still holds when it writes (a cap, a daily limit). SQLite's transactions already do
+    (``BEGIN IMMEDIATE``); on PostgreSQL it takes an advisory lock held until the transaction ends."""
+    if db.dialect == "postgres":
+        await tx.execute("SELECT pg_advisory_xact_lock(hashtextextended(CAST(? AS TEXT), 0))", (key,))
+
+
 def multi_row(sql: str, rows: Sequence[Sequence[Any]]) -> tuple[str, list[Any]]:
     """``INSERT … VALUES (?, …) [ON CONFLICT …]`` for one row as one statement inserting ``rows``, with their
     values."""

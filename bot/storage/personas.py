@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
-from bot.storage.engine import Database, Row, is_conflict
+from bot.storage.engine import Database, Row, is_conflict, serialise
 from bot.storage.rows import dt
 from bot.text import name_key
 
@@ -307,6 +307,18 @@ class LoreRepository:
                 assert row is not None
                 ids.append(int(row[0]))
         return ids
+
+    async def add_capped(self, persona_id: int, entry: NewLore, *, source: str, author: str, cap: int) -> int | None:
+        """Add one entry while the persona has fewer than ``cap``: its id, or None at the cap. Two adds at
+        once (two admins, two processes) are counted one after the other."""
+        async with self.db.transaction() as tx:
+            await serialise(self.db, tx, f"lore-cap:{persona_id}")
+            held = await tx.fetch_one("SELECT count(*) FROM lore_entries WHERE persona_id = ?", (persona_id,))
+            if held is not None and int(held[0]) >= cap:
+                return None
+            row = await tx.fetch_one(*_lore_insert(persona_id, entry, source, author, time.time()))
+        assert row is not None
+        return int(row[0])
 
     async def remove(self, persona_id: int, entry_id: int) -> bool:
         """Delete one entry; False when the persona has no such entry."""

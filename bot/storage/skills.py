@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bot.storage.engine import Database
+from bot.storage.engine import Database, serialise
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +64,7 @@ class SkillAuditRepository:
         replies, two processes) are counted one after the other: SQLite's write lock, on PostgreSQL an
         advisory lock on the user and skill."""
         async with self.db.transaction() as tx:
-            if self.db.dialect == "postgres":
-                await tx.execute("SELECT pg_advisory_xact_lock(hashtextextended(CAST(? AS TEXT), 0))",
-                                 (f"skill-limit:{row.user_key}:{row.skill}",))
+            await serialise(self.db, tx, f"skill-limit:{row.user_key}:{row.skill}")
             made = await tx.fetch_one(
                 "SELECT COUNT(*) FROM skill_executions WHERE user_key = ? AND skill = ? AND created_at >= ?",
                 (row.user_key, row.skill, since))

@@ -190,11 +190,12 @@ class LoreCommands:
         new = NewLore(given.text, given.keys or (), given.and_keys or (), always_on=bool(given.always),
                       priority=given.priority or 0)
         persona_id = self._persona_id(ctx)
-        if len(await self.storage.lore.entries(persona_id)) >= MAX_LORE_ENTRIES:
+        entry_id = await self.storage.lore.add_capped(persona_id, new, source="chat", author=ctx.user_key,
+                                                     cap=MAX_LORE_ENTRIES)
+        if entry_id is None:
             raise CommandError(f"{ctx.persona} has {MAX_LORE_ENTRIES} lore entries, as many as a character card holds "
                                f"(and {self.prefix}persona export writes one): remove one first "
                                f"({self.prefix}lore remove <id>)")
-        [entry_id] = await self.storage.lore.add(persona_id, [new], source="chat", author=ctx.user_key)
         await self._changed()
         also = f" with one of {', '.join(new.secondary_keys)}" if new.secondary_keys else ""
         how = ("in every reply" if new.always_on else f"when {', '.join(new.keys)} come up{also}" if new.keys
