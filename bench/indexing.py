@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ from bench.core_overhead import InstantProvider  # noqa: E402
 from bench.locomo_retrieval import Conversation, load, store_turns  # noqa: E402
 from bot.app import App  # noqa: E402
 from bot.config import parse_config  # noqa: E402
-from cortex.memory.embedders import E5SmallEmbedder, Embedder, normalize  # noqa: E402
+from cortex.memory.embedders import E5SmallEmbedder, Embedder, Vectors, normalize  # noqa: E402
 from cortex.memory.embedding import build_embedders  # noqa: E402
 
 DATA = Path(__file__).with_name("data")
@@ -68,7 +69,7 @@ class CEngine:
         self._set_threads, self.threads = set_threads, threads
         self._lock = threading.Lock()
 
-    def embed(self, texts: list[str]) -> Any:
+    def embed(self, texts: Sequence[str]) -> Vectors:
         with self._lock:
             self._set_threads(self.threads)
             return normalize(self.model.passage([self._fit(t) for t in texts]))

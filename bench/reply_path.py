@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -71,7 +71,8 @@ async def setup(app: App, items: int, history: int) -> None:
     for n in range(items):
         await app.cortex.memory.remember(pair, fact(n))
     for n in range(history):
-        role, author = ("user", "Ann") if n % 2 == 0 else ("assistant", "Cora")
+        role: Literal["user", "assistant"] = "user" if n % 2 == 0 else "assistant"
+        author = "Ann" if role == "user" else "Cora"
         text = fact(n + items) if role == "user" else "How lovely, tell me more about it."
         await app.storage.add_message(channel.id, user.id, "Cora", role, author, text, 20)
     embeddings = app.cortex.embeddings

@@ -96,7 +96,7 @@ def say(kind: str, **fields: Any) -> None:
 
 
 async def read_command() -> list[str]:
-    line = await asyncio.to_thread(sys.stdin.readline)
+    line: str = await asyncio.to_thread(sys.stdin.readline)
     return line.split()
 
 

@@ -650,11 +650,11 @@ def print_report(results: list[dict[str, Any]], state: dict[str, Any], args: arg
                   f"vec p50 ×{ratio['vec_p50']:.2f}   e2e p50 ×{ratio['e2e_p50']:.2f} p95 ×{ratio['e2e_p95']:.2f}")
     sqlite_rows = {r["size"]: r for r in results if r["kind"] == "sqlite"}
     for r in pg:
-        base = sqlite_rows.get(r["size"])
-        if base is None:
+        sqlite = sqlite_rows.get(r["size"])
+        if sqlite is None:
             continue
-        key = f"{r['engine']}/{base['engine']} {r['size']}"
-        ratios[key] = {f"{part}_{q}": r[part][q] / base[part][q] for part in ("search", "vec", "e2e")
+        key = f"{r['engine']}/{sqlite['engine']} {r['size']}"
+        ratios[key] = {f"{part}_{q}": r[part][q] / sqlite[part][q] for part in ("search", "vec", "e2e")
                        for q in ("p50", "p95")}
         ratio = ratios[key]
         print(f"ratio {key}: search p50 ×{ratio['search_p50']:.2f} p95 ×{ratio['search_p95']:.2f}   "

@@ -29,7 +29,8 @@ import numpy.typing as npt
 
 from bot.storage.core import Storage
 from bot.storage.memory import ItemScope, MessageScope, VectorScope
-from cortex.memory.sketch import REBUILD_GROWTH, SHORTLIST, SKETCH_ABOVE, Sketch
+from cortex.memory.sketch import REBUILD_GROWTH, SHORTLIST, Sketch
+from cortex.memory.sketch import SKETCH_ABOVE as SKETCH_ABOVE  # read here at each search: the bench sets it
 
 log = logging.getLogger(__name__)
 
