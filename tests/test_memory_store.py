@@ -613,6 +613,40 @@ async def test_the_query_is_embedded_while_the_full_text_part_runs(tmp_path: Pat
         await app.stop()
 
 
+async def test_the_vector_part_is_started_before_the_full_text_part(tmp_path: Path) -> None:
+    """The vector part is the longer one (PostgreSQL's k-NN walk: ~5 ms at 1M items, the full-text query
+    ~0.5 ms). Started second, its statement waited for the other's to be sent: 0.45 ms on every search."""
+    app, store, users, clock = await _setup(tmp_path)
+    try:
+        pair = users["ann"][1].id
+        embedder = HashEmbedder()
+        index = vector_search(app.storage, embedder.name, message_model=message_model(embedder.name), max_vectors=1000)
+        service = EmbeddingService(app.storage, embedder, embedder, index, app.config.memory)
+        vstore = MemoryStore(app.storage, clock=clock, embeddings=service)
+        lisbon = await vstore.remember(pair, "Ann's favourite city is Lisbon")
+        await service.backfill()
+        started: list[str] = []
+
+        def recording(name: str, call: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+            async def recorded(*args: Any, **kwargs: Any) -> Any:
+                started.append(name)
+                return await call(*args, **kwargs)
+            return recorded
+
+        vstore.repo.item_text_candidates = recording("text", vstore.repo.item_text_candidates)  # type: ignore[method-assign]
+        vstore.repo.vector_top_items = recording("vector", vstore.repo.vector_top_items)  # type: ignore[method-assign]
+        index.top = recording("vector", index.top)  # type: ignore[method-assign]
+        query = "Lisboa favourite"
+        vector = await service.embed_query(query)
+        await vstore.search(pair, query, query_vector=vector)  # the first reads what later ones keep
+        started.clear()
+        hits = await vstore.search(pair, query, query_vector=vector)
+        assert started == ["vector", "text"]
+        assert hits and hits[0].id == lisbon.id and hits[0].signals["vector"] > 0
+    finally:
+        await app.stop()
+
+
 async def test_a_reply_reads_a_bounded_number_of_pinned_items(tmp_path: Path) -> None:
     """5,000 pinned items (as an import could bring) were all read and token-counted in every reply: half a
     second of the event loop each time."""
