@@ -206,3 +206,30 @@ class _StatusSink:
 
     async def edit(self, handle: int, text: str) -> None:
         self.messages[handle] = text
+
+
+def test_rate_limiter_forgets_idle_users_and_keeps_limiting_busy_ones_among_many() -> None:
+    clock = Clock()
+    limiter = RateLimiter(2, clock=clock)
+    for number in range(30_000):  # a large bot's minute: each user sends once
+        assert limiter.check(f"user{number}") == 0.0
+    clock.now = 30.0
+    assert limiter.check("user5") == 0.0
+    assert limiter.check("user5") == pytest.approx(30.0)  # two in the window: the third waits
+    clock.now = 60.5  # every other user's one send left the window
+    assert limiter.check("ann") == 0.0
+    assert set(limiter._seen) == {"user5", "ann"}  # the idle ones were dropped, at this one check
+    assert limiter.check("user5") == 0.0  # its first send left the window; its second still counts
+    assert limiter.check("user5") == pytest.approx(30.0 - 0.5)
+
+
+def test_rate_limiter_tells_each_user_once_per_wait_and_forgets_those_whose_wait_ended() -> None:
+    clock = Clock()
+    limiter = RateLimiter(1, clock=clock)
+    assert limiter.tell("ann", 10.0) and not limiter.tell("ann", 10.0)
+    assert limiter.tell("bob", 60.0)
+    clock.now = 10.0
+    assert limiter.tell("ann", 5.0)  # her wait ended: told again
+    clock.now = 61.0
+    assert limiter.tell("cy", 1.0)
+    assert set(limiter._told) == {"cy"}  # ann's and bob's waits ended: forgotten
