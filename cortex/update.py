@@ -40,6 +40,7 @@ MIN_MESSAGES = 4
 PROMPT_OVERHEAD = 1_500  # tokens of an update's system prompt and tool definitions, for the first round's estimate
 MAX_CALLS_PER_TURN = 25  # tool calls of one model turn that run; the rest are refused (each result costs input)
 RESULT_CHARS_PER_TOKEN = 3  # a tool result's cost in the next round's input, counted generously
+BUDGETS = {"pair": "this pair's daily token budget", "bot": "the bot's daily cortex token budget"}
 CUT_OFF = CUT_OFF_CALL + " Write one file per turn, and keep it shorter."  # (running it would save half a file)
 
 
@@ -76,9 +77,6 @@ class CortexUpdater:
         self.llm = llm
         self.estimator = estimator
         self._temperature_rejected: set[str] = set()  # models that refused a temperature
-        # A budget check and the reservation of the round it lets through go together: this process's
-        # concurrent updates cannot all pass the check before any of them has counted its round.
-        self._reserving = asyncio.Lock()
 
     async def guard(self, pair: Pair, settings: CortexConfig, *, job_id: int | None = None) -> str | None:
         """Why an update of ``pair`` must not run now, or None."""
@@ -265,13 +263,15 @@ class CortexUpdater:
                        next_round: int) -> str | None:
         """Which daily budget the next round (its input estimated at ``next_round`` tokens, its answer at
         most ``max_tokens``) would exceed; else count that as spent at once (the call's real figures replace
-        it), so that the checks of updates running meanwhile, here or in another process, see it."""
-        async with self._reserving:
-            spent = await self._budget_spent(pair, settings, next_round=next_round + settings.max_tokens)
-            if spent is None:
-                await self.store.record_progress(run_id, totals[0], totals[1] + next_round,
-                                                 totals[2] + settings.max_tokens)
-            return spent
+        it), so that the checks of updates running meanwhile, here or in another process, see it. The check
+        and the count are one step for the whole fleet: two processes cannot both take the budget's last
+        round."""
+        over = await self.store.reserve(
+            run_id, pair.id, utc_midnight(time.time()),
+            (totals[0], totals[1] + next_round, totals[2] + settings.max_tokens),
+            cost=next_round + settings.max_tokens, pair_budget=settings.daily_token_budget,
+            bot_budget=settings.bot_daily_token_budget)
+        return None if over is None else BUDGETS[over]
 
     async def _budget_spent(self, pair: Pair, settings: CortexConfig, *, next_round: int = 0) -> str | None:
         """Which daily budget (the pair's or the bot's) today's recorded spending plus what the next round
@@ -279,10 +279,10 @@ class CortexUpdater:
         midnight = utc_midnight(time.time())
         if settings.daily_token_budget and (
                 await self.store.tokens_since(midnight, pair.id) + next_round > settings.daily_token_budget):
-            return "this pair's daily token budget"
+            return BUDGETS["pair"]
         if settings.bot_daily_token_budget and (
                 await self.store.tokens_since(midnight) + next_round > settings.bot_daily_token_budget):
-            return "the bot's daily cortex token budget"
+            return BUDGETS["bot"]
         return None
 
     async def _call(

@@ -475,6 +475,40 @@ async def test_spending_counts_in_the_database_as_it_happens(
         assert await app.cortex.store.tokens_since(0) < 5000 + 3110  # overshoot bounded by one round
 
 
+async def test_two_processes_cannot_both_take_the_last_round_of_the_budget(
+    tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The budget has room for one round: two processes whose updates start at the same moment both pass
+    the first check, and the reservation of the round lets exactly one of them call the model."""
+    monkeypatch.setenv(KEY_ENV, "test-key")
+    config = _config(tmp_path, fake_llm, bot_daily_token_budget=3000, max_tokens=256)
+    async with App(config) as app, App(config) as other:  # two processes on one database
+        await _talk(app, CONVERSATION)
+        await _talk(other, CONVERSATION, user="bob")
+        ann, bob = await _pair(app), await _pair(other, "bob")
+        settings = (await app.cortex.resolver.effective("Cora")).settings
+        fake_llm.enqueue(FakeResponse.text("nothing new", input_tokens=10, output_tokens=5, delay=0.3))
+        outcomes = await asyncio.gather(app.cortex.updater.run(ann, "50", settings),
+                                        other.cortex.updater.run(bob, "50", settings))
+        assert len(cortex_requests(fake_llm)) == 1
+        # The other was stopped by the reservation, or, had the first reserved before its start, skipped.
+        assert sorted(o.status for o in outcomes) in (["failed", "success"], ["skipped", "success"])
+        refused = next(o for o in outcomes if o.status != "success")
+        assert "the bot's daily cortex token budget would run out" in refused.reason
+        assert await app.cortex.store.tokens_since(0) == 15  # the winner's real figures replaced its estimate
+
+        async def reserve(store: Any, run_id: int) -> str | None:
+            return await store.reserve(run_id, ann.id, 0.0, (1, 900, 100), cost=1000, pair_budget=0,
+                                       bot_budget=6015)
+
+        runs = [await store.start_run(ann.id, None, "manual") for store in (app.cortex.store, other.cortex.store)
+                for _ in range(5)]
+        stores = [app.cortex.store] * 5 + [other.cortex.store] * 5
+        refusals = await asyncio.gather(*(reserve(store, run) for store, run in zip(stores, runs, strict=True)))
+        assert sorted(refusals, key=str) == [None] * 6 + ["bot"] * 4  # 15 + 6 × 1,000 fit in 6,015 tokens
+        assert await app.cortex.store.tokens_since(0) == 6015
+
+
 async def test_a_file_cannot_be_whittled_down_or_rewritten_without_end(app: App, fake_llm: FakeLLMServer) -> None:
     await _talk(app, CONVERSATION)
     pair = await _pair(app)

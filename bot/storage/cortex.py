@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from bot import metrics
 from bot.storage.base import StoredMessage, User
-from bot.storage.engine import Database, Tx, is_conflict, stale_if_missing
+from bot.storage.engine import Database, Tx, is_conflict, serialise, stale_if_missing
 from bot.storage.incognito import not_incognito
 from bot.storage.rows import MESSAGE_COLUMNS, message_from_row
 
@@ -404,6 +404,26 @@ class CortexRepository:
             "UPDATE cortex_runs SET rounds = ?, input_tokens = ?, output_tokens = ? WHERE id = ?",
             (rounds, input_tokens, output_tokens, run_id),
         )
+
+    async def reserve(self, run_id: int, pair_id: int, since: float, spent: tuple[int, int, int], *, cost: int,
+                      pair_budget: int, bot_budget: int) -> Literal["pair", "bot"] | None:
+        """Which daily budget (the pair's or the bot's tokens since ``since``; 0: none) ``cost`` more tokens
+        would exceed; else record ``spent`` (rounds, input and output tokens, the ``cost`` counted in them) as
+        the run's progress. Checked and
+        written in one transaction that every process's reservations take in turn: two processes checking
+        at once would each see the other's round as not spent yet."""
+        async with self.db.transaction() as tx:
+            await serialise(self.db, tx, "cortex-budget")
+            total = "SELECT coalesce(sum(input_tokens + output_tokens), 0) FROM cortex_runs WHERE started_at >= ?"
+            for budget, which, params in ((pair_budget, "pair", (since, pair_id)), (bot_budget, "bot", (since,))):
+                if not budget:
+                    continue
+                row = await tx.fetch_one(total + (" AND pair_id = ?" if which == "pair" else ""), params)
+                if (int(row[0]) if row else 0) + cost > budget:
+                    return "pair" if which == "pair" else "bot"
+            await tx.execute("UPDATE cortex_runs SET rounds = ?, input_tokens = ?, output_tokens = ? WHERE id = ?",
+                             (*spent, run_id))
+        return None
 
     async def record_skip(self, pair_id: int, job_id: int | None, tier: str, reason: str) -> int:
         now = time.time()
