@@ -61,3 +61,15 @@ async def test_concurrent_capped_lore_adds_never_pass_the_cap(storage: Storage) 
     assert sum(i is not None for i in ids) == 4  # the cap counts Cora's entries, not Max's
     assert len(await storage.lore.entries(persona.id)) == 4
     assert await storage.lore.add_capped(other.id, NewLore("one more"), source="chat", author="x", cap=4) is not None
+
+
+async def test_names_that_fold_alike_are_claimed_once_however_many_try_at_once(storage: Storage) -> None:
+    """"Zoë" and "ZOË" are one name, but the unique index folds ASCII letters only: each creation checked
+    the folded name, then wrote, so creations (and a card's import) at once could all pass the check."""
+    repo = storage.personas
+    tries = [repo.create_persona(name, "English", {}, "chat", "english") for name in ("Zoë", "ZOË", "zoë", "ZoË")]
+    imported = repo.import_persona("ZOË", "English", "card", "english", [("identity", "You are Zoë.")], [],
+                                   author="x", reason="import", lore_author="x")
+    made = await asyncio.gather(*tries, imported)
+    assert sum(p is not None for p in made) == 1
+    assert len(await repo.list_personas()) == 1

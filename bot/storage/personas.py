@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
-from bot.storage.engine import Database, Row, is_conflict, serialise
+from bot.storage.engine import Database, Row, Tx, is_conflict, serialise
 from bot.storage.rows import dt
 from bot.text import name_key
 
@@ -113,25 +113,35 @@ class PersonaRepository:
         row = await self._named(name, live_only=True)
         return None if row is None else _persona(row)
 
-    async def _named(self, name: str, *, live_only: bool) -> Row | None:
+    async def _named(self, name: str, *, live_only: bool, tx: Tx | None = None) -> Row | None:
         """The row called ``name`` under Unicode case folding (a live one before a deleted one). Folded
         here: SQL's lower() and NOCASE fold ASCII letters only, and a bot has few personas."""
         where = " WHERE deleted_at IS NULL" if live_only else ""
         wanted = name_key(name)
-        rows = await self.db.fetch_all(f"SELECT * FROM personas{where} ORDER BY deleted_at IS NULL DESC, id")
+        sql = f"SELECT * FROM personas{where} ORDER BY deleted_at IS NULL DESC, id"
+        rows = await (tx or self.db).fetch_all(sql)
         return next((r for r in rows if name_key(str(r["name"])) == wanted), None)
+
+    async def _claim(self, tx: Tx, name: str, language: str, settings: Mapping[str, Any], source: str,
+                     ts_config: str) -> tuple[Row | None, Row | None]:
+        """Inside ``tx``: the new persona's row, or None and the row that holds the name (folded: "ZOË" and
+        "Zoë" are one name). Names are claimed one after the other by every process: the unique index
+        folds ASCII letters only, so two claims of "Zoë" and "ZOË" at once would both pass their check."""
+        await serialise(self.db, tx, "persona-names")
+        taken = await self._named(name, live_only=False, tx=tx)  # live rows first
+        if taken is not None:
+            return None, taken
+        return await tx.fetch_one(*_new_persona(name, language, settings, source, ts_config)), None
 
     async def create_persona(self, name: str, language: str, settings: Mapping[str, Any], source: str,
                              ts_config: str, *, revive: bool = True) -> PersonaRow | None:
         """A new persona (or, with ``revive``, one deleted earlier, brought back with these values and its
         soul and lore as they were); None if the name is taken (by a deleted one too, without ``revive``)."""
         name = unicodedata.normalize("NFC", name)  # one spelling of "Zoë" in the store, however typed
-        taken = await self._named(name, live_only=False)  # live rows first
-        if taken is None:
-            row = await self.db.write_one(*_new_persona(name, language, settings, source, ts_config))
-            if row is not None:
-                return _persona(row)
-            taken = await self._named(name, live_only=False)  # another process, a moment ago
+        async with self.db.transaction() as tx:
+            row, taken = await self._claim(tx, name, language, settings, source, ts_config)
+        if row is not None:
+            return _persona(row)
         if not revive or taken is None or taken["deleted_at"] is None:
             return None
         revived = await self.db.write_one(
@@ -147,11 +157,9 @@ class PersonaRepository:
         failure (or a process killed) half-way left a persona without its soul, whose name then blocked the
         import. None if the name is taken (by a deleted persona too)."""
         name = unicodedata.normalize("NFC", name)
-        if await self._named(name, live_only=False) is not None:
-            return None
         async with self.db.transaction() as tx:
-            row = await tx.fetch_one(*_new_persona(name, language, {}, source, ts_config))
-            if row is None:  # another process, a moment ago
+            row, _ = await self._claim(tx, name, language, {}, source, ts_config)
+            if row is None:
                 return None
             for position, (key, content) in enumerate(sections, start=1):
                 await tx.fetch_one(*_next_version("soul", str(row["id"]), key, content, author, reason, position, None))
