@@ -409,21 +409,24 @@ class CortexRepository:
                       pair_budget: int, bot_budget: int) -> Literal["pair", "bot"] | None:
         """Which daily budget (the pair's or the bot's tokens since ``since``; 0: none) ``cost`` more tokens
         would exceed; else record ``spent`` (rounds, input and output tokens, the ``cost`` counted in them) as
-        the run's progress. Checked and
-        written in one transaction that every process's reservations take in turn: two processes checking
-        at once would each see the other's round as not spent yet."""
-        async with self.db.transaction() as tx:
-            await serialise(self.db, tx, "cortex-budget")
-            total = "SELECT coalesce(sum(input_tokens + output_tokens), 0) FROM cortex_runs WHERE started_at >= ?"
-            for budget, which, params in ((pair_budget, "pair", (since, pair_id)), (bot_budget, "bot", (since,))):
-                if not budget:
-                    continue
-                row = await tx.fetch_one(total + (" AND pair_id = ?" if which == "pair" else ""), params)
-                if (int(row[0]) if row else 0) + cost > budget:
-                    return "pair" if which == "pair" else "bot"
-            await tx.execute("UPDATE cortex_runs SET rounds = ?, input_tokens = ?, output_tokens = ? WHERE id = ?",
-                             (*spent, run_id))
-        return None
+        the run's progress. Checked and written in one statement, which every process's reservations run in
+        turn (SQLite's write lock; an advisory lock on PostgreSQL, whose statements see the rows committed
+        when they began): two processes checking at once would each see the other's round as not spent."""
+        total = "(SELECT coalesce(sum(input_tokens + output_tokens), 0) FROM cortex_runs WHERE started_at >= ?"
+        sql = (f"UPDATE cortex_runs SET rounds = ?, input_tokens = ?, output_tokens = ? WHERE id = ?"
+               f" AND {total} AND pair_id = ?) + ? <= ? AND {total}) + ? <= ? RETURNING id")
+        unlimited = 2**62
+        params = (*spent, run_id, since, pair_id, cost, pair_budget or unlimited, since, cost, bot_budget or unlimited)
+        if self.db.dialect == "postgres":
+            async with self.db.transaction() as tx:
+                await serialise(self.db, tx, "cortex-budget")
+                done = await tx.fetch_one(sql, params)
+        else:  # one statement holds the file's write lock from its reads to its write
+            done = await self.db.write_one(sql, params)
+        if done is not None:
+            return None
+        over_pair = pair_budget and await self.tokens_since(since, pair_id) + cost > pair_budget
+        return "pair" if over_pair else "bot"
 
     async def record_skip(self, pair_id: int, job_id: int | None, tier: str, reason: str) -> int:
         now = time.time()
