@@ -446,25 +446,36 @@ async def test_a_model_that_rejects_temperature_is_retried_without_it(app: App, 
 
 
 
+@asynccontextmanager
+async def _two_processes(tmp_path: Path, server: FakeLLMServer, bot_budget: int
+                         ) -> AsyncIterator[tuple[App, App, Pair, Pair, Any]]:
+    """Two bots on one database (two processes) with this bot budget, after Ann talked to the one and Bob
+    to the other: both bots, Ann's and Bob's pairs, and the persona's settings."""
+    config = _config(tmp_path, server, bot_daily_token_budget=bot_budget, max_tokens=256)
+    async with App(config) as app, App(config) as other:
+        await _talk(app, CONVERSATION)
+        await _talk(other, CONVERSATION, user="bob")
+        yield app, other, await _pair(app), await _pair(other, "bob"), (
+            await app.cortex.resolver.effective("Cora")).settings
+
+
 async def test_spending_counts_in_the_database_as_it_happens(
     tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two processes share one bot budget: each round's tokens are recorded at once, so an update in one
     process stops at its next round once another process's spending used the budget up."""
     monkeypatch.setenv(KEY_ENV, "test-key")
-    config = _config(tmp_path, fake_llm, bot_daily_token_budget=5000, max_tokens=256)
-    async with App(config) as app, App(config) as other:  # two processes on one database
-        await _talk(app, CONVERSATION)
-        await _talk(other, CONVERSATION, user="bob")
-        ann, bob = await _pair(app), await _pair(other, "bob")
-        settings = (await app.cortex.resolver.effective("Cora")).settings
+    async with _two_processes(tmp_path, fake_llm, 5000) as (app, other, ann, bob, settings):
         read = FakeResponse.tool_calls([("r1", "read_file", {"filename": "memory.md"})], input_tokens=3000,
                                        output_tokens=100, delay=0.5)
         fake_llm.enqueue(read)  # Ann's first round: 3,100 tokens, then a slow second round ...
         fake_llm.enqueue(FakeResponse.tool_calls([("r2", "read_file", {"filename": "soul.md"})], input_tokens=10,
                                                  delay=1.0))
         first = asyncio.ensure_future(app.cortex.updater.run(ann, "50", settings))
-        await asyncio.sleep(0.8)  # ... meanwhile the other process sees Ann's spending already
+        for _ in range(500):  # ... meanwhile the other process sees Ann's spending (once her first round is
+            if await other.cortex.store.tokens_since(0) >= 3100:  # back: on a loaded machine it takes longer)
+                break
+            await asyncio.sleep(0.02)
         assert await other.cortex.store.tokens_since(0) >= 3100
         fake_llm.enqueue(FakeResponse.tool_calls([("b1", "read_file", {"filename": "memory.md"})],
                                                  input_tokens=2500, output_tokens=0))
@@ -481,12 +492,7 @@ async def test_two_processes_cannot_both_take_the_last_round_of_the_budget(
     """The budget has room for one round: two processes whose updates start at the same moment both pass
     the first check, and the reservation of the round lets exactly one of them call the model."""
     monkeypatch.setenv(KEY_ENV, "test-key")
-    config = _config(tmp_path, fake_llm, bot_daily_token_budget=3000, max_tokens=256)
-    async with App(config) as app, App(config) as other:  # two processes on one database
-        await _talk(app, CONVERSATION)
-        await _talk(other, CONVERSATION, user="bob")
-        ann, bob = await _pair(app), await _pair(other, "bob")
-        settings = (await app.cortex.resolver.effective("Cora")).settings
+    async with _two_processes(tmp_path, fake_llm, 3000) as (app, other, ann, bob, settings):
         fake_llm.enqueue(FakeResponse.text("nothing new", input_tokens=10, output_tokens=5, delay=0.3))
         outcomes = await asyncio.gather(app.cortex.updater.run(ann, "50", settings),
                                         other.cortex.updater.run(bob, "50", settings))
