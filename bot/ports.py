@@ -91,6 +91,9 @@ class PromptSection:
     title: str
     body: str
     sources: tuple[ReplySource, ...] = ()  # what went into it (ids only), for "why did you say that"
+    # False: the body is what people said and stored (recalled messages, memory items), kept as written: a
+    # "{user_name}" in it is one somebody typed, not a template variable to fill with the present user's name.
+    template: bool = True
 
 
 SectionSlot = Literal["rules", "guidelines", "cortex", "knowledge"]

@@ -121,7 +121,8 @@ def render_system(parts: PromptParts, variables: Mapping[str, str]) -> str:
         return resolve_variables(text.strip(), safe)
 
     blocks: list[str] = []
-    memory = [information(s.title, filled(s.body)) for s in (*parts.cortex, *parts.knowledge) if s.body.strip()]
+    memory = [information(s.title, filled(s.body) if s.template else s.body.strip())
+              for s in (*parts.cortex, *parts.knowledge) if s.body.strip()]
     summary = parts.summary.text.strip() if parts.summary is not None else ""
     if summary:
         memory.append(information(  # as written: braces in it are what people said, not template variables

@@ -226,3 +226,30 @@ async def test_a_fact_comes_back_after_it_left_the_window(tmp_path: Path) -> Non
         assert report.messages >= 20 and not report.error
         await say("the lasagne?")
         assert "nutmeg" in llm.requests[-1].system
+
+
+async def test_recalled_words_and_facts_reach_the_prompt_as_written_not_as_template_variables(tmp_path: Path) -> None:
+    """What people said is kept as written: a "{user_name}" or "{{char}}" typed long ago is not filled with
+    the present user's or persona's name when it is recalled (the header still names the user)."""
+    config = parse_config({
+        "storage": {"url": db_url_for(tmp_path)},
+        "history": {"history_tokens": 60, "min_exchanges": 1},
+        "cortex": {"context_limit": 1000},
+    })
+    llm = ScriptedProvider()
+    async with App(config, llm=llm, embedder=HashEmbedder()) as app:
+        say = lambda text: app.core.reply(  # noqa: E731
+            IncomingMessage("console", "dm-ann", "ann", "Ann", text, is_dm=True)).text()
+        await say("My lasagne recipe says {user_name} bakes it while {{char}} grates nutmeg")
+        for i in range(8):
+            await say(f"small talk number {i} about the weather today")
+        await say("what goes into the lasagne recipe again?")
+        recalled = llm.requests[-1].system.split("From earlier conversations")[1]
+        assert "{user_name} bakes it while {{char}} grates nutmeg" in recalled
+        account = await app.storage.get_user("console:ann")
+        pair = await app.cortex.store.count_messages(account.id, "Cora", 0)
+        await app.cortex.memory.remember(pair.id, "Ann's oven note reads {char} preheats, {{user}} waits",
+                                         source="user")
+        await say("what does the oven note say?")
+        system = llm.requests[-1].system
+        assert "Facts you remember about Ann:\n- Ann's oven note reads {char} preheats, {{user}} waits" in system

@@ -16,6 +16,7 @@ from datetime import UTC, timedelta
 from bot.config import MemoryConfig
 from bot.ports import IncomingMessage, PromptContext, PromptSection, SectionSlot
 from bot.storage.sources import ReplySource
+from bot.text import one_line_name
 from bot.tokens import TokenEstimator
 from cortex.memory.store import SCOPES, Hit, MemoryItem, MemoryStore
 from cortex.settings import SettingsResolver
@@ -126,8 +127,8 @@ class KnowledgeSection:
             lines.append(f"(and {left_out} more related memories that did not fit here)")
         sections = []
         if lines:
-            body = "Facts you remember about {user_name}:\n" + "\n".join(lines)
-            sections.append(PromptSection("What you know", body, tuple(shown)))
+            body = f"Facts you remember about {one_line_name(context.user_name)}:\n" + "\n".join(lines)
+            sections.append(PromptSection("What you know", body, tuple(shown), template=False))
         said, recalled_ids = [], []
         for hit in sorted(recalled, key=lambda h: h.created_at):
             line = f"- {hit.created_at.astimezone(UTC):%Y-%m-%d} {_short(hit.text, RECALL_CHARS)}"
@@ -140,7 +141,7 @@ class KnowledgeSection:
         if said:
             sections.append(PromptSection(
                 "From earlier conversations", "Things said before that may matter now:\n" + "\n".join(said),
-                tuple(recalled_ids),
+                tuple(recalled_ids), template=False,
             ))
         await self.memory.count_access(used)
         return sections
