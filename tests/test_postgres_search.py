@@ -392,6 +392,35 @@ async def test_a_scope_without_vectors_of_the_model_is_told_by_its_index_at_ever
     assert await repo.has_vectors(ItemScope(pair), MODEL)  # (the common one: its first row answers)
 
 
+async def test_the_embedding_backlog_is_read_by_the_primary_key_after_runs_with_nothing_to_do(pg_url: str) -> None:
+    """Bound, the model of the backlog's queries met a generic plan from their sixth run on: runs with
+    nothing to embed taught it that every row has the model, and once an embedder of another model had work
+    (a new embedder, an import), each batch read the whole table (2.8 s at 100k messages). The model is in
+    the statements' text now: the newest rows without its vectors come by the primary key, run after run."""
+    pg = await open_storage(pg_url, pool_size=1)  # one backend: its statistics are its statements'
+    try:
+        await pg.migrate()
+        pair = await _pair(pg)
+        rng = np.random.default_rng(5)
+        await _items(pg, pair, [f"item {n}" for n in range(3000)], rng.standard_normal((3000, DIMS)).astype(np.float32))
+        await pg.db.write("ANALYZE memory_items")
+
+        async def seq_scans() -> int:
+            await pg.db.fetch_one("SELECT pg_stat_force_next_flush()")
+            row = await pg.db.fetch_one("SELECT seq_scan FROM pg_stat_user_tables WHERE relname = 'memory_items'")
+            assert row is not None
+            return int(row[0])
+
+        for _ in range(8):  # nothing to do: every item has the model's vector
+            assert await pg.memory.items_to_embed(MODEL, 10) == []
+        before = await seq_scans()
+        for _ in range(8):  # another model's embedder: all of them are its work
+            assert len(await pg.memory.items_to_embed("another-model", 10)) == 10
+        assert await seq_scans() == before
+    finally:
+        await pg.close()
+
+
 async def test_the_vector_indexes_are_loaded_into_the_buffers_where_pg_prewarm_is_installed(
         pg: Storage, caplog: pytest.LogCaptureFixture) -> None:
     """Right after a build or a server restart, a search of a large index read its pages from disk (at 1M
