@@ -421,6 +421,44 @@ async def test_the_embedding_backlog_is_read_by_the_primary_key_after_runs_with_
         await pg.close()
 
 
+async def test_a_search_of_the_newest_messages_walks_back_even_by_a_generic_plan(pg_url: str) -> None:
+    """From a statement's sixth run on, PostgreSQL may plan it without its values. Searching the newest
+    matches of common words, that generic plan combined the GIN index of the words with the user's index,
+    then fetched and sorted every match (157 ms for a user of 100k messages), instead of walking back through
+    the user's messages to the first few. Now the words' index is never used for it, whatever the plan."""
+    pg = await open_storage(pg_url, pool_size=1)  # one backend: its statistics are its statements'
+    try:
+        await pg.migrate()
+        users = [await pg.upsert_user(f"discord:{n}", f"U{n}") for n in range(301)]
+        for user in users:
+            channel = await pg.upsert_channel(f"discord:dm-{user.id}", "dm", True)
+            await pg.db.write(
+                "INSERT INTO messages (channel_id, user_id, persona, role, author_name, text, token_count, seq,"
+                " created_at) SELECT ?, ?, 'Cora', 'user', 'x', CASE WHEN g % 5 = 0 THEN 'w' || g || 'x river'"
+                " ELSE 'That sounds lovely. Tell me more about the tomatoes in your garden' END, 5, g, 1"
+                " FROM generate_series(1, ?) AS g", (channel.id, user.id, 100_000 if user is users[0] else 10))
+        await pg.db.write("VACUUM ANALYZE messages")
+        # What PostgreSQL chose by itself from the sixth run on, in an audit on a database of 100k messages
+        # of one user among 300 (in a test's smaller one it is left to chance): the generic plan.
+        await pg.db.write("SET plan_cache_mode = force_generic_plan")
+
+        async def word_index_scans() -> int:
+            await pg.db.fetch_one("SELECT pg_stat_force_next_flush()")
+            row = await pg.db.fetch_one("SELECT idx_scan FROM pg_stat_user_indexes WHERE indexrelname = 'messages_ts'")
+            return int(row[0]) if row else 0
+
+        before = await word_index_scans()
+        for run in range(12):
+            user = users[0] if run % 2 else users[1 + run]
+            found = await pg.memory.message_text_candidates(user.id, "Cora", {'"tomato"': 1.0, '"garden"': 1.0},
+                                                            newest=True, limit=50, exclude=[1, 2, 3])
+            assert len(found) == (50 if user is users[0] else 8)
+            assert [int(r["id"]) for r in found] == sorted((int(r["id"]) for r in found), reverse=True)
+        assert await word_index_scans() == before
+    finally:
+        await pg.close()
+
+
 async def test_the_vector_indexes_are_loaded_into_the_buffers_where_pg_prewarm_is_installed(
         pg: Storage, caplog: pytest.LogCaptureFixture) -> None:
     """Right after a build or a server restart, a search of a large index read its pages from disk (at 1M
