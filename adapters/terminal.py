@@ -17,6 +17,7 @@ import re
 import signal
 import sys
 import threading
+from collections import deque
 from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -29,13 +30,13 @@ from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.patch_stdout import patch_stdout
 
 from bot.app import App
-from bot.commands import Attachment, CommandContext
+from bot.commands import Attachment, CommandContext, CommandReply
 from bot.errors import UserFacingError
 from bot.llm.errors import LLMError
 from bot.policy import Inbound
 from bot.ports import IncomingMessage
 from bot.privatefs import create_private, private_dir, private_file
-from bot.text import PrintableStream, error_line, printable, visible
+from bot.text import PrintableStream, error_line, plural, printable, visible
 
 log = logging.getLogger(__name__)
 PLATFORM = "console"
@@ -147,6 +148,7 @@ class TerminalAdapter:
         self.interactive = self.stdin.isatty()
         self.export_dir = Path(export_dir) if export_dir else Path.cwd()
         self.failures = 0
+        self._ahead: deque[str | None] = deque()  # piped lines read ahead and given back (None: the end)
         self._session: PromptSession[str] | None = None
         self._history: _PrivateHistory | None = None
         self._watch_forget()
@@ -184,6 +186,8 @@ class TerminalAdapter:
         return self.app.router.context_for(self._inbound(""), self.persona.name)
 
     async def _read_line(self) -> str | None:
+        if self._ahead:
+            return self._ahead.popleft()
         if self.interactive:
             return await self._prompt()
         line = await self._readline_in_thread()  # (a file from a Windows editor starts with a BOM: not the line's)
@@ -280,6 +284,9 @@ class TerminalAdapter:
                 return
             reply = await self.app.commands.dispatch(f"{line}\n{body}", self._context())
         self.failures += reply.failed  # (piped: a script learns from the exit status that a command failed)
+        if reply.text_refused and not self.interactive:
+            await self._skip_refused_text(reply)
+            return
         self.stdout.write(printable(reply.text.rstrip()) + "\n")
         for attachment in reply.attachments:
             try:
@@ -290,6 +297,22 @@ class TerminalAdapter:
                             "run the chat from a folder you can write to")
                 continue
             self.stdout.write(f"saved {path}\n")
+        self.stdout.flush()
+
+    async def _skip_refused_text(self, reply: CommandReply) -> None:
+        """Piped input, after a command that takes a text failed without one: the lines below it up to a line
+        holding only a dot were that text (a misspelled file name must not send someone's private note to the
+        model as chat, and store it): they are skipped. With no dot before the next command or the end, they
+        are chat after all, and go as such."""
+        self.stdout.write(printable(reply.text.rstrip()) + "\n")
+        ahead: list[str | None] = []
+        while (line := await self._read_line()) is not None and not self.app.commands.is_command(line):
+            if line.strip() == ".":
+                self.stdout.write(f"(skipped the {plural(len(ahead), 'line')} below it, up to the dot: its text)\n")
+                self.stdout.flush()
+                return
+            ahead.append(line)
+        self._ahead.extendleft(reversed([*ahead, line]))  # in order, before anything read later
         self.stdout.flush()
 
     async def _read_body(self) -> str | None:

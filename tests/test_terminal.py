@@ -109,6 +109,29 @@ async def test_piped_texts_of_several_lines_are_read_alike_for_every_command_tha
     assert llm.requests == [] and stored == []  # nothing of it reached the model or the conversation
 
 
+async def test_the_piped_text_of_a_refused_command_is_skipped_up_to_its_dot_not_sent_as_chat(tmp_path: Path) -> None:
+    """A misspelled file name, option or a missing name refused the command, and the text piped below it
+    went to the model line by line as chat, and was stored: a private note among it. Up to a line holding
+    only a dot it was the command's text, and is skipped; lines with no dot before the next command or the
+    end of the input are chat, as typed."""
+    config = _config(tmp_path)
+    llm = ScriptedProvider()
+    llm.enqueue("Hello.")
+    llm.enqueue("Noted.")
+    piped = ("!memory edit memroy\nMy private notes: my diagnosis is X\nsecond line\n.\n"
+             "!lore add --kyes a\nThe mill is old.\n.\n!rules add\nBe brief.\n.\n"
+             "hello\n!memory search\njust chat, no dot\n")
+    async with App(config, llm=llm) as app:
+        status, shown = await _run_piped(app, piped, user="root")
+        stored = [r[0] for r in await app.storage.db.fetch_all("SELECT text FROM messages WHERE role = 'user'")]
+    assert status == 1
+    assert "unknown file" in shown and "did you mean --keys" in shown
+    assert shown.count("(skipped the 2 lines below it, up to the dot: its text)") == 1
+    assert shown.count("(skipped the 1 line below it, up to the dot: its text)") == 2
+    assert stored == ["hello", "just chat, no dot"]  # nothing of the refused texts, nor their dots
+    assert "diagnosis" not in str([r.messages for r in llm.requests])
+
+
 async def test_a_forget_me_from_anywhere_in_the_process_empties_the_users_history_file(tmp_path: Path) -> None:
     """The typed command, and the web page this process serves (which calls the same forget_user): the
     terminal hears of it by the user's key, and only its own user's forget-me touches its file."""

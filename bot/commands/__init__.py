@@ -94,6 +94,9 @@ class CommandReply:
     pipe_may_answer: bool = True  # piped input may give that content (else only a person at a prompt)
     preformatted: str = ""  # "": Markdown; else plain text in columns, a diff: a code block's language
     failed: bool = False  # the command did nothing: unknown, not allowed, bad arguments, or it failed
+    # It failed, it takes a text, and none came below its line: where lines arrive one by one (a terminal's
+    # piped input), the lines after it up to one holding only a dot were its text, not chat.
+    text_refused: bool = False
 
     def markdown(self) -> str:
         """The text for a platform that renders Markdown: preformatted text in a code block (a diff's "-"
@@ -426,6 +429,15 @@ class CommandRegistry:
         return f"{self.prefix}{command.name}" + (f" {command.usage}" if command.usage else "")
 
     async def dispatch(self, text: str, context: CommandContext) -> CommandReply:
+        reply = await self._dispatch(text, context)
+        if reply.failed:
+            first, _, body = storable(text).strip().partition("\n")
+            _, command, _ = self._parse(first[len(self.prefix):])
+            if command is not None and not body.strip() and any(p.kind == "text" for p in command.params):
+                return replace(reply, text_refused=True)
+        return reply
+
+    async def _dispatch(self, text: str, context: CommandContext) -> CommandReply:
         first, _, body = storable(text).strip().partition("\n")
         line = first[len(self.prefix):]
         tokens, command, args = self._parse(line)
@@ -476,7 +488,8 @@ class CommandRegistry:
                     f"{self.prefix}{command.name} needs the {missing.name}: after the command, or on the lines "
                     f"below it. Usage: {self.usage(command)}", private=command.private,
                     pipe_may_answer=missing.document,  # a forgotten short text: never the next piped line
-                    needs_body=f"Type the {missing.name}; end with a line holding only a dot (.)" if complete else "")
+                    needs_body=f"Type the {missing.name}; end with a line holding only a dot (.)" if complete else "",
+                    failed=not complete)  # (words missing before it: nothing can be asked for)
         ctx = context if not body else _with_body(context, body)
         try:
             result = await command.handler(ctx, args)
