@@ -187,3 +187,13 @@ async def test_an_unknown_switch_before_or_after_free_text_is_refused_not_stored
         "args=['make takes --verbose output'] body='make takes --verbose output'")
     assert await args_of('!memory remember "I like tea --categroy preference"') == (  # quoted: the text
         "args=['I like tea --categroy preference'] body='I like tea --categroy preference'")
+    # An option whose value had a space, near the text's end, went into the text with it ("!lore add The mill
+    # is old --keys mill, wheel" stored no keyword); further in, or quoted, an option's name is the text's.
+    for line in ("I like tea --category food, drink", "I like tea --category food drink now"):
+        said = await args_of(f"!memory remember {line}")
+        assert said.startswith("!memory remember has more than a value after --category ("), said
+        assert "args=" not in said
+    assert await args_of("!memory remember use --category to sort them out") == (
+        "args=['use --category to sort them out'] body='use --category to sort them out'")
+    assert await args_of('!memory remember I like tea --category "food, drink"') == (
+        "args=['I like tea', '--category', 'food, drink'] body='I like tea'")

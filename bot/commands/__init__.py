@@ -47,6 +47,18 @@ def _misspelled_option(tokens: Sequence[Token], options: set[str]) -> None:
                                    "put the text in quotes")
 
 
+def _option_near_the_end(tokens: Sequence[Token], options: set[str]) -> None:
+    """Refuse a text whose third- or fourth-last word is, unquoted, one of the command's own options: its
+    value had a space ("… --keys mill, wheel", "… --importance 8 extra"), and read as the text the option
+    was lost, silently. Further in, an option's name stays the text's ("use --keys to set them")."""
+    for number in range(max(len(tokens) - 4, 0), len(tokens) - 2):
+        token = tokens[number]
+        if token.value in options and token.end - token.start == len(token.value):
+            rest = shown(" ".join(t.value for t in tokens[number + 1:]), 40)
+            raise CommandError(f"more than a value after {token.value} ({rest}); a value with a space goes in "
+                               f"quotes (e.g. {token.value} \"a, b\"), and so does a text that ends so")
+
+
 def parse_number(text: str, what: str, *, prefix: str = "", minimum: int = 1) -> int:
     """A positive whole number a user typed (``12``, ``#12``, ``v3`` with ``prefix``), or a
     :class:`CommandError` saying what was expected: only ASCII digits (``²`` is not a number),
@@ -272,6 +284,7 @@ class Command:
                 raise CommandError(f"no option {shown(edge.value)}" + (f" (did you mean {near[0]}?)" if near else "")
                                    + "; a text that starts or ends with it goes in quotes")
         _misspelled_option(tokens[start + 1:end][-2:-1], options)
+        _option_near_the_end(tokens[start:end], options)
         inline = line[tokens[start].start:tokens[end - 1].end] if end > start else ""
         if end - start == 1 and len(inline) == len(tokens[start].value) + 2:  # all of it in quotes: what is inside
             inline = tokens[start].value
