@@ -223,11 +223,16 @@ def optional_http_url(value: str | None) -> str | None:
     return None if value is None or not value.strip() else check_http_url(value)
 
 
+_MODEL_NAME = re.compile(r"[A-Za-z0-9/][A-Za-z0-9._:/@+-]{0,199}")
+
+
 def _model_name(value: str) -> str:
-    """A model's name as servers spell them ("claude-sonnet-4-5", "llama3.1:8b", "Qwen/Qwen2.5-7B-Instruct")."""
-    if not value or len(value) > 200 or not value.isprintable() or any(ch.isspace() for ch in value):
-        raise ValueError("a model name is one word of at most 200 characters, as the server spells it "
-                         "(e.g. claude-sonnet-4-5)")
+    """A model's name as servers spell them ("claude-sonnet-4-5", "llama3.1:8b", "Qwen/Qwen2.5-7B-Instruct",
+    "/models/llama-3" for a vLLM serving a path). A stray quote (``!cortex settings model "claude``: an unclosed
+    quote is taken as typed) would have failed every call at the provider."""
+    if not _MODEL_NAME.fullmatch(value):
+        raise ValueError("a model name is one word of at most 200 characters, as the server spells it: letters, "
+                         "digits and . _ : / @ + - (e.g. claude-sonnet-4-5)")
     return value
 
 

@@ -646,10 +646,11 @@ async def test_a_model_name_is_one_word_of_reasonable_length(tmp_path: Path) -> 
     """`!cortex settings model` took 100,000 characters (stored, and echoed in every later listing)."""
     async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
         admin = ctx(admin=True)
-        for bad in ("x" * 300, "gpt 4", "a\u200bb"):
+        for bad in ("x" * 300, "gpt 4", "a\u200bb", '"claude', "claude'", "-x"):  # (an unclosed quote is as typed)
             reply = (await run(app, f"!cortex settings model {bad}", admin)).text
             assert "a model name is one word of at most 200 characters" in reply and len(reply) < 600
-        assert "llama3.1:8b" in (await run(app, "!cortex settings model llama3.1:8b", admin)).text
+        for good in ("meta-llama/Llama-3-8B-Instruct", "/models/llama-3", "claude@2025+x_1", "llama3.1:8b"):
+            assert good in (await run(app, f"!cortex settings model {good}", admin)).text
         assert "x" * 100 not in (await run(app, "!cortex settings", admin)).text
 
 
@@ -829,3 +830,4 @@ async def test_an_item_of_several_lines_is_listed_and_found_on_one_line(tmp_path
         assert len(listed.splitlines()) == 3
         found = (await run(app, "!memory search honey")).text
         assert "Ann's recipe: ``` figs and honey  (memory item #2" in found and len(found.splitlines()) == 2, found
+
