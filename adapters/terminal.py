@@ -306,7 +306,7 @@ class TerminalAdapter:
         are chat after all, and go as such."""
         self.stdout.write(printable(reply.text.rstrip()) + "\n")
         ahead: list[str | None] = []
-        while (line := await self._read_line()) is not None and not self.app.commands.is_command(line):
+        while (line := await self._read_line()) is not None and not self.app.commands.is_command(line.lstrip()):
             if line.strip() == ".":
                 self.stdout.write(f"(skipped the {plural(len(ahead), 'line')} below it, up to the dot: its text)\n")
                 self.stdout.flush()
@@ -354,7 +354,8 @@ class TerminalAdapter:
 
     async def handle_line(self, line: str) -> None:
         await self._follow_router()
-        if self.app.commands.is_command(line):
+        if self.app.commands.is_command(line.lstrip()):  # " !memory list" is a command, as on Discord and Matrix
+            line = line.lstrip()
             await self.run_command(line)
             if line.split(maxsplit=1)[0].lower() == f"{self.app.commands.prefix}persona":
                 self._chosen = False

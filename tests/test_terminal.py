@@ -120,12 +120,12 @@ async def test_the_piped_text_of_a_refused_command_is_skipped_up_to_its_dot_not_
     llm.enqueue("Noted.")
     piped = ("!memory edit memroy\nMy private notes: my diagnosis is X\nsecond line\n.\n"
              "!lore add --kyes a\nThe mill is old.\n.\n!rules add\nBe brief.\n.\n"
-             "hello\n!memory search\njust chat, no dot\n")
+             "hello\n  !memory search\njust chat, no dot\n")  # (spaces before a command: a command still)
     async with App(config, llm=llm) as app:
         status, shown = await _run_piped(app, piped, user="root")
         stored = [r[0] for r in await app.storage.db.fetch_all("SELECT text FROM messages WHERE role = 'user'")]
     assert status == 1
-    assert "unknown file" in shown and "did you mean --keys" in shown
+    assert "unknown file" in shown and "did you mean --keys" in shown and "!memory search needs the words" in shown
     assert shown.count("(skipped the 2 lines below it, up to the dot: its text)") == 1
     assert shown.count("(skipped the 1 line below it, up to the dot: its text)") == 2
     assert stored == ["hello", "just chat, no dot"]  # nothing of the refused texts, nor their dots
