@@ -40,6 +40,7 @@ from bot.text import PrintableStream, error_line, plural, printable, visible
 
 log = logging.getLogger(__name__)
 PLATFORM = "console"
+THINKING_AFTER = 2.0  # seconds without a word of the reply before the prompt says the model is at work
 
 
 class _PrivateHistory(FileHistory):
@@ -405,8 +406,14 @@ class TerminalAdapter:
             self.stdout.write(f"{'' if not started else chr(10)}({printable(line)})\n")
             self.stdout.flush()
 
+        def thinking() -> None:  # at a prompt, a slow model's silence looked like a hang
+            if not started:
+                self.stdout.write(f"({self.persona.name} is thinking…)\n")
+                self.stdout.flush()
+
         stream.on_status = status
         screen = PrintableStream()
+        waiting = asyncio.get_running_loop().call_later(THINKING_AFTER, thinking) if self.interactive else None
         try:
             async for delta in stream:
                 if not started:
@@ -421,6 +428,9 @@ class TerminalAdapter:
             log.info("the reply failed", exc_info=True)
             self._failed(started, f"could not answer: {error_line(exc)} (run with -v for the details)")
             return
+        finally:
+            if waiting is not None:
+                waiting.cancel()
         self.stdout.write(screen.end() + "\n")
         self.stdout.flush()
 

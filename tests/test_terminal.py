@@ -243,3 +243,28 @@ async def test_a_line_of_only_invisible_characters_is_skipped_as_a_blank_one_is(
     async with App(config, llm=llm) as app:
         status, shown = await _run_piped(app, "   \n\u200b\u200b\n\u2060 \u200b\nhello\n")
     assert status == 0 and shown == "Cora: echo: hello\n" and len(llm.requests) == 1, shown
+
+
+async def test_at_a_prompt_a_slow_model_is_said_to_be_thinking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    """A model that took long to start showed nothing at all at the prompt until its timeout: it looked
+    hung. Past a moment without a word, the prompt says it is thinking; a quick reply (and piped input)
+    shows no such line."""
+    import adapters.terminal as terminal_module
+
+    monkeypatch.setattr(terminal_module, "THINKING_AFTER", 0.05)
+    async with App(_config(tmp_path), llm=ScriptedProvider(delay=0.3)) as app:
+        screen = io.StringIO()
+        terminal = TerminalAdapter(app, user="ann", stdin=io.StringIO(""), stdout=screen, stderr=screen)
+        terminal.interactive = True
+        await terminal.handle_line("hello")
+        assert screen.getvalue() == "(Cora is thinking…)\nCora: echo: hello\n"
+        terminal.interactive = False
+        await terminal.handle_line("again")
+        assert screen.getvalue().endswith("hello\nCora: echo: again\n")
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        screen = io.StringIO()
+        terminal = TerminalAdapter(app, user="ann", stdin=io.StringIO(""), stdout=screen, stderr=screen)
+        terminal.interactive = True
+        await terminal.handle_line("hello")
+        assert screen.getvalue() == "Cora: echo: hello\n"
