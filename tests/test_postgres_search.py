@@ -459,6 +459,52 @@ async def test_a_search_of_the_newest_messages_walks_back_even_by_a_generic_plan
         await pg.close()
 
 
+async def test_the_newest_of_a_key_a_pair_or_a_channel_come_from_an_index_even_by_a_generic_plan(pg_url: str) -> None:
+    """A generic plan (PostgreSQL's choice from a statement's sixth run on) took the newest jobs of a key by
+    walking every job back from the newest, a pair's runs every run, and the last reply to a user in a
+    channel from two indexes of all the user's messages, sorted. Each has an index in its order now."""
+    pg = await open_storage(pg_url, pool_size=1)  # one backend: its statistics are its statements'
+    try:
+        await pg.migrate()
+        # 500 users, each with a DM channel, a pair, 40 jobs, 40 runs and 40 messages, the first user's oldest
+        await pg.db.write("INSERT INTO users (key, display_name, created_at, updated_at)"
+                          " SELECT 'discord:' || g, 'U', 0, 0 FROM generate_series(1, 500) AS g")
+        await pg.db.write("INSERT INTO channels (key, name, is_dm, created_at, updated_at)"
+                          " SELECT 'discord:dm-' || id, 'dm', 1, 0, 0 FROM users ORDER BY id")
+        await pg.db.write("INSERT INTO cortex_pairs (user_id, persona, created_at) SELECT id, 'Cora', 0 FROM users")
+        await pg.db.write("INSERT INTO jobs (kind, key, payload, status, max_attempts, run_after, created_at,"
+                          " updated_at) SELECT 'x', 'key' || u, '{}', 'done', 1, 0, 0, 0"
+                          " FROM generate_series(1, 40) AS g, generate_series(1, 500) AS u ORDER BY u <> 1, g")
+        await pg.db.write("INSERT INTO cortex_runs (pair_id, tier, status, started_at) SELECT p.id, '50', 'success', 0"
+                          " FROM generate_series(1, 40) AS g, cortex_pairs AS p ORDER BY p.id, g")
+        await pg.db.write(
+            "INSERT INTO messages (channel_id, user_id, persona, role, author_name, text, token_count, seq, created_at)"
+            " SELECT c.id, u.id, 'Cora', CASE WHEN g % 2 = 0 THEN 'assistant' ELSE 'user' END, 'x', 'hi', 1, g, 1"
+            " FROM generate_series(1, 40) AS g JOIN users AS u ON true"
+            " JOIN channels AS c ON c.key = 'discord:dm-' || u.id ORDER BY u.id, g")
+        await pg.db.write("VACUUM ANALYZE")
+        await pg.db.write("SET plan_cache_mode = force_generic_plan")
+        first = await pg.get_user("discord:1")
+        assert first is not None
+        pair = (await pg.cortex.ensure_pair(first.id, "Cora")).id
+
+        async def scans(index: str) -> int:
+            await pg.db.fetch_one("SELECT pg_stat_force_next_flush()")
+            row = await pg.db.fetch_one("SELECT idx_scan FROM pg_stat_user_indexes WHERE indexrelname = ?", (index,))
+            return int(row[0]) if row else 0
+
+        indexes = ("jobs_by_key_id", "cortex_runs_by_pair_id", "messages_by_channel_user")
+        before = [await scans(i) for i in indexes]
+        for _ in range(6):
+            assert len(await pg.recent_jobs("key1")) == 5
+            assert len(await pg.cortex.runs(pair)) == 20
+            assert (await pg.sources.last_reply(first.id, f"discord:dm-{first.id}") or (0,))[0] > 0
+        after = [await scans(i) for i in indexes]
+        assert [a - b for a, b in zip(after, before, strict=True)] == [6, 6, 6]
+    finally:
+        await pg.close()
+
+
 async def test_the_vector_indexes_are_loaded_into_the_buffers_where_pg_prewarm_is_installed(
         pg: Storage, caplog: pytest.LogCaptureFixture) -> None:
     """Right after a build or a server restart, a search of a large index read its pages from disk (at 1M

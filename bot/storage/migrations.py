@@ -358,4 +358,13 @@ MIGRATIONS: tuple[Migration, ...] = (
         " made it go through all of the pair's items (60 ms a reply at 100k items)",
         (PINNED_INDEX,),
     ),
+    Migration(
+        21,
+        "the newest jobs of a key, runs of a pair and replies to a user in a channel read from indexes in their"
+        " order: a statement's generic plan on PostgreSQL (its sixth run on) walked every job, every run or all"
+        " of the user's messages instead (7.6, 1.6 and 42 ms at 40k jobs, 20k runs and 100k messages)",
+        ("CREATE INDEX jobs_by_key_id ON jobs (key, id)",
+         "CREATE INDEX cortex_runs_by_pair_id ON cortex_runs (pair_id, id)",
+         "CREATE INDEX messages_by_channel_user ON messages (channel_id, user_id, id)"),
+    ),
 )

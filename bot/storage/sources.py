@@ -56,9 +56,11 @@ class SourceRepository:
         return None if row is None else (int(row[0]), float(row[1]))
 
     async def last_reply(self, user_id: int, channel_key: str) -> tuple[int, float] | None:
-        """The newest reply to ``user_id`` in the channel: its id and time."""
+        """The newest reply to ``user_id`` in the channel: its id and time (the channel is looked up first, so
+        that every plan walks back through the (channel, user) index: a join let PostgreSQL's generic plan
+        combine two indexes of all the user's messages and sort them)."""
         row = await self.db.fetch_one(
-            "SELECT m.id, m.created_at FROM messages AS m JOIN channels AS c ON c.id = m.channel_id"
-            " WHERE m.user_id = ? AND c.key = ? AND m.role = 'assistant' ORDER BY m.id DESC LIMIT 1",
-            (user_id, channel_key))
+            "SELECT m.id, m.created_at FROM messages AS m WHERE m.channel_id = (SELECT id FROM channels WHERE key = ?)"
+            " AND m.user_id = ? AND m.role = 'assistant' ORDER BY m.id DESC LIMIT 1",
+            (channel_key, user_id))
         return None if row is None else (int(row[0]), float(row[1]))
