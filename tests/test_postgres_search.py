@@ -505,6 +505,37 @@ async def test_the_newest_of_a_key_a_pair_or_a_channel_come_from_an_index_even_b
         await pg.close()
 
 
+async def test_the_prompts_files_are_read_without_the_pairs_older_versions(pg_url: str) -> None:
+    """Each reply past the cache reads the pair's current files; joined to all of the pair's versions, that
+    query read every one of them (8-16 ms at 1,500 versions). Now it reads each file's newest, whatever the
+    history holds."""
+    pg = await open_storage(pg_url, pool_size=1)  # one backend: its statistics are its statements'
+    try:
+        await pg.migrate()
+        user = await pg.upsert_user("discord:1", "Ann")
+        pair = (await pg.cortex.ensure_pair(user.id, "Cora")).id
+
+        async def read_rows() -> int:
+            pg.cortex._prompt_files.clear()
+            await pg.db.fetch_one("SELECT pg_stat_force_next_flush()")
+            row = await pg.db.fetch_one("SELECT coalesce(idx_tup_fetch, 0) + seq_tup_read FROM pg_stat_user_tables"
+                                        " WHERE relname = 'cortex_versions'")
+            assert row is not None
+            return int(row[0])
+
+        for versions in (1000, 2000):
+            await pg.db.write("INSERT INTO cortex_versions (pair_id, filename, version, content, author, created_at)"
+                              " SELECT ?, f, g, f || ' v' || g, 'model', 0 FROM generate_series(1, ?) AS g,"
+                              " unnest(ARRAY['memory.md', 'soul.md']) AS f ON CONFLICT DO NOTHING", (pair, versions))
+            await pg.db.write("VACUUM ANALYZE cortex_versions")
+            before = await read_rows()
+            files = await pg.cortex.files_for_prompt(user.id, "Cora")
+            assert files == {"memory.md": f"memory.md v{versions}", "soul.md": f"soul.md v{versions}"}
+            assert await read_rows() - before <= 20, versions  # the two newest rows (and their max), not all 4,000
+    finally:
+        await pg.close()
+
+
 async def test_the_vector_indexes_are_loaded_into_the_buffers_where_pg_prewarm_is_installed(
         pg: Storage, caplog: pytest.LogCaptureFixture) -> None:
     """Right after a build or a server restart, a search of a large index read its pages from disk (at 1M

@@ -21,6 +21,7 @@ from bot.storage.incognito import not_incognito
 from bot.storage.rows import MESSAGE_COLUMNS, message_from_row
 
 FILENAMES: tuple[str, ...] = ("memory.md", "soul.md", "relationship.md")
+_FILES = " UNION ALL ".join(f"SELECT '{name}'" + (" AS filename" if not n else "") for n, name in enumerate(FILENAMES))
 PROMPT_CACHE_SECONDS = 5.0
 Author = Literal["model", "user", "system"]
 RunStatus = Literal["running", "success", "failed", "skipped"]
@@ -264,10 +265,13 @@ class CortexRepository:
         if cached is not None and time.monotonic() - cached[0] < PROMPT_CACHE_SECONDS:
             return cached[1]
         clears = self._prompt_clears.get("n", 0)
+        # Each file's newest version by the (pair, file, version) index: joined to all of the pair's versions,
+        # the query read every one of them, at each reply past the cache (8-16 ms at 1,500 versions).
         rows = await self.db.fetch_all(
-            "SELECT v.filename, v.content, p.id, v.version FROM cortex_pairs AS p JOIN cortex_versions AS v"
-            " ON v.pair_id = p.id WHERE p.user_id = ? AND p.persona = ? AND v.version = ("
-            " SELECT max(version) FROM cortex_versions WHERE pair_id = p.id AND filename = v.filename)",
+            f"SELECT v.filename, v.content, p.id, v.version FROM cortex_pairs AS p CROSS JOIN ({_FILES}) AS f"
+            " JOIN cortex_versions AS v ON v.pair_id = p.id AND v.filename = f.filename AND v.version = (SELECT"
+            " max(version) FROM cortex_versions WHERE pair_id = p.id AND filename = f.filename)"
+            " WHERE p.user_id = ? AND p.persona = ?",
             (user_id, persona),
         )
         files = {str(r[0]): str(r[1]) for r in rows}
