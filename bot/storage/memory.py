@@ -423,7 +423,9 @@ class MemoryRepository:
         on) cannot see the words, and it combined the GIN bitmap with ``where``'s index instead of walking,
         then fetched and sorted every match."""
         rank = MemoryRepository._pg_rank(count, 6)
-        match = "(m.ts @@ to_tsquery($5, $3)) IS TRUE" if walk else "m.ts @@ to_tsquery($5, $3)"
+        # (walking, the tsquery is a scalar subquery, computed once: by a generic plan, to_tsquery($5, $3) would
+        # be parsed again for every row walked)
+        match = "(m.ts @@ (SELECT to_tsquery($5, $3))) IS TRUE" if walk else "m.ts @@ to_tsquery($5, $3)"
         if not newest:
             return (f"SELECT {columns}, {rank} AS rank FROM {source}"
                     f" WHERE m.ts @@ (SELECT to_tsquery($5, $3)) AND {where} ORDER BY rank LIMIT $4")
