@@ -491,14 +491,10 @@ class MemoryRepository:
         config = await self._ts_config(persona=persona)
         last = 6 + 2 * len(terms)  # after the words of the rank and their weights
         skip = f" AND m.id NOT IN (SELECT CAST(value AS BIGINT) FROM jsonb_array_elements_text(${last}::jsonb))"
-        # The messages' own columns only: the channel of the few rows returned is joined afterwards. Each form
-        # leaves a generic plan one way to go (see _pg_text_sql): newest first, the walk back through the user's
-        # messages (0.45 ms by a generic plan, where it took 157 ms for a user of 100k messages, most of them
-        # matching); best first, the rare words' bitmap alone, of at most COMMON_MATCHES rows of the persona's
-        # ("+ 0" keeps the user's index out: combined with it, a generic plan read all of the user's entries,
-        # 2.6-6.9 ms against 0.12 for a user of 100k messages, and more as they grow).
-        user = "m.user_id = $1" if newest else "m.user_id + 0 = $1"
-        sql = self._pg_text_sql("m.*", "messages AS m", f"{user} AND m.persona = $2{skip} AND {paused}",
+        # The messages' own columns only: the channel of the few rows returned is joined afterwards. Newest
+        # first, a generic plan has one way to go (see _pg_text_sql): the walk back through the user's messages
+        # (0.45 ms by a generic plan, where it took 157 ms for a user of 100k messages, most of them matching).
+        sql = self._pg_text_sql("m.*", "messages AS m", f"m.user_id = $1 AND m.persona = $2{skip} AND {paused}",
                                 len(terms), newest, walk=newest)
         return await self.db.fetch_all(
             f"SELECT {MESSAGE_HIT_COLUMNS}, m.rank FROM ({sql}) AS m JOIN channels AS c ON c.id = m.channel_id"
