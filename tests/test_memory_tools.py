@@ -3,7 +3,8 @@ and facts coming back in later replies."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -201,9 +202,10 @@ async def test_a_retried_job_keeps_one_limit_over_all_its_attempts(app: App, fak
     assert forgotten.archive_reason.endswith(": told to") and "update run" in forgotten.archive_reason
 
 
-async def test_a_fact_comes_back_after_it_left_the_window(tmp_path: Path) -> None:
-    """Said once, long ago: neither in the history window nor in any file, it still reaches the reply
-    prompt, by its words (full text) and, once embedded, by vector too."""
+@asynccontextmanager
+async def _short_window(tmp_path: Path) -> AsyncIterator[tuple[App, ScriptedProvider, Callable[[str], Awaitable[str]]]]:
+    """A bot whose history window holds about one exchange, with a hash embedder: the bot, its provider, and
+    a way for Ann to say something to it in her DM (the reply's text)."""
     config = parse_config({
         "storage": {"url": db_url_for(tmp_path)},
         "history": {"history_tokens": 60, "min_exchanges": 1},
@@ -211,8 +213,14 @@ async def test_a_fact_comes_back_after_it_left_the_window(tmp_path: Path) -> Non
     })
     llm = ScriptedProvider()
     async with App(config, llm=llm, embedder=HashEmbedder()) as app:
-        say = lambda text: app.core.reply(  # noqa: E731
+        yield app, llm, lambda text: app.core.reply(
             IncomingMessage("console", "dm-ann", "ann", "Ann", text, is_dm=True)).text()
+
+
+async def test_a_fact_comes_back_after_it_left_the_window(tmp_path: Path) -> None:
+    """Said once, long ago: neither in the history window nor in any file, it still reaches the reply
+    prompt, by its words (full text) and, once embedded, by vector too."""
+    async with _short_window(tmp_path) as (app, llm, say):
         await say("My grandmother's lasagne recipe uses nutmeg and three cheeses")
         for i in range(8):
             await say(f"small talk number {i} about the weather today")
@@ -231,15 +239,7 @@ async def test_a_fact_comes_back_after_it_left_the_window(tmp_path: Path) -> Non
 async def test_recalled_words_and_facts_reach_the_prompt_as_written_not_as_template_variables(tmp_path: Path) -> None:
     """What people said is kept as written: a "{user_name}" or "{{char}}" typed long ago is not filled with
     the present user's or persona's name when it is recalled (the header still names the user)."""
-    config = parse_config({
-        "storage": {"url": db_url_for(tmp_path)},
-        "history": {"history_tokens": 60, "min_exchanges": 1},
-        "cortex": {"context_limit": 1000},
-    })
-    llm = ScriptedProvider()
-    async with App(config, llm=llm, embedder=HashEmbedder()) as app:
-        say = lambda text: app.core.reply(  # noqa: E731
-            IncomingMessage("console", "dm-ann", "ann", "Ann", text, is_dm=True)).text()
+    async with _short_window(tmp_path) as (app, llm, say):
         await say("My lasagne recipe says {user_name} bakes it while {{char}} grates nutmeg")
         for i in range(8):
             await say(f"small talk number {i} about the weather today")
