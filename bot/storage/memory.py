@@ -535,11 +535,19 @@ class MemoryRepository:
         after an import or a change of embedder). With the value in the text, the column's statistics say
         how rare it is, and the (pair, model) index answers at once."""
         _id, _vector, where, params = self._vector_where(scope)
-        if self.db.dialect == "postgres":
-            assert where.endswith(" = ?"), where  # the model's condition comes last
-            return await self.db.fetch_one(f"SELECT 1 {where.removesuffix('?')}{_literal(model)} LIMIT 1",
-                                           params) is not None
-        return await self.db.fetch_one(f"SELECT 1 {where} LIMIT 1", (*params, model)) is not None
+        assert where.endswith(" = ?"), where  # the model's condition comes last
+        named, model_params = self._model_in(model)
+        return await self.db.fetch_one(f"SELECT 1 {where.removesuffix('?')}{named} LIMIT 1",
+                                       (*params, *model_params)) is not None
+
+    def _model_in(self, model: str) -> tuple[str, tuple[str, ...]]:
+        """How a statement that filters by ``model`` names it, and its parameters: written into the text on
+        PostgreSQL. Bound, the generic plan of a prepared statement's sixth run on takes it for a model that
+        every row has when the column holds one value, and reads the whole table: at every reply for
+        :meth:`has_vectors`' LIMIT 1 (57 ms at 100k items), at each backfill batch for the embedding backlog
+        once there is work after idle runs (88 ms for 100k items, 2.8 s for 100k messages; a walk of the
+        primary key takes 0.03 and 0.5 ms). SQLite binds it."""
+        return (_literal(model), ()) if self.db.dialect == "postgres" else ("?", (model,))
 
     async def load_vectors(self, scope: VectorScope, model: str, after: int, limit: int) -> list[tuple[int, bytes]]:
         """A page of the scope's float32 vectors as (id, raw bytes), by id (SQLite)."""
@@ -782,14 +790,6 @@ class MemoryRepository:
         return vector if self.db.dialect == "postgres" else vector.astype(np.float32).tobytes()
 
     # -- embedding backlog -----------------------------------------------------------------------
-
-    def _model_in(self, model: str) -> tuple[str, tuple[str, ...]]:
-        """How a backlog statement names ``model``, and its parameters: written into the text on PostgreSQL,
-        as :meth:`has_vectors` does and for the same reason. Bound, the generic plan of its sixth run on
-        took it for a model that every row has (after runs with nothing to embed) and scanned the whole
-        table once there was work: 88 ms for 100k items, 2.8 s for 100k messages at each backfill batch
-        (a walk of the primary key takes 0.03 and 0.5 ms)."""
-        return (_literal(model), ()) if self.db.dialect == "postgres" else ("?", (model,))
 
     async def items_to_embed(self, model: str, limit: int) -> list[Row]:
         named, params = self._model_in(model)
