@@ -30,7 +30,7 @@ from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.patch_stdout import patch_stdout
 
 from bot.app import App
-from bot.commands import Attachment, CommandContext, CommandReply
+from bot.commands import Attachment, CommandContext
 from bot.errors import UserFacingError
 from bot.llm.errors import LLMError
 from bot.policy import Inbound
@@ -285,9 +285,6 @@ class TerminalAdapter:
                 return
             reply = await self.app.commands.dispatch(f"{line}\n{body}", self._context())
         self.failures += reply.failed  # (piped: a script learns from the exit status that a command failed)
-        if reply.text_refused and not self.interactive:
-            await self._skip_refused_text(reply)
-            return
         self.stdout.write(printable(reply.text.rstrip()) + "\n")
         for attachment in reply.attachments:
             try:
@@ -299,13 +296,14 @@ class TerminalAdapter:
                 continue
             self.stdout.write(f"saved {path}\n")
         self.stdout.flush()
+        if reply.text_refused and not self.interactive:
+            await self._skip_refused_text()
 
-    async def _skip_refused_text(self, reply: CommandReply) -> None:
+    async def _skip_refused_text(self) -> None:
         """Piped input, after a command that takes a text failed without one: the lines below it up to a line
         holding only a dot were that text (a misspelled file name must not send someone's private note to the
         model as chat, and store it): they are skipped. With no dot before the next command or the end, they
         are chat after all, and go as such."""
-        self.stdout.write(printable(reply.text.rstrip()) + "\n")
         ahead: list[str | None] = []
         while (line := await self._read_line()) is not None and not self.app.commands.is_command(line.lstrip()):
             if line.strip() == ".":
@@ -314,7 +312,6 @@ class TerminalAdapter:
                 return
             ahead.append(line)
         self._ahead.extendleft(reversed([*ahead, line]))  # in order, before anything read later
-        self.stdout.flush()
 
     async def _read_body(self) -> str | None:
         """Lines up to one holding only a dot; None when nothing was typed, "" when the input ended first."""
