@@ -62,6 +62,11 @@ IMPORT_CLAIM_SECONDS = 90.0  # a mark not renewed for this long is an import who
 log = logging.getLogger(__name__)
 
 
+# What a setting stored as "none" means (it overrides a value beneath it: the config's, or the persona's).
+UNSET_MEANS = {"model": "none (updates use the persona's chat model)",
+               "temperature": "none (the provider's default temperature)"}
+
+
 def setting_text(value: object) -> str:
     """A setting's value as a person types it: on/off, not set, plain numbers and lists."""
     if value is None:
@@ -395,11 +400,14 @@ class CortexCommands:
             if len(words) < 2:
                 raise CommandError(f"Give a value for {words[0]}: {OVERRIDABLE.get(words[0], 'see the list')}")
             key, value = words[0], " ".join(words[1:])
+            if not value.strip():  # `model ""`: stored as "not set", answered "set to not set"
+                raise CommandError(f"Give a value for {key}: {OVERRIDABLE.get(key, 'see the list')}")
             try:
                 changed = await self.resolver.change(scope, key, value, bot_admin=ctx.is_bot_admin, author=ctx.user_key)
             except SettingError as exc:
                 raise CommandError(str(exc)) from None
-            note = (f"set to {setting_text(changed.stored)}" if changed.cleared is None
+            stored = UNSET_MEANS.get(key, "not set") if changed.stored is None else setting_text(changed.stored)
+            note = (f"set to {stored}" if changed.cleared is None
                     else "override removed" if changed.cleared else "there was no override")
             effective = await self.resolver.effective(ctx.persona, ctx.server_key)
             done = (f"{key}: {note} for {scope_words(scope)}. Effective now: "

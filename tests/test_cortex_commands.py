@@ -510,6 +510,7 @@ HOSTILE_NUMBERS = [
     ("!memory list ²", "must be a number"),
     ("!memory archived 0", "out of range"),
     ("!memory forget 99999999999999999999", "out of range"),
+    ("!memory forget " + "9" * 29, "999999999999… (29 digits) is out of range"),
     ("!memory pin 9223372036854775808", "out of range"),
     ("!memory restore #-3", "must be a number"),
     ("!memory unpin ١٢", "must be a number"),  # Arabic-Indic digits: isdigit() says yes, ids say no
@@ -519,6 +520,9 @@ HOSTILE_NUMBERS = [
     ("!memory list fact -5", "the page must be a number like 12, not `-5`"),
     ("!memory archived soon", "`soon` is not a page number"),
     ("!memory why --of", "--of needs a message reference"),
+    ("!memory forget --from abc", "`abc` is not a message reference; --from takes one like discord-message:123"),
+    ("!memory why --of 12", "`12` is not a message reference"),
+    ("!memory remember figs --from note", "`note` is not a message reference"),
 ]
 
 
@@ -652,6 +656,19 @@ async def test_a_model_name_is_one_word_of_reasonable_length(tmp_path: Path) -> 
         for good in ("meta-llama/Llama-3-8B-Instruct", "/models/llama-3", "claude@2025+x_1", "llama3.1:8b"):
             assert good in (await run(app, f"!cortex settings model {good}", admin)).text
         assert "x" * 100 not in (await run(app, "!cortex settings", admin)).text
+
+
+async def test_an_empty_setting_is_refused_and_none_says_what_it_means(tmp_path: Path) -> None:
+    """`!cortex settings model ""` stored "not set" and answered "model: set to not set"."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        admin = ctx(admin=True)
+        for typed in ('model ""', "temperature ''", 'tiers ""'):
+            reply = (await run(app, f"!cortex settings {typed}", admin)).text
+            assert reply.startswith(f"Give a value for {typed.split()[0]}:"), reply
+        assert await app.cortex.store.settings("persona:cora") == {}  # nothing was stored
+        reply = (await run(app, "!cortex settings model none", admin)).text
+        assert "model: set to none (updates use the persona's chat model)" in reply, reply
+        assert "not set for" not in reply
 
 
 @pytest.mark.parametrize("where", [{"llm": {"model": "gpt 4"}}, {"llm": {"summary_model": "m" * 201}},

@@ -69,7 +69,8 @@ def parse_number(text: str, what: str, *, prefix: str = "", minimum: int = 1) ->
     if not digits or not (digits.isascii() and digits.isdigit()):
         raise CommandError(f"{what} must be a number like 12, not {shown(text, 20)}")
     if len(digits) > 10 or not minimum <= int(digits) <= MAX_NUMBER:
-        raise CommandError(f"{what} {digits[:20]} is out of range ({minimum} to {MAX_NUMBER:,})")
+        typed = digits if len(digits) <= 20 else f"{digits[:12]}… ({len(digits)} digits)"  # (not silently cut)
+        raise CommandError(f"{what} {typed} is out of range ({minimum} to {MAX_NUMBER:,})")
     return int(digits)
 
 

@@ -6,6 +6,7 @@ search views do not count as accesses.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -48,13 +49,17 @@ def _why_archived(item: MemoryItem) -> str:
 
 FROM = "--from"
 OF = "--of"
+MESSAGE_REF = re.compile(r"[a-z][a-z0-9]*-message:\S+")  # how every adapter names a message
 
 
 def source_ref(text: str, flag: str = FROM) -> str:
-    """Where an item came from, as a platform names a message (``discord-message:123``)."""
+    """Where an item came from, as a platform names a message (``discord-message:123``, ``matrix-message:$ev``):
+    anything else is refused, not looked up (``--from abc`` found nothing and said so, as if it were a message)."""
     ref = text.strip()
     if not ref or len(ref) > 200 or not ref.isprintable() or " " in ref:
         raise CommandError(f"{flag} needs a message reference like discord-message:123")
+    if MESSAGE_REF.fullmatch(ref) is None:
+        raise CommandError(f"{shown(ref)} is not a message reference; {flag} takes one like discord-message:123")
     return ref
 
 
