@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import click
 
 from bot.config import Config, ConfigError, check_storage_url, load_config, read_secret, resolve_config_path
+from bot.errors import USER_TOLD
 from bot.llm.errors import LLMError
 from bot.storage import StorageError
 from bot.text import error_line, one_line_name, plural
@@ -130,6 +131,9 @@ def chat(ctx: click.Context, user: str | None, persona: str | None) -> None:
     config = _load(ctx)
     # The chat shows failures itself, one line each; the log adds warnings (all progress with -v).
     setup_logging(_log_level(ctx, config, "WARNING"))
+    if not ctx.obj.get("verbose"):  # a failed reply's warning repeats the error line the chat just showed
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(lambda record: not getattr(record, USER_TOLD, False))
     # A name typed in another encoding than the terminal's arrives with lone surrogates: no store takes them.
     name = one_line_name(user or config.terminal.user or getpass.getuser() or "") or "you"
     status = _run_async(lambda: _chat(config, name, persona))

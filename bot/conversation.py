@@ -20,7 +20,7 @@ from typing import get_args
 
 from bot import metrics
 from bot.config import Config
-from bot.errors import EmptyMessage, MessageTooLong
+from bot.errors import USER_TOLD, EmptyMessage, MessageTooLong
 from bot.history import HistoryWindow, build_window
 from bot.llm.base import (
     CUT_OFF_CALL,
@@ -287,7 +287,8 @@ class ConversationCore:
                     int((time.monotonic() - started) * 1000), type(exc).__name__, estimated_input_tokens=raw_prompt,
                 )
             )
-            log.warning("reply in channel %d failed: %s", channel.id, type(exc).__name__)
+            # (the person sees the failure in its place: USER_TOLD lets a terminal chat leave this line out)
+            log.warning("reply in channel %d failed: %s", channel.id, type(exc).__name__, extra={USER_TOLD: True})
             raise
         duration_ms = int((time.monotonic() - started) * 1000)
         finished = await self._finish(

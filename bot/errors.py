@@ -10,6 +10,10 @@ is already stored when they happen.
 
 from __future__ import annotations
 
+# A log record's attribute (``extra={USER_TOLD: True}``): the person saw this failure where their reply would have
+# been. The operator's log keeps it; a terminal chat, where the operator is that person, leaves it out.
+USER_TOLD = "user_told"
+
 
 class UserFacingError(Exception):
     user_message = "Something went wrong."

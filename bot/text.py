@@ -37,9 +37,24 @@ _NAME_HIDDEN = re.compile(r"[\u200b\u200e\u200f\u202a-\u202e\u2060-\u2064\u2066-
 
 
 def name_key(name: str) -> str:
-    """How two names are the same name: Unicode's caseless match ("ZOË", "zoë" typed as z-o-e and a
-    combining diaeresis, and "Zoë" are one), for personas."""
+    """How two words are the same word: Unicode's caseless match ("ZOË", "zoë" typed as z-o-e and a
+    combining diaeresis, and "Zoë" are one), for lore's keywords."""
     return unicodedata.normalize("NFC", unicodedata.normalize("NFD", name).casefold())
+
+
+# Cyrillic and Greek letters (case-folded) that look like a Latin one, in some case ("Сora" with a Cyrillic С);
+# where the two cases look like different letters, as the capital does (Greek Μ, μ: M), which starts a name.
+_LOOK_ALIKES = str.maketrans(
+    "аеорсхуіјѕԁһԛԝүӏвкмнтьαβεζηικμνορτυχγ",
+    "aeopcxyijsdhqwylbkmhtbabezhikmnoptyxy")
+
+
+def persona_key(name: str) -> str:
+    """How two persona names are the same name, so that no persona can pass for another and a name is
+    found however it is typed: :func:`name_key`, width and compatibility forms folded ("Ｃｏｒａ" typed with a
+    Japanese input method is Cora) and Cyrillic or Greek look-alikes read as the Latin letter ("Сora")."""
+    folded = unicodedata.normalize("NFKC", unicodedata.normalize("NFKD", name).casefold())
+    return unicodedata.normalize("NFC", folded.translate(_LOOK_ALIKES))
 
 
 def one_line_name(name: str) -> str:

@@ -209,6 +209,7 @@ def test_llm_outage_gives_one_line_errors_and_keeps_the_message(tmp_path: Path, 
     assert "overloaded" in errors[0] and "rate-limited" in errors[1] and "API key" in errors[2]
     assert all("your message was kept" in e for e in errors)
     assert "Traceback" not in result.stderr
+    assert "reply in channel" not in result.stderr, result.stderr  # no log line repeats what the chat said
     # Anthropic needs alternating turns, so the four kept user turns reach the model merged into one.
     assert result.stdout.startswith("Cora: echo: one") and result.stdout.rstrip().endswith("four")
     users = [r[0] for r in db_rows(tmp_path, "SELECT text FROM messages WHERE role = 'user' ORDER BY id")]

@@ -191,6 +191,21 @@ async def test_names_that_differ_only_in_unicode_case_are_one_persona(tmp_path: 
         assert [r[0] for r in rows] == ["Zoë", "Straße", "Corá", "Élan"]  # Corá deleted, stored as one "á"
 
 
+async def test_a_look_alike_name_is_the_persona_it_looks_like(tmp_path: Path) -> None:
+    """"Сora" with a Cyrillic С, or "Ｃｏｒａ" in full-width letters, made a second persona that passed for Cora
+    in every list and reply; now each is Cora's name, typed another way."""
+    llm = ScriptedProvider()
+    async with App(_config(tmp_path), llm=llm) as app:
+        # Сora, Cоrа, Ｃｏｒａ, Μαx
+        for name in ("\u0421ora", "C\u043er\u0430", "\uff23\uff4f\uff52\uff41", "\u039c\u03b1x"):
+            assert "exists already" in await run(app, f"!persona create {name}"), name
+        assert app.personas.names() == ["Cora", "Max"]
+        assert app.personas.persona("\uff23\uff4f\uff52\uff41").name == "Cora"  # picked as typed with a Japanese IME
+        assert "Persona Вера created" in await run(app, "!persona create Вера")  # a Russian name is a name
+    with pytest.raises(ConfigError, match="look-alikes"):
+        parse_config({"personas": [{"name": "Cora"}, {"name": "\u0421ora"}]})
+
+
 async def test_threads_inherit_their_channels_persona_unless_set_themselves(tmp_path: Path) -> None:
     llm = ScriptedProvider()
     async with App(_config(tmp_path), llm=llm) as app:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from bot.storage.engine import Database, Row, Tx, is_conflict, serialise
 from bot.storage.rows import dt
-from bot.text import name_key
+from bot.text import persona_key
 
 TextKind = Literal["soul", "guidelines", "rule"]
 BOT_WIDE = "*"
@@ -117,10 +117,10 @@ class PersonaRepository:
         """The row called ``name`` under Unicode case folding (a live one before a deleted one). Folded
         here: SQL's lower() and NOCASE fold ASCII letters only, and a bot has few personas."""
         where = " WHERE deleted_at IS NULL" if live_only else ""
-        wanted = name_key(name)
+        wanted = persona_key(name)
         sql = f"SELECT * FROM personas{where} ORDER BY deleted_at IS NULL DESC, id"
         rows = await (tx or self.db).fetch_all(sql)
-        return next((r for r in rows if name_key(str(r["name"])) == wanted), None)
+        return next((r for r in rows if persona_key(str(r["name"])) == wanted), None)
 
     async def _claim(self, tx: Tx, name: str, language: str, settings: Mapping[str, Any], source: str,
                      ts_config: str) -> tuple[Row | None, Row | None]:
