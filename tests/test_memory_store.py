@@ -718,3 +718,33 @@ async def test_a_pairs_pinned_items_are_read_without_going_through_its_other_ite
         else:
             assert many < few * 2, (few, many)  # a scan of the pair's items: about 40 times the steps
 
+
+
+@pytest.mark.parametrize("sparse_below", [2000, 3])
+async def test_the_embedding_backlog_is_the_live_items_without_the_models_vector_newest_first(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sparse_below: int) -> None:
+    """The backlog is found by its index when it is small (sorted) and by walking the items when it is large
+    (``SPARSE_BACKLOG``): either way the same items, newest first, none archived, none of the model's own,
+    those of another model included (a new embedder embeds everything again)."""
+    import numpy as np
+
+    from bot.storage import memory as memory_storage
+
+    monkeypatch.setattr(memory_storage, "SPARSE_BACKLOG", sparse_below)
+    app, store, users, _clock = await _setup(tmp_path)
+    try:
+        pair = users["ann"][1].id
+        ids = [(await store.remember(pair, f"fact number {n}")).id for n in range(8)]
+        repo = app.storage.memory
+        vector = np.ones(8, dtype=np.float32) / np.sqrt(8)
+        await repo.store_item_vectors("a-model", [(i, vector) for i in ids[:3]])
+        await repo.store_item_vectors("z-model", [(ids[3], vector)])  # (sorts after the wanted model's name)
+        await repo.store_item_vectors("m-model", [(i, vector) for i in ids[4:6]])
+        await store.archive(pair, ids[7], "gone")
+        rows = await repo.items_to_embed("m-model", 10)
+        assert [int(r["id"]) for r in rows] == [ids[6], ids[3], ids[2], ids[1], ids[0]]
+        assert [int(r["id"]) for r in await repo.items_to_embed("m-model", 2)] == [ids[6], ids[3]]
+        await repo.store_item_vectors("m-model", [(i, vector) for i in (ids[0], ids[1], ids[2], ids[3], ids[6])])
+        assert await repo.items_to_embed("m-model", 10) == []
+    finally:
+        await app.stop()

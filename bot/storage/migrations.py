@@ -25,6 +25,8 @@ VISIBLE_INDEX = ("CREATE INDEX memory_items_visible ON memory_items"
 
 # The query's ``pinned = 1`` matches the index's condition, so only pinned items are in it (a handful a pair).
 PINNED_INDEX = "CREATE INDEX memory_items_pinned ON memory_items (pair_id, importance DESC, id) WHERE pinned = 1"
+# The items without a vector of the current model (MemoryRepository.items_to_embed): a handful between two runs.
+BACKLOG_INDEX = "CREATE INDEX memory_items_backlog ON memory_items (embedding_model, id) WHERE archived_at IS NULL"
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
@@ -366,5 +368,13 @@ MIGRATIONS: tuple[Migration, ...] = (
         ("CREATE INDEX jobs_by_key_id ON jobs (key, id)",
          "CREATE INDEX cortex_runs_by_pair_id ON cortex_runs (pair_id, id)",
          "CREATE INDEX messages_by_channel_user ON messages (channel_id, user_id, id)"),
+    ),
+    Migration(
+        22,
+        "the embedding backlog read from indexes: with nothing to embed, each backfill run (every minute) read"
+        " every memory item, and on SQLite every message's vector, to find none (0.15 and 0.11 s at 100k)",
+        (BACKLOG_INDEX, "CREATE INDEX message_vectors_by_message_model ON message_vectors (message_id, model)"),
+        # PostgreSQL's anti-join of the messages' backlog does not read the vectors (35-50 ms at 100k).
+        postgres=(BACKLOG_INDEX,),
     ),
 )
