@@ -30,13 +30,13 @@ def db_url_for(tmp_path: Path, name: str = "bot.db") -> str:
     return _current.get("url") or f"sqlite:///{tmp_path / name}"
 
 
-async def index_scans(storage: Storage, name: str, above: int = -1) -> int:
-    """PostgreSQL's count of scans of index ``name``, waiting (up to 10 s) for more than ``above``: each
-    backend reports its counts on its own, within a second or so."""
-    count = 0
+async def index_scans(storage: Storage, name: str | tuple[str, ...], above: int = -1) -> int:
+    """PostgreSQL's count of scans of index ``name`` (of all of them, given several), waiting (up to 10 s) for
+    more than ``above``: each backend reports its counts on its own, within a second or so."""
+    count, names = 0, [name] if isinstance(name, str) else list(name)
     for _ in range(100):
         row = await storage.db.fetch_one(
-            "SELECT coalesce(sum(idx_scan), 0) FROM pg_stat_user_indexes WHERE indexrelname = ?", (name,))
+            "SELECT coalesce(sum(idx_scan), 0) FROM pg_stat_user_indexes WHERE indexrelname = ANY(?)", (names,))
         count = int(row[0]) if row else 0
         if count > above:
             return count

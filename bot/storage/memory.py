@@ -462,9 +462,11 @@ class MemoryRepository:
             ranked = inner.format("bm25(memory_fts) AS rank", "rank")
             return await self.db.fetch_all(outer.format("rank", ranked, "t.rank"), params)
         config = await self._ts_config(pair_id=pair_id)
+        # Newest first, by walking back through the pair's live items (memory_items_live): a generic plan took
+        # the words' index instead, then fetched and sorted every match (25-67 ms for a pair of 100k items).
         sql = self._pg_text_sql(
             ITEM_COLUMNS_M, "memory_items AS m", "m.pair_id = $1 AND m.archived_at IS NULL AND m.superseded_by IS NULL"
-            f" AND (m.expires_at IS NULL OR m.expires_at > $2){shared}", len(terms), newest)
+            f" AND (m.expires_at IS NULL OR m.expires_at > $2){shared}", len(terms), newest, walk=newest)
         return await self.db.fetch_all(sql, (pair_id, now, *self._pg_params(terms, limit, config)))
 
     async def message_text_candidates(
