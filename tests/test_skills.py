@@ -318,6 +318,34 @@ async def test_a_channels_switch_holds_in_its_threads(tmp_path: Path, fake_llm: 
         assert "current_time" not in offered and "search_memory" in offered
 
 
+async def test_a_skill_the_config_turns_off_is_switched_on_by_the_bots_admins_only(
+        tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """`[skills] disabled` only set a default: a server admin (on Matrix, whoever makes a room) switched such a
+    skill on with !skills enable, and the model was offered it in their room."""
+    async with App(_config(tmp_path, fake_llm, disabled=["search_memory"])) as app:
+        admin = CommandContext("console", "console:boss", "Boss", "console:room", "Cora", is_admin=True,
+                               server_key="console:g1")
+        for line in ("!skills enable search_memory", "!skills enable search_memory --channel"):
+            refused = (await app.commands.dispatch(line, admin)).text
+            assert "search_memory is off in the bot's config (config (disabled)): only the bot's admins" in refused
+        info = next(s.info for s in app.skills.tools.all() if s.info.name == "search_memory")
+        await app.skills.tools.policy.set("Cora", "server:console:g1", info, True)  # (stored by an older release)
+
+        async def offered_in_g1() -> set[str]:
+            fake_llm.enqueue(FakeResponse.text("Hi."))
+            await app.core.reply(_msg("hi", server="g1")).text()
+            return tool_names(fake_llm.completion_requests[-1])
+
+        assert "search_memory" not in await offered_in_g1() and "current_time" in await offered_in_g1()
+        root = CommandContext("console", "console:root", "Root", "console:dm-root", "Cora", is_admin=True,
+                              is_bot_admin=True, is_dm=True)
+        assert "search_memory is now on for Cora everywhere" in (
+            await app.commands.dispatch("!skills enable search_memory --everywhere", root)).text
+        assert "search_memory" in await offered_in_g1()
+        assert "now off" in (await app.commands.dispatch("!skills disable search_memory", admin)).text
+        assert "search_memory" not in await offered_in_g1()  # a server may still switch it off
+
+
 async def test_skills_commands_switch_per_server_and_forget_me_removes_the_audit(
         tmp_path: Path, fake_llm: FakeLLMServer) -> None:
     async with App(_config(tmp_path, fake_llm)) as app:

@@ -82,6 +82,11 @@ class SkillCommands:
             raise CommandError(f"unknown skill {shown(names[0])}; see {self.prefix}skills list")
         name, info, policy = names[0], known[names[0]].info, self.tools.policy
         scope, where = self._scope(ctx, args)
+        off = policy.default(info)
+        if enabled and scope != "*" and not off.enabled and not (await policy.bot_wide(ctx.persona, info)):
+            raise CommandError(f"{name} is off in the bot's config ({off.source}): only the bot's admins switch it "
+                               f"on, everywhere ({self.prefix}skills enable {name} --everywhere); then a server or "
+                               "channel may switch it off")
         had = await policy.set(ctx.persona, scope, info, enabled)
         if enabled is None:
             now = await policy.effective(info, ctx.persona, ctx.server_key, ctx.channel_key, ctx.parent_channel_key)

@@ -63,14 +63,17 @@ class SkillPolicy:
                         parent_key: str | None = None) -> Effective:
         """Whether the skill is on here: the narrowest switch wins (this channel, the channel a thread or
         forum post is in, the server, bot-wide), else the default."""
-        found = await self.overrides(persona)
+        found, default = await self.overrides(persona), self.default(info)
+        # A skill the config turns off is switched on bot-wide only (by the bot's admins): on Matrix whoever
+        # makes a room is its admin, and an operator's "off" must not be anyone's to lift.
+        locked = not default.enabled and not _on_bot_wide(found, info)
         for scope, label in ((f"channel:{channel_key}", "this channel"),
                              (f"channel:{parent_key}" if parent_key else "", "this thread's channel"),
                              (f"server:{server_key}" if server_key else "", "this server"), ("*", "bot-wide")):
             for name in info.switch_names:
-                if scope and name in found.get(scope, {}):
+                if scope and name in found.get(scope, {}) and not (locked and found[scope][name]):
                     return Effective(found[scope][name], label)
-        return self.default(info)
+        return default
 
     async def set(self, persona: str, scope: str, info: SkillInfo, enabled: bool | None) -> bool:
         """Record an override (``scope``: ``*``, ``server:KEY`` or ``channel:KEY``), or remove it (``None``:
@@ -90,7 +93,15 @@ class SkillPolicy:
         self._cache.pop(settings_key(persona), None)
         return had
 
+    async def bot_wide(self, persona: str, info: SkillInfo) -> bool:
+        """Whether the bot's admins switched the skill on everywhere (for ``persona``)."""
+        return _on_bot_wide(await self.overrides(persona), info)
+
     async def narrower(self, persona: str, info: SkillInfo) -> list[str]:
         """The server and channel scopes with an override of this skill (they win over a bot-wide one)."""
         return sorted(scope for scope, values in (await self.overrides(persona)).items()
                       if scope != "*" and any(name in values for name in info.switch_names))
+
+
+def _on_bot_wide(found: Overrides, info: SkillInfo) -> bool:
+    return any(found.get("*", {}).get(name) for name in info.switch_names)
