@@ -53,6 +53,9 @@ def _msg(text: str, *, user: str = "ann", server: str | None = None) -> Incoming
     return IncomingMessage("console", "room", user, user.title(), text, server_id=server)
 
 
+GROUPS = "; in group channels when a message says remember, don't forget)"  # (!skills list's note)
+
+
 def tool_names(request: RecordedRequest) -> set[str]:
     return {t.get("name") or t["function"]["name"] for t in request.body.get("tools", [])}
 
@@ -346,6 +349,24 @@ async def test_a_skill_the_config_turns_off_is_switched_on_by_the_bots_admins_on
         assert "search_memory" not in await offered_in_g1()  # a server may still switch it off
 
 
+async def test_in_a_group_the_persona_remembers_only_what_the_speaker_asks_it_to(
+        tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """A room's guidelines (on Matrix, whoever makes a room writes them) could have the persona call `remember`
+    for everyone who spoke there: "hello everyone" left a shared item in the speaker's memory, which follows them
+    into their DMs. In a group channel the skill is offered only when the speaker's message asks for it."""
+    async with App(_config(tmp_path, fake_llm)) as app:
+        fake_llm.enqueue(*(FakeResponse.text("Hi.") for _ in range(4)))
+        offered = []
+        for message in (_msg("hello everyone", server="g1"), _msg("Please remember that I like tea", server="g1"),
+                        _msg("Vergiss nicht: ich mag Tee", server="g1"), _msg("hello")):
+            await app.core.reply(message).text()
+            offered.append("remember" in tool_names(fake_llm.completion_requests[-1]))
+        assert offered == [False, True, True, True]  # (a DM: always)
+        listing = (await app.commands.dispatch("!skills list", CommandContext(
+            "console", "console:boss", "Boss", "console:room", "Cora", is_admin=True, server_key="console:g1"))).text
+        assert "in group channels when a message says remember" in listing
+
+
 async def test_skills_commands_switch_per_server_and_forget_me_removes_the_audit(
         tmp_path: Path, fake_llm: FakeLLMServer) -> None:
     async with App(_config(tmp_path, fake_llm)) as app:
@@ -353,12 +374,12 @@ async def test_skills_commands_switch_per_server_and_forget_me_removes_the_audit
                                server_key="console:g1")
         member = CommandContext("console", "console:ann", "Ann", "console:room", "Cora", server_key="console:g1")
         listing = (await app.commands.dispatch("!skills list", admin)).text
-        assert "✅ remember (builtin; default)" in listing
+        assert "✅ remember (builtin; default; in group channels when a message says remember, don't forget)" in listing
         assert (await app.commands.dispatch("!skills disable remember", member)).text == \
             "!skills disable is for admins only."
         assert "remember is now off for Cora in this server" in (
             await app.commands.dispatch("!skills disable remember", admin)).text
-        assert "⛔ remember (builtin; this server)" in (await app.commands.dispatch("!skills list", admin)).text
+        assert "⛔ remember (builtin; this server" + GROUPS in (await app.commands.dispatch("!skills list", admin)).text
         fake_llm.enqueue(FakeResponse.text("Hi."), FakeResponse.text("Hello."))
         await app.core.reply(_msg("hi", server="g1")).text()
         assert "remember" not in tool_names(replies(fake_llm)[-1])
@@ -402,10 +423,10 @@ async def test_a_switch_can_be_reset_and_a_bot_wide_one_names_what_still_overrid
         everywhere = await say("!skills disable remember --everywhere", root)
         assert "off for Cora everywhere" in everywhere and "server:console:g1" in everywhere
         assert "!skills reset remember" in everywhere
-        assert "✅ remember (builtin; this server)" in await say("!skills list")
+        assert "✅ remember (builtin; this server" + GROUPS in await say("!skills list")
         assert await say("!skills reset remember") == (
             "remember has no switch of its own for Cora in this server any more; here it is off (bot-wide).")
-        assert "⛔ remember (builtin; bot-wide)" in await say("!skills list")
+        assert "⛔ remember (builtin; bot-wide" + GROUPS in await say("!skills list")
         assert "had no switch of its own" in await say("!skills reset remember")
         assert "no switch of its own for Cora everywhere any more; here it is on (default)" in await say(
             "!skills reset remember --everywhere", root)
@@ -414,7 +435,7 @@ async def test_a_switch_can_be_reset_and_a_bot_wide_one_names_what_still_overrid
             "!skills reset remember", CommandContext("console", "console:ann", "Ann", "console:room", "Cora",
                                                      server_key="console:g1"))
         fake_llm.enqueue(FakeResponse.text("Hi."))
-        await app.core.reply(_msg("hi", server="g1")).text()
+        await app.core.reply(_msg("hi, remember that I like tea", server="g1")).text()  # (a group: when asked)
         assert "remember" in tool_names(replies(fake_llm)[-1])  # back to the default: offered again
 
 

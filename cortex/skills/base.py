@@ -80,6 +80,7 @@ class SkillInfo:
     origin: Origin
     admin_only: bool = False
     triggers: tuple[str, ...] = ()  # empty: always offered (where allowed)
+    group_triggers: tuple[str, ...] = ()  # in a group channel, offered only when the message says one of them
     server: str = ""  # the MCP server it comes from
     secrets: tuple[str, ...] = field(default=())  # argument/header values never written to the audit
     tool: str = ""  # an MCP tool's name on its server

@@ -39,6 +39,11 @@ Handler = Callable[[dict[str, Any], SkillContext], Awaitable[SkillResult]]
 SOUL_WORDS = ("soul", "persona", "personality", "character", "yourself", "seele", "persönlichkeit", "charakter",
               "dich selbst")
 GUIDELINE_WORDS = ("guideline", "rule", "richtlinie", "regel")
+# In a group channel the persona stores a fact in the speaker's memory (shared: it follows them into other
+# servers and their DMs) only when their message asks for it: a room's guidelines (on Matrix, whoever makes a
+# room writes them) could otherwise have it store whatever they say in everyone who speaks there.
+REMEMBER_WORDS = ("remember", "don't forget", "do not forget", "dont forget", "keep in mind", "note that",
+                  "make a note", "merk dir", "merke dir", "vergiss nicht", "notier", "denk dran", "denk daran")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +105,8 @@ class Builtins:
             "Store one fact the user asked you to remember (or clearly wants kept) in your long-term memory of "
             "them, at once. One self-contained fact per call, in your own words."),
             _schema({"content": {"type": "string", "description": "The fact, self-contained."},
-                     "category": {"type": "string", "enum": list(CATEGORIES)}}, ["content"]), "builtin")
+                     "category": {"type": "string", "enum": list(CATEGORIES)}}, ["content"]), "builtin",
+            group_triggers=REMEMBER_WORDS)
         return BuiltinSkill(info, self.remember)
 
     async def remember(self, arguments: dict[str, Any], context: SkillContext) -> SkillResult:

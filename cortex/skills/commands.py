@@ -60,6 +60,8 @@ class SkillCommands:
                 notes.append("admins only" if info.origin == "builtin" else "the bot's admins only")
             if info.triggers:
                 notes.append("when a message says " + ", ".join(info.triggers[:5]))
+            if info.group_triggers:
+                notes.append("in group channels when a message says " + ", ".join(info.group_triggers[:2]))
             lines.append(f"{'✅' if effective.enabled else '⛔'} {info.name} ({'; '.join(notes)}): "
                          f"{info.description[:120]}")
         return "\n".join(lines + down)

@@ -196,7 +196,8 @@ class SkillTools:
         for skill in self.all():
             info = skill.info
             if not admitted(info, is_admin=context.is_admin, is_bot_admin=context.is_bot_admin) \
-                    or not triggered(info.triggers, context.message):
+                    or not triggered(info.triggers, context.message) \
+                    or not (context.is_dm or triggered(info.group_triggers, context.message)):
                 continue
             if incognito and info.origin == "builtin" and info.name in MEMORY_WRITES:
                 continue
