@@ -40,6 +40,10 @@ from bot.text import PrintableStream, error_line, plural, printable, visible
 
 log = logging.getLogger(__name__)
 PLATFORM = "console"
+CUT = "\x00cut"  # (what _read_body returns when a command came before the text's dot line)
+NO_BODY = {"": "the input ended before the line holding only a dot; nothing changed",
+           CUT: "the next command came before the line holding only a dot that ends the text; nothing changed "
+                "(that command runs now)"}
 THINKING_AFTER = 2.0  # seconds without a word of the reply before the prompt says the model is at work
 
 
@@ -150,6 +154,7 @@ class TerminalAdapter:
         self.export_dir = Path(export_dir) if export_dir else Path.cwd()
         self.failures = 0
         self._ahead: deque[str | None] = deque()  # piped lines read ahead and given back (None: the end)
+        self._cut = False  # a text was cut off by a command line: its dot line, when it comes, is skipped
         self._session: PromptSession[str] | None = None
         self._history: _PrivateHistory | None = None
         self._watch_forget()
@@ -263,6 +268,10 @@ class TerminalAdapter:
                 break
             if not visible(line):  # blank, or only zero-width characters: nothing to send
                 continue
+            if self._cut and line.strip() == ".":  # the end of a text a command cut off: not a chat message
+                self._cut = False
+                self.stdout.write("(skipped a line holding only a dot: the text it ends was cut off above)\n")
+                continue
             await self.handle_line(line)
         if self.interactive:
             self.stdout.write("\n")
@@ -278,10 +287,9 @@ class TerminalAdapter:
             self.stdout.write(reply.needs_body + "\n")
             self.stdout.flush()
             body = await self._read_body()
-            if not body:
+            if body in NO_BODY or body is None:
                 self.failures += 1
-                self._error("no content given; nothing changed" if body is None else
-                            "the input ended before the line holding only a dot; nothing changed")
+                self._error(NO_BODY.get(body or "", "no content given; nothing changed"))
                 return
             reply = await self.app.commands.dispatch(f"{line}\n{body}", self._context())
         self.failures += reply.failed  # (piped: a script learns from the exit status that a command failed)
@@ -314,15 +322,26 @@ class TerminalAdapter:
         self._ahead.extendleft(reversed([*ahead, line]))  # in order, before anything read later
 
     async def _read_body(self) -> str | None:
-        """Lines up to one holding only a dot; None when nothing was typed, "" when the input ended first."""
+        """Lines up to one holding only a dot; None when nothing was typed, else the text or one of ``NO_BODY``'s
+        keys: the input ended first (""), or a command came first (``CUT``: it is given back, and runs next; in
+        piped setup scripts the text swallowed the commands after a missing dot, and stored them as a soul)."""
         lines: list[str] = []
+        self._cut = False
         while True:
-            line = await self._readline_in_thread()
+            if self._ahead:
+                ahead = self._ahead.popleft()
+                line = "" if ahead is None else ahead + "\n"
+            else:
+                line = await self._readline_in_thread()
             if line == "":
                 return "" if any(part.strip() for part in lines) else None
             text = printable(line.rstrip("\r\n"))
             if text.strip() == ".":
                 return "\n".join(lines) if any(part.strip() for part in lines) else None
+            if self.app.commands.is_command(text) and self.app.commands.knows(text):  # (at column 0 only)
+                self._ahead.appendleft(text)
+                self._cut = True
+                return CUT
             lines.append(text)
 
     def _save(self, attachment: Attachment) -> Path:

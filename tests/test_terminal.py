@@ -202,6 +202,28 @@ async def test_a_text_cut_off_by_the_end_of_input_says_so(tmp_path: Path) -> Non
     assert errors.getvalue() == "error: the input ended before the line holding only a dot; nothing changed\n"
 
 
+async def test_a_text_without_its_dot_line_does_not_swallow_the_commands_after_it(tmp_path: Path) -> None:
+    """Piped, a text ran to the next dot line whatever came first: `!memory edit soul` without one stored the
+    commands below it as the soul (and none of them ran). A command line at the start of a line ends the
+    text unsaved, and runs; an indented one, or a word that is no command, is text."""
+    config = _config(tmp_path)
+    screen, errors = io.StringIO(), io.StringIO()
+    piped = ("!memory edit soul\n!memory remember Ann grows figs\n!memory list\n.\n"
+             "!memory edit memory\nAnn likes tea.\n  !memory list is how she checks\n!important, she says\n.\n")
+    async with App(config, llm=ScriptedProvider()) as app:
+        terminal = TerminalAdapter(app, user="ann", stdin=io.StringIO(piped), stdout=screen, stderr=errors)
+        assert await terminal.run() == 1  # the cut text counts as a failure
+        souls = await app.storage.db.fetch_all("SELECT content FROM cortex_versions WHERE filename = 'soul.md'")
+        assert not any("!memory" in str(r[0]) for r in souls)
+        memory = await app.storage.db.fetch_all(
+            "SELECT content FROM cortex_versions WHERE filename = 'memory.md' ORDER BY version DESC LIMIT 1")
+        assert memory[0][0] == "Ann likes tea.\n  !memory list is how she checks\n!important, she says\n"
+    assert errors.getvalue().startswith("error: the next command came before the line holding only a dot")
+    assert "Ann grows figs" in screen.getvalue().split("Your memory items")[1]  # both commands ran
+    assert "Cora:" not in screen.getvalue()  # the cut text's dot line went to nobody as chat
+    assert "(skipped a line holding only a dot: the text it ends was cut off above)" in screen.getvalue()
+
+
 async def test_a_failure_that_is_no_outage_is_one_line_and_the_chat_goes_on(tmp_path: Path) -> None:
     """A full disk or a damaged database while answering: one error line (no traceback), the exit status
     says it, and the next line is answered."""
