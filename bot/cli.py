@@ -20,7 +20,7 @@ from bot.config import Config, ConfigError, check_storage_url, load_config, read
 from bot.errors import USER_TOLD
 from bot.llm.errors import LLMError
 from bot.storage import StorageError
-from bot.text import error_line, one_line_name, plural
+from bot.text import NAME_CHARS, error_line, one_line_name, plural
 
 if TYPE_CHECKING:
     from bot.storage.copy import CopyReport
@@ -135,7 +135,11 @@ def chat(ctx: click.Context, user: str | None, persona: str | None) -> None:
         for handler in logging.getLogger().handlers:
             handler.addFilter(lambda record: not getattr(record, USER_TOLD, False))
     # A name typed in another encoding than the terminal's arrives with lone surrogates: no store takes them.
-    name = one_line_name(user or config.terminal.user or getpass.getuser() or "") or "you"
+    typed = (user or "").strip() or config.terminal.user or getpass.getuser() or ""
+    if len(typed) > NAME_CHARS:  # (cut, two long names alike at the start would be one user, with one memory)
+        raise click.ClickException(f"the chat's user name (--user, or [terminal] user) takes at most {NAME_CHARS} "
+                                   f"characters; got {len(typed)}")
+    name = one_line_name(typed) or "you"
     status = _run_async(lambda: _chat(config, name, persona))
     sys.exit(status)
 

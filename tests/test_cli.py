@@ -196,6 +196,20 @@ def test_a_user_name_in_another_encoding_than_the_terminals_still_chats(tmp_path
     assert db_rows(tmp_path, "SELECT display_name FROM users") == [("J\ufffdrgen",)]
 
 
+def test_a_user_name_too_long_to_keep_whole_is_refused(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """`--user` was cut to 64 characters, and the cut name is the user: two long names alike at the start were
+    one person, who saw the other's memory."""
+    fake_llm.responder = responder()
+    config = write_config(tmp_path, fake_llm)
+    long = cortexbot("--config", str(config), "chat", "--user", "u" * 100 + "A", stdin="!memory list\n")
+    assert long.returncode == 1 and "takes at most 64 characters; got 101" in long.stderr, long.stderr
+    assert "Traceback" not in long.stderr
+    blank = cortexbot("--config", str(config), "chat", "--user", " ", stdin="!memory list\n",
+                      env={"USER": "zoe", "LOGNAME": "zoe"})
+    assert blank.returncode == 0, blank.stderr  # a blank name is none: the login name, as for --user ""
+    assert db_rows(tmp_path, "SELECT display_name FROM users WHERE key = 'console:zoe'") == [("zoe",)]
+
+
 def test_llm_outage_gives_one_line_errors_and_keeps_the_message(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
     fake_llm.enqueue(FakeResponse.error(529, "Overloaded", error_type="overloaded_error"))
     fake_llm.enqueue(FakeResponse.error(429, "slow down", error_type="rate_limit_error"))
