@@ -206,6 +206,17 @@ async def test_a_look_alike_name_is_the_persona_it_looks_like(tmp_path: Path) ->
         parse_config({"personas": [{"name": "Cora"}, {"name": "\u0421ora"}]})
 
 
+async def test_a_name_read_as_an_option_or_a_command_is_refused(tmp_path: Path) -> None:
+    """`!persona create --help` and `!persona create !memory show` made personas that `!persona --help` then
+    picked, and that nobody could pick on purpose."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        for name in ("--help", "-x", "\u2014pin", "!memory show", " !x"):
+            refused = await run(app, f"!persona create {name}")
+            assert "a persona's name cannot start with" in refused and "created" not in refused, (name, refused)
+        assert app.personas.names() == ["Cora", "Max"]
+        assert "Persona Dash-Board created" in await run(app, "!persona create Dash-Board")
+
+
 async def test_threads_inherit_their_channels_persona_unless_set_themselves(tmp_path: Path) -> None:
     llm = ScriptedProvider()
     async with App(_config(tmp_path), llm=llm) as app:

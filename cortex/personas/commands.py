@@ -81,6 +81,10 @@ def check_persona_name(name: str, commands: CommandRegistry | None) -> None:
     or starting with a subcommand (``!persona History Buff`` runs ``!persona history``)."""
     if len(name) > MAX_NAME_CHARS or not readable(name):
         raise CommandError(f"give the persona a name of 1 to {MAX_NAME_CHARS} printable characters, on one line")
+    prefix = commands.prefix if commands is not None else "!"
+    if name.lstrip().startswith(("-", "\u2014", "\u2013", prefix)):  # (an em dash is how a phone writes --)
+        raise CommandError(f"a persona's name cannot start with {shown(name.lstrip()[0])}: {prefix}persona "
+                           f"{shown(name, 20)} would be read as an option or a command")
     first = name.split(None, 1)[0].casefold()
     if commands is not None and first in commands.subcommands("persona"):
         raise CommandError(f"a persona's name cannot start with {shown(first)}: {commands.prefix}persona {first} "
