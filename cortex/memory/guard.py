@@ -431,6 +431,12 @@ _PHRASES: tuple[_Phrase, ...] = (
         r"you will|always say|always reply|always answer|always respond|sag ihm|sag ihr|sag ihnen|antworte|"
         r"musst du|sollst du)\b",
     ),
+    _phrase(  # ... about one named person: "whenever Bob asks anything, tell him ..." (not "when I ...")
+        STANDING_ORDER,
+        "whenever when if wenn sobald",
+        r" (?!(?:i|ich|we|wir|my|me|mir|mich|mein\w*)[ ])\w+[ ](?:\w+[ ]){0,8}?(?:tell them|tell him|tell her|"
+        r"sag ihm|sag ihr|sag ihnen)\b",
+    ),
 )
 
 # "New instructions:" needs its colon, so it is matched on the normal text, punctuation kept.
@@ -538,11 +544,14 @@ _HEADER_LINES = (
         r"[\W_]*(?:admin|administrator|developer|operator|entwickler|moderator)[\W_]*(?:message|instructions?|"
         r"override|note|notice|anweisung(?:en)?|nachricht|hinweis)[\W_]*(?::.*)?"
     ),
+    # a heading of a role alone ("### Operator"): the lines below it pass for that role's words
+    re.compile(r"#+[ \t]*(?:admin|administrator|developer|operator|entwickler|moderator)s?[ \t]*:?[ \t]*"),
 )
 _HEADER_WORDS = ("system", "admin", "developer", "operator", "entwickler", "moderator")
-_BRACKET_HEADERS = re.compile(
-    r"\[[ \t]*(?:system|sys|admin|developer|assistant)(?:[ \t]*(?:message|prompt|instructions?|note|notice|"
-    r"override|update|nachricht|anweisung))?[ \t]*\]|\([ \t]*(?:system|admin|developer)[ \t]*(?:message|prompt|"
+_BRACKET_NOUNS = r"(?:message|prompt|instructions?|note|notice|override|update|nachricht|anweisung)"
+_BRACKET_HEADERS = re.compile(  # ("[moderator]" alone may be someone's role on a forum: with a noun only)
+    rf"\[[ \t]*(?:(?:system|sys|admin|developer|assistant)(?:[ \t]*{_BRACKET_NOUNS})?|(?:operator|moderator)[ \t]*"
+    rf"{_BRACKET_NOUNS})[ \t]*\]|\([ \t]*(?:system|admin|developer)[ \t]*(?:message|prompt|"
     r"instructions?|override|nachricht|anweisung)[ \t]*\)"
 )
 
