@@ -217,6 +217,24 @@ async def test_a_name_read_as_an_option_or_a_command_is_refused(tmp_path: Path) 
         assert "Persona Dash-Board created" in await run(app, "!persona create Dash-Board")
 
 
+async def test_a_config_entry_named_like_a_chat_made_persona_says_it_takes_it_over(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A [[personas]] entry with the name of a persona made with !persona create took it over without a word,
+    and the list still called it "from chat"."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        assert "Persona Nova created" in await run(app, "!persona create Nova")
+        await run(app, "!persona edit identity You are Nova, made in chat.", ctx(persona="Nova"))
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000},
+                           "personas": [{"name": "Cora", "identity": "You are Cora."},
+                                        {"name": "Nova", "language": "German", "identity": "Du bist Nova."}]})
+    with caplog.at_level(logging.WARNING):
+        async with App(config, llm=ScriptedProvider()) as app:
+            listing = await run(app, "!persona list")
+            assert "Nova (from the config file, German)" in listing, listing
+            assert "You are Nova, made in chat." in await run(app, "!persona show", ctx(persona="Nova"))
+    assert any("has the name of a persona made with !persona create" in r.getMessage() for r in caplog.records)
+
+
 async def test_threads_inherit_their_channels_persona_unless_set_themselves(tmp_path: Path) -> None:
     llm = ScriptedProvider()
     async with App(_config(tmp_path), llm=llm) as app:

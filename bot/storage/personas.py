@@ -168,9 +168,11 @@ class PersonaRepository:
         return _persona(row)
 
     async def update_persona(self, persona_id: int, language: str, settings: Mapping[str, Any],
-                             ts_config: str) -> None:
-        await self.db.write("UPDATE personas SET language = ?, settings = ?, ts_config = ? WHERE id = ?",
-                            (language, json.dumps(dict(settings)), ts_config, persona_id))
+                             ts_config: str, *, source: str | None = None) -> None:
+        """Set a persona's language, settings and text-search configuration (and, given, where it comes from)."""
+        await self.db.write("UPDATE personas SET language = ?, settings = ?, ts_config = ?,"
+                            " source = coalesce(?, source) WHERE id = ?",
+                            (language, json.dumps(dict(settings)), ts_config, source, persona_id))
 
     async def delete_persona(self, persona_id: int) -> None:
         """Hide a persona (its soul's history and its users' memory stay; creating the name again revives it)."""

@@ -151,6 +151,12 @@ class PersonaRegistry:
                 row = await repo.get_persona(entry.name)
             assert row is not None
             log.info("persona %s added from the config file", entry.name)
+        elif row.source != CONFIG:  # made in chat (or by a card) before the config named it
+            await repo.update_persona(row.id, entry.language, config_settings(entry), ts_config, source=CONFIG)
+            made = "a character card" if row.source == "import" else "!persona create"
+            log.warning("persona %s in the config file has the name of a persona made with %s (its chat edits of "
+                        "the soul stay); the config's entry now applies to it: rename one of them in the config to "
+                        "keep them apart", entry.name, made)
         elif (row.language, dict(row.settings)) != (entry.language, config_settings(entry)):
             await repo.update_persona(row.id, entry.language, config_settings(entry), ts_config)
         return row
