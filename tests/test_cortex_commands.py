@@ -520,6 +520,7 @@ HOSTILE_NUMBERS = [
     ("!memory list fact -5", "the page must be a number like 12, not `-5`"),
     ("!memory archived soon", "`soon` is not a page number"),
     ("!memory why --of", "--of needs a message reference"),
+    ("!memory scope 1 public", "`public` is no scope; give the scope: private (only in DMs) or shared"),
     ("!memory forget --from abc", "`abc` is not a message reference; --from takes one like discord-message:123"),
     ("!memory why --of 12", "`12` is not a message reference"),
     ("!memory remember figs --from note", "`note` is not a message reference"),

@@ -100,6 +100,8 @@ async def test_rules_are_named_ordered_switchable_and_versioned(tmp_path: Path) 
         prompt = await system(app, llm)
         assert "# Rules\nNever reveal Ann's secrets.\nNever spoil endings." in prompt
         assert "is off" in await run(app, "!rules disable config", boss)
+        again = await run(app, "!rules disable config", boss)  # (it made a version each time)
+        assert "is off already" in again and "nothing changed" in again
         assert "Never reveal" not in await system(app, llm)
         assert "is on" in await run(app, "!rules enable config", boss)
         assert "is now version 2" in await run(app, "!rules edit no-spoilers Never spoil books.", boss)

@@ -131,7 +131,10 @@ async def test_admin_commands_prune_weights_budgets_embedder_and_stats(tmp_path:
             await run(app, "!cortex weights", admin)).text
         for bad in ("vector=lots", "speed=1", "vector=-1", "vector=0 text=0 importance=0 recency=0 access=0",
                     "vector=0 text=0 importance=0 recency=0 access=0 author=1"):
-            assert (await run(app, f"!cortex weights {bad}", admin)).text.startswith(("Write", "vector", "At least"))
+            assert (await run(app, f"!cortex weights {bad}", admin)).text.startswith(
+                ("Write", "vector", "At least", "`speed` is no signal. Write signal=value"))
+        assert "vector is given twice" in (await run(app, "!cortex weights vector=0.6 text=0.2 vector=0.1", admin)).text
+        assert (await run(app, "!cortex weights foo=0.1", admin)).text.startswith("`foo` is no signal. Write")
         set_reply = (await run(app, "!cortex weights vector=0.7 text=0.3", admin)).text
         assert "vector 0.7, text 0.3, importance 0.15" in set_reply
         assert app.cortex.memory.weights.vector == 0.7 and app.cortex.updater.memory.weights.text == 0.3

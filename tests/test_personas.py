@@ -117,8 +117,11 @@ async def test_edit_history_revert_change_the_prompt_at_once(tmp_path: Path) -> 
         assert system.index("## Identity") < system.index("## Tone") < system.index("## Backstory")
         shown = await run(app, "!persona show")
         assert "Tone [tone] (version 3, discord:7" in shown and "Grew up in Lyon." in shown
-        assert "back to version 1" in await run(app, "!persona revert tone v1")
+        assert "back to version 1's text (as version 4)" in await run(app, "!persona revert tone v1")
         assert "## Tone\nWarm." in await system_prompt(app, llm)
+        again = await run(app, "!persona revert tone 1")  # holds that text already: no version 5 of the same
+        assert "back to version 1's text (as version 4)" in again
+        assert "v5" not in await run(app, "!persona history tone")
         assert "no version 9" in await run(app, "!persona revert tone 9")
         assert "at most 4,000" in await run(app, "!persona edit tone " + "x" * 4001)
         assert "a section is one word" in await run(app, "!persona edit ../../etc hi")

@@ -212,10 +212,14 @@ class PersonaRepository:
 
     async def revert(self, kind: TextKind, scope: str, name: str, number: int, *, author: str) -> TextVersion | None:
         """Bring back version ``number``'s text (and its on/off state) as the next version; None when there
-        is no such version."""
+        is no such version. When the live version holds them already, it is returned and nothing is written (a
+        version each time changed nothing, and buried the history)."""
         old = await self.version(kind, scope, name, number)
         if old is None:
             return None
+        live = await self.history(kind, scope, name)
+        if live and (live[-1].content, live[-1].enabled) == (old.content, old.enabled):
+            return live[-1]
         return await self.put(kind, scope, name, old.content, author=author, enabled=old.enabled,
                               reason=f"reverted to version {number}")
 

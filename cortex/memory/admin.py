@@ -33,7 +33,11 @@ def parse_weights(args: Sequence[str], current: Weights) -> Weights:
     for arg in args:
         name, _, value = arg.partition("=")
         if name not in SIGNALS or not value:
-            raise CommandError(f"Write signal=value, e.g. vector=0.6; signals: {', '.join(SIGNALS)}.")
+            problem = (f"{shown(name)} is no signal. " if name not in SIGNALS and "=" in arg
+                       else f"{shown(name)} has no value. " if name in SIGNALS else "")
+            raise CommandError(f"{problem}Write signal=value, e.g. vector=0.6; signals: {', '.join(SIGNALS)}.")
+        if name in changes:
+            raise CommandError(f"{name} is given twice; give each signal once")
         try:
             number = float(value)
         except ValueError:

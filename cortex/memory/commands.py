@@ -214,7 +214,8 @@ class MemoryCommands:
         item_id = self._id(args)
         wanted = args[1].lower() if len(args) > 1 else ""
         if wanted not in SCOPES:
-            raise CommandError("give the scope: private (only in DMs) or shared (group channels too)")
+            raise CommandError(f"{shown(args[1]) + ' is no scope; ' if len(args) > 1 else ''}give the scope: private "
+                               "(only in DMs) or shared (group channels too)")
         try:
             item = await self.memory.set_scope(await self._pair(ctx), item_id, "private" if wanted == "private"
                                                else "shared")

@@ -202,14 +202,18 @@ class RulesCommands:
         return f"Rule {name} is now version {version}." + variables_note(text)
 
     async def disable(self, ctx: CommandContext, args: Sequence[str]) -> str:
-        name = self._name(args)
-        version = await self._put(ctx, name, self._live(name).content, "switched off", enabled=False)
-        return f"Rule {name} is off (version {version})."
+        return await self._switch(ctx, args, False)
 
     async def enable(self, ctx: CommandContext, args: Sequence[str]) -> str:
-        name = self._name(args)
-        version = await self._put(ctx, name, self._live(name).content, "switched on", enabled=True)
-        return f"Rule {name} is on (version {version})."
+        return await self._switch(ctx, args, True)
+
+    async def _switch(self, ctx: CommandContext, args: Sequence[str], enabled: bool) -> str:
+        name, state = self._name(args), "on" if enabled else "off"
+        live = self._live(name)
+        if live.enabled == enabled:  # (a version each time changed nothing, and buried the history)
+            return f"Rule {name} is {state} already (version {live.version}); nothing changed."
+        version = await self._put(ctx, name, live.content, f"switched {state}", enabled=enabled)
+        return f"Rule {name} is {state} (version {version})."
 
     async def revert(self, ctx: CommandContext, args: Sequence[str]) -> str:
         name = self._name(args)
