@@ -175,6 +175,9 @@ def check_storage_url(value: str) -> str:
         return value
     if value.startswith(("postgresql://", "postgres://")):
         parts = urlsplit(value)
+        if parts.netloc.count("@") > 1:  # (read from the last one on, the host was "ss@127.0.0.1": a DNS error)
+            raise ValueError("the postgresql URL holds more than one @: write an @ in the user name or password as "
+                             "%40, or keep the password out of the URL ([storage] password_env)")
         if not parts.hostname and "host=" not in parts.query:
             raise ValueError("the postgresql URL names no host: write postgresql://user@host:5432/dbname")
         _check_port(parts.netloc)

@@ -417,6 +417,18 @@ def test_a_postgresql_url_without_a_database_is_refused(url: str, monkeypatch: p
     assert "names no database: write postgresql://user@host:5432/dbname" in _error({"storage": {"url": url}})
 
 
+def test_an_unencoded_at_in_a_postgresql_password_is_named() -> None:
+    """`postgresql://u:p@ss@127.0.0.1/db` failed at start with a DNS error for a host that looked fine."""
+    error = _error({"storage": {"url": "postgresql://u:p@ss@127.0.0.1:5432/db"}})
+    assert "holds more than one @: write an @ in the user name or password as %40" in error
+    assert "p@ss" not in error and "ss@127" not in error  # (the password is not shown)
+    from bot.config import check_storage_url  # (as a URL from [storage] url_env is checked)
+
+    assert check_storage_url("postgresql://u:p%40ss@127.0.0.1:5432/db") == "postgresql://u:p%40ss@127.0.0.1:5432/db"
+    with pytest.raises(ValueError, match="more than one @"):
+        check_storage_url("postgresql://u:p@ss@127.0.0.1:5432/db")
+
+
 def test_a_postgresql_url_may_leave_the_database_to_pgdatabase(monkeypatch: pytest.MonkeyPatch) -> None:
     """libpq's variable names the database as asyncpg reads it; the URL then has no path at all (with "/" asyncpg
     would take an empty name instead)."""
