@@ -126,6 +126,8 @@ async def test_edit_history_revert_change_the_prompt_at_once(tmp_path: Path) -> 
         assert "at most 4,000" in await run(app, "!persona edit tone " + "x" * 4001)
         assert "a section is one word" in await run(app, "!persona edit ../../etc hi")
         assert "did you mean identity?" in await run(app, "!persona edit identiy You are a pirate.")
+        assert "No history for Cora section identiy. Did you mean identity?" in await run(
+            app, "!persona history identiy")
         asked = await run(app, "!persona edit tone")  # no text: asked for, not emptied
         assert "Give the new text of tone" in asked and "--empty" in asked
         assert "either the new text or --empty" in await run(app, "!persona edit tone Be warm, say --empty")

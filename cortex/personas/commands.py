@@ -156,7 +156,10 @@ class PersonaCommands:
         key = section_key(args[0]) if args else None
         versions = await self.storage.personas.history("soul", scope, key)
         if not versions:
-            return f"No history for {ctx.persona}" + (f" section {key}." if key else ".")
+            names = [*SOUL_SECTIONS, *(t.name for t in await self.storage.personas.current("soul", scope))]
+            close = difflib.get_close_matches(key, names, n=1, cutoff=0.75) if key else []
+            return (f"No history for {ctx.persona}" + (f" section {key}." if key else ".")
+                    + (f" Did you mean {close[0]}?" if close else ""))
         title = f"History of {ctx.persona}" + (f" section {key}" if key else "") + " (oldest first):"
         return "\n".join([title, *history_lines(versions, named=True)])
 
