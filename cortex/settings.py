@@ -63,8 +63,13 @@ def plain_problem(exc: ValidationError) -> str:
     context = error.get("ctx") or {}
     for bound, words in (("ge", "at least"), ("gt", "more than"), ("le", "at most"), ("lt", "less than")):
         if bound in context:
-            return f"it must be {words} {context[bound]:g}" if isinstance(context[bound], int | float) else \
-                f"it must be {words} {context[bound]}"
+            limit = context[bound]
+            if isinstance(limit, int | float):  # 2592000, not 2.592e+06 (and seconds said as days too)
+                shown_limit = f"{limit:,.0f}" if float(limit).is_integer() else f"{limit:,}"
+                days = f" ({limit / 86_400:g} days)" if error.get("loc") == ("cooldown_seconds",) and limit >= 86_400 \
+                    else ""
+                return f"it must be {words} {shown_limit}{days}"
+            return f"it must be {words} {limit}"
     message = str(error.get("msg", "invalid value"))
     return message.removeprefix("Value error, ").replace("Input should be", "it must be")
 

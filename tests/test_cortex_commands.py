@@ -307,6 +307,8 @@ async def test_settings_are_admin_only_scoped_validated_and_shown(tmp_path: Path
         assert "must be on/off" in (await run(app, "!cortex settings enabled maybe", admin)).text
         small = (await run(app, "!cortex settings context_limit 2", admin)).text
         assert "context_limit = `2` is not accepted: it must be at least 4" in small and "Input should" not in small
+        huge = (await run(app, "!cortex settings cooldown_seconds 1e308", admin)).text  # (said 2.592e+06)
+        assert "is not accepted: it must be at most 2,592,000 (30 days)" in huge, huge
         config_only = (await run(app, "!cortex settings file_max_chars 10", admin)).text
         assert "config file only ([cortex] file_max_chars)" in config_only
         assert "unknown setting `nope`" in (await run(app, "!cortex settings nope 10", admin)).text
