@@ -37,7 +37,7 @@ from pydantic import (
     model_validator,
 )
 
-from bot.text import persona_key, readable
+from bot.text import name_key, persona_key, readable
 
 SOUL_SECTIONS: tuple[str, ...] = (
     "identity",
@@ -934,14 +934,15 @@ class Config(_Section):
     def _personas_consistent(self) -> Config:
         if not self.personas:
             raise ValueError("at least one [[personas]] entry is needed (or leave the key out for the default)")
-        names = [persona_key(p.name) for p in self.personas]  # as the store tells names apart (case, Unicode form)
-        dupes = sorted({p.name for p, n in zip(self.personas, names, strict=True) if names.count(n) > 1})
+        alike = [persona_key(p.name) for p in self.personas]  # as the store's claims tell names apart
+        dupes = sorted({p.name for p, n in zip(self.personas, alike, strict=True) if alike.count(n) > 1})
         if dupes:
             raise ValueError("persona names must be unique (case, accents written two ways, full-width letters and "
                              "Cyrillic or Greek look-alikes of Latin letters count as one); "
                              f"duplicated: {', '.join(dupes)}")
         if self.bot.default_persona:
-            wanted = persona_key(self.bot.default_persona)
+            names = [name_key(p.name) for p in self.personas]  # as lookups find them (case, Unicode form)
+            wanted = name_key(self.bot.default_persona)
             if wanted not in names:
                 raise ValueError(
                     f"[bot] default_persona = {self.bot.default_persona!r} is not one of the [[personas]] names "

@@ -45,16 +45,18 @@ def name_key(name: str) -> str:
 # Cyrillic and Greek letters (case-folded) that look like a Latin one, in some case ("Сora" with a Cyrillic С);
 # where the two cases look like different letters, as the capital does (Greek Μ, μ: M), which starts a name.
 _LOOK_ALIKES = str.maketrans(
-    "аеорсхуіјѕԁһԛԝүӏвкмнтьαβεζηικμνορτυχγ",
-    "aeopcxyijsdhqwylbkmhtbabezhikmnoptyxy")
+    "аеорсхуіјѕԁһԛԝүӏвкмнтьαβεζηικμνορτυχ",
+    "aeopcxyijsdhqwylbkmhtbabezhikmnoptyx")
 
 
 def persona_key(name: str) -> str:
-    """How two persona names are the same name, so that no persona can pass for another and a name is
-    found however it is typed: :func:`name_key`, width and compatibility forms folded ("Ｃｏｒａ" typed with a
-    Japanese input method is Cora) and Cyrillic or Greek look-alikes read as the Latin letter ("Сora")."""
-    folded = unicodedata.normalize("NFKC", unicodedata.normalize("NFKD", name).casefold())
-    return unicodedata.normalize("NFC", folded.translate(_LOOK_ALIKES))
+    """When a new persona's name is too like one that exists for both to be told apart (it is refused then):
+    :func:`name_key`, width and compatibility forms folded ("Ｃｏｒａ" typed with a Japanese input method is
+    Cora) and Cyrillic or Greek look-alikes read as the Latin letter ("Сora"). Names are found by
+    :func:`name_key` (a database of an older release may hold two that this folds into one)."""
+    # (on the decomposed form: "ё" is "е" and a diaeresis there, so "Zoё" with a Cyrillic ё is "Zoë")
+    decomposed = unicodedata.normalize("NFKD", unicodedata.normalize("NFKD", name).casefold())
+    return unicodedata.normalize("NFC", decomposed.translate(_LOOK_ALIKES))
 
 
 def one_line_name(name: str) -> str:

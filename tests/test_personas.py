@@ -211,6 +211,22 @@ async def test_a_look_alike_name_is_the_persona_it_looks_like(tmp_path: Path) ->
         parse_config({"personas": [{"name": "Cora"}, {"name": "\u0421ora"}]})
 
 
+async def test_look_alikes_an_older_release_made_stay_apart_and_reachable(tmp_path: Path) -> None:
+    """A database may hold "Сora" (a Cyrillic С) beside Cora from before look-alikes were refused: each keeps
+    its name, its soul and its lookups (folding them into one key let the newer one take Cora's place)."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        await app.storage.db.write("INSERT INTO personas (name, created_at, ts_config, language, settings, source)"
+                                   " VALUES ('\u0421ora', 0, 'english', 'English', '{}', 'chat')")
+    llm = ScriptedProvider()
+    async with App(_config(tmp_path), llm=llm) as app:
+        assert app.personas.names() == ["Cora", "Max", "\u0421ora"]
+        assert app.personas.persona("Cora").soul_sections()[0][1] == "You are {char_name}, a gardener."
+        assert app.personas.persona("\u0421ora").name == "\u0421ora"
+        assert "You are Cora, a gardener." in await system_prompt(app, llm)
+        assert "Persona \u0421ora deleted" in await run(app, "!persona delete \u0421ora")
+        assert "exists already" in await run(app, "!persona create C\u043er\u0430")  # (a new one is refused)
+
+
 async def test_a_name_read_as_an_option_or_a_command_is_refused(tmp_path: Path) -> None:
     """`!persona create --help` and `!persona create !memory show` made personas that `!persona --help` then
     picked, and that nobody could pick on purpose."""

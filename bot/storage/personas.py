@@ -12,14 +12,14 @@ from __future__ import annotations
 import json
 import time
 import unicodedata
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
 from bot.storage.engine import Database, Row, Tx, is_conflict, serialise
 from bot.storage.rows import dt
-from bot.text import persona_key
+from bot.text import name_key, persona_key
 
 TextKind = Literal["soul", "guidelines", "rule"]
 BOT_WIDE = "*"
@@ -113,14 +113,15 @@ class PersonaRepository:
         row = await self._named(name, live_only=True)
         return None if row is None else _persona(row)
 
-    async def _named(self, name: str, *, live_only: bool, tx: Tx | None = None) -> Row | None:
-        """The row called ``name`` under Unicode case folding (a live one before a deleted one). Folded
-        here: SQL's lower() and NOCASE fold ASCII letters only, and a bot has few personas."""
+    async def _named(self, name: str, *, live_only: bool, tx: Tx | None = None,
+                     key: Callable[[str], str] = name_key) -> Row | None:
+        """The row called ``name`` under Unicode case folding (or, with ``key``, another folding; a live one before
+        a deleted one). Folded here: SQL's lower() and NOCASE fold ASCII letters only, and a bot has few personas."""
         where = " WHERE deleted_at IS NULL" if live_only else ""
-        wanted = persona_key(name)
+        wanted = key(name)
         sql = f"SELECT * FROM personas{where} ORDER BY deleted_at IS NULL DESC, id"
         rows = await (tx or self.db).fetch_all(sql)
-        return next((r for r in rows if persona_key(str(r["name"])) == wanted), None)
+        return next((r for r in rows if key(str(r["name"])) == wanted), None)
 
     async def _claim(self, tx: Tx, name: str, language: str, settings: Mapping[str, Any], source: str,
                      ts_config: str) -> tuple[Row | None, Row | None]:
@@ -128,7 +129,8 @@ class PersonaRepository:
         "Zoë" are one name). Names are claimed one after the other by every process: the unique index
         folds ASCII letters only, so two claims of "Zoë" and "ZOË" at once would both pass their check."""
         await serialise(self.db, tx, "persona-names")
-        taken = await self._named(name, live_only=False, tx=tx)  # live rows first
+        # live rows first; a look-alike ("Сora" with a Cyrillic С, "Ｃｏｒａ") is the name it looks like
+        taken = await self._named(name, live_only=False, tx=tx, key=persona_key)
         if taken is not None:
             return None, taken
         return await tx.fetch_one(*_new_persona(name, language, settings, source, ts_config)), None

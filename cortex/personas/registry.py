@@ -29,7 +29,7 @@ from bot.persona import Persona, unknown_persona
 from bot.storage import Storage
 from bot.storage.personas import BOT_WIDE, PersonaRow, TextKind, TextVersion
 from bot.storage.textsearch import text_search_config
-from bot.text import persona_key
+from bot.text import name_key, persona_key
 
 log = logging.getLogger(__name__)
 
@@ -67,16 +67,21 @@ class PersonaRegistry:
     def __init__(self, config: Config, storage: Storage) -> None:
         self.config = config
         self.storage = storage
-        self._personas: dict[str, Persona] = {}  # persona_key(name) -> persona, in creation order
-        self._ids: dict[str, int] = {}  # persona_key(name) -> persona row id
+        self._personas: dict[str, Persona] = {}  # name_key(name) -> persona, in creation order
+        self._ids: dict[str, int] = {}  # name_key(name) -> persona row id
         self._guidelines: dict[str, str] = {}  # server key (or BOT_WIDE) -> live guidelines
         self._rules: list[TextVersion] = []  # live rules by position, enabled or not
 
     # -- PersonaSource ---------------------------------------------------------------------------
 
     def persona(self, name: str | None = None) -> Persona:
+        """The persona of that name, or else the one it looks like (typed in full-width letters, "Ｃｏｒａ", or
+        with a Cyrillic "С") when only one does (a database of an older release may hold look-alikes)."""
         wanted = name or self.default_name
-        found = self._personas.get(persona_key(wanted))
+        found = self._personas.get(name_key(wanted))
+        if found is None:
+            alike = [p for p in self._personas.values() if persona_key(p.name) == persona_key(wanted)]
+            found = alike[0] if len(alike) == 1 else None
         if found is None:
             raise unknown_persona(wanted, self.names())
         return found
@@ -99,10 +104,10 @@ class PersonaRegistry:
         return list(self._rules)
 
     def persona_id(self, name: str) -> int | None:
-        return self._ids.get(persona_key(name))
+        return self._ids.get(name_key(name))
 
     def from_config(self, name: str) -> bool:
-        return any(persona_key(p.name) == persona_key(name) for p in self.config.personas)
+        return any(name_key(p.name) == name_key(name) for p in self.config.personas)
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -117,8 +122,8 @@ class PersonaRegistry:
         by_scope: dict[str, list[TextVersion]] = {}
         for text in await repo.current_all("soul"):
             by_scope.setdefault(text.scope, []).append(text)
-        self._personas = {persona_key(row.name): persona_from(row, by_scope.get(str(row.id), [])) for row in rows}
-        self._ids = {persona_key(row.name): row.id for row in rows}
+        self._personas = {name_key(row.name): persona_from(row, by_scope.get(str(row.id), [])) for row in rows}
+        self._ids = {name_key(row.name): row.id for row in rows}
         self._guidelines = {t.scope: t.content for t in await repo.current_all("guidelines")}
         self._rules = sorted(await repo.current_all("rule"), key=lambda t: (t.position, t.name))
 
