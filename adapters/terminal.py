@@ -154,7 +154,8 @@ class TerminalAdapter:
         self.export_dir = Path(export_dir) if export_dir else Path.cwd()
         self.failures = 0
         self._ahead: deque[str | None] = deque()  # piped lines read ahead and given back (None: the end)
-        self._cut = False  # a text was cut off by a command line: its dot line, when it comes, is skipped
+        self._cut = False  # piped, a text was cut off by a command line: its rest, up to its dot line, is skipped
+        self._cut_lines = 0  # lines of it skipped so far
         self._session: PromptSession[str] | None = None
         self._history: _PrivateHistory | None = None
         self._watch_forget()
@@ -268,15 +269,31 @@ class TerminalAdapter:
                 break
             if not visible(line):  # blank, or only zero-width characters: nothing to send
                 continue
-            if self._cut and line.strip() == ".":  # the end of a text a command cut off: not a chat message
-                self._cut = False
-                self.stdout.write("(skipped a line holding only a dot: the text it ends was cut off above)\n")
+            if self._cut and self._rest_of_cut_text(line):
                 continue
             await self.handle_line(line)
+        if self._cut_lines:
+            self.stdout.write(f"(skipped the last {plural(self._cut_lines, 'line')}: the rest of a text cut off "
+                              "above)\n")
         if self.interactive:
             self.stdout.write("\n")
         # Piped input reports failed messages in the exit status; Ctrl-D at a prompt is simply "quit".
         return 1 if self.failures and not self.interactive else 0
+
+    def _rest_of_cut_text(self, line: str) -> bool:
+        """Piped, after a text a command line cut off: whether ``line`` was the rest of that text, up to its dot
+        line, and is skipped (never sent as chat: it may be a private note); commands among it run."""
+        if line.strip() == ".":
+            self._cut = False
+            skipped, self._cut_lines = self._cut_lines, 0
+            self.stdout.write(f"(skipped {plural(skipped, 'line')} of text and the line holding only a dot: the "
+                              "rest of a text cut off above)\n" if skipped else
+                              "(skipped a line holding only a dot: the text it ends was cut off above)\n")
+            return True
+        if self.app.commands.is_command(line.lstrip()):
+            return False
+        self._cut_lines += 1
+        return True
 
     async def run_command(self, line: str) -> None:
         reply = await self.app.commands.dispatch(line, self._context())
@@ -289,7 +306,7 @@ class TerminalAdapter:
             body = await self._read_body()
             if body in NO_BODY or body is None:
                 self.failures += 1
-                self._error(NO_BODY.get(body or "", "no content given; nothing changed"))
+                self._error("no content given; nothing changed" if body is None else NO_BODY[body])
                 return
             reply = await self.app.commands.dispatch(f"{line}\n{body}", self._context())
         self.failures += reply.failed  # (piped: a script learns from the exit status that a command failed)
@@ -326,7 +343,7 @@ class TerminalAdapter:
         keys: the input ended first (""), or a command came first (``CUT``: it is given back, and runs next; in
         piped setup scripts the text swallowed the commands after a missing dot, and stored them as a soul)."""
         lines: list[str] = []
-        self._cut = False
+        self._cut, self._cut_lines = False, 0
         while True:
             if self._ahead:
                 ahead = self._ahead.popleft()
@@ -338,9 +355,9 @@ class TerminalAdapter:
             text = printable(line.rstrip("\r\n"))
             if text.strip() == ".":
                 return "\n".join(lines) if any(part.strip() for part in lines) else None
-            if self.app.commands.is_command(text) and self.app.commands.knows(text):  # (at column 0 only)
-                self._ahead.appendleft(text)
-                self._cut = True
+            if not self.interactive and self.app.commands.is_command(text) and self.app.commands.knows(text):
+                self._ahead.appendleft(text)  # (a command's name at column 0: an indented one is text)
+                self._cut, self._cut_lines = True, 0
                 return CUT
             lines.append(text)
 

@@ -208,8 +208,10 @@ async def test_a_text_without_its_dot_line_does_not_swallow_the_commands_after_i
     text unsaved, and runs; an indented one, or a word that is no command, is text."""
     config = _config(tmp_path)
     screen, errors = io.StringIO(), io.StringIO()
-    piped = ("!memory edit soul\n!memory remember Ann grows figs\n!memory list\n.\n"
-             "!memory edit memory\nAnn likes tea.\n  !memory list is how she checks\n!important, she says\n.\n")
+    piped = ("!memory edit soul\n!memory remember Ann grows figs\nAnn's PIN is 4711, keep it private.\n"
+             "!memory list\n.\n"
+             "!memory edit memory\nAnn likes tea.\n  !memory list is how she checks\n!important, she says\n.\n"
+             "!persona edit backstory\n.\n")
     async with App(config, llm=ScriptedProvider()) as app:
         terminal = TerminalAdapter(app, user="ann", stdin=io.StringIO(piped), stdout=screen, stderr=errors)
         assert await terminal.run() == 1  # the cut text counts as a failure
@@ -220,8 +222,10 @@ async def test_a_text_without_its_dot_line_does_not_swallow_the_commands_after_i
         assert memory[0][0] == "Ann likes tea.\n  !memory list is how she checks\n!important, she says\n"
     assert errors.getvalue().startswith("error: the next command came before the line holding only a dot")
     assert "Ann grows figs" in screen.getvalue().split("Your memory items")[1]  # both commands ran
-    assert "Cora:" not in screen.getvalue()  # the cut text's dot line went to nobody as chat
-    assert "(skipped a line holding only a dot: the text it ends was cut off above)" in screen.getvalue()
+    assert "Cora:" not in screen.getvalue() and "4711" not in screen.getvalue()  # the rest went to nobody as chat
+    assert "(skipped 1 line of text and the line holding only a dot: the rest of a text cut off above)" in \
+        screen.getvalue()
+    assert errors.getvalue().splitlines()[1] == "error: no content given; nothing changed"  # (a dot alone)
 
 
 async def test_a_failure_that_is_no_outage_is_one_line_and_the_chat_goes_on(tmp_path: Path) -> None:
