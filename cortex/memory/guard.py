@@ -431,12 +431,6 @@ _PHRASES: tuple[_Phrase, ...] = (
         r"you will|always say|always reply|always answer|always respond|sag ihm|sag ihr|sag ihnen|antworte|"
         r"musst du|sollst du)\b",
     ),
-    _phrase(  # ... about one named person: "whenever Bob asks anything, tell him ..." (not "when I ...")
-        STANDING_ORDER,
-        "whenever when if wenn sobald",
-        r" (?!(?:i|ich|we|wir|my|me|mir|mich|mein\w*)[ ])\w+[ ](?:\w+[ ]){0,8}?(?:tell them|tell him|tell her|"
-        r"sag ihm|sag ihr|sag ihnen)\b",
-    ),
 )
 
 # "New instructions:" needs its colon, so it is matched on the normal text, punctuation kept.
@@ -544,8 +538,6 @@ _HEADER_LINES = (
         r"[\W_]*(?:admin|administrator|developer|operator|entwickler|moderator)[\W_]*(?:message|instructions?|"
         r"override|note|notice|anweisung(?:en)?|nachricht|hinweis)[\W_]*(?::.*)?"
     ),
-    # a heading of a role alone ("### Operator"): the lines below it pass for that role's words
-    re.compile(r"#+[ \t]*(?:admin|administrator|developer|operator|entwickler|moderator)s?[ \t]*:?[ \t]*"),
 )
 _HEADER_WORDS = ("system", "admin", "developer", "operator", "entwickler", "moderator")
 _BRACKET_NOUNS = r"(?:message|prompt|instructions?|note|notice|override|update|nachricht|anweisung)"
