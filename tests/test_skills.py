@@ -53,7 +53,7 @@ def _msg(text: str, *, user: str = "ann", server: str | None = None) -> Incoming
     return IncomingMessage("console", "room", user, user.title(), text, server_id=server)
 
 
-GROUPS = "; in group channels when a message says remember, don't forget)"  # (!skills list's note)
+GROUPS = "; in group channels when a message says remember that, remember this …)"  # (!skills list's note)
 
 
 def tool_names(request: RecordedRequest) -> set[str]:
@@ -330,7 +330,8 @@ async def test_a_skill_the_config_turns_off_is_switched_on_by_the_bots_admins_on
                                server_key="console:g1")
         for line in ("!skills enable search_memory", "!skills enable search_memory --channel"):
             refused = (await app.commands.dispatch(line, admin)).text
-            assert "search_memory is off in the bot's config (config (disabled)): only the bot's admins" in refused
+            assert "search_memory is off in the bot's config ([skills] disabled names it): only the bot's admins" \
+                in refused
         info = next(s.info for s in app.skills.tools.all() if s.info.name == "search_memory")
         await app.skills.tools.policy.set("Cora", "server:console:g1", info, True)  # (stored by an older release)
 
@@ -357,14 +358,16 @@ async def test_in_a_group_the_persona_remembers_only_what_the_speaker_asks_it_to
     async with App(_config(tmp_path, fake_llm)) as app:
         fake_llm.enqueue(*(FakeResponse.text("Hi.") for _ in range(4)))
         offered = []
+        fake_llm.enqueue(*(FakeResponse.text("Hi.") for _ in range(2)))
         for message in (_msg("hello everyone", server="g1"), _msg("Please remember that I like tea", server="g1"),
-                        _msg("Vergiss nicht: ich mag Tee", server="g1"), _msg("hello")):
+                        _msg("Vergiss nicht: ich mag Tee", server="g1"), _msg("hello"),
+                        _msg("don\u2019t forget my tea", server="g1"), _msg("I remember the old days", server="g1")):
             await app.core.reply(message).text()
             offered.append("remember" in tool_names(fake_llm.completion_requests[-1]))
-        assert offered == [False, True, True, True]  # (a DM: always)
+        assert offered == [False, True, True, True, True, False]  # (a DM: always; a phone's apostrophe counts)
         listing = (await app.commands.dispatch("!skills list", CommandContext(
             "console", "console:boss", "Boss", "console:room", "Cora", is_admin=True, server_key="console:g1"))).text
-        assert "in group channels when a message says remember" in listing
+        assert "in group channels when a message says remember that" in listing
 
 
 async def test_skills_commands_switch_per_server_and_forget_me_removes_the_audit(
@@ -374,7 +377,7 @@ async def test_skills_commands_switch_per_server_and_forget_me_removes_the_audit
                                server_key="console:g1")
         member = CommandContext("console", "console:ann", "Ann", "console:room", "Cora", server_key="console:g1")
         listing = (await app.commands.dispatch("!skills list", admin)).text
-        assert "✅ remember (builtin; default; in group channels when a message says remember, don't forget)" in listing
+        assert "✅ remember (builtin; default" + GROUPS in listing
         assert (await app.commands.dispatch("!skills disable remember", member)).text == \
             "!skills disable is for admins only."
         assert "remember is now off for Cora in this server" in (

@@ -42,7 +42,9 @@ GUIDELINE_WORDS = ("guideline", "rule", "richtlinie", "regel")
 # In a group channel the persona stores a fact in the speaker's memory (shared: it follows them into other
 # servers and their DMs) only when their message asks for it: a room's guidelines (on Matrix, whoever makes a
 # room writes them) could otherwise have it store whatever they say in everyone who speaks there.
-REMEMBER_WORDS = ("remember", "don't forget", "do not forget", "dont forget", "keep in mind", "note that",
+# (Asking is told from words, so "do you remember that day?" opens it too: it narrows what guidelines can do.)
+REMEMBER_WORDS = ("remember that", "remember this", "remember my", "remember me", "remember i", "remember:",
+                  "please remember", "don't forget", "do not forget", "dont forget", "keep in mind", "note that",
                   "make a note", "merk dir", "merke dir", "vergiss nicht", "notier", "denk dran", "denk daran")
 
 

@@ -61,7 +61,7 @@ class SkillCommands:
             if info.triggers:
                 notes.append("when a message says " + ", ".join(info.triggers[:5]))
             if info.group_triggers:
-                notes.append("in group channels when a message says " + ", ".join(info.group_triggers[:2]))
+                notes.append("in group channels when a message says " + ", ".join(info.group_triggers[:2]) + " …")
             lines.append(f"{'✅' if effective.enabled else '⛔'} {info.name} ({'; '.join(notes)}): "
                          f"{info.description[:120]}")
         return "\n".join(lines + down)
@@ -86,8 +86,9 @@ class SkillCommands:
         scope, where = self._scope(ctx, args)
         off = policy.default(info)
         if enabled and scope != "*" and not off.enabled and not (await policy.bot_wide(ctx.persona, info)):
-            raise CommandError(f"{name} is off in the bot's config ({off.source}): only the bot's admins switch it "
-                               f"on, everywhere ({self.prefix}skills enable {name} --everywhere); then a server or "
+            why = "[skills] disabled names it" if off.source == "config (disabled)" else "[skills] builtin leaves it out"
+            raise CommandError(f"{name} is off in the bot's config ({why}): only the bot's admins switch it on, "
+                               f"everywhere ({self.prefix}skills enable {name} --everywhere); then a server or "
                                "channel may switch it off")
         had = await policy.set(ctx.persona, scope, info, enabled)
         if enabled is None:

@@ -63,7 +63,8 @@ def sanitised(arguments: Any, secrets: Sequence[str]) -> str:
 
 
 def triggered(triggers: Sequence[str], message: str) -> bool:
-    lowered = message.casefold()
+    """Whether ``message`` says one of ``triggers`` (any case; a phone's typographic apostrophe is the plain one)."""
+    lowered = message.casefold().replace("\u2019", "'")
     return not triggers or any(t.casefold() in lowered for t in triggers if t.strip())
 
 
