@@ -86,7 +86,8 @@ class SkillCommands:
         scope, where = self._scope(ctx, args)
         off = policy.default(info)
         if enabled and scope != "*" and not off.enabled and not (await policy.bot_wide(ctx.persona, info)):
-            why = "[skills] disabled names it" if off.source == "config (disabled)" else "[skills] builtin leaves it out"
+            why = ("[skills] disabled names it" if off.source == "config (disabled)"
+                   else "[skills] builtin leaves it out")
             raise CommandError(f"{name} is off in the bot's config ({why}): only the bot's admins switch it on, "
                                f"everywhere ({self.prefix}skills enable {name} --everywhere); then a server or "
                                "channel may switch it off")
