@@ -149,3 +149,16 @@ async def test_the_prompt_follows_the_designed_order(tmp_path: Path) -> None:
         assert positions == sorted(positions), list(zip(marks, positions, strict=True))
         turns = [m.content for m in llm.requests[-1].messages]
         assert "HISTORY-MARK" not in prompt and any("HISTORY-MARK" in t for t in turns) and "now" in turns[-1]
+
+
+async def test_a_rule_switched_in_another_process_is_switched_back_as_stored_now(tmp_path: Path) -> None:
+    """The on/off check read this process's copy of the rules: after another process (or the web page) had
+    switched a rule off, `!rules enable` here answered "on already; nothing changed" and it stayed off."""
+    boss = ctx(bot_admin=True)
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as one, \
+            App(_config(tmp_path), llm=ScriptedProvider()) as other:
+        assert "Rule config is off" in await run(other, "!rules disable config", boss)
+        assert "Rule config is on (version 3)." == await run(one, "!rules enable config", boss)
+        assert "is on already (version 3); nothing changed" in await run(other, "!rules enable config", boss)
+        assert "holds version 3's text already (as version 3); nothing changed" in await run(
+            one, "!rules revert config 3", boss)

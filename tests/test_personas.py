@@ -120,7 +120,7 @@ async def test_edit_history_revert_change_the_prompt_at_once(tmp_path: Path) -> 
         assert "back to version 1's text (as version 4)" in await run(app, "!persona revert tone v1")
         assert "## Tone\nWarm." in await system_prompt(app, llm)
         again = await run(app, "!persona revert tone 1")  # holds that text already: no version 5 of the same
-        assert "back to version 1's text (as version 4)" in again
+        assert "section tone holds version 1's text already (as version 4); nothing changed." in again
         assert "v5" not in await run(app, "!persona history tone")
         assert "no version 9" in await run(app, "!persona revert tone 9")
         assert "at most 4,000" in await run(app, "!persona edit tone " + "x" * 4001)

@@ -212,18 +212,19 @@ class PersonaRepository:
             (kind, scope, name, version))
         return None if row is None else _text(row)
 
-    async def revert(self, kind: TextKind, scope: str, name: str, number: int, *, author: str) -> TextVersion | None:
-        """Bring back version ``number``'s text (and its on/off state) as the next version; None when there
-        is no such version. When the live version holds them already, it is returned and nothing is written (a
-        version each time changed nothing, and buried the history)."""
+    async def revert(self, kind: TextKind, scope: str, name: str, number: int, *, author: str
+                     ) -> tuple[TextVersion, bool] | None:
+        """Bring back version ``number``'s text (and its on/off state) as the next version: (that version, True);
+        None when there is no such version. When the live version holds them already, (the live version, False)
+        and nothing is written (a version each time changed nothing, and buried the history)."""
         old = await self.version(kind, scope, name, number)
         if old is None:
             return None
         live = await self.history(kind, scope, name)
         if live and (live[-1].content, live[-1].enabled) == (old.content, old.enabled):
-            return live[-1]
+            return live[-1], False
         return await self.put(kind, scope, name, old.content, author=author, enabled=old.enabled,
-                              reason=f"reverted to version {number}")
+                              reason=f"reverted to version {number}"), True
 
     async def put(self, kind: TextKind, scope: str, name: str, content: str, *, author: str, reason: str = "",
                   position: int | None = None, enabled: bool | None = None) -> TextVersion:

@@ -207,12 +207,16 @@ class PersonaCommands:
         if len(args) < 2:
             raise CommandError("give the section and the version, e.g. identity 2")
         key, number = section_key(args[0]), parse_number(args[1], "the version", prefix="v")
-        saved = await self.storage.personas.revert("soul", await self._scope(ctx.persona), key, number,
-                                                   author=ctx.user_key)
-        if saved is None:
+        reverted = await self.storage.personas.revert("soul", await self._scope(ctx.persona), key, number,
+                                                      author=ctx.user_key)
+        if reverted is None:
             raise CommandError(f"{ctx.persona} has no version {number} of section {key} "
                                f"(see {self.prefix}persona history {key})")
         await self.registry.load()
+        saved, written = reverted
+        if not written:
+            return (f"{ctx.persona}: section {key} holds version {number}'s text already (as version "
+                    f"{saved.version}); nothing changed.")
         return f"{ctx.persona}: section {key} is back to version {number}'s text (as version {saved.version})."
 
     async def delete(self, ctx: CommandContext, args: Sequence[str]) -> str:

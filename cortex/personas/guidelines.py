@@ -106,10 +106,14 @@ class GuidelinesCommands:
         if not rest:
             raise CommandError("which version?")
         number = parse_number(rest[0], "the version", prefix="v")
-        saved = await self.storage.personas.revert("guidelines", scope, "", number, author=ctx.user_key)
-        if saved is None:
+        reverted = await self.storage.personas.revert("guidelines", scope, "", number, author=ctx.user_key)
+        if reverted is None:
             raise CommandError(f"there is no version {number} of {self._where(scope)}")
         await self.registry.load()
+        saved, written = reverted
+        if not written:
+            return (f"{self._where(scope).capitalize()} hold version {number}'s text already (as version "
+                    f"{saved.version}); nothing changed.")
         return f"{self._where(scope).capitalize()} are back to version {number}'s text (as version {saved.version})."
 
     async def clear(self, ctx: CommandContext, args: Sequence[str]) -> str:
@@ -209,6 +213,7 @@ class RulesCommands:
 
     async def _switch(self, ctx: CommandContext, args: Sequence[str], enabled: bool) -> str:
         name, state = self._name(args), "on" if enabled else "off"
+        await self.registry.load()  # as stored now: another process or the web page may have switched it
         live = self._live(name)
         if live.enabled == enabled:  # (a version each time changed nothing, and buried the history)
             return f"Rule {name} is {state} already (version {live.version}); nothing changed."
@@ -220,8 +225,11 @@ class RulesCommands:
         if len(args) < 2:
             raise CommandError("which version?")
         number = parse_number(args[1], "the version", prefix="v")
-        saved = await self.storage.personas.revert("rule", BOT_WIDE, name, number, author=ctx.user_key)
-        if saved is None:
+        reverted = await self.storage.personas.revert("rule", BOT_WIDE, name, number, author=ctx.user_key)
+        if reverted is None:
             raise CommandError(f"rule {name} has no version {number}")
         await self.registry.load()
+        saved, written = reverted
+        if not written:
+            return f"Rule {name} holds version {number}'s text already (as version {saved.version}); nothing changed."
         return f"Rule {name} is back to version {number}'s text (as version {saved.version})."
