@@ -522,6 +522,8 @@ HOSTILE_NUMBERS = [
     ("!memory list fact -5", "the page must be a number like 12, not `-5`"),
     ("!memory archived soon", "`soon` is not a page number"),
     ("!memory why --of", "--of needs a message reference"),
+    ("!memory remember tea --importance 5 --importance 6", "--importance is given twice; give it once"),
+    ("!memory remember --pin tea --pin", "--pin is given twice; give it once"),
     ("!memory scope 1 public", "`public` is no scope; give the scope: private (only in DMs) or shared"),
     ("!memory forget --from abc", "`abc` is not a message reference; --from takes one like discord-message:123"),
     ("!memory why --of 12", "`12` is not a message reference"),

@@ -504,6 +504,9 @@ class CommandRegistry:
                     pipe_may_answer=missing.document,  # a forgotten short text: never the next piped line
                     needs_body=f"Type the {missing.name}; end with a line holding only a dot (.)" if complete else "",
                     failed=not complete)  # (words missing before it: nothing can be asked for)
+        if twice := _given_twice(command, args, body if free is not None else None):
+            return CommandReply(f"{twice} is given twice; give it once. Usage: {self.usage(command)}",
+                                private=command.private, failed=True)
         ctx = context if not body else _with_body(context, body)
         try:
             result = await command.handler(ctx, args)
@@ -562,6 +565,14 @@ class CommandRegistry:
             lines.append(f"{self.usage(command)} — {command.summary}")
             lines += [f"    {p.usage} {p.help}" for p in command.params if p.help and not p.menu]
         return "\n".join(lines)
+
+
+def _given_twice(command: Command, args: Sequence[str], text: str | None) -> str | None:
+    """A flag or option of ``command`` given more than once in ``args`` (``--importance 5 --importance 6``),
+    outside its free ``text``."""
+    switches = {p.spelled for p in command.params if p.kind in ("flag", "option")}
+    given = [a for a in args if a in switches and a != text]
+    return next((a for a in given if given.count(a) > 1), None)
 
 
 def _with_body(context: CommandContext, body: str) -> CommandContext:
