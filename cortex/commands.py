@@ -47,6 +47,7 @@ from cortex.settings import (
     SettingsResolver,
     persona_scope,
     server_scope,
+    unknown_setting,
 )
 from cortex.store import FILENAMES, CortexStore, ForgetReport, Pair
 from cortex.tiers import MANUAL, TierEngine, job_key, thresholds
@@ -389,6 +390,16 @@ class CortexCommands:
             private=True,
         )
 
+    async def _one_setting(self, ctx: CommandContext, key: str) -> str:
+        """``!cortex settings KEY``: its value here and where it comes from, and how to change it."""
+        effective = await self.resolver.effective(ctx.persona, ctx.server_key)
+        if key not in effective.sources:
+            raise CommandError(unknown_setting(key))
+        value = setting_text(getattr(effective.settings, key))
+        how = (f"change it with {self.prefix}cortex settings {key} <{OVERRIDABLE[key]}>" if key in OVERRIDABLE
+               else f"it is set in the config file only ([cortex] {key})")
+        return f"{key} for {ctx.persona} here: {value} (from {scope_words(effective.sources[key])}); {how}."
+
     async def settings(self, ctx: CommandContext, args: Sequence[str]) -> str | CommandReply:
         words = [a for a in args if a != "--persona"]
         scope = persona_scope(ctx.persona) if "--persona" in args or not ctx.server_key else server_scope(
@@ -398,7 +409,7 @@ class CortexCommands:
                 raise CommandError("A persona-wide setting changes every server and direct message: that is for the "
                                    "bot's admins. Server admins set it for their server (without --persona).")
             if len(words) < 2:
-                raise CommandError(f"Give a value for {words[0]}: {OVERRIDABLE.get(words[0], 'see the list')}")
+                return await self._one_setting(ctx, words[0])
             key, value = words[0], " ".join(words[1:])
             if not value.strip():  # `model ""`: stored as "not set", answered "set to not set"
                 raise CommandError(f"Give a value for {key}: {OVERRIDABLE.get(key, 'see the list')}")

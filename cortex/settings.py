@@ -109,7 +109,7 @@ class Effective:
     sources: dict[str, str]  # key -> "config" | scope that set it
 
 
-def _unknown(key: str) -> str:
+def unknown_setting(key: str) -> str:
     if key in CortexConfig.model_fields:
         return (f"{key} is set in the config file only ([cortex] {key}), not in chat; settings here: "
                 f"{', '.join(OVERRIDABLE)}")
@@ -119,7 +119,7 @@ def _unknown(key: str) -> str:
 def parse_value(key: str, text: str) -> Any:
     """Read a value typed in a command; raises :class:`SettingError` with the accepted form."""
     if key not in OVERRIDABLE:
-        raise SettingError(_unknown(key))
+        raise SettingError(unknown_setting(key))
     raw = text.strip()
     lowered = raw.lower()
     try:
@@ -275,7 +275,7 @@ class SettingsResolver:
 
     async def clear(self, scope: str, key: str) -> bool:
         if key not in OVERRIDABLE:
-            raise SettingError(_unknown(key))
+            raise SettingError(unknown_setting(key))
         self._cache.pop(scope, None)
         return await self.store.clear_setting(scope, key)
 

@@ -671,6 +671,10 @@ async def test_an_empty_setting_is_refused_and_none_says_what_it_means(tmp_path:
             reply = (await run(app, f"!cortex settings {typed}", admin)).text
             assert reply.startswith(f"Give a value for {typed.split()[0]}:"), reply
         assert await app.cortex.store.settings("persona:cora") == {}  # nothing was stored
+        shown_value = (await run(app, "!cortex settings context_limit", admin)).text  # (asked for a value)
+        assert shown_value.startswith("context_limit for Cora here: 1000 (from the config file); change it with ")
+        assert "[cortex] file_max_chars" in (await run(app, "!cortex settings file_max_chars", admin)).text
+        assert "unknown setting `nope`" in (await run(app, "!cortex settings nope", admin)).text
         reply = (await run(app, "!cortex settings model none", admin)).text
         assert "model: set to none (updates use the persona's chat model)" in reply, reply
         assert "not set for" not in reply
