@@ -162,3 +162,13 @@ async def test_a_rule_switched_in_another_process_is_switched_back_as_stored_now
         assert "is on already (version 3); nothing changed" in await run(other, "!rules enable config", boss)
         assert "holds version 3's text already (as version 3); nothing changed" in await run(
             one, "!rules revert config 3", boss)
+
+
+async def test_a_command_missing_its_name_and_its_text_names_both(tmp_path: Path) -> None:
+    """`!rules add` alone said it "needs the text", though its name was missing too."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        reply = await app.commands.dispatch("!rules add", ctx(bot_admin=True))
+        assert reply.text.startswith("!rules add needs the name and the text: after the command. Usage:"), reply.text
+        assert reply.failed and not reply.needs_body
+        one = await app.commands.dispatch("!rules add tidy", ctx(bot_admin=True))
+        assert one.text.startswith("!rules add needs the text: after the command, or on the lines below it.")

@@ -248,10 +248,10 @@ class Command:
                 out += [Token(spelled, token.start, split - 1), Token(rest, split, token.end)]
         return out
 
-    def free_text(self, tokens: Sequence[Token], line: str, body: str) -> tuple[list[str], str, bool] | None:
+    def free_text(self, tokens: Sequence[Token], line: str, body: str) -> tuple[list[str], str, list[str]] | None:
         """For a command with a ``text`` parameter: its arguments with the free text as one argument, exactly
-        as typed (then the lines after the command line), that text (also the context's body), and whether
-        the required words before the text were all given. The leading words the command takes come
+        as typed (then the lines after the command line), that text (also the context's body), and the names
+        of the required words before the text that were not given. The leading words the command takes come
         first; flags and options count only before the text or after it. None for a command without
         free text."""
         if not any(p.kind == "text" for p in self.params):
@@ -290,8 +290,8 @@ class Command:
         if end - start == 1 and len(inline) == len(tokens[start].value) + 2:  # all of it in quotes: what is inside
             inline = tokens[start].value
         text = "\n".join(part for part in (inline, body) if part.strip())
-        complete = given >= sum(p.required for p in before)
-        return head + ([text] if text else []) + [t.value for t in tokens[end:]], text, complete
+        missing = [p.name for p in before if p.required][given:]
+        return head + ([text] if text else []) + [t.value for t in tokens[end:]], text, missing
 
     def positional(self, args: Sequence[str]) -> list[str]:
         """``args`` without this command's flags and options (and the options' values)."""
@@ -495,15 +495,18 @@ class CommandRegistry:
             return CommandReply(f"{self.prefix}{command.name} has {exc}\nUsage: {self.usage(command)}",
                                 private=command.private, failed=True)
         if free is not None:
-            args, body, complete = free
+            args, body, words_missing = free
             missing = next((p for p in command.params if p.kind == "text" and p.required and not body), None)
             if missing is not None:  # at a prompt, asked for (once the words before it are there)
+                needed = " and the ".join([*words_missing, missing.name])
                 return CommandReply(
-                    f"{self.prefix}{command.name} needs the {missing.name}: after the command, or on the lines "
-                    f"below it. Usage: {self.usage(command)}", private=command.private,
+                    f"{self.prefix}{command.name} needs the {needed}: "
+                    + ("after the command, or on the lines below it" if not words_missing else "after the command")
+                    + f". Usage: {self.usage(command)}", private=command.private,
                     pipe_may_answer=missing.document,  # a forgotten short text: never the next piped line
-                    needs_body=f"Type the {missing.name}; end with a line holding only a dot (.)" if complete else "",
-                    failed=not complete)  # (words missing before it: nothing can be asked for)
+                    needs_body="" if words_missing else
+                    f"Type the {missing.name}; end with a line holding only a dot (.)",
+                    failed=bool(words_missing))  # (words missing before it: nothing can be asked for)
         if twice := _given_twice(command, args, body if free is not None else None):
             return CommandReply(f"{twice} is given twice; give it once. Usage: {self.usage(command)}",
                                 private=command.private, failed=True)
