@@ -332,3 +332,39 @@ async def test_the_message_floor_keeps_the_same_messages_on_both_engines(tmp_pat
         assert set(kept) == expected and all(kept[i] == pytest.approx(everything[i], abs=1e-5) for i in kept)
     finally:
         await app.stop()
+
+
+async def test_a_backfill_with_nothing_new_reads_only_above_its_mark_and_all_of_them_now_and_then(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every run (every minute) read all of the users' messages to find that none lacked a vector. Once a run
+    has read to the end, the next ones read above the newest id it saw (less a window), and only every
+    FULL_SCAN_SECONDS all of them: a vector dropped below the mark (a neighbour deleted, in any process) is
+    embedded again then."""
+    monkeypatch.setattr(embedding_module, "MARK_WINDOW", 2)
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}})
+    async with App(config, llm=ScriptedProvider(), embedder=HashEmbedder()) as app:
+        ann = await app.storage.upsert_user("console:ann", "Ann")
+        dm = await app.storage.upsert_channel("console:dm-ann", "dm", is_dm=True)
+        ids = [(await app.storage.add_message(dm.id, ann.id, "Cora", "user", "Ann", f"turn {n}", 3)).id
+               for n in range(12)]
+        service = app.cortex.embeddings
+        assert service is not None
+        assert (await service.backfill()).messages == 12
+        reads: list[int] = []
+        from bot.storage.memory import MemoryRepository
+
+        original = MemoryRepository.messages_to_embed
+
+        async def spy(repo: MemoryRepository, model: str, below: int, limit: int, *, above: int = 0) -> list:
+            reads.append(above)
+            return await original(repo, model, below, limit, above=above)
+
+        monkeypatch.setattr(MemoryRepository, "messages_to_embed", spy)
+        await app.storage.db.write("DELETE FROM message_vectors WHERE message_id = ?", (ids[1],))
+        newer = await app.storage.add_message(dm.id, ann.id, "Cora", "user", "Ann", "turn 12", 3)
+        assert (await service.backfill()).messages == 1  # the new one; the old one is below the mark
+        assert reads and set(reads) == {ids[-1] - 2}  # (every read of the run: above the mark, less the window)
+        assert await app.storage.db.fetch_one("SELECT 1 FROM message_vectors WHERE message_id = ?", (newer.id,))
+        monkeypatch.setattr(embedding_module, "FULL_SCAN_SECONDS", 0.0)
+        assert (await service.backfill()).messages == 1 and reads[-1] == 0  # all of them: the dropped one again
+        assert await app.storage.db.fetch_one("SELECT 1 FROM message_vectors WHERE message_id = ?", (ids[1],))

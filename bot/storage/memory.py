@@ -823,11 +823,16 @@ class MemoryRepository:
                 [(self._vector_param(vector), model, item_id) for item_id, vector in rows],
             )
 
-    async def messages_to_embed(self, model: str, below: int, limit: int) -> list[Row]:
-        """Messages of users (newest first, ids below ``below``) without a vector of ``model``, each with
-        the channel's message before it (``before_author``, ``before_text``) unless that one was said in an
-        incognito stretch (it is deleted at the stretch's end: it must not live on in another's vector), and
-        the id of the message before it whatever it is (``before_id``, 0 for none: see store_message_vectors)."""
+    async def newest_message_id(self) -> int:
+        row = await self.db.fetch_one("SELECT coalesce(max(id), 0) FROM messages")
+        return int(row[0]) if row is not None else 0
+
+    async def messages_to_embed(self, model: str, below: int, limit: int, *, above: int = 0) -> list[Row]:
+        """Messages of users (newest first, ids below ``below`` and above ``above``) without a vector of
+        ``model``, each with the channel's message before it (``before_author``, ``before_text``) unless that one
+        was said in an incognito stretch (it is deleted at the stretch's end: it must not live on in another's
+        vector), and the id of the message before it whatever it is (``before_id``, 0 for none: see
+        store_message_vectors)."""
         named, params = self._model_in(model)
         return await self.db.fetch_all(
             "SELECT m.id, m.user_id, m.persona, m.author_name, m.text, p.author_name AS before_author,"
@@ -835,10 +840,10 @@ class MemoryRepository:
             " AND id < m.id), 0) AS before_id FROM messages AS m LEFT JOIN message_vectors AS v ON v.message_id = m.id"
             " LEFT JOIN messages AS p ON p.id = (SELECT max(id) FROM messages"
             f" WHERE channel_id = m.channel_id AND id < m.id) AND {not_incognito('p')}"
-            f" WHERE m.user_id IS NOT NULL AND (v.model IS NULL OR v.model != {named}) AND m.id < ?"
+            f" WHERE m.user_id IS NOT NULL AND (v.model IS NULL OR v.model != {named}) AND m.id < ? AND m.id > ?"
             f" AND {not_incognito('m')}"
             " ORDER BY m.id DESC LIMIT ?",
-            (*params, below, limit),
+            (*params, below, above, limit),
         )
 
     async def store_message_vectors(
