@@ -500,13 +500,15 @@ class _CopyProgress:
                              TimeElapsedColumn(), console=Console(stderr=True))
 
     def __enter__(self) -> _CopyProgress:
-        self._bar.start()
-        return self
+        return self  # (started by the first table: a copy refused before it left an empty line above its error)
 
     def __exit__(self, *exc: object) -> None:
-        self._bar.stop()
+        if self._tasks:
+            self._bar.stop()
 
     def update(self, table: str, done: int, total: int) -> None:
+        if not self._tasks:
+            self._bar.start()
         if table not in self._tasks:
             self._tasks[table] = self._bar.add_task(table, total=total)
         self._bar.update(self._tasks[table], completed=done, total=total)

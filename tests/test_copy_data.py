@@ -349,6 +349,9 @@ def test_the_command_copies_and_prints_the_counts(tmp_path: Path, pg_url: str) -
     assert counts(again.stdout)["users"] == ["2", "3", "0"]
     bad = subprocess.run([*args[:-4], "--to", "mysql://x"], capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 1 and "--to:" in bad.stderr and "Traceback" not in bad.stderr
+    itself = subprocess.run([*args[:-4], "--to", f"sqlite:///{tmp_path / 'bot.db'}"], capture_output=True,
+                            text=True, env=env, timeout=60)
+    assert itself.returncode == 1 and itself.stderr.startswith("Error: "), itself.stderr  # (no empty line first)
 
 
 def test_a_copy_stopped_with_ctrl_c_says_how_to_go_on(tmp_path: Path, pg_url: str) -> None:
