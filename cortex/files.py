@@ -136,10 +136,9 @@ class CortexFiles:
         the newest version, else :class:`FileConflict`: an edit never silently replaces one made meanwhile."""
         if not content.strip():
             raise FileError(f"the new {filename} is empty; to start it over use reset instead")
-        if len(content) > self.file_max_chars:
-            raise FileError(
-                f"the new {filename} has {len(content):,} characters; the limit is {self.file_max_chars:,}"
-            )
+        length = len(content.rstrip("\n"))  # (the line end a chat edit is saved with is not the person's)
+        if length > self.file_max_chars:
+            raise FileError(f"the new {filename} has {length:,} characters; the limit is {self.file_max_chars:,}")
         if based_on is None:
             return await self.write(pair, filename, content, "user", "edited by the user")
         guarded(filename, content, f"user on pair {pair.id}", FileError)

@@ -76,7 +76,9 @@ async def test_edit_history_diff_revert_reset(tmp_path: Path) -> None:
         versions = await app.cortex.store.versions((await _pair_id(app, "ann")), "memory.md")
         assert [v.version for v in versions] == [1, 2, 3, 4, 5]  # nothing was ever overwritten
         too_long = (await run(app, "!memory edit soul.md\n" + "x" * 9000)).text
-        assert "limit is 8,000" in too_long
+        assert "the new soul.md has 9,000 characters; the limit is 8,000" in too_long  # (said 9,001: its line end)
+        at_the_limit = (await run(app, "!memory edit soul.md\n" + "x" * 8000)).text  # (refused as 8,001)
+        assert "Saved your soul.md" in at_the_limit, at_the_limit
 
 
 async def _pair_id(app: App, user: str, persona: str = "Cora") -> int:
