@@ -42,6 +42,7 @@ from cortex.export import MAX_ARCHIVE_BYTES, ArchiveError, export_data, export_f
 from cortex.files import CortexFiles, FileError, normalise_filename, unified_diff
 from cortex.importing import Importer, ImportLimits
 from cortex.settings import (
+    OPERATOR_KEYS,
     OVERRIDABLE,
     SettingError,
     SettingsResolver,
@@ -390,26 +391,32 @@ class CortexCommands:
             private=True,
         )
 
-    async def _one_setting(self, ctx: CommandContext, key: str) -> str:
-        """``!cortex settings KEY``: its value here and where it comes from, and how to change it."""
-        effective = await self.resolver.effective(ctx.persona, ctx.server_key)
+    async def _one_setting(self, ctx: CommandContext, key: str, *, persona_wide: bool) -> str:
+        """``!cortex settings KEY [--persona]``: its value here (or for the persona everywhere) and where it comes
+        from, and how to change it, or who may."""
+        effective = await self.resolver.effective(ctx.persona, None if persona_wide else ctx.server_key)
         if key not in effective.sources:
             raise CommandError(unknown_setting(key))
-        value = setting_text(getattr(effective.settings, key))
-        how = (f"change it with {self.prefix}cortex settings {key} <{OVERRIDABLE[key]}>" if key in OVERRIDABLE
-               else f"it is set in the config file only ([cortex] {key})")
-        return f"{key} for {ctx.persona} here: {value} (from {scope_words(effective.sources[key])}); {how}."
+        value, where = setting_text(getattr(effective.settings, key)), "everywhere" if persona_wide else "here"
+        flag = " --persona" if persona_wide and ctx.server_key else ""
+        if key not in OVERRIDABLE:
+            how = f"it is set in the config file only ([cortex] {key})"
+        elif (key in OPERATOR_KEYS or (persona_wide and ctx.server_key)) and not ctx.is_bot_admin:
+            how = "only the bot's admins change it"
+        else:
+            how = f"change it with {self.prefix}cortex settings {key} <{OVERRIDABLE[key]}>{flag}"
+        return f"{key} for {ctx.persona} {where}: {value} (from {scope_words(effective.sources[key])}); {how}."
 
     async def settings(self, ctx: CommandContext, args: Sequence[str]) -> str | CommandReply:
         words = [a for a in args if a != "--persona"]
         scope = persona_scope(ctx.persona) if "--persona" in args or not ctx.server_key else server_scope(
             ctx.server_key)
+        if len(words) == 1:  # reading one (persona-wide with --persona, or in a DM)
+            return await self._one_setting(ctx, words[0], persona_wide=scope == persona_scope(ctx.persona))
         if words:
             if scope == persona_scope(ctx.persona) and not ctx.is_bot_admin:
                 raise CommandError("A persona-wide setting changes every server and direct message: that is for the "
                                    "bot's admins. Server admins set it for their server (without --persona).")
-            if len(words) < 2:
-                return await self._one_setting(ctx, words[0])
             key, value = words[0], " ".join(words[1:])
             if not value.strip():  # `model ""`: stored as "not set", answered "set to not set"
                 raise CommandError(f"Give a value for {key}: {OVERRIDABLE.get(key, 'see the list')}")

@@ -526,6 +526,7 @@ HOSTILE_NUMBERS = [
     ("!memory why --of", "--of needs a message reference"),
     ("!memory remember tea --importance 5 --importance 6", "--importance is given twice; give it once"),
     ("!memory remember --pin tea --pin", "--pin is given twice; give it once"),
+    ("!memory remember --pin tea --category --pin", "unknown category `--pin`"),  # (--pin: the category's value)
     ("!memory scope 1 public", "`public` is no scope; give the scope: private (only in DMs) or shared"),
     ("!memory forget --from abc", "`abc` is not a message reference; --from takes one like discord-message:123"),
     ("!memory why --of 12", "`12` is not a message reference"),
@@ -674,7 +675,16 @@ async def test_an_empty_setting_is_refused_and_none_says_what_it_means(tmp_path:
             assert reply.startswith(f"Give a value for {typed.split()[0]}:"), reply
         assert await app.cortex.store.settings("persona:cora") == {}  # nothing was stored
         shown_value = (await run(app, "!cortex settings context_limit", admin)).text  # (asked for a value)
-        assert shown_value.startswith("context_limit for Cora here: 1000 (from the config file); change it with ")
+        assert shown_value.startswith("context_limit for Cora everywhere: 1000 (from the config file); change it with ")
+        server_admin = ctx(admin=True, server="console:g1")
+        assert "set to 2000" in (await run(app, "!cortex settings context_limit 2000", server_admin)).text
+        here = (await run(app, "!cortex settings context_limit", server_admin)).text
+        assert here.startswith("context_limit for Cora here: 2000 (from this server); change it with !cortex settings")
+        wide = (await run(app, "!cortex settings context_limit --persona", server_admin)).text  # (reading: allowed)
+        assert wide == ("context_limit for Cora everywhere: 1000 (from the config file); only the bot's admins "
+                        "change it."), wide
+        model = (await run(app, "!cortex settings model", server_admin)).text
+        assert model.endswith("only the bot's admins change it."), model
         assert "[cortex] file_max_chars" in (await run(app, "!cortex settings file_max_chars", admin)).text
         assert "unknown setting `nope`" in (await run(app, "!cortex settings nope", admin)).text
         reply = (await run(app, "!cortex settings model none", admin)).text

@@ -172,3 +172,10 @@ async def test_a_command_missing_its_name_and_its_text_names_both(tmp_path: Path
         assert reply.failed and not reply.needs_body
         one = await app.commands.dispatch("!rules add tidy", ctx(bot_admin=True))
         assert one.text.startswith("!rules add needs the text: after the command, or on the lines below it.")
+
+
+async def test_a_switch_given_twice_is_refused_before_the_text_is_asked_for(tmp_path: Path) -> None:
+    """`!guidelines set --default --default` first asked for the text, read it, then refused the line."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        reply = await app.commands.dispatch("!guidelines set --default --default", ctx(bot_admin=True))
+        assert reply.text.startswith("--default is given twice; give it once.") and not reply.needs_body

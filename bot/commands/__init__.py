@@ -495,7 +495,12 @@ class CommandRegistry:
             return CommandReply(f"{self.prefix}{command.name} has {exc}\nUsage: {self.usage(command)}",
                                 private=command.private, failed=True)
         if free is not None:
-            args, body, words_missing = free
+            args, body = free[0], free[1]
+        if twice := _given_twice(command, args, body if free is not None else None):  # (before asking for a text)
+            return CommandReply(f"{twice} is given twice; give it once. Usage: {self.usage(command)}",
+                                private=command.private, failed=True)
+        if free is not None:
+            words_missing = free[2]
             missing = next((p for p in command.params if p.kind == "text" and p.required and not body), None)
             if missing is not None:  # at a prompt, asked for (once the words before it are there)
                 needed = " and the ".join([*words_missing, missing.name])
@@ -507,9 +512,6 @@ class CommandRegistry:
                     needs_body="" if words_missing else
                     f"Type the {missing.name}; end with a line holding only a dot (.)",
                     failed=bool(words_missing))  # (words missing before it: nothing can be asked for)
-        if twice := _given_twice(command, args, body if free is not None else None):
-            return CommandReply(f"{twice} is given twice; give it once. Usage: {self.usage(command)}",
-                                private=command.private, failed=True)
         ctx = context if not body else _with_body(context, body)
         try:
             result = await command.handler(ctx, args)
@@ -573,8 +575,15 @@ class CommandRegistry:
 def _given_twice(command: Command, args: Sequence[str], text: str | None) -> str | None:
     """A flag or option of ``command`` given more than once in ``args`` (``--importance 5 --importance 6``),
     outside its free ``text``."""
-    switches = {p.spelled for p in command.params if p.kind in ("flag", "option")}
-    given = [a for a in args if a in switches and a != text]
+    flags, options = command._switches()
+    given: list[str] = []
+    value_next = False
+    for arg in args:
+        if value_next:  # an option's value, whatever it says
+            value_next = False
+        elif arg != text and (arg in flags or arg in options):
+            given.append(arg)
+            value_next = arg in options
     return next((a for a in given if given.count(a) > 1), None)
 
 
