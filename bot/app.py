@@ -209,6 +209,7 @@ class App:
         self.core.forget_recent_texts()
         if self.cortex.embeddings is not None:
             self.cortex.embeddings.forget_queries()
+            self.cortex.embeddings.forget_marks()  # the messages after the deleted ones are embedded again
 
     async def _reload(self) -> None:
         await self.cortex.memory_admin.load()

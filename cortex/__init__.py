@@ -105,6 +105,7 @@ def build_cortex(
         def forget_vectors(user_key: str) -> None:  # ids are reused after a delete; kept queries hold a user's words
             embeddings.index.invalidate()
             embeddings.forget_queries()
+            embeddings.forget_marks()  # the messages after theirs are embedded again at the next run
 
         commands.on_forget = forget_vectors
         commands.embedding_backlog = embeddings.backlog_line

@@ -368,3 +368,26 @@ async def test_a_backfill_with_nothing_new_reads_only_above_its_mark_and_all_of_
         monkeypatch.setattr(embedding_module, "FULL_SCAN_SECONDS", 0.0)
         assert (await service.backfill()).messages == 1 and reads[-1] == 0  # all of them: the dropped one again
         assert await app.storage.db.fetch_one("SELECT 1 FROM message_vectors WHERE message_id = ?", (ids[1],))
+
+
+async def test_a_forget_me_has_the_next_backfill_read_all_messages_again(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the backfill's mark, Bob's "ok" after a forgotten message of Ann's (its vector dropped, below the
+    mark) waited for the next full scan, ten minutes on: the process that ran the forget-me reads all of them
+    at its next run."""
+    monkeypatch.setattr(embedding_module, "MARK_WINDOW", 0)
+    embedder = Recording()
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}})
+    async with App(config, llm=ScriptedProvider(), embedder=embedder) as app:
+        storage = app.storage
+        ann, bob = [await storage.upsert_user(f"console:{n}", n.title()) for n in ("ann", "bob")]
+        room = await storage.upsert_channel("console:room", "room", is_dm=False)
+        await storage.add_message(room.id, ann.id, "Cora", "user", "Ann", "my diagnosis is zanzibar syndrome", 7)
+        await storage.add_message(room.id, bob.id, "Cora", "user", "Bob", "ok", 1)
+        await storage.add_message(room.id, bob.id, "Cora", "user", "Bob", "see you", 2)
+        assert app.cortex.embeddings is not None
+        await app.cortex.embeddings.backfill()
+        embedder.texts.clear()
+        await app.cortex.commands.forget_user("console:ann")
+        await app.cortex.embeddings.backfill()
+        assert embedder.texts == ["Bob: ok"]  # embedded again at once, without her words

@@ -386,6 +386,11 @@ class EmbeddingService:
             self._marks[model] = (top, began if full or mark is None else mark[1])
         return done, late
 
+    def forget_marks(self) -> None:
+        """Have the next run read all messages again: this process deleted some (forget-me, the end of an
+        incognito stretch), and the messages after them lost their vectors, below the mark."""
+        self._marks.clear()
+
     async def _messages_to_embed(self, below: int, above: int) -> list[Row]:
         return await self.storage.memory.messages_to_embed(self.message_model, below, BATCH, above=above)
 
