@@ -295,17 +295,32 @@ class Command:
 
     def positional(self, args: Sequence[str]) -> list[str]:
         """``args`` without this command's flags and options (and the options' values)."""
+        return self._sorted(args)[0]
+
+    def given_twice(self, args: Sequence[str], text: str | None) -> str | None:
+        """A flag or option given more than once in ``args`` (``--importance 5 --importance 6``), outside the
+        free ``text``; an option's value is never one."""
+        given = self._sorted(args, text)[1]
+        return next((a for a in given if given.count(a) > 1), None)
+
+    def _sorted(self, args: Sequence[str], text: str | None = None) -> tuple[list[str], list[str]]:
+        """``args`` as (the words that are no switch, the flags and options as written), the options' values
+        in neither; ``text`` (the free text) is a word, whatever it says."""
         flags, options = self._switches()
         left: list[str] = []
+        given: list[str] = []
         skip = False
         for arg in args:
             if skip:
                 skip = False
-            elif arg in options:
+            elif arg != text and arg in options:
+                given.append(arg)
                 skip = True
-            elif arg not in flags and not (arg.lower() in flags and not arg.startswith("-")):
+            elif arg != text and arg in flags:
+                given.append(arg)
+            elif not (arg.lower() in flags and not arg.startswith("-")):
                 left.append(arg)  # a flag that is a plain word ("confirm") counts in any case: "CONFIRM"
-        return left
+        return left, given
 
     def line(self, prefix: str, values: Mapping[str, object]) -> str:
         """The ``!`` line (and body) that runs this command with ``values`` by parameter name (what a
@@ -494,24 +509,22 @@ class CommandRegistry:
         except CommandError as exc:  # a switch it does not have, at an end of the text
             return CommandReply(f"{self.prefix}{command.name} has {exc}\nUsage: {self.usage(command)}",
                                 private=command.private, failed=True)
+        words_missing: list[str] = []
         if free is not None:
-            args, body = free[0], free[1]
-        if twice := _given_twice(command, args, body if free is not None else None):  # (before asking for a text)
+            args, body, words_missing = free
+        if twice := command.given_twice(args, body if free is not None else None):  # (before asking for a text)
             return CommandReply(f"{twice} is given twice; give it once. Usage: {self.usage(command)}",
                                 private=command.private, failed=True)
-        if free is not None:
-            words_missing = free[2]
-            missing = next((p for p in command.params if p.kind == "text" and p.required and not body), None)
-            if missing is not None:  # at a prompt, asked for (once the words before it are there)
-                needed = " and the ".join([*words_missing, missing.name])
-                return CommandReply(
-                    f"{self.prefix}{command.name} needs the {needed}: "
-                    + ("after the command, or on the lines below it" if not words_missing else "after the command")
-                    + f". Usage: {self.usage(command)}", private=command.private,
-                    pipe_may_answer=missing.document,  # a forgotten short text: never the next piped line
-                    needs_body="" if words_missing else
-                    f"Type the {missing.name}; end with a line holding only a dot (.)",
-                    failed=bool(words_missing))  # (words missing before it: nothing can be asked for)
+        missing = next((p for p in command.params if p.kind == "text" and p.required and not body), None)
+        if missing is not None:  # at a prompt, asked for (once the words before it are there)
+            needed = " and the ".join([*words_missing, missing.name])
+            return CommandReply(
+                f"{self.prefix}{command.name} needs the {needed}: "
+                + ("after the command, or on the lines below it" if not words_missing else "after the command")
+                + f". Usage: {self.usage(command)}", private=command.private,
+                pipe_may_answer=missing.document,  # a forgotten short text: never the next piped line
+                needs_body="" if words_missing else f"Type the {missing.name}; end with a line holding only a dot (.)",
+                failed=bool(words_missing))  # (words missing before it: nothing can be asked for)
         ctx = context if not body else _with_body(context, body)
         try:
             result = await command.handler(ctx, args)
@@ -570,21 +583,6 @@ class CommandRegistry:
             lines.append(f"{self.usage(command)} — {command.summary}")
             lines += [f"    {p.usage} {p.help}" for p in command.params if p.help and not p.menu]
         return "\n".join(lines)
-
-
-def _given_twice(command: Command, args: Sequence[str], text: str | None) -> str | None:
-    """A flag or option of ``command`` given more than once in ``args`` (``--importance 5 --importance 6``),
-    outside its free ``text``."""
-    flags, options = command._switches()
-    given: list[str] = []
-    value_next = False
-    for arg in args:
-        if value_next:  # an option's value, whatever it says
-            value_next = False
-        elif arg != text and (arg in flags or arg in options):
-            given.append(arg)
-            value_next = arg in options
-    return next((a for a in given if given.count(a) > 1), None)
 
 
 def _with_body(context: CommandContext, body: str) -> CommandContext:
