@@ -38,7 +38,7 @@ _NAME_HIDDEN = re.compile(r"[\u200b\u200e\u200f\u202a-\u202e\u2060-\u2064\u2066-
 
 def name_key(name: str) -> str:
     """How two words are the same word: Unicode's caseless match ("ZOË", "zoë" typed as z-o-e and a
-    combining diaeresis, and "Zoë" are one), for lore's keywords."""
+    combining diaeresis, and "Zoë" are one), for persona names and lore's keywords."""
     return unicodedata.normalize("NFC", unicodedata.normalize("NFD", name).casefold())
 
 

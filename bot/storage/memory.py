@@ -804,8 +804,8 @@ class MemoryRepository:
         ranges = (f"SELECT {columns} {live} AND embedding_model < {named}"
                   f" UNION ALL SELECT {columns} {live} AND embedding_model > {named}")
         # (Each side counted in the index's order: otherwise PostgreSQL reads the rows when most of them count.)
-        side = ("(SELECT count(*) FROM (SELECT 1 FROM memory_items WHERE archived_at IS NULL AND embedding_model {}"
-                f" {named} ORDER BY embedding_model LIMIT {SPARSE_BACKLOG}) AS side)")
+        side = (f"(SELECT count(*) FROM (SELECT 1 {live} AND embedding_model {{}} {named} ORDER BY embedding_model"
+                f" LIMIT {SPARSE_BACKLOG}) AS side)")
         pending = await self.db.fetch_one(f"SELECT {side.format('<')} + {side.format('>')}", (*params, *params))
         count = int(pending[0]) if pending is not None else 0
         if not count:

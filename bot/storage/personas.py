@@ -220,9 +220,9 @@ class PersonaRepository:
         old = await self.version(kind, scope, name, number)
         if old is None:
             return None
-        live = await self.history(kind, scope, name)
-        if live and (live[-1].content, live[-1].enabled) == (old.content, old.enabled):
-            return live[-1], False
+        live = next((t for t in await self.current(kind, scope) if t.name == name), None)  # (not every version)
+        if live is not None and (live.content, live.enabled) == (old.content, old.enabled):
+            return live, False
         return await self.put(kind, scope, name, old.content, author=author, enabled=old.enabled,
                               reason=f"reverted to version {number}"), True
 

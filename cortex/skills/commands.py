@@ -84,9 +84,8 @@ class SkillCommands:
             raise CommandError(f"unknown skill {shown(names[0])}; see {self.prefix}skills list")
         name, info, policy = names[0], known[names[0]].info, self.tools.policy
         scope, where = self._scope(ctx, args)
-        off = policy.default(info)
-        if enabled and scope != "*" and not off.enabled and not (await policy.bot_wide(ctx.persona, info)):
-            why = ("[skills] disabled names it" if off.source == "config (disabled)"
+        if enabled and scope != "*" and await policy.locked(ctx.persona, info):
+            why = ("[skills] disabled names it" if policy.default(info).source == "config (disabled)"
                    else "[skills] builtin leaves it out")
             raise CommandError(f"{name} is off in the bot's config ({why}): only the bot's admins switch it on, "
                                f"everywhere ({self.prefix}skills enable {name} --everywhere); then a server or "

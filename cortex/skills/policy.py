@@ -66,7 +66,7 @@ class SkillPolicy:
         found, default = await self.overrides(persona), self.default(info)
         # A skill the config turns off is switched on bot-wide only (by the bot's admins): on Matrix whoever
         # makes a room is its admin, and an operator's "off" must not be anyone's to lift.
-        locked = not default.enabled and not _on_bot_wide(found, info)
+        locked = _locked(found, default, info)
         for scope, label in ((f"channel:{channel_key}", "this channel"),
                              (f"channel:{parent_key}" if parent_key else "", "this thread's channel"),
                              (f"server:{server_key}" if server_key else "", "this server"), ("*", "bot-wide")):
@@ -93,9 +93,10 @@ class SkillPolicy:
         self._cache.pop(settings_key(persona), None)
         return had
 
-    async def bot_wide(self, persona: str, info: SkillInfo) -> bool:
-        """Whether the bot's admins switched the skill on everywhere (for ``persona``)."""
-        return _on_bot_wide(await self.overrides(persona), info)
+    async def locked(self, persona: str, info: SkillInfo) -> bool:
+        """Whether the config turns the skill off and the bot's admins have not switched it on everywhere (for
+        ``persona``): then no server or channel may switch it on."""
+        return _locked(await self.overrides(persona), self.default(info), info)
 
     async def narrower(self, persona: str, info: SkillInfo) -> list[str]:
         """The server and channel scopes with an override of this skill (they win over a bot-wide one)."""
@@ -103,5 +104,5 @@ class SkillPolicy:
                       if scope != "*" and any(name in values for name in info.switch_names))
 
 
-def _on_bot_wide(found: Overrides, info: SkillInfo) -> bool:
-    return any(found.get("*", {}).get(name) for name in info.switch_names)
+def _locked(found: Overrides, default: Effective, info: SkillInfo) -> bool:
+    return not default.enabled and not any(found.get("*", {}).get(name) for name in info.switch_names)
