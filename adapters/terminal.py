@@ -193,10 +193,14 @@ class TerminalAdapter:
         return self.app.router.context_for(self._inbound(""), self.persona.name)
 
     async def _read_line(self) -> str | None:
+        if self.interactive and not self._ahead:
+            return await self._prompt()
+        return await self._next_line()
+
+    async def _next_line(self) -> str | None:
+        """The next line not typed at the prompt: one given back first, else read (None: the end of input)."""
         if self._ahead:
             return self._ahead.popleft()
-        if self.interactive:
-            return await self._prompt()
         line = await self._readline_in_thread()  # (a file from a Windows editor starts with a BOM: not the line's)
         return None if line == "" else printable(line.rstrip("\r\n").lstrip("\ufeff"))
 
@@ -345,14 +349,9 @@ class TerminalAdapter:
         lines: list[str] = []
         self._cut, self._cut_lines = False, 0
         while True:
-            if self._ahead:
-                ahead = self._ahead.popleft()
-                line = "" if ahead is None else ahead + "\n"
-            else:
-                line = await self._readline_in_thread()
-            if line == "":
+            text = await self._next_line()
+            if text is None:
                 return "" if any(part.strip() for part in lines) else None
-            text = printable(line.rstrip("\r\n"))
             if text.strip() == ".":
                 return "\n".join(lines) if any(part.strip() for part in lines) else None
             if not self.interactive and self.app.commands.is_command(text) and self.app.commands.knows(text):
