@@ -4,12 +4,19 @@ The provider answers chat replies instantly (we time the core, not the model) an
 update calls after a latency (default 1 s per call; real ones take 1-10 s), running the real tool loop: read memory.md,
 rewrite it, stop, so every update does real reads, checked writes, new versions and audit rows.
 The reply path is timed alone and while 50 pairs are updated continuously (each as soon as its
-previous update finishes), alternating the two phases over several rounds in one process, in ABBA
+previous update finishes), alternating the two phases many times in one process, in ABBA
 order (alone, loaded, loaded, alone, ...), so that drift of the machine and the growing history hit
 both alike. Prints p50/p99 of both and their ratio; the target is ≤ 1.1,
 in five runs in a row (``--runs 5``: each a whole measurement in a fresh bot, each printed).
 
-    python bench/nonblocking.py [--replies 2000] [--rounds 10] [--updates 50] [--latency-ms 1000] [--runs 5]
+The updates' LLM latency runs on a clock that stands still while the load is paused (:class:`LoadClock`):
+pausing parks every update in its LLM call (or before its next update) and resuming lets each go on
+with the latency it had left, so the phases can alternate every few dozen replies without a drain or
+a ramp in between. The reply path's cost drifts by a factor of two and more over a run (the history and
+the full-text index grow, SQLite's files change), far more than the effect measured: with phases of
+200 replies, an A/A run strayed up to 9 % at p50 and 15 % at p99 by that drift alone.
+
+    python bench/nonblocking.py [--replies 2000] [--rounds 100] [--updates 50] [--latency-ms 1000] [--runs 5]
         [--no-load]
 
 ``--no-load`` times both phases without updates (an A/A run): the ratios it prints are the noise floor of
@@ -50,20 +57,87 @@ TARGET = 1.1
 REPLY = "That sounds lovely. Tell me more about the tomatoes — did the late frost hurt them?"
 
 
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class LoadClock:
+    """The updates' time: it passes only while the load runs. A paused update's LLM call neither returns
+    nor ages; on resuming, each goes on with the latency it had left (timers, not a task per call, so
+    resuming wakes nothing at once). ``parked`` counts the updates waiting here or for the next start."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.running = asyncio.Event()
+        self.parked = 0
+        self.all_parked = asyncio.Event()
+        self._stood = 0.0  # real seconds the clock stood still
+        self._stopped_at: float | None = 0.0
+        self._timers: dict[asyncio.Future[None], tuple[float, asyncio.TimerHandle | None]] = {}
+
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
+
+    def now(self) -> float:
+        at = self._loop.time() if self._stopped_at is None else self._stopped_at
+        return at - self._stood
+
+    def _arm(self, future: asyncio.Future[None], due: float) -> asyncio.TimerHandle:
+        return self._loop.call_at(due + self._stood, _wake, future)
+
+    async def sleep(self, seconds: float) -> None:
+        future: asyncio.Future[None] = self._loop.create_future()
+        due = self.now() + seconds
+        self._timers[future] = (due, None if self._stopped_at is not None else self._arm(future, due))
+        self.park(+1)
+        try:
+            await future
+        finally:
+            del self._timers[future]
+            self.park(-1)
+
+    def park(self, step: int) -> None:
+        self.parked += step
+        if self.parked == self.total:
+            self.all_parked.set()
+        else:
+            self.all_parked.clear()
+
+    def stop(self) -> None:
+        if self._stopped_at is None:
+            self._stopped_at = self._loop.time()
+            self.running.clear()
+            for future, (due, timer) in self._timers.items():
+                if timer is not None:
+                    timer.cancel()
+                self._timers[future] = (due, None)
+
+    def start(self) -> None:
+        if self._stopped_at is not None:
+            self._stood += self._loop.time() - self._stopped_at
+            self._stopped_at = None
+            for future, (due, _) in self._timers.items():
+                self._timers[future] = (due, self._arm(future, due))
+            self.running.set()
+
+
 class BenchProvider:
     """Instant replies; cortex calls take ``latency`` seconds and walk read → write → stop."""
 
     name = "bench"
 
-    def __init__(self, latency: float) -> None:
+    def __init__(self, latency: float, clock: LoadClock) -> None:
         self.latency = latency
+        self.clock = clock
         self.update_calls = 0
 
     async def complete(self, request: LLMRequest) -> Completion:
         if not any(tool.name == "write_file" for tool in request.tools):  # a chat reply (skills may be offered)
             return Completion(text=REPLY, usage=Usage(0, 20))
         self.update_calls += 1
-        await asyncio.sleep(self.latency * random.uniform(0.5, 1.5))
+        await self.clock.sleep(self.latency * random.uniform(0.5, 1.5))
         last = request.messages[-1]
         if last.role == "user":
             call = ToolCall("r", "read_file", {"filename": "memory.md"})
@@ -101,16 +175,13 @@ async def time_replies(app: App, count: int) -> list[float]:
 
 
 class UpdateLoad:
-    """``count`` pairs updated back to back while ``running`` is set; ``idle`` once none is in flight."""
+    """Every user's pair updated back to back while ``clock`` runs; paused, each waits in the clock."""
 
-    def __init__(self, app: App, users: list[str]) -> None:
+    def __init__(self, app: App, users: list[str], clock: LoadClock) -> None:
         self.app = app
         self.users = users
-        self.running = asyncio.Event()
+        self.clock = clock
         self.stopping = False
-        self.in_flight = 0
-        self.idle = asyncio.Event()
-        self.idle.set()
         self.finished = 0
         self.tasks: list[asyncio.Task[None]] = []
 
@@ -120,35 +191,35 @@ class UpdateLoad:
         pair = await self.app.cortex.store.count_messages(account.id, "Cora", 0)
         settings = (await self.app.cortex.resolver.effective("Cora")).settings
         while True:
-            await self.running.wait()
+            if not self.clock.running.is_set():
+                self.clock.park(+1)
+                try:
+                    await self.clock.running.wait()
+                finally:
+                    self.clock.park(-1)
             if self.stopping:
                 return
-            self.in_flight += 1
-            self.idle.clear()
-            try:
-                await self.app.cortex.updater.run(pair, "manual", settings)
-            finally:
-                self.in_flight -= 1
-                if not self.in_flight:
-                    self.idle.set()
+            await self.app.cortex.updater.run(pair, "manual", settings)
             self.finished += 1
 
     def start(self) -> None:
         self.tasks = [asyncio.create_task(self._loop(user)) for user in self.users]
 
     async def pause(self) -> None:
-        self.running.clear()
-        await self.idle.wait()
+        """Stop the clock and wait until every update sits in an LLM call or before its next start."""
+        self.clock.stop()
+        await self.clock.all_parked.wait()
 
     async def stop(self) -> None:
         self.stopping = True
-        self.running.set()
+        self.clock.start()
         await asyncio.gather(*self.tasks)
 
 
 async def measure(args: argparse.Namespace) -> tuple[list[float], list[float], int, int]:
     """One run in a fresh bot: reply timings alone and loaded, updates finished, update calls."""
-    provider = BenchProvider(args.latency_ms / 1000)
+    clock = LoadClock(args.updates)
+    provider = BenchProvider(args.latency_ms / 1000, clock)
     per_round = max(args.replies // args.rounds, 1)
     alone: list[float] = []
     loaded: list[float] = []
@@ -167,23 +238,22 @@ async def measure(args: argparse.Namespace) -> tuple[list[float], list[float], i
                     msg = IncomingMessage("console", f"dm-{user}", user, user, f"hello {i}, I grow tomatoes")
                     await app.core.reply(msg).text()
             await time_replies(app, 50)  # warm-up
-            load = UpdateLoad(app, users)
+            load = UpdateLoad(app, users, clock)
             load.start()
+            await load.pause()
+            if not args.no_load:  # every pair mid-update, their calls spread over the latency
+                clock.start()
+                await asyncio.sleep(args.latency_ms / 1000 * 1.5)
             # Alternate the phases so that drift hits both alike, in ABBA order (alone, loaded, loaded,
             # alone, ...): the history grows with every reply and the machine's speed drifts, and with
             # "alone" always first each round's loaded phase would always meet the longer history.
             for number in range(args.rounds):
                 for phase in ("alone", "loaded") if number % 2 == 0 else ("loaded", "alone"):
-                    if phase == "alone":
+                    if phase == "alone" or args.no_load:  # the A/A check: "loaded" timed exactly as "alone"
                         await load.pause()
-                        alone += await time_replies(app, per_round)
-                    elif args.no_load:  # the A/A check: "loaded" timed exactly as "alone"
-                        await load.pause()
-                        loaded += await time_replies(app, per_round)
+                        (alone if phase == "alone" else loaded).extend(await time_replies(app, per_round))
                     else:
-                        if not load.running.is_set():
-                            load.running.set()
-                            await asyncio.sleep(args.latency_ms / 1000 * 1.5)  # every pair mid-update
+                        clock.start()
                         loaded += await time_replies(app, per_round)
             finished = load.finished
             await load.stop()
@@ -195,7 +265,8 @@ async def measure(args: argparse.Namespace) -> tuple[list[float], list[float], i
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replies", type=int, default=2000, help="timed replies per phase (default 2000)")
-    parser.add_argument("--rounds", type=int, default=10, help="alternations of the two phases (default 10)")
+    parser.add_argument("--rounds", type=int, default=100,
+                        help="alternations of the two phases (default 100: 20 replies a phase)")
     parser.add_argument("--updates", type=int, default=50, help="updates in flight at once (default 50)")
     parser.add_argument("--latency-ms", type=float, default=1000.0,
                         help="LLM latency per update call (default 1000; real ones take 1-10 s)")
