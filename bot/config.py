@@ -28,6 +28,7 @@ from jsonschema import validators
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -242,6 +243,15 @@ def _model_name(value: str) -> str:
 ModelName = Annotated[str, AfterValidator(_model_name)]
 
 
+def _blank_is_unset(value: Any) -> Any:
+    """An empty (or blank) optional model name means the default, as an empty ``base_url`` does."""
+    return None if isinstance(value, str) and not value.strip() else value
+
+
+# A model that falls back to another one when unset (``summary_model = ""``: the chat model).
+FallbackModel = Annotated[ModelName | None, BeforeValidator(_blank_is_unset)]
+
+
 class LLMConfig(_Section):
     provider: Literal["anthropic", "openai"] = "anthropic"
     model: ModelName = "claude-sonnet-4-5"
@@ -272,7 +282,7 @@ class LLMConfig(_Section):
     timeout_seconds: float = Field(default=120.0, gt=0, le=3600)
     connect_timeout_seconds: float = Field(default=10.0, gt=0, le=600)
     max_retries: int = Field(default=2, ge=0, le=10)
-    summary_model: ModelName | None = Field(default=None, description="Cheaper model for summaries; default: model.")
+    summary_model: FallbackModel = Field(default=None, description="Cheaper model for summaries; default: model.")
 
     @property
     def key_env_name(self) -> str:
@@ -345,7 +355,7 @@ class CortexConfig(_Section):
     bot_daily_token_budget: int = Field(
         default=2_000_000, ge=0, description="Tokens all cortex updates together may use per UTC day (0: none)."
     )
-    model: ModelName | None = Field(default=None, description="Model for updates; default: [llm] model.")
+    model: FallbackModel = Field(default=None, description="Model for updates; default: [llm] model.")
     temperature: float | None = Field(default=0.3, ge=0.0, le=2.0, description="Low keeps the files steady.")
     max_tokens: int = Field(default=4096, ge=256, le=64_000, description="Longest answer per update round.")
     history_tokens: int = Field(
@@ -855,7 +865,7 @@ class TerminalConfig(_Section):
 class PersonaConfig(_Section):
     name: str = Field(min_length=1, max_length=80)
     language: str = "English"
-    model: ModelName | None = None
+    model: FallbackModel = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     history_tokens: int | None = Field(default=None, ge=50)
     summary_tokens: int | None = Field(default=None, ge=20)

@@ -693,13 +693,24 @@ async def test_an_empty_setting_is_refused_and_none_says_what_it_means(tmp_path:
 
 
 @pytest.mark.parametrize("where", [{"llm": {"model": "gpt 4"}}, {"llm": {"summary_model": "m" * 201}},
-                                   {"cortex": {"model": ""}}, {"memory": {"embedder_model": "a b"}},
+                                   {"llm": {"model": ""}}, {"cortex": {"model": "a\"b"}},
+                                   {"memory": {"embedder_model": "a b"}},
                                    {"personas": [{"name": "Cora", "model": "two words"}]}])
 def test_model_names_in_the_config_are_checked(where: dict) -> None:
     from bot.config import ConfigError
 
     with pytest.raises(ConfigError, match="a model name is one word"):
         parse_config(where)
+
+
+def test_an_empty_fallback_model_means_the_default() -> None:
+    """`summary_model = ""` (as an empty base_url is the provider's own API) is the model it falls back to, not
+    an error; the chat model itself has no fallback and stays required."""
+    config = parse_config({"llm": {"model": "chat-1", "summary_model": ""}, "cortex": {"model": "  "},
+                           "personas": [{"name": "Cora", "model": ""}]})
+    assert config.llm.summary_model is None and config.cortex.model is None
+    assert config.personas[0].model is None
+    assert config.model_for(config.personas[0]) == "chat-1"
 
 
 async def test_a_stored_setting_that_no_longer_validates_falls_back_alone(tmp_path: Path,
