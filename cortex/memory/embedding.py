@@ -230,7 +230,7 @@ class EmbeddingService:
             self._query_failures += 1
             if self._query_failures in (1, 10, 100) or self._query_failures % 1000 == 0:
                 log.warning("query embedding failed (%d so far), searching by text only: %s",
-                            self._query_failures, exc or "timed out")
+                            self._query_failures, str(exc) or type(exc).__name__)
             return None
         vector: Vector = vectors[0]
         vector.setflags(write=False)  # shared by every search for this text
