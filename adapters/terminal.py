@@ -33,9 +33,10 @@ from bot.app import App
 from bot.commands import Attachment, CommandContext
 from bot.errors import UserFacingError
 from bot.llm.errors import LLMError
-from bot.policy import Inbound
+from bot.policy import Inbound, user_refusal
 from bot.ports import IncomingMessage
 from bot.privatefs import create_private, private_dir, private_file
+from bot.router import INCOGNITO_MARK
 from bot.text import PrintableStream, error_line, plural, printable, visible
 
 log = logging.getLogger(__name__)
@@ -159,6 +160,16 @@ class TerminalAdapter:
         self._session: PromptSession[str] | None = None
         self._history: _PrivateHistory | None = None
         self._watch_forget()
+        self._say_access()
+
+    def _say_access(self) -> None:
+        """The access lists close the platforms and the web page, not the operator's own console: a user the
+        lists leave out is told so at start, instead of the list seeming to be ignored."""
+        key = self._inbound("").message.author_key
+        reason = user_refusal(self.app.config.access, key)
+        if reason is not None:
+            log.warning("%s is a %s in [access]: the lists keep them off the web page and the platforms, not off "
+                        "this terminal (whoever runs it runs the bot)", key, reason)
 
     def _watch_forget(self) -> None:
         """A forget-me of this terminal's user, from a command typed here or from the web page this
@@ -448,8 +459,8 @@ class TerminalAdapter:
         waiting = asyncio.get_running_loop().call_later(THINKING_AFTER, thinking) if self.interactive else None
         try:
             async for delta in stream:
-                if not started:
-                    self.stdout.write(f"{self.persona.name}: ")
+                if not started:  # marked as on the platforms: this reply leaves nothing behind
+                    self.stdout.write(f"{self.persona.name}: {INCOGNITO_MARK if stream.incognito else ''}")
                     started = True
                 self.stdout.write(screen.feed(delta))
                 self.stdout.flush()

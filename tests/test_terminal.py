@@ -294,3 +294,31 @@ async def test_at_a_prompt_a_slow_model_is_said_to_be_thinking(tmp_path: Path, m
         terminal.interactive = True
         await terminal.handle_line("hello")
         assert screen.getvalue() == "Cora: echo: hello\n"
+
+
+async def test_a_terminal_user_the_access_lists_leave_out_is_told_they_do_not_close_the_terminal(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`deny_users = ["console:mallory"]` keeps mallory off the web page; the terminal is the operator's own
+    console, which the lists do not close: said at start, where it seemed to be ignored in silence."""
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}],
+                           "access": {"deny_users": ["console:mallory"]}})
+    async with App(config, llm=ScriptedProvider()) as app:
+        with caplog.at_level(logging.WARNING, logger="adapters.terminal"):
+            status, shown = await _run_piped(app, "hello\n", user="ann")
+            assert status == 0 and not [r for r in caplog.records if "[access]" in r.getMessage()]
+            status, shown = await _run_piped(app, "hello\n", user="mallory")
+    [said] = [r.getMessage() for r in caplog.records if "[access]" in r.getMessage()]
+    assert said.startswith("console:mallory is a denied user in [access]"), said
+    assert "not off this terminal" in said and "echo: hello" in shown
+
+
+async def test_an_incognito_reply_is_marked_in_the_terminal_and_remember_waits_for_the_resume(tmp_path: Path) -> None:
+    """As on Discord and Matrix, a reply that leaves nothing behind says so; and `!memory remember` while
+    paused is refused (the pause promised that nothing from it reaches the memory items: the item outlived it)."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        status, shown = await _run_piped(app, "!memory pause\npsst\n!memory remember secret fact\n"
+                                              "!memory resume\nhi\n!memory list\n")
+        lines = shown.splitlines()
+        assert "Cora: 🕶️ echo: psst" in lines and "Cora: echo: hi" in lines, shown
+        assert "you are incognito with Cora: nothing is kept until you send !memory resume" in shown, shown
+        assert await app.storage.db.fetch_one("SELECT 1 FROM memory_items WHERE content LIKE '%secret%'") is None

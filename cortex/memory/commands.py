@@ -201,9 +201,16 @@ class MemoryCommands:
             else:
                 kept.append(token)
         content = " ".join(kept) or ctx.body
+        user, found = await self.pairs.pair_for(ctx.user_key, ctx.user_name, ctx.persona)
+        pair = found.id
+        if await self.pairs.storage.incognito.since(user.id, ctx.persona) is not None:
+            # The pause promised that nothing from it reaches the memory items (the remember tool is not
+            # offered either): an item made now would outlive the stretch.
+            raise CommandError(f"you are incognito with {ctx.persona}: nothing is kept until you send "
+                               f"{self.prefix}memory resume. Send it first, then this again, to have it remembered.")
         try:
             scope: Scope = "private" if ctx.is_dm else "shared"  # learned in a DM stays out of group channels
-            item = await self.memory.remember(await self._pair(ctx), content, scope=scope, category=category,
+            item = await self.memory.remember(pair, content, scope=scope, category=category,
                                               importance=importance, pinned=pin, source="user",
                                               source_ref=origin)
         except MemoryError as exc:
