@@ -197,3 +197,21 @@ async def test_an_unknown_switch_before_or_after_free_text_is_refused_not_stored
         "args=['use --category to sort them out'] body='use --category to sort them out'")
     assert await args_of('!memory remember I like tea --category "food, drink"') == (
         "args=['I like tea', '--category', 'food, drink'] body='I like tea'")
+
+
+async def test_a_quoted_switch_name_is_text_and_a_switch_in_capitals_is_named() -> None:
+    """`!memory remember I said "--pin"` stored "I said" as a pinned item; `"--pin"` alone was taken for the
+    flag (the text then missing); `x --PIN` was refused without naming --pin."""
+    registry = CommandRegistry()
+    registry.register(REMEMBER)
+    ctx = CommandContext("matrix", "matrix:@ann:x", "Ann", "matrix:!r:x", "Cora")
+
+    async def args_of(line: str) -> str:
+        return (await registry.dispatch(line, ctx)).text
+
+    assert await args_of('!memory remember I said "--pin"') == """args=['I said "--pin"'] body='I said "--pin"'"""
+    assert await args_of('!memory remember "--pin" I said') == """args=['"--pin" I said'] body='"--pin" I said'"""
+    assert await args_of('!memory remember "--pin"') == """args=['"--pin"'] body='"--pin"'"""  # (never the flag)
+    assert await args_of('!memory remember "--help"') == "args=['--help'] body='--help'"  # no switch: what is inside
+    assert await args_of("!memory remember I said --pin") == "args=['I said', '--pin'] body='I said'"
+    assert "no option `--PIN` (did you mean --pin?)" in await args_of("!memory remember x --PIN")

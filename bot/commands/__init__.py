@@ -257,38 +257,41 @@ class Command:
         if not any(p.kind == "text" for p in self.params):
             return None
         flags, options = self._switches()
+        # A quoted word is never a switch (`I said "--pin"` is a text, pinned nothing): it is looked up as "\0…".
+        keys = [f"\0{t.value}" if line[t.start] in QUOTES and line[t.start:t.end] != t.value else t.value
+                for t in tokens]
         before = [p for p in takewhile(lambda p: p.kind != "text", self.params) if p.kind in ("word", "number")]
         head: list[str] = []
         start = given = 0
         while start < len(tokens):  # options, flags and the leading words, up to the text
-            value = tokens[start].value
+            value = keys[start]
             if value in options:
                 head += [t.value for t in tokens[start:start + 2]]
                 start += 2
             elif value in flags or given < len(before):
                 given += value not in flags
-                head.append(value)
+                head.append(tokens[start].value)
                 start += 1
             else:
                 break
         end = len(tokens)
         while end > start:  # options and flags after the text
-            if end - 2 >= start and tokens[end - 2].value in options:
+            if end - 2 >= start and keys[end - 2] in options:
                 end -= 2
-            elif tokens[end - 1].value in flags or tokens[end - 1].value in options:  # an option's value missing:
+            elif keys[end - 1] in flags or keys[end - 1] in options:  # an option's value missing:
                 end -= 1  # the handler says so
             else:
                 break
         for edge in [*tokens[start:end][:1], *tokens[start + 1:end][-1:]]:  # "--pinn", "--help": not the text's
             if _SWITCH.fullmatch(edge.value.partition("=")[0]) and edge.end - edge.start == len(edge.value):  # unquoted
-                near = difflib.get_close_matches(edge.value.partition("=")[0], sorted(flags | options), n=1)
+                near = difflib.get_close_matches(edge.value.partition("=")[0].lower(), sorted(flags | options), n=1)
                 raise CommandError(f"no option {shown(edge.value)}" + (f" (did you mean {near[0]}?)" if near else "")
                                    + "; a text that starts or ends with it goes in quotes")
         _misspelled_option(tokens[start + 1:end][-2:-1], options)
         _option_near_the_end(tokens[start:end], options)
         inline = line[tokens[start].start:tokens[end - 1].end] if end > start else ""
-        if end - start == 1 and len(inline) == len(tokens[start].value) + 2:  # all of it in quotes: what is inside
-            inline = tokens[start].value
+        if end - start == 1 and len(inline) == len(tokens[start].value) + 2 and inline[1:-1] not in flags | options:
+            inline = tokens[start].value  # all of it in quotes: what is inside (a switch's name keeps its quotes)
         text = "\n".join(part for part in (inline, body) if part.strip())
         missing = [p.name for p in before if p.required][given:]
         return head + ([text] if text else []) + [t.value for t in tokens[end:]], text, missing
