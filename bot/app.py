@@ -40,11 +40,12 @@ from cortex.tiers import JOB_KIND as CORTEX_JOB
 
 log = logging.getLogger(__name__)
 
-PRUNE_AFTER_START = 300.0
+PRUNE_AFTER_START = 300.0  # seconds: a bot that restarts daily still prunes
+BACKFILL_FIRST_AFTER = 5.0  # seconds from the start to the first background embedding run
 INCOGNITO_CHECK_SECONDS = 600.0
 RETENTION_SECONDS = 86_400.0
 SCRUB_CHECK_SECONDS = 3600.0  # how soon the words of a message taken back leave the database's files
-SETTINGS_RELOAD_SECONDS = 5.0  # seconds: a bot that restarts daily still prunes
+SETTINGS_RELOAD_SECONDS = 5.0  # how soon admin changes saved by another process reach this one
 SHARED_CACHE_SECONDS = 60.0  # SQLite shared by several processes: cached vectors are read again this often
 CALIBRATION_SETTING = "tokens.calibration.{provider}.{model}"
 
@@ -171,8 +172,11 @@ class App:
                 self.scheduler.every(self.config.memory.prune_every_hours * 3600, "prune-memory",
                                      self.cortex.pruner.prune, first_after=PRUNE_AFTER_START)
                 if self.cortex.embeddings is not None:
+                    # The first run soon after the start: a short session (a terminal chat) is searchable by
+                    # meaning before it ends, not only after a minute.
                     self.scheduler.every(
-                        self.config.memory.backfill_seconds, "embed-backfill", self.cortex.embeddings.backfill
+                        self.config.memory.backfill_seconds, "embed-backfill", self.cortex.embeddings.backfill,
+                        first_after=min(BACKFILL_FIRST_AFTER, self.config.memory.backfill_seconds),
                     )
                 self.scheduler.start()
         except BaseException:

@@ -150,7 +150,8 @@ async def test_admin_commands_prune_weights_budgets_embedder_and_stats(tmp_path:
         assert "hash-trigram-64" in status and "0 of 0 memory items" in status
         await app.cortex.memory.remember(pair, "Ann collects stamps")
         status = (await run(app, "!cortex embedder", admin)).text
-        assert "0 of 1 memory items" in status and "Backfill in progress: 1 left" in status
+        assert "0 of 1 memory items" in status
+        assert "Waiting to be embedded: 1; the background embedding runs every 60 s." in status
         await app.cortex.embeddings.backfill()
         status = (await run(app, "!cortex embedder", admin)).text
         assert "1 of 1 memory items" in status and "Last backfill" in status and "in progress" not in status
@@ -221,7 +222,7 @@ async def test_changing_the_embedder_re_embeds_everything_with_progress(tmp_path
     async with App(config, llm=ScriptedProvider(), embedder=HashEmbedder(32)) as app:
         status = (await run(app, "!cortex embedder", ctx(admin=True))).text
         assert "hash-trigram-32" in status and "0 of 5 memory items, 0 of 2 messages (0%)" in status
-        assert "Backfill in progress: 7 left" in status
+        assert "Waiting to be embedded: 7;" in status and "in progress" not in status  # (no run measured a speed)
         report = await app.cortex.embeddings.backfill()
         assert (report.items, report.messages) == (5, 2)
         status = (await run(app, "!cortex embedder", ctx(admin=True))).text
@@ -278,3 +279,24 @@ async def test_the_backfill_embeds_on_a_low_priority_thread_of_its_own(tmp_path:
         await app.cortex.embeddings.backfill()
     assert seen and seen[0][0].startswith("embed-backfill")
     assert seen[0][1] > os.getpriority(os.PRIO_PROCESS, 0)  # nicer than the event loop's thread
+
+
+async def test_the_first_background_embedding_runs_soon_after_the_start(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first backfill ran one interval (60 s) after the start: a short terminal chat ended before anything
+    it said was searchable by meaning. It runs BACKFILL_FIRST_AFTER seconds after the start, then every interval."""
+    import asyncio
+
+    import bot.app
+
+    monkeypatch.setattr(bot.app, "BACKFILL_FIRST_AFTER", 0.2)
+    async with App(_config(tmp_path), llm=ScriptedProvider(), embedder=HashEmbedder()) as app:
+        _, pair = await app.cortex.store.pair_for("console:ann", "Ann", "Cora")
+        await app.cortex.memory.remember(pair.id, "Ann collects stamps")
+        assert app.cortex.embeddings is not None
+        for _ in range(100):
+            if app.scheduler.jobs["embed-backfill"].runs:
+                break
+            await asyncio.sleep(0.1)
+        assert app.scheduler.jobs["embed-backfill"].runs == 1  # within seconds, where the interval is 60 s
+        assert (await app.cortex.embeddings.status()).pending == 0

@@ -168,9 +168,12 @@ class MemoryAdminCommands:
             f"Embedded: {s.items_embedded:,} of {s.items_total:,} memory items, {s.messages_embedded:,} of "
             f"{s.messages_total:,} messages ({percent:.0f}%).",
         ]
-        if s.pending:
-            eta = f", about {s.pending / s.texts_per_second / 60:.0f} min to go" if s.texts_per_second else ""
+        if s.pending and s.texts_per_second:
+            eta = f", about {s.pending / s.texts_per_second / 60:.0f} min to go"
             lines.append(f"Backfill in progress: {s.pending:,} left at {s.texts_per_second:.0f} texts/s{eta}.")
+        elif s.pending:  # (no run has measured a speed yet: none ran, or none embedded anything)
+            lines.append(f"Waiting to be embedded: {s.pending:,}; the background embedding runs every "
+                         f"{self.config.memory.backfill_seconds:g} s.")
         if s.last_run is not None and s.last_run_at is not None:
             lines.append(f"Last backfill {time.strftime('%H:%M', time.gmtime(s.last_run_at))} UTC: "
                          f"{s.last_run.items} items, {s.last_run.messages} messages in {s.last_run.seconds:.1f} s.")
