@@ -128,6 +128,9 @@ async def test_edit_history_revert_change_the_prompt_at_once(tmp_path: Path) -> 
         assert "did you mean identity?" in await run(app, "!persona edit identiy You are a pirate.")
         assert "No history for Cora section identiy. Did you mean identity?" in await run(
             app, "!persona history identiy")
+        unknown = await run(app, "!persona history bogus")  # not "no history": there is no such section
+        assert unknown.startswith("Cora has no section `bogus`; its sections: identity,"), unknown
+        assert "backstory" in unknown
         asked = await run(app, "!persona edit tone")  # no text: asked for, not emptied
         assert "Give the new text of tone" in asked and "--empty" in asked
         assert "either the new text or --empty" in await run(app, "!persona edit tone Be warm, say --empty")
@@ -154,7 +157,11 @@ async def test_create_pick_delete(tmp_path: Path) -> None:
     llm = ScriptedProvider()
     async with App(_config(tmp_path), llm=llm) as app:
         assert "Persona Nova created" in await run(app, "!persona create Nova")
-        assert "exists already" in await run(app, "!persona create nova")
+        taken = await run(app, "!persona create nova")  # named as it is spelled, where "nova" was said to exist
+        assert taken.startswith("a persona called `Nova` exists already (`nova` is the same name: case does not"), taken
+        alike = await run(app, "!persona create N\u043eva")  # a Cyrillic о
+        assert "a persona called `Nova` exists already (`N\u043eva` is the same name: letters that look alike" in alike
+        assert "exists already" in await run(app, "!persona create Nova")
         for name in ("History Buff", "list", "EXPORT me"):  # "!persona History Buff" would run !persona history
             assert "is a command, so nobody could pick it" in await run(app, f"!persona create {name}")
         assert "on one line" in await run(app, "!persona create Ada\nLovelace")

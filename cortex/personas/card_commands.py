@@ -80,7 +80,9 @@ class CardCommands:
             card.name, default.language, IMPORT, text_search_config(default.language), card.sections, lore,
             author=IMPORT, reason=f"imported from {filename} by {ctx.user_key}", lore_author=ctx.user_key)
         if row is None and await self.storage.personas.get_persona(card.name) is not None:  # (live, in any process)
-            raise CommandError(f"a persona called {shown(card.name)} exists already: rename or delete it first")
+            raise CommandError(f"a persona called {shown(card.name)} exists already: delete it first ("
+                               f"{self.prefix}persona delete {card.name}), or change the name in the card; nothing "
+                               "was imported")
         if row is None:
             raise CommandError(f"a deleted persona was called {shown(card.name)}; its soul and lore are kept, and "
                                f"{self.prefix}persona create {card.name} brings it back. To import the card, give it "

@@ -158,6 +158,9 @@ class PersonaCommands:
         if not versions:
             names = [*SOUL_SECTIONS, *(t.name for t in await self.storage.personas.current("soul", scope))]
             close = difflib.get_close_matches(key, names, n=1, cutoff=0.75) if key else []
+            if key and key not in names and not close:
+                return (f"{ctx.persona} has no section {shown(key)}; its sections: "
+                        f"{', '.join(dict.fromkeys(names))}.")
             return (f"No history for {ctx.persona}" + (f" section {key}." if key else ".")
                     + (f" Did you mean {close[0]}?" if close else ""))
         title = f"History of {ctx.persona}" + (f" section {key}" if key else "") + " (oldest first):"
@@ -170,10 +173,23 @@ class PersonaCommands:
         row = await self.storage.personas.create_persona(name, default.language, {}, "chat",
                                                          text_search_config(default.language))
         if row is None:
-            raise CommandError(f"a persona called {shown(name)} exists already")
+            raise CommandError(self._taken(name))
         await self.registry.load()
         return (f"Persona {row.name} created ({row.language}). Pick it for a channel with {self.prefix}persona "
                 f"{row.name}, then give it a soul there: {self.prefix}persona edit identity You are …")
+
+    def _taken(self, name: str) -> str:
+        """Why ``name`` cannot be a new persona's, naming the persona that has it as it is spelled (``nemo`` is
+        ``Nemo``'s name; ``Сora`` with a Cyrillic С is ``Cora``'s)."""
+        try:
+            existing = self.registry.persona(name).name
+        except ConfigError:  # (made by another process a moment ago, or a deleted one's: its own message)
+            return f"a persona called {shown(name)} exists already"
+        if existing == name:
+            return f"a persona called {shown(name)} exists already"
+        why = "case does not" if existing.casefold() == name.casefold() else "letters that look alike do not"
+        return (f"a persona called {shown(existing)} exists already ({shown(name)} is the same name: {why} tell "
+                "names apart)")
 
     async def edit(self, ctx: CommandContext, args: Sequence[str]) -> str | CommandReply:
         empty, words_given = EMPTY_FLAG in args, [a for a in args if a != EMPTY_FLAG]
