@@ -628,12 +628,14 @@ async def test_an_archived_item_is_not_pinned_and_its_scope_change_says_it_is_ar
         assert (await run(app, "!memory pin 1")).text.startswith("item #1 is archived: restore it first")
         scoped = (await run(app, "!memory scope 1 shared")).text
         assert scoped.startswith("#1 is shared now, but it is archived: it comes up nowhere until restored"), scoped
-        assert "no longer pinned" in (await run(app, "!memory unpin 1")).text  # unpinning is always fine
+        assert (await run(app, "!memory unpin 1")).text == "#1 was not pinned."  # unpinning is always fine
         both = (await run(app, "!memory forget 2 --from discord-message:9")).text
         assert both.startswith("give either an item or --from a message, not both"), both
         assert "Ann drinks coffee now" in (await run(app, "!memory list")).text  # #2 untouched
         assert "#1 is back" in (await run(app, "!memory restore 1")).text
         assert (await run(app, "!memory pin 1")).text == "#1 is pinned."
+        assert (await run(app, "!memory pin 1")).text == "#1 is pinned already."  # (said as if it had pinned it)
+        assert (await run(app, "!memory unpin 1")).text == "#1 is no longer pinned."
 
 
 async def test_a_diff_and_the_settings_reach_markdown_platforms_as_code_blocks(tmp_path: Path) -> None:

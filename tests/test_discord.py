@@ -365,7 +365,7 @@ async def test_new_slash_commands_run_through_the_command_layer(adapter: Discord
     lore = await _interact(adapter, monkeypatch, "lore-admin", [{"name": "add", "type": 1, "options": [
         {"name": "text", "type": 3, "value": "The mill burned in 1890."},
         {"name": "keys", "type": 3, "value": "mill,fire"}]}])
-    assert "enters replies when mill, fire come up" in lore["data"]["content"]
+    assert "enters replies when one of mill, fire comes up" in lore["data"]["content"]
     picked = await _interact(adapter, monkeypatch, "persona", [{"name": "name", "type": 3, "value": "Cora"}],
                              permissions=manage)
     assert "Cora now answers in this channel" in picked["data"]["content"]

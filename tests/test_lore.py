@@ -117,6 +117,7 @@ async def test_lore_enters_by_keyword_always_or_search_for_every_user(tmp_path: 
         assert "old mill" not in await prompt(app, llm, "hello there", user="9")
         assert "old mill" not in await prompt(app, llm, "tell me about the guild", persona="Max")  # Cora's lore
         assert "is off" in await run(app, "!lore disable 1")
+        assert "Lore #1 is off already." in await run(app, "!lore disable 1")  # (said as if it had switched it)
         assert "old mill" not in await prompt(app, llm, "When does the guild meet?")
         assert "Lore #1 is on" in await run(app, "!lore enable 1")
         assert "changed" in await run(app, "!lore edit 1 --keys harbour")
@@ -127,7 +128,7 @@ async def test_lore_enters_by_keyword_always_or_search_for_every_user(tmp_path: 
         assert "priority 0, from chat by discord:1" in await run(app, "!lore show 2")
         assert "#2" in await run(app, "!lore search lighthouse keeper")
         assert "has no lore entry #9" in await run(app, "!lore show 9")
-        assert "in every reply" in await run(app, "!lore add The sky is green here. --always --priority 7")
+        assert "it enters every reply." in await run(app, "!lore add The sky is green here. --always --priority 7")
         assert "The sky is green here." in await prompt(app, llm, "hello there", user="10")
         assert "#3 [always] The sky is green" in await run(app, "!lore list")
         assert "priority 7" in await run(app, "!lore show 3")
@@ -142,7 +143,7 @@ async def test_lore_and_keys_narrow_an_entry_and_edit_sets_or_clears_them(tmp_pa
     llm = ScriptedProvider()
     async with App(_config(tmp_path), llm=llm) as app:
         added = await run(app, "!lore add Its stone arches are Roman. --keys Lyon --and-keys bridge,bridges")
-        assert "when Lyon come up with one of bridge, bridges" in added
+        assert "when one of Lyon comes up, together with one of bridge, bridges" in added
         assert "arches are Roman" in await prompt(app, llm, "Are the bridges of Lyon nice?")
         assert "arches are Roman" not in await prompt(app, llm, "Is Lyon big?", user="8")
         assert "[keys Lyon; and bridge, bridges]" in await run(app, "!lore show 1")

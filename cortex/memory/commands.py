@@ -246,7 +246,10 @@ class MemoryCommands:
             if what == "restore":
                 item = await self.memory.restore(pair, item_id)
                 return f"#{item.id} is back: {item.content}"
+            before = await self.memory.get(pair, item_id, count_access=False)
             item = await self.memory.set_pinned(pair, item_id, what == "pin")
+            if before.pinned == item.pinned:  # (asked twice: nothing changed the second time)
+                return f"#{item.id} is pinned already." if item.pinned else f"#{item.id} was not pinned."
             return f"#{item.id} is {'pinned' if item.pinned else 'no longer pinned'}."
         except MemoryError as exc:
             raise CommandError(str(exc)) from None

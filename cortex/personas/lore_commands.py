@@ -158,7 +158,8 @@ class LoreCommands:
         pages = max(1, -(-len(entries) // PAGE))
         page = parse_number(args[0], "the page") if args else 1
         if page > pages:
-            raise CommandError(f"there {'is' if pages == 1 else 'are'} only {pages} page(s)")
+            raise CommandError(f"there {'is' if pages == 1 else 'are'} only {plural(pages, 'page')} "
+                               f"({plural(len(entries), 'entry', 'entries')})")
         on_page = entries[(page - 1) * PAGE: page * PAGE]
         return "\n".join([f"Lore of {ctx.persona} ({plural(len(entries), 'entry', 'entries')}, page {page}/{pages}):",
                           *(describe(e) for e in on_page)])
@@ -197,10 +198,10 @@ class LoreCommands:
                                f"(and {self.prefix}persona export writes one): remove one first "
                                f"({self.prefix}lore remove <id>)")
         await self._changed()
-        also = f" with one of {', '.join(new.secondary_keys)}" if new.secondary_keys else ""
-        how = ("in every reply" if new.always_on else f"when {', '.join(new.keys)} come up{also}" if new.keys
-               else "when a message is about it (no keywords)")
-        return f"Lore #{entry_id} added to {ctx.persona}; it enters replies {how}."
+        also = f", together with one of {', '.join(new.secondary_keys)}" if new.secondary_keys else ""
+        how = ("every reply" if new.always_on else f"replies when one of {', '.join(new.keys)} comes up{also}"
+               if new.keys else "replies when a message is about it (no keywords)")
+        return f"Lore #{entry_id} added to {ctx.persona}; it enters {how}."
 
     async def edit(self, ctx: CommandContext, args: Sequence[str]) -> str:
         entry = await self._entry(ctx, args)
@@ -220,6 +221,8 @@ class LoreCommands:
 
     async def disable(self, ctx: CommandContext, args: Sequence[str]) -> str:
         entry = await self._entry(ctx, args)
+        if entry.enabled is False:
+            return f"Lore #{entry.id} is off already."
         await self.storage.lore.update(entry.persona_id, entry.id, enabled=False)
         await self._changed()
         return f"Lore #{entry.id} is off."
@@ -233,6 +236,8 @@ class LoreCommands:
 
     async def enable(self, ctx: CommandContext, args: Sequence[str]) -> str:
         entry = await self._entry(ctx, args)
+        if entry.enabled is True:
+            return f"Lore #{entry.id} is on already."
         await self.storage.lore.update(entry.persona_id, entry.id, enabled=True)
         await self._changed()
         return f"Lore #{entry.id} is on."
