@@ -346,8 +346,9 @@ class TerminalAdapter:
         are chat after all, and go as such."""
         ahead: list[str | None] = []
         while (line := await self._read_line()) is not None and not self.app.commands.is_command(line.lstrip()):
-            if line.strip() == ".":
-                self.stdout.write(f"(skipped the {plural(len(ahead), 'line')} below it, up to the dot: its text)\n")
+            if line.strip() == ".":  # (a dot right below it: an empty text, nothing to skip)
+                if ahead:
+                    self.stdout.write(f"(skipped the {plural(len(ahead), 'line')} below it, up to the dot: its text)\n")
                 self.stdout.flush()
                 return
             ahead.append(line)

@@ -368,6 +368,8 @@ async def test_in_a_group_the_persona_remembers_only_what_the_speaker_asks_it_to
         listing = (await app.commands.dispatch("!skills list", CommandContext(
             "console", "console:boss", "Boss", "console:room", "Cora", is_admin=True, server_key="console:g1"))).text
         assert "in group channels when a message says remember that" in listing
+        [line] = [x for x in listing.splitlines() if x.startswith("✅ remember")]  # a long description: cut at a
+        assert line.endswith(" …") and len(line.split("): ", 1)[1]) <= 120, line  # word, and marked as cut
 
 
 async def test_skills_commands_switch_per_server_and_forget_me_removes_the_audit(

@@ -5,6 +5,7 @@ only scope in a direct message)."""
 
 from __future__ import annotations
 
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ class SkillCommands:
             if info.group_triggers:
                 notes.append("in group channels when a message says " + ", ".join(info.group_triggers[:2]) + " …")
             lines.append(f"{'✅' if effective.enabled else '⛔'} {info.name} ({'; '.join(notes)}): "
-                         f"{info.description[:120]}")
+                         f"{textwrap.shorten(info.description, 120, placeholder=' …')}")  # (at a word, marked)
         return "\n".join(lines + down)
 
     async def enable(self, ctx: CommandContext, args: Sequence[str]) -> str:
