@@ -109,7 +109,7 @@ def test_the_history_file_keeps_nothing_of_incognito_and_nothing_after_forget_me
     (folder / "terminal-history").write_text("+lines of every user, from before\n")
     chat = Tty([str(BIN / "cortexbot"), "--config", str(config), "chat", "--user", "ann"], env)
     for line, answer in (("an ordinary line", "Cora: echo: an ordinary line"), ("!memory pause", "Incognito with"),
-                         ("my secret is hunter2", "Cora: echo: my secret is hunter2"), ("!memory resume", "deleted"),
+                         ("my secret is hunter2", "Cora: 🕶️ echo: my secret is hunter2"), ("!memory resume", "deleted"),
                          ("after the pause", "Cora: echo: after the pause")):
         chat.expect("you ›")  # the next prompt, ready for keys
         chat.send(line + "\r")
