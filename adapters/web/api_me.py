@@ -62,6 +62,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
     # the default cap, seconds at the largest, and the text is the user's own) are pure Python: off the event
     # loop, which also runs the chat adapters, a few at a time.
     working = asyncio.Semaphore(2)
+    diffing = asyncio.Semaphore(1)  # diffs apart: however costly, they never hold up another user's file view
 
     async def shown(v: FileVersion) -> dict[str, Any]:
         """A version with its text and the text as HTML."""
@@ -137,7 +138,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         return ok(await shown(found))
 
     async def diff(request: web.Request) -> web.Response:
-        caller = await auth.require(request)
+        caller = await auth.require(request, costly=True)  # (counted by the rate limit, as an export is)
         name = filename(request)
         first = version_number(request.query.get("from", ""))
         second = version_number(request.query.get("to", ""))
@@ -145,7 +146,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         a, b = await store.version(pair.id, name, first), await store.version(pair.id, name, second)
         if a is None or b is None:
             not_found(f"{name} has no version {first if a is None else second}")
-        async with working:
+        async with diffing:
             rows = await asyncio.to_thread(side_by_side, a.content, b.content)
         return ok({"file": name, "from": first, "to": second, "rows": rows})
 
