@@ -882,3 +882,30 @@ async def test_an_item_of_several_lines_is_listed_and_found_on_one_line(tmp_path
         found = (await run(app, "!memory search honey")).text
         assert "Ann's recipe: ``` figs and honey  (memory item #2" in found and len(found.splitlines()) == 2, found
 
+
+
+async def test_a_search_of_a_pasted_megabyte_is_refused_and_a_models_long_query_is_cut(tmp_path: Path) -> None:
+    """`!memory search` with 1 MB of words held the event loop for two seconds (a message is refused over
+    8,000 characters; a command line was not); the store reads at most MAX_QUERY_CHARS of any query (a model's
+    search_memory call sends what it likes)."""
+    from cortex.memory.store import MAX_QUERY_CHARS
+
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        refused = (await run(app, "!memory search " + "x " * 500_000)).text
+        assert refused.startswith("a search is at most 1,000 characters; this one has 999,999"), refused[:200]
+        assert "Nothing found for `stamps`" in (await run(app, "!memory search stamps")).text
+        _, pair = await app.cortex.store.pair_for("console:ann", "Ann", "Cora")
+        item = await app.cortex.memory.remember(pair.id, "Ann collects stamps")
+        seen: list[str] = []
+        real = app.cortex.memory._item_candidates
+
+        async def watching(pair_id, match, *rest, **kw):  # type: ignore[no-untyped-def]
+            seen.append(match)
+            return await real(pair_id, match, *rest, **kw)
+
+        app.cortex.memory._item_candidates = watching  # type: ignore[method-assign]
+        query = "stamps " + "zq " * 100_000 + "philatelistically"  # the longest word: kept, had it been read
+        hits = await app.cortex.memory.search(pair.id, query, use_vectors=False)
+        assert [h.id for h in hits if h.kind == "item"] == [item.id]
+        assert len(seen) == 1 and '"stamps"' in seen[0] and "philatelistically" not in seen[0]  # only the start
+        assert query.index("philatelistically") > MAX_QUERY_CHARS

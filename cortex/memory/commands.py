@@ -48,6 +48,7 @@ def _why_archived(item: MemoryItem) -> str:
 
 
 FROM = "--from"
+MAX_SEARCH_CHARS = 1000  # of a !memory search
 OF = "--of"
 MESSAGE_REF = re.compile(r"[a-z][a-z0-9]*-message:\S+")  # how every adapter names a message
 
@@ -318,6 +319,9 @@ class MemoryCommands:
         query = (" ".join(args) or ctx.body).strip()
         if not query:
             raise CommandError("What should I look for?")
+        if len(query) > MAX_SEARCH_CHARS:  # (a pasted megabyte held the event loop for seconds)
+            raise CommandError(f"a search is at most {MAX_SEARCH_CHARS:,} characters; this one has {len(query):,}: "
+                               "look for a few words of it")
         user, pair = await self.pairs.pair_for(ctx.user_key, ctx.user_name, ctx.persona)
         hits = await self.memory.search(pair.id, query, user_id=user.id, persona=ctx.persona, limit=10)
         if not hits:

@@ -54,6 +54,7 @@ SHARED_ONLY_WIDER = 8  # a group channel's vector candidates are taken this many
 _WORD = re.compile(r"\w+", re.UNICODE)
 COMMON_MATCHES = 1000  # a query word found in more rows than this is too common to rank by (see _bounded)
 MAX_TERMS = 16
+MAX_QUERY_CHARS = 8000  # what a search reads of its query (a message is at most [bot] max_message_chars)
 TERM_COUNT_TTL = 600.0  # seconds a word's row count is trusted
 CONTEXT_SHARE = 0.4  # of a neighbouring candidate's relevance that a message takes (see _neighbour_context)
 CONTEXT_TURNS = 2  # neighbours on each side that lend relevance; the second lends half as much
@@ -432,6 +433,7 @@ class MemoryStore:
         holds the reply before it, whose "I" is the persona): who they mean steers the author signal.
         """
         now = self.clock()
+        query = query[:MAX_QUERY_CHARS]  # (a model's tool call may send anything: its words are read one by one)
         match = fts_query(query)
         messages = include_messages and user_id is not None and persona is not None
         # The query's embedding runs while the full-text parts do; the vector parts wait for it.
