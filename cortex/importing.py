@@ -36,7 +36,7 @@ from bot.text import plural, storable, storable_json
 from cortex.export import ArchiveError, ImportReport
 from cortex.files import CortexFiles, FileError
 from cortex.memory.guard import check_memory_text
-from cortex.memory.store import CATEGORIES, SCOPES
+from cortex.memory.store import CATEGORIES, PAIR_ITEMS, SCOPES
 from cortex.memory.tools import MAX_TAG_CHARS
 from cortex.store import FILENAMES, CortexStore
 
@@ -50,7 +50,6 @@ MAX_NAME_CHARS = 100  # a message's author name
 # is checked, stored and embedded for minutes. More comes in with another import, up to PAIR_ITEMS per persona.
 IMPORT_ITEMS = 20_000  # memory items per persona
 IMPORT_MESSAGES = 100_000  # direct messages
-PAIR_ITEMS = 50_000  # a user's memory items with one persona, after which an import adds none
 MISSING = object()
 Role = Literal["user", "assistant"]
 

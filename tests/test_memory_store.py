@@ -748,3 +748,27 @@ async def test_the_embedding_backlog_is_the_live_items_without_the_models_vector
         assert await repo.items_to_embed("m-model", 10) == []
     finally:
         await app.stop()
+
+
+async def test_a_pairs_memory_holds_a_bounded_number_of_items(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`!memory remember` (and the persona's tools) had no cap: at the command rate limit one account could add
+    43,000 items a day. Past PAIR_ITEMS (an import's cap too) one more is refused with what to do; a correction
+    (it replaces one) and room made by forgetting still go, and another pair has its own count."""
+    import cortex.memory.store as store_module
+
+    monkeypatch.setattr(store_module, "PAIR_ITEMS", 3)
+    app, store, users, _ = await _setup(tmp_path)
+    try:
+        pair, other = users["ann"][1].id, users["bob"][1].id
+        kept = [await store.remember(pair, f"Ann fact number {n}") for n in range(3)]
+        with pytest.raises(MemoryError, match="this memory holds 3 items, as many as it may: forget some first"):
+            await store.remember(pair, "Ann fact number 4")
+        await store.remember(pair, "Ann fact number 0, corrected", supersedes=kept[0].id)
+        assert (await store.remember(other, "Bob fact")).content == "Bob fact"
+        await store.archive(pair, kept[1].id, "forgotten by the user")
+        with pytest.raises(MemoryError, match="as many as it may"):  # (the correction took the room: 3 again)
+            await store.remember(pair, "Ann fact number 4")
+        await store.archive(pair, kept[2].id, "forgotten by the user")
+        assert (await store.remember(pair, "Ann fact number 4")).content == "Ann fact number 4"
+    finally:
+        await app.stop()

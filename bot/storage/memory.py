@@ -175,6 +175,13 @@ class MemoryRepository:
             f"SELECT {ITEM_COLUMNS} FROM memory_items WHERE id = ? AND pair_id = ?", (item_id, pair_id)
         )
 
+    async def has_at_least(self, pair_id: int, count: int) -> bool:
+        """Whether the pair has ``count`` items not archived, or more (counted no further than that)."""
+        row = await self.db.fetch_one(
+            "SELECT count(*) FROM (SELECT 1 FROM memory_items WHERE pair_id = ? AND archived_at IS NULL LIMIT ?) AS t",
+            (pair_id, count))
+        return row is not None and int(row[0]) >= count
+
     async def count_access(self, item_ids: Sequence[int], now: float) -> None:
         marks = ",".join("?" for _ in item_ids)
         await self.db.write(

@@ -54,6 +54,7 @@ SHARED_ONLY_WIDER = 8  # a group channel's vector candidates are taken this many
 _WORD = re.compile(r"\w+", re.UNICODE)
 COMMON_MATCHES = 1000  # a query word found in more rows than this is too common to rank by (see _bounded)
 MAX_TERMS = 16
+PAIR_ITEMS = 50_000  # a user's memory items with one persona (not archived): one more is refused
 MAX_QUERY_CHARS = 8000  # what a search reads of its query (a message is at most [bot] max_message_chars)
 TERM_COUNT_TTL = 600.0  # seconds a word's row count is trusted
 CONTEXT_SHARE = 0.4  # of a neighbouring candidate's relevance that a message takes (see _neighbour_context)
@@ -284,6 +285,9 @@ class MemoryStore:
             raise MemoryError("importance is a number from 1 to 10")
         if supersedes is not None:
             self._check_correctable(await self.get(pair_id, supersedes, count_access=False))
+        elif await self.repo.has_at_least(pair_id, PAIR_ITEMS):  # (a correction replaces one: never refused)
+            raise MemoryError(f"this memory holds {PAIR_ITEMS:,} items, as many as it may: forget some first "
+                              "(or correct one instead)")
         fields = item_fields(category=category, key=key, content=content, importance=importance, pinned=pinned,
                              expires_at=expires_at, tags=list(tags), source=source, source_ref=source_ref,
                              metadata=dict(metadata or {}), scope=scope)
