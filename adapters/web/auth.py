@@ -131,7 +131,7 @@ class Auth:
             if not csrf_matches(request.headers.get(CSRF_HEADER, ""), caller.session.csrf):
                 fail(403, f"missing or wrong {CSRF_HEADER} header (reload the page)")
         if limited and (request.method in CHANGES or costly) and (wait := self.limiter.check(caller.user_key)):
-            fail(429, f"too many changes, exports or diffs in a minute (at most {self.limiter.per_minute}): try again "
+            fail(429, f"too many changes or exports in a minute (at most {self.limiter.per_minute}): try again "
                       f"in {math.ceil(wait)} s")
         return caller
 
