@@ -115,8 +115,10 @@ async def test_free_text_arrives_exactly_as_typed() -> None:
     missing = await registry.dispatch("!memory remember --pin", ctx)
     assert "needs the text" in missing.text and missing.needs_body  # asked for at a prompt
     assert not missing.pipe_may_answer  # piped input goes on with its next line
-    slow = "!memory remember " + "'a " * 30_000  # quotes that never close: still one pass over the line
+    slow = "!memory remember " + "'a " * 6_000  # quotes that never close: still one pass over the line
     assert (await registry.dispatch(slow, ctx)).text.startswith("args=[\"'a 'a")
+    longer = await registry.dispatch("!memory remember " + "'a " * 30_000, ctx)  # (not split: refused at once)
+    assert longer.failed and longer.text.startswith("A command line is at most 20,000 characters; this one has 90,015")
     assert len(split_words("'a " * 30_000)) == 30_000
     registry.register(Command("rules add", "add", _handler, (word("name", required=True), text("text", required=True))))
     assert not (await registry.dispatch("!rules add", ctx)).needs_body  # the name first: a prompt would take the text

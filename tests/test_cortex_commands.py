@@ -891,8 +891,10 @@ async def test_a_search_of_a_pasted_megabyte_is_refused_and_a_models_long_query_
     from cortex.memory.store import MAX_QUERY_CHARS
 
     async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
-        refused = (await run(app, "!memory search " + "x " * 500_000)).text
-        assert refused.startswith("a search is at most 1,000 characters; this one has 999,999"), refused[:200]
+        refused = (await run(app, "!memory search " + "x " * 500_000)).text  # refused before it is split in words
+        assert refused.startswith("A command line is at most 20,000 characters; this one has 1,000,013."), refused
+        refused = (await run(app, "!memory search " + "x " * 2_500)).text
+        assert refused.startswith("a search is at most 1,000 characters; this one has 4,999"), refused[:200]
         assert "Nothing found for `stamps`" in (await run(app, "!memory search stamps")).text
         _, pair = await app.cortex.store.pair_for("console:ann", "Ann", "Cora")
         item = await app.cortex.memory.remember(pair.id, "Ann collects stamps")

@@ -125,7 +125,7 @@ async def test_commands_have_a_rate_limit_and_a_flood_gets_one_notice(tmp_path: 
     async with App(config, llm=ScriptedProvider()) as app:
         sink = Sink()
         for _ in range(10):
-            await app.router.handle(inbound("!memory [click](https://evil.example/login)" + "A" * 60_000), sink)
+            await app.router.handle(inbound("!memory [click](https://evil.example/login)" + "A" * 19_000), sink)
         answers, notices = sink.public[:4], sink.public[4:]
         assert all(a.text.startswith("Unknown command !memory `[click](https://evil.example/login)AAAA…`; !memory has:")
                    for a in answers), answers[0].text[:200]

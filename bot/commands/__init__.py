@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 TYPOGRAPHIC_DASHES = "\u2014\u2013"  # em and en dash: what "--" becomes with smart punctuation
 _SWITCH = re.compile(r"--[A-Za-z][A-Za-z0-9_-]*")  # how an option is spelled on a command line
+MAX_LINE_CHARS = 20_000  # of a command's first line (a long text goes on the lines below it)
 QUOTES = {"'": "'", '"': '"', "\u201c": "\u201d", "\u2018": "\u2019", "\u201e": "\u201c", "\u00ab": "\u00bb"}
 MAX_NUMBER = 2**31 - 1  # ids, versions and pages fit every engine's integer columns
 
@@ -449,8 +450,9 @@ class CommandRegistry:
         return command if command is not None and any(p.kind == "file" for p in command.params) else None
 
     def _parse(self, line: str) -> tuple[list[Token], Command | None, list[str]]:
-        """A command line (without its prefix) as typed words, the command they name and its arguments."""
-        tokens = split_words(line)
+        """A command line (without its prefix) as typed words, the command they name and its arguments (of a
+        line over MAX_LINE_CHARS, which dispatch refuses, its start: enough to name the command)."""
+        tokens = split_words(line[:MAX_LINE_CHARS])
         if not tokens:
             return tokens, None, []
         command, args = self._find([t.value for t in tokens],
@@ -472,6 +474,9 @@ class CommandRegistry:
     async def _dispatch(self, text: str, context: CommandContext) -> CommandReply:
         first, _, body = storable(text).strip().partition("\n")
         line = first[len(self.prefix):]
+        if len(line) > MAX_LINE_CHARS:  # (split into words, a pasted megabyte held the event loop for a second)
+            return CommandReply(f"A command line is at most {MAX_LINE_CHARS:,} characters; this one has "
+                                f"{len(line):,}. A long text goes on the lines below the command.", failed=True)
         tokens, command, args = self._parse(line)
         words = [t.value for t in tokens]
         if not words:
