@@ -317,3 +317,12 @@ async def test_a_config_persona_named_like_a_subcommand_is_refused_at_start(tmp_
         assert "Buff List" in await run(app, "!persona Buff List", dm)
         assert await app.router.persona_for(Inbound(IncomingMessage(
             "discord", "dm-ann", "7", "Ann", "hi", is_dm=True))) == "Buff List"
+
+
+async def test_a_quoted_switch_name_as_a_section_is_no_switch(tmp_path: Path) -> None:
+    """`!persona edit "--empty" tone` emptied the section before quoted words stopped being switches; then it
+    said "either the new text or --empty, not both". A quoted word is a word: here no section's name."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        reply = await run(app, '!persona edit "--empty" tone')
+        assert reply.startswith("a section is one word like identity"), reply
+        assert "Warm." in await run(app, "!persona show")  # (nothing emptied)

@@ -271,7 +271,9 @@ class Command:
                 start += 2
             elif value in flags or given < len(before):
                 given += value not in flags
-                head.append(tokens[start].value)
+                quoted_switch = value != tokens[start].value and tokens[start].value in flags | options
+                # (a quoted switch name as a leading word keeps its quotes: the handler must not take it for one)
+                head.append(line[tokens[start].start:tokens[start].end] if quoted_switch else tokens[start].value)
                 start += 1
             else:
                 break
