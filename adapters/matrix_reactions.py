@@ -71,9 +71,11 @@ class Reactions:
             return
         source = f"matrix-message:{event.reacts_to}"
         reply = await self._run(inbound, f"!memory remember --from {source}\n{body}")
+        if not reply.text.startswith("Remembered"):  # refused (a guard, a pause, the cap): nothing to undo
+            await self._answer(event.sender, reply.text)
+            return
         confirmation = await self._answer(event.sender, f"{reply.text} React {UNDO} to this message to undo.")
-        if reply.text.startswith("Remembered"):
-            keep(self._confirmed, confirmation, (event.sender, source), KEEP)
+        keep(self._confirmed, confirmation, (event.sender, source), KEEP)
 
     async def _latest_text(self, room_id: str, target: Any) -> Any:
         """The message's text after its sender's last edit (a streamed reply is one event edited many times;

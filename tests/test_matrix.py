@@ -507,6 +507,18 @@ async def test_brain_reaction_remembers_and_cross_undoes(synapse: SynapseServer,
         await seen.sync_until(lambda: len(answers(room, "Remembered as #")) >= 2, "a second confirmation")
         items, _ = await bot.app.cortex.memory.list_items(1)
         assert [i.content for i in items] == ["echo: my cat is called Pixel"]
+        # Incognito: refused, and no "React ❌ to undo" under a refusal (there is nothing to undo)
+        await alice.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "!memory pause"},
+                              ignore_unverified_devices=True)
+        await seen.sync_until(lambda: bool(answers(room, "Incognito with Cora since")), "the pause")
+        said = await alice.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "my dog is Rex"},
+                                     ignore_unverified_devices=True)
+        await react(room, said.event_id, "🧠")
+        await seen.sync_until(lambda: bool(answers(room, "You are incognito with Cora")), "the refusal")
+        [refusal] = answers(room, "You are incognito with Cora")
+        assert refusal["content"]["body"] == "You are incognito with Cora: nothing new is remembered until " \
+                                             "!memory resume."
+        assert [i.content for i in (await bot.app.cortex.memory.list_items(1))[0]] == ["echo: my cat is called Pixel"]
     finally:
         await alice.close()
 

@@ -320,5 +320,5 @@ async def test_an_incognito_reply_is_marked_in_the_terminal_and_remember_waits_f
                                               "!memory resume\nhi\n!memory list\n")
         lines = shown.splitlines()
         assert "Cora: 🕶️ echo: psst" in lines and "Cora: echo: hi" in lines, shown
-        assert "you are incognito with Cora: nothing is kept until you send !memory resume" in shown, shown
+        assert "You are incognito with Cora: nothing new is remembered until !memory resume." in shown, shown
         assert await app.storage.db.fetch_one("SELECT 1 FROM memory_items WHERE content LIKE '%secret%'") is None

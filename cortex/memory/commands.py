@@ -16,6 +16,7 @@ from bot.commands import (
     CommandContext,
     CommandError,
     CommandRegistry,
+    CommandReply,
     Handler,
     Param,
     flag,
@@ -184,7 +185,7 @@ class MemoryCommands:
             raise CommandError("Which item? Give its number, e.g. 12 (see list or search).")
         return parse_number(args[0], "the item", prefix="#")
 
-    async def remember(self, ctx: CommandContext, args: Sequence[str]) -> str:
+    async def remember(self, ctx: CommandContext, args: Sequence[str]) -> str | CommandReply:
         kept, category, importance, pin, origin = [], "fact", 5, False, ctx.channel_key
         it = iter(args)
         for token in it:
@@ -206,9 +207,10 @@ class MemoryCommands:
         pair = found.id
         if await self.pairs.storage.incognito.since(user.id, ctx.persona) is not None:
             # The pause promised that nothing from it reaches the memory items (the remember tool is not
-            # offered either): an item made now would outlive the stretch.
-            raise CommandError(f"you are incognito with {ctx.persona}: nothing is kept until you send "
-                               f"{self.prefix}memory resume. Send it first, then this again, to have it remembered.")
+            # offered either): an item made now would outlive the stretch. (Said without the command's usage:
+            # a platform's "Remember this" or 🧠 reaction comes here too.)
+            return CommandReply(f"You are incognito with {ctx.persona}: nothing new is remembered until "
+                                f"{self.prefix}memory resume.", private=True, failed=True)
         try:
             scope: Scope = "private" if ctx.is_dm else "shared"  # learned in a DM stays out of group channels
             item = await self.memory.remember(pair, content, scope=scope, category=category,
