@@ -57,21 +57,19 @@ TARGET = 1.1
 REPLY = "That sounds lovely. Tell me more about the tomatoes — did the late frost hurt them?"
 
 
-def _wake(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
 class LoadClock:
     """The updates' time: it passes only while the load runs. A paused update's LLM call neither returns
-    nor ages; on resuming, each goes on with the latency it had left (timers, not a task per call, so
-    resuming wakes nothing at once). ``parked`` counts the updates waiting here or for the next start."""
+    nor ages; on resuming, each goes on with the latency it had left (timers, not a task per call: only the
+    updates waiting to start wake at once). ``parked`` counts the updates waiting here (until their time is
+    up, not until they run again) or for their next start."""
 
     def __init__(self, total: int) -> None:
         self.total = total
         self.running = asyncio.Event()
         self.parked = 0
         self.all_parked = asyncio.Event()
+        if not total:
+            self.all_parked.set()
         self._stood = 0.0  # real seconds the clock stood still
         self._stopped_at: float | None = 0.0
         self._timers: dict[asyncio.Future[None], tuple[float, asyncio.TimerHandle | None]] = {}
@@ -85,7 +83,13 @@ class LoadClock:
         return at - self._stood
 
     def _arm(self, future: asyncio.Future[None], due: float) -> asyncio.TimerHandle:
-        return self._loop.call_at(due + self._stood, _wake, future)
+        return self._loop.call_at(due + self._stood, self._wake, future)
+
+    def _wake(self, future: asyncio.Future[None]) -> None:
+        """Its time is up: from now on the update runs (a pause must wait for it), though its task has not yet."""
+        if not future.done():
+            self.park(-1)
+            future.set_result(None)
 
     async def sleep(self, seconds: float) -> None:
         future: asyncio.Future[None] = self._loop.create_future()
@@ -95,8 +99,11 @@ class LoadClock:
         try:
             await future
         finally:
-            del self._timers[future]
-            self.park(-1)
+            _, timer = self._timers.pop(future)
+            if not future.done() or future.cancelled():  # (cancelled while waiting: never woken)
+                if timer is not None:
+                    timer.cancel()
+                self.park(-1)
 
     def park(self, step: int) -> None:
         self.parked += step
@@ -183,6 +190,7 @@ class UpdateLoad:
         self.clock = clock
         self.stopping = False
         self.finished = 0
+        self.failed: list[str] = []
         self.tasks: list[asyncio.Task[None]] = []
 
     async def _loop(self, user: str) -> None:
@@ -191,7 +199,7 @@ class UpdateLoad:
         pair = await self.app.cortex.store.count_messages(account.id, "Cora", 0)
         settings = (await self.app.cortex.resolver.effective("Cora")).settings
         while True:
-            if not self.clock.running.is_set():
+            while not self.clock.running.is_set():  # (checked again once woken: a pause may have come first)
                 self.clock.park(+1)
                 try:
                     await self.clock.running.wait()
@@ -199,8 +207,12 @@ class UpdateLoad:
                     self.clock.park(-1)
             if self.stopping:
                 return
-            await self.app.cortex.updater.run(pair, "manual", settings)
-            self.finished += 1
+            try:
+                await self.app.cortex.updater.run(pair, "manual", settings)
+            except Exception as exc:  # counted and shown; a task that died would hang the next pause
+                self.failed.append(f"{type(exc).__name__}: {exc}")
+            else:
+                self.finished += 1
 
     def start(self) -> None:
         self.tasks = [asyncio.create_task(self._loop(user)) for user in self.users]
@@ -256,6 +268,8 @@ async def measure(args: argparse.Namespace) -> tuple[list[float], list[float], i
                         clock.start()
                         loaded += await time_replies(app, per_round)
             finished = load.finished
+            if load.failed:  # (their share of the load is missing from the loaded phase: said, not hidden)
+                print(f"  {len(load.failed)} updates failed, the first with {load.failed[0]}")
             await load.stop()
         finally:
             await app.stop()

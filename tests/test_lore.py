@@ -143,7 +143,7 @@ async def test_lore_and_keys_narrow_an_entry_and_edit_sets_or_clears_them(tmp_pa
     llm = ScriptedProvider()
     async with App(_config(tmp_path), llm=llm) as app:
         added = await run(app, "!lore add Its stone arches are Roman. --keys Lyon --and-keys bridge,bridges")
-        assert "when one of Lyon comes up, together with one of bridge, bridges" in added
+        assert "when Lyon comes up, together with one of bridge, bridges" in added
         assert "arches are Roman" in await prompt(app, llm, "Are the bridges of Lyon nice?")
         assert "arches are Roman" not in await prompt(app, llm, "Is Lyon big?", user="8")
         assert "[keys Lyon; and bridge, bridges]" in await run(app, "!lore show 1")

@@ -290,9 +290,13 @@ async def test_the_first_background_embedding_runs_soon_after_the_start(tmp_path
     import bot.app
 
     monkeypatch.setattr(bot.app, "BACKFILL_FIRST_AFTER", 0.2)
+    before = await App(_config(tmp_path), llm=ScriptedProvider(), embedder=HashEmbedder()).start(workers=False)
+    try:  # stored before the bot below starts: its first backfill has it to embed, whenever that comes
+        _, pair = await before.cortex.store.pair_for("console:ann", "Ann", "Cora")
+        await before.cortex.memory.remember(pair.id, "Ann collects stamps")
+    finally:
+        await before.stop()
     async with App(_config(tmp_path), llm=ScriptedProvider(), embedder=HashEmbedder()) as app:
-        _, pair = await app.cortex.store.pair_for("console:ann", "Ann", "Cora")
-        await app.cortex.memory.remember(pair.id, "Ann collects stamps")
         assert app.cortex.embeddings is not None
         for _ in range(100):
             if app.scheduler.jobs["embed-backfill"].runs:

@@ -129,7 +129,7 @@ async def test_edit_history_revert_change_the_prompt_at_once(tmp_path: Path) -> 
         assert "No history for Cora section identiy. Did you mean identity?" in await run(
             app, "!persona history identiy")
         unknown = await run(app, "!persona history bogus")  # not "no history": there is no such section
-        assert unknown.startswith("Cora has no section `bogus`; its sections: identity,"), unknown
+        assert unknown.startswith("Cora has no section `bogus`; the sections are identity,"), unknown
         assert "backstory" in unknown
         asked = await run(app, "!persona edit tone")  # no text: asked for, not emptied
         assert "Give the new text of tone" in asked and "--empty" in asked

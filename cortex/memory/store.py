@@ -55,7 +55,8 @@ _WORD = re.compile(r"\w+", re.UNICODE)
 COMMON_MATCHES = 1000  # a query word found in more rows than this is too common to rank by (see _bounded)
 MAX_TERMS = 16
 PAIR_ITEMS = 50_000  # a user's memory items with one persona (not archived): one more is refused
-MAX_QUERY_CHARS = 8000  # what a search reads of its query (a message is at most [bot] max_message_chars)
+MAX_QUERY_CHARS = 8000  # what a search reads of its query: a longer one (a model's tool call, a message where
+# [bot] max_message_chars allows more than the default 8,000) is searched by its start
 TERM_COUNT_TTL = 600.0  # seconds a word's row count is trusted
 CONTEXT_SHARE = 0.4  # of a neighbouring candidate's relevance that a message takes (see _neighbour_context)
 CONTEXT_TURNS = 2  # neighbours on each side that lend relevance; the second lends half as much

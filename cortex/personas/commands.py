@@ -159,7 +159,7 @@ class PersonaCommands:
             names = [*SOUL_SECTIONS, *(t.name for t in await self.storage.personas.current("soul", scope))]
             close = difflib.get_close_matches(key, names, n=1, cutoff=0.75) if key else []
             if key and key not in names and not close:
-                return (f"{ctx.persona} has no section {shown(key)}; its sections: "
+                return (f"{ctx.persona} has no section {shown(key)}; the sections are "
                         f"{', '.join(dict.fromkeys(names))}.")
             return (f"No history for {ctx.persona}" + (f" section {key}." if key else ".")
                     + (f" Did you mean {close[0]}?" if close else ""))

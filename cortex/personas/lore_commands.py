@@ -199,7 +199,8 @@ class LoreCommands:
                                f"({self.prefix}lore remove <id>)")
         await self._changed()
         also = f", together with one of {', '.join(new.secondary_keys)}" if new.secondary_keys else ""
-        how = ("every reply" if new.always_on else f"replies when one of {', '.join(new.keys)} comes up{also}"
+        keys = f"one of {', '.join(new.keys)}" if len(new.keys) > 1 else ", ".join(new.keys)
+        how = ("every reply" if new.always_on else f"replies when {keys} comes up{also}"
                if new.keys else "replies when a message is about it (no keywords)")
         return f"Lore #{entry_id} added to {ctx.persona}; it enters {how}."
 

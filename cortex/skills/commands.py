@@ -18,6 +18,12 @@ from cortex.skills.toolbox import SkillTools
 WEEK = 7 * 86_400.0
 
 
+def _short(text: str, width: int = 120) -> str:
+    """``text`` cut at a word and marked as cut (a first word longer than ``width``, a URL: cut inside it)."""
+    cut = textwrap.shorten(text, width, placeholder=" …")
+    return cut if cut != "…" else text[:width - 1] + "…"
+
+
 @dataclass
 class SkillCommands:
     tools: SkillTools
@@ -64,7 +70,7 @@ class SkillCommands:
             if info.group_triggers:
                 notes.append("in group channels when a message says " + ", ".join(info.group_triggers[:2]) + " …")
             lines.append(f"{'✅' if effective.enabled else '⛔'} {info.name} ({'; '.join(notes)}): "
-                         f"{textwrap.shorten(info.description, 120, placeholder=' …')}")  # (at a word, marked)
+                         f"{_short(info.description)}")
         return "\n".join(lines + down)
 
     async def enable(self, ctx: CommandContext, args: Sequence[str]) -> str:
