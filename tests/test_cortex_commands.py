@@ -563,7 +563,7 @@ async def test_a_command_that_breaks_answers_politely_and_the_bot_goes_on(tmp_pa
 
 async def test_an_oversized_memory_item_is_refused_with_the_limit(tmp_path: Path) -> None:
     async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
-        reply = (await run(app, "!memory remember " + "figs " * 20_000)).text
+        reply = (await run(app, "!memory remember " + "figs " * 3_000)).text
         assert "a memory item holds at most 2,000" in reply and "Remembered" not in reply
         assert "No memory items yet" in (await run(app, "!memory list")).text
 
