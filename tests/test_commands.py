@@ -217,3 +217,6 @@ async def test_a_quoted_switch_name_is_text_and_a_switch_in_capitals_is_named() 
     assert await args_of('!memory remember "--help"') == "args=['--help'] body='--help'"  # no switch: what is inside
     assert await args_of("!memory remember I said --pin") == "args=['I said', '--pin'] body='I said'"
     assert "no option `--PIN` (did you mean --pin?)" in await args_of("!memory remember x --PIN")
+    # a body that is a switch's name (a platform's "Remember this" on a message that says "--pin"): a text
+    assert await args_of("!memory remember --category fact\n--pin") == (
+        """args=['--category', 'fact', '"--pin"'] body='"--pin"'""")

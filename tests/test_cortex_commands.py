@@ -911,3 +911,15 @@ async def test_a_search_of_a_pasted_megabyte_is_refused_and_a_models_long_query_
         assert [h.id for h in hits if h.kind == "item"] == [item.id]
         assert len(seen) == 1 and '"stamps"' in seen[0] and "philatelistically" not in seen[0]  # only the start
         assert query.index("philatelistically") > MAX_QUERY_CHARS
+
+
+async def test_remember_this_on_a_message_that_is_a_switchs_name_stores_it_unpinned(tmp_path: Path) -> None:
+    """A platform's "Remember this" on a message saying "--pin" stored "--pin" as a pinned item (its text was
+    read as the flag); on "--importance" it answered "importance is a number from 1 to 10"."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        for said in ("--pin", "--importance"):
+            reply = (await run(app, f"!memory remember --from discord-message:{len(said)}\n{said}")).text
+            assert reply.startswith("Remembered as #") and "pinned" not in reply, reply
+        _, pair = await app.cortex.store.pair_for("console:ann", "Ann", "Cora")
+        items, _ = await app.cortex.memory.list_items(pair.id)
+        assert sorted((i.content, i.pinned) for i in items) == [('"--importance"', False), ('"--pin"', False)]

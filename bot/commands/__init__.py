@@ -296,6 +296,8 @@ class Command:
         if end - start == 1 and len(inline) == len(tokens[start].value) + 2 and inline[1:-1] not in flags | options:
             inline = tokens[start].value  # all of it in quotes: what is inside (a switch's name keeps its quotes)
         text = "\n".join(part for part in (inline, body) if part.strip())
+        if text in flags | options:  # a text that is a switch's name (a "Remember this" on a message "--pin")
+            text = _quoted(text)  # is a text: the handler must not take it for the switch
         missing = [p.name for p in before if p.required][given:]
         return head + ([text] if text else []) + [t.value for t in tokens[end:]], text, missing
 
