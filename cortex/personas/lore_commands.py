@@ -221,12 +221,17 @@ class LoreCommands:
         return f"Lore #{entry.id} changed."
 
     async def disable(self, ctx: CommandContext, args: Sequence[str]) -> str:
+        return await self._switch(ctx, args, on=False)
+
+    async def _switch(self, ctx: CommandContext, args: Sequence[str], *, on: bool) -> str:
+        """Switch an entry on or off; one in that state already is left as it is, and said to be."""
         entry = await self._entry(ctx, args)
-        if entry.enabled is False:
-            return f"Lore #{entry.id} is off already."
-        await self.storage.lore.update(entry.persona_id, entry.id, enabled=False)
+        state = "on" if on else "off"
+        if entry.enabled is on:
+            return f"Lore #{entry.id} is {state} already."
+        await self.storage.lore.update(entry.persona_id, entry.id, enabled=on)
         await self._changed()
-        return f"Lore #{entry.id} is off."
+        return f"Lore #{entry.id} is {state}."
 
     async def remove(self, ctx: CommandContext, args: Sequence[str]) -> str:
         entry = await self._entry(ctx, args)
@@ -236,9 +241,4 @@ class LoreCommands:
         return f"Lore #{entry.id} removed. It said:\n{entry.content}"
 
     async def enable(self, ctx: CommandContext, args: Sequence[str]) -> str:
-        entry = await self._entry(ctx, args)
-        if entry.enabled is True:
-            return f"Lore #{entry.id} is on already."
-        await self.storage.lore.update(entry.persona_id, entry.id, enabled=True)
-        await self._changed()
-        return f"Lore #{entry.id} is on."
+        return await self._switch(ctx, args, on=True)
