@@ -30,6 +30,17 @@ def fake_llm() -> Iterator[FakeLLMServer]:
 
 
 @pytest.fixture(autouse=True)
+def backfill_after_a_minute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process bots run their first background embedding one interval after the start, as before the early
+    first run (5 s): the tests embed when they mean to (``embeddings.backfill()``). With the hash embedder,
+    which has no relevance floor, a backfill mid-test made every item a hit by meaning (a page test searching
+    "Lisbon" saw all four). ``test_the_first_background_embedding_runs_soon_after_the_start`` sets its own."""
+    import bot.app
+
+    monkeypatch.setattr(bot.app, "BACKFILL_FIRST_AFTER", float("inf"))
+
+
+@pytest.fixture(autouse=True)
 def engine(request: pytest.FixtureRequest) -> Iterator[str]:
     """The engine of this test: "sqlite" unless its module is marked ``both_engines`` (then each test
     runs on both; on "postgres" ``tests.engines.db_url_for`` gives a fresh database of the real server)."""
