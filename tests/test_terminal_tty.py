@@ -47,6 +47,14 @@ class Tty:
         """Forget the screen up to ``text``: the next expect waits for what comes after it."""
         self.seen = self.seen.split(text.encode(), 1)[1]
 
+    def fresh_prompt(self) -> None:
+        """Wait for a new prompt, drawn by a new prompt session: each turns bracketed paste on as it draws
+        (in raw mode). The greyed copy of a line cleared with Ctrl-C also reads "you ›", but keys sent on
+        seeing it could land between two prompts, in cooked mode, where the terminal ate a Ctrl-D."""
+        self.expect("\x1b[?2004h")
+        self.after("\x1b[?2004h")
+        self.expect("you ›")
+
     def wait(self, timeout: float = 30.0) -> int:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -86,11 +94,11 @@ def test_editing_history_ctrl_c_and_ctrl_d(tmp_path: Path, fake_llm: FakeLLMServ
     chat.send("\x03")  # Ctrl-C while the reply is being written: that reply stops, the chat goes on
     chat.expect("(reply stopped; your message was kept)")
     chat.after("(reply stopped; your message was kept)")
-    chat.expect("you ›")  # a new prompt, ready for keys
+    chat.fresh_prompt()  # a new prompt, ready for keys
     chat.send("partial line\x03")  # Ctrl-C at the prompt clears the line
     chat.expect("partial line")
     chat.after("partial line")
-    chat.expect("you ›")
+    chat.fresh_prompt()
     chat.send("\x04")  # Ctrl-D quits
     assert chat.wait() == 0
     users = [r[0] for r in db_rows(tmp_path, "SELECT text FROM messages WHERE role = 'user' ORDER BY id")]
