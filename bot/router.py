@@ -223,7 +223,7 @@ class Router:
     async def incognito(self, user_key: str, persona: str) -> bool:
         """Whether the user is in an incognito stretch with the persona (``!memory pause``)."""
         user = await self.storage.get_user(user_key)
-        return user is not None and await self.storage.incognito.since(user.id, persona) is not None
+        return user is not None and await self.storage.incognito.active(user.id, persona)
 
     async def _link(self, sink: ChatSink, handles: Sequence[object], result: ReplyResult | None) -> None:
         """Note which platform messages show the reply (for a platform's "Why?" on one of them); a sink

@@ -158,9 +158,13 @@ class CortexFiles:
     async def get_version(self, pair: Pair, filename: str, number: int) -> FileVersion:
         found = await self.store.version(pair.id, filename, number)
         if found is None:
-            latest = await self.store.current(pair.id, filename)
-            upto = f"1 to {latest.version}" if latest else "none yet"
-            raise FileError(f"{filename} has no version {number} (versions: {upto})")
+            kept = await self.store.version_range(pair.id, filename)
+            if kept is None:
+                raise FileError(f"{filename} has no version {number} (versions: none yet)")
+            oldest, newest = kept
+            dropped = (f"; the versions before {oldest} are no longer kept, only the newest "
+                       f"{self.store.KEEP_VERSIONS:,}" if 1 < oldest and number < oldest else "")
+            raise FileError(f"{filename} has no version {number} (versions: {oldest} to {newest}{dropped})")
         return found
 
     async def revert(self, pair: Pair, filename: str, number: int) -> FileVersion | None:

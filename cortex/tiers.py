@@ -86,7 +86,7 @@ class TierEngine:
             return
         incognito = exchange.incognito
         if incognito is None:
-            incognito = await self.store.storage.incognito.since(exchange.user_db_id, exchange.persona) is not None
+            incognito = await self.store.storage.incognito.active(exchange.user_db_id, exchange.persona)
         if incognito:
             return  # incognito: the stretch counts toward no tier
         pair = await self.store.count_messages(exchange.user_db_id, exchange.persona, MESSAGES_PER_EXCHANGE)

@@ -199,6 +199,15 @@ async def test_an_unknown_switch_before_or_after_free_text_is_refused_not_stored
         "args=['use --category to sort them out'] body='use --category to sort them out'")
     assert await args_of('!memory remember I like tea --category "food, drink"') == (
         "args=['I like tea', '--category', 'food, drink'] body='I like tea'")
+    for typed in ('--category="food, drink"', "\u2014category=\u201cfood, drink\u201d"):  # as in shells
+        assert await args_of(f"!memory remember I like tea {typed}") == (
+            "args=['I like tea', '--category', 'food, drink'] body='I like tea'")
+        assert await args_of(f"!memory remember {typed} I like tea") == (
+            "args=['--category', 'food, drink', 'I like tea'] body='I like tea'")
+    assert await args_of('!memory remember say x="a b" and --category=fact') == (  # no option: as typed
+        """args=['say x="a b" and', '--category', 'fact'] body='say x="a b" and'""")
+    assert [t.value for t in split_words('--keys="a b" c')] == ["--keys", "a b", "c"]
+    assert [t.value for t in split_words('--keys="a b c')] == ['--keys="a', "b", "c"]  # never closed: words
 
 
 async def test_a_quoted_switch_name_is_text_and_a_switch_in_capitals_is_named() -> None:

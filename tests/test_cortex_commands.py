@@ -88,6 +88,19 @@ async def _pair_id(app: App, user: str, persona: str = "Cora") -> int:
     return pair.id
 
 
+async def test_a_version_no_longer_kept_is_named_as_such(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        monkeypatch.setattr(type(app.cortex.store), "KEEP_VERSIONS", 2)
+        for n in range(4):
+            await run(app, f"!memory edit memory.md\n# Mine\n- note {n}\n")
+        # (version 1 is the template, 2 to 5 the edits: 4 and 5 are kept)
+        assert "saved as version 6" in (await run(app, "!memory revert memory.md 4")).text
+        gone = (await run(app, "!memory revert memory.md 1")).text
+        assert "has no version 1 (versions: 5 to 6; the versions before 5 are no longer kept, only the newest 2)" \
+            in gone
+        assert "has no version 9 (versions: 5 to 6)" in (await run(app, "!memory diff memory.md 5 9")).text
+
+
 async def test_export_zip_holds_files_versions_and_metadata(tmp_path: Path) -> None:
     async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
         await run(app, "!memory edit relationship.md\n# Ann and me\n- we joke about tea\n")

@@ -609,3 +609,23 @@ async def test_a_files_read_that_a_write_overtook_is_not_kept_for_the_next_promp
     monkeypatch.setattr(storage.cortex.db, "fetch_all", read_then_overtaken)
     assert await storage.cortex.files_for_prompt(ann.id, "Cora") == {"memory.md": "old"}  # begun before it
     assert await storage.cortex.files_for_prompt(ann.id, "Cora") == {"memory.md": "new"}
+
+
+async def test_each_file_keeps_its_newest_versions_only(storage: Storage, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every save is a whole new version: without a bound, saving at the rate limit grew the database by
+    gigabytes a day. The oldest go beyond the bound, per file, whichever way the version was saved."""
+    monkeypatch.setattr(type(storage.cortex), "KEEP_VERSIONS", 3)
+    ann = await storage.upsert_user("discord:1", "Ann")
+    pair = await storage.cortex.ensure_pair(ann.id, "Cora")
+    await storage.cortex.add_version(pair.id, "soul.md", "the soul", "model")
+    for n in range(1, 6):
+        await storage.cortex.add_version(pair.id, "memory.md", f"text {n}", "model")
+    saved = await storage.cortex.add_version_based_on(5, pair.id, "memory.md", "text 6", "user")
+    assert saved is not None and saved.version == 6
+    assert [v.version for v in await storage.cortex.versions(pair.id, "memory.md")] == [4, 5, 6]
+    assert await storage.cortex.version_range(pair.id, "memory.md") == (4, 6)
+    assert (await storage.cortex.current(pair.id, "memory.md")).content == "text 6"  # type: ignore[union-attr]
+    assert [v.version for v in await storage.cortex.versions(pair.id, "soul.md")] == [1]  # another file: untouched
+    assert await storage.cortex.version_range(pair.id, "relationship.md") is None
+    refused = await storage.cortex.add_version_based_on(5, pair.id, "memory.md", "stale", "user")
+    assert refused is None and await storage.cortex.version_range(pair.id, "memory.md") == (4, 6)  # nothing trimmed

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 TYPOGRAPHIC_DASHES = "\u2014\u2013"  # em and en dash: what "--" becomes with smart punctuation
 _SWITCH = re.compile(r"--[A-Za-z][A-Za-z0-9_-]*")  # how an option is spelled on a command line
+_ASSIGNED = re.compile(rf"(?:--|[{TYPOGRAPHIC_DASHES}])[A-Za-z][A-Za-z0-9_-]*=(?=.)")  # "--keys=" of --keys="a, b"
 MAX_LINE_CHARS = 20_000  # of a command's first line (a long text goes on the lines below it)
 QUOTES = {"'": "'", '"': '"', "\u201c": "\u201d", "\u2018": "\u2019", "\u201e": "\u201c", "\u00ab": "\u00bb"}
 MAX_NUMBER = 2**31 - 1  # ids, versions and pages fit every engine's integer columns
@@ -362,7 +363,8 @@ class Token:
 def split_words(line: str) -> list[Token]:
     """The words of a command line as typed (see the module's docstring): unlike ``shlex``, an apostrophe
     or a backslash is just a character ("Ann's", "C:\\Users"); a word that starts with a quote ends at the
-    same quote where a word ends, and an unmatched quote is a character too. Linear in the line's length
+    same quote where a word ends, and an unmatched quote is a character too. ``--keys="mill, wheel"`` is two
+    words, ``--keys`` and the quoted ``mill, wheel``, as if typed with a space for the "=". Linear in the line's length
     (each quoted word finds its end by bisection, never by scanning again)."""
     n = len(line)
     ends = {opening: [j for j in range(n) if line[j] == closing and (j + 1 == n or line[j + 1].isspace())]
@@ -379,6 +381,16 @@ def split_words(line: str) -> list[Token]:
             if at < len(candidates):
                 close = candidates[at]
                 tokens.append(Token(line[i + 1:close], i, close + 1))
+                i = close + 1
+                continue
+        assigned = _ASSIGNED.match(line, i)
+        if assigned and line[assigned.end()] in ends:  # --keys="mill, wheel": the option, then its quoted value
+            candidates = ends[line[assigned.end()]]
+            at = bisect.bisect_right(candidates, assigned.end())
+            if at < len(candidates):
+                close, opening = candidates[at], assigned.end()
+                tokens += [Token(line[i:opening - 1], i, opening - 1),
+                           Token(line[opening + 1:close], opening, close + 1)]
                 i = close + 1
                 continue
         end = i

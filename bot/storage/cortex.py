@@ -99,6 +99,11 @@ class ForgetReport:
 
 
 class CortexRepository:
+    # The newest versions kept of each file of a pair. Every save is a new version (a whole file), so without
+    # a bound a user saving at the command rate limit, or a runaway update, would grow the database without
+    # end; a thousand is years of ordinary updates and edits.
+    KEEP_VERSIONS = 1000
+
     def __init__(self, db: Database) -> None:
         self.db = db
         # Current files per (user id, persona) for reply prompts; cleared by every write here and
@@ -224,7 +229,9 @@ class CortexRepository:
         )
         assert row is not None
         self._files_changed(pair_id)
-        return self._version(row)
+        saved = self._version(row)
+        await self._trim_versions(saved)
+        return saved
 
     async def add_version_based_on(
         self, based_on: int, pair_id: int, filename: str, content: str, author: Author, reason: str = "",
@@ -250,7 +257,27 @@ class CortexRepository:
         if row is None:
             return None
         self._files_changed(pair_id)
-        return self._version(row)
+        saved = self._version(row)
+        await self._trim_versions(saved)
+        return saved
+
+    async def _trim_versions(self, newest: FileVersion) -> None:
+        """Delete the versions of the file older than the newest :attr:`KEEP_VERSIONS` (one statement, and
+        none at all while a file has fewer). All of them, not one: a process stopped between a save and its
+        trim leaves the excess to the next save."""
+        if newest.version > self.KEEP_VERSIONS:
+            await self.db.write(
+                "DELETE FROM cortex_versions WHERE pair_id = ? AND filename = ? AND version <= ?",
+                (newest.pair_id, newest.filename, newest.version - self.KEEP_VERSIONS),
+            )
+
+    async def version_range(self, pair_id: int, filename: str) -> tuple[int, int] | None:
+        """The oldest and the newest version kept of a file; None when it has none."""
+        row = await self.db.fetch_one(
+            "SELECT min(version), max(version) FROM cortex_versions WHERE pair_id = ? AND filename = ?",
+            (pair_id, filename),
+        )
+        return None if row is None or row[0] is None else (int(row[0]), int(row[1]))
 
     async def add_first_version(self, pair_id: int, filename: str, content: str, author: Author, reason: str = ""
                                 ) -> FileVersion | None:

@@ -36,6 +36,10 @@ class IncognitoRepository:
                                       (user_id, persona))
         return None if row is None else float(row[0])
 
+    async def active(self, user_id: int, persona: str) -> bool:
+        """Whether the user is incognito with the persona (a pause is running)."""
+        return await self.since(user_id, persona) is not None
+
     async def stretches(self, user_id: int) -> list[tuple[str, float]]:
         """(persona, since when) of every pause the user has running."""
         rows = await self.db.fetch_all(

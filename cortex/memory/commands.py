@@ -205,7 +205,7 @@ class MemoryCommands:
         content = " ".join(kept) or ctx.body
         user, found = await self.pairs.pair_for(ctx.user_key, ctx.user_name, ctx.persona)
         pair = found.id
-        if await self.pairs.storage.incognito.since(user.id, ctx.persona) is not None:
+        if await self.pairs.storage.incognito.active(user.id, ctx.persona):
             # The pause promised that nothing from it reaches the memory items (the remember tool is not
             # offered either): an item made now would outlive the stretch. (Said without the command's usage:
             # a platform's "Remember this" or 🧠 reaction comes here too.)

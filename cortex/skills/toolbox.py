@@ -193,7 +193,7 @@ class SkillTools:
         chosen: dict[str, Skill] = {}
         incognito = context.incognito
         if incognito is None:
-            incognito = await self.storage.incognito.since(context.user_db_id, context.persona) is not None
+            incognito = await self.storage.incognito.active(context.user_db_id, context.persona)
         for skill in self.all():
             info = skill.info
             if not admitted(info, is_admin=context.is_admin, is_bot_admin=context.is_bot_admin) \
