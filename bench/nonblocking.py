@@ -34,7 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -228,6 +228,85 @@ class UpdateLoad:
         await asyncio.gather(*self.tasks)
 
 
+class RemoteLoad:
+    """The same load in a process of its own on the same database (``--load-process``): the updates' work
+    away from the reply path's event loop and its process. Driven over the child's stdin and stdout."""
+
+    def __init__(self, database: Path, args: argparse.Namespace) -> None:
+        self.database = database
+        self.args = args
+        self.finished = 0
+        self.calls = 0
+        self.failed: list[str] = []
+
+    async def start(self) -> None:
+        self.child = await asyncio.create_subprocess_exec(
+            sys.executable, __file__, "--serve-load", str(self.database), "--updates", str(self.args.updates),
+            "--latency-ms", str(self.args.latency_ms), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        await self._said("ready")
+
+    async def _said(self, expected: str) -> str:
+        assert self.child.stdout is not None
+        line = (await self.child.stdout.readline()).decode().strip()
+        if not line.startswith(expected):
+            raise RuntimeError(f"the load process said {line!r}, not {expected!r}")
+        return line
+
+    async def _ask(self, command: str, answer: str) -> str:
+        assert self.child.stdin is not None
+        self.child.stdin.write(f"{command}\n".encode())
+        await self.child.stdin.drain()
+        return await self._said(answer)
+
+    async def pause(self) -> None:
+        await self._ask("pause", "parked")
+
+    async def resume(self) -> None:
+        await self._ask("start", "started")
+
+    async def stop(self) -> None:
+        _, finished, calls, failed, *first = (await self._ask("stop", "done")).split(" ", 4)
+        self.finished, self.calls = int(finished), int(calls)
+        self.failed = first * int(failed)
+        await self.child.wait()
+
+
+async def serve_load(args: argparse.Namespace) -> None:
+    """The child of :class:`RemoteLoad`: the updates of every bench user's pair, paused and resumed on its
+    parent's word (stdin: pause, start, stop; stdout: parked, started, done FINISHED CALLS FAILED FIRST)."""
+    clock = LoadClock(args.updates)
+    provider = BenchProvider(args.latency_ms / 1000, clock)
+    config = parse_config({
+        "storage": {"url": f"sqlite:///{args.serve_load}"},
+        "cortex": {"context_limit": 100_000, "cooldown_seconds": 0, "daily_token_budget": 0,
+                   "bot_daily_token_budget": 0},
+    })
+    app = App(config, llm=provider)
+    await app.start(workers=False)
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    try:
+        load = UpdateLoad(app, [f"user{i}" for i in range(args.updates)], clock)
+        load.start()
+        await load.pause()
+        print("ready", flush=True)
+        while command := (await reader.readline()).decode().strip():
+            if command == "pause":
+                await load.pause()
+                print("parked", flush=True)
+            elif command == "start":
+                clock.start()
+                print("started", flush=True)
+            elif command == "stop":
+                await load.stop()
+                first = load.failed[0].replace("\n", " ") if load.failed else ""
+                print(f"done {load.finished} {provider.update_calls} {len(load.failed)} {first}", flush=True)
+                return
+    finally:
+        await app.stop()
+
+
 async def measure(args: argparse.Namespace) -> tuple[list[float], list[float], int, int]:
     """One run in a fresh bot: reply timings alone and loaded, updates finished, update calls."""
     clock = LoadClock(args.updates)
@@ -250,11 +329,17 @@ async def measure(args: argparse.Namespace) -> tuple[list[float], list[float], i
                     msg = IncomingMessage("console", f"dm-{user}", user, user, f"hello {i}, I grow tomatoes")
                     await app.core.reply(msg).text()
             await time_replies(app, 50)  # warm-up
+            remote = RemoteLoad(Path(tmp) / "bench.db", args) if args.load_process else None
             load = UpdateLoad(app, users, clock)
-            load.start()
-            await load.pause()
+            if remote is not None:
+                await remote.start()
+            else:
+                load.start()
+                await load.pause()
+            pause = load.pause if remote is None else remote.pause
+            resume = clock.start if remote is None else remote.resume
             if not args.no_load:  # every pair mid-update, their calls spread over the latency
-                clock.start()
+                await _maybe(resume())
                 await asyncio.sleep(args.latency_ms / 1000 * 1.5)
             # Alternate the phases so that drift hits both alike, in ABBA order (alone, loaded, loaded,
             # alone, ...): the history grows with every reply and the machine's speed drifts, and with
@@ -262,18 +347,27 @@ async def measure(args: argparse.Namespace) -> tuple[list[float], list[float], i
             for number in range(args.rounds):
                 for phase in ("alone", "loaded") if number % 2 == 0 else ("loaded", "alone"):
                     if phase == "alone" or args.no_load:  # the A/A check: "loaded" timed exactly as "alone"
-                        await load.pause()
+                        await pause()
                         (alone if phase == "alone" else loaded).extend(await time_replies(app, per_round))
                     else:
-                        clock.start()
+                        await _maybe(resume())
                         loaded += await time_replies(app, per_round)
             finished = load.finished
+            if remote is None:
+                await load.stop()
+            else:
+                await remote.stop()
+                finished, provider.update_calls, load.failed = remote.finished, remote.calls, remote.failed
             if load.failed:  # (their share of the load is missing from the loaded phase: said, not hidden)
                 print(f"  {len(load.failed)} updates failed, the first with {load.failed[0]}")
-            await load.stop()
         finally:
             await app.stop()
     return alone, loaded, finished, provider.update_calls
+
+
+async def _maybe(result: Awaitable[None] | None) -> None:
+    if result is not None:
+        await result
 
 
 async def main() -> None:
@@ -289,7 +383,13 @@ async def main() -> None:
     parser.add_argument("--no-load", action="store_true",
                         help="time the second phase without updates too (an A/A run: how far the ratios stray "
                              "from 1.0 by noise alone)")
+    parser.add_argument("--load-process", action="store_true",
+                        help="run the updates in a second process on the same database, as a worker process would")
+    parser.add_argument("--serve-load", metavar="DATABASE", help=argparse.SUPPRESS)  # that process
     args = parser.parse_args()
+    if args.serve_load:
+        await serve_load(args)
+        return
     print(f"LLM latency per update call: {args.latency_ms:.0f} ms; {args.rounds} alternating rounds per run; "
           f"load average before: {os.getloadavg()[0]:.2f}"
           + ("; A/A run: the second phase has no updates either" if args.no_load else ""))

@@ -214,7 +214,8 @@ class CortexCommands:
             b = await self.files.get_version(pair, filename, second)
         except FileError as exc:
             raise CommandError(str(exc)) from None
-        return self._long(unified_diff(a, b), f"{filename}-v{first}-v{second}.diff", "diff")
+        text = await asyncio.to_thread(unified_diff, a, b)  # (bounded work, but up to a tenth of a second)
+        return self._long(text, f"{filename}-v{first}-v{second}.diff", "diff")
 
     async def revert(self, ctx: CommandContext, args: Sequence[str]) -> str:
         filename = self._file_arg(args)

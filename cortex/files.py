@@ -4,11 +4,11 @@ reset, export. Every change is a new version; nothing is overwritten or deleted 
 
 from __future__ import annotations
 
-import difflib
 import re
 from dataclasses import dataclass
 
 from bot.text import shown
+from cortex.diff import unified
 from cortex.memory.guard import guarded
 from cortex.store import FILENAMES, Author, CortexStore, FileVersion, Pair
 from cortex.templates import template
@@ -77,13 +77,9 @@ def check_model_write(filename: str, old: str, new: str, max_chars: int) -> Refu
 
 
 def unified_diff(a: FileVersion, b: FileVersion) -> str:
-    lines = difflib.unified_diff(
-        a.content.splitlines(keepends=True),
-        b.content.splitlines(keepends=True),
-        fromfile=f"{a.filename} v{a.version}",
-        tofile=f"{b.filename} v{b.version}",
-    )
-    return "".join(lines) or f"{a.filename} v{a.version} and v{b.version} are identical."
+    """The change from version ``a`` to ``b`` as ``diff -u`` writes it (bounded work: :mod:`cortex.diff`)."""
+    lines = unified(a.content, b.content, f"{a.filename} v{a.version}", f"{b.filename} v{b.version}")
+    return lines or f"{a.filename} v{a.version} and v{b.version} are identical."
 
 
 class CortexFiles:

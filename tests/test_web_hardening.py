@@ -606,7 +606,7 @@ def test_a_diff_of_repeated_lines_is_bounded_and_exact() -> None:
     4,000 a file within the cap holds, on a worker thread no request could stop; with it, 2 s where the new
     version has under 200 lines. Past DIFF_WORK line pairs, the changed middle is one block. Either way each
     side's lines come back whole and in order, and what both share at the ends is equal."""
-    import adapters.web.render as render
+    from cortex import diff
 
     cases = [("\n".join(["a"] * 4000), "\n".join(["a", "b"] * 2000)),
              ("a\n" * 3990, "a\nb\n" * 99 + "a"),
@@ -619,7 +619,7 @@ def test_a_diff_of_repeated_lines_is_bounded_and_exact() -> None:
         assert {r["op"] for r in rows} <= {"equal", "replace", "delete", "insert"}
     rows = side_by_side(*cases[2])
     assert rows[0]["op"] == rows[-1]["op"] == "equal" and {r["op"] for r in rows[1:-1]} == {"replace"}
-    assert (300 * 300 > render.DIFF_WORK) and len(rows) == 302  # (one block, not weighed line by line)
+    assert (300 * 300 > diff.DIFF_WORK) and len(rows) == 302  # (one block, not weighed line by line)
     assert [r["op"] for r in side_by_side(*cases[3])] == ["equal", "replace", "equal"]
 
 

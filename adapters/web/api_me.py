@@ -62,7 +62,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
     # the default cap, seconds at the largest, and the text is the user's own) are pure Python: off the event
     # loop, which also runs the chat adapters, a few at a time.
     working = asyncio.Semaphore(2)
-    diffing = asyncio.Semaphore(2)  # diffs (bounded: render.DIFF_WORK) apart: they never hold up a file view
+    diffing = asyncio.Semaphore(2)  # diffs (bounded: cortex.diff.DIFF_WORK) apart: they never hold up a file view
 
     async def shown(v: FileVersion) -> dict[str, Any]:
         """A version with its text and the text as HTML."""

@@ -5,10 +5,11 @@ model, and a live link to another site on the bot's own page would lend that sit
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
 from markdown_it import MarkdownIt
+
+from cortex.diff import line_opcodes
 
 _md = MarkdownIt("commonmark", {"html": False, "linkify": False}).disable(["image", "link", "autolink", "reference"])
 
@@ -18,28 +19,11 @@ def markdown_html(text: str) -> str:
     return html
 
 
-DIFF_WORK = 50_000  # line pairs difflib may weigh (repeated lines make it cubic): past that, one changed block
-
-
 def side_by_side(old: str, new: str) -> list[dict[str, Any]]:
     """Rows of a two-column diff: ``op`` (equal, replace, delete, insert), each side's line number and text
-    (None where that side has no line). The lines both versions start and end with are equal rows; the rest
-    is diffed by difflib while it is small enough to be quick (a file of 4,000 repeated lines took minutes of
-    CPU without its junk heuristic, and 2 s with it), else shown as one replaced block."""
+    (None where that side has no line); bounded work, as :mod:`cortex.diff` says."""
     a, b = old.splitlines(), new.splitlines()
-    head = 0
-    while head < min(len(a), len(b)) and a[head] == b[head]:
-        head += 1
-    tail = 0
-    while tail < min(len(a), len(b)) - head and a[-1 - tail] == b[-1 - tail]:
-        tail += 1
-    ends_a, ends_b = len(a) - tail, len(b) - tail
-    if (ends_a - head) * (ends_b - head) <= DIFF_WORK:
-        middle = [(op, i1 + head, i2 + head, j1 + head, j2 + head) for op, i1, i2, j1, j2 in
-                  difflib.SequenceMatcher(a=a[head:ends_a], b=b[head:ends_b]).get_opcodes()]
-    else:
-        middle = [("replace", head, ends_a, head, ends_b)]
-    opcodes = [("equal", 0, head, 0, head), *middle, ("equal", ends_a, len(a), ends_b, len(b))]
+    opcodes = line_opcodes(a, b)
     rows: list[dict[str, Any]] = []
     for op, i1, i2, j1, j2 in opcodes:
         for k in range(max(i2 - i1, j2 - j1)):
