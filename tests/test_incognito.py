@@ -73,6 +73,46 @@ async def test_an_incognito_stretch_is_answered_kept_apart_and_deleted(tmp_path:
         assert b"xyzzyplover" not in _database_bytes(tmp_path)
 
 
+async def test_pausing_and_resuming_in_a_loop_scrubs_the_files_once_a_spell(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scrub merges the whole database's full-text indexes under the write lock: each `!memory resume`
+    (and a forget-me with nothing stored) did one, so a user resuming in a loop held everyone's writes.
+    Nothing deleted: no scrub. Deleted again within the spacing: one scrub after it, for all of them."""
+    import bot.storage.core
+
+    monkeypatch.setattr(bot.storage.core, "SCRUB_SPACING", 1.0)
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}})
+    async with App(config, llm=ScriptedProvider()) as app:
+        scrubs: list[float] = []
+        real = app.storage.db.scrub
+
+        async def counted(indexes: object) -> bool:
+            scrubs.append(asyncio.get_running_loop().time())
+            return await real(indexes)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(app.storage.db, "scrub", counted)
+        say = partial(_said, app)
+        for word in ("plughfirst", "plughsecond", "plughthird"):
+            await say("!memory pause")
+            await say(f"the word is {word}")
+            await say("!memory resume")
+        assert len(scrubs) == 1  # the first at once, the others wait for the spacing
+        assert await app.storage.get_setting(bot.storage.core.SCRUB_PENDING) is not None
+        for _ in range(40):
+            if len(scrubs) == 2:
+                break
+            await asyncio.sleep(0.1)
+        assert len(scrubs) == 2 and scrubs[1] - scrubs[0] >= 0.9  # one scrub for both, after the spacing
+        assert await app.storage.get_setting(bot.storage.core.SCRUB_PENDING) is None
+        await say("!memory pause")
+        assert "0 messages" in (await say("!memory resume")).public[0].text
+        await say("!memory forget-me confirm")
+        assert len(scrubs) == 3  # the forget-me that deleted something: at once, as it promises
+        await say("!memory forget-me confirm")  # nothing stored, nothing noted: nothing to scrub
+        assert len(scrubs) == 3
+    assert b"plugh" not in _database_bytes(tmp_path)
+
+
 async def test_a_forgotten_stretch_ends_by_itself(tmp_path: Path) -> None:
     config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "memory": {"incognito_hours": 1}})
     async with App(config, llm=ScriptedProvider()) as app:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
@@ -115,6 +116,7 @@ REPLY_STATS_SQL = (
 JOB_DONE = "locked_by = '', lease_until = 0"
 MESSAGE_DEPENDENTS = ("reply_stats", "message_vectors", "reply_sources", "platform_messages")
 SCRUB_PENDING = "storage.scrub-pending"  # deleted words may still sit in the database's files (see Storage.scrub)
+SCRUB_SPACING = 60.0  # seconds between two scrubs that :meth:`Storage.scrub_soon` asks for
 
 
 def _attempt_fence(attempt: int | None) -> tuple[str, tuple[int, ...]]:
@@ -184,6 +186,8 @@ class Storage:
         self._audit_timer: asyncio.Task[None] | None = None
         self._audit_lock = asyncio.Lock()  # one flush at a time: a later one waits for the rows of the one before
         self._audit_writing: asyncio.Future[None] | None = None
+        self._scrubbed_at = -math.inf  # (monotonic) when this process last scrubbed
+        self._scrub_timer: asyncio.Task[None] | None = None
         self.cortex = CortexRepository(db)
         self.memory = MemoryRepository(db)
         self.fleet = FleetRepository(db)
@@ -204,6 +208,8 @@ class Storage:
     async def close(self) -> None:
         if self._audit_timer is not None:
             self._audit_timer.cancel()
+        if self._scrub_timer is not None:  # (its note stays: the next start scrubs)
+            self._scrub_timer.cancel()
         await self.memory.close()
         try:
             await self.flush_audit()
@@ -290,8 +296,27 @@ class Storage:
         """After deleting someone's data: leave no trace of it in the database's files where the engine
         can (see ``Database.scrub``), and clear the note of deletions made before it began."""
         began = time.time()
+        self._scrubbed_at = time.monotonic()
         if await self.db.scrub(SQLITE_TEXT_INDEXES):
             await self.db.write("DELETE FROM settings WHERE key = ? AND updated_at <= ?", (SCRUB_PENDING, began))
+
+    async def scrub_soon(self) -> None:
+        """Scrub now, or, when this process scrubbed less than :data:`SCRUB_SPACING` ago, once that has passed
+        (one scrub waits for all the deletions meanwhile). A scrub merges the whole database's full-text
+        indexes under the write lock (a second and more at a few hundred thousand messages): a user pausing
+        and resuming in a loop had every other user's writes wait that long, each time."""
+        wait = self._scrubbed_at + SCRUB_SPACING - time.monotonic()
+        if wait <= 0:
+            await self.scrub()
+        elif self._scrub_timer is None or self._scrub_timer.done():
+            self._scrub_timer = asyncio.create_task(self._scrub_after(wait), name="scrub-soon")
+
+    async def _scrub_after(self, wait: float) -> None:
+        await asyncio.sleep(wait)
+        try:
+            await self.scrub_if_pending()
+        except Exception:  # the note stays: the hourly check or the next start scrubs
+            log.exception("scrubbing the database's files after deletions failed")
 
     async def scrub_if_pending(self) -> bool:
         """Scrub when a deletion's note says it was not yet (a process stopped between a forget-me's commit
@@ -904,8 +929,8 @@ class Storage:
                 report = await self._forget_once(user_key)
                 if report is None:
                     # Nothing stored, but the files may still hold their words: a forget-me whose process died
-                    # after its commit never scrubbed them (see scrub), and this one sent again does.
-                    await self.scrub()
+                    # after its commit never scrubbed them, and this one sent again does (the note says so).
+                    await self.scrub_if_pending()
                 return report
             except Exception as exc:
                 if not is_missing_reference(exc) or attempt == FORGET_ATTEMPTS - 1:

@@ -121,7 +121,8 @@ class MemoryCommands:
             return f"You were not incognito with {ctx.persona}."
         if self.on_resume is not None:
             self.on_resume()
-        await self.pairs.storage.scrub()
+        if deleted:  # their words leave the database's files within a minute (scrubs are spaced)
+            await self.pairs.storage.scrub_soon()
         verb = "is" if deleted == 1 else "are"
         return f"Incognito ended: {plural(deleted, 'message')} from that stretch {verb} deleted. I remember again."
 
