@@ -125,7 +125,7 @@ class StorageConfig(_Section):
     @classmethod
     def _known_scheme(cls, value: str) -> str:
         value = check_storage_url(value)
-        if value.startswith("postgres") and urlsplit(value).password:
+        if value.startswith("postgres") and (urlsplit(value).password or _QUERY_PASSWORD.search(value)):
             raise ValueError(
                 "the URL holds a password, and the config file is no place for it: remove it from the URL and "
                 "put it in an environment variable named by [storage] password_env (or PGPASSWORD), or the "
@@ -1030,13 +1030,15 @@ def parse_config(raw: Mapping[str, Any], source: str = "config") -> Config:
         raise ConfigError(f"{source} has {len(lines)} problem(s):\n" + "\n".join(f"  - {x}" for x in lines)) from None
 
 
-_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^\s:/@'\"]*):[^\s'\"]*@")
+_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^\s:/@'\"]*):\S*@")
+_QUERY_PASSWORD = re.compile(r"([?&](?:ssl)?password=)[^&#\s]*", re.IGNORECASE)  # libpq's ?password=, ?sslpassword=
 
 
 def hide_url_passwords(text: str) -> str:
-    """``text`` with the password of every URL in it as ``***`` (up to the URL's last "@": a password may hold
-    one unencoded): a refused URL is shown back, but never the secret in it."""
-    return _URL_PASSWORD.sub(r"\1:***@", text)
+    """``text`` with the password of every URL in it as ``***``, before the host (up to the last "@" before a
+    space: a password may hold an unencoded "@" or a quote) and in the query (``?password=``): a refused URL
+    is shown back, but never the secret in it."""
+    return _QUERY_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1:***@", text))
 
 
 def _location(loc: tuple[int | str, ...]) -> str:

@@ -34,6 +34,23 @@ async def test_a_password_with_an_unencoded_slash_or_at_never_shows_in_part() ->
     assert "postgresql://u:***@127.0.0.1:" in str(caught.value)
 
 
+@pytest.mark.parametrize(("url", "shown"), [
+    ("postgresql://cortex@127.0.0.1:{port}/cortex?password=hunter2", "?password=***"),
+    ("postgresql://cortex@127.0.0.1:{port}/cortex?sslmode=disable&PASSWORD=hunter2", "&PASSWORD=***"),
+    ("postgresql://cortex:it's-hunter2@127.0.0.1:{port}/cortex", "cortex:***@127.0.0.1"),
+    ('postgresql://cortex:say"hunter2"@127.0.0.1:{port}/cortex', "cortex:***@127.0.0.1"),
+])
+async def test_a_password_in_the_query_or_with_a_quote_never_shows(url: str, shown: str) -> None:
+    """``?password=`` (which asyncpg and libpq take) and a password holding a quote were shown whole in the
+    errors of `doctor`, `status` and `migrate`."""
+    with pytest.raises(StorageError) as caught:
+        await open_storage(url.format(port=_closed_port()))
+    assert "hunter2" not in str(caught.value) and shown in str(caught.value), str(caught.value)
+    with pytest.raises(ConfigError, match="no place for it") as refused:
+        parse_config({"storage": {"url": url.format(port=5432)}})
+    assert "hunter2" not in str(refused.value)
+
+
 async def test_a_missing_database_is_named(postgres_server: PostgresServer) -> None:
     with pytest.raises(StorageError, match="does not exist: create it"):
         await open_storage(postgres_server.url_for("no_such_database"))
