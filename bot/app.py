@@ -162,6 +162,8 @@ class App:
                 self.scheduler.every(
                     self.config.jobs.lease_seconds, "requeue-abandoned-jobs", self.workers.recover
                 )
+                # Stretches whose hours ran out while no process ran end before the first message is read.
+                await self._end_incognito()
                 self.scheduler.every(INCOGNITO_CHECK_SECONDS, "end-incognito", self._end_incognito)
                 # Messages their authors took back are not scrubbed one by one (a merge of the full-text indexes
                 # each): their words leave the files within the hour.

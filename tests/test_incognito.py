@@ -126,6 +126,23 @@ async def test_a_forgotten_stretch_ends_by_itself(tmp_path: Path) -> None:
         assert await app.storage.recent_messages(channel.id, 10) == []
 
 
+async def test_a_stretch_whose_hours_ran_out_while_the_bot_was_stopped_ends_at_the_start(tmp_path: Path) -> None:
+    """The check ran first ten minutes after the start: a terminal chat started two days later answered 🕶️
+    and exported the stretch's messages."""
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "memory": {"incognito_hours": 1}})
+    async with App(config, llm=ScriptedProvider()) as app:
+        await app.router.handle(_inbound("!memory pause"), Sink())
+        await app.router.handle(_inbound("a secret from before"), Sink())
+        await app.storage.db.write("UPDATE incognito SET started_at = started_at - 7200")
+        await app.storage.db.write("UPDATE messages SET created_at = created_at - 3600")
+    async with App(config, llm=ScriptedProvider()) as app:
+        reply = await _said(app, "am I still incognito?")
+        assert not reply.messages[0].startswith("🕶️")
+        channel = await app.storage.get_channel("discord:dm-ann")
+        texts = [m.text for m in await app.storage.recent_messages(channel.id, 10)]
+        assert "am I still incognito?" in texts and not any("secret" in t for t in texts)
+
+
 async def test_messages_older_than_the_retention_go_and_memory_stays(tmp_path: Path) -> None:
     from cortex.memory.upkeep import expire_old_messages
 
