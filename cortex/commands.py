@@ -165,10 +165,10 @@ class CortexCommands:
         except FileError as exc:
             raise CommandError(str(exc)) from None
 
-    @staticmethod
-    def _int_arg(args: Sequence[str], index: int, what: str) -> int:
+    def _int_arg(self, args: Sequence[str], index: int, what: str) -> int:
         if len(args) <= index:
-            raise CommandError(f"{what} must be a version number")
+            raise CommandError(f"which version? {what} is missing: give its number "
+                               f"({self.prefix}memory history {self._file_arg(args)} lists them)")
         return parse_number(args[index], f"{what} (a version number)", prefix="v")
 
     def _long(self, text: str, filename: str, preformatted: str = "") -> CommandReply:

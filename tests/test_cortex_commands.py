@@ -525,16 +525,18 @@ async def test_memory_item_commands_and_their_isolation(tmp_path: Path) -> None:
 
 HOSTILE_NUMBERS = [
     ("!memory list ²", "must be a number"),
-    ("!memory archived 0", "out of range"),
+    ("!memory archived 0", "the page must be 1 or more, not 0"),
     ("!memory forget 99999999999999999999", "out of range"),
     ("!memory forget " + "9" * 29, "999999999999… (29 digits) is out of range"),
     ("!memory pin 9223372036854775808", "out of range"),
-    ("!memory restore #-3", "must be a number"),
+    ("!memory restore #-3", "the item must be 1 or more, not `#-3`"),
     ("!memory unpin ١٢", "must be a number"),  # Arabic-Indic digits: isdigit() says yes, ids say no
     ("!memory diff memory.md 1 99999999999999999999", "out of range"),
     ("!memory revert memory.md v1e9", "must be a number"),
-    ("!memory archived -1", "the page must be a number like 12, not `-1`"),
-    ("!memory list fact -5", "the page must be a number like 12, not `-5`"),
+    ("!memory revert memory", "which version? version is missing: give its number (!memory history memory.md"),
+    ("!memory diff memory 1", "which version? v2 is missing"),
+    ("!memory archived -1", "the page must be 1 or more, not `-1`"),
+    ("!memory list fact -5", "the page must be 1 or more, not `-5`"),
     ("!memory archived soon", "`soon` is not a page number"),
     ("!memory why --of", "--of needs a message reference"),
     ("!memory remember tea --importance 5 --importance 6", "--importance is given twice; give it once"),
@@ -553,6 +555,13 @@ async def test_odd_numbers_get_a_clear_answer(tmp_path: Path, line: str, answer:
         await run(app, "!memory remember Ann likes figs")
         reply = (await run(app, line)).text
         assert answer in reply and "Usage: !memory" in reply
+
+
+async def test_an_empty_category_is_named_not_taken_for_an_empty_memory(tmp_path: Path) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        await run(app, "!memory remember Ann likes figs")
+        assert (await run(app, "!memory list preference")).text == "No items in the category preference."
+        assert (await run(app, "!memory archived event")).text == "No archived items in the category event."
 
 
 async def test_a_page_past_the_end_says_how_many_there_are(tmp_path: Path) -> None:

@@ -203,8 +203,7 @@ async def test_only_bot_admins_change_lore(tmp_path: Path) -> None:
             assert "for the bot's admins only" in await run(app, line, server_admin)
         assert "at most 4,000" in await run(app, "!lore add " + "x" * 4001)
         assert "--keys needs a value" in await run(app, "!lore add hi --keys")
-        assert "out of range" in await run(app, "!lore add hi --priority -3") or "must be a number" in await run(
-            app, "!lore add hi --priority -3")
+        assert "the priority must be 0 or more, not `-3`" in await run(app, "!lore add hi --priority -3")
 
 
 async def test_lore_remove_deletes_an_entry_and_a_persona_holds_what_a_card_holds(

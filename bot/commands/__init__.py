@@ -68,8 +68,12 @@ def parse_number(text: str, what: str, *, prefix: str = "", minimum: int = 1) ->
     digits = text.strip()
     if prefix and digits[:1].lower() == prefix:
         digits = digits[1:]
+    if digits[:1] == "-" and digits[1:].isascii() and digits[1:].isdigit():  # a number, but below any allowed
+        raise CommandError(f"{what} must be {minimum} or more, not {shown(text, 20)}")
     if not digits or not (digits.isascii() and digits.isdigit()):
         raise CommandError(f"{what} must be a number like 12, not {shown(text, 20)}")
+    if len(digits) <= 10 and int(digits) < minimum:
+        raise CommandError(f"{what} must be {minimum} or more, not {digits}")
     if len(digits) > 10 or not minimum <= int(digits) <= MAX_NUMBER:
         typed = digits if len(digits) <= 20 else f"{digits[:12]}… ({len(digits)} digits)"  # (not silently cut)
         raise CommandError(f"{what} {typed} is out of range ({minimum} to {MAX_NUMBER:,})")

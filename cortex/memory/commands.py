@@ -301,6 +301,8 @@ class MemoryCommands:
         items, total = await self.memory.list_items(
             await self._pair(ctx), category=category, archived=archived, limit=PAGE, offset=(page - 1) * PAGE)
         if not total:
+            if category:
+                return f"No {'archived ' if archived else ''}items in the category {category}."
             if archived:
                 return "No archived items."
             return f"No memory items yet (the persona and {self.prefix}memory remember add them)."
