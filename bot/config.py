@@ -555,6 +555,9 @@ def _check_shard_ids(ids: list[int], count: int | None) -> list[int]:
     return ids
 
 
+_MATRIX_USER = re.compile(r"@[^:\s]+:(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+)(?::\d{1,5})?")  # @name:server[:port]
+
+
 class MatrixConfig(_Section):
     enabled: bool = Field(default=False, description="Serve Matrix with `cortexbot run`.")
     homeserver: str = Field(default="", description="e.g. https://matrix.example.org")
@@ -576,12 +579,29 @@ class MatrixConfig(_Section):
         default=25, ge=0, description="Rooms one user (admins aside) may bring the bot into; further invites "
                                       "are declined (0: no limit).")
 
+    @field_validator("homeserver")
+    @classmethod
+    def _homeserver_url(cls, value: str) -> str:
+        if value.strip() and "://" not in value:  # "matrix.example.org": nio retried its invalid URL forever
+            raise ValueError(f"{value!r} is not an http(s) URL: write it like https://{value.strip()}")
+        return check_http_url(value).strip() if value.strip() else ""
+
+    @field_validator("user_id")
+    @classmethod
+    def _full_user_id(cls, value: str) -> str:
+        value = value.strip()
+        if value and not _MATRIX_USER.fullmatch(value):
+            raise ValueError(f"{value!r} is not a full Matrix user id: write it like @cortex:example.org "
+                             "(an @, the account's name, a colon and its server)")
+        return value
+
     @model_validator(mode="after")
     def _complete_when_enabled(self) -> MatrixConfig:
         if self.enabled:
             missing = [k for k in ("homeserver", "user_id") if not getattr(self, k)]
             if missing:
-                raise ValueError(f"[matrix] is enabled but {', '.join(missing)} is not set")
+                raise ValueError(f"[matrix] is enabled but {' and '.join(missing)} "
+                                 f"{'is' if len(missing) == 1 else 'are'} not set")
             if not (self.password_env or self.access_token_env):
                 raise ValueError("[matrix] is enabled: set password_env or access_token_env")
         return self
@@ -601,6 +621,9 @@ def _remote_ref(schema: Any) -> str | None:
     if isinstance(schema, list):
         return next((r for v in schema if (r := _remote_ref(v)) is not None), None)
     return None
+
+
+URL_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")  # "{city}" in an HTTP skill's url
 
 
 class HttpSkillConfig(_Section):
@@ -643,6 +666,19 @@ class HttpSkillConfig(_Section):
         except schema_errors.SchemaError as exc:
             raise ValueError(f"parameters is not a valid JSON schema: {exc.message[:200]}") from None
         return value
+
+    @model_validator(mode="after")
+    def _placeholders_are_parameters(self) -> HttpSkillConfig:
+        """A ``{name}`` in the url that the schema, where it names its arguments, does not offer: the model
+        never sends it, and every call failed with "missing argument". (A schema without properties takes
+        any argument.)"""
+        offered = self.parameters.get("properties") or {}
+        unknown = sorted({m for m in URL_PLACEHOLDER.findall(self.url) if m not in offered}) if offered else []
+        if unknown:
+            names = ", ".join(f"{{{m}}}" for m in unknown)
+            raise ValueError(f"url uses {names}, which parameters does not define: add "
+                             f"{'it' if len(unknown) == 1 else 'them'} under parameters.properties (and to required)")
+        return self
 
     @field_validator("headers", "headers_env")
     @classmethod

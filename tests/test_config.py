@@ -71,7 +71,22 @@ def test_wrong_type_names_key_and_value() -> None:
     assert "[cortex] key 'use_in_groups'" in _error({"cortex": {"use_in_groups": "on"}})
     assert parse_config({"memory": {"weight_text": 1}}).memory.weight_text == 1.0  # a whole number is a number
     section = _error({"matrix": {"enabled": True}})  # a whole section's check names the section itself
-    assert "- [matrix] is enabled but homeserver, user_id is not set" in section and "Value error" not in section
+    assert "- [matrix] is enabled but homeserver and user_id are not set" in section and "Value error" not in section
+
+
+@pytest.mark.parametrize(("matrix", "said"), [
+    ({"homeserver": "matrix.example.org"}, "is not an http(s) URL: write it like https://matrix.example.org"),
+    ({"homeserver": "ftp://matrix.example.org"}, "is not an http(s) URL"),
+    ({"user_id": "cortex"}, "'cortex' is not a full Matrix user id: write it like @cortex:example.org"),
+    ({"user_id": "@cortex"}, "is not a full Matrix user id"),
+    ({"user_id": "cortex:example.org"}, "is not a full Matrix user id"),
+])
+def test_a_matrix_homeserver_or_user_id_that_cannot_work_is_refused(matrix: dict, said: str) -> None:
+    """``homeserver = "matrix.example.org"`` passed, and `run` retried nio's invalid URL forever."""
+    raw = {"enabled": True, "homeserver": "https://m.org", "user_id": "@b:m.org", "password_env": "MX_PW", **matrix}
+    assert said in _error({"matrix": raw})
+    ok = parse_config({"matrix": {**raw, "homeserver": "http://127.0.0.1:8008", "user_id": "@b:[::1]:8448"}})
+    assert ok.matrix.user_id == "@b:[::1]:8448"
 
 
 def test_missing_required_persona_name() -> None:

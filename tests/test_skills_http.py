@@ -250,6 +250,9 @@ async def test_missing_required_argument_is_an_error_and_no_request(
     loose = make(url=base + "/echo/weather/{city}", parameters={"type": "object", "properties": {}})
     unfilled = await loose.run({}, _context())
     assert unfilled.is_error and "missing argument 'city'" in unfilled.content and seen.requests == []
+    with pytest.raises(ValueError, match=r"url uses \{town\}, which parameters does not define: add it under "
+                                         r"parameters.properties"):  # a typo the schema shows: refused at the start
+        make(url=base + "/echo/weather/{town}", parameters=CITY_SCHEMA)
 
 
 async def test_wrong_type_and_unknown_key_are_errors(server: tuple[str, Recorder], make: Any) -> None:

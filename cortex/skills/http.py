@@ -31,7 +31,7 @@ from jsonschema import exceptions as schema_errors
 from jsonschema import validators
 from yarl import URL
 
-from bot.config import HttpSkillConfig
+from bot.config import URL_PLACEHOLDER, HttpSkillConfig
 from cortex.skills.base import SkillContext, SkillFailure, SkillInfo, SkillResult, redact, redaction_values
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ MAX_REDIRECTS = 3  # redirects followed (aiohttp's max_redirects counts the firs
 ERROR_BODY_CHARS = 300
 _ERROR_BODY_BYTES = 4 * ERROR_BODY_CHARS + 4  # enough for 300 characters of UTF-8
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_PLACEHOLDER = URL_PLACEHOLDER
 _MAX_SCHEMA_ERRORS = 5
 
 SessionFactory = Callable[[], aiohttp.ClientSession]
