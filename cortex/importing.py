@@ -209,10 +209,20 @@ class Importer:
         return report
 
     def _plan(self, data: Mapping[str, Any], messages: _Messages, report: ImportReport) -> list[_PersonaPlan]:
-        plans = [plan for persona in _list(data.get("personas"))
-                 if (plan := self._plan_persona(persona, report)) is not None]
+        """One plan per persona, however often the archive lists it (each entry had one import's share of
+        items: five entries of one persona brought five shares)."""
+        plans: dict[str, _PersonaPlan] = {}
+        for persona in _list(data.get("personas")):
+            if (plan := self._plan_persona(persona, report)) is None:
+                continue
+            if (first := plans.get(plan.name)) is None:
+                plans[plan.name] = plan
+            else:  # (a file listed again: the later entry's, as a later version would be)
+                first.files.update(plan.files)
+                first.items += plan.items
+                first.corrections += plan.corrections
         messages.plan(_list(data.get("messages")))
-        return plans
+        return list(plans.values())
 
     def _plan_persona(self, persona: Any, report: ImportReport) -> _PersonaPlan | None:
         name = self.known.get(str(persona.get("persona", "")).casefold()) if isinstance(persona, dict) else None

@@ -617,3 +617,21 @@ async def test_an_export_posted_in_a_channel_is_imported_with_a_warning_to_delet
         assert not (await run(app, "!memory import", ctx("ann", archive))).startswith("Your export")  # a DM
         assert not Router.context_for(Inbound(replace(posted, is_dm=True, server_id=None), attachments=(archive,)),
                                       "Cora").attachments_seen_by_all
+
+
+async def test_a_persona_listed_again_in_an_archive_brings_one_share(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each entry of the archive's persona list had one import's share: Cora listed five times brought five."""
+    import cortex.importing as importing
+
+    monkeypatch.setattr(importing, "IMPORT_ITEMS", 10)
+    entries = [{"persona": "cora" if n % 2 else "Cora", "memory_items": [
+        {"category": "fact", "content": f"fact {n}-{k}", "importance": 5, "created_at": 1_700_000_000 + 100 * n + k}
+        for k in range(10)]} for n in range(5)]
+    async with App(_config(tmp_path / "bot"), llm=ScriptedProvider()) as app:
+        first = await run(app, "!memory import", ctx("ann", _archive("ann", personas=entries)))
+        assert first.startswith("Imported 10 memory items"), first
+        assert "40 memory items of Cora's for later" in first
+        user = await app.storage.get_user("discord:ann")
+        pair = await app.cortex.store.count_messages(user.id, "Cora", 0)  # type: ignore[union-attr]
+        assert await app.storage.export.active_items(pair.id) == 10
