@@ -557,6 +557,19 @@ async def test_odd_numbers_get_a_clear_answer(tmp_path: Path, line: str, answer:
         assert answer in reply and "Usage: !memory" in reply
 
 
+async def test_the_same_words_remembered_again_are_not_stored_twice(tmp_path: Path) -> None:
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        assert (await run(app, "!memory remember I like tea")).text == "Remembered as #1."
+        assert (await run(app, "!memory remember  I like tea ")).text == (
+            "Already remembered as #1; nothing new was stored.")
+        assert (await run(app, "!memory remember --pin I like tea")).text == (
+            "Already remembered as #1; nothing new was stored (pin it with !memory pin 1).")
+        assert (await run(app, "!memory remember I like tea", ctx(server="discord:g1"))).text == (
+            "Remembered as #2.")  # said in a group: an item the group may see (the first is private)
+        await run(app, "!memory forget 1")
+        assert (await run(app, "!memory remember I like tea")).text == "Remembered as #3."  # (#1 is archived)
+
+
 async def test_an_empty_category_is_named_not_taken_for_an_empty_memory(tmp_path: Path) -> None:
     async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
         await run(app, "!memory remember Ann likes figs")

@@ -212,8 +212,13 @@ class MemoryCommands:
             # a platform's "Remember this" or 🧠 reaction comes here too.)
             return CommandReply(f"You are incognito with {ctx.persona}: nothing new is remembered until "
                                 f"{self.prefix}memory resume.", private=True, failed=True)
+        scope: Scope = "private" if ctx.is_dm else "shared"  # learned in a DM stays out of group channels
+        same = await self.pairs.storage.memory.active_with_text(pair, content.strip(), scope)
+        if same is not None:  # (the same words again: a second item would only crowd the prompt)
+            item_id, pinned = same
+            hint = f" (pin it with {self.prefix}memory pin {item_id})" if pin and not pinned else ""
+            return f"Already remembered as #{item_id}; nothing new was stored{hint}."
         try:
-            scope: Scope = "private" if ctx.is_dm else "shared"  # learned in a DM stays out of group channels
             item = await self.memory.remember(pair, content, scope=scope, category=category,
                                               importance=importance, pinned=pin, source="user",
                                               source_ref=origin)
