@@ -140,7 +140,10 @@ async def test_a_typo_of_a_subcommand_is_not_taken_by_the_groups_own_command() -
     registry.register(FORGET_ME)
     ctx = CommandContext("discord", "discord:1", "Ann", "discord:c", "Cora")
     typo = (await registry.dispatch("!guidelines sett x", ctx)).text
-    assert typo.startswith("Unknown command !guidelines `sett`; !guidelines has:") and "!guidelines set" in typo
+    assert typo.startswith("Unknown command !guidelines `sett` (did you mean !guidelines set?); !guidelines has:")
+    assert "!guidelines set" in typo
+    far = (await registry.dispatch("!guidelines zzz", ctx)).text
+    assert far.startswith("Unknown command !guidelines `zzz`; !guidelines has:")  # nothing near: the list alone
     assert (await registry.dispatch("!guidelines --default", ctx)).text == "args=['--default'] body=''"
     assert (await registry.dispatch("!guidelines", ctx)).text == "args=[] body=''"
     refused = (await registry.dispatch("!memory forget-me yes", ctx)).text

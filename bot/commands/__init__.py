@@ -509,9 +509,13 @@ class CommandRegistry:
             group = [c for c in self.commands if c.name.split(" ")[0] == words[0].lower()]
             if group:
                 head = f"{self.prefix}{words[0].lower()}"
-                lines = [f"Unknown command {head} {shown(words[1], 40)}; {head} has:" if len(words) > 1
+                offered = [c for c in group if context.is_admin or not c.admin]
+                near = difflib.get_close_matches(words[1].lower(), [c.name.split(" ", 1)[-1] for c in offered],
+                                                 n=1) if len(words) > 1 else []
+                hint = f" (did you mean {head} {near[0]}?)" if near else ""
+                lines = [f"Unknown command {head} {shown(words[1], 40)}{hint}; {head} has:" if len(words) > 1
                          else f"{head} needs a subcommand:"]
-                lines += [f"  {self.usage(c)} — {c.summary}" for c in group if context.is_admin or not c.admin]
+                lines += [f"  {self.usage(c)} — {c.summary}" for c in offered]
                 return CommandReply("\n".join(lines), failed=True)
             typed = shown(self.prefix + " ".join(words[:2]), 40)
             heads = sorted({c.name.split(" ")[0] for c in self.commands})
