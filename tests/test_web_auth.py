@@ -205,3 +205,16 @@ async def test_a_login_form_posted_from_another_site_or_an_opaque_origin_is_refu
             async with http.post(bot.url + "/login", data={"token": token}, allow_redirects=False,
                                  headers={"Origin": bot.url}) as response:
                 assert response.status == 303  # refused attempts did not use the link up
+
+
+async def test_logging_out_of_a_page_that_is_off_says_so(tmp_path: Path) -> None:
+    from bot.app import App
+    from bot.config import parse_config
+    from tests.fakes.provider import ScriptedProvider
+
+    async with App(parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}}),
+                   llm=ScriptedProvider()) as app:
+        assert "not switched on" in (await app.commands.dispatch("!dashboard", context("ann"))).text
+        reply = await app.commands.dispatch("!dashboard --logout", context("ann"))
+        assert reply.text.startswith("The web page is not switched on for this bot, and no session of yours was "
+                                     "left from before"), reply.text

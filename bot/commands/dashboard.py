@@ -16,6 +16,9 @@ def register_dashboard(registry: CommandRegistry, logins: WebLoginRepository, we
     async def dashboard(ctx: CommandContext, args: Sequence[str]) -> CommandReply:
         if LOGOUT_FLAG in args:  # works with the page switched off too: sessions may be left from before
             ended = await logins.end_sessions(ctx.user_key)
+            if not web.enabled and not ended:
+                return CommandReply("The web page is not switched on for this bot, and no session of yours was "
+                                    "left from before (any login link you had not used is void too).", private=True)
             return CommandReply(f"Logged out of the web page everywhere: {plural(ended, 'session')} ended, and "
                                 "any login link you had not used yet no longer works.", private=True)
         if not web.enabled:
