@@ -108,6 +108,11 @@ class BotConfig(_Section):
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level_in_capitals(cls, value: Any) -> Any:
+        return value.strip().upper() if isinstance(value, str) else value  # "debug" is DEBUG
+
 
 class StorageConfig(_Section):
     url: str = Field(
@@ -1145,6 +1150,10 @@ def _describe_error(err: Mapping[str, Any], raw: Mapping[str, Any]) -> str:
         names = [str(part) for part in loc if not isinstance(part, int)]
         header = f"[[{'.'.join(names)}]]" if loc and isinstance(loc[-1], int) else f"[{'.'.join(names)}]"
         return f"{where} must be a table: {header} on a line of its own, its keys below it (not {_toml_kind(err)})"
+    if kind == "list_type" and isinstance(err.get("input"), Mapping):  # [personas] where [[personas]] was meant
+        dotted = ".".join(str(part) for part in loc if not isinstance(part, int))
+        return (f"{where} is a list of tables: write each entry under [[{dotted}]] (two brackets), "
+                f"not one [{dotted}] table")
     got = err.get("input")
     secret = any(isinstance(part, str) and _names_variables(part) for part in loc)  # maybe a secret pasted in
     shown = "" if isinstance(got, Mapping) or got is None or secret else f" (got {got!r})"

@@ -89,6 +89,15 @@ def test_a_matrix_homeserver_or_user_id_that_cannot_work_is_refused(matrix: dict
     assert ok.matrix.user_id == "@b:[::1]:8448"
 
 
+def test_a_list_of_tables_written_as_one_table_is_explained() -> None:
+    """``[personas]`` where ``[[personas]]`` was meant said only "Input should be a valid list"."""
+    assert "[personas] is a list of tables: write each entry under [[personas]] (two brackets)" in _error(
+        {"personas": {"name": "Cora"}})
+    assert "under [[skills.http]] (two brackets), not one [skills.http] table" in _error(
+        {"skills": {"http": {"name": "x"}}})
+    assert parse_config({"bot": {"log_level": "debug"}}).bot.log_level == "DEBUG"  # (refused for its case)
+
+
 def test_missing_required_persona_name() -> None:
     message = _error({"personas": [{"language": "German"}]})
     assert "missing required [[personas]] #1 key 'name'" in message
