@@ -606,6 +606,8 @@ async def test_an_oversized_memory_item_is_refused_with_the_limit(tmp_path: Path
 EXTRA_ARGUMENTS = [
     ("!memory export now please", "!memory export takes no arguments (not `now please`)"),
     ("!memory show memory.md soul.md", "!memory show takes at most 1 argument (not `soul.md`)"),
+    ("!memory import /tmp/my export.zip", "!memory import takes at most 1 argument (not `export.zip`). A path with "
+                                          "spaces goes in quotes: `'/tmp/my export.zip'`"),
     ("!memory forget 1 2 3", "!memory forget takes at most 1 argument besides --from (not `2 3`)"),
     ("!memory list facts 2 3", "!memory list takes at most 2 arguments (not `3`)"),
     ("!summary please", "!summary takes no arguments"),

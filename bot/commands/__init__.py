@@ -534,7 +534,12 @@ class CommandRegistry:
             switches = [p.spelled for p in command.params if p.kind in ("flag", "option")]
             if switches:  # "[confirm]" in its usage reads like an argument: say what may come instead
                 takes += f" besides {' / '.join(switches)}"
-            return CommandReply(f"{self.prefix}{command.name} takes {takes} (not {shown(extra)}). "
+            quote = ""
+            last = [p for p in command.params if p.kind not in ("flag", "option")][-1:]
+            if limit and last and last[0].kind == "file":  # a path: "/tmp/my card.json" is one, with a space
+                path = quote_word(" ".join(positional[limit - 1:]))
+                quote = f" A path with spaces goes in quotes: {shown(path, 80)}."
+            return CommandReply(f"{self.prefix}{command.name} takes {takes} (not {shown(extra)}).{quote} "
                                 f"Usage: {self.usage(command)}", private=command.private, failed=True)
         try:
             free = command.free_text(tokens[len(words) - len(args):], line, body)
