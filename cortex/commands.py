@@ -69,10 +69,17 @@ UNSET_MEANS = {"model": "none (updates use the persona's chat model)",
                "temperature": "none (the provider's default temperature)"}
 
 
-def setting_text(value: object) -> str:
+# What an unset value means where it is shown (the model is not "not set": the chat model does the updates).
+UNSET_SHOWN = {"model": "the chat model", "temperature": "provider default"}
+NO_LIMIT = frozenset({"daily_token_budget", "bot_daily_token_budget"})  # 0 is no limit
+
+
+def setting_text(value: object, key: str = "") -> str:
     """A setting's value as a person types it: on/off, not set, plain numbers and lists."""
     if value is None:
-        return "not set"
+        return UNSET_SHOWN.get(key, "not set")
+    if key in NO_LIMIT and value == 0:
+        return "0 (no limit)"
     if isinstance(value, bool):
         return "on" if value else "off"
     if isinstance(value, float) and value.is_integer():
@@ -398,7 +405,7 @@ class CortexCommands:
         effective = await self.resolver.effective(ctx.persona, None if persona_wide else ctx.server_key)
         if key not in effective.sources:
             raise CommandError(unknown_setting(key))
-        value, where = setting_text(getattr(effective.settings, key)), "everywhere" if persona_wide else "here"
+        value, where = setting_text(getattr(effective.settings, key), key), "everywhere" if persona_wide else "here"
         flag = " --persona" if persona_wide and ctx.server_key else ""
         if key not in OVERRIDABLE:
             how = f"it is set in the config file only ([cortex] {key})"
@@ -410,6 +417,8 @@ class CortexCommands:
 
     async def settings(self, ctx: CommandContext, args: Sequence[str]) -> str | CommandReply:
         words = [a for a in args if a != "--persona"]
+        if words:  # (setting names are small letters: "Model" is model)
+            words[0] = words[0].lower()
         scope = persona_scope(ctx.persona) if "--persona" in args or not ctx.server_key else server_scope(
             ctx.server_key)
         if len(words) == 1:  # reading one (persona-wide with --persona, or in a DM)
@@ -425,12 +434,13 @@ class CortexCommands:
                 changed = await self.resolver.change(scope, key, value, bot_admin=ctx.is_bot_admin, author=ctx.user_key)
             except SettingError as exc:
                 raise CommandError(str(exc)) from None
-            stored = UNSET_MEANS.get(key, "not set") if changed.stored is None else setting_text(changed.stored)
+            stored = UNSET_MEANS.get(key, "not set") if changed.stored is None else setting_text(changed.stored, key)
             note = (f"set to {stored}" if changed.cleared is None
                     else "override removed" if changed.cleared else "there was no override")
             effective = await self.resolver.effective(ctx.persona, ctx.server_key)
-            done = (f"{key}: {note} for {scope_words(scope)}. Effective now: "
-                    f"{setting_text(getattr(effective.settings, key))} (from {scope_words(effective.sources[key])}).")
+            now = setting_text(getattr(effective.settings, key), key)
+            done = (f"{key}: {note} for {scope_words(scope)}. Effective now: {now} "
+                    f"(from {scope_words(effective.sources[key])}).")
             if key in ("frequency", "tiers"):  # the tiers decide when both are set: say what the plan is now
                 done += " " + self._tier_plan(effective.settings, effective.sources)
             return done
@@ -439,7 +449,7 @@ class CortexCommands:
         lines = [f"Cortex settings for persona {ctx.persona}{here} (value, where it comes from):"]
         for key, value in effective.settings.model_dump().items():
             mark = "" if key in OVERRIDABLE else "  (config only)"
-            lines.append(f"  {key:<22} {setting_text(value):<24} {scope_words(effective.sources[key])}{mark}")
+            lines.append(f"  {key:<22} {setting_text(value, key):<24} {scope_words(effective.sources[key])}{mark}")
         lines.append(self._tier_plan(effective.settings, effective.sources) + " Presets: " + "; ".join(
             f"{name} {'/'.join(map(str, pcts))}%" for name, pcts in FREQUENCY_PRESETS.items()))
         lines.append(f"Change with: {self.prefix}cortex settings <key> <value|default> [--persona]; "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import zipfile
 from pathlib import Path
 
@@ -729,6 +730,11 @@ async def test_an_empty_setting_is_refused_and_none_says_what_it_means(tmp_path:
         reply = (await run(app, "!cortex settings model none", admin)).text
         assert "model: set to none (updates use the persona's chat model)" in reply, reply
         assert "not set for" not in reply
+        assert "Effective now: the chat model" in reply, reply  # (not "not set": the chat model does the updates)
+        table = (await run(app, "!cortex settings", admin)).text
+        assert re.search(r"model +the chat model", table)
+        assert "Effective now: 0 (no limit)" in (await run(app, "!cortex settings daily_token_budget 0", admin)).text
+        assert "set to 7" in (await run(app, "!cortex settings Max_Rounds 7", admin)).text  # a key in capitals
 
 
 @pytest.mark.parametrize("where", [{"llm": {"model": "gpt 4"}}, {"llm": {"summary_model": "m" * 201}},
