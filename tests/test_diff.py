@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import difflib
 import random
+import re
 import threading
 from pathlib import Path
 
@@ -19,17 +20,46 @@ from tests.fakes.provider import ScriptedProvider
 from tests.test_cortex_commands import ctx, run
 
 
-def test_a_small_diff_is_difflibs_own() -> None:
+def _apply(old: str, patch: str) -> str:
+    """``old`` with a unified diff applied (hunks in order; their context must match)."""
+    lines, out, at = old.splitlines(True), [], 0
+    for line in patch.splitlines(True)[2:]:
+        if line.startswith("@@"):
+            start = int(re.match(r"@@ -(\d+)", line).group(1))  # type: ignore[union-attr]
+            start = start - 1 if start else 0  # (",0": the line before the insertion)
+            if re.match(r"@@ -\d+,0 ", line):
+                start += 1
+            out += lines[at:start]
+            at = start
+        elif line[0] in " -":
+            assert lines[at].rstrip("\n") == line[1:].rstrip("\n"), (line, lines[at])
+            if line[0] == " ":
+                out.append(lines[at])
+            at += 1
+        else:
+            out.append(line[1:])
+    return "".join(out + lines[at:])
+
+
+def test_a_diff_turns_the_old_text_into_the_new_and_is_as_short_as_difflibs() -> None:
     rng = random.Random(3)
-    for _ in range(300):
-        old = "".join(rng.choice("abcde\n") for _ in range(rng.randrange(0, 60)))
-        new = "".join(rng.choice("abcdf\n") for _ in range(rng.randrange(0, 60)))
-        if not old.endswith("\n") or not new.endswith("\n"):
-            continue  # (difflib runs a last line without its line end into the next)
-        expected = "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), "a", "b"))
-        assert unified(old, new, "a", "b") == expected, (old, new)
+    for _ in range(400):
+        old = "".join(rng.choice("abcde\n") for _ in range(rng.randrange(0, 60))).rstrip("\n") + "\n"
+        new = "".join(rng.choice("abcdf\n") for _ in range(rng.randrange(0, 60))).rstrip("\n") + "\n"
+        patch = unified(old, new, "a", "b")
+        assert _apply(old, patch) == new, (old, new, patch)
+        plain = "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), "a", "b"))
+        changed = [line for line in patch.splitlines() if line[:1] in "+-" and line[:4] not in ("--- ", "+++ ")]
+        assert len(changed) == len([line for line in plain.splitlines() if line[:1] in "+-"]) - 2 * bool(plain)
     assert unified("same\n", "same\n", "a", "b") == ""
     assert unified("x", "y", "a", "b") == "--- a\n+++ b\n@@ -1 +1 @@\n-x\n+y\n"  # (each line ends)
+    facts = [f"- fact number {i}: something about the garden" for i in range(250)]  # an ordinary file
+    edited = list(facts)
+    edited[5], edited[245] = "- changed", "- changed too"
+    patch = unified("\n".join(facts), "\n".join(edited), "a", "b")
+    assert [line for line in patch.splitlines() if line[:1] in "+-" and line[:4] not in ("--- ", "+++ ")] == [
+        "-- fact number 5: something about the garden", "+- changed",
+        "-- fact number 245: something about the garden", "+- changed too"]
 
 
 def test_a_large_reordered_file_is_one_block_and_whole() -> None:

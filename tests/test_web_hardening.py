@@ -604,13 +604,13 @@ async def test_a_files_html_is_rendered_off_the_event_loop(tmp_path: Path, monke
 def test_a_diff_of_repeated_lines_is_bounded_and_exact() -> None:
     """`side_by_side` without difflib's junk heuristic took 13 s for 1,000 repeated lines and minutes for the
     4,000 a file within the cap holds, on a worker thread no request could stop; with it, 2 s where the new
-    version has under 200 lines. Past DIFF_WORK line pairs, the changed middle is one block. Either way each
+    version has under 200 lines. Past DIFF_WORK pairs of equal lines, the changed middle is one block. Either way each
     side's lines come back whole and in order, and what both share at the ends is equal."""
     from cortex import diff
 
     cases = [("\n".join(["a"] * 4000), "\n".join(["a", "b"] * 2000)),
              ("a\n" * 3990, "a\nb\n" * 99 + "a"),
-             ("top\n" + "x\n" * 300 + "bottom", "top\n" + "y\n" * 300 + "bottom"),
+             ("top\n" + "x\n" * 300 + "bottom", "top\n" + "x\ny\n" * 200 + "bottom"),
              ("one\ntwo\nthree", "one\n2\nthree"), ("", "new"), ("old", "")]
     for old, new in cases:
         rows = side_by_side(old, new)
@@ -618,8 +618,8 @@ def test_a_diff_of_repeated_lines_is_bounded_and_exact() -> None:
         assert [r["right"] for r in rows if r["right"] is not None] == new.splitlines()
         assert {r["op"] for r in rows} <= {"equal", "replace", "delete", "insert"}
     rows = side_by_side(*cases[2])
-    assert rows[0]["op"] == rows[-1]["op"] == "equal" and {r["op"] for r in rows[1:-1]} == {"replace"}
-    assert (300 * 300 > diff.DIFF_WORK) and len(rows) == 302  # (one block, not weighed line by line)
+    assert rows[0]["op"] == rows[1]["op"] == rows[-1]["op"] == "equal" and {r["op"] for r in rows[2:-1]} == {"replace"}
+    assert (300 * 200 > diff.DIFF_WORK) and len(rows) == 402  # (300 × 200 equal pairs: one block, not weighed)
     assert [r["op"] for r in side_by_side(*cases[3])] == ["equal", "replace", "equal"]
 
 
