@@ -75,9 +75,9 @@ async def test_an_incognito_stretch_is_answered_kept_apart_and_deleted(tmp_path:
 
 async def test_pausing_and_resuming_in_a_loop_scrubs_the_files_once_a_spell(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A scrub merges the whole database's full-text indexes under the write lock: each `!memory resume`
-    (and a forget-me with nothing stored) did one, so a user resuming in a loop held everyone's writes.
-    Nothing deleted: no scrub. Deleted again within the spacing: one scrub after it, for all of them."""
+    """A scrub merges the whole database's full-text indexes under the write lock: each `!memory resume` and
+    forget-me did one, so a user resuming or forgetting in a loop held everyone's writes. Nothing deleted: no
+    scrub. Deleted again within the spacing: one scrub after it, for all of them."""
     import bot.storage.core
 
     monkeypatch.setattr(bot.storage.core, "SCRUB_SPACING", 1.0)
@@ -106,10 +106,18 @@ async def test_pausing_and_resuming_in_a_loop_scrubs_the_files_once_a_spell(
         assert await app.storage.get_setting(bot.storage.core.SCRUB_PENDING) is None
         await say("!memory pause")
         assert "0 messages" in (await say("!memory resume")).public[0].text
+        await asyncio.sleep(1.0)
         await say("!memory forget-me confirm")
-        assert len(scrubs) == 3  # the forget-me that deleted something: at once, as it promises
+        assert len(scrubs) == 3  # a minute (here a second) after the last: at once
         await say("!memory forget-me confirm")  # nothing stored, nothing noted: nothing to scrub
+        await say("hello again")
+        await say("!memory forget-me confirm")  # within the spacing: one scrub after it
         assert len(scrubs) == 3
+        for _ in range(40):
+            if len(scrubs) == 4:
+                break
+            await asyncio.sleep(0.1)
+        assert len(scrubs) == 4 and scrubs[3] - scrubs[2] >= 0.9
     assert b"plugh" not in _database_bytes(tmp_path)
 
 

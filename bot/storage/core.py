@@ -977,6 +977,6 @@ class Storage:
             if stretches:
                 await self._keep_incognito(tx, user_key, [(str(r[0]), float(r[1])) for r in stretches])
         self.forget_cached(user_key=user_key, channel_ids=channels)
-        await self.scrub()
+        await self.scrub_soon()  # (spaced: a forget-me loop would merge the whole database's indexes each time)
         return ForgetReport(len(messages), len(summaries), len(pair_ids), counts["versions"], counts["runs"],
                             counts["items"])
