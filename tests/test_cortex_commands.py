@@ -563,12 +563,17 @@ async def test_the_same_words_remembered_again_are_not_stored_twice(tmp_path: Pa
         assert (await run(app, "!memory remember I like tea")).text == "Remembered as #1."
         assert (await run(app, "!memory remember  I like tea ")).text == (
             "Already remembered as #1; nothing new was stored.")
-        assert (await run(app, "!memory remember --pin I like tea")).text == (
-            "Already remembered as #1; nothing new was stored (pin it with !memory pin 1).")
+        assert (await run(app, "!memory remember --pin --importance 8 I like tea")).text == (
+            "Already remembered as #1; nothing new was stored. It keeps its importance 5. Pin it with !memory pin 1.")
+        assert "unknown category `bogus`" in (await run(app, "!memory remember --category bogus I like tea")).text
+        assert "importance is a number from 1 to 10" in (
+            await run(app, "!memory remember --importance 99 I like tea")).text  # (checked before the match)
         assert (await run(app, "!memory remember I like tea", ctx(server="discord:g1"))).text == (
             "Remembered as #2.")  # said in a group: an item the group may see (the first is private)
         await run(app, "!memory forget 1")
         assert (await run(app, "!memory remember I like tea")).text == "Remembered as #3."  # (#1 is archived)
+        await app.storage.db.write("UPDATE memory_items SET expires_at = 1 WHERE id = 3")
+        assert (await run(app, "!memory remember I like tea")).text == "Remembered as #4."  # (#3 has expired)
 
 
 async def test_an_empty_category_is_named_not_taken_for_an_empty_memory(tmp_path: Path) -> None:

@@ -175,13 +175,13 @@ class MemoryRepository:
             f"SELECT {ITEM_COLUMNS} FROM memory_items WHERE id = ? AND pair_id = ?", (item_id, pair_id)
         )
 
-    async def active_with_text(self, pair_id: int, content: str, scope: str) -> tuple[int, bool] | None:
-        """(id, pinned) of an item of the pair in use (not archived, not corrected) in ``scope`` that says
+    async def active_with_text(self, pair_id: int, content: str, scope: str, now: float) -> Row | None:
+        """An item of the pair in use (not archived, corrected or expired at ``now``) in ``scope`` that says
         exactly ``content``; None when there is none."""
-        row = await self.db.fetch_one(
-            "SELECT id, pinned FROM memory_items WHERE pair_id = ? AND content = ? AND scope = ?"
-            " AND archived_at IS NULL AND superseded_by IS NULL ORDER BY id LIMIT 1", (pair_id, content, scope))
-        return None if row is None else (int(row[0]), bool(row[1]))
+        return await self.db.fetch_one(
+            "SELECT * FROM memory_items WHERE pair_id = ? AND content = ? AND scope = ? AND archived_at IS NULL"
+            " AND superseded_by IS NULL AND (expires_at IS NULL OR expires_at > ?) ORDER BY id LIMIT 1",
+            (pair_id, content, scope, now))
 
     async def has_at_least(self, pair_id: int, count: int) -> bool:
         """Whether the pair has ``count`` items not archived, or more (counted no further than that)."""

@@ -213,18 +213,25 @@ class MemoryCommands:
             return CommandReply(f"You are incognito with {ctx.persona}: nothing new is remembered until "
                                 f"{self.prefix}memory resume.", private=True, failed=True)
         scope: Scope = "private" if ctx.is_dm else "shared"  # learned in a DM stays out of group channels
-        same = await self.pairs.storage.memory.active_with_text(pair, content.strip(), scope)
-        if same is not None:  # (the same words again: a second item would only crowd the prompt)
-            item_id, pinned = same
-            hint = f" (pin it with {self.prefix}memory pin {item_id})" if pin and not pinned else ""
-            return f"Already remembered as #{item_id}; nothing new was stored{hint}."
         try:
+            checked = self.memory.checked(pair, content, category=category, importance=importance, source="user")
+            same = await self.memory.same_words(pair, checked, scope)
+            if same is not None:  # (the same words again: a second item would only crowd the prompt)
+                return self._already(same, category, importance, pin)
             item = await self.memory.remember(pair, content, scope=scope, category=category,
                                               importance=importance, pinned=pin, source="user",
                                               source_ref=origin)
         except MemoryError as exc:
             raise CommandError(str(exc)) from None
         return f"Remembered as #{item.id}" + (" (pinned)." if item.pinned else ".")
+
+    def _already(self, item: MemoryItem, category: str, importance: int, pin: bool) -> str:
+        """The answer to remembering the words of an item in use: which one, and what it keeps of its own."""
+        kept = [f"its category {item.category}"] if item.category != category else []
+        kept += [f"its importance {item.importance}"] if item.importance != importance else []
+        note = f" It keeps {' and '.join(kept)}." if kept else ""
+        hint = f" Pin it with {self.prefix}memory pin {item.id}." if pin and not item.pinned else ""
+        return f"Already remembered as #{item.id}; nothing new was stored.{note}{hint}"
 
     async def scope(self, ctx: CommandContext, args: Sequence[str]) -> str:
         item_id = self._id(args)

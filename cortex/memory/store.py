@@ -267,12 +267,9 @@ class MemoryStore:
 
     # -- writing ---------------------------------------------------------------------------------
 
-    async def remember(
-        self, pair_id: int, content: str, *, category: str = "fact", key: str = "", importance: int = 5,
-        pinned: bool = False, expires_at: float | None = None, tags: Sequence[str] = (), source: Source = "user",
-        metadata: Mapping[str, Any] | None = None,
-        source_ref: str = "", supersedes: int | None = None, scope: Scope = "private",
-    ) -> MemoryItem:
+    def checked(self, pair_id: int, content: str, *, category: str, importance: int, source: Source) -> str:
+        """What :meth:`remember` checks before it looks at the memory: the content as it is stored (stripped),
+        or :class:`MemoryError` saying what is wrong."""
         content = content.strip()
         if not content:
             raise MemoryError("there is nothing to remember: the text is empty")
@@ -284,6 +281,20 @@ class MemoryStore:
         guarded("memory item", content, f"{source} on pair {pair_id}", MemoryError)
         if not 1 <= importance <= 10:
             raise MemoryError("importance is a number from 1 to 10")
+        return content
+
+    async def same_words(self, pair_id: int, content: str, scope: Scope) -> MemoryItem | None:
+        """An item in use (not archived, corrected or expired) in ``scope`` that says exactly ``content``."""
+        row = await self.repo.active_with_text(pair_id, content, scope, self.clock())
+        return None if row is None else self._item(row)
+
+    async def remember(
+        self, pair_id: int, content: str, *, category: str = "fact", key: str = "", importance: int = 5,
+        pinned: bool = False, expires_at: float | None = None, tags: Sequence[str] = (), source: Source = "user",
+        metadata: Mapping[str, Any] | None = None,
+        source_ref: str = "", supersedes: int | None = None, scope: Scope = "private",
+    ) -> MemoryItem:
+        content = self.checked(pair_id, content, category=category, importance=importance, source=source)
         if supersedes is not None:
             self._check_correctable(await self.get(pair_id, supersedes, count_access=False))
         elif await self.repo.has_at_least(pair_id, PAIR_ITEMS):  # (a correction replaces one: never refused)
