@@ -584,22 +584,6 @@ class MatrixConfig(_Section):
         default=25, ge=0, description="Rooms one user (admins aside) may bring the bot into; further invites "
                                       "are declined (0: no limit).")
 
-    @field_validator("homeserver")
-    @classmethod
-    def _homeserver_url(cls, value: str) -> str:
-        if value.strip() and "://" not in value:  # "matrix.example.org": nio retried its invalid URL forever
-            raise ValueError(f"{value!r} is not an http(s) URL: write it like https://{value.strip()}")
-        return check_http_url(value).strip() if value.strip() else ""
-
-    @field_validator("user_id")
-    @classmethod
-    def _full_user_id(cls, value: str) -> str:
-        value = value.strip()
-        if value and not _MATRIX_USER.fullmatch(value):
-            raise ValueError(f"{value!r} is not a full Matrix user id: write it like @cortex:example.org "
-                             "(an @, the account's name, a colon and its server)")
-        return value
-
     @model_validator(mode="after")
     def _complete_when_enabled(self) -> MatrixConfig:
         if self.enabled:
@@ -607,6 +591,19 @@ class MatrixConfig(_Section):
             if missing:
                 raise ValueError(f"[matrix] is enabled but {' and '.join(missing)} "
                                  f"{'is' if len(missing) == 1 else 'are'} not set")
+            # (checked only when enabled: a Discord bot with an old or half-written [matrix] section starts)
+            self.homeserver, self.user_id = self.homeserver.strip(), self.user_id.strip()
+            if "://" not in self.homeserver:  # "matrix.example.org": nio retried its invalid URL forever
+                raise ValueError(f"[matrix] homeserver {self.homeserver!r} is not an http(s) URL: write it like "
+                                 f"https://{self.homeserver}")
+            try:
+                check_http_url(self.homeserver)
+            except ValueError:
+                raise ValueError(f"[matrix] homeserver {self.homeserver!r} is not an http(s) URL: write it like "
+                                 "https://matrix.example.org") from None
+            if not _MATRIX_USER.fullmatch(self.user_id):
+                raise ValueError(f"[matrix] user_id {self.user_id!r} is not a full Matrix user id: write it like "
+                                 "@cortex:example.org (an @, the account's name, a colon and its server)")
             if not (self.password_env or self.access_token_env):
                 raise ValueError("[matrix] is enabled: set password_env or access_token_env")
         return self

@@ -75,9 +75,11 @@ def test_wrong_type_names_key_and_value() -> None:
 
 
 @pytest.mark.parametrize(("matrix", "said"), [
-    ({"homeserver": "matrix.example.org"}, "is not an http(s) URL: write it like https://matrix.example.org"),
-    ({"homeserver": "ftp://matrix.example.org"}, "is not an http(s) URL"),
-    ({"user_id": "cortex"}, "'cortex' is not a full Matrix user id: write it like @cortex:example.org"),
+    ({"homeserver": "matrix.example.org"}, "[matrix] homeserver 'matrix.example.org' is not an http(s) URL: write "
+                                           "it like https://matrix.example.org"),
+    ({"homeserver": "ftp://matrix.example.org"}, "is not an http(s) URL: write it like https://matrix.example.org"),
+    ({"user_id": "cortex"}, "[matrix] user_id 'cortex' is not a full Matrix user id: write it like "
+                            "@cortex:example.org"),
     ({"user_id": "@cortex"}, "is not a full Matrix user id"),
     ({"user_id": "cortex:example.org"}, "is not a full Matrix user id"),
 ])
@@ -85,8 +87,9 @@ def test_a_matrix_homeserver_or_user_id_that_cannot_work_is_refused(matrix: dict
     """``homeserver = "matrix.example.org"`` passed, and `run` retried nio's invalid URL forever."""
     raw = {"enabled": True, "homeserver": "https://m.org", "user_id": "@b:m.org", "password_env": "MX_PW", **matrix}
     assert said in _error({"matrix": raw})
-    ok = parse_config({"matrix": {**raw, "homeserver": "http://127.0.0.1:8008", "user_id": "@b:[::1]:8448"}})
-    assert ok.matrix.user_id == "@b:[::1]:8448"
+    ok = parse_config({"matrix": {**raw, "homeserver": " http://127.0.0.1:8008", "user_id": "@b:[::1]:8448"}})
+    assert ok.matrix.user_id == "@b:[::1]:8448" and ok.matrix.homeserver == "http://127.0.0.1:8008"
+    parse_config({"matrix": {**raw, **matrix, "enabled": False}})  # off: a Discord bot starts whatever it holds
 
 
 def test_a_list_of_tables_written_as_one_table_is_explained() -> None:
