@@ -16,8 +16,7 @@ from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
-from bot.commands import Command, CommandContext, CommandRegistry, CommandReply, words
-from bot.commands.files import TERMINAL
+from bot.commands import TERMINAL, Command, CommandContext, CommandRegistry, CommandReply, words
 from bot.config import Config, ConfigError
 from bot.conversation import ConversationCore, ReplyResult
 from bot.errors import UserFacingError

@@ -612,12 +612,23 @@ async def test_an_oversized_memory_item_is_refused_with_the_limit(tmp_path: Path
 EXTRA_ARGUMENTS = [
     ("!memory export now please", "!memory export takes no arguments (not `now please`)"),
     ("!memory show memory.md soul.md", "!memory show takes at most 1 argument (not `soul.md`)"),
-    ("!memory import /tmp/my export.zip", "!memory import takes at most 1 argument (not `export.zip`). A path with "
-                                          "spaces goes in quotes: `'/tmp/my export.zip'`"),
     ("!memory forget 1 2 3", "!memory forget takes at most 1 argument besides --from (not `2 3`)"),
     ("!memory list facts 2 3", "!memory list takes at most 2 arguments (not `3`)"),
     ("!summary please", "!summary takes no arguments"),
 ]
+
+
+async def test_a_path_at_the_terminal_may_hold_spaces(tmp_path: Path) -> None:
+    """`!memory import /tmp/my export.zip` was refused as two arguments (the reader joins the words again)."""
+    folder = tmp_path / "my exports"
+    folder.mkdir()
+    (folder / "my export.zip").write_bytes(b"not a zip")
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        said = (await run(app, f"!memory import {folder}/my export.zip")).text
+        assert "not a cortex-bot export" in said, said  # the file was found and read
+        chat = CommandContext("discord", "discord:1", "Ann", "discord:dm-1", "Cora", is_dm=True)
+        refused = (await run(app, f"!memory import {folder}/my export.zip", chat)).text
+        assert "takes at most 1 argument" in refused  # (a chat platform takes an attached file, not a path)
 
 
 @pytest.mark.parametrize(("line", "answer"), EXTRA_ARGUMENTS)

@@ -34,6 +34,7 @@ _ASSIGNED = re.compile(rf"(?:--|[{TYPOGRAPHIC_DASHES}])[A-Za-z][A-Za-z0-9_-]*=(?
 MAX_LINE_CHARS = 20_000  # of a command's first line (a long text goes on the lines below it)
 QUOTES = {"'": "'", '"': '"', "\u201c": "\u201d", "\u2018": "\u2019", "\u201e": "\u201c", "\u00ab": "\u00bb"}
 MAX_NUMBER = 2**31 - 1  # ids, versions and pages fit every engine's integer columns
+TERMINAL = "console"  # the platform of the operator's terminal (which alone may name a file by its path)
 
 
 def _misspelled_option(tokens: Sequence[Token], options: set[str]) -> None:
@@ -306,6 +307,12 @@ class Command:
         missing = [p.name for p in before if p.required][given:]
         return head + ([text] if text else []) + [t.value for t in tokens[end:]], text, missing
 
+    def takes_a_path(self, context: CommandContext) -> bool:
+        """Whether the command's last argument is a file given by its path (at the terminal, with no file
+        attached): the words after it are the path's, which may hold spaces."""
+        last = [p for p in self.params if p.kind not in ("flag", "option")][-1:]
+        return bool(last) and last[0].kind == "file" and context.platform == TERMINAL and not context.attachments
+
     def positional(self, args: Sequence[str]) -> list[str]:
         """``args`` without this command's flags and options (and the options' values)."""
         return self._sorted(args)[0]
@@ -528,18 +535,15 @@ class CommandRegistry:
         if command.admin and not context.is_admin:
             return CommandReply(f"{self.prefix}{command.name} is for admins only.", failed=True)
         limit, positional = command.max_args, command.positional(args)
+        if limit is not None and command.takes_a_path(context):  # "/tmp/my card.json": one path, with its space
+            limit = None
         if limit is not None and len(positional) > limit:
             extra = " ".join(positional[limit:])
             takes = "no arguments" if limit == 0 else "at most " + plural(limit, "argument")
             switches = [p.spelled for p in command.params if p.kind in ("flag", "option")]
             if switches:  # "[confirm]" in its usage reads like an argument: say what may come instead
                 takes += f" besides {' / '.join(switches)}"
-            quote = ""
-            last = [p for p in command.params if p.kind not in ("flag", "option")][-1:]
-            if limit and last and last[0].kind == "file":  # a path: "/tmp/my card.json" is one, with a space
-                path = quote_word(" ".join(positional[limit - 1:]))
-                quote = f" A path with spaces goes in quotes: {shown(path, 80)}."
-            return CommandReply(f"{self.prefix}{command.name} takes {takes} (not {shown(extra)}).{quote} "
+            return CommandReply(f"{self.prefix}{command.name} takes {takes} (not {shown(extra)}). "
                                 f"Usage: {self.usage(command)}", private=command.private, failed=True)
         try:
             free = command.free_text(tokens[len(words) - len(args):], line, body)

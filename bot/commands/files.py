@@ -8,9 +8,8 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-from bot.commands import CommandContext, CommandError
+from bot.commands import TERMINAL, CommandContext, CommandError
 
-TERMINAL = "console"
 # The largest file any command takes (a memory export's zip), which the adapters download at most; each
 # command's reader holds its file to its own cap (a character card: 8 MB).
 MAX_ATTACHMENT_BYTES = 50 * 1024 * 1024
