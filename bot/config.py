@@ -18,7 +18,7 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote_plus, urlsplit
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import idna
@@ -130,7 +130,8 @@ class StorageConfig(_Section):
     @classmethod
     def _known_scheme(cls, value: str) -> str:
         value = check_storage_url(value)
-        if value.startswith("postgres") and (urlsplit(value).password or _QUERY_PASSWORD.search(value)):
+        query = parse_qsl(urlsplit(value).query, keep_blank_values=True) if value.startswith("postgres") else []
+        if value.startswith("postgres") and (urlsplit(value).password or any(secret_param(k) for k, _ in query)):
             raise ValueError(
                 "the URL holds a password, and the config file is no place for it: remove it from the URL and "
                 "put it in an environment variable named by [storage] password_env (or PGPASSWORD), or the "
@@ -1069,14 +1070,25 @@ def parse_config(raw: Mapping[str, Any], source: str = "config") -> Config:
 
 
 _URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^\s:/@'\"]*):\S*@")
-_QUERY_PASSWORD = re.compile(r"([?&](?:ssl)?password=)[^&#\s]*", re.IGNORECASE)  # libpq's ?password=, ?sslpassword=
+_QUERY_PARAM = re.compile(r"([?&])([^=&#\s]*)=([^&#\s]*)")  # a URL's query parameter (name and value)
+_SECRET_PARAMS = frozenset({"password", "sslpassword"})  # libpq's and asyncpg's names of a password
 
 
 def hide_url_passwords(text: str) -> str:
     """``text`` with the password of every URL in it as ``***``, before the host (up to the last "@" before a
     space: a password may hold an unencoded "@" or a quote) and in the query (``?password=``): a refused URL
     is shown back, but never the secret in it."""
-    return _QUERY_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1:***@", text))
+    return _QUERY_PARAM.sub(_hidden_param, _URL_PASSWORD.sub(r"\1:***@", text))
+
+
+def secret_param(name: str) -> bool:
+    """Whether a URL query parameter's name is a password's, however it is written (``pass%77ord`` is decoded to
+    ``password`` by the drivers)."""
+    return unquote_plus(name).strip().lower() in _SECRET_PARAMS
+
+
+def _hidden_param(match: re.Match[str]) -> str:
+    return f"{match[1]}{match[2]}=***" if secret_param(match[2]) else match[0]
 
 
 def _location(loc: tuple[int | str, ...]) -> str:
@@ -1147,7 +1159,8 @@ def _describe_error(err: Mapping[str, Any], raw: Mapping[str, Any]) -> str:
         names = [str(part) for part in loc if not isinstance(part, int)]
         header = f"[[{'.'.join(names)}]]" if loc and isinstance(loc[-1], int) else f"[{'.'.join(names)}]"
         return f"{where} must be a table: {header} on a line of its own, its keys below it (not {_toml_kind(err)})"
-    if kind == "list_type" and isinstance(err.get("input"), Mapping):  # [personas] where [[personas]] was meant
+    if kind == "list_type" and isinstance(err.get("input"), Mapping) and _model_for((*loc, "")) is not None:
+        # [personas] where [[personas]] was meant (a list of tables, not of values like [cortex] tiers)
         dotted = ".".join(str(part) for part in loc if not isinstance(part, int))
         return (f"{where} is a list of tables: write each entry under [[{dotted}]] (two brackets), "
                 f"not one [{dotted}] table")

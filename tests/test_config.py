@@ -98,6 +98,7 @@ def test_a_list_of_tables_written_as_one_table_is_explained() -> None:
         {"personas": {"name": "Cora"}})
     assert "under [[skills.http]] (two brackets), not one [skills.http] table" in _error(
         {"skills": {"http": {"name": "x"}}})
+    assert "list of tables" not in _error({"cortex": {"tiers": {"a": 1}}})  # a list of numbers, not of tables
     assert parse_config({"bot": {"log_level": "debug"}}).bot.log_level == "DEBUG"  # (refused for its case)
 
 

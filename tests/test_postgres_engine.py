@@ -36,7 +36,7 @@ async def test_a_password_with_an_unencoded_slash_or_at_never_shows_in_part() ->
 
 @pytest.mark.parametrize(("url", "shown"), [
     ("postgresql://cortex@127.0.0.1:{port}/cortex?password=hunter2", "?password=***"),
-    ("postgresql://cortex@127.0.0.1:{port}/cortex?sslmode=disable&PASSWORD=hunter2", "&PASSWORD=***"),
+    ("postgresql://cortex@127.0.0.1:{port}/cortex?sslmode=disable&pass%77ord=hunter2", "&pass%77ord=***"),
     ("postgresql://cortex:it's-hunter2@127.0.0.1:{port}/cortex", "cortex:***@127.0.0.1"),
     ('postgresql://cortex:say"hunter2"@127.0.0.1:{port}/cortex', "cortex:***@127.0.0.1"),
 ])
