@@ -44,6 +44,7 @@ from cortex.importing import Importer, ImportLimits
 from cortex.settings import (
     OPERATOR_KEYS,
     OVERRIDABLE,
+    SHOWN_UNSET,
     SettingError,
     SettingsResolver,
     persona_scope,
@@ -64,13 +65,10 @@ IMPORT_CLAIM_SECONDS = 90.0  # a mark not renewed for this long is an import who
 log = logging.getLogger(__name__)
 
 
-# What a setting stored as "none" means (it overrides a value beneath it: the config's, or the persona's).
-UNSET_MEANS = {"model": "none (updates use the persona's chat model)",
-               "temperature": "none (the provider's default temperature)"}
-
-
-# What an unset value means where it is shown (the model is not "not set": the chat model does the updates).
-UNSET_SHOWN = {"model": "the chat model", "temperature": "provider default"}
+# What an unset model or temperature means where it is shown (the model is not "not set": the persona's chat
+# model does the updates); a stored "none" overrides a value beneath it (the config's, or the persona's).
+UNSET_SHOWN = dict(zip(("model", "temperature"), SHOWN_UNSET, strict=True))
+UNSET_MEANS = {key: f"none ({means})" for key, means in UNSET_SHOWN.items()}
 NO_LIMIT = frozenset({"daily_token_budget", "bot_daily_token_budget"})  # 0 is no limit
 
 

@@ -32,6 +32,8 @@ OVERRIDABLE: dict[str, str] = {
     "daily_token_budget": "tokens per pair and UTC day (0: no limit)",
     "use_in_groups": "on/off: use what a user shared in DMs in group channels too",
 }
+# How chat shows an unset model or temperature (cortex.commands), read back as unset when typed or pasted.
+SHOWN_UNSET = ("the chat model", "provider default")
 CACHE_SECONDS = 5.0
 # What the bot's operator pays for: a server admin may tune how the persona remembers, not the bill.
 OPERATOR_KEYS = frozenset({"model", "daily_token_budget", "max_rounds"})
@@ -134,10 +136,10 @@ def parse_value(key: str, text: str) -> Any:
                 return []
             return [int(part) for part in re.split(r"[,\s]+", raw.strip("[] ")) if part]  # "50,75" or "50 75"
         if key in ("context_limit", "max_rounds", "daily_token_budget"):
-            return int(raw)
+            return int(raw.removesuffix("(no limit)").strip())  # (as a budget of 0 is shown)
         if key == "cooldown_seconds":
             return float(raw) + 0.0  # (-0 is 0: it was kept, and shown, as "-0")
-        if key in ("model", "temperature") and lowered in ("default", "none", "not set", ""):  # as shown when unset
+        if key in ("model", "temperature") and lowered in ("default", "none", "not set", "", *SHOWN_UNSET):
             return None
         if key == "temperature":
             return float(raw) + 0.0

@@ -744,13 +744,16 @@ async def test_an_empty_setting_is_refused_and_none_says_what_it_means(tmp_path:
         assert "[cortex] file_max_chars" in (await run(app, "!cortex settings file_max_chars", admin)).text
         assert "unknown setting `nope`" in (await run(app, "!cortex settings nope", admin)).text
         reply = (await run(app, "!cortex settings model none", admin)).text
-        assert "model: set to none (updates use the persona's chat model)" in reply, reply
+        assert "model: set to none (the chat model)" in reply, reply
         assert "not set for" not in reply
         assert "Effective now: the chat model" in reply, reply  # (not "not set": the chat model does the updates)
         table = (await run(app, "!cortex settings", admin)).text
         assert re.search(r"model +the chat model", table)
         assert "Effective now: 0 (no limit)" in (await run(app, "!cortex settings daily_token_budget 0", admin)).text
         assert "set to 7" in (await run(app, "!cortex settings Max_Rounds 7", admin)).text  # a key in capitals
+        for pasted in ("model the chat model", "daily_token_budget 0 (no limit)"):  # as shown: read back
+            said = (await run(app, f"!cortex settings {pasted}", admin)).text
+            assert "Effective now: " + pasted.split(" ", 1)[1] in said, said
 
 
 @pytest.mark.parametrize("where", [{"llm": {"model": "gpt 4"}}, {"llm": {"summary_model": "m" * 201}},
