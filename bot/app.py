@@ -162,8 +162,12 @@ class App:
                 self.scheduler.every(
                     self.config.jobs.lease_seconds, "requeue-abandoned-jobs", self.workers.recover
                 )
-                # Stretches whose hours ran out while no process ran end before the first message is read.
-                await self._end_incognito()
+                # Stretches whose hours ran out while no process ran end before the first message is read (a
+                # failure here is logged, as the periodic check's: the check comes again in ten minutes).
+                try:
+                    await self._end_incognito()
+                except Exception:
+                    log.exception("could not end the incognito stretches that ran out while the bot was stopped")
                 self.scheduler.every(INCOGNITO_CHECK_SECONDS, "end-incognito", self._end_incognito)
                 # Messages their authors took back are not scrubbed one by one (a merge of the full-text indexes
                 # each): their words leave the files within the hour.

@@ -676,7 +676,10 @@ class HttpSkillConfig(_Section):
         never sends it, and every call failed with "missing argument". (A schema without properties takes
         any argument.)"""
         offered = self.parameters.get("properties") or {}
-        unknown = sorted({m for m in URL_PLACEHOLDER.findall(self.url) if m not in offered}) if offered else []
+        open_ended = self.parameters.get("patternProperties") or self.parameters.get("additionalProperties") not in (
+            None, False)  # (arguments it does not name are welcome)
+        unknown = sorted({m for m in URL_PLACEHOLDER.findall(self.url) if m not in offered})
+        unknown = unknown if offered and not open_ended else []
         if unknown:
             names = ", ".join(f"{{{m}}}" for m in unknown)
             raise ValueError(f"url uses {names}, which parameters does not define: add "

@@ -350,7 +350,7 @@ def test_numbers_longer_than_an_exports_are_never_converted() -> None:
 
 async def test_reading_a_large_archive_leaves_the_event_loop_free() -> None:
     """The JSON decoder holds Python's lock for the whole parse, worker thread or not: 70 MB of numbers held
-    the event loop 2.5 s. Its hooks (Python) let the lock go every few milliseconds."""
+    the event loop 2.5 s. Its hooks (Python) let the lock go every few milliseconds: the loop ticks meanwhile."""
     from cortex.export import read_archive
 
     numbers = ",".join(["1.2345678901234567e-300"] * 1_500_000)
@@ -367,12 +367,16 @@ async def test_reading_a_large_archive_leaves_the_event_loop_free() -> None:
 
     ticker = asyncio.create_task(ticking())
     await asyncio.sleep(0.01)
+    started = asyncio.get_running_loop().time()
     try:
         data = await asyncio.to_thread(read_archive, blob)
     finally:
         ticker.cancel()
+    took = asyncio.get_running_loop().time() - started
     assert len(data["messages"]) == 1_500_000
-    assert longest < 0.5, longest  # (without the hooks: the whole parse, over a second here)
+    # Without the hooks the loop stood still for the whole parse, most of the read (against the read's own
+    # length, not a fixed time: a busy machine slows both).
+    assert longest < took / 4, (longest, took)
 
 
 def test_an_archive_listing_countless_files_is_refused_before_zipfile_reads_the_list() -> None:

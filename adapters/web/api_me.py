@@ -132,9 +132,10 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         caller = await auth.require(request)
         name, number = filename(request), version_number(request.match_info["version"])
         _, pair = await own_pair(ctx, caller, request.match_info["persona"])
-        found = await store.version(pair.id, name, number)
-        if found is None:
-            not_found(f"{name} has no version {number}")
+        try:
+            found = await files.get_version(pair, name, number)
+        except FileError as exc:  # (which versions there are, and whether older ones are no longer kept)
+            not_found(str(exc))
         return ok(await shown(found))
 
     async def diff(request: web.Request) -> web.Response:
@@ -143,9 +144,10 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         first = version_number(request.query.get("from", ""))
         second = version_number(request.query.get("to", ""))
         _, pair = await own_pair(ctx, caller, request.match_info["persona"])
-        a, b = await store.version(pair.id, name, first), await store.version(pair.id, name, second)
-        if a is None or b is None:
-            not_found(f"{name} has no version {first if a is None else second}")
+        try:
+            a, b = await files.get_version(pair, name, first), await files.get_version(pair, name, second)
+        except FileError as exc:
+            not_found(str(exc))
         async with diffing:
             rows = await asyncio.to_thread(side_by_side, a.content, b.content)
         return ok({"file": name, "from": first, "to": second, "rows": rows})

@@ -70,7 +70,10 @@ def parse_number(text: str, what: str, *, prefix: str = "", minimum: int = 1) ->
     if prefix and digits[:1].lower() == prefix:
         digits = digits[1:]
     if digits[:1] == "-" and digits[1:].isascii() and digits[1:].isdigit():  # a number, but below any allowed
-        raise CommandError(f"{what} must be {minimum} or more, not {shown(text, 20)}")
+        if int(digits[1:]) == 0:
+            digits = "0"  # (-0 is 0)
+        else:
+            raise CommandError(f"{what} must be {minimum} or more, not {shown(text, 20)}")
     if not digits or not (digits.isascii() and digits.isdigit()):
         raise CommandError(f"{what} must be a number like 12, not {shown(text, 20)}")
     if len(digits) <= 10 and int(digits) < minimum:
@@ -516,7 +519,7 @@ class CommandRegistry:
             group = [c for c in self.commands if c.name.split(" ")[0] == words[0].lower()]
             if group:
                 head = f"{self.prefix}{words[0].lower()}"
-                offered = [c for c in group if context.is_admin or not c.admin]
+                offered = [c for c in group if self._may_run(c, context)]
                 near = difflib.get_close_matches(words[1].lower(), [c.name.split(" ", 1)[-1] for c in offered],
                                                  n=1) if len(words) > 1 else []
                 hint = f" (did you mean {head} {near[0]}?)" if near else ""
