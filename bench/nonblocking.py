@@ -17,10 +17,12 @@ the full-text index grow, SQLite's files change), far more than the effect measu
 200 replies, an A/A run strayed up to 9 % at p50 and 15 % at p99 by that drift alone.
 
     python bench/nonblocking.py [--replies 2000] [--rounds 100] [--updates 50] [--latency-ms 1000] [--runs 5]
-        [--no-load]
+        [--no-load] [--load-process]
 
 ``--no-load`` times both phases without updates (an A/A run): the ratios it prints are the noise floor of
-the measurement on this machine.
+the measurement on this machine. ``--load-process`` runs the updates in a second process on the same
+database (as a worker process of its own would), paused and resumed over a pipe: the measure of how much of
+the effect is the updates' work sharing the reply path's process and event loop.
 """
 
 from __future__ import annotations
