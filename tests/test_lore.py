@@ -66,6 +66,48 @@ def test_keywords_match_whole_words_case_insensitively() -> None:
         assert any(mentions(text, k) for k in keys) is expected, text
 
 
+def test_phrases_match_as_whole_words_as_the_patterns_did() -> None:
+    """Keys of several words are found by their words first, then as a literal (a lore book's keys as one
+    alternation behind lookbehinds took seconds per long message): the same answers as a pattern per key."""
+    import random
+    import re
+
+    def reference(text: str, key: str) -> bool:
+        pattern = re.escape(key)
+        pattern = (r"(?<!\w)" if key[0].isalnum() else "") + pattern + (r"(?!\w)" if key[-1].isalnum() else "")
+        return re.search(pattern, text) is not None
+
+    rng = random.Random(5)
+    pieces = ["old", "mill", "olds", "bold", "x", "-", "_", " ", "  ", "'s", "+", "9", "é"]
+    for _ in range(3000):
+        key = "".join(rng.choice(pieces) for _ in range(rng.randrange(2, 5))).strip()
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 14)))
+        if not key or re.fullmatch(r"\w+", key):
+            continue
+        assert mentions(text, key) is reference(text, key), (text, key)
+
+
+async def test_lore_looks_through_the_end_of_a_long_message_before(tmp_path: Path) -> None:
+    """The message before (a reply may have 40,000 characters) is looked through for keys at its last 4,000:
+    all of it made every message cost seconds over a large lore book."""
+    from datetime import UTC, datetime
+
+    from bot.ports import PromptContext
+    from cortex.personas.lore import PREVIOUS_CHARS, LoreSection
+
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
+    async with App(config, llm=ScriptedProvider()) as app:
+        assert "added" in await run(app, '!lore add The old mill burned in 1902. --keys "old mill"')
+        assert "added" in await run(app, '!lore add The harbour froze. --keys "frozen harbour"')
+        early = "We saw the frozen harbour. " + "and then " * (PREVIOUS_CHARS // 9 + 10)
+        previous = early + " the old mill was there"
+        context = PromptContext("Cora", "English", 1, "discord:7", "Ann", "discord:dm-7", True, None, "ok",
+                                datetime.now(UTC), previous=previous)
+        sections = await LoreSection(app.lore, app.personas, app.estimator).sections(context, 10_000)
+        body = sections[0].body if sections else ""
+        assert "old mill burned" in body and "harbour froze" not in body
+
+
 def test_keywords_match_however_an_accent_is_typed() -> None:
     """"Zoë" is one letter ë (NFC, most keyboards) or e and a combining diaeresis (NFD, macOS file names and
     some cards and phones): a key written one way never matched a message written the other."""

@@ -16,6 +16,7 @@ import math
 import re
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from bot.ports import PromptContext, PromptSection, SectionSlot
 from bot.prompt import resolve_variables
@@ -46,23 +47,50 @@ def words(text: str) -> set[str]:
     return set(_WORD.findall(fold(text)))
 
 
-def _key_regex(key: str) -> str:
-    """A (folded) key as a regular expression: whole words where the key starts or ends with one."""
-    pattern = re.escape(key)
-    if key[0].isalnum():
-        pattern = r"(?<!\w)" + pattern
-    if key[-1].isalnum():
-        pattern += r"(?!\w)"
-    return pattern
-
-
 _ONE_WORD = re.compile(r"\w+")
+PREVIOUS_CHARS = 4000  # of the message before this one, looked through for keys
+
+
+@dataclass(frozen=True, slots=True)
+class _Phrase:
+    """A key that is not one word ("old mill", "C++"): found where its text stands with no letter or digit
+    joined to it at an end that is one. Looked for only when the text holds each of its words (a set lookup),
+    then by its text as a literal (a fast search), its start checked by hand: one alternation of every entry's
+    keys, each behind a lookbehind that kept ``re`` from searching for a literal, took seconds per message
+    over a large lore book."""
+
+    words: frozenset[str]
+    pattern: re.Pattern[str]  # the key, and no word character after it where it ends with one
+    open_start: bool  # whether the key starts with a word character (then none may stand before it)
+
+    def in_text(self, text: str, text_words: set[str]) -> bool:
+        if not self.words <= text_words:
+            return False
+        for match in self.pattern.finditer(text):
+            at = match.start()
+            if not self.open_start or at == 0 or not _WORD_CHAR.match(text, at - 1):
+                return True
+        return False
+
+
+_WORD_CHAR = re.compile(r"\w")
+
+
+def _phrase(key: str) -> _Phrase:
+    """A (folded) key that is not one word, prepared for :meth:`_Phrase.in_text`."""
+    pattern = re.escape(key) + (r"(?!\w)" if key[-1].isalnum() else "")
+    # Its words, each a whole word of any text it is in; but for one at an end of the key that has no check
+    # there ("_x y_" is in "a_x y_b": its first and last word run on in the text)
+    runs = list(_ONE_WORD.finditer(key))
+    whole = [m[0] for m in runs if not ((m.start() == 0 and not key[0].isalnum())
+                                         or (m.end() == len(key) and not key[-1].isalnum()))]
+    return _Phrase(frozenset(whole), re.compile(pattern), key[0].isalnum())
 
 
 @functools.lru_cache(maxsize=8192)
-def _any_of(keys: tuple[str, ...], names: tuple[str, str] = ("", "")) -> tuple[frozenset[str], re.Pattern[str] | None]:
+def _any_of(keys: tuple[str, ...], names: tuple[str, str] = ("", "")) -> tuple[frozenset[str], tuple[_Phrase, ...]]:
     """A set of keys (an entry's), prepared once: the one-word keys as a set (looked up among the text's
-    words), the others as one compiled pattern. Before, every reply compiled and ran one pattern per key:
+    words), the others as phrases (:class:`_Phrase`). Before, every reply compiled and ran one pattern per key:
     a lore book's thousands of keys also overflowed the ``re`` module's cache of 512. ``names`` (the persona's
     and the user's) fill a key's ``{{char}}`` and ``{{user}}`` (cards key entries on them: "{{char}}'s sword")."""
     # (keys over the length `!lore` and card imports take, stored by an older version, match nothing: thousands
@@ -71,8 +99,7 @@ def _any_of(keys: tuple[str, ...], names: tuple[str, str] = ("", "")) -> tuple[f
     stripped = [fold(resolve_variables(k.strip(), variables)).strip() for k in keys
                 if k.strip() and len(k) <= MAX_KEY_CHARS]
     single = frozenset(k for k in stripped if _ONE_WORD.fullmatch(k))
-    others = [_key_regex(k) for k in stripped if not _ONE_WORD.fullmatch(k)]
-    return single, re.compile("|".join(f"(?:{p})" for p in others)) if others else None
+    return single, tuple(_phrase(k) for k in dict.fromkeys(stripped) if k and not _ONE_WORD.fullmatch(k))
 
 
 @functools.lru_cache(maxsize=8192)
@@ -82,9 +109,22 @@ def _names_a_placeholder(keys: tuple[str, ...]) -> bool:
     return any("{" in key for key in keys)
 
 
-def _found(keys: tuple[str, ...], text: str, text_words: set[str], names: tuple[str, str] = ("", "")) -> bool:
-    single, pattern = _any_of(keys, names if _names_a_placeholder(keys) else ("", ""))
-    return not single.isdisjoint(text_words) or (pattern is not None and pattern.search(text) is not None)
+def _found(keys: tuple[str, ...], text: str, text_words: set[str], names: tuple[str, str] = ("", ""),
+           memo: dict[str, bool] | None = None) -> bool:
+    """Whether one of ``keys`` is in ``text``; ``memo`` keeps each phrase's answer for the same text (many
+    entries of a lore book share keys)."""
+    single, phrases = _any_of(keys, names if _names_a_placeholder(keys) else ("", ""))
+    if not single.isdisjoint(text_words):
+        return True
+    for phrase in phrases:
+        known = memo.get(phrase.pattern.pattern) if memo is not None else None
+        if known is None:
+            known = phrase.in_text(text, text_words)
+            if memo is not None:
+                memo[phrase.pattern.pattern] = known
+        if known:
+            return True
+    return False
 
 
 def mentions(text: str, key: str) -> bool:
@@ -94,15 +134,15 @@ def mentions(text: str, key: str) -> bool:
 
 
 def keyword_match(entry: LoreEntry, text: str, *, folded: bool = False, text_words: set[str] | None = None,
-                  names: tuple[str, str] = ("", "")) -> bool:
+                  names: tuple[str, str] = ("", ""), memo: dict[str, bool] | None = None) -> bool:
     """Whether one of the entry's keys (and, when it has them, one of its secondary keys) is in ``text``
     (``folded``: through :func:`fold` already; ``text_words``: its words, when known; ``names``: the persona's
     and the user's, for keys written with ``{{char}}`` and ``{{user}}``)."""
     text = text if folded else fold(text)
     found = text_words if text_words is not None else set(_ONE_WORD.findall(text))
-    if not _found(tuple(entry.keys), text, found, names):
+    if not _found(tuple(entry.keys), text, found, names, memo):
         return False
-    return not entry.secondary_keys or _found(tuple(entry.secondary_keys), text, found, names)
+    return not entry.secondary_keys or _found(tuple(entry.secondary_keys), text, found, names, memo)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -163,9 +203,9 @@ class LoreIndex:
         """Always-on and keyword entries first, then search hits; each by priority. ``names``: the persona's and
         the user's, which a key's ``{{char}}`` and ``{{user}}`` stand for."""
         text = fold(recent)
-        text_words = set(_ONE_WORD.findall(text))
-        picked = [e for e in entries
-                  if e.always_on or keyword_match(e, text, folded=True, text_words=text_words, names=names)]
+        text_words, memo = set(_ONE_WORD.findall(text)), dict[str, bool]()
+        picked = [e for e in entries if e.always_on
+                  or keyword_match(e, text, folded=True, text_words=text_words, names=names, memo=memo)]
         found = search(entries, message, skip=frozenset(e.id for e in picked))
         picked.sort(key=lambda e: (not e.always_on, -e.priority, e.id))
         return picked + found
@@ -186,8 +226,9 @@ class LoreSection:
         entries = await self.index.entries(persona_id)
         if not entries:
             return []
-        chosen = self.index.chosen(entries, f"{context.previous}\n{context.message}", context.message,
-                                   (context.persona, context.user_name))
+        # (the end of the message before: what the new one answers; a reply can be 40,000 characters long)
+        chosen = self.index.chosen(entries, f"{context.previous[-PREVIOUS_CHARS:]}\n{context.message}",
+                                   context.message, (context.persona, context.user_name))
         if not chosen:
             return []
         lines, used, whole = self._fitting(chosen, int(budget * LORE_SHARE))
