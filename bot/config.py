@@ -651,6 +651,10 @@ class HttpSkillConfig(_Section):
     )
     admin_only: bool = Field(default=False, description="Offered to the bot's admins (admin_ids) only.")
     triggers: list[str] = Field(default_factory=list, description="Offered only when a message has one of these.")
+    allow_internal: bool = Field(
+        default=False, description="The url's host may be a name that resolves to an internal address (a service "
+        "on this machine or network, e.g. http://ollama:11434); an IP address or localhost written in the url "
+        "may be one anyway. Off: the name must resolve to public addresses, as any other host.")
 
     @field_validator("parameters")
     @classmethod

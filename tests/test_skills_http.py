@@ -428,3 +428,32 @@ async def test_the_charset_the_server_names_is_used(server: tuple[str, Recorder]
         assert unknown.content == "J\ufffdrgen M\ufffdller, Stra\ufffde 5" and not unknown.is_error, odd
     unsaid = await make(url=base + "/latin").run({}, _context())
     assert "\ufffd" in unsaid.content and not unsaid.is_error
+
+
+async def test_a_named_host_is_held_to_public_addresses_unless_the_config_allows_internal(
+        server: tuple[str, Recorder], make: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host written in the url was trusted by its name: whoever runs a public name's DNS pointed it at
+    127.0.0.1 and redirected to any path there, and the skill handed the machine's own answer to the model.
+    An IP address or localhost written in the url, or a name with allow_internal, may still be internal."""
+    import aiohttp
+
+    base, seen = server
+    port = base.rsplit(":", 1)[1]
+    real = aiohttp.DefaultResolver.resolve
+
+    async def dns(self: Any, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET) -> Any:
+        if host in ("api.weather-public.example", "ollama"):  # a public name whose DNS now answers 127.0.0.1
+            return [{"hostname": host, "host": "127.0.0.1", "port": port, "family": socket.AF_INET, "proto": 0,
+                     "flags": 0}]
+        return await real(self, host, port, family)
+
+    monkeypatch.setattr(aiohttp.DefaultResolver, "resolve", dns)
+    public = make(url=f"http://api.weather-public.example:{port}/echo/weather/{{city}}", parameters=CITY_SCHEMA)
+    refused = await public.run({"city": "Paris"}, _context())
+    assert refused.is_error and "is not a public address" in refused.content and "allow_internal" in refused.content
+    assert seen.requests == []
+    internal = make(url=f"http://ollama:{port}/echo/weather/{{city}}", parameters=CITY_SCHEMA, allow_internal=True)
+    assert not (await internal.run({"city": "Paris"}, _context())).is_error
+    literal = make(url=f"http://127.0.0.1:{port}/echo/weather/{{city}}", parameters=CITY_SCHEMA)
+    assert not (await literal.run({"city": "Paris"}, _context())).is_error
+    assert len(seen.requests) == 2

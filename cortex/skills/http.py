@@ -58,7 +58,7 @@ class HttpSkill:
         self._redact_values = redaction_values(tuple(self._secret_headers.values()))
         self._session_factory = session_factory
         self._session: aiohttp.ClientSession | None = None
-        self._trusted = trusted_host(config.url)
+        self._trusted = trusted_host(config.url, config.allow_internal)
         self._info = SkillInfo(
             name=config.name,
             description=config.description,
@@ -167,14 +167,22 @@ def _new_session(trusted: str | None = None) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(), connector=connector)
 
 
-def trusted_host(template: str) -> str | None:
-    """The host the skill's author wrote in its url, or None when a placeholder is part of it (then the
-    model's arguments choose the host, and it is trusted no more than a redirect's)."""
+def trusted_host(template: str, allow_internal: bool = False) -> str | None:
+    """The host the skill's author wrote in its url, when it may be an internal address: written as one (an IP
+    address, localhost) or named with ``allow_internal``. None otherwise, and when a placeholder is part of it
+    (then the model's arguments choose the host, and it is trusted no more than a redirect's). A public name
+    is not trusted by its name: whoever runs its DNS could point it at this machine or a cloud's metadata
+    service."""
     try:
         netloc = urlsplit(template).netloc
-        return None if _PLACEHOLDER.search(netloc) else URL(template).raw_host
+        host = None if _PLACEHOLDER.search(netloc) else URL(template).raw_host
     except ValueError:
         return None
+    if host is None:
+        return None
+    written = host.casefold().rstrip(".")
+    return host if allow_internal or _is_ip(host) or written == "localhost" or written.endswith(".localhost") \
+        else None
 
 
 class PublicOnlyResolver(AbstractResolver):
@@ -224,8 +232,9 @@ def _public(address: str) -> bool:
 
 
 def _internal(host: str) -> str:
-    return (f"refused to call {host}: it is not a public address, and only the host in the skill's url may be "
-            "one (a redirect or the arguments led there)")
+    return (f"refused to call {host}: it is not a public address; only the host in the skill's url may be one, "
+            "written as an IP address or localhost, or named with allow_internal = true in the skill's config "
+            "(a redirect or the arguments led here, or the name's DNS points inside)")
 
 
 def fill_template(template: str, arguments: dict[str, Any]) -> tuple[str, dict[str, Any]]:
