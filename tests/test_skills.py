@@ -514,14 +514,22 @@ async def test_an_unreachable_mcp_server_is_named_to_admins_and_why_only_to_the_
 async def test_a_server_offering_hundreds_of_tools_cannot_crowd_out_the_reply(
         tmp_path: Path, fake_llm: FakeLLMServer, provider: str, caplog: pytest.LogCaptureFixture) -> None:
     """Every offered tool goes into every model call: 600 of them (OpenAI takes 128; ~600,000 characters of
-    definitions overflow a context) made every reply fail. The built-ins stay; the flood is cut, and logged."""
+    definitions overflow a context) made every reply fail. The built-ins stay; the flood is cut, and logged.
+    One server's tools are taken up to 256 (thousands cost every reply the time to weigh them)."""
+    from cortex.skills.mcp import MAX_SERVER_TOOLS
+
     mcp = [{"name": "flood", "command": [sys.executable, str(FAKE_MCP), "--tools", "600"]}]
-    async with App(_config(tmp_path, fake_llm, provider=provider, mcp=mcp)) as app:
-        assert len(app.skills.tools.all()) > 600
-        fake_llm.enqueue(FakeResponse.text("Hello."))
-        with caplog.at_level("WARNING", logger="cortex.skills.toolbox"):
-            assert await app.core.reply(_msg("hi")).text() == "Hello."
-        tools = replies(fake_llm)[-1].body["tools"]
-        assert len(tools) <= 128 and len(json.dumps(tools)) <= 250_000
-        assert {"remember", "search_memory", "current_time", "add"} <= tool_names(replies(fake_llm)[-1])
-        assert any("tool_0599 (mcp flood) is not offered" in r.getMessage() for r in caplog.records)
+    with caplog.at_level("WARNING", logger="cortex.skills.mcp"):
+        async with App(_config(tmp_path, fake_llm, provider=provider, mcp=mcp)) as app:
+            flood = [t for t in app.skills.tools.all() if t.info.server == "flood"]
+            assert len(flood) == MAX_SERVER_TOOLS == 256
+            assert any("offers 6" in r.getMessage() and "the first 256 are taken" in r.getMessage()
+                       for r in caplog.records)
+            fake_llm.enqueue(FakeResponse.text("Hello."))
+            with caplog.at_level("WARNING", logger="cortex.skills.toolbox"):
+                assert await app.core.reply(_msg("hi")).text() == "Hello."
+            tools = replies(fake_llm)[-1].body["tools"]
+            assert len(tools) <= 128 and len(json.dumps(tools)) <= 250_000
+            assert {"remember", "search_memory", "current_time", "add"} <= tool_names(replies(fake_llm)[-1])
+            assert any("(mcp flood) is not offered" in r.getMessage() for r in caplog.records)
+            assert not any(t.info.name >= "tool_0256" for t in flood)  # (the rest of the list was never taken)

@@ -167,6 +167,8 @@ def result_text(result: types.CallToolResult) -> str:
 
 MAX_DESCRIPTION_CHARS = 1_000  # a tool's description goes into every prompt it is offered in
 MAX_SCHEMA_CHARS = 8_000  # a tool whose input schema is larger is not offered
+MAX_SERVER_TOOLS = 256  # tools of one server taken (a reply offers 128 in all): a server listing thousands cost
+MAX_LIST_PAGES = 50  # every reply time to weigh them; and pages of its list read, however many it promises
 
 
 def offerable(tool: types.Tool) -> bool:
@@ -455,19 +457,26 @@ class McpServer:
     async def _list_tools(self, session: ClientSession) -> None:
         listed: list[types.Tool] = []
         cursor: str | None = None
-        while True:
+        for _ in range(MAX_LIST_PAGES):
             params = types.PaginatedRequestParams(cursor=cursor) if cursor else None
             page = await session.list_tools(params=params)
             listed.extend(page.tools)
             cursor = page.next_cursor
             if not cursor:
                 break
+        else:
+            log.warning("mcp server %s: its tool list has more than %d pages; the rest is not read", self.name,
+                        MAX_LIST_PAGES)
         allowed = set(self.config.tools)
         wanted = [tool for tool in listed if not allowed or tool.name in allowed]
-        self._tools = [McpTool(self, tool) for tool in wanted if offerable(tool)]
-        if len(self._tools) < len(wanted):
+        fitting = [tool for tool in wanted if offerable(tool)]
+        if len(fitting) < len(wanted):
             log.warning("mcp server %s: %d tool(s) with an input schema over %d characters are not offered",
-                        self.name, len(wanted) - len(self._tools), MAX_SCHEMA_CHARS)
+                        self.name, len(wanted) - len(fitting), MAX_SCHEMA_CHARS)
+        if len(fitting) > MAX_SERVER_TOOLS:
+            log.warning("mcp server %s offers %d tools; the first %d are taken (list the ones wanted in its "
+                        "tools = [...])", self.name, len(fitting), MAX_SERVER_TOOLS)
+        self._tools = [McpTool(self, tool) for tool in fitting[:MAX_SERVER_TOOLS]]
         missing = allowed - {tool.name for tool in listed}
         if missing:
             log.warning("mcp server %s does not offer the configured tools %s", self.name, sorted(missing))

@@ -220,8 +220,9 @@ class SkillTools:
         size = 0
         for name, skill in chosen.items():
             info = skill.info
-            cost = len(name) + len(info.description) + len(json.dumps(info.input_schema, default=str))
-            if len(kept) < MAX_OFFERED_TOOLS and size + cost <= MAX_OFFERED_CHARS:
+            full = len(kept) >= MAX_OFFERED_TOOLS  # (then its definition is not weighed: thousands cost a reply)
+            cost = 0 if full else len(name) + len(info.description) + len(json.dumps(info.input_schema, default=str))
+            if not full and size + cost <= MAX_OFFERED_CHARS:
                 kept[name] = skill
                 size += cost
             elif ("(too many)", info.key) not in self._skipped:
