@@ -221,13 +221,27 @@ def _is_ip(host: str) -> bool:
     return True
 
 
+# IPv6 forms that carry an IPv4 address (NAT64, IPv4-compatible) or reach no public host (site-local, and
+# 192.0.0.0/24, the IETF's own): Python 3.11 counts them as global.
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_NOT_PUBLIC = (ipaddress.ip_network("fec0::/10"), ipaddress.ip_network("::/96"), ipaddress.ip_network("192.0.0.0/24"),
+               ipaddress.ip_network("64:ff9b:1::/48"))  # (NAT64 for local use: a network's own)
+
+
 def _public(address: str) -> bool:
     try:
-        ip = ipaddress.ip_address(address)
+        ip: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(address)
     except ValueError:
         return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        elif ip.sixtofour is not None:  # 2002:7f00:1::1 is 127.0.0.1 through a 6to4 relay
+            ip = ip.sixtofour
+        elif ip in _NAT64:  # 64:ff9b::a9fe:a9fe is 169.254.169.254 on a NAT64 network
+            ip = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    if any(ip in net for net in _NOT_PUBLIC if net.version == ip.version):
+        return False
     return ip.is_global and not ip.is_multicast
 
 
