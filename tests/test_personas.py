@@ -326,3 +326,20 @@ async def test_a_quoted_switch_name_as_a_section_is_no_switch(tmp_path: Path) ->
         reply = await run(app, '!persona edit "--empty" tone')
         assert reply.startswith("a section is one word like identity"), reply
         assert "Warm." in await run(app, "!persona show")  # (nothing emptied)
+
+
+async def test_a_new_standard_section_takes_its_place_in_the_standard_order(tmp_path: Path) -> None:
+    """A section written first in chat went last: a persona made in chat with its backstory written before
+    its identity read the backstory first, and nothing could move it."""
+    llm = ScriptedProvider()
+    async with App(_config(tmp_path), llm=llm) as app:
+        assert "created" in (await run(app, "!persona create Nemo")).lower()
+        nemo = ctx(persona="Nemo")
+        for line in ("!persona edit backstory Born at sea.", "!persona edit tone Calm.",
+                     "!persona edit identity You are Nemo.", "!persona edit values Freedom.",
+                     "!persona edit tone Calmer."):  # (an edit keeps its place)
+            assert "Nemo: section" in await run(app, line, nemo), line
+        system = await system_prompt(app, llm, "Nemo")
+        order = [system.index(f"## {title}") for title in ("Identity", "Values", "Tone", "Backstory")]
+        assert order == sorted(order), system
+        assert "## Tone\nCalmer." in system

@@ -189,6 +189,14 @@ class PersonaRepository:
             (kind, scope))
         return [_text(r) for r in rows]
 
+    async def place(self, kind: TextKind, scope: str, names: Sequence[str]) -> None:
+        """Number the texts ``names`` of ``kind`` in ``scope`` 1, 2, … in this order (every version of each:
+        a position is where a text stands, not part of its content), in one transaction."""
+        async with self.db.transaction() as tx:
+            for position, name in enumerate(names, start=1):
+                await tx.execute("UPDATE versioned_texts SET position = ? WHERE kind = ? AND scope = ? AND name = ?",
+                                 (position, kind, scope, name))
+
     async def current_all(self, kind: TextKind) -> list[TextVersion]:
         """The live versions of ``kind`` in every scope (one query for the whole cache)."""
         rows = await self.db.fetch_all(
