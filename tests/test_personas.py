@@ -343,3 +343,9 @@ async def test_a_new_standard_section_takes_its_place_in_the_standard_order(tmp_
         order = [system.index(f"## {title}") for title in ("Identity", "Values", "Tone", "Backstory")]
         assert order == sorted(order), system
         assert "## Tone\nCalmer." in system
+        scope = next(t.scope for t in await app.storage.personas.current_all("soul")
+                     if t.name == "backstory")  # (Nemo's)
+        saved = await app.storage.personas.put_based_on(0, "soul", scope, "personality", "Curious.", author="web")
+        assert saved is not None  # (as the web page saves a new section)
+        names = [t.name for t in await app.storage.personas.current("soul", scope)]
+        assert names == ["identity", "personality", "values", "tone", "backstory"]

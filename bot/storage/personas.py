@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
+from bot.config import SOUL_SECTIONS
 from bot.storage.engine import Database, Row, Tx, is_conflict, serialise
 from bot.storage.rows import dt
 from bot.text import name_key, persona_key
@@ -189,6 +190,19 @@ class PersonaRepository:
             (kind, scope))
         return [_text(r) for r in rows]
 
+    async def _standard_slot(self, kind: TextKind, scope: str, name: str) -> int | None:
+        """The position of a standard soul section that has no version yet, the others renumbered to make
+        room (a section written first went last: a persona made in chat with its backstory written before its
+        identity read the backstory first, and nothing could move it); None for any other text."""
+        if kind != "soul" or name not in SOUL_SECTIONS:
+            return None
+        names = [t.name for t in await self.current(kind, scope)]
+        if name in names:
+            return None
+        order = in_standard_order(names, name)
+        await self.place(kind, scope, order)  # (the new one has no row yet: its slot stays free)
+        return order.index(name) + 1
+
     async def place(self, kind: TextKind, scope: str, names: Sequence[str]) -> None:
         """Number the texts ``names`` of ``kind`` in ``scope`` 1, 2, … in this order (every version of each:
         a position is where a text stands, not part of its content), in one transaction."""
@@ -237,7 +251,10 @@ class PersonaRepository:
     async def put(self, kind: TextKind, scope: str, name: str, content: str, *, author: str, reason: str = "",
                   position: int | None = None, enabled: bool | None = None) -> TextVersion:
         """Add the next version of a text (position and enabled carried over from the live one unless
-        given; a new name goes last). Safe when several processes write the same text at once."""
+        given; a new name goes last, but a standard soul section where :func:`in_standard_order` puts it). Safe
+        when several processes write the same text at once."""
+        if position is None:
+            position = await self._standard_slot(kind, scope, name)
         for attempt in range(VERSION_ATTEMPTS):
             try:
                 row = await self.db.write_one(*_next_version(kind, scope, name, content, author, reason, position,
@@ -255,14 +272,27 @@ class PersonaRepository:
         """Like :meth:`put`, but only while ``based_on`` is still the newest version (0: the text has none):
         one statement, so of two edits based on the same version (two admins, two tabs, two processes) one
         lands and the other gets None instead of silently replacing it."""
+        position = await self._standard_slot(kind, scope, name) if based_on == 0 else None
         try:
-            row = await self.db.write_one(*_next_version(kind, scope, name, content, author, reason, None, enabled,
-                                                         based_on))
+            row = await self.db.write_one(*_next_version(kind, scope, name, content, author, reason, position,
+                                                         enabled, based_on))
         except Exception as exc:
             if is_conflict(exc):  # another writer took the same next version a moment earlier
                 return None
             raise
         return None if row is None else _text(row)
+
+
+def in_standard_order(names: Sequence[str], key: str) -> list[str]:
+    """``names`` (a soul's sections, in their order) with the standard section ``key`` put where the standard
+    order has it: before the first standard section that comes after it, else after the last that comes
+    before it (first when there is none); the others keep their places."""
+    rank = SOUL_SECTIONS.index(key)
+    ranks = [SOUL_SECTIONS.index(n) if n in SOUL_SECTIONS else None for n in names]
+    later = [i for i, r in enumerate(ranks) if r is not None and r > rank]
+    earlier = [i for i, r in enumerate(ranks) if r is not None and r < rank]
+    at = later[0] if later else (earlier[-1] + 1 if earlier else 0)
+    return [*names[:at], key, *names[at:]]
 
 
 @dataclass(frozen=True, slots=True)

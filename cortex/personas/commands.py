@@ -91,19 +91,6 @@ def check_persona_name(name: str, commands: CommandRegistry | None) -> None:
                            "is a command, so nobody could pick it")
 
 
-def in_standard_order(names: Sequence[str], key: str) -> list[str]:
-    """``names`` (a soul's sections, in their order) with the standard section ``key`` put where the standard
-    order has it: before the first standard section that comes after it, else after the last that comes
-    before it (first when there is none); the others keep their places. A section written first in chat
-    went last: `backstory` before `identity` read the backstory first, and nothing could move it."""
-    rank = SOUL_SECTIONS.index(key)
-    ranks = [SOUL_SECTIONS.index(n) if n in SOUL_SECTIONS else None for n in names]
-    later = [i for i, r in enumerate(ranks) if r is not None and r > rank]
-    earlier = [i for i, r in enumerate(ranks) if r is not None and r < rank]
-    at = later[0] if later else (earlier[-1] + 1 if earlier else 0)
-    return [*names[:at], key, *names[at:]]
-
-
 @dataclass
 class PersonaCommands:
     registry: PersonaRegistry
@@ -226,13 +213,8 @@ class PersonaCommands:
             if close:  # a typo would make a new section of its own
                 raise CommandError(f"{ctx.persona} has no section {key}: did you mean {close[0]}? (a section of "
                                    "your own needs a name that is not this close to a standard one)")
-        position = None
-        if key in SOUL_SECTIONS and key not in names:  # a new standard section: where the standard order puts it
-            order = in_standard_order(names, key)
-            await self.storage.personas.place("soul", scope, order)  # (the new one has no row yet: its slot)
-            position = order.index(key) + 1
         saved = await self.storage.personas.put("soul", scope, key, text, author=ctx.user_key,
-                                                reason="edited in chat", position=position)
+                                                reason="edited in chat")
         await self.registry.load()
         done = (f"{ctx.persona}: section {key} is now version {saved.version}" if text
                 else f"{ctx.persona}: section {key} emptied (version {saved.version})")
