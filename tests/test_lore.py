@@ -78,13 +78,14 @@ def test_phrases_match_as_whole_words_as_the_patterns_did() -> None:
         return re.search(pattern, text) is not None
 
     rng = random.Random(5)
-    pieces = ["old", "mill", "olds", "bold", "x", "-", "_", " ", "  ", "'s", "+", "9", "é"]
+    pieces = ["old", "mill", "olds", "bold", "x", "-", "_", " ", "  ", "'s", "+", "9", "é", "ha ha", "a", "o-o"]
     for _ in range(3000):
         key = "".join(rng.choice(pieces) for _ in range(rng.randrange(2, 5))).strip()
         text = "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 14)))
         if not key or re.fullmatch(r"\w+", key):
             continue
         assert mentions(text, key) is reference(text, key), (text, key)
+    assert mentions("aha ha ha", "ha ha") and mentions("xo-o-o", "o-o")  # (a match overlapping a refused one)
 
 
 async def test_lore_looks_through_the_end_of_a_long_message_before(tmp_path: Path) -> None:
@@ -101,11 +102,16 @@ async def test_lore_looks_through_the_end_of_a_long_message_before(tmp_path: Pat
         assert "added" in await run(app, '!lore add The harbour froze. --keys "frozen harbour"')
         early = "We saw the frozen harbour. " + "and then " * (PREVIOUS_CHARS // 9 + 10)
         previous = early + " the old mill was there"
+        assert "added" in await run(app, "!lore add Windmills turn. --keys mill")
+        cut = "the windmill" + " x" * ((PREVIOUS_CHARS - len("mill")) // 2)  # the last 4,000 start inside it
         context = PromptContext("Cora", "English", 1, "discord:7", "Ann", "discord:dm-7", True, None, "ok",
                                 datetime.now(UTC), previous=previous)
         sections = await LoreSection(app.lore, app.personas, app.estimator).sections(context, 10_000)
         body = sections[0].body if sections else ""
         assert "old mill burned" in body and "harbour froze" not in body
+        at_the_cut = PromptContext("Cora", "English", 1, "discord:7", "Ann", "discord:dm-7", True, None, "ok",
+                                   datetime.now(UTC), previous=cut)
+        assert not await LoreSection(app.lore, app.personas, app.estimator).sections(at_the_cut, 10_000)
 
 
 def test_keywords_match_however_an_accent_is_typed() -> None:

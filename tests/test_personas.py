@@ -3,6 +3,7 @@ who may use them, the prompt the model receives, threads inheriting their channe
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 from typing import Any
@@ -349,3 +350,14 @@ async def test_a_new_standard_section_takes_its_place_in_the_standard_order(tmp_
         assert saved is not None  # (as the web page saves a new section)
         names = [t.name for t in await app.storage.personas.current("soul", scope)]
         assert names == ["identity", "personality", "values", "tone", "backstory"]
+        # two new sections at once (two admins on the web page): each its own place, in the standard order
+        personas = app.storage.personas
+        both = await asyncio.gather(
+            personas.put_based_on(0, "soul", scope, "error_handling", "Say so.", author="web"),
+            personas.put_based_on(0, "soul", scope, "boundaries", "None.", author="web"),
+            personas.put_based_on(0, "soul", scope, "identity", "Stale.", author="web"))  # (not new: refused)
+        assert both[0] is not None and both[1] is not None and both[2] is None
+        live = await personas.current("soul", scope)
+        assert [t.name for t in live] == ["identity", "personality", "boundaries", "values", "tone",
+                                          "error_handling", "backstory"]
+        assert len({t.position for t in live}) == len(live)  # (no two share a place)

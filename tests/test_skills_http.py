@@ -464,7 +464,8 @@ async def test_a_named_host_is_held_to_public_addresses_unless_the_config_allows
     ("127.0.0.1", False), ("169.254.169.254", False), ("::ffff:127.0.0.1", False),
     ("64:ff9b::a9fe:a9fe", False), ("64:ff9b::a00:1", False),  # NAT64 of the metadata service, of 10.0.0.1
     ("2002:7f00:1::1", False), ("::7f00:1", False), ("fec0::1", False), ("192.0.0.8", False),  # 6to4, v4-compat.,
-    ("64:ff9b:1::a00:1", False), ("224.0.0.1", False)])  # site-local, IETF, local NAT64, multicast
+    ("64:ff9b:1::a00:1", False), ("224.0.0.1", False),  # site-local, IETF, local NAT64, multicast
+    ("::ffff:0:7f00:1", False)])  # IPv4-translated
 def test_addresses_that_reach_inside_are_not_public(address: str, public: bool) -> None:
     """Python 3.11 counts NAT64, 6to4, IPv4-compatible and site-local forms as global: a redirect to
     [64:ff9b::a00:1] reached 10.0.0.1 on an IPv6-only host with NAT64."""

@@ -190,26 +190,32 @@ class PersonaRepository:
             (kind, scope))
         return [_text(r) for r in rows]
 
-    async def _standard_slot(self, kind: TextKind, scope: str, name: str) -> int | None:
-        """The position of a standard soul section that has no version yet, the others renumbered to make
-        room (a section written first went last: a persona made in chat with its backstory written before its
-        identity read the backstory first, and nothing could move it); None for any other text."""
-        if kind != "soul" or name not in SOUL_SECTIONS:
+    async def _put_in_standard_order(self, scope: str, name: str, content: str, author: str, reason: str,
+                                     enabled: bool | None, based_on: int | None) -> TextVersion | None:
+        """A version of the standard soul section ``name``; a new one goes where :func:`in_standard_order` puts
+        it, the sections from there on moved down one (gaps kept), all in one transaction, one at a time per
+        soul. A section written first once went last: a persona made in chat with its backstory written before
+        its identity read the backstory first, and nothing could move it. None when ``based_on`` is no longer
+        the newest version (nothing changes then)."""
+        try:
+            async with self.db.transaction() as tx:
+                await serialise(self.db, tx, f"soul-order:{scope}")
+                rows = await tx.fetch_all(f"SELECT name, position FROM versioned_texts t WHERE kind = 'soul' AND"
+                                          f" scope = ? AND {LATEST} ORDER BY position, name", (scope,))
+                names, positions = [str(r[0]) for r in rows], [int(r[1]) for r in rows]
+                slot = None
+                if name not in names:
+                    at = in_standard_order(names, name).index(name)
+                    slot = positions[at] if at < len(names) else max(positions, default=0) + 1
+                    await tx.execute("UPDATE versioned_texts SET position = position + 1 WHERE kind = 'soul'"
+                                     " AND scope = ? AND position >= ?", (scope, slot))
+                row = await tx.fetch_one(*_next_version("soul", scope, name, content, author, reason, slot, enabled,
+                                                        based_on))
+                if row is None:
+                    raise _NotWritten
+                return _text(row)
+        except _NotWritten:
             return None
-        names = [t.name for t in await self.current(kind, scope)]
-        if name in names:
-            return None
-        order = in_standard_order(names, name)
-        await self.place(kind, scope, order)  # (the new one has no row yet: its slot stays free)
-        return order.index(name) + 1
-
-    async def place(self, kind: TextKind, scope: str, names: Sequence[str]) -> None:
-        """Number the texts ``names`` of ``kind`` in ``scope`` 1, 2, … in this order (every version of each:
-        a position is where a text stands, not part of its content), in one transaction."""
-        async with self.db.transaction() as tx:
-            for position, name in enumerate(names, start=1):
-                await tx.execute("UPDATE versioned_texts SET position = ? WHERE kind = ? AND scope = ? AND name = ?",
-                                 (position, kind, scope, name))
 
     async def current_all(self, kind: TextKind) -> list[TextVersion]:
         """The live versions of ``kind`` in every scope (one query for the whole cache)."""
@@ -253,8 +259,10 @@ class PersonaRepository:
         """Add the next version of a text (position and enabled carried over from the live one unless
         given; a new name goes last, but a standard soul section where :func:`in_standard_order` puts it). Safe
         when several processes write the same text at once."""
-        if position is None:
-            position = await self._standard_slot(kind, scope, name)
+        if position is None and kind == "soul" and name in SOUL_SECTIONS:
+            placed = await self._put_in_standard_order(scope, name, content, author, reason, enabled, None)
+            assert placed is not None  # (without based_on, a version is always written)
+            return placed
         for attempt in range(VERSION_ATTEMPTS):
             try:
                 row = await self.db.write_one(*_next_version(kind, scope, name, content, author, reason, position,
@@ -272,15 +280,25 @@ class PersonaRepository:
         """Like :meth:`put`, but only while ``based_on`` is still the newest version (0: the text has none):
         one statement, so of two edits based on the same version (two admins, two tabs, two processes) one
         lands and the other gets None instead of silently replacing it."""
-        position = await self._standard_slot(kind, scope, name) if based_on == 0 else None
+        if kind == "soul" and name in SOUL_SECTIONS:
+            try:
+                return await self._put_in_standard_order(scope, name, content, author, reason, enabled, based_on)
+            except Exception as exc:
+                if is_conflict(exc):
+                    return None
+                raise
         try:
-            row = await self.db.write_one(*_next_version(kind, scope, name, content, author, reason, position,
+            row = await self.db.write_one(*_next_version(kind, scope, name, content, author, reason, None,
                                                          enabled, based_on))
         except Exception as exc:
             if is_conflict(exc):  # another writer took the same next version a moment earlier
                 return None
             raise
         return None if row is None else _text(row)
+
+
+class _NotWritten(Exception):
+    """The version was not written (another edit landed first): the transaction's renumbering goes too."""
 
 
 def in_standard_order(names: Sequence[str], key: str) -> list[str]:

@@ -66,10 +66,12 @@ class _Phrase:
     def in_text(self, text: str, text_words: set[str]) -> bool:
         if not self.words <= text_words:
             return False
-        for match in self.pattern.finditer(text):
-            at = match.start()
-            if not self.open_start or at == 0 or not _WORD_CHAR.match(text, at - 1):
+        at = 0
+        while (match := self.pattern.search(text, at)) is not None:
+            start = match.start()
+            if not self.open_start or start == 0 or not _WORD_CHAR.match(text, start - 1):
                 return True
+            at = start + 1  # (one character on, not past the match: "ha ha" is in "aha ha ha")
         return False
 
 
@@ -211,6 +213,18 @@ class LoreIndex:
         return picked + found
 
 
+def _tail(text: str) -> str:
+    """The last :data:`PREVIOUS_CHARS` of ``text``, from a word's start (a cut in "windmill" must not read
+    "mill")."""
+    if len(text) <= PREVIOUS_CHARS:
+        return text
+    tail = text[-PREVIOUS_CHARS:]
+    return _LEADING_WORD.sub("", tail) if _WORD_CHAR.match(text, len(text) - PREVIOUS_CHARS - 1) else tail
+
+
+_LEADING_WORD = re.compile(r"^\w+")
+
+
 class LoreSection:
     slot: SectionSlot = "knowledge"
 
@@ -227,7 +241,7 @@ class LoreSection:
         if not entries:
             return []
         # (the end of the message before: what the new one answers; a reply can be 40,000 characters long)
-        chosen = self.index.chosen(entries, f"{context.previous[-PREVIOUS_CHARS:]}\n{context.message}",
+        chosen = self.index.chosen(entries, f"{_tail(context.previous)}\n{context.message}",
                                    context.message, (context.persona, context.user_name))
         if not chosen:
             return []

@@ -177,8 +177,9 @@ class PersonaRegistry:
             return  # the config has not changed this section
         if last_config is None and not text.strip():
             return  # the config has never said anything here, and still says nothing
+        # (a section that has a place keeps it: chat may have put new sections before it since)
         recorded = await repo.put(kind, scope, key, text, author=CONFIG, reason="from the config file",
-                                  position=position)
+                                  position=position if live is None else live.position)
         if live is None or live.author == CONFIG:
             log.info("%s %s from the config file (version %d)", what, "set" if live is None else "updated",
                      recorded.version)

@@ -225,7 +225,8 @@ def _is_ip(host: str) -> bool:
 # 192.0.0.0/24, the IETF's own): Python 3.11 counts them as global.
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 _NOT_PUBLIC = (ipaddress.ip_network("fec0::/10"), ipaddress.ip_network("::/96"), ipaddress.ip_network("192.0.0.0/24"),
-               ipaddress.ip_network("64:ff9b:1::/48"))  # (NAT64 for local use: a network's own)
+               ipaddress.ip_network("64:ff9b:1::/48"),  # (NAT64 for local use: a network's own)
+               ipaddress.ip_network("::ffff:0:0:0/96"))  # (IPv4-translated: ::ffff:0:7f00:1)
 
 
 def _public(address: str) -> bool:

@@ -468,6 +468,10 @@ class McpServer:
             log.warning("mcp server %s: its tool list has more than %d pages; the rest is not read", self.name,
                         MAX_LIST_PAGES)
         allowed = set(self.config.tools)
+        first: dict[str, types.Tool] = {}
+        for tool in listed:  # a name once, its first listing (a server repeating its cursor repeats its tools)
+            first.setdefault(tool.name, tool)
+        listed = list(first.values())
         wanted = [tool for tool in listed if not allowed or tool.name in allowed]
         fitting = [tool for tool in wanted if offerable(tool)]
         if len(fitting) < len(wanted):
