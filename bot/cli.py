@@ -598,7 +598,7 @@ def _doctor_file_modes(path: Path | None, report: Callable[..., None]) -> None:
 async def _doctor_skills(config: Config, report: Callable[..., None]) -> None:
     """The configured HTTP skills (their secrets set) and MCP servers (each started, as the bot would, and
     asked for its tools within its connect timeout)."""
-    from cortex.skills.http import HttpSkill
+    from cortex.skills.http import HttpSkill, needs_allow_internal
 
     if not config.skills.enabled or not (config.skills.http or config.skills.mcp):
         return
@@ -607,8 +607,9 @@ async def _doctor_skills(config: Config, report: Callable[..., None]) -> None:
             await HttpSkill(entry).aclose()
         except ValueError as exc:  # a missing secret variable, a bad schema or URL: what stops the bot at start
             report(False, f"http skill {entry.name}", str(exc))
-        else:
-            report(True, f"http skill {entry.name}", entry.url)
+            continue
+        inside = await needs_allow_internal(entry)
+        report(inside is None, f"http skill {entry.name}", inside or entry.url)
     if not config.skills.mcp:
         return
     from cortex.skills.mcp import McpSkills

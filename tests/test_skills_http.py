@@ -472,3 +472,37 @@ def test_addresses_that_reach_inside_are_not_public(address: str, public: bool) 
     from cortex.skills.http import _public
 
     assert _public(address) is public
+
+
+async def test_doctor_names_a_skill_host_that_needs_allow_internal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Since a named host is held to public addresses, a skill calling a service inside the network by name
+    (http://ollama:11434) is refused at every call: `cortexbot doctor` says so, and what to set."""
+    from cortex.skills.http import needs_allow_internal
+
+    loop = asyncio.get_running_loop()
+    answers = {"ollama": "172.18.0.5", "api.example.org": "93.184.216.34"}
+
+    async def getaddrinfo(host: str, port: Any, *args: Any, **kwargs: Any) -> Any:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (answers[host], 0))]
+
+    monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+
+    def skill(url: str, **fields: Any) -> HttpSkillConfig:
+        return HttpSkillConfig(name="s", description="d", url=url, **fields)
+
+    said = await needs_allow_internal(skill("http://ollama:11434/api/{q}"))
+    assert said is not None and "ollama resolves to 172.18.0.5" in said and "allow_internal = true" in said
+    assert await needs_allow_internal(skill("http://ollama:11434/api/{q}", allow_internal=True)) is None
+    assert await needs_allow_internal(skill("https://api.example.org/{q}")) is None
+    assert await needs_allow_internal(skill("http://127.0.0.1:8080/{q}")) is None  # (written as internal)
+    assert await needs_allow_internal(skill("https://{host}/x")) is None  # (the arguments choose the host)
+    from bot.cli import _doctor_skills
+    from bot.config import parse_config
+
+    reports: list[tuple[bool, str, str]] = []
+    config = parse_config({"skills": {"http": [
+        {"name": "local", "description": "d", "url": "http://ollama:11434/api/{q}"},
+        {"name": "public", "description": "d", "url": "https://api.example.org/{q}"}]}})
+    await _doctor_skills(config, lambda ok, what, detail="": reports.append((ok, what, detail)))
+    assert [(ok, what) for ok, what, _ in reports] == [(False, "http skill local"), (True, "http skill public")]
+    assert "allow_internal = true" in reports[0][2]

@@ -14,6 +14,7 @@ than ``max_response_bytes`` (never read in full), a host that is down - is a :cl
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 import ipaddress
 import json
@@ -183,6 +184,24 @@ def trusted_host(template: str, allow_internal: bool = False) -> str | None:
     written = host.casefold().rstrip(".")
     return host if allow_internal or _is_ip(host) or written == "localhost" or written.endswith(".localhost") \
         else None
+
+
+async def needs_allow_internal(config: HttpSkillConfig, timeout: float = 5.0) -> str | None:
+    """For `cortexbot doctor`: why every call of the skill would be refused, when its url names a host (no
+    placeholder in it) that resolves to internal addresses only and the config does not allow it; None
+    otherwise (also when the name does not resolve here: the call says so)."""
+    host = None if trusted_host(config.url, True) is None else URL(config.url).raw_host
+    if host is None or trusted_host(config.url, config.allow_internal) is not None:
+        return None
+    try:
+        found = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(host, None), timeout)
+    except (OSError, TimeoutError):
+        return None
+    addresses = sorted({str(info[4][0]) for info in found})
+    if not addresses or any(_public(address) for address in addresses):
+        return None
+    return (f"{host} resolves to {', '.join(addresses[:3])}, not a public address: every call is refused. If the "
+            "service is inside your network, set allow_internal = true in its [[skills.http]] entry")
 
 
 class PublicOnlyResolver(AbstractResolver):
