@@ -114,6 +114,16 @@ async def test_lore_looks_through_the_end_of_a_long_message_before(tmp_path: Pat
         assert not await LoreSection(app.lore, app.personas, app.estimator).sections(at_the_cut, 10_000)
 
 
+async def test_a_lore_page_past_the_end_says_how_many_there_are(tmp_path: Path) -> None:
+    """`!lore list 5` was an error with the usage (and a failed exit status when piped), where `!memory list 5`
+    answers how many pages there are."""
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
+    async with App(config, llm=ScriptedProvider()) as app:
+        assert "added" in await run(app, "!lore add The mill is old. --keys mill")
+        reply = await app.commands.dispatch("!lore list 5", BOSS)
+        assert reply.text == "There is only 1 page (1 entry)." and not reply.failed
+
+
 def test_keywords_match_however_an_accent_is_typed() -> None:
     """"Zoë" is one letter ë (NFC, most keyboards) or e and a combining diaeresis (NFD, macOS file names and
     some cards and phones): a key written one way never matched a message written the other."""

@@ -157,9 +157,9 @@ class LoreCommands:
             return f"{ctx.persona} has no lore yet. Bot admins add some with {self.prefix}lore add <text> --keys a,b."
         pages = max(1, -(-len(entries) // PAGE))
         page = parse_number(args[0], "the page") if args else 1
-        if page > pages:
-            raise CommandError(f"there {'is' if pages == 1 else 'are'} only {plural(pages, 'page')} "
-                               f"({plural(len(entries), 'entry', 'entries')})")
+        if page > pages:  # (an answer, as !memory list's: not a mistake in the command)
+            return (f"There {'is only 1 page' if pages == 1 else f'are only {pages} pages'} "
+                    f"({plural(len(entries), 'entry', 'entries')}).")
         on_page = entries[(page - 1) * PAGE: page * PAGE]
         return "\n".join([f"Lore of {ctx.persona} ({plural(len(entries), 'entry', 'entries')}, page {page}/{pages}):",
                           *(describe(e) for e in on_page)])
