@@ -36,7 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -216,18 +216,26 @@ class UpdateLoad:
             else:
                 self.finished += 1
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        """Start every user's updates, paused (as :meth:`pause` leaves them)."""
         self.tasks = [asyncio.create_task(self._loop(user)) for user in self.users]
+        await self.pause()
 
     async def pause(self) -> None:
         """Stop the clock and wait until every update sits in an LLM call or before its next start."""
         self.clock.stop()
         await self.clock.all_parked.wait()
 
+    async def resume(self) -> None:
+        self.clock.start()
+
     async def stop(self) -> None:
+        """Let every update run to its end, and start none after it; ``finished`` counts those before."""
+        finished = self.finished
         self.stopping = True
         self.clock.start()
         await asyncio.gather(*self.tasks)
+        self.finished = finished
 
 
 class RemoteLoad:
@@ -267,7 +275,7 @@ class RemoteLoad:
         await self._ask("start", "started")
 
     async def stop(self) -> None:
-        _, finished, calls, failed, *first = (await self._ask("stop", "done")).split(" ", 4)
+        _, finished, calls, failed, *first = (await self._ask("stop", "done")).split(" ", 4)  # (as UpdateLoad's)
         self.finished, self.calls = int(finished), int(calls)
         self.failed = first * int(failed)
         await self.child.wait()
@@ -278,27 +286,20 @@ async def serve_load(args: argparse.Namespace) -> None:
     parent's word (stdin: pause, start, stop; stdout: parked, started, done FINISHED CALLS FAILED FIRST)."""
     clock = LoadClock(args.updates)
     provider = BenchProvider(args.latency_ms / 1000, clock)
-    config = parse_config({
-        "storage": {"url": f"sqlite:///{args.serve_load}"},
-        "cortex": {"context_limit": 100_000, "cooldown_seconds": 0, "daily_token_budget": 0,
-                   "bot_daily_token_budget": 0},
-    })
-    app = App(config, llm=provider)
-    await app.start(workers=False)
+    app = await bench_app(Path(args.serve_load), provider)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     try:
         load = UpdateLoad(app, [f"user{i}" for i in range(args.updates)], clock)
-        load.start()
-        await load.pause()
+        await load.start()
         print("ready", flush=True)
         while command := (await reader.readline()).decode().strip():
             if command == "pause":
                 await load.pause()
                 print("parked", flush=True)
             elif command == "start":
-                clock.start()
+                await load.resume()
                 print("started", flush=True)
             elif command == "stop":
                 await load.stop()
@@ -309,6 +310,19 @@ async def serve_load(args: argparse.Namespace) -> None:
         await app.stop()
 
 
+async def bench_app(database: Path, provider: BenchProvider) -> App:
+    """A started bot on the bench's SQLite file: no cooldown or budget holds an update back, and no workers
+    of its own (the bench runs the updates)."""
+    config = parse_config({
+        "storage": {"url": f"sqlite:///{database}"},
+        "cortex": {"context_limit": 100_000, "cooldown_seconds": 0, "daily_token_budget": 0,
+                   "bot_daily_token_budget": 0},
+    })
+    app = App(config, llm=provider)
+    await app.start(workers=False)
+    return app
+
+
 async def measure(args: argparse.Namespace) -> tuple[list[float], list[float], int, int]:
     """One run in a fresh bot: reply timings alone and loaded, updates finished, update calls."""
     clock = LoadClock(args.updates)
@@ -317,13 +331,7 @@ async def measure(args: argparse.Namespace) -> tuple[list[float], list[float], i
     alone: list[float] = []
     loaded: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
-        config = parse_config({
-            "storage": {"url": f"sqlite:///{Path(tmp) / 'bench.db'}"},
-            "cortex": {"context_limit": 100_000, "cooldown_seconds": 0, "daily_token_budget": 0,
-                       "bot_daily_token_budget": 0},
-        })
-        app = App(config, llm=provider)
-        await app.start(workers=False)
+        app = await bench_app(Path(tmp) / "bench.db", provider)
         try:
             users = [f"user{i}" for i in range(args.updates)]
             for user in users:  # each pair needs some conversation to update from
@@ -332,16 +340,10 @@ async def measure(args: argparse.Namespace) -> tuple[list[float], list[float], i
                     await app.core.reply(msg).text()
             await time_replies(app, 50)  # warm-up
             remote = RemoteLoad(Path(tmp) / "bench.db", args) if args.load_process else None
-            load = UpdateLoad(app, users, clock)
-            if remote is not None:
-                await remote.start()
-            else:
-                load.start()
-                await load.pause()
-            pause = load.pause if remote is None else remote.pause
-            resume = clock.start if remote is None else remote.resume
+            load: UpdateLoad | RemoteLoad = UpdateLoad(app, users, clock) if remote is None else remote
+            await load.start()
             if not args.no_load:  # every pair mid-update, their calls spread over the latency
-                await _maybe(resume())
+                await load.resume()
                 await asyncio.sleep(args.latency_ms / 1000 * 1.5)
             # Alternate the phases so that drift hits both alike, in ABBA order (alone, loaded, loaded,
             # alone, ...): the history grows with every reply and the machine's speed drifts, and with
@@ -349,27 +351,17 @@ async def measure(args: argparse.Namespace) -> tuple[list[float], list[float], i
             for number in range(args.rounds):
                 for phase in ("alone", "loaded") if number % 2 == 0 else ("loaded", "alone"):
                     if phase == "alone" or args.no_load:  # the A/A check: "loaded" timed exactly as "alone"
-                        await pause()
+                        await load.pause()
                         (alone if phase == "alone" else loaded).extend(await time_replies(app, per_round))
                     else:
-                        await _maybe(resume())
+                        await load.resume()
                         loaded += await time_replies(app, per_round)
-            finished = load.finished
-            if remote is None:
-                await load.stop()
-            else:
-                await remote.stop()
-                finished, provider.update_calls, load.failed = remote.finished, remote.calls, remote.failed
+            await load.stop()
             if load.failed:  # (their share of the load is missing from the loaded phase: said, not hidden)
                 print(f"  {len(load.failed)} updates failed, the first with {load.failed[0]}")
         finally:
             await app.stop()
-    return alone, loaded, finished, provider.update_calls
-
-
-async def _maybe(result: Awaitable[None] | None) -> None:
-    if result is not None:
-        await result
+    return alone, loaded, load.finished, provider.update_calls if remote is None else remote.calls
 
 
 async def main() -> None:
