@@ -130,8 +130,9 @@ class StorageConfig(_Section):
     @classmethod
     def _known_scheme(cls, value: str) -> str:
         value = check_storage_url(value)
-        query = parse_qsl(urlsplit(value).query, keep_blank_values=True) if value.startswith("postgres") else []
-        if value.startswith("postgres") and (urlsplit(value).password or any(secret_param(k) for k, _ in query)):
+        parts = urlsplit(value)
+        if value.startswith("postgres") and (parts.password or any(
+                secret_param(k) for k, _ in parse_qsl(parts.query, keep_blank_values=True))):
             raise ValueError(
                 "the URL holds a password, and the config file is no place for it: remove it from the URL and "
                 "put it in an environment variable named by [storage] password_env (or PGPASSWORD), or the "
@@ -594,14 +595,12 @@ class MatrixConfig(_Section):
                                  f"{'is' if len(missing) == 1 else 'are'} not set")
             # (checked only when enabled: a Discord bot with an old or half-written [matrix] section starts)
             self.homeserver, self.user_id = self.homeserver.strip(), self.user_id.strip()
-            if "://" not in self.homeserver:  # "matrix.example.org": nio retried its invalid URL forever
-                raise ValueError(f"[matrix] homeserver {self.homeserver!r} is not an http(s) URL: write it like "
-                                 f"https://{self.homeserver}")
-            try:
+            try:  # ("matrix.example.org": nio retried its invalid URL forever)
                 check_http_url(self.homeserver)
             except ValueError:
+                like = self.homeserver if "://" not in self.homeserver else "matrix.example.org"
                 raise ValueError(f"[matrix] homeserver {self.homeserver!r} is not an http(s) URL: write it like "
-                                 "https://matrix.example.org") from None
+                                 f"https://{like}") from None
             if not _MATRIX_USER.fullmatch(self.user_id):
                 raise ValueError(f"[matrix] user_id {self.user_id!r} is not a full Matrix user id: write it like "
                                  "@cortex:example.org (an @, the account's name, a colon and its server)")
@@ -682,8 +681,9 @@ class HttpSkillConfig(_Section):
         offered = self.parameters.get("properties") or {}
         open_ended = self.parameters.get("patternProperties") or self.parameters.get("additionalProperties") not in (
             None, False)  # (arguments it does not name are welcome)
+        if not offered or open_ended:
+            return self
         unknown = sorted({m for m in URL_PLACEHOLDER.findall(self.url) if m not in offered})
-        unknown = unknown if offered and not open_ended else []
         if unknown:
             names = ", ".join(f"{{{m}}}" for m in unknown)
             raise ValueError(f"url uses {names}, which parameters does not define: add "

@@ -78,7 +78,7 @@ def parse_number(text: str, what: str, *, prefix: str = "", minimum: int = 1) ->
         raise CommandError(f"{what} must be a number like 12, not {shown(text, 20)}")
     if len(digits) <= 10 and int(digits) < minimum:
         raise CommandError(f"{what} must be {minimum} or more, not {digits}")
-    if len(digits) > 10 or not minimum <= int(digits) <= MAX_NUMBER:
+    if len(digits) > 10 or int(digits) > MAX_NUMBER:
         typed = digits if len(digits) <= 20 else f"{digits[:12]}… ({len(digits)} digits)"  # (not silently cut)
         raise CommandError(f"{what} {typed} is out of range ({minimum} to {MAX_NUMBER:,})")
     return int(digits)

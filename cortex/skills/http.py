@@ -41,7 +41,6 @@ MAX_REDIRECTS = 3  # redirects followed (aiohttp's max_redirects counts the firs
 ERROR_BODY_CHARS = 300
 _ERROR_BODY_BYTES = 4 * ERROR_BODY_CHARS + 4  # enough for 300 characters of UTF-8
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-_PLACEHOLDER = URL_PLACEHOLDER
 _MAX_SCHEMA_ERRORS = 5
 
 SessionFactory = Callable[[], aiohttp.ClientSession]
@@ -176,7 +175,7 @@ def trusted_host(template: str, allow_internal: bool = False) -> str | None:
     service."""
     try:
         netloc = urlsplit(template).netloc
-        host = None if _PLACEHOLDER.search(netloc) else URL(template).raw_host
+        host = None if URL_PLACEHOLDER.search(netloc) else URL(template).raw_host
     except ValueError:
         return None
     if host is None:
@@ -190,7 +189,7 @@ async def needs_allow_internal(config: HttpSkillConfig, timeout: float = 5.0) ->
     """For `cortexbot doctor`: why every call of the skill would be refused, when its url names a host (no
     placeholder in it) that resolves to internal addresses only and the config does not allow it; None
     otherwise (also when the name does not resolve here: the call says so)."""
-    host = None if trusted_host(config.url, True) is None else URL(config.url).raw_host
+    host = trusted_host(config.url, True)  # (the host written in the url, any kind)
     if host is None or trusted_host(config.url, config.allow_internal) is not None:
         return None
     try:
@@ -282,7 +281,7 @@ def fill_template(template: str, arguments: dict[str, Any]) -> tuple[str, dict[s
         used.add(name)
         return quote(_as_text(arguments[name]), safe="")
 
-    url = _PLACEHOLDER.sub(replace, template)
+    url = URL_PLACEHOLDER.sub(replace, template)
     _check_path(template, url)
     return url, {key: value for key, value in arguments.items() if key not in used}
 
@@ -296,7 +295,7 @@ def _check_path(template: str, url: str) -> None:
         return re.split(r"[?#]", text, maxsplit=1)[0].split("/")
 
     for pattern, filled in zip(segments(template), segments(url), strict=False):
-        if _PLACEHOLDER.search(pattern) and filled.strip() in ("", ".", ".."):
+        if URL_PLACEHOLDER.search(pattern) and filled.strip() in ("", ".", ".."):
             raise SkillFailure(f"the arguments make a part of the URL's path {filled!r}, which would change the "
                                "path called; give a real value")
 
