@@ -18,6 +18,7 @@ import pytest_asyncio
 
 from bot.config import McpServerConfig
 from cortex.skills.base import SkillContext, SkillResult
+import cortex.skills.mcp as mcp_module
 from cortex.skills.mcp import McpOptions, McpServer, McpSkills, McpTool
 from cortex.skills.policy import Effective
 
@@ -174,13 +175,15 @@ async def wait_for_port(port: int, process: asyncio.subprocess.Process) -> None:
 class HttpServer:
     """The fake server over streamable HTTP, as a subprocess on a free port (restartable on that port)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *options: str) -> None:
+        self.options = options
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/mcp"
         self.process: asyncio.subprocess.Process | None = None
 
     async def start(self) -> None:
-        self.process = await asyncio.create_subprocess_exec(sys.executable, str(FAKE), "--http", str(self.port))
+        self.process = await asyncio.create_subprocess_exec(sys.executable, str(FAKE), "--http", str(self.port),
+                                                              *self.options)
         await wait_for_port(self.port, self.process)
 
     async def stop(self) -> None:
@@ -232,6 +235,25 @@ async def test_http_server_restart_reconnects(http_server: HttpServer) -> None:
         assert await server.call("add", {"a": 2, "b": 2}) == SkillResult("4")
     finally:
         await server.aclose()
+
+
+async def test_a_json_answer_past_the_cap_is_an_error_result_not_a_full_memory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server answering with one JSON body (not an event stream, whose events the SDK caps) is read only up
+    to MAX_JSON_RESPONSE_BYTES: past it the call answers an error result, and the session goes on."""
+    monkeypatch.setattr(mcp_module, "MAX_JSON_RESPONSE_BYTES", 1 << 20)
+    http = HttpServer("--json")
+    await http.start()
+    server = McpServer(McpServerConfig(name="web", url=http.url), FAST)
+    try:
+        await server.start()
+        assert await server.call("flood", {"size": 400_000}) == SkillResult("x" * 400_000)  # (twice: text, structure)
+        flooded = await server.call("flood", {"size": 3_000_000})
+        assert flooded.is_error and "larger than 1 MB" in flooded.content
+        assert await server.call("add", {"a": 2, "b": 3}) == SkillResult("5")
+    finally:
+        await server.aclose()
+        await http.stop()
 
 
 async def test_tools_filter_and_name_clash() -> None:

@@ -169,6 +169,9 @@ MAX_DESCRIPTION_CHARS = 1_000  # a tool's description goes into every prompt it 
 MAX_SCHEMA_CHARS = 8_000  # a tool whose input schema is larger is not offered
 MAX_SERVER_TOOLS = 256  # tools of one server taken (a reply offers 128 in all): a server listing thousands cost
 MAX_LIST_PAGES = 50  # every reply time to weigh them; and pages of its list read, however many it promises
+# An HTTP server's JSON answer read at most (the SDK reads it whole, where it caps each event of a stream at 1 MB):
+# a server answering without end would otherwise fill the bot's memory. A result is cut far below this anyway.
+MAX_JSON_RESPONSE_BYTES = 8 << 20
 
 
 def offerable(tool: types.Tool) -> bool:
@@ -382,7 +385,8 @@ class McpServer:
     @asynccontextmanager
     async def _http_transport(self) -> AsyncIterator[Any]:
         timeout = httpx2.Timeout(30.0, read=300.0)  # the SDK's defaults (a response stream may stay open)
-        async with httpx2.AsyncClient(headers=self._http_headers(), timeout=timeout) as client:
+        transport = _CappedJsonTransport(MAX_JSON_RESPONSE_BYTES)
+        async with httpx2.AsyncClient(headers=self._http_headers(), timeout=timeout, transport=transport) as client:
             async with streamable_http_client(self.config.url, http_client=client) as streams:
                 yield streams
 
@@ -519,6 +523,44 @@ class McpServer:
         if result.is_error:
             return SkillResult(text or f"the {name} tool failed", is_error=True)
         return SkillResult(text)
+
+
+class ResponseTooLarge(httpx2.StreamError):
+    """A JSON answer over :data:`MAX_JSON_RESPONSE_BYTES` (a stream error: the SDK answers the call with it)."""
+
+
+class _CappedBody(httpx2.AsyncByteStream):
+    """A response body that fails once it passes ``limit`` bytes, before it is all held."""
+
+    def __init__(self, body: httpx2.AsyncByteStream, limit: int) -> None:
+        self._body = body
+        self._limit = limit
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        read = 0
+        async for chunk in self._body:
+            read += len(chunk)
+            if read > self._limit:
+                raise ResponseTooLarge(f"the server's answer is larger than {self._limit >> 20} MB")
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self._body.aclose()
+
+
+class _CappedJsonTransport(httpx2.AsyncHTTPTransport):
+    """The HTTP transport with every JSON answer's body capped (``text/event-stream`` has the SDK's own cap)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self._limit = limit
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        response = await super().handle_async_request(request)
+        if "json" in response.headers.get("content-type", "").lower():
+            assert isinstance(response.stream, httpx2.AsyncByteStream)
+            response.stream = _CappedBody(response.stream, self._limit)
+        return response
 
 
 class McpSkills:

@@ -1,10 +1,11 @@
 """A real MCP server written with the official SDK, for the MCP skills tests.
 
 Runs over stdio (``python tests/fakes/mcp_server.py``) or streamable HTTP on 127.0.0.1
-(``python tests/fakes/mcp_server.py --http PORT``; endpoint ``/mcp``).
+(``python tests/fakes/mcp_server.py --http PORT``; endpoint ``/mcp``; with ``--json`` it answers each
+request with one JSON body instead of an event stream).
 
 Tools: ``add(a, b)``, ``echo(text)``, ``slow(seconds)`` (sleeps, then answers), ``fail()`` (raises),
-``crash()`` (kills the process at once with ``os._exit``), ``pid()`` (the server's process id),
+``flood(size)`` (an answer of ``size`` characters), ``crash()`` (kills the process at once with ``os._exit``), ``pid()`` (the server's process id),
 ``env(name)`` (a variable of the server's environment), ``refuse_with(name)`` (an
 error quoting one), ``header(name)`` (a header of the HTTP request),
 ``picture()`` (a text part and an image part), ``grow()`` (adds the tool ``extra`` and sends
@@ -51,6 +52,12 @@ async def slow(seconds: float) -> str:
 def fail() -> str:
     """Always fails."""
     raise ToolError("this tool always fails")
+
+
+@server.tool()
+def flood(size: int) -> str:
+    """An answer of ``size`` characters."""
+    return "x" * size
 
 
 @server.tool()
@@ -119,11 +126,12 @@ def main() -> None:
     parser.add_argument("--http", type=int, metavar="PORT", help="serve streamable HTTP on 127.0.0.1:PORT")
     parser.add_argument("--tools", type=int, default=0, metavar="N",
                         help="also offer N tools tool_0000... with long descriptions (a server offering too many)")
+    parser.add_argument("--json", action="store_true", help="over HTTP, answer with JSON bodies, not event streams")
     args = parser.parse_args()
     for number in range(args.tools):
         server.add_tool(echo, name=f"tool_{number:04d}", description=f"Tool {number}. " + "Does a lot. " * 80)
     if args.http:
-        server.run("streamable-http", host="127.0.0.1", port=args.http)
+        server.run("streamable-http", host="127.0.0.1", port=args.http, json_response=args.json)
     else:
         server.run("stdio")
 
