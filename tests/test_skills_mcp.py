@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+import cortex.skills.mcp as mcp_module
 from bot.config import McpServerConfig
 from cortex.skills.base import SkillContext, SkillResult
-import cortex.skills.mcp as mcp_module
 from cortex.skills.mcp import McpOptions, McpServer, McpSkills, McpTool
 from cortex.skills.policy import Effective
 

@@ -5,7 +5,8 @@ Runs over stdio (``python tests/fakes/mcp_server.py``) or streamable HTTP on 127
 request with one JSON body instead of an event stream).
 
 Tools: ``add(a, b)``, ``echo(text)``, ``slow(seconds)`` (sleeps, then answers), ``fail()`` (raises),
-``flood(size)`` (an answer of ``size`` characters), ``crash()`` (kills the process at once with ``os._exit``), ``pid()`` (the server's process id),
+``flood(size)`` (an answer of ``size`` characters), ``crash()`` (kills the process at once with
+``os._exit``), ``pid()`` (the server's process id),
 ``env(name)`` (a variable of the server's environment), ``refuse_with(name)`` (an
 error quoting one), ``header(name)`` (a header of the HTTP request),
 ``picture()`` (a text part and an image part), ``grow()`` (adds the tool ``extra`` and sends
