@@ -21,6 +21,7 @@ import pytest
 
 from adapters.admin_directory import DiscordAdminDirectory
 from adapters.web import WebServer, api_me
+from adapters.web import server as server_module
 from adapters.web.render import markdown_html, side_by_side
 from bot.app import App
 from bot.config import DiscordConfig
@@ -576,29 +577,89 @@ async def test_a_lost_connection_to_discord_lists_no_servers_and_breaks_nothing(
         assert len(guild.fetched) == asked + 2  # a failed answer is not kept: asked again next time
 
 
-async def test_a_files_html_is_rendered_off_the_event_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_files_html_is_rendered_off_the_event_loop_and_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Markdown is pure Python, about 7 µs a character, and a user's own file can be written to be slow to
     render (``_a`` repeated: 50-60 ms at the default cap, seconds at the largest one). The event loop also
-    runs the chat adapters, so every route that shows a file's HTML renders it on a worker thread."""
+    runs the chat adapters, so every route that shows a file's HTML renders it on a worker thread; and a
+    text shown again (the same version, or a reset to the same template) is not rendered again."""
     loop_thread, threads = threading.get_ident(), []
 
     def recording(text: str) -> str:
         threads.append(threading.get_ident())
         return markdown_html(text)
 
-    monkeypatch.setattr(api_me, "markdown_html", recording)
+    monkeypatch.setattr(server_module, "markdown_html", recording)
     path = "/api/me/personas/Cora/files/memory"
     async with running_bot(tmp_path) as bot, bot.client("ann") as ann:
-        status, current = await ann.call("GET", path)
-        assert status == 200
+        status, current = await ann.call("GET", path)  # the template: rendered
+        assert status == 200 and len(threads) == 1
         status, saved = await ann.call("PUT", path, {"content": "_a" * 3000, "version": current["version"]})
         assert status == 200 and saved["html"].startswith("<p>_a_a") and saved["content"].startswith("_a_a")
         for method, route in (("GET", path), ("GET", f"{path}/versions/1"), ("GET", "/api/me/personas/Cora/files")):
             status, shown = await ann.call(method, route)
             assert status == 200, shown
-        status, _ = await ann.call("POST", f"{path}/reset")
+        status, reset = await ann.call("POST", f"{path}/reset")
+        assert status == 200 and reset["html"] == current["html"]
+    # the template, the saved text, then soul.md and relationship.md; the rest was kept
+    assert len(threads) == 4 and loop_thread not in threads
+
+
+async def test_one_users_file_views_wait_for_each_other_not_for_everyone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A script asking for many long files at once held both render threads, and every other user's views
+    (and, through the lock the threads hold, the chat's replies) waited seconds: one user renders one file
+    at a time, so another's view always finds a thread."""
+    release, rendering, most = threading.Event(), [0], [0]
+    lock = threading.Lock()
+
+    def slow(text: str) -> str:
+        if "slow" in text:
+            with lock:
+                rendering[0] += 1
+                most[0] = max(most[0], rendering[0])
+            release.wait(30)
+            with lock:
+                rendering[0] -= 1
+        return markdown_html(text)
+
+    monkeypatch.setattr(server_module, "markdown_html", slow)
+    path = "/api/me/personas/Cora/files/memory"
+    async with running_bot(tmp_path) as bot, bot.client("ann") as ann, bot.client("bob") as bob:
+        files, store = bot.app.cortex.files, bot.app.cortex.store
+        _, pair = await store.pair_for("discord:ann", "Ann", "Cora")
+        versions = []
+        for i in range(3):
+            saved = await files.edit(pair, "memory.md", f"slow {i}\n")
+            assert saved is not None
+            versions.append(saved.version)
+        views = [asyncio.create_task(ann.call("GET", f"{path}/versions/{v}")) for v in versions]
+        await asyncio.sleep(0.3)
+        status, shown = await bob.call("GET", path)
+        assert status == 200 and not any(v.done() for v in views), shown
+        release.set()
+        assert [(await v)[0] for v in views] == [200] * 3
+    assert most[0] == 1
+
+
+async def test_views_from_the_page_keep_a_limit_of_their_own(tmp_path: Path) -> None:
+    """File views, diffs and item searches cost the bot's CPU (HTML, a diff, embedding the words) and were
+    not limited at all: a script at six views a second slowed every user's replies to seconds."""
+    async with running_bot(tmp_path, views_per_minute=5) as bot, bot.client("ann") as ann, \
+            bot.client("bob") as bob:
+        path = "/api/me/personas/Cora/files/memory"
+        status, current = await ann.call("GET", path)
         assert status == 200
-    assert len(threads) >= 8 and loop_thread not in threads  # PUT, GET, one version, all three files, reset
+        assert (await ann.call("PUT", path, {"content": "# Notes\n", "version": current["version"]}))[0] == 200
+        for route in (f"{path}/versions/1", f"{path}/diff?from=1&to=2", "/api/me/items?query=tea",
+                      "/api/me/personas/Cora/files"):
+            assert (await ann.call("GET", route))[0] == 200, route
+        status, error = await ann.call("GET", f"{path}/diff?from=1&to=2")
+        assert status == 429 and "too many file views, diffs or searches in a minute (at most 5)" in error["error"]
+        assert (await ann.call("GET", "/api/me/items?query=tea"))[0] == 429
+        assert (await ann.call("GET", "/api/me/items"))[0] == 200  # a plain listing is no search
+        assert (await ann.call("GET", f"{path}/versions"))[0] == 200  # nor is the list of versions
+        assert (await bob.call("GET", path))[0] == 200  # the limit is each user's own
 
 
 def test_a_diff_of_repeated_lines_is_bounded_and_exact() -> None:
@@ -626,8 +687,7 @@ def test_a_diff_of_repeated_lines_is_bounded_and_exact() -> None:
 async def test_diffs_from_the_page_never_hold_up_a_file_view(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Diffs run on threads of their own: two slow diffs of one user held every other user's file view for
-    20 s, as they shared the file views' two threads. (They are not counted by the rate limit: the page asks
-    for one at every click in the history.)"""
+    20 s, as they shared the file views' two threads."""
     release = threading.Event()
 
     def slow(old: str, new: str) -> list[dict[str, object]]:

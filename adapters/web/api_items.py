@@ -131,8 +131,9 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         return sorted(found, key=lambda f: f[1], reverse=True)
 
     async def list_items(request: web.Request) -> web.Response:
-        caller = await auth.require(request)
         wanted = listing(ctx, request.query)
+        # A search (the query embedded, and ranked per persona) counts as a view; a plain listing does not.
+        caller = await auth.require(request, view=bool(wanted.query))
         user = await own_user(ctx, caller)
         start = (wanted.page - 1) * PAGE
         if wanted.query and wanted.filters.active:
@@ -224,6 +225,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
             fail(422, f'this deletes everything the bot stores about you and cannot be undone; to go ahead, send '
                       f'{{"confirm": "{CONFIRM}"}}')
         report = await ctx.app.cortex.commands.forget_user(caller.user_key)
+        ctx.renderer.forget(caller.user_key)
         counts = ("messages", "versions", "items", "runs", "summaries", "pairs")
         response = ok({"deleted": {name: 0 if report is None else getattr(report, name) for name in counts},
                        "still_incognito": await ctx.app.cortex.commands.paused_personas(caller.user_key)})

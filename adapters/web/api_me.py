@@ -11,7 +11,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from adapters.web.errors import GONE, fail, not_found
-from adapters.web.render import markdown_html, side_by_side
+from adapters.web.render import side_by_side
 from adapters.web.server import WebContext, ok, read_body
 from adapters.web.userdata import own_pair, own_user
 from bot.commands import MAX_NUMBER
@@ -58,24 +58,22 @@ def version_number(text: str) -> int:
 
 def routes(ctx: WebContext) -> list[web.RouteDef]:
     auth, store, files = ctx.auth, ctx.app.cortex.store, ctx.app.cortex.files
-    # A diff (quadratic in the worst case) and Markdown's HTML (about 7 µs a character: 50-60 ms for a file at
-    # the default cap, seconds at the largest, and the text is the user's own) are pure Python: off the event
-    # loop, which also runs the chat adapters, a few at a time.
-    working = asyncio.Semaphore(2)
+    # A diff (quadratic in the worst case) and Markdown's HTML are pure Python: off the event loop, which also
+    # runs the chat adapters, a few at a time (see HtmlRenderer). File views, diffs and searches count against
+    # the page's per-user limit of views (Auth.require's ``view``).
+    renderer = ctx.renderer
     diffing = asyncio.Semaphore(2)  # diffs (bounded: cortex.diff.DIFF_WORK) apart: they never hold up a file view
 
-    async def shown(v: FileVersion) -> dict[str, Any]:
+    async def shown(v: FileVersion, owner: str) -> dict[str, Any]:
         """A version with its text and the text as HTML."""
-        async with working:
-            html = await asyncio.to_thread(markdown_html, v.content)
-        return version_json(v) | {"content": v.content, "html": html}
+        return version_json(v) | {"content": v.content, "html": await renderer.html(owner, v.content)}
 
-    async def saved_or_current(pair: Pair, name: str, saved: FileVersion | None) -> web.Response:
+    async def saved_or_current(pair: Pair, name: str, saved: FileVersion | None, owner: str) -> web.Response:
         """The version a change made, or the unchanged current one, with whether anything changed."""
         current = saved or await store.current(pair.id, name)
         if current is None:  # a forget-me took the files since
             fail(409, GONE)
-        return ok(await shown(current) | {"changed": saved is not None})
+        return ok(await shown(current, owner) | {"changed": saved is not None})
 
     async def me(request: web.Request) -> web.Response:
         caller = await auth.require(request)
@@ -92,21 +90,22 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         })
 
     async def all_files(request: web.Request) -> web.Response:
-        caller = await auth.require(request)
+        caller = await auth.require(request, view=True)
         _, pair = await own_pair(ctx, caller, request.match_info["persona"])
         current = await store.current_all(pair.id)
         if any(f not in current for f in FILENAMES):  # own_pair made every file: a forget-me since took them
             fail(409, GONE)
-        return ok({"persona": pair.persona, "files": [await shown(current[f]) for f in FILENAMES]})
+        return ok({"persona": pair.persona,
+                   "files": [await shown(current[f], caller.user_key) for f in FILENAMES]})
 
     async def get_file(request: web.Request) -> web.Response:
-        caller = await auth.require(request)
+        caller = await auth.require(request, view=True)
         name = filename(request)
         _, pair = await own_pair(ctx, caller, request.match_info["persona"])
         current = await store.current(pair.id, name)
         if current is None:  # own_pair made every file: a forget-me since took them
             fail(409, GONE)
-        return ok(await shown(current) | {"max_chars": files.file_max_chars})
+        return ok(await shown(current, caller.user_key) | {"max_chars": files.file_max_chars})
 
     async def put_file(request: web.Request) -> web.Response:
         caller = await auth.require(request)
@@ -119,7 +118,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
             fail(409, str(exc))
         except FileError as exc:
             fail(422, str(exc))
-        return await saved_or_current(pair, name, saved)
+        return await saved_or_current(pair, name, saved, caller.user_key)
 
     async def versions(request: web.Request) -> web.Response:
         caller = await auth.require(request)
@@ -129,17 +128,17 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         return ok({"file": name, "versions": [version_json(v) for v in found], "total": total})
 
     async def one_version(request: web.Request) -> web.Response:
-        caller = await auth.require(request)
+        caller = await auth.require(request, view=True)
         name, number = filename(request), version_number(request.match_info["version"])
         _, pair = await own_pair(ctx, caller, request.match_info["persona"])
         try:
             found = await files.get_version(pair, name, number)
         except FileError as exc:  # (which versions there are, and whether older ones are no longer kept)
             not_found(str(exc))
-        return ok(await shown(found))
+        return ok(await shown(found, caller.user_key))
 
     async def diff(request: web.Request) -> web.Response:
-        caller = await auth.require(request)  # (not counted by the rate limit: the page asks for one at every click)
+        caller = await auth.require(request, view=True)
         name = filename(request)
         first = version_number(request.query.get("from", ""))
         second = version_number(request.query.get("to", ""))
@@ -161,7 +160,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
             saved = await files.revert(pair, name, wanted.version)
         except FileError as exc:
             not_found(str(exc))
-        return await saved_or_current(pair, name, saved)
+        return await saved_or_current(pair, name, saved, caller.user_key)
 
     async def reset(request: web.Request) -> web.Response:
         caller = await auth.require(request)
@@ -172,7 +171,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         current = await store.current(pair.id, name)
         if current is None:  # a forget-me took the files since
             fail(409, GONE)
-        return ok(await shown(current) | {"changed": bool(changed)})
+        return ok(await shown(current, caller.user_key) | {"changed": bool(changed)})
 
     return [
         web.get("/api/me", me),

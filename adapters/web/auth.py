@@ -108,6 +108,9 @@ class Auth:
         # Changes count against the same per-user limit as chat commands: a page script must not write
         # thousands of versions a minute where a chat could not.
         self.limiter = limiter or RateLimiter(config.chat.command_rate_limit_per_minute)
+        # Views that cost the bot's CPU (a file's HTML, a diff, a search's embedding): a script asking for them
+        # without pause slowed every user's replies from milliseconds to seconds.
+        self.views = RateLimiter(config.web.views_per_minute)
 
     async def caller(self, request: web.Request) -> Caller | None:
         session_id = request.cookies.get(self.cookie, "")
@@ -116,10 +119,12 @@ class Auth:
         session = await self.logins.session(session_id)
         return None if session is None else Caller(session_id, session)
 
-    async def require(self, request: web.Request, *, costly: bool = False, limited: bool = True) -> Caller:
+    async def require(self, request: web.Request, *, costly: bool = False, limited: bool = True,
+                      view: bool = False) -> Caller:
         """The logged-in caller; a 401 without a valid session, a 403 for a change without its CSRF token
         or from another origin. Changes, and reads that are ``costly`` (an export builds a zip of everything),
-        count against the per-user limit (429 beyond it) unless not ``limited`` (logging out always works)."""
+        count against the per-user limit (429 beyond it) unless not ``limited`` (logging out always works);
+        a ``view`` (a file's HTML, a diff, a search) against the per-user limit of views."""
         caller = await self.caller(request)
         if caller is None:
             fail(401, "not logged in (or the session ended): send !dashboard in a chat for a new link")
@@ -133,6 +138,9 @@ class Auth:
         if limited and (request.method in CHANGES or costly) and (wait := self.limiter.check(caller.user_key)):
             fail(429, f"too many changes or exports in a minute (at most {self.limiter.per_minute}): try again "
                       f"in {math.ceil(wait)} s")
+        if view and (wait := self.views.check(caller.user_key)):
+            fail(429, f"too many file views, diffs or searches in a minute (at most {self.views.per_minute}): try "
+                      f"again in {math.ceil(wait)} s")
         return caller
 
     def check_origin(self, request: web.Request) -> None:

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 from adapters.web.auth import Auth
 from adapters.web.errors import GONE, ApiError, error_page, fail, json_error
 from adapters.web.hosts import HOSTS, HostCheck, allowed_hosts, checked_host, warn_if_unchecked
+from adapters.web.render import HtmlRenderer, markdown_html
 from bot.ports import AdminDirectory
 from bot.storage.engine import is_missing_reference
 
@@ -50,6 +51,7 @@ class WebContext:
     app: App
     auth: Auth
     adapters: Mapping[str, Callable[[], bool]] = field(default_factory=dict)  # name -> connected?
+    renderer: HtmlRenderer = field(default_factory=lambda: HtmlRenderer(markdown_html))  # files' HTML, as kept
 
 
 def ok(data: Any, status: int = 200) -> web.Response:
