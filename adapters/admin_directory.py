@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from bot.config import DiscordConfig, MatrixConfig
 from bot.ports import ServerRef
+from bot.ratelimit import RateLimiter
 
 if TYPE_CHECKING:
     from adapters.discord import DiscordAdapter
@@ -46,6 +47,11 @@ LIST_SECONDS = 60.0  # a user's server list is kept this long (a page load asks 
 # naming a server they are not in, cannot spend the bot's rate limit. Rights are asked again after it.
 ANSWER_SECONDS = 30.0
 MAX_ANSWERS = 10_000
+# Guilds of other processes' shards asked from Discord for one user (answers kept don't count), and for all:
+# each request naming a guild id not asked before cost one REST call, and any logged-in user could name a new
+# made-up id on every request, spending the bot token's rate limit that every shard sends its messages with.
+GUILD_LOOKUPS_PER_USER = 10
+GUILD_LOOKUPS_IN_ALL = 300
 ROOM_CREATOR_LEVEL = 100
 
 
@@ -81,10 +87,12 @@ class DiscordAdminDirectory:
 
     platform = DISCORD
 
-    def __init__(self, client: Any, config: DiscordConfig, *, answer_seconds: float = ANSWER_SECONDS) -> None:
+    def __init__(self, client: Any, config: DiscordConfig, *, answer_seconds: float = ANSWER_SECONDS,
+                 guild_lookups: tuple[int, int] = (GUILD_LOOKUPS_PER_USER, GUILD_LOOKUPS_IN_ALL)) -> None:
         self.client = client  # discord.Client (or AutoShardedClient)
         self.config = config
         self.answer_seconds = answer_seconds
+        self._lookups_each, self._lookups_all = (RateLimiter(n) for n in guild_lookups)  # per minute
         self._listed: dict[int, tuple[float, list[ServerRef]]] = {}
         self._unanswered = 0  # lookups Discord failed to answer (a list made meanwhile is not kept)
         # (guild id, user id) -> (when asked, the REST lookup's answer); concurrent askers share one lookup
@@ -132,7 +140,7 @@ class DiscordAdminDirectory:
         if user_id is None or guild_id is None:
             return False
         guild = self.client.get_guild(guild_id)
-        if guild is None and self._on_other_shards(guild_id):
+        if guild is None and self._on_other_shards(guild_id) and self._may_look_up(user_key, guild_id):
             guild = await self._fetched_guild(guild_id)
         if guild is None:  # the bot is not in it (or not connected): nobody administers it through the bot
             return False
@@ -145,6 +153,22 @@ class DiscordAdminDirectory:
         if not shard_ids or not count:
             return False
         return (guild_id >> 22) % int(count) not in shard_ids
+
+    def _may_look_up(self, user_key: str, guild_id: int) -> bool:
+        """Whether the guild's answer is kept, or ``user_key`` (and everyone together) may have one more asked
+        from Discord this minute."""
+        kept = self._guilds.get(guild_id)
+        if kept is not None and time.monotonic() - kept[0] < self.answer_seconds:
+            return True
+        if self._lookups_each.waiting(user_key) or self._lookups_all.waiting(""):
+            if self._lookups_each.tell(user_key, 60.0):
+                log.warning("Discord: not asking about more servers of other shards for %s this minute (at most "
+                            "%d a user, %d in all)", user_key, self._lookups_each.per_minute,
+                            self._lookups_all.per_minute)
+            return False
+        self._lookups_each.check(user_key)
+        self._lookups_all.check("")
+        return True
 
     async def _fetched_guild(self, guild_id: int) -> Any:
         """The guild as Discord answers (None: the bot is not in it), asked at most once per ``answer_seconds``."""

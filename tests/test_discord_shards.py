@@ -150,6 +150,43 @@ async def test_the_web_pages_directory_asks_discord_about_guilds_of_other_shards
             await run
 
 
+async def test_made_up_guilds_of_other_shards_are_asked_from_discord_only_so_often(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any logged-in user could name a new made-up guild id of another shard on every request, and each cost a
+    REST call on the bot's token (whose rate limit every shard sends messages with): a user has a few lookups a
+    minute, everyone together more; answers kept cost none."""
+    from adapters.admin_directory import DiscordAdminDirectory
+
+    with FakeDiscord(shard_count=2) as fake:
+        others = [g << 22 for g in range(1, 200) if shard_for(g << 22, 2) == 1]
+        real, made_up = others[0], others[1:]
+        fake.add_guild(real, moderators=(501,))
+        monkeypatch.setattr(discord.http.Route, "BASE", fake.api_base)
+        monkeypatch.setattr(discord.gateway.DiscordWebSocket, "DEFAULT_GATEWAY", yarl.URL(fake.gateway_url))
+        client = _recording_client(0, [])
+        run = asyncio.create_task(client.start("token-0"))
+        try:
+            await asyncio.wait_for(client.wait_until_ready(), 10)
+            directory = DiscordAdminDirectory(client, DiscordConfig(shard_count=2, shard_ids=[0]),
+                                              guild_lookups=(3, 5))
+
+            def asked() -> int:
+                return len([r for r in fake.requests if r.path.startswith("/guilds/") and "/members/" not in r.path])
+
+            assert await directory.is_admin("discord:501", f"discord:{real}")
+            for guild in made_up[:6]:
+                assert not await directory.is_admin("discord:666", f"discord:{guild}")
+            assert asked() == 1 + 3  # the attacker's fourth to sixth were not asked
+            assert await directory.is_admin("discord:501", f"discord:{real}")  # kept: still answered
+            assert not await directory.is_admin("discord:777", f"discord:{made_up[6]}")
+            assert not await directory.is_admin("discord:778", f"discord:{made_up[7]}")
+            assert asked() == 5  # five in all this minute
+            assert await directory.is_admin("discord:501", f"discord:{real}")  # a kept answer costs nothing
+        finally:
+            await client.close()
+            await run
+
+
 def _recording_client(shard: int, into: list[str]) -> discord.AutoShardedClient:
     intents = discord.Intents.default()
     intents.message_content = True
