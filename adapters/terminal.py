@@ -27,6 +27,7 @@ from typing import Any, TextIO
 import platformdirs
 from prompt_toolkit import PromptSession
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
+from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
 from prompt_toolkit.patch_stdout import patch_stdout
 
 from bot.app import App
@@ -42,7 +43,9 @@ from bot.text import PrintableStream, error_line, plural, printable, visible
 log = logging.getLogger(__name__)
 PLATFORM = "console"
 CUT = "\x00cut"  # (what _read_body returns when a command came before the text's dot line)
+CANCELLED = "\x00cancelled"  # (... when Ctrl-C cancelled the text at a prompt)
 NO_BODY = {"": "the input ended before the line holding only a dot; nothing changed",
+           CANCELLED: "cancelled (Ctrl-C); nothing changed",
            CUT: "the next command came before the line holding only a dot that ends the text; nothing changed "
                 "(that command runs now)"}
 THINKING_AFTER = 2.0  # seconds without a word of the reply before the prompt says the model is at work
@@ -240,6 +243,32 @@ class TerminalAdapter:
             except EOFError:
                 return None
 
+    async def _prompt_body(self) -> str | None:
+        """At a prompt, the text a command waits for, edited as one block (the arrow keys move between its
+        lines, a paste keeps its lines): Enter on a last line holding only a dot ends it, Ctrl-C cancels it, and
+        Ctrl-D on an empty block ends the input. Read as plain lines, Ctrl-C reached nothing (the terminal was
+        in no prompt's hands) and the text could not be left. Its lines are never written to the history."""
+        bindings = KeyBindings()
+
+        @bindings.add("enter")
+        def _enter(event: KeyPressEvent) -> None:
+            document = event.current_buffer.document
+            if document.current_line.strip() == "." and document.on_last_line:
+                event.current_buffer.validate_and_handle()
+            else:
+                event.current_buffer.newline(copy_margin=False)
+
+        session: PromptSession[str] = PromptSession(multiline=True, key_bindings=bindings)
+        try:
+            with logs_above_prompt():
+                typed = await session.prompt_async("… ", prompt_continuation="… ")
+        except KeyboardInterrupt:
+            return CANCELLED
+        except EOFError:
+            return ""
+        lines = printable(typed).split("\n")[:-1]  # (the dot line, last)
+        return "\n".join(lines) if any(part.strip() for part in lines) else None
+
     async def _readline_in_thread(self) -> str:
         """Read one line without blocking the loop. A daemon thread, not the default executor: a
         read still waiting on an open terminal must not keep the process alive after Ctrl-C/SIGTERM."""
@@ -316,7 +345,7 @@ class TerminalAdapter:
             self.failures += 1  # a forgotten text: the next piped lines are not taken for it
             reply = replace(reply, needs_body="")
         if reply.needs_body:
-            self.stdout.write(reply.needs_body + "\n")
+            self.stdout.write(reply.needs_body + ("; Ctrl-C cancels" if self.interactive else "") + "\n")
             self.stdout.flush()
             body = await self._read_body()
             if body in NO_BODY or body is None:
@@ -357,7 +386,10 @@ class TerminalAdapter:
     async def _read_body(self) -> str | None:
         """Lines up to one holding only a dot; None when nothing was typed, else the text or one of ``NO_BODY``'s
         keys: the input ended first (""), or a command came first (``CUT``: it is given back, and runs next; in
-        piped setup scripts the text swallowed the commands after a missing dot, and stored them as a soul)."""
+        piped setup scripts the text swallowed the commands after a missing dot, and stored them as a soul), or
+        (at a prompt) Ctrl-C cancelled it (``CANCELLED``)."""
+        if self.interactive and not self._ahead:
+            return await self._prompt_body()
         lines: list[str] = []
         self._cut, self._cut_lines = False, 0
         while True:

@@ -132,6 +132,17 @@ def test_the_history_file_keeps_nothing_of_incognito_and_nothing_after_forget_me
     chat.send("Be kind.\rAlways.\r.\r")
     chat.expect("as version 1")
     chat.after("as version 1")
+    chat.fresh_prompt()  # Ctrl-C while a text is asked for cancels it (it reached nothing: the text never ended)
+    chat.send("!memory edit soul\r")
+    chat.expect("Ctrl-C cancels")
+    chat.send("I am a new soul\r!memory list\r")
+    chat.expect("!memory list")
+    chat.send("\x03")
+    chat.expect("cancelled (Ctrl-C); nothing changed")
+    chat.fresh_prompt()
+    chat.send("!memory show soul\r")  # the soul is as it was: the typed lines went nowhere
+    chat.expect("version 1")
+    assert b"I am a new soul" not in chat.seen.split(b"!memory show soul", 1)[1]
     kept = history.read_text()
     assert "an ordinary line" in kept and "after the pause" in kept and "hunter2" not in kept
     chat.mark()
