@@ -38,7 +38,7 @@ from bot.config import FREQUENCY_PRESETS, Config, CortexConfig
 from bot.persona import PersonaSource
 from bot.storage.base import Channel, Storage, User
 from bot.text import plural
-from cortex.export import MAX_ARCHIVE_BYTES, ArchiveError, export_data, export_filename, read_archive, zipped
+from cortex.export import MAX_ARCHIVE_BYTES, ArchiveError, ExportBusy, Exports, export_filename, read_archive
 from cortex.files import CortexFiles, FileError, normalise_filename, unified_diff
 from cortex.importing import Importer, ImportLimits
 from cortex.settings import (
@@ -117,6 +117,10 @@ class CortexCommands:
     on_forget: Callable[[str], None] | None = None
     embedding_backlog: Callable[[], Awaitable[str]] | None = None  # how long until imports are found by meaning
     _importing: set[str] = field(default_factory=set)  # users whose import runs (one at a time each)
+    exports: Exports = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.exports = Exports(self.store)
 
     def register(self, registry: CommandRegistry) -> None:
         p = self.prefix = registry.prefix
@@ -265,8 +269,10 @@ class CortexCommands:
 
     async def export(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
         user, _ = await self._pair(ctx)
-        everything = await export_data(self.store, user)
-        data = await zipped(everything)
+        try:
+            everything, data = await self.exports.archive(user)
+        except ExportBusy as exc:
+            raise CommandError(str(exc)) from None
         items = sum(len(p["memory_items"]) for p in everything["personas"])
         return CommandReply(
             f"Everything the bot holds about you: {plural(len(everything['personas']), 'persona')}: files with every "

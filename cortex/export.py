@@ -161,6 +161,33 @@ MAX_DATA_BYTES = 100 * 1024 * 1024  # data.json unpacked: a zip bomb stops here
 MAX_DATA_VALUES = 3_000_000
 
 
+class ExportBusy(Exception):
+    """An export of this user's is being made already (a resent command would only make a second)."""
+
+
+@dataclass
+class Exports:
+    """Archives, made one at a time in the process: one holds all of a user's rows in memory while it is made
+    (about a gigabyte for a user of 160,000 imported messages; five sent at once reached 3 GB), and one at
+    a time for each user (one more while theirs is being made is refused, not queued)."""
+
+    store: CortexStore
+    _making: set[str] = field(default_factory=set)
+    _one: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
+
+    async def archive(self, user: User) -> tuple[dict[str, Any], bytes]:
+        """Everything about ``user`` (:func:`export_data`) and its zip (:func:`zipped`)."""
+        if user.key in self._making:
+            raise ExportBusy("an export of yours is being made already; wait for its answer")
+        self._making.add(user.key)
+        try:
+            async with self._one:
+                everything = await export_data(self.store, user)
+                return everything, await zipped(everything)
+        finally:
+            self._making.discard(user.key)
+
+
 def export_filename(user: User, now: datetime | None = None) -> str:
     """The archive's file name: ASCII only (every platform and browser keeps it as it is), the display
     name cut to 40 characters, and the time in UTC."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import re
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -100,6 +102,37 @@ async def test_a_version_no_longer_kept_is_named_as_such(tmp_path: Path, monkeyp
         assert "has no version 1 (versions: 5 to 6; the versions before 5 are no longer kept, only the newest 2)" \
             in gone
         assert "has no version 9 (versions: 5 to 6)" in (await run(app, "!memory diff memory.md 5 9")).text
+
+
+async def test_exports_are_made_one_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An export holds all of a user's rows in memory while it is made (five sent at once for a user of 160,000
+    messages took 3 GB): a second of the same user's is refused while the first is made, and another user's
+    waits for it."""
+    from cortex import export
+
+    release, started = asyncio.Event(), asyncio.Event()
+    real = export.export_data
+
+    async def slow(store: Any, user: Any) -> Any:
+        started.set()
+        await release.wait()
+        return await real(store, user)
+
+    monkeypatch.setattr(export, "export_data", slow)
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        first = asyncio.create_task(run(app, "!memory export"))
+        await started.wait()
+        again = await run(app, "!memory export")
+        assert again.failed and "an export of yours is being made already" in again.text
+        started.clear()
+        other = asyncio.create_task(run(app, "!memory export", ctx("bob")))
+        await asyncio.sleep(0.1)
+        assert not started.is_set() and not other.done()  # waits for ann's
+        release.set()
+        for task in (first, other):
+            reply = await task
+            assert not reply.failed and len(reply.attachments) == 1
+        assert (await run(app, "!memory export")).attachments  # done: a new one is made
 
 
 async def test_export_zip_holds_files_versions_and_metadata(tmp_path: Path) -> None:

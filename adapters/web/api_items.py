@@ -18,7 +18,7 @@ from adapters.web.server import WebContext, ok, read_body
 from adapters.web.userdata import own_user, persona_name
 from bot.commands import MAX_NUMBER
 from bot.storage.base import User
-from cortex.export import export_data, export_filename, zipped
+from cortex.export import ExportBusy, export_filename
 from cortex.memory.store import CATEGORIES, SCOPES, ItemFilters, MemoryConflict, MemoryError, MemoryItem, OwnedItem
 
 PAGE = 25
@@ -214,7 +214,10 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
     async def export(request: web.Request) -> web.Response:
         caller = await auth.require(request, costly=True)
         user = await own_user(ctx, caller)
-        data = await zipped(await export_data(ctx.app.cortex.store, user))
+        try:
+            _, data = await ctx.app.cortex.commands.exports.archive(user)
+        except ExportBusy as exc:
+            fail(409, str(exc))
         return web.Response(body=data, content_type="application/zip", headers={
             "Content-Disposition": f'attachment; filename="{export_filename(user)}"'})
 
