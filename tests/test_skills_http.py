@@ -403,6 +403,36 @@ async def test_only_the_configured_host_may_be_internal(
     assert (direct.content, direct.is_error) == ("AccessKeyId=ASIA-instance-role-secret", False)
 
 
+async def test_the_configured_port_is_trusted_not_the_whole_machine(server: tuple[str, Recorder], make: Any) -> None:
+    """Trust was by host: an open redirect of a skill on 127.0.0.1 reached every port of the machine (a local
+    admin API, the bot's own /metrics). A redirect to another port of the skill's host is held to public
+    addresses like any other, by address or by name."""
+    base, seen = server
+    asked: list[str] = []
+
+    async def admin(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        return web.Response(text="SECRET-INTERNAL")
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", admin)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        other = runner.addresses[0][1]
+        for written in (base, base.replace("127.0.0.1", "localhost")):
+            skill = make(url=written + "/go", parameters={"type": "object", "properties": {"to": {"type": "string"}}})
+            for target in (f"http://127.0.0.1:{other}/admin", f"http://localhost:{other}/admin"):
+                result = await skill.run({"to": target}, _context())
+                assert result.is_error and "not a public address" in result.content, (written, target, result)
+            back = await skill.run({"to": written + "/hop/0"}, _context())  # its own port: still fine
+            assert (back.content, back.is_error) == ("arrived", False)
+        assert asked == []
+    finally:
+        await runner.cleanup()
+
+
 async def test_json_nested_too_deeply_is_an_error_result_not_an_exception(
     server: tuple[str, Recorder], make: Any
 ) -> None:

@@ -58,7 +58,7 @@ class HttpSkill:
         self._redact_values = redaction_values(tuple(self._secret_headers.values()))
         self._session_factory = session_factory
         self._session: aiohttp.ClientSession | None = None
-        self._trusted = trusted_host(config.url, config.allow_internal)
+        self._trusted = trusted_origin(config.url, config.allow_internal)
         self._info = SkillInfo(
             name=config.name,
             description=config.description,
@@ -151,9 +151,9 @@ class HttpSkill:
     async def _guard(self, request: aiohttp.ClientRequest, handler: aiohttp.ClientHandlerType
                      ) -> aiohttp.ClientResponse:
         """Every request, the first and each redirect's: an address written as the host must be public unless
-        it is the skill's own host (a name is checked as it resolves, by :class:`PublicOnlyResolver`)."""
+        it is the skill's own host and port (a name is checked as it resolves, by :class:`PublicOnlyResolver`)."""
         host = request.url.raw_host or ""
-        if not _same_host(host, self._trusted) and _is_ip(host) and not _public(host):
+        if not _trusted_at(host, request.url.port, self._trusted) and _is_ip(host) and not _public(host):
             raise SkillFailure(_internal(host))
         return await handler(request)
 
@@ -161,7 +161,7 @@ class HttpSkill:
         return redact(text, self._redact_values)
 
 
-def _new_session(trusted: str | None = None) -> aiohttp.ClientSession:
+def _new_session(trusted: tuple[str, int] | None = None) -> aiohttp.ClientSession:
     # No cookie jar: the session serves every user, so one user's cookies must not reach another's call.
     connector = aiohttp.TCPConnector(resolver=PublicOnlyResolver(trusted))
     return aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(), connector=connector)
@@ -185,6 +185,14 @@ def trusted_host(template: str, allow_internal: bool = False) -> str | None:
         else None
 
 
+def trusted_origin(template: str, allow_internal: bool = False) -> tuple[str, int] | None:
+    """:func:`trusted_host` with the port the url names (or its scheme's): a redirect from the skill's own
+    service to another port of that machine (its admin API, the bot's /metrics) is not the service."""
+    host = trusted_host(template, allow_internal)
+    port = URL(template).port if host is not None else None
+    return None if host is None or port is None else (host, port)
+
+
 async def needs_allow_internal(config: HttpSkillConfig, timeout: float = 5.0) -> str | None:
     """For `cortexbot doctor`: why every call of the skill would be refused, when its url names a host (no
     placeholder in it) that resolves to internal addresses only and the config does not allow it; None
@@ -204,19 +212,19 @@ async def needs_allow_internal(config: HttpSkillConfig, timeout: float = 5.0) ->
 
 
 class PublicOnlyResolver(AbstractResolver):
-    """Resolves as aiohttp does, but a host other than ``trusted`` gets its public addresses only (none:
+    """Resolves as aiohttp does, but a host and port other than ``trusted`` get public addresses only (none:
     refused): a redirect, or a host the model's arguments made, never reaches the bot's own machine, its
     network or a cloud's metadata service (169.254.169.254). Checked on the addresses connected to, so a
     name that resolves differently the second time (DNS rebinding) gains nothing."""
 
-    def __init__(self, trusted: str | None) -> None:
+    def __init__(self, trusted: tuple[str, int] | None) -> None:
         self._trusted = trusted
         self._inner = aiohttp.DefaultResolver()
 
     async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
                       ) -> list[ResolveResult]:
         found = await self._inner.resolve(host, port, family)
-        if _same_host(host, self._trusted):
+        if _trusted_at(host, port, self._trusted):
             return found
         public = [address for address in found if _public(address["host"])]
         if not public:
@@ -227,8 +235,10 @@ class PublicOnlyResolver(AbstractResolver):
         await self._inner.close()
 
 
-def _same_host(host: str, trusted: str | None) -> bool:
-    return trusted is not None and host.casefold().rstrip(".") == trusted.casefold().rstrip(".")
+def _trusted_at(host: str, port: int | None, trusted: tuple[str, int] | None) -> bool:
+    if trusted is None or port != trusted[1]:
+        return False
+    return host.casefold().rstrip(".") == trusted[0].casefold().rstrip(".")
 
 
 def _is_ip(host: str) -> bool:
