@@ -36,7 +36,7 @@ from bot.text import plural, storable, storable_json
 from cortex.export import ArchiveError, ImportReport
 from cortex.files import CortexFiles, FileError
 from cortex.memory.guard import check_memory_text
-from cortex.memory.store import CATEGORIES, PAIR_ITEMS, SCOPES
+from cortex.memory.store import CATEGORIES, MAX_KEY_CHARS, PAIR_ITEMS, SCOPES
 from cortex.memory.tools import MAX_TAG_CHARS
 from cortex.store import FILENAMES, CortexStore
 
@@ -145,7 +145,7 @@ def item_fields(item: Mapping[str, Any], max_chars: int) -> dict[str, Any] | Non
     if MISSING in times.values() or extras is None:
         return None
     return {
-        "category": item["category"], "key": _text(item.get("key"), 200), "content": content,
+        "category": item["category"], "key": _text(item.get("key"), MAX_KEY_CHARS), "content": content,
         "importance": importance, "pinned": int(bool(item.get("pinned"))),
         "expires_at": times["expires_at"],
         "tags": extras[0],

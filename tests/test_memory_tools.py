@@ -129,6 +129,7 @@ async def test_bad_memory_tool_calls_get_clear_errors_and_write_nothing(app: App
         ("15", "remember", '{"content": "unterminated'),
         ("16", "update_memory", {"id": 10**30, "content": "x"}),
         ("17", "update_memory", {"id": pinned.id, "content": "Ann eats meat now"}),  # not a way round forget
+        ("18", "remember", {"content": "Ann likes tea", "category": "fact", "key": "k" * 20_000}),
     ]
     fake_llm.enqueue(FakeResponse.tool_calls(bad_calls), FakeResponse.text("ok"))
     before = await app.storage.db.fetch_all("SELECT * FROM memory_items ORDER BY id")
@@ -147,6 +148,7 @@ async def test_bad_memory_tool_calls_get_clear_errors_and_write_nothing(app: App
     assert "'query' must be" in texts[13] and "needs a JSON object" in texts[14]
     assert "'id' must be from 1" in texts[15]
     assert f"item #{pinned.id} is pinned by the user; only they can change" in texts[16]
+    assert "a key is a short label of at most 200 characters, not 20,000" in texts[17]
     after = await app.storage.db.fetch_all("SELECT * FROM memory_items ORDER BY id")
     assert [tuple(r) for r in after] == [tuple(r) for r in before]
 

@@ -54,6 +54,7 @@ SHARED_ONLY_WIDER = 8  # a group channel's vector candidates are taken this many
 _WORD = re.compile(r"\w+", re.UNICODE)
 COMMON_MATCHES = 1000  # a query word found in more rows than this is too common to rank by (see _bounded)
 MAX_TERMS = 16
+MAX_KEY_CHARS = 200  # an item's key: a short label ("sister's name"), as an import keeps it
 PAIR_ITEMS = 50_000  # a user's memory items with one persona (not archived): one more is refused
 MAX_QUERY_CHARS = 8000  # what a search reads of its query: a longer one (a model's tool call, a message where
 # [bot] max_message_chars allows more than the default 8,000) is searched by its start
@@ -295,6 +296,8 @@ class MemoryStore:
         source_ref: str = "", supersedes: int | None = None, scope: Scope = "private",
     ) -> MemoryItem:
         content = self.checked(pair_id, content, category=category, importance=importance, source=source)
+        if len(key) > MAX_KEY_CHARS:  # (it is embedded with the content: a label, not a second text)
+            raise MemoryError(f"a key is a short label of at most {MAX_KEY_CHARS} characters, not {len(key):,}")
         if supersedes is not None:
             self._check_correctable(await self.get(pair_id, supersedes, count_access=False))
         elif await self.repo.has_at_least(pair_id, PAIR_ITEMS):  # (a correction replaces one: never refused)
