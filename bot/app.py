@@ -55,8 +55,11 @@ def build_provider(config: Config, env: Mapping[str, str] | None = None) -> LLMP
     llm = config.llm
     key = read_secret(llm.key_env_name, env)
     if key is None:
-        if llm.provider == "openai" and llm.base_url:
+        if not llm.key_required:
             key = "not-needed"  # local OpenAI-compatible servers (Ollama, vLLM, llama.cpp) accept any key
+        elif llm.api_key_env:
+            raise ConfigError(f"the {llm.provider} API key is missing: [llm] api_key_env names the environment "
+                              f"variable {llm.key_env_name}, which is not set")
         else:
             raise ConfigError(
                 f"the {llm.provider} API key is missing: set the environment variable {llm.key_env_name} "

@@ -777,7 +777,7 @@ async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
         await _doctor_backlog(config, embedder, report)
 
     llm = config.llm
-    if read_secret(llm.key_env_name) is None and not (llm.provider == "openai" and llm.base_url):
+    if read_secret(llm.key_env_name) is None and llm.key_required:
         report(False, "LLM API key", f"environment variable {llm.key_env_name} is not set")
         return
     report(True, "LLM API key", f"read from ${llm.key_env_name}" if read_secret(llm.key_env_name) else "not needed")

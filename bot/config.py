@@ -297,6 +297,12 @@ class LLMConfig(_Section):
             return self.api_key_env
         return "ANTHROPIC_API_KEY" if self.provider == "anthropic" else "OPENAI_API_KEY"
 
+    @property
+    def key_required(self) -> bool:
+        """Whether the bot needs a key to start: a local OpenAI-compatible server (Ollama, vLLM, llama.cpp)
+        takes any, unless the config names the variable that holds one (then a missing one is a mistake)."""
+        return not (self.provider == "openai" and self.base_url and not self.api_key_env)
+
 
 class HistoryConfig(_Section):
     history_tokens: int = Field(default=2000, ge=50, description="Token budget for the history window.")

@@ -597,6 +597,24 @@ def test_doctor_refuses_a_persona_name_that_start_refuses(tmp_path: Path, fake_l
     assert "All checks passed" not in result.stdout
 
 
+def test_a_key_variable_the_config_names_must_be_set_even_for_a_local_server(
+        tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """An OpenAI-compatible server with a base_url needs no key (Ollama takes any); but one whose config names
+    the variable that holds its key (DeepSeek, a vLLM behind a key) was reported "✓ LLM API key: not needed"
+    with the variable unset, and the chat started without a word, to fail at every reply."""
+    fake_llm.models = ["test-model"]
+    config = write_config(tmp_path, fake_llm, provider="openai")
+    doctor = cortexbot("--config", str(config), "doctor", env={"CB_TEST_API_KEY": ""})
+    assert doctor.returncode == 1 and "✗ LLM API key: environment variable CB_TEST_API_KEY is not set" in doctor.stdout
+    chat = cortexbot("--config", str(config), "chat", stdin="hi\n", env={"CB_TEST_API_KEY": ""})
+    assert chat.returncode != 0
+    assert "[llm] api_key_env names the environment variable CB_TEST_API_KEY, which is not set" in chat.stderr
+    keyless = tmp_path / "keyless.toml"
+    keyless.write_text(config.read_text().replace('api_key_env = "CB_TEST_API_KEY"\n', ""))
+    local = cortexbot("--config", str(keyless), "doctor", env={"OPENAI_API_KEY": ""})
+    assert local.returncode == 0 and "✓ LLM API key: not needed" in local.stdout, local.stdout
+
+
 def test_doctor_says_an_openai_base_url_lacks_v1(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
     """An OpenAI-compatible base_url without its /v1 (http://localhost:11434 for Ollama): doctor said
     "reachable; it does not list its models" and "All checks passed", while every reply failed with 404."""
