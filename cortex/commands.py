@@ -305,7 +305,7 @@ class CortexCommands:
             renewing.cancel()
             self._importing.discard(user.key)
             await exports.release_import(user.key, token)
-        text = report.line()
+        text = report.line(self.prefix)
         if ctx.attachments_seen_by_all:
             text = f"{EXPORT_IN_PUBLIC} {text}"
         if (report.items or report.messages) and self.embedding_backlog is not None:

@@ -207,10 +207,16 @@ class ImportReport:
     messages: int = 0
     skipped: int = 0  # already here
     left_out: list[str] = field(default_factory=list)  # what could not come in, and why
+    # (persona, file, version) of files changed here after the export was made, that the archive's replaced
+    replaced: list[tuple[str, str, int]] = field(default_factory=list)
 
-    def line(self) -> str:
+    def line(self, prefix: str = "!") -> str:
         text = (f"Imported {plural(self.items, 'memory item')}, {plural(self.files, 'file')} and "
                 f"{plural(self.messages, 'message')}; {self.skipped:,} were here already.")
+        if self.replaced:
+            text += " Replaced what changed here after the export was made: " + "; ".join(
+                f"{persona}'s {filename} (version {version} is kept: {prefix}memory revert {filename} {version} "
+                f"with {persona} brings it back)" for persona, filename, version in self.replaced) + "."
         reasons = Counter(self.left_out)  # in order of first appearance, each once with its count
         named = [reason if count == 1 else f"{reason} (×{count:,})" for reason, count in reasons.items()]
         more = f"; and {plural(len(named) - 8, 'other reason')}" if len(named) > 8 else ""

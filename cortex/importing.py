@@ -170,6 +170,7 @@ class _PersonaPlan:
 
     name: str
     files: dict[str, str] = field(default_factory=dict)
+    versions: dict[str, set[str]] = field(default_factory=dict)  # every text of each file the archive holds
     items: list[tuple[int | None, dict[str, Any]]] = field(default_factory=list)  # (id in the archive, columns)
     corrections: list[tuple[int, int]] = field(default_factory=list)  # (archive id, archive id of its correction)
 
@@ -233,7 +234,9 @@ class Importer:
         plan = _PersonaPlan(name)
         for version in _list(persona.get("file_versions")):
             if isinstance(version, dict) and version.get("file") in FILENAMES:
-                plan.files[str(version["file"])] = storable(str(version.get("content") or ""))
+                content = storable(str(version.get("content") or ""))
+                plan.files[str(version["file"])] = content
+                plan.versions.setdefault(str(version["file"]), set()).add(content)
         for filename, content in list(plan.files.items()):
             if not content.strip() or len(content) > self.files.file_max_chars:
                 report.left_out.append(f"{name}'s {filename} (empty or too long)")
@@ -254,6 +257,7 @@ class Importer:
         # By the user's row as the import began, never made again: a forget-me meanwhile stops the import here.
         pair = await self.store.count_messages(user.id, plan.name, 0)
         for filename, content in plan.files.items():
+            before = await self.store.current(pair.id, filename)
             try:
                 written = await self.files.write(pair, filename, content, "user", REASON)
             except FileError as exc:  # e.g. the guard refused it: the rest still comes in
@@ -261,8 +265,12 @@ class Importer:
                 continue
             if written is None:
                 report.skipped += 1
-            else:
-                report.files += 1
+                continue
+            report.files += 1
+            # Written here after the export was made (by the user or the persona; not a template): an older
+            # archive brought back is said to have replaced it, and how to get it back.
+            if before is not None and before.author != "system" and before.content not in plan.versions[filename]:
+                report.replaced.append((plan.name, filename, before.version))
         await self._items(pair.id, plan, report)
 
     async def _items(self, pair_id: int, plan: _PersonaPlan, report: ImportReport) -> None:

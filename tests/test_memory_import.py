@@ -60,6 +60,7 @@ async def test_a_second_bot_answers_with_the_same_memory(tmp_path: Path) -> None
     async with App(_config(tmp_path / "second", second=True), llm=ScriptedProvider()) as second:
         reply = await run(second, "!memory import", ctx("ann", Attachment("export.zip", archive)))
         assert reply.startswith("Imported 2 memory items, 1 file and 2 messages"), reply
+        assert "Replaced" not in reply  # (over a template: nothing of the user's was here)
         assert "can be found by its words" in reply  # and when by meaning (the embedding backlog)
         system = await say(second, "how is my training going?")
         assert "Ann grows figs on her balcony" in system and "training for a marathon" in system
@@ -69,6 +70,30 @@ async def test_a_second_bot_answers_with_the_same_memory(tmp_path: Path) -> None
         again = await run(second, "!memory import", ctx("ann", Attachment("export.zip", archive)))
         assert again.startswith("Imported 0 memory items, 0 files and 0 messages") and "were here already" in again
         assert "found by" not in again  # nothing new to find
+
+
+async def test_an_older_export_brought_back_says_what_it_replaced(tmp_path: Path) -> None:
+    """An export imported again after a file was edited rolled the file back in silence ("Imported 1 file"): the
+    answer names each file changed after the export was made that the archive's replaced, and how to get it
+    back. A file whose text is one the archive holds (reverted since) is no news."""
+    async with App(_config(tmp_path / "one"), llm=ScriptedProvider()) as app:
+        await run(app, "!memory edit soul.md\n# My soul\n- curious")
+        await run(app, "!memory edit memory.md\n# My memories of Ann\n- Ann runs")
+        archive = (await app.commands.dispatch("!memory export", ctx())).attachments[0].data
+        await run(app, "!memory edit soul.md\n# My soul\n- curious, and kind since Tuesday")
+        await run(app, "!memory edit memory.md\n# My memories of Ann\n- Ann swims")
+        await run(app, "!memory revert memory.md 2")  # back to a text the archive holds
+        newer = (await app.cortex.store.current((await app.cortex.store.pair_for("discord:ann", "Ann", "Cora"))[1].id,
+                                                "soul.md"))
+        assert newer is not None
+        reply = await run(app, "!memory import", ctx("ann", Attachment("export.zip", archive)))
+        assert reply.startswith("Imported 0 memory items, 1 file"), reply
+        assert (f"Replaced what changed here after the export was made: Cora's soul.md (version {newer.version} is "
+                f"kept: !memory revert soul.md {newer.version} with Cora brings it back).") in reply
+        assert "memory.md" not in reply
+        assert "kind since Tuesday" not in await run(app, "!memory show soul")
+        await run(app, f"!memory revert soul.md {newer.version}")
+        assert "kind since Tuesday" in await run(app, "!memory show soul")
 
 
 async def test_only_ones_own_export_and_only_real_exports(tmp_path: Path) -> None:
