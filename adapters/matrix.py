@@ -45,6 +45,7 @@ from nio import (
     RoomCreateResponse,
     RoomEncryptedFile,
     RoomEncryptedImage,
+    RoomInviteResponse,
     RoomMemberEvent,
     RoomMessageEmote,
     RoomMessageFile,
@@ -921,7 +922,23 @@ class MatrixAdapter:
         for room in ([mine] if mine else []) + [r for r in self.client.rooms.values() if r is not mine]:
             if await self._private_to(room, user_id):
                 return str(room.room_id)
+        if mine is not None and await self._invite_again(mine, user_id):
+            return str(mine.room_id)
         return await self._open_dm(user_id)
+
+    async def _invite_again(self, room: MatrixRoom, user_id: str) -> bool:
+        """Whether ``user_id`` is invited again into the direct room the bot opened for them, which they left or
+        whose invite they turned down: the bot is alone in it, nobody else invited. A new room for every
+        private answer left a room behind, bot alone, each time such a user sent a memory command."""
+        alone = set(room.users) == {self.config.user_id} and not room.invited_users
+        if not alone or room.history_visibility == "world_readable":
+            return False
+        response = await self.client.room_invite(room.room_id, user_id)
+        if not isinstance(response, RoomInviteResponse):
+            log.warning("Matrix: could not invite %s into their direct room again (%s); opening another", user_id,
+                        getattr(response, "message", response))
+            return False
+        return True
 
     async def _private_to(self, room: MatrixRoom, user_id: str) -> bool:
         """Whether answers for ``user_id`` alone may go to ``room``. Anyone can make a room that looks direct

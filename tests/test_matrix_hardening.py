@@ -9,6 +9,7 @@ import io
 import re
 import zipfile
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -621,6 +622,45 @@ async def test_a_direct_room_others_join_keeps_its_direct_conversation_out(synap
         await seen.sync_until(lambda: any("my diagnosis?" in b for b in seen.bodies(room, bot.user_id)), "her reply")
         request = bot.app.llm.requests[-1]  # type: ignore[attr-defined]
         assert "XYZ-42" in str([m.content for m in request.messages])  # the DM's own window again
+    finally:
+        await alice.close()
+        await bob.close()
+
+
+async def test_a_turned_down_direct_room_is_offered_again_not_made_anew(synapse: SynapseServer, bot: Bot) -> None:
+    """A user who turned down the invite to their direct room got a new room, bot alone, for every private
+    answer (one memory command after another: rooms piling up on the bot and the homeserver). The room the
+    bot opened for them is offered again."""
+    alice, bob = await user(synapse, "alice"), await user(synapse, "bob")
+    seen = Timeline(alice)
+    try:
+        room = await group_with(seen, bot.user_id, bob)
+        invites: list[str] = []
+
+        async def invited(dm: str) -> bool:  # (as the bot sees it)
+            known = bot.adapter.client.rooms.get(dm)
+            return known is not None and alice.user_id in known.invited_users
+
+        async def has_dm() -> bool:
+            return alice.user_id in bot.adapter._dms
+
+        async def turned_down(dm: str) -> bool:
+            return not await invited(dm) and await _members(bot, dm, 1)
+
+        for turn in range(3):
+            await send_text(alice, room, "!memory list")
+            await eventually(has_dm, "a direct room for her")
+            dm = bot.adapter._dms[alice.user_id]
+            await eventually(partial(invited, dm), f"invite {turn + 1}")
+            invites.append(dm)
+            await alice.room_leave(dm)  # turned down
+            await eventually(partial(turned_down, dm), "the bot to see her turn it down")
+        assert len(set(invites)) == 1 and len(bot.adapter.client.rooms) == 2, (invites, bot.adapter.client.rooms)
+        await send_text(alice, room, "!memory list")
+        await eventually(lambda: invited(invites[0]), "the fourth invite, to the same room")
+        await alice.join(invites[0])  # she takes it at last: the answers are there
+        await seen.sync_until(lambda: any("No memory items" in b for b in seen.bodies(invites[0], bot.user_id)),
+                              "the private answers")
     finally:
         await alice.close()
         await bob.close()
