@@ -16,7 +16,16 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import click
 
-from bot.config import Config, ConfigError, check_storage_url, load_config, read_secret, resolve_config_path
+from bot.config import (
+    CONFIG_ENV,
+    DEFAULT_CONFIG_NAME,
+    Config,
+    ConfigError,
+    check_storage_url,
+    load_config,
+    read_secret,
+    resolve_config_path,
+)
 from bot.errors import USER_TOLD
 from bot.llm.errors import LLMError
 from bot.storage import StorageError
@@ -48,6 +57,16 @@ def _log_level(ctx: click.Context, config: Config, quiet: str) -> str:
     if ctx.obj.get("verbose"):
         return "DEBUG" if "DEBUG" in (config.bot.log_level, quiet) else "INFO"
     return quiet
+
+
+def _start_refused(exc: Exception) -> click.ClickException:
+    """A start refused for a config or storage problem, in one line; when no config file was found, that is
+    said too: the built-in defaults are seldom what the person meant (a chat started from another folder)."""
+    ctx = click.get_current_context(silent=True)
+    no_file = ctx is not None and isinstance(ctx.obj, dict) and ctx.obj.get("resolved_config", "") is None
+    note = (f" (no config file was found: neither --config, ${CONFIG_ENV} nor ./{DEFAULT_CONFIG_NAME}, so the "
+            "built-in defaults are in use)") if no_file and isinstance(exc, ConfigError) else ""
+    return click.ClickException(str(exc) + note)
 
 
 def _load(ctx: click.Context) -> Config:
@@ -153,7 +172,7 @@ async def _chat(config: Config, user: str, persona: str | None) -> int:
     try:
         await app.start()
     except (ConfigError, StorageError) as exc:
-        raise click.ClickException(str(exc)) from None
+        raise _start_refused(exc) from None
     web: Any = None
     status, grace = 1, {"spent": False}
     try:
@@ -229,7 +248,7 @@ async def _serve(config: Config, platforms: list[str]) -> int:
     try:
         await app.start()
     except (ConfigError, StorageError) as exc:
-        raise click.ClickException(str(exc)) from None
+        raise _start_refused(exc) from None
     closers: list[Callable[[], Awaitable[None]]] = []
     tasks: list[asyncio.Task[None]] = []
     connected: dict[str, Callable[[], bool]] = {}

@@ -615,6 +615,18 @@ def test_a_key_variable_the_config_names_must_be_set_even_for_a_local_server(
     assert local.returncode == 0 and "✓ LLM API key: not needed" in local.stdout, local.stdout
 
 
+def test_a_start_without_a_config_file_says_none_was_found(tmp_path: Path) -> None:
+    """Started from another folder, the chat said only "the anthropic API key is missing": nothing told that no
+    config.toml was found and the built-in defaults were in use."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ANTHROPIC_API_KEY", "CORTEXBOT_CONFIG")}
+    env |= {"HOME": str(tmp_path), "XDG_DATA_HOME": str(tmp_path / "data")}
+    chat = subprocess.run([str(BIN / "cortexbot"), "chat"], input="hi\n", capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=120)
+    assert chat.returncode != 0
+    assert "the anthropic API key is missing" in chat.stderr
+    assert "no config file was found: neither --config, $CORTEXBOT_CONFIG nor ./config.toml" in chat.stderr
+
+
 def test_doctor_says_an_openai_base_url_lacks_v1(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
     """An OpenAI-compatible base_url without its /v1 (http://localhost:11434 for Ollama): doctor said
     "reachable; it does not list its models" and "All checks passed", while every reply failed with 404."""
