@@ -601,6 +601,11 @@ async def test_the_same_words_remembered_again_are_not_stored_twice(tmp_path: Pa
         assert "unknown category `bogus`" in (await run(app, "!memory remember --category bogus I like tea")).text
         assert "importance is a number from 1 to 10" in (
             await run(app, "!memory remember --importance 99 I like tea")).text  # (checked before the match)
+        assert "--importance needs a value after it, e.g. --importance 8" in (
+            await run(app, "!memory remember I like coffee --importance")).text
+        assert "importance is a number from 1 to 10, not `high`" in (
+            await run(app, "!memory remember --importance high I like coffee")).text
+        assert "--category needs a value after it" in (await run(app, "!memory remember coffee --category")).text
         assert (await run(app, "!memory remember I like tea", ctx(server="discord:g1"))).text == (
             "Remembered as #2.")  # said in a group: an item the group may see (the first is private)
         await run(app, "!memory forget 1")

@@ -190,13 +190,16 @@ class MemoryCommands:
         kept, category, importance, pin, origin = [], "fact", 5, False, ctx.channel_key
         it = iter(args)
         for token in it:
+            if token in ("--category", "--importance") and (value := next(it, None)) is None:
+                raise CommandError(f"{token} needs a value after it, e.g. "
+                                   + ("--category preference" if token == "--category" else "--importance 8"))
             if token == "--category":
-                category = next(it, "").lower()  # "Fact" is the category fact
+                category = str(value).lower()  # "Fact" is the category fact
             elif token == "--importance":
                 try:
-                    importance = int(next(it, ""))
+                    importance = int(str(value))
                 except ValueError:
-                    raise CommandError("importance is a number from 1 to 10") from None
+                    raise CommandError(f"importance is a number from 1 to 10, not {shown(str(value))}") from None
             elif token == "--pin":
                 pin = True
             elif token == FROM:
