@@ -311,6 +311,8 @@ async def test_a_channels_switch_holds_in_its_threads(tmp_path: Path, fake_llm: 
         admin = CommandContext("console", "console:boss", "Boss", "console:room", "Cora", is_admin=True,
                                server_key="console:g1")
         assert "off" in (await app.commands.dispatch("!skills disable current_time --channel", admin)).text
+        typo = (await app.commands.dispatch("!skills disable current_tim --channel", admin)).text
+        assert "unknown skill `current_tim` (did you mean current_time?)" in typo
         fake_llm.enqueue(FakeResponse.text("Hi."), FakeResponse.text("Hello."))
         await app.core.reply(_msg("hi", server="g1")).text()
         offered = tool_names(fake_llm.completion_requests[-1])

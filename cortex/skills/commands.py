@@ -5,6 +5,7 @@ only scope in a direct message)."""
 
 from __future__ import annotations
 
+import difflib
 import textwrap
 import time
 from collections.abc import Callable, Sequence
@@ -88,7 +89,9 @@ class SkillCommands:
         if not names:
             raise CommandError(f"which skill? see {self.prefix}skills list")
         if names[0] not in known:
-            raise CommandError(f"unknown skill {shown(names[0])}; see {self.prefix}skills list")
+            near = difflib.get_close_matches(names[0].lower(), sorted(known), n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            raise CommandError(f"unknown skill {shown(names[0])}{hint}; see {self.prefix}skills list")
         name, info, policy = names[0], known[names[0]].info, self.tools.policy
         scope, where = self._scope(ctx, args)
         if enabled and scope != "*" and await policy.locked(ctx.persona, info):
