@@ -489,7 +489,7 @@ def test_run_with_matrix_missing_settings_names_them(tmp_path: Path, fake_llm: F
     config.write_text(config.read_text() + "[matrix]\nenabled = true\n")
     result = cortexbot("--config", str(config), "run", timeout=60)
     assert result.returncode == 1
-    assert "homeserver and user_id are not set" in result.stderr and "Traceback" not in result.stderr
+    assert "homeserver is not set; user_id is not set" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_odd_bytes_in_and_control_sequences_out(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
