@@ -262,6 +262,12 @@ async def test_a_config_entry_named_like_a_chat_made_persona_says_it_takes_it_ov
             assert "Nova (from the config file, German)" in listing, listing
             assert "You are Nova, made in chat." in await run(app, "!persona show", ctx(persona="Nova"))
     assert any("has the name of a persona made with !persona create" in r.getMessage() for r in caplog.records)
+    renamed = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000},
+                            "personas": [{"name": "Cora", "identity": "You are Cora."}]})
+    async with App(renamed, llm=ScriptedProvider()) as app:  # (Nova's entry is gone from the file)
+        listing = await run(app, "!persona list")
+        assert "Nova (from chat, once from the config file, German)" in listing, listing
+        assert "Persona Nova deleted" in await run(app, "!persona delete Nova")
 
 
 async def test_threads_inherit_their_channels_persona_unless_set_themselves(tmp_path: Path) -> None:

@@ -136,7 +136,10 @@ class PersonaCommands:
         default = self.registry.default_name.casefold()
         lines = ["Personas:"]
         for row in rows:
-            marks = [f"from {'the config file' if row.source == 'config' else row.source}", row.language]
+            source = row.source
+            if source == "config" and not self.registry.from_config(row.name):  # (renamed or removed there since)
+                source = "chat, once from the config file"
+            marks = [f"from {'the config file' if source == 'config' else source}", row.language]
             if row.name.casefold() == default:
                 marks.append("default")
             lines.append(f"  {row.name} ({', '.join(marks)})")
