@@ -179,6 +179,9 @@ async def test_create_pick_delete(tmp_path: Path) -> None:
         await app.router.handle(_inbound("!persona Cora", admin=True), Sink())
         assert "Persona Nova deleted" in await run(app, "!persona delete Nova")
         assert "Nova" not in await run(app, "!persona list") and app.personas.names() == ["Cora", "Max"]
+        back = await run(app, "!persona create Nova")  # its soul came back with it: not "give it a soul"
+        assert back.startswith("Persona Nova is back (English), with the soul it had when it was deleted"), back
+        assert "give it a soul" not in back
 
 
 async def test_names_that_differ_only_in_unicode_case_are_one_persona(tmp_path: Path) -> None:

@@ -178,8 +178,12 @@ class PersonaCommands:
         if row is None:
             raise CommandError(self._taken(name))
         await self.registry.load()
-        return (f"Persona {row.name} created ({row.language}). Pick it for a channel with {self.prefix}persona "
-                f"{row.name}, then give it a soul there: {self.prefix}persona edit identity You are …")
+        pick = f"Pick it for a channel with {self.prefix}persona {row.name}"
+        if any(t.content.strip() for t in await self.storage.personas.current("soul", str(row.id))):
+            return (f"Persona {row.name} is back ({row.language}), with the soul it had when it was deleted "
+                    f"({self.prefix}persona show {row.name}). {pick}.")  # (a deleted persona, created again)
+        return f"Persona {row.name} created ({row.language}). {pick}, then give it a soul there: " \
+               f"{self.prefix}persona edit identity You are …"
 
     def _taken(self, name: str) -> str:
         """Why ``name`` cannot be a new persona's, naming the persona that has it as it is spelled (``nemo`` is
