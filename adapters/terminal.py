@@ -47,7 +47,8 @@ CANCELLED = "\x00cancelled"  # (... when Ctrl-C cancelled the text at a prompt)
 NO_BODY = {"": "the input ended before the line holding only a dot; nothing changed",
            CANCELLED: "cancelled (Ctrl-C); nothing changed",
            CUT: "the next command came before the line holding only a dot that ends the text; nothing changed "
-                "(that command runs now)"}
+                "(that command runs now; the lines after it, up to a line holding only a dot, are taken as the rest "
+                "of the text and skipped, never sent as chat)"}
 THINKING_AFTER = 2.0  # seconds without a word of the reply before the prompt says the model is at work
 
 
