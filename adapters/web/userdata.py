@@ -51,8 +51,10 @@ async def own_pair(ctx: WebContext, caller: Caller, persona: str) -> tuple[User,
     except ConfigError:
         not_found(f"no persona called {persona[:80]!r}")
     user = await own_user(ctx, caller)
+    store = ctx.app.cortex.store
     try:
-        pair = await ctx.app.cortex.store.count_messages(user.id, name, 0)
+        # Read first: most views are of a pair there is; made (a write) only on the first.
+        pair = await store.get_pair(user.id, name) or await store.count_messages(user.id, name, 0)
         await ctx.app.cortex.files.ensure(pair, spec.language, user.display_name)
     except Exception as exc:
         if not is_missing_reference(exc):
