@@ -249,13 +249,17 @@ async def test_activity_shows_versions_runs_and_budgets(tmp_path: Path) -> None:
         await store.finish_run(run, "success", files_written=["memory.md"], input_tokens=120, output_tokens=30,
                                duration_ms=900)
         await store.record_skip(pair.id, None, "75", "cooldown")
+        broke = await store.start_run(pair.id, None, "95")
+        await store.finish_run(broke, "failed", reason="an internal error stopped the update (see the bot's log)",
+                               error="OperationalError: disk I/O error at /srv/bot/bot.db")
         status, activity = await ann.call("GET", "/api/me/personas/cora/activity")
         assert status == 200, activity
         assert activity["persona"] == "Cora" and set(activity["files"]) == {"memory.md", "soul.md", "relationship.md"}
         memory = activity["files"]["memory.md"]
         assert [v["version"] for v in memory] == [1, 2] and memory[1]["author"] == "user"
         assert memory[1]["chars"] == len("# Memory\nAnn likes tea.\n")
-        runs = activity["runs"]
+        failed, *runs = activity["runs"]
+        assert failed["reason"].startswith("an internal error") and failed["error"] == ""  # (the log's: admins')
         assert [(r["status"], r["tier"]) for r in runs] == [("skipped", "75"), ("success", "50")]
         assert runs[1]["id"] == run and runs[1]["files_written"] == ["memory.md"] and runs[1]["finished_at"]
         assert (runs[1]["input_tokens"], runs[1]["output_tokens"], runs[1]["duration_ms"]) == (120, 30, 900)
@@ -265,6 +269,12 @@ async def test_activity_shows_versions_runs_and_budgets(tmp_path: Path) -> None:
         assert status == 200 and theirs["runs"] == [] and len(theirs["files"]["memory.md"]) == 1
         status, _ = await ann.call("GET", "/api/me/personas/Nobody/activity")
         assert status == 404
+        async with bot.client("999") as admin:  # a bot admin reads the error too
+            _, theirs_pair = await store.pair_for("discord:999", "Root", "Cora")
+            failed_run = await store.start_run(theirs_pair.id, None, "95")
+            await store.finish_run(failed_run, "failed", reason="stopped", error="OperationalError: disk I/O error")
+            status, mine = await admin.call("GET", "/api/me/personas/Cora/activity")
+            assert status == 200 and mine["runs"][0]["error"] == "OperationalError: disk I/O error"
 
 
 async def test_looking_at_a_personas_files_is_not_talking_to_it(tmp_path: Path) -> None:

@@ -20,12 +20,15 @@ def version_json(v: FileVersion) -> dict[str, Any]:
     return {"version": v.version, "chars": v.chars, "created_at": v.created_at.isoformat(), "author": v.author}
 
 
-def run_json(run: CortexRun) -> dict[str, Any]:
+def run_json(run: CortexRun, *, error: bool) -> dict[str, Any]:
+    """A run as the page shows it: why it failed in words for people (``reason``); the error itself (an
+    exception's text, for the log's reader: what the bot's code or its model's server said) to the bot's
+    admins only."""
     return {
         "id": run.id, "tier": run.tier, "status": run.status, "started_at": run.started_at.isoformat(),
         "finished_at": None if run.finished_at is None else run.finished_at.isoformat(),
         "duration_ms": run.duration_ms, "input_tokens": run.input_tokens, "output_tokens": run.output_tokens,
-        "files_written": run.files_written, "reason": run.reason, "error": run.error,
+        "files_written": run.files_written, "reason": run.reason, "error": run.error if error else "",
     }
 
 
@@ -40,7 +43,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         budgets = budgets_for(ctx.app.config, ctx.app.personas.persona(pair.persona))
         return ok({
             "persona": pair.persona, "files": files,
-            "runs": [run_json(r) for r in await store.runs(pair.id, MAX_RUNS)],
+            "runs": [run_json(r, error=ctx.auth.is_bot_admin(caller)) for r in await store.runs(pair.id, MAX_RUNS)],
             "budgets": {"history_tokens": budgets.history_tokens, "summary_tokens": budgets.summary_tokens},
         })
 
