@@ -251,9 +251,48 @@ async def test_a_json_answer_past_the_cap_is_an_error_result_not_a_full_memory(
         flooded = await server.call("flood", {"size": 3_000_000})
         assert flooded.is_error and "larger than 1 MB" in flooded.content
         assert await server.call("add", {"a": 2, "b": 3}) == SkillResult("5")
+        assert await server.call("header", {"name": "accept-encoding"}) == SkillResult("identity")  # (no gzip)
     finally:
         await server.aclose()
         await http.stop()
+
+
+async def test_a_compressed_json_answer_is_refused_not_unpacked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cap counted the bytes on the wire: a 194 KB gzip body unpacked to 200 MB past it. The client asks
+    for plain bodies, and a JSON answer compressed anyway is refused before anything is unpacked; a plain one is
+    read up to the cap (over a real HTTP connection on loopback)."""
+    import gzip
+
+    import httpx2
+    from aiohttp import web
+
+    monkeypatch.setattr(mcp_module, "MAX_JSON_RESPONSE_BYTES", 1 << 20)
+    asked: list[str] = []
+    body = b'{"jsonrpc": "2.0", "id": 1, "result": "' + b"x" * 3_000_000 + b'"}'
+
+    async def answer(request: web.Request) -> web.Response:
+        asked.append(request.headers.get("Accept-Encoding", ""))
+        if request.path == "/gzip":
+            return web.Response(body=gzip.compress(body), content_type="application/json",
+                                headers={"Content-Encoding": "gzip"})
+        return web.Response(body=body if request.path == "/big" else b'{"ok": 1}', content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/{name}", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with httpx2.AsyncClient(headers={"Accept-Encoding": "identity"},
+                                      event_hooks={"response": [mcp_module.cap_json_answers]}) as client:
+            assert (await client.get(f"{base}/small")).json() == {"ok": 1}
+            for path, said in (("/gzip", "came compressed"), ("/big", "larger than 1 MB")):
+                with pytest.raises(mcp_module.ResponseTooLarge, match=said):
+                    await client.get(f"{base}{path}")
+    finally:
+        await runner.cleanup()
+    assert asked == ["identity"] * 3
 
 
 async def test_tools_filter_and_name_clash() -> None:

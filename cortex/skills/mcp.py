@@ -385,8 +385,9 @@ class McpServer:
     @asynccontextmanager
     async def _http_transport(self) -> AsyncIterator[Any]:
         timeout = httpx2.Timeout(30.0, read=300.0)  # the SDK's defaults (a response stream may stay open)
-        transport = _CappedJsonTransport(MAX_JSON_RESPONSE_BYTES)
-        async with httpx2.AsyncClient(headers=self._http_headers(), timeout=timeout, transport=transport) as client:
+        # (A hook, not a transport of its own: a client given one no longer takes the proxy from the environment.)
+        async with httpx2.AsyncClient(headers={**self._http_headers(), "Accept-Encoding": "identity"},
+                                      timeout=timeout, event_hooks={"response": [cap_json_answers]}) as client:
             async with streamable_http_client(self.config.url, http_client=client) as streams:
                 yield streams
 
@@ -526,17 +527,22 @@ class McpServer:
 
 
 class ResponseTooLarge(httpx2.StreamError):
-    """A JSON answer over :data:`MAX_JSON_RESPONSE_BYTES` (a stream error: the SDK answers the call with it)."""
+    """A JSON answer over :data:`MAX_JSON_RESPONSE_BYTES`, or compressed though the client asked for it plain
+    (its unpacked size is known only once it is held): a stream error, so the SDK answers the call with it."""
 
 
 class _CappedBody(httpx2.AsyncByteStream):
-    """A response body that fails once it passes ``limit`` bytes, before it is all held."""
+    """A response body that fails once it passes ``limit`` bytes, before it is all held (or at once, when it is
+    ``compressed``: a small gzip body unpacks to hundreds of megabytes)."""
 
-    def __init__(self, body: httpx2.AsyncByteStream, limit: int) -> None:
+    def __init__(self, body: httpx2.AsyncByteStream, limit: int, *, compressed: bool) -> None:
         self._body = body
         self._limit = limit
+        self._compressed = compressed
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
+        if self._compressed:
+            raise ResponseTooLarge("the server's answer came compressed, though it was asked for it plain")
         read = 0
         async for chunk in self._body:
             read += len(chunk)
@@ -548,19 +554,15 @@ class _CappedBody(httpx2.AsyncByteStream):
         await self._body.aclose()
 
 
-class _CappedJsonTransport(httpx2.AsyncHTTPTransport):
-    """The HTTP transport with every JSON answer's body capped (``text/event-stream`` has the SDK's own cap)."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__()
-        self._limit = limit
-
-    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        response = await super().handle_async_request(request)
-        if "json" in response.headers.get("content-type", "").lower():
-            assert isinstance(response.stream, httpx2.AsyncByteStream)
-            response.stream = _CappedBody(response.stream, self._limit)
-        return response
+async def cap_json_answers(response: httpx2.Response) -> None:
+    """(A response hook of the HTTP client, which asks for plain bodies.) A JSON answer's body read up to
+    :data:`MAX_JSON_RESPONSE_BYTES`; an event stream has the SDK's own cap per event."""
+    if "json" not in response.headers.get("content-type", "").lower():
+        return
+    encoding = response.headers.get("content-encoding", "").strip().lower()
+    assert isinstance(response.stream, httpx2.AsyncByteStream)
+    response.stream = _CappedBody(response.stream, MAX_JSON_RESPONSE_BYTES,
+                                  compressed=encoding not in ("", "identity"))
 
 
 class McpSkills:
