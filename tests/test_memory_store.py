@@ -101,6 +101,22 @@ async def test_lifecycle_supersede_archive_restore_expire(tmp_path: Path) -> Non
         await app.stop()
 
 
+async def test_an_item_with_a_key_from_before_its_limit_can_still_be_corrected(tmp_path: Path) -> None:
+    """Keys are held to 200 characters now; an item stored before with a longer one (corrections carry the
+    item's key over) could no longer be corrected at all: the correction keeps the key, cut."""
+    app, store, users, _ = await _setup(tmp_path)
+    try:
+        pair = users["ann"][1].id
+        with pytest.raises(MemoryError, match="a key is a short label of at most 200 characters, not 5,000"):
+            await store.remember(pair, "Ann has a cat", key="k" * 5000)
+        old = await store.remember(pair, "Ann has a cat", key="pet")
+        await app.storage.db.write("UPDATE memory_items SET key = ? WHERE id = ?", ("k" * 5000, old.id))
+        new = await store.remember(pair, "Ann has two cats", key="k" * 5000, supersedes=old.id)
+        assert new.key == "k" * 200 and (await store.get(pair, old.id, count_access=False)).superseded_by == new.id
+    finally:
+        await app.stop()
+
+
 async def test_pairs_never_see_each_other(tmp_path: Path) -> None:
     app, store, users, _ = await _setup(tmp_path)
     try:

@@ -297,7 +297,9 @@ class MemoryStore:
     ) -> MemoryItem:
         content = self.checked(pair_id, content, category=category, importance=importance, source=source)
         if len(key) > MAX_KEY_CHARS:  # (it is embedded with the content: a label, not a second text)
-            raise MemoryError(f"a key is a short label of at most {MAX_KEY_CHARS} characters, not {len(key):,}")
+            if supersedes is None:
+                raise MemoryError(f"a key is a short label of at most {MAX_KEY_CHARS} characters, not {len(key):,}")
+            key = key[:MAX_KEY_CHARS]  # a correction keeps its item's key: one stored before the limit, cut
         if supersedes is not None:
             self._check_correctable(await self.get(pair_id, supersedes, count_access=False))
         elif await self.repo.has_at_least(pair_id, PAIR_ITEMS):  # (a correction replaces one: never refused)
