@@ -22,7 +22,7 @@ import pytest
 from adapters.admin_directory import DiscordAdminDirectory
 from adapters.web import WebServer, api_me
 from adapters.web import server as server_module
-from adapters.web.render import markdown_html, side_by_side
+from adapters.web.render import HtmlRenderer, markdown_html, side_by_side
 from bot.app import App
 from bot.config import DiscordConfig
 from cortex.files import CortexFiles
@@ -640,6 +640,36 @@ async def test_one_users_file_views_wait_for_each_other_not_for_everyone(
         release.set()
         assert [(await v)[0] for v in views] == [200] * 3
     assert most[0] == 1
+
+
+async def test_a_forget_me_from_the_chat_drops_the_pages_kept_html(tmp_path: Path) -> None:
+    """The page keeps each file's HTML; a forget-me sent in a chat (not on the page) left it in memory, and a
+    render running at that moment was kept after it."""
+    async with running_bot(tmp_path) as bot, bot.client("ann") as ann:
+        path = "/api/me/personas/Cora/files/memory"
+        status, current = await ann.call("GET", path)
+        assert status == 200
+        saved = await ann.call("PUT", path, {"content": "# Ann's secret diary", "version": current["version"]})
+        assert saved[0] == 200
+        renderer = bot.server.context.renderer
+        assert any("secret diary" in html for html in renderer._kept.values())
+        reply = await bot.app.commands.dispatch("!memory forget-me confirm", context("ann"))
+        assert "Deleted" in reply.text
+        assert not any(owner == "discord:ann" for owner, _ in renderer._kept)
+    release = threading.Event()
+
+    def slow(text: str) -> str:
+        release.wait(10)
+        return markdown_html(text)
+
+    renderer = HtmlRenderer(slow)
+    rendering = asyncio.create_task(renderer.html("discord:bob", "# Bob's note"))
+    await asyncio.sleep(0.1)
+    renderer.forget("discord:bob")  # while it renders
+    release.set()
+    assert await rendering == "<h1>Bob's note</h1>\n"
+    assert not renderer._kept  # (rendered before the forget-me: not kept after it)
+    assert await renderer.html("discord:bob", "# Bob's note") and len(renderer._kept) == 1  # a new one is
 
 
 async def test_views_from_the_page_keep_a_limit_of_their_own(tmp_path: Path) -> None:

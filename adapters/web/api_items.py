@@ -227,8 +227,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         if wanted.confirm != CONFIRM:
             fail(422, f'this deletes everything the bot stores about you and cannot be undone; to go ahead, send '
                       f'{{"confirm": "{CONFIRM}"}}')
-        report = await ctx.app.cortex.commands.forget_user(caller.user_key)
-        ctx.renderer.forget(caller.user_key)
+        report = await ctx.app.cortex.commands.forget_user(caller.user_key)  # (its on_forget drops the kept HTML)
         counts = ("messages", "versions", "items", "runs", "summaries", "pairs")
         response = ok({"deleted": {name: 0 if report is None else getattr(report, name) for name in counts},
                        "still_incognito": await ctx.app.cortex.commands.paused_personas(caller.user_key)})

@@ -24,12 +24,16 @@ def markdown_html(text: str) -> str:
     return html
 
 
+ENTRY_COST = 256  # characters a kept HTML counts beyond its own: its key and the dictionary's share
+
+
 class HtmlRenderer:
     """Markdown's HTML for the page. ``render`` is pure Python (about 7 µs a character: 50-60 ms for a file at
     the default cap, and the text is the user's own), so it runs on worker threads, ``slots`` at a time, and one
     at a time per user: one user's many requests queue behind each other and never take every slot. Each
-    text's HTML is kept per user (the least recently shown dropped past ``max_chars`` of HTML in all): a
-    version never changes, so showing it again costs nothing."""
+    text's HTML is kept per user (the least recently shown dropped past ``max_chars`` in all, each counting
+    ``ENTRY_COST`` more): a version never changes, so showing it again costs nothing. A user's forget-me
+    drops theirs, and a render that was running then is not kept."""
 
     def __init__(self, render: Callable[[str], str], *, slots: int = 2, max_chars: int = 4_000_000) -> None:
         self._render = render
@@ -38,6 +42,7 @@ class HtmlRenderer:
         self._kept: OrderedDict[tuple[str, bytes], str] = OrderedDict()
         self._chars = 0
         self._max_chars = max_chars
+        self._forgotten: dict[str, int] = {}  # owner -> forget-mes so far (a render started before one is not kept)
 
     async def html(self, owner: str, text: str) -> str:
         key = (owner, hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest())
@@ -49,24 +54,28 @@ class HtmlRenderer:
             if html is not None:
                 self._kept.move_to_end(key)
                 return html
+            forgotten = self._forgotten.get(owner, 0)
             async with self._slots:
                 html = await asyncio.to_thread(self._render, text)
-            self._keep(key, html)
+            if self._forgotten.get(owner, 0) == forgotten:
+                self._keep(key, html)
         return html
 
     def _keep(self, key: tuple[str, bytes], html: str) -> None:
-        if len(html) > self._max_chars // 4:
+        cost = len(html) + ENTRY_COST
+        if cost > self._max_chars // 4:
             return
         self._kept[key] = html
-        self._chars += len(html)
+        self._chars += cost
         while self._chars > self._max_chars:
             _, dropped = self._kept.popitem(last=False)
-            self._chars -= len(dropped)
+            self._chars -= len(dropped) + ENTRY_COST
 
     def forget(self, owner: str) -> None:
-        """Drop what was kept of ``owner``'s texts (their forget-me)."""
+        """Drop what was kept of ``owner``'s texts (their forget-me, from the chat or the page)."""
+        self._forgotten[owner] = self._forgotten.get(owner, 0) + 1
         for key in [k for k in self._kept if k[0] == owner]:
-            self._chars -= len(self._kept.pop(key))
+            self._chars -= len(self._kept.pop(key)) + ENTRY_COST
 
 
 def side_by_side(old: str, new: str) -> list[dict[str, Any]]:
