@@ -45,11 +45,42 @@ PLATFORM = "console"
 CUT = "\x00cut"  # (what _read_body returns when a command came before the text's dot line)
 CANCELLED = "\x00cancelled"  # (... when Ctrl-C cancelled the text at a prompt)
 NO_BODY = {"": "the input ended before the line holding only a dot; nothing changed",
-           CANCELLED: "cancelled (Ctrl-C); nothing changed",
+           CANCELLED: "cancelled; nothing changed",
            CUT: "the next command came before the line holding only a dot that ends the text; nothing changed "
                 "(that command runs now; the lines after it, up to a line holding only a dot, are taken as the rest "
                 "of the text and skipped, never sent as chat)"}
 THINKING_AFTER = 2.0  # seconds without a word of the reply before the prompt says the model is at work
+
+
+async def prompt_text() -> str | None:
+    """At a prompt, the text a command waits for, edited as one block (the arrow keys move between its
+    lines, a paste keeps its lines): Enter on a last line holding only a dot ends it (or on an empty last
+    line below one: a pasted text with its dot line), as does Alt-Enter; Ctrl-C, and Ctrl-D on an empty
+    block, cancel it. Read as plain lines, Ctrl-C reached nothing (the terminal was in no prompt's hands)
+    and the text could not be left. Its lines are never written to the history."""
+    bindings = KeyBindings()
+
+    @bindings.add("enter")
+    def _enter(event: KeyPressEvent) -> None:
+        document = event.current_buffer.document
+        lines = document.lines
+        ends = lines[-1].strip() == "." or (not lines[-1].strip() and len(lines) > 1 and lines[-2].strip() == ".")
+        if document.on_last_line and ends:
+            event.current_buffer.validate_and_handle()
+        else:
+            event.current_buffer.newline(copy_margin=False)
+
+    session: PromptSession[str] = PromptSession(multiline=True, key_bindings=bindings)
+    try:
+        typed = await session.prompt_async("… ", prompt_continuation="… ")
+    except (KeyboardInterrupt, EOFError):
+        return CANCELLED
+    lines = printable(typed).split("\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if lines and lines[-1].strip() == ".":  # (the dot line that ended it; Alt-Enter ends without one)
+        lines.pop()
+    return "\n".join(lines) if any(part.strip() for part in lines) else None
 
 
 class _PrivateHistory(FileHistory):
@@ -245,30 +276,8 @@ class TerminalAdapter:
                 return None
 
     async def _prompt_body(self) -> str | None:
-        """At a prompt, the text a command waits for, edited as one block (the arrow keys move between its
-        lines, a paste keeps its lines): Enter on a last line holding only a dot ends it, Ctrl-C cancels it, and
-        Ctrl-D on an empty block ends the input. Read as plain lines, Ctrl-C reached nothing (the terminal was
-        in no prompt's hands) and the text could not be left. Its lines are never written to the history."""
-        bindings = KeyBindings()
-
-        @bindings.add("enter")
-        def _enter(event: KeyPressEvent) -> None:
-            document = event.current_buffer.document
-            if document.current_line.strip() == "." and document.on_last_line:
-                event.current_buffer.validate_and_handle()
-            else:
-                event.current_buffer.newline(copy_margin=False)
-
-        session: PromptSession[str] = PromptSession(multiline=True, key_bindings=bindings)
-        try:
-            with logs_above_prompt():
-                typed = await session.prompt_async("… ", prompt_continuation="… ")
-        except KeyboardInterrupt:
-            return CANCELLED
-        except EOFError:
-            return ""
-        lines = printable(typed).split("\n")[:-1]  # (the dot line, last)
-        return "\n".join(lines) if any(part.strip() for part in lines) else None
+        with logs_above_prompt():
+            return await prompt_text()
 
     async def _readline_in_thread(self) -> str:
         """Read one line without blocking the loop. A daemon thread, not the default executor: a

@@ -9,8 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prompt_toolkit.application import create_app_session
+from prompt_toolkit.input import create_pipe_input
+from prompt_toolkit.output import DummyOutput
 
-from adapters.terminal import TerminalAdapter, _PrivateHistory, history_path
+from adapters.terminal import CANCELLED, TerminalAdapter, _PrivateHistory, history_path, prompt_text
 from bot.app import App
 from bot.config import parse_config
 from bot.llm.base import LLMRequest, StreamEvent
@@ -322,3 +325,21 @@ async def test_an_incognito_reply_is_marked_in_the_terminal_and_remember_waits_f
         assert "Cora: 🕶️ echo: psst" in lines and "Cora: echo: hi" in lines, shown
         assert "You are incognito with Cora: nothing new is remembered until !memory resume." in shown, shown
         assert await app.storage.db.fetch_one("SELECT 1 FROM memory_items WHERE content LIKE '%secret%'") is None
+
+
+@pytest.mark.parametrize(("keys", "text"), [
+    ("Be kind.\rAlways.\r.\r", "Be kind.\nAlways."),  # typed, ended by the dot line
+    ("Be kind.\rAlways.\x1b\r", "Be kind.\nAlways."),  # Alt-Enter ends it as it is: no line lost
+    ("Be kind.\x1b\r", "Be kind."),
+    ("\x1b[200~Be kind.\nAlways.\n.\n\x1b[201~\r", "Be kind.\nAlways."),  # pasted with its dot line, then Enter
+    (".\r", None),  # nothing typed
+    ("Be kind.\r\x03", CANCELLED),  # Ctrl-C
+    ("\x04", CANCELLED),  # Ctrl-D on an empty text
+])
+async def test_a_text_at_a_prompt_ends_at_its_dot_line_or_alt_enter(keys: str, text: str | None) -> None:
+    """The text a command asks for at a prompt is edited as one block: Alt-Enter (prompt_toolkit's end of a
+    multi-line text) cut its last line off as if it were the dot line, and a pasted text ending in its dot line
+    kept the dot once another was typed below it."""
+    with create_pipe_input() as keyboard, create_app_session(input=keyboard, output=DummyOutput()):
+        keyboard.send_text(keys)
+        assert await prompt_text() == text
