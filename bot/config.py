@@ -847,7 +847,7 @@ class WebConfig(_Section):
     metrics_host: str = Field(default="", description="Serve /metrics on another address (default: the page's).")
     metrics_port: int | None = Field(default=None, ge=0, le=65535, description="… and port.")
     max_body_kb: int = Field(default=256, ge=16, le=65_536, description="Largest request body accepted.")
-    views_per_minute: int = Field(default=60, ge=0, le=100_000, description=(
+    views_per_minute: int = Field(default=120, ge=0, le=100_000, description=(
         "File views, diffs and searches one user may ask the page for in a minute (0: no limit)."))
     allowed_hosts: list[str] = Field(default_factory=list, description=(
         "More names the page answers to (Host header), beside public_url's, host and loopback; [\"*\"]: any."))

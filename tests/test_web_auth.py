@@ -88,7 +88,9 @@ async def test_https_public_url_makes_the_cookie_secure(tmp_path: Path, public_u
 async def test_without_a_session_the_api_answers_401_in_json(tmp_path: Path) -> None:
     async with running_bot(tmp_path) as bot, aiohttp.ClientSession(base_url=bot.url) as http:
         for method, path in (("GET", "/api/me"), ("GET", "/api/me/personas/Cora/files/memory"),
-                             ("PUT", "/api/me/personas/Cora/files/memory"), ("POST", "/api/logout")):
+                             ("PUT", "/api/me/personas/Cora/files/memory"), ("POST", "/api/logout"),
+                             # (a persona the bot has not, asked without a session: nothing learned about it)
+                             ("GET", "/api/me/items?persona=Secret"), ("GET", "/api/me/items?persona=Cora")):
             async with http.request(method, path, cookies={"cortexbot_session": "forged"}) as response:
                 assert response.status == 401, path
                 assert "dashboard" in (await response.json())["error"]

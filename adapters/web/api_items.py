@@ -131,9 +131,10 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         return sorted(found, key=lambda f: f[1], reverse=True)
 
     async def list_items(request: web.Request) -> web.Response:
+        caller = await auth.require(request)  # (first: who is not logged in learns nothing, not even personas)
         wanted = listing(ctx, request.query)
-        # A search (the query embedded, and ranked per persona) counts as a view; a plain listing does not.
-        caller = await auth.require(request, view=bool(wanted.query))
+        if wanted.query:  # a search (the query embedded, and ranked per persona) counts as a view; a listing not
+            auth.count_view(caller)
         user = await own_user(ctx, caller)
         start = (wanted.page - 1) * PAGE
         if wanted.query and wanted.filters.active:

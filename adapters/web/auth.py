@@ -138,10 +138,15 @@ class Auth:
         if limited and (request.method in CHANGES or costly) and (wait := self.limiter.check(caller.user_key)):
             fail(429, f"too many changes or exports in a minute (at most {self.limiter.per_minute}): try again "
                       f"in {math.ceil(wait)} s")
-        if view and (wait := self.views.check(caller.user_key)):
+        if view:
+            self.count_view(caller)
+        return caller
+
+    def count_view(self, caller: Caller) -> None:
+        """Count a view that costs the bot's CPU against the caller's limit of views (429 beyond it)."""
+        if wait := self.views.check(caller.user_key):
             fail(429, f"too many file views, diffs or searches in a minute (at most {self.views.per_minute}): try "
                       f"again in {math.ceil(wait)} s")
-        return caller
 
     def check_origin(self, request: web.Request) -> None:
         origin = request.headers.get("Origin")

@@ -620,6 +620,8 @@
     });
   }
 
+  let diffTimer = 0;
+
   async function renderHistory(body) {
     await section(body, 'the history', async (stale) => {
       const data = await api('GET', `${filePath(state.file)}/versions`);
@@ -634,9 +636,10 @@
       const radio = (kind, n) => h('input', {
         type: 'radio', name: `diff-${kind}`, value: String(n), checked: state.diff[kind] === n,
         testid: `${kind}-${n}`, 'aria-label': `Compare ${kind} version ${n}`,
-        onchange: () => {
+        onchange: () => {  // (after a pause: arrow keys through the list pick a version at each step)
           state.diff[kind] = n;
-          showDiff(diffArea);
+          clearTimeout(diffTimer);
+          diffTimer = setTimeout(() => showDiff(diffArea), 250);
         },
       });
       const list = table([
