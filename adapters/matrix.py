@@ -938,6 +938,11 @@ class MatrixAdapter:
             log.warning("Matrix: could not invite %s into their direct room again (%s); opening another", user_id,
                         getattr(response, "message", response))
             return False
+        if self.config.e2ee:  # nio shares a room's key with the members it knows: the invite, once a sync brings it
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(30.0):
+                    while user_id not in room.invited_users:
+                        await self._sync_seen.wait()
         return True
 
     async def _private_to(self, room: MatrixRoom, user_id: str) -> bool:
