@@ -28,7 +28,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from bot.config import DiscordConfig, MatrixConfig
-from bot.ports import ServerRef
+from bot.ports import LookupsSpent, ServerRef
 from bot.ratelimit import RateLimiter
 
 if TYPE_CHECKING:
@@ -140,7 +140,8 @@ class DiscordAdminDirectory:
         if user_id is None or guild_id is None:
             return False
         guild = self.client.get_guild(guild_id)
-        if guild is None and self._on_other_shards(guild_id) and self._may_look_up(user_key, guild_id):
+        if guild is None and self._on_other_shards(guild_id):
+            self._may_look_up(user_key, guild_id)
             guild = await self._fetched_guild(guild_id)
         if guild is None:  # the bot is not in it (or not connected): nobody administers it through the bot
             return False
@@ -154,21 +155,21 @@ class DiscordAdminDirectory:
             return False
         return (guild_id >> 22) % int(count) not in shard_ids
 
-    def _may_look_up(self, user_key: str, guild_id: int) -> bool:
-        """Whether the guild's answer is kept, or ``user_key`` (and everyone together) may have one more asked
-        from Discord this minute."""
+    def _may_look_up(self, user_key: str, guild_id: int) -> None:
+        """Nothing when the guild's answer is kept, or ``user_key`` (and everyone together) may have one more
+        asked from Discord this minute; else :class:`LookupsSpent`."""
         kept = self._guilds.get(guild_id)
         if kept is not None and time.monotonic() - kept[0] < self.answer_seconds:
-            return True
-        if self._lookups_each.waiting(user_key) or self._lookups_all.waiting(""):
-            if self._lookups_each.tell(user_key, 60.0):
+            return
+        wait = max(self._lookups_each.waiting(user_key), self._lookups_all.waiting(""))
+        if wait:
+            if self._lookups_each.tell(user_key, wait):
                 log.warning("Discord: not asking about more servers of other shards for %s this minute (at most "
                             "%d a user, %d in all)", user_key, self._lookups_each.per_minute,
                             self._lookups_all.per_minute)
-            return False
+            raise LookupsSpent(wait)
         self._lookups_each.check(user_key)
         self._lookups_all.check("")
-        return True
 
     async def _fetched_guild(self, guild_id: int) -> Any:
         """The guild as Discord answers (None: the bot is not in it), asked at most once per ``answer_seconds``."""

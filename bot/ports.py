@@ -185,13 +185,23 @@ class ServerRef:
     name: str
 
 
+class LookupsSpent(Exception):
+    """An admin directory may not ask its platform about one more server now (a limit per minute): the answer is
+    neither yes nor no, and ``wait`` seconds later it may be asked."""
+
+    def __init__(self, wait: float) -> None:
+        super().__init__(f"try again in {wait:.0f} s")
+        self.wait = wait
+
+
 class AdminDirectory(Protocol):
     """A platform's live answer to "is this user an admin there?" (the web page asks on every request,
     as the chat commands check the platform's permissions on every use)."""
 
     platform: str
 
-    async def is_admin(self, user_key: str, server_key: str) -> bool: ...
+    async def is_admin(self, user_key: str, server_key: str) -> bool:
+        """Raises :class:`LookupsSpent` when the platform may not be asked now."""
 
     async def servers(self, user_key: str) -> list[ServerRef]:
         """Servers or rooms the bot shares with the user where the user is an admin."""

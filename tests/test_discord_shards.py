@@ -156,6 +156,7 @@ async def test_made_up_guilds_of_other_shards_are_asked_from_discord_only_so_oft
     REST call on the bot's token (whose rate limit every shard sends messages with): a user has a few lookups a
     minute, everyone together more; answers kept cost none."""
     from adapters.admin_directory import DiscordAdminDirectory
+    from bot.ports import LookupsSpent
 
     with FakeDiscord(shard_count=2) as fake:
         others = [g << 22 for g in range(1, 200) if shard_for(g << 22, 2) == 1]
@@ -174,12 +175,16 @@ async def test_made_up_guilds_of_other_shards_are_asked_from_discord_only_so_oft
                 return len([r for r in fake.requests if r.path.startswith("/guilds/") and "/members/" not in r.path])
 
             assert await directory.is_admin("discord:501", f"discord:{real}")
-            for guild in made_up[:6]:
+            for guild in made_up[:3]:
                 assert not await directory.is_admin("discord:666", f"discord:{guild}")
+            for guild in made_up[3:6]:  # neither yes nor no: not asked (the web page answers 429, not 403)
+                with pytest.raises(LookupsSpent):
+                    await directory.is_admin("discord:666", f"discord:{guild}")
             assert asked() == 1 + 3  # the attacker's fourth to sixth were not asked
             assert await directory.is_admin("discord:501", f"discord:{real}")  # kept: still answered
             assert not await directory.is_admin("discord:777", f"discord:{made_up[6]}")
-            assert not await directory.is_admin("discord:778", f"discord:{made_up[7]}")
+            with pytest.raises(LookupsSpent):
+                await directory.is_admin("discord:778", f"discord:{made_up[7]}")
             assert asked() == 5  # five in all this minute
             assert await directory.is_admin("discord:501", f"discord:{real}")  # a kept answer costs nothing
         finally:

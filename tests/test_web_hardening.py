@@ -558,6 +558,25 @@ async def test_a_long_history_is_listed_newest_first_without_its_contents(tmp_pa
         assert [v["version"] for v in activity["files"]["memory.md"]] == list(range(1, 14))  # oldest first
 
 
+async def test_a_server_the_directory_may_not_ask_about_now_answers_429_not_403(tmp_path: Path) -> None:
+    """In a fleet, servers of other processes' shards are asked from Discord only so often: past that the
+    answer is neither yes nor no, and a real admin was told they were none."""
+    from bot.ports import LookupsSpent
+
+    class Spent:
+        platform = "discord"
+
+        async def is_admin(self, user_key: str, server_key: str) -> bool:
+            raise LookupsSpent(42.0)
+
+        async def servers(self, user_key: str) -> list[Any]:
+            return []
+
+    async with running_bot(tmp_path, directories=[Spent()]) as bot, bot.client("20") as someone:
+        status, error = await someone.call("GET", "/api/admin/servers/discord:4194304/guidelines")
+        assert status == 429 and "try again in 42 s" in error["error"], error
+
+
 async def test_a_lost_connection_to_discord_lists_no_servers_and_breaks_nothing(tmp_path: Path) -> None:
     """discord.py lets a reset connection through as an OSError: /api/me (which the page needs first) and
     the admin overview answered 500, so nobody could open their memory while Discord's network hiccuped."""

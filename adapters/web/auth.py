@@ -22,7 +22,7 @@ from adapters.matrix_content import home_server
 from adapters.web.errors import fail
 from bot.config import Config
 from bot.policy import user_refusal
-from bot.ports import AdminDirectory, ServerRef
+from bot.ports import AdminDirectory, LookupsSpent, ServerRef
 from bot.ratelimit import RateLimiter
 from bot.storage.web import WebLoginRepository, WebSession
 
@@ -192,7 +192,11 @@ class Auth:
         directory = self.directories.get(server_key.partition(":")[0])
         if directory is None or caller.user_key.partition(":")[0] != directory.platform:
             return False
-        return await directory.is_admin(caller.user_key, server_key)
+        try:
+            return await directory.is_admin(caller.user_key, server_key)
+        except LookupsSpent as exc:  # (neither yes nor no: said so, not a 403)
+            fail(429, f"too many servers of other bot processes asked about in a minute: try again in "
+                      f"{math.ceil(exc.wait)} s")
 
     async def require_bot_admin(self, request: web.Request) -> Caller:
         caller = await self.require(request)
