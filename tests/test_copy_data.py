@@ -94,7 +94,8 @@ async def dump(storage: Storage, table: str) -> list[dict[str, Any]]:
              "message_vectors": "message_id", "reply_sources": "message_id, kind, ref",
              "platform_messages": "key", "incognito": "user_id, persona", "web_links": "token_hash",
              "web_sessions": "id_hash"}.get(table, "id")
-    rows = await storage.db.fetch_all(f"SELECT * FROM {table} ORDER BY {order}")
+    left_out = f" WHERE key <> '{copy_module.LAST_COPY_KEY}'" if table == "settings" else ""  # (the target's)
+    rows = await storage.db.fetch_all(f"SELECT * FROM {table}{left_out} ORDER BY {order}")
     out = []
     for row in rows:
         record = {k: v for k, v in dict(row).items() if k not in SKIPPED_COLUMNS}
@@ -231,6 +232,30 @@ async def test_a_target_that_went_apart_is_refused_with_a_clear_line(source: Sto
         await copy_data(source, pg)
 
 
+async def test_a_target_a_bot_used_after_the_copy_is_refused_before_rows_mix(source: Storage, pg: Storage,
+                                                                            tmp_path: Path) -> None:
+    """A copy, then the bot ran on the target (a message there), and this database went on too (a message here
+    under the same next id): the second copy left this one's message out as "there already" and pinned rows
+    pointing at it onto the target's. A target grown past what the last copy left is refused."""
+    assert (await copy_data(source, pg)).ok
+    channel = await source.upsert_channel("discord:g", "general", is_dm=False)
+    ann = await source.upsert_user("discord:1", "Ann")
+    there_channel = await pg.upsert_channel("discord:g", "general", is_dm=False)
+    await pg.add_message(there_channel.id, ann.id, "Cora", "user", "Ann", "said on the target", 3)
+    await source.add_message(channel.id, ann.id, "Cora", "user", "Ann", "said here meanwhile", 3)
+    with pytest.raises(StorageError, match=r"was used after the earlier copy \(messages up to #\d+ \(the copy left "
+                                           r"#\d+\)\): a bot ran on it.*Copy into an empty database"):
+        await copy_data(source, pg)
+    assert "said here meanwhile" not in {m["text"] for m in await dump(pg, "messages")}
+    # The target, copied on in turn, does not hand its mark on: a copy of it into a third database goes, again.
+    third = await open_storage(f"sqlite:///{tmp_path / 'third.db'}")
+    try:
+        await third.migrate()
+        assert (await copy_data(pg, third)).ok and (await copy_data(pg, third)).copied == 0
+    finally:
+        await third.close()
+
+
 async def test_a_rerun_after_a_forget_me_reports_what_the_target_still_holds(source: Storage, pg: Storage) -> None:
     """Ann forgotten here after a first copy, her channel's summary written anew (version 1 again, a new id):
     the new summary cannot go in beside the old one; the copy finishes and says the counts differ."""
@@ -334,19 +359,27 @@ def test_the_command_copies_and_prints_the_counts(tmp_path: Path, pg_url: str) -
     assert counts(result.stdout)["messages"] == ["11", "11", "11"]
     assert "every table's row count matches" in result.stdout
 
+    async def forget_here() -> None:  # someone forgotten here since the copy
+        store = await open_storage(f"sqlite:///{tmp_path / 'bot.db'}")
+        await store.forget_user("discord:1")
+        await store.close()
+
+    asyncio.run(forget_here())
+    again = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+    assert again.returncode == 1, again.stderr
+    assert "row counts differ for: users" in again.stdout
+    assert "that this database no longer has" in " ".join(again.stdout.split())
+    assert "was the bot running" not in again.stdout  # running it again would not help
+    assert counts(again.stdout)["users"] == ["1", "2", "0"]
+
     async def add_user_on_target() -> None:  # as if the bot had run on the target meanwhile
         store = await open_storage(pg_url)
         await store.upsert_user("discord:3", "Cy")
         await store.close()
 
     asyncio.run(add_user_on_target())
-    again = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
-    assert again.returncode == 1, again.stderr
-    assert "row counts differ for: users" in again.stdout
-    assert "The target holds rows of users that this database no longer has" in " ".join(again.stdout.split())
-    assert "was the bot running" not in again.stdout  # running it again would not help
-    assert counts(again.stdout)["messages"] == ["11", "11", "0"]
-    assert counts(again.stdout)["users"] == ["2", "3", "0"]
+    used = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+    assert used.returncode == 1 and "was used after the earlier copy (users up to #" in used.stderr, used.stderr
     bad = subprocess.run([*args[:-4], "--to", "mysql://x"], capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 1 and "--to:" in bad.stderr and "Traceback" not in bad.stderr
     itself = subprocess.run([*args[:-4], "--to", f"sqlite:///{tmp_path / 'bot.db'}"], capture_output=True,

@@ -30,6 +30,7 @@ sides; a difference is reported, never hidden.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -46,6 +47,11 @@ from bot.storage.engine import Database, Row, StorageError
 __all__ = ["INSTANCE_KEY", "TABLES", "CopyReport", "TableCount", "copy_data", "ensure_instance_id"]
 
 INSTANCE_KEY = "bot.instance_id"
+# (settings) The largest id of each table a finished copy left in its target: rows past them were added there
+# since (a bot ran on it), and a further copy would mix this database's rows with them under the same ids. Never
+# copied itself: a database that was once a target does not hand its mark on.
+LAST_COPY_KEY = "copy.largest_ids"
+NOT_COPIED: dict[str, str] = {"settings": f"key <> '{LAST_COPY_KEY}'"}  # rows of a table left out (SQL)
 # Foreign-key order (``processes`` and ``schema_version`` stay behind: they describe the database, not the bot).
 TABLES: tuple[str, ...] = (
     "users", "personas", "versioned_texts", "lore_entries", "channels", "messages", "summaries", "jobs",
@@ -139,12 +145,17 @@ async def copy_data(source: Storage, target: Storage, *, progress: Progress | No
         await _check_target(target.db, instance)
     await target.migrate(elsewhere="name another database with --to")
     await _claim_target(source.db, target.db, instance)
+    await _check_unused(target.db)
     copied: dict[str, int] = {}
     for table in TABLES:
         copied[table] = await _copy_table(source.db, target.db, table, batch, progress)
         if table == "messages":
             await _restore_channel_counters(source.db, target.db, batch)
     await _move_sequences(target.db, await _next_ids(source.db))
+    await target.db.write(
+        "INSERT INTO settings (key, value, updated_at) VALUES (?, ?, ?)"
+        " ON CONFLICT (key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at",
+        (LAST_COPY_KEY, json.dumps(await _largest_ids(target.db)), time.time()))
     counts = [TableCount(t, await _count(source.db, t), await _count(target.db, t), copied[t]) for t in TABLES]
     return CopyReport(source.db.url, target.db.url, instance, tuple(counts), time.monotonic() - started)
 
@@ -188,6 +199,39 @@ async def _check_target(target: Database, instance: str) -> bool:
                 "with no bot.instance_id (was the bot started on it before the copy?): copy into an empty database, "
                 "or drop and recreate that one if its data is no longer wanted")
     return row is not None
+
+
+async def _largest_ids(db: Database) -> dict[str, int]:
+    """Each table's largest id (of the tables keyed by one whole number)."""
+    found: dict[str, int] = {}
+    for table in TABLES:
+        key = (await _shape(db, table)).key
+        if len(key) == 1:
+            row = await db.fetch_one(f"SELECT max({_quote(key[0])}) FROM {_quote(table)}")
+            if row is not None and isinstance(row[0], int) and not isinstance(row[0], bool):
+                found[table] = row[0]
+    return found
+
+
+async def _check_unused(target: Database) -> None:
+    """Refuse a target a bot used since the last copy finished there: rows past the ids that copy left. Their
+    ids are this database's next ones too, so what this database added since would be left out as "there
+    already", and rows pointing at them (a reply's sources) would be pinned onto the target's rows."""
+    row = await target.fetch_one("SELECT value FROM settings WHERE key = ?", (LAST_COPY_KEY,))
+    if row is None:
+        return
+    try:
+        left = {str(k): int(v) for k, v in json.loads(str(row[0])).items()}
+    except (ValueError, TypeError, AttributeError):
+        left = {}
+    grown = [f"{table} up to #{n:,} (the copy left #{left.get(table, 0):,})"
+             for table, n in (await _largest_ids(target)).items() if n > left.get(table, 0)]
+    if grown:
+        raise StorageError(
+            f"{target.url} was used after the earlier copy ({'; '.join(grown[:4])}"
+            f"{'; …' if len(grown) > 4 else ''}): a bot ran on it, and its rows and this database's went apart "
+            "under the same ids. Copy into an empty database, or drop and recreate that one if what was added "
+            "there is not wanted")
 
 
 async def _copy_table(source: Database, target: Database, table: str, batch: int, progress: Progress | None) -> int:
@@ -353,7 +397,8 @@ async def _move_sequences(target: Database, source_next: dict[str, int]) -> None
 
 
 async def _count(db: Database, table: str) -> int:
-    row = await db.fetch_one(f"SELECT count(*) FROM {_quote(table)}")
+    left_out = NOT_COPIED.get(table)
+    row = await db.fetch_one(f"SELECT count(*) FROM {_quote(table)}" + (f" WHERE {left_out}" if left_out else ""))
     return int(row[0]) if row else 0
 
 
@@ -390,7 +435,10 @@ def _select_sql(plan: _Plan, batch: int) -> tuple[str, str]:
     else:
         after = f"({order}) > ({', '.join('?' for _ in plan.key)})"
     base = f"SELECT {names} FROM {_quote(plan.table)}"
-    return (f"{base} ORDER BY {order} LIMIT {batch}", f"{base} WHERE {after} ORDER BY {order} LIMIT {batch}")
+    left_out = NOT_COPIED.get(plan.table)
+    where = f" WHERE {left_out}" if left_out else ""
+    return (f"{base}{where} ORDER BY {order} LIMIT {batch}",
+            f"{base}{where}{' AND' if where else ' WHERE'} {after} ORDER BY {order} LIMIT {batch}")
 
 
 async def _shape(db: Database, table: str) -> _Shape:
