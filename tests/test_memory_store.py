@@ -629,6 +629,48 @@ async def test_the_query_is_embedded_while_the_full_text_part_runs(tmp_path: Pat
         await app.stop()
 
 
+class _SlowFirstQuery(HashEmbedder):
+    """A query embedder whose first query takes 1.5 s (a model loading), the others none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def embed(self, texts):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        if self.calls == 1:
+            time.sleep(1.5)
+        return super().embed(texts)
+
+
+async def test_a_search_someone_asked_for_waits_for_the_models_first_load(tmp_path: Path) -> None:
+    """The reply path's recall waits memory.query_timeout_seconds for the query's vector; the model's first
+    load took longer, and a !memory search right after the start found only what matched by words. A search
+    someone asked for waits longer, and a query that outlived a reply's timeout goes on for the next search."""
+    app, store, users, clock = await _setup(tmp_path)
+    try:
+        pair = users["ann"][1].id
+        queries = _SlowFirstQuery()
+        config = app.config.memory.model_copy(update={"query_timeout_seconds": 0.2})
+        index = vector_search(app.storage, queries.name, message_model=message_model(queries.name), max_vectors=1000)
+        service = EmbeddingService(app.storage, HashEmbedder(), queries, index, config)
+        vstore = MemoryStore(app.storage, clock=clock, embeddings=service)
+        await vstore.remember(pair, "Ann's favourite city is Lisbon")
+        await service.backfill()
+        hurried = await vstore.search(pair, "Lisboa")  # (a reply's recall: gives up on the vector)
+        assert all(h.signals.get("vector", 0) == 0 for h in hurried)
+        await asyncio.sleep(1.6)
+        assert queries.calls == 1
+        again = await vstore.search(pair, "Lisboa")  # the embedding went on: kept for the next search
+        assert again and again[0].signals["vector"] > 0 and queries.calls == 1
+        service.forget_queries()
+        queries.calls = 0  # (its first query slow again)
+        patient = await vstore.search(pair, "Lisboa favourite", patient=True)
+        assert patient and patient[0].signals["vector"] > 0
+    finally:
+        await app.stop()
+
+
 async def test_the_vector_part_is_started_before_the_full_text_part(tmp_path: Path) -> None:
     """The vector part is the longer one (PostgreSQL's k-NN walk: ~5 ms at 1M items, the full-text query
     ~0.5 ms). Started second, its statement waited for the other's to be sent: 0.45 ms on every search."""

@@ -125,7 +125,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
             if filters.persona is not None and persona != filters.persona:
                 continue
             hits = await memory.search(int(pair["id"]), wanted.query, include_messages=False, limit=SEARCH_LIMIT,
-                                       scopes=scopes)
+                                       scopes=scopes, patient=True)
             found += [(OwnedItem(persona, h.item), h.score) for h in hits
                       if h.item is not None and matches(h.item, filters)]
         return sorted(found, key=lambda f: f[1], reverse=True)

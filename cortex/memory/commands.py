@@ -343,7 +343,7 @@ class MemoryCommands:
             raise CommandError(f"a search is at most {MAX_SEARCH_CHARS:,} characters; this one has {len(query):,}: "
                                "look for a few words of it")
         user, pair = await self.pairs.pair_for(ctx.user_key, ctx.user_name, ctx.persona)
-        hits = await self.memory.search(pair.id, query, user_id=user.id, persona=ctx.persona, limit=10)
+        hits = await self.memory.search(pair.id, query, user_id=user.id, persona=ctx.persona, limit=10, patient=True)
         if not hits:
             return f"Nothing found for {shown(query, 80)}."
         return "\n".join([f"Results for {shown(query, 80)}:"] + [

@@ -54,6 +54,10 @@ MARK_WINDOW = 1000
 FULL_SCAN_SECONDS = 600.0
 BATCH = 256  # texts the backfill reads and embeds at once: the more, the less padding (64: 105 texts/s, 256: 131)
 QUERY_CACHE = 256  # query vectors kept by their text (a prefetched one, a repeated search)
+# How long a search someone asked for (a command, the page, the persona's search tool) waits for its query's
+# vector; a reply's own recall waits memory.query_timeout_seconds. The model's first load (its first query in a
+# process) takes longer than a reply may wait: the first !memory search found only what matched by words.
+PATIENT_QUERY_SECONDS = 30.0
 # What a hit found by meaning alone needs (relevance_floors): its cosine to the query with the embedder's
 # typical directions taken out of both (CentredFloor), for an item and for a past message.
 ITEM_CENTRED = 0.21
@@ -195,13 +199,19 @@ class EmbeddingService:
         if text.strip():
             self._query(text)
 
-    async def embed_query(self, text: str) -> Vector | None:
-        """The query's vector, or None when the embedder fails or is slower than the timeout. A query
-        embedded (or being embedded) a moment ago is not embedded again."""
+    async def embed_query(self, text: str, *, patient: bool = False) -> Vector | None:
+        """The query's vector, or None when the embedder fails or is slower than the timeout (the reply path's
+        ``memory.query_timeout_seconds``; ``PATIENT_QUERY_SECONDS`` for a search someone asked for). A query
+        embedded (or being embedded) a moment ago is not embedded again, and one that outlived its timeout
+        goes on, for the next search of it (the model's first load takes longer than a reply waits)."""
         if not text.strip():
             return None
-        # Shielded: a search given up (a cancelled reply) leaves the shared embedding to others.
-        return await asyncio.shield(self._query(text))
+        timeout = PATIENT_QUERY_SECONDS if patient else self.config.query_timeout_seconds
+        try:  # (shielded: a search given up, or timed out, leaves the shared embedding to others)
+            return await asyncio.wait_for(asyncio.shield(self._query(text)), timeout)
+        except TimeoutError:
+            self._query_failed(f"slower than {timeout:g} s")
+            return None
 
     def _query(self, text: str) -> asyncio.Future[Vector | None]:
         future = self._queries.get(text)
@@ -223,18 +233,18 @@ class EmbeddingService:
 
     async def _embed_query_now(self, text: str) -> Vector | None:
         try:
-            vectors = await asyncio.wait_for(
-                asyncio.to_thread(embed_queries, self.query_embedder, [text]), self.config.query_timeout_seconds
-            )
-        except (TimeoutError, EmbedderError) as exc:
-            self._query_failures += 1
-            if self._query_failures in (1, 10, 100) or self._query_failures % 1000 == 0:
-                log.warning("query embedding failed (%d so far), searching by text only: %s",
-                            self._query_failures, str(exc) or type(exc).__name__)
+            vectors = await asyncio.to_thread(embed_queries, self.query_embedder, [text])
+        except EmbedderError as exc:
+            self._query_failed(str(exc) or type(exc).__name__)
             return None
         vector: Vector = vectors[0]
         vector.setflags(write=False)  # shared by every search for this text
         return vector
+
+    def _query_failed(self, why: str) -> None:
+        self._query_failures += 1
+        if self._query_failures in (1, 10, 100) or self._query_failures % 1000 == 0:
+            log.warning("query embedding failed (%d so far), searching by text only: %s", self._query_failures, why)
 
     async def relevance_floors(self, query: npt.NDArray[np.float32]) -> RelevanceFloors:
         """The floors a candidate found by meaning alone must pass to count as related to ``query``: a

@@ -443,7 +443,7 @@ class MemoryStore:
         self, pair_id: int, query: str, *, user_id: int | None = None, persona: str | None = None, limit: int = 10,
         query_vector: npt.NDArray[np.float32] | None = None, include_messages: bool = True,
         exclude_messages: Collection[int] = (), use_vectors: bool = True, include_items: bool = True,
-        scopes: Collection[str] = SCOPES, about: str | None = None,
+        scopes: Collection[str] = SCOPES, about: str | None = None, patient: bool = False,
     ) -> list[Hit]:
         """Hybrid search over the pair's visible items (and its past messages when ``user_id``/``persona``).
 
@@ -452,6 +452,7 @@ class MemoryStore:
         Items and messages, and within each the full-text and the vector part, run concurrently.
         ``about`` is the searcher's own words when the query holds more (a follow-up's search text also
         holds the reply before it, whose "I" is the persona): who they mean steers the author signal.
+        ``patient``: a search someone asked for waits longer for its query's vector than a reply's recall.
         """
         now = self.clock()
         query = query[:MAX_QUERY_CHARS]  # (a model's tool call may send anything: its words are read one by one)
@@ -459,7 +460,7 @@ class MemoryStore:
         messages = include_messages and user_id is not None and persona is not None
         # The query's embedding runs while the full-text parts do; the vector parts wait for it.
         meaning = asyncio.ensure_future(self._meaning(
-            query, query_vector, use_vectors, pair_id, user_id or 0, persona or "", include_items, messages))
+            query, query_vector, use_vectors, pair_id, user_id or 0, persona or "", include_items, messages, patient))
         try:
             parts = []
             if include_items:  # a caller that knows the pair has no items saves the query
@@ -482,7 +483,7 @@ class MemoryStore:
 
     async def _meaning(
         self, query: str, given: npt.NDArray[np.float32] | None, use_vectors: bool, pair_id: int, user_id: int,
-        persona: str, items: bool, messages: bool,
+        persona: str, items: bool, messages: bool, patient: bool = False,
     ) -> tuple[npt.NDArray[np.float32] | None, RelevanceFloors]:
         """The query's vector (``given``, or embedded when the pair has vectors to search) and the relevance
         floors it sets: a candidate found only by meaning must stand far above unrelated text."""
@@ -491,7 +492,7 @@ class MemoryStore:
         vector = given
         if vector is None and use_vectors and await self.needs_query_vector(
                 pair_id, user_id, persona, items=items, messages=messages):
-            vector = await self.embeddings.embed_query(query)
+            vector = await self.embeddings.embed_query(query, patient=patient)
         if vector is None:
             return None, RelevanceFloors()
         return vector, await self.embeddings.relevance_floors(vector)

@@ -224,7 +224,7 @@ class MemoryTools:
     async def _search(self, args: dict[str, Any]) -> MemoryToolResult:
         query = _text(args, "query", required=True)
         limit = _int(args, "limit", required=False, low=1, high=20) or 10
-        hits = await self.memory.search(self.pair_id, query, limit=limit, include_messages=False)
+        hits = await self.memory.search(self.pair_id, query, limit=limit, include_messages=False, patient=True)
         items = [h.item for h in hits if h.item is not None]
         if not items:
             return MemoryToolResult("no memory items match")
