@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -27,8 +28,10 @@ from bot.config import (
     resolve_config_path,
 )
 from bot.errors import USER_TOLD
+from bot.jobs import pid_alive
 from bot.llm.errors import LLMError
 from bot.storage import StorageError
+from bot.storage.fleet import LIVE_SECONDS
 from bot.text import NAME_CHARS, error_line, one_line_name, plural
 
 if TYPE_CHECKING:
@@ -476,10 +479,14 @@ async def _copy_data(config: Config, to_url: str, password: str | None, batch: i
     try:
         # (a source without the processes table lacks migrations, which copy_data names in one line)
         live = await source.fleet.live_processes() if not await source.pending_migrations() else []
+        here = socket.gethostname()  # (one of this machine whose process is gone stopped: a kill -9, a crash)
+        live = [p for p in live if p.host != here or pid_alive(p.pid)]
         if live and not while_running:
-            where = ", ".join(f"pid {p.pid} on {p.host}" for p in live[:5])
+            where = ", ".join(f"pid {p.pid} on {p.host}, seen {time.time() - p.last_seen:.0f} s ago" for p in live[:5])
             raise ConfigError(f"a bot is running on the source database ({where}): stop it first, so nothing "
-                              "changes while it is copied (or give --while-running)")
+                              "changes while it is copied (or give --while-running). A process of another machine "
+                              f"that stopped without a word counts as running until {LIVE_SECONDS:g} s after it was "
+                              "last seen")
         target = await open_storage(to_url, password=password, pool_size=2)
         try:
             with _CopyProgress() as progress:

@@ -64,7 +64,8 @@ def new_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this machine with that id runs (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -86,7 +87,7 @@ def worker_is_dead(worker: str, *, own_worker: str) -> bool:
         return False  # another machine: only its lease can tell
     if pid == int(own_pid_text):
         return worker != own_worker  # an earlier pool of this very process
-    return not _pid_alive(pid)
+    return not pid_alive(pid)
 
 
 def backoff_delay(attempt: int, config: JobsConfig) -> float:

@@ -459,6 +459,28 @@ async def test_the_command_refuses_a_missing_source_and_a_running_bot(tmp_path: 
     assert (await _copy_data(config, pg_url, None, 100, True)).ok
 
 
+async def test_a_bot_of_this_machine_that_died_does_not_hold_up_the_copy(source: Storage, tmp_path: Path,
+                                                                        pg_url: str) -> None:
+    """A chat killed with kill -9 left its heartbeat: for 45 s copy-data said a bot was running (pid 405 on this
+    very machine, long gone) and advised --while-running. A process of this machine that is gone is not one."""
+    import socket
+    import sys
+    import time
+
+    from bot.cli import _copy_data
+    from bot.config import ConfigError, parse_config
+
+    gone = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass")
+    await gone.wait()
+    await source.fleet.leave("host-a:1")
+    await source.fleet.heartbeat("dead", socket.gethostname(), gone.pid, {}, time.time())
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'source.db'}"}})
+    assert (await _copy_data(config, pg_url, None, 100, False)).ok
+    await source.fleet.heartbeat("alive", socket.gethostname(), os.getpid(), {}, time.time())  # (this test's own)
+    with pytest.raises(ConfigError, match=rf"pid {os.getpid()} on .*, seen \d+ s ago\): stop it first"):
+        await _copy_data(config, pg_url, None, 100, False)
+
+
 async def test_a_sqlite_target_in_a_missing_folder_is_refused_naming_it(source: Storage, tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A typo in --to (or three slashes meant as four) made the whole missing folder tree without a word, and
