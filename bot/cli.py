@@ -26,6 +26,7 @@ from bot.config import (
     load_config,
     read_secret,
     resolve_config_path,
+    url_has_password,
 )
 from bot.errors import USER_TOLD
 from bot.jobs import pid_alive
@@ -446,6 +447,11 @@ def copy_data_command(ctx: click.Context, to_url: str, to_password_env: str, bat
         to_url = check_storage_url(to_url.strip())
     except ValueError as exc:
         raise click.ClickException(f"--to: {exc}") from None
+    if url_has_password(to_url):
+        raise click.ClickException(
+            "--to: the URL holds a password, which a command line shows to every account of the machine (ps) and "
+            "leaves in the shell's history: remove it, and put it in an environment variable named by "
+            "--to-password-env (or in PGPASSWORD)")
     password = _target_password(to_password_env)
     try:
         report = _run_async(lambda: _copy_data(config, to_url, password, batch, while_running),

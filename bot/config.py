@@ -130,9 +130,7 @@ class StorageConfig(_Section):
     @classmethod
     def _known_scheme(cls, value: str) -> str:
         value = check_storage_url(value)
-        parts = urlsplit(value)
-        if value.startswith("postgres") and (parts.password or any(
-                secret_param(k) for k, _ in parse_qsl(parts.query, keep_blank_values=True))):
+        if url_has_password(value):
             raise ValueError(
                 "the URL holds a password, and the config file is no place for it: remove it from the URL and "
                 "put it in an environment variable named by [storage] password_env (or PGPASSWORD), or the "
@@ -163,6 +161,13 @@ class StorageConfig(_Section):
 
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def url_has_password(url: str) -> bool:
+    """Whether a PostgreSQL URL carries a password (``user:pw@`` or a ``?password=`` option)."""
+    parts = urlsplit(url)
+    return url.startswith("postgres") and bool(parts.password or any(
+        secret_param(k) for k, _ in parse_qsl(parts.query, keep_blank_values=True)))
 
 
 def check_storage_url(value: str) -> str:

@@ -382,6 +382,10 @@ def test_the_command_copies_and_prints_the_counts(tmp_path: Path, pg_url: str) -
     assert used.returncode == 1 and "was used after the earlier copy (users up to #" in used.stderr, used.stderr
     bad = subprocess.run([*args[:-4], "--to", "mysql://x"], capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 1 and "--to:" in bad.stderr and "Traceback" not in bad.stderr
+    shown = subprocess.run([*args[:-4], "--to", "postgresql://cortex:sekret@127.0.0.1:5/x"], capture_output=True,
+                           text=True, env=env, timeout=60)  # (a password on the command line: ps shows it)
+    assert shown.returncode == 1 and "--to: the URL holds a password" in shown.stderr
+    assert "--to-password-env" in shown.stderr and "sekret" not in shown.stderr
     itself = subprocess.run([*args[:-4], "--to", f"sqlite:///{tmp_path / 'bot.db'}"], capture_output=True,
                             text=True, env=env, timeout=60)
     assert itself.returncode == 1 and itself.stderr.startswith("Error: "), itself.stderr  # (no empty line first)
