@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import shlex
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import lru_cache
@@ -114,10 +115,13 @@ def _connect_error(exc: BaseException, url: str) -> StorageError:
     where = redacted(url)
     if isinstance(exc, asyncpg.InvalidPasswordError | asyncpg.InvalidAuthorizationSpecificationError):
         return StorageError(
-            f"PostgreSQL refused the login for {where}: check the user and the password "
-            "(set it in the variable named by [storage] password_env, or PGPASSWORD)")
+            f"PostgreSQL refused the login for {where}: check the user and the password (the bot's database: in "
+            "the variable named by [storage] password_env, or PGPASSWORD; copy-data's target: in the variable "
+            "named by --to-password-env, or PGPASSWORD)")
     if isinstance(exc, asyncpg.InvalidCatalogNameError):
-        return StorageError(f"the database of {where} does not exist: create it (createdb NAME) or fix the URL")
+        name = urlsplit(url).path.strip("/") or "NAME"
+        return StorageError(f"the database of {where} does not exist: create it (createdb {shlex.quote(name)}) or "
+                            "fix the URL")
     if isinstance(exc, OSError | asyncio.TimeoutError):
         return StorageError(
             f"cannot reach PostgreSQL at {where} ({type(exc).__name__}: {exc}): is the server running and "
