@@ -145,7 +145,8 @@ class StorageConfig(_Section):
         if self.url_env:
             value = env.get(self.url_env, "").strip()
             if not value:
-                raise ConfigError(f"[storage] url_env names {self.url_env}, but that environment variable is empty")
+                state = "is empty" if self.url_env in env else "is not set"
+                raise ConfigError(f"[storage] url_env names {self.url_env}, but that environment variable {state}")
             try:
                 url = check_storage_url(value)
             except ValueError as exc:

@@ -521,3 +521,12 @@ def test_a_postgresql_url_naming_its_database_only_in_appearance_is_refused(url:
 def test_a_postgresql_url_naming_its_database_as_asyncpg_reads_it_is_taken(url: str, taken: str) -> None:
     """``?database=`` is asyncpg's own name for ``?dbname=``; either is read only after no path at all."""
     assert parse_config({"storage": {"url": url}}).storage.url == taken
+
+
+def test_a_url_env_not_set_or_empty_says_which() -> None:
+    """An unset variable was reported as "empty": the operator looked for an empty value that was not there."""
+    config = parse_config({"storage": {"url_env": "CB_TEST_DB_URL"}})
+    with pytest.raises(ConfigError, match="names CB_TEST_DB_URL, but that environment variable is not set"):
+        config.storage.resolve({})
+    with pytest.raises(ConfigError, match="names CB_TEST_DB_URL, but that environment variable is empty"):
+        config.storage.resolve({"CB_TEST_DB_URL": " "})
