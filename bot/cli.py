@@ -172,7 +172,7 @@ async def _chat(config: Config, user: str, persona: str | None) -> int:
     from bot.app import App
 
     app = App(config)
-    app.fleet_info = {"adapters": ["terminal"]}  # from the first heartbeat (`cortexbot status`)
+    app.fleet_info = _fleet_info(config, ["terminal"])  # from the first heartbeat (`cortexbot status`)
     try:
         await app.start()
     except (ConfigError, StorageError) as exc:
@@ -326,6 +326,8 @@ def _fleet_info(config: Config, platforms: list[str]) -> dict[str, Any]:
         )
     if "matrix" in platforms:
         info["matrix_account"] = config.matrix.user_id
+    if config.web.enabled:
+        info["web"] = config.web.base_url
     return info
 
 
@@ -380,7 +382,8 @@ def _print_status(processes: list[Any], queue: Any) -> None:
         click.echo(
             f"  {p.id}  adapters: {', '.join(info.get('adapters', [])) or 'workers only'}"
             f"  Discord shards: {info.get('discord_shards', '-')}  Matrix: {info.get('matrix_account', '-')}"
-            f"  up {_ago(now - p.started_at)}, seen {now - p.last_seen:.0f} s ago"
+            + (f"  web page: {info['web']}" if info.get("web") else "")
+            + f"  up {_ago(now - p.started_at)}, seen {now - p.last_seen:.0f} s ago"
         )
     oldest = "none" if queue.oldest_queued_at is None else f"queued {_ago(now - queue.oldest_queued_at)} ago"
     click.echo(f"jobs: {queue.queued} queued, {queue.running} running, {queue.failed} failed; "

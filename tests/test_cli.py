@@ -639,3 +639,13 @@ def test_doctor_says_an_openai_base_url_lacks_v1(tmp_path: Path, fake_llm: FakeL
     assert result.returncode == 1, result.stdout
     assert f'[llm] base_url = "{fake_llm.openai_url}"' in result.stdout, result.stdout
     assert "All checks passed" not in result.stdout
+
+
+def test_a_process_serving_the_web_page_says_so_in_its_fleet_info() -> None:
+    """`cortexbot status` listed a `run` that served the page as "adapters: terminal" alone."""
+    from bot.cli import _fleet_info
+    from bot.config import parse_config
+
+    served = _fleet_info(parse_config({"web": {"enabled": True, "port": 8099}}), ["terminal"])
+    assert served == {"adapters": ["terminal"], "web": "http://127.0.0.1:8099"}
+    assert "web" not in _fleet_info(parse_config({}), ["terminal"])

@@ -108,13 +108,14 @@ def test_status_lists_live_processes_and_the_queue(tmp_path: Path, fake_llm: Fak
         from bot.config import load_config
 
         async with App(load_config(config), llm=ScriptedProvider()) as app:
-            app.fleet.info = {"adapters": ["discord"], "discord_shards": "0, 1 of 4"}
+            app.fleet.info = {"adapters": ["discord"], "discord_shards": "0, 1 of 4", "web": "http://127.0.0.1:8080"}
             await app.fleet.heartbeat()
             await app.storage.enqueue_job("probe", "k", {}, 1)
             result = await asyncio.to_thread(cortexbot, "--config", str(config), "status")
             assert result.returncode == 0, result.stderr
             assert "1 live process(es)" in result.stdout and app.fleet.process_id in result.stdout
             assert "0, 1 of 4" in result.stdout and "1 queued" in result.stdout
+            assert "web page: http://127.0.0.1:8080" in result.stdout  # (a process serving the page says so)
         result = cortexbot("--config", str(config), "status")
         assert "0 live process(es)" in result.stdout  # a clean stop leaves the fleet
 
