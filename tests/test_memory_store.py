@@ -646,7 +646,7 @@ class _SlowFirstQuery(HashEmbedder):
 async def test_a_search_someone_asked_for_waits_for_the_models_first_load(tmp_path: Path) -> None:
     """The reply path's recall waits memory.query_timeout_seconds for the query's vector; the model's first
     load took longer, and a !memory search right after the start found only what matched by words. A search
-    someone asked for waits longer, and a query that outlived a reply's timeout goes on for the next search."""
+    someone asked for tries again, and waits longer."""
     app, store, users, clock = await _setup(tmp_path)
     try:
         pair = users["ann"][1].id
@@ -659,10 +659,7 @@ async def test_a_search_someone_asked_for_waits_for_the_models_first_load(tmp_pa
         await service.backfill()
         hurried = await vstore.search(pair, "Lisboa")  # (a reply's recall: gives up on the vector)
         assert all(h.signals.get("vector", 0) == 0 for h in hurried)
-        await asyncio.sleep(1.6)
-        assert queries.calls == 1
-        again = await vstore.search(pair, "Lisboa")  # the embedding went on: kept for the next search
-        assert again and again[0].signals["vector"] > 0 and queries.calls == 1
+        await asyncio.sleep(1.6)  # (the slow first query's thread ends)
         service.forget_queries()
         queries.calls = 0  # (its first query slow again)
         patient = await vstore.search(pair, "Lisboa favourite", patient=True)

@@ -119,13 +119,14 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         """The store's hybrid search over the items of each of the user's pairs, best first."""
         filters = wanted.filters
         scopes = SCOPES if filters.scope is None else (filters.scope,)
+        vector = await memory.query_vector(wanted.query)  # (once for every persona's search)
         found: list[tuple[OwnedItem, float]] = []
         for pair in await ctx.app.storage.export.pairs(user.id):
             persona = str(pair["persona"])
             if filters.persona is not None and persona != filters.persona:
                 continue
             hits = await memory.search(int(pair["id"]), wanted.query, include_messages=False, limit=SEARCH_LIMIT,
-                                       scopes=scopes, patient=True)
+                                       scopes=scopes, query_vector=vector, use_vectors=vector is not None)
             found += [(OwnedItem(persona, h.item), h.score) for h in hits
                       if h.item is not None and matches(h.item, filters)]
         return sorted(found, key=lambda f: f[1], reverse=True)

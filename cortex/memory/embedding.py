@@ -54,9 +54,9 @@ MARK_WINDOW = 1000
 FULL_SCAN_SECONDS = 600.0
 BATCH = 256  # texts the backfill reads and embeds at once: the more, the less padding (64: 105 texts/s, 256: 131)
 QUERY_CACHE = 256  # query vectors kept by their text (a prefetched one, a repeated search)
-# How long a search someone asked for (a command, the page, the persona's search tool) waits for its query's
-# vector; a reply's own recall waits memory.query_timeout_seconds. The model's first load (its first query in a
-# process) takes longer than a reply may wait: the first !memory search found only what matched by words.
+# How long a search someone asked for (a command, the page, the persona's search tool) tries again for its query's
+# vector after the reply path's memory.query_timeout_seconds ran out. The model's first load (its first query in
+# a process) takes longer than a reply may wait: the first !memory search found only what matched by words.
 PATIENT_QUERY_SECONDS = 30.0
 # What a hit found by meaning alone needs (relevance_floors): its cosine to the query with the embedder's
 # typical directions taken out of both (CentredFloor), for an item and for a past message.
@@ -200,25 +200,26 @@ class EmbeddingService:
             self._query(text)
 
     async def embed_query(self, text: str, *, patient: bool = False) -> Vector | None:
-        """The query's vector, or None when the embedder fails or is slower than the timeout (the reply path's
-        ``memory.query_timeout_seconds``; ``PATIENT_QUERY_SECONDS`` for a search someone asked for). A query
-        embedded (or being embedded) a moment ago is not embedded again, and one that outlived its timeout
-        goes on, for the next search of it (the model's first load takes longer than a reply waits)."""
+        """The query's vector, or None when the embedder fails or is slower than the timeout: the reply path's
+        ``memory.query_timeout_seconds``, counted from the moment it was started (a prefetch); a search someone
+        asked for (``patient``) tries once more for up to ``PATIENT_QUERY_SECONDS`` (the model's first load in
+        a process takes longer than a reply may wait). A query embedded (or being embedded) a moment ago is
+        not embedded again."""
         if not text.strip():
             return None
-        timeout = PATIENT_QUERY_SECONDS if patient else self.config.query_timeout_seconds
-        try:  # (shielded: a search given up, or timed out, leaves the shared embedding to others)
-            return await asyncio.wait_for(asyncio.shield(self._query(text)), timeout)
-        except TimeoutError:
-            self._query_failed(f"slower than {timeout:g} s")
-            return None
+        # Shielded: a search given up (a cancelled reply) leaves the shared embedding to others.
+        vector = await asyncio.shield(self._query(text))
+        if vector is not None or not patient:
+            return vector
+        patient_one = self._query(text, timeout=PATIENT_QUERY_SECONDS)  # (the short one failed: dropped)
+        return await asyncio.shield(patient_one)
 
-    def _query(self, text: str) -> asyncio.Future[Vector | None]:
+    def _query(self, text: str, *, timeout: float | None = None) -> asyncio.Future[Vector | None]:
         future = self._queries.get(text)
         if future is not None and future.get_loop() is asyncio.get_running_loop():
             self._queries.move_to_end(text)
             return future
-        future = asyncio.ensure_future(self._embed_query_now(text))
+        future = asyncio.ensure_future(self._embed_query_now(text, timeout or self.config.query_timeout_seconds))
         self._queries[text] = future
         while len(self._queries) > QUERY_CACHE:
             self._queries.popitem(last=False)
@@ -231,11 +232,11 @@ class EmbeddingService:
         future.add_done_callback(drop_failure)
         return future
 
-    async def _embed_query_now(self, text: str) -> Vector | None:
+    async def _embed_query_now(self, text: str, timeout: float) -> Vector | None:
         try:
-            vectors = await asyncio.to_thread(embed_queries, self.query_embedder, [text])
-        except EmbedderError as exc:
-            self._query_failed(str(exc) or type(exc).__name__)
+            vectors = await asyncio.wait_for(asyncio.to_thread(embed_queries, self.query_embedder, [text]), timeout)
+        except (TimeoutError, EmbedderError) as exc:
+            self._query_failed(str(exc) or f"slower than {timeout:g} s")
             return None
         vector: Vector = vectors[0]
         vector.setflags(write=False)  # shared by every search for this text

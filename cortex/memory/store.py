@@ -481,6 +481,13 @@ class MemoryStore:
         best = heapq.nlargest(limit, candidates, key=lambda c: c.score)
         return [self._hit(c) for c in best]
 
+    async def query_vector(self, query: str) -> npt.NDArray[np.float32] | None:
+        """A query's vector for several searches (one per persona) that someone asked for: embedded once,
+        patiently (see ``search``'s ``patient``); None without an embedder, or when it fails."""
+        if self.embeddings is None:
+            return None
+        return await self.embeddings.embed_query(query[:MAX_QUERY_CHARS], patient=True)
+
     async def _meaning(
         self, query: str, given: npt.NDArray[np.float32] | None, use_vectors: bool, pair_id: int, user_id: int,
         persona: str, items: bool, messages: bool, patient: bool = False,
