@@ -256,6 +256,38 @@ async def test_a_target_a_bot_used_after_the_copy_is_refused_before_rows_mix(sou
         await third.close()
 
 
+async def test_a_second_copy_interrupted_goes_on_and_copies_back_and_forth_pass(source: Storage,
+                                                                                pg: Storage) -> None:
+    """The mark must refuse only a target used since: a second copy (after new rows here) stopped half-way was
+    refused ever after, and so was going back and forth (here, there, back, and there again) with the bot run
+    in between on each in turn; a copy back after both went on at once is refused."""
+    assert (await copy_data(source, pg)).ok
+    general = await source.upsert_channel("discord:g", "general", is_dm=False)
+    ann = await source.upsert_user("discord:1", "Ann")
+    for n in range(3):
+        await source.add_message(general.id, ann.id, "Cora", "user", "Ann", f"later {n}", 3)
+
+    def stop_at_summaries(table: str, done: int, total: int) -> None:
+        if table == "summaries":
+            raise StorageError("connection lost")
+
+    with pytest.raises(StorageError, match="connection lost"):
+        await copy_data(source, pg, progress=stop_at_summaries)
+    assert (await copy_data(source, pg)).ok  # resumed
+    there = await pg.upsert_channel("discord:g", "general", is_dm=False)
+    await pg.add_message(there.id, ann.id, "Cora", "user", "Ann", "the bot ran there", 3)
+    assert (await copy_data(pg, source)).ok  # back here: nothing of this one was added since
+    await source.add_message(general.id, ann.id, "Cora", "user", "Ann", "and here again", 3)
+    assert (await copy_data(source, pg)).ok  # and there again
+    assert "and here again" in {m["text"] for m in await dump(pg, "messages")}
+    await pg.add_message(there.id, ann.id, "Cora", "user", "Ann", "there, at the same time", 3)
+    await source.add_message(general.id, ann.id, "Cora", "user", "Ann", "here, at the same time", 3)
+    with pytest.raises(StorageError, match="was used after the earlier copy"):
+        await copy_data(pg, source)  # (either way)
+    with pytest.raises(StorageError, match="was used after the earlier copy"):
+        await copy_data(source, pg)
+
+
 async def test_a_rerun_after_a_forget_me_reports_what_the_target_still_holds(source: Storage, pg: Storage) -> None:
     """Ann forgotten here after a first copy, her channel's summary written anew (version 1 again, a new id):
     the new summary cannot go in beside the old one; the copy finishes and says the counts differ."""

@@ -47,9 +47,9 @@ from bot.storage.engine import Database, Row, StorageError
 __all__ = ["INSTANCE_KEY", "TABLES", "CopyReport", "TableCount", "copy_data", "ensure_instance_id"]
 
 INSTANCE_KEY = "bot.instance_id"
-# (settings) The largest id of each table a finished copy left in its target: rows past them were added there
-# since (a bot ran on it), and a further copy would mix this database's rows with them under the same ids. Never
-# copied itself: a database that was once a target does not hand its mark on.
+# (settings) The largest id of each table a copy from or into this database accounted for (the source's, as the
+# copy began): rows past them in a target were added there since (a bot ran on it), and a further copy into it
+# would mix the source's rows with them under the same ids. Never copied itself: each database keeps its own.
 LAST_COPY_KEY = "copy.largest_ids"
 NOT_COPIED: dict[str, str] = {"settings": f"key <> '{LAST_COPY_KEY}'"}  # rows of a table left out (SQL)
 # Foreign-key order (``processes`` and ``schema_version`` stay behind: they describe the database, not the bot).
@@ -146,16 +146,18 @@ async def copy_data(source: Storage, target: Storage, *, progress: Progress | No
     await target.migrate(elsewhere="name another database with --to")
     await _claim_target(source.db, target.db, instance)
     await _check_unused(target.db)
+    # Both ends marked before a row goes over: the target may hold rows up to the source's ids (so a resumed copy
+    # passes), and the source's rows up to here are the target's too (so a copy back, once a bot ran on the target,
+    # passes while this one did not move on meanwhile; and is refused when it did).
+    reached = await _largest_ids(source.db)
+    for db in (source.db, target.db):
+        await _raise_mark(db, reached)
     copied: dict[str, int] = {}
     for table in TABLES:
         copied[table] = await _copy_table(source.db, target.db, table, batch, progress)
         if table == "messages":
             await _restore_channel_counters(source.db, target.db, batch)
     await _move_sequences(target.db, await _next_ids(source.db))
-    await target.db.write(
-        "INSERT INTO settings (key, value, updated_at) VALUES (?, ?, ?)"
-        " ON CONFLICT (key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at",
-        (LAST_COPY_KEY, json.dumps(await _largest_ids(target.db)), time.time()))
     counts = [TableCount(t, await _count(source.db, t), await _count(target.db, t), copied[t]) for t in TABLES]
     return CopyReport(source.db.url, target.db.url, instance, tuple(counts), time.monotonic() - started)
 
@@ -213,17 +215,32 @@ async def _largest_ids(db: Database) -> dict[str, int]:
     return found
 
 
+async def _mark(db: Database) -> dict[str, int] | None:
+    """The database's mark (LAST_COPY_KEY): each table's largest id a copy from or into it accounted for."""
+    row = await db.fetch_one("SELECT value FROM settings WHERE key = ?", (LAST_COPY_KEY,))
+    if row is None:
+        return None
+    try:
+        return {str(k): int(v) for k, v in json.loads(str(row[0])).items()}
+    except (ValueError, TypeError, AttributeError):
+        return {}
+
+
+async def _raise_mark(db: Database, reached: dict[str, int]) -> None:
+    mark = await _mark(db) or {}
+    merged = {table: max(mark.get(table, 0), reached.get(table, 0)) for table in {*mark, *reached}}
+    await db.write("INSERT INTO settings (key, value, updated_at) VALUES (?, ?, ?) ON CONFLICT (key) DO UPDATE SET"
+                   " value = excluded.value, updated_at = excluded.updated_at",
+                   (LAST_COPY_KEY, json.dumps(merged, sort_keys=True), time.time()))
+
+
 async def _check_unused(target: Database) -> None:
-    """Refuse a target a bot used since the last copy finished there: rows past the ids that copy left. Their
+    """Refuse a target a bot used since a copy from or into it: rows past the ids that copy accounted for. Their
     ids are this database's next ones too, so what this database added since would be left out as "there
     already", and rows pointing at them (a reply's sources) would be pinned onto the target's rows."""
-    row = await target.fetch_one("SELECT value FROM settings WHERE key = ?", (LAST_COPY_KEY,))
-    if row is None:
+    left = await _mark(target)
+    if left is None:
         return
-    try:
-        left = {str(k): int(v) for k, v in json.loads(str(row[0])).items()}
-    except (ValueError, TypeError, AttributeError):
-        left = {}
     grown = [f"{table} up to #{n:,} (the copy left #{left.get(table, 0):,})"
              for table, n in (await _largest_ids(target)).items() if n > left.get(table, 0)]
     if grown:
