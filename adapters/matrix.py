@@ -941,7 +941,7 @@ class MatrixAdapter:
         if self.config.e2ee:  # nio shares a room's key with the members it knows: the invite, once a sync brings it
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(30.0):
-                    while user_id not in room.invited_users:
+                    while user_id not in room.users:  # (invited or, if the sync brought it too, joined)
                         await self._sync_seen.wait()
         return True
 

@@ -276,7 +276,7 @@ async def load_embedders(app: App) -> None:
     embeddings = app.cortex.embeddings
     assert embeddings is not None
     await asyncio.to_thread(embeddings.embedder.embed, ["warm-up"])
-    await embeddings.embed_query("warm-up")
+    await embeddings.embed_query("warm-up", patient=True)  # (the model loads: no timeout)
 
 
 async def embed_queries_once(app: App, state: dict[str, Any]) -> None:

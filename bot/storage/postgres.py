@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from bot.config import hide_url_passwords
 from bot.storage.engine import Migration, Row, StorageCaches, StorageError, apply_migrations, refuse_foreign
@@ -119,7 +119,7 @@ def _connect_error(exc: BaseException, url: str) -> StorageError:
             "the variable named by [storage] password_env, or PGPASSWORD; copy-data's target: in the variable "
             "named by --to-password-env, or PGPASSWORD)")
     if isinstance(exc, asyncpg.InvalidCatalogNameError):
-        name = urlsplit(url).path.strip("/") or "NAME"
+        name = unquote(urlsplit(url).path.strip("/")) or "NAME"
         return StorageError(f"the database of {where} does not exist: create it (createdb {shlex.quote(name)}) or "
                             "fix the URL")
     if isinstance(exc, OSError | asyncio.TimeoutError):
