@@ -476,6 +476,18 @@ async def test_a_servers_rejection_reaches_chat_as_one_line(provider: LLMProvide
     with pytest.raises(LLMBadRequest) as info:
         await provider.complete(request())
     assert len(info.value.user_message) < 400
+    # A proxy's error page (nginx's) went to the channel as HTML; markup in a plain text went too.
+    page = b"<html><head><title>400 Error</title></head><body><center><h1>400 Error</h1></center><hr>" \
+           b"<center>nginx/1.18.0</center></body></html>"
+    fake_llm.enqueue(FakeResponse.malformed(page, status=400, content_type="text/html"))
+    with pytest.raises(LLMBadRequest) as info:
+        await provider.complete(request())
+    assert info.value.user_message == "The language model rejected the request (HTTP 400).", info.value.user_message
+    fake_llm.enqueue(FakeResponse.malformed(b"bad <script>alert(1)</script> model name", status=400,
+                                            content_type="text/plain"))
+    with pytest.raises(LLMBadRequest) as info:
+        await provider.complete(request())
+    assert "<" not in info.value.user_message and "bad alert(1) model name" in info.value.user_message
 
 
 @pytest.mark.asyncio

@@ -20,6 +20,8 @@ nothing above the provider layer catches SDK exceptions. Messages never contain 
 
 from __future__ import annotations
 
+import re
+
 
 class LLMError(Exception):
     """Base class. ``str(err)`` is a technical description for logs; ``user_message`` is for users."""
@@ -86,10 +88,18 @@ class LLMBadRequest(LLMPermanentError):
 SAID_CHARS = 300
 
 
+_HTML_PAGE = re.compile(r"<\s*(?:!doctype|html|head|body)\b", re.IGNORECASE)
+_TAG = re.compile(r"<[^<>]*>")
+
+
 def _first_words(said: str) -> str:
-    """A server's error text as one line for chat: before any traceback, whitespace collapsed, cut at
-    ``SAID_CHARS``; nothing when it holds no words (a bare list or number)."""
-    said = " ".join(said.split("Traceback (most recent call last)", 1)[0].split())
+    """A server's error text as one line for chat: before any traceback, without markup, whitespace collapsed,
+    cut at ``SAID_CHARS``; nothing when it holds no words (a bare list or number) or is a web page (a proxy's
+    error page: its title and server banner say nothing a person can act on, and its markup is no chat)."""
+    if _HTML_PAGE.search(said):
+        return ""
+    said = _TAG.sub(" ", said.split("Traceback (most recent call last)", 1)[0])
+    said = " ".join(said.split())
     if not any(c.isalpha() for c in said):
         return ""
     return said if len(said) <= SAID_CHARS else said[:SAID_CHARS].rstrip() + "…"
