@@ -14,6 +14,7 @@ again by the worker pool and runs afresh on the current files.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -234,8 +235,8 @@ class CortexUpdater:
                                  "the update"
             completion = await self._call(model, system, messages, settings)
             totals[0] = round_number
-            used = max(completion.usage.input_tokens, 0), max(completion.usage.output_tokens, 0)
-            totals[1] += used[0]  # a server's negative count credits nothing
+            used = self._used(completion, next_round)
+            totals[1] += used[0]
             totals[2] += used[1]
             next_round = sum(used)  # the next round costs at least as much: its input holds this one's
             # Spending is counted in the database as it happens, so every process (and the next round's
@@ -258,6 +259,15 @@ class CortexUpdater:
                 )
                 next_round += len(outcome.content) // RESULT_CHARS_PER_TOKEN  # the results are the next input
         return "failed", f"stopped after {settings.max_rounds} rounds without finishing (max_rounds)"
+
+    def _used(self, completion: Completion, expected_input: int) -> tuple[int, int]:
+        """The call's (input, output) tokens as its server reports them (a negative count credits nothing);
+        where it reports none (an OpenAI-compatible server may send no usage), the bot's own estimate: the
+        input it expected, the answer counted. Counted as 0, a run spent free of every budget."""
+        reported = max(completion.usage.input_tokens, 0), max(completion.usage.output_tokens, 0)
+        said = completion.text + "".join(call.raw_arguments or json.dumps(call.arguments, ensure_ascii=False)
+                                         for call in completion.tool_calls)
+        return reported[0] or expected_input, reported[1] or (self.estimator.count(said) if said else 0)
 
     async def _reserve(self, pair: Pair, settings: CortexConfig, run_id: int, totals: list[int],
                        next_round: int) -> str | None:

@@ -25,10 +25,12 @@ pytestmark = pytest.mark.both_engines
 KEY_ENV = "CB_CORTEX_TEST_KEY"
 
 
-def _config(tmp_path: Path, server: FakeLLMServer, **cortex: Any):
+def _config(tmp_path: Path, server: FakeLLMServer, provider: str = "anthropic", **cortex: Any):
+    url = server.anthropic_url if provider == "anthropic" else server.openai_url
     return parse_config({
         "storage": {"url": db_url_for(tmp_path)},
-        "llm": {"base_url": server.anthropic_url, "api_key_env": KEY_ENV, "max_retries": 0, "model": "test-model"},
+        "llm": {"provider": provider, "base_url": url, "api_key_env": KEY_ENV, "max_retries": 0,
+                "model": "test-model"},
         "cortex": {"context_limit": 1000, "cooldown_seconds": 0, **cortex},
         "jobs": {"poll_seconds": 0.05, "retry_base_seconds": 0.05, "retry_max_seconds": 0.1},
     })
@@ -587,6 +589,24 @@ async def test_a_run_stops_before_a_round_that_would_overshoot_the_budget(
         assert outcome.status == "failed" and "this pair's daily token budget" in outcome.reason
         assert len(cortex_requests(fake_llm)) == 1  # the second round (≈ 6,100 more) never started
         assert await app.cortex.store.tokens_since(0, pair.id) == 6100
+
+
+async def test_a_server_that_reports_no_usage_is_held_to_the_budget_by_the_estimate(
+    tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An OpenAI-compatible server may send no usage: every round counted 0 tokens, and an update reading its
+    files round after round spent free of every budget. The bot's own estimate counts instead."""
+    monkeypatch.setenv(KEY_ENV, "test-key")
+    async with App(_config(tmp_path, fake_llm, "openai", daily_token_budget=6_000)) as app:
+        await _talk(app, CONVERSATION)
+        pair = await _pair(app)
+        await app.cortex.files.edit(pair, "memory.md", "# Notes\n" + "- Ann likes long walks by the river.\n" * 60)
+        fake_llm.enqueue(*(FakeResponse.tool_calls([(f"r{i}", "read_file", {"filename": "memory.md"})],
+                                                   send_usage=False) for i in range(10)), FakeResponse.text("done"))
+        outcome = await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective("Cora")).settings)
+        assert outcome.status == "failed" and "this pair's daily token budget" in outcome.reason, outcome
+        assert len(cortex_requests(fake_llm)) < 10  # stopped before the rounds ran out
+        assert await app.cortex.store.tokens_since(0, pair.id) > 0
 
 
 async def test_the_first_round_counts_before_it_is_spent(
