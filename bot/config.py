@@ -329,8 +329,10 @@ class HistoryConfig(_Section):
 
 class JobsConfig(_Section):
     concurrency: int = Field(default=2, ge=1, le=64)
-    max_attempts: int = Field(default=5, ge=1, le=100)
-    retry_base_seconds: float = Field(default=2.0, gt=0, le=3600)
+    # 5 s doubling, 8 attempts: about ten minutes in all, longer than a provider's usual overload (529s for
+    # a minute or two); 2 s and 5 attempts gave up after 30 s, and the update a tier fired was lost.
+    max_attempts: int = Field(default=8, ge=1, le=100)
+    retry_base_seconds: float = Field(default=5.0, gt=0, le=3600)
     retry_max_seconds: float = Field(default=300.0, gt=0, le=86_400)
     lease_seconds: float = Field(default=60.0, ge=5, le=86_400)
     poll_seconds: float = Field(default=1.0, gt=0, le=3600)

@@ -90,9 +90,12 @@ def worker_is_dead(worker: str, *, own_worker: str) -> bool:
     return not pid_alive(pid)
 
 
-def backoff_delay(attempt: int, config: JobsConfig) -> float:
+def backoff_delay(attempt: int, config: JobsConfig, asked: float | None = None) -> float:
+    """The wait before a failed job's next attempt: ``retry_base_seconds`` doubling with each attempt, with
+    jitter; at least what the server asked for (its Retry-After), up to ``retry_max_seconds``."""
     base: float = min(config.retry_base_seconds * 2.0 ** max(attempt - 1, 0), config.retry_max_seconds)
-    return base * random.uniform(0.8, 1.2)
+    delay = base * random.uniform(0.8, 1.2)
+    return max(delay, min(asked, config.retry_max_seconds)) if asked else delay
 
 
 class WorkerPool:
@@ -221,7 +224,7 @@ class WorkerPool:
     async def _after_failure(self, job: Job, exc: Exception) -> None:
         error = f"{type(exc).__name__}: {exc}"[:2000]
         if getattr(exc, "transient", False) and job.attempts < job.max_attempts:
-            delay = backoff_delay(job.attempts, self.config)
+            delay = backoff_delay(job.attempts, self.config, getattr(exc, "retry_after", None))
             await self.storage.retry_job(job.id, error, datetime.now(UTC) + timedelta(seconds=delay), self.worker_id,
                                          attempt=job.attempts)
             log.warning(

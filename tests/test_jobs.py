@@ -75,6 +75,40 @@ async def test_transient_errors_give_up_after_max_attempts(storage: Storage) -> 
     await pool.stop()
 
 
+async def test_a_retry_waits_at_least_as_long_as_the_server_asked(storage: Storage) -> None:
+    """A rate-limited server asking for an hour got five attempts in 35 s (each with the SDK's own retries): the
+    next attempt now waits what it asked for, up to retry_max_seconds; and the default back-off outlasts a
+    provider's usual overload (529s for a minute or two), where it gave up after 30 s."""
+    from datetime import UTC, datetime
+
+    from bot.jobs import backoff_delay
+
+    async def limited(job: Job) -> None:
+        error = LLMRateLimited("429 slow down")
+        error.retry_after = 3600.0
+        raise error
+
+    config = JobsConfig(concurrency=1, max_attempts=3, retry_base_seconds=0.01, retry_max_seconds=120,
+                        poll_seconds=0.05)
+    queue = JobQueue(storage, config)
+    pool = WorkerPool(queue, {"k": limited})
+    await pool.start()
+    job = await queue.enqueue("k", "a", {})
+    for _ in range(500):  # (queued again after its first attempt)
+        waiting = await storage.get_job(job.id)
+        assert waiting is not None
+        if waiting.attempts == 1 and waiting.status == "queued":
+            break
+        await asyncio.sleep(0.01)
+    assert 110 < (waiting.run_after - datetime.now(UTC)).total_seconds() <= 120  # capped at retry_max_seconds
+    await pool.stop()
+    assert 40 <= backoff_delay(1, JobsConfig(), 40.0) <= 300 and backoff_delay(1, JobsConfig(), None) < 7
+    defaults = JobsConfig()
+    total = sum(min(defaults.retry_base_seconds * 2 ** (n - 1), defaults.retry_max_seconds)
+                for n in range(1, defaults.max_attempts))
+    assert total > 300  # five minutes and more before a job is given up
+
+
 async def test_permanent_errors_fail_at_once(storage: Storage) -> None:
     async def bad(job: Job) -> None:
         raise LLMBadRequest("unknown model")

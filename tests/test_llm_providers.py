@@ -800,6 +800,29 @@ async def test_a_retry_after_longer_than_a_retry_may_wait_is_reported_at_once(
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("kind", PROVIDERS)
+async def test_the_wait_a_server_asks_for_comes_with_its_error(fake_llm: FakeLLMServer, kind: str) -> None:
+    """A background job backs off at least as long as the rate-limited (or overloaded) server asked: the wait
+    was read, then dropped, and a server asking for an hour got five attempts in 35 s."""
+    from bot.llm._mapping import retry_after
+
+    prov = make_provider(kind, fake_llm, max_retries=0, timeout=6.0)
+    fake_llm.enqueue(FakeResponse.error(429, "slow down", headers={"retry-after-ms": "3600000"}),
+                     FakeResponse.error(529, "overloaded", headers={"retry-after-ms": "90000"}))
+    try:
+        with pytest.raises(LLMRateLimited) as limited:
+            await prov.complete(request())
+        with pytest.raises(LLMOverloaded) as overloaded:
+            await prov.complete(request())
+    finally:
+        await prov.aclose()
+    assert limited.value.retry_after == 3600 and overloaded.value.retry_after == 90
+    assert retry_after({"retry-after": "3600"}) == 3600
+    assert retry_after({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}) == 0  # a date in the past
+    assert retry_after({"retry-after": "soon"}) is None and retry_after({}) is None
+
+
+@pytest.mark.asyncio
 async def test_openai_chunk_of_two_calls_without_ids_or_indexes(openai_provider: LLMProvider,
                                                                 fake_llm: FakeLLMServer) -> None:
     def chunk(delta: dict[str, Any], finish: str | None = None) -> str:

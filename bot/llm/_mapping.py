@@ -17,6 +17,7 @@ import json
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Iterable, Mapping
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 from typing import Any, TypeVar
 
 from bot.llm.errors import (
@@ -218,7 +219,27 @@ def to_llm_error(
     clean = _shortened(redact(error.detail, list(secrets)))  # redacted first: a key cut in half would not match
     if clean != error.detail:
         error = type(error)(clean, status_code=error.status_code)
+    error.retry_after = retry_after(getattr(getattr(exc, "response", None), "headers", None))
     return error
+
+
+def retry_after(headers: Mapping[str, str] | None) -> float | None:
+    """The wait a server asked for (``retry-after-ms``, ``retry-after`` in seconds or as a date), in
+    seconds; None when it asked for none (or wrote something else)."""
+    if not headers:
+        return None
+    try:
+        if (ms := headers.get("retry-after-ms")) is not None:
+            return max(float(ms) / 1000, 0.0)
+        said = headers.get("retry-after")
+        if said is None:
+            return None
+        try:
+            return max(float(said), 0.0)
+        except ValueError:
+            return max(parsedate_to_datetime(said).timestamp() - time.time(), 0.0)
+    except (ValueError, TypeError, OverflowError):
+        return None
 
 
 def _translate(exc: BaseException, provider: str, sdk: SdkErrors) -> LLMError:

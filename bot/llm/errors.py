@@ -28,6 +28,7 @@ class LLMError(Exception):
 
     user_message = "The language model failed to answer."
     transient = False
+    retry_after: float | None = None  # seconds the server asked to wait (Retry-After), when it said
 
     def __init__(self, detail: str = "", *, status_code: int | None = None) -> None:
         super().__init__(detail or self.user_message)
