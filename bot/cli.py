@@ -848,6 +848,30 @@ async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
             report(False, f"model {model}", f"not offered by the server (it offers: {', '.join(models[:10])})")
         else:
             report(True, f"model {model}", "available")
+    if not models or llm.model in models:
+        await _doctor_answer(config, report)
+
+
+async def _doctor_answer(config: Config, report: Callable[..., None]) -> None:
+    """One real request of a few tokens to the chat model: a server may list its models and still answer no
+    request (overloaded, rate-limited, out of credit), and doctor said "All checks passed" while every reply
+    failed."""
+    from bot.app import build_provider
+    from bot.llm.base import ChatMessage, LLMRequest
+
+    llm = config.llm
+    provider = build_provider(config)
+    probe = LLMRequest(system="", messages=(ChatMessage("user", "Say OK."),), model=llm.model, max_tokens=1)
+    try:
+        await asyncio.wait_for(provider.complete(probe), timeout=llm.timeout_seconds + 5)
+    except LLMError as exc:
+        report(False, f"an answer from {llm.model}", one_line(exc.user_message))
+    except TimeoutError:
+        report(False, f"an answer from {llm.model}", f"none within {llm.timeout_seconds:g} s (llm.timeout_seconds)")
+    else:
+        report(True, f"an answer from {llm.model}", "a request of a few tokens was answered")
+    finally:
+        await provider.aclose()
 
 
 async def _doctor_base_url_with_v1(config: Config) -> str | None:

@@ -323,6 +323,11 @@ def test_doctor_reports_what_is_wrong(tmp_path: Path, fake_llm: FakeLLMServer) -
     assert good.returncode == 0, good.stdout + good.stderr
     assert "All checks passed" in good.stdout and "database" in good.stdout
     assert "✓ embedder: multilingual-e5-small-q4, 384 dimensions" in good.stdout  # loaded offline
+    assert "✓ an answer from test-model: a request of a few tokens was answered" in good.stdout
+    fake_llm.enqueue(FakeResponse.error(529, "Overloaded"))  # (the models listed; no answer comes)
+    overloaded = cortexbot("--config", str(config), "doctor")
+    assert overloaded.returncode == 1 and "✗ an answer from test-model: " in overloaded.stdout, overloaded.stdout
+    assert "All checks passed" not in overloaded.stdout
     fake_llm.models = ["other-model"]
     wrong_model = cortexbot("doctor", "--config", str(config))  # the main options also after the subcommand
     assert wrong_model.returncode == 1
