@@ -833,6 +833,7 @@ async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
                 return
             report(True, where, f"reachable; it does not list its models (HTTP {exc.status_code}), so the model "
                                 "names were not checked")
+            await _doctor_answer(config, report)
             return
         report(False, where, one_line(f"{exc.user_message} ({exc.detail})"))
         return
@@ -852,6 +853,9 @@ async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
         await _doctor_answer(config, report)
 
 
+PROBE_SECONDS = 30.0  # doctor's wait for its request of a few tokens (a hung server: not the reply's 120 s)
+
+
 async def _doctor_answer(config: Config, report: Callable[..., None]) -> None:
     """One real request of a few tokens to the chat model: a server may list its models and still answer no
     request (overloaded, rate-limited, out of credit), and doctor said "All checks passed" while every reply
@@ -861,13 +865,15 @@ async def _doctor_answer(config: Config, report: Callable[..., None]) -> None:
 
     llm = config.llm
     provider = build_provider(config)
-    probe = LLMRequest(system="", messages=(ChatMessage("user", "Say OK."),), model=llm.model, max_tokens=1)
+    # (16 tokens: a reasoning model behind a proxy may refuse 1, or spend it thinking)
+    probe = LLMRequest(system="", messages=(ChatMessage("user", "Say OK."),), model=llm.model, max_tokens=16)
+    seconds = min(llm.timeout_seconds, PROBE_SECONDS)
     try:
-        await asyncio.wait_for(provider.complete(probe), timeout=llm.timeout_seconds + 5)
+        await asyncio.wait_for(provider.complete(probe), timeout=seconds)
     except LLMError as exc:
-        report(False, f"an answer from {llm.model}", one_line(exc.user_message))
+        report(False, f"an answer from {llm.model}", one_line(f"{exc.user_message} ({exc.detail})"))
     except TimeoutError:
-        report(False, f"an answer from {llm.model}", f"none within {llm.timeout_seconds:g} s (llm.timeout_seconds)")
+        report(False, f"an answer from {llm.model}", f"none within {seconds:g} s")
     else:
         report(True, f"an answer from {llm.model}", "a request of a few tokens was answered")
     finally:

@@ -95,7 +95,8 @@ def backoff_delay(attempt: int, config: JobsConfig, asked: float | None = None) 
     jitter; at least what the server asked for (its Retry-After), up to ``retry_max_seconds``."""
     base: float = min(config.retry_base_seconds * 2.0 ** max(attempt - 1, 0), config.retry_max_seconds)
     delay = base * random.uniform(0.8, 1.2)
-    return max(delay, min(asked, config.retry_max_seconds)) if asked else delay
+    # (jittered too: jobs one rate limit stopped together would otherwise all come back at the same moment)
+    return max(delay, min(asked, config.retry_max_seconds) * random.uniform(1.0, 1.1)) if asked else delay
 
 
 class WorkerPool:

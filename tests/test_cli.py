@@ -345,6 +345,10 @@ def test_doctor_reports_what_is_wrong(tmp_path: Path, fake_llm: FakeLLMServer) -
     unlisted = cortexbot("--config", str(config), "doctor")
     assert unlisted.returncode == 0, unlisted.stdout
     assert "does not list its models (HTTP 404)" in unlisted.stdout and "<html" not in unlisted.stdout
+    assert "✓ an answer from test-model" in unlisted.stdout  # (the one check of the model left there)
+    fake_llm.enqueue(FakeResponse.error(529, "Overloaded"))
+    unlisted_down = cortexbot("--config", str(config), "doctor")
+    assert unlisted_down.returncode == 1 and "✗ an answer from test-model" in unlisted_down.stdout
     fake_llm.models_missing = False
     fake_llm.stop()
     down = cortexbot("--config", str(config), "doctor")

@@ -488,6 +488,10 @@ async def test_a_servers_rejection_reaches_chat_as_one_line(provider: LLMProvide
     with pytest.raises(LLMBadRequest) as info:
         await provider.complete(request())
     assert "<" not in info.value.user_message and "bad alert(1) model name" in info.value.user_message
+    fake_llm.enqueue(FakeResponse.error(400, "must satisfy 1 <= max_tokens <= 4096, got <class 'int'> 5000"))
+    with pytest.raises(LLMBadRequest) as info:
+        await provider.complete(request())
+    assert "1 <= max_tokens <= 4096, got <class 'int'> 5000" in info.value.user_message  # (no tag: kept)
 
 
 @pytest.mark.asyncio
@@ -820,6 +824,8 @@ async def test_the_wait_a_server_asks_for_comes_with_its_error(fake_llm: FakeLLM
     assert retry_after({"retry-after": "3600"}) == 3600
     assert retry_after({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}) == 0  # a date in the past
     assert retry_after({"retry-after": "soon"}) is None and retry_after({}) is None
+    assert retry_after({"retry-after-ms": "nan"}) is None and retry_after({"retry-after": "inf"}) is None
+    assert retry_after({"retry-after-ms": "soon", "retry-after": "7"}) == 7  # (an unreadable one: the other)
 
 
 @pytest.mark.asyncio

@@ -12,8 +12,10 @@ API key: every configured secret is redacted from them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
+import math
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Iterable, Mapping
 from dataclasses import dataclass
@@ -219,25 +221,31 @@ def to_llm_error(
     clean = _shortened(redact(error.detail, list(secrets)))  # redacted first: a key cut in half would not match
     if clean != error.detail:
         error = type(error)(clean, status_code=error.status_code)
-    error.retry_after = retry_after(getattr(getattr(exc, "response", None), "headers", None))
+    asked = retry_after(getattr(getattr(exc, "response", None), "headers", None))
+    if asked is not None:
+        error.retry_after = asked
     return error
 
 
 def retry_after(headers: Mapping[str, str] | None) -> float | None:
     """The wait a server asked for (``retry-after-ms``, ``retry-after`` in seconds or as a date), in
     seconds; None when it asked for none (or wrote something else)."""
-    if not headers:
+    asked = _asked_wait(headers) if headers else None
+    return asked if asked is None or math.isfinite(asked) else None
+
+
+def _asked_wait(headers: Mapping[str, str]) -> float | None:
+    with contextlib.suppress(ValueError, TypeError, OverflowError):
+        return max(float(headers.get("retry-after-ms", "")) / 1000, 0.0)
+    said = headers.get("retry-after")
+    if said is None:
         return None
     try:
-        if (ms := headers.get("retry-after-ms")) is not None:
-            return max(float(ms) / 1000, 0.0)
-        said = headers.get("retry-after")
-        if said is None:
-            return None
-        try:
-            return max(float(said), 0.0)
-        except ValueError:
-            return max(parsedate_to_datetime(said).timestamp() - time.time(), 0.0)
+        return max(float(said), 0.0)
+    except ValueError:
+        pass
+    try:
+        return max(parsedate_to_datetime(said).timestamp() - time.time(), 0.0)
     except (ValueError, TypeError, OverflowError):
         return None
 

@@ -90,7 +90,9 @@ SAID_CHARS = 300
 
 
 _HTML_PAGE = re.compile(r"<\s*(?:!doctype|html|head|body)\b", re.IGNORECASE)
-_TAG = re.compile(r"<[^<>]*>")
+# HTML's own tags (not "1 <= n <= 4096", "<class 'str'>" or "<provider>/<model>", which say what to fix)
+_TAG = re.compile(r"</?(?:a|b|i|p|br|hr|em|h[1-6]|li|ol|ul|tr|td|th|div|pre|img|code|font|link|meta|span|small|style|"
+                  r"table|title|center|script|strong|noscript)(?:\s[^<>]*)?/?>", re.IGNORECASE)
 
 
 def _first_words(said: str) -> str:
