@@ -21,6 +21,7 @@ import logging
 import os
 import random
 import socket
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime, timedelta
@@ -241,11 +242,14 @@ class WorkerPool:
             log.error("job %d (%s) failed: %s", job.id, job.kind, type(exc).__name__, exc_info=exc)
 
     async def drain(self, timeout: float) -> bool:
-        """Wait until no job is queued or running (or ``timeout`` passes). True when idle."""
+        """Wait until no job is queued or running (or ``timeout`` passes). True when idle. A job queued to run
+        after the timeout (backing off from a rate limit) is not waited for: it could not run meanwhile."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        due_by = time.time() + timeout
         while loop.time() < deadline:
-            if not self._running and await self.storage.count_jobs(("queued", "running"), self.handlers) == 0:
+            if not self._running and await self.storage.count_jobs(("queued", "running"), self.handlers,
+                                                                    due_by=due_by) == 0:
                 return True
             self.queue.wakeup.set()
             await asyncio.sleep(0.05)

@@ -204,6 +204,24 @@ async def test_drain_waits_for_queued_jobs(storage: Storage) -> None:
     await pool.stop()
 
 
+async def test_drain_does_not_wait_for_a_job_due_after_its_time(storage: Storage) -> None:
+    """A job backing off from a rate limit (now as long as the server asked) held a terminal chat's exit for
+    its whole grace, though it could not run in it."""
+    from datetime import UTC, datetime, timedelta
+
+    queue = JobQueue(storage, FAST)
+    pool = WorkerPool(queue, {"k": lambda job: asyncio.sleep(0)})
+    await pool.start()
+    later = await storage.enqueue_job("k", "later", {}, 3, run_after=datetime.now(UTC) + timedelta(minutes=5))
+    assert later is not None
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert await pool.drain(3.0) and loop.time() - started < 1.0
+    kept = await storage.get_job(later.id)
+    assert kept is not None and kept.status == "queued"  # (still there, for the next start)
+    await pool.stop()
+
+
 async def _logged(caplog: pytest.LogCaptureFixture, matches: Callable[[str], bool], timeout: float = 5.0) -> None:
     """Wait until a log line ``matches``."""
     loop = asyncio.get_running_loop()

@@ -728,15 +728,17 @@ class Storage:
                 "SELECT * FROM jobs WHERE status = ? ORDER BY id DESC LIMIT ?", (status, limit))
         return [self._job(r) for r in rows]
 
-    async def count_jobs(self, statuses: Sequence[JobStatus], kinds: Iterable[str] | None = None) -> int:
-        """Jobs in ``statuses`` (of ``kinds`` only, when given)."""
+    async def count_jobs(self, statuses: Sequence[JobStatus], kinds: Iterable[str] | None = None, *,
+                         due_by: float | None = None) -> int:
+        """Jobs in ``statuses`` (of ``kinds`` only, when given; queued ones only when due by ``due_by``)."""
         marks = ",".join("?" for _ in statuses)
         kind_list = list(kinds) if kinds is not None else []
         of_kinds = f" AND kind IN ({','.join('?' for _ in kind_list)})" if kinds is not None else ""
         if kinds is not None and not kind_list:
             return 0
-        row = await self.db.fetch_one(f"SELECT count(*) FROM jobs WHERE status IN ({marks}){of_kinds}",
-                                      (*statuses, *kind_list))
+        due = " AND (status <> 'queued' OR run_after <= ?)" if due_by is not None else ""
+        row = await self.db.fetch_one(f"SELECT count(*) FROM jobs WHERE status IN ({marks}){of_kinds}{due}",
+                                      (*statuses, *kind_list, *(() if due_by is None else (due_by,))))
         return int(row[0]) if row else 0
 
     # -- audit and metrics -----------------------------------------------------------------------
