@@ -19,6 +19,7 @@ from bot.llm import (
     LLMAuthError,
     LLMBadRequest,
     LLMBadResponse,
+    LLMBrokenOff,
     LLMConnectionError,
     LLMError,
     LLMOutOfCredit,
@@ -597,6 +598,8 @@ async def test_stream_failing_midway_raises_an_llm_error(
             deltas.append(event.text)
     assert deltas and "".join(deltas) in "abcdefghi"
     assert info.value.transient or failure == "error_event"  # a stream cut short is worth another try
+    if failure == "disconnect":  # (it answered, then broke off: not "cannot be reached")
+        assert type(info.value) is LLMBrokenOff and "broke off" in info.value.user_message
 
 
 @pytest.mark.asyncio

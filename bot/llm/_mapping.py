@@ -26,6 +26,7 @@ from bot.llm.errors import (
     LLMAuthError,
     LLMBadRequest,
     LLMBadResponse,
+    LLMBrokenOff,
     LLMConnectionError,
     LLMDamagedResponse,
     LLMError,
@@ -257,7 +258,11 @@ def _translate(exc: BaseException, provider: str, sdk: SdkErrors) -> LLMError:
     if isinstance(exc, sdk.timeout):
         return LLMTimeout(f"{provider}: request timed out ({name})")
     if isinstance(exc, sdk.connection):
-        return LLMConnectionError(f"{provider}: connection failed ({name}: {_short(exc)})")
+        # (httpx's: the server closed the connection mid-answer, or a read on it failed; not "cannot be reached")
+        broken = name in ("RemoteProtocolError", "ReadError") or type(exc.__cause__).__name__ in (
+            "RemoteProtocolError", "ReadError")
+        kind = LLMBrokenOff if broken else LLMConnectionError
+        return kind(f"{provider}: connection {'broke off' if broken else 'failed'} ({name}: {_short(exc)})")
     if isinstance(exc, sdk.validation):
         status = getattr(exc, "status_code", None)
         return LLMBadResponse(f"{provider}: response did not match the API schema ({_short(exc)})", status_code=status)

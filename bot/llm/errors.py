@@ -7,6 +7,7 @@
      │    ├── LLMServerError      other 5xx
      │    ├── LLMTimeout          request timed out
      │    └── LLMConnectionError  server unreachable
+     │         └── LLMBrokenOff   …or the connection broke while the answer came
      └── LLMPermanentError        retrying will not help
           ├── LLMAuthError        bad or missing API key (401/403)
           ├── LLMOutOfCredit      billing / quota exhausted (402, or 429 "insufficient_quota")
@@ -62,6 +63,12 @@ class LLMTimeout(LLMTransientError):
 
 class LLMConnectionError(LLMTransientError):
     user_message = "The language model's server cannot be reached. Please try again later."
+
+
+class LLMBrokenOff(LLMConnectionError):
+    """The connection broke while the answer came (the server closed it, a proxy reset it)."""
+
+    user_message = "The language model's answer broke off before it was complete. Please try again."
 
 
 class LLMAuthError(LLMPermanentError):
