@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 
 from bot.config import Config, ConfigError, CortexConfig
 from bot.llm.base import CUT_OFF_CALL, ChatMessage, Completion, LLMProvider, LLMRequest, cut_off_call
-from bot.llm.errors import LLMBadRequest, LLMError
+from bot.llm.errors import LLMBadRequest, LLMError, LLMTimeout
 from bot.persona import ConfigPersonas, Persona, PersonaSource
 from bot.storage.base import Job, LLMCallRecord, StoredMessage
 from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator
@@ -233,7 +233,11 @@ class CortexUpdater:
             if spent := await self._reserve(pair, settings, tools.run_id, totals, next_round):
                 return "failed", f"stopped: {spent} would run out {'before' if round_number == 1 else 'during'} " \
                                  "the update"
-            completion = await self._call(model, system, messages, settings)
+            try:
+                completion = await self._call(model, system, messages, settings)
+            except LLMTimeout:  # (the server may have read, and billed, the whole input: counted as read)
+                totals[0], totals[1] = round_number, totals[1] + next_round
+                raise
             totals[0] = round_number
             used = self._used(completion, next_round)
             totals[1] += used[0]

@@ -14,7 +14,7 @@ import pytest_asyncio
 
 from bot.app import App
 from bot.config import parse_config
-from bot.llm.errors import LLMOverloaded
+from bot.llm.errors import LLMOverloaded, LLMTimeout
 from bot.ports import IncomingMessage
 from cortex.store import Pair
 from tests.engines import db_url_for
@@ -607,6 +607,23 @@ async def test_a_server_that_reports_no_usage_is_held_to_the_budget_by_the_estim
         assert outcome.status == "failed" and "this pair's daily token budget" in outcome.reason, outcome
         assert len(cortex_requests(fake_llm)) < 10  # stopped before the rounds ran out
         assert await app.cortex.store.tokens_since(0, pair.id) > 0
+
+
+async def test_a_round_that_timed_out_counts_its_input(
+    tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round that timed out counted 0 tokens (the server may have read, and billed, all of its input), and a
+    job retried eight times over an outage spent its budget uncounted."""
+    monkeypatch.setenv(KEY_ENV, "test-key")
+    config = _config(tmp_path, fake_llm)
+    config = config.model_copy(update={"llm": config.llm.model_copy(update={"timeout_seconds": 0.5})})
+    async with App(config) as app:
+        await _talk(app, CONVERSATION)
+        pair = await _pair(app)
+        fake_llm.enqueue(FakeResponse.text("too late", delay=3.0))
+        with pytest.raises(LLMTimeout):
+            await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective("Cora")).settings)
+        assert await app.cortex.store.tokens_since(0, pair.id) > 100  # the conversation it sent, at least
 
 
 async def test_the_first_round_counts_before_it_is_spent(
