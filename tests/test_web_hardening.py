@@ -477,6 +477,11 @@ async def test_a_forget_me_from_the_page_says_a_pause_goes_on(tmp_path: Path) ->
         assert "Incognito with Cora" in (await bot.app.commands.dispatch("!memory pause", context("ann"))).text
         status, body = await ann.call("POST", "/api/me/forget-me", {"confirm": "forget me"})
         assert status == 200 and body["still_incognito"] == ["Cora"]
+        async with bot.client("ann") as again:  # logged in again: the files are made with her name
+            status, me = await again.call("GET", "/api/me")
+            assert status == 200 and me["user"]["name"] == "Ann", me
+            status, memory = await again.call("GET", "/api/me/personas/Cora/files/memory")
+            assert status == 200 and "My memories of Ann" in memory["content"], memory["content"]
     async with running_bot(tmp_path / "other") as bot, bot.client("bob") as bob:
         status, body = await bob.call("POST", "/api/me/forget-me", {"confirm": "forget me"})
         assert status == 200 and body["still_incognito"] == []

@@ -56,16 +56,24 @@ class Watch:
 
 
 @asynccontextmanager
-async def logged_in(browser: Any, bot: Bot, user: str, watch: Watch) -> AsyncIterator[Any]:
+async def logged_in(browser: Any, bot: Bot, user: str, watch: Watch, *, width: int = 1280,
+                    dialogs: list[str] | None = None) -> AsyncIterator[Any]:
     """A page of a fresh browser context, logged in as ``user`` as a person does: the !dashboard link,
-    then its Log in button."""
-    context_ = await browser.new_context(viewport={"width": 1280, "height": 800}, color_scheme="light")
+    then its Log in button. Its confirm() steps are accepted, unless ``dialogs`` collects their texts (and
+    every one is dismissed)."""
+    context_ = await browser.new_context(viewport={"width": width, "height": 800}, color_scheme="light")
     page = await context_.new_page()
     page.set_default_timeout(10_000)
     page.on("console", watch.console)
     page.on("response", watch.response)
     page.on("pageerror", lambda exc: watch.problems.append(f"page error: {exc}"))
-    page.on("dialog", lambda dialog: dialog.accept())  # the confirm() steps
+
+    async def dismissed(dialog: Any) -> None:
+        assert dialogs is not None
+        dialogs.append(dialog.message)
+        await dialog.dismiss()
+
+    page.on("dialog", (lambda dialog: dialog.accept()) if dialogs is None else dismissed)
     try:
         url, _ = await bot.link(user)
         await page.goto(url)
@@ -234,3 +242,47 @@ async def test_log_in_edit_compare_revert_and_screenshots(tmp_path: Path) -> Non
     expected = [(409, memory), (422, memory), (401, "/api/me"), (409, "/api/admin/personas/Cora/sections/personality"),
                 (401, "/api/me")]
     assert [f for f in watch.failed if f != (404, "/favicon.ico")] == expected, watch.failed
+
+
+async def test_unsaved_text_is_asked_for_errors_clear_and_a_phone_scrolls_down_only(tmp_path: Path) -> None:
+    """A new user's findings: switching tab or persona while editing threw the typed text away without a word;
+    the alert of a failed search stayed on through every later search; on a phone the history made the whole
+    page scroll sideways."""
+    from playwright.async_api import async_playwright, expect
+
+    watch, dialogs = Watch(), []
+    async with running_bot(tmp_path) as bot, async_playwright() as p:
+        browser = await p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            async with logged_in(browser, bot, "ann", watch, dialogs=dialogs) as page:
+                await page.get_by_test_id("file-memory.md").click()
+                await page.get_by_test_id("edit").click()
+                editor = page.get_by_test_id("editor")
+                await editor.press("Control+End")
+                await editor.type("\n- not saved yet")
+                await page.get_by_test_id("tab-items").click()  # dismissed: the editor stays, with the text
+                await page.select_option("#persona", "Vex")
+                assert len(dialogs) == 2 and all("not saved" in d for d in dialogs), dialogs
+                await expect(editor).to_have_value(re.compile("- not saved yet$"))
+                assert await page.input_value("#persona") == "Cora"
+                await editor.fill((await editor.input_value()).removesuffix("\n- not saved yet"))
+                await page.get_by_test_id("tab-items").click()  # nothing unsaved: no question
+                assert len(dialogs) == 2
+                query = page.get_by_test_id("items-query")
+                await query.fill("x" * 600)
+                await expect(page.get_by_test_id("alert")).to_be_visible()
+                await query.fill("tea")
+                await expect(page.get_by_test_id("alert")).to_be_hidden()
+            async with logged_in(browser, bot, "ann", watch, width=375) as phone:
+                for n in range(3):
+                    await bot.app.cortex.files.edit(
+                        (await bot.app.cortex.store.pair_for("discord:ann", "Ann", "Cora"))[1], "memory.md",
+                        f"# Notes\n- {'a-long-unbroken-word-' * 20}{n}\n")
+                await phone.get_by_test_id("file-memory.md").click()
+                await phone.get_by_test_id("history").click()
+                await expect(phone.get_by_test_id("versions").locator("tbody tr")).to_have_count(4)
+                wide = await phone.evaluate("document.scrollingElement.scrollWidth")
+                assert wide <= 376, f"the page is {wide} px wide on a 375 px phone"
+        finally:
+            await browser.close()
+    assert not watch.problems, watch.problems

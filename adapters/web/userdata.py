@@ -34,7 +34,7 @@ async def own_user(ctx: WebContext, caller: Caller) -> User:
     changed in chat since is kept). Made only while the session lasts: a forget-me that finished after
     this request's login check ended the session, and a 401 answers instead of a new row."""
     user = await ctx.app.storage.get_user(caller.user_key)
-    if user is None:
+    if user is None or not user.display_name:  # (none, or the nameless row a forget-me during a pause kept)
         row = await ctx.app.storage.web.session_user(caller.session_id)
         if row is None:
             fail(401, SESSION_ENDED)

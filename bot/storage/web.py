@@ -80,7 +80,8 @@ class WebLoginRepository:
         """The session's user row (id, key, display name), made from the name the session was opened with
         when there is none: in one statement, and only while the session exists, so a request that raced
         a forget-me (which ends the user's sessions in its transaction) cannot bring the row back. None
-        when the session has ended. A row that exists keeps its name (one changed in chat since)."""
+        when the session has ended. A row that exists keeps its name (one changed in chat since), unless it
+        has none."""
         now = time.time()
         # PostgreSQL: the session row is locked while it is read, so a forget-me deleting it meanwhile is
         # waited for (and then nothing is made) or waits (and then sees the row made here and deletes it).
@@ -89,7 +90,10 @@ class WebLoginRepository:
             "INSERT INTO users (key, display_name, created_at, updated_at)"
             " SELECT user_key, coalesce(nullif(user_name, ''), user_key), ?, ? FROM web_sessions"
             f" WHERE id_hash = ? AND expires_at > ?{lock}"
-            " ON CONFLICT (key) DO UPDATE SET key = users.key RETURNING id, key, display_name",
+            # (a bare row a forget-me during a pause kept has no name: the session's fills it, or the page's new
+            # files would read "My memories of " and "What  told me")
+            " ON CONFLICT (key) DO UPDATE SET display_name = CASE WHEN users.display_name = ''"
+            " THEN excluded.display_name ELSE users.display_name END RETURNING id, key, display_name",
             (now, now, token_hash(session_id), now))
         return None if row is None else (int(row[0]), str(row[1]), str(row[2]))
 

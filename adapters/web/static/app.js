@@ -231,8 +231,10 @@
   // -- messages ---------------------------------------------------------------------------------
 
   let noticeTimer = 0;
+  let alertOf = null;  // the part whose failed load the alert tells of (null: an action's failure)
 
   function showError(err) {
+    alertOf = null;
     const status = err instanceof ApiError ? err.status : -1;
     const text = status === 401 ? SESSION_ENDED : (err && err.message) || String(err);
     const box = $('alert');
@@ -243,6 +245,7 @@
   }
 
   function clearAlert() {
+    alertOf = null;
     $('alert').hidden = true;
   }
 
@@ -277,9 +280,11 @@
     loading(container);
     try {
       await fn(() => loads.get(container) !== seq || !container.isConnected);
+      if (loads.get(container) === seq && alertOf === container) clearAlert();  // (its earlier failure is over)
     } catch (err) {
       if (loads.get(container) !== seq) return;
       showError(err);
+      alertOf = container;
       fill(container, h('p', { class: 'failed', testid: 'load-failed' },
         `Could not load ${what}: ${err instanceof ApiError && err.status === 401 ? SESSION_ENDED : err.message}`));
     }
@@ -290,6 +295,7 @@
     $('who').hidden = true;
     $('loading').hidden = true;
     $('session-info').textContent = '';
+    $('footer-note').hidden = true;  // (nothing is shown any more: nothing to correct here)
     $('ended-title').textContent = title;
     fill($('ended-text'), text);
     $('ended').hidden = false;
@@ -335,6 +341,11 @@
       });
     }
     window.addEventListener('hashchange', route);
+    window.addEventListener('beforeunload', (event) => {  // a reload or a closed tab loses the editor's text
+      const editor = $('editor');
+      const current = state.files[state.file];
+      if (editor && current && editor.value !== current.content) event.preventDefault();
+    });
     try {
       state.me = await api('GET', '/api/me');
     } catch (err) {
@@ -386,6 +397,10 @@
   }
 
   function choosePersona(name) {
+    if (!leaveEditor()) {
+      $('persona').value = state.persona;
+      return;
+    }
     state.persona = name;
     state.files = {};
     state.filesFor = '';
@@ -399,6 +414,7 @@
   }
 
   function go(tab, sub) {
+    if (tab !== state.tab && !leaveEditor()) return;  // (unsaved text in the file editor: asked first)
     const hash = `#/${tab}${sub ? `/${sub}` : ''}`;
     if (location.hash === hash) route();
     else location.hash = hash;
