@@ -273,6 +273,10 @@ async def test_unsaved_text_is_asked_for_errors_clear_and_a_phone_scrolls_down_o
                 await expect(page.get_by_test_id("alert")).to_be_visible()
                 await query.fill("tea")
                 await expect(page.get_by_test_id("alert")).to_be_hidden()
+                await page.get_by_test_id("tab-export").click()  # the phrase pasted with its label's quotes
+                await page.get_by_test_id("forget-me-start").click()
+                await page.get_by_test_id("forget-phrase").fill("“Forget  me”")
+                await expect(page.get_by_test_id("forget-me-confirm")).to_be_enabled()
             async with logged_in(browser, bot, "ann", watch, width=375) as phone:
                 for n in range(3):
                     await bot.app.cortex.files.edit(

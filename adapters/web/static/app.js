@@ -842,7 +842,7 @@
     const items = data.items || [];
     const summary = h('p', { class: 'summary', testid: 'items-summary' },
       `${plural(data.total ?? items.length, f.archived === 'true' ? 'forgotten item' : 'item')}`,
-      f.query ? ` matching “${f.query}”` : '', data.pages > 1 ? ` · page ${data.page} of ${data.pages}` : '');
+      f.query ? `, the best for “${f.query}” first` : '',  // (a search ranks by words and meaning: it filters none) data.pages > 1 ? ` · page ${data.page} of ${data.pages}` : '');
     if (!items.length) {
       fill(results, summary, empty(f.query || f.category || f.pinned || f.scope
         ? 'No items match these filters.'
@@ -1058,7 +1058,7 @@
     const confirmButton = button('Delete everything about me', () => forgetMe(phrase, confirmButton),
       { class: 'btn btn-danger', testid: 'forget-me-confirm', disabled: true });
     phrase.addEventListener('input', () => {
-      confirmButton.disabled = phrase.value.trim().toLowerCase() !== 'forget me';
+      confirmButton.disabled = saidPhrase(phrase) !== 'forget me';
     });
     const confirmStep = h('div', { class: 'confirm-step', hidden: true, testid: 'forget-me-step' },
       field('Type “forget me” to confirm', phrase, 'This cannot be undone.'),
@@ -1085,9 +1085,14 @@
         start, confirmStep));
   }
 
+  /** The confirmation as typed, without the quotes the label shows it in (pasted with it) or doubled spaces. */
+  function saidPhrase(phrase) {
+    return phrase.value.replace(/["“”„«»'‘’]/g, '').trim().replace(/\s+/g, ' ').toLowerCase();
+  }
+
   async function forgetMe(phrase, trigger) {
     await attempt(async () => {
-      const result = await api('POST', '/api/me/forget-me', { confirm: phrase.value.trim().toLowerCase() });
+      const result = await api('POST', '/api/me/forget-me', { confirm: saidPhrase(phrase) });
       const paused = (result && result.still_incognito) || [];
       ended('Everything about you is deleted', ['The bot keeps nothing about you any more, and you are logged out. ',
         'If you talk to it again, it starts over.',
