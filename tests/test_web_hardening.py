@@ -500,6 +500,7 @@ async def test_an_unexpected_failure_of_a_page_is_a_page(tmp_path: Path, monkeyp
             body = await response.text()
             assert response.status == 500 and response.content_type == "text/html", body
             assert "Internal error" in body and '<a href="/">Go to your page</a>' in body
+            assert '<link rel="icon" href="data:,">' in body  # (no request for /favicon.ico, answered 404)
 
 
 async def test_changes_from_the_page_keep_the_command_rate_limit(tmp_path: Path) -> None:

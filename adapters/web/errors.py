@@ -15,7 +15,7 @@ GONE = "what this request refers to was deleted meanwhile (a forget-me?): reload
 
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
-<title>cortex-bot</title><link rel="stylesheet" href="/static/app.css"></head>
+<title>cortex-bot</title><link rel="icon" href="data:,"><link rel="stylesheet" href="/static/app.css"></head>
 <body class="login"><main class="card">
 <h1>cortex-bot</h1>
 {body}
