@@ -842,7 +842,8 @@
     const items = data.items || [];
     const summary = h('p', { class: 'summary', testid: 'items-summary' },
       `${plural(data.total ?? items.length, f.archived === 'true' ? 'forgotten item' : 'item')}`,
-      f.query ? `, the best for “${f.query}” first` : '',  // (a search ranks by words and meaning: it filters none) data.pages > 1 ? ` · page ${data.page} of ${data.pages}` : '');
+      // (a search ranks by words and meaning: it filters none)
+      f.query ? `, the best for “${f.query}” first` : '', data.pages > 1 ? ` · page ${data.page} of ${data.pages}` : '');
     if (!items.length) {
       fill(results, summary, empty(f.query || f.category || f.pinned || f.scope
         ? 'No items match these filters.'
