@@ -209,11 +209,9 @@ class TerminalAdapter:
     def _watch_forget(self) -> None:
         """A forget-me of this terminal's user, from a command typed here or from the web page this
         process serves, empties the history file too, as it empties the database."""
-        earlier, key = self.app.cortex.commands.on_forget, self._inbound("").message.author_key
+        key = self._inbound("").message.author_key
 
         def forget(user_key: str) -> None:
-            if earlier is not None:
-                earlier(user_key)
             if user_key != key:
                 return
             if self._history is not None:
@@ -221,7 +219,7 @@ class TerminalAdapter:
             else:  # piped input keeps no history, but an earlier chat at a prompt may have left one
                 forget_history(history_path(self.user))
 
-        self.app.cortex.commands.on_forget = forget
+        self.app.cortex.commands.on_forget.append(forget)
 
     @property
     def channel_id(self) -> str:

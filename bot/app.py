@@ -6,7 +6,7 @@ Tests and benchmarks build the same graph with a different provider (``llm=``) o
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from bot.commands import CommandError, CommandRegistry
@@ -138,7 +138,7 @@ class App:
             register_dashboard(self.commands, self.storage.web, self.config.web)
             self._check_persona_names()
             self.cortex.commands.extra_stats = self._extra_stats
-            self.cortex.commands.on_forget = self._forget_caches(self.cortex.commands.on_forget)
+            self.cortex.commands.on_forget.append(lambda _user_key: self.core.forget_recent_texts())
             self.cortex.memory_commands.on_resume = self._forget_paused
             await self.cortex.memory_admin.load()
             self.router = Router(self.config, self.storage, self.core, self.commands, self.personas)
@@ -253,15 +253,6 @@ class App:
             return float(saved) if saved else 1.0
         except ValueError:
             return 1.0
-
-    def _forget_caches(self, cortex_caches: Callable[[str], None] | None) -> Callable[[str], None]:
-        """What forget-me drops besides the rows: the cortex's caches and the core's recent texts."""
-        def forget(user_key: str) -> None:
-            if cortex_caches is not None:
-                cortex_caches(user_key)
-            self.core.forget_recent_texts()
-
-        return forget
 
     async def stop(self, grace: float | None = None) -> None:
         if not self._started:

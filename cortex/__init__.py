@@ -107,7 +107,7 @@ def build_cortex(
             embeddings.forget_queries()
             embeddings.forget_marks()  # the messages after theirs are embedded again at the next run
 
-        commands.on_forget = forget_vectors
+        commands.on_forget.append(forget_vectors)
         commands.embedding_backlog = embeddings.backlog_line
     return Cortex(
         store, files, resolver, tiers, updater, section, commands, memory, memory_commands, knowledge, embeddings,

@@ -112,9 +112,9 @@ class CortexCommands:
 
     prefix: str = "!"
     extra_stats: Callable[[], Awaitable[list[str]]] | None = None  # the memory store's jobs and pruning
-    # Drops what could hold a forgotten user's data besides the rows (caches; the terminal's history file),
-    # told the user's key.
-    on_forget: Callable[[str], None] | None = None
+    # Each drops what could hold a forgotten user's data besides the rows (the cortex's and the core's caches, the
+    # terminal's history file, the web page's kept HTML), told the user's key.
+    on_forget: list[Callable[[str], None]] = field(default_factory=list)
     embedding_backlog: Callable[[], Awaitable[str]] | None = None  # how long until imports are found by meaning
     _importing: set[str] = field(default_factory=set)  # users whose import runs (one at a time each)
     exports: Exports = field(init=False)
@@ -344,8 +344,8 @@ class CortexCommands:
     async def forget_user(self, user_key: str) -> ForgetReport | None:
         """Everything about one user goes, and every cache that could hold their rows (chat and web page)."""
         report = await self.store.forget_user(user_key)
-        if self.on_forget is not None:
-            self.on_forget(user_key)  # ids are reused after a delete: no cache may keep the old owner's rows
+        for forget in self.on_forget:  # ids are reused after a delete: no cache may keep the old owner's rows
+            forget(user_key)
         return report
 
     async def forget_me(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:

@@ -214,14 +214,7 @@ class WebServer:
         self.config = app.config.web
         self.context = WebContext(app, Auth(app.config, app.storage.web, directories, app.router.command_limiter),
                                   dict(adapters or {}))
-        earlier, renderer = app.cortex.commands.on_forget, self.context.renderer
-
-        def forget(user_key: str) -> None:  # a forget-me sent in a chat drops the page's kept HTML too
-            if earlier is not None:
-                earlier(user_key)
-            renderer.forget(user_key)
-
-        app.cortex.commands.on_forget = forget
+        app.cortex.commands.on_forget.append(self.context.renderer.forget)  # (a forget-me sent in a chat too)
         self._runners: list[web.AppRunner] = []
         self.url = ""
         self.metrics_url = ""
