@@ -939,10 +939,7 @@ class MatrixAdapter:
                         getattr(response, "message", response))
             return False
         if self.config.e2ee:  # nio shares a room's key with the members it knows: the invite, once a sync brings it
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(30.0):
-                    while user_id not in room.users:  # (invited or, if the sync brought it too, joined)
-                        await self._sync_seen.wait()
+            await self._synced(lambda: user_id in room.users)  # (invited or, if the sync brought it too, joined)
         return True
 
     async def _private_to(self, room: MatrixRoom, user_id: str) -> bool:
@@ -983,14 +980,14 @@ class MatrixAdapter:
         self._save_state(dm_rooms=self._dms)
         self._remember_kind(room_id, "dm")
         if self.config.e2ee:
-            await self._synced(room_id)  # nio encrypts only for rooms it has synced
+            await self._synced(lambda: room_id in self.client.rooms)  # nio encrypts only for rooms it has synced
         return room_id
 
-    async def _synced(self, room_id: str, deadline: float = 30.0) -> None:
-        """Wait (at most ``deadline`` seconds) until a sync has brought the room."""
+    async def _synced(self, done: Callable[[], bool], deadline: float = 30.0) -> None:
+        """Wait (at most ``deadline`` seconds) until a sync has brought what ``done`` looks for."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(deadline):
-                while room_id not in self.client.rooms:
+                while not done():
                     await self._sync_seen.wait()
 
 
