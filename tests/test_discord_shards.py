@@ -11,7 +11,8 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,12 +131,7 @@ async def test_the_web_pages_directory_asks_discord_about_guilds_of_other_shards
         elsewhere = next(g << 22 for g in range(1, 100) if shard_for(g << 22, 2) == 1)
         here = next(g << 22 for g in range(1, 100) if shard_for(g << 22, 2) == 0)
         fake.add_guild(elsewhere, moderators=(501,), members=(502,))
-        monkeypatch.setattr(discord.http.Route, "BASE", fake.api_base)
-        monkeypatch.setattr(discord.gateway.DiscordWebSocket, "DEFAULT_GATEWAY", yarl.URL(fake.gateway_url))
-        client = _recording_client(0, [])
-        run = asyncio.create_task(client.start("token-0"))
-        try:
-            await asyncio.wait_for(client.wait_until_ready(), 10)
+        async with _shard_zero(fake, monkeypatch) as client:
             assert client.get_guild(elsewhere) is None  # not this process's shard
             directory = DiscordAdminDirectory(client, DiscordConfig(shard_count=2, shard_ids=[0]))
             assert await directory.is_admin("discord:501", f"discord:{elsewhere}")  # Manage Server by a role
@@ -145,9 +141,6 @@ async def test_the_web_pages_directory_asks_discord_about_guilds_of_other_shards
             assert not await directory.is_admin("discord:501", f"discord:{here}")  # own shard: the cache says no
             asked = [r.path for r in fake.requests if r.path.startswith("/guilds/")]
             assert asked.count(f"/guilds/{elsewhere}") == 1 and f"/guilds/{here}" not in asked, asked
-        finally:
-            await client.close()
-            await run
 
 
 async def test_made_up_guilds_of_other_shards_are_asked_from_discord_only_so_often(
@@ -162,12 +155,7 @@ async def test_made_up_guilds_of_other_shards_are_asked_from_discord_only_so_oft
         others = [g << 22 for g in range(1, 200) if shard_for(g << 22, 2) == 1]
         real, made_up = others[0], others[1:]
         fake.add_guild(real, moderators=(501,))
-        monkeypatch.setattr(discord.http.Route, "BASE", fake.api_base)
-        monkeypatch.setattr(discord.gateway.DiscordWebSocket, "DEFAULT_GATEWAY", yarl.URL(fake.gateway_url))
-        client = _recording_client(0, [])
-        run = asyncio.create_task(client.start("token-0"))
-        try:
-            await asyncio.wait_for(client.wait_until_ready(), 10)
+        async with _shard_zero(fake, monkeypatch) as client:
             directory = DiscordAdminDirectory(client, DiscordConfig(shard_count=2, shard_ids=[0]),
                                               guild_lookups=(3, 5))
 
@@ -187,9 +175,21 @@ async def test_made_up_guilds_of_other_shards_are_asked_from_discord_only_so_oft
                 await directory.is_admin("discord:778", f"discord:{made_up[7]}")
             assert asked() == 5  # five in all this minute
             assert await directory.is_admin("discord:501", f"discord:{real}")  # a kept answer costs nothing
-        finally:
-            await client.close()
-            await run
+
+
+@asynccontextmanager
+async def _shard_zero(fake: FakeDiscord, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[discord.AutoShardedClient]:
+    """The real discord.py as the process of shard 0 (of the fake's), connected to the fake and ready."""
+    monkeypatch.setattr(discord.http.Route, "BASE", fake.api_base)
+    monkeypatch.setattr(discord.gateway.DiscordWebSocket, "DEFAULT_GATEWAY", yarl.URL(fake.gateway_url))
+    client = _recording_client(0, [])
+    run = asyncio.create_task(client.start("token-0"))
+    try:
+        await asyncio.wait_for(client.wait_until_ready(), 10)
+        yield client
+    finally:
+        await client.close()
+        await run
 
 
 def _recording_client(shard: int, into: list[str]) -> discord.AutoShardedClient:

@@ -604,15 +604,24 @@ class _WaitsForTheTextPart(HashEmbedder):
         return super().embed(texts)
 
 
+def _with_vectors(app: App, clock: Any, queries: HashEmbedder, *, query_timeout: float | None = None
+                  ) -> tuple[EmbeddingService, MemoryStore]:
+    """A memory store over the app's storage that searches by meaning too: items embedded by a HashEmbedder,
+    queries by ``queries`` (within ``query_timeout`` seconds, when given)."""
+    config = app.config.memory
+    if query_timeout is not None:
+        config = config.model_copy(update={"query_timeout_seconds": query_timeout})
+    index = vector_search(app.storage, queries.name, message_model=message_model(queries.name), max_vectors=1000)
+    service = EmbeddingService(app.storage, HashEmbedder(), queries, index, config)
+    return service, MemoryStore(app.storage, clock=clock, embeddings=service)
+
+
 async def test_the_query_is_embedded_while_the_full_text_part_runs(tmp_path: Path) -> None:
     app, store, users, clock = await _setup(tmp_path)
     try:
         pair = users["ann"][1].id
         queries = _WaitsForTheTextPart()
-        config = app.config.memory.model_copy(update={"query_timeout_seconds": 10.0})
-        index = vector_search(app.storage, queries.name, message_model=message_model(queries.name), max_vectors=1000)
-        service = EmbeddingService(app.storage, HashEmbedder(), queries, index, config)
-        vstore = MemoryStore(app.storage, clock=clock, embeddings=service)
+        service, vstore = _with_vectors(app, clock, queries, query_timeout=10.0)
         lisbon = await vstore.remember(pair, "Ann's favourite city is Lisbon")
         await service.backfill()
         text_part = vstore.repo.item_text_candidates
@@ -651,10 +660,7 @@ async def test_a_search_someone_asked_for_waits_for_the_models_first_load(tmp_pa
     try:
         pair = users["ann"][1].id
         queries = _SlowFirstQuery()
-        config = app.config.memory.model_copy(update={"query_timeout_seconds": 0.2})
-        index = vector_search(app.storage, queries.name, message_model=message_model(queries.name), max_vectors=1000)
-        service = EmbeddingService(app.storage, HashEmbedder(), queries, index, config)
-        vstore = MemoryStore(app.storage, clock=clock, embeddings=service)
+        service, vstore = _with_vectors(app, clock, queries, query_timeout=0.2)
         await vstore.remember(pair, "Ann's favourite city is Lisbon")
         await service.backfill()
         hurried = await vstore.search(pair, "Lisboa")  # (a reply's recall: gives up on the vector)
@@ -674,10 +680,7 @@ async def test_the_vector_part_is_started_before_the_full_text_part(tmp_path: Pa
     app, store, users, clock = await _setup(tmp_path)
     try:
         pair = users["ann"][1].id
-        embedder = HashEmbedder()
-        index = vector_search(app.storage, embedder.name, message_model=message_model(embedder.name), max_vectors=1000)
-        service = EmbeddingService(app.storage, embedder, embedder, index, app.config.memory)
-        vstore = MemoryStore(app.storage, clock=clock, embeddings=service)
+        service, vstore = _with_vectors(app, clock, HashEmbedder())
         lisbon = await vstore.remember(pair, "Ann's favourite city is Lisbon")
         await service.backfill()
         started: list[str] = []
@@ -690,7 +693,7 @@ async def test_the_vector_part_is_started_before_the_full_text_part(tmp_path: Pa
 
         vstore.repo.item_text_candidates = recording("text", vstore.repo.item_text_candidates)  # type: ignore[method-assign]
         vstore.repo.vector_top_items = recording("vector", vstore.repo.vector_top_items)  # type: ignore[method-assign]
-        index.top = recording("vector", index.top)  # type: ignore[method-assign]
+        service.index.top = recording("vector", service.index.top)  # type: ignore[method-assign]
         query = "Lisboa favourite"
         vector = await service.embed_query(query)
         await vstore.search(pair, query, query_vector=vector)  # the first reads what later ones keep

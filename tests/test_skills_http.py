@@ -9,6 +9,7 @@ import asyncio
 import json
 import socket
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any
 
@@ -355,24 +356,32 @@ async def test_a_skill_with_secret_headers_follows_no_redirect(server: tuple[str
     assert len(seen.requests) == 1  # the redirect's target was never asked
 
 
-@pytest_asyncio.fixture
-async def metadata() -> AsyncIterator[tuple[int, list[str]]]:
-    """An internal service (a cloud's metadata endpoint, say) on another loopback address: 127.0.0.2."""
+@asynccontextmanager
+async def internal_service(host: str, answer: str) -> AsyncIterator[tuple[int, list[str]]]:
+    """A service on this machine answering ``answer`` to every GET, on ``host`` and a free port: (the port,
+    the paths asked for)."""
     asked: list[str] = []
 
-    async def credentials(request: web.Request) -> web.Response:
+    async def answering(request: web.Request) -> web.Response:
         asked.append(request.path)
-        return web.Response(text="AccessKeyId=ASIA-instance-role-secret")
+        return web.Response(text=answer)
 
     app = web.Application()
-    app.router.add_get("/{tail:.*}", credentials)
+    app.router.add_get("/{tail:.*}", answering)
     runner = web.AppRunner(app)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.2", 0).start()
+    await web.TCPSite(runner, host, 0).start()
     try:
         yield runner.addresses[0][1], asked
     finally:
         await runner.cleanup()
+
+
+@pytest_asyncio.fixture
+async def metadata() -> AsyncIterator[tuple[int, list[str]]]:
+    """An internal service (a cloud's metadata endpoint, say) on another loopback address: 127.0.0.2."""
+    async with internal_service("127.0.0.2", "AccessKeyId=ASIA-instance-role-secret") as service:
+        yield service
 
 
 async def test_only_the_configured_host_may_be_internal(
@@ -408,19 +417,7 @@ async def test_the_configured_port_is_trusted_not_the_whole_machine(server: tupl
     admin API, the bot's own /metrics). A redirect to another port of the skill's host is held to public
     addresses like any other, by address or by name."""
     base, seen = server
-    asked: list[str] = []
-
-    async def admin(request: web.Request) -> web.Response:
-        asked.append(request.path)
-        return web.Response(text="SECRET-INTERNAL")
-
-    app = web.Application()
-    app.router.add_get("/{tail:.*}", admin)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        other = runner.addresses[0][1]
+    async with internal_service("127.0.0.1", "SECRET-INTERNAL") as (other, asked):
         for written in (base, base.replace("127.0.0.1", "localhost")):
             skill = make(url=written + "/go", parameters={"type": "object", "properties": {"to": {"type": "string"}}})
             for target in (f"http://127.0.0.1:{other}/admin", f"http://localhost:{other}/admin"):
@@ -429,8 +426,6 @@ async def test_the_configured_port_is_trusted_not_the_whole_machine(server: tupl
             back = await skill.run({"to": written + "/hop/0"}, _context())  # its own port: still fine
             assert (back.content, back.is_error) == ("arrived", False)
         assert asked == []
-    finally:
-        await runner.cleanup()
 
 
 async def test_json_nested_too_deeply_is_an_error_result_not_an_exception(
