@@ -290,3 +290,63 @@ async def test_unsaved_text_is_asked_for_errors_clear_and_a_phone_scrolls_down_o
         finally:
             await browser.close()
     assert not watch.problems, watch.problems
+
+
+async def test_item_corrections_keep_what_was_typed_and_the_keyboard_stays(tmp_path: Path) -> None:
+    """A new user's findings on the items tab: a correction the bot refused was thrown away with its editor;
+    Escape did not leave the editor; after pin, forget or restore the keyboard was back at the page's top;
+    and once the session had ended the page went on as if it worked, until a reload lost the typed text."""
+    from playwright.async_api import async_playwright, expect
+
+    watch, dialogs = Watch(), []
+    async with running_bot(tmp_path) as bot, async_playwright() as p:
+        browser = await p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            for fact in ("Ann grows figs on her balcony", "Ann's sister Mia lives in Lisbon"):
+                reply = await bot.app.commands.dispatch(f"!memory remember {fact}", context("ann"))
+                assert "Remembered" in reply.text, reply.text
+            async with logged_in(browser, bot, "ann", watch, dialogs=dialogs) as page:
+                focused = "document.activeElement && document.activeElement.dataset.testid"
+                await page.get_by_test_id("tab-items").click()
+                table = page.get_by_test_id("items-table")
+                figs = table.locator("tr", has_text="figs")
+                await figs.get_by_role("button", name="Edit").click()
+                editor = page.get_by_test_id("item-editor")
+                await editor.fill("Ann grows figs " + "and more figs " * 200)  # past the 2,000 characters
+                await page.get_by_test_id("item-save").click()
+                await expect(page.get_by_test_id("alert")).to_contain_text("at most 2,000")
+                await expect(editor).to_have_value(re.compile("and more figs $"))  # refused: the text stays
+                await table.locator("tr", has_text="Lisbon").get_by_role("button", name="Pin #").click()
+                await expect(page.get_by_test_id("notice")).to_contain_text("is pinned")
+                await expect(editor).to_have_value(re.compile("and more figs $"))  # a reload keeps it too
+                assert (await page.evaluate(focused)).startswith("pin-"), await page.evaluate(focused)
+
+                await editor.fill("Ann grows figs and lemons on her balcony")
+                await editor.press("Control+Enter")
+                await expect(page.get_by_test_id("notice")).to_contain_text("the correction is #")
+                await expect(editor).to_have_count(0)
+                await expect(table).to_contain_text("figs and lemons")
+                assert (await page.evaluate(focused)).startswith("edit-"), await page.evaluate(focused)
+
+                lisbon = table.locator("tr", has_text="Lisbon")
+                await lisbon.get_by_role("button", name="Edit").click()
+                await editor.press("End")
+                await editor.type(" and Porto")
+                await editor.press("Escape")  # something typed: asked first (dismissed: it stays)
+                assert dialogs == ["Discard your correction of #2?"], dialogs
+                await expect(editor).to_have_value("Ann's sister Mia lives in Lisbon and Porto")
+                await editor.fill("Ann's sister Mia lives in Lisbon")
+                await editor.press("Escape")  # nothing changed: it just closes
+                await expect(editor).to_have_count(0)
+                assert await page.evaluate(focused) == "edit-2"
+
+                await lisbon.get_by_role("button", name="Edit").click()
+                await editor.fill("Mia moved to Porto")
+                await page.context.clear_cookies()  # the session ends (a logout elsewhere, its time up)
+                await table.locator("tr", has_text="lemons").get_by_role("button", name="Pin #").click()
+                await expect(page.get_by_test_id("ended")).to_be_visible()
+                await expect(page.get_by_test_id("unsaved-text")).to_have_value("Mia moved to Porto")
+                assert len(dialogs) == 1, dialogs
+        finally:
+            await browser.close()
+    assert not watch.problems, watch.problems

@@ -33,6 +33,7 @@
     diff: { from: 0, to: 0 },
     items: { query: '', category: '', pinned: '', scope: '', archived: 'false', page: 1 },
     editingItem: 0,
+    itemDraft: null,  // the correction typed into the item editor (a reload of the list keeps it)
     adminSection: '',
     overview: null,
     jobStatus: '',
@@ -64,8 +65,10 @@
       if (key === 'text') el.textContent = String(value);
       else if (key === 'testid') el.setAttribute('data-testid', value);
       else if (key.startsWith('on') && typeof value === 'function') el.addEventListener(key.slice(2), value);
-      else if (PROPS.has(key)) el[key] = value;
-      else el.setAttribute(key, value === true ? '' : String(value));
+      else if (PROPS.has(key)) {
+        el[key] = value;
+        if (key === 'value' && el.tagName === 'TEXTAREA') el.defaultValue = String(value);  // (see unsavedTexts)
+      } else el.setAttribute(key, value === true ? '' : String(value));
     }
     return el;
   }
@@ -236,6 +239,10 @@
   function showError(err) {
     alertOf = null;
     const status = err instanceof ApiError ? err.status : -1;
+    if (status === 401 && state.me) {  // (nothing on the page works any more: say so, keep what was typed)
+      sessionEnded();
+      return;
+    }
     const text = status === 401 ? SESSION_ENDED : (err && err.message) || String(err);
     const box = $('alert');
     $('alert-text').textContent = text;
@@ -290,7 +297,29 @@
     }
   }
 
-  function ended(title, text) {
+  /** Text typed into the page's editors and not saved (each editor's first text is its defaultValue). */
+  function unsavedTexts() {
+    return [...$('app').querySelectorAll('textarea:not([readonly])')]
+      .filter((area) => area.value !== area.defaultValue && area.value.trim())
+      .map((area) => area.value);
+  }
+
+  /** Whether the page may leave what is being edited: nothing unsaved, or the person says so. */
+  function leaveEditor() {
+    return !unsavedTexts().length || window.confirm('Leave the editor? Your changes are not saved.');
+  }
+
+  function sessionEnded() {
+    if ($('app').hidden) return;  // (told once: a later failure would find the editors gone)
+    const unsaved = unsavedTexts();
+    ended('Your session ended', chatHint(), unsaved.length ? [
+      h('p', { class: 'hint' }, 'What you typed was not saved: copy it before you close this page.'),
+      unsaved.map((text) => h('textarea', { readOnly: true, rows: '8', value: text, 'aria-label': 'Your unsaved text',
+        testid: 'unsaved-text' })),
+    ] : null);
+  }
+
+  function ended(title, text, more) {
     $('app').hidden = true;
     $('who').hidden = true;
     $('loading').hidden = true;
@@ -298,6 +327,7 @@
     $('footer-note').hidden = true;  // (nothing is shown any more: nothing to correct here)
     $('ended-title').textContent = title;
     fill($('ended-text'), text);
+    fill($('ended-more'), more || null);
     $('ended').hidden = false;
   }
 
@@ -341,10 +371,8 @@
       });
     }
     window.addEventListener('hashchange', route);
-    window.addEventListener('beforeunload', (event) => {  // a reload or a closed tab loses the editor's text
-      const editor = $('editor');
-      const current = state.files[state.file];
-      if (editor && current && editor.value !== current.content) event.preventDefault();
+    window.addEventListener('beforeunload', (event) => {  // a reload or a closed tab loses the editors' text
+      if (!$('app').hidden && unsavedTexts().length) event.preventDefault();
     });
     try {
       state.me = await api('GET', '/api/me');
@@ -381,7 +409,7 @@
     if (Number.isNaN(ends)) return;
     $('session-info').textContent = `This login lasts until ${fmtDate(ends)}.`;
     const wait = ends - Date.now();
-    if (wait > 0 && wait < 2 ** 31 - 1) setTimeout(() => showError(new ApiError(401, SESSION_ENDED)), wait);
+    if (wait > 0 && wait < 2 ** 31 - 1) setTimeout(sessionEnded, wait);
   }
 
   function personaHint() {
@@ -453,6 +481,7 @@
   }
 
   async function logout(everywhere) {
+    if (!leaveEditor()) return;
     try {
       await api('POST', everywhere ? '/api/logout?everywhere=1' : '/api/logout');
     } catch (err) {
@@ -504,19 +533,12 @@
   }
 
   function openFile(name) {
-    if (state.fileMode === 'edit' && !leaveEditor()) return;
+    if (!leaveEditor()) return;
     state.file = name;
     state.fileMode = 'view';
     state.diff = { from: 0, to: 0 };
     clearAlert();
     renderFiles();
-  }
-
-  function leaveEditor() {
-    const editor = $('editor');
-    const current = state.files[state.file];
-    return !editor || !current || editor.value === current.content
-      || window.confirm('Leave the editor? Your changes are not saved.');
   }
 
   function setMode(mode) {
@@ -563,6 +585,7 @@
       id: 'editor', testid: 'editor', rows: '18', spellcheck: 'true', 'aria-describedby': 'char-count editor-help',
     });
     editor.value = version.content;
+    editor.defaultValue = version.content;
     const count = h('span', { id: 'char-count', class: 'count', testid: 'char-count' });
     const update = () => {
       const n = editor.value.length;
@@ -840,7 +863,7 @@
   function renderItems(results, data) {
     const f = state.items;
     const items = data.items || [];
-    const summary = h('p', { class: 'summary', testid: 'items-summary' },
+    const summary = h('p', { class: 'summary', testid: 'items-summary', tabindex: '-1' },
       `${plural(data.total ?? items.length, f.archived === 'true' ? 'forgotten item' : 'item')}`,
       // (a search ranks by words and meaning: it filters none)
       f.query ? `, the best for “${f.query}” first` : '', data.pages > 1 ? ` · page ${data.page} of ${data.pages}` : '');
@@ -884,7 +907,9 @@
             { class: 'btn btn-small', testid: `restore-${it.id}` })
           : [
             button('Edit', () => {
+              if (state.editingItem !== it.id && !leaveEditor()) return;  // (another item's correction unsaved)
               state.editingItem = it.id;
+              state.itemDraft = null;
               renderItems(results, data);
             }, { class: 'btn btn-small', testid: `edit-${it.id}` }),
             button('Forget', (event) => itemAction(it, 'forget', `Forgot #${it.id}; “forgotten” under Show brings it back.`,
@@ -910,18 +935,7 @@
   }
 
   function itemContent(it, reload) {
-    if (state.editingItem === it.id) {
-      const editor = h('textarea', { id: 'item-editor', testid: 'item-editor', rows: '3', value: it.content,
-        'aria-label': `Correct #${it.id}` });
-      const done = () => { state.editingItem = 0; };
-      return h('div', { class: 'item-edit' }, editor,
-        h('div', { class: 'actions' },
-          button('Cancel', () => { done(); reload(); }, { class: 'btn btn-small' }),
-          button('Save correction', (event) => {
-            done();
-            patchItem(it, { content: editor.value }, `Corrected #${it.id}.`, reload, event.currentTarget);
-          }, { class: 'btn btn-small btn-primary', testid: 'item-save' })));
-    }
+    if (state.editingItem === it.id) return itemEditor(it, reload);
     const notes = [];
     if (it.source === 'model') notes.push(`noted by ${it.persona || state.persona}`);
     else if (it.source === 'user') notes.push('told by you');
@@ -932,22 +946,72 @@
     return [h('span', { class: 'item-text' }, it.content), notes.length ? h('span', { class: 'item-notes' }, notes.join(' · ')) : null];
   }
 
+  /** The correction of an item: Escape cancels (asking first when something was typed), Ctrl+Enter saves. A
+   * correction the bot refuses stays in the editor with the reason above it; so does one typed while the
+   * list reloads. */
+  function itemEditor(it, reload) {
+    const editor = h('textarea', { id: 'item-editor', testid: 'item-editor', rows: '3', value: it.content,
+      'aria-label': `Correct #${it.id}`, 'aria-describedby': 'item-editor-help' });
+    if (state.itemDraft !== null) editor.value = state.itemDraft;
+    editor.addEventListener('input', () => { state.itemDraft = editor.value; });
+    const done = () => {
+      state.editingItem = 0;
+      state.itemDraft = null;
+    };
+    const cancel = () => {
+      if (editor.value !== it.content && !window.confirm(`Discard your correction of #${it.id}?`)) return;
+      done();
+      reload().then(() => refocus(`edit-${it.id}`));
+    };
+    const save = button('Save correction', async () => {
+      const saved = await attempt(() => api('PATCH', `/api/me/items/${enc(it.id)}`, { content: editor.value }), save);
+      if (saved === undefined) {  // (refused: the text stays where it was typed)
+        if (editor.isConnected) editor.focus();
+        return;
+      }
+      done();
+      notify(saved.id === it.id ? `#${it.id} is unchanged.` : `Corrected #${it.id}: the correction is #${saved.id}.`);
+      await reload();
+      refocus(`edit-${saved.id}`);
+    }, { class: 'btn btn-small btn-primary', testid: 'item-save' });
+    editor.addEventListener('keydown', (event) => {
+      if (event.key === 'Escape') {
+        event.preventDefault();
+        cancel();
+      } else if (event.key === 'Enter' && (event.ctrlKey || event.metaKey)) {
+        event.preventDefault();
+        save.click();
+      }
+    });
+    return h('div', { class: 'item-edit' }, editor,
+      h('p', { class: 'hint', id: 'item-editor-help' }, 'Ctrl+Enter saves, Escape cancels.'),
+      h('div', { class: 'actions' }, button('Cancel', cancel, { class: 'btn btn-small', testid: 'item-cancel' }), save));
+  }
+
+  /** After a list reloads, the keyboard goes back to the control it was on (or to the list). */
+  function refocus(testid) {
+    const target = testid ? document.querySelector(`[data-testid="${CSS.escape(testid)}"]`) : null;
+    const fallback = $('items-results') && $('items-results').querySelector('[data-testid="items-summary"]');
+    const el = target && !target.disabled ? target : fallback;
+    if (el) el.focus();
+  }
+
   async function patchItem(it, change, message, reload, trigger) {
-    const done = await attempt(async () => {
-      await api('PATCH', `/api/me/items/${enc(it.id)}`, change);
-      return true;
-    }, trigger);
-    if (done) notify(message);
-    reload();
+    const id = trigger && trigger.dataset.testid;
+    const done = await attempt(() => api('PATCH', `/api/me/items/${enc(it.id)}`, change), trigger);
+    if (done !== undefined) notify(message);
+    else if ($('app').hidden) return;  // (the session ended)
+    await reload();
+    refocus(id);
   }
 
   async function itemAction(it, action, message, reload, trigger) {
-    const done = await attempt(async () => {
-      await api('POST', `/api/me/items/${enc(it.id)}/${action}`);
-      return true;
-    }, trigger);
-    if (done) notify(message);
-    reload();
+    const id = trigger && trigger.dataset.testid;
+    const done = await attempt(() => api('POST', `/api/me/items/${enc(it.id)}/${action}`), trigger);
+    if (done !== undefined) notify(message);
+    else if ($('app').hidden) return;  // (the session ended)
+    await reload();
+    refocus(id);
   }
 
   // -- Activity ---------------------------------------------------------------------------------
