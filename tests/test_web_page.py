@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -340,6 +341,15 @@ async def test_item_corrections_keep_what_was_typed_and_the_keyboard_stays(tmp_p
                 await expect(editor).to_have_count(0)
                 assert await page.evaluate(focused) == "edit-2"
 
+                # what is no longer in use: the corrected item (pointing at its correction) and an expired one
+                pair = (await bot.app.cortex.store.pair_for("discord:ann", "Ann", "Cora"))[1]
+                await bot.app.cortex.memory.remember(pair.id, "Ann is away this week", expires_at=time.time() - 60)
+                await page.select_option("#items-archived", "true")
+                await expect(page.get_by_test_id("items-summary")).to_have_text("2 forgotten or replaced items")
+                await expect(table.locator("tr", has_text="figs on her")).to_contain_text("replaced by #3")
+                await expect(table.locator("tr", has_text="figs on her")).to_contain_text("see #3")
+                await expect(table.locator("tr", has_text="away this week")).to_contain_text("expired")
+                await page.select_option("#items-archived", "false")
                 await lisbon.get_by_role("button", name="Edit").click()
                 await editor.fill("Mia moved to Porto")
                 await page.context.clear_cookies()  # the session ends (a logout elsewhere, its time up)

@@ -816,7 +816,7 @@
       { id: 'items-pinned', testid: 'items-pinned' });
     const scope = select([['', 'any'], ['private', 'private'], ['shared', 'shared']], f.scope,
       { id: 'items-scope', testid: 'items-scope' });
-    const archived = select([['false', 'kept'], ['true', 'forgotten']], f.archived,
+    const archived = select([['false', 'kept'], ['true', 'forgotten or replaced']], f.archived,
       { id: 'items-archived', testid: 'items-archived' });
     const results = h('div', { id: 'items-results', class: 'items-results' });
     const apply = () => {
@@ -864,13 +864,13 @@
     const f = state.items;
     const items = data.items || [];
     const summary = h('p', { class: 'summary', testid: 'items-summary', tabindex: '-1' },
-      `${plural(data.total ?? items.length, f.archived === 'true' ? 'forgotten item' : 'item')}`,
+      `${plural(data.total ?? items.length, f.archived === 'true' ? 'forgotten or replaced item' : 'item')}`,
       // (a search ranks by words and meaning: it filters none)
       f.query ? `, the best for “${f.query}” first` : '', data.pages > 1 ? ` · page ${data.page} of ${data.pages}` : '');
     if (!items.length) {
       fill(results, summary, empty(f.query || f.category || f.pinned || f.scope
         ? 'No items match these filters.'
-        : f.archived === 'true' ? 'Nothing forgotten.' : `${state.persona} has no memory items about you yet.`));
+        : f.archived === 'true' ? 'Nothing forgotten or replaced.' : `${state.persona} has no memory items about you yet.`));
       return;
     }
     const reload = () => loadItems(results);
@@ -912,7 +912,7 @@
               state.itemDraft = null;
               renderItems(results, data);
             }, { class: 'btn btn-small', testid: `edit-${it.id}` }),
-            button('Forget', (event) => itemAction(it, 'forget', `Forgot #${it.id}; “forgotten” under Show brings it back.`,
+            button('Forget', (event) => itemAction(it, 'forget', `Forgot #${it.id}; “forgotten or replaced” under Show brings it back.`,
               reload, event.currentTarget), { class: 'btn btn-small btn-danger-quiet', testid: `forget-${it.id}` }),
           ]),
       },
@@ -942,6 +942,9 @@
     if (it.supersedes) notes.push(`corrects #${it.supersedes}`);
     if (it.superseded_by) notes.push(`replaced by #${it.superseded_by}`);
     if (it.archived_at) notes.push(`forgotten ${fmtDate(it.archived_at)}${it.archive_reason ? `: ${it.archive_reason}` : ''}`);
+    else if (it.expires_at && !it.superseded_by) {  // (a time-bound fact: "until Friday")
+      notes.push(`${toMs(it.expires_at) <= Date.now() ? 'expired' : 'kept until'} ${fmtDate(it.expires_at)}`);
+    }
     if (typeof it.score === 'number') notes.push(`match ${it.score.toFixed(2)}`);
     return [h('span', { class: 'item-text' }, it.content), notes.length ? h('span', { class: 'item-notes' }, notes.join(' · ')) : null];
   }
