@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -214,6 +215,12 @@ async def test_commands_summary_and_stats(tmp_path: Path) -> None:
         await app.core.reply(_msg("hi")).text()
         stats = (await app.commands.dispatch("!stats", ctx)).text
         assert "This conversation: 1 reply" in stats and "trim rate" in stats and "summary hit rate" in stats
+        assert "All conversations" in stats and "Background jobs" in stats
+        member = replace(ctx, is_admin=False)  # the whole bot's figures are for admins
+        stats = (await app.commands.dispatch("!stats", member)).text
+        assert "This conversation: 1 reply" in stats and "All conversations" not in stats and "jobs" not in stats
+        elsewhere = replace(member, channel_key="console:new")
+        assert (await app.commands.dispatch("!stats", elsewhere)).text == "This conversation has no replies yet."
         help_text = (await app.commands.dispatch("!help", ctx)).text
         assert "!summary" in help_text and "!stats" in help_text and "!help" in help_text
         assert "Unknown command `!nope`" in (await app.commands.dispatch("!nope", ctx)).text
