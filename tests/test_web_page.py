@@ -129,7 +129,8 @@ async def test_log_in_edit_compare_revert_and_screenshots(tmp_path: Path) -> Non
                 await expect(page.get_by_test_id("versions").locator("tbody tr")).to_have_count(2)
                 await expect(page.get_by_test_id("diff-title")).to_have_text("Changes from version 1 to version 2")
                 added = page.get_by_test_id("diff").locator("tr.op-insert", has_text=ADDED)
-                await expect(added.locator("td.right")).to_have_text(ADDED)
+                # (a screen reader hears what kind of line it is: the colour alone says nothing to it)
+                await expect(added.locator("td.right")).to_have_text("new line, added: " + ADDED)
                 await expect(added.locator("td.left")).to_have_text("")
                 await expect(page.get_by_test_id("diff").locator("tr.op-delete, tr.op-replace")).to_have_count(0)
                 await page.get_by_test_id("view-1").click()
@@ -357,6 +358,150 @@ async def test_item_corrections_keep_what_was_typed_and_the_keyboard_stays(tmp_p
                 await expect(page.get_by_test_id("ended")).to_be_visible()
                 await expect(page.get_by_test_id("unsaved-text")).to_have_value("Mia moved to Porto")
                 assert len(dialogs) == 1, dialogs
+        finally:
+            await browser.close()
+    assert not watch.problems, watch.problems
+
+
+async def login_in(page: Any, bot: Bot, user: str) -> None:
+    """Log ``user`` in on ``page`` (another tab of a browser that may hold someone's login already)."""
+    url, _ = await bot.link(user)
+    await page.goto(url)
+    async with page.expect_navigation():
+        await page.click("#login")
+
+
+async def test_leaving_unsaved_text_is_asked_everywhere_and_a_refused_correction_stays(tmp_path: Path) -> None:
+    """A new user's findings: Back threw the file editor's text away without a word; typing in the search while
+    an item was being corrected sent the keys into the correction; a correction refused because the item was
+    forgotten meanwhile vanished at the next reload; forgetting the last items of the last page left "no memory
+    items" and no pager; and text the person had agreed to leave came back and was asked about again."""
+    from playwright.async_api import async_playwright, expect
+
+    watch, dialogs = Watch(), []
+    async with running_bot(tmp_path) as bot, async_playwright() as p:
+        browser = await p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            pair = (await bot.app.cortex.store.pair_for("discord:ann", "Ann", "Cora"))[1]
+            for n in range(27):
+                await bot.app.cortex.memory.remember(pair.id, f"Ann's fact number {n} about figs")
+            async with logged_in(browser, bot, "ann", watch, dialogs=dialogs) as page:
+                await page.get_by_test_id("tab-items").click()
+                await page.get_by_test_id("tab-files").click()
+                await page.get_by_test_id("file-memory.md").click()
+                await page.get_by_test_id("edit").click()
+                editor = page.get_by_test_id("editor")
+                await editor.press("Control+End")
+                await editor.type("\n- typed, not saved")
+                await page.go_back()  # Back is asked about (dismissed: the editor and its address stay)
+                await expect(editor).to_have_value(re.compile("typed, not saved$"))
+                await page.get_by_test_id("tab-items").click()  # so is another tab
+                assert dialogs == ["Leave the editor? Your changes are not saved."] * 2, dialogs
+                await expect(editor).to_have_value(re.compile("typed, not saved$"))
+                assert page.url.endswith("#/files"), page.url
+
+                await editor.fill((await editor.input_value()).removesuffix("\n- typed, not saved"))
+                await page.get_by_test_id("tab-items").click()
+                table = page.get_by_test_id("items-table")
+                first = table.locator("tbody tr").first
+                await first.get_by_role("button", name="Edit").click()
+                correction = page.get_by_test_id("item-editor")
+                await correction.fill("Ann's first fact, corrected")
+                query = page.get_by_test_id("items-query")
+                await query.click()
+                await query.type("fig")
+                await expect(page.get_by_test_id("items-summary")).to_contain_text("the best for “fig” first")
+                await query.type("s")  # (after the list reloaded: the keys stay in the search box)
+                await expect(page.get_by_test_id("items-summary")).to_contain_text("the best for “figs” first")
+                await expect(query).to_have_value("figs")
+                await expect(correction).to_have_value("Ann's first fact, corrected")
+
+                item = int((await correction.get_attribute("aria-label") or "").removeprefix("Correct #"))
+                forgot = await bot.app.commands.dispatch(f"!memory forget {item}", context("ann"))
+                assert "is archived" in forgot.text, forgot.text
+                await page.get_by_test_id("item-save").click()
+                await expect(page.get_by_test_id("alert")).to_contain_text("restore it first")
+                await query.fill("")  # the list reloads without the forgotten item: its correction stays to copy
+                await expect(page.get_by_test_id("unsaved-correction")).to_have_value("Ann's first fact, corrected")
+                await page.get_by_test_id("drop-correction").click()
+                await expect(page.get_by_test_id("unsaved-correction-box")).to_have_count(0)
+
+                await page.get_by_test_id("items-next").click()  # page 2 of 26 items: one item
+                rows = table.locator("tbody tr")
+                await expect(rows).to_have_count(1)
+                await rows.first.get_by_role("button", name="Forget").click()
+                await expect(page.get_by_test_id("items-summary")).to_have_text("25 items")  # back on page 1
+                await expect(rows).to_have_count(25)
+                assert len(dialogs) == 2, dialogs
+
+            async with logged_in(browser, bot, "ann", watch) as page:  # every question answered "leave"
+                await page.get_by_test_id("file-memory.md").click()
+                await page.get_by_test_id("edit").click()
+                await page.get_by_test_id("editor").type("let go of this")
+                await page.get_by_test_id("tab-items").click()
+                await page.get_by_test_id("tab-files").click()  # the text was let go of: the file, not the editor
+                await expect(page.get_by_test_id("file-content")).to_be_visible()
+                await expect(page.get_by_test_id("editor")).to_have_count(0)
+        finally:
+            await browser.close()
+    assert not watch.problems, watch.problems
+
+
+async def test_export_logins_in_other_tabs_and_ended_sessions(tmp_path: Path) -> None:
+    """A new user's findings: a refused export left a failed download and no word; after a login in another tab
+    every change failed with "missing or wrong X-CSRF-Token header"; the end of a session was not announced;
+    a first visit without a login said "Your session ended"."""
+    from playwright.async_api import async_playwright, expect
+
+    watch = Watch()
+    async with running_bot(tmp_path) as bot, async_playwright() as p:
+        browser = await p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            reply = await bot.app.commands.dispatch("!memory remember Ann grows figs", context("ann"))
+            assert "Remembered" in reply.text, reply.text
+            async with logged_in(browser, bot, "ann", watch) as page:
+                await page.get_by_test_id("tab-export").click()
+                async with page.expect_download() as download:
+                    await page.get_by_test_id("export-link").click()
+                assert (await download.value).suggested_filename.endswith(".zip")
+                await expect(page.get_by_test_id("notice")).to_contain_text("Your export is downloading")
+                await page.get_by_test_id("forget-me-start").click()
+                await page.get_by_test_id("forget-phrase").fill("forg")
+                await page.get_by_test_id("forget-phrase").press("Escape")
+                await expect(page.get_by_test_id("forget-me-step")).to_be_hidden()
+
+                other = await page.context.new_page()  # the same person logs in again in another tab
+                await login_in(other, bot, "ann")
+                await page.get_by_test_id("tab-items").click()
+                await page.get_by_test_id("items-table").get_by_role("button", name="Pin #").click()
+                await expect(page.get_by_test_id("notice")).to_contain_text("is pinned")  # (the new token, once)
+
+                async with bot.client("ann") as api:  # the same person's changes elsewhere use up the limit
+                    for _ in range(40):
+                        status, _ = await api.call("PATCH", "/api/me/items/1", {"pinned": True})  # (no change)
+                        if status == 429:
+                            break
+                    assert status == 429
+                await page.get_by_test_id("tab-export").click()
+                await page.get_by_test_id("export-link").click()
+                await expect(page.get_by_test_id("alert")).to_contain_text("too many changes or exports")
+                await page.get_by_test_id("tab-items").click()
+
+                await login_in(other, bot, "bob")  # now someone else: the old tab must not act for them
+                await page.get_by_test_id("items-table").get_by_role("button", name="Pin #").click()
+                await expect(page.get_by_test_id("ended")).to_contain_text("Someone else logged in")
+                await expect(page.get_by_test_id("ended")).to_contain_text("Bob")
+                assert await page.evaluate("document.activeElement.id") == "ended-title"
+                pair = (await bot.app.cortex.store.pair_for("discord:ann", "Ann", "Cora"))[1]
+                assert (await bot.app.cortex.memory.get(pair.id, 1, count_access=False)).pinned  # (not unpinned)
+
+            fresh = await browser.new_context()
+            try:
+                first = await fresh.new_page()
+                await first.goto(bot.url + "/")
+                await expect(first.get_by_test_id("ended")).to_contain_text("You are not logged in")
+            finally:
+                await fresh.close()
         finally:
             await browser.close()
     assert not watch.problems, watch.problems

@@ -134,7 +134,8 @@ class Auth:
         if request.method in CHANGES:
             self.check_origin(request)
             if not csrf_matches(request.headers.get(CSRF_HEADER, ""), caller.session.csrf):
-                fail(403, f"missing or wrong {CSRF_HEADER} header (reload the page)")
+                # (the page reads the code: a login in another tab of the browser gave the session a new token)
+                fail(403, f"missing or wrong {CSRF_HEADER} header (reload the page)", code="csrf")
         if limited and (request.method in CHANGES or costly) and (wait := self.limiter.check(caller.user_key)):
             fail(429, f"too many changes or exports in a minute (at most {self.limiter.per_minute}): try again "
                       f"in {math.ceil(wait)} s")

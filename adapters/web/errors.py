@@ -34,21 +34,24 @@ def error_page(status: int, reason: str) -> web.Response:
     return page(f"<p>{status}: {html.escape(reason)}.</p>{BACK}", status)
 
 
-def json_error(status: int, message: str) -> web.Response:
-    return web.Response(status=status, text=json.dumps({"error": message}), content_type="application/json")
+def json_error(status: int, message: str, code: str = "") -> web.Response:
+    """``{"error": message}``, with a ``code`` the page acts on where it can do better than show the message."""
+    body = {"error": message, "code": code} if code else {"error": message}
+    return web.Response(status=status, text=json.dumps(body), content_type="application/json")
 
 
 class ApiError(Exception):
     """Raised by handlers; the error middleware answers ``{"error": message}`` with ``status``."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, code: str = "") -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.code = code
 
 
-def fail(status: int, message: str) -> NoReturn:
-    raise ApiError(status, message)
+def fail(status: int, message: str, code: str = "") -> NoReturn:
+    raise ApiError(status, message, code)
 
 
 def not_found(what: str = "not found") -> NoReturn:

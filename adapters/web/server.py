@@ -147,7 +147,7 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as exc:
-        return json_error(exc.status, exc.message)
+        return json_error(exc.status, exc.message, exc.code)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

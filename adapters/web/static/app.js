@@ -34,6 +34,8 @@
     items: { query: '', category: '', pinned: '', scope: '', archived: 'false', page: 1 },
     editingItem: 0,
     itemDraft: null,  // the correction typed into the item editor (a reload of the list keeps it)
+    focusItemEditor: false,  // the editor was just opened: it takes the keyboard (once)
+    routed: null,  // the address the page shows (Back/Forward away from unsaved text goes back to it)
     adminSection: '',
     overview: null,
     jobStatus: '',
@@ -200,7 +202,7 @@
     }
   }
 
-  async function api(method, path, body) {
+  async function api(method, path, body, retried) {
     const init = { method, credentials: 'same-origin', headers: { Accept: 'application/json' } };
     if (method !== 'GET') init.headers['X-CSRF-Token'] = state.csrf;
     if (body !== undefined) {
@@ -222,10 +224,36 @@
       }
     }
     if (!response.ok) {
-      const message = data && typeof data.error === 'string' ? data.error : `${response.status} ${response.statusText}`;
-      throw new ApiError(response.status, message);
+      if (response.status === 403 && data && data.code === 'csrf' && !retried && state.me && await renewToken()) {
+        return api(method, path, body, true);
+      }
+      throw errorOf(response, data);
     }
     return data;
+  }
+
+  function errorOf(response, data) {
+    const message = data && typeof data.error === 'string' ? data.error : `${response.status} ${response.statusText}`;
+    return new ApiError(response.status, message);
+  }
+
+  /** A login in another tab of this browser gave the session cookie a new token: the same person's page goes on
+   * with it; another person's login ends this page (its changes would land in their memory). */
+  async function renewToken() {
+    let me;
+    try {
+      me = await api('GET', '/api/me', undefined, true);
+    } catch (err) {
+      return false;
+    }
+    if (!me || !me.user || me.user.key !== state.me.user.key) {
+      sessionEnded('Someone else logged in', ['This browser is now logged in as ', h('strong', null,
+        (me && me.user && (me.user.name || me.user.key)) || 'another user'), ' (in another tab): reload the page to ',
+        'see their memory, or send ', h('code', null, '!dashboard'), ' in a chat for your own login link.']);
+      return false;
+    }
+    state.csrf = me.csrf;
+    return true;
   }
 
   const personaPath = () => `/api/me/personas/${enc(state.persona)}`;
@@ -243,12 +271,13 @@
       sessionEnded();
       return;
     }
+    if (state.me && $('app').hidden) return;  // (the page ended: its end screen says why)
     const text = status === 401 ? SESSION_ENDED : (err && err.message) || String(err);
     const box = $('alert');
     $('alert-text').textContent = text;
     box.dataset.status = String(status);
     box.hidden = false;
-    $('notice').hidden = true;
+    $('notice').textContent = '';
   }
 
   function clearAlert() {
@@ -256,12 +285,13 @@
     $('alert').hidden = true;
   }
 
+  /** A passing word on what an action did. The box stays in the page (empty, it takes no room): a live region
+   * shown at the moment its text changes is not read out by every screen reader. */
   function notify(text) {
     const box = $('notice');
     box.textContent = text;
-    box.hidden = false;
     clearTimeout(noticeTimer);
-    noticeTimer = setTimeout(() => { box.hidden = true; }, 8000);
+    noticeTimer = setTimeout(() => { box.textContent = ''; }, 8000);
   }
 
   /** Runs an action: clears the old error, shows a new one, disables the button meanwhile. */
@@ -281,10 +311,11 @@
   /** Loads a part of the page; a failure shows in the alert area and, briefly, where the part would be. */
   const loads = new WeakMap();
 
-  async function section(container, what, fn) {
+  async function section(container, what, fn, quiet) {
     const seq = ++state.seq;
     loads.set(container, seq);
-    loading(container);
+    const kept = quiet && container.childElementCount > 0;  // (a reload: the old rows stay until the new ones come)
+    if (!kept) loading(container);
     try {
       await fn(() => loads.get(container) !== seq || !container.isConnected);
       if (loads.get(container) === seq && alertOf === container) clearAlert();  // (its earlier failure is over)
@@ -292,6 +323,7 @@
       if (loads.get(container) !== seq) return;
       showError(err);
       alertOf = container;
+      if (kept) return;  // (the alert says what failed; what was there stays)
       fill(container, h('p', { class: 'failed', testid: 'load-failed' },
         `Could not load ${what}: ${err instanceof ApiError && err.status === 401 ? SESSION_ENDED : err.message}`));
     }
@@ -299,20 +331,28 @@
 
   /** Text typed into the page's editors and not saved (each editor's first text is its defaultValue). */
   function unsavedTexts() {
-    return [...$('app').querySelectorAll('textarea:not([readonly])')]
-      .filter((area) => area.value !== area.defaultValue && area.value.trim())
+    return [...$('app').querySelectorAll('textarea')]
+      .filter((area) => (area.dataset.unsaved || (!area.readOnly && area.value !== area.defaultValue)) && area.value.trim())
       .map((area) => area.value);
   }
 
-  /** Whether the page may leave what is being edited: nothing unsaved, or the person says so. */
+  /** Whether the page may leave what is being edited: nothing unsaved, or the person says so (and then what
+   * was typed is let go of, so that nothing asks about it again). */
   function leaveEditor() {
-    return !unsavedTexts().length || window.confirm('Leave the editor? Your changes are not saved.');
+    if (unsavedTexts().length && !window.confirm('Leave the editor? Your changes are not saved.')) return false;
+    for (const area of $('app').querySelectorAll('textarea:not([readonly])')) area.value = area.defaultValue;
+    for (const area of $('app').querySelectorAll('textarea[data-unsaved]')) delete area.dataset.unsaved;
+    if (state.fileMode === 'edit') state.fileMode = 'view';
+    state.draft = null;
+    state.editingItem = 0;
+    state.itemDraft = null;
+    return true;
   }
 
-  function sessionEnded() {
+  function sessionEnded(title, text) {
     if ($('app').hidden) return;  // (told once: a later failure would find the editors gone)
     const unsaved = unsavedTexts();
-    ended('Your session ended', chatHint(), unsaved.length ? [
+    ended(title || 'Your session ended', text || chatHint(), unsaved.length ? [
       h('p', { class: 'hint' }, 'What you typed was not saved: copy it before you close this page.'),
       unsaved.map((text) => h('textarea', { readOnly: true, rows: '8', value: text, 'aria-label': 'Your unsaved text',
         testid: 'unsaved-text' })),
@@ -329,6 +369,7 @@
     fill($('ended-text'), text);
     fill($('ended-more'), more || null);
     $('ended').hidden = false;
+    $('ended-title').focus();  // (a screen reader reads where the page went)
   }
 
   function chatHint() {
@@ -377,7 +418,7 @@
     try {
       state.me = await api('GET', '/api/me');
     } catch (err) {
-      if (err instanceof ApiError && err.status === 401) ended('Your session ended', chatHint());
+      if (err instanceof ApiError && err.status === 401) ended('You are not logged in', chatHint());
       else {
         $('loading').hidden = true;
         showError(err);
@@ -442,7 +483,6 @@
   }
 
   function go(tab, sub) {
-    if (tab !== state.tab && !leaveEditor()) return;  // (unsaved text in the file editor: asked first)
     const hash = `#/${tab}${sub ? `/${sub}` : ''}`;
     if (location.hash === hash) route();
     else location.hash = hash;
@@ -450,6 +490,12 @@
 
   function route() {
     if (!state.me) return;
+    // Another tab, admin section, or Back/Forward: unsaved text is asked about first (kept: the address goes back).
+    if (state.routed !== null && location.hash !== state.routed && !leaveEditor()) {
+      history.replaceState(null, '', state.routed || location.pathname);
+      return;
+    }
+    state.routed = location.hash;
     const [tab, sub] = location.hash.replace(/^#\/?/, '').split('/');
     state.tab = TABS.includes(tab) && (tab !== 'admin' || canAdmin()) ? tab : 'files';
     if (state.tab === 'admin') state.adminSection = sub || state.adminSection;
@@ -515,6 +561,16 @@
   }
 
   function renderFiles() {
+    const was = document.activeElement && document.activeElement.dataset ? document.activeElement.dataset.testid : '';
+    drawFiles();
+    const now = document.activeElement;
+    if (now && now !== document.body) return;  // (the editor took the keyboard)
+    const same = was ? document.querySelector(`#panel-files [data-testid="${CSS.escape(was)}"]`) : null;
+    const target = same || $('file-title');
+    if (target) target.focus();
+  }
+
+  function drawFiles() {
     const panel = $('panel-files');
     const list = h('nav', { class: 'file-list', 'aria-label': 'Your files' },
       state.me.files.map((name) => {
@@ -558,7 +614,7 @@
     const mode = state.fileMode;
     const head = h('header', { class: 'file-head' },
       h('div', { class: 'file-title' },
-        h('h2', { id: 'file-title' }, state.file),
+        h('h2', { id: 'file-title', tabindex: '-1' }, state.file),
         h('p', { class: 'meta', testid: 'file-meta' },
           h('span', { class: 'badge', testid: 'file-version' }, `Version ${version.version}`),
           ` ${authorText(version)} · ${fmtDate(version.created_at)} · ${plural(version.chars, 'character')}`)),
@@ -597,6 +653,9 @@
       if ((event.ctrlKey || event.metaKey) && event.key === 's') {
         event.preventDefault();
         save.click();
+      } else if (event.key === 'Escape') {
+        event.preventDefault();
+        cancel.click();
       }
     });
     update();
@@ -767,7 +826,9 @@
         class: `${which}${text === null || text === undefined ? ' blank' : ''}`,
         title: text === null || text === undefined || row.op === 'equal' ? null
           : `${which === 'left' ? 'old' : 'new'} line, ${SIDE_LABEL[row.op]}`,
-      }, text === null || text === undefined ? '' : text),
+      }, text === null || text === undefined || row.op === 'equal' ? null
+        : h('span', { class: 'sr-only' }, `${which === 'left' ? 'old' : 'new'} line, ${SIDE_LABEL[row.op]}: `),
+      text === null || text === undefined ? '' : text),
     ];
     return h('tr', { class: `op-${row.op}`, 'data-op': row.op }, side(row.left_no, row.left, 'left'),
       side(row.right_no, row.right, 'right'));
@@ -857,18 +918,25 @@
       const data = await api('GET', `/api/me/items?${q}`);
       if (stale()) return;
       renderItems(results, data);
-    });
+    }, true);
   }
 
   function renderItems(results, data) {
     const f = state.items;
     const items = data.items || [];
+    if (!items.length && f.page > 1 && (data.total || 0) > 0) {  // (the last page's items went: the one before)
+      f.page = Math.max(1, Math.min(f.page - 1, data.pages || 1));
+      loadItems(results);
+      return;
+    }
+    const editing = items.find((it) => it.id === state.editingItem && !locked(it));
+    const orphan = state.editingItem && !editing && state.itemDraft !== null ? unsavedCorrection() : null;
     const summary = h('p', { class: 'summary', testid: 'items-summary', tabindex: '-1' },
       `${plural(data.total ?? items.length, f.archived === 'true' ? 'forgotten or replaced item' : 'item')}`,
       // (a search ranks by words and meaning: it filters none)
       f.query ? `, the best for “${f.query}” first` : '', data.pages > 1 ? ` · page ${data.page} of ${data.pages}` : '');
     if (!items.length) {
-      fill(results, summary, empty(f.query || f.category || f.pinned || f.scope
+      fill(results, summary, orphan, empty(f.query || f.category || f.pinned || f.scope
         ? 'No items match these filters.'
         : f.archived === 'true' ? 'Nothing forgotten or replaced.' : `${state.persona} has no memory items about you yet.`));
       return;
@@ -904,16 +972,18 @@
         label: 'Actions', class: 'row-actions', cell: (it) => (it.superseded_by && !it.archived_at
           ? h('span', { class: 'muted' }, `see #${it.superseded_by}`) : it.archived_at
           ? button('Restore', (event) => itemAction(it, 'restore', `#${it.id} is back.`, reload, event.currentTarget),
-            { class: 'btn btn-small', testid: `restore-${it.id}` })
+            { class: 'btn btn-small', testid: `restore-${it.id}`, 'aria-label': `Restore #${it.id}` })
           : [
             button('Edit', () => {
               if (state.editingItem !== it.id && !leaveEditor()) return;  // (another item's correction unsaved)
               state.editingItem = it.id;
               state.itemDraft = null;
+              state.focusItemEditor = true;
               renderItems(results, data);
-            }, { class: 'btn btn-small', testid: `edit-${it.id}` }),
+            }, { class: 'btn btn-small', testid: `edit-${it.id}`, 'aria-label': `Edit #${it.id}` }),
             button('Forget', (event) => itemAction(it, 'forget', `Forgot #${it.id}; “forgotten or replaced” under Show brings it back.`,
-              reload, event.currentTarget), { class: 'btn btn-small btn-danger-quiet', testid: `forget-${it.id}` }),
+              reload, event.currentTarget), { class: 'btn btn-small btn-danger-quiet', testid: `forget-${it.id}`,
+              'aria-label': `Forget #${it.id}` }),
           ]),
       },
     ], items, {
@@ -924,9 +994,28 @@
       button('← Newer', () => { f.page -= 1; reload(); }, { disabled: f.page <= 1, testid: 'items-prev' }),
       h('span', null, `Page ${data.page} of ${data.pages}`),
       button('Older →', () => { f.page += 1; reload(); }, { disabled: f.page >= data.pages, testid: 'items-next' })) : null;
-    fill(results, summary, rows, pager);
+    fill(results, summary, orphan, rows, pager);
     const editor = $('item-editor');
-    if (editor) editor.focus();
+    if (editor && state.focusItemEditor) editor.focus();  // (only when opened: a reload leaves the keyboard be)
+    state.focusItemEditor = false;
+  }
+
+  /** A correction whose item is not in the list any more (forgotten or corrected meanwhile, or on another page):
+   * its text stays on the page to copy until the person lets it go. */
+  function unsavedCorrection() {
+    const text = h('textarea', { readOnly: true, rows: '3', value: state.itemDraft, testid: 'unsaved-correction',
+      'aria-label': `Your correction of #${state.editingItem} (not saved)` });
+    text.dataset.unsaved = '1';
+    const box = h('div', { class: 'card draft', testid: 'unsaved-correction-box' },
+      h('p', null, `Your correction of #${state.editingItem} is not saved: the item is not in this list any more `,
+        '(forgotten or corrected meanwhile, or on another page). Copy what you need:'),
+      text, h('div', { class: 'actions' }, button('Let it go', () => {
+        state.editingItem = 0;
+        state.itemDraft = null;
+        box.remove();
+        refocus(null);
+      }, { class: 'btn btn-small', testid: 'drop-correction' })));
+    return box;
   }
 
   /** A forgotten item, or one replaced by a correction, is not changed any more (restore it first). */
@@ -935,7 +1024,7 @@
   }
 
   function itemContent(it, reload) {
-    if (state.editingItem === it.id) return itemEditor(it, reload);
+    if (state.editingItem === it.id && !locked(it)) return itemEditor(it, reload);
     const notes = [];
     if (it.source === 'model') notes.push(`noted by ${it.persona || state.persona}`);
     else if (it.source === 'user') notes.push('told by you');
@@ -1128,14 +1217,20 @@
     phrase.addEventListener('input', () => {
       confirmButton.disabled = saidPhrase(phrase) !== 'forget me';
     });
+    phrase.addEventListener('keydown', (event) => {
+      if (event.key === 'Enter' && !confirmButton.disabled) confirmButton.click();
+      else if (event.key === 'Escape') cancelStep.click();
+    });
+    const cancelStep = button('Cancel', () => {
+      confirmStep.hidden = true;
+      start.hidden = false;
+      phrase.value = '';
+      confirmButton.disabled = true;
+      start.focus();
+    }, { testid: 'forget-me-cancel' });
     const confirmStep = h('div', { class: 'confirm-step', hidden: true, testid: 'forget-me-step' },
       field('Type “forget me” to confirm', phrase, 'This cannot be undone.'),
-      h('div', { class: 'actions' }, button('Cancel', () => {
-        confirmStep.hidden = true;
-        start.hidden = false;
-        phrase.value = '';
-        confirmButton.disabled = true;
-      }), confirmButton));
+      h('div', { class: 'actions' }, cancelStep, confirmButton));
     const start = button('Delete everything about me…', () => {
       start.hidden = true;
       confirmStep.hidden = false;
@@ -1146,11 +1241,44 @@
         h('p', null, 'One zip file with everything the bot keeps about you, for every persona: your files and all their ',
           'versions, your memory items, and your messages. It is readable (Markdown) and also machine-readable (JSON), ',
           'and ', h('code', null, '!memory import'), ' can take it back.'),
-        h('a', { class: 'btn btn-primary', href: '/api/me/export', download: '', testid: 'export-link' }, 'Download (zip)')),
+        h('a', { class: 'btn btn-primary', href: '/api/me/export', download: '', testid: 'export-link',
+          onclick: (event) => { event.preventDefault(); downloadExport(event.currentTarget); } }, 'Download (zip)')),
       h('div', { class: 'card danger-zone' }, h('h2', null, 'Delete everything about you'),
         h('p', null, 'Deletes your files, memory items, messages and summaries with every persona, and logs you out. ',
           'If you talk to the bot again it starts from nothing.'),
         start, confirmStep));
+  }
+
+  /** The export as a download; a refusal (too many at once, the limit, an ended session) is said in words
+   * (a plain link left the browser with a failed download and the page silent). */
+  async function downloadExport(link) {
+    if (link.getAttribute('aria-disabled') === 'true') return;
+    link.setAttribute('aria-disabled', 'true');
+    notify('Preparing your export… (a long history takes a moment)');
+    try {
+      await attempt(async () => {
+        let response;
+        try {
+          response = await fetch('/api/me/export', { credentials: 'same-origin' });
+        } catch (err) {
+          throw new ApiError(0, 'The bot cannot be reached right now: check the connection and try again.');
+        }
+        if (!response.ok) {
+          const json = (response.headers.get('Content-Type') || '').includes('application/json');
+          throw errorOf(response, json ? await response.json().catch(() => null) : null);
+        }
+        const named = /filename="?([^";]+)"?/.exec(response.headers.get('Content-Disposition') || '');
+        const url = URL.createObjectURL(await response.blob());
+        const save = h('a', { href: url, download: named ? named[1] : 'cortex-bot-export.zip', hidden: true });
+        document.body.appendChild(save);
+        save.click();
+        save.remove();
+        setTimeout(() => URL.revokeObjectURL(url), 60_000);
+        notify('Your export is downloading.');
+      });
+    } finally {
+      link.removeAttribute('aria-disabled');
+    }
   }
 
   /** The confirmation as typed, without the quotes the label shows it in (pasted with it) or doubled spaces. */
