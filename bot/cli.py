@@ -344,6 +344,70 @@ def status(ctx: click.Context) -> None:
     _print_status(processes, queue)
 
 
+JOB_STATUSES = ("failed", "queued", "running", "done")
+
+
+@cli.command()
+@click.argument("action", required=False, metavar="[retry]")
+@click.argument("job_id", required=False, type=click.IntRange(min=1))
+@click.option("--status", "wanted", type=click.Choice(JOB_STATUSES), default="failed", show_default=True,
+              help="Which jobs to list.")
+@click.option("--limit", type=click.IntRange(1, 1000), default=20, show_default=True, help="How many, newest first.")
+@click.pass_context
+def jobs(ctx: click.Context, action: str | None, job_id: int | None, wanted: str, limit: int) -> None:
+    """List background jobs (the failed ones by default), or try a failed job again: cortexbot jobs retry ID."""
+    config = _load(ctx)
+    setup_logging(_log_level(ctx, config, "WARNING"))
+    if action is not None and action != "retry":
+        raise click.UsageError(f"did you mean: cortexbot jobs retry {action}?" if action.isdigit()
+                               else f"unknown action {action!r}: cortexbot jobs lists, cortexbot jobs retry ID "
+                                    "tries a failed job again")
+    if action == "retry" and job_id is None:
+        raise click.UsageError("say which job: cortexbot jobs retry ID (cortexbot jobs lists the failed ones)")
+    try:
+        for line in _run_async(lambda: _jobs(config, wanted, limit, job_id if action == "retry" else None)):
+            click.echo(line)
+    except (StorageError, ConfigError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+async def _jobs(config: Config, status: str, limit: int, retry: int | None) -> list[str]:
+    from bot.storage import open_storage
+
+    url, password = config.storage.resolve()
+    _require_configured_database(url)
+    storage = await open_storage(url, password=password, pool_size=2)
+    try:
+        if await storage.pending_migrations():
+            raise StorageError(f"{storage.db.url} is not migrated yet: run cortexbot migrate (or start the bot)")
+        if retry is not None:
+            return [await _retry_job(storage, retry)]
+        found = await storage.list_jobs(cast(Any, status), limit=limit)
+        if not found:
+            return [f"no {status} jobs"]
+        now = time.time()
+        return [f"job {j.id}  {j.kind}  {j.key}  {j.status} {_ago(now - j.updated_at.timestamp())} ago, "
+                f"{j.attempts}/{j.max_attempts} attempts" + (f": {one_line(j.last_error, 200)}" if j.last_error else "")
+                for j in found]
+    finally:
+        await storage.close()
+
+
+async def _retry_job(storage: Any, number: int) -> str:
+    """A failed job queued again (as the web page's retry does), or why not."""
+    job = await storage.get_job(number)
+    if job is None:
+        raise StorageError(f"there is no job {number}")
+    if job.status != "failed":
+        raise StorageError(f"job {number} is {job.status}: only failed jobs are tried again")
+    if not await storage.admin.requeue_failed_job(number):
+        raise StorageError(f"job {number} was not queued again: a job of the same kind and key is queued already, "
+                           "or it changed meanwhile")
+    logging.getLogger(__name__).info("job %d (%s, %s) queued again from the command line", number, job.kind,
+                                        job.key)
+    return f"job {number} ({job.kind}, {job.key}) is queued again: a running bot takes it within seconds"
+
+
 async def _fleet_status(config: Config) -> tuple[list[Any], Any]:
     from bot.storage import open_storage
 
@@ -353,7 +417,7 @@ async def _fleet_status(config: Config) -> tuple[list[Any], Any]:
     try:
         if await storage.pending_migrations():
             raise StorageError(f"{storage.db.url} is not migrated yet: run cortexbot migrate (or start the bot)")
-        return await storage.fleet.live_processes(), await storage.fleet.queue_stats()
+        return await storage.fleet.live_processes(), await storage.fleet.queue_stats(since=time.time() - RECENT_SECONDS)
     finally:
         await storage.close()
 
@@ -386,8 +450,9 @@ def _print_status(processes: list[Any], queue: Any) -> None:
             + f"  up {_ago(now - p.started_at)}, seen {now - p.last_seen:.0f} s ago"
         )
     oldest = "none" if queue.oldest_queued_at is None else f"queued {_ago(now - queue.oldest_queued_at)} ago"
-    click.echo(f"jobs: {queue.queued} queued, {queue.running} running, {queue.failed} failed; "
-               f"oldest queued: {oldest}")
+    click.echo(f"jobs: {queue.queued} queued, {queue.running} running, {queue.failed} failed "
+               f"({queue.failed_recently} in the last 24 h); oldest queued: {oldest}"
+               + (f"; {queue.lapsed} left running by a stopped process" if queue.lapsed else ""))
 
 
 def _ago(seconds: float) -> str:
@@ -713,17 +778,47 @@ def one_line(text: str, limit: int = 300) -> str:
     return plain if len(plain) <= limit else plain[: limit - 1] + "…"
 
 
+RECENT_SECONDS = 24 * 3600.0  # doctor's "lately": failures older than a day are history, not a problem now
+
+
 async def _doctor_queue(storage: Any, report: Callable[..., None]) -> None:
-    """The job queue: stuck (the oldest queued job waits long), failed jobs, live processes."""
-    queue = await storage.fleet.queue_stats()
+    """The job queue: stuck (the oldest queued job waits long), jobs left running by a stopped process, live
+    processes; jobs and cortex updates that failed in the last day."""
+    now = time.time()
+    queue = await storage.fleet.queue_stats(since=now - RECENT_SECONDS)
     live = await storage.fleet.live_processes()
-    waited = time.time() - queue.oldest_queued_at if queue.oldest_queued_at is not None else 0.0
+    waited = now - queue.oldest_queued_at if queue.oldest_queued_at is not None else 0.0
     detail = (f"{queue.queued} queued, {queue.running} running, {queue.failed} failed; "
               f"{len(live)} live bot process(es)")
     if waited > STUCK_AFTER_SECONDS:
         detail += f"; the oldest queued job has waited {_ago(waited)}" + (
             " and no bot process is running to take it" if not live else "")
+    if queue.lapsed:
+        detail += (f"; {plural(queue.lapsed, 'job')} left running by a process that stopped mid-job (its lease ran "
+                   "out): " + ("a running bot takes it over" if live else "the next start takes it over"))
     report(waited <= STUCK_AFTER_SECONDS, "job queue", detail)
+    _doctor_failures(queue, now, report)
+    runs = await storage.cortex.run_stats(since=now - RECENT_SECONDS)
+    failed, done = runs.by_status.get("failed", 0), runs.by_status.get("success", 0)
+    if failed:
+        last = runs.last_errors[0]
+        report(False, "cortex updates", f"{failed} of {failed + done} failed in the last 24 h; the newest "
+                                        f"(run {last.id}, {_ago(now - last.started_at.timestamp())} ago): "
+                                        f"{one_line(last.error or last.reason, 200)} (more: !cortex stats)")
+    else:
+        report(True, "cortex updates", f"{done} in the last 24 h, none failed")
+
+
+def _doctor_failures(queue: Any, now: float, report: Callable[..., None]) -> None:
+    """Jobs that failed for good in the last day (older failures are counted in the queue line only)."""
+    newest = queue.newest_failure
+    if not queue.failed_recently or newest is None:
+        report(True, "failed jobs", "none in the last 24 h" + (f" ({queue.failed} older)" if queue.failed else ""))
+        return
+    report(False, "failed jobs",
+           f"{queue.failed_recently} in the last 24 h; the newest, job {newest.id} ({newest.kind}, {newest.key}, "
+           f"{_ago(now - newest.failed_at)} ago): {one_line(newest.error, 200) or 'no error recorded'}. "
+           f"See them: cortexbot jobs; once the cause is fixed, try one again: cortexbot jobs retry ID")
 
 
 def _doctor_adapters(config: Config, report: Callable[..., None]) -> None:
@@ -833,7 +928,7 @@ async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
                 return
             report(True, where, f"reachable; it does not list its models (HTTP {exc.status_code}), so the model "
                                 "names were not checked")
-            await _doctor_answer(config, report)
+            await _doctor_answer(config, report, _background_models(config))
             return
         report(False, where, one_line(f"{exc.user_message} ({exc.detail})"))
         return
@@ -843,39 +938,46 @@ async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
     finally:
         await provider.aclose()
     report(True, where, f"reachable, {len(models)} model(s)")
-    wanted = {m for m in (llm.model, llm.summary_model, *(p.model for p in config.personas)) if m}
+    wanted = {m for m in (*_background_models(config), *(p.model for p in config.personas)) if m}
     for model in sorted(wanted):
         if models and model not in models:
             report(False, f"model {model}", f"not offered by the server (it offers: {', '.join(models[:10])})")
         else:
             report(True, f"model {model}", "available")
-    if not models or llm.model in models:
-        await _doctor_answer(config, report)
+    await _doctor_answer(config, report, [m for m in _background_models(config) if not models or m in models])
 
 
 PROBE_SECONDS = 30.0  # doctor's wait for its request of a few tokens (a hung server: not the reply's 120 s)
 
 
-async def _doctor_answer(config: Config, report: Callable[..., None]) -> None:
-    """One real request of a few tokens to the chat model: a server may list its models and still answer no
-    request (overloaded, rate-limited, out of credit), and doctor said "All checks passed" while every reply
-    failed."""
+def _background_models(config: Config) -> list[str]:
+    """The chat model, then the summaries' and the cortex updates' where they differ, each once."""
+    return list(dict.fromkeys(m for m in (config.llm.model, config.llm.summary_model, config.cortex.model) if m))
+
+
+async def _doctor_answer(config: Config, report: Callable[..., None], models: Sequence[str]) -> None:
+    """One real request of a few tokens to each of ``models`` (the chat model, and the summaries' and the
+    cortex updates' where they differ): a server may list its models and still answer no request (overloaded,
+    rate-limited, out of credit), and doctor said "All checks passed" while every reply, or every background
+    update, failed."""
     from bot.app import build_provider
     from bot.llm.base import ChatMessage, LLMRequest
 
     llm = config.llm
     provider = build_provider(config)
-    # (16 tokens: a reasoning model behind a proxy may refuse 1, or spend it thinking)
-    probe = LLMRequest(system="", messages=(ChatMessage("user", "Say OK."),), model=llm.model, max_tokens=16)
     seconds = min(llm.timeout_seconds, PROBE_SECONDS)
     try:
-        await asyncio.wait_for(provider.complete(probe), timeout=seconds)
-    except LLMError as exc:
-        report(False, f"an answer from {llm.model}", one_line(f"{exc.user_message} ({exc.detail})"))
-    except TimeoutError:
-        report(False, f"an answer from {llm.model}", f"none within {seconds:g} s")
-    else:
-        report(True, f"an answer from {llm.model}", "a request of a few tokens was answered")
+        for model in models:
+            # (16 tokens: a reasoning model behind a proxy may refuse 1, or spend it thinking)
+            probe = LLMRequest(system="", messages=(ChatMessage("user", "Say OK."),), model=model, max_tokens=16)
+            try:
+                await asyncio.wait_for(provider.complete(probe), timeout=seconds)
+            except LLMError as exc:
+                report(False, f"an answer from {model}", one_line(f"{exc.user_message} ({exc.detail})"))
+            except TimeoutError:
+                report(False, f"an answer from {model}", f"none within {seconds:g} s")
+            else:
+                report(True, f"an answer from {model}", "a request of a few tokens was answered")
     finally:
         await provider.aclose()
 

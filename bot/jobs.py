@@ -91,6 +91,13 @@ def worker_is_dead(worker: str, *, own_worker: str) -> bool:
     return not pid_alive(pid)
 
 
+def _why(exc: Exception) -> str:
+    """A failure for the log: the error's class, and a model server's HTTP status (never its message, which may
+    quote what it was sent)."""
+    status = getattr(exc, "status_code", None) if isinstance(exc, LLMError) else None
+    return f"{type(exc).__name__} (HTTP {status})" if status else type(exc).__name__
+
+
 def backoff_delay(attempt: int, config: JobsConfig, asked: float | None = None) -> float:
     """The wait before a failed job's next attempt: ``retry_base_seconds`` doubling with each attempt, with
     jitter; at least what the server asked for (its Retry-After), up to ``retry_max_seconds``."""
@@ -230,16 +237,17 @@ class WorkerPool:
             await self.storage.retry_job(job.id, error, datetime.now(UTC) + timedelta(seconds=delay), self.worker_id,
                                          attempt=job.attempts)
             log.warning(
-                "job %d (%s) attempt %d/%d failed (%s); retrying in %.1f s",
-                job.id, job.kind, job.attempts, job.max_attempts, type(exc).__name__, delay,
+                "job %d (%s, %s) attempt %d/%d failed (%s); retrying in %.1f s",
+                job.id, job.kind, job.key, job.attempts, job.max_attempts, _why(exc), delay,
             )
             return
         await self.storage.fail_job(job.id, error, self.worker_id, attempt=job.attempts)
         if isinstance(exc, LLMError):
-            # No traceback: a chained SDK exception could carry request details.
-            log.error("job %d (%s) failed after %d attempt(s): %s", job.id, job.kind, job.attempts, type(exc).__name__)
+            # No traceback and no message: a chained SDK exception, or a provider's error text, may quote the request.
+            log.error("job %d (%s, %s) failed after %d attempt(s): %s; cortexbot jobs retry %d tries it again",
+                      job.id, job.kind, job.key, job.attempts, _why(exc), job.id)
         else:
-            log.error("job %d (%s) failed: %s", job.id, job.kind, type(exc).__name__, exc_info=exc)
+            log.error("job %d (%s, %s) failed: %s", job.id, job.kind, job.key, type(exc).__name__, exc_info=exc)
 
     async def drain(self, timeout: float) -> bool:
         """Wait until no job is queued or running (or ``timeout`` passes). True when idle. A job queued to run

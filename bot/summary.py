@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from bot.config import Config, ConfigError
 from bot.history import HistoryWindow, build_window, message_cost
@@ -108,6 +108,7 @@ class SummaryEngine:
         self.llm = llm
         self.estimator = estimator
         self.queue = queue
+        self._held_back: dict[str, datetime] = {}  # channel key → until when its summaries wait (logged once)
 
     # -- on the reply path: decide, enqueue, return -----------------------------------------------
 
@@ -153,7 +154,17 @@ class SummaryEngine:
         if not failed or last_failure is None:
             return False
         wait = min(FAILED_BACKOFF_SECONDS * 2 ** (failed - 1), 86_400.0)
-        return bool((datetime.now(UTC) - last_failure).total_seconds() < wait)
+        until = last_failure + timedelta(seconds=wait)
+        if datetime.now(UTC) >= until:
+            return False
+        if self._held_back.get(key) != until:  # said once per hold (a reply that finds it held says nothing)
+            if len(self._held_back) > 10_000:
+                self._held_back.clear()
+            self._held_back[key] = until
+            log.warning("summaries of %s are held back until %s UTC: its last %d summary job(s) failed (cortexbot "
+                        "jobs lists them; the window keeps the newest messages meanwhile)", key,
+                        until.strftime("%H:%M"), failed)
+        return True
 
     # -- in the background -----------------------------------------------------------------------
 

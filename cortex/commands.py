@@ -154,8 +154,9 @@ class CortexCommands:
                             flag("persona_scope", "set it for the persona, not this server", token="--persona")),
             admin=True,
         ))
+        # (private: its recent errors are every pair's, and a provider's error may quote what it was sent)
         registry.register(Command("cortex stats", "cortex update runs, tokens and recent errors (bot-wide)",
-                                  self.stats, admin=True, bot_admin=True))
+                                  self.stats, admin=True, bot_admin=True, private=True))
 
     # -- helpers ---------------------------------------------------------------------------------
 

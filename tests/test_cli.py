@@ -591,6 +591,87 @@ def test_doctor_reports_a_stuck_job_queue(tmp_path: Path, fake_llm: FakeLLMServe
     assert "✓ embedding backlog: 2 texts of 2 waiting (0 memory items, 2 messages)" in result.stdout
 
 
+@pytest.mark.both_engines
+def test_doctor_status_and_jobs_show_failed_background_work_and_retry_it(
+    tmp_path: Path, fake_llm: FakeLLMServer
+) -> None:
+    """An operator's findings: doctor passed while every summary and cortex update failed (their models were
+    neither asked nor checked, and failed jobs were not a problem to it), a job left running by a killed process
+    went unnoticed, and only the web page (off by default) could list or retry a failed job."""
+    fake_llm.models = ["test-model", "cx-model"]
+
+    def answer(request: RecordedRequest) -> FakeResponse:  # the cortex's model is overloaded, the chat's fine
+        if request.body.get("model") == "cx-model":
+            return FakeResponse.error(529, "Overloaded")
+        return FakeResponse.text("OK")
+
+    fake_llm.responder = answer
+    config = write_config(tmp_path, fake_llm)
+    config.write_text(config.read_text() + '[cortex]\nmodel = "cx-model"\n')
+    assert cortexbot("--config", str(config), "migrate").returncode == 0
+
+    async def history() -> list[int]:
+        from bot.storage import open_storage
+
+        storage = await open_storage(db_url_for(tmp_path))
+        ids = []
+        for kind, key, ago in (("summary", "channel:1", 3 * 3600), ("cortex_update", "pair:1", 3 * 24 * 3600),
+                               ("summary", "channel:2", 60)):
+            job = await storage.enqueue_job(kind, key, {}, 3)
+            assert job is not None
+            ids.append(job.id)
+            status = "running" if key == "channel:2" else "failed"  # (that one: its process was killed)
+            await storage.db.write(
+                "UPDATE jobs SET status = ?, attempts = 3, last_error = ?, updated_at = ?, lease_until = ?"
+                " WHERE id = ?",
+                (status, "LLMOverloaded: 529 Overloaded" if status == "failed" else "", time.time() - ago,
+                 time.time() - 30, job.id))
+        user = await storage.upsert_user("console:ann", "Ann")
+        pair = await storage.cortex.ensure_pair(user.id, "Cora")
+        run = await storage.cortex.start_run(pair.id, None, "manual")
+        await storage.cortex.finish_run(run, "failed", reason="the model's tool calls were malformed 10 times",
+                                        error="")
+        await storage.close()
+        return ids
+
+    recent, old, killed = asyncio.run(history())
+    doctor = cortexbot("--config", str(config), "doctor")
+    assert doctor.returncode == 1, doctor.stdout
+    assert f"✗ failed jobs: 1 in the last 24 h; the newest, job {recent} (summary, channel:1, 3.0 h ago): " \
+           "LLMOverloaded: 529 Overloaded. See them: cortexbot jobs" in doctor.stdout, doctor.stdout
+    assert "1 job left running by a process that stopped mid-job (its lease ran out): the next start takes it " \
+           "over" in doctor.stdout
+    assert "✗ cortex updates: 1 of 1 failed in the last 24 h; the newest (run 1, " in doctor.stdout
+    assert "the model's tool calls were malformed 10 times (more: !cortex stats)" in doctor.stdout
+    assert "✓ model cx-model: available" in doctor.stdout and "✓ an answer from test-model" in doctor.stdout
+    assert "✗ an answer from cx-model: " in doctor.stdout, doctor.stdout
+
+    status = cortexbot("--config", str(config), "status")
+    assert "jobs: 0 queued, 1 running, 2 failed (1 in the last 24 h); oldest queued: none; 1 left running by a " \
+           "stopped process" in status.stdout, status.stdout
+
+    listed = cortexbot("--config", str(config), "jobs")
+    assert listed.returncode == 0, listed.stderr
+    lines = listed.stdout.splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"job {old}  cortex_update  pair:1  failed 72.0 h ago"), lines
+    assert lines[1] == f"job {recent}  summary  channel:1  failed 3.0 h ago, 3/3 attempts: LLMOverloaded: 529 " \
+                       "Overloaded", lines
+    assert cortexbot("--config", str(config), "jobs", "--status", "queued").stdout == "no queued jobs\n"
+    refused = cortexbot("--config", str(config), "jobs", "retry", str(killed))
+    assert refused.returncode == 1 and f"job {killed} is running: only failed jobs are tried again" in refused.stderr
+    hint = cortexbot("--config", str(config), "jobs", str(recent))
+    assert hint.returncode == 2 and f"did you mean: cortexbot jobs retry {recent}?" in hint.stderr
+    retried = cortexbot("--config", str(config), "jobs", "retry", str(recent))
+    assert retried.returncode == 0, retried.stderr
+    assert retried.stdout == f"job {recent} (summary, channel:1) is queued again: a running bot takes it within " \
+                             "seconds\n"
+    assert cortexbot("--config", str(config), "jobs", "--status", "queued").stdout.startswith(
+        f"job {recent}  summary  channel:1  queued")
+    again = cortexbot("--config", str(config), "jobs", "retry", str(recent))
+    assert again.returncode == 1 and "is queued: only failed jobs are tried again" in again.stderr
+    assert cortexbot("--config", str(config), "jobs", "retry", "999").stderr.endswith("there is no job 999\n")
+
+
 def test_doctor_refuses_a_persona_name_that_start_refuses(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
     """doctor said "All checks passed" for a [[personas]] name starting with a !persona subcommand, which
     `chat` and `run` then refuse at start."""

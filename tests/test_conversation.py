@@ -248,7 +248,10 @@ async def test_summaries_are_batched_not_written_after_every_reply(tmp_path: Pat
     assert all(step >= 10 for step in steps)
 
 
-async def test_a_summary_that_keeps_failing_backs_off_instead_of_one_job_per_reply(tmp_path: Path) -> None:
+async def test_a_summary_that_keeps_failing_backs_off_instead_of_one_job_per_reply(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """... and says so, once (an operator saw 48 messages trimmed, no summary job, and no word why)."""
     llm = ScriptedProvider()
 
     def respond(request: LLMRequest) -> Completion:
@@ -269,6 +272,10 @@ async def test_a_summary_that_keeps_failing_backs_off_instead_of_one_job_per_rep
         assert await app.workers.drain(5)
         assert len(await app.storage.list_jobs("failed")) == len(failed)  # ... but none is queued while backing off
         assert sum(is_summary(r) for r in llm.requests) == asked
+        held = [r.getMessage() for r in caplog.records if "are held back until" in r.getMessage()]
+        assert len(held) == 1 and held[0].startswith(f"summaries of channel:{failed[0].payload['channel_id']} are "
+                                                     "held back until "), held
+        assert f"its last {len(failed)} summary job(s) failed" in held[0]
 
 
 async def test_an_endless_reply_is_cut_where_it_is_shown_and_stored(tmp_path: Path) -> None:

@@ -109,17 +109,25 @@ async def test_a_retry_waits_at_least_as_long_as_the_server_asked(storage: Stora
     assert total > 300  # five minutes and more before a job is given up
 
 
-async def test_permanent_errors_fail_at_once(storage: Storage) -> None:
+async def test_permanent_errors_fail_at_once(storage: Storage, caplog: pytest.LogCaptureFixture) -> None:
+    """An operator's finding: the log said "job 3 (summary) failed after 2 attempt(s): LLMBadRequest", which
+    neither names the channel or pair nor tells an unknown model from a prompt too long; the key and the HTTP
+    status are said now (still not the server's text, which may quote the request)."""
     async def bad(job: Job) -> None:
-        raise LLMBadRequest("unknown model")
+        raise LLMBadRequest("unknown model: Ann's words echoed back", status_code=404)
 
+    caplog.set_level(logging.INFO, logger="bot.jobs")
     queue = JobQueue(storage, FAST)
     pool = WorkerPool(queue, {"k": bad})
     await pool.start()
-    job = await queue.enqueue("k", "a", {})
+    job = await queue.enqueue("k", "channel:7", {})
     failed = await _wait_status(storage, job.id, "failed")
     assert failed.attempts == 1 and "unknown model" in failed.last_error
     await pool.stop()
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert said == [f"job {job.id} (k, channel:7) failed after 1 attempt(s): LLMBadRequest (HTTP 404); cortexbot "
+                    f"jobs retry {job.id} tries it again"], said
+    assert "Ann" not in caplog.text
 
 
 async def test_one_job_per_key_at_a_time_but_keys_run_in_parallel(storage: Storage) -> None:

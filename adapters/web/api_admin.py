@@ -9,6 +9,7 @@ live through the platform's :class:`bot.ports.AdminDirectory` on every request.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any, get_args
@@ -44,6 +45,8 @@ MAX_VALUE_CHARS = 200
 WEB = "on the web page"
 CHANGED = ("it was changed meanwhile (it is at version {live}; your edit was based on version {based_on}): reload it, "
            "then make your change again")
+
+log = logging.getLogger(__name__)
 
 
 class _Body(BaseModel):
@@ -432,7 +435,7 @@ class AdminApi:
         return ok({"counts": {s: by_status.get(s, 0) for s in JOB_STATUSES}, "jobs": [job_json(j) for j in found]})
 
     async def retry_job(self, request: web.Request) -> web.Response:
-        await self.auth.require_bot_admin(request)
+        admin = await self.auth.require_bot_admin(request)
         number = job_id(request.match_info["id"])
         job = await self.storage.get_job(number)
         if job is None:
@@ -445,6 +448,7 @@ class AdminApi:
         requeued = await self.storage.get_job(number)
         if requeued is None:  # a forget-me deleted its user's jobs meanwhile
             fail(409, GONE)
+        log.info("job %d (%s, %s) queued again by %s on the web page", number, job.kind, job.key, admin.user_key)
         return ok(job_json(requeued))
 
     async def users(self, request: web.Request) -> web.Response:

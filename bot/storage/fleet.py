@@ -40,6 +40,18 @@ class QueueStats:
     running: int
     failed: int
     oldest_queued_at: float | None
+    failed_recently: int = 0  # failed since the ``since`` asked for (``queue_stats``)
+    lapsed: int = 0  # marked running, their lease run out: a process that stopped mid-job (taken over later)
+    newest_failure: NewestFailure | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NewestFailure:
+    id: int
+    kind: str
+    key: str
+    error: str
+    failed_at: float
 
 
 class FleetRepository:
@@ -101,15 +113,25 @@ class FleetRepository:
         )
         return [ProcessInfo(str(r[0]), str(r[1]), int(r[2]), json.loads(r[3]), float(r[4]), float(r[5])) for r in rows]
 
-    async def queue_stats(self) -> QueueStats:
+    async def queue_stats(self, since: float = 0.0) -> QueueStats:
+        """The queue's counts; jobs failed since ``since`` and the newest failure; running jobs whose lease
+        ran out."""
+        now = time.time()
         row = await self.db.fetch_one(
             "SELECT sum(CASE WHEN status = 'queued' THEN 1 ELSE 0 END),"
             " sum(CASE WHEN status = 'running' THEN 1 ELSE 0 END),"
             " sum(CASE WHEN status = 'failed' THEN 1 ELSE 0 END),"
-            " min(CASE WHEN status = 'queued' THEN created_at END) FROM jobs"
-            " WHERE status IN ('queued', 'running', 'failed')"
+            " min(CASE WHEN status = 'queued' THEN created_at END),"
+            " sum(CASE WHEN status = 'failed' AND updated_at >= ? THEN 1 ELSE 0 END),"
+            " sum(CASE WHEN status = 'running' AND lease_until < ? THEN 1 ELSE 0 END) FROM jobs"
+            " WHERE status IN ('queued', 'running', 'failed')", (since, now)
         )
         if row is None:
             return QueueStats(0, 0, 0, None)
+        newest = await self.db.fetch_one(
+            "SELECT id, kind, key, last_error, updated_at FROM jobs WHERE status = 'failed'"
+            " ORDER BY updated_at DESC, id DESC LIMIT 1")
+        failure = None if newest is None else NewestFailure(
+            int(newest[0]), str(newest[1]), str(newest[2]), str(newest[3]), float(newest[4]))
         return QueueStats(int(row[0] or 0), int(row[1] or 0), int(row[2] or 0),
-                          None if row[3] is None else float(row[3]))
+                          None if row[3] is None else float(row[3]), int(row[4] or 0), int(row[5] or 0), failure)
