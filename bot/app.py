@@ -6,6 +6,7 @@ Tests and benchmarks build the same graph with a different provider (``llm=``) o
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -178,6 +179,8 @@ class App:
                 if self.config.memory.keep_messages_days:
                     self.scheduler.every(RETENTION_SECONDS, "expire-old-messages", self._expire_messages,
                                          first_after=PRUNE_AFTER_START)
+                self.scheduler.every(RETENTION_SECONDS, "prune-old-jobs", self._prune_jobs,
+                                     first_after=PRUNE_AFTER_START)
                 self.scheduler.every(self.config.memory.prune_every_hours * 3600, "prune-memory",
                                      self.cortex.pruner.prune, first_after=PRUNE_AFTER_START)
                 if self.cortex.embeddings is not None:
@@ -208,6 +211,15 @@ class App:
 
     async def _extra_stats(self) -> list[str]:
         return await self.cortex.memory_admin.stats_lines() + await self.skills.commands.stats_lines()
+
+    async def _prune_jobs(self) -> None:
+        """Rows of jobs finished or failed longer ago than ``[jobs] keep_done_days`` / ``keep_failed_days``."""
+        jobs, now = self.config.jobs, time.time()
+        deleted = await self.job_storage.delete_old_jobs(
+            done_before=now - jobs.keep_done_days * 86_400 if jobs.keep_done_days else None,
+            failed_before=now - jobs.keep_failed_days * 86_400 if jobs.keep_failed_days else None)
+        if deleted:
+            log.info("deleted the rows of %d old finished or failed job(s)", deleted)
 
     async def _expire_messages(self) -> None:
         await expire_old_messages(self.job_storage, self.config.memory.keep_messages_days)

@@ -337,6 +337,10 @@ class JobsConfig(_Section):
     lease_seconds: float = Field(default=60.0, ge=5, le=86_400)
     poll_seconds: float = Field(default=1.0, gt=0, le=3600)
     shutdown_grace_seconds: float = Field(default=10.0, ge=0, le=3600)
+    keep_done_days: float = Field(default=14.0, ge=0, le=36_500, description=(
+        "Days a finished job's row is kept (0: forever); the runs it made stay in the cortex's history."))
+    keep_failed_days: float = Field(default=90.0, ge=0, le=36_500, description=(
+        "Days a failed job's row is kept to look at and retry (0: forever); doctor counts the last day's."))
 
 
 FREQUENCY_PRESETS: dict[str, tuple[int, ...]] = {

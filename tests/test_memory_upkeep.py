@@ -160,6 +160,7 @@ async def test_admin_commands_prune_weights_budgets_embedder_and_stats(tmp_path:
         stats = answer.text
         assert "Background jobs:" in stats and "prune-memory (every 24 h)" in stats
         assert "embed-backfill (every 60 s)" in stats and "requeue-abandoned-jobs" in stats
+        assert "prune-old-jobs (every 24 h)" in stats
         assert "archived 1 item(s)" in stats
     async with App(_config(tmp_path, weight_author=0.25), llm=ScriptedProvider(), embedder=HashEmbedder()) as app:
         assert app.cortex.memory.weights.vector == 0.7 and app.cortex.memory.weights.author == 0.4  # as saved

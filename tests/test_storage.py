@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -181,6 +182,27 @@ async def test_retry_fail_release_and_recover(storage: Storage) -> None:
     failed = await storage.get_job(job.id)
     assert failed is not None and failed.status == "failed" and failed.last_error == "gave up"
     assert await storage.count_jobs(("failed",)) == 1
+
+
+async def test_old_finished_and_failed_jobs_are_deleted_the_rest_kept(storage: Storage) -> None:
+    """An operator's finding: job rows piled up forever (every summary and cortex update leaves one)."""
+    now = time.time()
+    kept, gone = {}, []
+    for n, (status, days) in enumerate((("done", 20), ("done", 2), ("failed", 100), ("failed", 20), ("queued", 200),
+                                        ("running", 200))):
+        job = await storage.enqueue_job("k", f"key{n}", {}, 3)
+        assert job is not None
+        await storage.db.write("UPDATE jobs SET status = ?, updated_at = ? WHERE id = ?",
+                               (status, now - days * 86_400, job.id))
+        (gone.append(job.id) if (status, days) in (("done", 20), ("failed", 100)) else kept.update({job.id: status}))
+    assert await storage.delete_old_jobs(done_before=now - 14 * 86_400, failed_before=now - 90 * 86_400) == 2
+    for job_id in gone:
+        assert await storage.get_job(job_id) is None
+    for job_id, status in kept.items():
+        found = await storage.get_job(job_id)
+        assert found is not None and found.status == status
+    assert await storage.delete_old_jobs(done_before=None, failed_before=None) == 0  # (0 days: kept forever)
+    assert await storage.delete_old_jobs(done_before=now, failed_before=None) == 1  # the recent done one
 
 
 async def test_concurrent_claims_never_hand_out_a_job_twice(tmp_path: Path) -> None:

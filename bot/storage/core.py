@@ -720,6 +720,16 @@ class Storage:
         rows = await self.db.fetch_all("SELECT * FROM jobs WHERE key = ? ORDER BY id DESC LIMIT ?", (key, limit))
         return [self._job(r) for r in rows]
 
+    async def delete_old_jobs(self, *, done_before: float | None, failed_before: float | None) -> int:
+        """Delete the rows of jobs done before ``done_before`` and failed before ``failed_before`` (UNIX
+        seconds of their last change; None: keep them); how many went."""
+        deleted = 0
+        for status, before in (("done", done_before), ("failed", failed_before)):
+            if before is not None:
+                deleted += len(await self.db.write(
+                    "DELETE FROM jobs WHERE status = ? AND updated_at < ? RETURNING id", (status, before)))
+        return deleted
+
     async def list_jobs(self, status: JobStatus | None = None, limit: int = 100) -> list[Job]:
         if status is None:
             rows = await self.db.fetch_all("SELECT * FROM jobs ORDER BY id DESC LIMIT ?", (limit,))
