@@ -213,6 +213,8 @@ async def test_log_in_edit_compare_revert_and_screenshots(tmp_path: Path) -> Non
                 await cora.get_by_test_id("new-section-Cora-text").fill(PERSONALITY)
                 await cora.get_by_test_id("new-section-Cora-save").click()
                 await expect(page.get_by_test_id("notice")).to_have_text("Added Personality to Cora.")
+                # (the part drawn again: the keyboard stays in it, not back at the top of the page)
+                await expect(page.locator("#panel-admin h2:focus, #panel-admin button:focus")).to_have_count(1)
                 section = page.get_by_test_id("persona-Cora").locator("details.persona-section")
                 await expect(section.locator("summary")).to_contain_text("v1")
                 await section.locator("summary").click()

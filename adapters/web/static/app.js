@@ -297,14 +297,18 @@
   /** Runs an action: clears the old error, shows a new one, disables the button meanwhile. */
   async function attempt(fn, trigger) {
     clearAlert();
-    if (trigger) trigger.disabled = true;
+    const hadFocus = Boolean(trigger) && document.activeElement === trigger;
+    if (trigger) trigger.disabled = true;  // (a disabled button loses the keyboard: given back below)
     try {
       return await fn();
     } catch (err) {
       showError(err);
       return undefined;
     } finally {
-      if (trigger && trigger.isConnected) trigger.disabled = false;
+      if (trigger && trigger.isConnected) {
+        trigger.disabled = false;
+        if (hadFocus && document.activeElement === document.body) trigger.focus();
+      }
     }
   }
 
@@ -315,10 +319,13 @@
     const seq = ++state.seq;
     loads.set(container, seq);
     const kept = quiet && container.childElementCount > 0;  // (a reload: the old rows stay until the new ones come)
+    const focused = document.activeElement;
+    const memo = focused && focused !== container && container.contains(focused) ? focusMemo(focused) : null;
     if (!kept) loading(container);
     try {
       await fn(() => loads.get(container) !== seq || !container.isConnected);
       if (loads.get(container) === seq && alertOf === container) clearAlert();  // (its earlier failure is over)
+      if (memo && loads.get(container) === seq) restoreFocus(container, memo);
     } catch (err) {
       if (loads.get(container) !== seq) return;
       showError(err);
@@ -357,6 +364,29 @@
       unsaved.map((text) => h('textarea', { readOnly: true, rows: '8', value: text, 'aria-label': 'Your unsaved text',
         testid: 'unsaved-text' })),
     ] : null);
+  }
+
+  /** What identifies a control across a re-render of its part of the page (the part's buttons are new ones). */
+  function focusMemo(el) {
+    return { tag: el.tagName, testid: el.dataset.testid || '', label: el.getAttribute('aria-label') || '',
+      text: (el.textContent || '').trim() };
+  }
+
+  /** After a part of the page was drawn again, the keyboard goes back to the same control, or to the part's
+   * heading (not to the top of the page, where a keyboard user would start over). */
+  function restoreFocus(container, memo) {
+    const now = document.activeElement;
+    if (now && now !== document.body) return;  // (something took it on purpose: an editor, a refocus)
+    const alike = [...container.querySelectorAll(memo.tag)].filter((el) => (memo.testid
+      ? el.dataset.testid === memo.testid : memo.label ? el.getAttribute('aria-label') === memo.label
+        : Boolean(memo.text) && (el.textContent || '').trim() === memo.text));
+    const same = alike.length === 1 ? alike[0] : null;  // (one of several "Edit" buttons: which one is unknown)
+    if (same) same.focus();
+    if (same && document.activeElement === same) return;  // (else it is disabled, or in a closed <details>)
+    const heading = container.querySelector('h2, h3');
+    if (!heading) return;
+    heading.tabIndex = -1;
+    heading.focus();
   }
 
   function ended(title, text, more) {
