@@ -352,10 +352,13 @@ JOB_STATUSES = ("failed", "queued", "running", "done")
 @click.argument("job_id", required=False, type=click.IntRange(min=1))
 @click.option("--status", "wanted", type=click.Choice(JOB_STATUSES), default="failed", show_default=True,
               help="Which jobs to list.")
-@click.option("--limit", type=click.IntRange(1, 1000), default=20, show_default=True, help="How many, newest first.")
+@click.option("--limit", type=click.IntRange(1, 1000), default=20, show_default=True,
+              help="How many, the most recently changed first.")
 @click.pass_context
 def jobs(ctx: click.Context, action: str | None, job_id: int | None, wanted: str, limit: int) -> None:
-    """List background jobs (the failed ones by default), or try a failed job again: cortexbot jobs retry ID."""
+    """List background jobs (the failed ones by default), or try a failed job again: cortexbot jobs retry ID.
+
+    A failed job's error is shown whole: a model server's error may quote what it was sent (people's words)."""
     config = _load(ctx)
     setup_logging(_log_level(ctx, config, "WARNING"))
     if action is not None and action != "retry":
@@ -382,7 +385,7 @@ async def _jobs(config: Config, status: str, limit: int, retry: int | None) -> l
             raise StorageError(f"{storage.db.url} is not migrated yet: run cortexbot migrate (or start the bot)")
         if retry is not None:
             return [await _retry_job(storage, retry)]
-        found = await storage.list_jobs(cast(Any, status), limit=limit)
+        found = await storage.list_jobs(cast(Any, status), limit=limit, by_change=True)
         if not found:
             return [f"no {status} jobs"]
         now = time.time()
@@ -804,7 +807,8 @@ async def _doctor_queue(storage: Any, report: Callable[..., None]) -> None:
         last = runs.last_errors[0]
         report(False, "cortex updates", f"{failed} of {failed + done} failed in the last 24 h; the newest "
                                         f"(run {last.id}, {_ago(now - last.started_at.timestamp())} ago): "
-                                        f"{one_line(last.error or last.reason, 200)} (more: !cortex stats)")
+                                        f"{one_line(last.reason, 200) or _error_class(last.error)} "
+                                        "(more: !cortex stats)")
     else:
         report(True, "cortex updates", f"{done} in the last 24 h, none failed")
 
@@ -817,8 +821,15 @@ def _doctor_failures(queue: Any, now: float, report: Callable[..., None]) -> Non
         return
     report(False, "failed jobs",
            f"{queue.failed_recently} in the last 24 h; the newest, job {newest.id} ({newest.kind}, {newest.key}, "
-           f"{_ago(now - newest.failed_at)} ago): {one_line(newest.error, 200) or 'no error recorded'}. "
-           f"See them: cortexbot jobs; once the cause is fixed, try one again: cortexbot jobs retry ID")
+           f"{_ago(now - newest.failed_at)} ago): {_error_class(newest.error)}. See them with their errors: "
+           f"cortexbot jobs; once the cause is fixed, try one again: cortexbot jobs retry ID")
+
+
+def _error_class(error: str) -> str:
+    """An error's kind without its text (``LLMOverloaded: …``: a model server's text may quote its request,
+    and doctor's output is what people paste into a question)."""
+    kind = error.split(":", 1)[0].strip()
+    return kind if kind.isidentifier() else ("an error (see cortexbot jobs)" if error else "no error recorded")
 
 
 def _doctor_adapters(config: Config, report: Callable[..., None]) -> None:

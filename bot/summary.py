@@ -146,8 +146,9 @@ class SummaryEngine:
         failure, doubling with each further one (at most a day), instead of one new job per reply."""
         failed = 0
         last_failure = None
+        lately = datetime.now(UTC) - timedelta(days=1)  # (older failures: an outage long over, its jobs pruned)
         for job in await self.storage.recent_jobs(key):
-            if job.status != "failed":
+            if job.status != "failed" or job.updated_at < lately:
                 break
             failed += 1
             last_failure = last_failure or job.updated_at

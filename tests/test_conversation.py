@@ -210,13 +210,14 @@ async def test_commands_summary_and_stats(tmp_path: Path) -> None:
 
     llm = ScriptedProvider()
     async with App(_config(tmp_path), llm=llm) as app:
-        ctx = CommandContext("console", "console:ann", "Ann", "console:c1", "Cora", is_admin=True, is_dm=True)
+        ctx = CommandContext("console", "console:ann", "Ann", "console:c1", "Cora", is_admin=True, is_bot_admin=True,
+                             is_dm=True)
         assert "no rolling summary yet" in (await app.commands.dispatch("!summary", ctx)).text
         await app.core.reply(_msg("hi")).text()
         stats = (await app.commands.dispatch("!stats", ctx)).text
         assert "This conversation: 1 reply" in stats and "trim rate" in stats and "summary hit rate" in stats
         assert "All conversations" in stats and "Background jobs" in stats
-        member = replace(ctx, is_admin=False)  # the whole bot's figures are for admins
+        member = replace(ctx, is_bot_admin=False)  # the whole bot's figures are its admins' (not a room's admin's)
         stats = (await app.commands.dispatch("!stats", member)).text
         assert "This conversation: 1 reply" in stats and "All conversations" not in stats and "jobs" not in stats
         elsewhere = replace(member, channel_key="console:new")
@@ -276,6 +277,11 @@ async def test_a_summary_that_keeps_failing_backs_off_instead_of_one_job_per_rep
         assert len(held) == 1 and held[0].startswith(f"summaries of channel:{failed[0].payload['channel_id']} are "
                                                      "held back until "), held
         assert f"its last {len(failed)} summary job(s) failed" in held[0]
+        # failures of an outage a day and more ago hold nothing back (their jobs' rows may be pruned by now)
+        await app.storage.db.write("UPDATE jobs SET updated_at = updated_at - 2 * 86400 WHERE status = 'failed'")
+        await app.core.reply(_msg("und jetzt? " + "text " * 20)).text()
+        assert await app.workers.drain(5)
+        assert sum(is_summary(r) for r in llm.requests) > asked
 
 
 async def test_an_endless_reply_is_cut_where_it_is_shown_and_stored(tmp_path: Path) -> None:

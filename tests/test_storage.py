@@ -184,18 +184,25 @@ async def test_retry_fail_release_and_recover(storage: Storage) -> None:
     assert await storage.count_jobs(("failed",)) == 1
 
 
-async def test_old_finished_and_failed_jobs_are_deleted_the_rest_kept(storage: Storage) -> None:
-    """An operator's finding: job rows piled up forever (every summary and cortex update leaves one)."""
+async def test_old_finished_and_failed_jobs_are_deleted_the_rest_kept(
+    storage: Storage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator's finding: job rows piled up forever (every summary and cortex update leaves one); they go
+    in batches (the first prune of a long-running bot would have held the write lock for all of them)."""
+    import bot.storage.core as core
+
+    monkeypatch.setattr(core, "PRUNE_BATCH", 1)
     now = time.time()
     kept, gone = {}, []
-    for n, (status, days) in enumerate((("done", 20), ("done", 2), ("failed", 100), ("failed", 20), ("queued", 200),
-                                        ("running", 200))):
+    for n, (status, days) in enumerate((("done", 20), ("done", 30), ("done", 2), ("failed", 100), ("failed", 20),
+                                        ("queued", 200), ("running", 200))):
         job = await storage.enqueue_job("k", f"key{n}", {}, 3)
         assert job is not None
         await storage.db.write("UPDATE jobs SET status = ?, updated_at = ? WHERE id = ?",
                                (status, now - days * 86_400, job.id))
-        (gone.append(job.id) if (status, days) in (("done", 20), ("failed", 100)) else kept.update({job.id: status}))
-    assert await storage.delete_old_jobs(done_before=now - 14 * 86_400, failed_before=now - 90 * 86_400) == 2
+        (gone.append(job.id) if (status, days) in (("done", 20), ("done", 30), ("failed", 100))
+         else kept.update({job.id: status}))
+    assert await storage.delete_old_jobs(done_before=now - 14 * 86_400, failed_before=now - 90 * 86_400) == 3
     for job_id in gone:
         assert await storage.get_job(job_id) is None
     for job_id, status in kept.items():

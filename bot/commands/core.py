@@ -37,7 +37,7 @@ def register_core_commands(registry: CommandRegistry, storage: Storage, estimato
         lines: list[str] = []
         if channel is not None:
             lines += _metrics_lines("This conversation", await storage.reply_metrics(channel.id))
-        if not context.is_admin:  # (the whole bot's figures are its admins' business: other servers' traffic)
+        if not context.is_bot_admin:  # (the whole bot's figures are its admins': a room's admin sees its own room's)
             return "\n".join(lines or ["This conversation has no replies yet."])
         lines += _metrics_lines("All conversations", await storage.reply_metrics())
         queued = await storage.count_jobs(("queued",))
@@ -48,5 +48,5 @@ def register_core_commands(registry: CommandRegistry, storage: Storage, estimato
         return "\n".join(lines)
 
     registry.register(Command("summary", "show this conversation's rolling summary", summary))
-    registry.register(Command("stats", "history window and summary metrics (admins: of the whole bot too, and "
-                                      "its background jobs)", stats))
+    registry.register(Command("stats", "history window and summary metrics (bot admins: of the whole bot too, "
+                                      "and its background jobs)", stats))

@@ -86,6 +86,7 @@ AUDIT_FLUSH_ROWS = 64  # buffered audit rows written in one go ...
 AUDIT_FLUSH_SECONDS = 1.0  # ... or after this long
 AUDIT_ROWS_PER_STATEMENT = 64  # rows of one table per INSERT at most (9 parameters each: far below any cap)
 SUMMARY_CACHE_SECONDS = 5.0  # how stale another process's new summary may look here
+PRUNE_BATCH = 5000  # old job rows deleted per statement
 
 # Errors of an audit write that no retry mends: a reference gone meanwhile, a value no column holds (sqlite3
 # raises OverflowError for an integer over 64 bits, asyncpg a DataError for one over the column's type;
@@ -725,17 +726,25 @@ class Storage:
         seconds of their last change; None: keep them); how many went."""
         deleted = 0
         for status, before in (("done", done_before), ("failed", failed_before)):
-            if before is not None:
-                deleted += len(await self.db.write(
-                    "DELETE FROM jobs WHERE status = ? AND updated_at < ? RETURNING id", (status, before)))
+            while before is not None:  # in batches: the reply path's writes wait for none of them long
+                gone = len(await self.db.write(
+                    "DELETE FROM jobs WHERE id IN (SELECT id FROM jobs WHERE status = ? AND updated_at < ?"
+                    f" LIMIT {PRUNE_BATCH}) RETURNING id", (status, before)))
+                deleted += gone
+                if gone < PRUNE_BATCH:
+                    break
         return deleted
 
-    async def list_jobs(self, status: JobStatus | None = None, limit: int = 100) -> list[Job]:
+    async def list_jobs(self, status: JobStatus | None = None, limit: int = 100, *, by_change: bool = False
+                        ) -> list[Job]:
+        """The newest jobs (of ``status``): by id, or with ``by_change`` the most recently changed first (a job
+        tried again and failed again comes first)."""
+        order = "updated_at DESC, id DESC" if by_change else "id DESC"
         if status is None:
-            rows = await self.db.fetch_all("SELECT * FROM jobs ORDER BY id DESC LIMIT ?", (limit,))
+            rows = await self.db.fetch_all(f"SELECT * FROM jobs ORDER BY {order} LIMIT ?", (limit,))
         else:
             rows = await self.db.fetch_all(
-                "SELECT * FROM jobs WHERE status = ? ORDER BY id DESC LIMIT ?", (status, limit))
+                f"SELECT * FROM jobs WHERE status = ? ORDER BY {order} LIMIT ?", (status, limit))
         return [self._job(r) for r in rows]
 
     async def count_jobs(self, statuses: Sequence[JobStatus], kinds: Iterable[str] | None = None, *,

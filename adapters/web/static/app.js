@@ -244,7 +244,7 @@
     try {
       me = await api('GET', '/api/me', undefined, true);
     } catch (err) {
-      return false;
+      return false;  // (a 401: no session at all; the caller says it ended)
     }
     if (!me || !me.user || me.user.key !== state.me.user.key) {
       sessionEnded('Someone else logged in', ['This browser is now logged in as ', h('strong', null,
@@ -253,6 +253,8 @@
       return false;
     }
     state.csrf = me.csrf;
+    state.me.session_expires_at = me.session_expires_at;
+    sessionInfo();
     return true;
   }
 
@@ -475,12 +477,26 @@
     route();
   }
 
+  let sessionTimer = 0;
+
   function sessionInfo() {
     const ends = toMs(state.me.session_expires_at);
     if (Number.isNaN(ends)) return;
     $('session-info').textContent = `This login lasts until ${fmtDate(ends)}.`;
     const wait = ends - Date.now();
-    if (wait > 0 && wait < 2 ** 31 - 1) setTimeout(sessionEnded, wait);
+    clearTimeout(sessionTimer);
+    if (wait < 2 ** 31 - 1) sessionTimer = setTimeout(sessionOver, Math.max(wait, 0));
+  }
+
+  /** The login's time is up: unless a login in another tab of this browser started a new session meanwhile. */
+  async function sessionOver() {
+    const before = state.me.session_expires_at;
+    if (!await renewToken()) {
+      sessionEnded();
+    } else if (state.me.session_expires_at === before) {  // (still valid: this browser's clock runs ahead)
+      clearTimeout(sessionTimer);
+      sessionTimer = setTimeout(sessionOver, 60_000);
+    }
   }
 
   function personaHint() {
@@ -514,15 +530,15 @@
 
   function go(tab, sub) {
     const hash = `#/${tab}${sub ? `/${sub}` : ''}`;
-    if (location.hash === hash) route();
-    else location.hash = hash;
+    if (location.hash !== hash) location.hash = hash;
+    else if (!unsavedTexts().length) route();  // (drawn again: an editor's typed text would go)
   }
 
   function route() {
     if (!state.me) return;
     // Another tab, admin section, or Back/Forward: unsaved text is asked about first (kept: the address goes back).
     if (state.routed !== null && location.hash !== state.routed && !leaveEditor()) {
-      history.replaceState(null, '', state.routed || location.pathname);
+      history.pushState(null, '', state.routed || location.pathname);  // (Back then asks again)
       return;
     }
     state.routed = location.hash;
@@ -700,7 +716,8 @@
       state.draft === null ? null : h('details', { class: 'draft', open: true, testid: 'draft' },
         h('summary', null, 'Your text from before (not saved)'),
         h('p', { class: 'hint' }, 'The file changed while you edited it; copy what you need from your text below.'),
-        h('textarea', { readOnly: true, rows: '8', 'aria-label': 'Your unsaved text', value: state.draft })));
+        h('textarea', { readOnly: true, rows: '8', 'aria-label': 'Your unsaved text', value: state.draft,
+          'data-unsaved': '1' })));
     editor.focus();
   }
 
@@ -1005,7 +1022,11 @@
             { class: 'btn btn-small', testid: `restore-${it.id}`, 'aria-label': `Restore #${it.id}` })
           : [
             button('Edit', () => {
-              if (state.editingItem !== it.id && !leaveEditor()) return;  // (another item's correction unsaved)
+              if (state.editingItem === it.id && $('item-editor')) {  // (already open: the typed text stays)
+                $('item-editor').focus();
+                return;
+              }
+              if (!leaveEditor()) return;  // (another item's correction unsaved)
               state.editingItem = it.id;
               state.itemDraft = null;
               state.focusItemEditor = true;
@@ -1021,9 +1042,12 @@
       rowAttrs: (it) => ({ testid: `item-${it.id}`, class: it.archived_at || it.superseded_by ? 'dim' : null }),
     });
     const pager = data.pages > 1 ? h('nav', { class: 'pager', 'aria-label': 'Pages' },
-      button('← Newer', () => { f.page -= 1; reload(); }, { disabled: f.page <= 1, testid: 'items-prev' }),
+      // (from the page shown: a second click while the next page loads asks for the same page again)
+      button('← Newer', () => { f.page = Math.max(1, data.page - 1); reload(); },
+        { disabled: data.page <= 1, testid: 'items-prev' }),
       h('span', null, `Page ${data.page} of ${data.pages}`),
-      button('Older →', () => { f.page += 1; reload(); }, { disabled: f.page >= data.pages, testid: 'items-next' })) : null;
+      button('Older →', () => { f.page = Math.min(data.pages, data.page + 1); reload(); },
+        { disabled: data.page >= data.pages, testid: 'items-next' })) : null;
     fill(results, summary, orphan, rows, pager);
     const editor = $('item-editor');
     if (editor && state.focusItemEditor) editor.focus();  // (only when opened: a reload leaves the keyboard be)
