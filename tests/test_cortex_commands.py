@@ -78,6 +78,16 @@ async def test_edit_history_diff_revert_reset(tmp_path: Path) -> None:
         assert "# My memories of Ann" in (await run(app, "!memory show memory.md")).text
         versions = await app.cortex.store.versions((await _pair_id(app, "ann")), "memory.md")
         assert [v.version for v in versions] == [1, 2, 3, 4, 5]  # nothing was ever overwritten
+        # an update that failed is said where the person looks (an operator's finding: only the web page said it)
+        runs = app.storage.cortex
+        failed = await runs.start_run(await _pair_id(app, "ann"), None, "50")
+        await runs.finish_run(failed, "failed", reason="the model's service is overloaded; please try again later")
+        history = (await run(app, "!memory history memory.md")).text
+        assert history.endswith("failed: the model's service is overloaded; please try again later. They stayed as "
+                                "they were; the next one comes at the next tier, or now with !cortex update.")
+        worked = await runs.start_run(await _pair_id(app, "ann"), None, "75")
+        await runs.finish_run(worked, "success")
+        assert "failed" not in (await run(app, "!memory history memory.md")).text
         too_long = (await run(app, "!memory edit soul.md\n" + "x" * 9000)).text
         assert "the new soul.md has 9,000 characters; the limit is 8,000" in too_long  # (said 9,001: its line end)
         at_the_limit = (await run(app, "!memory edit soul.md\n" + "x" * 8000)).text  # (refused as 8,001)
