@@ -213,7 +213,7 @@ class CortexCommands:
             why = v.reason + (f", run {v.run_id}" if v.run_id else "")
             lines.append(f"  v{v.version}  {v.created_at:%Y-%m-%d %H:%M} UTC  {v.author:<6}  "
                          f"{len(v.content):>5} chars  {why}")
-        last = next(iter(await self.storage.cortex.runs(pair.id, limit=1)), None)
+        last = next(iter(await self.store.runs(pair.id, limit=1)), None)
         if last is not None and last.status == "failed":  # (else a failed update would look like no update at all)
             lines.append(f"The last update of your files ({last.started_at:%Y-%m-%d %H:%M} UTC) failed: "
                          f"{last.reason or 'an error stopped it'}. They stayed as they were; the next one comes at "
