@@ -447,6 +447,7 @@ async def test_leaving_unsaved_text_is_asked_everywhere_and_a_refused_correction
                 await query.type("s")  # (after the list reloaded: the keys stay in the search box)
                 await expect(page.get_by_test_id("items-summary")).to_contain_text("the best for “figs” first")
                 await expect(query).to_have_value("figs")
+                await expect(page.get_by_test_id("items-next")).to_have_text("Weaker matches →")  # (ranked pages)
                 await expect(correction).to_have_value("Ann's first fact, corrected")
 
                 item = int((await correction.get_attribute("aria-label") or "").removeprefix("Correct #"))

@@ -1043,10 +1043,11 @@
     });
     const pager = data.pages > 1 ? h('nav', { class: 'pager', 'aria-label': 'Pages' },
       // (from the page shown: a second click while the next page loads asks for the same page again)
-      button('← Newer', () => { f.page = Math.max(1, data.page - 1); reload(); },
+      // (a search ranks by relevance: its pages are not newer and older)
+      button(f.query ? '← Better matches' : '← Newer', () => { f.page = Math.max(1, data.page - 1); reload(); },
         { disabled: data.page <= 1, testid: 'items-prev' }),
       h('span', null, `Page ${data.page} of ${data.pages}`),
-      button('Older →', () => { f.page = Math.min(data.pages, data.page + 1); reload(); },
+      button(f.query ? 'Weaker matches →' : 'Older →', () => { f.page = Math.min(data.pages, data.page + 1); reload(); },
         { disabled: data.page >= data.pages, testid: 'items-next' })) : null;
     fill(results, summary, orphan, rows, pager);
     const editor = $('item-editor');
