@@ -47,6 +47,7 @@ GROUP_DESCRIPTIONS = {
     "guidelines": "This server's guidelines for the persona",
     "rules": "The bot-wide rules",
     "lore": "What the persona knows for everyone",
+    "skills": "The persona's skills: tools it may call",
 }
 Completer = Callable[[discord.Interaction, str], Coroutine[Any, Any, list[app_commands.Choice[Any]]]]
 

@@ -100,7 +100,7 @@ SectionSlot = Literal["rules", "guidelines", "cortex", "knowledge"]
 
 
 class PromptSectionProvider(Protocol):
-    """Adds sections to a reply prompt at one slot of the order in DESIGN.md §4.
+    """Adds sections to a reply prompt at one slot of the order in bot/prompt.py.
 
     Providers must be fast (they run on the reply path) and bound their own output by ``budget``
     tokens; they never raise for missing data (return an empty list instead).

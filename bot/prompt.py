@@ -1,4 +1,4 @@
-"""Assembling the reply prompt in the order of DESIGN.md §4.
+"""Assembling the reply prompt, its parts in a fixed order.
 
 System prompt: 1 global rules → 2 guidelines → 3 persona soul sections (in the persona's order) →
 4 cortex files → 5 persistent knowledge → 6 rolling summary. Then the history window as chat turns,

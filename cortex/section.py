@@ -1,4 +1,4 @@
-"""The pair's cortex files in the reply prompt (DESIGN.md §4, slot 4), within a token budget."""
+"""The pair's cortex files in the reply prompt (slot 4 of the order in bot/prompt.py), within a token budget."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The "persistent knowledge" section of a reply prompt (DESIGN.md §4, slot 5).
+"""The "persistent knowledge" section of a reply prompt (slot 5 of the order in bot/prompt.py).
 
 Pinned items first, then the items most relevant to the new message, with a recency gradient: items
 younger than ``recent_days`` in full, older ones compressed to one short line, and what no longer

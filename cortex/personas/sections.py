@@ -1,4 +1,4 @@
-"""Global rules and server guidelines in the reply prompt (slots 1 and 2 of DESIGN.md §4), each within
+"""Global rules and server guidelines in the reply prompt (slots 1 and 2 of the order in bot/prompt.py), each within
 its token budget. Both come from the registry's cache: no query on the reply path."""
 
 from __future__ import annotations
