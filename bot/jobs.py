@@ -116,8 +116,11 @@ class WorkerPool:
         worker_id: str | None = None,
         storage: Storage | None = None,
         pid_checks: bool = True,
+        on_failed: Mapping[str, JobHandler] | None = None,
     ) -> None:
         self.queue = queue
+        # Called with a job of that kind once it failed for good (a cortex update makes up for tiers it held back).
+        self.on_failed = dict(on_failed or {})
         # Workers may claim through a connection of their own (see Storage.sibling).
         self.storage = storage or queue.storage
         self.config = queue.config
@@ -242,6 +245,11 @@ class WorkerPool:
             )
             return
         await self.storage.fail_job(job.id, error, self.worker_id, attempt=job.attempts)
+        if (hook := self.on_failed.get(job.kind)) is not None:
+            try:
+                await hook(job)
+            except Exception:
+                log.exception("what follows job %d (%s)'s failure did not run", job.id, job.kind)
         if isinstance(exc, LLMError):
             # No traceback and no message: a chained SDK exception, or a provider's error text, may quote the request.
             log.error("job %d (%s, %s) failed after %d attempt(s): %s; cortexbot jobs retry %d tries it again",

@@ -106,6 +106,21 @@ class TierEngine:
             log.info("pair %d: tier %d%% reached in cycle %d", pair.id, decision.fire, pair.cycle)
             await self.request_update(pair, str(decision.fire), exchange.server_key)
 
+    async def after_failed_update(self, job: Job) -> None:
+        """An update failed for good: the tiers it held back meanwhile (skipped while it was queued or running)
+        would be lost with it, and the next tier may come only after the conversation it should have read left
+        the update's window. The highest of them is queued now (tried again from the start)."""
+        pair_id = int(job.payload["pair_id"])
+        skipped = await self.store.skipped_tiers(pair_id, job.created_at.timestamp())
+        if not skipped:
+            return
+        tier = max(skipped, key=lambda t: int(t) if t.isdigit() else -1)  # (a manual one counts below any tier)
+        queued = await self.queue.enqueue(JOB_KIND, job_key(pair_id), {
+            "pair_id": pair_id, "tier": tier, "server_key": job.payload.get("server_key")})
+        if queued is not None:
+            log.info("pair %d: update job %d failed; tier %s, held back while it ran, is queued again (job %d)",
+                     pair_id, job.id, tier, queued.id)
+
     async def request_update(self, pair: Pair, tier: str, server_key: str | None) -> Job | None:
         """Enqueue an update of ``pair``; while one is queued or running, record a skip instead."""
         if await self.queue.storage.active_job(job_key(pair.id)) is not None:

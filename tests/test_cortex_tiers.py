@@ -144,3 +144,29 @@ async def test_pairs_are_per_user_and_persona(tmp_path: Path) -> None:
             if await app.cortex.store.get_pair(uid, p)
         }
         assert counts == {("ann", "Cora"): 2, ("ann", "Max"): 2, ("bob", "Cora"): 2}
+
+
+async def test_tiers_held_back_by_an_update_that_then_failed_are_queued_again(tmp_path: Path) -> None:
+    """An operator's finding: while an update was retrying through an outage, the tiers reached meanwhile were
+    recorded as skipped; when it then failed for good, nothing made up for them, and the conversation they should
+    have read could leave the next update's window."""
+    from bot.llm.base import Completion, LLMRequest
+    from bot.llm.errors import LLMBadRequest
+
+    llm = ScriptedProvider()
+
+    def answer(request: LLMRequest) -> Completion:
+        if any(tool.name == "write_file" for tool in request.tools):  # a cortex update: the model is gone
+            raise LLMBadRequest("model not found", status_code=404)
+        return Completion(text="ok")
+
+    llm.default = answer
+    async with App(_config(tmp_path), llm=llm) as app:
+        await app.workers.stop()  # the first update stays queued while the conversation goes on
+        for i in range(4):
+            await app.core.reply(_msg(f"hello {i}")).text()  # tier 50 % queued, then 75 % skipped
+        await app.workers.start()
+        assert await app.workers.drain(10)
+        jobs = sorted(await app.storage.list_jobs(), key=lambda j: j.id)
+        assert [(j.payload["tier"], j.status) for j in jobs] == [("50", "failed"), ("75", "failed")]
+        # (the second failed with nothing held back during it: no third)

@@ -469,6 +469,13 @@ class CortexRepository:
         assert row is not None
         return int(row[0])
 
+    async def skipped_tiers(self, pair_id: int, since: float) -> list[str]:
+        """The tiers of ``pair_id`` skipped since ``since`` (UNIX seconds) because an update was under way."""
+        rows = await self.db.fetch_all(
+            "SELECT tier FROM cortex_runs WHERE pair_id = ? AND status = 'skipped' AND started_at >= ? ORDER BY id",
+            (pair_id, since))
+        return [str(r[0]) for r in rows]
+
     async def job_runs(self, pair_id: int, job_id: int) -> list[int]:
         """The ids of the pair's update runs that ``job_id`` started (its attempts so far), oldest first."""
         rows = await self.db.fetch_all(
