@@ -292,6 +292,13 @@ async def test_unsaved_text_is_asked_for_errors_clear_and_a_phone_scrolls_down_o
                 await expect(phone.get_by_test_id("versions").locator("tbody tr")).to_have_count(4)
                 wide = await phone.evaluate("document.scrollingElement.scrollWidth")
                 assert wide <= 376, f"the page is {wide} px wide on a 375 px phone"
+                tab = await phone.get_by_test_id("tab-export").bounding_box()  # every tab in sight, none cut off
+                assert tab is not None and tab["x"] >= 0 and tab["x"] + tab["width"] <= 375, tab
+                await phone.get_by_test_id("tab-activity").click()  # the chart scrolls; its labels stay readable
+                chart = await phone.get_by_test_id("activity-chart").bounding_box()
+                assert chart is not None and chart["width"] >= 560, chart
+                wide = await phone.evaluate("document.scrollingElement.scrollWidth")
+                assert wide <= 376, f"the page is {wide} px wide on a 375 px phone"
         finally:
             await browser.close()
     assert not watch.problems, watch.problems

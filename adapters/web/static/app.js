@@ -1173,7 +1173,7 @@
       fill(panel, 
         h('div', { class: 'panel-head' }, h('h2', null, `How ${state.persona}'s files about you grew`),
           h('p', { class: 'hint' }, 'Each line is a file\'s size; a marker shows when the persona updated its files.')),
-        h('div', { class: 'card' }, sizeChart(data.files || {}, runs), chartLegend()),
+        h('div', { class: 'card' }, h('div', { class: 'chart-scroll' }, sizeChart(data.files || {}, runs)), chartLegend()),
         h('div', { class: 'card' }, h('h3', null, 'Update runs'), runs.length ? table([
           { label: 'Started', cell: (r) => fmtDate(r.started_at) },
           { label: 'Tier', cell: (r) => r.tier || '—' },
@@ -1655,7 +1655,7 @@
         daily ? h('div', { class: 'card today' }, h('h3', null, 'Cortex updates today'),
           h('meter', { min: '0', max: String(daily), value: String(Math.min(spent, daily)), high: String(daily * 0.8), optimum: '0', 'aria-label': 'Cortex tokens today' }),
           h('p', { class: 'meta' }, `${fmtInt(spent)} of ${fmtInt(daily)} tokens (${Math.round((spent / daily) * 100)}%) of the bot-wide daily budget`)) : null,
-        h('div', { class: 'card' }, h('h3', null, `The last ${plural(days.length, 'day')}`), spendingChart(days, purposes),
+        h('div', { class: 'card' }, h('h3', null, `The last ${plural(days.length, 'day')}`), h('div', { class: 'chart-scroll' }, spendingChart(days, purposes)),
           h('ul', { class: 'legend-list' }, purposes.map((p, i) => h('li', null, h('span', { class: `swatch purpose-${i % 6}` }), p)))),
         days.length ? table([
           { label: 'Day (UTC)', cell: (d) => d.date },
