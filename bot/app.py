@@ -233,6 +233,7 @@ class App:
         """After an incognito stretch ended: the texts of this process's recent messages and the kept query
         vectors may hold what was said in it (memory only, but it was to be kept nowhere)."""
         self.core.forget_recent_texts()
+        self.cortex.memory.forget_search_words()
         if self.cortex.embeddings is not None:
             self.cortex.embeddings.forget_queries()
             self.cortex.embeddings.forget_marks()  # the messages after the deleted ones are embedded again
@@ -278,6 +279,13 @@ class App:
                 self.cortex.embeddings.close()
             await self.workers.stop(grace)
             await self.storage.set_setting(self._calibration_key, f"{self.estimator.factor:.4f}")
+            # Deleted words not yet scrubbed from the files (a second forget-me within a minute of another, a
+            # message taken back): gone before the files are left to a backup or a copy, not at the next start.
+            try:
+                await self.storage.scrub_if_pending()
+            except Exception:
+                log.warning("could not scrub deleted text from the database at the stop; the next start does",
+                            exc_info=True)
         finally:
             await self.skills.aclose()
             await self.llm.aclose()

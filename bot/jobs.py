@@ -91,6 +91,15 @@ def worker_is_dead(worker: str, *, own_worker: str) -> bool:
     return not pid_alive(pid)
 
 
+def _kept_error(exc: Exception) -> str:
+    """What the job's row keeps of its error (shown by cortexbot jobs and the web page for days): of a model
+    server's error its kind and HTTP status, not its text, which may quote the request (people's words) and would
+    outlive a forget-me (``cortexbot doctor`` asks the models again and shows what they say now)."""
+    if isinstance(exc, LLMError):
+        return _why(exc)
+    return f"{type(exc).__name__}: {exc}"[:2000]
+
+
 def _why(exc: Exception) -> str:
     """A failure for the log: the error's class, and a model server's HTTP status (never its message, which may
     quote what it was sent)."""
@@ -234,7 +243,7 @@ class WorkerPool:
             await _cancelled(lease)
 
     async def _after_failure(self, job: Job, exc: Exception) -> None:
-        error = f"{type(exc).__name__}: {exc}"[:2000]
+        error = _kept_error(exc)
         if getattr(exc, "transient", False) and job.attempts < job.max_attempts:
             delay = backoff_delay(job.attempts, self.config, getattr(exc, "retry_after", None))
             await self.storage.retry_job(job.id, error, datetime.now(UTC) + timedelta(seconds=delay), self.worker_id,

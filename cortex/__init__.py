@@ -98,6 +98,11 @@ def build_cortex(
             for pair_id in pairs:
                 embeddings.index.invalidate(("items", pair_id))
 
+    def forget_words(_user_key: str) -> None:
+        for store_ in (memory, job_memory):
+            store_.forget_search_words()
+
+    commands.on_forget.append(forget_words)
     pruner = Pruner(job_storage or storage, memory_config, on_archive=drop_vectors)
     memory_admin = MemoryAdminCommands(config, storage, [memory, job_memory], pruner, embeddings, store, resolver)
     commands.extra_stats = memory_admin.stats_lines

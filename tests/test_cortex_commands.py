@@ -283,13 +283,19 @@ async def test_forget_me_asks_then_deletes_everything_of_that_user_only(tmp_path
         ann_pair = await _pair_id(app, "ann")
         first = await memory.remember(ann_pair, "Ann's allergy: penicillin")
         await memory.remember(ann_pair, "Ann's allergy: penicillin and latex", supersedes=first.id)
+        finished = await app.storage.enqueue_job("cortex_update", f"pair:{ann_pair}", {"pair_id": ann_pair}, 3)
+        assert finished is not None  # (an update of Ann's pair that ran: its row names the pair for days)
+        await app.storage.db.write("UPDATE jobs SET status = 'done' WHERE id = ?", (finished.id,))
         warning = await run(app, "!memory forget-me", ctx("ann"))
+        app.cortex.memory._term_counts_cache[("messages_fts", "Cora", "penicillin")] = (1, 0.0, 0)
         assert "cannot be undone" in warning.text and "!memory forget-me confirm" in warning.text
         assert await app.storage.get_user("console:ann") is not None  # nothing deleted yet
         done = (await run(app, "!memory forget-me confirm", ctx("ann"))).text
         assert "Deleted 6 messages" in done
         assert await app.storage.get_user("console:ann") is None
         assert (await app.storage.db.fetch_one("SELECT count(*) FROM memory_items"))[0] == 0
+        assert await app.storage.get_job(finished.id) is None
+        assert not app.cortex.memory._term_counts_cache  # (words searched lately: every reply searches with its own)
         texts = [m.text for m in await app.storage.recent_messages(channel.id, 100)]
         assert texts and not any("ann says" in t for t in texts) and any("bob says" in t for t in texts)
         assert all(m.user_id is not None for m in await app.storage.recent_messages(channel.id, 100))
@@ -874,6 +880,26 @@ async def test_forget_me_sent_again_after_a_crash_before_the_scrub_leaves_no_tra
     assert b"xylophone" not in raw
 
 
+async def test_words_deleted_without_a_scrub_are_scrubbed_when_the_bot_stops(tmp_path: Path) -> None:
+    """A privacy auditor's finding: a reply deleted because its incognito stretch ended while it was written (or a
+    second forget-me within a minute of a scrub) left its words in the file's full-text index until the next
+    start: a backup or a copy of the stopped bot's database still held them."""
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
+    async with App(config, llm=ScriptedProvider()) as app:
+        for user, word in (("ann", "quagmirezebra"), ("bob", "marmaladegiraffe")):
+            for i in range(30):
+                await app.core.reply(IncomingMessage("console", f"dm-{user}", user, user.title(),
+                                                     f"my secret {word} number {i}", is_dm=True)).text()
+        channel = await app.storage.get_channel("console:dm-ann")
+        assert channel is not None
+        for message in await app.storage.recent_messages(channel.id, 100):
+            await app.storage.delete_message(message.id)  # (deleted, the scrub left for later)
+        assert await app.storage.get_setting(SCRUB_PENDING) is not None
+        assert b"quagmirezebra" in _database_bytes(tmp_path)
+    raw = _database_bytes(tmp_path)
+    assert b"marmaladegiraffe" in raw and b"quagmirezebra" not in raw
+
+
 async def test_a_forget_me_stopped_before_its_scrub_is_scrubbed_at_the_next_start(tmp_path: Path) -> None:
     """The deleting transaction leaves a note that the files still hold deleted words: the next start scrubs,
     whether or not the user sends forget-me again."""
@@ -888,8 +914,9 @@ async def test_a_forget_me_stopped_before_its_scrub_is_scrubbed_at_the_next_star
         app.storage.scrub = killed  # type: ignore[method-assign]
         assert "Done" in (await run(app, "!memory forget-me confirm", ctx("ann"))).text
         assert await app.storage.get_setting(SCRUB_PENDING) is not None
-        app.storage.scrub = scrub  # type: ignore[method-assign]
-    assert b"xylophone" in _database_bytes(tmp_path)  # the state a killed process leaves
+    # (its stop scrubbed nothing either: the state a killed process leaves)
+    assert b"xylophone" in _database_bytes(tmp_path)
+    assert scrub is not None
     async with App(config, llm=ScriptedProvider()) as app:
         assert await app.storage.get_setting(SCRUB_PENDING) is None
         assert not await app.storage.scrub_if_pending()  # nothing to do: the hourly check costs a lookup

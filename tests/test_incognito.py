@@ -63,7 +63,9 @@ async def test_an_incognito_stretch_is_answered_kept_apart_and_deleted(tmp_path:
         found = await app.cortex.memory.search(pair.id, "secret word xyzzyplover roses garden", user_id=user.id,
                                                persona="Cora", use_vectors=False)
         assert found and not any("xyzzyplover" in h.text for h in found)  # nor a search by words (another channel's)
+        app.cortex.memory._term_counts_cache[("messages_fts", "Cora", "xyzzyplover")] = (3, 0.0, 0)  # (PostgreSQL's)
         ended = await say("!memory resume")
+        assert not app.cortex.memory._term_counts_cache  # the words searched for lately went with the stretch
         assert "6 messages from that stretch are deleted" in ended.public[0].text
         window = [m.text for m in await app.storage.recent_messages(channel.id, 20)]
         assert not any("xyzzyplover" in t for t in window) and "my garden has roses" in window

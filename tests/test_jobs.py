@@ -71,7 +71,8 @@ async def test_transient_errors_give_up_after_max_attempts(storage: Storage) -> 
     await pool.start()
     job = await queue.enqueue("k", "a", {})
     failed = await _wait_status(storage, job.id, "failed")
-    assert failed.attempts == 3 and "LLMRateLimited" in failed.last_error and "429 again" in failed.last_error
+    assert failed.attempts == 3 and failed.last_error == "LLMRateLimited"
+    assert "429 again" not in failed.last_error  # (a server's text may quote the request: kept for days, it is not)
     await pool.stop()
 
 
@@ -122,7 +123,7 @@ async def test_permanent_errors_fail_at_once(storage: Storage, caplog: pytest.Lo
     await pool.start()
     job = await queue.enqueue("k", "channel:7", {})
     failed = await _wait_status(storage, job.id, "failed")
-    assert failed.attempts == 1 and "unknown model" in failed.last_error
+    assert failed.attempts == 1 and failed.last_error == "LLMBadRequest (HTTP 404)"  # (not the server's echo)
     await pool.stop()
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert said == [f"job {job.id} (k, channel:7) failed after 1 attempt(s): LLMBadRequest (HTTP 404); cortexbot "

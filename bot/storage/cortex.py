@@ -577,7 +577,8 @@ class CortexRepository:
             f"UPDATE memory_items SET supersedes = NULL, superseded_by = NULL WHERE pair_id IN ({marks})", pair_ids)
         items = await tx.fetch_all(f"DELETE FROM memory_items WHERE pair_id IN ({marks}) RETURNING id", pair_ids)
         for pair_id in pair_ids:
-            await tx.execute("DELETE FROM jobs WHERE key = ? AND status IN ('queued', 'failed')", (f"pair:{pair_id}",))
+            # (every finished one too: a row kept for days names the pair; a running one ends on its own)
+            await tx.execute("DELETE FROM jobs WHERE key = ? AND status <> 'running'", (f"pair:{pair_id}",))
         await tx.execute(f"DELETE FROM cortex_pairs WHERE id IN ({marks})", pair_ids)
         self._files_changed()
         return {"versions": len(versions), "runs": len(runs), "items": len(items)}

@@ -284,6 +284,11 @@ class MemoryStore:
             raise MemoryError("importance is a number from 1 to 10")
         return content
 
+    def forget_search_words(self) -> None:
+        """Drop the words searched for lately, kept with their counts (a forget-me, the end of an incognito
+        stretch: every reply searches with its message's words)."""
+        self._term_counts_cache.clear()
+
     async def same_words(self, pair_id: int, content: str, scope: Scope) -> MemoryItem | None:
         """An item in use (not archived, corrected or expired) in ``scope`` that says exactly ``content``."""
         row = await self.repo.active_with_text(pair_id, content, scope, self.clock())
