@@ -410,6 +410,7 @@ class DiscordAdapter:
             is_dm=is_dm,
             server_key=None if is_dm else f"{PLATFORM}:{interaction.guild_id}",
             parent_channel_key=None if parent is None else f"{PLATFORM}:{parent}",
+            sent_at=interaction.created_at,
         )
 
     async def run_slash(self, interaction: discord.Interaction, line: str, *, always_private: bool = False,

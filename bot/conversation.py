@@ -228,7 +228,8 @@ class ConversationCore:
             is_bot_admin=stream._is_bot_admin,
             message_key=message.message_key,
             parent_channel_key=message.parent_channel_key,
-            incognito=incognito_since is not None,
+            # (by the message's own time: one sent before the pause, handled after it, is not in the stretch)
+            incognito=incognito_since is not None and user_msg.created_at.timestamp() >= incognito_since,
         )
         stream.incognito = context.incognito  # before the first piece of text
         sections: dict[str, list[PromptSection]] = {slot: [] for slot in get_args(SectionSlot)}
@@ -460,9 +461,12 @@ class ConversationCore:
             await self.storage.record_llm_call(call)
             log.info("the reply in channel %d is not stored: %s", channel.id, ended)
             return None
+        # A reply is never stored as older than its message (stamped by the platform's clock): inside an incognito
+        # stretch by its message's time, it is inside by its own too.
+        at = user_msg.created_at if user_msg.created_at > datetime.now(UTC) else None
         try:
             reply = await self.storage.add_message(
-                channel.id, user.id, persona.name, "assistant", persona.name, text, self.estimator.raw_count(text)
+                channel.id, user.id, persona.name, "assistant", persona.name, text, self.estimator.raw_count(text), at
             )
         except StaleReference:
             self.storage.forget_cached(user_key=user.key)

@@ -171,6 +171,7 @@ class Router:
             server_key=msg.server_key,
             parent_channel_key=msg.parent_channel_key,
             reply_to=msg.reply_to,
+            sent_at=msg.sent_at,
         )
 
     async def _reply(self, inbound: Inbound, sink: ChatSink, persona: str) -> None:

@@ -307,3 +307,37 @@ async def test_the_end_of_a_stretch_leaves_its_words_in_no_cache_of_the_process(
         await app.storage.db.write("UPDATE incognito SET started_at = 0 WHERE user_id = ?", (user.id,))
         await app._end_incognito()  # (the hourly check: it ran past incognito_hours)
         assert not any("plughxyzzy" in t for t in app.core._last_text.values())
+
+
+async def test_a_message_sent_just_after_the_pause_is_in_the_stretch_whenever_it_is_handled(tmp_path: Path) -> None:
+    """A privacy auditor's finding: the stretch began at the bot's clock when it got to `!memory pause`, while
+    messages are stored by the platform's time: a message sent a moment after the pause but handled before it
+    (Matrix runs each event as a task), or stamped earlier than the bot got to the pause (Discord), was kept for
+    good, under a 🕶️ that said it was not. The stretch begins when the platform says the pause was sent, and a
+    reply is never stored as older than its message."""
+    from datetime import UTC, datetime, timedelta
+
+    def inbound(text: str, sent: datetime) -> Inbound:
+        return Inbound(IncomingMessage("discord", "dm-ann", "7", "Ann", text, is_dm=True, sent_at=sent))
+
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000}})
+    async with App(config, llm=ScriptedProvider()) as app:
+        before, pause, secret, late = Sink(), Sink(), Sink(), Sink()
+        await app.router.handle(inbound("said before the pause", datetime.now(UTC) - timedelta(seconds=3)), before)
+        await asyncio.sleep(0.05)  # (its reply stored before the pause was sent)
+        paused_at = datetime.now(UTC)
+        await asyncio.sleep(0.3)  # the bot gets to the next messages a moment late (a busy bot, a reconnect)
+        # the secret, sent just after the pause, is handled first
+        await app.router.handle(inbound("my secret zanzibarquux", paused_at + timedelta(seconds=0.1)), secret)
+        await app.router.handle(inbound("!memory pause", paused_at), pause)
+        await app.router.handle(inbound("another zanzibarquux", paused_at + timedelta(seconds=0.2)), late)
+        assert not before.messages[0].startswith("🕶️") and late.messages[0].startswith("🕶️")
+        channel = await app.storage.get_channel("discord:dm-ann")
+        assert channel is not None
+        kept = [m.text for m in await app.storage.messages_between(channel.id, 0, 2**40, 100)]
+        assert "said before the pause" in kept and not any("zanzibarquux" in t for t in kept)  # (nor the echoes)
+        ended = await _said(app, "!memory resume")
+        assert "4 messages from that stretch are deleted" in ended.public[0].text, ended.public[0].text
+        window = [m.text for m in await app.storage.recent_messages(channel.id, 20)]
+        assert not any("zanzibarquux" in t for t in window), window
+        assert sorted(window) == ["echo: said before the pause", "said before the pause"], window

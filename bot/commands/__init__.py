@@ -21,6 +21,7 @@ import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from itertools import takewhile
 from typing import Literal
 
@@ -106,6 +107,7 @@ class CommandContext:
     body: str = ""  # the lines after the command line
     attachments: tuple[Attachment, ...] = ()  # files sent with the command (a card to import)
     attachments_seen_by_all: bool = False  # those files were posted where everyone in the channel can open them
+    sent_at: datetime | None = None  # when the platform says the command was sent (messages are stored by that)
 
 
 @dataclass(frozen=True, slots=True)

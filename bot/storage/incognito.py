@@ -10,6 +10,8 @@ import time
 
 from bot.storage.engine import Database
 
+CLOCK_SLACK_SECONDS = 600.0  # a platform's time further off the bot's clock than this is not believed
+
 # "This message (alias m) is not inside an incognito stretch of its user and persona."
 NOT_INCOGNITO = ("NOT EXISTS (SELECT 1 FROM incognito AS i WHERE i.user_id = {m}.user_id AND i.persona = {m}.persona"
                  " AND {m}.created_at >= i.started_at)")
@@ -23,10 +25,14 @@ class IncognitoRepository:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    async def start(self, user_id: int, persona: str) -> float:
-        """Begin a stretch (or keep the running one); its start time."""
+    async def start(self, user_id: int, persona: str, at: float | None = None) -> float:
+        """Begin a stretch (or keep the running one) at ``at``: when the platform says the pause was sent, the
+        clock its messages are stored by (the bot's own clock read when it got to the pause let a message sent
+        just after it, but handled first or stamped earlier, fall outside the stretch); its start time."""
+        now = time.time()
+        start = at if at is not None and abs(at - now) <= CLOCK_SLACK_SECONDS else now
         await self.db.write("INSERT INTO incognito (user_id, persona, started_at) VALUES (?, ?, ?)"
-                            " ON CONFLICT DO NOTHING", (user_id, persona, time.time()))
+                            " ON CONFLICT DO NOTHING", (user_id, persona, start))
         started = await self.since(user_id, persona)
         assert started is not None
         return started
