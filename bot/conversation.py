@@ -205,6 +205,7 @@ class ConversationCore:
             min_exchanges=self.config.history.min_exchanges,
             before_id=user_msg.id,
             size_hint=self._window_sizes.get(channel.id, 0),
+            viewer=(user.id, persona.name),
         ), self.storage.incognito.since(user.id, persona.name))
         if len(self._window_sizes) > 10_000:
             self._window_sizes.clear()

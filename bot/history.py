@@ -48,8 +48,10 @@ async def build_window(
     min_exchanges: int,
     before_id: int | None = None,
     size_hint: int = 0,
+    viewer: tuple[int, str] | None = None,
 ) -> HistoryWindow:
-    """The window of messages older than ``before_id`` (all when None).
+    """The window of messages older than ``before_id`` (all when None); for ``viewer`` (user id, persona: the
+    reply's), without others' incognito stretches (see ``Storage.recent_messages``).
 
     ``size_hint`` (how many messages the last window of this channel held) sizes the first read so
     that one query usually suffices; the result does not depend on it.
@@ -60,7 +62,7 @@ async def build_window(
     cursor = before_id
     page_size = size_hint + 8 if size_hint else PAGE_SIZE
     while True:
-        page = await storage.recent_messages(channel_id, page_size, before_id=cursor)
+        page = await storage.recent_messages(channel_id, page_size, before_id=cursor, viewer=viewer)
         for message in page:
             cost = message_cost(message, estimator)
             if tokens + cost > budget and user_messages >= min_exchanges:

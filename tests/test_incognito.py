@@ -341,3 +341,30 @@ async def test_a_message_sent_just_after_the_pause_is_in_the_stretch_whenever_it
         window = [m.text for m in await app.storage.recent_messages(channel.id, 20)]
         assert not any("zanzibarquux" in t for t in window), window
         assert sorted(window) == ["echo: said before the pause", "said before the pause"], window
+
+
+async def test_a_stretch_is_answered_in_its_own_conversation_only(tmp_path: Path) -> None:
+    """A privacy auditor's finding: what Ann said while incognito went into the prompt of Bob's next reply in the
+    same group channel (and of another persona's in her DM): a model that repeated it put it into Bob's kept reply,
+    the channel's summary and Bob's files, all of which outlive Ann's resume."""
+    def said(user: str, name: str, text: str, channel: str = "room") -> IncomingMessage:
+        return IncomingMessage("discord", channel, user, name, text, is_dm=channel.startswith("dm-"))
+
+    def last_prompt(llm: ScriptedProvider) -> str:
+        request = llm.requests[-1]
+        return request.system + " ".join(str(m.content) for m in request.messages)
+
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000},
+                           "personas": [{"name": "Cora"}, {"name": "Nemo"}]})
+    llm = ScriptedProvider()
+    async with App(config, llm=llm) as app:
+        await app.core.reply(said("7", "Ann", "hello all")).text()
+        await _said(app, "!memory pause")  # (Ann with Cora, everywhere)
+        await app.core.reply(said("7", "Ann", "my secret zanzibarquux")).text()
+        await app.core.reply(said("8", "Bob", "what did everyone say?")).text()
+        assert "zanzibarquux" not in last_prompt(llm) and "hello all" in last_prompt(llm)  # Bob's reply
+        await app.core.reply(said("7", "Ann", "and now?")).text()
+        assert "zanzibarquux" in last_prompt(llm)  # Ann's own stretch goes on with what she said in it
+        await app.core.reply(said("7", "Ann", "tell Nemo zanzibarquux too", "dm-ann"), "Cora").text()
+        await app.core.reply(said("7", "Ann", "hi Nemo", "dm-ann"), "Nemo").text()
+        assert "zanzibarquux" not in last_prompt(llm)  # another persona: not her stretch with Cora

@@ -175,9 +175,10 @@ class Storage(Protocol):
     ) -> StoredMessage: ...
 
     async def recent_messages(
-        self, channel_id: int, limit: int, before_id: int | None = None
+        self, channel_id: int, limit: int, before_id: int | None = None, *, viewer: tuple[int, str] | None = None
     ) -> list[StoredMessage]:
-        """Up to ``limit`` messages of the channel with id < ``before_id``, newest first."""
+        """Up to ``limit`` messages of the channel with id < ``before_id``, newest first; for a reply to ``viewer``
+        (user id, persona), without what others said with other personas inside an incognito stretch of theirs."""
 
     async def messages_between(
         self, channel_id: int, after_id: int, before_id: int, limit: int

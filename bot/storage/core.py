@@ -456,12 +456,18 @@ class Storage:
         )
 
     async def recent_messages(
-        self, channel_id: int, limit: int, before_id: int | None = None
+        self, channel_id: int, limit: int, before_id: int | None = None, *, viewer: tuple[int, str] | None = None
     ) -> list[StoredMessage]:
-        rows = await self.db.fetch_all(
-            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE channel_id = ? AND id < ? ORDER BY id DESC LIMIT ?",
-            (channel_id, before_id if before_id is not None else 2**62, limit),
-        )
+        before = before_id if before_id is not None else 2**62
+        if viewer is None:
+            rows = await self.db.fetch_all(
+                f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE channel_id = ? AND id < ? ORDER BY id DESC LIMIT ?",
+                (channel_id, before, limit))
+        else:  # a stretch is answered in its own conversation only (not for Bob in a group, not for another persona)
+            rows = await self.db.fetch_all(
+                f"SELECT {MESSAGE_COLUMNS} FROM messages AS m WHERE channel_id = ? AND id < ?"
+                f" AND ({not_incognito('m')} OR (m.user_id = ? AND m.persona = ?)) ORDER BY id DESC LIMIT ?",
+                (channel_id, before, *viewer, limit))
         return [message_from_row(r) for r in rows]
 
     async def messages_between(
