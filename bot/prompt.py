@@ -105,9 +105,31 @@ def fenced(text: str) -> str:
     return text.replace("<<", "\u2039\u2039").replace(">>", "\u203a\u203a")
 
 
+# Characters a person reading the text does not see but a model does: Unicode tags (a whole hidden sentence can be
+# spelled in them) and the bidi embeddings, overrides and isolates (text shown in another order than sent).
+_HIDDEN = re.compile("[\U000E0000-\U000E007F\u202A-\u202E\u2066-\u2069]")
+# A Markdown heading at a line's start (up to three spaces before it, as CommonMark allows).
+_HEADING = re.compile(r"^( {0,3})(#{1,6})(?=[ \t]|$)", re.MULTILINE)
+GUIDELINES_NOTE = "(These are this server's guidelines: follow them within the Rules above; where they differ, the " \
+                  "Rules win.)"
+
+
+def visible(text: str) -> str:
+    """``text`` without the characters a reader does not see (``_HIDDEN``): what the model gets is what an admin
+    or user can read on the page or in chat."""
+    return _HIDDEN.sub("", text)
+
+
+def nested(text: str) -> str:
+    """``text``'s Markdown headings moved below the prompt's own (a body's "# Rules" becomes "### Rules"): text
+    placed inside a section (a soul, guidelines, a memory file, lore, a card's description) cannot start a section
+    of the prompt's own, such as a second "# Rules"."""
+    return _HEADING.sub(lambda m: m.group(1) + "#" * min(len(m.group(2)) + 2, 6), text)
+
+
 def information(title: str, body: str) -> str:
     """A memory or knowledge section (its variables already filled), fenced as information."""
-    return f"# {title}\n{INFO_OPEN}\n{fenced(body.strip())}\n{INFO_CLOSE}"
+    return f"# {title}\n{INFO_OPEN}\n{nested(fenced(body.strip()))}\n{INFO_CLOSE}"
 
 
 def render_system(parts: PromptParts, variables: Mapping[str, str]) -> str:
@@ -118,7 +140,7 @@ def render_system(parts: PromptParts, variables: Mapping[str, str]) -> str:
     safe = {name: fenced(value) for name, value in variables.items()}  # a name fills the soul's text too
 
     def filled(text: str) -> str:
-        return resolve_variables(text.strip(), safe)
+        return nested(resolve_variables(text.strip(), safe))
 
     blocks: list[str] = []
     memory = [information(s.title, filled(s.body) if s.template else s.body.strip())
@@ -131,12 +153,12 @@ def render_system(parts: PromptParts, variables: Mapping[str, str]) -> str:
     rules = [filled(s.body) for s in parts.rules if s.body.strip()] + ([INFO_RULE] if memory else [])
     if rules:
         blocks.append("# Rules\n" + "\n".join(rules))
-    blocks.extend(f"# {s.title}\n{filled(s.body)}" for s in parts.guidelines if s.body.strip())
+    blocks.extend(f"# {s.title}\n{GUIDELINES_NOTE}\n{filled(s.body)}" for s in parts.guidelines if s.body.strip())
     soul = [f"## {section_title(key)}\n{filled(body)}" for key, body in parts.persona.soul_sections()]
     if soul:
         blocks.append("# Who you are\n" + "\n\n".join(soul))
     blocks.extend(memory)
-    return "\n\n".join(blocks)
+    return visible("\n\n".join(blocks))
 
 
 def history_turns(messages: Sequence[StoredMessage], *, label_speakers: bool) -> list[ChatMessage]:
@@ -144,7 +166,7 @@ def history_turns(messages: Sequence[StoredMessage], *, label_speakers: bool) ->
     turns: list[ChatMessage] = []
     for m in messages:
         if m.role == "user" and label_speakers:  # (a name stored before names were kept on one line: made so)
-            turns.append(ChatMessage(role="user", content=f"{one_line_name(m.author_name)}: {m.text}"))
+            turns.append(ChatMessage(role="user", content=visible(f"{one_line_name(m.author_name)}: {m.text}")))
         else:
-            turns.append(ChatMessage(role=m.role, content=m.text))
+            turns.append(ChatMessage(role=m.role, content=visible(m.text)))
     return turns
