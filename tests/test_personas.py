@@ -173,11 +173,13 @@ async def test_create_pick_delete(tmp_path: Path) -> None:
         assert "Nova now answers" in sink.public[0].text
         await app.router.handle(_inbound("hi", mention=True), Sink())
         assert "You are Nova." in llm.requests[-1].system
-        refused = await run(app, "!persona delete Nova")
-        assert "in use (channel discord:chan1)" in refused
         assert "comes from the config file" in await run(app, "!persona delete Max")
-        await app.router.handle(_inbound("!persona Cora", admin=True), Sink())
-        assert "Persona Nova deleted" in await run(app, "!persona delete Nova")
+        # picked for a channel (or in any member's DMs: one could keep the admins from deleting it): the pick goes
+        deleted = await run(app, "!persona delete Nova")
+        assert deleted.startswith("Persona Nova deleted") and deleted.endswith(
+            "The 1 place(s) that had picked it (channel discord:chan1) now talk to Cora."), deleted
+        await app.router.handle(_inbound("hi", mention=True), Sink())
+        assert "You are Cora, a gardener." in llm.requests[-1].system
         assert "Nova" not in await run(app, "!persona list") and app.personas.names() == ["Cora", "Max"]
         back = await run(app, "!persona create Nova")  # its soul came back with it: not "give it a soul"
         assert back.startswith("Persona Nova is back (English), with the soul it had when it was deleted"), back
@@ -370,3 +372,15 @@ async def test_a_new_standard_section_takes_its_place_in_the_standard_order(tmp_
         assert [t.name for t in live] == ["identity", "personality", "boundaries", "values", "tone",
                                           "error_handling", "backstory"]
         assert len({t.position for t in live}) == len(live)  # (no two share a place)
+
+
+async def test_a_config_persona_named_like_one_made_in_chat_is_refused_at_start_in_words(tmp_path: Path) -> None:
+    """An attacker's finding: a persona made in chat as "Nеmo" (a Cyrillic е), then "Nemo" added to the config,
+    and the bot no longer started: an AssertionError, no word of what to do."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        assert "Persona N\u0435mo created" in await run(app, "!persona create N\u0435mo")
+    config = _config(tmp_path)
+    config.personas.append(config.personas[1].model_copy(update={"name": "Nemo"}))
+    with pytest.raises(ConfigError, match="'Nemo' in the config file looks like the name of a persona made in chat"):
+        async with App(config, llm=ScriptedProvider()):
+            pass

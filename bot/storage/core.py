@@ -917,7 +917,9 @@ class Storage:
             (key, value, time.time()),
         )
 
-
+    async def delete_setting_if(self, key: str, value: str) -> bool:
+        """Delete ``key`` if it still holds ``value`` (not one changed meanwhile); whether it did."""
+        return bool(await self.db.write("DELETE FROM settings WHERE key = ? AND value = ? RETURNING key", (key, value)))
 
     # -- forget me -------------------------------------------------------------------------------
 

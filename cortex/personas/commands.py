@@ -249,19 +249,24 @@ class PersonaCommands:
             raise CommandError("which persona?")
         if self.registry.from_config(name):
             raise CommandError(f"{name} comes from the config file: remove its [[personas]] entry there instead")
-        used = await self._used_where(name)
-        if used:
-            raise CommandError(f"{name} is in use ({'; '.join(used[:5])}): pick another persona there first")
         row = await self.storage.personas.get_persona(name)
         assert row is not None
         await self.storage.personas.delete_persona(row.id)
         await self.registry.load()
-        return f"Persona {name} deleted; its soul's history and its users' memory stay (create it again to revive)."
+        # Where it was picked (any member's DMs, a channel) goes back to the default: a pick held it before, and
+        # any member could keep the bot's admins from deleting a persona by picking it in their DMs.
+        moved = [where for key, value, where in await self._picked_in(name)
+                 if await self.storage.delete_setting_if(key, value)]
+        back = (f" The {len(moved)} place(s) that had picked it ({'; '.join(moved[:5])}"
+                f"{', …' if len(moved) > 5 else ''}) now talk to {self.registry.default_name}." if moved else "")
+        return (f"Persona {name} deleted; its soul's history and its users' memory stay (create it again to "
+                f"revive).{back}")
 
-    async def _used_where(self, name: str) -> list[str]:
+    async def _picked_in(self, name: str) -> list[tuple[str, str, str]]:
+        """(setting key, its value, where) of every pick of the persona ``name``."""
         places = []
         for key, value in await self.storage.settings_with_prefix("persona."):
             if value.casefold() == name.casefold():
                 kind, _, where = key.removeprefix("persona.").partition(".")
-                places.append(f"{'channel' if kind == 'channel' else 'direct messages of'} {where}")
+                places.append((key, value, f"{'channel' if kind == 'channel' else 'direct messages of'} {where}"))
         return places
