@@ -94,10 +94,15 @@ def nested_within(value: Any, depth: int = MAX_JSON_DEPTH) -> bool:
     return True
 
 
+# Printable by Unicode's rules, yet shown as blank space: the Hangul fillers and the blank Braille pattern ("Cora⠀"
+# looks like "Cora", and a name of "ㅤ" alone like no name).
+BLANK_LOOKING = frozenset("\u115f\u1160\u2800\u3164\uffa0")
+
+
 def readable(name: str) -> bool:
     """Whether a name people read and type is visible text: not blank, no control or invisible (format)
-    characters ("Co\u200bra" looks like "Cora" and cannot be typed)."""
-    return bool(name.strip()) and all(ch.isprintable() for ch in name)
+    characters ("Co\u200bra" looks like "Cora" and cannot be typed), nor ones that show as blank space."""
+    return bool(name.strip()) and all(ch.isprintable() and ch not in BLANK_LOOKING for ch in name)
 
 
 def without_surrogates(text: str) -> str:
