@@ -194,6 +194,9 @@ async def test_lore_enters_by_keyword_always_or_search_for_every_user(tmp_path: 
         assert "--priority is given twice" in await run(app, "!lore edit 3 --priority 5 --priority 6")
         assert "changed" in await run(app, "!lore edit 3 --not-always --priority 0")
         assert "The sky is green here." not in await prompt(app, llm, "hello there", user="11")
+        # a new text: no version is kept, so the answer says the old one (an attacker's finding: it was just gone)
+        assert await run(app, "!lore edit 3 The sky is blue here.") == (
+            "Lore #3 changed. Its text before, to put back with !lore edit 3:\nThe sky is green here.")
 
 
 @pytest.mark.both_engines

@@ -218,6 +218,9 @@ class LoreCommands:
         await self.storage.lore.update(entry.persona_id, entry.id, content=given.text or None, keys=given.keys,
                                        secondary_keys=secondary, always_on=given.always, priority=given.priority)
         await self._changed()
+        if given.text and given.text.strip() != entry.content.strip():  # (no version is kept: the old text is said)
+            return f"Lore #{entry.id} changed. Its text before, to put back with {self.prefix}lore edit {entry.id}:\n" \
+                   f"{entry.content}"
         return f"Lore #{entry.id} changed."
 
     async def disable(self, ctx: CommandContext, args: Sequence[str]) -> str:
