@@ -303,3 +303,44 @@ async def test_not_always_on_a_new_entry_is_an_option_not_its_text(tmp_path: Pat
         assert "--not-always" not in await run(app, "!lore show 1")
         assert "choose one of --always and --not-always" in await run(app, "!lore add --always --not-always x")
         assert "(1 entry, page 1/1)" in await run(app, "!lore list")
+
+
+async def test_a_large_lore_book_is_matched_off_the_event_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """An attacker's finding: a card of 500 entries × 50 keys written with {{user}} took 2.6 s of the event loop
+    to prepare for each new person, and every other reply and command waited. A lore book above a few dozen
+    entries is matched on a thread: the loop goes on meanwhile (here the matching is made slow on purpose)."""
+    import asyncio
+    import threading
+    import time
+
+    from cortex.personas import lore
+
+    llm = ScriptedProvider()
+    async with App(_config(tmp_path), llm=llm) as app:
+        for n in range(lore.THREAD_ABOVE_ENTRIES + 1):
+            await run(app, f"!lore add Fact {n} about the harbour. --keys harbour{n}")
+        matched_on: list[str] = []
+        slow = lore.LoreIndex.chosen
+
+        def chosen(self: lore.LoreIndex, *args: object) -> list[LoreEntry]:
+            matched_on.append(threading.current_thread().name)
+            time.sleep(0.5)  # (a big card's keys being prepared)
+            return slow(self, *args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(lore.LoreIndex, "chosen", chosen)
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.02)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        try:
+            assert "Fact 7 about the harbour." in await prompt(app, llm, "what about harbour7?")
+        finally:
+            ticker.cancel()
+        assert matched_on and matched_on[0] != threading.main_thread().name
+        assert ticks >= 5  # (the loop ran on while the lore was matched: on it, hardly a tick in the 0.5 s)
