@@ -431,6 +431,20 @@ _PHRASES: tuple[_Phrase, ...] = (
         r"you will|always say|always reply|always answer|always respond|sag ihm|sag ihr|sag ihnen|antworte|"
         r"musst du|sollst du)\b",
     ),
+    # a lore book's or a card's ways (SillyTavern's "[System note: …]"), and orders without a "you"
+    _phrase(SYSTEM_HEADER, "system", r" (?:note|notice|override|directive)\b(?! (?:about|on|of|for|from)\b)"),
+    _phrase(
+        NEW_ROLE,
+        "from henceforth",
+        r"(?: now on| this point on| here on)? (?:always |only |never )?(?:answer|reply|respond|speak|write|talk|"
+        r"act|pretend|obey|refuse)\b",
+    ),
+    _phrase(
+        IGNORE_RULES,
+        "disregard ignore bypass override",
+        r" (?:all of |any of )?(?:its|their|the ai s|the bot s|the model s) (?:\w+ )?(?:rules|guidelines|"
+        r"restrictions|safety|ethics|ethical|guardrails|instructions|programming)\b",
+    ),
 )
 
 # "New instructions:" needs its colon, so it is matched on the normal text, punctuation kept.
