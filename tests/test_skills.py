@@ -453,6 +453,16 @@ async def test_an_incognito_stretch_offers_no_memory_writes(tmp_path: Path, fake
         await app.core.reply(_msg("remember that I like plums")).text()
         offered = tool_names(replies(fake_llm)[-1])
         assert "remember" not in offered and "search_memory" in offered
+        # nor an admin's soul and guidelines tools (a privacy auditor's finding: paused words outlived the stretch)
+        ask = _msg("make your personality and the guidelines more formal")
+        fake_llm.enqueue(FakeResponse.text("Hi."))
+        await app.core.reply(ask, is_admin=True, is_bot_admin=True).text()
+        offered = tool_names(replies(fake_llm)[-1])
+        assert not {"edit_soul", "edit_guidelines"} & set(offered) and "read_soul" in offered, offered
+        await app.commands.dispatch("!memory resume", ANN_DM)
+        fake_llm.enqueue(FakeResponse.text("Hi."))
+        await app.core.reply(ask, is_admin=True, is_bot_admin=True).text()
+        assert {"edit_soul", "edit_guidelines"} <= set(tool_names(replies(fake_llm)[-1]))
 
 
 async def test_a_missing_secret_of_an_http_skill_stops_the_start_with_one_clear_line(

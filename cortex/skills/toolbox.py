@@ -31,7 +31,9 @@ DAY = 86_400.0
 BUILTIN_TIMEOUT = 30.0  # seconds; HTTP and MCP skills have their own configured limits
 AUDIT_VALUE_CHARS = 200
 STATUS = {"remember": "noting that…", "current_time": "checking the time…"}
-MEMORY_WRITES = frozenset({"remember"})  # never offered in an incognito stretch: nothing of it may be kept
+# Never offered in an incognito stretch: nothing of it may be kept (an admin's paused words written into a soul or a
+# server's guidelines outlived the stretch, as a memory item would).
+MEMORY_WRITES = frozenset({"remember", "edit_soul", "edit_guidelines"})
 # Every offered tool is sent with every model call of a reply. OpenAI takes at most 128 tools, and an MCP
 # server (or several) offering hundreds - each up to 9,000 characters - overflowed any model's context:
 # every reply failed. Past either bound the later skills (MCP tools come last) are not offered.
