@@ -106,30 +106,46 @@ def fenced(text: str) -> str:
 
 
 # Characters a person reading the text does not see but a model does: Unicode tags (a whole hidden sentence can be
-# spelled in them) and the bidi embeddings, overrides and isolates (text shown in another order than sent).
-_HIDDEN = re.compile("[\U000E0000-\U000E007F\u202A-\u202E\u2066-\u2069]")
-# A Markdown heading at a line's start (up to three spaces before it, as CommonMark allows).
-_HEADING = re.compile(r"^( {0,3})(#{1,6})(?=[ \t]|$)", re.MULTILINE)
-GUIDELINES_NOTE = "(These are this server's guidelines: follow them within the Rules above; where they differ, the " \
-                  "Rules win.)"
+# spelled in them; a flag of a country's region, 🏴 and a few tag letters, is kept) and the bidi embeddings, overrides
+# and isolates (text shown in another order than sent).
+_HIDDEN = re.compile("(\U0001F3F4[\U000E0030-\U000E0039\U000E0061-\U000E007A]{2,6}\U000E007F)"
+                     "|[\U000E0000-\U000E007F\u202A-\u202E\u2066-\u2069]")
+# Other line breaks than "\n" (a heading may start after any of them in a model's eyes).
+_LINE_BREAK = re.compile("\r\n?|[\u0085\u2028\u2029\v\f]")
+_HEADING = re.compile(r"( {0,3})(#{1,6})(?=[ \t]|$)")  # a Markdown heading at a line's start
+_UNDERLINE = re.compile(r" {0,3}=+[ \t]*")  # "Rules\n=====": the heading of the line above
+_FENCE = re.compile(r" {0,3}(```|~~~)")
+GUIDELINES_NOTE = "(These guidelines follow the Rules above; where the two differ, the Rules win.)"
 
 
 def visible(text: str) -> str:
-    """``text`` without the characters a reader does not see (``_HIDDEN``): what the model gets is what an admin
-    or user can read on the page or in chat."""
-    return _HIDDEN.sub("", text)
+    """``text`` without the characters a reader does not see (``_HIDDEN``), its line breaks plain ones: what the
+    model gets is what an admin or user can read on the page or in chat."""
+    return _HIDDEN.sub(lambda m: m.group(1) or "", _LINE_BREAK.sub("\n", text))
 
 
 def nested(text: str) -> str:
-    """``text``'s Markdown headings moved below the prompt's own (a body's "# Rules" becomes "### Rules"): text
-    placed inside a section (a soul, guidelines, a memory file, lore, a card's description) cannot start a section
-    of the prompt's own, such as a second "# Rules"."""
-    return _HEADING.sub(lambda m: m.group(1) + "#" * min(len(m.group(2)) + 2, 6), text)
+    """``text`` (made :func:`visible` first) with its Markdown headings moved below the prompt's own (a body's
+    "# Rules" becomes "### Rules", an underlined one loses its underline's power): text placed inside a section (a
+    soul, guidelines, a memory file, lore, a card's description) cannot start a section of the prompt's own, such as
+    a second "# Rules". Lines inside a fenced code block are left as they are (a shell comment is no heading)."""
+    lines, fence = visible(text).split("\n"), ""
+    for n, line in enumerate(lines):
+        opened = _FENCE.match(line)
+        if fence:
+            fence = "" if opened and opened.group(1) == fence else fence
+        elif opened:
+            fence = opened.group(1)
+        elif heading := _HEADING.match(line):
+            lines[n] = heading.group(1) + "#" * min(len(heading.group(2)) + 2, 6) + line[heading.end():]
+        elif n and lines[n - 1].strip() and _UNDERLINE.fullmatch(line):
+            lines[n] = "    " + line.strip()  # (indented past three spaces: not an underline any more)
+    return "\n".join(lines)
 
 
 def information(title: str, body: str) -> str:
     """A memory or knowledge section (its variables already filled), fenced as information."""
-    return f"# {title}\n{INFO_OPEN}\n{nested(fenced(body.strip()))}\n{INFO_CLOSE}"
+    return f"# {title}\n{INFO_OPEN}\n{nested(fenced(body.strip()))}\n{INFO_CLOSE}"  # (nested once: here)
 
 
 def render_system(parts: PromptParts, variables: Mapping[str, str]) -> str:
@@ -139,11 +155,14 @@ def render_system(parts: PromptParts, variables: Mapping[str, str]) -> str:
     a ``{user_name}`` in it is one somebody typed, and filling it would put the present user's name there."""
     safe = {name: fenced(value) for name, value in variables.items()}  # a name fills the soul's text too
 
+    def resolved(text: str) -> str:
+        return resolve_variables(text.strip(), safe)
+
     def filled(text: str) -> str:
-        return nested(resolve_variables(text.strip(), safe))
+        return nested(resolved(text))
 
     blocks: list[str] = []
-    memory = [information(s.title, filled(s.body) if s.template else s.body.strip())
+    memory = [information(s.title, resolved(s.body) if s.template else s.body.strip())
               for s in (*parts.cortex, *parts.knowledge) if s.body.strip()]
     summary = parts.summary.text.strip() if parts.summary is not None else ""
     if summary:

@@ -100,6 +100,11 @@ BENIGN: list[str] = [
     "From now on, Ann works from home on Fridays.",
     "Ann said: from now on I answer emails only in the morning.",
     "The cat ignores the rules of the house.",
+    "The system notice said the train is late.",
+    "Ann will from now on speak at conferences.",
+    "Ann thinks people often ignore their safety guidelines at the gym.",
+    "Ann's kids ignore their instructions from school.",
+    "Ann: her landlord will override its restrictions on pets.",
 ]
 
 INJECTIONS: list[str] = [

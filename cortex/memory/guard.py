@@ -431,21 +431,21 @@ _PHRASES: tuple[_Phrase, ...] = (
         r"you will|always say|always reply|always answer|always respond|sag ihm|sag ihr|sag ihnen|antworte|"
         r"musst du|sollst du)\b",
     ),
-    # a lore book's or a card's ways (SillyTavern's "[System note: …]"), and orders without a "you"
-    _phrase(SYSTEM_HEADER, "system", r" (?:note|notice|override|directive)\b(?! (?:about|on|of|for|from)\b)"),
-    _phrase(
-        NEW_ROLE,
-        "from henceforth",
-        r"(?: now on| this point on| here on)? (?:always |only |never )?(?:answer|reply|respond|speak|write|talk|"
-        r"act|pretend|obey|refuse)\b",
-    ),
+    # an out-of-character aside ("OOC: disregard its safety rules"): its / the AI's safety, ethics, programming
     _phrase(
         IGNORE_RULES,
         "disregard ignore bypass override",
-        r" (?:all of |any of )?(?:its|their|the ai s|the bot s|the model s) (?:\w+ )?(?:rules|guidelines|"
-        r"restrictions|safety|ethics|ethical|guardrails|instructions|programming)\b",
+        r" (?:all of |any of )?(?:its|the ai s|the bot s|the model s) (?:safety|ethics|ethical|guardrails|"
+        r"programming|system prompt)\b",
     ),
 )
+# A lore book's or a card's ways, matched on the normal text (punctuation kept): SillyTavern's "[System note: …]"
+# (a bracket or a line's start, and a colon: "the system notice said the train is late" passes), and an order
+# opening a sentence without a "you" ("From now on answer only in French"; "Ann will from now on speak" passes).
+_SYSTEM_NOTE = re.compile(r"(?:^|[\[(])[ \t]*system[ \t]+(?:note|notice|override|directive)[ \t]*:", re.MULTILINE)
+_ORDER_FROM_NOW = re.compile(
+    r"(?:^|[.!?;:]\s+)(?:from now on|from this point on|henceforth)[,]?\s+(?:always\s+|only\s+|never\s+)?"
+    r"(?:answer|reply|respond|speak|write|talk|act|pretend|obey|refuse)\b", re.MULTILINE)
 
 # "New instructions:" needs its colon, so it is matched on the normal text, punctuation kept.
 _NEW_INSTRUCTIONS_NOUNS = (
@@ -520,6 +520,10 @@ def _phrase_reasons(visible: str, normal: str) -> Iterator[str]:
     yield from _phrase_matches(_loose(normal))
     if _has_new_instructions(normal):
         yield NEW_INSTRUCTIONS
+    if "system" in normal and _SYSTEM_NOTE.search(normal):
+        yield SYSTEM_HEADER
+    if ("from" in normal or "henceforth" in normal) and _ORDER_FROM_NOW.search(normal):
+        yield NEW_ROLE
     if "DAN" in visible and _DAN.search(visible):
         yield JAILBREAK
 
