@@ -25,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ParamSpec, TypeAlias
 from urllib.parse import quote, unquote, urlparse
@@ -105,6 +106,12 @@ P = ParamSpec("P")
 # A link to a user (matrix.to, Element's own permalinks, matrix: URIs), which clients show as a mention (a pill)
 _USER_LINK = re.compile(r"#/(user/)?@|^matrix:(//[^/]*)?/?u/", re.IGNORECASE)
 
+
+
+def _server_time(event: Any) -> datetime | None:
+    """When the homeserver got ``event`` (its ``origin_server_ts``), or None when it gives none."""
+    stamp = getattr(event, "server_timestamp", None)
+    return datetime.fromtimestamp(stamp / 1000, UTC) if isinstance(stamp, int) and stamp > 0 else None
 
 class _Markdown(MarkdownIt):
     def validateLink(self, url: str) -> bool:  # (markdown-it's name)
@@ -632,6 +639,8 @@ class MatrixAdapter:
             mentions_bot=bool(mentions_bot),
             reply_to=f"{PLATFORM}-message:{reply_to}" if reply_to else None,
             message_key=MatrixSink.message_key(event.event_id),
+            # (the homeserver's time: each event is handled as a task of its own, a later one may be stored first)
+            sent_at=_server_time(event),
         )
         return Inbound(
             incoming,

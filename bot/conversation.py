@@ -54,6 +54,7 @@ from bot.ports import (
 from bot.prompt import PromptParts, fit_soul, history_turns, render_system
 from bot.storage.base import Channel, LLMCallRecord, ReplyStats, Storage, StoredMessage, Summary, User
 from bot.storage.engine import StaleReference
+from bot.storage.incognito import CLOCK_SLACK_SECONDS
 from bot.storage.sources import ReplySource
 from bot.summary import SummaryEngine, budgets_for
 from bot.text import storable, visible
@@ -67,6 +68,14 @@ SOUL_BUDGET = 3000  # tokens of soul sections (an imported card may hold far mor
 MAX_REPLY_CHARS = 40_000  # a reply's text shown and stored: ~20 Discord messages (a broken server sent MBs)
 MAX_CALLS_PER_ROUND = 8  # tool calls of one model turn a reply runs; the rest are refused
 CUT_NOTE = "\n\n[… the rest of this reply was cut: it was too long]"
+
+
+def believable(sent_at: datetime | None) -> datetime | None:
+    """The platform's time of a message, unless it is further off the bot's clock than an incognito stretch's start
+    may be (``CLOCK_SLACK_SECONDS``): both are compared, so both go by the same rule (then the bot's clock)."""
+    if sent_at is None or abs((sent_at - datetime.now(UTC)).total_seconds()) > CLOCK_SLACK_SECONDS:
+        return None
+    return sent_at
 
 
 def _refusal(call: ToolCall, number_in_turn: int, cut: int) -> str:
@@ -296,6 +305,8 @@ class ConversationCore:
         finished = await self._finish(
             persona, user, channel, user_msg, window, summary, raw_prompt, completion, duration_ms, message,
             stream.rounds, began, incognito=context.incognito,
+            # (a message sent before a stretch began: its reply belongs before it too, not in it)
+            before_stretch=incognito_since is not None and not context.incognito,
         )
         if finished is None:
             return
@@ -419,7 +430,7 @@ class ConversationCore:
             try:
                 stored = await self.storage.add_message(
                     channel.id, user.id, persona.name, "user", user.display_name, text,
-                    self.estimator.raw_count(text), message.sent_at,
+                    self.estimator.raw_count(text), believable(message.sent_at),
                 )
             except StaleReference:
                 if attempt:
@@ -451,6 +462,7 @@ class ConversationCore:
         message_started: float = 0.0,
         *,
         incognito: bool | None = None,
+        before_stretch: bool = False,
     ) -> tuple[ReplyResult, Exchange] | None:
         """Store the reply and its audit; None when its user asked to be forgotten (or their channel went)
         while it was written: the reply was shown, nothing of it is kept but the model call's cost."""
@@ -463,8 +475,9 @@ class ConversationCore:
             log.info("the reply in channel %d is not stored: %s", channel.id, ended)
             return None
         # A reply is never stored as older than its message (stamped by the platform's clock): inside an incognito
-        # stretch by its message's time, it is inside by its own too.
-        at = user_msg.created_at if user_msg.created_at > datetime.now(UTC) else None
+        # stretch by its message's time, it is inside by its own too; and one to a message sent before a stretch
+        # began goes with its message, outside it (else resume deleted the reply and kept the message).
+        at = user_msg.created_at if before_stretch or user_msg.created_at > datetime.now(UTC) else None
         try:
             reply = await self.storage.add_message(
                 channel.id, user.id, persona.name, "assistant", persona.name, text, self.estimator.raw_count(text), at

@@ -368,3 +368,26 @@ async def test_a_stretch_is_answered_in_its_own_conversation_only(tmp_path: Path
         await app.core.reply(said("7", "Ann", "tell Nemo zanzibarquux too", "dm-ann"), "Cora").text()
         await app.core.reply(said("7", "Ann", "hi Nemo", "dm-ann"), "Nemo").text()
         assert "zanzibarquux" not in last_prompt(llm)  # another persona: not her stretch with Cora
+
+
+async def test_a_message_sent_before_the_pause_keeps_its_reply_however_late_it_is_answered(tmp_path: Path) -> None:
+    """A review's finding: a message sent just before `!memory pause` but handled after it is outside the stretch,
+    yet its reply, stored at the bot's time, fell inside it: `resume` deleted the reply and kept the message."""
+    from datetime import UTC, datetime, timedelta
+
+    def inbound(text: str, sent: datetime) -> Inbound:
+        return Inbound(IncomingMessage("discord", "dm-ann", "7", "Ann", text, is_dm=True, sent_at=sent))
+
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000}})
+    async with App(config, llm=ScriptedProvider()) as app:
+        now = datetime.now(UTC)
+        answered = Sink()
+        await app.router.handle(inbound("!memory pause", now - timedelta(seconds=1)), Sink())
+        await app.router.handle(inbound("sent before the pause", now - timedelta(seconds=2)), answered)
+        assert not answered.messages[0].startswith("🕶️")
+        ended = await _said(app, "!memory resume")
+        assert "0 messages from that stretch are deleted" in ended.public[0].text, ended.public[0].text
+        channel = await app.storage.get_channel("discord:dm-ann")
+        assert channel is not None
+        kept = sorted(m.text for m in await app.storage.recent_messages(channel.id, 20))
+        assert kept == ["echo: sent before the pause", "sent before the pause"], kept
