@@ -253,8 +253,8 @@ class WorkerPool:
                 job.id, job.kind, job.key, job.attempts, job.max_attempts, _why(exc), delay,
             )
             return
-        await self.storage.fail_job(job.id, error, self.worker_id, attempt=job.attempts)
-        if (hook := self.on_failed.get(job.kind)) is not None:
+        failed = await self.storage.fail_job(job.id, error, self.worker_id, attempt=job.attempts)
+        if failed and (hook := self.on_failed.get(job.kind)) is not None:  # (not when another worker has it now)
             try:
                 await hook(job)
             except Exception:

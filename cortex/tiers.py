@@ -111,7 +111,7 @@ class TierEngine:
         would be lost with it, and the next tier may come only after the conversation it should have read left
         the update's window. The highest of them is queued now (tried again from the start)."""
         pair_id = int(job.payload["pair_id"])
-        skipped = await self.store.skipped_tiers(pair_id, job.created_at.timestamp())
+        skipped = await self.store.skipped_tiers(pair_id, job.id)
         if not skipped:
             return
         tier = max(skipped, key=lambda t: int(t) if t.isdigit() else -1)  # (a manual one counts below any tier)
@@ -123,8 +123,10 @@ class TierEngine:
 
     async def request_update(self, pair: Pair, tier: str, server_key: str | None) -> Job | None:
         """Enqueue an update of ``pair``; while one is queued or running, record a skip instead."""
-        if await self.queue.storage.active_job(job_key(pair.id)) is not None:
-            await self.store.record_skip(pair.id, None, tier, "an update of this pair is already queued or running")
+        if (active := await self.queue.storage.active_job(job_key(pair.id))) is not None:
+            # (by the update that held it back: if that one fails for good, the highest such tier is queued again)
+            await self.store.record_skip(pair.id, active.id, tier,
+                                         "an update of this pair is already queued or running")
             log.info("pair %d: tier %s skipped, an update is already queued or running", pair.id, tier)
             return None
         return await self.queue.enqueue(

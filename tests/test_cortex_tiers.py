@@ -147,9 +147,9 @@ async def test_pairs_are_per_user_and_persona(tmp_path: Path) -> None:
 
 
 async def test_tiers_held_back_by_an_update_that_then_failed_are_queued_again(tmp_path: Path) -> None:
-    """An operator's finding: while an update was retrying through an outage, the tiers reached meanwhile were
-    recorded as skipped; when it then failed for good, nothing made up for them, and the conversation they should
-    have read could leave the next update's window."""
+    """An operator's finding: while an update was queued (or retrying through an outage), the tiers reached meanwhile
+    were recorded as skipped; when it then failed for good (here at once: the model is gone), nothing made up for
+    them, and the conversation they should have read could leave the next update's window."""
     from bot.llm.base import Completion, LLMRequest
     from bot.llm.errors import LLMBadRequest
 

@@ -469,11 +469,12 @@ class CortexRepository:
         assert row is not None
         return int(row[0])
 
-    async def skipped_tiers(self, pair_id: int, since: float) -> list[str]:
-        """The tiers of ``pair_id`` skipped since ``since`` (UNIX seconds) because an update was under way."""
+    async def skipped_tiers(self, pair_id: int, job_id: int) -> list[str]:
+        """The tiers of ``pair_id`` skipped because update job ``job_id`` was queued or running (by job, not by time:
+        the processes of a fleet do not share one clock)."""
         rows = await self.db.fetch_all(
-            "SELECT tier FROM cortex_runs WHERE pair_id = ? AND status = 'skipped' AND started_at >= ? ORDER BY id",
-            (pair_id, since))
+            "SELECT tier FROM cortex_runs WHERE pair_id = ? AND status = 'skipped' AND job_id = ? ORDER BY id",
+            (pair_id, job_id))
         return [str(r[0]) for r in rows]
 
     async def job_runs(self, pair_id: int, job_id: int) -> list[int]:
