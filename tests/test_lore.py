@@ -308,17 +308,18 @@ async def test_not_always_on_a_new_entry_is_an_option_not_its_text(tmp_path: Pat
 async def test_a_large_lore_book_is_matched_off_the_event_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                                               ) -> None:
     """An attacker's finding: a card of 500 entries × 50 keys written with {{user}} took 2.6 s of the event loop
-    to prepare for each new person, and every other reply and command waited. A lore book above a few dozen
-    entries is matched on a thread: the loop goes on meanwhile (here the matching is made slow on purpose)."""
+    to prepare for each new person, and every other reply and command waited. A lore book of many keys is matched
+    on a thread of its own: the loop goes on meanwhile (here the matching is made slow on purpose)."""
     import asyncio
     import threading
     import time
 
     from cortex.personas import lore
 
+    monkeypatch.setattr(lore, "THREAD_ABOVE_KEYS", 10)  # (a few entries stand for a card's thousands of keys)
     llm = ScriptedProvider()
     async with App(_config(tmp_path), llm=llm) as app:
-        for n in range(lore.THREAD_ABOVE_ENTRIES + 1):
+        for n in range(11):
             await run(app, f"!lore add Fact {n} about the harbour. --keys harbour{n}")
         matched_on: list[str] = []
         slow = lore.LoreIndex.chosen
@@ -342,5 +343,5 @@ async def test_a_large_lore_book_is_matched_off_the_event_loop(tmp_path: Path, m
             assert "Fact 7 about the harbour." in await prompt(app, llm, "what about harbour7?")
         finally:
             ticker.cancel()
-        assert matched_on and matched_on[0] != threading.main_thread().name
+        assert matched_on and matched_on[0].startswith("lore-match")
         assert ticks >= 5  # (the loop ran on while the lore was matched: on it, hardly a tick in the 0.5 s)

@@ -17,6 +17,7 @@ import math
 import re
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from bot.ports import PromptContext, PromptSection, SectionSlot
@@ -50,9 +51,11 @@ def words(text: str) -> set[str]:
 
 _ONE_WORD = re.compile(r"\w+")
 PREVIOUS_CHARS = 4000  # of the message before this one, looked through for keys
-# A lore book of more entries than this is matched on a thread of its own: a card of 500 entries × 50 keys written
-# with {{user}} took 2.6 s to prepare for each new person, and on the event loop every other reply waited for it.
-THREAD_ABOVE_ENTRIES = 50
+# A lore book of more keys than this is matched on a thread of its own: a card of 500 entries × 50 keys written with
+# {{user}} took 2.6 s to prepare for each new person, and on the event loop every other reply waited for it. One
+# thread for all of them: the default pool's few threads also embed the replies' queries, under a timeout.
+THREAD_ABOVE_KEYS = 500
+_MATCHING = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lore-match")
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,7 +250,9 @@ class LoreSection:
         # (the end of the message before: what the new one answers; a reply can be 40,000 characters long)
         choose = functools.partial(self.index.chosen, entries, f"{_tail(context.previous)}\n{context.message}",
                                    context.message, (context.persona, context.user_name))
-        chosen = await asyncio.to_thread(choose) if len(entries) > THREAD_ABOVE_ENTRIES else choose()
+        keys = sum(len(e.keys) + len(e.secondary_keys) for e in entries)
+        chosen = await asyncio.get_running_loop().run_in_executor(_MATCHING, choose) if keys > THREAD_ABOVE_KEYS \
+            else choose()
         if not chosen:
             return []
         lines, used, whole = self._fitting(chosen, int(budget * LORE_SHARE))
