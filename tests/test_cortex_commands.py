@@ -906,7 +906,6 @@ async def test_a_forget_me_stopped_before_its_scrub_is_scrubbed_at_the_next_star
     config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "personas": [{"name": "Cora"}]})
     async with App(config, llm=ScriptedProvider()) as app:
         await _two_users_tell_secrets(app)
-        scrub = app.storage.scrub
 
         async def killed() -> None:  # the process died right after the commit
             return None
@@ -916,7 +915,6 @@ async def test_a_forget_me_stopped_before_its_scrub_is_scrubbed_at_the_next_star
         assert await app.storage.get_setting(SCRUB_PENDING) is not None
     # (its stop scrubbed nothing either: the state a killed process leaves)
     assert b"xylophone" in _database_bytes(tmp_path)
-    assert scrub is not None
     async with App(config, llm=ScriptedProvider()) as app:
         assert await app.storage.get_setting(SCRUB_PENDING) is None
         assert not await app.storage.scrub_if_pending()  # nothing to do: the hourly check costs a lookup

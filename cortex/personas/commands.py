@@ -115,7 +115,8 @@ class PersonaCommands:
             ("revert", (section, number("version", "the version to bring back", required=True)),
              "bring back an earlier version of a section", self.revert, True),
             ("delete", (words("name", "a persona's name", required=True, complete="personas"),),
-             "remove a persona nobody uses (its history stays)", self.delete, True),
+             "remove a persona made in chat (where it was picked, the default answers; its history stays)",
+             self.delete, True),
         ):
             registry.register(Command(f"persona {sub}", summary, handler, params, admin=True, bot_admin=bot_admin))
 

@@ -157,8 +157,8 @@ class PersonaRegistry:
             if row is None:  # the name is held by one that looks like it ("Nеmo" with a Cyrillic е, "Ｎｅｍｏ")
                 raise ConfigError(
                     f"[[personas]] {entry.name!r} in the config file looks like the name of a persona made in chat or "
-                    "from a character card (names that look alike, such as one with a Cyrillic letter, count as "
-                    "one): rename it in the config, or rename or delete the other (!persona list shows them)")
+                    "from a character card (names that look alike, such as one with a Cyrillic letter, count as one, "
+                    "and a deleted one would come back for it): rename it in the config")
             log.info("persona %s added from the config file", entry.name)
         elif row.source != CONFIG:  # made in chat (or by a card) before the config named it
             await repo.update_persona(row.id, entry.language, config_settings(entry), ts_config, source=CONFIG)
