@@ -16,7 +16,7 @@ from bot.llm.base import ChatMessage
 from bot.persona import Persona, section_title
 from bot.ports import PromptSection
 from bot.storage.base import StoredMessage, Summary
-from bot.text import one_line_name
+from bot.text import one_line_name, without_hidden
 from bot.tokens import TokenEstimator, fit_to_budget
 
 # {char_name} as before, and the seed's and the character cards' {{char}}, {{user}}, {{LANGUAGE}}, {{LANGUAGE_CODE}}.
@@ -105,31 +105,19 @@ def fenced(text: str) -> str:
     return text.replace("<<", "\u2039\u2039").replace(">>", "\u203a\u203a")
 
 
-# Characters a person reading the text does not see but a model does: Unicode tags (a whole hidden sentence can be
-# spelled in them; a flag of a country's region, 🏴 and a few tag letters, is kept) and the bidi embeddings, overrides
-# and isolates (text shown in another order than sent).
-_HIDDEN = re.compile("(\U0001F3F4[\U000E0030-\U000E0039\U000E0061-\U000E007A]{2,6}\U000E007F)"
-                     "|[\U000E0000-\U000E007F\u202A-\u202E\u2066-\u2069]")
-# Other line breaks than "\n" (a heading may start after any of them in a model's eyes).
-_LINE_BREAK = re.compile("\r\n?|[\u0085\u2028\u2029\v\f]")
 _HEADING = re.compile(r"( {0,3})(#{1,6})(?=[ \t]|$)")  # a Markdown heading at a line's start
 _UNDERLINE = re.compile(r" {0,3}=+[ \t]*")  # "Rules\n=====": the heading of the line above
 _FENCE = re.compile(r" {0,3}(```|~~~)")
 GUIDELINES_NOTE = "(These guidelines follow the Rules above; where the two differ, the Rules win.)"
 
 
-def visible(text: str) -> str:
-    """``text`` without the characters a reader does not see (``_HIDDEN``), its line breaks plain ones: what the
-    model gets is what an admin or user can read on the page or in chat."""
-    return _HIDDEN.sub(lambda m: m.group(1) or "", _LINE_BREAK.sub("\n", text))
-
-
 def nested(text: str) -> str:
-    """``text`` (made :func:`visible` first) with its Markdown headings moved below the prompt's own (a body's
-    "# Rules" becomes "### Rules", an underlined one loses its underline's power): text placed inside a section (a
-    soul, guidelines, a memory file, lore, a card's description) cannot start a section of the prompt's own, such as
-    a second "# Rules". Lines inside a fenced code block are left as they are (a shell comment is no heading)."""
-    lines, fence = visible(text).split("\n"), ""
+    """``text`` (through :func:`bot.text.without_hidden` first) with its Markdown headings moved below the
+    prompt's own (a body's "# Rules" becomes "### Rules", an underlined one loses its underline's power): text
+    placed inside a section (a soul, guidelines, a memory file, lore, a card's description) cannot start a section
+    of the prompt's own, such as a second "# Rules". Lines inside a fenced code block are left as they are (a shell
+    comment is no heading)."""
+    lines, fence = without_hidden(text).split("\n"), ""
     for n, line in enumerate(lines):
         opened = _FENCE.match(line)
         if fence:
@@ -177,7 +165,7 @@ def render_system(parts: PromptParts, variables: Mapping[str, str]) -> str:
     if soul:
         blocks.append("# Who you are\n" + "\n\n".join(soul))
     blocks.extend(memory)
-    return visible("\n\n".join(blocks))
+    return without_hidden("\n\n".join(blocks))
 
 
 def history_turns(messages: Sequence[StoredMessage], *, label_speakers: bool) -> list[ChatMessage]:
@@ -185,7 +173,7 @@ def history_turns(messages: Sequence[StoredMessage], *, label_speakers: bool) ->
     turns: list[ChatMessage] = []
     for m in messages:
         if m.role == "user" and label_speakers:  # (a name stored before names were kept on one line: made so)
-            turns.append(ChatMessage(role="user", content=visible(f"{one_line_name(m.author_name)}: {m.text}")))
-        else:
-            turns.append(ChatMessage(role=m.role, content=visible(m.text)))
+            turns.append(ChatMessage(role="user", content=f"{one_line_name(m.author_name)}: {m.text}"))
+        else:  # (a ChatMessage leaves out what a reader does not see: bot.text.without_hidden)
+            turns.append(ChatMessage(role=m.role, content=m.text))
     return turns

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from bot.text import nested_within, storable, storable_json
+from bot.text import nested_within, storable, storable_json, without_hidden
 
 Role = Literal["user", "assistant", "tool"]
 
@@ -85,7 +85,8 @@ class ChatMessage:
     is_error: bool = False  # for role == "tool": the tool failed
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "content", storable(self.content))
+        # (and what a reader does not see is not sent: a tool's result, a summary's or an update's text)
+        object.__setattr__(self, "content", without_hidden(storable(self.content)))
         if self.tool_call_id is not None:
             object.__setattr__(self, "tool_call_id", storable(self.tool_call_id))
 
@@ -155,6 +156,9 @@ class LLMRequest:
     temperature: float | None = None
     tools: tuple[ToolSpec, ...] = ()
     tool_choice: Literal["auto", "none"] = "auto"  # "none": answer in text even though tools are defined
+
+    def __post_init__(self) -> None:  # (every system prompt: the reply's, a summary's, a cortex update's)
+        object.__setattr__(self, "system", without_hidden(self.system))
 
 
 @dataclass(frozen=True, slots=True)
