@@ -96,7 +96,7 @@ def nested_within(value: Any, depth: int = MAX_JSON_DEPTH) -> bool:
 
 # Printable by Unicode's rules, yet shown as blank space: the Hangul fillers and the blank Braille pattern ("Cora⠀"
 # looks like "Cora", and a name of "ㅤ" alone like no name).
-BLANK_LOOKING = frozenset("\u115f\u1160\u2800\u3164\uffa0")
+BLANK_LOOKING = frozenset("\u034f\u115f\u1160\u2800\u3164\uffa0")  # (and the combining grapheme joiner)
 
 
 def readable(name: str) -> bool:

@@ -214,7 +214,7 @@ def test_an_anthropic_base_url_ending_in_v1_is_explained() -> None:
     assert parse_config({"llm": {"provider": "openai", "base_url": "http://localhost:8080/v1"}}).llm.base_url
 
 
-@pytest.mark.parametrize("name", ["   ", "Co\u200bra", " Cora", "Cora\u0007", "Cora\u2800", "\u3164"])
+@pytest.mark.parametrize("name", ["   ", "Co\u200bra", " Cora", "Cora\u0007", "Cora\u2800", "\u3164", "Co\u034fra"])
 def test_a_persona_name_is_visible_text(name: str) -> None:
     with pytest.raises(ConfigError, match="a persona's name is visible text"):
         parse_config({"personas": [{"name": name}]})
