@@ -116,19 +116,34 @@ def nested(text: str) -> str:
     prompt's own (a body's "# Rules" becomes "### Rules", an underlined one loses its underline's power): text
     placed inside a section (a soul, guidelines, a memory file, lore, a card's description) cannot start a section
     of the prompt's own, such as a second "# Rules". Lines inside a fenced code block are left as they are (a shell
-    comment is no heading)."""
-    lines, fence = without_hidden(text).split("\n"), ""
+    comment is no heading), but only a block that is closed: an opened one that never ends would shelter every
+    line after it."""
+    lines = without_hidden(text).split("\n")
+    code = _closed_fences(lines)
     for n, line in enumerate(lines):
-        opened = _FENCE.match(line)
-        if fence:
-            fence = "" if opened and opened.group(1) == fence else fence
-        elif opened:
-            fence = opened.group(1)
-        elif heading := _HEADING.match(line):
+        if n in code:
+            continue
+        if heading := _HEADING.match(line):
             lines[n] = heading.group(1) + "#" * min(len(heading.group(2)) + 2, 6) + line[heading.end():]
         elif n and lines[n - 1].strip() and _UNDERLINE.fullmatch(line):
             lines[n] = "    " + line.strip()  # (indented past three spaces: not an underline any more)
     return "\n".join(lines)
+
+
+def _closed_fences(lines: Sequence[str]) -> set[int]:
+    """The numbers of the lines inside (and of) fenced code blocks that are closed."""
+    inside: set[int] = set()
+    opened_at, fence = -1, ""
+    for n, line in enumerate(lines):
+        marker = _FENCE.match(line)
+        if marker is None:
+            continue
+        if not fence:
+            opened_at, fence = n, marker.group(1)
+        elif marker.group(1) == fence:
+            inside.update(range(opened_at, n + 1))
+            fence = ""
+    return inside
 
 
 def information(title: str, body: str) -> str:
