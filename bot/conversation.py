@@ -220,7 +220,7 @@ class ConversationCore:
             self._window_sizes.clear()
         self._window_sizes[channel.id] = len(window.messages)
         summary = await self.storage.latest_summary(channel.id)
-        now = message.sent_at or datetime.now(UTC)
+        now = believable(message.sent_at) or datetime.now(UTC)
         context = PromptContext(
             persona=persona.name,
             language=persona.language,

@@ -105,8 +105,10 @@ def fenced(text: str) -> str:
     return text.replace("<<", "\u2039\u2039").replace(">>", "\u203a\u203a")
 
 
+# Other line breaks than "\n" (a heading may start after any of them in a model's eyes).
+_LINE_BREAK = re.compile("\r\n?|[\u0085\u2028\u2029\v\f]")
 _HEADING = re.compile(r"( {0,3})(#{1,6})(?=[ \t]|$)")  # a Markdown heading at a line's start
-_UNDERLINE = re.compile(r" {0,3}=+[ \t]*")  # "Rules\n=====": the heading of the line above
+_UNDERLINE = re.compile(r" {0,3}(?:=+|-+)[ \t]*")  # "Rules\n=====" (or "-----"): the line above is a heading
 _FENCE = re.compile(r" {0,3}(```|~~~)")
 GUIDELINES_NOTE = "(These guidelines follow the Rules above; where the two differ, the Rules win.)"
 
@@ -118,7 +120,7 @@ def nested(text: str) -> str:
     of the prompt's own, such as a second "# Rules". Lines inside a fenced code block are left as they are (a shell
     comment is no heading), but only a block that is closed: an opened one that never ends would shelter every
     line after it."""
-    lines = without_hidden(text).split("\n")
+    lines = _LINE_BREAK.sub("\n", without_hidden(text)).split("\n")
     code = _closed_fences(lines)
     for n, line in enumerate(lines):
         if n in code:
@@ -136,8 +138,8 @@ def _closed_fences(lines: Sequence[str]) -> set[int]:
     opened_at, fence = -1, ""
     for n, line in enumerate(lines):
         marker = _FENCE.match(line)
-        if marker is None:
-            continue
+        if marker is None or (marker.group(1) == "```" and "`" in line[marker.end():]):
+            continue  # (a backtick in a ``` line's info string: no fence, CommonMark says)
         if not fence:
             opened_at, fence = n, marker.group(1)
         elif marker.group(1) == fence:

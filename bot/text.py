@@ -183,11 +183,9 @@ def continued(text: str) -> str:
 # and isolates (text shown in another order than sent).
 _HIDDEN = re.compile("(\U0001F3F4[\U000E0030-\U000E0039\U000E0061-\U000E007A]{2,6}\U000E007F)"
                      "|[\U000E0000-\U000E007F\u202A-\u202E\u2066-\u2069]")
-# Other line breaks than "\n" (a heading may start after any of them in a model's eyes).
-_LINE_BREAK = re.compile("\r\n?|[\u0085\u2028\u2029\v\f]")
 
 
 def without_hidden(text: str) -> str:
-    """``text`` without the characters a reader does not see (``_HIDDEN``), its line breaks plain ones: what the
-    model gets is what an admin or user can read on the page or in chat."""
-    return _HIDDEN.sub(lambda m: m.group(1) or "", _LINE_BREAK.sub("\n", text))
+    """``text`` without the characters a reader does not see (``_HIDDEN``): what the model gets is what an admin or
+    user can read on the page or in chat."""
+    return _HIDDEN.sub(lambda m: m.group(1) or "", text)

@@ -480,7 +480,8 @@ class CortexRepository:
     async def job_runs(self, pair_id: int, job_id: int) -> list[int]:
         """The ids of the pair's update runs that ``job_id`` started (its attempts so far), oldest first."""
         rows = await self.db.fetch_all(
-            "SELECT id FROM cortex_runs WHERE pair_id = ? AND job_id = ? ORDER BY id", (pair_id, job_id))
+            "SELECT id FROM cortex_runs WHERE pair_id = ? AND job_id = ? AND status <> 'skipped' ORDER BY id",
+            (pair_id, job_id))  # (a tier skipped because this job was under way names it too: not an attempt)
         return [int(r[0]) for r in rows]
 
     async def last_update_started(self, pair_id: int, exclude_job: int | None = None) -> float | None:

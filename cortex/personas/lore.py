@@ -52,10 +52,10 @@ def words(text: str) -> set[str]:
 _ONE_WORD = re.compile(r"\w+")
 PREVIOUS_CHARS = 4000  # of the message before this one, looked through for keys
 # A lore book of more keys than this is matched on a thread of its own: a card of 500 entries × 50 keys written with
-# {{user}} took 2.6 s to prepare for each new person, and on the event loop every other reply waited for it. One
-# thread for all of them: the default pool's few threads also embed the replies' queries, under a timeout.
+# {{user}} took 2.6 s to prepare for each new person, and on the event loop every other reply waited for it. Threads
+# of their own: the default pool's few threads also embed the replies' queries, under a timeout.
 THREAD_ABOVE_KEYS = 500
-_MATCHING = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lore-match")
+_MATCHING = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lore-match")
 
 
 @dataclass(frozen=True, slots=True)
