@@ -11,7 +11,8 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -375,14 +376,7 @@ def jobs(ctx: click.Context, action: str | None, job_id: int | None, wanted: str
 
 
 async def _jobs(config: Config, status: str, limit: int, retry: int | None) -> list[str]:
-    from bot.storage import open_storage
-
-    url, password = config.storage.resolve()
-    _require_configured_database(url)
-    storage = await open_storage(url, password=password, pool_size=2)
-    try:
-        if await storage.pending_migrations():
-            raise StorageError(f"{storage.db.url} is not migrated yet: run cortexbot migrate (or start the bot)")
+    async with _configured_storage(config) as storage:
         if retry is not None:
             return [await _retry_job(storage, retry)]
         found = await storage.list_jobs(cast(Any, status), limit=limit, by_change=True)
@@ -392,8 +386,6 @@ async def _jobs(config: Config, status: str, limit: int, retry: int | None) -> l
         return [f"job {j.id}  {j.kind}  {j.key}  {j.status} {_ago(now - j.updated_at.timestamp())} ago, "
                 f"{j.attempts}/{j.max_attempts} attempts" + (f": {one_line(j.last_error, 200)}" if j.last_error else "")
                 for j in found]
-    finally:
-        await storage.close()
 
 
 async def _retry_job(storage: Any, number: int) -> str:
@@ -412,6 +404,14 @@ async def _retry_job(storage: Any, number: int) -> str:
 
 
 async def _fleet_status(config: Config) -> tuple[list[Any], Any]:
+    async with _configured_storage(config) as storage:
+        return await storage.fleet.live_processes(), await storage.fleet.queue_stats(since=time.time() - RECENT_SECONDS)
+
+
+@asynccontextmanager
+async def _configured_storage(config: Config) -> AsyncIterator[Any]:
+    """The configured database, open and migrated, for a command that reads it (``status``, ``jobs``): one that
+    is not there or not migrated yet is refused in words, not made or upgraded."""
     from bot.storage import open_storage
 
     url, password = config.storage.resolve()
@@ -420,7 +420,7 @@ async def _fleet_status(config: Config) -> tuple[list[Any], Any]:
     try:
         if await storage.pending_migrations():
             raise StorageError(f"{storage.db.url} is not migrated yet: run cortexbot migrate (or start the bot)")
-        return await storage.fleet.live_processes(), await storage.fleet.queue_stats(since=time.time() - RECENT_SECONDS)
+        yield storage
     finally:
         await storage.close()
 

@@ -54,7 +54,7 @@ from bot.ports import (
 from bot.prompt import PromptParts, fit_soul, history_turns, render_system
 from bot.storage.base import Channel, LLMCallRecord, ReplyStats, Storage, StoredMessage, Summary, User
 from bot.storage.engine import StaleReference
-from bot.storage.incognito import CLOCK_SLACK_SECONDS
+from bot.storage.incognito import believable
 from bot.storage.sources import ReplySource
 from bot.summary import SummaryEngine, budgets_for
 from bot.text import storable, visible
@@ -68,14 +68,6 @@ SOUL_BUDGET = 3000  # tokens of soul sections (an imported card may hold far mor
 MAX_REPLY_CHARS = 40_000  # a reply's text shown and stored: ~20 Discord messages (a broken server sent MBs)
 MAX_CALLS_PER_ROUND = 8  # tool calls of one model turn a reply runs; the rest are refused
 CUT_NOTE = "\n\n[… the rest of this reply was cut: it was too long]"
-
-
-def believable(sent_at: datetime | None) -> datetime | None:
-    """The platform's time of a message, unless it is further off the bot's clock than an incognito stretch's start
-    may be (``CLOCK_SLACK_SECONDS``): both are compared, so both go by the same rule (then the bot's clock)."""
-    if sent_at is None or abs((sent_at - datetime.now(UTC)).total_seconds()) > CLOCK_SLACK_SECONDS:
-        return None
-    return sent_at
 
 
 def _refusal(call: ToolCall, number_in_turn: int, cut: int) -> str:

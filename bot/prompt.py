@@ -182,7 +182,7 @@ def render_system(parts: PromptParts, variables: Mapping[str, str]) -> str:
     if soul:
         blocks.append("# Who you are\n" + "\n\n".join(soul))
     blocks.extend(memory)
-    return without_hidden("\n\n".join(blocks))
+    return "\n\n".join(blocks)  # (what a reader does not see: left out of every request by LLMRequest itself)
 
 
 def history_turns(messages: Sequence[StoredMessage], *, label_speakers: bool) -> list[ChatMessage]:

@@ -7,10 +7,20 @@ past messages
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime
 
 from bot.storage.engine import Database
 
 CLOCK_SLACK_SECONDS = 600.0  # a platform's time further off the bot's clock than this is not believed
+
+
+def believable(sent_at: datetime | None) -> datetime | None:
+    """The platform's time of a message or a command, unless it is further off the bot's clock than
+    ``CLOCK_SLACK_SECONDS`` (then None: the bot's clock). Messages and a stretch's start are compared, so both
+    go by this one rule."""
+    if sent_at is None or abs((sent_at - datetime.now(UTC)).total_seconds()) > CLOCK_SLACK_SECONDS:
+        return None
+    return sent_at
 
 # "This message (alias m) is not inside an incognito stretch of its user and persona."
 NOT_INCOGNITO = ("NOT EXISTS (SELECT 1 FROM incognito AS i WHERE i.user_id = {m}.user_id AND i.persona = {m}.persona"
@@ -25,12 +35,12 @@ class IncognitoRepository:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    async def start(self, user_id: int, persona: str, at: float | None = None) -> float:
+    async def start(self, user_id: int, persona: str, at: datetime | None = None) -> float:
         """Begin a stretch (or keep the running one) at ``at``: when the platform says the pause was sent, the
         clock its messages are stored by (the bot's own clock read when it got to the pause let a message sent
         just after it, but handled first or stamped earlier, fall outside the stretch); its start time."""
-        now = time.time()
-        start = at if at is not None and abs(at - now) <= CLOCK_SLACK_SECONDS else now
+        believed = believable(at)
+        start = believed.timestamp() if believed is not None else time.time()
         await self.db.write("INSERT INTO incognito (user_id, persona, started_at) VALUES (?, ?, ?)"
                             " ON CONFLICT DO NOTHING", (user_id, persona, start))
         started = await self.since(user_id, persona)

@@ -108,8 +108,7 @@ class MemoryCommands:
 
     async def pause(self, ctx: CommandContext, args: Sequence[str]) -> str:
         user, _ = await self.pairs.pair_for(ctx.user_key, ctx.user_name, ctx.persona)
-        started = await self.pairs.storage.incognito.start(
-            user.id, ctx.persona, ctx.sent_at.timestamp() if ctx.sent_at is not None else None)
+        started = await self.pairs.storage.incognito.start(user.id, ctx.persona, ctx.sent_at)
         since = datetime.fromtimestamp(started, tz=UTC).strftime("%H:%M")
         return (f"Incognito with {ctx.persona} since {since} UTC: I still answer, but nothing said from then on "
                 "reaches my summaries, your files, your memory items or search by meaning, and it is deleted "

@@ -1143,18 +1143,18 @@
     if (el) el.focus();
   }
 
-  async function patchItem(it, change, message, reload, trigger) {
-    const id = trigger && trigger.dataset.testid;
-    const done = await attempt(() => api('PATCH', `/api/me/items/${enc(it.id)}`, change), trigger);
-    if (done !== undefined) notify(message);
-    else if ($('app').hidden) return;  // (the session ended)
-    await reload();
-    refocus(id);
+  function patchItem(it, change, message, reload, trigger) {
+    return itemRequest(() => api('PATCH', `/api/me/items/${enc(it.id)}`, change), message, reload, trigger);
   }
 
-  async function itemAction(it, action, message, reload, trigger) {
+  function itemAction(it, action, message, reload, trigger) {
+    return itemRequest(() => api('POST', `/api/me/items/${enc(it.id)}/${action}`), message, reload, trigger);
+  }
+
+  /** A change of an item: its word on success, the list reloaded, the keyboard back on the control used. */
+  async function itemRequest(request, message, reload, trigger) {
     const id = trigger && trigger.dataset.testid;
-    const done = await attempt(() => api('POST', `/api/me/items/${enc(it.id)}/${action}`), trigger);
+    const done = await attempt(request, trigger);
     if (done !== undefined) notify(message);
     else if ($('app').hidden) return;  // (the session ended)
     await reload();
