@@ -141,6 +141,7 @@ class App:
             self.cortex.commands.extra_stats = self._extra_stats
             self.cortex.commands.on_forget.append(lambda _user_key: self.core.forget_recent_texts())
             self.cortex.memory_commands.on_resume = self._forget_paused
+            self.core.on_stretch_dropped = self._forget_paused
             await self.cortex.memory_admin.load()
             self.router = Router(self.config, self.storage, self.core, self.commands, self.personas)
             self.fleet = Fleet(self.storage)

@@ -173,6 +173,8 @@ class ConversationCore:
         self.preparers = list(preparers)
         self._window_sizes: dict[int, int] = {}  # channel id -> messages in its last window
         self._last_text: dict[str, str] = {}  # channel key -> the last message stored there (by this process)
+        # Called when a message of an ended incognito stretch was deleted (the app drops its words from its caches).
+        self.on_stretch_dropped: Callable[[], None] | None = None
 
     def reply(self, message: IncomingMessage, persona: str | None = None, *, is_admin: bool = False,
               is_bot_admin: bool = False) -> ReplyStream:
@@ -198,7 +200,8 @@ class ConversationCore:
         self._remember_last(message.channel_key, user_msg.text)
         budgets = budgets_for(self.config, persona)
         # Whether the author is incognito is asked once, alongside the window (the tools and the tiers need it).
-        window, incognito_since = await asyncio.gather(build_window(
+        sent = user_msg.created_at.timestamp()
+        window, (incognito_since, in_ended) = await asyncio.gather(build_window(
             self.storage,
             self.estimator,
             channel.id,
@@ -207,7 +210,7 @@ class ConversationCore:
             before_id=user_msg.id,
             size_hint=self._window_sizes.get(channel.id, 0),
             viewer=(user.id, persona.name),
-        ), self.storage.incognito.since(user.id, persona.name))
+        ), self.storage.incognito.at(user.id, persona.name, sent))
         if len(self._window_sizes) > 10_000:
             self._window_sizes.clear()
         self._window_sizes[channel.id] = len(window.messages)
@@ -230,8 +233,9 @@ class ConversationCore:
             is_bot_admin=stream._is_bot_admin,
             message_key=message.message_key,
             parent_channel_key=message.parent_channel_key,
-            # (by the message's own time: one sent before the pause, handled after it, is not in the stretch)
-            incognito=incognito_since is not None and user_msg.created_at.timestamp() >= incognito_since,
+            # (by the message's own time: one sent before the pause, handled after it, is not in the stretch; one
+            # sent in a stretch that ended before it was stored is answered as in it, and goes)
+            incognito=in_ended or (incognito_since is not None and sent >= incognito_since),
         )
         stream.incognito = context.incognito  # before the first piece of text
         sections: dict[str, list[PromptSection]] = {slot: [] for slot in get_args(SectionSlot)}
@@ -463,6 +467,7 @@ class ConversationCore:
                              completion.usage.output_tokens, duration_ms, estimated_input_tokens=raw_prompt)
         ended = "its incognito stretch ended while it was written"
         if incognito and await self._stretch_ended(user, persona, user_msg):
+            await self._drop_from_ended_stretch(user_msg, message.channel_key)
             await self.storage.record_llm_call(call)
             log.info("the reply in channel %d is not stored: %s", channel.id, ended)
             return None
@@ -481,6 +486,7 @@ class ConversationCore:
             return None
         if incognito and await self._stretch_ended(user, persona, user_msg):  # (between the check and the store)
             await self.storage.delete_message(reply.id)
+            await self._drop_from_ended_stretch(user_msg, message.channel_key)
             await self.storage.record_llm_call(call)
             log.info("the reply in channel %d is not kept: %s", channel.id, ended)
             return None
@@ -523,8 +529,20 @@ class ConversationCore:
     async def _stretch_ended(self, user: User, persona: Persona, user_msg: StoredMessage) -> bool:
         """Whether the incognito stretch ``user_msg`` was sent in has ended since (``!memory resume``, or its
         hours ran out): the message went with it, and a reply stored now would outlive it, outside any stretch."""
-        since = await self.storage.incognito.since(user.id, persona.name)
-        return since is None or since > user_msg.created_at.timestamp()
+        sent = user_msg.created_at.timestamp()
+        since, in_ended = await self.storage.incognito.at(user.id, persona.name, sent)
+        return in_ended or since is None or since > sent
+
+    async def _drop_from_ended_stretch(self, user_msg: StoredMessage, channel_key: str) -> None:
+        """The message of a stretch that has ended goes: the end deleted it, unless it was stored after that
+        (it was on its way as ``!memory resume`` was handled), and then it goes now, with its words in this
+        process (``on_stretch_dropped``)."""
+        await self.storage.delete_message(user_msg.id)
+        if self._last_text.get(channel_key) == user_msg.text:
+            del self._last_text[channel_key]
+        if self.on_stretch_dropped is not None:
+            self.on_stretch_dropped()
+        await self.storage.scrub_soon()
 
     async def _check_summary(self, exchange: Exchange, window: HistoryWindow, summary: Summary | None) -> None:
         try:

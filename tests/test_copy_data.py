@@ -79,6 +79,8 @@ async def fill(storage: Storage) -> None:
     await storage.sources.record(replies[0].id, [ReplySource("item", 1), ReplySource("file", 2, "memory.md")])
     await storage.sources.link(["discord-message:99"], replies[0].id)
     await storage.incognito.start(bob.id, "Lena")
+    await storage.incognito.start(ann.id, "Cora")
+    await storage.end_incognito(ann.id, "Cora")  # (remembered a while as ended)
     await storage.skills.record(SkillExecution("current_time", "Lena", bob.key, "matrix:!dm", "", "{}", True,
                                                "", 3, "model", 1_700_000_000.5))  # audited only for a user there
     token = await storage.web.create_link("console:bob", "Bob", 600)
@@ -92,7 +94,8 @@ async def dump(storage: Storage, table: str) -> list[dict[str, Any]]:
     """A table's rows in key order, engine differences taken out (vectors as float32 tuples, no tsvectors)."""
     order = {"settings": "key", "cortex_settings": "scope, key", "periodic_runs": "name", "instance_locks": "name",
              "message_vectors": "message_id", "reply_sources": "message_id, kind, ref",
-             "platform_messages": "key", "incognito": "user_id, persona", "web_links": "token_hash",
+             "platform_messages": "key", "incognito": "user_id, persona",
+             "incognito_ended": "user_id, persona, started_at", "web_links": "token_hash",
              "web_sessions": "id_hash"}.get(table, "id")
     left_out = f" WHERE key <> '{copy_module.LAST_COPY_KEY}'" if table == "settings" else ""  # (the target's)
     rows = await storage.db.fetch_all(f"SELECT * FROM {table}{left_out} ORDER BY {order}")

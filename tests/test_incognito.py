@@ -391,3 +391,57 @@ async def test_a_message_sent_before_the_pause_keeps_its_reply_however_late_it_i
         assert channel is not None
         kept = sorted(m.text for m in await app.storage.recent_messages(channel.id, 20))
         assert kept == ["echo: sent before the pause", "sent before the pause"], kept
+
+
+async def test_a_message_sent_in_a_stretch_and_stored_after_its_end_goes_too(tmp_path: Path) -> None:
+    """A privacy auditor's finding: a message sent while paused but still on its way when `!memory resume` was
+    handled (Matrix handles each event as a task; a busy bot gets to it late) was stored after the stretch's end
+    deleted the rest, outside any stretch: kept for good, in summaries, files and search. The ended stretch is
+    remembered a while: such a message is answered as in it and goes; one sent after the resume stays."""
+    from datetime import UTC, datetime, timedelta
+
+    from bot.llm.errors import LLMServerError
+    from bot.storage.incognito import ENDED_KEPT_SECONDS
+
+    def inbound(text: str, sent: datetime) -> Inbound:
+        return Inbound(IncomingMessage("discord", "dm-ann", "7", "Ann", text, is_dm=True, sent_at=sent))
+
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000}})
+    llm = ScriptedProvider()
+    async with App(config, llm=llm) as app:
+        t0 = datetime.now(UTC) - timedelta(seconds=30)
+        late, after = Sink(), Sink()
+        await app.router.handle(inbound("!memory pause", t0), Sink())
+        resumed = Sink()
+        await app.router.handle(inbound("!memory resume", t0 + timedelta(seconds=20)), resumed)
+        assert "0 messages from that stretch are deleted" in resumed.public[0].text, resumed.public[0].text
+        await app.router.handle(inbound("my secret zanzibarquux", t0 + timedelta(seconds=10)), late)
+        await app.router.handle(inbound("said after the resume", t0 + timedelta(seconds=25)), after)
+        assert late.messages[0].startswith("🕶️ echo: my secret") and not after.messages[0].startswith("🕶️")
+        rows = [str(r[0]) for r in await app.storage.db.fetch_all("SELECT text FROM messages")]
+        assert sorted(rows) == ["echo: said after the resume", "said after the resume"], rows
+        assert not any("zanzibarquux" in t for t in app.core._last_text.values())
+
+        # A late message whose reply failed stays until the stretch is forgotten, kept out of everything meanwhile.
+        llm.enqueue(LLMServerError("down"))
+        await app.router.handle(inbound("my other secret plughxyzzy", t0 + timedelta(seconds=15)), Sink())
+        user, channel = await app.storage.get_user("discord:7"), await app.storage.get_channel("discord:dm-ann")
+        assert user is not None and channel is not None
+        visible = [m.text for m in await app.storage.messages_between(channel.id, 0, 2**40, 100)]
+        assert "said after the resume" in visible and not any("plughxyzzy" in t for t in visible)  # (summaries)
+        history = [m.text for m, _ in await app.cortex.store.pair_messages(user.id, "Cora", 100)]
+        assert history and not any("plughxyzzy" in t for t in history)  # (cortex updates)
+        await app._end_incognito()  # (the periodic check: the stretch ended moments ago, it is still kept)
+        assert any("plughxyzzy" in str(r[0]) for r in await app.storage.db.fetch_all("SELECT text FROM messages"))
+        ago = ENDED_KEPT_SECONDS + 60  # (the whole stretch, and the message in it, that long ago)
+        await app.storage.db.write("UPDATE incognito_ended SET started_at = started_at - ?, ended_at = ended_at - ?",
+                                   (ago, ago))
+        await app.storage.db.write("UPDATE messages SET created_at = created_at - ? WHERE role = 'user'"
+                                   " AND created_at < ?", (ago, (t0 + timedelta(seconds=20)).timestamp()))
+        await app._end_incognito()
+        rows = [str(r[0]) for r in await app.storage.db.fetch_all("SELECT text FROM messages")]
+        assert sorted(rows) == ["echo: said after the resume", "said after the resume"], rows
+        assert await app.storage.db.fetch_all("SELECT * FROM incognito_ended") == []
+        await app.storage.scrub()
+    if db_url_for(tmp_path).startswith("sqlite"):
+        assert b"zanzibarquux" not in _database_bytes(tmp_path) and b"plughxyzzy" not in _database_bytes(tmp_path)

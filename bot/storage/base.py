@@ -276,6 +276,9 @@ class Storage(Protocol):
     async def delete_message(self, message_id: int) -> None:
         """Delete one message with what points at it."""
 
+    async def scrub_soon(self) -> None:
+        """Leave no trace of deleted rows in the database's files, now or (spaced) a little later."""
+
     # small persistent settings (e.g. tokenizer calibration)
     def forget_cached(self, *, user_key: str, channel_ids: Sequence[int] = ()) -> None:
         """Drop what this process cached of a user (and channels' summaries), e.g. after another process

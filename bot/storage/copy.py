@@ -57,7 +57,8 @@ TABLES: tuple[str, ...] = (
     "users", "personas", "versioned_texts", "lore_entries", "channels", "messages", "summaries", "jobs",
     "llm_calls", "reply_stats", "settings",
     "cortex_pairs", "cortex_versions", "cortex_runs", "cortex_settings", "memory_items", "message_vectors",
-    "reply_sources", "platform_messages", "incognito", "skill_executions", "web_links", "web_sessions",
+    "reply_sources", "platform_messages", "incognito", "incognito_ended",
+    "skill_executions", "web_links", "web_sessions",
     "periodic_runs", "instance_locks",
 )
 # What names a row apart from its id (a unique column): a row the target holds under the same id must

@@ -53,7 +53,7 @@ from bot.storage.engine import (
 )
 from bot.storage.export import ExportRepository, import_claim_key
 from bot.storage.fleet import FleetRepository
-from bot.storage.incognito import IncognitoRepository, not_incognito
+from bot.storage.incognito import IncognitoRepository, believable, not_incognito
 from bot.storage.memory import MemoryRepository
 from bot.storage.migrations import MIGRATIONS
 from bot.storage.personas import LoreRepository, PersonaRepository
@@ -235,27 +235,62 @@ class Storage:
         self._refuse_newer(set(await self.applied_migrations()), elsewhere)
         return await self.db.migrate(self._migrations)
 
-    async def end_incognito(self, user_id: int, persona: str) -> int | None:
-        """End the pair's incognito stretch: its messages (the user's and the replies) go, with what points
-        at them, in one transaction; how many (None when there was no stretch). A user row that only
-        carried the stretch over a forget-me (no name, nothing else stored) goes too."""
+    async def end_incognito(self, user_id: int, persona: str, at: datetime | None = None) -> int | None:
+        """End the pair's incognito stretch (``at``: when the platform says the resume was sent, else now): its
+        messages (the user's and the replies) go, with what points at them, in one transaction; how many (None
+        when there was no stretch). The stretch is remembered as ended for ``ENDED_KEPT_SECONDS`` (a message
+        sent in it and stored after this is found by its time). A user row that only carried the stretch over
+        a forget-me (no name, nothing else stored) goes instead."""
         await self.flush_audit()  # buffered reply stats may point at messages deleted below
         async with self.db.transaction() as tx:
             row = await tx.fetch_one("SELECT started_at FROM incognito WHERE user_id = ? AND persona = ?",
                                      (user_id, persona))
             if row is None:
                 return None
+            started = float(row[0])
             deleted, _ = await delete_messages(tx, "user_id = ? AND persona = ? AND created_at >= ?",
-                                               (user_id, persona, float(row[0])))
+                                               (user_id, persona, started))
             await tx.execute("DELETE FROM incognito WHERE user_id = ? AND persona = ?", (user_id, persona))
-            bare = await tx.fetch_one(  # the key-only row a forget-me kept for a pause (_keep_incognito)
-                "DELETE FROM users WHERE id = ? AND display_name = ''"
-                " AND NOT EXISTS (SELECT 1 FROM messages WHERE user_id = ?)"
-                " AND NOT EXISTS (SELECT 1 FROM cortex_pairs WHERE user_id = ?)"
-                " AND NOT EXISTS (SELECT 1 FROM incognito WHERE user_id = ?) RETURNING key", (user_id,) * 4)
+            bare = await self._drop_bare_user(tx, user_id)
+            if bare is None:
+                believed = believable(at)
+                ended = max(started, believed.timestamp() if believed is not None else time.time())
+                await tx.execute("INSERT INTO incognito_ended (user_id, persona, started_at, ended_at)"
+                                 " VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING", (user_id, persona, started, ended))
         if bare is not None:
-            self.forget_cached(user_key=str(bare[0]))
+            self.forget_cached(user_key=bare)
         return len(deleted)
+
+    @staticmethod
+    async def _drop_bare_user(tx: Tx, user_id: int) -> str | None:
+        """Delete the key-only row a forget-me kept for a pause (``_keep_incognito``) once nothing else of the
+        user is stored (the ended stretches it carries go with it); its key, or None when it stays."""
+        row = await tx.fetch_one(
+            "SELECT key FROM users WHERE id = ? AND display_name = ''"
+            " AND NOT EXISTS (SELECT 1 FROM messages WHERE user_id = ?)"
+            " AND NOT EXISTS (SELECT 1 FROM cortex_pairs WHERE user_id = ?)"
+            " AND NOT EXISTS (SELECT 1 FROM incognito WHERE user_id = ?)", (user_id,) * 4)
+        if row is None:
+            return None
+        await tx.execute("DELETE FROM incognito_ended WHERE user_id = ?", (user_id,))
+        await tx.execute("DELETE FROM users WHERE id = ?", (user_id,))
+        return str(row[0])
+
+    async def sweep_ended_incognito(self, before: float) -> int:
+        """Forget the stretches that ended before ``before``, deleting the messages sent in them that were
+        stored after their end and are still there (the reply path deletes its own; one whose process stopped
+        first is left); how many such messages went."""
+        await self.flush_audit()
+        async with self.db.transaction() as tx:
+            ended = await tx.fetch_all("DELETE FROM incognito_ended WHERE ended_at < ?"
+                                       " RETURNING user_id, persona, started_at, ended_at", (before,))
+            late = 0
+            for user_id, persona, started, until in ended:
+                deleted, _ = await delete_messages(
+                    tx, "user_id = ? AND persona = ? AND created_at >= ? AND created_at < ?",
+                    (int(user_id), str(persona), float(started), float(until)))
+                late += len(deleted)
+        return late
 
     async def withdraw_message(self, key: str, now: float, author_key: str | None = None) -> tuple[bool, int]:
         """A platform message (``matrix-message:$event``) its author or a moderator took back: the user's
@@ -994,6 +1029,7 @@ class Storage:
             counts = await self.cortex.delete_pairs(tx, pair_ids)
             stretches = await tx.fetch_all("DELETE FROM incognito WHERE user_id = ? RETURNING persona, started_at",
                                            (user_id,))
+            await tx.execute("DELETE FROM incognito_ended WHERE user_id = ?", (user_id,))
             messages, channels = await delete_messages(tx, "user_id = ?", (user_id,))
             ch_marks = ",".join("?" for _ in channels) or "NULL"
             summaries = await tx.fetch_all(f"DELETE FROM summaries WHERE channel_id IN ({ch_marks}) RETURNING id",

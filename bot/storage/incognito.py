@@ -22,9 +22,17 @@ def believable(sent_at: datetime | None) -> datetime | None:
         return None
     return sent_at
 
-# "This message (alias m) is not inside an incognito stretch of its user and persona."
+# How long an ended stretch is remembered: a message sent in it may reach the bot (and be stored) after the
+# stretch's end, when it was in flight as `!memory resume` was handled (Matrix handles each event as a task).
+# Its time is the platform's, believed within CLOCK_SLACK_SECONDS: no later one can fall inside.
+ENDED_KEPT_SECONDS = CLOCK_SLACK_SECONDS + 60.0
+
+# "This message (alias m) is not inside an incognito stretch of its user and persona", running or ended
+# (a message stored after the end of the stretch it was sent in: it is about to go).
 NOT_INCOGNITO = ("NOT EXISTS (SELECT 1 FROM incognito AS i WHERE i.user_id = {m}.user_id AND i.persona = {m}.persona"
-                 " AND {m}.created_at >= i.started_at)")
+                 " AND {m}.created_at >= i.started_at)"
+                 " AND NOT EXISTS (SELECT 1 FROM incognito_ended AS e WHERE e.user_id = {m}.user_id"
+                 " AND e.persona = {m}.persona AND {m}.created_at >= e.started_at AND {m}.created_at < e.ended_at)")
 
 
 def not_incognito(alias: str) -> str:
@@ -51,6 +59,16 @@ class IncognitoRepository:
         row = await self.db.fetch_one("SELECT started_at FROM incognito WHERE user_id = ? AND persona = ?",
                                       (user_id, persona))
         return None if row is None else float(row[0])
+
+    async def at(self, user_id: int, persona: str, sent: float) -> tuple[float | None, bool]:
+        """The start of the user's running stretch with the persona (None: not paused), and whether a message
+        sent at ``sent`` lies in a stretch that has ended (it was stored after the end: it goes, unremembered)."""
+        row = await self.db.fetch_one(
+            "SELECT (SELECT started_at FROM incognito WHERE user_id = ? AND persona = ?),"
+            " EXISTS (SELECT 1 FROM incognito_ended WHERE user_id = ? AND persona = ? AND started_at <= ?"
+            " AND ended_at > ?)", (user_id, persona, user_id, persona, sent, sent))
+        assert row is not None
+        return (None if row[0] is None else float(row[0])), bool(row[1])
 
     async def active(self, user_id: int, persona: str) -> bool:
         """Whether the user is incognito with the persona (a pause is running)."""

@@ -380,4 +380,6 @@ MIGRATIONS: tuple[Migration, ...] = (
         postgres=(BACKLOG_INDEX, "CREATE INDEX memory_items_live ON memory_items (pair_id, id)"
                                  " WHERE archived_at IS NULL AND superseded_by IS NULL"),
     ),
+    Migration(23, "ended incognito stretches, kept a while: a message sent in one and stored after its end goes too",
+              _sqlite_fork(pg_schema.V23), postgres=pg_schema.V23),
 )

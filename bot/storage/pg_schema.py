@@ -357,3 +357,16 @@ V14: tuple[str, ...] = (
     "CREATE INDEX web_links_expiry ON web_links (expires_at)",
     "CREATE INDEX web_sessions_user ON web_sessions (user_key)",
 )
+
+# Ended incognito stretches, kept for a while (``bot.storage.incognito.ENDED_KEPT_SECONDS``): a message sent
+# inside one but stored after its end (in flight when `!memory resume` was handled) is found by its time, kept
+# out of everything as the stretch's messages were, and deleted.
+V23: tuple[str, ...] = (
+    """CREATE TABLE incognito_ended (
+        user_id BIGINT NOT NULL REFERENCES users(id),
+        persona TEXT NOT NULL,
+        started_at DOUBLE PRECISION NOT NULL,
+        ended_at DOUBLE PRECISION NOT NULL,
+        PRIMARY KEY (user_id, persona, started_at))""",
+    "CREATE INDEX incognito_ended_by_time ON incognito_ended (ended_at)",
+)

@@ -116,13 +116,14 @@ class MemoryCommands:
 
     async def resume(self, ctx: CommandContext, args: Sequence[str]) -> str:
         user = await self.pairs.storage.get_user(ctx.user_key)  # looked up, not made: resuming stores nothing
-        deleted = await self.pairs.storage.end_incognito(user.id, ctx.persona) if user is not None else None
+        storage = self.pairs.storage
+        deleted = await storage.end_incognito(user.id, ctx.persona, ctx.sent_at) if user is not None else None
         if deleted is None:
             return f"You were not incognito with {ctx.persona}."
         if self.on_resume is not None:
             self.on_resume()
         if deleted:  # their words leave the database's files within a minute (scrubs are spaced)
-            await self.pairs.storage.scrub_soon()
+            await storage.scrub_soon()
         verb = "is" if deleted == 1 else "are"
         return f"Incognito ended: {plural(deleted, 'message')} from that stretch {verb} deleted. I remember again."
 

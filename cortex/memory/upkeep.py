@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 
 from bot.config import MemoryConfig
 from bot.storage.core import Storage
+from bot.storage.incognito import ENDED_KEPT_SECONDS
 from bot.storage.memory import PruneReasons
 
 log = logging.getLogger(__name__)
@@ -103,15 +104,21 @@ class Pruner:
 
 
 async def end_expired_incognito(storage: Storage, hours: float) -> int:
-    """End the incognito stretches older than ``hours`` (their messages are deleted); how many ended."""
+    """End the incognito stretches older than ``hours`` (their messages are deleted), and forget those that
+    ended a while ago (with any message of theirs stored after their end); how many ended or were forgotten
+    with such a message."""
     ended = 0
     for user_id, persona in await storage.incognito.expired(time.time() - hours * 3600):
         if await storage.end_incognito(user_id, persona) is not None:
             ended += 1
-    if ended:
+    late = await storage.sweep_ended_incognito(time.time() - ENDED_KEPT_SECONDS)
+    if ended or late:
         await storage.scrub()
+    if ended:
         log.info("ended %d incognito stretch(es) that ran past %g hours", ended, hours)
-    return ended
+    if late:
+        log.info("deleted %d message(s) sent in an incognito stretch and stored after its end", late)
+    return ended + late
 
 
 async def expire_old_messages(storage: Storage, days: float) -> int:
