@@ -154,6 +154,7 @@ class WorkerPool:
             if job.status == "failed":
                 log.error("job %d (%s) was interrupted on its last attempt (%d of %d: its worker stopped or its "
                           "lease ran out each time); it failed", job.id, job.kind, job.attempts, job.max_attempts)
+                await self._failed_for_good(job)
             else:
                 log.warning("job %d (%s) was interrupted (its worker stopped or its lease ran out); it is queued "
                             "again", job.id, job.kind)
@@ -254,17 +255,22 @@ class WorkerPool:
             )
             return
         failed = await self.storage.fail_job(job.id, error, self.worker_id, attempt=job.attempts)
-        if failed and (hook := self.on_failed.get(job.kind)) is not None:  # (not when another worker has it now)
-            try:
-                await hook(job)
-            except Exception:
-                log.exception("what follows job %d (%s)'s failure did not run", job.id, job.kind)
+        if failed:  # (not when another worker has it now)
+            await self._failed_for_good(job)
         if isinstance(exc, LLMError):
             # No traceback and no message: a chained SDK exception, or a provider's error text, may quote the request.
             log.error("job %d (%s, %s) failed after %d attempt(s): %s; cortexbot jobs retry %d tries it again",
                       job.id, job.kind, job.key, job.attempts, _why(exc), job.id)
         else:
             log.error("job %d (%s, %s) failed: %s", job.id, job.kind, job.key, type(exc).__name__, exc_info=exc)
+
+    async def _failed_for_good(self, job: Job) -> None:
+        """Run what follows a failure for good of a job of its kind (``on_failed``); its own failure is logged."""
+        if (hook := self.on_failed.get(job.kind)) is not None:
+            try:
+                await hook(job)
+            except Exception:
+                log.exception("what follows job %d (%s)'s failure did not run", job.id, job.kind)
 
     async def drain(self, timeout: float) -> bool:
         """Wait until no job is queued or running (or ``timeout`` passes). True when idle. A job queued to run

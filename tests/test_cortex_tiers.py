@@ -170,3 +170,20 @@ async def test_tiers_held_back_by_an_update_that_then_failed_are_queued_again(tm
         jobs = sorted(await app.storage.list_jobs(), key=lambda j: j.id)
         assert [(j.payload["tier"], j.status) for j in jobs] == [("50", "failed"), ("75", "failed")]
         # (the second failed with nothing held back during it: no third)
+
+
+async def test_tiers_held_back_by_an_update_interrupted_on_its_last_attempt_are_queued_again(tmp_path: Path) -> None:
+    """The same when the update fails for good because its worker stopped on its last attempt (its lease ran out and
+    the recovery marks it failed): the highest tier it held back is queued again."""
+    llm = ScriptedProvider()
+    async with App(_config(tmp_path), llm=llm) as app:
+        await app.workers.stop()
+        for i in range(4):
+            await app.core.reply(_msg(f"hello {i}")).text()  # tier 50 % queued, then 75 % skipped
+        [held] = await app.storage.list_jobs()
+        await app.storage.db.write(  # (claimed by a worker that is gone, its lease over, on its last attempt)
+            "UPDATE jobs SET status = 'running', locked_by = 'gone-host:1:x', lease_until = 1, attempts = max_attempts"
+            " WHERE id = ?", (held.id,))
+        await app.workers.recover()
+        jobs = sorted(await app.storage.list_jobs(), key=lambda j: j.id)
+        assert [(j.payload["tier"], j.status) for j in jobs] == [("50", "failed"), ("75", "queued")]
