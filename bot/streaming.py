@@ -5,7 +5,8 @@ the first text as soon as it arrives, then edits that message at most once per `
 while text streams in, and makes one final edit when the stream ends. When the text outgrows the
 platform's limit, the current message is finished at a good boundary (see ``bot.splitting``) and
 the rest continues in a new message. A sink that is rate-limited raises :class:`RateLimited`; the
-reply then waits as asked and doubles its interval (Discord counts edits against message limits).
+reply then waits as asked (30 s at most) and doubles its interval (Discord counts edits against message
+limits), and after ``RATE_LIMIT_TRIES`` refusals in a row that send or edit fails as any other does.
 A library that waits out the limit itself (discord.py sleeps through a 429 and retries) shows as an
 edit slower than the interval: the interval then grows to that edit's time, doubled. Any other failure of an
 edit while the text streams in is logged and the reply goes on (the next edit shows it all); when the final
@@ -29,6 +30,9 @@ log = logging.getLogger(__name__)
 
 MAX_INTERVAL = 30.0  # seconds between edits at most, however rate-limited
 SLOW_EDIT = 1.0  # seconds: a send or edit that took longer (and longer than the interval) was held back
+# A send or edit rate-limited this often in a row gives up (raises RateLimited): a platform that keeps refusing
+# (a Cloudflare ban, a limit past the library's own retries) must not hold a reply, asking once a second, forever.
+RATE_LIMIT_TRIES = 5
 
 
 class RateLimited(Exception):
@@ -136,7 +140,7 @@ class StreamedReply:
     async def _put(self, text: str) -> None:
         if text == self._shown and self._handle is not None:
             return
-        while True:
+        for tries in range(1, RATE_LIMIT_TRIES + 1):
             started = self.clock()
             try:
                 if self._handle is None:
@@ -147,7 +151,9 @@ class StreamedReply:
                 break
             except RateLimited as limited:
                 self.interval = min(self.interval * 2, MAX_INTERVAL)
-                await self.sleep(limited.retry_after)
+                if tries == RATE_LIMIT_TRIES:
+                    raise
+                await self.sleep(min(limited.retry_after, MAX_INTERVAL))
         took = self.clock() - started
         if took > max(self.interval, SLOW_EDIT):  # waited out a limit inside the platform's library
             self.interval = min(max(self.interval, took) * 2, MAX_INTERVAL)

@@ -77,6 +77,36 @@ async def test_rate_limited_edits_back_off_and_retry() -> None:
     assert slept == [0.25, 0.25] and reply.interval == 4.0
 
 
+async def test_a_platform_that_keeps_refusing_does_not_hold_the_reply_forever() -> None:
+    """An attacker's finding: under a Cloudflare ban (or 429s past discord.py's own retries) every edit was tried
+    again once a second, without end: the reply never finished and its requests kept the ban going. After
+    ``RATE_LIMIT_TRIES`` refusals an edit fails like any other: the final edit's failure sends the rest as a new
+    message, and when that is refused as often, the failure reaches the adapter."""
+    from bot.streaming import RATE_LIMIT_TRIES
+
+    clock, sink = Clock(), RecordingSink(fail_first_edits=10**6)
+    slept: list[float] = []
+
+    async def fake_sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    reply = StreamedReply(sink, interval=1.0, clock=clock, sleep=fake_sleep)
+    await reply.feed("hello")
+    clock.now += 2
+    await reply.feed(" world")  # (refused on the way: logged, the reply goes on)
+    assert len(slept) == RATE_LIMIT_TRIES - 1 and sink.messages == ["hello"]
+    await reply.finish()  # the final edit is refused too: the rest goes in a new message
+    assert sink.messages == ["hello", "hello world"] and len(slept) == 2 * (RATE_LIMIT_TRIES - 1)
+
+    async def refused(text: str) -> int:
+        raise RateLimited(0.25)
+
+    sink.send = refused  # type: ignore[method-assign]  (sends refused as well)
+    reply = StreamedReply(sink, interval=1.0, clock=clock, sleep=fake_sleep)
+    with pytest.raises(RateLimited):
+        await reply.finish("the model is unavailable")
+
+
 async def test_a_failed_edit_on_the_way_does_not_end_the_reply() -> None:
     """An edit while the text streams in fails (not a rate limit: the platform refused it): the reply goes on, and
     the next edit shows everything."""
