@@ -362,7 +362,8 @@ class DiscordAdapter:
         sink = DiscordSink(message, self.app.config.chat.typing_indicator)
         try:
             inbound = self.inbound(message)
-            if message.attachments and self.app.router.reads_files(inbound):
+            if message.attachments and (claimed := self.app.router.claim_files(inbound)) is not None:
+                inbound = claimed
                 try:
                     files = tuple([await read_attachment(a) for a in message.attachments[:MAX_FILES]])
                 except ValueError as exc:
@@ -449,6 +450,10 @@ class DiscordAdapter:
 
     async def _dispatch_slash(self, interaction: discord.Interaction, inbound: Inbound, line: str,
                               files: tuple[discord.Attachment, ...]) -> CommandReply:
+        persona = await self.app.router.persona_for(inbound)
+        context = self.context(interaction, persona)
+        if files and not self.app.commands.takes_files_from(line, context):  # (its rights first, as typed ones)
+            files = ()
         try:
             attachments = tuple([await read_attachment(f) for f in files])
         except ValueError as exc:  # too large, unreadable: one private line
@@ -456,9 +461,7 @@ class DiscordAdapter:
         except (discord.HTTPException, aiohttp.ClientError, TimeoutError) as exc:  # the download failed
             return CommandReply(f"The file could not be downloaded from Discord ({type(exc).__name__}); send it "
                                 "again.", private=True)
-        persona = await self.app.router.persona_for(inbound)
-        context = replace(self.context(interaction, persona), attachments=attachments)
-        return await self.app.commands.dispatch(line, context)
+        return await self.app.commands.dispatch(line, replace(context, attachments=attachments))
 
     @staticmethod
     def slash_inbound(interaction: discord.Interaction, line: str) -> Inbound:

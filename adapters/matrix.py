@@ -840,7 +840,9 @@ class MatrixAdapter:
             # The file is fetched only for a command of this bot's that takes one, from someone who may run it
             # now; otherwise the caption goes on as a command without it (refused, slowed down, or ignored
             # when it is another bot's) as a typed one would.
-            if file is not None and isinstance(event, FILE_EVENTS) and self.app.router.reads_files(inbound):
+            if (file is not None and isinstance(event, FILE_EVENTS)
+                    and (claimed := self.app.router.claim_files(inbound)) is not None):
+                inbound = claimed
                 try:
                     inbound = replace(inbound, attachments=(await self._download(event, *file),))
                 except (ValueError, EncryptionError) as exc:

@@ -26,6 +26,7 @@ class Inbound:
     is_admin: bool = False  # the adapter's verdict: Manage Server / power level ≥ 50 / configured admin id
     is_bot_admin: bool = False  # a configured admin id: admin of the whole bot, not only of one server
     attachments: tuple[Attachment, ...] = ()  # files sent with a command (read only for commands)
+    counted: bool = False  # already counted against the command rate limit (a file command, before its download)
 
 
 def _listed(values: list[str], *candidates: str | None) -> bool:

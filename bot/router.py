@@ -14,6 +14,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
+from dataclasses import replace
 from typing import Protocol
 
 from bot.commands import TERMINAL, Command, CommandContext, CommandRegistry, CommandReply, words
@@ -110,7 +111,7 @@ class Router:
         if reason is not None:
             log.debug("not answering message in %s: %s", inbound.message.channel_key, reason)
             return False
-        return not await self._too_fast(inbound.message, sink, is_command)
+        return inbound.counted or not await self._too_fast(inbound.message, sink, is_command)
 
     async def _too_fast(self, msg: IncomingMessage, sink: ChatSink, is_command: bool) -> bool:
         """Whether the author is over their rate limit (messages and commands each have one; the terminal's
@@ -126,20 +127,23 @@ class Router:
             await sink.send_reply(CommandReply(slow_down("commands" if is_command else "messages", wait)))
         return True
 
-    def reads_files(self, inbound: Inbound) -> bool:
+    def claim_files(self, inbound: Inbound) -> Inbound | None:
         """Whether an adapter should download the files sent with this message: only for a command of this
         bot's that takes a file (a card to import), from someone who may run it now (the access lists, its
         admin rights, the command rate limit); never for chat or another bot's command (``!play`` with a
-        file). The command itself then says what is missing or refused."""
+        file). The command is counted against the author's rate limit here, before the download (a burst of
+        file commands would otherwise all pass and download at once): the inbound to handle, marked counted,
+        or None (the command then runs without its files and says what is missing or refused)."""
         msg = inbound.message
         text = msg.text.strip()
         if not (self.commands.is_command(text) and self._for_this_bot(msg, text)):
-            return False
-        command = self.commands.file_command(text)
-        return (command is not None and (inbound.is_admin or not command.admin)
-                and (inbound.is_bot_admin or not command.bot_admin)
-                and refusal(inbound, self.config.access, is_command=True) is None
-                and not self.command_limiter.waiting(msg.author_key))
+            return None
+        if not (self.commands.takes_files_from(text, self.context_for(inbound, ""))
+                and refusal(inbound, self.config.access, is_command=True) is None):
+            return None
+        if msg.platform != TERMINAL and self.command_limiter.check(msg.author_key):
+            return None
+        return replace(inbound, counted=True)
 
     def _for_this_bot(self, msg: IncomingMessage, text: str) -> bool:
         """Whether a command line is this bot's to answer: in a DM, with a mention, or one of its commands

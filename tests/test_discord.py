@@ -19,6 +19,7 @@ from bot.app import App
 from bot.commands import Attachment, CommandReply
 from bot.config import parse_config
 from tests.fakes.provider import ScriptedProvider
+from tests.test_router import Sink
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -911,3 +912,41 @@ def test_a_code_block_with_a_long_run_of_backticks_stays_within_the_limit() -> N
     text, files = _reply_payload(CommandReply("+" + "`" * 1500 + "\n+more" * 300, preformatted="diff"))
     assert len(text) <= LIMIT and text.endswith("(the whole text is attached as reply.txt)")
     assert [f.filename for f in files] == ["reply.txt"]
+
+
+async def test_a_burst_of_file_commands_downloads_within_the_command_limit(adapter: DiscordAdapter) -> None:
+    """An attacker's finding: the rate limit was only asked before a download and counted after it, so a burst of
+    `!memory import` messages (open to every member, 50 MB each) all passed and downloaded at once. The command
+    is counted when its download is allowed, and once only."""
+    from bot.policy import Inbound
+    from bot.ports import IncomingMessage
+
+    router = adapter.app.router
+    router.command_limiter.per_minute = 2
+    inbound = Inbound(IncomingMessage("discord", "dm-1", "5", "Eve", "!memory import", is_dm=True))
+    claimed = [router.claim_files(inbound) for _ in range(10)]
+    assert sum(c is not None for c in claimed) == 2 and all(c.counted for c in claimed if c is not None)
+    router.command_limiter.per_minute = 3
+    first = claimed[0]
+    assert first is not None
+    await router.handle(first, Sink())  # (runs without a counted second time: one more fits this minute)
+    assert router.claim_files(inbound) is not None and router.claim_files(inbound) is None
+
+
+async def test_a_slash_commands_file_is_not_downloaded_for_a_caller_without_the_rights(
+        adapter: DiscordAdapter, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`/persona-admin import` by a server admin who is not one of the bot's admins downloaded the card (up to
+    50 MB) before the command refused them; typed commands checked the rights first, and now slash ones do too."""
+    read: list[str] = []
+
+    async def spy(self: discord.Attachment, **kw: Any) -> bytes:
+        read.append(self.filename)
+        return b"{}"
+
+    monkeypatch.setattr(discord.Attachment, "read", spy)
+    attachment = {"id": "3333", "filename": "rosa.json", "size": 2, "url": "https://cdn.invalid/rosa.json",
+                  "proxy_url": "https://cdn.invalid/rosa.json"}
+    response = await _interact(adapter, monkeypatch, "persona-admin", [{"name": "import", "type": 1, "options": [
+        {"name": "card", "type": 11, "value": "3333"}]}], resolved={"attachments": {"3333": attachment}},
+        permissions=0x20)  # (Manage Server: an admin of this server, not of the bot)
+    assert read == [] and "for the bot's admins only" in response["data"]["content"], response

@@ -481,6 +481,12 @@ class CommandRegistry:
         _, command, _ = self._parse(storable(text).strip().partition("\n")[0][len(self.prefix):])
         return command if command is not None and any(p.kind == "file" for p in command.params) else None
 
+    def takes_files_from(self, text: str, context: CommandContext) -> bool:
+        """Whether the line runs a command that takes a file and ``context``'s caller may run it (its admin
+        rights): what an adapter may download for, before the command runs."""
+        command = self.file_command(text)
+        return command is not None and self._may_run(command, context)
+
     def _parse(self, line: str) -> tuple[list[Token], Command | None, list[str]]:
         """A command line (without its prefix) as typed words, the command they name and its arguments (of a
         line over MAX_LINE_CHARS, which dispatch refuses, its start: enough to name the command)."""
