@@ -171,6 +171,7 @@ class Router:
             is_bot_admin=inbound.is_bot_admin,
             attachments=inbound.attachments,
             attachments_seen_by_all=bool(inbound.attachments) and not msg.is_dm,  # (a slash command's are not)
+            seen_by_all=not msg.is_dm,
             is_dm=msg.is_dm,
             server_key=msg.server_key,
             parent_channel_key=msg.parent_channel_key,

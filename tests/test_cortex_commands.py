@@ -38,7 +38,7 @@ def ctx(user: str = "ann", persona: str = "Cora", admin: bool = False, server: s
     """An admin in a DM is a configured admin id, i.e. a bot admin, as on every platform; a server admin is not."""
     return CommandContext("console", f"console:{user}", user.title(), f"console:dm-{user}", persona,
                           is_admin=admin, is_bot_admin=admin and server is None if bot_admin is None else bot_admin,
-                          is_dm=server is None, server_key=server)
+                          is_dm=server is None, server_key=server, seen_by_all=server is not None)
 
 
 async def run(app: App, line: str, context: CommandContext | None = None):
@@ -623,7 +623,8 @@ async def test_the_same_words_remembered_again_are_not_stored_twice(tmp_path: Pa
             await run(app, "!memory remember --importance high I like coffee")).text
         assert "--category needs a value after it" in (await run(app, "!memory remember coffee --category")).text
         assert (await run(app, "!memory remember I like tea", ctx(server="discord:g1"))).text == (
-            "Remembered as #2.")  # said in a group: an item the group may see (the first is private)
+            "Remembered as #2, shared: it may come up in group channels too (!memory scope 2 private keeps it to our"
+            " DMs).")  # said in a group: an item the group may see (the first is private)
         await run(app, "!memory forget 1")
         assert (await run(app, "!memory remember I like tea")).text == "Remembered as #3."  # (#1 is archived)
         await app.storage.db.write("UPDATE memory_items SET expires_at = 1 WHERE id = 3")

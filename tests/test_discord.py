@@ -193,6 +193,10 @@ async def test_slash_memory_items_remember_search_forget(adapter: DiscordAdapter
         {"name": "category", "type": 3, "value": "user_info"}, {"name": "importance", "type": 4, "value": 9}]}])
     assert saved["data"]["content"].startswith("Remembered as #") and saved["data"]["flags"] & 64
     item = int(saved["data"]["content"].split("#")[1].split(".")[0])
+    # In a server channel, but seen by nobody else (an attacker's finding: it was stored shared, for the prompts
+    # of every group channel, where the model could repeat it): private, as in a DM.
+    row = await adapter.app.storage.db.fetch_one("SELECT scope FROM memory_items WHERE id = ?", (item,))
+    assert row is not None and row[0] == "private"
     found = await _interact(adapter, monkeypatch, "memory", [{"name": "search", "type": 1, "options": [
         {"name": "words", "type": 3, "value": "what's my allergy? penicillin"}]}])
     assert "I'm allergic to penicillin" in found["data"]["content"]

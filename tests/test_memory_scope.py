@@ -19,7 +19,7 @@ pytestmark = pytest.mark.both_engines
 
 def ctx(user: str, *, dm: bool) -> CommandContext:
     return CommandContext("discord", f"discord:{user}", user.title(), "discord:dm" if dm else "discord:chan1",
-                          "Cora", is_dm=dm, server_key=None if dm else "discord:guild1")
+                          "Cora", is_dm=dm, server_key=None if dm else "discord:guild1", seen_by_all=not dm)
 
 
 async def prompt(app: App, llm: ScriptedProvider, user: str, *, dm: bool) -> str:

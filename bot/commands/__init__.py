@@ -107,6 +107,9 @@ class CommandContext:
     body: str = ""  # the lines after the command line
     attachments: tuple[Attachment, ...] = ()  # files sent with the command (a card to import)
     attachments_seen_by_all: bool = False  # those files were posted where everyone in the channel can open them
+    # The command's own words were posted where everyone in the channel reads them (a typed command outside a DM;
+    # a slash command is not: what it stores is private as in a DM).
+    seen_by_all: bool = False
     sent_at: datetime | None = None  # when the platform says the command was sent (messages are stored by that)
 
 

@@ -216,7 +216,8 @@ class MemoryCommands:
             # a platform's "Remember this" or 🧠 reaction comes here too.)
             return CommandReply(f"You are incognito with {ctx.persona}: nothing new is remembered until "
                                 f"{self.prefix}memory resume.", private=True, failed=True)
-        scope: Scope = "private" if ctx.is_dm else "shared"  # learned in a DM stays out of group channels
+        # Learned in a DM (or by a slash command nobody else saw) stays out of group channels.
+        scope: Scope = "shared" if ctx.seen_by_all and not ctx.is_dm else "private"
         try:
             checked = self.memory.checked(pair, content, category=category, importance=importance, source="user")
             same = await self.memory.same_words(pair, checked, scope)
@@ -227,7 +228,11 @@ class MemoryCommands:
                                               source_ref=origin)
         except MemoryError as exc:
             raise CommandError(str(exc)) from None
-        return f"Remembered as #{item.id}" + (" (pinned)." if item.pinned else ".")
+        pinned = " (pinned)" if item.pinned else ""
+        if scope == "private":
+            return f"Remembered as #{item.id}{pinned}."
+        return (f"Remembered as #{item.id}{pinned}, shared: it may come up in group channels too "
+                f"({self.prefix}memory scope {item.id} private keeps it to our DMs).")
 
     def _already(self, item: MemoryItem, category: str, importance: int, pin: bool) -> str:
         """The answer to remembering the words of an item in use: which one, and what it keeps of its own."""
