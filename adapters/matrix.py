@@ -594,6 +594,12 @@ class MatrixAdapter:
                     if who == inviter and (room in self.client.rooms or room in self._joining))
         return rooms >= limit
 
+    async def _may_redact(self, room: MatrixRoom, user_id: str) -> bool:
+        """Whether the user may redact others' events in the room (a creator of a version 12 room may, unlisted:
+        nio's own check says no)."""
+        await self._load_creators(room.room_id)
+        return self.power_level(room, user_id) >= int(room.power_levels.defaults.redact)
+
     def power_level(self, room: MatrixRoom, user_id: str) -> int:
         """The user's power level in the room (``_load_creators`` first: creators hold 100)."""
         level = int(room.power_levels.get_user_level(user_id))
@@ -728,9 +734,11 @@ class MatrixAdapter:
             keep(self._redactions, event.event_id, None)  # answered: a catch-up meeting it again skips it
         if not sender:
             return  # not an event of this room (or the server did not answer: a catch-up may ask again)
-        if event.sender != sender and not room.power_levels.can_user_redact(event.sender):
+        if event.sender != sender and not await self._may_redact(room, event.sender):
             return
-        await self.app.core.withdraw(MatrixSink.message_key(event.redacts), f"{PLATFORM}:{sender}")
+        # One of the bot's replies, taken back by a moderator: it goes from the store (and the prompts) too.
+        author = None if sender == self.config.user_id else f"{PLATFORM}:{sender}"
+        await self.app.core.withdraw(MatrixSink.message_key(event.redacts), author)
 
     def _gap(self, room_id: str, prev_batch: str, since: str | None) -> None:
         """A stretch of the room a limited sync skipped (``since`` to ``prev_batch``), to read back for its

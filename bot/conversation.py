@@ -20,7 +20,7 @@ from typing import get_args
 
 from bot import metrics
 from bot.config import Config
-from bot.errors import USER_TOLD, EmptyMessage, MessageTooLong
+from bot.errors import USER_TOLD, EmptyMessage, MessageTooLong, MessageWithdrawn
 from bot.history import HistoryWindow, build_window
 from bot.llm.base import (
     CUT_OFF_CALL,
@@ -67,6 +67,11 @@ PREVIOUS_CHARS = 1000  # of a channel's last message kept for ReplyPreparer (the
 SOUL_BUDGET = 3000  # tokens of soul sections (an imported card may hold far more)
 MAX_REPLY_CHARS = 40_000  # a reply's text shown and stored: ~20 Discord messages (a broken server sent MBs)
 MAX_CALLS_PER_ROUND = 8  # tool calls of one model turn a reply runs; the rest are refused
+# A platform message taken back is remembered this long (by key): its deletion may reach the bot before the
+# message is stored (a reconnect replaying events, a moderation bot deleting within milliseconds), and then the
+# message, stored after, must go too. At most WITHDRAWN_KEPT keys (the oldest go first).
+WITHDRAWN_KEPT_SECONDS = 600.0
+WITHDRAWN_KEPT = 10_000
 CUT_NOTE = "\n\n[… the rest of this reply was cut: it was too long]"
 
 
@@ -173,6 +178,7 @@ class ConversationCore:
         self.preparers = list(preparers)
         self._window_sizes: dict[int, int] = {}  # channel id -> messages in its last window
         self._last_text: dict[str, str] = {}  # channel key -> the last message stored there (by this process)
+        self._withdrawn: dict[str, float] = {}  # platform message key -> when it was taken back (oldest first)
         # Called when a message of an ended incognito stretch was deleted (the app drops its words from its caches).
         self.on_stretch_dropped: Callable[[], None] | None = None
 
@@ -404,12 +410,29 @@ class ConversationCore:
         (the user can restore them). ``author_key``: whose message the platform says it was (only theirs
         goes). Whether the bot held anything of it. What a summary or a cortex file already took from it
         stays (``!memory`` shows and corrects those)."""
+        self._note_withdrawn(message_key)
         deleted, archived = await self.storage.withdraw_message(message_key, time.time(), author_key)
         if deleted or archived:
             self._last_text.clear()  # the follow-up context may quote it
             log.info("a withdrawn message: %s stored message and %d memory item(s) removed",
                      "its" if deleted else "no", archived)
         return deleted or bool(archived)
+
+    def _note_withdrawn(self, message_key: str) -> None:
+        now = time.monotonic()
+        self._withdrawn.pop(message_key, None)
+        self._withdrawn[message_key] = now
+        while self._withdrawn:
+            oldest, at = next(iter(self._withdrawn.items()))
+            if now - at < WITHDRAWN_KEPT_SECONDS and len(self._withdrawn) <= WITHDRAWN_KEPT:
+                break
+            del self._withdrawn[oldest]
+
+    def was_withdrawn(self, message: IncomingMessage) -> bool:
+        """Whether the platform message was taken back lately (its author's or a moderator's deletion came
+        before, or while, it was handled)."""
+        at = self._withdrawn.get(message.message_key) if message.message_key else None
+        return at is not None and time.monotonic() - at < WITHDRAWN_KEPT_SECONDS
 
     def forget_recent_texts(self) -> None:
         """Drop the last texts kept per channel (forget-me: they may be the forgotten user's words)."""
@@ -418,6 +441,8 @@ class ConversationCore:
     async def _store_incoming(
         self, message: IncomingMessage, persona: Persona, text: str
     ) -> tuple[User, Channel, StoredMessage]:
+        if self.was_withdrawn(message):  # deleted on the platform before the bot got to it
+            raise MessageWithdrawn()
         for attempt in range(2):
             user = await self.storage.upsert_user(message.author_key, message.author_name)
             channel = await self.storage.upsert_channel(
@@ -439,6 +464,9 @@ class ConversationCore:
                     await self.storage.sources.link([message.message_key], stored.id)
                 except Exception:  # (a forget-me meanwhile): the reply goes on, the message is not linked
                     log.warning("could not link message %d to its platform key", stored.id, exc_info=True)
+                if self.was_withdrawn(message):  # its deletion came while it was stored, before the link
+                    await self.storage.delete_message(stored.id)
+                    raise MessageWithdrawn()
             return user, channel, stored
         raise AssertionError("unreachable")
 
@@ -466,6 +494,10 @@ class ConversationCore:
         call = LLMCallRecord("reply", completion.model or self.config.model_for(persona), completion.usage.input_tokens,
                              completion.usage.output_tokens, duration_ms, estimated_input_tokens=raw_prompt)
         ended = "its incognito stretch ended while it was written"
+        if self.was_withdrawn(message):  # (its message went, with the reply to it stored so far: none yet)
+            await self.storage.record_llm_call(call)
+            log.info("the reply in channel %d is not stored: its message was deleted on the platform", channel.id)
+            return None
         if incognito and await self._stretch_ended(user, persona, user_msg):
             await self._drop_from_ended_stretch(user_msg, message.channel_key)
             await self.storage.record_llm_call(call)
@@ -483,6 +515,10 @@ class ConversationCore:
             self.storage.forget_cached(user_key=user.key)
             await self.storage.record_llm_call(call)
             log.info("the reply in channel %d is not stored: its user was forgotten while it was written", channel.id)
+            return None
+        if self.was_withdrawn(message):  # (taken back between the check and the store)
+            await self.storage.delete_message(reply.id)
+            await self.storage.record_llm_call(call)
             return None
         if incognito and await self._stretch_ended(user, persona, user_msg):  # (between the check and the store)
             await self.storage.delete_message(reply.id)

@@ -4,6 +4,9 @@
      ├── EmptyMessage      nothing to answer
      └── MessageTooLong    over ``[bot] max_message_chars``; not stored, the user keeps their text
 
+:class:`MessageWithdrawn` (not user-facing: nobody is left to tell) ends a reply to a message its author
+took back on the platform before the bot got to it.
+
 LLM failures are :class:`bot.llm.errors.LLMError` (also with ``user_message``); the user's message
 is already stored when they happen.
 """
@@ -30,3 +33,8 @@ class EmptyMessage(UserFacingError):
 
 class MessageTooLong(UserFacingError):
     pass
+
+
+class MessageWithdrawn(Exception):
+    """The message was deleted on its platform (its author, a moderator) before its reply was stored: the reply
+    ends in silence, and nothing of the message is kept."""

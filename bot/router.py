@@ -20,7 +20,7 @@ from typing import Protocol
 from bot.commands import TERMINAL, Command, CommandContext, CommandRegistry, CommandReply, words
 from bot.config import Config, ConfigError
 from bot.conversation import ConversationCore, ReplyResult
-from bot.errors import UserFacingError
+from bot.errors import MessageWithdrawn, UserFacingError
 from bot.llm.errors import LLMError
 from bot.persona import ConfigPersonas, PersonaSource
 from bot.policy import Inbound, refusal
@@ -206,6 +206,11 @@ class Router:
                     await shown.feed(delta)
         except LLMError as exc:
             await self._failed(shown, sink, waiting, exc.user_message)
+            return
+        except MessageWithdrawn:  # deleted on the platform before its reply: nothing to answer, nothing kept
+            await _stop(waiting)
+            if shown.sent:
+                await shown.finish()
             return
         except Exception:  # a bug, a full disk, a lost database: said in one line, never a silent end
             log.exception("reply in %s failed", message.channel_key)

@@ -179,3 +179,30 @@ async def test_a_neighbours_vector_embedded_while_forget_me_runs_keeps_none_of_h
             assert np.allclose(block.matrix[block.ids.tolist().index(ok.id)], clean, atol=1e-6)
     finally:
         await app.stop()
+
+
+async def test_a_message_deleted_on_the_platform_before_or_while_it_is_answered_is_not_kept(tmp_path: Path) -> None:
+    """An attacker's finding: a message and its deletion arriving one right after the other (a reconnect replaying
+    events, a moderation bot deleting within milliseconds) found nothing to delete, then stored the message and
+    answered it for good. A deletion that comes first leaves it unanswered and unstored; one that comes while the
+    model writes keeps neither the message nor the reply."""
+    from bot.policy import Inbound
+    from tests.test_router import Sink
+
+    def sent(text: str, key: str) -> Inbound:
+        return Inbound(IncomingMessage("discord", "room", "ann", "Ann", text, mentions_bot=True, message_key=key))
+
+    llm = HeldProvider()
+    async with App(_config(tmp_path), llm=llm) as app:
+        await app.core.withdraw("discord-message:1")  # (its deletion first)
+        shown = Sink()
+        await app.router.handle(sent(f"my card is {SECRET} 1", "discord-message:1"), shown)
+        assert shown.messages == [] and await _rows(app, "messages") == []
+        reply = asyncio.create_task(app.router.handle(sent(f"my card is {SECRET} 2", "discord-message:2"), Sink()))
+        await asyncio.wait_for(llm.waiting.wait(), 10)
+        await app.core.withdraw("discord-message:2")  # (while the model writes)
+        llm.release.set()
+        await reply
+        assert await _rows(app, "messages") == []
+        await app.router.handle(sent("hello", "discord-message:3"), Sink())  # (others are answered and kept)
+        assert [r["text"] for r in await _rows(app, "messages")] == ["hello", "echo: Ann: hello"]

@@ -764,6 +764,16 @@ async def test_a_redacted_message_leaves_the_bots_store_and_memory(synapse: Syna
         await seen.sync_until(lambda: any("what is new?" in b for b in seen.bodies(room, bot.user_id)), "the answer")
         request = bot.app.llm.requests[-1]  # type: ignore[attr-defined]
         assert "hunter2" not in str(request.system) + str([m.content for m in request.messages])
+        # "Noted." (the reply to the redacted message) went with it; a reply of the bot's a room moderator (here
+        # Alice, who made the room) redacts leaves the store too.
+        assert not await bot.app.storage.db.fetch_all("SELECT id FROM messages WHERE text = 'Noted.'")
+        answer = [e for e in seen.from_(room, bot.user_id) if "m.new_content" not in e["content"]][-1]  # (edited)
+        await alice.room_redact(room, answer["event_id"])
+
+        async def reply_gone() -> bool:
+            rows = await bot.app.storage.db.fetch_all("SELECT text FROM messages WHERE role = 'assistant'")
+            return not any("what is new?" in str(r[0]) for r in rows)
+        await eventually(reply_gone, "the redacted reply to leave the store")
     finally:
         await alice.close()
 

@@ -580,6 +580,40 @@ async def test_a_withdrawn_platform_message_goes_with_what_points_at_it(storage:
     assert await storage.count_messages(channel.id) == 1
 
 
+async def test_a_withdrawn_message_takes_the_reply_to_it_along_and_a_withdrawn_reply_goes_alone(
+        storage: Storage) -> None:
+    """An attacker's finding: deleting a message on the platform left the bot's stored reply to it, which often
+    repeats it (in the next prompts), and a moderator deleting one of the bot's replies left it in the history."""
+    ann = await storage.upsert_user("discord:ann", "Ann")
+    bob = await storage.upsert_user("discord:bob", "Bob")
+    channel = await storage.upsert_channel("discord:room", "room", is_dm=False)
+
+    async def add(user: int, role: str, text: str, persona: str = "Cora") -> int:
+        return (await storage.add_message(channel.id, user, persona, role, "x", text, 1)).id  # type: ignore[arg-type]
+
+    first = await add(ann.id, "user", "hello")
+    await add(ann.id, "assistant", "hi Ann")
+    secret = await add(ann.id, "user", "my card is 4111 1111")
+    await add(bob.id, "user", "Bob meanwhile")
+    await add(ann.id, "assistant", "Noted, Lena says", persona="Lena")  # (another persona's)
+    await add(bob.id, "assistant", "hi Bob")
+    echo = await add(ann.id, "assistant", "your card 4111 1111 is noted")
+    later = await add(ann.id, "user", "thanks")
+    bot_reply = await add(ann.id, "assistant", "you are welcome")
+    for key, message_id in (("discord-message:1", first), ("discord-message:2", secret),
+                            ("discord-message:3", later), ("discord-message:9", bot_reply)):
+        await storage.sources.link([key], message_id)
+    assert await storage.withdraw_message("discord-message:2", 2.0) == (True, 0)
+    left = [m.text for m in reversed(await storage.recent_messages(channel.id, 20))]
+    assert not any("4111" in t for t in left) and echo
+    assert left == ["hello", "hi Ann", "Bob meanwhile", "Noted, Lena says", "hi Bob", "thanks", "you are welcome"]
+    # The bot's reply by its platform key: as the platform vouches (no author), not as someone's own message
+    assert await storage.withdraw_message("discord-message:9", 3.0, "discord:ann") == (False, 0)
+    assert await storage.withdraw_message("discord-message:9", 3.0) == (True, 0)
+    left = [m.text for m in reversed(await storage.recent_messages(channel.id, 20))]
+    assert left[-2:] == ["hi Bob", "thanks"]
+
+
 @pytest.mark.both_engines
 async def test_an_upgrade_embeds_again_the_messages_of_channels_that_lost_some(tmp_path: Path) -> None:
     """Each message was embedded with the one before it, and deleting a message left the next one's vector as

@@ -294,19 +294,24 @@ class Storage:
 
     async def withdraw_message(self, key: str, now: float, author_key: str | None = None) -> tuple[bool, int]:
         """A platform message (``matrix-message:$event``) its author or a moderator took back: the user's
-        message it was (linked when it was stored) goes with what points at it, and memory items remembered
-        from it are archived. With ``author_key`` (whose it was, as the platform says) only that user's
-        message and items; without (a platform that vouches for its deletions) whoever's they are. (Whether a
-        message went, how many items were archived.)"""
+        message it was (linked when it was stored) goes with what points at it, and with it the bot's reply to
+        it (which often repeats it), and memory items remembered from it are archived. With ``author_key``
+        (whose it was, as the platform says) only that user's message and items; without (a platform that
+        vouches for its deletions, or a moderator taking back one of the bot's replies) whoever's they are; a
+        reply of the bot's taken back goes alone. (Whether a message went, how many items were archived.)"""
         await self.flush_audit()  # buffered reply stats may point at it
         async with self.db.transaction() as tx:
             row = await tx.fetch_one(
-                "SELECT m.id, m.user_id, u.key FROM platform_messages AS p JOIN messages AS m ON m.id = p.message_id"
-                " JOIN users AS u ON u.id = m.user_id WHERE p.key = ? AND m.role = 'user'", (key,))
+                "SELECT m.id, m.user_id, u.key, m.role, m.channel_id, m.persona FROM platform_messages AS p"
+                " JOIN messages AS m ON m.id = p.message_id JOIN users AS u ON u.id = m.user_id WHERE p.key = ?"
+                + ("" if author_key is None else " AND m.role = 'user'"), (key,))
             if row is not None and author_key is not None and str(row[2]) != author_key:
                 row = None  # someone else's message under that key: not this withdrawal's
-            if row is not None:
+            if row is not None and row[3] != "user":  # the bot's reply, taken back by a moderator
                 await delete_messages(tx, "id = ?", (int(row[0]),))
+                return True, 0
+            if row is not None:
+                await delete_messages(tx, "id IN (?, ?)", (int(row[0]), await self._reply_to(tx, row)))
                 user_id: int | None = int(row[1])
             else:  # not stored (a message not for the bot): the author's items remembered from it still go
                 owner = await tx.fetch_one("SELECT id FROM users WHERE key = ?", (author_key,)) if author_key else None
@@ -315,6 +320,18 @@ class Storage:
             return False, 0  # nothing of theirs is stored
         archived = await self.memory.archive_from(None, key, "its message was deleted", now, user_id=user_id)
         return row is not None, len(archived)
+
+    @staticmethod
+    async def _reply_to(tx: Tx, message: Row) -> int:
+        """The id of the bot's stored reply to a user's ``message`` (its persona's next reply to them in the
+        channel, before they said anything more to it; 0 when there is none)."""
+        row = await tx.fetch_one(
+            "SELECT r.id FROM messages AS r WHERE r.channel_id = ? AND r.id > ? AND r.role = 'assistant'"
+            " AND r.user_id = ? AND r.persona = ? AND NOT EXISTS (SELECT 1 FROM messages AS u"
+            " WHERE u.channel_id = r.channel_id AND u.id > ? AND u.id < r.id AND u.role = 'user'"
+            " AND u.user_id = r.user_id AND u.persona = r.persona) ORDER BY r.id LIMIT 1",
+            (int(message[4]), int(message[0]), int(message[1]), str(message[5]), int(message[0])))
+        return 0 if row is None else int(row[0])
 
     async def delete_messages_before(self, before: float) -> int:
         """Retention: every message older than ``before`` goes, with what points at it; how many."""
