@@ -443,7 +443,8 @@ class MatrixAdapter:
                 info = first.rooms.invite.get(invited.room_id)
                 await self._consider_invite(invited, getattr(invited, "inviter", None) or "",
                                             self._invited_directly(info.invite_state if info else []))
-        self.client.next_batch = since
+        # (``since`` goes to the first sync only, never to client.next_batch: nio drops a sync answer whose token
+        # equals it, and after a restart with nothing new that was the full-state one, leaving no room known.)
         # Every callback is guarded: one bad event must not end the sync (see ``guarded``).
         self.client.add_event_callback(guarded(self._on_message), (RoomMessageText, RoomMessageEmote))
         self.client.add_event_callback(guarded(self._on_file), FILE_EVENTS)

@@ -247,6 +247,37 @@ async def test_restart_does_not_replay_old_messages(synapse: SynapseServer, tmp_
         await alice.close()
 
 
+async def test_a_quiet_restart_keeps_the_rooms_state(synapse: SynapseServer, tmp_path: Path) -> None:
+    """A new user's finding: after a restart with nothing new on the homeserver, nio dropped the first (full state)
+    sync, as its token was the one the bot had set itself: the bot knew no room, so a mention by display name
+    went unanswered, people were named by their ids and private answers opened a new room each time."""
+    bot_id = synapse.register(f"cortex-{uuid.uuid4().hex[:8]}", PASSWORD)  # (display name: its localpart)
+    name = bot_id[1:].split(":")[0]
+    first = await start_bot(synapse, tmp_path, user_id=bot_id)
+    alice, bob = await user(synapse, "alice"), await user(synapse, "bob")
+    seen = Timeline(alice)
+    try:
+        room = await group_with(seen, bot_id, bob)
+        await send_text(alice, room, f"{name}: before the restart")
+        await seen.sync_until(lambda: any("before the restart" in b for b in seen.bodies(room, bot_id)), "an answer")
+        await stop_bot(first)
+        second = await start_bot(synapse, tmp_path, user_id=bot_id)  # (nothing happened meanwhile)
+        try:
+            for _ in range(100):
+                if room in second.adapter.client.rooms:
+                    break
+                await asyncio.sleep(0.1)
+            assert room in second.adapter.client.rooms, "the bot knows no room after the restart"
+            await send_text(alice, room, f"{name}: after the restart")
+            await seen.sync_until(lambda: any("after the restart" in b for b in seen.bodies(room, bot_id)),
+                                  "the answer to a mention by display name")
+        finally:
+            await stop_bot(second)
+    finally:
+        await alice.close()
+        await bob.close()
+
+
 async def test_a_message_taken_back_while_the_bot_was_away_goes_after_a_limited_sync(
         synapse: SynapseServer, tmp_path: Path) -> None:
     """More events than a sync returns happened while the bot was stopped: the redaction of a message it
