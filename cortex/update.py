@@ -17,7 +17,7 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from bot.config import Config, ConfigError, CortexConfig
@@ -38,6 +38,8 @@ from cortex.tools import TOOLS, CortexTools, ToolOutcome
 log = logging.getLogger(__name__)
 
 MIN_MESSAGES = 4
+CUT_CHARS_PER_TOKEN = 3  # a message cut to a share of the history budget keeps this many characters per token
+CUT_MARK = " […]"
 PROMPT_OVERHEAD = 1_500  # tokens of an update's system prompt and tool definitions, for the first round's estimate
 MAX_CALLS_PER_TURN = 25  # tool calls of one model turn that run; the rest are refused (each result costs input)
 RESULT_CHARS_PER_TOKEN = 3  # a tool result's cost in the next round's input, counted generously
@@ -201,7 +203,9 @@ class CortexUpdater:
         )
 
     async def _history(self, pair: Pair, budget: int) -> tuple[list[tuple[StoredMessage, str]], int]:
-        """The pair's newest exchanges within ``budget`` tokens, returned oldest first, and their tokens."""
+        """The pair's newest exchanges within ``budget`` tokens, returned oldest first, and their tokens. When
+        fewer than ``MIN_MESSAGES`` fit (long pasted texts), the newest ``MIN_MESSAGES`` come, each cut to its
+        share of the budget: the update learns from the conversation instead of being skipped as too short."""
         chosen: list[tuple[StoredMessage, str]] = []
         spent = 0
         before: int | None = None
@@ -210,6 +214,8 @@ class CortexUpdater:
             for message, channel in page:
                 cost = self.estimator.scale(message.token_count + PER_MESSAGE_OVERHEAD)
                 if spent + cost > budget and chosen:
+                    if len(chosen) < MIN_MESSAGES <= len(page):  # (on the first page: it holds 100)
+                        return self._cut_to_fit(page[:MIN_MESSAGES], budget)
                     chosen.reverse()
                     return chosen, spent
                 chosen.append((message, channel))
@@ -218,6 +224,20 @@ class CortexUpdater:
                 chosen.reverse()
                 return chosen, spent
             before = page[-1][0].id
+
+    def _cut_to_fit(self, newest: list[tuple[StoredMessage, str]], budget: int
+                    ) -> tuple[list[tuple[StoredMessage, str]], int]:
+        """``newest`` (newest first) oldest first, each text cut to an equal share of ``budget``; their tokens."""
+        share = max(budget // len(newest) - PER_MESSAGE_OVERHEAD, 10)
+        chosen, spent = [], 0
+        for message, channel in reversed(newest):
+            text = message.text
+            if self.estimator.scale(message.token_count) > share:
+                text = text[:share * CUT_CHARS_PER_TOKEN].rstrip() + CUT_MARK
+            tokens = self.estimator.raw_count(text)
+            chosen.append((replace(message, text=text, token_count=tokens), channel))
+            spent += self.estimator.scale(tokens + PER_MESSAGE_OVERHEAD)
+        return chosen, spent
 
     async def _loop(
         self, pair: Pair, persona: Persona, user_name: str, tier: str, settings: CortexConfig,

@@ -374,6 +374,24 @@ async def test_an_answer_that_arrives_damaged_is_retried_by_the_job_queue(app: A
     assert (await app.cortex.store.current(pair.id, "memory.md")).content == NEW_MEMORY
 
 
+async def test_long_pasted_messages_are_cut_to_fit_instead_of_skipping_the_update(app: App,
+                                                                                  fake_llm: FakeLLMServer) -> None:
+    """A new user's finding: `!cortex update` said "Update queued", then the update was skipped as "too little
+    conversation (1 messages; 4 needed)" because only one of the newest (long, pasted) messages fit the history
+    budget, while the guard had counted four. The newest four come, each cut to its share of the budget."""
+    await _talk(app, ["short hello", "my recipe: " + "flour and butter and sugar " * 285,
+                      "the oven at 180 degrees " * 320])
+    pair = await _pair(app)
+    settings = (await app.cortex.resolver.effective("Cora")).settings.model_copy(update={"history_tokens": 1000})
+    fake_llm.enqueue(FakeResponse.text("nothing new"))
+    outcome = await app.cortex.updater.run(pair, "50", settings)
+    assert outcome.status == "success", outcome.reason
+    [request] = cortex_requests(fake_llm)
+    conversation = str(request.body["messages"])
+    assert "the oven at 180" in conversation and "my recipe" in conversation and " […]" in conversation
+    assert len(conversation) < 8_000  # (cut: the two texts alone are 15,400 characters)
+
+
 async def test_guards_skip_with_reasons(app: App, fake_llm: FakeLLMServer) -> None:
     await _talk(app, ["just one line"])  # two messages
     pair = await _pair(app)
