@@ -314,6 +314,7 @@ class MatrixAdapter:
         self.server_name = home_server(config.user_id)
         self._sent: OrderedDict[str, None] = OrderedDict()  # recent event ids the bot sent
         self._senders: OrderedDict[str, str] = OrderedDict()  # who sent older events replied to (asked once)
+        self._named_commands: re.Pattern[str] | None = None  # "!memory …" in answers, to show with the room's prefix
         self._redactions: OrderedDict[str, None] = OrderedDict()  # redactions handled (a catch-up meets them again)
         self._catching_up: set[str] = set()  # rooms whose skipped redactions are being read back
         self._gaps: dict[str, tuple[str, str | None]] = {}  # per room: a skipped stretch still to read back
@@ -842,10 +843,12 @@ class MatrixAdapter:
                 if not inbound.message.text.strip():
                     return
                 inbound = _with_text(inbound, f"*{inbound.message.text.strip()}*")
-            prefix = self.config.command_prefix
-            if prefix != self.app.commands.prefix and inbound.message.text.startswith(prefix):
-                # The room's prefix is configurable; the command layer speaks "!".
-                inbound = _with_text(inbound, self.app.commands.prefix + inbound.message.text[len(prefix):])
+            prefix, own = self.config.command_prefix, self.app.commands.prefix
+            if prefix != own and inbound.message.text.startswith(own) and not inbound.message.is_dm:
+                return  # another bot's command: a prefix of its own is set so that the two never both answer
+            if prefix != own and inbound.message.text.startswith(prefix):
+                # The room's prefix is configurable; the command layer speaks "!" (answers are shown with the room's).
+                inbound = _with_text(inbound, own + inbound.message.text[len(prefix):])
             # The file is fetched only for a command of this bot's that takes one, from someone who may run it
             # now; otherwise the caption goes on as a command without it (refused, slowed down, or ignored
             # when it is another bot's) as a typed one would.
@@ -914,12 +917,24 @@ class MatrixAdapter:
     async def deliver(self, room_id: str, reply: CommandReply, relation: dict[str, Any] | None = None) -> None:
         """A command's answer: its text (in pieces within an event's size) and its files."""
         encrypted = self.is_encrypted(room_id)
-        text = reply.markdown()
+        text = self._with_room_prefix(reply.markdown())
         for piece in split_message(text, ENCRYPTED_LIMIT if encrypted else LIMIT) or [text]:
             new = render(piece, self.config.msgtype)
             await self.send(room_id, fitting(message_forms(new, relation), encrypted))
         for attachment in reply.attachments:
             await self._send_file(room_id, attachment, encrypted)
+
+    def _with_room_prefix(self, text: str) -> str:
+        """A command's answer with the commands it names (``!memory resume``) written with the configured prefix."""
+        prefix, own = self.config.command_prefix, self.app.commands.prefix
+        if prefix == own:
+            return text
+        if self._named_commands is None:
+            groups = sorted({c.name.split(" ")[0] for c in self.app.commands.commands} | {"help", "leave"},
+                            key=len, reverse=True)
+            self._named_commands = re.compile(rf"(?<![\w{re.escape(own)}]){re.escape(own)}(?=(?:"
+                                              + "|".join(map(re.escape, groups)) + r")\b)")
+        return self._named_commands.sub(lambda _: prefix, text)
 
     async def _send_file(self, room_id: str, attachment: Attachment, encrypted: bool) -> None:
         """Upload a file and send it; in an encrypted room the file is encrypted too (its keys go in the event,
