@@ -18,7 +18,7 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol
-from urllib.parse import parse_qsl, unquote_plus, urlsplit
+from urllib.parse import parse_qsl, quote, quote_plus, unquote, unquote_plus, urlsplit
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import idna
@@ -154,6 +154,9 @@ class StorageConfig(_Section):
         password = env.get(self.password_env) if self.password_env else None
         if self.password_env and not password:
             raise ConfigError(f"[storage] password_env names {self.password_env}, but that variable is not set")
+        for secret in (password, *_url_secrets(url)):
+            remember_secret(secret)
+            remember_secret(unquote(secret or ""))
         return url, password
 
     @property
@@ -162,6 +165,33 @@ class StorageConfig(_Section):
 
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _url_secrets(url: str) -> list[str]:
+    """The passwords one URL carries, as written: before its host (everything between the user's ":" and the
+    last "@" before the query: a password may hold "@", "/", "?", spaces or quotes unencoded) and in its query
+    (``?password=…`` up to the next "&", spaces and all)."""
+    _, sep, rest = url.partition("://")
+    if not sep:
+        return []
+    query = rest.find("?")
+    at = rest.rfind("@", 0, query) if query >= 0 else -1
+    if at < 0:  # no query, or a "?" in the password itself
+        at = rest.rfind("@")
+    found = [rest[:at].split(":", 1)[1]] if at >= 0 and ":" in rest[:at] else []
+    tail = rest[max(at, 0):]
+    if "?" in tail:
+        for part in tail.split("?", 1)[1].split("&"):
+            name, equals, value = part.partition("=")
+            if equals and secret_param(name):
+                found.append(value)
+    return [secret for secret in found if secret]
+
+
+def hide_url_password(url: str) -> str:
+    """One URL (the whole string is the URL) without its passwords: where each ends is known here, however it is
+    written, so nothing of one shows (:func:`hide_url_passwords` reads URLs out of any text)."""
+    return hide_url_passwords(_without(sorted(_url_secrets(url), key=len, reverse=True), url))
 
 
 def url_has_password(url: str) -> bool:
@@ -1092,19 +1122,53 @@ def parse_config(raw: Mapping[str, Any], source: str = "config") -> Config:
     except RecursionError:
         raise ConfigError(f"{source} nests arrays or tables too deeply to be a cortex-bot config") from None
     except ValidationError as exc:
-        lines = [hide_url_passwords(_describe_error(err, raw)) for err in exc.errors()]
+        secrets = sorted({secret for url in _urls_in(raw) for secret in _url_secrets(url)}, key=len, reverse=True)
+        lines = [hide_url_passwords(_without(secrets, _describe_error(err, raw))) for err in exc.errors()]
         raise ConfigError(f"{source} has {len(lines)} problem(s):\n" + "\n".join(f"  - {x}" for x in lines)) from None
 
 
-_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^\s:/@'\"]*):\S*@")
+def _urls_in(raw: object) -> list[str]:
+    """Every string of a raw config that holds a URL (its passwords are known exactly: see ``_url_secrets``)."""
+    if isinstance(raw, str):
+        return [raw] if "://" in raw else []
+    if isinstance(raw, Mapping):
+        return [url for value in raw.values() for url in _urls_in(value)]
+    if isinstance(raw, list | tuple):
+        return [url for value in raw for url in _urls_in(value)]
+    return []
+
+
+def _without(secrets: Sequence[str], text: str) -> str:
+    """``text`` with each of ``secrets`` as ``***`` (those of fewer than 3 characters are left to the patterns:
+    replacing every "a" would leave nothing readable)."""
+    for secret in secrets:
+        if len(secret) >= 3:
+            text = text.replace(secret, "***")
+    return text
+
+
+_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^\s:/@]*):\S*@")
 _QUERY_PARAM = re.compile(r"([?&])([^=&#\s]*)=([^&#\s]*)")  # a URL's query parameter (name and value)
 _SECRET_PARAMS = frozenset({"password", "sslpassword"})  # libpq's and asyncpg's names of a password
 
 
+_known_secrets: set[str] = set()  # passwords this process read (a storage URL's, password_env's): never shown
+
+
+def remember_secret(secret: str | None) -> None:
+    """Note a password the process read: :func:`hide_url_passwords` hides it wherever it appears, also where no
+    pattern finds it (a password with a space: where it ends in a line of text, only knowing it tells)."""
+    if secret and len(secret) >= 3:
+        _known_secrets.update({secret, quote(secret, safe=""), quote_plus(secret, safe="")})
+
+
 def hide_url_passwords(text: str) -> str:
     """``text`` with the password of every URL in it as ``***``, before the host (up to the last "@" before a
-    space: a password may hold an unencoded "@" or a quote) and in the query (``?password=``): a refused URL
-    is shown back, but never the secret in it."""
+    space: a password may hold an unencoded "@" or a quote) and in the query (``?password=``), and with every
+    password the process read (:func:`remember_secret`) as ``***``: a refused URL is shown back, but never the
+    secret in it."""
+    for secret in sorted(_known_secrets, key=len, reverse=True):
+        text = text.replace(secret, "***")
     return _QUERY_PARAM.sub(_hidden_param, _URL_PASSWORD.sub(r"\1:***@", text))
 
 

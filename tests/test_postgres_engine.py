@@ -39,6 +39,11 @@ async def test_a_password_with_an_unencoded_slash_or_at_never_shows_in_part() ->
     ("postgresql://cortex@127.0.0.1:{port}/cortex?sslmode=disable&pass%77ord=hunter2", "&pass%77ord=***"),
     ("postgresql://cortex:it's-hunter2@127.0.0.1:{port}/cortex", "cortex:***@127.0.0.1"),
     ('postgresql://cortex:say"hunter2"@127.0.0.1:{port}/cortex', "cortex:***@127.0.0.1"),
+    # An attacker's finding: a space in the password, a quote in the user's name, a space in ?password= (asyncpg
+    # takes all three and logs in) showed the password whole, also on success (`migrate`, `doctor`).
+    ("postgresql://cortex:s3cr3t hunter2@127.0.0.1:{port}/cortex", "cortex:***@127.0.0.1"),
+    ("postgresql://o'neil:hunter2@127.0.0.1:{port}/cortex", "o'neil:***@127.0.0.1"),
+    ("postgresql://cortex@127.0.0.1:{port}/cortex?password=s3cr3t hunter2&sslmode=disable", "?password=***&"),
 ])
 async def test_a_password_in_the_query_or_with_a_quote_never_shows(url: str, shown: str) -> None:
     """``?password=`` (which asyncpg and libpq take) and a password holding a quote were shown whole in the

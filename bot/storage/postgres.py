@@ -23,7 +23,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from bot.config import hide_url_passwords
+from bot.config import hide_url_password
 from bot.storage.engine import Migration, Row, StorageCaches, StorageError, apply_migrations, refuse_foreign
 from bot.storage.memory import EF_SEARCH
 
@@ -60,7 +60,7 @@ def numbered(sql: str) -> str:
 def redacted(url: str) -> str:
     """The URL without its password, for messages and logs (everything up to the URL's last "@" hidden: a
     password written with an unencoded "/" or "@" would otherwise show in part as the host and path)."""
-    return hide_url_passwords(url)
+    return hide_url_password(url)
 
 
 def _query_names(url: str) -> frozenset[str]:
