@@ -392,6 +392,24 @@ async def test_long_pasted_messages_are_cut_to_fit_instead_of_skipping_the_updat
     assert len(conversation) < 8_000  # (cut: the two texts alone are 15,400 characters)
 
 
+async def test_a_forget_me_does_not_give_the_bots_daily_budget_back(app: App, fake_llm: FakeLLMServer) -> None:
+    """An attacker's finding: the bot's daily budget summed the update runs, which forget-me deletes: chat, update,
+    forget-me, again, and the bot-wide cap never held. What forgotten pairs spent stays counted, without a name."""
+    await _talk(app, CONVERSATION)
+    pair = await _pair(app)
+    fake_llm.enqueue(FakeResponse.text("nothing new", input_tokens=900, output_tokens=100))
+    settings = (await app.cortex.resolver.effective("Cora")).settings
+    assert (await app.cortex.updater.run(pair, "50", settings)).status == "success"
+    settings = settings.model_copy(update={"bot_daily_token_budget": 1000})
+    await app.storage.forget_user("console:ann")
+    assert await app.cortex.store.tokens_since(0) == 1000
+    await _talk(app, CONVERSATION)  # (a new pair: no runs, no cooldown of its own)
+    reason = await app.cortex.updater.guard(await _pair(app), settings)
+    assert reason == "the bot's daily cortex token budget (1,000) is spent"
+    rows = await app.storage.db.fetch_all("SELECT * FROM forgotten_spending")
+    assert [int(r["tokens"]) for r in rows] == [1000] and set(dict(rows[0])) == {"id", "started_at", "tokens"}
+
+
 async def test_guards_skip_with_reasons(app: App, fake_llm: FakeLLMServer) -> None:
     await _talk(app, ["just one line"])  # two messages
     pair = await _pair(app)

@@ -23,6 +23,9 @@ from bot.storage.rows import MESSAGE_COLUMNS, message_from_row
 FILENAMES: tuple[str, ...] = ("memory.md", "soul.md", "relationship.md")
 _FILES = " UNION ALL ".join(f"SELECT '{name}'" + (" AS filename" if not n else "") for n, name in enumerate(FILENAMES))
 PROMPT_CACHE_SECONDS = 5.0
+# The tokens of a forgotten user's updates count in the bot's daily budget this long (a day, and a spare one).
+SPENDING_KEPT_SECONDS = 2 * 86_400.0
+FORGOTTEN_SINCE = "(SELECT coalesce(sum(tokens), 0) FROM forgotten_spending WHERE started_at >= ?)"
 Author = Literal["model", "user", "system"]
 RunStatus = Literal["running", "success", "failed", "skipped"]
 
@@ -445,9 +448,10 @@ class CortexRepository:
         when they began): two processes checking at once would each see the other's round as not spent."""
         total = "(SELECT coalesce(sum(input_tokens + output_tokens), 0) FROM cortex_runs WHERE started_at >= ?"
         sql = (f"UPDATE cortex_runs SET rounds = ?, input_tokens = ?, output_tokens = ? WHERE id = ?"
-               f" AND {total} AND pair_id = ?) + ? <= ? AND {total}) + ? <= ? RETURNING id")
+               f" AND {total} AND pair_id = ?) + ? <= ? AND {total}) + {FORGOTTEN_SINCE} + ? <= ? RETURNING id")
         unlimited = 2**62
-        params = (*spent, run_id, since, pair_id, cost, pair_budget or unlimited, since, cost, bot_budget or unlimited)
+        params = (*spent, run_id, since, pair_id, cost, pair_budget or unlimited, since, since, cost,
+                  bot_budget or unlimited)
         if self.db.dialect == "postgres":
             async with self.db.transaction() as tx:
                 await serialise(self.db, tx, "cortex-budget")
@@ -495,11 +499,13 @@ class CortexRepository:
         return None if row is None or row[0] is None else float(row[0])
 
     async def tokens_since(self, since: float, pair_id: int | None = None) -> int:
-        where = "started_at >= ?" + (" AND pair_id = ?" if pair_id is not None else "")
-        params: tuple[Any, ...] = (since, pair_id) if pair_id is not None else (since,)
-        row = await self.db.fetch_one(
-            f"SELECT coalesce(sum(input_tokens + output_tokens), 0) FROM cortex_runs WHERE {where}", params
-        )
+        """The tokens cortex updates took since ``since``: the pair's, or the bot's (with those of forgotten users)."""
+        if pair_id is not None:
+            row = await self.db.fetch_one("SELECT coalesce(sum(input_tokens + output_tokens), 0) FROM cortex_runs"
+                                          " WHERE started_at >= ? AND pair_id = ?", (since, pair_id))
+        else:
+            row = await self.db.fetch_one("SELECT coalesce(sum(input_tokens + output_tokens), 0) + "
+                                          f"{FORGOTTEN_SINCE} FROM cortex_runs WHERE started_at >= ?", (since, since))
         return int(row[0]) if row else 0
 
     async def runs(self, pair_id: int | None = None, limit: int = 20) -> list[CortexRun]:
@@ -574,6 +580,11 @@ class CortexRepository:
         """Delete the pairs with their file versions, runs, memory items and unfinished jobs."""
         marks = ",".join("?" for _ in pair_ids) or "NULL"
         versions = await tx.fetch_all(f"DELETE FROM cortex_versions WHERE pair_id IN ({marks}) RETURNING id", pair_ids)
+        kept_since = time.time() - SPENDING_KEPT_SECONDS  # (the bot's budget counts them the rest of the day)
+        await tx.execute("INSERT INTO forgotten_spending (started_at, tokens) SELECT started_at,"
+                         f" input_tokens + output_tokens FROM cortex_runs WHERE pair_id IN ({marks})"
+                         " AND started_at >= ? AND input_tokens + output_tokens > 0", (*pair_ids, kept_since))
+        await tx.execute("DELETE FROM forgotten_spending WHERE started_at < ?", (kept_since,))
         runs = await tx.fetch_all(f"DELETE FROM cortex_runs WHERE pair_id IN ({marks}) RETURNING id", pair_ids)
         await tx.execute(
             f"UPDATE memory_items SET supersedes = NULL, superseded_by = NULL WHERE pair_id IN ({marks})", pair_ids)

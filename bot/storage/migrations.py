@@ -382,4 +382,6 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(23, "ended incognito stretches, kept a while: a message sent in one and stored after its end goes too",
               _sqlite_fork(pg_schema.V23), postgres=pg_schema.V23),
+    Migration(24, "the tokens of forgotten users' cortex updates, without names: the bot's daily budget counts them",
+              _sqlite_fork(pg_schema.V24), postgres=pg_schema.V24),
 )

@@ -370,3 +370,13 @@ V23: tuple[str, ...] = (
         PRIMARY KEY (user_id, persona, started_at))""",
     "CREATE INDEX incognito_ended_by_time ON incognito_ended (ended_at)",
 )
+
+# The tokens of cortex updates whose pairs a forget-me deleted, without any name (when each run started, how many
+# tokens it took): the bot's daily budget still counts them (forget-me in a loop would otherwise reset it).
+V24: tuple[str, ...] = (
+    f"""CREATE TABLE forgotten_spending (
+        id {ID},
+        started_at DOUBLE PRECISION NOT NULL,
+        tokens BIGINT NOT NULL)""",
+    "CREATE INDEX forgotten_spending_by_time ON forgotten_spending (started_at)",
+)
