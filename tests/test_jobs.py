@@ -409,3 +409,20 @@ async def test_a_job_whose_payload_is_no_json_object_fails_at_once(storage: Stor
     finally:
         await pool.stop(1)
     assert failed.attempts == 1 and "channel_id" in failed.last_error and seen == [{}]
+
+
+async def test_enqueues_of_one_key_at_once_queue_one_job(storage: Storage, db_url: str) -> None:
+    """An attacker's finding: on PostgreSQL each statement sees the rows committed when it began, so enqueues of one
+    kind and key at the same moment (two processes, a pool's connections) each found no queued job and inserted:
+    16 at once left up to 12. One queued job per kind and key, on each engine, from two handles."""
+    from bot.storage import open_storage
+
+    other = await open_storage(db_url)  # (a second handle: another process, its own connections)
+    try:
+        for key in range(20):
+            made = await asyncio.gather(*(s.enqueue_job("summary", f"channel:{key}", {"n": n}, 3)
+                                          for n in range(8) for s in (storage, other)))
+            assert sum(job is not None for job in made) == 1, key
+    finally:
+        await other.close()
+    assert len(await storage.list_jobs("queued")) == 20

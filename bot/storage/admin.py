@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bot.storage.engine import Database
+from bot.storage.engine import Database, serialise
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,9 +71,14 @@ class AdminRepository:
         """Queue a failed job again with a fresh set of attempts (its last error stays visible); False when
         it is not failed, or a job of the same kind and key is queued already."""
         now = time.time()
-        changed = await self.db.write(
-            "UPDATE jobs SET status = 'queued', attempts = 0, run_after = ?, locked_by = '', lease_until = 0,"
-            " updated_at = ? WHERE id = ? AND status = 'failed' AND NOT EXISTS (SELECT 1 FROM jobs AS q"
-            " WHERE q.kind = jobs.kind AND q.key = jobs.key AND q.status = 'queued') RETURNING id",
-            (now, now, job_id))
-        return bool(changed)
+        sql = ("UPDATE jobs SET status = 'queued', attempts = 0, run_after = ?, locked_by = '', lease_until = 0,"
+               " updated_at = ? WHERE id = ? AND status = 'failed' AND NOT EXISTS (SELECT 1 FROM jobs AS q"
+               " WHERE q.kind = jobs.kind AND q.key = jobs.key AND q.status = 'queued') RETURNING id")
+        if self.db.dialect != "postgres":
+            return bool(await self.db.write(sql, (now, now, job_id)))
+        async with self.db.transaction() as tx:  # (as Storage.enqueue_job: one kind and key at a time)
+            job = await tx.fetch_one("SELECT kind, key FROM jobs WHERE id = ?", (job_id,))
+            if job is None:
+                return False
+            await serialise(self.db, tx, f"enqueue:{job[0]}:{job[1]}")
+            return await tx.fetch_one(sql, (now, now, job_id)) is not None

@@ -49,6 +49,7 @@ from bot.storage.engine import (
     is_missing_reference,
     multi_row,
     power_chunks,
+    serialise,
     stale_if_missing,
 )
 from bot.storage.export import ExportRepository, import_claim_key
@@ -653,16 +654,20 @@ class Storage:
         duplicate = (
             "NOT EXISTS (SELECT 1 FROM jobs WHERE kind = ? AND key = ? AND status = 'queued')" if dedupe else "1 = 1"
         )
-        row = await self.db.write_one(
-            "INSERT INTO jobs (kind, key, payload, status, max_attempts, run_after, created_at, updated_at)"
-            " SELECT CAST(? AS TEXT), CAST(? AS TEXT), CAST(? AS TEXT), 'queued', CAST(? AS INTEGER),"
-            f" CAST(? AS DOUBLE PRECISION), CAST(? AS DOUBLE PRECISION), CAST(? AS DOUBLE PRECISION) WHERE {duplicate}"
-            " RETURNING *",
-            (
-                kind, key, json.dumps(payload), max_attempts, _ts(run_after) if run_after else now, now, now,
-                *((kind, key) if dedupe else ()),
-            ),
-        )
+        sql = ("INSERT INTO jobs (kind, key, payload, status, max_attempts, run_after, created_at, updated_at)"
+               " SELECT CAST(? AS TEXT), CAST(? AS TEXT), CAST(? AS TEXT), 'queued', CAST(? AS INTEGER),"
+               " CAST(? AS DOUBLE PRECISION), CAST(? AS DOUBLE PRECISION), CAST(? AS DOUBLE PRECISION)"
+               f" WHERE {duplicate} RETURNING *")
+        params = (kind, key, json.dumps(payload), max_attempts, _ts(run_after) if run_after else now, now, now,
+                  *((kind, key) if dedupe else ()))
+        if dedupe and self.db.dialect == "postgres":
+            # Each statement there sees the rows committed when it began: two enqueues at once would each find
+            # no queued job and both insert. Enqueues of one kind and key take turns (SQLite's write lock does).
+            async with self.db.transaction() as tx:
+                await serialise(self.db, tx, f"enqueue:{kind}:{key}")
+                row = await tx.fetch_one(sql, params)
+        else:
+            row = await self.db.write_one(sql, params)
         return None if row is None else self._job(row)
 
     async def claim_job(self, worker: str, kinds: Sequence[str], lease_seconds: float) -> Job | None:
