@@ -559,3 +559,19 @@ async def test_a_target_a_newer_cortex_bot_upgraded_names_the_target_option(sour
     with pytest.raises(StorageError, match="upgraded by a newer cortex-bot") as refused:
         await copy_data(source, pg)
     assert "name another database with --to" in str(refused.value) and "[storage]" not in str(refused.value)
+
+
+async def test_a_row_deleted_on_a_copied_postgresql_keeps_its_id_in_the_next_copy(source: Storage, pg: Storage,
+                                                                                 tmp_path: Path) -> None:
+    """An attacker's finding: a copy leaves PostgreSQL's sequences set without a "last value" (setval(…, false)),
+    so a copy from there before any insert read none, and a user forgotten there had their id handed out again."""
+    assert (await copy_data(source, pg)).ok
+    last = await pg.upsert_user("discord:last", "Last")  # (this insert gives the sequence a last value again …)
+    await pg.forget_user("discord:last")
+    assert (await copy_data(source, pg)).ok  # (… and a second copy sets it back without one)
+    back = await open_storage(f"sqlite:///{tmp_path / 'back.db'}")
+    try:
+        assert (await copy_data(pg, back)).ok
+        assert (await back.upsert_user("discord:next", "Next")).id > last.id
+    finally:
+        await back.close()

@@ -386,11 +386,20 @@ async def _next_ids(db: Database) -> dict[str, int]:
     found: dict[str, int] = {}
     for table in TABLES:
         identity = (await _shape(db, table)).identity
-        if identity is not None:
-            row = await db.fetch_one("SELECT pg_sequence_last_value(pg_get_serial_sequence(?, ?))", (table, identity))
-            if row is not None and row[0] is not None:
-                found[table] = int(row[0]) + 1
+        if identity is not None and (next_id := await _pg_next_id(db, table, identity)) is not None:
+            found[table] = next_id
     return found
+
+
+async def _pg_next_id(db: Database, table: str, identity: str) -> int | None:
+    """The id a PostgreSQL table's identity sequence hands out next, read from the sequence itself: one a copy set
+    (``setval(…, false)``) has no "last value" yet for ``pg_sequence_last_value``, and the ids of rows deleted
+    since were handed out again."""
+    named = await db.fetch_one("SELECT pg_get_serial_sequence(?, ?)", (table, identity))
+    if named is None or named[0] is None:
+        return None
+    row = await db.fetch_one(f"SELECT last_value, is_called FROM {named[0]}")  # (a name PostgreSQL quoted)
+    return None if row is None else int(row[0]) + (1 if row[1] else 0)
 
 
 async def _move_sequences(target: Database, source_next: dict[str, int]) -> None:
@@ -408,10 +417,11 @@ async def _move_sequences(target: Database, source_next: dict[str, int]) -> None
                 await target.write("UPDATE sqlite_sequence SET seq = ? WHERE name = ?", (wanted, table))
             continue
         identity = (await _shape(target, table)).identity
-        if identity is not None:
+        if identity is not None:  # (never lower than its own next: ids of rows deleted there stay unused too)
+            wanted = max(source_next.get(table, 1), await _pg_next_id(target, table, identity) or 1)
             await target.write(
                 f"SELECT setval(pg_get_serial_sequence(?, ?), greatest(coalesce(max({_quote(identity)}), 0) + 1,"
-                f" CAST(? AS BIGINT)), false) FROM {_quote(table)}", (table, identity, source_next.get(table, 1)))
+                f" CAST(? AS BIGINT)), false) FROM {_quote(table)}", (table, identity, wanted))
 
 
 async def _count(db: Database, table: str) -> int:
