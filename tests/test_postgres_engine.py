@@ -204,3 +204,23 @@ async def test_a_database_named_in_the_urls_query_is_the_one_opened(pg_url: str,
         assert (await storage.db.fetch_one("SELECT current_database()"))[0] == name
     finally:
         await storage.close()
+
+
+async def test_a_read_only_database_answers_what_only_reads(pg_url: str) -> None:
+    """An attacker's finding: every start asked for `CREATE TABLE IF NOT EXISTS schema_version`, so on a standby or
+    with a role that may only read, even `status` ended in a traceback. A migrated database is only read."""
+    storage = await open_storage(pg_url)
+    await storage.migrate()
+    await storage.close()
+    read_only = await open_storage(pg_url + "?default_transaction_read_only=on")
+    try:
+        assert await read_only.pending_migrations() == []
+        assert await read_only.count_jobs(["queued"]) == 0
+    finally:
+        await read_only.close()
+
+
+async def test_a_missing_vector_adapter_says_how_to_install_it(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pgvector.asyncpg", None)
+    with pytest.raises(StorageError, match=r"pgvector's adapter for the PostgreSQL driver is not installed: pip install"):
+        await open_storage(pg_url)

@@ -100,12 +100,15 @@ class _PgTx:
 
 
 def _import_asyncpg() -> Any:
+    """The driver, with pgvector's adapter for it (both come with the ``postgres`` extra: either missing is one
+    line saying how to install them)."""
     try:
         import asyncpg
-    except ImportError:
+        import pgvector.asyncpg  # noqa: F401  (registered on each connection)
+    except ImportError as exc:
+        what = "pgvector's adapter for the PostgreSQL driver" if "pgvector" in str(exc) else "the PostgreSQL driver"
         raise StorageError(
-            "the PostgreSQL driver is not installed: pip install 'cortex-bot[postgres]' "
-            "(or scripts/install.sh postgres)"
+            f"{what} is not installed: pip install 'cortex-bot[postgres]' (or scripts/install.sh postgres)"
         ) from None
     return asyncpg
 
@@ -296,7 +299,11 @@ class PostgresDatabase:
     # -- migrations ------------------------------------------------------------------------------
 
     async def applied_migrations(self) -> list[int]:
-        await self._schema_table()
+        # Only read when the table is there: a read-only database (a standby, a role that may only read) answers
+        # `status` and `doctor`; only a new one gets the table made.
+        found = await self.fetch_one("SELECT to_regclass('schema_version') IS NOT NULL")
+        if found is None or not found[0]:
+            await self._schema_table()
         return [int(r[0]) for r in await self.fetch_all("SELECT version FROM schema_version ORDER BY 1")]
 
     async def _schema_table(self) -> None:
