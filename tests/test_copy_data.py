@@ -575,3 +575,17 @@ async def test_a_row_deleted_on_a_copied_postgresql_keeps_its_id_in_the_next_cop
         assert (await back.upsert_user("discord:next", "Next")).id > last.id
     finally:
         await back.close()
+
+
+async def test_a_broken_row_in_the_source_stops_the_copy_with_one_line_naming_it(source: Storage, pg: Storage) -> None:
+    """An attacker's finding: a vector of 7 bytes (a hand-edited or damaged source) ended the copy in a traceback,
+    with no word of which row; the copy says which rows, and what to do."""
+    said = (await source.db.fetch_one("SELECT min(message_id) FROM message_vectors"))
+    assert said is not None
+    await source.db.write("UPDATE message_vectors SET vector = ? WHERE message_id = ?", (b"\x00" * 7, int(said[0])))
+    with pytest.raises(StorageError, match=r"copying message_vectors \(message_id \d+ to \d+\) into .* failed: "
+                                           r"ValueError: .*correct or delete that row in the source"):
+        await copy_data(source, pg, batch=1000)
+    with pytest.raises(StorageError, match=rf"copying message_vectors \(message_id {int(said[0])} to "
+                                           rf"{int(said[0])}\)"):
+        await copy_data(source, pg, batch=1)  # (one row a page: that row)

@@ -265,6 +265,16 @@ def test_openai_embedder_malformed_answer(fake_llm: FakeLLMServer) -> None:
         emb.embed(["x"])
 
 
+def test_openai_embedder_refuses_nan_and_infinity(fake_llm: FakeLLMServer) -> None:
+    """An attacker's finding: a server answering NaN (JSON's NaN, which Python's json reads) made the backfill's
+    whole batch fail in pgvector, again and again, and ranked nothing right on SQLite."""
+    body = b'{"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [NaN, 1.0]}], "model": "m"}'
+    fake_llm.enqueue_embedding(FakeResponse.malformed(body))
+    emb = OpenAIEmbedder("m", base_url=fake_llm.openai_url, api_key=API_KEY, max_retries=0)
+    with pytest.raises(EmbedderError, match="NaN or infinity"):
+        emb.embed(["x"])
+
+
 def test_openai_embedder_unreachable_server() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -71,6 +71,9 @@ DEFERRED: dict[str, tuple[str, ...]] = {"memory_items": ("supersedes", "supersed
 ENGINE_ONLY_TYPES = frozenset({"tsvector"})  # filled by the engine itself
 MAX_PARAMETERS = 30_000  # per statement (PostgreSQL allows 32767, SQLite 32766)
 
+# What to do when a row of the source cannot be read or written (a hand-edited or damaged database).
+FIX_SOURCE = ("correct or delete that row in the source, then run the copy again: it goes on where it stopped "
+              "(--batch 1 names the single row)")
 Progress = Callable[[str, int, int], None]  # (table, rows done, rows in the source)
 
 
@@ -262,7 +265,14 @@ async def _copy_table(source: Database, target: Database, table: str, batch: int
         progress(table, 0, total)
     last: tuple[Any, ...] | None = None
     while True:
-        rows = await source.fetch_all(select[last is not None], () if last is None else last)
+        try:
+            rows = await source.fetch_all(select[last is not None], () if last is None else last)
+        except StorageError:
+            raise
+        except Exception as exc:  # (a hand-edited source: text that is not UTF-8, say)
+            after = "" if last is None else f" after {', '.join(plan.key)} {', '.join(map(str, last))}"
+            raise StorageError(f"reading {table}{after} from {source.url} failed: {type(exc).__name__}: {exc}; "
+                               f"{FIX_SOURCE}") from exc
         if not rows:
             break
         inserted = await _insert(target, plan, rows)
@@ -282,12 +292,12 @@ async def _copy_table(source: Database, target: Database, table: str, batch: int
 
 async def _insert(target: Database, plan: _Plan, rows: Sequence[Row]) -> int:
     """Insert one page in one transaction (statements of up to ``MAX_PARAMETERS``); returns the rows inserted."""
-    values = [_target_values(plan, row) for row in rows]
     per_statement = max(1, MAX_PARAMETERS // len(plan.columns))
     names = ", ".join(_quote(c) for c in plan.columns)
     marks = "(" + ", ".join("?" for _ in plan.columns) + ")"
     inserted = 0
     try:
+        values = [_target_values(plan, row) for row in rows]  # (a vector of a broken length fails here)
         async with target.transaction() as tx:
             for start in range(0, len(values), per_statement):
                 chunk = values[start:start + per_statement]
@@ -299,7 +309,10 @@ async def _insert(target: Database, plan: _Plan, rows: Sequence[Row]) -> int:
     except StorageError:
         raise
     except Exception as exc:
-        raise StorageError(f"copying {plan.table} into {target.url} failed: {type(exc).__name__}: {exc}") from exc
+        first, last = (tuple(row[plan.columns.index(k)] for k in plan.key) for row in (rows[0], rows[-1]))
+        where = f"{', '.join(plan.key)} {', '.join(map(str, first))} to {', '.join(map(str, last))}"
+        raise StorageError(f"copying {plan.table} ({where}) into {target.url} failed: {type(exc).__name__}: {exc}; "
+                           f"{FIX_SOURCE}") from exc
     return inserted
 
 

@@ -347,6 +347,8 @@ class OpenAIEmbedder:
             raise EmbedderError(f"{self._where()} returned malformed embeddings: {exc}") from None
         if vectors.ndim != 2 or vectors.shape[1] == 0:
             raise EmbedderError(f"{self._where()} returned malformed embeddings of shape {vectors.shape}")
+        if not np.isfinite(vectors).all():  # (pgvector refuses them, and they would rank nothing right on SQLite)
+            raise EmbedderError(f"{self._where()} returned embeddings holding NaN or infinity (model {self.model!r})")
         if self._dim is not None and vectors.shape[1] != self._dim:
             raise EmbedderError(
                 f"{self._where()} returned {vectors.shape[1]}-d embeddings, expected {self._dim} (model {self.model!r})"
