@@ -28,6 +28,7 @@ import re
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
@@ -55,6 +56,7 @@ MESSAGES_PER_REPLY = 4  # a command's answer up to this many messages long is se
 NO_PINGS = discord.AllowedMentions.none()
 ANSWERED_PRIVATELY = "Answered privately."
 SLASH_PATIENCE = 2.0  # Discord wants an interaction's first response within 3 s: slower commands defer
+INTERACTION_DEADLINE = 3.0
 SLASH_REFUSED = "This bot does not take commands from you here (its access settings)."
 SLASH_STALE = ("Discord sent that command as it was before the bot was updated. Reload Discord (Ctrl+R, or "
                "restart the app) so that it shows the current commands, then try again.")
@@ -238,6 +240,15 @@ async def _send_with_files(target: discord.abc.Messageable, text: str, files: li
         if isinstance(exc, discord.Forbidden) or not (files and _too_large(exc)):
             raise
         await target.send(_with_note(text, TOO_LARGE), allowed_mentions=NO_PINGS)
+
+
+def _patience(interaction: discord.Interaction) -> float:
+    """How long a slash command may run before it defers: ``SLASH_PATIENCE`` from when Discord made the interaction
+    (a busy event loop may get to it late). An age past Discord's 3 s says the clocks disagree: not counted."""
+    age = (datetime.now(UTC) - interaction.created_at).total_seconds()
+    if age <= 0.0 or age >= INTERACTION_DEADLINE:
+        return SLASH_PATIENCE
+    return max(0.0, SLASH_PATIENCE - age)
 
 
 def _rate_limited(exc: discord.HTTPException) -> Exception:
@@ -426,7 +437,7 @@ class DiscordAdapter:
                                                     allowed_mentions=NO_PINGS)
             return
         work = asyncio.ensure_future(self._dispatch_slash(interaction, inbound, line, files))
-        if not (await asyncio.wait({work}, timeout=SLASH_PATIENCE))[0]:
+        if not (await asyncio.wait({work}, timeout=_patience(interaction)))[0]:
             # Slow (an export, a first search, a forget-me): "thinking…" now, the answer follows in its
             # place, as private as the command's answers are.
             try:

@@ -843,12 +843,12 @@ class MatrixAdapter:
                 if not inbound.message.text.strip():
                     return
                 inbound = _with_text(inbound, f"*{inbound.message.text.strip()}*")
-            prefix, own = self.config.command_prefix, self.app.commands.prefix
-            if prefix != own and inbound.message.text.startswith(own) and not inbound.message.is_dm:
-                return  # another bot's command: a prefix of its own is set so that the two never both answer
-            if prefix != own and inbound.message.text.startswith(prefix):
+            prefix, own, said = self.config.command_prefix, self.app.commands.prefix, inbound.message.text
+            if prefix != own and said.startswith(prefix):
                 # The room's prefix is configurable; the command layer speaks "!" (answers are shown with the room's).
-                inbound = _with_text(inbound, own + inbound.message.text[len(prefix):])
+                inbound = _with_text(inbound, own + said[len(prefix):])
+            elif prefix != own and not inbound.message.is_dm and self.app.commands.is_command(said):
+                return  # another bot's command: a prefix of its own is set so that the two never both answer
             # The file is fetched only for a command of this bot's that takes one, from someone who may run it
             # now; otherwise the caption goes on as a command without it (refused, slowed down, or ignored
             # when it is another bot's) as a typed one would.

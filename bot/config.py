@@ -154,9 +154,11 @@ class StorageConfig(_Section):
         password = env.get(self.password_env) if self.password_env else None
         if self.password_env and not password:
             raise ConfigError(f"[storage] password_env names {self.password_env}, but that variable is not set")
-        for secret in (password, *_url_secrets(url)):
-            remember_secret(secret)
-            remember_secret(unquote(secret or ""))
+        shown = hide_url_password(url)  # (a password that is also the URL's user, host or database name, as in
+        for secret in (password, *_url_secrets(url)):  # postgres:postgres@db/postgres, shows nothing not shown)
+            for written in (secret, unquote(secret or "")):
+                if written and written not in shown:
+                    remember_secret(written)
         return url, password
 
     @property
@@ -167,31 +169,51 @@ class StorageConfig(_Section):
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def _url_secrets(url: str) -> list[str]:
-    """The passwords one URL carries, as written: before its host (everything between the user's ":" and the
+def _url_secret_spans(url: str) -> list[tuple[int, int]]:
+    """Where the passwords of one URL are, as written: before its host (everything between the user's ":" and the
     last "@" before the query: a password may hold "@", "/", "?", spaces or quotes unencoded) and in its query
     (``?password=…`` up to the next "&", spaces and all)."""
-    _, sep, rest = url.partition("://")
+    scheme, sep, rest = url.partition("://")
     if not sep:
         return []
+    base = len(scheme) + len(sep)
     query = rest.find("?")
     at = rest.rfind("@", 0, query) if query >= 0 else -1
     if at < 0:  # no query, or a "?" in the password itself
         at = rest.rfind("@")
-    found = [rest[:at].split(":", 1)[1]] if at >= 0 and ":" in rest[:at] else []
-    tail = rest[max(at, 0):]
-    if "?" in tail:
-        for part in tail.split("?", 1)[1].split("&"):
+    colon = rest.find(":", 0, max(at, 0))
+    spans = [(base + colon + 1, base + at)] if at >= 0 and colon >= 0 else []
+    mark = rest.find("?", max(at, 0))
+    if mark >= 0:
+        start = base + mark + 1
+        for part in rest[mark + 1:].split("&"):
             name, equals, value = part.partition("=")
             if equals and secret_param(name):
-                found.append(value)
-    return [secret for secret in found if secret]
+                spans.append((start + len(name) + 1, start + len(part)))
+            start += len(part) + 1
+    return [(a, b) for a, b in spans if b > a]
+
+
+def _url_secrets(url: str) -> list[str]:
+    """The passwords one URL carries, as written (see ``_url_secret_spans``)."""
+    return [url[a:b] for a, b in _url_secret_spans(url)]
 
 
 def hide_url_password(url: str) -> str:
-    """One URL (the whole string is the URL) without its passwords: where each ends is known here, however it is
-    written, so nothing of one shows (:func:`hide_url_passwords` reads URLs out of any text)."""
-    return hide_url_passwords(_without(sorted(_url_secrets(url), key=len, reverse=True), url))
+    """One URL (the whole string is the URL) without its passwords: where each is is known here, however it is
+    written, so nothing of one shows, and nothing else is hidden (:func:`hide_url_passwords` reads URLs out of
+    any text)."""
+    for start, end in sorted(_url_secret_spans(url), reverse=True):
+        url = url[:start] + "***" + url[end:]
+    return hide_url_passwords(url)
+
+
+def hide_secrets_of(url: str, text: str) -> str:
+    """``text`` (an error about ``url``) with each password of the URL, and each piece of one between "/", "@",
+    ":", "?", "#" and spaces (a URL parser's error may quote one), as ``***``."""
+    pieces = {piece for secret in _url_secrets(url) for written in (secret, unquote(secret))
+              for piece in (written, *re.split(r"[/@:?#\s]+", written))}
+    return hide_url_passwords(_without(sorted(pieces, key=len, reverse=True), text))
 
 
 def url_has_password(url: str) -> bool:
@@ -1157,9 +1179,12 @@ _known_secrets: set[str] = set()  # passwords this process read (a storage URL's
 
 def remember_secret(secret: str | None) -> None:
     """Note a password the process read: :func:`hide_url_passwords` hides it wherever it appears, also where no
-    pattern finds it (a password with a space: where it ends in a line of text, only knowing it tells)."""
-    if secret and len(secret) >= 3:
-        _known_secrets.update({secret, quote(secret, safe=""), quote_plus(secret, safe="")})
+    pattern finds it (a password with a space: where it ends in a line of text, only knowing it tells), and the
+    pieces of it between "/", "@", ":", "?", "#" and spaces (a URL parser's error may quote one)."""
+    if not secret:
+        return
+    pieces = {secret, quote(secret, safe=""), quote_plus(secret, safe=""), *re.split(r"[/@:?#\s]+", secret)}
+    _known_secrets.update(piece for piece in pieces if len(piece) >= 3)
 
 
 def hide_url_passwords(text: str) -> str:

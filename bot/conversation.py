@@ -216,7 +216,7 @@ class ConversationCore:
             before_id=user_msg.id,
             size_hint=self._window_sizes.get(channel.id, 0),
             viewer=(user.id, persona.name),
-        ), self.storage.incognito.at(user.id, persona.name, sent))
+        ), self.storage.incognito.at(user.id, user.key, persona.name, sent))
         if len(self._window_sizes) > 10_000:
             self._window_sizes.clear()
         self._window_sizes[channel.id] = len(window.messages)
@@ -302,6 +302,8 @@ class ConversationCore:
             )
             # (the person sees the failure in its place: USER_TOLD lets a terminal chat leave this line out)
             log.warning("reply in channel %d failed: %s", channel.id, type(exc).__name__, extra={USER_TOLD: True})
+            if in_ended:  # a message of an ended stretch, stored after its end: it goes now, answered or not
+                await self._drop_from_ended_stretch(user_msg, message.channel_key)
             raise
         duration_ms = int((time.monotonic() - started) * 1000)
         finished = await self._finish(
@@ -509,7 +511,8 @@ class ConversationCore:
         at = user_msg.created_at if before_stretch or user_msg.created_at > datetime.now(UTC) else None
         try:
             reply = await self.storage.add_message(
-                channel.id, user.id, persona.name, "assistant", persona.name, text, self.estimator.raw_count(text), at
+                channel.id, user.id, persona.name, "assistant", persona.name, text, self.estimator.raw_count(text), at,
+                reply_to=user_msg.id,
             )
         except StaleReference:
             self.storage.forget_cached(user_key=user.key)
@@ -566,7 +569,7 @@ class ConversationCore:
         """Whether the incognito stretch ``user_msg`` was sent in has ended since (``!memory resume``, or its
         hours ran out): the message went with it, and a reply stored now would outlive it, outside any stretch."""
         sent = user_msg.created_at.timestamp()
-        since, in_ended = await self.storage.incognito.at(user.id, persona.name, sent)
+        since, in_ended = await self.storage.incognito.at(user.id, user.key, persona.name, sent)
         return in_ended or since is None or since > sent
 
     async def _drop_from_ended_stretch(self, user_msg: StoredMessage, channel_key: str) -> None:

@@ -96,7 +96,7 @@ async def dump(storage: Storage, table: str) -> list[dict[str, Any]]:
     order = {"settings": "key", "cortex_settings": "scope, key", "periodic_runs": "name", "instance_locks": "name",
              "message_vectors": "message_id", "reply_sources": "message_id, kind, ref",
              "platform_messages": "key", "incognito": "user_id, persona",
-             "incognito_ended": "user_id, persona, started_at", "web_links": "token_hash",
+             "incognito_ended": "user_key, persona, started_at", "web_links": "token_hash",
              "web_sessions": "id_hash"}.get(table, "id")
     left_out = f" WHERE key <> '{copy_module.LAST_COPY_KEY}'" if table == "settings" else ""  # (the target's)
     rows = await storage.db.fetch_all(f"SELECT * FROM {table}{left_out} ORDER BY {order}")

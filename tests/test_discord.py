@@ -954,3 +954,18 @@ async def test_a_slash_commands_file_is_not_downloaded_for_a_caller_without_the_
         {"name": "card", "type": 11, "value": "3333"}]}], resolved={"attachments": {"3333": attachment}},
         permissions=0x20)  # (Manage Server: an admin of this server, not of the bot)
     assert read == [] and "for the bot's admins only" in response["data"]["content"], response
+
+
+def test_a_slash_commands_patience_counts_from_when_discord_made_it() -> None:
+    """An attacker's finding: the two seconds before "thinking…" were counted from when the handler ran: an event
+    loop that got to the interaction late missed Discord's 3 s, and the running command was cancelled part-way."""
+    from datetime import UTC, datetime, timedelta
+
+    from adapters.discord import SLASH_PATIENCE, _patience
+
+    def made(seconds_ago: float) -> Any:
+        return SimpleNamespace(created_at=datetime.now(UTC) - timedelta(seconds=seconds_ago))
+
+    assert _patience(made(1.5)) == pytest.approx(SLASH_PATIENCE - 1.5, abs=0.05)
+    assert _patience(made(2.5)) == 0.0  # (late already: defer at once)
+    assert _patience(made(-1.0)) == SLASH_PATIENCE and _patience(made(60.0)) == SLASH_PATIENCE  # (clocks disagree)

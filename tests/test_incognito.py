@@ -422,17 +422,25 @@ async def test_a_message_sent_in_a_stretch_and_stored_after_its_end_goes_too(tmp
         assert sorted(rows) == ["echo: said after the resume", "said after the resume"], rows
         assert not any("zanzibarquux" in t for t in app.core._last_text.values())
 
-        # A late message whose reply failed stays until the stretch is forgotten, kept out of everything meanwhile.
+        # A late message whose reply failed goes at once too.
         llm.enqueue(LLMServerError("down"))
         await app.router.handle(inbound("my other secret plughxyzzy", t0 + timedelta(seconds=15)), Sink())
+        rows = [str(r[0]) for r in await app.storage.db.fetch_all("SELECT text FROM messages")]
+        assert not any("plughxyzzy" in t for t in rows), rows
+        # One stored by a process that stopped before its reply: kept out of every prompt (Ann's own too, whose
+        # reply is kept), summaries and cortex updates, until the periodic check deletes it.
         user, channel = await app.storage.get_user("discord:7"), await app.storage.get_channel("discord:dm-ann")
         assert user is not None and channel is not None
+        await app.storage.add_message(channel.id, user.id, "Cora", "user", "Ann", "stranded quuxfrob", 3,
+                                      t0 + timedelta(seconds=12))
         visible = [m.text for m in await app.storage.messages_between(channel.id, 0, 2**40, 100)]
-        assert "said after the resume" in visible and not any("plughxyzzy" in t for t in visible)  # (summaries)
+        assert "said after the resume" in visible and not any("quuxfrob" in t for t in visible)  # (summaries)
         history = [m.text for m, _ in await app.cortex.store.pair_messages(user.id, "Cora", 100)]
-        assert history and not any("plughxyzzy" in t for t in history)  # (cortex updates)
+        assert history and not any("quuxfrob" in t for t in history)  # (cortex updates)
+        window = [m.text for m in await app.storage.recent_messages(channel.id, 20, viewer=(user.id, "Cora"))]
+        assert "said after the resume" in window and not any("quuxfrob" in t for t in window)  # (her next prompt)
         await app._end_incognito()  # (the periodic check: the stretch ended moments ago, it is still kept)
-        assert any("plughxyzzy" in str(r[0]) for r in await app.storage.db.fetch_all("SELECT text FROM messages"))
+        assert any("quuxfrob" in str(r[0]) for r in await app.storage.db.fetch_all("SELECT text FROM messages"))
         ago = ENDED_KEPT_SECONDS + 60  # (the whole stretch, and the message in it, that long ago)
         await app.storage.db.write("UPDATE incognito_ended SET started_at = started_at - ?, ended_at = ended_at - ?",
                                    (ago, ago))
@@ -444,4 +452,25 @@ async def test_a_message_sent_in_a_stretch_and_stored_after_its_end_goes_too(tmp
         assert await app.storage.db.fetch_all("SELECT * FROM incognito_ended") == []
         await app.storage.scrub()
     if db_url_for(tmp_path).startswith("sqlite"):
-        assert b"zanzibarquux" not in _database_bytes(tmp_path) and b"plughxyzzy" not in _database_bytes(tmp_path)
+        assert not any(w in _database_bytes(tmp_path) for w in (b"zanzibarquux", b"plughxyzzy", b"quuxfrob"))
+
+
+async def test_a_late_message_after_pause_forget_me_and_resume_goes_too(tmp_path: Path) -> None:
+    """A review's finding: resuming after a forget-me dropped the key-only user row the pause had kept, and with it
+    any record of the stretch: the late message made a new user and was kept, outside any stretch."""
+    from datetime import UTC, datetime, timedelta
+
+    def inbound(text: str, sent: datetime) -> Inbound:
+        return Inbound(IncomingMessage("discord", "dm-ann", "7", "Ann", text, is_dm=True, sent_at=sent))
+
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000}})
+    async with App(config, llm=ScriptedProvider()) as app:
+        t0 = datetime.now(UTC) - timedelta(seconds=30)
+        await app.router.handle(inbound("!memory pause", t0), Sink())
+        await app.router.handle(inbound("!memory forget-me confirm", t0 + timedelta(seconds=5)), Sink())
+        await app.router.handle(inbound("!memory resume", t0 + timedelta(seconds=20)), Sink())
+        assert await app.storage.get_user("discord:7") is None  # (the key kept for the pause went)
+        late = Sink()
+        await app.router.handle(inbound("my secret zanzibarquux", t0 + timedelta(seconds=10)), late)
+        assert late.messages[0].startswith("🕶️")
+        assert await app.storage.db.fetch_all("SELECT text FROM messages") == []

@@ -282,18 +282,18 @@ async def test_a_room_prefix_of_its_own_is_the_only_one_and_the_answers_use_it(s
                                                                                 tmp_path: Path) -> None:
     """A new user's finding: with `command_prefix = "?"` (to share rooms with a bot that uses "!"), "!help" still
     ran this bot's commands (both bots answered) and every answer told people to type "!memory …"."""
-    bot = await start_bot(synapse, tmp_path, command_prefix="?")
+    bot = await start_bot(synapse, tmp_path, command_prefix="!!")  # (one that starts as the other bot's does)
     alice, bob = await user(synapse, "alice"), await user(synapse, "bob")
     seen = Timeline(alice)
     try:
         room = await group_with(seen, bot.user_id, bob)
         await send_text(alice, room, "!help")  # (the other bot's)
-        await send_text(alice, room, "?help memory forget")
-        await seen.sync_until(lambda: bool(seen.bodies(room, bot.user_id)), "the answer to ?help")
+        await send_text(alice, room, "!!help memory forget")
+        await seen.sync_until(lambda: bool(seen.bodies(room, bot.user_id)), "the answer to !!help")
         await asyncio.sleep(1.0)
         await seen.sync_until(lambda: True, "a last sync")
         [answer] = seen.bodies(room, bot.user_id)
-        assert "?memory forget" in answer and "!memory" not in answer, answer
+        assert "!!memory forget" in answer and " !memory" not in answer, answer
     finally:
         await alice.close()
         await bob.close()

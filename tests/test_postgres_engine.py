@@ -222,5 +222,19 @@ async def test_a_read_only_database_answers_what_only_reads(pg_url: str) -> None
 
 async def test_a_missing_vector_adapter_says_how_to_install_it(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pgvector.asyncpg", None)
-    with pytest.raises(StorageError, match=r"pgvector's adapter for the PostgreSQL driver is not installed: pip install"):
+    with pytest.raises(StorageError, match=r"pgvector's adapter for the PostgreSQL driver is not installed: pip"):
         await open_storage(pg_url)
+
+
+async def test_a_piece_of_a_password_never_shows_and_a_weak_one_hides_nothing_else() -> None:
+    """A review's finding: a password with an unencoded "/" and no "@" after it made asyncpg's URL parser quote its
+    first piece in the error ('s3cretpw'); and hiding a password equal to the user and database names ("postgres")
+    wherever it appeared left `status` showing `***ql://***:***@db:5432/***`."""
+    from bot.config import StorageConfig, hide_url_passwords
+
+    with pytest.raises(StorageError) as caught:
+        await open_storage(f"postgresql://cortex:s3cretpw/x@127.0.0.1:{_closed_port()}/db")
+    assert "s3cretpw" not in str(caught.value) and "percent-encoded" in str(caught.value), str(caught.value)
+    config = StorageConfig(url="sqlite:///unused.db", url_env="CB_TEST_URL")
+    url, _ = config.resolve({"CB_TEST_URL": "postgresql://postgres:postgres@db:5432/postgres"})
+    assert hide_url_passwords(f"opened {url}") == "opened postgresql://postgres:***@db:5432/postgres"

@@ -583,30 +583,30 @@ async def test_a_withdrawn_platform_message_goes_with_what_points_at_it(storage:
 async def test_a_withdrawn_message_takes_the_reply_to_it_along_and_a_withdrawn_reply_goes_alone(
         storage: Storage) -> None:
     """An attacker's finding: deleting a message on the platform left the bot's stored reply to it, which often
-    repeats it (in the next prompts), and a moderator deleting one of the bot's replies left it in the history."""
+    repeats it (in the next prompts), and a moderator deleting one of the bot's replies left it in the history.
+    Replies in one channel may be stored out of order (a slow one after a quick one): each goes by what it answers."""
     ann = await storage.upsert_user("discord:ann", "Ann")
     bob = await storage.upsert_user("discord:bob", "Bob")
     channel = await storage.upsert_channel("discord:room", "room", is_dm=False)
 
-    async def add(user: int, role: str, text: str, persona: str = "Cora") -> int:
-        return (await storage.add_message(channel.id, user, persona, role, "x", text, 1)).id  # type: ignore[arg-type]
+    async def add(user: int, role: str, text: str, reply_to: int | None = None) -> int:
+        return (await storage.add_message(channel.id, user, "Cora", role, "x", text, 1,  # type: ignore[arg-type]
+                                          reply_to=reply_to)).id
 
-    first = await add(ann.id, "user", "hello")
-    await add(ann.id, "assistant", "hi Ann")
+    question = await add(ann.id, "user", "what is 2+2")
     secret = await add(ann.id, "user", "my card is 4111 1111")
     await add(bob.id, "user", "Bob meanwhile")
-    await add(ann.id, "assistant", "Noted, Lena says", persona="Lena")  # (another persona's)
+    await add(ann.id, "assistant", "4", reply_to=question)  # (the quick answer first …)
     await add(bob.id, "assistant", "hi Bob")
-    echo = await add(ann.id, "assistant", "your card 4111 1111 is noted")
-    later = await add(ann.id, "user", "thanks")
-    bot_reply = await add(ann.id, "assistant", "you are welcome")
-    for key, message_id in (("discord-message:1", first), ("discord-message:2", secret),
-                            ("discord-message:3", later), ("discord-message:9", bot_reply)):
+    await add(ann.id, "assistant", "your card 4111 1111 is noted", reply_to=secret)  # (… the slow one after)
+    thanks = await add(ann.id, "user", "thanks")
+    welcome = await add(ann.id, "assistant", "you are welcome", reply_to=thanks)
+    for key, message_id in (("discord-message:1", question), ("discord-message:2", secret),
+                            ("discord-message:3", thanks), ("discord-message:9", welcome)):
         await storage.sources.link([key], message_id)
     assert await storage.withdraw_message("discord-message:2", 2.0) == (True, 0)
     left = [m.text for m in reversed(await storage.recent_messages(channel.id, 20))]
-    assert not any("4111" in t for t in left) and echo
-    assert left == ["hello", "hi Ann", "Bob meanwhile", "Noted, Lena says", "hi Bob", "thanks", "you are welcome"]
+    assert left == ["what is 2+2", "Bob meanwhile", "4", "hi Bob", "thanks", "you are welcome"]
     # The bot's reply by its platform key: as the platform vouches (no author), not as someone's own message
     assert await storage.withdraw_message("discord-message:9", 3.0, "discord:ann") == (False, 0)
     assert await storage.withdraw_message("discord-message:9", 3.0) == (True, 0)

@@ -172,6 +172,7 @@ class Storage(Protocol):
         text: str,
         token_count: int,
         created_at: datetime | None = None,
+        reply_to: int | None = None,
     ) -> StoredMessage: ...
 
     async def recent_messages(

@@ -54,7 +54,7 @@ from bot.storage.engine import (
 )
 from bot.storage.export import ExportRepository, import_claim_key
 from bot.storage.fleet import FleetRepository
-from bot.storage.incognito import IncognitoRepository, believable, not_incognito
+from bot.storage.incognito import IncognitoRepository, believable, not_incognito, visible_to
 from bot.storage.memory import MemoryRepository
 from bot.storage.migrations import MIGRATIONS
 from bot.storage.personas import LoreRepository, PersonaRepository
@@ -252,12 +252,12 @@ class Storage:
             deleted, _ = await delete_messages(tx, "user_id = ? AND persona = ? AND created_at >= ?",
                                                (user_id, persona, started))
             await tx.execute("DELETE FROM incognito WHERE user_id = ? AND persona = ?", (user_id, persona))
+            believed = believable(at)
+            ended = max(started, believed.timestamp() if believed is not None else time.time())
+            await tx.execute("INSERT INTO incognito_ended (user_key, persona, started_at, ended_at)"
+                             " SELECT key, ?, ?, ? FROM users WHERE id = ? ON CONFLICT DO NOTHING",
+                             (persona, started, ended, user_id))
             bare = await self._drop_bare_user(tx, user_id)
-            if bare is None:
-                believed = believable(at)
-                ended = max(started, believed.timestamp() if believed is not None else time.time())
-                await tx.execute("INSERT INTO incognito_ended (user_id, persona, started_at, ended_at)"
-                                 " VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING", (user_id, persona, started, ended))
         if bare is not None:
             self.forget_cached(user_key=bare)
         return len(deleted)
@@ -265,7 +265,7 @@ class Storage:
     @staticmethod
     async def _drop_bare_user(tx: Tx, user_id: int) -> str | None:
         """Delete the key-only row a forget-me kept for a pause (``_keep_incognito``) once nothing else of the
-        user is stored (the ended stretches it carries go with it); its key, or None when it stays."""
+        user is stored; its key, or None when it stays."""
         row = await tx.fetch_one(
             "SELECT key FROM users WHERE id = ? AND display_name = ''"
             " AND NOT EXISTS (SELECT 1 FROM messages WHERE user_id = ?)"
@@ -273,8 +273,7 @@ class Storage:
             " AND NOT EXISTS (SELECT 1 FROM incognito WHERE user_id = ?)", (user_id,) * 4)
         if row is None:
             return None
-        await tx.execute("DELETE FROM incognito_ended WHERE user_id = ?", (user_id,))
-        await tx.execute("DELETE FROM users WHERE id = ?", (user_id,))
+        await tx.execute("DELETE FROM users WHERE id = ?", (user_id,))  # (its ended stretches stay, by key)
         return str(row[0])
 
     async def sweep_ended_incognito(self, before: float) -> int:
@@ -284,12 +283,12 @@ class Storage:
         await self.flush_audit()
         async with self.db.transaction() as tx:
             ended = await tx.fetch_all("DELETE FROM incognito_ended WHERE ended_at < ?"
-                                       " RETURNING user_id, persona, started_at, ended_at", (before,))
+                                       " RETURNING user_key, persona, started_at, ended_at", (before,))
             late = 0
-            for user_id, persona, started, until in ended:
+            for user_key, persona, started, until in ended:
                 deleted, _ = await delete_messages(
-                    tx, "user_id = ? AND persona = ? AND created_at >= ? AND created_at < ?",
-                    (int(user_id), str(persona), float(started), float(until)))
+                    tx, "user_id IN (SELECT id FROM users WHERE key = ?) AND persona = ? AND created_at >= ?"
+                    " AND created_at < ?", (str(user_key), str(persona), float(started), float(until)))
                 late += len(deleted)
         return late
 
@@ -303,7 +302,7 @@ class Storage:
         await self.flush_audit()  # buffered reply stats may point at it
         async with self.db.transaction() as tx:
             row = await tx.fetch_one(
-                "SELECT m.id, m.user_id, u.key, m.role, m.channel_id, m.persona FROM platform_messages AS p"
+                "SELECT m.id, m.user_id, u.key, m.role FROM platform_messages AS p"
                 " JOIN messages AS m ON m.id = p.message_id JOIN users AS u ON u.id = m.user_id WHERE p.key = ?"
                 + ("" if author_key is None else " AND m.role = 'user'"), (key,))
             if row is not None and author_key is not None and str(row[2]) != author_key:
@@ -312,7 +311,8 @@ class Storage:
                 await delete_messages(tx, "id = ?", (int(row[0]),))
                 return True, 0
             if row is not None:
-                await delete_messages(tx, "id IN (?, ?)", (int(row[0]), await self._reply_to(tx, row)))
+                # (with the reply to it, stored as answering it: replies in one channel may be stored out of order)
+                await delete_messages(tx, "id = ? OR reply_to = ?", (int(row[0]), int(row[0])))
                 user_id: int | None = int(row[1])
             else:  # not stored (a message not for the bot): the author's items remembered from it still go
                 owner = await tx.fetch_one("SELECT id FROM users WHERE key = ?", (author_key,)) if author_key else None
@@ -322,17 +322,6 @@ class Storage:
         archived = await self.memory.archive_from(None, key, "its message was deleted", now, user_id=user_id)
         return row is not None, len(archived)
 
-    @staticmethod
-    async def _reply_to(tx: Tx, message: Row) -> int:
-        """The id of the bot's stored reply to a user's ``message`` (its persona's next reply to them in the
-        channel, before they said anything more to it; 0 when there is none)."""
-        row = await tx.fetch_one(
-            "SELECT r.id FROM messages AS r WHERE r.channel_id = ? AND r.id > ? AND r.role = 'assistant'"
-            " AND r.user_id = ? AND r.persona = ? AND NOT EXISTS (SELECT 1 FROM messages AS u"
-            " WHERE u.channel_id = r.channel_id AND u.id > ? AND u.id < r.id AND u.role = 'user'"
-            " AND u.user_id = r.user_id AND u.persona = r.persona) ORDER BY r.id LIMIT 1",
-            (int(message[4]), int(message[0]), int(message[1]), str(message[5]), int(message[0])))
-        return 0 if row is None else int(row[0])
 
     async def delete_messages_before(self, before: float) -> int:
         """Retention: every message older than ``before`` goes, with what points at it; how many."""
@@ -473,16 +462,21 @@ class Storage:
         text: str,
         token_count: int,
         created_at: datetime | None = None,
+        reply_to: int | None = None,
     ) -> StoredMessage:
         with stale_if_missing(f"user {user_id} or channel {channel_id} no longer exists"):
             return await self._add_message(channel_id, user_id, persona, role, author_name, text, token_count,
-                                           _ts(created_at))
+                                           _ts(created_at), reply_to)
 
     async def _add_message(
         self, channel_id: int, user_id: int | None, persona: str, role: MessageRole, author_name: str, text: str,
-        token_count: int, ts: float,
+        token_count: int, ts: float, reply_to: int | None = None,
     ) -> StoredMessage:
-        params = (channel_id, user_id, persona, role, author_name, text, token_count, ts)
+        params: tuple[Any, ...] = (channel_id, user_id, persona, role, author_name, text, token_count, ts)
+        # (named only for a reply: a user's message answers nothing, and the column is younger than the table)
+        column, value = (", reply_to", ", $9::bigint" if self.db.dialect == "postgres" else ", ?9") \
+            if reply_to is not None else ("", "")
+        params += (reply_to,) if reply_to is not None else ()
         if self.db.dialect == "postgres":
             # One statement: bumping the counter locks the channel's row, so concurrent inserts into one
             # channel (from any process) get consecutive positions.
@@ -490,16 +484,16 @@ class Storage:
                 "WITH c AS (UPDATE channels SET message_count = message_count + 1, updated_at = $8"
                 " WHERE id = $1 RETURNING message_count)"
                 " INSERT INTO messages (channel_id, user_id, persona, role, author_name, text, token_count, seq,"
-                " created_at) SELECT $1, $2::bigint, $3, $4, $5, $6, $7::integer, c.message_count, $8 FROM c"
-                " RETURNING id, seq",
+                f" created_at{column}) SELECT $1, $2::bigint, $3, $4, $5, $6, $7::integer, c.message_count, $8"
+                f"{value} FROM c RETURNING id, seq",
                 params,
             )
         else:
             # One statement: its seq is the channel's count so far + 1, and the trigger bumps the count.
             row = await self.db.write_one(
                 "INSERT INTO messages (channel_id, user_id, persona, role, author_name, text, token_count, seq,"
-                " created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7,"
-                " (SELECT message_count + 1 FROM channels WHERE id = ?1), ?8) RETURNING id, seq",
+                f" created_at{column}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7,"
+                f" (SELECT message_count + 1 FROM channels WHERE id = ?1), ?8{value}) RETURNING id, seq",
                 params,
             )
         if row is None:
@@ -519,7 +513,7 @@ class Storage:
         else:  # a stretch is answered in its own conversation only (not for Bob in a group, not for another persona)
             rows = await self.db.fetch_all(
                 f"SELECT {MESSAGE_COLUMNS} FROM messages AS m WHERE channel_id = ? AND id < ?"
-                f" AND ({not_incognito('m')} OR (m.user_id = ? AND m.persona = ?)) ORDER BY id DESC LIMIT ?",
+                f" AND {visible_to('m')} ORDER BY id DESC LIMIT ?",
                 (channel_id, before, *viewer, limit))
         return [message_from_row(r) for r in rows]
 
@@ -1051,7 +1045,6 @@ class Storage:
             counts = await self.cortex.delete_pairs(tx, pair_ids)
             stretches = await tx.fetch_all("DELETE FROM incognito WHERE user_id = ? RETURNING persona, started_at",
                                            (user_id,))
-            await tx.execute("DELETE FROM incognito_ended WHERE user_id = ?", (user_id,))
             messages, channels = await delete_messages(tx, "user_id = ?", (user_id,))
             ch_marks = ",".join("?" for _ in channels) or "NULL"
             summaries = await tx.fetch_all(f"DELETE FROM summaries WHERE channel_id IN ({ch_marks}) RETURNING id",

@@ -27,16 +27,26 @@ def believable(sent_at: datetime | None) -> datetime | None:
 # Its time is the platform's, believed within CLOCK_SLACK_SECONDS: no later one can fall inside.
 ENDED_KEPT_SECONDS = CLOCK_SLACK_SECONDS + 60.0
 
-# "This message (alias m) is not inside an incognito stretch of its user and persona", running or ended
-# (a message stored after the end of the stretch it was sent in: it is about to go).
-NOT_INCOGNITO = ("NOT EXISTS (SELECT 1 FROM incognito AS i WHERE i.user_id = {m}.user_id AND i.persona = {m}.persona"
-                 " AND {m}.created_at >= i.started_at)"
-                 " AND NOT EXISTS (SELECT 1 FROM incognito_ended AS e WHERE e.user_id = {m}.user_id"
-                 " AND e.persona = {m}.persona AND {m}.created_at >= e.started_at AND {m}.created_at < e.ended_at)")
+# "This message (alias m) is inside a running incognito stretch of its user and persona."
+IN_RUNNING = ("EXISTS (SELECT 1 FROM incognito AS i WHERE i.user_id = {m}.user_id AND i.persona = {m}.persona"
+              " AND {m}.created_at >= i.started_at)")
+# "… inside one that has ended" (a message stored after the end of the stretch it was sent in: it is about to go).
+IN_ENDED = ("EXISTS (SELECT 1 FROM incognito_ended AS e JOIN users AS eu ON eu.key = e.user_key"
+            " WHERE eu.id = {m}.user_id AND e.persona = {m}.persona AND {m}.created_at >= e.started_at"
+            " AND {m}.created_at < e.ended_at)")
 
 
 def not_incognito(alias: str) -> str:
-    return NOT_INCOGNITO.format(m=alias)
+    """SQL: the message ``alias`` is in no incognito stretch, running or ended."""
+    return f"NOT {IN_RUNNING.format(m=alias)} AND NOT {IN_ENDED.format(m=alias)}"
+
+
+def visible_to(alias: str) -> str:
+    """SQL: the message ``alias`` may enter a prompt for the viewer given by the next two parameters (user id,
+    persona): outside every stretch, or in the viewer's own running stretch with that persona (never in an
+    ended one: a reply to anyone is kept)."""
+    return (f"NOT {IN_ENDED.format(m=alias)} AND (NOT {IN_RUNNING.format(m=alias)}"
+            f" OR ({alias}.user_id = ? AND {alias}.persona = ?))")
 
 
 class IncognitoRepository:
@@ -60,13 +70,13 @@ class IncognitoRepository:
                                       (user_id, persona))
         return None if row is None else float(row[0])
 
-    async def at(self, user_id: int, persona: str, sent: float) -> tuple[float | None, bool]:
+    async def at(self, user_id: int, user_key: str, persona: str, sent: float) -> tuple[float | None, bool]:
         """The start of the user's running stretch with the persona (None: not paused), and whether a message
         sent at ``sent`` lies in a stretch that has ended (it was stored after the end: it goes, unremembered)."""
         row = await self.db.fetch_one(
             "SELECT (SELECT started_at FROM incognito WHERE user_id = ? AND persona = ?),"
-            " EXISTS (SELECT 1 FROM incognito_ended WHERE user_id = ? AND persona = ? AND started_at <= ?"
-            " AND ended_at > ?)", (user_id, persona, user_id, persona, sent, sent))
+            " EXISTS (SELECT 1 FROM incognito_ended WHERE user_key = ? AND persona = ? AND started_at <= ?"
+            " AND ended_at > ?)", (user_id, persona, user_key, persona, sent, sent))
         assert row is not None
         return (None if row[0] is None else float(row[0])), bool(row[1])
 

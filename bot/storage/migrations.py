@@ -17,6 +17,7 @@ def _sqlite_fork(statements: tuple[str, ...]) -> tuple[str, ...]:
                  .replace("DOUBLE PRECISION", "REAL").replace("BIGINT", "INTEGER") for s in statements)
 
 
+REPLY_INDEX = "CREATE INDEX messages_by_reply_to ON messages (reply_to) WHERE reply_to IS NOT NULL"
 SOURCE_INDEX = "CREATE INDEX memory_items_by_source ON memory_items (source_ref)"
 # SQLite: what a full-text match needs to know of an item to keep it (see ``MemoryRepository``), in an index
 # dense enough to read hundreds of matches from a few pages; the table's rows carry their vectors (1.5 kB).
@@ -384,4 +385,7 @@ MIGRATIONS: tuple[Migration, ...] = (
               _sqlite_fork(pg_schema.V23), postgres=pg_schema.V23),
     Migration(24, "the tokens of forgotten users' cortex updates, without names: the bot's daily budget counts them",
               _sqlite_fork(pg_schema.V24), postgres=pg_schema.V24),
+    Migration(25, "which message each reply answers: a message deleted on its platform takes its reply along",
+              ("ALTER TABLE messages ADD COLUMN reply_to INTEGER", REPLY_INDEX),
+              postgres=("ALTER TABLE messages ADD COLUMN reply_to BIGINT", REPLY_INDEX)),
 )

@@ -362,12 +362,14 @@ V14: tuple[str, ...] = (
 # inside one but stored after its end (in flight when `!memory resume` was handled) is found by its time, kept
 # out of everything as the stretch's messages were, and deleted.
 V23: tuple[str, ...] = (
+    # By the user's key, not their row: a forget-me (or a resume that drops the key-only row a forget-me kept
+    # for a pause) deletes the row, and the late message makes a new one under the same key.
     """CREATE TABLE incognito_ended (
-        user_id BIGINT NOT NULL REFERENCES users(id),
+        user_key TEXT NOT NULL,
         persona TEXT NOT NULL,
         started_at DOUBLE PRECISION NOT NULL,
         ended_at DOUBLE PRECISION NOT NULL,
-        PRIMARY KEY (user_id, persona, started_at))""",
+        PRIMARY KEY (user_key, persona, started_at))""",
     "CREATE INDEX incognito_ended_by_time ON incognito_ended (ended_at)",
 )
 

@@ -23,7 +23,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from bot.config import hide_url_password
+from bot.config import hide_secrets_of, hide_url_password
 from bot.storage.engine import Migration, Row, StorageCaches, StorageError, apply_migrations, refuse_foreign
 from bot.storage.memory import EF_SEARCH
 
@@ -125,11 +125,15 @@ def _connect_error(exc: BaseException, url: str) -> StorageError:
         name = unquote(urlsplit(url).path.strip("/")) or "NAME"
         return StorageError(f"the database of {where} does not exist: create it (createdb {shlex.quote(name)}) or "
                             "fix the URL")
+    said = hide_secrets_of(url, str(exc))  # (a parser's error may quote a piece of the password)
     if isinstance(exc, OSError | asyncio.TimeoutError):
         return StorageError(
-            f"cannot reach PostgreSQL at {where} ({type(exc).__name__}: {exc}): is the server running and "
+            f"cannot reach PostgreSQL at {where} ({type(exc).__name__}: {said}): is the server running and "
             "listening there?")
-    return StorageError(f"cannot open the PostgreSQL database {where}: {type(exc).__name__}: {exc}")
+    if isinstance(exc, ValueError):
+        return StorageError(f"cannot read the PostgreSQL URL {where} ({type(exc).__name__}: {said}): a password "
+                            "holding / @ : ? # or spaces must be percent-encoded (%2F %40 %3A %3F %23 %20)")
+    return StorageError(f"cannot open the PostgreSQL database {where}: {type(exc).__name__}: {said}")
 
 
 async def _keep_session(conn: asyncpg.Connection) -> None:
