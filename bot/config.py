@@ -154,11 +154,12 @@ class StorageConfig(_Section):
         password = env.get(self.password_env) if self.password_env else None
         if self.password_env and not password:
             raise ConfigError(f"[storage] password_env names {self.password_env}, but that variable is not set")
-        shown = hide_url_password(url)  # (a password that is also the URL's user, host or database name, as in
-        for secret in (password, *_url_secrets(url)):  # postgres:postgres@db/postgres, shows nothing not shown)
+        # (a password, or a piece of one, that is also the URL's user, host or database name, as in
+        # postgres:postgres@db/postgres, is not hidden elsewhere: it shows nothing the URL does not)
+        shown = hide_url_password(url)
+        for secret in (password, *_url_secrets(url)):
             for written in (secret, unquote(secret or "")):
-                if written and written not in shown:
-                    remember_secret(written)
+                remember_secret(written, shown=shown)
         return url, password
 
     @property
@@ -211,8 +212,9 @@ def hide_url_password(url: str) -> str:
 def hide_secrets_of(url: str, text: str) -> str:
     """``text`` (an error about ``url``) with each password of the URL, and each piece of one between "/", "@",
     ":", "?", "#" and spaces (a URL parser's error may quote one), as ``***``."""
+    shown = hide_url_password(url)
     pieces = {piece for secret in _url_secrets(url) for written in (secret, unquote(secret))
-              for piece in (written, *re.split(r"[/@:?#\s]+", written))}
+              for piece in _pieces(written, shown)}
     return hide_url_passwords(_without(sorted(pieces, key=len, reverse=True), text))
 
 
@@ -1177,14 +1179,20 @@ _SECRET_PARAMS = frozenset({"password", "sslpassword"})  # libpq's and asyncpg's
 _known_secrets: set[str] = set()  # passwords this process read (a storage URL's, password_env's): never shown
 
 
-def remember_secret(secret: str | None) -> None:
+def remember_secret(secret: str | None, *, shown: str = "") -> None:
     """Note a password the process read: :func:`hide_url_passwords` hides it wherever it appears, also where no
     pattern finds it (a password with a space: where it ends in a line of text, only knowing it tells), and the
-    pieces of it between "/", "@", ":", "?", "#" and spaces (a URL parser's error may quote one)."""
-    if not secret:
-        return
+    pieces of it between "/", "@", ":", "?", "#" and spaces (a URL parser's error may quote one); none that
+    ``shown`` (what is shown anyway, such as the URL without its password) holds."""
+    if secret:
+        _known_secrets.update(_pieces(secret, shown))
+
+
+def _pieces(secret: str, shown: str = "") -> set[str]:
+    """A password as it may be written or quoted in part (see :func:`remember_secret`), but for what ``shown``
+    holds and pieces too short to hide without hiding every such letter."""
     pieces = {secret, quote(secret, safe=""), quote_plus(secret, safe=""), *re.split(r"[/@:?#\s]+", secret)}
-    _known_secrets.update(piece for piece in pieces if len(piece) >= 3)
+    return {piece for piece in pieces if len(piece) >= 3 and piece not in shown}
 
 
 def hide_url_passwords(text: str) -> str:

@@ -238,3 +238,5 @@ async def test_a_piece_of_a_password_never_shows_and_a_weak_one_hides_nothing_el
     config = StorageConfig(url="sqlite:///unused.db", url_env="CB_TEST_URL")
     url, _ = config.resolve({"CB_TEST_URL": "postgresql://postgres:postgres@db:5432/postgres"})
     assert hide_url_passwords(f"opened {url}") == "opened postgresql://postgres:***@db:5432/postgres"
+    url, _ = config.resolve({"CB_TEST_URL": "postgresql://cortex:cortex%402024@db:5432/cortex"})  # (in pieces)
+    assert hide_url_passwords(f"opened {url}") == "opened postgresql://cortex:***@db:5432/cortex"
