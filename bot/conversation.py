@@ -305,6 +305,10 @@ class ConversationCore:
             if in_ended:  # a message of an ended stretch, stored after its end: it goes now, answered or not
                 await self._drop_from_ended_stretch(user_msg, message.channel_key)
             raise
+        except BaseException:  # (the reply cancelled or abandoned, a bug): such a message goes all the same
+            if in_ended:
+                await asyncio.shield(self._drop_from_ended_stretch(user_msg, message.channel_key))
+            raise
         duration_ms = int((time.monotonic() - started) * 1000)
         finished = await self._finish(
             persona, user, channel, user_msg, window, summary, raw_prompt, completion, duration_ms, message,

@@ -474,3 +474,26 @@ async def test_a_late_message_after_pause_forget_me_and_resume_goes_too(tmp_path
         await app.router.handle(inbound("my secret zanzibarquux", t0 + timedelta(seconds=10)), late)
         assert late.messages[0].startswith("🕶️")
         assert await app.storage.db.fetch_all("SELECT text FROM messages") == []
+
+
+async def test_a_late_message_whose_reply_is_cancelled_goes_too(tmp_path: Path) -> None:
+    """A review's finding: a late message of an ended stretch went at once only when its reply failed with a model
+    error; a reply cancelled (Ctrl-C in the terminal, a platform task stopped) left it for the periodic check."""
+    from datetime import UTC, datetime, timedelta
+
+    def inbound(text: str, sent: datetime) -> Inbound:
+        return Inbound(IncomingMessage("discord", "dm-ann", "7", "Ann", text, is_dm=True, sent_at=sent))
+
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000}})
+    llm = HeldProvider()
+    llm.enqueue("ok")  # (the pause's and resume's turns take no model call: the late message's is the first)
+    async with App(config, llm=llm) as app:
+        t0 = datetime.now(UTC) - timedelta(seconds=30)
+        await app.router.handle(inbound("!memory pause", t0), Sink())
+        await app.router.handle(inbound("!memory resume", t0 + timedelta(seconds=20)), Sink())
+        reply = asyncio.create_task(app.router.handle(inbound("my secret zanzibarquux", t0 + timedelta(seconds=10)),
+                                                      Sink()))
+        await asyncio.wait_for(llm.waiting.wait(), 10)
+        reply.cancel()
+        await asyncio.gather(reply, return_exceptions=True)
+        assert await app.storage.db.fetch_all("SELECT text FROM messages") == []
