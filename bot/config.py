@@ -154,12 +154,7 @@ class StorageConfig(_Section):
         password = env.get(self.password_env) if self.password_env else None
         if self.password_env and not password:
             raise ConfigError(f"[storage] password_env names {self.password_env}, but that variable is not set")
-        # (a password, or a piece of one, that is also the URL's user, host or database name, as in
-        # postgres:postgres@db/postgres, is not hidden elsewhere: it shows nothing the URL does not)
-        shown = hide_url_password(url)
-        for secret in (password, *_url_secrets(url)):
-            for written in (secret, unquote(secret or "")):
-                remember_secret(written, shown=shown)
+        _known_secrets.update(_secret_pieces(url, password))  # hidden in any text from now on
         return url, password
 
     @property
@@ -212,10 +207,16 @@ def hide_url_password(url: str) -> str:
 def hide_secrets_of(url: str, text: str) -> str:
     """``text`` (an error about ``url``) with each password of the URL, and each piece of one between "/", "@",
     ":", "?", "#" and spaces (a URL parser's error may quote one), as ``***``."""
+    return hide_url_passwords(_without(sorted(_secret_pieces(url), key=len, reverse=True), text))
+
+
+def _secret_pieces(url: str, *more: str | None) -> set[str]:
+    """The passwords of ``url`` (and ``more``), as written, decoded and in pieces (see ``_pieces``), but for what
+    the URL shows anyway: a password, or a piece of one, that is also its user, host or database name (as in
+    postgres:postgres@db/postgres) shows nothing hidden, and hiding it would hide those."""
     shown = hide_url_password(url)
-    pieces = {piece for secret in _url_secrets(url) for written in (secret, unquote(secret))
-              for piece in _pieces(written, shown)}
-    return hide_url_passwords(_without(sorted(pieces, key=len, reverse=True), text))
+    return {piece for secret in (*more, *_url_secrets(url)) if secret for written in (secret, unquote(secret))
+            for piece in _pieces(written, shown)}
 
 
 def url_has_password(url: str) -> bool:
@@ -1176,21 +1177,15 @@ _QUERY_PARAM = re.compile(r"([?&])([^=&#\s]*)=([^&#\s]*)")  # a URL's query para
 _SECRET_PARAMS = frozenset({"password", "sslpassword"})  # libpq's and asyncpg's names of a password
 
 
-_known_secrets: set[str] = set()  # passwords this process read (a storage URL's, password_env's): never shown
-
-
-def remember_secret(secret: str | None, *, shown: str = "") -> None:
-    """Note a password the process read: :func:`hide_url_passwords` hides it wherever it appears, also where no
-    pattern finds it (a password with a space: where it ends in a line of text, only knowing it tells), and the
-    pieces of it between "/", "@", ":", "?", "#" and spaces (a URL parser's error may quote one); none that
-    ``shown`` (what is shown anyway, such as the URL without its password) holds."""
-    if secret:
-        _known_secrets.update(_pieces(secret, shown))
+# Passwords this process read (a storage URL's, password_env's), in pieces: hidden wherever they appear, also where
+# no pattern finds them (a password with a space: where it ends in a line of text, only knowing it tells).
+_known_secrets: set[str] = set()
 
 
 def _pieces(secret: str, shown: str = "") -> set[str]:
-    """A password as it may be written or quoted in part (see :func:`remember_secret`), but for what ``shown``
-    holds and pieces too short to hide without hiding every such letter."""
+    """A password as it may be written or quoted in part: whole, percent-encoded, and its pieces between "/", "@",
+    ":", "?", "#" and spaces (a URL parser's error may quote one), but for what ``shown`` holds and pieces too
+    short to hide without hiding every such letter."""
     pieces = {secret, quote(secret, safe=""), quote_plus(secret, safe=""), *re.split(r"[/@:?#\s]+", secret)}
     return {piece for piece in pieces if len(piece) >= 3 and piece not in shown}
 
@@ -1198,10 +1193,9 @@ def _pieces(secret: str, shown: str = "") -> set[str]:
 def hide_url_passwords(text: str) -> str:
     """``text`` with the password of every URL in it as ``***``, before the host (up to the last "@" before a
     space: a password may hold an unencoded "@" or a quote) and in the query (``?password=``), and with every
-    password the process read (:func:`remember_secret`) as ``***``: a refused URL is shown back, but never the
+    password the process read (``_known_secrets``) as ``***``: a refused URL is shown back, but never the
     secret in it."""
-    for secret in sorted(_known_secrets, key=len, reverse=True):
-        text = text.replace(secret, "***")
+    text = _without(sorted(_known_secrets, key=len, reverse=True), text)
     return _QUERY_PARAM.sub(_hidden_param, _URL_PASSWORD.sub(r"\1:***@", text))
 
 

@@ -499,15 +499,9 @@ class ConversationCore:
         text = completion.text.strip()
         call = LLMCallRecord("reply", completion.model or self.config.model_for(persona), completion.usage.input_tokens,
                              completion.usage.output_tokens, duration_ms, estimated_input_tokens=raw_prompt)
-        ended = "its incognito stretch ended while it was written"
-        if self.was_withdrawn(message):  # (its message went, with the reply to it stored so far: none yet)
+        if (why := await self._not_to_keep(message, user, persona, user_msg, incognito)) is not None:
             await self.storage.record_llm_call(call)
-            log.info("the reply in channel %d is not stored: its message was deleted on the platform", channel.id)
-            return None
-        if incognito and await self._stretch_ended(user, persona, user_msg):
-            await self._drop_from_ended_stretch(user_msg, message.channel_key)
-            await self.storage.record_llm_call(call)
-            log.info("the reply in channel %d is not stored: %s", channel.id, ended)
+            log.info("the reply in channel %d is not stored: %s", channel.id, why)
             return None
         # A reply is never stored as older than its message (stamped by the platform's clock): inside an incognito
         # stretch by its message's time, it is inside by its own too; and one to a message sent before a stretch
@@ -523,15 +517,10 @@ class ConversationCore:
             await self.storage.record_llm_call(call)
             log.info("the reply in channel %d is not stored: its user was forgotten while it was written", channel.id)
             return None
-        if self.was_withdrawn(message):  # (taken back between the check and the store)
-            await self.storage.delete_message(reply.id)
+        if (why := await self._not_to_keep(message, user, persona, user_msg, incognito)) is not None:
+            await self.storage.delete_message(reply.id)  # (it happened between the check and the store)
             await self.storage.record_llm_call(call)
-            return None
-        if incognito and await self._stretch_ended(user, persona, user_msg):  # (between the check and the store)
-            await self.storage.delete_message(reply.id)
-            await self._drop_from_ended_stretch(user_msg, message.channel_key)
-            await self.storage.record_llm_call(call)
-            log.info("the reply in channel %d is not kept: %s", channel.id, ended)
+            log.info("the reply in channel %d is not kept: %s", channel.id, why)
             return None
         self._remember_last(message.channel_key, reply.text)
         prompt_tokens = self.estimator.scale(raw_prompt)
@@ -568,6 +557,18 @@ class ConversationCore:
             incognito=incognito,
         )
         return ReplyResult(text, user_msg, reply, window, summary_used, prompt_tokens, completion), exchange
+
+    async def _not_to_keep(self, message: IncomingMessage, user: User, persona: Persona, user_msg: StoredMessage,
+                           incognito: bool | None) -> str | None:
+        """Why the reply to ``user_msg`` must not be kept, or None: its message was deleted on the platform (it
+        went, with the reply to it stored so far), or the incognito stretch it was sent in ended (the message
+        goes now if it was stored after that end)."""
+        if self.was_withdrawn(message):
+            return "its message was deleted on the platform"
+        if incognito and await self._stretch_ended(user, persona, user_msg):
+            await self._drop_from_ended_stretch(user_msg, message.channel_key)
+            return "its incognito stretch ended while it was written"
+        return None
 
     async def _stretch_ended(self, user: User, persona: Persona, user_msg: StoredMessage) -> bool:
         """Whether the incognito stretch ``user_msg`` was sent in has ended since (``!memory resume``, or its

@@ -61,14 +61,19 @@ async def test_long_replies_continue_in_new_messages_without_breaking_code() -> 
     assert sink.messages[-1].endswith("Bye.")
 
 
-async def test_rate_limited_edits_back_off_and_retry() -> None:
-    clock, sink = Clock(), RecordingSink(fail_first_edits=2)
+def _sleeping_reply(sink: RecordingSink, clock: Clock) -> tuple[StreamedReply, list[float]]:
+    """A reply whose waits are recorded instead of slept."""
     slept: list[float] = []
 
     async def fake_sleep(seconds: float) -> None:
         slept.append(seconds)
 
-    reply = StreamedReply(sink, interval=1.0, clock=clock, sleep=fake_sleep)
+    return StreamedReply(sink, interval=1.0, clock=clock, sleep=fake_sleep), slept
+
+
+async def test_rate_limited_edits_back_off_and_retry() -> None:
+    clock, sink = Clock(), RecordingSink(fail_first_edits=2)
+    reply, slept = _sleeping_reply(sink, clock)
     await reply.feed("hello")
     clock.now += 2
     await reply.feed(" world")
@@ -85,12 +90,7 @@ async def test_a_platform_that_keeps_refusing_does_not_hold_the_reply_forever() 
     from bot.streaming import RATE_LIMIT_TRIES
 
     clock, sink = Clock(), RecordingSink(fail_first_edits=10**6)
-    slept: list[float] = []
-
-    async def fake_sleep(seconds: float) -> None:
-        slept.append(seconds)
-
-    reply = StreamedReply(sink, interval=1.0, clock=clock, sleep=fake_sleep)
+    reply, slept = _sleeping_reply(sink, clock)
     await reply.feed("hello")
     clock.now += 2
     await reply.feed(" world")  # (refused on the way: logged, the reply goes on)
@@ -102,7 +102,7 @@ async def test_a_platform_that_keeps_refusing_does_not_hold_the_reply_forever() 
         raise RateLimited(0.25)
 
     sink.send = refused  # type: ignore[method-assign]  (sends refused as well)
-    reply = StreamedReply(sink, interval=1.0, clock=clock, sleep=fake_sleep)
+    reply, _ = _sleeping_reply(sink, clock)
     with pytest.raises(RateLimited):
         await reply.finish("the model is unavailable")
 

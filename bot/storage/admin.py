@@ -13,6 +13,12 @@ from dataclasses import dataclass
 from bot.storage.engine import Database, serialise
 
 
+def enqueue_lock(kind: str, key: str) -> str:
+    """The lock (``serialise``) that puts jobs of one kind and key in the queue one at a time on PostgreSQL, where
+    each statement sees the rows committed when it began: enqueues and re-queues take it alike."""
+    return f"enqueue:{kind}:{key}"
+
+
 @dataclass(frozen=True, slots=True)
 class Usage:
     """LLM calls of one day (index into the ranges given) and purpose."""
@@ -76,9 +82,9 @@ class AdminRepository:
                " WHERE q.kind = jobs.kind AND q.key = jobs.key AND q.status = 'queued') RETURNING id")
         if self.db.dialect != "postgres":
             return bool(await self.db.write(sql, (now, now, job_id)))
-        async with self.db.transaction() as tx:  # (as Storage.enqueue_job: one kind and key at a time)
+        async with self.db.transaction() as tx:
             job = await tx.fetch_one("SELECT kind, key FROM jobs WHERE id = ?", (job_id,))
             if job is None:
                 return False
-            await serialise(self.db, tx, f"enqueue:{job[0]}:{job[1]}")
+            await serialise(self.db, tx, enqueue_lock(str(job[0]), str(job[1])))
             return await tx.fetch_one(sql, (now, now, job_id)) is not None

@@ -23,7 +23,7 @@ from datetime import datetime
 from typing import Any
 
 from bot import metrics
-from bot.storage.admin import AdminRepository
+from bot.storage.admin import AdminRepository, enqueue_lock
 from bot.storage.base import (
     Channel,
     Job,
@@ -321,7 +321,6 @@ class Storage:
             return False, 0  # nothing of theirs is stored
         archived = await self.memory.archive_from(None, key, "its message was deleted", now, user_id=user_id)
         return row is not None, len(archived)
-
 
     async def delete_messages_before(self, before: float) -> int:
         """Retention: every message older than ``before`` goes, with what points at it; how many."""
@@ -658,7 +657,7 @@ class Storage:
             # Each statement there sees the rows committed when it began: two enqueues at once would each find
             # no queued job and both insert. Enqueues of one kind and key take turns (SQLite's write lock does).
             async with self.db.transaction() as tx:
-                await serialise(self.db, tx, f"enqueue:{kind}:{key}")
+                await serialise(self.db, tx, enqueue_lock(kind, key))
                 row = await tx.fetch_one(sql, params)
         else:
             row = await self.db.write_one(sql, params)
