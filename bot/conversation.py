@@ -21,7 +21,7 @@ from typing import get_args
 from bot import metrics
 from bot.config import Config
 from bot.errors import USER_TOLD, EmptyMessage, MessageTooLong, MessageWithdrawn
-from bot.history import HistoryWindow, build_window
+from bot.history import HistoryWindow, build_window, with_late_answers
 from bot.llm.base import (
     CUT_OFF_CALL,
     MAX_CALL_ARGUMENT_CHARS,
@@ -59,6 +59,7 @@ from bot.storage.sources import ReplySource
 from bot.summary import SummaryEngine, budgets_for
 from bot.text import storable, visible
 from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator
+from bot.turns import Turns
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +180,7 @@ class ConversationCore:
         self._window_sizes: dict[int, int] = {}  # channel id -> messages in its last window
         self._last_text: dict[str, str] = {}  # channel key -> the last message stored there (by this process)
         self._withdrawn: dict[str, float] = {}  # platform message key -> when it was taken back (oldest first)
+        self.turns = Turns()  # one answer at a time per person and channel
         # Called when a message of an ended incognito stretch was deleted (the app drops its words from its caches).
         self.on_stretch_dropped: Callable[[], None] | None = None
 
@@ -204,6 +206,15 @@ class ConversationCore:
         self._prepare(message, persona, text)
         user, channel, user_msg = await self._store_incoming(message, persona, text)
         self._remember_last(message.channel_key, user_msg.text)
+        # Stored at once; answered after this person's answer before it in this channel is stored (bot.turns).
+        async with self.turns.turn((channel.id, user.id)) as waited:
+            async for piece in self._answer(stream, began, user, channel, user_msg, waited):
+                yield piece
+
+    async def _answer(self, stream: ReplyStream, began: float, user: User, channel: Channel,
+                      user_msg: StoredMessage, waited: bool) -> AsyncIterator[str]:
+        """The answer to the stored ``user_msg`` (``waited``: written after an answer before it; see ``_run``)."""
+        message, persona = stream._message, stream._persona
         budgets = budgets_for(self.config, persona)
         # Whether the author is incognito is asked once, alongside the window (the tools and the tiers need it).
         sent = user_msg.created_at.timestamp()
@@ -217,6 +228,9 @@ class ConversationCore:
             size_hint=self._window_sizes.get(channel.id, 0),
             viewer=(user.id, persona.name),
         ), self.storage.incognito.at(user.id, user.key, persona.name, sent))
+        if waited:  # the answers written meanwhile were stored after this message: they belong in its prompt
+            window = await with_late_answers(self.storage, self.estimator, window, channel.id, user_msg.id,
+                                             (user.id, persona.name))
         if len(self._window_sizes) > 10_000:
             self._window_sizes.clear()
         self._window_sizes[channel.id] = len(window.messages)

@@ -5,12 +5,14 @@ fit ends the window; older, smaller ones are not slipped in, so the window is al
 stretch of the conversation), and never fewer than ``min_exchanges`` user messages, even over budget.
 
 Messages are read page by page, newest first, through an index on (channel, id): the cost depends on
-the size of the window, never on the length of the channel's history.
+the size of the window, never on the length of the channel's history. In the window each answer comes
+right after the message it answers, where it was written, even when it was stored after later messages
+(two people answered side by side, or a message sent while the answer before it was being written).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from bot.storage.base import Storage, StoredMessage
 from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator
@@ -66,7 +68,7 @@ async def build_window(
         for message in page:
             cost = message_cost(message, estimator)
             if tokens + cost > budget and user_messages >= min_exchanges:
-                chosen.reverse()
+                chosen = in_reply_order(chosen[::-1])
                 # seq counts the channel's messages, so everything up to the evicted one is left out.
                 return HistoryWindow(chosen, tokens, budget, trimmed=message.seq, newest_evicted_id=message.id)
             chosen.append(message)
@@ -75,6 +77,46 @@ async def build_window(
                 user_messages += 1
         if len(page) < page_size:
             chosen.reverse()
-            return HistoryWindow(chosen, tokens, budget)
+            return HistoryWindow(in_reply_order(chosen), tokens, budget)
         cursor = page[-1].id
         page_size = max(page_size * 2, PAGE_SIZE)
+
+
+def in_reply_order(messages: list[StoredMessage]) -> list[StoredMessage]:
+    """``messages`` (oldest first) with each answer right after the user message it answers (after earlier
+    answers to it); an answer whose message is not among them stays where it is."""
+    asked = {m.id for m in messages if m.role == "user"}
+    answers: dict[int, list[StoredMessage]] = {}
+    rest: list[StoredMessage] = []
+    for message in messages:
+        if message.role == "assistant" and message.reply_to in asked:
+            answers.setdefault(message.reply_to, []).append(message)
+        else:
+            rest.append(message)
+    if not answers:
+        return messages
+    ordered: list[StoredMessage] = []
+    for message in rest:
+        ordered.append(message)
+        ordered.extend(answers.get(message.id, ()))
+    return ordered
+
+
+LATE_LOOK = 64  # newest messages of the channel looked through for answers stored after the message
+
+
+async def with_late_answers(
+    storage: Storage, estimator: TokenEstimator, window: HistoryWindow, channel_id: int, message_id: int,
+    viewer: tuple[int, str] | None = None,
+) -> HistoryWindow:
+    """``window`` (of the messages before ``message_id``) with the answers to its messages that were stored
+    after ``message_id`` (written while that message waited for its turn), each after its message: they
+    count against the budget like the others but push nothing out."""
+    in_window = {m.id for m in window.messages}
+    late = [m for m in await storage.recent_messages(channel_id, LATE_LOOK, viewer=viewer)
+            if m.id > message_id and m.role == "assistant" and m.reply_to in in_window]
+    if not late:
+        return window
+    merged = sorted((*window.messages, *late), key=lambda m: m.id)
+    return replace(window, messages=in_reply_order(merged),
+                   tokens=window.tokens + sum(message_cost(m, estimator) for m in late))

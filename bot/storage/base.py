@@ -49,6 +49,7 @@ class StoredMessage:
     token_count: int
     seq: int  # 1-based position in the channel when it was stored
     created_at: datetime
+    reply_to: int | None = None  # an answer: the message it answers (stored before it, not always just before)
 
 
 @dataclass(frozen=True, slots=True)

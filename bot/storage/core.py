@@ -498,7 +498,8 @@ class Storage:
         if row is None:
             raise StorageError(f"channel {channel_id} does not exist")
         return StoredMessage(
-            int(row[0]), channel_id, user_id, persona, role, author_name, text, token_count, int(row[1]), _dt(ts)
+            int(row[0]), channel_id, user_id, persona, role, author_name, text, token_count, int(row[1]), _dt(ts),
+            reply_to,
         )
 
     async def recent_messages(

@@ -18,7 +18,7 @@ from bot import metrics
 from bot.storage.base import StoredMessage, User
 from bot.storage.engine import Database, Tx, is_conflict, serialise, stale_if_missing
 from bot.storage.incognito import not_incognito
-from bot.storage.rows import MESSAGE_COLUMNS, message_from_row
+from bot.storage.rows import MESSAGE_COLUMN_COUNT, MESSAGE_COLUMNS, message_from_row
 
 FILENAMES: tuple[str, ...] = ("memory.md", "soul.md", "relationship.md")
 _FILES = " UNION ALL ".join(f"SELECT '{name}'" + (" AS filename" if not n else "") for n, name in enumerate(FILENAMES))
@@ -188,7 +188,7 @@ class CortexRepository:
             f" AND {not_incognito('m')} ORDER BY m.id DESC LIMIT ?",
             (user_id, persona, before_id if before_id is not None else 2**62, limit),
         )
-        return [(message_from_row(row), str(row[10])) for row in rows]
+        return [(message_from_row(row), str(row[MESSAGE_COLUMN_COUNT])) for row in rows]
 
     # -- files -----------------------------------------------------------------------------------
 

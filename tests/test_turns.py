@@ -1,0 +1,145 @@
+"""One answer at a time per person and channel (bot.turns): a quick second message is stored at once,
+answered after the first answer with that answer in its prompt; other people are answered side by side."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from bot.app import App
+from bot.config import parse_config
+from bot.history import in_reply_order
+from bot.llm.base import LLMRequest, StreamEvent
+from bot.ports import IncomingMessage
+from bot.storage.base import StoredMessage
+from bot.turns import Turns
+from tests.engines import db_url_for
+from tests.fakes.provider import ScriptedProvider
+
+pytestmark = pytest.mark.both_engines
+
+
+@dataclass
+class GatedProvider(ScriptedProvider):
+    """Echoes; a reply whose message is in ``held`` waits for ``release``. ``answered`` lists the messages
+    replies were asked for, in the order the model was asked."""
+
+    held: set[str] = field(default_factory=set)
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    holding: asyncio.Event = field(default_factory=asyncio.Event)
+    asked: list[LLMRequest] = field(default_factory=list)
+
+    async def stream(self, request: LLMRequest) -> AsyncIterator[StreamEvent]:
+        self.asked.append(request)
+        if str(request.messages[-1].content).split(": ")[-1] in self.held:  # (in a group: "Ann: text")
+            self.holding.set()
+            await self.release.wait()
+        async for event in super().stream(request):
+            yield event
+
+    def turns_of(self, n: int) -> list[tuple[str, str]]:
+        return [(m.role, str(m.content)) for m in self.asked[n].messages]
+
+
+def _config(tmp_path: Path) -> object:
+    return parse_config({"storage": {"url": db_url_for(tmp_path)}, "personas": [{"name": "Cora"}],
+                         "history": {"history_tokens": 4000}})
+
+
+def _msg(text: str, user: str = "ann", channel: str = "dm-ann", dm: bool = True) -> IncomingMessage:
+    return IncomingMessage("console", channel, user, user.title(), text, is_dm=dm, sent_at=datetime.now(UTC))
+
+
+async def _stored(app: App, channel_key: str) -> list[str]:
+    channel = await app.storage.upsert_channel(f"console:{channel_key}", channel_key, True)
+    return [m.text for m in reversed(await app.storage.recent_messages(channel.id, 20))]
+
+
+async def test_a_quick_second_message_is_stored_at_once_and_answered_after_the_first_answer(tmp_path: Path) -> None:
+    llm = GatedProvider(held={"hi"})
+    async with App(_config(tmp_path), llm=llm) as app:
+        first = asyncio.create_task(app.core.reply(_msg("hi"), "Cora").text())
+        await asyncio.wait_for(llm.holding.wait(), 10)
+        second = asyncio.create_task(app.core.reply(_msg("are you there?"), "Cora").text())
+        for _ in range(100):  # stored at once, though not answered yet
+            if "are you there?" in await _stored(app, "dm-ann"):
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)
+        assert await _stored(app, "dm-ann") == ["hi", "are you there?"]
+        assert len(llm.asked) == 1 and not second.done()  # its answer waits for the first one's
+        llm.release.set()
+        assert await asyncio.wait_for(first, 10) == "echo: hi"
+        assert await asyncio.wait_for(second, 10) == "echo: are you there?"
+        # The second answer was written knowing the first: the conversation in the order it happened.
+        assert llm.turns_of(1) == [("user", "hi"), ("assistant", "echo: hi"), ("user", "are you there?")]
+        assert await app.core.reply(_msg("and now?"), "Cora").text() == "echo: and now?"
+        assert llm.turns_of(2) == [("user", "hi"), ("assistant", "echo: hi"), ("user", "are you there?"),
+                                   ("assistant", "echo: are you there?"), ("user", "and now?")]
+        assert app.core.turns.busy() == 0
+
+
+async def test_other_people_in_a_channel_are_answered_side_by_side(tmp_path: Path) -> None:
+    llm = GatedProvider(held={"ann asks"})
+    async with App(_config(tmp_path), llm=llm) as app:
+        ann = asyncio.create_task(app.core.reply(_msg("ann asks", "ann", "room", dm=False), "Cora").text())
+        await asyncio.wait_for(llm.holding.wait(), 10)
+        bob = await asyncio.wait_for(app.core.reply(_msg("bob asks", "bob", "room", dm=False), "Cora").text(), 10)
+        assert bob == "echo: Bob: bob asks" and not ann.done()
+        llm.release.set()
+        assert await asyncio.wait_for(ann, 10) == "echo: Ann: ann asks"
+        # Ann's answer was stored after Bob's exchange; later prompts show it after her message.
+        await app.core.reply(_msg("ann again", "ann", "room", dm=False), "Cora").text()
+        assert [text.split(": ")[-1] for _, text in llm.turns_of(2)] == [
+            "ann asks", "ann asks", "bob asks", "bob asks", "ann again"]
+        assert [role for role, _ in llm.turns_of(2)] == ["user", "assistant", "user", "assistant", "user"]
+
+
+async def test_an_answer_that_hangs_delays_the_next_one_only_so_long(tmp_path: Path) -> None:
+    llm = GatedProvider(held={"slow"})
+    async with App(_config(tmp_path), llm=llm) as app:
+        app.core.turns.wait_seconds = 0.3
+        first = asyncio.create_task(app.core.reply(_msg("slow"), "Cora").text())
+        await asyncio.wait_for(llm.holding.wait(), 10)
+        assert await asyncio.wait_for(app.core.reply(_msg("next"), "Cora").text(), 10) == "echo: next"
+        assert not first.done()
+        llm.release.set()
+        assert await asyncio.wait_for(first, 10) == "echo: slow"
+        assert app.core.turns.busy() == 0
+
+
+async def test_a_cancelled_answer_gives_its_turn_up_at_once(tmp_path: Path) -> None:
+    llm = GatedProvider(held={"hi"})
+    async with App(_config(tmp_path), llm=llm) as app:
+        first = asyncio.create_task(app.core.reply(_msg("hi"), "Cora").text())
+        await asyncio.wait_for(llm.holding.wait(), 10)
+        second = asyncio.create_task(app.core.reply(_msg("hello?"), "Cora").text())
+        await asyncio.sleep(0.1)
+        first.cancel()
+        assert await asyncio.wait_for(second, 5) == "echo: hello?"  # not after the 90 s a hung turn gets
+        assert llm.turns_of(1) == [("user", "hi"), ("user", "hello?")]
+
+
+def _m(id_: int, role: str, reply_to: int | None = None) -> StoredMessage:
+    return StoredMessage(id_, 1, 1, "Cora", role, "x", f"m{id_}", 1, id_, datetime.now(UTC), reply_to)  # type: ignore[arg-type]
+
+
+def test_answers_follow_their_message_and_others_keep_their_place() -> None:
+    messages = [_m(1, "user"), _m(2, "user"), _m(3, "assistant", 1), _m(4, "assistant", 2), _m(5, "assistant", 99),
+                _m(6, "user"), _m(7, "assistant"), _m(8, "assistant", 1)]
+    assert [m.id for m in in_reply_order(messages)] == [1, 3, 8, 2, 4, 5, 6, 7]
+    assert in_reply_order(messages[:2]) == messages[:2]
+
+
+async def test_turns_are_dropped_once_nobody_holds_them() -> None:
+    turns = Turns(wait_seconds=5)
+    async with turns.turn("a") as waited:
+        assert not waited and turns.busy() == 1
+        async with turns.turn("b") as other:
+            assert not other and turns.busy() == 2
+    assert turns.busy() == 0
