@@ -84,18 +84,25 @@ async def build_window(
 
 def in_reply_order(messages: list[StoredMessage]) -> list[StoredMessage]:
     """``messages`` (oldest first) with each answer right after the user message it answers (after earlier
-    answers to it); an answer whose message is not among them stays where it is."""
+    answers to it); an answer to a message older than all of them comes first (its message went before
+    them), and one whose message is missing for another reason (deleted, not shown) stays where it is."""
+    if not messages:
+        return messages
     asked = {m.id for m in messages if m.role == "user"}
+    oldest = min(m.id for m in messages)
     answers: dict[int, list[StoredMessage]] = {}
+    early: list[StoredMessage] = []
     rest: list[StoredMessage] = []
     for message in messages:
         if message.role == "assistant" and message.reply_to in asked:
             answers.setdefault(message.reply_to, []).append(message)
+        elif message.role == "assistant" and message.reply_to is not None and message.reply_to < oldest:
+            early.append(message)
         else:
             rest.append(message)
-    if not answers:
+    if not answers and not early:
         return messages
-    ordered: list[StoredMessage] = []
+    ordered: list[StoredMessage] = list(early)
     for message in rest:
         ordered.append(message)
         ordered.extend(answers.get(message.id, ()))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from bot.config import Config, ConfigError
-from bot.history import HistoryWindow, build_window, message_cost
+from bot.history import HistoryWindow, build_window, in_reply_order, message_cost
 from bot.jobs import JobQueue
 from bot.llm.base import ChatMessage, LLMProvider, LLMRequest
 from bot.llm.errors import LLMError, LLMTransientError
@@ -226,7 +226,7 @@ class SummaryEngine:
         model = self.config.llm.summary_model or self.config.model_for(persona)
         request = LLMRequest(
             system=summary_instructions(persona.language, self.config.history.summary_words, latest is not None),
-            messages=(ChatMessage(role="user", content=summary_input(latest, evicted)),),
+            messages=(ChatMessage(role="user", content=summary_input(latest, in_reply_order(evicted))),),
             model=model,
             max_tokens=max(budgets.summary_tokens * 2, 256),
             temperature=self.config.temperature_for(persona),

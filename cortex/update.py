@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from bot.config import Config, ConfigError, CortexConfig
+from bot.history import in_reply_order
 from bot.llm.base import CUT_OFF_CALL, ChatMessage, Completion, LLMProvider, LLMRequest, cut_off_call
 from bot.llm.errors import LLMBadRequest, LLMError, LLMTimeout
 from bot.persona import ConfigPersonas, Persona, PersonaSource
@@ -125,6 +126,8 @@ class CortexUpdater:
             return Outcome("skipped", reason, await self.store.record_skip(pair.id, job_id, tier, reason))
         user = await self.store.user_of(pair)
         history, history_tokens = await self._history(pair, settings.history_tokens)
+        channel_of = {message.id: channel for message, channel in history}  # (each answer after its message)
+        history = [(message, channel_of[message.id]) for message in in_reply_order([m for m, _ in history])]
         if len(history) < MIN_MESSAGES:
             reason = f"too little conversation to learn from ({len(history)} messages; {MIN_MESSAGES} needed)"
             run_id = await self.store.record_skip(pair.id, job_id, tier, reason)

@@ -392,6 +392,26 @@ async def test_long_pasted_messages_are_cut_to_fit_instead_of_skipping_the_updat
     assert len(conversation) < 8_000  # (cut: the two texts alone are 15,400 characters)
 
 
+async def test_the_update_reads_each_answer_after_its_message(app: App, fake_llm: FakeLLMServer) -> None:
+    """Answers stored after a later message (written side by side, or after a long wait for their turn) are
+    read by the update where they belong in the conversation."""
+    await _talk(app, ["hello there"])
+    pair = await _pair(app)
+    channel = await app.storage.get_channel("console:dm-ann")
+    first = await app.storage.add_message(channel.id, pair.user_id, "Cora", "user", "Ann", "my cat is Pixel", 5)
+    second = await app.storage.add_message(channel.id, pair.user_id, "Cora", "user", "Ann", "tea, never coffee", 5)
+    for asked, text in ((first, "what a lovely cat"), (second, "tea it is")):
+        await app.storage.add_message(channel.id, pair.user_id, "Cora", "assistant", "Cora", text, 4,
+                                      reply_to=asked.id)
+    fake_llm.enqueue(FakeResponse.text("nothing new"))
+    outcome = await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective("Cora")).settings)
+    assert outcome.status == "success", outcome.reason
+    [request] = cortex_requests(fake_llm)
+    conversation = str(request.body["messages"])
+    assert conversation.index("my cat is Pixel") < conversation.index("what a lovely cat") \
+        < conversation.index("tea, never coffee") < conversation.index("tea it is")
+
+
 async def test_a_forget_me_does_not_give_the_bots_daily_budget_back(app: App, fake_llm: FakeLLMServer) -> None:
     """An attacker's finding: the bot's daily budget summed the update runs, which forget-me deletes: chat, update,
     forget-me, again, and the bot-wide cap never held. What forgotten pairs spent stays counted, without a name."""

@@ -14,7 +14,7 @@ import pytest
 from bot.app import App
 from bot.config import parse_config
 from bot.history import in_reply_order
-from bot.llm.base import LLMRequest, StreamEvent
+from bot.llm.base import Completion, LLMRequest, StreamEvent, Usage
 from bot.ports import IncomingMessage
 from bot.storage.base import StoredMessage
 from bot.turns import Turns
@@ -133,7 +133,9 @@ def test_answers_follow_their_message_and_others_keep_their_place() -> None:
     messages = [_m(1, "user"), _m(2, "user"), _m(3, "assistant", 1), _m(4, "assistant", 2), _m(5, "assistant", 99),
                 _m(6, "user"), _m(7, "assistant"), _m(8, "assistant", 1)]
     assert [m.id for m in in_reply_order(messages)] == [1, 3, 8, 2, 4, 5, 6, 7]
-    assert in_reply_order(messages[:2]) == messages[:2]
+    assert in_reply_order(messages[:2]) == messages[:2] and in_reply_order([]) == []
+    # The window begins after a message whose answer was stored later: that answer opens the window.
+    assert [m.id for m in in_reply_order(messages[1:])] == [3, 8, 2, 4, 5, 6, 7]
 
 
 async def test_turns_are_dropped_once_nobody_holds_them() -> None:
@@ -143,3 +145,28 @@ async def test_turns_are_dropped_once_nobody_holds_them() -> None:
         async with turns.turn("b") as other:
             assert not other and turns.busy() == 2
     assert turns.busy() == 0
+
+
+async def test_summaries_read_each_answer_after_its_message(tmp_path: Path) -> None:
+    """Ann's answers were stored after Bob's exchanges (answered side by side): the summary job reads them in
+    the order the conversation had, not in the order they were stored."""
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "personas": [{"name": "Cora"}],
+                           "history": {"history_tokens": 200, "summary_trigger": 10, "summary_batch": 2},
+                           "jobs": {"poll_seconds": 0.05}})
+    llm = ScriptedProvider()
+    llm.default = lambda r: Completion("A summary." if "rolling summary" in r.system else "ok", usage=Usage(0, 1))
+    async with App(config, llm=llm) as app:
+        channel = await app.storage.upsert_channel("console:room", "room", False)
+        ann, bob = [await app.storage.upsert_user(f"console:{n}", n.title()) for n in ("ann", "bob")]
+        for i in range(12):
+            asked_ann = await app.storage.add_message(channel.id, ann.id, "Cora", "user", "Ann", f"ann asks {i}", 4)
+            asked_bob = await app.storage.add_message(channel.id, bob.id, "Cora", "user", "Bob", f"bob asks {i}", 4)
+            for who, asked in ((bob, asked_bob), (ann, asked_ann)):
+                await app.storage.add_message(channel.id, who.id, "Cora", "assistant", "Cora",
+                                              f"answer to {who.display_name} {i}", 4, reply_to=asked.id)
+        await app.core.reply(_msg("one more", "ann", "room", dm=False), "Cora").text()
+        assert await app.workers.drain(10)
+        summary = next(r for r in llm.requests if "rolling summary" in r.system)
+        text = str(summary.messages[-1].content)
+        assert text.index("ann asks 0") < text.index("answer to Ann 0") < text.index("bob asks 0") \
+            < text.index("answer to Bob 0") < text.index("ann asks 1")
