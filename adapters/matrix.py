@@ -660,6 +660,7 @@ class MatrixAdapter:
             # In a DM everyone holds power 100 in their own room: that makes nobody an admin of anything.
             is_admin=event.sender in self.config.admin_ids or (not is_dm and level >= self.config.admin_power_level),
             is_bot_admin=event.sender in self.config.admin_ids,
+            history_since_join=not is_dm and room.history_visibility in ("joined", "invited"),
         )
 
     async def _sent_by_me(self, room_id: str, event_id: str) -> bool:

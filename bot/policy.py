@@ -27,6 +27,9 @@ class Inbound:
     is_bot_admin: bool = False  # a configured admin id: admin of the whole bot, not only of one server
     attachments: tuple[Attachment, ...] = ()  # files sent with a command (read only for commands)
     counted: bool = False  # already counted against the command rate limit (a file command, before its download)
+    # The platform shows this channel's earlier messages only to those who were in it then (Matrix rooms whose
+    # history visibility is "joined" or "invited"): what the bot keeps of them is not for everyone in it now.
+    history_since_join: bool = False
 
 
 def _listed(values: list[str], *candidates: str | None) -> bool:

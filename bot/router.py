@@ -177,6 +177,7 @@ class Router:
             parent_channel_key=msg.parent_channel_key,
             reply_to=msg.reply_to,
             sent_at=msg.sent_at,
+            history_since_join=inbound.history_since_join,
         )
 
     async def _reply(self, inbound: Inbound, sink: ChatSink, persona: str) -> None:

@@ -111,6 +111,7 @@ class CommandContext:
     # a slash command is not: what it stores is private as in a DM).
     seen_by_all: bool = False
     sent_at: datetime | None = None  # when the platform says the command was sent (messages are stored by that)
+    history_since_join: bool = False  # members see only what was said since they joined (bot.policy.Inbound)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,9 @@ def _metrics_lines(title: str, m: ReplyMetrics) -> list[str]:
 
 def register_core_commands(registry: CommandRegistry, storage: Storage, estimator: TokenEstimator) -> None:
     async def summary(context: CommandContext, args: Sequence[str]) -> str:
+        if context.history_since_join and not context.is_dm:
+            return ("This room shows its members only what was said since they joined, so I don't post a "
+                    "summary of its earlier conversation here.")
         channel = await storage.get_channel(context.channel_key)
         latest = await storage.latest_summary(channel.id) if channel else None
         if channel is None or latest is None:
