@@ -393,6 +393,27 @@ async def test_a_message_sent_before_the_pause_keeps_its_reply_however_late_it_i
         assert kept == ["echo: sent before the pause", "sent before the pause"], kept
 
 
+async def test_a_pause_that_begins_while_a_reply_is_written_keeps_that_reply(tmp_path: Path) -> None:
+    """A message sent before `!memory pause`, its reply still being written when the pause began: the reply was
+    stored inside the stretch (by the bot's clock) and `resume` deleted it, leaving the message unanswered."""
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}})
+    llm = HeldProvider()
+    async with App(config, llm=llm) as app:
+        reply = asyncio.create_task(app.router.handle(_inbound("what is a good tea?"), Sink()))
+        await asyncio.wait_for(llm.waiting.wait(), 10)
+        await asyncio.sleep(0.01)  # (the pause begins strictly after the message was stored)
+        await app.router.handle(_inbound("!memory pause"), Sink())
+        llm.release.set()
+        await reply
+        await _said(app, "in the stretch")
+        ended = await _said(app, "!memory resume")
+        assert "2 messages from that stretch are deleted" in ended.public[0].text, ended.public[0].text
+        channel = await app.storage.get_channel("discord:dm-ann")
+        assert channel is not None
+        kept = [(m.role, m.text) for m in reversed(await app.storage.recent_messages(channel.id, 20))]
+        assert kept == [("user", "what is a good tea?"), ("assistant", "echo: what is a good tea?")], kept
+
+
 async def test_a_message_sent_in_a_stretch_and_stored_after_its_end_goes_too(tmp_path: Path) -> None:
     """A privacy auditor's finding: a message sent while paused but still on its way when `!memory resume` was
     handled (Matrix handles each event as a task; a busy bot gets to it late) was stored after the stretch's end
