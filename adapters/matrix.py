@@ -99,6 +99,7 @@ MAX_FILE_BYTES = MAX_ATTACHMENT_BYTES  # a command's file (an export's zip at mo
 # A file a command may come with: Element sends a PNG (a character card) as an image.
 DOWNLOAD_SECONDS = 120.0  # for one file a command came with, from the first byte asked to the last read
 DOWNLOADS_AT_ONCE = 2  # files of commands fetched at a time (each held whole in memory, up to MAX_FILE_BYTES)
+TYPING_MS = 30_000  # how long the server shows the bot typing after each renewal (renewed after two thirds)
 FileEvent: TypeAlias = RoomMessageFile | RoomEncryptedFile | RoomMessageImage | RoomEncryptedImage
 FILE_EVENTS = (RoomMessageFile, RoomEncryptedFile, RoomMessageImage, RoomEncryptedImage)
 ENCRYPTED_FILES = (RoomEncryptedFile, RoomEncryptedImage)
@@ -278,15 +279,14 @@ class MatrixSink:
 
     @asynccontextmanager
     async def typing(self) -> AsyncIterator[None]:
-        client = self.adapter.client
-        enabled = self.adapter.app.config.chat.typing_indicator
-        if enabled:
-            await client.room_typing(self.room.room_id, True, timeout=30_000)
+        if not self.adapter.app.config.chat.typing_indicator:
+            yield
+            return
+        await self.adapter.typing_starts(self.room.room_id)
         try:
             yield
         finally:
-            if enabled:
-                await client.room_typing(self.room.room_id, False)
+            await self.adapter.typing_ends(self.room.room_id)
 
     async def send_reply(self, reply: CommandReply) -> None:
         await self.adapter.deliver(self.room.room_id, reply, relation=self._relation())
@@ -332,6 +332,9 @@ class MatrixAdapter:
         self._makers: dict[str, str] = {}  # who sent each room's m.room.create (not its additional creators)
         self._creators_outrank: set[str] = set()  # rooms of version 12 or later: their creators hold power 100
         self._tasks: set[asyncio.Task[None]] = set()
+        # Typing is one flag per room for the bot's account: it stays on while any answer there is written or
+        # waits for its turn (refreshed before the server's timeout), and goes off with the last one.
+        self._typing: dict[str, tuple[int, asyncio.Task[None]]] = {}
         self._stopping = asyncio.Event()
         self._sync_seen = asyncio.Event()  # set (and replaced) after each sync
         self._joining: set[str] = set()  # rooms joined on invite whose own join event is not seen yet
@@ -465,7 +468,33 @@ class MatrixAdapter:
         if self._fatal is not None:
             raise self._fatal
 
+    async def typing_starts(self, room_id: str) -> None:
+        count, task = self._typing.get(room_id, (0, None))
+        self._typing[room_id] = (count + 1, task or asyncio.create_task(self._keep_typing(room_id)))
+
+    async def typing_ends(self, room_id: str) -> None:
+        count, task = self._typing[room_id]
+        if count > 1:
+            self._typing[room_id] = (count - 1, task)
+            return
+        del self._typing[room_id]
+        task.cancel()
+        try:
+            await self.client.room_typing(room_id, False)
+        except Exception as exc:  # (a lost connection: the server's timeout ends it)
+            log.debug("Matrix: typing not ended in %s (%s)", room_id, type(exc).__name__)
+
+    async def _keep_typing(self, room_id: str) -> None:
+        while True:
+            try:
+                await self.client.room_typing(room_id, True, timeout=TYPING_MS)
+            except Exception as exc:
+                log.debug("Matrix: no typing indicator in %s (%s)", room_id, type(exc).__name__)
+            await asyncio.sleep(TYPING_MS / 1000 * 2 / 3)
+
     async def close(self) -> None:
+        for _, typing in self._typing.values():
+            typing.cancel()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -142,6 +142,11 @@ class ReplyStream:
         self.rounds = 0  # model calls the reply took (more than one when it used tools)
         self.incognito: bool | None = None  # whether its author is incognito with the persona, once known
         self.usage = Usage()  # tokens of the model calls that finished
+        # Set once its answer's turn came (bot.turns): a "still working" line shown before it would stand
+        # between the pieces of the answer before it.
+        self.turn_taken = asyncio.Event()
+        # Set by whoever shows the reply: called after its last piece, before the next answer here begins.
+        self.on_answered: Callable[[], Awaitable[object]] | None = None
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._core._run(self)
@@ -204,12 +209,23 @@ class ConversationCore:
         began = time.monotonic()
         text = storable(message.text).strip()  # as it is stored and as the preparers see it
         self._prepare(message, persona, text)
-        user, channel, user_msg = await self._store_incoming(message, persona, text)
-        self._remember_last(message.channel_key, user_msg.text)
-        # Stored at once; answered after this person's answer before it in this channel is stored (bot.turns).
-        async with self.turns.turn((channel.id, user.id)) as waited:
-            async for piece in self._answer(stream, began, user, channel, user_msg, waited):
+        # In line before it is stored, answered after this person's answer before it here is stored (bot.turns).
+        place = self.turns.join((message.channel_key, message.author_key))
+        try:
+            user, channel, user_msg = await self._store_incoming(message, persona, text)
+            self._remember_last(message.channel_key, user_msg.text)
+            await place.wait()
+            stream.turn_taken.set()
+            async for piece in self._answer(stream, began + place.waited_seconds, user, channel, user_msg,
+                                            place.waited):
                 yield piece
+            if stream.on_answered is not None:  # shown whole before the next answer here begins
+                try:
+                    await stream.on_answered()
+                except Exception as exc:  # (its shower tries again, and says what failed)
+                    log.warning("showing the reply in channel %d failed: %s", channel.id, type(exc).__name__)
+        finally:
+            place.leave()
 
     async def _answer(self, stream: ReplyStream, began: float, user: User, channel: Channel,
                       user_msg: StoredMessage, waited: bool) -> AsyncIterator[str]:
@@ -229,8 +245,11 @@ class ConversationCore:
             viewer=(user.id, persona.name),
         ), self.storage.incognito.at(user.id, user.key, persona.name, sent))
         if waited:  # the answers written meanwhile were stored after this message: they belong in its prompt
-            window = await with_late_answers(self.storage, self.estimator, window, channel.id, user_msg.id,
-                                             (user.id, persona.name))
+            late = await with_late_answers(self.storage, self.estimator, window, channel.id, user_msg.id,
+                                           (user.id, persona.name))
+            if late is None or self.was_withdrawn(message):  # deleted (or its author forgotten) while it waited
+                raise MessageWithdrawn()
+            window = late
         if len(self._window_sizes) > 10_000:
             self._window_sizes.clear()
         self._window_sizes[channel.id] = len(window.messages)

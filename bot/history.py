@@ -30,7 +30,8 @@ class HistoryWindow:
 
     @property
     def oldest_id(self) -> int | None:
-        return self.messages[0].id if self.messages else None
+        """The lowest id in the window (not always its first message: see :func:`in_reply_order`)."""
+        return min(m.id for m in self.messages) if self.messages else None
 
     @property
     def over_budget(self) -> bool:
@@ -109,19 +110,18 @@ def in_reply_order(messages: list[StoredMessage]) -> list[StoredMessage]:
     return ordered
 
 
-LATE_LOOK = 64  # newest messages of the channel looked through for answers stored after the message
-
-
 async def with_late_answers(
     storage: Storage, estimator: TokenEstimator, window: HistoryWindow, channel_id: int, message_id: int,
-    viewer: tuple[int, str] | None = None,
-) -> HistoryWindow:
+    viewer: tuple[int, str],
+) -> HistoryWindow | None:
     """``window`` (of the messages before ``message_id``) with the answers to its messages that were stored
     after ``message_id`` (written while that message waited for its turn), each after its message: they
-    count against the budget like the others but push nothing out."""
-    in_window = {m.id for m in window.messages}
-    late = [m for m in await storage.recent_messages(channel_id, LATE_LOOK, viewer=viewer)
-            if m.id > message_id and m.role == "assistant" and m.reply_to in in_window]
+    count against the budget like the others but push nothing out. None: ``message_id`` is gone meanwhile
+    (deleted on the platform, its author forgotten, its incognito stretch ended)."""
+    asked = [m.id for m in window.messages if m.role == "user"]
+    exists, late = await storage.answers_after(channel_id, message_id, asked, viewer)
+    if not exists:
+        return None
     if not late:
         return window
     merged = sorted((*window.messages, *late), key=lambda m: m.id)

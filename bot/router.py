@@ -19,7 +19,7 @@ from typing import Protocol
 
 from bot.commands import TERMINAL, Command, CommandContext, CommandRegistry, CommandReply, words
 from bot.config import Config, ConfigError
-from bot.conversation import ConversationCore, ReplyResult
+from bot.conversation import ConversationCore, ReplyResult, ReplyStream
 from bot.errors import MessageWithdrawn, UserFacingError
 from bot.llm.errors import LLMError
 from bot.persona import ConfigPersonas, PersonaSource
@@ -49,6 +49,13 @@ class ChatSink(MessageSink, Protocol):
 
 STILL_WORKING = "⏳ still working…"
 INCOGNITO_MARK = "🕶️ "
+
+
+async def _still_working(stream: ReplyStream, shown: StreamedReply, seconds: float) -> None:
+    """The "still working" line, counted from when the reply's turn came (bot.turns): before, it would stand
+    between the pieces of the same person's answer before it."""
+    await stream.turn_taken.wait()
+    await shown.placeholder_after(seconds, STILL_WORKING)
 
 
 async def _stop(task: asyncio.Task[None] | None) -> None:
@@ -197,7 +204,8 @@ class Router:
         chat = self.config.chat
         shown = StreamedReply(sink, chat.edit_interval_seconds, chat.streaming)
         stream.on_status = shown.status
-        waiting = asyncio.create_task(shown.placeholder_after(chat.still_working_seconds, STILL_WORKING)) \
+        stream.on_answered = shown.finish
+        waiting = asyncio.create_task(_still_working(stream, shown, chat.still_working_seconds)) \
             if chat.still_working_seconds else None
         try:
             async with sink.typing():

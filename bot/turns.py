@@ -6,46 +6,69 @@ written side by side, each unaware of the other. Every message is stored the mom
 the writing of its answer waits for its turn. Different people in one channel are answered side by
 side, as before.
 
-A turn is never waited for longer than ``TURN_WAIT_SECONDS``: an answer that hangs (a slow model, a
-stream nobody reads any more) delays the next one by that much at most, which then goes ahead anyway.
+A message takes its place in line (:meth:`Turns.join`) before it is stored, so whether an answer was
+still being written then is known exactly; it waits for its turn after it is stored. A turn is never
+waited for longer than ``TURN_WAIT_SECONDS``: an answer that hangs (a slow model, a stream nobody reads
+any more) delays the next one by that much at most, which then goes ahead anyway.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Hashable
-from contextlib import asynccontextmanager, suppress
+import time
+from collections.abc import Hashable
 
 TURN_WAIT_SECONDS = 90.0
 
 
+class Place:
+    """A message's place in its key's line: :meth:`wait` for the turn, :meth:`leave` once done (always)."""
+
+    def __init__(self, turns: Turns, key: Hashable, lock: asyncio.Lock, waited: bool) -> None:
+        self._turns, self._key, self._lock = turns, key, lock
+        self.waited = waited  # an answer before it was being written when it joined (it may be stored after it)
+        self.waited_seconds = 0.0
+        self._held = self._left = False
+
+    async def wait(self) -> None:
+        """Until the answers before this one are done (at most the line's ``wait_seconds``)."""
+        started = time.monotonic()
+        try:
+            self._held = await asyncio.wait_for(self._lock.acquire(), self._turns.wait_seconds)
+        except TimeoutError:
+            pass  # it goes ahead without the turn
+        finally:
+            self.waited_seconds = time.monotonic() - started
+
+    def leave(self) -> None:
+        """Give the turn to the next answer and leave the line (again: nothing happens)."""
+        if self._held:
+            self._held = False
+            self._lock.release()
+        if not self._left:
+            self._left = True
+            self._turns._left(self._key)
+
+
 class Turns:
-    """Per-key turns (a key: one person in one channel) for the answers of one process."""
+    """Per-key lines (a key: one person in one channel) for the answers of one process."""
 
     def __init__(self, wait_seconds: float = TURN_WAIT_SECONDS) -> None:
         self.wait_seconds = wait_seconds
         self._locks: dict[Hashable, asyncio.Lock] = {}
-        self._holders: dict[Hashable, int] = {}  # key -> answers holding or waiting for its lock
+        self._members: dict[Hashable, int] = {}  # key -> answers in its line (writing or waiting)
 
-    @asynccontextmanager
-    async def turn(self, key: Hashable) -> AsyncIterator[bool]:
-        """Hold ``key``'s turn for the block; yields whether an earlier answer was waited for (then the
-        caller may find answers stored after its own message). After ``wait_seconds`` the block runs
-        without the turn."""
+    def join(self, key: Hashable) -> Place:
+        """A place in ``key``'s line; ``waited`` when an answer is in it already."""
         lock = self._locks.setdefault(key, asyncio.Lock())
-        self._holders[key] = self._holders.get(key, 0) + 1
-        waited = lock.locked()
-        held = False
-        try:
-            with suppress(TimeoutError):
-                held = await asyncio.wait_for(lock.acquire(), self.wait_seconds) if waited else await lock.acquire()
-            yield waited
-        finally:
-            if held:
-                lock.release()
-            self._holders[key] -= 1
-            if not self._holders[key]:  # nobody holds or waits: the key's lock goes (no growth per channel)
-                del self._holders[key], self._locks[key]
+        ahead = self._members.get(key, 0)
+        self._members[key] = ahead + 1
+        return Place(self, key, lock, ahead > 0)
+
+    def _left(self, key: Hashable) -> None:
+        self._members[key] -= 1
+        if not self._members[key]:  # nobody in line: the key's lock goes (no growth per channel)
+            del self._members[key], self._locks[key]
 
     def busy(self) -> int:
         """Keys with an answer being written or waiting (tests, metrics)."""

@@ -155,3 +155,32 @@ async def test_an_edited_file_caption_does_not_run_its_command_again(tmp_path: P
         await adapter._on_file(room, edit)
         assert len(spawned) == 1
         await adapter.close()
+
+
+async def test_typing_stays_on_while_any_answer_in_the_room_is_written(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Typing is one flag per room for the bot: the first of two answers to end turned it off while the second
+    was still written (or waited for its turn), and a wait past 30 s let it lapse."""
+    import adapters.matrix as matrix
+
+    monkeypatch.setattr(matrix, "TYPING_MS", 300)
+    config = _config(tmp_path)
+    async with App(config, llm=ScriptedProvider()) as app:
+        adapter = MatrixAdapter(app, config.matrix, env={"CB_MATRIX_PW": "x"})
+        calls: list[tuple[str, bool]] = []
+
+        async def room_typing(room_id: str, typing_state: bool = True, timeout: int = 30_000) -> None:
+            calls.append((room_id, typing_state))
+
+        monkeypatch.setattr(adapter.client, "room_typing", room_typing)
+        await adapter.typing_starts("!r")
+        await adapter.typing_starts("!r")
+        await asyncio.sleep(0.5)  # renewed before the server's timeout (two thirds of it)
+        await adapter.typing_ends("!r")
+        assert ("!r", False) not in calls and calls.count(("!r", True)) >= 2, calls
+        await adapter.typing_ends("!r")
+        assert calls[-1] == ("!r", False)
+        count = len(calls)
+        await asyncio.sleep(0.4)
+        assert len(calls) == count  # no renewal after the last one ended
+        await adapter.close()

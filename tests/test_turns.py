@@ -5,21 +5,26 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 
 import pytest
 
+from bot import metrics
 from bot.app import App
 from bot.config import parse_config
-from bot.history import in_reply_order
+from bot.errors import MessageWithdrawn
+from bot.history import HistoryWindow, in_reply_order
 from bot.llm.base import Completion, LLMRequest, StreamEvent, Usage
+from bot.policy import Inbound
 from bot.ports import IncomingMessage
 from bot.storage.base import StoredMessage
 from bot.turns import Turns
 from tests.engines import db_url_for
 from tests.fakes.provider import ScriptedProvider
+from tests.test_router import Sink
 
 pytestmark = pytest.mark.both_engines
 
@@ -134,17 +139,123 @@ def test_answers_follow_their_message_and_others_keep_their_place() -> None:
                 _m(6, "user"), _m(7, "assistant"), _m(8, "assistant", 1)]
     assert [m.id for m in in_reply_order(messages)] == [1, 3, 8, 2, 4, 5, 6, 7]
     assert in_reply_order(messages[:2]) == messages[:2] and in_reply_order([]) == []
-    # The window begins after a message whose answer was stored later: that answer opens the window.
+    # The window begins after a message whose answer was stored later: that answer opens the window, and the
+    # window's oldest message (where the summary's material ends) is still the lowest id in it.
     assert [m.id for m in in_reply_order(messages[1:])] == [3, 8, 2, 4, 5, 6, 7]
+    assert HistoryWindow(in_reply_order(messages[1:])).oldest_id == 2
 
 
-async def test_turns_are_dropped_once_nobody_holds_them() -> None:
+async def test_turns_are_dropped_once_nobody_is_in_line() -> None:
     turns = Turns(wait_seconds=5)
-    async with turns.turn("a") as waited:
-        assert not waited and turns.busy() == 1
-        async with turns.turn("b") as other:
-            assert not other and turns.busy() == 2
+    first, other = turns.join("a"), turns.join("b")
+    await first.wait()
+    await other.wait()
+    assert not first.waited and not other.waited and turns.busy() == 2
+    first.leave()
+    first.leave()  # (twice: nothing more happens)
+    other.leave()
     assert turns.busy() == 0
+
+
+async def test_one_who_joins_as_the_turn_passes_on_still_waits_at_most_so_long() -> None:
+    """The lock looks free between one answer's end and the next one's wake-up: a third answer joining then
+    must know it waits (for late answers, and for the bound on its wait)."""
+    turns = Turns(wait_seconds=0.3)
+    a = turns.join("k")
+    await a.wait()
+    b = turns.join("k")
+    b_waits = asyncio.create_task(b.wait())
+    await asyncio.sleep(0)
+    a.leave()  # b is woken, not yet running
+    c = turns.join("k")
+    assert b.waited and c.waited
+    await b_waits  # b holds the turn and hangs
+    await asyncio.wait_for(c.wait(), 2)  # c goes ahead after 0.3 s, not never
+    assert 0.25 < c.waited_seconds < 1.5
+    b.leave()
+    c.leave()
+    assert turns.busy() == 0
+
+
+async def test_an_answer_stored_while_the_next_message_is_stored_is_in_its_prompt(tmp_path: Path) -> None:
+    """The first answer ended between the second message's store and its turn: it is stored after that
+    message, and must reach its prompt all the same."""
+    llm = GatedProvider(held={"hi"})
+    async with App(_config(tmp_path), llm=llm) as app:
+        first = asyncio.create_task(app.core.reply(_msg("hi"), "Cora").text())
+        await asyncio.wait_for(llm.holding.wait(), 10)
+        link, linking, go_on = app.storage.sources.link, asyncio.Event(), asyncio.Event()
+
+        async def slow_link(*args: object, **kwargs: object) -> None:
+            linking.set()
+            await go_on.wait()
+            await link(*args, **kwargs)  # type: ignore[arg-type]
+
+        app.storage.sources.link = slow_link  # type: ignore[method-assign]
+        message = replace(_msg("and?"), message_key="console-message:2")
+        second = asyncio.create_task(app.core.reply(message, "Cora").text())
+        await asyncio.wait_for(linking.wait(), 10)
+        llm.release.set()
+        assert await asyncio.wait_for(first, 10) == "echo: hi"
+        go_on.set()
+        assert await asyncio.wait_for(second, 10) == "echo: and?"
+        assert llm.turns_of(1) == [("user", "hi"), ("assistant", "echo: hi"), ("user", "and?")]
+
+
+async def test_a_message_deleted_or_forgotten_while_it_waits_never_reaches_the_model(tmp_path: Path) -> None:
+    llm = GatedProvider(held={"hi"})
+    async with App(_config(tmp_path), llm=llm) as app:
+        first = asyncio.create_task(app.core.reply(_msg("hi"), "Cora").text())
+        await asyncio.wait_for(llm.holding.wait(), 10)
+        message = replace(_msg("oops, my password is hunter2"), message_key="console-message:9")
+        deleted = asyncio.create_task(app.core.reply(message, "Cora").text())
+        await asyncio.sleep(0.2)
+        assert await app.core.withdraw("console-message:9", message.author_key)
+        forgotten = asyncio.create_task(app.core.reply(_msg("my secret"), "Cora").text())
+        await asyncio.sleep(0.2)
+        assert await app.storage.forget_user("console:ann") is not None
+        llm.release.set()
+        await asyncio.wait_for(first, 10)
+        for waiting in (deleted, forgotten):
+            with pytest.raises(MessageWithdrawn):
+                await asyncio.wait_for(waiting, 10)
+        assert len(llm.asked) == 1 and "hunter2" not in str(llm.asked) and "my secret" not in str(llm.asked)
+
+
+async def test_the_reply_overhead_leaves_the_wait_for_the_turn_out(tmp_path: Path, monkeypatch) -> None:
+    overheads: list[float] = []
+    monkeypatch.setattr(metrics, "observe_reply", lambda stats, overhead: overheads.append(overhead))
+    llm = GatedProvider(held={"hi"})
+    async with App(_config(tmp_path), llm=llm) as app:
+        first = asyncio.create_task(app.core.reply(_msg("hi"), "Cora").text())
+        await asyncio.wait_for(llm.holding.wait(), 10)
+        second = asyncio.create_task(app.core.reply(_msg("and?"), "Cora").text())
+        await asyncio.sleep(1.0)
+        llm.release.set()
+        await asyncio.wait_for(asyncio.gather(first, second), 10)
+    assert len(overheads) == 2 and max(overheads) < 0.8, overheads
+
+
+async def test_the_next_answer_is_shown_after_the_whole_answer_before_it(tmp_path: Path) -> None:
+    """A long answer is shown in several messages; the next one (and its "still working" line) comes after
+    all of them, never between."""
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "personas": [{"name": "Cora"}],
+                           "chat": {"still_working_seconds": 0.1, "edit_interval_seconds": 0.2}})
+    llm = GatedProvider(held={"tell me a story"})
+    llm.enqueue(" ".join(f"word{i}" for i in range(200)))
+    async with App(config, llm=llm) as app:
+        sink = Sink()
+        sink.limit = 300
+        dm = partial(Inbound, is_admin=False)
+        first = asyncio.create_task(app.router.handle(dm(_msg("tell me a story")), sink))
+        await asyncio.wait_for(llm.holding.wait(), 10)
+        second = asyncio.create_task(app.router.handle(dm(_msg("and then?")), sink))
+        await asyncio.sleep(0.5)
+        llm.release.set()
+        await asyncio.wait_for(asyncio.gather(first, second), 10)
+    assert sink.messages[-1] == "echo: and then?", sink.messages
+    story = " ".join(sink.messages[:-1]).split()
+    assert story == [f"word{i}" for i in range(200)] and len(sink.messages) > 3, sink.messages
 
 
 async def test_summaries_read_each_answer_after_its_message(tmp_path: Path) -> None:

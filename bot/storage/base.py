@@ -187,6 +187,12 @@ class Storage(Protocol):
     ) -> list[StoredMessage]:
         """Messages with ``after_id`` < id < ``before_id``, oldest first, at most ``limit``."""
 
+    async def answers_after(
+        self, channel_id: int, message_id: int, asked: Sequence[int], viewer: tuple[int, str]
+    ) -> tuple[bool, list[StoredMessage]]:
+        """Whether message ``message_id`` is still stored, and the answers to the messages ``asked`` stored after
+        it (oldest first), as :meth:`recent_messages` shows them to ``viewer``."""
+
     async def count_messages_between(self, channel_id: int, after_id: int, before_id: int) -> int: ...
 
     # rolling summaries

@@ -88,6 +88,7 @@ AUDIT_FLUSH_SECONDS = 1.0  # ... or after this long
 AUDIT_ROWS_PER_STATEMENT = 64  # rows of one table per INSERT at most (9 parameters each: far below any cap)
 SUMMARY_CACHE_SECONDS = 5.0  # how stale another process's new summary may look here
 PRUNE_BATCH = 5000  # old job rows deleted per statement
+LATE_ASKED = 500  # a window's newest messages whose answers stored after a later message are looked for
 
 # Errors of an audit write that no retry mends: a reference gone meanwhile, a value no column holds (sqlite3
 # raises OverflowError for an integer over 64 bits, asyncpg a DataError for one over the column's type;
@@ -534,6 +535,19 @@ class Storage:
             (channel_id, after_id, before_id, limit),
         )
         return [message_from_row(r) for r in rows]
+
+    async def answers_after(
+        self, channel_id: int, message_id: int, asked: Sequence[int], viewer: tuple[int, str]
+    ) -> tuple[bool, list[StoredMessage]]:
+        exists = await self.db.fetch_one("SELECT 1 FROM messages WHERE id = ?", (message_id,)) is not None
+        asked = sorted(set(asked))[-LATE_ASKED:]  # (the newest: an answer comes soon after its message)
+        if not exists or not asked:
+            return exists, []
+        rows = await self.db.fetch_all(
+            f"SELECT {MESSAGE_COLUMNS} FROM messages AS m WHERE channel_id = ? AND id > ? AND role = 'assistant'"
+            f" AND reply_to IN ({','.join('?' * len(asked))}) AND {visible_to('m')} ORDER BY id",
+            (channel_id, message_id, *asked, *viewer))
+        return exists, [message_from_row(r) for r in rows]
 
     async def count_messages_between(self, channel_id: int, after_id: int, before_id: int) -> int:
         row = await self.db.fetch_one(
