@@ -7,7 +7,8 @@ the writing of its answer waits for its turn. Different people in one channel ar
 side, as before.
 
 A message takes its place in line (:meth:`Turns.join`) before it is stored, so whether an answer was
-still being written then is known exactly; it waits for its turn after it is stored. A turn is never
+still being written then is known exactly, and turns come in the order the messages came; it waits for
+its turn after it is stored. A turn is never
 waited for longer than ``TURN_WAIT_SECONDS``: an answer that hangs (a slow model, a stream nobody reads
 any more) delays the next one by that much at most, which then goes ahead anyway.
 """
@@ -17,34 +18,43 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Hashable
+from typing import Literal
 
 TURN_WAIT_SECONDS = 90.0
 
 
 class Place:
-    """A message's place in its key's line: :meth:`wait` for the turn, :meth:`leave` once done (always)."""
+    """A message's place in its key's line: :meth:`wait` for the turn, :meth:`leave` once done (always).
+    The turn is asked for when the place is taken, so turns come in the order the messages joined, however
+    long each one's store takes."""
 
     def __init__(self, turns: Turns, key: Hashable, lock: asyncio.Lock, waited: bool) -> None:
         self._turns, self._key, self._lock = turns, key, lock
         self.waited = waited  # an answer before it was being written when it joined (it may be stored after it)
         self.waited_seconds = 0.0
-        self._held = self._left = False
+        self._turn: asyncio.Task[Literal[True]] | None = asyncio.ensure_future(lock.acquire())
+        self._left = False
 
     async def wait(self) -> None:
         """Until the answers before this one are done (at most the line's ``wait_seconds``)."""
         started = time.monotonic()
+        turn = self._turn
         try:
-            self._held = await asyncio.wait_for(self._lock.acquire(), self._turns.wait_seconds)
+            if turn is not None:
+                await asyncio.wait_for(turn, self._turns.wait_seconds)  # (timed out: the turn is given up)
         except TimeoutError:
-            pass  # it goes ahead without the turn
+            self._turn = None  # it goes ahead without the turn
         finally:
             self.waited_seconds = time.monotonic() - started
 
     def leave(self) -> None:
         """Give the turn to the next answer and leave the line (again: nothing happens)."""
-        if self._held:
-            self._held = False
-            self._lock.release()
+        turn, self._turn = self._turn, None
+        if turn is not None:
+            if not turn.done():
+                turn.cancel()  # never got it (the message failed before its turn came): nobody waits for it
+            elif not turn.cancelled() and turn.exception() is None:
+                self._lock.release()
         if not self._left:
             self._left = True
             self._turns._left(self._key)

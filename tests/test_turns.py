@@ -177,6 +177,25 @@ async def test_one_who_joins_as_the_turn_passes_on_still_waits_at_most_so_long()
     assert turns.busy() == 0
 
 
+async def test_turns_come_in_the_order_the_messages_joined() -> None:
+    """The first message's store took longer than the second's: the second must not take the turn first."""
+    turns = Turns(wait_seconds=5)
+    first, second = turns.join("k"), turns.join("k")
+    second_waits = asyncio.create_task(second.wait())
+    await asyncio.sleep(0.05)
+    assert not second_waits.done()  # the first one's turn, though it has not asked yet
+    await first.wait()
+    first.leave()
+    await asyncio.wait_for(second_waits, 1)
+    second.leave()
+    third = turns.join("k")  # a place given up before its turn (its message failed) passes the turn on
+    fourth = turns.join("k")
+    third.leave()
+    await asyncio.wait_for(fourth.wait(), 1)
+    fourth.leave()
+    assert turns.busy() == 0
+
+
 async def test_an_answer_stored_while_the_next_message_is_stored_is_in_its_prompt(tmp_path: Path) -> None:
     """The first answer ended between the second message's store and its turn: it is stored after that
     message, and must reach its prompt all the same."""
