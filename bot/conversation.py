@@ -145,8 +145,10 @@ class ReplyStream:
         # Set once its answer's turn came (bot.turns): a "still working" line shown before it would stand
         # between the pieces of the answer before it.
         self.turn_taken = asyncio.Event()
-        # Set by whoever shows the reply: called after its last piece, before the next answer here begins.
+        # Set by whoever shows the reply: called after its last piece, or with what made it fail (before it is
+        # raised), before the next answer here begins.
         self.on_answered: Callable[[], Awaitable[object]] | None = None
+        self.on_failed: Callable[[BaseException], Awaitable[object]] | None = None
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._core._run(self)
@@ -216,16 +218,27 @@ class ConversationCore:
             self._remember_last(message.channel_key, user_msg.text)
             await place.wait()
             stream.turn_taken.set()
-            async for piece in self._answer(stream, began + place.waited_seconds, user, channel, user_msg,
-                                            place.waited):
-                yield piece
+            try:
+                async for piece in self._answer(stream, began + place.waited_seconds, user, channel, user_msg,
+                                                place.waited):
+                    yield piece
+            except Exception as exc:
+                if stream.on_failed is not None:  # said before the next answer here begins
+                    await self._tell(stream.on_failed, exc, channel.id)
+                raise
             if stream.on_answered is not None:  # shown whole before the next answer here begins
-                try:
-                    await stream.on_answered()
-                except Exception as exc:  # (its shower tries again, and says what failed)
-                    log.warning("showing the reply in channel %d failed: %s", channel.id, type(exc).__name__)
+                await self._tell(stream.on_answered, None, channel.id)
         finally:
             place.leave()
+
+    @staticmethod
+    async def _tell(hook: Callable[..., Awaitable[object]], failure: Exception | None, channel_id: int) -> None:
+        """Run a reply's ``on_answered`` / ``on_failed`` hook; its own failure is logged (its caller, which shows
+        the reply, tries again and says what went wrong)."""
+        try:
+            await (hook() if failure is None else hook(failure))
+        except Exception as exc:
+            log.warning("showing the reply in channel %d failed: %s", channel_id, type(exc).__name__)
 
     async def _answer(self, stream: ReplyStream, began: float, user: User, channel: Channel,
                       user_msg: StoredMessage, waited: bool) -> AsyncIterator[str]:

@@ -207,28 +207,40 @@ class Router:
         stream.on_answered = shown.finish
         waiting = asyncio.create_task(_still_working(stream, shown, chat.still_working_seconds)) \
             if chat.still_working_seconds else None
+        told: list[BaseException] = []
+
+        async def fail(exc: BaseException) -> None:  # (called by the core while it holds the turn: see ReplyStream)
+            if not told:
+                told.append(exc)
+                await self._show_failure(message, shown, sink, waiting, exc)
+
+        stream.on_failed = fail
         try:
             async with sink.typing():
                 async for delta in stream:
                     if stream.incognito and not shown.text:
                         await shown.feed(INCOGNITO_MARK)  # shown on the platform, never stored with the reply
                     await shown.feed(delta)
-        except LLMError as exc:
-            await self._failed(shown, sink, waiting, exc.user_message)
-            return
-        except MessageWithdrawn:  # deleted on the platform before its reply: nothing to answer, nothing kept
-            await _stop(waiting)
-            if shown.sent:
-                await shown.finish()
-            return
-        except Exception:  # a bug, a full disk, a lost database: said in one line, never a silent end
-            log.exception("reply in %s failed", message.channel_key)
-            await self._failed(shown, sink, waiting, SOMETHING_WENT_WRONG)
+        except Exception as exc:
+            await fail(exc)
             return
         finally:
             await _stop(waiting)
         handles = await shown.finish()
         await self._link(sink, handles, stream.result)
+
+    async def _show_failure(self, message: IncomingMessage, shown: StreamedReply, sink: ChatSink,
+                            waiting: asyncio.Task[None] | None, exc: BaseException) -> None:
+        """What a reply that failed leaves on the platform."""
+        if isinstance(exc, LLMError):
+            await self._failed(shown, sink, waiting, exc.user_message)
+        elif isinstance(exc, MessageWithdrawn):  # deleted on the platform before its reply: nothing to answer
+            await _stop(waiting)
+            if shown.sent:
+                await shown.finish()
+        else:  # a bug, a full disk, a lost database: said in one line, never a silent end
+            log.error("reply in %s failed", message.channel_key, exc_info=exc)
+            await self._failed(shown, sink, waiting, SOMETHING_WENT_WRONG)
 
     @staticmethod
     async def _failed(shown: StreamedReply, sink: ChatSink, waiting: asyncio.Task[None] | None, why: str) -> None:

@@ -14,10 +14,12 @@ import pytest
 
 from bot import metrics
 from bot.app import App
+from bot.commands import CommandReply
 from bot.config import parse_config
 from bot.errors import MessageWithdrawn
 from bot.history import HistoryWindow, in_reply_order
 from bot.llm.base import Completion, LLMRequest, StreamEvent, Usage
+from bot.llm.errors import LLMOverloaded
 from bot.policy import Inbound
 from bot.ports import IncomingMessage
 from bot.storage.base import StoredMessage
@@ -300,3 +302,34 @@ async def test_summaries_read_each_answer_after_its_message(tmp_path: Path) -> N
         text = str(summary.messages[-1].content)
         assert text.index("ann asks 0") < text.index("answer to Ann 0") < text.index("bob asks 0") \
             < text.index("answer to Bob 0") < text.index("ann asks 1")
+
+
+async def test_a_failed_answer_says_so_before_the_next_answer_begins(tmp_path: Path) -> None:
+    class Ordered(Sink):
+        def __init__(self) -> None:
+            super().__init__()
+            self.order: list[str] = []
+
+        async def send(self, text: str) -> int:
+            self.order.append(f"message {len(self.messages)}")
+            return await super().send(text)
+
+        async def send_reply(self, reply: CommandReply) -> None:
+            await asyncio.sleep(0.3)  # (a platform that takes its time)
+            self.order.append(reply.text)
+            await super().send_reply(reply)
+
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "personas": [{"name": "Cora"}],
+                           "chat": {"still_working_seconds": 0}})
+    llm = GatedProvider(held={"hi"})
+    llm.enqueue(LLMOverloaded("busy"))
+    async with App(config, llm=llm) as app:
+        sink = Ordered()
+        first = asyncio.create_task(app.router.handle(Inbound(_msg("hi")), sink))
+        await asyncio.wait_for(llm.holding.wait(), 10)
+        second = asyncio.create_task(app.router.handle(Inbound(_msg("and?")), sink))
+        await asyncio.sleep(0.2)
+        llm.release.set()
+        await asyncio.wait_for(asyncio.gather(first, second), 10)
+    assert len(sink.order) == 2 and sink.order[0].startswith("⚠️") and sink.order[1] == "message 0", sink.order
+    assert sink.messages == ["echo: and?"]
