@@ -480,6 +480,7 @@ class MatrixAdapter:
         del self._typing[room_id]
         task.cancel()
         try:
+            await asyncio.gather(task, return_exceptions=True)  # (a renewal on its way lands before the end)
             await self.client.room_typing(room_id, False)
         except Exception as exc:  # (a lost connection: the server's timeout ends it)
             log.debug("Matrix: typing not ended in %s (%s)", room_id, type(exc).__name__)

@@ -115,6 +115,13 @@ class _Shown:
         return "".join(self._pieces)
 
 
+def _reads_stretch(window: HistoryWindow, user_id: int, persona: str, since: float) -> bool:
+    """Whether ``window`` holds a message of the user's running stretch with the persona (one sent after the
+    pause but handled before an older message): a reply that reads it belongs to the stretch too."""
+    return any(m.user_id == user_id and m.persona == persona and m.created_at.timestamp() >= since
+               for m in window.messages)
+
+
 @dataclass(frozen=True, slots=True)
 class ReplyResult:
     text: str
@@ -214,7 +221,9 @@ class ConversationCore:
         # In line before it is stored, answered after this person's answer before it here is stored (bot.turns).
         place = self.turns.join((message.channel_key, message.author_key))
         try:
+            await place.before_store()  # (stored after the message ahead of it: its history holds that one)
             user, channel, user_msg = await self._store_incoming(message, persona, text)
+            place.stored()
             self._remember_last(message.channel_key, user_msg.text)
             await place.wait()
             stream.turn_taken.set()
@@ -285,10 +294,15 @@ class ConversationCore:
             is_bot_admin=stream._is_bot_admin,
             message_key=message.message_key,
             parent_channel_key=message.parent_channel_key,
-            # (by the message's own time: one sent before the pause, handled after it, is not in the stretch; one
-            # sent in a stretch that ended before it was stored is answered as in it, and goes)
-            incognito=in_ended or (incognito_since is not None and sent >= incognito_since),
+            # (by the message's own time: one sent before the pause, handled after it, is not in the stretch, unless
+            # its history holds the stretch's words; one sent in a stretch that ended before it was stored is
+            # answered as in it, and goes)
+            incognito=in_ended or (incognito_since is not None and (
+                sent >= incognito_since or _reads_stretch(window, user.id, persona.name, incognito_since))),
         )
+        # (incognito only for what its history held: the stretch is the reply's, the message stays outside it)
+        stretch_read = incognito_since if context.incognito and not in_ended and sent < (incognito_since or 0) \
+            else None
         stream.incognito = context.incognito  # before the first piece of text
         sections: dict[str, list[PromptSection]] = {slot: [] for slot in get_args(SectionSlot)}
         # Concurrently: while one waits (the memory search for its query's embedding), the others work.
@@ -360,7 +374,7 @@ class ConversationCore:
             persona, user, channel, user_msg, window, summary, raw_prompt, completion, duration_ms, message,
             stream.rounds, began, incognito=context.incognito,
             # (a message sent before a stretch began: its reply belongs before it too, not in it)
-            before_stretch=incognito_since is not None and not context.incognito,
+            before_stretch=incognito_since is not None and not context.incognito, stretch_read=stretch_read,
         )
         if finished is None:
             return
@@ -539,13 +553,14 @@ class ConversationCore:
         *,
         incognito: bool | None = None,
         before_stretch: bool = False,
+        stretch_read: float | None = None,
     ) -> tuple[ReplyResult, Exchange] | None:
         """Store the reply and its audit; None when its user asked to be forgotten (or their channel went)
         while it was written: the reply was shown, nothing of it is kept but the model call's cost."""
         text = completion.text.strip()
         call = LLMCallRecord("reply", completion.model or self.config.model_for(persona), completion.usage.input_tokens,
                              completion.usage.output_tokens, duration_ms, estimated_input_tokens=raw_prompt)
-        if (why := await self._not_to_keep(message, user, persona, user_msg, incognito)) is not None:
+        if (why := await self._not_to_keep(message, user, persona, user_msg, incognito, stretch_read)) is not None:
             await self.storage.record_llm_call(call)
             log.info("the reply in channel %d is not stored: %s", channel.id, why)
             return None
@@ -563,7 +578,7 @@ class ConversationCore:
             await self.storage.record_llm_call(call)
             log.info("the reply in channel %d is not stored: its user was forgotten while it was written", channel.id)
             return None
-        if (why := await self._not_to_keep(message, user, persona, user_msg, incognito)) is not None:
+        if (why := await self._not_to_keep(message, user, persona, user_msg, incognito, stretch_read)) is not None:
             await self.storage.delete_message(reply.id)  # (it happened between the check and the store)
             await self.storage.record_llm_call(call)
             log.info("the reply in channel %d is not kept: %s", channel.id, why)
@@ -605,12 +620,15 @@ class ConversationCore:
         return ReplyResult(text, user_msg, reply, window, summary_used, prompt_tokens, completion), exchange
 
     async def _not_to_keep(self, message: IncomingMessage, user: User, persona: Persona, user_msg: StoredMessage,
-                           incognito: bool | None) -> str | None:
+                           incognito: bool | None, stretch_read: float | None = None) -> str | None:
         """Why the reply to ``user_msg`` must not be kept, or None: its message was deleted on the platform (it
         went, with the reply to it stored so far), or the incognito stretch it was sent in ended (the message
         goes now if it was stored after that end)."""
         if self.was_withdrawn(message):
             return "its message was deleted on the platform"
+        if stretch_read is not None:  # a message from before the stretch, whose history held the stretch's words
+            since, _ = await self.storage.incognito.at(user.id, user.key, persona.name, time.time())
+            return None if since == stretch_read else "the incognito stretch its history held ended meanwhile"
         if incognito and await self._stretch_ended(user, persona, user_msg):
             await self._drop_from_ended_stretch(user_msg, message.channel_key)
             return "its incognito stretch ended while it was written"

@@ -2,62 +2,79 @@
 
 Someone who sends two messages in quick succession ("hi", then "are you there?") gets the second answer
 written after the first one was stored, with the first answer in its prompt, instead of two answers
-written side by side, each unaware of the other. Every message is stored the moment it arrives; only
-the writing of its answer waits for its turn. Different people in one channel are answered side by
+written side by side, each unaware of the other. Different people in one channel are answered side by
 side, as before.
 
-A message takes its place in line (:meth:`Turns.join`) before it is stored, so whether an answer was
-still being written then is known exactly, and turns come in the order the messages came; it waits for
-its turn after it is stored. A turn is never
-waited for longer than ``TURN_WAIT_SECONDS``: an answer that hangs (a slow model, a stream nobody reads
-any more) delays the next one by that much at most, which then goes ahead anyway.
+A message takes its place in its line (:meth:`Turns.join`) before it is stored; it is stored once the
+message ahead of it is (so the stored order is the order they came in: each one's history holds the ones
+before it), at once in practice, and its answer is written once the answer ahead of it is done. An answer
+that hangs (a slow model, a stream nobody reads any more) holds the line ``TURN_WAIT_SECONDS`` from when its
+turn began, no longer: then the next one goes ahead, and the ones after that wait for it as before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Hashable
-from typing import Literal
+from collections.abc import Awaitable, Hashable
 
 TURN_WAIT_SECONDS = 90.0
 
 
 class Place:
-    """A message's place in its key's line: :meth:`wait` for the turn, :meth:`leave` once done (always).
-    The turn is asked for when the place is taken, so turns come in the order the messages joined, however
-    long each one's store takes."""
+    """A message's place in its key's line: :meth:`before_store`, :meth:`stored`, :meth:`wait` for the turn,
+    and :meth:`leave` once done (always, also when anything failed)."""
 
-    def __init__(self, turns: Turns, key: Hashable, lock: asyncio.Lock, waited: bool) -> None:
-        self._turns, self._key, self._lock = turns, key, lock
-        self.waited = waited  # an answer before it was being written when it joined (it may be stored after it)
+    def __init__(self, turns: Turns, key: Hashable, ahead: Place | None) -> None:
+        self._turns, self._key = turns, key
+        self._ahead = ahead
+        self.waited = ahead is not None  # an answer ahead of it was not done when it joined
         self.waited_seconds = 0.0
-        self._turn: asyncio.Task[Literal[True]] | None = asyncio.ensure_future(lock.acquire())
+        self._stored, self._began, self._done = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self._began_at = 0.0
         self._left = False
 
+    async def before_store(self) -> None:
+        """Until the message ahead is stored (or gone), at most the line's ``wait_seconds``."""
+        if self._ahead is not None:
+            await _at_most(self._ahead._stored.wait(), self._turns.wait_seconds)
+
+    def stored(self) -> None:
+        self._stored.set()
+
     async def wait(self) -> None:
-        """Until the answers before this one are done (at most the line's ``wait_seconds``)."""
+        """Until the answer ahead is done: at most ``wait_seconds`` from when its turn began."""
         started = time.monotonic()
-        turn = self._turn
+        ahead, self._ahead = self._ahead, None  # (a long line keeps no chain of done places)
         try:
-            if turn is not None:
-                await asyncio.wait_for(turn, self._turns.wait_seconds)  # (timed out: the turn is given up)
-        except TimeoutError:
-            self._turn = None  # it goes ahead without the turn
+            if ahead is not None:
+                # (its turn begins at the latest when the one ahead of it has had its time, or it leaves)
+                await ahead._began.wait()
+                if not ahead._done.is_set():
+                    left = ahead._began_at + self._turns.wait_seconds - time.monotonic()
+                    await _at_most(ahead._done.wait(), max(left, 0.0))
         finally:
             self.waited_seconds = time.monotonic() - started
+            self._began_at = time.monotonic()
+            self._began.set()
 
     def leave(self) -> None:
         """Give the turn to the next answer and leave the line (again: nothing happens)."""
-        turn, self._turn = self._turn, None
-        if turn is not None:
-            if not turn.done():
-                turn.cancel()  # never got it (the message failed before its turn came): nobody waits for it
-            elif not turn.cancelled() and turn.exception() is None:
-                self._lock.release()
-        if not self._left:
-            self._left = True
-            self._turns._left(self._key)
+        if self._left:
+            return
+        self._left = True
+        self._ahead = None
+        for event in (self._stored, self._began, self._done):
+            event.set()
+        self._turns._left(self._key, self)
+
+
+async def _at_most(waiting: Awaitable[object], seconds: float) -> None:
+    """Await ``waiting`` for at most ``seconds``."""
+    try:
+        await asyncio.wait_for(waiting, seconds)
+    except TimeoutError:
+        pass
 
 
 class Turns:
@@ -65,21 +82,19 @@ class Turns:
 
     def __init__(self, wait_seconds: float = TURN_WAIT_SECONDS) -> None:
         self.wait_seconds = wait_seconds
-        self._locks: dict[Hashable, asyncio.Lock] = {}
-        self._members: dict[Hashable, int] = {}  # key -> answers in its line (writing or waiting)
+        self._last: dict[Hashable, Place] = {}  # key -> the newest place in its line
 
     def join(self, key: Hashable) -> Place:
-        """A place in ``key``'s line; ``waited`` when an answer is in it already."""
-        lock = self._locks.setdefault(key, asyncio.Lock())
-        ahead = self._members.get(key, 0)
-        self._members[key] = ahead + 1
-        return Place(self, key, lock, ahead > 0)
+        """A place at the end of ``key``'s line; ``waited`` when an answer is in it already."""
+        ahead = self._last.get(key)
+        place = Place(self, key, ahead if ahead is not None and not ahead._left else None)
+        self._last[key] = place
+        return place
 
-    def _left(self, key: Hashable) -> None:
-        self._members[key] -= 1
-        if not self._members[key]:  # nobody in line: the key's lock goes (no growth per channel)
-            del self._members[key], self._locks[key]
+    def _left(self, key: Hashable, place: Place) -> None:
+        if self._last.get(key) is place:  # the last one in line leaves: the line goes (no growth per key)
+            del self._last[key]
 
     def busy(self) -> int:
         """Keys with an answer being written or waiting (tests, metrics)."""
-        return len(self._locks)
+        return len(self._last)

@@ -12,6 +12,7 @@ import pytest
 
 from bot.app import App
 from bot.config import parse_config
+from bot.llm.base import Completion, Usage
 from bot.policy import Inbound
 from bot.ports import IncomingMessage
 from cortex.memory.upkeep import end_expired_incognito
@@ -412,6 +413,32 @@ async def test_a_pause_that_begins_while_a_reply_is_written_keeps_that_reply(tmp
         assert channel is not None
         kept = [(m.role, m.text) for m in reversed(await app.storage.recent_messages(channel.id, 20))]
         assert kept == [("user", "what is a good tea?"), ("assistant", "echo: what is a good tea?")], kept
+
+
+@pytest.mark.parametrize("pause_first", [True, False])
+async def test_a_reply_whose_history_held_the_stretch_goes_with_it(tmp_path: Path, pause_first: bool) -> None:
+    """Events are handled out of order (Matrix: each one a task): a message sent in the stretch was stored before
+    an older message sent before the pause, whose reply then read it. That reply belongs to the stretch: kept
+    (at its message's time, or moved back there at resume), it would carry the stretch's words on."""
+    from datetime import UTC, datetime, timedelta
+
+    def inbound(text: str, sent: datetime) -> Inbound:
+        return Inbound(IncomingMessage("discord", "dm-ann", "7", "Ann", text, is_dm=True, sent_at=sent))
+
+    llm = ScriptedProvider()
+    llm.default = lambda r: Completion(" | ".join(str(m.content) for m in r.messages), usage=Usage(0, 1))
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000}})
+    async with App(config, llm=llm) as app:
+        now = datetime.now(UTC)
+        pause, secret = inbound("!memory pause", now - timedelta(seconds=2)), inbound("my secret is xyzzy", now)
+        for event in ((pause, secret) if pause_first else (secret, pause)):
+            await app.router.handle(event, Sink())
+        shown = Sink()
+        await app.router.handle(inbound("sent before the pause", now - timedelta(seconds=3)), shown)
+        assert "xyzzy" in shown.messages[0] and shown.messages[0].startswith("🕶️")  # it read the stretch
+        await _said(app, "!memory resume")
+        rows = [str(r[0]) for r in await app.storage.db.fetch_all("SELECT text FROM messages")]
+        assert rows == ["sent before the pause"], rows  # its own message stays (unanswered)
 
 
 async def test_a_message_sent_in_a_stretch_and_stored_after_its_end_goes_too(tmp_path: Path) -> None:

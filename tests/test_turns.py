@@ -198,6 +198,47 @@ async def test_turns_come_in_the_order_the_messages_joined() -> None:
     assert turns.busy() == 0
 
 
+async def test_after_a_hung_answer_the_rest_of_the_line_still_goes_one_by_one(tmp_path: Path) -> None:
+    """Once the hung answer's time is up, the next one goes ahead, and the ones after it wait for it: not all
+    of them at once, side by side."""
+    llm = GatedProvider(held={"m1"})
+    async with App(_config(tmp_path), llm=llm) as app:
+        app.core.turns.wait_seconds = 0.3
+        hung = asyncio.create_task(app.core.reply(_msg("m1"), "Cora").text())
+        await asyncio.wait_for(llm.holding.wait(), 10)
+        rest = []
+        for text in ("m2", "m3", "m4"):
+            rest.append(asyncio.create_task(app.core.reply(_msg(text), "Cora").text()))
+            await asyncio.sleep(0.02)
+        assert await asyncio.wait_for(asyncio.gather(*rest), 10) == ["echo: m2", "echo: m3", "echo: m4"]
+        prompts = {str(r.messages[-1].content): [str(m.content) for m in r.messages] for r in llm.asked}
+        assert "echo: m2" in prompts["m3"] and "echo: m3" in prompts["m4"], prompts
+        llm.release.set()
+        await asyncio.wait_for(hung, 10)
+
+
+async def test_a_message_whose_store_is_slow_is_still_stored_and_answered_first(tmp_path: Path) -> None:
+    """Two quick messages; the first one's store takes longer: it is stored first all the same, answered
+    first, and the second answer knows the first exchange."""
+    llm = GatedProvider()
+    async with App(_config(tmp_path), llm=llm) as app:
+        add_message = app.storage.add_message
+
+        async def slow_first(*args: object, **kwargs: object) -> object:
+            if args[5] == "first":
+                await asyncio.sleep(0.3)
+            return await add_message(*args, **kwargs)  # type: ignore[arg-type]
+
+        app.storage.add_message = slow_first  # type: ignore[method-assign, assignment]
+        first = asyncio.create_task(app.core.reply(_msg("first"), "Cora").text())
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(app.core.reply(_msg("second"), "Cora").text())
+        assert await asyncio.wait_for(asyncio.gather(first, second), 10) == ["echo: first", "echo: second"]
+        assert await _stored(app, "dm-ann") == ["first", "second", "echo: first", "echo: second"] \
+            or await _stored(app, "dm-ann") == ["first", "echo: first", "second", "echo: second"]
+        assert llm.turns_of(1) == [("user", "first"), ("assistant", "echo: first"), ("user", "second")]
+
+
 async def test_an_answer_stored_while_the_next_message_is_stored_is_in_its_prompt(tmp_path: Path) -> None:
     """The first answer ended between the second message's store and its turn: it is stored after that
     message, and must reach its prompt all the same."""

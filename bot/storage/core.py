@@ -251,13 +251,16 @@ class Storage:
                 return None
             started = float(row[0])
             # An answer to a message sent before the pause (written while the pause began) was stored inside
-            # the stretch: it is its message's, and goes back to its time, outside the stretch, instead of going.
+            # the stretch: it is its message's, and goes back to its time, outside the stretch, instead of going
+            # -- unless its history held a message of the stretch (stored before its message: it may quote it).
             await tx.execute(
                 "UPDATE messages SET created_at ="
                 " (SELECT q.created_at FROM messages AS q WHERE q.id = messages.reply_to)"
                 " WHERE user_id = ? AND persona = ? AND role = 'assistant' AND created_at >= ?"
-                " AND reply_to IN (SELECT q.id FROM messages AS q WHERE q.user_id = ? AND q.created_at < ?)",
-                (user_id, persona, started, user_id, started))
+                " AND reply_to IN (SELECT q.id FROM messages AS q WHERE q.user_id = ? AND q.created_at < ?)"
+                " AND NOT EXISTS (SELECT 1 FROM messages AS s WHERE s.channel_id = messages.channel_id"
+                " AND s.user_id = ? AND s.persona = ? AND s.created_at >= ? AND s.id < messages.reply_to)",
+                (user_id, persona, started, user_id, started, user_id, persona, started))
             deleted, _ = await delete_messages(tx, "user_id = ? AND persona = ? AND created_at >= ?",
                                                (user_id, persona, started))
             await tx.execute("DELETE FROM incognito WHERE user_id = ? AND persona = ?", (user_id, persona))
