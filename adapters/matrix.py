@@ -74,7 +74,7 @@ from adapters.matrix_content import (
 from adapters.matrix_gaps import missed_redactions
 from adapters.matrix_reactions import Reactions
 from bot.app import App
-from bot.commands import Attachment, CommandReply
+from bot.commands import Attachment, CommandReply, PlatformCommand
 from bot.commands.files import MAX_ATTACHMENT_BYTES
 from bot.config import MatrixConfig
 from bot.policy import Inbound
@@ -304,6 +304,8 @@ class MatrixAdapter:
     def __init__(self, app: App, config: MatrixConfig, *, env: dict[str, str] | None = None) -> None:
         self.app = app
         self.config = config
+        app.commands.note_platform_command(PlatformCommand(
+            PLATFORM, "leave", f"make me leave this room (its admins: power level {config.admin_power_level} or more)"))
         self.password, self.token = read_secrets(config, env)
         self.store = Path(config.store_path or Path(platformdirs.user_data_dir("cortex-bot")) / "matrix")
         private_dir(self.store)  # the login and, with e2ee, the keys

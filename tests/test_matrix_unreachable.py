@@ -184,3 +184,21 @@ async def test_typing_stays_on_while_any_answer_in_the_room_is_written(tmp_path:
         await asyncio.sleep(0.4)
         assert len(calls) == count  # no renewal after the last one ended
         await adapter.close()
+
+
+async def test_help_in_a_room_lists_leave_which_the_adapter_handles(tmp_path: Path) -> None:
+    from bot.commands import CommandContext
+
+    config = _config(tmp_path)
+    async with App(config, llm=ScriptedProvider()) as app:
+        adapter = MatrixAdapter(app, config.matrix, env={"CB_MATRIX_PW": "x"})
+        MatrixAdapter(app, config.matrix, env={"CB_MATRIX_PW": "x"})  # (made twice: listed once)
+        room = CommandContext("matrix", "matrix:@ann:localhost", "Ann", "matrix:!r:localhost", "Cora")
+        listed = (await app.commands.dispatch("!help", room)).text
+        assert listed.count("!leave — make me leave this room (its admins: power level 50 or more)") == 1, listed
+        assert "power level 50" in (await app.commands.dispatch("!help leave", room)).text
+        dm = CommandContext("matrix", "matrix:@ann:localhost", "Ann", "matrix:!d:localhost", "Cora", is_dm=True)
+        elsewhere = CommandContext("discord", "discord:1", "Ann", "discord:2", "Cora")
+        for context in (dm, elsewhere):
+            assert "!leave" not in (await app.commands.dispatch("!help", context)).text
+        await adapter.close()

@@ -445,6 +445,16 @@ def quote_word(value: str) -> str:
     return "'" + re.sub(r"'(?=\s)", '"', value) + "'"
 
 
+@dataclass(frozen=True, slots=True)
+class PlatformCommand:
+    """A command one platform's adapter handles itself (Matrix's ``!leave``), declared there and listed by
+    ``help`` where it works: that platform, outside direct messages."""
+
+    platform: str
+    name: str
+    summary: str
+
+
 class CommandError(Exception):
     """A command was used wrongly; the message tells the user how to use it."""
 
@@ -454,6 +464,7 @@ class CommandRegistry:
         self.prefix = prefix
         self._commands: dict[str, Command] = {}
         self._order: list[str] = []
+        self._platform_commands: list[PlatformCommand] = []
         self.register(Command("help", "list the commands, or explain one or a group (help memory)", self._help,
                               (words("command", "a command or group, e.g. memory or memory remember"),)))
 
@@ -461,6 +472,11 @@ class CommandRegistry:
         for name in (command.name, *command.aliases):
             self._commands[name] = command
         self._order.append(command.name)
+
+    def note_platform_command(self, command: PlatformCommand) -> None:
+        """List an adapter's own command in ``help`` (once, however often the adapter is made)."""
+        if command not in self._platform_commands:
+            self._platform_commands.append(command)
 
     @property
     def commands(self) -> list[Command]:
@@ -613,12 +629,18 @@ class CommandRegistry:
 
     async def _help(self, context: CommandContext, args: Sequence[str]) -> str:
         shown_here = [c for c in self.commands if self._may_run(c, context)]
+        own = [c for c in self._platform_commands if c.platform == context.platform and not context.is_dm]
         if args:
-            return self._explain(" ".join(args).lower().removeprefix(self.prefix), shown_here)
+            topic = " ".join(args).lower().removeprefix(self.prefix)
+            for handled in own:
+                if handled.name == topic:
+                    return f"{self.prefix}{handled.name} — {handled.summary}"
+            return self._explain(topic, shown_here)
         lines = ["Commands:"]
         groups = list(dict.fromkeys(c.name.split(" ")[0] for c in shown_here))  # in order of first use
         for command in sorted(shown_here, key=lambda c: groups.index(c.name.split(" ")[0])):
             lines.append(f"  {self.usage(command)} — {command.summary}")
+        lines += [f"  {self.prefix}{c.name} — {c.summary}" for c in own]
         lines.append(f"Anything else you type is sent to the persona. {self.prefix}help COMMAND explains one.")
         return "\n".join(lines)
 
