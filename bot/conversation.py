@@ -116,10 +116,13 @@ class _Shown:
 
 
 def _reads_stretch(window: HistoryWindow, user_id: int, persona: str, since: float) -> bool:
-    """Whether ``window`` holds a message of the user's running stretch with the persona (one sent after the
-    pause but handled before an older message): a reply that reads it belongs to the stretch too."""
+    """Whether ``window`` holds words of the user's running stretch with the persona (a message sent after the
+    pause but handled before an older one, or an answer to such a message): a reply that reads them belongs to
+    the stretch too."""
+    # (an answer stored in the stretch answers one of its messages: one to a message from before, written as the
+    # pause began, is stamped at its message's time; see Storage.add_message)
     return any(m.user_id == user_id and m.persona == persona and m.created_at.timestamp() >= since
-               for m in window.messages)
+               and (m.role == "user" or m.reply_to is not None) for m in window.messages)
 
 
 @dataclass(frozen=True, slots=True)
@@ -567,11 +570,16 @@ class ConversationCore:
         # A reply is never stored as older than its message (stamped by the platform's clock): inside an incognito
         # stretch by its message's time, it is inside by its own too; and one to a message sent before a stretch
         # began goes with its message, outside it (else resume deleted the reply and kept the message).
-        at = user_msg.created_at if before_stretch or user_msg.created_at > datetime.now(UTC) else None
+        now = datetime.now(UTC)
+        at = user_msg.created_at if before_stretch or user_msg.created_at > now else None
+        if stretch_read is not None and now.timestamp() < stretch_read:  # (inside it, by the platform's clock too)
+            at = datetime.fromtimestamp(stretch_read, UTC)
         try:
             reply = await self.storage.add_message(
                 channel.id, user.id, persona.name, "assistant", persona.name, text, self.estimator.raw_count(text), at,
                 reply_to=user_msg.id,
+                # (a pause that began while it was written: it goes with its message, outside the stretch)
+                outside_stretch_from=None if incognito else user_msg.created_at,
             )
         except StaleReference:
             self.storage.forget_cached(user_key=user.key)

@@ -5,6 +5,7 @@ after incognito_hours) — on SQLite without a trace in the file."""
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 from bot.app import App
 from bot.config import parse_config
-from bot.llm.base import Completion, Usage
+from bot.llm.base import Completion, LLMRequest, Usage
 from bot.policy import Inbound
 from bot.ports import IncomingMessage
 from cortex.memory.upkeep import end_expired_incognito
@@ -439,6 +440,76 @@ async def test_a_reply_whose_history_held_the_stretch_goes_with_it(tmp_path: Pat
         await _said(app, "!memory resume")
         rows = [str(r[0]) for r in await app.storage.db.fetch_all("SELECT text FROM messages")]
         assert rows == ["sent before the pause"], rows  # its own message stays (unanswered)
+
+
+def _at(text: str, sent: datetime | None = None, key: str | None = None) -> Inbound:
+    return Inbound(IncomingMessage("discord", "dm-ann", "7", "Ann", text, is_dm=True, sent_at=sent, message_key=key))
+
+
+def _echo_all() -> ScriptedProvider:
+    """A model whose answer repeats its whole conversation: what a reply read shows in it."""
+    llm = ScriptedProvider()
+    llm.default = lambda r: Completion(" | ".join(str(m.content) for m in r.messages), usage=Usage(0, 1))
+    return llm
+
+
+async def _texts(app: App) -> list[str]:
+    return sorted(str(r[0]) for r in await app.storage.db.fetch_all("SELECT text FROM messages"))
+
+
+@pytest.mark.parametrize("ahead", [0, 30])
+async def test_a_reply_that_read_the_stretch_goes_whatever_the_clocks_or_deletions(tmp_path: Path, ahead: int) -> None:
+    """The reply to a message from before the pause, whose history held the stretch's words: stored inside the
+    stretch by the platform's clock too (30 s ahead of the bot's), and gone at resume even when the stretch
+    message it read was deleted on the platform first (resume used to work it out again from what was left)."""
+    from datetime import timedelta
+
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000}})
+    async with App(config, llm=_echo_all()) as app:
+        now = datetime.now(UTC) + timedelta(seconds=ahead)  # the platform's clock
+        await app.router.handle(_at("!memory pause", now - timedelta(seconds=2)), Sink())
+        await app.router.handle(_at("my secret is xyzzy", now, key="discord-message:S"), Sink())
+        shown = Sink()
+        await app.router.handle(_at("sent before the pause", now - timedelta(seconds=3)), shown)
+        assert "xyzzy" in shown.messages[0] and shown.messages[0].startswith("🕶️")
+        assert await app.core.withdraw("discord-message:S", "discord:7")
+        await app.router.handle(_at("!memory resume", now + timedelta(seconds=1)), Sink())
+        assert await _texts(app) == ["sent before the pause"]
+
+
+async def test_answers_written_as_a_pause_begins_stay_outside_it_and_taint_nothing(tmp_path: Path) -> None:
+    """Two messages, then `!memory pause` while the first answer is written: that answer goes with its message,
+    outside the stretch, so the second one (whose history holds it) is no 🕶️ reply, and a resume while the
+    second is written keeps both exchanges whole."""
+    class Gated(ScriptedProvider):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gates, self.asked = [asyncio.Event(), asyncio.Event()], [asyncio.Event(), asyncio.Event()]
+
+        async def _next(self, request: LLMRequest) -> Completion:
+            n = len(self.requests)
+            if n < 2:
+                self.asked[n].set()
+                await self.gates[n].wait()
+            return await super()._next(request)
+
+    llm = Gated()
+    async with App(parse_config({"storage": {"url": db_url_for(tmp_path)}}), llm=llm) as app:
+        first = asyncio.create_task(app.router.handle(_at("what is a good tea?"), Sink()))
+        await asyncio.wait_for(llm.asked[0].wait(), 10)
+        shown = Sink()
+        second = asyncio.create_task(app.router.handle(_at("and a good coffee?"), shown))
+        await asyncio.sleep(0.05)
+        await app.router.handle(_at("!memory pause"), Sink())
+        llm.gates[0].set()
+        await first
+        await asyncio.wait_for(llm.asked[1].wait(), 10)
+        await app.router.handle(_at("!memory resume"), Sink())
+        llm.gates[1].set()
+        await second
+        assert not shown.messages[0].startswith("🕶️"), shown.messages
+        assert await _texts(app) == ["and a good coffee?", "echo: and a good coffee?", "echo: what is a good tea?",
+                                     "what is a good tea?"]
 
 
 async def test_a_message_sent_in_a_stretch_and_stored_after_its_end_goes_too(tmp_path: Path) -> None:

@@ -174,7 +174,12 @@ class Storage(Protocol):
         token_count: int,
         created_at: datetime | None = None,
         reply_to: int | None = None,
-    ) -> StoredMessage: ...
+        outside_stretch_from: datetime | None = None,
+    ) -> StoredMessage:
+        """Store a message; ``reply_to``: the message an answer answers. ``outside_stretch_from`` (an answer
+        to a message outside any incognito stretch: its message's time): when a stretch of the user with the
+        persona began after that time, the answer is stamped at it, with its message, outside the stretch (the
+        pause came while it was written; it read nothing of the stretch), in the same statement."""
 
     async def recent_messages(
         self, channel_id: int, limit: int, before_id: int | None = None, *, viewer: tuple[int, str] | None = None

@@ -250,17 +250,6 @@ class Storage:
             if row is None:
                 return None
             started = float(row[0])
-            # An answer to a message sent before the pause (written while the pause began) was stored inside
-            # the stretch: it is its message's, and goes back to its time, outside the stretch, instead of going
-            # -- unless its history held a message of the stretch (stored before its message: it may quote it).
-            await tx.execute(
-                "UPDATE messages SET created_at ="
-                " (SELECT q.created_at FROM messages AS q WHERE q.id = messages.reply_to)"
-                " WHERE user_id = ? AND persona = ? AND role = 'assistant' AND created_at >= ?"
-                " AND reply_to IN (SELECT q.id FROM messages AS q WHERE q.user_id = ? AND q.created_at < ?)"
-                " AND NOT EXISTS (SELECT 1 FROM messages AS s WHERE s.channel_id = messages.channel_id"
-                " AND s.user_id = ? AND s.persona = ? AND s.created_at >= ? AND s.id < messages.reply_to)",
-                (user_id, persona, started, user_id, started, user_id, persona, started))
             deleted, _ = await delete_messages(tx, "user_id = ? AND persona = ? AND created_at >= ?",
                                                (user_id, persona, started))
             await tx.execute("DELETE FROM incognito WHERE user_id = ? AND persona = ?", (user_id, persona))
@@ -474,29 +463,39 @@ class Storage:
         token_count: int,
         created_at: datetime | None = None,
         reply_to: int | None = None,
+        outside_stretch_from: datetime | None = None,
     ) -> StoredMessage:
         with stale_if_missing(f"user {user_id} or channel {channel_id} no longer exists"):
             return await self._add_message(channel_id, user_id, persona, role, author_name, text, token_count,
-                                           _ts(created_at), reply_to)
+                                           _ts(created_at), reply_to, outside_stretch_from)
 
     async def _add_message(
         self, channel_id: int, user_id: int | None, persona: str, role: MessageRole, author_name: str, text: str,
-        token_count: int, ts: float, reply_to: int | None = None,
+        token_count: int, ts: float, reply_to: int | None = None, outside_stretch_from: datetime | None = None,
     ) -> StoredMessage:
-        params: tuple[Any, ...] = (channel_id, user_id, persona, role, author_name, text, token_count, ts)
+        pg = self.db.dialect == "postgres"
+        params: list[Any] = [channel_id, user_id, persona, role, author_name, text, token_count, ts]
+
+        def mark(value: Any, cast: str = "") -> str:
+            params.append(value)
+            return f"${len(params)}{cast}" if pg else f"?{len(params)}"
+
         # (named only for a reply: a user's message answers nothing, and the column is younger than the table)
-        column, value = (", reply_to", ", $9::bigint" if self.db.dialect == "postgres" else ", ?9") \
-            if reply_to is not None else ("", "")
-        params += (reply_to,) if reply_to is not None else ()
-        if self.db.dialect == "postgres":
+        column, value = (", reply_to", ", " + mark(reply_to, "::bigint")) if reply_to is not None else ("", "")
+        stamp = "$8" if pg else "?8"
+        if outside_stretch_from is not None:
+            since = mark(outside_stretch_from.timestamp(), "::double precision")
+            stamp = (f"CASE WHEN EXISTS (SELECT 1 FROM incognito WHERE user_id = {'$2::bigint' if pg else '?2'}"
+                     f" AND persona = {'$3' if pg else '?3'} AND started_at > {since}) THEN {since} ELSE {stamp} END")
+        if pg:
             # One statement: bumping the counter locks the channel's row, so concurrent inserts into one
             # channel (from any process) get consecutive positions.
             row = await self.db.write_one(
                 "WITH c AS (UPDATE channels SET message_count = message_count + 1, updated_at = $8"
                 " WHERE id = $1 RETURNING message_count)"
                 " INSERT INTO messages (channel_id, user_id, persona, role, author_name, text, token_count, seq,"
-                f" created_at{column}) SELECT $1, $2::bigint, $3, $4, $5, $6, $7::integer, c.message_count, $8"
-                f"{value} FROM c RETURNING id, seq",
+                f" created_at{column}) SELECT $1, $2::bigint, $3, $4, $5, $6, $7::integer, c.message_count, {stamp}"
+                f"{value} FROM c RETURNING id, seq, created_at",
                 params,
             )
         else:
@@ -504,14 +503,15 @@ class Storage:
             row = await self.db.write_one(
                 "INSERT INTO messages (channel_id, user_id, persona, role, author_name, text, token_count, seq,"
                 f" created_at{column}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7,"
-                f" (SELECT message_count + 1 FROM channels WHERE id = ?1), ?8{value}) RETURNING id, seq",
+                f" (SELECT message_count + 1 FROM channels WHERE id = ?1), {stamp}{value})"
+                " RETURNING id, seq, created_at",
                 params,
             )
         if row is None:
             raise StorageError(f"channel {channel_id} does not exist")
         return StoredMessage(
-            int(row[0]), channel_id, user_id, persona, role, author_name, text, token_count, int(row[1]), _dt(ts),
-            reply_to,
+            int(row[0]), channel_id, user_id, persona, role, author_name, text, token_count, int(row[1]),
+            _dt(float(row[2])), reply_to,
         )
 
     async def recent_messages(
