@@ -33,11 +33,15 @@ class Place:
         self._stored, self._began, self._done = asyncio.Event(), asyncio.Event(), asyncio.Event()
         self._began_at = 0.0
         self._left = False
+        self._skipped = False  # it left before its turn (its message failed): the ones behind wait for its ahead
 
     async def before_store(self) -> None:
         """Until the message ahead is stored (or gone), at most the line's ``wait_seconds``."""
-        if self._ahead is not None:
-            await _at_most(self._ahead._stored.wait(), self._turns.wait_seconds)
+        ahead = self._ahead
+        while ahead is not None and ahead._skipped and not ahead._stored.is_set():
+            ahead = ahead._ahead
+        if ahead is not None:
+            await _at_most(ahead._stored.wait(), self._turns.wait_seconds)
 
     def stored(self) -> None:
         self._stored.set()
@@ -47,12 +51,16 @@ class Place:
         started = time.monotonic()
         ahead, self._ahead = self._ahead, None  # (a long line keeps no chain of done places)
         try:
-            if ahead is not None:
+            while ahead is not None:
                 # (its turn begins at the latest when the one ahead of it has had its time, or it leaves)
                 await ahead._began.wait()
+                if ahead._skipped:  # it never had its turn: the answer before it may still be written
+                    ahead = ahead._ahead
+                    continue
                 if not ahead._done.is_set():
                     left = ahead._began_at + self._turns.wait_seconds - time.monotonic()
                     await _at_most(ahead._done.wait(), max(left, 0.0))
+                break
         finally:
             self.waited_seconds = time.monotonic() - started
             self._began_at = time.monotonic()
@@ -63,7 +71,9 @@ class Place:
         if self._left:
             return
         self._left = True
-        self._ahead = None
+        self._skipped = not self._began.is_set()
+        if not self._skipped:
+            self._ahead = None
         for event in (self._stored, self._began, self._done):
             event.set()
         self._turns._left(self._key, self)
@@ -92,8 +102,16 @@ class Turns:
         return place
 
     def _left(self, key: Hashable, place: Place) -> None:
-        if self._last.get(key) is place:  # the last one in line leaves: the line goes (no growth per key)
-            del self._last[key]
+        if self._last.get(key) is not place:
+            return
+        # The last one in line leaves: the line ends with the newest one ahead of it still in it, or goes.
+        ahead = place._ahead if place._skipped else None
+        while ahead is not None and ahead._left:
+            ahead = ahead._ahead if ahead._skipped else None
+        if ahead is None:
+            del self._last[key]  # (no growth per key)
+        else:
+            self._last[key] = ahead
 
     def busy(self) -> int:
         """Keys with an answer being written or waiting (tests, metrics)."""

@@ -239,6 +239,32 @@ async def test_a_message_whose_store_is_slow_is_still_stored_and_answered_first(
         assert llm.turns_of(1) == [("user", "first"), ("assistant", "echo: first"), ("user", "second")]
 
 
+async def test_one_who_gave_up_its_place_passes_on_the_wait_not_the_turn() -> None:
+    """The second message failed before its turn (deleted before it was stored): the third still waits for
+    the first answer, which is being written, instead of going at once beside it."""
+    turns = Turns(wait_seconds=5)
+    first = turns.join("k")
+    await first.before_store()
+    first.stored()
+    await first.wait()
+    second, third = turns.join("k"), turns.join("k")
+    second.leave()
+    await asyncio.wait_for(third.before_store(), 1)  # (the first one is stored: nothing to wait for)
+    third.stored()
+    third_waits = asyncio.create_task(third.wait())
+    await asyncio.sleep(0.05)
+    assert not third_waits.done()
+    first.leave()
+    await asyncio.wait_for(third_waits, 1)
+    third.leave()
+    assert turns.busy() == 0
+    # The last one in line gives up its place: the line goes on with the one ahead, still being answered.
+    answering = turns.join("k")
+    await answering.wait()
+    turns.join("k").leave()
+    assert turns.join("k").waited
+
+
 async def test_an_answer_stored_while_the_next_message_is_stored_is_in_its_prompt(tmp_path: Path) -> None:
     """The first answer ended between the second message's store and its turn: it is stored after that
     message, and must reach its prompt all the same."""
