@@ -170,6 +170,8 @@ async def test_export_zip_holds_files_versions_and_metadata(tmp_path: Path) -> N
         assert {(i["content"], i["archived_at"] is not None) for i in cora["memory_items"]} == {
             ("Ann grows figs", False), ("Ann hates rain", True)}  # archived items too
         assert [m["text"] for m in data["messages"]] == ["I planted a fig tree", "echo: I planted a fig tree"]
+        asked, answer = data["messages"]
+        assert asked["reply_to"] is None and answer["reply_to"] == asked["id"]  # which message a reply answers
         items_md = archive.read("Cora/memory-items.md").decode()
         assert "Ann hates rain" in items_md and "archived" in items_md
         assert "Ann speaks German" in archive.read("Lena/memory-items.md").decode()

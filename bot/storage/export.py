@@ -51,10 +51,11 @@ class ExportRepository:
         return [plain(r) for r in rows]
 
     async def messages(self, user_id: int) -> list[dict[str, Any]]:
-        """The user's messages and the replies to them, oldest first, with where they were said."""
+        """The user's messages and the replies to them (``reply_to``: the id of the message a reply answers), oldest
+        first, with where they were said."""
         rows = await self.db.fetch_all(
             "SELECT m.id, c.key AS channel, c.name AS channel_name, c.is_dm, m.persona, m.role, m.author_name,"
-            " m.text, m.created_at FROM messages AS m JOIN channels AS c ON c.id = m.channel_id"
+            " m.text, m.created_at, m.reply_to FROM messages AS m JOIN channels AS c ON c.id = m.channel_id"
             " WHERE m.user_id = ? ORDER BY m.id", (user_id,))
         return [plain(r) for r in rows]
 
