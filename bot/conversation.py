@@ -275,6 +275,12 @@ class ConversationCore:
             if late is None or self.was_withdrawn(message):  # deleted (or its author forgotten) while it waited
                 raise MessageWithdrawn()
             window = late
+        # In the stretch by the message's own time (one sent before the pause, handled after it, is not; one sent
+        # in a stretch that ended before it was stored is answered as in it, and goes), or only for what its
+        # history held (the stretch's words: the reply is the stretch's, the message stays outside it).
+        own_stretch = in_ended or (incognito_since is not None and sent >= incognito_since)
+        reads = not own_stretch and incognito_since is not None and _reads_stretch(
+            window, user.id, persona.name, incognito_since)
         if len(self._window_sizes) > 10_000:
             self._window_sizes.clear()
         self._window_sizes[channel.id] = len(window.messages)
@@ -297,15 +303,9 @@ class ConversationCore:
             is_bot_admin=stream._is_bot_admin,
             message_key=message.message_key,
             parent_channel_key=message.parent_channel_key,
-            # (by the message's own time: one sent before the pause, handled after it, is not in the stretch, unless
-            # its history holds the stretch's words; one sent in a stretch that ended before it was stored is
-            # answered as in it, and goes)
-            incognito=in_ended or (incognito_since is not None and (
-                sent >= incognito_since or _reads_stretch(window, user.id, persona.name, incognito_since))),
+            incognito=own_stretch or reads,
         )
-        # (incognito only for what its history held: the stretch is the reply's, the message stays outside it)
-        stretch_read = incognito_since if context.incognito and not in_ended and sent < (incognito_since or 0) \
-            else None
+        stretch_read = incognito_since if reads else None
         stream.incognito = context.incognito  # before the first piece of text
         sections: dict[str, list[PromptSection]] = {slot: [] for slot in get_args(SectionSlot)}
         # Concurrently: while one waits (the memory search for its query's embedding), the others work.
@@ -635,7 +635,7 @@ class ConversationCore:
         if self.was_withdrawn(message):
             return "its message was deleted on the platform"
         if stretch_read is not None:  # a message from before the stretch, whose history held the stretch's words
-            since, _ = await self.storage.incognito.at(user.id, user.key, persona.name, time.time())
+            since = await self.storage.incognito.since(user.id, persona.name)
             return None if since == stretch_read else "the incognito stretch its history held ended meanwhile"
         if incognito and await self._stretch_ended(user, persona, user_msg):
             await self._drop_from_ended_stretch(user_msg, message.channel_key)
