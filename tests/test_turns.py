@@ -62,6 +62,18 @@ def _msg(text: str, user: str = "ann", channel: str = "dm-ann", dm: bool = True)
     return IncomingMessage("console", channel, user, user.title(), text, is_dm=dm, sent_at=datetime.now(UTC))
 
 
+def _ask(app: App, message: IncomingMessage) -> asyncio.Task[str]:
+    """The reply to ``message``, on its way."""
+    return asyncio.create_task(app.core.reply(message, "Cora").text())
+
+
+async def _held(app: App, llm: GatedProvider, message: IncomingMessage) -> asyncio.Task[str]:
+    """The reply to ``message``, on its way and held at the model (one of ``llm.held``)."""
+    reply = _ask(app, message)
+    await asyncio.wait_for(llm.holding.wait(), 10)
+    return reply
+
+
 async def _stored(app: App, channel_key: str) -> list[str]:
     channel = await app.storage.upsert_channel(f"console:{channel_key}", channel_key, True)
     return [m.text for m in reversed(await app.storage.recent_messages(channel.id, 20))]
@@ -70,9 +82,8 @@ async def _stored(app: App, channel_key: str) -> list[str]:
 async def test_a_quick_second_message_is_stored_at_once_and_answered_after_the_first_answer(tmp_path: Path) -> None:
     llm = GatedProvider(held={"hi"})
     async with App(_config(tmp_path), llm=llm) as app:
-        first = asyncio.create_task(app.core.reply(_msg("hi"), "Cora").text())
-        await asyncio.wait_for(llm.holding.wait(), 10)
-        second = asyncio.create_task(app.core.reply(_msg("are you there?"), "Cora").text())
+        first = await _held(app, llm, _msg("hi"))
+        second = _ask(app, _msg("are you there?"))
         for _ in range(100):  # stored at once, though not answered yet
             if "are you there?" in await _stored(app, "dm-ann"):
                 break
@@ -94,8 +105,7 @@ async def test_a_quick_second_message_is_stored_at_once_and_answered_after_the_f
 async def test_other_people_in_a_channel_are_answered_side_by_side(tmp_path: Path) -> None:
     llm = GatedProvider(held={"ann asks"})
     async with App(_config(tmp_path), llm=llm) as app:
-        ann = asyncio.create_task(app.core.reply(_msg("ann asks", "ann", "room", dm=False), "Cora").text())
-        await asyncio.wait_for(llm.holding.wait(), 10)
+        ann = await _held(app, llm, _msg("ann asks", "ann", "room", dm=False))
         bob = await asyncio.wait_for(app.core.reply(_msg("bob asks", "bob", "room", dm=False), "Cora").text(), 10)
         assert bob == "echo: Bob: bob asks" and not ann.done()
         llm.release.set()
@@ -111,8 +121,7 @@ async def test_an_answer_that_hangs_delays_the_next_one_only_so_long(tmp_path: P
     llm = GatedProvider(held={"slow"})
     async with App(_config(tmp_path), llm=llm) as app:
         app.core.turns.wait_seconds = 0.3
-        first = asyncio.create_task(app.core.reply(_msg("slow"), "Cora").text())
-        await asyncio.wait_for(llm.holding.wait(), 10)
+        first = await _held(app, llm, _msg("slow"))
         assert await asyncio.wait_for(app.core.reply(_msg("next"), "Cora").text(), 10) == "echo: next"
         assert not first.done()
         llm.release.set()
@@ -123,9 +132,8 @@ async def test_an_answer_that_hangs_delays_the_next_one_only_so_long(tmp_path: P
 async def test_a_cancelled_answer_gives_its_turn_up_at_once(tmp_path: Path) -> None:
     llm = GatedProvider(held={"hi"})
     async with App(_config(tmp_path), llm=llm) as app:
-        first = asyncio.create_task(app.core.reply(_msg("hi"), "Cora").text())
-        await asyncio.wait_for(llm.holding.wait(), 10)
-        second = asyncio.create_task(app.core.reply(_msg("hello?"), "Cora").text())
+        first = await _held(app, llm, _msg("hi"))
+        second = _ask(app, _msg("hello?"))
         await asyncio.sleep(0.1)
         first.cancel()
         assert await asyncio.wait_for(second, 5) == "echo: hello?"  # not after the 90 s a hung turn gets
@@ -204,11 +212,10 @@ async def test_after_a_hung_answer_the_rest_of_the_line_still_goes_one_by_one(tm
     llm = GatedProvider(held={"m1"})
     async with App(_config(tmp_path), llm=llm) as app:
         app.core.turns.wait_seconds = 0.3
-        hung = asyncio.create_task(app.core.reply(_msg("m1"), "Cora").text())
-        await asyncio.wait_for(llm.holding.wait(), 10)
+        hung = await _held(app, llm, _msg("m1"))
         rest = []
         for text in ("m2", "m3", "m4"):
-            rest.append(asyncio.create_task(app.core.reply(_msg(text), "Cora").text()))
+            rest.append(_ask(app, _msg(text)))
             await asyncio.sleep(0.02)
         assert await asyncio.wait_for(asyncio.gather(*rest), 10) == ["echo: m2", "echo: m3", "echo: m4"]
         prompts = {str(r.messages[-1].content): [str(m.content) for m in r.messages] for r in llm.asked}
@@ -230,9 +237,9 @@ async def test_a_message_whose_store_is_slow_is_still_stored_and_answered_first(
             return await add_message(*args, **kwargs)  # type: ignore[arg-type]
 
         app.storage.add_message = slow_first  # type: ignore[method-assign, assignment]
-        first = asyncio.create_task(app.core.reply(_msg("first"), "Cora").text())
+        first = _ask(app, _msg("first"))
         await asyncio.sleep(0.05)
-        second = asyncio.create_task(app.core.reply(_msg("second"), "Cora").text())
+        second = _ask(app, _msg("second"))
         assert await asyncio.wait_for(asyncio.gather(first, second), 10) == ["echo: first", "echo: second"]
         assert await _stored(app, "dm-ann") == ["first", "second", "echo: first", "echo: second"] \
             or await _stored(app, "dm-ann") == ["first", "echo: first", "second", "echo: second"]
@@ -270,8 +277,7 @@ async def test_an_answer_stored_while_the_next_message_is_stored_is_in_its_promp
     message, and must reach its prompt all the same."""
     llm = GatedProvider(held={"hi"})
     async with App(_config(tmp_path), llm=llm) as app:
-        first = asyncio.create_task(app.core.reply(_msg("hi"), "Cora").text())
-        await asyncio.wait_for(llm.holding.wait(), 10)
+        first = await _held(app, llm, _msg("hi"))
         link, linking, go_on = app.storage.sources.link, asyncio.Event(), asyncio.Event()
 
         async def slow_link(*args: object, **kwargs: object) -> None:
@@ -281,7 +287,7 @@ async def test_an_answer_stored_while_the_next_message_is_stored_is_in_its_promp
 
         app.storage.sources.link = slow_link  # type: ignore[method-assign]
         message = replace(_msg("and?"), message_key="console-message:2")
-        second = asyncio.create_task(app.core.reply(message, "Cora").text())
+        second = _ask(app, message)
         await asyncio.wait_for(linking.wait(), 10)
         llm.release.set()
         assert await asyncio.wait_for(first, 10) == "echo: hi"
@@ -293,13 +299,12 @@ async def test_an_answer_stored_while_the_next_message_is_stored_is_in_its_promp
 async def test_a_message_deleted_or_forgotten_while_it_waits_never_reaches_the_model(tmp_path: Path) -> None:
     llm = GatedProvider(held={"hi"})
     async with App(_config(tmp_path), llm=llm) as app:
-        first = asyncio.create_task(app.core.reply(_msg("hi"), "Cora").text())
-        await asyncio.wait_for(llm.holding.wait(), 10)
+        first = await _held(app, llm, _msg("hi"))
         message = replace(_msg("oops, my password is hunter2"), message_key="console-message:9")
-        deleted = asyncio.create_task(app.core.reply(message, "Cora").text())
+        deleted = _ask(app, message)
         await asyncio.sleep(0.2)
         assert await app.core.withdraw("console-message:9", message.author_key)
-        forgotten = asyncio.create_task(app.core.reply(_msg("my secret"), "Cora").text())
+        forgotten = _ask(app, _msg("my secret"))
         await asyncio.sleep(0.2)
         assert await app.storage.forget_user("console:ann") is not None
         llm.release.set()
@@ -315,9 +320,8 @@ async def test_the_reply_overhead_leaves_the_wait_for_the_turn_out(tmp_path: Pat
     monkeypatch.setattr(metrics, "observe_reply", lambda stats, overhead: overheads.append(overhead))
     llm = GatedProvider(held={"hi"})
     async with App(_config(tmp_path), llm=llm) as app:
-        first = asyncio.create_task(app.core.reply(_msg("hi"), "Cora").text())
-        await asyncio.wait_for(llm.holding.wait(), 10)
-        second = asyncio.create_task(app.core.reply(_msg("and?"), "Cora").text())
+        first = await _held(app, llm, _msg("hi"))
+        second = _ask(app, _msg("and?"))
         await asyncio.sleep(1.0)
         llm.release.set()
         await asyncio.wait_for(asyncio.gather(first, second), 10)
