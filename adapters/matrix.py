@@ -304,8 +304,9 @@ class MatrixAdapter:
     def __init__(self, app: App, config: MatrixConfig, *, env: dict[str, str] | None = None) -> None:
         self.app = app
         self.config = config
-        app.commands.note_platform_command(PlatformCommand(
-            PLATFORM, "leave", f"make me leave this room (its admins: power level {config.admin_power_level} or more)"))
+        self.leave = PlatformCommand(
+            PLATFORM, "leave", f"make me leave this room (its admins: power level {config.admin_power_level} or more)")
+        app.commands.note_platform_command(self.leave)
         self.password, self.token = read_secrets(config, env)
         self.store = Path(config.store_path or Path(platformdirs.user_data_dir("cortex-bot")) / "matrix")
         private_dir(self.store)  # the login and, with e2ee, the keys
@@ -893,7 +894,8 @@ class MatrixAdapter:
                 except (ValueError, EncryptionError) as exc:
                     await MatrixSink(self, room, event).send_reply(CommandReply(str(exc)))
                     return
-            if inbound.message.text.strip() == f"{self.app.commands.prefix}leave" and not inbound.message.is_dm:
+            if inbound.message.text.strip().lower() == self.app.commands.prefix + self.leave.name \
+                    and not inbound.message.is_dm:
                 # As every command: not from those the access lists leave out, and within the command limit.
                 if not await self.app.router.admits(inbound, MatrixSink(self, room, event), is_command=True):
                     return
@@ -901,8 +903,8 @@ class MatrixAdapter:
                     await self.client.room_leave(room.room_id)
                 else:
                     await MatrixSink(self, room, event).send_reply(CommandReply(
-                        f"{prefix}leave is for this room's admins (power level {self.config.admin_power_level} "
-                        "or more): they can make me leave."))
+                        f"{prefix}{self.leave.name} is for this room's admins (power level "
+                        f"{self.config.admin_power_level} or more): they can make me leave."))
                 return
             await self.app.router.handle(inbound, MatrixSink(self, room, event))
         except Exception:
@@ -963,8 +965,7 @@ class MatrixAdapter:
         if prefix == own:
             return text
         if self._named_commands is None:
-            groups = sorted({c.name.split(" ")[0] for c in self.app.commands.commands} | {"help", "leave"},
-                            key=len, reverse=True)
+            groups = sorted(self.app.commands.first_words(), key=len, reverse=True)
             self._named_commands = re.compile(rf"(?<![\w{re.escape(own)}]){re.escape(own)}(?=(?:"
                                               + "|".join(map(re.escape, groups)) + r")\b)")
         return self._named_commands.sub(lambda _: prefix, text)

@@ -294,6 +294,10 @@ async def test_a_room_prefix_of_its_own_is_the_only_one_and_the_answers_use_it(s
         await seen.sync_until(lambda: True, "a last sync")
         [answer] = seen.bodies(room, bot.user_id)
         assert "!!memory forget" in answer and " !memory" not in answer, answer
+        await send_text(alice, room, "!!help")  # lists the adapter's own !!leave, with the room's prefix too
+        await seen.sync_until(lambda: len(seen.bodies(room, bot.user_id)) == 2, "the answer to !!help")
+        listing = seen.bodies(room, bot.user_id)[1]
+        assert "!!leave" in listing and "!!memory" in listing and " !leave" not in listing, listing
     finally:
         await alice.close()
         await bob.close()

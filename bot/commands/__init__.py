@@ -482,6 +482,10 @@ class CommandRegistry:
     def commands(self) -> list[Command]:
         return [self._commands[name] for name in self._order]
 
+    def first_words(self) -> set[str]:
+        """Every word a command can start with: the registered groups and commands, and the adapters' own."""
+        return {c.name.split(" ")[0] for c in self.commands} | {c.name for c in self._platform_commands}
+
     def is_command(self, text: str) -> bool:
         return text.startswith(self.prefix) and len(text.strip()) > len(self.prefix)
 
