@@ -72,6 +72,7 @@ from adapters.matrix_content import (
     without_reply_fallback,
 )
 from adapters.matrix_gaps import missed_redactions
+from adapters.matrix_joins import HIDDEN_BEFORE_JOIN, JoinTimes
 from adapters.matrix_reactions import Reactions
 from bot.app import App
 from bot.commands import Attachment, CommandReply, PlatformCommand
@@ -332,6 +333,7 @@ class MatrixAdapter:
         # a group ("group"), kept in the session file: a group room down to two members stays a group.
         self._kinds: dict[str, str] = dict(state.get("room_kinds", {}))
         self._creators: dict[str, frozenset[str]] = {}
+        self.joins = JoinTimes(self.client)
         self._makers: dict[str, str] = {}  # who sent each room's m.room.create (not its additional creators)
         self._creators_outrank: set[str] = set()  # rooms of version 12 or later: their creators hold power 100
         self._tasks: set[asyncio.Task[None]] = set()
@@ -682,6 +684,7 @@ class MatrixAdapter:
             message_key=MatrixSink.message_key(event.event_id),
             # (the homeserver's time: each event is handled as a task of its own, a later one may be stored first)
             sent_at=_server_time(event),
+            history_from=await self._history_from(room, event.sender, is_dm, _server_time(event)),
         )
         return Inbound(
             incoming,
@@ -693,8 +696,15 @@ class MatrixAdapter:
             # In a DM everyone holds power 100 in their own room: that makes nobody an admin of anything.
             is_admin=event.sender in self.config.admin_ids or (not is_dm and level >= self.config.admin_power_level),
             is_bot_admin=event.sender in self.config.admin_ids,
-            history_since_join=not is_dm and room.history_visibility in ("joined", "invited"),
         )
+
+    async def _history_from(self, room: MatrixRoom, sender: str, is_dm: bool, sent: datetime | None
+                            ) -> datetime | None:
+        """Since when ``sender`` sees the room's messages, where they do not see all (``IncomingMessage``):
+        from their join; when the server cannot say, from their message (nothing before it)."""
+        if is_dm or room.history_visibility not in HIDDEN_BEFORE_JOIN:
+            return None
+        return await self.joins.joined_at(room.room_id, sender) or sent or datetime.now(UTC)
 
     async def _sent_by_me(self, room_id: str, event_id: str) -> bool:
         """Whether the bot sent ``event_id``: its recent sends are known; an older one (sent before a restart,
@@ -756,6 +766,7 @@ class MatrixAdapter:
         return False, room.room_id, None
 
     async def _on_member(self, room: MatrixRoom, event: RoomMemberEvent) -> None:
+        self.joins.note(room.room_id, event)
         if event.state_key == self.config.user_id and event.membership == "join":
             self._joining.discard(room.room_id)  # what follows in the timeline was said with the bot there
 
@@ -780,6 +791,7 @@ class MatrixAdapter:
         """A stretch of the room a limited sync skipped (``since`` to ``prev_batch``), to read back for its
         redactions: merged with one still waiting (the newest start, the oldest end), one catch-up per room
         at a time (a room flooded with events makes every sync limited)."""
+        self.joins.forget(room_id)
         waiting = self._gaps.get(room_id)
         self._gaps[room_id] = (prev_batch, waiting[1] if waiting is not None else since)
         if room_id not in self._catching_up:

@@ -243,6 +243,15 @@ class ConversationCore:
         finally:
             place.leave()
 
+    async def _summary_for(self, channel_id: int, history_from: datetime | None) -> Summary | None:
+        """The channel's rolling summary, unless it tells of talk before ``history_from`` (what the reply's author
+        could not see; a summary whose first message is gone counts as such)."""
+        summary = await self.storage.latest_summary(channel_id)
+        if summary is None or history_from is None:
+            return summary
+        began = await self.storage.message_time(summary.covers_from_id)
+        return summary if began is not None and began >= history_from else None
+
     @staticmethod
     async def _tell(hook: Callable[..., Awaitable[object]], failure: Exception | None, channel_id: int) -> None:
         """Run a reply's ``on_answered`` / ``on_failed`` hook; its own failure is logged (its caller, which shows
@@ -268,6 +277,7 @@ class ConversationCore:
             before_id=user_msg.id,
             size_hint=self._window_sizes.get(channel.id, 0),
             viewer=(user.id, persona.name),
+            since=message.history_from,
         ), self.storage.incognito.at(user.id, user.key, persona.name, sent))
         if waited:  # the answers written meanwhile were stored after this message: they belong in its prompt
             late = await with_late_answers(self.storage, self.estimator, window, channel.id, user_msg.id,
@@ -284,7 +294,7 @@ class ConversationCore:
         if len(self._window_sizes) > 10_000:
             self._window_sizes.clear()
         self._window_sizes[channel.id] = len(window.messages)
-        summary = await self.storage.latest_summary(channel.id)
+        summary = await self._summary_for(channel.id, message.history_from)
         now = believable(message.sent_at) or datetime.now(UTC)
         context = PromptContext(
             persona=persona.name,

@@ -13,6 +13,7 @@ right after the message it answers, where it was written, even when it was store
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 
 from bot.storage.base import Storage, StoredMessage
 from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator
@@ -52,9 +53,11 @@ async def build_window(
     before_id: int | None = None,
     size_hint: int = 0,
     viewer: tuple[int, str] | None = None,
+    since: datetime | None = None,
 ) -> HistoryWindow:
     """The window of messages older than ``before_id`` (all when None); for ``viewer`` (user id, persona: the
-    reply's), without others' incognito stretches (see ``Storage.recent_messages``).
+    reply's), without others' incognito stretches (see ``Storage.recent_messages``); with ``since``, only what
+    was said from then on (what the reply's author could see: ``IncomingMessage.history_from``).
 
     ``size_hint`` (how many messages the last window of this channel held) sizes the first read so
     that one query usually suffices; the result does not depend on it.
@@ -65,7 +68,8 @@ async def build_window(
     cursor = before_id
     page_size = size_hint + 8 if size_hint else PAGE_SIZE
     while True:
-        page = await storage.recent_messages(channel_id, page_size, before_id=cursor, viewer=viewer)
+        page = await storage.recent_messages(channel_id, page_size, before_id=cursor, viewer=viewer,
+                                             since=None if since is None else since.timestamp())
         for message in page:
             cost = message_cost(message, estimator)
             if tokens + cost > budget and user_messages >= min_exchanges:

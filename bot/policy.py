@@ -27,9 +27,12 @@ class Inbound:
     is_bot_admin: bool = False  # a configured admin id: admin of the whole bot, not only of one server
     attachments: tuple[Attachment, ...] = ()  # files sent with a command (read only for commands)
     counted: bool = False  # already counted against the command rate limit (a file command, before its download)
-    # The platform shows this channel's earlier messages only to those who were in it then (Matrix rooms whose
-    # history visibility is "joined" or "invited"): what the bot keeps of them is not for everyone in it now.
-    history_since_join: bool = False
+
+    @property
+    def history_since_join(self) -> bool:
+        """The platform shows this channel's earlier messages only to those who were in it then (Matrix rooms
+        whose history visibility is "joined" or "invited"): what the bot keeps of them is not for all in it now."""
+        return self.message.history_from is not None
 
 
 def _listed(values: list[str], *candidates: str | None) -> bool:

@@ -37,6 +37,10 @@ class IncomingMessage:
     parent_channel_id: str | None = None  # a thread's or forum post's channel: its persona is inherited
     author_home: str | None = None  # the author's home server where a platform has one (Matrix: their homeserver)
     message_key: str | None = None  # the platform message, as sinks name them (matrix-message:$id): see withdraw
+    # The platform shows the author this channel's messages only from this time on (a Matrix room whose history
+    # visibility is "joined" or "invited": since they joined it). What the bot keeps of earlier talk is not
+    # theirs to be told: the reply's history and summary leave it out. None: they may see all of it.
+    history_from: datetime | None = None
 
     def __post_init__(self) -> None:  # names as prompts and stores may take them (see bot.text.one_line_name)
         object.__setattr__(self, "author_name", one_line_name(self.author_name) or self.author_id)

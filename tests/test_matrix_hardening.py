@@ -828,3 +828,54 @@ async def test_undecryptable_messages_follow_the_rate_limit(synapse: SynapseServ
     finally:
         await alice.close()
         await stop_bot(bot)
+
+
+def _prompt_of(bot: Bot, asked: str) -> str:
+    """The whole prompt (system and messages) of the reply to the message that said ``asked``."""
+    [request] = [r for r in bot.app.llm.requests  # type: ignore[attr-defined]
+                 if r.messages and asked in r.messages[-1].content]
+    return "\n".join([request.system, *(m.content for m in request.messages)])
+
+
+async def test_a_newcomer_to_a_room_that_hides_its_history_is_not_told_it(synapse: SynapseServer,
+                                                                          tmp_path: Path) -> None:
+    """In a room whose history visibility is "joined", Bob's client shows nothing said before he joined; the
+    bot kept it all, and its reply to "what were the words?" put it in his prompt. His reply's history now
+    starts at his join (Alice's still holds everything), and after he changed his display name and the bot
+    restarted (the joins read from the room's state), his join is still found behind the name change."""
+    first = await start_bot(synapse, tmp_path)
+    alice, bob = await user(synapse, "alice"), await user(synapse, "bob")
+    seen = Timeline(alice)
+
+    async def ask(bot: Bot, who: AsyncClient, text: str) -> str:
+        await send_text(who, room, f"{bot.user_id} {text}")
+        await seen.sync_until(lambda: any(text in b for b in seen.bodies(room, bot.user_id)), f"the answer to {text}")
+        return _prompt_of(bot, text)
+
+    try:
+        room = await open_room(alice, [first.user_id], direct=False)
+        await joined(seen, room, first.user_id)
+        await alice.room_put_state(room, "m.room.history_visibility", {"history_visibility": "joined"})
+        await ask(first, alice, "the first word is PAPAYA")
+        await alice.room_invite(room, bob.user_id)
+        await bob.join(room)
+        await eventually(lambda: _members(first, room, 3), "the bot to see Bob join")
+        await ask(first, alice, "the second word is MANGO")
+        told_bob = await ask(first, bob, "what were the words?")
+        assert "MANGO" in told_bob and "PAPAYA" not in told_bob, told_bob
+        told_alice = await ask(first, alice, "and the words for me?")
+        assert "MANGO" in told_alice and "PAPAYA" in told_alice, told_alice
+        await bob.set_displayname("Bobby")
+        await seen.sync_until(lambda: seen.client.rooms[room].user_name(bob.user_id) == "Bobby", "the new name")
+        await stop_bot(first)
+        second = await start_bot(synapse, tmp_path, user_id=first.user_id)
+        try:
+            told_bobby = await ask(second, bob, "the words once more?")
+            assert "MANGO" in told_bobby and "PAPAYA" not in told_bobby, told_bobby
+        finally:
+            await stop_bot(second)
+    finally:
+        await alice.close()
+        await bob.close()
+        if not first.task.done():
+            await stop_bot(first)

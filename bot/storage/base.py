@@ -182,10 +182,15 @@ class Storage(Protocol):
         pause came while it was written; it read nothing of the stretch), in the same statement."""
 
     async def recent_messages(
-        self, channel_id: int, limit: int, before_id: int | None = None, *, viewer: tuple[int, str] | None = None
+        self, channel_id: int, limit: int, before_id: int | None = None, *, viewer: tuple[int, str] | None = None,
+        since: float | None = None,
     ) -> list[StoredMessage]:
         """Up to ``limit`` messages of the channel with id < ``before_id``, newest first; for a reply to ``viewer``
-        (user id, persona), without what others said with other personas inside an incognito stretch of theirs."""
+        (user id, persona), without what others said with other personas inside an incognito stretch of theirs;
+        with ``since`` (a POSIX time), only those stored as said at or after it."""
+
+    async def message_time(self, message_id: int) -> datetime | None:
+        """When the stored message ``message_id`` was said, or None when it is not stored."""
 
     async def messages_between(
         self, channel_id: int, after_id: int, before_id: int, limit: int

@@ -515,19 +515,22 @@ class Storage:
         )
 
     async def recent_messages(
-        self, channel_id: int, limit: int, before_id: int | None = None, *, viewer: tuple[int, str] | None = None
+        self, channel_id: int, limit: int, before_id: int | None = None, *, viewer: tuple[int, str] | None = None,
+        since: float | None = None,
     ) -> list[StoredMessage]:
-        before = before_id if before_id is not None else 2**62
-        if viewer is None:
-            rows = await self.db.fetch_all(
-                f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE channel_id = ? AND id < ? ORDER BY id DESC LIMIT ?",
-                (channel_id, before, limit))
-        else:  # a stretch is answered in its own conversation only (not for Bob in a group, not for another persona)
-            rows = await self.db.fetch_all(
-                f"SELECT {MESSAGE_COLUMNS} FROM messages AS m WHERE channel_id = ? AND id < ?"
-                f" AND {visible_to('m')} ORDER BY id DESC LIMIT ?",
-                (channel_id, before, *viewer, limit))
+        where = "channel_id = ? AND id < ?"
+        params: list[object] = [channel_id, before_id if before_id is not None else 2**62]
+        if viewer is not None:  # a stretch is answered in its own conversation only (not for Bob in a group, ...)
+            where, params = f"{where} AND {visible_to('m')}", [*params, *viewer]
+        if since is not None:
+            where, params = f"{where} AND created_at >= ?", [*params, since]
+        rows = await self.db.fetch_all(
+            f"SELECT {MESSAGE_COLUMNS} FROM messages AS m WHERE {where} ORDER BY id DESC LIMIT ?", (*params, limit))
         return [message_from_row(r) for r in rows]
+
+    async def message_time(self, message_id: int) -> datetime | None:
+        row = await self.db.fetch_one("SELECT created_at FROM messages WHERE id = ?", (message_id,))
+        return None if row is None else _dt(row[0])
 
     async def messages_between(
         self, channel_id: int, after_id: int, before_id: int, limit: int
