@@ -82,6 +82,8 @@ async def fill(storage: Storage) -> None:
     await storage.incognito.start(ann.id, "Cora")
     await storage.end_incognito(ann.id, "Cora")  # (remembered a while as ended)
     await storage.db.write("INSERT INTO forgotten_spending (started_at, tokens) VALUES (?, ?)", (1_700_000_000.5, 900))
+    await storage.db.write("INSERT INTO forgotten_usage (subject, counted_at, amount) VALUES (?, ?, ?)",
+                           ("skill:0123abcd:current_time", 1_700_000_000.5, 1))
     await storage.skills.record(SkillExecution("current_time", "Lena", bob.key, "matrix:!dm", "", "{}", True,
                                                "", 3, "model", 1_700_000_000.5))  # audited only for a user there
     token = await storage.web.create_link("console:bob", "Bob", 600)

@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 
 from bot.app import App
-from bot.config import parse_config
+from bot.config import CortexConfig, parse_config
 from bot.llm.errors import LLMOverloaded, LLMTimeout
 from bot.ports import IncomingMessage
 from cortex.store import Pair
@@ -412,22 +412,41 @@ async def test_the_update_reads_each_answer_after_its_message(app: App, fake_llm
         < conversation.index("tea, never coffee") < conversation.index("tea it is")
 
 
-async def test_a_forget_me_does_not_give_the_bots_daily_budget_back(app: App, fake_llm: FakeLLMServer) -> None:
-    """An attacker's finding: the bot's daily budget summed the update runs, which forget-me deletes: chat, update,
-    forget-me, again, and the bot-wide cap never held. What forgotten pairs spent stays counted, without a name."""
+async def _spend_and_start_over(app: App, fake_llm: FakeLLMServer) -> tuple[Pair, Pair, CortexConfig]:
+    """Ann's pair spends 1,000 tokens on an update, she is forgotten and talks again: both pairs, and the settings."""
     await _talk(app, CONVERSATION)
     pair = await _pair(app)
     fake_llm.enqueue(FakeResponse.text("nothing new", input_tokens=900, output_tokens=100))
     settings = (await app.cortex.resolver.effective("Cora")).settings
     assert (await app.cortex.updater.run(pair, "50", settings)).status == "success"
-    settings = settings.model_copy(update={"bot_daily_token_budget": 1000})
     await app.storage.forget_user("console:ann")
-    assert await app.cortex.store.tokens_since(0) == 1000
     await _talk(app, CONVERSATION)  # (a new pair: no runs, no cooldown of its own)
-    reason = await app.cortex.updater.guard(await _pair(app), settings)
+    return pair, await _pair(app), settings
+
+
+async def test_a_forget_me_does_not_give_the_bots_daily_budget_back(app: App, fake_llm: FakeLLMServer) -> None:
+    """An attacker's finding: the bot's daily budget summed the update runs, which forget-me deletes: chat, update,
+    forget-me, again, and the bot-wide cap never held. What forgotten pairs spent stays counted, without a name."""
+    _, again, settings = await _spend_and_start_over(app, fake_llm)
+    assert await app.cortex.store.tokens_since(0) == 1000
+    reason = await app.cortex.updater.guard(again, settings.model_copy(update={"bot_daily_token_budget": 1000}))
     assert reason == "the bot's daily cortex token budget (1,000) is spent"
     rows = await app.storage.db.fetch_all("SELECT * FROM forgotten_spending")
     assert [int(r["tokens"]) for r in rows] == [1000] and set(dict(rows[0])) == {"id", "started_at", "tokens"}
+
+
+async def test_a_forget_me_does_not_give_the_pairs_daily_budget_back(app: App, fake_llm: FakeLLMServer) -> None:
+    """The pair's daily budget summed its runs, which forget-me deletes with the pair: the user's next pair with the
+    persona started with the whole budget. What they spent stays counted, under a digest of their key only."""
+    pair, again, settings = await _spend_and_start_over(app, fake_llm)
+    rows = [dict(r) for r in await app.storage.db.fetch_all("SELECT * FROM forgotten_usage")]
+    assert [r["amount"] for r in rows] == [1000] and "ann" not in str(rows)
+    assert again.id != pair.id and await app.cortex.store.tokens_since(0, again.id) == 1000
+    settings = settings.model_copy(update={"daily_token_budget": 1000})
+    assert await app.cortex.updater.guard(again, settings) == "this pair's daily token budget (1,000) is spent"
+    run_id = await app.cortex.store.start_run(again.id, None, "50")
+    assert await app.cortex.store.reserve(run_id, again.id, 0, (1, 10, 10), cost=20, pair_budget=1000,
+                                          bot_budget=0) == "pair"
 
 
 async def test_guards_skip_with_reasons(app: App, fake_llm: FakeLLMServer) -> None:

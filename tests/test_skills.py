@@ -9,7 +9,7 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -234,11 +234,9 @@ async def test_an_http_skill_answers_and_a_timeout_becomes_a_tool_error(tmp_path
         assert [(a.skill, a.ok) for a in audit] == [("lookup", False), ("lookup", True)]
 
 
-@pytest.mark.both_engines
-async def test_the_daily_limit_holds_for_calls_made_at_once(tmp_path: Path, fake_llm: FakeLLMServer,
-                                                             slow_site: str) -> None:
-    """The limit was checked before a call ran and counted once it had: three replies at once (three chats of
-    one user) each found no call yet and all ran a skill allowed once a day. Each call now counts first."""
+def _lookup_once_a_day(slow_site: str, wait: float
+                       ) -> tuple[list[dict[str, Any]], Callable[[RecordedRequest], FakeResponse]]:
+    """An HTTP skill ``lookup`` (its site answers after ``wait`` s) and a model that calls it, then says "Done."."""
     http = [{"name": "lookup", "description": "Look it up.", "url": slow_site + "/answer", "result_path": "data.answer",
              "parameters": {"type": "object", "properties": {"wait": {"type": "number"}}}}]
 
@@ -246,16 +244,27 @@ async def test_the_daily_limit_holds_for_calls_made_at_once(tmp_path: Path, fake
         last = request.body["messages"][-1]
         if isinstance(last["content"], list) and any(b.get("type") == "tool_result" for b in last["content"]):
             return FakeResponse.text("Done.")
-        return FakeResponse.tool_calls([("c", "lookup", {"wait": 0.5})])
+        return FakeResponse.tool_calls([("c", "lookup", {"wait": wait})])
+    return http, respond
 
+
+def _refusals(fake_llm: FakeLLMServer) -> int:
+    return len([r for r in replies(fake_llm) if "lookup was used 1 times for this person today" in str(r.body)])
+
+
+@pytest.mark.both_engines
+async def test_the_daily_limit_holds_for_calls_made_at_once(tmp_path: Path, fake_llm: FakeLLMServer,
+                                                             slow_site: str) -> None:
+    """The limit was checked before a call ran and counted once it had: three replies at once (three chats of
+    one user) each found no call yet and all ran a skill allowed once a day. Each call now counts first."""
+    http, respond = _lookup_once_a_day(slow_site, 0.5)
     async with App(_config(tmp_path, fake_llm, http=http, calls_per_user_per_day=1)) as app:
         fake_llm.responder = respond
         chats = [IncomingMessage("console", f"dm-ann-{n}", "ann", "Ann", "look it up", is_dm=True) for n in range(3)]
         assert await asyncio.gather(*(app.core.reply(chat).text() for chat in chats)) == ["Done."] * 3
         audit = await app.storage.skills.recent("console:ann")
         assert sorted((a.skill, a.ok) for a in audit) == [("lookup", False), ("lookup", False), ("lookup", True)]
-        refused = [r for r in replies(fake_llm) if "lookup was used 1 times for this person today" in str(r.body)]
-        assert len(refused) == 2
+        assert _refusals(fake_llm) == 2
 
 
 @pytest.mark.parametrize("provider", ["anthropic", "openai"])
@@ -545,3 +554,25 @@ async def test_a_server_offering_hundreds_of_tools_cannot_crowd_out_the_reply(
             assert {"remember", "search_memory", "current_time", "add"} <= tool_names(replies(fake_llm)[-1])
             assert any("(mcp flood) is not offered" in r.getMessage() for r in caplog.records)
             assert not any(t.info.name >= "tool_0256" for t in flood)  # (the rest of the list was never taken)
+
+
+@pytest.mark.both_engines
+async def test_a_forget_me_does_not_start_the_daily_limit_afresh(tmp_path: Path, fake_llm: FakeLLMServer,
+                                                                   slow_site: str) -> None:
+    """An attacker's finding: a skill's daily calls per user were counted from the audit, which forget-me deletes:
+    use the skill up, forget me, again. What a forgotten user used stays counted, under a digest of their key only,
+    and for them alone (Bob's limit is his own)."""
+    http, respond = _lookup_once_a_day(slow_site, 0)
+    async with App(_config(tmp_path, fake_llm, http=http, calls_per_user_per_day=1)) as app:
+        fake_llm.responder = respond
+        assert await app.core.reply(_msg("look it up")).text() == "Done."
+        assert _refusals(fake_llm) == 0
+        await app.storage.forget_user("console:ann")
+        assert await app.storage.skills.recent("console:ann") == []
+        rows = [dict(r) for r in await app.storage.db.fetch_all("SELECT * FROM forgotten_usage")]
+        assert len(rows) == 1 and "ann" not in str(rows) and rows[0]["amount"] == 1
+        assert await app.core.reply(_msg("look it up again")).text() == "Done."
+        assert _refusals(fake_llm) == 1  # still used up today
+        bob = IncomingMessage("console", "dm-bob", "bob", "Bob", "look it up", is_dm=True)
+        assert await app.core.reply(bob).text() == "Done."
+        assert _refusals(fake_llm) == 1 and [a.ok for a in await app.storage.skills.recent("console:bob")] == [True]

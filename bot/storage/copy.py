@@ -59,6 +59,7 @@ TABLES: tuple[str, ...] = (
     "cortex_pairs", "cortex_versions", "cortex_runs", "cortex_settings", "memory_items", "message_vectors",
     "reply_sources", "platform_messages", "incognito", "incognito_ended",
     "skill_executions", "web_links", "web_sessions", "forgotten_spending",
+    "forgotten_usage",
     "periodic_runs", "instance_locks",
 )
 # What names a row apart from its id (a unique column): a row the target holds under the same id must

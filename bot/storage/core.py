@@ -54,6 +54,7 @@ from bot.storage.engine import (
 )
 from bot.storage.export import ExportRepository, import_claim_key
 from bot.storage.fleet import FleetRepository
+from bot.storage.forgotten import keep_usage
 from bot.storage.incognito import IncognitoRepository, believable, not_incognito, visible_to
 from bot.storage.memory import MemoryRepository
 from bot.storage.migrations import MIGRATIONS
@@ -1008,6 +1009,7 @@ class Storage:
         login using a link holds its row until it has made its session, so the sessions' delete after
         it sees that session. Texts an admin wrote for everyone (guidelines, rules, soul sections, lore,
         cortex settings) stay, no longer naming them."""
+        await keep_usage(tx, user_key)  # (the daily limits still count what they used)
         await tx.execute("DELETE FROM skill_executions WHERE user_key = ?", (user_key,))
         await tx.execute("DELETE FROM web_links WHERE user_key = ?", (user_key,))
         await tx.execute("DELETE FROM web_sessions WHERE user_key = ?", (user_key,))

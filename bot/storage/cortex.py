@@ -17,14 +17,13 @@ from typing import Any, Literal
 from bot import metrics
 from bot.storage.base import StoredMessage, User
 from bot.storage.engine import Database, Tx, is_conflict, serialise, stale_if_missing
+from bot.storage.forgotten import KEPT_SECONDS, USED_SINCE, subject
 from bot.storage.incognito import not_incognito
 from bot.storage.rows import MESSAGE_COLUMN_COUNT, MESSAGE_COLUMNS, message_from_row
 
 FILENAMES: tuple[str, ...] = ("memory.md", "soul.md", "relationship.md")
 _FILES = " UNION ALL ".join(f"SELECT '{name}'" + (" AS filename" if not n else "") for n, name in enumerate(FILENAMES))
 PROMPT_CACHE_SECONDS = 5.0
-# The tokens of a forgotten user's updates count in the bot's daily budget this long (a day, and a spare one).
-SPENDING_KEPT_SECONDS = 2 * 86_400.0
 FORGOTTEN_SINCE = "(SELECT coalesce(sum(tokens), 0) FROM forgotten_spending WHERE started_at >= ?)"
 Author = Literal["model", "user", "system"]
 RunStatus = Literal["running", "success", "failed", "skipped"]
@@ -448,10 +447,11 @@ class CortexRepository:
         when they began): two processes checking at once would each see the other's round as not spent."""
         total = "(SELECT coalesce(sum(input_tokens + output_tokens), 0) FROM cortex_runs WHERE started_at >= ?"
         sql = (f"UPDATE cortex_runs SET rounds = ?, input_tokens = ?, output_tokens = ? WHERE id = ?"
-               f" AND {total} AND pair_id = ?) + ? <= ? AND {total}) + {FORGOTTEN_SINCE} + ? <= ? RETURNING id")
+               f" AND {total} AND pair_id = ?) + {USED_SINCE} + ? <= ? AND {total}) + {FORGOTTEN_SINCE} + ? <= ?"
+               " RETURNING id")
         unlimited = 2**62
-        params = (*spent, run_id, since, pair_id, cost, pair_budget or unlimited, since, since, cost,
-                  bot_budget or unlimited)
+        params = (*spent, run_id, since, pair_id, await self._forgotten_subject(pair_id), since, cost,
+                  pair_budget or unlimited, since, since, cost, bot_budget or unlimited)
         if self.db.dialect == "postgres":
             async with self.db.transaction() as tx:
                 await serialise(self.db, tx, "cortex-budget")
@@ -498,11 +498,20 @@ class CortexRepository:
         )
         return None if row is None or row[0] is None else float(row[0])
 
+    async def _forgotten_subject(self, pair_id: int) -> str:
+        """Under which subject ``forgotten_usage`` keeps the pair's user's tokens with its persona from before a
+        forget-me (bot.storage.forgotten); an empty one (matching nothing) for a pair that is gone."""
+        row = await self.db.fetch_one("SELECT u.key, p.persona FROM cortex_pairs AS p JOIN users AS u"
+                                      " ON u.id = p.user_id WHERE p.id = ?", (pair_id,))
+        return "" if row is None else subject("pair", str(row[0]), str(row[1]))
+
     async def tokens_since(self, since: float, pair_id: int | None = None) -> int:
         """The tokens cortex updates took since ``since``: the pair's, or the bot's (with those of forgotten users)."""
-        if pair_id is not None:
-            row = await self.db.fetch_one("SELECT coalesce(sum(input_tokens + output_tokens), 0) FROM cortex_runs"
-                                          " WHERE started_at >= ? AND pair_id = ?", (since, pair_id))
+        if pair_id is not None:  # (with what the user spent with the persona before a forget-me)
+            row = await self.db.fetch_one(
+                f"SELECT coalesce(sum(input_tokens + output_tokens), 0) + {USED_SINCE} FROM cortex_runs"
+                " WHERE started_at >= ? AND pair_id = ?",
+                (await self._forgotten_subject(pair_id), since, since, pair_id))
         else:
             row = await self.db.fetch_one("SELECT coalesce(sum(input_tokens + output_tokens), 0) + "
                                           f"{FORGOTTEN_SINCE} FROM cortex_runs WHERE started_at >= ?", (since, since))
@@ -580,7 +589,7 @@ class CortexRepository:
         """Delete the pairs with their file versions, runs, memory items and unfinished jobs."""
         marks = ",".join("?" for _ in pair_ids) or "NULL"
         versions = await tx.fetch_all(f"DELETE FROM cortex_versions WHERE pair_id IN ({marks}) RETURNING id", pair_ids)
-        kept_since = time.time() - SPENDING_KEPT_SECONDS  # (the bot's budget counts them the rest of the day)
+        kept_since = time.time() - KEPT_SECONDS  # (the bot's budget counts them the rest of the day)
         await tx.execute("INSERT INTO forgotten_spending (started_at, tokens) SELECT started_at,"
                          f" input_tokens + output_tokens FROM cortex_runs WHERE pair_id IN ({marks})"
                          " AND started_at >= ? AND input_tokens + output_tokens > 0", (*pair_ids, kept_since))

@@ -388,4 +388,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(25, "which message each reply answers: a message deleted on its platform takes its reply along",
               ("ALTER TABLE messages ADD COLUMN reply_to INTEGER", REPLY_INDEX),
               postgres=("ALTER TABLE messages ADD COLUMN reply_to BIGINT", REPLY_INDEX)),
+    Migration(26, "forgotten users' use of the per-user daily limits, under a digest of their key: forget-me in a"
+                  " loop no longer lifts a skill's daily calls or a pair's cortex budget",
+              _sqlite_fork(pg_schema.V26), postgres=pg_schema.V26),
 )

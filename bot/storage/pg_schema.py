@@ -382,3 +382,15 @@ V24: tuple[str, ...] = (
         tokens BIGINT NOT NULL)""",
     "CREATE INDEX forgotten_spending_by_time ON forgotten_spending (started_at)",
 )
+
+# Forgotten users' use of the per-user daily limits (skill calls, a pair's cortex tokens), under a digest of their
+# key (bot.storage.forgotten): forget-me in a loop would otherwise lift the limits.
+V26: tuple[str, ...] = (
+    f"""CREATE TABLE forgotten_usage (
+        id {ID},
+        subject TEXT NOT NULL,
+        counted_at DOUBLE PRECISION NOT NULL,
+        amount BIGINT NOT NULL)""",
+    "CREATE INDEX forgotten_usage_by_subject ON forgotten_usage (subject, counted_at)",
+    "CREATE INDEX forgotten_usage_by_time ON forgotten_usage (counted_at)",
+)

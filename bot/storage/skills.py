@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bot.storage.engine import Database, serialise
+from bot.storage.forgotten import USED_SINCE, subject
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +66,10 @@ class SkillAuditRepository:
         advisory lock on the user and skill."""
         async with self.db.transaction() as tx:
             await serialise(self.db, tx, f"skill-limit:{row.user_key}:{row.skill}")
-            made = await tx.fetch_one(
-                "SELECT COUNT(*) FROM skill_executions WHERE user_key = ? AND skill = ? AND created_at >= ?",
-                (row.user_key, row.skill, since))
+            made = await tx.fetch_one(  # (a forget-me does not start the count afresh: bot.storage.forgotten)
+                f"SELECT COUNT(*) + {USED_SINCE} FROM skill_executions WHERE user_key = ? AND skill = ?"
+                " AND created_at >= ?", (subject("skill", row.user_key, row.skill), since, row.user_key, row.skill,
+                                         since))
             if made is not None and int(made[0]) >= limit:
                 return None
             inserted = await tx.fetch_one(*self._insert(row))
