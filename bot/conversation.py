@@ -20,7 +20,7 @@ from typing import get_args
 
 from bot import metrics
 from bot.config import Config
-from bot.errors import USER_TOLD, EmptyMessage, MessageTooLong, MessageWithdrawn
+from bot.errors import USER_TOLD, EmptyMessage, MessageTooLong, MessageWithdrawn, StretchEnded
 from bot.history import HistoryWindow, build_window, with_late_answers
 from bot.llm.base import (
     CUT_OFF_CALL,
@@ -283,7 +283,8 @@ class ConversationCore:
             late = await with_late_answers(self.storage, self.estimator, window, channel.id, user_msg.id,
                                            (user.id, persona.name))
             if late is None or self.was_withdrawn(message):  # deleted (or its author forgotten) while it waited
-                raise MessageWithdrawn()
+                # (a stretch's message deleted by its end: its author is there to be told)
+                raise StretchEnded() if in_ended and not self.was_withdrawn(message) else MessageWithdrawn()
             window = late
         # In the stretch by the message's own time (one sent before the pause, handled after it, is not; one sent
         # in a stretch that ended before it was stored is answered as in it, and goes), or only for what its

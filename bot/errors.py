@@ -2,7 +2,8 @@
 
     UserFacingError
      ├── EmptyMessage      nothing to answer
-     └── MessageTooLong    over ``[bot] max_message_chars``; not stored, the user keeps their text
+     ├── MessageTooLong    over ``[bot] max_message_chars``; not stored, the user keeps their text
+     └── StretchEnded      an incognito stretch ended while its message waited for its turn (deleted with it)
 
 :class:`MessageWithdrawn` (not user-facing: nobody is left to tell) ends a reply to a message its author
 took back on the platform before the bot got to it.
@@ -33,6 +34,14 @@ class EmptyMessage(UserFacingError):
 
 class MessageTooLong(UserFacingError):
     pass
+
+
+class StretchEnded(UserFacingError):
+    """A message of an incognito stretch was still waiting for its turn when the stretch ended: it went with the
+    stretch's other messages, unanswered."""
+
+    user_message = ("Not answered: this message was part of your incognito stretch, which ended while it waited "
+                    "for its turn, so it was deleted with the rest of the stretch.")
 
 
 class MessageWithdrawn(Exception):

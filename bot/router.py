@@ -232,7 +232,7 @@ class Router:
     async def _show_failure(self, message: IncomingMessage, shown: StreamedReply, sink: ChatSink,
                             waiting: asyncio.Task[None] | None, exc: BaseException) -> None:
         """What a reply that failed leaves on the platform."""
-        if isinstance(exc, LLMError):
+        if isinstance(exc, LLMError | UserFacingError):
             await self._failed(shown, sink, waiting, exc.user_message)
         elif isinstance(exc, MessageWithdrawn):  # deleted on the platform before its reply: nothing to answer
             await _stop(waiting)

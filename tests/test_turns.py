@@ -404,3 +404,25 @@ async def test_a_failed_answer_says_so_before_the_next_answer_begins(tmp_path: P
         await asyncio.wait_for(asyncio.gather(first, second), 10)
     assert len(sink.order) == 2 and sink.order[0].startswith("⚠️") and sink.order[1] == "message 0", sink.order
     assert sink.messages == ["echo: and?"]
+
+
+async def test_a_stretch_message_that_waits_past_the_stretchs_end_says_why_it_is_not_answered(tmp_path: Path) -> None:
+    """A message sent during `!memory pause` waits for the answer before it; `!memory resume` comes meanwhile and
+    the stretch's messages go with it, the waiting one too. It went unanswered without a word; it says why now,
+    and its words never reach the model."""
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "personas": [{"name": "Cora"}],
+                           "chat": {"still_working_seconds": 0}})
+    llm = GatedProvider(held={"hi"})
+    async with App(config, llm=llm) as app:
+        sink = Sink()
+        await app.router.handle(Inbound(_msg("!memory pause")), sink)
+        first = asyncio.create_task(app.router.handle(Inbound(_msg("hi")), sink))
+        await asyncio.wait_for(llm.holding.wait(), 10)
+        second = asyncio.create_task(app.router.handle(Inbound(_msg("my secret plan")), sink))
+        await asyncio.sleep(0.3)
+        await app.router.handle(Inbound(_msg("!memory resume")), sink)
+        llm.release.set()
+        await asyncio.wait_for(asyncio.gather(first, second), 10)
+        assert await _stored(app, "dm-ann") == []
+    assert len(llm.asked) == 1 and "my secret plan" not in str(llm.asked)
+    assert "incognito stretch" in sink.public[-1].text and "not answered" in sink.public[-1].text.lower(), sink.public
