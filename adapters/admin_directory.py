@@ -24,7 +24,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from bot.config import DiscordConfig, MatrixConfig
@@ -52,7 +52,6 @@ MAX_ANSWERS = 10_000
 # made-up id on every request, spending the bot token's rate limit that every shard sends its messages with.
 GUILD_LOOKUPS_PER_USER = 10
 GUILD_LOOKUPS_IN_ALL = 300
-ROOM_CREATOR_LEVEL = 100
 
 
 # The server keys the bot itself reads (IncomingMessage.server_key): a guild id as Discord writes it, a Matrix
@@ -257,24 +256,24 @@ class DiscordAdminDirectory:
         return [ref for ref in found if ref is not None]
 
 
+def _listed_level(room: Any, user_id: str) -> int:
+    """The user's power level as the room's power levels list it."""
+    return int(room.power_levels.get_user_level(user_id))
+
+
 class MatrixAdminDirectory:
     """Over a logged-in ``nio.AsyncClient``: the power levels of the rooms it has synced."""
 
     platform = MATRIX
 
     def __init__(self, client: Any, config: MatrixConfig,
-                 creators: Mapping[str, Collection[str]] | None = None,
+                 level: Callable[[Any, str], int] | None = None,
                  is_dm: Callable[[Any], bool] | None = None) -> None:
         self.client = client  # nio.AsyncClient
         self.config = config
-        self.creators = creators if creators is not None else {}  # room id -> its creators (room version 12)
+        # A user's power level in a room: the adapter's rule (room version 12 creators outrank everyone).
+        self._level: Callable[[Any, str], int] = level or _listed_level
         self.is_dm: Callable[[Any], bool] = is_dm or (lambda room: room.member_count <= 2)  # the adapter's rule
-
-    def _level(self, room: Any, user_id: str) -> int:
-        level = int(room.power_levels.get_user_level(user_id))
-        if user_id in self.creators.get(room.room_id, ()):
-            level = max(level, ROOM_CREATOR_LEVEL)
-        return level
 
     def _group_rooms(self) -> Iterable[Any]:
         return (room for room in dict(self.client.rooms).values() if not self.is_dm(room))
@@ -308,5 +307,5 @@ def discord_directory(adapter: DiscordAdapter) -> DiscordAdminDirectory:
 
 
 def matrix_directory(adapter: MatrixAdapter) -> MatrixAdminDirectory:
-    """The directory of a Matrix adapter (its client's synced rooms and the room creators it learnt)."""
-    return MatrixAdminDirectory(adapter.client, adapter.config, adapter._creators, adapter.is_dm)
+    """The directory of a Matrix adapter (its client's synced rooms, power levels by the adapter's rule)."""
+    return MatrixAdminDirectory(adapter.client, adapter.config, adapter.power_level, adapter.is_dm)

@@ -879,3 +879,40 @@ async def test_a_newcomer_to_a_room_that_hides_its_history_is_not_told_it(synaps
         await bob.close()
         if not first.task.done():
             await stop_bot(first)
+
+
+async def test_the_pages_room_admins_follow_the_chats_rule_for_room_creators(synapse: SynapseServer,
+                                                                              bot: Bot) -> None:
+    """The web page's admin check (the admin directory) made every room's creator an admin of its settings; before
+    room version 12 a creator who lowered their own power level is no admin in the chat, and now not on the page
+    either. In a room of version 12 the creator outranks the power levels in both."""
+    from adapters.admin_directory import matrix_directory
+
+    alice, bob = await user(synapse, "alice"), await user(synapse, "bob")
+    seen = Timeline(alice)
+    try:
+        for version, alice_is_admin in (("10", False), ("12", True)):
+            created = await alice.room_create(room_version=version, invite=[bot.user_id, bob.user_id])
+            room = created.room_id  # type: ignore[union-attr]
+            await bob.join(room)
+            await joined(seen, room, bot.user_id)
+            levels = await alice.room_get_state_event(room, "m.room.power_levels")
+            users = dict(levels.content["users"]) | {bob.user_id: 100}  # type: ignore[union-attr]
+            if version == "10":
+                users[alice.user_id] = 0  # (she hands the room over)
+            await alice.room_put_state(room, "m.room.power_levels",
+                                       levels.content | {"users": users})  # type: ignore[union-attr]
+            await send_text(alice, room, "hello all")  # (the bot reads the room's creators with a message)
+
+            async def synced(room: str = room) -> bool:
+                mine = bot.adapter.client.rooms.get(room)
+                return (mine is not None and mine.power_levels.users.get(bob.user_id) == 100
+                        and room in bot.adapter._creators)
+            await eventually(synced, f"the bot to see the power levels of the version {version} room")
+            directory = matrix_directory(bot.adapter)
+            assert await directory.is_admin(f"matrix:{bob.user_id}", f"matrix:{room}")
+            assert await directory.is_admin(f"matrix:{alice.user_id}", f"matrix:{room}") is alice_is_admin, version
+            assert (bot.adapter.power_level(bot.adapter.client.rooms[room], alice.user_id) >= 50) is alice_is_admin
+    finally:
+        await alice.close()
+        await bob.close()
