@@ -1147,7 +1147,7 @@ def parse_config(raw: Mapping[str, Any], source: str = "config") -> Config:
     except RecursionError:
         raise ConfigError(f"{source} nests arrays or tables too deeply to be a cortex-bot config") from None
     except ValidationError as exc:
-        secrets = sorted({secret for url in _urls_in(raw) for secret in _url_secrets(url)}, key=len, reverse=True)
+        secrets = sorted({piece for url in _urls_in(raw) for piece in _secret_pieces(url)}, key=len, reverse=True)
         lines = [hide_url_passwords(_without(secrets, _describe_error(err, raw))) for err in exc.errors()]
         raise ConfigError(f"{source} has {len(lines)} problem(s):\n" + "\n".join(f"  - {x}" for x in lines)) from None
 
