@@ -124,10 +124,8 @@ class Router:
         """Whether the author is over their rate limit (messages and commands each have one; the terminal's
         commands none: its user runs the bot). They are told once per wait; what they send meanwhile is
         dropped without another notice."""
-        if is_command and msg.platform == TERMINAL:
-            return False
         limiter = self.command_limiter if is_command else self.limiter
-        wait = limiter.check(msg.author_key)
+        wait = self._command_wait(msg) if is_command else limiter.check(msg.author_key)
         if not wait:
             return False
         if limiter.tell(msg.author_key, wait):
@@ -148,9 +146,14 @@ class Router:
         if not (self.commands.takes_files_from(text, self.context_for(inbound, ""))
                 and refusal(inbound, self.config.access, is_command=True) is None):
             return None
-        if msg.platform != TERMINAL and self.command_limiter.check(msg.author_key):
+        if self._command_wait(msg):
             return None
         return replace(inbound, counted=True)
+
+    def _command_wait(self, msg: IncomingMessage) -> float:
+        """Count a command against its author's limit: how long they must wait, or 0 (the terminal's commands
+        have no limit: its user runs the bot)."""
+        return 0.0 if msg.platform == TERMINAL else self.command_limiter.check(msg.author_key)
 
     def _for_this_bot(self, msg: IncomingMessage, text: str) -> bool:
         """Whether a command line is this bot's to answer: in a DM, with a mention, or one of its commands
