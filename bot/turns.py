@@ -80,9 +80,11 @@ class Place:
 
 
 async def _at_most(waiting: Awaitable[object], seconds: float) -> None:
-    """Await ``waiting`` for at most ``seconds``."""
+    """Await ``waiting`` for at most ``seconds``. (``asyncio.timeout``, not ``wait_for``: Python 3.11's
+    ``wait_for`` can swallow a cancel that comes just as what it waits for is done.)"""
     try:
-        await asyncio.wait_for(waiting, seconds)
+        async with asyncio.timeout(seconds):
+            await waiting
     except TimeoutError:
         pass
 

@@ -426,3 +426,17 @@ async def test_a_stretch_message_that_waits_past_the_stretchs_end_says_why_it_is
         assert await _stored(app, "dm-ann") == []
     assert len(llm.asked) == 1 and "my secret plan" not in str(llm.asked)
     assert "incognito stretch" in sink.public[-1].text and "not answered" in sink.public[-1].text.lower(), sink.public
+
+
+async def test_a_cancel_that_comes_as_the_wait_ends_is_kept() -> None:
+    """A reply cancelled (its chat stopped it) just as the answer ahead was done: Python 3.11's ``wait_for`` returned
+    as if nothing happened, and the cancelled reply went on to the model."""
+    from bot.turns import _at_most
+
+    done = asyncio.Event()
+    waiting = asyncio.create_task(_at_most(done.wait(), 10))
+    await asyncio.sleep(0.01)
+    done.set()
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
