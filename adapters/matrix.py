@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager
@@ -334,6 +335,11 @@ class MatrixAdapter:
         self._kinds: dict[str, str] = dict(state.get("room_kinds", {}))
         self._creators: dict[str, frozenset[str]] = {}
         self.joins = JoinTimes(self.client)
+        # When the last sync was handled (kept with its token): a limited sync skipped what came after it.
+        self._synced_at = float(state.get("synced_at") or 0.0)
+        # Rooms whose history was hidden from newcomers at some time: what was said then stays hidden from those
+        # who join later (the visibility at each event decides), so they stay such rooms for the bot.
+        self._hidden_history: set[str] = set(state.get("hidden_history_rooms", []))
         self._makers: dict[str, str] = {}  # who sent each room's m.room.create (not its additional creators)
         self._creators_outrank: set[str] = set()  # rooms of version 12 or later: their creators hold power 100
         self._tasks: set[asyncio.Task[None]] = set()
@@ -559,7 +565,8 @@ class MatrixAdapter:
         for room_id, info in response.rooms.join.items():
             if info.timeline.limited and info.timeline.prev_batch:  # events before prev_batch were skipped
                 self._gap(room_id, info.timeline.prev_batch, since if isinstance(since, str) else None)
-        self._save_state(next_batch=response.next_batch)
+        self._synced_at = time.time()
+        self._save_state(next_batch=response.next_batch, synced_at=self._synced_at)
         if self.config.e2ee and self.client.should_upload_keys:
             await self.client.keys_upload()
 
@@ -662,6 +669,11 @@ class MatrixAdapter:
                         or me in formatted)
         is_dm, channel_id, parent = await self.conversation(room, event.sender)
         level = self.power_level(room, event.sender)
+        # Whose message it replies to matters only where it decides: in a room, without a mention.
+        replied_to_bot = (reply_to is not None and not is_dm and not mentions_bot
+                          and await self._sent_by_me(room.room_id, reply_to))
+        # (a message the bot may answer or run: the others need no history)
+        addressed = bool(mentions_bot) or replied_to_bot or body.lstrip().startswith(self.config.command_prefix)
         text = body
         for name in (me, display):
             if name and text.startswith(name) and not text[len(name):len(name) + 1].isalnum():  # not "Coral"
@@ -684,27 +696,30 @@ class MatrixAdapter:
             message_key=MatrixSink.message_key(event.event_id),
             # (the homeserver's time: each event is handled as a task of its own, a later one may be stored first)
             sent_at=_server_time(event),
-            history_from=await self._history_from(room, event.sender, is_dm, _server_time(event)),
+            history_from=None if is_dm else await self._history_from(room, event.sender, addressed),
         )
         return Inbound(
             incoming,
             is_self=event.sender == me,
-            # Whose message it replies to matters only where it decides: in a room, without a mention.
-            replied_to_bot=(reply_to is not None and not is_dm and not mentions_bot
-                            and await self._sent_by_me(room.room_id, reply_to)),
+            replied_to_bot=replied_to_bot,
             roles=(f"{PLATFORM}:power:{level}",),
             # In a DM everyone holds power 100 in their own room: that makes nobody an admin of anything.
             is_admin=event.sender in self.config.admin_ids or (not is_dm and level >= self.config.admin_power_level),
             is_bot_admin=event.sender in self.config.admin_ids,
         )
 
-    async def _history_from(self, room: MatrixRoom, sender: str, is_dm: bool, sent: datetime | None
-                            ) -> datetime | None:
-        """Since when ``sender`` sees the room's messages, where they do not see all (``IncomingMessage``):
-        from their join; when the server cannot say, from their message (nothing before it)."""
-        if is_dm or room.history_visibility not in HIDDEN_BEFORE_JOIN:
+    async def _history_from(self, room: MatrixRoom, sender: str, addressed: bool) -> datetime | None:
+        """Since when ``sender`` sees the room's messages, in a room that hides (or once hid) what was said before
+        a member joined (``IncomingMessage.history_from``): from their join; when the server cannot say, from
+        now (nothing before their message). Looked up only for a message the bot may answer (``addressed``):
+        for the others, from now."""
+        if room.history_visibility in HIDDEN_BEFORE_JOIN and room.room_id not in self._hidden_history:
+            self._hidden_history.add(room.room_id)
+            self._save_state(hidden_history_rooms=sorted(self._hidden_history))
+        if room.room_id not in self._hidden_history:
             return None
-        return await self.joins.joined_at(room.room_id, sender) or sent or datetime.now(UTC)
+        joined = await self.joins.joined_at(room.room_id, sender) if addressed else None
+        return joined or datetime.now(UTC)
 
     async def _sent_by_me(self, room_id: str, event_id: str) -> bool:
         """Whether the bot sent ``event_id``: its recent sends are known; an older one (sent before a restart,
@@ -766,7 +781,8 @@ class MatrixAdapter:
         return False, room.room_id, None
 
     async def _on_member(self, room: MatrixRoom, event: RoomMemberEvent) -> None:
-        self.joins.note(room.room_id, event)
+        if room.history_visibility in HIDDEN_BEFORE_JOIN or room.room_id in self._hidden_history:
+            self.joins.note(room.room_id, event)  # (as it arrives: see adapters.matrix_joins)
         if event.state_key == self.config.user_id and event.membership == "join":
             self._joining.discard(room.room_id)  # what follows in the timeline was said with the bot there
 
@@ -790,8 +806,9 @@ class MatrixAdapter:
     def _gap(self, room_id: str, prev_batch: str, since: str | None) -> None:
         """A stretch of the room a limited sync skipped (``since`` to ``prev_batch``), to read back for its
         redactions: merged with one still waiting (the newest start, the oldest end), one catch-up per room
-        at a time (a room flooded with events makes every sync limited)."""
-        self.joins.forget(room_id)
+        at a time (a room flooded with events makes every sync limited). Who joined or left in it is read
+        from the room's state when next needed."""
+        self.joins.gap(room_id, self._synced_at)
         waiting = self._gaps.get(room_id)
         self._gaps[room_id] = (prev_batch, waiting[1] if waiting is not None else since)
         if room_id not in self._catching_up:

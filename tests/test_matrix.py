@@ -650,7 +650,8 @@ async def test_a_group_room_down_to_two_members_stays_a_group_room(synapse: Syna
 async def test_a_room_that_hides_its_history_from_newcomers_gets_no_summary_of_it(synapse: SynapseServer,
                                                                                    bot: Bot) -> None:
     """In a room whose history visibility is "joined", a member sees only what was said since they joined;
-    `!summary` would post the bot's summary of everything before, for everyone in the room to read."""
+    `!summary` would post the bot's summary of everything before, for everyone in the room to read. What was
+    said then stays hidden from newcomers after the room shares its history: so does the summary."""
     alice = await user(synapse, "alice")
     seen = Timeline(alice)
     try:
@@ -662,7 +663,12 @@ async def test_a_room_that_hides_its_history_from_newcomers_gets_no_summary_of_i
                                           for b in seen.bodies(room, bot.user_id)), "the refusal")
         await alice.room_put_state(room, "m.room.history_visibility", {"history_visibility": "shared"})
         await send_text(alice, room, "!summary")
-        await seen.sync_until(lambda: any("no rolling summary yet" in b for b in seen.bodies(room, bot.user_id)),
+        await seen.sync_until(lambda: sum("only what was said since they joined" in b
+                                          for b in seen.bodies(room, bot.user_id)) == 2, "the second refusal")
+        shared = await open_room(alice, [bot.user_id], direct=False)  # (shared from its start: Synapse's default)
+        await joined(seen, shared, bot.user_id)
+        await send_text(alice, shared, "!summary")
+        await seen.sync_until(lambda: any("no rolling summary yet" in b for b in seen.bodies(shared, bot.user_id)),
                               "the summary command's answer in a room that shares its history")
     finally:
         await alice.close()

@@ -837,6 +837,13 @@ def _prompt_of(bot: Bot, asked: str) -> str:
     return "\n".join([request.system, *(m.content for m in request.messages)])
 
 
+async def _ask(bot: Bot, seen: Timeline, room: str, who: AsyncClient, text: str) -> str:
+    """``who`` says ``text`` to the bot in ``room``: the prompt of its answer, once ``seen`` has the answer."""
+    await send_text(who, room, f"{bot.user_id} {text}")
+    await seen.sync_until(lambda: any(text in b for b in seen.bodies(room, bot.user_id)), f"the answer to {text}")
+    return _prompt_of(bot, text)
+
+
 async def test_a_newcomer_to_a_room_that_hides_its_history_is_not_told_it(synapse: SynapseServer,
                                                                           tmp_path: Path) -> None:
     """In a room whose history visibility is "joined", Bob's client shows nothing said before he joined; the
@@ -848,9 +855,7 @@ async def test_a_newcomer_to_a_room_that_hides_its_history_is_not_told_it(synaps
     seen = Timeline(alice)
 
     async def ask(bot: Bot, who: AsyncClient, text: str) -> str:
-        await send_text(who, room, f"{bot.user_id} {text}")
-        await seen.sync_until(lambda: any(text in b for b in seen.bodies(room, bot.user_id)), f"the answer to {text}")
-        return _prompt_of(bot, text)
+        return await _ask(bot, seen, room, who, text)
 
     try:
         room = await open_room(alice, [first.user_id], direct=False)
@@ -916,3 +921,68 @@ async def test_the_pages_room_admins_follow_the_chats_rule_for_room_creators(syn
     finally:
         await alice.close()
         await bob.close()
+
+
+async def test_a_room_that_hid_its_history_keeps_it_hidden_after_it_shares_it(synapse: SynapseServer,
+                                                                              tmp_path: Path) -> None:
+    """What was said while a room's history visibility was "joined" stays hidden from those who join after it
+    became "shared" (each event's own visibility decides; their client shows nothing of it): the bot went by the
+    room's visibility now, and told them."""
+    bot = await start_bot(synapse, tmp_path)
+    alice, bob = await user(synapse, "alice"), await user(synapse, "bob")
+    seen = Timeline(alice)
+
+    async def ask(who: AsyncClient, text: str) -> str:
+        return await _ask(bot, seen, room, who, text)
+
+    try:
+        room = await open_room(alice, [bot.user_id], direct=False)
+        await joined(seen, room, bot.user_id)
+        await alice.room_put_state(room, "m.room.history_visibility", {"history_visibility": "joined"})
+        await ask(alice, "the first word is PAPAYA")
+        await alice.room_put_state(room, "m.room.history_visibility", {"history_visibility": "shared"})
+        await alice.room_invite(room, bob.user_id)
+        await bob.join(room)
+        await eventually(lambda: _members(bot, room, 3), "the bot to see Bob join")
+        history = await bob.room_messages(room, (await bob.sync(timeout=0)).next_batch, limit=100)  # type: ignore[union-attr]
+        assert "PAPAYA" not in str([getattr(e, "body", "") for e in history.chunk])  # type: ignore[union-attr]
+        told_bob = await ask(bob, "what were the words?")
+        assert "PAPAYA" not in told_bob and "what were the words?" in told_bob, told_bob
+    finally:
+        await alice.close()
+        await bob.close()
+        await stop_bot(bot)
+
+
+async def test_a_member_from_before_the_bot_keeps_their_history_after_a_name_change(synapse: SynapseServer,
+                                                                                   tmp_path: Path) -> None:
+    """Bob was in the room before the bot and changed his name after it came; after a restart the bot read the
+    name change's time as his join (the server does not show it his older events) and hid from him what he saw."""
+    alice, bob = await user(synapse, "alice"), await user(synapse, "bob")
+    seen = Timeline(alice)
+    first = await start_bot(synapse, tmp_path)
+    running = first
+
+    async def ask(who: AsyncClient, text: str) -> str:
+        return await _ask(running, seen, room, who, text)
+
+    try:
+        room = await open_room(alice, [bob.user_id], direct=False)
+        await alice.room_put_state(room, "m.room.history_visibility", {"history_visibility": "joined"})
+        await bob.join(room)
+        await alice.room_invite(room, first.user_id)
+        await joined(seen, room, first.user_id)
+        await ask(alice, "the first word is PAPAYA")  # (Bob is there)
+        await bob.set_displayname("Bobby")
+        await seen.sync_until(lambda: seen.client.rooms[room].user_name(bob.user_id) == "Bobby", "the new name")
+        await stop_bot(first)
+        running = await start_bot(synapse, tmp_path, user_id=first.user_id)
+        told = await ask(bob, "what was the first word?")
+        assert "PAPAYA" in told, told
+    finally:
+        await alice.close()
+        await bob.close()
+        if not running.task.done():
+            await stop_bot(running)
+        if not first.task.done():
+            await stop_bot(first)
