@@ -692,3 +692,17 @@ async def test_each_file_keeps_its_newest_versions_only(storage: Storage, monkey
     assert await storage.cortex.version_range(pair.id, "relationship.md") is None
     refused = await storage.cortex.add_version_based_on(5, pair.id, "memory.md", "stale", "user")
     assert refused is None and await storage.cortex.version_range(pair.id, "memory.md") == (4, 6)  # nothing trimmed
+
+
+async def test_what_forget_mes_kept_of_the_daily_limits_goes_after_two_days(storage: Storage) -> None:
+    """It was deleted only by the next forget-me: without one, it stayed for good."""
+    now = time.time()
+    for age_days, tokens in ((3, 10), (1, 20)):
+        await storage.db.write("INSERT INTO forgotten_spending (started_at, tokens) VALUES (?, ?)",
+                               (now - age_days * 86_400, tokens))
+        await storage.db.write("INSERT INTO forgotten_usage (subject, counted_at, amount) VALUES (?, ?, ?)",
+                               ("skill:abc:lookup", now - age_days * 86_400, tokens))
+    assert await storage.prune_forgotten() == 2
+    assert [r[0] for r in await storage.db.fetch_all("SELECT tokens FROM forgotten_spending")] == [20]
+    assert [r[0] for r in await storage.db.fetch_all("SELECT amount FROM forgotten_usage")] == [20]
+    assert await storage.prune_forgotten() == 0

@@ -278,6 +278,10 @@ class Storage(Protocol):
 
     async def delete_old_jobs(self, *, done_before: float | None, failed_before: float | None) -> int: ...
 
+    async def prune_forgotten(self) -> int:
+        """Delete what forget-mes kept of the users' use of the daily limits once older than two days (see
+        ``bot.storage.forgotten``); how many rows went."""
+
     async def count_jobs(self, statuses: Sequence[JobStatus], kinds: Iterable[str] | None = None, *,
                          due_by: float | None = None) -> int: ...
 

@@ -55,6 +55,7 @@ from bot.storage.engine import (
 from bot.storage.export import ExportRepository, import_claim_key
 from bot.storage.fleet import FleetRepository
 from bot.storage.forgotten import keep_usage
+from bot.storage.forgotten import prune as prune_forgotten
 from bot.storage.incognito import IncognitoRepository, believable, not_incognito, visible_to
 from bot.storage.memory import MemoryRepository
 from bot.storage.migrations import MIGRATIONS
@@ -806,6 +807,10 @@ class Storage:
         """The newest jobs of one key, newest first."""
         rows = await self.db.fetch_all("SELECT * FROM jobs WHERE key = ? ORDER BY id DESC LIMIT ?", (key, limit))
         return [self._job(r) for r in rows]
+
+    async def prune_forgotten(self) -> int:
+        async with self.db.transaction() as tx:
+            return await prune_forgotten(tx)
 
     async def delete_old_jobs(self, *, done_before: float | None, failed_before: float | None) -> int:
         """Delete the rows of jobs done before ``done_before`` and failed before ``failed_before`` (UNIX

@@ -593,7 +593,6 @@ class CortexRepository:
         await tx.execute("INSERT INTO forgotten_spending (started_at, tokens) SELECT started_at,"
                          f" input_tokens + output_tokens FROM cortex_runs WHERE pair_id IN ({marks})"
                          " AND started_at >= ? AND input_tokens + output_tokens > 0", (*pair_ids, kept_since))
-        await tx.execute("DELETE FROM forgotten_spending WHERE started_at < ?", (kept_since,))
         runs = await tx.fetch_all(f"DELETE FROM cortex_runs WHERE pair_id IN ({marks}) RETURNING id", pair_ids)
         await tx.execute(
             f"UPDATE memory_items SET supersedes = NULL, superseded_by = NULL WHERE pair_id IN ({marks})", pair_ids)

@@ -5,7 +5,9 @@ pair's cortex tokens), and forget-me in a loop would lift both. So before the ro
 within ``KEPT_SECONDS`` is written to ``forgotten_usage``: when, how much, and a ``subject`` made of the
 limit's kind, a digest of the user's key and the limit's name (the skill, the persona). The limits count those
 rows beside the user's own; after two days they are deleted. (The bot's daily budget counts the forgotten
-tokens of all users together, in ``forgotten_spending``.)
+tokens of all users together, in ``forgotten_spending``.) A digest of a public id is pseudonymous, not anonymous:
+whoever holds the database and knows someone's id can tell, for those two days, that they were forgotten and
+what they used.
 """
 
 from __future__ import annotations
@@ -36,4 +38,13 @@ async def keep_usage(tx: Tx, user_key: str) -> None:
                      " JOIN cortex_pairs AS p ON p.id = r.pair_id JOIN users AS u ON u.id = p.user_id"
                      " WHERE u.key = ? AND r.started_at >= ? AND r.input_tokens + r.output_tokens > 0",
                      (subject("pair", user_key), user_key, kept_since))
-    await tx.execute("DELETE FROM forgotten_usage WHERE counted_at < ?", (kept_since,))
+    await prune(tx)
+
+
+async def prune(tx: Tx) -> int:
+    """Delete what forget-mes kept (here and in ``forgotten_spending``) once it is older than ``KEPT_SECONDS``:
+    at each forget-me and once a day (``Storage.prune_forgotten``); how many rows went."""
+    kept_since = time.time() - KEPT_SECONDS
+    usage = await tx.fetch_all("DELETE FROM forgotten_usage WHERE counted_at < ? RETURNING id", (kept_since,))
+    spending = await tx.fetch_all("DELETE FROM forgotten_spending WHERE started_at < ? RETURNING id", (kept_since,))
+    return len(usage) + len(spending)
