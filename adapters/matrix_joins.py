@@ -149,7 +149,8 @@ class JoinTimes:
             # (one the bot knew, or one not there when it last looked, joined after a skipped stretch began)
             floor = room.floor if room.viewed or known is not None else 0.0
             joins[member] = await self._join(room_id, event, known, floor, mine)
-        # What arrived while the state was read is newer than it.
+        # What arrived while the state was read is newer than it: leaves, and joins.
+        joins = {member: join for member, join in joins.items() if room.left.get(member, 0.0) < began}
         joins |= {member: join for member, join in room.joins.items() if join.noted >= began}
         room.joins, room.read, room.viewed, room.floor = joins, True, True, 0.0
         room.left = {member: at for member, at in room.left.items() if at >= began}

@@ -129,3 +129,23 @@ async def test_a_name_change_hides_no_history_of_one_there_before_the_bot() -> N
                         member("@bob:example.org", 1_700_000_500_000, prev="join", replaces="$bob-old"))
     joins = JoinTimes(server, Clock())  # type: ignore[arg-type]
     assert await joins.joined_at(ROOM, "@bob:example.org") == at(1_700_000_000)
+
+
+async def test_a_leave_arriving_while_a_join_is_looked_behind_is_kept() -> None:
+    walking = asyncio.Event()
+
+    class Slow(Homeserver):
+        async def room_get_event(self, room_id: str, event_id: str) -> RoomGetEventError:
+            await walking.wait()
+            return await super().room_get_event(room_id, event_id)
+
+    clock = Clock()
+    server = Slow(member(BOT, 1_700_000_000_000),
+                  member("@bob:example.org", 1_700_000_500_000, prev="join", replaces="$bob-old"))
+    joins = JoinTimes(server, clock)  # type: ignore[arg-type]
+    reading = asyncio.create_task(joins.joined_at(ROOM, "@bob:example.org"))
+    await asyncio.sleep(0.05)  # (the state is read; the walk behind Bob's name change waits)
+    clock.now += 5
+    live(joins, member("@bob:example.org", int((NOW + 5) * 1000), prev="join", membership="leave"))
+    walking.set()
+    assert await reading is None
