@@ -281,7 +281,7 @@ class ConversationCore:
         ), self.storage.incognito.at(user.id, user.key, persona.name, sent))
         if waited:  # the answers written meanwhile were stored after this message: they belong in its prompt
             late = await with_late_answers(self.storage, self.estimator, window, channel.id, user_msg.id,
-                                           (user.id, persona.name))
+                                           (user.id, persona.name), self.config.history.min_exchanges)
             if late is None or self.was_withdrawn(message):  # deleted (or its author forgotten) while it waited
                 # (a stretch's message deleted by its end: its author is there to be told)
                 raise StretchEnded() if in_ended and not self.was_withdrawn(message) else MessageWithdrawn()

@@ -116,12 +116,13 @@ def in_reply_order(messages: list[StoredMessage]) -> list[StoredMessage]:
 
 async def with_late_answers(
     storage: Storage, estimator: TokenEstimator, window: HistoryWindow, channel_id: int, message_id: int,
-    viewer: tuple[int, str],
+    viewer: tuple[int, str], min_exchanges: int = 0,
 ) -> HistoryWindow | None:
     """``window`` (of the messages before ``message_id``) with the answers to its messages that were stored
-    after ``message_id`` (written while that message waited for its turn), each after its message: they
-    count against the budget like the others but push nothing out. None: ``message_id`` is gone meanwhile
-    (deleted on the platform, its author forgotten, its incognito stretch ended)."""
+    after ``message_id`` (written while that message waited for its turn), each after its message; over the
+    budget, the oldest messages make room for them as :func:`build_window` would have left them out. None:
+    ``message_id`` is gone meanwhile (deleted on the platform, its author forgotten, its incognito stretch
+    ended)."""
     asked = [m.id for m in window.messages if m.role == "user"]
     exists, late = await storage.answers_after(channel_id, message_id, asked, viewer)
     if not exists:
@@ -129,5 +130,19 @@ async def with_late_answers(
     if not late:
         return window
     merged = sorted((*window.messages, *late), key=lambda m: m.id)
-    return replace(window, messages=in_reply_order(merged),
-                   tokens=window.tokens + sum(message_cost(m, estimator) for m in late))
+    return _within_budget(replace(window, messages=in_reply_order(merged),
+                                  tokens=window.tokens + sum(message_cost(m, estimator) for m in late)),
+                          estimator, min_exchanges)
+
+
+def _within_budget(window: HistoryWindow, estimator: TokenEstimator, min_exchanges: int) -> HistoryWindow:
+    """``window`` without its oldest messages while it is over its budget, keeping ``min_exchanges`` user
+    messages (those left out count as trimmed, for the summary)."""
+    messages, tokens, users = list(window.messages), window.tokens, sum(m.role == "user" for m in window.messages)
+    trimmed, evicted = window.trimmed, window.newest_evicted_id
+    while tokens > window.budget and messages and not (messages[0].role == "user" and users <= min_exchanges):
+        oldest = messages.pop(0)
+        tokens -= message_cost(oldest, estimator)
+        users -= oldest.role == "user"
+        trimmed, evicted = max(trimmed, oldest.seq), max(evicted or 0, oldest.id)
+    return replace(window, messages=messages, tokens=tokens, trimmed=trimmed, newest_evicted_id=evicted)

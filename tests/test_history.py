@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from bot.history import build_window, message_cost
+from bot.history import build_window, message_cost, with_late_answers
 from bot.storage import Storage
 from bot.tokens import BPETokenEstimator
 
@@ -91,3 +91,21 @@ async def test_empty_channel(storage, estimator) -> None:
     channel = await storage.upsert_channel("console:none", "none", is_dm=True)
     window = await build_window(storage, estimator, channel.id, budget=100, min_exchanges=3)
     assert window.messages == [] and window.tokens == 0 and window.oldest_id is None
+
+
+async def test_late_answers_push_the_oldest_messages_out(storage, estimator) -> None:
+    """Answers stored after a waiting message join its window; over the budget they took tokens and pushed nothing
+    out. The oldest go now, counted as trimmed (the summary folds them in), as a window built later would."""
+    channel = await _fill(storage, estimator, _exchanges(20))
+    user = await storage.upsert_user("console:ann", "Ann")
+    asked = await storage.add_message(channel, user.id, "Cora", "user", "Ann", "one more question", 5)
+    waiting = await storage.add_message(channel, user.id, "Cora", "user", "Ann", "and a quick second one", 6)
+    text = "the answer " + " ".join(WORDS * 4)
+    await storage.add_message(channel, user.id, "Cora", "assistant", "Cora", text, estimator.raw_count(text),
+                              reply_to=asked.id)
+    window = await build_window(storage, estimator, channel, budget=400, min_exchanges=1, before_id=waiting.id)
+    late = await with_late_answers(storage, estimator, window, channel, waiting.id, (user.id, "Cora"), 1)
+    assert late is not None and late.messages[-1].text == text and late.messages[-2].id == asked.id
+    assert late.tokens <= 400 and late.tokens == sum(message_cost(m, estimator) for m in late.messages)
+    assert late.messages[0].id > window.messages[0].id and late.newest_evicted_id == late.messages[0].id - 1
+    assert late.trimmed == late.messages[0].seq - 1
