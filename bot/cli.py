@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import getpass
 import logging
 import os
@@ -10,6 +11,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -1013,7 +1015,33 @@ async def _doctor_base_url_with_v1(config: Config) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> Any:
-    return cli.main(args=argv, prog_name="cortexbot")
+    try:
+        return cli.main(args=argv, prog_name="cortexbot")
+    except SystemExit as exc:
+        _leave_now_if_threads_run(exc.code)
+        raise
+
+
+def _leave_now_if_threads_run(code: Any) -> None:
+    """End the process at once when worker threads still run after the command finished (an embedding: seconds of
+    CPU, a minute at the backfill's lower priority on a busy machine). Everything was stopped and saved; the
+    interpreter's exit would join them (a chat stopped by SIGTERM ran on for tens of seconds) and then tear down
+    onnxruntime under a thread still in it. The exit handlers (logging's flush, temporary files) still run."""
+    main_thread = threading.main_thread()
+    if not any(t.is_alive() and not t.daemon and t is not main_thread for t in threading.enumerate()):
+        return
+    if code is None or isinstance(code, int):
+        status = code or 0
+    else:
+        print(code, file=sys.stderr)
+        status = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more to say
+            pass
+    os._exit(status)
 
 
 if __name__ == "__main__":  # pragma: no cover

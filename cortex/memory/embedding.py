@@ -32,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -45,6 +46,7 @@ from cortex.memory.vectors import CentredFloor, RelevanceFloors, VectorSearch
 
 log = logging.getLogger(__name__)
 Vector = npt.NDArray[np.float32]
+T = TypeVar("T")
 
 # With nothing to embed, finding that out read all of the users' messages at every run (every minute; 31-47 ms at
 # 100k messages): a run reads those above the newest message id a complete run saw (less MARK_WINDOW, for inserts
@@ -65,6 +67,7 @@ MESSAGE_CENTRED = 0.15
 BACKFILL_NICENESS = 10
 BACKFILL_THREADS = 4
 QUERY_THREADS = 2
+QUERY_WORKERS = 4  # query embeddings (and the yardstick's check) started at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +162,9 @@ class EmbeddingService:
         self._rate = 0.0
         self._query_failures = 0
         self._executor: ThreadPoolExecutor | None = None  # the backfill's own, low-priority thread
+        # Queries and the yardstick's check: not the loop's default executor, which asyncio.run waits for at the
+        # end (a model still being built kept a stopped chat alive); dropped at close instead.
+        self._query_executor: ThreadPoolExecutor | None = None
         self._background: asyncio.Future[Yardstick | None] | None = None  # relevance yardstick
         self._queries: OrderedDict[str, asyncio.Future[Vector | None]] = OrderedDict()  # by query text
 
@@ -168,6 +174,14 @@ class EmbeddingService:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+        if self._query_executor is not None:
+            self._query_executor.shutdown(wait=False, cancel_futures=True)
+            self._query_executor = None
+
+    def _in_query_thread(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        if self._query_executor is None:
+            self._query_executor = ThreadPoolExecutor(QUERY_WORKERS, thread_name_prefix="embed-query")
+        return asyncio.get_running_loop().run_in_executor(self._query_executor, fn, *args)
 
     @property
     def model(self) -> str:
@@ -234,7 +248,7 @@ class EmbeddingService:
 
     async def _embed_query_now(self, text: str, timeout: float) -> Vector | None:
         try:
-            vectors = await asyncio.wait_for(asyncio.to_thread(embed_queries, self.query_embedder, [text]), timeout)
+            vectors = await asyncio.wait_for(self._in_query_thread(embed_queries, self.query_embedder, [text]), timeout)
         except (TimeoutError, EmbedderError) as exc:
             self._query_failed(str(exc) or f"slower than {timeout:g} s")
             return None
@@ -286,7 +300,7 @@ class EmbeddingService:
         queries = shipped_background(self.embedder.name, queries=True)
         if passages is None or queries is None:
             return None
-        first, first_query = await asyncio.to_thread(self._first_of_background)
+        first, first_query = await self._in_query_thread(self._first_of_background)
         if not all(fresh.ndim == 2 and fresh.shape[1] == shipped.shape[1] and float(fresh[0] @ shipped[0]) >= 0.999
                    for fresh, shipped in ((first, passages), (first_query, queries))):
             log.warning("the shipped relevance yardstick does not match %s; searching without a floor",
