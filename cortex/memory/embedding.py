@@ -175,7 +175,7 @@ class EmbeddingService:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
         if self._query_executor is not None:
-            self._query_executor.shutdown(wait=False, cancel_futures=True)
+            self._query_executor.shutdown(wait=False)  # (a query still awaited at close gets its answer)
             self._query_executor = None
 
     def _in_query_thread(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
