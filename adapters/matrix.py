@@ -708,15 +708,20 @@ class MatrixAdapter:
             is_bot_admin=event.sender in self.config.admin_ids,
         )
 
+    def _hides_history(self, room: MatrixRoom) -> bool:
+        """Whether the room hides, or once hid, what was said before a member joined (noted in the session file:
+        what was said then stays hidden from those who join later)."""
+        if room.history_visibility in HIDDEN_BEFORE_JOIN and room.room_id not in self._hidden_history:
+            self._hidden_history.add(room.room_id)
+            self._save_state(hidden_history_rooms=sorted(self._hidden_history))
+        return room.room_id in self._hidden_history
+
     async def _history_from(self, room: MatrixRoom, sender: str, addressed: bool) -> datetime | None:
         """Since when ``sender`` sees the room's messages, in a room that hides (or once hid) what was said before
         a member joined (``IncomingMessage.history_from``): from their join; when the server cannot say, from
         now (nothing before their message). Looked up only for a message the bot may answer (``addressed``):
         for the others, from now."""
-        if room.history_visibility in HIDDEN_BEFORE_JOIN and room.room_id not in self._hidden_history:
-            self._hidden_history.add(room.room_id)
-            self._save_state(hidden_history_rooms=sorted(self._hidden_history))
-        if room.room_id not in self._hidden_history:
+        if not self._hides_history(room):
             return None
         joined = await self.joins.joined_at(room.room_id, sender) if addressed else None
         return joined or datetime.now(UTC)
@@ -781,7 +786,7 @@ class MatrixAdapter:
         return False, room.room_id, None
 
     async def _on_member(self, room: MatrixRoom, event: RoomMemberEvent) -> None:
-        if room.history_visibility in HIDDEN_BEFORE_JOIN or room.room_id in self._hidden_history:
+        if self._hides_history(room):
             self.joins.note(room.room_id, event)  # (as it arrives: see adapters.matrix_joins)
         if event.state_key == self.config.user_id and event.membership == "join":
             self._joining.discard(room.room_id)  # what follows in the timeline was said with the bot there

@@ -143,8 +143,6 @@ class JoinTimes:
         room = self._room(room_id)
         joins: dict[str, _Join] = {}
         for member, event in current.items():
-            if room.left.get(member, 0.0) >= began:
-                continue  # they left while the state was read
             known = room.joins.get(member)
             # (one the bot knew, or one not there when it last looked, joined after a skipped stretch began)
             floor = room.floor if room.viewed or known is not None else 0.0
