@@ -17,7 +17,7 @@ from typing import Any, Literal
 from bot import metrics
 from bot.storage.base import StoredMessage, User
 from bot.storage.engine import Database, Tx, is_conflict, serialise, stale_if_missing
-from bot.storage.forgotten import KEPT_SECONDS, USED_SINCE, subject
+from bot.storage.forgotten import USED_SINCE, subject
 from bot.storage.incognito import not_incognito
 from bot.storage.rows import MESSAGE_COLUMN_COUNT, MESSAGE_COLUMNS, message_from_row
 
@@ -586,13 +586,10 @@ class CortexRepository:
     # -- forget me (inside the core's one transaction, see Storage.forget_user) -----------------------
 
     async def delete_pairs(self, tx: Tx, pair_ids: list[int]) -> dict[str, int]:
-        """Delete the pairs with their file versions, runs, memory items and unfinished jobs."""
+        """Delete the pairs with their file versions, runs, memory items and unfinished jobs (what their runs
+        spent is noted first, by ``bot.storage.forgotten.keep_usage``)."""
         marks = ",".join("?" for _ in pair_ids) or "NULL"
         versions = await tx.fetch_all(f"DELETE FROM cortex_versions WHERE pair_id IN ({marks}) RETURNING id", pair_ids)
-        kept_since = time.time() - KEPT_SECONDS  # (the bot's budget counts them the rest of the day)
-        await tx.execute("INSERT INTO forgotten_spending (started_at, tokens) SELECT started_at,"
-                         f" input_tokens + output_tokens FROM cortex_runs WHERE pair_id IN ({marks})"
-                         " AND started_at >= ? AND input_tokens + output_tokens > 0", (*pair_ids, kept_since))
         runs = await tx.fetch_all(f"DELETE FROM cortex_runs WHERE pair_id IN ({marks}) RETURNING id", pair_ids)
         await tx.execute(
             f"UPDATE memory_items SET supersedes = NULL, superseded_by = NULL WHERE pair_id IN ({marks})", pair_ids)

@@ -28,7 +28,8 @@ def subject(kind: Literal["skill", "pair"], user_key: str, name: str = "") -> st
 
 
 async def keep_usage(tx: Tx, user_key: str) -> None:
-    """Note the user's recent skill calls and cortex tokens before a forget-me deletes them (see above)."""
+    """Note the user's recent skill calls and cortex tokens before a forget-me deletes them (see above): per
+    limit in ``forgotten_usage``, and the cortex tokens for the bot's daily budget in ``forgotten_spending``."""
     kept_since = time.time() - KEPT_SECONDS
     await tx.execute("INSERT INTO forgotten_usage (subject, counted_at, amount) SELECT CAST(? AS TEXT) || skill,"
                      " created_at, 1 FROM skill_executions WHERE user_key = ? AND created_at >= ?",
@@ -38,6 +39,11 @@ async def keep_usage(tx: Tx, user_key: str) -> None:
                      " JOIN cortex_pairs AS p ON p.id = r.pair_id JOIN users AS u ON u.id = p.user_id"
                      " WHERE u.key = ? AND r.started_at >= ? AND r.input_tokens + r.output_tokens > 0",
                      (subject("pair", user_key), user_key, kept_since))
+    await tx.execute("INSERT INTO forgotten_spending (started_at, tokens) SELECT r.started_at,"
+                     " r.input_tokens + r.output_tokens FROM cortex_runs AS r"
+                     " JOIN cortex_pairs AS p ON p.id = r.pair_id JOIN users AS u ON u.id = p.user_id"
+                     " WHERE u.key = ? AND r.started_at >= ? AND r.input_tokens + r.output_tokens > 0",
+                     (user_key, kept_since))
     await prune(tx)
 
 
