@@ -280,7 +280,27 @@ async def test_jobs_are_listed_and_a_failed_one_is_retried(tmp_path: Path) -> No
         status, _ = await admin.call("GET", "/api/admin/jobs?status=lost")
         assert status == 400
         status, everything = await admin.call("GET", "/api/admin/jobs")
-        assert {j["id"] for j in everything["jobs"]} >= {job.id, waiting.id}
+        assert {j["id"] for j in everything["jobs"]} >= {job.id, waiting.id} and everything["older"] is None
+
+
+async def test_the_job_queue_is_shown_a_page_at_a_time(tmp_path: Path) -> None:
+    """A queue of more than 100 jobs showed its newest 100 and nothing else: the older ones come a page at a time."""
+    async with running_bot(tmp_path) as bot, bot.client("999") as admin:
+        storage = bot.app.storage
+        made = [await storage.enqueue_job("test-kind", f"page:{n}", {}, 3, run_after=datetime.now(UTC) + timedelta(
+            days=1)) for n in range(205)]
+        ids = sorted((j.id for j in made if j is not None), reverse=True)
+        assert len(ids) == 205
+        status, first = await admin.call("GET", "/api/admin/jobs?status=queued")
+        assert status == 200 and [j["id"] for j in first["jobs"]][:100] == ids[:100] and len(first["jobs"]) == 100
+        status, second = await admin.call("GET", f"/api/admin/jobs?status=queued&before={first['older']}")
+        assert status == 200 and [j["id"] for j in second["jobs"]] == ids[100:200]
+        status, last = await admin.call("GET", f"/api/admin/jobs?status=queued&before={second['older']}")
+        assert status == 200 and [j["id"] for j in last["jobs"]] == ids[200:] and last["older"] is None
+        assert first["counts"]["queued"] == last["counts"]["queued"] >= 205  # (counts are of the whole queue)
+        for bad in ("abc", "0", "-5", "1e3", "", "9" * 30):
+            status, error = await admin.call("GET", f"/api/admin/jobs?before={bad}")
+            assert status == 400 and "job id" in error["error"], bad
 
 
 async def test_budgets_show_the_tokens_spent_per_day_and_purpose(tmp_path: Path,

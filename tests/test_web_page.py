@@ -230,6 +230,18 @@ async def test_log_in_edit_compare_revert_and_screenshots(tmp_path: Path) -> Non
                 await section.locator("textarea").fill("Mine.")
                 await section.get_by_role("button", name="Save").click()
                 await expect(page.get_by_test_id("alert")).to_contain_text("changed meanwhile")
+                # the job queue, a page at a time
+                for n in range(105):
+                    await bot.app.storage.enqueue_job("test-kind", f"page:{n}", {}, 3)
+                await page.get_by_test_id("admin-nav-jobs").click()
+                rows = page.get_by_test_id("jobs").locator("tbody tr")
+                await expect(rows).to_have_count(100)
+                await expect(page.get_by_test_id("jobs-newer")).to_have_count(0)
+                await page.get_by_test_id("jobs-older").click()
+                await expect(rows).to_have_count(5)
+                await expect(page.get_by_test_id("jobs-older")).to_have_count(0)
+                await page.get_by_test_id("jobs-newer").click()
+                await expect(rows).to_have_count(100)
                 await page.get_by_test_id("logout").click()
                 await expect(page.get_by_test_id("ended")).to_contain_text("logged out")
                 await page.goto(bot.url + "/")

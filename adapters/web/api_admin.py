@@ -41,6 +41,7 @@ JOB_STATUSES: tuple[JobStatus, ...] = get_args(JobStatus)
 SPENDING_DAYS = 14
 DAY = 86_400
 MAX_HISTORY = 100  # versions listed per text (the newest)
+JOBS_PAGE = 100  # jobs per page of the queue, newest first
 MAX_VALUE_CHARS = 200
 WEB = "on the web page"
 CHANGED = ("it was changed meanwhile (it is at version {live}; your edit was based on version {based_on}): reload it, "
@@ -430,9 +431,13 @@ class AdminApi:
         status = request.query.get("status") or None
         if status is not None and status not in JOB_STATUSES:
             fail(400, f"status is one of {', '.join(JOB_STATUSES)}")
+        before = job_id(request.query["before"]) if "before" in request.query else None  # (the next page)
         by_status = (await self.storage.health.queue()).by_status
-        found = await self.storage.list_jobs(next((s for s in JOB_STATUSES if s == status), None), limit=100)
-        return ok({"counts": {s: by_status.get(s, 0) for s in JOB_STATUSES}, "jobs": [job_json(j) for j in found]})
+        found = await self.storage.list_jobs(next((s for s in JOB_STATUSES if s == status), None),
+                                             limit=JOBS_PAGE + 1, before=before)
+        return ok({"counts": {s: by_status.get(s, 0) for s in JOB_STATUSES},
+                   "jobs": [job_json(j) for j in found[:JOBS_PAGE]],
+                   "older": found[JOBS_PAGE - 1].id if len(found) > JOBS_PAGE else None})
 
     async def retry_job(self, request: web.Request) -> web.Response:
         admin = await self.auth.require_bot_admin(request)

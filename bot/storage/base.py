@@ -273,8 +273,8 @@ class Storage(Protocol):
     async def recent_jobs(self, key: str, limit: int = 5) -> list[Job]:
         """The newest jobs of one key, newest first."""
 
-    async def list_jobs(self, status: JobStatus | None = None, limit: int = 100, *, by_change: bool = False
-                        ) -> list[Job]: ...
+    async def list_jobs(self, status: JobStatus | None = None, limit: int = 100, *, by_change: bool = False,
+                        before: int | None = None) -> list[Job]: ...
 
     async def delete_old_jobs(self, *, done_before: float | None, failed_before: float | None) -> int: ...
 

@@ -826,16 +826,17 @@ class Storage:
                     break
         return deleted
 
-    async def list_jobs(self, status: JobStatus | None = None, limit: int = 100, *, by_change: bool = False
-                        ) -> list[Job]:
-        """The newest jobs (of ``status``): by id, or with ``by_change`` the most recently changed first (a job
-        tried again and failed again comes first)."""
+    async def list_jobs(self, status: JobStatus | None = None, limit: int = 100, *, by_change: bool = False,
+                        before: int | None = None) -> list[Job]:
+        """The newest jobs (of ``status``; with ``before``, those older than that job id, for the next page): by
+        id, or with ``by_change`` the most recently changed first (a job tried again and failed again first)."""
+        if by_change and before is not None:
+            raise ValueError("pages go by id: before= does not go with by_change")
         order = "updated_at DESC, id DESC" if by_change else "id DESC"
-        if status is None:
-            rows = await self.db.fetch_all(f"SELECT * FROM jobs ORDER BY {order} LIMIT ?", (limit,))
-        else:
-            rows = await self.db.fetch_all(
-                f"SELECT * FROM jobs WHERE status = ? ORDER BY {order} LIMIT ?", (status, limit))
+        where = [(cond, value) for cond, value in (("status = ?", status), ("id < ?", before)) if value is not None]
+        filters = f" WHERE {' AND '.join(cond for cond, _ in where)}" if where else ""
+        rows = await self.db.fetch_all(f"SELECT * FROM jobs{filters} ORDER BY {order} LIMIT ?",
+                                       (*(value for _, value in where), limit))
         return [self._job(r) for r in rows]
 
     async def count_jobs(self, statuses: Sequence[JobStatus], kinds: Iterable[str] | None = None, *,

@@ -1709,11 +1709,18 @@
   function adminJobs(content) {
     const picker = select([['', 'all'], ...JOB_STATUSES.map((x) => [x, x])], state.jobStatus, { testid: 'jobs-status' });
     const area = h('div');
+    const pages = []; // the "before" of each page shown so far (the first: none)
     const load = () => section(area, 'the job queue', async (stale) => {
-      const q = state.jobStatus ? `?status=${enc(state.jobStatus)}` : '';
+      const params = new URLSearchParams();
+      if (state.jobStatus) params.set('status', state.jobStatus);
+      if (pages.length) params.set('before', String(pages[pages.length - 1]));
+      const q = params.toString() ? `?${params}` : '';
       const data = await api('GET', `/api/admin/jobs${q}`);
       if (stale()) return;
       const jobs = data.jobs || [];
+      const paging = h('nav', { class: 'pager', 'aria-label': 'Pages' },
+        pages.length ? button('← Newer', () => { pages.pop(); load(); }, { class: 'btn btn-small', testid: 'jobs-newer' }) : null,
+        data.older ? button('Older →', () => { pages.push(data.older); load(); }, { class: 'btn btn-small', testid: 'jobs-older' }) : null);
       fill(area, 
         h('p', { class: 'counts' }, Object.entries(data.counts || {}).map(([k, v]) => chip(`${k}: ${fmtInt(v)}`, k))),
         jobs.length ? table([
@@ -1732,10 +1739,12 @@
               change('POST', `/api/admin/jobs/${enc(j.id)}/retry`, undefined, `Job #${j.id} will run again.`, load, event.currentTarget),
             { class: 'btn btn-small', testid: `retry-${j.id}` }) : ''),
           },
-        ], jobs, { class: 'jobs', testid: 'jobs' }) : empty(state.jobStatus ? `No ${state.jobStatus} jobs.` : 'No jobs.'));
+        ], jobs, { class: 'jobs', testid: 'jobs' }) : empty(state.jobStatus ? `No ${state.jobStatus} jobs.` : 'No jobs.'),
+        paging);
     });
     picker.addEventListener('change', () => {
       state.jobStatus = picker.value;
+      pages.length = 0;
       load();
     });
     fill(content, adminHead('Job queue', 'Background work: file updates, summaries, embeddings, upkeep. A failed job can run again.'),
