@@ -98,7 +98,7 @@ def system_prompt(
         parts.insert(3, MEMORY_GUIDE)
     variables = {
         "char_name": persona.name,
-        "user_name": user_name,
+        "user_name": one_line_name(user_name),  # (a name cannot start a line of its own: a "# Rules" heading)
         "language": persona.language,
         "date": date,
         "max_chars": f"{max_chars:,}",

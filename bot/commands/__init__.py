@@ -25,7 +25,7 @@ from datetime import datetime
 from itertools import takewhile
 from typing import Literal
 
-from bot.text import plural, shown, storable, without_surrogates
+from bot.text import one_line_name, plural, shown, storable, without_surrogates
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,9 @@ class CommandContext:
     seen_by_all: bool = False
     sent_at: datetime | None = None  # when the platform says the command was sent (messages are stored by that)
     history_since_join: bool = False  # members see only what was said since they joined (bot.policy.Inbound)
+
+    def __post_init__(self) -> None:  # the name as stores and prompts may take it (as IncomingMessage's)
+        object.__setattr__(self, "user_name", one_line_name(self.user_name) or self.user_key)
 
 
 @dataclass(frozen=True, slots=True)
