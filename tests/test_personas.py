@@ -124,7 +124,7 @@ async def test_edit_history_revert_change_the_prompt_at_once(tmp_path: Path) -> 
         assert "section tone holds version 1's text already (as version 4); nothing changed." in again
         assert "v5" not in await run(app, "!persona history tone")
         assert "no version 9" in await run(app, "!persona revert tone 9")
-        assert "at most 4,000" in await run(app, "!persona edit tone " + "x" * 4001)
+        assert "at most 20,000" in await run(app, "!persona edit tone " + "x" * 20_001)
         assert "a section is one word" in await run(app, "!persona edit ../../etc hi")
         assert "did you mean identity?" in await run(app, "!persona edit identiy You are a pirate.")
         assert "No history for Cora section identiy. Did you mean identity?" in await run(

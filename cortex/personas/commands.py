@@ -32,9 +32,10 @@ from bot.storage import Storage
 from bot.storage.personas import TextVersion
 from bot.storage.textsearch import text_search_config
 from bot.text import readable, shown
+from cortex.personas.cards import MAX_FIELD_CHARS
 from cortex.personas.registry import PersonaRegistry
 
-MAX_SECTION_CHARS = 4000
+MAX_SECTION_CHARS = MAX_FIELD_CHARS  # as a card's field: a section imported from one can be edited as it came
 MAX_NAME_CHARS = 80
 SECTION_KEY = re.compile(r"^[a-z][a-z0-9_]{0,39}\Z")
 
