@@ -163,6 +163,18 @@ def test_search_needs_a_real_overlap() -> None:
     assert search(lore, "tell me a joke") == []
 
 
+def test_function_words_bring_no_lore_in() -> None:
+    """A message shares "the" or "and" with half a lore book: those entries came into the reply (and the only
+    entry of a one-entry book came in for any message with one of its words)."""
+    lore = [entry("The mill is old.", entry_id=1), entry("The river is cold.", entry_id=2),
+            entry("Dragons breathe fire and the smoke lingers.", entry_id=3)]
+    assert search(lore, "how is the weather today") == []
+    assert search(lore, "and you?") == [] and search(lore, "Und du? Was ist das?") == []
+    assert search([entry("The mill is new.", entry_id=4)], "I walk into the forest") == []
+    assert [e.id for e in search(lore, "is the mill still standing?")] == [1]
+    assert [e.id for e in search(lore, "The river, the river!")] == [2]
+
+
 @pytest.mark.both_engines
 async def test_lore_enters_by_keyword_always_or_search_for_every_user(tmp_path: Path) -> None:
     llm = ScriptedProvider()

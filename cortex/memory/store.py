@@ -39,6 +39,7 @@ from bot.storage.memory import ITEM_COLUMNS, FtsTable, ItemFilters, item_fields
 from bot.text import one_line_name, shown
 from cortex.memory.guard import guarded
 from cortex.memory.vectors import DatabaseVectors, RelevanceFloors
+from cortex.stopwords import STOPWORDS
 
 if TYPE_CHECKING:
     from cortex.memory.embedding import EmbeddingService
@@ -63,18 +64,6 @@ CONTEXT_SHARE = 0.4  # of a neighbouring candidate's relevance that a message ta
 CONTEXT_TURNS = 2  # neighbours on each side that lend relevance; the second lends half as much
 
 
-# Function words of the two languages the personas mostly speak. Matching them ranks nothing and makes
-# bm25 score every message that contains "the": they are left out of queries (not of the index).
-STOPWORDS = frozenset("""
-a about after again all also am an and any are as at be been before being but by can could did do does
-doing down during each few for from had has have having he her here hers him his how i if in into is it
-its just me more most my no nor not now of off on once only or other our out over own same she should
-so some such than that the their them then there these they this those through to too under until up
-very was we were what when where which while who whom why will with would you your yours
-aber alle als also am an auch auf aus bei bin bis bist da damit dann das dass dem den der des die dies doch
-du durch ein eine einem einen einer er es für hat hatte ich ihr im in ist ja kann mein mit nach nicht
-noch nun nur ob oder sich sie sind so um und uns von vor war was wenn wer wie wir wird wo zu zum zur
-""".split())
 
 
 def fts_query(text: str) -> str:

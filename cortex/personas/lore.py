@@ -29,6 +29,7 @@ from bot.text import name_key
 from bot.tokens import TokenEstimator, fit_to_budget
 from cortex.personas.cards import MAX_KEY_CHARS
 from cortex.personas.registry import PersonaRegistry
+from cortex.stopwords import STOPWORDS
 
 REFRESH_SECONDS = 5.0
 SEARCH_HITS = 3  # entries the search may add beside the keyword matches
@@ -164,12 +165,13 @@ def search(entries: Sequence[LoreEntry], query: str, limit: int = SEARCH_HITS,
            skip: frozenset[int] = frozenset()) -> list[LoreEntry]:
     """The entries that share the most (rare) words with ``query``, best first, and only those that carry
     at least half the weight of the query's words found in any entry. A word's weight is its idf over
-    ``entries``; a word found in every entry (of two or more) weighs nothing. The keywords of an entry with
+    ``entries``; a word found in every entry (of two or more) weighs nothing, and a function word (``the``,
+    ``und``: cortex.stopwords) is not looked for. The keywords of an entry with
     secondary ones are not among its words: one of them alone must not bring it in."""
     docs = [(entry, _entry_words(entry.content, () if entry.secondary_keys else tuple(entry.keys)))
             for entry in entries]
     weight: dict[str, float] = {}
-    for w in words(query):
+    for w in words(query) - STOPWORDS:  # ("the" in one entry of many, or in the only one, weighed something)
         n = sum(1 for _, d in docs if w in d)
         if n and (n < len(docs) or len(docs) == 1):
             weight[w] = math.log(1 + len(docs) / n)
