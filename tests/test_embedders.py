@@ -332,6 +332,19 @@ def test_the_backfill_uses_the_cores_and_a_query_two(monkeypatch: pytest.MonkeyP
     assert isinstance(query, E5SmallEmbedder) and query.threads == query_threads and not query.batches
 
 
+def test_an_empty_key_variable_means_a_server_that_takes_no_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``embedder_api_key_env = ""`` (as ``[llm] api_key_env`` may be) refused to start: "needs its API key in $"."""
+    from bot.config import ConfigError, parse_config
+    from cortex.memory.embedding import build_embedders
+
+    local = {"embedder": "openai", "embedder_model": "e", "embedder_api_key_env": ""}
+    built = build_embedders(parse_config({"memory": local | {"embedder_base_url": "http://127.0.0.1:9/v1"}}).memory)
+    assert built is not None and all(isinstance(e, OpenAIEmbedder) for e in built)
+    with pytest.raises(ConfigError, match="OpenAI's own API, which needs a key: name the variable") as refused:
+        build_embedders(parse_config({"memory": local}).memory)
+    assert "$" not in str(refused.value)
+
+
 def test_a_query_runs_on_its_threads_with_8_bit_activations() -> None:
     query = E5SmallEmbedder(threads=2)
     vectors = query.embed_query(["where does Ann's sister live?"])

@@ -119,11 +119,15 @@ def build_embedders(config: MemoryConfig) -> tuple[Embedder, Embedder] | None:
     if config.embedder == "none":
         return None
     if config.embedder == "openai":
-        key = read_secret(config.embedder_api_key_env)
-        named = config.embedder_api_key_env != MemoryConfig.model_fields["embedder_api_key_env"].default
+        env = config.embedder_api_key_env  # ("": no key, for a server that takes none, as [llm] api_key_env)
+        key = read_secret(env) if env else None
+        named = bool(env) and env != MemoryConfig.model_fields["embedder_api_key_env"].default
         if key is None and (named or not config.embedder_base_url):  # OpenAI's own API (or a named key) needs one
+            if not env:
+                raise ConfigError("[memory] embedder = \"openai\" without embedder_base_url is OpenAI's own API, which "
+                                  "needs a key: name the variable holding it in embedder_api_key_env")
             raise ConfigError(
-                f"[memory] embedder = \"openai\" needs its API key in ${config.embedder_api_key_env}, which is not set"
+                f"[memory] embedder = \"openai\" needs its API key in ${env}, which is not set"
                 + ("" if named else " (a server that takes no key: set embedder_base_url)"))
 
         def make() -> Embedder:
