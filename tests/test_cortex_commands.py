@@ -749,6 +749,20 @@ async def test_an_archived_item_is_not_pinned_and_its_scope_change_says_it_is_ar
         assert (await run(app, "!memory unpin 1")).text == "#1 is no longer pinned."
 
 
+async def test_an_item_remembered_again_after_it_was_forgotten_is_not_restored_beside_it(tmp_path: Path) -> None:
+    """Forget #1, remember the same words again (#2), restore #1: both were in use, saying the same twice."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        await run(app, "!memory remember I like tea")
+        await run(app, "!memory forget 1")
+        assert "#2" in (await run(app, "!memory remember I like tea")).text
+        refused = await run(app, "!memory restore 1")
+        assert refused.failed
+        assert refused.text.startswith("item #1 says what #2 says, which is in use: nothing to restore")
+        assert (await run(app, "!memory list")).text.count("I like tea") == 1
+        await run(app, "!memory forget 2")
+        assert "#1 is back" in (await run(app, "!memory restore 1")).text  # (the other one forgotten: it may)
+
+
 async def test_a_diff_and_the_settings_reach_markdown_platforms_as_code_blocks(tmp_path: Path) -> None:
     """On Matrix a diff's removed blank line ("-") turned the line above it into a heading, and the
     settings' columns lost their spaces: both now go as code blocks (the terminal shows them as they are)."""

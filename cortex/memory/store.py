@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -376,6 +376,9 @@ class MemoryStore:
             raise await self._replaced(pair_id, item_id, item.superseded_by)
         if item.archived_at is None and not expired:  # an expired one is brought back too (it no longer expires)
             raise MemoryError(f"item #{item_id} is not archived")
+        twin = await self.same_words(pair_id, item.content, cast(Scope, item.scope))
+        if twin is not None:  # (remembered again after it was forgotten: two in use would say the same twice)
+            raise MemoryConflict(f"item #{item_id} says what #{twin.id} says, which is in use: nothing to restore")
         await self.repo.restore(pair_id, item_id, now)
         if self.embeddings is not None:
             self.embeddings.index.invalidate(("items", pair_id))
