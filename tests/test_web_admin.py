@@ -151,10 +151,22 @@ async def test_a_bot_admin_edits_a_soul_section_as_a_new_version(tmp_path: Path)
         status, back = await admin.call("POST", path + "/revert", {"version": saved["version"]})
         assert status == 200 and back["text"] == saved["text"]
         for bad, expected in (("/api/admin/personas/Nobody/sections/identity", 404),
-                              ("/api/admin/personas/Cora/sections/made_up_thing", 404),
-                              ("/api/admin/personas/Cora/sections/no%20such%20section!", 404)):
+                              ("/api/admin/personas/Cora/sections/identiy", 422),  # a typo: not a section of its own
+                              ("/api/admin/personas/Cora/sections/no%20such%20section!", 422)):
             status, _ = await admin.call("PUT", bad, {"text": "x"})
             assert status == expected, bad
+        status, error = await admin.call("PUT", "/api/admin/personas/Cora/sections/identiy", {"text": "x"})
+        assert "did you mean identity?" in error["error"]
+        # a section of the admin's own, as !persona edit makes one (not without text)
+        status, error = await admin.call("PUT", "/api/admin/personas/Cora/sections/backstory", {"text": " "})
+        assert status == 422 and "needs its text" in error["error"]
+        status, own = await admin.call("PUT", "/api/admin/personas/Cora/sections/Backstory", {"text": "Born in Lyon."})
+        assert status == 200 and own["name"] == "backstory" and own["version"] == 1
+        status, listed = await admin.call("GET", "/api/admin/personas")
+        cora = next(p for p in listed["personas"] if p["name"] == "Cora")
+        assert any(sec["name"] == "backstory" and sec["text"] == "Born in Lyon." for sec in cora["sections"])
+        status, error = await admin.call("POST", "/api/admin/personas/Cora/sections/hobbies/revert", {"version": 1})
+        assert status == 404 and "backstory" in error["error"]  # (named among the persona's sections)
         # as long as a character card's field may be (a section imported from one is edited as it came)
         status, long = await admin.call("PUT", path, {"text": "Long. " + "y" * 19_994})
         assert status == 200 and len(long["text"]) == 20_000

@@ -230,6 +230,16 @@ async def test_log_in_edit_compare_revert_and_screenshots(tmp_path: Path) -> Non
                 await section.locator("textarea").fill("Mine.")
                 await section.get_by_role("button", name="Save").click()
                 await expect(page.get_by_test_id("alert")).to_contain_text("changed meanwhile")
+                # a section of the admin's own, named on the page
+                cora = page.get_by_test_id("persona-Cora")
+                await cora.locator("details.add-section > summary").click()
+                await cora.get_by_test_id("add-section-Cora").select_option("")
+                await cora.get_by_test_id("new-section-Cora-name").fill("Backstory")
+                await cora.get_by_test_id("new-section-Cora-text").fill("Grew up above a bakery in Lyon.")
+                await cora.get_by_test_id("new-section-Cora-save").click()
+                await expect(page.get_by_test_id("notice")).to_have_text("Added Backstory to Cora.")
+                await expect(page.get_by_test_id("persona-Cora").locator("details.persona-section summary")
+                             ).to_contain_text(["Personality", "Backstory"])
                 # the job queue, a page at a time
                 for n in range(105):
                     await bot.app.storage.enqueue_job("test-kind", f"page:{n}", {}, 3)

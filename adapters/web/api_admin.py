@@ -31,7 +31,7 @@ from bot.storage.personas import BOT_WIDE, TextKind, TextVersion
 from bot.storage.rows import dt
 from cortex.commands import setting_text
 from cortex.memory.admin import BUDGET_KEYS
-from cortex.personas.commands import MAX_SECTION_CHARS, section_key
+from cortex.personas.commands import MAX_SECTION_CHARS, new_section_refusal, section_key
 from cortex.personas.guidelines import MAX_GUIDELINES_CHARS, MAX_RULE_CHARS, RULE_NAME
 from cortex.settings import OVERRIDABLE, NotAllowed, SettingError, persona_scope, server_scope
 from cortex.tiers import thresholds
@@ -237,23 +237,33 @@ class AdminApi:
                           "sections": [section_json(name, history.get(name, [])) for name in order]})
         return ok({"personas": found, "known_sections": list(SOUL_SECTIONS), "max_chars": MAX_SECTION_CHARS})
 
-    async def section(self, raw_persona: str, raw_section: str) -> tuple[str, str, str]:
+    async def section(self, raw_persona: str, raw_section: str, *, new: bool = False) -> tuple[str, str, str]:
         """(persona, its scope, the section's key): a 404 for a persona the bot lacks, or a section it has
-        not and that is none of the standard ones."""
+        not and that is none of the standard ones; with ``new`` (a save), a name of the admin's own makes a
+        new section, as ``!persona edit`` does (a 422 for one this close to a standard name: a typo)."""
         name, scope = await self.persona_scope(raw_persona)
         try:
             key = section_key(raw_section)
-        except CommandError:
+        except CommandError as exc:
+            if new:
+                fail(422, str(exc))
             not_found(f"no section called {raw_section[:60]!r}")
-        if key not in SOUL_SECTIONS and not await self.texts.history("soul", scope, key):
-            not_found(f"{name} has no section {key!r} (sections: {', '.join(SOUL_SECTIONS)})")
+        if key in SOUL_SECTIONS or await self.texts.history("soul", scope, key):
+            return name, scope, key
+        if not new:
+            own = [t.name for t in await self.texts.current("soul", scope) if t.name not in SOUL_SECTIONS]
+            not_found(f"{name} has no section {key!r} (sections: {', '.join([*SOUL_SECTIONS, *own])})")
+        if (refused := new_section_refusal(name, key)) is not None:
+            fail(422, refused)
         return name, scope, key
 
     async def put_section(self, request: web.Request) -> web.Response:
         caller = await self.auth.require_bot_admin(request)
         body = await read_body(request, TextBody)
-        _, scope, key = await self.section(request.match_info["persona"], request.match_info["section"])
+        _, scope, key = await self.section(request.match_info["persona"], request.match_info["section"], new=True)
         text = checked_text(body.text, MAX_SECTION_CHARS, "soul section")
+        if not text.strip() and key not in SOUL_SECTIONS and not await self.texts.history("soul", scope, key):
+            fail(422, f"a new section {key} needs its text")
         changed = await self.put_text("soul", scope, key, text, caller, f"edited {WEB}", based_on=body.version)
         return ok(section_json(key, await self.texts.history("soul", scope, key))
                   | {"changed": changed, "unknown_variables": unfilled(text)})

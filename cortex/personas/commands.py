@@ -51,6 +51,18 @@ def section_key(text: str) -> str:
     return key
 
 
+def new_section_refusal(persona: str, key: str) -> str | None:
+    """Why ``key`` may not become a new section of ``persona`` (None: it may): a typo of a standard name would
+    make a section of its own, beside the one meant."""
+    if key in SOUL_SECTIONS:
+        return None
+    close = difflib.get_close_matches(key, SOUL_SECTIONS, n=1, cutoff=0.75)
+    if not close:
+        return None
+    return (f"{persona} has no section {key}: did you mean {close[0]}? (a section of your own needs a name that is "
+            "not this close to a standard one)")
+
+
 def variables_note(text: str) -> str:
     """" Note: …" naming the placeholders in ``text`` that the prompt will not fill ("" if none)."""
     unknown = unfilled(text)
@@ -217,11 +229,8 @@ class PersonaCommands:
                                f"{len(text):,})")
         scope = await self._scope(ctx.persona)
         names = [t.name for t in await self.storage.personas.current("soul", scope)]
-        if key not in SOUL_SECTIONS and key not in names:
-            close = difflib.get_close_matches(key, SOUL_SECTIONS, n=1, cutoff=0.75)
-            if close:  # a typo would make a new section of its own
-                raise CommandError(f"{ctx.persona} has no section {key}: did you mean {close[0]}? (a section of "
-                                   "your own needs a name that is not this close to a standard one)")
+        if key not in names and (refused := new_section_refusal(ctx.persona, key)) is not None:
+            raise CommandError(refused)
         saved = await self.storage.personas.put("soul", scope, key, text, author=ctx.user_key,
                                                 reason="edited in chat")
         await self.registry.load()

@@ -1469,13 +1469,29 @@
   function addSection(persona, known, max, reload) {
     const have = new Set((persona.sections || []).map((x) => x.name));
     const missing = known.filter((name) => !have.has(name));
-    if (!missing.length) return null;
-    const which = select(missing.map((name) => [name, sectionLabel(name)]), missing[0], { testid: `add-section-${persona.name}` });
+    const OWN = '';
+    const which = select([...missing.map((name) => [name, sectionLabel(name)]), [OWN, 'A section of your own…']],
+      missing.length ? missing[0] : OWN, { testid: `add-section-${persona.name}` });
+    const own = h('input', {
+      type: 'text', autocomplete: 'off', maxlength: 40, pattern: '[A-Za-z0-9_ -]{1,40}', placeholder: 'e.g. backstory',
+      testid: `new-section-${persona.name}-name`,
+    });
+    const ownField = field('Name', own, 'One word (letters, digits, _), not close to a standard name.');
+    const showOwn = () => { ownField.hidden = which.value !== OWN; };
+    which.addEventListener('change', showOwn);
+    showOwn();
+    const name = () => (which.value === OWN ? own.value.trim() : which.value);
     return h('details', { class: 'add-section' }, h('summary', null, 'Add a section'),
-      h('div', { class: 'section-body' }, field('Section', which),
-        textEditor('Text', '', max, (text, trigger) => change('PUT',
-          `/api/admin/personas/${enc(persona.name)}/sections/${enc(which.value)}`, { text, version: 0 },
-          `Added ${sectionLabel(which.value)} to ${persona.name}.`, reload, trigger), null, `new-section-${persona.name}`)));
+      h('div', { class: 'section-body' }, field('Section', which), ownField,
+        textEditor('Text', '', max, (text, trigger) => {
+          if (!name()) {
+            showError(new Error('Give the new section a name.'));
+            own.focus();
+            return;
+          }
+          change('PUT', `/api/admin/personas/${enc(persona.name)}/sections/${enc(name())}`, { text, version: 0 },
+            `Added ${sectionLabel(name())} to ${persona.name}.`, reload, trigger);
+        }, null, `new-section-${persona.name}`)));
   }
 
   function personaSection(persona, sec, max, reload) {
