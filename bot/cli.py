@@ -942,6 +942,8 @@ async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
             report(True, where, f"reachable; it does not list its models (HTTP {exc.status_code}), so the model "
                                 "names were not checked")
             await _doctor_answer(config, report, _background_models(config))
+            if database_ready:
+                await _doctor_stored_models(config, report, set(_background_models(config)))
             return
         report(False, where, one_line(f"{exc.user_message} ({exc.detail})"))
         return
@@ -958,9 +960,35 @@ async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
         else:
             report(True, f"model {model}", "available")
     await _doctor_answer(config, report, [m for m in _background_models(config) if not models or m in models])
+    if database_ready:
+        await _doctor_stored_models(config, report, set(_background_models(config)))
 
 
-PROBE_SECONDS = 30.0  # doctor's wait for its request of a few tokens (a hung server: not the reply's 120 s)
+async def _doctor_stored_models(config: Config, report: Callable[..., None], checked: set[str]) -> None:
+    """The cortex models bot admins set in chat (``!cortex settings model``), per persona or server: the config's
+    are checked above, and an override with a wrong name made every update of its pairs fail."""
+    from bot.app import build_provider
+    from bot.llm.probe import check_model
+    from bot.storage import open_storage
+
+    url, password = config.storage.resolve()
+    storage = await open_storage(url, password=password, pool_size=1)
+    try:
+        overrides = await storage.cortex.overrides_of("model")
+    finally:
+        await storage.close()
+    where: dict[str, list[str]] = {}
+    for scope, model in overrides:
+        if isinstance(model, str) and model and model not in checked:
+            where.setdefault(model, []).append(scope)
+    provider = build_provider(config)
+    try:
+        for model, scopes in where.items():
+            found = await check_model(provider, model, seconds=min(config.llm.timeout_seconds, 30.0))
+            report(found.usable and found.checked,
+                   f"model {model} (set in chat for {', '.join(scopes)})", found.note or "answers")
+    finally:
+        await provider.aclose()
 
 
 def _background_models(config: Config) -> list[str]:
@@ -974,17 +1002,15 @@ async def _doctor_answer(config: Config, report: Callable[..., None], models: Se
     rate-limited, out of credit), and doctor said "All checks passed" while every reply, or every background
     update, failed."""
     from bot.app import build_provider
-    from bot.llm.base import ChatMessage, LLMRequest
+    from bot.llm.probe import PROBE_SECONDS, probe_request
 
     llm = config.llm
     provider = build_provider(config)
     seconds = min(llm.timeout_seconds, PROBE_SECONDS)
     try:
         for model in models:
-            # (16 tokens: a reasoning model behind a proxy may refuse 1, or spend it thinking)
-            probe = LLMRequest(system="", messages=(ChatMessage("user", "Say OK."),), model=model, max_tokens=16)
             try:
-                await asyncio.wait_for(provider.complete(probe), timeout=seconds)
+                await asyncio.wait_for(provider.complete(probe_request(model)), timeout=seconds)
             except LLMError as exc:
                 report(False, f"an answer from {model}", one_line(f"{exc.user_message} ({exc.detail})"))
             except TimeoutError:

@@ -65,7 +65,7 @@ def build_cortex(
     personas = personas or ConfigPersonas(config)
     store = CortexStore(storage)
     files = CortexFiles(store, config.cortex.file_max_chars)
-    resolver = SettingsResolver(config.cortex, store)
+    resolver = SettingsResolver(config.cortex, store, llm)  # (the model an admin sets is checked with it)
     tiers = TierEngine(store, resolver, queue)
     job_store = CortexStore(job_storage) if job_storage is not None else store
     job_files = CortexFiles(job_store, config.cortex.file_max_chars)

@@ -453,7 +453,7 @@ class CortexCommands:
                     f"(from {scope_words(effective.sources[key])}).")
             if key in ("frequency", "tiers"):  # the tiers decide when both are set: say what the plan is now
                 done += " " + self._tier_plan(effective.settings, effective.sources)
-            return done
+            return done + (f" (Its name was {changed.note}.)" if changed.note else "")
         effective = await self.resolver.effective(ctx.persona, ctx.server_key)
         here = f" in {scope_words(server_scope(ctx.server_key))}" if ctx.server_key else ""
         lines = [f"Cortex settings for persona {ctx.persona}{here} (value, where it comes from):"]

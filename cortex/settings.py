@@ -16,6 +16,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from bot.config import FREQUENCY_PRESETS, CortexConfig
+from bot.llm.base import LLMProvider
+from bot.llm.probe import check_model
 from bot.text import shown
 from cortex.store import CortexStore
 
@@ -103,6 +105,7 @@ class Change:
 
     stored: Any = None
     cleared: bool | None = None
+    note: str = ""  # a model that could not be checked: why (see bot.llm.probe)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,9 +152,10 @@ def parse_value(key: str, text: str) -> Any:
 
 
 class SettingsResolver:
-    def __init__(self, defaults: CortexConfig, store: CortexStore) -> None:
+    def __init__(self, defaults: CortexConfig, store: CortexStore, llm: LLMProvider | None = None) -> None:
         self.defaults = defaults
         self.store = store
+        self.llm = llm  # to check a model an admin sets (None: not checked)
         self._cache: dict[str, tuple[float, dict[str, Any]]] = {}
         self._warned: set[tuple[str, str, str]] = set()
 
@@ -216,17 +220,32 @@ class SettingsResolver:
     async def set(self, scope: str, key: str, text: str, updated_by: str, *, paced: bool = False) -> Any:
         """Store an override typed as ``text``; ``paced``: only if it has updates run no more often than each
         persona's own settings (a server's setting, see :meth:`_check_pace`)."""
-        value = parse_value(key, text)
-        candidate = self.defaults.model_dump() | {key: value}
-        try:
-            CortexConfig.model_validate(candidate)
-        except ValidationError as exc:
-            raise SettingError(f"{key} = {shown(text)} is not accepted: {plain_problem(exc)}") from None
+        value = self._validated(key, text)
         if paced and key in PACE_KEYS:
             await self._check_pace(scope, key, value, text)
         await self.store.set_setting(scope, key, value, updated_by)
         self._cache.pop(scope, None)
         return value
+
+    def _validated(self, key: str, text: str) -> Any:
+        """The value typed as ``text`` for ``key``, as the config would take it (:class:`SettingError` if not)."""
+        value = parse_value(key, text)
+        try:
+            CortexConfig.model_validate(self.defaults.model_dump() | {key: value})
+        except ValidationError as exc:
+            raise SettingError(f"{key} = {shown(text)} is not accepted: {plain_problem(exc)}") from None
+        return value
+
+    async def _model_note(self, key: str, text: str) -> str:
+        """For a model being set: :class:`SettingError` when the LLM server rejects a request for it (a wrong name
+        made every update of the scope fail, unseen until someone read the runs); why it could not be checked,
+        or "" (see bot.llm.probe)."""
+        if key != "model" or self.llm is None or not isinstance(model := self._validated(key, text), str):
+            return ""
+        found = await check_model(self.llm, model)
+        if not found.usable:
+            raise SettingError(f"{found.note}. Nothing was changed.")
+        return found.note
 
     async def change(self, scope: str, key: str, value: str, *, bot_admin: bool, author: str) -> Change:
         """What a chat command or the web page asks: set ``key`` in ``scope``, or clear it ("default"). Raises
@@ -236,7 +255,9 @@ class SettingsResolver:
         for a value the key does not take."""
         check_may_change(key, bot_admin=bot_admin, value=value)
         if value.strip().lower() != "default":
-            return Change(stored=await self.set(scope, key, value, author, paced=scope.startswith("server:")))
+            note = await self._model_note(key, value)
+            return Change(stored=await self.set(scope, key, value, author, paced=scope.startswith("server:")),
+                          note=note)
         if key in PRIVACY_KEYS and not bot_admin and await self._on_beneath(key):
             raise NotAllowed(_PRIVACY_REFUSAL.format(key=key) + " (and back to the default switches it on here)")
         if key in ("tiers", "frequency") and scope.startswith("server:"):  # the server's other one may decide then

@@ -363,6 +363,36 @@ def test_doctor_reports_what_is_wrong(tmp_path: Path, fake_llm: FakeLLMServer) -
     assert bad.returncode == 1 and "unknown [llm] key 'max_token'" in bad.stdout, bad.stdout
 
 
+def test_doctor_checks_a_model_a_bot_admin_set_in_chat(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """doctor checked the config's models only: a cortex model set with !cortex settings (per persona or server),
+    whose every update failed, left it saying "All checks passed"."""
+    from bot.storage import open_storage
+
+    fake_llm.models = ["test-model"]
+    config = write_config(tmp_path, fake_llm)
+
+    async def override(model: str) -> None:
+        storage = await open_storage(db_url_for(tmp_path))
+        try:
+            await storage.migrate()
+            await storage.cortex.set_setting("persona:cora", "model", model, "console:root")
+            await storage.cortex.set_setting("server:console:g1", "model", model, "console:root")
+        finally:
+            await storage.close()
+
+    asyncio.run(override("ghost-model"))
+    fake_llm.enqueue(FakeResponse.text("OK"),  # (the config's model first, then the one set in chat)
+                     FakeResponse.error(404, "model: ghost-model", error_type="not_found_error"))
+    doctor = cortexbot("--config", str(config), "doctor")
+    assert doctor.returncode == 1, doctor.stdout
+    assert ("✗ model ghost-model (set in chat for persona:cora, server:console:g1): the LLM server refused a request "
+            "for ghost-model") in doctor.stdout
+    assert fake_llm.completion_requests[-1].body["model"] == "ghost-model"
+    asyncio.run(override("test-model"))  # (the config's: checked once, above)
+    fine = cortexbot("--config", str(config), "doctor")
+    assert fine.returncode == 0 and "set in chat" not in fine.stdout, fine.stdout
+
+
 def test_doctor_checks_the_skills_and_the_chat_shows_what_is_down(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
     """doctor said "All checks passed" for an HTTP skill whose secret is unset (the bot then refuses to
     start), an MCP server that cannot start (no word anywhere: `chat` hid warnings, `!skills list` left it

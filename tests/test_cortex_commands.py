@@ -19,6 +19,7 @@ from bot.policy import Inbound
 from bot.ports import IncomingMessage
 from bot.storage.core import SCRUB_PENDING
 from tests.engines import db_url_for
+from tests.fakes.llm_server import FakeLLMServer, FakeResponse
 from tests.fakes.provider import ScriptedProvider
 from tests.test_router import Sink
 
@@ -791,6 +792,40 @@ async def test_a_model_name_is_one_word_of_reasonable_length(tmp_path: Path) -> 
         for good in ("meta-llama/Llama-3-8B-Instruct", "/models/llama-3", "claude@2025+x_1", "llama3.1:8b"):
             assert good in (await run(app, f"!cortex settings model {good}", admin)).text
         assert "x" * 100 not in (await run(app, "!cortex settings", admin)).text
+
+
+async def test_a_model_an_admin_sets_is_checked_with_the_llm_server(tmp_path: Path, fake_llm: FakeLLMServer,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`!cortex settings model ghost-model` was taken as typed: every update of the persona then failed, and
+    doctor checked only the config's models. Listed: taken; not listed (an alias): a request of a few tokens
+    decides; a server that cannot say (overloaded): taken, with a note."""
+    from tests.test_cortex_update import KEY_ENV
+    from tests.test_cortex_update import _config as llm_config
+
+    monkeypatch.setenv(KEY_ENV, "test-key")
+    fake_llm.models = ["listed-model", "test-model"]
+    async with App(llm_config(tmp_path, fake_llm)) as app:
+        admin = ctx(admin=True)
+        fake_llm.enqueue(FakeResponse.error(404, "model: ghost-model", error_type="not_found_error"))
+        refused = await run(app, "!cortex settings model ghost-model", admin)
+        assert refused.failed and "the LLM server refused a request for ghost-model" in refused.text
+        assert "it offers listed-model, test-model" in refused.text and "Nothing was changed" in refused.text
+        assert await app.cortex.store.settings("persona:cora") == {}
+        asked = len(fake_llm.completion_requests)
+        assert "Effective now: listed-model" in (await run(app, "!cortex settings model listed-model", admin)).text
+        assert len(fake_llm.completion_requests) == asked  # (listed: no request)
+        fake_llm.enqueue(FakeResponse.text("OK"))
+        alias = (await run(app, "!cortex settings model claude-alias", admin)).text
+        assert "Effective now: claude-alias" in alias and "Its name was" not in alias
+        assert fake_llm.completion_requests[-1].body["model"] == "claude-alias"
+        fake_llm.enqueue(FakeResponse.error(529, "overloaded", error_type="overloaded_error"))
+        busy = (await run(app, "!cortex settings model other-alias", admin)).text
+        assert "Effective now: other-alias" in busy and "(Its name was not checked: a test request for" in busy
+        asked = len(fake_llm.completion_requests)
+        server_admin = ctx(admin=True, server="console:g1")  # (not theirs to set: refused before any request)
+        assert not (await run(app, "!cortex settings model ghost-2", server_admin)).text.startswith("model: set")
+        assert len(fake_llm.completion_requests) == asked
+        assert (await app.cortex.store.settings("persona:cora"))["model"] == "other-alias"
 
 
 async def test_an_empty_setting_is_refused_and_none_says_what_it_means(tmp_path: Path) -> None:

@@ -206,6 +206,24 @@ def setting(view: dict[str, Any], key: str) -> dict[str, Any]:
     return next(s for s in view["settings"] if s["key"] == key)
 
 
+async def test_a_model_the_llm_server_refuses_is_not_set_from_the_page(tmp_path: Path) -> None:
+    from bot.llm.errors import LLMBadRequest, LLMOverloaded
+
+    async with running_bot(tmp_path) as bot, bot.client("999") as admin:
+        llm = bot.app.llm
+        llm.enqueue(LLMBadRequest("HTTP 404: model: ghost-model", status_code=404))  # type: ignore[attr-defined]
+        body = {"persona": "Cora", "key": "model", "value": "ghost-model"}
+        status, error = await admin.call("PUT", "/api/admin/settings", body)
+        assert status == 422 and "refused a request for ghost-model" in error["error"], error
+        assert "it offers scripted-model" in error["error"]
+        assert "model" not in await bot.app.cortex.store.settings("persona:cora")
+        status, saved = await admin.call("PUT", "/api/admin/settings", body | {"value": "scripted-model"})
+        assert status == 200 and saved["note"] == "" and setting(saved, "model")["value"] == "scripted-model"
+        llm.enqueue(LLMOverloaded("HTTP 529"))  # type: ignore[attr-defined]
+        status, saved = await admin.call("PUT", "/api/admin/settings", body | {"value": "an-alias"})
+        assert status == 200 and saved["note"].startswith("not checked: a test request for an-alias failed")
+
+
 async def test_settings_show_their_sources_and_a_server_override_changes_the_effective_value(
         tmp_path: Path) -> None:
     async with running_bot(tmp_path, directories=[FakeDirectory()]) as bot, \

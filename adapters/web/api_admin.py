@@ -393,13 +393,13 @@ class AdminApi:
         persona = persona_name(self.ctx, change.persona)
         scope = server_scope(server) if server else persona_scope(persona)
         try:
-            await self.ctx.app.cortex.resolver.change(scope, change.key, change.value,
-                                                      bot_admin=self.auth.is_bot_admin(caller), author=caller.user_key)
+            changed = await self.ctx.app.cortex.resolver.change(
+                scope, change.key, change.value, bot_admin=self.auth.is_bot_admin(caller), author=caller.user_key)
         except NotAllowed as exc:
             fail(403, str(exc))
-        except SettingError as exc:  # a value the key does not take
+        except SettingError as exc:  # a value the key does not take (or a model the LLM server refuses)
             fail(422, str(exc))
-        return ok(await self.settings_view(persona, server) | {"key": change.key})
+        return ok(await self.settings_view(persona, server) | {"key": change.key, "note": changed.note})
 
     # -- spending, jobs, users -------------------------------------------------------------------
 

@@ -564,6 +564,12 @@ class CortexRepository:
             found.setdefault(str(row[0]), {})[str(row[1])] = json.loads(row[2])
         return found
 
+    async def overrides_of(self, key: str) -> list[tuple[str, Any]]:
+        """Every override of ``key`` (persona-wide and per server), as (scope, value), by scope."""
+        rows = await self.db.fetch_all(
+            "SELECT scope, value FROM cortex_settings WHERE key = ? ORDER BY scope", (key,))
+        return [(str(r[0]), json.loads(r[1])) for r in rows]
+
     async def persona_values(self, key: str) -> list[Any]:
         """The values every persona-wide override (scope ``persona:…``) sets for ``key``."""
         rows = await self.db.fetch_all(

@@ -1404,12 +1404,13 @@
 
   /** Runs a change, then (when it worked) says so and reloads. */
   async function change(method, path, body, message, reload, trigger) {
+    let answer = null;
     const done = await attempt(async () => {
-      await api(method, path, body);
+      answer = await api(method, path, body);
       return true;
     }, trigger);
     if (done) {
-      notify(message);
+      notify(typeof message === 'function' ? message(answer || {}) : message);
       reload();
     }
     return Boolean(done);
@@ -1638,7 +1639,8 @@
     const input = h('input', { type: 'text', value: shownValue, 'aria-label': setting.key, title: setting.accepts || null });
     const save = button('Save', () => change('PUT', '/api/admin/settings', {
       persona: state.settingsFor.persona, server: state.settingsFor.server || null, key: setting.key, value: input.value.trim(),
-    }, `Saved ${setting.key}.`, reload, save), { class: 'btn btn-small', testid: `setting-${setting.key}-save` });
+    }, (answer) => (answer.note ? `Saved ${setting.key}; its name was ${answer.note}.` : `Saved ${setting.key}.`),
+    reload, save), { class: 'btn btn-small', testid: `setting-${setting.key}-save` });
     input.addEventListener('keydown', (event) => {
       if (event.key === 'Enter') save.click();
     });
