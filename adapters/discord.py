@@ -75,6 +75,7 @@ def _with_note(text: str, note: str) -> str:
     room = LIMIT - len(note) - 3
     return (text if len(text) <= room else text[:room].rstrip() + "…") + "\n" + note
 API_BASE_ENV = "CORTEXBOT_DISCORD_API_BASE"  # testing aids: see the module docstring
+CONNECT_RETRY_FIRST, CONNECT_RETRY_LONGEST = 1.0, 60.0  # seconds between tries to reach Discord at start
 GATEWAY_ENV = "CORTEXBOT_DISCORD_GATEWAY"
 INTENTS_HELP = (
     "Discord refused the message content intent. Open https://discord.com/developers/applications → your "
@@ -114,9 +115,38 @@ def _shards_label(config: DiscordConfig) -> str:
     return f"shard(s) {', '.join(map(str, config.shard_ids))} of {config.shard_count}"
 
 
+def test_api_base(environ: Mapping[str, str]) -> str:
+    """The fake Discord's API a test names (see the module docstring), or ""."""
+    return environ.get(API_BASE_ENV, "").strip().rstrip("/")
+
+
+async def reachable(base: str) -> None:
+    """Wait until Discord's API answers at all (any HTTP answer; the login then says what is wrong with the token).
+    discord.py reconnects a gateway that drops, but its first login gives up at once: a bot started before the
+    network (at boot, by systemd) ended with "Cannot connect to host discord.com". Tried again, doubling the wait
+    up to ``CONNECT_RETRY_LONGEST``; said once, and once more when it answers."""
+    wait, said = CONNECT_RETRY_FIRST, False
+    while True:
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as session, \
+                    session.get(f"{base}/gateway") as response:
+                await response.read()
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            if not said:
+                log.warning("Discord: cannot reach %s (%s); trying again, at most every %.0f s", base,
+                            str(exc) or type(exc).__name__, CONNECT_RETRY_LONGEST)
+                said = True
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, CONNECT_RETRY_LONGEST)
+            continue
+        if said:
+            log.warning("Discord: %s answers again; logging in", base)
+        return
+
+
 async def redirect_for_tests(environ: Mapping[str, str], token: str) -> bool:
     """Testing aid (see the module docstring): point discord.py at a fake Discord. True when redirected."""
-    base = environ.get(API_BASE_ENV, "").strip().rstrip("/")
+    base = test_api_base(environ)
     if not base:
         return False
     log.warning("Discord: $%s is set: talking to %s instead of Discord (a testing aid)", API_BASE_ENV, base)
@@ -280,6 +310,7 @@ class DiscordAdapter:
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def run(self, token: str) -> None:
+        await reachable(test_api_base(os.environ) or discord.http.Route.BASE)
         await redirect_for_tests(os.environ, token)
         try:
             async with self.bot:

@@ -308,3 +308,31 @@ def test_two_processes_split_the_shards_and_one_syncs(
         assert "Traceback" not in bot.stderr() and bot.stderr().endswith("stopped.\n"), bot.stderr()
     assert codes == [STOPPED_BY_SIGNAL] * 2, [bot.stderr()[-2000:] for bot in bots]
     assert sorted((d.identify.token, d.close_code) for d in fake.disconnects) == [(TOKENS[0], 1000), (TOKENS[1], 1000)]
+
+
+@pytest.mark.slow
+def test_a_bot_started_before_discord_is_reachable_waits_for_it(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """Started at boot before the network was up, `cortexbot run` ended at once ("Cannot connect to host
+    discord.com"): discord.py reconnects a gateway that drops, but not its first login. It now tries again."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    unreachable = FakeDiscord(port=port, shard_count=2)  # (not started yet: only its addresses)
+    bot = start_bot(tmp_path, fake_llm, unreachable, 0)
+    try:
+        bot.wait_for_log("Discord: cannot reach", timeout=30)
+        time.sleep(1.5)  # (a try or two more, still nothing there)
+        assert bot.proc.poll() is None, bot.stderr()
+        with FakeDiscord(port=port, shard_count=2) as fake:
+            fake.wait_until(lambda f: len(f.identifies) >= 1, timeout=60)
+            assert [(i.token, i.shard) for i in fake.identifies] == [(TOKENS[0], (0, 2))]
+            bot.wait_for_log("answers again; logging in", timeout=5)
+            bot.proc.send_signal(signal.SIGTERM)
+            assert bot.proc.wait(timeout=20) == STOPPED_BY_SIGNAL, bot.stderr()
+        assert bot.stderr().count("Discord: cannot reach") == 1 and "Traceback" not in bot.stderr()
+    finally:
+        if bot.proc.poll() is None:
+            bot.proc.kill()
+            bot.proc.wait(10)
