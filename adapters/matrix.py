@@ -244,6 +244,23 @@ def read_secrets(config: MatrixConfig, env: Mapping[str, str] | None = None) -> 
     return password, token
 
 
+SESSION_FILE = "session.json"
+
+
+def store_dir(config: MatrixConfig) -> Path:
+    """Where the account's session (and with e2ee its keys) is kept: ``store_path``, else the data folder's."""
+    return Path(config.store_path or Path(platformdirs.user_data_dir("cortex-bot")) / "matrix")
+
+
+def saved_session(store: Path, user_id: str) -> dict[str, Any]:
+    """The session file's state (device, access token of a password login, sync token, rooms) of ``user_id``."""
+    try:
+        data = json.loads((store / SESSION_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+    return data if isinstance(data, dict) and data.get("user_id") == user_id else {}
+
+
 class MatrixSink:
     """Delivery for one incoming message (see :class:`bot.router.ChatSink`)."""
 
@@ -310,7 +327,7 @@ class MatrixAdapter:
             PLATFORM, "leave", f"make me leave this room (its admins: power level {config.admin_power_level} or more)")
         app.commands.note_platform_command(self.leave)
         self.password, self.token = read_secrets(config, env)
-        self.store = Path(config.store_path or Path(platformdirs.user_data_dir("cortex-bot")) / "matrix")
+        self.store = store_dir(config)
         private_dir(self.store)  # the login and, with e2ee, the keys
         self.client = AsyncClient(
             config.homeserver, config.user_id, store_path=str(self.store),
@@ -358,14 +375,10 @@ class MatrixAdapter:
 
     @property
     def _state_file(self) -> Path:
-        return self.store / "session.json"
+        return self.store / SESSION_FILE
 
     def _load_state(self) -> dict[str, Any]:
-        try:
-            data = json.loads(self._state_file.read_text())
-        except (FileNotFoundError, ValueError):
-            return {}
-        return data if isinstance(data, dict) and data.get("user_id") == self.config.user_id else {}
+        return saved_session(self.store, self.config.user_id)
 
     def _save_state(self, **changes: Any) -> None:
         state = self._load_state() | {"user_id": self.config.user_id} | changes

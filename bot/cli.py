@@ -834,26 +834,19 @@ def _error_class(error: str) -> str:
     return kind if kind.isidentifier() else ("an error (see cortexbot jobs)" if error else "no error recorded")
 
 
-def _doctor_adapters(config: Config, report: Callable[..., None]) -> None:
-    """The enabled chat platforms' secrets are there, read as ``run`` reads them before it connects."""
+async def _doctor_adapters(config: Config, report: Callable[..., None]) -> None:
+    """The enabled chat platforms: their secrets, read as ``run`` reads them, and whether the platform answers and
+    takes them (see adapters.credentials)."""
     if config.discord.enabled:
-        from adapters.discord import read_token
+        from adapters.credentials import discord_login
 
-        try:
-            read_token(config.discord)
-            report(True, "Discord", f"bot token read from ${config.discord.token_env}")
-        except RuntimeError as exc:
-            report(False, "Discord", str(exc))
+        ok, detail = await discord_login(config.discord, os.environ)
+        report(ok, "Discord", detail)
     if config.matrix.enabled:
-        from adapters.matrix import MatrixError, read_secrets
+        from adapters.credentials import matrix_login
 
-        matrix = config.matrix
-        try:
-            _password, token = read_secrets(matrix)
-            report(True, "Matrix", f"access token read from ${matrix.access_token_env} for {matrix.user_id}" if token
-                   else f"password read from ${matrix.password_env} for {matrix.user_id}")
-        except MatrixError as exc:
-            report(False, "Matrix", str(exc))
+        ok, detail = await matrix_login(config.matrix, os.environ)
+        report(ok, "Matrix", detail)
 
 
 def _doctor_personas(config: Config, report: Callable[..., None]) -> None:
@@ -906,7 +899,7 @@ async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
     from bot.app import build_provider
     from bot.tokens import BPETokenEstimator
 
-    _doctor_adapters(config, report)
+    await _doctor_adapters(config, report)
     _doctor_personas(config, report)
     database_ready = await _doctor_database(config, report)
     try:

@@ -336,3 +336,26 @@ def test_a_bot_started_before_discord_is_reachable_waits_for_it(tmp_path: Path, 
         if bot.proc.poll() is None:
             bot.proc.kill()
             bot.proc.wait(10)
+
+
+async def test_doctor_asks_discord_whether_it_takes_the_bot_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """doctor said "✓ Discord: bot token read" for any token in the variable, one Discord rejects too."""
+    from adapters.credentials import discord_login
+
+    config = DiscordConfig(enabled=True, token_env="CB_TEST_DISCORD_TOKEN")
+    with FakeDiscord() as fake:
+        env = {API_BASE_ENV: fake.api_base}
+        monkeypatch.setenv("CB_TEST_DISCORD_TOKEN", "a-good-token")
+        assert await discord_login(config, env) == (True, "bot token from $CB_TEST_DISCORD_TOKEN signs in as cortex "
+                                                          "(id 900000000000000002)")
+        fake.rejected_tokens.add("a-reset-token")
+        monkeypatch.setenv("CB_TEST_DISCORD_TOKEN", "a-reset-token")
+        ok, said = await discord_login(config, env)
+        assert not ok and said.startswith("Discord rejected the bot token in $CB_TEST_DISCORD_TOKEN")
+        monkeypatch.setenv("CB_TEST_DISCORD_TOKEN", "")
+        assert await discord_login(config, env) == (
+            False, "[discord] is enabled but $CB_TEST_DISCORD_TOKEN holds no bot token")
+        monkeypatch.setenv("CB_TEST_DISCORD_TOKEN", "a-good-token")
+        unreachable = fake.api_base
+    ok, said = await discord_login(config, {API_BASE_ENV: unreachable})  # (the fake has stopped)
+    assert not ok and said.startswith(f"cannot reach {unreachable} (") and "waits until it can" in said

@@ -672,3 +672,41 @@ async def test_a_room_that_hides_its_history_from_newcomers_gets_no_summary_of_i
                               "the summary command's answer in a room that shares its history")
     finally:
         await alice.close()
+
+
+async def test_doctor_asks_the_homeserver_whether_it_takes_the_bots_credentials(synapse: SynapseServer,
+                                                                               tmp_path: Path) -> None:
+    """doctor said "✓ Matrix: password read" and "All checks passed" for a homeserver nothing answers at, and for
+    an access token the homeserver rejects."""
+    import json
+
+    from adapters.credentials import matrix_login
+    from bot.config import MatrixConfig
+
+    alice = await user(synapse, "alice")
+    try:
+        store = tmp_path / "store"
+        config = MatrixConfig(enabled=True, homeserver=synapse.url, user_id=alice.user_id, access_token_env="MX_T",
+                              password_env="MX_P", store_path=str(store))
+        assert await matrix_login(config, {"MX_T": alice.access_token}) == (
+            True, f"the access token in $MX_T signs in as {alice.user_id}")
+        ok, said = await matrix_login(config, {"MX_T": "syt_not_a_token"})
+        assert not ok and said == "the homeserver rejected the access token in $MX_T"
+        someone_else = config.model_copy(update={"user_id": "@someone:localhost"})
+        ok, said = await matrix_login(someone_else, {"MX_T": alice.access_token})
+        assert not ok and said == f"the access token in $MX_T belongs to {alice.user_id}, not @someone:localhost"
+        ok, said = await matrix_login(config, {"MX_P": "pw"})  # a password alone: no login (it makes a device)
+        assert ok and said.endswith("(checked at the bot's first start: a login makes a device)")
+        store.mkdir()
+        (store / "session.json").write_text(json.dumps({"user_id": alice.user_id, "access_token": alice.access_token}))
+        assert await matrix_login(config, {"MX_P": "pw"}) == (
+            True, f"the access token in the saved session signs in as {alice.user_id}")
+        (store / "session.json").write_text(json.dumps({"user_id": alice.user_id, "access_token": "syt_gone"}))
+        assert await matrix_login(config, {"MX_P": "pw"}) == (
+            True, "the saved session was signed out; the password logs in anew at start")
+        assert (await matrix_login(config, {}))[0] is False  # neither secret
+        nowhere = config.model_copy(update={"homeserver": "http://127.0.0.1:9"})
+        ok, said = await matrix_login(nowhere, {"MX_T": alice.access_token})
+        assert not ok and said.startswith("cannot reach the homeserver at http://127.0.0.1:9 (")
+    finally:
+        await alice.close()

@@ -188,6 +188,7 @@ class FakeDiscord:
         self.host = host
         self.port = port
         self.shard_count = shard_count
+        self.rejected_tokens: set[str] = set()  # GET /users/@me answers 401 to these (a reset token)
         self.application_id = application_id
         self.bot_user = _user(bot_id, bot_name, bot=True)
         self.heartbeat_interval_ms = heartbeat_interval_ms
@@ -487,6 +488,8 @@ class FakeDiscord:
         return _json({"url": self.gateway_url, "shards": self.shard_count, "session_start_limit": SESSION_START_LIMIT})
 
     async def _get_me(self, request: web.Request) -> web.Response:
+        if request.headers.get("Authorization", "").removeprefix("Bot ") in self.rejected_tokens:
+            return _json({"message": "401: Unauthorized", "code": 0}, 401)
         return _json(self.bot_user)
 
     async def _get_application(self, request: web.Request) -> web.Response:

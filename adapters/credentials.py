@@ -1,0 +1,85 @@
+"""``cortexbot doctor``'s look at the chat platforms: is the server there, and does it take the bot's credentials?
+
+Each check asks what the bot would ask at start, without changing anything on the server: Discord's ``GET
+/users/@me`` with the bot token; a Matrix homeserver's ``/versions``, then ``whoami`` with the access token (the
+configured one, or the session a password login saved). A password alone is not tried: a login makes a new
+device on the account, so it is checked at the bot's first start, which saves the session for the next doctor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import aiohttp
+import discord
+
+from adapters.discord import read_token, test_api_base
+from adapters.matrix import MatrixError, read_secrets, saved_session, store_dir
+from bot.config import DiscordConfig, MatrixConfig
+
+TIMEOUT = aiohttp.ClientTimeout(total=15)
+UNREACHABLE = (aiohttp.ClientError, OSError, TimeoutError)
+
+
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+async def discord_login(config: DiscordConfig, environ: Mapping[str, str]) -> tuple[bool, str]:
+    """Whether Discord takes the bot token, and as whom (or what is wrong)."""
+    try:
+        token = read_token(config)
+    except RuntimeError as exc:
+        return False, str(exc)
+    base = test_api_base(environ) or discord.http.Route.BASE
+    try:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session, \
+                session.get(f"{base}/users/@me", headers={"Authorization": f"Bot {token}"}) as response:
+            if response.status == 401:
+                return False, (f"Discord rejected the bot token in ${config.token_env}: copy it again from the "
+                               "developer portal (Bot → Reset Token)")
+            if response.status >= 400:
+                return False, f"Discord answered HTTP {response.status} to the bot token's check"
+            me = await response.json()
+    except UNREACHABLE as exc:
+        return False, f"cannot reach {base} ({_why(exc)}); a bot started now waits until it can"
+    return True, f"bot token from ${config.token_env} signs in as {me.get('username')} (id {me.get('id')})"
+
+
+async def matrix_login(config: MatrixConfig, environ: Mapping[str, str]) -> tuple[bool, str]:
+    """Whether the homeserver answers and takes the account's access token (see the module's description)."""
+    try:
+        password_set, token = read_secrets(config, environ)
+    except MatrixError as exc:
+        return False, str(exc)
+    server = config.homeserver.rstrip("/")
+    saved = "" if token else str(saved_session(store_dir(config), config.user_id).get("access_token") or "")
+    try:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            async with session.get(f"{server}/_matrix/client/versions") as response:
+                if response.status >= 400:
+                    return False, (f"the homeserver at {server} answered HTTP {response.status}: check [matrix] "
+                                   "homeserver")
+            if not (token or saved):
+                return True, (f"the homeserver answers; password from ${config.password_env} for {config.user_id} "
+                              "(checked at the bot's first start: a login makes a device)")
+            headers = {"Authorization": f"Bearer {token or saved}"}
+            async with session.get(f"{server}/_matrix/client/v3/account/whoami", headers=headers) as response:
+                status, who = response.status, (await response.json() if response.status == 200 else {})
+    except UNREACHABLE as exc:
+        return False, f"cannot reach the homeserver at {server} ({_why(exc)}): check [matrix] homeserver"
+    return _whoami_verdict(config, status, who, from_env=bool(token), password=bool(password_set))
+
+
+def _whoami_verdict(config: MatrixConfig, status: int, who: Mapping[str, object], *, from_env: bool,
+                    password: bool) -> tuple[bool, str]:
+    where = f"${config.access_token_env}" if from_env else "the saved session"
+    if status == 401 and not from_env and password:
+        return True, "the saved session was signed out; the password logs in anew at start"
+    if status == 401:
+        return False, f"the homeserver rejected the access token in {where}"
+    if status != 200:
+        return False, f"the homeserver answered HTTP {status} to the access token's check"
+    if who.get("user_id") != config.user_id:
+        return False, f"the access token in {where} belongs to {who.get('user_id')}, not {config.user_id}"
+    return True, f"the access token in {where} signs in as {config.user_id}"
