@@ -218,6 +218,15 @@ async def test_commands_summary_and_stats(tmp_path: Path) -> None:
         stats = (await app.commands.dispatch("!stats", ctx)).text
         assert "This conversation: 1 reply" in stats and "trim rate" in stats and "summary hit rate" in stats
         assert "All conversations" in stats and "Background jobs" in stats
+        counts = await app.storage.job_counts()
+        for n in range(3):
+            await app.storage.enqueue_job("test-kind", f"stats:{n}", {}, 1)
+        claimed = await app.storage.claim_job("w", ["test-kind"], 60)
+        assert claimed is not None and await app.storage.fail_job(claimed.id, "no", "w")
+        assert await app.storage.claim_job("w", ["test-kind"], 60) is not None
+        stats = (await app.commands.dispatch("!stats", ctx)).text
+        assert (f"Background jobs: {counts.get('queued', 0) + 1} queued, {counts.get('running', 0) + 1} running, "
+                f"{counts.get('failed', 0) + 1} failed") in stats
         member = replace(ctx, is_bot_admin=False)  # the whole bot's figures are its admins' (not a room's admin's)
         stats = (await app.commands.dispatch("!stats", member)).text
         assert "This conversation: 1 reply" in stats and "All conversations" not in stats and "jobs" not in stats

@@ -282,6 +282,9 @@ class Storage(Protocol):
         """Delete what forget-mes kept of the users' use of the daily limits once older than two days (see
         ``bot.storage.forgotten``); how many rows went."""
 
+    async def job_counts(self) -> dict[str, int]:
+        """How many jobs are in each status, read at one moment."""
+
     async def count_jobs(self, statuses: Sequence[JobStatus], kinds: Iterable[str] | None = None, *,
                          due_by: float | None = None) -> int: ...
 
