@@ -855,6 +855,7 @@ def _doctor_personas(config: Config, report: Callable[..., None]) -> None:
     from bot.commands import CommandRegistry
     from cortex.personas.card_commands import CardCommands
     from cortex.personas.commands import PersonaCommands
+    from cortex.personas.registry import unknown_placeholders
 
     commands = CommandRegistry()
     for group in (PersonaCommands, CardCommands):  # only the commands' names are read: no handler runs
@@ -865,6 +866,8 @@ def _doctor_personas(config: Config, report: Callable[..., None]) -> None:
         report(False, "personas", str(exc))
         return
     report(True, "personas", ", ".join(p.name for p in config.personas))
+    for where, note in unknown_placeholders(config):  # (the prompt shows them as written: a typo, most likely)
+        report(False, where, note.strip())
 
 
 async def _doctor_database(config: Config, report: Callable[..., None]) -> bool:

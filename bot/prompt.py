@@ -39,6 +39,22 @@ def unfilled(text: str) -> list[str]:
         return ALIASES.get(name, name) in VARIABLES
 
     return list(dict.fromkeys(p for p in (m.group(0) for m in _PLACEHOLDER.finditer(text)) if not fills(p)))
+
+
+def variables_note(text: str) -> str:
+    """" Note: …" naming the placeholders in ``text`` that the prompt will not fill ("" if none)."""
+    unknown = unfilled(text)
+    if not unknown:
+        return ""
+    shown_ = ", ".join("".join(u.split()) for u in unknown[:10]) + (
+        f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
+    one = len(unknown) == 1
+    return (f" Note: {shown_} {'is no template variable' if one else 'are no template variables'}"
+            f" and stay{'s' if one else ''} as written (variables: "
+            f"{', '.join('{' + k + '}' for k in VARIABLES)}; in double braces also {{{{char}}}} and {{{{user}}}}, "
+            "in any case).")
+
+
 LANGUAGE_CODES = {
     "english": "en", "german": "de", "deutsch": "de", "french": "fr", "spanish": "es", "italian": "it",
     "portuguese": "pt", "dutch": "nl", "polish": "pl", "russian": "ru", "ukrainian": "uk", "japanese": "ja",

@@ -718,6 +718,24 @@ def test_doctor_refuses_a_persona_name_that_start_refuses(tmp_path: Path, fake_l
     assert "All checks passed" not in result.stdout
 
 
+def test_an_unknown_template_variable_in_the_config_is_named_by_doctor_and_at_start(
+        tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """`!rules` names a placeholder the prompt leaves as written; the same text in [bot] global_rules (or in a
+    persona's section in the config) was taken without a word, typo and all."""
+    fake_llm.models = ["test-model"]
+    config = write_config(tmp_path, fake_llm)
+    config.write_text(config.read_text().replace("[llm]", '[bot]\nglobal_rules = "Be kind, {user_name}. {bogus}"\n'
+                                                 "[llm]", 1)
+                      + '[[personas]]\nname = "Cora"\nidentity = "You are {{char}}, {user_nmae}\'s friend."\n')
+    doctor = cortexbot("--config", str(config), "doctor")
+    assert doctor.returncode == 1, doctor.stdout
+    assert "✗ [bot] global_rules: Note: {bogus} is no template variable and stays as written" in doctor.stdout
+    assert "✗ [[personas]] Cora's identity: Note: {user_nmae} is no template variable" in doctor.stdout
+    chat = cortexbot("--config", str(config), "chat", stdin="hi\n")
+    assert chat.returncode == 0, chat.stderr
+    assert "the config file's [bot] global_rules: Note: {bogus} is no template variable" in chat.stderr
+
+
 def test_a_key_variable_the_config_names_must_be_set_even_for_a_local_server(
         tmp_path: Path, fake_llm: FakeLLMServer) -> None:
     """An OpenAI-compatible server with a base_url needs no key (Ollama takes any); but one whose config names

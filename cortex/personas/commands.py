@@ -27,7 +27,7 @@ from bot.commands import (
 )
 from bot.config import SOUL_SECTIONS, ConfigError
 from bot.persona import section_title
-from bot.prompt import VARIABLES, unfilled
+from bot.prompt import variables_note
 from bot.storage import Storage
 from bot.storage.personas import TextVersion
 from bot.storage.textsearch import text_search_config
@@ -61,20 +61,6 @@ def new_section_refusal(persona: str, key: str) -> str | None:
         return None
     return (f"{persona} has no section {key}: did you mean {close[0]}? (a section of your own needs a name that is "
             "not this close to a standard one)")
-
-
-def variables_note(text: str) -> str:
-    """" Note: …" naming the placeholders in ``text`` that the prompt will not fill ("" if none)."""
-    unknown = unfilled(text)
-    if not unknown:
-        return ""
-    shown_ = ", ".join("".join(u.split()) for u in unknown[:10]) + (
-        f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
-    one = len(unknown) == 1
-    return (f" Note: {shown_} {'is no template variable' if one else 'are no template variables'}"
-            f" and stay{'s' if one else ''} as written (variables: "
-            f"{', '.join('{' + k + '}' for k in VARIABLES)}; in double braces also {{{{char}}}} and {{{{user}}}}, "
-            "in any case).")
 
 
 def history_lines(versions: Sequence[TextVersion], *, named: bool = False, limit: int = 40) -> list[str]:

@@ -21,10 +21,11 @@ from bot.commands import (
     text,
     word,
 )
+from bot.prompt import variables_note
 from bot.storage import Storage
 from bot.storage.personas import BOT_WIDE, TextVersion
 from bot.text import shown
-from cortex.personas.commands import history_lines, variables_note
+from cortex.personas.commands import history_lines
 from cortex.personas.registry import PersonaRegistry
 
 MAX_GUIDELINES_CHARS = 8000

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 from bot.config import Config, ConfigError, PersonaConfig
 from bot.persona import Persona, unknown_persona
+from bot.prompt import variables_note
 from bot.storage import Storage
 from bot.storage.personas import BOT_WIDE, PersonaRow, TextKind, TextVersion
 from bot.storage.textsearch import text_search_config
@@ -145,6 +146,8 @@ class PersonaRegistry:
                                   f"global rule {CONFIG_RULE!r} ([bot] global_rules)", f"!rules revert {CONFIG_RULE}")
         finally:
             await self.storage.fleet.release_lock(SEED_LOCK, owner)
+        for where, note in unknown_placeholders(self.config):  # (as !rules and !persona edit say at once)
+            log.warning("the config file's %s:%s", where, note)
 
     async def _seed_row(self, entry: PersonaConfig) -> PersonaRow:
         repo = self.storage.personas
@@ -195,3 +198,12 @@ class PersonaRegistry:
             "%s changed in the config file, but %s edited it in chat (version %d) after the config last set it; "
             "the chat edit stays, the config's text is version %d (bring it in with %s %d)", what, live.author,
             live.version, recorded.version, revert, recorded.version)
+
+
+def unknown_placeholders(config: Config) -> list[tuple[str, str]]:
+    """The config's texts that hold placeholders the prompt leaves as written (``{bogus}``, a misspelt
+    ``{user_nmae}``): where, and the note ``!rules`` and ``!persona edit`` give for them."""
+    texts = [("[bot] global_rules", config.bot.global_rules)] + [
+        (f"[[personas]] {p.name}'s {key}", str(getattr(p, key))) for p in config.personas for key in p.soul_order]
+    return [(where, note) for where, text in texts if (note := variables_note(text))]
+
