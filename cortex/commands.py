@@ -480,7 +480,9 @@ class CortexCommands:
         for title, since in (("Last 24 hours", day_start), ("All time", 0.0)):
             s = await self.store.run_stats(since)
             outcomes = ", ".join(f"{n} {status}" for status, n in sorted(s.by_status.items())) or "none"
-            lines.append(f"{title}: runs {outcomes}; tokens {s.input_tokens:,} in / {s.output_tokens:,} out; "
+            held = (" (a running update's next call counts at the most it may take until it answers)"
+                    if s.by_status.get("running") else "")
+            lines.append(f"{title}: runs {outcomes}; tokens {s.input_tokens:,} in / {s.output_tokens:,} out{held}; "
                          f"average duration {s.average_duration_ms / 1000:.1f} s")
         errors = (await self.store.run_stats(0.0)).last_errors
         if errors:
