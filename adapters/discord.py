@@ -131,17 +131,19 @@ async def reachable(base: str) -> None:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as session, \
                     session.get(f"{base}/gateway") as response:
                 await response.read()
+                problem = f"HTTP {response.status}" if response.status >= 500 else ""  # (an outage: as unreachable)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            if not said:
-                log.warning("Discord: cannot reach %s (%s); trying again, at most every %.0f s", base,
-                            str(exc) or type(exc).__name__, CONNECT_RETRY_LONGEST)
-                said = True
-            await asyncio.sleep(wait)
-            wait = min(wait * 2, CONNECT_RETRY_LONGEST)
-            continue
-        if said:
-            log.warning("Discord: %s answers again; logging in", base)
-        return
+            problem = str(exc) or type(exc).__name__
+        if not problem:
+            if said:
+                log.warning("Discord: %s answers again; logging in", base)
+            return
+        if not said:
+            log.warning("Discord: cannot reach %s (%s); trying again, at most every %.0f s", base, problem,
+                        CONNECT_RETRY_LONGEST)
+            said = True
+        await asyncio.sleep(wait)
+        wait = min(wait * 2, CONNECT_RETRY_LONGEST)
 
 
 async def redirect_for_tests(environ: Mapping[str, str], token: str) -> bool:

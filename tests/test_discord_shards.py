@@ -359,3 +359,34 @@ async def test_doctor_asks_discord_whether_it_takes_the_bot_token(monkeypatch: p
         unreachable = fake.api_base
     ok, said = await discord_login(config, {API_BASE_ENV: unreachable})  # (the fake has stopped)
     assert not ok and said.startswith(f"cannot reach {unreachable} (") and "waits until it can" in said
+
+
+async def test_discord_in_an_outage_is_waited_for_like_one_out_of_reach(monkeypatch: pytest.MonkeyPatch,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A 5xx at start (Discord's outage) ended the start as the login met it; it is waited for, said once."""
+    from aiohttp import web
+
+    import adapters.discord as discord_adapter
+
+    monkeypatch.setattr(discord_adapter, "CONNECT_RETRY_FIRST", 0.05)
+    answers = [503, 502, 200]
+    asked: list[str] = []
+
+    async def gateway(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        return web.json_response({"url": "ws://127.0.0.1:1"}, status=answers.pop(0) if answers else 200)
+
+    app = web.Application()
+    app.router.add_get("/api/v10/gateway", gateway)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        await asyncio.wait_for(discord_adapter.reachable(f"http://127.0.0.1:{port}/api/v10"), 10)
+    finally:
+        await runner.cleanup()
+    assert asked == ["/api/v10/gateway"] * 3
+    said = [r.getMessage() for r in caplog.records if r.name == "adapters.discord"]
+    assert len([m for m in said if "cannot reach" in m and "(HTTP 503)" in m]) == 1 and "answers again" in said[-1]
