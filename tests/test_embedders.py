@@ -3,6 +3,7 @@ onnxruntime), the hash test double, and the OpenAI-compatible client against the
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import time
@@ -332,14 +333,20 @@ def test_the_backfill_uses_the_cores_and_a_query_two(monkeypatch: pytest.MonkeyP
     assert isinstance(query, E5SmallEmbedder) and query.threads == query_threads and not query.batches
 
 
-def test_an_empty_key_variable_means_a_server_that_takes_no_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``embedder_api_key_env = ""`` (as ``[llm] api_key_env`` may be) refused to start: "needs its API key in $"."""
+async def test_an_empty_key_variable_means_a_server_that_takes_no_key(monkeypatch: pytest.MonkeyPatch,
+                                                                     fake_llm: FakeLLMServer) -> None:
+    """``embedder_api_key_env = ""`` (as ``[llm] api_key_env`` may be) refused to start: "needs its API key in $";
+    and no key means none: the environment's OPENAI_API_KEY (the LLM's, say) is not sent to that server."""
     from bot.config import ConfigError, parse_config
     from cortex.memory.embedding import build_embedders
 
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-the-llms-secret")
     local = {"embedder": "openai", "embedder_model": "e", "embedder_api_key_env": ""}
-    built = build_embedders(parse_config({"memory": local | {"embedder_base_url": "http://127.0.0.1:9/v1"}}).memory)
+    built = build_embedders(parse_config({"memory": local | {"embedder_base_url": fake_llm.openai_url}}).memory)
     assert built is not None and all(isinstance(e, OpenAIEmbedder) for e in built)
+    await asyncio.to_thread(built[0].embed, ["hello"])
+    sent = fake_llm.embedding_requests[-1].headers.get("authorization", "")
+    assert "sk-the-llms-secret" not in sent and sent == "Bearer unused"
     with pytest.raises(ConfigError, match="OpenAI's own API, which needs a key: name the variable") as refused:
         build_embedders(parse_config({"memory": local}).memory)
     assert "$" not in str(refused.value)

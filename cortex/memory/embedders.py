@@ -279,8 +279,9 @@ class OpenAIEmbedder:
         self.base_url = base_url
         self.batch_size = batch_size
         self.max_chars = max_chars
-        # Ollama and vLLM take any key; the SDK insists on one.
-        self._api_key = api_key or os.environ.get("OPENAI_API_KEY") or "unused"
+        # Ollama and vLLM take any key; the SDK insists on one. (Never the environment's OPENAI_API_KEY unasked: a
+        # config that names no key for its embedder's server would send the LLM's key to it.)
+        self._api_key = api_key or "unused"
         self._dim = dim
         self._timeout = timeout
         self._max_retries = max_retries
