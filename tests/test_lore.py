@@ -175,6 +175,20 @@ def test_function_words_bring_no_lore_in() -> None:
     assert [e.id for e in search(lore, "The river, the river!")] == [2]
 
 
+def test_the_function_words_are_the_personas_languages() -> None:
+    """German's "war", "die" and "hat" are English words that say something: dropped from an English persona's
+    search too, "tell me about the war" found nothing."""
+    lore = [entry("The war of the three kingdoms ended at the ford.", entry_id=1),
+            entry("The old mill grinds barley.", entry_id=2), entry("A red hat is worn by the king.", entry_id=3)]
+    assert [e.id for e in search(lore, "tell me about the war", language="English")] == [1]
+    assert [e.id for e in search(lore, "what hat?", language="en")] == [3]
+    assert [e.id for e in search(lore, "what hat?", language="Klingon")] == [3]  # (unknown: both lists, less those)
+    assert search(lore, "Was war das?", language="Deutsch") == []  # German's function words, in German
+    german = [entry("Der Krieg der drei Reiche endete an der Furt.", entry_id=4),
+              entry("Die alte Mühle mahlt Gerste.", entry_id=5)]
+    assert [e.id for e in search(german, "Was war mit der Mühle?", language="de")] == [5]
+
+
 @pytest.mark.both_engines
 async def test_lore_enters_by_keyword_always_or_search_for_every_user(tmp_path: Path) -> None:
     llm = ScriptedProvider()

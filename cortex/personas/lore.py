@@ -29,7 +29,7 @@ from bot.text import name_key
 from bot.tokens import TokenEstimator, fit_to_budget
 from cortex.personas.cards import MAX_KEY_CHARS
 from cortex.personas.registry import PersonaRegistry
-from cortex.stopwords import STOPWORDS
+from cortex.stopwords import function_words
 
 REFRESH_SECONDS = 5.0
 SEARCH_HITS = 3  # entries the search may add beside the keyword matches
@@ -162,16 +162,16 @@ def _entry_words(content: str, keys: tuple[str, ...]) -> frozenset[str]:
 
 
 def search(entries: Sequence[LoreEntry], query: str, limit: int = SEARCH_HITS,
-           skip: frozenset[int] = frozenset()) -> list[LoreEntry]:
+           skip: frozenset[int] = frozenset(), language: str = "") -> list[LoreEntry]:
     """The entries that share the most (rare) words with ``query``, best first, and only those that carry
     at least half the weight of the query's words found in any entry. A word's weight is its idf over
-    ``entries``; a word found in every entry (of two or more) weighs nothing, and a function word (``the``,
-    ``und``: cortex.stopwords) is not looked for. The keywords of an entry with
+    ``entries``; a word found in every entry (of two or more) weighs nothing, and a function word of the
+    persona's ``language`` (``the``, ``und``: cortex.stopwords) is not looked for. The keywords of an entry with
     secondary ones are not among its words: one of them alone must not bring it in."""
     docs = [(entry, _entry_words(entry.content, () if entry.secondary_keys else tuple(entry.keys)))
             for entry in entries]
     weight: dict[str, float] = {}
-    for w in words(query) - STOPWORDS:  # ("the" in one entry of many, or in the only one, weighed something)
+    for w in words(query) - function_words(language):  # ("the" in one entry of many, or the only one, weighed)
         n = sum(1 for _, d in docs if w in d)
         if n and (n < len(docs) or len(docs) == 1):
             weight[w] = math.log(1 + len(docs) / n)
@@ -209,15 +209,15 @@ class LoreIndex:
             by_persona.setdefault(entry.persona_id, []).append(entry)
         self._by_persona, self._stamp = by_persona, stamp
 
-    def chosen(self, entries: Sequence[LoreEntry], recent: str, message: str, names: tuple[str, str] = ("", "")
-               ) -> list[LoreEntry]:
+    def chosen(self, entries: Sequence[LoreEntry], recent: str, message: str, names: tuple[str, str] = ("", ""),
+               language: str = "") -> list[LoreEntry]:
         """Always-on and keyword entries first, then search hits; each by priority. ``names``: the persona's and
         the user's, which a key's ``{{char}}`` and ``{{user}}`` stand for."""
         text = fold(recent)
         text_words, memo = set(_ONE_WORD.findall(text)), dict[str, bool]()
         picked = [e for e in entries if e.always_on
                   or keyword_match(e, text, folded=True, text_words=text_words, names=names, memo=memo)]
-        found = search(entries, message, skip=frozenset(e.id for e in picked))
+        found = search(entries, message, skip=frozenset(e.id for e in picked), language=language)
         picked.sort(key=lambda e: (not e.always_on, -e.priority, e.id))
         return picked + found
 
@@ -251,7 +251,7 @@ class LoreSection:
             return []
         # (the end of the message before: what the new one answers; a reply can be 40,000 characters long)
         choose = functools.partial(self.index.chosen, entries, f"{_tail(context.previous)}\n{context.message}",
-                                   context.message, (context.persona, context.user_name))
+                                   context.message, (context.persona, context.user_name), context.language)
         keys = sum(len(e.keys) + len(e.secondary_keys) for e in entries)
         chosen = await asyncio.get_running_loop().run_in_executor(_MATCHING, choose) if keys > THREAD_ABOVE_KEYS \
             else choose()

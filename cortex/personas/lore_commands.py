@@ -174,9 +174,11 @@ class LoreCommands:
         if not query:
             raise CommandError("give some words")
         entries = await self.storage.lore.entries(self._persona_id(ctx))
-        picked = self.index.chosen([e for e in entries if e.enabled], query, query, (ctx.persona, ctx.user_name))
+        language = self.registry.persona(ctx.persona).language  # (as a reply's search reads it)
+        picked = self.index.chosen([e for e in entries if e.enabled], query, query, (ctx.persona, ctx.user_name),
+                                   language)
         if not picked:
-            found = search(entries, query)
+            found = search(entries, query, language=language)
             return "No lore would come in." if not found else "Only disabled entries match:\n" + "\n".join(
                 describe(e) for e in found)
         return "A message with these words brings in:\n" + "\n".join(describe(e) for e in picked)
