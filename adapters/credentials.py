@@ -47,35 +47,49 @@ async def discord_login(config: DiscordConfig, environ: Mapping[str, str]) -> tu
 
 
 async def matrix_login(config: MatrixConfig, environ: Mapping[str, str]) -> tuple[bool, str]:
-    """Whether the homeserver answers and takes the account's access token (see the module's description)."""
+    """Whether the homeserver answers and takes what the bot would sign in with (see the module's description),
+    in the bot's order: the session a password login saved, while it is signed in; else the access token; else
+    the password."""
     try:
-        password_set, token = read_secrets(config, environ)
+        _password, token = read_secrets(config, environ)
     except MatrixError as exc:
         return False, str(exc)
     server = config.homeserver.rstrip("/")
-    saved = "" if token else str(saved_session(store_dir(config), config.user_id).get("access_token") or "")
+    tokens = [(where, value) for where, value in (
+        ("the saved session", str(saved_session(store_dir(config), config.user_id).get("access_token") or "")),
+        (f"${config.access_token_env}", token)) if value]
     try:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
             async with session.get(f"{server}/_matrix/client/versions") as response:
                 if response.status >= 400:
                     return False, (f"the homeserver at {server} answered HTTP {response.status}: check [matrix] "
                                    "homeserver")
-            if not (token or saved):
-                return True, (f"the homeserver answers; password from ${config.password_env} for {config.user_id} "
-                              "(checked at the bot's first start: a login makes a device)")
-            headers = {"Authorization": f"Bearer {token or saved}"}
-            async with session.get(f"{server}/_matrix/client/v3/account/whoami", headers=headers) as response:
-                status, who = response.status, (await response.json() if response.status == 200 else {})
+            signed_out = False
+            for where, value in tokens:
+                status, who = await _whoami(session, server, value)
+                if status == 401 and where == "the saved session":
+                    signed_out = True  # (since: the bot drops it and signs in with what comes next)
+                    continue
+                return _whoami_verdict(config, where, status, who)
     except UNREACHABLE as exc:
         return False, f"cannot reach the homeserver at {server} ({_why(exc)}): check [matrix] homeserver"
-    return _whoami_verdict(config, status, who, from_env=bool(token), password=bool(password_set))
-
-
-def _whoami_verdict(config: MatrixConfig, status: int, who: Mapping[str, object], *, from_env: bool,
-                    password: bool) -> tuple[bool, str]:
-    where = f"${config.access_token_env}" if from_env else "the saved session"
-    if status == 401 and not from_env and password:
+    if signed_out:  # (and no access token: read_secrets found the password)
         return True, "the saved session was signed out; the password logs in anew at start"
+    return True, (f"the homeserver answers; password from ${config.password_env} for {config.user_id} "
+                  "(checked at the bot's first start: a login makes a device)")
+
+
+async def _whoami(session: aiohttp.ClientSession, server: str, token: str) -> tuple[int, Mapping[str, object]]:
+    async with session.get(f"{server}/_matrix/client/v3/account/whoami",
+                           headers={"Authorization": f"Bearer {token}"}) as response:
+        try:
+            who = await response.json(content_type=None) if response.status == 200 else {}
+        except ValueError:  # (not JSON: a proxy's page)
+            return 502, {}
+        return response.status, who if isinstance(who, dict) else {}
+
+
+def _whoami_verdict(config: MatrixConfig, where: str, status: int, who: Mapping[str, object]) -> tuple[bool, str]:
     if status == 401:
         return False, f"the homeserver rejected the access token in {where}"
     if status != 200:

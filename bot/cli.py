@@ -998,18 +998,17 @@ async def _doctor_answer(config: Config, report: Callable[..., None], models: Se
     rate-limited, out of credit), and doctor said "All checks passed" while every reply, or every background
     update, failed."""
     from bot.app import build_provider
-    from bot.llm.probe import PROBE_SECONDS, probe_request
+    from bot.llm.probe import PROBE_SECONDS, probe
 
     llm = config.llm
     provider = build_provider(config)
     seconds = min(llm.timeout_seconds, PROBE_SECONDS)
     try:
         for model in models:
-            try:
-                await asyncio.wait_for(provider.complete(probe_request(model)), timeout=seconds)
-            except LLMError as exc:
-                report(False, f"an answer from {model}", one_line(f"{exc.user_message} ({exc.detail})"))
-            except TimeoutError:
+            failure = await probe(provider, model, seconds)
+            if isinstance(failure, LLMError):
+                report(False, f"an answer from {model}", one_line(f"{failure.user_message} ({failure.detail})"))
+            elif failure is not None:
                 report(False, f"an answer from {model}", f"none within {seconds:g} s")
             else:
                 report(True, f"an answer from {model}", "a request of a few tokens was answered")

@@ -704,6 +704,12 @@ async def test_doctor_asks_the_homeserver_whether_it_takes_the_bots_credentials(
         (store / "session.json").write_text(json.dumps({"user_id": alice.user_id, "access_token": "syt_gone"}))
         assert await matrix_login(config, {"MX_P": "pw"}) == (
             True, "the saved session was signed out; the password logs in anew at start")
+        # as the bot signs in: the saved session first while it holds, then the configured token
+        assert await matrix_login(config, {"MX_T": alice.access_token}) == (
+            True, f"the access token in $MX_T signs in as {alice.user_id}")  # (the saved one was signed out)
+        (store / "session.json").write_text(json.dumps({"user_id": alice.user_id, "access_token": alice.access_token}))
+        assert await matrix_login(config, {"MX_T": "syt_not_used_while_the_session_holds"}) == (
+            True, f"the access token in the saved session signs in as {alice.user_id}")
         assert (await matrix_login(config, {}))[0] is False  # neither secret
         nowhere = config.model_copy(update={"homeserver": "http://127.0.0.1:9"})
         ok, said = await matrix_login(nowhere, {"MX_T": alice.access_token})

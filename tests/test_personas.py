@@ -137,6 +137,8 @@ async def test_edit_history_revert_change_the_prompt_at_once(tmp_path: Path) -> 
         assert "either the new text or --empty" in await run(app, "!persona edit tone Be warm, say --empty")
         assert "did you mean boundaries?" in await run(app, "!persona edit boundary Be kind.")
         assert "section tone emptied" in await run(app, "!persona edit --empty tone")
+        assert "has no section hobbies to empty (a new section needs its text)" in await run(
+            app, "!persona edit hobbies --empty")
         assert "section backstory is now version 2" in await run(app, "!persona edit backstory Grew up\nin Lyon.")
 
 

@@ -159,7 +159,7 @@ async def test_a_bot_admin_edits_a_soul_section_as_a_new_version(tmp_path: Path)
         assert "did you mean identity?" in error["error"]
         # a section of the admin's own, as !persona edit makes one (not without text)
         status, error = await admin.call("PUT", "/api/admin/personas/Cora/sections/backstory", {"text": " "})
-        assert status == 422 and "needs its text" in error["error"]
+        assert status == 422 and "a new section needs its text" in error["error"]
         status, own = await admin.call("PUT", "/api/admin/personas/Cora/sections/Backstory", {"text": "Born in Lyon."})
         assert status == 200 and own["name"] == "backstory" and own["version"] == 1
         status, listed = await admin.call("GET", "/api/admin/personas")

@@ -263,7 +263,7 @@ class AdminApi:
         _, scope, key = await self.section(request.match_info["persona"], request.match_info["section"], new=True)
         text = checked_text(body.text, MAX_SECTION_CHARS, "soul section")
         if not text.strip() and key not in SOUL_SECTIONS and not await self.texts.history("soul", scope, key):
-            fail(422, f"a new section {key} needs its text")
+            fail(422, f"there is no section {key} to empty (a new section needs its text)")
         changed = await self.put_text("soul", scope, key, text, caller, f"edited {WEB}", based_on=body.version)
         return ok(section_json(key, await self.texts.history("soul", scope, key))
                   | {"changed": changed, "unknown_variables": unfilled(text)})

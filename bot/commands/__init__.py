@@ -114,7 +114,8 @@ class CommandContext:
     history_since_join: bool = False  # members see only what was said since they joined (bot.policy.Inbound)
 
     def __post_init__(self) -> None:  # the name as stores and prompts may take it (as IncomingMessage's)
-        object.__setattr__(self, "user_name", one_line_name(self.user_name) or self.user_key)
+        # (nothing left: the platform's id, as IncomingMessage falls back to its author_id)
+        object.__setattr__(self, "user_name", one_line_name(self.user_name) or self.user_key.split(":", 1)[-1])
 
 
 @dataclass(frozen=True, slots=True)

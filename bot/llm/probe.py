@@ -40,14 +40,22 @@ async def check_model(provider: LLMProvider, model: str, *, seconds: float = PRO
         pass  # (a server that lists nothing: the probe decides)
     if model in listed:
         return ModelCheck(True)
+    failure = await probe(provider, model, seconds)
+    if isinstance(failure, LLMBadRequest):
+        offers = f"; it offers {', '.join(listed[:10])}" + (" …" if len(listed) > 10 else "") if listed else ""
+        return ModelCheck(False, note=f"the LLM server refused a request for {model}: {failure.user_message}{offers}")
+    if isinstance(failure, LLMError):
+        return ModelCheck(True, False, f"not checked: a test request for {model} failed ({failure.user_message})")
+    if failure is not None:
+        return ModelCheck(True, False, f"not checked: a test request for {model} had no answer within {seconds:g} s")
+    return ModelCheck(True)
+
+
+async def probe(provider: LLMProvider, model: str, seconds: float = PROBE_SECONDS) -> LLMError | TimeoutError | None:
+    """Send ``model`` a request of a few tokens: None when it answered, else why not."""
     try:
         async with asyncio.timeout(seconds):
             await provider.complete(probe_request(model))
-    except LLMBadRequest as exc:
-        offers = f"; it offers {', '.join(listed[:10])}" + (" …" if len(listed) > 10 else "") if listed else ""
-        return ModelCheck(False, note=f"the LLM server refused a request for {model}: {exc.user_message}{offers}")
-    except LLMError as exc:
-        return ModelCheck(True, False, f"not checked: a test request for {model} failed ({exc.user_message})")
-    except TimeoutError:
-        return ModelCheck(True, False, f"not checked: a test request for {model} had no answer within {seconds:g} s")
-    return ModelCheck(True)
+    except (LLMError, TimeoutError) as exc:
+        return exc
+    return None

@@ -840,8 +840,7 @@ class Storage:
         return [self._job(r) for r in rows]
 
     async def job_counts(self) -> dict[str, int]:
-        rows = await self.db.fetch_all("SELECT status, count(*) FROM jobs GROUP BY status")
-        return {str(r[0]): int(r[1]) for r in rows}
+        return await self.health.job_counts()
 
     async def count_jobs(self, statuses: Sequence[JobStatus], kinds: Iterable[str] | None = None, *,
                          due_by: float | None = None) -> int:

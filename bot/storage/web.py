@@ -126,11 +126,16 @@ class HealthRepository:
     async def ping(self) -> None:
         await self.db.fetch_one("SELECT 1")
 
-    async def queue(self) -> QueueState:
+    async def job_counts(self) -> dict[str, int]:
+        """How many jobs are in each status, read at one moment."""
         rows = await self.db.fetch_all("SELECT status, COUNT(*) FROM jobs GROUP BY status")
+        return {str(r[0]): int(r[1]) for r in rows}
+
+    async def queue(self) -> QueueState:
+        counts = await self.job_counts()
         oldest = await self.db.fetch_one("SELECT MIN(created_at) FROM jobs WHERE status = 'queued'")
         at = oldest[0] if oldest is not None else None
-        return QueueState({str(r[0]): int(r[1]) for r in rows}, None if at is None else float(at))
+        return QueueState(counts, None if at is None else float(at))
 
     async def item_states(self) -> dict[str, int]:
         row = await self.db.fetch_one(

@@ -217,6 +217,8 @@ class PersonaCommands:
         names = [t.name for t in await self.storage.personas.current("soul", scope)]
         if key not in names and (refused := new_section_refusal(ctx.persona, key)) is not None:
             raise CommandError(refused)
+        if key not in names and key not in SOUL_SECTIONS and not text:
+            raise CommandError(f"{ctx.persona} has no section {key} to empty (a new section needs its text)")
         saved = await self.storage.personas.put("soul", scope, key, text, author=ctx.user_key,
                                                 reason="edited in chat")
         await self.registry.load()
