@@ -44,14 +44,17 @@ from nio import (
     MegolmEvent,
     ReactionEvent,
     RedactionEvent,
+    Response,
     RoomCreateResponse,
     RoomEncryptedFile,
     RoomEncryptedImage,
+    RoomEncryptedMedia,
     RoomInviteResponse,
     RoomMemberEvent,
     RoomMessageEmote,
     RoomMessageFile,
     RoomMessageImage,
+    RoomMessageMedia,
     RoomMessageText,
     RoomSendResponse,
     SyncError,
@@ -104,6 +107,9 @@ DOWNLOADS_AT_ONCE = 2  # files of commands fetched at a time (each held whole in
 TYPING_MS = 30_000  # how long the server shows the bot typing after each renewal (renewed after two thirds)
 FileEvent: TypeAlias = RoomMessageFile | RoomEncryptedFile | RoomMessageImage | RoomEncryptedImage
 FILE_EVENTS = (RoomMessageFile, RoomEncryptedFile, RoomMessageImage, RoomEncryptedImage)
+# Every upload (a picture, a recording, a video, a file), encrypted or not: its caption is read as a message.
+MediaEvent: TypeAlias = RoomMessageMedia | RoomEncryptedMedia
+MEDIA_EVENTS = (RoomMessageMedia, RoomEncryptedMedia)
 ENCRYPTED_FILES = (RoomEncryptedFile, RoomEncryptedImage)
 P = ParamSpec("P")
 # A link to a user (matrix.to, Element's own permalinks, matrix: URIs), which clients show as a mention (a pill)
@@ -261,6 +267,17 @@ def saved_session(store: Path, user_id: str) -> dict[str, Any]:
     return data if isinstance(data, dict) and data.get("user_id") == user_id else {}
 
 
+class _Client(AsyncClient):  # type: ignore[misc]  # (nio ships no types)
+    """nio's client, showing the adapter each sync before its events are handed out (``before_events``)."""
+
+    before_events: Callable[[SyncResponse], None] | None = None
+
+    async def receive_response(self, response: Response) -> None:
+        if isinstance(response, SyncResponse) and self.before_events is not None:
+            self.before_events(response)
+        await super().receive_response(response)
+
+
 class MatrixSink:
     """Delivery for one incoming message (see :class:`bot.router.ChatSink`)."""
 
@@ -329,10 +346,11 @@ class MatrixAdapter:
         self.password, self.token = read_secrets(config, env)
         self.store = store_dir(config)
         private_dir(self.store)  # the login and, with e2ee, the keys
-        self.client = AsyncClient(
+        self.client = _Client(
             config.homeserver, config.user_id, store_path=str(self.store),
             config=AsyncClientConfig(encryption_enabled=config.e2ee, store_sync_tokens=False),
         )
+        self.client.before_events = self._note_new_joins
         self.server_name = home_server(config.user_id)
         self._sent: OrderedDict[str, None] = OrderedDict()  # recent event ids the bot sent
         self._senders: OrderedDict[str, str] = OrderedDict()  # who sent older events replied to (asked once)
@@ -366,6 +384,7 @@ class MatrixAdapter:
         self._stopping = asyncio.Event()
         self._sync_seen = asyncio.Event()  # set (and replaced) after each sync
         self._joining: set[str] = set()  # rooms joined on invite whose own join event is not seen yet
+        self._join_events: dict[str, str] = {}  # of those: the event id of that join, where a sync brought it
         self._sync_failures = 0  # failed syncs in a row (each waits longer before the next)
         self._undecryptable: OrderedDict[tuple[str, str], None] = OrderedDict()  # (room, session) said once
         self._fatal: MatrixError | None = None  # why the sync stopped for good (run raises it)
@@ -475,7 +494,7 @@ class MatrixAdapter:
         # equals it, and after a restart with nothing new that was the full-state one, leaving no room known.)
         # Every callback is guarded: one bad event must not end the sync (see ``guarded``).
         self.client.add_event_callback(guarded(self._on_message), (RoomMessageText, RoomMessageEmote))
-        self.client.add_event_callback(guarded(self._on_file), FILE_EVENTS)
+        self.client.add_event_callback(guarded(self._on_file), MEDIA_EVENTS)
         self.client.add_event_callback(guarded(self.reactions.on_reaction), ReactionEvent)
         self.client.add_event_callback(guarded(self._on_redaction), RedactionEvent)
         self.client.add_event_callback(guarded(self._on_undecryptable), MegolmEvent)
@@ -574,6 +593,9 @@ class MatrixAdapter:
         # A join whose own event the timeline did not carry (a limited one): the room counts as joined after
         # the first sync that brings it, whatever happens.
         self._joining.difference_update(response.rooms.join)
+        for room_id in response.rooms.join:
+            self._join_events.pop(room_id, None)
+        self._left(response.rooms.leave)
         since = self._load_state().get("next_batch")  # where this sync started
         for room_id, info in response.rooms.join.items():
             if info.timeline.limited and info.timeline.prev_batch:  # events before prev_batch were skipped
@@ -669,7 +691,7 @@ class MatrixAdapter:
         await self._load_creators(room.room_id)
         return (f"{PLATFORM}:power:{self.power_level(room, user_id)}",)
 
-    async def inbound(self, room: MatrixRoom, event: RoomMessageText | RoomMessageEmote | FileEvent) -> Inbound:
+    async def inbound(self, room: MatrixRoom, event: RoomMessageText | RoomMessageEmote | MediaEvent) -> Inbound:
         content = event.source.get("content")
         me = self.config.user_id
         # The bot's own display name: the room's form of it gains " (@id)" once a member copies the name.
@@ -801,8 +823,32 @@ class MatrixAdapter:
     async def _on_member(self, room: MatrixRoom, event: RoomMemberEvent) -> None:
         if self._hides_history(room):
             self.joins.note(room.room_id, event)  # (as it arrives: see adapters.matrix_joins)
-        if event.state_key == self.config.user_id and event.membership == "join":
+        if event.state_key == self.config.user_id and event.membership == "join" \
+                and self._join_events.get(room.room_id, event.event_id) == event.event_id:
             self._joining.discard(room.room_id)  # what follows in the timeline was said with the bot there
+            self._join_events.pop(room.room_id, None)
+
+    def _note_new_joins(self, response: SyncResponse) -> None:
+        """Before a sync's events are handed out: the bot's own join in each room it is joining, the last one in
+        the room's timeline. Invited back (after !leave, a kick), the bot is given the room's recent history with
+        its earlier join in it: what came after that one was answered then, or said while it was away (an old
+        !leave among it made it leave again)."""
+        me = self.config.user_id
+        for room_id in self._joining & response.rooms.join.keys():
+            joins = [e.event_id for e in response.rooms.join[room_id].timeline.events if isinstance(e, RoomMemberEvent)
+                     and e.state_key == me and e.membership == "join" and e.prev_membership != "join"]
+            if joins:  # (a name change of the bot's is a join after a join: not this one)
+                self._join_events[room_id] = joins[-1]
+
+    def _left(self, room_ids: Iterable[str]) -> None:
+        """Rooms the bot left, was kicked from or turned down (a sync's "leave" section, which nio does not read):
+        gone from the client's rooms, where they still listed the bot as a member (a direct room it was kicked
+        from took every private answer; rooms it was made to leave counted against their inviter's limit)."""
+        for room_id in room_ids:
+            self.client.rooms.pop(room_id, None)
+            self.client.invited_rooms.pop(room_id, None)
+            self._joining.discard(room_id)
+            self._join_events.pop(room_id, None)
 
     async def _on_redaction(self, room: MatrixRoom, event: RedactionEvent) -> None:
         """A message taken back (by its sender or a moderator): the bot's copy goes too (see ``withdraw``).
@@ -861,20 +907,22 @@ class MatrixAdapter:
             return  # an edit of an earlier message
         self._spawn(self._handle(room, event))
 
-    async def _on_file(self, room: MatrixRoom, event: FileEvent) -> None:
-        """A file sent with a caption that is a command (``!persona import`` with a card): the caption is
-        the command and the file its attachment (MSC2530: a caption is a body that differs from the
-        ``filename``). Files without such a caption are not read."""
+    async def _on_file(self, room: MatrixRoom, event: MediaEvent) -> None:
+        """An upload. With a caption that is a command, a file (``!persona import`` with a card) is the command's
+        attachment (MSC2530: a caption is a body that differs from the ``filename``). Otherwise its caption is
+        read as a message, as Discord's text beside a picture is; an upload without one is a message without
+        text (in a DM, or addressed: the bot says it reads text). The file itself is never read for chat."""
         content = json_object(event.source.get("content"))
         filename = str(content.get("filename") or "")
-        caption = event.body.strip()
-        if event.sender == self.config.user_id or not filename or caption == filename or self._before_join(room):
+        caption = event.body.strip() if filename and event.body.strip() != filename else ""
+        if event.sender == self.config.user_id or self._before_join(room):
             return
         if relates_to(content).get("rel_type") == "m.replace":
             return  # an edit of an earlier file's caption: its command ran once, as an edited text's does not again
-        if not caption.startswith(self.config.command_prefix):
-            return
-        self._spawn(self._handle(room, event, file=(filename, content)))
+        if caption.startswith(self.config.command_prefix) and isinstance(event, FILE_EVENTS):
+            self._spawn(self._handle(room, event, file=(filename, content)))
+        else:
+            self._spawn(self._handle(room, event, text=None if caption else ""))  # (the body is the caption)
 
     async def _download(self, event: FileEvent, filename: str, content: dict[str, Any]) -> Attachment:
         """The file's bytes (decrypted in an encrypted room); ValueError with one line when it cannot be."""
@@ -915,11 +963,13 @@ class MatrixAdapter:
             raise ValueError(f"could not download {shown(filename)}: {type(exc).__name__}") from exc
         return bytes(data)
 
-    async def _handle(self, room: MatrixRoom, event: RoomMessageText | RoomMessageEmote | FileEvent,
-                      file: tuple[str, dict[str, Any]] | None = None) -> None:
+    async def _handle(self, room: MatrixRoom, event: RoomMessageText | RoomMessageEmote | MediaEvent,
+                      file: tuple[str, dict[str, Any]] | None = None, text: str | None = None) -> None:
         try:
             await self._load_creators(room.room_id)
             inbound = await self.inbound(room, event)
+            if text is not None:  # (an upload without a caption: its body is its file's name, not a message)
+                inbound = _with_text(inbound, text)
             if isinstance(event, RoomMessageEmote):  # "/me waves": an action, as chats write one; never a command
                 if not inbound.message.text.strip():
                     return

@@ -986,3 +986,95 @@ async def test_a_member_from_before_the_bot_keeps_their_history_after_a_name_cha
             await stop_bot(running)
         if not first.task.done():
             await stop_bot(first)
+
+
+async def test_a_bot_invited_back_answers_nothing_said_before_and_runs_no_old_command(synapse: SynapseServer,
+                                                                                    bot: Bot) -> None:
+    """Invited back after !leave (or a kick), the bot is given the room's recent history with its earlier join in
+    it: it answered the old mention again and ran the old !leave again (and left at once)."""
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    try:
+        room = await open_room(alice, [bot.user_id], direct=False)
+        await joined(seen, room, bot.user_id)
+        await send_text(alice, room, f"{bot.user_id}: first question")
+        await seen.sync_until(lambda: any("first question" in t for t in final_texts(seen, room, bot.user_id)),
+                              "the answer")
+        await send_text(alice, room, "!leave")
+        await seen.sync_until(lambda: bot.user_id not in alice.rooms[room].users, "the bot to leave")
+        await alice.room_invite(room, bot.user_id)
+        await joined(seen, room, bot.user_id)
+        await send_text(alice, room, f"{bot.user_id}: second question")  # (answered: the old events are behind)
+        await seen.sync_until(lambda: any("second question" in t for t in final_texts(seen, room, bot.user_id)),
+                              "the answer to the new question")
+        answers = final_texts(seen, room, bot.user_id)
+        assert len([t for t in answers if "first question" in t]) == 1, answers
+        assert bot.user_id in alice.rooms[room].users  # (the old !leave did not run again)
+    finally:
+        await alice.close()
+
+
+async def test_a_direct_room_the_bot_was_kicked_from_is_not_where_private_answers_go(synapse: SynapseServer,
+                                                                                    bot: Bot) -> None:
+    """nio does not read the rooms a sync says the bot left: a DM it was kicked from stayed in its rooms with the
+    bot listed in it, and every private answer went there (M_FORBIDDEN) until a restart."""
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    try:
+        dm = await dm_with(seen, bot.user_id)
+        await alice.room_kick(dm, bot.user_id)
+        await eventually(lambda: _gone(bot, dm), "the bot to see the kick")
+        group = await open_room(alice, [bot.user_id], direct=False)
+        await joined(seen, group, bot.user_id)
+        await send_text(alice, group, "!memory list")
+        await seen.sync_until(lambda: any(r != dm for r in alice.invited_rooms), "an invite to a new direct room")
+        new = next(r for r in alice.invited_rooms if r != dm)
+        await seen.sync_until(lambda: any("direct message" in t for t in final_texts(seen, group, bot.user_id)),
+                              "the note in the group")
+        await alice.join(new)
+        await seen.sync_until(lambda: any("No memory items" in t for t in final_texts(seen, new, bot.user_id)),
+                              "the private answer")
+    finally:
+        await alice.close()
+
+
+async def _gone(bot: Bot, room_id: str) -> bool:
+    return room_id not in bot.adapter.client.rooms
+
+
+async def test_rooms_the_bot_was_made_to_leave_do_not_count_against_the_inviters_limit(synapse: SynapseServer,
+                                                                                     tmp_path: Path) -> None:
+    running = await start_bot(synapse, tmp_path, max_rooms_per_inviter=1)
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    try:
+        first = await open_room(alice, [running.user_id], direct=False)
+        await joined(seen, first, running.user_id)
+        await send_text(alice, first, "!leave")
+        await seen.sync_until(lambda: running.user_id not in alice.rooms[first].users, "the bot to leave")
+        await eventually(lambda: _gone(running, first), "the bot to see it left")
+        second = await open_room(alice, [running.user_id], direct=False)
+        await joined(seen, second, running.user_id)  # (it was declined: "already brought the bot into 1 rooms")
+    finally:
+        await alice.close()
+        await stop_bot(running)
+
+
+async def test_uploads_are_read_by_their_caption_and_a_bare_one_gets_the_hint(synapse: SynapseServer,
+                                                                             bot: Bot) -> None:
+    """A picture with the question "what is this?" as its caption, or a recording alone, got no answer at all
+    in a DM (Discord's adapter reads the text beside a picture, and answers a picture alone with a hint)."""
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    try:
+        dm = await dm_with(seen, bot.user_id)
+        await alice.room_send(dm, "m.room.message", {"msgtype": "m.image", "body": "what is this?",
+                                                     "filename": "cat.png", "url": "mxc://localhost/abc"})
+        await seen.sync_until(lambda: "echo: what is this?" in final_texts(seen, dm, bot.user_id), "the answer")
+        await alice.room_send(dm, "m.room.message", {"msgtype": "m.audio", "body": "voice.ogg",
+                                                     "url": "mxc://localhost/def"})
+        await seen.sync_until(lambda: any("I read text" in t for t in final_texts(seen, dm, bot.user_id)), "the hint")
+        asked = [r for r in bot.app.llm.requests if "voice.ogg" in str(r.messages)]  # type: ignore[attr-defined]
+        assert asked == []  # (a file's name is not a message)
+    finally:
+        await alice.close()
