@@ -991,21 +991,29 @@ class MatrixAdapter:
                 except (ValueError, EncryptionError) as exc:
                     await MatrixSink(self, room, event).send_reply(CommandReply(str(exc)))
                     return
-            if inbound.message.text.strip().lower() == self.app.commands.prefix + self.leave.name \
-                    and not inbound.message.is_dm:
-                # As every command: not from those the access lists leave out, and within the command limit.
-                if not await self.app.router.admits(inbound, MatrixSink(self, room, event), is_command=True):
-                    return
-                if inbound.is_admin:
-                    await self.client.room_leave(room.room_id)
-                else:
-                    await MatrixSink(self, room, event).send_reply(CommandReply(
-                        f"{prefix}{self.leave.name} is for this room's admins (power level "
-                        f"{self.config.admin_power_level} or more): they can make me leave."))
+            if inbound.message.text.strip().lower() == self.app.commands.prefix + self.leave.name:
+                await self._leave_command(inbound, room, MatrixSink(self, room, event))
                 return
             await self.app.router.handle(inbound, MatrixSink(self, room, event))
         except Exception:
             log.exception("Matrix: failed to handle event %s in %s", event.event_id, room.room_id)
+
+    async def _leave_command(self, inbound: Inbound, room: MatrixRoom, sink: MatrixSink) -> None:
+        """``!leave``: the bot leaves a room its admin asks it to; in a direct chat the user leaves it themselves."""
+        # As every command: not from those the access lists leave out, and within the command limit.
+        if not await self.app.router.admits(inbound, sink, is_command=True):
+            return
+        prefix = self.config.command_prefix
+        if inbound.message.is_dm:
+            await sink.send_reply(CommandReply(
+                f"{prefix}{self.leave.name} is for rooms. To end our direct chat, leave it in your client (your "
+                f"memory stays; {prefix}memory forget-me deletes it)."))
+        elif inbound.is_admin:
+            await self.client.room_leave(room.room_id)
+        else:
+            await sink.send_reply(CommandReply(
+                f"{prefix}{self.leave.name} is for this room's admins (power level "
+                f"{self.config.admin_power_level} or more): they can make me leave."))
 
     async def _load_creators(self, room_id: str) -> None:
         """The room's creators (sender and additional_creators of m.room.create), fetched once per room."""

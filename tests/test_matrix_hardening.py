@@ -1076,5 +1076,8 @@ async def test_uploads_are_read_by_their_caption_and_a_bare_one_gets_the_hint(sy
         await seen.sync_until(lambda: any("I read text" in t for t in final_texts(seen, dm, bot.user_id)), "the hint")
         asked = [r for r in bot.app.llm.requests if "voice.ogg" in str(r.messages)]  # type: ignore[attr-defined]
         assert asked == []  # (a file's name is not a message)
+        await send_text(alice, dm, "!leave")  # ("Unknown command" before: leaving a DM is the user's to do)
+        await seen.sync_until(lambda: any("!leave is for rooms. To end our direct chat, leave it in your client" in t
+                                          for t in final_texts(seen, dm, bot.user_id)), "the answer to !leave")
     finally:
         await alice.close()
