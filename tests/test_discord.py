@@ -18,6 +18,7 @@ from adapters.discord import DiscordAdapter, _reply_payload
 from bot.app import App
 from bot.commands import Attachment, CommandReply
 from bot.config import parse_config
+from tests.fakes.discord_server import FakeDiscord
 from tests.fakes.provider import ScriptedProvider
 from tests.test_router import Sink
 
@@ -282,8 +283,10 @@ async def test_missing_message_content_intent_says_how_to_enable_it(adapter: Dis
 
     monkeypatch.setattr(adapter.bot, "start", refuse)
     monkeypatch.setattr(adapter.bot, "close", closed)  # dpytest's fake state has no HTTP session to close
-    with pytest.raises(RuntimeError, match="MESSAGE CONTENT INTENT"):
-        await adapter.run("token")
+    with FakeDiscord() as fake:  # (run waits until Discord answers: here, the fake on loopback)
+        monkeypatch.setattr(discord.http.Route, "BASE", fake.api_base)
+        with pytest.raises(RuntimeError, match="MESSAGE CONTENT INTENT"):
+            await adapter.run("token")
 
 
 async def test_commands_are_synced_on_ready(adapter: DiscordAdapter, monkeypatch: pytest.MonkeyPatch) -> None:
