@@ -97,6 +97,12 @@ def test_killed_during_an_update_the_files_stay_whole_and_the_job_resumes(
     proc.stdin.close()
     fake_llm.wait_for(lambda r: is_cortex_update(r) and any(b["tool_use_id"] == "w1" for b in _tool_results(r)),
                       timeout=60)
+    # the third exchange reaches tier 75 while the update runs (it hangs after its write): killed once that
+    # tier's skip is recorded (on a busy machine the third reply may still be on its way when the write lands)
+    deadline = time.monotonic() + 60
+    while ("75", "skipped") not in db_rows(tmp_path, "SELECT tier, status FROM cortex_runs"):
+        assert time.monotonic() < deadline and proc.poll() is None, "tier 75 was never reached during the update"
+        time.sleep(0.1)
     time.sleep(0.3)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
