@@ -531,3 +531,39 @@ async def test_doctor_names_a_skill_host_that_needs_allow_internal(monkeypatch: 
     await _doctor_skills(config, lambda ok, what, detail="": reports.append((ok, what, detail)))
     assert [(ok, what) for ok, what, _ in reports] == [(False, "http skill local"), (True, "http skill public")]
     assert "allow_internal = true" in reports[0][2]
+
+
+@pytest.mark.parametrize("before", [280, 295, 1190])  # (across the 300-character cut; past the body's read limit)
+async def test_a_secret_an_error_page_echoes_is_redacted_whole_where_the_excerpt_is_cut(
+        make: Any, monkeypatch: pytest.MonkeyPatch, before: int) -> None:
+    """The error page was cut to 300 characters before redaction: a secret across the cut was left with its end
+    cut off, which no longer matched, and its first 20 characters reached the model, the audit and the log."""
+    from aiohttp import web
+
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+
+    async def fail(request: web.Request) -> web.Response:
+        return web.Response(status=500, text="x" * before + request.headers["X-Api-Key"] + " and more")
+
+    app = web.Application()
+    app.router.add_get("/fail", fail)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        skill = make(url=f"http://127.0.0.1:{runner.addresses[0][1]}/fail", headers_env={"X-Api-Key": SECRET_ENV})
+        result = await skill.run({}, _context())
+    finally:
+        await runner.cleanup()
+    assert result.is_error and "HTTP 500" in result.content
+    assert not any(SECRET[:size] in result.content for size in range(4, len(SECRET) + 1)), result.content[-80:]
+
+
+def test_redact_cut_leaves_no_start_of_a_secret_at_the_end() -> None:
+    from cortex.skills.base import redact_cut
+
+    secret = "s3cr3t-token-value-0123456789"
+    assert redact_cut(f"key {secret} ok", (secret,), 100) == "key [redacted] ok"
+    assert redact_cut("x" * 10 + secret + " more", (secret,), 20) == "x" * 10 + "[redacted…"  # (redacted, then cut)
+    assert redact_cut("abc s3cr", (secret,), 100) == "abc [redacted]"  # (a read that ended inside it)
+    assert redact_cut("abc s3c", (secret,), 100) == "abc s3c"  # (three characters: too few to be one)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal, Protocol
 
-from bot.text import storable
+from bot.text import one_line, storable
 
 Origin = Literal["builtin", "http", "mcp"]
 REDACTED = "[redacted]"
@@ -34,6 +34,22 @@ def redact(text: str, values: tuple[str, ...]) -> str:
     for value in values:
         text = text.replace(value, REDACTED)
     return text
+
+
+PIECE_CHARS = 4  # the shortest start of a secret that is redacted where a cut ends a text
+
+
+def redact_cut(text: str, values: tuple[str, ...], limit: int) -> str:
+    """``text`` on one line, redacted, then cut to ``limit`` characters ("…" at the end when longer), and no start
+    of a secret left at its end: cut before redacting, a secret split by the cut (or by the byte limit a body
+    was read with) lost only its end, and the rest of it got through."""
+    cut = one_line(redact(text, values), limit)
+    end = cut.removesuffix("\u2026")
+    for value in values:
+        for size in range(min(len(value) - 1, len(end)), PIECE_CHARS - 1, -1):
+            if end.endswith(value[:size]):
+                return end[:-size] + REDACTED + cut[len(end):]
+    return cut
 
 
 class SkillFailure(Exception):

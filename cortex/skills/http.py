@@ -33,7 +33,15 @@ from jsonschema import validators
 from yarl import URL
 
 from bot.config import URL_PLACEHOLDER, HttpSkillConfig
-from cortex.skills.base import SkillContext, SkillFailure, SkillInfo, SkillResult, redact, redaction_values
+from cortex.skills.base import (
+    SkillContext,
+    SkillFailure,
+    SkillInfo,
+    SkillResult,
+    redact,
+    redact_cut,
+    redaction_values,
+)
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +143,7 @@ class HttpSkill:
     async def _answer(self, response: aiohttp.ClientResponse) -> str:
         if response.status >= 400:
             body = (await read_limited(response, _ERROR_BODY_BYTES)).decode(_charset(response), errors="replace")
-            excerpt = body[:ERROR_BODY_CHARS].strip() or "(empty body)"
+            excerpt = redact_cut(body, self._redact_values, ERROR_BODY_CHARS) or "(empty body)"
             raise SkillFailure(f"the server answered HTTP {response.status} {response.reason or ''}".rstrip()
                                + f": {excerpt}")
         limit = self._config.max_response_bytes

@@ -47,8 +47,7 @@ from mcp.shared.message import SessionMessage
 from pydantic import ValidationError
 
 from bot.config import McpServerConfig
-from bot.text import one_line
-from cortex.skills.base import SkillContext, SkillInfo, SkillResult, redact, redaction_values
+from cortex.skills.base import SkillContext, SkillInfo, SkillResult, redact, redact_cut, redaction_values
 
 log = logging.getLogger(__name__)
 ERROR_CHARS = 300  # a server's error, described in one line, at most
@@ -130,18 +129,19 @@ def _model_name(name: str) -> str:
 
 
 def _describe_error(exc: BaseException) -> str:
-    """A one-line description of an exception (the leaves of an exception group)."""
+    """A description of an exception (the leaves of an exception group), whole: secrets are redacted before it
+    is cut (see ``McpServer.error_line``)."""
     if isinstance(exc, BaseExceptionGroup):
         return "; ".join(_describe_error(inner) for inner in exc.exceptions)
     if isinstance(exc, MCPError):
-        return one_line(f"MCP error {exc.code}: {exc.message}", ERROR_CHARS)
+        return f"MCP error {exc.code}: {exc.message}"
     if isinstance(exc, ValidationError):  # a server's answer the SDK refused: what, where (pydantic's is a page)
         errors = exc.errors()
         where = ".".join(str(part) for part in errors[0]["loc"]) if errors else ""
-        return one_line(f"the server's answer does not follow the protocol ({exc.error_count()} problem(s); "
-                        f"{where}: {errors[0]['msg'] if errors else ''})", ERROR_CHARS)
+        return (f"the server's answer does not follow the protocol ({exc.error_count()} problem(s); "
+                f"{where}: {errors[0]['msg'] if errors else ''})")
     text = str(exc)
-    return one_line(f"{type(exc).__name__}: {text}" if text else type(exc).__name__, ERROR_CHARS)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _describe_part(part: types.ContentBlock) -> str:
@@ -255,6 +255,10 @@ class McpServer:
         an error, and both reach the model, the audit and the log."""
         return redact(text, redaction_values(self._secrets))
 
+    def error_line(self, exc: BaseException) -> str:
+        """An exception of this server's, in one line of at most ``ERROR_CHARS``, its secrets redacted (then cut)."""
+        return redact_cut(_describe_error(exc), redaction_values(self._secrets), ERROR_CHARS)
+
     @property
     def up(self) -> bool:
         """Whether the server is connected and its tools listed."""
@@ -329,7 +333,7 @@ class McpServer:
             try:
                 await self._connect_and_serve()
             except Exception as exc:  # any failure of the server or its transport
-                reason = self.redacted(_describe_error(exc))
+                reason = self.error_line(exc)
             finally:
                 self._up = False
                 self._fail_queued()
@@ -439,7 +443,7 @@ class McpServer:
                 log.info("mcp server %s: tool list changed: %d tools", self.name, len(self._tools))
             except Exception as exc:
                 log.warning("mcp server %s: listing its tools failed: %s", self.name,
-                            self.redacted(_describe_error(exc)))
+                            self.error_line(exc))
 
     async def _keep_pinging(self, session: ClientSession, scope: anyio.CancelScope) -> None:
         while True:
@@ -449,7 +453,7 @@ class McpServer:
                     await session.send_ping()
             except Exception as exc:
                 log.warning("mcp server %s did not answer a ping: %s", self.name,
-                            self.redacted(_describe_error(exc)))
+                            self.error_line(exc))
                 scope.cancel()
                 return
 
@@ -457,7 +461,7 @@ class McpServer:
         if isinstance(message, types.ToolListChangedNotification):
             self._relist.set()
         elif isinstance(message, Exception):
-            log.debug("mcp server %s: transport error: %s", self.name, _describe_error(message))
+            log.debug("mcp server %s: transport error: %s", self.name, self.error_line(message))
 
     async def _list_tools(self, session: ClientSession) -> None:
         listed: list[types.Tool] = []
@@ -517,7 +521,7 @@ class McpServer:
                 return self._unreachable()
             return SkillResult(f"the {self.name} server refused the call: {exc.message}", is_error=True)
         except Exception as exc:  # e.g. a result that fails the tool's output schema
-            described = self.redacted(_describe_error(exc))
+            described = self.error_line(exc)
             log.warning("mcp server %s: calling %s failed: %s", self.name, name, described)
             return SkillResult(f"calling {name} on the {self.name} server failed: {described}", is_error=True)
         text = result_text(result)
