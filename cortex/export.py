@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import math
 import zipfile
 import zlib
 from collections import Counter
@@ -244,11 +245,15 @@ def _directory_bytes(blob: bytes) -> int:
     return size
 
 
-def _number(kind: Callable[[str], T]) -> Callable[[str], T | None]:
+def read_number(kind: Callable[[str], T]) -> Callable[[str], T | None]:
     """A JSON number as an export writes them (at most 40 characters: ids, times, scores); a longer one is read
-    as null, never converted (23,000 numbers of 4,200 digits took 3.6 s), and leaves its entry out."""
+    as null, never converted (23,000 numbers of 4,200 digits took 3.6 s), and leaves its entry out; so does one
+    too large for a float (``1e999`` is infinity, which JSON cannot hold: stored, no other reader took it)."""
     def parse(text: str) -> T | None:
-        return kind(text) if len(text) <= 40 else None
+        if len(text) > 40:
+            return None
+        number = kind(text)
+        return None if isinstance(number, float) and not math.isfinite(number) else number
     return parse
 
 
@@ -279,7 +284,8 @@ def read_archive(blob: bytes) -> dict[str, Any]:
             if values > MAX_DATA_VALUES:
                 raise ArchiveError(f"its data.json holds more than {MAX_DATA_VALUES:,} values, more than this bot "
                                    "imports at once")
-            data = json.loads(raw, parse_int=_number(int), parse_float=_number(float), object_pairs_hook=_object)
+            data = json.loads(raw, parse_int=read_number(int), parse_float=read_number(float),
+                              object_pairs_hook=_object)
     except ArchiveError:
         raise
     except (zipfile.BadZipFile, KeyError):

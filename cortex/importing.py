@@ -33,7 +33,7 @@ from bot.storage.base import Channel, User
 from bot.storage.core import Storage
 from bot.storage.engine import is_missing_reference
 from bot.text import plural, storable, storable_json
-from cortex.export import ArchiveError, ImportReport
+from cortex.export import ArchiveError, ImportReport, read_number
 from cortex.files import CortexFiles, FileError
 from cortex.memory.guard import check_memory_text
 from cortex.memory.store import CATEGORIES, MAX_KEY_CHARS, PAIR_ITEMS, SCOPES
@@ -45,6 +45,9 @@ LATEST_EXPIRY = 253_402_300_799.0  # 9999-12-31 23:59:59 UTC, the last second a 
 CLOCK_SKEW = 86_400.0  # an export from a bot whose clock ran a day ahead still comes in (items)
 MAX_TAGS = 10  # as the remember tool keeps them
 MAX_METADATA_CHARS = 4_000  # an item's metadata as JSON (every read of the item parses it)
+# Tags or metadata written as a JSON text: longer than this is over their caps whatever it holds. (A string of
+# 32 MB of long numbers zips to a few KB; json.loads holds Python's lock, and so the event loop, while it reads.)
+MAX_JSON_TEXT_CHARS = 4 * MAX_METADATA_CHARS
 MAX_NAME_CHARS = 100  # a message's author name
 # What one import brings at most: a small archive can hold a lot (40,000 items zip to 120 kB), and what it brings
 # is checked, stored and embedded for minutes. More comes in with another import, up to PAIR_ITEMS per persona.
@@ -98,8 +101,10 @@ def _json_as(value: Any, kind: type[list[Any]] | type[dict[str, Any]]) -> Any:
     if value is None or value == "":
         return kind()
     if isinstance(value, str):
+        if len(value) > MAX_JSON_TEXT_CHARS:  # (far over what an item keeps: parsed, it held the event loop)
+            return None
         try:
-            value = json.loads(value)
+            value = json.loads(value, parse_int=read_number(int), parse_float=read_number(float))
         except (ValueError, RecursionError):
             return None
     return value if isinstance(value, kind) else None

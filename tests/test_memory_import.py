@@ -326,6 +326,24 @@ async def test_oversized_tags_and_metadata_leave_their_item_out(tmp_path: Path) 
         assert "an unusable memory item (×3)" in reply
 
 
+def test_tags_or_metadata_written_as_json_text_are_read_within_their_caps() -> None:
+    """An item's metadata may be the JSON text of an object (as data.json writes it): 32 MB of long numbers in
+    such a string (a few KB zipped) went through a plain json.loads, which held the event loop 0.6-2 s at each
+    import; and 1e999, read as infinity, was stored as "Infinity", which no JSON reader but Python's takes."""
+    import time
+
+    from cortex.importing import item_fields
+
+    good = {"category": "fact", "content": "Ann grows figs", "importance": 5, "created_at": 1_700_000_000}
+    huge = "[" + ",".join(["9" * 4000] * 8000) + "]"
+    started = time.perf_counter()
+    assert item_fields({**good, "metadata": huge}, 2000) is None and item_fields({**good, "tags": huge}, 2000) is None
+    assert time.perf_counter() - started < 0.05  # (not parsed: far over the caps whatever it holds)
+    fields = item_fields({**good, "metadata": '{"score": 1e999, "n": 2}'}, 2000)
+    assert fields is not None and "Infinity" not in str(fields) and '"n": 2' in str(fields)
+    assert item_fields({**good, "metadata": '{"a": 1}', "tags": '["garden"]'}, 2000) is not None
+
+
 async def test_a_correction_loop_in_an_archive_hides_nothing(tmp_path: Path) -> None:
     """An item "corrected" by itself, or two correcting each other, would be hidden as superseded for good."""
     itself = {**BONN, "superseded_by": 1}
