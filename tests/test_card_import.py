@@ -91,6 +91,11 @@ async def test_bad_cards_get_one_line_and_change_nothing(tmp_path: Path, fake_ll
             (Attachment("v1.json", json.dumps({"name": "Old", "description": "x"}).encode()), "unsupported"),
             (Attachment("huge.json", b" " * (9 * 1024 * 1024)), "at most 8 MB"),
             (Attachment("max.json", dumps(v2_card(name="Max"))), "exists already"),
+            # a name that looks like Max's was refused as "a deleted persona", with advice that could not work
+            (Attachment("m.json", dumps(v2_card(name="M\u0430x"))), "a persona called `Max` exists already (`M\u0430x` "
+             "is the same name: letters that look alike do not tell names apart): delete it first (!persona delete "
+             "Max)"),
+            (Attachment("mx.json", dumps(v2_card(name="\uff2d\uff41\uff58"))), "a persona called `Max` exists already"),
             (Attachment("bell.json", dumps(v2_card(name="Bell\u0007\u200b"))), "`bell.json`: give the persona a name"),
             (Attachment("buff.json", dumps(v2_card(name="History Buff"))),
              "`buff.json`: a persona's name cannot start with `history`: !persona history is a command"),

@@ -30,7 +30,7 @@ from bot.storage.textsearch import text_search_config
 from bot.text import one_line_name, shown
 from cortex.memory.guard import check_memory_text
 from cortex.personas.cards import MAX_CARD_BYTES, CardError, CardLoreEntry, export_card_v2, parse_card
-from cortex.personas.commands import check_persona_name
+from cortex.personas.commands import check_persona_name, taken_by, taken_message
 from cortex.personas.registry import PersonaRegistry
 
 IMPORT = "import"
@@ -79,10 +79,11 @@ class CardCommands:
         row = await self.storage.personas.import_persona(  # all of it, or nothing
             card.name, default.language, IMPORT, text_search_config(default.language), card.sections, lore,
             author=IMPORT, reason=f"imported from {filename} by {ctx.user_key}", lore_author=ctx.user_key)
-        if row is None and await self.storage.personas.get_persona(card.name) is not None:  # (live, in any process)
-            raise CommandError(f"a persona called {shown(card.name)} exists already: delete it first ("
-                               f"{self.prefix}persona delete {card.name}), or change the name in the card; nothing "
-                               "was imported")
+        existing = None if row is not None else taken_by(self.registry, card.name) or (
+            card.name if await self.storage.personas.get_persona(card.name) is not None else None)  # (any process)
+        if existing is not None:
+            raise CommandError(f"{taken_message(existing, card.name)}: delete it first ({self.prefix}persona delete "
+                               f"{existing}), or change the name in the card; nothing was imported")
         if row is None:
             raise CommandError(f"a deleted persona was called {shown(card.name)}; its soul and lore are kept, and "
                                f"{self.prefix}persona create {card.name} brings it back. To import the card, give it "

@@ -42,6 +42,24 @@ SECTION_KEY = re.compile(r"^[a-z][a-z0-9_]{0,39}\Z")
 EMPTY_FLAG = "--empty"
 
 
+def taken_by(registry: PersonaRegistry, name: str) -> str | None:
+    """The live persona whose name ``name`` is, as it is spelled (``nemo`` is ``Nemo``'s name; ``Сora`` with a
+    Cyrillic С is ``Cora``'s); None when none is (a deleted one's, or one made by another process a moment ago)."""
+    try:
+        return registry.persona(name).name
+    except ConfigError:
+        return None
+
+
+def taken_message(existing: str, name: str) -> str:
+    """Why ``name`` cannot be a new persona's: ``existing`` has it."""
+    if existing == name:
+        return f"a persona called {shown(name)} exists already"
+    why = "case does not" if existing.casefold() == name.casefold() else "letters that look alike do not"
+    return (f"a persona called {shown(existing)} exists already ({shown(name)} is the same name: {why} tell "
+            "names apart)")
+
+
 def section_key(text: str) -> str:
     """``Communication style`` → ``communication_style``; a free-form name must be a short word."""
     key = "_".join(text.strip().lower().replace("-", " ").split())
@@ -186,17 +204,7 @@ class PersonaCommands:
                f"{self.prefix}persona edit identity You are …"
 
     def _taken(self, name: str) -> str:
-        """Why ``name`` cannot be a new persona's, naming the persona that has it as it is spelled (``nemo`` is
-        ``Nemo``'s name; ``Сora`` with a Cyrillic С is ``Cora``'s)."""
-        try:
-            existing = self.registry.persona(name).name
-        except ConfigError:  # (made by another process a moment ago, or a deleted one's: its own message)
-            return f"a persona called {shown(name)} exists already"
-        if existing == name:
-            return f"a persona called {shown(name)} exists already"
-        why = "case does not" if existing.casefold() == name.casefold() else "letters that look alike do not"
-        return (f"a persona called {shown(existing)} exists already ({shown(name)} is the same name: {why} tell "
-                "names apart)")
+        return taken_message(taken_by(self.registry, name) or name, name)
 
     async def edit(self, ctx: CommandContext, args: Sequence[str]) -> str | CommandReply:
         empty, words_given = EMPTY_FLAG in args, [a for a in args if a != EMPTY_FLAG]
