@@ -429,3 +429,17 @@ async def test_a_tool_list_the_sdk_refuses_is_logged_in_one_line(caplog: pytest.
         assert "does not follow the protocol" in message and "tools.1.inputSchema" in message, message
     finally:
         await server.aclose()
+
+
+async def test_a_tool_is_offered_only_with_an_object_schema_and_one_naming_no_type_becomes_one() -> None:
+    """The model APIs take a tool's input schema only as an object's: a server's tool whose schema names no type
+    (the SDK takes it) made every request it was offered in fail."""
+    from mcp import types
+
+    from cortex.skills.mcp import McpTool, offerable
+
+    bare = types.Tool(name="bare", inputSchema={"properties": {"q": {"type": "string"}}})
+    assert offerable(bare) and offerable(types.Tool(name="empty", inputSchema={}))
+    assert not offerable(types.Tool(name="listy", inputSchema={"type": "array"}))
+    server = McpServer(McpServerConfig(name="srv", command=["true"]), FAST)
+    assert McpTool(server, bare).info.input_schema == {"type": "object", "properties": {"q": {"type": "string"}}}

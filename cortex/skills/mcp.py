@@ -175,8 +175,11 @@ MAX_JSON_RESPONSE_BYTES = 8 << 20
 
 
 def offerable(tool: types.Tool) -> bool:
-    """Whether a server's tool is small enough to offer: its schema is sent with every request."""
-    return len(json.dumps(tool.input_schema, default=str)) <= MAX_SCHEMA_CHARS
+    """Whether a server's tool may be offered: its input schema describes an object, as the model APIs require
+    (one of another type made every request it was offered in fail: no reply at all; one that names no type is
+    offered as an object's, see ``McpTool``), and is small enough (it is sent with every request)."""
+    schema = tool.input_schema
+    return schema.get("type", "object") == "object" and len(json.dumps(schema, default=str)) <= MAX_SCHEMA_CHARS
 
 
 class McpTool:
@@ -193,7 +196,7 @@ class McpTool:
             name=name or _model_name(tool.name),
             description=described if len(described) <= MAX_DESCRIPTION_CHARS
             else described[:MAX_DESCRIPTION_CHARS] + "…",
-            input_schema=dict(tool.input_schema),
+            input_schema={"type": "object", **tool.input_schema},  # ("properties" alone: the APIs want the type)
             origin="mcp",
             admin_only=config.admin_only,
             triggers=tuple(config.triggers),
@@ -484,8 +487,8 @@ class McpServer:
         wanted = [tool for tool in listed if not allowed or tool.name in allowed]
         fitting = [tool for tool in wanted if offerable(tool)]
         if len(fitting) < len(wanted):
-            log.warning("mcp server %s: %d tool(s) with an input schema over %d characters are not offered",
-                        self.name, len(wanted) - len(fitting), MAX_SCHEMA_CHARS)
+            log.warning("mcp server %s: %d tool(s) whose input schema is no object or is over %d characters are "
+                        "not offered", self.name, len(wanted) - len(fitting), MAX_SCHEMA_CHARS)
         if len(fitting) > MAX_SERVER_TOOLS:
             log.warning("mcp server %s offers %d tools; the first %d are taken (list the ones wanted in its "
                         "tools = [...])", self.name, len(fitting), MAX_SERVER_TOOLS)
