@@ -294,6 +294,59 @@ async def test_a_second_copy_interrupted_goes_on_and_copies_back_and_forth_pass(
         await copy_data(source, pg)
 
 
+async def test_a_copy_back_brings_what_changed_in_rows_copied_before(source: Storage, pg: Storage) -> None:
+    """Copied there, the bot ran there (an item forgotten, one pinned and made shared, a job done, a setting
+    changed, an item corrected), then copied back: every change to a row that was there already was dropped
+    (ON CONFLICT DO NOTHING), and the report said every table matched."""
+    assert (await copy_data(source, pg)).ok
+    store = MemoryStore(pg)
+    kayak = next(i for i in await dump(pg, "memory_items") if "kayak" in i["content"])
+    kiel = next(i for i in await dump(pg, "memory_items") if i["content"] == "Ann lives in Kiel")
+    await store.archive(kayak["pair_id"], kayak["id"], "forgotten by the user")
+    await pg.memory.set_scope(kiel["pair_id"], kiel["id"], "shared", 1_700_000_100.0)
+    job = await pg.enqueue_job("summary", "channel:9", {}, 3)
+    assert job is not None and (await copy_data(pg, source)).ok  # (the queued job goes over as it is)
+    claimed = await pg.claim_job("w", ["summary"], 60)
+    assert claimed is not None and await pg.finish_job(claimed.id, "w")
+    await pg.set_setting("memory.weights", '{"vector": 0.7}')
+    report = await copy_data(pg, source)
+    assert report.ok and report.copied == 2  # (the job, the setting: the items went over with the first copy back)
+    for table in ("memory_items", "jobs", "settings"):
+        assert await dump(source, table) == await dump(pg, table), table
+    assert (await copy_data(pg, source)).copied == 0  # (nothing differs now)
+    await MemoryStore(source).restore(kayak["pair_id"], kayak["id"])  # and into PostgreSQL again
+    await source.set_setting("memory.weights", '{"vector": 0.9}')
+    assert (await copy_data(source, pg)).copied == 2
+    for table in ("memory_items", "settings"):
+        assert await dump(source, table) == await dump(pg, table), table
+
+
+async def test_rows_a_running_bot_adds_during_the_copy_wait_for_the_next_one(source: Storage, pg: Storage) -> None:
+    """--while-running: a message (and its reply's sources) written after the messages were copied made the
+    sources' page fail on its foreign key, and the target, holding rows past the mark, was refused ever after."""
+    general = await source.upsert_channel("discord:g", "general", is_dm=False)
+    ann = await source.upsert_user("discord:1", "Ann")
+
+    async def meanwhile() -> None:  # (the bot answers while the copy is past the messages)
+        late = await source.add_message(general.id, ann.id, "Cora", "assistant", "Cora", "written meanwhile", 3)
+        await source.sources.record(late.id, [ReplySource("item", 1)])
+        await source.sources.link(["discord-message:late"], late.id)
+
+    written: list[asyncio.Task[None]] = []
+
+    def progress(table: str, done: int, total: int) -> None:
+        if table == "summaries" and not written:
+            written.append(asyncio.create_task(meanwhile()))
+
+    report = await copy_data(source, pg, progress=progress)
+    await asyncio.gather(*written)
+    assert written and not report.ok  # (the counts differ: the new rows wait)
+    assert {t.table for t in report.mismatches} == {"messages", "reply_sources", "platform_messages"}
+    assert "written meanwhile" not in {m["text"] for m in await dump(pg, "messages")}
+    again = await copy_data(source, pg)  # (the bot stopped): the rest goes over, the target is not "used"
+    assert again.ok and "written meanwhile" in {m["text"] for m in await dump(pg, "messages")}
+
+
 async def test_a_rerun_after_a_forget_me_reports_what_the_target_still_holds(source: Storage, pg: Storage) -> None:
     """Ann forgotten here after a first copy, her channel's summary written anew (version 1 again, a new id):
     the new summary cannot go in beside the old one; the copy finishes and says the counts differ."""

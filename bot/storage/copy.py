@@ -2,9 +2,12 @@
 
 Every table goes over in foreign-key order, page by page along its primary key (keyset pagination, so
 a page costs the same at the start and the end of a big table), ids kept as they are so every reference
-stays valid. Each page is inserted in one transaction with ``ON CONFLICT DO NOTHING``: a copy that was
-interrupted is resumed by running it again, and a second run copies nothing twice. Rows the source
-changed after they were copied are not brought up to date (copy with the bot stopped).
+stays valid. Each page is inserted in one transaction, a row the target holds already brought up to date
+where it differs (``ON CONFLICT … DO UPDATE``): a copy that was interrupted is resumed by running it again, a
+second run copies nothing twice, and a copy back after the bot ran on the other side brings its changes too
+(items archived or pinned, jobs done, settings). Rows are copied up to the largest ids the copy found as it
+began: what a bot running on the source adds meanwhile (``--while-running``) waits for the next copy. Rows
+deleted on the source since an earlier copy stay in the target.
 
 What differs between the engines is handled here:
 
@@ -42,7 +45,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from bot.storage.core import Storage
-from bot.storage.engine import Database, Row, StorageError
+from bot.storage.engine import Database, Row, StorageError, is_conflict
 
 __all__ = ["INSTANCE_KEY", "TABLES", "CopyReport", "TableCount", "copy_data", "ensure_instance_id"]
 
@@ -66,6 +69,12 @@ TABLES: tuple[str, ...] = (
 # agree on it, or the two databases went apart (a user forgotten and back under a new id, say).
 NATURAL_KEYS: dict[str, tuple[str, ...]] = {
     "users": ("key",), "personas": ("name",), "channels": ("key",), "cortex_pairs": ("user_id", "persona"),
+}
+# Tables keyed otherwise than by one id, and the column pointing at a table that is (a row past that table's
+# mark points at a row the copy leaves for the next one: see ``_copy_table``).
+BOUNDED_BY: dict[str, tuple[str, str]] = {
+    "reply_sources": ("message_id", "messages"), "platform_messages": ("message_id", "messages"),
+    "incognito": ("user_id", "users"),
 }
 # Columns that may point at rows copied later: inserted empty, set after the whole table.
 DEFERRED: dict[str, tuple[str, ...]] = {"memory_items": ("supersedes", "superseded_by")}
@@ -158,8 +167,10 @@ async def copy_data(source: Storage, target: Storage, *, progress: Progress | No
     for db in (source.db, target.db):
         await _raise_mark(db, reached)
     copied: dict[str, int] = {}
-    for table in TABLES:
-        copied[table] = await _copy_table(source.db, target.db, table, batch, progress)
+    for table in TABLES:  # (rows up to the ids marked: what a running bot adds meanwhile is for the next copy)
+        column, parent = BOUNDED_BY.get(table, ("", table))
+        bound = None if parent not in reached else (column, reached[parent])
+        copied[table] = await _copy_table(source.db, target.db, table, batch, progress, bound)
         if table == "messages":
             await _restore_channel_counters(source.db, target.db, batch)
     await _move_sequences(target.db, await _next_ids(source.db))
@@ -256,10 +267,14 @@ async def _check_unused(target: Database) -> None:
             "there is not wanted")
 
 
-async def _copy_table(source: Database, target: Database, table: str, batch: int, progress: Progress | None) -> int:
-    """Copy one table page by page; returns the rows inserted."""
+async def _copy_table(source: Database, target: Database, table: str, batch: int, progress: Progress | None,
+                      bound: tuple[str, int] | None = None) -> int:
+    """Copy one table page by page, its rows up to ``bound`` (a column, "" for the key, and the largest id when
+    the copy began: a bot running on the source meanwhile, ``--while-running``, adds rows that point at rows of
+    tables copied already, and that the mark does not account for); returns the rows inserted or brought up to
+    date."""
     plan = _plan(table, await _shape(source, table), await _shape(target, table))
-    select = _select_sql(plan, batch)
+    select = _select_sql(plan, batch, bound)
     total = await _count(source, table)
     done = copied = 0
     if progress is not None:
@@ -291,22 +306,37 @@ async def _copy_table(source: Database, target: Database, table: str, batch: int
     return copied
 
 
+def _on_conflict(plan: _Plan, dialect: str) -> str:
+    """A row the target holds already under its key takes the source's values where they differ (an item
+    archived, pinned or made private since, a job done, a setting changed: kept as they were, a copy back lost
+    them); its unique name must agree (else the rows went apart: see ``_check_same_rows``); self references
+    are set after the table (``_copy_deferred``)."""
+    natural = [c for c in NATURAL_KEYS.get(plan.table, ()) if c in plan.columns]
+    changing = [c for c in plan.columns if c not in plan.key and c not in plan.deferred and c not in natural]
+    if not changing:
+        return " ON CONFLICT DO NOTHING"
+    table = _quote(plan.table)
+    differs, same = (" IS DISTINCT FROM ", " IS NOT DISTINCT FROM ") if dialect == "postgres" else (" IS NOT ", " IS ")
+    sets = ", ".join(f"{_quote(c)} = excluded.{_quote(c)}" for c in changing)
+    changed = " OR ".join(f"{table}.{_quote(c)}{differs}excluded.{_quote(c)}" for c in changing)
+    agree = "".join(f" AND {table}.{_quote(c)}{same}excluded.{_quote(c)}" for c in natural)
+    return f" ON CONFLICT ({', '.join(_quote(k) for k in plan.key)}) DO UPDATE SET {sets} WHERE ({changed}){agree}"
+
+
 async def _insert(target: Database, plan: _Plan, rows: Sequence[Row]) -> int:
-    """Insert one page in one transaction (statements of up to ``MAX_PARAMETERS``); returns the rows inserted."""
-    per_statement = max(1, MAX_PARAMETERS // len(plan.columns))
-    names = ", ".join(_quote(c) for c in plan.columns)
-    marks = "(" + ", ".join("?" for _ in plan.columns) + ")"
-    inserted = 0
+    """Insert (or bring up to date: see ``_on_conflict``) one page in one transaction (statements of up to
+    ``MAX_PARAMETERS``); returns the rows inserted or changed."""
     try:
         values = [_target_values(plan, row) for row in rows]  # (a vector of a broken length fails here)
-        async with target.transaction() as tx:
-            for start in range(0, len(values), per_statement):
-                chunk = values[start:start + per_statement]
-                inserted += len(await tx.fetch_all(
-                    f"INSERT INTO {_quote(plan.table)} ({names}) VALUES {', '.join(marks for _ in chunk)}"
-                    " ON CONFLICT DO NOTHING RETURNING 1",
-                    [value for row in chunk for value in row],
-                ))
+        try:
+            return await _write_page(target, plan, values, _on_conflict(plan, target.dialect))
+        except Exception as exc:
+            if not is_conflict(exc):
+                raise
+        # Another row of the target holds a unique name of this page's (the two went apart): the page goes in as
+        # far as it can, as it is (for the tables rows point at, the caller's check then says so in one line;
+        # elsewhere the counts at the end tell).
+        return await _write_page(target, plan, values, " ON CONFLICT DO NOTHING")
     except StorageError:
         raise
     except Exception as exc:
@@ -314,7 +344,21 @@ async def _insert(target: Database, plan: _Plan, rows: Sequence[Row]) -> int:
         where = f"{', '.join(plan.key)} {', '.join(map(str, first))} to {', '.join(map(str, last))}"
         raise StorageError(f"copying {plan.table} ({where}) into {target.url} failed: {type(exc).__name__}: {exc}; "
                            f"{FIX_SOURCE}") from exc
-    return inserted
+
+
+async def _write_page(target: Database, plan: _Plan, values: list[list[Any]], on_conflict: str) -> int:
+    """One page in one transaction, in statements of up to ``MAX_PARAMETERS``: the rows written."""
+    per_statement = max(1, MAX_PARAMETERS // len(plan.columns))
+    names = ", ".join(_quote(c) for c in plan.columns)
+    marks = "(" + ", ".join("?" for _ in plan.columns) + ")"
+    written = 0
+    async with target.transaction() as tx:
+        for start in range(0, len(values), per_statement):
+            chunk = values[start:start + per_statement]
+            written += len(await tx.fetch_all(
+                f"INSERT INTO {_quote(plan.table)} ({names}) VALUES {', '.join(marks for _ in chunk)}"
+                f"{on_conflict} RETURNING 1", [value for row in chunk for value in row]))
+    return written
 
 
 def _target_values(plan: _Plan, row: Row) -> list[Any]:
@@ -328,10 +372,9 @@ def _target_values(plan: _Plan, row: Row) -> list[Any]:
 
 
 async def _copy_deferred(source: Database, target: Database, plan: _Plan, batch: int) -> None:
-    """Set the self references left out at insert (only where the target's are still empty)."""
+    """Set the self references left out at insert to the source's (a correction made since included)."""
     columns = plan.deferred
     sets = ", ".join(f"{_quote(c)} = ?" for c in columns)
-    empty = " AND ".join(f"{_quote(c)} IS NULL" for c in columns)
     wanted = " OR ".join(f"{_quote(c)} IS NOT NULL" for c in columns)
     key = plan.key[0]
     last: Any = None
@@ -343,7 +386,7 @@ async def _copy_deferred(source: Database, target: Database, plan: _Plan, batch:
         if not rows:
             return
         async with target.transaction() as tx:
-            await tx.executemany(f"UPDATE {_quote(plan.table)} SET {sets} WHERE {_quote(key)} = ? AND {empty}",
+            await tx.executemany(f"UPDATE {_quote(plan.table)} SET {sets} WHERE {_quote(key)} = ?",
                                  [(*row[1:], row[0]) for row in rows])
         last = rows[-1][0]
 
@@ -468,8 +511,9 @@ def _plan(table: str, source: _Shape, target: _Shape) -> _Plan:
     return _Plan(table, columns, key, convert, deferred)
 
 
-def _select_sql(plan: _Plan, batch: int) -> tuple[str, str]:
-    """(first page, next page after the key ``?``…) along the primary key."""
+def _select_sql(plan: _Plan, batch: int, bound: tuple[str, int] | None = None) -> tuple[str, str]:
+    """(first page, next page after the key ``?``…) along the primary key (rows up to ``bound``: see
+    ``_copy_table``)."""
     names = ", ".join(_quote(c) for c in plan.columns)
     order = ", ".join(_quote(k) for k in plan.key)
     if len(plan.key) == 1:
@@ -477,8 +521,10 @@ def _select_sql(plan: _Plan, batch: int) -> tuple[str, str]:
     else:
         after = f"({order}) > ({', '.join('?' for _ in plan.key)})"
     base = f"SELECT {names} FROM {_quote(plan.table)}"
-    left_out = NOT_COPIED.get(plan.table)
-    where = f" WHERE {left_out}" if left_out else ""
+    column = (bound[0] or (plan.key[0] if len(plan.key) == 1 else "")) if bound is not None else ""
+    limit = f"{_quote(column)} <= {int(bound[1])}" if bound is not None and column in plan.columns else None
+    conditions = [c for c in (NOT_COPIED.get(plan.table), limit) if c]
+    where = f" WHERE {' AND '.join(conditions)}" if conditions else ""
     return (f"{base}{where} ORDER BY {order} LIMIT {batch}",
             f"{base}{where}{' AND' if where else ' WHERE'} {after} ORDER BY {order} LIMIT {batch}")
 
