@@ -106,6 +106,28 @@ def _run_async(main: Callable[[], Awaitable[T]], *, stopped: str = "stopped.") -
     except (asyncio.CancelledError, KeyboardInterrupt):
         click.echo(stopped, err=True)
         sys.exit(130)
+    except Exception as exc:
+        if (why := _refused_access(exc)) is None:
+            raise
+        raise click.ClickException(why) from None
+
+
+def _refused_access(exc: BaseException) -> str | None:
+    """A database that will not let this process write (a read-only file, a role without privileges) in one line
+    with what to do; None for any other error (a traceback of the driver said it before)."""
+    cause: BaseException | None = exc
+    while cause is not None and type(cause).__name__ not in ("OperationalError", "InsufficientPrivilegeError"):
+        cause = cause.__cause__
+    if cause is None:
+        return None
+    text = " ".join(str(cause).split())
+    if type(cause).__name__ == "InsufficientPrivilegeError":
+        return (f"the database refuses this role ({text}): the bot's role must own its database (CREATE DATABASE … "
+                "OWNER …, as README's Growing past one machine shows) or hold every privilege on it")
+    if "readonly" in text or "read-only" in text:
+        return (f"the database refuses writes ({text}): the account running the bot needs write access to the "
+                "database file and its folder (SQLite writes its journal beside it)")
+    return None
 
 
 CONFIG_HELP = "Config file (TOML). Default: $CORTEXBOT_CONFIG, else ./config.toml, else built-in defaults."
@@ -407,7 +429,15 @@ async def _retry_job(storage: Any, number: int) -> str:
 
 async def _fleet_status(config: Config) -> tuple[list[Any], Any]:
     async with _configured_storage(config) as storage:
-        return await storage.fleet.live_processes(), await storage.fleet.queue_stats(since=time.time() - RECENT_SECONDS)
+        return (_running(await storage.fleet.live_processes()),
+                await storage.fleet.queue_stats(since=time.time() - RECENT_SECONDS))
+
+
+def _running(processes: list[Any]) -> list[Any]:
+    """The live processes, less those of this machine whose pid is gone (a kill -9, a crash: their last heartbeat
+    is still recent)."""
+    here = socket.gethostname()
+    return [p for p in processes if p.host != here or pid_alive(p.pid)]
 
 
 @asynccontextmanager
@@ -557,9 +587,7 @@ async def _copy_data(config: Config, to_url: str, password: str | None, batch: i
     source = await open_storage(url, password=source_password, pool_size=2)
     try:
         # (a source without the processes table lacks migrations, which copy_data names in one line)
-        live = await source.fleet.live_processes() if not await source.pending_migrations() else []
-        here = socket.gethostname()  # (one of this machine whose process is gone stopped: a kill -9, a crash)
-        live = [p for p in live if p.host != here or pid_alive(p.pid)]
+        live = _running(await source.fleet.live_processes()) if not await source.pending_migrations() else []
         if live and not while_running:
             where = ", ".join(f"pid {p.pid} on {p.host}, seen {time.time() - p.last_seen:.0f} s ago" for p in live[:5])
             raise ConfigError(f"a bot is running on the source database ({where}): stop it first, so nothing "
@@ -791,7 +819,7 @@ async def _doctor_queue(storage: Any, report: Callable[..., None]) -> None:
     processes; jobs and cortex updates that failed in the last day."""
     now = time.time()
     queue = await storage.fleet.queue_stats(since=now - RECENT_SECONDS)
-    live = await storage.fleet.live_processes()
+    live = _running(await storage.fleet.live_processes())
     waited = now - queue.oldest_queued_at if queue.oldest_queued_at is not None else 0.0
     detail = (f"{queue.queued} queued, {queue.running} running, {queue.failed} failed; "
               f"{len(live)} live bot process(es)")

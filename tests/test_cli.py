@@ -788,3 +788,42 @@ def test_a_process_serving_the_web_page_says_so_in_its_fleet_info() -> None:
     served = _fleet_info(parse_config({"web": {"enabled": True, "port": 8099}}), ["terminal"])
     assert served == {"adapters": ["terminal"], "web": "http://127.0.0.1:8099"}
     assert "web" not in _fleet_info(parse_config({}), ["terminal"])
+
+
+def test_a_database_that_refuses_the_bots_role_is_one_line(tmp_path: Path, fake_llm: FakeLLMServer,
+                                                            pg_url: str) -> None:
+    """A PostgreSQL role that may only read (or a read-only SQLite file) ended chat, status and migrate in a
+    driver's traceback."""
+    import uuid
+
+    import asyncpg
+
+    from bot.storage import open_storage
+
+    role = f"ro_{uuid.uuid4().hex[:8]}"
+
+    async def prepare(sql: str) -> None:
+        storage = await open_storage(pg_url)
+        try:
+            await storage.migrate()
+        finally:
+            await storage.close()
+        conn = await asyncpg.connect(pg_url)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    asyncio.run(prepare(f"CREATE ROLE {role} LOGIN; GRANT USAGE ON SCHEMA public TO {role};"
+                        f" GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}"))
+    try:
+        config = write_config(tmp_path, fake_llm)
+        reader = pg_url.replace("postgresql://postgres@", f"postgresql://{role}@")
+        config.write_text(config.read_text().replace(f'url = "{db_url_for(tmp_path)}"', f'url = "{reader}"'))
+        for args in (["status"], ["chat", "--user", "ann"]):
+            result = cortexbot("--config", str(config), *args, stdin="hi\n")
+            assert result.returncode == 1, (args, result.stdout, result.stderr)
+            assert "Traceback" not in result.stderr, (args, result.stderr)
+            assert "the database refuses this role (permission denied" in result.stderr, (args, result.stderr)
+    finally:
+        asyncio.run(prepare(f"DROP OWNED BY {role}; DROP ROLE {role}"))

@@ -122,6 +122,34 @@ def test_status_lists_live_processes_and_the_queue(tmp_path: Path, fake_llm: Fak
     asyncio.run(alive())
 
 
+def test_status_leaves_out_a_process_of_this_machine_that_was_killed(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """A chat killed with kill -9 stayed a "live process" in status (and in doctor) until its heartbeat aged out,
+    "up" still counting; copy-data already told such a pid from a live one."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from bot.config import load_config
+
+    config = write_config(tmp_path, fake_llm)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+
+    async def beats() -> None:
+        async with App(load_config(config), llm=ScriptedProvider()) as app:
+            await app.fleet.heartbeat()  # (this one lives: the test's own process)
+            await app.storage.fleet.heartbeat("killed-one", socket.gethostname(), dead_pid, {"adapters": ["terminal"]},
+                                              time.time() - 30)
+            await app.storage.fleet.heartbeat("elsewhere", "another-host", dead_pid, {}, time.time() - 30)
+            result = await asyncio.to_thread(cortexbot, "--config", str(config), "status")
+            assert result.returncode == 0, result.stderr
+            assert "2 live process(es)" in result.stdout and "killed-one" not in result.stdout, result.stdout
+            assert app.fleet.process_id in result.stdout and "elsewhere" in result.stdout  # (another machine's: kept)
+
+    asyncio.run(beats())
+
+
 @pytest.mark.slow
 def test_status_shows_a_terminal_chat_at_once(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
     """A chat's process beat first with no adapters and said what it is only at its next beat."""
