@@ -407,8 +407,11 @@ async def _jobs(config: Config, status: str, limit: int, retry: int | None) -> l
         if not found:
             return [f"no {status} jobs"]
         now = time.time()
-        return [f"job {j.id}  {j.kind}  {j.key}  {j.status} {_ago(now - j.updated_at.timestamp())} ago, "
-                f"{j.attempts}/{j.max_attempts} attempts" + (f": {one_line(j.last_error, 200)}" if j.last_error else "")
+        return [f"job {j.id}  {j.kind}  {j.key}  {j.status} {_ago(now - j.updated_at.timestamp())} ago"
+                + (f" (again; made {_ago(now - j.created_at.timestamp())} ago)"
+                   if j.status == "queued" and j.attempts else "")
+                + f", {j.attempts}/{j.max_attempts} attempts" + (f": {one_line(j.last_error, 200)}" if j.last_error
+                                                                   else "")
                 for j in found]
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -698,6 +700,24 @@ def test_doctor_status_and_jobs_show_failed_background_work_and_retry_it(
                              "seconds\n"
     assert cortexbot("--config", str(config), "jobs", "--status", "queued").stdout.startswith(
         f"job {recent}  summary  channel:1  queued")
+
+    async def tried_once() -> int:  # (a worker's try failed and queued it again: "queued 2 s ago" was that time)
+        from bot.storage import open_storage
+
+        storage = await open_storage(db_url_for(tmp_path))
+        job = await storage.enqueue_job("probe", "channel:7", {}, 3)
+        assert job is not None
+        await storage.db.write("UPDATE jobs SET created_at = ? WHERE id = ?", (time.time() - 600, job.id))
+        claimed = await storage.claim_job("w", ["probe"], 60)
+        assert claimed is not None and claimed.id == job.id
+        assert await storage.retry_job(job.id, "LLMOverloaded", datetime.now(UTC), "w")
+        await storage.close()
+        return job.id
+
+    again = asyncio.run(tried_once())
+    queued = cortexbot("--config", str(config), "jobs", "--status", "queued").stdout
+    assert re.search(rf"job {again}  probe  channel:7  queued \d+ s ago \(again; made 1\d min ago\), 1/3 attempts",
+                     queued), queued
     again = cortexbot("--config", str(config), "jobs", "retry", str(recent))
     assert again.returncode == 1 and "is queued: only failed jobs are tried again" in again.stderr
     assert cortexbot("--config", str(config), "jobs", "retry", "999").stderr.endswith("there is no job 999\n")
