@@ -62,7 +62,9 @@ async def test_another_programs_database_is_refused_and_left_untouched(tmp_path:
     with sqlite3.connect(path) as theirs:
         theirs.execute("CREATE TABLE users (x)")
     before = path.read_bytes()
-    with pytest.raises(StorageError, match=r"not a cortex-bot database: it holds another program's tables \(users\)"):
+    with pytest.raises(StorageError, match=r"not a cortex-bot database: it holds another program's tables \(users\)"
+                                           r"\. It was left untouched; name a new file \(\[storage\] url, or "
+                                           r"copy-data's --to\)"):
         await open_sqlite(path)
     assert path.read_bytes() == before and not (tmp_path / "theirs.db-wal").exists()
     store = await open_sqlite(tmp_path / "empty.db")  # an empty file, or none, becomes the bot's

@@ -202,7 +202,7 @@ class PostgresDatabase:
             except asyncpg.InsufficientPrivilegeError:
                 raise StorageError(
                     f"the extension 'vector' is not enabled in {self.url} and this user may not enable it: "
-                    "run CREATE EXTENSION vector; as a superuser in that database, then start again") from None
+                    "run CREATE EXTENSION vector; as a superuser in that database, then run it again") from None
             except asyncpg.UniqueViolationError:
                 pass  # another process created it at the same moment
         finally:

@@ -284,7 +284,7 @@ def _busy(exc: sqlite3.OperationalError) -> bool:
 
 async def _refuse_foreign(db: aiosqlite.Connection, path: Path) -> None:
     rows = await db.execute_fetchall("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
-    refuse_foreign(str(path), [str(r[0]) for r in rows], "point [storage] url at a new file")
+    refuse_foreign(str(path), [str(r[0]) for r in rows], "name a new file ([storage] url, or copy-data's --to)")
 
 
 async def _rebuild_and_check(tx: Tx, migration: Migration) -> None:
