@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,8 @@ async def test_engine_fires_marks_and_enqueues_and_survives_restart(tmp_path: Pa
         user = await app.storage.get_user("console:ann")
         pair = await app.cortex.store.get_pair(user.id, "Cora")
         assert pair.cycle_count == 6 and pair.fired_tiers == (50,)
+        # (not due for an hour: the next App's workers, which start with it, must not run it before they stop)
+        await app.storage.db.write("UPDATE jobs SET run_after = ? WHERE kind = 'cortex_update'", (time.time() + 3600,))
     # a restart keeps the cycle: 2 more messages reach 75 % (7)
     async with App(config, llm=ScriptedProvider()) as app:
         await app.workers.stop()
