@@ -15,14 +15,8 @@ import discord
 
 from adapters.discord import read_token, test_api_base
 from adapters.matrix import MatrixError, read_secrets, saved_session, store_dir
+from adapters.reachable import TIMEOUT, UNREACHABLE, why
 from bot.config import DiscordConfig, MatrixConfig
-
-TIMEOUT = aiohttp.ClientTimeout(total=15)
-UNREACHABLE = (aiohttp.ClientError, OSError, TimeoutError)
-
-
-def _why(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 async def discord_login(config: DiscordConfig, environ: Mapping[str, str]) -> tuple[bool, str]:
@@ -42,7 +36,7 @@ async def discord_login(config: DiscordConfig, environ: Mapping[str, str]) -> tu
                 return False, f"Discord answered HTTP {response.status} to the bot token's check"
             me = await response.json()
     except UNREACHABLE as exc:
-        return False, f"cannot reach {base} ({_why(exc)}); a bot started now waits until it can"
+        return False, f"cannot reach {base} ({why(exc)}); a bot started now waits until it can"
     return True, f"bot token from ${config.token_env} signs in as {me.get('username')} (id {me.get('id')})"
 
 
@@ -72,7 +66,7 @@ async def matrix_login(config: MatrixConfig, environ: Mapping[str, str]) -> tupl
                     continue
                 return _whoami_verdict(config, where, status, who)
     except UNREACHABLE as exc:
-        return False, f"cannot reach the homeserver at {server} ({_why(exc)}): check [matrix] homeserver"
+        return False, f"cannot reach the homeserver at {server} ({why(exc)}): check [matrix] homeserver"
     if signed_out:  # (and no access token: read_secrets found the password)
         return True, "the saved session was signed out; the password logs in anew at start"
     return True, (f"the homeserver answers; password from ${config.password_env} for {config.user_id} "

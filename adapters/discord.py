@@ -37,6 +37,7 @@ import yarl
 from discord import app_commands
 
 from adapters.discord_slash import MAX_FILES, build_context_menus, build_slash_commands, read_attachment
+from adapters.reachable import wait_until_answers
 from bot.app import App
 from bot.commands import CommandContext, CommandReply
 from bot.config import DiscordConfig
@@ -121,29 +122,15 @@ def test_api_base(environ: Mapping[str, str]) -> str:
 
 
 async def reachable(base: str) -> None:
-    """Wait until Discord's API answers at all (any HTTP answer; the login then says what is wrong with the token).
-    discord.py reconnects a gateway that drops, but its first login gives up at once: a bot started before the
-    network (at boot, by systemd) ended with "Cannot connect to host discord.com". Tried again, doubling the wait
-    up to ``CONNECT_RETRY_LONGEST``; said once, and once more when it answers."""
-    wait, said = CONNECT_RETRY_FIRST, False
-    while True:
-        try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as session, \
-                    session.get(f"{base}/gateway") as response:
-                await response.read()
-                problem = f"HTTP {response.status}" if response.status >= 500 else ""  # (an outage: as unreachable)
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            problem = str(exc) or type(exc).__name__
-        if not problem:
-            if said:
-                log.warning("Discord: %s answers again; logging in", base)
-            return
-        if not said:
-            log.warning("Discord: cannot reach %s (%s); trying again, at most every %.0f s", base, problem,
-                        CONNECT_RETRY_LONGEST)
-            said = True
-        await asyncio.sleep(wait)
-        wait = min(wait * 2, CONNECT_RETRY_LONGEST)
+    """Wait until Discord's API answers at all (any answer below HTTP 500; the login then says what is wrong with
+    the token). discord.py reconnects a gateway that drops, but its first login gives up at once: a bot started
+    before the network (at boot, by systemd) ended with "Cannot connect to host discord.com". Tried again,
+    doubling the wait up to ``CONNECT_RETRY_LONGEST``; said once, and once more when it answers."""
+    await wait_until_answers(
+        f"{base}/gateway", first=CONNECT_RETRY_FIRST, longest=CONNECT_RETRY_LONGEST,
+        down=lambda problem: log.warning("Discord: cannot reach %s (%s); trying again, at most every %.0f s", base,
+                                         problem, CONNECT_RETRY_LONGEST),
+        back=lambda: log.warning("Discord: %s answers again; logging in", base))
 
 
 async def redirect_for_tests(environ: Mapping[str, str], token: str) -> bool:

@@ -78,6 +78,7 @@ from adapters.matrix_content import (
 from adapters.matrix_gaps import missed_redactions
 from adapters.matrix_joins import HIDDEN_BEFORE_JOIN, JoinTimes
 from adapters.matrix_reactions import Reactions
+from adapters.reachable import wait_until_answers
 from bot.app import App
 from bot.commands import Attachment, CommandReply, PlatformCommand
 from bot.commands.files import MAX_ATTACHMENT_BYTES
@@ -410,26 +411,13 @@ class MatrixAdapter:
     async def wait_for_homeserver(self, first_wait: float = 2.0, longest_wait: float = 300.0) -> None:
         """Until the homeserver answers, say once which URL cannot be reached and why, then keep trying
         with back-off (nio alone would retry silently, or fill the log)."""
-        url = self.config.homeserver.rstrip("/") + "/_matrix/client/versions"
-        wait = first_wait
-        told = False
-        while True:
-            try:
-                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as session, \
-                        session.get(url) as response:
-                    if response.status < 500:
-                        if told:
-                            log.info("Matrix: %s answers again; connecting", self.config.homeserver)
-                        return
-                    problem = f"HTTP {response.status}"
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                problem = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            if not told:
-                log.error("Matrix: cannot reach the homeserver at %s (%s); check [matrix] homeserver. Retrying with "
-                          "back-off (at most every %.0f s)", self.config.homeserver, problem, longest_wait)
-                told = True
-            await asyncio.sleep(wait)
-            wait = min(wait * 2, longest_wait)
+        server = self.config.homeserver
+        await wait_until_answers(
+            server.rstrip("/") + "/_matrix/client/versions", first=first_wait, longest=longest_wait,
+            down=lambda problem: log.error(
+                "Matrix: cannot reach the homeserver at %s (%s); check [matrix] homeserver. Retrying with back-off "
+                "(at most every %.0f s)", server, problem, longest_wait),
+            back=lambda: log.info("Matrix: %s answers again; connecting", server))
 
     async def login(self) -> None:
         state = self._load_state()

@@ -995,7 +995,7 @@ async def _doctor_stored_models(config: Config, report: Callable[..., None], che
     """The cortex models bot admins set in chat (``!cortex settings model``), per persona or server: the config's
     are checked above, and an override with a wrong name made every update of its pairs fail."""
     from bot.app import build_provider
-    from bot.llm.probe import check_model
+    from bot.llm.probe import PROBE_SECONDS, check_model
     from bot.storage import open_storage
 
     url, password = config.storage.resolve()
@@ -1011,7 +1011,7 @@ async def _doctor_stored_models(config: Config, report: Callable[..., None], che
     provider = build_provider(config)
     try:
         for model, scopes in where.items():
-            found = await check_model(provider, model, seconds=min(config.llm.timeout_seconds, 30.0))
+            found = await check_model(provider, model, seconds=min(config.llm.timeout_seconds, PROBE_SECONDS))
             report(found.usable and found.checked,
                    f"model {model} (set in chat for {', '.join(scopes)})", found.note or "answers")
     finally:
