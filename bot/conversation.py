@@ -23,8 +23,6 @@ from bot.config import Config
 from bot.errors import USER_TOLD, EmptyMessage, MessageTooLong, MessageWithdrawn, StretchEnded
 from bot.history import HistoryWindow, build_window, with_late_answers
 from bot.llm.base import (
-    CUT_OFF_CALL,
-    MAX_CALL_ARGUMENT_CHARS,
     ChatMessage,
     Completion,
     LLMProvider,
@@ -33,8 +31,7 @@ from bot.llm.base import (
     TextDelta,
     ToolCall,
     Usage,
-    cut_off_call,
-    sent_back,
+    turn_calls,
 )
 from bot.llm.errors import LLMBadResponse, LLMError, LLMNoAnswer
 from bot.persona import ConfigPersonas, Persona, PersonaSource
@@ -74,18 +71,6 @@ MAX_CALLS_PER_ROUND = 8  # tool calls of one model turn a reply runs; the rest a
 WITHDRAWN_KEPT_SECONDS = 600.0
 WITHDRAWN_KEPT = 10_000
 CUT_NOTE = "\n\n[… the rest of this reply was cut: it was too long]"
-
-
-def _refusal(call: ToolCall, number_in_turn: int, cut: int) -> str:
-    """Why a call of the model's turn is not run ("": it runs)."""
-    if number_in_turn == cut:
-        return CUT_OFF_CALL
-    if number_in_turn >= MAX_CALLS_PER_ROUND:
-        return f"refused: at most {MAX_CALLS_PER_ROUND} tool calls run per turn"
-    if sent_back(call) is not call:
-        return f"refused: its arguments were {len(call.raw_arguments):,} characters long; at most " \
-               f"{MAX_CALL_ARGUMENT_CHARS:,}"
-    return ""
 
 
 class _Shown:
@@ -431,11 +416,12 @@ class ConversationCore:
             stream.usage = usage  # what the rounds so far cost, counted also when a later one fails
             if last or toolbox is None or not completion.tool_calls or shown.cut:
                 break
-            messages.append(ChatMessage("assistant", completion.text, tuple(map(sent_back, completion.tool_calls))))
-            cut = cut_off_call(completion)
-            for number_in_turn, call in enumerate(completion.tool_calls):
-                outcome = await self._tool(toolbox, call, stream, refused=_refusal(call, number_in_turn, cut))
-                messages.append(ChatMessage("tool", outcome.content, tool_call_id=call.id, is_error=outcome.is_error))
+            planned = turn_calls(completion, MAX_CALLS_PER_ROUND)
+            messages.append(ChatMessage("assistant", completion.text, tuple(p.echoed for p in planned)))
+            for each in planned:
+                outcome = await self._tool(toolbox, each.call, stream, refused=each.refusal)
+                messages.append(ChatMessage("tool", outcome.content, tool_call_id=each.echoed.id,
+                                            is_error=outcome.is_error))
         text = shown.text.strip() if shown.cut else "\n\n".join(t.strip() for t in texts if t.strip())
         stream.rounds = len(texts)
         if not text and ended[-1].tool_calls:

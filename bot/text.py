@@ -157,6 +157,13 @@ def shown(text: str, limit: int = 60) -> str:
     return f"`{clean}`" if clean else "(nothing)"
 
 
+def quoted(value: object, limit: int = 80) -> str:
+    """``value`` as Python writes it (``'memory.md'``, ``[1, 2]``) for a tool error the model reads, cut to
+    ``limit`` characters: a model's whole argument quoted back would go into every later request."""
+    written = repr(value)
+    return written if len(written) <= limit else written[:limit - 1] + "\u2026"
+
+
 def plural(count: int, singular: str, many: str | None = None) -> str:
     """``1 reply``, ``2 replies``, ``1,200 summaries`` (``many`` for irregular plurals)."""
     if count == 1:

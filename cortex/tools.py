@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, field
 
 from bot.llm.base import ToolCall, ToolSpec
+from bot.text import quoted
 from cortex.files import CortexFiles, FileConflict, FileError, check_model_write
 from cortex.memory.tools import MEMORY_TOOL_NAMES, MemoryTools
 from cortex.store import FILENAMES, Pair
@@ -96,7 +97,7 @@ class CortexTools:
             return ToolOutcome(result.content, result.is_error)
         if call.name not in ("read_file", "write_file"):
             names = ["read_file", "write_file"] + (sorted(MEMORY_TOOL_NAMES) if self.memory is not None else [])
-            return ToolOutcome(f"unknown tool {call.name!r}; the tools are {', '.join(names)}", True)
+            return ToolOutcome(f"unknown tool {quoted(call.name)}; the tools are {', '.join(names)}", True)
         if call.arguments is None:
             shown = call.raw_arguments[:200]
             return ToolOutcome(
@@ -107,7 +108,7 @@ class CortexTools:
         if not isinstance(filename, str):
             return ToolOutcome(f"{call.name} needs 'filename' as a string: one of {', '.join(FILENAMES)}", True)
         if filename not in FILENAMES:
-            return ToolOutcome(f"there is no file {filename!r}; your files are {', '.join(FILENAMES)}", True)
+            return ToolOutcome(f"there is no file {quoted(filename)}; your files are {', '.join(FILENAMES)}", True)
         if call.name == "read_file":
             return await self._read(filename)
         content = call.arguments.get("content")

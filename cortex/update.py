@@ -22,11 +22,11 @@ from datetime import UTC, datetime
 
 from bot.config import Config, ConfigError, CortexConfig
 from bot.history import in_reply_order
-from bot.llm.base import CUT_OFF_CALL, ChatMessage, Completion, LLMProvider, LLMRequest, cut_off_call
+from bot.llm.base import CUT_OFF_CALL, ChatMessage, Completion, LLMProvider, LLMRequest, turn_calls
 from bot.llm.errors import LLMBadRequest, LLMError, LLMTimeout
 from bot.persona import ConfigPersonas, Persona, PersonaSource
 from bot.storage.base import Job, LLMCallRecord, StoredMessage
-from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator
+from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator, fit_to_budget
 from cortex.files import CortexFiles
 from cortex.memory.store import MemoryStore
 from cortex.memory.tools import MEMORY_TOOLS, MemoryTools
@@ -39,11 +39,9 @@ from cortex.tools import TOOLS, CortexTools, ToolOutcome
 log = logging.getLogger(__name__)
 
 MIN_MESSAGES = 4
-CUT_CHARS_PER_TOKEN = 3  # a message cut to a share of the history budget keeps this many characters per token
 CUT_MARK = " […]"
 PROMPT_OVERHEAD = 1_500  # tokens of an update's system prompt and tool definitions, for the first round's estimate
 MAX_CALLS_PER_TURN = 25  # tool calls of one model turn that run; the rest are refused (each result costs input)
-RESULT_CHARS_PER_TOKEN = 3  # a tool result's cost in the next round's input, counted generously
 BUDGETS = {"pair": "this pair's daily token budget", "bot": "the bot's daily cortex token budget"}
 CUT_OFF = CUT_OFF_CALL + " Write one file per turn, and keep it shorter."  # (running it would save half a file)
 
@@ -236,7 +234,7 @@ class CortexUpdater:
         for message, channel in reversed(newest):
             text = message.text
             if self.estimator.scale(message.token_count) > share:
-                text = text[:share * CUT_CHARS_PER_TOKEN].rstrip() + CUT_MARK
+                text = fit_to_budget(self.estimator, text, share, CUT_MARK)  # (in tokens: any script)
             tokens = self.estimator.raw_count(text)
             chosen.append((replace(message, text=text, token_count=tokens), channel))
             spent += self.estimator.scale(tokens + PER_MESSAGE_OVERHEAD)
@@ -274,17 +272,14 @@ class CortexUpdater:
             if not completion.tool_calls:
                 learned = tools.files_written or (tools.memory is not None and tools.memory.written)
                 return "success", "" if learned else "the model found nothing new to record"
-            messages.append(ChatMessage("assistant", completion.text, tool_calls=completion.tool_calls))
-            cut = cut_off_call(completion)
-            for number, call in enumerate(completion.tool_calls):
-                outcome = await tools.execute(call) if number < MAX_CALLS_PER_TURN and number != cut else ToolOutcome(
-                    CUT_OFF if number == cut else
-                    f"refused: at most {MAX_CALLS_PER_TURN} tool calls run per turn; nothing was done. Call it "
-                    "again in your next turn if you still need it.", True)
+            planned = turn_calls(completion, MAX_CALLS_PER_TURN, CUT_OFF)
+            messages.append(ChatMessage("assistant", completion.text, tool_calls=tuple(p.echoed for p in planned)))
+            for each in planned:
+                outcome = ToolOutcome(each.refusal, True) if each.refusal else await tools.execute(each.call)
                 messages.append(
-                    ChatMessage("tool", outcome.content, tool_call_id=call.id, is_error=outcome.is_error)
+                    ChatMessage("tool", outcome.content, tool_call_id=each.echoed.id, is_error=outcome.is_error)
                 )
-                next_round += len(outcome.content) // RESULT_CHARS_PER_TOKEN  # the results are the next input
+                next_round += self.estimator.count(outcome.content)  # the results are the next input
         return "failed", f"stopped after {settings.max_rounds} rounds without finishing (max_rounds)"
 
     def _used(self, completion: Completion, expected_input: int) -> tuple[int, int]:

@@ -392,6 +392,40 @@ async def test_long_pasted_messages_are_cut_to_fit_instead_of_skipping_the_updat
     assert len(conversation) < 8_000  # (cut: the two texts alone are 15,400 characters)
 
 
+@pytest.mark.parametrize("filler", ["猫", "😀"])
+async def test_messages_cut_to_fit_keep_to_the_budget_in_any_script(app: App, fake_llm: FakeLLMServer,
+                                                                  filler: str) -> None:
+    """The cut kept three characters per token of its share: right for English, but a character of Chinese or
+    an emoji is one to three tokens, and the update read six to nine times its history budget."""
+    await _talk(app, [filler * 7000, filler * 7000])
+    pair = await _pair(app)
+    history, spent = await app.cortex.updater._history(pair, 6000)
+    assert len(history) == 4 and spent <= 6000, spent
+    assert all(app.estimator.count(message.text) <= 1500 for message, _ in history)
+    said = [message.text for message, _ in history if message.role == "user"]
+    assert len(said) == 2 and all(filler * 100 in text and text.endswith(" […]") for text in said)  # cut, kept
+
+
+async def test_the_update_sends_back_neither_huge_arguments_nor_huge_names(app: App, fake_llm: FakeLLMServer) -> None:
+    """The reply's tool loop left out arguments over 64 KB and refused their calls; the update's loop sent a
+    400 KB write (refused for its length) again in every later round, and quoted a 50,000-character tool
+    name and a 50,000-character file name back whole (a 2 MB write failed the update: 413)."""
+    await _talk(app, CONVERSATION)
+    fake_llm.enqueue(
+        FakeResponse.tool_calls([("t1", "x" * 50_000, {}), ("t2", "read_file", {"filename": "y" * 50_000}),
+                                 ("t3", "write_file", {"filename": "memory.md", "content": "z" * 2_000_000})]),
+        FakeResponse.tool_calls([("t4", "read_file", {"filename": "memory.md"})]),
+        FakeResponse.text(""))
+    pair = await _pair(app)
+    outcome = await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective("Cora")).settings)
+    assert outcome.status == "success", outcome.reason
+    sizes = [len(str(request.body)) for request in cortex_requests(fake_llm)]
+    assert len(sizes) == 3 and max(sizes) < 300_000, sizes
+    results = [result_text(block) for block in tool_results(cortex_requests(fake_llm)[1])]
+    assert results[0].startswith("unknown tool 'xxx") and results[1].startswith("there is no file 'yyy")
+    assert results[2].startswith("refused: its arguments were 2,000,0")
+
+
 async def test_the_update_reads_each_answer_after_its_message(app: App, fake_llm: FakeLLMServer) -> None:
     """Answers stored after a later message (written side by side, or after a long wait for their turn) are
     read by the update where they belong in the conversation."""

@@ -179,6 +179,40 @@ async def test_a_tool_call_with_megabytes_of_arguments_is_neither_run_nor_sent_b
         assert not await app.storage.db.fetch_all("SELECT id FROM memory_items")  # nothing remembered
 
 
+@pytest.mark.parametrize("provider", ["anthropic", "openai"])
+async def test_many_calls_just_under_the_argument_cap_are_not_all_sent_back(
+        tmp_path: Path, fake_llm: FakeLLMServer, provider: str) -> None:
+    """Each call's arguments were capped at 64 KB, but all 40 calls of 60 KB went back in the next request
+    (2.4 MB: the server refused it, and the person got no answer). Calls that did not run go back without
+    their arguments, and a turn's calls past 32 not at all."""
+    async with App(_config(tmp_path, fake_llm, provider)) as app:
+        calls = [(f"c{i}", "current_time", {"pad": "x" * 60_000}) for i in range(40)]
+        fake_llm.enqueue(FakeResponse.tool_calls(calls), FakeResponse.text("It is noon."))
+        assert await app.core.reply(_msg("what time is it?")).text() == "It is noon."
+        follow_up = fake_llm.completion_requests[-1]
+        assert len(str(follow_up.body)) < 9 * 62_000, len(str(follow_up.body))  # the 8 calls that ran, at most
+        results = _tool_results(follow_up.body["messages"], provider)
+        assert sorted(results) == sorted(f"c{i}" for i in range(32))
+        assert all(not results[f"c{i}"][1] for i in range(8))
+        assert all(results[f"c{i}"][0].startswith("refused: at most 8 tool calls") for i in range(8, 32))
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "openai"])
+async def test_a_calls_huge_name_and_id_are_cut_in_what_goes_back(
+        tmp_path: Path, fake_llm: FakeLLMServer, provider: str) -> None:
+    """A broken server's 50,000-character tool name and call id went back whole, in the call and its result."""
+    async with App(_config(tmp_path, fake_llm, provider)) as app:
+        calls = [("i" * 50_000, "n" * 50_000, {}), ("j" * 50_000, "current_time", {})]
+        fake_llm.enqueue(FakeResponse.tool_calls(calls), FakeResponse.text("Sorry."))
+        assert await app.core.reply(_msg("hi")).text() == "Sorry."
+        follow_up = fake_llm.completion_requests[-1]
+        assert len(str(follow_up.body)) < 5_000, len(str(follow_up.body))
+        results = _tool_results(follow_up.body["messages"], provider)
+        assert len(results) == 2 and all(len(key) <= 64 for key in results), results  # two ids, kept apart
+        assert sum("there is no tool 'nnn" in text for text, _ in results.values()) == 1, results
+        assert sum("UTC" in text for text, _ in results.values()) == 1, results  # the other call ran
+
+
 def _tool_results(messages: list[dict[str, Any]], provider: str) -> dict[str, tuple[str, bool]]:
     """Each tool result of a request: call id -> (text, whether it is an error)."""
     if provider == "openai":  # (the OpenAI format has no error flag: an error's text starts with "Error: ")

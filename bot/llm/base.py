@@ -10,6 +10,7 @@ Providers merge consecutive messages of the same role where their API requires s
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -34,15 +35,51 @@ CUT_OFF_CALL = "refused: your answer reached the output limit while writing this
 
 
 MAX_CALL_ARGUMENT_CHARS = 65_536  # a tool call's arguments longer than this are neither run nor sent back
+MAX_TOOL_NAME_CHARS = 64  # a tool's name or call id as both APIs allow it; a longer one is cut when sent back
+MAX_CALLS_SENT_BACK = 32  # a turn's calls repeated to the model at all: the rest are dropped with their results
 
 
-def sent_back(call: ToolCall) -> ToolCall:
-    """The call as the next request repeats it to the model: arguments over :data:`MAX_CALL_ARGUMENT_CHARS`
-    characters are left out (a misbehaving server's megabytes would otherwise be sent with every later round,
-    each time costing their tokens or failing the request)."""
-    if len(call.raw_arguments) <= MAX_CALL_ARGUMENT_CHARS:
-        return call
-    return replace(call, arguments=None, raw_arguments=f"(arguments of {len(call.raw_arguments):,} characters)")
+def sent_back(call: ToolCall, *, ran: bool = True) -> ToolCall:
+    """The call as the next request repeats it to the model. Arguments over :data:`MAX_CALL_ARGUMENT_CHARS`
+    characters, and those of a call that did not run, are left out; a name or id over
+    :data:`MAX_TOOL_NAME_CHARS` is cut. (A misbehaving server's megabytes, in one call or spread over many,
+    would otherwise be sent with every later round, each time costing their tokens or failing the request.)"""
+    name, call_id = call.name[:MAX_TOOL_NAME_CHARS], call.id
+    if len(call_id) > MAX_TOOL_NAME_CHARS:  # (cut ids could collide: a digest keeps them apart)
+        call_id = "call_" + hashlib.sha256(call_id.encode("utf-8", "replace")).hexdigest()[:32]
+    if ran and len(call.raw_arguments) <= MAX_CALL_ARGUMENT_CHARS:
+        return call if (name, call_id) == (call.name, call.id) else replace(call, id=call_id, name=name)
+    return replace(call, id=call_id, name=name, arguments=None,
+                   raw_arguments=f"(arguments of {len(call.raw_arguments):,} characters, left out)")
+
+
+@dataclass(frozen=True, slots=True)
+class TurnCall:
+    """One tool call of a model's turn: as sent (what runs), as the next request repeats it, and why it
+    does not run (``""``: it runs)."""
+
+    call: ToolCall
+    echoed: ToolCall
+    refusal: str
+
+
+def turn_calls(completion: Completion, runs_at_most: int, cut_off: str = CUT_OFF_CALL) -> list[TurnCall]:
+    """The turn's calls as a tool loop handles them: the first ``runs_at_most`` run unless cut off by the
+    output limit (refused with ``cut_off``) or too long; the rest are refused; past
+    :data:`MAX_CALLS_SENT_BACK` they are dropped."""
+    cut, planned = cut_off_call(completion), []
+    for number, call in enumerate(completion.tool_calls[:MAX_CALLS_SENT_BACK]):
+        refusal = ""
+        if number == cut:
+            refusal = cut_off
+        elif number >= runs_at_most:
+            refusal = (f"refused: at most {runs_at_most} tool calls run per turn; nothing was done. Call it again "
+                       "in your next turn if you still need it.")
+        elif len(call.raw_arguments) > MAX_CALL_ARGUMENT_CHARS:
+            refusal = (f"refused: its arguments were {len(call.raw_arguments):,} characters long; at most "
+                       f"{MAX_CALL_ARGUMENT_CHARS:,}")
+        planned.append(TurnCall(call, sent_back(call, ran=not refusal), refusal))
+    return planned
 
 
 def cut_off_call(completion: Completion) -> int:

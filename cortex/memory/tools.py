@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bot.llm.base import ToolCall, ToolSpec
+from bot.text import quoted
 from cortex.memory.store import CATEGORIES, MemoryError, MemoryItem, MemoryStore
 
 DAY = 86_400.0
@@ -126,7 +127,7 @@ def _int(args: dict[str, Any], name: str, *, required: bool, low: int, high: int
     except ValueError:
         number = None
     if number is None:
-        raise BadArguments(f"'{name}' must be a whole number, got {value!r}")
+        raise BadArguments(f"'{name}' must be a whole number, got {quoted(value)}")
     if not low <= number <= high:
         raise BadArguments(f"'{name}' must be from {low} to {high}, got {number}")
     return number
@@ -144,7 +145,7 @@ def _text(args: dict[str, Any], name: str, *, required: bool) -> str:
 def _category(args: dict[str, Any], default: str | None) -> str:
     value = args.get("category", default)
     if value not in CATEGORIES:
-        raise BadArguments(f"'category' must be one of {', '.join(CATEGORIES)}; got {value!r}")
+        raise BadArguments(f"'category' must be one of {', '.join(CATEGORIES)}; got {quoted(value)}")
     return str(value)
 
 
@@ -211,7 +212,7 @@ class MemoryTools:
             log.exception("memory tool %s failed unexpectedly (run %d)", call.name, self.run_id)
             return MemoryToolResult(f"{call.name} failed because of an internal error; nothing was stored by this "
                                     "call. Go on without it.", True)
-        return MemoryToolResult(f"unknown memory tool {call.name!r}", True)
+        return MemoryToolResult(f"unknown memory tool {quoted(call.name)}", True)
 
     @staticmethod
     def _attempts(earlier: int) -> str:

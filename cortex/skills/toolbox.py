@@ -23,6 +23,7 @@ from bot.llm.base import ToolCall, ToolSpec
 from bot.ports import PromptContext, ToolOutcome
 from bot.storage.core import Storage
 from bot.storage.skills import SkillExecution
+from bot.text import quoted
 from cortex.skills.base import Skill, SkillContext, SkillFailure, SkillResult, admitted, redaction_values
 from cortex.skills.policy import SkillPolicy
 
@@ -99,8 +100,8 @@ class SkillToolbox:
     async def execute(self, call: ToolCall) -> ToolOutcome:
         skill = self.skills.get(call.name)
         if skill is None:
-            named = call.name[:80]  # as the model sent it, cut: it goes back into the next request
-            return ToolOutcome(f"there is no tool {named!r} here; the tools are {', '.join(self.skills)}", True)
+            named = quoted(call.name)  # as the model sent it, cut: it goes back into the next request
+            return ToolOutcome(f"there is no tool {named} here; the tools are {', '.join(self.skills)}", True)
         started = time.monotonic()
         reserved = await self._reserve(skill, call)
         result = await self._run(skill, call) if reserved is not None else SkillResult(
