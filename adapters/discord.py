@@ -36,7 +36,7 @@ import discord
 import yarl
 from discord import app_commands
 
-from adapters.discord_slash import MAX_FILES, build_context_menus, build_slash_commands, read_attachment
+from adapters.discord_slash import MAX_FILES, build_context_menus, build_slash_commands, in_dm, read_attachment
 from adapters.reachable import wait_until_answers
 from bot.app import App
 from bot.commands import CommandContext, CommandReply
@@ -292,6 +292,8 @@ class DiscordAdapter:
         self.bot.event(self.on_ready)
         self.bot.event(self.on_raw_message_delete)
         self.bot.event(self.on_raw_bulk_message_delete)
+        self.bot.event(self.on_guild_channel_delete)
+        self.bot.event(self.on_raw_thread_delete)
         build_slash_commands(self)
         build_context_menus(self)
         self.tree.error(self.on_slash_error)
@@ -348,7 +350,7 @@ class DiscordAdapter:
 
     def inbound(self, message: discord.Message) -> Inbound:
         me = self.bot.user
-        is_dm = message.guild is None
+        is_dm = in_dm(message.channel)
         text = message.content
         mentions_bot = me is not None and any(u.id == me.id for u in message.mentions)
         # Typing "@Bot" in a server, the client often inserts the bot's own (managed) role instead of the bot.
@@ -370,7 +372,7 @@ class DiscordAdapter:
             text=text,
             is_dm=is_dm,
             channel_name=str(channel_name),
-            server_id=None if is_dm else str(message.guild.id),  # type: ignore[union-attr]
+            server_id=None if is_dm else str(getattr(message.guild, "id", "")),
             mentions_bot=mentions_bot,
             reply_to=f"{PLATFORM}-message:{message.reference.message_id}" if message.reference else None,
             sent_at=message.created_at,
@@ -389,6 +391,10 @@ class DiscordAdapter:
 
     async def on_message(self, message: discord.Message) -> None:
         if message.type not in CHAT_TYPES:
+            return
+        if message.guild is None and not in_dm(message.channel):
+            log.info("Discord: a message in channel %s of a server not loaded yet is left unanswered",
+                     message.channel.id)
             return
         sink = DiscordSink(message, self.app.config.chat.typing_indicator)
         try:
@@ -416,6 +422,21 @@ class DiscordAdapter:
     async def on_raw_bulk_message_delete(self, payload: discord.RawBulkMessageDeleteEvent) -> None:
         await self._withdraw(sorted(payload.message_ids))
 
+    async def on_guild_channel_delete(self, channel: discord.abc.GuildChannel) -> None:
+        """A channel deleted: Discord deletes every message in it and says so only with this event (its
+        cached threads come as thread deletions)."""
+        await self._withdraw_channel(channel.id)
+
+    async def on_raw_thread_delete(self, payload: discord.RawThreadDeleteEvent) -> None:
+        """A thread or forum post deleted, with its messages (raw: the thread may not be cached)."""
+        await self._withdraw_channel(payload.thread_id)
+
+    async def _withdraw_channel(self, channel_id: int) -> None:
+        try:
+            await self.app.core.withdraw_channel(f"{PLATFORM}:{channel_id}")
+        except Exception:
+            log.exception("Discord: could not remove the messages of deleted channel %s", channel_id)
+
     async def _withdraw(self, message_ids: list[int]) -> None:
         for message_id in message_ids:
             try:
@@ -427,7 +448,7 @@ class DiscordAdapter:
 
     def context(self, interaction: discord.Interaction, persona: str) -> CommandContext:
         user, parent = interaction.user, _parent_id(interaction.channel)
-        is_dm = interaction.guild is None
+        is_dm = interaction.guild_id is None  # (a server's interaction has its id even where it is not loaded)
         return CommandContext(
             platform=PLATFORM,
             user_key=f"{PLATFORM}:{user.id}",
@@ -500,7 +521,8 @@ class DiscordAdapter:
         user = interaction.user
         incoming = IncomingMessage(
             PLATFORM, str(interaction.channel_id), str(user.id), user.display_name, line,
-            is_dm=interaction.guild is None, server_id=None if interaction.guild is None else str(interaction.guild_id),
+            is_dm=interaction.guild_id is None,
+            server_id=None if interaction.guild_id is None else str(interaction.guild_id),
             parent_channel_id=_parent_id(interaction.channel),
         )
         roles = tuple(f"{PLATFORM}:{r.id}" for r in getattr(user, "roles", []) if not r.is_default())

@@ -217,8 +217,15 @@ def message_ref(message: discord.Message) -> str:
     return f"{PLATFORM}-message:{message.id}"
 
 
+def in_dm(channel: object) -> bool:
+    """Whether ``channel`` is a direct chat. Not ``message.guild is None``: a server's message whose server
+    discord.py has not loaded yet (at start, after a reconnect) has no guild either, and must never be
+    answered as a DM (privately meant answers, no mention needed, private memory in the prompt)."""
+    return isinstance(channel, discord.DMChannel | discord.GroupChannel)
+
+
 def _yours(interaction: discord.Interaction, message: discord.Message) -> bool:
     if message.author.id == interaction.user.id:
         return True
     me = interaction.client.user
-    return me is not None and message.author.id == me.id and message.guild is None
+    return me is not None and message.author.id == me.id and in_dm(message.channel)

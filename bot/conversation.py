@@ -484,6 +484,14 @@ class ConversationCore:
                      "its" if deleted else "no", archived)
         return deleted or bool(archived)
 
+    async def withdraw_channel(self, channel_key: str) -> None:
+        """A channel (a thread, a forum post) deleted on its platform, with every message in it: what the bot
+        stored of it goes as a deleted message's does, its summaries too (``Storage.withdraw_channel``)."""
+        deleted, archived = await self.storage.withdraw_channel(channel_key, time.time())
+        if deleted or archived:
+            self._last_text.pop(channel_key, None)
+            log.info("a deleted channel: %d stored message(s) and %d memory item(s) removed", deleted, archived)
+
     def _note_withdrawn(self, message_key: str) -> None:
         now = time.monotonic()
         self._withdrawn.pop(message_key, None)

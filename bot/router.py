@@ -186,6 +186,7 @@ class Router:
             server_key=msg.server_key,
             parent_channel_key=msg.parent_channel_key,
             reply_to=msg.reply_to,
+            message_key=msg.message_key,
             sent_at=msg.sent_at,
             history_since_join=inbound.history_since_join,
         )

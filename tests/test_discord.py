@@ -513,6 +513,18 @@ async def test_what_the_persona_remembered_from_a_deleted_message_goes_with_it(a
     assert not await adapter.app.storage.db.fetch_all("SELECT id FROM memory_items WHERE archived_at IS NULL")
 
 
+async def test_a_deleted_remember_command_takes_what_it_stored_along(adapter: DiscordAdapter) -> None:
+    """A typed `!memory remember` (someone's address, a door code) was filed under the channel: deleting the
+    command's message left the item in use, shared with the channel."""
+    sent = await dpytest.message("!memory remember Bob lives at 12 Elm Street, door code 4321")
+    assert dpytest.get_message().content.startswith("Remembered as #")
+    rows = await adapter.app.storage.db.fetch_all("SELECT scope, source_ref FROM memory_items")
+    assert [tuple(r) for r in rows] == [("shared", f"discord-message:{sent.id}")]
+    await adapter.on_raw_message_delete(discord.RawMessageDeleteEvent(
+        {"id": str(sent.id), "channel_id": str(sent.channel.id), "guild_id": str(sent.guild.id)}))
+    assert not await adapter.app.storage.db.fetch_all("SELECT id FROM memory_items WHERE archived_at IS NULL")
+
+
 async def test_slash_commands_keep_the_command_rate_limit(adapter: DiscordAdapter,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Only typed commands were limited: five /memory remember in a row all ran."""

@@ -582,6 +582,33 @@ async def test_a_withdrawn_platform_message_goes_with_what_points_at_it(storage:
     assert await storage.count_messages(channel.id) == 1
 
 
+async def test_a_withdrawn_channel_goes_with_its_summaries_and_the_items_from_its_messages(storage: Storage) -> None:
+    ann = await storage.upsert_user("discord:1", "Ann")
+    gone = await storage.upsert_channel("discord:10", "plans", is_dm=False)
+    kept = await storage.upsert_channel("discord:11", "general", is_dm=False)
+    said = await storage.add_message(gone.id, ann.id, "Cora", "user", "Ann", "my secret plan", 5)
+    await storage.add_message(gone.id, ann.id, "Cora", "assistant", "Cora", "a fine plan", 5, reply_to=said.id)
+    other = await storage.add_message(kept.id, ann.id, "Cora", "user", "Ann", "hello", 1)
+    await storage.sources.link(["discord-message:100"], said.id)
+    await storage.sources.link(["discord-message:101"], other.id)
+    await storage.add_summary(gone.id, "Ann has a secret plan.", said.id, said.id, 5, "m")
+    await storage.add_summary(kept.id, "Ann said hello.", other.id, other.id, 5, "m")
+    pair = await storage.cortex.ensure_pair(ann.id, "Cora")
+    for ref in ("discord-message:100", "discord:10", "discord-message:101", "discord:11"):
+        await storage.memory.add_item(pair.id, {"category": "fact", "content": f"from {ref}", "source_ref": ref},
+                                      None, 1.0)
+    assert await storage.withdraw_channel("discord:10", 2.0) == (2, 2)
+    assert await storage.count_messages(gone.id) == 0 and await storage.latest_summary(gone.id) is None
+    assert [m.text for m in await storage.recent_messages(kept.id, 10)] == ["hello"]
+    assert (await storage.latest_summary(kept.id)) is not None
+    rows = await storage.db.fetch_all("SELECT content, archive_reason FROM memory_items ORDER BY id")
+    assert [(str(r[0]), str(r[1])) for r in rows] == [
+        ("from discord-message:100", "its channel was deleted"), ("from discord:10", "its channel was deleted"),
+        ("from discord-message:101", ""), ("from discord:11", "")]
+    assert await storage.withdraw_channel("discord:10", 3.0) == (0, 0)  # once is enough
+    assert await storage.withdraw_channel("discord:99", 3.0) == (0, 0)  # a channel the bot never stored
+
+
 async def test_a_withdrawn_message_takes_the_reply_to_it_along_and_a_withdrawn_reply_goes_alone(
         storage: Storage) -> None:
     """An attacker's finding: deleting a message on the platform left the bot's stored reply to it, which often

@@ -104,6 +104,7 @@ class CommandContext:
     server_key: str | None = None
     parent_channel_key: str | None = None  # a thread's or forum post's channel: its switches apply here too
     reply_to: str | None = None  # the message the command was sent in reply to (discord-message:ID)
+    message_key: str | None = None  # the platform message the command was typed in (discord-message:ID)
     body: str = ""  # the lines after the command line
     attachments: tuple[Attachment, ...] = ()  # files sent with the command (a card to import)
     attachments_seen_by_all: bool = False  # those files were posted where everyone in the channel can open them

@@ -298,6 +298,9 @@ class Storage(Protocol):
     async def withdraw_message(self, key: str, now: float, author_key: str | None = None) -> tuple[bool, int]:
         """Delete the user's message the platform message ``key`` was, archive items remembered from it."""
 
+    async def withdraw_channel(self, channel_key: str, now: float) -> tuple[int, int]:
+        """Delete the messages and summaries of a channel deleted on its platform, archive items from them."""
+
     async def delete_message(self, message_id: int) -> None:
         """Delete one message with what points at it."""
 

@@ -325,6 +325,27 @@ class Storage:
         archived = await self.memory.archive_from(None, key, "its message was deleted", now, user_id=user_id)
         return row is not None, len(archived)
 
+    async def withdraw_channel(self, channel_key: str, now: float) -> tuple[int, int]:
+        """A channel (a thread, a forum post) deleted on its platform, and every message in it with it: the
+        stored messages go with what points at them, the channel's summaries too, and memory items remembered
+        from its messages (or with a command typed there) are archived, restorable by their owners.
+        (Messages deleted, items archived.)"""
+        await self.flush_audit()  # buffered reply stats may point at its messages
+        async with self.db.transaction() as tx:
+            row = await tx.fetch_one("SELECT id FROM channels WHERE key = ?", (channel_key,))
+            if row is None:
+                return 0, 0
+            channel_id = int(row[0])
+            archived = await tx.fetch_all(
+                "UPDATE memory_items SET archived_at = ?, archive_reason = ? WHERE archived_at IS NULL"
+                " AND superseded_by IS NULL AND (source_ref = ? OR source_ref IN (SELECT p.key FROM"
+                " platform_messages AS p JOIN messages AS m ON m.id = p.message_id WHERE m.channel_id = ?))"
+                " RETURNING id", (now, "its channel was deleted", channel_key, channel_id))
+            deleted, _ = await delete_messages(tx, "channel_id = ?", (channel_id,))
+            await tx.execute("DELETE FROM summaries WHERE channel_id = ?", (channel_id,))
+        self.forget_cached(user_key="", channel_ids=[channel_id])
+        return len(deleted), len(archived)
+
     async def delete_messages_before(self, before: float) -> int:
         """Retention: every message older than ``before`` goes, with what points at it; how many."""
         await self.flush_audit()

@@ -188,7 +188,8 @@ class MemoryCommands:
         return parse_number(args[0], "the item", prefix="#")
 
     async def remember(self, ctx: CommandContext, args: Sequence[str]) -> str | CommandReply:
-        kept, category, importance, pin, origin = [], "fact", 5, False, ctx.channel_key
+        # From the message typed (deleted on its platform, the item is archived, as a 🧠'd message's is).
+        kept, category, importance, pin, origin = [], "fact", 5, False, ctx.message_key or ctx.channel_key
         it = iter(args)
         for token in it:
             if token in ("--category", "--importance") and (value := next(it, None)) is None:

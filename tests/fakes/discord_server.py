@@ -376,6 +376,12 @@ class FakeDiscord:
         coro = self._dispatch_message(content, author_id, author_name, channel_id, guild_id, mentions_bot)
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
 
+    def dispatch_event(self, event: str, data: dict[str, Any], *, guild_id: int | None = None) -> None:
+        """Send any gateway event (``MESSAGE_DELETE``, ``CHANNEL_DELETE``, ...) to the session owning ``guild_id``."""
+        assert self._loop is not None, "the fake is not running"
+        session = self._owner_of(guild_id)
+        asyncio.run_coroutine_threadsafe(session.dispatch(event, data), self._loop).result(10)
+
     # ----- helpers
 
     def _snowflake(self) -> int:

@@ -1,0 +1,119 @@
+"""Server channels on the wire: the real discord.py in this process against the fake Discord of
+``tests/fakes/discord_server.py`` with one server; replies from the scripted provider."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import discord
+import pytest
+import pytest_asyncio
+import yarl
+
+from adapters.discord import DiscordAdapter
+from bot.app import App
+from bot.config import parse_config
+from tests.fakes.discord_server import FakeDiscord
+from tests.fakes.provider import ScriptedProvider
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+GUILD = 123 << 22
+CHANNEL, OTHER_CHANNEL = GUILD + 1, GUILD + 2
+ANN = 700_000_000_000_000_001
+
+
+@pytest_asyncio.fixture
+async def live(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[FakeDiscord, App]]:
+    """A bot in one server with two text channels, replies not streamed."""
+    with FakeDiscord() as fake:
+        fake.add_guild(GUILD, channel_ids=(CHANNEL, OTHER_CHANNEL), members=(ANN,))
+        monkeypatch.setattr(discord.http.Route, "BASE", fake.api_base)
+        monkeypatch.setattr(discord.gateway.DiscordWebSocket, "DEFAULT_GATEWAY", yarl.URL(fake.gateway_url))
+        config = parse_config({
+            "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
+            "chat": {"streaming": False, "still_working_seconds": 0, "typing_indicator": False},
+            "cortex": {"context_limit": 1000},
+            "discord": {"enabled": True, "sync_commands": False},
+        })
+        app = App(config, llm=ScriptedProvider())
+        await app.start()
+        adapter = DiscordAdapter(app, config.discord)
+        run = asyncio.create_task(adapter.bot.start("token"))
+        try:
+            await asyncio.wait_for(adapter.bot.wait_until_ready(), 30)
+            yield fake, app
+        finally:
+            await adapter.close()
+            await asyncio.gather(run, return_exceptions=True)
+            await app.stop()
+
+
+async def _said(fake: FakeDiscord, app: App, text: str, channel: int) -> None:
+    """``text`` said to the bot in ``channel``, once its answer is out."""
+    before = len(fake.messages_in(str(channel)))
+    fake.dispatch_message(text, author_id=ANN, guild_id=GUILD, channel_id=channel, mentions_bot=True)
+    await fake.wait_until_async(lambda f: len(f.messages_in(str(channel))) > before)
+
+
+async def test_a_message_of_a_server_not_loaded_yet_is_not_taken_for_a_dm(live: tuple[FakeDiscord, App]) -> None:
+    """discord.py gives a message of a server it has not loaded (before its GUILD_CREATE, after an outage) no
+    guild, and the bot took ``guild is None`` for a DM: it answered unmentioned, and a private command's answer
+    (a pinned PIN) went into the server's channel."""
+    fake, app = live
+    dm = fake.dispatch_message("!memory remember --pin my PIN is 4321", author_id=ANN)
+    await fake.wait_until_async(lambda f: f.messages_in(dm.channel_id))
+    unknown_guild, unknown_channel = 456 << 22, (456 << 22) + 1
+    fake.dispatch_message("!memory list", author_id=ANN, guild_id=unknown_guild, channel_id=unknown_channel)
+    fake.dispatch_message("hello there", author_id=ANN, guild_id=unknown_guild, channel_id=unknown_channel)
+    await _said(fake, app, "and here?", CHANNEL)  # (handled after the two above)
+    assert fake.messages_in(str(unknown_channel)) == []
+    channels = [str(r[0]) for r in await app.storage.db.fetch_all("SELECT key FROM channels")]
+    assert f"discord:{unknown_channel}" not in channels
+
+
+async def test_a_deleted_channel_takes_its_messages_summaries_and_items(live: tuple[FakeDiscord, App]) -> None:
+    """Deleting a channel deletes every message in it, and Discord says so with CHANNEL_DELETE alone (no
+    message deletions): the bot kept all it stored of it, in history, search and its summary."""
+    fake, app = live
+    said = fake.dispatch_message("my secret plan is X", author_id=ANN, guild_id=GUILD, channel_id=CHANNEL,
+                                 mentions_bot=True)
+    await fake.wait_until_async(lambda f: len(f.messages_in(str(CHANNEL))) == 1)
+    # As "Remember this" on that message does (a 🧠 reaction too):
+    fake.dispatch_message(f"!memory remember --from discord-message:{said.message_id} the plan is X", author_id=ANN,
+                          guild_id=GUILD, channel_id=CHANNEL)
+    await fake.wait_until_async(lambda f: len(f.messages_in(str(CHANNEL))) == 2)
+    await _said(fake, app, "the other channel stays", OTHER_CHANNEL)
+    channel = await app.storage.get_channel(f"discord:{CHANNEL}")
+    assert channel is not None
+    stored = await app.storage.messages_between(channel.id, 0, 2**40, 100)
+    await app.storage.add_summary(channel.id, "Ann's secret plan is X.", stored[0].id, stored[-1].id, 8, "m")
+    assert await app.storage.latest_summary(channel.id) is not None
+    fake.dispatch_event("CHANNEL_DELETE", {"id": str(CHANNEL), "type": 0, "guild_id": str(GUILD),
+                                           "name": "channel-0", "position": 0, "permission_overwrites": []},
+                        guild_id=GUILD)
+    await _gone(app, "secret plan")
+    assert await app.storage.latest_summary(channel.id) is None
+    items = await app.storage.db.fetch_all("SELECT archived_at, archive_reason FROM memory_items")
+    assert [(r[0] is not None, r[1]) for r in items] == [(True, "its channel was deleted")]
+    assert await app.storage.db.fetch_all("SELECT id FROM messages WHERE text LIKE '%other channel stays%'")
+
+
+async def test_a_deleted_thread_takes_its_messages(live: tuple[FakeDiscord, App]) -> None:
+    """A thread or forum post deleted (THREAD_DELETE, raw: the thread need not be loaded)."""
+    fake, app = live
+    await _said(fake, app, "a thread's secret", OTHER_CHANNEL)
+    fake.dispatch_event("THREAD_DELETE", {"id": str(OTHER_CHANNEL), "guild_id": str(GUILD), "parent_id": str(CHANNEL),
+                                          "type": 11}, guild_id=GUILD)
+    await _gone(app, "a thread's secret")
+
+
+async def _gone(app: App, words: str) -> None:
+    """Wait until no stored message holds ``words`` (the deletion is handled on the bot's loop)."""
+    for _ in range(100):
+        if not await app.storage.db.fetch_all("SELECT id FROM messages WHERE text LIKE ?", (f"%{words}%",)):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"messages with {words!r} are still stored")
