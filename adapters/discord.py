@@ -45,7 +45,7 @@ from bot.policy import Inbound, refusal
 from bot.ports import IncomingMessage
 from bot.ratelimit import slow_down
 from bot.splitting import split_message
-from bot.streaming import RateLimited
+from bot.streaming import MessageGone, RateLimited
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +207,8 @@ class DiscordSink:
     async def edit(self, handle: discord.Message, text: str) -> None:
         try:
             await handle.edit(content=text, allowed_mentions=NO_PINGS)
+        except discord.NotFound as exc:  # deleted meanwhile (a moderator): not to be sent again
+            raise MessageGone() from exc
         except discord.HTTPException as exc:
             raise _rate_limited(exc) from exc
 

@@ -505,7 +505,11 @@ class ConversationCore:
     def was_withdrawn(self, message: IncomingMessage) -> bool:
         """Whether the platform message was taken back lately (its author's or a moderator's deletion came
         before, or while, it was handled)."""
-        at = self._withdrawn.get(message.message_key) if message.message_key else None
+        return message.message_key is not None and self.key_withdrawn(message.message_key)
+
+    def key_withdrawn(self, message_key: str) -> bool:
+        """Whether the platform message ``message_key`` (a user's or a reply's) was taken back lately."""
+        at = self._withdrawn.get(message_key)
         return at is not None and time.monotonic() - at < WITHDRAWN_KEPT_SECONDS
 
     def forget_recent_texts(self) -> None:

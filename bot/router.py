@@ -231,7 +231,7 @@ class Router:
         finally:
             await _stop(waiting)
         handles = await shown.finish()
-        await self._link(sink, handles, stream.result)
+        await self._link(sink, handles, stream.result, gone=shown.gone)
 
     async def _show_failure(self, message: IncomingMessage, shown: StreamedReply, sink: ChatSink,
                             waiting: asyncio.Task[None] | None, exc: BaseException) -> None:
@@ -260,15 +260,19 @@ class Router:
         user = await self.storage.get_user(user_key)
         return user is not None and await self.storage.incognito.active(user.id, persona)
 
-    async def _link(self, sink: ChatSink, handles: Sequence[object], result: ReplyResult | None) -> None:
+    async def _link(self, sink: ChatSink, handles: Sequence[object], result: ReplyResult | None, *,
+                    gone: bool = False) -> None:
         """Note which platform messages show the reply (for a platform's "Why?" on one of them); a sink
-        that cannot name its messages (the terminal, tests) is skipped."""
+        that cannot name its messages (the terminal, tests) is skipped. A reply a moderator deleted while it
+        was written or stored (``gone``, or its deletion came before this link) leaves the store too."""
         key_of = getattr(sink, "message_key", None)
         if result is None or key_of is None:
             return
         keys = [key for key in (key_of(handle) for handle in handles) if key]
         if keys:
             await self.storage.sources.link(keys, result.reply.id)
+            if gone or any(self.core.key_withdrawn(key) for key in keys):
+                await self.core.withdraw(keys[0])
 
     async def _persona_command(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
         """Only a channel's new persona is announced to the channel; everything else answers the asker."""

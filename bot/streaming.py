@@ -10,7 +10,9 @@ limits), and after ``RATE_LIMIT_TRIES`` refusals in a row that send or edit fail
 A library that waits out the limit itself (discord.py sleeps through a 429 and retries) shows as an
 edit slower than the interval: the interval then grows to that edit's time, doubled. Any other failure of an
 edit while the text streams in is logged and the reply goes on (the next edit shows it all); when the final
-edit fails, the rest of the reply is sent as a new message, so its end is never lost.
+edit fails, the rest of the reply is sent as a new message, so its end is never lost. A message the platform
+says is gone (:class:`MessageGone`: a moderator deleted it while it was written) is not sent again: nothing
+more of the reply is shown, and the reply is marked ``gone`` (the router then deletes its stored copy).
 With ``streaming`` off, nothing is sent until the reply is complete.
 """
 
@@ -41,6 +43,10 @@ class RateLimited(Exception):
         self.retry_after = retry_after
 
 
+class MessageGone(Exception):
+    """The message to edit was deleted on the platform (a moderator took the reply back as it was written)."""
+
+
 class MessageSink(Protocol):
     limit: int
 
@@ -64,6 +70,7 @@ class StreamedReply:
     _last_edit: float = field(default=float("-inf"))
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one send or edit at a time
     sent: list[Any] = field(default_factory=list)  # handles of every message, in order
+    gone: bool = False  # a message of it was deleted on the platform: nothing more is shown
 
     @property
     def text(self) -> str:
@@ -138,7 +145,7 @@ class StreamedReply:
             await self._put(current)
 
     async def _put(self, text: str) -> None:
-        if text == self._shown and self._handle is not None:
+        if self.gone or (text == self._shown and self._handle is not None):
             return
         for tries in range(1, RATE_LIMIT_TRIES + 1):
             started = self.clock()
@@ -149,6 +156,10 @@ class StreamedReply:
                 else:
                     await self.sink.edit(self._handle, text)
                 break
+            except MessageGone:
+                log.info("a reply's message was deleted on the platform while it was written; the rest is not shown")
+                self.gone = True
+                return
             except RateLimited as limited:
                 self.interval = min(self.interval * 2, MAX_INTERVAL)
                 if tries == RATE_LIMIT_TRIES:

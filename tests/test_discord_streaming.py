@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import discord
 import pytest
@@ -15,6 +16,7 @@ import yarl
 from adapters.discord import DiscordAdapter
 from bot.app import App
 from bot.config import parse_config
+from bot.llm.base import StreamEnd, TextDelta
 from tests.fakes.discord_server import FakeDiscord
 from tests.fakes.provider import ScriptedProvider
 
@@ -57,10 +59,10 @@ def shown(fake: FakeDiscord, channel_id: str) -> list[str]:
     return list(texts.values())
 
 
-@pytest.mark.parametrize("status", [404, 403])
+@pytest.mark.parametrize("status", [403, 400])
 async def test_a_failed_last_edit_still_shows_the_whole_reply(live: tuple[FakeDiscord, App], status: int) -> None:
-    """The final edit of a streamed reply fails (the message was deleted meanwhile, the channel closed, Discord
-    refused it): the whole reply is still shown, in a new message, and not cut off after its first word."""
+    """The final edit of a streamed reply fails (the channel closed, Discord refused it): the whole reply is
+    still shown, in a new message, and not cut off after its first word."""
     fake, app = live
     app.llm.enqueue(ANSWER)  # type: ignore[attr-defined]  # the ScriptedProvider of the fixture
     fake.fail_edits(status)
@@ -68,3 +70,66 @@ async def test_a_failed_last_edit_still_shows_the_whole_reply(live: tuple[FakeDi
     await fake.wait_until_async(lambda f: ANSWER in shown(f, sent.channel_id))
     assert shown(fake, sent.channel_id)[0] == "Here"  # the streamed start stays as it was
     assert not any("⚠️" in text for text in shown(fake, sent.channel_id))
+
+
+async def test_a_reply_a_moderator_deletes_while_it_streams_is_neither_sent_again_nor_kept(
+        live: tuple[FakeDiscord, App], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A moderator deleted the half-written reply: its final edit met a 404, and the bot sent the whole reply
+    again as a new message (undoing the moderator), and stored it for later prompts."""
+    fake, app = live
+    app.llm.enqueue(ANSWER)  # type: ignore[attr-defined]
+    go_on = asyncio.Event()
+
+    async def slow_stream(self: ScriptedProvider, request: Any) -> AsyncIterator[Any]:  # a pause after a word
+        completion = await self._next(request)
+        first, rest = completion.text.split(" ", 1)
+        yield TextDelta(first)
+        await go_on.wait()
+        yield TextDelta(" " + rest)
+        yield StreamEnd(completion)
+
+    monkeypatch.setattr(ScriptedProvider, "stream", slow_stream)
+    sent = fake.dispatch_message("hello")
+    await fake.wait_until_async(lambda f: len(f.messages_in(sent.channel_id)) == 1)
+    streamed = fake.messages_in(sent.channel_id)[0]
+    fake.dispatch_event("MESSAGE_DELETE", {"id": streamed.message_id, "channel_id": sent.channel_id})
+    fake.fail_edits(404)  # Discord's answer to an edit of a deleted message
+    await asyncio.sleep(0.2)
+    go_on.set()
+    for _ in range(100):  # the reply is stored, then deleted again
+        if await app.storage.db.fetch_all("SELECT id FROM messages WHERE role = 'user'") and not \
+                await app.storage.db.fetch_all("SELECT id FROM messages WHERE role = 'assistant'"):
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the reply a moderator deleted is still stored")
+    assert [m.message_id for m in fake.messages_in(sent.channel_id)] == [streamed.message_id]  # not sent again
+
+
+async def test_a_reply_deleted_before_the_bot_links_it_leaves_the_store(
+        live: tuple[FakeDiscord, App], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deletion of a reply reached the bot after the reply was shown, before it was linked to its
+    Discord message: nothing pointed at the stored reply yet, so it stayed."""
+    fake, app = live
+    app.llm.enqueue(ANSWER)  # type: ignore[attr-defined]
+    router = app.router
+    link = router._link
+
+    async def late_link(*args: Any, **kwargs: Any) -> None:
+        [posted] = fake.messages
+        fake.dispatch_event("MESSAGE_DELETE", {"id": posted.message_id, "channel_id": posted.channel_id})
+        for _ in range(100):
+            if app.core.key_withdrawn(f"discord-message:{posted.message_id}"):
+                break
+            await asyncio.sleep(0.02)
+        await link(*args, **kwargs)
+
+    monkeypatch.setattr(router, "_link", late_link)
+    fake.dispatch_message("hello")
+    for _ in range(100):
+        if fake.messages and await app.storage.db.fetch_all("SELECT id FROM messages WHERE role = 'user'") and \
+                not await app.storage.db.fetch_all("SELECT id FROM messages WHERE role = 'assistant'"):
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the deleted reply is still stored")
