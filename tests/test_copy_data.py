@@ -347,6 +347,29 @@ async def test_rows_a_running_bot_adds_during_the_copy_wait_for_the_next_one(sou
     assert again.ok and "written meanwhile" in {m["text"] for m in await dump(pg, "messages")}
 
 
+async def test_a_correction_the_running_bot_makes_during_the_copy_waits_for_the_next_one(
+        source: Storage, pg: Storage, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--while-running: an item corrected after the items' pages went over pointed (superseded_by) at an item
+    the copy left for the next one, and linking the items failed on the foreign key with a driver's traceback."""
+    store = MemoryStore(source)
+    kayak = next(i for i in await dump(source, "memory_items") if "kayak" in i["content"])
+    deferred = copy_module._copy_deferred
+
+    async def correction_first(*args: Any) -> None:
+        await store.remember(kayak["pair_id"], "Ann owns a blue kayak now", supersedes=kayak["id"])
+        await deferred(*args)
+
+    monkeypatch.setattr(copy_module, "_copy_deferred", correction_first)
+    report = await copy_data(source, pg)
+    assert not report.ok and {t.table for t in report.mismatches} == {"memory_items"}
+    copied = {i["id"]: i for i in await dump(pg, "memory_items")}
+    assert copied[kayak["id"]]["superseded_by"] is None  # (its successor is not there yet)
+    monkeypatch.setattr(copy_module, "_copy_deferred", deferred)
+    again = await copy_data(source, pg)  # (the bot stopped): the correction and its link go over
+    assert again.ok
+    assert (await dump(pg, "memory_items")) == (await dump(source, "memory_items"))
+
+
 async def test_a_rerun_after_a_forget_me_reports_what_the_target_still_holds(source: Storage, pg: Storage) -> None:
     """Ann forgotten here after a first copy, her channel's summary written anew (version 1 again, a new id):
     the new summary cannot go in beside the old one; the copy finishes and says the counts differ."""

@@ -302,7 +302,7 @@ async def _copy_table(source: Database, target: Database, table: str, batch: int
         if len(rows) < batch:
             break
     if plan.deferred:
-        await _copy_deferred(source, target, plan, batch)
+        await _copy_deferred(source, target, plan, batch, bound[1] if bound is not None and not bound[0] else None)
     return copied
 
 
@@ -371,23 +371,33 @@ def _target_values(plan: _Plan, row: Row) -> list[Any]:
     return values
 
 
-async def _copy_deferred(source: Database, target: Database, plan: _Plan, batch: int) -> None:
-    """Set the self references left out at insert to the source's (a correction made since included)."""
+async def _copy_deferred(source: Database, target: Database, plan: _Plan, batch: int, mark: int | None) -> None:
+    """Set the self references left out at insert to the source's (a correction made since included), for
+    the rows up to ``mark`` (the largest id when the copy began); a reference to a row past it (a correction
+    the running bot made meanwhile, not copied) stays empty, for the next copy to set."""
     columns = plan.deferred
     sets = ", ".join(f"{_quote(c)} = ?" for c in columns)
     wanted = " OR ".join(f"{_quote(c)} IS NOT NULL" for c in columns)
     key = plan.key[0]
+    upto = "" if mark is None else f" AND {_quote(key)} <= {int(mark)}"
     last: Any = None
     while True:
         after = "" if last is None else f" AND {_quote(key)} > ?"
         rows = await source.fetch_all(
             f"SELECT {_quote(key)}, {', '.join(_quote(c) for c in columns)} FROM {_quote(plan.table)}"
-            f" WHERE ({wanted}){after} ORDER BY {_quote(key)} LIMIT {batch}", () if last is None else (last,))
+            f" WHERE ({wanted}){upto}{after} ORDER BY {_quote(key)} LIMIT {batch}", () if last is None else (last,))
         if not rows:
             return
-        async with target.transaction() as tx:
-            await tx.executemany(f"UPDATE {_quote(plan.table)} SET {sets} WHERE {_quote(key)} = ?",
-                                 [(*row[1:], row[0]) for row in rows])
+        values = [(*(None if mark is not None and v is not None and v > mark else v for v in row[1:]), row[0])
+                  for row in rows]
+        try:
+            async with target.transaction() as tx:
+                await tx.executemany(f"UPDATE {_quote(plan.table)} SET {sets} WHERE {_quote(key)} = ?", values)
+        except StorageError:
+            raise
+        except Exception as exc:
+            raise StorageError(f"linking {plan.table}'s {', '.join(columns)} in {target.url} failed: "
+                               f"{type(exc).__name__}: {exc}; {FIX_SOURCE}") from exc
         last = rows[-1][0]
 
 
