@@ -261,6 +261,18 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return dict(pairs)
 
 
+def _no_constant(name: str) -> None:
+    """``NaN``, ``Infinity``, ``-Infinity``: not JSON (Python reads them): read as null, as ``1e999`` is."""
+    return None
+
+
+def loads_archive_json(text: str | bytes) -> Any:
+    """JSON of an archive (its ``data.json``, an item's tags or metadata written as JSON text), read with
+    the number rules of :func:`read_number` and without the non-JSON constants."""
+    return json.loads(text, parse_int=read_number(int), parse_float=read_number(float),
+                      parse_constant=_no_constant, object_pairs_hook=_object)
+
+
 # The parse runs on a worker thread, but the JSON decoder, written in C, holds Python's lock until it is done:
 # 70 MB of numbers held the event loop 2.5 s. The hooks above are Python, and Python lets the lock go to the
 # event loop every few milliseconds (the decoder calls them for every number and object).
@@ -284,8 +296,7 @@ def read_archive(blob: bytes) -> dict[str, Any]:
             if values > MAX_DATA_VALUES:
                 raise ArchiveError(f"its data.json holds more than {MAX_DATA_VALUES:,} values, more than this bot "
                                    "imports at once")
-            data = json.loads(raw, parse_int=read_number(int), parse_float=read_number(float),
-                              object_pairs_hook=_object)
+            data = loads_archive_json(raw)
     except ArchiveError:
         raise
     except (zipfile.BadZipFile, KeyError):

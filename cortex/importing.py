@@ -33,7 +33,7 @@ from bot.storage.base import Channel, User
 from bot.storage.core import Storage
 from bot.storage.engine import is_missing_reference
 from bot.text import plural, storable, storable_json
-from cortex.export import ArchiveError, ImportReport, read_number
+from cortex.export import ArchiveError, ImportReport, loads_archive_json
 from cortex.files import CortexFiles, FileError
 from cortex.memory.guard import check_memory_text
 from cortex.memory.store import CATEGORIES, MAX_KEY_CHARS, PAIR_ITEMS, SCOPES
@@ -104,7 +104,7 @@ def _json_as(value: Any, kind: type[list[Any]] | type[dict[str, Any]]) -> Any:
         if len(value) > MAX_JSON_TEXT_CHARS:  # (far over what an item keeps: parsed, it held the event loop)
             return None
         try:
-            value = json.loads(value, parse_int=read_number(int), parse_float=read_number(float))
+            value = loads_archive_json(value)
         except (ValueError, RecursionError):
             return None
     return value if isinstance(value, kind) else None
@@ -125,7 +125,7 @@ def _tags_and_metadata(item: Mapping[str, Any]) -> tuple[str, str] | None:
             or not all(isinstance(t, str) and len(t) <= MAX_TAG_CHARS for t in tags):
         return None
     try:
-        metadata_json = json.dumps(storable_json(metadata), ensure_ascii=False)
+        metadata_json = json.dumps(storable_json(metadata), ensure_ascii=False, allow_nan=False)
     except (ValueError, TypeError, RecursionError):  # e.g. a float too large, nesting too deep
         return None
     if len(metadata_json) > MAX_METADATA_CHARS:

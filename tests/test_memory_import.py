@@ -342,6 +342,28 @@ def test_tags_or_metadata_written_as_json_text_are_read_within_their_caps() -> N
     fields = item_fields({**good, "metadata": '{"score": 1e999, "n": 2}'}, 2000)
     assert fields is not None and "Infinity" not in str(fields) and '"n": 2' in str(fields)
     assert item_fields({**good, "metadata": '{"a": 1}', "tags": '["garden"]'}, 2000) is not None
+    # (so are the constants Python's reader takes and JSON has not: NaN, Infinity, -Infinity)
+    fields = item_fields({**good, "metadata": '{"score": Infinity, "n": NaN, "low": -Infinity, "m": 3}'}, 2000)
+    assert fields is not None and fields["metadata"] == '{"score": null, "n": null, "low": null, "m": 3}', fields
+
+
+def test_an_archives_data_json_with_non_json_constants_stores_none_of_them() -> None:
+    """data.json itself read Infinity as a float, which went back out as 'Infinity' in the stored metadata."""
+    import io
+    import zipfile
+
+    from cortex.export import read_archive
+    from cortex.importing import item_fields
+
+    blob = io.BytesIO()
+    with zipfile.ZipFile(blob, "w") as archive:
+        archive.writestr("data.json", '{"format": "cortex-bot-export", "format_version": 1, "items": '
+                                      '[{"metadata": {"score": -Infinity, "k": 1}, "importance": NaN}]}')
+    item = read_archive(blob.getvalue())["items"][0]
+    assert item == {"metadata": {"score": None, "k": 1}, "importance": None}
+    good = {"category": "fact", "content": "Ann grows figs", "importance": 5, "created_at": 1_700_000_000}
+    fields = item_fields({**good, "metadata": item["metadata"]}, 2000)
+    assert fields is not None and fields["metadata"] == '{"score": null, "k": 1}', fields
 
 
 async def test_a_correction_loop_in_an_archive_hides_nothing(tmp_path: Path) -> None:
