@@ -34,9 +34,15 @@ async def discord_login(config: DiscordConfig, environ: Mapping[str, str]) -> tu
                                "developer portal (Bot → Reset Token)")
             if response.status >= 400:
                 return False, f"Discord answered HTTP {response.status} to the bot token's check"
-            me = await response.json()
+            try:
+                me = await response.json(content_type=None)
+            except ValueError:  # (not JSON: a proxy's or a captive portal's page)
+                me = None
     except UNREACHABLE as exc:
         return False, f"cannot reach {base} ({why(exc)}); a bot started now waits until it can"
+    if not isinstance(me, dict) or "id" not in me:
+        return False, (f"{base} answered the bot token's check with something other than Discord's answer (a proxy "
+                       "in between?)")
     return True, f"bot token from ${config.token_env} signs in as {me.get('username')} (id {me.get('id')})"
 
 

@@ -361,6 +361,34 @@ async def test_doctor_asks_discord_whether_it_takes_the_bot_token(monkeypatch: p
     assert not ok and said.startswith(f"cannot reach {unreachable} (") and "waits until it can" in said
 
 
+@pytest.mark.parametrize("body", ["<html>Sign in to the Wi-Fi</html>", "[1, 2]", "{}"])
+async def test_doctor_names_a_check_answered_by_something_other_than_discord(
+        monkeypatch: pytest.MonkeyPatch, body: str) -> None:
+    """A page that is not Discord's answer (a captive portal's, a proxy's) was called "cannot reach", or, as
+    JSON but no object, ended doctor with a traceback."""
+    from aiohttp import web
+
+    from adapters.credentials import discord_login
+
+    async def me(request: web.Request) -> web.Response:
+        return web.Response(text=body, content_type="text/html" if body.startswith("<") else "application/json")
+
+    app = web.Application()
+    app.router.add_get("/users/@me", me)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    monkeypatch.setenv("CB_TEST_DISCORD_TOKEN", "a-good-token")
+    try:
+        ok, said = await discord_login(DiscordConfig(enabled=True, token_env="CB_TEST_DISCORD_TOKEN"),
+                                       {API_BASE_ENV: base})
+    finally:
+        await runner.cleanup()
+    assert not ok and said == f"{base} answered the bot token's check with something other than Discord's answer " \
+                              "(a proxy in between?)"
+
+
 async def test_discord_in_an_outage_is_waited_for_like_one_out_of_reach(monkeypatch: pytest.MonkeyPatch,
                                                                         caplog: pytest.LogCaptureFixture) -> None:
     """A 5xx at start (Discord's outage) ended the start as the login met it; it is waited for, said once."""
