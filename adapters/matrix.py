@@ -686,7 +686,10 @@ class MatrixAdapter:
         bot_user = room.users.get(me)
         display = (bot_user.display_name if bot_user is not None else None) or room.user_name(me) or me
         reply_to = reply_target(content)
-        body = without_reply_fallback(event.body) if reply_to else event.body
+        # (an upload's text is its caption: a bare one's body is its file's name, which says nothing, "Cora.jpg" no
+        # mention of the bot and "!x.png" no command)
+        said = upload_caption(event) if isinstance(event, MEDIA_EVENTS) else event.body
+        body = without_reply_fallback(said) if reply_to else said
         formatted = _MX_REPLY.sub("", getattr(event, "formatted_body", None) or "")  # not the quoted message
         mentions_bot = (me in mentioned(content) or _names(body, me) or bool(display and _names(body, display))
                         or me in formatted)
@@ -901,8 +904,7 @@ class MatrixAdapter:
         read as a message, as Discord's text beside a picture is; an upload without one is a message without
         text (in a DM, or addressed: the bot says it reads text). The file itself is never read for chat."""
         content = json_object(event.source.get("content"))
-        filename = str(content.get("filename") or "")
-        caption = event.body.strip() if filename and event.body.strip() != filename else ""
+        filename, caption = str(content.get("filename") or ""), upload_caption(event)
         if event.sender == self.config.user_id or self._before_join(room):
             return
         if relates_to(content).get("rel_type") == "m.replace":
@@ -910,7 +912,7 @@ class MatrixAdapter:
         if caption.startswith(self.config.command_prefix) and isinstance(event, FILE_EVENTS):
             self._spawn(self._handle(room, event, file=(filename, content)))
         else:
-            self._spawn(self._handle(room, event, text=None if caption else ""))  # (the body is the caption)
+            self._spawn(self._handle(room, event))  # (its text is the caption: see inbound)
 
     async def _download(self, event: FileEvent, filename: str, content: dict[str, Any]) -> Attachment:
         """The file's bytes (decrypted in an encrypted room); ValueError with one line when it cannot be."""
@@ -952,12 +954,10 @@ class MatrixAdapter:
         return bytes(data)
 
     async def _handle(self, room: MatrixRoom, event: RoomMessageText | RoomMessageEmote | MediaEvent,
-                      file: tuple[str, dict[str, Any]] | None = None, text: str | None = None) -> None:
+                      file: tuple[str, dict[str, Any]] | None = None) -> None:
         try:
             await self._load_creators(room.room_id)
             inbound = await self.inbound(room, event)
-            if text is not None:  # (an upload without a caption: its body is its file's name, not a message)
-                inbound = _with_text(inbound, text)
             if isinstance(event, RoomMessageEmote):  # "/me waves": an action, as chats write one; never a command
                 if not inbound.message.text.strip():
                     return
@@ -1158,6 +1158,13 @@ def _short(response: SyncError) -> str:
     status = getattr(getattr(response, "transport_response", None), "status", None)  # the HTTP answer's
     parts = (f"HTTP {status}" if status else "", response.status_code or "", response.message or "")
     return " ".join(" ".join(parts).split())[:200] or "no answer"
+
+
+def upload_caption(event: MediaEvent) -> str:
+    """An upload's caption (MSC2530: a body that differs from the ``filename``); "" for a bare upload, whose
+    body is its file's name."""
+    filename = str(json_object(event.source.get("content")).get("filename") or "")
+    return event.body.strip() if filename and event.body.strip() != filename else ""
 
 
 def _with_text(inbound: Inbound, text: str) -> Inbound:

@@ -157,6 +157,33 @@ async def test_an_edited_file_caption_does_not_run_its_command_again(tmp_path: P
         await adapter.close()
 
 
+@pytest.mark.parametrize("filename", ["Cora.jpg", "cortex.png", "!memory.png"])
+async def test_a_bare_uploads_file_name_neither_calls_the_bot_nor_is_a_command(tmp_path: Path, filename: str) -> None:
+    """A bare upload's body is its file's name: "Cora.jpg" posted in a group room counted as a mention of the
+    bot, which answered "I read text" into the room; a name starting with the prefix counted as addressed."""
+    from nio import MatrixRoom, RoomMessageImage
+
+    config = _config(tmp_path)
+    async with App(config, llm=ScriptedProvider()) as app:
+        adapter = MatrixAdapter(app, config.matrix, env={"CB_MATRIX_PW": "x"})
+        adapter._remember_kind("!group:localhost", "group")
+        room = MatrixRoom("!group:localhost", "@cortex:localhost")
+        for user_id, name in (("@cortex:localhost", "Cora"), ("@ann:localhost", "Ann"), ("@bob:localhost", "Bob")):
+            room.add_member(user_id, name, None)
+
+        def image(body: str) -> RoomMessageImage:
+            return RoomMessageImage.from_dict({"type": "m.room.message", "event_id": "$i", "sender": "@ann:localhost",
+                                               "origin_server_ts": 1, "content": {
+                                                   "msgtype": "m.image", "body": body, "filename": filename,
+                                                   "url": "mxc://localhost/i"}})
+
+        bare = await adapter.inbound(room, image(filename))
+        assert not bare.message.is_dm and not bare.message.mentions_bot and bare.message.text == ""
+        captioned = await adapter.inbound(room, image("Cora, what do you see?"))  # (a caption still calls it)
+        assert captioned.message.mentions_bot and captioned.message.text == "what do you see?"
+        await adapter.close()
+
+
 async def test_typing_stays_on_while_any_answer_in_the_room_is_written(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Typing is one flag per room for the bot: the first of two answers to end turned it off while the second
