@@ -111,6 +111,23 @@ async def test_bad_cards_get_one_line_and_change_nothing(tmp_path: Path, fake_ll
         assert app.personas.names() == ["Max"]
 
 
+async def test_a_name_another_process_took_a_moment_ago_is_named_as_live(tmp_path: Path, fake_llm: FakeLLMServer,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A persona another bot process made a moment ago (this one's registry has not read it yet) under a name
+    that looks like the card's was called "a deleted persona", with advice that could not work."""
+    monkeypatch.setenv("CB_TEST_API_KEY", "sk-test")
+    async with App(_config(tmp_path, fake_llm)) as app:
+        await app.storage.personas.create_persona("Rosa", "English", {}, "chat", "english")  # (the other process)
+        reply = await run(app, "!persona import", ctx(Attachment("r.json", dumps(v2_card(name="R\u043esa")))))
+        assert reply.startswith("a persona called `Rosa` exists already (`R\u043esa` is the same name: letters "
+                                "that look alike"), reply
+        await app.personas.load()  # (as every process does within seconds)
+        assert "deleted" in await run(app, "!persona delete Rosa", ctx())
+        reply = await run(app, "!persona import", ctx(Attachment("r.json", dumps(v2_card(name="ROSA")))))
+        assert reply.startswith("a deleted persona was called `Rosa`; its soul and lore are kept, and !persona "
+                                "create Rosa brings it back"), reply
+
+
 async def test_the_terminal_imports_by_path(tmp_path: Path, fake_llm: FakeLLMServer,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CB_TEST_API_KEY", "sk-test")

@@ -51,6 +51,14 @@ class PersonaRow:
     created_at: datetime
 
 
+@dataclass(frozen=True, slots=True)
+class NameTaken:
+    """Why a persona was not made: the persona (live, or deleted) that holds its name, as it is spelled there
+    (``Cora`` holds ``Сora`` with a Cyrillic С)."""
+    name: str
+    deleted: bool
+
+
 def _text(row: Row) -> TextVersion:
     return TextVersion(str(row["kind"]), str(row["scope"]), str(row["name"]), int(row["version"]),
                        str(row["content"]), int(row["position"]), bool(row["enabled"]), str(row["author"]),
@@ -155,15 +163,17 @@ class PersonaRepository:
 
     async def import_persona(self, name: str, language: str, source: str, ts_config: str,
                              sections: Sequence[tuple[str, str]], lore: Sequence[NewLore], *, author: str,
-                             reason: str, lore_author: str) -> PersonaRow | None:
+                             reason: str, lore_author: str) -> PersonaRow | NameTaken:
         """A new persona with its soul sections (``(key, content)`` in order) and lore, all or nothing: a
         failure (or a process killed) half-way left a persona without its soul, whose name then blocked the
-        import. None if the name is taken (by a deleted persona too)."""
+        import. If the name is taken (by a deleted persona too, made a moment ago by another process too):
+        which persona holds it."""
         name = unicodedata.normalize("NFC", name)
         async with self.db.transaction() as tx:
-            row, _ = await self._claim(tx, name, language, {}, source, ts_config)
+            row, taken = await self._claim(tx, name, language, {}, source, ts_config)
             if row is None:
-                return None
+                assert taken is not None
+                return NameTaken(str(taken["name"]), taken["deleted_at"] is not None)
             for position, (key, content) in enumerate(sections, start=1):
                 await tx.fetch_one(*_next_version("soul", str(row["id"]), key, content, author, reason, position, None))
             for entry in lore:

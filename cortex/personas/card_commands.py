@@ -25,12 +25,12 @@ from bot.commands import (
 from bot.commands.files import attached_file
 from bot.config import ConfigError
 from bot.storage import Storage
-from bot.storage.personas import NewLore
+from bot.storage.personas import NameTaken, NewLore
 from bot.storage.textsearch import text_search_config
 from bot.text import one_line_name, shown
 from cortex.memory.guard import check_memory_text
 from cortex.personas.cards import MAX_CARD_BYTES, CardError, CardLoreEntry, export_card_v2, parse_card
-from cortex.personas.commands import check_persona_name, taken_by, taken_message
+from cortex.personas.commands import check_persona_name, taken_message
 from cortex.personas.registry import PersonaRegistry
 
 IMPORT = "import"
@@ -79,14 +79,12 @@ class CardCommands:
         row = await self.storage.personas.import_persona(  # all of it, or nothing
             card.name, default.language, IMPORT, text_search_config(default.language), card.sections, lore,
             author=IMPORT, reason=f"imported from {filename} by {ctx.user_key}", lore_author=ctx.user_key)
-        existing = None if row is not None else taken_by(self.registry, card.name) or (
-            card.name if await self.storage.personas.get_persona(card.name) is not None else None)  # (any process)
-        if existing is not None:
-            raise CommandError(f"{taken_message(existing, card.name)}: delete it first ({self.prefix}persona delete "
-                               f"{existing}), or change the name in the card; nothing was imported")
-        if row is None:
-            raise CommandError(f"a deleted persona was called {shown(card.name)}; its soul and lore are kept, and "
-                               f"{self.prefix}persona create {card.name} brings it back. To import the card, give it "
+        if isinstance(row, NameTaken) and not row.deleted:  # (the store's word: made by any process)
+            raise CommandError(f"{taken_message(row.name, card.name)}: delete it first ({self.prefix}persona delete "
+                               f"{row.name}), or change the name in the card; nothing was imported")
+        if isinstance(row, NameTaken):
+            raise CommandError(f"a deleted persona was called {shown(row.name)}; its soul and lore are kept, and "
+                               f"{self.prefix}persona create {row.name} brings it back. To import the card, give it "
                                "another name; nothing was imported")
         await self.registry.load()
         patterns = sum(1 for e in card.lore if e.use_regex)
