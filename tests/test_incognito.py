@@ -616,3 +616,95 @@ async def test_a_late_message_whose_reply_is_cancelled_goes_too(tmp_path: Path) 
         reply.cancel()
         await asyncio.gather(reply, return_exceptions=True)
         assert await app.storage.db.fetch_all("SELECT text FROM messages") == []
+
+
+SECRET = "zanzibarquux"
+
+
+def _sent(text: str, sent: datetime, key: str | None = None) -> Inbound:
+    return Inbound(IncomingMessage("discord", "dm-ann", "7", "Ann", text, is_dm=True, sent_at=sent, message_key=key))
+
+
+async def test_a_summary_made_before_the_pause_arrived_goes_with_the_messages_it_took(tmp_path: Path) -> None:
+    """Messages sent just after the pause but handled before it are the stretch's (see the test above), but a
+    summary written of them before the pause arrived kept their words after the resume deleted them."""
+    from datetime import timedelta
+
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000},
+                           "history": {"history_tokens": 60, "min_exchanges": 0, "summary_trigger": 2}})
+    llm = ScriptedProvider()
+    app = await App(config, llm=llm).start(workers=False)
+    try:
+        await app.router.handle(_sent("an ordinary start", datetime.now(UTC)), Sink())
+        await asyncio.sleep(0.05)  # (its reply stored before the pause was sent)
+        paused_at = datetime.now(UTC)
+        for i in range(6):
+            await app.router.handle(_sent(f"my secret {SECRET} number {i} " * 3,
+                                          paused_at + timedelta(seconds=0.1 + i * 0.01)), Sink())
+        channel = await app.storage.get_channel("discord:dm-ann")
+        assert channel is not None
+        llm.enqueue(f"Ann told her secret {SECRET}.")
+        queued = await app.storage.db.fetch_one("SELECT id FROM jobs WHERE key = ?", (f"channel:{channel.id}",))
+        assert queued is not None  # (the messages asked for a summary)
+        job = await app.storage.get_job(int(queued[0]))
+        assert job is not None
+        await app.summaries.run_job(job)
+        summary = await app.storage.latest_summary(channel.id)
+        assert summary is not None and SECRET in summary.text  # (written before the pause reached the bot)
+        paused = Sink()
+        await app.router.handle(_sent("!memory pause", paused_at), paused)
+        assert "That includes 12 messages sent after the pause that I had already answered" in paused.public[0].text
+        assert await app.storage.latest_summary(channel.id) is None  # (written again without them)
+        ended = Sink()
+        await app.router.handle(_sent("!memory resume", datetime.now(UTC)), ended)
+        assert "12 messages from that stretch are deleted" in ended.public[0].text
+        assert [m.text for m in await app.storage.messages_between(channel.id, 0, 2**40, 100)] == [
+            "an ordinary start", "echo: an ordinary start"]
+    finally:
+        await app.stop()
+
+
+async def test_an_item_remembered_from_a_message_the_stretch_took_goes_with_it(tmp_path: Path) -> None:
+    """The reply to a message sent just after the pause (handled before it) remembered it as an item: the
+    resume deleted the message, and the item went on into every later prompt."""
+    import json
+    from datetime import timedelta
+
+    from bot.llm.base import ToolCall
+
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000}})
+    llm = ScriptedProvider()
+    arguments = {"content": f"Ann's PIN is {SECRET}"}
+    llm.enqueue(Completion("", (ToolCall("t1", "remember", arguments, json.dumps(arguments)),), Usage(0, 10),
+                           stop_reason="tool_use"), "Noted.")
+    app = await App(config, llm=llm).start(workers=False)
+    try:
+        paused_at = datetime.now(UTC) - timedelta(seconds=5)
+        await app.router.handle(_sent(f"remember my PIN {SECRET}", paused_at + timedelta(seconds=1),
+                                      "discord-message:1"), Sink())
+        items = "SELECT content FROM memory_items"
+        assert [str(r[0]) for r in await app.storage.db.fetch_all(items)] == [f"Ann's PIN is {SECRET}"]
+        await app.router.handle(_sent("!memory pause", paused_at), Sink())
+        assert await app.storage.db.fetch_all(items) == []
+        await app.router.handle(_sent("!memory resume", datetime.now(UTC)), Sink())
+        assert await app.storage.db.fetch_all("SELECT text FROM messages") == []
+    finally:
+        await app.stop()
+
+
+async def test_the_end_of_a_stretch_deletes_the_items_remembered_from_its_messages(tmp_path: Path) -> None:
+    """An item filed under a message of the stretch (made while the pause was on its way, by a reply in flight)
+    was left when the resume deleted the message; a correction it made is undone with it."""
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000}})
+    async with App(config, llm=ScriptedProvider()) as app:
+        await app.router.handle(_sent("!memory pause", datetime.now(UTC)), Sink())
+        await app.router.handle(_sent(f"my PIN is {SECRET}", datetime.now(UTC), "discord-message:2"), Sink())
+        user = await app.storage.get_user("discord:7")
+        assert user is not None
+        pair = await app.storage.cortex.ensure_pair(user.id, app.personas.names()[0])
+        old = await app.cortex.memory.remember(pair.id, "Ann's PIN is 1234")
+        await app.cortex.memory.remember(pair.id, f"Ann's PIN is {SECRET}", supersedes=old.id,
+                                         source_ref="discord-message:2")
+        await app.router.handle(_sent("!memory resume", datetime.now(UTC)), Sink())
+        rows = await app.storage.db.fetch_all("SELECT content, superseded_by FROM memory_items")
+        assert [(str(r[0]), r[1]) for r in rows] == [("Ann's PIN is 1234", None)]

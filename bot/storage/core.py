@@ -136,6 +136,22 @@ async def note_scrub_pending(tx: Tx) -> None:
                      " ON CONFLICT (key) DO UPDATE SET updated_at = excluded.updated_at", (SCRUB_PENDING, time.time()))
 
 
+async def delete_items_from(tx: Tx, where: str, params: Sequence[Any]) -> int:
+    """Delete the memory items remembered from the messages ``where`` selects (named by their platform keys),
+    before those go: an incognito stretch's, whose words may not outlive it in an item. A correction they made
+    is undone (the corrected item shows again); how many went."""
+    ids = [int(r[0]) for r in await tx.fetch_all(
+        "SELECT id FROM memory_items WHERE source_ref IN (SELECT p.key FROM platform_messages AS p"
+        f" WHERE p.message_id IN (SELECT id FROM messages WHERE {where}))", params)]
+    for start in range(0, len(ids), 500):
+        chunk = ids[start:start + 500]
+        marks = ",".join("?" for _ in chunk)
+        for column in ("supersedes", "superseded_by"):
+            await tx.execute(f"UPDATE memory_items SET {column} = NULL WHERE {column} IN ({marks})", chunk)
+        await tx.execute(f"DELETE FROM memory_items WHERE id IN ({marks})", chunk)
+    return len(ids)
+
+
 async def delete_messages(tx: Tx, where: str, params: Sequence[Any]) -> tuple[list[int], list[int]]:
     """Delete the messages ``where`` selects, first everything that points at them, and recount their
     channels (forget-me, the end of an incognito stretch, retention); (message ids, channel ids)."""
@@ -239,6 +255,28 @@ class Storage:
         self._refuse_newer(set(await self.applied_migrations()), elsewhere)
         return await self.db.migrate(self._migrations)
 
+    async def start_incognito(self, user_id: int, persona: str, at: datetime | None = None) -> tuple[float, int]:
+        """Begin the pair's incognito stretch, or keep the running one (``IncognitoRepository.start``); its
+        start, and how many of its messages had been handled already. It starts when the platform says the
+        pause was sent, so messages sent after it but handled first (answered as usual) are in it: what was made
+        of them goes now. Their channels' summaries from the first of them on are dropped (written again
+        without them) and items remembered from them deleted."""
+        running = await self.incognito.since(user_id, persona)
+        if running is not None:  # (its messages were handled as the stretch's)
+            return running, 0
+        started = await self.incognito.start(user_id, persona, at)
+        stretch = ("user_id = ? AND persona = ? AND created_at >= ?", (user_id, persona, started))
+        async with self.db.transaction() as tx:
+            firsts = await tx.fetch_all(f"SELECT channel_id, min(id), count(*) FROM messages WHERE {stretch[0]}"
+                                        " GROUP BY channel_id", stretch[1])
+            for channel_id, first, _ in firsts:
+                await tx.execute("DELETE FROM summaries WHERE channel_id = ? AND covers_to_id >= ?",
+                                 (channel_id, first))
+            if firsts:
+                await delete_items_from(tx, *stretch)
+        self.forget_cached(user_key="", channel_ids=[int(r[0]) for r in firsts])
+        return started, sum(int(r[2]) for r in firsts)
+
     async def end_incognito(self, user_id: int, persona: str, at: datetime | None = None) -> int | None:
         """End the pair's incognito stretch (``at``: when the platform says the resume was sent, else now): its
         messages (the user's and the replies) go, with what points at them, in one transaction; how many (None
@@ -252,8 +290,9 @@ class Storage:
             if row is None:
                 return None
             started = float(row[0])
-            deleted, _ = await delete_messages(tx, "user_id = ? AND persona = ? AND created_at >= ?",
-                                               (user_id, persona, started))
+            stretch = ("user_id = ? AND persona = ? AND created_at >= ?", (user_id, persona, started))
+            await delete_items_from(tx, *stretch)
+            deleted, _ = await delete_messages(tx, *stretch)
             await tx.execute("DELETE FROM incognito WHERE user_id = ? AND persona = ?", (user_id, persona))
             believed = believable(at)
             ended = max(started, believed.timestamp() if believed is not None else time.time())
@@ -289,9 +328,10 @@ class Storage:
                                        " RETURNING user_key, persona, started_at, ended_at", (before,))
             late = 0
             for user_key, persona, started, until in ended:
-                deleted, _ = await delete_messages(
-                    tx, "user_id IN (SELECT id FROM users WHERE key = ?) AND persona = ? AND created_at >= ?"
-                    " AND created_at < ?", (str(user_key), str(persona), float(started), float(until)))
+                stretch = ("user_id IN (SELECT id FROM users WHERE key = ?) AND persona = ? AND created_at >= ?"
+                           " AND created_at < ?", (str(user_key), str(persona), float(started), float(until)))
+                await delete_items_from(tx, *stretch)
+                deleted, _ = await delete_messages(tx, *stretch)
                 late += len(deleted)
         return late
 

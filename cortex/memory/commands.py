@@ -108,11 +108,15 @@ class MemoryCommands:
 
     async def pause(self, ctx: CommandContext, args: Sequence[str]) -> str:
         user, _ = await self.pairs.pair_for(ctx.user_key, ctx.user_name, ctx.persona)
-        started = await self.pairs.storage.incognito.start(user.id, ctx.persona, ctx.sent_at)
+        started, handled = await self.pairs.storage.start_incognito(user.id, ctx.persona, ctx.sent_at)
         since = datetime.fromtimestamp(started, tz=UTC).strftime("%H:%M")
+        # (sent after the pause, they reached the bot before it: in the stretch all the same)
+        also = f" That includes {plural(handled, 'message')} sent after the pause that I had already answered." \
+            if handled else ""
         return (f"Incognito with {ctx.persona} since {since} UTC: I still answer, but nothing said from then on "
                 "reaches my summaries, your files, your memory items or search by meaning, and it is deleted "
-                f"when you send {self.prefix}memory resume (or after {self.incognito_hours:g} hours at the latest).")
+                f"when you send {self.prefix}memory resume (or after {self.incognito_hours:g} hours at the "
+                f"latest).{also}")
 
     async def resume(self, ctx: CommandContext, args: Sequence[str]) -> str:
         user = await self.pairs.storage.get_user(ctx.user_key)  # looked up, not made: resuming stores nothing
