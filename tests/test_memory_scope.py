@@ -53,6 +53,23 @@ async def test_private_items_stay_out_of_group_channels(tmp_path: Path) -> None:
         assert "no memory item #2" in await run("!memory scope 2 private", ctx("bob", dm=True))
 
 
+async def test_many_private_pins_never_push_a_shared_pin_out_of_a_group_prompt(tmp_path: Path) -> None:
+    """A reply reads at most 100 pinned items, the most important first, and dropped the private ones after:
+    100 more important private pins kept every shared pin out of the group channel's prompt."""
+    llm = ScriptedProvider()
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000},
+                           "memory": {"embedder": "none"}})
+    async with App(config, llm=llm) as app:
+        _, pair = await app.cortex.store.pair_for("discord:ann", "Ann", "Cora")
+        for i in range(101):
+            await app.cortex.memory.remember(pair.id, f"private detail number {i}", importance=9, pinned=True)
+        await app.cortex.memory.remember(pair.id, "Ann plays the cello", importance=5, pinned=True, scope="shared")
+        in_group = await prompt(app, llm, "ann", dm=False)
+        assert "cello" in in_group and "private detail" not in in_group
+        in_dm = await prompt(app, llm, "ann", dm=True)  # (more pins than a reply reads: the prompt says so)
+        assert "private detail number 0" in in_dm and "(and more memories that did not fit here)" in in_dm
+
+
 async def test_many_private_matches_never_push_a_shared_item_out_of_a_group_search(tmp_path: Path) -> None:
     """The candidates of a group channel's search are the shared items alone: many private items about the
     garden (more than a search takes as candidates) once hid the one shared item about it."""

@@ -216,7 +216,7 @@ async def test_knowledge_section_in_the_reply_prompt(tmp_path: Path) -> None:
                                              is_dm=True)).text()
         system = llm.requests[-1].system
         assert "Ann is vegetarian" in system and "sister Mia lives in Oslo" in system
-        assert "more related memories that did not fit" in system  # the budget holds
+        assert "more memories that did not fit" in system  # the budget holds
         assert (await memory.get(pair.id, relevant.id, count_access=False)).access_count == 1
         assert (await memory.get(pair.id, pinned.id, count_access=False)).access_count == 0
         # in a group channel the user's memory stays out by default

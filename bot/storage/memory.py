@@ -300,10 +300,13 @@ class MemoryRepository:
         )
         return (None, False) if row is None else (int(row[0]), bool(row[1]))
 
-    async def pinned(self, pair_id: int, now: float, limit: int | None = None) -> list[Row]:
-        """The pair's visible pinned items, the most important first (at most ``limit``)."""
+    async def pinned(self, pair_id: int, now: float, limit: int | None = None, *, shared_only: bool = False
+                     ) -> list[Row]:
+        """The pair's visible pinned items (only the shared ones, for a group channel), the most important
+        first (at most ``limit``)."""
+        shared = f" AND m.{SHARED}" if shared_only else ""
         return await self.db.fetch_all(
-            f"SELECT {ITEM_COLUMNS_M} FROM memory_items AS m WHERE {VISIBLE} AND m.pinned = 1"
+            f"SELECT {ITEM_COLUMNS_M} FROM memory_items AS m WHERE {VISIBLE} AND m.pinned = 1{shared}"
             " ORDER BY m.importance DESC, m.id" + (" LIMIT ?" if limit is not None else ""),
             (pair_id, now, *(() if limit is None else (limit,))),
         )

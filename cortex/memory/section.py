@@ -81,7 +81,10 @@ class KnowledgeSection:
         if not items and not recall:
             return []
         # (a few hundred pinned items, as an import can bring, cost every reply: the most important ones only)
-        pinned = [i for i in await self.memory.pinned(pair_id, PINNED_READ) if i.scope in scopes] if items else []
+        # (the scope chosen in the query: a hundred private pins must not crowd a group channel's shared ones out)
+        pinned = await self.memory.pinned(pair_id, PINNED_READ + 1, shared_only=not everything) if items else []
+        unread = len(pinned) > PINNED_READ  # (more than a reply reads: the note below says so)
+        pinned = pinned[:PINNED_READ]
         relevant: list[MemoryItem] = []
         recalled: list[Hit] = []
         if self.config.relevant_items or recall:
@@ -123,8 +126,8 @@ class KnowledgeSection:
             remaining -= cost
             if is_relevant:
                 used.append(item.id)
-        if left_out:
-            lines.append(f"(and {left_out} more related memories that did not fit here)")
+        if left_out or unread:
+            lines.append(f"(and {'' if unread else f'{left_out} '}more memories that did not fit here)")
         sections = []
         if lines:
             body = f"Facts you remember about {one_line_name(context.user_name)}:\n" + "\n".join(lines)

@@ -420,8 +420,8 @@ class MemoryStore:
         """The pair's id and whether it has live items, in one query (the reply path asks this first)."""
         return await self.repo.pair_with_items(user_id, persona)
 
-    async def pinned(self, pair_id: int, limit: int | None = None) -> list[MemoryItem]:
-        return [self._item(r) for r in await self.repo.pinned(pair_id, self.clock(), limit)]
+    async def pinned(self, pair_id: int, limit: int | None = None, *, shared_only: bool = False) -> list[MemoryItem]:
+        return [self._item(r) for r in await self.repo.pinned(pair_id, self.clock(), limit, shared_only=shared_only)]
 
     # -- search ----------------------------------------------------------------------------------
 
