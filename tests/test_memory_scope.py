@@ -70,6 +70,24 @@ async def test_many_private_pins_never_push_a_shared_pin_out_of_a_group_prompt(t
         assert "private detail number 0" in in_dm and "(and more memories that did not fit here)" in in_dm
 
 
+async def test_a_message_of_function_words_recalls_nothing_by_its_words(tmp_path: Path) -> None:
+    """On SQLite "how are you?" kept its function words as terms when nothing else was left: any item holding
+    "are" matched by words (which skips the relevance floor) and went into the reply's prompt."""
+    llm = ScriptedProvider()
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000},
+                           "memory": {"embedder": "none"}})
+    async with App(config, llm=llm) as app:
+        _, pair = await app.cortex.store.pair_for("discord:ann", "Ann", "Cora")
+        await app.cortex.memory.remember(pair.id, "Ann's parents are both doctors in Berlin")
+        message = IncomingMessage("discord", "dm-ann", "ann", "Ann", "how are you?", is_dm=True)
+        await app.core.reply(message).text()
+        assert "doctors" not in llm.requests[-1].system
+        assert await app.cortex.memory.search(pair.id, "how are you?", include_messages=False) == []
+        asked = await app.cortex.memory.search(pair.id, "are", include_messages=False, patient=True)
+        assert [h.text for h in asked] == (  # (someone's own search keeps them, where the engine does)
+            ["Ann's parents are both doctors in Berlin"] if app.storage.db.dialect == "sqlite" else [])
+
+
 async def test_many_private_matches_never_push_a_shared_item_out_of_a_group_search(tmp_path: Path) -> None:
     """The candidates of a group channel's search are the shared items alone: many private items about the
     garden (more than a search takes as candidates) once hid the one shared item about it."""

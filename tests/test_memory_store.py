@@ -402,7 +402,8 @@ async def test_a_short_follow_up_searches_with_the_message_before_it(tmp_path: P
 
 def test_full_text_queries_drop_function_words_and_keep_a_long_texts_longest_words() -> None:
     assert fts_query("What is the name of my sister?") == '"name" OR "sister"'
-    assert fts_query("what is it?") == '"what" OR "is" OR "it"'  # nothing else left: keep them
+    assert fts_query("what is it?") == ""  # nothing else left: nothing to match by words ("how are you?")
+    assert fts_query("what is it?", function_words=True) == '"what" OR "is" OR "it"'  # (a search someone asked for)
     assert fts_query("Wie heißt meine Schwester?") == '"heißt" OR "meine" OR "schwester"'
     long_text = " ".join(f"w{i}" for i in range(40)) + " extraordinarily photosynthesis"
     terms = fts_query(long_text).split(" OR ")

@@ -66,13 +66,15 @@ CONTEXT_TURNS = 2  # neighbours on each side that lend relevance; the second len
 
 
 
-def fts_query(text: str) -> str:
+def fts_query(text: str, *, function_words: bool = False) -> str:
     """User text as a safe FTS5 query: every word quoted, OR-ed (raw ``foo-bar`` would make MATCH raise).
 
-    Function words are dropped unless nothing else is left; of a long text, the ``MAX_TERMS`` longest
+    Function words are dropped: a reply's recall for "how are you?" found every item and message holding
+    "are" or "you" as a match by words (which skips the relevance floor). A search someone asked for
+    (``function_words``) keeps them when nothing else is left. Of a long text, the ``MAX_TERMS`` longest
     words are kept (each OR-ed word adds bm25 work for every row it matches)."""
     words = [w for w in _WORD.findall(text.lower()) if len(w) > 1]
-    content = list(dict.fromkeys([w for w in words if w not in STOPWORDS] or words))
+    content = list(dict.fromkeys([w for w in words if w not in STOPWORDS] or (words if function_words else [])))
     if len(content) > MAX_TERMS:  # a long message: its longest words, which tend to be the rarest
         keep = set(sorted(content, key=len, reverse=True)[:MAX_TERMS])
         content = [w for w in content if w in keep]
@@ -453,7 +455,7 @@ class MemoryStore:
         """
         now = self.clock()
         query = query[:MAX_QUERY_CHARS]  # (a model's tool call may send anything: its words are read one by one)
-        match = fts_query(query)
+        match = fts_query(query, function_words=patient)
         messages = include_messages and user_id is not None and persona is not None
         # The query's embedding runs while the full-text parts do; the vector parts wait for it.
         meaning = asyncio.ensure_future(self._meaning(
