@@ -102,6 +102,35 @@ async def test_a_correction_keeps_the_scope_the_user_gave(app: App, fake_llm: Fa
     assert scopes == {"Ann's team plays on Fridays": "shared", "Ann's sister Mia lives in Lyon": "private"}
 
 
+async def test_a_correction_of_a_fact_that_expires_still_expires(app: App, fake_llm: FakeLLMServer) -> None:
+    """update_memory dropped the expiry: "the exam moved to Saturday" stayed in every prompt for good. It keeps
+    the old item's time, or takes its own."""
+    await _talk(app, CONVERSATION)
+    pair = await _pair(app)
+    memory = app.cortex.memory
+    exam = await memory.remember(pair.id, "Ann has an exam on Friday", category="temporal",
+                                 expires_at=memory.clock() + 4 * 86400)
+    trip = await memory.remember(pair.id, "Ann flies to Rome on Monday", category="temporal",
+                                 expires_at=memory.clock() + 6 * 86400)
+    fake_llm.enqueue(
+        FakeResponse.tool_calls([
+            ("1", "update_memory", {"id": exam.id, "content": "Ann's exam moved to Saturday"}),
+            ("2", "update_memory", {"id": trip.id, "content": "Ann flies to Rome next month", "expires_in_days": 40}),
+            ("3", "update_memory", {"id": 99, "content": "x", "expires_in_days": -1}),
+        ]),
+        FakeResponse.text(""),
+    )
+    _, outcome = await _run(app)
+    assert outcome.status == "success"
+    items, _ = await memory.list_items(pair.id)
+    expiry = {i.content: i.expires_at for i in items}
+    assert expiry["Ann's exam moved to Saturday"] == exam.expires_at
+    moved = expiry["Ann flies to Rome next month"]
+    assert moved is not None and 39 * 86400 < moved.timestamp() - memory.clock() <= 40 * 86400
+    refused = result_text(tool_results(cortex_requests(fake_llm)[1])[2])
+    assert refused.startswith("update_memory: 'expires_in_days' must be a number of days above 0"), refused
+
+
 async def test_bad_memory_tool_calls_get_clear_errors_and_write_nothing(app: App, fake_llm: FakeLLMServer) -> None:
     await _talk(app, CONVERSATION)
     await _talk(app, ["hello there", "how are you", "fine"], user="bob")

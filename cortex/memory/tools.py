@@ -25,6 +25,8 @@ from cortex.memory.store import CATEGORIES, MemoryError, MemoryItem, MemoryStore
 DAY = 86_400.0
 
 _CATEGORY = {"type": "string", "enum": list(CATEGORIES), "description": "What kind of memory this is."}
+_EXPIRES: dict[str, Any] = {"type": "number", "exclusiveMinimum": 0,
+                            "description": "For facts that stop being true (an exam on Friday)."}
 _IMPORTANCE = {"type": "integer", "minimum": 1, "maximum": 10,
                "description": "1 = trivia, 5 = useful, 10 = must never be forgotten."}
 
@@ -44,8 +46,7 @@ MEMORY_TOOLS: tuple[ToolSpec, ...] = (
                 "importance": _IMPORTANCE,
                 "key": {"type": "string", "description": "A short label, e.g. 'sister's name'."},
                 "tags": {"type": "array", "items": {"type": "string"}},
-                "expires_in_days": {"type": "number", "exclusiveMinimum": 0,
-                                    "description": "For facts that stop being true (an exam on Friday)."},
+                "expires_in_days": _EXPIRES,
             },
             "required": ["content", "category"],
             "additionalProperties": False,
@@ -77,6 +78,7 @@ MEMORY_TOOLS: tuple[ToolSpec, ...] = (
                 "content": {"type": "string", "description": "The corrected fact, self-contained."},
                 "category": _CATEGORY,
                 "importance": _IMPORTANCE,
+                "expires_in_days": {**_EXPIRES, "description": "From now; left out, the old item's expiry stays."},
             },
             "required": ["id", "content"],
             "additionalProperties": False,
@@ -131,6 +133,17 @@ def _int(args: dict[str, Any], name: str, *, required: bool, low: int, high: int
     if not low <= number <= high:
         raise BadArguments(f"'{name}' must be from {low} to {high}, got {number}")
     return number
+
+
+def _days(args: dict[str, Any]) -> float | None:
+    """``expires_in_days``: None when left out."""
+    days = args.get("expires_in_days")
+    if days is not None and (isinstance(days, bool) or not isinstance(days, (int, float))
+                             or not math.isfinite(days) or not 0 < days <= MAX_EXPIRY_DAYS):
+        raise BadArguments(
+            f"'expires_in_days' must be a number of days above 0 and at most {MAX_EXPIRY_DAYS:,}; got {quoted(days)} "
+            "(leave it out for a fact that does not expire)")
+    return None if days is None else float(days)
 
 
 def _text(args: dict[str, Any], name: str, *, required: bool) -> str:
@@ -235,18 +248,13 @@ class MemoryTools:
         content = _text(args, "content", required=True)
         category = _category(args, None)
         importance = _int(args, "importance", required=False, low=1, high=10) or 5
-        days = args.get("expires_in_days")
-        if days is not None and (isinstance(days, bool) or not isinstance(days, (int, float))
-                                 or not math.isfinite(days) or not 0 < days <= MAX_EXPIRY_DAYS):
-            raise BadArguments(
-                f"'expires_in_days' must be a number of days above 0 and at most {MAX_EXPIRY_DAYS:,}; got {days!r} "
-                "(leave it out for a fact that does not expire)")
+        days = _days(args)
         tags = args.get("tags", [])
         if not isinstance(tags, list) or not all(isinstance(t, str) and len(t) <= MAX_TAG_CHARS for t in tags):
             raise BadArguments(f"'tags' must be a list of short strings (at most {MAX_TAG_CHARS} characters each)")
         item = await self.memory.remember(
             self.pair_id, content, category=category, key=_text(args, "key", required=False), importance=importance,
-            tags=tags[:10], expires_at=self.memory.clock() + float(days) * DAY if days else None, source="model",
+            tags=tags[:10], expires_at=self.memory.clock() + days * DAY if days else None, source="model",
             source_ref=self._source_ref,
         )
         self.written.append(item.id)
@@ -255,6 +263,7 @@ class MemoryTools:
     async def _update(self, args: dict[str, Any]) -> MemoryToolResult:
         item_id = _int(args, "id", required=True, low=1, high=2**62)
         assert item_id is not None
+        days = _days(args)  # (a correction of "the exam is on Friday" still expires: the old item's time, or anew)
         old = await self.memory.get(self.pair_id, item_id, count_access=False)
         if old.archived_at is not None:
             raise MemoryError(f"item #{item_id} is archived; use remember for a new fact")
@@ -262,10 +271,12 @@ class MemoryTools:
             raise MemoryError(f"item #{item_id} is pinned by the user; only they can change, unpin or forget it. "
                               "Use remember for what is new beside it")
         content = _text(args, "content", required=True)
+        expires = self.memory.clock() + days * DAY if days else (
+            old.expires_at.timestamp() if old.expires_at is not None and old.visible else None)
         item = await self.memory.remember(
             self.pair_id, content, category=_category(args, old.category),
             importance=_int(args, "importance", required=False, low=1, high=10) or old.importance,
-            key=old.key, tags=old.tags, source="model", source_ref=self._source_ref,
+            key=old.key, tags=old.tags, source="model", source_ref=self._source_ref, expires_at=expires,
             supersedes=old.id, scope="shared" if old.scope == "shared" else "private",  # (the user chose who sees it)
         )
         self.written.append(item.id)
