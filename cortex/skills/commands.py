@@ -45,8 +45,9 @@ class SkillCommands:
                                   admin=True))
         registry.register(Command("skills reset", "drop this scope's switch: the skill follows the wider one again",
                                   self.reset, (name, *scope), admin=True))
+        # Private, as !cortex stats is: a skill's last error may quote what a call carried (from someone's DM).
         registry.register(Command("skills stats", "skill calls of the last 7 days, bot-wide: count, failures, time",
-                                  self.stats, admin=True, bot_admin=True))
+                                  self.stats, admin=True, bot_admin=True, private=True))
 
     async def list_skills(self, ctx: CommandContext, args: Sequence[str]) -> str:
         skills = self.tools.all()
