@@ -177,9 +177,13 @@ async def test_create_pick_delete(tmp_path: Path) -> None:
         assert "You are Nova." in llm.requests[-1].system
         assert "comes from the config file" in await run(app, "!persona delete Max")
         # picked for a channel (or in any member's DMs: one could keep the admins from deleting it): the pick goes
-        deleted = await run(app, "!persona delete Nova")
+        bobs_dm = CommandContext("discord", "discord:8", "Bob", "discord:dm-bob", "Cora", is_dm=True)
+        assert "you now talk to Nova" in await run(app, "!persona Nova", bobs_dm)
+        deleted = await run(app, "!persona delete Nova")  # (read by the channel: Bob's pick is his, not named)
         assert deleted.startswith("Persona Nova deleted") and deleted.endswith(
-            "The 1 place(s) that had picked it (channel discord:chan1) now talk to Cora."), deleted
+            "The 2 place(s) that had picked it (channel discord:chan1; the direct messages of 1 member) now talk "
+            "to Cora."), deleted
+        assert "discord:8" not in deleted
         await app.router.handle(_inbound("hi", mention=True), Sink())
         assert "You are Cora, a gardener." in llm.requests[-1].system
         assert "Nova" not in await run(app, "!persona list") and app.personas.names() == ["Cora", "Max"]

@@ -31,7 +31,7 @@ from bot.prompt import variables_note
 from bot.storage import Storage
 from bot.storage.personas import TextVersion
 from bot.storage.textsearch import text_search_config
-from bot.text import readable, shown
+from bot.text import plural, readable, shown
 from cortex.personas.cards import MAX_FIELD_CHARS
 from cortex.personas.registry import PersonaRegistry
 
@@ -264,8 +264,14 @@ class PersonaCommands:
         # any member could keep the bot's admins from deleting a persona by picking it in their DMs.
         moved = [where for key, value, where in await self._picked_in(name)
                  if await self.storage.delete_setting_if(key, value)]
-        back = (f" The {len(moved)} place(s) that had picked it ({'; '.join(moved[:5])}"
-                f"{', …' if len(moved) > 5 else ''}) now talk to {self.registry.default_name}." if moved else "")
+        # Channels by name; a member's pick for their own DMs is theirs: counted, never named (the answer may
+        # be read by a whole channel).
+        channels = [where for where in moved if where.startswith("channel ")]
+        places = channels[:5] + (["…"] if len(channels) > 5 else [])
+        if dms := len(moved) - len(channels):
+            places.append(f"the direct messages of {plural(dms, 'member')}")
+        back = (f" The {len(moved)} place(s) that had picked it ({'; '.join(places)}) now talk to "
+                f"{self.registry.default_name}." if moved else "")
         return (f"Persona {name} deleted; its soul's history and its users' memory stay (create it again to "
                 f"revive).{back}")
 
