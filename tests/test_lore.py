@@ -290,6 +290,10 @@ async def test_only_bot_admins_change_lore(tmp_path: Path) -> None:
             assert "for the bot's admins only" in await run(app, line, server_admin)
         assert "at most 4,000" in await run(app, "!lore add " + "x" * 4001)
         assert "--keys needs a value" in await run(app, "!lore add hi --keys")
+        # (a flag after it is no value: the entry meant always on got "--always" for its only keyword)
+        assert "--keys needs a value" in await run(app, "!lore add --keys --always The river is wide.")
+        assert "--priority needs a value" in await run(app, "!lore add --priority --keys a,b The river.")
+        assert "no lore yet" in await run(app, "!lore list", server_admin)
         assert "the priority must be 0 or more, not `-3`" in await run(app, "!lore add hi --priority -3")
 
 

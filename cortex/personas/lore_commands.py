@@ -33,6 +33,7 @@ AND_KEYS_FLAG = "--and-keys"
 NO_KEYS = "-"  # ``--keys -`` / ``--and-keys -``: none
 ALWAYS_FLAG, NOT_ALWAYS_FLAG = "--always", "--not-always"
 PRIORITY_FLAG = "--priority"
+FLAGS = (KEYS_FLAG, AND_KEYS_FLAG, ALWAYS_FLAG, NOT_ALWAYS_FLAG, PRIORITY_FLAG)
 PAGE = 20
 
 
@@ -55,12 +56,13 @@ class LoreInput:
 
 
 def _take_value(words: list[str], flag: str, example: str) -> str | None:
+    """The value after ``flag`` (taken out of ``words`` with it); None when the flag is not there."""
     if flag not in words:
         return None
     if words.count(flag) > 1:
         raise CommandError(f"{flag} is given twice")
     at = words.index(flag)
-    if at + 1 >= len(words):
+    if at + 1 >= len(words) or words[at + 1] in FLAGS:  # ("--keys --always": no key called "--always")
         raise CommandError(f"{flag} needs a value, e.g. {flag} {example}")
     value = words[at + 1]
     del words[at:at + 2]
