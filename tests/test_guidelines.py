@@ -113,6 +113,21 @@ async def test_rules_are_named_ordered_switchable_and_versioned(tmp_path: Path) 
         assert "v1" in history and "v2" in history and "edited in chat" in history
         assert "back to version 1" in await run(app, "!rules revert no-spoilers 1", boss)
         assert "Never spoil endings." in await system(app, llm)
+        # A revert brings back a text, not an on/off state: to a text saved while the rule was off, the rule
+        # stayed off without a word; to an older one, a rule an admin had switched off came back on.
+        await run(app, "!rules disable no-spoilers", boss)  # v4: off
+        await run(app, "!rules enable no-spoilers", boss)  # v5: on
+        await run(app, "!rules edit no-spoilers Never spoil a twist.", boss)  # v6
+        assert "back to version 4's text (as version 7)." in await run(app, "!rules revert no-spoilers 4", boss)
+        assert "no-spoilers [on] v7" in await run(app, "!rules list")
+        await run(app, "!rules disable no-spoilers", boss)  # v8: off
+        reverted = await run(app, "!rules revert no-spoilers 6", boss)
+        assert reverted.endswith("It is off: !rules enable no-spoilers puts it into replies."), reverted
+        assert "no-spoilers [off] v9" in await run(app, "!rules list")
+        assert "Never spoil" not in await system(app, llm)
+        edited = await run(app, "!rules edit no-spoilers Never spoil films.", boss)
+        assert edited == "Rule no-spoilers is now version 10. It is off: !rules enable no-spoilers puts it into " \
+                         "replies.", edited
         assert "no rule `nope`" in await run(app, "!rules edit nope x", boss)
         assert "one word" in await run(app, "!rules add ../x y", boss)
 

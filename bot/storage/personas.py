@@ -252,16 +252,18 @@ class PersonaRepository:
 
     async def revert(self, kind: TextKind, scope: str, name: str, number: int, *, author: str
                      ) -> tuple[TextVersion, bool] | None:
-        """Bring back version ``number``'s text (and its on/off state) as the next version: (that version, True);
-        None when there is no such version. When the live version holds them already, (the live version, False)
-        and nothing is written (a version each time changed nothing, and buried the history)."""
+        """Bring back version ``number``'s text as the next version: (that version, True); None when there is no
+        such version. The live version's on/off state stays (a revert to a text saved while a rule was off
+        switched a live rule off, and one to an older text switched a rule an admin had switched off back on,
+        neither said). When the live version holds the text already, (the live version, False) and nothing is
+        written (a version each time changed nothing, and buried the history)."""
         old = await self.version(kind, scope, name, number)
         if old is None:
             return None
         live = next((t for t in await self.current(kind, scope) if t.name == name), None)  # (not every version)
-        if live is not None and (live.content, live.enabled) == (old.content, old.enabled):
+        if live is not None and live.content == old.content:
             return live, False
-        return await self.put(kind, scope, name, old.content, author=author, enabled=old.enabled,
+        return await self.put(kind, scope, name, old.content, author=author,
                               reason=f"reverted to version {number}"), True
 
     async def put(self, kind: TextKind, scope: str, name: str, content: str, *, author: str, reason: str = "",

@@ -202,9 +202,13 @@ class RulesCommands:
 
     async def edit(self, ctx: CommandContext, args: Sequence[str]) -> str:
         name, text = self._name(args), self._text(args, ctx)
-        self._live(name)
+        live = self._live(name)
         version = await self._put(ctx, name, text, "edited in chat")
-        return f"Rule {name} is now version {version}." + variables_note(text)
+        return f"Rule {name} is now version {version}.{self._off_note(live.enabled, name)}" + variables_note(text)
+
+    def _off_note(self, enabled: bool, name: str) -> str:
+        """What an admin editing a rule that is switched off needs to hear: the new text has no effect yet."""
+        return "" if enabled else f" It is off: {self.prefix}rules enable {name} puts it into replies."
 
     async def disable(self, ctx: CommandContext, args: Sequence[str]) -> str:
         return await self._switch(ctx, args, False)
@@ -231,6 +235,8 @@ class RulesCommands:
             raise CommandError(f"rule {name} has no version {number}")
         await self.registry.load()
         saved, written = reverted
+        off = self._off_note(saved.enabled, name)
         if not written:
-            return f"Rule {name} holds version {number}'s text already (as version {saved.version}); nothing changed."
-        return f"Rule {name} is back to version {number}'s text (as version {saved.version})."
+            return (f"Rule {name} holds version {number}'s text already (as version {saved.version}); nothing "
+                    f"changed.{off}")
+        return f"Rule {name} is back to version {number}'s text (as version {saved.version}).{off}"
