@@ -14,7 +14,7 @@ from typing import Literal, Protocol
 from bot.llm.base import ToolCall, ToolSpec
 from bot.storage.base import StoredMessage
 from bot.storage.sources import ReplySource
-from bot.text import one_line_name
+from bot.text import one_line_name, speaker_name
 
 Platform = Literal["console", "discord", "matrix"]
 
@@ -43,7 +43,7 @@ class IncomingMessage:
     history_from: datetime | None = None
 
     def __post_init__(self) -> None:  # names as prompts and stores may take them (see bot.text.one_line_name)
-        object.__setattr__(self, "author_name", one_line_name(self.author_name) or self.author_id)
+        object.__setattr__(self, "author_name", speaker_name(self.author_name, self.author_id))
         object.__setattr__(self, "channel_name", one_line_name(self.channel_name))
 
     @property

@@ -63,8 +63,29 @@ def one_line_name(name: str) -> str:
     """A display name (a user's, a channel's) as it may enter a prompt: storable, on one line (line breaks
     and control characters become one space, so a name cannot start a line of its own, such as a "# Rules"
     heading, or forge a speaker's label), without direction overrides, and at most ``NAME_CHARS`` characters."""
-    flat = _NAME_BREAKS.sub(" ", _NAME_HIDDEN.sub("", storable(name))).strip()
-    return flat if len(flat) <= NAME_CHARS else flat[:NAME_CHARS - 1].rstrip() + "…"
+    return _cut_name(_flat_name(name))
+
+
+def speaker_name(name: str, author_id: str) -> str:
+    """A message author's name as the prompt labels their turns: :func:`one_line_name`, and with their
+    platform id after it when making it so took hidden characters or line breaks out. Otherwise "alice" and
+    "alice" with a zero-width space, names the platform tells apart (it marks only the same name twice), got
+    one label, and one member's turns read as another's."""
+    flat = _flat_name(name)
+    if not flat:
+        return author_id
+    if flat == re.sub(" +", " ", storable(name).strip(" ")):
+        return _cut_name(flat)
+    suffix = f" ({author_id[:NAME_CHARS // 2]})"
+    return _cut_name(flat, NAME_CHARS - len(suffix)) + suffix
+
+
+def _flat_name(name: str) -> str:
+    return _NAME_BREAKS.sub(" ", _NAME_HIDDEN.sub("", storable(name))).strip()
+
+
+def _cut_name(flat: str, limit: int = NAME_CHARS) -> str:
+    return flat if len(flat) <= limit else flat[:limit - 1].rstrip() + "…"
 
 
 def storable_json(value: Any) -> Any:
