@@ -118,6 +118,25 @@ async def test_editing_the_content_makes_a_correction(tmp_path: Path) -> None:
         assert (both["pinned"], both["scope"]) == (False, "private")
 
 
+async def test_a_correction_on_the_page_keeps_the_chats_rules_for_new_items(tmp_path: Path) -> None:
+    """A correction makes a new item: during `!memory pause` the chat refuses one (it would outlive the
+    stretch), and beside an item in use saying the same words (two would crowd the prompt); the page made both."""
+    async with running_bot(tmp_path) as bot, bot.client("ann") as ann:
+        tea = await remember(bot, "ann", "Ann likes tea")
+        coffee = await remember(bot, "ann", "Ann likes coffee")
+        status, error = await ann.call("PATCH", f"/api/me/items/{coffee}", {"content": "Ann likes tea"})
+        assert status == 409 and error["error"] == f"item #{tea} says that already: forget #{coffee} instead"
+        status, _ = await ann.call("PATCH", f"/api/me/items/{coffee}", {"content": "Ann likes tea", "scope": "shared"})
+        assert status == 200  # (shared, it is no twin of the private one)
+        await bot.app.commands.dispatch("!memory pause", context("ann"))
+        status, error = await ann.call("PATCH", f"/api/me/items/{tea}", {"content": "Ann likes green tea"})
+        assert status == 409 and error["error"].startswith("you are incognito with Cora: nothing new is remembered")
+        status, pinned = await ann.call("PATCH", f"/api/me/items/{tea}", {"pinned": True})  # (changes in place: fine)
+        assert status == 200 and pinned["pinned"] is True
+        await bot.app.commands.dispatch("!memory resume", context("ann"))
+        assert sorted(contents(await listed(ann))) == ["Ann likes tea", "Ann likes tea"]
+
+
 async def test_pin_and_scope_change_in_place(tmp_path: Path) -> None:
     async with running_bot(tmp_path) as bot, bot.client("ann") as ann:
         item = await remember(bot, "ann", "Ann plays the cello")

@@ -19,7 +19,16 @@ from adapters.web.userdata import own_user, persona_name
 from bot.commands import MAX_NUMBER
 from bot.storage.base import User
 from cortex.export import ExportBusy, export_filename
-from cortex.memory.store import CATEGORIES, SCOPES, ItemFilters, MemoryConflict, MemoryError, MemoryItem, OwnedItem
+from cortex.memory.store import (
+    CATEGORIES,
+    SCOPES,
+    ItemFilters,
+    MemoryConflict,
+    MemoryError,
+    MemoryItem,
+    OwnedItem,
+    Scope,
+)
 
 PAGE = 25
 SEARCH_LIMIT = 200  # hits per persona a search ranks; pages are cut from these
@@ -170,6 +179,7 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
             fail(409, f"item #{item.id} is archived: restore it first")
         try:
             if wanted.content is not None and wanted.content.strip() != item.content:
+                await may_correct(caller, found, wanted)
                 item = await correct(item, wanted)
             else:
                 item = await set_flags(item, wanted)
@@ -178,6 +188,22 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         except MemoryError as exc:
             fail(422, str(exc))
         return ok(item_json(OwnedItem(found.persona, item)))
+
+    async def may_correct(caller: Caller, found: OwnedItem, wanted: ItemChange) -> None:
+        """A correction makes a new item, which the chat's `!memory remember` refuses during a pause (it would
+        outlive the stretch) and beside an item in use with the same words (two would crowd the prompt)."""
+        old = found.item
+        user = await own_user(ctx, caller)
+        if await ctx.app.storage.incognito.active(user.id, found.persona):
+            fail(409, f"you are incognito with {found.persona}: nothing new is remembered until you send "
+                      f"{ctx.app.commands.prefix}memory resume")
+        assert wanted.content is not None
+        checked = memory.checked(old.pair_id, wanted.content, category=old.category, importance=old.importance,
+                                 source="user")
+        scope: Scope = "shared" if (wanted.scope or old.scope) == "shared" else "private"
+        twin = await memory.same_words(old.pair_id, checked, scope)
+        if twin is not None and twin.id != old.id:
+            fail(409, f"item #{twin.id} says that already: forget #{old.id} instead")
 
     async def correct(old: MemoryItem, wanted: ItemChange) -> MemoryItem:
         """A new item superseding ``old``, keeping its kind, weight and tags (the store's checks apply)."""
