@@ -644,7 +644,8 @@
   }
 
   function setMode(mode) {
-    if (state.fileMode === 'edit' && mode !== 'edit' && !leaveEditor()) return;
+    // (Edit again while editing leaves the editor too: it is a toggle)
+    if (state.fileMode === 'edit' && !leaveEditor()) return;
     state.fileMode = state.fileMode === mode ? 'view' : mode;
     state.draft = null;
     clearAlert();
@@ -690,7 +691,7 @@
     editor.defaultValue = version.content;
     const count = h('span', { id: 'char-count', class: 'count', testid: 'char-count' });
     const update = () => {
-      const n = editor.value.length;
+      const n = chars(editor.value);
       count.textContent = max ? `${fmtInt(n)} / ${fmtInt(max)} characters` : plural(n, 'character');
       count.classList.toggle('over', Boolean(max) && n > max);
     };
@@ -754,6 +755,7 @@
   }
 
   async function resetFile() {
+    if (!leaveEditor()) return;  // (what is typed in the editor is in no version: asked about first)
     if (!window.confirm(`Reset ${state.file} to its starting template? The current text stays in the history.`)) return;
     await attempt(async () => {
       const saved = await api('POST', `${filePath(state.file)}/reset`);
@@ -800,7 +802,7 @@
             button('View', () => previewVersion(preview, v.version), { class: 'btn btn-small', testid: `view-${v.version}` }),
             v.version === current ? h('span', { class: 'muted current' }, 'current')
               : button('Revert…', (event) => revertTo(v.version, event.currentTarget),
-                { class: 'btn btn-small', testid: `revert-${v.version}` }),
+                { class: 'btn btn-small', testid: `revert-${v.version}`, 'aria-label': `Revert to version ${v.version}` }),
           ],
         },
       ], versions, { class: 'versions', testid: 'versions', 'aria-label': `Versions of ${state.file}, newest first` });
@@ -1017,7 +1019,7 @@
       { label: 'Added', cell: (it) => fmtDate(it.created_at) },
       {
         label: 'Actions', class: 'row-actions', cell: (it) => (it.superseded_by && !it.archived_at
-          ? h('span', { class: 'muted' }, `see #${it.superseded_by}`) : it.archived_at
+          ? h('span', { class: 'muted' }, `see #${it.superseded_by}`) : it.archived_at || expired(it)
           ? button('Restore', (event) => itemAction(it, 'restore', `#${it.id} is back.`, reload, event.currentTarget),
             { class: 'btn btn-small', testid: `restore-${it.id}`, 'aria-label': `Restore #${it.id}` })
           : [
@@ -1073,9 +1075,15 @@
     return box;
   }
 
-  /** A forgotten item, or one replaced by a correction, is not changed any more (restore it first). */
+  /** A forgotten item, an expired one, or one replaced by a correction, is not changed any more (restore it
+   * first; a replaced one is changed through its correction). */
   function locked(it) {
-    return Boolean(it.archived_at || it.superseded_by);
+    return Boolean(it.archived_at || it.superseded_by || expired(it));
+  }
+
+  /** Past its time and not archived yet (the daily upkeep does that): restorable, as a forgotten one is. */
+  function expired(it) {
+    return Boolean(!it.archived_at && !it.superseded_by && it.expires_at && toMs(it.expires_at) <= Date.now());
   }
 
   function itemContent(it, reload) {
@@ -1411,12 +1419,21 @@
     }, trigger);
     if (done) {
       notify(typeof message === 'function' ? message(answer || {}) : message);
-      reload();
+      const saved = trigger && trigger.closest ? trigger.closest('.text-editor') : null;
+      for (const area of saved ? saved.querySelectorAll('textarea') : []) area.defaultValue = area.value;
+      // The view is drawn again from the server: text typed in another editor would go with it unasked.
+      if (!unsavedTexts().length || window.confirm('Saved. Show the new state now? What you typed in the other '
+        + 'editors is not saved yet and would be lost (Cancel keeps it: save it, then reload).')) reload();
     }
     return Boolean(done);
   }
 
-  function historyList(entries, current, onRevert) {
+  /** A text's length as the server counts it (characters, not UTF-16 units: an emoji is one, not two). */
+  function chars(text) {
+    return [...text].length;
+  }
+
+  function historyList(entries, current, onRevert, what) {
     if (!entries || entries.length < 2) return null;
     return h('details', { class: 'history' }, h('summary', null, `History (${plural(entries.length, 'version')})`),
       table([
@@ -1427,7 +1444,8 @@
         { label: 'Size', class: 'num', cell: (e) => fmtInt(e.chars) },
         {
           label: '', class: 'row-actions', cell: (e) => (e.version === current ? h('span', { class: 'muted' }, 'current')
-            : onRevert ? button('Revert…', (event) => onRevert(e.version, event.currentTarget), { class: 'btn btn-small' }) : ''),
+            : onRevert ? button('Revert…', (event) => onRevert(e.version, event.currentTarget),
+              { class: 'btn btn-small', 'aria-label': `Revert ${what} to version ${e.version}` }) : ''),
         },
       ], entries, { class: 'history-table' }));
   }
@@ -1436,8 +1454,9 @@
     const area = h('textarea', { rows: '8', value: text, testid: testid ? `${testid}-text` : null });
     const count = h('span', { class: 'count' });
     const update = () => {
-      count.textContent = max ? `${fmtInt(area.value.length)} / ${fmtInt(max)} characters` : plural(area.value.length, 'character');
-      count.classList.toggle('over', Boolean(max) && area.value.length > max);
+      const n = chars(area.value);
+      count.textContent = max ? `${fmtInt(n)} / ${fmtInt(max)} characters` : plural(n, 'character');
+      count.classList.toggle('over', Boolean(max) && n > max);
     };
     area.addEventListener('input', update);
     update();
@@ -1503,11 +1522,11 @@
       h('div', { class: 'actions' }, button('Edit', () => fill(body, 
         textEditor(`${sec.title || sec.name} of ${persona.name}`, sec.text || '', max,
           (text, trigger) => change('PUT', path, { text, version: sec.version }, `Saved ${persona.name}'s ${sec.title || sec.name}.`, reload, trigger),
-          show)), { class: 'btn btn-small' })),
+          show)), { class: 'btn btn-small', 'aria-label': `Edit ${persona.name}'s ${sec.title || sec.name}` })),
       historyList(sec.history, sec.version, (version, trigger) => {
         if (!window.confirm(`Go back to version ${version} of ${persona.name}'s ${sec.title || sec.name}?`)) return;
         change('POST', `${path}/revert`, { version }, `${sec.title || sec.name} is back to version ${version}.`, reload, trigger);
-      }));
+      }, `${persona.name}'s ${sec.title || sec.name}`));
     show();
     return h('details', { class: 'persona-section' },
       h('summary', null, h('strong', null, sec.title || sectionLabel(sec.name)),
@@ -1528,6 +1547,10 @@
       state.guidelinesServer, { testid: 'guidelines-server' });
     const area = h('div');
     picker.addEventListener('change', () => {
+      if (!leaveEditor()) {  // (what is typed for this server is asked about before another's text replaces it)
+        picker.value = state.guidelinesServer;
+        return;
+      }
       state.guidelinesServer = picker.value;
       load();
     });
@@ -1542,7 +1565,7 @@
         historyList(data.history, data.version, (version, trigger) => {
           if (!window.confirm(`Go back to version ${version} of these guidelines?`)) return;
           change('POST', `${path}/revert`, { version }, `The guidelines are back to version ${version}.`, load, trigger);
-        })));
+        }, 'the guidelines')));
     });
     fill(content, adminHead('Server guidelines', 'What every persona follows on a server: tone, topics, limits.'),
       h('div', { class: 'bar' }, field('Server', picker)), area);
@@ -1570,16 +1593,21 @@
     const body = h('div', { class: 'section-body flush' });
     const show = () => fill(body, h('pre', { class: 'text-block' }, rule.text || ''),
       h('div', { class: 'actions' }, button('Edit', () => fill(body, textEditor(`Rule ${rule.name}`, rule.text || '', max,
-        (text, trigger) => change('PUT', path, { text, version: rule.version }, `Saved rule ${rule.name}.`, reload, trigger), show)), { class: 'btn btn-small' })),
+        (text, trigger) => change('PUT', path, { text, version: rule.version }, `Saved rule ${rule.name}.`, reload, trigger), show)),
+      { class: 'btn btn-small', 'aria-label': `Edit rule ${rule.name}` })),
       historyList(rule.history, rule.version, (version, trigger) => {
         if (!window.confirm(`Go back to version ${version} of rule ${rule.name}?`)) return;
         change('POST', `${path}/revert`, { version }, `Rule ${rule.name} is back to version ${version}.`, reload, trigger);
-      }));
+      }, `rule ${rule.name}`));
     show();
     const toggle = h('input', {
       type: 'checkbox', checked: Boolean(rule.enabled), testid: `rule-${rule.name}-enabled`,
-      onchange: (event) => change('PUT', path, { enabled: event.target.checked },
-        `Rule ${rule.name} is ${event.target.checked ? 'on' : 'off'}.`, reload, event.target),
+      'aria-label': `Rule ${rule.name} enabled`,
+      onchange: async (event) => {
+        const box = event.target;
+        if (!await change('PUT', path, { enabled: box.checked }, `Rule ${rule.name} is ${box.checked ? 'on' : 'off'}.`,
+          reload, box)) box.checked = !box.checked;  // (refused: it shows the rule as it still is)
+      },
     });
     return h('div', { class: `card rule${rule.enabled ? '' : ' dim'}`, testid: `rule-${rule.name}` },
       h('div', { class: 'rule-head' },
@@ -1619,6 +1647,10 @@
     });
     for (const [pick, key] of [[personaPick, 'persona'], [serverPick, 'server']]) {
       pick.addEventListener('change', () => {
+        if (!leaveEditor()) {
+          pick.value = f[key];
+          return;
+        }
         f[key] = pick.value;
         load();
       });
@@ -1640,7 +1672,7 @@
     const save = button('Save', () => change('PUT', '/api/admin/settings', {
       persona: state.settingsFor.persona, server: state.settingsFor.server || null, key: setting.key, value: input.value.trim(),
     }, (answer) => (answer.note ? `Saved ${setting.key}; its name was ${answer.note}.` : `Saved ${setting.key}.`),
-    reload, save), { class: 'btn btn-small', testid: `setting-${setting.key}-save` });
+    reload, save), { class: 'btn btn-small', testid: `setting-${setting.key}-save`, 'aria-label': `Save ${setting.key}` });
     input.addEventListener('keydown', (event) => {
       if (event.key === 'Enter') save.click();
     });
@@ -1755,7 +1787,7 @@
           {
             label: '', class: 'row-actions', cell: (j) => (j.status === 'failed' ? button('Retry', (event) =>
               change('POST', `/api/admin/jobs/${enc(j.id)}/retry`, undefined, `Job #${j.id} will run again.`, load, event.currentTarget),
-            { class: 'btn btn-small', testid: `retry-${j.id}` }) : ''),
+            { class: 'btn btn-small', testid: `retry-${j.id}`, 'aria-label': `Retry job #${j.id}` }) : ''),
           },
         ], jobs, { class: 'jobs', testid: 'jobs' }) : empty(state.jobStatus ? `No ${state.jobStatus} jobs.` : 'No jobs.'),
         paging);
