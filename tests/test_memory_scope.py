@@ -106,3 +106,32 @@ async def test_many_private_matches_never_push_a_shared_item_out_of_a_group_sear
         assert [h.id for h in hits] == [shared.id]
         everything = await memory.search(pair.id, "Ann's garden", include_messages=False)
         assert len(everything) == 10  # in a DM every item competes
+
+
+async def test_what_is_stored_is_found_after_the_personas_language_changes(tmp_path: Path) -> None:
+    """PostgreSQL stems words by the persona's language when a row is written: after the language changed,
+    queries were stemmed the new way and the old rows' stems ("running" stored as English "run") met nothing."""
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000},
+                           "memory": {"embedder": "none"}})
+    async with App(config, llm=ScriptedProvider()) as app:
+        _, pair = await app.cortex.store.pair_for("discord:ann", "Ann", "Cora")
+        memory = app.cortex.memory
+        await app.core.reply(IncomingMessage("discord", "dm-ann", "ann", "Ann", "I went running by the rivers",
+                                             is_dm=True)).text()
+        user = await app.storage.get_user("discord:ann")
+        assert user is not None
+        item = await memory.remember(pair.id, "Ann loves running every morning")
+
+        async def found(query: str) -> list[str]:
+            app.storage.memory._ts_configs.clear()  # (a minute's cache of each persona's configuration)
+            hits = await memory.search(pair.id, query, user_id=user.id, persona="Cora")
+            return sorted(h.text for h in hits)
+
+        before = await found("running rivers")
+        assert item.content in before and "Ann: I went running by the rivers" in before
+        await app.storage.upsert_persona("Cora", "German")
+        assert await found("running rivers") == before
+        row = await app.storage.personas.get_persona("Cora")
+        assert row is not None
+        await app.storage.personas.update_persona(row.id, "English", {}, "english")
+        assert await found("running rivers") == before

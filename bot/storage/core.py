@@ -65,7 +65,7 @@ from bot.storage.rows import dt as _dt
 from bot.storage.rows import ts as _ts
 from bot.storage.skills import SkillAuditRepository
 from bot.storage.sources import SourceRepository
-from bot.storage.textsearch import text_search_config
+from bot.storage.textsearch import restem, text_search_config
 from bot.storage.web import HealthRepository, WebLoginRepository
 
 log = logging.getLogger(__name__)
@@ -478,7 +478,9 @@ class Storage:
                 (name, time.time(), config),
             )
         elif str(row[0]) != config:
-            await self.db.write("UPDATE personas SET ts_config = ? WHERE lower(name) = lower(?)", (config, name))
+            async with self.db.transaction() as tx:
+                await tx.execute("UPDATE personas SET ts_config = ? WHERE lower(name) = lower(?)", (config, name))
+                await restem(tx, self.db.dialect, name)
 
     async def settings_with_prefix(self, prefix: str) -> list[tuple[str, str]]:
         rows = await self.db.fetch_all(

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from bot.config import SOUL_SECTIONS
 from bot.storage.engine import Database, Row, Tx, is_conflict, serialise
 from bot.storage.rows import dt
+from bot.storage.textsearch import restem
 from bot.text import name_key, persona_key
 
 TextKind = Literal["soul", "guidelines", "rule"]
@@ -182,10 +183,15 @@ class PersonaRepository:
 
     async def update_persona(self, persona_id: int, language: str, settings: Mapping[str, Any],
                              ts_config: str, *, source: str | None = None) -> None:
-        """Set a persona's language, settings and text-search configuration (and, given, where it comes from)."""
-        await self.db.write("UPDATE personas SET language = ?, settings = ?, ts_config = ?,"
-                            " source = coalesce(?, source) WHERE id = ?",
-                            (language, json.dumps(dict(settings)), ts_config, source, persona_id))
+        """Set a persona's language, settings and text-search configuration (and, given, where it comes from);
+        a new configuration stems its stored words again (:func:`restem`)."""
+        async with self.db.transaction() as tx:
+            old = await tx.fetch_one("SELECT name, ts_config FROM personas WHERE id = ?", (persona_id,))
+            await tx.execute("UPDATE personas SET language = ?, settings = ?, ts_config = ?,"
+                             " source = coalesce(?, source) WHERE id = ?",
+                             (language, json.dumps(dict(settings)), ts_config, source, persona_id))
+            if old is not None and str(old[1]) != ts_config:
+                await restem(tx, self.db.dialect, str(old[0]))
 
     async def delete_persona(self, persona_id: int) -> None:
         """Hide a persona (its soul's history and its users' memory stay; creating the name again revives it)."""

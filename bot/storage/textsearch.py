@@ -8,6 +8,8 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 
+from bot.storage.engine import Tx
+
 _WORD = re.compile(r"\w+", re.UNICODE)
 
 # PostgreSQL's built-in configurations, by English name, native name and ISO 639-1 code.
@@ -33,6 +35,20 @@ def text_search_config(language: str) -> str:
     "pt-BR"…), ``simple`` (no stemming, no stop words) when none fits."""
     words = language.strip().lower().replace("_", "-").split("-")
     return _CONFIGS.get(words[0].strip(), "simple") if words else "simple"
+
+
+async def restem(tx: Tx, dialect: str, persona: str) -> None:
+    """On PostgreSQL, in the transaction that changed the persona's text-search configuration: its messages'
+    and memory items' words stemmed again by it. Their tsvectors are made by triggers when the text is written,
+    so they kept the old language's stems, which a query in the new one no longer meets ("running" stored as
+    English "run", searched as German "running": nothing found)."""
+    if dialect != "postgres":
+        return  # (SQLite stems English for every persona)
+    await tx.execute("UPDATE messages SET ts = to_tsvector(cortex_ts_config(persona), author_name || ' ' || text)"
+                     " WHERE lower(persona) = lower(?)", (persona,))
+    await tx.execute("UPDATE memory_items SET ts = to_tsvector(cortex_ts_config(p.persona), memory_items.content"
+                     " || ' ' || memory_items.key || ' ' || memory_items.tags) FROM cortex_pairs AS p"
+                     " WHERE p.id = memory_items.pair_id AND lower(p.persona) = lower(?)", (persona,))
 
 
 def tsquery(terms: list[str]) -> str:
