@@ -108,6 +108,23 @@ async def test_many_private_matches_never_push_a_shared_item_out_of_a_group_sear
         assert len(everything) == 10  # in a DM every item competes
 
 
+async def test_a_shared_item_found_by_meaning_alone_is_not_lost_behind_many_private_ones(tmp_path: Path) -> None:
+    """On SQLite the vector part took the best 400 of all the pair's vectors and dropped the private ones after:
+    450 private items closer to the query left the one shared item, which shares no word with it, out."""
+    from cortex.memory.embedders import HashEmbedder
+
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}})
+    async with App(config, llm=ScriptedProvider(), embedder=HashEmbedder()) as app:
+        _, pair = await app.cortex.store.pair_for("discord:ann", "Ann", "Cora")
+        memory = app.cortex.memory
+        for i in range(450):
+            await memory.remember(pair.id, f"photography photography {i}", category="fact")
+        shared = await memory.remember(pair.id, "an old photograph album", category="fact", scope="shared")
+        await app.cortex.embeddings.backfill()
+        hits = await memory.search(pair.id, "photography", scopes=("shared",), include_messages=False)
+        assert [h.id for h in hits] == [shared.id]
+
+
 async def test_what_is_stored_is_found_after_the_personas_language_changes(tmp_path: Path) -> None:
     """PostgreSQL stems words by the persona's language when a row is written: after the language changed,
     queries were stemmed the new way and the old rows' stems ("running" stored as English "run") met nothing."""

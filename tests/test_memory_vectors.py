@@ -391,3 +391,18 @@ async def test_a_forget_me_has_the_next_backfill_read_all_messages_again(tmp_pat
         await app.cortex.commands.forget_user("console:ann")
         await app.cortex.embeddings.backfill()
         assert embedder.texts == ["Bob: ok"]  # embedded again at once, without her words
+
+
+def test_the_best_among_some_ids_are_scored_as_the_whole_blocks_best_are() -> None:
+    """A group channel compares its query with the shared items' rows only, against the typical level of the
+    whole block: the scores mean what a search over every row gives them."""
+    rng = np.random.default_rng(7)
+    block = Block(np.arange(1, 301, dtype=np.int64), normalize(rng.normal(size=(300, 16))))
+    query = normalize(rng.normal(size=16))[0]
+    everything = block.top(query, 300)
+    among = list(range(2, 301, 7))
+    best = block.top_among(query, among, 5)
+    wanted = sorted(among, key=lambda i: -everything[i])[:5]
+    assert sorted(best) == sorted(wanted)
+    assert all(abs(best[i] - everything[i]) < 1e-5 for i in best)
+    assert block.top_among(query, [], 5) == {} and block.top_among(query, [9999], 5) == {}

@@ -311,6 +311,12 @@ class MemoryRepository:
             (pair_id, now, *(() if limit is None else (limit,))),
         )
 
+    async def shared_item_ids(self, pair_id: int, now: float) -> list[int]:
+        """The ids of the pair's visible shared items (what a group channel's search may find)."""
+        rows = await self.db.fetch_all(f"SELECT m.id FROM memory_items AS m WHERE {VISIBLE} AND m.{SHARED}",
+                                       (pair_id, now))
+        return [int(r[0]) for r in rows]
+
     async def visible_items(self, pair_id: int, ids: Sequence[int], now: float, *, shared_only: bool = False
                             ) -> list[Row]:
         marks = ",".join("?" for _ in ids)

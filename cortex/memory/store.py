@@ -51,7 +51,6 @@ CATEGORIES: tuple[str, ...] = (
 Source = Literal["user", "model", "system"]
 Scope = Literal["private", "shared"]
 SCOPES: tuple[Scope, ...] = ("private", "shared")
-SHARED_ONLY_WIDER = 8  # a group channel's vector candidates are taken this many times over (private ones drop)
 _WORD = re.compile(r"\w+", re.UNICODE)
 COMMON_MATCHES = 1000  # a query word found in more rows than this is too common to rank by (see _bounded)
 MAX_TERMS = 16
@@ -531,10 +530,11 @@ class MemoryStore:
                     rows = [r for r in rows if float(r["knn_centred"]) >= floor.least]
                 fetched = {int(r["id"]): r for r in rows}
                 return {i: v for i, v in scores.items() if i in fetched}
-            # Hidden items (and, for a group channel, private ones) may sit in the matrix: take more than
-            # needed, the fetch below filters.
-            wanted = self.candidates * (SHARED_ONLY_WIDER if shared_only else 2)
-            return await index.top(("items", pair_id), vector, wanted, floor=floor)
+            if shared_only:  # (only the shared rows are compared: private ones cannot crowd them out)
+                shared = await self.repo.shared_item_ids(pair_id, now)
+                return await index.top_among(("items", pair_id), vector, shared, self.candidates * 2, floor=floor)
+            # Hidden items may sit in the matrix: take more than needed, the fetch below filters.
+            return await index.top(("items", pair_id), vector, self.candidates * 2, floor=floor)
 
         async def fetch(ids: list[int]) -> list[Any]:
             if fetched is not None:
