@@ -464,7 +464,8 @@ def _require_configured_database(url: str) -> None:
     """A command that reads the configured database refuses a SQLite file that is not there (opening it would
     make an empty one, and its folders)."""
     if (missing := _missing_sqlite(url)) is not None:
-        raise ConfigError(f"the configured database {missing} does not exist: check [storage] url (or --config)")
+        raise ConfigError(f"the configured database {missing} does not exist yet: the bot makes it at its first start "
+                          "(cortexbot run or chat); if it ran before, check [storage] url (or --config)")
 
 
 def _missing_sqlite(url: str) -> Path | None:
@@ -690,8 +691,8 @@ def _mismatch_advice(report: CopyReport) -> list[str]:
 @cli.command()
 @click.pass_context
 def doctor(ctx: click.Context) -> None:
-    """Check the config, the chat platforms' credentials, the database, the skills (HTTP secrets, MCP servers),
-    the tokenizer, the embedder and the LLM, and say what is wrong."""
+    """Check the config, the chat platforms' credentials, the database, the job queue and failed work, the skills
+    (HTTP secrets, MCP servers), the tokenizer, the embedder and the LLM (each model), and say what is wrong."""
     from rich.console import Console
     from rich.markup import escape
 

@@ -1268,6 +1268,9 @@ def _describe_error(err: Mapping[str, Any], raw: Mapping[str, Any]) -> str:
         model = _model_for(loc)
         known = sorted(model.model_fields) if model else []
         name = str(loc[-1]) if loc else "?"
+        if f"{name}_env" in known:  # (api_key, token, password: a secret written into the file)
+            return (f"unknown {where}: secrets are not read from the config file; put it in an environment "
+                    f"variable and write that variable's name as {name}_env")
         hint = difflib.get_close_matches(name, known, n=1)
         fix = f"did you mean '{hint[0]}'?" if hint else f"known keys: {', '.join(known)}"
         return f"unknown {where}: remove it or fix the spelling ({fix})"

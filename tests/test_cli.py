@@ -300,8 +300,8 @@ def test_migrate_names_the_database_it_migrated_and_fails_in_one_line(tmp_path: 
     failed = cortexbot("--config", str(config), "status")  # status makes no database: it says there is none
     assert failed.returncode == 1 and failed.stdout == ""
     assert failed.stderr.strip().splitlines() == [
-        "Error: the configured database /proc/1/cortexbot-test.db does not exist: check [storage] url (or --config)"
-    ], failed.stderr
+        "Error: the configured database /proc/1/cortexbot-test.db does not exist yet: the bot makes it at its first "
+        "start (cortexbot run or chat); if it ran before, check [storage] url (or --config)"], failed.stderr
 
 
 def test_status_and_doctor_make_no_database(tmp_path: Path) -> None:
@@ -311,7 +311,8 @@ def test_status_and_doctor_make_no_database(tmp_path: Path) -> None:
     config.write_text(f'[storage]\nurl = "sqlite:///{missing}"\n[memory]\nembedder = "none"\n')
     status = cortexbot("--config", str(config), "status")
     assert status.returncode == 1 and status.stderr.strip() == (
-        f"Error: the configured database {missing} does not exist: check [storage] url (or --config)")
+        f"Error: the configured database {missing} does not exist yet: the bot makes it at its first start "
+        "(cortexbot run or chat); if it ran before, check [storage] url (or --config)")
     doctor = cortexbot("--config", str(config), "doctor", env={"ANTHROPIC_API_KEY": ""})
     assert (f"✓ database: {missing} does not exist yet: the bot makes it at its first start "
             "(if it ran before, check [storage] url)") in " ".join(doctor.stdout.split())

@@ -59,6 +59,16 @@ def test_unknown_key_is_named_with_a_suggestion() -> None:
     assert "did you mean 'model'" in message
 
 
+@pytest.mark.parametrize(("section", "key"), [("llm", "api_key"), ("discord", "token"), ("matrix", "password"),
+                                              ("storage", "password")])
+def test_a_secret_written_into_the_file_is_pointed_to_the_environment(section: str, key: str) -> None:
+    """`api_key = "sk-…"` got "did you mean 'api_key_env'?", which invited pasting the key into that one."""
+    message = _error({section: {key: "sk-secret-value"}})
+    assert f"unknown [{section}] key '{key}': secrets are not read from the config file; put it in an environment " \
+           f"variable and write that variable's name as {key}_env" in message
+    assert "sk-secret-value" not in message and "did you mean" not in message
+
+
 def test_unknown_section_is_named() -> None:
     assert "key 'histroy' at the top level" in _error({"histroy": {}})
 
