@@ -1133,6 +1133,8 @@ class MatrixAdapter:
         joined = set(room.users) - invited
         if not self.is_dm(room) or me not in joined or room.history_visibility == "world_readable":
             return False  # (world_readable: anyone may read it without joining)
+        if room.replacement_room:  # upgraded: clients hide the old room once its successor is joined
+            return False
         if self._dms.get(user_id) == room.room_id:
             return joined | invited == {me, user_id} and invited <= {user_id}
         if joined != {me, user_id} or invited or room.join_rule != "invite":

@@ -251,3 +251,24 @@ def test_the_quote_of_a_reply_is_cut_from_the_start_of_a_formatted_body_only() -
     unclosed = "<mx-reply>" * 6000
     assert without_quoted_reply(unclosed) == unclosed  # (no end: nothing is a quote)
     assert without_quoted_reply("text <mx-reply>x</mx-reply>") == "text <mx-reply>x</mx-reply>"
+
+
+async def test_private_answers_never_go_to_a_room_that_was_upgraded(tmp_path: Path) -> None:
+    """After a direct room was upgraded (its tombstone names the new room), private answers still went to the
+    old one, which clients hide once the new room is joined: the user never saw them."""
+    from nio import MatrixRoom
+
+    config = _config(tmp_path)
+    async with App(config, llm=ScriptedProvider()) as app:
+        adapter = MatrixAdapter(app, config.matrix, env={"CB_MATRIX_PW": "x"})
+        room = MatrixRoom("!dm:localhost", "@cortex:localhost")
+        for user_id, name in (("@cortex:localhost", "Cora"), ("@ann:localhost", "Ann")):
+            room.add_member(user_id, name, None)
+        room.join_rule = "invite"
+        adapter.client.rooms[room.room_id] = room
+        adapter._remember_kind(room.room_id, "dm")
+        adapter._dms["@ann:localhost"] = room.room_id
+        assert await adapter._private_to(room, "@ann:localhost")
+        room.replacement_room = "!new:localhost"
+        assert not await adapter._private_to(room, "@ann:localhost")
+        await adapter.close()
