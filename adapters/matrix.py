@@ -83,9 +83,10 @@ from bot.app import App
 from bot.commands import Attachment, CommandReply, PlatformCommand
 from bot.commands.files import MAX_ATTACHMENT_BYTES
 from bot.config import MatrixConfig
-from bot.policy import Inbound
+from bot.policy import Inbound, refusal
 from bot.ports import IncomingMessage
 from bot.privatefs import create_private, private_dir
+from bot.ratelimit import RateLimiter
 from bot.splitting import split_message
 from bot.text import shown
 
@@ -136,6 +137,7 @@ class _Markdown(MarkdownIt):
 _markdown = _Markdown("commonmark", {"html": False, "breaks": True}).enable("table").disable("image")
 
 
+KEY_REQUESTS_PER_MINUTE = 10  # a sender's undecryptable messages in group rooms that ask for their keys
 UNDECRYPTABLE = ("I could not read your last message: my device did not get its encryption keys. I asked your "
                  "client for them; if I do not answer it, send it again (verifying my device helps).")
 GROUP_PHASE = "/group"  # a direct room's channel while more than two are in it (see MatrixAdapter.inbound)
@@ -401,6 +403,9 @@ class MatrixAdapter:
         self._join_events: dict[str, str] = {}  # of those: the event id of that join, where a sync brought it
         self._sync_failures = 0  # failed syncs in a row (each waits longer before the next)
         self._undecryptable: OrderedDict[tuple[str, str], None] = OrderedDict()  # (room, session) said once
+        # Key requests a sender's undecryptable messages in group rooms may cause: each is a to-device request and
+        # a warning, and anyone's server can send made-up sessions without end.
+        self._key_requests = RateLimiter(KEY_REQUESTS_PER_MINUTE)
         self._fatal: MatrixError | None = None  # why the sync stopped for good (run raises it)
         self.ready = asyncio.Event()
 
@@ -798,8 +803,12 @@ class MatrixAdapter:
             return
         direct = self.is_dm(room)
         # A made-up session id is one more notice: in a DM, as a readable message would, they meet the access
-        # lists and the sender's rate limit.
-        if direct and not self.reactions.allowed(await self.reactions.inbound(room, event), "an undecryptable message"):
+        # lists and the sender's rate limit; in a group room the lists and a limit of key requests per sender.
+        inbound = await self.reactions.inbound(room, event)
+        if direct and not self.reactions.allowed(inbound, "an undecryptable message"):
+            return
+        if not direct and (refusal(inbound, self.app.config.access, is_command=True) is not None
+                           or self._key_requests.check(event.sender)):
             return
         keep(self._undecryptable, key, None)
         log.warning("Matrix: could not decrypt a message from %s in %s (session %s)", event.sender, room.room_id,

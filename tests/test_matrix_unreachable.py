@@ -272,3 +272,39 @@ async def test_private_answers_never_go_to_a_room_that_was_upgraded(tmp_path: Pa
         room.replacement_room = "!new:localhost"
         assert not await adapter._private_to(room, "@ann:localhost")
         await adapter.close()
+
+
+async def test_made_up_sessions_in_a_group_room_ask_for_keys_a_limited_number_of_times(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """In a group room every undecryptable message with a new session id cost a key request and a warning,
+    without limit: anyone's server can send made-up sessions without end."""
+    from nio import MatrixRoom, MegolmEvent
+
+    from adapters.matrix import KEY_REQUESTS_PER_MINUTE
+
+    config = _config(tmp_path)
+    async with App(config, llm=ScriptedProvider()) as app:
+        adapter = MatrixAdapter(app, config.matrix, env={"CB_MATRIX_PW": "x"})
+        adapter._remember_kind("!group:localhost", "group")
+        room = MatrixRoom("!group:localhost", "@cortex:localhost")
+        for user_id, name in (("@cortex:localhost", "Cora"), ("@mal:evil", "Mal"), ("@bob:localhost", "Bob")):
+            room.add_member(user_id, name, None)
+        asked: list[str] = []
+
+        async def request_room_key(event: MegolmEvent) -> None:
+            asked.append(event.sender)
+
+        async def creators_known(room_id: str) -> None:  # (read from the server's room state otherwise)
+            return None
+
+        adapter.client.request_room_key = request_room_key  # type: ignore[assignment, method-assign]
+        adapter._load_creators = creators_known  # type: ignore[assignment, method-assign]
+        for n in range(KEY_REQUESTS_PER_MINUTE + 15):
+            event = MegolmEvent.from_dict({
+                "type": "m.room.encrypted", "event_id": f"$e{n}", "sender": "@mal:evil", "origin_server_ts": 1,
+                "content": {"algorithm": "m.megolm.v1.aes-sha2", "sender_key": "c2VuZGVyIGtleQ",
+                            "device_id": "MAL", "session_id": f"made-up-{n}", "ciphertext": "eA"}})
+            await adapter._on_undecryptable(room, event)
+        assert asked == ["@mal:evil"] * KEY_REQUESTS_PER_MINUTE
+        assert len([r for r in caplog.records if "could not decrypt" in r.getMessage()]) == KEY_REQUESTS_PER_MINUTE
+        await adapter.close()
