@@ -261,16 +261,11 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return dict(pairs)
 
 
-def _no_constant(name: str) -> None:
-    """``NaN``, ``Infinity``, ``-Infinity``: not JSON (Python reads them): read as null, as ``1e999`` is."""
-    return None
-
-
 def loads_archive_json(text: str | bytes) -> Any:
     """JSON of an archive (its ``data.json``, an item's tags or metadata written as JSON text), read with
-    the number rules of :func:`read_number` and without the non-JSON constants."""
-    return json.loads(text, parse_int=read_number(int), parse_float=read_number(float),
-                      parse_constant=_no_constant, object_pairs_hook=_object)
+    the number rules of :func:`read_number`. (``NaN`` and ``Infinity``, which Python reads and JSON has not,
+    stay floats: as a time they make their entry unusable, and metadata holding one is not stored.)"""
+    return json.loads(text, parse_int=read_number(int), parse_float=read_number(float), object_pairs_hook=_object)
 
 
 # The parse runs on a worker thread, but the JSON decoder, written in C, holds Python's lock until it is done:
