@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -180,8 +181,17 @@ class WorkerPool:
 
     async def _work(self) -> None:
         kinds = sorted(self.handlers)
+        loop = asyncio.get_running_loop()
         while not self._stopping.is_set():
-            job = await self.storage.claim_job(self.worker_id, kinds, self.config.lease_seconds)
+            claimed_at = loop.time()  # (the lease counts from before the claim: never later than the database's)
+            claim = asyncio.ensure_future(self.storage.claim_job(self.worker_id, kinds, self.config.lease_seconds))
+            try:
+                job = await asyncio.shield(claim)
+            except asyncio.CancelledError:  # (a stop while the claim's answer was on its way: hand the job back)
+                with contextlib.suppress(Exception):
+                    if (claimed := await claim) is not None:
+                        await self.storage.release_job(claimed.id, self.worker_id, attempt=claimed.attempts)
+                raise
             if job is None:
                 self.queue.wakeup.clear()
                 try:
@@ -189,7 +199,7 @@ class WorkerPool:
                 except TimeoutError:
                     pass
                 continue
-            task = asyncio.create_task(self._run(job), name=f"job-{job.id}-{job.kind}")
+            task = asyncio.create_task(self._run(job, claimed_at), name=f"job-{job.id}-{job.kind}")
             self._running.add(task)
             try:
                 await asyncio.shield(task)
@@ -199,22 +209,32 @@ class WorkerPool:
             finally:
                 self._running.discard(task)
 
-    async def _keep_lease(self, job: Job) -> None:
-        """Renew the job's lease until it is lost (then return: another worker took the job over)."""
-        interval = max(self.config.lease_seconds / 3, 1.0)
+    async def _keep_lease(self, job: Job, claimed_at: float) -> None:
+        """Renew the job's lease until it is lost (then return, which stops the run: another worker took the job
+        over), or until it runs out unrenewed (a dropped connection, a stalled loop: another worker may take it
+        over then, and two runs of one key must not go on side by side)."""
+        loop = asyncio.get_running_loop()
+        lease = self.config.lease_seconds
+        interval, margin = max(lease / 3, 1.0), lease / 10
+        held_until = claimed_at + lease
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(max(min(interval, held_until - margin - loop.time()), 0.0))
+            asked = loop.time()
             try:
-                if not await self.storage.renew_lease(job.id, self.worker_id, self.config.lease_seconds,
-                                                      attempt=job.attempts):
+                if not await self.storage.renew_lease(job.id, self.worker_id, lease, attempt=job.attempts):
                     return
+                held_until = asked + lease
             except Exception as exc:  # a dropped connection: the next renewal may work, keep trying
                 log.warning("could not renew the lease of job %d (%s): %s", job.id, job.kind, exc)
+            if loop.time() >= held_until - margin:
+                log.warning("job %d (%s): its lease runs out unrenewed; this run stops (another worker may take "
+                            "the job over)", job.id, job.kind)
+                return
 
-    async def _run(self, job: Job) -> None:
+    async def _run(self, job: Job, claimed_at: float) -> None:
         """Run the job's handler while its lease is renewed; a run whose lease is lost stops at once (the
         worker that took the job over runs it: two runs of one key at a time would each write their result)."""
-        lease = asyncio.create_task(self._keep_lease(job), name=f"job-{job.id}-lease")
+        lease = asyncio.create_task(self._keep_lease(job, claimed_at), name=f"job-{job.id}-lease")
         work = asyncio.ensure_future(self.handlers[job.kind](job))
         started = asyncio.get_running_loop().time()
         try:

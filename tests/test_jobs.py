@@ -360,8 +360,16 @@ async def test_a_stalled_run_cannot_finish_the_job_another_loop_of_its_own_pool_
                 first_stopped.set()
             raise
 
+    class StalledRenewals:  # (its renewals answer late: the lease runs out meanwhile)
+        def __getattr__(self, name: str) -> object:
+            return getattr(storage, name)
+
+        async def renew_lease(self, *args: object, **kwargs: object) -> bool:
+            await asyncio.sleep(1.0)
+            return await storage.renew_lease(*args, **kwargs)  # type: ignore[arg-type]
+
     config = FAST.model_copy(update={"lease_seconds": 0.5, "concurrency": 2})
-    pool = WorkerPool(JobQueue(storage, config), {"k": handler})
+    pool = WorkerPool(JobQueue(storage, config), {"k": handler}, storage=StalledRenewals())  # type: ignore[arg-type]
     caplog.set_level(logging.INFO, logger="bot.jobs")
     try:
         await pool.start()
@@ -426,3 +434,75 @@ async def test_enqueues_of_one_key_at_once_queue_one_job(storage: Storage, db_ur
     finally:
         await other.close()
     assert len(await storage.list_jobs("queued")) == 20
+
+
+class _DroppedRenewals:
+    """A worker's storage whose lease renewals fail as over a dropped connection; everything else works."""
+
+    def __init__(self, storage: Storage) -> None:
+        self._storage = storage
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._storage, name)
+
+    async def renew_lease(self, *args: object, **kwargs: object) -> bool:
+        raise ConnectionError("connection reset")
+
+
+async def test_a_run_whose_lease_runs_out_unrenewed_stops_before_another_takes_over(storage: Storage) -> None:
+    """Renewals that failed (a dropped connection) were only logged: the lease ran out, another worker took the
+    job over, and both runs went on to the end, each writing its result (two summaries, two file versions)."""
+    config = FAST.model_copy(update={"concurrency": 1, "lease_seconds": 0.6})
+    writes: list[str] = []
+    second_running = asyncio.Event()
+
+    async def handler(job: Job) -> None:
+        if job.attempts == 1:  # the first run: a slow model call
+            await asyncio.sleep(2.0)
+            writes.append("first")
+        else:
+            second_running.set()
+            await asyncio.sleep(0.3)
+            writes.append("second")
+
+    first = WorkerPool(JobQueue(storage, config), {"k": handler}, worker_id="hostA:1:aaaa", pid_checks=False,
+                       storage=_DroppedRenewals(storage))  # type: ignore[arg-type]
+    second = WorkerPool(JobQueue(storage, config), {"k": handler}, worker_id="hostB:2:bbbb", pid_checks=False)
+    await first.start()
+    await first.queue.enqueue("k", "pair:1", {})
+    await asyncio.sleep(0.9)  # the first run's lease ran out
+    await second.start()  # its recovery queues the job again, and it runs it
+    await asyncio.wait_for(second_running.wait(), 5)
+    await asyncio.sleep(2.0)
+    await first.stop(1)
+    await second.stop(1)
+    assert writes == ["second"]
+
+
+async def test_a_claim_answered_while_the_pool_stops_is_handed_back(storage: Storage) -> None:
+    """A stop with no job running cancelled the worker loops at once: a claim already made in the database, its
+    answer still on the way, left the job 'running' under a pool that was gone, until its lease ran out."""
+    claimed = asyncio.Event()
+
+    class SlowAnswers:
+        def __getattr__(self, name: str) -> object:
+            return getattr(storage, name)
+
+        async def claim_job(self, *args: object, **kwargs: object) -> Job | None:
+            job = await storage.claim_job(*args, **kwargs)  # type: ignore[arg-type]
+            if job is not None:
+                claimed.set()
+                await asyncio.sleep(0.5)  # (the answer on its way back)
+            return job
+
+    async def handler(job: Job) -> None:
+        return None
+
+    pool = WorkerPool(JobQueue(storage, FAST.model_copy(update={"concurrency": 1})), {"k": handler},
+                      pid_checks=False, storage=SlowAnswers())  # type: ignore[arg-type]
+    await pool.start()
+    job = await storage.enqueue_job("k", "a", {}, 5)
+    await asyncio.wait_for(claimed.wait(), 5)
+    await pool.stop(1)
+    row = await storage.get_job(job.id)
+    assert row is not None and (row.status, row.locked_by) == ("queued", "")
