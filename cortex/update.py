@@ -26,6 +26,7 @@ from bot.llm.base import CUT_OFF_CALL, ChatMessage, Completion, LLMProvider, LLM
 from bot.llm.errors import LLMBadRequest, LLMError, LLMTimeout
 from bot.persona import ConfigPersonas, Persona, PersonaSource
 from bot.storage.base import Job, LLMCallRecord, StoredMessage
+from bot.storage.engine import is_missing_reference
 from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator, fit_to_budget
 from cortex.files import CortexFiles
 from cortex.memory.store import MemoryStore
@@ -106,6 +107,16 @@ class CortexUpdater:
         if pair is None:
             log.info("cortex job %d: the pair no longer exists (forgotten); nothing to do", job.id)
             return
+        try:
+            await self._run_job(job, pair)
+        except Exception as exc:
+            # A forget-me between the read above and the run's first write: its rows point at a pair gone.
+            if is_missing_reference(exc) and await self.store.pair_by_id(pair.id) is None:
+                log.info("cortex job %d: the pair was forgotten meanwhile; nothing to do", job.id)
+                return
+            raise
+
+    async def _run_job(self, job: Job, pair: Pair) -> None:
         tier = str(job.payload.get("tier", "manual"))
         effective = await self.resolver.effective(pair.persona, job.payload.get("server_key"))
         settings = effective.settings

@@ -206,3 +206,37 @@ async def test_a_message_deleted_on_the_platform_before_or_while_it_is_answered_
         assert await _rows(app, "messages") == []
         await app.router.handle(sent("hello", "discord-message:3"), Sink())  # (others are answered and kept)
         assert [r["text"] for r in await _rows(app, "messages")] == ["hello", "echo: Ann: hello"]
+
+
+@pytest.mark.parametrize("step", ["ensure", "user_of"])
+async def test_a_forget_me_just_before_an_update_starts_ends_it_quietly(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, step: str) -> None:
+    """A forget-me between the update's read of its pair and its first write failed the job (a foreign key, or
+    the user gone) with a traceback, and doctor reported a failed update for someone who asked to be forgotten."""
+    import logging
+
+    from cortex.tiers import JOB_KIND, job_key
+
+    async with App(_config(tmp_path, cortex={"context_limit": 1000, "cooldown_seconds": 0},
+                           jobs={"poll_seconds": 0.05}), llm=ScriptedProvider()) as app:
+        for text in ("I adopted a cat called Pixel", "I work nights", "Tea, never coffee"):
+            await app.core.reply(IncomingMessage("discord", "dm-ann", "ann", "Ann", text, is_dm=True), "Cora").text()
+        user = await app.storage.get_user("discord:ann")
+        assert user is not None
+        pair = await app.cortex.store.count_messages(user.id, "Cora", 0)
+        target = app.cortex.updater.files if step == "ensure" else app.cortex.updater.store
+        real = getattr(target, step)
+
+        async def forgotten_meanwhile(*args: object, **kwargs: object) -> object:
+            await app.commands.dispatch("!memory forget-me confirm", ANN)
+            return await real(*args, **kwargs)
+
+        setattr(target, step, forgotten_meanwhile)
+        caplog.set_level(logging.INFO)
+        job = await app.queue.enqueue(JOB_KIND, job_key(pair.id), {"pair_id": pair.id, "tier": "50"})
+        assert await app.workers.drain(10)
+        finished = await app.storage.get_job(job.id)
+        assert finished is not None and finished.status == "done", finished
+        assert not [r.getMessage() for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+        assert "the pair was forgotten meanwhile" in caplog.text
+        assert await _rows(app, "cortex_pairs") == [] and await _rows(app, "cortex_versions") == []

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from bot import metrics
 from bot.storage.base import StoredMessage, User
-from bot.storage.engine import Database, Tx, is_conflict, serialise, stale_if_missing
+from bot.storage.engine import Database, StaleReference, Tx, is_conflict, serialise, stale_if_missing
 from bot.storage.forgotten import USED_SINCE, subject
 from bot.storage.incognito import not_incognito
 from bot.storage.rows import MESSAGE_COLUMN_COUNT, MESSAGE_COLUMNS, message_from_row
@@ -173,7 +173,8 @@ class CortexRepository:
 
     async def user_of(self, pair: Pair) -> User:
         row = await self.db.fetch_one("SELECT id, key, display_name FROM users WHERE id = ?", (pair.user_id,))
-        assert row is not None
+        if row is None:  # (forgotten since the pair was read)
+            raise StaleReference(f"user {pair.user_id} no longer exists")
         return User(int(row[0]), str(row[1]), str(row[2]))
 
     async def pair_messages(self, user_id: int, persona: str, limit: int, before_id: int | None = None
