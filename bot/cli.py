@@ -9,7 +9,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import sys
 import threading
 import time
@@ -32,7 +31,7 @@ from bot.config import (
     url_has_password,
 )
 from bot.errors import USER_TOLD
-from bot.jobs import pid_alive
+from bot.jobs import local_host, pid_alive
 from bot.llm.errors import LLMError
 from bot.storage import StorageError
 from bot.storage.fleet import LIVE_SECONDS
@@ -439,7 +438,7 @@ async def _fleet_status(config: Config) -> tuple[list[Any], Any]:
 def _running(processes: list[Any]) -> list[Any]:
     """The live processes, less those of this machine whose pid is gone (a kill -9, a crash: their last heartbeat
     is still recent)."""
-    here = socket.gethostname()
+    here = local_host()
     return [p for p in processes if p.host != here or pid_alive(p.pid)]
 
 

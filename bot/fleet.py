@@ -13,11 +13,11 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
 import time
 import uuid
 from typing import Any
 
+from bot.jobs import local_host
 from bot.storage.core import Storage
 from bot.storage.fleet import ProcessInfo
 
@@ -32,7 +32,7 @@ class LockHeld(RuntimeError):
 
 
 def new_process_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    return f"{local_host()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 class Fleet:
@@ -49,7 +49,7 @@ class Fleet:
 
     async def heartbeat(self) -> None:
         await self.storage.fleet.heartbeat(
-            self.process_id, socket.gethostname(), os.getpid(), self.info, self.started_at)
+            self.process_id, local_host(), os.getpid(), self.info, self.started_at)
 
     async def hold(self, name: str, what: str) -> None:
         """Take the lock ``name`` for as long as this process runs, renewing it in the background;

@@ -62,8 +62,23 @@ async def _cancelled(task: asyncio.Future[Any]) -> None:
     await asyncio.gather(task, return_exceptions=True)
 
 
+INIT_PID_NAMESPACE = "4026531836"  # the kernel's number for the first PID namespace (PROC_PID_INIT_INO)
+
+
+def local_host() -> str:
+    """This machine's name as process and worker ids carry it, and the PID namespace after it when it is not the
+    first one (a container's): two containers with one host name (network_mode: host) on one SQLite file each
+    count their own pids, and one's live pid 1 was taken for the other's dead one (its running jobs taken away)."""
+    name = socket.gethostname()
+    try:
+        namespace = os.readlink("/proc/self/ns/pid").removeprefix("pid:[").removesuffix("]")
+    except OSError:  # (not Linux)
+        return name
+    return name if namespace == INIT_PID_NAMESPACE else f"{name}/{namespace}"
+
+
 def new_worker_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    return f"{local_host()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 def pid_alive(pid: int) -> bool:

@@ -88,10 +88,18 @@ async def test_a_worker_whose_lease_ran_out_cannot_finish_the_job_another_took_o
 
     observe("a", store_a)
     observe("b", store_b)
-    # A's lease (0.5 s) runs out before its first renewal (after 1 s): it stalls, as far as the fleet can tell.
+    class Stalled:  # A's renewals stall (a frozen loop, a lost network): its lease (0.5 s) runs out meanwhile
+        def __getattr__(self, name: str) -> object:
+            return getattr(store_a, name)
+
+        async def renew_lease(self, *args: object, **kwargs: object) -> bool:
+            await asyncio.sleep(5.0)
+            return await store_a.renew_lease(*args, **kwargs)  # type: ignore[arg-type]
+
     # A's one worker loop is busy with the job, so it cannot take it back once it is requeued.
     pool_a = WorkerPool(JobQueue(store_a, FAST.model_copy(update={"lease_seconds": 0.5, "concurrency": 1})),
-                        {"k": handler("a", a_started, a_release)}, pid_checks=False)
+                        {"k": handler("a", a_started, a_release)}, pid_checks=False,
+                        storage=Stalled())  # type: ignore[arg-type]
     pool_b = WorkerPool(JobQueue(store_b, FAST.model_copy(update={"lease_seconds": 30.0})),
                         {"k": handler("b", b_started, b_release)}, pid_checks=False)
     try:

@@ -509,3 +509,20 @@ async def test_a_claim_answered_while_the_pool_stops_is_handed_back(storage: Sto
     await pool.stop(1)
     row = await storage.get_job(job.id)
     assert row is not None and (row.status, row.locked_by) == ("queued", "")
+
+
+def test_a_process_in_another_pid_namespace_is_never_taken_for_dead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two containers with one host name (network_mode: host) on one SQLite file, each pid 1 in its own PID
+    namespace: each took the other's live pid 1 for a dead (or its own earlier) process and requeued its jobs."""
+    import os
+
+    from bot.jobs import local_host
+
+    here = socket.gethostname()
+    monkeypatch.setattr(os, "readlink", lambda path: "pid:[4026531836]")  # the first namespace: the name alone
+    assert local_host() == here
+    monkeypatch.setattr(os, "readlink", lambda path: "pid:[4026532301]")  # a container's
+    assert local_host() == f"{here}/4026532301"
+    other = f"{here}/4026532999:1:aaaa"  # the other container's pid 1, alive or not: only its lease can tell
+    assert not worker_is_dead(other, own_worker=f"{local_host()}:1:bbbb")
+    assert worker_is_dead(f"{local_host()}:1:cccc", own_worker=f"{local_host()}:1:bbbb")  # (this process's own)
