@@ -278,8 +278,8 @@ class SummaryEngine:
         summary = await self.storage.add_summary(channel_id, text, covers_from, covers_to, tokens, model,
                                                  made_from=made_from)
         if summary is None:  # the next reply that needs one asks again, from what is there then
-            log.info("summary job %d: channel %d's messages changed while it was written (someone was "
-                     "forgotten); it is dropped", job.id, channel_id)
+            log.info("summary job %d: channel %d's messages or summaries changed while it was written (someone "
+                     "was forgotten, or another run wrote a newer one); it is dropped", job.id, channel_id)
             return None
         log.info(
             "channel %d: summary v%d covers messages %d..%d (%d tokens, %d new messages)",

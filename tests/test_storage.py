@@ -735,3 +735,26 @@ async def test_what_forget_mes_kept_of_the_daily_limits_goes_after_two_days(stor
     assert [r[0] for r in await storage.db.fetch_all("SELECT tokens FROM forgotten_spending")] == [20]
     assert [r[0] for r in await storage.db.fetch_all("SELECT amount FROM forgotten_usage")] == [20]
     assert await storage.prune_forgotten() == 0
+
+
+async def test_a_summary_made_from_one_no_longer_the_newest_is_dropped(storage: Storage) -> None:
+    """A run whose worker stalled while another wrote a newer summary put an older range on top (the latest
+    summary went back in time, and the messages folded in since dropped out of the prompt)."""
+    from bot.storage.base import SummarySources
+
+    channel = await storage.upsert_channel("discord:c", "c", is_dm=False)
+    said = [await storage.add_message(channel.id, None, "Cora", "user", "Ann", f"m{i}", 1) for i in range(6)]
+    first = await storage.add_summary(channel.id, "one", said[0].id, said[1].id, 1, "m",
+                                      made_from=SummarySources(None, (said[0].id, said[1].id)))
+    assert first is not None
+    late_first = await storage.add_summary(channel.id, "one again", said[0].id, said[1].id, 1, "m",
+                                           made_from=SummarySources(None, (said[0].id, said[1].id)))
+    assert late_first is None
+    second = await storage.add_summary(channel.id, "two", said[0].id, said[3].id, 1, "m",
+                                       made_from=SummarySources(first.id, (said[2].id, said[3].id)))
+    assert second is not None and second.version == 2
+    late = await storage.add_summary(channel.id, "two, late", said[0].id, said[2].id, 1, "m",
+                                     made_from=SummarySources(first.id, (said[2].id,)))
+    assert late is None
+    latest = await storage.latest_summary(channel.id)
+    assert latest is not None and latest.text == "two"

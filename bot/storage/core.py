@@ -682,9 +682,15 @@ class Storage:
             fence = (" HAVING (SELECT count(*) FROM (SELECT 1 FROM messages WHERE id IN ("
                      + ", ".join("?" * len(ids)) + f"){lock}) AS m) = ?" if ids else " HAVING TRUE")
             fenced = [*ids, len(ids)] if ids else []
+            # ... and the summary it continues is still there and still the newest: a late run (its worker
+            # stalled while another wrote a newer one) would put an older range on top.
+            newer = " AND NOT EXISTS (SELECT 1 FROM summaries WHERE channel_id = ? AND status = 'ok' AND id > ?)"
             if made_from.previous is not None:
-                fence += " AND EXISTS (SELECT 1 FROM summaries WHERE id = ?)"
-                fenced.append(made_from.previous)
+                fence += " AND EXISTS (SELECT 1 FROM summaries WHERE id = ?)" + newer
+                fenced += [made_from.previous, channel_id, made_from.previous]
+            else:
+                fence += newer
+                fenced += [channel_id, 0]
         row = await self.db.write_one(
             "INSERT INTO summaries (channel_id, version, text, covers_from_id, covers_to_id, covers_to_seq,"
             " token_count, model, status, reason, created_at)"
