@@ -293,7 +293,10 @@ async def test_only_bot_admins_change_lore(tmp_path: Path) -> None:
         # (a flag after it is no value: the entry meant always on got "--always" for its only keyword)
         assert "--keys needs a value" in await run(app, "!lore add --keys --always The river is wide.")
         assert "--priority needs a value" in await run(app, "!lore add --priority --keys a,b The river.")
+        # (a key of punctuation alone comes up in nearly every message; a symbol or "C++" is a key)
+        assert "the keyword `.` is only punctuation" in await run(app, "!lore add --keys .,river The river.")
         assert "no lore yet" in await run(app, "!lore list", server_admin)
+        assert "enters replies when" in await run(app, "!lore add --keys C++,🎂 Birthday cake.")
         assert "the priority must be 0 or more, not `-3`" in await run(app, "!lore add hi --priority -3")
 
 

@@ -4,6 +4,7 @@ theirs and never holds what they told the bot."""
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,6 +44,10 @@ def split_keys(value: str) -> tuple[str, ...]:
     keys = tuple(dict.fromkeys(k.strip() for k in value.split(",") if k.strip()))
     if len(keys) > MAX_KEYS or any(len(k) > MAX_KEY_CHARS for k in keys):
         raise CommandError(f"at most {MAX_KEYS} keywords of at most {MAX_KEY_CHARS} characters each")
+    for key in keys:  # ("." or "?" comes up in nearly every message: the entry would be in every reply)
+        if not any(ch.isalnum() or unicodedata.category(ch).startswith("S") for ch in key):
+            raise CommandError(f"the keyword {shown(key, 20)} is only punctuation, which nearly every message "
+                               "holds; give a word (or - for none)")
     return keys
 
 
