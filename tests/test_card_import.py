@@ -128,6 +128,19 @@ async def test_a_name_another_process_took_a_moment_ago_is_named_as_live(tmp_pat
                                 "create Rosa brings it back"), reply
 
 
+async def test_an_import_names_placeholders_of_another_program(tmp_path: Path, fake_llm: FakeLLMServer,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A card's {{original}} (a macro of another program) stayed in the soul as written without a word, where
+    !persona edit names such a placeholder."""
+    monkeypatch.setenv("CB_TEST_API_KEY", "sk-test")
+    async with App(_config(tmp_path, fake_llm)) as app:
+        card = v2_card(name="Mo", description="{{original}} You are {{char}}, talking to {{user}}.")
+        reply = await run(app, "!persona import", ctx(Attachment("mo.json", dumps(card))))
+        assert reply.startswith("Imported Mo") and "Note: {{original}} is no template variable" in reply, reply
+        plain = await run(app, "!persona import", ctx(Attachment("no.json", dumps(v2_card(name="No")))))
+        assert "Note:" not in plain, plain
+
+
 async def test_the_terminal_imports_by_path(tmp_path: Path, fake_llm: FakeLLMServer,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CB_TEST_API_KEY", "sk-test")

@@ -24,6 +24,7 @@ from bot.commands import (
 )
 from bot.commands.files import attached_file
 from bot.config import ConfigError
+from bot.prompt import variables_note
 from bot.storage import Storage
 from bot.storage.personas import NameTaken, NewLore
 from bot.storage.textsearch import text_search_config
@@ -90,6 +91,8 @@ class CardCommands:
         patterns = sum(1 for e in card.lore if e.use_regex)
         note = (f" {patterns} lore entr{'y' if patterns == 1 else 'ies'} had regular expressions as keys: this bot "
                 f"takes them as plain keywords (check them with {self.prefix}lore list)." if patterns else "")
+        # (another program's macros, such as {{original}}: named, as !persona edit names them)
+        note += variables_note("\n".join(content for _, content in card.sections))
         return CommandReply(
             f"Imported {card.name} from {filename} ({card.spec}): {len(card.sections)} soul section(s), "
             f"{len(card.lore)} lore entr{'y' if len(card.lore) == 1 else 'ies'}. Pick it for a channel with "
