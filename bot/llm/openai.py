@@ -38,6 +38,7 @@ from bot.llm.base import (
     Usage,
 )
 from bot.llm.errors import LLMBadResponse, LLMDamagedResponse, LLMError
+from bot.llm.reasoning import ThinkingFilter, without_thinking
 
 if TYPE_CHECKING:
     from openai.types.chat import (
@@ -137,9 +138,10 @@ def map_finish_reason(reason: object) -> StopReason:
     return _FINISH_REASONS.get(reason, "other") if isinstance(reason, str) else "other"
 
 
-def parse_tool_call(call_id: str | None, name: str, raw: str | None) -> ToolCall:
-    """Arguments arrive as a JSON string: parsed when it is an object, else only kept raw."""
-    raw = raw or ""
+def parse_tool_call(call_id: str | None, name: str, raw: object) -> ToolCall:
+    """Arguments arrive as a JSON string (some gateways send the object itself): parsed when it is an object,
+    else only kept raw."""
+    raw = (raw if isinstance(raw, str) else json.dumps(raw)) if raw is not None else ""
     try:
         parsed = json.loads(raw) if raw.strip() else {}
     except (ValueError, RecursionError):  # (RecursionError: nested thousands deep)
@@ -175,7 +177,7 @@ def completion_from_response(response: ChatCompletion, fallback_model: str) -> C
         if call.type == "function"
     )
     return Completion(
-        text=message.content or "",
+        text=without_thinking(message.content or ""),
         tool_calls=calls,
         usage=_usage(response.usage),
         stop_reason=map_finish_reason(choices[0].finish_reason),
@@ -202,6 +204,7 @@ class _StreamAccumulator:
     _slots: dict[int, int] = field(default_factory=dict)  # a stream's call index -> the call it continues now
     finish_reason: str | None = None
     usage: Usage = field(default_factory=Usage)
+    thinking: ThinkingFilter = field(default_factory=ThinkingFilter)  # (a reasoning model's notes: not shown)
 
     def feed(self, chunk: ChatCompletionChunk) -> str | None:
         """Take one chunk; return the text it adds, if any."""
@@ -212,7 +215,7 @@ class _StreamAccumulator:
         if not chunk.choices:
             return None
         choice = chunk.choices[0]
-        if choice.finish_reason:
+        if choice.finish_reason is not None:  # ("": sent, unnamed, as Ollama and sglang do: the end all the same)
             self.finish_reason = choice.finish_reason
         delta = choice.delta
         if delta is None:
@@ -220,9 +223,9 @@ class _StreamAccumulator:
         for position, call in enumerate(delta.tool_calls or ()):
             self._feed_call(self._slot(call.index, call) if call.index is not None
                             else self._index_without(position, call), call)
-        if delta.content:
-            self.texts.append(delta.content)
-            return delta.content
+        if delta.content and (shown := self.thinking.feed(delta.content)):
+            self.texts.append(shown)
+            return shown
         return None
 
     def _slot(self, index: int, call: Any) -> int:
@@ -256,8 +259,9 @@ class _StreamAccumulator:
             return
         if function.name and function.name != partial.name:
             partial.name += function.name
-        if function.arguments:
-            partial.arguments.append(function.arguments)
+        if function.arguments:  # (a string; some gateways send the object itself)
+            arguments = function.arguments
+            partial.arguments.append(arguments if isinstance(arguments, str) else json.dumps(arguments))
 
     def completion(self) -> Completion:
         if self.chunks == 0:
@@ -266,7 +270,7 @@ class _StreamAccumulator:
             raise LLMDamagedResponse("openai: the stream ended before a finish_reason")
         calls = tuple(parse_tool_call(p.call_id, p.name, "".join(p.arguments)) for _, p in sorted(self.calls.items()))
         return Completion(
-            text="".join(self.texts),
+            text=without_thinking("".join(self.texts) + self.thinking.end()),
             tool_calls=calls,
             usage=self.usage,
             stop_reason=map_finish_reason(self.finish_reason),

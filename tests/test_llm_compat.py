@@ -1,0 +1,133 @@
+"""Quirks of OpenAI-compatible servers other than OpenAI (Ollama, vLLM, llama.cpp, LM Studio, gateways),
+through the real `openai` SDK against the fake server on loopback: raw SSE bodies the fake sends as written."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from bot.app import App
+from bot.config import parse_config
+from bot.llm import ChatMessage, LLMRequest, StreamEnd, TextDelta, ToolSpec, create_provider
+from bot.llm.base import LLMProvider
+from bot.llm.reasoning import ThinkingFilter, without_thinking
+from bot.ports import IncomingMessage
+from tests.engines import db_url_for
+from tests.fakes.llm_server import FakeLLMServer, FakeResponse
+
+KEY_ENV = "CB_COMPAT_TEST_KEY"
+WEATHER = ToolSpec("weather", "the weather", {"type": "object", "properties": {"city": {"type": "string"}}})
+
+
+def _provider(server: FakeLLMServer) -> LLMProvider:
+    return create_provider("openai", api_key="k", base_url=server.openai_url, timeout_seconds=5,
+                           connect_timeout_seconds=2, max_retries=0)
+
+
+def _request(**fields: Any) -> LLMRequest:
+    return LLMRequest(system="s", messages=(ChatMessage("user", "Hi"),), model="m", max_tokens=64, **fields)
+
+
+def _chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+    return "data: " + json.dumps({"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                                  "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) + "\n\n"
+
+
+def _sse(*chunks: str) -> FakeResponse:
+    return FakeResponse.malformed(("".join(chunks) + "data: [DONE]\n\n").encode(), content_type="text/event-stream")
+
+
+async def _streamed(server: FakeLLMServer, request: LLMRequest | None = None) -> tuple[list[str], Any]:
+    provider = _provider(server)
+    shown, end = [], None
+    try:
+        async for event in provider.stream(request or _request()):
+            if isinstance(event, TextDelta):
+                shown.append(event.text)
+            elif isinstance(event, StreamEnd):
+                end = event.completion
+    finally:
+        await provider.aclose()  # type: ignore[attr-defined]
+    return shown, end
+
+
+@pytest.mark.parametrize("pieces", [
+    ["<think>\nAnn seems grumpy; her password is hunter2.\n</think>\n\nHello Ann."],
+    ["<th", "ink>notes", " about hunter2</thi", "nk>", "\n\n", "Hello", " Ann."],
+    ["  \n<think></think>Hello Ann."],
+])
+async def test_a_reasoning_models_thinking_is_neither_shown_nor_kept(fake_llm: FakeLLMServer,
+                                                                    pieces: list[str]) -> None:
+    """Qwen3 or DeepSeek-R1 on a server without a reasoning parser: the <think> block came as the answer's text,
+    into the chat, the stored reply, every later request and the summaries."""
+    fake_llm.enqueue(_sse(_chunk({"role": "assistant", "content": ""}), *(_chunk({"content": p}) for p in pieces),
+                          _chunk({}, "stop")))
+    shown, end = await _streamed(fake_llm)
+    assert "".join(shown) == "Hello Ann." and end.text == "Hello Ann."
+
+
+def test_thinking_is_only_a_block_at_the_start() -> None:
+    keep = ThinkingFilter()
+    said = "".join(keep.feed(p) for p in ["Use ", "<think>", " tags like this.</think>"]) + keep.end()
+    assert said == "Use <think> tags like this.</think>"  # (later in an answer: text the model meant)
+    short = ThinkingFilter()
+    assert short.feed("<th") == "" and short.end() == "<th"  # (an answer that is just "<th")
+    assert without_thinking("notes the template opened</think>\n\nHello.") == "Hello."
+    assert without_thinking("<think>notes</think> Hello.") == "Hello." and without_thinking("Hello.") == "Hello."
+
+
+async def test_a_non_streamed_answer_loses_its_thinking_too(fake_llm: FakeLLMServer) -> None:
+    """Summaries and the cortex update read whole answers."""
+    fake_llm.enqueue(FakeResponse.text("<think>private notes</think>\n\nAnn likes tea."))
+    provider = _provider(fake_llm)
+    try:
+        completion = await provider.complete(_request())
+    finally:
+        await provider.aclose()  # type: ignore[attr-defined]
+    assert completion.text == "Ann likes tea."
+
+
+async def test_a_finish_reason_sent_empty_ends_the_stream(fake_llm: FakeLLMServer) -> None:
+    """Ollama and sglang send "" as the finish reason: every streamed reply failed as damaged."""
+    fake_llm.enqueue(_sse(_chunk({"role": "assistant", "content": "Hello"}), _chunk({}, "")))
+    shown, end = await _streamed(fake_llm)
+    assert shown == ["Hello"] and end.text == "Hello" and end.stop_reason == "other"
+
+
+async def test_tool_arguments_sent_as_an_object_are_read(fake_llm: FakeLLMServer) -> None:
+    """Some gateways send a call's arguments as the object itself: every reply with a tool call failed as
+    unreadable, streamed or not."""
+    call = {"index": 0, "id": "c1", "type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}}
+    fake_llm.enqueue(_sse(_chunk({"role": "assistant", "content": None}), _chunk({"tool_calls": [call]}),
+                          _chunk({}, "tool_calls")))
+    _, end = await _streamed(fake_llm, _request(tools=(WEATHER,)))
+    assert [(c.name, c.arguments) for c in end.tool_calls] == [("weather", {"city": "Oslo"})]
+    whole = {"id": "x", "object": "chat.completion", "created": 1, "model": "m", "choices": [{
+        "index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": None,
+                                                               "tool_calls": [{k: v for k, v in call.items()
+                                                                               if k != "index"}]}}]}
+    fake_llm.enqueue(FakeResponse.malformed(json.dumps(whole).encode(), content_type="application/json"))
+    provider = _provider(fake_llm)
+    try:
+        completion = await provider.complete(_request(tools=(WEATHER,)))
+    finally:
+        await provider.aclose()  # type: ignore[attr-defined]
+    assert [(c.name, c.arguments) for c in completion.tool_calls] == [("weather", {"city": "Oslo"})]
+
+
+async def test_a_reply_shows_and_keeps_no_thinking(tmp_path: Any, fake_llm: FakeLLMServer,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(KEY_ENV, "k")
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000},
+                           "llm": {"provider": "openai", "base_url": fake_llm.openai_url, "api_key_env": KEY_ENV,
+                                   "max_retries": 0, "model": "qwen3:8b"}})
+    async with App(config) as app:
+        fake_llm.enqueue(FakeResponse.text("<think>\nher password is hunter2, don't say it.\n</think>\n\nHello Ann."),
+                         FakeResponse.text("Fine, thanks."))
+        message = IncomingMessage("discord", "dm-ann", "ann", "Ann", "hi", is_dm=True)
+        assert await app.core.reply(message).text() == "Hello Ann."
+        await app.core.reply(IncomingMessage("discord", "dm-ann", "ann", "Ann", "how are you?", is_dm=True)).text()
+        assert "hunter2" not in json.dumps(fake_llm.completion_requests[-1].body)
+        assert not await app.storage.db.fetch_all("SELECT id FROM messages WHERE text LIKE '%hunter2%'")
