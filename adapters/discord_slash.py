@@ -221,6 +221,8 @@ def in_dm(channel: object) -> bool:
     """Whether ``channel`` is a direct chat. Not ``message.guild is None``: a server's message whose server
     discord.py has not loaded yet (at start, after a reconnect) has no guild either, and must never be
     answered as a DM (privately meant answers, no mention needed, private memory in the prompt)."""
+    if isinstance(channel, discord.PartialMessageable):  # (a menu's target message in a DM comes with one)
+        return channel.guild_id is None and channel.type in (None, discord.ChannelType.private)
     return isinstance(channel, discord.DMChannel | discord.GroupChannel)
 
 

@@ -984,3 +984,37 @@ def test_a_slash_commands_patience_counts_from_when_discord_made_it() -> None:
     assert _patience(made(1.5)) == pytest.approx(SLASH_PATIENCE - 1.5, abs=0.05)
     assert _patience(made(2.5)) == 0.0  # (late already: defer at once)
     assert _patience(made(-1.0)) == SLASH_PATIENCE and _patience(made(60.0)) == SLASH_PATIENCE  # (clocks disagree)
+
+
+async def test_a_menu_on_the_bots_own_reply_in_a_dm_is_the_users(adapter: DiscordAdapter,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """discord.py gives a menu's target message in a DM a partial channel, which the check of a DM (by the
+    channel's type: a message of a server not loaded has no guild either) did not take for one. "Forget this"
+    on the bot's own DM reply answered "only your own messages"."""
+    recorded: list[dict[str, Any]] = []
+
+    async def fake_response(self: Any, interaction_id: int, token: str, *, session: Any, params: Any,
+                            **kw: Any) -> dict[str, Any]:
+        recorded.append(params.payload)
+        return {"interaction": {"id": str(interaction_id), "type": 2}}
+
+    monkeypatch.setattr(discord.webhook.async_.AsyncWebhookAdapter, "create_interaction_response", fake_response)
+    bot = adapter.bot
+    bot._connection._command_tree = adapter.tree
+    member = dpytest.get_config().members[0]
+    dm_id = "424242"
+    target = _message_payload("5555", bot.user, "I noted your PIN", int(dm_id))
+    payload = {
+        "id": "1111", "application_id": str(bot.user.id), "type": 2, "token": "tok", "version": 1,
+        "attachment_size_limit": 8_000_000,
+        "channel": {"id": dm_id, "type": 1, "recipients": []}, "channel_id": dm_id,
+        "user": {"id": str(member.id), "username": member.name, "discriminator": "0001", "avatar": None},
+        "data": {"id": "2222", "name": "Forget this", "type": 3, "target_id": "5555",
+                 "resolved": {"messages": {"5555": target}}},
+    }
+    bot._connection.parse_interaction_create(payload)
+    for _ in range(200):
+        if recorded:
+            break
+        await asyncio.sleep(0.01)
+    assert recorded and "your own messages" not in recorded[0]["data"]["content"], recorded

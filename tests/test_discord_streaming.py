@@ -142,5 +142,7 @@ async def test_a_reply_the_model_wrote_shows_no_link_previews(live: tuple[FakeDi
     app.llm.enqueue("See https://attacker.example/?secret=abc for more.")  # type: ignore[attr-defined]
     sent = fake.dispatch_message("hello")
     await fake.wait_until_async(lambda f: "attacker.example" in " ".join(shown(f, sent.channel_id)))
+    fake.dispatch_message("!memory remember see https://attacker.example/?secret=abc")  # (an answer quotes it)
+    await fake.wait_until_async(lambda f: len(f.messages_in(sent.channel_id)) >= 2)
     bodies = [m.body for m in fake.messages_in(sent.channel_id)] + [e.body for e in fake.edits]
-    assert bodies and all(int(body.get("flags") or 0) & 4 for body in bodies), bodies  # SUPPRESS_EMBEDS
+    assert len(bodies) >= 3 and all(int(body.get("flags") or 0) & 4 for body in bodies), bodies  # SUPPRESS_EMBEDS
