@@ -41,6 +41,13 @@ async def test_the_file_editors_text_is_asked_about_before_edit_again_or_reset(t
                 await page.get_by_test_id("reset").click()
                 assert (await asked(dialogs, 2))[1] == "Leave the editor? Your changes are not saved."
                 await expect(editor).to_have_value(re.compile("an hour of typing$"))
+            async with logged_in(browser, bot, "ann", watch) as page:  # (each question accepted)
+                await page.get_by_test_id("file-memory.md").click()
+                await page.get_by_test_id("edit").click()
+                await page.get_by_test_id("editor").type("\n- dropped on purpose")
+                await page.get_by_test_id("edit").click()  # (asked, accepted: the editor closes)
+                await expect(page.get_by_test_id("editor")).to_have_count(0)
+                await expect(page.get_by_test_id("edit")).to_have_attribute("aria-pressed", "false")
             assert not watch.problems, watch.problems
         finally:
             await browser.close()

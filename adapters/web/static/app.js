@@ -644,9 +644,9 @@
   }
 
   function setMode(mode) {
-    // (Edit again while editing leaves the editor too: it is a toggle)
-    if (state.fileMode === 'edit' && !leaveEditor()) return;
-    state.fileMode = state.fileMode === mode ? 'view' : mode;
+    const next = state.fileMode === mode ? 'view' : mode;  // (a toggle: Edit again while editing closes it)
+    if (state.fileMode === 'edit' && !leaveEditor()) return;  // (which sets the mode to view)
+    state.fileMode = next;
     state.draft = null;
     clearAlert();
     renderFiles();
