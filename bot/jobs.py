@@ -235,12 +235,14 @@ class WorkerPool:
         while True:
             await asyncio.sleep(max(min(interval, held_until - margin - loop.time()), 0.0))
             asked = loop.time()
-            try:
-                if not await self.storage.renew_lease(job.id, self.worker_id, lease, attempt=job.attempts):
+            try:  # (a renewal that hangs, a half-open connection, is given up when the lease would run out)
+                renewed = self.storage.renew_lease(job.id, self.worker_id, lease, attempt=job.attempts)
+                if not await asyncio.wait_for(renewed, max(held_until - asked - margin / 2, margin / 2)):
                     return
                 held_until = asked + lease
             except Exception as exc:  # a dropped connection: the next renewal may work, keep trying
-                log.warning("could not renew the lease of job %d (%s): %s", job.id, job.kind, exc)
+                log.warning("could not renew the lease of job %d (%s): %s", job.id, job.kind,
+                            exc if str(exc) else type(exc).__name__)
             if loop.time() >= held_until - margin:
                 log.warning("job %d (%s): its lease runs out unrenewed; this run stops (another worker may take "
                             "the job over)", job.id, job.kind)

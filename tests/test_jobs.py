@@ -526,3 +526,41 @@ def test_a_process_in_another_pid_namespace_is_never_taken_for_dead(monkeypatch:
     other = f"{here}/4026532999:1:aaaa"  # the other container's pid 1, alive or not: only its lease can tell
     assert not worker_is_dead(other, own_worker=f"{local_host()}:1:bbbb")
     assert worker_is_dead(f"{local_host()}:1:cccc", own_worker=f"{local_host()}:1:bbbb")  # (this process's own)
+
+
+async def test_a_run_whose_renewal_hangs_stops_before_another_takes_over(storage: Storage) -> None:
+    """A renewal that never answered (a half-open connection, a pool with no free connection) was waited for,
+    and its run went on beside the run of the worker that took the job over."""
+    config = FAST.model_copy(update={"concurrency": 1, "lease_seconds": 0.6})
+    writes: list[str] = []
+    second_running = asyncio.Event()
+
+    class HangingRenewals:
+        def __getattr__(self, name: str) -> object:
+            return getattr(storage, name)
+
+        async def renew_lease(self, *args: object, **kwargs: object) -> bool:
+            await asyncio.sleep(3600)
+            return True
+
+    async def handler(job: Job) -> None:
+        if job.attempts == 1:
+            await asyncio.sleep(2.0)
+            writes.append("first")
+        else:
+            second_running.set()
+            await asyncio.sleep(0.3)
+            writes.append("second")
+
+    first = WorkerPool(JobQueue(storage, config), {"k": handler}, worker_id="hostA:1:aaaa", pid_checks=False,
+                       storage=HangingRenewals())  # type: ignore[arg-type]
+    second = WorkerPool(JobQueue(storage, config), {"k": handler}, worker_id="hostB:2:bbbb", pid_checks=False)
+    await first.start()
+    await first.queue.enqueue("k", "pair:1", {})
+    await asyncio.sleep(0.9)
+    await second.start()
+    await asyncio.wait_for(second_running.wait(), 5)
+    await asyncio.sleep(2.0)
+    await first.stop(1)
+    await second.stop(1)
+    assert writes == ["second"]
