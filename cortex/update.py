@@ -22,7 +22,15 @@ from datetime import UTC, datetime
 
 from bot.config import Config, ConfigError, CortexConfig
 from bot.history import in_reply_order
-from bot.llm.base import CUT_OFF_CALL, ChatMessage, Completion, LLMProvider, LLMRequest, turn_calls
+from bot.llm.base import (
+    CUT_OFF_CALL,
+    MAX_CALL_ARGUMENT_CHARS,
+    ChatMessage,
+    Completion,
+    LLMProvider,
+    LLMRequest,
+    turn_calls,
+)
 from bot.llm.errors import LLMBadRequest, LLMError, LLMTimeout
 from bot.persona import ConfigPersonas, Persona, PersonaSource
 from bot.storage.base import Job, LLMCallRecord, StoredMessage
@@ -283,7 +291,9 @@ class CortexUpdater:
             if not completion.tool_calls:
                 learned = tools.files_written or (tools.memory is not None and tools.memory.written)
                 return "success", "" if learned else "the model found nothing new to record"
-            planned = turn_calls(completion, MAX_CALLS_PER_TURN, CUT_OFF)
+            # (a whole file is one call's argument: as long as the settings let a file be, JSON's escapes twice over)
+            planned = turn_calls(completion, MAX_CALLS_PER_TURN, CUT_OFF,
+                                 argument_chars=max(MAX_CALL_ARGUMENT_CHARS, 2 * settings.file_max_chars + 1024))
             messages.append(ChatMessage("assistant", completion.text, tool_calls=tuple(p.echoed for p in planned)))
             for each in planned:
                 outcome = ToolOutcome(each.refusal, True) if each.refusal else await tools.execute(each.call)

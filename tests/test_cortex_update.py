@@ -426,6 +426,22 @@ async def test_the_update_sends_back_neither_huge_arguments_nor_huge_names(app: 
     assert results[2].startswith("refused: its arguments were 2,000,0")
 
 
+async def test_a_write_as_long_as_the_settings_allow_is_not_refused_as_too_long(
+        tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """file_max_chars may be up to 200,000, but a call's arguments were capped at 64 KB: a 68,000-character
+    file within the settings was refused as too long, and the model could not do what it was asked."""
+    monkeypatch.setenv(KEY_ENV, "test-key")
+    async with App(_config(tmp_path, fake_llm, file_max_chars=100_000)) as app:
+        await _talk(app, CONVERSATION)
+        content = "# My memories of Ann\n\n" + "- Ann adopted a cat called Pixel.\n" * 2_000
+        fake_llm.enqueue(FakeResponse.tool_calls([("t1", "write_file", {"filename": "memory.md", "content": content})]),
+                         FakeResponse.text(""))
+        pair = await _pair(app)
+        await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective("Cora")).settings)
+        [written] = [result_text(b) for b in tool_results(cortex_requests(fake_llm)[1])]
+        assert not written.startswith("refused"), written
+
+
 async def test_the_update_reads_each_answer_after_its_message(app: App, fake_llm: FakeLLMServer) -> None:
     """Answers stored after a later message (written side by side, or after a long wait for their turn) are
     read by the update where they belong in the conversation."""

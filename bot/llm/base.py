@@ -39,7 +39,7 @@ MAX_TOOL_NAME_CHARS = 64  # a tool's name or call id as both APIs allow it; a lo
 MAX_CALLS_SENT_BACK = 32  # a turn's calls repeated to the model at all: the rest are dropped with their results
 
 
-def sent_back(call: ToolCall, *, ran: bool = True) -> ToolCall:
+def sent_back(call: ToolCall, *, ran: bool = True, argument_chars: int = MAX_CALL_ARGUMENT_CHARS) -> ToolCall:
     """The call as the next request repeats it to the model. Arguments over :data:`MAX_CALL_ARGUMENT_CHARS`
     characters, and those of a call that did not run, are left out; a name or id over
     :data:`MAX_TOOL_NAME_CHARS` is cut. (A misbehaving server's megabytes, in one call or spread over many,
@@ -47,7 +47,7 @@ def sent_back(call: ToolCall, *, ran: bool = True) -> ToolCall:
     name, call_id = call.name[:MAX_TOOL_NAME_CHARS], call.id
     if len(call_id) > MAX_TOOL_NAME_CHARS:  # (cut ids could collide: a digest keeps them apart)
         call_id = "call_" + hashlib.sha256(call_id.encode("utf-8", "replace")).hexdigest()[:32]
-    if ran and len(call.raw_arguments) <= MAX_CALL_ARGUMENT_CHARS:
+    if ran and len(call.raw_arguments) <= argument_chars:
         return call if (name, call_id) == (call.name, call.id) else replace(call, id=call_id, name=name)
     return replace(call, id=call_id, name=name, arguments=None,
                    raw_arguments=f"(arguments of {len(call.raw_arguments):,} characters, left out)")
@@ -63,10 +63,11 @@ class TurnCall:
     refusal: str
 
 
-def turn_calls(completion: Completion, runs_at_most: int, cut_off: str = CUT_OFF_CALL) -> list[TurnCall]:
+def turn_calls(completion: Completion, runs_at_most: int, cut_off: str = CUT_OFF_CALL, *,
+               argument_chars: int = MAX_CALL_ARGUMENT_CHARS) -> list[TurnCall]:
     """The turn's calls as a tool loop handles them: the first ``runs_at_most`` run unless cut off by the
-    output limit (refused with ``cut_off``) or too long; the rest are refused; past
-    :data:`MAX_CALLS_SENT_BACK` they are dropped."""
+    output limit (refused with ``cut_off``) or their arguments are over ``argument_chars``; the rest are
+    refused; past :data:`MAX_CALLS_SENT_BACK` they are dropped."""
     cut, planned = cut_off_call(completion), []
     for number, call in enumerate(completion.tool_calls[:MAX_CALLS_SENT_BACK]):
         refusal = ""
@@ -75,10 +76,10 @@ def turn_calls(completion: Completion, runs_at_most: int, cut_off: str = CUT_OFF
         elif number >= runs_at_most:
             refusal = (f"refused: at most {runs_at_most} tool calls run per turn; nothing was done. Call it again "
                        "in your next turn if you still need it.")
-        elif len(call.raw_arguments) > MAX_CALL_ARGUMENT_CHARS:
+        elif len(call.raw_arguments) > argument_chars:
             refusal = (f"refused: its arguments were {len(call.raw_arguments):,} characters long; at most "
-                       f"{MAX_CALL_ARGUMENT_CHARS:,}")
-        planned.append(TurnCall(call, sent_back(call, ran=not refusal), refusal))
+                       f"{argument_chars:,}")
+        planned.append(TurnCall(call, sent_back(call, ran=not refusal, argument_chars=argument_chars), refusal))
     return planned
 
 
