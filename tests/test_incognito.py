@@ -16,6 +16,7 @@ from bot.config import parse_config
 from bot.llm.base import Completion, LLMRequest, Usage
 from bot.policy import Inbound
 from bot.ports import IncomingMessage
+from bot.storage import Storage
 from cortex.memory.upkeep import end_expired_incognito
 from tests.engines import db_url_for
 from tests.fakes.provider import ScriptedProvider
@@ -653,7 +654,7 @@ async def test_a_summary_made_before_the_pause_arrived_goes_with_the_messages_it
         assert summary is not None and SECRET in summary.text  # (written before the pause reached the bot)
         paused = Sink()
         await app.router.handle(_sent("!memory pause", paused_at), paused)
-        assert "That includes 12 messages sent after the pause that I had already answered" in paused.public[0].text
+        assert "That includes 6 messages sent after the pause that I had already answered" in paused.public[0].text
         assert await app.storage.latest_summary(channel.id) is None  # (written again without them)
         ended = Sink()
         await app.router.handle(_sent("!memory resume", datetime.now(UTC)), ended)
@@ -708,3 +709,26 @@ async def test_the_end_of_a_stretch_deletes_the_items_remembered_from_its_messag
         await app.router.handle(_sent("!memory resume", datetime.now(UTC)), Sink())
         rows = await app.storage.db.fetch_all("SELECT content, superseded_by FROM memory_items")
         assert [(str(r[0]), r[1]) for r in rows] == [("Ann's PIN is 1234", None)]
+
+
+async def test_a_summary_written_while_the_pause_arrived_is_dropped(storage: Storage) -> None:
+    """A summary run that read messages before the pause reached the bot stored its summary after: the pause had
+    made them the stretch's, and the summary with their words outlived the stretch."""
+    from datetime import timedelta
+
+    from bot.storage.base import SummarySources
+
+    ann = await storage.upsert_user("discord:ann", "Ann")
+    channel = await storage.upsert_channel("discord:dm", "dm", is_dm=True)
+    now = datetime.now(UTC)
+    before = await storage.add_message(channel.id, ann.id, "Cora", "user", "Ann", "hello", 1,
+                                       created_at=now - timedelta(seconds=60))
+    secret = await storage.add_message(channel.id, ann.id, "Cora", "user", "Ann", f"my PIN is {SECRET}", 1,
+                                       created_at=now - timedelta(seconds=10))
+    made_from = SummarySources(None, (before.id, secret.id))  # (read; the model is writing)
+    assert (await storage.start_incognito(ann.id, "Cora", now - timedelta(seconds=30)))[1] == 1
+    written = await storage.add_summary(channel.id, f"Ann's PIN is {SECRET}", before.id, secret.id, 5, "m",
+                                        made_from=made_from)
+    assert written is None
+    await storage.end_incognito(ann.id, "Cora")
+    assert await storage.latest_summary(channel.id) is None

@@ -56,7 +56,7 @@ from bot.storage.export import ExportRepository, import_claim_key
 from bot.storage.fleet import FleetRepository
 from bot.storage.forgotten import keep_usage
 from bot.storage.forgotten import prune as prune_forgotten
-from bot.storage.incognito import IncognitoRepository, believable, not_incognito, visible_to
+from bot.storage.incognito import IN_RUNNING, IncognitoRepository, believable, not_incognito, visible_to
 from bot.storage.memory import MemoryRepository
 from bot.storage.migrations import MIGRATIONS
 from bot.storage.personas import LoreRepository, PersonaRepository
@@ -267,8 +267,9 @@ class Storage:
         started = await self.incognito.start(user_id, persona, at)
         stretch = ("user_id = ? AND persona = ? AND created_at >= ?", (user_id, persona, started))
         async with self.db.transaction() as tx:
-            firsts = await tx.fetch_all(f"SELECT channel_id, min(id), count(*) FROM messages WHERE {stretch[0]}"
-                                        " GROUP BY channel_id", stretch[1])
+            firsts = await tx.fetch_all(  # (the person's own messages are counted, not the replies)
+                "SELECT channel_id, min(id), sum(CASE WHEN role = 'user' THEN 1 ELSE 0 END) FROM messages"
+                f" WHERE {stretch[0]} GROUP BY channel_id", stretch[1])
             for channel_id, first, _ in firsts:
                 await tx.execute("DELETE FROM summaries WHERE channel_id = ? AND covers_to_id >= ?",
                                  (channel_id, first))
@@ -679,9 +680,13 @@ class Storage:
             # PostgreSQL: the rows are locked while counted, so a forget-me deleting them meanwhile is waited
             # for (and then they are gone) instead of counted from before it.
             lock = " FOR SHARE" if self.db.dialect == "postgres" else ""
-            fence = (" HAVING (SELECT count(*) FROM (SELECT 1 FROM messages WHERE id IN ("
-                     + ", ".join("?" * len(ids)) + f"){lock}) AS m) = ?" if ids else " HAVING TRUE")
-            fenced = [*ids, len(ids)] if ids else []
+            marks = ", ".join("?" * len(ids))
+            # (and none of them is in an incognito stretch now: a pause that came while the summary was written
+            # made them the stretch's, which no summary may keep)
+            fence = (f" HAVING (SELECT count(*) FROM (SELECT 1 FROM messages WHERE id IN ({marks}){lock}) AS m) = ?"
+                     f" AND NOT EXISTS (SELECT 1 FROM messages AS sm WHERE sm.id IN ({marks})"
+                     f" AND {IN_RUNNING.format(m='sm')})" if ids else " HAVING TRUE")
+            fenced = [*ids, len(ids), *ids] if ids else []
             # ... and the summary it continues is still there and still the newest: a late run (its worker
             # stalled while another wrote a newer one) would put an older range on top.
             newer = " AND NOT EXISTS (SELECT 1 FROM summaries WHERE channel_id = ? AND status = 'ok' AND id > ?)"
