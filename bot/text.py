@@ -68,16 +68,21 @@ def one_line_name(name: str) -> str:
 
 def speaker_name(name: str, author_id: str) -> str:
     """A message author's name as the prompt labels their turns: :func:`one_line_name`, and with their
-    platform id after it when making it so took hidden characters or line breaks out. Otherwise "alice" and
+    platform id after it when making it so took hidden characters or line breaks out, or when it ends as such a
+    label does, in parentheses. Otherwise "alice" and
     "alice" with a zero-width space, names the platform tells apart (it marks only the same name twice), got
     one label, and one member's turns read as another's."""
     flat = _flat_name(name)
     if not flat:
         return author_id
-    if flat == re.sub(" +", " ", storable(name).strip(" ")):
+    # (a name ending in "(…)" gets the id too: "bob (@bob:example.org)" as anyone's display name is no label)
+    if flat == re.sub(" +", " ", storable(name).strip(" ")) and not _ENDS_IN_PARENTHESES.search(flat):
         return _cut_name(flat)
     suffix = f" ({author_id[:NAME_CHARS // 2]})"
     return _cut_name(flat, NAME_CHARS - len(suffix)) + suffix
+
+
+_ENDS_IN_PARENTHESES = re.compile(r"\([^()]*\)$")
 
 
 def _flat_name(name: str) -> str:

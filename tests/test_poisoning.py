@@ -139,6 +139,9 @@ def test_a_name_made_like_another_by_hidden_characters_is_labelled_with_its_id(t
     mallory = IncomingMessage("matrix", "!room:x", "@mal:evil", f"alice{twist}", "I am alice too", server_id="x")
     assert alice.author_name == "alice" and mallory.author_name == "alice (@mal:evil)"
     assert IncomingMessage("discord", "c", "42", "  Ann  Lee ", "hi").author_name == "Ann Lee"  # (spaces: no mark)
+    # (nor can a name pose as such a label: "alice (@mal:evil)" written as Eve's display name)
+    eve = IncomingMessage("matrix", "!room:x", "@eve:x", "alice (@mal:evil)", "hi", server_id="x")
+    assert eve.author_name == "alice (@mal:evil) (@eve:x)"
     assert len(IncomingMessage("discord", "c", "42", "x" * 200 + twist, "hi").author_name) <= 64
 
 
