@@ -135,7 +135,8 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
             if filters.persona is not None and persona != filters.persona:
                 continue
             hits = await memory.search(int(pair["id"]), wanted.query, include_messages=False, limit=SEARCH_LIMIT,
-                                       scopes=scopes, query_vector=vector, use_vectors=vector is not None)
+                                       scopes=scopes, query_vector=vector, use_vectors=vector is not None,
+                                       patient=True)  # (someone's own search: "The Who" by its words too)
             found += [(OwnedItem(persona, h.item), h.score) for h in hits
                       if h.item is not None and matches(h.item, filters)]
         return sorted(found, key=lambda f: f[1], reverse=True)

@@ -369,7 +369,9 @@ class Storage:
     async def withdraw_channel(self, channel_key: str, now: float) -> tuple[int, int]:
         """A channel (a thread, a forum post) deleted on its platform, and every message in it with it: the
         stored messages go with what points at them, the channel's summaries too, and memory items remembered
-        from its messages (or with a command typed there) are archived, restorable by their owners.
+        from its messages (or filed under the channel, as a typed `!memory remember` was before it was filed
+        under its own message) are archived, restorable by their owners. A typed command's message is not
+        stored: an item remembered with one stays (deleting that message archives it).
         (Messages deleted, items archived.)"""
         await self.flush_audit()  # buffered reply stats may point at its messages
         async with self.db.transaction() as tx:

@@ -142,7 +142,8 @@ class Builtins:
             raise SkillFailure("'limit' must be a whole number from 1 to 20")
         pair = await self._pair(context)
         scopes = ("private", "shared") if context.is_dm else ("shared",)
-        hits = await self.memory.search(pair.id, query, limit=limit, include_messages=False, scopes=scopes)
+        hits = await self.memory.search(pair.id, query, limit=limit, include_messages=False, scopes=scopes,
+                                        patient=True)  # (asked for: "The Who" is searched by its words too)
         lines = [f"#{h.item.id} [{h.item.category}, {h.item.created_at:%Y-%m-%d}] {h.item.content}"
                  for h in hits if h.item is not None]
         return SkillResult("\n".join(lines) if lines else "nothing found")
