@@ -131,3 +131,52 @@ async def test_a_reply_shows_and_keeps_no_thinking(tmp_path: Any, fake_llm: Fake
         await app.core.reply(IncomingMessage("discord", "dm-ann", "ann", "Ann", "how are you?", is_dm=True)).text()
         assert "hunter2" not in json.dumps(fake_llm.completion_requests[-1].body)
         assert not await app.storage.db.fetch_all("SELECT id FROM messages WHERE text LIKE '%hunter2%'")
+
+
+async def test_a_server_that_takes_no_tools_still_answers(tmp_path: Any, fake_llm: FakeLLMServer,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """Ollama answers a model without tool support with a 400 ("does not support tools"), as do vLLM without
+    --enable-auto-tool-choice and llama.cpp without --jinja: with skills on by default, every reply failed."""
+    monkeypatch.setenv(KEY_ENV, "k")
+    fake_llm.responder = lambda request: (
+        FakeResponse.error(400, "registry.ollama.ai/library/gemma2:9b does not support tools")
+        if "tools" in request.body else FakeResponse.text("Hello Ann."))
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000},
+                           "llm": {"provider": "openai", "base_url": fake_llm.openai_url, "api_key_env": KEY_ENV,
+                                   "max_retries": 0, "model": "gemma2:9b"}})
+    async with App(config) as app:
+        message = IncomingMessage("discord", "dm-ann", "ann", "Ann", "hi", is_dm=True)
+        assert await app.core.reply(message).text() == "Hello Ann."
+        assert await app.core.reply(message).text() == "Hello Ann."  # (asked without them at once now)
+    asked = [("tools" in r.body) for r in fake_llm.completion_requests]
+    assert asked == [True, False, False], asked
+    assert sum("takes no tools" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_a_server_that_refuses_stream_options_still_streams(fake_llm: FakeLLMServer) -> None:
+    """Older Azure API versions and strict proxies refuse stream_options with a 400: every streamed reply failed."""
+    fake_llm.responder = lambda request: (
+        FakeResponse.error(400, "Unrecognized request argument supplied: stream_options")
+        if "stream_options" in request.body else FakeResponse.text("Hello"))
+    provider = _provider(fake_llm)
+    try:
+        for _ in range(2):
+            events = [event async for event in provider.stream(_request())]
+            assert isinstance(events[-1], StreamEnd) and events[-1].completion.text == "Hello"
+    finally:
+        await provider.aclose()  # type: ignore[attr-defined]
+    assert [("stream_options" in r.body) for r in fake_llm.completion_requests] == [True, False, False]
+
+
+async def test_another_bad_request_is_not_asked_again(fake_llm: FakeLLMServer) -> None:
+    from bot.llm.errors import LLMBadRequest
+
+    fake_llm.enqueue(FakeResponse.error(400, "messages: the model m does not exist"))
+    provider = _provider(fake_llm)
+    try:
+        with pytest.raises(LLMBadRequest):
+            await provider.complete(_request(tools=(WEATHER,)))
+    finally:
+        await provider.aclose()  # type: ignore[attr-defined]
+    assert len(fake_llm.completion_requests) == 1

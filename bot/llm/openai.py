@@ -3,7 +3,9 @@
 Works with OpenAI itself and with compatible servers (DeepSeek, Ollama, vLLM, llama.cpp, ...) through
 ``base_url``. Only widely supported features are used: ``max_tokens`` (not ``max_completion_tokens``),
 function tools, and ``stream_options.include_usage`` (servers that ignore it simply report no usage,
-which becomes ``Usage(0, 0)``).
+which becomes ``Usage(0, 0)``). A server that refuses the tools or stream_options with a 400 is asked again
+without them, and from then on (said once in the log). A reasoning model's leading ``<think>`` block is left
+out of the answer (``bot.llm.reasoning``).
 
 Conversion rules (neutral → OpenAI): the system prompt is the first ``system`` message; tool results
 are ``role="tool"`` messages (a failed tool's content is prefixed with ``Error:`` since the API has no
@@ -15,7 +17,9 @@ as something other than a JSON object are sent back as ``{}``.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -37,7 +41,7 @@ from bot.llm.base import (
     ToolSpec,
     Usage,
 )
-from bot.llm.errors import LLMBadResponse, LLMDamagedResponse, LLMError
+from bot.llm.errors import LLMBadRequest, LLMBadResponse, LLMDamagedResponse, LLMError
 from bot.llm.reasoning import ThinkingFilter, without_thinking
 
 if TYPE_CHECKING:
@@ -51,6 +55,12 @@ if TYPE_CHECKING:
 # Sent when no key is configured: local servers (Ollama, llama.cpp) accept any key, and the SDK
 # refuses to start without one.
 NO_API_KEY = "no-key-configured"
+log = logging.getLogger(__name__)
+# A server's 400 that says the model or the server takes no tools (Ollama: "… does not support tools"; vLLM
+# without --enable-auto-tool-choice; llama.cpp without --jinja), or no stream_options (older Azure, strict proxies).
+REFUSES_TOOLS = re.compile(r"support\w*\W+(?:\w+\W+){0,4}tool|tools?\W+(?:\w+\W+){0,3}(?:not|un)\s*supported"
+                           r"|enable-auto-tool-choice|--jinja", re.IGNORECASE)
+REFUSES_STREAM_OPTIONS = re.compile(r"stream_options", re.IGNORECASE)
 _FINISH_REASONS: dict[str, StopReason] = {
     "stop": "end_turn",
     "length": "max_tokens",
@@ -300,6 +310,8 @@ class OpenAICompatProvider:
         self._api_key = key
         self._deadline = timeout_seconds
         self._timeout = openai.Timeout(timeout_seconds, connect=connect_timeout_seconds)
+        self._usage_in_streams = True  # (stream_options.include_usage: until a server refuses it)
+        self._without_tools: set[str] = set()  # models whose server refused tools: asked without them
         try:
             self._client = openai.AsyncOpenAI(
                 api_key=key,
@@ -319,7 +331,7 @@ class OpenAICompatProvider:
         }
         if request.temperature is not None:
             params["temperature"] = request.temperature
-        if request.tools:
+        if request.tools and request.model not in self._without_tools:
             params["tools"] = cast("list[ChatCompletionToolParam]", convert_tools(request.tools))
             if request.tool_choice == "none":
                 params["tool_choice"] = "none"
@@ -328,10 +340,39 @@ class OpenAICompatProvider:
     def _error(self, exc: BaseException) -> LLMError:
         return to_llm_error(exc, provider="openai", sdk=_SDK_ERRORS, secrets=(self._api_key,))
 
+    async def _create(self, request: LLMRequest, deadline: Deadline, *, stream: bool) -> Any:
+        """The SDK's request, asked again once without what the server refused with a 400: the tools (the model
+        then answers without skills, as the log says once) or the usage in streams (reported as 0 then)."""
+        for _ in range(3):
+            extra: dict[str, Any] = {"stream": True} if stream else {}
+            if stream and self._usage_in_streams:
+                extra["stream_options"] = {"include_usage": True}
+            try:
+                return await deadline.run(self._client.chat.completions.create(**self._params(request), **extra))
+            except Exception as exc:
+                error = self._error(exc)
+                if not isinstance(error, LLMBadRequest) or not self._drops_refused(request, str(error), stream):
+                    raise error from exc
+        raise LLMBadRequest("openai: the server refused the request")  # (not reached: each kind is dropped once)
+
+    def _drops_refused(self, request: LLMRequest, said: str, stream: bool) -> bool:
+        """Whether the 400 ``said`` named something this provider can leave out; then it is left out from now."""
+        if stream and self._usage_in_streams and REFUSES_STREAM_OPTIONS.search(said):
+            self._usage_in_streams = False
+            log.warning("the model server refuses stream_options: replies are asked for without it (their token "
+                        "usage is counted as 0)")
+            return True
+        if request.tools and request.model not in self._without_tools and REFUSES_TOOLS.search(said):
+            self._without_tools.add(request.model)
+            log.warning("the model server says %s takes no tools: it answers without skills from now on "
+                        "(use a model that supports tools, or set [skills] enabled = false)", request.model)
+            return True
+        return False
+
     async def complete(self, request: LLMRequest) -> Completion:
         try:
             deadline = Deadline(self._deadline, "openai")
-            response = await deadline.run(self._client.chat.completions.create(**self._params(request)))
+            response = await self._create(request, deadline, stream=False)
             return completion_from_response(response, request.model)
         except LLMError:
             raise
@@ -342,9 +383,7 @@ class OpenAICompatProvider:
         accumulator = _StreamAccumulator(fallback_model=request.model)
         try:
             deadline = Deadline(self._deadline, "openai")
-            chunks = await deadline.run(self._client.chat.completions.create(
-                **self._params(request), stream=True, stream_options={"include_usage": True}
-            ))
+            chunks = await self._create(request, deadline, stream=True)
             async with chunks:
                 async for chunk in deadline.each(chunks):
                     text = accumulator.feed(chunk)
