@@ -180,3 +180,19 @@ async def test_another_bad_request_is_not_asked_again(fake_llm: FakeLLMServer) -
     finally:
         await provider.aclose()  # type: ignore[attr-defined]
     assert len(fake_llm.completion_requests) == 1
+
+
+@pytest.mark.parametrize(("code", "kind"), [(429, "LLMRateLimited"), (402, "LLMOutOfCredit")])
+async def test_an_in_stream_error_with_a_numeric_code_is_what_the_code_says(fake_llm: FakeLLMServer, code: int,
+                                                                           kind: str) -> None:
+    """OpenRouter puts the HTTP status it means into an in-stream error's code: 429 and 402 were taken for a
+    server's error, and credit used up was retried by background jobs, paying each time."""
+    from bot.llm import errors
+
+    error = "data: " + json.dumps({"error": {"message": "Insufficient credits" if code == 402 else "Slow down",
+                                             "code": code}}) + "\n\n"
+    fake_llm.enqueue(FakeResponse.malformed((_chunk({"role": "assistant", "content": ""}) + error).encode(),
+                                            content_type="text/event-stream"))
+    with pytest.raises(errors.LLMError) as raised:
+        await _streamed(fake_llm)
+    assert type(raised.value).__name__ == kind, raised.value

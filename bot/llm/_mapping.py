@@ -201,8 +201,10 @@ def _from_api_error(exc: BaseException, provider: str, in_stream: bool) -> LLMEr
     info = _error_info(exc)
     status = info.status
     if in_stream or status is None or status < 400:
-        # An error event inside a 200 stream: classify by the error type, default to a server error.
-        equivalent = _TYPE_TO_STATUS.get(info.error_type or "", 500)
+        # An error event inside a 200 stream: classify by the error type, default to a server error. A gateway
+        # may give the HTTP status it means as the code (OpenRouter: 429, 402 for credit used up).
+        named = info.error_type or ""
+        equivalent = int(named) if named.isdigit() and 400 <= int(named) <= 599 else _TYPE_TO_STATUS.get(named, 500)
         cls = classify_status(equivalent, info.error_type, info.message)
         http_status = status if status is not None and status >= 400 else None
         return cls(_status_detail(provider, info, http_status) + " (in stream)", status_code=http_status)
