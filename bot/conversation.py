@@ -33,7 +33,7 @@ from bot.llm.base import (
     Usage,
     turn_calls,
 )
-from bot.llm.errors import LLMBadResponse, LLMError, LLMNoAnswer
+from bot.llm.errors import LLMBadResponse, LLMError, LLMNoAnswer, LLMRefused
 from bot.persona import ConfigPersonas, Persona, PersonaSource
 from bot.ports import (
     Exchange,
@@ -351,6 +351,8 @@ class ConversationCore:
                 yield text
             completion = done[0]
             if not completion.text.strip():
+                if completion.stop_reason == "refused":  # (not "could not read": it read, and was stopped)
+                    raise LLMRefused("the provider's content filter stopped the reply")
                 raise LLMBadResponse("the model returned an empty reply")
         except LLMError as exc:  # the rounds that finished (an empty answer, tools before an outage) were billed
             await self.storage.record_llm_call(

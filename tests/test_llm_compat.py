@@ -196,3 +196,23 @@ async def test_an_in_stream_error_with_a_numeric_code_is_what_the_code_says(fake
     with pytest.raises(errors.LLMError) as raised:
         await _streamed(fake_llm)
     assert type(raised.value).__name__ == kind, raised.value
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "openai"])
+async def test_a_reply_the_providers_filter_stopped_says_so(tmp_path: Any, fake_llm: FakeLLMServer,
+                                                           monkeypatch: pytest.MonkeyPatch, provider: str) -> None:
+    """A refusal with no text (Anthropic's "refusal", OpenAI's "content_filter") told the person the bot "could not
+    read" the answer."""
+    from bot.llm.errors import LLMRefused
+
+    monkeypatch.setenv(KEY_ENV, "k")
+    url = fake_llm.anthropic_url if provider == "anthropic" else fake_llm.openai_url
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000},
+                           "llm": {"provider": provider, "base_url": url, "api_key_env": KEY_ENV, "max_retries": 0,
+                                   "model": "m"}})
+    async with App(config) as app:
+        fake_llm.enqueue(FakeResponse.text("", stop_reason="refusal" if provider == "anthropic" else "content_filter"))
+        with pytest.raises(LLMRefused) as refused:
+            await app.core.reply(IncomingMessage("discord", "dm-ann", "ann", "Ann", "hi", is_dm=True)).text()
+        assert refused.value.user_message == "The language model's provider declined to answer that (its content " \
+                                             "filter)."

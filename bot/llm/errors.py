@@ -13,6 +13,7 @@
           ├── LLMOutOfCredit      billing / quota exhausted (402, or 429 "insufficient_quota")
           ├── LLMBadRequest       the request was rejected (400/404/422: unknown model, too long, ...)
           └── LLMBadResponse      the server answered with something that is not a valid response
+               ├── LLMRefused     …because the provider's content filter stopped it before any text
                └── LLMDamagedResponse  …because it arrived damaged (cut off, HTML from a proxy): transient
 
 Providers translate their SDK's exceptions into this tree (``bot.llm.anthropic``/``bot.llm.openai``);
@@ -124,6 +125,13 @@ class LLMNoAnswer(LLMBadResponse):
     servers ignore ``tool_choice: none``)."""
 
     user_message = "The language model kept calling tools and wrote no answer. Please try again."
+
+
+class LLMRefused(LLMBadResponse):
+    """The provider's safety filter stopped the answer before any text (Anthropic's ``refusal``, OpenAI's
+    ``content_filter``)."""
+
+    user_message = "The language model's provider declined to answer that (its content filter)."
 
 
 class LLMDamagedResponse(LLMBadResponse):
