@@ -345,6 +345,7 @@ class CortexUpdater:
         request = LLMRequest(
             system=system, messages=tuple(messages), model=model, max_tokens=settings.max_tokens,
             temperature=temperature, tools=TOOLS + MEMORY_TOOLS if self.memory is not None else TOOLS,
+            tools_required=True,  # (its work is done through them: a server without tools fails it, visibly)
         )
         started = time.monotonic()
         try:

@@ -74,7 +74,8 @@ def test_thinking_is_only_a_block_at_the_start() -> None:
     assert said == "Use <think> tags like this.</think>"  # (later in an answer: text the model meant)
     short = ThinkingFilter()
     assert short.feed("<th") == "" and short.end() == "<th"  # (an answer that is just "<th")
-    assert without_thinking("notes the template opened</think>\n\nHello.") == "Hello."
+    code = 'To drop it: `answer = raw.split("</think>")[-1]` and show `answer`.'
+    assert without_thinking(code) == code  # (an answer may write the tag: only a block at the start goes)
     assert without_thinking("<think>notes</think> Hello.") == "Hello." and without_thinking("Hello.") == "Hello."
 
 
@@ -216,3 +217,62 @@ async def test_a_reply_the_providers_filter_stopped_says_so(tmp_path: Any, fake_
             await app.core.reply(IncomingMessage("discord", "dm-ann", "ann", "Ann", "hi", is_dm=True)).text()
         assert refused.value.user_message == "The language model's provider declined to answer that (its content " \
                                              "filter)."
+
+
+async def test_a_streamed_answer_is_kept_as_it_was_shown(fake_llm: FakeLLMServer) -> None:
+    """The whole answer was taken through without_thinking again after the stream: an answer that wrote the tag
+    in code was shown whole and stored cut."""
+    answer = 'To drop it: `answer = raw.split("</think>")[-1]` and show `answer`.'
+    fake_llm.enqueue(_sse(_chunk({"role": "assistant", "content": answer}), _chunk({}, "stop")))
+    shown, end = await _streamed(fake_llm)
+    assert "".join(shown) == answer and end.text == answer
+
+
+async def test_arguments_sent_as_an_object_are_not_inflated_by_escapes(fake_llm: FakeLLMServer) -> None:
+    """Read back as JSON with ASCII escapes, a Chinese argument grew six times (an emoji twelve), past the caps."""
+    text = "猫" * 1000 + "😀"
+    call = {"index": 0, "id": "c1", "type": "function", "function": {"name": "weather", "arguments": {"city": text}}}
+    fake_llm.enqueue(_sse(_chunk({"role": "assistant", "content": None}), _chunk({"tool_calls": [call]}),
+                          _chunk({}, "tool_calls")))
+    _, end = await _streamed(fake_llm, _request(tools=(WEATHER,)))
+    [read] = end.tool_calls
+    assert read.arguments == {"city": text} and len(read.raw_arguments) < len(text) + 20
+
+
+async def test_requests_in_flight_when_the_tools_were_dropped_are_asked_again(fake_llm: FakeLLMServer) -> None:
+    """Two requests met the 400 together: the first dropped the tools and asked again; the second saw them
+    dropped already and failed."""
+    import asyncio
+
+    fake_llm.responder = lambda request: (
+        FakeResponse.error(400, "model m does not support tools", delay=0.3)
+        if "tools" in request.body else FakeResponse.text("Hello"))
+    provider = _provider(fake_llm)
+    try:
+        answers = await asyncio.gather(*(provider.complete(_request(tools=(WEATHER,))) for _ in range(2)))
+    finally:
+        await provider.aclose()  # type: ignore[attr-defined]
+    assert [a.text for a in answers] == ["Hello", "Hello"]
+
+
+async def test_an_update_that_needs_its_tools_fails_on_a_server_without_them(
+        tmp_path: Any, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asked again without its tools, a cortex update got a text answer, passed for "nothing new to record" and
+    was billed for the whole conversation, every time."""
+    from bot.llm.errors import LLMBadRequest
+
+    monkeypatch.setenv(KEY_ENV, "k")
+    fake_llm.responder = lambda request: (
+        FakeResponse.error(400, "registry.ollama.ai/library/gemma2:9b does not support tools")
+        if "tools" in request.body else FakeResponse.text("Hello Ann."))
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000},
+                           "llm": {"provider": "openai", "base_url": fake_llm.openai_url, "api_key_env": KEY_ENV,
+                                   "max_retries": 0, "model": "gemma2:9b"}})
+    async with App(config) as app:
+        for text in ("I adopted a cat called Pixel", "I work nights", "Tea, never coffee"):
+            await app.core.reply(IncomingMessage("discord", "dm-ann", "ann", "Ann", text, is_dm=True)).text()
+        user = await app.storage.get_user("discord:ann")
+        assert user is not None
+        pair = await app.cortex.store.count_messages(user.id, app.personas.names()[0], 0)
+        with pytest.raises(LLMBadRequest):
+            await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective(pair.persona)).settings)

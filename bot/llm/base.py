@@ -194,6 +194,9 @@ class LLMRequest:
     temperature: float | None = None
     tools: tuple[ToolSpec, ...] = ()
     tool_choice: Literal["auto", "none"] = "auto"  # "none": answer in text even though tools are defined
+    # The work is done only through the tools (a cortex update): a server that takes no tools is an error then,
+    # not a request asked again without them (its text answer would pass for "nothing new", billed each time).
+    tools_required: bool = False
 
     def __post_init__(self) -> None:  # (every system prompt: the reply's, a summary's, a cortex update's)
         object.__setattr__(self, "system", without_hidden(self.system))

@@ -151,7 +151,7 @@ def map_finish_reason(reason: object) -> StopReason:
 def parse_tool_call(call_id: str | None, name: str, raw: object) -> ToolCall:
     """Arguments arrive as a JSON string (some gateways send the object itself): parsed when it is an object,
     else only kept raw."""
-    raw = (raw if isinstance(raw, str) else json.dumps(raw)) if raw is not None else ""
+    raw = (raw if isinstance(raw, str) else json.dumps(raw, ensure_ascii=False)) if raw is not None else ""
     try:
         parsed = json.loads(raw) if raw.strip() else {}
     except (ValueError, RecursionError):  # (RecursionError: nested thousands deep)
@@ -271,7 +271,8 @@ class _StreamAccumulator:
             partial.name += function.name
         if function.arguments:  # (a string; some gateways send the object itself)
             arguments = function.arguments
-            partial.arguments.append(arguments if isinstance(arguments, str) else json.dumps(arguments))
+            partial.arguments.append(arguments if isinstance(arguments, str)
+                                     else json.dumps(arguments, ensure_ascii=False))
 
     def completion(self) -> Completion:
         if self.chunks == 0:
@@ -280,7 +281,7 @@ class _StreamAccumulator:
             raise LLMDamagedResponse("openai: the stream ended before a finish_reason")
         calls = tuple(parse_tool_call(p.call_id, p.name, "".join(p.arguments)) for _, p in sorted(self.calls.items()))
         return Completion(
-            text=without_thinking("".join(self.texts) + self.thinking.end()),
+            text="".join(self.texts) + self.thinking.end(),  # (what was shown: the filter took the block out)
             tool_calls=calls,
             usage=self.usage,
             stop_reason=map_finish_reason(self.finish_reason),
@@ -331,7 +332,7 @@ class OpenAICompatProvider:
         }
         if request.temperature is not None:
             params["temperature"] = request.temperature
-        if request.tools and request.model not in self._without_tools:
+        if request.tools and (request.tools_required or request.model not in self._without_tools):
             params["tools"] = cast("list[ChatCompletionToolParam]", convert_tools(request.tools))
             if request.tool_choice == "none":
                 params["tool_choice"] = "none"
@@ -344,28 +345,35 @@ class OpenAICompatProvider:
         """The SDK's request, asked again once without what the server refused with a 400: the tools (the model
         then answers without skills, as the log says once) or the usage in streams (reported as 0 then)."""
         for _ in range(3):
-            extra: dict[str, Any] = {"stream": True} if stream else {}
-            if stream and self._usage_in_streams:
-                extra["stream_options"] = {"include_usage": True}
+            params = self._params(request)
+            if stream:
+                params["stream"] = True
+                if self._usage_in_streams:
+                    params["stream_options"] = {"include_usage": True}
             try:
-                return await deadline.run(self._client.chat.completions.create(**self._params(request), **extra))
+                return await deadline.run(self._client.chat.completions.create(**params))
             except Exception as exc:
                 error = self._error(exc)
-                if not isinstance(error, LLMBadRequest) or not self._drops_refused(request, str(error), stream):
+                # (by what this attempt sent: a request in flight when another one dropped it is asked again too)
+                if not isinstance(error, LLMBadRequest) or not self._drops_refused(
+                        request, str(error), tools="tools" in params, usage="stream_options" in params):
                     raise error from exc
         raise LLMBadRequest("openai: the server refused the request")  # (not reached: each kind is dropped once)
 
-    def _drops_refused(self, request: LLMRequest, said: str, stream: bool) -> bool:
-        """Whether the 400 ``said`` named something this provider can leave out; then it is left out from now."""
-        if stream and self._usage_in_streams and REFUSES_STREAM_OPTIONS.search(said):
-            self._usage_in_streams = False
-            log.warning("the model server refuses stream_options: replies are asked for without it (their token "
-                        "usage is counted as 0)")
+    def _drops_refused(self, request: LLMRequest, said: str, *, tools: bool, usage: bool) -> bool:
+        """Whether the 400 ``said`` named something the request sent that this provider can leave out; then it is
+        left out from now on."""
+        if usage and REFUSES_STREAM_OPTIONS.search(said):
+            if self._usage_in_streams:
+                self._usage_in_streams = False
+                log.warning("the model server refuses stream_options: replies are asked for without it (their "
+                            "token usage is counted as 0)")
             return True
-        if request.tools and request.model not in self._without_tools and REFUSES_TOOLS.search(said):
-            self._without_tools.add(request.model)
-            log.warning("the model server says %s takes no tools: it answers without skills from now on "
-                        "(use a model that supports tools, or set [skills] enabled = false)", request.model)
+        if tools and not request.tools_required and REFUSES_TOOLS.search(said):
+            if request.model not in self._without_tools:
+                self._without_tools.add(request.model)
+                log.warning("the model server says %s takes no tools: it answers without skills from now on "
+                            "(use a model that supports tools, or set [skills] enabled = false)", request.model)
             return True
         return False
 

@@ -4,8 +4,8 @@ Qwen3, DeepSeek-R1 and their kin write ``<think>…</think>`` before the answer;
 llama.cpp server without a reasoning parser pass it through as content. Shown, it put the model's notes about
 the person (and whatever it weighed not saying) into the chat, into the stored reply, into every later
 request and into summaries. Only a block at the very start counts as thinking: a ``<think>`` later in an
-answer is text the model meant to write. Some chat templates open the block themselves, and then only its end
-arrives: :func:`without_thinking` takes that case out of a whole text (a stream cannot know in time).
+answer is text the model meant to write. (Some chat templates open the block themselves, and then only its end
+arrives: that is not told apart from an answer that writes the tag.)
 """
 
 from __future__ import annotations
@@ -55,11 +55,9 @@ class ThinkingFilter:
 
 
 def without_thinking(text: str) -> str:
-    """A whole answer without its leading thinking: a ``<think>…</think>`` block at the start, or everything
-    up to a ``</think>`` that no ``<think>`` opened (the chat template opened it)."""
+    """A whole answer without a ``<think>…</think>`` block at its start. (A ``</think>`` alone, from a block the
+    chat template opened, is not taken as one: an answer may well write that tag, in code say.)"""
     begun = text.lstrip()
     if begun.startswith(OPEN) and CLOSE in begun:
         return begun[begun.index(CLOSE) + len(CLOSE):].lstrip()
-    if CLOSE in text and OPEN not in text[:text.index(CLOSE)]:
-        return text[text.index(CLOSE) + len(CLOSE):].lstrip()
     return text

@@ -442,6 +442,7 @@ class MemoryStore:
         query_vector: npt.NDArray[np.float32] | None = None, include_messages: bool = True,
         exclude_messages: Collection[int] = (), use_vectors: bool = True, include_items: bool = True,
         scopes: Collection[str] = SCOPES, about: str | None = None, patient: bool = False,
+        function_words: bool | None = None,
     ) -> list[Hit]:
         """Hybrid search over the pair's visible items (and its past messages when ``user_id``/``persona``).
 
@@ -451,10 +452,11 @@ class MemoryStore:
         ``about`` is the searcher's own words when the query holds more (a follow-up's search text also
         holds the reply before it, whose "I" is the persona): who they mean steers the author signal.
         ``patient``: a search someone asked for waits longer for its query's vector than a reply's recall.
+        ``function_words``: a query of nothing else is still searched by its words (default: when ``patient``).
         """
         now = self.clock()
         query = query[:MAX_QUERY_CHARS]  # (a model's tool call may send anything: its words are read one by one)
-        match = fts_query(query, function_words=patient)
+        match = fts_query(query, function_words=patient if function_words is None else function_words)
         messages = include_messages and user_id is not None and persona is not None
         # The query's embedding runs while the full-text parts do; the vector parts wait for it.
         meaning = asyncio.ensure_future(self._meaning(

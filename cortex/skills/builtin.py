@@ -143,7 +143,8 @@ class Builtins:
         pair = await self._pair(context)
         scopes = ("private", "shared") if context.is_dm else ("shared",)
         hits = await self.memory.search(pair.id, query, limit=limit, include_messages=False, scopes=scopes,
-                                        patient=True)  # (asked for: "The Who" is searched by its words too)
+                                        function_words=True)  # (asked for: "The Who" by its words too; a reply
+        # waits on it, so not as long for the query's vector as a person's own search)
         lines = [f"#{h.item.id} [{h.item.category}, {h.item.created_at:%Y-%m-%d}] {h.item.content}"
                  for h in hits if h.item is not None]
         return SkillResult("\n".join(lines) if lines else "nothing found")
