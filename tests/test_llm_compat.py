@@ -276,3 +276,15 @@ async def test_an_update_that_needs_its_tools_fails_on_a_server_without_them(
         pair = await app.cortex.store.count_messages(user.id, app.personas.names()[0], 0)
         with pytest.raises(LLMBadRequest):
             await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective(pair.persona)).settings)
+
+
+async def test_an_answer_that_was_all_thinking_says_so(fake_llm: FakeLLMServer) -> None:
+    """A reasoning model whose length ran out mid-thought left an empty reply: "could not read" told the person
+    nothing an admin could act on."""
+    from bot.llm.errors import LLMOnlyThought
+
+    fake_llm.enqueue(_sse(_chunk({"role": "assistant", "content": "<think>Let me weigh this"}),
+                          _chunk({"content": " at great length"}), _chunk({}, "length")))
+    with pytest.raises(LLMOnlyThought) as raised:
+        await _streamed(fake_llm)
+    assert "raise [llm] max_tokens" in raised.value.user_message

@@ -14,6 +14,7 @@
           ├── LLMBadRequest       the request was rejected (400/404/422: unknown model, too long, ...)
           └── LLMBadResponse      the server answered with something that is not a valid response
                ├── LLMRefused     …because the provider's content filter stopped it before any text
+               ├── LLMOnlyThought …because a reasoning model only thought (its length ran out first)
                └── LLMDamagedResponse  …because it arrived damaged (cut off, HTML from a proxy): transient
 
 Providers translate their SDK's exceptions into this tree (``bot.llm.anthropic``/``bot.llm.openai``);
@@ -132,6 +133,13 @@ class LLMRefused(LLMBadResponse):
     ``content_filter``)."""
 
     user_message = "The language model's provider declined to answer that (its content filter)."
+
+
+class LLMOnlyThought(LLMBadResponse):
+    """A reasoning model's answer was all thinking, never closed: its length (``max_tokens``) ran out first."""
+
+    user_message = ("The language model spent its whole answer thinking and wrote no reply. An admin may raise "
+                    "[llm] max_tokens.")
 
 
 class LLMDamagedResponse(LLMBadResponse):

@@ -41,7 +41,7 @@ from bot.llm.base import (
     ToolSpec,
     Usage,
 )
-from bot.llm.errors import LLMBadRequest, LLMBadResponse, LLMDamagedResponse, LLMError
+from bot.llm.errors import LLMBadRequest, LLMBadResponse, LLMDamagedResponse, LLMError, LLMOnlyThought
 from bot.llm.reasoning import ThinkingFilter, without_thinking
 
 if TYPE_CHECKING:
@@ -280,6 +280,8 @@ class _StreamAccumulator:
         if self.finish_reason is None:
             raise LLMDamagedResponse("openai: the stream ended before a finish_reason")
         calls = tuple(parse_tool_call(p.call_id, p.name, "".join(p.arguments)) for _, p in sorted(self.calls.items()))
+        if not self.texts and not calls and self.thinking.unfinished:
+            raise LLMOnlyThought("openai: the answer was a thinking block that never closed")
         return Completion(
             text="".join(self.texts) + self.thinking.end(),  # (what was shown: the filter took the block out)
             tool_calls=calls,

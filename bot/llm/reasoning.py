@@ -45,6 +45,11 @@ class ThinkingFilter:
         self._held = rest
         return self._pass()
 
+    @property
+    def unfinished(self) -> bool:
+        """Whether a thinking block opened and never closed (the answer's length ran out while it thought)."""
+        return self._state == "thinking"
+
     def end(self) -> str:
         """What was held back at the end that is answer (an unfinished "<th…" start was text after all)."""
         return self._held if self._state == "start" else ""
