@@ -136,13 +136,17 @@ async def note_scrub_pending(tx: Tx) -> None:
                      " ON CONFLICT (key) DO UPDATE SET updated_at = excluded.updated_at", (SCRUB_PENDING, time.time()))
 
 
+# "This memory item was remembered from one of the messages ``{where}`` selects" (by its platform key).
+ITEM_FROM_MESSAGES = ("source_ref IN (SELECT p.key FROM platform_messages AS p"
+                      " WHERE p.message_id IN (SELECT id FROM messages WHERE {where}))")
+
+
 async def delete_items_from(tx: Tx, where: str, params: Sequence[Any]) -> int:
     """Delete the memory items remembered from the messages ``where`` selects (named by their platform keys),
     before those go: an incognito stretch's, whose words may not outlive it in an item. A correction they made
     is undone (the corrected item shows again); how many went."""
     ids = [int(r[0]) for r in await tx.fetch_all(
-        "SELECT id FROM memory_items WHERE source_ref IN (SELECT p.key FROM platform_messages AS p"
-        f" WHERE p.message_id IN (SELECT id FROM messages WHERE {where}))", params)]
+        f"SELECT id FROM memory_items WHERE {ITEM_FROM_MESSAGES.format(where=where)}", params)]
     for start in range(0, len(ids), 500):
         chunk = ids[start:start + 500]
         marks = ",".join("?" for _ in chunk)
@@ -150,6 +154,14 @@ async def delete_items_from(tx: Tx, where: str, params: Sequence[Any]) -> int:
             await tx.execute(f"UPDATE memory_items SET {column} = NULL WHERE {column} IN ({marks})", chunk)
         await tx.execute(f"DELETE FROM memory_items WHERE id IN ({marks})", chunk)
     return len(ids)
+
+
+async def delete_stretch(tx: Tx, where: str, params: Sequence[Any]) -> list[int]:
+    """Delete an incognito stretch's messages (``where``) with the items remembered from them; the messages'
+    ids."""
+    await delete_items_from(tx, where, params)
+    deleted, _ = await delete_messages(tx, where, params)
+    return deleted
 
 
 async def delete_messages(tx: Tx, where: str, params: Sequence[Any]) -> tuple[list[int], list[int]]:
@@ -291,9 +303,8 @@ class Storage:
             if row is None:
                 return None
             started = float(row[0])
-            stretch = ("user_id = ? AND persona = ? AND created_at >= ?", (user_id, persona, started))
-            await delete_items_from(tx, *stretch)
-            deleted, _ = await delete_messages(tx, *stretch)
+            deleted = await delete_stretch(tx, "user_id = ? AND persona = ? AND created_at >= ?",
+                                           (user_id, persona, started))
             await tx.execute("DELETE FROM incognito WHERE user_id = ? AND persona = ?", (user_id, persona))
             believed = believable(at)
             ended = max(started, believed.timestamp() if believed is not None else time.time())
@@ -329,10 +340,9 @@ class Storage:
                                        " RETURNING user_key, persona, started_at, ended_at", (before,))
             late = 0
             for user_key, persona, started, until in ended:
-                stretch = ("user_id IN (SELECT id FROM users WHERE key = ?) AND persona = ? AND created_at >= ?"
-                           " AND created_at < ?", (str(user_key), str(persona), float(started), float(until)))
-                await delete_items_from(tx, *stretch)
-                deleted, _ = await delete_messages(tx, *stretch)
+                deleted = await delete_stretch(
+                    tx, "user_id IN (SELECT id FROM users WHERE key = ?) AND persona = ? AND created_at >= ?"
+                    " AND created_at < ?", (str(user_key), str(persona), float(started), float(until)))
                 late += len(deleted)
         return late
 
@@ -379,11 +389,11 @@ class Storage:
             if row is None:
                 return 0, 0
             channel_id = int(row[0])
+            from_its_messages = ITEM_FROM_MESSAGES.format(where="channel_id = ?")
             archived = await tx.fetch_all(
                 "UPDATE memory_items SET archived_at = ?, archive_reason = ? WHERE archived_at IS NULL"
-                " AND superseded_by IS NULL AND (source_ref = ? OR source_ref IN (SELECT p.key FROM"
-                " platform_messages AS p JOIN messages AS m ON m.id = p.message_id WHERE m.channel_id = ?))"
-                " RETURNING id", (now, "its channel was deleted", channel_key, channel_id))
+                f" AND superseded_by IS NULL AND (source_ref = ? OR {from_its_messages}) RETURNING id",
+                (now, "its channel was deleted", channel_key, channel_id))
             deleted, _ = await delete_messages(tx, "channel_id = ?", (channel_id,))
             await tx.execute("DELETE FROM summaries WHERE channel_id = ?", (channel_id,))
         self.forget_cached(user_key="", channel_ids=[channel_id])
