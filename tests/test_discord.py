@@ -125,9 +125,10 @@ async def test_slash_commands_are_built_offline(adapter: DiscordAdapter) -> None
 async def _interact(adapter: DiscordAdapter, monkeypatch: pytest.MonkeyPatch, name: str,
                     options: list[dict[str, Any]], *, permissions: int = 0, kind: int = 2,
                     resolved: dict[str, Any] | None = None, command_type: int = 1,
-                    target_id: str | None = None, channel_data: dict[str, Any] | None = None) -> dict[str, Any]:
+                    target_id: str | None = None, channel_data: dict[str, Any] | None = None,
+                    dm_channel: str | None = None) -> dict[str, Any]:
     """Dispatch an INTERACTION_CREATE through the real command tree (in the first channel, or the one of
-    ``channel_data``); return the recorded response."""
+    ``channel_data``, or the DM ``dm_channel``); return the recorded response."""
     recorded: list[dict[str, Any]] = []
 
     async def fake_response(self: Any, interaction_id: int, token: str, *, session: Any, params: Any,
@@ -140,15 +141,19 @@ async def _interact(adapter: DiscordAdapter, monkeypatch: pytest.MonkeyPatch, na
     bot._connection._command_tree = adapter.tree
     config = dpytest.get_config()
     guild, channel, member = config.guilds[0], config.channels[0], config.members[0]
-    payload = {
-        "id": "1111", "application_id": str(bot.user.id), "type": kind, "token": "tok", "version": 1,
-        "attachment_size_limit": 8_000_000, "guild_id": str(guild.id),
+    user = {"id": str(member.id), "username": member.name, "discriminator": "0001", "avatar": None}
+    where: dict[str, Any] = {
+        "guild_id": str(guild.id),
         "channel": channel_data or {"id": str(channel.id), "type": 0, "guild_id": str(guild.id),
                                     "name": channel.name, "position": 0},
         "channel_id": (channel_data or {}).get("id", str(channel.id)),
-        "member": {"user": {"id": str(member.id), "username": member.name, "discriminator": "0001",
-                            "avatar": None}, "roles": [], "joined_at": "2024-01-01T00:00:00+00:00",
+        "member": {"user": user, "roles": [], "joined_at": "2024-01-01T00:00:00+00:00",
                    "deaf": False, "mute": False, "flags": 0, "permissions": str(permissions)},
+    } if dm_channel is None else {
+        "channel": {"id": dm_channel, "type": 1, "recipients": []}, "channel_id": dm_channel, "user": user}
+    payload = {
+        "id": "1111", "application_id": str(bot.user.id), "type": kind, "token": "tok", "version": 1,
+        "attachment_size_limit": 8_000_000, **where,
         "data": {"id": "2222", "name": name, "type": command_type, "options": options,
                  **({"resolved": resolved} if resolved else {}), **({"target_id": target_id} if target_id else {})},
     }
@@ -991,31 +996,9 @@ async def test_a_menu_on_the_bots_own_reply_in_a_dm_is_the_users(adapter: Discor
     """discord.py gives a menu's target message in a DM a partial channel, which the check of a DM (by the
     channel's type: a message of a server not loaded has no guild either) did not take for one. "Forget this"
     on the bot's own DM reply answered "only your own messages"."""
-    recorded: list[dict[str, Any]] = []
-
-    async def fake_response(self: Any, interaction_id: int, token: str, *, session: Any, params: Any,
-                            **kw: Any) -> dict[str, Any]:
-        recorded.append(params.payload)
-        return {"interaction": {"id": str(interaction_id), "type": 2}}
-
-    monkeypatch.setattr(discord.webhook.async_.AsyncWebhookAdapter, "create_interaction_response", fake_response)
-    bot = adapter.bot
-    bot._connection._command_tree = adapter.tree
-    member = dpytest.get_config().members[0]
     dm_id = "424242"
-    target = _message_payload("5555", bot.user, "I noted your PIN", int(dm_id))
-    payload = {
-        "id": "1111", "application_id": str(bot.user.id), "type": 2, "token": "tok", "version": 1,
-        "attachment_size_limit": 8_000_000,
-        "channel": {"id": dm_id, "type": 1, "recipients": []}, "channel_id": dm_id,
-        "user": {"id": str(member.id), "username": member.name, "discriminator": "0001", "avatar": None},
-        "data": {"id": "2222", "name": "Forget this", "type": 3, "target_id": "5555",
-                 "resolved": {"messages": {"5555": target}}},
-    }
-    bot._connection.parse_interaction_create(payload)
-    for _ in range(200):
-        if recorded:
-            break
-        await asyncio.sleep(0.01)
-    assert recorded and recorded[0]["data"]["content"] == "Nothing of yours was remembered from that message.", \
-        recorded  # (it ran: nothing was remembered from the bot's reply)
+    target = _message_payload("5555", adapter.bot.user, "I noted your PIN", int(dm_id))
+    answer = await _interact(adapter, monkeypatch, "Forget this", [], command_type=3, target_id="5555",
+                             resolved={"messages": {"5555": target}}, dm_channel=dm_id)
+    # (it ran: nothing was remembered from the bot's reply)
+    assert answer["data"]["content"] == "Nothing of yours was remembered from that message.", answer

@@ -7,16 +7,12 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import discord
 import pytest
 import pytest_asyncio
-import yarl
 
-from adapters.discord import DiscordAdapter
 from bot.app import App
-from bot.config import parse_config
 from tests.fakes.discord_server import FakeDiscord
-from tests.fakes.provider import ScriptedProvider
+from tests.test_discord_streaming import running_bot
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -30,25 +26,8 @@ async def live(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator
     """A bot in one server with two text channels, replies not streamed."""
     with FakeDiscord() as fake:
         fake.add_guild(GUILD, channel_ids=(CHANNEL, OTHER_CHANNEL), members=(ANN,))
-        monkeypatch.setattr(discord.http.Route, "BASE", fake.api_base)
-        monkeypatch.setattr(discord.gateway.DiscordWebSocket, "DEFAULT_GATEWAY", yarl.URL(fake.gateway_url))
-        config = parse_config({
-            "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
-            "chat": {"streaming": False, "still_working_seconds": 0, "typing_indicator": False},
-            "cortex": {"context_limit": 1000},
-            "discord": {"enabled": True, "sync_commands": False},
-        })
-        app = App(config, llm=ScriptedProvider())
-        await app.start()
-        adapter = DiscordAdapter(app, config.discord)
-        run = asyncio.create_task(adapter.bot.start("token"))
-        try:
-            await asyncio.wait_for(adapter.bot.wait_until_ready(), 30)
+        async with running_bot(fake, tmp_path, monkeypatch, {"streaming": False}) as app:
             yield fake, app
-        finally:
-            await adapter.close()
-            await asyncio.gather(run, return_exceptions=True)
-            await app.stop()
 
 
 async def _said(fake: FakeDiscord, app: App, text: str, channel: int) -> None:

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import discord
 import pytest
@@ -361,6 +362,22 @@ async def test_doctor_asks_discord_whether_it_takes_the_bot_token(monkeypatch: p
     assert not ok and said.startswith(f"cannot reach {unreachable} (") and "waits until it can" in said
 
 
+@asynccontextmanager
+async def _serving(path: str, handler: Any) -> AsyncIterator[str]:
+    """An HTTP server on loopback answering GET ``path`` with ``handler``: its base URL."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_get(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
 @pytest.mark.parametrize("body", ["<html>Sign in to the Wi-Fi</html>", "[1, 2]", "{}"])
 async def test_doctor_names_a_check_answered_by_something_other_than_discord(
         monkeypatch: pytest.MonkeyPatch, body: str) -> None:
@@ -373,18 +390,10 @@ async def test_doctor_names_a_check_answered_by_something_other_than_discord(
     async def me(request: web.Request) -> web.Response:
         return web.Response(text=body, content_type="text/html" if body.startswith("<") else "application/json")
 
-    app = web.Application()
-    app.router.add_get("/users/@me", me)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    base = f"http://127.0.0.1:{runner.addresses[0][1]}"
     monkeypatch.setenv("CB_TEST_DISCORD_TOKEN", "a-good-token")
-    try:
+    async with _serving("/users/@me", me) as base:
         ok, said = await discord_login(DiscordConfig(enabled=True, token_env="CB_TEST_DISCORD_TOKEN"),
                                        {API_BASE_ENV: base})
-    finally:
-        await runner.cleanup()
     assert not ok and said == f"{base} answered the bot token's check with something other than Discord's answer " \
                               "(a proxy in between?)"
 
@@ -404,17 +413,8 @@ async def test_discord_in_an_outage_is_waited_for_like_one_out_of_reach(monkeypa
         asked.append(request.path)
         return web.json_response({"url": "ws://127.0.0.1:1"}, status=answers.pop(0) if answers else 200)
 
-    app = web.Application()
-    app.router.add_get("/api/v10/gateway", gateway)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        await asyncio.wait_for(discord_adapter.reachable(f"http://127.0.0.1:{port}/api/v10"), 10)
-    finally:
-        await runner.cleanup()
+    async with _serving("/api/v10/gateway", gateway) as base:
+        await asyncio.wait_for(discord_adapter.reachable(f"{base}/api/v10"), 10)
     assert asked == ["/api/v10/gateway"] * 3
     said = [r.getMessage() for r in caplog.records if r.name == "adapters.discord"]
     assert len([m for m in said if "cannot reach" in m and "(HTTP 503)" in m]) == 1 and "answers again" in said[-1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,29 +26,37 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 ANSWER = "Here is the whole answer, word by word, up to its very last word."
 
 
+@asynccontextmanager
+async def running_bot(fake: FakeDiscord, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                      chat: dict[str, Any]) -> AsyncIterator[App]:
+    """The bot with the real discord.py connected to ``fake`` and ready (``chat``: its [chat] settings)."""
+    monkeypatch.setattr(discord.http.Route, "BASE", fake.api_base)
+    monkeypatch.setattr(discord.gateway.DiscordWebSocket, "DEFAULT_GATEWAY", yarl.URL(fake.gateway_url))
+    config = parse_config({
+        "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
+        "chat": {"still_working_seconds": 0, "typing_indicator": False, **chat},
+        "cortex": {"context_limit": 1000},
+        "discord": {"enabled": True, "sync_commands": False},
+    })
+    app = App(config, llm=ScriptedProvider())
+    await app.start()
+    adapter = DiscordAdapter(app, config.discord)
+    run = asyncio.create_task(adapter.bot.start("token"))
+    try:
+        await asyncio.wait_for(adapter.bot.wait_until_ready(), 30)
+        yield app
+    finally:
+        await adapter.close()
+        await asyncio.gather(run, return_exceptions=True)
+        await app.stop()
+
+
 @pytest_asyncio.fixture
 async def live(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[FakeDiscord, App]]:
     """A bot whose replies stream as one send and one final edit (the interval is longer than any test)."""
     with FakeDiscord() as fake:
-        monkeypatch.setattr(discord.http.Route, "BASE", fake.api_base)
-        monkeypatch.setattr(discord.gateway.DiscordWebSocket, "DEFAULT_GATEWAY", yarl.URL(fake.gateway_url))
-        config = parse_config({
-            "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
-            "chat": {"edit_interval_seconds": 60, "still_working_seconds": 0, "typing_indicator": False},
-            "cortex": {"context_limit": 1000},
-            "discord": {"enabled": True, "sync_commands": False},
-        })
-        app = App(config, llm=ScriptedProvider())
-        await app.start()
-        adapter = DiscordAdapter(app, config.discord)
-        run = asyncio.create_task(adapter.bot.start("token"))
-        try:
-            await asyncio.wait_for(adapter.bot.wait_until_ready(), 30)
+        async with running_bot(fake, tmp_path, monkeypatch, {"edit_interval_seconds": 60}) as app:
             yield fake, app
-        finally:
-            await adapter.close()
-            await asyncio.gather(run, return_exceptions=True)
-            await app.stop()
 
 
 def shown(fake: FakeDiscord, channel_id: str) -> list[str]:

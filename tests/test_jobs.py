@@ -439,22 +439,25 @@ async def test_enqueues_of_one_key_at_once_queue_one_job(storage: Storage, db_ur
     assert len(await storage.list_jobs("queued")) == 20
 
 
-class _DroppedRenewals:
-    """A worker's storage whose lease renewals fail as over a dropped connection; everything else works."""
+class _Renewals:
+    """A worker's storage whose lease renewals fail (``hang``: never answer) as over a broken connection;
+    everything else works."""
 
-    def __init__(self, storage: Storage) -> None:
-        self._storage = storage
+    def __init__(self, storage: Storage, *, hang: bool = False) -> None:
+        self._storage, self._hang = storage, hang
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._storage, name)
 
     async def renew_lease(self, *args: object, **kwargs: object) -> bool:
+        if self._hang:
+            await asyncio.sleep(3600)
         raise ConnectionError("connection reset")
 
 
-async def test_a_run_whose_lease_runs_out_unrenewed_stops_before_another_takes_over(storage: Storage) -> None:
-    """Renewals that failed (a dropped connection) were only logged: the lease ran out, another worker took the
-    job over, and both runs went on to the end, each writing its result (two summaries, two file versions)."""
+async def _writes_beside_a_takeover(storage: Storage, first_storage: _Renewals) -> list[str]:
+    """A job's first run, whose renewals go through ``first_storage``, and the run of a second worker that
+    takes it over once the first lease ran out: what each run wrote at its end."""
     config = FAST.model_copy(update={"concurrency": 1, "lease_seconds": 0.6})
     writes: list[str] = []
     second_running = asyncio.Event()
@@ -469,7 +472,7 @@ async def test_a_run_whose_lease_runs_out_unrenewed_stops_before_another_takes_o
             writes.append("second")
 
     first = WorkerPool(JobQueue(storage, config), {"k": handler}, worker_id="hostA:1:aaaa", pid_checks=False,
-                       storage=_DroppedRenewals(storage))  # type: ignore[arg-type]
+                       storage=first_storage)  # type: ignore[arg-type]
     second = WorkerPool(JobQueue(storage, config), {"k": handler}, worker_id="hostB:2:bbbb", pid_checks=False)
     await first.start()
     await first.queue.enqueue("k", "pair:1", {})
@@ -479,7 +482,13 @@ async def test_a_run_whose_lease_runs_out_unrenewed_stops_before_another_takes_o
     await asyncio.sleep(2.0)
     await first.stop(1)
     await second.stop(1)
-    assert writes == ["second"]
+    return writes
+
+
+async def test_a_run_whose_lease_runs_out_unrenewed_stops_before_another_takes_over(storage: Storage) -> None:
+    """Renewals that failed (a dropped connection) were only logged: the lease ran out, another worker took the
+    job over, and both runs went on to the end, each writing its result (two summaries, two file versions)."""
+    assert await _writes_beside_a_takeover(storage, _Renewals(storage)) == ["second"]
 
 
 async def test_a_claim_answered_while_the_pool_stops_is_handed_back(storage: Storage) -> None:
@@ -531,36 +540,4 @@ def test_a_process_in_another_pid_namespace_is_never_taken_for_dead(monkeypatch:
 async def test_a_run_whose_renewal_hangs_stops_before_another_takes_over(storage: Storage) -> None:
     """A renewal that never answered (a half-open connection, a pool with no free connection) was waited for,
     and its run went on beside the run of the worker that took the job over."""
-    config = FAST.model_copy(update={"concurrency": 1, "lease_seconds": 0.6})
-    writes: list[str] = []
-    second_running = asyncio.Event()
-
-    class HangingRenewals:
-        def __getattr__(self, name: str) -> object:
-            return getattr(storage, name)
-
-        async def renew_lease(self, *args: object, **kwargs: object) -> bool:
-            await asyncio.sleep(3600)
-            return True
-
-    async def handler(job: Job) -> None:
-        if job.attempts == 1:
-            await asyncio.sleep(2.0)
-            writes.append("first")
-        else:
-            second_running.set()
-            await asyncio.sleep(0.3)
-            writes.append("second")
-
-    first = WorkerPool(JobQueue(storage, config), {"k": handler}, worker_id="hostA:1:aaaa", pid_checks=False,
-                       storage=HangingRenewals())  # type: ignore[arg-type]
-    second = WorkerPool(JobQueue(storage, config), {"k": handler}, worker_id="hostB:2:bbbb", pid_checks=False)
-    await first.start()
-    await first.queue.enqueue("k", "pair:1", {})
-    await asyncio.sleep(0.9)
-    await second.start()
-    await asyncio.wait_for(second_running.wait(), 5)
-    await asyncio.sleep(2.0)
-    await first.stop(1)
-    await second.stop(1)
-    assert writes == ["second"]
+    assert await _writes_beside_a_takeover(storage, _Renewals(storage, hang=True)) == ["second"]

@@ -39,6 +39,21 @@ def _sse(*chunks: str) -> FakeResponse:
     return FakeResponse.malformed(("".join(chunks) + "data: [DONE]\n\n").encode(), content_type="text/event-stream")
 
 
+def _config(tmp_path: Any, server: FakeLLMServer, model: str, provider: str = "openai") -> Any:
+    """A bot asking ``model`` on the fake server through the real SDK of ``provider``."""
+    url = server.anthropic_url if provider == "anthropic" else server.openai_url
+    return parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000},
+                         "llm": {"provider": provider, "base_url": url, "api_key_env": KEY_ENV, "max_retries": 0,
+                                 "model": model}})
+
+
+def _refusing_tools(request: Any) -> FakeResponse:
+    """Ollama's answer for a model without tool support; a text answer without them."""
+    if "tools" in request.body:
+        return FakeResponse.error(400, "registry.ollama.ai/library/gemma2:9b does not support tools")
+    return FakeResponse.text("Hello Ann.")
+
+
 async def _streamed(server: FakeLLMServer, request: LLMRequest | None = None) -> tuple[list[str], Any]:
     provider = _provider(server)
     shown, end = [], None
@@ -121,10 +136,7 @@ async def test_tool_arguments_sent_as_an_object_are_read(fake_llm: FakeLLMServer
 async def test_a_reply_shows_and_keeps_no_thinking(tmp_path: Any, fake_llm: FakeLLMServer,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(KEY_ENV, "k")
-    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000},
-                           "llm": {"provider": "openai", "base_url": fake_llm.openai_url, "api_key_env": KEY_ENV,
-                                   "max_retries": 0, "model": "qwen3:8b"}})
-    async with App(config) as app:
+    async with App(_config(tmp_path, fake_llm, "qwen3:8b")) as app:
         fake_llm.enqueue(FakeResponse.text("<think>\nher password is hunter2, don't say it.\n</think>\n\nHello Ann."),
                          FakeResponse.text("Fine, thanks."))
         message = IncomingMessage("discord", "dm-ann", "ann", "Ann", "hi", is_dm=True)
@@ -140,13 +152,8 @@ async def test_a_server_that_takes_no_tools_still_answers(tmp_path: Any, fake_ll
     """Ollama answers a model without tool support with a 400 ("does not support tools"), as do vLLM without
     --enable-auto-tool-choice and llama.cpp without --jinja: with skills on by default, every reply failed."""
     monkeypatch.setenv(KEY_ENV, "k")
-    fake_llm.responder = lambda request: (
-        FakeResponse.error(400, "registry.ollama.ai/library/gemma2:9b does not support tools")
-        if "tools" in request.body else FakeResponse.text("Hello Ann."))
-    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000},
-                           "llm": {"provider": "openai", "base_url": fake_llm.openai_url, "api_key_env": KEY_ENV,
-                                   "max_retries": 0, "model": "gemma2:9b"}})
-    async with App(config) as app:
+    fake_llm.responder = _refusing_tools
+    async with App(_config(tmp_path, fake_llm, "gemma2:9b")) as app:
         message = IncomingMessage("discord", "dm-ann", "ann", "Ann", "hi", is_dm=True)
         assert await app.core.reply(message).text() == "Hello Ann."
         assert await app.core.reply(message).text() == "Hello Ann."  # (asked without them at once now)
@@ -207,11 +214,7 @@ async def test_a_reply_the_providers_filter_stopped_says_so(tmp_path: Any, fake_
     from bot.llm.errors import LLMRefused
 
     monkeypatch.setenv(KEY_ENV, "k")
-    url = fake_llm.anthropic_url if provider == "anthropic" else fake_llm.openai_url
-    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000},
-                           "llm": {"provider": provider, "base_url": url, "api_key_env": KEY_ENV, "max_retries": 0,
-                                   "model": "m"}})
-    async with App(config) as app:
+    async with App(_config(tmp_path, fake_llm, "m", provider)) as app:
         fake_llm.enqueue(FakeResponse.text("", stop_reason="refusal" if provider == "anthropic" else "content_filter"))
         with pytest.raises(LLMRefused) as refused:
             await app.core.reply(IncomingMessage("discord", "dm-ann", "ann", "Ann", "hi", is_dm=True)).text()
@@ -262,13 +265,8 @@ async def test_an_update_that_needs_its_tools_fails_on_a_server_without_them(
     from bot.llm.errors import LLMBadRequest
 
     monkeypatch.setenv(KEY_ENV, "k")
-    fake_llm.responder = lambda request: (
-        FakeResponse.error(400, "registry.ollama.ai/library/gemma2:9b does not support tools")
-        if "tools" in request.body else FakeResponse.text("Hello Ann."))
-    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000},
-                           "llm": {"provider": "openai", "base_url": fake_llm.openai_url, "api_key_env": KEY_ENV,
-                                   "max_retries": 0, "model": "gemma2:9b"}})
-    async with App(config) as app:
+    fake_llm.responder = _refusing_tools
+    async with App(_config(tmp_path, fake_llm, "gemma2:9b")) as app:
         for text in ("I adopted a cat called Pixel", "I work nights", "Tea, never coffee"):
             await app.core.reply(IncomingMessage("discord", "dm-ann", "ann", "Ann", text, is_dm=True)).text()
         user = await app.storage.get_user("discord:ann")

@@ -25,6 +25,17 @@ def _config(tmp_path: Path, homeserver: str = "http://127.0.0.1:9") -> Any:
     })
 
 
+def _room(adapter: MatrixAdapter, room_id: str, kind: str, *members: tuple[str, str]) -> Any:
+    """A room of ``kind`` ("group", "dm") the adapter knows, with the bot (Cora) and ``members`` (id, name)."""
+    from nio import MatrixRoom
+
+    adapter._remember_kind(room_id, kind)
+    room = MatrixRoom(room_id, "@cortex:localhost")
+    for user_id, name in (("@cortex:localhost", "Cora"), *members):
+        room.add_member(user_id, name, None)
+    return room
+
+
 async def test_an_unreachable_homeserver_is_reported_once_and_retried(tmp_path: Path,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     with socket.socket() as s:
@@ -161,15 +172,12 @@ async def test_an_edited_file_caption_does_not_run_its_command_again(tmp_path: P
 async def test_a_bare_uploads_file_name_neither_calls_the_bot_nor_is_a_command(tmp_path: Path, filename: str) -> None:
     """A bare upload's body is its file's name: "Cora.jpg" posted in a group room counted as a mention of the
     bot, which answered "I read text" into the room; a name starting with the prefix counted as addressed."""
-    from nio import MatrixRoom, RoomMessageImage
+    from nio import RoomMessageImage
 
     config = _config(tmp_path)
     async with App(config, llm=ScriptedProvider()) as app:
         adapter = MatrixAdapter(app, config.matrix, env={"CB_MATRIX_PW": "x"})
-        adapter._remember_kind("!group:localhost", "group")
-        room = MatrixRoom("!group:localhost", "@cortex:localhost")
-        for user_id, name in (("@cortex:localhost", "Cora"), ("@ann:localhost", "Ann"), ("@bob:localhost", "Bob")):
-            room.add_member(user_id, name, None)
+        room = _room(adapter, "!group:localhost", "group", ("@ann:localhost", "Ann"), ("@bob:localhost", "Bob"))
 
         def image(body: str) -> RoomMessageImage:
             return RoomMessageImage.from_dict({"type": "m.room.message", "event_id": "$i", "sender": "@ann:localhost",
@@ -256,17 +264,12 @@ def test_the_quote_of_a_reply_is_cut_from_the_start_of_a_formatted_body_only() -
 async def test_private_answers_never_go_to_a_room_that_was_upgraded(tmp_path: Path) -> None:
     """After a direct room was upgraded (its tombstone names the new room), private answers still went to the
     old one, which clients hide once the new room is joined: the user never saw them."""
-    from nio import MatrixRoom
-
     config = _config(tmp_path)
     async with App(config, llm=ScriptedProvider()) as app:
         adapter = MatrixAdapter(app, config.matrix, env={"CB_MATRIX_PW": "x"})
-        room = MatrixRoom("!dm:localhost", "@cortex:localhost")
-        for user_id, name in (("@cortex:localhost", "Cora"), ("@ann:localhost", "Ann")):
-            room.add_member(user_id, name, None)
+        room = _room(adapter, "!dm:localhost", "dm", ("@ann:localhost", "Ann"))
         room.join_rule = "invite"
         adapter.client.rooms[room.room_id] = room
-        adapter._remember_kind(room.room_id, "dm")
         adapter._dms["@ann:localhost"] = room.room_id
         assert await adapter._private_to(room, "@ann:localhost")
         room.replacement_room = "!new:localhost"
@@ -278,17 +281,14 @@ async def test_made_up_sessions_in_a_group_room_ask_for_keys_a_limited_number_of
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """In a group room every undecryptable message with a new session id cost a key request and a warning,
     without limit: anyone's server can send made-up sessions without end."""
-    from nio import MatrixRoom, MegolmEvent
+    from nio import MegolmEvent
 
     from adapters.matrix import KEY_REQUESTS_PER_MINUTE
 
     config = _config(tmp_path)
     async with App(config, llm=ScriptedProvider()) as app:
         adapter = MatrixAdapter(app, config.matrix, env={"CB_MATRIX_PW": "x"})
-        adapter._remember_kind("!group:localhost", "group")
-        room = MatrixRoom("!group:localhost", "@cortex:localhost")
-        for user_id, name in (("@cortex:localhost", "Cora"), ("@mal:evil", "Mal"), ("@bob:localhost", "Bob")):
-            room.add_member(user_id, name, None)
+        room = _room(adapter, "!group:localhost", "group", ("@mal:evil", "Mal"), ("@bob:localhost", "Bob"))
         asked: list[str] = []
 
         async def request_room_key(event: MegolmEvent) -> None:

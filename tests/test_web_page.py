@@ -282,11 +282,7 @@ async def test_unsaved_text_is_asked_for_errors_clear_and_a_phone_scrolls_down_o
         browser = await p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         try:
             async with logged_in(browser, bot, "ann", watch, dialogs=dialogs) as page:
-                await page.get_by_test_id("file-memory.md").click()
-                await page.get_by_test_id("edit").click()
-                editor = page.get_by_test_id("editor")
-                await editor.press("Control+End")
-                await editor.type("\n- not saved yet")
+                editor = await typed_at_the_end(page, "\n- not saved yet")
                 await page.get_by_test_id("tab-items").click()  # dismissed: the editor stays, with the text
                 await page.select_option("#persona", "Vex")
                 assert all("not saved" in d for d in await asked(dialogs, 2)), dialogs
@@ -395,6 +391,16 @@ async def test_item_corrections_keep_what_was_typed_and_the_keyboard_stays(tmp_p
     assert not watch.problems, watch.problems
 
 
+async def typed_at_the_end(page: Any, text: str) -> Any:
+    """memory.md opened in its editor with ``text`` typed at its end (not saved): the editor."""
+    await page.get_by_test_id("file-memory.md").click()
+    await page.get_by_test_id("edit").click()
+    editor = page.get_by_test_id("editor")
+    await editor.press("Control+End")
+    await editor.type(text)
+    return editor
+
+
 async def asked(dialogs: list[str], count: int) -> list[str]:
     """The page's questions once ``count`` were asked (a dialog's handler runs a moment after the click)."""
     for _ in range(100):
@@ -431,11 +437,7 @@ async def test_leaving_unsaved_text_is_asked_everywhere_and_a_refused_correction
             async with logged_in(browser, bot, "ann", watch, dialogs=dialogs) as page:
                 await page.get_by_test_id("tab-items").click()
                 await page.get_by_test_id("tab-files").click()
-                await page.get_by_test_id("file-memory.md").click()
-                await page.get_by_test_id("edit").click()
-                editor = page.get_by_test_id("editor")
-                await editor.press("Control+End")
-                await editor.type("\n- typed, not saved")
+                editor = await typed_at_the_end(page, "\n- typed, not saved")
                 await page.go_back()  # Back is asked about (dismissed: the editor and its address stay)
                 await expect(page).to_have_url(re.compile("#/files$"))
                 await expect(editor).to_have_value(re.compile("typed, not saved$"))

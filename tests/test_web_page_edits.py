@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_web_page import CHROMIUM, Watch, asked, logged_in
+from tests.test_web_page import CHROMIUM, Watch, asked, logged_in, typed_at_the_end
 from tests.web_support import running_bot
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (apt install chromium) for the browser test")
@@ -31,20 +31,14 @@ async def test_the_file_editors_text_is_asked_about_before_edit_again_or_reset(t
         browser = await p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         try:
             async with logged_in(browser, bot, "ann", watch, dialogs=dialogs) as page:
-                await page.get_by_test_id("file-memory.md").click()
-                await page.get_by_test_id("edit").click()
-                editor = page.get_by_test_id("editor")
-                await editor.press("Control+End")
-                await editor.type("\n- an hour of typing")
+                editor = await typed_at_the_end(page, "\n- an hour of typing")
                 await page.get_by_test_id("edit").click()  # (dismissed: the editor stays, with the text)
                 assert await asked(dialogs, 1) == ["Leave the editor? Your changes are not saved."]
                 await page.get_by_test_id("reset").click()
                 assert (await asked(dialogs, 2))[1] == "Leave the editor? Your changes are not saved."
                 await expect(editor).to_have_value(re.compile("an hour of typing$"))
             async with logged_in(browser, bot, "ann", watch) as page:  # (each question accepted)
-                await page.get_by_test_id("file-memory.md").click()
-                await page.get_by_test_id("edit").click()
-                await page.get_by_test_id("editor").type("\n- dropped on purpose")
+                await typed_at_the_end(page, "\n- dropped on purpose")
                 await page.get_by_test_id("edit").click()  # (asked, accepted: the editor closes)
                 await expect(page.get_by_test_id("editor")).to_have_count(0)
                 await expect(page.get_by_test_id("edit")).to_have_attribute("aria-pressed", "false")
