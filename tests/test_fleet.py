@@ -615,3 +615,37 @@ async def test_periodic_runs_and_locks_stamped_by_a_clock_that_was_far_ahead_do_
         assert await repo.acquire_lock("matrix:@bot:example.org", "other", 60) == "right-clock"
     finally:
         await storage.close()
+
+
+async def test_a_machine_whose_clock_runs_an_hour_ahead_goes_by_the_database_servers_clock(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Two machines share one PostgreSQL; B's clock runs an hour ahead (no NTP). A's live lease, lock, period
+    # and heartbeat must mean to B what they mean to A: B goes by the server's clock, not its own.
+    store_a, store_b = await migrated(pg_url), await open_storage(pg_url, pool_size=4)
+    try:
+        job = await store_a.enqueue_job("k", "pair:1", {}, 3)
+        assert job is not None
+        claimed = await store_a.claim_job("a", ["k"], 300)
+        assert claimed is not None and claimed.id == job.id
+        assert await store_a.fleet.acquire_lock("matrix:@bot:example.org", "a", 300) is None
+        assert await store_a.fleet.claim_period("upkeep", 300, "a")
+        await store_a.fleet.heartbeat("process-a", "host-a", 1, {}, time.time())
+
+        real_time = time.time
+        monkeypatch.setattr(time, "time", lambda: real_time() + 3600)  # from here on, this is machine B
+
+        assert await store_b.recover_jobs() == []
+        held = await store_b.get_job(job.id)
+        assert held is not None and held.status == "running" and held.locked_by == "a"
+        assert (await store_b.fleet.queue_stats()).lapsed == 0
+        assert await store_b.fleet.acquire_lock("matrix:@bot:example.org", "b", 300) == "a"
+        assert not await store_b.fleet.claim_period("upkeep", 300, "b")
+        assert [p.id for p in await store_b.fleet.live_processes()] == ["process-a"]
+        # a job B queues is due by the server's clock
+        later = await store_b.enqueue_job("k", "pair:2", {}, 3)
+        assert later is not None and abs(later.run_after.timestamp() - real_time()) < 5
+        assert "clock is 3600" in caplog.text and "ahead of the database server's" in caplog.text
+    finally:
+        await store_a.close()
+        await store_b.close()

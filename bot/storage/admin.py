@@ -6,7 +6,6 @@ Portable SQL only (``?`` placeholders, no date functions): a day is a UTC time r
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -76,7 +75,7 @@ class AdminRepository:
     async def requeue_failed_job(self, job_id: int) -> bool:
         """Queue a failed job again with a fresh set of attempts (its last error stays visible); False when
         it is not failed, or a job of the same kind and key is queued already."""
-        now = time.time()
+        now = await self.db.now()
         sql = ("UPDATE jobs SET status = 'queued', attempts = 0, run_after = ?, locked_by = '', lease_until = 0,"
                " updated_at = ? WHERE id = ? AND status = 'failed' AND NOT EXISTS (SELECT 1 FROM jobs AS q"
                " WHERE q.kind = jobs.kind AND q.key = jobs.key AND q.status = 'queued') RETURNING id")

@@ -759,7 +759,7 @@ class Storage:
         dedupe: bool = True,
         run_after: datetime | None = None,
     ) -> Job | None:
-        now = time.time()
+        now = await self.db.now()
         # One statement, so the duplicate check and the insert are atomic without a transaction.
         duplicate = (
             "NOT EXISTS (SELECT 1 FROM jobs WHERE kind = ? AND key = ? AND status = 'queued')" if dedupe else "1 = 1"
@@ -768,8 +768,9 @@ class Storage:
                " SELECT CAST(? AS TEXT), CAST(? AS TEXT), CAST(? AS TEXT), 'queued', CAST(? AS INTEGER),"
                " CAST(? AS DOUBLE PRECISION), CAST(? AS DOUBLE PRECISION), CAST(? AS DOUBLE PRECISION)"
                f" WHERE {duplicate} RETURNING *")
-        params = (kind, key, json.dumps(payload), max_attempts, _ts(run_after) if run_after else now, now, now,
-                  *((kind, key) if dedupe else ()))
+        # (a time given by this machine's clock, moved to the database's)
+        due = now if run_after is None else _ts(run_after) + now - time.time()
+        params = (kind, key, json.dumps(payload), max_attempts, due, now, now, *((kind, key) if dedupe else ()))
         if dedupe and self.db.dialect == "postgres":
             # Each statement there sees the rows committed when it began: two enqueues at once would each find
             # no queued job and both insert. Enqueues of one kind and key take turns (SQLite's write lock does).
@@ -795,7 +796,7 @@ class Storage:
             " ORDER BY run_after, id LIMIT 1"
         )
         for _attempt in range(3):
-            now = time.time()
+            now = await self.db.now()
             # Idle workers poll: look first without taking a write lock.
             if await self.db.fetch_one(runnable, (now, *kinds)) is None:
                 return None
@@ -819,7 +820,7 @@ class Storage:
         renewed = await self.db.write(
             f"UPDATE jobs SET lease_until = ? WHERE id = ? AND status = 'running' AND locked_by = ?{fence}"
             " RETURNING id",
-            (time.time() + lease_seconds, job_id, worker, *fenced),
+            (await self.db.now() + lease_seconds, job_id, worker, *fenced),
         )
         return bool(renewed)
 
@@ -828,7 +829,7 @@ class Storage:
         """Change a job that ``worker`` holds under a live lease (fenced: a worker whose lease ran out,
         or whose job was handed to another, changes nothing); ``worker`` None changes it regardless.
         ``attempt`` fences off the claims of the same worker but that one (each claim counts an attempt)."""
-        now = time.time()
+        now = await self.db.now()
         fence = "" if worker is None else " AND status = 'running' AND locked_by = ? AND lease_until >= ?"
         by_attempt, fenced = _attempt_fence(attempt)
         changed = await self.db.write(
@@ -844,7 +845,7 @@ class Storage:
                         attempt: int | None = None) -> bool:
         return await self._set_job(
             job_id, worker, f"status = 'queued', last_error = ?, run_after = ?, {JOB_DONE}",
-            (error, run_after.timestamp()), attempt,
+            (error, run_after.timestamp() + await self.db.now() - time.time()), attempt,
         )
 
     async def fail_job(self, job_id: int, error: str, worker: str | None = None, *, attempt: int | None = None) -> bool:
@@ -862,7 +863,7 @@ class Storage:
         ``is_worker_dead``); each requeue is one statement, so two processes never both take one. A job
         interrupted on its last attempt fails instead (one that kills its process would otherwise run for
         ever). The jobs as they are now (queued or failed)."""
-        now = time.time()
+        now = await self.db.now()
         recovered: list[Job] = []
         for row in await self.db.fetch_all("SELECT * FROM jobs WHERE status = 'running'"):
             expired = float(row["lease_until"]) < now

@@ -6,7 +6,9 @@ where the engines differ (full text, vectors, the message counter, upserts of a 
 repository forks on :attr:`Database.dialect`. Rows support both ``row["column"]`` and ``row[0]``
 (``sqlite3.Row`` and ``asyncpg.Record`` both do).
 
-Times are UNIX seconds (floating point) in both engines; the repositories speak UTC ``datetime``.
+Times are UNIX seconds (floating point) in both engines; the repositories speak UTC ``datetime``. Times
+that processes compare with each other's (job leases, periodic runs, locks, live processes, web sessions)
+are read from :meth:`Database.now`: a shared database's clock, not each machine's.
 """
 
 from __future__ import annotations
@@ -140,6 +142,35 @@ class _LockLine:
         self.lock.release()
 
 
+CLOCK_REFRESH_SECONDS = 60.0
+
+
+class ServerClock:
+    """A database server's clock as this process sees it: this machine's clock plus an offset measured at
+    most once a minute with one round trip (whose middle is taken as the moment the server read its clock,
+    so the error is at most half the round trip). Processes on machines whose clocks disagree by minutes
+    still agree on a lease's end: each reads the same server's time."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+        self._measured_at = -float("inf")  # time.monotonic() of the last measurement
+        self._measuring = asyncio.Lock()
+
+    async def now(self, read_server: Callable[[], Awaitable[float]]) -> float:
+        if time.monotonic() - self._measured_at >= CLOCK_REFRESH_SECONDS:
+            async with self._measuring:
+                if time.monotonic() - self._measured_at >= CLOCK_REFRESH_SECONDS:
+                    before = time.time()
+                    server = await read_server()
+                    after = time.time()
+                    self.offset, self._measured_at = server - (before + after) / 2, time.monotonic()
+                    if abs(self.offset) > 5.0:
+                        log.warning("this machine's clock is %.1f s %s the database server's: the bot goes by the "
+                                    "server's for leases and locks (keep the clocks in sync: NTP)",
+                                    abs(self.offset), "behind" if self.offset > 0 else "ahead of")
+        return time.time() + self.offset
+
+
 @dataclass
 class StorageCaches:
     """What one process remembers between calls; shared by the handles it opens on one database.
@@ -149,6 +180,7 @@ class StorageCaches:
     (the reply path's) go before those of its siblings (background jobs)."""
 
     write_lock: WriteLock = field(default_factory=WriteLock)
+    clock: ServerClock = field(default_factory=ServerClock)
     extra: dict[str, dict[Any, Any]] = field(default_factory=dict)  # caches of components on this storage
 
     def named(self, name: str) -> dict[Any, Any]:
@@ -176,6 +208,10 @@ class Database(Protocol):
     def url_settings(self) -> frozenset[str]:
         """The server settings the URL gives every connection (PostgreSQL: ``?hnsw.ef_search=200``): the
         operator's, which the bot's own choices leave alone."""
+
+    async def now(self) -> float:
+        """The time (UNIX seconds) every process on this database goes by: PostgreSQL's server clock (see
+        :class:`ServerClock`), SQLite's machine clock (its file is on one machine)."""
 
     async def fetch_all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]: ...
 

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +63,7 @@ class FleetRepository:
         A run counts as due a little early (5 % of the period, at most 5 s), so timers of different
         processes that drift by a moment never skip a period; a last start far in the future
         (:data:`CLOCK_AHEAD_SECONDS`) counts as long ago."""
-        now = time.time() if now is None else now
+        now = await self.db.now() if now is None else now
         slack = min(period_seconds * 0.05, 5.0)
         row = await self.db.write_one(
             "INSERT INTO periodic_runs (name, last_started, owner) VALUES (?, ?, ?)"
@@ -77,7 +76,7 @@ class FleetRepository:
     async def acquire_lock(self, name: str, owner: str, ttl_seconds: float) -> str | None:
         """Take or renew the lock ``name`` for ``owner``; returns None when taken, else the holder. An
         expiry far in the future (:data:`CLOCK_AHEAD_SECONDS`) counts as past."""
-        now = time.time()
+        now = await self.db.now()
         row = await self.db.write_one(
             "INSERT INTO instance_locks (name, owner, expires_at) VALUES (?, ?, ?)"
             " ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, expires_at = excluded.expires_at"
@@ -97,7 +96,7 @@ class FleetRepository:
         await self.db.write(
             "INSERT INTO processes (id, host, pid, info, started_at, last_seen) VALUES (?, ?, ?, ?, ?, ?)"
             " ON CONFLICT (id) DO UPDATE SET info = excluded.info, last_seen = excluded.last_seen",
-            (process_id, host, pid, json.dumps(info), started_at, time.time()),
+            (process_id, host, pid, json.dumps(info), started_at, await self.db.now()),
         )
 
     async def leave(self, process_id: str) -> None:
@@ -105,7 +104,7 @@ class FleetRepository:
 
     async def live_processes(self, *, within: float = LIVE_SECONDS) -> list[ProcessInfo]:
         """Processes seen within ``within`` seconds (older rows are removed)."""
-        cutoff = time.time() - within
+        cutoff = await self.db.now() - within
         await self.db.write("DELETE FROM processes WHERE last_seen < ?", (cutoff - 86_400,))
         rows = await self.db.fetch_all(
             "SELECT id, host, pid, info, started_at, last_seen FROM processes WHERE last_seen >= ? ORDER BY started_at",
@@ -116,7 +115,7 @@ class FleetRepository:
     async def queue_stats(self, since: float = 0.0) -> QueueStats:
         """The queue's counts; jobs failed since ``since`` and the newest failure; running jobs whose lease
         ran out."""
-        now = time.time()
+        now = await self.db.now()
         row = await self.db.fetch_one(
             "SELECT sum(CASE WHEN status = 'queued' THEN 1 ELSE 0 END),"
             " sum(CASE WHEN status = 'running' THEN 1 ELSE 0 END),"

@@ -266,6 +266,12 @@ class PostgresDatabase:
         async with self.pool.acquire() as conn, conn.transaction():
             yield _PgTx(conn)
 
+    async def now(self) -> float:
+        return await self.caches.clock.now(self._server_time)
+
+    async def _server_time(self) -> float:
+        return float(await self.pool.fetchval("SELECT extract(epoch FROM clock_timestamp())::float8"))
+
     async def fetch_all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         return list(await self.pool.fetch(numbered(sql), *_args(params)))
 

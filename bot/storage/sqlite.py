@@ -212,6 +212,9 @@ class SQLiteDatabase:
             else:
                 await db.execute("COMMIT")
 
+    async def now(self) -> float:
+        return time.time()
+
     async def fetch_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
         return next(iter(await self.connection.execute_fetchall(sql, params)), None)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-import time
 from dataclasses import dataclass
 
 from bot.storage.engine import Database
@@ -36,7 +35,7 @@ class WebLoginRepository:
 
     async def create_link(self, user_key: str, user_name: str, valid_seconds: float) -> str:
         """A new login token for ``user_key`` (returned once, stored as its hash)."""
-        token, now = secrets.token_urlsafe(TOKEN_BYTES), time.time()
+        token, now = secrets.token_urlsafe(TOKEN_BYTES), await self.db.now()
         await self.db.write(
             "INSERT INTO web_links (token_hash, user_key, user_name, created_at, expires_at) VALUES (?, ?, ?, ?, ?)",
             (token_hash(token), user_key, user_name, now, now + valid_seconds))
@@ -46,12 +45,12 @@ class WebLoginRepository:
     async def link_valid(self, token: str) -> bool:
         row = await self.db.fetch_one(
             "SELECT 1 FROM web_links WHERE token_hash = ? AND used_at IS NULL AND expires_at > ?",
-            (token_hash(token), time.time()))
+            (token_hash(token), await self.db.now()))
         return row is not None
 
     async def consume_link(self, token: str, session_seconds: float) -> tuple[str, WebSession] | None:
         """Use a link once: a new session (its id and row), or None when the link is unknown, used or expired."""
-        now = time.time()
+        now = await self.db.now()
         session_id, csrf = secrets.token_urlsafe(TOKEN_BYTES), secrets.token_urlsafe(TOKEN_BYTES)
         # One transaction: a forget-me cannot fall between the link's use and the session it opens.
         async with self.db.transaction() as tx:
@@ -71,7 +70,7 @@ class WebLoginRepository:
     async def session(self, session_id: str) -> WebSession | None:
         row = await self.db.fetch_one(
             "SELECT user_key, user_name, csrf, created_at, expires_at FROM web_sessions"
-            " WHERE id_hash = ? AND expires_at > ?", (token_hash(session_id), time.time()))
+            " WHERE id_hash = ? AND expires_at > ?", (token_hash(session_id), await self.db.now()))
         if row is None:
             return None
         return WebSession(str(row[0]), str(row[1]), str(row[2]), float(row[3]), float(row[4]))
@@ -82,7 +81,7 @@ class WebLoginRepository:
         a forget-me (which ends the user's sessions in its transaction) cannot bring the row back. None
         when the session has ended. A row that exists keeps its name (one changed in chat since), unless it
         has none."""
-        now = time.time()
+        now = await self.db.now()
         # PostgreSQL: the session row is locked while it is read, so a forget-me deleting it meanwhile is
         # waited for (and then nothing is made) or waits (and then sees the row made here and deletes it).
         lock = " FOR SHARE" if self.db.dialect == "postgres" else ""
