@@ -91,6 +91,8 @@ async def fill(storage: Storage) -> None:
     await storage.fleet.claim_period("memory-prune", 86_400, "host-a:1")
     await storage.fleet.acquire_lock("matrix:@cora:example.org", "host-a:1", 60)
     await storage.fleet.heartbeat("host-a:1", "host-a", 1, {}, 1.0)  # processes: not copied
+    gone = await storage.add_message(dm.id, bob.id, "Lena", "user", "Bob", "Vergiss das", 3)
+    await storage.delete_message(gone.id)  # deleted on the platform: who wrote in the channel is kept
 
 
 async def dump(storage: Storage, table: str) -> list[dict[str, Any]]:
@@ -176,7 +178,7 @@ async def test_the_copy_works_as_a_bot_database(source: Storage, pg: Storage) ->
     assert general is not None
     before = await pg.count_messages(general.id)
     message = await pg.add_message(general.id, ann.id, "Cora", "user", "Ann", "new on PostgreSQL", 4)
-    assert message.id == 12 and message.seq == before + 1
+    assert message.id == 13 and message.seq == before + 1  # (12 was the message deleted on the platform)
     assert (await pg.upsert_user("discord:3", "Cy")).id == 3
     assert (await MemoryStore(pg).remember(pair.id, "Ann also has a canoe")).id == 4
     assert (await pg.enqueue_job("x", "y", {}, 1)) is not None

@@ -758,3 +758,27 @@ async def test_a_summary_made_from_one_no_longer_the_newest_is_dropped(storage: 
     assert late is None
     latest = await storage.latest_summary(channel.id)
     assert latest is not None and latest.text == "two"
+
+
+async def test_forget_me_finds_the_summaries_of_channels_whose_messages_of_theirs_are_gone(storage: Storage) -> None:
+    """Retention (or deletions on the platform) took Ann's messages and left the summaries written from them and
+    her DM's name: forget-me kept both (the summary came back into the next prompt), and her export lacked it."""
+    dm = await storage.upsert_channel("discord:dm-ann", "DM with Annzz", is_dm=True)
+    room = await storage.upsert_channel("discord:room", "room", is_dm=False)
+    ann, bob = await storage.upsert_user("discord:ann", "Annzz"), await storage.upsert_user("discord:bob", "Bob")
+    said = await storage.add_message(dm.id, ann.id, "Cora", "user", "Annzz", "my diagnosis is zebra", 5)
+    await storage.add_summary(dm.id, "Annzz told Cora her diagnosis is zebra.", said.id, said.id, 5, "m")
+    in_room = await storage.add_message(room.id, ann.id, "Cora", "user", "Annzz", "zebra again", 3)
+    bobs = await storage.add_message(room.id, bob.id, "Cora", "user", "Bob", "hi", 1)
+    await storage.add_summary(room.id, "Annzz and Bob spoke of zebras.", in_room.id, bobs.id, 5, "m")
+    assert await storage.delete_messages_before(time.time() + 1) == 3  # all of them age out; the summaries stay
+
+    assert [s["text"] for s in await storage.export.dm_summaries(ann.id)] == ["Annzz told Cora her diagnosis is zebra."]
+    report = await storage.forget_user("discord:ann")
+    assert report is not None and report.summaries == 2
+    assert await storage.list_summaries(dm.id) == [] and await storage.list_summaries(room.id) == []
+    assert (channel := await storage.get_channel("discord:dm-ann")) is not None and channel.name != "DM with Annzz"
+    assert await storage.db.fetch_all("SELECT * FROM channel_speakers WHERE user_id = ?", (ann.id,)) == []
+    # Bob's link stays (a later forget-me of his finds the room), and he can be forgotten too
+    assert await storage.forget_user("discord:bob") is not None
+    assert await storage.db.fetch_all("SELECT * FROM channel_speakers") == []

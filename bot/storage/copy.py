@@ -57,7 +57,8 @@ LAST_COPY_KEY = "copy.largest_ids"
 NOT_COPIED: dict[str, str] = {"settings": f"key <> '{LAST_COPY_KEY}'"}  # rows of a table left out (SQL)
 # Foreign-key order (``processes`` and ``schema_version`` stay behind: they describe the database, not the bot).
 TABLES: tuple[str, ...] = (
-    "users", "personas", "versioned_texts", "lore_entries", "channels", "messages", "summaries", "jobs",
+    "users", "personas", "versioned_texts", "lore_entries", "channels", "messages", "channel_speakers", "summaries",
+    "jobs",
     "llm_calls", "reply_stats", "settings",
     "cortex_pairs", "cortex_versions", "cortex_runs", "cortex_settings", "memory_items", "message_vectors",
     "reply_sources", "platform_messages", "incognito", "incognito_ended",

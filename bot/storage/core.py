@@ -169,6 +169,10 @@ async def delete_messages(tx: Tx, where: str, params: Sequence[Any]) -> tuple[li
     channels (forget-me, the end of an incognito stretch, retention); (message ids, channel ids)."""
     channels = [int(r[0]) for r in await tx.fetch_all(f"SELECT DISTINCT channel_id FROM messages WHERE {where}",
                                                       params)]
+    # The channel's summaries (and a direct message's name) outlive the messages: who wrote them is kept.
+    await tx.execute("INSERT INTO channel_speakers (channel_id, user_id) SELECT DISTINCT channel_id, user_id"
+                     f" FROM messages WHERE ({where}) AND user_id IS NOT NULL"
+                     " ON CONFLICT (channel_id, user_id) DO NOTHING", params)
     # The message after each one in its channel was embedded with it as its context: its vector goes too, and
     # the backfill embeds it again with what is left before it (a forgotten user's words stay in nobody's).
     # Dropped once the messages are gone: a backfill storing such a vector meanwhile (PostgreSQL) holds the
@@ -327,6 +331,7 @@ class Storage:
             " AND NOT EXISTS (SELECT 1 FROM incognito WHERE user_id = ?)", (user_id,) * 4)
         if row is None:
             return None
+        await tx.execute("DELETE FROM channel_speakers WHERE user_id = ?", (user_id,))  # (its stretch's)
         await tx.execute("DELETE FROM users WHERE id = ?", (user_id,))  # (its ended stretches stay, by key)
         return str(row[0])
 
@@ -1171,7 +1176,11 @@ class Storage:
             counts = await self.cortex.delete_pairs(tx, pair_ids)
             stretches = await tx.fetch_all("DELETE FROM incognito WHERE user_id = ? RETURNING persona, started_at",
                                            (user_id,))
+            wrote_in = await tx.fetch_all("DELETE FROM channel_speakers WHERE user_id = ? RETURNING channel_id",
+                                          (user_id,))
             messages, channels = await delete_messages(tx, "user_id = ?", (user_id,))
+            await tx.execute("DELETE FROM channel_speakers WHERE user_id = ?", (user_id,))
+            channels = sorted({*channels, *(int(r[0]) for r in wrote_in)})
             ch_marks = ",".join("?" for _ in channels) or "NULL"
             summaries = await tx.fetch_all(f"DELETE FROM summaries WHERE channel_id IN ({ch_marks}) RETURNING id",
                                            channels)

@@ -66,8 +66,9 @@ class ExportRepository:
             "SELECT c.key AS channel, s.version, s.text, s.status, s.reason, s.created_at FROM summaries AS s"
             " JOIN channels AS c ON c.id = s.channel_id"
             " WHERE c.is_dm = 1"
-            " AND s.channel_id IN (SELECT DISTINCT channel_id FROM messages WHERE user_id = ?)"
-            " ORDER BY c.key, s.version", (user_id,))
+            " AND s.channel_id IN (SELECT channel_id FROM messages WHERE user_id = ?"
+            " UNION SELECT channel_id FROM channel_speakers WHERE user_id = ?)"
+            " ORDER BY c.key, s.version", (user_id, user_id))
         return [plain(r) for r in rows]
 
     # -- import ------------------------------------------------------------------------------------

@@ -391,4 +391,6 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(26, "forgotten users' use of the per-user daily limits, under a digest of their key: forget-me in a"
                   " loop no longer lifts a skill's daily calls or a pair's cortex budget",
               _sqlite_fork(pg_schema.V26), postgres=pg_schema.V26),
+    Migration(27, "who wrote in a channel after their messages there are gone: forget-me still finds its summaries",
+              _sqlite_fork(pg_schema.V27), postgres=pg_schema.V27),
 )

@@ -394,3 +394,15 @@ V26: tuple[str, ...] = (
     "CREATE INDEX forgotten_usage_by_subject ON forgotten_usage (subject, counted_at)",
     "CREATE INDEX forgotten_usage_by_time ON forgotten_usage (counted_at)",
 )
+
+# Who wrote in a channel whose messages of theirs are gone (retention, deletions on the platform), while the
+# channel's summaries (which may mention them) and a direct message's name stay: forget-me and the export find
+# those through it.
+V27: tuple[str, ...] = (
+    f"""CREATE TABLE channel_speakers (
+        id {ID},
+        channel_id BIGINT NOT NULL REFERENCES channels(id),
+        user_id BIGINT NOT NULL REFERENCES users(id),
+        UNIQUE (channel_id, user_id))""",
+    "CREATE INDEX channel_speakers_by_user ON channel_speakers (user_id)",
+)
