@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
 from bot.config import Config, ConfigError
@@ -28,7 +28,7 @@ from bot.persona import ConfigPersonas, Persona, PersonaSource
 from bot.prompt import INFO_CLOSE, INFO_OPEN, fenced
 from bot.storage.base import Job, LLMCallRecord, Storage, StoredMessage, Summary, SummarySources
 from bot.text import continued, one_line_name
-from bot.tokens import TokenEstimator
+from bot.tokens import TokenEstimator, fit_to_budget
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,17 @@ def transcript(messages: list[StoredMessage]) -> str:
     return "\n".join(
         f"[{m.created_at:%Y-%m-%d %H:%M}] {one_line_name(m.author_name)}: {continued(m.text)}" for m in messages
     )
+
+
+CUT_FOR_SUMMARY = "\n[… the rest of this message is left out: it alone is longer than a summary's input]"
+
+
+def within_input(messages: list[StoredMessage], estimator: TokenEstimator, budget: int) -> list[StoredMessage]:
+    """The batch with a message that alone is over the summary's input budget cut to it (a batch takes its
+    first message whatever its size): sent whole, it could be more than the summary model takes, and every
+    later summary would fail on it."""
+    return [m if message_cost(m, estimator) <= budget else replace(m, text=fit_to_budget(
+        estimator, m.text, budget, CUT_FOR_SUMMARY)) for m in messages]
 
 
 def summary_input(latest: Summary | None, messages: list[StoredMessage]) -> str:
@@ -226,7 +237,8 @@ class SummaryEngine:
         model = self.config.llm.summary_model or self.config.model_for(persona)
         request = LLMRequest(
             system=summary_instructions(persona.language, self.config.history.summary_words, latest is not None),
-            messages=(ChatMessage(role="user", content=summary_input(latest, in_reply_order(evicted))),),
+            messages=(ChatMessage(role="user", content=summary_input(latest, in_reply_order(within_input(
+                evicted, self.estimator, self.config.history.summary_input_tokens)))),),
             model=model,
             max_tokens=max(budgets.summary_tokens * 2, 256),
             temperature=self.config.temperature_for(persona),

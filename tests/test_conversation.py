@@ -12,7 +12,7 @@ from bot.app import App
 from bot.config import parse_config
 from bot.errors import EmptyMessage, MessageTooLong
 from bot.llm.base import Completion, LLMRequest, Usage
-from bot.llm.errors import LLMOverloaded
+from bot.llm.errors import LLMBadRequest, LLMOverloaded
 from bot.ports import IncomingMessage
 from tests.engines import db_url_for
 from tests.fakes.provider import ScriptedProvider
@@ -405,3 +405,38 @@ async def test_a_reply_tells_only_what_its_author_could_see(tmp_path: Path) -> N
         # In "later", Bob was there before anything was said: all of it is his to hear.
         told_early_bob = await prompt(said("what were the words?", "bob", channel="later", since=before_all))
         assert "PAPAYA" in told_early_bob and "SUMMARY of later" in told_early_bob
+
+
+async def test_one_message_longer_than_a_summarys_input_is_cut_and_the_summaries_go_on(tmp_path: Path) -> None:
+    """A batch takes its first message whatever its size: 7,990 CJK characters (about 16,000 tokens) went whole
+    to a summary model whose context held 16k, which refused it; every later job started from the same message,
+    and nothing that left the window after it reached a summary."""
+    from bot.summary import CUT_FOR_SUMMARY
+    from bot.tokens import BPETokenEstimator
+
+    estimator, context, asked = BPETokenEstimator(), 3_000, []
+
+    def model(request: LLMRequest) -> Completion:
+        if is_summary(request):
+            tokens = estimator.count(request.messages[0].content)
+            asked.append((tokens, CUT_FOR_SUMMARY.strip() in request.messages[0].content))
+            if tokens > context:
+                raise LLMBadRequest(f"context length exceeded ({tokens} tokens)", status_code=400)
+            return Completion(text="kurz.", usage=Usage(0, 1))  # (no input count: the estimate stays uncalibrated)
+        return Completion(text="ok.", usage=Usage(0, 1))
+
+    llm = ScriptedProvider()
+    llm.default = model
+    async with App(_config(tmp_path, summary_input_tokens=2_000), llm=llm) as app:
+        await app.core.reply(_msg("漢" * 7_990)).text()
+        for i in range(20):
+            await app.core.reply(_msg(f"Nachricht {i} " + "text " * 20)).text()
+            assert await app.workers.drain(5)
+        channel = await app.storage.get_channel("console:c1")
+        assert channel is not None
+        summaries = await app.storage.list_summaries(channel.id)
+        newest = await app.storage.latest_summary(channel.id)
+        assert await app.storage.list_jobs("failed") == [], asked
+    assert asked and all(tokens <= context for tokens, _ in asked), asked
+    assert asked[0][1]  # the big message went in cut, with the note
+    assert newest is not None and len([s for s in summaries if s.status == "ok"]) >= 2
