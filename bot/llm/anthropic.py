@@ -361,10 +361,13 @@ class AnthropicProvider:
                     if text:
                         yield TextDelta(text)
             completion = accumulator.completion()
-        except LLMError:
+        except LLMError as exc:
+            exc.billed = (accumulator.input_tokens, accumulator.output_tokens)
             raise
         except Exception as exc:
-            raise self._error(exc) from exc
+            error = self._error(exc)
+            error.billed = (accumulator.input_tokens, accumulator.output_tokens)
+            raise error from exc
         yield StreamEnd(completion)
 
     async def list_models(self) -> list[str]:

@@ -32,6 +32,9 @@ class LLMError(Exception):
     user_message = "The language model failed to answer."
     transient = False
     retry_after: float | None = None  # seconds the server asked to wait (Retry-After), when it said
+    # The tokens a request that failed part way was billed for, as far as the stream had said (input, output):
+    # a stream that breaks after its start has been billed for its whole input.
+    billed: tuple[int, int] = (0, 0)
 
     def __init__(self, detail: str = "", *, status_code: int | None = None) -> None:
         super().__init__(detail or self.user_message)
