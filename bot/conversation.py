@@ -71,6 +71,8 @@ MAX_CALLS_PER_ROUND = 8  # tool calls of one model turn a reply runs; the rest a
 WITHDRAWN_KEPT_SECONDS = 600.0
 WITHDRAWN_KEPT = 10_000
 CUT_NOTE = "\n\n[… the rest of this reply was cut: it was too long]"
+# A reply the model ended at its output limit: without a word, it read as the bot breaking off mid-sentence.
+LENGTH_NOTE = "\n\n[… cut here: the reply reached the model's length limit; an admin can raise [llm] max_tokens]"
 
 
 class _Shown:
@@ -350,14 +352,18 @@ class ConversationCore:
             async for text in self._generate(request, toolbox, stream, done):
                 yield text
             completion = done[0]
+            # A reply the provider's filter stopped, after some text or before any, is neither kept nor sent back
+            # to the model: kept, it would get later requests refused too (the person sees why, under the text).
+            if completion.stop_reason == "refused":  # (not "could not read": it read, and was stopped)
+                raise LLMRefused("the provider's content filter stopped the reply")
             if not completion.text.strip():
-                if completion.stop_reason == "refused":  # (not "could not read": it read, and was stopped)
-                    raise LLMRefused("the provider's content filter stopped the reply")
                 raise LLMBadResponse("the model returned an empty reply")
-        except LLMError as exc:  # the rounds that finished (an empty answer, tools before an outage) were billed
+        except LLMError as exc:  # the rounds that finished (an empty answer, tools before an outage) were billed,
+            # and so was the input of one whose stream broke off
+            billed_in, billed_out = exc.billed
             await self.storage.record_llm_call(
                 LLMCallRecord(
-                    "reply", model, stream.usage.input_tokens, stream.usage.output_tokens,
+                    "reply", model, stream.usage.input_tokens + billed_in, stream.usage.output_tokens + billed_out,
                     int((time.monotonic() - started) * 1000), type(exc).__name__, estimated_input_tokens=raw_prompt,
                 )
             )
@@ -424,10 +430,13 @@ class ConversationCore:
                 outcome = await self._tool(toolbox, each.call, stream, refused=each.refusal)
                 messages.append(ChatMessage("tool", outcome.content, tool_call_id=each.echoed.id,
                                             is_error=outcome.is_error))
-        text = shown.text.strip() if shown.cut else "\n\n".join(t.strip() for t in texts if t.strip())
         stream.rounds = len(texts)
+        if ended[-1].stop_reason == "max_tokens" and not shown.cut and any(t.strip() for t in texts):
+            yield shown.take(LENGTH_NOTE)
+            texts.append(LENGTH_NOTE)
+        text = shown.text.strip() if shown.cut else "\n\n".join(t.strip() for t in texts if t.strip())
         if not text and ended[-1].tool_calls:
-            raise LLMNoAnswer(f"the model still called tools in round {len(texts)} of {rounds}, where it was "
+            raise LLMNoAnswer(f"the model still called tools in round {stream.rounds} of {rounds}, where it was "
                               "asked to answer in text")
         done.append(replace(ended[-1], text=text, usage=usage, tool_calls=()))
 

@@ -226,3 +226,59 @@ def _tool_results(messages: list[dict[str, Any]], provider: str) -> dict[str, tu
                 text = content if isinstance(content, str) else "".join(part["text"] for part in content)
                 found[block["tool_use_id"]] = (text, bool(block.get("is_error")))
     return found
+
+
+@pytest.mark.parametrize(("provider", "refusal"), [("anthropic", "refusal"), ("openai", "content_filter")])
+async def test_a_reply_the_filter_stopped_after_some_text_is_neither_kept_nor_sent_back(
+        tmp_path: Path, fake_llm: FakeLLMServer, provider: str, refusal: str) -> None:
+    """Only an empty refused reply said so: one stopped after some words went out as a whole reply, was stored,
+    and went back to the model in every later request (which tends to get those refused too)."""
+    from bot.llm.errors import LLMRefused
+
+    async with App(_config(tmp_path, fake_llm, provider)) as app:
+        fake_llm.enqueue(FakeResponse.text("Sure, here is how you", stop_reason=refusal), FakeResponse.text("Hello."))
+        stream = app.core.reply(_msg("question"))
+        with pytest.raises(LLMRefused):
+            async for _ in stream:
+                pass
+        assert await app.core.reply(_msg("next")).text() == "Hello."
+        sent = str(fake_llm.completion_requests[-1].body["messages"])
+        assert "question" in sent and "Sure, here is how you" not in sent
+        channel = await app.storage.get_channel("console:dm-ann")
+        assert channel is not None
+        assert [m.text for m in reversed(await app.storage.recent_messages(channel.id, 10))] == [
+            "question", "next", "Hello."]
+
+
+@pytest.mark.parametrize(("provider", "limit"), [("anthropic", "max_tokens"), ("openai", "length")])
+async def test_a_reply_cut_at_the_models_output_limit_says_so(
+        tmp_path: Path, fake_llm: FakeLLMServer, provider: str, limit: str) -> None:
+    """It ended mid-word without a sign, as if the bot had broken off."""
+    from bot.conversation import LENGTH_NOTE
+
+    async with App(_config(tmp_path, fake_llm, provider)) as app:
+        fake_llm.enqueue(FakeResponse.text("Step 1: open the file. Step 2: chan", stop_reason=limit),
+                         FakeResponse.text("Done."))
+        shown = await app.core.reply(_msg("how?")).text()
+        assert shown == "Step 1: open the file. Step 2: chan" + LENGTH_NOTE
+        assert await app.core.reply(_msg("thanks")).text() == "Done."  # a reply that ended by itself has none
+        channel = await app.storage.get_channel("console:dm-ann")
+        assert channel is not None
+        stored = [m.text for m in reversed(await app.storage.recent_messages(channel.id, 10))]
+        assert stored[1] == shown and stored[-1] == "Done."
+
+
+@pytest.mark.parametrize("failure", ["disconnect", "error_event"])
+async def test_a_stream_that_broke_off_counts_the_input_it_was_billed_for(
+        tmp_path: Path, fake_llm: FakeLLMServer, failure: str) -> None:
+    """Anthropic's stream says the input's tokens at its start: one that broke after it was recorded as 0/0."""
+    from dataclasses import replace
+
+    async with App(_config(tmp_path, fake_llm, "anthropic")) as app:
+        fake_llm.enqueue(replace(FakeResponse.stream_error_after(4, "Hello there, a long answer", failure=failure),
+                                 input_tokens=5000))
+        with pytest.raises(LLMError):
+            await app.core.reply(_msg("hi")).text()
+        await app.storage.flush_audit()
+        [call] = await app.storage.list_llm_calls()
+        assert call["input_tokens"] == 5000 and call["error"]
