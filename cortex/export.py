@@ -233,8 +233,12 @@ _END, _END64, _LOCATOR64 = b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07"
 
 def _directory_bytes(blob: bytes) -> int:
     """The size of the zip's central directory as its end record gives it (also a ZIP64 one), which is what
-    zipfile reads; 0 when there is no end record (zipfile then refuses the file itself)."""
-    at = blob.rfind(_END, max(0, len(blob) - 65_557))  # the record, after a comment of at most 64 KB
+    zipfile reads; 0 when there is no end record (zipfile then refuses the file itself). Found as zipfile finds
+    it: the last 22 bytes when they are one without a comment (its own fields may hold the marker's bytes, which
+    a search from the end would take for the record), else the last marker before a comment of at most 64 KB."""
+    tail = len(blob) - 22
+    at = tail if tail >= 0 and blob[tail:tail + 4] == _END and blob[-2:] == b"\0\0" else (
+        blob.rfind(_END, max(0, len(blob) - 65_557)))
     if at < 0:
         return 0
     size = int.from_bytes(blob[at + 12:at + 16], "little")
