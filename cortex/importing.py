@@ -115,7 +115,8 @@ def _list(value: Any) -> list[Any]:
 
 
 def _text(value: Any, limit: int) -> str:
-    return storable(str(value or ""))[:limit]
+    """An optional text field; one of another type (a number, a list) counts as missing, never as its repr."""
+    return storable(value)[:limit] if isinstance(value, str) else ""
 
 
 def _tags_and_metadata(item: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -135,7 +136,7 @@ def _tags_and_metadata(item: Mapping[str, Any]) -> tuple[str, str] | None:
 
 def item_fields(item: Mapping[str, Any], max_chars: int) -> dict[str, Any] | None:
     """The columns of one exported item as they may be stored, or None when it is not usable."""
-    content = storable(str(item.get("content") or "")).strip()
+    content = storable(item["content"]).strip() if isinstance(item.get("content"), str) else ""
     created = _time(item.get("created_at"))
     importance = item.get("importance")
     if not content or len(content) > max_chars or created is None or item.get("category") not in CATEGORIES:
@@ -225,6 +226,8 @@ class Importer:
                 plans[plan.name] = plan
             else:  # (a file listed again: the later entry's, as a later version would be)
                 first.files.update(plan.files)
+                for filename, contents in plan.versions.items():
+                    first.versions.setdefault(filename, set()).update(contents)
                 first.items += plan.items
                 first.corrections += plan.corrections
         messages.plan(_list(data.get("messages")))
@@ -239,7 +242,10 @@ class Importer:
         plan = _PersonaPlan(name)
         for version in _list(persona.get("file_versions")):
             if isinstance(version, dict) and version.get("file") in FILENAMES:
-                content = storable(str(version.get("content") or ""))
+                if not isinstance(version.get("content"), str):  # (a number or an object is no file's text)
+                    report.left_out.append(f"a version of {name}'s {version['file']} that is not text")
+                    continue
+                content = storable(version["content"])
                 plan.files[str(version["file"])] = content
                 plan.versions.setdefault(str(version["file"]), set()).add(content)
         for filename, content in list(plan.files.items()):
@@ -274,7 +280,8 @@ class Importer:
             report.files += 1
             # Written here after the export was made (by the user or the persona; not a template): an older
             # archive brought back is said to have replaced it, and how to get it back.
-            if before is not None and before.author != "system" and before.content not in plan.versions[filename]:
+            if before is not None and before.author != "system" and before.content not in plan.versions.get(
+                    filename, ()):
                 report.replaced.append((plan.name, filename, before.version))
         await self._items(pair.id, plan, report)
 

@@ -7,6 +7,7 @@ import asyncio
 import io
 import json
 import os
+import time
 import zipfile
 from pathlib import Path
 
@@ -754,3 +755,36 @@ async def test_a_persona_listed_again_in_an_archive_brings_one_share(tmp_path: P
         user = await app.storage.get_user("discord:ann")
         pair = await app.cortex.store.count_messages(user.id, "Cora", 0)  # type: ignore[union-attr]
         assert await app.storage.export.active_items(pair.id) == 10
+
+
+async def test_a_persona_listed_twice_with_its_file_in_the_second_entry_comes_in_whole(tmp_path: Path) -> None:
+    """The second entry's file versions were not merged: the import wrote the file, then failed (KeyError)
+    before the items and without the note of what it replaced."""
+    async with App(_config(tmp_path / "a"), llm=ScriptedProvider()) as app:
+        await run(app, "!memory edit memory.md\n# Mem\n- mine")
+        now = time.time() - 100
+        answer = await run(app, "!memory import", ctx("ann", _archive("ann", personas=[
+            {"persona": "Cora", "file_versions": [], "memory_items": []},
+            {"persona": "cora", "file_versions": [{"file": "memory.md", "content": "# Mem\n- from the archive"}],
+             "memory_items": [{"id": 1, "category": "fact", "content": "Ann rows a kayak", "importance": 5,
+                               "created_at": now}]}])))
+        assert answer.startswith("Imported 1 memory item, 1 file") and "Replaced" in answer, answer
+        assert "Ann rows a kayak" in await run(app, "!memory list")
+
+
+async def test_values_of_the_wrong_type_leave_their_entry_out_instead_of_coming_in_as_python_text(
+        tmp_path: Path) -> None:
+    async with App(_config(tmp_path / "a"), llm=ScriptedProvider()) as app:
+        now = time.time() - 100
+        answer = await run(app, "!memory import", ctx("ann", _archive("ann", personas=[{"persona": "Cora",
+            "file_versions": [{"file": "soul.md", "content": {"x": [1, 2]}}], "memory_items": [
+            {"id": 1, "category": "fact", "content": 123456789, "importance": 5, "created_at": now},
+            {"id": 2, "category": "fact", "content": ["a", "b"], "importance": 5, "created_at": now},
+            {"id": 3, "category": "fact", "content": "Ann likes figs", "key": ["k"], "importance": 5,
+             "created_at": now}]}])))
+        assert answer.startswith("Imported 1 memory item, 0 files"), answer
+        assert "a version of Cora's soul.md that is not text" in answer, answer
+        assert "an unusable memory item (×2)" in answer, answer
+        listed = await run(app, "!memory list")
+        assert "Ann likes figs" in listed and "123456789" not in listed and "['a', 'b']" not in listed
+        assert "{'x'" not in await run(app, "!memory show soul")
