@@ -325,3 +325,23 @@ async def test_a_lore_book_too_big_for_a_card_is_named_with_what_to_do(
         reply = await app.commands.dispatch("!persona export Max", ctx())
         assert not reply.attachments and "lore book has 2 entries; at most 1" in reply.text
         assert "remove entries with !lore remove and export again" in reply.text
+
+
+async def test_lore_keywords_of_punctuation_alone_are_left_out_and_named(
+        tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """!lore refuses "." as a keyword (nearly every message holds one); a card's came in, and its entry was in
+    every reply of every user, listed as "[keys .]" rather than as always on."""
+    monkeypatch.setenv("CB_TEST_API_KEY", "sk-test")
+    card = dumps({"spec": "chara_card_v2", "spec_version": "2.0", "data": {
+        "name": "Pun", "description": "A punster.", "character_book": {"entries": [
+            {"keys": ["."], "content": "Pun owes the baker ten coins."},
+            {"keys": ["tax", "?"], "content": "Pun fears the tax collector."},
+            {"keys": ["bread"], "content": "Pun bakes on Sundays."}]}}})
+    async with App(_config(tmp_path, fake_llm)) as app:
+        reply = await run(app, "!persona import", ctx(Attachment("pun.json", card)))
+        assert reply.startswith("Imported Pun") and "2 lore entries had keywords of punctuation alone" in reply
+        listed = await run(app, "!lore list", ctx(persona="Pun"))
+        assert listed.splitlines()[1:] == [
+            "#1 [search only] Pun owes the baker ten coins.", "#2 [keys tax] Pun fears the tax collector.",
+            "#3 [keys bread] Pun bakes on Sundays."]
+        assert "baker" not in await run(app, "!lore search Nice weather today.", ctx(persona="Pun"))

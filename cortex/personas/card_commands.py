@@ -28,9 +28,16 @@ from bot.prompt import variables_note
 from bot.storage import Storage
 from bot.storage.personas import NameTaken, NewLore
 from bot.storage.textsearch import text_search_config
-from bot.text import one_line_name, shown
+from bot.text import one_line_name, plural, shown
 from cortex.memory.guard import check_memory_text
-from cortex.personas.cards import MAX_CARD_BYTES, CardError, CardLoreEntry, export_card_v2, parse_card
+from cortex.personas.cards import (
+    MAX_CARD_BYTES,
+    CardError,
+    CardLoreEntry,
+    export_card_v2,
+    only_punctuation,
+    parse_card,
+)
 from cortex.personas.commands import check_persona_name, taken_message
 from cortex.personas.registry import PersonaRegistry
 
@@ -75,8 +82,7 @@ class CardCommands:
         default = self.registry.persona(None)
         # Not into a deleted persona of that name: its old soul sections and lore would come back mixed
         # with the card's (a revival is what "!persona create" is for).
-        lore = [NewLore(e.content, e.keys, e.secondary_keys, e.always_on, e.priority, e.enabled, e.name)
-                for e in card.lore]
+        lore, dropped = _lore_of(card.lore)
         row = await self.storage.personas.import_persona(  # all of it, or nothing
             card.name, default.language, IMPORT, text_search_config(default.language), card.sections, lore,
             author=IMPORT, reason=f"imported from {filename} by {ctx.user_key}", lore_author=ctx.user_key)
@@ -91,6 +97,10 @@ class CardCommands:
         patterns = sum(1 for e in card.lore if e.use_regex)
         note = (f" {patterns} lore entr{'y' if patterns == 1 else 'ies'} had regular expressions as keys: this bot "
                 f"takes them as plain keywords (check them with {self.prefix}lore list)." if patterns else "")
+        if dropped:
+            note += (f" {plural(dropped, 'lore entry', 'lore entries')} had keywords of punctuation alone (such as "
+                     "\".\"), which nearly every message holds: those were left out (check with "
+                     f"{self.prefix}lore list).")
         # (another program's macros, such as {{original}}: named, as !persona edit names them)
         note += variables_note("\n".join(content for _, content in card.sections))
         return CommandReply(
@@ -118,3 +128,15 @@ class CardCommands:
         safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in persona.name)[:60] or "persona"
         return CommandReply(f"{persona.name} as a Character Card V2 ({len(lore)} lore entries).",
                             attachments=(Attachment(f"{safe}.card.json", data),), private=True)
+
+
+def _lore_of(entries: Sequence[CardLoreEntry]) -> tuple[list[NewLore], int]:
+    """The card's lore as stored, without keywords of punctuation alone (``!lore`` refuses them); how many
+    entries had some."""
+    lore, dropped = [], 0
+    for e in entries:
+        keys = tuple(k for k in e.keys if not only_punctuation(k))
+        secondary = tuple(k for k in e.secondary_keys if not only_punctuation(k))
+        dropped += (keys, secondary) != (e.keys, e.secondary_keys)
+        lore.append(NewLore(e.content, keys, secondary, e.always_on, e.priority, e.enabled, e.name))
+    return lore, dropped

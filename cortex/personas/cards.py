@@ -38,6 +38,7 @@ import json
 import math
 import re
 import struct
+import unicodedata
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -321,6 +322,12 @@ def _lore_entry(raw: object, number: int) -> CardLoreEntry | None:
                          always_on=_flag(raw.get("constant"), field("constant"), False), priority=priority,
                          enabled=_flag(raw.get("enabled"), field("enabled"), True), name=name,
                          use_regex=_flag(raw.get("use_regex"), field("use_regex"), False))
+
+
+def only_punctuation(keyword: str) -> bool:
+    """Whether a lore keyword holds no letter, digit or symbol: "." or "?" comes up in nearly every message, so
+    its entry would be in every reply (as an always-on one, without saying so)."""
+    return not any(ch.isalnum() or unicodedata.category(ch).startswith("S") for ch in keyword)
 
 
 def _keys(raw: dict[Any, Any], key: str, where: str) -> tuple[str, ...]:

@@ -4,7 +4,6 @@ theirs and never holds what they told the bot."""
 
 from __future__ import annotations
 
-import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,7 +22,7 @@ from bot.storage import Storage
 from bot.storage.personas import LoreEntry, NewLore
 from bot.text import plural, shown
 from cortex.memory.guard import guarded
-from cortex.personas.cards import MAX_KEY_CHARS, MAX_LORE_ENTRIES
+from cortex.personas.cards import MAX_KEY_CHARS, MAX_LORE_ENTRIES, only_punctuation
 from cortex.personas.lore import LoreIndex, search
 from cortex.personas.registry import PersonaRegistry
 
@@ -44,8 +43,8 @@ def split_keys(value: str) -> tuple[str, ...]:
     keys = tuple(dict.fromkeys(k.strip() for k in value.split(",") if k.strip()))
     if len(keys) > MAX_KEYS or any(len(k) > MAX_KEY_CHARS for k in keys):
         raise CommandError(f"at most {MAX_KEYS} keywords of at most {MAX_KEY_CHARS} characters each")
-    for key in keys:  # ("." or "?" comes up in nearly every message: the entry would be in every reply)
-        if not any(ch.isalnum() or unicodedata.category(ch).startswith("S") for ch in key):
+    for key in keys:
+        if only_punctuation(key):
             raise CommandError(f"the keyword {shown(key, 20)} is only punctuation, which nearly every message "
                                "holds; give a word (or - for none)")
     return keys
