@@ -590,13 +590,34 @@ class AccessConfig(_Section):
 MAX_SHARDS = 10_000  # far above what any bot needs (Discord allows ~2,500 servers per shard)
 
 
+def _discord_user_ids(value: Any) -> Any:
+    """Discord user ids as numbers; one written as text ("1234", or the access lists' "discord:1234") is read as
+    its number. Anything else is refused by name: it made nobody an admin."""
+    if not isinstance(value, list):
+        return value
+    ids: list[Any] = []
+    for entry in value:
+        if isinstance(entry, str):
+            digits = entry.strip().removeprefix("discord:")
+            if not (digits.isascii() and digits.isdigit()):
+                raise ValueError(f"{entry!r} is not a Discord user id: write the number (Developer Mode, right "
+                                 "click, Copy ID), e.g. 123456789012345678")
+            entry = int(digits)
+        if isinstance(entry, int) and not isinstance(entry, bool) and entry < 1:
+            raise ValueError(f"{entry} is not a Discord user id: write the number (Developer Mode, right click, "
+                             "Copy ID), e.g. 123456789012345678")
+        ids.append(entry)
+    return ids
+
+
 class DiscordConfig(_Section):
     enabled: bool = Field(default=False, description="Serve Discord with `cortexbot run`.")
     token_env: str = Field(default="DISCORD_TOKEN", description="Environment variable holding the bot token.")
     test_guild_ids: list[int] = Field(
         default_factory=list, description="Sync slash commands to these servers at once (else globally)."
     )
-    admin_ids: list[int] = Field(default_factory=list, description="User ids with admin rights everywhere.")
+    admin_ids: Annotated[list[int], BeforeValidator(_discord_user_ids)] = Field(
+        default_factory=list, description="User ids with admin rights everywhere.")
     sync_commands: bool = Field(default=True, description="Register the slash commands at start.")
     shard_count: int | None = Field(
         default=None, ge=1, le=MAX_SHARDS,
@@ -635,7 +656,38 @@ def _check_shard_ids(ids: list[int], count: int | None) -> list[int]:
     return ids
 
 
-_MATRIX_USER = re.compile(r"@[^:\s]+:(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+)(?::\d{1,5})?")  # @name:server[:port]
+_SERVER_NAME = r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+)(?::\d{1,5})?"  # example.org[:port], [::1]:8448
+_MATRIX_SERVER = re.compile(_SERVER_NAME)
+_MATRIX_USER = re.compile(rf"@[^:\s]+:{_SERVER_NAME}")  # @name:server[:port]
+
+
+def _matrix_user_ids(ids: list[str]) -> list[str]:
+    """Full Matrix user ids, compared as they are with each sender's: "bob" (or a typo) made nobody an admin
+    without a word. The access lists' form (matrix:@ann:example.org) is read as the id it names."""
+    checked = []
+    for entry in ids:
+        user_id = entry.strip().removeprefix("matrix:")
+        if not _MATRIX_USER.fullmatch(user_id):
+            raise ValueError(f"{entry!r} is not a full Matrix user id: write it like @ann:example.org (an @, the "
+                             "account's name, a colon and its server)")
+        checked.append(user_id)
+    return checked
+
+
+def _matrix_server_names(names: list[str]) -> list[str]:
+    """Server names as a user id ends (example.org), compared with each inviter's: a URL matched nobody. The
+    access lists' form (matrix:example.org) is read as the name it holds."""
+    checked = []
+    for entry in names:
+        name = entry.strip()
+        if not _MATRIX_SERVER.fullmatch(name):  # ("matrix:8448" is a host and its port)
+            name = name.removeprefix("matrix:")
+        if not _MATRIX_SERVER.fullmatch(name):
+            host = urlsplit(name if "//" in name else f"//{name}").hostname if "/" in name else None
+            raise ValueError(f"{entry!r} is not a server name: write it as a user id ends, e.g. "
+                             f"{host or 'example.org'} (no https:// and no /)")
+        checked.append(name)
+    return checked
 
 
 class MatrixConfig(_Section):
@@ -648,11 +700,12 @@ class MatrixConfig(_Section):
     store_path: str = Field(default="", description="Sync token, device and keys; default: the data folder.")
     command_prefix: str = Field(default="!", min_length=1, max_length=5)
     e2ee: bool = Field(default=False, description="End-to-end encryption (keys kept in store_path).")
-    admin_ids: list[str] = Field(default_factory=list, description="Matrix ids with admin rights everywhere.")
+    admin_ids: Annotated[list[str], AfterValidator(_matrix_user_ids)] = Field(
+        default_factory=list, description="Matrix ids (@ann:example.org) with admin rights everywhere.")
     admin_power_level: int = Field(default=50, description="Room power level that counts as admin.")
     msgtype: Literal["m.notice", "m.text"] = Field(default="m.notice", description="How replies are sent.")
     auto_join: bool = Field(default=True, description="Accept invites from allowed users.")
-    invite_servers: list[str] = Field(
+    invite_servers: Annotated[list[str], AfterValidator(_matrix_server_names)] = Field(
         default_factory=list, description="Servers whose users may invite the bot; default: its own."
     )
     max_rooms_per_inviter: int = Field(

@@ -540,3 +540,39 @@ def test_a_url_env_not_set_or_empty_says_which() -> None:
         config.storage.resolve({})
     with pytest.raises(ConfigError, match="names CB_TEST_DB_URL, but that environment variable is empty"):
         config.storage.resolve({"CB_TEST_DB_URL": " "})
+
+
+@pytest.mark.parametrize(("entry", "said"), [
+    ("bob", "'bob' is not a full Matrix user id: write it like @ann:example.org"),
+    ("@bob", "'@bob' is not a full Matrix user id"),
+    ("matrix:bob", "'matrix:bob' is not a full Matrix user id"),
+])
+def test_matrix_admin_ids_are_full_user_ids(entry: str, said: str) -> None:
+    """Compared as written with each sender's id: "bob" or the access lists' "matrix:@boss:example.org" passed
+    and made nobody an admin, without a word. The prefixed form is read as the id it names."""
+    assert f"[matrix] key 'admin_ids': {said}" in _error({"matrix": {"admin_ids": ["@ann:example.org", entry]}})
+    config = parse_config({"matrix": {"admin_ids": ["matrix:@boss:example.org", " @ann:[::1]:8448"]}})
+    assert config.matrix.admin_ids == ["@boss:example.org", "@ann:[::1]:8448"]
+
+
+@pytest.mark.parametrize(("entry", "said"), [
+    ("https://example.org", "'https://example.org' is not a server name: write it as a user id ends, e.g. "
+                            "example.org (no https:// and no /)"),
+    ("example.org/", "'example.org/' is not a server name: write it as a user id ends, e.g. example.org"),
+    ("@ann:example.org", "'@ann:example.org' is not a server name"),
+])
+def test_matrix_invite_servers_are_server_names(entry: str, said: str) -> None:
+    """An inviter's server is compared with each entry: a URL matched nobody, and every invite was declined."""
+    assert f"[matrix] key 'invite_servers': {said}" in _error({"matrix": {"invite_servers": [entry]}})
+    config = parse_config({"matrix": {"invite_servers": ["example.org", "matrix:other.net", "localhost:8448"]}})
+    assert config.matrix.invite_servers == ["example.org", "other.net", "localhost:8448"]
+
+
+def test_discord_admin_ids_are_numbers_the_access_lists_form_too() -> None:
+    """As the access lists write them ("discord:1234") or quoted, a Discord id is read as its number; anything
+    else is refused by name (pydantic's "Input should be a valid integer" said nothing of what to write)."""
+    config = parse_config({"discord": {"admin_ids": [12, "discord:345678901234567890", "34"]}})
+    assert config.discord.admin_ids == [12, 345678901234567890, 34]
+    for entry in ("@ann", "discord:ann", 0):
+        assert (f"[discord] key 'admin_ids': {entry!r} is not a Discord user id: write the number"
+                in _error({"discord": {"admin_ids": [entry]}}))

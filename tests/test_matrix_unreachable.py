@@ -16,13 +16,24 @@ from bot.config import parse_config
 from tests.fakes.provider import ScriptedProvider
 
 
-def _config(tmp_path: Path, homeserver: str = "http://127.0.0.1:9") -> Any:
-    """A bot with Matrix on (at ``homeserver``: by default a port where nothing listens) and no embedder."""
+def _config(tmp_path: Path, homeserver: str = "http://127.0.0.1:9", access: dict[str, Any] | None = None,
+            **matrix: Any) -> Any:
+    """A bot with Matrix on (at ``homeserver``: by default a port where nothing listens) and no embedder, with
+    ``access`` as its ``[access]`` and more ``[matrix]`` keys."""
     return parse_config({
         "storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"}, "memory": {"embedder": "none"},
         "matrix": {"enabled": True, "homeserver": homeserver, "user_id": "@cortex:localhost",
-                   "password_env": "CB_MATRIX_PW", "store_path": str(tmp_path / "matrix")},
+                   "password_env": "CB_MATRIX_PW", "store_path": str(tmp_path / "matrix"), **matrix},
+        "access": access or {},
     })
+
+
+def _said(sender: str, body: str = "hi Cora") -> Any:
+    """A text message of ``sender``."""
+    from nio import RoomMessageText
+
+    return RoomMessageText.from_dict({"type": "m.room.message", "event_id": f"$m{sender}", "sender": sender,
+                                      "origin_server_ts": 1, "content": {"msgtype": "m.text", "body": body}})
 
 
 def _room(adapter: MatrixAdapter, room_id: str, kind: str, *members: tuple[str, str]) -> Any:
@@ -307,4 +318,16 @@ async def test_made_up_sessions_in_a_group_room_ask_for_keys_a_limited_number_of
             await adapter._on_undecryptable(room, event)
         assert asked == ["@mal:evil"] * KEY_REQUESTS_PER_MINUTE
         assert len([r for r in caplog.records if "could not decrypt" in r.getMessage()]) == KEY_REQUESTS_PER_MINUTE
+        await adapter.close()
+
+
+async def test_admin_ids_written_as_the_access_lists_write_them_make_admins(tmp_path: Path) -> None:
+    """``admin_ids = ["matrix:@boss:localhost"]`` passed the config, and was compared as written with the
+    sender's bare id: the operator had no admin rights, without a word."""
+    config = _config(tmp_path, admin_ids=["matrix:@boss:localhost"])
+    async with App(config, llm=ScriptedProvider()) as app:
+        adapter = MatrixAdapter(app, config.matrix, env={"CB_MATRIX_PW": "x"})
+        room = _room(adapter, "!g:localhost", "group", ("@boss:localhost", "Boss"), ("@ann:localhost", "Ann"))
+        boss, ann = [await adapter.inbound(room, _said(who)) for who in ("@boss:localhost", "@ann:localhost")]
+        assert boss.is_bot_admin and boss.is_admin and not (ann.is_bot_admin or ann.is_admin)
         await adapter.close()

@@ -220,3 +220,15 @@ async def test_logging_out_of_a_page_that_is_off_says_so(tmp_path: Path) -> None
         reply = await app.commands.dispatch("!dashboard --logout", context("ann"))
         assert reply.text.startswith("The web page is not switched on for this bot, and no session of yours was "
                                      "left from before"), reply.text
+
+
+def test_matrix_admin_ids_written_as_the_access_lists_write_them_are_bot_admins() -> None:
+    """``matrix:@boss:example.org`` (the access lists' form) passed the config and made nobody a bot admin on the
+    page (nor in chat): it is read as the id it names."""
+    from adapters.web.auth import is_bot_admin
+    from bot.config import parse_config
+
+    config = parse_config({"matrix": {"admin_ids": ["matrix:@boss:example.org"]},
+                           "discord": {"admin_ids": ["discord:1234"]}})
+    assert is_bot_admin(config, "matrix:@boss:example.org") and is_bot_admin(config, "discord:1234")
+    assert not is_bot_admin(config, "matrix:@eve:example.org")
