@@ -93,6 +93,7 @@ from bot.text import shown
 log = logging.getLogger(__name__)
 
 PLATFORM = "matrix"
+POWER = f"{PLATFORM}:power"  # the rank the access lists' matrix:power:N holds from N up (bot.policy)
 # Synapse refuses an event over 65,536 bytes (its content with the envelope: ids, hashes, signatures).
 EVENT_BUDGET = 60_000  # bytes of an event's content, as the server (or, encrypted, the ciphertext) counts them
 # Characters per message. Each size ensures the plainest form of an edit (see _edit_forms: the text once, without
@@ -692,10 +693,10 @@ class MatrixAdapter:
             level = max(level, 100)  # room version 12: creators outrank everyone and are not listed
         return level
 
-    async def roles_of(self, room: MatrixRoom, user_id: str) -> tuple[str, ...]:
-        """The user's roles in the room for the access rules (their power level)."""
+    async def ranks_of(self, room: MatrixRoom, user_id: str) -> tuple[tuple[str, int], ...]:
+        """The user's rank in the room for the access rules: their power level."""
         await self._load_creators(room.room_id)
-        return (f"{PLATFORM}:power:{self.power_level(room, user_id)}",)
+        return ((POWER, self.power_level(room, user_id)),)
 
     async def inbound(self, room: MatrixRoom, event: RoomMessageText | RoomMessageEmote | MediaEvent) -> Inbound:
         content = event.source.get("content")
@@ -746,7 +747,7 @@ class MatrixAdapter:
             incoming,
             is_self=event.sender == me,
             replied_to_bot=replied_to_bot,
-            roles=(f"{PLATFORM}:power:{level}",),
+            ranks=((POWER, level),),
             # In a DM everyone holds power 100 in their own room: that makes nobody an admin of anything.
             is_admin=event.sender in self.config.admin_ids or (not is_dm and level >= self.config.admin_power_level),
             is_bot_admin=event.sender in self.config.admin_ids,

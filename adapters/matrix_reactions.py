@@ -118,7 +118,7 @@ class Reactions:
                                    "", is_dm=is_dm, server_id=None if is_dm else room.room_id,
                                    author_home=event.sender.split(":", 1)[-1], parent_channel_id=parent)
         return Inbound(incoming, is_self=event.sender == adapter.config.user_id,
-                       roles=await adapter.roles_of(room, event.sender),
+                       ranks=await adapter.ranks_of(room, event.sender),
                        is_bot_admin=event.sender in adapter.config.admin_ids)
 
     def allowed(self, inbound: Inbound, what: str = "a reaction") -> bool:

@@ -552,6 +552,7 @@ class ChatConfig(_Section):
 
 
 ACCESS_PLATFORMS = ("discord", "matrix", "console")
+_POWER_ROLE = re.compile(r"matrix:power:-?[0-9]{1,16}")  # a Matrix power level, from which the role is held
 
 
 class AccessConfig(_Section):
@@ -566,7 +567,8 @@ class AccessConfig(_Section):
     deny_channels: list[str] = Field(default_factory=list)
     allow_servers: list[str] = Field(default_factory=list)
     deny_servers: list[str] = Field(default_factory=list)
-    allow_roles: list[str] = Field(default_factory=list, description="Discord role ids / Matrix power:NN.")
+    allow_roles: list[str] = Field(
+        default_factory=list, description="Discord role ids / Matrix power levels (matrix:power:50: 50 and up).")
     deny_roles: list[str] = Field(default_factory=list)
     allow_bots: list[str] = Field(default_factory=list, description="Other bots the bot may answer.")
 
@@ -585,6 +587,23 @@ class AccessConfig(_Section):
                 raise ValueError(f"{entry!r} in {info.field_name}: a Discord id is a number (Developer Mode, "
                                  "right click, Copy ID), e.g. discord:123456789012345678")
         return ids
+
+    @field_validator("allow_roles", "deny_roles")
+    @classmethod
+    def _power_levels(cls, roles: list[str], info: ValidationInfo) -> list[str]:
+        """Matrix's roles are power levels, each listed one a threshold (matrix:power:50 is held from 50 up, the
+        room's admins at 100 too): anything else matched nobody. In a deny list a threshold would keep out the
+        room's admins first, so there it is refused and the allow list named."""
+        for entry in roles:
+            if not entry.startswith("matrix:"):
+                continue
+            if not _POWER_ROLE.fullmatch(entry):
+                raise ValueError(f"{entry!r} in {info.field_name}: a Matrix role is a power level, written "
+                                 "matrix:power:N with N a whole number, e.g. matrix:power:50 (level 50 and above)")
+            if info.field_name == "deny_roles":
+                raise ValueError(f"{entry!r} in deny_roles: matrix:power:N holds from level N up, and would keep out "
+                                 "the room's admins; to keep out those below a level, list it in allow_roles")
+        return roles
 
 
 MAX_SHARDS = 10_000  # far above what any bot needs (Discord allows ~2,500 servers per shard)

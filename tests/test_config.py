@@ -576,3 +576,18 @@ def test_discord_admin_ids_are_numbers_the_access_lists_form_too() -> None:
     for entry in ("@ann", "discord:ann", 0):
         assert (f"[discord] key 'admin_ids': {entry!r} is not a Discord user id: write the number"
                 in _error({"discord": {"admin_ids": [entry]}}))
+
+
+def test_a_matrix_role_is_a_whole_power_level_and_no_deny_lists() -> None:
+    """``matrix:power:mod`` matched nobody; a listed level is held from that level up, which in a deny list would
+    keep out the room's admins first (the allow list does what was meant)."""
+    assert ("[access] key 'allow_roles': 'matrix:power:mod' in allow_roles: a Matrix role is a power level, written "
+            "matrix:power:N with N a whole number" in _error({"access": {"allow_roles": ["matrix:power:mod"]}}))
+    assert "'matrix:admin' in allow_roles: a Matrix role is a power level" in _error(
+        {"access": {"allow_roles": ["matrix:admin"]}})
+    assert ("'matrix:power:0' in deny_roles: matrix:power:N holds from level N up, and would keep out the room's "
+            "admins; to keep out those below a level, list it in allow_roles"
+            in _error({"access": {"deny_roles": ["matrix:power:0"]}}))
+    access = parse_config({"access": {"allow_roles": ["matrix:power:50", "matrix:power:-1", "discord:5"],
+                                      "deny_roles": ["discord:6"]}}).access
+    assert access.allow_roles == ["matrix:power:50", "matrix:power:-1", "discord:5"]

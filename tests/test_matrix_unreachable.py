@@ -331,3 +331,22 @@ async def test_admin_ids_written_as_the_access_lists_write_them_make_admins(tmp_
         boss, ann = [await adapter.inbound(room, _said(who)) for who in ("@boss:localhost", "@ann:localhost")]
         assert boss.is_bot_admin and boss.is_admin and not (ann.is_bot_admin or ann.is_admin)
         await adapter.close()
+
+
+async def test_a_listed_power_level_lets_in_that_level_and_above(tmp_path: Path) -> None:
+    """``allow_roles = ["matrix:power:50"]`` let in power level 50 only: the room's admins (100) were refused."""
+    from bot.policy import refusal
+
+    config = _config(tmp_path, access={"allow_roles": ["matrix:power:50"]})
+    async with App(config, llm=ScriptedProvider()) as app:
+        adapter = MatrixAdapter(app, config.matrix, env={"CB_MATRIX_PW": "x"})
+        people = {"@admin:localhost": 100, "@mod:localhost": 50, "@ann:localhost": 0, "@low:localhost": 49}
+        room = _room(adapter, "!g:localhost", "group", *((who, who[1:4]) for who in people))
+        room.power_levels.users.update(people)
+        adapter._creators[room.room_id] = frozenset()  # (known: no state to fetch from a server)
+        said = {who: refusal(await adapter.inbound(room, _said(who)), config.access, is_command=False)
+                for who in people}
+        assert said == {"@admin:localhost": None, "@mod:localhost": None, "@ann:localhost": "role not allowed",
+                        "@low:localhost": "role not allowed"}
+        assert await adapter.ranks_of(room, "@admin:localhost") == (("matrix:power", 100),)  # (for reactions)
+        await adapter.close()
