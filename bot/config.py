@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import logging
 import os
 import re
 import tomllib
@@ -53,6 +54,8 @@ SOUL_SECTIONS: tuple[str, ...] = (
 
 DEFAULT_CONFIG_NAME = "config.toml"
 CONFIG_ENV = "CORTEXBOT_CONFIG"
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(Exception):
@@ -716,7 +719,8 @@ class MatrixConfig(_Section):
     password_env: str = Field(default="", description="Environment variable holding the password.")
     access_token_env: str = Field(default="", description="Environment variable holding an access token.")
     device_name: str = "cortex-bot"
-    store_path: str = Field(default="", description="Sync token, device and keys; default: the data folder.")
+    store_path: str = Field(
+        default="", description="Sync token, device and keys (~ is the home folder); default: the data folder.")
     command_prefix: str = Field(default="!", min_length=1, max_length=5)
     e2ee: bool = Field(default=False, description="End-to-end encryption (keys kept in store_path).")
     admin_ids: Annotated[list[str], AfterValidator(_matrix_user_ids)] = Field(
@@ -730,6 +734,22 @@ class MatrixConfig(_Section):
     max_rooms_per_inviter: int = Field(
         default=25, ge=0, description="Rooms one user (admins aside) may bring the bot into; further invites "
                                       "are declined (0: no limit).")
+
+    @field_validator("store_path")
+    @classmethod
+    def _absolute_store(cls, value: str) -> str:
+        """``~`` is the home folder, and a relative path is taken from the folder the bot starts in, here and
+        said in a warning (as a relative SQLite path is): "~/cortex-matrix" made a folder named "~", and a
+        start from another folder found no session, logged in as a new device and left its keys behind."""
+        if not value.strip():
+            return ""
+        path = Path(value).expanduser()
+        if not path.is_absolute():
+            path = path.absolute()
+            log.warning("[matrix] store_path %r is relative: the session is kept in %s (under the folder the bot "
+                        "was started in); write an absolute path, or a start from elsewhere logs in as a new "
+                        "device", value, path)
+        return str(path)
 
     @model_validator(mode="after")
     def _complete_when_enabled(self) -> MatrixConfig:

@@ -350,3 +350,30 @@ async def test_a_listed_power_level_lets_in_that_level_and_above(tmp_path: Path)
                         "@low:localhost": "role not allowed"}
         assert await adapter.ranks_of(room, "@admin:localhost") == (("matrix:power", 100),)  # (for reactions)
         await adapter.close()
+
+
+async def test_the_store_path_takes_the_home_folder_and_a_relative_one_is_made_absolute_with_a_warning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """``store_path = "~/cortex-matrix"`` made a folder named "~" where the bot started, and a relative path was
+    read from wherever the bot was when it opened the store: started from another folder it found no session,
+    logged in as a new device and lost its encryption keys."""
+    home, started, elsewhere = tmp_path / "home", tmp_path / "started", tmp_path / "elsewhere"
+    for folder in (home, started, elsewhere):
+        folder.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(started)
+    tilde = _config(tmp_path, store_path="~/cortex-matrix")
+    relative = _config(tmp_path, store_path="matrix-store")
+    assert tilde.matrix.store_path == str(home / "cortex-matrix")
+    assert relative.matrix.store_path == str(started / "matrix-store")
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == [f"[matrix] store_path 'matrix-store' is relative: the session is kept in {started}/matrix-store "
+                      "(under the folder the bot was started in); write an absolute path, or a start from elsewhere "
+                      "logs in as a new device"]
+    monkeypatch.chdir(elsewhere)  # (the adapter opens the store later, wherever the process is by then)
+    for config, store in ((tilde, home / "cortex-matrix"), (relative, started / "matrix-store")):
+        async with App(config, llm=ScriptedProvider()) as app:
+            adapter = MatrixAdapter(app, config.matrix, env={"CB_MATRIX_PW": "x"})
+            assert adapter.store == store and store.is_dir()
+            await adapter.close()
+    assert not (started / "~").exists() and not (elsewhere / "~").exists()
