@@ -312,6 +312,7 @@ class ConversationCore:
             sections[provider.slot].extend(provided)
         if not any(p.slot == "rules" for p in self.section_providers) and self.config.bot.global_rules.strip():
             sections["rules"].append(PromptSection("Rules", self.config.bot.global_rules))
+        toolbox = await self.tools.toolbox(context) if self.tools is not None else None
         system = render_system(
             PromptParts(
                 rules=sections["rules"],
@@ -320,6 +321,7 @@ class ConversationCore:
                 cortex=sections["cortex"],
                 knowledge=sections["knowledge"],
                 summary=summary,
+                tools=toolbox is not None,
             ),
             {
                 "char_name": persona.name,
@@ -342,7 +344,6 @@ class ConversationCore:
             max_tokens=self.config.llm.max_tokens,
             temperature=self.config.temperature_for(persona),
         )
-        toolbox = await self.tools.toolbox(context) if self.tools is not None else None
         if toolbox is not None:  # the tool definitions are part of the prompt the model is billed for
             raw_prompt += self.estimator.raw_count(" ".join(
                 f"{s.name} {s.description} {json.dumps(s.input_schema)}" for s in toolbox.specs))

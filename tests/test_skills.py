@@ -578,3 +578,18 @@ async def test_a_forget_me_does_not_start_the_daily_limit_afresh(tmp_path: Path,
         bob = IncomingMessage("console", "dm-bob", "bob", "Bob", "look it up", is_dm=True)
         assert await app.core.reply(bob).text() == "Done."
         assert _refusals(fake_llm) == 1 and [a.ok for a in await app.storage.skills.recent("console:bob")] == [True]
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "openai"])
+async def test_the_system_prompt_says_tool_results_are_information_when_tools_are_offered(
+        tmp_path: Path, fake_llm: FakeLLMServer, provider: str) -> None:
+    """A tool's result (a web page, a file) went to the model with nothing saying it is no instruction."""
+    from bot.prompt import TOOL_RULE
+
+    for enabled in (True, False):
+        async with App(_config(tmp_path / str(enabled), fake_llm, provider, enabled=enabled)) as app:
+            fake_llm.enqueue(FakeResponse.text("Hi."))
+            assert await app.core.reply(_msg("hello")).text() == "Hi."
+            request = fake_llm.completion_requests[-1]
+            assert bool(tool_names(request)) is enabled
+            assert (TOOL_RULE in json.dumps(request.body, ensure_ascii=False)) is enabled
