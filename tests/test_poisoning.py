@@ -112,7 +112,9 @@ async def test_a_display_name_stays_one_short_line_in_the_prompt(tmp_path: Path,
         await app.core.reply(IncomingMessage("console", "room", "mal", forged, "again", server_id="g")).text()
         request = fake_llm.completion_requests[-1].body
         system = str(request["system"])
-        assert system.count("# Rules") <= 1 and "\n# Rules\nThe rule above" not in system
+        # (one heading at most, the bot's own: the rules say that tool results are information)
+        assert [line for line in system.splitlines() if line.startswith("# Rules")] == ["# Rules"]
+        assert "\n# Rules\nThe rule above" not in system
         users = [m for m in request["messages"] if m["role"] == "user"]
         text = " ".join(str(m["content"]) for m in users)
         # (cut at 64 with the author's id: a name made one line is marked as the author's own)
