@@ -126,7 +126,7 @@ class App:
                 tools=self.skills.tools,
                 preparers=[self.cortex.knowledge],
             )
-            self.commands = CommandRegistry()
+            self.commands = CommandRegistry(unavailable=self.storage.unavailable)
             register_core_commands(self.commands, self.storage, self.estimator)
             self.cortex.commands.register(self.commands)
             self.cortex.memory_commands.register(self.commands)

@@ -33,6 +33,8 @@ from bot.streaming import MessageSink, StreamedReply
 log = logging.getLogger(__name__)
 SOMETHING_WENT_WRONG = ("Something went wrong on my side while answering (the details are in the bot's log). "
                         "Please try again in a moment.")
+DATABASE_UNAVAILABLE = ("My database cannot be used right now (the admins can see why in the bot's log). Please try "
+                        "again in a few minutes.")
 
 
 class ChatSink(MessageSink, Protocol):
@@ -242,7 +244,10 @@ class Router:
             await _stop(waiting)
             if shown.sent:
                 await shown.finish()
-        else:  # a bug, a full disk, a lost database: said in one line, never a silent end
+        elif (trouble := self.storage.unavailable(exc)) is not None:  # what to do, not a driver's traceback
+            log.error("reply in %s failed: %s", message.channel_key, trouble)
+            await self._failed(shown, sink, waiting, DATABASE_UNAVAILABLE)
+        else:  # a bug: said in one line, never a silent end
             log.error("reply in %s failed", message.channel_key, exc_info=exc)
             await self._failed(shown, sink, waiting, SOMETHING_WENT_WRONG)
 

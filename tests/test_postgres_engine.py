@@ -240,3 +240,22 @@ async def test_a_piece_of_a_password_never_shows_and_a_weak_one_hides_nothing_el
     assert hide_url_passwords(f"opened {url}") == "opened postgresql://postgres:***@db:5432/postgres"
     url, _ = config.resolve({"CB_TEST_URL": "postgresql://cortex:cortex%402024@db:5432/cortex"})  # (in pieces)
     assert hide_url_passwords(f"opened {url}") == "opened postgresql://cortex:***@db:5432/cortex"
+
+
+async def test_a_read_only_server_is_named_as_the_databases_trouble(pg_url: str) -> None:
+    """A standby (or default_transaction_read_only) refuses writes: the reply path and the commands say so in one
+    line rather than with asyncpg's traceback."""
+    import asyncpg
+
+    from bot.storage.unavailable import unavailable
+
+    conn = await asyncpg.connect(pg_url)
+    try:
+        await conn.execute("SET default_transaction_read_only = on")
+        with pytest.raises(asyncpg.PostgresError) as refused:
+            await conn.execute("CREATE TABLE t (x int)")
+    finally:
+        await conn.close()
+    assert unavailable(refused.value) == (
+        "the PostgreSQL server is read-only (a standby, or default_transaction_read_only)")
+    assert unavailable(ValueError("a bug")) is None

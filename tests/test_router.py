@@ -390,3 +390,37 @@ async def test_a_threads_channel_lists_are_its_parent_channels(tmp_path: Path) -
         other = Sink()
         await app.router.handle(in_thread("@Cora hi", "303", mention=True), other)
         assert other.messages == [] and other.public == []
+
+
+async def test_a_database_held_by_another_process_is_said_as_such_to_the_person_and_in_one_log_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A write lock held elsewhere (a sqlite3 shell with a transaction open) gave "Something went wrong" and a
+    driver's traceback naming neither the file nor what may hold it; commands said "(OperationalError)"."""
+    import sqlite3
+
+    import bot.storage.sqlite
+    from bot.commands import CommandContext
+    from bot.router import DATABASE_UNAVAILABLE
+
+    monkeypatch.setattr(bot.storage.sqlite, "BUSY_TIMEOUT_MS", 200)
+    ann = CommandContext("console", "console:ann", "Ann", "console:dm", "Cora", is_dm=True)
+    hello = Inbound(IncomingMessage("console", "dm", "ann", "Ann", "hello", is_dm=True))
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        holder = sqlite3.connect(tmp_path / "bot.db", isolation_level=None)
+        holder.execute("BEGIN EXCLUSIVE")
+        try:
+            sink = Sink()
+            await app.router.handle(hello, sink)
+            assert [r.text for r in sink.public] == [f"⚠️ {DATABASE_UNAVAILABLE}"]
+            answer = (await app.commands.dispatch("!memory show memory", ann)).text
+            assert "the bot's database cannot be used right now" in answer and "OperationalError" not in answer
+        finally:
+            holder.rollback()
+            holder.close()
+        logged = [r for r in caplog.records if "cannot be used right now" in r.getMessage()]
+        assert len(logged) == 2 and all(r.exc_info is None for r in logged)
+        assert f"the database sqlite:///{tmp_path / 'bot.db'} cannot be used right now: another process holds its " \
+               "write lock" in logged[0].getMessage()
+        sink = Sink()
+        await app.router.handle(hello, sink)  # the lock released: the bot answers again
+        assert sink.messages and not sink.public

@@ -465,8 +465,10 @@ class CommandError(Exception):
 
 
 class CommandRegistry:
-    def __init__(self, prefix: str = "!") -> None:
+    def __init__(self, prefix: str = "!", *,
+                 unavailable: Callable[[BaseException], str | None] = lambda _exc: None) -> None:
         self.prefix = prefix
+        self.unavailable = unavailable  # the storage's word on a failure that is the database's (Storage.unavailable)
         self._commands: dict[str, Command] = {}
         self._order: list[str] = []
         self._platform_commands: list[PlatformCommand] = []
@@ -612,6 +614,11 @@ class CommandRegistry:
         except CommandError as exc:
             return CommandReply(f"{exc}\nUsage: {self.usage(command)}", private=command.private, failed=True)
         except Exception as exc:  # a command may fail; the bot may not
+            if (trouble := self.unavailable(exc)) is not None:
+                log.error("command %s%s failed: %s", self.prefix, command.name, trouble)
+                return CommandReply(f"Sorry, {self.prefix}{command.name} failed: the bot's database cannot be used "
+                                    "right now (the admins can see why in the bot's log). Try again in a few minutes.",
+                                    private=command.private, failed=True)
             log.exception("command %s%s failed", self.prefix, command.name)
             return CommandReply(
                 f"Sorry, {self.prefix}{command.name} failed ({type(exc).__name__}). "

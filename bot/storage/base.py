@@ -307,6 +307,10 @@ class Storage(Protocol):
     async def scrub_soon(self) -> None:
         """Leave no trace of deleted rows in the database's files, now or (spaced) a little later."""
 
+    def unavailable(self, exc: BaseException) -> str | None:
+        """For the log: why the database could not be used for what raised ``exc`` (a lock held elsewhere, a full
+        disk, no write access, a server gone), naming it; None when that is not the cause."""
+
     # small persistent settings (e.g. tokenizer calibration)
     def forget_cached(self, *, user_key: str, channel_ids: Sequence[int] = ()) -> None:
         """Drop what this process cached of a user (and channels' summaries), e.g. after another process

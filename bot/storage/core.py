@@ -66,6 +66,7 @@ from bot.storage.rows import ts as _ts
 from bot.storage.skills import SkillAuditRepository
 from bot.storage.sources import SourceRepository
 from bot.storage.textsearch import restem, text_search_config
+from bot.storage.unavailable import unavailable
 from bot.storage.web import HealthRepository, WebLoginRepository
 
 log = logging.getLogger(__name__)
@@ -1079,6 +1080,12 @@ class Storage:
             summaries_written=written,
             summaries_rejected=rejected,
         )
+
+    def unavailable(self, exc: BaseException) -> str | None:
+        """For the log: why this database could not be used for what raised ``exc`` (a lock held elsewhere, a full
+        disk, no write access, a PostgreSQL server gone), naming it; None when that is not the cause."""
+        cause = unavailable(exc)
+        return None if cause is None else f"the database {self.db.url} cannot be used right now: {cause}"
 
     def forget_cached(self, *, user_key: str, channel_ids: Sequence[int] = ()) -> None:
         """Drop cached rows of a deleted user and of channels whose summaries were deleted."""
