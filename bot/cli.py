@@ -371,9 +371,19 @@ def status(ctx: click.Context) -> None:
 JOB_STATUSES = ("failed", "queued", "running", "done")
 
 
+def _job_id(_ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    """A job's id (click's own integer range said "'abc' is not a valid integer range")."""
+    if value is None:
+        return None
+    text = value.strip().lstrip("#")
+    if not text.isascii() or not text.isdigit() or len(text) > 18 or int(text) < 1:
+        raise click.BadParameter(f"{value!r} is no job id: give the number cortexbot jobs lists, e.g. 12", param=param)
+    return int(text)
+
+
 @cli.command()
 @click.argument("action", required=False, metavar="[retry]")
-@click.argument("job_id", required=False, type=click.IntRange(min=1))
+@click.argument("job_id", required=False, callback=_job_id)
 @click.option("--status", "wanted", type=click.Choice(JOB_STATUSES), default="failed", show_default=True,
               help="Which jobs to list.")
 @click.option("--limit", type=click.IntRange(1, 1000), default=20, show_default=True,

@@ -848,3 +848,11 @@ def test_a_database_that_refuses_the_bots_role_is_one_line(tmp_path: Path, fake_
             assert "the database refuses this role (permission denied" in result.stderr, (args, result.stderr)
     finally:
         asyncio.run(prepare(f"DROP OWNED BY {role}; DROP ROLE {role}"))
+
+
+def test_a_job_id_that_is_no_number_is_said_so() -> None:
+    """click's integer range answered "'abc' is not a valid integer range"."""
+    for given in ("abc", "0", "-3"):
+        refused = cortexbot("jobs", "retry", "--", given)
+        assert refused.returncode == 2 and f"{given!r} is no job id: give the number cortexbot jobs lists" in \
+            refused.stderr, refused.stderr
