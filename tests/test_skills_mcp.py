@@ -25,6 +25,7 @@ from cortex.skills.policy import Effective
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 FAKE = Path(__file__).parent / "fakes" / "mcp_server.py"
+RAW = Path(__file__).parent / "fakes" / "raw_mcp_server.py"  # a hand-written server that misbehaves
 FAST = McpOptions(backoff_initial=0.2, backoff_max=1.0, connect_timeout=20.0)
 SECRET = "s3cret-value-for-mcp"
 CONTEXT = SkillContext(user_db_id=1, user_key="u", user_name="U", persona="p", channel_key="c", server_key=None,
@@ -33,6 +34,10 @@ CONTEXT = SkillContext(user_db_id=1, user_key="u", user_name="U", persona="p", c
 
 def stdio_config(name: str = "fake", **fields: Any) -> McpServerConfig:
     return McpServerConfig(name=name, command=[sys.executable, str(FAKE)], **fields)
+
+
+def raw_config(name: str = "raw", **fields: Any) -> McpServerConfig:
+    return McpServerConfig(name=name, command=[sys.executable, str(RAW)], **fields)
 
 
 def by_name(tools: list[McpTool]) -> dict[str, McpTool]:
@@ -443,3 +448,25 @@ async def test_a_tool_is_offered_only_with_an_object_schema_and_one_naming_no_ty
     assert not offerable(types.Tool(name="listy", inputSchema={"type": "array"}))
     server = McpServer(McpServerConfig(name="srv", command=["true"]), FAST)
     assert McpTool(server, bare).info.input_schema == {"type": "object", "properties": {"q": {"type": "string"}}}
+
+
+async def test_a_secret_in_what_a_server_says_about_its_tools_is_redacted(
+        secret_env: None, caplog: pytest.LogCaptureFixture) -> None:
+    """A tool's description, title and input schema go to the model with every request and to `!skills list`:
+    a server describing its database by a DSN from env_from showed its password there, redacted nowhere."""
+    import json
+
+    caplog.set_level(logging.WARNING, logger="cortex.skills.mcp")
+    server = McpServer(raw_config(env_from={"DSN": "CORTEX_TEST_MCP_SECRET"}), FAST)
+    try:
+        await server.start()
+        tools = by_name(server.tools)
+        assert tools["query"].info.description == "Run a read-only SQL query against [redacted]."
+        assert tools["query"].info.input_schema["properties"]["sql"]["description"] == "SQL for [redacted]"
+        assert tools["lookup"].info.description == "Look a row up in [redacted]"
+        assert SECRET not in json.dumps([tool.info.description for tool in server.tools])
+        assert SECRET not in json.dumps([tool.info.input_schema for tool in server.tools])
+        assert tools["ok"].info.description == "Answers fine."
+        assert "the description of its tool query holds" in caplog.text and SECRET not in caplog.text
+    finally:
+        await server.aclose()

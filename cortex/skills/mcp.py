@@ -29,7 +29,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from dataclasses import dataclass
 from types import TracebackType
@@ -172,6 +172,17 @@ MAX_LIST_PAGES = 50  # every reply time to weigh them; and pages of its list rea
 # An HTTP server's JSON answer read at most (the SDK reads it whole, where it caps each event of a stream at 1 MB):
 # a server answering without end would otherwise fill the bot's memory. A result is cut far below this anyway.
 MAX_JSON_RESPONSE_BYTES = 8 << 20
+
+
+def _redacted_strings(value: Any, redacted: Callable[[str], str]) -> Any:
+    """A JSON value (a tool's input schema) with ``redacted`` applied to every string in it, keys included."""
+    if isinstance(value, str):
+        return redacted(value)
+    if isinstance(value, dict):
+        return {redacted(key): _redacted_strings(item, redacted) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_redacted_strings(item, redacted) for item in value]
+    return value
 
 
 def offerable(tool: types.Tool) -> bool:
@@ -482,7 +493,7 @@ class McpServer:
         allowed = set(self.config.tools)
         first: dict[str, types.Tool] = {}
         for tool in listed:  # a name once, its first listing (a server repeating its cursor repeats its tools)
-            first.setdefault(tool.name, tool)
+            first.setdefault(tool.name, self._without_secrets(tool))
         listed = list(first.values())
         wanted = [tool for tool in listed if not allowed or tool.name in allowed]
         fitting = [tool for tool in wanted if offerable(tool)]
@@ -496,6 +507,19 @@ class McpServer:
         missing = allowed - {tool.name for tool in listed}
         if missing:
             log.warning("mcp server %s does not offer the configured tools %s", self.name, sorted(missing))
+
+    def _without_secrets(self, tool: types.Tool) -> types.Tool:
+        """``tool`` with its secrets redacted from what the server says about it (its description, title and
+        input schema): that text goes to the model with every request and to ``!skills list``, and a server may
+        describe the database it reaches by its DSN, password and all."""
+        described = {"description": tool.description and self.redacted(tool.description),
+                     "title": tool.title and self.redacted(tool.title),
+                     "input_schema": _redacted_strings(tool.input_schema, self.redacted)}
+        if described == {"description": tool.description, "title": tool.title, "input_schema": tool.input_schema}:
+            return tool
+        log.warning("mcp server %s: the description of its tool %s holds one of the server's env_from / "
+                    "headers_env values; it is offered with that value redacted", self.name, tool.name)
+        return tool.model_copy(update=described)
 
     async def _answer(self, session: ClientSession, call: _Call) -> None:
         result: SkillResult | None = None

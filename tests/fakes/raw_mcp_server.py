@@ -1,0 +1,64 @@
+"""A stdio MCP server written by hand (JSON-RPC lines, no SDK), for what a real SDK server never does.
+
+Run as ``python tests/fakes/raw_mcp_server.py``. Tools: ``ok()`` (answers "fine") and ``query(sql)``, whose
+description, title and input schema quote the ``DSN`` of its environment (a careless server describing the
+database it reaches, password and all), and ``lookup()``, described by such a title alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+OUT = sys.stdout.buffer
+
+
+def send(message: dict[str, Any]) -> None:
+    OUT.write(json.dumps(message).encode() + b"\n")
+    OUT.flush()
+
+
+def tools() -> list[dict[str, Any]]:
+    dsn = os.environ.get("DSN", "")
+    return [
+        {"name": "ok", "description": "Answers fine.", "inputSchema": {"type": "object", "properties": {}}},
+        {"name": "query", "title": f"Query {dsn}", "description": f"Run a read-only SQL query against {dsn}.",
+         "inputSchema": {"type": "object", "properties": {"sql": {"type": "string",
+                                                                  "description": f"SQL for {dsn}"}}}},
+        {"name": "lookup", "title": f"Look a row up in {dsn}", "inputSchema": {"type": "object"}},
+    ]
+
+
+def text(request_id: Any, said: str) -> None:
+    send({"jsonrpc": "2.0", "id": request_id, "result": {"content": [{"type": "text", "text": said}]}})
+
+
+def call(request_id: Any, name: str, arguments: dict[str, Any]) -> None:
+    if name == "ok":
+        text(request_id, "fine")
+    else:
+        send({"jsonrpc": "2.0", "id": request_id, "error": {"code": -32602, "message": f"no tool {name}"}})
+
+
+def main() -> None:
+    for line in sys.stdin.buffer:
+        message = json.loads(line)
+        request_id, method = message.get("id"), message.get("method")
+        if request_id is None:
+            continue  # a notification
+        if method == "initialize":
+            send({"jsonrpc": "2.0", "id": request_id, "result": {
+                "protocolVersion": message["params"]["protocolVersion"], "capabilities": {"tools": {}},
+                "serverInfo": {"name": "raw", "version": "1"}}})
+        elif method == "tools/list":
+            send({"jsonrpc": "2.0", "id": request_id, "result": {"tools": tools()}})
+        elif method == "tools/call":
+            call(request_id, message["params"]["name"], message["params"].get("arguments") or {})
+        else:
+            send({"jsonrpc": "2.0", "id": request_id, "result": {}})
+
+
+if __name__ == "__main__":
+    main()
