@@ -470,3 +470,17 @@ async def test_a_secret_in_what_a_server_says_about_its_tools_is_redacted(
         assert "the description of its tool query holds" in caplog.text and SECRET not in caplog.text
     finally:
         await server.aclose()
+
+
+async def test_a_byte_that_is_no_utf8_is_replaced_and_the_next_call_answers_at_once() -> None:
+    """One Latin-1 byte on a stdio server's output ended the SDK's strict decoding: that call and every later one
+    waited out their timeouts (about 50 s in all) while the server still showed as up."""
+    server = McpServer(raw_config(timeout_seconds=5.0), FAST)
+    try:
+        await server.start()
+        started = time.monotonic()
+        assert await server.call("latin1", {}) == SkillResult("caf\ufffd")
+        assert await server.call("ok", {}) == SkillResult("fine")
+        assert time.monotonic() - started < 3 and server.up
+    finally:
+        await server.aclose()

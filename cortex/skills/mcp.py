@@ -396,7 +396,10 @@ class McpServer:
     def _transport(self) -> Transport:
         if self.config.command:
             command, *args = self.config.command
-            params = StdioServerParameters(command=command, args=args, env=self._stdio_env())
+            # A byte that is no UTF-8 (a file passed on in Latin-1) becomes U+FFFD: strict decoding ended the
+            # reading of the server's output, and every later call waited out its timeout while it seemed up.
+            params = StdioServerParameters(command=command, args=args, env=self._stdio_env(),
+                                           encoding_error_handler="replace")
             return stdio_client(params, errlog=self._options.errlog or sys.stderr)
         return self._http_transport()
 

@@ -1,6 +1,7 @@
 """A stdio MCP server written by hand (JSON-RPC lines, no SDK), for what a real SDK server never does.
 
-Run as ``python tests/fakes/raw_mcp_server.py``. Tools: ``ok()`` (answers "fine") and ``query(sql)``, whose
+Run as ``python tests/fakes/raw_mcp_server.py``. Tools: ``ok()`` (answers "fine"), ``latin1()`` (answers
+"café" in Latin-1, a byte that is no UTF-8) and ``query(sql)``, whose
 description, title and input schema quote the ``DSN`` of its environment (a careless server describing the
 database it reaches, password and all), and ``lookup()``, described by such a title alone.
 """
@@ -38,6 +39,9 @@ def text(request_id: Any, said: str) -> None:
 def call(request_id: Any, name: str, arguments: dict[str, Any]) -> None:
     if name == "ok":
         text(request_id, "fine")
+    elif name == "latin1":  # a file read in Latin-1 and passed on as it was: "café" with a raw 0xE9 byte
+        OUT.write(b'{"jsonrpc":"2.0","id":%d,"result":{"content":[{"type":"text","text":"caf\xe9"}]}}\n' % request_id)
+        OUT.flush()
     else:
         send({"jsonrpc": "2.0", "id": request_id, "error": {"code": -32602, "message": f"no tool {name}"}})
 
