@@ -484,3 +484,20 @@ async def test_a_byte_that_is_no_utf8_is_replaced_and_the_next_call_answers_at_o
         assert time.monotonic() - started < 3 and server.up
     finally:
         await server.aclose()
+
+
+async def test_an_answer_the_sdk_cannot_read_fails_its_call_at_once() -> None:
+    """An answer nested deeper than the SDK parses was dropped with a debug line: the call waited out its whole
+    timeout and then said the tool did not answer. A line of log text on the server's output is no answer and
+    fails nothing."""
+    server = McpServer(raw_config(timeout_seconds=10.0), FAST)
+    try:
+        await server.start()
+        started = time.monotonic()
+        unread = await server.call("nested", {})
+        assert unread.is_error and "the raw server's answer could not be read (" in unread.content, unread
+        assert "recursion limit" in unread.content and time.monotonic() - started < 3
+        assert await server.call("chatty", {}) == SkillResult("chatted")
+        assert await server.call("ok", {}) == SkillResult("fine") and server.up
+    finally:
+        await server.aclose()

@@ -47,6 +47,7 @@ from mcp.shared.message import SessionMessage
 from pydantic import ValidationError
 
 from bot.config import McpServerConfig
+from bot.text import one_line
 from cortex.skills.base import SkillContext, SkillInfo, SkillResult, redact, redact_cut, redaction_values
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,22 @@ def _describe_error(exc: BaseException) -> str:
                 f"{where}: {errors[0]['msg'] if errors else ''})")
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _unreadable_answer(exc: Exception) -> str | None:
+    """Why the SDK could not read a line of the server's that holds a JSON object (nested too deep, say): most
+    likely an answer. None for any other exception, and for text that is no JSON (a server's log line printed
+    on its output), which answers no call."""
+    if not isinstance(exc, ValidationError) or not exc.errors():
+        return None
+    error = exc.errors()[0]
+    line = error.get("input")
+    if isinstance(line, str) and not _JSON_OBJECT.match(line):
+        return None
+    return one_line(str(error["msg"]), ERROR_CHARS)
+
+
+_JSON_OBJECT = re.compile(r"\s*\{")
 
 
 def _describe_part(part: types.ContentBlock) -> str:
@@ -254,6 +271,8 @@ class McpServer:
         self._connected_at: float | None = None
         self.last_error = ""  # why the last connection failed or ended ("" while none did)
         self._secrets: tuple[str, ...] = ()  # env_from / headers_env values, as last read: never shown anywhere
+        self._in_flight: set[anyio.CancelScope] = set()  # the calls waiting for the server's answer
+        self._unread = ""  # why the server's last answer could not be read
 
     @property
     def name(self) -> str:
@@ -478,7 +497,17 @@ class McpServer:
         if isinstance(message, types.ToolListChangedNotification):
             self._relist.set()
         elif isinstance(message, Exception):
-            log.debug("mcp server %s: transport error: %s", self.name, self.error_line(message))
+            unread = _unreadable_answer(message)
+            if unread is None or not self._in_flight:
+                log.debug("mcp server %s: transport error: %s", self.name, self.error_line(message))
+                return
+            # The SDK says which line it could not read, not which call it answered: every call waiting then
+            # fails now rather than waiting out its timeout ("did not answer") for an answer already dropped.
+            self._unread = self.redacted(unread)
+            log.warning("mcp server %s: an answer could not be read (%s); failing the %d call(s) waiting",
+                        self.name, self._unread, len(self._in_flight))
+            for scope in self._in_flight:
+                scope.cancel()
 
     async def _list_tools(self, session: ClientSession) -> None:
         listed: list[types.Tool] = []
@@ -527,7 +556,15 @@ class McpServer:
     async def _answer(self, session: ClientSession, call: _Call) -> None:
         result: SkillResult | None = None
         try:
-            result = await self._call_tool(session, call.name, call.arguments)
+            with anyio.CancelScope() as waiting:  # cancelled when the server's answer cannot be read
+                self._in_flight.add(waiting)
+                try:
+                    result = await self._call_tool(session, call.name, call.arguments)
+                finally:
+                    self._in_flight.discard(waiting)
+            if waiting.cancelled_caught:
+                result = SkillResult(f"the {self.name} server's answer could not be read ({self._unread})",
+                                     is_error=True)
         finally:
             if result is None:  # cut short: the connection is being lost
                 self._up = False

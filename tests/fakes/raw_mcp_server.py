@@ -1,9 +1,10 @@
 """A stdio MCP server written by hand (JSON-RPC lines, no SDK), for what a real SDK server never does.
 
-Run as ``python tests/fakes/raw_mcp_server.py``. Tools: ``ok()`` (answers "fine"), ``latin1()`` (answers
-"café" in Latin-1, a byte that is no UTF-8) and ``query(sql)``, whose
-description, title and input schema quote the ``DSN`` of its environment (a careless server describing the
-database it reaches, password and all), and ``lookup()``, described by such a title alone.
+Run as ``python tests/fakes/raw_mcp_server.py``. Tools: ``ok()`` (answers "fine"), ``latin1()`` (answers "café"
+in Latin-1, a byte that is no UTF-8), ``nested()`` (an answer nested deeper than the SDK reads), ``chatty()`` (a
+line of log text on its output before its answer), ``query(sql)``, whose description, title and input schema
+quote the ``DSN`` of its environment (a careless server describing the database it reaches, password and all),
+and ``lookup()``, described by such a title alone.
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ def call(request_id: Any, name: str, arguments: dict[str, Any]) -> None:
     elif name == "latin1":  # a file read in Latin-1 and passed on as it was: "café" with a raw 0xE9 byte
         OUT.write(b'{"jsonrpc":"2.0","id":%d,"result":{"content":[{"type":"text","text":"caf\xe9"}]}}\n' % request_id)
         OUT.flush()
+    elif name == "nested":  # a structured answer nested 300 deep (a JSON tree from some API), past the SDK's limit
+        deep: dict[str, Any] = {}
+        for _ in range(300):
+            deep = {"a": deep}
+        send({"jsonrpc": "2.0", "id": request_id, "result": {"content": [], "structuredContent": deep}})
+    elif name == "chatty":  # a line of log on its output, then the answer
+        OUT.write(b"connecting to the upstream service...\n")
+        text(request_id, "chatted")
     else:
         send({"jsonrpc": "2.0", "id": request_id, "error": {"code": -32602, "message": f"no tool {name}"}})
 
