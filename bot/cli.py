@@ -760,7 +760,7 @@ async def _doctor_skills(config: Config, report: Callable[..., None]) -> None:
         return
     from cortex.skills.mcp import McpSkills
 
-    servers = McpSkills(config.skills.mcp)  # (a stdio server's own complaints go to stderr, as in the bot)
+    servers = McpSkills(config.skills.mcp)  # (a stdio server's stderr is logged, as in the bot)
     try:
         await servers.start()
         down = dict(servers.down())

@@ -501,3 +501,53 @@ async def test_an_answer_the_sdk_cannot_read_fails_its_call_at_once() -> None:
         assert await server.call("ok", {}) == SkillResult("fine") and server.up
     finally:
         await server.aclose()
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_a_stdio_servers_stderr_is_logged_under_its_name_redacted_and_cut(
+        secret_env: None, caplog: pytest.LogCaptureFixture) -> None:
+    """A stdio server's stderr went into the bot's stderr as written, a token it printed included; each line is
+    now logged under the server's name, its secrets redacted, at most 1,000 characters."""
+    caplog.set_level(logging.WARNING, logger="cortex.skills.mcp")
+    server = McpServer(raw_config(env_from={"TOKEN": "CORTEX_TEST_MCP_SECRET"}), FAST)
+    try:
+        await server.start()
+        assert await server.call("leak", {}) == SkillResult("leaked")
+
+        def said() -> list[str]:
+            return [r.getMessage() for r in caplog.records if r.getMessage().startswith("mcp server raw says")]
+
+        await eventually(lambda: len(said()) == 2, 5)
+        assert said()[0] == "mcp server raw says: connecting to the upstream service with token=[redacted]"
+        assert said()[1].endswith("x…") and len(said()[1]) < 1_100
+        assert SECRET not in caplog.text
+    finally:
+        await server.aclose()
+
+
+async def test_a_restarted_stdio_server_leaves_no_descriptor_or_task_behind() -> None:
+    """Each connection to a stdio server has a pipe for its stderr and a task reading it: a crash, a restart and
+    the stop close and end them all, even when a child the server left behind holds the pipe open."""
+    before, tasks = open_descriptors(), len(asyncio.all_tasks())
+    server = McpServer(raw_config(), FAST)
+    daemon = 0
+    try:
+        await server.start()
+        assert await server.call("ok", {}) == SkillResult("fine")
+        up = open_descriptors()
+        for _ in range(3):
+            assert (await server.call("crash", {})).is_error
+            await eventually(lambda: server.up)
+            assert await server.call("ok", {}) == SkillResult("fine")
+        await eventually(lambda: open_descriptors() == up, 5)
+        daemon = int((await server.call("daemon", {})).content)
+    finally:
+        await server.aclose()
+    try:
+        await eventually(lambda: open_descriptors() == before and len(asyncio.all_tasks()) == tasks, 5)
+    finally:
+        if daemon:
+            os.kill(daemon, 9)

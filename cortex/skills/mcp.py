@@ -18,7 +18,8 @@ offer the same one: then both are called ``<server>_<tool>``).
 
 Secrets (``env_from`` variables for a stdio server, ``headers_env`` headers for an HTTP server) are read
 from the bot's environment when connecting and are never logged. A stdio server inherits only the SDK's
-small safe environment (PATH, HOME, ...) plus ``env`` and ``env_from``, never the bot's own secrets.
+small safe environment (PATH, HOME, ...) plus ``env`` and ``env_from``, never the bot's own secrets. What it
+writes on its stderr is logged line by line under its name, those secrets redacted (see ``stderr.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import json
 import logging
 import os
 import re
-import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from dataclasses import dataclass
@@ -49,9 +49,11 @@ from pydantic import ValidationError
 from bot.config import McpServerConfig
 from bot.text import one_line
 from cortex.skills.base import SkillContext, SkillInfo, SkillResult, redact, redact_cut, redaction_values
+from cortex.skills.stderr import stderr_lines
 
 log = logging.getLogger(__name__)
 ERROR_CHARS = 300  # a server's error, described in one line, at most
+STDERR_LINE_CHARS = 1_000  # a line of a stdio server's stderr, logged at most
 
 _MODEL_NAME_MAX = 64
 _INVALID_NAME_CHARS = re.compile(r"[^A-Za-z0-9_-]")
@@ -67,7 +69,6 @@ class McpOptions:
     connect_timeout: float = 20.0  # longest initialize + tools/list (and the longest start() waits)
     health_interval: float = 30.0  # ping an established connection this often
     close_timeout: float = 10.0  # longest aclose() waits for a server's task before cancelling it
-    errlog: TextIO | None = None  # where stdio servers' stderr goes (default: the bot's stderr)
 
 
 @dataclass(slots=True)
@@ -390,7 +391,8 @@ class McpServer:
         self._connected_at = None
         self._relist.clear()
         async with AsyncExitStack() as stack:
-            read_stream, write_stream = await stack.enter_async_context(self._transport())
+            errlog = await stack.enter_async_context(stderr_lines(self._log_stderr)) if self.config.command else None
+            read_stream, write_stream = await stack.enter_async_context(self._transport(errlog))
             watched = _WatchedReadStream(read_stream)
             session = await stack.enter_async_context(
                 ClientSession(watched, write_stream, message_handler=self._on_message)
@@ -412,14 +414,21 @@ class McpServer:
             finally:
                 self._up = False
 
-    def _transport(self) -> Transport:
-        if self.config.command:
+    def _log_stderr(self, line: str) -> None:
+        """A line a stdio server wrote on its stderr (its complaints, a traceback), logged under its name with its
+        secrets redacted: it went into the bot's stderr as written, a token it printed included."""
+        if line.strip():
+            log.warning("mcp server %s says: %s", self.name,
+                        redact_cut(line, redaction_values(self._secrets), STDERR_LINE_CHARS))
+
+    def _transport(self, errlog: TextIO | None) -> Transport:
+        if errlog is not None:
             command, *args = self.config.command
             # A byte that is no UTF-8 (a file passed on in Latin-1) becomes U+FFFD: strict decoding ended the
             # reading of the server's output, and every later call waited out its timeout while it seemed up.
             params = StdioServerParameters(command=command, args=args, env=self._stdio_env(),
                                            encoding_error_handler="replace")
-            return stdio_client(params, errlog=self._options.errlog or sys.stderr)
+            return stdio_client(params, errlog=errlog)
         return self._http_transport()
 
     @asynccontextmanager

@@ -1,16 +1,19 @@
 """A stdio MCP server written by hand (JSON-RPC lines, no SDK), for what a real SDK server never does.
 
-Run as ``python tests/fakes/raw_mcp_server.py``. Tools: ``ok()`` (answers "fine"), ``latin1()`` (answers "café"
-in Latin-1, a byte that is no UTF-8), ``nested()`` (an answer nested deeper than the SDK reads), ``chatty()`` (a
-line of log text on its output before its answer), ``query(sql)``, whose description, title and input schema
-quote the ``DSN`` of its environment (a careless server describing the database it reaches, password and all),
-and ``lookup()``, described by such a title alone.
+Run as ``python tests/fakes/raw_mcp_server.py``. Tools: ``ok()`` (answers "fine"), ``latin1()`` (answers "café" in
+Latin-1, a byte that is no UTF-8), ``nested()`` (an answer nested deeper than the SDK reads), ``chatty()`` (a line
+of log text on its output before its answer), ``leak()`` (writes its ``TOKEN`` and a line of 100,000 characters on
+its stderr), ``crash()`` (ends the process at once), ``daemon()`` (starts a ``sleep 30`` that outlives it, holding
+its stderr open; answers its pid), ``query(sql)``, whose description, title and input schema quote the ``DSN`` of
+its environment (a careless server describing the database it reaches, password and all), and ``lookup()``,
+described by such a title alone.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from typing import Any
 
@@ -48,6 +51,15 @@ def call(request_id: Any, name: str, arguments: dict[str, Any]) -> None:
         for _ in range(300):
             deep = {"a": deep}
         send({"jsonrpc": "2.0", "id": request_id, "result": {"content": [], "structuredContent": deep}})
+    elif name == "leak":  # a careless log line with its token on stderr, and a line of 100,000 characters
+        sys.stderr.write(f"connecting to the upstream service with token={os.environ.get('TOKEN')}\n")
+        sys.stderr.write("x" * 100_000 + "\n")
+        sys.stderr.flush()
+        text(request_id, "leaked")
+    elif name == "crash":
+        os._exit(3)
+    elif name == "daemon":  # a child in a session of its own (out of reach of the stop), holding stderr open
+        text(request_id, str(subprocess.Popen(["sleep", "30"], start_new_session=True).pid))
     elif name == "chatty":  # a line of log on its output, then the answer
         OUT.write(b"connecting to the upstream service...\n")
         text(request_id, "chatted")
