@@ -742,8 +742,8 @@ def _doctor_file_modes(path: Path | None, report: Callable[..., None]) -> None:
 
 
 async def _doctor_skills(config: Config, report: Callable[..., None]) -> None:
-    """The configured HTTP skills (their secrets set) and MCP servers (each started, as the bot would, and
-    asked for its tools within its connect timeout)."""
+    """The configured HTTP skills (their secrets set) and MCP servers (their secrets set; each started, as the bot
+    would, and asked for its tools within its connect timeout)."""
     from cortex.skills.http import HttpSkill, needs_allow_internal
 
     if not config.skills.enabled or not (config.skills.http or config.skills.mcp):
@@ -756,11 +756,23 @@ async def _doctor_skills(config: Config, report: Callable[..., None]) -> None:
             continue
         inside = await needs_allow_internal(entry)
         report(inside is None, f"http skill {entry.name}", inside or entry.url)
-    if not config.skills.mcp:
-        return
-    from cortex.skills.mcp import McpSkills
+    if config.skills.mcp:
+        await _doctor_mcp(config, report)
 
-    servers = McpSkills(config.skills.mcp)  # (a stdio server's stderr is logged, as in the bot)
+
+async def _doctor_mcp(config: Config, report: Callable[..., None]) -> None:
+    """Each MCP server's secret variables set, then the server started and asked for its tools."""
+    from cortex.skills.mcp import McpServer, McpSkills
+
+    startable = []
+    for server_config in config.skills.mcp:
+        try:
+            McpServer(server_config)  # (reads its env_from / headers_env variables, as the bot's start does)
+        except ValueError as exc:  # a missing secret variable: what stops the bot at start
+            report(False, f"mcp server {server_config.name}", str(exc))
+            continue
+        startable.append(server_config)
+    servers = McpSkills(startable)  # (a stdio server's stderr is logged, as in the bot)
     try:
         await servers.start()
         down = dict(servers.down())

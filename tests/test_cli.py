@@ -404,18 +404,26 @@ def test_doctor_checks_the_skills_and_the_chat_shows_what_is_down(tmp_path: Path
     fake = Path(__file__).parent / "fakes" / "mcp_server.py"
     mcp = (f'[[skills.mcp]]\nname = "broken"\ncommand = ["{tmp_path / "no-such-server"}"]\n'
            f'[[skills.mcp]]\nname = "good"\ncommand = ["{sys.executable}", "{fake}"]\n')
+    unset = (f'[[skills.mcp]]\nname = "db"\ncommand = ["{sys.executable}", "{fake}"]\n'
+             'env_from = { "PGPASSWORD" = "CB_TEST_NO_MCP_KEY" }\n')  # (started without it, it passed)
     http = ('[[skills.http]]\nname = "weather"\ndescription = "the weather"\nurl = "http://127.0.0.1:9/w"\n'
             'headers_env = { "X-Key" = "CB_TEST_NO_SUCH_KEY" }\n')
     config = write_config(tmp_path, fake_llm)
-    config.write_text(config.read_text() + mcp + http + '[memory]\nembedder = "openai"\nembedder_model = "e"\n'
+    config.write_text(config.read_text() + mcp + unset + http + '[memory]\nembedder = "openai"\nembedder_model = "e"\n'
                       'embedder_api_key_env = "CB_TEST_NO_EMBED_KEY"\n')
     doctor = cortexbot("--config", str(config), "doctor", env={"CB_TEST_NO_SUCH_KEY": "", "CB_TEST_NO_EMBED_KEY": ""})
     assert doctor.returncode == 1, doctor.stdout
     assert "✗ http skill weather:" in doctor.stdout and "CB_TEST_NO_SUCH_KEY" in doctor.stdout
     assert "✗ mcp server broken: not reachable:" in doctor.stdout
     assert "✓ mcp server good:" in doctor.stdout and "tool(s)" in doctor.stdout
+    assert ("✗ mcp server db: [[skills.mcp]] 'db': environment variable CB_TEST_NO_MCP_KEY (for env_from PGPASSWORD) "
+            "is not set") in doctor.stdout
     assert "✗ embedder: [memory] embedder = \"openai\" needs its API key in $CB_TEST_NO_EMBED_KEY" in doctor.stdout
     config.write_text(config.read_text().replace(http, "").replace('embedder = "openai"', 'embedder = "none"'))
+    chat = cortexbot("--config", str(config), "chat", stdin="!skills list\n", env={"CB_TEST_NO_MCP_KEY": ""})
+    assert chat.returncode != 0 and "[[skills.mcp]] 'db': environment variable CB_TEST_NO_MCP_KEY" in chat.stderr
+    assert "Traceback" not in chat.stderr, chat.stderr
+    config.write_text(config.read_text().replace(unset, ""))
     chat = cortexbot("--config", str(config), "chat", stdin="!skills list\n")
     assert chat.returncode == 0, chat.stderr
     assert "⚠️ MCP server broken is not reachable (" in chat.stdout

@@ -486,6 +486,16 @@ async def test_a_missing_secret_of_an_http_skill_stops_the_start_with_one_clear_
     assert str(caught.value).count("[[skills.http]]") == 1
 
 
+async def test_a_missing_secret_of_an_mcp_server_stops_the_start_with_one_clear_line(
+        tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As for an HTTP skill: the server started without its secret (a warning in the log) and failed every call."""
+    monkeypatch.delenv("CB_SKILLS_MISSING_KEY", raising=False)
+    mcp = [{"name": "db", "command": ["true"], "env_from": {"PGPASSWORD": "CB_SKILLS_MISSING_KEY"}}]
+    with pytest.raises(ConfigError, match=r"^\[\[skills.mcp\]\] 'db': environment variable CB_SKILLS_MISSING_KEY "
+                       r"\(for env_from PGPASSWORD\) is not set$"):
+        await App(_config(tmp_path, fake_llm, mcp=mcp)).start()
+
+
 def test_the_audit_hides_a_secret_and_the_credential_inside_it() -> None:
     recorded = sanitised({"q": "use abcdefghij please", "n": 3}, ("Bearer abcdefghij",))
     assert recorded == '{"q": "use *** please", "n": 3}'

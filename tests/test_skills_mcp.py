@@ -551,3 +551,17 @@ async def test_a_restarted_stdio_server_leaves_no_descriptor_or_task_behind() ->
     finally:
         if daemon:
             os.kill(daemon, 9)
+
+
+async def test_an_unset_secret_variable_of_a_server_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An env_from (stdio) or headers_env (HTTP) variable that is unset was a warning in the log: the server
+    started without its secret and failed every call, where an HTTP skill refuses to start."""
+    monkeypatch.delenv("CB_TEST_MCP_UNSET", raising=False)
+    monkeypatch.setenv("CB_TEST_MCP_EMPTY", "")
+    with pytest.raises(ValueError, match=r"^\[\[skills.mcp\]\] 'db': environment variable CB_TEST_MCP_UNSET "
+                       r"\(for env_from PGPASSWORD\) is not set$"):
+        McpServer(stdio_config("db", env_from={"PGPASSWORD": "CB_TEST_MCP_UNSET"}), FAST)
+    with pytest.raises(ValueError, match=r"'web': environment variable CB_TEST_MCP_EMPTY \(for header X-Key\)"):
+        McpServer(McpServerConfig(name="web", url="http://127.0.0.1:9/mcp", headers_env={"X-Key": "CB_TEST_MCP_EMPTY"}))
+    with pytest.raises(ValueError, match="CB_TEST_MCP_UNSET"):
+        McpSkills([stdio_config("fine"), stdio_config("db", env_from={"PGPASSWORD": "CB_TEST_MCP_UNSET"})])

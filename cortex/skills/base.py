@@ -8,6 +8,7 @@ never instructions (the reply loop wraps it as a tool result and caps its size).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal, Protocol
@@ -16,6 +17,20 @@ from bot.text import one_line, storable
 
 Origin = Literal["builtin", "http", "mcp"]
 REDACTED = "[redacted]"
+
+
+def from_environment(mapping: dict[str, str], where: str, what: str) -> dict[str, str]:
+    """``key -> the value of the environment variable it names`` (an ``env_from`` / ``headers_env`` table: secrets
+    kept out of the config file). A variable unset or empty raises ValueError naming it and ``where`` it is asked
+    for (``what`` names its key): the start stops with that one line, and ``doctor`` shows it, rather than a
+    skill that fails every call."""
+    values: dict[str, str] = {}
+    for key, variable in mapping.items():
+        value = os.environ.get(variable, "")
+        if not value:
+            raise ValueError(f"{where}: environment variable {variable} (for {what} {key}) is not set")
+        values[key] = value
+    return values
 
 
 def redaction_values(secrets: tuple[str, ...]) -> tuple[str, ...]:

@@ -19,7 +19,6 @@ import codecs
 import ipaddress
 import json
 import logging
-import os
 import re
 import socket
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from cortex.skills.base import (
     SkillFailure,
     SkillInfo,
     SkillResult,
+    from_environment,
     redact,
     redact_cut,
     redaction_values,
@@ -62,7 +62,7 @@ class HttpSkill:
         _check_template(config)
         self._config = config
         self._validator = _schema_validator(config)
-        self._secret_headers = _read_secret_headers(config)
+        self._secret_headers = from_environment(config.headers_env, f"[[skills.http]] {config.name!r}", "header")
         self._redact_values = redaction_values(tuple(self._secret_headers.values()))
         self._session_factory = session_factory
         self._session: aiohttp.ClientSession | None = None
@@ -398,17 +398,6 @@ def _schema_validator(config: HttpSkillConfig) -> Any:
         raise ValueError(f"[[skills.http]] {config.name!r}: parameters is not a valid JSON schema: "
                          f"{exc.message}") from exc
     return cls(config.parameters)
-
-
-def _read_secret_headers(config: HttpSkillConfig) -> dict[str, str]:
-    headers: dict[str, str] = {}
-    for header, variable in config.headers_env.items():
-        value = os.environ.get(variable, "")
-        if not value:
-            raise ValueError(f"[[skills.http]] {config.name!r}: environment variable {variable} "
-                             f"(for header {header}) is not set")
-        headers[header] = value
-    return headers
 
 
 def _describe(error: schema_errors.ValidationError) -> str:

@@ -17,9 +17,10 @@ configured servers and names their tools for the model (a tool keeps its own nam
 offer the same one: then both are called ``<server>_<tool>``).
 
 Secrets (``env_from`` variables for a stdio server, ``headers_env`` headers for an HTTP server) are read
-from the bot's environment when connecting and are never logged. A stdio server inherits only the SDK's
-small safe environment (PATH, HOME, ...) plus ``env`` and ``env_from``, never the bot's own secrets. What it
-writes on its stderr is logged line by line under its name, those secrets redacted (see ``stderr.py``).
+from the bot's environment when the server is built (one unset stops the start, as for an HTTP skill) and are
+never logged. A stdio server inherits only the SDK's small safe environment (PATH, HOME, ...) plus ``env`` and
+``env_from``, never the bot's own secrets. What it writes on its stderr is logged line by line under its name,
+those secrets redacted (see ``stderr.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
@@ -48,7 +48,15 @@ from pydantic import ValidationError
 
 from bot.config import McpServerConfig
 from bot.text import one_line
-from cortex.skills.base import SkillContext, SkillInfo, SkillResult, redact, redact_cut, redaction_values
+from cortex.skills.base import (
+    SkillContext,
+    SkillInfo,
+    SkillResult,
+    from_environment,
+    redact,
+    redact_cut,
+    redaction_values,
+)
 from cortex.skills.stderr import stderr_lines
 
 log = logging.getLogger(__name__)
@@ -271,7 +279,11 @@ class McpServer:
         self._interruptible: anyio.CancelScope | None = None  # a connect or a backoff wait aclose() may cut
         self._connected_at: float | None = None
         self.last_error = ""  # why the last connection failed or ended ("" while none did)
-        self._secrets: tuple[str, ...] = ()  # env_from / headers_env values, as last read: never shown anywhere
+        where = f"[[skills.mcp]] {config.name!r}"
+        self._env_from = from_environment(config.env_from, where, "env_from")
+        self._headers = from_environment(config.headers_env, where, "header")
+        # (their values: never shown anywhere)
+        self._secrets = tuple(value for value in (*self._env_from.values(), *self._headers.values()) if value.strip())
         self._in_flight: set[anyio.CancelScope] = set()  # the calls waiting for the server's answer
         self._unread = ""  # why the server's last answer could not be read
 
@@ -281,7 +293,7 @@ class McpServer:
 
     @property
     def secrets(self) -> tuple[str, ...]:
-        """The values of the server's ``env_from`` variables and ``headers_env`` headers (as last read)."""
+        """The values of the server's ``env_from`` variables and ``headers_env`` headers."""
         return self._secrets
 
     def redacted(self, text: str) -> str:
@@ -441,26 +453,10 @@ class McpServer:
                 yield streams
 
     def _stdio_env(self) -> dict[str, str]:
-        env = dict(self.config.env)
-        env.update(self._from_environment(self.config.env_from, "env_from"))
-        return env
+        return {**self.config.env, **self._env_from}
 
     def _http_headers(self) -> dict[str, str]:
-        return self._from_environment(self.config.headers_env, "headers_env")
-
-    def _from_environment(self, mapping: dict[str, str], field: str) -> dict[str, str]:
-        """``key -> value of the bot's environment variable``; a missing variable is logged by name only.
-        The values read become the server's :attr:`secrets`."""
-        values: dict[str, str] = {}
-        for key, variable in mapping.items():
-            value = os.environ.get(variable)
-            if value is None:
-                log.warning("mcp server %s: %s %s: the environment variable %s is not set",
-                            self.name, field, key, variable)
-            else:
-                values[key] = value
-        self._secrets = tuple(v for v in values.values() if v.strip())
-        return values
+        return dict(self._headers)
 
     async def _serve(self, session: ClientSession, watched: _WatchedReadStream) -> None:
         async with anyio.create_task_group() as tg:

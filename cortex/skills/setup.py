@@ -36,7 +36,10 @@ class Skills:
         # servers configured pays for it, at start, not every `cortexbot` command.
         from cortex.skills.mcp import McpSkills
 
-        return McpSkills(config.skills.mcp)
+        try:
+            return McpSkills(config.skills.mcp)
+        except ValueError as exc:  # a missing secret variable: one clear line at start, as for an HTTP skill
+            raise ConfigError(str(exc)) from None
 
     @staticmethod
     def _http_skill(entry: HttpSkillConfig) -> HttpSkill:
