@@ -31,7 +31,7 @@ from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
 from prompt_toolkit.patch_stdout import patch_stdout
 
 from bot.app import App
-from bot.commands import Attachment, CommandContext
+from bot.commands import Attachment, CommandContext, CommandReply
 from bot.errors import UserFacingError
 from bot.llm.errors import LLMError
 from bot.policy import Inbound, user_refusal
@@ -52,12 +52,13 @@ NO_BODY = {"": "the input ended before the line holding only a dot; nothing chan
 THINKING_AFTER = 2.0  # seconds without a word of the reply before the prompt says the model is at work
 
 
-async def prompt_text() -> str | None:
+async def prompt_text(default: str = "") -> str | None:
     """At a prompt, the text a command waits for, edited as one block (the arrow keys move between its
     lines, a paste keeps its lines): Enter on a last line holding only a dot ends it (or on an empty last
     line below one: a pasted text with its dot line), as does Alt-Enter; Ctrl-C, and Ctrl-D on an empty
     block, cancel it. Read as plain lines, Ctrl-C reached nothing (the terminal was in no prompt's hands)
-    and the text could not be left. Its lines are never written to the history."""
+    and the text could not be left. Its lines are never written to the history. ``default``: a text to
+    correct (one the command refused)."""
     bindings = KeyBindings()
 
     @bindings.add("enter")
@@ -72,7 +73,7 @@ async def prompt_text() -> str | None:
 
     session: PromptSession[str] = PromptSession(multiline=True, key_bindings=bindings)
     try:
-        typed = await session.prompt_async("… ", prompt_continuation="… ")
+        typed = await session.prompt_async("… ", prompt_continuation="… ", default=default)
     except (KeyboardInterrupt, EOFError):
         return CANCELLED
     lines = printable(typed).split("\n")
@@ -273,9 +274,9 @@ class TerminalAdapter:
             except EOFError:
                 return None
 
-    async def _prompt_body(self) -> str | None:
+    async def _prompt_body(self, default: str = "") -> str | None:
         with logs_above_prompt():
-            return await prompt_text()
+            return await prompt_text(default)
 
     async def _readline_in_thread(self) -> str:
         """Read one line without blocking the loop. A daemon thread, not the default executor: a
@@ -355,12 +356,10 @@ class TerminalAdapter:
         if reply.needs_body:
             self.stdout.write(reply.needs_body + ("; Ctrl-C cancels" if self.interactive else "") + "\n")
             self.stdout.flush()
-            body = await self._read_body()
-            if body in NO_BODY or body is None:
-                self.failures += 1
-                self._error("no content given; nothing changed" if body is None else NO_BODY[body])
+            with_body = await self._with_body(line)
+            if with_body is None:
                 return
-            reply = await self.app.commands.dispatch(f"{line}\n{body}", self._context())
+            reply = with_body
         self.failures += reply.failed  # (piped: a script learns from the exit status that a command failed)
         self.stdout.write(printable(reply.text.rstrip()) + "\n")
         for attachment in reply.attachments:
@@ -390,6 +389,24 @@ class TerminalAdapter:
                 return
             ahead.append(line)
         self._ahead.extendleft(reversed([*ahead, line]))  # in order, before anything read later
+
+    async def _with_body(self, line: str) -> CommandReply | None:
+        """The command run with the text it asked for, which is read now; None when none came. At a prompt, a
+        text the command refuses (too long, read as instructions) is opened again to be corrected: it was lost,
+        and the prompt's history keeps none of it."""
+        at_prompt = self.interactive and not self._ahead
+        body = await self._read_body()
+        while True:
+            if body in NO_BODY or body is None:
+                self.failures += 1
+                self._error("no content given; nothing changed" if body is None else NO_BODY[body])
+                return None
+            reply = await self.app.commands.dispatch(f"{line}\n{body}", self._context())
+            if not (reply.failed and at_prompt):
+                return reply
+            self.stdout.write(printable(reply.text.rstrip()) + "\nYour text, to correct (Ctrl-C drops it):\n")
+            self.stdout.flush()
+            body = await self._prompt_body(body)
 
     async def _read_body(self) -> str | None:
         """Lines up to one holding only a dot; None when nothing was typed, else the text or one of ``NO_BODY``'s
