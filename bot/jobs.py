@@ -282,7 +282,9 @@ class WorkerPool:
 
     async def _after_failure(self, job: Job, exc: Exception) -> None:
         error = _kept_error(exc)
-        if getattr(exc, "transient", False) and job.attempts < job.max_attempts:
+        # (a database that could not be used a moment, locked by another process, say, is tried again too)
+        transient = getattr(exc, "transient", False) or self.storage.unavailable(exc) is not None
+        if transient and job.attempts < job.max_attempts:
             delay = backoff_delay(job.attempts, self.config, getattr(exc, "retry_after", None))
             await self.storage.retry_job(job.id, error, datetime.now(UTC) + timedelta(seconds=delay), self.worker_id,
                                          attempt=job.attempts)

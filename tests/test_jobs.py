@@ -62,6 +62,37 @@ async def test_transient_errors_are_retried_then_succeed(storage: Storage) -> No
     await pool.stop()
 
 
+async def test_a_database_locked_a_moment_by_another_process_is_tried_again(storage: Storage, tmp_path) -> None:
+    """A handler that met SQLite's "database is locked" (a write lock held past the busy timeout) failed for good
+    at its first attempt."""
+    import sqlite3
+
+    holder = sqlite3.connect(tmp_path / "held.db", isolation_level=None)
+    holder.execute("CREATE TABLE t (x)")
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        sqlite3.connect(tmp_path / "held.db", timeout=0).execute("INSERT INTO t VALUES (1)")
+    except sqlite3.OperationalError as exc:
+        locked = exc
+    finally:
+        holder.close()
+    calls = 0
+
+    async def meets_the_lock(job: Job) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise locked
+
+    queue = JobQueue(storage, FAST)
+    pool = WorkerPool(queue, {"k": meets_the_lock})
+    await pool.start()
+    job = await queue.enqueue("k", "a", {})
+    done = await _wait_status(storage, job.id, "done")
+    assert calls == 2 and done.attempts == 2 and "locked" in done.last_error
+    await pool.stop()
+
+
 async def test_transient_errors_give_up_after_max_attempts(storage: Storage) -> None:
     async def always(job: Job) -> None:
         raise LLMRateLimited("429 again")
