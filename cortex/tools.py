@@ -73,6 +73,7 @@ class CortexTools:
     memory: MemoryTools | None = None
     files_read: list[str] = field(default_factory=list)
     files_written: list[str] = field(default_factory=list)
+    refused_writes: list[str] = field(default_factory=list)  # why each write_file was refused, in order
     # Each file as this update first saw it: the shrink guard measures against it, so a file cannot be
     # whittled down in small steps within one update.
     started_with: dict[str, str] = field(default_factory=dict)
@@ -114,7 +115,10 @@ class CortexTools:
         content = call.arguments.get("content")
         if not isinstance(content, str):
             return ToolOutcome("write_file needs 'content' as a string: the complete new file", True)
-        return await self._write(filename, content)
+        outcome = await self._write(filename, content)
+        if outcome.is_error:
+            self.refused_writes.append(outcome.content)
+        return outcome
 
     async def _read(self, filename: str) -> ToolOutcome:
         current = await self.files.store.current(self.pair.id, filename)
@@ -133,6 +137,11 @@ class CortexTools:
                 f"refused: {filename} was already saved {MAX_WRITES_PER_FILE} times in this update; that is the "
                 "limit. Nothing was saved. Finish the update.", True)
         current = await self.files.store.current(self.pair.id, filename)
+        if current is not None and current.author not in ("system", "model") and filename not in self.files_read \
+                and filename not in self.files_written:  # (the files are not in its prompt: a person's words
+            # there, their own correction, would go unseen; its own earlier text the shrink guard keeps)
+            return ToolOutcome(f"refused: read {filename} first (read_file). write_file replaces the whole file, "
+                               "and it holds what you have not seen in this update. Nothing was saved.", True)
         before = self.started_with.setdefault(filename, current.content if current else "")
         refusal = check_model_write(filename, before, content, self.max_chars)
         if refusal is not None:

@@ -35,6 +35,7 @@ from bot.llm.errors import LLMBadRequest, LLMError, LLMTimeout
 from bot.persona import ConfigPersonas, Persona, PersonaSource
 from bot.storage.base import Job, LLMCallRecord, StoredMessage
 from bot.storage.engine import is_missing_reference
+from bot.text import plural
 from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator, fit_to_budget
 from cortex.files import CortexFiles
 from cortex.memory.store import MemoryStore
@@ -290,6 +291,8 @@ class CortexUpdater:
                 return "failed", "the provider's content filter stopped the update"
             if not completion.tool_calls:
                 learned = tools.files_written or (tools.memory is not None and tools.memory.written)
+                if not learned and tools.refused_writes:  # (not "nothing new": it had something, and none of it saved)
+                    return "success", refused_writes(tools.refused_writes)
                 return "success", "" if learned else "the model found nothing new to record"
             # (a whole file is one call's argument: as long as the settings let a file be, JSON's escapes twice over)
             planned = turn_calls(completion, MAX_CALLS_PER_TURN, CUT_OFF,
@@ -373,3 +376,9 @@ class CortexUpdater:
                 int((time.monotonic() - started) * 1000), error,
             )
         )
+
+
+def refused_writes(reasons: list[str]) -> str:
+    """A run whose every file write was refused, in a line: how many, and why the first one was."""
+    first = reasons[0].removeprefix("refused: ").split(". ", 1)[0]
+    return f"nothing was saved: {plural(len(reasons), 'file write')} refused (the first: {first[:160]})"

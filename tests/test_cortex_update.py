@@ -159,9 +159,10 @@ async def test_a_users_edit_during_an_update_is_never_overwritten(app: App, fake
 
 async def test_a_blind_write_never_overwrites_an_edit_made_during_the_update(app: App,
                                                                             fake_llm: FakeLLMServer) -> None:
-    """The model writes without reading: its save is based on the version the update found, so a person's
-    edit since is kept; after reading that edit, a save that keeps the person's deletion is not refused
-    as "dropping most of the file" (measured against the file as they left it)."""
+    """The model writes without reading: refused, as the file holds a person's words it has not seen (its save
+    would also be based on the version the update found, older than the person's edit), so their edit is kept;
+    after reading that edit, a save that keeps the person's deletion is not refused as "dropping most of the
+    file" (measured against the file as they left it)."""
     await _talk(app, CONVERSATION)
     pair = await _pair(app)
     long = "# My memories of Ann\n" + "".join(f"- Ann fact {i}: a detail worth keeping.\n" for i in range(40))
@@ -183,7 +184,7 @@ async def test_a_blind_write_never_overwrites_an_edit_made_during_the_update(app
     await app.cortex.files.edit(pair, "memory.md", short, based_on=1)
     assert (await run).status == "success"
     results = [result_text(tool_results(r)[0]) for r in cortex_requests(fake_llm)[1:]]
-    assert "changed by someone else" in results[0] and results[2].startswith("saved memory.md as version 3")
+    assert "read memory.md first" in results[0] and results[2].startswith("saved memory.md as version 3")
     assert (await app.cortex.store.current(pair.id, "memory.md")).content.startswith(short)
 
 
@@ -249,7 +250,9 @@ async def test_every_bad_tool_call_gets_a_clear_error_and_changes_nothing(app: A
     assert {v.filename for v in await app.cortex.store.all_versions(pair.id)} == {
         "memory.md", "soul.md", "relationship.md"}
     run = (await app.cortex.store.runs(pair.id))[0]
-    assert run.files_written == [] and run.reason == "the model found nothing new to record"
+    # (not "nothing new": it tried to write, and every write was refused)
+    assert run.files_written == [] and run.reason == "nothing was saved: 2 file writes refused (the first: the new " \
+        f"memory.md has {cap + 1:,} characters; the limit is {cap:,})"
 
 
 async def test_over_cap_write_is_refused_then_a_condensed_retry_lands(app: App, fake_llm: FakeLLMServer) -> None:
@@ -273,11 +276,12 @@ async def test_a_write_that_drops_most_of_a_file_is_refused(app: App, fake_llm: 
     long_memory = "# Memories\n" + "".join(f"- fact number {i} about Ann's life\n" for i in range(40))
     await app.cortex.files.edit(pair, "memory.md", long_memory)
     fake_llm.enqueue(
-        FakeResponse.tool_calls([("1", "write_file", {"filename": "memory.md", "content": "# Memories\n- Pixel\n"})]),
+        FakeResponse.tool_calls([("0", "read_file", {"filename": "memory.md"}),
+                                 ("1", "write_file", {"filename": "memory.md", "content": "# Memories\n- Pixel\n"})]),
         FakeResponse.text("done"),
     )
     await app.cortex.updater.run(pair, "95", (await app.cortex.resolver.effective("Cora")).settings)
-    result = result_text(tool_results(cortex_requests(fake_llm)[1])[0])
+    result = result_text(tool_results(cortex_requests(fake_llm)[1])[1])
     assert "would drop most of memory.md" in result
     assert (await app.cortex.store.current(pair.id, "memory.md")).content == long_memory
 
@@ -292,10 +296,11 @@ async def test_padding_a_short_write_to_the_old_length_does_not_get_past_the_shr
     long_memory = "# Memories\n" + "".join(f"- fact number {i} about Ann's life\n" for i in range(40))
     await app.cortex.files.edit(pair, "memory.md", long_memory)
     padded = "# Memories\n- Pixel\n" + padding * (len(long_memory) // len(padding))
-    fake_llm.enqueue(FakeResponse.tool_calls([("1", "write_file", {"filename": "memory.md", "content": padded})]),
+    fake_llm.enqueue(FakeResponse.tool_calls([("0", "read_file", {"filename": "memory.md"}),
+                                              ("1", "write_file", {"filename": "memory.md", "content": padded})]),
                      FakeResponse.text("done"))
     await app.cortex.updater.run(pair, "95", (await app.cortex.resolver.effective("Cora")).settings)
-    assert "would drop most of memory.md" in result_text(tool_results(cortex_requests(fake_llm)[1])[0])
+    assert "would drop most of memory.md" in result_text(tool_results(cortex_requests(fake_llm)[1])[1])
     assert (await app.cortex.store.current(pair.id, "memory.md")).content == long_memory
 
 
@@ -651,7 +656,8 @@ async def test_a_file_cannot_be_whittled_down_or_rewritten_without_end(app: App,
     shorter = long_memory[: int(len(long_memory) * 0.6)]  # each step keeps 60 % of the one before ...
     shortest = shorter[: int(len(shorter) * 0.6)]  # ... but only 36 % of what the update started from
     fake_llm.enqueue(
-        FakeResponse.tool_calls([("1", "write_file", {"filename": "memory.md", "content": shorter})]),
+        FakeResponse.tool_calls([("0", "read_file", {"filename": "memory.md"}),
+                                 ("1", "write_file", {"filename": "memory.md", "content": shorter})]),
         FakeResponse.tool_calls([("2", "write_file", {"filename": "memory.md", "content": shortest})]),
         *(FakeResponse.tool_calls([(f"s{n}", "write_file", {"filename": "soul.md", "content": f"# Soul v{n}\n"})])
           for n in range(6)),
@@ -659,7 +665,7 @@ async def test_a_file_cannot_be_whittled_down_or_rewritten_without_end(app: App,
     )
     outcome = await app.cortex.updater.run(pair, "95", (await app.cortex.resolver.effective("Cora")).settings)
     assert outcome.status == "success"
-    results = [result_text(tool_results(r)[0]) for r in cortex_requests(fake_llm)[1:]]
+    results = [result_text(tool_results(r)[-1]) for r in cortex_requests(fake_llm)[1:]]
     assert results[0].startswith("saved memory.md") and "would drop most of memory.md" in results[1]
     assert (await app.cortex.store.current(pair.id, "memory.md")).content == shorter
     assert all(r.startswith("saved soul.md") for r in results[2:7])
@@ -859,7 +865,8 @@ async def test_a_retried_job_cannot_whittle_a_file_down_attempt_by_attempt(app: 
     soul = [FakeResponse.tool_calls([(f"s{n}", "write_file", {"filename": "soul.md", "content": f"# Soul v{n}\n"})])
             for n in range(6)]
     fake_llm.enqueue(
-        FakeResponse.tool_calls([("1", "write_file", {"filename": "memory.md", "content": shorter})]),
+        FakeResponse.tool_calls([("0", "read_file", {"filename": "memory.md"}),
+                                 ("1", "write_file", {"filename": "memory.md", "content": shorter})]),
         *soul[:3], overloaded,
         FakeResponse.tool_calls([("2", "write_file", {"filename": "memory.md", "content": shortest})]),
         *soul[3:], FakeResponse.text("done"),
@@ -867,7 +874,7 @@ async def test_a_retried_job_cannot_whittle_a_file_down_attempt_by_attempt(app: 
     job = await app.cortex.tiers.request_update(pair, "95", None)
     assert await app.workers.drain(10)
     assert (await app.storage.get_job(job.id)).attempts == 2
-    results = [result_text(tool_results(r)[0]) for r in cortex_requests(fake_llm)[1:] if tool_results(r)]
+    results = [result_text(tool_results(r)[-1]) for r in cortex_requests(fake_llm)[1:] if tool_results(r)]
     assert "would drop most of memory.md" in results[4]
     assert (await app.cortex.store.current(pair.id, "memory.md")).content == shorter
     assert [r.startswith("saved soul.md") for r in results[5:8]] == [True, True, False]
@@ -907,3 +914,55 @@ async def test_an_update_a_bug_stops_is_recorded_as_failed_at_once(app: App, fak
     run = (await app.cortex.store.runs(pair.id))[0]
     assert run.status == "failed" and "internal error" in run.reason, run
     assert run.error == "RuntimeError: the disk is full"
+
+
+def _facts(n: int) -> str:
+    return "# My memories of Ann\n\n" + "".join(f"- Fact {i}: Ann's cousin {i} lives in Lyon and plays chess.\n"
+                                                for i in range(n))
+
+
+async def test_a_file_over_a_lowered_limit_can_still_be_condensed(
+        tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An admin lowered file_max_chars below a file's length: no write both fitted the limit and kept half of the
+    whole file, so the file could never be written again (every update spent its rounds on refusals)."""
+    monkeypatch.setenv(KEY_ENV, "test-key")
+    async with _after_a_talk(tmp_path, fake_llm) as (app, pair):
+        await app.cortex.files.ensure(pair, "English", "Ann")
+        await app.cortex.files.edit(pair, "memory.md", _facts(110))  # 6,402 characters
+    condensed = _facts(45)[:2490]
+    async with App(_config(tmp_path, fake_llm, file_max_chars=2500)) as app:
+        pair = await _pair(app)
+        write = ("t2", "write_file", {"filename": "memory.md", "content": condensed})
+        fake_llm.enqueue(FakeResponse.tool_calls([("t1", "read_file", {"filename": "memory.md"})]),
+                         FakeResponse.tool_calls([write]), FakeResponse.text(""))
+        outcome = await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective("Cora")).settings)
+        assert outcome.status == "success" and outcome.reason == ""
+        assert (await app.cortex.store.current(pair.id, "memory.md")).content == condensed
+
+
+async def test_a_write_without_reading_a_file_a_person_edited_is_refused(app: App, fake_llm: FakeLLMServer) -> None:
+    """The files are not in the update's prompt: a write_file with no read_file before it replaced the person's
+    own correction, made before the update began, without the model ever seeing it."""
+    await _talk(app, CONVERSATION)
+    pair = await _pair(app)
+    await app.cortex.files.ensure(pair, "English", "Ann")
+    mine = _facts(20)
+    await app.cortex.files.edit(pair, "memory.md", mine)
+    blind = "# My memories of Ann\n\n" + "".join(f"- Ann drinks tea, variant {i}, and has a cat.\n" for i in range(25))
+    fake_llm.enqueue(FakeResponse.tool_calls([("t1", "write_file", {"filename": "memory.md", "content": blind})]),
+                     FakeResponse.text(""))
+    outcome = await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective("Cora")).settings)
+    assert "read memory.md first" in result_text(tool_results(cortex_requests(fake_llm)[1])[0])
+    assert (await app.cortex.store.current(pair.id, "memory.md")).content == mine
+    assert outcome.reason.startswith("nothing was saved: 1 file write refused (the first: read memory.md first")
+
+
+def test_what_the_update_prompt_asks_for_an_instruction_it_met_passes_the_guard() -> None:
+    """The prompt said to record an instruction found in the conversation "as such"; a model that did ("Ann tried
+    to get me to ignore my previous instructions") had its whole write refused by the guard. Now it is asked for
+    its own words, which the guard lets through."""
+    from cortex.memory.guard import check_memory_text
+    from cortex.prompts import RULES
+
+    assert "in your own words what was tried" in RULES and "without repeating the instruction" in RULES
+    assert check_memory_text("- Ann tried to change how I answer; I did not.").ok
