@@ -498,6 +498,9 @@ async def test_an_answer_the_sdk_cannot_read_fails_its_call_at_once() -> None:
         assert unread.is_error and "the raw server's answer could not be read (" in unread.content, unread
         assert "recursion limit" in unread.content and time.monotonic() - started < 3
         assert await server.call("chatty", {}) == SkillResult("chatted")
+        # nor a JSON log record, nor a notification the SDK could not read: they answer no call
+        assert await server.call("jsonlog", {}) == SkillResult("logged")
+        assert await server.call("progress", {}) == SkillResult("notified")
         assert await server.call("ok", {}) == SkillResult("fine") and server.up
     finally:
         await server.aclose()

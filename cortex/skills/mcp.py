@@ -155,19 +155,36 @@ def _describe_error(exc: BaseException) -> str:
 
 
 def _unreadable_answer(exc: Exception) -> str | None:
-    """Why the SDK could not read a line of the server's that holds a JSON object (nested too deep, say): most
-    likely an answer. None for any other exception, and for text that is no JSON (a server's log line printed
-    on its output), which answers no call."""
+    """Why the SDK could not read a line of the server's that is an answer to a call (one nested too deep for
+    it, say). None for any other exception, and for lines that answer no call: text (a log line printed on the
+    server's output), a JSON log record, a notification the SDK could not read."""
     if not isinstance(exc, ValidationError) or not exc.errors():
         return None
     error = exc.errors()[0]
     line = error.get("input")
-    if isinstance(line, str) and not _JSON_OBJECT.match(line):
+    # JSON the SDK parsed but found no JSON-RPC message in (its input is then the parsed object) answers no call:
+    # an answer with an id and any result is one. Only a line it could not parse at all may be an answer.
+    if not isinstance(line, str) or not _is_answer(line):
         return None
     return one_line(str(error["msg"]), ERROR_CHARS)
 
 
 _JSON_OBJECT = re.compile(r"\s*\{")
+_ANSWER_KEYS = re.compile(r'"(?:result|error)"\s*:')
+
+
+def _is_answer(line: str) -> bool:
+    """Whether a line the SDK could not read is a JSON-RPC answer: an object with an id and a result or an error
+    (read with Python's own parser, which takes the nesting the SDK's refused; past even that, by its keys)."""
+    if not _JSON_OBJECT.match(line):
+        return False
+    try:
+        message = json.loads(line)
+    except RecursionError:
+        return '"id"' in line and _ANSWER_KEYS.search(line) is not None
+    except ValueError:
+        return False
+    return isinstance(message, dict) and "id" in message and ("result" in message or "error" in message)
 
 
 def _describe_part(part: types.ContentBlock) -> str:

@@ -2,11 +2,12 @@
 
 Run as ``python tests/fakes/raw_mcp_server.py``. Tools: ``ok()`` (answers "fine"), ``latin1()`` (answers "café" in
 Latin-1, a byte that is no UTF-8), ``nested()`` (an answer nested deeper than the SDK reads), ``chatty()`` (a line
-of log text on its output before its answer), ``leak()`` (writes its ``TOKEN`` and a line of 100,000 characters on
-its stderr), ``crash()`` (ends the process at once), ``daemon()`` (starts a ``sleep 30`` that outlives it, holding
-its stderr open; answers its pid), ``query(sql)``, whose description, title and input schema quote the ``DSN`` of
-its environment (a careless server describing the database it reaches, password and all), and ``lookup()``,
-described by such a title alone.
+of log text on its output before its answer), ``jsonlog()`` (a JSON log record there first), ``progress()`` (a
+notification nested deeper than the SDK reads first), ``leak()`` (writes its ``TOKEN`` and a line of 100,000
+characters on its stderr), ``crash()`` (ends the process at once), ``daemon()`` (starts a ``sleep 30`` that outlives
+it, holding its stderr open; answers its pid), ``query(sql)``, whose description, title and input schema quote the
+``DSN`` of its environment (a careless server describing the database it reaches, password and all), and
+``lookup()``, described by such a title alone.
 """
 
 from __future__ import annotations
@@ -63,6 +64,16 @@ def call(request_id: Any, name: str, arguments: dict[str, Any]) -> None:
     elif name == "chatty":  # a line of log on its output, then the answer
         OUT.write(b"connecting to the upstream service...\n")
         text(request_id, "chatted")
+    elif name == "jsonlog":  # a structured log record on its output, then the answer
+        OUT.write(b'{"level": "info", "msg": "connecting to the upstream service"}\n')
+        OUT.flush()
+        text(request_id, "logged")
+    elif name == "progress":  # a notification nested deeper than the SDK reads, then the answer
+        deep_data: dict[str, Any] = {}
+        for _ in range(300):
+            deep_data = {"a": deep_data}
+        send({"jsonrpc": "2.0", "method": "notifications/message", "params": {"level": "info", "data": deep_data}})
+        text(request_id, "notified")
     else:
         send({"jsonrpc": "2.0", "id": request_id, "error": {"code": -32602, "message": f"no tool {name}"}})
 
