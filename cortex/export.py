@@ -242,10 +242,12 @@ def _directory_bytes(blob: bytes) -> int:
     if at < 0:
         return 0
     size = int.from_bytes(blob[at + 12:at + 16], "little")
-    if size == 0xFFFFFFFF or blob[at - 20:at - 16] == _LOCATOR64:
-        start = int.from_bytes(blob[at - 12:at - 4], "little")
-        if blob[start:start + 4] == _END64:
-            size = int.from_bytes(blob[start + 40:start + 48], "little")
+    if at >= 20 and blob[at - 20:at - 16] == _LOCATOR64:
+        # The ZIP64 record: where the locator says, or (as Python 3.11's zipfile reads it, whatever the locator
+        # says) right before the locator. Each one there counts: a forged offset must not hide the one zipfile reads.
+        for start in (int.from_bytes(blob[at - 12:at - 4], "little"), at - 20 - 56):
+            if 0 <= start and blob[start:start + 4] == _END64:
+                size = max(size, int.from_bytes(blob[start + 40:start + 48], "little"))
     return size
 
 
