@@ -293,7 +293,7 @@ class CortexCommands:
         busy = CommandError("an import of yours is still running; wait for its answer")
         if user.key in self._importing:  # a resent command: both would find nothing there yet, and write twice
             raise busy
-        token, now = uuid.uuid4().hex, time.time()
+        token, now = uuid.uuid4().hex, await self.store.storage.now()  # (compared by other processes)
         exports = self.store.storage.export
         if not await exports.claim_import(user.key, token, now, now - IMPORT_CLAIM_SECONDS):
             raise await self._busy_elsewhere(user.key)  # sent to another process sharing the database
@@ -327,14 +327,15 @@ class CortexCommands:
         while True:
             await asyncio.sleep(IMPORT_RENEW_SECONDS)
             try:
-                await self.store.storage.export.renew_import(user_key, token, time.time())
+                await self.store.storage.export.renew_import(user_key, token, await self.store.storage.now())
             except Exception:
                 log.warning("could not renew the mark of %s's running import", user_key, exc_info=True)
 
     async def _busy_elsewhere(self, user_key: str) -> CommandError:
         """Another process runs an import of the user's, or ran one and stopped: then when to try again."""
         marked = await self.store.storage.export.import_marked_at(user_key)
-        wait = IMPORT_CLAIM_SECONDS if marked is None else max(marked + IMPORT_CLAIM_SECONDS - time.time(), 1.0)
+        now = await self.store.storage.now()
+        wait = IMPORT_CLAIM_SECONDS if marked is None else max(marked + IMPORT_CLAIM_SECONDS - now, 1.0)
         return CommandError("an import of yours is still running (sent before, perhaps where another of the bot's "
                             "processes answers); wait for its answer. If none comes (the bot restarted meanwhile), "
                             f"send the import again in {math.ceil(wait)} s.")

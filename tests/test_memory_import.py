@@ -791,3 +791,20 @@ async def test_values_of_the_wrong_type_leave_their_entry_out_instead_of_coming_
         listed = await run(app, "!memory list")
         assert "Ann likes figs" in listed and "123456789" not in listed and "['a', 'b']" not in listed
         assert "{'x'" not in await run(app, "!memory show soul")
+
+
+async def test_a_live_import_of_another_process_is_not_taken_over_by_one_whose_clock_runs_ahead(
+        tmp_path: Path, engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The import's mark is compared across processes: one on a machine whose clock ran an hour ahead took another
+    machine's running import for a dead one's and ran a second import beside it (writing everything twice)."""
+    if engine == "sqlite":
+        pytest.skip("a SQLite file is on one machine: its processes share one clock")
+    archive = _archive("ann", personas=[{"persona": "Cora", "memory_items": [
+        {"category": "fact", "content": "Ann grows figs", "importance": 5, "created_at": 1_700_000_000}]}])
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600)  # this process is machine B
+    async with App(_config(tmp_path / "bot"), llm=ScriptedProvider()) as app:
+        assert await app.storage.export.claim_import("discord:ann", "machine-a", real(), 0)  # A's live import
+        said = await run(app, "!memory import", ctx("ann", archive))
+        assert "an import of yours is still running" in said and "send the import again in" in said, said
+        assert "Ann grows figs" not in await run(app, "!memory list")

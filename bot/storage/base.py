@@ -307,6 +307,10 @@ class Storage(Protocol):
     async def scrub_soon(self) -> None:
         """Leave no trace of deleted rows in the database's files, now or (spaced) a little later."""
 
+    async def now(self) -> float:
+        """The time (UNIX seconds) the processes sharing this database agree on: for marks other processes
+        compare with their own time (a shared database's server clock)."""
+
     def unavailable(self, exc: BaseException) -> str | None:
         """For the log: why the database could not be used for what raised ``exc`` (a lock held elsewhere, a full
         disk, no write access, a server gone), naming it; None when that is not the cause."""

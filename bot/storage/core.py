@@ -1081,6 +1081,11 @@ class Storage:
             summaries_rejected=rejected,
         )
 
+    async def now(self) -> float:
+        """The time (UNIX seconds) the processes sharing this database agree on (:meth:`Database.now`): for
+        marks other processes compare with their own time."""
+        return await self.db.now()
+
     def unavailable(self, exc: BaseException) -> str | None:
         """For the log: why this database could not be used for what raised ``exc`` (a lock held elsewhere, a full
         disk, no write access, a PostgreSQL server gone), naming it; None when that is not the cause."""
