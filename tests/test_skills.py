@@ -494,6 +494,10 @@ async def test_a_missing_secret_of_an_mcp_server_stops_the_start_with_one_clear_
     with pytest.raises(ConfigError, match=r"^\[\[skills.mcp\]\] 'db': environment variable CB_SKILLS_MISSING_KEY "
                        r"\(for env_from PGPASSWORD\) is not set$"):
         await App(_config(tmp_path, fake_llm, mcp=mcp)).start()
+    http = [{"name": "weather", "description": "the weather", "url": "https://example.org/w",
+             "headers_env": {"X-Key": "CB_SKILLS_MISSING_KEY"}}]
+    async with App(_config(tmp_path / "off", fake_llm, enabled=False, mcp=mcp, http=http)) as app:  # skills off:
+        assert app.skills.mcp is None and app.skills.http == []  # nothing built, no secret asked for
 
 
 def test_the_audit_hides_a_secret_and_the_credential_inside_it() -> None:

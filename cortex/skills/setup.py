@@ -25,8 +25,10 @@ class Skills:
     def __init__(self, config: Config, storage: Storage, builtins: Builtins) -> None:
         self.config = config
         self._builtins: list[Skill] = list(builtins.skills())
-        self.http = [self._http_skill(entry) for entry in config.skills.http]
-        self.mcp = self._mcp(config) if config.skills.mcp else None
+        # Skills off: none is built, so no server starts and no secret is asked for (doctor checks none either).
+        on = config.skills.enabled
+        self.http = [self._http_skill(entry) for entry in config.skills.http] if on else []
+        self.mcp = self._mcp(config) if on and config.skills.mcp else None
         self.tools = SkillTools(config.skills, storage, [self._builtin_skills, self._http_skills, self._mcp_skills])
         self.commands = SkillCommands(self.tools, storage, self._mcp_down)
 
