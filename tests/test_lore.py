@@ -66,6 +66,13 @@ def test_keywords_match_whole_words_case_insensitively() -> None:
         assert any(mentions(text, k) for k in keys) is expected, text
 
 
+def test_keys_of_punctuation_alone_stored_before_their_import_refused_them_match_nothing() -> None:
+    """A card imported by an older version kept "." as a key: its entry came into nearly every reply."""
+    dotted = entry("Secret lore", keys=(".", "?!"))
+    assert not any(keyword_match(dotted, text) for text in ("hi there.", "what is up?!", "ok. thanks"))
+    assert keyword_match(entry("x", keys=(".", "figs")), "I like figs.")  # its other keys still count
+
+
 def test_phrases_match_as_whole_words_as_the_patterns_did() -> None:
     """Keys of several words are found by their words first, then as a literal (a lore book's keys as one
     alternation behind lookbehinds took seconds per long message): the same answers as a pattern per key."""

@@ -27,7 +27,7 @@ from bot.storage.personas import LoreEntry
 from bot.storage.sources import ReplySource
 from bot.text import name_key
 from bot.tokens import TokenEstimator, fit_to_budget
-from cortex.personas.cards import MAX_KEY_CHARS
+from cortex.personas.cards import MAX_KEY_CHARS, only_punctuation
 from cortex.personas.registry import PersonaRegistry
 from cortex.stopwords import function_words
 
@@ -104,10 +104,11 @@ def _any_of(keys: tuple[str, ...], names: tuple[str, str] = ("", "")) -> tuple[f
     a lore book's thousands of keys also overflowed the ``re`` module's cache of 512. ``names`` (the persona's
     and the user's) fill a key's ``{{char}}`` and ``{{user}}`` (cards key entries on them: "{{char}}'s sword")."""
     # (keys over the length `!lore` and card imports take, stored by an older version, match nothing: thousands
-    # of long ones took seconds to compile on the event loop)
+    # of long ones took seconds to compile on the event loop; nor do keys of punctuation alone a card brought in
+    # before its import left them out, which put their entry into nearly every reply)
     variables = {key: name for key, name in (("char_name", names[0]), ("user_name", names[1])) if name.strip()}
     stripped = [fold(resolve_variables(k.strip(), variables)).strip() for k in keys
-                if k.strip() and len(k) <= MAX_KEY_CHARS]
+                if k.strip() and len(k) <= MAX_KEY_CHARS and not only_punctuation(k)]
     single = frozenset(k for k in stripped if _ONE_WORD.fullmatch(k))
     return single, tuple(_phrase(k) for k in dict.fromkeys(stripped) if k and not _ONE_WORD.fullmatch(k))
 
