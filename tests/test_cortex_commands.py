@@ -1116,3 +1116,22 @@ async def test_remember_this_on_a_message_that_is_a_switchs_name_stores_it_unpin
         _, pair = await app.cortex.store.pair_for("console:ann", "Ann", "Cora")
         items, _ = await app.cortex.memory.list_items(pair.id)
         assert sorted((i.content, i.pinned) for i in items) == [('"--importance"', False), ('"--pin"', False)]
+
+
+async def test_forget_this_also_archives_the_personas_correction_of_what_it_remembered(tmp_path: Path) -> None:
+    """Remembered from a message, then corrected by the persona: "Forget this" (or deleting the message) found
+    only the corrected item, hidden already, said nothing was remembered, and the address stayed in memory."""
+    from bot.llm.base import ToolCall
+    from cortex.memory.tools import MemoryTools
+
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        await run(app, "!memory remember --from discord-message:555\nMy address is 12 Foo St")
+        await run(app, "!memory remember Ann drinks tea")  # (from no message: stays)
+        _, pair = await app.cortex.store.pair_for("console:ann", "Ann", "Cora")
+        corrected = await MemoryTools(app.cortex.memory, pair.id, run_id=1).execute(
+            ToolCall("c", "update_memory", {"id": 1, "content": "Ann lives at 12 Foo Street, Berlin"}))
+        assert not corrected.is_error, corrected
+        forgot = (await run(app, "!memory forget --from discord-message:555")).text
+        assert forgot.startswith("Forgotten: #3"), forgot
+        listed = (await run(app, "!memory list")).text
+        assert "Foo St" not in listed and "Ann drinks tea" in listed

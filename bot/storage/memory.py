@@ -233,13 +233,18 @@ class MemoryRepository:
     async def archive_from(self, pair_id: int | None, source_ref: str, reason: str, now: float, *,
                            user_id: int | None = None) -> list[int]:
         """Archive the pair's (None: every pair's, or only ``user_id``'s pairs) visible items that came from
-        ``source_ref`` (a message); their ids."""
+        ``source_ref`` (a message), and the visible corrections of those (the persona's later wording of what was
+        remembered from it, which "Forget this" left in place); their ids."""
         pair, params = ("pair_id = ? AND ", (pair_id,)) if pair_id is not None else (
             ("pair_id IN (SELECT id FROM cortex_pairs WHERE user_id = ?) AND ", (user_id,)) if user_id is not None
             else ("", ()))
         rows = await self.db.write(
-            f"UPDATE memory_items SET archived_at = ?, archive_reason = ? WHERE {pair}source_ref = ?"
-            " AND archived_at IS NULL AND superseded_by IS NULL RETURNING id", (now, reason, *params, source_ref))
+            "WITH RECURSIVE chain (id) AS ("
+            f" SELECT id FROM memory_items WHERE {pair}source_ref = ?"
+            " UNION SELECT m.superseded_by FROM memory_items AS m JOIN chain ON m.id = chain.id"
+            " WHERE m.superseded_by IS NOT NULL)"
+            " UPDATE memory_items SET archived_at = ?, archive_reason = ? WHERE id IN (SELECT id FROM chain)"
+            " AND archived_at IS NULL AND superseded_by IS NULL RETURNING id", (*params, source_ref, now, reason))
         return sorted(int(r[0]) for r in rows)
 
     async def restore(self, pair_id: int, item_id: int, now: float) -> None:
