@@ -102,6 +102,26 @@ async def test_thresholds_are_configurable(tmp_path: Path) -> None:
         assert {i.id for i in (await store.list_items(pair, archived=True))[0]} == {unused.id, rare.id}
 
 
+async def test_a_corrected_item_is_neither_pruned_nor_listed_as_archived(tmp_path: Path) -> None:
+    """Pruning archived the hidden old wording beside its correction: the report counted two items where the user
+    had one, and !memory archived listed the old one, whose restore is refused."""
+    from bot.llm.base import ToolCall
+    from cortex.memory.tools import MemoryTools
+
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        await run(app, "!memory remember Ann drinks tea")
+        pair = await _pair(app)
+        tools = MemoryTools(app.cortex.memory, pair, run_id=1)
+        assert not (await tools.execute(ToolCall("a", "update_memory", {"id": 1, "content": "Ann drinks green tea"}))
+                    ).is_error
+        later = Clock()
+        later.now += 100 * DAY
+        report = await Pruner(app.storage, app.config.memory, clock=later).prune()
+        assert "archived 1 item(s)" in report.lines()[0], report.lines()
+        archived = (await run(app, "!memory archived")).text
+        assert "#2" in archived and "#1 " not in archived, archived
+
+
 async def test_admin_commands_prune_weights_budgets_embedder_and_stats(tmp_path: Path) -> None:
     async with App(_config(tmp_path), llm=ScriptedProvider(), embedder=HashEmbedder()) as app:
         pair = await _pair(app)

@@ -259,7 +259,8 @@ class MemoryRepository:
         self, pair_id: int, *, category: str | None, archived: bool, limit: int, offset: int, now: float,
     ) -> tuple[list[Row], int]:
         # Archived: forgotten or pruned, and expired ones the daily prune has not archived yet (both restorable).
-        where = ["pair_id = ?", "(archived_at IS NOT NULL OR (superseded_by IS NULL AND expires_at <= ?))" if archived
+        # (a corrected item is its correction's past, not an archived item of its own: restoring it is refused)
+        where = ["pair_id = ?", "superseded_by IS NULL AND (archived_at IS NOT NULL OR expires_at <= ?)" if archived
                  else "archived_at IS NULL AND superseded_by IS NULL AND (expires_at IS NULL OR expires_at > ?)"]
         params: list[Any] = [pair_id, now]
         if category:
@@ -940,8 +941,9 @@ class MemoryRepository:
         async with self.db.transaction() as tx:
             for reason, where, params in rules:
                 rows = await tx.fetch_all(
-                    f"UPDATE memory_items SET archived_at = ?, archive_reason = ? WHERE archived_at IS NULL AND {where}"
-                    " RETURNING category, pair_id",
+                    # (not a corrected item: hidden already, it was counted and listed as pruned beside its correction)
+                    "UPDATE memory_items SET archived_at = ?, archive_reason = ? WHERE archived_at IS NULL"
+                    f" AND superseded_by IS NULL AND {where} RETURNING category, pair_id",
                     (now, f"pruned: {reason}", *params),
                 )
                 archived += [(reason, str(r[0]), int(r[1])) for r in rows]
