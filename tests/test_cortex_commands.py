@@ -1135,3 +1135,20 @@ async def test_forget_this_also_archives_the_personas_correction_of_what_it_reme
         assert forgot.startswith("Forgotten: #3"), forgot
         listed = (await run(app, "!memory list")).text
         assert "Foo St" not in listed and "Ann drinks tea" in listed
+
+
+async def test_the_personas_reason_for_forgetting_stays_on_its_items_line(tmp_path: Path) -> None:
+    """The model's archive reason was printed as written: a code fence in it swallowed the rest of the list."""
+    from bot.llm.base import ToolCall
+    from cortex.memory.tools import MemoryTools
+
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        await run(app, "!memory remember Ann has a cat")
+        await run(app, "!memory remember Ann drinks tea")
+        _, pair = await app.cortex.store.pair_for("console:ann", "Ann", "Cora")
+        forgot = await MemoryTools(app.cortex.memory, pair.id, run_id=1).execute(
+            ToolCall("c", "forget", {"id": 1, "reason": "wrong\n```\n# NOTE"}))
+        assert not forgot.is_error, forgot
+        lines = (await run(app, "!memory archived")).text.splitlines()
+        assert not any(line.startswith(("```", "# NOTE")) for line in lines), lines
+        assert any(line.startswith("#1 ") and "wrong ``` # NOTE" in line for line in lines), lines

@@ -45,7 +45,7 @@ def _line(item: MemoryItem) -> str:
 def _why_archived(item: MemoryItem) -> str:
     if item.archived_at is None:  # expired, not pruned yet
         return f"  — expired {item.expires_at:%Y-%m-%d}" if item.expires_at is not None else ""
-    return f"  — archived: {item.archive_reason}"
+    return f"  — archived: {one_line(item.archive_reason, 200)}"  # (the model's words: a code fence broke the list)
 
 
 FROM = "--from"
@@ -170,13 +170,13 @@ class MemoryCommands:
             if not item.visible:
                 state = "forgotten" if item.archived_at is not None else "expired"
                 return f"- memory item #{item.id} ({state} since; {self.prefix}memory restore {item.id} brings it back)"
-            return f"- memory item #{item.id}: {item.content} — wrong? {self.prefix}memory forget {item.id}"
+            return f"- memory item #{item.id}: {one_line(item.content)} — wrong? {self.prefix}memory forget {item.id}"
         if source.kind == "file":
             return (f"- your {source.detail}, version {source.ref} — change it with {self.prefix}memory edit "
                     f"{source.detail} (see {self.prefix}memory history {source.detail})")
         if source.kind == "message":
             rows = await self.pairs.storage.memory.pair_messages(user_id, persona, [source.ref])
-            said = f'"{str(rows[0]["text"])[:120]}"' if rows else "(deleted since)"
+            said = f'"{one_line(str(rows[0]["text"]), 120)}"' if rows else "(deleted since)"
             return f"- something said earlier: {said}"
         if source.kind == "lore":
             return f"- {persona}'s shared knowledge, lore #{source.ref} (admins: {self.prefix}lore show {source.ref})"
@@ -275,7 +275,7 @@ class MemoryCommands:
                 return f"#{item_id} is archived; {self.prefix}memory restore {item_id} brings it back."
             if what == "restore":
                 item = await self.memory.restore(pair, item_id)
-                return f"#{item.id} is back: {item.content}"
+                return f"#{item.id} is back: {one_line(item.content)}"
             before = await self.memory.get(pair, item_id, count_access=False)
             item = await self.memory.set_pinned(pair, item_id, what == "pin")
             if before.pinned == item.pinned:  # (asked twice: nothing changed the second time)
