@@ -222,3 +222,14 @@ def without_hidden(text: str) -> str:
     """``text`` without the characters a reader does not see (``_HIDDEN``): what the model gets is what an admin or
     user can read on the page or in chat."""
     return _HIDDEN.sub(lambda m: m.group(1) or "", text)
+
+
+_ZERO_WIDTH = re.compile("[\u200b\u2060\ufeff\u180e]")  # (not the joiners U+200C/U+200D: scripts and emoji need them)
+_SPACES = re.compile(r"[^\S\n]+")
+
+
+def single_spaced(text: str) -> str:
+    """``text`` as it reads: without characters nobody sees (zero-width spaces, ``_HIDDEN``), each run of spaces
+    and tabs one space, no spaces at a line's ends. Two texts that look the same are then the same."""
+    flat = _SPACES.sub(" ", _ZERO_WIDTH.sub("", without_hidden(text)))
+    return "\n".join(line.strip() for line in flat.split("\n")).strip()

@@ -1152,3 +1152,14 @@ async def test_the_personas_reason_for_forgetting_stays_on_its_items_line(tmp_pa
         lines = (await run(app, "!memory archived")).text.splitlines()
         assert not any(line.startswith(("```", "# NOTE")) for line in lines), lines
         assert any(line.startswith("#1 ") and "wrong ``` # NOTE" in line for line in lines), lines
+
+
+async def test_an_item_that_looks_like_one_in_use_is_the_same_words(tmp_path: Path) -> None:
+    """Extra spaces or a zero-width space made three items that read "I like green tea" in the list."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        looks_alike = ("I like green tea", "I  like green tea", "I like green\u200b tea", "I like gr\u200been tea")
+        answers = [(await run(app, f"!memory remember {text}")).text for text in looks_alike]
+        assert answers[0] == "Remembered as #1." and all("#2" not in a for a in answers[1:]), answers
+        listed = (await run(app, "!memory list")).text
+        assert "1 in all" in listed, listed
+        assert "I like green tea" in (await run(app, "!memory search green")).text

@@ -36,7 +36,7 @@ import numpy.typing as npt
 from bot.config import MemoryConfig
 from bot.storage.core import Storage
 from bot.storage.memory import ITEM_COLUMNS, FtsTable, ItemFilters, item_fields
-from bot.text import one_line_name, shown
+from bot.text import one_line_name, shown, single_spaced
 from cortex.memory.guard import guarded
 from cortex.memory.vectors import DatabaseVectors, RelevanceFloors
 from cortex.stopwords import STOPWORDS
@@ -260,8 +260,9 @@ class MemoryStore:
 
     def checked(self, pair_id: int, content: str, *, category: str, importance: int, source: Source) -> str:
         """What :meth:`remember` checks before it looks at the memory: the content as it is stored (stripped),
-        or :class:`MemoryError` saying what is wrong."""
-        content = content.strip()
+        or :class:`MemoryError` saying what is wrong. Stored as it reads (:func:`single_spaced`): an item that looks
+        like one in use is the same words, and a word with a zero-width space in it is found by its search."""
+        content = single_spaced(content)
         if not content:
             raise MemoryError("there is nothing to remember: the text is empty")
         if len(content) > self.max_chars:
