@@ -1163,3 +1163,17 @@ async def test_an_item_that_looks_like_one_in_use_is_the_same_words(tmp_path: Pa
         listed = (await run(app, "!memory list")).text
         assert "1 in all" in listed, listed
         assert "I like green tea" in (await run(app, "!memory search green")).text
+
+
+async def test_why_after_the_channels_persona_changed_looks_in_the_memory_of_the_persona_that_replied(
+        tmp_path: Path) -> None:
+    """The last reply was Cora's, but its items were looked up in Max's memory: "no longer in your memory"."""
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000},
+                           "personas": [{"name": "Cora"}, {"name": "Max"}]})
+    async with App(config, llm=ScriptedProvider()) as app:
+        await run(app, "!memory remember --pin Ann is allergic to penicillin")
+        await app.core.reply(IncomingMessage("console", "dm-ann", "ann", "Ann", "antibiotics?", is_dm=True),
+                             "Cora").text()
+        why = (await run(app, "!memory why", ctx(persona="Max"))).text
+        assert why.startswith("That reply was Cora's") and "#1: Ann is allergic to penicillin" in why, why
+        assert "no longer in your memory" not in why

@@ -48,19 +48,20 @@ class SourceRepository:
             await tx.executemany("INSERT INTO platform_messages (key, message_id) VALUES (?, ?) ON CONFLICT DO NOTHING",
                                  [(key, message_id) for key in dict.fromkeys(keys)])
 
-    async def reply_shown_as(self, key: str, user_id: int) -> tuple[int, float] | None:
-        """The stored reply to ``user_id`` that the platform message ``key`` shows: its id and time."""
+    async def reply_shown_as(self, key: str, user_id: int) -> tuple[int, float, str] | None:
+        """The stored reply to ``user_id`` that the platform message ``key`` shows: its id, time and persona."""
         row = await self.db.fetch_one(
-            "SELECT m.id, m.created_at FROM platform_messages AS p JOIN messages AS m ON m.id = p.message_id"
+            "SELECT m.id, m.created_at, m.persona FROM platform_messages AS p JOIN messages AS m ON m.id = p.message_id"
             " WHERE p.key = ? AND m.user_id = ? AND m.role = 'assistant'", (key, user_id))
-        return None if row is None else (int(row[0]), float(row[1]))
+        return None if row is None else (int(row[0]), float(row[1]), str(row[2]))
 
-    async def last_reply(self, user_id: int, channel_key: str) -> tuple[int, float] | None:
-        """The newest reply to ``user_id`` in the channel: its id and time (the channel is looked up first, so
+    async def last_reply(self, user_id: int, channel_key: str) -> tuple[int, float, str] | None:
+        """The newest reply to ``user_id`` in the channel: its id, time and persona (the channel is looked up first, so
         that every plan walks back through the (channel, user) index: a join let PostgreSQL's generic plan
         combine two indexes of all the user's messages and sort them)."""
         row = await self.db.fetch_one(
-            "SELECT m.id, m.created_at FROM messages AS m WHERE m.channel_id = (SELECT id FROM channels WHERE key = ?)"
+            "SELECT m.id, m.created_at, m.persona FROM messages AS m"
+            " WHERE m.channel_id = (SELECT id FROM channels WHERE key = ?)"
             " AND m.user_id = ? AND m.role = 'assistant' ORDER BY m.id DESC LIMIT 1",
             (channel_key, user_id))
-        return None if row is None else (int(row[0]), float(row[1]))
+        return None if row is None else (int(row[0]), float(row[1]), str(row[2]))

@@ -150,13 +150,18 @@ class MemoryCommands:
             last = last or await storage.sources.last_reply(user.id, ctx.channel_key)
         if last is None:
             return note + "I have not answered you here yet."
-        sources = await storage.sources.of(last[0])
-        when = datetime.fromtimestamp(last[1], tz=UTC).strftime("%Y-%m-%d %H:%M")
+        reply_id, at, persona = last
+        if persona != ctx.persona:  # written by another persona (the channel's changed since): its memory of you
+            note += (f"That reply was {persona}'s (what it remembered is your memory with {persona}: "
+                     f"{self.prefix}persona {persona} here to change it). ")
+            _, pair = await self.pairs.pair_for(ctx.user_key, ctx.user_name, persona)
+        sources = await storage.sources.of(reply_id)
+        when = datetime.fromtimestamp(at, tz=UTC).strftime("%Y-%m-%d %H:%M")
         if not sources:
             return f"{note}{which[0].upper()}{which[1:]} ({when} UTC) used no memory: only the conversation itself."
         lines = [f"{note}What shaped {which} ({when} UTC):"]
         for source in sources:
-            lines.append(await self._source_line(source, pair.id, user.id, ctx.persona))
+            lines.append(await self._source_line(source, pair.id, user.id, persona))
         return "\n".join(lines)
 
     async def _source_line(self, source: ReplySource, pair_id: int, user_id: int, persona: str) -> str:
