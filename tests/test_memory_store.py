@@ -186,6 +186,27 @@ async def test_each_signal_moves_the_ranking(tmp_path: Path) -> None:
         await app.stop()
 
 
+async def test_the_words_of_addresses_hosts_paths_and_versions_are_found_on_both_engines(tmp_path: Path) -> None:
+    """PostgreSQL kept "ann@example.org", "example.com" or "192.168.1.1" as one token each, and a search asks for
+    the words ("example", "com"), as SQLite's tokenizer makes them: found there, nothing on PostgreSQL."""
+    app, store, users, _ = await _setup(tmp_path)
+    try:
+        user, pair = users["ann"]
+        texts = ("Ann's website is example.com", "Ann's email is ann@example.org", "Ann's router is 192.168.1.1",
+                 "Ann keeps backups in /srv/data/backup", "Ann runs Python 3.11.7")
+        for text in texts:
+            await store.remember(pair.id, text)
+        said = await _ann_says(app, user)
+        await said("write to me at hello@figs.example, or see https://figs.example/about")
+        for query, found in (("example.com", texts[0]), ("ann@example.org", texts[1]), ("192.168.1.1", texts[2]),
+                             ("srv data backup", texts[3]), ("python 3.11.7", texts[4]),
+                             ("hello@figs.example", "write to me"), ("figs.example about", "write to me")):
+            hits = await store.search(pair.id, query, user_id=user.id, persona="Cora", patient=True)
+            assert any(found in h.text and h.signals["text"] > 0 for h in hits), (query, [h.text for h in hits])
+    finally:
+        await app.stop()
+
+
 async def test_past_messages_are_found_with_their_source(tmp_path: Path) -> None:
     app, store, users, _ = await _setup(tmp_path)
     try:

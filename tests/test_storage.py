@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from bot.storage import Storage, StorageError, open_sqlite
+from bot.storage import Storage, StorageError, open_sqlite, open_storage
 from bot.storage.base import LLMCallRecord, ReplyStats
 from bot.storage.engine import Migration, WriteLock
 from bot.storage.migrations import MIGRATIONS
@@ -782,3 +782,28 @@ async def test_forget_me_finds_the_summaries_of_channels_whose_messages_of_their
     # Bob's link stays (a later forget-me of his finds the room), and he can be forgotten too
     assert await storage.forget_user("discord:bob") is not None
     assert await storage.db.fetch_all("SELECT * FROM channel_speakers") == []
+
+
+async def test_an_upgrade_makes_the_words_inside_addresses_of_stored_rows_searchable(pg_url: str) -> None:
+    """Migration 28 (PostgreSQL): items and messages stored before it hold "example.com" as one token; the upgrade
+    makes their tsvectors again, so their words are found as those of new rows are."""
+    from cortex.memory.store import MemoryStore
+
+    old = await open_storage(pg_url, migrations=MIGRATIONS[:27])
+    try:
+        await old.migrate()
+        ann = await old.upsert_user("console:ann", "Ann")
+        pair = await old.cortex.count_messages(ann.id, "Cora", 0)
+        await MemoryStore(old).remember(pair.id, "Ann's website is example.com")
+        dm = await old.upsert_channel("console:dm-ann", "dm", is_dm=True)
+        await old.add_message(dm.id, ann.id, "Cora", "user", "Ann", "mail me at ann@figs.example", 5)
+        assert await MemoryStore(old).search(pair.id, "example.com", patient=True) == []
+    finally:
+        await old.close()
+    new = await open_storage(pg_url)
+    try:
+        assert await new.migrate() == [28]
+        hits = await MemoryStore(new).search(pair.id, "example.com figs", user_id=ann.id, persona="Cora", patient=True)
+        assert {h.kind for h in hits} == {"item", "message"}, [h.text for h in hits]
+    finally:
+        await new.close()

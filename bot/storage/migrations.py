@@ -393,4 +393,6 @@ MIGRATIONS: tuple[Migration, ...] = (
               _sqlite_fork(pg_schema.V26), postgres=pg_schema.V26),
     Migration(27, "who wrote in a channel after their messages there are gone: forget-me still finds its summaries",
               _sqlite_fork(pg_schema.V27), postgres=pg_schema.V27),
+    Migration(28, "PostgreSQL: the words inside e-mail addresses, host names, paths and versions are searchable",
+              (), postgres=pg_schema.V28),
 )

@@ -406,3 +406,33 @@ V27: tuple[str, ...] = (
         UNIQUE (channel_id, user_id))""",
     "CREATE INDEX channel_speakers_by_user ON channel_speakers (user_id)",
 )
+
+# Words inside an e-mail address, a host name, a path or a version number: PostgreSQL's parser keeps
+# "ann@example.org", "example.com" or "192.168.1.1" as one token each, while a search asks for the words of its
+# text ("example", "com"), as SQLite's tokenizer makes them: nothing was found. Such a token's parts go into the
+# tsvector beside it; rows holding one are made again.
+_PARTS = ("coalesce((SELECT string_agg(regexp_replace(m[1], '[.@/:]+', ' ', 'g'), ' ')"
+          " FROM regexp_matches(body, '(\\S+[.@/:]\\S+)', 'g') AS m), '')")
+_SPECIAL = "'\\S[.@/:]\\S'"
+V28: tuple[str, ...] = (
+    f"""CREATE FUNCTION cortex_tsvector(cfg regconfig, body TEXT) RETURNS tsvector LANGUAGE sql IMMUTABLE AS $$
+        SELECT to_tsvector(cfg, body) || to_tsvector(cfg, {_PARTS})
+    $$""",
+    """CREATE OR REPLACE FUNCTION memory_items_ts() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        NEW.ts := cortex_tsvector(
+            cortex_ts_config((SELECT persona FROM cortex_pairs WHERE id = NEW.pair_id)),
+            NEW.content || ' ' || NEW.key || ' ' || NEW.tags);
+        RETURN NEW;
+    END $$""",
+    """CREATE OR REPLACE FUNCTION messages_ts() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        NEW.ts := cortex_tsvector(cortex_ts_config(NEW.persona), NEW.author_name || ' ' || NEW.text);
+        RETURN NEW;
+    END $$""",
+    "UPDATE memory_items SET ts = cortex_tsvector(cortex_ts_config(p.persona), memory_items.content || ' '"
+    " || memory_items.key || ' ' || memory_items.tags) FROM cortex_pairs AS p WHERE p.id = memory_items.pair_id"
+    f" AND (memory_items.content || ' ' || memory_items.key || ' ' || memory_items.tags) ~ {_SPECIAL}",
+    "UPDATE messages SET ts = cortex_tsvector(cortex_ts_config(persona), author_name || ' ' || text)"
+    f" WHERE (author_name || ' ' || text) ~ {_SPECIAL}",
+)

@@ -44,9 +44,9 @@ async def restem(tx: Tx, dialect: str, persona: str) -> None:
     English "run", searched as German "running": nothing found)."""
     if dialect != "postgres":
         return  # (SQLite stems English for every persona)
-    await tx.execute("UPDATE messages SET ts = to_tsvector(cortex_ts_config(persona), author_name || ' ' || text)"
+    await tx.execute("UPDATE messages SET ts = cortex_tsvector(cortex_ts_config(persona), author_name || ' ' || text)"
                      " WHERE lower(persona) = lower(?)", (persona,))
-    await tx.execute("UPDATE memory_items SET ts = to_tsvector(cortex_ts_config(p.persona), memory_items.content"
+    await tx.execute("UPDATE memory_items SET ts = cortex_tsvector(cortex_ts_config(p.persona), memory_items.content"
                      " || ' ' || memory_items.key || ' ' || memory_items.tags) FROM cortex_pairs AS p"
                      " WHERE p.id = memory_items.pair_id AND lower(p.persona) = lower(?)", (persona,))
 
