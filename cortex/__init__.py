@@ -104,7 +104,8 @@ def build_cortex(
 
     commands.on_forget.append(forget_words)
     pruner = Pruner(job_storage or storage, memory_config, on_archive=drop_vectors)
-    memory_admin = MemoryAdminCommands(config, storage, [memory, job_memory], pruner, embeddings, store, resolver)
+    memory_admin = MemoryAdminCommands(config, storage, [memory, job_memory], pruner, embeddings, store, resolver,
+                                       personas)
     commands.extra_stats = memory_admin.stats_lines
     if embeddings is not None:
         def forget_vectors(user_key: str) -> None:  # ids are reused after a delete; kept queries hold a user's words

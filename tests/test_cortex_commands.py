@@ -1177,3 +1177,24 @@ async def test_why_after_the_channels_persona_changed_looks_in_the_memory_of_the
         why = (await run(app, "!memory why", ctx(persona="Max"))).text
         assert why.startswith("That reply was Cora's") and "#1: Ann is allergic to penicillin" in why, why
         assert "no longer in your memory" not in why
+
+
+async def test_what_only_the_bots_admins_read_is_answered_privately_in_a_channel(tmp_path: Path) -> None:
+    """!skills (why an MCP server is down: its path), !stats (the whole bot's figures) and !cortex budgets (the
+    whole bot's spending) went to everyone in the channel when a bot admin typed them there."""
+    hidden = tmp_path / "operator-only" / "bin" / "mcp-srv"
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "memory": {"embedder": "none"},
+                           "skills": {"mcp": [{"name": "files", "command": [str(hidden)]}]},
+                           "personas": [{"name": "Cora", "history_tokens": 500, "summary_tokens": 100}]})
+    async with App(config, llm=ScriptedProvider()) as app:
+        for line, operators_only in (("!skills", "operator-only"), ("!stats", "All conversations"),
+                                     ("!cortex budgets", "spent today")):
+            sink = Sink()
+            said = IncomingMessage("discord", "chan1", "1", "Root", line, server_id="guild1", mentions_bot=True)
+            await app.router.handle(Inbound(said, is_admin=True, is_bot_admin=True), sink)
+            assert sink.public == [] and operators_only in sink.private[0].text, (line, sink.public, sink.private)
+            sink = Sink()  # a room's own admin: the room's part, in the room
+            await app.router.handle(Inbound(said, is_admin=True), sink)
+            assert sink.public and operators_only not in sink.public[0].text, (line, sink.public)
+        budgets = (await run(app, "!cortex budgets", ctx("boss", admin=True))).text  # (in a DM: as it is)
+        assert budgets.startswith("Reply prompt budgets (tokens): history 500, summary 100,"), budgets

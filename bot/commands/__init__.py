@@ -141,6 +141,12 @@ class CommandReply:
         return f"{fence}{self.preformatted}\n{self.text}\n{fence}"
 
 
+def operators(ctx: CommandContext, text: str) -> CommandReply | str:
+    """An answer holding what only the bot's admins may read (an MCP server's path, the whole bot's figures and
+    spending): privately outside a DM, where everyone in the channel, a room's own admins too, would read it."""
+    return text if ctx.is_dm else CommandReply(text, private=True)
+
+
 Handler = Callable[[CommandContext, Sequence[str]], Awaitable["CommandReply | str"]]
 ParamKind = Literal["word", "number", "words", "text", "flag", "option", "file"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bot.commands import Command, CommandContext, CommandRegistry
+from bot.commands import Command, CommandContext, CommandRegistry, CommandReply, operators
 from bot.storage.base import ReplyMetrics, Storage
 from bot.text import plural
 from bot.tokens import TokenEstimator
@@ -35,7 +35,7 @@ def register_core_commands(registry: CommandRegistry, storage: Storage, estimato
             f"{latest.created_at:%Y-%m-%d %H:%M} UTC):\n{latest.text}"
         )
 
-    async def stats(context: CommandContext, args: Sequence[str]) -> str:
+    async def stats(context: CommandContext, args: Sequence[str]) -> str | CommandReply:
         channel = await storage.get_channel(context.channel_key)
         lines: list[str] = []
         if channel is not None:
@@ -47,7 +47,7 @@ def register_core_commands(registry: CommandRegistry, storage: Storage, estimato
         lines.append(f"Background jobs: {jobs.get('queued', 0)} queued, {jobs.get('running', 0)} running, "
                      f"{jobs.get('failed', 0)} failed")
         lines.append(f"Token estimate calibration factor: {estimator.factor:.2f}")
-        return "\n".join(lines)
+        return operators(context, "\n".join(lines))
 
     registry.register(Command("summary", "show this conversation's rolling summary", summary))
     registry.register(Command("stats", "history window and summary metrics (bot admins: of the whole bot too, "

@@ -11,10 +11,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
-from bot.commands import Command, CommandContext, CommandError, CommandRegistry, words
-from bot.config import Config
+from bot.commands import Command, CommandContext, CommandError, CommandRegistry, CommandReply, operators, words
+from bot.config import Config, ConfigError
+from bot.persona import ConfigPersonas, PersonaSource
 from bot.scheduler import Scheduler
 from bot.storage.core import Storage
+from bot.summary import Budgets, budgets_for
 from bot.text import shown
 from cortex.memory.embedding import EmbeddingService
 from cortex.memory.store import MemoryStore, Weights, configured_weights
@@ -82,6 +84,7 @@ class MemoryAdminCommands:
     embeddings: EmbeddingService | None
     cortex_store: CortexStore
     resolver: SettingsResolver
+    personas: PersonaSource | None = None  # (a persona's own reply budgets: None, the config's)
     scheduler: Scheduler | None = None  # set by the app once it runs its jobs
     prefix: str = "!"
 
@@ -136,7 +139,7 @@ class MemoryAdminCommands:
         self._apply(weights)
         return f"Search weights now: {_weights_line(weights)}."
 
-    async def budgets(self, ctx: CommandContext, args: Sequence[str]) -> str:
+    async def budgets(self, ctx: CommandContext, args: Sequence[str]) -> str | CommandReply:
         settings = (await self.resolver.effective(ctx.persona, ctx.server_key)).settings
         spending = "."  # the whole bot's spending is for bot admins
         if ctx.is_bot_admin:
@@ -145,9 +148,10 @@ class MemoryAdminCommands:
         pair_budget = f"{settings.daily_token_budget:,}" if settings.daily_token_budget else "unlimited"
         bot_budget = f"{settings.bot_daily_token_budget:,}" if settings.bot_daily_token_budget else "unlimited"
         c = self.config
-        return "\n".join([
-            f"Reply prompt budgets (tokens): history {c.history.history_tokens:,}, summary "
-            f"{c.history.summary_tokens:,}, cortex files {settings.prompt_tokens:,}, knowledge "
+        reply = self._reply_budgets(ctx.persona)
+        text = "\n".join([
+            f"Reply prompt budgets (tokens): history {reply.history_tokens:,}, summary "
+            f"{reply.summary_tokens:,}, cortex files {settings.prompt_tokens:,}, knowledge "
             f"{c.memory.prompt_tokens:,} ({c.memory.relevant_items} items, {c.memory.recalled_messages} "
             "recalled messages).",
             f"Cortex updates: {settings.history_tokens:,} tokens of conversation each, at most "
@@ -155,6 +159,14 @@ class MemoryAdminCommands:
             f"Daily cortex budgets: {pair_budget} per user, {bot_budget} for the bot{spending}",
             budget_pointer(self.prefix, bot_admin=ctx.is_bot_admin),
         ])
+        return operators(ctx, text) if ctx.is_bot_admin else text
+
+    def _reply_budgets(self, persona: str) -> Budgets:
+        """The history and summary budgets a reply of ``persona`` uses (its own, where it sets them)."""
+        try:
+            return budgets_for(self.config, (self.personas or ConfigPersonas(self.config)).persona(persona))
+        except ConfigError:  # (a persona deleted since the channel picked it)
+            return budgets_for(self.config, ConfigPersonas(self.config).persona(None))
 
     async def embedder(self, ctx: CommandContext, args: Sequence[str]) -> str:
         if self.embeddings is None:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from bot.commands import Command, CommandContext, CommandError, CommandRegistry, flag, word
+from bot.commands import Command, CommandContext, CommandError, CommandRegistry, CommandReply, flag, operators, word
 from bot.storage.core import Storage
 from bot.text import shown
 from cortex.skills.toolbox import SkillTools
@@ -49,7 +49,7 @@ class SkillCommands:
         registry.register(Command("skills stats", "skill calls of the last 7 days, bot-wide: count, failures, time",
                                   self.stats, admin=True, bot_admin=True, private=True))
 
-    async def list_skills(self, ctx: CommandContext, args: Sequence[str]) -> str:
+    async def list_skills(self, ctx: CommandContext, args: Sequence[str]) -> str | CommandReply:
         skills = self.tools.all()
         if not self.tools.config.enabled:
             return "Skills are switched off for the whole bot ([skills] enabled = false)."
@@ -57,8 +57,9 @@ class SkillCommands:
         # Why is the operator's to know (paths, URLs): the bot's admins see it, a room's admins do not.
         down = [f"⚠️ MCP server {name} is not reachable" + (f" ({reason[:200]})" if ctx.is_bot_admin else "")
                 + "; its tools come back once it answers" for name, reason in self.down()]
+        told = operators if down and ctx.is_bot_admin else _as_is  # (why a server is down: the operator's)
         if not skills:
-            return "\n".join(["No skills are available.", *down])
+            return told(ctx, "\n".join(["No skills are available.", *down]))
         lines = [f"Skills of {ctx.persona} here (✅ on, ⛔ off; change with {self.prefix}skills enable|disable NAME):"]
         for skill in sorted(skills, key=lambda s: (s.info.origin, s.info.name)):
             info = skill.info
@@ -73,7 +74,7 @@ class SkillCommands:
                 notes.append("in group channels when a message says " + ", ".join(info.group_triggers[:2]) + " …")
             lines.append(f"{'✅' if effective.enabled else '⛔'} {info.name} ({'; '.join(notes)}): "
                          f"{_short(info.description)}")
-        return "\n".join(lines + down)
+        return told(ctx, "\n".join(lines + down))
 
     async def enable(self, ctx: CommandContext, args: Sequence[str]) -> str:
         return await self._switch(ctx, args, True)
@@ -141,3 +142,7 @@ class SkillCommands:
             line = f"  {r.skill}: {r.calls} calls, {r.failures} failed, average {r.average_ms:.0f} ms"
             lines.append(line + (f"; last error: {r.last_error[:120]}" if r.last_error else ""))
         return lines
+
+
+def _as_is(_ctx: CommandContext, text: str) -> str:
+    return text
