@@ -497,6 +497,10 @@ async def test_an_answer_the_sdk_cannot_read_fails_its_call_at_once() -> None:
         unread = await server.call("nested", {})
         assert unread.is_error and "the raw server's answer could not be read (" in unread.content, unread
         assert "recursion limit" in unread.content and time.monotonic() - started < 3
+        started = time.monotonic()  # an answer the SDK parsed but refused (an error that is a bare string)
+        refused = await server.call("strerror", {})
+        assert refused.is_error and "answer could not be read" in refused.content, refused
+        assert time.monotonic() - started < 3
         assert await server.call("chatty", {}) == SkillResult("chatted")
         # nor a JSON log record, nor a notification the SDK could not read: they answer no call
         assert await server.call("jsonlog", {}) == SkillResult("logged")

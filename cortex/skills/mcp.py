@@ -162,11 +162,11 @@ def _unreadable_answer(exc: Exception) -> str | None:
         return None
     error = exc.errors()[0]
     line = error.get("input")
-    # JSON the SDK parsed but found no JSON-RPC message in (its input is then the parsed object) answers no call:
-    # an answer with an id and any result is one. Only a line it could not parse at all may be an answer.
-    if not isinstance(line, str) or not _is_answer(line):
-        return None
-    return one_line(str(error["msg"]), ERROR_CHARS)
+    # JSON the SDK parsed but refused (its input is then the parsed object) is an answer when it has an id and a
+    # result or an error, of a shape the SDK does not take ("error": "upstream failed"); else a log record. A
+    # line it could not parse at all is looked at with Python's parser.
+    answer = _answers(line) if isinstance(line, dict) else isinstance(line, str) and _is_answer(line)
+    return one_line(str(error["msg"]), ERROR_CHARS) if answer else None
 
 
 _JSON_OBJECT = re.compile(r"\s*\{")
@@ -184,7 +184,11 @@ def _is_answer(line: str) -> bool:
         return '"id"' in line and _ANSWER_KEYS.search(line) is not None
     except ValueError:
         return False
-    return isinstance(message, dict) and "id" in message and ("result" in message or "error" in message)
+    return isinstance(message, dict) and _answers(message)
+
+
+def _answers(message: dict[Any, Any]) -> bool:
+    return "id" in message and ("result" in message or "error" in message)
 
 
 def _describe_part(part: types.ContentBlock) -> str:

@@ -2,12 +2,12 @@
 
 Run as ``python tests/fakes/raw_mcp_server.py``. Tools: ``ok()`` (answers "fine"), ``latin1()`` (answers "café" in
 Latin-1, a byte that is no UTF-8), ``nested()`` (an answer nested deeper than the SDK reads), ``chatty()`` (a line
-of log text on its output before its answer), ``jsonlog()`` (a JSON log record there first), ``progress()`` (a
-notification nested deeper than the SDK reads first), ``leak()`` (writes its ``TOKEN`` and a line of 100,000
-characters on its stderr), ``crash()`` (ends the process at once), ``daemon()`` (starts a ``sleep 30`` that outlives
-it, holding its stderr open; answers its pid), ``query(sql)``, whose description, title and input schema quote the
-``DSN`` of its environment (a careless server describing the database it reaches, password and all), and
-``lookup()``, described by such a title alone.
+of log text on its output before its answer), ``strerror()`` (an error that is a bare string), ``jsonlog()`` (a JSON
+log record there first), ``progress()`` (a notification nested deeper than the SDK reads first), ``leak()`` (writes
+its ``TOKEN`` and a line of 100,000 characters on its stderr), ``crash()`` (ends the process at once), ``daemon()``
+(starts a ``sleep 30`` that outlives it, holding its stderr open; answers its pid), ``query(sql)``, whose
+description, title and input schema quote the ``DSN`` of its environment (a careless server describing the database
+it reaches, password and all), and ``lookup()``, described by such a title alone.
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ def call(request_id: Any, name: str, arguments: dict[str, Any]) -> None:
     elif name == "chatty":  # a line of log on its output, then the answer
         OUT.write(b"connecting to the upstream service...\n")
         text(request_id, "chatted")
+    elif name == "strerror":  # an error as a bare string, not the object JSON-RPC has
+        send({"jsonrpc": "2.0", "id": request_id, "error": "upstream failed"})
     elif name == "jsonlog":  # a structured log record on its output, then the answer
         OUT.write(b'{"level": "info", "msg": "connecting to the upstream service"}\n')
         OUT.flush()
