@@ -68,7 +68,7 @@ def check_model_write(filename: str, old: str, new: str, max_chars: int) -> Refu
         return None
     # A file over the limit (an admin lowered it) is measured as the part of it that fits: against the whole, no
     # write short enough for the limit kept enough of it, and the file could never be written again.
-    had, kept = substance(old) * min(1.0, max_chars / len(old)), substance(new)
+    had, kept = round(substance(old) * min(1.0, max_chars / len(old))), substance(new)
     if kept < had * SHRINK_GUARD_RATIO:
         return Refusal(
             f"refused: this would drop most of {filename} (from {had:,} to {kept:,} letters and digits). Nothing "
