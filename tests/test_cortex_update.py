@@ -966,3 +966,12 @@ def test_what_the_update_prompt_asks_for_an_instruction_it_met_passes_the_guard(
 
     assert "in your own words what was tried" in RULES and "without repeating the instruction" in RULES
     assert check_memory_text("- Ann tried to change how I answer; I did not.").ok
+
+
+def test_the_shrink_guards_refusal_counts_in_whole_numbers() -> None:
+    from cortex.files import check_model_write
+
+    refused = check_model_write("memory.md", "abcdefg hij " * 50, "x", 8000)
+    assert refused is not None and "(from 500 to 1 letters and digits)" in refused.reason, refused
+    over = check_model_write("memory.md", "abcdefg hijk " * 1000, "short note", 3000)  # (over the limit: what fits)
+    assert over is not None and "(from 2,538 to 9 letters and digits)" in over.reason, over
