@@ -230,6 +230,10 @@ _SPACES = re.compile(r"[^\S\n]+")
 
 def single_spaced(text: str) -> str:
     """``text`` as it reads: without characters nobody sees (zero-width spaces, ``_HIDDEN``), each run of spaces
-    and tabs one space, no spaces at a line's ends. Two texts that look the same are then the same."""
-    flat = _SPACES.sub(" ", _ZERO_WIDTH.sub("", without_hidden(text)))
-    return "\n".join(line.strip() for line in flat.split("\n")).strip()
+    and tabs within a line one space, none at a line's end; a line's indentation stays (code, a nested list).
+    Two texts that look the same are then the same."""
+    lines = []
+    for line in _ZERO_WIDTH.sub("", without_hidden(text)).split("\n"):
+        body = line.lstrip(" \t")
+        lines.append(line[:len(line) - len(body)] + _SPACES.sub(" ", body).rstrip())
+    return "\n".join(lines).strip("\n").rstrip()

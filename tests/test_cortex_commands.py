@@ -1163,6 +1163,11 @@ async def test_an_item_that_looks_like_one_in_use_is_the_same_words(tmp_path: Pa
         listed = (await run(app, "!memory list")).text
         assert "1 in all" in listed, listed
         assert "I like green tea" in (await run(app, "!memory search green")).text
+        # a line's indentation stays (code, a nested list): only runs within a line become one space
+        _, pair = await app.cortex.store.pair_for("console:ann", "Ann", "Cora")
+        code = "Ann's deploy check:\n```python\nfor host in hosts:\n    if not  host.ok:\n        page(host)\n```"
+        item = await app.cortex.memory.remember(pair.id, code, category="project_context")
+        assert item.content == code.replace("not  host", "not host")
 
 
 async def test_why_after_the_channels_persona_changed_looks_in_the_memory_of_the_persona_that_replied(

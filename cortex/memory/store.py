@@ -262,7 +262,7 @@ class MemoryStore:
         """What :meth:`remember` checks before it looks at the memory: the content as it is stored (stripped),
         or :class:`MemoryError` saying what is wrong. Stored as it reads (:func:`single_spaced`): an item that looks
         like one in use is the same words, and a word with a zero-width space in it is found by its search."""
-        content = single_spaced(content)
+        content = single_spaced(content).strip()
         if not content:
             raise MemoryError("there is nothing to remember: the text is empty")
         if len(content) > self.max_chars:
