@@ -196,11 +196,14 @@ async def test_the_words_of_addresses_hosts_paths_and_versions_are_found_on_both
                  "Ann keeps backups in /srv/data/backup", "Ann runs Python 3.11.7")
         for text in texts:
             await store.remember(pair.id, text)
+        await store.remember(pair.id, "Ann's mail is Ann Smith <ann@plums.example>")
         said = await _ann_says(app, user)
         await said("write to me at hello@figs.example, or see https://figs.example/about")
+        await said("the docs are at <https://docs.example/guide>")  # (as Discord users hide a link's preview)
         for query, found in (("example.com", texts[0]), ("ann@example.org", texts[1]), ("192.168.1.1", texts[2]),
                              ("srv data backup", texts[3]), ("python 3.11.7", texts[4]),
-                             ("hello@figs.example", "write to me"), ("figs.example about", "write to me")):
+                             ("hello@figs.example", "write to me"), ("figs.example about", "write to me"),
+                             ("plums.example", "Ann's mail"), ("docs.example guide", "the docs")):
             hits = await store.search(pair.id, query, user_id=user.id, persona="Cora", patient=True)
             assert any(found in h.text and h.signals["text"] > 0 for h in hits), (query, [h.text for h in hits])
     finally:

@@ -802,7 +802,7 @@ async def test_an_upgrade_makes_the_words_inside_addresses_of_stored_rows_search
         await old.close()
     new = await open_storage(pg_url)
     try:
-        assert await new.migrate() == [28]
+        assert await new.migrate() == [28, 29]
         hits = await MemoryStore(new).search(pair.id, "example.com figs", user_id=ann.id, persona="Cora", patient=True)
         assert {h.kind for h in hits} == {"item", "message"}, [h.text for h in hits]
     finally:

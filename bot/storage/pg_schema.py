@@ -411,13 +411,26 @@ V27: tuple[str, ...] = (
 # "ann@example.org", "example.com" or "192.168.1.1" as one token each, while a search asks for the words of its
 # text ("example", "com"), as SQLite's tokenizer makes them: nothing was found. Such a token's parts go into the
 # tsvector beside it; rows holding one are made again.
-_PARTS = ("coalesce((SELECT string_agg(regexp_replace(m[1], '[.@/:]+', ' ', 'g'), ' ')"
-          " FROM regexp_matches(body, '(\\S+[.@/:]\\S+)', 'g') AS m), '')")
 _SPECIAL = "'\\S[.@/:]\\S'"
+
+
+def _tsvector_function(verb: str, separators: str) -> str:
+    parts = (f"coalesce((SELECT string_agg(regexp_replace(m[1], '{separators}+', ' ', 'g'), ' ')"
+             " FROM regexp_matches(body, '(\\S+[.@/:]\\S+)', 'g') AS m), '')")
+    return f"""{verb} FUNCTION cortex_tsvector(cfg regconfig, body TEXT) RETURNS tsvector LANGUAGE sql IMMUTABLE AS $$
+        SELECT to_tsvector(cfg, body) || to_tsvector(cfg, {parts})
+    $$"""
+
+
+_REMADE = (
+    "UPDATE memory_items SET ts = cortex_tsvector(cortex_ts_config(p.persona), memory_items.content || ' '"
+    " || memory_items.key || ' ' || memory_items.tags) FROM cortex_pairs AS p WHERE p.id = memory_items.pair_id"
+    f" AND (memory_items.content || ' ' || memory_items.key || ' ' || memory_items.tags) ~ {_SPECIAL}",
+    "UPDATE messages SET ts = cortex_tsvector(cortex_ts_config(persona), author_name || ' ' || text)"
+    f" WHERE (author_name || ' ' || text) ~ {_SPECIAL}",
+)
 V28: tuple[str, ...] = (
-    f"""CREATE FUNCTION cortex_tsvector(cfg regconfig, body TEXT) RETURNS tsvector LANGUAGE sql IMMUTABLE AS $$
-        SELECT to_tsvector(cfg, body) || to_tsvector(cfg, {_PARTS})
-    $$""",
+    _tsvector_function("CREATE", "[.@/:]"),
     """CREATE OR REPLACE FUNCTION memory_items_ts() RETURNS trigger LANGUAGE plpgsql AS $$
     BEGIN
         NEW.ts := cortex_tsvector(
@@ -430,9 +443,8 @@ V28: tuple[str, ...] = (
         NEW.ts := cortex_tsvector(cortex_ts_config(NEW.persona), NEW.author_name || ' ' || NEW.text);
         RETURN NEW;
     END $$""",
-    "UPDATE memory_items SET ts = cortex_tsvector(cortex_ts_config(p.persona), memory_items.content || ' '"
-    " || memory_items.key || ' ' || memory_items.tags) FROM cortex_pairs AS p WHERE p.id = memory_items.pair_id"
-    f" AND (memory_items.content || ' ' || memory_items.key || ' ' || memory_items.tags) ~ {_SPECIAL}",
-    "UPDATE messages SET ts = cortex_tsvector(cortex_ts_config(persona), author_name || ' ' || text)"
-    f" WHERE (author_name || ' ' || text) ~ {_SPECIAL}",
+    *_REMADE,
 )
+# ... and the brackets and quotes around them ("<https://docs.example/guide>", "Ann <ann@figs.example>"): left in
+# the parts, the parser read "<https docs example guide>" as a tag and dropped every word of it.
+V29: tuple[str, ...] = (_tsvector_function("CREATE OR REPLACE", "[][<>(){}\"''.@/:,;!?]"), *_REMADE)
