@@ -395,6 +395,6 @@ MIGRATIONS: tuple[Migration, ...] = (
               _sqlite_fork(pg_schema.V27), postgres=pg_schema.V27),
     Migration(28, "PostgreSQL: the words inside e-mail addresses, host names, paths and versions are searchable",
               (), postgres=pg_schema.V28),
-    Migration(29, "PostgreSQL: and those inside brackets or quotes (<https://…>, Ann <ann@…>)",
+    Migration(29, "PostgreSQL: and those inside brackets or quotes (<https://…>, a name <mail@…>)",
               (), postgres=pg_schema.V29),
 )
