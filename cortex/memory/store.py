@@ -261,16 +261,18 @@ class MemoryStore:
     def checked(self, pair_id: int, content: str, *, category: str, importance: int, source: Source) -> str:
         """What :meth:`remember` checks before it looks at the memory: the content as it is stored (stripped),
         or :class:`MemoryError` saying what is wrong. Stored as it reads (:func:`single_spaced`): an item that looks
-        like one in use is the same words, and a word with a zero-width space in it is found by its search."""
-        content = single_spaced(content).strip()
-        if not content:
+        like one in use is the same words, and a word with a zero-width space in it is found by its search; the
+        guard reads it as sent (hidden characters are a reason to refuse, not to tidy away)."""
+        sent = content.strip()
+        content = single_spaced(sent).strip()
+        if not sent:
             raise MemoryError("there is nothing to remember: the text is empty")
         if len(content) > self.max_chars:
             raise MemoryError(f"that is {len(content):,} characters; a memory item holds at most {self.max_chars:,}: "
                               "keep one fact per item, in a sentence or two")
         if category not in CATEGORIES:
             raise MemoryError(f"unknown category {shown(category)}; categories: {', '.join(CATEGORIES)}")
-        guarded("memory item", content, f"{source} on pair {pair_id}", MemoryError)
+        guarded("memory item", sent, f"{source} on pair {pair_id}", MemoryError)
         if not 1 <= importance <= 10:
             raise MemoryError("importance is a number from 1 to 10")
         return content
