@@ -122,6 +122,33 @@ async def test_a_corrected_item_is_neither_pruned_nor_listed_as_archived(tmp_pat
         assert "#2" in archived and "#1 " not in archived, archived
 
 
+async def test_the_wordings_a_correction_replaced_go_with_it_and_free_their_places(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pruning (or forgetting) a correction left the wording it replaced hidden but not archived: counted against
+    the pair's item limit for ever, since nothing else archives it, so a memory could be full of nothing in use."""
+    import cortex.memory.store as store_module
+    from bot.llm.base import ToolCall
+    from cortex.memory.tools import MemoryTools
+
+    monkeypatch.setattr(store_module, "PAIR_ITEMS", 6)
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        pair = await _pair(app)
+        tools = MemoryTools(app.cortex.memory, pair, run_id=1)
+        for n, fact in enumerate(("Ann drinks tea", "Ann has a cat", "Ann rows")):
+            await run(app, f"!memory remember {fact}")
+            assert not (await tools.execute(ToolCall(f"u{n}", "update_memory", {"id": 2 * n + 1,
+                                                                                "content": f"{fact} daily"}))).is_error
+        await run(app, "!memory forget 6")  # a correction forgotten by the person: its old wording goes too
+        later = Clock()
+        later.now += 100 * DAY
+        report = await Pruner(app.storage, app.config.memory, clock=later).prune()
+        assert "archived 2 item(s)" in report.lines()[0], report.lines()  # the two corrections, counted once each
+        for n in range(6):
+            assert "Remembered" in (await run(app, f"!memory remember new fact {n}")).text
+        archived = (await run(app, "!memory archived")).text
+        assert "#1 " not in archived and "#3 " not in archived and "#5 " not in archived, archived
+
+
 async def test_admin_commands_prune_weights_budgets_embedder_and_stats(tmp_path: Path) -> None:
     async with App(_config(tmp_path), llm=ScriptedProvider(), embedder=HashEmbedder()) as app:
         pair = await _pair(app)

@@ -30,7 +30,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from bot.storage.engine import Database, Row, is_conflict
+from bot.storage.engine import Database, Row, Tx, is_conflict
 from bot.storage.incognito import not_incognito
 from bot.storage.spread import SAMPLE as SPREAD_SAMPLE
 from bot.storage.spread import TTL as SPREAD_TTL
@@ -208,13 +208,17 @@ class MemoryRepository:
                             (scope, now, item_id, pair_id))
 
     async def archive(self, pair_id: int, item_id: int, reason: str, now: float) -> bool:
-        """Archive an active item (neither archived nor corrected); False when it no longer is one (checked
-        in the UPDATE itself, so a forget racing a correction or another forget changes nothing)."""
-        return bool(await self.db.write(
-            "UPDATE memory_items SET archived_at = ?, archive_reason = ? WHERE id = ? AND pair_id = ?"
-            " AND archived_at IS NULL AND superseded_by IS NULL RETURNING id",
-            (now, reason, item_id, pair_id),
-        ))
+        """Archive an active item (neither archived nor corrected), and the wordings it replaced; False when it
+        no longer is one (checked in the UPDATE itself, so a forget racing a correction or another forget
+        changes nothing)."""
+        async with self.db.transaction() as tx:
+            done = await tx.fetch_all(
+                "UPDATE memory_items SET archived_at = ?, archive_reason = ? WHERE id = ? AND pair_id = ?"
+                " AND archived_at IS NULL AND superseded_by IS NULL RETURNING id",
+                (now, reason, item_id, pair_id),
+            )
+            await archive_older(tx, [int(r[0]) for r in done], now)
+        return bool(done)
 
     async def count_changes(self, pair_id: int, source_refs: Sequence[str], reason_prefixes: Sequence[str]
                             ) -> tuple[int, int]:
@@ -238,14 +242,17 @@ class MemoryRepository:
         pair, params = ("pair_id = ? AND ", (pair_id,)) if pair_id is not None else (
             ("pair_id IN (SELECT id FROM cortex_pairs WHERE user_id = ?) AND ", (user_id,)) if user_id is not None
             else ("", ()))
-        rows = await self.db.write(
-            "WITH RECURSIVE chain (id) AS ("
-            f" SELECT id FROM memory_items WHERE {pair}source_ref = ?"
-            " UNION SELECT m.superseded_by FROM memory_items AS m JOIN chain ON m.id = chain.id"
-            " WHERE m.superseded_by IS NOT NULL)"
-            " UPDATE memory_items SET archived_at = ?, archive_reason = ? WHERE id IN (SELECT id FROM chain)"
-            " AND archived_at IS NULL AND superseded_by IS NULL RETURNING id", (*params, source_ref, now, reason))
-        return sorted(int(r[0]) for r in rows)
+        async with self.db.transaction() as tx:
+            rows = await tx.fetch_all(
+                "WITH RECURSIVE chain (id) AS ("
+                f" SELECT id FROM memory_items WHERE {pair}source_ref = ?"
+                " UNION SELECT m.superseded_by FROM memory_items AS m JOIN chain ON m.id = chain.id"
+                " WHERE m.superseded_by IS NOT NULL)"
+                " UPDATE memory_items SET archived_at = ?, archive_reason = ? WHERE id IN (SELECT id FROM chain)"
+                " AND archived_at IS NULL AND superseded_by IS NULL RETURNING id", (*params, source_ref, now, reason))
+            archived = sorted(int(r[0]) for r in rows)
+            await archive_older(tx, archived, now)
+        return archived
 
     async def restore(self, pair_id: int, item_id: int, now: float) -> None:
         # A restored item that had expired no longer expires: the user wants it back.
@@ -941,13 +948,31 @@ class MemoryRepository:
         async with self.db.transaction() as tx:
             for reason, where, params in rules:
                 rows = await tx.fetch_all(
-                    # (not a corrected item: hidden already, it was counted and listed as pruned beside its correction)
+                    # (not a corrected item: hidden already, it was counted and listed as pruned beside its correction;
+                    # it goes with its correction, uncounted)
                     "UPDATE memory_items SET archived_at = ?, archive_reason = ? WHERE archived_at IS NULL"
-                    f" AND superseded_by IS NULL AND {where} RETURNING category, pair_id",
+                    f" AND superseded_by IS NULL AND {where} RETURNING category, pair_id, id",
                     (now, f"pruned: {reason}", *params),
                 )
                 archived += [(reason, str(r[0]), int(r[1])) for r in rows]
+                await archive_older(tx, [int(r[2]) for r in rows], now)
         return archived
+
+
+async def archive_older(tx: Tx, heads: Sequence[int], now: float) -> None:
+    """Archive the wordings that the items ``heads`` (archived a moment ago) replaced: hidden already, they count
+    against the pair's item limit until archived, and nothing else archives them (restoring one is refused). Walked
+    back by ``supersedes``, the primary key's way."""
+    for start in range(0, len(heads), 500):
+        chunk = heads[start:start + 500]
+        await tx.execute(
+            "WITH RECURSIVE older (id) AS ("
+            f" SELECT supersedes FROM memory_items WHERE id IN ({','.join('?' for _ in chunk)})"
+            " AND supersedes IS NOT NULL"
+            " UNION SELECT m.supersedes FROM memory_items AS m JOIN older ON m.id = older.id"
+            " WHERE m.supersedes IS NOT NULL)"
+            " UPDATE memory_items SET archived_at = ?, archive_reason = ? WHERE id IN (SELECT id FROM older)"
+            " AND archived_at IS NULL AND superseded_by IS NOT NULL", (*chunk, now, "its correction was archived"))
 
 
 @dataclass(frozen=True, slots=True)
