@@ -283,18 +283,24 @@ class SettingsResolver:
                              "persona everywhere (--persona).")
 
     async def _beneath(self) -> list[CortexConfig]:
-        """The settings beneath any server: the config's, and each persona's with its persona-wide overrides
-        (read as :meth:`effective` reads them)."""
+        """The settings beneath any server: the config's, and each live persona's with its persona-wide overrides
+        (read as :meth:`effective` reads them; a deleted persona's, kept for its revival, bind nobody)."""
+        live = await self._live_scopes()
         return [self.defaults] + [(await self._layered([scope])).settings
-                                  for scope in await self.store.persona_overrides()]
+                                  for scope in await self.store.persona_overrides() if scope in live]
 
     async def _on_beneath(self, key: str) -> bool:
         """Whether clearing a server's override of ``key`` would switch it on there for some persona: the
-        config's value, or any persona's own override (a server's override applies to every persona in it,
+        config's value, or any live persona's own override (a server's override applies to every persona in it,
         whichever one the command or request named)."""
         if getattr(self.defaults, key) is True:
             return True
-        return any(value is True for value in await self.store.persona_values(key))
+        live = await self._live_scopes()
+        overrides = await self.store.persona_overrides()
+        return any(values.get(key) is True for scope, values in overrides.items() if scope in live)
+
+    async def _live_scopes(self) -> frozenset[str]:
+        return frozenset(persona_scope(p.name) for p in await self.store.storage.personas.list_personas())
 
     async def clear(self, scope: str, key: str) -> bool:
         if key not in OVERRIDABLE:

@@ -1203,3 +1203,16 @@ async def test_what_only_the_bots_admins_read_is_answered_privately_in_a_channel
             assert sink.public and operators_only not in sink.public[0].text, (line, sink.public)
         budgets = (await run(app, "!cortex budgets", ctx("boss", admin=True))).text  # (in a DM: as it is)
         assert budgets.startswith("Reply prompt budgets (tokens): history 500, summary 100,"), budgets
+
+
+async def test_a_deleted_personas_own_settings_bind_no_servers_admins(tmp_path: Path) -> None:
+    """A deleted persona's persona-wide settings stay (for its revival), but they went on counting among the
+    bot's own: every server's admins were refused a context_limit below a floor no listed persona had."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        boss, sam = ctx("boss", admin=True), ctx("sam", admin=True, server="console:guild1")
+        assert "Persona Foo" in (await run(app, "!persona create Foo", boss)).text
+        await run(app, "!cortex settings context_limit 50000", ctx("boss", admin=True, persona="Foo"))
+        assert "more often" in (await run(app, "!cortex settings context_limit 2000", sam)).text  # Foo lives
+        assert "deleted" in (await run(app, "!persona delete Foo", boss)).text
+        answer = (await run(app, "!cortex settings context_limit 2000", sam)).text
+        assert "more often" not in answer and "2000" in answer, answer

@@ -571,12 +571,6 @@ class CortexRepository:
             "SELECT scope, value FROM cortex_settings WHERE key = ? ORDER BY scope", (key,))
         return [(str(r[0]), json.loads(r[1])) for r in rows]
 
-    async def persona_values(self, key: str) -> list[Any]:
-        """The values every persona-wide override (scope ``persona:…``) sets for ``key``."""
-        rows = await self.db.fetch_all(
-            "SELECT value FROM cortex_settings WHERE key = ? AND scope LIKE 'persona:%'", (key,))
-        return [json.loads(r[0]) for r in rows]
-
     async def set_setting(self, scope: str, key: str, value: Any, updated_by: str) -> None:
         await self.db.write(
             "INSERT INTO cortex_settings (scope, key, value, updated_by, updated_at) VALUES (?, ?, ?, ?, ?)"
