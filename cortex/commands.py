@@ -44,6 +44,7 @@ from cortex.importing import Importer, ImportLimits
 from cortex.settings import (
     OPERATOR_KEYS,
     OVERRIDABLE,
+    PRIVACY_KEYS,
     SHOWN_UNSET,
     SettingError,
     SettingsResolver,
@@ -422,6 +423,9 @@ class CortexCommands:
             how = f"it is set in the config file only ([cortex] {key})"
         elif (key in OPERATOR_KEYS or (persona_wide and ctx.server_key)) and not ctx.is_bot_admin:
             how = "only the bot's admins change it"
+        elif key in PRIVACY_KEYS and not ctx.is_bot_admin:  # (what was said in private: switched on by them alone)
+            how = (f"you may switch it off here ({self.prefix}cortex settings {key} off); only the bot's admins "
+                   "switch it on")
         else:
             how = f"change it with {self.prefix}cortex settings {key} <{OVERRIDABLE[key]}>{flag}"
         return f"{key} for {ctx.persona} {where}: {value} (from {scope_words(effective.sources[key])}); {how}."

@@ -1216,3 +1216,15 @@ async def test_a_deleted_personas_own_settings_bind_no_servers_admins(tmp_path: 
         assert "deleted" in (await run(app, "!persona delete Foo", boss)).text
         answer = (await run(app, "!cortex settings context_limit 2000", sam)).text
         assert "more often" not in answer and "2000" in answer, answer
+
+
+async def test_a_server_admin_reading_use_in_groups_is_told_what_they_may_do_with_it(tmp_path: Path) -> None:
+    """They were told how to switch it on, which the command then refused."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        sam = ctx("sam", admin=True, server="console:guild1")
+        shown_to_sam = (await run(app, "!cortex settings use_in_groups", sam)).text
+        assert shown_to_sam.endswith("you may switch it off here (!cortex settings use_in_groups off); only the "
+                                     "bot's admins switch it on."), shown_to_sam
+        assert "only the bot's admins switch it on" in (await run(app, "!cortex settings use_in_groups on", sam)).text
+        boss = (await run(app, "!cortex settings use_in_groups", ctx("boss", admin=True))).text
+        assert "change it with !cortex settings use_in_groups" in boss, boss
