@@ -24,6 +24,7 @@ import heapq
 import json
 import math
 import re
+import textwrap
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -261,10 +262,12 @@ class MemoryStore:
     def checked(self, pair_id: int, content: str, *, category: str, importance: int, source: Source) -> str:
         """What :meth:`remember` checks before it looks at the memory: the content as it is stored (stripped),
         or :class:`MemoryError` saying what is wrong. Stored as it reads (:func:`single_spaced`): an item that looks
-        like one in use is the same words, and a word with a zero-width space in it is found by its search; the
-        guard reads it as sent (hidden characters are a reason to refuse, not to tidy away)."""
+        like one in use is the same words, and a word with a zero-width space in it is found by its search; its
+        lines keep their indentation relative to each other (code, a nested list). The guard reads it as sent
+        (hidden characters are a reason to refuse, not to tidy away) and as stored (its patterns take one space
+        between words: "From  now  on" passed them, and was stored as the sentence they refuse)."""
         sent = content.strip()
-        content = single_spaced(sent).strip()
+        content = textwrap.dedent(single_spaced(content)).strip("\n")
         if not sent:
             raise MemoryError("there is nothing to remember: the text is empty")
         if len(content) > self.max_chars:
@@ -272,7 +275,8 @@ class MemoryStore:
                               "keep one fact per item, in a sentence or two")
         if category not in CATEGORIES:
             raise MemoryError(f"unknown category {shown(category)}; categories: {', '.join(CATEGORIES)}")
-        guarded("memory item", sent, f"{source} on pair {pair_id}", MemoryError)
+        for read in dict.fromkeys((sent, content)):
+            guarded("memory item", read, f"{source} on pair {pair_id}", MemoryError)
         if not 1 <= importance <= 10:
             raise MemoryError("importance is a number from 1 to 10")
         return content
