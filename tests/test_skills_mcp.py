@@ -499,11 +499,13 @@ async def test_an_answer_the_sdk_cannot_read_fails_its_call_at_once() -> None:
         assert "recursion limit" in unread.content and time.monotonic() - started < 3
         started = time.monotonic()  # an answer the SDK parsed but refused (an error that is a bare string)
         refused = await server.call("strerror", {})
-        assert refused.is_error and "answer could not be read" in refused.content, refused
+        assert refused.is_error and "answer could not be read (its error is a text, not an object with a code and " \
+            "a message)" in refused.content, refused
         assert time.monotonic() - started < 3
         assert await server.call("chatty", {}) == SkillResult("chatted")
         # nor a JSON log record, nor a notification the SDK could not read: they answer no call
         assert await server.call("jsonlog", {}) == SkillResult("logged")
+        assert await server.call("jsonlog_err", {}) == SkillResult("logged")  # (an id and an error, no "jsonrpc")
         assert await server.call("progress", {}) == SkillResult("notified")
         assert await server.call("ok", {}) == SkillResult("fine") and server.up
     finally:

@@ -165,8 +165,9 @@ def _unreadable_answer(exc: Exception) -> str | None:
     # JSON the SDK parsed but refused (its input is then the parsed object) is an answer when it has an id and a
     # result or an error, of a shape the SDK does not take ("error": "upstream failed"); else a log record. A
     # line it could not parse at all is looked at with Python's parser.
-    answer = _answers(line) if isinstance(line, dict) else isinstance(line, str) and _is_answer(line)
-    return one_line(str(error["msg"]), ERROR_CHARS) if answer else None
+    if isinstance(line, dict):
+        return _answer_problem(line) if _answers(line) else None
+    return one_line(str(error["msg"]), ERROR_CHARS) if isinstance(line, str) and _is_answer(line) else None
 
 
 _JSON_OBJECT = re.compile(r"\s*\{")
@@ -181,14 +182,30 @@ def _is_answer(line: str) -> bool:
     try:
         message = json.loads(line)
     except RecursionError:
-        return '"id"' in line and _ANSWER_KEYS.search(line) is not None
+        return '"jsonrpc"' in line and '"id"' in line and _ANSWER_KEYS.search(line) is not None
     except ValueError:
         return False
     return isinstance(message, dict) and _answers(message)
 
 
 def _answers(message: dict[Any, Any]) -> bool:
-    return "id" in message and ("result" in message or "error" in message)
+    """Whether a JSON object is a JSON-RPC answer: the version, an id, a result or an error (a structured log line
+    may well have an id and an error of its own)."""
+    return message.get("jsonrpc") == "2.0" and "id" in message and ("result" in message or "error" in message)
+
+
+def _answer_problem(message: dict[Any, Any]) -> str:
+    """What makes an answer the SDK refused no answer of the protocol's shape (pydantic's first complaint is about
+    a request's missing method)."""
+    if "error" in message and not isinstance(message["error"], dict):
+        return f"its error is {_json_kind(message['error'])}, not an object with a code and a message"
+    if "error" in message:
+        return "its error lacks a whole-number code or a text message"
+    return f"its result is {_json_kind(message['result'])}, not an object"
+
+
+def _json_kind(value: Any) -> str:
+    return {str: "a text", list: "a list", bool: "true or false", type(None): "null"}.get(type(value), "a number")
 
 
 def _describe_part(part: types.ContentBlock) -> str:

@@ -66,6 +66,10 @@ def call(request_id: Any, name: str, arguments: dict[str, Any]) -> None:
         text(request_id, "chatted")
     elif name == "strerror":  # an error as a bare string, not the object JSON-RPC has
         send({"jsonrpc": "2.0", "id": request_id, "error": "upstream failed"})
+    elif name == "jsonlog_err":  # a structured log record with an id and an error of its own, then the answer
+        OUT.write(b'{"level": "warn", "id": "req-7", "error": "upstream timeout, retrying"}\n')
+        OUT.flush()
+        text(request_id, "logged")
     elif name == "jsonlog":  # a structured log record on its output, then the answer
         OUT.write(b'{"level": "info", "msg": "connecting to the upstream service"}\n')
         OUT.flush()
