@@ -800,10 +800,49 @@ async def test_an_upgrade_makes_the_words_inside_addresses_of_stored_rows_search
         assert await MemoryStore(old).search(pair.id, "example.com", patient=True) == []
     finally:
         await old.close()
-    new = await open_storage(pg_url)
+    new = await open_storage(pg_url, migrations=MIGRATIONS[:29])
     try:
         assert await new.migrate() == [28, 29]
         hits = await MemoryStore(new).search(pair.id, "example.com figs", user_id=ann.id, persona="Cora", patient=True)
         assert {h.kind for h in hits} == {"item", "message"}, [h.text for h in hits]
+    finally:
+        await new.close()
+
+
+async def test_a_correction_archived_with_its_channel_or_before_the_upgrade_frees_its_old_wordings_place(
+        db_url: str) -> None:
+    """A correction remembered from a message of a channel deleted on its platform was archived alone: the wording
+    it replaced, hidden, went on counting against the pair's item limit. Migration 30 archives those an older
+    version left behind."""
+    old = await open_storage(db_url, migrations=MIGRATIONS[:29])
+    try:
+        await old.migrate()
+        ann = await old.upsert_user("discord:1", "Ann")
+        chan = await old.upsert_channel("discord:10", "plans", is_dm=False)
+        said = await old.add_message(chan.id, ann.id, "Cora", "user", "Ann", "actually I moved to Oslo", 5)
+        await old.sources.link(["discord-message:100"], said.id)
+        pair = await old.cortex.ensure_pair(ann.id, "Cora")
+
+        async def corrected(before: str, after: str, source: str) -> tuple[int, int]:
+            first = await old.memory.add_item(pair.id, {"category": "fact", "content": before, "source_ref": "web"},
+                                              None, 1.0)
+            second = await old.memory.add_item(pair.id, {"category": "fact", "content": after, "source_ref": source},
+                                               int(first["id"]), 1.5)
+            return int(first["id"]), int(second["id"])
+
+        left_behind = await corrected("Ann lives in Bergen", "Ann lives in Oslo", "web")
+        await old.db.write("UPDATE memory_items SET archived_at = 2.0 WHERE id = ?", (left_behind[1],))  # as before
+    finally:
+        await old.close()
+    new = await open_storage(db_url)
+    try:
+        assert await new.migrate() == [30]
+        old = new
+        await corrected("Ann has a dog", "Ann has two dogs", "discord-message:100")
+        assert await new.withdraw_channel("discord:10", 3.0) == (1, 1)
+        assert not await new.memory.has_at_least(pair.id, 1)  # every wording archived: nothing counts
+        reasons = [r[0] for r in await new.db.fetch_all("SELECT archive_reason FROM memory_items ORDER BY id")]
+        assert reasons == ["its correction was archived", "", "its correction was archived",
+                           "its channel was deleted"]
     finally:
         await new.close()

@@ -57,7 +57,7 @@ from bot.storage.fleet import FleetRepository
 from bot.storage.forgotten import keep_usage
 from bot.storage.forgotten import prune as prune_forgotten
 from bot.storage.incognito import IN_RUNNING, IncognitoRepository, believable, not_incognito, visible_to
-from bot.storage.memory import MemoryRepository
+from bot.storage.memory import MemoryRepository, archive_older
 from bot.storage.migrations import MIGRATIONS
 from bot.storage.personas import LoreRepository, PersonaRepository
 from bot.storage.rows import MESSAGE_COLUMNS, message_from_row
@@ -400,6 +400,7 @@ class Storage:
                 "UPDATE memory_items SET archived_at = ?, archive_reason = ? WHERE archived_at IS NULL"
                 f" AND superseded_by IS NULL AND (source_ref = ? OR {from_its_messages}) RETURNING id",
                 (now, "its channel was deleted", channel_key, channel_id))
+            await archive_older(tx, [int(r[0]) for r in archived], now)
             deleted, _ = await delete_messages(tx, "channel_id = ?", (channel_id,))
             await tx.execute("DELETE FROM summaries WHERE channel_id = ?", (channel_id,))
         self.forget_cached(user_key="", channel_ids=[channel_id])

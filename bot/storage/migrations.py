@@ -17,6 +17,16 @@ def _sqlite_fork(statements: tuple[str, ...]) -> tuple[str, ...]:
                  .replace("DOUBLE PRECISION", "REAL").replace("BIGINT", "INTEGER") for s in statements)
 
 
+# The wordings a correction replaced, left unarchived when the correction was (before archive_older): each one
+# whose chain of corrections ends in an archived item.
+_ORPHANED_WORDINGS = (
+    "WITH RECURSIVE chain (start, id) AS ("
+    " SELECT id, superseded_by FROM memory_items WHERE superseded_by IS NOT NULL AND archived_at IS NULL"
+    " UNION SELECT chain.start, m.superseded_by FROM memory_items AS m JOIN chain ON m.id = chain.id"
+    " WHERE m.superseded_by IS NOT NULL)"
+    " UPDATE memory_items SET archived_at = {now}, archive_reason = 'its correction was archived'"
+    " WHERE id IN (SELECT chain.start FROM chain JOIN memory_items AS head ON head.id = chain.id"
+    " WHERE head.superseded_by IS NULL AND head.archived_at IS NOT NULL)")
 REPLY_INDEX = "CREATE INDEX messages_by_reply_to ON messages (reply_to) WHERE reply_to IS NOT NULL"
 SOURCE_INDEX = "CREATE INDEX memory_items_by_source ON memory_items (source_ref)"
 # SQLite: what a full-text match needs to know of an item to keep it (see ``MemoryRepository``), in an index
@@ -397,4 +407,7 @@ MIGRATIONS: tuple[Migration, ...] = (
               (), postgres=pg_schema.V28),
     Migration(29, "PostgreSQL: and those inside brackets or quotes (<https://…>, a name <mail@…>)",
               (), postgres=pg_schema.V29),
+    Migration(30, "wordings whose correction was archived are archived too: they counted against the item limit",
+              (_ORPHANED_WORDINGS.format(now="(julianday('now') - 2440587.5) * 86400.0"),),
+              postgres=(_ORPHANED_WORDINGS.format(now="extract(epoch FROM clock_timestamp())"),)),
 )
