@@ -443,8 +443,7 @@ V28: tuple[str, ...] = (
         NEW.ts := cortex_tsvector(cortex_ts_config(NEW.persona), NEW.author_name || ' ' || NEW.text);
         RETURN NEW;
     END $$""",
-    *_REMADE,
-)
+)  # (the rows holding such a token are made again by the next migration, once: they may be many)
 # ... and the brackets and quotes around them ("<https://docs.example/guide>", "Ann <ann@figs.example>"): left in
 # the parts, the parser read "<https docs example guide>" as a tag and dropped every word of it.
 V29: tuple[str, ...] = (_tsvector_function("CREATE OR REPLACE", "[][<>(){}\"''.@/:,;!?]"), *_REMADE)
