@@ -121,6 +121,19 @@ def unknown_setting(key: str) -> str:
     return f"unknown setting {shown(key)}; settings: {', '.join(OVERRIDABLE)}"
 
 
+def _whole(text: str) -> int:
+    """A whole number in ASCII digits (``int`` takes "٦٠" and "４" too, which every other command refuses)."""
+    if not re.fullmatch(r"[+-]?[0-9]{1,18}", text.strip()):
+        raise ValueError
+    return int(text)
+
+
+def _decimal(text: str) -> float:
+    if not text.isascii():
+        raise ValueError
+    return float(text)
+
+
 def parse_value(key: str, text: str) -> Any:
     """Read a value typed in a command; raises :class:`SettingError` with the accepted form."""
     if key not in OVERRIDABLE:
@@ -137,15 +150,18 @@ def parse_value(key: str, text: str) -> Any:
         if key == "tiers":
             if lowered in ("none", "", "[]"):
                 return []
-            return [int(part) for part in re.split(r"[,\s]+", raw.strip("[] ")) if part]  # "50,75" or "50 75"
+            return [_whole(part) for part in re.split(r"[,\s]+", raw.strip("[] ")) if part]  # "50,75" or "50 75"
         if key in ("context_limit", "max_rounds", "daily_token_budget"):
-            return int(raw.removesuffix("(no limit)").strip())  # (as a budget of 0 is shown)
+            number = _whole(raw.removesuffix("(no limit)").strip())  # (as a budget of 0 is shown: "0 (no limit)")
+            if number and raw.endswith("(no limit)"):
+                raise ValueError
+            return number
         if key == "cooldown_seconds":
-            return float(raw) + 0.0  # (-0 is 0: it was kept, and shown, as "-0")
+            return _decimal(raw) + 0.0  # (-0 is 0: it was kept, and shown, as "-0")
         if key in ("model", "temperature") and lowered in ("default", "none", "not set", "", *SHOWN_UNSET):
             return None
         if key == "temperature":
-            return float(raw) + 0.0
+            return _decimal(raw) + 0.0
         return raw
     except ValueError:
         raise SettingError(f"{key} must be {OVERRIDABLE[key]}; got {shown(text)}") from None

@@ -1250,3 +1250,15 @@ async def test_an_order_spelled_with_doubled_spaces_is_refused_as_the_one_it_is_
         code = "    def check(host):\n        return host.ok"
         item = await app.cortex.memory.remember(pair.id, code, category="project_context")
         assert item.content == "def check(host):\n    return host.ok"
+
+
+@pytest.mark.parametrize(("key", "typed"), [("context_limit", "٦٠"), ("context_limit", "４"), ("tiers", "50,７５"),
+                                            ("cooldown_seconds", "١٠"), ("temperature", "０.5"),
+                                            ("daily_token_budget", "5 (no limit)")])
+def test_a_setting_takes_ascii_digits_and_no_limit_only_with_0(key: str, typed: str) -> None:
+    """int() read "٦٠" and "４" as 60 and 4, which every other command refuses; "5 (no limit)" was stored as 5."""
+    from cortex.settings import SettingError, parse_value
+
+    with pytest.raises(SettingError, match=f"{key} must be"):
+        parse_value(key, typed)
+    assert parse_value("daily_token_budget", "0 (no limit)") == 0 and parse_value("tiers", "50, 75") == [50, 75]
