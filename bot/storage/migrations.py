@@ -17,16 +17,16 @@ def _sqlite_fork(statements: tuple[str, ...]) -> tuple[str, ...]:
                  .replace("DOUBLE PRECISION", "REAL").replace("BIGINT", "INTEGER") for s in statements)
 
 
-# The wordings a correction replaced, left unarchived when the correction was (before archive_older): each one
-# whose chain of corrections ends in an archived item.
+# The wordings a correction replaced, left unarchived when the correction was (before archive_older): walked back
+# from each archived correction by ``supersedes``, the primary key's way (a walk forward from every wording kept a
+# row per pair of one chain's wordings: 36 s for a chain of 3,000 on SQLite).
 _ORPHANED_WORDINGS = (
-    "WITH RECURSIVE chain (start, id) AS ("
-    " SELECT id, superseded_by FROM memory_items WHERE superseded_by IS NOT NULL AND archived_at IS NULL"
-    " UNION SELECT chain.start, m.superseded_by FROM memory_items AS m JOIN chain ON m.id = chain.id"
-    " WHERE m.superseded_by IS NOT NULL)"
+    "WITH RECURSIVE older (id) AS ("
+    " SELECT supersedes FROM memory_items WHERE superseded_by IS NULL AND archived_at IS NOT NULL"
+    " AND supersedes IS NOT NULL"
+    " UNION SELECT m.supersedes FROM memory_items AS m JOIN older ON m.id = older.id WHERE m.supersedes IS NOT NULL)"
     " UPDATE memory_items SET archived_at = {now}, archive_reason = 'its correction was archived'"
-    " WHERE id IN (SELECT chain.start FROM chain JOIN memory_items AS head ON head.id = chain.id"
-    " WHERE head.superseded_by IS NULL AND head.archived_at IS NOT NULL)")
+    " WHERE id IN (SELECT id FROM older) AND archived_at IS NULL AND superseded_by IS NOT NULL")
 REPLY_INDEX = "CREATE INDEX messages_by_reply_to ON messages (reply_to) WHERE reply_to IS NOT NULL"
 SOURCE_INDEX = "CREATE INDEX memory_items_by_source ON memory_items (source_ref)"
 # SQLite: what a full-text match needs to know of an item to keep it (see ``MemoryRepository``), in an index
