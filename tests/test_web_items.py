@@ -116,6 +116,13 @@ async def test_editing_the_content_makes_a_correction(tmp_path: Path) -> None:
         assert status == 409 and f"#{new['id']}" in error["error"]
         status, same = await ann.call("PATCH", f"/api/me/items/{new['id']}", {"content": "Ann lives in Zurich now"})
         assert status == 200 and same["id"] == new["id"]  # nothing to correct
+        for spaced in ("Ann  lives in Zurich now ", "Ann lives in\u200b Zurich now"):  # (stored as it reads: the same)
+            status, same = await ann.call("PATCH", f"/api/me/items/{new['id']}", {"content": spaced})
+            assert status == 200 and same["id"] == new["id"], same
+        listing = await remember(bot, "ann", "  - milk\n- eggs")  # the editor sends the stored text back unchanged
+        stored = [i for i in (await listed(ann))["items"] if i["id"] == listing][0]["content"]
+        status, same = await ann.call("PATCH", f"/api/me/items/{listing}", {"content": stored})
+        assert status == 200 and same["id"] == listing, same
         status, both = await ann.call("PATCH", f"/api/me/items/{new['id']}",
                                       {"content": "Ann lives in Geneva", "pinned": False, "scope": "private"})
         assert status == 200 and both["supersedes"] == new["id"]

@@ -28,6 +28,7 @@ from cortex.memory.store import (
     MemoryItem,
     OwnedItem,
     Scope,
+    stored_text,
 )
 
 PAGE = 25
@@ -179,7 +180,9 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         if item.archived_at is not None:
             fail(409, f"item #{item.id} is archived: restore it first")
         try:
-            if wanted.content is not None and wanted.content.strip() != item.content:
+            # (the text as it would be stored: a save of the editor's text unchanged, or of the same words spaced
+            # otherwise, is no correction)
+            if wanted.content is not None and stored_text(wanted.content) != item.content:
                 await may_correct(caller, found, wanted)
                 item = await correct(item, wanted)
             else:

@@ -66,6 +66,12 @@ CONTEXT_TURNS = 2  # neighbours on each side that lend relevance; the second len
 
 
 
+def stored_text(content: str) -> str:
+    """An item's text as it is stored: as it reads (:func:`single_spaced`), its lines' indentation kept relative to
+    each other. Two texts that read the same store the same."""
+    return textwrap.dedent(single_spaced(content)).strip("\n")
+
+
 def fts_query(text: str, *, function_words: bool = False) -> str:
     """User text as a safe FTS5 query: every word quoted, OR-ed (raw ``foo-bar`` would make MATCH raise).
 
@@ -267,7 +273,7 @@ class MemoryStore:
         (hidden characters are a reason to refuse, not to tidy away) and as stored (its patterns take one space
         between words: "From  now  on" passed them, and was stored as the sentence they refuse)."""
         sent = content.strip()
-        content = textwrap.dedent(single_spaced(content)).strip("\n")
+        content = stored_text(content)
         if not sent:
             raise MemoryError("there is nothing to remember: the text is empty")
         if len(content) > self.max_chars:
