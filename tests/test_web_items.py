@@ -123,6 +123,12 @@ async def test_editing_the_content_makes_a_correction(tmp_path: Path) -> None:
         stored = [i for i in (await listed(ann))["items"] if i["id"] == listing][0]["content"]
         status, same = await ann.call("PATCH", f"/api/me/items/{listing}", {"content": stored})
         assert status == 200 and same["id"] == listing, same
+        _, pair = await bot.app.cortex.store.pair_for("discord:ann", "Ann", "Cora")  # an item stored as it came:
+        imported = await bot.app.storage.export.import_item(pair.id, {  # an import's, or one from before
+            "category": "user_info", "content": "Ann  lives in Bern", "importance": 5, "source": "user",
+            "created_at": 1_700_000_000.0, "updated_at": 1_700_000_000.0, "scope": "private"})
+        status, same = await ann.call("PATCH", f"/api/me/items/{imported}", {"content": "Ann  lives in Bern"})
+        assert status == 200 and same["id"] == imported, same
         status, both = await ann.call("PATCH", f"/api/me/items/{new['id']}",
                                       {"content": "Ann lives in Geneva", "pinned": False, "scope": "private"})
         assert status == 200 and both["supersedes"] == new["id"]

@@ -180,9 +180,9 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         if item.archived_at is not None:
             fail(409, f"item #{item.id} is archived: restore it first")
         try:
-            # (the text as it would be stored: a save of the editor's text unchanged, or of the same words spaced
-            # otherwise, is no correction)
-            if wanted.content is not None and stored_text(wanted.content) != item.content:
+            # (both as they would be stored: a save of the editor's text unchanged, or of the same words spaced
+            # otherwise, is no correction, also of an item stored as it came, imported or from before)
+            if wanted.content is not None and stored_text(wanted.content) != stored_text(item.content):
                 await may_correct(caller, found, wanted)
                 item = await correct(item, wanted)
             else:
