@@ -30,6 +30,20 @@ def db_url_for(tmp_path: Path, name: str = "bot.db") -> str:
     return _current.get("url") or f"sqlite:///{tmp_path / name}"
 
 
+async def settled_index_scans(storage: Storage, name: str | tuple[str, ...]) -> int:
+    """:func:`index_scans` once the other backends (the migration's, a pooled connection's) have reported theirs:
+    read until two reads a report's interval apart agree (an exact count taken before one of them had reported
+    counted its scan among the test's own)."""
+    count = await index_scans(storage, name)
+    for _ in range(10):
+        await asyncio.sleep(1.1)
+        again = await index_scans(storage, name)
+        if again == count:
+            return count
+        count = again
+    return count
+
+
 async def index_scans(storage: Storage, name: str | tuple[str, ...], above: int = -1) -> int:
     """PostgreSQL's count of scans of index ``name`` (of all of them, given several), waiting (up to 10 s) for
     more than ``above``: each backend reports its counts on its own, within a second or so."""
