@@ -46,6 +46,7 @@ from bot.ports import IncomingMessage
 from bot.ratelimit import slow_down
 from bot.splitting import split_message
 from bot.streaming import MessageGone, RateLimited
+from bot.text import error_line
 
 log = logging.getLogger(__name__)
 
@@ -248,13 +249,15 @@ class DiscordSink:
         text, files = _reply_payload(reply)
         try:
             await _send_with_files(self.message.author, text, files)
+            note = "I answered you in a direct message."
         except discord.Forbidden:
-            await self.channel.send(
-                "I could not send you a direct message (your DMs are closed). Use the slash command instead: "
-                "its answer is visible only to you.", allowed_mentions=NO_PINGS,
-            )
-            return
-        await self.channel.send("I answered you in a direct message.", allowed_mentions=NO_PINGS)
+            note = ("I could not send you a direct message (your DMs are closed). Use the slash command instead: "
+                    "its answer is visible only to you.")
+        try:
+            await self.channel.send(note, allowed_mentions=NO_PINGS)
+        except discord.Forbidden as exc:  # nor may the bot write here: the person cannot be told (one line, no trace)
+            log.warning("Discord: a private answer's note could not be sent in channel %s (%s)", self.channel.id,
+                        error_line(exc))
 
 
 async def _send_with_files(target: discord.abc.Messageable, text: str, files: list[discord.File]) -> None:

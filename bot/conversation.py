@@ -54,7 +54,7 @@ from bot.storage.engine import StaleReference
 from bot.storage.incognito import believable
 from bot.storage.sources import ReplySource
 from bot.summary import SummaryEngine, budgets_for
-from bot.text import storable, visible
+from bot.text import error_line, storable, visible
 from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator
 from bot.turns import Turns
 
@@ -246,7 +246,7 @@ class ConversationCore:
         try:
             await (hook() if failure is None else hook(failure))
         except Exception as exc:
-            log.warning("showing the reply in channel %d failed: %s", channel_id, type(exc).__name__)
+            log.warning("showing the reply in channel %d failed: %s", channel_id, error_line(exc))
 
     async def _answer(self, stream: ReplyStream, began: float, user: User, channel: Channel,
                       user_msg: StoredMessage, waited: bool) -> AsyncIterator[str]:
@@ -495,6 +495,11 @@ class ConversationCore:
             log.info("a withdrawn message: %s stored message and %d memory item(s) removed",
                      "its" if deleted else "no", archived)
         return deleted or bool(archived)
+
+    async def unshown(self, result: ReplyResult) -> None:
+        """A reply the platform refused to show (no right to send in the channel, a form it refused): it goes
+        from the store, as if never written; the message it answers stays."""
+        await self.storage.delete_message(result.reply.id)
 
     async def withdraw_channel(self, channel_key: str) -> None:
         """A channel (a thread, a forum post) deleted on its platform, with every message in it: what the bot

@@ -29,6 +29,7 @@ from bot.ratelimit import RateLimiter, slow_down
 from bot.storage.base import Storage
 from bot.storage.core import channel_persona_key, user_persona_key
 from bot.streaming import MessageSink, StreamedReply
+from bot.text import error_line
 
 log = logging.getLogger(__name__)
 SOMETHING_WENT_WRONG = ("Something went wrong on my side while answering (the details are in the bot's log). "
@@ -232,7 +233,16 @@ class Router:
             return
         finally:
             await _stop(waiting)
-        handles = await shown.finish()
+        try:
+            handles = await shown.finish()
+        except Exception as exc:  # the platform refused the reply itself (no right to send here, a form it refused)
+            if shown.sent or stream.result is None:
+                raise
+            # Nothing of it reached the person: kept, it would enter later prompts as something they had read.
+            await self.core.unshown(stream.result)
+            log.warning("the reply in %s could not be shown (%s); it is not kept", message.channel_key,
+                        error_line(exc))
+            return
         await self._link(sink, handles, stream.result, gone=shown.gone)
 
     async def _show_failure(self, message: IncomingMessage, shown: StreamedReply, sink: ChatSink,

@@ -83,7 +83,8 @@ class StreamedReply:
                 try:
                     await self._show(final=False)
                 except Exception as exc:  # the platform refused an edit: the next one (or the final one) shows all
-                    log.warning("an edit of a streamed reply failed (%s); the reply goes on", error_line(exc))
+                    what = "an edit of a streamed reply" if self._handle is not None else "the first message of a reply"
+                    log.warning("%s failed (%s); the reply goes on", what, error_line(exc))
                     self._last_edit = self.clock()
 
     async def finish(self, fallback: str = "") -> list[Any]:

@@ -96,3 +96,41 @@ async def _gone(app: App, words: str) -> None:
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"messages with {words!r} are still stored")
+
+
+async def test_a_reply_discord_refuses_to_post_is_not_kept_and_is_said_in_one_line(
+        live: tuple[FakeDiscord, App], caplog: pytest.LogCaptureFixture) -> None:
+    """A channel the bot may read but not write in (403, 50013): nothing reached Discord, yet the whole answer was
+    stored as one the person had read (and entered later prompts), with a 29-line traceback in the log."""
+    import logging
+
+    fake, app = live
+    caplog.set_level(logging.INFO)
+    app.llm.enqueue("Here is the whole answer.")  # type: ignore[attr-defined]
+    fake.refuse_posts(OTHER_CHANNEL)
+    fake.dispatch_message("hello bot", author_id=ANN, guild_id=GUILD, channel_id=OTHER_CHANNEL, mentions_bot=True)
+
+    async def said_so() -> bool:
+        return any("could not be shown" in r.getMessage() for r in caplog.records)
+
+    for _ in range(100):
+        if await said_so():
+            break
+        await asyncio.sleep(0.1)
+    lines = [r.getMessage() for r in caplog.records if "could not be shown" in r.getMessage()]
+    assert lines and "Missing Permissions" in lines[0] and "it is not kept" in lines[0], lines
+    assert not any(r.exc_info for r in caplog.records if r.name.startswith(("adapters", "bot")))
+    channel = await app.storage.get_channel(f"discord:{OTHER_CHANNEL}")
+    assert channel is not None
+    stored = [(m.role, m.text) for m in reversed(await app.storage.recent_messages(channel.id, 10))]
+    assert stored == [("user", "hello bot")]  # the person's message stays
+    await _said(fake, app, "and here?", CHANNEL)  # the bot goes on elsewhere
+    # a private answer there, DMs closed too: the note in the channel cannot go either; one line, no traceback
+    fake.refuse_posts(ANN + 1, code=50007, message="Cannot send messages to this user")
+    fake.dispatch_message("!persona", author_id=ANN, guild_id=GUILD, channel_id=OTHER_CHANNEL)
+    for _ in range(100):
+        if any("a private answer's note could not be sent" in r.getMessage() for r in caplog.records):
+            break
+        await asyncio.sleep(0.1)
+    assert any("a private answer's note could not be sent" in r.getMessage() for r in caplog.records)
+    assert not any(r.exc_info for r in caplog.records if r.name.startswith(("adapters", "bot")))

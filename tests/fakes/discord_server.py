@@ -12,12 +12,12 @@ started as a subprocess both talk to it over loopback::
         sent = fake.dispatch_message("hello")          # a DM: goes to the session of shard 0
         fake.wait_until(lambda f: f.messages_in(sent.channel_id))
 
-What it records (thread-safe copies): every IDENTIFY with its ``shard`` (:attr:`identifies`) and how
-each session ended (:attr:`disconnects`, with the close code), every slash-command sync
-(``PUT /applications/{app}/commands`` and the guild variant, :attr:`command_syncs`), every message the
-bot posts or edits (:attr:`messages`, :attr:`edits`; :meth:`fail_edits` makes the next edits fail) and every
-REST request (:attr:`requests`). Each is tagged with the bot token that made it, which is how a test tells the
-processes of a fleet apart (give each its own token value).
+What it records (thread-safe copies): every IDENTIFY with its ``shard`` (:attr:`identifies`) and how each session
+ended (:attr:`disconnects`, with the close code), every slash-command sync (``PUT /applications/{app}/commands`` and
+the guild variant, :attr:`command_syncs`), every message the bot posts or edits (:attr:`messages`, :attr:`edits`;
+:meth:`fail_edits` makes the next edits fail, :meth:`refuse_posts` a channel refuse new messages) and every REST
+request (:attr:`requests`). Each is tagged with the bot token that made it, which is how a test tells the processes
+of a fleet apart (give each its own token value).
 
 Routing follows Discord: a DM goes to shard 0, a guild's events to shard ``(guild_id >> 22) % count``
 (:func:`shard_for`), each to the live session whose ``[shard_id, shard_count]`` owns it. Guilds added
@@ -197,6 +197,7 @@ class FakeDiscord:
         self._sessions: list[_Session] = []  # only touched on the server's loop
         self._records = _Records()
         self._failing_edits: list[int] = []  # HTTP statuses the next message edits are answered with
+        self._refused_posts: dict[str, tuple[int, dict[str, Any]]] = {}  # channel id -> (status, error body)
         self._cond = threading.Condition()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -344,6 +345,13 @@ class FakeDiscord:
         work again. 404 is Discord's answer for a message deleted meanwhile, 403 for a channel closed to the bot."""
         with self._cond:
             self._failing_edits.extend(statuses)
+
+    def refuse_posts(self, channel_id: int, status: int = 403, code: int = 50013,
+                     message: str = "Missing Permissions") -> None:
+        """Answer every new message (``POST``) in ``channel_id`` with this error, unrecorded (403/50013: a channel
+        the bot may read but not write in; 403/50007: a user whose DMs are closed)."""
+        with self._cond:
+            self._refused_posts[str(channel_id)] = (status, {"message": message, "code": code})
 
     def wait_until(self, predicate: Callable[[FakeDiscord], object], timeout: float = 10.0) -> None:
         """Block until ``predicate(self)`` is true (re-checked whenever something is recorded)."""
@@ -534,6 +542,10 @@ class FakeDiscord:
     async def _post_message(self, request: web.Request) -> web.Response:
         body, files = await _body(request)
         channel_id = request.match_info["channel_id"]
+        with self._cond:
+            refused = self._refused_posts.get(channel_id)
+        if refused is not None:
+            return _json(refused[1], refused[0])
         data = self._message(channel_id, body.get("content"), self.bot_user, nonce=body.get("nonce"))
         self._record("messages", _posted(request, channel_id, data["id"], body, files))
         return _json(data)
