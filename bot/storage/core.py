@@ -767,6 +767,7 @@ class Storage:
         run_after: datetime | None = None,
     ) -> Job | None:
         now = await self.db.now()
+        due = now if run_after is None else await self._on_db_clock(run_after)
         # One statement, so the duplicate check and the insert are atomic without a transaction.
         duplicate = (
             "NOT EXISTS (SELECT 1 FROM jobs WHERE kind = ? AND key = ? AND status = 'queued')" if dedupe else "1 = 1"
@@ -775,8 +776,6 @@ class Storage:
                " SELECT CAST(? AS TEXT), CAST(? AS TEXT), CAST(? AS TEXT), 'queued', CAST(? AS INTEGER),"
                " CAST(? AS DOUBLE PRECISION), CAST(? AS DOUBLE PRECISION), CAST(? AS DOUBLE PRECISION)"
                f" WHERE {duplicate} RETURNING *")
-        # (a time given by this machine's clock, moved to the database's)
-        due = now if run_after is None else _ts(run_after) + now - time.time()
         params = (kind, key, json.dumps(payload), max_attempts, due, now, now, *((kind, key) if dedupe else ()))
         if dedupe and self.db.dialect == "postgres":
             # Each statement there sees the rows committed when it began: two enqueues at once would each find
@@ -852,8 +851,13 @@ class Storage:
                         attempt: int | None = None) -> bool:
         return await self._set_job(
             job_id, worker, f"status = 'queued', last_error = ?, run_after = ?, {JOB_DONE}",
-            (error, run_after.timestamp() + await self.db.now() - time.time()), attempt,
+            (error, await self._on_db_clock(run_after)), attempt,
         )
+
+    async def _on_db_clock(self, moment: datetime) -> float:
+        """A moment of this machine's clock (a job due in 30 s) as the database's clock gives it (jobs fall due by
+        it: see :meth:`Database.now`)."""
+        return _ts(moment) + await self.db.now() - time.time()
 
     async def fail_job(self, job_id: int, error: str, worker: str | None = None, *, attempt: int | None = None) -> bool:
         return await self._set_job(job_id, worker, f"status = 'failed', last_error = ?, {JOB_DONE}", (error,), attempt)
@@ -1189,11 +1193,11 @@ class Storage:
             counts = await self.cortex.delete_pairs(tx, pair_ids)
             stretches = await tx.fetch_all("DELETE FROM incognito WHERE user_id = ? RETURNING persona, started_at",
                                            (user_id,))
-            wrote_in = await tx.fetch_all("DELETE FROM channel_speakers WHERE user_id = ? RETURNING channel_id",
-                                          (user_id,))
-            messages, channels = await delete_messages(tx, "user_id = ?", (user_id,))
-            await tx.execute("DELETE FROM channel_speakers WHERE user_id = ?", (user_id,))
-            channels = sorted({*channels, *(int(r[0]) for r in wrote_in)})
+            messages, _ = await delete_messages(tx, "user_id = ?", (user_id,))
+            # Every channel they wrote in: those of the messages just deleted (their deletion noted it) and those
+            # whose messages of theirs went before (retention, deletions on the platform).
+            channels = sorted(int(r[0]) for r in await tx.fetch_all(
+                "DELETE FROM channel_speakers WHERE user_id = ? RETURNING channel_id", (user_id,)))
             ch_marks = ",".join("?" for _ in channels) or "NULL"
             summaries = await tx.fetch_all(f"DELETE FROM summaries WHERE channel_id IN ({ch_marks}) RETURNING id",
                                            channels)
