@@ -301,9 +301,7 @@ class SettingsResolver:
     async def _beneath(self) -> list[CortexConfig]:
         """The settings beneath any server: the config's, and each live persona's with its persona-wide overrides
         (read as :meth:`effective` reads them; a deleted persona's, kept for its revival, bind nobody)."""
-        live = await self._live_scopes()
-        return [self.defaults] + [(await self._layered([scope])).settings
-                                  for scope in await self.store.persona_overrides() if scope in live]
+        return [self.defaults] + [(await self._layered([scope])).settings for scope in await self._live_overrides()]
 
     async def _on_beneath(self, key: str) -> bool:
         """Whether clearing a server's override of ``key`` would switch it on there for some persona: the
@@ -311,12 +309,13 @@ class SettingsResolver:
         whichever one the command or request named)."""
         if getattr(self.defaults, key) is True:
             return True
-        live = await self._live_scopes()
-        overrides = await self.store.persona_overrides()
-        return any(values.get(key) is True for scope, values in overrides.items() if scope in live)
+        return any(values.get(key) is True for values in (await self._live_overrides()).values())
 
-    async def _live_scopes(self) -> frozenset[str]:
-        return frozenset(persona_scope(p.name) for p in await self.store.storage.personas.list_personas())
+    async def _live_overrides(self) -> dict[str, dict[str, Any]]:
+        """The persona-wide overrides of the personas that exist, by scope (a deleted persona's are kept for its
+        revival, and bind nobody meanwhile)."""
+        live = {persona_scope(p.name) for p in await self.store.storage.personas.list_personas()}
+        return {scope: values for scope, values in (await self.store.persona_overrides()).items() if scope in live}
 
     async def clear(self, scope: str, key: str) -> bool:
         if key not in OVERRIDABLE:
