@@ -556,7 +556,8 @@ def copy_data_command(ctx: click.Context, to_url: str, to_password_env: str, bat
     """Copy the configured database ([storage]) into another one, SQLite <-> PostgreSQL.
 
     Every table goes over with its ids; running it again resumes an interrupted copy and copies nothing
-    twice. A database holding another bot's data is refused. Exits with 1 when row counts differ."""
+    twice, and deletes from the target what was deleted here since (a forget-me). A database holding another
+    bot's data is refused. Exits with 1 when row counts differ."""
     config = _load(ctx)
     setup_logging(_log_level(ctx, config, "WARNING"))
     try:
@@ -662,17 +663,20 @@ class _CopyProgress:
 
 def _print_copy_report(report: CopyReport) -> None:
     from rich.console import Console
-    from rich.table import Table
+    from rich.table import Column, Table
 
-    table = Table("table", "source rows", "target rows", "copied now", "", title=f"{report.source} → {report.target}")
+    table = Table(Column("table", no_wrap=True), "source rows", "target rows", "copied now", "deleted", "",
+                  title=f"{report.source} → {report.target}")
     for row in report.tables:
         mark = "[green]✓[/green]" if row.matches else "[red]✗ differs[/red]"
-        table.add_row(row.table, str(row.source_rows), str(row.target_rows), str(row.copied), mark)
+        table.add_row(row.table, str(row.source_rows), str(row.target_rows), str(row.copied), str(row.removed), mark)
     console = Console(highlight=False, soft_wrap=True)
     console.print(table)
     if report.ok:
-        console.print(f"copied {report.copied} row(s) in {report.seconds:.1f} s; every table's row count matches "
-                      f"(bot.instance_id {report.instance_id}).")
+        deleted = (f", deleted {report.removed} row(s) the source no longer has (deleted there since the earlier "
+                   "copy)") if report.removed else ""
+        console.print(f"copied {report.copied} row(s){deleted} in {report.seconds:.1f} s; every table's row count "
+                      f"matches (bot.instance_id {report.instance_id}).")
     else:
         console.print(f"[red]row counts differ for: {', '.join(t.table for t in report.mismatches)}[/red]")
         for line in _mismatch_advice(report):
@@ -681,7 +685,7 @@ def _print_copy_report(report: CopyReport) -> None:
 
 def _mismatch_advice(report: CopyReport) -> list[str]:
     """What a difference means: fewer rows in the target, a copy the bot wrote into meanwhile; more, rows
-    deleted here since an earlier copy (which copy-data, adding only, never takes out of the target)."""
+    deleted here while the copy ran (a bot running on this database: the next copy deletes them there too)."""
     short = [t.table for t in report.mismatches if t.target_rows < t.source_rows]
     extra = [t.table for t in report.mismatches if t.target_rows > t.source_rows]
     advice = []
@@ -690,10 +694,8 @@ def _mismatch_advice(report: CopyReport) -> list[str]:
                       "and run copy-data again (it goes on where it stopped).")
     if extra:
         advice.append(f"The target holds rows of {', '.join(extra)} that this database no longer has: rows deleted "
-                      "here since an earlier copy (a forget-me, expired messages, an ended incognito stretch) or "
-                      "written there by a bot running on the target. copy-data only adds rows, so running it again "
-                      "does not change this. For an exact copy, copy into a new, empty database, and delete the old "
-                      "copy: it still holds what was deleted here.")
+                      "here while the copy ran (a forget-me, expired messages: was the bot running?). Run copy-data "
+                      "again once the bot is stopped: it deletes them there too.")
     return advice
 
 

@@ -7,7 +7,10 @@ where it differs (``ON CONFLICT … DO UPDATE``): a copy that was interrupted is
 second run copies nothing twice, and a copy back after the bot ran on the other side brings its changes too
 (items archived or pinned, jobs done, settings). Rows are copied up to the largest ids the copy found as it
 began: what a bot running on the source adds meanwhile (``--while-running``) waits for the next copy. Rows
-deleted on the source since an earlier copy stay in the target.
+deleted on the source since an earlier copy (a forget-me, expired messages, an ended incognito stretch) are
+deleted from the target first, children before parents: a copy kept up to date by running it again never
+keeps what was forgotten at the source (every row of a target this bot's copies made came from the source:
+a target a bot wrote into since is refused before anything changes).
 
 What differs between the engines is handled here:
 
@@ -94,6 +97,7 @@ class TableCount:
     source_rows: int
     target_rows: int
     copied: int  # rows this run inserted
+    removed: int = 0  # rows this run deleted from the target: deleted at the source since an earlier copy
 
     @property
     def matches(self) -> bool:
@@ -119,6 +123,10 @@ class CopyReport:
     @property
     def copied(self) -> int:
         return sum(t.copied for t in self.tables)
+
+    @property
+    def removed(self) -> int:
+        return sum(t.removed for t in self.tables)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +175,8 @@ async def copy_data(source: Storage, target: Storage, *, progress: Progress | No
     reached = await _largest_ids(source.db)
     for db in (source.db, target.db):
         await _raise_mark(db, reached)
+    removed = {table: await _remove_deleted(source.db, target.db, table, batch, progress)
+               for table in reversed(TABLES)}  # (children first: no row is left pointing at a removed one)
     copied: dict[str, int] = {}
     for table in TABLES:  # (rows up to the ids marked: what a running bot adds meanwhile is for the next copy)
         column, parent = BOUNDED_BY.get(table, ("", table))
@@ -175,7 +185,8 @@ async def copy_data(source: Storage, target: Storage, *, progress: Progress | No
         if table == "messages":
             await _restore_channel_counters(source.db, target.db, batch)
     await _move_sequences(target.db, await _next_ids(source.db))
-    counts = [TableCount(t, await _count(source.db, t), await _count(target.db, t), copied[t]) for t in TABLES]
+    counts = [TableCount(t, await _count(source.db, t), await _count(target.db, t), copied[t], removed[t])
+              for t in TABLES]
     return CopyReport(source.db.url, target.db.url, instance, tuple(counts), time.monotonic() - started)
 
 
@@ -305,6 +316,67 @@ async def _copy_table(source: Database, target: Database, table: str, batch: int
     if plan.deferred:
         await _copy_deferred(source, target, plan, batch, bound[1] if bound is not None and not bound[0] else None)
     return copied
+
+
+async def _remove_deleted(source: Database, target: Database, table: str, batch: int,
+                          progress: Progress | None) -> int:
+    """Delete the target's rows of ``table`` the source no longer has (deleted there since an earlier copy),
+    page by page along the key: each page's keys are looked up in the source one by one (not as a range: the
+    engines may order text differently) and what it lacks goes, in one transaction. Returns the rows deleted."""
+    key = (await _shape(target, table)).key
+    if not key:
+        return 0  # (``_plan`` says so in one line when the table is copied)
+    keys = ", ".join(_quote(k) for k in key)
+    row_key = f"({keys})" if len(key) > 1 else keys
+    marks = f"({', '.join('?' for _ in key)})" if len(key) > 1 else "?"
+    left_out = NOT_COPIED.get(table)
+    where = f" AND {left_out}" if left_out else ""
+    page = f"SELECT {keys} FROM {_quote(table)} WHERE {row_key} > {marks}{where} ORDER BY {keys} LIMIT {batch}"
+    first = f"SELECT {keys} FROM {_quote(table)} WHERE 1 = 1{where} ORDER BY {keys} LIMIT {batch}"
+    removed = 0
+    last: tuple[Any, ...] | None = None
+    while True:
+        held = [tuple(r) for r in await target.fetch_all(first if last is None else page, last or ())]
+        if not held:
+            return removed
+        kept = await _present(source, table, key, held)
+        gone = [k for k in held if k not in kept]
+        if gone:
+            await _delete_rows(target, table, key, gone)
+            removed += len(gone)
+            if progress is not None:
+                progress(f"{table} (deleted at the source)", removed, removed)
+        last = held[-1]
+        if len(held) < batch:
+            return removed
+
+
+async def _present(db: Database, table: str, key: tuple[str, ...],
+                   wanted: list[tuple[Any, ...]]) -> set[tuple[Any, ...]]:
+    """Which of these keys ``db``'s table holds (by equality, in statements within the parameter limits)."""
+    keys = ", ".join(_quote(k) for k in key)
+    one = "(" + " AND ".join(f"{_quote(k)} = ?" for k in key) + ")"
+    found: set[tuple[Any, ...]] = set()
+    # (a key of several columns: ORs of ANDs, 100 at a time, within SQLite's expression depth of 1,000)
+    per_statement = MAX_PARAMETERS if len(key) == 1 else 100
+    for start in range(0, len(wanted), per_statement):
+        chunk = wanted[start:start + per_statement]
+        match = (f"{_quote(key[0])} IN ({', '.join('?' for _ in chunk)})" if len(key) == 1
+                 else " OR ".join(one for _ in chunk))
+        found.update(tuple(r) for r in await db.fetch_all(
+            f"SELECT {keys} FROM {_quote(table)} WHERE {match}", [v for row in chunk for v in row]))
+    return found
+
+
+async def _delete_rows(target: Database, table: str, key: tuple[str, ...], gone: list[tuple[Any, ...]]) -> None:
+    """Delete rows by key in one transaction; references to them from rows of the same table (an item's
+    correction links) are cleared first: the source cleared or deleted them as well."""
+    match = " AND ".join(f"{_quote(k)} = ?" for k in key)
+    async with target.transaction() as tx:
+        for column in DEFERRED.get(table, ()):
+            await tx.executemany(f"UPDATE {_quote(table)} SET {_quote(column)} = NULL WHERE {_quote(column)} = ?",
+                                 [row[:1] for row in gone])
+        await tx.executemany(f"DELETE FROM {_quote(table)} WHERE {match}", gone)
 
 
 def _on_conflict(plan: _Plan, dialect: str) -> str:
