@@ -259,3 +259,53 @@ async def test_a_read_only_server_is_named_as_the_databases_trouble(pg_url: str)
     assert unavailable(refused.value) == (
         "the PostgreSQL server is read-only (a standby, or default_transaction_read_only)")
     assert unavailable(ValueError("a bug")) is None
+
+
+async def test_a_server_that_stopped_answering_is_named_as_the_databases_trouble(pg_url: str) -> None:
+    """Once the server is gone (stopped, restarting), the pool's new connections are refused with a plain
+    ``ConnectionRefusedError``: every reply got "something went wrong" and a traceback, and background jobs
+    failed for good instead of waiting. The same error from another connection (an LLM's) is not the database's."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from bot.storage.unavailable import UNREACHABLE
+
+    real = urlsplit(pg_url)
+    links: list[asyncio.StreamWriter] = []
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream = await asyncio.open_connection(real.hostname, real.port)
+        links.extend((writer, upstream))
+
+        async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            while data := await source.read(65536):
+                sink.write(data)
+                await sink.drain()
+            sink.close()
+
+        await asyncio.gather(pump(reader, upstream), pump(upstream_reader, writer), return_exceptions=True)
+
+    proxy = await asyncio.start_server(relay, "127.0.0.1", 0)
+    port = proxy.sockets[0].getsockname()[1]
+    storage = await open_storage(urlunsplit(real._replace(netloc=f"{real.username or 'postgres'}@127.0.0.1:{port}")))
+    try:
+        await storage.migrate()
+        await storage.get_setting("x")
+        proxy.close()  # the server "stops": its connections end, new ones are refused
+        await proxy.wait_closed()
+        for link in links:
+            link.close()
+        said = []
+        for _ in range(3):
+            with pytest.raises(Exception) as failed:
+                await storage.get_setting("x")
+            said.append(storage.unavailable(failed.value))
+        assert said[-1] == f"the database {storage.db.url} cannot be used right now: {UNREACHABLE}", said
+        assert all(s is not None for s in said), said
+    finally:
+        await storage.close()
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2)
+    except OSError as refused:
+        assert storage.unavailable(refused) is None  # not raised by the driver: another connection's trouble
+    else:
+        raise AssertionError("the port still answers")

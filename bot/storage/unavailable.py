@@ -31,6 +31,9 @@ _POSTGRES = {
 }
 
 
+UNREACHABLE = "the PostgreSQL server cannot be reached (is it running, and listening where the URL says?)"
+
+
 def unavailable(exc: BaseException) -> str | None:
     """The database's trouble behind ``exc`` (or its causes), in words; None when it is none of those."""
     seen: BaseException | None = exc
@@ -41,5 +44,18 @@ def unavailable(exc: BaseException) -> str | None:
         for kind in type(seen).__mro__:
             if kind.__module__.startswith("asyncpg") and kind.__name__ in _POSTGRES:
                 return _POSTGRES[kind.__name__]
+        if isinstance(seen, OSError | TimeoutError) and _raised_in_driver(seen):
+            return UNREACHABLE  # (a server stopped or restarting: the pool's new connections are refused)
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+def _raised_in_driver(exc: BaseException) -> bool:
+    """Whether the error came up through asyncpg's code (a connection it was opening): the same error from an
+    LLM's or a platform's connection is not the database's."""
+    frame = exc.__traceback__
+    while frame is not None:
+        if str(frame.tb_frame.f_globals.get("__name__", "")).startswith("asyncpg"):
+            return True
+        frame = frame.tb_next
+    return False
