@@ -238,7 +238,7 @@ def _directory_bytes(blob: bytes) -> int:
     a search from the end would take for the record), else the last marker before a comment of at most 64 KB."""
     tail = len(blob) - 22
     at = tail if tail >= 0 and blob[tail:tail + 4] == _END and blob[-2:] == b"\0\0" else (
-        blob.rfind(_END, max(0, len(blob) - 65_557)))
+        blob.rfind(_END, max(0, len(blob) - (1 << 16) - 22)))  # (zipfile's own start: a 64 KB comment's room)
     if at < 0:
         return 0
     size = int.from_bytes(blob[at + 12:at + 16], "little")

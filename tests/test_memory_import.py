@@ -443,7 +443,8 @@ async def test_reading_a_large_archive_leaves_the_event_loop_free() -> None:
     assert longest < took / 4, (longest, took)
 
 
-@pytest.mark.parametrize("counts", ["as written", "the end marker's bytes", "a forged ZIP64 offset"])
+@pytest.mark.parametrize("counts", ["as written", "the end marker's bytes", "a forged ZIP64 offset",
+                                    "64 KB after the end record"])
 def test_an_archive_listing_countless_files_is_refused_before_zipfile_reads_the_list(counts: str) -> None:
     """zipfile reads a zip's whole list of files into objects first: a 50 MB zip of a million empty entries
     beside a real data.json took 18 s and half a gigabyte before any check. The end record's entry counts,
@@ -461,6 +462,8 @@ def test_an_archive_listing_countless_files_is_refused_before_zipfile_reads_the_
     elif counts == "a forged ZIP64 offset":  # (the locator's offset, which zipfile ignores, and the 32-bit size)
         raw[-34:-26] = (0).to_bytes(8, "little")
         raw[-10:-6] = (0).to_bytes(4, "little")
+    elif counts == "64 KB after the end record":  # (where zipfile still looks for it; the check began a byte later)
+        raw += bytes(1 << 16)
     assert zipfile.ZipFile(io.BytesIO(raw)).namelist()[0] == "data.json"  # zipfile still opens it
     with pytest.raises(ArchiveError, match="list of files is far longer"):  # from the end record alone
         read_archive(bytes(raw))
