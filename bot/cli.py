@@ -362,10 +362,10 @@ def status(ctx: click.Context) -> None:
     config = _load(ctx)
     setup_logging(_log_level(ctx, config, "WARNING"))
     try:
-        processes, queue = _run_async(lambda: _fleet_status(config))
+        processes, queue, now = _run_async(lambda: _fleet_status(config))
     except (StorageError, ConfigError) as exc:
         raise click.ClickException(str(exc)) from None
-    _print_status(processes, queue)
+    _print_status(processes, queue, now)
 
 
 JOB_STATUSES = ("failed", "queued", "running", "done")
@@ -415,7 +415,7 @@ async def _jobs(config: Config, status: str, limit: int, retry: int | None) -> l
         found = await storage.list_jobs(cast(Any, status), limit=limit, by_change=True)
         if not found:
             return [f"no {status} jobs"]
-        now = time.time()
+        now = await storage.now()  # (jobs' times are on the database's clock)
         return [f"job {j.id}  {j.kind}  {j.key}  {j.status} {_ago(now - j.updated_at.timestamp())} ago"
                 + (f" (again; made {_ago(now - j.created_at.timestamp())} ago)"
                    if j.status == "queued" and j.attempts else "")
@@ -439,10 +439,12 @@ async def _retry_job(storage: Any, number: int) -> str:
     return f"job {number} ({job.kind}, {job.key}) is queued again: a running bot takes it within seconds"
 
 
-async def _fleet_status(config: Config) -> tuple[list[Any], Any]:
+async def _fleet_status(config: Config) -> tuple[list[Any], Any, float]:
+    """The live processes, the queue, and the database's time (the fleet's marks are on its clock)."""
     async with _configured_storage(config) as storage:
+        now = await storage.now()
         return (_running(await storage.fleet.live_processes()),
-                await storage.fleet.queue_stats(since=time.time() - RECENT_SECONDS))
+                await storage.fleet.queue_stats(since=now - RECENT_SECONDS), now)
 
 
 def _running(processes: list[Any]) -> list[Any]:
@@ -486,8 +488,7 @@ def _missing_sqlite(url: str) -> Path | None:
     return path.absolute()
 
 
-def _print_status(processes: list[Any], queue: Any) -> None:
-    now = time.time()
+def _print_status(processes: list[Any], queue: Any, now: float) -> None:
     click.echo(f"{len(processes)} live process(es)")
     for p in processes:
         info = p.info
@@ -603,7 +604,8 @@ async def _copy_data(config: Config, to_url: str, password: str | None, batch: i
         # (a source without the processes table lacks migrations, which copy_data names in one line)
         live = _running(await source.fleet.live_processes()) if not await source.pending_migrations() else []
         if live and not while_running:
-            where = ", ".join(f"pid {p.pid} on {p.host}, seen {time.time() - p.last_seen:.0f} s ago" for p in live[:5])
+            now = await source.now()
+            where = ", ".join(f"pid {p.pid} on {p.host}, seen {now - p.last_seen:.0f} s ago" for p in live[:5])
             raise ConfigError(f"a bot is running on the source database ({where}): stop it first, so nothing "
                               "changes while it is copied (or give --while-running). A process of another machine "
                               f"that stopped without a word counts as running until {LIVE_SECONDS:g} s after it was "
@@ -844,7 +846,7 @@ RECENT_SECONDS = 24 * 3600.0  # doctor's "lately": failures older than a day are
 async def _doctor_queue(storage: Any, report: Callable[..., None]) -> None:
     """The job queue: stuck (the oldest queued job waits long), jobs left running by a stopped process, live
     processes; jobs and cortex updates that failed in the last day."""
-    now = time.time()
+    now = await storage.now()  # (jobs' and processes' times are on the database's clock)
     queue = await storage.fleet.queue_stats(since=now - RECENT_SECONDS)
     live = _running(await storage.fleet.live_processes())
     waited = now - queue.oldest_queued_at if queue.oldest_queued_at is not None else 0.0

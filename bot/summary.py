@@ -157,7 +157,8 @@ class SummaryEngine:
         failure, doubling with each further one (at most a day), instead of one new job per reply."""
         failed = 0
         last_failure = None
-        lately = datetime.now(UTC) - timedelta(days=1)  # (older failures: an outage long over, its jobs pruned)
+        now = datetime.fromtimestamp(await self.storage.now(), UTC)  # (jobs' times are on the database's clock)
+        lately = now - timedelta(days=1)  # (older failures: an outage long over, its jobs pruned)
         for job in await self.storage.recent_jobs(key):
             if job.status != "failed" or job.updated_at < lately:
                 break
@@ -167,7 +168,7 @@ class SummaryEngine:
             return False
         wait = min(FAILED_BACKOFF_SECONDS * 2 ** (failed - 1), 86_400.0)
         until = last_failure + timedelta(seconds=wait)
-        if datetime.now(UTC) >= until:
+        if now >= until:
             return False
         if self._held_back.get(key) != until:  # said once per hold (a reply that finds it held says nothing)
             if len(self._held_back) > 10_000:

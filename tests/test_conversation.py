@@ -294,6 +294,42 @@ async def test_a_summary_that_keeps_failing_backs_off_instead_of_one_job_per_rep
         assert sum(is_summary(r) for r in llm.requests) > asked
 
 
+async def test_a_machine_whose_clock_runs_ahead_still_backs_off_and_doctor_does_not_see_a_stuck_queue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Jobs' times are on the database server's clock (several machines share it): a process an hour ahead of
+    the server compared them with its own clock, so the summary back-off never held (one failing job per reply
+    again) and doctor called a job queued a moment ago an hour old."""
+    import time
+
+    from bot.cli import _doctor_queue
+
+    if not db_url_for(tmp_path).startswith("postgresql"):
+        pytest.skip("SQLite's clock is this machine's: no other machine's can differ from it")
+    llm = ScriptedProvider()
+    llm.default = lambda request: Completion(text="" if is_summary(request) else "Antwort " + "lang " * 30,
+                                             usage=Usage(10, 10))
+    async with App(_config(tmp_path), llm=llm) as app:
+        for i in range(12):
+            await app.core.reply(_msg(f"Nachricht {i} " + "text " * 20)).text()
+        assert await app.workers.drain(5)
+        failed = await app.storage.list_jobs("failed")
+        assert failed
+        real_time = time.time
+        monkeypatch.setattr(time, "time", lambda: real_time() + 3600)  # this machine's clock jumps an hour ahead
+        monkeypatch.setattr("bot.storage.engine.CLOCK_REFRESH_SECONDS", 0.0)  # (and the offset is measured anew)
+        asked = sum(is_summary(r) for r in llm.requests)
+        for i in range(12):  # every one of these replies finds a summary due
+            await app.core.reply(_msg(f"Mehr {i} " + "text " * 20)).text()
+        assert await app.workers.drain(5)
+        assert sum(is_summary(r) for r in llm.requests) == asked  # still held back
+        await app.storage.enqueue_job("other", "k:1", {}, 1)
+        said: list[tuple[bool, str, str]] = []
+        await _doctor_queue(app.storage, lambda ok, name, detail: said.append((ok, name, detail)))
+        queue = next(line for line in said if line[1] == "job queue")
+        assert queue[0] and "has waited" not in queue[2], queue
+
+
 async def test_an_endless_reply_is_cut_where_it_is_shown_and_stored(tmp_path: Path) -> None:
     """A broken server that ignores max_tokens (megabytes of text) must not become a thousand messages nor
     a stored reply that fills every later prompt."""
