@@ -357,7 +357,7 @@ class ConversationCore:
             # to the model: kept, it would get later requests refused too (the person sees why, under the text).
             if completion.stop_reason == "refused":  # (not "could not read": it read, and was stopped)
                 raise LLMRefused("the provider's content filter stopped the reply")
-            if not completion.text.strip():
+            if not visible(completion.text):  # (zero-width spaces, a BOM, a soft hyphen: a blank message)
                 raise LLMBadResponse("the model returned an empty reply")
         except LLMError as exc:  # the rounds that finished (an empty answer, tools before an outage) were billed,
             # and so was the input of one whose stream broke off

@@ -330,6 +330,21 @@ async def test_a_machine_whose_clock_runs_ahead_still_backs_off_and_doctor_does_
         assert queue[0] and "has waited" not in queue[2], queue
 
 
+@pytest.mark.parametrize("reply", ["", " \n ", "\u200b", "\ufeff\u200b\u2060", "\u00ad"])
+async def test_a_reply_with_nothing_to_read_is_an_error_and_not_kept(tmp_path: Path, reply: str) -> None:
+    """A reply of zero-width spaces, a BOM, word joiners or a soft hyphen passed the empty check: the person saw
+    a blank message and no error, and it was stored and sent back in later prompts."""
+    from bot.llm.errors import LLMBadResponse
+
+    llm = ScriptedProvider()
+    llm.default = lambda request: Completion(text=reply, usage=Usage(10, 1))
+    async with App(_config(tmp_path), llm=llm) as app:
+        with pytest.raises(LLMBadResponse, match="empty reply"):
+            await app.core.reply(_msg("hello")).text()
+        channel = await app.storage.upsert_channel("console:c1", "c1", is_dm=True)
+        assert [m.role for m in await app.storage.recent_messages(channel.id, 10)] == ["user"]
+
+
 async def test_an_endless_reply_is_cut_where_it_is_shown_and_stored(tmp_path: Path) -> None:
     """A broken server that ignores max_tokens (megabytes of text) must not become a thousand messages nor
     a stored reply that fills every later prompt."""
