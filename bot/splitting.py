@@ -29,7 +29,9 @@ def _open_fence_after(text: str, state: tuple[str, str] | None) -> tuple[str, st
         marker, info = match.group(1), match.group(2).strip()
         if state is None:
             if len(marker) <= MAX_MARKER and not (marker[0] == "`" and "`" in info):
-                state = (marker, info if len(info) <= MAX_INFO else "")
+                # (an info starting with the marker's character would lengthen the reopened marker: "~~~" and
+                # "~python" make "~~~~python", which the closing "~~~" cannot close)
+                state = (marker, info if len(info) <= MAX_INFO and not info.startswith(marker[0]) else "")
         elif marker.startswith(state[0][0]) and len(marker) >= len(state[0]) and not info:
             state = None  # a closing fence: the opener's character, at least as long, no info string
     return state

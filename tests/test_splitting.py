@@ -112,3 +112,16 @@ def test_small_limits_end_and_keep_the_limit(seed: int) -> None:
         assert all(len(p) <= limit for p in pieces)
     with pytest.raises(ValueError, match="at least"):
         split_message(text, MIN_LIMIT - 1)
+
+
+@pytest.mark.parametrize("opener", ["~~~ ~python", "~~~~ ~~x"])
+def test_an_info_starting_with_the_markers_character_is_not_repeated(opener: str) -> None:
+    """"~~~ ~python" reopened as "~~~~python": a longer marker, which the next piece's closing "~~~" cannot
+    close, so every later piece showed its code block open to the end of the message."""
+    from bot.splitting import _open_fence_after
+
+    text = opener + "\n" + "\n".join(f"line {i}" for i in range(40)) + "\n" + opener.split()[0] + "\nafter the block"
+    pieces = split_message(text, 100)
+    assert len(pieces) > 2
+    assert all(_open_fence_after(piece, None) is None for piece in pieces), pieces
+    assert pieces[-1].endswith("after the block")
