@@ -16,9 +16,19 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+from apscheduler.events import EVENT_JOB_MAX_INSTANCES, JobSubmissionEvent
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
 log = logging.getLogger(__name__)
+SKIPPED = "maximum number of running instances reached"  # APScheduler's warning for each run a long one skips
+
+
+class _NoSkipWarnings(logging.Filter):
+    """APScheduler warns of every due run a run still going makes it skip: one line every interval (every 5 s
+    while a locked database held the lease check up). The scheduler says it once per such run instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return SKIPPED not in record.getMessage()
 
 
 @dataclass(slots=True)
@@ -31,6 +41,8 @@ class JobRecord:
     last_run_at: float | None = None
     last_seconds: float = 0.0
     last_error: str = ""
+    running_since: float | None = None  # time.monotonic() of the run in progress
+    overlap_said: bool = False  # that run's overlap was logged
 
     def describe(self) -> str:
         every = (f"{self.interval_seconds / 3600:g} h" if self.interval_seconds >= 3600
@@ -53,7 +65,10 @@ class Scheduler:
 
     def __init__(self, gate: Gate | None = None) -> None:
         self._gate = gate
-        self._scheduler = AsyncIOScheduler(timezone="UTC")
+        quiet = logging.getLogger("apscheduler.scheduler.cortexbot")  # (its own: the filter stays on this one)
+        quiet.addFilter(_NoSkipWarnings())
+        self._scheduler = AsyncIOScheduler(timezone="UTC", logger=quiet)
+        self._scheduler.add_listener(self._skipped, EVENT_JOB_MAX_INSTANCES)
         self.jobs: dict[str, JobRecord] = {}
         self._running: set[asyncio.Task[None]] = set()
         self._closing = False
@@ -69,7 +84,7 @@ class Scheduler:
         gate = self._gate if fleet_once else None
 
         async def supervised() -> None:
-            started = time.monotonic()
+            started = record.running_since = time.monotonic()
             task = asyncio.current_task()
             if task is not None:
                 self._running.add(task)
@@ -91,6 +106,7 @@ class Scheduler:
                 record.last_error = f"{type(exc).__name__}: {exc}"[:300]
                 log.exception("periodic job %s failed; it runs again in %.0f s", name, seconds)
             finally:
+                record.running_since, record.overlap_said = None, False
                 if ran:
                     record.last_run_at = time.time()
                     record.last_seconds = time.monotonic() - started
@@ -102,6 +118,14 @@ class Scheduler:
             supervised, "interval", seconds=seconds, id=name, name=name, max_instances=1, coalesce=True,
             **({"next_run_time": first} if first is not None else {}),
         )
+
+    def _skipped(self, event: JobSubmissionEvent) -> None:
+        record = self.jobs.get(str(event.job_id))
+        if record is None or record.overlap_said or record.running_since is None:
+            return
+        record.overlap_said = True
+        log.warning("periodic job %s has been running for %.0f s, longer than its interval: its runs wait until it "
+                    "ends", record.name, time.monotonic() - record.running_since)
 
     @property
     def running(self) -> bool:

@@ -331,6 +331,38 @@ async def test_scheduler_runs_jobs_periodically_and_survives_failures() -> None:
     assert "2 failed" not in ok_job.describe() and "last error: RuntimeError: boom" in bad_job.describe()
 
 
+async def test_a_run_longer_than_its_interval_is_said_once_per_run_not_once_per_skipped_run(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """APScheduler warned "maximum number of running instances reached" for every run a long one skipped: one
+    line every 5 s while a locked database held the lease check up."""
+    from bot.scheduler import Scheduler
+
+    scheduler = Scheduler()
+    release, started = asyncio.Event(), asyncio.Event()
+
+    async def stuck() -> None:
+        started.set()
+        await release.wait()
+
+    scheduler.every(0.05, "stuck", stuck, first_after=0.01)
+    with caplog.at_level(logging.WARNING):
+        scheduler.start()
+        try:
+            for _ in range(2):  # two long runs, each skipping many due ones
+                await asyncio.wait_for(started.wait(), 5)
+                started.clear()
+                await asyncio.sleep(0.6)
+                release.set()
+                await asyncio.sleep(0.02)
+                release.clear()
+        finally:
+            await scheduler.aclose()
+    skipped = [r.getMessage() for r in caplog.records if "maximum number of running instances" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "longer than its interval" in r.getMessage()]
+    assert not skipped and len(said) == 2, caplog.text
+    assert said[0].startswith("periodic job stuck has been running for ")
+
+
 async def test_scheduler_close_cancels_a_run_in_progress(caplog: pytest.LogCaptureFixture) -> None:
     """(APScheduler logged the cancelled run as a job that "raised an exception", with a traceback, when the bot
     stopped during a periodic run: seen under load in `cortexbot run` stopped by SIGTERM.)"""
