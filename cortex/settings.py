@@ -150,7 +150,8 @@ def parse_value(key: str, text: str) -> Any:
         if key == "tiers":
             if lowered in ("none", "", "[]"):
                 return []
-            return [_whole(part) for part in re.split(r"[,\s]+", raw.strip("[] ")) if part]  # "50,75" or "50 75"
+            # "50,75" or "50 75"; in order (as the tiers fire, and as the answer names them)
+            return sorted(_whole(part) for part in re.split(r"[,\s]+", raw.strip("[] ")) if part)
         if key in ("context_limit", "max_rounds", "daily_token_budget"):
             number = _whole(raw.removesuffix("(no limit)").strip())  # (as a budget of 0 is shown: "0 (no limit)")
             if number and raw.endswith("(no limit)"):
