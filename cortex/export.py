@@ -13,7 +13,7 @@ import math
 import zipfile
 import zlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -35,7 +35,9 @@ talked to.
 
 - `data.json` — all of it in one file, for programs (and for `!memory import`, which reads it back into
   this or another bot: only into the account that exported it, skipping what is already there).
-- `messages.md` — your messages and the bot's replies to you, oldest first, with where they were said.
+- `messages.md` — your messages and the bot's replies to you, oldest first, with where they were said. Those
+  marked 🕶️ were said during a `!memory pause` still running: `!memory resume` deletes them from the bot, and
+  `!memory import` leaves them out (they are yours to read here, never to come back as memory).
 - `<persona>/memory.md`, `soul.md`, `relationship.md` — the persona's three files about you, as they are now.
 - `<persona>/versions/<file>/v0001.md …` — every earlier version of those files (who changed them, when
   and why is in `data.json`).
@@ -105,6 +107,34 @@ async def export_data(store: CortexStore, user: User) -> dict[str, Any]:
     }
 
 
+def paused_since(data: Mapping[str, Any]) -> dict[str, float]:
+    """When each ``!memory pause`` running as the archive was made began (its ``paused``), by persona (casefolded):
+    that persona's messages from then on are the stretch's, which ``!memory resume`` deletes. An entry that
+    cannot be read counts for nothing (only an archive edited by hand has one, and its editor could as well
+    have taken the entry out)."""
+    since: dict[str, float] = {}
+    entries = data.get("paused")
+    for entry in entries if isinstance(entries, list) else ():
+        if not isinstance(entry, dict) or not isinstance(entry.get("persona"), str) \
+                or not isinstance(entry.get("since"), str):
+            continue
+        try:
+            began = datetime.fromisoformat(entry["since"])
+        except ValueError:
+            continue
+        # The export wrote the start to the microsecond, rounded: a message stamped at the start itself is in.
+        at = began.replace(tzinfo=began.tzinfo or UTC).timestamp() - 1e-6
+        persona = entry["persona"].casefold()
+        since[persona] = min(at, since.get(persona, at))
+    return since
+
+
+def during_pause(paused: Mapping[str, float], message: Mapping[str, Any]) -> bool:
+    """Whether an exported message was said in one of the archive's running pauses (``paused_since``)."""
+    since, created = paused.get(str(message.get("persona") or "").casefold()), message.get("created_at")
+    return since is not None and isinstance(created, int | float) and not isinstance(created, bool) and created >= since
+
+
 def _items_markdown(items: list[dict[str, Any]]) -> str:
     lines = ["# Memory items", ""]
     for item in items:
@@ -116,10 +146,10 @@ def _items_markdown(items: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _messages_markdown(messages: list[dict[str, Any]]) -> str:
+def _messages_markdown(messages: list[dict[str, Any]], paused: Mapping[str, float]) -> str:
     lines = ["# Messages", ""]
-    lines += [f"- {_time(m['created_at'])} in {m['channel_name'] or m['channel']} — **{m['author_name']}**: {m['text']}"
-              for m in messages]
+    lines += [f"- {'🕶️ ' if during_pause(paused, m) else ''}{_time(m['created_at'])} in "
+              f"{m['channel_name'] or m['channel']} — **{m['author_name']}**: {m['text']}" for m in messages]
     return "\n".join(lines) + "\n"
 
 
@@ -135,7 +165,7 @@ def build_zip(data: dict[str, Any]) -> bytes:
     with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
         archive.writestr("README.md", README.format(when=data["exported_at"][:16].replace("T", " ")))
         archive.writestr("data.json", json.dumps(data, indent=2, ensure_ascii=False, default=str))
-        archive.writestr("messages.md", _messages_markdown(data["messages"]))
+        archive.writestr("messages.md", _messages_markdown(data["messages"], paused_since(data)))
         archive.writestr("summaries.md", "# Summaries of your direct messages\n\n" + "\n\n".join(
             f"## {s['channel']} (version {s['version']}"
             + (f", a draft rejected: {s['reason']})" if s.get("status", "ok") != "ok" else ")") + f"\n{s['text']}"

@@ -4,7 +4,9 @@ What is already here is skipped (items by text and time, messages by channel, ro
 file only gets a new version when its text differs). Only personas this bot has are filled. Messages
 come back from direct-message channels only (a group channel's history belongs to everyone in it), and
 only into the direct-message channel the import is sent in: an archive names channels, and a channel
-it names may be someone else's, so it never decides where a message goes. Times must be real ones
+it names may be someone else's, so it never decides where a message goes. Nor do the messages of a
+``!memory pause`` that was running when the export was made (its ``paused``): the resume deletes them, and
+an import must not make them permanent. Times must be real ones
 (no NaN, nothing before 1970 or in the future). Update runs and summaries are not imported (summaries
 are written anew from the messages).
 
@@ -33,7 +35,7 @@ from bot.storage.base import Channel, User
 from bot.storage.core import Storage
 from bot.storage.engine import is_missing_reference
 from bot.text import plural, storable, storable_json
-from cortex.export import ArchiveError, ImportReport, loads_archive_json
+from cortex.export import ArchiveError, ImportReport, during_pause, loads_archive_json, paused_since
 from cortex.files import CortexFiles, FileError
 from cortex.memory.guard import check_memory_text
 from cortex.memory.store import CATEGORIES, MAX_KEY_CHARS, PAIR_ITEMS, SCOPES
@@ -230,7 +232,7 @@ class Importer:
                     first.versions.setdefault(filename, set()).update(contents)
                 first.items += plan.items
                 first.corrections += plan.corrections
-        messages.plan(_list(data.get("messages")))
+        messages.plan(_list(data.get("messages")), paused_since(data))
         return list(plans.values())
 
     def _plan_persona(self, persona: Any, report: ImportReport) -> _PersonaPlan | None:
@@ -324,7 +326,8 @@ EARLIER = "#imported"  # the companion channel of imported messages older than a
 class _Messages:
     """The archive's direct messages, taken into the user's direct-message channel here."""
 
-    NOTES = {"group": "{n} from group channels (their history is everyone's)",
+    NOTES = {"paused": "{n} said during a !memory pause (incognito: never kept)",
+             "group": "{n} from group channels (their history is everyone's)",
              "elsewhere": "{n} from direct messages: send the import in a direct message with me to bring them back",
              "persona": "{n} with personas this bot does not have",
              "time": "{n} without a usable time",
@@ -338,7 +341,8 @@ class _Messages:
         self.left_out: Counter[str] = Counter()
         self.rows: list[tuple[str, Role, str, str, float]] = []  # persona, role, author, text, time
 
-    def plan(self, messages: list[Any]) -> None:
+    def plan(self, messages: list[Any], paused: Mapping[str, float]) -> None:
+        """Check the archive's messages; ``paused``: when each pause running at the export began, by persona."""
         latest = time.time() + 60  # a message from the future would stay last in the window for as long
         for m in messages:
             if not isinstance(m, dict) or m.get("role") not in ("user", "assistant") or not isinstance(
@@ -346,7 +350,7 @@ class _Messages:
                 continue
             text = storable(m["text"]).strip()
             if text:
-                reason = self._refused(m, text, latest)
+                reason = self._refused(m, text, latest, paused)
                 if reason:
                     self.left_out[reason] += 1
                 else:
@@ -356,9 +360,14 @@ class _Messages:
         for reason, count in self.left_out.items():
             self.report.left_out.append(self.NOTES[reason].format(n=plural(count, "message")))
 
-    def _refused(self, m: Mapping[str, Any], text: str, latest: float) -> str | None:
+    def _refused(self, m: Mapping[str, Any], text: str, latest: float, paused: Mapping[str, float]) -> str | None:
         """Why a message cannot come in (a key of ``NOTES``), or None."""
         limit = self.limits.message_chars if m["role"] == "user" else self.limits.reply_chars
+        # An export made during `!memory pause` holds the stretch, which the resume deletes: brought back, it
+        # would be kept for good (searched, summarised, read by cortex updates). Asked first: no other way of
+        # sending the import brings these back.
+        if during_pause(paused, m):
+            return "paused"
         if not m.get("is_dm"):
             return "group"
         if self.channel is None:

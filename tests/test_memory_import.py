@@ -811,3 +811,85 @@ async def test_a_live_import_of_another_process_is_not_taken_over_by_one_whose_c
         said = await run(app, "!memory import", ctx("ann", archive))
         assert "an import of yours is still running" in said and "send the import again in" in said, said
         assert "Ann grows figs" not in await run(app, "!memory list")
+
+
+async def _texts(app: App) -> list[str]:
+    return [str(r[0]) for r in await app.storage.db.fetch_all("SELECT text FROM messages ORDER BY id")]
+
+
+async def _export_during_a_pause(app: App) -> bytes:
+    """Ann's export made during `!memory pause` with Cora: two messages before it, two in the stretch."""
+    await say(app, "my garden has roses")
+    await run(app, "!memory pause")
+    await say(app, "my secret word is xyzzyplover")
+    return (await app.commands.dispatch("!memory export", ctx())).attachments[0].data
+
+
+async def test_an_export_made_during_a_pause_never_brings_the_stretch_back(tmp_path: Path) -> None:
+    """The stretch's messages were in the export as ordinary direct messages: imported after the resume (here,
+    or into another bot) they came back for good, found by search and read by cortex updates. They are left
+    out, and the answer says so."""
+    async with App(_config(tmp_path / "bot"), llm=ScriptedProvider()) as app:
+        archive = await _export_during_a_pause(app)
+        await run(app, "!memory resume")
+        await app.storage.sweep_ended_incognito(2**40)  # the ended stretch is no longer remembered
+        reply = await run(app, "!memory import", ctx("ann", Attachment("export.zip", archive)))
+        assert reply.startswith("Imported 0 memory items, 0 files and 0 messages"), reply
+        assert "2 messages said during a !memory pause (incognito: never kept)" in reply, reply
+        assert not any("xyzzyplover" in t for t in await _texts(app))
+        user = await app.storage.get_user("discord:ann")
+        assert user is not None
+        history = [m.text for m, _ in await app.cortex.store.pair_messages(user.id, "Cora", 100)]
+        assert "my garden has roses" in history and not any("xyzzyplover" in t for t in history)
+    async with App(_config(tmp_path / "second", second=True), llm=ScriptedProvider()) as second:
+        reply = await run(second, "!memory import", ctx("ann", Attachment("export.zip", archive)))
+        assert reply.startswith("Imported 0 memory items, 0 files and 2 messages"), reply
+        assert "2 messages said during a !memory pause" in reply, reply
+        assert "my garden has roses" in await _texts(second)
+        assert not any("xyzzyplover" in t for t in await _texts(second))
+
+
+async def test_an_export_made_during_a_pause_imported_right_after_the_resume_reports_what_it_kept(
+        tmp_path: Path) -> None:
+    """Imported while the ended stretch was still remembered, its messages were counted as imported ("2 messages")
+    and the sweep then deleted them in silence: the answer was wrong. They are left out, and said to be."""
+    async with App(_config(tmp_path / "bot"), llm=ScriptedProvider()) as app:
+        archive = await _export_during_a_pause(app)
+        await run(app, "!memory resume")
+        reply = await run(app, "!memory import", ctx("ann", Attachment("export.zip", archive)))
+        assert reply.startswith("Imported 0 memory items, 0 files and 0 messages"), reply
+        assert "2 messages said during a !memory pause" in reply, reply
+        kept = await _texts(app)
+        await app.storage.sweep_ended_incognito(2**40)
+        assert await _texts(app) == kept and not any("xyzzyplover" in t for t in kept)
+
+
+async def test_an_export_made_during_a_pause_marks_the_stretch_for_its_reader(tmp_path: Path) -> None:
+    """The export is the user's data and holds the stretch's messages; messages.md and the README inside say
+    which ones `!memory resume` deletes and an import leaves out."""
+    async with App(_config(tmp_path / "bot"), llm=ScriptedProvider()) as app:
+        archive = await _export_during_a_pause(app)
+    with zipfile.ZipFile(io.BytesIO(archive)) as z:
+        lines = z.read("messages.md").decode().splitlines()
+        readme = z.read("README.md").decode()
+    secret = [line for line in lines if "xyzzyplover" in line]
+    assert len(secret) == 2 and all("🕶️" in line for line in secret), lines
+    assert [line for line in lines if "roses" in line and "🕶️" not in line], lines
+    assert "🕶️" in readme and "!memory import` leaves them out" in readme
+
+
+async def test_an_archives_pauses_are_read_as_carefully_as_the_rest(tmp_path: Path) -> None:
+    """A pause's persona in another case still counts, and a message stamped at its start is in it; a damaged
+    entry (or a damaged list) stops nothing."""
+    def message(persona: str, at: float) -> dict[str, object]:
+        return {"channel": "discord:dm-ann", "is_dm": True, "role": "user", "persona": persona,
+                "text": f"{persona} at {at}", "created_at": at}
+    said = [message("Cora", 1_699_999_999), message("Cora", 1_700_000_000), message("Lena", 1_700_000_100)]
+    paused = [{"persona": "cora", "since": "2023-11-14T22:13:20+00:00"}, {"persona": "Lena", "since": 5}, "x"]
+    async with App(_config(tmp_path / "bot"), llm=ScriptedProvider()) as app:
+        reply = await run(app, "!memory import", ctx("ann", _archive("ann", messages=said, paused=paused)))
+        assert reply.startswith("Imported 0 memory items, 0 files and 2 messages"), reply
+        assert "1 message said during a !memory pause" in reply, reply
+        assert "Cora at 1700000000" not in await _texts(app)
+        reply = await run(app, "!memory import", ctx("ann", _archive("ann", messages=said[2:], paused=7)))
+        assert "were here already" in reply and "pause" not in reply, reply
