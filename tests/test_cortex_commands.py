@@ -391,7 +391,8 @@ async def test_frequency_under_a_tiers_override_says_the_tiers_decide(tmp_path: 
         boss = ctx("boss", admin=True, server="console:guild1", bot_admin=True)
         server_admin = ctx(admin=True, server="console:guild1")
         await run(app, "!cortex settings frequency frequent --persona", boss)
-        assert "tiers: set to 10, 50, 90 for" in (await run(app, "!cortex settings tiers 90 10,50 --persona", boss)).text
+        typed = (await run(app, "!cortex settings tiers 90 10,50 --persona", boss)).text
+        assert "tiers: set to 10, 50, 90 for" in typed
         said = (await run(app, "!cortex settings frequency rare", server_admin)).text
         assert "Effective now: rare (from this server)." in said
         assert "Tiers this cycle: 10% → message" in said and "from tiers (the persona everywhere)" in said
