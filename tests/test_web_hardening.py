@@ -18,6 +18,7 @@ from urllib.parse import quote, urlsplit
 
 import aiohttp
 import pytest
+from aiohttp.http_exceptions import BadHttpMessage, BadStatusLine, InvalidHeader, InvalidURLError, LineTooLong
 
 from adapters.admin_directory import DiscordAdminDirectory
 from adapters.web import WebServer, api_me
@@ -392,6 +393,42 @@ async def test_a_malformed_request_logs_one_line_without_its_token(tmp_path: Pat
         assert all(r.getMessage().startswith("malformed request") for r in served)
         assert token not in caplog.text and "/login" not in caplog.text, caplog.text
         assert "Invalid method" in caplog.text and "Content-Length" in caplog.text
+
+
+async def test_a_line_too_long_logs_none_of_its_bytes(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """aiohttp's message for a line over 8190 bytes quotes its first 100 ("Got more than 8190 bytes when reading:
+    b'…'"): a session cookie's value or a query string's went to the log with the one-line note."""
+    secret = "S3cr3tSessionId0123456789"
+    async with running_bot(tmp_path) as bot:
+        host, port = urlsplit(bot.url).hostname, urlsplit(bot.url).port
+        garbage = (f"GET /api/me HTTP/1.1\r\nHost: x\r\nCookie: cortexbot_session={secret}; other={'a' * 9000}"
+                   f"\r\n\r\n".encode(),
+                   f"GET /api/me?session={secret}&pad={'b' * 9000} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        with caplog.at_level(logging.DEBUG, logger="aiohttp"):
+            for raw in garbage:
+                reader, writer = await asyncio.open_connection(host, port)
+                writer.write(raw)
+                assert (await asyncio.wait_for(reader.read(100), 10)).startswith(b"HTTP/1.0 400"), raw[:60]
+                writer.close()
+            await asyncio.sleep(0.1)
+        served = [r.getMessage() for r in caplog.records if r.name == "aiohttp.server"]
+        assert len(served) == len(garbage) and all(m.startswith("malformed request") for m in served), served
+        assert all("Got more than 8190 bytes" in m for m in served), served
+        assert secret not in caplog.text and "aaaa" not in caplog.text and "bbbb" not in caplog.text, caplog.text
+
+
+def test_a_malformed_requests_note_quotes_nothing_of_it() -> None:
+    """However aiohttp quotes the request (bytes, a bytearray, a string, or the bare URL it could not read), the
+    logged note keeps only its own words."""
+    for exc, said in ((LineTooLong(b"Cookie: id=SECRET", 8190), "Got more than 8190 bytes when reading"),
+                      (LineTooLong(bytearray(b"id=SECRET"), 8190), "Got more than 8190 bytes when reading"),
+                      (InvalidHeader(b"SECRET"), "Invalid HTTP header"),
+                      (BadStatusLine("GET /?id=SECRET HTTP/9"), "Bad status line"),
+                      (BadHttpMessage("Duplicate 'SECRET' header found."), "Duplicate"),
+                      (InvalidURLError("//host?id=SECRET"), "InvalidURLError"),
+                      (BadHttpMessage("Invalid method encountered:\n\n  b'G@T /?id=SECRET'\n  ^"),
+                       "Invalid method encountered")):
+        assert server_module.malformed_detail(exc) == said, exc
 
 
 # -- 8: links in memory are text ---------------------------------------------------------------------

@@ -15,7 +15,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_exceptions import HttpProcessingError, InvalidURLError, TransferEncodingError
 from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel, ValidationError
 
@@ -110,18 +110,36 @@ def loggable_path(path: str) -> str:
 LOGIN_TOKEN_IN_TEXT = re.compile(r"/login/[^/?#\s'\"]+", re.IGNORECASE)  # ends where a quoted request line does
 
 
+# Where aiohttp's words about a request it could not parse end and its quote of the request begins: the repr of
+# bytes, a bytearray or a string (``b'…'``, ``bytearray(b'…')``, ``'…'``), or whatever follows "reason: ".
+QUOTE_STARTS = re.compile(r""":\s|(?:\bbytearray\(|\bb)?['"]""")
+# aiohttp's errors whose whole message may be the request's own bytes, unquoted (a URL it could not read, a
+# chunk's size line): only their kind is said. (The C parser's form, "reason:" and the quote on lines below,
+# is multi-line; a line of a request never is.)
+BARE_QUOTES = (InvalidURLError, TransferEncodingError)
+
+
+def malformed_detail(exc: HttpProcessingError) -> str:
+    """What was wrong with a request aiohttp could not parse, in aiohttp's words up to where it quotes the
+    request (a session cookie, a login link's token, a query string); the error's kind when none are left."""
+    lines = [line.strip() for line in str(exc.message).splitlines() if line.strip()]
+    if not lines or (isinstance(exc, BARE_QUOTES) and len(lines) == 1):
+        return type(exc).__name__
+    said = QUOTE_STARTS.split(lines[0], maxsplit=1)[0].rstrip(" :.")
+    return said or type(exc).__name__
+
+
 class MalformedRequests(logging.Filter):
     """aiohttp logs every request it cannot parse at ERROR, with a traceback that quotes the raw line it failed
     on: a login link's token or a session cookie with it, and ten lines per request for anyone who sends garbage.
-    Such a request is the client's fault (it got its 400): one line at INFO saying what was wrong, without the
-    quoted line or a traceback. Any other record of the logger keeps its level, login tokens hidden."""
+    Such a request is the client's fault (it got its 400): one line at INFO saying what was wrong, with nothing
+    of the request's own bytes (:func:`malformed_detail`) and no traceback. Any other record of the logger keeps
+    its level, login tokens hidden."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, HttpProcessingError):
-            lines = [line.strip() for line in str(exc.message).splitlines() if line.strip()]
-            detail = lines[0].rstrip(":") if lines else type(exc).__name__  # (the next lines quote the request)
-            record.msg, record.args = "malformed request (%s): %s", (record.getMessage(), detail)
+            record.msg, record.args = "malformed request (%s): %s", (record.getMessage(), malformed_detail(exc))
             record.levelno, record.levelname = logging.INFO, "INFO"
             record.exc_info = record.exc_text = None
         message = record.getMessage()
