@@ -73,6 +73,9 @@ def _unique(folder: str, taken: set[str]) -> str:
 
 
 async def persona_data(store: CortexStore, pair_id: int, persona: str) -> dict[str, Any]:
+    """One persona's part of a user's export. A failed update run says why in ``reason``, in words; its
+    ``error`` (an exception's text: a path, a query, what the model's server said) is the log's reader's, as on
+    the page's activity view, where only the bot's admins see it."""
     versions = await store.all_versions(pair_id)
     runs = await store.runs(pair_id, limit=100_000)
     return {
@@ -84,7 +87,7 @@ async def persona_data(store: CortexStore, pair_id: int, persona: str) -> dict[s
         "update_runs": [{"tier": r.tier, "status": r.status, "reason": r.reason, "rounds": r.rounds,
                          "files_read": r.files_read, "files_written": r.files_written,
                          "input_tokens": r.input_tokens, "output_tokens": r.output_tokens,
-                         "started_at": r.started_at.isoformat(), "error": r.error} for r in runs],
+                         "started_at": r.started_at.isoformat()} for r in runs],
     }
 
 

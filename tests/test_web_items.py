@@ -249,6 +249,27 @@ async def test_export_is_the_users_zip(tmp_path: Path, monkeypatch: pytest.Monke
         assert status == 200 and b"old maps" not in other
 
 
+async def test_the_export_says_why_an_update_failed_without_its_error(tmp_path: Path) -> None:
+    """The activity view shows a failed run's error (an exception's text) to the bot's admins only; the export gave
+    it to every user, from the page and from !memory export in chat."""
+    async with running_bot(tmp_path) as bot, bot.client("ann") as ann:
+        store = bot.app.cortex.store
+        _, pair = await store.pair_for("discord:ann", "Ann", "Cora")
+        broke = await store.start_run(pair.id, None, "95")
+        await store.finish_run(broke, "failed", reason="an internal error stopped the update (see the bot's log)",
+                               error="OperationalError: disk I/O error at /srv/bot/bot.db")
+        async with ann.http.get("/api/me/export") as response:
+            assert response.status == 200
+            from_page = await response.read()
+        reply = await bot.app.commands.dispatch("!memory export", context("ann"))
+        for blob in (from_page, reply.attachments[0].data):
+            with zipfile.ZipFile(io.BytesIO(blob)) as archive:
+                raw = archive.read("data.json").decode()
+            [run] = json.loads(raw)["personas"][0]["update_runs"]
+            assert run["status"] == "failed" and run["reason"].startswith("an internal error"), run
+            assert "error" not in run and "disk I/O" not in raw and "/srv/bot" not in raw, run
+
+
 async def test_forget_me_deletes_everything_and_ends_the_session(tmp_path: Path) -> None:
     async with running_bot(tmp_path) as bot, bot.client("ann") as ann, bot.client("bob") as bob:
         item = await remember(bot, "ann", "Ann was born in Lyon")
