@@ -39,7 +39,7 @@ from pydantic import (
     model_validator,
 )
 
-from bot.text import name_key, persona_key, readable
+from bot.text import ONLY_DOTS, name_key, only_dots, persona_key, readable
 
 SOUL_SECTIONS: tuple[str, ...] = (
     "identity",
@@ -1100,6 +1100,8 @@ class PersonaConfig(_Section):
         if not readable(name) or name != name.strip():
             raise ValueError(f"{name!r}: a persona's name is visible text without control or invisible characters "
                              "and without spaces at either end")
+        if only_dots(name):  # (refused here, before the personas are seeded into the database)
+            raise ValueError(f"{name!r}: {ONLY_DOTS}")
         return name
 
     @field_validator("soul_order")

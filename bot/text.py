@@ -131,6 +131,16 @@ def readable(name: str) -> bool:
     return bool(name.strip()) and all(ch.isprintable() and ch not in BLANK_LOOKING for ch in name)
 
 
+ONLY_DOTS = "a persona's name cannot be only dots (the web page could not reach it): give it a word"
+
+
+def only_dots(name: str) -> bool:
+    """Whether a name is dots alone (``..``, ``.``; full-width ones or "‥" too, as persona names are told apart).
+    In a web address ``.`` and ``..`` mean "here" and "the folder above": browsers and the server remove them,
+    so the page's addresses of a persona of that name would lead elsewhere."""
+    return not persona_key(name).strip().strip(".")
+
+
 def without_surrogates(text: str) -> str:
     """``text`` with every lone surrogate replaced by U+FFFD, the replacement character."""
     return _SURROGATE.sub("\ufffd", text)

@@ -99,6 +99,7 @@ async def test_bad_cards_get_one_line_and_change_nothing(tmp_path: Path, fake_ll
             (Attachment("bell.json", dumps(v2_card(name="Bell\u0007\u200b"))), "`bell.json`: give the persona a name"),
             (Attachment("buff.json", dumps(v2_card(name="History Buff"))),
              "`buff.json`: a persona's name cannot start with `history`: !persona history is a command"),
+            (Attachment("dots.json", dumps(v2_card(name=".."))), "`dots.json`: a persona's name cannot be only dots"),
         ]
         for attachment, expected in cases:
             reply = await run(app, "!persona import", ctx(attachment))

@@ -257,6 +257,24 @@ async def test_a_name_read_as_an_option_or_a_command_is_refused(tmp_path: Path) 
         assert "Persona Dash-Board created" in await run(app, "!persona create Dash-Board")
 
 
+async def test_a_name_of_dots_alone_is_refused_and_one_already_stored_still_starts(tmp_path: Path) -> None:
+    """`!persona create ..` made a persona the web page could not reach: browsers and the server remove `.` and
+    `..` from an address, so /api/me/personas/../files/memory was another path. Refused in chat and in the config;
+    one a database already holds (made before this check) neither stops the start nor disappears."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        for name in ("..", ".", "...", " .. ", "\uff0e\uff0e", "\u2025"):
+            refused = await run(app, f"!persona create {name}")
+            assert "a persona's name cannot be only dots" in refused and "created" not in refused, (name, refused)
+        assert app.personas.names() == ["Cora", "Max"]
+        assert "Persona A.I. created" in await run(app, "!persona create A.I.")  # dots among letters are fine
+        await app.storage.personas.create_persona("..", "English", {}, "chat", "english")  # as an older release did
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        assert app.personas.names() == ["Cora", "Max", "A.I.", ".."]
+    with pytest.raises(ConfigError) as refused_config:
+        _config(tmp_path, name="..")
+    assert "'..': a persona's name cannot be only dots" in str(refused_config.value), refused_config.value
+
+
 async def test_a_config_entry_named_like_a_chat_made_persona_says_it_takes_it_over(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A [[personas]] entry with the name of a persona made with !persona create took it over without a word,

@@ -31,7 +31,7 @@ from bot.prompt import variables_note
 from bot.storage import Storage
 from bot.storage.personas import TextVersion
 from bot.storage.textsearch import text_search_config
-from bot.text import plural, readable, shown
+from bot.text import ONLY_DOTS, only_dots, plural, readable, shown
 from cortex.personas.cards import MAX_FIELD_CHARS
 from cortex.personas.registry import PersonaRegistry
 
@@ -95,9 +95,12 @@ def history_lines(versions: Sequence[TextVersion], *, named: bool = False, limit
 
 def check_persona_name(name: str, commands: CommandRegistry | None) -> None:
     """Refuse a name nobody could pick or read: empty, too long, with control or invisible characters,
-    or starting with a subcommand (``!persona History Buff`` runs ``!persona history``)."""
+    starting with a subcommand (``!persona History Buff`` runs ``!persona history``), or dots alone, which the
+    web page's addresses cannot hold (:func:`only_dots`)."""
     if len(name) > MAX_NAME_CHARS or not readable(name):
         raise CommandError(f"give the persona a name of 1 to {MAX_NAME_CHARS} printable characters, on one line")
+    if only_dots(name):
+        raise CommandError(ONLY_DOTS)
     prefix = commands.prefix if commands is not None else "!"
     if name.lstrip().startswith(("-", "\u2014", "\u2013", prefix)):  # (an em dash is how a phone writes --)
         raise CommandError(f"a persona's name cannot start with {shown(name.lstrip()[0])}: {prefix}persona "
