@@ -22,6 +22,7 @@ from aiohttp.http_exceptions import BadHttpMessage, BadStatusLine, InvalidHeader
 
 from adapters.admin_directory import DiscordAdminDirectory
 from adapters.web import WebServer, api_me
+from adapters.web import auth as auth_module
 from adapters.web import server as server_module
 from adapters.web.render import HtmlRenderer, markdown_html, side_by_side
 from bot.app import App
@@ -506,6 +507,36 @@ async def test_a_denied_home_servers_matrix_user_is_refused_on_the_page(tmp_path
             status, error = await call_as(bot, session, method, path)
             assert status == 403 and "deny_servers" in error["error"], (path, error)
         assert (await call_as(bot, other, "GET", "/api/me"))[0] == 200
+
+
+async def console_login(bot: Bot, user: str) -> aiohttp.ClientSession:
+    """A browser logged in through the link the terminal's ``!dashboard`` gives ``console:user``."""
+    _, token = await bot.link(user, platform="console")
+    http = aiohttp.ClientSession(bot.url, cookie_jar=aiohttp.CookieJar(unsafe=True))
+    async with http.post("/login", data={"token": token}, allow_redirects=False) as response:
+        assert response.status == 303, await response.text()
+    return http
+
+
+@pytest.mark.both_engines
+async def test_a_console_user_the_access_lists_refuse_gets_no_page_and_no_admin_rights(tmp_path: Path) -> None:
+    """README: a console:NAME entry counts on the web page. Every console: key got through, as a bot admin: a
+    denied console:mallory read /api/admin/users. Only the terminal itself is exempt from the lists."""
+    async with bot_with_access(tmp_path, deny_users=["console:mallory"], allow_users=["console:root"]) as bot:
+        for user, held in (("mallory", "deny_users"), ("eve", "allow_users")):
+            async with await console_login(bot, user) as http:
+                for path in ("/api/me", "/api/admin/users", "/api/admin/overview"):
+                    async with http.get(path) as response:
+                        error = await response.json()
+                        assert response.status == 403 and held in error["error"], (user, path, error)
+        async with await console_login(bot, "root") as http:  # the one the lists let in is still the bot's admin
+            async with http.get("/api/me") as response:
+                assert response.status == 200 and (await response.json())["is_bot_admin"] is True
+            async with http.get("/api/admin/users") as response:
+                assert response.status == 200, await response.text()
+    config = web_config(tmp_path)
+    config.access.deny_users = ["console:mallory"]
+    assert not auth_module.is_bot_admin(config, "console:mallory") and auth_module.is_bot_admin(config, "console:ann")
 
 
 async def test_a_forget_me_from_the_page_says_a_pause_goes_on(tmp_path: Path) -> None:

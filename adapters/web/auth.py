@@ -37,10 +37,11 @@ def cookie_name(secure: bool) -> str:
 
 
 def is_bot_admin(config: Config, user_key: str) -> bool:
-    """A configured admin id of a chat platform, or the terminal's user (who runs the bot)."""
+    """A configured admin id of a chat platform, or the terminal's user (who runs the bot) unless ``[access]``
+    leaves them out: a ``console:NAME`` the lists refuse is no one's admin on the page."""
     platform, _, user_id = user_key.partition(":")
     if platform == "console":
-        return True
+        return user_refusal(config.access, user_key) is None
     if platform == "discord":
         return user_id.isdigit() and int(user_id) in config.discord.admin_ids
     if platform == "matrix":
@@ -60,10 +61,9 @@ def home_server_key(user_key: str) -> str | None:
 def access_refusal(config: Config, user_key: str) -> str | None:
     """Why ``[access]`` keeps this user off the page as it does in chat (the deny list always wins, a
     non-empty allow list lets in only those on it; a denied Matrix home server keeps out its users), or
-    None. Checked on every request, so a session opened before the user was listed ends there. The
-    terminal's user runs the bot and is never refused (the terminal applies no lists either)."""
-    if user_key.partition(":")[0] == "console":
-        return None
+    None. Checked on every request, so a session opened before the user was listed ends there. A
+    ``console:NAME`` is held to the lists here too: only the terminal itself applies none (whoever runs it runs
+    the bot), and a link it made for a listed name opens no page."""
     reason = user_refusal(config.access, user_key)
     if reason == "denied user":
         return "the bot's operator has denied you access ([access] deny_users): this page is closed to you"
