@@ -78,6 +78,7 @@ from adapters.matrix_content import (
 from adapters.matrix_gaps import missed_redactions
 from adapters.matrix_joins import HIDDEN_BEFORE_JOIN, JoinTimes
 from adapters.matrix_reactions import Reactions
+from adapters.matrix_upgrades import verified_predecessor
 from adapters.reachable import wait_until_answers
 from bot.app import App
 from bot.commands import Attachment, CommandReply, PlatformCommand
@@ -657,9 +658,24 @@ class MatrixAdapter:
                 log.warning("Matrix: could not join %s on invite: %s", room.room_id, response)
                 return
             log.info("Matrix: joined %s on invite", room.room_id)
+            await self._follow_upgrade(room.room_id, inviter)
         else:
             await self.client.room_leave(room.room_id)
             log.info("Matrix: declined an invite to %s", room.room_id)
+
+    async def _follow_upgrade(self, room_id: str, inviter: str) -> None:
+        """A room that replaces one the bot was in (see ``adapters.matrix_upgrades``) is what that one was. A
+        client's invite into an upgraded DM does not say is_direct: the new room is the user's DM still when its
+        inviter is the user the old one was private to (``_private_to``'s checks, the new room's own checked at
+        each message as any DM's are). A group room stays a group whatever its invite said."""
+        old = self.client.rooms.get(await verified_predecessor(self.client, room_id, self.client.rooms) or "")
+        if old is None:
+            return
+        if await self._was_private_to(old, inviter):
+            self._remember_kind(room_id, "dm")
+        elif self._kinds.get(old.room_id) == "group" or not self.is_dm(old):
+            self._remember_kind(room_id, "group")
+        log.info("Matrix: %s replaces %s (an upgrade): a %s room", room_id, old.room_id, self._kinds.get(room_id))
 
     def _invited_directly(self, invite_state: list[Any]) -> bool | None:
         """Whether the invite (the bot's own member event among a room's invite state) says ``is_direct``;
@@ -1130,10 +1146,16 @@ class MatrixAdapter:
         return True
 
     async def _private_to(self, room: MatrixRoom, user_id: str) -> bool:
-        """Whether answers for ``user_id`` alone may go to ``room``. Anyone can make a room that looks direct
-        (invite the bot "directly", then the victim, and leave), so: only the bot and the user are in it, nobody
-        else is invited, its history is not world-readable, and the bot opened it for the user (who may not have
-        joined yet), or the user joined it and made it (sent its create event) or invited the bot into it."""
+        """Whether answers for ``user_id`` alone may go to ``room``: a room private to them (``_was_private_to``)
+        that no upgrade replaced (clients hide the old room once its successor is joined)."""
+        return not room.replacement_room and await self._was_private_to(room, user_id)
+
+    async def _was_private_to(self, room: MatrixRoom, user_id: str) -> bool:
+        """Whether ``room`` is private to ``user_id``, replaced by an upgrade or not. Anyone can make a room that
+        looks direct (invite the bot "directly", then the victim, and leave), so: only the bot and the user are in
+        it, nobody else is invited, its history is not world-readable, and the bot opened it for the user (who may
+        not have joined yet), or the user joined it and made it (sent its create event) or invited the bot into
+        it."""
         me = self.config.user_id
         if me not in room.users and self.is_dm(room):
             # Just after a start, a room's members may not be loaded yet (its summary's count is): load them
@@ -1143,8 +1165,6 @@ class MatrixAdapter:
         joined = set(room.users) - invited
         if not self.is_dm(room) or me not in joined or room.history_visibility == "world_readable":
             return False  # (world_readable: anyone may read it without joining)
-        if room.replacement_room:  # upgraded: clients hide the old room once its successor is joined
-            return False
         if self._dms.get(user_id) == room.room_id:
             return joined | invited == {me, user_id} and invited <= {user_id}
         if joined != {me, user_id} or invited or room.join_rule != "invite":

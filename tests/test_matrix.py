@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 from nio import AsyncClient, AsyncClientConfig, RoomCreateResponse, SyncResponse
@@ -733,5 +735,49 @@ async def test_doctor_asks_the_homeserver_whether_it_takes_the_bots_credentials(
         nowhere = config.model_copy(update={"homeserver": "http://127.0.0.1:9"})
         ok, said = await matrix_login(nowhere, {"MX_T": alice.access_token})
         assert not ok and said.startswith("cannot reach the homeserver at http://127.0.0.1:9 (")
+    finally:
+        await alice.close()
+
+
+async def upgrade(client: AsyncClient, room_id: str) -> str:
+    """Upgrade the room as a client's "Upgrade this room" does (the homeserver's upgrade endpoint): the id of
+    the room that replaces it, made by ``client``, with a tombstone in the old one pointing at it."""
+    response = await client.send(
+        "POST", f"/_matrix/client/v3/rooms/{quote(room_id, safe='')}/upgrade", json.dumps({"new_version": "10"}),
+        headers={"Authorization": f"Bearer {client.access_token}", "Content-Type": "application/json"})
+    async with response:
+        body = await response.json()
+    assert response.status == 200, body
+    return str(body["replacement_room"])
+
+
+async def test_an_upgraded_dm_stays_its_users_dm(synapse: SynapseServer, bot: Bot) -> None:
+    """A DM upgraded in a client (Element's "Upgrade this room"), the bot invited into the new room without
+    is_direct, is still the user's DM: plain messages are answered with their private memory, and `!memory show`
+    answers there. A room that only claims the DM as its predecessor (no tombstone points at it) is a group."""
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    try:
+        room = await dm_with(seen, bot.user_id)
+        await send_text(alice, room, "!memory remember I secretly love opera")
+        await seen.sync_until(lambda: any("Remembered as" in b for b in seen.bodies(room, bot.user_id)), "remembered")
+        claims = await alice.room_create(predecessor={"room_id": room, "event_id": "$x"}, invite=[bot.user_id])
+        assert isinstance(claims, RoomCreateResponse), claims
+        await joined(seen, claims.room_id, bot.user_id)
+        new = await upgrade(alice, room)
+        await alice.room_invite(new, bot.user_id)  # (not direct: a client's invite after an upgrade)
+        await joined(seen, new, bot.user_id)
+        llm = bot.app.llm
+        assert isinstance(llm, ScriptedProvider)
+        asked = len(llm.requests)
+        await send_text(alice, new, "what do I love?")
+        await seen.sync_until(lambda: len(llm.requests) > asked, "an answer to a plain message")
+        assert "opera" in llm.requests[asked].system  # her private memory, as in her DM
+        await send_text(alice, new, "!memory show")
+        await seen.sync_until(lambda: any("memory.md (version" in b for b in seen.bodies(new, bot.user_id)),
+                              "her memory, shown here")
+        assert not any("direct message" in b for b in seen.bodies(new, bot.user_id))
+        assert not alice.invited_rooms  # no room of a third kind opened for her
+        assert bot.adapter._kinds[new] == "dm" and bot.adapter._kinds[claims.room_id] == "group"
     finally:
         await alice.close()
