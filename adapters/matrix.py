@@ -386,6 +386,8 @@ class MatrixAdapter:
         # Rooms the bot joined as a direct chat ("dm": the invite said is_direct, or the bot opened it) or as
         # a group ("group"), kept in the session file: a group room down to two members stays a group.
         self._kinds: dict[str, str] = dict(state.get("room_kinds", {}))
+        # Rooms that replace one the bot was in (an upgrade), with the room they replace: its settings came along.
+        self._upgraded: dict[str, str] = dict(state.get("upgraded_rooms", {}))
         self._creators: dict[str, frozenset[str]] = {}
         self.joins = JoinTimes(self.client)
         # When the last sync was handled (kept with its token): a limited sync skipped what came after it.
@@ -676,6 +678,13 @@ class MatrixAdapter:
         elif self._kinds.get(old.room_id) == "group" or not self.is_dm(old):
             self._remember_kind(room_id, "group")
         log.info("Matrix: %s replaces %s (an upgrade): a %s room", room_id, old.room_id, self._kinds.get(room_id))
+        # What its admins set for the room is keyed by its id: the new room takes it over, once (a setting cleared
+        # there is not brought back when the bot is invited again).
+        if room_id not in self._upgraded:
+            await self.app.carry_over_place(f"{PLATFORM}:{old.room_id}", f"{PLATFORM}:{room_id}",
+                                            author=f"{PLATFORM}:{inviter}")
+            self._upgraded[room_id] = old.room_id
+            self._save_state(upgraded_rooms=self._upgraded)
 
     def _invited_directly(self, invite_state: list[Any]) -> bool | None:
         """Whether the invite (the bot's own member event among a room's invite state) says ``is_direct``;

@@ -210,6 +210,17 @@ class App:
         self._started = True
         return self
 
+    async def carry_over_place(self, old: str, new: str, *, author: str) -> None:
+        """What admins set for the place ``old`` (a server and channel key: a Matrix room) is set for ``new``, which
+        replaces it (an upgraded room), where ``new`` has nothing of its own yet: its guidelines, cortex settings,
+        channel persona and skill switches. (The access lists are the config's: they name rooms themselves.)"""
+        reason = f"carried over from {old}, which {new} replaces"
+        await self.storage.places.carry_over(old, new, author=author, reason=reason)
+        for persona in self.personas.names():
+            for scope in ("server", "channel"):
+                await self.skills.tools.policy.copy_scope(persona, f"{scope}:{old}", f"{scope}:{new}")
+        await self.personas.load()  # (the guidelines are read from the registry's copy)
+
     def _check_persona_names(self) -> None:
         check_persona_names(self.config, self.commands)
 

@@ -781,3 +781,29 @@ async def test_an_upgraded_dm_stays_its_users_dm(synapse: SynapseServer, bot: Bo
         assert bot.adapter._kinds[new] == "dm" and bot.adapter._kinds[claims.room_id] == "group"
     finally:
         await alice.close()
+
+
+async def test_an_upgraded_room_keeps_its_guidelines(synapse: SynapseServer, bot: Bot) -> None:
+    """A room's guidelines (as its cortex settings, persona and skill switches) are keyed by its id: the room that
+    replaces it in an upgrade takes them over, and they are in force there."""
+    alice, bob = await user(synapse, "alice"), await user(synapse, "bob")
+    seen = Timeline(alice)
+    try:
+        room = await group_with(seen, bot.user_id, bob)
+        await send_text(alice, room, "!guidelines set Always answer in haiku.")
+        await seen.sync_until(lambda: len(seen.bodies(room, bot.user_id)) > 0, "the guidelines saved")
+        new = await upgrade(alice, room)
+        await alice.room_invite(new, bot.user_id)
+        await joined(seen, new, bot.user_id)
+        await send_text(alice, new, "!guidelines")
+        await seen.sync_until(lambda: len(seen.bodies(new, bot.user_id)) > 0, "the guidelines shown")
+        assert "Always answer in haiku." in seen.bodies(new, bot.user_id)[0]
+        llm = bot.app.llm
+        assert isinstance(llm, ScriptedProvider)
+        asked = len(llm.requests)
+        await send_text(alice, new, f"{bot.user_id}: how are you?")
+        await seen.sync_until(lambda: len(llm.requests) > asked, "an answer to a mention")
+        assert "Always answer in haiku." in llm.requests[asked].system
+    finally:
+        await alice.close()
+        await bob.close()

@@ -74,3 +74,20 @@ async def test_names_that_fold_alike_are_claimed_once_however_many_try_at_once(s
     [winner] = [p for p in made if isinstance(p, PersonaRow)]
     assert made[-1] in (winner, NameTaken(winner.name, deleted=False))  # the import made it, or names who did
     assert len(await repo.list_personas()) == 1
+
+
+async def test_a_replaced_place_gives_its_guidelines_settings_and_persona_to_the_new_one(storage: Storage) -> None:
+    old, new = "matrix:!old:hs", "matrix:!new:hs"
+    await storage.personas.put("guidelines", old, "", "Be kind.", author="matrix:@a:hs")
+    await storage.cortex.set_setting(f"server:{old}", "tiers", "on", "matrix:@a:hs")
+    await storage.cortex.set_setting(f"server:{old}", "frequency", 5, "matrix:@a:hs")
+    await storage.cortex.set_setting(f"server:{new}", "frequency", 9, "matrix:@b:hs")  # set there already: stays
+    await storage.set_setting(f"persona.channel.{old}", "Cora")
+    await storage.places.carry_over(old, new, author="matrix:@a:hs", reason="an upgrade")
+    [guidelines] = await storage.personas.current("guidelines", new)
+    assert (guidelines.content, guidelines.version, guidelines.reason) == ("Be kind.", 1, "an upgrade")
+    assert await storage.cortex.settings(f"server:{new}") == {"tiers": "on", "frequency": 9}
+    assert await storage.get_setting(f"persona.channel.{new}") == "Cora"
+    await storage.personas.put("guidelines", new, "", "", author="matrix:@b:hs")  # cleared in the new room
+    await storage.places.carry_over(old, new, author="matrix:@a:hs", reason="an upgrade")
+    assert [t.content for t in await storage.personas.current("guidelines", new)] == [""]

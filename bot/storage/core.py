@@ -60,6 +60,7 @@ from bot.storage.incognito import IN_RUNNING, IncognitoRepository, believable, n
 from bot.storage.memory import MemoryRepository, archive_older
 from bot.storage.migrations import MIGRATIONS
 from bot.storage.personas import LoreRepository, PersonaRepository
+from bot.storage.places import PlaceRepository
 from bot.storage.rows import MESSAGE_COLUMNS, message_from_row
 from bot.storage.rows import dt as _dt
 from bot.storage.rows import ts as _ts
@@ -230,6 +231,7 @@ class Storage:
         self.memory = MemoryRepository(db)
         self.fleet = FleetRepository(db)
         self.personas = PersonaRepository(db)
+        self.places = PlaceRepository(db)
         self.lore = LoreRepository(db)
         self.export = ExportRepository(db)
         self.sources = SourceRepository(db)

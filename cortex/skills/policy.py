@@ -93,6 +93,16 @@ class SkillPolicy:
         self._cache.pop(settings_key(persona), None)
         return had
 
+    async def copy_scope(self, persona: str, old: str, new: str) -> None:
+        """Give ``new`` the switches of ``old`` (scopes as :meth:`set` takes them: a Matrix room upgraded), when it
+        has none of its own yet."""
+        key = settings_key(persona)
+        self._cache.pop(key, None)
+        found = await self.overrides(persona)
+        if old in found and new not in found:
+            await self.storage.set_setting(key, json.dumps({**found, new: found[old]}, sort_keys=True))
+        self._cache.pop(key, None)
+
     async def locked(self, persona: str, info: SkillInfo) -> bool:
         """Whether the config turns the skill off and the bot's admins have not switched it on everywhere (for
         ``persona``): then no server or channel may switch it on."""
