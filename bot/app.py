@@ -150,6 +150,7 @@ class App:
                 self.queue,
                 {SUMMARY_JOB: self.summaries.run_job, CORTEX_JOB: self.cortex.updater.run_job},
                 on_failed={CORTEX_JOB: self.cortex.tiers.after_failed_update},
+                on_interrupted={CORTEX_JOB: self.cortex.updater.after_interrupted},
                 storage=self.job_storage,
                 pid_checks=not self.storage.db.shared_across_hosts,
                 worker_id=self.fleet.process_id,

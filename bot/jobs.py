@@ -142,10 +142,14 @@ class WorkerPool:
         storage: Storage | None = None,
         pid_checks: bool = True,
         on_failed: Mapping[str, JobHandler] | None = None,
+        on_interrupted: Mapping[str, JobHandler] | None = None,
     ) -> None:
         self.queue = queue
         # Called with a job of that kind once it failed for good (a cortex update makes up for tiers it held back).
         self.on_failed = dict(on_failed or {})
+        # Called with a job of that kind whose worker stopped, once it is queued again or failed (a cortex update
+        # closes the run its stopped process left marked running).
+        self.on_interrupted = dict(on_interrupted or {})
         # Workers may claim through a connection of their own (see Storage.sibling).
         self.storage = storage or queue.storage
         self.config = queue.config
@@ -167,6 +171,7 @@ class WorkerPool:
         dead = (lambda w: worker_is_dead(w, own_worker=self.worker_id)) if self.pid_checks else None
         recovered = await self.storage.recover_jobs(dead)
         for job in recovered:
+            await self._hook(self.on_interrupted, job, "what follows the interruption of")
             if job.status == "failed":
                 log.error("job %d (%s) was interrupted on its last attempt (%d of %d: its worker stopped or its "
                           "lease ran out each time); it failed", job.id, job.kind, job.attempts, job.max_attempts)
@@ -305,11 +310,16 @@ class WorkerPool:
 
     async def _failed_for_good(self, job: Job) -> None:
         """Run what follows a failure for good of a job of its kind (``on_failed``); its own failure is logged."""
-        if (hook := self.on_failed.get(job.kind)) is not None:
+        await self._hook(self.on_failed, job, "what follows the failure of")
+
+    @staticmethod
+    async def _hook(hooks: Mapping[str, JobHandler], job: Job, what: str) -> None:
+        """Run the hook of the job's kind in ``hooks``, if any; its own failure is logged (``what`` the job)."""
+        if (hook := hooks.get(job.kind)) is not None:
             try:
                 await hook(job)
             except Exception:
-                log.exception("what follows job %d (%s)'s failure did not run", job.id, job.kind)
+                log.exception("%s job %d (%s) did not run", what, job.id, job.kind)
 
     async def drain(self, timeout: float) -> bool:
         """Wait until no job is queued or running (or ``timeout`` passes). True when idle. A job queued to run

@@ -8,7 +8,8 @@ pair at a time is the job queue's per-key rule.
 
 The loop is bounded by ``max_rounds``. Each accepted ``write_file`` is a new file version the
 moment it is made, so a crash leaves every file at a whole version; the interrupted job is queued
-again by the worker pool and runs afresh on the current files.
+again by the worker pool and runs afresh on the current files, and the run the crash left marked
+running is closed as failed (the answer its last round reserved taken back out of its tokens).
 """
 
 from __future__ import annotations
@@ -125,8 +126,17 @@ class CortexUpdater:
                 return
             raise
 
+    async def after_interrupted(self, job: Job) -> None:
+        """A job whose worker stopped was queued again or failed: the run it left marked running is closed now (a
+        guard may skip the next attempt, or none may come, and only a run's start closed them)."""
+        closed = await self.store.close_interrupted(int(job.payload["pair_id"]))
+        if closed:
+            log.info("cortex job %d: run(s) %s, interrupted with their process, are marked failed", job.id,
+                     ", ".join(map(str, closed)))
+
     async def _run_job(self, job: Job, pair: Pair) -> None:
         tier = str(job.payload.get("tier", "manual"))
+        await self.store.close_interrupted(pair.id, own_job=job.id)  # (before a guard: a skip starts no run)
         effective = await self.resolver.effective(pair.persona, job.payload.get("server_key"))
         settings = effective.settings
         reason = await self.guard(pair, settings, job_id=job.id)
@@ -326,7 +336,7 @@ class CortexUpdater:
             run_id, pair.id, utc_midnight(time.time()),
             (totals[0], totals[1] + next_round, totals[2] + settings.max_tokens),
             cost=next_round + settings.max_tokens, pair_budget=settings.daily_token_budget,
-            bot_budget=settings.bot_daily_token_budget)
+            bot_budget=settings.bot_daily_token_budget, answer=settings.max_tokens)
         return None if over is None else BUDGETS[over]
 
     async def _budget_spent(self, pair: Pair, settings: CortexConfig, *, next_round: int = 0) -> str | None:

@@ -121,6 +121,10 @@ def test_killed_during_an_update_the_files_stay_whole_and_the_job_resumes(
     runs = db_rows(tmp_path, "SELECT status, error FROM cortex_runs WHERE status != 'skipped' ORDER BY id")
     assert runs[0][0] == "failed" and "interrupted" in runs[0][1]
     assert runs[1][0] == "success"
+    # the killed run lists the file it saved, and the answer its last round reserved (4,096 tokens) is not spent
+    [(written, output)] = db_rows(tmp_path, "SELECT files_written, output_tokens FROM cortex_runs"
+                                            " WHERE status = 'failed'")
+    assert written == '["memory.md"]' and output < 4096
     assert db_rows(tmp_path, "SELECT status, attempts FROM jobs WHERE kind = 'cortex_update'") == [("done", 2)]
     # the resumed run read the file as the killed run left it, and found it already up to date
     assert db_rows(tmp_path, "SELECT count(*) FROM cortex_versions WHERE filename = 'memory.md'") == [(2,)]

@@ -17,6 +17,8 @@ from bot.config import CortexConfig, parse_config
 from bot.llm.errors import LLMOverloaded, LLMTimeout
 from bot.ports import IncomingMessage
 from cortex.store import Pair
+from cortex.tiers import JOB_KIND as CORTEX_JOB
+from cortex.tiers import job_key
 from tests.engines import db_url_for
 from tests.fakes.llm_server import FakeLLMServer, FakeResponse, RecordedRequest
 
@@ -975,3 +977,59 @@ def test_the_shrink_guards_refusal_counts_in_whole_numbers() -> None:
     assert refused is not None and "(from 500 to 1 letters and digits)" in refused.reason, refused
     over = check_model_write("memory.md", "abcdefg hijk " * 1000, "short note", 3000)  # (over the limit: what fits)
     assert over is not None and "(from 2,538 to 9 letters and digits)" in over.reason, over
+
+
+async def _killed_mid_round(app: App, pair: Pair, worker: str) -> tuple[int, int]:
+    """The state a process killed during an update's second round leaves (its job's lease runs out unrenewed):
+    the job running under ``worker``'s lapsed lease, its run marked running with a version it saved and the
+    round's answer reserved. The job's id and the run's."""
+    await app.storage.enqueue_job(CORTEX_JOB, job_key(pair.id), {"pair_id": pair.id, "tier": "50"}, 3)
+    job = await app.storage.claim_job(worker, [CORTEX_JOB], -1.0)
+    assert job is not None
+    settings = (await app.cortex.resolver.effective("Cora")).settings
+    run_id = await app.cortex.store.start_run(pair.id, job.id, "50")
+    await app.cortex.store.add_version(pair.id, "memory.md", NEW_MEMORY, "model", "cortex update", "50", run_id)
+    assert await app.cortex.updater._reserve(pair, settings, run_id, [1, 40, 10], 15) is None  # round 2
+    return job.id, run_id
+
+
+async def test_a_run_its_killed_process_left_running_is_closed_and_gives_its_reservation_back(
+    tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run stayed 'running' for ever, its reserved answer (4,096 tokens) counted as spent: the job's retry was
+    skipped on the pair's budget, so no run of the pair started (only a start closed it)."""
+    monkeypatch.setenv(KEY_ENV, "test-key")
+    async with _after_a_talk(tmp_path, fake_llm, daily_token_budget=8_000) as (app, pair):
+        await app.cortex.files.ensure(pair, "English", "Ann")
+        await app.workers.stop(0)  # (this process's workers come back below, as a restarted process's would)
+        job_id, run_id = await _killed_mid_round(app, pair, "elsewhere:4242:gone")
+        fake_llm.enqueue(FakeResponse.text("", input_tokens=700, output_tokens=5))
+        await app.workers.start()  # requeues the job, whose lease ran out
+        assert await app.workers.drain(10)
+        [killed, retried] = sorted((r for r in await app.cortex.store.runs(pair.id) if r.id >= run_id),
+                                   key=lambda r: r.id)
+        assert (killed.id, killed.status, killed.reason) == (run_id, "failed", "interrupted: the process running it "
+                                                                               "stopped")
+        assert killed.files_written == ["memory.md"] and killed.finished_at is not None
+        assert (killed.input_tokens, killed.output_tokens) == (55, 10)  # (its input may have been read and billed)
+        assert (retried.job_id, retried.status) == (job_id, "success")
+        assert (await app.storage.get_job(job_id)).status == "done"
+        stats = await app.cortex.store.run_stats()
+        assert "running" not in stats.by_status and stats.output_tokens == 10 + 5
+
+
+async def test_a_run_of_a_job_another_process_holds_now_is_not_closed(
+    tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process that requeued a killed job closes its runs; by then another process may have taken the job and
+    started its own run, which goes on."""
+    monkeypatch.setenv(KEY_ENV, "test-key")
+    async with _after_a_talk(tmp_path, fake_llm) as (app, pair):
+        await app.workers.stop(0)
+        job_id, run_id = await _killed_mid_round(app, pair, "elsewhere:4242:gone")
+        [job] = await app.storage.recover_jobs()
+        assert await app.storage.claim_job("elsewhere:4343:live", [CORTEX_JOB], 600.0) is not None
+        live = await app.cortex.store.start_run(pair.id, job_id, "50")  # (the live process's attempt)
+        await app.cortex.updater.after_interrupted(job)  # (the requeuing process's, late)
+        runs = {r.id: r.status for r in await app.cortex.store.runs(pair.id)}
+        assert (runs[run_id], runs[live]) == ("failed", "running")

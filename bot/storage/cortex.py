@@ -27,6 +27,7 @@ PROMPT_CACHE_SECONDS = 5.0
 FORGOTTEN_SINCE = "(SELECT coalesce(sum(tokens), 0) FROM forgotten_spending WHERE started_at >= ?)"
 Author = Literal["model", "user", "system"]
 RunStatus = Literal["running", "success", "failed", "skipped"]
+INTERRUPTED = "interrupted: the process running it stopped"
 
 
 def _dt(value: float | None) -> datetime | None:
@@ -390,16 +391,7 @@ class CortexRepository:
         )
 
     async def start_run(self, pair_id: int, job_id: int | None, tier: str) -> int:
-        # A run of this pair still marked running was cut off by a stop (one job per pair runs at a time).
-        # Look first (no write lock taken) since there rarely is one.
-        if await self.db.fetch_one(
-            "SELECT 1 FROM cortex_runs WHERE pair_id = ? AND status = 'running' LIMIT 1", (pair_id,)
-        ):
-            await self.db.write(
-                "UPDATE cortex_runs SET status = 'failed', error = 'interrupted: the process stopped during the"
-                " run', finished_at = ? WHERE pair_id = ? AND status = 'running'",
-                (time.time(), pair_id),
-            )
+        await self.close_interrupted(pair_id, own_job=job_id)
         row = await self.db.write_one(
             "INSERT INTO cortex_runs (pair_id, job_id, tier, status, started_at) VALUES (?, ?, ?, 'running', ?)"
             " RETURNING id",
@@ -407,6 +399,32 @@ class CortexRepository:
         )
         assert row is not None
         return int(row[0])
+
+    async def close_interrupted(self, pair_id: int, own_job: int | None = None) -> list[int]:
+        """Mark failed the pair's runs still marked running whose process stopped: those whose job no worker holds
+        under a live lease (the rule that fences the jobs themselves; a run of another process's live job goes
+        on), and those of ``own_job``, the job now running, left by its earlier attempts. The answer a run had
+        reserved is taken back out of its tokens (its input stays counted: the request may have reached the
+        server, which bills it, as a round that timed out counts it), and the files it saved are listed as
+        written. The ids of the runs closed."""
+        # Look first (no write lock taken) since there rarely is one.
+        stale = await self.db.fetch_all(
+            "SELECT r.id FROM cortex_runs AS r WHERE r.pair_id = ? AND r.status = 'running' AND (r.job_id IS NULL"
+            " OR r.job_id = ? OR NOT EXISTS (SELECT 1 FROM jobs AS j WHERE j.id = r.job_id AND j.status = 'running'"
+            " AND j.lease_until >= ?))",
+            (pair_id, -1 if own_job is None else own_job, await self.db.now()))
+        closed = []
+        for (run_id,) in stale:
+            saved = await self.db.fetch_all(
+                "SELECT DISTINCT filename FROM cortex_versions WHERE pair_id = ? AND run_id = ?", (pair_id, run_id))
+            if await self.db.write(  # (once: another process may be closing it too)
+                    "UPDATE cortex_runs SET status = 'failed', reason = ?, error = ?, files_written = ?,"
+                    " output_tokens = output_tokens - reserved_output, reserved_output = 0, finished_at = ?"
+                    " WHERE id = ? AND status = 'running' RETURNING id",
+                    (INTERRUPTED, INTERRUPTED, json.dumps(sorted(str(r[0]) for r in saved)), time.time(), run_id)):
+                metrics.observe_cortex_update("failed")
+                closed.append(int(run_id))
+        return closed
 
     async def finish_run(
         self,
@@ -425,7 +443,8 @@ class CortexRepository:
         metrics.observe_cortex_update(status)
         await self.db.write(
             "UPDATE cortex_runs SET status = ?, reason = ?, rounds = ?, files_read = ?, files_written = ?,"
-            " input_tokens = ?, output_tokens = ?, duration_ms = ?, error = ?, finished_at = ? WHERE id = ?",
+            " input_tokens = ?, output_tokens = ?, reserved_output = 0, duration_ms = ?, error = ?, finished_at = ?"
+            " WHERE id = ?",
             (
                 status, reason, rounds, json.dumps(sorted(set(files_read))), json.dumps(sorted(set(files_written))),
                 input_tokens, output_tokens, duration_ms, error, time.time(), run_id,
@@ -435,23 +454,25 @@ class CortexRepository:
     async def record_progress(self, run_id: int, rounds: int, input_tokens: int, output_tokens: int) -> None:
         """A running update's rounds and tokens so far (budgets count them at once, in every process)."""
         await self.db.write(
-            "UPDATE cortex_runs SET rounds = ?, input_tokens = ?, output_tokens = ? WHERE id = ?",
+            "UPDATE cortex_runs SET rounds = ?, input_tokens = ?, output_tokens = ?, reserved_output = 0 WHERE id = ?",
             (rounds, input_tokens, output_tokens, run_id),
         )
 
     async def reserve(self, run_id: int, pair_id: int, since: float, spent: tuple[int, int, int], *, cost: int,
-                      pair_budget: int, bot_budget: int) -> Literal["pair", "bot"] | None:
+                      pair_budget: int, bot_budget: int, answer: int = 0) -> Literal["pair", "bot"] | None:
         """Which daily budget (the pair's or the bot's tokens since ``since``; 0: none) ``cost`` more tokens
         would exceed; else record ``spent`` (rounds, input and output tokens, the ``cost`` counted in them) as
-        the run's progress. Checked and written in one statement, which every process's reservations run in
-        turn (SQLite's write lock; an advisory lock on PostgreSQL, whose statements see the rows committed
-        when they began): two processes checking at once would each see the other's round as not spent."""
+        the run's progress, and ``answer``, the output tokens of it not spent yet, apart too (a run whose process
+        stopped before the round's answer came gives them back: :meth:`close_interrupted`). Checked and written
+        in one statement, which every process's reservations run in turn (SQLite's write lock; an advisory lock
+        on PostgreSQL, whose statements see the rows committed when they began): two processes checking at once
+        would each see the other's round as not spent."""
         total = "(SELECT coalesce(sum(input_tokens + output_tokens), 0) FROM cortex_runs WHERE started_at >= ?"
-        sql = (f"UPDATE cortex_runs SET rounds = ?, input_tokens = ?, output_tokens = ? WHERE id = ?"
-               f" AND {total} AND pair_id = ?) + {USED_SINCE} + ? <= ? AND {total}) + {FORGOTTEN_SINCE} + ? <= ?"
-               " RETURNING id")
+        sql = (f"UPDATE cortex_runs SET rounds = ?, input_tokens = ?, output_tokens = ?, reserved_output = ?"
+               f" WHERE id = ? AND {total} AND pair_id = ?) + {USED_SINCE} + ? <= ?"
+               f" AND {total}) + {FORGOTTEN_SINCE} + ? <= ? RETURNING id")
         unlimited = 2**62
-        params = (*spent, run_id, since, pair_id, await self._forgotten_subject(pair_id), since, cost,
+        params = (*spent, answer, run_id, since, pair_id, await self._forgotten_subject(pair_id), since, cost,
                   pair_budget or unlimited, since, since, cost, bot_budget or unlimited)
         if self.db.dialect == "postgres":
             async with self.db.transaction() as tx:

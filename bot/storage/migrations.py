@@ -410,4 +410,8 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(30, "wordings whose correction was archived are archived too: they counted against the item limit",
               (_ORPHANED_WORDINGS.format(now="(julianday('now') - 2440587.5) * 86400.0"),),
               postgres=(_ORPHANED_WORDINGS.format(now="extract(epoch FROM clock_timestamp())"),)),
+    Migration(31, "the answer an update round reserved, kept apart: a process killed during the round no longer"
+                  " leaves it counted against the daily budgets",
+              ("ALTER TABLE cortex_runs ADD COLUMN reserved_output INTEGER NOT NULL DEFAULT 0",),
+              postgres=("ALTER TABLE cortex_runs ADD COLUMN reserved_output BIGINT NOT NULL DEFAULT 0",)),
 )
