@@ -52,7 +52,7 @@ from cortex.settings import (
     server_scope,
     unknown_setting,
 )
-from cortex.store import FILENAMES, CortexStore, ForgetReport, Pair
+from cortex.store import FILENAMES, CortexRun, CortexStore, ForgetReport, Pair
 from cortex.tiers import MANUAL, TierEngine, job_key, thresholds
 from cortex.update import CortexUpdater
 
@@ -216,10 +216,18 @@ class CortexCommands:
                          f"{len(v.content):>5} chars  {why}")
         last = next(iter(await self.store.runs(pair.id, limit=1)), None)
         if last is not None and last.status == "failed":  # (else a failed update would look like no update at all)
-            lines.append(f"The last update of your files ({last.started_at:%Y-%m-%d %H:%M} UTC) failed: "
-                         f"{last.reason or 'an error stopped it'}. They stayed as they were; the next one comes at "
-                         f"the next tier, or now with {self.prefix}cortex update.")
+            lines.append(await self._failed_update(pair, last))
         return self._long("\n".join(lines), f"{filename}-history.txt", "text")
+
+    async def _failed_update(self, pair: Pair, run: CortexRun) -> str:
+        """The line on a failed last update: what it saved before it stopped (a run stopped by max_rounds, a
+        budget, an overloaded server or a kill may have saved versions), or that the files stayed as they were."""
+        saved = sorted({v.filename for v in await self.store.versions_of_runs(pair.id, [run.id])})
+        names = " and ".join(filter(None, (", ".join(saved[:-1]), saved[-1]))) if saved else ""
+        kept = f"Before it stopped it saved {names} (run {run.id})" if saved else "They stayed as they were"
+        return (f"The last update of your files ({run.started_at:%Y-%m-%d %H:%M} UTC) failed: "
+                f"{run.reason or 'an error stopped it'}. {kept}; the next one comes at the next tier, or now with "
+                f"{self.prefix}cortex update.")
 
     async def diff(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply:
         filename = self._file_arg(args)

@@ -13,6 +13,7 @@ import pytest
 import pytest_asyncio
 
 from bot.app import App
+from bot.commands import CommandContext
 from bot.config import CortexConfig, parse_config
 from bot.llm.errors import LLMOverloaded, LLMTimeout
 from bot.ports import IncomingMessage
@@ -336,6 +337,25 @@ async def test_a_model_that_never_stops_ends_at_max_rounds(app: App, fake_llm: F
     assert len(cortex_requests(fake_llm)) == 3
     run = (await app.cortex.store.runs(pair.id))[0]
     assert run.rounds == 3 and run.status == "failed"
+
+
+async def test_memory_history_names_what_a_failed_update_saved_before_it_stopped(app: App,
+                                                                                 fake_llm: FakeLLMServer) -> None:
+    """It said the files "stayed as they were" after any failed update, above the very version the update saved."""
+    await _talk(app, CONVERSATION)
+    await app.cortex.resolver.set("persona:cora", "max_rounds", "3", "test")
+    fake_llm.enqueue(FakeResponse.tool_calls([("w", "write_file", {"filename": "memory.md", "content": NEW_MEMORY})]))
+    fake_llm.responder = lambda request: FakeResponse.tool_calls([("r", "read_file", {"filename": "memory.md"})])
+    pair = await _pair(app)
+    outcome = await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective("Cora")).settings)
+    assert outcome.status == "failed" and "max_rounds" in outcome.reason
+    context = CommandContext("console", "console:ann", "Ann", "console:dm-ann", "Cora", is_dm=True)
+    history = (await app.commands.dispatch("!memory history memory.md", context)).text
+    assert f"run {outcome.run_id}" in history.splitlines()[1]  # (the version it saved, newest first)
+    assert history.endswith(f"failed: stopped after 3 rounds without finishing (max_rounds). Before it stopped it "
+                            f"saved memory.md (run {outcome.run_id}); the next one comes at the next tier, or now "
+                            "with !cortex update.")
+    assert "stayed as they were" not in history
 
 
 async def test_529_mid_loop_keeps_accepted_writes_and_the_job_retries(app: App, fake_llm: FakeLLMServer) -> None:
