@@ -172,6 +172,16 @@ def _is_admin(member: discord.abc.User, config: DiscordConfig) -> bool:
     return bool(permissions and (permissions.manage_guild or permissions.administrator))
 
 
+def _role_keys(user: discord.abc.User, guild_id: int | None) -> tuple[str, ...]:
+    """The member's roles as ``[access]`` names them, from the role ids Discord sent with the member.
+    Not ``Member.roles``: it looks the ids up in the cached server, and a server not loaded yet (at start,
+    after a reconnect) has none there, so a slash command from it passed ``deny_roles`` and failed every
+    ``allow_roles``. discord.py keeps the ids it was sent in ``_roles`` and has no public name for them."""
+    if not isinstance(user, discord.Member):  # (a DM's user has no roles)
+        return ()
+    return tuple(f"{PLATFORM}:{role_id}" for role_id in user._roles if role_id != guild_id)  # (not @everyone)
+
+
 def _reply_payload(reply: CommandReply) -> tuple[str, list[discord.File]]:
     """Text within the limit and files; an over-long text goes as an attached file (the part shown is cut
     before a code block is put around it, so the block is always closed)."""
@@ -371,7 +381,7 @@ class DiscordAdapter:
             text = re.sub(rf"<@!?{me.id}>", "", text).strip()
         reference = message.reference.resolved if message.reference else None
         replied_to_bot = isinstance(reference, discord.Message) and me is not None and reference.author.id == me.id
-        roles = tuple(f"{PLATFORM}:{r.id}" for r in getattr(message.author, "roles", []) if not r.is_default())
+        roles = _role_keys(message.author, message.guild.id if message.guild is not None else None)
         channel_name = getattr(message.channel, "name", None) or f"DM with {message.author.display_name}"
         incoming = IncomingMessage(
             platform=PLATFORM,
@@ -534,8 +544,7 @@ class DiscordAdapter:
             server_id=None if interaction.guild_id is None else str(interaction.guild_id),
             parent_channel_id=_parent_id(interaction.channel),
         )
-        roles = tuple(f"{PLATFORM}:{r.id}" for r in getattr(user, "roles", []) if not r.is_default())
-        return Inbound(incoming, author_is_bot=user.bot, roles=roles)
+        return Inbound(incoming, author_is_bot=user.bot, roles=_role_keys(user, interaction.guild_id))
 
     async def refuse_slash(self, interaction: discord.Interaction, inbound: Inbound | None = None) -> bool:
         """Answer (privately) that the access settings leave this user or place out, as ``!`` commands

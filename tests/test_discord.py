@@ -126,9 +126,11 @@ async def _interact(adapter: DiscordAdapter, monkeypatch: pytest.MonkeyPatch, na
                     options: list[dict[str, Any]], *, permissions: int = 0, kind: int = 2,
                     resolved: dict[str, Any] | None = None, command_type: int = 1,
                     target_id: str | None = None, channel_data: dict[str, Any] | None = None,
-                    dm_channel: str | None = None) -> dict[str, Any]:
+                    dm_channel: str | None = None, guild_id: int | None = None,
+                    roles: tuple[int, ...] = ()) -> dict[str, Any]:
     """Dispatch an INTERACTION_CREATE through the real command tree (in the first channel, or the one of
-    ``channel_data``, or the DM ``dm_channel``); return the recorded response."""
+    ``channel_data``, or the DM ``dm_channel``), from a member of ``roles`` in the first server (or the one of
+    ``guild_id``); return the recorded response."""
     recorded: list[dict[str, Any]] = []
 
     async def fake_response(self: Any, interaction_id: int, token: str, *, session: Any, params: Any,
@@ -143,11 +145,11 @@ async def _interact(adapter: DiscordAdapter, monkeypatch: pytest.MonkeyPatch, na
     guild, channel, member = config.guilds[0], config.channels[0], config.members[0]
     user = {"id": str(member.id), "username": member.name, "discriminator": "0001", "avatar": None}
     where: dict[str, Any] = {
-        "guild_id": str(guild.id),
+        "guild_id": str(guild_id or guild.id),
         "channel": channel_data or {"id": str(channel.id), "type": 0, "guild_id": str(guild.id),
                                     "name": channel.name, "position": 0},
         "channel_id": (channel_data or {}).get("id", str(channel.id)),
-        "member": {"user": user, "roles": [], "joined_at": "2024-01-01T00:00:00+00:00",
+        "member": {"user": user, "roles": [str(r) for r in roles], "joined_at": "2024-01-01T00:00:00+00:00",
                    "deaf": False, "mute": False, "flags": 0, "permissions": str(permissions)},
     } if dm_channel is None else {
         "channel": {"id": dm_channel, "type": 1, "recipients": []}, "channel_id": dm_channel, "user": user}
@@ -276,6 +278,31 @@ async def test_version_autocomplete_offers_the_callers_own_versions(adapter: Dis
             {"name": "file", "type": 3, "value": "memory.md"},
             {"name": "version", "type": 4, "value": "", "focused": True}]}], kind=4)
     assert denied["data"]["choices"] == []
+
+
+async def test_role_lists_hold_for_a_slash_command_from_a_server_not_loaded_yet(
+        adapter: DiscordAdapter, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server whose GUILD_CREATE has not come yet (at start, after a reconnect) has no roles in discord.py's
+    cache: a member of a role on deny_roles had '/memory remember' kept there, and allow_roles let nobody in.
+    Discord sends the member's role ids with the interaction: the lists go by those."""
+    from adapters.discord import SLASH_REFUSED
+
+    unloaded, denied, admitted = 7_000_000_000_000_001, 4242, 4343
+    channel = {"id": "7000000000000002", "type": 0, "guild_id": str(unloaded), "name": "general", "position": 0}
+    remember = [{"name": "remember", "type": 1, "options": [{"name": "text", "type": 3, "value": "my dog is Rex"}]}]
+    access = adapter.app.config.access
+    access.deny_roles.append(f"discord:{denied}")
+    refused = await _interact(adapter, monkeypatch, "memory", remember, channel_data=channel, guild_id=unloaded,
+                              roles=(admitted, denied))
+    assert refused["data"]["content"] == SLASH_REFUSED
+    assert await adapter.app.storage.db.fetch_all("SELECT content FROM memory_items") == []
+    access.deny_roles.clear()
+    access.allow_roles.append(f"discord:{admitted}")
+    outside = await _interact(adapter, monkeypatch, "memory", remember, channel_data=channel, guild_id=unloaded)
+    assert outside["data"]["content"] == SLASH_REFUSED
+    allowed = await _interact(adapter, monkeypatch, "memory", remember, channel_data=channel, guild_id=unloaded,
+                              roles=(admitted,))
+    assert allowed["data"]["content"].startswith("Remembered"), allowed
 
 
 async def test_missing_message_content_intent_says_how_to_enable_it(adapter: DiscordAdapter,
