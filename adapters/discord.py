@@ -388,6 +388,7 @@ class DiscordAdapter:
             channel_id=str(message.channel.id),
             author_id=str(message.author.id),
             author_name=message.author.display_name,
+            author_handle=str(message.author),  # (a nickname is anyone's to take; the user name is one member's)
             text=text,
             is_dm=is_dm,
             channel_name=str(channel_name),

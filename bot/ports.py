@@ -41,9 +41,12 @@ class IncomingMessage:
     # visibility is "joined" or "invited": since they joined it). What the bot keeps of earlier talk is not
     # theirs to be told: the reply's history and summary leave it out. None: they may see all of it.
     history_from: datetime | None = None
+    # The author's unique user name where a display name is anyone's to take (Discord's nicknames): the prompt's
+    # label for them then says it after a display name other than it (see bot.text.speaker_name).
+    author_handle: str | None = None
 
     def __post_init__(self) -> None:  # names as prompts and stores may take them (see bot.text.one_line_name)
-        object.__setattr__(self, "author_name", speaker_name(self.author_name, self.author_id))
+        object.__setattr__(self, "author_name", speaker_name(self.author_name, self.author_id, self.author_handle))
         object.__setattr__(self, "channel_name", one_line_name(self.channel_name))
 
     @property

@@ -66,22 +66,30 @@ def one_line_name(name: str) -> str:
     return _cut_name(_flat_name(name))
 
 
-def speaker_name(name: str, author_id: str) -> str:
+def speaker_name(name: str, author_id: str, handle: str | None = None) -> str:
     """A message author's name as the prompt labels their turns: :func:`one_line_name`, and with their
     platform id after it when making it so took hidden characters or line breaks out, or when it ends as such a
     label does, in parentheses. Otherwise "alice" and
     "alice" with a zero-width space, names the platform tells apart (it marks only the same name twice), got
-    one label, and one member's turns read as another's."""
+    one label, and one member's turns read as another's.
+
+    ``handle`` is the author's unique user name where the platform has one besides a display name anyone may
+    take (Discord's): a display name other than it is followed by it, in place of the id, so two members who both
+    call themselves "Alice" read as "Alice (@alice)" and "Alice (@mallory)". A handle that could not be read as
+    one (spaces, parentheses) is replaced by the id."""
     flat = _flat_name(name)
+    mark = None if handle is None else f"@{handle}" if _HANDLE.fullmatch(handle) else author_id[:NAME_CHARS // 2]
     if not flat:
-        return author_id
-    # (a name ending in "(…)" gets the id too: "bob (@bob:example.org)" as anyone's display name is no label)
-    if flat == re.sub(" +", " ", storable(name).strip(" ")) and not _ENDS_IN_PARENTHESES.search(flat):
+        return mark or author_id
+    # (a name ending in "(…)" gets the mark too: "bob (@bob:example.org)" as anyone's display name is no label)
+    plain = flat == re.sub(" +", " ", storable(name).strip(" ")) and not _ENDS_IN_PARENTHESES.search(flat)
+    if plain and (handle is None or flat == handle):
         return _cut_name(flat)
-    suffix = f" ({author_id[:NAME_CHARS // 2]})"
+    suffix = f" ({mark or author_id[:NAME_CHARS // 2]})"
     return _cut_name(flat, NAME_CHARS - len(suffix)) + suffix
 
 
+_HANDLE = re.compile(r"[\w.-]{1,32}(#\d{4})?")  # Discord's user names; an older one with its discriminator
 _ENDS_IN_PARENTHESES = re.compile(r"\([^()]*\)$")
 
 
