@@ -45,7 +45,7 @@ from bot.policy import Inbound, refusal
 from bot.ports import IncomingMessage
 from bot.ratelimit import slow_down
 from bot.splitting import split_message
-from bot.streaming import MessageGone, RateLimited
+from bot.streaming import CannotPost, MessageGone, RateLimited
 from bot.text import error_line
 
 log = logging.getLogger(__name__)
@@ -216,6 +216,8 @@ class DiscordSink:
     async def send(self, text: str) -> discord.Message:
         try:
             return await self.channel.send(text, allowed_mentions=NO_PINGS, suppress_embeds=True)
+        except discord.Forbidden as exc:  # (no right to send here: so for every later piece of the reply too)
+            raise CannotPost(str(exc)) from exc
         except discord.HTTPException as exc:
             raise _rate_limited(exc) from exc
 

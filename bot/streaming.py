@@ -13,6 +13,9 @@ edit while the text streams in is logged and the reply goes on (the next edit sh
 edit fails, the rest of the reply is sent as a new message, so its end is never lost. A message the platform
 says is gone (:class:`MessageGone`: a moderator deleted it while it was written) is not sent again: nothing
 more of the reply is shown, and the reply is marked ``gone`` (the router then deletes its stored copy).
+A new message the platform refuses for good (:class:`CannotPost`: no right to send in the channel) is not tried
+again for the reply: its later text, status lines and final edit send nothing, and :meth:`StreamedReply.finish`
+raises that refusal (the router then keeps nothing of a reply nobody saw).
 With ``streaming`` off, nothing is sent until the reply is complete.
 """
 
@@ -47,6 +50,12 @@ class MessageGone(Exception):
     """The message to edit was deleted on the platform (a moderator took the reply back as it was written)."""
 
 
+class CannotPost(Exception):
+    """The platform refuses the bot new messages here (no right to send in the channel): trying again is refused
+    the same way, and the platform counts every refused request against the bot (Discord bans an address that
+    makes too many)."""
+
+
 class MessageSink(Protocol):
     limit: int
 
@@ -71,6 +80,7 @@ class StreamedReply:
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one send or edit at a time
     sent: list[Any] = field(default_factory=list)  # handles of every message, in order
     gone: bool = False  # a message of it was deleted on the platform: nothing more is shown
+    refused: CannotPost | None = None  # the platform refused a new message of it: no new one is tried again
 
     @property
     def text(self) -> str:
@@ -78,10 +88,12 @@ class StreamedReply:
 
     async def feed(self, delta: str) -> None:
         self._text += delta
-        if self.streaming and self.clock() - self._last_edit >= self.interval:
+        if self.streaming and self.refused is None and self.clock() - self._last_edit >= self.interval:
             async with self._lock:
                 try:
                     await self._show(final=False)
+                except CannotPost as exc:  # (finish says it: the reply is not shown)
+                    log.info("the platform refused a message of a reply (%s); no more of it is sent", error_line(exc))
                 except Exception as exc:  # the platform refused an edit: the next one (or the final one) shows all
                     what = "an edit of a streamed reply" if self._handle is not None else "the first message of a reply"
                     log.warning("%s failed (%s); the reply goes on", what, error_line(exc))
@@ -110,7 +122,7 @@ class StreamedReply:
     async def status(self, line: str) -> None:
         """Show ``line`` under the text so far while a tool runs ("looking that up…"); the next text
         (or the final edit) replaces it. Not part of the reply's text; nothing with streaming off."""
-        if not self.streaming:
+        if not self.streaming or self.refused is not None:
             return
         async with self._lock:
             pieces = split_message(self._text, self.sink.limit)
@@ -129,7 +141,7 @@ class StreamedReply:
 
     async def _placeholder(self, text: str) -> None:
         async with self._lock:
-            if not self.sent and not self._text:
+            if not self.sent and not self._text and self.refused is None:
                 await self._put(text)
 
     async def _show(self, *, final: bool) -> None:
@@ -148,6 +160,8 @@ class StreamedReply:
     async def _put(self, text: str) -> None:
         if self.gone or (text == self._shown and self._handle is not None):
             return
+        if self.refused is not None and self._handle is None:  # said once to the platform is enough
+            raise self.refused
         for tries in range(1, RATE_LIMIT_TRIES + 1):
             started = self.clock()
             try:
@@ -157,6 +171,9 @@ class StreamedReply:
                 else:
                     await self.sink.edit(self._handle, text)
                 break
+            except CannotPost as exc:
+                self.refused = exc
+                raise
             except MessageGone:
                 log.info("a reply's message was deleted on the platform while it was written; the rest is not shown")
                 self.gone = True

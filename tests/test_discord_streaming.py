@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -142,6 +143,39 @@ async def test_a_reply_deleted_before_the_bot_links_it_leaves_the_store(
         await asyncio.sleep(0.05)
     else:
         raise AssertionError("the deleted reply is still stored")
+
+
+async def test_a_streamed_reply_where_the_bot_may_not_post_asks_discord_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A channel closed to the bot (403 Missing Permissions) refuses every new message: the refused first message
+    of a streamed reply was sent again with every later piece of text (18 refused POSTs for a 3-second reply),
+    and Discord bans an address for a while after too many refused requests."""
+    caplog.set_level(logging.INFO)
+    words = [f"w{n}" for n in range(40)]
+
+    async def slow_stream(self: ScriptedProvider, request: Any) -> AsyncIterator[Any]:  # 2 s, a word at a time
+        completion = await self._next(request)
+        for word in words:
+            yield TextDelta(word + " ")
+            await asyncio.sleep(0.05)
+        yield StreamEnd(completion)
+
+    monkeypatch.setattr(ScriptedProvider, "stream", slow_stream)
+    with FakeDiscord() as fake:
+        async with running_bot(fake, tmp_path, monkeypatch, {"edit_interval_seconds": 0.2}) as app:
+            app.llm.enqueue(" ".join(words))  # type: ignore[attr-defined]
+            dm = 700_000_000_000_000_002  # the DM channel of the fake's default author
+            fake.refuse_posts(dm)
+            fake.dispatch_message("hello")
+            for _ in range(100):
+                if any("could not be shown" in r.getMessage() for r in caplog.records):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the refused reply was never given up")
+            posts = [r for r in fake.requests if r.method == "POST" and r.path == f"/channels/{dm}/messages"]
+            assert len(posts) == 1, posts
+            assert not await app.storage.db.fetch_all("SELECT id FROM messages WHERE role = 'assistant'")
 
 
 async def test_a_reply_the_model_wrote_shows_no_link_previews(live: tuple[FakeDiscord, App]) -> None:

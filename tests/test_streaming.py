@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from bot.ratelimit import RateLimiter
-from bot.streaming import RateLimited, StreamedReply
+from bot.streaming import CannotPost, RateLimited, StreamedReply
 
 
 class Clock:
@@ -45,6 +45,28 @@ async def test_edits_are_throttled_and_the_final_edit_shows_everything() -> None
     edits = [c for c in sink.calls if c[0] == "edit"]
     assert 3 <= len(edits) <= 5  # about one per second over 4 seconds, plus the final one
     assert sink.calls[0][0] == "send" and sink.calls[0][2] == "word0"
+
+
+async def test_a_message_the_platform_refuses_for_good_is_asked_for_once() -> None:
+    """No right to send here: every later piece of text, status line and the final edit sent the refused first
+    message again (the platform counts each refusal against the bot); now ``finish`` says the refusal instead."""
+    clock, sink = Clock(), RecordingSink()
+    tries: list[str] = []
+
+    async def refuse(text: str) -> int:
+        tries.append(text)
+        raise CannotPost("403 Forbidden (error code: 50013): Missing Permissions")
+
+    sink.send = refuse  # type: ignore[method-assign]
+    reply = StreamedReply(sink, interval=0.0, clock=clock)
+    for i in range(10):
+        await reply.feed(f"word{i} ")
+        clock.now += 1.0
+    await reply.status("looking that up…")
+    await reply._placeholder("still working…")
+    with pytest.raises(CannotPost, match="Missing Permissions"):
+        await reply.finish()
+    assert tries == ["word0"] and reply.sent == []
 
 
 async def test_long_replies_continue_in_new_messages_without_breaking_code() -> None:
