@@ -67,6 +67,7 @@ from nio.crypto.attachments import decrypt_attachment
 from nio.exceptions import EncryptionError
 
 from adapters.matrix_content import (
+    author_of,
     home_server,
     json_object,
     keep,
@@ -748,12 +749,14 @@ class MatrixAdapter:
         for name in (me, display):
             if name and text.startswith(name) and not text[len(name):len(name) + 1].isalnum():  # not "Coral"
                 text = text[len(name):].lstrip(":, ")
+        author, handle = author_of(room, event.sender)  # (a name two members share: with the id)
         incoming = IncomingMessage(
             platform=PLATFORM,
             channel_id=channel_id,
             parent_channel_id=parent,
             author_id=event.sender,
-            author_name=room.user_name(event.sender) or event.sender,
+            author_name=author,
+            author_handle=handle,
             text=text,
             is_dm=is_dm,
             channel_name=room.display_name,

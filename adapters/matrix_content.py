@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from nio import MatrixRoom
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -68,3 +71,14 @@ def home_server(user_id: str) -> str:
     """The server part of a Matrix user id (``@ann:example.org`` → ``example.org``): where the user's account
     lives, which the access lists and the invite rules see as the user's server."""
     return user_id.split(":", 1)[-1]
+
+
+def author_of(room: MatrixRoom, sender: str) -> tuple[str, str | None]:
+    """A sender's display name and, when another member of the room has the same one, their id as the handle
+    that tells them apart (the core labels the turn "Alice (@alice:example.org)"). nio's own disambiguated name
+    already holds the id in parentheses, to which the core, seeing a name that ends as a label does, added the id
+    once more."""
+    user = room.users.get(sender)
+    if user is None:
+        return sender, None
+    return user.name, sender if len(room.user_name_clashes(user.name)) > 1 else None

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from nio import Event, MatrixRoom, ReactionEvent
 from nio.api import MessageDirection, RelationshipType
 
-from adapters.matrix_content import json_object, keep, reply_target, without_reply_fallback
+from adapters.matrix_content import author_of, json_object, keep, reply_target, without_reply_fallback
 from bot.commands import CommandReply
 from bot.policy import Inbound, refusal
 from bot.ports import IncomingMessage
@@ -114,8 +114,9 @@ class Reactions:
         context)."""
         adapter = self.adapter
         is_dm, channel_id, parent = await adapter.conversation(room, event.sender)  # (as a message there)
-        incoming = IncomingMessage("matrix", channel_id, event.sender, room.user_name(event.sender) or event.sender,
-                                   "", is_dm=is_dm, server_id=None if is_dm else room.room_id,
+        name, handle = author_of(room, event.sender)
+        incoming = IncomingMessage("matrix", channel_id, event.sender, name, "", author_handle=handle,
+                                   is_dm=is_dm, server_id=None if is_dm else room.room_id,
                                    author_home=event.sender.split(":", 1)[-1], parent_channel_id=parent)
         return Inbound(incoming, is_self=event.sender == adapter.config.user_id,
                        ranks=await adapter.ranks_of(room, event.sender),

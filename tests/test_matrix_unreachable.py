@@ -377,3 +377,23 @@ async def test_the_store_path_takes_the_home_folder_and_a_relative_one_is_made_a
             assert adapter.store == store and store.is_dir()
             await adapter.close()
     assert not (started / "~").exists() and not (elsewhere / "~").exists()
+
+
+def test_two_members_of_one_display_name_are_labelled_with_their_ids_once() -> None:
+    """nio names a shared display name "Alice (@alice:localhost)"; the core, seeing a name that ends as a label
+    does, added the id again: "Alice (@alice:localhost) (@alice:localhost)"."""
+    from nio import MatrixRoom
+
+    from adapters.matrix_content import author_of
+    from bot.ports import IncomingMessage
+
+    room = MatrixRoom("!group:localhost", "@cortex:localhost")
+    for user, name in (("@alice:localhost", "Alice"), ("@mallory:localhost", "Alice"), ("@bob:localhost", "Bob")):
+        room.add_member(user, name, None)
+
+    def label(sender: str) -> str:
+        name, handle = author_of(room, sender)
+        return IncomingMessage("matrix", room.room_id, sender, name, "hi", author_handle=handle).author_name
+
+    assert [label(u) for u in ("@alice:localhost", "@mallory:localhost", "@bob:localhost", "@gone:localhost")] == [
+        "Alice (@alice:localhost)", "Alice (@mallory:localhost)", "Bob", "@gone:localhost"]
