@@ -42,7 +42,11 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-QUIET_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2", "anthropic", "openai", "aiosqlite", "asyncio")
+QUIET_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2", "anthropic", "openai", "aiosqlite", "asyncio",
+                 "nio")  # (nio logs every response it parses at DEBUG: the login's access token, each sync's messages)
+# Loggers whose DEBUG lines hold what people wrote (Discord's gateway events and request bodies, MCP traffic): at
+# DEBUG the bot logs its own steps, not the conversations passing through.
+NO_DEBUG_LOGGERS = ("discord.gateway", "discord.http", "discord.client", "mcp")
 
 
 def setup_logging(level: str) -> None:
@@ -54,6 +58,8 @@ def setup_logging(level: str) -> None:
     # SDK and HTTP loggers can print request headers at DEBUG: keep them quiet so keys never reach logs.
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    for name in NO_DEBUG_LOGGERS:
+        logging.getLogger(name).setLevel(max(logging.INFO, getattr(logging, level)))
     # The scheduler logs every run of every periodic job at INFO (two lines every 5 s on an idle bot).
     logging.getLogger("apscheduler").setLevel(logging.DEBUG if level == "DEBUG" else logging.WARNING)
 

@@ -864,3 +864,21 @@ def test_a_job_id_that_is_no_number_is_said_so() -> None:
         refused = cortexbot("jobs", "retry", "--", given)
         assert refused.returncode == 2 and f"{given!r} is no job id: give the number cortexbot jobs lists" in \
             refused.stderr, refused.stderr
+
+
+def test_debug_logging_keeps_the_matrix_access_token_and_conversations_out() -> None:
+    """With log_level DEBUG, nio logged each response it parsed whole: the login's access token (the account's
+    key) and every sync's messages; discord.py logs gateway events (what people wrote) at DEBUG too."""
+    script = (
+        "import logging\n"
+        "from bot.cli import setup_logging\n"
+        "setup_logging('DEBUG')\n"
+        "from nio.responses import LoginResponse\n"
+        "LoginResponse.from_dict({'user_id': '@bot:localhost', 'device_id': 'DEV', 'access_token': 'syt_SECRET_x'})\n"
+        "logging.getLogger('discord.gateway').debug('WebSocket Event: %s', {'content': 'my private words'})\n"
+        "logging.getLogger('bot.router').debug('the bot its own steps')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "syt_SECRET_x" not in done.stderr and "my private words" not in done.stderr, done.stderr
+    assert "the bot its own steps" in done.stderr
