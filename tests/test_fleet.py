@@ -597,6 +597,27 @@ async def test_three_bot_processes_share_one_postgres(pg_url: str, tmp_path: Pat
           f"between the kill and the end of the jobs; {elapsed:.1f} s in all")
 
 
+async def test_a_clean_stop_releases_a_lock_a_stop_during_hold_left_taken(db_url: str) -> None:
+    """A start refused right after the Matrix adapter began (the web port taken) or a SIGTERM during it could stop
+    ``hold`` after its row was written and before it was recorded: the stop released only recorded locks, and the
+    next start was refused for a minute as "already served by another running process"."""
+    from bot.fleet import LockHeld
+
+    storage = await migrated(db_url)
+    try:
+        first, second = Fleet(storage), Fleet(storage)
+        await first.hold("matrix:@bot:example.org", "the Matrix account")
+        await storage.fleet.acquire_lock("matrix:@other:example.org", first.process_id, 60)  # (as a stopped hold)
+        with pytest.raises(LockHeld, match="already served by another running process"):
+            await second.hold("matrix:@other:example.org", "the Matrix account @other")
+        await first.leave()
+        await second.hold("matrix:@other:example.org", "the Matrix account @other")
+        await second.hold("matrix:@bot:example.org", "the Matrix account")
+        await second.leave()
+    finally:
+        await storage.close()
+
+
 async def test_periodic_runs_and_locks_stamped_by_a_clock_that_was_far_ahead_do_not_block_for_ever(
     db_url: str,
 ) -> None:

@@ -92,6 +92,10 @@ class FleetRepository:
     async def release_lock(self, name: str, owner: str) -> None:
         await self.db.write("DELETE FROM instance_locks WHERE name = ? AND owner = ?", (name, owner))
 
+    async def release_locks(self, owner: str) -> None:
+        """Every lock ``owner`` holds (a clean stop)."""
+        await self.db.write("DELETE FROM instance_locks WHERE owner = ?", (owner,))
+
     async def heartbeat(self, process_id: str, host: str, pid: int, info: dict[str, Any], started_at: float) -> None:
         await self.db.write(
             "INSERT INTO processes (id, host, pid, info, started_at, last_seen) VALUES (?, ?, ?, ?, ?, ?)"
