@@ -96,6 +96,7 @@ class App:
             if await self.storage.scrub_if_pending():  # a process stopped after deleting words, before scrubbing
                 log.info("scrubbed the database's files of words deleted before the last stop")
             self.personas = PersonaRegistry(self.config, self.storage)
+            self._check_persona_names()  # (before the config's personas are written: a refused one stayed)
             await self.personas.start()
             self.estimator = BPETokenEstimator(
                 margin=self.config.history.token_margin, factor=await self._load_calibration()
@@ -137,7 +138,6 @@ class App:
             CardCommands(self.personas, self.storage).register(self.commands)
             self.skills.commands.register(self.commands)
             register_dashboard(self.commands, self.storage.web, self.config.web)
-            self._check_persona_names()
             self.cortex.commands.extra_stats = self._extra_stats
             self.cortex.commands.on_forget.append(lambda _user_key: self.core.forget_recent_texts())
             self.cortex.memory_commands.on_resume = self._forget_paused
@@ -223,7 +223,13 @@ class App:
         await self.personas.load()  # (the guidelines are read from the registry's copy)
 
     def _check_persona_names(self) -> None:
-        check_persona_names(self.config, self.commands)
+        """The config's persona names against the ``!persona`` subcommands (those of the commands that declare
+        them, registered on their own), before anything is seeded: a refused name was written to the database
+        first, and stayed there after the config was fixed."""
+        probe = CommandRegistry()
+        for commands in (PersonaCommands, CardCommands):
+            commands(self.personas, self.storage).register(probe)
+        check_persona_names(self.config, probe)
 
     async def _extra_stats(self) -> list[str]:
         return await self.cortex.memory_admin.stats_lines() + await self.skills.commands.stats_lines()

@@ -351,6 +351,9 @@ async def test_a_config_persona_named_like_a_subcommand_is_refused_at_start(tmp_
     async with App(config("Buff List"), llm=ScriptedProvider()) as app:  # the word elsewhere in the name is fine
         dm = CommandContext("discord", "discord:7", "Ann", "discord:dm-ann", "Cora", is_dm=True)
         assert "Buff List" in await run(app, "!persona Buff List", dm)
+        # the refused start wrote nothing: with the config fixed, the refused name is nowhere (it stayed, unpickable)
+        assert "List Buff" not in await run(app, "!persona list", dm)
+        assert await app.storage.personas.get_persona("List Buff") is None
         assert await app.router.persona_for(Inbound(IncomingMessage(
             "discord", "dm-ann", "7", "Ann", "hi", is_dm=True))) == "Buff List"
 
