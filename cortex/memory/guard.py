@@ -141,9 +141,11 @@ _INVISIBLE = re.compile(
     "\u2800\u3164\ufe00-\ufe0f\ufeff\uffa0\U000e0000-\U000e007f]"
 )
 _NON_ASCII = re.compile("[^\x00-\x7f]+")
-_CONFUSABLE_CHARS = re.compile("[\u0370-\u03ff\u0400-\u04ff]")
-# Cyrillic and Greek letters that look like Latin ones (after case folding), for "Ignоre" with a Cyrillic о.
-_CONFUSABLES = str.maketrans("авеёкмнорстухіїјѕԁһӏԛԝαβεηικνορτυχ", "abeekmhopctyxiijsdhlqwabenikvoptux")
+_CONFUSABLE_CHARS = re.compile("[\u0370-\u03ff\u0400-\u04ff\u0131\u0130\u0261\u026a\u0251\u0307]")
+# Cyrillic and Greek letters that look like Latin ones (after case folding), for "Ignоre" with a Cyrillic о; and
+# Latin ones: the dotless ı, small capital ɪ, script ɡ and ɑ, and the dot İ keeps after folding ("i" + U+0307).
+_CONFUSABLES = str.maketrans("авеёкмнорстухіїјѕԁһӏԛԝαβεηικνορτυχıɪɡɑ", "abeekmhopctyxiijsdhlqwabenikvoptuxiiga",
+                             "\u0307")
 _LEET = dict(zip(b"0134579@$|", b"oieastgasl", strict=True))
 # ASCII punctuation becomes a space and leetspeak becomes letters, in one pass over the UTF-8 bytes.
 _LOOSE_BYTES = bytes(32 if chr(byte) in string.punctuation else _LEET.get(byte, byte) for byte in range(256))
