@@ -732,3 +732,38 @@ async def test_a_summary_written_while_the_pause_arrived_is_dropped(storage: Sto
     assert written is None
     await storage.end_incognito(ann.id, "Cora")
     assert await storage.latest_summary(channel.id) is None
+
+
+async def test_a_message_embedded_before_the_pause_arrived_is_not_found_by_meaning(tmp_path: Path) -> None:
+    """A message sent just after the pause but handled (and embedded) before it arrived belongs to the stretch:
+    the word search left it out, but its vector stayed and the search by meaning fetched it, while the pause's
+    answer said nothing reaches "search by meaning" (also in group replies where shared memory is used)."""
+    from datetime import timedelta
+
+    from cortex.memory.embedders import HashEmbedder
+
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000}})
+    app = await App(config, llm=ScriptedProvider(), embedder=HashEmbedder()).start(workers=False)
+    try:
+        paused_at = datetime.now(UTC) - timedelta(seconds=5)
+        await app.router.handle(_sent(f"my lab result code is {SECRET}", paused_at + timedelta(seconds=1)), Sink())
+        await app.cortex.embeddings.backfill()
+        assert (await app.storage.db.fetch_one("SELECT count(*) FROM message_vectors"))[0] == 2
+        user = await app.storage.upsert_user("discord:7", "Ann")
+        _, pair = await app.cortex.store.pair_for("discord:7", "Ann", "Cora")
+
+        async def found() -> list[str]:
+            hits = await app.cortex.memory.search(pair.id, f"lab result code {SECRET}", user_id=user.id,
+                                                  persona="Cora", patient=True)
+            return [h.text for h in hits if SECRET in h.text]
+
+        assert await found()  # (and the vectors are in this process's cache now)
+        paused = Sink()
+        await app.router.handle(_sent("!memory pause", paused_at), paused)
+        assert "That includes 1 message sent after the pause" in paused.public[0].text
+        assert (await app.storage.db.fetch_one("SELECT count(*) FROM message_vectors"))[0] == 0
+        await app.cortex.embeddings.backfill()  # (the backfill leaves the stretch alone)
+        assert (await app.storage.db.fetch_one("SELECT count(*) FROM message_vectors"))[0] == 0
+        assert await found() == []
+    finally:
+        await app.stop()

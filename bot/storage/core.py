@@ -179,21 +179,30 @@ async def delete_messages(tx: Tx, where: str, params: Sequence[Any]) -> tuple[li
     # the backfill embeds it again with what is left before it (a forgotten user's words stay in nobody's).
     # Dropped once the messages are gone: a backfill storing such a vector meanwhile (PostgreSQL) holds the
     # message it was made with (``MemoryRepository.store_message_vectors``), so that delete waits for it.
-    after = [int(r[0]) for r in await tx.fetch_all(
-        "SELECT DISTINCT (SELECT min(n.id) FROM messages AS n WHERE n.channel_id = messages.channel_id"
-        f" AND n.id > messages.id) FROM messages WHERE {where}", params) if r[0] is not None]
+    after = await _messages_after(tx, where, params)
     for table in MESSAGE_DEPENDENTS:
         await tx.execute(f"DELETE FROM {table} WHERE message_id IN (SELECT id FROM messages WHERE {where})", params)
     deleted = [int(r[0]) for r in await tx.fetch_all(f"DELETE FROM messages WHERE {where} RETURNING id", params)]
-    for start in range(0, len(after), 500):
-        chunk = after[start:start + 500]
-        await tx.execute(f"DELETE FROM message_vectors WHERE message_id IN ({','.join('?' for _ in chunk)})", chunk)
+    await _delete_vectors(tx, after)
     marks = ",".join("?" for _ in channels) or "NULL"
     await tx.execute("UPDATE channels SET message_count = (SELECT count(*) FROM messages"
                      f" WHERE channel_id = channels.id) WHERE id IN ({marks})", channels)
     if deleted:
         await note_scrub_pending(tx)
     return deleted, channels
+async def _messages_after(tx: Tx, where: str, params: Sequence[Any]) -> list[int]:
+    """The message after each one ``where`` selects, in its channel (embedded with it as its context)."""
+    return [int(r[0]) for r in await tx.fetch_all(
+        "SELECT DISTINCT (SELECT min(n.id) FROM messages AS n WHERE n.channel_id = messages.channel_id"
+        f" AND n.id > messages.id) FROM messages WHERE {where}", params) if r[0] is not None]
+
+
+async def _delete_vectors(tx: Tx, message_ids: Sequence[int]) -> None:
+    for start in range(0, len(message_ids), 500):
+        chunk = message_ids[start:start + 500]
+        await tx.execute(f"DELETE FROM message_vectors WHERE message_id IN ({','.join('?' for _ in chunk)})", chunk)
+
+
 def _job_payload(job_id: int, text: Any) -> dict[str, Any]:
     """A job's payload; one that is not a JSON object (a hand-edited row, a copy from elsewhere) is read as empty,
     so its handler fails the job at once instead of every claim of it failing before it runs."""
@@ -294,6 +303,11 @@ class Storage:
                                  (channel_id, first))
             if firsts:
                 await delete_items_from(tx, *stretch)
+                # and their vectors (embedded before the pause reached the bot), with those of the messages after
+                # them (embedded with them as context): the backfill leaves the stretch alone from now on
+                stretch_ids = [int(r[0]) for r in await tx.fetch_all(f"SELECT id FROM messages WHERE {stretch[0]}",
+                                                                     stretch[1])]
+                await _delete_vectors(tx, stretch_ids + await _messages_after(tx, *stretch))
         self.forget_cached(user_key="", channel_ids=[int(r[0]) for r in firsts])
         return started, sum(int(r[2]) for r in firsts)
 

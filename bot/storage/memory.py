@@ -340,11 +340,12 @@ class MemoryRepository:
         )
 
     async def pair_messages(self, user_id: int, persona: str, ids: Sequence[int]) -> list[Row]:
-        """Messages by id, only those of this user-persona pair (never another user's)."""
+        """Messages by id, only those of this user-persona pair (never another user's), none of an incognito
+        stretch (as no word search finds them: a vector found by meaning, or a cached one, leads to nothing)."""
         marks = ",".join("?" for _ in ids)
         return await self.db.fetch_all(
             f"SELECT {MESSAGE_HIT_COLUMNS} FROM messages AS m JOIN channels AS c ON c.id = m.channel_id"
-            f" WHERE m.id IN ({marks}) AND m.user_id = ? AND m.persona = ?",
+            f" WHERE m.id IN ({marks}) AND m.user_id = ? AND m.persona = ? AND {not_incognito('m')}",
             (*ids, user_id, persona),
         )
 
