@@ -8,9 +8,10 @@ second run copies nothing twice, and a copy back after the bot ran on the other 
 (items archived or pinned, jobs done, settings). Rows are copied up to the largest ids the copy found as it
 began: what a bot running on the source adds meanwhile (``--while-running``) waits for the next copy. Rows
 deleted on the source since an earlier copy (a forget-me, expired messages, an ended incognito stretch) are
-deleted from the target first, children before parents: a copy kept up to date by running it again never
-keeps what was forgotten at the source (every row of a target this bot's copies made came from the source:
-a target a bot wrote into since is refused before anything changes).
+deleted from the target first, children before parents, where their origin is certain: the rows of the tables
+keyed by one id (a target a bot wrote into since is refused before anything changes: its ids grew past the
+mark) and the rows pointing at them; rows keyed otherwise (settings, web sessions) stay, and a target an older
+copy-data made (no mark) is not touched. The deleted words are then scrubbed from a SQLite target's files.
 
 What differs between the engines is handled here:
 
@@ -47,7 +48,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from bot.storage.core import Storage
+from bot.storage.core import Storage, note_scrub_pending
 from bot.storage.engine import Database, Row, StorageError, is_conflict
 
 __all__ = ["INSTANCE_KEY", "TABLES", "CopyReport", "TableCount", "copy_data", "ensure_instance_id"]
@@ -75,7 +76,8 @@ NATURAL_KEYS: dict[str, tuple[str, ...]] = {
     "users": ("key",), "personas": ("name",), "channels": ("key",), "cortex_pairs": ("user_id", "persona"),
 }
 # Tables keyed otherwise than by one id, and the column pointing at a table that is (a row past that table's
-# mark points at a row the copy leaves for the next one: see ``_copy_table``).
+# mark points at a row the copy leaves for the next one: see ``_copy_table``; a row pointing at one the source
+# deleted goes with it: see ``_remove_deleted``).
 BOUNDED_BY: dict[str, tuple[str, str]] = {
     "reply_sources": ("message_id", "messages"), "platform_messages": ("message_id", "messages"),
     "incognito": ("user_id", "users"),
@@ -83,6 +85,7 @@ BOUNDED_BY: dict[str, tuple[str, str]] = {
 # Columns that may point at rows copied later: inserted empty, set after the whole table.
 DEFERRED: dict[str, tuple[str, ...]] = {"memory_items": ("supersedes", "superseded_by")}
 ENGINE_ONLY_TYPES = frozenset({"tsvector"})  # filled by the engine itself
+INTEGER_TYPES = frozenset({"integer", "int", "bigint", "int4", "int8"})  # (SQLite's declared, PostgreSQL's names)
 MAX_PARAMETERS = 30_000  # per statement (PostgreSQL allows 32767, SQLite 32766)
 
 # What to do when a row of the source cannot be read or written (a hand-edited or damaged database).
@@ -173,10 +176,12 @@ async def copy_data(source: Storage, target: Storage, *, progress: Progress | No
     # passes), and the source's rows up to here are the target's too (so a copy back, once a bot ran on the target,
     # passes while this one did not move on meanwhile; and is refused when it did).
     reached = await _largest_ids(source.db)
+    marked = await _mark(target.db) is not None  # (before this copy: what a copy accounted for is there)
     for db in (source.db, target.db):
         await _raise_mark(db, reached)
-    removed = {table: await _remove_deleted(source.db, target.db, table, batch, progress)
-               for table in reversed(TABLES)}  # (children first: no row is left pointing at a removed one)
+    removed = await _remove_deleted(source.db, target.db, batch, progress, marked=marked)
+    if any(removed.values()):
+        await target.scrub()  # (the deleted words out of a SQLite target's files, as a forget-me does)
     copied: dict[str, int] = {}
     for table in TABLES:  # (rows up to the ids marked: what a running bot adds meanwhile is for the next copy)
         column, parent = BOUNDED_BY.get(table, ("", table))
@@ -318,65 +323,82 @@ async def _copy_table(source: Database, target: Database, table: str, batch: int
     return copied
 
 
-async def _remove_deleted(source: Database, target: Database, table: str, batch: int,
-                          progress: Progress | None) -> int:
-    """Delete the target's rows of ``table`` the source no longer has (deleted there since an earlier copy),
-    page by page along the key: each page's keys are looked up in the source one by one (not as a range: the
-    engines may order text differently) and what it lacks goes, in one transaction. Returns the rows deleted."""
-    key = (await _shape(target, table)).key
-    if not key:
-        return 0  # (``_plan`` says so in one line when the table is copied)
-    keys = ", ".join(_quote(k) for k in key)
-    row_key = f"({keys})" if len(key) > 1 else keys
-    marks = f"({', '.join('?' for _ in key)})" if len(key) > 1 else "?"
-    left_out = NOT_COPIED.get(table)
-    where = f" AND {left_out}" if left_out else ""
-    page = f"SELECT {keys} FROM {_quote(table)} WHERE {row_key} > {marks}{where} ORDER BY {keys} LIMIT {batch}"
-    first = f"SELECT {keys} FROM {_quote(table)} WHERE 1 = 1{where} ORDER BY {keys} LIMIT {batch}"
-    removed = 0
-    last: tuple[Any, ...] | None = None
+async def _remove_deleted(source: Database, target: Database, batch: int, progress: Progress | None, *,
+                          marked: bool) -> dict[str, int]:
+    """Delete from the target what the source deleted since an earlier copy (a forget-me, expired messages, an
+    ended incognito stretch): the rows of the tables keyed by one id that the source no longer has, and the
+    rows of ``BOUNDED_BY`` pointing at them. Only rows whose origin is certain go: a target a bot wrote into since
+    is refused before this (its ids grew past the mark), a table keyed otherwise (settings, sessions) is left
+    as it is, and a target that was not ``marked`` before this copy (empty, or made by an older copy-data) is
+    not touched at all. Children go
+    before parents, in one transaction per table. Returns the rows deleted per table."""
+    removed = dict.fromkeys(TABLES, 0)
+    if not marked:
+        return removed
+    gone: dict[str, list[int]] = {}
+    for table in TABLES:  # (parents first: a row the source deletes meanwhile leaves no child pointing at a gone one)
+        shape = await _shape(target, table)
+        if len(shape.key) == 1 and shape.types[shape.key[0]] in INTEGER_TYPES:
+            gone[table] = await _gone_ids(source, target, table, shape.key[0], batch)
+    for table in reversed(TABLES):
+        if table in BOUNDED_BY:
+            column, parent = BOUNDED_BY[table]
+            removed[table] = await _delete_where(target, table, column, gone.get(parent, []))
+        elif gone.get(table):
+            removed[table] = await _delete_where(target, table, (await _shape(target, table)).key[0], gone[table])
+        if removed[table] and progress is not None:
+            progress(f"{table} (deleted at the source)", removed[table], removed[table])
+    return removed
+
+
+async def _gone_ids(source: Database, target: Database, table: str, key: str, batch: int) -> list[int]:
+    """The target's ids of ``table`` the source lacks, page by page (each page's ids looked up in the source)."""
+    gone: list[int] = []
+    last: int | None = None
     while True:
-        held = [tuple(r) for r in await target.fetch_all(first if last is None else page, last or ())]
+        after = "" if last is None else f" WHERE {_quote(key)} > ?"
+        held = [r[0] for r in await target.fetch_all(
+            f"SELECT {_quote(key)} FROM {_quote(table)}{after} ORDER BY {_quote(key)} LIMIT {batch}",
+            () if last is None else (last,))]
         if not held:
-            return removed
-        kept = await _present(source, table, key, held)
-        gone = [k for k in held if k not in kept]
-        if gone:
-            await _delete_rows(target, table, key, gone)
-            removed += len(gone)
-            if progress is not None:
-                progress(f"{table} (deleted at the source)", removed, removed)
+            return gone
+        kept: set[Any] = set()
+        for start in range(0, len(held), MAX_PARAMETERS):
+            chunk = held[start:start + MAX_PARAMETERS]
+            kept.update(r[0] for r in await source.fetch_all(
+                f"SELECT {_quote(key)} FROM {_quote(table)} WHERE {_quote(key)} IN ({', '.join('?' for _ in chunk)})",
+                chunk))
+        gone.extend(i for i in held if i not in kept)
         last = held[-1]
         if len(held) < batch:
-            return removed
+            return gone
 
 
-async def _present(db: Database, table: str, key: tuple[str, ...],
-                   wanted: list[tuple[Any, ...]]) -> set[tuple[Any, ...]]:
-    """Which of these keys ``db``'s table holds (by equality, in statements within the parameter limits)."""
-    keys = ", ".join(_quote(k) for k in key)
-    one = "(" + " AND ".join(f"{_quote(k)} = ?" for k in key) + ")"
-    found: set[tuple[Any, ...]] = set()
-    # (a key of several columns: ORs of ANDs, 100 at a time, within SQLite's expression depth of 1,000)
-    per_statement = MAX_PARAMETERS if len(key) == 1 else 100
-    for start in range(0, len(wanted), per_statement):
-        chunk = wanted[start:start + per_statement]
-        match = (f"{_quote(key[0])} IN ({', '.join('?' for _ in chunk)})" if len(key) == 1
-                 else " OR ".join(one for _ in chunk))
-        found.update(tuple(r) for r in await db.fetch_all(
-            f"SELECT {keys} FROM {_quote(table)} WHERE {match}", [v for row in chunk for v in row]))
-    return found
-
-
-async def _delete_rows(target: Database, table: str, key: tuple[str, ...], gone: list[tuple[Any, ...]]) -> None:
-    """Delete rows by key in one transaction; references to them from rows of the same table (an item's
-    correction links) are cleared first: the source cleared or deleted them as well."""
-    match = " AND ".join(f"{_quote(k)} = ?" for k in key)
-    async with target.transaction() as tx:
-        for column in DEFERRED.get(table, ()):
-            await tx.executemany(f"UPDATE {_quote(table)} SET {_quote(column)} = NULL WHERE {_quote(column)} = ?",
-                                 [row[:1] for row in gone])
-        await tx.executemany(f"DELETE FROM {_quote(table)} WHERE {match}", gone)
+async def _delete_where(target: Database, table: str, column: str, ids: list[int]) -> int:
+    """Delete the rows whose ``column`` is one of ``ids``, in one transaction (references to them from rows of
+    the same table, an item's correction links, cleared first: the source cleared or deleted them too)."""
+    if not ids:
+        return 0
+    deleted = 0
+    try:
+        async with target.transaction() as tx:
+            for start in range(0, len(ids), MAX_PARAMETERS):
+                chunk = ids[start:start + MAX_PARAMETERS]
+                marks = ", ".join("?" for _ in chunk)
+                for linked in DEFERRED.get(table, ()):
+                    await tx.execute(f"UPDATE {_quote(table)} SET {_quote(linked)} = NULL"
+                                     f" WHERE {_quote(linked)} IN ({marks})", chunk)
+                deleted += len(await tx.fetch_all(
+                    f"DELETE FROM {_quote(table)} WHERE {_quote(column)} IN ({marks}) RETURNING 1", chunk))
+            if deleted:  # (scrubbed right after the pass; the note is for a copy stopped before that)
+                await note_scrub_pending(tx)
+    except StorageError:
+        raise
+    except Exception as exc:  # (a row pointing at one deleted: the source changed meanwhile, --while-running)
+        raise StorageError(f"deleting from {table} in {target.url} what the source no longer has failed: "
+                           f"{type(exc).__name__}: {exc}; the source changed while it was copied (was the bot "
+                           "running?): run copy-data again") from exc
+    return deleted
 
 
 def _on_conflict(plan: _Plan, dialect: str) -> str:
