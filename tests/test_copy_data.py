@@ -508,6 +508,21 @@ async def test_a_forget_me_during_the_first_pass_leaves_a_target_the_next_run_co
     assert again.ok and {t.table: t.removed for t in again.tables if t.removed} == {"users": 1}
 
 
+async def test_a_copy_back_leaves_a_message_and_its_words_in_the_text_index_as_they_were(source: Storage,
+                                                                                         pg: Storage) -> None:
+    """A message with a NUL (PostgreSQL drops it) was rewritten in place by the copy back: SQLite's text index
+    kept its old words, a search for its new text found nothing, and after its deletion its words stayed."""
+    general = await source.upsert_channel("discord:g", "general", is_dm=False)
+    ann = await source.get_user("discord:1")
+    assert ann is not None
+    said = await source.add_message(general.id, ann.id, "Cora", "user", "Ann", "walrus\x00penguin", 2)
+    assert (await copy_data(source, pg)).ok
+    await copy_data(pg, source)
+    assert (await source.db.fetch_one("SELECT text FROM messages WHERE id = ?", (said.id,)))[0] == "walrus\x00penguin"
+    await source.delete_message(said.id)
+    assert await source.db.fetch_all("SELECT rowid FROM messages_fts WHERE messages_fts MATCH 'walrus'") == []
+
+
 async def test_a_page_bigger_than_a_statement_may_hold_is_checked_in_parts(source: Storage, pg: Storage) -> None:
     """33,000 rows already there (a resumed copy) checked with one parameter each: over PostgreSQL's limit
     of 32,767 the check failed with the driver's error."""

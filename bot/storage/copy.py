@@ -82,6 +82,10 @@ BOUNDED_BY: dict[str, tuple[str, str]] = {
     "reply_sources": ("message_id", "messages"), "platform_messages": ("message_id", "messages"),
     "incognito": ("user_id", "users"),
 }
+# Rows the bot never changes once written: one the target holds is left as it is. SQLite's text index keeps a
+# message's words through its insert and delete only, so a message rewritten in place (its NUL, which PostgreSQL
+# cannot hold, gone after a copy there and back) kept the old words in the index after its deletion.
+UNCHANGING = frozenset({"messages"})
 # Columns that may point at rows copied later: inserted empty, set after the whole table.
 DEFERRED: dict[str, tuple[str, ...]] = {"memory_items": ("supersedes", "superseded_by")}
 ENGINE_ONLY_TYPES = frozenset({"tsvector"})  # filled by the engine itself
@@ -408,7 +412,7 @@ def _on_conflict(plan: _Plan, dialect: str) -> str:
     are set after the table (``_copy_deferred``)."""
     natural = [c for c in NATURAL_KEYS.get(plan.table, ()) if c in plan.columns]
     changing = [c for c in plan.columns if c not in plan.key and c not in plan.deferred and c not in natural]
-    if not changing:
+    if not changing or plan.table in UNCHANGING:
         return " ON CONFLICT DO NOTHING"
     table = _quote(plan.table)
     differs, same = (" IS DISTINCT FROM ", " IS NOT DISTINCT FROM ") if dialect == "postgres" else (" IS NOT ", " IS ")
