@@ -441,13 +441,30 @@ async def test_a_tool_is_offered_only_with_an_object_schema_and_one_naming_no_ty
     (the SDK takes it) made every request it was offered in fail."""
     from mcp import types
 
-    from cortex.skills.mcp import McpTool, offerable
+    from cortex.skills.mcp import McpTool, schema_problem
 
     bare = types.Tool(name="bare", inputSchema={"properties": {"q": {"type": "string"}}})
-    assert offerable(bare) and offerable(types.Tool(name="empty", inputSchema={}))
-    assert not offerable(types.Tool(name="listy", inputSchema={"type": "array"}))
+    assert schema_problem(bare) is None and schema_problem(types.Tool(name="empty", inputSchema={})) is None
+    assert schema_problem(types.Tool(name="listy", inputSchema={"type": "array"})) == (
+        "its input schema describes no object")
     server = McpServer(McpServerConfig(name="srv", command=["true"]), FAST)
     assert McpTool(server, bare).info.input_schema == {"type": "object", "properties": {"q": {"type": "string"}}}
+
+
+async def test_a_tool_whose_input_schema_is_no_valid_json_schema_is_not_offered(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A third-party server's tool with ``"type": "text"`` in its schema was offered as it is, and the provider
+    refuses a whole request over one invalid schema (Anthropic: "JSON schema is invalid"): no reply at all while
+    it was offered. Left out now, in one line naming it (HTTP skills' schemas are checked at start)."""
+    caplog.set_level(logging.WARNING, logger="cortex.skills.mcp")
+    server = McpServer(raw_config(), FAST)
+    try:
+        await server.start()
+        assert "textual" not in by_name(server.tools) and "ok" in by_name(server.tools)
+        assert "mcp server raw: its tool textual is not offered: its input schema is no valid JSON schema" \
+            in caplog.text
+    finally:
+        await server.aclose()
 
 
 async def test_a_secret_in_what_a_server_says_about_its_tools_is_redacted(

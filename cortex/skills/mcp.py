@@ -38,6 +38,8 @@ from typing import Any, Protocol, Self, TextIO
 import anyio
 import httpx2
 import mcp.types as types
+from jsonschema import exceptions as schema_errors
+from jsonschema import validators
 from mcp import ClientSession, StdioServerParameters
 from mcp.client import IncomingMessage, Transport
 from mcp.client.stdio import stdio_client
@@ -249,12 +251,22 @@ def _redacted_strings(value: Any, redacted: Callable[[str], str]) -> Any:
     return value
 
 
-def offerable(tool: types.Tool) -> bool:
-    """Whether a server's tool may be offered: its input schema describes an object, as the model APIs require
-    (one of another type made every request it was offered in fail: no reply at all; one that names no type is
-    offered as an object's, see ``McpTool``), and is small enough (it is sent with every request)."""
+def schema_problem(tool: types.Tool) -> str | None:
+    """Why a server's tool may not be offered, or None: its input schema must describe an object, as the model
+    APIs require (one of another type made every request it was offered in fail: no reply at all; one that names
+    no type is offered as an object's, see ``McpTool``), be a valid JSON schema (a provider refuses the whole
+    request over one that is not: ``"type": "text"``), and be small enough (it is sent with every request)."""
     schema = tool.input_schema
-    return schema.get("type", "object") == "object" and len(json.dumps(schema, default=str)) <= MAX_SCHEMA_CHARS
+    if schema.get("type", "object") != "object":
+        return "its input schema describes no object"
+    if len(json.dumps(schema, default=str)) > MAX_SCHEMA_CHARS:
+        return f"its input schema is over {MAX_SCHEMA_CHARS} characters"
+    offered = {"type": "object", **schema}
+    try:
+        validators.validator_for(offered).check_schema(offered)
+    except schema_errors.SchemaError as exc:
+        return f"its input schema is no valid JSON schema ({one_line(exc.message, 120)})"
+    return None
 
 
 class McpTool:
@@ -571,10 +583,13 @@ class McpServer:
             first.setdefault(tool.name, self._without_secrets(tool))
         listed = list(first.values())
         wanted = [tool for tool in listed if not allowed or tool.name in allowed]
-        fitting = [tool for tool in wanted if offerable(tool)]
-        if len(fitting) < len(wanted):
-            log.warning("mcp server %s: %d tool(s) whose input schema is no object or is over %d characters are "
-                        "not offered", self.name, len(wanted) - len(fitting), MAX_SCHEMA_CHARS)
+        fitting = []
+        for tool in wanted:
+            if (problem := schema_problem(tool)) is None:
+                fitting.append(tool)
+            else:
+                log.warning("mcp server %s: its tool %s is not offered: %s", self.name, one_line(tool.name, 80),
+                            problem)
         if len(fitting) > MAX_SERVER_TOOLS:
             log.warning("mcp server %s offers %d tools; the first %d are taken (list the ones wanted in its "
                         "tools = [...])", self.name, len(fitting), MAX_SERVER_TOOLS)

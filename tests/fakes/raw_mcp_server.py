@@ -7,7 +7,8 @@ log record there first), ``progress()`` (a notification nested deeper than the S
 its ``TOKEN`` and a line of 100,000 characters on its stderr), ``crash()`` (ends the process at once), ``daemon()``
 (starts a ``sleep 30`` that outlives it, holding its stderr open; answers its pid), ``query(sql)``, whose
 description, title and input schema quote the ``DSN`` of its environment (a careless server describing the database
-it reaches, password and all), and ``lookup()``, described by such a title alone.
+it reaches, password and all), ``lookup()``, described by such a title alone, and ``textual``, whose input schema is
+no valid JSON schema (``"type": "text"``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def tools() -> list[dict[str, Any]]:
          "inputSchema": {"type": "object", "properties": {"sql": {"type": "string",
                                                                   "description": f"SQL for {dsn}"}}}},
         {"name": "lookup", "title": f"Look a row up in {dsn}", "inputSchema": {"type": "object"}},
+        {"name": "textual", "description": "An input schema no JSON schema validator takes.",
+         "inputSchema": {"type": "object", "properties": {"q": {"type": "text"}}}},
     ]
 
 
