@@ -607,3 +607,21 @@ async def test_the_system_prompt_says_tool_results_are_information_when_tools_ar
             request = fake_llm.completion_requests[-1]
             assert bool(tool_names(request)) is enabled
             assert (TOOL_RULE in json.dumps(request.body, ensure_ascii=False)) is enabled
+
+
+async def test_search_lore_fills_a_cards_char_and_user_as_the_prompt_does(tmp_path: Path,
+                                                                          fake_llm: FakeLLMServer) -> None:
+    """The lore section of the prompt fills {{char}} and {{user}}; the search_lore tool gave the model the stored
+    text with the placeholders, which it then repeated."""
+    async with App(_config(tmp_path, fake_llm)) as app:
+        root = CommandContext("console", "console:root", "Root", "console:dm-root", "Cora", is_admin=True,
+                              is_bot_admin=True, is_dm=True)
+        added = await app.commands.dispatch(
+            "!lore add {{char}} carries the sword Ember, forged for {{user}}'s grandfather. --keys ember", root)
+        assert "#" in added.text, added.text
+        fake_llm.enqueue(FakeResponse.tool_calls([("c1", "search_lore", {"query": "sword Ember"})]),
+                         FakeResponse.text("It is Ember."))
+        assert await app.core.reply(_msg("tell me about your blade")).text() == "It is Ember."
+        result = str(replies(fake_llm)[-1].body["messages"])
+        assert "Cora carries the sword Ember, forged for Ann's grandfather." in result, result
+        assert "{{char}}" not in result and "{{user}}" not in result

@@ -17,6 +17,7 @@ from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from bot.config import SOUL_SECTIONS, Config
+from bot.prompt import resolve_variables
 from bot.storage.core import Storage
 from bot.storage.cortex import Pair
 from bot.storage.engine import StaleReference
@@ -162,7 +163,10 @@ class Builtins:
         persona_id = self.registry.persona_id(context.persona)
         entries = await self.lore.entries(persona_id) if persona_id is not None else []
         found = search(entries, query, limit=5)
-        return SkillResult("\n".join(f"- {e.content.strip()}" for e in found) if found else "nothing found")
+        # (a card's {{char}} and {{user}} filled in, as the lore section of the prompt fills them)
+        names = {"char_name": context.persona, "user_name": context.user_name}
+        return SkillResult("\n".join(f"- {resolve_variables(e.content.strip(), names)}" for e in found) if found
+                           else "nothing found")
 
     def _time(self) -> BuiltinSkill:
         info = SkillInfo("current_time", "The current date and time (optionally in an IANA time zone such as "
