@@ -226,6 +226,28 @@ async def test_http_round_trip(http_server: HttpServer, secret_env: None, caplog
         await server.aclose()
 
 
+async def test_a_header_secret_mounted_with_a_line_break_still_connects_and_is_never_shown(
+        http_server: HttpServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A secret from a file ends in a line break: the header was refused with its value quoted escaped (past the
+    redaction of its raw value), in the "is down" warning every retry and in !skills list, and the server never
+    connected. A line break inside the value is refused at start, naming the variable."""
+    caplog.set_level(logging.INFO)  # (the SDK's DEBUG lines show what the server answered: held at INFO in a bot)
+    monkeypatch.setenv("CB_TEST_MCP_FILE_KEY", "mcp-key-7f3a9c2e11d04b\n")
+    config = McpServerConfig(name="web", url=http_server.url, headers_env={"X-Api-Key": "CB_TEST_MCP_FILE_KEY"})
+    server = McpServer(config, FAST)
+    try:
+        await server.start()
+        assert server.up and not server.last_error
+        assert await server.call("header", {"name": "x-api-key"}) == SkillResult("[redacted]")
+    finally:
+        await server.aclose()
+    assert "7f3a9c2e11d04b" not in caplog.text
+    monkeypatch.setenv("CB_TEST_MCP_FILE_KEY", "mcp-key\nX-Other: 1")
+    with pytest.raises(ValueError, match=r"CB_TEST_MCP_FILE_KEY \(for header X-Api-Key\) holds a line break") as bad:
+        McpServer(config, FAST)
+    assert "mcp-key" not in str(bad.value)
+
+
 async def test_http_server_restart_reconnects(http_server: HttpServer) -> None:
     server = McpServer(McpServerConfig(name="web", url=http_server.url), FAST)
     try:

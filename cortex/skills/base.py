@@ -26,9 +26,14 @@ def from_environment(mapping: dict[str, str], where: str, what: str) -> dict[str
     skill that fails every call."""
     values: dict[str, str] = {}
     for key, variable in mapping.items():
-        value = os.environ.get(variable, "")
+        # (a secret mounted from a file ends in a line break: as a header it was refused, and the refusal quoted
+        # it escaped, past the redaction of its raw value, in the log and in !skills list)
+        value = os.environ.get(variable, "").strip()
         if not value:
             raise ValueError(f"{where}: environment variable {variable} (for {what} {key}) is not set")
+        if any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
+            raise ValueError(f"{where}: environment variable {variable} (for {what} {key}) holds a line break or "
+                             "another control character: put the secret alone in it")
         values[key] = value
     return values
 
