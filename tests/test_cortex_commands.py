@@ -617,6 +617,21 @@ async def test_odd_numbers_get_a_clear_answer(tmp_path: Path, line: str, answer:
         assert answer in reply and "Usage: !memory" in reply
 
 
+async def test_the_same_words_remembered_twice_at_once_are_stored_once(tmp_path: Path) -> None:
+    """A double-clicked "Remember this" (or one command handled twice after a reconnect): each check ran before the
+    other's write, and two items of one text were stored."""
+    import asyncio
+
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        await run(app, "!memory remember warm up")
+        answers = await asyncio.gather(*(run(app, "!memory remember my sister is Lena") for _ in range(3)))
+        assert sorted(a.text for a in answers) == [
+            "Already remembered as #2; nothing new was stored.", "Already remembered as #2; nothing new was stored.",
+            "Remembered as #2."]
+        rows = await app.storage.db.fetch_all("SELECT id FROM memory_items WHERE content = 'my sister is Lena'")
+        assert len(rows) == 1
+
+
 async def test_the_same_words_remembered_again_are_not_stored_twice(tmp_path: Path) -> None:
     async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
         assert (await run(app, "!memory remember I like tea")).text == "Remembered as #1."

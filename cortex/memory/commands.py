@@ -230,12 +230,13 @@ class MemoryCommands:
         scope: Scope = "shared" if ctx.seen_by_all and not ctx.is_dm else "private"
         try:
             checked = self.memory.checked(pair, content, category=category, importance=importance, source="user")
-            same = await self.memory.same_words(pair, checked, scope)
-            if same is not None:  # (the same words again: a second item would only crowd the prompt)
-                return self._already(same, category, importance, pin)
-            item = await self.memory.remember(pair, content, scope=scope, category=category,
-                                              importance=importance, pinned=pin, source="user",
-                                              source_ref=origin)
+            async with self.memory.writing(pair):
+                same = await self.memory.same_words(pair, checked, scope)
+                if same is not None:  # (the same words again: a second item would only crowd the prompt)
+                    return self._already(same, category, importance, pin)
+                item = await self.memory.remember(pair, content, scope=scope, category=category,
+                                                  importance=importance, pinned=pin, source="user",
+                                                  source_ref=origin)
         except MemoryError as exc:
             raise CommandError(str(exc)) from None
         pinned = " (pinned)" if item.pinned else ""
