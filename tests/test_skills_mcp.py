@@ -576,6 +576,54 @@ async def test_a_stdio_servers_stderr_is_logged_under_its_name_redacted_and_cut(
         await server.aclose()
 
 
+async def test_a_secret_a_stdio_server_prints_on_its_output_is_not_logged(
+        secret_env: None, caplog: pytest.LogCaptureFixture) -> None:
+    """A log line with the server's env_from token on its stdout, not its stderr: the SDK logged the line it could
+    not read at ERROR with its traceback, where pydantic quotes the line, token and all. Its record says so in one
+    line, without the traceback, and the call still answers."""
+    caplog.set_level(logging.DEBUG)
+    server = McpServer(raw_config(env_from={"TOKEN": "CORTEX_TEST_MCP_SECRET"}), FAST)
+    try:
+        await server.start()
+        assert await server.call("tattle", {}) == SkillResult("tattled")
+    finally:
+        await server.aclose()
+    assert SECRET not in caplog.text
+    unread = [r for r in caplog.records if r.name == "mcp.client.stdio" and "Failed to parse" in r.getMessage()]
+    assert unread and all(r.exc_info is None and "\n" not in r.getMessage() for r in unread), caplog.text
+
+
+async def test_a_secret_an_http_server_sends_back_in_an_unreadable_answer_is_not_logged(
+        secret_env: None, caplog: pytest.LogCaptureFixture) -> None:
+    """An HTTP server answering with something that is no JSON-RPC, its headers_env key in it: the SDK logged
+    "Error parsing JSON response" with pydantic's traceback quoting the answer, key and all (over a real
+    connection on loopback)."""
+    from aiohttp import web
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(text=f"upstream refused key={request.headers.get('X-Api-Key')}",
+                            content_type="application/json")
+
+    caplog.set_level(logging.DEBUG)
+    app = web.Application()
+    app.router.add_post("/mcp", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}/mcp"
+    server = McpServer(McpServerConfig(name="web", url=url, headers_env={"X-Api-Key": "CORTEX_TEST_MCP_SECRET"}),
+                       FAST)
+    try:
+        await server.start()
+        assert not server.up
+        assert SECRET not in caplog.text
+        unread = [r for r in caplog.records if r.name == "mcp.client.streamable_http" and "JSON" in r.getMessage()]
+        assert unread and all(r.exc_info is None and "\n" not in r.getMessage() for r in unread), caplog.text
+    finally:
+        await server.aclose()
+        await runner.cleanup()
+
+
 async def test_a_restarted_stdio_server_leaves_no_descriptor_or_task_behind() -> None:
     """Each connection to a stdio server has a pipe for its stderr and a task reading it: a crash, a restart and
     the stop close and end them all, even when a child the server left behind holds the pipe open."""

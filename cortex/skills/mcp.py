@@ -20,7 +20,8 @@ Secrets (``env_from`` variables for a stdio server, ``headers_env`` headers for 
 from the bot's environment when the server is built (one unset stops the start, as for an HTTP skill) and are
 never logged. A stdio server inherits only the SDK's small safe environment (PATH, HOME, ...) plus ``env`` and
 ``env_from``, never the bot's own secrets. What it writes on its stderr is logged line by line under its name,
-those secrets redacted (see ``stderr.py``).
+those secrets redacted (see ``stderr.py``); the SDK's own log lines are cut to one line, their tracebacks (which
+quote what a server sent) dropped and every server's secrets redacted (see ``sdk_logs.py``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from cortex.skills.base import (
     redact_cut,
     redaction_values,
 )
+from cortex.skills.sdk_logs import guard
 from cortex.skills.stderr import stderr_lines
 
 log = logging.getLogger(__name__)
@@ -369,6 +371,7 @@ class McpServer:
         """Start the supervising task and wait (at most ``connect_timeout``) for its first attempt.
 
         Never raises: a server that cannot start is logged and retried in the background."""
+        guard(self)  # (the SDK's own log lines: the server's secrets redacted, no traceback quoting what it sent)
         if self._task is None:
             self._task = asyncio.create_task(self._supervise(), name=f"mcp-server:{self.name}")
         with suppress(TimeoutError):

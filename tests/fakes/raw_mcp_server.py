@@ -4,7 +4,8 @@ Run as ``python tests/fakes/raw_mcp_server.py``. Tools: ``ok()`` (answers "fine"
 Latin-1, a byte that is no UTF-8), ``nested()`` (an answer nested deeper than the SDK reads), ``chatty()`` (a line
 of log text on its output before its answer), ``strerror()`` (an error that is a bare string), ``jsonlog()`` (a JSON
 log record there first), ``progress()`` (a notification nested deeper than the SDK reads first), ``leak()`` (writes
-its ``TOKEN`` and a line of 100,000 characters on its stderr), ``crash()`` (ends the process at once), ``daemon()``
+its ``TOKEN`` and a line of 100,000 characters on its stderr), ``tattle()`` (a log line with its ``TOKEN`` on its
+output, then the answer), ``crash()`` (ends the process at once), ``daemon()``
 (starts a ``sleep 30`` that outlives it, holding its stderr open; answers its pid), ``query(sql)``, whose
 description, title and input schema quote the ``DSN`` of its environment (a careless server describing the database
 it reaches, password and all), ``lookup()``, described by such a title alone, and ``textual``, whose input schema is
@@ -60,6 +61,9 @@ def call(request_id: Any, name: str, arguments: dict[str, Any]) -> None:
         sys.stderr.write("x" * 100_000 + "\n")
         sys.stderr.flush()
         text(request_id, "leaked")
+    elif name == "tattle":  # the same careless log line on its output (not stderr), then the answer
+        OUT.write(f"connecting to the upstream service with token={os.environ.get('TOKEN')}\n".encode())
+        text(request_id, "tattled")
     elif name == "crash":
         os._exit(3)
     elif name == "daemon":  # a child in a session of its own (out of reach of the stop), holding stderr open
