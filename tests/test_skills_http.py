@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -78,6 +79,9 @@ def _routes(seen: Recorder) -> web.Application:
     async def fail(request: web.Request) -> web.Response:
         return web.Response(status=500, text="boom " + "x" * 1000)
 
+    async def unknown(request: web.Request) -> web.Response:  # an error body that quotes the arguments
+        return web.Response(status=404, text=f"no forecast for {request.query.get('city')}")
+
     async def big(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse()
         await response.prepare(request)
@@ -121,6 +125,7 @@ def _routes(seen: Recorder) -> web.Application:
     app.router.add_get("/slow", slow)
     app.router.add_get("/slow-body", slow_body)
     app.router.add_get("/fail", fail)
+    app.router.add_get("/unknown", unknown)
     app.router.add_get("/big", big)
     app.router.add_get("/declared-big", declared_big)
     app.router.add_get("/hop/{left}", hop)
@@ -207,6 +212,26 @@ async def test_secret_header_reaches_the_server_but_not_the_result(
     assert SECRET not in result.content and result.content == "your key is [redacted]"
     assert skill.info.secrets == (SECRET,)
     assert SECRET not in repr(skill.info.input_schema)
+
+
+async def test_a_failure_is_logged_by_its_kind_never_with_the_persons_words(
+        server: tuple[str, Recorder], make: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A failed call was logged at INFO, the default level, with jsonschema's message, which quotes the argument
+    (the person's words), or the start of the server's error body, and the log outlives a forget-me and an
+    incognito pause. It names the rule broken or the status now; the model is still told everything."""
+    base, _ = server
+    caplog.set_level(logging.DEBUG, logger="cortex.skills.http")
+    words = "Lisbon, where I'm going for my HIV treatment next week"
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}}
+    skill = make(name="weather", url=base + "/unknown", parameters=schema)
+    invalid = await skill.run({"city": words}, _context())
+    assert invalid.is_error and words in invalid.content and "(at city)" in invalid.content
+    refused = await skill.run({"city": "Lisbon, at the clinic"}, _context())
+    assert refused.is_error and "no forecast for Lisbon, at the clinic" in refused.content
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO] == [
+        "http skill weather failed: invalid arguments (properties/city/maxLength)",
+        "http skill weather failed: HTTP 404"]
+    assert "Lisbon" not in caplog.text and "forecast" not in caplog.text  # (nor the URL filled, at DEBUG)
 
 
 async def test_result_path_walks_objects_and_list_indexes(server: tuple[str, Recorder], make: Any) -> None:

@@ -624,6 +624,24 @@ async def test_a_secret_an_http_server_sends_back_in_an_unreadable_answer_is_not
         await runner.cleanup()
 
 
+async def test_a_failed_call_is_logged_by_its_kind_never_with_the_persons_words(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A call the SDK refused (a result failing the tool's output schema) was logged at WARNING with the SDK's
+    text, which quotes the result, and the result quoted the argument: the person's words, in a log that outlives
+    a forget-me and an incognito pause. The log names the kind now; the model is still told everything."""
+    caplog.set_level(logging.INFO)
+    words = "Lisbon, where I'm going for my HIV treatment next week"
+    server = McpServer(raw_config(), FAST)
+    try:
+        await server.start()
+        result = await server.call("forecast", {"city": words})
+    finally:
+        await server.aclose()
+    assert result.is_error and words in result.content, result
+    assert "mcp server raw: calling forecast failed (RuntimeError)" in caplog.text
+    assert "Lisbon" not in caplog.text
+
+
 async def test_a_restarted_stdio_server_leaves_no_descriptor_or_task_behind() -> None:
     """Each connection to a stdio server has a pipe for its stderr and a task reading it: a crash, a restart and
     the stop close and end them all, even when a child the server left behind holds the pipe open."""

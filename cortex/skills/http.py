@@ -54,6 +54,16 @@ _MAX_SCHEMA_ERRORS = 5
 SessionFactory = Callable[[], aiohttp.ClientSession]
 
 
+class CallFailure(SkillFailure):
+    """A failed call: its message, for the model and the audit, may quote the arguments (the person's words) and
+    the server's answer; ``kind`` says what failed in the config's words alone (a field, a status code), for the
+    log, which outlives a forget-me and an incognito pause."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
 class HttpSkill:
     """One ``[[skills.http]]`` entry as a skill. Owns one :class:`aiohttp.ClientSession`, made on the
     first call (by ``session_factory`` if given, else one without a cookie jar); :meth:`aclose` closes it."""
@@ -89,9 +99,9 @@ class HttpSkill:
             _check_scheme(url)
             content = await self._request(url, rest)
         except SkillFailure as failure:
-            message = self._redact(str(failure))
-            log.info("http skill %s for %s failed: %s", self._config.name, context.user_key, message)
-            return SkillResult(message, is_error=True)
+            log.info("http skill %s failed: %s", self._config.name,
+                     failure.kind if isinstance(failure, CallFailure) else "failed")
+            return SkillResult(self._redact(str(failure)), is_error=True)
         return SkillResult(self._redact(content))
 
     async def aclose(self) -> None:
@@ -102,10 +112,11 @@ class HttpSkill:
 
     def _validate(self, arguments: dict[str, Any]) -> None:
         if not isinstance(arguments, dict):
-            raise SkillFailure("invalid arguments: expected a JSON object")
+            raise CallFailure("invalid arguments: expected a JSON object", "invalid arguments (no JSON object)")
         errors = sorted(self._validator.iter_errors(arguments), key=lambda e: list(e.absolute_path))
-        if errors:
-            raise SkillFailure("invalid arguments: " + "; ".join(_describe(e) for e in errors[:_MAX_SCHEMA_ERRORS]))
+        if errors := errors[:_MAX_SCHEMA_ERRORS]:
+            raise CallFailure("invalid arguments: " + "; ".join(_describe(e) for e in errors),
+                              f"invalid arguments ({', '.join(_rule_broken(e) for e in errors)})")
 
     def _session_now(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -124,34 +135,38 @@ class HttpSkill:
             options["json"] = rest
         elif rest:
             options["params"] = query_params(rest)
-        log.debug("http skill %s: %s %s", config.name, config.method, self._redact(url))
+        log.debug("http skill %s: %s %s", config.name, config.method, config.url)  # (the URL filled: their words)
         try:
             async with self._session_now().request(config.method, url, **options) as response:
                 if not follow and 300 <= response.status < 400:
-                    raise SkillFailure(f"the server answered with a redirect ({response.status}); a skill with secret "
-                                       "headers follows no redirects, so that they never reach another host")
+                    raise CallFailure(f"the server answered with a redirect ({response.status}); a skill with secret "
+                                      "headers follows no redirects, so that they never reach another host",
+                                      f"a redirect refused (HTTP {response.status})")
                 return await self._answer(response)
         except TimeoutError as exc:
-            raise SkillFailure(f"the request timed out after {config.timeout_seconds:g} s") from exc
+            timeout = f"timed out after {config.timeout_seconds:g} s"
+            raise CallFailure(f"the request {timeout}", timeout) from exc
         except aiohttp.TooManyRedirects as exc:
-            raise SkillFailure(f"too many redirects (more than {MAX_REDIRECTS})") from exc
-        except aiohttp.ClientConnectorError as exc:
-            raise SkillFailure(f"could not connect to {exc.host}:{exc.port} ({_os_reason(exc)})") from exc
+            raise CallFailure(f"too many redirects (more than {MAX_REDIRECTS})", "too many redirects") from exc
+        except aiohttp.ClientConnectorError as exc:  # (the host may be one the arguments made)
+            raise CallFailure(f"could not connect to {exc.host}:{exc.port} ({_os_reason(exc)})",
+                              "unreachable") from exc
         except (aiohttp.ClientError, ValueError) as exc:
-            raise SkillFailure(f"the request failed: {type(exc).__name__}: {exc}") from exc
+            raise CallFailure(f"the request failed: {type(exc).__name__}: {exc}",
+                              f"the request failed ({type(exc).__name__})") from exc
 
     async def _answer(self, response: aiohttp.ClientResponse) -> str:
         if response.status >= 400:
             body = (await read_limited(response, _ERROR_BODY_BYTES)).decode(_charset(response), errors="replace")
             excerpt = redact_cut(body, self._redact_values, ERROR_BODY_CHARS) or "(empty body)"
-            raise SkillFailure(f"the server answered HTTP {response.status} {response.reason or ''}".rstrip()
-                               + f": {excerpt}")
+            raise CallFailure(f"the server answered HTTP {response.status} {response.reason or ''}".rstrip()
+                              + f": {excerpt}", f"HTTP {response.status}")
         limit = self._config.max_response_bytes
         if response.content_length is not None and response.content_length > limit:
-            raise SkillFailure(_too_large(response.content_length, limit))
+            raise CallFailure(_too_large(response.content_length, limit), "response too large")
         raw = await read_limited(response, limit + 1)
         if len(raw) > limit:
-            raise SkillFailure(_too_large(None, limit))
+            raise CallFailure(_too_large(None, limit), "response too large")
         if not raw:
             return f"(empty response, HTTP {response.status})"
         return extract(raw.decode(_charset(response), errors="replace"), _is_json(response), self._config.result_path)
@@ -162,7 +177,7 @@ class HttpSkill:
         it is the skill's own host and port (a name is checked as it resolves, by :class:`PublicOnlyResolver`)."""
         host = request.url.raw_host or ""
         if not _trusted_at(host, request.url.port, self._trusted) and _is_ip(host) and not _public(host):
-            raise SkillFailure(_internal(host))
+            raise CallFailure(_internal(host), "an internal address refused")
         return await handler(request)
 
     def _redact(self, text: str) -> str:
@@ -295,7 +310,7 @@ def fill_template(template: str, arguments: dict[str, Any]) -> tuple[str, dict[s
     def replace(match: re.Match[str]) -> str:
         name = match.group(1)
         if arguments.get(name) is None:
-            raise SkillFailure(f"missing argument {name!r} (it is part of the URL)")
+            raise CallFailure(f"missing argument {name!r} (it is part of the URL)", f"missing argument {name!r}")
         used.add(name)
         return quote(_as_text(arguments[name]), safe="")
 
@@ -314,8 +329,8 @@ def _check_path(template: str, url: str) -> None:
 
     for pattern, filled in zip(segments(template), segments(url), strict=False):
         if URL_PLACEHOLDER.search(pattern) and filled.strip() in ("", ".", ".."):
-            raise SkillFailure(f"the arguments make a part of the URL's path {filled!r}, which would change the "
-                               "path called; give a real value")
+            raise CallFailure(f"the arguments make a part of the URL's path {filled!r}, which would change the "
+                              "path called; give a real value", "arguments that would change the URL's path")
 
 
 def query_params(arguments: dict[str, Any]) -> list[tuple[str, str]]:
@@ -341,6 +356,9 @@ async def read_limited(response: aiohttp.ClientResponse, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+_TOO_DEEP = "the response nests its JSON too deeply to be read"
+
+
 def extract(text: str, is_json: bool, result_path: str) -> str:
     """The part of the response the model sees: ``result_path`` of a JSON body, else the text."""
     if not is_json and not result_path:
@@ -348,17 +366,18 @@ def extract(text: str, is_json: bool, result_path: str) -> str:
     try:
         data = json.loads(text)
     except RecursionError as exc:  # nested deeper than Python's parser goes: no data the model could use
-        raise SkillFailure("the response nests its JSON too deeply to be read") from exc
+        raise CallFailure(_TOO_DEEP, _TOO_DEEP) from exc
     except ValueError as exc:
         if result_path:
-            raise SkillFailure(f"the response is not JSON, so result_path {result_path!r} cannot apply") from exc
+            raise CallFailure(f"the response is not JSON, so result_path {result_path!r} cannot apply",
+                              "response not JSON") from exc
         return text
     if result_path:
         data = walk(data, result_path)
     try:
         return data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     except RecursionError as exc:
-        raise SkillFailure("the response nests its JSON too deeply to be read") from exc
+        raise CallFailure(_TOO_DEEP, _TOO_DEEP) from exc
 
 
 def walk(data: Any, path: str) -> Any:
@@ -371,7 +390,8 @@ def walk(data: Any, path: str) -> Any:
             data = data[int(step)]
         else:
             where = ".".join(done) or "the top level"
-            raise SkillFailure(f"result_path {path!r} not found in the response: no {step!r} at {where}")
+            raise CallFailure(f"result_path {path!r} not found in the response: no {step!r} at {where}",
+                              "result_path not found in the response")
         done.append(step)
     return data
 
@@ -387,7 +407,7 @@ def _check_template(config: HttpSkillConfig) -> None:
 
 def _check_scheme(url: str) -> None:
     if urlsplit(url).scheme.lower() not in ("http", "https"):
-        raise SkillFailure("only http and https URLs may be called")
+        raise CallFailure("only http and https URLs may be called", "a URL that is no http or https one")
 
 
 def _schema_validator(config: HttpSkillConfig) -> Any:
@@ -406,6 +426,12 @@ def _describe(error: schema_errors.ValidationError) -> str:
         message = message[:200] + "..."
     path = "/".join(str(part) for part in error.absolute_path)
     return f"{message} (at {path})" if path else message
+
+
+def _rule_broken(error: schema_errors.ValidationError) -> str:
+    """The rule of the skill's schema an argument broke, in the schema's own words (``properties/city/maxLength``):
+    never the value, nor a key the model made up (the error's path through the arguments may hold one)."""
+    return "/".join(str(part) for part in error.absolute_schema_path)
 
 
 def _as_text(value: Any) -> str:

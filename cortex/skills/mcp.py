@@ -649,9 +649,11 @@ class McpServer:
                 return self._unreachable()
             return SkillResult(f"the {self.name} server refused the call: {exc.message}", is_error=True)
         except Exception as exc:  # e.g. a result that fails the tool's output schema
-            described = self.error_line(exc)
-            log.warning("mcp server %s: calling %s failed: %s", self.name, name, described)
-            return SkillResult(f"calling {name} on the {self.name} server failed: {described}", is_error=True)
+            # (The log names the kind alone: the SDK's text quotes the result, and the result, like the arguments,
+            # may hold the person's words, while the log outlives a forget-me and an incognito pause.)
+            log.warning("mcp server %s: calling %s failed (%s)", self.name, name, type(exc).__name__)
+            return SkillResult(f"calling {name} on the {self.name} server failed: {self.error_line(exc)}",
+                               is_error=True)
         text = result_text(result)
         if result.is_error:
             return SkillResult(text or f"the {name} tool failed", is_error=True)

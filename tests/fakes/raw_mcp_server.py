@@ -8,8 +8,9 @@ its ``TOKEN`` and a line of 100,000 characters on its stderr), ``tattle()`` (a l
 output, then the answer), ``crash()`` (ends the process at once), ``daemon()``
 (starts a ``sleep 30`` that outlives it, holding its stderr open; answers its pid), ``query(sql)``, whose
 description, title and input schema quote the ``DSN`` of its environment (a careless server describing the database
-it reaches, password and all), ``lookup()``, described by such a title alone, and ``textual``, whose input schema is
-no valid JSON schema (``"type": "text"``).
+it reaches, password and all), ``lookup()``, described by such a title alone, ``textual``, whose input schema is
+no valid JSON schema (``"type": "text"``), and ``forecast(city)``, whose result fails its own output schema,
+quoting the city.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def tools() -> list[dict[str, Any]]:
         {"name": "lookup", "title": f"Look a row up in {dsn}", "inputSchema": {"type": "object"}},
         {"name": "textual", "description": "An input schema no JSON schema validator takes.",
          "inputSchema": {"type": "object", "properties": {"q": {"type": "text"}}}},
+        {"name": "forecast", "inputSchema": {"type": "object", "properties": {"city": {"type": "string"}}},
+         "outputSchema": {"type": "object", "properties": {"temp": {"type": "number"}}}},
     ]
 
 
@@ -64,6 +67,9 @@ def call(request_id: Any, name: str, arguments: dict[str, Any]) -> None:
     elif name == "tattle":  # the same careless log line on its output (not stderr), then the answer
         OUT.write(f"connecting to the upstream service with token={os.environ.get('TOKEN')}\n".encode())
         text(request_id, "tattled")
+    elif name == "forecast":  # a result that fails its output schema, quoting the argument
+        send({"jsonrpc": "2.0", "id": request_id, "result": {
+            "content": [], "structuredContent": {"temp": f"unknown for {arguments.get('city')}"}}})
     elif name == "crash":
         os._exit(3)
     elif name == "daemon":  # a child in a session of its own (out of reach of the stop), holding stderr open
