@@ -485,6 +485,34 @@ async def test_a_target_an_older_copy_data_made_is_not_deleted_from(source: Stor
     assert "said on PostgreSQL 2" in texts
 
 
+async def test_a_copy_from_an_older_state_of_the_source_is_refused_before_anything_goes(source: Storage, pg: Storage,
+                                                                                        tmp_path: Path) -> None:
+    """The source restored from a file backup older than the last copy: the target's newer rows passed every check,
+    and the first pass deleted them all as "deleted at the source" (the report said ok)."""
+    import shutil
+
+    assert (await copy_data(source, pg)).ok
+    path = Path(source.db.url.removeprefix("sqlite:///"))
+    backup = tmp_path / "backup.db"
+    await source.db.write("PRAGMA wal_checkpoint(TRUNCATE)")
+    shutil.copy(path, backup)
+    ann = await source.get_user("discord:1")
+    general = await source.upsert_channel("discord:g", "general", is_dm=False)
+    assert ann is not None
+    for n in range(3):
+        await source.add_message(general.id, ann.id, "Cora", "user", "Ann", f"later words {n}", 2)
+    assert (await copy_data(source, pg)).ok
+    restored = await open_storage(f"sqlite:///{backup}")
+    try:
+        with pytest.raises(StorageError, match=r"holds rows this database never had \(messages up to #\d+ .*restored "
+                                               r"from a backup\?\)"):
+            await copy_data(restored, pg)
+    finally:
+        await restored.close()
+    texts = [str(r[0]) for r in await pg.db.fetch_all("SELECT text FROM messages")]
+    assert "later words 2" in texts
+
+
 async def test_a_forget_me_during_the_first_pass_leaves_a_target_the_next_run_completes(
         source: Storage, pg: Storage, monkeypatch: pytest.MonkeyPatch) -> None:
     """--while-running and a forget-me during the deleting pass: the user's row was to go while messages the
@@ -493,8 +521,8 @@ async def test_a_forget_me_during_the_first_pass_leaves_a_target_the_next_run_co
     assert (await copy_data(source, pg)).ok
     real = copy_module._gone_ids
 
-    async def forget_meanwhile(src: Any, dst: Any, table: str, key: str, batch: int) -> list[int]:
-        found = await real(src, dst, table, key, batch)
+    async def forget_meanwhile(src: Any, dst: Any, table: str, key: str, batch: int, upto: int) -> list[int]:
+        found = await real(src, dst, table, key, batch, upto)
         if table == "users":
             await source.forget_user("discord:1")
         return found

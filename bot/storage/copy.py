@@ -180,10 +180,10 @@ async def copy_data(source: Storage, target: Storage, *, progress: Progress | No
     # passes), and the source's rows up to here are the target's too (so a copy back, once a bot ran on the target,
     # passes while this one did not move on meanwhile; and is refused when it did).
     reached = await _largest_ids(source.db)
-    marked = await _mark(target.db) is not None  # (before this copy: what a copy accounted for is there)
+    accounted = await _accounted(source.db, target.db)
     for db in (source.db, target.db):
         await _raise_mark(db, reached)
-    removed = await _remove_deleted(source.db, target.db, batch, progress, marked=marked)
+    removed = await _remove_deleted(source.db, target.db, batch, progress, accounted)
     if any(removed.values()):
         await target.scrub()  # (the deleted words out of a SQLite target's files, as a forget-me does)
     copied: dict[str, int] = {}
@@ -327,23 +327,42 @@ async def _copy_table(source: Database, target: Database, table: str, batch: int
     return copied
 
 
-async def _remove_deleted(source: Database, target: Database, batch: int, progress: Progress | None, *,
-                          marked: bool) -> dict[str, int]:
+async def _accounted(source: Database, target: Database) -> dict[str, int] | None:
+    """The ids up to which the target's rows are provably the source's (both marked by an earlier copy between
+    them: the source's mark), or None (a first copy, or a target an older copy-data made). A target marked past
+    the source is refused: it holds rows this database never had (it was copied from a newer state of this
+    database, which was then restored from a backup, say), and the ids this one hands out next are theirs."""
+    source_mark, target_mark = await _mark(source), await _mark(target)
+    if source_mark is None or target_mark is None:
+        return None
+    ahead = [f"{table} up to #{n:,} (this database: #{source_mark.get(table, 0):,})"
+             for table, n in target_mark.items() if n > source_mark.get(table, 0)]
+    if ahead:
+        raise StorageError(
+            f"{target.url} holds rows this database never had ({'; '.join(ahead[:4])}{'; …' if len(ahead) > 4 else ''}"
+            "): it was copied from a newer state of this bot's database (was this one restored from a backup?). "
+            "Copy into an empty database, or copy that one back here first")
+    return source_mark
+
+
+async def _remove_deleted(source: Database, target: Database, batch: int, progress: Progress | None,
+                          accounted: dict[str, int] | None) -> dict[str, int]:
     """Delete from the target what the source deleted since an earlier copy (a forget-me, expired messages, an
     ended incognito stretch): the rows of the tables keyed by one id that the source no longer has, and the
     rows of ``BOUNDED_BY`` pointing at them. Only rows whose origin is certain go: a target a bot wrote into since
     is refused before this (its ids grew past the mark), a table keyed otherwise (settings, sessions) is left
-    as it is, and a target that was not ``marked`` before this copy (empty, or made by an older copy-data) is
-    not touched at all. Children go
+    as it is, only ids up to what the source had when a copy between them last ran (``accounted``) are
+    looked at, and a target that was not marked before this copy (empty, or made by an older copy-data) is not
+    touched at all. Children go
     before parents, in one transaction per table. Returns the rows deleted per table."""
     removed = dict.fromkeys(TABLES, 0)
-    if not marked:
+    if accounted is None:
         return removed
     gone: dict[str, list[int]] = {}
     for table in TABLES:  # (parents first: a row the source deletes meanwhile leaves no child pointing at a gone one)
         shape = await _shape(target, table)
         if len(shape.key) == 1 and shape.types[shape.key[0]] in INTEGER_TYPES:
-            gone[table] = await _gone_ids(source, target, table, shape.key[0], batch)
+            gone[table] = await _gone_ids(source, target, table, shape.key[0], batch, accounted.get(table, 0))
     for table in reversed(TABLES):
         if table in BOUNDED_BY:
             column, parent = BOUNDED_BY[table]
@@ -355,15 +374,16 @@ async def _remove_deleted(source: Database, target: Database, batch: int, progre
     return removed
 
 
-async def _gone_ids(source: Database, target: Database, table: str, key: str, batch: int) -> list[int]:
-    """The target's ids of ``table`` the source lacks, page by page (each page's ids looked up in the source)."""
+async def _gone_ids(source: Database, target: Database, table: str, key: str, batch: int, upto: int) -> list[int]:
+    """The target's ids of ``table`` up to ``upto`` the source lacks, page by page (each page's ids looked up in
+    the source)."""
     gone: list[int] = []
     last: int | None = None
     while True:
-        after = "" if last is None else f" WHERE {_quote(key)} > ?"
+        after = f" AND {_quote(key)} > ?" if last is not None else ""
         held = [r[0] for r in await target.fetch_all(
-            f"SELECT {_quote(key)} FROM {_quote(table)}{after} ORDER BY {_quote(key)} LIMIT {batch}",
-            () if last is None else (last,))]
+            f"SELECT {_quote(key)} FROM {_quote(table)} WHERE {_quote(key)} <= {int(upto)}{after}"
+            f" ORDER BY {_quote(key)} LIMIT {batch}", () if last is None else (last,))]
         if not held:
             return gone
         kept: set[Any] = set()
