@@ -248,7 +248,11 @@ class Router:
     async def _show_failure(self, message: IncomingMessage, shown: StreamedReply, sink: ChatSink,
                             waiting: asyncio.Task[None] | None, exc: BaseException) -> None:
         """What a reply that failed leaves on the platform."""
-        if isinstance(exc, LLMError | UserFacingError):
+        if shown.refused is not None and not shown.sent:  # (nothing can be shown there: not a bug, no second try)
+            await _stop(waiting)
+            log.warning("the reply in %s failed (%s), and the platform refuses the bot's messages there (%s)",
+                        message.channel_key, error_line(exc), error_line(shown.refused))
+        elif isinstance(exc, LLMError | UserFacingError):
             await self._failed(shown, sink, waiting, exc.user_message)
         elif isinstance(exc, MessageWithdrawn):  # deleted on the platform before its reply: nothing to answer
             await _stop(waiting)

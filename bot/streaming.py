@@ -131,7 +131,11 @@ class StreamedReply:
                 current = current.rstrip("\n") + "\n" + fence
             shown = f"{current}\n\n_{line}_" if current else f"_{line}_"
             if len(shown) <= self.sink.limit:
-                await self._put(shown)
+                try:
+                    await self._put(shown)
+                except CannotPost as exc:  # (the tool still runs; finish says the reply could not be shown)
+                    log.info("the platform refused a message of a reply (%s); no more of it is sent",
+                             error_line(exc))
 
     async def placeholder_after(self, delay: float, text: str) -> None:
         """After ``delay`` seconds without any reply text, show ``text`` ("still working…"); the reply

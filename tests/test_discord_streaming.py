@@ -178,6 +178,32 @@ async def test_a_streamed_reply_where_the_bot_may_not_post_asks_discord_once(
             assert not await app.storage.db.fetch_all("SELECT id FROM messages WHERE role = 'assistant'")
 
 
+async def test_a_tool_called_first_in_a_channel_closed_to_the_bot_asks_discord_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The model calls a tool before any text: its status line was the refused first message, the refusal failed
+    the tool call, and the router took it for a bug (an ERROR with a traceback, a second refused POST)."""
+    from bot.llm.base import Completion, ToolCall, Usage
+
+    caplog.set_level(logging.INFO)
+    with FakeDiscord() as fake:
+        async with running_bot(fake, tmp_path, monkeypatch, {"edit_interval_seconds": 0.2}) as app:
+            lookup = (ToolCall("c1", "search_memory", {"query": "x"}),)
+            app.llm.enqueue(Completion("", tool_calls=lookup, usage=Usage(0, 1)), "the answer")  # type: ignore
+            dm = 700_000_000_000_000_002
+            fake.refuse_posts(dm)
+            fake.dispatch_message("hello")
+            for _ in range(100):
+                if any("could not be shown" in r.getMessage() for r in caplog.records):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the refused reply was never given up: " + caplog.text[-2000:])
+            posts = [r for r in fake.requests if r.method == "POST" and r.path == f"/channels/{dm}/messages"]
+            assert len(posts) == 1, posts
+            assert len(app.llm.requests) == 2  # type: ignore[attr-defined]  # (the tool ran, the model answered)
+            assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
 async def test_a_reply_the_model_wrote_shows_no_link_previews(live: tuple[FakeDiscord, App]) -> None:
     """Discord's servers fetch a link to preview it at once: a model talked into writing a link with a secret in
     it (by a fetched page, a lore entry) handed the secret to that link's server without anyone clicking."""

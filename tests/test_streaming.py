@@ -69,6 +69,26 @@ async def test_a_message_the_platform_refuses_for_good_is_asked_for_once() -> No
     assert tries == ["word0"] and reply.sent == []
 
 
+async def test_a_status_line_the_platform_refuses_as_the_first_message_lets_the_tool_run() -> None:
+    """A tool called before any text: its status line is the reply's first message, and its refusal came out of
+    ``status`` (the tool call failed, the reply ended as a bug with a traceback and a second refused message)."""
+    clock, sink = Clock(), RecordingSink()
+    tries: list[str] = []
+
+    async def refuse(text: str) -> int:
+        tries.append(text)
+        raise CannotPost("403 Forbidden (error code: 50013): Missing Permissions")
+
+    sink.send = refuse  # type: ignore[method-assign]
+    reply = StreamedReply(sink, interval=0.0, clock=clock)
+    await reply.status("looking that up…")
+    await reply.status("looking that up again…")
+    await reply.feed("the answer")
+    with pytest.raises(CannotPost, match="Missing Permissions"):
+        await reply.finish()
+    assert tries == ["_looking that up…_"] and reply.sent == []
+
+
 async def test_long_replies_continue_in_new_messages_without_breaking_code() -> None:
     clock, sink = Clock(), RecordingSink(limit=200)
     reply = StreamedReply(sink, interval=0.0, clock=clock)
