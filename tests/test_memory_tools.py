@@ -80,9 +80,11 @@ async def test_remember_search_update_forget_through_the_loop(app: App, fake_llm
     assert "Paris" not in {i.content for i in items} and stale.id not in by_text.values()
 
 
-async def test_a_correction_keeps_the_scope_the_user_gave(app: App, fake_llm: FakeLLMServer) -> None:
-    """A shared item corrected by the persona stays shared (and a private one private): the old one is hidden,
-    so a correction made private would vanish from the group channels where the user wanted the fact."""
+async def test_a_correction_by_the_update_is_private(app: App, fake_llm: FakeLLMServer) -> None:
+    """A shared item corrected by the persona stayed shared: the update reads the pair's DMs, and "Bob was fired
+    and sees a therapist", said in a DM, correcting the shared "Bob works at Acme", entered his group channels'
+    prompts. Every item the update writes is private (the README: items the persona writes itself are private);
+    the user shares one again with !memory scope."""
     await _talk(app, CONVERSATION)
     pair = await _pair(app)
     memory = app.cortex.memory
@@ -99,7 +101,7 @@ async def test_a_correction_keeps_the_scope_the_user_gave(app: App, fake_llm: Fa
     assert outcome.status == "success"
     items, _ = await memory.list_items(pair.id)
     scopes = {i.content: i.scope for i in items}
-    assert scopes == {"Ann's team plays on Fridays": "shared", "Ann's sister Mia lives in Lyon": "private"}
+    assert scopes == {"Ann's team plays on Fridays": "private", "Ann's sister Mia lives in Lyon": "private"}
 
 
 async def test_a_correction_of_a_fact_that_expires_still_expires(app: App, fake_llm: FakeLLMServer) -> None:

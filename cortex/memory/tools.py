@@ -277,7 +277,9 @@ class MemoryTools:
             self.pair_id, content, category=_category(args, old.category),
             importance=_int(args, "importance", required=False, low=1, high=10) or old.importance,
             key=old.key, tags=old.tags, source="model", source_ref=self._source_ref, expires_at=expires,
-            supersedes=old.id, scope="shared" if old.scope == "shared" else "private",  # (the user chose who sees it)
+            # Private, as every item the update writes: it reads the pair's DMs (and files made from them), so a
+            # correction of a shared item may carry what was said there into group channels' prompts.
+            supersedes=old.id, scope="private",
         )
         self.written.append(item.id)
         return MemoryToolResult(f"saved #{item.id}, replacing #{old.id}")
