@@ -202,6 +202,12 @@ async def test_admin_commands_prune_weights_budgets_embedder_and_stats(tmp_path:
         await app.cortex.embeddings.backfill()
         status = (await run(app, "!cortex embedder", admin)).text
         assert "1 of 1 memory items" in status and "Last backfill" in status and "in progress" not in status
+        # typed in a channel by a bot admin: privately (the embedding server's last error may quote a person's item,
+        # its address and the whole bot's counts are the operator's); so is pruning's bot-wide report
+        in_channel = ctx("root", admin=True, server="console:guild1", bot_admin=True)
+        answer = await run(app, "!cortex embedder", in_channel)
+        assert answer.private and "1 of 1 memory items" in answer.text
+        assert not (await run(app, "!cortex embedder", admin)).private  # (a DM is private already)
         answer = await run(app, "!cortex stats", admin)
         assert answer.private  # (every pair's recent errors: to the admin who asked alone)
         stats = answer.text
@@ -209,6 +215,8 @@ async def test_admin_commands_prune_weights_budgets_embedder_and_stats(tmp_path:
         assert "embed-backfill (every 60 s)" in stats and "requeue-abandoned-jobs" in stats
         assert "prune-old-jobs (every 24 h)" in stats
         assert "archived 1 item(s)" in stats
+        pruned_here = await run(app, "!cortex prune", in_channel)
+        assert pruned_here.private and "Pruning at" in pruned_here.text
     async with App(_config(tmp_path, weight_author=0.25), llm=ScriptedProvider(), embedder=HashEmbedder()) as app:
         assert app.cortex.memory.weights.vector == 0.7 and app.cortex.memory.weights.author == 0.4  # as saved
         # weights saved by a version without the author signal: it keeps the config file's weight

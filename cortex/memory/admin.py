@@ -119,8 +119,8 @@ class MemoryAdminCommands:
         for store in self.stores:
             store.weights = weights
 
-    async def prune(self, ctx: CommandContext, args: Sequence[str]) -> str:
-        return "\n".join((await self.pruner.prune()).lines())
+    async def prune(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply | str:
+        return operators(ctx, "\n".join((await self.pruner.prune()).lines()))  # (the whole bot's counts)
 
     async def weights(self, ctx: CommandContext, args: Sequence[str]) -> str:
         current = self.stores[0].weights
@@ -168,7 +168,9 @@ class MemoryAdminCommands:
         except ConfigError:  # (a persona deleted since the channel picked it)
             return budgets_for(self.config, ConfigPersonas(self.config).persona(None))
 
-    async def embedder(self, ctx: CommandContext, args: Sequence[str]) -> str:
+    async def embedder(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply | str:
+        """Privately outside a DM: the embedding server's last error may quote what it was sent (a person's
+        memory item), and its address and the whole bot's counts are the operator's."""
         if self.embeddings is None:
             return "No embedder: [memory] embedder = \"none\"; search uses full text and the other signals only."
         s = await self.embeddings.status()
@@ -191,7 +193,7 @@ class MemoryAdminCommands:
                          f"{s.last_run.items} items, {s.last_run.messages} messages in {s.last_run.seconds:.1f} s.")
         if s.last_error:
             lines.append(f"Last error: {s.last_error}")
-        return "\n".join(lines)
+        return operators(ctx, "\n".join(lines))
 
     async def stats_lines(self) -> list[str]:
         """Background jobs and the last pruning, for ``!cortex stats``."""
