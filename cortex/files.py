@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from bot.text import shown
+from bot.text import shown, storable
 from cortex.diff import unified
 from cortex.memory.guard import guarded
 from cortex.store import FILENAMES, Author, CortexStore, FileVersion, Pair
@@ -114,6 +114,8 @@ class CortexFiles:
     ) -> FileVersion | None:
         """Store ``content`` as a new version; None when it equals the current one. With ``based_on`` (the
         version the writer read), only while that is still the newest, else :class:`FileConflict`."""
+        # (as the store keeps it: a NUL PostgreSQL drops made every write of the same text a new version)
+        content = storable(content)
         if author != "system":
             guarded(filename, content, f"{author} on pair {pair.id}", FileError)
         current = await self.store.current(pair.id, filename)

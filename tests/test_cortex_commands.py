@@ -617,6 +617,19 @@ async def test_odd_numbers_get_a_clear_answer(tmp_path: Path, line: str, answer:
         assert answer in reply and "Usage: !memory" in reply
 
 
+async def test_a_file_written_again_with_the_same_text_and_a_nul_is_no_new_version(tmp_path: Path) -> None:
+    """PostgreSQL keeps no NUL: the stored text lacked it, the text written again had it, so every write of the
+    same text (a web edit, a model's) stored a new version."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        await run(app, "!memory show")
+        _, pair = await app.cortex.store.pair_for("console:ann", "Ann", "Cora")
+        text = "# My memories of Ann\n- likes green\x00 tea\n"
+        first = await app.cortex.files.write(pair, "memory.md", text, "model", "cortex update")
+        assert first is not None and "\x00" not in first.content
+        assert await app.cortex.files.write(pair, "memory.md", text, "model", "cortex update") is None
+        assert (await app.cortex.store.current(pair.id, "memory.md")).version == first.version  # type: ignore
+
+
 async def test_the_same_words_remembered_twice_at_once_are_stored_once(tmp_path: Path) -> None:
     """A double-clicked "Remember this" (or one command handled twice after a reconnect): each check ran before the
     other's write, and two items of one text were stored."""
