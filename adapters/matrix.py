@@ -412,6 +412,7 @@ class MatrixAdapter:
         # a warning, and anyone's server can send made-up sessions without end.
         self._key_requests = RateLimiter(KEY_REQUESTS_PER_MINUTE)
         self._fatal: MatrixError | None = None  # why the sync stopped for good (run raises it)
+        self._lost = asyncio.Event()  # the account's claim went to another process
         self.ready = asyncio.Event()
 
     # -- state -----------------------------------------------------------------------------------
@@ -484,7 +485,33 @@ class MatrixAdapter:
 
     async def run(self) -> None:
         # One process per account: a second one would answer every message twice.
-        await self.app.fleet.hold(f"matrix:{self.config.user_id}", f"the Matrix account {self.config.user_id}")
+        await self.app.fleet.hold(f"matrix:{self.config.user_id}", f"the Matrix account {self.config.user_id}",
+                                  on_lost=self._account_lost)
+        connecting = asyncio.ensure_future(self._connect())
+        lost = asyncio.ensure_future(self._lost.wait())
+        try:  # (the claim may be lost while waiting for the homeserver or logging in)
+            await asyncio.wait({connecting, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            if not connecting.done():
+                connecting.cancel()
+                await asyncio.gather(connecting, return_exceptions=True)
+        if self._fatal is not None:
+            raise self._fatal
+        since = connecting.result()
+        self._serve_callbacks()
+        log.info("Matrix: %s syncing from %s", self.config.user_id, self.config.homeserver)
+        self.ready.set()
+        try:
+            await self.client.sync_forever(timeout=10_000, since=since, full_state=True)
+        finally:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._fatal is not None:
+            raise self._fatal
+
+    async def _connect(self) -> str:
+        """Wait for the homeserver, log in, and the sync token to start from (a first start takes the room state
+        and answers the invites that arrived before it)."""
         await self.wait_for_homeserver()
         await self.login()
         since = self._load_state().get("next_batch")
@@ -503,7 +530,10 @@ class MatrixAdapter:
                                             self._invited_directly(info.invite_state if info else []))
         # (``since`` goes to the first sync only, never to client.next_batch: nio drops a sync answer whose token
         # equals it, and after a restart with nothing new that was the full-state one, leaving no room known.)
-        # Every callback is guarded: one bad event must not end the sync (see ``guarded``).
+        return str(since)
+
+    def _serve_callbacks(self) -> None:
+        """Every callback is guarded: one bad event must not end the sync (see ``guarded``)."""
         self.client.add_event_callback(guarded(self._on_message), (RoomMessageText, RoomMessageEmote))
         self.client.add_event_callback(guarded(self._on_file), MEDIA_EVENTS)
         self.client.add_event_callback(guarded(self.reactions.on_reaction), ReactionEvent)
@@ -513,14 +543,6 @@ class MatrixAdapter:
         self.client.add_event_callback(guarded(self._on_member), RoomMemberEvent)
         self.client.add_response_callback(guarded(self._on_sync), SyncResponse)
         self.client.add_response_callback(guarded(self._on_sync_error), SyncError)
-        log.info("Matrix: %s syncing from %s", self.config.user_id, self.config.homeserver)
-        self.ready.set()
-        try:
-            await self.client.sync_forever(timeout=10_000, since=since, full_state=True)
-        finally:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._fatal is not None:
-            raise self._fatal
 
     async def typing_starts(self, room_id: str) -> None:
         count, task = self._typing.get(room_id, (0, None))
@@ -582,6 +604,13 @@ class MatrixAdapter:
         self._save_state(device_id=response.device_id, access_token=response.access_token)
         log.warning("Matrix: the session of %s was signed out; logged in again (a new device)", self.config.user_id)
         return True
+
+    def _account_lost(self, why: str) -> None:
+        """Another process took the account's claim (this one stalled, or could not reach the database for the
+        claim's whole time): it serves the account now, and this one stops, or every message is answered twice."""
+        self._fatal = MatrixError(f"{why}; this process stopped serving it (restart it once the other one stops)")
+        self._lost.set()
+        self.client.stop_sync_forever()
 
     def _signed_out(self) -> None:
         """The session is gone: stop with one clear line (the process ends; a restart logs in again with the

@@ -15,6 +15,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from bot.jobs import local_host
@@ -51,27 +52,39 @@ class Fleet:
         await self.storage.fleet.heartbeat(
             self.process_id, local_host(), os.getpid(), self.info, self.started_at)
 
-    async def hold(self, name: str, what: str) -> None:
+    async def hold(self, name: str, what: str, on_lost: Callable[[str], None] | None = None) -> None:
         """Take the lock ``name`` for as long as this process runs, renewing it in the background;
-        :class:`LockHeld` when another live process holds it."""
+        :class:`LockHeld` when another live process holds it. ``on_lost(why)`` is called once when the claim is
+        lost (another process took it after this one could not renew it for its whole time): the caller stops
+        what the lock guards, or two processes serve one account."""
         holder = await self.storage.fleet.acquire_lock(name, self.process_id, LOCK_TTL_SECONDS)
         if holder is not None:
             raise LockHeld(
                 f"{what} is already served by another running process ({holder}); run one process per "
                 f"account, or stop the other one (its claim expires {LOCK_TTL_SECONDS:.0f} s after it stops)"
             )
-        self._locks[name] = asyncio.create_task(self._renew(name, what), name=f"fleet-lock-{name}")
+        self._locks[name] = asyncio.create_task(self._renew(name, what, on_lost), name=f"fleet-lock-{name}")
 
-    async def _renew(self, name: str, what: str) -> None:
+    async def _renew(self, name: str, what: str, on_lost: Callable[[str], None] | None) -> None:
+        renewed = time.monotonic()
         while True:
             await asyncio.sleep(LOCK_TTL_SECONDS / 3)
-            try:
-                holder = await self.storage.fleet.acquire_lock(name, self.process_id, LOCK_TTL_SECONDS)
+            try:  # (within a third of the claim's time: a pool with every connection busy must not stall it)
+                holder = await asyncio.wait_for(
+                    self.storage.fleet.acquire_lock(name, self.process_id, LOCK_TTL_SECONDS), LOCK_TTL_SECONDS / 3)
             except Exception as exc:  # the database may be back by the next renewal
-                log.warning("could not renew the claim on %s: %s", what, exc)
+                if time.monotonic() - renewed < LOCK_TTL_SECONDS:
+                    log.warning("could not renew the claim on %s: %s", what, exc if str(exc) else type(exc).__name__)
+                    continue
+                holder = f"nobody yet (not renewed for {time.monotonic() - renewed:.0f} s: another process may take it)"
+            if holder is None:
+                renewed = time.monotonic()
                 continue
-            if holder is not None:
-                log.error("the claim on %s was taken over by %s (this process stalled too long)", what, holder)
+            why = f"the claim on {what} was lost to {holder}: this process stalled or could not reach the database"
+            log.error("%s; it stops serving it", why)
+            if on_lost is not None:
+                on_lost(why)
+            return
 
     async def live(self) -> list[ProcessInfo]:
         return await self.storage.fleet.live_processes()

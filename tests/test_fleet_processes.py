@@ -57,6 +57,51 @@ async def test_a_second_process_on_one_matrix_account_refuses_before_logging_in(
             await adapter.close()
 
 
+async def test_a_process_that_lost_its_claim_is_told_so_and_stops_renewing(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process stalled longer than the claim's time: another took the Matrix account, and the first went on
+    serving it (an ERROR every few seconds), so every message was answered twice."""
+    import time
+
+    import bot.fleet as fleet_module
+
+    monkeypatch.setattr(fleet_module, "LOCK_TTL_SECONDS", 0.9)
+    config = _config(tmp_path)
+    async with App(config, llm=ScriptedProvider()) as one, App(config, llm=ScriptedProvider()) as two:
+        lost: list[str] = []
+        await one.fleet.hold("matrix:@bot:example.org", "the Matrix account @bot:example.org", on_lost=lost.append)
+        time.sleep(1.2)  # noqa: ASYNC251  (one's event loop stalls past the claim's time: the case itself)
+        await two.fleet.hold("matrix:@bot:example.org", "the Matrix account @bot:example.org")
+        for _ in range(40):
+            if lost:
+                break
+            await asyncio.sleep(0.1)
+        assert len(lost) == 1 and f"lost to {two.fleet.process_id}" in lost[0], lost
+        await asyncio.sleep(0.8)
+        assert len(lost) == 1  # (said once; the renewal stopped, and two keeps the account)
+        row = await two.storage.db.fetch_one("SELECT owner FROM instance_locks WHERE name = 'matrix:@bot:example.org'")
+        assert row is not None and row[0] == two.fleet.process_id
+
+
+async def test_a_matrix_adapter_whose_claim_was_lost_stops_with_one_line(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from adapters.matrix import MatrixError
+
+    config = parse_config({
+        "storage": {"url": db_url_for(tmp_path)}, "memory": {"embedder": "none"},
+        "matrix": {"enabled": True, "homeserver": "http://127.0.0.1:9", "user_id": "@cortex:localhost",
+                   "password_env": "CB_MATRIX_PW", "store_path": str(tmp_path / "matrix")},
+    })
+    async with App(config, llm=ScriptedProvider()) as app:
+        adapter = MatrixAdapter(app, config.matrix, env={"CB_MATRIX_PW": "x"})
+        try:
+            adapter._account_lost("the claim on the Matrix account @cortex:localhost was lost to host-b:2:ab")
+            with pytest.raises(MatrixError, match="lost to host-b:2:ab; this process stopped serving it"):
+                await adapter.run()
+        finally:
+            await adapter.close()
+
+
 async def test_a_gated_scheduler_runs_a_job_in_one_process_per_period(tmp_path: Path) -> None:
     config = _config(tmp_path)
     async with App(config, llm=ScriptedProvider()) as one, App(config, llm=ScriptedProvider()) as two:
