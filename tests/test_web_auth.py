@@ -113,6 +113,36 @@ async def test_changes_need_the_csrf_token_and_the_pages_origin(tmp_path: Path) 
         assert status == 200 and saved["version"] == current["version"] + 1
 
 
+async def test_a_request_naming_another_user_than_the_sessions_is_refused(tmp_path: Path) -> None:
+    """After someone else logged in in another tab of the browser, an open page went on reading with the one session
+    cookie: Ann's page showed Bob's memory items and export. The page names its user in X-Cortex-User (percent-encoded);
+    a request naming another user is a 409 with a code, reads and changes alike, and one without the header (an API
+    client, curl) is whoever the session is."""
+    async with running_bot(tmp_path) as bot, bot.client("bob") as bob:
+        remembered = await bot.app.commands.dispatch("!memory remember Bob owes money to Carl", context("bob"))
+        assert "Remembered" in remembered.text, remembered.text
+        for named in ("discord:ann", "discord%3Aann", ""):  # (Ann's page, and one that names nobody)
+            for method, path in (("GET", "/api/me/items?persona=Cora"), ("GET", "/api/me/export"), ("GET", "/api/me")):
+                async with bob.http.request(method, path, headers={"X-Cortex-User": named}) as response:
+                    body = await response.json()
+                    assert response.status == 409 and body["code"] == "other_user", (named, path, body)
+                    assert "owes money" not in str(body)
+        path = "/api/me/personas/Cora/files/memory.md"
+        _, current = await bob.call("GET", path)
+        edit = {"content": "# Notes\n- typed in Ann's page\n", "version": current["version"]}
+        async with bob.http.put(path, json=edit, headers={"X-CSRF-Token": bob.csrf, "X-Cortex-User": "discord:ann"}
+                                ) as response:
+            assert response.status == 409 and (await response.json())["code"] == "other_user"
+        assert (await bob.call("GET", path))[1]["version"] == current["version"]  # nothing was saved
+        for named in ("discord:bob", "discord%3Abob"):  # his own page, as the page sends it or not encoded
+            async with bob.http.get("/api/me/items?persona=Cora", headers={"X-Cortex-User": named}) as response:
+                assert response.status == 200 and "owes money" in await response.text()
+        status, items = await bob.call("GET", "/api/me/items?persona=Cora")  # without the header: as before
+        assert status == 200 and "owes money" in str(items)
+        status, _ = await bob.call("PUT", path, edit)
+        assert status == 200
+
+
 async def test_logout_ends_the_session_on_the_server(tmp_path: Path) -> None:
     async with running_bot(tmp_path) as bot, bot.client("ann") as ann:
         cookie = next(iter(ann.http.cookie_jar))

@@ -581,3 +581,42 @@ async def test_export_logins_in_other_tabs_and_ended_sessions(tmp_path: Path) ->
         finally:
             await browser.close()
     assert not watch.problems, watch.problems
+
+
+async def test_a_tab_left_open_shows_nothing_of_someone_who_logged_in_in_another_tab(tmp_path: Path) -> None:
+    """A reviewer's finding: Ann's tab stayed open while Bob logged in through a link in another tab of the same
+    browser; her page then showed Bob's memory items under "Logged in as Ann" (and his files and his export),
+    with no word, because only a change refused for its CSRF token made it check who was logged in."""
+    from playwright.async_api import async_playwright, expect
+
+    watch, downloads = Watch(), list[Any]()
+    seen = "window.cortexSeen = []; new MutationObserver((changes) => { for (const c of changes) " \
+           "for (const n of c.addedNodes) window.cortexSeen.push(n.textContent || ''); })" \
+           ".observe(document.body, { childList: true, subtree: true, characterData: true });"
+    async with running_bot(tmp_path) as bot, async_playwright() as p:
+        browser = await p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            for user, fact in (("ann", "Ann grows figs"), ("bob", "Bob owes money to Carl")):
+                reply = await bot.app.commands.dispatch(f"!memory remember {fact}", context(user))
+                assert "Remembered" in reply.text, reply.text
+            for tab in ("items", "export"):  # a read the page shows, and the download it saves
+                async with logged_in(browser, bot, "ann", watch) as page:
+                    await expect(page.get_by_test_id("file-content")).to_be_visible()
+                    await page.evaluate(seen)  # (everything the page draws from here on)
+                    page.on("download", lambda download: downloads.append(download))
+                    if tab == "export":  # (a button: a link to the zip, opened in a new tab, would name no user)
+                        await page.get_by_test_id("tab-export").click()
+                        await expect(page.get_by_role("button", name="Download (zip)")).to_be_visible()
+                        assert await page.locator('a[href*="/api/me/export"]').count() == 0
+                    other = await page.context.new_page()
+                    await login_in(other, bot, "bob")
+                    await page.get_by_test_id("export-link" if tab == "export" else "tab-items").click()
+                    await expect(page.get_by_test_id("ended")).to_contain_text("Someone else logged in")
+                    await expect(page.locator("#app")).to_be_hidden()
+                    drawn = "\n".join(await page.evaluate("window.cortexSeen"))
+                    assert "owes money" not in drawn and "owes money" not in await page.inner_text("body"), drawn
+                    assert not downloads, downloads
+                    await other.close()
+        finally:
+            await browser.close()
+    assert not watch.problems, watch.problems

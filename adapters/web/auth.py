@@ -4,7 +4,9 @@ A ``!dashboard`` link opens a small page whose button posts the token back: chat
 to show previews, and a GET that used the link up would lock its owner out. The session cookie is
 HttpOnly and SameSite=Strict (and Secure, with the ``__Host-`` prefix, when the public URL is https).
 Every change (POST, PUT, PATCH, DELETE) must carry the session's CSRF token in ``X-CSRF-Token`` and,
-when the browser sends an Origin, come from the page's own origin.
+when the browser sends an Origin, come from the page's own origin. The page names the user it shows in
+``X-Cortex-User`` on every request, reads included: a request of a page whose browser has since logged in
+as someone else is refused.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from aiohttp import web
 
@@ -30,6 +32,9 @@ log = logging.getLogger(__name__)
 
 CHANGES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 CSRF_HEADER = "X-CSRF-Token"
+USER_HEADER = "X-Cortex-User"  # the user the page shows, percent-encoded (a key may hold any character)
+OTHER_USER = ("this page shows another user than the one this browser is now logged in as (a login in another "
+              "tab): reload the page")
 
 
 def cookie_name(secure: bool) -> str:
@@ -124,10 +129,12 @@ class Auth:
         """The logged-in caller; a 401 without a valid session, a 403 for a change without its CSRF token
         or from another origin. Changes, and reads that are ``costly`` (an export builds a zip of everything),
         count against the per-user limit (429 beyond it) unless not ``limited`` (logging out always works);
-        a ``view`` (a file's HTML, a diff, a search) against the per-user limit of views."""
+        a ``view`` (a file's HTML, a diff, a search) against the per-user limit of views. A 409 when the request
+        names another user than the session's (:meth:`check_user`)."""
         caller = await self.caller(request)
         if caller is None:
             fail(401, "not logged in (or the session ended): send !dashboard in a chat for a new link")
+        self.check_user(request, caller)  # (first: an access refusal of the other user is not this page's)
         refused = access_refusal(self.config, caller.user_key)
         if refused is not None:
             fail(403, refused)
@@ -142,6 +149,16 @@ class Auth:
         if view:
             self.count_view(caller)
         return caller
+
+    @staticmethod
+    def check_user(request: web.Request, caller: Caller) -> None:
+        """A 409 (code ``other_user``) when the request names in ``X-Cortex-User`` another user than the session's.
+        A login in another tab of the browser gives the one session cookie to someone else; reads carry no CSRF
+        token, so without this an open page went on showing that person's memory and export under its own
+        user's name. A request without the header (an API client, curl) is whoever its session is."""
+        named = request.headers.get(USER_HEADER)
+        if named is not None and unquote(named) != caller.user_key:
+            fail(409, OTHER_USER, code="other_user")
 
     def count_view(self, caller: Caller) -> None:
         """Count a view that costs the bot's CPU against the caller's limit of views (429 beyond it)."""

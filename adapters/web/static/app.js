@@ -202,34 +202,48 @@
     }
   }
 
-  async function api(method, path, body, retried) {
+  /** One request, sent as the user the page shows (``asShown``; not before it knows them): a login in another
+   * tab of this browser may have given the session cookie to someone else, and a read carries no CSRF token, so
+   * only the server can tell that the answer would be theirs (a 409 "other_user" instead). */
+  async function send(method, path, body, asShown) {
     const init = { method, credentials: 'same-origin', headers: { Accept: 'application/json' } };
     if (method !== 'GET') init.headers['X-CSRF-Token'] = state.csrf;
+    if (asShown && state.me) init.headers['X-Cortex-User'] = enc(state.me.user.key);  // (a key may be any text)
     if (body !== undefined) {
       init.headers['Content-Type'] = 'application/json';
       init.body = JSON.stringify(body);
     }
-    let response;
     try {
-      response = await fetch(path, init);
+      return await fetch(path, init);
     } catch (err) {
       throw new ApiError(0, 'The bot cannot be reached right now: check the connection and try again.');
     }
-    let data = null;
-    if ((response.headers.get('Content-Type') || '').includes('application/json')) {
-      try {
-        data = await response.json();
-      } catch (err) {
-        data = null;
-      }
+  }
+
+  async function jsonOf(response) {
+    if (!(response.headers.get('Content-Type') || '').includes('application/json')) return null;
+    try {
+      return await response.json();
+    } catch (err) {
+      return null;
     }
-    if (!response.ok) {
-      if (response.status === 403 && data && data.code === 'csrf' && !retried && state.me && await renewToken()) {
-        return api(method, path, body, true);
-      }
-      throw errorOf(response, data);
-    }
-    return data;
+  }
+
+  /** The answer to a request as the page's user, when it is ok. A refused CSRF token or another user's session
+   * (both from a login in another tab) is first looked into by renewToken: the same person's new token is
+   * tried once more, someone else's login ends the page. Any other refusal throws its ApiError. */
+  async function request(method, path, body, retried) {
+    const response = await send(method, path, body, true);
+    if (response.ok) return response;
+    const data = await jsonOf(response);
+    const code = data && data.code;
+    const otherLogin = (response.status === 403 && code === 'csrf') || (response.status === 409 && code === 'other_user');
+    if (otherLogin && !retried && state.me && await renewToken()) return request(method, path, body, true);
+    throw errorOf(response, data);
+  }
+
+  async function api(method, path, body) {
+    return jsonOf(await request(method, path, body));
   }
 
   function errorOf(response, data) {
@@ -238,17 +252,20 @@
   }
 
   /** A login in another tab of this browser gave the session cookie a new token: the same person's page goes on
-   * with it; another person's login ends this page (its changes would land in their memory). */
+   * with it; another person's login ends this page (its changes would land in their memory, its reads show
+   * theirs). Asks who is logged in without naming this page's user (which the server would refuse). */
   async function renewToken() {
     let me;
     try {
-      me = await api('GET', '/api/me', undefined, true);
+      const response = await send('GET', '/api/me', undefined, false);
+      me = response.ok ? await jsonOf(response) : null;
     } catch (err) {
-      return false;  // (a 401: no session at all; the caller says it ended)
+      me = null;
     }
-    if (!me || !me.user || me.user.key !== state.me.user.key) {
+    if (!me) return false;  // (a 401: no session at all; the caller says it ended)
+    if (!me.user || me.user.key !== state.me.user.key) {
       sessionEnded('Someone else logged in', ['This browser is now logged in as ', h('strong', null,
-        (me && me.user && (me.user.name || me.user.key)) || 'another user'), ' (in another tab): reload the page to ',
+        (me.user && (me.user.name || me.user.key)) || 'another user'), ' (in another tab): reload the page to ',
         'see their memory, or send ', h('code', null, '!dashboard'), ' in a chat for your own login link.']);
       return false;
     }
@@ -1304,32 +1321,26 @@
         h('p', null, 'One zip file with everything the bot keeps about you, for every persona: your files and all their ',
           'versions, your memory items, and your messages. It is readable (Markdown) and also machine-readable (JSON), ',
           'and ', h('code', null, '!memory import'), ' can take it back.'),
-        h('a', { class: 'btn btn-primary', href: '/api/me/export', download: '', testid: 'export-link',
-          onclick: (event) => { event.preventDefault(); downloadExport(event.currentTarget); } }, 'Download (zip)')),
+        // (a button, not a link to the zip: a link opened in a new tab or saved from its menu is a request without
+        // this page's user, and after someone else's login in another tab it would be their zip)
+        button('Download (zip)', (event) => downloadExport(event.currentTarget),
+          { class: 'btn btn-primary', testid: 'export-link' })),
       h('div', { class: 'card danger-zone' }, h('h2', null, 'Delete everything about you'),
         h('p', null, 'Deletes your files, memory items, messages and summaries with every persona, and logs you out. ',
           'If you talk to the bot again it starts from nothing.'),
         start, confirmStep));
   }
 
-  /** The export as a download; a refusal (too many at once, the limit, an ended session) is said in words
-   * (a plain link left the browser with a failed download and the page silent). */
-  async function downloadExport(link) {
-    if (link.getAttribute('aria-disabled') === 'true') return;
-    link.setAttribute('aria-disabled', 'true');
+  /** The export as a download, asked for as the page's user (someone else's login in another tab ends the page
+   * instead); a refusal (too many at once, the limit, an ended session) is said in words (a plain link left the
+   * browser with a failed download and the page silent). */
+  async function downloadExport(trigger) {
+    if (trigger.getAttribute('aria-disabled') === 'true') return;
+    trigger.setAttribute('aria-disabled', 'true');
     notify('Preparing your export… (a long history takes a moment)');
     try {
       await attempt(async () => {
-        let response;
-        try {
-          response = await fetch('/api/me/export', { credentials: 'same-origin' });
-        } catch (err) {
-          throw new ApiError(0, 'The bot cannot be reached right now: check the connection and try again.');
-        }
-        if (!response.ok) {
-          const json = (response.headers.get('Content-Type') || '').includes('application/json');
-          throw errorOf(response, json ? await response.json().catch(() => null) : null);
-        }
+        const response = await request('GET', '/api/me/export');
         const named = /filename="?([^";]+)"?/.exec(response.headers.get('Content-Disposition') || '');
         const url = URL.createObjectURL(await response.blob());
         const save = h('a', { href: url, download: named ? named[1] : 'cortex-bot-export.zip', hidden: true });
@@ -1340,7 +1351,7 @@
         notify('Your export is downloading.');
       });
     } finally {
-      link.removeAttribute('aria-disabled');
+      trigger.removeAttribute('aria-disabled');
     }
   }
 
