@@ -40,7 +40,12 @@ class HistoryWindow:
 
 
 def message_cost(message: StoredMessage, estimator: TokenEstimator) -> int:
-    return estimator.scale(message.token_count + PER_MESSAGE_OVERHEAD)
+    """What a message costs in a prompt: a person's with the name it carries in a group channel's turns and in
+    every transcript ("Ann: "; counted in a DM's window too, where it is left out: a few tokens to spare). Its
+    text alone was counted: many short messages under long names made a group's window and a summary's input
+    several times their budgets."""
+    label = estimator.raw_count(message.author_name) + 1 if message.role == "user" else 0
+    return estimator.scale(message.token_count + label + PER_MESSAGE_OVERHEAD)
 
 
 async def build_window(

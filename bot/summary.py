@@ -91,8 +91,19 @@ def within_input(messages: list[StoredMessage], estimator: TokenEstimator, budge
     """The batch with a message that alone is over the summary's input budget cut to it (a batch takes its
     first message whatever its size): sent whole, it could be more than the summary model takes, and every
     later summary would fail on it."""
-    return [m if message_cost(m, estimator) <= budget else replace(m, text=fit_to_budget(
-        estimator, m.text, budget, CUT_FOR_SUMMARY)) for m in messages]
+    return [m if transcript_cost(m, estimator) <= budget else replace(m, text=fit_to_budget(
+        estimator, m.text, budget - transcript_cost(replace(m, text="", token_count=0), estimator),
+        CUT_FOR_SUMMARY)) for m in messages]
+
+
+TIME_TOKENS = 9  # "[2026-01-01 10:00] " before every line of a transcript
+
+
+def transcript_cost(message: StoredMessage, estimator: TokenEstimator) -> int:
+    """What a message costs in a summary's transcript: its time and its author's name (the persona's too) before
+    its text (see :func:`transcript`)."""
+    named = estimator.raw_count(message.author_name) + 1 if message.role != "user" else 0  # (a person's: counted)
+    return message_cost(message, estimator) + estimator.scale(TIME_TOKENS + named)
 
 
 def summary_input(latest: Summary | None, messages: list[StoredMessage]) -> str:
@@ -219,7 +230,7 @@ class SummaryEngine:
             if not page:
                 return batch, False
             for message in page:
-                cost = message_cost(message, self.estimator)
+                cost = transcript_cost(message, self.estimator)
                 if batch and spent + cost > budget:
                     return batch, True
                 batch.append(message)

@@ -458,6 +458,47 @@ async def test_a_reply_tells_only_what_its_author_could_see(tmp_path: Path) -> N
         assert "PAPAYA" in told_early_bob and "SUMMARY of later" in told_early_bob
 
 
+LONG_NAME = "Maximiliane Alexandra von Hohenzollern-Sigmaringen der Dritte"
+
+
+async def test_a_groups_window_counts_the_names_its_turns_carry(tmp_path: Path) -> None:
+    """A group channel's user turns carry the speaker's name ("Max…: ja"), which the window did not count: sixty
+    "ja"s under a long name made a window of 300 tokens cost 825."""
+    llm = ScriptedProvider()
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)},
+                           "history": {"history_tokens": 300, "summary_trigger": 10_000, "min_exchanges": 1},
+                           "personas": [{"name": "Cora", "identity": "I am Cora."}]})
+    async with App(config, llm=llm) as app:
+        for _ in range(60):
+            llm.enqueue("ok")
+            await app.core.reply(IncomingMessage("console", "room", "max", LONG_NAME, "ja", is_dm=False)).text()
+        history = llm.requests[-1].messages[:-1]
+        estimator = app.estimator
+        sent = sum(estimator.scale(estimator.raw_count(m.content) + 4) for m in history)
+        assert len(history) >= 10 and sent <= 300, (len(history), sent)
+
+
+async def test_a_summarys_input_counts_the_times_and_names_of_its_transcript(tmp_path: Path) -> None:
+    """Each line of a summary's transcript starts with its time and its author's name, which the batch did not
+    count: 100 "ja"s under a long name made an input of 200 tokens cost 1,190."""
+    llm = ScriptedProvider()
+    llm.default = lambda request: Completion(text="kurz." if is_summary(request) else "ok", usage=Usage(0, 1))
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)},
+                           "history": {"history_tokens": 100, "summary_trigger": 20, "summary_batch": 2,
+                                       "summary_input_tokens": 200, "min_exchanges": 1},
+                           "jobs": {"poll_seconds": 0.05},
+                           "personas": [{"name": "Cora", "identity": "I am Cora."}]})
+    async with App(config, llm=llm) as app:
+        channel = await app.storage.upsert_channel("console:room", "room", is_dm=False)
+        user = await app.storage.upsert_user("console:max", LONG_NAME)
+        for _ in range(100):  # (said while the bot was away: one summary job finds them all)
+            await app.storage.add_message(channel.id, user.id, "Cora", "user", LONG_NAME, "ja", 1)
+        await app.core.reply(IncomingMessage("console", "room", "max", LONG_NAME, "ja", is_dm=False)).text()
+        assert await app.workers.drain(5)
+        inputs = [app.estimator.count(r.messages[0].content) for r in llm.requests if is_summary(r)]
+        assert inputs and max(inputs) <= 200 + 60, inputs  # (the fences and the previous summary's heading)
+
+
 async def test_one_message_longer_than_a_summarys_input_is_cut_and_the_summaries_go_on(tmp_path: Path) -> None:
     """A batch takes its first message whatever its size: 7,990 CJK characters (about 16,000 tokens) went whole
     to a summary model whose context held 16k, which refused it; every later job started from the same message,
