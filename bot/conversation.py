@@ -55,7 +55,7 @@ from bot.storage.incognito import believable
 from bot.storage.sources import ReplySource
 from bot.summary import SummaryEngine, budgets_for
 from bot.text import error_line, storable, visible
-from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator
+from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator, fit_to_budget
 from bot.turns import Turns
 
 log = logging.getLogger(__name__)
@@ -230,6 +230,17 @@ class ConversationCore:
         finally:
             place.leave()
 
+    SUMMARY_CUT = "\n[… the rest of the summary is left out: it is longer than this persona's summary budget]"
+
+    def _within(self, summary: Summary | None, budget: int) -> Summary | None:
+        """The summary cut to the replying persona's ``summary_tokens``: it was written to the budget of the
+        persona whose reply asked for it (a channel's summary is every persona's there), and one of 924 tokens
+        went whole into a prompt whose summary budget was 40."""
+        if summary is None or summary.token_count <= budget:
+            return summary
+        text = fit_to_budget(self.estimator, summary.text, budget, self.SUMMARY_CUT)
+        return replace(summary, text=text, token_count=self.estimator.count(text))
+
     async def _summary_for(self, channel_id: int, history_from: datetime | None) -> Summary | None:
         """The channel's rolling summary, unless it tells of talk before ``history_from`` (what the reply's author
         could not see; a summary whose first message is gone counts as such)."""
@@ -282,7 +293,7 @@ class ConversationCore:
         if len(self._window_sizes) > 10_000:
             self._window_sizes.clear()
         self._window_sizes[channel.id] = len(window.messages)
-        summary = await self._summary_for(channel.id, message.history_from)
+        summary = self._within(await self._summary_for(channel.id, message.history_from), budgets.summary_tokens)
         now = believable(message.sent_at) or datetime.now(UTC)
         context = PromptContext(
             persona=persona.name,

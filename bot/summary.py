@@ -56,6 +56,13 @@ def budgets_for(config: Config, persona: Persona) -> Budgets:
     )
 
 
+def words_for(words: int, summary_tokens: int) -> int:
+    """The words a summary is asked for: ``summary_words``, or fewer where the budget holds fewer (about one and a
+    half tokens a word, with the margin): a persona with a summary budget of 60 was asked for 150 words, and
+    every summary it was given was refused as too long, one model call after another."""
+    return max(10, min(words, summary_tokens * 2 // 3))
+
+
 def summary_instructions(language: str, words: int, has_previous: bool) -> str:
     fold = (
         "You are given the previous summary and the messages that followed it. Merge them into one new "
@@ -248,7 +255,8 @@ class SummaryEngine:
     ) -> Summary | None:
         model = self.config.llm.summary_model or self.config.model_for(persona)
         request = LLMRequest(
-            system=summary_instructions(persona.language, self.config.history.summary_words, latest is not None),
+            system=summary_instructions(persona.language, words_for(self.config.history.summary_words,
+                                                                    budgets.summary_tokens), latest is not None),
             messages=(ChatMessage(role="user", content=summary_input(latest, in_reply_order(within_input(
                 evicted, self.estimator, self.config.history.summary_input_tokens)))),),
             model=model,

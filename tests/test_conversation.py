@@ -499,6 +499,62 @@ async def test_a_summarys_input_counts_the_times_and_names_of_its_transcript(tmp
         assert inputs and max(inputs) <= 200 + 60, inputs  # (the fences and the previous summary's heading)
 
 
+async def test_a_summary_is_held_to_the_replying_personas_budget(tmp_path: Path) -> None:
+    """A channel's summary is every persona's there, written to the budget of the persona whose reply asked for
+    it: one of 924 tokens, written for Big (2,000), went whole into Cora's prompt, whose summary budget is 80."""
+    long = " ".join(f"Ann erzählte von Punkt {i} und ihrem Garten." for i in range(60))
+    config = parse_config({
+        "storage": {"url": db_url_for(tmp_path)},
+        "history": {"history_tokens": 200, "summary_tokens": 80, "summary_trigger": 10, "summary_batch": 2},
+        "jobs": {"poll_seconds": 0.05, "retry_base_seconds": 0.01, "retry_max_seconds": 0.02},
+        "personas": [{"name": "Cora", "identity": "I am Cora."},
+                     {"name": "Big", "identity": "I am Big.", "summary_tokens": 2000}]})
+    llm = ScriptedProvider()
+    llm.default = lambda r: Completion(text=long if is_summary(r) else "antwort " * 10, usage=Usage(0, 1))
+    async with App(config, llm=llm) as app:
+        for i in range(20):
+            said = IncomingMessage("console", "room", "ann", "Ann", f"msg {i} " + "wort " * 15, is_dm=False)
+            await app.core.reply(said, persona="Big").text()
+            assert await app.workers.drain(5)
+        channel = await app.storage.get_channel("console:room")
+        assert channel is not None
+        written = await app.storage.latest_summary(channel.id)
+        assert written is not None and written.token_count > 80
+        await app.core.reply(IncomingMessage("console", "room", "ann", "Ann", "hallo", is_dm=False),
+                             persona="Cora").text()
+        system = [r for r in llm.requests if not is_summary(r)][-1].system
+        assert "I am Cora." in system and "Ann erzählte von Punkt 0" in system
+        assert "Punkt 59" not in system and "longer than this persona's summary budget" in system
+
+
+async def test_a_small_summary_budget_asks_for_as_many_words_as_fit(tmp_path: Path) -> None:
+    """A persona with summary_tokens 60 was asked for 150 words (summary_words), and a model that wrote what it was
+    asked for had every summary refused as too long: no summary ever, and model calls spent on each try."""
+    import re
+
+    def model(request: LLMRequest) -> Completion:
+        if is_summary(request):
+            asked = re.search(r"at most (\d+) words", request.system)
+            assert asked is not None
+            return Completion(text=" ".join(["Garten"] * int(asked.group(1))) + ".", usage=Usage(0, 1))
+        return Completion(text="ok", usage=Usage(0, 1))
+
+    llm = ScriptedProvider()
+    llm.default = model
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)},
+                           "history": {"history_tokens": 100, "summary_trigger": 4, "summary_batch": 1},
+                           "jobs": {"poll_seconds": 0.05, "max_attempts": 2},
+                           "personas": [{"name": "Cora", "summary_tokens": 60}]})
+    async with App(config, llm=llm) as app:
+        for i in range(10):
+            await app.core.reply(_msg(f"Nachricht {i} " + "text " * 20)).text()
+            assert await app.workers.drain(5)
+        channel = await app.storage.get_channel("console:c1")
+        assert channel is not None
+        summaries = await app.storage.list_summaries(channel.id)
+        assert summaries and all(s.status == "ok" for s in summaries), [(s.status, s.reason) for s in summaries]
+
+
 async def test_one_message_longer_than_a_summarys_input_is_cut_and_the_summaries_go_on(tmp_path: Path) -> None:
     """A batch takes its first message whatever its size: 7,990 CJK characters (about 16,000 tokens) went whole
     to a summary model whose context held 16k, which refused it; every later job started from the same message,
