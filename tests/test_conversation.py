@@ -151,7 +151,8 @@ async def test_long_conversation_stays_in_budget_and_writes_versioned_summaries(
         assert metrics.trim_rate > 0.5 and metrics.summary_hit_rate > 0.3 and metrics.summary_generation_rate > 0
         # summary requests were told the persona's language and word limit
         summary_request = next(r for r in llm.requests if is_summary(r))
-        assert "German" in summary_request.system and "150 words" in summary_request.system
+        # (summary_words 150, but a summary budget of 120 tokens holds about 80: what was asked for fits now)
+        assert "German" in summary_request.system and "at most 80 words" in summary_request.system
 
 
 @pytest.mark.parametrize(
