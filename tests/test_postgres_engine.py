@@ -309,3 +309,29 @@ async def test_a_server_that_stopped_answering_is_named_as_the_databases_trouble
         assert storage.unavailable(refused) is None  # not raised by the driver: another connection's trouble
     else:
         raise AssertionError("the port still answers")
+
+
+async def test_a_pool_whose_connections_are_all_busy_is_said_as_such_after_a_while(
+        pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every pooled connection held by slow statements: every database call of the process, a reply's too, waited
+    silently for them (up to the statements' timeout of 300 s)."""
+    import time
+
+    import bot.storage.postgres as postgres_module
+    from bot.storage.unavailable import BUSY
+
+    monkeypatch.setattr(postgres_module, "ACQUIRE_TIMEOUT", 0.5)
+    storage = await open_storage(pg_url, pool_size=2)
+    try:
+        await storage.migrate()
+        slow = [asyncio.create_task(storage.db.fetch_one("SELECT pg_sleep(4)")) for _ in range(2)]
+        await asyncio.sleep(0.3)
+        started = time.monotonic()
+        with pytest.raises(StorageError) as busy:
+            await storage.upsert_user("discord:1", "Ann")
+        assert time.monotonic() - started < 3
+        assert storage.unavailable(busy.value) == f"the database {storage.db.url} cannot be used right now: {BUSY}"
+        await asyncio.gather(*slow)
+        assert (await storage.upsert_user("discord:1", "Ann")).key == "discord:1"  # (free again)
+    finally:
+        await storage.close()

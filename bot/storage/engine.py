@@ -32,6 +32,10 @@ class StorageError(Exception):
     """The database cannot be opened or used; the message says which one, why, and what to do."""
 
 
+class ConnectionsBusy(StorageError):
+    """Every connection of the pool was busy for as long as a statement waits for one (slow statements)."""
+
+
 def refuse_foreign(where: str, tables: Sequence[str], fix: str) -> None:
     """Before anything is changed (the migrations table, an extension, WAL mode): a database that holds tables
     (``tables``, sorted) but no ``schema_version`` is another program's, and is left as it is."""

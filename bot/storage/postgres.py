@@ -24,7 +24,15 @@ from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from bot.config import hide_secrets_of, hide_url_password
-from bot.storage.engine import Migration, Row, StorageCaches, StorageError, apply_migrations, refuse_foreign
+from bot.storage.engine import (
+    ConnectionsBusy,
+    Migration,
+    Row,
+    StorageCaches,
+    StorageError,
+    apply_migrations,
+    refuse_foreign,
+)
 from bot.storage.memory import EF_SEARCH
 
 if TYPE_CHECKING:
@@ -36,6 +44,10 @@ MIGRATION_LOCK = 0x636F7274  # "cort": the advisory lock every process takes to 
 POOL_MIN = 1
 POOL_MAX = 10
 CONNECT_TIMEOUT = 10.0
+# Seconds a statement waits for one of the pool's connections: every one held by slow statements (an index built,
+# a query of minutes), every database call of the process waited for them silently, replies and the heartbeats
+# and lock renewals that keep the process in the fleet too.
+ACQUIRE_TIMEOUT = 15.0
 COMMAND_TIMEOUT = 300.0  # seconds a statement may take (asyncpg cancels it then)
 MAINTENANCE_TIMEOUT = 24 * 3600.0  # an index build over millions of rows: hours at worst, never for ever
 VECTOR_SETTINGS = {"hnsw.iterative_scan": "relaxed_order", "hnsw.ef_search": str(EF_SEARCH)}
@@ -223,7 +235,7 @@ class PostgresDatabase:
         """:meth:`fetch_all` with ``settings`` in force on its connection: each one the connection does not have
         yet is set for its session first (a pooled connection keeps it: once per connection and value, not a
         transaction per statement). Missing values are the pool's startup ones."""
-        async with self.pool.acquire() as conn:
+        async with self.connection() as conn:
             has = self._session.setdefault(conn.get_server_pid(), {})
             for name, value in settings.items():
                 if has.get(name, self._startup.get(name)) != value:
@@ -262,31 +274,49 @@ class PostgresDatabase:
         return bool(self.pool.get_idle_size() < self.pool.get_size())
 
     @asynccontextmanager
+    async def connection(self) -> AsyncIterator[asyncpg.Connection]:
+        """One of the pool's connections, waited for at most ``ACQUIRE_TIMEOUT``: then :class:`ConnectionsBusy`
+        (the reply path says the database cannot be used right now; background work retries)."""
+        pool = self.pool
+        try:
+            conn = await pool.acquire(timeout=ACQUIRE_TIMEOUT)
+        except TimeoutError:
+            raise ConnectionsBusy(f"every connection to {self.url} was busy for {ACQUIRE_TIMEOUT:g} s "
+                                  f"(slow statements hold the pool of {self._max_size})") from None
+        try:
+            yield conn
+        finally:
+            await pool.release(conn)
+
+    @asynccontextmanager
     async def transaction(self) -> AsyncIterator[_PgTx]:
-        async with self.pool.acquire() as conn, conn.transaction():
+        async with self.connection() as conn, conn.transaction():
             yield _PgTx(conn)
 
     async def now(self) -> float:
         return await self.caches.clock.now(self._server_time)
 
     async def _server_time(self) -> float:
-        return float(await self.pool.fetchval("SELECT extract(epoch FROM clock_timestamp())::float8"))
+        async with self.connection() as conn:
+            return float(await conn.fetchval("SELECT extract(epoch FROM clock_timestamp())::float8"))
 
     async def fetch_all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        return list(await self.pool.fetch(numbered(sql), *_args(params)))
+        async with self.connection() as conn:
+            return list(await conn.fetch(numbered(sql), *_args(params)))
 
     async def fetch_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
-        return await self.pool.fetchrow(numbered(sql), *_args(params))
+        async with self.connection() as conn:
+            return await conn.fetchrow(numbered(sql), *_args(params))
 
     async def write(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        return list(await self.pool.fetch(numbered(sql), *_args(params)))
+        return await self.fetch_all(sql, params)
 
     async def write_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
-        return await self.pool.fetchrow(numbered(sql), *_args(params))
+        return await self.fetch_one(sql, params)
 
     async def maintain(self, sql: str, *, lock: str, when: str, params: Sequence[Any] = ()) -> bool:
         key = f"cortex-bot maintenance: {lock}"
-        async with self.pool.acquire() as conn:  # a session lock: the pool's reset on release leaves it held
+        async with self.connection() as conn:  # a session lock: the pool's reset on release leaves it held
             try:
                 locked = await conn.fetchval("SELECT pg_try_advisory_lock(hashtext($1))", key)
             except BaseException:  # cancelled: the server may have granted it all the same, and a pooled

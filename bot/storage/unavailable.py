@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import sqlite3
 
+from bot.storage.engine import ConnectionsBusy
+
 HELD = ("another process holds its write lock: a bot process, or a program such as the sqlite3 shell with a "
         "transaction open")
 _SQLITE = {
@@ -34,10 +36,15 @@ _POSTGRES = {
 UNREACHABLE = "the PostgreSQL server cannot be reached (is it running, and listening where the URL says?)"
 
 
+BUSY = "every connection to it is busy with slow statements (the pool's size: [storage] pool_size)"
+
+
 def unavailable(exc: BaseException) -> str | None:
     """The database's trouble behind ``exc`` (or its causes), in words; None when it is none of those."""
     seen: BaseException | None = exc
     while seen is not None:
+        if isinstance(seen, ConnectionsBusy):
+            return BUSY
         if isinstance(seen, sqlite3.Error):
             code = getattr(seen, "sqlite_errorcode", None)
             return None if code is None else _SQLITE.get(code & 0xFF)
