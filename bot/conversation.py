@@ -230,7 +230,7 @@ class ConversationCore:
         finally:
             place.leave()
 
-    SUMMARY_CUT = "\n[… the rest of the summary is left out: it is longer than this persona's summary budget]"
+    SUMMARY_CUT = "\n[… the rest is left out: over this persona's summary budget]"
 
     def _within(self, summary: Summary | None, budget: int) -> Summary | None:
         """The summary cut to the replying persona's ``summary_tokens``: it was written to the budget of the
@@ -239,6 +239,8 @@ class ConversationCore:
         if summary is None or summary.token_count <= budget:
             return summary
         text = fit_to_budget(self.estimator, summary.text, budget, self.SUMMARY_CUT)
+        if not text.removesuffix(self.SUMMARY_CUT).strip():  # (none of it fits: no section, and not a source)
+            return None
         return replace(summary, text=text, token_count=self.estimator.count(text))
 
     async def _summary_for(self, channel_id: int, history_from: datetime | None) -> Summary | None:

@@ -55,8 +55,8 @@ class Fleet:
     async def hold(self, name: str, what: str, on_lost: Callable[[str], None] | None = None) -> None:
         """Take the lock ``name`` for as long as this process runs, renewing it in the background;
         :class:`LockHeld` when another live process holds it. ``on_lost(why)`` is called once when the claim is
-        lost (another process took it after this one could not renew it for its whole time): the caller stops
-        what the lock guards, or two processes serve one account."""
+        lost (another process holds it now: this one could not renew it for its whole time, stalled or cut off from
+        the database): the caller stops what the lock guards, or two processes serve one account."""
         holder = await self.storage.fleet.acquire_lock(name, self.process_id, LOCK_TTL_SECONDS)
         if holder is not None:
             raise LockHeld(
@@ -66,19 +66,16 @@ class Fleet:
         self._locks[name] = asyncio.create_task(self._renew(name, what, on_lost), name=f"fleet-lock-{name}")
 
     async def _renew(self, name: str, what: str, on_lost: Callable[[str], None] | None) -> None:
-        renewed = time.monotonic()
         while True:
             await asyncio.sleep(LOCK_TTL_SECONDS / 3)
             try:  # (within a third of the claim's time: a pool with every connection busy must not stall it)
                 holder = await asyncio.wait_for(
                     self.storage.fleet.acquire_lock(name, self.process_id, LOCK_TTL_SECONDS), LOCK_TTL_SECONDS / 3)
-            except Exception as exc:  # the database may be back by the next renewal
-                if time.monotonic() - renewed < LOCK_TTL_SECONDS:
-                    log.warning("could not renew the claim on %s: %s", what, exc if str(exc) else type(exc).__name__)
-                    continue
-                holder = f"nobody yet (not renewed for {time.monotonic() - renewed:.0f} s: another process may take it)"
+            except Exception as exc:  # the database may be back by the next renewal (then it says who holds it:
+                # a process alone on it is still the holder, and goes on)
+                log.warning("could not renew the claim on %s: %s", what, exc if str(exc) else type(exc).__name__)
+                continue
             if holder is None:
-                renewed = time.monotonic()
                 continue
             why = f"the claim on {what} was lost to {holder}: this process stalled or could not reach the database"
             log.error("%s; it stops serving it", why)

@@ -99,8 +99,8 @@ def within_input(messages: list[StoredMessage], estimator: TokenEstimator, budge
     first message whatever its size): sent whole, it could be more than the summary model takes, and every
     later summary would fail on it."""
     return [m if transcript_cost(m, estimator) <= budget else replace(m, text=fit_to_budget(
-        estimator, m.text, budget - transcript_cost(replace(m, text="", token_count=0), estimator),
-        CUT_FOR_SUMMARY)) for m in messages]
+        estimator, m.text, max(budget - transcript_cost(replace(m, text="", token_count=0), estimator), budget // 2),
+        CUT_FOR_SUMMARY)) for m in messages]  # (half the budget for the text at least: a long name takes the rest)
 
 
 TIME_TOKENS = 9  # "[2026-01-01 10:00] " before every line of a transcript
@@ -199,13 +199,27 @@ class SummaryEngine:
 
     # -- in the background -----------------------------------------------------------------------
 
+    def _channel_budgets(self, persona: Persona) -> Budgets:
+        """The budgets a channel's summary job works to: the persona's window (what it evicts), and the largest
+        summary budget of any persona, as one summary serves every persona in a channel (each reply cuts it to
+        its own): written to the budget of a persona with a small one, it replaced a long summary with a short
+        one, and what it left out was lost for every persona."""
+        own = budgets_for(self.config, persona)
+        largest = own.summary_tokens
+        for name in self.personas.names():
+            try:
+                largest = max(largest, budgets_for(self.config, self.personas.persona(name)).summary_tokens)
+            except ConfigError:  # (deleted meanwhile)
+                continue
+        return replace(own, summary_tokens=largest)
+
     async def run_job(self, job: Job) -> None:
         channel_id = int(job.payload["channel_id"])
         try:
             persona = self.personas.persona(str(job.payload.get("persona") or "") or None)
         except ConfigError:  # the persona was deleted since: summarise in the default one's language
             persona = self.personas.persona(None)
-        budgets = budgets_for(self.config, persona)
+        budgets = self._channel_budgets(persona)
         # The window as it is now: whatever lies before it and after the last summary is evicted.
         window = await build_window(
             self.storage,

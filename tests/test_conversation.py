@@ -525,7 +525,63 @@ async def test_a_summary_is_held_to_the_replying_personas_budget(tmp_path: Path)
                              persona="Cora").text()
         system = [r for r in llm.requests if not is_summary(r)][-1].system
         assert "I am Cora." in system and "Ann erzählte von Punkt 0" in system
-        assert "Punkt 59" not in system and "longer than this persona's summary budget" in system
+        assert "Punkt 59" not in system and "over this persona's summary budget" in system
+
+
+async def test_a_persona_with_a_small_summary_budget_never_shrinks_the_channels_summary(tmp_path: Path) -> None:
+    """One summary serves every persona in a channel: a job of a persona with a budget of 40 asked for 26 words and
+    replaced Big's summary of 150 words with them; the next summary went on from those, and the rest was lost. The
+    job writes to the largest budget of the personas; a persona whose budget holds none of it gets no summary
+    section (and the summary is not named as a source of its reply)."""
+    import re
+
+    def model(request: LLMRequest) -> Completion:
+        if is_summary(request):
+            asked = re.search(r"at most (\d+) words", request.system)
+            assert asked is not None
+            return Completion(text=" ".join(["Garten"] * int(asked.group(1))) + ".", usage=Usage(0, 1))
+        return Completion(text="antwort " * 10, usage=Usage(0, 1))
+
+    llm = ScriptedProvider()
+    llm.default = model
+    config = parse_config({
+        "storage": {"url": db_url_for(tmp_path)},
+        "history": {"history_tokens": 200, "summary_tokens": 20, "summary_trigger": 10, "summary_batch": 2},
+        "jobs": {"poll_seconds": 0.05, "retry_base_seconds": 0.01, "retry_max_seconds": 0.02},
+        "personas": [{"name": "Cora", "identity": "I am Cora."},
+                     {"name": "Big", "identity": "I am Big.", "summary_tokens": 2000}]})
+    async with App(config, llm=llm) as app:
+        for i in range(30):
+            said = IncomingMessage("console", "room", "ann", "Ann", f"msg {i} " + "wort " * 15, is_dm=False)
+            await app.core.reply(said, persona="Cora" if i >= 15 else "Big").text()
+            assert await app.workers.drain(5)
+        channel = await app.storage.get_channel("console:room")
+        assert channel is not None
+        summaries = [s for s in await app.storage.list_summaries(channel.id) if s.status == "ok"]
+        assert len(summaries) >= 3 and all(len(s.text.split()) >= 150 for s in summaries), [
+            len(s.text.split()) for s in summaries]
+        stream = app.core.reply(IncomingMessage("console", "room", "ann", "Ann", "hallo", is_dm=False),
+                                persona="Cora")
+        await stream.text()
+        system = [r for r in llm.requests if not is_summary(r)][-1].system
+        assert "Garten" not in system and "Earlier in this conversation" not in system
+        assert stream.result is not None and not stream.result.summary_used
+
+
+async def test_a_message_cut_for_a_summary_keeps_some_of_its_text_under_a_long_name(tmp_path: Path) -> None:
+    """The cost of a long name and the time was taken off the budget with no floor: a message cut for a summary's
+    smallest input kept none of its text (the note alone), and with a high calibration none at all."""
+    from bot.summary import CUT_FOR_SUMMARY, within_input
+
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        channel = await app.storage.upsert_channel("console:room", "room", is_dm=False)
+        name = "ЖЩ" * 32  # (64 characters, a token or two each)
+        user = await app.storage.upsert_user("console:max", name)
+        text = " ".join(f"Gartenwort{i}" for i in range(2_000))
+        await app.storage.add_message(channel.id, user.id, "Cora", "user", name, text, app.estimator.count(text))
+        stored = await app.storage.recent_messages(channel.id, 1)
+        cut = within_input(stored, app.estimator, 200)[0].text
+        assert cut.endswith(CUT_FOR_SUMMARY) and cut.startswith("Gartenwort0 Gartenwort1"), cut[:120]
 
 
 async def test_a_small_summary_budget_asks_for_as_many_words_as_fit(tmp_path: Path) -> None:

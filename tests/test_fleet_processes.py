@@ -83,6 +83,34 @@ async def test_a_process_that_lost_its_claim_is_told_so_and_stops_renewing(tmp_p
         assert row is not None and row[0] == two.fleet.process_id
 
 
+async def test_a_process_alone_on_its_account_goes_on_through_a_database_outage(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Renewals failing for the claim's whole time (the database down a minute) counted as a lost claim, and a
+    process alone on the account stopped serving it (with Discord and the web page, as the process ends). Only a
+    claim the database names another holder of is lost."""
+    import bot.fleet as fleet_module
+
+    monkeypatch.setattr(fleet_module, "LOCK_TTL_SECONDS", 0.6)
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        lost: list[str] = []
+        await app.fleet.hold("matrix:@bot:example.org", "the Matrix account @bot:example.org", on_lost=lost.append)
+        real = app.storage.fleet.acquire_lock
+        down = True
+
+        async def outage(name: str, owner: str, ttl: float) -> str | None:
+            if down:
+                raise ConnectionRefusedError("[Errno 111] Connect call failed")
+            return await real(name, owner, ttl)
+
+        monkeypatch.setattr(app.storage.fleet, "acquire_lock", outage)
+        await asyncio.sleep(1.0)  # (longer than the claim's time)
+        down = False
+        await asyncio.sleep(0.6)
+        assert lost == []
+        row = await app.storage.db.fetch_one("SELECT owner FROM instance_locks WHERE name = 'matrix:@bot:example.org'")
+        assert row is not None and row[0] == app.fleet.process_id
+
+
 async def test_a_matrix_adapter_whose_claim_was_lost_stops_with_one_line(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from adapters.matrix import MatrixError
