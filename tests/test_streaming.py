@@ -47,9 +47,8 @@ async def test_edits_are_throttled_and_the_final_edit_shows_everything() -> None
     assert sink.calls[0][0] == "send" and sink.calls[0][2] == "word0"
 
 
-async def test_a_message_the_platform_refuses_for_good_is_asked_for_once() -> None:
-    """No right to send here: every later piece of text, status line and the final edit sent the refused first
-    message again (the platform counts each refusal against the bot); now ``finish`` says the refusal instead."""
+def refused_reply() -> tuple[Clock, StreamedReply, list[str]]:
+    """A reply to a platform that refuses every new message (403 Missing Permissions), and the texts it tried."""
     clock, sink = Clock(), RecordingSink()
     tries: list[str] = []
 
@@ -58,7 +57,13 @@ async def test_a_message_the_platform_refuses_for_good_is_asked_for_once() -> No
         raise CannotPost("403 Forbidden (error code: 50013): Missing Permissions")
 
     sink.send = refuse  # type: ignore[method-assign]
-    reply = StreamedReply(sink, interval=0.0, clock=clock)
+    return clock, StreamedReply(sink, interval=0.0, clock=clock), tries
+
+
+async def test_a_message_the_platform_refuses_for_good_is_asked_for_once() -> None:
+    """No right to send here: every later piece of text, status line and the final edit sent the refused first
+    message again (the platform counts each refusal against the bot); now ``finish`` says the refusal instead."""
+    clock, reply, tries = refused_reply()
     for i in range(10):
         await reply.feed(f"word{i} ")
         clock.now += 1.0
@@ -72,15 +77,7 @@ async def test_a_message_the_platform_refuses_for_good_is_asked_for_once() -> No
 async def test_a_status_line_the_platform_refuses_as_the_first_message_lets_the_tool_run() -> None:
     """A tool called before any text: its status line is the reply's first message, and its refusal came out of
     ``status`` (the tool call failed, the reply ended as a bug with a traceback and a second refused message)."""
-    clock, sink = Clock(), RecordingSink()
-    tries: list[str] = []
-
-    async def refuse(text: str) -> int:
-        tries.append(text)
-        raise CannotPost("403 Forbidden (error code: 50013): Missing Permissions")
-
-    sink.send = refuse  # type: ignore[method-assign]
-    reply = StreamedReply(sink, interval=0.0, clock=clock)
+    _, reply, tries = refused_reply()
     await reply.status("looking that up…")
     await reply.status("looking that up again…")
     await reply.feed("the answer")
