@@ -123,6 +123,11 @@ def _why(exc: Exception) -> str:
     return f"{type(exc).__name__} (HTTP {status})" if status else type(exc).__name__
 
 
+class LeaseLost(Exception):
+    """A handler found, before writing a result, that its job went to another worker (its lease ran out while
+    it stalled): the result is the other worker's to write."""
+
+
 def backoff_delay(attempt: int, config: JobsConfig, asked: float | None = None) -> float:
     """The wait before a failed job's next attempt: ``retry_base_seconds`` doubling with each attempt, with
     jitter; at least what the server asked for (its Retry-After), up to ``retry_max_seconds``."""
@@ -286,6 +291,9 @@ class WorkerPool:
             await _cancelled(lease)
 
     async def _after_failure(self, job: Job, exc: Exception) -> None:
+        if isinstance(exc, LeaseLost):  # (the worker that has the job now finishes it)
+            log.warning("job %d (%s): %s; this run stopped before writing it", job.id, job.kind, exc)
+            return
         error = _kept_error(exc)
         # (a database that could not be used a moment, locked by another process, say, is tried again too)
         transient = getattr(exc, "transient", False) or self.storage.unavailable(exc) is not None

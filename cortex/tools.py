@@ -10,13 +10,18 @@ error the model can act on. Accepted writes become new versions at once.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from bot.jobs import LeaseLost
 from bot.llm.base import ToolCall, ToolSpec
 from bot.text import quoted
 from cortex.files import CortexFiles, FileConflict, FileError, check_model_write
 from cortex.memory.tools import MEMORY_TOOL_NAMES, MemoryTools
 from cortex.store import FILENAMES, Pair
+
+# The tools that write (files, memory items): each checks first that the run's job is still its worker's.
+WRITING_TOOLS = frozenset({"write_file"} | (MEMORY_TOOL_NAMES - {"search_memory"}))
 
 log = logging.getLogger(__name__)
 MAX_WRITES_PER_FILE = 5  # saves of one file in one update
@@ -82,9 +87,14 @@ class CortexTools:
     seen: dict[str, int] = field(default_factory=dict)
     # Saves of each file by the earlier attempts of the same job (a retry after a 529 keeps the write limit).
     earlier_writes: dict[str, int] = field(default_factory=dict)
+    fence: Callable[[], Awaitable[bool]] | None = None  # whether the run's job is still this worker's
 
     async def execute(self, call: ToolCall) -> ToolOutcome:
-        """The outcome of one tool call; never an exception (a bug in one call must not end the update)."""
+        """The outcome of one tool call; never an exception (a bug in one call must not end the update), except
+        :class:`LeaseLost` before a write when the update's job went to another worker (``fence`` says whether
+        it is still this one's)."""
+        if self.fence is not None and call.name in WRITING_TOOLS and not await self.fence():
+            raise LeaseLost(f"its job went to another worker before {call.name} (this process stalled)")
         try:
             return await self._execute(call)
         except Exception:

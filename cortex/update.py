@@ -18,11 +18,14 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from functools import partial
 
 from bot.config import Config, ConfigError, CortexConfig
 from bot.history import in_reply_order
+from bot.jobs import LeaseLost
 from bot.llm.base import (
     CUT_OFF_CALL,
     MAX_CALL_ARGUMENT_CHARS,
@@ -144,9 +147,11 @@ class CortexUpdater:
             await self.store.record_skip(pair.id, job.id, tier, reason)
             log.info("cortex job %d (pair %d, tier %s) skipped: %s", job.id, pair.id, tier, reason)
             return
-        await self.run(pair, tier, settings, job_id=job.id)
+        fence = partial(self.store.storage.holds_job, job.id, job.locked_by, job.attempts) if job.locked_by else None
+        await self.run(pair, tier, settings, job_id=job.id, fence=fence)
 
-    async def run(self, pair: Pair, tier: str, settings: CortexConfig, *, job_id: int | None = None) -> Outcome:
+    async def run(self, pair: Pair, tier: str, settings: CortexConfig, *, job_id: int | None = None,
+                  fence: Callable[[], Awaitable[bool]] | None = None) -> Outcome:
         try:
             persona = self.personas.persona(pair.persona)
         except ConfigError:
@@ -169,6 +174,7 @@ class CortexUpdater:
         current = await self.files.ensure(pair, persona.language, user.display_name)
         run_id = await self.store.start_run(pair.id, job_id, tier)
         tools = await self._tools(pair, tier, run_id, settings, current, job_id)
+        tools.fence = fence
         started = time.monotonic()
         totals = [0, 0, 0]  # rounds, input tokens, output tokens
         try:
@@ -177,6 +183,9 @@ class CortexUpdater:
         except LLMError as exc:
             await self._failed(exc, tools, totals, started)
             raise  # transient errors are retried by the job queue
+        except LeaseLost as exc:  # (the worker that has the job now runs the update)
+            await self._finish_failed(tools, totals, started, f"interrupted: {exc}", f"LeaseLost: {exc}")
+            raise
         except Exception as exc:  # a bug or the database: the run says so now (not "the process stopped" later)
             await self._broke(exc, tools, totals, started)
             raise

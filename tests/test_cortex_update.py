@@ -1053,3 +1053,31 @@ async def test_a_run_of_a_job_another_process_holds_now_is_not_closed(
         await app.cortex.updater.after_interrupted(job)  # (the requeuing process's, late)
         runs = {r.id: r.status for r in await app.cortex.store.runs(pair.id)}
         assert (runs[run_id], runs[live]) == ("failed", "running")
+
+
+async def test_an_update_whose_job_went_to_another_worker_writes_nothing(app: App, fake_llm: FakeLLMServer) -> None:
+    """A worker whose handler resumed after a stall longer than its lease, the job taken over meanwhile: only the
+    job row was fenced, so its file versions and memory items were written beside the other worker's. Each
+    write first asks whether the job is still this worker's; the run stops there, marked interrupted."""
+    from bot.jobs import LeaseLost
+
+    await _talk(app, CONVERSATION)
+    pair = await _pair(app)
+    await app.storage.enqueue_job(CORTEX_JOB, job_key(pair.id), {"pair_id": pair.id, "tier": "50"}, 3)
+    job = await app.storage.claim_job("host-a:1:a", [CORTEX_JOB], 600.0)
+    assert job is not None
+
+    def taken_over(request: Any) -> FakeResponse:  # (while the model thinks, another worker takes the job)
+        return FakeResponse.tool_calls([("1", "write_file", {"filename": "memory.md", "content": NEW_MEMORY}),
+                                        ("2", "remember", {"content": "Ann has a cat called Pixel"})])
+
+    fake_llm.responder = taken_over
+    await app.storage.db.write("UPDATE jobs SET locked_by = 'host-b:2:b', attempts = attempts + 1 WHERE id = ?",
+                               (job.id,))
+    with pytest.raises(LeaseLost, match="went to another worker before write_file"):
+        await app.cortex.updater.run_job(job)
+    after = await app.cortex.store.current(pair.id, "memory.md")
+    assert after is not None and after.author == "system" and after.content != NEW_MEMORY  # (the template only)
+    assert (await app.cortex.memory.list_items(pair.id))[0] == []
+    runs = await app.cortex.store.runs(pair.id)
+    assert runs[0].status == "failed" and runs[0].reason.startswith("interrupted: its job went to another worker")

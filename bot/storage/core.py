@@ -860,6 +860,15 @@ class Storage:
         )
         return bool(changed)
 
+    async def holds_job(self, job_id: int, worker: str, attempt: int) -> bool:
+        """Whether ``worker`` still holds the job under a live lease, in the claim counted ``attempt`` (a handler
+        asks before each result it writes: one that resumed after a stall, its job taken over meanwhile, must
+        not write beside the worker that has it now)."""
+        row = await self.db.fetch_one(
+            "SELECT 1 FROM jobs WHERE id = ? AND status = 'running' AND locked_by = ? AND attempts = ?"
+            " AND lease_until >= ?", (job_id, worker, attempt, await self.db.now()))
+        return row is not None
+
     async def finish_job(self, job_id: int, worker: str | None = None, *, attempt: int | None = None) -> bool:
         return await self._set_job(job_id, worker, f"status = 'done', {JOB_DONE}", (), attempt)
 
