@@ -335,3 +335,59 @@ async def test_a_pool_whose_connections_are_all_busy_is_said_as_such_after_a_whi
         assert (await storage.upsert_user("discord:1", "Ann")).key == "discord:1"  # (free again)
     finally:
         await storage.close()
+
+
+async def test_a_server_that_takes_connections_and_never_answers_is_unreachable_not_busy(
+        pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connect that timed out (the server cut off: a firewall dropping packets) was said as "every connection is
+    busy" (the pool's wait ran out with it), pointing the operator at [storage] pool_size."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    import bot.storage.postgres as postgres_module
+    from bot.storage.unavailable import UNREACHABLE
+
+    monkeypatch.setattr(postgres_module, "CONNECT_TIMEOUT", 0.5)
+    real = urlsplit(pg_url)
+    silent = False
+    held: list[asyncio.StreamWriter] = []
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        if silent:  # (takes the connection, answers nothing)
+            await reader.read()
+            return
+        upstream_reader, upstream = await asyncio.open_connection(real.hostname, real.port)
+        held.append(upstream)
+
+        async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            while data := await source.read(65536):
+                sink.write(data)
+                await sink.drain()
+            sink.close()
+
+        await asyncio.gather(pump(reader, upstream), pump(upstream_reader, writer), return_exceptions=True)
+
+    proxy = await asyncio.start_server(relay, "127.0.0.1", 0)
+    port = proxy.sockets[0].getsockname()[1]
+    storage = await open_storage(urlunsplit(real._replace(netloc=f"{real.username or 'postgres'}@127.0.0.1:{port}")),
+                                 pool_size=2)
+    try:
+        await storage.migrate()
+        silent = True
+        for link in held:  # the pool's connections end; new ones are taken and never answered
+            link.close()
+        said: list[str | None] = []
+        for _ in range(3):  # (the first finds its connection closed; then the pool's new ones time out)
+            try:
+                await storage.get_setting("x")
+                said.append("answered")
+            except Exception as exc:  # noqa: BLE001  (whatever it is, what the bot would say of it)
+                said.append(storage.unavailable(exc))
+        assert said[-1] == f"the database {storage.db.url} cannot be used right now: {UNREACHABLE}", said
+    finally:
+        await storage.close()
+        for link in held:
+            link.close()
+        proxy.close()
+        await proxy.wait_closed()
+        await asyncio.sleep(0.1)

@@ -281,6 +281,8 @@ class PostgresDatabase:
         try:
             conn = await pool.acquire(timeout=ACQUIRE_TIMEOUT)
         except TimeoutError:
+            if pool.get_size() < self._max_size or pool.get_idle_size():  # (a new connection's connect timed out:
+                raise  # the server cannot be reached, which bot.storage.unavailable says as such)
             raise ConnectionsBusy(f"every connection to {self.url} was busy for {ACQUIRE_TIMEOUT:g} s "
                                   f"(slow statements hold the pool of {self._max_size})") from None
         try:
