@@ -353,22 +353,23 @@ async def _remove_deleted(source: Database, target: Database, batch: int, progre
     is refused before this (its ids grew past the mark), a table keyed otherwise (settings, sessions) is left
     as it is, only ids up to what the source had when a copy between them last ran (``accounted``) are
     looked at, and a target that was not marked before this copy (empty, or made by an older copy-data) is not
-    touched at all. Children go
-    before parents, in one transaction per table. Returns the rows deleted per table."""
+    touched at all. Children go before parents, in one transaction per table. Returns the rows deleted per
+    table."""
     removed = dict.fromkeys(TABLES, 0)
     if accounted is None:
         return removed
-    gone: dict[str, list[int]] = {}
+    gone: dict[str, tuple[str, list[int]]] = {}  # table -> (its key, the ids the source lacks)
     for table in TABLES:  # (parents first: a row the source deletes meanwhile leaves no child pointing at a gone one)
         shape = await _shape(target, table)
         if len(shape.key) == 1 and shape.types[shape.key[0]] in INTEGER_TYPES:
-            gone[table] = await _gone_ids(source, target, table, shape.key[0], batch, accounted.get(table, 0))
+            key = shape.key[0]
+            gone[table] = (key, await _gone_ids(source, target, table, key, batch, accounted.get(table, 0)))
     for table in reversed(TABLES):
         if table in BOUNDED_BY:
             column, parent = BOUNDED_BY[table]
-            removed[table] = await _delete_where(target, table, column, gone.get(parent, []))
-        elif gone.get(table):
-            removed[table] = await _delete_where(target, table, (await _shape(target, table)).key[0], gone[table])
+            removed[table] = await _delete_where(target, table, column, gone.get(parent, ("", []))[1])
+        elif table in gone:
+            removed[table] = await _delete_where(target, table, *gone[table])
         if removed[table] and progress is not None:
             progress(f"{table} (deleted at the source)", removed[table], removed[table])
     return removed
@@ -386,16 +387,23 @@ async def _gone_ids(source: Database, target: Database, table: str, key: str, ba
             f" ORDER BY {_quote(key)} LIMIT {batch}", () if last is None else (last,))]
         if not held:
             return gone
-        kept: set[Any] = set()
-        for start in range(0, len(held), MAX_PARAMETERS):
-            chunk = held[start:start + MAX_PARAMETERS]
-            kept.update(r[0] for r in await source.fetch_all(
-                f"SELECT {_quote(key)} FROM {_quote(table)} WHERE {_quote(key)} IN ({', '.join('?' for _ in chunk)})",
-                chunk))
+        kept = {r[0] for r in await _rows_with_ids(source, table, (key,), held)}
         gone.extend(i for i in held if i not in kept)
         last = held[-1]
         if len(held) < batch:
             return gone
+
+
+async def _rows_with_ids(db: Database, table: str, columns: Sequence[str], ids: Sequence[Any]) -> list[Row]:
+    """The ``columns`` of the rows of ``table`` whose first column (its key) is one of ``ids``, in statements
+    within the engines' parameter limits."""
+    rows: list[Row] = []
+    for start in range(0, len(ids), MAX_PARAMETERS):
+        chunk = list(ids[start:start + MAX_PARAMETERS])
+        rows += await db.fetch_all(
+            f"SELECT {', '.join(_quote(c) for c in columns)} FROM {_quote(table)}"
+            f" WHERE {_quote(columns[0])} IN ({', '.join('?' for _ in chunk)})", chunk)
+    return rows
 
 
 async def _delete_where(target: Database, table: str, column: str, ids: list[int]) -> int:
@@ -547,12 +555,7 @@ async def _check_same_rows(target: Database, plan: _Plan, rows: Sequence[Row]) -
     wanted = plan.key + natural
     positions = [plan.columns.index(c) for c in wanted]
     ids = [row[positions[0]] for row in rows]
-    found: dict[Any, tuple[Any, ...]] = {}
-    for start in range(0, len(ids), MAX_PARAMETERS):  # within the engines' parameter limits
-        chunk = ids[start:start + MAX_PARAMETERS]
-        found.update((r[0], tuple(r)) for r in await target.fetch_all(
-            f"SELECT {', '.join(_quote(c) for c in wanted)} FROM {_quote(plan.table)}"
-            f" WHERE {_quote(plan.key[0])} IN ({', '.join('?' for _ in chunk)})", chunk))
+    found = {r[0]: tuple(r) for r in await _rows_with_ids(target, plan.table, wanted, ids)}
     for row in rows:
         there = found.get(row[positions[0]])
         if there is None or there != tuple(row[p] for p in positions):
