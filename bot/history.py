@@ -44,8 +44,13 @@ def message_cost(message: StoredMessage, estimator: TokenEstimator) -> int:
     every transcript ("Ann: "; counted in a DM's window too, where it is left out: a few tokens to spare). Its
     text alone was counted: many short messages under long names made a group's window and a summary's input
     several times their budgets."""
-    label = estimator.raw_count(message.author_name) + 1 if message.role == "user" else 0
+    label = name_tokens(message, estimator) if message.role == "user" else 0
     return estimator.scale(message.token_count + label + PER_MESSAGE_OVERHEAD)
+
+
+def name_tokens(message: StoredMessage, estimator: TokenEstimator) -> int:
+    """The raw tokens of the author's name before a message's text ("Ann: ")."""
+    return estimator.raw_count(message.author_name) + 1
 
 
 async def build_window(

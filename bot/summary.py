@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
 from bot.config import Config, ConfigError
-from bot.history import HistoryWindow, build_window, in_reply_order, message_cost
+from bot.history import HistoryWindow, build_window, in_reply_order, message_cost, name_tokens
 from bot.jobs import JobQueue
 from bot.llm.base import ChatMessage, LLMProvider, LLMRequest
 from bot.llm.errors import LLMError, LLMTransientError
@@ -109,7 +109,7 @@ TIME_TOKENS = 9  # "[2026-01-01 10:00] " before every line of a transcript
 def transcript_cost(message: StoredMessage, estimator: TokenEstimator) -> int:
     """What a message costs in a summary's transcript: its time and its author's name (the persona's too) before
     its text (see :func:`transcript`)."""
-    named = estimator.raw_count(message.author_name) + 1 if message.role != "user" else 0  # (a person's: counted)
+    named = name_tokens(message, estimator) if message.role != "user" else 0  # (a person's: in message_cost)
     return message_cost(message, estimator) + estimator.scale(TIME_TOKENS + named)
 
 
