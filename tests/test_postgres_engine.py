@@ -261,20 +261,35 @@ async def test_a_read_only_server_is_named_as_the_databases_trouble(pg_url: str)
     assert unavailable(ValueError("a bug")) is None
 
 
-async def test_a_server_that_stopped_answering_is_named_as_the_databases_trouble(pg_url: str) -> None:
-    """Once the server is gone (stopped, restarting), the pool's new connections are refused with a plain
-    ``ConnectionRefusedError``: every reply got "something went wrong" and a traceback, and background jobs
-    failed for good instead of waiting. The same error from another connection (an LLM's) is not the database's."""
-    from urllib.parse import urlsplit, urlunsplit
+class Relay:
+    """A TCP relay on loopback in front of the test's PostgreSQL, to cut the bot off from it as a network would:
+    ``stop`` ends the connections it carries and refuses new ones (the server stopped); with ``silent`` it takes
+    new ones and answers nothing (packets dropped)."""
 
-    from bot.storage.unavailable import UNREACHABLE
+    def __init__(self, pg_url: str) -> None:
+        from urllib.parse import urlsplit
 
-    real = urlsplit(pg_url)
-    links: list[asyncio.StreamWriter] = []
+        self.real = urlsplit(pg_url)
+        self.silent = False
+        self.links: list[asyncio.StreamWriter] = []
+        self.server: asyncio.Server | None = None
+        self.url = ""
 
-    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        upstream_reader, upstream = await asyncio.open_connection(real.hostname, real.port)
-        links.extend((writer, upstream))
+    async def start(self) -> int:
+        from urllib.parse import urlunsplit
+
+        self.server = await asyncio.start_server(self._carry, "127.0.0.1", 0)
+        port = int(self.server.sockets[0].getsockname()[1])
+        self.url = urlunsplit(self.real._replace(netloc=f"{self.real.username or 'postgres'}@127.0.0.1:{port}"))
+        return port
+
+    async def _carry(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.links.append(writer)
+        if self.silent:
+            await reader.read()
+            return
+        upstream_reader, upstream = await asyncio.open_connection(self.real.hostname, self.real.port)
+        self.links.append(upstream)
 
         async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
             while data := await source.read(65536):
@@ -284,16 +299,30 @@ async def test_a_server_that_stopped_answering_is_named_as_the_databases_trouble
 
         await asyncio.gather(pump(reader, upstream), pump(upstream_reader, writer), return_exceptions=True)
 
-    proxy = await asyncio.start_server(relay, "127.0.0.1", 0)
-    port = proxy.sockets[0].getsockname()[1]
-    storage = await open_storage(urlunsplit(real._replace(netloc=f"{real.username or 'postgres'}@127.0.0.1:{port}")))
+    def close_links(self) -> None:
+        for link in self.links:
+            link.close()
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+        self.close_links()
+
+
+async def test_a_server_that_stopped_answering_is_named_as_the_databases_trouble(pg_url: str) -> None:
+    """Once the server is gone (stopped, restarting), the pool's new connections are refused with a plain
+    ``ConnectionRefusedError``: every reply got "something went wrong" and a traceback, and background jobs
+    failed for good instead of waiting. The same error from another connection (an LLM's) is not the database's."""
+    from bot.storage.unavailable import UNREACHABLE
+
+    relay = Relay(pg_url)
+    port = await relay.start()
+    storage = await open_storage(relay.url)
     try:
         await storage.migrate()
         await storage.get_setting("x")
-        proxy.close()  # the server "stops": its connections end, new ones are refused
-        await proxy.wait_closed()
-        for link in links:
-            link.close()
+        await relay.stop()  # the server "stops": its connections end, new ones are refused
         said = []
         for _ in range(3):
             with pytest.raises(Exception) as failed:
@@ -341,41 +370,17 @@ async def test_a_server_that_takes_connections_and_never_answers_is_unreachable_
         pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A connect that timed out (the server cut off: a firewall dropping packets) was said as "every connection is
     busy" (the pool's wait ran out with it), pointing the operator at [storage] pool_size."""
-    from urllib.parse import urlsplit, urlunsplit
-
     import bot.storage.postgres as postgres_module
     from bot.storage.unavailable import UNREACHABLE
 
     monkeypatch.setattr(postgres_module, "CONNECT_TIMEOUT", 0.5)
-    real = urlsplit(pg_url)
-    silent = False
-    held: list[asyncio.StreamWriter] = []
-
-    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        held.append(writer)
-        if silent:  # (takes the connection, answers nothing)
-            await reader.read()
-            return
-        upstream_reader, upstream = await asyncio.open_connection(real.hostname, real.port)
-        held.append(upstream)
-
-        async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-            while data := await source.read(65536):
-                sink.write(data)
-                await sink.drain()
-            sink.close()
-
-        await asyncio.gather(pump(reader, upstream), pump(upstream_reader, writer), return_exceptions=True)
-
-    proxy = await asyncio.start_server(relay, "127.0.0.1", 0)
-    port = proxy.sockets[0].getsockname()[1]
-    storage = await open_storage(urlunsplit(real._replace(netloc=f"{real.username or 'postgres'}@127.0.0.1:{port}")),
-                                 pool_size=2)
+    relay = Relay(pg_url)
+    await relay.start()
+    storage = await open_storage(relay.url, pool_size=2)
     try:
         await storage.migrate()
-        silent = True
-        for link in held:  # the pool's connections end; new ones are taken and never answered
-            link.close()
+        relay.silent = True  # the pool's connections end; new ones are taken and never answered
+        relay.close_links()
         said: list[str | None] = []
         for _ in range(3):  # (the first finds its connection closed; then the pool's new ones time out)
             try:
@@ -386,8 +391,5 @@ async def test_a_server_that_takes_connections_and_never_answers_is_unreachable_
         assert said[-1] == f"the database {storage.db.url} cannot be used right now: {UNREACHABLE}", said
     finally:
         await storage.close()
-        for link in held:
-            link.close()
-        proxy.close()
-        await proxy.wait_closed()
+        await relay.stop()
         await asyncio.sleep(0.1)
