@@ -169,6 +169,10 @@ class CortexFiles:
 
     async def revert(self, pair: Pair, filename: str, number: int) -> FileVersion | None:
         old = await self.get_version(pair, filename, number)
+        length = len(old.content.rstrip("\n"))
+        if length > self.file_max_chars:  # (kept from before an operator lowered the cap)
+            raise FileError(f"{filename} version {number} has {length:,} characters, over today's limit of "
+                            f"{self.file_max_chars:,}: copy what you need from it into an edit instead")
         return await self.write(pair, filename, old.content, "user", f"reverted to version {number}")
 
     async def reset(self, pair: Pair, filenames: tuple[str, ...], language: str, user_name: str) -> list[str]:

@@ -115,6 +115,19 @@ async def test_a_version_no_longer_kept_is_named_as_such(tmp_path: Path, monkeyp
         assert "has no version 9 (versions: 5 to 6)" in (await run(app, "!memory diff memory.md 5 9")).text
 
 
+async def test_a_version_longer_than_the_lowered_limit_is_not_reverted_to(tmp_path: Path) -> None:
+    """An operator lowered ``file_max_chars`` after a long version was saved: reverting to it would bring back a
+    file no edit could save now (and the model is asked to keep files under the limit)."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        assert "version 2" in (await run(app, "!memory edit memory.md\n" + "long words " * 700)).text
+        await run(app, "!memory edit memory.md\n# Mine\n- short now\n")
+        app.cortex.files.file_max_chars = 4000
+        refused = (await run(app, "!memory revert memory.md 2")).text
+        assert "memory.md version 2 has 7,699 characters, over today's limit of 4,000" in refused, refused
+        assert "short now" in (await run(app, "!memory show memory.md")).text
+        assert "saved as version 4" in (await run(app, "!memory revert memory.md 1")).text
+
+
 async def test_exports_are_made_one_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An export holds all of a user's rows in memory while it is made (five sent at once for a user of 160,000
     messages took 3 GB): a second of the same user's is refused while the first is made, and another user's
