@@ -343,7 +343,7 @@ class ConversationCore:
                 "date": now.strftime("%A, %d %B %Y"),
             },
         )
-        turns = history_turns(window.messages, label_speakers=not message.is_dm)
+        turns = history_turns(window.messages, label_speakers=not message.is_dm, persona=persona.name)
         turns += history_turns([user_msg], label_speakers=not message.is_dm)
         # Stored messages carry their token counts: only the system prompt is tokenised here.
         raw_prompt = self.estimator.raw_count(system) + sum(

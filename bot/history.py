@@ -39,13 +39,28 @@ class HistoryWindow:
         return self.tokens > self.budget
 
 
-def message_cost(message: StoredMessage, estimator: TokenEstimator) -> int:
+ANOTHER_PERSONA = " (another persona, not you)"  # after the name of a reply another persona gave in a channel
+
+
+def message_cost(message: StoredMessage, estimator: TokenEstimator, persona: str | None = None) -> int:
     """What a message costs in a prompt: a person's with the name it carries in a group channel's turns and in
     every transcript ("Ann: "; counted in a DM's window too, where it is left out: a few tokens to spare). Its
     text alone was counted: many short messages under long names made a group's window and a summary's input
-    several times their budgets."""
-    label = name_tokens(message, estimator) if message.role == "user" else 0
+    several times their budgets. With ``persona`` (the one replying), a reply of another persona carries its
+    name too (see :func:`by_another_persona`)."""
+    if message.role == "user":
+        label = name_tokens(message, estimator)
+    elif by_another_persona(message, persona):
+        label = name_tokens(message, estimator) + estimator.raw_count(ANOTHER_PERSONA)
+    else:
+        label = 0
     return estimator.scale(message.token_count + label + PER_MESSAGE_OVERHEAD)
+
+
+def by_another_persona(message: StoredMessage, persona: str | None) -> bool:
+    """Whether ``message`` is a reply that a persona other than ``persona`` gave (the channel's persona was
+    switched since): shown to ``persona`` as its own turn, it would take those words for its own."""
+    return message.role == "assistant" and persona is not None and message.persona.casefold() != persona.casefold()
 
 
 def name_tokens(message: StoredMessage, estimator: TokenEstimator) -> int:
@@ -64,10 +79,12 @@ async def build_window(
     size_hint: int = 0,
     viewer: tuple[int, str] | None = None,
     since: datetime | None = None,
+    persona: str | None = None,
 ) -> HistoryWindow:
     """The window of messages older than ``before_id`` (all when None); for ``viewer`` (user id, persona: the
     reply's), without others' incognito stretches (see ``Storage.recent_messages``); with ``since``, only what
-    was said from then on (what the reply's author could see: ``IncomingMessage.history_from``).
+    was said from then on (what the reply's author could see: ``IncomingMessage.history_from``). Costs are
+    those of the turns shown to ``persona`` (else the viewer's; see :func:`message_cost`).
 
     ``size_hint`` (how many messages the last window of this channel held) sizes the first read so
     that one query usually suffices; the result does not depend on it.
@@ -81,7 +98,7 @@ async def build_window(
         page = await storage.recent_messages(channel_id, page_size, before_id=cursor, viewer=viewer,
                                              since=None if since is None else since.timestamp())
         for message in page:
-            cost = message_cost(message, estimator)
+            cost = message_cost(message, estimator, persona or (None if viewer is None else viewer[1]))
             if tokens + cost > budget and user_messages >= min_exchanges:
                 chosen = in_reply_order(chosen[::-1])
                 # seq counts the channel's messages, so everything up to the evicted one is left out.
@@ -140,19 +157,21 @@ async def with_late_answers(
     if not late:
         return window
     merged = sorted((*window.messages, *late), key=lambda m: m.id)
+    persona = viewer[1]
     return _within_budget(replace(window, messages=in_reply_order(merged),
-                                  tokens=window.tokens + sum(message_cost(m, estimator) for m in late)),
-                          estimator, min_exchanges)
+                                  tokens=window.tokens + sum(message_cost(m, estimator, persona) for m in late)),
+                          estimator, min_exchanges, persona)
 
 
-def _within_budget(window: HistoryWindow, estimator: TokenEstimator, min_exchanges: int) -> HistoryWindow:
+def _within_budget(window: HistoryWindow, estimator: TokenEstimator, min_exchanges: int, persona: str
+                   ) -> HistoryWindow:
     """``window`` without its oldest messages while it is over its budget, keeping ``min_exchanges`` user
     messages (those left out count as trimmed, for the summary)."""
     messages, tokens, users = list(window.messages), window.tokens, sum(m.role == "user" for m in window.messages)
     trimmed, evicted = window.trimmed, window.newest_evicted_id
     while tokens > window.budget and messages and not (messages[0].role == "user" and users <= min_exchanges):
         oldest = messages.pop(0)
-        tokens -= message_cost(oldest, estimator)
+        tokens -= message_cost(oldest, estimator, persona)
         users -= oldest.role == "user"
         trimmed, evicted = max(trimmed, oldest.seq), max(evicted or 0, oldest.id)
     return replace(window, messages=messages, tokens=tokens, trimmed=trimmed, newest_evicted_id=evicted)

@@ -12,6 +12,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from bot.history import ANOTHER_PERSONA, by_another_persona
 from bot.llm.base import ChatMessage
 from bot.persona import Persona, section_title
 from bot.ports import PromptSection
@@ -205,12 +206,16 @@ def render_system(parts: PromptParts, variables: Mapping[str, str]) -> str:
     return "\n\n".join(blocks)  # (what a reader does not see: left out of every request by LLMRequest itself)
 
 
-def history_turns(messages: Sequence[StoredMessage], *, label_speakers: bool) -> list[ChatMessage]:
-    """The window as chat turns; in group channels user turns carry the speaker's name."""
+def history_turns(messages: Sequence[StoredMessage], *, label_speakers: bool, persona: str | None = None
+                  ) -> list[ChatMessage]:
+    """The window as chat turns; in group channels user turns carry the speaker's name. For ``persona`` (the
+    one replying), a reply another persona gave in the channel is a named turn of the others, not its own."""
     turns: list[ChatMessage] = []
     for m in messages:
         if m.role == "user" and label_speakers:  # (a name stored before names were kept on one line: made so)
             turns.append(ChatMessage(role="user", content=f"{one_line_name(m.author_name)}: {m.text}"))
+        elif by_another_persona(m, persona):
+            turns.append(ChatMessage(role="user", content=f"{one_line_name(m.author_name)}{ANOTHER_PERSONA}: {m.text}"))
         else:  # (a ChatMessage leaves out what a reader does not see: bot.text.without_hidden)
             turns.append(ChatMessage(role=m.role, content=m.text))
     return turns

@@ -227,6 +227,7 @@ class SummaryEngine:
             channel_id,
             budget=budgets.history_tokens,
             min_exchanges=self.config.history.min_exchanges,
+            persona=persona.name,  # (as the replies' windows count: another persona's replies carry its name)
         )
         if window.oldest_id is None:
             return

@@ -645,3 +645,37 @@ async def test_one_message_longer_than_a_summarys_input_is_cut_and_the_summaries
     assert asked and all(tokens <= context for tokens, _ in asked), asked
     assert asked[0][1]  # the big message went in cut, with the note
     assert newest is not None and len([s for s in summaries if s.status == "ok"]) >= 2
+
+
+async def test_a_reply_another_persona_gave_is_not_shown_as_the_new_personas_own(tmp_path: Path) -> None:
+    """After a channel's persona was switched, the new one saw the old one's replies as its own turns (and said
+    it had promised what the other had): they are named turns of the others now, and their names are counted."""
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)},
+                           "history": {"summary_trigger": 10_000},
+                           "personas": [{"name": "Cora", "identity": "I am Cora."},
+                                        {"name": "Big", "identity": "I am Big."}]})
+    llm = ScriptedProvider()
+    async with App(config, llm=llm) as app:
+        for dm in (True, False):
+            channel = "dm" if dm else "room"
+            llm.enqueue("I promise to bake you a cake.")
+            await app.core.reply(IncomingMessage("console", channel, "ann", "Ann", "hi Big", is_dm=dm), persona="Big"
+                                 ).text()
+            llm.enqueue("Hello Ann.")
+            await app.core.reply(IncomingMessage("console", channel, "ann", "Ann", "hi Cora", is_dm=dm)).text()
+            llm.enqueue("Yes.")
+            await app.core.reply(IncomingMessage("console", channel, "ann", "Ann", "and now?", is_dm=dm)).text()
+            turns = [(m.role, m.content) for m in llm.requests[-1].messages]
+            ann = "" if dm else "Ann: "
+            assert turns == [("user", f"{ann}hi Big"),
+                             ("user", "Big (another persona, not you): I promise to bake you a cake."),
+                             ("user", f"{ann}hi Cora"), ("assistant", "Hello Ann."), ("user", f"{ann}and now?")], turns
+            llm.enqueue("Sure.")
+            await app.core.reply(IncomingMessage("console", channel, "ann", "Ann", "again", is_dm=dm), persona="Big"
+                                 ).text()
+            mine = [(m.role, m.content) for m in llm.requests[-1].messages][:2]
+            assert mine == [("user", f"{ann}hi Big"), ("assistant", "I promise to bake you a cake.")], mine
+        stored = await app.storage.recent_messages((await app.storage.get_channel("console:room")).id, 20)
+        big = next(m for m in stored if m.persona == "Big" and m.role == "assistant")
+        from bot.history import message_cost
+        assert message_cost(big, app.estimator, "Cora") > message_cost(big, app.estimator, "Big")
