@@ -658,6 +658,27 @@ async def test_the_same_words_remembered_twice_at_once_are_stored_once(tmp_path:
         assert len(rows) == 1
 
 
+async def test_the_same_words_remembered_at_once_in_two_processes_are_stored_once(tmp_path: Path) -> None:
+    """Two bot processes on one database (a command handled twice after a reconnect, the web page beside the
+    chat): the lock around the check and the write was each process's own, and both stored the words."""
+    from bot.llm.base import ToolCall
+    from cortex.memory.tools import MemoryTools
+
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as one, App(_config(tmp_path),
+                                                                           llm=ScriptedProvider()) as two:
+        await run(one, "!memory remember warm up")
+        for n in range(3):
+            answers = await asyncio.gather(*(run(app, f"!memory remember my sister is Lena {n}")
+                                             for app in (one, two, one, two)))
+            assert sorted(a.text.split(" as #")[0] for a in answers) == ["Already remembered"] * 3 + ["Remembered"]
+            rows = await one.storage.db.fetch_all("SELECT id FROM memory_items WHERE content = ?",
+                                                  (f"my sister is Lena {n}",))
+            assert len(rows) == 1, answers
+        model = MemoryTools(one.cortex.memory, await _pair_id(one, "ann"), run_id=1)  # (the model's tool too)
+        again = await model.execute(ToolCall("1", "remember", {"content": "my sister is Lena 0", "category": "fact"}))
+        assert again.content == "#2 says that already: nothing new was stored" and not model.written, again
+
+
 async def test_the_same_words_remembered_again_are_not_stored_twice(tmp_path: Path) -> None:
     async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
         assert (await run(app, "!memory remember I like tea")).text == "Remembered as #1."

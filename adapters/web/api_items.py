@@ -216,7 +216,8 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
             old.pair_id, wanted.content, category=old.category, key=old.key, importance=old.importance,
             pinned=old.pinned if wanted.pinned is None else wanted.pinned, tags=old.tags, source="user",
             scope="shared" if (wanted.scope or old.scope) == "shared" else "private", source_ref="web",
-            expires_at=old.expires_at.timestamp() if old.expires_at and old.visible else None, supersedes=old.id)
+            expires_at=old.expires_at.timestamp() if old.expires_at and old.visible else None, supersedes=old.id,
+            once=True)  # (a twin made meanwhile, in another tab or process: a 409 as may_correct's)
 
     async def set_flags(item: MemoryItem, wanted: ItemChange) -> MemoryItem:
         if wanted.pinned is not None and wanted.pinned != item.pinned:

@@ -30,7 +30,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from bot.storage.engine import Database, Row, Tx, is_conflict
+from bot.storage.engine import Database, Row, Tx, is_conflict, serialise
 from bot.storage.incognito import not_incognito
 from bot.storage.spread import SAMPLE as SPREAD_SAMPLE
 from bot.storage.spread import TTL as SPREAD_TTL
@@ -120,6 +120,18 @@ class _StaleCorrection(Exception):
     that is no longer active."""
 
 
+class SameWords(Exception):
+    """:meth:`MemoryRepository.add_item` with ``once``: an item in use already says these words (its row)."""
+
+    def __init__(self, row: Row) -> None:
+        super().__init__(f"item #{row['id']} says the same")
+        self.row = row
+
+
+ACTIVE_WITH_TEXT = ("SELECT * FROM memory_items WHERE pair_id = ? AND content = ? AND scope = ? AND archived_at IS NULL"
+                    " AND superseded_by IS NULL AND (expires_at IS NULL OR expires_at > ?)")
+
+
 class MemoryRepository:
     def __init__(self, db: Database) -> None:
         self.db = db
@@ -144,17 +156,21 @@ class MemoryRepository:
 
     # -- items -----------------------------------------------------------------------------------
 
-    async def add_item(self, pair_id: int, fields: Mapping[str, Any], supersedes: int | None, now: float
-                       ) -> Row | None:
+    async def add_item(self, pair_id: int, fields: Mapping[str, Any], supersedes: int | None, now: float, *,
+                       once: bool = False) -> Row | None:
         """Insert an item (and mark the one it corrects) in one transaction; returns its row. None, with
         nothing stored, when the item to correct is no longer active (corrected or archived meanwhile): the
         check is the corrected item's UPDATE itself, inside the transaction, so of concurrent corrections of
-        one item exactly one lands, in any process and on either engine."""
+        one item exactly one lands, in any process and on either engine. With ``once``, :class:`SameWords`
+        when another item of the pair in use says the same in the same scope: the check and the insert hold
+        the pair's lock together (SQLite's write lock; on PostgreSQL an advisory one), in any process."""
         values = {**fields, "pair_id": pair_id, "supersedes": supersedes, "created_at": now, "updated_at": now}
         columns = ", ".join(values)
         marks = ", ".join("?" for _ in values)
         try:
             async with self.db.transaction() as tx:
+                if once:
+                    await self._no_twin(tx, pair_id, fields, supersedes, now)
                 row = await tx.fetch_one(
                     f"INSERT INTO memory_items ({columns}) VALUES ({marks}) RETURNING {ITEM_COLUMNS}",
                     tuple(values.values()),
@@ -170,6 +186,14 @@ class MemoryRepository:
             return None
         return row
 
+    async def _no_twin(self, tx: Tx, pair_id: int, fields: Mapping[str, Any], supersedes: int | None, now: float
+                       ) -> None:
+        await serialise(self.db, tx, f"memory.words:{pair_id}")
+        twin = await tx.fetch_one(f"{ACTIVE_WITH_TEXT} AND id <> ? ORDER BY id LIMIT 1",
+                                  (pair_id, fields["content"], fields["scope"], now, supersedes or 0))
+        if twin is not None:
+            raise SameWords(twin)
+
     async def item(self, pair_id: int, item_id: int) -> Row | None:
         return await self.db.fetch_one(
             f"SELECT {ITEM_COLUMNS} FROM memory_items WHERE id = ? AND pair_id = ?", (item_id, pair_id)
@@ -178,10 +202,7 @@ class MemoryRepository:
     async def active_with_text(self, pair_id: int, content: str, scope: str, now: float) -> Row | None:
         """An item of the pair in use (not archived, corrected or expired at ``now``) in ``scope`` that says
         exactly ``content``; None when there is none."""
-        return await self.db.fetch_one(
-            "SELECT * FROM memory_items WHERE pair_id = ? AND content = ? AND scope = ? AND archived_at IS NULL"
-            " AND superseded_by IS NULL AND (expires_at IS NULL OR expires_at > ?) ORDER BY id LIMIT 1",
-            (pair_id, content, scope, now))
+        return await self.db.fetch_one(f"{ACTIVE_WITH_TEXT} ORDER BY id LIMIT 1", (pair_id, content, scope, now))
 
     async def has_at_least(self, pair_id: int, count: int) -> bool:
         """Whether the pair has ``count`` items not archived, or more (counted no further than that)."""

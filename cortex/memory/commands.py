@@ -28,7 +28,7 @@ from bot.commands import (
 )
 from bot.storage.sources import ReplySource
 from bot.text import one_line, plural, shown
-from cortex.memory.store import CATEGORIES, SCOPES, MemoryError, MemoryItem, MemoryStore, Scope
+from cortex.memory.store import CATEGORIES, SCOPES, AlreadyRemembered, MemoryError, MemoryItem, MemoryStore, Scope
 from cortex.store import CortexStore
 
 PAGE = 10
@@ -229,14 +229,10 @@ class MemoryCommands:
         # Learned in a DM (or by a slash command nobody else saw) stays out of group channels.
         scope: Scope = "shared" if ctx.seen_by_all and not ctx.is_dm else "private"
         try:
-            checked = self.memory.checked(pair, content, category=category, importance=importance, source="user")
-            async with self.memory.writing(pair):
-                same = await self.memory.same_words(pair, checked, scope)
-                if same is not None:  # (the same words again: a second item would only crowd the prompt)
-                    return self._already(same, category, importance, pin)
-                item = await self.memory.remember(pair, content, scope=scope, category=category,
-                                                  importance=importance, pinned=pin, source="user",
-                                                  source_ref=origin)
+            item = await self.memory.remember(pair, content, scope=scope, category=category, importance=importance,
+                                              pinned=pin, source="user", source_ref=origin, once=True)
+        except AlreadyRemembered as same:  # (the same words again: a second item would only crowd the prompt)
+            return self._already(same.item, category, importance, pin)
         except MemoryError as exc:
             raise CommandError(str(exc)) from None
         pinned = " (pinned)" if item.pinned else ""

@@ -36,7 +36,7 @@ import numpy.typing as npt
 
 from bot.config import MemoryConfig
 from bot.storage.core import Storage
-from bot.storage.memory import ITEM_COLUMNS, FtsTable, ItemFilters, item_fields
+from bot.storage.memory import ITEM_COLUMNS, FtsTable, ItemFilters, SameWords, item_fields
 from bot.text import one_line_name, shown, single_spaced
 from cortex.memory.guard import guarded
 from cortex.memory.vectors import DatabaseVectors, RelevanceFloors
@@ -212,6 +212,14 @@ class MemoryConflict(MemoryError):
     """The item changed meanwhile (another correction or a forget landed first); nothing was stored."""
 
 
+class AlreadyRemembered(MemoryConflict):
+    """``remember(..., once=True)``: an item in use says the same words (``item``); nothing was stored."""
+
+    def __init__(self, item: MemoryItem) -> None:
+        super().__init__(f"item #{item.id} says that already")
+        self.item = item
+
+
 def _rarest_within(words: list[str], counted: Mapping[str, int], budget: int) -> list[str]:
     """The rarest of ``words`` whose matches add up to at most ``budget`` rows (in their order): what
     ranking costs is the rows it scores, and the words left out are the commonest, which say least."""
@@ -311,8 +319,11 @@ class MemoryStore:
         self, pair_id: int, content: str, *, category: str = "fact", key: str = "", importance: int = 5,
         pinned: bool = False, expires_at: float | None = None, tags: Sequence[str] = (), source: Source = "user",
         metadata: Mapping[str, Any] | None = None,
-        source_ref: str = "", supersedes: int | None = None, scope: Scope = "private",
+        source_ref: str = "", supersedes: int | None = None, scope: Scope = "private", once: bool = False,
     ) -> MemoryItem:
+        """A new item (correcting ``supersedes``). With ``once``, :class:`AlreadyRemembered` when another item of
+        the pair in use says the same words in ``scope`` (checked with the insert: a double click stores one
+        item, in one process or two)."""
         content = self.checked(pair_id, content, category=category, importance=importance, source=source)
         if len(key) > MAX_KEY_CHARS:  # (it is embedded with the content: a label, not a second text)
             if supersedes is None:
@@ -326,7 +337,10 @@ class MemoryStore:
         fields = item_fields(category=category, key=key, content=content, importance=importance, pinned=pinned,
                              expires_at=expires_at, tags=list(tags), source=source, source_ref=source_ref,
                              metadata=dict(metadata or {}), scope=scope)
-        row = await self.repo.add_item(pair_id, fields, supersedes, self.clock())
+        try:
+            row = await self.repo.add_item(pair_id, fields, supersedes, self.clock(), once=once)
+        except SameWords as same:
+            raise AlreadyRemembered(self._item(same.row)) from None
         if row is None:  # the item changed after the check above: the database's own check refused it
             assert supersedes is not None
             raise await self._changed_meanwhile(pair_id, supersedes)

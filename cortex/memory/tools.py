@@ -20,7 +20,7 @@ from typing import Any
 
 from bot.llm.base import ToolCall, ToolSpec
 from bot.text import quoted
-from cortex.memory.store import CATEGORIES, MemoryError, MemoryItem, MemoryStore
+from cortex.memory.store import CATEGORIES, AlreadyRemembered, MemoryError, MemoryItem, MemoryStore
 
 DAY = 86_400.0
 
@@ -252,11 +252,14 @@ class MemoryTools:
         tags = args.get("tags", [])
         if not isinstance(tags, list) or not all(isinstance(t, str) and len(t) <= MAX_TAG_CHARS for t in tags):
             raise BadArguments(f"'tags' must be a list of short strings (at most {MAX_TAG_CHARS} characters each)")
-        item = await self.memory.remember(
-            self.pair_id, content, category=category, key=_text(args, "key", required=False), importance=importance,
-            tags=tags[:10], expires_at=self.memory.clock() + days * DAY if days else None, source="model",
-            source_ref=self._source_ref,
-        )
+        try:
+            item = await self.memory.remember(
+                self.pair_id, content, category=category, key=_text(args, "key", required=False),
+                importance=importance, tags=tags[:10], expires_at=self.memory.clock() + days * DAY if days else None,
+                source="model", source_ref=self._source_ref, once=True,
+            )
+        except AlreadyRemembered as same:  # (a second item of the same words would only crowd the prompt)
+            return MemoryToolResult(f"#{same.item.id} says that already: nothing new was stored")
         self.written.append(item.id)
         return MemoryToolResult(f"remembered as #{item.id}")
 
