@@ -24,8 +24,12 @@ from bot.tokens import TokenEstimator, fit_to_budget
 VARIABLES = ("char_name", "user_name", "language", "language_code", "date")
 _VARIABLE = re.compile(r"\{\{\s*([A-Za-z_]+)\s*\}\}|\{(" + "|".join(VARIABLES) + r")\}")
 ALIASES = {"char": "char_name", "user": "user_name"}
-# Anything that looks like a variable: what an admin writes meaning one (checked by ``unfilled``).
-_PLACEHOLDER = re.compile(r"\{\{?\s*[A-Za-z_][A-Za-z0-9_]*\s*\}?\}")
+# Anything that looks like a variable: what an admin writes meaning one (checked by ``unfilled``), and the
+# character cards' macros with arguments ({{random:a,b}}, {{roll:d20}}, {{setvar::x::1}}), which nothing fills.
+_SIMPLE_PLACEHOLDER = re.compile(r"\{\{?\s*[A-Za-z_][A-Za-z0-9_]*\s*\}?\}")
+_PLACEHOLDER = re.compile(r"\{\{[^{}\n]{1,200}\}\}|" + _SIMPLE_PLACEHOLDER.pattern)
+# A card's comment ({{// a note for the card's author}}): left out of the prompt, as the programs cards come from do.
+_COMMENT = re.compile(r"\{\{//[^{}]*\}\}")
 
 
 def unfilled(text: str) -> list[str]:
@@ -39,7 +43,8 @@ def unfilled(text: str) -> list[str]:
         name = (match.group(1) or match.group(2)).lower()
         return ALIASES.get(name, name) in VARIABLES
 
-    return list(dict.fromkeys(p for p in (m.group(0) for m in _PLACEHOLDER.finditer(text)) if not fills(p)))
+    return list(dict.fromkeys(p for p in (m.group(0) for m in _PLACEHOLDER.finditer(text))
+                              if not fills(p) and not _COMMENT.fullmatch(p)))
 
 
 def variables_note(text: str) -> str:
@@ -47,7 +52,8 @@ def variables_note(text: str) -> str:
     unknown = unfilled(text)
     if not unknown:
         return ""
-    shown_ = ", ".join("".join(u.split()) for u in unknown[:10]) + (
+    shown_ = ", ".join(("".join(u.split()) if _SIMPLE_PLACEHOLDER.fullmatch(u) else " ".join(u.split()))[:80]
+                       for u in unknown[:10]) + (
         f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
     one = len(unknown) == 1
     return (f" Note: {shown_} {'is no template variable' if one else 'are no template variables'}"
@@ -71,7 +77,8 @@ def language_code(language: str) -> str:
 
 
 def resolve_variables(text: str, variables: Mapping[str, str]) -> str:
-    """Fill the known template variables; anything else in braces stays exactly as written."""
+    """Fill the known template variables and leave out cards' comments (``{{// …}}``); anything else in braces
+    stays exactly as written."""
     def fill(match: re.Match[str]) -> str:
         name = (match.group(1) or match.group(2)).lower()
         key = ALIASES.get(name, name)
@@ -79,7 +86,7 @@ def resolve_variables(text: str, variables: Mapping[str, str]) -> str:
             return language_code(variables.get("language", "")) or match.group(0)
         return variables.get(key, match.group(0))
 
-    return _VARIABLE.sub(fill, text)
+    return _VARIABLE.sub(fill, _COMMENT.sub("", text) if "{{//" in text else text)
 
 
 @dataclass(frozen=True, slots=True)

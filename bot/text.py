@@ -52,11 +52,17 @@ _LOOK_ALIKES = str.maketrans(
 def persona_key(name: str) -> str:
     """When a new persona's name is too like one that exists for both to be told apart (it is refused then):
     :func:`name_key`, width and compatibility forms folded ("Ｃｏｒａ" typed with a Japanese input method is
-    Cora) and Cyrillic or Greek look-alikes read as the Latin letter ("Сora"). Names are found by
+    Cora), Cyrillic or Greek look-alikes read as the Latin letter ("Сora") and quote marks left out
+    (``Alexandra "Alex" Reed`` is ``Alexandra Alex Reed``, as a command line reads it). Names are found by
     :func:`name_key` (a database of an older release may hold two that this folds into one)."""
     # (on the decomposed form: "ё" is "е" and a diaeresis there, so "Zoё" with a Cyrillic ё is "Zoë")
     decomposed = unicodedata.normalize("NFKD", unicodedata.normalize("NFKD", name).casefold())
-    return unicodedata.normalize("NFC", decomposed.translate(_LOOK_ALIKES))
+    return unicodedata.normalize("NFC", decomposed.translate(_LOOK_ALIKES).translate(QUOTE_MARKS))
+
+
+# Quote marks a name may hold (a card's 'Alexandra "Alex" Reed'), which a command line reads as quoting: typed
+# back, such a name arrives without them, and is found as the name it looks like (see PersonaRegistry.persona).
+QUOTE_MARKS = str.maketrans("", "", "\"'\u201c\u201d\u201e\u201f\u2018\u2019\u201a\u201b\u00ab\u00bb\u2039\u203a")
 
 
 def one_line_name(name: str) -> str:

@@ -100,6 +100,11 @@ async def test_bad_cards_get_one_line_and_change_nothing(tmp_path: Path, fake_ll
             (Attachment("buff.json", dumps(v2_card(name="History Buff"))),
              "`buff.json`: a persona's name cannot start with `history`: !persona history is a command"),
             (Attachment("dots.json", dumps(v2_card(name=".."))), "`dots.json`: a persona's name cannot be only dots"),
+            (Attachment("c.charx", _zip("card.json", dumps(v2_card()))), "`c.charx`: a CHARX card (a zip) cannot be "
+             "imported here: export the card as PNG or JSON"),
+            (Attachment("l.json", b'{"spec": "chara_card_v2", "data": {"name": "caf\xe9"}}'),
+             "`l.json`: the card's JSON is not UTF-8 text: save it as UTF-8"),
+            (Attachment("u.json", json.dumps(v2_card()).encode("utf-16")), "`u.json`: the card's JSON is UTF-16 text"),
         ]
         for attachment, expected in cases:
             reply = await run(app, "!persona import", ctx(attachment))
@@ -140,6 +145,47 @@ async def test_an_import_names_placeholders_of_another_program(tmp_path: Path, f
         assert reply.startswith("Imported Mo") and "Note: {{original}} is no template variable" in reply, reply
         plain = await run(app, "!persona import", ctx(Attachment("no.json", dumps(v2_card(name="No")))))
         assert "Note:" not in plain, plain
+
+
+def _zip(name: str, data: bytes) -> bytes:
+    import io
+    import zipfile
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr(name, data)
+    return buffer.getvalue()
+
+
+async def test_macros_with_arguments_are_named_and_comments_stay_out_of_the_prompt(
+        tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only {{word}} was named as unfilled: a card's {{random:a,b}} reached the model unsaid, and its comments
+    ({{// a note}}, which the card's own program leaves out) reached it too."""
+    monkeypatch.setenv("CB_TEST_API_KEY", "sk-test")
+    async with App(_config(tmp_path, fake_llm)) as app:
+        card = v2_card(name="Mo", description="{{char}} feels {{random:happy,sad}} today. {{// note to self}}")
+        reply = await run(app, "!persona import", ctx(Attachment("mo.json", dumps(card))))
+        assert "Note: {{random:happy,sad}} is no template variable" in reply and "note to self" not in reply, reply
+        await app.core.reply(IncomingMessage("discord", "dm", "7", "Ann", "hi", is_dm=True), "Mo").text()
+        system = json.dumps(fake_llm.completion_requests[-1].body["system"])
+        assert "Mo feels {{random:happy,sad}} today." in system and "note to self" not in system
+
+
+async def test_a_name_with_quote_marks_can_be_typed_back(tmp_path: Path, fake_llm: FakeLLMServer,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A card named 'Alexandra "Alex" Reed' imported, but a command line reads its quotes as quoting: typed as the
+    import's answer said (or sent by a slash command), the name was an unknown persona."""
+    monkeypatch.setenv("CB_TEST_API_KEY", "sk-test")
+    name = 'Alexandra "Alex" Reed'
+    async with App(_config(tmp_path, fake_llm)) as app:
+        reply = await run(app, "!persona import", ctx(Attachment("alex.json", dumps(v2_card(name=name)))))
+        assert reply.startswith(f"Imported {name}"), reply
+        assert await run(app, f"!persona {name}", ctx()) == f"In your direct messages you now talk to {name}."
+        slash = app.commands._commands["persona show"].line("!", {"name": name})
+        assert (await run(app, slash, ctx())).startswith(f"Persona {name}:")
+        taken = await run(app, "!persona create Alexandra Alex Reed", ctx())
+        assert f"a persona called `{name}` exists already (`Alexandra Alex Reed` is the same name: quote marks do " \
+            "not tell names apart)" in taken, taken
+        assert (await run(app, f"!persona delete {name}", ctx())).startswith(f"Persona {name} deleted")
 
 
 async def test_the_terminal_imports_by_path(tmp_path: Path, fake_llm: FakeLLMServer,

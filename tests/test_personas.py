@@ -411,3 +411,18 @@ async def test_a_config_persona_named_like_one_made_in_chat_is_refused_at_start_
     with pytest.raises(ConfigError, match="'Nemo' in the config file looks like the name of a persona made in chat"):
         async with App(config, llm=ScriptedProvider()):
             pass
+
+
+async def test_a_changed_soul_order_in_the_config_applies_at_the_next_start(tmp_path: Path) -> None:
+    """Seeding placed a section only when it was first written: a new ``soul_order`` in the config changed
+    nothing. A section of its own made in chat keeps its place between them."""
+    llm = ScriptedProvider()
+    async with App(_config(tmp_path, soul_order=["identity", "tone"]), llm=llm) as app:
+        await run(app, "!persona edit hobby Gardening.")
+        system = await system_prompt(app, llm)
+        assert system.index("a gardener") < system.index("Warm.")
+    async with App(_config(tmp_path, soul_order=["tone", "identity"]), llm=llm) as app:
+        system = await system_prompt(app, llm)
+        assert system.index("Warm.") < system.index("a gardener") and "Gardening." in system
+        history = await run(app, "!persona history")
+        assert history.count("from the config file") == 2  # (moved, not saved again)

@@ -233,6 +233,23 @@ class PersonaRepository:
         except _NotWritten:
             return None
 
+    async def order_souls(self, scope: str, order: Sequence[str]) -> bool:
+        """Put the live soul sections named in ``order`` in that order, in the places they hold together (a
+        section of another name keeps its place between them); one transaction, one at a time per soul. True
+        when a section moved."""
+        async with self.db.transaction() as tx:
+            await serialise(self.db, tx, f"soul-order:{scope}")
+            rows = await tx.fetch_all(f"SELECT name, position FROM versioned_texts t WHERE kind = 'soul' AND"
+                                      f" scope = ? AND {LATEST} ORDER BY position, name", (scope,))
+            held = [(str(r[0]), int(r[1])) for r in rows if str(r[0]) in order]
+            wanted = sorted((name for name, _ in held), key=list(order).index)
+            if [name for name, _ in held] == wanted:
+                return False
+            for name, (_, position) in zip(wanted, held, strict=True):
+                await tx.execute("UPDATE versioned_texts SET position = ? WHERE kind = 'soul' AND scope = ? AND"
+                                 " name = ?", (position, scope, name))
+            return True
+
     async def current_all(self, kind: TextKind) -> list[TextVersion]:
         """The live versions of ``kind`` in every scope (one query for the whole cache)."""
         rows = await self.db.fetch_all(

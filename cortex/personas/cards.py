@@ -130,9 +130,16 @@ def _card_json(data: bytes) -> object:
     if data.startswith(PNG_SIGNATURE):
         keyword, payload = _png_payload(data)
         return _load_json(_decode_payload(payload, keyword), f"the PNG's '{keyword}' chunk")
+    if data.startswith(b"PK\x03\x04"):
+        raise CardError("a CHARX card (a zip) cannot be imported here: export the card as PNG or JSON (V2 or V3) "
+                        "and import that")
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise CardError("the card's JSON is UTF-16 text (Windows' \"Unicode\"): save it as UTF-8 and import it again")
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError:
+        if data.lstrip().startswith(b"{"):
+            raise CardError("the card's JSON is not UTF-8 text: save it as UTF-8 and import it again") from None
         raise CardError(NOT_A_CARD) from None
     if not text.lstrip().startswith("{"):
         raise CardError(NOT_A_CARD)

@@ -31,7 +31,7 @@ from bot.prompt import variables_note
 from bot.storage import Storage
 from bot.storage.personas import TextVersion
 from bot.storage.textsearch import text_search_config
-from bot.text import ONLY_DOTS, only_dots, plural, readable, shown
+from bot.text import ONLY_DOTS, QUOTE_MARKS, name_key, only_dots, plural, readable, shown
 from cortex.personas.cards import MAX_FIELD_CHARS
 from cortex.personas.registry import PersonaRegistry
 
@@ -55,7 +55,9 @@ def taken_message(existing: str, name: str) -> str:
     """Why ``name`` cannot be a new persona's: ``existing`` has it."""
     if existing == name:
         return f"a persona called {shown(name)} exists already"
-    why = "case does not" if existing.casefold() == name.casefold() else "letters that look alike do not"
+    why = ("case does not" if existing.casefold() == name.casefold() else
+           "quote marks do not" if name_key(existing.translate(QUOTE_MARKS)) == name_key(name.translate(QUOTE_MARKS))
+           else "letters that look alike do not")
     return (f"a persona called {shown(existing)} exists already ({shown(name)} is the same name: {why} tell "
             "names apart)")
 

@@ -142,6 +142,8 @@ class PersonaRegistry:
                 for position, key in enumerate(entry.soul_order, start=1):
                     await self._seed_text("soul", str(row.id), key, getattr(entry, key), position,
                                           f"persona {row.name}: section {key}", f"!persona revert {key}")
+                if await self.storage.personas.order_souls(str(row.id), entry.soul_order):  # (changed since)
+                    log.info("persona %s: soul sections put in the config file's soul_order", row.name)
             await self._seed_text("rule", BOT_WIDE, CONFIG_RULE, self.config.bot.global_rules, 0,
                                   f"global rule {CONFIG_RULE!r} ([bot] global_rules)", f"!rules revert {CONFIG_RULE}")
         finally:
