@@ -38,7 +38,7 @@ from bot.policy import Inbound, user_refusal
 from bot.ports import IncomingMessage
 from bot.privatefs import create_private, private_dir, private_file
 from bot.router import INCOGNITO_MARK
-from bot.text import PrintableStream, error_line, plural, printable, visible
+from bot.text import PrintableStream, error_line, plural, printable, unescaped, visible
 
 log = logging.getLogger(__name__)
 PLATFORM = "console"
@@ -166,6 +166,12 @@ def _tolerant(stream: TextIO, errors: str) -> TextIO:
     if isinstance(stream, io.TextIOWrapper):
         stream.reconfigure(errors=errors)
     return stream
+
+
+def _shown_text(reply: CommandReply) -> str:
+    """A command's answer as the terminal shows it: as written, without the escapes that keep people's words
+    inert in a platform's Markdown (preformatted text has none)."""
+    return (reply.text if reply.preformatted else unescaped(reply.text)).rstrip()
 
 
 class TerminalAdapter:
@@ -361,7 +367,7 @@ class TerminalAdapter:
                 return
             reply = with_body
         self.failures += reply.failed  # (piped: a script learns from the exit status that a command failed)
-        self.stdout.write(printable(reply.text.rstrip()) + "\n")
+        self.stdout.write(printable(_shown_text(reply)) + "\n")
         for attachment in reply.attachments:
             try:
                 path = self._save(attachment)
@@ -404,7 +410,7 @@ class TerminalAdapter:
             reply = await self.app.commands.dispatch(f"{line}\n{body}", self._context())
             if not (reply.failed and at_prompt):
                 return reply
-            self.stdout.write(printable(reply.text.rstrip()) + "\nYour text, to correct (Ctrl-C drops it):\n")
+            self.stdout.write(printable(_shown_text(reply)) + "\nYour text, to correct (Ctrl-C drops it):\n")
             self.stdout.flush()
             body = await self._prompt_body(body)
 

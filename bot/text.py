@@ -198,6 +198,22 @@ def one_line(text: str, limit: int | None = None) -> str:
     return flat if limit is None or len(flat) <= limit else flat[:limit - 1] + "\u2026"
 
 
+_MARKUP = re.compile(r"([\\`*_~|\[\]<>])")  # what Discord's and Matrix's Markdown read as markup within a line
+_ESCAPED = re.compile(r"\\([\\`*_~|\[\]<>])")
+
+
+def inert(text: str, limit: int | None = None) -> str:
+    """Someone's words within a line of the bot's Markdown (a memory item in a list): on one line (see
+    :func:`one_line`), markup characters escaped, so that they show as written and change nothing around them
+    (a code span or a spoiler begun in one item hid the items after it)."""
+    return _MARKUP.sub(r"\\\1", one_line(text, limit))
+
+
+def unescaped(markdown: str) -> str:
+    """Markdown's escapes of :func:`inert` undone, for a place that shows the text as it is (a terminal)."""
+    return _ESCAPED.sub(r"\1", markdown)
+
+
 def shown(text: str, limit: int = 60) -> str:
     """Someone's input repeated in a reply: cut to ``limit`` characters, on one line, without control
     characters, as inline code, so that what they typed shows as typed and never as a link, markup or

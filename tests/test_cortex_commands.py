@@ -851,6 +851,29 @@ async def test_a_diff_and_the_settings_reach_markdown_platforms_as_code_blocks(t
         assert render(settings.markdown(), "m.notice")["formatted_body"].startswith("<pre><code")
 
 
+async def test_markup_in_items_changes_nothing_around_them_in_a_list(tmp_path: Path) -> None:
+    """Items are one line each, but a code span or a spoiler begun in one item and ended in another made the
+    items between them one code span (Matrix) or hid them (Discord's ||spoilers||)."""
+    from adapters.matrix import render
+    from adapters.terminal import _shown_text
+
+    said = ["I use ``` in code", "tea is nice", "the ``` closes here", "||spoiler start", "coffee too", "x||",
+            "[click](https://example.invalid) *a", "b* 5\\3 <@123>"]
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        for words in said:
+            await run(app, f"!memory remember {words}")
+        listed = await run(app, "!memory list")
+        html = render(listed.markdown(), "m.notice")["formatted_body"]
+        assert "<code>" not in html and "<a " not in html and "<em>" not in html, html
+        for words in ("tea is nice", "||spoiler start", "coffee too", "[click](https://example.invalid) *a"):
+            assert words in html  # (each as written)
+        assert r"\|\|spoiler start" in listed.text and r"I use \`\`\` in code" in listed.text  # (Discord's too)
+        for words in said:  # the terminal shows them as they were said
+            assert words in _shown_text(listed)
+        found = (await run(app, "!memory search spoiler")).text
+        assert r"\|\|spoiler start" in found, found
+
+
 async def test_a_model_name_is_one_word_of_reasonable_length(tmp_path: Path) -> None:
     """`!cortex settings model` took 100,000 characters (stored, and echoed in every later listing)."""
     async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
@@ -1133,10 +1156,10 @@ async def test_an_item_of_several_lines_is_listed_and_found_on_one_line(tmp_path
         await run(app, "!memory remember Ann likes figs")
         await run(app, "!memory remember Ann's recipe:\n```\nfigs\u2028and honey")
         listed = (await run(app, "!memory list")).text
-        assert "#2 [fact] Ann's recipe: ``` figs and honey  (importance 5" in listed, listed
+        assert "#2 [fact] Ann's recipe: \\`\\`\\` figs and honey  (importance 5" in listed, listed  # (escaped: inert)
         assert len(listed.splitlines()) == 3
         found = (await run(app, "!memory search honey")).text
-        assert "Ann's recipe: ``` figs and honey  (memory item #2" in found and len(found.splitlines()) == 2, found
+        assert r"Ann's recipe: \`\`\` figs and honey  (memory item #2" in found and len(found.splitlines()) == 2, found
 
 
 
@@ -1214,7 +1237,7 @@ async def test_the_personas_reason_for_forgetting_stays_on_its_items_line(tmp_pa
         assert not forgot.is_error, forgot
         lines = (await run(app, "!memory archived")).text.splitlines()
         assert not any(line.startswith(("```", "# NOTE")) for line in lines), lines
-        assert any(line.startswith("#1 ") and "wrong ``` # NOTE" in line for line in lines), lines
+        assert any(line.startswith("#1 ") and "wrong \\`\\`\\` # NOTE" in line for line in lines), lines
 
 
 async def test_an_item_that_looks_like_one_in_use_is_the_same_words(tmp_path: Path) -> None:

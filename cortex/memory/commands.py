@@ -27,7 +27,7 @@ from bot.commands import (
     word,
 )
 from bot.storage.sources import ReplySource
-from bot.text import one_line, plural, shown
+from bot.text import inert, plural, shown
 from cortex.memory.store import CATEGORIES, SCOPES, AlreadyRemembered, MemoryError, MemoryItem, MemoryStore, Scope
 from cortex.store import CortexStore
 
@@ -36,16 +36,17 @@ PAGE = 10
 
 def _line(item: MemoryItem) -> str:
     """An item as one line of a list (its own line breaks would break the list, and a line of its own such as a
-    code fence or a heading would change how the rest of the reply renders)."""
+    code fence or a heading, or a code span or spoiler begun in it, would change how the rest of the reply
+    renders)."""
     marks = ("📌 " if item.pinned else "") + (f"[{item.category}] ") + ("(shared) " if item.scope == "shared" else "")
     when = f"{item.created_at:%Y-%m-%d}"
-    return f"#{item.id} {marks}{one_line(item.content)}  (importance {item.importance}, {when})"
+    return f"#{item.id} {marks}{inert(item.content)}  (importance {item.importance}, {when})"
 
 
 def _why_archived(item: MemoryItem) -> str:
     if item.archived_at is None:  # expired, not pruned yet
         return f"  — expired {item.expires_at:%Y-%m-%d}" if item.expires_at is not None else ""
-    return f"  — archived: {one_line(item.archive_reason, 200)}"  # (the model's words: a code fence broke the list)
+    return f"  — archived: {inert(item.archive_reason, 200)}"  # (the model's words: a code fence broke the list)
 
 
 FROM = "--from"
@@ -175,13 +176,13 @@ class MemoryCommands:
             if not item.visible:
                 state = "forgotten" if item.archived_at is not None else "expired"
                 return f"- memory item #{item.id} ({state} since; {self.prefix}memory restore {item.id} brings it back)"
-            return f"- memory item #{item.id}: {one_line(item.content)} — wrong? {self.prefix}memory forget {item.id}"
+            return f"- memory item #{item.id}: {inert(item.content)} — wrong? {self.prefix}memory forget {item.id}"
         if source.kind == "file":
             return (f"- your {source.detail}, version {source.ref} — change it with {self.prefix}memory edit "
                     f"{source.detail} (see {self.prefix}memory history {source.detail})")
         if source.kind == "message":
             rows = await self.pairs.storage.memory.pair_messages(user_id, persona, [source.ref])
-            said = f'"{one_line(str(rows[0]["text"]), 120)}"' if rows else "(deleted since)"
+            said = f'"{inert(str(rows[0]["text"]), 120)}"' if rows else "(deleted since)"
             return f"- something said earlier: {said}"
         if source.kind == "lore":
             return f"- {persona}'s shared knowledge, lore #{source.ref} (admins: {self.prefix}lore show {source.ref})"
@@ -277,7 +278,7 @@ class MemoryCommands:
                 return f"#{item_id} is archived; {self.prefix}memory restore {item_id} brings it back."
             if what == "restore":
                 item = await self.memory.restore(pair, item_id)
-                return f"#{item.id} is back: {one_line(item.content)}"
+                return f"#{item.id} is back: {inert(item.content)}"
             before = await self.memory.get(pair, item_id, count_access=False)
             item = await self.memory.set_pinned(pair, item_id, what == "pin")
             if before.pinned == item.pinned:  # (asked twice: nothing changed the second time)
@@ -360,4 +361,4 @@ class MemoryCommands:
         if not hits:
             return f"Nothing found for {shown(query, 80)}."
         return "\n".join([f"Results for {shown(query, 80)}:"] + [
-            f"{h.score:.2f}  {one_line(h.text, 200)}  ({h.source}, {h.created_at:%Y-%m-%d})" for h in hits])
+            f"{h.score:.2f}  {inert(h.text, 200)}  ({h.source}, {h.created_at:%Y-%m-%d})" for h in hits])
