@@ -44,7 +44,7 @@ from bot.config import DiscordConfig
 from bot.policy import Inbound, refusal
 from bot.ports import IncomingMessage
 from bot.ratelimit import slow_down
-from bot.splitting import split_message
+from bot.splitting import closing_fence, split_message
 from bot.streaming import CannotPost, MessageGone, RateLimited
 from bot.text import error_line
 
@@ -189,9 +189,10 @@ def _reply_payload(reply: CommandReply) -> tuple[str, list[discord.File]]:
     text = reply.markdown()
     if len(text) > LIMIT:
         files.append(_as_file("reply.txt" if reply.preformatted else "reply.md", reply.text.encode()))
-        room = LIMIT - 80 - (len(text) - len(reply.text))  # what the code block's fences take
+        room = LIMIT - 100 - (len(text) - len(reply.text))  # what the code block's fences take
         shown = replace(reply, text=reply.text[:max(room, 0)].rsplit("\n", 1)[0]).markdown()
-        text = shown + f"\n… (the whole text is attached as {files[-1].filename})"
+        fence = closing_fence(shown)  # (a block of the text's own, cut open: the note would be inside it)
+        text = shown + (f"\n{fence}" if fence else "") + f"\n… (the whole text is attached as {files[-1].filename})"
     return text, files
 
 

@@ -592,6 +592,18 @@ def test_a_long_code_block_is_closed_before_the_note_about_its_file() -> None:
     assert [f.filename for f in files] == ["reply.txt"]
 
 
+def test_a_code_block_of_the_texts_own_cut_open_is_closed_before_the_note() -> None:
+    """A memory file holding a long fenced block, shown privately: the cut left its block open, and the note
+    about the attached file was inside it, with the rest of the message shown as code."""
+    from adapters.discord import LIMIT, _reply_payload
+
+    notes = "# My notes\n```\n" + "\n".join(f"line {n} of my notes" for n in range(150)) + "\n```\nafter"
+    text, files = _reply_payload(CommandReply(notes))
+    assert len(text) <= LIMIT and text.count("```") == 2, text[-200:]
+    assert text.endswith("```\n… (the whole text is attached as reply.md)")
+    assert [f.filename for f in files] == ["reply.md"]
+
+
 async def test_why_on_a_reply_shows_what_shaped_it(adapter: DiscordAdapter, monkeypatch: pytest.MonkeyPatch) -> None:
     config = dpytest.get_config()
     member = config.members[0]
