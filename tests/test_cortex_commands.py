@@ -508,6 +508,13 @@ async def test_cortex_stats_and_help(tmp_path: Path) -> None:
         group = (await run(app, "!help !memory")).text
         assert "!memory forget-me" in group and "!cortex" not in group and "!memory why" in group
         assert "!cortex settings" not in (await run(app, "!help cortex")).text  # admins' stay hidden from users
+        # a group only admins have: said so (it read "!lore needs a subcommand:" with nothing after, and help
+        # said there was no such command)
+        member = ctx(server="discord:g1")
+        for line in ("!lore", "!lore xyz", "!help lore", "!help lore add"):
+            assert (await run(app, line, member)).text == "The !lore commands are for admins only.", line
+        assert (await run(app, "!lore", ctx(admin=True, server="discord:g1"))).text.startswith(
+            "!lore needs a subcommand:\n  !lore")
         assert "!cortex settings" in (await run(app, "!help cortex", ctx(admin=True))).text
         assert (await run(app, "!help memroy")).text == "No command `!memroy` (did you mean !memory?). Type !help."
         assert "did you mean !memory?" in (await run(app, "!memroy show")).text

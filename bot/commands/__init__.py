@@ -565,6 +565,8 @@ class CommandRegistry:
             if group:
                 head = f"{self.prefix}{words[0].lower()}"
                 offered = [c for c in group if self._may_run(c, context)]
+                if not offered:  # (a list of them would be empty: said as a command of theirs would say it)
+                    return CommandReply(_admins_only(head, group), failed=True)
                 near = difflib.get_close_matches(words[1].lower(), [c.name.split(" ", 1)[-1] for c in offered],
                                                  n=1) if len(words) > 1 else []
                 hint = f" (did you mean {head} {near[0]}?)" if near else ""
@@ -657,6 +659,9 @@ class CommandRegistry:
             for handled in own:
                 if handled.name == topic:
                     return f"{self.prefix}{handled.name} — {handled.summary}"
+            hidden = [c for c in self.commands if c.name.split(" ")[0] == topic.split(" ")[0]]
+            if hidden and not any(c in shown_here for c in hidden):  # (a group of admins' commands only)
+                return _admins_only(f"{self.prefix}{topic.split(' ')[0]}", hidden)
             return self._explain(topic, shown_here)
         lines = ["Commands:"]
         groups = list(dict.fromkeys(c.name.split(" ")[0] for c in shown_here))  # in order of first use
@@ -683,6 +688,12 @@ class CommandRegistry:
             lines.append(f"{self.usage(command)} — {command.summary}")
             lines += [f"    {p.usage} {p.help}" for p in command.params if p.help and not p.menu]
         return "\n".join(lines)
+
+
+def _admins_only(head: str, group: Sequence[Command]) -> str:
+    """What a person told no command of ``group`` is theirs reads."""
+    who = "the bot's admins" if all(c.bot_admin for c in group) else "admins"
+    return f"The {head} commands are for {who} only."
 
 
 def _with_body(context: CommandContext, body: str) -> CommandContext:
