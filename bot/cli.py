@@ -193,7 +193,8 @@ def chat(ctx: click.Context, user: str | None, persona: str | None) -> None:
         raise click.ClickException(f"the chat's user name (--user, or [terminal] user) takes at most {NAME_CHARS} "
                                    f"characters; got {len(typed)}")
     name = one_line_name(typed) or "you"
-    status = _run_async(lambda: _chat(config, name, persona))
+    picked = (persona or "").strip() or None  # (as !persona reads a name: " Cora" was unknown, said as `Cora`)
+    status = _run_async(lambda: _chat(config, name, picked))
     sys.exit(status)
 
 

@@ -183,6 +183,9 @@ def test_piped_chat_streams_replies_and_runs_commands(tmp_path: Path, fake_llm: 
     rows = db_rows(tmp_path, "SELECT role, text FROM messages ORDER BY id")
     assert rows == [("user", "hello there"), ("assistant", "echo: hello there"),
                     ("user", "second line"), ("assistant", "echo: second line")]
+    # a name given with a stray space (quoted from a script) is the persona's, as !persona reads it
+    spaced = cortexbot("--config", str(config), "chat", "--user", "ann", "--persona", " Cora ", stdin="hi\n")
+    assert spaced.returncode == 0 and "Cora: echo: hi" in spaced.stdout, spaced.stderr
 
 
 def test_a_user_name_in_another_encoding_than_the_terminals_still_chats(tmp_path: Path, fake_llm: FakeLLMServer
