@@ -700,6 +700,9 @@ async def test_the_same_words_remembered_again_are_not_stored_twice(tmp_path: Pa
             await run(app, "!memory remember I like coffee --importance")).text
         assert "importance is a number from 1 to 10, not `high`" in (
             await run(app, "!memory remember --importance high I like coffee")).text
+        for odd in ("\u0665", "1_0", "+5", "9" * 5000):  # (an Arabic-Indic five and "1_0" were taken as 5 and 10)
+            assert "importance is a number from 1 to 10, not `" in (
+                await run(app, f"!memory remember --importance {odd} I like coffee")).text, odd
         assert "--category needs a value after it" in (await run(app, "!memory remember coffee --category")).text
         assert (await run(app, "!memory remember I like tea", ctx(server="discord:g1"))).text == (
             "Remembered as #2, shared: it may come up in group channels too (!memory scope 2 private keeps it to our"

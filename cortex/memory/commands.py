@@ -208,10 +208,10 @@ class MemoryCommands:
             if token == "--category":
                 category = str(value).lower()  # "Fact" is the category fact
             elif token == "--importance":
-                try:
-                    importance = int(str(value))
-                except ValueError:
-                    raise CommandError(f"importance is a number from 1 to 10, not {shown(str(value))}") from None
+                typed = str(value).strip()
+                if not (typed.isascii() and typed.isdigit()) or len(typed) > 3:  # (int() took "٥" and "1_0")
+                    raise CommandError(f"importance is a number from 1 to 10, not {shown(str(value))}")
+                importance = int(typed)
             elif token == "--pin":
                 pin = True
             elif token == FROM:
