@@ -763,6 +763,11 @@ async def test_a_path_at_the_terminal_may_hold_spaces(tmp_path: Path) -> None:
     async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
         said = (await run(app, f"!memory import {folder}/my export.zip")).text
         assert "not a cortex-bot export" in said, said  # the file was found and read
+        (folder / "my  old\texport.zip").write_bytes(b"not a zip")  # (the words were joined by one space each)
+        said = (await run(app, f"!memory import {folder}/my  old\texport.zip")).text
+        assert "not a cortex-bot export" in said, said
+        said = (await run(app, f'!memory import "{folder}/my  old\texport.zip"')).text  # (quoted, as before)
+        assert "not a cortex-bot export" in said, said
         chat = CommandContext("discord", "discord:1", "Ann", "discord:dm-1", "Cora", is_dm=True)
         refused = (await run(app, f"!memory import {folder}/my export.zip", chat)).text
         assert "takes at most 1 argument" in refused  # (a chat platform takes an attached file, not a path)

@@ -560,6 +560,8 @@ class CommandRegistry:
             named = len(tokens) - len(args)  # the command's own name (one option's "=" may make two of a token)
             tokens = command.canonical(tokens)
             words, args = [t.value for t in tokens], [t.value for t in tokens[named:]]
+            if len(args) > 1 and command.takes_a_path(context):  # a path of several words: as typed, its spaces too
+                args = [line[tokens[named].start:tokens[-1].end]]
         if command is None:
             group = [c for c in self.commands if c.name.split(" ")[0] == words[0].lower()]
             if group:
