@@ -179,7 +179,9 @@ async def test_create_pick_delete(tmp_path: Path) -> None:
         # picked for a channel (or in any member's DMs: one could keep the admins from deleting it): the pick goes
         bobs_dm = CommandContext("discord", "discord:8", "Bob", "discord:dm-bob", "Cora", is_dm=True)
         assert "you now talk to Nova" in await run(app, "!persona Nova", bobs_dm)
-        deleted = await run(app, "!persona delete Nova")  # (read by the channel: Bob's pick is his, not named)
+        reply = await app.commands.dispatch("!persona delete Nova", ctx())  # (Bob's pick is his: not named)
+        deleted = reply.text
+        assert reply.private  # (in a server's channel: the places may be other servers' channels and rooms)
         assert deleted.startswith("Persona Nova deleted") and deleted.endswith(
             "The 2 place(s) that had picked it (channel discord:chan1; the direct messages of 1 member) now talk "
             "to Cora."), deleted

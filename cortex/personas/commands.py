@@ -20,6 +20,7 @@ from bot.commands import (
     CommandReply,
     flag,
     number,
+    operators,
     parse_number,
     text,
     word,
@@ -255,7 +256,7 @@ class PersonaCommands:
                     f"{saved.version}); nothing changed.")
         return f"{ctx.persona}: section {key} is back to version {number}'s text (as version {saved.version})."
 
-    async def delete(self, ctx: CommandContext, args: Sequence[str]) -> str:
+    async def delete(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply | str:
         name = self._row_name(args, ctx) if args else ""
         if not name:
             raise CommandError("which persona?")
@@ -269,16 +270,16 @@ class PersonaCommands:
         # any member could keep the bot's admins from deleting a persona by picking it in their DMs.
         moved = [where for key, value, where in await self._picked_in(name)
                  if await self.storage.delete_setting_if(key, value)]
-        # Channels by name; a member's pick for their own DMs is theirs: counted, never named (the answer may
-        # be read by a whole channel).
+        # Channels by name, privately outside a DM (they may be other servers' and rooms'); a member's pick for
+        # their own DMs is theirs: counted, never named.
         channels = [where for where in moved if where.startswith("channel ")]
         places = channels[:5] + (["…"] if len(channels) > 5 else [])
         if dms := len(moved) - len(channels):
             places.append(f"the direct messages of {plural(dms, 'member')}")
         back = (f" The {len(moved)} place(s) that had picked it ({'; '.join(places)}) now talk to "
                 f"{self.registry.default_name}." if moved else "")
-        return (f"Persona {name} deleted; its soul's history and its users' memory stay (create it again to "
-                f"revive).{back}")
+        return operators(ctx, f"Persona {name} deleted; its soul's history and its users' memory stay (create it "
+                              f"again to revive).{back}")
 
     async def _picked_in(self, name: str) -> list[tuple[str, str, str]]:
         """(setting key, its value, where) of every pick of the persona ``name``."""
