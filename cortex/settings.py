@@ -163,6 +163,8 @@ def parse_value(key: str, text: str) -> Any:
             return None
         if key == "temperature":
             return _decimal(raw) + 0.0
+        if key == "frequency":  # (a word of a few, as on/off is: "RARE" is rare)
+            return lowered
         return raw
     except ValueError:
         raise SettingError(f"{key} must be {OVERRIDABLE[key]}; got {shown(text)}") from None

@@ -1363,3 +1363,4 @@ def test_a_setting_takes_ascii_digits_and_no_limit_only_with_0(key: str, typed: 
     with pytest.raises(SettingError, match=f"{key} must be"):
         parse_value(key, typed)
     assert parse_value("daily_token_budget", "0 (no limit)") == 0 and parse_value("tiers", "50, 75") == [50, 75]
+    assert parse_value("frequency", " RARE ") == "rare"  # (a word of a few, as "ON" is on: it was refused)
