@@ -668,6 +668,8 @@ async def test_the_same_words_remembered_twice_at_once_are_stored_once(tmp_path:
 async def test_the_same_words_remembered_at_once_in_two_processes_are_stored_once(tmp_path: Path) -> None:
     """Two bot processes on one database (a command handled twice after a reconnect, the web page beside the
     chat): the lock around the check and the write was each process's own, and both stored the words."""
+    import asyncio
+
     from bot.llm.base import ToolCall
     from cortex.memory.tools import MemoryTools
 
@@ -681,9 +683,20 @@ async def test_the_same_words_remembered_at_once_in_two_processes_are_stored_onc
             rows = await one.storage.db.fetch_all("SELECT id FROM memory_items WHERE content = ?",
                                                   (f"my sister is Lena {n}",))
             assert len(rows) == 1, answers
+        for n in range(3):  # a restore in one and the same words remembered in the other, at once
+            [item] = await one.storage.db.fetch_all("SELECT id FROM memory_items WHERE content = ?",
+                                                    (f"my sister is Lena {n}",))
+            await run(one, f"!memory forget {item[0]}")
+            await asyncio.gather(run(one, f"!memory restore {item[0]}"),
+                                 run(two, f"!memory remember my sister is Lena {n}"))
+            in_use = await one.storage.db.fetch_all("SELECT id FROM memory_items WHERE content = ? AND archived_at"
+                                                    " IS NULL", (f"my sister is Lena {n}",))
+            assert len(in_use) == 1, in_use
         model = MemoryTools(one.cortex.memory, await _pair_id(one, "ann"), run_id=1)  # (the model's tool too)
         again = await model.execute(ToolCall("1", "remember", {"content": "my sister is Lena 0", "category": "fact"}))
-        assert again.content == "#2 says that already: nothing new was stored" and not model.written, again
+        [[kept]] = await one.storage.db.fetch_all("SELECT id FROM memory_items WHERE content = ? AND archived_at IS"
+                                                  " NULL", ("my sister is Lena 0",))
+        assert again.content == f"#{kept} says that already: nothing new was stored" and not model.written, again
 
 
 async def test_the_same_words_remembered_again_are_not_stored_twice(tmp_path: Path) -> None:

@@ -186,11 +186,13 @@ class MemoryRepository:
             return None
         return row
 
-    async def _no_twin(self, tx: Tx, pair_id: int, fields: Mapping[str, Any], supersedes: int | None, now: float
+    async def _no_twin(self, tx: Tx, pair_id: int, fields: Mapping[str, Any], other_than: int | None, now: float
                        ) -> None:
+        """:class:`SameWords` when an item of the pair in use, not ``other_than``, says ``fields``' content in its
+        scope; the pair's lock is held to the transaction's end (checks and writes of its items take turns)."""
         await serialise(self.db, tx, f"memory.words:{pair_id}")
         twin = await tx.fetch_one(f"{ACTIVE_WITH_TEXT} AND id <> ? ORDER BY id LIMIT 1",
-                                  (pair_id, fields["content"], fields["scope"], now, supersedes or 0))
+                                  (pair_id, fields["content"], fields["scope"], now, other_than or 0))
         if twin is not None:
             raise SameWords(twin)
 
@@ -275,13 +277,17 @@ class MemoryRepository:
             await archive_older(tx, archived, now)
         return archived
 
-    async def restore(self, pair_id: int, item_id: int, now: float) -> None:
-        # A restored item that had expired no longer expires: the user wants it back.
-        await self.db.write(
-            "UPDATE memory_items SET archived_at = NULL, archive_reason = '', updated_at = ?,"
-            " expires_at = CASE WHEN expires_at <= ? THEN NULL ELSE expires_at END WHERE id = ? AND pair_id = ?",
-            (now, now, item_id, pair_id),
-        )
+    async def restore(self, pair_id: int, item_id: int, now: float, twin_of: Mapping[str, Any]) -> None:
+        """Bring an archived (or expired) item back; :class:`SameWords` when another item in use says what it
+        says (``twin_of``: its content and scope), checked with the change as :meth:`add_item` checks."""
+        async with self.db.transaction() as tx:
+            await self._no_twin(tx, pair_id, twin_of, item_id, now)
+            # A restored item that had expired no longer expires: the user wants it back.
+            await tx.execute(
+                "UPDATE memory_items SET archived_at = NULL, archive_reason = '', updated_at = ?,"
+                " expires_at = CASE WHEN expires_at <= ? THEN NULL ELSE expires_at END WHERE id = ? AND pair_id = ?",
+                (now, now, item_id, pair_id),
+            )
 
     async def list_items(
         self, pair_id: int, *, category: str | None, archived: bool, limit: int, offset: int, now: float,

@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -300,16 +300,6 @@ class MemoryStore:
         stretch: every reply searches with its message's words)."""
         self._term_counts_cache.clear()
 
-    def writing(self, pair_id: int) -> asyncio.Lock:
-        """The lock a check for an item of the same words and the write after it hold together, per pair, in
-        this process (every store on its database shares it): a double-clicked "Remember this" stored two
-        items of one text, each checked before the other was written."""
-        locks: dict[int, asyncio.Lock] = self.storage.db.caches.named("memory.writing")
-        if len(locks) > 10_000:
-            for key in [k for k, lock in locks.items() if not lock.locked()]:
-                del locks[key]
-        return locks.setdefault(pair_id, asyncio.Lock())
-
     async def same_words(self, pair_id: int, content: str, scope: Scope) -> MemoryItem | None:
         """An item in use (not archived, corrected or expired) in ``scope`` that says exactly ``content``."""
         row = await self.repo.active_with_text(pair_id, content, scope, self.clock())
@@ -414,12 +404,11 @@ class MemoryStore:
             raise await self._replaced(pair_id, item_id, item.superseded_by)
         if item.archived_at is None and not expired:  # an expired one is brought back too (it no longer expires)
             raise MemoryError(f"item #{item_id} is not archived")
-        async with self.writing(pair_id):
-            twin = await self.same_words(pair_id, item.content, cast(Scope, item.scope))
-            if twin is not None:  # (remembered again after it was forgotten: two in use would say the same twice)
-                raise MemoryConflict(f"item #{item_id} says what #{twin.id} says, which is in use: nothing to "
-                                     "restore")
-            await self.repo.restore(pair_id, item_id, now)
+        try:
+            await self.repo.restore(pair_id, item_id, now, {"content": item.content, "scope": item.scope})
+        except SameWords as same:  # (remembered again after it was forgotten: two in use would say the same twice)
+            raise MemoryConflict(f"item #{item_id} says what #{same.row['id']} says, which is in use: nothing to "
+                                 "restore") from None
         if self.embeddings is not None:
             self.embeddings.index.invalidate(("items", pair_id))
         return await self.get(pair_id, item_id, count_access=False)
