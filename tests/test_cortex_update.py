@@ -1082,3 +1082,28 @@ async def test_an_update_whose_job_went_to_another_worker_writes_nothing(app: Ap
     assert (await app.cortex.memory.list_items(pair.id))[0] == []
     runs = await app.cortex.store.runs(pair.id)
     assert runs[0].status == "failed" and runs[0].reason.startswith("interrupted: its job went to another worker")
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "openai"])
+async def test_a_tool_call_without_a_name_is_a_tool_error_not_a_failed_update(
+        tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch, provider: str) -> None:
+    """A call with "name": null (and an id of null) failed the update with a TypeError, recorded as an internal
+    error (a bug of the bot's): it is a call of no tool there is, and the model is told so."""
+    monkeypatch.setenv(KEY_ENV, "test-key")
+    if provider == "anthropic":
+        call: dict[str, Any] = {"type": "tool_use", "id": None, "name": None, "input": {}}
+        answer = {"id": "m", "type": "message", "role": "assistant", "model": "m", "content": [call],
+                  "stop_reason": "tool_use", "stop_sequence": None, "usage": {"input_tokens": 5, "output_tokens": 5}}
+    else:
+        call = {"id": None, "type": "function", "function": {"name": None, "arguments": "{}"}}
+        answer = {"id": "x", "object": "chat.completion", "created": 1, "model": "m", "choices": [{
+            "index": 0, "finish_reason": "tool_calls",
+            "message": {"role": "assistant", "content": None, "tool_calls": [call]}}]}
+    async with App(_config(tmp_path, fake_llm, provider)) as app:
+        await _talk(app, CONVERSATION)
+        pair = await _pair(app)
+        fake_llm.enqueue(FakeResponse.malformed(json.dumps(answer).encode()), FakeResponse.text("nothing new"))
+        outcome = await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective("Cora")).settings)
+        assert outcome.status == "success", outcome
+        follow_up = str(cortex_requests(fake_llm)[1].body["messages"][-1])
+        assert "unknown tool" in follow_up, follow_up

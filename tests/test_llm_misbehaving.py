@@ -4,6 +4,7 @@ store takes, a summary the model refused to write, failed replies that still cos
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -282,3 +283,30 @@ async def test_a_stream_that_broke_off_counts_the_input_it_was_billed_for(
         await app.storage.flush_audit()
         [call] = await app.storage.list_llm_calls()
         assert call["input_tokens"] == 5000 and call["error"]
+
+
+def _anthropic_sse(*blocks: dict[str, Any], stop_reason: str = "tool_use") -> FakeResponse:
+    """A streamed Anthropic message of these content blocks, as raw server-sent events (what the fake's own
+    answers cannot say: a null where the API has a string)."""
+    def event(name: str, data: dict[str, Any]) -> str:
+        return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n"
+
+    message = {"id": "m", "type": "message", "role": "assistant", "model": "m", "content": [], "stop_reason": None,
+               "stop_sequence": None, "usage": {"input_tokens": 5, "output_tokens": 1}}
+    body = event("message_start", {"message": message})
+    for index, block in enumerate(blocks):
+        body += event("content_block_start", {"index": index, "content_block": block})
+        body += event("content_block_stop", {"index": index})
+    body += event("message_delta", {"delta": {"stop_reason": stop_reason}, "usage": {"output_tokens": 3}})
+    return FakeResponse.malformed((body + event("message_stop", {})).encode(), content_type="text/event-stream")
+
+
+async def test_a_streamed_tool_call_without_a_name_is_an_unknown_tool(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """A tool_use block with "name": null failed the reply with a TypeError, outside the model's errors: the
+    person saw "TypeError". It is a call of no tool there is, and the model is told so."""
+    async with App(_config(tmp_path, fake_llm, "anthropic")) as app:
+        fake_llm.enqueue(_anthropic_sse({"type": "tool_use", "id": "t1", "name": None, "input": {}}),
+                         FakeResponse.text("It is noon."))
+        assert await app.core.reply(_msg("what time is it?")).text() == "It is noon."
+        results = _tool_results(fake_llm.completion_requests[-1].body["messages"], "anthropic")
+        assert results["t1"][1] and "there is no tool" in results["t1"][0], results

@@ -103,12 +103,18 @@ class ToolCall:
     raw_arguments: str = ""
 
     def __post_init__(self) -> None:  # what a model sends is made storable once, here (see bot.text.storable)
-        object.__setattr__(self, "id", storable(self.id))
-        object.__setattr__(self, "name", storable(self.name))
+        # (a broken server's null or number as the id or name: a string, so the tool loop says it is unknown)
+        object.__setattr__(self, "id", storable(_as_text(self.id)))
+        object.__setattr__(self, "name", storable(_as_text(self.name)))
         object.__setattr__(self, "raw_arguments", storable(self.raw_arguments))
         if self.arguments is not None:  # (nested too deep: not arguments; the tool loop says what came)
             object.__setattr__(self, "arguments",
                                storable_json(self.arguments) if nested_within(self.arguments) else None)
+
+
+def _as_text(value: object) -> str:
+    """What a server sent where a string belongs, as one ("" for null)."""
+    return "" if value is None else value if isinstance(value, str) else str(value)
 
 
 @dataclass(frozen=True, slots=True)

@@ -268,7 +268,7 @@ class _StreamAccumulator:
         if function is None:
             return
         if function.name and function.name != partial.name:
-            partial.name += function.name
+            partial.name += str(function.name)  # (a broken server's number: a name all the same)
         if function.arguments:  # (a string; some gateways send the object itself)
             arguments = function.arguments
             partial.arguments.append(arguments if isinstance(arguments, str)
