@@ -58,6 +58,8 @@ PROMPT_OVERHEAD = 1_500  # tokens of an update's system prompt and tool definiti
 MAX_CALLS_PER_TURN = 25  # tool calls of one model turn that run; the rest are refused (each result costs input)
 BUDGETS = {"pair": "this pair's daily token budget", "bot": "the bot's daily cortex token budget"}
 CUT_OFF = CUT_OFF_CALL + " Write one file per turn, and keep it shorter."  # (running it would save half a file)
+# An answer the output limit stopped before it called a tool: what it meant to save never came.
+CUT_SHORT = "the answer reached the output limit before anything was saved; an admin may raise the cortex max_tokens"
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,6 +312,8 @@ class CortexUpdater:
                 return "failed", "the provider's content filter stopped the update"
             if not completion.tool_calls:
                 learned = tools.files_written or (tools.memory is not None and tools.memory.written)
+                if not learned and completion.stop_reason == "max_tokens":  # (cut short: not "nothing new")
+                    return "failed", CUT_SHORT
                 if not learned and tools.refused_writes:  # (not "nothing new": it had something, and none of it saved)
                     return "success", refused_writes(tools.refused_writes)
                 return "success", "" if learned else "the model found nothing new to record"

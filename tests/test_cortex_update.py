@@ -1107,3 +1107,22 @@ async def test_a_tool_call_without_a_name_is_a_tool_error_not_a_failed_update(
         assert outcome.status == "success", outcome
         follow_up = str(cortex_requests(fake_llm)[1].body["messages"][-1])
         assert "unknown tool" in follow_up, follow_up
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "openai"])
+async def test_an_update_cut_at_the_output_limit_before_it_saved_anything_fails(
+        tmp_path: Path, fake_llm: FakeLLMServer, monkeypatch: pytest.MonkeyPatch, provider: str) -> None:
+    """An answer without tool calls ended the loop as a success whatever its stop reason: one the output limit
+    stopped mid-sentence, before it called write_file, was recorded as "the model found nothing new to record"."""
+    monkeypatch.setenv(KEY_ENV, "test-key")
+    async with App(_config(tmp_path, fake_llm, provider)) as app:
+        await _talk(app, CONVERSATION)
+        pair = await _pair(app)
+        fake_llm.enqueue(FakeResponse.tool_calls([("1", "read_file", {"filename": "memory.md"})]),
+                         FakeResponse.text("Ann adopted a cat called Pixel, so I will now rewrite my memory file to",
+                                           stop_reason="max_tokens"))
+        outcome = await app.cortex.updater.run(pair, "50", (await app.cortex.resolver.effective("Cora")).settings)
+        assert outcome.status == "failed" and "reached the output limit before anything was saved" in outcome.reason
+        run = (await app.cortex.store.runs(pair.id))[0]
+        assert (run.status, run.rounds, run.files_written) == ("failed", 2, [])
+        assert "raise the cortex max_tokens" in run.reason
