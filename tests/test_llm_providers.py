@@ -899,3 +899,23 @@ async def test_an_answer_that_arrived_whole_but_odd_is_not_retried(openai_provid
     with pytest.raises(LLMBadResponse) as info:
         await openai_provider.complete(request(tools=(WEATHER,)))
     assert not info.value.transient
+
+
+@pytest.mark.asyncio
+async def test_an_anthropic_stream_whose_message_delta_has_no_usage_still_answers(
+    anthropic_provider: LLMProvider, fake_llm: FakeLLMServer
+) -> None:
+    """A compatible server's message_delta without "usage" failed the reply after its text had been shown."""
+    def event(name: str, data: dict[str, Any]) -> str:
+        return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n"
+
+    message = {"id": "m", "type": "message", "role": "assistant", "model": "m", "content": [], "stop_reason": None,
+               "stop_sequence": None, "usage": {"input_tokens": 5, "output_tokens": 1}}
+    body = (event("message_start", {"message": message})
+            + event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+            + event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "Hello Ann."}})
+            + event("content_block_stop", {"index": 0})
+            + event("message_delta", {"delta": {"stop_reason": "end_turn"}}) + event("message_stop", {}))
+    fake_llm.enqueue(FakeResponse.malformed(body.encode(), content_type="text/event-stream"))
+    deltas, completion = await collect(anthropic_provider, request())
+    assert deltas == ["Hello Ann."] and completion.text == "Hello Ann." and completion.usage == Usage(5, 1)

@@ -228,9 +228,11 @@ class _StreamAccumulator:
             return self._delta(event.index, event.delta)
         elif event.type == "message_delta":
             self.stop_reason = event.delta.stop_reason
-            self.output_tokens = event.usage.output_tokens or self.output_tokens
-            if event.usage.input_tokens is not None:
-                self.input_tokens = event.usage.input_tokens
+            said = getattr(event, "usage", None)  # (a compatible server may send none: the reply stands)
+            if said is not None:
+                self.output_tokens = getattr(said, "output_tokens", None) or self.output_tokens
+                if (input_tokens := getattr(said, "input_tokens", None)) is not None:
+                    self.input_tokens = input_tokens
         elif event.type == "message_stop":
             self.finished = True
         return None
