@@ -919,3 +919,19 @@ async def test_an_anthropic_stream_whose_message_delta_has_no_usage_still_answer
     fake_llm.enqueue(FakeResponse.malformed(body.encode(), content_type="text/event-stream"))
     deltas, completion = await collect(anthropic_provider, request())
     assert deltas == ["Hello Ann."] and completion.text == "Hello Ann." and completion.usage == Usage(5, 1)
+
+
+@pytest.mark.asyncio
+async def test_a_rate_limit_says_how_long_the_server_asked_to_wait(provider: LLMProvider, fake_llm: FakeLLMServer
+                                                                   ) -> None:
+    """A daily quota's Retry-After: 86400 reached people as "Please try again in a minute"."""
+    waits = {"30": "in a minute", "1500": "in about 25 minutes", "7200": "in about 2 hours",
+             "86400": "in about 24 hours"}
+    said = []
+    for wait in waits:
+        fake_llm.enqueue(FakeResponse.error(429, "quota reached", headers={"retry-after": wait, "retry-after-ms": ""}))
+        with pytest.raises(LLMRateLimited) as info:
+            await provider.complete(request())
+        said.append(info.value.user_message)
+    assert said == [f"The language model is rate-limited right now. Please try again {when}."
+                    for when in waits.values()]

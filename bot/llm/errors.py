@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import re
 
+from bot.text import plural
+
 
 class LLMError(Exception):
     """Base class. ``str(err)`` is a technical description for logs; ``user_message`` is for users."""
@@ -51,7 +53,29 @@ class LLMPermanentError(LLMError):
 
 
 class LLMRateLimited(LLMTransientError):
-    user_message = "The language model is rate-limited right now. Please try again in a minute."
+    """A 429. Its message names the wait the server asked for when that is longer than a minute or so (a daily
+    quota's Retry-After: 86400 is not "in a minute")."""
+
+    _said: str | None = None
+
+    @property
+    def user_message(self) -> str:
+        return self._said or f"The language model is rate-limited right now. Please try again {_in(self.retry_after)}."
+
+    @user_message.setter
+    def user_message(self, text: str) -> None:  # (set as on any LLMError: that text then)
+        self._said = text
+
+
+def _in(seconds: float | None) -> str:
+    """A wait as people say it, roughly: "in a minute" up to 90 s (or when none was asked for)."""
+    if seconds is None or seconds <= 90:
+        return "in a minute"
+    if (minutes := max(round(seconds / 60), 2)) < 60:
+        return f"in about {plural(minutes, 'minute')}"
+    if (hours := max(round(seconds / 3600), 1)) < 48:
+        return f"in about {plural(hours, 'hour')}"
+    return f"in about {plural(round(seconds / 86400), 'day')}"
 
 
 class LLMOverloaded(LLMTransientError):
