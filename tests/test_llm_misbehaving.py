@@ -310,3 +310,28 @@ async def test_a_streamed_tool_call_without_a_name_is_an_unknown_tool(tmp_path: 
         assert await app.core.reply(_msg("what time is it?")).text() == "It is noon."
         results = _tool_results(fake_llm.completion_requests[-1].body["messages"], "anthropic")
         assert results["t1"][1] and "there is no tool" in results["t1"][0], results
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "openai"])
+@pytest.mark.parametrize("content_type", ["text/html", "text/plain"])
+async def test_a_summary_answered_with_a_web_page_is_retried(
+        tmp_path: Path, fake_llm: FakeLLMServer, provider: str, content_type: str) -> None:
+    """A 200 answer with an HTML page or plain text (a proxy, a wrong base_url) reached the bot as a string, failed
+    as "unreadable" for good, and the summary job failed at its first attempt; it is retried as damaged."""
+    history = {"history_tokens": 60, "min_exchanges": 0, "summary_trigger": 2}
+    jobs = {"poll_seconds": 0.05, "retry_base_seconds": 0.05, "retry_max_seconds": 0.1}
+    async with App(_config(tmp_path, fake_llm, provider, history=history, jobs=jobs)) as app:
+        ann = await app.storage.upsert_user("console:ann", "Ann")
+        room = await app.storage.upsert_channel("console:dm-ann", "dm", True)
+        for i in range(8):
+            await app.storage.add_message(room.id, ann.id, "Cora", "user", "Ann", f"Pixel did trick {i} " * 3, 20)
+        fake_llm.enqueue(FakeResponse.malformed(b"<!doctype html><html><body>Please log in</body></html>",
+                                                content_type=content_type),
+                         FakeResponse.text("Ann told Cora about her cat Pixel and its tricks."))
+        job = await app.storage.enqueue_job("summary", f"channel:{room.id}", {"channel_id": room.id, "persona": "Cora"},
+                                            3)
+        assert job is not None and await app.workers.drain(10)
+        finished = await app.storage.get_job(job.id)
+        assert finished is not None and (finished.status, finished.attempts) == ("done", 2), finished
+        latest = await app.storage.latest_summary(room.id)
+        assert latest is not None and latest.text == "Ann told Cora about her cat Pixel and its tricks."

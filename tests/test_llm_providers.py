@@ -935,3 +935,17 @@ async def test_a_rate_limit_says_how_long_the_server_asked_to_wait(provider: LLM
         said.append(info.value.user_message)
     assert said == [f"The language model is rate-limited right now. Please try again {when}."
                     for when in waits.values()]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("content_type", ["text/html", "text/plain"])
+async def test_a_200_answer_that_is_not_json_is_damaged_and_says_where_to_look(
+    provider: LLMProvider, fake_llm: FakeLLMServer, content_type: str
+) -> None:
+    """The SDKs hand such a body over as a string: it failed as "unreadable" (an AttributeError), for good, and
+    said nothing of a base_url that points at a web page."""
+    fake_llm.enqueue(FakeResponse.malformed(b"<html><body>Sign in to the proxy</body></html>",
+                                            content_type=content_type))
+    with pytest.raises(LLMBadResponse) as info:
+        await provider.complete(request())
+    assert info.value.transient and "not JSON (check [llm] base_url)" in info.value.detail, info.value.detail

@@ -23,6 +23,7 @@ from email.utils import parsedate_to_datetime
 from typing import Any, TypeVar
 
 from bot.llm.errors import (
+    HTML_PAGE,
     LLMAuthError,
     LLMBadRequest,
     LLMBadResponse,
@@ -279,6 +280,14 @@ def _translate(exc: BaseException, provider: str, sdk: SdkErrors) -> LLMError:
     if isinstance(exc, sdk.base):
         return LLMBadRequest(f"{provider}: the SDK refused the request ({name}: {_short(exc)})")
     return LLMBadResponse(f"{provider}: unexpected failure ({name}: {_short(exc)})")
+
+
+def not_json(provider: str, body: str) -> LLMDamagedResponse:
+    """A 200 answer whose body was not JSON (the SDKs hand its text over as a ``str``): a proxy's or a web
+    server's page, often at a wrong base_url, or a server that answered properly next time. Retried by
+    background jobs, and the detail says where to look."""
+    kind = "an HTML page" if HTML_PAGE.search(body[:4096]) else "plain text"
+    return LLMDamagedResponse(f"{provider}: the model's server answered with {kind}, not JSON (check [llm] base_url)")
 
 
 def _short(exc: BaseException) -> str:

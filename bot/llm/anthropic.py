@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 import anthropic
 import httpx2
 
-from bot.llm._mapping import Deadline, SdkErrors, limit_retry_waits, to_llm_error
+from bot.llm._mapping import Deadline, SdkErrors, limit_retry_waits, not_json, to_llm_error
 from bot.llm.base import (
     ChatMessage,
     Completion,
@@ -346,6 +346,8 @@ class AnthropicProvider:
         try:
             deadline = Deadline(self._deadline, "anthropic")
             message = await deadline.run(self._client.messages.create(**self._params(request)))
+            if isinstance(message, str):  # (a body that was not JSON, by its content type)
+                raise not_json("anthropic", message)
             return completion_from_message(message, request.model)
         except LLMError:
             raise

@@ -125,7 +125,7 @@ class LLMBadRequest(LLMPermanentError):
 SAID_CHARS = 300
 
 
-_HTML_PAGE = re.compile(r"<\s*(?:!doctype|html|head|body)\b", re.IGNORECASE)
+HTML_PAGE = re.compile(r"<\s*(?:!doctype|html|head|body)\b", re.IGNORECASE)
 # HTML's own tags (not "1 <= n <= 4096", "<class 'str'>" or "<provider>/<model>", which say what to fix)
 _TAG = re.compile(r"</?(?:a|b|i|p|br|hr|em|h[1-6]|li|ol|ul|tr|td|th|div|pre|img|code|font|link|meta|span|small|style|"
                   r"table|title|center|script|strong|noscript)(?:\s[^<>]*)?/?>", re.IGNORECASE)
@@ -135,7 +135,7 @@ def _first_words(said: str) -> str:
     """A server's error text as one line for chat: before any traceback, without markup, whitespace collapsed,
     cut at ``SAID_CHARS``; nothing when it holds no words (a bare list or number) or is a web page (a proxy's
     error page: its title and server banner say nothing a person can act on, and its markup is no chat)."""
-    if _HTML_PAGE.search(said):
+    if HTML_PAGE.search(said):
         return ""
     said = _TAG.sub(" ", said.split("Traceback (most recent call last)", 1)[0])
     said = " ".join(said.split())

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, cast
 import httpx2
 import openai
 
-from bot.llm._mapping import Deadline, SdkErrors, limit_retry_waits, to_llm_error
+from bot.llm._mapping import Deadline, SdkErrors, limit_retry_waits, not_json, to_llm_error
 from bot.llm.base import (
     ChatMessage,
     Completion,
@@ -383,6 +383,8 @@ class OpenAICompatProvider:
         try:
             deadline = Deadline(self._deadline, "openai")
             response = await self._create(request, deadline, stream=False)
+            if isinstance(response, str):  # (a body that was not JSON, by its content type)
+                raise not_json("openai", response)
             return completion_from_response(response, request.model)
         except LLMError:
             raise
