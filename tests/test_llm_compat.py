@@ -286,3 +286,30 @@ async def test_an_answer_that_was_all_thinking_says_so(fake_llm: FakeLLMServer) 
     with pytest.raises(LLMOnlyThought) as raised:
         await _streamed(fake_llm)
     assert "raise [llm] max_tokens" in raised.value.user_message
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+@pytest.mark.parametrize("finish", ["length", "stop"])
+async def test_an_answer_that_was_all_reasoning_says_so_and_counts_its_tokens(fake_llm: FakeLLMServer, field: str,
+                                                                             finish: str) -> None:
+    """DeepSeek and vLLM (reasoning_content) and Ollama (reasoning) send the thinking in a field of its own: an
+    answer whose length ran out while it thought was an empty reply, "could not read", billed as 0 tokens."""
+    from bot.llm.errors import LLMOnlyThought
+
+    usage = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [],
+             "usage": {"prompt_tokens": 700, "completion_tokens": 64, "total_tokens": 764}}
+    fake_llm.enqueue(_sse(_chunk({"role": "assistant", field: "Let me weigh"}), _chunk({field: " what Ann wants"}),
+                          _chunk({}, finish), "data: " + json.dumps(usage) + "\n\n"))
+    with pytest.raises(LLMOnlyThought) as raised:
+        await _streamed(fake_llm)
+    assert "raise [llm] max_tokens" in raised.value.user_message and raised.value.billed == (700, 64)
+
+
+async def test_an_answer_that_ran_out_after_its_thinking_says_so(fake_llm: FakeLLMServer) -> None:
+    """A <think> block that closed just before the length ran out left an empty reply: "could not read"."""
+    from bot.llm.errors import LLMOnlyThought
+
+    fake_llm.enqueue(_sse(_chunk({"role": "assistant", "content": "<think>Let me weigh this</think>"}),
+                          _chunk({"content": "\n\n"}), _chunk({}, "length")))
+    with pytest.raises(LLMOnlyThought):
+        await _streamed(fake_llm)

@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 REFUSES_TOOLS = re.compile(r"support\w*\W+(?:\w+\W+){0,4}tool|tools?\W+(?:\w+\W+){0,3}(?:not|un)\s*supported"
                            r"|enable-auto-tool-choice|--jinja", re.IGNORECASE)
 REFUSES_STREAM_OPTIONS = re.compile(r"stream_options", re.IGNORECASE)
+REASONING_FIELDS = ("reasoning_content", "reasoning")  # a stream delta's thinking, beside its content
 _FINISH_REASONS: dict[str, StopReason] = {
     "stop": "end_turn",
     "length": "max_tokens",
@@ -215,6 +216,7 @@ class _StreamAccumulator:
     finish_reason: str | None = None
     usage: Usage = field(default_factory=Usage)
     thinking: ThinkingFilter = field(default_factory=ThinkingFilter)  # (a reasoning model's notes: not shown)
+    reasoned: bool = False  # thinking came in a field of its own (reasoning_content: DeepSeek, vLLM; reasoning: Ollama)
 
     def feed(self, chunk: ChatCompletionChunk) -> str | None:
         """Take one chunk; return the text it adds, if any."""
@@ -230,6 +232,7 @@ class _StreamAccumulator:
         delta = choice.delta
         if delta is None:
             return None
+        self.reasoned = self.reasoned or any(getattr(delta, name, None) for name in REASONING_FIELDS)
         for position, call in enumerate(delta.tool_calls or ()):
             self._feed_call(self._slot(call.index, call) if call.index is not None
                             else self._index_without(position, call), call)
@@ -282,6 +285,8 @@ class _StreamAccumulator:
         calls = tuple(parse_tool_call(p.call_id, p.name, "".join(p.arguments)) for _, p in sorted(self.calls.items()))
         if not self.texts and not calls and self.thinking.unfinished:
             raise LLMOnlyThought("openai: the answer was a thinking block that never closed")
+        if not self.texts and not calls and (self.reasoned or self.thinking.thought):
+            raise LLMOnlyThought(f"openai: the model thought and wrote no answer (finish {self.finish_reason!r})")
         return Completion(
             text="".join(self.texts) + self.thinking.end(),  # (what was shown: the filter took the block out)
             tool_calls=calls,
@@ -402,10 +407,13 @@ class OpenAICompatProvider:
                     if text:
                         yield TextDelta(text)
             completion = accumulator.completion()
-        except LLMError:
+        except LLMError as exc:  # (what the stream said it was billed, with the chunk that carried usage)
+            exc.billed = (accumulator.usage.input_tokens, accumulator.usage.output_tokens)
             raise
         except Exception as exc:
-            raise self._error(exc) from exc
+            error = self._error(exc)
+            error.billed = (accumulator.usage.input_tokens, accumulator.usage.output_tokens)
+            raise error from exc
         yield StreamEnd(completion)
 
     async def list_models(self) -> list[str]:

@@ -50,6 +50,11 @@ class ThinkingFilter:
         """Whether a thinking block opened and never closed (the answer's length ran out while it thought)."""
         return self._state == "thinking"
 
+    @property
+    def thought(self) -> bool:
+        """Whether a thinking block came, and nothing after it yet."""
+        return self._state in ("thinking", "after")
+
     def end(self) -> str:
         """What was held back at the end that is answer (an unfinished "<th…" start was text after all)."""
         return self._held if self._state == "start" else ""
