@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import get_args
@@ -459,18 +459,32 @@ class ConversationCore:
         """One model call's text as it streams (after a blank line when an earlier round said something);
         its completion is appended to ``ended``."""
         completion: Completion | None = None
-        async for event in self.llm.stream(offered):
-            if isinstance(event, TextDelta) and event.text:
-                if separate and (gap := shown.take("\n\n")):
-                    yield gap
-                separate = False
-                if piece := shown.take(event.text):
-                    yield piece
-            elif isinstance(event, StreamEnd):
-                completion = event.completion
+        before = len(shown.text)
+        events = self.llm.stream(offered)
+        try:
+            async for event in events:
+                if isinstance(event, TextDelta) and event.text:
+                    if separate and (gap := shown.take("\n\n")):
+                        yield gap
+                    separate = False
+                    if piece := shown.take(event.text):
+                        yield piece
+                    if shown.cut:  # the rest is neither shown nor kept: not read either (a broken server's MBs)
+                        completion = self._cut_short(offered, shown.text[before:])
+                        break
+                elif isinstance(event, StreamEnd):
+                    completion = event.completion
+        finally:
+            if isinstance(events, AsyncGenerator):  # (closed now, with its connection: not when collected)
+                await events.aclose()
         if completion is None:
             raise LLMBadResponse("the model's stream ended without a result")
         ended.append(completion)
+
+    def _cut_short(self, offered: LLMRequest, text: str) -> Completion:
+        """The round of a reply cut at :data:`MAX_REPLY_CHARS` (``text``: what it showed), whose stream was closed
+        before its end and its usage: what it wrote counts as its output, at least; its input is unknown."""
+        return Completion(text, usage=Usage(0, self.estimator.count(text)), stop_reason="other", model=offered.model)
 
     @staticmethod
     async def _tool(toolbox: Toolbox, call: ToolCall, stream: ReplyStream, *, refused: str = "") -> ToolOutcome:

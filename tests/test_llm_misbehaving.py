@@ -335,3 +335,21 @@ async def test_a_summary_answered_with_a_web_page_is_retried(
         assert finished is not None and (finished.status, finished.attempts) == ("done", 2), finished
         latest = await app.storage.latest_summary(room.id)
         assert latest is not None and latest.text == "Ann told Cora about her cat Pixel and its tricks."
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "openai"])
+async def test_a_reply_cut_at_its_length_cap_stops_reading_the_stream(
+        tmp_path: Path, fake_llm: FakeLLMServer, provider: str) -> None:
+    """A server streaming without end was read to the end (or the time-out) after the reply was cut at 40,000
+    characters, all of it kept in memory: 200 MB took the process to 700 MB. Its stream is closed at the cut."""
+    from bot.conversation import CUT_NOTE, MAX_REPLY_CHARS
+
+    pieces = 2_500  # of 8,000 characters: 20 MB, more than the loopback connection's buffers hold
+    async with App(_config(tmp_path, fake_llm, provider)) as app:
+        fake_llm.enqueue(FakeResponse.flood("x" * 8_000, pieces))
+        shown = await app.core.reply(_msg("hi")).text()
+        assert shown.endswith(CUT_NOTE.strip()) and len(shown) <= MAX_REPLY_CHARS + len(CUT_NOTE)
+        sent = await fake_llm.wait_for_stream_end_async(timeout=30)
+        assert sent.ended == "client left" and sent.frames < pieces // 2, sent
+        [call] = await app.storage.list_llm_calls()
+        assert call["output_tokens"] > 0 and not call["error"]  # (the part it wrote counts, at least)

@@ -949,3 +949,16 @@ async def test_a_200_answer_that_is_not_json_is_damaged_and_says_where_to_look(
     with pytest.raises(LLMBadResponse) as info:
         await provider.complete(request())
     assert info.value.transient and "not JSON (check [llm] base_url)" in info.value.detail, info.value.detail
+
+
+@pytest.mark.asyncio
+async def test_a_stream_past_its_cap_fails_instead_of_filling_memory(
+    provider: LLMProvider, fake_llm: FakeLLMServer
+) -> None:
+    """A broken server's call arguments of any length were kept whole, as they came, until the stream ended."""
+    from bot.llm.base import MAX_STREAMED_CHARS
+
+    huge = '{"city": "' + "x" * MAX_STREAMED_CHARS + '"}'
+    fake_llm.enqueue(FakeResponse.tool_calls([("c1", "weather", huge)]))
+    with pytest.raises(LLMBadResponse, match="ran past 8,000,000 characters"):
+        await collect(provider, request(tools=(WEATHER,)))

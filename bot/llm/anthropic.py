@@ -27,6 +27,7 @@ import httpx2
 
 from bot.llm._mapping import Deadline, SdkErrors, limit_retry_waits, not_json, to_llm_error
 from bot.llm.base import (
+    MAX_STREAMED_CHARS,
     ChatMessage,
     Completion,
     LLMRequest,
@@ -37,6 +38,7 @@ from bot.llm.base import (
     ToolCall,
     ToolSpec,
     Usage,
+    past_stream_cap,
 )
 from bot.llm.errors import LLMAuthError, LLMBadResponse, LLMDamagedResponse, LLMError
 from bot.text import nested_within
@@ -214,6 +216,7 @@ class _StreamAccumulator:
     output_tokens: int = 0
     stop_reason: object = None
     blocks: dict[int, _StreamBlock] = field(default_factory=dict)
+    read: int = 0  # characters of text, thinking and tool input so far (at most MAX_STREAMED_CHARS)
 
     def feed(self, event: RawMessageStreamEvent) -> str | None:
         """Take one event; return the text it adds, if any."""
@@ -249,6 +252,11 @@ class _StreamAccumulator:
         entry = self.blocks.get(index)
         if entry is None:
             raise LLMBadResponse(f"anthropic: stream delta for unknown content block {index}")
+        for name in ("text", "partial_json", "thinking"):
+            if isinstance(piece := getattr(delta, name, None), str):
+                self.read += len(piece)
+        if self.read > MAX_STREAMED_CHARS:
+            raise past_stream_cap("anthropic")
         if delta.type == "text_delta" and entry.kind == "text":
             entry.text.append(delta.text)
             return str(delta.text) or None

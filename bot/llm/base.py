@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from bot.llm.errors import LLMBadResponse
 from bot.text import nested_within, storable, storable_json, without_hidden
 
 Role = Literal["user", "assistant", "tool"]
@@ -37,6 +38,16 @@ CUT_OFF_CALL = "refused: your answer reached the output limit while writing this
 MAX_CALL_ARGUMENT_CHARS = 65_536  # a tool call's arguments longer than this are neither run nor sent back
 MAX_TOOL_NAME_CHARS = 64  # a tool's name or call id as both APIs allow it; a longer one is cut when sent back
 MAX_CALLS_SENT_BACK = 32  # a turn's calls repeated to the model at all: the rest are dropped with their results
+# Of one streamed answer (its text, thinking and tool arguments), at most this many characters are read: past
+# it the stream fails. A broken or hostile server's endless stream would otherwise be kept in memory (200 MB
+# took 700 MB) and read until the time-out. (A reply shows far less; 32 calls' arguments of 64 KiB fit.)
+MAX_STREAMED_CHARS = 8_000_000
+
+
+def past_stream_cap(provider: str) -> LLMBadResponse:
+    """The error of a stream that sent more than :data:`MAX_STREAMED_CHARS`."""
+    return LLMBadResponse(f"{provider}: the streamed answer ran past {MAX_STREAMED_CHARS:,} characters; the rest "
+                          "was not read")
 
 
 def sent_back(call: ToolCall, *, ran: bool = True, argument_chars: int = MAX_CALL_ARGUMENT_CHARS) -> ToolCall:

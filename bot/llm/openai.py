@@ -30,6 +30,7 @@ import openai
 
 from bot.llm._mapping import Deadline, SdkErrors, limit_retry_waits, not_json, to_llm_error
 from bot.llm.base import (
+    MAX_STREAMED_CHARS,
     ChatMessage,
     Completion,
     LLMRequest,
@@ -40,6 +41,7 @@ from bot.llm.base import (
     ToolCall,
     ToolSpec,
     Usage,
+    past_stream_cap,
 )
 from bot.llm.errors import LLMBadRequest, LLMBadResponse, LLMDamagedResponse, LLMError, LLMOnlyThought
 from bot.llm.reasoning import ThinkingFilter, without_thinking
@@ -217,6 +219,7 @@ class _StreamAccumulator:
     usage: Usage = field(default_factory=Usage)
     thinking: ThinkingFilter = field(default_factory=ThinkingFilter)  # (a reasoning model's notes: not shown)
     reasoned: bool = False  # thinking came in a field of its own (reasoning_content: DeepSeek, vLLM; reasoning: Ollama)
+    read: int = 0  # characters of content, reasoning and tool arguments so far (at most MAX_STREAMED_CHARS)
 
     def feed(self, chunk: ChatCompletionChunk) -> str | None:
         """Take one chunk; return the text it adds, if any."""
@@ -232,7 +235,7 @@ class _StreamAccumulator:
         delta = choice.delta
         if delta is None:
             return None
-        self.reasoned = self.reasoned or any(getattr(delta, name, None) for name in REASONING_FIELDS)
+        self._count(delta)
         for position, call in enumerate(delta.tool_calls or ()):
             self._feed_call(self._slot(call.index, call) if call.index is not None
                             else self._index_without(position, call), call)
@@ -240,6 +243,16 @@ class _StreamAccumulator:
             self.texts.append(shown)
             return shown
         return None
+
+    def _count(self, delta: Any) -> None:
+        """Note the delta's reasoning and count what it brings (a stream past the cap fails)."""
+        reasoning = [piece for name in REASONING_FIELDS if isinstance(piece := getattr(delta, name, None), str)]
+        self.reasoned = self.reasoned or any(reasoning)
+        pieces = [delta.content, *reasoning, *(call.function.arguments for call in delta.tool_calls or ()
+                                               if call.function is not None)]
+        self.read += sum(len(piece) for piece in pieces if isinstance(piece, str))
+        if self.read > MAX_STREAMED_CHARS:
+            raise past_stream_cap("openai")
 
     def _slot(self, index: int, call: Any) -> int:
         """Where a piece sent with ``index`` belongs: that index's call, unless it brings a new ``id`` there

@@ -31,6 +31,7 @@ import asyncio
 import base64
 import collections
 import hashlib
+import itertools
 import json
 import struct
 import threading
@@ -166,6 +167,7 @@ class FakeResponse:
     delay: float = 0.0
     fail_after: int = 0
     failure: StreamFailure = "disconnect"
+    repeat: int = 1  # the streamed pieces, this many times over (a server that goes on and on)
 
     @classmethod
     def text(
@@ -190,6 +192,12 @@ class FakeResponse:
             send_usage=send_usage,
             delay=delay,
         )
+
+    @classmethod
+    def flood(cls, piece: str, times: int) -> FakeResponse:
+        """A streamed text of ``piece`` sent ``times`` times, one event each (made as it is sent: megabytes
+        cost the server nothing to hold); a non-streamed answer is ``piece`` once."""
+        return cls(kind="text", reply_text=piece, chunks=(piece,), repeat=times)
 
     @classmethod
     def tool_calls(
@@ -280,10 +288,16 @@ class FakeResponse:
         )
 
     def pieces(self) -> list[str]:
-        """The streamed text pieces."""
+        """The streamed text pieces (once: see :meth:`streamed_pieces`)."""
         if self.chunks is not None:
             return list(self.chunks)
         return split_text(self.reply_text)
+
+    def streamed_pieces(self) -> Iterator[str]:
+        """The streamed text pieces, ``repeat`` times over."""
+        pieces = self.pieces()
+        for _ in range(self.repeat):
+            yield from pieces
 
 
 def split_text(text: str, parts: int = 3) -> list[str]:
@@ -359,8 +373,7 @@ def anthropic_events(resp: FakeResponse, model: str) -> Iterator[tuple[str, dict
     yield "message_start", {"type": "message_start", "message": start}
     yield "ping", {"type": "ping"}
     index = 0
-    pieces = resp.pieces()
-    if pieces:
+    if resp.pieces():
         yield (
             "content_block_start",
             {
@@ -369,7 +382,7 @@ def anthropic_events(resp: FakeResponse, model: str) -> Iterator[tuple[str, dict
                 "content_block": {"type": "text", "text": ""},
             },
         )
-        for piece in pieces:
+        for piece in resp.streamed_pieces():
             delta = {"type": "text_delta", "text": piece}
             yield "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
         yield "content_block_stop", {"type": "content_block_stop", "index": index}
@@ -446,7 +459,7 @@ def openai_chunks(resp: FakeResponse, model: str, include_usage: bool) -> Iterat
         return data
 
     yield chunk({"role": "assistant", "content": ""})
-    for piece in resp.pieces():
+    for piece in resp.streamed_pieces():
         yield chunk({"content": piece})
     for i, (call_id, name, value) in enumerate(resp.calls):
         head = {"index": i, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
@@ -503,6 +516,15 @@ def openai_embeddings(body: dict[str, Any], dim: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the server
 
 
+@dataclass
+class SentStream:
+    """One streamed answer as the server sent it: how many SSE frames went out, and how it ended ("whole",
+    "dropped" by a scripted failure, "client left" before the end; "" while it goes on)."""
+
+    frames: int = 0
+    ended: str = ""
+
+
 class FakeLLMServer:
     """The fake server. Use as a context manager, or call :meth:`start` / :meth:`stop`."""
 
@@ -516,6 +538,8 @@ class FakeLLMServer:
         self._requests: list[RecordedRequest] = []
         self._queue: collections.deque[FakeResponse] = collections.deque()
         self._embedding_queue: collections.deque[FakeResponse] = collections.deque()
+        self._streams: list[SentStream] = []
+        self._streams_seen = 0
         self._cond = threading.Condition()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -645,6 +669,8 @@ class FakeLLMServer:
             self._requests.clear()
             self._queue.clear()
             self._embedding_queue.clear()
+            self._streams.clear()
+            self._streams_seen = 0
             self.responder = echo_responder
             self.models = list(DEFAULT_MODELS)
             self.models_missing = False
@@ -723,9 +749,9 @@ class FakeLLMServer:
         return await self._stream_openai(request, resp, model, include_usage)
 
     async def _stream_anthropic(self, request: web.Request, resp: FakeResponse, model: str) -> web.StreamResponse:
-        frames = [
+        frames = (
             f"event: {name}\ndata: {json.dumps(data)}\n\n".encode() for name, data in anthropic_events(resp, model)
-        ]
+        )
         error = {
             "type": "error",
             "error": {"type": resp.error_type or "overloaded_error", "message": resp.message},
@@ -736,30 +762,65 @@ class FakeLLMServer:
     async def _stream_openai(
         self, request: web.Request, resp: FakeResponse, model: str, include_usage: bool
     ) -> web.StreamResponse:
-        frames = [f"data: {json.dumps(c)}\n\n".encode() for c in openai_chunks(resp, model, include_usage)]
-        frames.append(b"data: [DONE]\n\n")
+        chunks = (f"data: {json.dumps(c)}\n\n".encode() for c in openai_chunks(resp, model, include_usage))
+        frames = itertools.chain(chunks, [b"data: [DONE]\n\n"])
         error = {"error": {"message": resp.message, "type": resp.error_type or "server_error", "code": None}}
         error_frame = f"data: {json.dumps(error)}\n\n".encode()
         return await self._write_stream(request, resp, frames, error_frame)
 
     async def _write_stream(
-        self, request: web.Request, resp: FakeResponse, frames: list[bytes], error_frame: bytes
+        self, request: web.Request, resp: FakeResponse, frames: Iterable[bytes], error_frame: bytes
+    ) -> web.StreamResponse:
+        sent = SentStream()
+        with self._cond:
+            self._streams.append(sent)
+        try:
+            return await self._send_frames(request, resp, frames, error_frame, sent)
+        finally:  # (a write that failed, or the handler cancelled: the client went away first)
+            self._stream_ended(sent, sent.ended or "client left")
+
+    async def _send_frames(
+        self, request: web.Request, resp: FakeResponse, frames: Iterable[bytes], error_frame: bytes, sent: SentStream
     ) -> web.StreamResponse:
         stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await stream.prepare(request)
         failing = resp.kind == "stream_error"
-        for frame in frames[: resp.fail_after] if failing else frames:
+        for frame in itertools.islice(frames, resp.fail_after) if failing else frames:
             await stream.write(frame)
+            sent.frames += 1
             await asyncio.sleep(0)
         if failing:
             if resp.failure == "disconnect":
                 await asyncio.sleep(0.01)  # let the client read what was sent before the drop
+                sent.ended = "dropped"
                 _drop_connection(request)
                 raise asyncio.CancelledError
             if resp.failure == "error_event":
                 await stream.write(error_frame)
         await stream.write_eof()
+        sent.ended = "whole"
         return stream
+
+    def _stream_ended(self, sent: SentStream, how: str) -> None:
+        with self._cond:
+            sent.ended = how
+            self._cond.notify_all()
+
+    def wait_for_stream_end(self, timeout: float = 5.0) -> SentStream:
+        """Block until the first streamed answer not yet returned by this method has ended, and return it."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not (self._streams_seen < len(self._streams) and self._streams[self._streams_seen].ended):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"no streamed answer ended within {timeout} s")
+                self._cond.wait(remaining)
+            self._streams_seen += 1
+            return self._streams[self._streams_seen - 1]
+
+    async def wait_for_stream_end_async(self, timeout: float = 5.0) -> SentStream:
+        """:meth:`wait_for_stream_end` for async tests."""
+        return await asyncio.to_thread(self.wait_for_stream_end, timeout)
 
     async def _handle_anthropic(self, request: web.Request) -> web.StreamResponse:
         return await self._answer(request, "anthropic")
