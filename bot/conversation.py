@@ -483,8 +483,11 @@ class ConversationCore:
 
     def _cut_short(self, offered: LLMRequest, text: str) -> Completion:
         """The round of a reply cut at :data:`MAX_REPLY_CHARS` (``text``: what it showed), whose stream was closed
-        before its end and its usage: what it wrote counts as its output, at least; its input is unknown."""
-        return Completion(text, usage=Usage(0, self.estimator.count(text)), stop_reason="other", model=offered.model)
+        before its end and its usage: what it wrote counts as its output, at least, and its input as estimated
+        (a budget counts it: a daily budget must not let cut replies through uncounted)."""
+        sent = self.estimator.count(offered.system) + sum(self.estimator.count(m.content) for m in offered.messages)
+        return Completion(text, usage=Usage(sent, self.estimator.count(text)), stop_reason="other",
+                          model=offered.model)
 
     @staticmethod
     async def _tool(toolbox: Toolbox, call: ToolCall, stream: ReplyStream, *, refused: str = "") -> ToolOutcome:

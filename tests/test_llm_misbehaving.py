@@ -353,3 +353,4 @@ async def test_a_reply_cut_at_its_length_cap_stops_reading_the_stream(
         assert sent.ended == "client left" and sent.frames < pieces // 2, sent
         [call] = await app.storage.list_llm_calls()
         assert call["output_tokens"] > 0 and not call["error"]  # (the part it wrote counts, at least)
+        assert call["input_tokens"] > 0  # (its prompt, as estimated: the stream's own count never came)
