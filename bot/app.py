@@ -22,6 +22,8 @@ from bot.llm.base import LLMProvider
 from bot.router import Router
 from bot.scheduler import Scheduler
 from bot.storage import Storage, open_storage
+from bot.storage.copy import unfinished_copy
+from bot.storage.engine import StorageError
 from bot.summary import JOB_KIND as SUMMARY_JOB
 from bot.summary import SummaryEngine
 from bot.tokens import BPETokenEstimator
@@ -93,6 +95,8 @@ class App:
             applied = await self.storage.migrate()
             if applied:
                 log.info("database migrated to version %d", applied[-1])
+            if (unfinished := await unfinished_copy(self.storage)) is not None:  # (part of another's data)
+                raise StorageError(unfinished)
             if await self.storage.scrub_if_pending():  # a process stopped after deleting words, before scrubbing
                 log.info("scrubbed the database's files of words deleted before the last stop")
             self.personas = PersonaRegistry(self.config, self.storage)

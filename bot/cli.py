@@ -938,6 +938,7 @@ async def _doctor_database(config: Config, report: Callable[..., None]) -> bool:
     """The database: reachable, writable, migrated, private, its job queue; whether it is ready for the backlog
     check. A SQLite file that is not there yet is said so, not made."""
     from bot.storage import open_storage
+    from bot.storage.copy import unfinished_copy
 
     try:
         url, password = config.storage.resolve()
@@ -952,6 +953,8 @@ async def _doctor_database(config: Config, report: Callable[..., None]) -> bool:
             report(True, "database",
                    f"{storage.db.url}" + (f" ({len(pending)} migration(s) to apply at start)" if pending else ""))
             _doctor_file_modes(getattr(storage.db, "path", None), report)
+            if not pending and (unfinished := await unfinished_copy(storage)) is not None:
+                report(False, "database", unfinished)
             if not pending:
                 await _doctor_queue(storage, report)
         finally:

@@ -204,7 +204,12 @@ async def test_a_second_run_copies_nothing(source: Storage, pg: Storage) -> None
     assert [t.target_rows for t in second.tables] == [t.target_rows for t in first.tables]
 
 
-async def test_an_interrupted_copy_resumes(source: Storage, pg: Storage, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_an_interrupted_copy_resumes(source: Storage, pg: Storage, pg_url: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from bot.app import App
+    from bot.config import parse_config
+    from tests.fakes.provider import ScriptedProvider
+
     real_insert = copy_module._insert
     pages: list[str] = []
 
@@ -218,9 +223,19 @@ async def test_an_interrupted_copy_resumes(source: Storage, pg: Storage, monkeyp
     with pytest.raises(StorageError, match="connection lost"):
         await copy_data(source, pg, batch=2)
     assert len(await dump(pg, "messages")) == 2
+    # a bot started on it, or doctor, says it is unfinished (it looked whole: the bot ran on part of the data,
+    # and no copy could finish it then); nor is it copied from
+    unfinished = await copy_module.unfinished_copy(pg)
+    assert unfinished is not None and f"is an unfinished copy of {source.db.url}" in unfinished, unfinished
+    assert f"run cortexbot copy-data --to {pg.db.url} again" in unfinished
+    config = parse_config({"storage": {"url": pg_url}, "personas": [{"name": "Cora"}]})
+    with pytest.raises(StorageError, match="is an unfinished copy of"):
+        await App(config, llm=ScriptedProvider()).start(workers=False)
+    with pytest.raises(StorageError, match="the source database is not whole"):
+        await copy_data(pg, source)
     monkeypatch.setattr(copy_module, "_insert", real_insert)
     report = await copy_data(source, pg, batch=2)
-    assert report.ok
+    assert report.ok and await copy_module.unfinished_copy(pg) is None
     counts = {t.table: t for t in report.tables}
     assert counts["messages"].copied == 9 and counts["users"].copied == 0
     await assert_same(source, pg)
@@ -710,6 +725,11 @@ def test_a_copy_stopped_with_ctrl_c_says_how_to_go_on(tmp_path: Path, pg_url: st
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
     assert "run copy-data again to go on where it stopped" in stderr and "Traceback" not in stderr, stderr
+    target = tmp_path / "target.toml"  # (the operator points the bot at the target: doctor says it is not whole)
+    target.write_text(f'[storage]\nurl = "{pg_url}"\n')
+    doctor = subprocess.run([str(BIN / "cortexbot"), "--config", str(target), "doctor"], capture_output=True,
+                            text=True, env=env, timeout=120)
+    assert f"✗ database: {pg_url} is an unfinished copy of sqlite:///" in doctor.stdout, doctor.stdout
     again = subprocess.run(args[:-2], capture_output=True, text=True, env=env, timeout=120)
     assert again.returncode == 0 and counts(again.stdout)["messages"][:2] == ["3000", "3000"], again.stdout
 

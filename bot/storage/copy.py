@@ -51,14 +51,16 @@ import numpy as np
 from bot.storage.core import Storage, note_scrub_pending
 from bot.storage.engine import Database, Row, StorageError, is_conflict
 
-__all__ = ["INSTANCE_KEY", "TABLES", "CopyReport", "TableCount", "copy_data", "ensure_instance_id"]
+__all__ = ["INSTANCE_KEY", "TABLES", "CopyReport", "TableCount", "copy_data", "ensure_instance_id", "unfinished_copy"]
 
 INSTANCE_KEY = "bot.instance_id"
 # (settings) The largest id of each table a copy from or into this database accounted for (the source's, as the
 # copy began): rows past them in a target were added there since (a bot ran on it), and a further copy into it
 # would mix the source's rows with them under the same ids. Never copied itself: each database keeps its own.
 LAST_COPY_KEY = "copy.largest_ids"
-NOT_COPIED: dict[str, str] = {"settings": f"key <> '{LAST_COPY_KEY}'"}  # rows of a table left out (SQL)
+# (settings) A copy into this database began and has not ended (killed, failed): its data is part of the source's.
+UNFINISHED_KEY = "copy.unfinished"
+NOT_COPIED: dict[str, str] = {"settings": f"key NOT IN ('{LAST_COPY_KEY}', '{UNFINISHED_KEY}')"}  # (SQL)
 # Foreign-key order (``processes`` and ``schema_version`` stay behind: they describe the database, not the bot).
 TABLES: tuple[str, ...] = (
     "users", "personas", "versioned_texts", "lore_entries", "channels", "messages", "channel_speakers", "summaries",
@@ -174,8 +176,11 @@ async def copy_data(source: Storage, target: Storage, *, progress: Progress | No
     if await target.applied_migrations():  # refuse another bot's database before touching its schema
         await _check_target(target.db, instance)
     await target.migrate(elsewhere="name another database with --to")
+    if (unfinished := await unfinished_copy(source)) is not None:
+        raise StorageError(f"the source database is not whole: {unfinished}")
     await _claim_target(source.db, target.db, instance)
     await _check_unused(target.db)
+    await target.set_setting(UNFINISHED_KEY, json.dumps({"from": source.db.url, "at": time.time()}))
     # Both ends marked before a row goes over: the target may hold rows up to the source's ids (so a resumed copy
     # passes), and the source's rows up to here are the target's too (so a copy back, once a bot ran on the target,
     # passes while this one did not move on meanwhile; and is refused when it did).
@@ -194,9 +199,26 @@ async def copy_data(source: Storage, target: Storage, *, progress: Progress | No
         if table == "messages":
             await _restore_channel_counters(source.db, target.db, batch)
     await _move_sequences(target.db, await _next_ids(source.db))
+    await target.db.write("DELETE FROM settings WHERE key = ?", (UNFINISHED_KEY,))  # (a bot may start on it now)
     counts = [TableCount(t, await _count(source.db, t), await _count(target.db, t), copied[t], removed[t])
               for t in TABLES]
     return CopyReport(source.db.url, target.db.url, instance, tuple(counts), time.monotonic() - started)
+
+
+async def unfinished_copy(storage: Storage) -> str | None:
+    """Why ``storage`` must not be used yet (a copy-data into it began and did not end: the source's data is
+    only partly there, and a bot run on it would make a copy that finishes it impossible), or None."""
+    value = await storage.get_setting(UNFINISHED_KEY)
+    if value is None:
+        return None
+    try:
+        began = json.loads(value)
+        source, at = str(began["from"]), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(float(began["at"])))
+    except (ValueError, TypeError, KeyError):
+        source, at = "another database", "an unknown time"
+    return (f"{storage.db.url} is an unfinished copy of {source} (copy-data began at {at} and did not end): run "
+            f"cortexbot copy-data --to {storage.db.url} again with the source's config to finish it, or point "
+            "[storage] url back at the source")
 
 
 async def ensure_instance_id(storage: Storage) -> str:
