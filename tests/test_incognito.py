@@ -216,7 +216,9 @@ async def test_a_forget_me_during_a_pause_keeps_the_pause(tmp_path: Path) -> Non
         await app.storage.db.write("UPDATE incognito SET started_at = started_at - 7200")
         assert await end_expired_incognito(app.storage, 1) == 1
         assert await app.storage.export.messages(user.id) == []
-        assert await app.storage.get_user("discord:7") is not None  # the message named them: a user again
+        # (the message of the stretch wrote their name into the row the pause kept: it goes with the stretch, as
+        # nothing else of them is stored; it stayed, naming them)
+        assert await app.storage.get_user("discord:7") is None
         await say("!memory pause")
         await say("!memory forget-me confirm")
         assert "Incognito ended" in (await say("!memory resume")).public[0].text
@@ -594,6 +596,29 @@ async def test_a_late_message_after_pause_forget_me_and_resume_goes_too(tmp_path
         await app.router.handle(inbound("my secret zanzibarquux", t0 + timedelta(seconds=10)), late)
         assert late.messages[0].startswith("🕶️")
         assert await app.storage.db.fetch_all("SELECT text FROM messages") == []
+
+
+async def test_a_name_said_in_the_stretch_after_a_forget_me_goes_at_the_resume(tmp_path: Path) -> None:
+    """Pause, forget-me, a message, resume: the message wrote the person's name into the key-only row the pause
+    had kept, which then stayed (its name and id) with nothing else of them stored."""
+    from datetime import UTC, datetime, timedelta
+
+    def inbound(text: str, sent: datetime) -> Inbound:
+        return Inbound(IncomingMessage("discord", "dm-ann", "7", "Annabellez", text, is_dm=True, sent_at=sent))
+
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000}})
+    async with App(config, llm=ScriptedProvider()) as app:
+        t0 = datetime.now(UTC) - timedelta(seconds=30)
+        await app.router.handle(inbound("!memory pause", t0), Sink())
+        await app.router.handle(inbound("!memory forget-me confirm", t0 + timedelta(seconds=5)), Sink())
+        await app.router.handle(inbound("my secret zanzibarquux", t0 + timedelta(seconds=10)), Sink())
+        assert (await app.storage.get_user("discord:7")).display_name == "Annabellez"  # type: ignore[union-attr]
+        await app.router.handle(inbound("!memory resume", t0 + timedelta(seconds=20)), Sink())
+        assert await app.storage.get_user("discord:7") is None
+        assert await app.storage.db.fetch_all("SELECT text FROM messages") == []
+        await app.storage.scrub()
+    if db_url_for(tmp_path).startswith("sqlite"):
+        assert b"Annabellez" not in _database_bytes(tmp_path)
 
 
 async def test_a_late_message_whose_reply_is_cancelled_goes_too(tmp_path: Path) -> None:

@@ -339,10 +339,11 @@ class Storage:
 
     @staticmethod
     async def _drop_bare_user(tx: Tx, user_id: int) -> str | None:
-        """Delete the key-only row a forget-me kept for a pause (``_keep_incognito``) once nothing else of the
-        user is stored; its key, or None when it stays."""
+        """Delete the user's row at the end of a stretch when nothing else of them is stored: the key-only row a
+        forget-me kept for a pause (``_keep_incognito``), with the name a message of the stretch wrote into it
+        since (it stayed, naming someone of whom nothing else was kept); its key, or None when it stays."""
         row = await tx.fetch_one(
-            "SELECT key FROM users WHERE id = ? AND display_name = ''"
+            "SELECT key FROM users WHERE id = ?"
             " AND NOT EXISTS (SELECT 1 FROM messages WHERE user_id = ?)"
             " AND NOT EXISTS (SELECT 1 FROM cortex_pairs WHERE user_id = ?)"
             " AND NOT EXISTS (SELECT 1 FROM incognito WHERE user_id = ?)", (user_id,) * 4)
