@@ -240,3 +240,26 @@ async def test_a_forget_me_just_before_an_update_starts_ends_it_quietly(
         assert not [r.getMessage() for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
         assert "the pair was forgotten meanwhile" in caplog.text
         assert await _rows(app, "cortex_pairs") == [] and await _rows(app, "cortex_versions") == []
+
+
+@pytest.mark.parametrize("line", ["!memory edit memory.md\n# mine\n- zebraquokka two", "!memory reset"])
+async def test_a_file_command_that_a_forget_me_overtook_says_so(tmp_path: Path, line: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forget-me landing between an edit's (or reset's) look-up of the pair and its write: the write failed on
+    the deleted pair, said as "failed (IntegrityError) ... tell an admin", with a traceback in the log."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        await app.commands.dispatch(f"!memory edit memory.md\n# mine\n- {SECRET} one", ANN)
+        commands = app.cortex.commands
+        real = commands._pair
+
+        async def overtaken(ctx: CommandContext) -> object:
+            found = await real(ctx)
+            monkeypatch.setattr(commands, "_pair", real)
+            await app.commands.dispatch("!memory forget-me confirm", ANN)
+            return found
+
+        monkeypatch.setattr(commands, "_pair", overtaken)
+        reply = await app.commands.dispatch(line, ANN)
+        assert reply.failed and reply.text.startswith(f"Sorry, {line.split(chr(10))[0].split(' memory.md')[0]} "
+                                                      "failed: something it needed was deleted meanwhile"), reply.text
+        assert not any(SECRET in str(r) for r in await _rows(app, "cortex_versions"))

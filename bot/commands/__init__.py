@@ -25,6 +25,7 @@ from datetime import datetime
 from itertools import takewhile
 from typing import Literal
 
+from bot.storage.engine import is_missing_reference
 from bot.text import one_line_name, plural, shown, storable, without_surrogates
 
 log = logging.getLogger(__name__)
@@ -628,6 +629,11 @@ class CommandRegistry:
                 log.error("command %s%s failed: %s", self.prefix, command.name, trouble)
                 return CommandReply(f"Sorry, {self.prefix}{command.name} failed: the bot's database cannot be used "
                                     "right now (the admins can see why in the bot's log). Try again in a few minutes.",
+                                    private=command.private, failed=True)
+            if is_missing_reference(exc):  # (a row it wrote beside went meanwhile: a forget-me, a deleted persona)
+                log.warning("command %s%s failed: a row it needed was deleted meanwhile", self.prefix, command.name)
+                return CommandReply(f"Sorry, {self.prefix}{command.name} failed: something it needed was deleted "
+                                    "meanwhile (a forget-me?), so nothing was saved. Try again if you still want it.",
                                     private=command.private, failed=True)
             log.exception("command %s%s failed", self.prefix, command.name)
             return CommandReply(
