@@ -314,8 +314,9 @@ class CortexCommands:
                                   self.updater.estimator.raw_count)
             report = await Importer(self.store, self.files, self.personas, limits).run(
                 user, data, await self._dm_channel(ctx))
-        except ArchiveError as exc:
-            raise CommandError(f"{EXPORT_IN_PUBLIC} {exc}" if ctx.attachments_seen_by_all else str(exc)) from None
+        except ArchiveError as exc:  # (about the archive, or a forget-me meanwhile: the usage would not help)
+            return CommandReply(f"{EXPORT_IN_PUBLIC} {exc}" if ctx.attachments_seen_by_all else str(exc),
+                                private=True, failed=True)
         finally:
             renewing.cancel()
             self._importing.discard(user.key)

@@ -321,6 +321,9 @@ class Importer:
 
 
 EARLIER = "#imported"  # the companion channel of imported messages older than a channel's own (see write)
+# Its name: not the DM's, which names the person ("DM with Ann") and which a forget-me landing before its first
+# message (so before the person was its speaker) would not find to rename.
+EARLIER_NAME = "imported direct messages"
 
 
 class _Messages:
@@ -400,8 +403,7 @@ class _Messages:
                     "new ones (send the same archive again for the rest)")
                 break
             if earlier is None and created < since:
-                earlier = await self.storage.upsert_channel(f"{self.channel.key}{EARLIER}", self.channel.name,
-                                                            is_dm=True)
+                earlier = await self.storage.upsert_channel(f"{self.channel.key}{EARLIER}", EARLIER_NAME, is_dm=True)
             target = earlier if created < since and earlier is not None else self.channel
             if any([await self.storage.export.has_message(c.id, role, text, created)
                     for c in (self.channel, earlier) if c is not None]):

@@ -618,6 +618,11 @@ async def test_old_imported_messages_never_read_as_the_latest_exchange(tmp_path:
         pair = await app.cortex.store.count_messages(user.id, "Cora", 0)
         hits = await app.cortex.memory.search(pair.id, "OLD-2023 message", user_id=user.id, persona="Cora")
         assert any("OLD-2023" in h.text for h in hits)
+        # (named neutrally: the DM's name names the person, and a forget-me landing before the companion's first
+        # message did not rename it)
+        dm = await app.storage.get_channel(ctx("ann").channel_key)
+        companion = await app.storage.get_channel(f"{ctx('ann').channel_key}#imported")
+        assert dm is not None and companion is not None and companion.name == "imported direct messages"
 
 
 async def test_an_import_brings_a_bounded_amount_and_keeps_the_bot_answering(
