@@ -300,9 +300,26 @@ async def test_an_answer_that_was_all_reasoning_says_so_and_counts_its_tokens(fa
              "usage": {"prompt_tokens": 700, "completion_tokens": 64, "total_tokens": 764}}
     fake_llm.enqueue(_sse(_chunk({"role": "assistant", field: "Let me weigh"}), _chunk({field: " what Ann wants"}),
                           _chunk({}, finish), "data: " + json.dumps(usage) + "\n\n"))
+    if finish == "stop":  # (ended by choice: an empty round, which after tool calls may follow a whole answer)
+        shown, end = await _streamed(fake_llm)
+        assert shown == [] and end is not None and end.text == "" and end.stop_reason == "end_turn"
+        return
     with pytest.raises(LLMOnlyThought) as raised:
         await _streamed(fake_llm)
     assert "raise [llm] max_tokens" in raised.value.user_message and raised.value.billed == (700, 64)
+
+
+async def test_a_last_round_of_thinking_alone_after_a_tool_keeps_the_reply(tmp_path: Any, fake_llm: FakeLLMServer,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reasoning model said its answer with a tool call, then ended a last round with thinking only (finish
+    "stop"): the whole reply failed as "spent its whole answer thinking", after its text had been shown."""
+    monkeypatch.setenv(KEY_ENV, "k")
+    async with App(_config(tmp_path, fake_llm, "deepseek-r1")) as app:
+        fake_llm.enqueue(FakeResponse.tool_calls([("c1", "current_time", {})], text="Let me look at the clock."),
+                         _sse(_chunk({"role": "assistant", "reasoning_content": "It is noon; said already."}),
+                              _chunk({"content": ""}), _chunk({}, "stop")))
+        said = await app.core.reply(IncomingMessage("discord", "dm-ann", "ann", "Ann", "time?", is_dm=True)).text()
+        assert said.endswith("Let me look at the clock."), said
 
 
 async def test_an_answer_that_ran_out_after_its_thinking_says_so(fake_llm: FakeLLMServer) -> None:

@@ -298,8 +298,10 @@ class _StreamAccumulator:
         calls = tuple(parse_tool_call(p.call_id, p.name, "".join(p.arguments)) for _, p in sorted(self.calls.items()))
         if not self.texts and not calls and self.thinking.unfinished:
             raise LLMOnlyThought("openai: the answer was a thinking block that never closed")
-        if not self.texts and not calls and (self.reasoned or self.thinking.thought):
-            raise LLMOnlyThought(f"openai: the model thought and wrote no answer (finish {self.finish_reason!r})")
+        if not self.texts and not calls and (self.reasoned or self.thinking.thought) and self.finish_reason == "length":
+            # (thinking and nothing else, ended by choice, is an empty round: after tool calls, the rounds before
+            # may have said it all; only the output limit is a reason to raise max_tokens)
+            raise LLMOnlyThought("openai: the model's thinking took its whole output (finish 'length')")
         return Completion(
             text="".join(self.texts) + self.thinking.end(),  # (what was shown: the filter took the block out)
             tool_calls=calls,
