@@ -90,7 +90,7 @@ from bot.ports import IncomingMessage
 from bot.privatefs import create_private, private_dir
 from bot.ratelimit import RateLimiter
 from bot.splitting import split_message
-from bot.text import shown
+from bot.text import shown, unescaped
 
 log = logging.getLogger(__name__)
 
@@ -1128,6 +1128,8 @@ class MatrixAdapter:
         text = self._with_room_prefix(reply.markdown())
         for piece in split_message(text, ENCRYPTED_LIMIT if encrypted else LIMIT) or [text]:
             new = render(piece, self.config.msgtype)
+            if reply.escaped:  # (people's words as they wrote them: the escapes are for the HTML's Markdown)
+                new["body"] = _unpinged(unescaped(piece))
             await self.send(room_id, fitting(message_forms(new, relation), encrypted))
         for attachment in reply.attachments:  # (in the thread the command came from, as its text is)
             await self._send_file(room_id, attachment, encrypted, relation)

@@ -170,8 +170,8 @@ def _tolerant(stream: TextIO, errors: str) -> TextIO:
 
 def _shown_text(reply: CommandReply) -> str:
     """A command's answer as the terminal shows it: as written, without the escapes that keep people's words
-    inert in a platform's Markdown (preformatted text has none)."""
-    return (reply.text if reply.preformatted else unescaped(reply.text)).rstrip()
+    inert in a platform's Markdown where it has them (``CommandReply.escaped``)."""
+    return (unescaped(reply.text) if reply.escaped and not reply.preformatted else reply.text).rstrip()
 
 
 class TerminalAdapter:

@@ -900,6 +900,10 @@ async def test_markup_in_items_changes_nothing_around_them_in_a_list(tmp_path: P
             assert words in _shown_text(listed)
         found = (await run(app, "!memory search spoiler")).text
         assert r"\|\|spoiler start" in found, found
+        # a file's own backslashes are its text: the terminal shows them as stored (only escaped answers are undone)
+        await run(app, "!memory edit memory.md\n# Mine\n- my path is C:\\temp\\_work and a\\|b")
+        shown = _shown_text(await run(app, "!memory show memory.md"))
+        assert "- my path is C:\\temp\\_work and a\\|b" in shown, shown
 
 
 async def test_a_model_name_is_one_word_of_reasonable_length(tmp_path: Path) -> None:

@@ -336,6 +336,23 @@ async def test_a_long_cjk_reply_arrives_whole_in_several_messages(synapse: Synap
         await alice.close()
 
 
+async def test_an_answer_quoting_items_has_a_plain_body_without_the_escapes(synapse: SynapseServer, bot: Bot) -> None:
+    """Items are escaped for the HTML's Markdown (a code span begun in one hid the next): the plain body, which
+    notifications and text-only clients show, carried the backslashes."""
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    try:
+        room = await dm_with(seen, bot.user_id)
+        await bot.adapter.deliver(room, CommandReply(r"#1 [fact] my\_user\_name is ann\_b, C++ \<3", escaped=True))
+        await seen.sync_until(lambda: any(e["content"].get("body", "").startswith("#1")
+                                          for e in seen.from_(room, bot.user_id)), "the answer")
+        [content] = [e["content"] for e in seen.from_(room, bot.user_id) if e["content"]["body"].startswith("#1")]
+        assert content["body"] == "#1 [fact] my_user_name is ann_b, C++ <3", content
+        assert "my_user_name is ann_b, C++ &lt;3" in content["formatted_body"], content
+    finally:
+        await alice.close()
+
+
 EMOJI = " ".join(["🧠🐈🍵🎲"] * 2_500)  # 12,499 characters, each 12 bytes of the JSON nio encrypts
 
 

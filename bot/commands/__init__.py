@@ -132,6 +132,9 @@ class CommandReply:
     # It failed, it takes a text, and none came below its line: where lines arrive one by one (a terminal's
     # piped input), the lines after it up to one holding only a dot were its text, not chat.
     text_refused: bool = False
+    # Its text holds people's words escaped by bot.text.inert: shown unescaped where Markdown is not rendered (a
+    # terminal); a reply not so marked is shown as it is (a file's own backslashes are its text).
+    escaped: bool = False
 
     def markdown(self) -> str:
         """The text for a platform that renders Markdown: preformatted text in a code block (a diff's "-"

@@ -43,6 +43,11 @@ def _line(item: MemoryItem) -> str:
     return f"#{item.id} {marks}{inert(item.content)}  (importance {item.importance}, {when})"
 
 
+def _escaped(text: str) -> CommandReply:
+    """An answer quoting items or messages through :func:`inert` (the memory commands answer privately)."""
+    return CommandReply(text, private=True, escaped=True)
+
+
 def _why_archived(item: MemoryItem) -> str:
     if item.archived_at is None:  # expired, not pruned yet
         return f"  — expired {item.expires_at:%Y-%m-%d}" if item.expires_at is not None else ""
@@ -132,7 +137,7 @@ class MemoryCommands:
         verb = "is" if deleted == 1 else "are"
         return f"Incognito ended: {plural(deleted, 'message')} from that stretch {verb} deleted. I remember again."
 
-    async def why(self, ctx: CommandContext, args: Sequence[str]) -> str:
+    async def why(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply | str:
         user, pair = await self.pairs.pair_for(ctx.user_key, ctx.user_name, ctx.persona)
         storage = self.pairs.storage
         which, note = "my last reply to you here", ""
@@ -163,7 +168,7 @@ class MemoryCommands:
         lines = [f"{note}What shaped {which} ({when} UTC):"]
         for source in sources:
             lines.append(await self._source_line(source, pair.id, user.id, persona))
-        return "\n".join(lines)
+        return _escaped("\n".join(lines))
 
     async def _source_line(self, source: ReplySource, pair_id: int, user_id: int, persona: str) -> str:
         if source.kind == "item":
@@ -270,7 +275,7 @@ class MemoryCommands:
         where = "only in your DMs" if item.scope == "private" else "in group channels too"
         return f"#{item.id} is {item.scope} now: it may come up {where}."
 
-    async def _change(self, ctx: CommandContext, args: Sequence[str], what: str) -> str:
+    async def _change(self, ctx: CommandContext, args: Sequence[str], what: str) -> CommandReply | str:
         pair, item_id = await self._pair(ctx), self._id(args)
         try:
             if what == "forget":
@@ -278,7 +283,7 @@ class MemoryCommands:
                 return f"#{item_id} is archived; {self.prefix}memory restore {item_id} brings it back."
             if what == "restore":
                 item = await self.memory.restore(pair, item_id)
-                return f"#{item.id} is back: {inert(item.content)}"
+                return _escaped(f"#{item.id} is back: {inert(item.content)}")
             before = await self.memory.get(pair, item_id, count_access=False)
             item = await self.memory.set_pinned(pair, item_id, what == "pin")
             if before.pinned == item.pinned:  # (asked twice: nothing changed the second time)
@@ -287,7 +292,7 @@ class MemoryCommands:
         except MemoryError as exc:
             raise CommandError(str(exc)) from None
 
-    async def forget(self, ctx: CommandContext, args: Sequence[str]) -> str:
+    async def forget(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply | str:
         if FROM not in args:
             return await self._change(ctx, args, "forget")
         if args.index(FROM) > 0 or len(args) > 2:  # an item and a message: which one was meant?
@@ -298,13 +303,13 @@ class MemoryCommands:
             return "Nothing of yours was remembered from that message."
         return f"Forgotten: {', '.join(f'#{i}' for i in archived)} ({self.prefix}memory restore brings one back)."
 
-    async def restore(self, ctx: CommandContext, args: Sequence[str]) -> str:
+    async def restore(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply | str:
         return await self._change(ctx, args, "restore")
 
-    async def pin(self, ctx: CommandContext, args: Sequence[str]) -> str:
+    async def pin(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply | str:
         return await self._change(ctx, args, "pin")
 
-    async def unpin(self, ctx: CommandContext, args: Sequence[str]) -> str:
+    async def unpin(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply | str:
         return await self._change(ctx, args, "unpin")
 
     @staticmethod
@@ -325,7 +330,7 @@ class MemoryCommands:
             raise CommandError(f"give one category, not {shown(' '.join(categories))}")
         return (categories[0] if categories else None), page
 
-    async def _page(self, ctx: CommandContext, args: Sequence[str], *, archived: bool) -> str:
+    async def _page(self, ctx: CommandContext, args: Sequence[str], *, archived: bool) -> CommandReply | str:
         category, page = self._page_args(args, archived=archived)
         items, total = await self.memory.list_items(
             await self._pair(ctx), category=category, archived=archived, limit=PAGE, offset=(page - 1) * PAGE)
@@ -341,15 +346,15 @@ class MemoryCommands:
         head = f"{'Archived items' if archived else 'Your memory items'}" + (f" ({category})" if category else "")
         lines = [f"{head}: page {page}/{pages}, {total} in all"]
         lines += [_line(i) + (_why_archived(i) if archived else "") for i in items]
-        return "\n".join(lines)
+        return _escaped("\n".join(lines))
 
-    async def list_items(self, ctx: CommandContext, args: Sequence[str]) -> str:
+    async def list_items(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply | str:
         return await self._page(ctx, args, archived=False)
 
-    async def archived(self, ctx: CommandContext, args: Sequence[str]) -> str:
+    async def archived(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply | str:
         return await self._page(ctx, args, archived=True)
 
-    async def search(self, ctx: CommandContext, args: Sequence[str]) -> str:
+    async def search(self, ctx: CommandContext, args: Sequence[str]) -> CommandReply | str:
         query = (" ".join(args) or ctx.body).strip()
         if not query:
             raise CommandError("What should I look for?")
@@ -360,5 +365,5 @@ class MemoryCommands:
         hits = await self.memory.search(pair.id, query, user_id=user.id, persona=ctx.persona, limit=10, patient=True)
         if not hits:
             return f"Nothing found for {shown(query, 80)}."
-        return "\n".join([f"Results for {shown(query, 80)}:"] + [
-            f"{h.score:.2f}  {inert(h.text, 200)}  ({h.source}, {h.created_at:%Y-%m-%d})" for h in hits])
+        return _escaped("\n".join([f"Results for {shown(query, 80)}:"] + [
+            f"{h.score:.2f}  {inert(h.text, 200)}  ({h.source}, {h.created_at:%Y-%m-%d})" for h in hits]))
