@@ -59,7 +59,15 @@ MAX_CALLS_PER_TURN = 25  # tool calls of one model turn that run; the rest are r
 BUDGETS = {"pair": "this pair's daily token budget", "bot": "the bot's daily cortex token budget"}
 CUT_OFF = CUT_OFF_CALL + " Write one file per turn, and keep it shorter."  # (running it would save half a file)
 # An answer the output limit stopped before it called a tool: what it meant to save never came.
-CUT_SHORT = "the answer reached the output limit before anything was saved; an admin may raise the cortex max_tokens"
+def cut_short(archived: int) -> str:
+    """Why an update whose answer the output limit cut before it saved anything failed (``archived``: the items
+    it archived before that)."""
+    done = f"after archiving {plural(archived, 'item')}, " if archived else ""
+    return (f"the answer reached the output limit {done}before anything {'else ' if archived else ''}was saved; an "
+            "admin may raise the cortex max_tokens")
+
+
+CUT_SHORT = cut_short(0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,11 +320,15 @@ class CortexUpdater:
                 return "failed", "the provider's content filter stopped the update"
             if not completion.tool_calls:
                 learned = tools.files_written or (tools.memory is not None and tools.memory.written)
+                archived = len(tools.memory.forgotten) if tools.memory is not None else 0
                 if not learned and completion.stop_reason == "max_tokens":  # (cut short: not "nothing new")
-                    return "failed", CUT_SHORT
+                    return "failed", cut_short(archived)
                 if not learned and tools.refused_writes:  # (not "nothing new": it had something, and none of it saved)
                     return "success", refused_writes(tools.refused_writes)
-                return "success", "" if learned else "the model found nothing new to record"
+                if learned:
+                    return "success", ""
+                return "success", (f"it archived {plural(archived, 'item')} and found nothing new to record"
+                                   if archived else "the model found nothing new to record")
             # (a whole file is one call's argument: as long as the settings let a file be, JSON's escapes twice over)
             planned = turn_calls(completion, MAX_CALLS_PER_TURN, CUT_OFF,
                                  argument_chars=max(MAX_CALL_ARGUMENT_CHARS, 2 * settings.file_max_chars + 1024))

@@ -1126,3 +1126,10 @@ async def test_an_update_cut_at_the_output_limit_before_it_saved_anything_fails(
         run = (await app.cortex.store.runs(pair.id))[0]
         assert (run.status, run.rounds, run.files_written) == ("failed", 2, [])
         assert "raise the cortex max_tokens" in run.reason
+        # one that archived an item first says so (it said "before anything was saved")
+        item = await app.cortex.memory.remember(pair.id, "Ann has a dog", source="model")
+        fake_llm.enqueue(FakeResponse.tool_calls([("1", "forget", {"id": item.id, "reason": "the dog died"})]),
+                         FakeResponse.text("I archived the dog and will now", stop_reason="max_tokens"))
+        outcome = await app.cortex.updater.run(pair, "75", (await app.cortex.resolver.effective("Cora")).settings)
+        assert outcome.reason.startswith("the answer reached the output limit after archiving 1 item, before anything"
+                                         " else was saved"), outcome

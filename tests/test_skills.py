@@ -90,6 +90,14 @@ async def test_remember_in_a_reply_is_searchable_in_the_same_conversation(
         assert [(a.skill, a.ok, a.triggered_by) for a in audit] == [("remember", True, "model")]
         stored = await app.storage.recent_messages((await app.storage.get_channel("console:dm-ann")).id, 5)
         assert [m.text for m in stored if m.role == "assistant"] == ["Sure.\n\nNoted: Miso it is!"]
+        # the same words again (told twice): one item, and the model hears which one says them
+        fake_llm.enqueue(FakeResponse.tool_calls([("c2", "remember", {"content": "Ann's cat is called Miso"})]),
+                         FakeResponse.text("I knew."))
+        await app.core.reply(_msg("my cat is called Miso, remember?")).text()
+        assert "says that already: nothing new was stored" in str(replies(fake_llm)[-1].body["messages"])
+        rows = await app.storage.db.fetch_all("SELECT id FROM memory_items WHERE content = ?",
+                                              ("Ann's cat is called Miso",))
+        assert len(rows) == 1
 
 
 @pytest.mark.parametrize("provider", ["anthropic", "openai"])

@@ -22,7 +22,7 @@ from bot.storage.core import Storage
 from bot.storage.cortex import Pair
 from bot.storage.engine import StaleReference
 from bot.storage.personas import BOT_WIDE
-from cortex.memory.store import CATEGORIES, MemoryError, MemoryStore
+from cortex.memory.store import CATEGORIES, AlreadyRemembered, MemoryError, MemoryStore
 from cortex.personas.commands import MAX_SECTION_CHARS
 from cortex.personas.guidelines import MAX_GUIDELINES_CHARS
 from cortex.personas.lore import LoreIndex, search
@@ -124,7 +124,9 @@ class Builtins:
                 # from the message answered: deleting it (or "Forget this" on it) archives this item too
                 pair.id, content, category=str(category), source="model",
                 source_ref=context.message_key or "remember skill in a reply",
-                scope="private" if context.is_dm else "shared")
+                scope="private" if context.is_dm else "shared", once=True)
+        except AlreadyRemembered as same:  # (a second item of the same words would only crowd the prompt)
+            return SkillResult(f"item #{same.item.id} says that already: nothing new was stored")
         except MemoryError as exc:
             raise SkillFailure(str(exc)) from None
         return SkillResult(f"remembered as item #{item.id}", changed=True)
