@@ -284,7 +284,7 @@ async def test_an_error_after_still_working_takes_its_place(tmp_path: Path) -> N
         sink = RecordingSink()
         await app.router.handle(inbound("hi", dm=True), sink)
     assert sink.shown[0] == "⏳ still working…"
-    assert sink.messages == [f"⚠️ {LLMRateLimited.user_message}"] and sink.public == []
+    assert sink.messages == [f"⚠️ {LLMRateLimited('429').user_message}"] and sink.public == []
 
 
 def test_matrix_server_lists_match_the_room_or_the_authors_homeserver() -> None:
