@@ -78,6 +78,7 @@ from adapters.matrix_content import (
 )
 from adapters.matrix_gaps import missed_redactions
 from adapters.matrix_joins import HIDDEN_BEFORE_JOIN, JoinTimes
+from adapters.matrix_order import InOrder, Slot
 from adapters.matrix_reactions import Reactions
 from adapters.matrix_upgrades import verified_predecessor
 from adapters.reachable import wait_until_answers
@@ -378,6 +379,8 @@ class MatrixAdapter:
         self._catching_up: set[str] = set()  # rooms whose skipped redactions are being read back
         self._gaps: dict[str, tuple[str, str | None]] = {}  # per room: a skipped stretch still to read back
         self.reactions = Reactions(self)
+        self._order = InOrder()  # each room's messages handled in the order they came (adapters.matrix_order)
+        self._handled: OrderedDict[str, None] = OrderedDict()  # recent messages handled (a read-back meets them again)
         self._downloads = asyncio.Semaphore(DOWNLOADS_AT_ONCE)  # a burst of file commands in one sync waits its turn
         state = self._load_state()
         # The direct room the bot opened for each user (for private answers), kept in the session file.
@@ -796,7 +799,7 @@ class MatrixAdapter:
             mentions_bot=bool(mentions_bot),
             reply_to=f"{PLATFORM}-message:{reply_to}" if reply_to else None,
             message_key=MatrixSink.message_key(event.event_id),
-            # (the homeserver's time: each event is handled as a task of its own, a later one may be stored first)
+            # (the homeserver's time: a message read back after a limited sync is stored after it came)
             sent_at=_server_time(event),
             history_from=None if is_dm else await self._history_from(room, event.sender, addressed),
         )
@@ -971,28 +974,37 @@ class MatrixAdapter:
         room's history, shown to newcomers): someone asked another member then, not the bot."""
         return room.room_id in self._joining
 
-    async def _on_message(self, room: MatrixRoom, event: RoomMessageText | RoomMessageEmote) -> None:
-        if event.sender == self.config.user_id or self._before_join(room):
-            return
+    def _takes(self, room: MatrixRoom, event: RoomMessageText | RoomMessageEmote | MediaEvent) -> bool:
+        """Whether a message (or an upload) is handled: not the bot's own, not from before its join, not an edit
+        of an earlier one (an edited text or caption is not run or answered again), and not handled already (a
+        stretch a limited sync skipped is read back: see ``_read_backlog``)."""
+        if event.sender == self.config.user_id or self._before_join(room) or event.event_id in self._handled:
+            return False
         if relates_to(event.source.get("content")).get("rel_type") == "m.replace":
-            return  # an edit of an earlier message
-        self._spawn(self._handle(room, event))
+            return False
+        keep(self._handled, event.event_id, None)
+        return True
+
+    def _command_file(self, event: RoomMessageText | RoomMessageEmote | MediaEvent
+                      ) -> tuple[str, dict[str, Any]] | None:
+        """An upload's file name and content when its caption may be a command that takes the file (MSC2530: a
+        caption is a body that differs from the ``filename``); otherwise its caption is read as a message, as
+        Discord's text beside a picture is. The file itself is never read for chat."""
+        if not isinstance(event, FILE_EVENTS) or not upload_caption(event).startswith(self.config.command_prefix):
+            return None
+        content = json_object(event.source.get("content"))
+        return str(content.get("filename") or ""), content
+
+    async def _on_message(self, room: MatrixRoom, event: RoomMessageText | RoomMessageEmote) -> None:
+        if self._takes(room, event):
+            self._spawn(self._handle(room, event, self._order.take(room.room_id)))
 
     async def _on_file(self, room: MatrixRoom, event: MediaEvent) -> None:
         """An upload. With a caption that is a command, a file (``!persona import`` with a card) is the command's
-        attachment (MSC2530: a caption is a body that differs from the ``filename``). Otherwise its caption is
-        read as a message, as Discord's text beside a picture is; an upload without one is a message without
-        text (in a DM, or addressed: the bot says it reads text). The file itself is never read for chat."""
-        content = json_object(event.source.get("content"))
-        filename, caption = str(content.get("filename") or ""), upload_caption(event)
-        if event.sender == self.config.user_id or self._before_join(room):
-            return
-        if relates_to(content).get("rel_type") == "m.replace":
-            return  # an edit of an earlier file's caption: its command ran once, as an edited text's does not again
-        if caption.startswith(self.config.command_prefix) and isinstance(event, FILE_EVENTS):
-            self._spawn(self._handle(room, event, file=(filename, content)))
-        else:
-            self._spawn(self._handle(room, event))  # (its text is the caption: see inbound)
+        attachment (see ``_command_file``); an upload without a caption is a message without text (in a DM, or
+        addressed: the bot says it reads text)."""
+        if self._takes(room, event):
+            self._spawn(self._handle(room, event, self._order.take(room.room_id), file=self._command_file(event)))
 
     async def _download(self, event: FileEvent, filename: str, content: dict[str, Any]) -> Attachment:
         """The file's bytes (decrypted in an encrypted room); ValueError with one line when it cannot be."""
@@ -1033,8 +1045,18 @@ class MatrixAdapter:
             raise ValueError(f"could not download {shown(filename)}: {type(exc).__name__}") from exc
         return bytes(data)
 
-    async def _handle(self, room: MatrixRoom, event: RoomMessageText | RoomMessageEmote | MediaEvent,
+    async def _handle(self, room: MatrixRoom, event: RoomMessageText | RoomMessageEmote | MediaEvent, slot: Slot,
                       file: tuple[str, dict[str, Any]] | None = None) -> None:
+        """Handle a message once the one before it in the room was stored or handled (see
+        ``adapters.matrix_order``); the next one goes ahead once this one is stored, or handled."""
+        try:
+            await slot.wait()
+            await self._handle_in_turn(room, event, slot, file)
+        finally:
+            slot.pass_on()
+
+    async def _handle_in_turn(self, room: MatrixRoom, event: RoomMessageText | RoomMessageEmote | MediaEvent,
+                              slot: Slot, file: tuple[str, dict[str, Any]] | None) -> None:
         try:
             await self._load_creators(room.room_id)
             inbound = await self.inbound(room, event)
@@ -1062,7 +1084,7 @@ class MatrixAdapter:
             if inbound.message.text.strip().lower() == self.app.commands.prefix + self.leave.name:
                 await self._leave_command(inbound, room, MatrixSink(self, room, event))
                 return
-            await self.app.router.handle(inbound, MatrixSink(self, room, event))
+            await self.app.router.handle(inbound, MatrixSink(self, room, event), on_stored=slot.pass_on)
         except Exception:
             log.exception("Matrix: failed to handle event %s in %s", event.event_id, room.room_id)
 

@@ -146,6 +146,9 @@ class ReplyStream:
         # raised), before the next answer here begins.
         self.on_answered: Callable[[], Awaitable[object]] | None = None
         self.on_failed: Callable[[BaseException], Awaitable[object]] | None = None
+        # Set by whoever hands messages in: called once the message is stored (the next one it has may go ahead:
+        # an adapter keeps a room's messages in the order they came, see ``adapters.matrix_order``).
+        self.on_stored: Callable[[], object] | None = None
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._core._run(self)
@@ -214,6 +217,8 @@ class ConversationCore:
             await place.before_store()  # (stored after the message ahead of it: its history holds that one)
             user, channel, user_msg = await self._store_incoming(message, persona, text)
             place.stored()
+            if stream.on_stored is not None:
+                stream.on_stored()
             self._remember_last(message.channel_key, user_msg.text)
             await place.wait()
             stream.turn_taken.set()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
 from typing import Protocol
@@ -99,7 +99,9 @@ class Router:
                     log.warning("setting %s names a persona that no longer exists", key)
         return self.personas.persona(None).name
 
-    async def handle(self, inbound: Inbound, sink: ChatSink) -> None:
+    async def handle(self, inbound: Inbound, sink: ChatSink, *, on_stored: Callable[[], object] | None = None) -> None:
+        """Answer or run ``inbound``; ``on_stored`` is called once a message to answer is stored (not for a command
+        or a message that is not answered: the caller knows when ``handle`` returns)."""
         msg = inbound.message
         text = msg.text.strip()
         is_command = self.commands.is_command(text)
@@ -112,7 +114,7 @@ class Router:
         if is_command:
             await self._command(inbound, sink, text, persona)
             return
-        await self._reply(inbound, sink, persona)
+        await self._reply(inbound, sink, persona, on_stored)
 
     async def admits(self, inbound: Inbound, sink: ChatSink, *, is_command: bool) -> bool:
         """Whether to answer: the access lists let the author in here, and they are within their rate limit
@@ -194,7 +196,8 @@ class Router:
             history_since_join=inbound.history_since_join,
         )
 
-    async def _reply(self, inbound: Inbound, sink: ChatSink, persona: str) -> None:
+    async def _reply(self, inbound: Inbound, sink: ChatSink, persona: str,
+                     on_stored: Callable[[], object] | None = None) -> None:
         message = inbound.message
         if not message.text.strip():  # a bare mention (or a picture alone): who answers, and how to talk
             where = "" if message.is_dm else " after the mention (or as a reply to one of mine)"
@@ -222,6 +225,7 @@ class Router:
                 await self._show_failure(message, shown, sink, waiting, exc)
 
         stream.on_failed = fail
+        stream.on_stored = on_stored
         try:
             async with sink.typing():
                 async for delta in stream:
