@@ -66,6 +66,7 @@ from nio.api import MATRIX_MEDIA_API_PATH
 from nio.crypto.attachments import decrypt_attachment
 from nio.exceptions import EncryptionError
 
+from adapters.matrix_backlog import Backlogs
 from adapters.matrix_content import (
     author_of,
     home_server,
@@ -370,7 +371,7 @@ class MatrixAdapter:
             config.homeserver, config.user_id, store_path=str(self.store),
             config=AsyncClientConfig(encryption_enabled=config.e2ee, store_sync_tokens=False),
         )
-        self.client.before_events = self._note_new_joins
+        self.client.before_events = self._before_events
         self.server_name = home_server(config.user_id)
         self._sent: OrderedDict[str, None] = OrderedDict()  # recent event ids the bot sent
         self._senders: OrderedDict[str, str] = OrderedDict()  # who sent older events replied to (asked once)
@@ -383,6 +384,7 @@ class MatrixAdapter:
         self._handled: OrderedDict[str, None] = OrderedDict()  # recent messages handled (a read-back meets them again)
         self._downloads = asyncio.Semaphore(DOWNLOADS_AT_ONCE)  # a burst of file commands in one sync waits its turn
         state = self._load_state()
+        self.backlogs = Backlogs(self, json_object(state.get("message_gaps")))  # what limited syncs skipped
         # The direct room the bot opened for each user (for private answers), kept in the session file.
         self._dms: dict[str, str] = dict(state.get("dm_rooms", {}))
         # Who invited the bot into each room it joined on an invite.
@@ -503,6 +505,7 @@ class MatrixAdapter:
             raise self._fatal
         since = connecting.result()
         self._serve_callbacks()
+        self.backlogs.resume()  # (before the first sync's own events)
         log.info("Matrix: %s syncing from %s", self.config.user_id, self.config.homeserver)
         self.ready.set()
         try:
@@ -644,7 +647,8 @@ class MatrixAdapter:
             if info.timeline.limited and info.timeline.prev_batch:  # events before prev_batch were skipped
                 self._gap(room_id, info.timeline.prev_batch, since if isinstance(since, str) else None)
         self._synced_at = time.time()
-        self._save_state(next_batch=response.next_batch, synced_at=self._synced_at)
+        self._save_state(next_batch=response.next_batch, synced_at=self._synced_at,
+                         message_gaps=self.backlogs.to_save())
         if self.config.e2ee and self.client.should_upload_keys:
             await self.client.keys_upload()
 
@@ -901,6 +905,11 @@ class MatrixAdapter:
                 and self._join_events.get(room.room_id, event.event_id) == event.event_id:
             self._joining.discard(room.room_id)  # what follows in the timeline was said with the bot there
             self._join_events.pop(room.room_id, None)
+
+    def _before_events(self, response: SyncResponse) -> None:
+        self._note_new_joins(response)
+        since = self._load_state().get("next_batch")  # where this sync started
+        self.backlogs.note(response, since if isinstance(since, str) else None)
 
     def _note_new_joins(self, response: SyncResponse) -> None:
         """Before a sync's events are handed out: the bot's own join in each room it is joining, the last one in
