@@ -28,7 +28,7 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, ParamSpec, TypeAlias
+from typing import Any, ParamSpec, TypeAlias, TypeVar
 from urllib.parse import quote, unquote, urlparse
 
 import aiohttp
@@ -37,6 +37,7 @@ from markdown_it import MarkdownIt
 from nio import (
     AsyncClient,
     AsyncClientConfig,
+    Event,
     InviteMemberEvent,
     JoinResponse,
     LoginResponse,
@@ -49,6 +50,7 @@ from nio import (
     RoomEncryptedFile,
     RoomEncryptedImage,
     RoomEncryptedMedia,
+    RoomGetStateEventResponse,
     RoomInviteResponse,
     RoomMemberEvent,
     RoomMessageEmote,
@@ -119,6 +121,8 @@ MediaEvent: TypeAlias = RoomMessageMedia | RoomEncryptedMedia
 MEDIA_EVENTS = (RoomMessageMedia, RoomEncryptedMedia)
 ENCRYPTED_FILES = (RoomEncryptedFile, RoomEncryptedImage)
 P = ParamSpec("P")
+E = TypeVar("E", bound=Event)
+Handler: TypeAlias = Callable[[MatrixRoom, E], Awaitable[None]]  # an event callback
 # A link to a user (matrix.to, Element's own permalinks, matrix: URIs), which clients show as a mention (a pill)
 _USER_LINK = re.compile(r"#/(user/)?@|^matrix:(//[^/]*)?/?u/", re.IGNORECASE)
 
@@ -145,6 +149,9 @@ _markdown = _Markdown("commonmark", {"html": False, "breaks": True}).enable("tab
 KEY_REQUESTS_PER_MINUTE = 10  # a sender's undecryptable messages in group rooms that ask for their keys
 UNDECRYPTABLE = ("I could not read your last message: my device did not get its encryption keys. I asked your "
                  "client for them; if I do not answer it, send it again (verifying my device helps).")
+# Said (unencrypted) once in an encrypted room the bot cannot read: end-to-end encryption is off for it.
+UNREADABLE_ROOM = ("End-to-end encryption is off for this bot, so it cannot read this room (nor answer here); "
+                   "start an unencrypted chat with it.")
 GROUP_PHASE = "/group"  # a direct room's channel while more than two are in it (see MatrixAdapter.inbound)
 SYNC_RETRY_FIRST, SYNC_RETRY_LONGEST = 1.0, 300.0  # seconds between failed syncs: doubled from the first
 SIGNED_OUT = "M_UNKNOWN_TOKEN"  # the session was signed out (in a client, by an admin) or the token is wrong
@@ -413,6 +420,8 @@ class MatrixAdapter:
         self._join_events: dict[str, str] = {}  # of those: the event id of that join, where a sync brought it
         self._sync_failures = 0  # failed syncs in a row (each waits longer before the next)
         self._undecryptable: OrderedDict[tuple[str, str], None] = OrderedDict()  # (room, session) said once
+        # Without e2ee: the encrypted rooms told once that the bot cannot read them (kept in the session file).
+        self._told_unreadable: set[str] = set(state.get("unreadable_rooms_told", []))
         # Key requests a sender's undecryptable messages in group rooms may cause: each is a to-device request and
         # a warning, and anyone's server can send made-up sessions without end.
         self._key_requests = RateLimiter(KEY_REQUESTS_PER_MINUTE)
@@ -540,11 +549,11 @@ class MatrixAdapter:
 
     def _serve_callbacks(self) -> None:
         """Every callback is guarded: one bad event must not end the sync (see ``guarded``)."""
-        self.client.add_event_callback(guarded(self._on_message), (RoomMessageText, RoomMessageEmote))
-        self.client.add_event_callback(guarded(self._on_file), MEDIA_EVENTS)
-        self.client.add_event_callback(guarded(self.reactions.on_reaction), ReactionEvent)
+        self.client.add_event_callback(guarded(self._served(self._on_message)), (RoomMessageText, RoomMessageEmote))
+        self.client.add_event_callback(guarded(self._served(self._on_file)), MEDIA_EVENTS)
+        self.client.add_event_callback(guarded(self._served(self.reactions.on_reaction)), ReactionEvent)
         self.client.add_event_callback(guarded(self._on_redaction), RedactionEvent)
-        self.client.add_event_callback(guarded(self._on_undecryptable), MegolmEvent)
+        self.client.add_event_callback(guarded(self._served(self._on_undecryptable)), MegolmEvent)
         self.client.add_event_callback(guarded(self._on_invite), InviteMemberEvent)
         self.client.add_event_callback(guarded(self._on_member), RoomMemberEvent)
         self.client.add_response_callback(guarded(self._on_sync), SyncResponse)
@@ -673,6 +682,45 @@ class MatrixAdapter:
         self._kinds[room_id] = kind
         self._save_state(room_kinds=self._kinds)
 
+    def serves(self, room: MatrixRoom) -> bool:
+        """Whether the bot can take part in ``room``: any room with e2ee; without it, only an unencrypted one (it
+        cannot read an encrypted room's messages, and what it sent there would go unencrypted)."""
+        return self.config.e2ee or not room.encrypted
+
+    def _served(self, handler: Handler[E]) -> Handler[E]:
+        """``handler`` for the rooms the bot serves; in an encrypted room without e2ee, an event (an undecryptable
+        message, or one a client sent unencrypted there) is not read, and tells the room once that it cannot be."""
+        async def run(room: MatrixRoom, event: E) -> None:
+            if self.serves(room):
+                await handler(room, event)
+            elif event.sender != self.config.user_id and not self._before_join(room):
+                await self._unreadable(room, event)
+        return run
+
+    async def _unreadable(self, room: MatrixRoom, event: Event) -> None:
+        """An event in an encrypted room the bot cannot read (e2ee off): the room is told so once, unless the
+        access lists leave its sender out."""
+        if room.room_id in self._told_unreadable:
+            return
+        inbound = await self.reactions.inbound(room, event)
+        if refusal(inbound, self.app.config.access, is_command=True) is None:
+            await self._tell_unreadable(room.room_id)
+
+    async def _tell_unreadable(self, room_id: str) -> None:
+        """Say once per room (kept in the session file), unencrypted, that end-to-end encryption is off for the
+        bot: with e2ee off it cannot read an encrypted room, and stays quiet there."""
+        if room_id in self._told_unreadable:
+            return
+        self._told_unreadable.add(room_id)
+        self._save_state(unreadable_rooms_told=sorted(self._told_unreadable))
+        log.info("Matrix: %s is encrypted and e2ee is off: the bot cannot read it (said so there once)", room_id)
+        await self.send(room_id, render(UNREADABLE_ROOM, self.config.msgtype), unencrypted_notice=True)
+
+    async def _encrypted_on_server(self, room_id: str) -> bool:
+        """Whether the room's state, as its server gives it, turns encryption on (``m.room.encryption``)."""
+        return isinstance(await self.client.room_get_state_event(room_id, "m.room.encryption"),
+                          RoomGetStateEventResponse)
+
     async def _consider_invite(self, room: MatrixRoom, inviter: str, direct: bool | None = None) -> None:
         servers = self.config.invite_servers or [self.server_name]
         allowed = self.config.auto_join and home_server(inviter) in servers
@@ -698,6 +746,8 @@ class MatrixAdapter:
                 return
             log.info("Matrix: joined %s on invite", room.room_id)
             await self._follow_upgrade(room.room_id, inviter)
+            if not self.config.e2ee and await self._encrypted_on_server(room.room_id):
+                await self._tell_unreadable(room.room_id)
         else:
             await self.client.room_leave(room.room_id)
             log.info("Matrix: declined an invite to %s", room.room_id)
@@ -861,8 +911,8 @@ class MatrixAdapter:
         """A message the bot could not decrypt (its device lacks the session's keys): in a DM, ask the
         sender's devices for the keys and say so once per session, instead of a silence that looks like a
         dead bot. (In a group room it may not have been for the bot: the log says it.)"""
-        if event.sender == self.config.user_id or self._before_join(room):
-            return
+        if event.sender == self.config.user_id or self._before_join(room) or not self.config.e2ee:
+            return  # (without e2ee, an encrypted event in an unencrypted room: encrypted ones see ``_served``)
         key = (room.room_id, str(event.session_id))
         if key in self._undecryptable:
             return
@@ -1139,7 +1189,11 @@ class MatrixAdapter:
 
     # -- sending ---------------------------------------------------------------------------------
 
-    async def send(self, room_id: str, content: dict[str, Any]) -> str:
+    async def send(self, room_id: str, content: dict[str, Any], *, unencrypted_notice: bool = False) -> str:
+        """Send a message. Without e2ee nio would send it unencrypted into an encrypted room: only the notice that
+        the bot cannot read it goes there (``unencrypted_notice``), nothing else (an answer, a private file)."""
+        if not self.config.e2ee and self.is_encrypted(room_id) and not unencrypted_notice:
+            raise MatrixError(f"not sending into {room_id}: the room is encrypted and e2ee is off")
         response = await self.client.room_send(
             room_id, "m.room.message", content, ignore_unverified_devices=True
         )
@@ -1194,10 +1248,11 @@ class MatrixAdapter:
 
     async def dm_room(self, user_id: str) -> str:
         """The room for private answers to ``user_id``: a direct room the bot opened for them or one they made
-        (see ``_private_to``); else a new one, with the user invited."""
+        (see ``_private_to``), unencrypted without e2ee; else a new one, with the user invited."""
         mine = self.client.rooms.get(self._dms.get(user_id, ""))
+        mine = mine if mine is not None and self.serves(mine) else None  # (without e2ee: never an encrypted one)
         for room in ([mine] if mine else []) + [r for r in self.client.rooms.values() if r is not mine]:
-            if await self._private_to(room, user_id):
+            if self.serves(room) and await self._private_to(room, user_id):
                 return str(room.room_id)
         if mine is not None and await self._invite_again(mine, user_id):
             return str(mine.room_id)
