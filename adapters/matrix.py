@@ -835,7 +835,7 @@ class MatrixAdapter:
         for name in (me, display):
             if name and text.startswith(name) and not text[len(name):len(name) + 1].isalnum():  # not "Coral"
                 text = text[len(name):].lstrip(":, ")
-        author, handle = author_of(room, event.sender)  # (a name two members share: with the id)
+        author, handle = author_of(room, event.sender, shared=not is_dm)  # (in a room: with the id)
         incoming = IncomingMessage(
             platform=PLATFORM,
             channel_id=channel_id,

@@ -73,12 +73,15 @@ def home_server(user_id: str) -> str:
     return user_id.split(":", 1)[-1]
 
 
-def author_of(room: MatrixRoom, sender: str) -> tuple[str, str | None]:
-    """A sender's display name and, when another member of the room has the same one, their id as the handle
-    that tells them apart (the core labels the turn "Alice (@alice:example.org)"). nio's own disambiguated name
-    already holds the id in parentheses, to which the core, seeing a name that ends as a label does, added the id
-    once more."""
+def author_of(room: MatrixRoom, sender: str, *, shared: bool) -> tuple[str, str | None]:
+    """A sender's display name and the id that tells who they are (the handle: the core labels the turn
+    "Alice (@alice:example.org)"). In a conversation several people take part in (``shared``: a group room, or a
+    direct room's group phase), always: a display name is anyone's to take, and one taken from a member who
+    left, from the persona ("Cora"), the bot or "System" passed, bare, as theirs in the prompt and the summary.
+    In a direct room's own conversation, whose turns are all its one user's, only when another member has the
+    same name. nio's own disambiguated name already holds the id in parentheses, to which the core, seeing a
+    name that ends as a label does, added the id once more."""
     user = room.users.get(sender)
     if user is None:
         return sender, None
-    return user.name, sender if len(room.user_name_clashes(user.name)) > 1 else None
+    return user.name, sender if shared or len(room.user_name_clashes(user.name)) > 1 else None

@@ -114,7 +114,7 @@ class Reactions:
         context)."""
         adapter = self.adapter
         is_dm, channel_id, parent = await adapter.conversation(room, event.sender)  # (as a message there)
-        name, handle = author_of(room, event.sender)
+        name, handle = author_of(room, event.sender, shared=not is_dm)
         incoming = IncomingMessage("matrix", channel_id, event.sender, name, "", author_handle=handle,
                                    is_dm=is_dm, server_id=None if is_dm else room.room_id,
                                    author_home=event.sender.split(":", 1)[-1], parent_channel_id=parent)

@@ -391,9 +391,12 @@ def test_two_members_of_one_display_name_are_labelled_with_their_ids_once() -> N
     for user, name in (("@alice:localhost", "Alice"), ("@mallory:localhost", "Alice"), ("@bob:localhost", "Bob")):
         room.add_member(user, name, None)
 
-    def label(sender: str) -> str:
-        name, handle = author_of(room, sender)
+    def label(sender: str, shared: bool) -> str:
+        name, handle = author_of(room, sender, shared=shared)
         return IncomingMessage("matrix", room.room_id, sender, name, "hi", author_handle=handle).author_name
 
-    assert [label(u) for u in ("@alice:localhost", "@mallory:localhost", "@bob:localhost", "@gone:localhost")] == [
+    senders = ("@alice:localhost", "@mallory:localhost", "@bob:localhost", "@gone:localhost")
+    assert [label(u, False) for u in senders] == [  # (as a DM's own conversation labels them)
         "Alice (@alice:localhost)", "Alice (@mallory:localhost)", "Bob", "@gone:localhost"]
+    assert [label(u, True) for u in senders] == [  # (as a room's: always with the id)
+        "Alice (@alice:localhost)", "Alice (@mallory:localhost)", "Bob (@bob:localhost)", "@gone:localhost"]
