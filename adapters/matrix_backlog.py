@@ -116,12 +116,15 @@ class Backlogs:
     def _hand_on(self, room: MatrixRoom, event: Any, slot: Slot) -> None:
         """A message read back, handled as the callbacks would, in ``slot``'s place."""
         adapter = self.adapter
+        if not adapter.serves(room):  # (an encrypted room without e2ee: the sync's own events tell it, once)
+            slot.pass_on()
+            return
         if isinstance(event, (RoomMessageText, RoomMessageEmote, *MEDIA)) and adapter._takes(room, event):
             file = adapter._command_file(event) if isinstance(event, MEDIA) else None
             adapter._spawn(adapter._handle(room, event, slot, file=file))
             return
         slot.pass_on()
-        if isinstance(event, MegolmEvent):  # (one the device has no keys for)
+        if isinstance(event, MegolmEvent) and adapter.config.e2ee:  # (one the device has no keys for)
             adapter._spawn(self._undecryptable(room, event))
 
     async def _undecryptable(self, room: MatrixRoom, event: MegolmEvent) -> None:
