@@ -419,6 +419,8 @@ class DiscordAdapter:
             log.info("Discord: a message in channel %s of a server not loaded yet is left unanswered",
                      message.channel.id)
             return
+        if isinstance(message.channel, discord.PartialMessageable) and not await self._known_channel(message):
+            return
         sink = DiscordSink(message, self.app.config.chat.typing_indicator)
         try:
             inbound = self.inbound(message)
@@ -437,6 +439,21 @@ class DiscordAdapter:
             await self.app.router.handle(inbound, sink)
         except Exception:
             log.exception("Discord: failed to handle message %s", message.id)
+
+    async def _known_channel(self, message: discord.Message) -> bool:
+        """A server's channel discord.py has not loaded (a thread it has not seen yet) comes as a stand-in
+        without its parent: its parent's access lists, persona and switches would not apply. It is fetched; one
+        that cannot be is left unanswered, as a server not loaded yet is."""
+        try:
+            channel = await self.bot.fetch_channel(message.channel.id)
+        except (discord.HTTPException, aiohttp.ClientError, TimeoutError) as exc:
+            log.info("Discord: a message in channel %s, which could not be loaded (%s), is left unanswered",
+                     message.channel.id, type(exc).__name__)
+            return False
+        if not isinstance(channel, discord.abc.Messageable):
+            return False
+        message.channel = channel  # (as discord.py gives a loaded one)
+        return True
 
     async def on_raw_message_delete(self, payload: discord.RawMessageDeleteEvent) -> None:
         """A message deleted (by its author or a moderator): the bot's copy goes too (``withdraw``)."""

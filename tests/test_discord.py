@@ -1065,3 +1065,59 @@ async def test_a_menu_on_the_bots_own_reply_in_a_dm_is_the_users(adapter: Discor
                              resolved={"messages": {"5555": target}}, dm_channel=dm_id)
     # (it ran: nothing was remembered from the bot's reply)
     assert answer["data"]["content"] == "Nothing of yours was remembered from that message.", answer
+
+
+def _message_in_unloaded_thread(adapter: DiscordAdapter, thread_id: int) -> dict[str, Any]:
+    """A MESSAGE_CREATE mentioning the bot in a thread of the first server that discord.py has not loaded."""
+    config = dpytest.get_config()
+    member, me = config.members[0], adapter.bot.user
+    assert me is not None
+    user = {"id": str(member.id), "username": member.name, "discriminator": "0001", "avatar": None}
+    return {"id": str(thread_id + 1), "channel_id": str(thread_id), "guild_id": str(config.guilds[0].id),
+            "author": user, "member": {"roles": [], "joined_at": "2024-01-01T00:00:00+00:00", "deaf": False,
+                                       "mute": False, "flags": 0},
+            "content": f"<@{me.id}> hello from the thread", "timestamp": "2024-01-01T00:00:00+00:00",
+            "edited_timestamp": None, "tts": False, "mention_everyone": False,
+            "mentions": [{"id": str(me.id), "username": me.name, "discriminator": "0001", "avatar": None,
+                          "bot": True}], "mention_roles": [], "attachments": [], "embeds": [], "pinned": False,
+            "type": 0}
+
+
+async def test_a_thread_not_loaded_yet_keeps_its_parents_access_lists(adapter: DiscordAdapter,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A message in a thread discord.py had not loaded came with a stand-in channel that has no parent: the
+    parent's deny list (and persona, switches) did not apply, and the bot answered in a denied channel."""
+    config = dpytest.get_config()
+    guild, parent = config.guilds[0], config.channels[0]
+    adapter.app.config.access.deny_channels.append(f"discord:{parent.id}")
+    sent: list[object] = []
+
+    async def send(self: Any, content: Any = None, **kwargs: Any) -> None:
+        sent.append(content)
+
+    monkeypatch.setattr(discord.abc.Messageable, "send", send)
+    thread_id = 987654321012345678
+
+    async def unknown(channel_id: int) -> Any:  # (Discord could not be asked: left unanswered)
+        raise discord.HTTPException(SimpleNamespace(status=503, reason="down"), "down")  # type: ignore[arg-type]
+
+    monkeypatch.setattr(adapter.bot, "fetch_channel", unknown)
+    adapter.bot._connection.parse_message_create(_message_in_unloaded_thread(adapter, thread_id))
+    await asyncio.sleep(0.5)
+    thread = discord.Thread(guild=guild, state=adapter.bot._connection, data={  # type: ignore[arg-type]
+        "id": str(thread_id), "guild_id": str(guild.id), "parent_id": str(parent.id), "owner_id": "1",
+        "name": "plans", "type": 11, "member_count": 1, "message_count": 1,
+        "thread_metadata": {"archived": False, "auto_archive_duration": 60, "locked": False,
+                            "archive_timestamp": "2024-01-01T00:00:00+00:00"}})
+
+    async def known(channel_id: int) -> Any:
+        return thread
+
+    monkeypatch.setattr(adapter.bot, "fetch_channel", known)
+    adapter.bot._connection.parse_message_create(_message_in_unloaded_thread(adapter, thread_id + 10))
+    await asyncio.sleep(0.5)
+    assert sent == [] and await adapter.app.storage.db.fetch_all("SELECT id FROM messages") == []
+    adapter.app.config.access.deny_channels.clear()  # (the parent allowed: the thread's message is answered)
+    adapter.bot._connection.parse_message_create(_message_in_unloaded_thread(adapter, thread_id + 20))
+    await asyncio.sleep(0.5)
+    assert len(await adapter.app.storage.db.fetch_all("SELECT id FROM messages")) == 2, sent
