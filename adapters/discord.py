@@ -308,7 +308,7 @@ class DiscordAdapter:
         self.bot = build_client(config, intents or default_intents())
         self.tree = app_commands.CommandTree(self.bot)
         # (user id, file) -> (when read, [(version, its line)]): an autocompletion's answer, kept a few seconds
-        self.versions_seen: dict[tuple[int, str], tuple[float, list[tuple[int, str]]]] = {}
+        self.versions_seen: dict[tuple[int, int | None, str], tuple[float, list[tuple[int, str]]]] = {}
         self._synced = False  # the slash commands, once per process (on_ready comes again after a reconnect)
         self.bot.event(self.on_message)
         self.bot.event(self.on_ready)

@@ -144,12 +144,13 @@ VERSIONS_KEPT_SECONDS = 5.0  # an autocompletion's list of versions serves the n
 
 async def version_choices(adapter: DiscordAdapter, interaction: discord.Interaction,
                           current: str) -> list[app_commands.Choice[Any]]:
-    """The caller's own versions of the chosen file, newest first. Read once per few seconds per user and file
-    (Discord asks at every keystroke), and not at all for someone the rate limit holds off."""
+    """The caller's own versions of the chosen file, newest first. Read once per few seconds per user, channel
+    (whose persona they are) and file (Discord asks at every keystroke), and not at all for someone the rate limit
+    holds off."""
     filename = str(getattr(interaction.namespace, "file", None) or "memory.md")
     if adapter.app.router.command_limiter.waiting(f"{PLATFORM}:{interaction.user.id}"):  # (the lists: by the caller)
         return []
-    key, now = (interaction.user.id, filename), time.monotonic()
+    key, now = (interaction.user.id, interaction.channel_id, filename), time.monotonic()
     seen = adapter.versions_seen
     kept = seen.get(key)
     if kept is None or now - kept[0] > VERSIONS_KEPT_SECONDS:

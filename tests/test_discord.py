@@ -1121,3 +1121,26 @@ async def test_a_thread_not_loaded_yet_keeps_its_parents_access_lists(adapter: D
     adapter.bot._connection.parse_message_create(_message_in_unloaded_thread(adapter, thread_id + 20))
     await asyncio.sleep(0.5)
     assert len(await adapter.app.storage.db.fetch_all("SELECT id FROM messages")) == 2, sent
+
+
+async def test_version_choices_are_those_of_the_persona_where_they_are_asked(adapter: DiscordAdapter,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The few seconds' cache of the version choices was per user and file: asked in the DM (Cora) and then in a
+    channel whose persona is Nova, the channel offered Cora's versions, and picking one reverted Nova's file."""
+    member = dpytest.get_config().members[0]
+    monkeypatch.setattr(adapter, "config", adapter.config.model_copy(update={"admin_ids": [member.id]}))
+    await dpytest.message("!persona create Nova")
+    await dpytest.empty_queue()
+    await _interact(adapter, monkeypatch, "persona", [{"name": "name", "type": 3, "value": "Nova"}],
+                    permissions=discord.Permissions(manage_guild=True).value)
+    dm = await member.create_dm()
+    for n in range(3):
+        await _interact(adapter, monkeypatch, "memory", [{"name": "edit", "type": 1, "options": [
+            {"name": "file", "type": 3, "value": "memory.md"}, {"name": "content", "type": 3, "value": f"# v{n}"}]}],
+            dm_channel=str(dm.id))
+    focus = [{"name": "revert", "type": 1, "options": [{"name": "file", "type": 3, "value": "memory.md"},
+                                                       {"name": "version", "type": 4, "value": "", "focused": True}]}]
+    in_dm = await _interact(adapter, monkeypatch, "memory", focus, kind=4, dm_channel=str(dm.id))
+    assert len(in_dm["data"]["choices"]) == 4  # (the template and three edits, with Cora)
+    in_channel = await _interact(adapter, monkeypatch, "memory", focus, kind=4)
+    assert in_channel["data"]["choices"] == []  # (nothing with Nova yet)
