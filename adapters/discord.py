@@ -426,6 +426,10 @@ class DiscordAdapter:
             inbound = self.inbound(message)
             if message.attachments and (claimed := self.app.router.claim_files(inbound)) is not None:
                 inbound = claimed
+                if len(message.attachments) > MAX_FILES:  # (which one is meant cannot be told: a screenshot first)
+                    await sink.send_reply(CommandReply(
+                        f"{len(message.attachments)} files came with the command: attach only the one it takes."))
+                    return
                 try:
                     files = tuple([await read_attachment(a) for a in message.attachments[:MAX_FILES]])
                 except ValueError as exc:

@@ -1144,3 +1144,26 @@ async def test_version_choices_are_those_of_the_persona_where_they_are_asked(ada
     assert len(in_dm["data"]["choices"]) == 4  # (the template and three edits, with Cora)
     in_channel = await _interact(adapter, monkeypatch, "memory", focus, kind=4)
     assert in_channel["data"]["choices"] == []  # (nothing with Nova yet)
+
+
+async def test_a_command_with_two_files_asks_for_the_one_it_takes(adapter: DiscordAdapter, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the first file was read: a screenshot attached before the card failed the import as "the PNG is
+    corrupt", and the card was never looked at."""
+    from tests.test_cards import dumps, v2_card
+
+    member = dpytest.get_config().members[0]
+    monkeypatch.setattr(adapter, "config", adapter.config.model_copy(update={"admin_ids": [member.id]}))
+    (tmp_path / "screenshot.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"0" * 100)
+    (tmp_path / "rosa.json").write_bytes(dumps(v2_card(name="Rosa")))
+
+    async def read(self: Any, **kwargs: Any) -> bytes:
+        return (tmp_path / self.filename).read_bytes()
+
+    monkeypatch.setattr(discord.Attachment, "read", read)
+    dm = await member.create_dm()
+    await dpytest.message("!persona import", channel=dm,
+                          attachments=[tmp_path / "screenshot.png", tmp_path / "rosa.json"])
+    assert dpytest.get_message().content == "2 files came with the command: attach only the one it takes."
+    await dpytest.message("!persona import", channel=dm, attachments=[tmp_path / "rosa.json"])
+    assert dpytest.get_message().content.startswith("Imported Rosa")
