@@ -574,13 +574,13 @@ class ConversationCore:
         if self.was_withdrawn(message):  # deleted on the platform before the bot got to it
             raise MessageWithdrawn()
         for attempt in range(2):
-            user = await self.storage.upsert_user(message.author_key, message.author_name)
+            user = await self.storage.upsert_user(message.author_key, message.display_name)
             channel = await self.storage.upsert_channel(
                 message.channel_key, message.channel_name or message.channel_id, message.is_dm
             )
             try:
                 stored = await self.storage.add_message(
-                    channel.id, user.id, persona.name, "user", user.display_name, text,
+                    channel.id, user.id, persona.name, "user", message.author_name, text,  # (the turns' label)
                     self.estimator.raw_count(text), believable(message.sent_at),
                 )
             except StaleReference:

@@ -44,10 +44,21 @@ class IncomingMessage:
     # The author's unique user name where a display name is anyone's to take (Discord's nicknames): the prompt's
     # label for them then says it after a display name other than it (see bot.text.speaker_name).
     author_handle: str | None = None
+    # The author's name as the platform gave it (set from author_name, which becomes the label of their turns;
+    # kept by dataclasses.replace, so that a label is never labelled again).
+    author_display: str = ""
 
     def __post_init__(self) -> None:  # names as prompts and stores may take them (see bot.text.one_line_name)
-        object.__setattr__(self, "author_name", speaker_name(self.author_name, self.author_id, self.author_handle))
+        given = self.author_display or self.author_name
+        object.__setattr__(self, "author_display", given)
+        object.__setattr__(self, "author_name", speaker_name(given, self.author_id, self.author_handle))
         object.__setattr__(self, "channel_name", one_line_name(self.channel_name))
+
+    @property
+    def display_name(self) -> str:
+        """The author's name to store and to call them by (a memory file's "My memories of Alice"): the label
+        of their turns without the id or user name it may add ("Alice (@alice:example.org)")."""
+        return one_line_name(self.author_display) or self.author_name
 
     @property
     def author_key(self) -> str:

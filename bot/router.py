@@ -179,7 +179,7 @@ class Router:
         return CommandContext(
             platform=msg.platform,
             user_key=msg.author_key,
-            user_name=msg.author_name,
+            user_name=msg.display_name,
             channel_key=msg.channel_key,
             persona=persona,
             is_admin=inbound.is_admin or inbound.is_bot_admin,

@@ -424,3 +424,25 @@ async def test_a_database_held_by_another_process_is_said_as_such_to_the_person_
         sink = Sink()
         await app.router.handle(hello, sink)  # the lock released: the bot answers again
         assert sink.messages and not sink.public
+
+
+async def test_the_label_of_a_speakers_turns_is_not_the_name_they_are_called_by(tmp_path: Path) -> None:
+    """A group's turns are labelled with the author's user name or id ("Alice (@mallory)"): that label became
+    their stored name, so their memory file began "# My memories of Alice (@mallory)", and a message made again
+    from one (a reaction's command) was labelled twice."""
+    from dataclasses import replace
+
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        said = IncomingMessage("discord", "chan1", "7", "Alice", "hi all", server_id="guild1", mentions_bot=True,
+                               author_handle="mallory")
+        assert said.author_name == "Alice (@mallory)" and replace(said, text="again").author_name == said.author_name
+        await app.router.handle(Inbound(said), Sink())
+        user = await app.storage.get_user("discord:7")
+        assert user is not None and user.display_name == "Alice"
+        channel = await app.storage.get_channel("discord:chan1")
+        assert channel is not None
+        [stored] = [m for m in await app.storage.recent_messages(channel.id, 5) if m.role == "user"]
+        assert stored.author_name == "Alice (@mallory)"  # (the turn's label, in the prompt and the summary)
+        sink = Sink()
+        await app.router.handle(Inbound(replace(said, text="!memory show memory")), sink)
+        assert "# My memories of Alice\n" in sink.private[0].text, sink.private[0].text
