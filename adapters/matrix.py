@@ -1129,6 +1129,8 @@ class MatrixAdapter:
                 inbound = _with_text(inbound, own + said[len(prefix):])
             elif prefix != own and not inbound.message.is_dm and self.app.commands.is_command(said):
                 return  # another bot's command: a prefix of its own is set so that the two never both answer
+            if self.app.commands.is_command(inbound.message.text):  # (it stores nothing: a slow one, an import or
+                slot.pass_on()  # a model checked, held the room's next messages up to the line's wait)
             # The file is fetched only for a command of this bot's that takes one, from someone who may run it
             # now; otherwise the caption goes on as a command without it (refused, slowed down, or ignored
             # when it is another bot's) as a typed one would.

@@ -74,6 +74,33 @@ async def test_a_burst_is_stored_and_answered_in_the_order_it_came(synapse: Syna
         await stop_bot(bot)
 
 
+async def test_a_slow_command_does_not_hold_up_the_next_message(synapse: SynapseServer, tmp_path: Path) -> None:
+    """A command kept its place in the room's line until it had run: one that took 20 s (a model checked, a file
+    downloaded) held the next message's answer (anyone's in a group) for as long."""
+    bot = await start_bot(synapse, tmp_path)
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+    commands: Any = bot.app.commands
+    original, release = commands.dispatch, asyncio.Event()
+
+    async def slow(line: str, *args: Any, **kwargs: Any) -> Any:
+        if "stats" in line:
+            await release.wait()
+        return await original(line, *args, **kwargs)
+
+    commands.dispatch = slow
+    try:
+        room = await dm_with(seen, bot.user_id)
+        await send_text(alice, room, "!stats")
+        await send_text(alice, room, "hello while it runs")
+        stored = await _until_answered(bot, room, 1, deadline=20)
+        assert _said(stored) == ["hello while it runs"] and ("assistant", "echo: hello while it runs") in stored
+    finally:
+        release.set()
+        await alice.close()
+        await stop_bot(bot)
+
+
 async def _down_then_up(synapse: SynapseServer, tmp_path: Path, said: list[str]) -> tuple[Bot, Timeline, str]:
     """A DM answered once ("before"), then ``said`` sent while the bot is stopped, then the bot started again."""
     first = await start_bot(synapse, tmp_path)
