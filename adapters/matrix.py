@@ -50,7 +50,6 @@ from nio import (
     RoomEncryptedFile,
     RoomEncryptedImage,
     RoomEncryptedMedia,
-    RoomGetStateEventResponse,
     RoomInviteResponse,
     RoomMemberEvent,
     RoomMessageEmote,
@@ -716,11 +715,6 @@ class MatrixAdapter:
         log.info("Matrix: %s is encrypted and e2ee is off: the bot cannot read it (said so there once)", room_id)
         await self.send(room_id, render(UNREADABLE_ROOM, self.config.msgtype), unencrypted_notice=True)
 
-    async def _encrypted_on_server(self, room_id: str) -> bool:
-        """Whether the room's state, as its server gives it, turns encryption on (``m.room.encryption``)."""
-        return isinstance(await self.client.room_get_state_event(room_id, "m.room.encryption"),
-                          RoomGetStateEventResponse)
-
     async def _consider_invite(self, room: MatrixRoom, inviter: str, direct: bool | None = None) -> None:
         servers = self.config.invite_servers or [self.server_name]
         allowed = self.config.auto_join and home_server(inviter) in servers
@@ -746,8 +740,8 @@ class MatrixAdapter:
                 return
             log.info("Matrix: joined %s on invite", room.room_id)
             await self._follow_upgrade(room.room_id, inviter)
-            if not self.config.e2ee and await self._encrypted_on_server(room.room_id):
-                await self._tell_unreadable(room.room_id)
+            # (an encrypted room, without e2ee, is told it cannot be read at its first message, where the access
+            # lists are asked about its sender: an invite alone made the bot speak where they keep it silent)
         else:
             await self.client.room_leave(room.room_id)
             log.info("Matrix: declined an invite to %s", room.room_id)

@@ -41,9 +41,9 @@ async def test_an_encrypted_dm_is_told_once_that_the_bot_cannot_read_it(synapse:
     try:
         room = await open_room(alice, [first.user_id], direct=True, encrypted=True)
         await joined(seen, room, first.user_id)
-        await seen.sync_until(lambda: bool(said(seen, room, first.user_id)), "the bot's notice")
         for n in range(3):
             await send_text(alice, room, f"hello {n}")
+        await seen.sync_until(lambda: bool(said(seen, room, first.user_id)), "the bot's notice")
         await settle(seen)
         await stop_bot(first)
         for n in range(12):  # (more than a sync holds: the restart reads the stretch back, and must not answer it)
@@ -98,9 +98,9 @@ async def test_an_encrypted_group_room_is_told_once_and_gets_no_answer(synapse: 
         room = await open_room(alice, [bot.user_id, bob.user_id], direct=False, encrypted=True)
         await bob.join(room)
         await joined(seen, room, bot.user_id)
-        await seen.sync_until(lambda: bool(said(seen, room, bot.user_id)), "the bot's notice on joining")
         await send_text(alice, room, f"{bot.user_id}: are you there?")
         await send_text(bob, room, f"{bot.user_id}: what do you remember of this room?")
+        await seen.sync_until(lambda: bool(said(seen, room, bot.user_id)), "the bot's notice")
         await settle(seen)
         assert said(seen, room, bot.user_id) == [(UNREADABLE_ROOM, False)]
         assert not bot.app.llm.requests  # (nothing read, nothing answered)
@@ -143,8 +143,29 @@ async def test_a_private_answer_never_goes_unencrypted_into_an_encrypted_dm(syna
         assert answer_room not in (encrypted_dm, group)
         assert not alice.rooms[answer_room].encrypted
         await settle(seen)
-        assert said(seen, encrypted_dm, bot.user_id) == [(UNREADABLE_ROOM, False)]
+        assert said(seen, encrypted_dm, bot.user_id) == []  # (nothing, not even the notice: nobody wrote there)
     finally:
         await alice.close()
         await bob.close()
+        await stop_bot(bot)
+
+
+async def test_a_room_the_access_lists_keep_the_bot_silent_in_is_not_told(synapse: SynapseServer,
+                                                                         tmp_path: Path) -> None:
+    """The notice went out on joining, before anyone's message was weighed against the access lists: anyone
+    allowed to invite the bot could make it speak in rooms (and DMs, with dms off) where it is to stay silent."""
+    bot = await start_bot(synapse, tmp_path, sections={"access": {"dms": False,
+                                                                  "allow_channels": ["matrix:!elsewhere:localhost"]}})
+    (tmp_path / "alice").mkdir()
+    alice = await user(synapse, "alice", tmp_path / "alice")
+    seen = Timeline(alice)
+    try:
+        rooms = [await open_room(alice, [bot.user_id], direct=direct, encrypted=True) for direct in (True, False)]
+        for room in rooms:
+            await joined(seen, room, bot.user_id)
+            await send_text(alice, room, f"{bot.user_id}: hello")
+        await settle(seen)
+        assert [said(seen, room, bot.user_id) for room in rooms] == [[], []]
+    finally:
+        await alice.close()
         await stop_bot(bot)
