@@ -1099,20 +1099,24 @@ class MatrixAdapter:
         return bytes(data)
 
     async def _handle(self, room: MatrixRoom, event: RoomMessageText | RoomMessageEmote | MediaEvent, slot: Slot,
-                      file: tuple[str, dict[str, Any]] | None = None) -> None:
+                      file: tuple[str, dict[str, Any]] | None = None, *, read_back: bool = False) -> None:
         """Handle a message once the one before it in the room was stored or handled (see
-        ``adapters.matrix_order``); the next one goes ahead once this one is stored, or handled."""
+        ``adapters.matrix_order``); the next one goes ahead once this one is stored, or handled. One ``read_back``
+        after a restart (``adapters.matrix_backlog``, which caps how many) is not counted against its author's rate
+        limit: sent over hours, it all arrives now, and the newest were dropped as "too fast"."""
         try:
             await slot.wait()
-            await self._handle_in_turn(room, event, slot, file)
+            await self._handle_in_turn(room, event, slot, file, read_back)
         finally:
             slot.pass_on()
 
     async def _handle_in_turn(self, room: MatrixRoom, event: RoomMessageText | RoomMessageEmote | MediaEvent,
-                              slot: Slot, file: tuple[str, dict[str, Any]] | None) -> None:
+                              slot: Slot, file: tuple[str, dict[str, Any]] | None, read_back: bool) -> None:
         try:
             await self._load_creators(room.room_id)
             inbound = await self.inbound(room, event)
+            if read_back:
+                inbound = replace(inbound, counted=True)
             if isinstance(event, RoomMessageEmote):  # "/me waves": an action, as chats write one; never a command
                 if not inbound.message.text.strip():
                     return

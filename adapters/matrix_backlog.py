@@ -121,7 +121,7 @@ class Backlogs:
             return
         if isinstance(event, (RoomMessageText, RoomMessageEmote, *MEDIA)) and adapter._takes(room, event):
             file = adapter._command_file(event) if isinstance(event, MEDIA) else None
-            adapter._spawn(adapter._handle(room, event, slot, file=file))
+            adapter._spawn(adapter._handle(room, event, slot, file=file, read_back=True))
             return
         slot.pass_on()
         if isinstance(event, MegolmEvent) and adapter.config.e2ee:  # (one the device has no keys for)

@@ -101,7 +101,8 @@ async def test_a_slow_command_does_not_hold_up_the_next_message(synapse: Synapse
         await stop_bot(bot)
 
 
-async def _down_then_up(synapse: SynapseServer, tmp_path: Path, said: list[str]) -> tuple[Bot, Timeline, str]:
+async def _down_then_up(synapse: SynapseServer, tmp_path: Path, said: list[str], *, rate_limited: bool = False
+                        ) -> tuple[Bot, Timeline, str]:
     """A DM answered once ("before"), then ``said`` sent while the bot is stopped, then the bot started again."""
     first = await start_bot(synapse, tmp_path)
     alice = await user(synapse, "alice")
@@ -112,7 +113,7 @@ async def _down_then_up(synapse: SynapseServer, tmp_path: Path, said: list[str])
     await stop_bot(first)
     for text in said:
         await send_text(alice, room, text)
-    unlimited = {"chat": {"rate_limit_per_minute": 0}}  # (all of them come within a minute)
+    unlimited = {} if rate_limited else {"chat": {"rate_limit_per_minute": 0}}  # (all of them come within a minute)
     return await start_bot(synapse, tmp_path, user_id=first.user_id, sections=unlimited), seen, room
 
 
@@ -153,6 +154,21 @@ async def test_past_the_backlog_cap_the_user_is_told_what_was_not_read(
         history = await seen.client.room_messages(room, start=seen.client.next_batch, limit=100)
         notes = [e.body for e in history.chunk if e.sender == bot.user_id and "did not read" in getattr(e, "body", "")]
         assert len(notes) == 1 and "2 of your messages" in notes[0] and "last 3" in notes[0], notes
+    finally:
+        await seen.client.close()
+        await stop_bot(bot)
+
+
+async def test_messages_read_back_are_not_held_to_the_rate_limit(synapse: SynapseServer, tmp_path: Path) -> None:
+    """Sent over an evening while the bot was stopped, 20 messages were all counted as they were read back: the
+    12 oldest were answered, then "you are sending messages faster than I can answer", and the 8 newest (the
+    ones that mattered now) were dropped for good."""
+    said = [f"while down {n:02d}" for n in range(20)]
+    bot, seen, room = await _down_then_up(synapse, tmp_path, said, rate_limited=True)
+    try:
+        stored = await _until_answered(bot, room, 1 + len(said))
+        assert _said(stored) == ["before", *said], repr(stored)
+        assert not any("faster than I can answer" in b for b in seen.bodies(room, bot.user_id))
     finally:
         await seen.client.close()
         await stop_bot(bot)
