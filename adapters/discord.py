@@ -36,7 +36,14 @@ import discord
 import yarl
 from discord import app_commands
 
-from adapters.discord_slash import MAX_FILES, build_context_menus, build_slash_commands, in_dm, read_attachment
+from adapters.discord_slash import (
+    MAX_FILES,
+    build_context_menus,
+    build_slash_commands,
+    in_dm,
+    message_text,
+    read_attachment,
+)
 from adapters.reachable import wait_until_answers
 from bot.app import App
 from bot.commands import CommandContext, CommandReply
@@ -373,7 +380,7 @@ class DiscordAdapter:
     def inbound(self, message: discord.Message) -> Inbound:
         me = self.bot.user
         is_dm = in_dm(message.channel)
-        text = message.content
+        text = message_text(message)
         mentions_bot = me is not None and any(u.id == me.id for u in message.mentions)
         # Typing "@Bot" in a server, the client often inserts the bot's own (managed) role instead of the bot.
         own_role = message.guild.self_role if message.guild is not None else None

@@ -187,10 +187,10 @@ def build_context_menus(adapter: DiscordAdapter) -> None:
         if not _yours(interaction, message):
             await interaction.response.send_message(NOT_YOURS, ephemeral=True)
             return
-        if not message.content.strip():  # an image, a sticker, an embed: there are no words to keep
+        if not (words := message_text(message)).strip():  # an image, a sticker, an embed: no words to keep
             await interaction.response.send_message(NO_TEXT, ephemeral=True)
             return
-        line = f"{prefix}memory remember --from {message_ref(message)}\n{message.content}"
+        line = f"{prefix}memory remember --from {message_ref(message)}\n{words}"
         await adapter.run_slash(interaction, line, always_private=True)
 
     async def forget(interaction: discord.Interaction, message: discord.Message) -> None:
@@ -216,6 +216,15 @@ NO_TEXT = "That message has no text to remember (only an image, a file or an emb
 
 def message_ref(message: discord.Message) -> str:
     return f"{PLATFORM}-message:{message.id}"
+
+
+def message_text(message: discord.Message) -> str:
+    """A message's words. A forwarded message has none of its own: its words are those of the message it
+    forwards, marked as forwarded (they are someone's, not necessarily the sender's; and never a command)."""
+    if message.content or not message.message_snapshots:
+        return message.content
+    forwarded = "\n".join(s.content for s in message.message_snapshots if s.content)
+    return f"(forwarded) {forwarded}" if forwarded else ""
 
 
 def in_dm(channel: object) -> bool:

@@ -1167,3 +1167,27 @@ async def test_a_command_with_two_files_asks_for_the_one_it_takes(adapter: Disco
     assert dpytest.get_message().content == "2 files came with the command: attach only the one it takes."
     await dpytest.message("!persona import", channel=dm, attachments=[tmp_path / "rosa.json"])
     assert dpytest.get_message().content.startswith("Imported Rosa")
+
+
+async def test_a_forwarded_message_is_read_as_forwarded(adapter: DiscordAdapter) -> None:
+    """A forward's words are in its snapshot, its own content empty: it was answered as a message without text
+    ("I read text"), and "Remember this" on it said there was nothing to keep."""
+    member = dpytest.get_config().members[0]
+    dm = await member.create_dm()
+    author = {"id": str(member.id), "username": member.name, "discriminator": "0001", "avatar": None}
+    snapshot = {"content": "!memory forget-me confirm — my flight is LH123 on Friday", "type": 0,
+                "timestamp": "2024-01-01T00:00:00+00:00", "edited_timestamp": None, "flags": 0, "mentions": [],
+                "mention_roles": [], "attachments": [], "embeds": []}
+    adapter.bot._connection.parse_message_create({
+        "id": "555000000000000002", "channel_id": str(dm.id), "author": author, "content": "",
+        "timestamp": "2024-01-01T00:00:00+00:00", "edited_timestamp": None, "tts": False, "mention_everyone": False,
+        "mentions": [], "mention_roles": [], "attachments": [], "embeds": [], "pinned": False, "type": 0,
+        "message_reference": {"type": 1, "channel_id": "42", "message_id": "43", "guild_id": "44"},
+        "message_snapshots": [{"message": snapshot}]})
+    for _ in range(50):
+        stored = await adapter.app.storage.db.fetch_all("SELECT role, text FROM messages ORDER BY id")
+        if len(stored) == 2:
+            break
+        await asyncio.sleep(0.1)
+    assert [tuple(r) for r in stored][0] == (  # (read as forwarded words, never as the sender's command)
+        "user", "(forwarded) !memory forget-me confirm — my flight is LH123 on Friday")
