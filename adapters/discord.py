@@ -290,6 +290,11 @@ async def _send_with_files(target: discord.abc.Messageable, text: str, files: li
         await target.send(_with_note(text, TOO_LARGE), allowed_mentions=NO_PINGS, suppress_embeds=True)
 
 
+def _expired(exc: discord.HTTPException) -> bool:
+    """Whether Discord refused an interaction's follow-up as too late (its token lasts 15 minutes)."""
+    return exc.code in (50027, 10015) or exc.status in (401, 404)  # (Invalid Webhook Token, Unknown Webhook)
+
+
 def _patience(interaction: discord.Interaction) -> float:
     """How long a slash command may run before it defers: ``SLASH_PATIENCE`` from when Discord made the interaction
     (a busy event loop may get to it late). An age past Discord's 3 s says the clocks disagree: not counted."""
@@ -612,6 +617,22 @@ class DiscordAdapter:
 
     @staticmethod
     async def _answer(interaction: discord.Interaction, reply: CommandReply, always_private: bool) -> None:
+        try:
+            await DiscordAdapter._answer_in_place(interaction, reply, always_private)
+        except discord.HTTPException as exc:
+            if not (interaction.response.is_done() and _expired(exc)):
+                raise
+            # A follow-up after Discord's 15 minutes (an export queued behind others): the work is done, and comes
+            # by direct message instead of being lost with the interaction.
+            log.warning("Discord: the answer of a slash command came after its interaction expired; sent by DM")
+            text, files = _reply_payload(reply)
+            try:
+                await _send_with_files(interaction.user, text, files)
+            except discord.HTTPException as dm_failed:
+                log.warning("Discord: nor could it be sent by DM (%s)", error_line(dm_failed))
+
+    @staticmethod
+    async def _answer_in_place(interaction: discord.Interaction, reply: CommandReply, always_private: bool) -> None:
         text, files = _reply_payload(reply)
         if interaction.response.is_done():  # deferred: the first follow-up takes the "thinking…" place
             if reply.private and not always_private:

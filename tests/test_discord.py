@@ -1191,3 +1191,32 @@ async def test_a_forwarded_message_is_read_as_forwarded(adapter: DiscordAdapter)
         await asyncio.sleep(0.1)
     assert [tuple(r) for r in stored][0] == (  # (read as forwarded words, never as the sender's command)
         "user", "(forwarded) !memory forget-me confirm — my flight is LH123 on Friday")
+
+
+async def test_an_answer_after_the_interaction_expired_comes_by_dm(adapter: DiscordAdapter,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slow slash command (an export queued behind others) answered after Discord's 15 minutes: the follow-up
+    was refused (Invalid Webhook Token), the finished export was lost, and the log said the command failed."""
+    import adapters.discord as module
+
+    async def expired(self: Any, webhook_id: Any, token: Any, **kwargs: Any) -> Any:
+        raise discord.HTTPException(SimpleNamespace(status=401, reason="Unauthorized"),  # type: ignore[arg-type]
+                                    {"code": 50027, "message": "Invalid Webhook Token"})
+
+    sent: list[tuple[str, list[str]]] = []
+    original = discord.abc.Messageable.send
+
+    async def spy(self: Any, content: Any = None, **kwargs: Any) -> Any:
+        sent.append((type(self).__name__, [f.filename for f in kwargs.get("files") or []]))
+        return await original(self, content, **kwargs)
+
+    monkeypatch.setattr(discord.abc.Messageable, "send", spy)
+    monkeypatch.setattr(module, "SLASH_PATIENCE", 0.0)  # (it defers at once: its answer is a follow-up)
+    monkeypatch.setattr(discord.webhook.async_.AsyncWebhookAdapter, "execute_webhook", expired)
+    response = await _interact(adapter, monkeypatch, "memory", [{"name": "export", "type": 1, "options": []}])
+    assert response["type"] == 5  # ("thinking…")
+    for _ in range(50):
+        if sent:
+            break
+        await asyncio.sleep(0.1)
+    assert len(sent) == 1 and sent[0][1][0].startswith("cortex-export-") and sent[0][1][0].endswith(".zip"), sent
