@@ -94,11 +94,12 @@ async def build_window(
     user_messages = 0
     cursor = before_id
     page_size = size_hint + 8 if size_hint else PAGE_SIZE
+    shown_to = persona or (None if viewer is None else viewer[1])  # (whose turns the costs are of)
     while True:
         page = await storage.recent_messages(channel_id, page_size, before_id=cursor, viewer=viewer,
                                              since=None if since is None else since.timestamp())
         for message in page:
-            cost = message_cost(message, estimator, persona or (None if viewer is None else viewer[1]))
+            cost = message_cost(message, estimator, shown_to)
             if tokens + cost > budget and user_messages >= min_exchanges:
                 chosen = in_reply_order(chosen[::-1])
                 # seq counts the channel's messages, so everything up to the evicted one is left out.

@@ -580,11 +580,9 @@ async def test_a_message_sent_in_a_stretch_and_stored_after_its_end_goes_too(tmp
 async def test_a_late_message_after_pause_forget_me_and_resume_goes_too(tmp_path: Path) -> None:
     """A review's finding: resuming after a forget-me dropped the key-only user row the pause had kept, and with it
     any record of the stretch: the late message made a new user and was kept, outside any stretch."""
-    from datetime import UTC, datetime, timedelta
+    from datetime import timedelta
 
-    def inbound(text: str, sent: datetime) -> Inbound:
-        return Inbound(IncomingMessage("discord", "dm-ann", "7", "Ann", text, is_dm=True, sent_at=sent))
-
+    inbound = _sent
     config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000}})
     async with App(config, llm=ScriptedProvider()) as app:
         t0 = datetime.now(UTC) - timedelta(seconds=30)
@@ -601,10 +599,10 @@ async def test_a_late_message_after_pause_forget_me_and_resume_goes_too(tmp_path
 async def test_a_name_said_in_the_stretch_after_a_forget_me_goes_at_the_resume(tmp_path: Path) -> None:
     """Pause, forget-me, a message, resume: the message wrote the person's name into the key-only row the pause
     had kept, which then stayed (its name and id) with nothing else of them stored."""
-    from datetime import UTC, datetime, timedelta
+    from datetime import timedelta
 
     def inbound(text: str, sent: datetime) -> Inbound:
-        return Inbound(IncomingMessage("discord", "dm-ann", "7", "Annabellez", text, is_dm=True, sent_at=sent))
+        return _sent(text, sent, name="Annabellez")
 
     config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "cortex": {"context_limit": 1000}})
     async with App(config, llm=ScriptedProvider()) as app:
@@ -647,8 +645,8 @@ async def test_a_late_message_whose_reply_is_cancelled_goes_too(tmp_path: Path) 
 SECRET = "zanzibarquux"
 
 
-def _sent(text: str, sent: datetime, key: str | None = None) -> Inbound:
-    return Inbound(IncomingMessage("discord", "dm-ann", "7", "Ann", text, is_dm=True, sent_at=sent, message_key=key))
+def _sent(text: str, sent: datetime, key: str | None = None, name: str = "Ann") -> Inbound:
+    return Inbound(IncomingMessage("discord", "dm-ann", "7", name, text, is_dm=True, sent_at=sent, message_key=key))
 
 
 async def test_a_summary_made_before_the_pause_arrived_goes_with_the_messages_it_took(tmp_path: Path) -> None:
