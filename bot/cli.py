@@ -213,9 +213,12 @@ async def _chat(config: Config, user: str, persona: str | None) -> int:
     try:
         try:
             adapter = TerminalAdapter(app, user=user, persona=persona)
-            web = await _start_web(app, {})
-        except (ConfigError, RuntimeError) as exc:  # --persona names no persona; the web page's port is taken
+        except ConfigError as exc:  # --persona names no persona
             raise click.ClickException(str(exc)) from None
+        try:
+            web = await _start_web(app, {})
+        except RuntimeError as exc:  # its port is taken: most likely by `cortexbot run` on this config, which serves it
+            click.echo(f"note: this chat does not serve the web page: {exc}", err=True)
         status = await _converse(app, config, adapter, grace)
     finally:
         if web is not None:

@@ -1067,6 +1067,18 @@ class WebConfig(_Section):
     def secure_cookies(self) -> bool:
         return self.base_url.startswith("https://")
 
+    @property
+    def links_unreachable(self) -> bool:
+        """Whether login links would name every address (host 0.0.0.0 or ::, no public_url): no browser opens those."""
+        return not self.public_url and self.host.strip("[]") in ("0.0.0.0", "::", "")
+
+    @model_validator(mode="after")
+    def _metrics_address(self) -> WebConfig:
+        if self.metrics and self.metrics_host and self.metrics_port is None:
+            raise ValueError("metrics_host needs metrics_port too (the port /metrics listens on at that address; 0 "
+                             "picks a free one each start); to keep /metrics on the page's own address, set neither")
+        return self
+
 
 class TerminalConfig(_Section):
     enabled: bool = Field(default=True, description=(

@@ -28,6 +28,10 @@ class FileError(ValueError):
     """A file operation a user asked for cannot be done; the message says why and what to do."""
 
 
+class NoSuchVersion(FileError):
+    """The version asked for does not exist (any more)."""
+
+
 class FileConflict(FileError):
     """The file changed since the version an edit was based on."""
 
@@ -160,11 +164,11 @@ class CortexFiles:
         if found is None:
             kept = await self.store.version_range(pair.id, filename)
             if kept is None:
-                raise FileError(f"{filename} has no version {number} (versions: none yet)")
+                raise NoSuchVersion(f"{filename} has no version {number} (versions: none yet)")
             oldest, newest = kept
             dropped = (f"; the versions before {oldest} are no longer kept, only the newest "
                        f"{self.store.KEEP_VERSIONS:,}" if 1 < oldest and number < oldest else "")
-            raise FileError(f"{filename} has no version {number} (versions: {oldest} to {newest}{dropped})")
+            raise NoSuchVersion(f"{filename} has no version {number} (versions: {oldest} to {newest}{dropped})")
         return found
 
     async def revert(self, pair: Pair, filename: str, number: int) -> FileVersion | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -65,3 +66,23 @@ def test_chat_serves_the_page_and_dashboard_logs_the_terminal_user_in(tmp_path: 
             if proc.poll() is None:
                 proc.kill()
     assert proc.returncode == 0 and "Traceback" not in err
+
+
+def test_a_chat_beside_the_bot_that_serves_the_page_chats_without_it(tmp_path: Path, fake_llm: FakeLLMServer
+                                                                     ) -> None:
+    """README: chat beside `cortexbot run` with `cortexbot chat` on the same config. With [web] enabled, the
+    chat refused to start, the page's port being taken by the running bot; now it says it does not serve the
+    page, chats, and its !dashboard links to the page the bot serves."""
+    port = free_port()
+    config = write_config(tmp_path, fake_llm)
+    config.write_text(config.read_text() + f"[web]\nenabled = true\nport = {port}\n")
+    with socket.socket() as page:  # the page `cortexbot run` serves
+        page.bind(("127.0.0.1", port))
+        page.listen()
+        result = subprocess.run(
+            [str(BIN / "cortexbot"), "--config", str(config), "chat", "--user", "ann"], input="hello\n!dashboard\n",
+            capture_output=True, text=True, timeout=120,
+            env={**os.environ, "CB_TEST_API_KEY": API_KEY, "OPENBLAS_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    assert "this chat does not serve the web page" in result.stderr and "Traceback" not in result.stderr
+    assert "Cora: " in result.stdout and f"http://127.0.0.1:{port}/login/" in result.stdout, result.stdout

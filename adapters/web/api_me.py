@@ -15,7 +15,7 @@ from adapters.web.render import side_by_side
 from adapters.web.server import WebContext, ok, read_body
 from adapters.web.userdata import own_pair, own_user
 from bot.commands import MAX_NUMBER
-from cortex.files import FileConflict, FileError
+from cortex.files import FileConflict, FileError, NoSuchVersion
 from cortex.store import FILENAMES, FileVersion, Pair
 
 FILE_ROUTE = "/api/me/personas/{persona}/files/{file}"
@@ -158,8 +158,10 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
         _, pair = await own_pair(ctx, caller, request.match_info["persona"])
         try:
             saved = await files.revert(pair, name, wanted.version)
-        except FileError as exc:
+        except NoSuchVersion as exc:
             not_found(str(exc))
+        except FileError as exc:  # (one over today's size limit: it exists, the revert is refused)
+            fail(422, str(exc))
         return await saved_or_current(pair, name, saved, caller.user_key)
 
     async def reset(request: web.Request) -> web.Response:

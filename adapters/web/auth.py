@@ -136,8 +136,9 @@ class Auth:
             fail(401, "not logged in (or the session ended): send !dashboard in a chat for a new link")
         self.check_user(request, caller)  # (first: an access refusal of the other user is not this page's)
         refused = access_refusal(self.config, caller.user_key)
-        if refused is not None:
-            fail(403, refused)
+        if refused is not None:  # the session ends here: lifting the deny later must not bring it back
+            await self.logins.end_sessions(caller.user_key)
+            fail(403, f"{refused} (your sessions on it have ended)")
         if request.method in CHANGES:
             self.check_origin(request)
             if not csrf_matches(request.headers.get(CSRF_HEADER, ""), caller.session.csrf):
@@ -149,6 +150,15 @@ class Auth:
         if view:
             self.count_view(caller)
         return caller
+
+    async def end_refused(self) -> int:
+        """End the sessions and unused links of every user ``[access]`` now keeps off the page (at start: a
+        session left unused while its user was denied would open again once the deny is lifted); how many
+        users'."""
+        users = [key for key in await self.logins.session_users() if access_refusal(self.config, key) is not None]
+        for key in users:
+            await self.logins.end_sessions(key)
+        return len(users)
 
     @staticmethod
     def check_user(request: web.Request, caller: Caller) -> None:
@@ -167,15 +177,19 @@ class Auth:
                       f"again in {math.ceil(wait)} s")
 
     def check_origin(self, request: web.Request) -> None:
+        if not self.from_page(request):
+            fail(403, "requests to the page must come from the page itself")
+
+    def from_page(self, request: web.Request) -> bool:
+        """Whether ``request`` came from the page itself, by its ``Origin``."""
         origin = request.headers.get("Origin")
         if origin is None:
-            return  # not a browser (or an old one): the CSRF token still has to match
+            return True  # not a browser (or an old one): the CSRF token still has to match
         page = origin_of(self.config.web.base_url)
         allowed = {page}
         if page.startswith(f"{request.scheme}://"):  # behind an https page's proxy, plain http is not the page
             allowed.add(f"{request.scheme}://{request.host}".lower())
-        if origin.lower() not in allowed:
-            fail(403, "requests to the page must come from the page itself")
+        return origin.lower() in allowed
 
     def set_cookie(self, response: web.StreamResponse, session_id: str, max_age: float) -> None:
         response.set_cookie(self.cookie, session_id, max_age=int(max_age), path="/", httponly=True,

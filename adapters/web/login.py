@@ -36,7 +36,10 @@ def routes(ctx: WebContext) -> list[web.RouteDef]:
             f"{ctx.app.config.web.session_hours:g} hours or until you log out.</p>")
 
     async def use(request: web.Request) -> web.StreamResponse:
-        auth.check_origin(request)
+        if not auth.from_page(request):  # (opened at another address than the page's: a tunnel, the bare port)
+            base = html.escape(ctx.app.config.web.base_url)
+            return page(f"<p>This login came from another address than the page's, {base}. Open the link as the "
+                        "bot gave it (or send <code>!dashboard</code> for a new one).</p>", status=403)
         try:
             form = await request.post()
         # undecodable text, a bad charset, a broken multipart body or part header, an unknown transfer

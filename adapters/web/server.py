@@ -165,7 +165,9 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as exc:
-        return json_error(exc.status, exc.message, exc.code)
+        if api or not request.app.get(PAGES, True):
+            return json_error(exc.status, exc.message, exc.code)
+        return error_page(exc.status, exc.message[0].upper() + exc.message[1:])  # (a browser's form post)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -256,6 +258,8 @@ class WebServer:
         from adapters.web import health
 
         warn_if_unchecked(self.config)
+        if ended := await self.context.auth.end_refused():
+            log.info("ended the web sessions of %d user(s) [access] now denies", ended)
         self.url = await self._serve(self.build(), self.config.host, self.config.port)
         self.config.listening_on(self.url)  # with port 0, the port chosen: the login links point there
         if self._separate_metrics:
@@ -266,6 +270,10 @@ class WebServer:
                                                  what="/metrics", keys="metrics_host/metrics_port")
             log.info("metrics at %s/metrics", self.metrics_url)
         log.info("web page at %s (listening on %s)", self.config.public_url or self.url, self.url)
+        if self.config.links_unreachable:
+            log.warning("[web] host %r listens on every address and [web] public_url is not set: !dashboard's login "
+                        "links name %s, which no browser opens; set public_url to the address people open the page "
+                        "at", self.config.host, self.url)
 
     async def _serve(self, application: web.Application, host: str, port: int, *, what: str = "the web page",
                      keys: str = "host/port") -> str:

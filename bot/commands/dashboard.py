@@ -21,13 +21,15 @@ def register_dashboard(registry: CommandRegistry, logins: WebLoginRepository, we
                                     "left from before (any login link you had not used is void too).", private=True)
             return CommandReply(f"Logged out of the web page everywhere: {plural(ended, 'session')} ended, and "
                                 "any login link you had not used yet no longer works.", private=True)
-        if not web.enabled:
+        if not (web.enabled or web.public_url):  # (a process of a fleet whose page another one serves: its address)
             return CommandReply("The web page is not switched on for this bot (its operator sets [web] enabled = "
                                 "true).", private=True)
         token = await logins.create_link(ctx.user_key, ctx.user_name, web.link_minutes * 60)
+        where = (" (the bot's operator has not set its address, [web] public_url: open it with the bot's address "
+                 "in place of the 0.0.0.0 or [::])" if web.links_unreachable else "")
         return CommandReply(
             f"Your login link to the web page (works once, for {web.link_minutes:g} minutes; it opens your own "
-            f"memory, so don't share it):\n{web.base_url}/login/{token}",
+            f"memory, so don't share it){where}:\n{web.base_url}/login/{token}",
             private=True,
         )
 

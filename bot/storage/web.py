@@ -35,7 +35,8 @@ class WebLoginRepository:
 
     async def create_link(self, user_key: str, user_name: str, valid_seconds: float) -> str:
         """A new login token for ``user_key`` (returned once, stored as its hash)."""
-        token, now = secrets.token_urlsafe(TOKEN_BYTES), await self.db.now()
+        # Hex, not base64url: a link shown as Markdown (Matrix) read "_" and "__" in the token as emphasis.
+        token, now = secrets.token_hex(TOKEN_BYTES), await self.db.now()
         await self.db.write(
             "INSERT INTO web_links (token_hash, user_key, user_name, created_at, expires_at) VALUES (?, ?, ?, ?, ?)",
             (token_hash(token), user_key, user_name, now, now + valid_seconds))
@@ -98,6 +99,12 @@ class WebLoginRepository:
 
     async def end_session(self, session_id: str) -> None:
         await self.db.write("DELETE FROM web_sessions WHERE id_hash = ?", (token_hash(session_id),))
+
+    async def session_users(self) -> list[str]:
+        """The users with a session or an unused link (ended ones included until their rows are pruned)."""
+        rows = await self.db.fetch_all("SELECT user_key FROM web_sessions UNION SELECT user_key FROM web_links"
+                                       " WHERE used_at IS NULL")
+        return [str(row[0]) for row in rows]
 
     async def end_sessions(self, user_key: str) -> int:
         """Log ``user_key`` out everywhere: end all their sessions and void their unused links (a link that
