@@ -446,16 +446,17 @@ def _as_text(value: Any) -> str:
 
 def _charset(response: aiohttp.ClientResponse) -> str:
     """The text encoding the server names in Content-Type (ISO-8859-1, say), else UTF-8 (also for a name
-    Python knows no text codec of: "rot13" or "base64" would fail the decoding)."""
+    Python knows no text codec of: "rot13" or "base64" would fail the decoding). UTF-8 is read without a leading
+    byte order mark: JSON after one failed to parse, and every call with a result_path failed."""
     named = response.charset
     if named:
         try:
             name = codecs.lookup(named).name
             b"a".decode(name, "replace")  # LookupError for a codec that is no text encoding
         except LookupError:
-            return "utf-8"
-        return name
-    return "utf-8"
+            return "utf-8-sig"
+        return "utf-8-sig" if name == "utf-8" else name
+    return "utf-8-sig"
 
 
 def _is_json(response: aiohttp.ClientResponse) -> bool:
