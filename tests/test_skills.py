@@ -150,6 +150,29 @@ async def test_admin_only_skills_are_neither_offered_nor_run_for_members(tmp_pat
         assert "edit_soul" in tool_names(replies(fake_llm)[-1])
 
 
+async def test_editing_the_soul_is_offered_to_the_bots_admins_only(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """edit_soul was offered to every server admin (on Matrix whoever makes a room), though only the bot's admins
+    may use it (a soul is shared by every server): the model called a tool that always failed, spending a round
+    and a call of the daily limit, and `!skills list` said "admins only"."""
+    async with App(_config(tmp_path, fake_llm, calls_per_user_per_day=5)) as app:
+        edit = {"section": "personality", "content": "warmer", "reason": "asked"}
+        fake_llm.enqueue(FakeResponse.tool_calls([("c1", "edit_soul", edit)]), FakeResponse.text("Sorry."))
+        ask = _msg("make your personality a bit warmer", user="roomadmin", server="g1")
+        assert await app.core.reply(ask, is_admin=True, is_bot_admin=False).text() == "Sorry."
+        first, second = replies(fake_llm)[-2:]
+        assert "edit_soul" not in tool_names(first) and "read_soul" in tool_names(first)
+        assert "there is no tool 'edit_soul' here" in str(second.body["messages"])
+        assert await app.storage.skills.recent("console:roomadmin") == []  # nothing ran, nothing counted
+        room_admin = CommandContext("console", "console:roomadmin", "R", "console:room", "Cora", is_admin=True,
+                                    server_key="console:g1")
+        listed = (await app.commands.dispatch("!skills list", room_admin)).text
+        assert "edit_soul (builtin; default; the bot's admins only; when a message says" in listed, listed
+        assert "read_soul (builtin; default; admins only)" in listed, listed
+        fake_llm.enqueue(FakeResponse.text("Sure."))
+        await app.core.reply(ask, is_admin=True, is_bot_admin=True).text()
+        assert "edit_soul" in tool_names(replies(fake_llm)[-1])
+
+
 async def test_an_admin_only_tool_from_the_config_is_for_the_bots_admins_only(
         tmp_path: Path, fake_llm: FakeLLMServer) -> None:
     """A configured tool reaches the operator's own systems (the README's example: a file server): "admin

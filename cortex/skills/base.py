@@ -115,6 +115,7 @@ class SkillInfo:
     input_schema: dict[str, Any]
     origin: Origin
     admin_only: bool = False
+    bot_admin: bool = False  # an admin_only built-in that changes what every server shares (a persona's soul)
     triggers: tuple[str, ...] = ()  # empty: always offered (where allowed)
     group_triggers: tuple[str, ...] = ()  # in a group channel, offered only when the message says one of them
     server: str = ""  # the MCP server it comes from
@@ -128,6 +129,12 @@ class SkillInfo:
         return f"{self.server}/{self.tool}" if self.server and self.tool else self.name
 
     @property
+    def for_bot_admins(self) -> bool:
+        """Whether only the bot's admins may use it: an ``admin_only`` http or MCP tool from the config, or a
+        built-in that changes what every server shares; other ``admin_only`` built-ins act on this server."""
+        return self.admin_only and (self.origin != "builtin" or self.bot_admin)
+
+    @property
     def switch_names(self) -> tuple[str, ...]:
         """Every name a switch of this skill may be kept under: its key, then its offered name (a switch
         kept before keys were stable)."""
@@ -137,11 +144,11 @@ class SkillInfo:
 def admitted(info: SkillInfo, *, is_admin: bool, is_bot_admin: bool) -> bool:
     """Whether an ``admin_only`` skill may be offered to (and run for) someone: a built-in acts on this
     server (its admins may); an http or MCP tool from the config reaches the operator's own systems (a
-    file server, an internal API), so only the bot's admins, never whoever made a Matrix room or invited
-    the bot into their Discord server."""
+    file server, an internal API), and editing a persona's soul changes it in every server, so only the
+    bot's admins, never whoever made a Matrix room or invited the bot into their Discord server."""
     if not info.admin_only:
         return True
-    return is_admin if info.origin == "builtin" else is_bot_admin
+    return is_bot_admin if info.for_bot_admins else is_admin
 
 
 class Skill(Protocol):

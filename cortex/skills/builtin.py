@@ -202,7 +202,7 @@ class Builtins:
         info = SkillInfo("edit_soul", "Change one section of your own soul as a bot admin asked (a new version).",
                          _schema({"section": {"type": "string", "enum": list(SOUL_SECTIONS)},
                                   "content": _TEXT, "reason": _TEXT}, ["section", "content", "reason"]),
-                         "builtin", admin_only=True, triggers=SOUL_WORDS)
+                         "builtin", admin_only=True, bot_admin=True, triggers=SOUL_WORDS)
         return BuiltinSkill(info, self.edit_soul)
 
     async def edit_soul(self, arguments: dict[str, Any], context: SkillContext) -> SkillResult:

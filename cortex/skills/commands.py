@@ -67,7 +67,7 @@ class SkillCommands:
                                                             ctx.parent_channel_key)
             notes = [info.origin + (f" {info.server}" if info.server else ""), effective.source]
             if info.admin_only:
-                notes.append("admins only" if info.origin == "builtin" else "the bot's admins only")
+                notes.append("the bot's admins only" if info.for_bot_admins else "admins only")
             if info.triggers:
                 notes.append("when a message says " + ", ".join(info.triggers[:5]))
             if info.group_triggers:
