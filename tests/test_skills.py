@@ -30,6 +30,7 @@ from tests.test_router import Sink
 
 KEY_ENV = "CB_SKILLS_TEST_KEY"
 FAKE_MCP = Path(__file__).parent / "fakes" / "mcp_server.py"
+RAW_MCP = Path(__file__).parent / "fakes" / "raw_mcp_server.py"  # hand-written; offers fs.delete as fs_delete
 ANN_DM = CommandContext("console", "console:ann", "Ann", "console:dm-ann", "Cora", is_dm=True)
 
 
@@ -343,6 +344,35 @@ async def test_an_mcp_tools_calls_are_counted_under_server_and_tool(tmp_path: Pa
         assert await app.core.reply(_msg("and 1 + 1?")).text() == "Two."
         tool_message = [m for m in replies(fake_llm)[-1].body["messages"] if m["role"] == "tool"][-1]
         assert "add was used 2 times for this person today" in tool_message["content"]
+
+
+async def test_an_mcp_tool_is_switched_by_the_name_skills_list_shows(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """The server files offers fs.delete, which the model APIs take only as fs_delete and `!skills list` shows so;
+    `disabled = ["files/fs_delete"]`, as the README says (server/tool), was accepted and left it on: it ran.
+    Switches were kept under the server's own spelling alone; the command took the offered name alone."""
+    mcp = [{"name": "files", "command": [sys.executable, str(RAW_MCP)]}]
+    root = CommandContext("console", "console:root", "Root", "console:dm-root", "Cora", is_admin=True,
+                          is_bot_admin=True, is_dm=True)
+    async with App(_config(tmp_path, fake_llm, provider="openai", mcp=mcp, disabled=["files/fs_delete"])) as app:
+        async def listed() -> str:
+            [line] = [x for x in (await app.commands.dispatch("!skills list", root)).text.splitlines() if "fs" in x]
+            return line
+
+        assert await listed() == "⛔ fs_delete (mcp files/fs_delete; config (disabled)): Delete a file."
+        fake_llm.enqueue(FakeResponse.tool_calls([("c1", "fs_delete", {})]), FakeResponse.text("Could not."))
+        await app.core.reply(_msg("delete it")).text()
+        assert "fs_delete" not in tool_names(replies(fake_llm)[-2]) and "ok" in tool_names(replies(fake_llm)[-2])
+        assert await app.storage.skills.recent("console:ann") == []  # it did not run
+        for spelling, now in (("files/fs_delete", "on"), ("files/fs.delete", "off"), ("fs_delete", "on")):
+            verb = "enable" if now == "on" else "disable"
+            said = (await app.commands.dispatch(f"!skills {verb} {spelling} --everywhere", root)).text
+            assert said.startswith(f"{spelling} is now {now} for Cora everywhere"), said
+        assert await listed() == "✅ fs_delete (mcp files/fs_delete; bot-wide): Delete a file."
+    async with App(_config(tmp_path / "raw", fake_llm, provider="openai", mcp=mcp, disabled=["files/fs.delete"])
+                   ) as app:  # the server's own spelling still works
+        fake_llm.enqueue(FakeResponse.text("Hi."))
+        await app.core.reply(_msg("hi")).text()
+        assert "fs_delete" not in tool_names(replies(fake_llm)[-1]) and "ok" in tool_names(replies(fake_llm)[-1])
 
 
 async def test_a_channels_switch_holds_in_its_threads(tmp_path: Path, fake_llm: FakeLLMServer) -> None:

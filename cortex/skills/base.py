@@ -9,6 +9,7 @@ never instructions (the reply loop wraps it as a tool result and caps its size).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal, Protocol
@@ -17,6 +18,14 @@ from bot.text import one_line, storable
 
 Origin = Literal["builtin", "http", "mcp"]
 REDACTED = "[redacted]"
+_MODEL_NAME_MAX = 64
+_INVALID_NAME_CHARS = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def model_name(name: str) -> str:
+    """A name the model APIs accept (letters, digits, ``_`` and ``-``; at most 64 characters): an MCP tool's
+    ``fs.delete`` is offered (and shown) as ``fs_delete``."""
+    return _INVALID_NAME_CHARS.sub("_", name)[:_MODEL_NAME_MAX] or "tool"
 
 
 def from_environment(mapping: dict[str, str], where: str, what: str) -> dict[str, str]:
@@ -135,10 +144,16 @@ class SkillInfo:
         return self.admin_only and (self.origin != "builtin" or self.bot_admin)
 
     @property
+    def shown_key(self) -> str:
+        """The key as ``!skills list`` shows it: an MCP tool's name spelled as offered (``files/fs_delete`` for
+        the server's ``fs.delete``)."""
+        return f"{self.server}/{model_name(self.tool)}" if self.server and self.tool else self.name
+
+    @property
     def switch_names(self) -> tuple[str, ...]:
-        """Every name a switch of this skill may be kept under: its key, then its offered name (a switch
-        kept before keys were stable)."""
-        return (self.key,) if self.key == self.name else (self.key, self.name)
+        """Every name a switch of this skill may be kept under or named by: its key, the key as shown, then its
+        offered name (a switch kept before keys were stable)."""
+        return tuple(dict.fromkeys((self.key, self.shown_key, self.name)))
 
 
 def admitted(info: SkillInfo, *, is_admin: bool, is_bot_admin: bool) -> bool:

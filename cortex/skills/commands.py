@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from bot.commands import Command, CommandContext, CommandError, CommandRegistry, CommandReply, flag, operators, word
 from bot.storage.core import Storage
 from bot.text import shown
+from cortex.skills.base import Skill
 from cortex.skills.toolbox import SkillTools
 
 WEEK = 7 * 86_400.0
@@ -65,7 +66,7 @@ class SkillCommands:
             info = skill.info
             effective = await self.tools.policy.effective(info, ctx.persona, ctx.server_key, ctx.channel_key,
                                                             ctx.parent_channel_key)
-            notes = [info.origin + (f" {info.server}" if info.server else ""), effective.source]
+            notes = [info.origin + (f" {info.shown_key}" if info.server else ""), effective.source]
             if info.admin_only:
                 notes.append("the bot's admins only" if info.for_bot_admins else "admins only")
             if info.triggers:
@@ -87,7 +88,7 @@ class SkillCommands:
 
     async def _switch(self, ctx: CommandContext, args: Sequence[str], enabled: bool | None) -> str:
         names = [a for a in args if not a.startswith("--")]
-        known = {s.info.name: s for s in self.tools.all()}
+        known = _by_every_name(self.tools.all())
         if not names:
             raise CommandError(f"which skill? see {self.prefix}skills list")
         if names[0] not in known:
@@ -142,6 +143,16 @@ class SkillCommands:
             line = f"  {r.skill}: {r.calls} calls, {r.failures} failed, average {r.average_ms:.0f} ms"
             lines.append(line + (f"; last error: {r.last_error[:120]}" if r.last_error else ""))
         return lines
+
+
+def _by_every_name(skills: Sequence[Skill]) -> dict[str, Skill]:
+    """Each skill under every name a switch of it may be given: its offered name, and an MCP tool's
+    ``server/tool`` as its server spells it and as ``!skills list`` shows it (the first skill keeps a name)."""
+    known: dict[str, Skill] = {}
+    for skill in skills:
+        for name in skill.info.switch_names:
+            known.setdefault(name, skill)
+    return known
 
 
 def _as_is(_ctx: CommandContext, text: str) -> str:

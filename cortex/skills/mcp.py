@@ -56,6 +56,7 @@ from cortex.skills.base import (
     SkillInfo,
     SkillResult,
     from_environment,
+    model_name,
     redact,
     redact_cut,
     redaction_values,
@@ -66,9 +67,6 @@ from cortex.skills.stderr import stderr_lines
 log = logging.getLogger(__name__)
 ERROR_CHARS = 300  # a server's error, described in one line, at most
 STDERR_LINE_CHARS = 1_000  # a line of a stdio server's stderr, logged at most
-
-_MODEL_NAME_MAX = 64
-_INVALID_NAME_CHARS = re.compile(r"[^A-Za-z0-9_-]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,11 +133,6 @@ class _WatchedReadStream:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.aclose()
-
-
-def _model_name(name: str) -> str:
-    """A name the model APIs accept (letters, digits, ``_`` and ``-``; at most 64 characters)."""
-    return _INVALID_NAME_CHARS.sub("_", name)[:_MODEL_NAME_MAX] or "tool"
 
 
 def _describe_error(exc: BaseException) -> str:
@@ -282,7 +275,7 @@ class McpTool:
         config = server.config
         described = tool.description or tool.title or f"The {tool.name} tool of the {config.name} MCP server."
         self._info = SkillInfo(
-            name=name or _model_name(tool.name),
+            name=name or model_name(tool.name),
             description=described if len(described) <= MAX_DESCRIPTION_CHARS
             else described[:MAX_DESCRIPTION_CHARS] + "…",
             input_schema={"type": "object", **tool.input_schema},  # ("properties" alone: the APIs want the type)
@@ -732,7 +725,7 @@ class McpSkills:
         for tool in offered:
             name = tool.info.name
             if len(owners[name]) > 1:
-                name = _model_name(f"{tool.server.name}_{tool.original_name}")
+                name = model_name(f"{tool.server.name}_{tool.original_name}")
             if name in taken:
                 log.warning("mcp server %s: skipping the tool %s: the name %s is taken",
                             tool.server.name, tool.original_name, name)

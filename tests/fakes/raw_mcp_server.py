@@ -9,8 +9,8 @@ output, then the answer), ``crash()`` (ends the process at once), ``daemon()``
 (starts a ``sleep 30`` that outlives it, holding its stderr open; answers its pid), ``query(sql)``, whose
 description, title and input schema quote the ``DSN`` of its environment (a careless server describing the database
 it reaches, password and all), ``lookup()``, described by such a title alone, ``textual``, whose input schema is
-no valid JSON schema (``"type": "text"``), and ``forecast(city)``, whose result fails its own output schema,
-quoting the city.
+no valid JSON schema (``"type": "text"``), ``forecast(city)``, whose result fails its own output schema,
+quoting the city, and ``fs.delete()`` (a name the model APIs do not take: offered as ``fs_delete``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def tools() -> list[dict[str, Any]]:
          "inputSchema": {"type": "object", "properties": {"q": {"type": "text"}}}},
         {"name": "forecast", "inputSchema": {"type": "object", "properties": {"city": {"type": "string"}}},
          "outputSchema": {"type": "object", "properties": {"temp": {"type": "number"}}}},
+        {"name": "fs.delete", "description": "Delete a file.", "inputSchema": {"type": "object"}},
     ]
 
 
@@ -51,6 +52,8 @@ def text(request_id: Any, said: str) -> None:
 def call(request_id: Any, name: str, arguments: dict[str, Any]) -> None:
     if name == "ok":
         text(request_id, "fine")
+    elif name == "fs.delete":
+        text(request_id, "deleted")
     elif name == "latin1":  # a file read in Latin-1 and passed on as it was: "café" with a raw 0xE9 byte
         OUT.write(b'{"jsonrpc":"2.0","id":%d,"result":{"content":[{"type":"text","text":"caf\xe9"}]}}\n' % request_id)
         OUT.flush()
