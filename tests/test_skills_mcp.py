@@ -551,6 +551,45 @@ async def test_an_answer_the_sdk_cannot_read_fails_its_call_at_once() -> None:
         await server.aclose()
 
 
+PINGING = McpOptions(backoff_initial=0.2, backoff_max=1.0, connect_timeout=1.5, health_interval=0.3)
+
+
+async def test_a_long_call_is_not_cut_by_the_health_ping_and_a_hung_server_is_still_restarted(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A server doing one thing at a time answers no ping while it works: the ping's deadline passed, the
+    connection was dropped with the call in flight ("not reachable right now"; with the defaults a 60-second call
+    died at 50 s). No ping is judged while a call waits (its own deadline covers that time); a server that stops
+    answering while the bot waits for nothing is still restarted."""
+    caplog.set_level(logging.WARNING, logger="cortex.skills.mcp")
+    server = McpServer(raw_config(timeout_seconds=5.0), PINGING)
+    try:
+        await server.start()
+        first = await server_pid(server)
+        assert await server.call("work", {"seconds": 2.5}) == SkillResult("worked")
+        assert await server_pid(server) == first and "did not answer a ping" not in caplog.text
+        assert await server.call("freeze", {"seconds": 30}) == SkillResult("frozen")
+        await eventually(lambda: "mcp server raw did not answer a ping: TimeoutError" in caplog.text, 10)
+        await eventually(lambda: server.up, 10)
+        assert await server_pid(server) != first
+    finally:
+        await server.aclose()
+
+
+async def test_a_ping_answered_with_an_error_is_an_answer(caplog: pytest.LogCaptureFixture) -> None:
+    """A server answering ping with "Method not found" was restarted at every health ping ("did not answer a ping:
+    MCP error -32601", though it answered), cutting the calls in flight: it is alive, and stays connected."""
+    caplog.set_level(logging.WARNING, logger="cortex.skills.mcp")
+    server = McpServer(raw_config(env={"PING": "unknown"}), PINGING)
+    try:
+        await server.start()
+        first = await server_pid(server)
+        await asyncio.sleep(1.5)  # five pings
+        assert server.up and await server_pid(server) == first
+        assert "did not answer a ping" not in caplog.text and "is down" not in caplog.text
+    finally:
+        await server.aclose()
+
+
 def open_descriptors() -> int:
     return len(os.listdir("/proc/self/fd"))
 

@@ -6,11 +6,11 @@ enters and leaves the SDK's context managers (anyio cancel scopes must be entere
 same task); calls reach that task through a queue and are answered through futures.
 
 The task supervises the connection: when the stdio process exits, the HTTP connection fails or the
-server stops answering pings, the server is marked down and reconnected with a backoff (1 s doubling up
-to 60 s by default); after every (re)connection, and whenever the server sends
-``notifications/tools/list_changed``, its tools are listed again. A call while the server is down
-answers an error result at once; a call running past ``timeout_seconds`` answers an error result and
-leaves the session usable.
+server stops answering pings (sent while no call waits on it: a call's own deadline covers that time), the
+server is marked down and reconnected with a backoff (1 s doubling up to 60 s by default); after every
+(re)connection, and whenever the server sends ``notifications/tools/list_changed``, its tools are listed
+again. A call while the server is down answers an error result at once; a call running past
+``timeout_seconds`` answers an error result and leaves the session usable.
 
 :class:`McpTool` is one tool as a :class:`~cortex.skills.base.Skill`; :class:`McpSkills` runs all
 configured servers and names their tools for the model (a tool keeps its own name unless two servers
@@ -533,16 +533,30 @@ class McpServer:
                             self.error_line(exc))
 
     async def _keep_pinging(self, session: ClientSession, scope: anyio.CancelScope) -> None:
+        """Ping the server every ``health_interval`` while no call waits on it, and end the connection (``scope``)
+        when it does not answer. While calls wait, their own deadlines cover the time: a server doing one thing at
+        a time answers no ping while it works, and its long call was cut."""
         while True:
             await anyio.sleep(self._options.health_interval)
-            try:
-                with anyio.fail_after(self._options.connect_timeout):
-                    await session.send_ping()
-            except Exception as exc:
-                log.warning("mcp server %s did not answer a ping: %s", self.name,
-                            self.error_line(exc))
+            if self._in_flight:
+                continue
+            failure = await self._ping(session)
+            if failure is not None and not (isinstance(failure, TimeoutError) and self._in_flight):
+                log.warning("mcp server %s did not answer a ping: %s", self.name, self.error_line(failure))
                 scope.cancel()
                 return
+
+    async def _ping(self, session: ClientSession) -> Exception | None:
+        """Why a ping found the server dead, or None. An error answer (a server that knows no ``ping``: "Method
+        not found") is an answer: the server is alive."""
+        try:
+            with anyio.fail_after(self._options.connect_timeout):
+                await session.send_ping()
+        except MCPError as exc:
+            return exc if exc.code == types.CONNECTION_CLOSED else None
+        except Exception as exc:
+            return exc
+        return None
 
     async def _on_message(self, message: IncomingMessage) -> None:
         if isinstance(message, types.ToolListChangedNotification):

@@ -10,7 +10,10 @@ output, then the answer), ``crash()`` (ends the process at once), ``daemon()``
 description, title and input schema quote the ``DSN`` of its environment (a careless server describing the database
 it reaches, password and all), ``lookup()``, described by such a title alone, ``textual``, whose input schema is
 no valid JSON schema (``"type": "text"``), ``forecast(city)``, whose result fails its own output schema,
-quoting the city, and ``fs.delete()`` (a name the model APIs do not take: offered as ``fs_delete``).
+quoting the city, ``fs.delete()`` (a name the model APIs do not take: offered as ``fs_delete``), ``pid()``,
+``work(seconds)`` (sleeps, then answers "worked": the server does one thing at a time, as many simple ones do, and
+answers no ping meanwhile) and ``freeze(seconds)`` (answers "frozen", then sleeps: hung while the bot waits for
+nothing). With ``PING=unknown`` in its environment it answers a ping with JSON-RPC's "Method not found".
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 OUT = sys.stdout.buffer
@@ -42,6 +46,9 @@ def tools() -> list[dict[str, Any]]:
         {"name": "forecast", "inputSchema": {"type": "object", "properties": {"city": {"type": "string"}}},
          "outputSchema": {"type": "object", "properties": {"temp": {"type": "number"}}}},
         {"name": "fs.delete", "description": "Delete a file.", "inputSchema": {"type": "object"}},
+        # (listed: the SDK lists the tools again for a result of one it does not know, and a server asleep after
+        # its answer would not answer that)
+        {"name": "freeze", "inputSchema": {"type": "object", "properties": {"seconds": {"type": "number"}}}},
     ]
 
 
@@ -54,6 +61,14 @@ def call(request_id: Any, name: str, arguments: dict[str, Any]) -> None:
         text(request_id, "fine")
     elif name == "fs.delete":
         text(request_id, "deleted")
+    elif name == "pid":
+        text(request_id, str(os.getpid()))
+    elif name == "work":
+        time.sleep(float(arguments.get("seconds", 1)))
+        text(request_id, "worked")
+    elif name == "freeze":
+        text(request_id, "frozen")
+        time.sleep(float(arguments.get("seconds", 30)))
     elif name == "latin1":  # a file read in Latin-1 and passed on as it was: "café" with a raw 0xE9 byte
         OUT.write(b'{"jsonrpc":"2.0","id":%d,"result":{"content":[{"type":"text","text":"caf\xe9"}]}}\n' % request_id)
         OUT.flush()
@@ -114,6 +129,8 @@ def main() -> None:
             send({"jsonrpc": "2.0", "id": request_id, "result": {"tools": tools()}})
         elif method == "tools/call":
             call(request_id, message["params"]["name"], message["params"].get("arguments") or {})
+        elif method == "ping" and os.environ.get("PING") == "unknown":
+            send({"jsonrpc": "2.0", "id": request_id, "error": {"code": -32601, "message": "Method not found: ping"}})
         else:
             send({"jsonrpc": "2.0", "id": request_id, "result": {}})
 
