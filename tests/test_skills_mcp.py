@@ -590,6 +590,41 @@ async def test_a_ping_answered_with_an_error_is_an_answer(caplog: pytest.LogCapt
         await server.aclose()
 
 
+async def test_a_stdio_answer_past_the_cap_fails_its_call_at_once_and_the_server_goes_on(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A stdio server's answer was read whole, however large, by copying all of it again for every 64 KB: one of
+    64 MB kept a core busy for minutes, every other call to that server waited behind it ("did not answer"), and an
+    HTTP server's answer had a cap a stdio one had not. Past 8 MB the call fails now, saying so; the rest of that
+    line is skipped, and the server answers the next call as before (no restart)."""
+    caplog.set_level(logging.WARNING, logger="cortex.skills.mcp")
+    server = McpServer(raw_config(timeout_seconds=30.0), FAST)
+    try:
+        await server.start()
+        first = await server_pid(server)
+        started = time.monotonic()
+        under = await server.call("huge", {"mb": 7})
+        assert not under.is_error and len(under.content) == 7 << 20
+        over = await server.call("huge", {"mb": 40})
+        assert over == SkillResult("the raw server's answer could not be read (the answer was larger than 8 MB)",
+                                   is_error=True), over.content[:200]
+        assert await server.call("ok", {}) == SkillResult("fine")
+        assert time.monotonic() - started < 10, time.monotonic() - started
+        assert server.up and await server_pid(server) == first and "is down" not in caplog.text
+    finally:
+        await server.aclose()
+
+
+async def test_lines_are_cut_from_chunks_wherever_they_end_and_one_past_the_limit_is_dropped() -> None:
+    from cortex.skills.stdio import LineReader
+
+    lines = LineReader(limit=5)
+    assert lines.feed(b"ab") == [] and lines.feed(b"c\nde") == [b"abc"] and lines.feed(b"\n\nfghij\n") == [
+        b"de", b"", b"fghij"]  # (a line of the limit is read)
+    assert lines.feed(b"klmnop\nq\n") == [None, b"q"]  # past the limit within one chunk
+    assert lines.feed(b"rstu") == [] and lines.feed(b"vw") == [None]  # as soon as it passes it
+    assert lines.feed(b"xyz" * 10) == [] and lines.feed(b"z\nok\n") == [b"ok"]  # its rest skipped, once
+
+
 def open_descriptors() -> int:
     return len(os.listdir("/proc/self/fd"))
 

@@ -43,7 +43,6 @@ from jsonschema import exceptions as schema_errors
 from jsonschema import validators
 from mcp import ClientSession, StdioServerParameters
 from mcp.client import IncomingMessage, Transport
-from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
@@ -63,6 +62,7 @@ from cortex.skills.base import (
 )
 from cortex.skills.sdk_logs import guard
 from cortex.skills.stderr import stderr_lines
+from cortex.skills.stdio import AnswerTooLarge, capped_stdio_client
 
 log = logging.getLogger(__name__)
 ERROR_CHARS = 300  # a server's error, described in one line, at most
@@ -155,6 +155,8 @@ def _unreadable_answer(exc: Exception) -> str | None:
     """Why the SDK could not read a line of the server's that is an answer to a call (one nested too deep for
     it, say). None for any other exception, and for lines that answer no call: text (a log line printed on the
     server's output), a JSON log record, a notification the SDK could not read."""
+    if isinstance(exc, AnswerTooLarge):  # (a line not held: which call it answered is not known)
+        return str(exc)
     if not isinstance(exc, ValidationError) or not exc.errors():
         return None
     error = exc.errors()[0]
@@ -230,8 +232,9 @@ MAX_DESCRIPTION_CHARS = 1_000  # a tool's description goes into every prompt it 
 MAX_SCHEMA_CHARS = 8_000  # a tool whose input schema is larger is not offered
 MAX_SERVER_TOOLS = 256  # tools of one server taken (a reply offers 128 in all): a server listing thousands cost
 MAX_LIST_PAGES = 50  # every reply time to weigh them; and pages of its list read, however many it promises
-# An HTTP server's JSON answer read at most (the SDK reads it whole, where it caps each event of a stream at 1 MB):
-# a server answering without end would otherwise fill the bot's memory. A result is cut far below this anyway.
+# An HTTP server's JSON answer read at most (the SDK reads it whole, where it caps each event of a stream at 1 MB),
+# and a stdio server's message (a line): a server answering without end would otherwise fill the bot's memory. A
+# result is cut far below this anyway.
 MAX_JSON_RESPONSE_BYTES = 8 << 20
 
 
@@ -486,7 +489,7 @@ class McpServer:
             # reading of the server's output, and every later call waited out its timeout while it seemed up.
             params = StdioServerParameters(command=command, args=args, env=self._stdio_env(),
                                            encoding_error_handler="replace")
-            return stdio_client(params, errlog=errlog)
+            return capped_stdio_client(params, errlog, MAX_JSON_RESPONSE_BYTES)
         return self._http_transport()
 
     @asynccontextmanager
@@ -564,7 +567,8 @@ class McpServer:
         elif isinstance(message, Exception):
             unread = _unreadable_answer(message)
             if unread is None or not self._in_flight:
-                log.debug("mcp server %s: transport error: %s", self.name, self.error_line(message))
+                level = logging.WARNING if isinstance(message, AnswerTooLarge) else logging.DEBUG
+                log.log(level, "mcp server %s: transport error: %s", self.name, self.error_line(message))
                 return
             # The SDK says which line it could not read, not which call it answered: every call waiting then
             # fails now rather than waiting out its timeout ("did not answer") for an answer already dropped.

@@ -11,9 +11,10 @@ description, title and input schema quote the ``DSN`` of its environment (a care
 it reaches, password and all), ``lookup()``, described by such a title alone, ``textual``, whose input schema is
 no valid JSON schema (``"type": "text"``), ``forecast(city)``, whose result fails its own output schema,
 quoting the city, ``fs.delete()`` (a name the model APIs do not take: offered as ``fs_delete``), ``pid()``,
-``work(seconds)`` (sleeps, then answers "worked": the server does one thing at a time, as many simple ones do, and
-answers no ping meanwhile) and ``freeze(seconds)`` (answers "frozen", then sleeps: hung while the bot waits for
-nothing). With ``PING=unknown`` in its environment it answers a ping with JSON-RPC's "Method not found".
+``huge(mb)`` (an answer of that many megabytes, in one line), ``work(seconds)`` (sleeps, then answers "worked":
+the server does one thing at a time, as many simple ones do, and answers no ping meanwhile) and
+``freeze(seconds)`` (answers "frozen", then sleeps: hung while the bot waits for nothing). With ``PING=unknown``
+in its environment it answers a ping with JSON-RPC's "Method not found".
 """
 
 from __future__ import annotations
@@ -66,6 +67,12 @@ def call(request_id: Any, name: str, arguments: dict[str, Any]) -> None:
     elif name == "work":
         time.sleep(float(arguments.get("seconds", 1)))
         text(request_id, "worked")
+    elif name == "huge":  # a result of `mb` megabytes, written as it is made
+        OUT.write(b'{"jsonrpc":"2.0","id":%d,"result":{"content":[{"type":"text","text":"' % request_id)
+        for _ in range(int(arguments.get("mb", 1))):
+            OUT.write(b"a" * (1 << 20))
+        OUT.write(b'"}]}}\n')
+        OUT.flush()
     elif name == "freeze":
         text(request_id, "frozen")
         time.sleep(float(arguments.get("seconds", 30)))
