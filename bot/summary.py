@@ -7,7 +7,7 @@ channel. Batching keeps summary calls to one per few exchanges instead of one pe
 
 The job folds the newest good summary and the uncovered evicted messages (oldest first, at most
 ``summary_input_tokens`` of them per run; the rest go to a follow-up job) into a new summary. The
-result becomes a new version only when it is non-empty and within ``summary_tokens``; anything else
+result becomes a new version only when it holds visible text and is within ``summary_tokens``; anything else
 is stored as a *rejected* version with the reason and the job is retried, so a bad result never
 replaces the last good one.
 """
@@ -27,7 +27,7 @@ from bot.llm.errors import LLMError, LLMTransientError
 from bot.persona import ConfigPersonas, Persona, PersonaSource
 from bot.prompt import INFO_CLOSE, INFO_OPEN, fenced
 from bot.storage.base import Job, LLMCallRecord, Storage, StoredMessage, Summary, SummarySources
-from bot.text import continued, one_line_name
+from bot.text import continued, one_line_name, visible
 from bot.tokens import TokenEstimator, fit_to_budget
 
 log = logging.getLogger(__name__)
@@ -307,7 +307,7 @@ class SummaryEngine:
         reason = ""
         if oversized:
             reason = f"summary too long ({len(completion.text.strip()):,} characters; kept: the first {most:,})"
-        elif not text:
+        elif not visible(text):  # (zero-width spaces or a BOM alone: nothing to read, and it would replace a summary)
             reason = "empty summary"
         elif completion.stop_reason == "max_tokens":
             reason = "summary cut off at the output limit"

@@ -157,9 +157,12 @@ async def test_long_conversation_stays_in_budget_and_writes_versioned_summaries(
 
 @pytest.mark.parametrize(
     "bad, reason",
-    [("", "empty summary"), ("wort " * 400, "too long"), ("w" * 2_000_000, "2,000,000 characters")],
+    [("", "empty summary"), ("\u200b", "empty summary"), ("\ufeff\u200b\u2060", "empty summary"),
+     ("\u00ad", "empty summary"), ("wort " * 400, "too long"), ("w" * 2_000_000, "2,000,000 characters")],
 )
 async def test_bad_summaries_never_replace_the_good_one(tmp_path: Path, bad: str, reason: str) -> None:
+    """A summary of invisible characters alone (a zero-width space, a BOM, a soft hyphen) was stored as a good
+    version: the next replies and summary jobs no longer saw what the one before it held, and it was lost."""
     config = _config(tmp_path)
     llm = ScriptedProvider()
     mode = {"summary": "Erste gute Zusammenfassung."}
