@@ -1,9 +1,9 @@
 """Function words of the languages the personas mostly speak (English, German): matching them finds nothing.
 
-Memory search leaves ``STOPWORDS`` (both lists) out of its full-text queries (bm25 scored every message holding
-"the"); the lore search leaves out the function words of the persona's language (:func:`function_words`): an
-entry holding "the" came in for any message. Each language's own list matters there: German's "war", "die",
-"hat", "bin" and "den" are English words that say something ("tell me about the war").
+Memory search leaves the function words of the persona's language out of its full-text queries
+(:func:`search_stopwords`; bm25 scored every message holding "the"); the lore search leaves out those of
+:func:`function_words`: an entry holding "the" came in for any message. Each language's own list matters: German's
+"war", "die", "hat", "bin" and "den" are English words that say something ("tell me about the war").
 """
 
 from __future__ import annotations
@@ -40,3 +40,10 @@ def function_words(language: str) -> frozenset[str]:
     if config == "german":
         return GERMAN
     return ENGLISH | (GERMAN - _ENGLISH_TOO)
+
+
+def search_stopwords(language: str) -> frozenset[str]:
+    """The words a memory search in a persona's ``language`` leaves out: a German persona's, German's and
+    English's (no English function word is a German word of its own); any other language's, English's alone
+    (people write English to any persona; German's "war", "hat" or "mit" are words there)."""
+    return STOPWORDS if text_search_config(language) == "german" else ENGLISH

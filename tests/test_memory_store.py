@@ -428,12 +428,54 @@ def test_full_text_queries_drop_function_words_and_keep_a_long_texts_longest_wor
     assert fts_query("What is the name of my sister?") == '"name" OR "sister"'
     assert fts_query("what is it?") == ""  # nothing else left: nothing to match by words ("how are you?")
     assert fts_query("what is it?", function_words=True) == '"what" OR "is" OR "it"'  # (a search someone asked for)
-    assert fts_query("Wie heißt meine Schwester?") == '"heißt" OR "meine" OR "schwester"'
+    assert fts_query("Wie heißt meine Schwester?", language="German") == '"heißt" OR "meine" OR "schwester"'
     long_text = " ".join(f"w{i}" for i in range(40)) + " extraordinarily photosynthesis"
     terms = fts_query(long_text).split(" OR ")
     assert len(terms) == 16 and terms[:2] == ['"w10"', '"w11"'] and terms[-2:] == [
         '"extraordinarily"', '"photosynthesis"']
     assert fts_query("") == "" and fts_query("!!! ???") == ""
+
+
+def test_only_the_personas_languages_function_words_are_dropped() -> None:
+    """Every search dropped the German function words too: "war", "hat", "die", "bin", "mit" and "von", English
+    words that say something, were never looked for, whatever the persona's language."""
+    assert fts_query("Tell me about the war", language="English") == '"tell" OR "war"'
+    assert fts_query("the hat, the bin, MIT, von Trapp", language="en") == '"hat" OR "bin" OR "mit" OR "von" OR "trapp"'
+    assert fts_query("Was war das mit dem Hut?", language="Deutsch") == '"hut"'
+    assert fts_query("How was the war, und die Katze?", language="German") == '"katze"'  # (English ones too)
+    # A language without a list: the English function words alone (its users write English too)
+    assert fts_query("the war des chats", language="French") == '"war" OR "des" OR "chats"'
+    assert fts_query("the war", language="") == '"war"'
+
+
+async def test_memory_search_finds_english_words_that_are_german_function_words(tmp_path: Path) -> None:
+    """An English persona's searches left "war", "hat", "MIT" and "bin" out (German function words): a reply
+    about the war, a hat, MIT or a bin got no knowledge section, and `!memory search red hat` found nothing."""
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "memory": {"embedder": "none"},
+                           "personas": [{"name": "Cora", "language": "English"},
+                                        {"name": "Lena", "language": "German"}]})
+    llm = ScriptedProvider()
+    async with App(config, llm=llm) as app:
+        def ctx(persona: str) -> CommandContext:
+            return CommandContext("console", "console:ann", "Ann", f"console:dm-{persona}", persona, is_dm=True)
+
+        async def say(text: str, persona: str = "Cora") -> str:
+            await app.core.reply(IncomingMessage("console", f"dm-{persona}", "ann", "Ann", text, is_dm=True),
+                                 persona).text()
+            return llm.requests[-1].system
+
+        facts = {"Tell me about the war again": "My grandfather fought in the war",
+                 "Where is my hat now": "I lost my favourite hat", "How is it going at MIT": "I moved to MIT last year",
+                 "Which colour is my bin": "My old trash bin is green"}
+        for fact in facts.values():
+            assert "Remembered" in (await app.commands.dispatch(f"!memory remember {fact}", ctx("Cora"))).text
+        for question, fact in facts.items():
+            assert fact in await say(question)
+        assert "favourite hat" in (await app.commands.dispatch("!memory search red hat", ctx("Cora"))).text
+        # A German persona still leaves its language's function words out: "war" and "das" match nothing
+        await app.commands.dispatch("!memory remember Das Konzert war toll", ctx("Lena"))
+        assert "Konzert" not in await say("wie war das?", "Lena")
+        assert "Konzert" in await say("wie war das Konzert?", "Lena")
 
 
 async def test_after_forget_me_reused_ids_never_show_another_users_messages(tmp_path: Path, engine: str) -> None:

@@ -79,7 +79,7 @@ SHARED = "scope = 'shared'"  # items a group channel may see (the scope column h
 STATS_MIN_ROWS = 10_000  # PostgreSQL: from this many rows, common words are not counted (fts_term_counts)
 TYPICAL_SAMPLE = 2000  # vectors a PostgreSQL query's typical similarity is estimated from
 TYPICAL_MIN = 30  # below this many vectors, the lowest similarity is the typical level (as in the numpy scan)
-TS_CONFIG_TTL = 60.0  # seconds a pair's or persona's text-search configuration is trusted (PostgreSQL)
+TS_CONFIG_TTL = 60.0  # seconds a pair's or persona's text-search configuration is trusted
 # PostgreSQL's HNSW indexes: over half-precision copies of the vectors (half the memory and reads of full
 # precision; the rows' cosines stay exact), with a graph built for recall: at a million vectors of near-duplicates
 # ef_construction 128 found 0.75 of the exact top-10 at ef_search 100, 256 found 0.88 and 512 0.94 (0.96 at 150).
@@ -136,7 +136,7 @@ class MemoryRepository:
     def __init__(self, db: Database) -> None:
         self.db = db
         self._vector_indexes: set[int] = set()  # dimensions whose HNSW index exists (PostgreSQL)
-        # (pair id or persona) -> (text-search configuration, when looked up) (PostgreSQL)
+        # (pair id or persona) -> (text-search configuration, when looked up)
         self._ts_configs: dict[int | str, tuple[str, float]] = {}
         # PostgreSQL: large vector scopes' typical levels, shared with the sibling handles (background jobs)
         self._spreads: Spreads = db.caches.named("memory").setdefault("spreads", Spreads())
@@ -443,19 +443,19 @@ class MemoryRepository:
             [persona, pair_id, cap, *(tsquery([t]) for t in terms)])
         return [int(c) for c in row] if row else [0] * len(terms)
 
-    async def _ts_config(self, *, pair_id: int = 0, persona: str | None = None) -> str:
-        """PostgreSQL: the text-search configuration of ``persona`` (or of the pair's persona), cached for
-        ``TS_CONFIG_TTL``: handed to the queries as a constant, it lets the planner fold ``to_tsquery``
-        and estimate how many rows a query matches from the column's statistics."""
+    async def ts_config(self, *, pair_id: int = 0, persona: str | None = None) -> str:
+        """The text-search configuration of ``persona`` (or of the pair's persona): its language's ("english",
+        "german"), ``simple`` when none fits or the persona is gone. Cached for ``TS_CONFIG_TTL``: handed to
+        PostgreSQL's queries as a constant, it lets the planner fold ``to_tsquery`` and estimate how many rows a
+        query matches from the column's statistics; the memory search drops its language's function words."""
         key: int | str = pair_id if persona is None else persona
         cached = self._ts_configs.get(key)
         if cached is not None and time.monotonic() - cached[1] <= TS_CONFIG_TTL:
             return cached[0]
-        if persona is None:
-            row = await self.db.fetch_one(
-                "SELECT CAST(cortex_ts_config((SELECT persona FROM cortex_pairs WHERE id = ?)) AS TEXT)", (pair_id,))
-        else:
-            row = await self.db.fetch_one("SELECT CAST(cortex_ts_config(?) AS TEXT)", (persona,))
+        name = "(SELECT persona FROM cortex_pairs WHERE id = ?)" if persona is None else "?"
+        sql = (f"SELECT CAST(cortex_ts_config({name}) AS TEXT)" if self.db.dialect == "postgres" else
+               f"SELECT coalesce((SELECT ts_config FROM personas WHERE name = {name}), 'simple')")  # (NOCASE)
+        row = await self.db.fetch_one(sql, (pair_id if persona is None else persona,))
         config = str(row[0]) if row else "simple"
         if len(self._ts_configs) > 10_000:
             self._ts_configs.clear()
@@ -526,7 +526,7 @@ class MemoryRepository:
                 return await self._newest_sqlite(outer.format("marked", marked, "t.id DESC"), params)
             ranked = inner.format("bm25(memory_fts) AS rank", "rank")
             return await self.db.fetch_all(outer.format("rank", ranked, "t.rank"), params)
-        config = await self._ts_config(pair_id=pair_id)
+        config = await self.ts_config(pair_id=pair_id)
         # Newest first, by walking back through the pair's live items (memory_items_live): a generic plan took
         # the words' index instead, then fetched and sorted every match (25-67 ms for a pair of 100k items).
         sql = self._pg_text_sql(
@@ -556,7 +556,7 @@ class MemoryRepository:
                     + sql.format("messages_fts.rowid DESC"), params)
             return await self.db.fetch_all(
                 f"SELECT {MESSAGE_HIT_COLUMNS}, bm25(messages_fts) AS rank" + sql.format("bm25(messages_fts)"), params)
-        config = await self._ts_config(persona=persona)
+        config = await self.ts_config(persona=persona)
         last = 6 + 2 * len(terms)  # after the words of the rank and their weights
         skip = f" AND m.id NOT IN (SELECT CAST(value AS BIGINT) FROM jsonb_array_elements_text(${last}::jsonb))"
         # The messages' own columns only: the channel of the few rows returned is joined afterwards. Newest

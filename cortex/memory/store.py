@@ -40,7 +40,7 @@ from bot.storage.memory import ITEM_COLUMNS, FtsTable, ItemFilters, SameWords, i
 from bot.text import one_line_name, shown, single_spaced
 from cortex.memory.guard import guarded
 from cortex.memory.vectors import DatabaseVectors, RelevanceFloors
-from cortex.stopwords import STOPWORDS
+from cortex.stopwords import STOPWORDS, search_stopwords
 
 if TYPE_CHECKING:
     from cortex.memory.embedding import EmbeddingService
@@ -72,15 +72,16 @@ def stored_text(content: str) -> str:
     return textwrap.dedent(single_spaced(content)).strip("\n")
 
 
-def fts_query(text: str, *, function_words: bool = False) -> str:
+def fts_query(text: str, *, language: str = "", function_words: bool = False) -> str:
     """User text as a safe FTS5 query: every word quoted, OR-ed (raw ``foo-bar`` would make MATCH raise).
 
-    Function words are dropped: a reply's recall for "how are you?" found every item and message holding
-    "are" or "you" as a match by words (which skips the relevance floor). A search someone asked for
-    (``function_words``) keeps them when nothing else is left. Of a long text, the ``MAX_TERMS`` longest
-    words are kept (each OR-ed word adds bm25 work for every row it matches)."""
+    The function words of the persona's ``language`` are dropped (see :func:`search_stopwords`): a reply's recall
+    for "how are you?" found every item and message holding "are" or "you" as a match by words (which skips the
+    relevance floor). A search someone asked for (``function_words``) keeps them when nothing else is left. Of a
+    long text, the ``MAX_TERMS`` longest words are kept (each OR-ed word adds bm25 work for every row it matches)."""
     words = [w for w in _WORD.findall(text.lower()) if len(w) > 1]
-    content = list(dict.fromkeys([w for w in words if w not in STOPWORDS] or (words if function_words else [])))
+    dropped = search_stopwords(language)
+    content = list(dict.fromkeys([w for w in words if w not in dropped] or (words if function_words else [])))
     if len(content) > MAX_TERMS:  # a long message: its longest words, which tend to be the rarest
         keep = set(sorted(content, key=len, reverse=True)[:MAX_TERMS])
         content = [w for w in content if w in keep]
@@ -484,7 +485,7 @@ class MemoryStore:
         """
         now = self.clock()
         query = query[:MAX_QUERY_CHARS]  # (a model's tool call may send anything: its words are read one by one)
-        match = fts_query(query, function_words=patient if function_words is None else function_words)
+        match = await self._text_query(query, pair_id, persona, patient if function_words is None else function_words)
         messages = include_messages and user_id is not None and persona is not None
         # The query's embedding runs while the full-text parts do; the vector parts wait for it.
         meaning = asyncio.ensure_future(self._meaning(
@@ -508,6 +509,12 @@ class MemoryStore:
             self._who_said_it(candidates, query if about is None else about, persona or "")
         best = heapq.nlargest(limit, candidates, key=lambda c: c.score)
         return [self._hit(c) for c in best]
+
+    async def _text_query(self, query: str, pair_id: int, persona: str | None, function_words: bool) -> str:
+        """The query's full-text part, without the function words of the persona's language (its text-search
+        configuration: "english", "german", ``simple`` for one with no configuration of its own)."""
+        language = await self.repo.ts_config(pair_id=pair_id, persona=persona)
+        return fts_query(query, language=language, function_words=function_words)
 
     async def query_vector(self, query: str) -> npt.NDArray[np.float32] | None:
         """A query's vector for several searches (one per persona) that someone asked for: embedded once,
