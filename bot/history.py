@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from bot.storage.base import Storage, StoredMessage
+from bot.text import continued
 from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator
 
 PAGE_SIZE = 64
@@ -43,15 +44,15 @@ ANOTHER_PERSONA = " (another persona, not you)"  # after the name of a reply ano
 
 
 def message_cost(message: StoredMessage, estimator: TokenEstimator, persona: str | None = None) -> int:
-    """What a message costs in a prompt: a person's with the name it carries in a group channel's turns and in
-    every transcript ("Ann: "; counted in a DM's window too, where it is left out: a few tokens to spare). Its
-    text alone was counted: many short messages under long names made a group's window and a summary's input
-    several times their budgets. With ``persona`` (the one replying), a reply of another persona carries its
-    name too (see :func:`by_another_persona`)."""
+    """What a message costs in a prompt: a person's with the label it carries in a group channel's turns and in
+    every transcript (see :func:`label_tokens`; counted in a DM's window too, where it is left out: a few tokens to
+    spare). Its text alone was counted: many short messages under long names made a group's window and a summary's
+    input several times their budgets. With ``persona`` (the one replying), a reply of another persona carries its
+    label too (see :func:`by_another_persona`)."""
     if message.role == "user":
-        label = name_tokens(message, estimator)
+        label = label_tokens(message, estimator)
     elif by_another_persona(message, persona):
-        label = name_tokens(message, estimator) + estimator.raw_count(ANOTHER_PERSONA)
+        label = label_tokens(message, estimator) + estimator.raw_count(ANOTHER_PERSONA)
     else:
         label = 0
     return estimator.scale(message.token_count + label + PER_MESSAGE_OVERHEAD)
@@ -66,6 +67,14 @@ def by_another_persona(message: StoredMessage, persona: str | None) -> bool:
 def name_tokens(message: StoredMessage, estimator: TokenEstimator) -> int:
     """The raw tokens of the author's name before a message's text ("Ann: ")."""
     return estimator.raw_count(message.author_name) + 1
+
+
+def label_tokens(message: StoredMessage, estimator: TokenEstimator) -> int:
+    """The raw tokens a message's text gains as a labelled turn or transcript entry: the author's name before it
+    and the indentation of its further lines (:func:`bot.text.continued`; a line of CJK text can take 2 more)."""
+    indented = continued(message.text)
+    extra = 0 if indented == message.text else estimator.raw_count(indented) - estimator.raw_count(message.text)
+    return name_tokens(message, estimator) + max(extra, 0)
 
 
 async def build_window(

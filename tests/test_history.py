@@ -1,8 +1,9 @@
 from __future__ import annotations
 
 from bot.history import build_window, message_cost, with_late_answers
+from bot.prompt import history_turns
 from bot.storage import Storage
-from bot.tokens import BPETokenEstimator
+from bot.tokens import PER_MESSAGE_OVERHEAD, BPETokenEstimator
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
 
@@ -85,6 +86,25 @@ async def test_multilingual_text_is_budgeted_by_real_tokens(storage, estimator) 
     en_window = await build_window(storage, estimator, other.id, budget=600, min_exchanges=0)
     assert zh_window.tokens <= 600 and en_window.tokens <= 600
     assert len(zh_window.messages) * 1.5 < len(en_window.messages)
+
+
+async def test_a_message_of_many_lines_costs_what_its_labelled_turn_sends(storage, estimator) -> None:
+    """A labelled turn's further lines are indented (so none reads as another speaker's label): the window counted
+    the text without the indentation, and a group's many-lined messages went over its budget."""
+    lines = ["\n".join(f"line {i}" for i in range(60)), "\n".join("日本語のテキスト" for _ in range(40)),
+             "- one\r\n- two\r\n- three\u2028- four"]
+    channel = await storage.upsert_channel("console:room", "room", is_dm=False)
+    ann = await storage.upsert_user("console:ann", "Ann")
+    for text in lines:
+        for role, persona in (("user", "Cora"), ("assistant", "Bea"), ("assistant", "Cora")):
+            await storage.add_message(channel.id, ann.id, persona, role, "Ann" if role == "user" else persona, text,
+                                      estimator.raw_count(text))
+    window = await build_window(storage, estimator, channel.id, budget=10**6, min_exchanges=0, persona="Cora")
+    assert len(window.messages) == 9
+    for message, turn in zip(window.messages, history_turns(window.messages, label_speakers=True, persona="Cora"),
+                             strict=True):
+        sent = estimator.scale(estimator.raw_count(turn.content) + PER_MESSAGE_OVERHEAD)
+        assert message_cost(message, estimator, "Cora") >= sent, (message.role, message.persona, message.text[:20])
 
 
 async def test_empty_channel(storage, estimator) -> None:
