@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
 from bot.config import Config, ConfigError
-from bot.history import HistoryWindow, build_window, in_reply_order, message_cost, name_tokens
+from bot.history import HistoryWindow, build_window, in_reply_order, label_tokens, message_cost
 from bot.jobs import JobQueue
 from bot.llm.base import ChatMessage, LLMProvider, LLMRequest
 from bot.llm.errors import LLMError, LLMTransientError
@@ -103,13 +103,13 @@ def within_input(messages: list[StoredMessage], estimator: TokenEstimator, budge
         CUT_FOR_SUMMARY)) for m in messages]  # (half the budget for the text at least: a long name takes the rest)
 
 
-TIME_TOKENS = 9  # "[2026-01-01 10:00] " before every line of a transcript
+TIME_TOKENS = 13  # "[2026-01-01 10:00] " before every line of a transcript (cl100k splits its digits)
 
 
 def transcript_cost(message: StoredMessage, estimator: TokenEstimator) -> int:
     """What a message costs in a summary's transcript: its time and its author's name (the persona's too) before
-    its text (see :func:`transcript`)."""
-    named = name_tokens(message, estimator) if message.role != "user" else 0  # (a person's: in message_cost)
+    its text, its further lines indented (see :func:`transcript`)."""
+    named = label_tokens(message, estimator) if message.role != "user" else 0  # (a person's: in message_cost)
     return message_cost(message, estimator) + estimator.scale(TIME_TOKENS + named)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 from bot.history import build_window, message_cost, with_late_answers
 from bot.prompt import history_turns
 from bot.storage import Storage
+from bot.summary import transcript, transcript_cost
 from bot.tokens import PER_MESSAGE_OVERHEAD, BPETokenEstimator
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
@@ -105,6 +106,21 @@ async def test_a_message_of_many_lines_costs_what_its_labelled_turn_sends(storag
                              strict=True):
         sent = estimator.scale(estimator.raw_count(turn.content) + PER_MESSAGE_OVERHEAD)
         assert message_cost(message, estimator, "Cora") >= sent, (message.role, message.persona, message.text[:20])
+
+
+async def test_a_message_costs_what_its_entry_in_a_summarys_transcript_sends(storage, estimator) -> None:
+    """A summary's input counted 9 tokens for the time before each entry, which takes 13, and a reply's further
+    lines without their indentation: a batch of short or many-lined messages went over summary_input_tokens."""
+    channel = await storage.upsert_channel("console:room", "room", is_dm=False)
+    ann = await storage.upsert_user("console:ann", "Ann")
+    texts = ["ok", "\n".join(f"line {i}" for i in range(60)), "\n".join("日本語のテキスト" for _ in range(40))]
+    for text in texts:
+        for role in ("user", "assistant"):
+            await storage.add_message(channel.id, ann.id, "Cora", role, "Ann" if role == "user" else "Cora", text,
+                                      estimator.raw_count(text))
+    for message in await storage.recent_messages(channel.id, 10):
+        sent = estimator.scale(estimator.raw_count(transcript([message])) + PER_MESSAGE_OVERHEAD)
+        assert transcript_cost(message, estimator) >= sent, (message.role, message.text[:20])
 
 
 async def test_empty_channel(storage, estimator) -> None:
