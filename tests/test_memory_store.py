@@ -478,6 +478,34 @@ async def test_memory_search_finds_english_words_that_are_german_function_words(
         assert "Konzert" in await say("wie war das Konzert?", "Lena")
 
 
+async def test_a_word_with_ss_finds_its_spelling_with_sharp_s_and_back(tmp_path: Path) -> None:
+    """SQLite's tokenizer keeps "ß" and "ss" apart: "Strasse" never found "Straße", "Weisswurst" never "Weißwurst"
+    and "groß" never "GROSS" (PostgreSQL's German configuration finds each)."""
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "memory": {"embedder": "none"},
+                           "personas": [{"name": "Cora", "language": "German"}]})
+    async with App(config, llm=ScriptedProvider()) as app:
+        ctx = CommandContext("console", "console:ann", "Ann", "console:dm-ann", "Cora", is_dm=True)
+        for fact in ("Ich wohne in der Langen Straße 5", "Mein Lieblingsessen ist Weißwurst", "Er heißt GROSS",
+                     "Ich arbeite in der Gartenstrasse"):
+            await app.commands.dispatch(f"!memory remember {fact}", ctx)
+        for query, fact in (("STRASSE", "Straße"), ("Strasse", "Straße"), ("strasse", "Straße"),
+                            ("Straße", "Straße"), ("Weisswurst", "Weißwurst"), ("WEISSWURST", "Weißwurst"),
+                            ("groß", "GROSS"), ("Gross", "GROSS"), ("Gartenstraße", "Gartenstrasse")):
+            found = (await app.commands.dispatch(f"!memory search {query}", ctx)).text
+            assert fact in found, (query, found)
+
+
+def test_an_ss_or_sharp_s_word_has_a_bounded_number_of_spellings() -> None:
+    from bot.storage.textsearch import fts5_match
+
+    assert fts5_match(['"tea"', '"strasse"']) == '"tea" OR ("strasse" OR "straße")'
+    assert fts5_match(['"groß"']) == '("groß" OR "gross")'
+    assert fts5_match(['"schlossstraße"']) == (
+        '("schlossstraße" OR "schlossstrasse" OR "schloßstraße" OR "schloßstrasse")')
+    assert fts5_match(['"maßenstrassenpass"']).count(" OR ") == 2  # itself, all "ß", all "ss": at most three
+    assert fts5_match([]) == ""
+
+
 async def test_after_forget_me_reused_ids_never_show_another_users_messages(tmp_path: Path, engine: str) -> None:
     """Nothing cached for a forgotten user may surface the messages of whoever comes next (SQLite used to
     hand the ids of deleted rows to the next rows; ids are never reused now)."""

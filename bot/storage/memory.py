@@ -35,7 +35,7 @@ from bot.storage.incognito import not_incognito
 from bot.storage.spread import SAMPLE as SPREAD_SAMPLE
 from bot.storage.spread import TTL as SPREAD_TTL
 from bot.storage.spread import Spreads
-from bot.storage.textsearch import MARK_CLOSE, MARK_OPEN, marked_ranks, tsquery
+from bot.storage.textsearch import MARK_CLOSE, MARK_OPEN, fts5_match, marked_ranks, tsquery
 
 log = logging.getLogger(__name__)
 
@@ -428,7 +428,7 @@ class MemoryRepository:
         if self.db.dialect == "sqlite":
             sql = "SELECT " + ", ".join(
                 f"(SELECT count(*) FROM (SELECT 1 FROM {table} WHERE {table} MATCH ? LIMIT {cap}))" for _ in terms)
-            row = await self.db.fetch_one(sql, list(terms))
+            row = await self.db.fetch_one(sql, [fts5_match([t]) for t in terms])
             return [int(c) for c in row] if row else [0] * len(terms)
         source, estimate = FTS_SOURCE[table], rows is None or rows >= STATS_MIN_ROWS
         stats = ("st AS (SELECT CAST(CAST(s.most_common_elems AS TEXT) AS TEXT[]) AS elems,"
@@ -520,7 +520,7 @@ class MemoryRepository:
                      f" WHERE memory_fts MATCH ? AND {VISIBLE}{shared} ORDER BY {{}} LIMIT ?")
             outer = (f"SELECT {ITEM_COLUMNS_M}, t.{{}} FROM ({{}}) AS t"
                      " JOIN memory_items AS m ON m.id = t.id ORDER BY {}")
-            params = (" OR ".join(terms), pair_id, now, limit)
+            params = (fts5_match(terms), pair_id, now, limit)
             if newest:
                 marked = inner.format(f"{_marked('memory_fts', 3)} AS marked", "memory_fts.rowid DESC")
                 return await self._newest_sqlite(outer.format("marked", marked, "t.id DESC"), params)
@@ -549,7 +549,7 @@ class MemoryRepository:
                    " JOIN channels AS c ON c.id = m.channel_id"
                    f" WHERE messages_fts MATCH ? AND m.user_id = ? AND m.persona = ?{skip} AND {paused}"
                    " ORDER BY {} LIMIT ?")
-            params = (" OR ".join(terms), user_id, persona, *((left_out,) if exclude else ()), limit)
+            params = (fts5_match(terms), user_id, persona, *((left_out,) if exclude else ()), limit)
             if newest:
                 return await self._newest_sqlite(
                     f"SELECT {MESSAGE_HIT_COLUMNS}, {_marked('messages_fts', 2)} AS marked"  # author, text

@@ -1,12 +1,13 @@
 """Full-text helpers shared by the engines: a persona language's PostgreSQL text-search configuration,
-user text turned into a safe query for FTS5 (SQLite) or ``to_tsquery`` (PostgreSQL), and a bm25-like
-score of rows whose matched words FTS5 marked (see :func:`marked_ranks`)."""
+user text turned into a safe query for FTS5 (SQLite, :func:`fts5_match`) or ``to_tsquery`` (PostgreSQL), and a
+bm25-like score of rows whose matched words FTS5 marked (see :func:`marked_ranks`)."""
 
 from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from itertools import product
 
 from bot.storage.engine import Tx
 
@@ -56,6 +57,30 @@ def tsquery(terms: list[str]) -> str:
     Words are ``\\w+`` only, so quoting each is enough to keep the query's syntax intact."""
     words = [t.strip('"') for t in terms]
     return " | ".join(f"'{w}'" for w in words if _WORD.fullmatch(w))
+
+
+_SHARP_S = re.compile("ss|ß")
+_OTHER_SPELLING = {"ss": "ß", "ß": "ss"}
+
+
+def fts5_match(terms: Iterable[str]) -> str:
+    """FTS terms (as made by ``fts_query``: quoted words) as SQLite's ``MATCH`` expression: the words OR-ed, one
+    holding "ss" or "ß" with its other spellings too. FTS5's tokenizer keeps the two apart ("Strasse" never found
+    "Straße", "groß" never "GROSS"), where PostgreSQL's German configuration folds them."""
+    return " OR ".join(_spelled(term) for term in terms)
+
+
+def _spelled(term: str) -> str:
+    found = _SHARP_S.findall(term)
+    if not found:
+        return term
+    parts = _SHARP_S.split(term.strip('"'))  # (a quoted word is \w+ only: quoting each spelling is enough)
+    # each "ss" and "ß" either way, of a word of one or two: four spellings at most; of more, all one way
+    choices = product(*((s, _OTHER_SPELLING[s]) for s in found)) if len(found) <= 2 else (
+        found, ["ß"] * len(found), ["ss"] * len(found))
+    spellings = dict.fromkeys(parts[0] + "".join(c + p for c, p in zip(chosen, parts[1:], strict=True))
+                              for chosen in choices)
+    return "(" + " OR ".join(f'"{w}"' for w in spellings) + ")" if len(spellings) > 1 else term
 
 
 MARK_OPEN, MARK_CLOSE = "\x01", "\x02"  # what FTS5's highlight() puts around a matched word
