@@ -31,6 +31,9 @@ STOPWORDS = ENGLISH | GERMAN
 _ENGLISH_TOO = frozenset({"war", "die", "hat", "bin", "den", "nun", "dies", "bis", "mit", "von", "des", "dem"})
 
 
+_NOT_GERMAN = ENGLISH | (GERMAN - _ENGLISH_TOO)  # both lists, less the German ones English uses as words
+
+
 def function_words(language: str) -> frozenset[str]:
     """The function words to leave out of a search in a persona's ``language`` ("English", "de", "Deutsch"…):
     its own list; for any other language both, less the German ones English uses as words."""
@@ -39,11 +42,12 @@ def function_words(language: str) -> frozenset[str]:
         return ENGLISH
     if config == "german":
         return GERMAN
-    return ENGLISH | (GERMAN - _ENGLISH_TOO)
+    return _NOT_GERMAN
 
 
 def search_stopwords(language: str) -> frozenset[str]:
-    """The words a memory search in a persona's ``language`` leaves out: a German persona's, German's and
-    English's (no English function word is a German word of its own); any other language's, English's alone
-    (people write English to any persona; German's "war", "hat" or "mit" are words there)."""
-    return STOPWORDS if text_search_config(language) == "german" else ENGLISH
+    """The words a memory search in a persona's ``language`` leaves out: for a German persona both lists (no
+    English function word is a German word of its own); for any other, both less the German ones English uses as
+    words ("war", "hat", "mit"). People write English or German to a persona of either language: "how are you?"
+    and "wie geht es dir?" match nothing by their words with either."""
+    return STOPWORDS if text_search_config(language) == "german" else _NOT_GERMAN

@@ -443,8 +443,10 @@ def test_only_the_personas_languages_function_words_are_dropped() -> None:
     assert fts_query("the hat, the bin, MIT, von Trapp", language="en") == '"hat" OR "bin" OR "mit" OR "von" OR "trapp"'
     assert fts_query("Was war das mit dem Hut?", language="Deutsch") == '"hut"'
     assert fts_query("How was the war, und die Katze?", language="German") == '"katze"'  # (English ones too)
-    # A language without a list: the English function words alone (its users write English too)
-    assert fts_query("the war des chats", language="French") == '"war" OR "des" OR "chats"'
+    # German ones that are no English words stay out for the others ("wie", "eine")
+    assert fts_query("Wie funktioniert eine Wärmepumpe?", language="English") == '"funktioniert" OR "wärmepumpe"'
+    # A language without a list: as English
+    assert fts_query("the war des chats und ich", language="French") == '"war" OR "des" OR "chats"'
     assert fts_query("the war", language="") == '"war"'
 
 
