@@ -42,11 +42,15 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+# Loggers whose DEBUG lines hold secrets: request headers and URLs (the HTTP clients and SDKs; hpack and h2 are
+# HTTP/2's, urllib3 requests'), every response nio parses (the login's access token, each sync's messages) and every
+# statement peewee runs with its parameters (nio's key store: the E2EE account and the rooms' keys).
 QUIET_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2", "anthropic", "openai", "aiosqlite", "asyncio",
-                 "nio")  # (nio logs every response it parses at DEBUG: the login's access token, each sync's messages)
-# Loggers whose DEBUG lines hold what people wrote (Discord's gateway events and request bodies, MCP traffic): at
-# DEBUG the bot logs its own steps, not the conversations passing through.
-NO_DEBUG_LOGGERS = ("discord.gateway", "discord.http", "discord.client", "mcp")
+                 "nio", "peewee", "hpack", "h2", "urllib3", "aiohttp.client")
+# Loggers whose DEBUG lines hold what people wrote (Discord's gateway events and request bodies, MCP traffic) or an
+# interaction's token (discord.webhook: each answer's URL): at DEBUG the bot logs its own steps, not the
+# conversations passing through.
+NO_DEBUG_LOGGERS = ("discord.gateway", "discord.http", "discord.client", "discord.webhook", "mcp")
 
 
 def setup_logging(level: str) -> None:
