@@ -90,7 +90,7 @@ from bot.commands.files import MAX_ATTACHMENT_BYTES
 from bot.config import MatrixConfig
 from bot.policy import Inbound, refusal
 from bot.ports import IncomingMessage
-from bot.privatefs import create_private, private_dir
+from bot.privatefs import create_private, own_folder, private_file
 from bot.ratelimit import RateLimiter
 from bot.splitting import split_message
 from bot.text import shown, unescaped
@@ -280,6 +280,16 @@ def read_secrets(config: MatrixConfig, env: Mapping[str, str] | None = None) -> 
 SESSION_FILE = "session.json"
 
 
+def keep_private(store: Path) -> None:
+    """The store folder made, or made the owner's alone with the files in it (see :func:`own_folder`)."""
+    try:
+        own_folder(store)
+    except OSError as exc:
+        raise MatrixError(f"the Matrix store folder {store} holds the bot's login and keys, and others may read it; "
+                          f"it cannot be made private ({exc.strerror}): chmod 700 it as its owner, or set [matrix] "
+                          "store_path to a folder of the account running the bot") from None
+
+
 def store_dir(config: MatrixConfig) -> Path:
     """Where the account's session (and with e2ee its keys) is kept: ``store_path``, else the data folder's."""
     return Path(config.store_path or Path(platformdirs.user_data_dir("cortex-bot")) / "matrix")
@@ -303,6 +313,14 @@ class _Client(AsyncClient):  # type: ignore[misc]  # (nio ships no types)
         if isinstance(response, SyncResponse) and self.before_events is not None:
             self.before_events(response)
         await super().receive_response(response)
+
+    def load_store(self) -> None:
+        """nio's key store, its database made owner-only before nio opens it (nio creates it with the umask: in a
+        folder others may enter, everyone could read the account's and the rooms' keys)."""
+        if self.store is None and self.config.encryption_enabled and self.store_path and self.user_id \
+                and self.device_id:
+            private_file(Path(self.store_path) / (self.config.store_name or f"{self.user_id}_{self.device_id}.db"))
+        super().load_store()
 
 
 class MatrixSink:
@@ -372,7 +390,7 @@ class MatrixAdapter:
         app.commands.note_platform_command(self.leave)
         self.password, self.token = read_secrets(config, env)
         self.store = store_dir(config)
-        private_dir(self.store)  # the login and, with e2ee, the keys
+        keep_private(self.store)  # the login and, with e2ee, the keys
         self.client = _Client(
             config.homeserver, config.user_id, store_path=str(self.store),
             config=AsyncClientConfig(encryption_enabled=config.e2ee, store_sync_tokens=False),

@@ -24,6 +24,7 @@ from bot.config import (
     DEFAULT_CONFIG_NAME,
     Config,
     ConfigError,
+    MatrixConfig,
     check_storage_url,
     load_config,
     read_secret,
@@ -918,6 +919,18 @@ async def _doctor_adapters(config: Config, report: Callable[..., None]) -> None:
 
         ok, detail = await matrix_login(config.matrix, os.environ)
         report(ok, "Matrix", detail)
+        _doctor_matrix_store(config.matrix, report)
+
+
+def _doctor_matrix_store(config: MatrixConfig, report: Callable[..., None]) -> None:
+    """The Matrix store (the login, with e2ee the account's and rooms' keys) when other accounts may read it."""
+    from adapters.matrix import store_dir
+    from bot.privatefs import exposed_in
+
+    store = store_dir(config)
+    if exposed := exposed_in(store):
+        report(False, "Matrix store", f"other accounts of this machine may read {', '.join(map(str, exposed))}: "
+                                      f"chmod 700 {store} (the bot makes it its own at start)")
 
 
 def _doctor_personas(config: Config, report: Callable[..., None]) -> None:

@@ -16,6 +16,7 @@ from bot.app import App
 from bot.config import parse_config
 from bot.storage import open_storage
 from tests.fakes.provider import ScriptedProvider
+from tests.synapse import SynapseServer
 from tests.test_cli import cortexbot, write_config
 
 
@@ -119,3 +120,36 @@ def test_a_history_file_made_again_after_a_forget_me_is_still_the_users_alone(tm
     assert not path.exists()
     history.store_string("after the forget-me")
     assert mode(path) == 0o600 and "after the forget-me" in path.read_text()
+
+
+@pytest.mark.usefixtures("open_umask")
+async def test_the_matrix_key_store_is_the_owners_alone_in_a_folder_made_before(synapse: SynapseServer,
+                                                                                tmp_path: Path) -> None:
+    """With e2ee, in a store_path folder that existed already (made by the operator, or a Docker volume) with mode
+    755, nio created its key database (the bot's E2EE account and every room's keys, which nio's default passphrase
+    opens) readable by every account of the machine: only a folder the bot made itself was private."""
+    from bot.cli import _doctor_matrix_store
+    from tests.test_matrix import start_bot, stop_bot
+
+    store = tmp_path / "matrix"
+    store.mkdir(mode=0o755)
+    bot = await start_bot(synapse, tmp_path, e2ee=True)
+    await stop_bot(bot)
+    keys = [f for f in store.iterdir() if f.suffix == ".db"]
+    assert keys, sorted(store.iterdir())
+    assert mode(store) == 0o700
+    assert {f.name: mode(f) for f in store.iterdir()} == {f.name: 0o600 for f in store.iterdir()}
+
+    # A key store an earlier version left open to others is the owner's alone from the next start.
+    store.chmod(0o755)
+    keys[0].chmod(0o644)
+    said: list[tuple[bool, str, str]] = []
+    _doctor_matrix_store(bot.adapter.config, lambda ok, what, detail="": said.append((ok, what, detail)))
+    assert said == [(False, "Matrix store", f"other accounts of this machine may read {store}, {keys[0]}: chmod 700 "
+                                            f"{store} (the bot makes it its own at start)")], said
+    again = await start_bot(synapse, tmp_path, user_id=bot.user_id, e2ee=True)
+    await stop_bot(again)
+    assert mode(store) == 0o700 and mode(keys[0]) == 0o600
+    said.clear()
+    _doctor_matrix_store(bot.adapter.config, lambda ok, what, detail="": said.append((ok, what, detail)))
+    assert said == []
