@@ -29,6 +29,7 @@ from bot.config import (
     load_config,
     read_secret,
     resolve_config_path,
+    shown_url,
     url_has_password,
 )
 from bot.errors import USER_TOLD
@@ -774,7 +775,7 @@ async def _doctor_skills(config: Config, report: Callable[..., None]) -> None:
             report(False, f"http skill {entry.name}", str(exc))
             continue
         inside = await needs_allow_internal(entry)
-        report(inside is None, f"http skill {entry.name}", inside or entry.url)
+        report(inside is None, f"http skill {entry.name}", inside or shown_url(entry.url))
     if config.skills.mcp:
         await _doctor_mcp(config, report)
 
@@ -1012,7 +1013,7 @@ async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
     except ConfigError as exc:
         report(False, "LLM", str(exc))
         return
-    where = f"LLM {llm.provider} at {llm.base_url or 'default URL'}"
+    where = f"LLM {llm.provider} at {shown_url(llm.base_url) if llm.base_url else 'default URL'}"
     try:
         models = await asyncio.wait_for(provider.list_models(), timeout=llm.connect_timeout_seconds + 5)
     except LLMError as exc:

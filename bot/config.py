@@ -38,6 +38,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from bot.text import ONLY_DOTS, name_key, only_dots, persona_key, readable
 
@@ -281,8 +282,38 @@ def _check_port(netloc: str) -> None:
                          "(PostgreSQL's own is 5432)")
 
 
-def check_http_url(value: str) -> str:
-    """An http(s) URL with a host, e.g. http://localhost:11434/v1."""
+URL_USER_INFO = "url_user_info"  # the kind of error of a URL holding user:password@ (its value is never shown)
+
+
+def refuse_user_info(value: str, keep_in: str) -> str:
+    """A URL without a user name or password before its host (``user:password@``): the config file is no place for a
+    secret, and the servers take theirs elsewhere (``keep_in`` names the key that does)."""
+    try:
+        netloc = urlsplit(value.strip()).netloc
+    except ValueError:  # (said by the URL's own check)
+        return value
+    if "@" in netloc:
+        raise PydanticCustomError(URL_USER_INFO, "holds a user name or password (user:password@): the config file "
+                                  "is no place for a secret; remove it and put the secret in an environment variable "
+                                  f"named by {keep_in}")
+    return value
+
+
+def shown_url(url: str) -> str:
+    """A URL for doctor and logs: without a user name or password, and without its query (an API's key may be in
+    it, as ``?appid=…``), which is shown as ``?…``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return hide_url_password(url)
+    netloc = parts.netloc.rpartition("@")[2]
+    return f"{parts.scheme}://{netloc}{parts.path}" + ("?…" if parts.query else "")
+
+
+def check_http_url(value: str, keep_in: str) -> str:
+    """An http(s) URL with a host, e.g. http://localhost:11434/v1, without user:password@ (see
+    :func:`refuse_user_info`)."""
+    refuse_user_info(value, keep_in)
     parts = urlsplit(value.strip())
     try:
         _ = parts.port
@@ -293,9 +324,9 @@ def check_http_url(value: str) -> str:
     return value.strip()
 
 
-def optional_http_url(value: str | None) -> str | None:
+def optional_http_url(value: str | None, keep_in: str) -> str | None:
     """:func:`check_http_url`, where nothing (or an empty string: "the provider's own API") is None."""
-    return None if value is None or not value.strip() else check_http_url(value)
+    return None if value is None or not value.strip() else check_http_url(value, keep_in)
 
 
 _MODEL_NAME = re.compile(r"[A-Za-z0-9/][A-Za-z0-9._:/@+-]{0,199}")
@@ -331,7 +362,7 @@ class LLMConfig(_Section):
     @field_validator("base_url")
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
-        return optional_http_url(value)
+        return optional_http_url(value, "[llm] api_key_env")
 
     @model_validator(mode="after")
     def _anthropic_adds_v1(self) -> LLMConfig:
@@ -495,7 +526,7 @@ class MemoryConfig(_Section):
     @field_validator("embedder_base_url")
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
-        return optional_http_url(value)
+        return optional_http_url(value, "[memory] embedder_api_key_env")
 
     embedder_api_key_env: str = Field(default="OPENAI_API_KEY", description="Variable holding the embedder's key.")
     embed_messages: bool = Field(default=True, description="Embed past messages too (recall by meaning).")
@@ -760,7 +791,9 @@ class MatrixConfig(_Section):
         problems = [f"{k} is not set" for k in ("homeserver", "user_id") if not getattr(self, k)]
         if self.homeserver:
             try:  # ("matrix.example.org": nio retried its invalid URL forever)
-                check_http_url(self.homeserver)
+                check_http_url(self.homeserver, "[matrix] password_env or access_token_env")
+            except PydanticCustomError as exc:
+                problems.append(f"homeserver {exc.message()}")
             except ValueError:
                 like = self.homeserver if "://" not in self.homeserver else "matrix.example.org"
                 problems.append(f"homeserver {self.homeserver!r} is not an http(s) URL: write it like https://{like}")
@@ -819,6 +852,11 @@ class HttpSkillConfig(_Section):
         default=False, description="The url's host may be a name that resolves to an internal address (a service "
         "on this machine or network, e.g. http://ollama:11434); an IP address or localhost written in the url "
         "may be one anyway. Off: the name must resolve to public addresses, as any other host.")
+
+    @field_validator("url")
+    @classmethod
+    def _no_user_info(cls, value: str) -> str:
+        return refuse_user_info(value, "headers_env (an Authorization header: \"Basic …\" or \"Bearer …\")")
 
     @field_validator("parameters")
     @classmethod
@@ -884,6 +922,11 @@ class McpServerConfig(_Section):
     timeout_seconds: float = Field(default=30.0, gt=0, le=600, description="Longest tool call.")
     admin_only: bool = Field(default=False, description="Its tools are offered to the bot's admins only.")
     triggers: list[str] = Field(default_factory=list)
+
+    @field_validator("url")
+    @classmethod
+    def _no_user_info(cls, value: str) -> str:
+        return refuse_user_info(value, "headers_env")
 
     @model_validator(mode="after")
     def _one_transport(self) -> McpServerConfig:
@@ -1392,7 +1435,8 @@ def _describe_error(err: Mapping[str, Any], raw: Mapping[str, Any]) -> str:
         return (f"{where} is a list of tables: write each entry under [[{dotted}]] (two brackets), "
                 f"not one [{dotted}] table")
     got = err.get("input")
-    secret = any(isinstance(part, str) and _names_variables(part) for part in loc)  # maybe a secret pasted in
+    # maybe a secret pasted in, or a URL holding one
+    secret = kind == URL_USER_INFO or any(isinstance(part, str) and _names_variables(part) for part in loc)
     shown = "" if isinstance(got, Mapping) or got is None or secret else f" (got {got!r})"
     message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")  # pydantic's wording
     if isinstance(got, Mapping) and message.startswith("["):

@@ -103,6 +103,31 @@ def test_a_matrix_homeserver_or_user_id_that_cannot_work_is_refused(matrix: dict
     parse_config({"matrix": {**raw, **matrix, "enabled": False}})  # off: a Discord bot starts whatever it holds
 
 
+MATRIX_ON = {"enabled": True, "user_id": "@b:m.org", "password_env": "MX_PW"}
+
+
+@pytest.mark.parametrize(("raw", "where", "keep_in"), [
+    ({"llm": {"provider": "openai", "base_url": "http://bob:LlmPassw0rd@127.0.0.1:18765/v1"}},
+     "[llm] key 'base_url'", "[llm] api_key_env"),
+    ({"memory": {"embedder": "openai", "embedder_model": "e", "embedder_base_url": "http://bob:LlmPassw0rd@h:1/v1"}},
+     "[memory] key 'embedder_base_url'", "[memory] embedder_api_key_env"),
+    ({"matrix": {**MATRIX_ON, "homeserver": "https://bot:LlmPassw0rd@matrix.example.org"}},
+     "[matrix] is enabled, but homeserver", "[matrix] password_env or access_token_env"),
+    ({"skills": {"http": [{"name": "w", "description": "d", "url": "https://LlmPassw0rd@api.example.org/{q}"}]}},
+     "[[skills.http]] #1 key 'url'", "headers_env"),
+    ({"skills": {"mcp": [{"name": "m", "url": "https://u:LlmPassw0rd@mcp.example.org/mcp"}]}},
+     "[[skills.mcp]] #1 key 'url'", "headers_env"),
+])
+def test_a_user_name_or_password_in_a_url_is_refused_without_repeating_it(raw: dict, where: str, keep_in: str) -> None:
+    """Only [storage] url refused a password: `user:password@` in [llm] base_url (and the embedder's, the
+    homeserver's, a skill's) was taken, and doctor printed it ("✓ LLM openai at http://bob:LlmPassw0rd@…");
+    a homeserver's made aiohttp refuse every request ("Cannot combine AUTHORIZATION header with … credentials")."""
+    message = _error(raw)
+    assert where in message and "LlmPassw0rd" not in message, message
+    assert (f"holds a user name or password (user:password@): the config file is no place for a secret; remove it "
+            f"and put the secret in an environment variable named by {keep_in}") in message, message
+
+
 def test_a_list_of_tables_written_as_one_table_is_explained() -> None:
     """``[personas]`` where ``[[personas]]`` was meant said only "Input should be a valid list"."""
     assert "[personas] is a list of tables: write each entry under [[personas]] (two brackets)" in _error(
@@ -512,7 +537,8 @@ def test_a_password_in_a_refused_storage_url_is_never_repeated(url: str) -> None
 
 def test_a_password_in_another_refused_url_is_never_repeated() -> None:
     message = _error({"llm": {"provider": "openai", "base_url": "http://me:hunter2@localhost:port/v1"}})
-    assert "[llm] key 'base_url'" in message and "hunter2" not in message and "me:***@localhost" in message
+    assert "[llm] key 'base_url'" in message and "hunter2" not in message
+    assert "holds a user name or password" in message and "localhost" not in message  # (the URL is not shown at all)
 
 
 @pytest.mark.parametrize("url", ["postgresql://cortex@db.example.org/?dbname=",

@@ -574,6 +574,24 @@ async def test_doctor_names_a_skill_host_that_needs_allow_internal(monkeypatch: 
     assert "allow_internal = true" in reports[0][2]
 
 
+async def test_doctor_and_the_log_show_a_skill_url_without_its_query(make: Any, server: tuple[str, Recorder],
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """An API key in a skill's query (OpenWeatherMap's ?appid=…: the service takes it nowhere else) was printed by
+    doctor ("✓ http skill weather: https://api.example.org/w?appid=…") and logged at DEBUG with every call."""
+    from bot.cli import _doctor_skills
+    from bot.config import parse_config
+
+    base, _seen = server
+    url = f"{base}/echo/weather/{{city}}?appid=QUERYSECRET42&units=metric"
+    reports: list[tuple[bool, str, str]] = []
+    config = parse_config({"skills": {"http": [{"name": "weather", "description": "d", "url": url}]}})
+    await _doctor_skills(config, lambda ok, what, detail="": reports.append((ok, what, detail)))
+    assert reports == [(True, "http skill weather", f"{base}/echo/weather/{{city}}?…")]
+    with caplog.at_level(logging.DEBUG, logger="cortex.skills.http"):
+        done = await make(url=url, parameters=CITY_SCHEMA).run({"city": "Paris"}, _context())
+    assert not done.is_error and "/echo/weather/{city}?…" in caplog.text and "QUERYSECRET42" not in caplog.text
+
+
 @pytest.mark.parametrize("before", [280, 295, 1190])  # (across the 300-character cut; past the body's read limit)
 async def test_a_secret_an_error_page_echoes_is_redacted_whole_where_the_excerpt_is_cut(
         make: Any, monkeypatch: pytest.MonkeyPatch, before: int) -> None:

@@ -31,7 +31,7 @@ from jsonschema import exceptions as schema_errors
 from jsonschema import validators
 from yarl import URL
 
-from bot.config import URL_PLACEHOLDER, HttpSkillConfig
+from bot.config import URL_PLACEHOLDER, HttpSkillConfig, shown_url
 from cortex.skills.base import (
     SkillContext,
     SkillFailure,
@@ -135,7 +135,8 @@ class HttpSkill:
             options["json"] = rest
         elif rest:
             options["params"] = query_params(rest)
-        log.debug("http skill %s: %s %s", config.name, config.method, config.url)  # (the URL filled: their words)
+        # (the URL as written: filled, it holds their words; without its query, which may hold the API's key)
+        log.debug("http skill %s: %s %s", config.name, config.method, shown_url(config.url))
         try:
             async with self._session_now().request(config.method, url, **options) as response:
                 if not follow and 300 <= response.status < 400:
