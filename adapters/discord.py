@@ -47,7 +47,7 @@ from adapters.discord_slash import (
 from adapters.reachable import wait_until_answers
 from bot.app import App
 from bot.commands import CommandContext, CommandReply
-from bot.config import DiscordConfig
+from bot.config import ConfigError, DiscordConfig, read_secret
 from bot.policy import Inbound, refusal
 from bot.ports import IncomingMessage
 from bot.ratelimit import slow_down
@@ -648,12 +648,13 @@ class DiscordAdapter:
 
 
 def read_token(config: DiscordConfig) -> str:
-    import os
-
     if not config.token_env:
         raise RuntimeError("[discord] token_env is empty: name the environment variable that holds the bot token "
                            "(DISCORD_TOKEN by default)")
-    token = os.environ.get(config.token_env, "").strip()
+    try:
+        token = read_secret(config.token_env)
+    except ConfigError as exc:
+        raise RuntimeError(str(exc)) from None
     if not token:
         raise RuntimeError(f"[discord] is enabled but ${config.token_env} holds no bot token")
     return token

@@ -19,7 +19,6 @@ import functools
 import io
 import json
 import logging
-import os
 import re
 import time
 from collections import OrderedDict
@@ -87,7 +86,7 @@ from adapters.reachable import wait_until_answers
 from bot.app import App
 from bot.commands import Attachment, CommandReply, PlatformCommand
 from bot.commands.files import MAX_ATTACHMENT_BYTES
-from bot.config import MatrixConfig
+from bot.config import ConfigError, MatrixConfig, read_secret
 from bot.policy import Inbound, refusal
 from bot.ports import IncomingMessage
 from bot.privatefs import create_private, own_folder, private_file
@@ -267,9 +266,11 @@ class MatrixError(RuntimeError):
 
 def read_secrets(config: MatrixConfig, env: Mapping[str, str] | None = None) -> tuple[str, str]:
     """The account's password and access token from the environment (either may be empty, not both)."""
-    environment = env if env is not None else os.environ
-    password = environment.get(config.password_env, "") if config.password_env else ""
-    token = environment.get(config.access_token_env, "") if config.access_token_env else ""
+    try:
+        password = read_secret(config.password_env, env) or "" if config.password_env else ""
+        token = read_secret(config.access_token_env, env) or "" if config.access_token_env else ""
+    except ConfigError as exc:
+        raise MatrixError(str(exc)) from None
     if not (password or token):
         raise MatrixError(
             f"[matrix] needs a password or an access token: set ${config.password_env or config.access_token_env}"

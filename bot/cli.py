@@ -601,7 +601,10 @@ def _target_password(env_name: str) -> str | None:
     """The target's password: from the variable ``--to-password-env`` names, else PGPASSWORD (or none)."""
     if not env_name:
         return os.environ.get("PGPASSWORD") or None
-    value = os.environ.get(env_name)
+    try:
+        value = read_secret(env_name)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
     if not value:
         raise click.ClickException(f"--to-password-env names {env_name}, but that environment variable is not set")
     return value
@@ -1004,10 +1007,8 @@ async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
         await _doctor_backlog(config, embedder, report)
 
     llm = config.llm
-    if read_secret(llm.key_env_name) is None and llm.key_required:
-        report(False, "LLM API key", f"environment variable {llm.key_env_name} is not set")
+    if not _doctor_llm_key(config, report):
         return
-    report(True, "LLM API key", f"read from ${llm.key_env_name}" if read_secret(llm.key_env_name) else "not needed")
     try:
         provider = build_provider(config)
     except ConfigError as exc:
@@ -1046,6 +1047,21 @@ async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
     await _doctor_answer(config, report, [m for m in _background_models(config) if not models or m in models])
     if database_ready:
         await _doctor_stored_models(config, report, set(_background_models(config)))
+
+
+def _doctor_llm_key(config: Config, report: Callable[..., None]) -> bool:
+    """Whether the LLM's key is there (or not needed), as the bot reads it; said either way."""
+    llm = config.llm
+    try:
+        key = read_secret(llm.key_env_name)
+    except ConfigError as exc:  # (a line break inside it)
+        report(False, "LLM API key", str(exc))
+        return False
+    if key is None and llm.key_required:
+        report(False, "LLM API key", f"environment variable {llm.key_env_name} is not set")
+        return False
+    report(True, "LLM API key", f"read from ${llm.key_env_name}" if key else "not needed")
+    return True
 
 
 async def _doctor_stored_models(config: Config, report: Callable[..., None], checked: set[str]) -> None:

@@ -155,7 +155,7 @@ class StorageConfig(_Section):
                 url = check_storage_url(value)
             except ValueError as exc:
                 raise ConfigError(f"the storage URL in ${self.url_env}: {exc}") from None
-        password = env.get(self.password_env) if self.password_env else None
+        password = read_secret(self.password_env, env) if self.password_env else None
         if self.password_env and not password:
             raise ConfigError(f"[storage] password_env names {self.password_env}, but that variable is not set")
         _known_secrets.update(_secret_pieces(url, password))  # hidden in any text from now on
@@ -1252,8 +1252,14 @@ class Config(_Section):
 
 
 def read_secret(env_name: str, env: Mapping[str, str] | None = None) -> str | None:
-    """The secret held by environment variable ``env_name``, or None when it is unset or empty."""
+    """The secret held by environment variable ``env_name`` without the whitespace around it (a secret mounted from
+    a file, or made with ``echo``, ends in a line break), or None when it is unset or empty. One with a line break
+    or another control character inside raises :class:`ConfigError` naming the variable: no server takes it, and
+    HTTP refuses it in a header (as a traceback, or as a server that "cannot be reached")."""
     value = (env if env is not None else os.environ).get(env_name, "").strip()
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
+        raise ConfigError(f"environment variable {env_name} holds a line break or another control character inside "
+                          "its secret: put the secret alone in it")
     return value or None
 
 

@@ -861,6 +861,26 @@ def test_a_database_that_refuses_the_bots_role_is_one_line(tmp_path: Path, fake_
         asyncio.run(prepare(f"DROP OWNED BY {role}; DROP ROLE {role}"))
 
 
+def test_an_api_key_with_a_line_break_inside_is_named_by_doctor_and_chat(tmp_path: Path,
+                                                                         fake_llm: FakeLLMServer) -> None:
+    """doctor said "✓ LLM API key", then that the server "cannot be reached" (httpx refused the header), as did
+    every reply: nothing named the key or its variable."""
+    config = write_config(tmp_path, fake_llm)
+    config.write_text(config.read_text() + '[memory]\nembedder = "none"\n')
+    said = ("environment variable CB_TEST_API_KEY holds a line break or another control character inside its "
+            "secret: put the secret alone in it")
+    doctor = cortexbot("--config", str(config), "doctor", env={"CB_TEST_API_KEY": "sk-ab\ncd"})
+    assert doctor.returncode == 1 and f"✗ LLM API key: {said}" in doctor.stdout, doctor.stdout + doctor.stderr
+    assert "Traceback" not in doctor.stderr
+    chat = cortexbot("--config", str(config), "chat", "--user", "ann", stdin="hi\n",
+                     env={"CB_TEST_API_KEY": "sk-ab\ncd"})
+    assert chat.returncode == 1 and said in chat.stderr and "Traceback" not in chat.stderr, chat.stderr
+    assert not fake_llm.completion_requests
+    ended = cortexbot("--config", str(config), "chat", "--user", "ann", stdin="hi\n",
+                      env={"CB_TEST_API_KEY": API_KEY + "\n"})
+    assert ended.returncode == 0 and "echo: hi" in ended.stdout, ended.stderr
+
+
 def test_a_job_id_that_is_no_number_is_said_so() -> None:
     """click's integer range answered "'abc' is not a valid integer range"."""
     for given in ("abc", "0", "-3"):

@@ -175,10 +175,25 @@ def test_invalid_toml_and_missing_file(tmp_path: Path) -> None:
 
 def test_secrets_come_from_the_environment_only() -> None:
     assert read_secret("CB_TEST_KEY", {"CB_TEST_KEY": " sk-123 "}) == "sk-123"
+    assert read_secret("CB_TEST_KEY", {"CB_TEST_KEY": "sk-123\n"}) == "sk-123"  # (made with `echo`)
     assert read_secret("CB_TEST_KEY", {"CB_TEST_KEY": ""}) is None
     assert read_secret("CB_TEST_KEY", {}) is None
     # A key written into the file is an unknown key, not a secret the bot would use.
     assert "api_key" in _error({"llm": {"api_key": "sk-secret"}})
+
+
+@pytest.mark.parametrize("value", ["sk-ant-abc\ndef", "sk-ant-abc\rdef", "sk-ant-abc\x00def", "sk-\x7fabc"])
+def test_a_secret_with_a_control_character_inside_is_named(value: str) -> None:
+    """An ANTHROPIC_API_KEY with a line break inside (two values pasted into one) showed ✓ in doctor, and every
+    reply then said the model "cannot be reached" (httpx refuses the header)."""
+    with pytest.raises(ConfigError) as info:
+        read_secret("CB_TEST_KEY", {"CB_TEST_KEY": value})
+    assert str(info.value) == ("environment variable CB_TEST_KEY holds a line break or another control character "
+                               "inside its secret: put the secret alone in it")
+    storage = parse_config({"storage": {"password_env": "CB_TEST_PW"}}).storage
+    assert storage.resolve({"CB_TEST_PW": "pg-pass\n"})[1] == "pg-pass"
+    with pytest.raises(ConfigError, match="CB_TEST_PW holds a line break"):
+        storage.resolve({"CB_TEST_PW": value})
 
 
 def test_default_key_env_follows_provider() -> None:

@@ -362,6 +362,23 @@ async def test_doctor_asks_discord_whether_it_takes_the_bot_token(monkeypatch: p
     assert not ok and said.startswith(f"cannot reach {unreachable} (") and "waits until it can" in said
 
 
+async def test_a_bot_token_ending_in_a_line_break_is_taken_and_one_with_a_break_inside_is_named(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DISCORD_TOKEN with a line break inside (two secrets pasted into one) ended doctor with a traceback
+    ("Forbidden control character detected in headers"); one ending in a break (`echo` into a secret) is meant."""
+    from adapters.credentials import discord_login
+
+    config = DiscordConfig(enabled=True, token_env="CB_TEST_DISCORD_TOKEN")
+    with FakeDiscord() as fake:
+        env = {API_BASE_ENV: fake.api_base}
+        monkeypatch.setenv("CB_TEST_DISCORD_TOKEN", "a-good-token\n")
+        assert (await discord_login(config, env))[0]
+        monkeypatch.setenv("CB_TEST_DISCORD_TOKEN", "a-good\n-token")
+        assert await discord_login(config, env) == (
+            False, "environment variable CB_TEST_DISCORD_TOKEN holds a line break or another control character "
+                   "inside its secret: put the secret alone in it")
+
+
 @asynccontextmanager
 async def _serving(path: str, handler: Any) -> AsyncIterator[str]:
     """An HTTP server on loopback answering GET ``path`` with ``handler``: its base URL."""

@@ -147,3 +147,51 @@ async def test_with_encryption_a_signed_out_session_stops_with_one_clear_line(
         assert not json.loads((tmp_path / "matrix" / "session.json").read_text()).get("access_token")
     finally:
         await stop_bot(bot)
+
+
+@pytest.mark.parametrize("kind", ["password_env", "access_token_env"])
+async def test_a_secret_ending_in_a_line_break_signs_in_and_one_with_a_break_inside_is_named(
+        synapse: SynapseServer, tmp_path: Path, kind: str) -> None:
+    """A secret from the environment ending in a line break (a Kubernetes secret made with `echo`): with a password,
+    doctor said ✓ and run stopped with "M_FORBIDDEN Invalid username or password"; with a token, doctor ended in a
+    traceback ("Forbidden control character detected in headers"). A break inside one is no secret anyone means."""
+    from adapters.credentials import matrix_login
+    from adapters.matrix import MatrixAdapter
+    from bot.app import App
+    from bot.config import parse_config
+    from tests.fakes.provider import ScriptedProvider
+    from tests.test_matrix import DEADLINE, PASSWORD, _unique
+
+    bot_id = synapse.register(_unique("cortex"), PASSWORD)
+    token, _ = synapse.login_token(bot_id.split(":")[0][1:], PASSWORD)
+    secret = token if kind == "access_token_env" else PASSWORD
+    config = parse_config({"storage": {"url": f"sqlite:///{tmp_path / 'bot.db'}"},
+                           "matrix": {"enabled": True, "homeserver": synapse.url, "user_id": bot_id,
+                                      kind: "MX_SECRET", "store_path": str(tmp_path / "mx")}})
+    inside = {"MX_SECRET": secret[:5] + "\n" + secret[5:]}
+    said = "environment variable MX_SECRET holds a line break or another control character inside its secret"
+    assert (await matrix_login(config.matrix, inside))[0] is False
+    assert said in (await matrix_login(config.matrix, inside))[1]
+    ended = {"MX_SECRET": secret + "\n"}
+    ok, _detail = await matrix_login(config.matrix, ended)
+    assert ok, _detail
+    app = App(config, llm=ScriptedProvider())
+    await app.start()
+    try:
+        with pytest.raises(MatrixError, match=said):
+            MatrixAdapter(app, config.matrix, env=inside)
+        adapter = MatrixAdapter(app, config.matrix, env=ended)
+        task = asyncio.create_task(adapter.run())
+        waiter = asyncio.create_task(adapter.ready.wait())
+        try:
+            done, _ = await asyncio.wait({task, waiter}, timeout=DEADLINE, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                task.result()  # (the adapter's start-up error)
+            assert waiter in done, "the bot did not get ready"
+        finally:
+            await adapter.close()
+            task.cancel()
+            waiter.cancel()
+            await asyncio.gather(task, waiter, return_exceptions=True)
+    finally:
+        await app.stop()
