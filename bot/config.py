@@ -83,7 +83,7 @@ class _Section(BaseModel):
         no such name is most likely the secret itself, pasted in; it is refused and never repeated."""
         if _names_variables(info.field_name or ""):
             for name in value.values() if isinstance(value, dict) else (value,):
-                if isinstance(name, str) and name and not ENV_NAME.fullmatch(name):
+                if isinstance(name, str) and name and (not ENV_NAME.fullmatch(name) or looks_like_token(name)):
                     raise ValueError(NOT_A_VARIABLE)
         return value
 
@@ -91,6 +91,31 @@ class _Section(BaseModel):
 NOT_A_VARIABLE = ("this names an environment variable (letters, digits and _), and what is written here is not "
                   "one: if it is the secret itself, remove it from the file, put it in an environment variable "
                   "and write that variable's name here")
+
+
+# Tokens made of letters, digits and _ alone, which pass for a variable's name: Synapse's access and refresh tokens,
+# Matrix Authentication Service's, GitHub's, Slack's, Stripe's (OpenAI's and Anthropic's "sk-…" hold a "-").
+TOKEN_PREFIXES = ("syt_", "syr_", "mat_", "mct_", "ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_", "xox",
+                  "sk_live_", "sk_test_", "rk_live_", "rk_test_")
+RANDOM_PIECE_CHARS = 16
+
+
+def looks_like_token(value: str) -> bool:
+    """Whether a would-be variable name is rather a secret: a known token's prefix followed by something random, or
+    a long piece (between "_") of letters and digits mixed as no name mixes them."""
+    if value.startswith(TOKEN_PREFIXES) and len(value) >= 24 and any(ch.isdigit() for ch in value):
+        return True
+    return any(_random_piece(piece) for piece in value.split("_"))
+
+
+def _random_piece(piece: str) -> bool:
+    """Letters and digits alternating in a long piece ("Qx7kLm2pV9rT4wZ8", "a3f9c2e1b4d5f6a7"), where a name has
+    words and at most a number or two ("AzureOpenAIKey", "CortexBot2MatrixToken")."""
+    if len(piece) < RANDOM_PIECE_CHARS or not re.search(r"[0-9][A-Za-z]", piece):
+        return False
+    runs = len(re.findall(r"[0-9]+", piece))
+    mixed_case = piece.lower() != piece and piece.upper() != piece
+    return runs >= 3 or (runs >= 2 and mixed_case)
 
 
 def _names_variables(key: str) -> bool:

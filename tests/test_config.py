@@ -428,6 +428,35 @@ def test_a_secret_pasted_where_a_variable_name_belongs_is_refused_and_never_repe
     assert "environment variable" in message and "the secret itself" in message and secret not in message
 
 
+@pytest.mark.parametrize("token", [
+    "syt_Y29ydGV4_lKvwjxjMMqqMJkPwMJTx_3O7cR0",  # Synapse's access tokens (a valid identifier all the same)
+    "syr_Y29ydGV4_lKvwjxjMMqqMJkPwMJTx_3O7cR0",  # … and its refresh tokens
+    "mat_Qx7kLm2pV9rT4wZ8nB3cY6dF1gH5jK0s",  # Matrix Authentication Service's
+    "ghp_16C7e42F292c6912E7710c838347Ae178B4a",  # GitHub's (an MCP server's env_from)
+    "github_pat_11ABCDEFG0123456789_abcdefghijKLMNOPqrstuvwxyz0123456789",
+    "xoxb_not_slack_but_Ab3dE6gH9jK2mN5pQ8sT",
+    "Ab9CdEf0123456789GhIjKlMn",  # a key of letters and digits, no prefix
+    "a3f9c2e1b4d5f6a7b8c9d0e1f2a3b4c5",  # lower-case hex
+])
+def test_a_token_that_is_also_a_variable_name_is_refused_and_never_repeated(token: str) -> None:
+    """A Matrix access token pasted into access_token_env ("syt_…" holds only letters, digits and _) passed as a
+    variable's name, and the start printed it: "[matrix] needs a password or an access token: set $syt_…"."""
+    for raw in ({"matrix": {**MATRIX_ON, "homeserver": "https://m.org", "password_env": "", "access_token_env": token}},
+                {"llm": {"api_key_env": token}},
+                {"skills": {"mcp": [{"name": "files", "command": ["x"], "env_from": {"TOKEN": token}}]}}):
+        message = _error(raw)
+        assert "the secret itself" in message and token not in message and token[6:14] not in message, message
+
+
+@pytest.mark.parametrize("name", ["DISCORD_TOKEN", "MATRIX_PASSWORD", "OPENAI_API_KEY2", "CortexMatrixToken",
+                                  "cortex_matrix_token", "K8S_MATRIX_TOKEN", "MY_BOT_1_TOKEN", "AzureOpenAIKey",
+                                  "CortexBot2MatrixAccessToken", "MyCortexBotMatrixAccessTokenForExampleOrg",
+                                  "github_pat_for_the_bot", "sk_live_key", "BOT_V2_TOKEN_2024",
+                                  "MATRIX_ACCESS_TOKEN_FOR_THE_CORTEX_BOT_ON_EXAMPLE_ORG"])
+def test_variable_names_as_people_write_them_are_taken(name: str) -> None:
+    assert parse_config({"llm": {"api_key_env": name}}).llm.key_env_name == name
+
+
 def test_an_empty_discord_token_variable_says_so() -> None:
     from adapters.discord import read_token
 
