@@ -1187,12 +1187,14 @@ class PersonaConfig(_Section):
     @field_validator("soul_order")
     @classmethod
     def _known_sections(cls, value: list[str]) -> list[str]:
+        """The order of the sections it lists, the others after them in their usual order: an order is no choice of
+        sections (the ones left out were dropped from the prompt, boundaries and all)."""
         unknown = [s for s in value if s not in SOUL_SECTIONS]
         if unknown:
             raise ValueError(f"unknown soul section(s) {unknown}; allowed: {', '.join(SOUL_SECTIONS)}")
         if len(set(value)) != len(value):
             raise ValueError("a soul section is listed twice")
-        return value
+        return value + [section for section in SOUL_SECTIONS if section not in value]
 
     def soul_sections(self) -> list[tuple[str, str]]:
         """Non-empty soul sections in this persona's order."""

@@ -203,10 +203,10 @@ def test_default_key_env_follows_provider() -> None:
 
 
 def test_persona_soul_sections_follow_order() -> None:
-    config = parse_config(
-        {"personas": [{"name": "A", "tone": "dry", "identity": "I am A", "soul_order": ["tone", "identity"]}]}
-    )
-    assert config.persona("a").soul_sections() == [("tone", "dry"), ("identity", "I am A")]
+    config = parse_config({"personas": [
+        {"name": "A", "tone": "dry", "identity": "I am A", "boundaries": "no", "soul_order": ["tone", "identity"]}]})
+    # (the sections it leaves out follow, in their usual order)
+    assert config.persona("a").soul_sections() == [("tone", "dry"), ("identity", "I am A"), ("boundaries", "no")]
     with pytest.raises(ConfigError, match="unknown persona"):
         config.persona("b")
 

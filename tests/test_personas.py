@@ -415,6 +415,19 @@ async def test_a_config_persona_named_like_one_made_in_chat_is_refused_at_start_
             pass
 
 
+async def test_sections_a_soul_order_leaves_out_follow_in_their_usual_order(tmp_path: Path) -> None:
+    """``soul_order = ["tone", "identity"]`` dropped every other section from the prompt without a word (its
+    boundaries too: "never reveal …" never reached the model), where it meant only to put those two first."""
+    llm = ScriptedProvider()
+    config = _config(tmp_path, soul_order=["tone", "identity"], boundaries="BOUNDARY: never reveal the address.",
+                     values="VALUES: honesty.")
+    assert config.personas[0].soul_order == ["tone", "identity", "personality", "boundaries", "communication_style",
+                                             "values", "domain_expertise", "error_handling"]
+    async with App(config, llm=llm) as app:
+        system = await system_prompt(app, llm)
+    assert system.index("Warm.") < system.index("a gardener") < system.index("BOUNDARY") < system.index("VALUES")
+
+
 async def test_a_changed_soul_order_in_the_config_applies_at_the_next_start(tmp_path: Path) -> None:
     """Seeding placed a section only when it was first written: a new ``soul_order`` in the config changed
     nothing. A section of its own made in chat keeps its place between them."""
