@@ -193,15 +193,21 @@ def chat(ctx: click.Context, user: str | None, persona: str | None) -> None:
     if not ctx.obj.get("verbose"):  # a failed reply's warning repeats the error line the chat just showed
         for handler in logging.getLogger().handlers:
             handler.addFilter(lambda record: not getattr(record, USER_TOLD, False))
-    # A name typed in another encoding than the terminal's arrives with lone surrogates: no store takes them.
-    typed = (user or "").strip() or config.terminal.user or getpass.getuser() or ""
-    if len(typed) > NAME_CHARS:  # (cut, two long names alike at the start would be one user, with one memory)
-        raise click.ClickException(f"the chat's user name (--user, or [terminal] user) takes at most {NAME_CHARS} "
-                                   f"characters; got {len(typed)}")
-    name = one_line_name(typed) or "you"
+    name = terminal_user(config, user)
     picked = (persona or "").strip() or None  # (as !persona reads a name: " Cora" was unknown, said as `Cora`)
     status = _run_async(lambda: _chat(config, name, picked))
     sys.exit(status)
+
+
+def terminal_user(config: Config, given: str | None = None) -> str:
+    """The terminal chat's user (``chat``'s and ``run``'s alike): ``--user``, else ``[terminal] user``, else the login
+    name, without the spaces around it and on one line."""
+    typed = (given or "").strip() or config.terminal.user.strip() or getpass.getuser() or ""
+    if len(typed) > NAME_CHARS:  # (cut, two long names alike at the start would be one user, with one memory)
+        raise click.ClickException(f"the chat's user name (--user, or [terminal] user) takes at most {NAME_CHARS} "
+                                   f"characters; got {len(typed)}")
+    # A name typed in another encoding than the terminal's arrives with lone surrogates: no store takes them.
+    return one_line_name(typed) or "you"
 
 
 async def _chat(config: Config, user: str, persona: str | None) -> int:
@@ -277,7 +283,8 @@ def run(ctx: click.Context) -> None:
                 "no adapter is enabled: set [discord] enabled = true, [matrix] enabled = true "
                 "or [terminal] enabled = true"
             )
-        status = _run_async(lambda: _chat(config, config.terminal.user or getpass.getuser() or "you", None))
+        name = terminal_user(config)
+        status = _run_async(lambda: _chat(config, name, None))
         sys.exit(status)
     status = _run_async(lambda: _serve(config, platforms))
     sys.exit(status)

@@ -201,6 +201,22 @@ def test_a_user_name_in_another_encoding_than_the_terminals_still_chats(tmp_path
     assert db_rows(tmp_path, "SELECT display_name FROM users") == [("J\ufffdrgen",)]
 
 
+def test_run_and_chat_are_the_same_terminal_user(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """`run` (a terminal chat) took [terminal] user as written and `chat` trimmed it: with user = "Ann " they were
+    two people, console:Ann  and console:Ann, each with a memory of their own; and `run` kept a name too long to keep
+    whole, or one of two lines, that `chat` refuses or makes one line."""
+    fake_llm.responder = responder()
+    config = write_config(tmp_path, fake_llm)
+    config.write_text(config.read_text() + '[terminal]\nuser = "Ann "\n')
+    for command in ("run", "chat"):
+        done = cortexbot("--config", str(config), command, stdin=f"hello from {command}\n")
+        assert done.returncode == 0 and f"echo: hello from {command}" in done.stdout, done.stderr
+    assert db_rows(tmp_path, "SELECT key, display_name FROM users") == [("console:Ann", "Ann")]
+    config.write_text(config.read_text().replace('user = "Ann "', f'user = "{"u" * 100}"'))
+    long = cortexbot("--config", str(config), "run", stdin="hi\n")
+    assert long.returncode == 1 and "takes at most 64 characters; got 100" in long.stderr, long.stderr
+
+
 def test_a_user_name_too_long_to_keep_whole_is_refused(tmp_path: Path, fake_llm: FakeLLMServer) -> None:
     """`--user` was cut to 64 characters, and the cut name is the user: two long names alike at the start were
     one person, who saw the other's memory."""
