@@ -610,8 +610,34 @@ class ChatConfig(_Section):
                     "then replaces it.")
 
 
+_SERVER_NAME = r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+)(?::\d{1,5})?"  # example.org[:port], [::1]:8448
+_MATRIX_SERVER = re.compile(_SERVER_NAME)
+_MATRIX_USER = re.compile(rf"@[^:\s]+:{_SERVER_NAME}")  # @name:server[:port]
+_MATRIX_ROOM = re.compile(rf"![^:\s]+(?::{_SERVER_NAME})?")  # !id:server (room version 12: !id alone)
 ACCESS_PLATFORMS = ("discord", "matrix", "console")
 _POWER_ROLE = re.compile(r"matrix:power:-?[0-9]{1,16}")  # a Matrix power level, from which the role is held
+_ROOM_ID_HINT = "(Element: Room settings → Advanced → Internal room ID)"
+
+
+def _matrix_problem(entry: str, field: str) -> str | None:
+    """What is wrong with a Matrix id (without its ``matrix:``) in the access list ``field``, or None: users are
+    @name:server, rooms !id (and their server: room version 12 has none), servers a room or a homeserver's name
+    (roles: see ``_power_levels``)."""
+    if field.endswith("_roles"):
+        return None
+    if entry.startswith("#") and not field.endswith(("_users", "_bots")):
+        return (f"that is the room's alias, which messages do not carry: write its id, matrix:!…:"
+                f"{entry.partition(':')[2] or 'example.org'} {_ROOM_ID_HINT}")
+    if field.endswith(("_users", "_bots")):
+        return None if _MATRIX_USER.fullmatch(entry) else (
+            "a Matrix user is written in full, e.g. matrix:@ann:example.org (an @, the account's name, a colon and "
+            "its server)")
+    if _MATRIX_ROOM.fullmatch(entry) or (field.endswith("_servers") and _MATRIX_SERVER.fullmatch(entry)):
+        return None
+    if field.endswith("_servers"):
+        return ("a Matrix entry here is a room's id (matrix:!AbCdEf:example.org) or a homeserver's name as user ids "
+                "end (matrix:example.org)")
+    return f"a Matrix room is written with its id, e.g. matrix:!AbCdEf:example.org {_ROOM_ID_HINT}"
 
 
 class AccessConfig(_Section):
@@ -636,16 +662,22 @@ class AccessConfig(_Section):
     @classmethod
     def _platform_ids(cls, ids: list[str], info: ValidationInfo) -> list[str]:
         """A bare id ("1234", "general") matches nothing, so a list of them would silently refuse or let
-        through everyone: each id must say its platform, and a Discord id is a number."""
+        through everyone: each id must say its platform, a Discord id is a number, and a Matrix one is written as
+        messages carry it (see ``_matrix_problem``). Spaces around an id or its parts are dropped."""
+        taken = []
         for entry in ids:
-            platform, _, rest = entry.partition(":")
-            if platform not in ACCESS_PLATFORMS or not rest.strip():
+            platform, _, rest = entry.strip().partition(":")
+            rest = rest.strip()
+            if platform not in ACCESS_PLATFORMS or not rest:
                 raise ValueError(f"{entry!r} in {info.field_name}: write ids as platform:id, e.g. discord:1234, "
                                  "matrix:@ann:example.org, matrix:!room:example.org (console:NAME in the terminal)")
             if platform == "discord" and not (rest.isascii() and rest.isdigit()):
                 raise ValueError(f"{entry!r} in {info.field_name}: a Discord id is a number (Developer Mode, "
                                  "right click, Copy ID), e.g. discord:123456789012345678")
-        return ids
+            if platform == "matrix" and (problem := _matrix_problem(rest, str(info.field_name))):
+                raise ValueError(f"{entry!r} in {info.field_name}: {problem}")
+            taken.append(f"{platform}:{rest}")
+        return taken
 
     @field_validator("allow_roles", "deny_roles")
     @classmethod
@@ -734,9 +766,6 @@ def _check_shard_ids(ids: list[int], count: int | None) -> list[int]:
     return ids
 
 
-_SERVER_NAME = r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+)(?::\d{1,5})?"  # example.org[:port], [::1]:8448
-_MATRIX_SERVER = re.compile(_SERVER_NAME)
-_MATRIX_USER = re.compile(rf"@[^:\s]+:{_SERVER_NAME}")  # @name:server[:port]
 
 
 def _matrix_user_ids(ids: list[str]) -> list[str]:

@@ -648,6 +648,42 @@ def test_discord_admin_ids_are_numbers_the_access_lists_form_too() -> None:
                 in _error({"discord": {"admin_ids": [entry]}}))
 
 
+@pytest.mark.parametrize(("field", "entry", "said"), [
+    ("deny_channels", "matrix:#general:example.org", "'matrix:#general:example.org' in deny_channels: that is the "
+     "room's alias, which messages do not carry: write its id, matrix:!…:example.org (Element: Room settings → "
+     "Advanced → Internal room ID)"),
+    ("allow_servers", "matrix:#general:example.org", "that is the room's alias"),
+    ("always_answer_channels", "matrix:general", "'matrix:general' in always_answer_channels: a Matrix room is "
+     "written with its id, e.g. matrix:!AbCdEf:example.org (Element: Room settings → Advanced → Internal room ID)"),
+    ("deny_users", "matrix:troll:example.org", "'matrix:troll:example.org' in deny_users: a Matrix user is written "
+     "in full, e.g. matrix:@ann:example.org (an @, the account's name, a colon and its server)"),
+    ("allow_bots", "matrix:@bot", "a Matrix user is written in full"),
+    ("deny_servers", "matrix:https://example.org", "'matrix:https://example.org' in deny_servers: a Matrix entry "
+     "here is a room's id (matrix:!AbCdEf:example.org) or a homeserver's name as user ids end (matrix:example.org)"),
+])
+def test_matrix_access_entries_that_can_match_nobody_are_refused(field: str, entry: str, said: str) -> None:
+    """The lists checked the platform alone: a room's alias (as Element shows it), a user without its @ and a
+    server written as a URL were taken, and matched nobody: the troll was answered in the "denied" room."""
+    assert said in _error({"access": {field: [entry]}})
+
+
+def test_access_entries_are_taken_without_the_spaces_around_them() -> None:
+    """``"matrix:@spammer:example.org "`` (a trailing space) was taken as written and matched nobody."""
+    from bot.policy import Inbound, refusal
+    from bot.ports import IncomingMessage
+
+    access = parse_config({"access": {
+        "deny_users": ["matrix:@spammer:example.org ", " discord:12"],
+        "deny_channels": ["matrix:!AbCdEf:example.org", "matrix:!v12RoomIdWithoutServer-_x"],
+        "allow_servers": ["matrix:example.org", "matrix:!AbCdEf:example.org", "matrix:[::1]:8448"],
+        "allow_users": ["console: Ann "]}}).access
+    assert access.deny_users == ["matrix:@spammer:example.org", "discord:12"]
+    assert access.allow_users == ["console:Ann"]
+    msg = IncomingMessage(platform="matrix", channel_id="!Other:example.org", author_id="@spammer:example.org",
+                          author_name="x", text="!help", server_id="!Other:example.org")
+    assert refusal(Inbound(msg), access, is_command=True) == "denied user or channel"
+
+
 def test_a_matrix_role_is_a_whole_power_level_and_no_deny_lists() -> None:
     """``matrix:power:mod`` matched nobody; a listed level is held from that level up, which in a deny list would
     keep out the room's admins first (the allow list does what was meant)."""
