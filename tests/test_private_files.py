@@ -153,3 +153,24 @@ async def test_the_matrix_key_store_is_the_owners_alone_in_a_folder_made_before(
     said.clear()
     _doctor_matrix_store(bot.adapter.config, lambda ok, what, detail="": said.append((ok, what, detail)))
     assert said == []
+
+
+@pytest.mark.usefixtures("open_umask")
+def test_a_matrix_store_folder_that_cannot_be_made_private_stops_the_start(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store folder of another account (the chmod is refused) is said in one line with what to do."""
+    import bot.privatefs
+    from adapters.matrix import MatrixError, keep_private
+
+    store = tmp_path / "shared"
+    store.mkdir(mode=0o755)
+
+    def refused(path: object, mode: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(bot.privatefs.os, "chmod", refused)
+    with pytest.raises(MatrixError) as info:
+        keep_private(store)
+    assert str(info.value) == (f"the Matrix store folder {store} holds the bot's login and keys, and others may read "
+                               "it; it cannot be made private (Operation not permitted): chmod 700 it as its owner, "
+                               "or set [matrix] store_path to a folder of the account running the bot")
