@@ -6,6 +6,7 @@ Tests and benchmarks build the same graph with a different provider (``llm=``) o
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -16,13 +17,13 @@ from bot.commands.dashboard import register_dashboard
 from bot.config import Config, ConfigError, read_secret
 from bot.conversation import ConversationCore
 from bot.fleet import HEARTBEAT_SECONDS, Fleet
-from bot.jobs import JobQueue, WorkerPool
+from bot.jobs import JobQueue, WorkerPool, local_host
 from bot.llm import create_provider
 from bot.llm.base import LLMProvider
 from bot.router import Router
 from bot.scheduler import Scheduler
 from bot.storage import Storage, open_storage
-from bot.storage.copy import unfinished_copy
+from bot.storage.copy import note_use, unfinished_copy
 from bot.storage.engine import StorageError
 from bot.summary import JOB_KIND as SUMMARY_JOB
 from bot.summary import SummaryEngine
@@ -97,6 +98,8 @@ class App:
                 log.info("database migrated to version %d", applied[-1])
             if (unfinished := await unfinished_copy(self.storage)) is not None:  # (part of another's data)
                 raise StorageError(unfinished)
+            # (a copy-data into it would undo what this process changes: it is refused from now on)
+            await note_use(self.storage, f"a bot process (pid {os.getpid()} on {local_host()})")
             if await self.storage.scrub_if_pending():  # a process stopped after deleting words, before scrubbing
                 log.info("scrubbed the database's files of words deleted before the last stop")
             self.personas = PersonaRegistry(self.config, self.storage)

@@ -39,6 +39,10 @@ from bot.storage import StorageError
 from bot.storage.fleet import LIVE_SECONDS
 from bot.text import NAME_CHARS, error_line, one_line_name, plural
 
+FLEET_MIGRATION = 5  # the first with the processes table
+STOPPED_UNSAID = (f"A process of another machine that stopped without a word counts as running until {LIVE_SECONDS:g} "
+                  "s after it was last seen")
+
 if TYPE_CHECKING:
     from bot.storage.copy import CopyReport
 
@@ -454,6 +458,9 @@ async def _retry_job(storage: Any, number: int) -> str:
         raise StorageError(f"there is no job {number}")
     if job.status != "failed":
         raise StorageError(f"job {number} is {job.status}: only failed jobs are tried again")
+    from bot.storage.copy import note_use
+
+    await note_use(storage, f"cortexbot jobs retry (pid {os.getpid()} on {local_host()})")  # (a copy would undo it)
     if not await storage.admin.requeue_failed_job(number):
         raise StorageError(f"job {number} was not queued again: a job of the same kind and key is queued already, "
                            "or it changed meanwhile")
@@ -628,22 +635,30 @@ async def _copy_data(config: Config, to_url: str, password: str | None, batch: i
     source = await open_storage(url, password=source_password, pool_size=2)
     try:
         # (a source without the processes table lacks migrations, which copy_data names in one line)
-        live = _running(await source.fleet.live_processes()) if not await source.pending_migrations() else []
+        live = await _live_on(source) if not await source.pending_migrations() else ""
         if live and not while_running:
-            now = await source.now()
-            where = ", ".join(f"pid {p.pid} on {p.host}, seen {now - p.last_seen:.0f} s ago" for p in live[:5])
-            raise ConfigError(f"a bot is running on the source database ({where}): stop it first, so nothing "
-                              "changes while it is copied (or give --while-running). A process of another machine "
-                              f"that stopped without a word counts as running until {LIVE_SECONDS:g} s after it was "
-                              "last seen")
+            raise ConfigError(f"a bot is running on the source database ({live}): stop it first, so nothing "
+                              "changes while it is copied (or give --while-running). " + STOPPED_UNSAID)
         target = await open_storage(to_url, password=password, pool_size=2)
         try:
+            if FLEET_MIGRATION in await target.applied_migrations() and (there := await _live_on(target)):
+                raise ConfigError(f"a bot is running on the target database {target.db.url} ({there}): stop it first "
+                                  "(what it writes there would mix with the copy under the same ids), or copy into a "
+                                  "fresh database. " + STOPPED_UNSAID)
             with _CopyProgress() as progress:
-                return await copy_data(source, target, progress=progress.update, batch=batch)
+                return await copy_data(source, target, progress=progress.update, batch=batch,
+                                       source_running=bool(live))
         finally:
             await target.close()
     finally:
         await source.close()
+
+
+async def _live_on(storage: Any) -> str:
+    """The bot processes running on ``storage``, in words ("" when none)."""
+    live = _running(await storage.fleet.live_processes())
+    now = await storage.now()
+    return ", ".join(f"pid {p.pid} on {p.host}, seen {now - p.last_seen:.0f} s ago" for p in live[:5])
 
 
 def _check_target_folder(to_url: str) -> None:

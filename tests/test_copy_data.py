@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -102,7 +103,7 @@ async def dump(storage: Storage, table: str) -> list[dict[str, Any]]:
              "platform_messages": "key", "incognito": "user_id, persona",
              "incognito_ended": "user_key, persona, started_at", "web_links": "token_hash",
              "web_sessions": "id_hash"}.get(table, "id")
-    left_out = f" WHERE key <> '{copy_module.LAST_COPY_KEY}'" if table == "settings" else ""  # (the target's)
+    left_out = f" WHERE {copy_module.NOT_COPIED[table]}" if table in copy_module.NOT_COPIED else ""  # (each one's)
     rows = await storage.db.fetch_all(f"SELECT * FROM {table}{left_out} ORDER BY {order}")
     out = []
     for row in rows:
@@ -856,3 +857,95 @@ async def test_a_broken_row_in_the_source_stops_the_copy_with_one_line_naming_it
     with pytest.raises(StorageError, match=rf"copying message_vectors \(message_id {int(said[0])} to "
                                            rf"{int(said[0])}\)"):
         await copy_data(source, pg, batch=1)  # (one row a page: that row)
+
+
+def _bot_config(url: str) -> Any:
+    from bot.config import parse_config
+
+    return parse_config({"storage": {"url": url}, "memory": {"embedder": "none"}})
+
+
+async def _forget_me(app: Any, user_key: str) -> str:
+    from bot.commands import CommandContext
+
+    ctx = CommandContext("discord", user_key, "Ann", "discord:dm-ann", "Cora", is_dm=True)
+    return (await app.commands.dispatch("!memory forget-me confirm", ctx)).text
+
+
+async def test_a_forget_me_a_bot_did_on_the_target_is_not_undone_by_the_next_copy(tmp_path: Path,
+                                                                                  pg_url: str) -> None:
+    """The bot moved to PostgreSQL, Ann asked to be forgotten there, and the operator ran copy-data from the old
+    SQLite file again: the target counted as used only when an id had grown past the mark, which a forget-me (or
+    items archived or pinned, a setting changed) never does, so the copy put all of Ann's words and memory back
+    ("ok"). A bot started on a database marks it used: a copy into it is refused until a copy from it."""
+    from bot.app import App
+    from tests.fakes.provider import ScriptedProvider
+
+    src_url = f"sqlite:///{tmp_path / 'bot.db'}"
+    async with App(_bot_config(src_url), llm=ScriptedProvider()) as app:
+        ann = await app.storage.upsert_user("discord:1", "Ann")
+        dm = await app.storage.upsert_channel("discord:dm-ann", "DM with Ann", is_dm=True)
+        for n in range(3):
+            await app.storage.add_message(dm.id, ann.id, "Cora", "user", "Ann", f"my secret number {n}", 4)
+        pair = await app.storage.cortex.count_messages(ann.id, "Cora", 3)
+        await MemoryStore(app.storage).remember(pair.id, "Ann is moving to Oslo")
+    src, pg = await open_storage(src_url), await open_storage(pg_url)
+    try:
+        assert (await copy_data(src, pg)).ok  # (the source a bot ran on: copied from, its mark goes)
+        await pg.close()
+        async with App(_bot_config(pg_url), llm=ScriptedProvider()) as fleet:
+            assert "Done." in await _forget_me(fleet, "discord:1")
+        pg = await open_storage(pg_url)
+        with pytest.raises(StorageError, match=rf"{re.escape(pg_url)} was used by a bot after the last copy from or "
+                                               r"into it \(a bot process \(pid \d+ on .*\) at .* UTC\).*forget-me.*"
+                                               r"Copy into a fresh database"):
+            await copy_data(src, pg)
+        assert await pg.get_user("discord:1") is None
+        assert not await pg.db.fetch_all("SELECT 1 FROM messages UNION ALL SELECT 1 FROM memory_items")
+        back = await copy_data(pg, src)  # the other way: the forget-me reaches the old file
+        assert back.ok and await src.get_user("discord:1") is None and back.removed > 0
+        again = await copy_data(src, pg)  # and from it again, nothing copied twice (no bot ran on either since)
+        assert again.ok and again.copied == 0 and again.removed == 0
+    finally:
+        await pg.close()
+        await src.close()
+
+
+async def test_a_bot_running_on_the_source_through_the_copy_leaves_it_used(source: Storage, pg: Storage,
+                                                                           tmp_path: Path) -> None:
+    """--while-running: the bot went on writing into the source after the copy's mark; a copy back into it would
+    undo what it did there since (its forget-mes), so it is refused, until a copy from it with no bot running."""
+    from bot.app import App
+    from bot.cli import _copy_data
+    from tests.fakes.provider import ScriptedProvider
+
+    await source.fleet.leave("host-a:1")
+    config = _bot_config(source.db.url)
+    async with App(config, llm=ScriptedProvider()):
+        assert (await _copy_data(config, pg.db.url, None, 100, True)).ok
+    with pytest.raises(StorageError, match="was used by a bot after the last copy from or into it"):
+        await copy_data(pg, source)
+    assert (await copy_data(source, pg)).ok  # (the bot stopped: this copy accounts for all it did)
+    assert (await copy_data(pg, source)).ok
+
+
+async def test_the_command_refuses_a_target_a_bot_is_running_on(source: Storage, pg: Storage,
+                                                                tmp_path: Path) -> None:
+    """Only the source's processes were looked at: a bot running on the target stored its rows under ids the copy
+    then kept or collided with, and the report said ok while the source's message was lost. A target with a live
+    bot is refused, --while-running or not (that option is about the source)."""
+    from bot.app import App
+    from bot.cli import _copy_data
+    from bot.config import ConfigError
+    from tests.fakes.provider import ScriptedProvider
+
+    await source.fleet.leave("host-a:1")
+    config = _bot_config(source.db.url)
+    assert (await _copy_data(config, pg.db.url, None, 100, False)).ok
+    async with App(_bot_config(pg.db.url), llm=ScriptedProvider()):
+        for running in (False, True):
+            with pytest.raises(ConfigError, match=rf"a bot is running on the target database "
+                                                  rf"{re.escape(pg.db.url)} \(pid {os.getpid()} on .*\): stop it "
+                                                  r"first.*copy into a fresh"):
+                await _copy_data(config, pg.db.url, None, 100, running)
+    assert await copy_module.unfinished_copy(pg) is None

@@ -9,9 +9,10 @@ second run copies nothing twice, and a copy back after the bot ran on the other 
 began: what a bot running on the source adds meanwhile (``--while-running``) waits for the next copy. Rows
 deleted on the source since an earlier copy (a forget-me, expired messages, an ended incognito stretch) are
 deleted from the target first, children before parents, where their origin is certain: the rows of the tables
-keyed by one id (a target a bot wrote into since is refused before anything changes: its ids grew past the
-mark) and the rows pointing at them; rows keyed otherwise (settings, web sessions) stay, and a target an older
-copy-data made (no mark) is not touched. The deleted words are then scrubbed from a SQLite target's files.
+keyed by one id (a target a bot ran on or wrote into since is refused before anything changes: a bot's start
+marks it used, and its ids grew past the mark) and the rows pointing at them; rows keyed otherwise (settings, web
+sessions) stay, and a target an older copy-data made (no mark) is not touched. The deleted words are then
+scrubbed from a SQLite target's files.
 
 What differs between the engines is handled here:
 
@@ -51,7 +52,8 @@ import numpy as np
 from bot.storage.core import Storage, note_scrub_pending
 from bot.storage.engine import Database, Row, StorageError, is_conflict
 
-__all__ = ["INSTANCE_KEY", "TABLES", "CopyReport", "TableCount", "copy_data", "ensure_instance_id", "unfinished_copy"]
+__all__ = ["INSTANCE_KEY", "TABLES", "CopyReport", "TableCount", "copy_data", "ensure_instance_id", "note_use",
+           "unfinished_copy"]
 
 INSTANCE_KEY = "bot.instance_id"
 # (settings) The largest id of each table a copy from or into this database accounted for (the source's, as the
@@ -60,7 +62,11 @@ INSTANCE_KEY = "bot.instance_id"
 LAST_COPY_KEY = "copy.largest_ids"
 # (settings) A copy into this database began and has not ended (killed, failed): its data is part of the source's.
 UNFINISHED_KEY = "copy.unfinished"
-NOT_COPIED: dict[str, str] = {"settings": f"key NOT IN ('{LAST_COPY_KEY}', '{UNFINISHED_KEY}')"}  # (SQL)
+# (settings) A bot ran on this database (or a command changed its data) since a copy from or into it last accounted
+# for it: what it changed there (a forget-me, items archived or pinned, settings) adds no id past the mark, and a
+# copy into it would undo it. Written at each start (``note_use``), taken away by a copy from or into it.
+USED_KEY = "copy.used"
+NOT_COPIED: dict[str, str] = {"settings": f"key NOT IN ('{LAST_COPY_KEY}', '{UNFINISHED_KEY}', '{USED_KEY}')"}  # (SQL)
 # Foreign-key order (``processes`` and ``schema_version`` stay behind: they describe the database, not the bot).
 TABLES: tuple[str, ...] = (
     "users", "personas", "versioned_texts", "lore_entries", "channels", "messages", "channel_speakers", "summaries",
@@ -161,8 +167,9 @@ class _Plan:
 
 
 async def copy_data(source: Storage, target: Storage, *, progress: Progress | None = None,
-                    batch: int = 1000) -> CopyReport:
-    """Copy every table of ``source`` into ``target`` (migrated first); see the module's docstring."""
+                    batch: int = 1000, source_running: bool = False) -> CopyReport:
+    """Copy every table of ``source`` into ``target`` (migrated first); see the module's docstring.
+    ``source_running``: a bot runs on the source meanwhile (``--while-running``): it stays marked as used."""
     if batch < 1:
         raise StorageError("the batch size must be at least 1")
     started = time.monotonic()
@@ -186,8 +193,7 @@ async def copy_data(source: Storage, target: Storage, *, progress: Progress | No
     # passes while this one did not move on meanwhile; and is refused when it did).
     reached = await _largest_ids(source.db)
     accounted = await _accounted(source.db, target.db)
-    for db in (source.db, target.db):
-        await _raise_mark(db, reached)
+    await _mark_both(source, target, reached, source_running)
     removed = await _remove_deleted(source.db, target.db, batch, progress, accounted)
     if any(removed.values()):
         await target.scrub()  # (the deleted words out of a SQLite target's files, as a forget-me does)
@@ -219,6 +225,15 @@ async def unfinished_copy(storage: Storage) -> str | None:
     return (f"{storage.db.url} is an unfinished copy of {source} (copy-data began at {at} and did not end): run "
             f"cortexbot copy-data --to {storage.db.url} again with the source's config to finish it, or point "
             "[storage] url back at the source")
+
+
+async def note_use(storage: Storage, by: str) -> None:
+    """Mark the database as used by ``by`` (a bot process starting on it, a command changing its data): a copy
+    into it is refused from now on, until a copy from it (``USED_KEY``). The first use since a copy is kept."""
+    await storage.db.write(
+        "INSERT INTO settings (key, value, updated_at) VALUES (?, ?, ?) ON CONFLICT (key) DO NOTHING",
+        (USED_KEY, json.dumps({"by": by, "at": time.time()}), time.time()),
+    )
 
 
 async def ensure_instance_id(storage: Storage) -> str:
@@ -293,10 +308,24 @@ async def _raise_mark(db: Database, reached: dict[str, int]) -> None:
                    (LAST_COPY_KEY, json.dumps(merged, sort_keys=True), time.time()))
 
 
+async def _mark_both(source: Storage, target: Storage, reached: dict[str, int], source_running: bool) -> None:
+    """Both ends account for the source's rows up to ``reached`` (see ``_raise_mark``); neither counts as used since
+    (``USED_KEY``), but a source a bot goes on running on."""
+    for db in (source.db, target.db):
+        await _raise_mark(db, reached)
+    await target.db.write("DELETE FROM settings WHERE key = ?", (USED_KEY,))
+    if source_running:
+        await note_use(source, "a bot running on it while copy-data copied from it")
+    else:
+        await source.db.write("DELETE FROM settings WHERE key = ?", (USED_KEY,))
+
+
 async def _check_unused(target: Database) -> None:
-    """Refuse a target a bot used since a copy from or into it: rows past the ids that copy accounted for. Their
-    ids are this database's next ones too, so what this database added since would be left out as "there
-    already", and rows pointing at them (a reply's sources) would be pinned onto the target's rows."""
+    """Refuse a target a bot used since a copy from or into it: one started there (``USED_KEY``: what it changed
+    would be undone), or rows past the ids that copy accounted for (written otherwise). Their ids are this
+    database's next ones too, so what this database added since would be left out as "there already", and rows
+    pointing at them (a reply's sources) would be pinned onto the target's rows."""
+    await _check_not_run_on(target)
     left = await _mark(target)
     if left is None:
         return
@@ -308,6 +337,23 @@ async def _check_unused(target: Database) -> None:
             f"{'; …' if len(grown) > 4 else ''}): a bot ran on it, and its rows and this database's went apart "
             "under the same ids. Copy into an empty database, or drop and recreate that one if what was added "
             "there is not wanted")
+
+
+async def _check_not_run_on(target: Database) -> None:
+    """Refuse a target a bot ran on (or a command changed) since the last copy from or into it (``USED_KEY``)."""
+    row = await target.fetch_one("SELECT value FROM settings WHERE key = ?", (USED_KEY,))
+    if row is None:
+        return
+    try:
+        used = json.loads(str(row[0]))
+        who = f"{used['by']} at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(float(used['at'])))}"
+    except (ValueError, TypeError, KeyError):
+        who = "a bot process"
+    raise StorageError(
+        f"{target.url} was used by a bot after the last copy from or into it ({who}): what changed there since (a "
+        "forget-me, items archived or pinned, settings) would be undone or mixed with this database's rows. Copy "
+        "into a fresh database (or drop and recreate that one); to keep what changed there, copy it back here "
+        "first (copy-data with its config)")
 
 
 async def _copy_table(source: Database, target: Database, table: str, batch: int, progress: Progress | None,
