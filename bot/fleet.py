@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -40,7 +39,7 @@ class Fleet:
     def __init__(self, storage: Storage, *, process_id: str | None = None) -> None:
         self.storage = storage
         self.process_id = process_id or new_process_id()
-        self.started_at = time.time()
+        self.started_at: float | None = None  # by the database's clock, as the heartbeats (`cortexbot status`)
         self.info: dict[str, Any] = {}  # shown by `cortexbot status` (adapters, shards, accounts)
         self._locks: dict[str, asyncio.Task[None]] = {}
 
@@ -49,6 +48,8 @@ class Fleet:
         return await self.storage.fleet.claim_period(name, seconds, self.process_id)
 
     async def heartbeat(self) -> None:
+        if self.started_at is None:  # (this machine's clock may be off the server's, by which status counts)
+            self.started_at = await self.storage.now()
         await self.storage.fleet.heartbeat(
             self.process_id, local_host(), os.getpid(), self.info, self.started_at)
 

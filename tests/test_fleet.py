@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -670,3 +671,29 @@ async def test_a_machine_whose_clock_runs_an_hour_ahead_goes_by_the_database_ser
     finally:
         await store_a.close()
         await store_b.close()
+
+
+async def test_status_counts_a_process_up_by_the_database_servers_clock(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A process on a machine whose clock is 30 minutes slow showed "up 30 min" in `cortexbot status` right after
+    its start: its start was stamped by its own clock, and status counts from it by the server's."""
+    from bot.cli import _fleet_status, _print_status
+    from bot.config import parse_config
+
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() - 1800)  # this machine: 30 min slow
+    storage = await migrated(pg_url)
+    try:
+        fleet = Fleet(storage)
+        await fleet.heartbeat()
+        monkeypatch.undo()  # (status asked on a machine whose clock is right)
+        processes, queue, now = await _fleet_status(parse_config({"storage": {"url": pg_url}}))
+        assert [p.id for p in processes] == [fleet.process_id]
+        assert abs(now - processes[0].started_at) < 60, now - processes[0].started_at
+        _print_status(processes, queue, now)
+        shown = capsys.readouterr().out
+        up = re.search(r" up (\d+) s, seen", shown)
+        assert up is not None and int(up[1]) < 60, shown
+    finally:
+        await storage.close()
