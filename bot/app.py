@@ -193,6 +193,8 @@ class App:
                                      first_after=PRUNE_AFTER_START)
                 self.scheduler.every(RETENTION_SECONDS, "prune-forgotten-usage", self.storage.prune_forgotten,
                                      first_after=PRUNE_AFTER_START)
+                self.scheduler.every(RETENTION_SECONDS, "prune-dead-processes", self.storage.fleet.prune_processes,
+                                     first_after=PRUNE_AFTER_START)
                 self.scheduler.every(self.config.memory.prune_every_hours * 3600, "prune-memory",
                                      self.cortex.pruner.prune, first_after=PRUNE_AFTER_START)
                 if self.cortex.embeddings is not None:

@@ -127,15 +127,22 @@ def _run_async(main: Callable[[], Awaitable[T]], *, stopped: str = "stopped.") -
         raise click.ClickException(why) from None
 
 
+REFUSED_WRITES = ("OperationalError", "InsufficientPrivilegeError", "ReadOnlySQLTransactionError")  # (the drivers')
+
+
 def _refused_access(exc: BaseException) -> str | None:
     """A database that will not let this process write (a read-only file, a role without privileges) in one line
     with what to do; None for any other error (a traceback of the driver said it before)."""
     cause: BaseException | None = exc
-    while cause is not None and type(cause).__name__ not in ("OperationalError", "InsufficientPrivilegeError"):
+    while cause is not None and type(cause).__name__ not in REFUSED_WRITES:
         cause = cause.__cause__
     if cause is None:
         return None
     text = " ".join(str(cause).split())
+    if type(cause).__name__ == "ReadOnlySQLTransactionError":
+        return (f"the database is read-only (a hot standby, or default_transaction_read_only) and refuses writes "
+                f"({text}): a bot needs a writable primary: point [storage] url (copy-data: --to) at the primary. "
+                "(status, the jobs list and a copy-data from it work on it)")
     if type(cause).__name__ == "InsufficientPrivilegeError":
         return (f"the database refuses this role ({text}): the bot's role must own its database (CREATE DATABASE … "
                 "OWNER …, as README's Growing past one machine shows) or hold every privilege on it")

@@ -841,7 +841,7 @@ def test_a_process_serving_the_web_page_says_so_in_its_fleet_info() -> None:
 def test_a_database_that_refuses_the_bots_role_is_one_line(tmp_path: Path, fake_llm: FakeLLMServer,
                                                             pg_url: str) -> None:
     """A PostgreSQL role that may only read (or a read-only SQLite file) ended chat, status and migrate in a
-    driver's traceback."""
+    driver's traceback. Status only reads now (it deleted old process rows): it answers such a role."""
     import uuid
 
     import asyncpg
@@ -868,11 +868,12 @@ def test_a_database_that_refuses_the_bots_role_is_one_line(tmp_path: Path, fake_
         config = write_config(tmp_path, fake_llm)
         reader = pg_url.replace("postgresql://postgres@", f"postgresql://{role}@")
         config.write_text(config.read_text().replace(f'url = "{db_url_for(tmp_path)}"', f'url = "{reader}"'))
-        for args in (["status"], ["chat", "--user", "ann"]):
-            result = cortexbot("--config", str(config), *args, stdin="hi\n")
-            assert result.returncode == 1, (args, result.stdout, result.stderr)
-            assert "Traceback" not in result.stderr, (args, result.stderr)
-            assert "the database refuses this role (permission denied" in result.stderr, (args, result.stderr)
+        status = cortexbot("--config", str(config), "status")
+        assert status.returncode == 0 and status.stdout.startswith("0 live process(es)\n"), status.stderr
+        result = cortexbot("--config", str(config), "chat", "--user", "ann", stdin="hi\n")
+        assert result.returncode == 1, (result.stdout, result.stderr)
+        assert "Traceback" not in result.stderr, result.stderr
+        assert "the database refuses this role (permission denied" in result.stderr, result.stderr
     finally:
         asyncio.run(prepare(f"DROP OWNED BY {role}; DROP ROLE {role}"))
 
@@ -982,3 +983,39 @@ def test_debug_logging_holds_the_loggers_that_see_secrets_above_debug() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["[]", str(10)], done.stdout
+
+
+def test_a_read_only_postgresql_answers_status_and_copy_data_and_says_a_bot_needs_a_primary(
+        tmp_path: Path, fake_llm: FakeLLMServer, pg_url: str) -> None:
+    """A hot standby (here a session made read-only by the URL): status and a copy from it ended in asyncpg's
+    ReadOnlySQLTransactionError (status deleted stale process rows, the copy wrote its marks into the source),
+    migrate and chat in a traceback at CREATE TABLE schema_version. Reading works; what needs to write says in
+    one line that the database is read-only."""
+    from bot.storage import open_storage
+    from bot.storage.copy import ensure_instance_id
+
+    async def prepare() -> None:
+        storage = await open_storage(pg_url)
+        try:
+            await storage.migrate()
+            await ensure_instance_id(storage)  # (the primary named its bot: a first copy-data from it, say)
+            await storage.upsert_user("discord:1", "Ann")
+            await storage.fleet.heartbeat("gone", "another-host", 1, {}, 1.0)
+            await storage.db.write("UPDATE processes SET last_seen = 1.0")  # (a stale row: status deleted it)
+        finally:
+            await storage.close()
+
+    asyncio.run(prepare())
+    config = write_config(tmp_path, fake_llm)
+    standby = f"{pg_url}?default_transaction_read_only=on"
+    config.write_text(config.read_text().replace(f'url = "{db_url_for(tmp_path)}"', f'url = "{standby}"'))
+    status = cortexbot("--config", str(config), "status")
+    assert status.returncode == 0 and "0 live process(es)" in status.stdout, status.stderr
+    copied = cortexbot("--config", str(config), "copy-data", "--to", f"sqlite:///{tmp_path / 'copy.db'}")
+    assert copied.returncode == 0 and "every table's row count matches" in copied.stdout, copied.stderr
+    for args in (["migrate"], ["chat", "--user", "ann"]):
+        result = cortexbot("--config", str(config), *args, stdin="hi\n")
+        assert result.returncode == 1 and "Traceback" not in result.stderr, (args, result.stderr)
+        assert result.stderr.startswith("Error: the database is read-only (a hot standby, or "
+                                        "default_transaction_read_only)"), (args, result.stderr)
+        assert "a bot needs a writable primary" in result.stderr and len(result.stderr.splitlines()) == 1

@@ -949,3 +949,37 @@ async def test_the_command_refuses_a_target_a_bot_is_running_on(source: Storage,
                                                   r"first.*copy into a fresh"):
                 await _copy_data(config, pg.db.url, None, 100, running)
     assert await copy_module.unfinished_copy(pg) is None
+
+
+async def test_a_read_only_source_is_copied_into_a_fresh_database(source: Storage, pg: Storage, pg_url: str,
+                                                                   tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hot standby (here a session made read-only by its URL): the copy from it ended in asyncpg's
+    ReadOnlySQLTransactionError (it wrote its marks into the source). It copies into a fresh database now, and
+    finishes a copy it began; into a copy an earlier run finished it is refused in one line (unmarked, it cannot
+    tell what its primary deleted since: a forget-me)."""
+    assert (await copy_data(source, pg)).ok  # (the bot on PostgreSQL: its primary)
+    marked = await pg.get_setting(copy_module.LAST_COPY_KEY)
+    standby = await open_storage(f"{pg_url}?default_transaction_read_only=on")
+    back = await open_storage(f"sqlite:///{tmp_path / 'back.db'}")
+    try:
+        real_insert = copy_module._insert
+
+        async def failing_insert(target: Any, plan: Any, rows: Any) -> int:
+            if plan.table == "messages":
+                raise StorageError("connection lost")
+            return await real_insert(target, plan, rows)
+
+        monkeypatch.setattr(copy_module, "_insert", failing_insert)
+        with pytest.raises(StorageError, match="connection lost"):
+            await copy_data(standby, back)
+        monkeypatch.undo()
+        assert (await copy_data(standby, back)).ok  # (finished)
+        await assert_same(pg, back)
+        with pytest.raises(StorageError, match=r"is read-only \(a hot standby\?\): a copy from it cannot be marked "
+                                               r"there, so it cannot tell what was deleted since the earlier copy"):
+            await copy_data(standby, back)
+        assert await pg.get_setting(copy_module.LAST_COPY_KEY) == marked
+    finally:
+        await back.close()
+        await standby.close()

@@ -697,3 +697,20 @@ async def test_status_counts_a_process_up_by_the_database_servers_clock(
         assert up is not None and int(up[1]) < 60, shown
     finally:
         await storage.close()
+
+
+async def test_old_process_rows_are_pruned_by_the_upkeep_not_by_reading_the_fleet(pg_url: str) -> None:
+    """Listing the live processes deleted the rows of processes gone for a day: `cortexbot status` and a copy
+    from a read-only database (a hot standby) ended in the driver's read-only error. The upkeep deletes them."""
+    storage = await migrated(pg_url)
+    try:
+        now = await storage.now()
+        for name, seen in (("gone", now - 2 * 86_400), ("stopped", now - 600), ("alive", now)):
+            await storage.fleet.heartbeat(name, "host", 1, {}, seen)
+            await storage.db.write("UPDATE processes SET last_seen = ? WHERE id = ?", (seen, name))
+        assert [p.id for p in await storage.fleet.live_processes()] == ["alive"]
+        assert await storage.db.fetch_one("SELECT 1 FROM processes WHERE id = 'gone'") is not None
+        assert await storage.fleet.prune_processes() == 1
+        assert sorted(str(r[0]) for r in await storage.db.fetch_all("SELECT id FROM processes")) == ["alive", "stopped"]
+    finally:
+        await storage.close()

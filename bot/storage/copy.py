@@ -51,6 +51,7 @@ import numpy as np
 
 from bot.storage.core import Storage, note_scrub_pending
 from bot.storage.engine import Database, Row, StorageError, is_conflict
+from bot.storage.unavailable import read_only
 
 __all__ = ["INSTANCE_KEY", "TABLES", "CopyReport", "TableCount", "copy_data", "ensure_instance_id", "note_use",
            "unfinished_copy"]
@@ -173,27 +174,14 @@ async def copy_data(source: Storage, target: Storage, *, progress: Progress | No
     if batch < 1:
         raise StorageError("the batch size must be at least 1")
     started = time.monotonic()
-    if await _identity(source.db) == await _identity(target.db):
-        raise StorageError(f"{target.db.url} is the configured database itself: name another database to copy into")
-    pending = await source.pending_migrations()
-    if pending:
-        raise StorageError(f"the source database {source.db.url} lacks migration(s) {', '.join(map(str, pending))}: "
-                           "run cortexbot migrate (or start the bot once), then copy")
-    instance = await ensure_instance_id(source)
-    if await target.applied_migrations():  # refuse another bot's database before touching its schema
-        await _check_target(target.db, instance)
-    await target.migrate(elsewhere="name another database with --to")
-    if (unfinished := await unfinished_copy(source)) is not None:
-        raise StorageError(f"the source database is not whole: {unfinished}")
-    await _claim_target(source.db, target.db, instance)
-    await _check_unused(target.db)
+    instance, source_read_only = await _check_ends(source, target)
     await target.set_setting(UNFINISHED_KEY, json.dumps({"from": source.db.url, "at": time.time()}))
     # Both ends marked before a row goes over: the target may hold rows up to the source's ids (so a resumed copy
     # passes), and the source's rows up to here are the target's too (so a copy back, once a bot ran on the target,
     # passes while this one did not move on meanwhile; and is refused when it did).
     reached = await _largest_ids(source.db)
-    accounted = await _accounted(source.db, target.db)
-    await _mark_both(source, target, reached, source_running)
+    accounted = None if source_read_only else await _accounted(source.db, target.db)
+    await _mark_both(source, target, reached, source_running, mark_source=not source_read_only)
     removed = await _remove_deleted(source.db, target.db, batch, progress, accounted)
     if any(removed.values()):
         await target.scrub()  # (the deleted words out of a SQLite target's files, as a forget-me does)
@@ -209,6 +197,44 @@ async def copy_data(source: Storage, target: Storage, *, progress: Progress | No
     counts = [TableCount(t, await _count(source.db, t), await _count(target.db, t), copied[t], removed[t])
               for t in TABLES]
     return CopyReport(source.db.url, target.db.url, instance, tuple(counts), time.monotonic() - started)
+
+
+async def _check_ends(source: Storage, target: Storage) -> tuple[str, bool]:
+    """Refuse what must not be copied, before a row goes over (see the module's docstring); the target migrated and
+    claimed. Returns the bot's id and whether the source is read-only."""
+    if await _identity(source.db) == await _identity(target.db):
+        raise StorageError(f"{target.db.url} is the configured database itself: name another database to copy into")
+    pending = await source.pending_migrations()
+    if pending:
+        raise StorageError(f"the source database {source.db.url} lacks migration(s) {', '.join(map(str, pending))}: "
+                           "run cortexbot migrate (or start the bot once), then copy")
+    instance = await ensure_instance_id(source)
+    if await target.applied_migrations():  # refuse another bot's database before touching its schema
+        await _check_target(target.db, instance)
+    await target.migrate(elsewhere="name another database with --to")
+    if (unfinished := await unfinished_copy(source)) is not None:
+        raise StorageError(f"the source database is not whole: {unfinished}")
+    await _claim_target(source.db, target.db, instance)
+    await _check_unused(target.db)
+    return instance, await _source_read_only(source.db, target.db)
+
+
+async def _source_read_only(source: Database, target: Database) -> bool:
+    """Whether the source is a read-only PostgreSQL (a hot standby, ``default_transaction_read_only``). It cannot
+    be marked, so a copy from it goes into a fresh database (or finishes one it began) only: into a copy an earlier
+    run finished, it could not tell which of the target's rows its primary deleted since (a forget-me)."""
+    if source.dialect != "postgres":
+        return False
+    row = await source.fetch_one("SELECT current_setting('transaction_read_only')")
+    if row is None or row[0] != "on":
+        return False
+    if await _mark(target) is not None and await target.fetch_one(
+            "SELECT 1 FROM settings WHERE key = ?", (UNFINISHED_KEY,)) is None:
+        raise StorageError(
+            f"{source.url} is read-only (a hot standby?): a copy from it cannot be marked there, so it cannot tell "
+            f"what was deleted since the earlier copy into {target.url}: copy from the writable primary, or into a "
+            "fresh database")
+    return True
 
 
 async def unfinished_copy(storage: Storage) -> str | None:
@@ -237,11 +263,21 @@ async def note_use(storage: Storage, by: str) -> None:
 
 
 async def ensure_instance_id(storage: Storage) -> str:
-    """The database's bot id (``bot.instance_id``), made now (a uuid4) when it has none."""
-    await storage.db.write(
-        "INSERT INTO settings (key, value, updated_at) VALUES (?, ?, ?) ON CONFLICT (key) DO NOTHING",
-        (INSTANCE_KEY, str(uuid.uuid4()), time.time()),
-    )
+    """The database's bot id (``bot.instance_id``), made now (a uuid4) when it has none (read first: a read-only
+    database that has one is copied from)."""
+    if (value := await storage.get_setting(INSTANCE_KEY)) is not None:
+        return value
+    try:
+        await storage.db.write(
+            "INSERT INTO settings (key, value, updated_at) VALUES (?, ?, ?) ON CONFLICT (key) DO NOTHING",
+            (INSTANCE_KEY, str(uuid.uuid4()), time.time()),
+        )
+    except Exception as exc:
+        if not read_only(exc):
+            raise
+        raise StorageError(f"{storage.db.url} is read-only (a hot standby?) and does not name its bot yet "
+                           f"({INSTANCE_KEY}): copy from the writable primary once, then its standbys name it too"
+                           ) from None
     value = await storage.get_setting(INSTANCE_KEY)
     assert value is not None
     return value
@@ -308,12 +344,15 @@ async def _raise_mark(db: Database, reached: dict[str, int]) -> None:
                    (LAST_COPY_KEY, json.dumps(merged, sort_keys=True), time.time()))
 
 
-async def _mark_both(source: Storage, target: Storage, reached: dict[str, int], source_running: bool) -> None:
+async def _mark_both(source: Storage, target: Storage, reached: dict[str, int], source_running: bool, *,
+                     mark_source: bool) -> None:
     """Both ends account for the source's rows up to ``reached`` (see ``_raise_mark``); neither counts as used since
-    (``USED_KEY``), but a source a bot goes on running on."""
-    for db in (source.db, target.db):
-        await _raise_mark(db, reached)
+    (``USED_KEY``), but a source a bot goes on running on. A read-only source is left as it is."""
+    await _raise_mark(target.db, reached)
     await target.db.write("DELETE FROM settings WHERE key = ?", (USED_KEY,))
+    if not mark_source:
+        return
+    await _raise_mark(source.db, reached)
     if source_running:
         await note_use(source, "a bot running on it while copy-data copied from it")
     else:

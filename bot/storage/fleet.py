@@ -18,6 +18,7 @@ from typing import Any
 from bot.storage.engine import Database
 
 LIVE_SECONDS = 45.0  # a process whose heartbeat is older than this is taken for dead
+DEAD_KEPT_SECONDS = 86_400.0  # and its row is deleted this much later
 # A stamp further ahead of this clock than this was written by a clock that was wrong (it has been set back
 # since, or another machine's is far off): it does not hold up a periodic run or a lock until then.
 CLOCK_AHEAD_SECONDS = 3600.0
@@ -107,14 +108,19 @@ class FleetRepository:
         await self.db.write("DELETE FROM processes WHERE id = ?", (process_id,))
 
     async def live_processes(self, *, within: float = LIVE_SECONDS) -> list[ProcessInfo]:
-        """Processes seen within ``within`` seconds (older rows are removed)."""
+        """Processes seen within ``within`` seconds. Only reads: a read-only database (a hot standby) and a role
+        that may only read answer `cortexbot status` and a copy from them (``prune_processes`` removes old rows)."""
         cutoff = await self.db.now() - within
-        await self.db.write("DELETE FROM processes WHERE last_seen < ?", (cutoff - 86_400,))
         rows = await self.db.fetch_all(
             "SELECT id, host, pid, info, started_at, last_seen FROM processes WHERE last_seen >= ? ORDER BY started_at",
             (cutoff,),
         )
         return [ProcessInfo(str(r[0]), str(r[1]), int(r[2]), json.loads(r[3]), float(r[4]), float(r[5])) for r in rows]
+
+    async def prune_processes(self) -> int:
+        """Delete the rows of processes not seen for a day (stopped without a word: killed, crashed); how many."""
+        return len(await self.db.write("DELETE FROM processes WHERE last_seen < ? RETURNING id",
+                                       (await self.db.now() - LIVE_SECONDS - DEAD_KEPT_SECONDS,)))
 
     async def queue_stats(self, since: float = 0.0) -> QueueStats:
         """The queue's counts; jobs failed since ``since`` and the newest failure; running jobs whose lease

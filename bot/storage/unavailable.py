@@ -66,3 +66,10 @@ def _raised_in_driver(exc: BaseException) -> bool:
             return True
         frame = frame.tb_next
     return False
+
+
+def read_only(exc: BaseException) -> bool:
+    """Whether ``exc`` is a PostgreSQL server refusing every write: a hot standby, or a read-only session
+    (``default_transaction_read_only``)."""
+    return any(kind.__module__.startswith("asyncpg") and kind.__name__ == "ReadOnlySQLTransactionError"
+               for kind in type(exc).__mro__)
