@@ -722,8 +722,12 @@ def test_doctor_status_and_jobs_show_failed_background_work_and_retry_it(
     assert refused.returncode == 1 and f"job {killed} is running: only failed jobs are tried again" in refused.stderr
     hint = cortexbot("--config", str(config), "jobs", str(recent))
     assert hint.returncode == 2 and f"did you mean: cortexbot jobs retry {recent}?" in hint.stderr
+    used = "SELECT value FROM settings WHERE key = 'copy.used'"
+    assert db_rows(tmp_path, used) == []
     retried = cortexbot("--config", str(config), "jobs", "retry", str(recent))
     assert retried.returncode == 0, retried.stderr
+    # (the database changed: a copy-data into it, which would undo that, is refused until a copy from it)
+    assert len(marked := db_rows(tmp_path, used)) == 1 and "cortexbot jobs retry (pid" in marked[0][0], marked
     assert retried.stdout == f"job {recent} (summary, channel:1) is queued again: a running bot takes it within " \
                              "seconds\n"
     assert cortexbot("--config", str(config), "jobs", "--status", "queued").stdout.startswith(
