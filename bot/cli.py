@@ -1014,7 +1014,7 @@ async def _doctor_database(config: Config, report: Callable[..., None]) -> bool:
             await storage.close()
         return not pending
     except Exception as exc:
-        report(False, "database", str(exc))
+        report(False, "database", _refused_access(exc) or str(exc))  # (a read-only server: what it needs)
         return False
 
 

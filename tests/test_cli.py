@@ -1017,6 +1017,8 @@ def test_a_read_only_postgresql_answers_status_and_copy_data_and_says_a_bot_need
     assert status.returncode == 0 and "0 live process(es)" in status.stdout, status.stderr
     copied = cortexbot("--config", str(config), "copy-data", "--to", f"sqlite:///{tmp_path / 'copy.db'}")
     assert copied.returncode == 0 and "every table's row count matches" in copied.stdout, copied.stderr
+    doctor = cortexbot("--config", str(config), "doctor")
+    assert "✗ database: the database is read-only (a hot standby" in doctor.stdout, doctor.stdout
     for args in (["migrate"], ["chat", "--user", "ann"]):
         result = cortexbot("--config", str(config), *args, stdin="hi\n")
         assert result.returncode == 1 and "Traceback" not in result.stderr, (args, result.stderr)
