@@ -436,7 +436,7 @@ class DiscordAdapter:
         sink = DiscordSink(message, self.app.config.chat.typing_indicator)
         try:
             inbound = self.inbound(message)
-            if message.attachments and (claimed := self.app.router.claim_files(inbound)) is not None:
+            if message.attachments and (claimed := await self.app.router.claim_files(inbound)) is not None:
                 inbound = claimed
                 if len(message.attachments) > MAX_FILES:  # (which one is meant cannot be told: a screenshot first)
                     await sink.send_reply(CommandReply(
@@ -528,7 +528,7 @@ class DiscordAdapter:
         inbound = self.slash_inbound(interaction, line)
         if await self.refuse_slash(interaction, inbound):  # nothing is downloaded for a refused user
             return
-        wait = self.app.router.command_limiter.check(inbound.message.author_key)  # as typed commands are
+        wait = await self.app.router.command_limiter.check(inbound.message.author_key)  # as typed commands are
         if wait:
             await interaction.response.send_message(slow_down("commands", wait), ephemeral=True,
                                                     allowed_mentions=NO_PINGS)

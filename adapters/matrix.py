@@ -933,7 +933,7 @@ class MatrixAdapter:
         # A made-up session id is one more notice: in a DM, as a readable message would, they meet the access
         # lists and the sender's rate limit; in a group room the lists and a limit of key requests per sender.
         inbound = await self.reactions.inbound(room, event)
-        if direct and not self.reactions.allowed(inbound, "an undecryptable message"):
+        if direct and not await self.reactions.allowed(inbound, "an undecryptable message"):
             return
         if not direct and (refusal(inbound, self.app.config.access, is_command=True) is not None
                            or self._key_requests.check(event.sender)):
@@ -1152,7 +1152,7 @@ class MatrixAdapter:
             # now; otherwise the caption goes on as a command without it (refused, slowed down, or ignored
             # when it is another bot's) as a typed one would.
             if (file is not None and isinstance(event, FILE_EVENTS)
-                    and (claimed := self.app.router.claim_files(inbound)) is not None):
+                    and (claimed := await self.app.router.claim_files(inbound)) is not None):
                 inbound = claimed
                 try:
                     inbound = replace(inbound, attachments=(await self._download(event, *file),))

@@ -58,7 +58,7 @@ class Reactions:
     async def _remember(self, room: MatrixRoom, event: ReactionEvent) -> None:
         adapter = self.adapter
         inbound = await self.inbound(room, event)
-        if not self.allowed(inbound):
+        if not await self.allowed(inbound):
             return
         response = await adapter.client.room_get_event(room.room_id, event.reacts_to)
         target = getattr(response, "event", None)
@@ -104,7 +104,7 @@ class Reactions:
         if user != event.sender:
             return
         inbound = await self.inbound(room, event)
-        if not self.allowed(inbound):
+        if not await self.allowed(inbound):
             return
         reply = await self._run(inbound, f"!memory forget --from {source}")
         await self._answer(event.sender, reply.text)
@@ -122,12 +122,12 @@ class Reactions:
                        ranks=await adapter.ranks_of(room, event.sender),
                        is_bot_admin=event.sender in adapter.config.admin_ids)
 
-    def allowed(self, inbound: Inbound, what: str = "a reaction") -> bool:
+    async def allowed(self, inbound: Inbound, what: str = "a reaction") -> bool:
         """Whether the reaction may run: the access rules a typed command meets (deny lists, DMs off...), and as
         it stores something, the router's per-user rate limit of messages."""
         app = self.adapter.app
         reason = refusal(inbound, app.config.access, is_command=True)
-        if reason is None and app.router.limiter.check(inbound.message.author_key):
+        if reason is None and await app.router.limiter.check(inbound.message.author_key):
             reason = "rate limit"
         if reason is not None:
             log.info("Matrix: ignored %s by %s: %s", what, inbound.message.author_id, reason)

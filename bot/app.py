@@ -49,6 +49,7 @@ BACKFILL_FIRST_AFTER = 5.0  # seconds from the start to the first background emb
 INCOGNITO_CHECK_SECONDS = 600.0
 RETENTION_SECONDS = 86_400.0
 SCRUB_CHECK_SECONDS = 3600.0  # how soon the words of a message taken back leave the database's files
+RATE_PRUNE_SECONDS = 3600.0
 SETTINGS_RELOAD_SECONDS = 5.0  # how soon admin changes saved by another process reach this one
 SHARED_CACHE_SECONDS = 60.0  # SQLite shared by several processes: cached vectors are read again this often
 CALIBRATION_SETTING = "tokens.calibration.{provider}.{model}"
@@ -150,7 +151,9 @@ class App:
             self.cortex.memory_commands.on_resume = self._forget_paused
             self.core.on_stretch_dropped = self._forget_paused
             await self.cortex.memory_admin.load()
-            self.router = Router(self.config, self.storage, self.core, self.commands, self.personas)
+            # The processes sharing a PostgreSQL count each user's rate limits there; SQLite's one process, in memory.
+            shared = self.storage.rate_limits.count if self.storage.db.shared_across_hosts else None
+            self.router = Router(self.config, self.storage, self.core, self.commands, self.personas, shared)
             self.fleet = Fleet(self.storage)
             self.fleet.info = dict(self.fleet_info)
             self.workers = WorkerPool(
@@ -195,6 +198,8 @@ class App:
                                      first_after=PRUNE_AFTER_START)
                 self.scheduler.every(RETENTION_SECONDS, "prune-dead-processes", self.storage.fleet.prune_processes,
                                      first_after=PRUNE_AFTER_START)
+                if shared is not None:  # (the rows of users who sent nothing for a minute)
+                    self.scheduler.every(RATE_PRUNE_SECONDS, "prune-rate-limits", self.storage.rate_limits.prune)
                 self.scheduler.every(self.config.memory.prune_every_hours * 3600, "prune-memory",
                                      self.cortex.pruner.prune, first_after=PRUNE_AFTER_START)
                 if self.cortex.embeddings is not None:

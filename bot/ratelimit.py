@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+
+log = logging.getLogger(__name__)
+
+# Counts a send of a key in a store the fleet shares, under a limit per minute: 0, or the seconds to wait.
+SharedCount = Callable[[str, int], Awaitable[float]]
 
 
 class RateLimiter:
@@ -61,6 +67,50 @@ class RateLimiter:
         self._told.pop(key, None)
         self._told[key] = now + wait
         return True
+
+
+class FleetRateLimiter:
+    """A :class:`RateLimiter` whose count the processes sharing a database share (``shared``: PostgreSQL's
+    count, one statement a check), or this process's alone (None: SQLite, one process per file, whose reply path
+    makes no round trip for it). A check the database cannot answer is counted here alone, rather than failing
+    the message; so is each send it counted (what this process knows when the database is gone). Who was told to
+    wait is this process's: a flood over several processes gets a notice per wait from each."""
+
+    def __init__(self, per_minute: int, shared: SharedCount | None = None) -> None:
+        self.local = RateLimiter(per_minute)
+        self.shared = shared
+        self._warned_at = -math.inf  # (monotonic) an outage is said once a minute, not at every message
+
+    @property
+    def per_minute(self) -> int:
+        return self.local.per_minute
+
+    @per_minute.setter
+    def per_minute(self, value: int) -> None:
+        self.local.per_minute = value
+
+    async def check(self, key: str) -> float:
+        """0 when ``key`` may send now (and counts it), else seconds until it may."""
+        if self.shared is None or self.per_minute <= 0:
+            return self.local.check(key)
+        try:
+            wait = await self.shared(key, self.per_minute)
+        except Exception as exc:
+            if time.monotonic() - self._warned_at >= 60.0:
+                self._warned_at = time.monotonic()
+                log.warning("rate limits are counted by this process alone while the database cannot count them: %s",
+                            str(exc) or type(exc).__name__)
+            return self.local.check(key)
+        if not wait:
+            self.local.check(key)
+        return wait
+
+    def waiting(self, key: str) -> float:
+        """Seconds until ``key`` may send again as far as this process knows (0: now), counting nothing."""
+        return self.local.waiting(key)
+
+    def tell(self, key: str, wait: float) -> bool:
+        return self.local.tell(key, wait)
 
 
 def slow_down(what: str, wait: float) -> str:

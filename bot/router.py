@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
 from typing import Protocol
@@ -25,7 +25,7 @@ from bot.llm.errors import LLMError
 from bot.persona import ConfigPersonas, PersonaSource
 from bot.policy import Inbound, refusal
 from bot.ports import IncomingMessage
-from bot.ratelimit import RateLimiter, slow_down
+from bot.ratelimit import FleetRateLimiter, SharedCount, slow_down
 from bot.storage.base import Storage
 from bot.storage.core import channel_persona_key, user_persona_key
 from bot.streaming import MessageSink, StreamedReply
@@ -36,6 +36,10 @@ SOMETHING_WENT_WRONG = ("Something went wrong on my side while answering (the de
                         "Please try again in a moment.")
 DATABASE_UNAVAILABLE = ("My database cannot be used right now (the admins can see why in the bot's log). Please try "
                         "again in a few minutes.")
+
+
+# Counts a send of (kind, key) under a limit per minute where every process of the fleet sees it: 0, or the wait.
+CountShared = Callable[[str, str, int], Awaitable[float]]
 
 
 class ChatSink(MessageSink, Protocol):
@@ -70,19 +74,27 @@ async def _stop(task: asyncio.Task[None] | None) -> None:
 class Router:
     def __init__(
         self, config: Config, storage: Storage, core: ConversationCore, commands: CommandRegistry,
-        personas: PersonaSource | None = None,
+        personas: PersonaSource | None = None, count_shared: CountShared | None = None,
     ) -> None:
         self.config = config
+        self._count_shared = count_shared
         self.personas = personas or ConfigPersonas(config)
         self.storage = storage
         self.core = core
         self.commands = commands
-        self.limiter = RateLimiter(config.chat.rate_limit_per_minute)
-        self.command_limiter = RateLimiter(config.chat.command_rate_limit_per_minute)
+        self.limiter = FleetRateLimiter(config.chat.rate_limit_per_minute, self._shared_count("chat"))
+        self.command_limiter = FleetRateLimiter(config.chat.command_rate_limit_per_minute,
+                                                self._shared_count("commands"))
         commands.register(Command(
             "persona", "show the persona here, or pick one (in a DM for yourself; in a channel admins only)",
             self._persona_command, (words("name", "a persona's name", complete="personas"),), public=True,
         ))
+
+    def _shared_count(self, kind: str) -> SharedCount | None:
+        """How the processes sharing the database count a user's sends of ``kind`` together (``count_shared``:
+        PostgreSQL's); None with SQLite (one process per file: each counts in memory)."""
+        count = self._count_shared
+        return None if count is None else lambda key, per_minute: count(kind, key, per_minute)
 
     async def persona_for(self, inbound: Inbound) -> str:
         """A DM's persona is its user's pick; a channel's is the admins' pick for it, else its parent
@@ -130,14 +142,14 @@ class Router:
         commands none: its user runs the bot). They are told once per wait; what they send meanwhile is
         dropped without another notice."""
         limiter = self.command_limiter if is_command else self.limiter
-        wait = self._command_wait(msg) if is_command else limiter.check(msg.author_key)
+        wait = await (self._command_wait(msg) if is_command else limiter.check(msg.author_key))
         if not wait:
             return False
         if limiter.tell(msg.author_key, wait):
             await sink.send_reply(CommandReply(slow_down("commands" if is_command else "messages", wait)))
         return True
 
-    def claim_files(self, inbound: Inbound) -> Inbound | None:
+    async def claim_files(self, inbound: Inbound) -> Inbound | None:
         """Whether an adapter should download the files sent with this message: only for a command of this
         bot's that takes a file (a card to import), from someone who may run it now (the access lists, its
         admin rights, the command rate limit); never for chat or another bot's command (``!play`` with a
@@ -151,14 +163,14 @@ class Router:
         if not (self.commands.takes_files_from(text, self.context_for(inbound, ""))
                 and refusal(inbound, self.config.access, is_command=True) is None):
             return None
-        if self._command_wait(msg):
+        if await self._command_wait(msg):
             return None
         return replace(inbound, counted=True)
 
-    def _command_wait(self, msg: IncomingMessage) -> float:
+    async def _command_wait(self, msg: IncomingMessage) -> float:
         """Count a command against its author's limit: how long they must wait, or 0 (the terminal's commands
         have no limit: its user runs the bot)."""
-        return 0.0 if msg.platform == TERMINAL else self.command_limiter.check(msg.author_key)
+        return 0.0 if msg.platform == TERMINAL else await self.command_limiter.check(msg.author_key)
 
     def _for_this_bot(self, msg: IncomingMessage, text: str) -> bool:
         """Whether a command line is this bot's to answer: in a DM, with a mention, or one of its commands

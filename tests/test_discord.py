@@ -1011,13 +1011,13 @@ async def test_a_burst_of_file_commands_downloads_within_the_command_limit(adapt
     router = adapter.app.router
     router.command_limiter.per_minute = 2
     inbound = Inbound(IncomingMessage("discord", "dm-1", "5", "Eve", "!memory import", is_dm=True))
-    claimed = [router.claim_files(inbound) for _ in range(10)]
+    claimed = [await router.claim_files(inbound) for _ in range(10)]
     assert sum(c is not None for c in claimed) == 2 and all(c.counted for c in claimed if c is not None)
     router.command_limiter.per_minute = 3
     first = claimed[0]
     assert first is not None
     await router.handle(first, Sink())  # (runs without a counted second time: one more fits this minute)
-    assert router.claim_files(inbound) is not None and router.claim_files(inbound) is None
+    assert await router.claim_files(inbound) is not None and await router.claim_files(inbound) is None
 
 
 async def test_a_slash_commands_file_is_not_downloaded_for_a_caller_without_the_rights(

@@ -714,3 +714,54 @@ async def test_old_process_rows_are_pruned_by_the_upkeep_not_by_reading_the_flee
         assert sorted(str(r[0]) for r in await storage.db.fetch_all("SELECT id FROM processes")) == ["alive", "stopped"]
     finally:
         await storage.close()
+
+
+async def test_a_users_rate_limits_hold_across_the_processes_of_a_fleet(pg_url: str) -> None:
+    """Two processes on one PostgreSQL (a user's mentions in two servers whose shards two processes serve): each
+    counted the user's messages and commands on its own, so a user could send the limit times the processes a
+    minute. They are counted in the database now, with the wait the limit says."""
+    from bot.app import App
+    from bot.config import parse_config
+    from bot.policy import Inbound
+    from bot.ports import IncomingMessage
+    from tests.fakes.provider import ScriptedProvider
+    from tests.test_router import Sink
+
+    config = parse_config({"storage": {"url": pg_url}, "memory": {"embedder": "none"},
+                           "chat": {"rate_limit_per_minute": 3, "command_rate_limit_per_minute": 2,
+                                    "edit_interval_seconds": 0.2}})
+    async with App(config, llm=ScriptedProvider()) as shard0, App(config, llm=ScriptedProvider()) as shard1:
+        for text, allowed, what in (("hello", 3, "messages"), ("!help", 2, "commands")):
+            answered, notices = 0, []
+            for n in range(8):
+                app, guild = (shard0, "guildA") if n % 2 == 0 else (shard1, "guildB")
+                sink = Sink()
+                said = f"{text} {n}" if what == "messages" else text
+                message = IncomingMessage("discord", f"chan-{guild}", "666", "mallory", said, server_id=guild,
+                                          mentions_bot=True)
+                await app.router.handle(Inbound(message), sink)
+                answered += bool(sink.messages) or any("faster" not in r.text for r in sink.public)
+                notices += [r.text for r in sink.public if "faster" in r.text]
+            assert answered == allowed, (what, answered)
+            assert notices and all(f"You are sending {what} faster" in t for t in notices), notices
+            assert all(55 <= int(re.findall(r"wait (\d+) s", t)[0]) <= 60 for t in notices), notices
+
+
+async def test_a_rate_limit_the_database_cannot_count_is_counted_by_the_process(
+        pg_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Counted in the database, a user's limit must not fail their message when it cannot be reached: this process
+    counts it alone then, with the sends it saw counted before. The table holds no user's key, and the upkeep
+    deletes the rows of those who sent nothing for a minute."""
+    from bot.ratelimit import FleetRateLimiter
+
+    storage = await migrated(pg_url)
+    limiter = FleetRateLimiter(2, lambda key, per_minute: storage.rate_limits.count("chat", key, per_minute))
+    assert await limiter.check("discord:1") == 0 and await limiter.check("discord:2") == 0
+    rows = [str(r[0]) for r in await storage.db.fetch_all("SELECT subject FROM rate_limits")]
+    assert len(rows) == 2 and not any("discord" in r for r in rows), rows
+    await storage.db.write("UPDATE rate_limits SET updated_at = updated_at - 61 WHERE subject = ?", (rows[1],))
+    assert await storage.rate_limits.prune() == 1
+    await storage.close()  # (the database gone)
+    assert await limiter.check("discord:1") == 0  # the second send: this process saw the first
+    assert 55 < await limiter.check("discord:1") <= 60
+    assert "counted by this process alone while the database cannot count them" in caplog.text

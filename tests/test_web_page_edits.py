@@ -106,7 +106,7 @@ async def test_admin_texts_are_asked_about_before_a_reload_or_another_servers_te
                 box = page.get_by_test_id("rule-kind-enabled")
                 await expect(box).to_be_checked()
                 limiter = bot.server.context.auth.limiter
-                while not limiter.check("discord:999"):  # (0: counted; the changes of this minute used up)
+                while not await limiter.check("discord:999"):  # (0: counted; the changes of this minute used up)
                     pass
                 await box.click()
                 await expect(page.get_by_test_id("alert")).to_contain_text("too many changes")

@@ -25,7 +25,7 @@ from adapters.web.errors import fail
 from bot.config import Config
 from bot.policy import user_refusal
 from bot.ports import AdminDirectory, LookupsSpent, ServerRef
-from bot.ratelimit import RateLimiter
+from bot.ratelimit import FleetRateLimiter, RateLimiter
 from bot.storage.web import WebLoginRepository, WebSession
 
 log = logging.getLogger(__name__)
@@ -105,14 +105,14 @@ class Caller:
 
 class Auth:
     def __init__(self, config: Config, logins: WebLoginRepository, directories: Sequence[AdminDirectory],
-                 limiter: RateLimiter | None = None) -> None:
+                 limiter: FleetRateLimiter | None = None) -> None:
         self.config = config
         self.logins = logins
         self.directories = {d.platform: d for d in directories}
         self.cookie = cookie_name(config.web.secure_cookies)
         # Changes count against the same per-user limit as chat commands: a page script must not write
         # thousands of versions a minute where a chat could not.
-        self.limiter = limiter or RateLimiter(config.chat.command_rate_limit_per_minute)
+        self.limiter = limiter or FleetRateLimiter(config.chat.command_rate_limit_per_minute)
         # Views that cost the bot's CPU (a file's HTML, a diff, a search's embedding): a script asking for them
         # without pause slowed every user's replies from milliseconds to seconds.
         self.views = RateLimiter(config.web.views_per_minute)
@@ -144,7 +144,7 @@ class Auth:
             if not csrf_matches(request.headers.get(CSRF_HEADER, ""), caller.session.csrf):
                 # (the page reads the code: a login in another tab of the browser gave the session a new token)
                 fail(403, f"missing or wrong {CSRF_HEADER} header (reload the page)", code="csrf")
-        if limited and (request.method in CHANGES or costly) and (wait := self.limiter.check(caller.user_key)):
+        if limited and (request.method in CHANGES or costly) and (wait := await self.limiter.check(caller.user_key)):
             fail(429, f"too many changes or exports in a minute (at most {self.limiter.per_minute}): try again "
                       f"in {math.ceil(wait)} s")
         if view:

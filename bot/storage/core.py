@@ -61,6 +61,7 @@ from bot.storage.memory import MemoryRepository, archive_older
 from bot.storage.migrations import MIGRATIONS
 from bot.storage.personas import LoreRepository, PersonaRepository
 from bot.storage.places import PlaceRepository
+from bot.storage.ratelimits import RateLimitRepository
 from bot.storage.rows import MESSAGE_COLUMNS, message_from_row
 from bot.storage.rows import dt as _dt
 from bot.storage.rows import ts as _ts
@@ -249,6 +250,7 @@ class Storage:
         self.web = WebLoginRepository(db)
         self.health = HealthRepository(db)
         self.admin = AdminRepository(db)
+        self.rate_limits = RateLimitRepository(db)
 
     async def sibling(self) -> Storage:
         """A second handle on the same database sharing caches (see ``Database.sibling``)."""

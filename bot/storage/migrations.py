@@ -414,4 +414,6 @@ MIGRATIONS: tuple[Migration, ...] = (
                   " leaves it counted against the daily budgets",
               ("ALTER TABLE cortex_runs ADD COLUMN reserved_output INTEGER NOT NULL DEFAULT 0",),
               postgres=("ALTER TABLE cortex_runs ADD COLUMN reserved_output BIGINT NOT NULL DEFAULT 0",)),
+    Migration(32, "PostgreSQL: each user's rate limits counted across the processes sharing the database",
+              (), postgres=pg_schema.V32),
 )

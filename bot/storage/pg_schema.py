@@ -447,3 +447,12 @@ V28: tuple[str, ...] = (
 # ... and the brackets and quotes around them ("<https://docs.example/guide>", "Ann <ann@figs.example>"): left in
 # the parts, the parser read "<https docs example guide>" as a tag and dropped every word of it.
 V29: tuple[str, ...] = (_tsvector_function("CREATE OR REPLACE", "[][<>(){}\"''.@/:,;!?]"), *_REMADE)
+# Each user's sends of the last minute per rate limit (chat, commands), shared by the fleet's processes (SQLite's
+# one process per file counts in memory). Unlogged: counts of a minute need no crash safety, and no WAL per message.
+V32: tuple[str, ...] = (
+    """CREATE UNLOGGED TABLE rate_limits (
+        subject TEXT PRIMARY KEY,
+        sends DOUBLE PRECISION[] NOT NULL,
+        updated_at DOUBLE PRECISION NOT NULL)""",
+    "CREATE INDEX rate_limits_by_time ON rate_limits (updated_at)",
+)
