@@ -575,6 +575,27 @@ async def test_a_long_call_is_not_cut_by_the_health_ping_and_a_hung_server_is_st
         await server.aclose()
 
 
+async def test_a_hung_server_a_busy_bot_keeps_calling_is_restarted(caplog: pytest.LogCaptureFixture) -> None:
+    """With no ping judged while a call waits, a hung server that was called more often than its calls' deadline
+    (one call every 30 s with the defaults) was never restarted: every call waited out its deadline. Once a call's
+    deadline passed unanswered, the ping is judged again, calls waiting or not."""
+    caplog.set_level(logging.WARNING, logger="cortex.skills.mcp")
+    server = McpServer(raw_config(timeout_seconds=1.0), PINGING)
+    try:
+        await server.start()
+        first = await server_pid(server)
+        assert await server.call("freeze", {"seconds": 60}) == SkillResult("frozen")  # hung from now on
+        calls: list[asyncio.Future[SkillResult]] = []
+        for _ in range(32):  # a call every 0.25 s, each waiting up to 1 s: one always waits
+            calls.append(asyncio.ensure_future(server.call("ok", {})))
+            await asyncio.sleep(0.25)
+        results = await asyncio.gather(*calls)
+        assert "mcp server raw did not answer a ping: TimeoutError" in caplog.text
+        assert results.count(SkillResult("fine")) > 0 and await server_pid(server) != first
+    finally:
+        await server.aclose()
+
+
 async def test_a_ping_answered_with_an_error_is_an_answer(caplog: pytest.LogCaptureFixture) -> None:
     """A server answering ping with "Method not found" was restarted at every health ping ("did not answer a ping:
     MCP error -32601", though it answered), cutting the calls in flight: it is alive, and stays connected."""

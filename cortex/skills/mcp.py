@@ -333,6 +333,7 @@ class McpServer:
         # (their values: never shown anywhere)
         self._secrets = tuple(value for value in (*self._env_from.values(), *self._headers.values()) if value.strip())
         self._in_flight: set[anyio.CancelScope] = set()  # the calls waiting for the server's answer
+        self._stalled = False  # a call's deadline passed, and the server has answered nothing since
         self._unread = ""  # why the server's last answer could not be read
 
     @property
@@ -538,16 +539,21 @@ class McpServer:
     async def _keep_pinging(self, session: ClientSession, scope: anyio.CancelScope) -> None:
         """Ping the server every ``health_interval`` while no call waits on it, and end the connection (``scope``)
         when it does not answer. While calls wait, their own deadlines cover the time: a server doing one thing at
-        a time answers no ping while it works, and its long call was cut."""
+        a time answers no ping while it works, and its long call was cut. Once a call's deadline passed with no
+        answer since (``_stalled``), the ping is judged with calls waiting too: a hung server that a busy bot
+        kept calling was never restarted."""
+        self._stalled = False
         while True:
             await anyio.sleep(self._options.health_interval)
-            if self._in_flight:
+            if self._in_flight and not self._stalled:
                 continue
             failure = await self._ping(session)
-            if failure is not None and not (isinstance(failure, TimeoutError) and self._in_flight):
+            judged = self._stalled or not (isinstance(failure, TimeoutError) and self._in_flight)
+            if failure is not None and judged:
                 log.warning("mcp server %s did not answer a ping: %s", self.name, self.error_line(failure))
                 scope.cancel()
                 return
+            self._stalled = self._stalled and failure is not None
 
     async def _ping(self, session: ClientSession) -> Exception | None:
         """Why a ping found the server dead, or None. An error answer (a server that knows no ``ping``: "Method
@@ -652,12 +658,15 @@ class McpServer:
         try:
             with anyio.fail_after(self.config.timeout_seconds):
                 result = await session.call_tool(name, arguments)
+            self._stalled = False  # (an answer)
         except TimeoutError:
+            self._stalled = True
             return self._timed_out(name)
         except MCPError as exc:
             if exc.code == types.CONNECTION_CLOSED:
                 self._up = False
                 return self._unreachable()
+            self._stalled = False  # (an answer too)
             return SkillResult(f"the {self.name} server refused the call: {exc.message}", is_error=True)
         except Exception as exc:  # e.g. a result that fails the tool's output schema
             # (The log names the kind alone: the SDK's text quotes the result, and the result, like the arguments,
