@@ -46,8 +46,9 @@ def function_words(language: str) -> frozenset[str]:
 
 
 def search_stopwords(language: str) -> frozenset[str]:
-    """The words a memory search in a persona's ``language`` leaves out: for a German persona both lists (no
-    English function word is a German word of its own); for any other, both less the German ones English uses as
-    words ("war", "hat", "mit"). People write English or German to a persona of either language: "how are you?"
-    and "wie geht es dir?" match nothing by their words with either."""
-    return STOPWORDS if text_search_config(language) == "german" else _NOT_GERMAN
+    """The words a memory search in a persona's ``language`` leaves out: for an English persona both lists less
+    the German ones English uses as words ("war", "hat", "mit": an English persona's search for them found
+    nothing); for any other both, also for a language written in a way no configuration knows ("Deutsch
+    (Österreich)"), where "war" and "mit" are most likely German. People write English or German to a persona of
+    either language: "how are you?" and "wie geht es dir?" match nothing by their words with either."""
+    return _NOT_GERMAN if text_search_config(language) == "english" else STOPWORDS

@@ -445,9 +445,11 @@ def test_only_the_personas_languages_function_words_are_dropped() -> None:
     assert fts_query("How was the war, und die Katze?", language="German") == '"katze"'  # (English ones too)
     # German ones that are no English words stay out for the others ("wie", "eine")
     assert fts_query("Wie funktioniert eine Wärmepumpe?", language="English") == '"funktioniert" OR "wärmepumpe"'
-    # A language without a list: as English
-    assert fts_query("the war des chats und ich", language="French") == '"war" OR "des" OR "chats"'
-    assert fts_query("the war", language="") == '"war"'
+    # Any other language, and one written in a way no configuration knows, leaves both lists out, as before: for
+    # "Deutsch (Österreich)" or "German (formal)", "war" and "mit" are German (a match by them skipped the floor)
+    assert fts_query("the war des chats und ich", language="French") == '"chats"'
+    for german in ("Deutsch (Österreich)", "German (formal)", "Schweizerdeutsch", "simple", ""):
+        assert fts_query("wie war die Reise mit dem Zug", language=german) == '"reise" OR "zug"', german
 
 
 async def test_memory_search_finds_english_words_that_are_german_function_words(tmp_path: Path) -> None:
