@@ -283,6 +283,7 @@ class ConversationCore:
             size_hint=self._window_sizes.get(channel.id, 0),
             viewer=(user.id, persona.name),
             since=message.history_from,
+            labelled=not message.is_dm,  # (as history_turns labels them below)
         ), self.storage.incognito.at(user.id, user.key, persona.name, sent))
         if waited:  # the answers written meanwhile were stored after this message: they belong in its prompt
             late = await with_late_answers(self.storage, self.estimator, window, channel.id, user_msg.id,

@@ -29,6 +29,7 @@ class HistoryWindow:
     budget: int = 0
     trimmed: int = 0  # older messages of the channel left out (= the newest left-out message's seq)
     newest_evicted_id: int | None = None  # the newest message left out, if any
+    labelled: bool = True  # whether its turns carry speakers' labels (a group channel's), see message_cost
 
     @property
     def oldest_id(self) -> int | None:
@@ -43,14 +44,16 @@ class HistoryWindow:
 ANOTHER_PERSONA = " (another persona, not you)"  # after the name of a reply another persona gave in a channel
 
 
-def message_cost(message: StoredMessage, estimator: TokenEstimator, persona: str | None = None) -> int:
+def message_cost(message: StoredMessage, estimator: TokenEstimator, persona: str | None = None, *,
+                 labelled: bool = True) -> int:
     """What a message costs in a prompt: a person's with the label it carries in a group channel's turns and in
-    every transcript (see :func:`label_tokens`; counted in a DM's window too, where it is left out: a few tokens to
-    spare). Its text alone was counted: many short messages under long names made a group's window and a summary's
-    input several times their budgets. With ``persona`` (the one replying), a reply of another persona carries its
-    label too (see :func:`by_another_persona`)."""
+    every transcript (see :func:`label_tokens`; unless not ``labelled``, a DM's window, whose turns are sent as
+    written: its name is counted still, a few tokens to spare, but not the indentation of its further lines, which
+    made a long pasted list cost an eighth more than it did). Its text alone was counted: many short messages under
+    long names made a group's window and a summary's input several times their budgets. With ``persona`` (the one
+    replying), a reply of another persona carries its label too (see :func:`by_another_persona`)."""
     if message.role == "user":
-        label = label_tokens(message, estimator)
+        label = label_tokens(message, estimator) if labelled else name_tokens(message, estimator)
     elif by_another_persona(message, persona):
         label = label_tokens(message, estimator) + estimator.raw_count(ANOTHER_PERSONA)
     else:
@@ -89,11 +92,13 @@ async def build_window(
     viewer: tuple[int, str] | None = None,
     since: datetime | None = None,
     persona: str | None = None,
+    labelled: bool = True,
 ) -> HistoryWindow:
     """The window of messages older than ``before_id`` (all when None); for ``viewer`` (user id, persona: the
     reply's), without others' incognito stretches (see ``Storage.recent_messages``); with ``since``, only what
     was said from then on (what the reply's author could see: ``IncomingMessage.history_from``). Costs are
-    those of the turns shown to ``persona`` (else the viewer's; see :func:`message_cost`).
+    those of the turns shown to ``persona`` (else the viewer's; see :func:`message_cost`), ``labelled`` as a group
+    channel's are (not a DM's).
 
     ``size_hint`` (how many messages the last window of this channel held) sizes the first read so
     that one query usually suffices; the result does not depend on it.
@@ -108,18 +113,19 @@ async def build_window(
         page = await storage.recent_messages(channel_id, page_size, before_id=cursor, viewer=viewer,
                                              since=None if since is None else since.timestamp())
         for message in page:
-            cost = message_cost(message, estimator, shown_to)
+            cost = message_cost(message, estimator, shown_to, labelled=labelled)
             if tokens + cost > budget and user_messages >= min_exchanges:
                 chosen = in_reply_order(chosen[::-1])
                 # seq counts the channel's messages, so everything up to the evicted one is left out.
-                return HistoryWindow(chosen, tokens, budget, trimmed=message.seq, newest_evicted_id=message.id)
+                return HistoryWindow(chosen, tokens, budget, trimmed=message.seq, newest_evicted_id=message.id,
+                                     labelled=labelled)
             chosen.append(message)
             tokens += cost
             if message.role == "user":
                 user_messages += 1
         if len(page) < page_size:
             chosen.reverse()
-            return HistoryWindow(in_reply_order(chosen), tokens, budget)
+            return HistoryWindow(in_reply_order(chosen), tokens, budget, labelled=labelled)
         cursor = page[-1].id
         page_size = max(page_size * 2, PAGE_SIZE)
 
@@ -169,7 +175,8 @@ async def with_late_answers(
     merged = sorted((*window.messages, *late), key=lambda m: m.id)
     persona = viewer[1]
     return _within_budget(replace(window, messages=in_reply_order(merged),
-                                  tokens=window.tokens + sum(message_cost(m, estimator, persona) for m in late)),
+                                  tokens=window.tokens + sum(message_cost(m, estimator, persona,
+                                                                          labelled=window.labelled) for m in late)),
                           estimator, min_exchanges, persona)
 
 
@@ -181,7 +188,7 @@ def _within_budget(window: HistoryWindow, estimator: TokenEstimator, min_exchang
     trimmed, evicted = window.trimmed, window.newest_evicted_id
     while tokens > window.budget and messages and not (messages[0].role == "user" and users <= min_exchanges):
         oldest = messages.pop(0)
-        tokens -= message_cost(oldest, estimator, persona)
+        tokens -= message_cost(oldest, estimator, persona, labelled=window.labelled)
         users -= oldest.role == "user"
         trimmed, evicted = max(trimmed, oldest.seq), max(evicted or 0, oldest.id)
     return replace(window, messages=messages, tokens=tokens, trimmed=trimmed, newest_evicted_id=evicted)

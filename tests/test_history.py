@@ -108,6 +108,23 @@ async def test_a_message_of_many_lines_costs_what_its_labelled_turn_sends(storag
         assert message_cost(message, estimator, "Cora") >= sent, (message.role, message.persona, message.text[:20])
 
 
+async def test_a_dms_many_lined_message_costs_what_its_unlabelled_turn_sends(storage, estimator) -> None:
+    """A DM's turns are sent as written (no label, no indentation), but the window counted the indentation of a
+    labelled turn's further lines: a pasted list of 400 lines cost an eighth more than it was, and older messages
+    left the window early."""
+    text = "\n".join(f"- item number {i}" for i in range(400))
+    channel = await storage.upsert_channel("console:dm-ann", "dm", is_dm=True)
+    ann = await storage.upsert_user("console:ann", "Ann")
+    await storage.add_message(channel.id, ann.id, "Cora", "user", "Ann", text, estimator.raw_count(text))
+    window = await build_window(storage, estimator, channel.id, budget=10**6, min_exchanges=0, persona="Cora",
+                                labelled=False)
+    [turn] = history_turns(window.messages, label_speakers=False, persona="Cora")
+    sent = estimator.scale(estimator.raw_count(turn.content) + PER_MESSAGE_OVERHEAD)
+    assert turn.content == text and sent <= window.tokens <= sent + estimator.scale(8), (sent, window.tokens)
+    group = await build_window(storage, estimator, channel.id, budget=10**6, min_exchanges=0, persona="Cora")
+    assert group.tokens > window.tokens + estimator.scale(300)  # (labelled: every further line indented)
+
+
 async def test_a_message_costs_what_its_entry_in_a_summarys_transcript_sends(storage, estimator) -> None:
     """A summary's input counted 9 tokens for the time before each entry, which takes 13, and a reply's further
     lines without their indentation: a batch of short or many-lined messages went over summary_input_tokens."""
