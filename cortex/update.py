@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from functools import partial
 
 from bot.config import Config, ConfigError, CortexConfig
-from bot.history import in_reply_order
+from bot.history import in_reply_order, label_tokens
 from bot.jobs import LeaseLost
 from bot.llm.base import (
     CUT_OFF_CALL,
@@ -39,7 +39,7 @@ from bot.llm.errors import LLMBadRequest, LLMError, LLMTimeout
 from bot.persona import ConfigPersonas, Persona, PersonaSource
 from bot.storage.base import Job, LLMCallRecord, StoredMessage
 from bot.storage.engine import is_missing_reference
-from bot.text import plural
+from bot.text import one_line_name, plural
 from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator, fit_to_budget
 from cortex.files import CortexFiles
 from cortex.memory.store import MemoryStore
@@ -53,6 +53,7 @@ from cortex.tools import TOOLS, CortexTools, ToolOutcome
 log = logging.getLogger(__name__)
 
 MIN_MESSAGES = 4
+ENTRY_TIME_TOKENS = 13  # "[2026-01-01 10:00" before every message of an update's transcript (its digits split)
 CUT_MARK = " […]"
 PROMPT_OVERHEAD = 1_500  # tokens of an update's system prompt and tool definitions, for the first round's estimate
 MAX_CALLS_PER_TURN = 25  # tool calls of one model turn that run; the rest are refused (each result costs input)
@@ -262,7 +263,7 @@ class CortexUpdater:
         while True:
             page = await self.store.pair_messages(pair.user_id, pair.persona, 100, before_id=before)
             for message, channel in page:
-                cost = self.estimator.scale(message.token_count + PER_MESSAGE_OVERHEAD)
+                cost = self._entry_cost(message, channel)
                 if spent + cost > budget and chosen:
                     if len(chosen) < MIN_MESSAGES <= len(page):  # (on the first page: it holds 100)
                         return self._cut_to_fit(page[:MIN_MESSAGES], budget)
@@ -275,18 +276,28 @@ class CortexUpdater:
                 return chosen, spent
             before = page[-1][0].id
 
+    def _entry_cost(self, message: StoredMessage, channel: str) -> int:
+        """What a message costs in the update's transcript (:func:`cortex.prompts.conversation_message`): its time,
+        channel and speaker before its text, its further lines indented. Its text alone was counted: a hundred
+        short messages sent three times the budget."""
+        header = ENTRY_TIME_TOKENS + self.estimator.raw_count(f" · {one_line_name(channel)}]")
+        return self.estimator.scale(message.token_count + header + label_tokens(message, self.estimator)
+                                    + PER_MESSAGE_OVERHEAD)
+
     def _cut_to_fit(self, newest: list[tuple[StoredMessage, str]], budget: int
                     ) -> tuple[list[tuple[StoredMessage, str]], int]:
         """``newest`` (newest first) oldest first, each text cut to an equal share of ``budget``; their tokens."""
-        share = max(budget // len(newest) - PER_MESSAGE_OVERHEAD, 10)
         chosen, spent = [], 0
         for message, channel in reversed(newest):
             text = message.text
+            # (its share less what its time, channel and name take: half the share for the text at least)
+            share = max(budget // len(newest) - self._entry_cost(replace(message, text="", token_count=0), channel),
+                        budget // len(newest) // 2, 10)
             if self.estimator.scale(message.token_count) > share:
                 text = fit_to_budget(self.estimator, text, share, CUT_MARK)  # (in tokens: any script)
-            tokens = self.estimator.raw_count(text)
-            chosen.append((replace(message, text=text, token_count=tokens), channel))
-            spent += self.estimator.scale(tokens + PER_MESSAGE_OVERHEAD)
+            cut = replace(message, text=text, token_count=self.estimator.raw_count(text))
+            chosen.append((cut, channel))
+            spent += self._entry_cost(cut, channel)
         return chosen, spent
 
     async def _loop(

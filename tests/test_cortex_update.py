@@ -433,6 +433,20 @@ async def test_messages_cut_to_fit_keep_to_the_budget_in_any_script(app: App, fa
     assert len(said) == 2 and all(filler * 100 in text and text.endswith(" […]") for text in said)  # cut, kept
 
 
+async def test_the_updates_transcript_keeps_to_its_history_budget(app: App) -> None:
+    """Each message was counted by its text alone, but the transcript sends its time, channel and speaker before
+    it ("[2026-12-07 20:15 · DM with Ann] Ann: ok"): a hundred short messages sent three times the budget."""
+    from cortex.prompts import conversation_message
+
+    await _talk(app, [f"ok {i}" for i in range(60)])
+    pair = await _pair(app)
+    history, spent = await app.cortex.updater._history(pair, 600)
+    persona = app.personas.persona("Cora")
+    sent = app.estimator.count(conversation_message(persona, history, "Ann")) - app.estimator.count(
+        conversation_message(persona, [], "Ann"))
+    assert 20 <= len(history) and sent <= spent <= 600, (len(history), sent, spent)
+
+
 async def test_the_update_sends_back_neither_huge_arguments_nor_huge_names(app: App, fake_llm: FakeLLMServer) -> None:
     """The reply's tool loop left out arguments over 64 KB and refused their calls; the update's loop sent a
     400 KB write (refused for its length) again in every later round, and quoted a 50,000-character tool
