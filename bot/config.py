@@ -83,14 +83,20 @@ class _Section(BaseModel):
         no such name is most likely the secret itself, pasted in; it is refused and never repeated."""
         if _names_variables(info.field_name or ""):
             for name in value.values() if isinstance(value, dict) else (value,):
-                if isinstance(name, str) and name and (not ENV_NAME.fullmatch(name) or looks_like_token(name)):
+                if isinstance(name, str) and name and not ENV_NAME.fullmatch(name):
                     raise ValueError(NOT_A_VARIABLE)
+                if isinstance(name, str) and looks_like_token(name):
+                    raise ValueError(LOOKS_LIKE_TOKEN)
         return value
 
 
 NOT_A_VARIABLE = ("this names an environment variable (letters, digits and _), and what is written here is not "
                   "one: if it is the secret itself, remove it from the file, put it in an environment variable "
                   "and write that variable's name here")
+LOOKS_LIKE_TOKEN = ("this names an environment variable, and what is written here looks like a token rather than a "
+                    "variable's name (a token's prefix, or letters and digits mixed at random): if it is the secret "
+                    "itself, remove it from the file, put it in an environment variable and write that variable's "
+                    "name here; if it is a name, choose one of words (e.g. MATRIX_ACCESS_TOKEN)")
 
 
 # Tokens made of letters, digits and _ alone, which pass for a variable's name: Synapse's access and refresh tokens,
@@ -101,21 +107,33 @@ RANDOM_PIECE_CHARS = 16
 
 
 def looks_like_token(value: str) -> bool:
-    """Whether a would-be variable name is rather a secret: a known token's prefix followed by something random, or
-    a long piece (between "_") of letters and digits mixed as no name mixes them."""
-    if value.startswith(TOKEN_PREFIXES) and len(value) >= 24 and any(ch.isdigit() for ch in value):
-        return True
+    """Whether a would-be variable name is rather a secret: a known token's prefix followed by a random piece
+    (letters of both cases and digits, or a long one), or a long piece (between "_") of letters and digits mixed as
+    no name mixes them. Names with a prefix's look ("github_pat_for_the_bot") and a number or code in them
+    ("DISCORD_TOKEN_3F2A9C1B7E4D5A60", "Bot1Discord2Token") are names."""
+    if value.startswith(TOKEN_PREFIXES):
+        rest = value.split("_")[1:]
+        if any(_mixed(piece) or len(piece) >= RANDOM_PIECE_CHARS and re.search(r"[0-9]", piece) for piece in rest):
+            return True
     return any(_random_piece(piece) for piece in value.split("_"))
 
 
+def _mixed(piece: str) -> bool:
+    return bool(re.search(r"[0-9]", piece) and re.search(r"[a-z]", piece) and re.search(r"[A-Z]", piece))
+
+
 def _random_piece(piece: str) -> bool:
-    """Letters and digits alternating in a long piece ("Qx7kLm2pV9rT4wZ8", "a3f9c2e1b4d5f6a7"), where a name has
-    words and at most a number or two ("AzureOpenAIKey", "CortexBot2MatrixToken")."""
-    if len(piece) < RANDOM_PIECE_CHARS or not re.search(r"[0-9][A-Za-z]", piece):
+    """Letters and digits mixed in a long piece: of one case, 24 characters or more with three numbers in them
+    ("a3f9c2e1b4d5f6a7b8c9d0e1f2a3b4c5"); of both, mostly words of one or two letters between numbers
+    ("Ab9CdEf0123456789GhIjKlMn"), where a name has words ("AzureOpenAIKey", "CortexBot2MatrixToken")."""
+    if len(piece) < RANDOM_PIECE_CHARS:
         return False
     runs = len(re.findall(r"[0-9]+", piece))
-    mixed_case = piece.lower() != piece and piece.upper() != piece
-    return runs >= 3 or (runs >= 2 and mixed_case)
+    if piece.lower() == piece or piece.upper() == piece:
+        return len(piece) >= 24 and runs >= 3
+    words = re.findall(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])", piece)
+    short = sum(len(word) <= 2 for word in words)
+    return short * 2 >= len(words) and short >= (3 if runs >= 2 else 5)
 
 
 def _names_variables(key: str) -> bool:
@@ -1171,7 +1189,7 @@ class WebConfig(_Section):
 
     @model_validator(mode="after")
     def _metrics_address(self) -> WebConfig:
-        if self.metrics and self.metrics_host and self.metrics_port is None:
+        if self.enabled and self.metrics and self.metrics_host and self.metrics_port is None:
             raise ValueError("metrics_host needs metrics_port too (the port /metrics listens on at that address; 0 "
                              "picks a free one each start); to keep /metrics on the page's own address, set neither")
         return self

@@ -452,7 +452,10 @@ def test_a_token_that_is_also_a_variable_name_is_refused_and_never_repeated(toke
                                   "cortex_matrix_token", "K8S_MATRIX_TOKEN", "MY_BOT_1_TOKEN", "AzureOpenAIKey",
                                   "CortexBot2MatrixAccessToken", "MyCortexBotMatrixAccessTokenForExampleOrg",
                                   "github_pat_for_the_bot", "sk_live_key", "BOT_V2_TOKEN_2024",
-                                  "MATRIX_ACCESS_TOKEN_FOR_THE_CORTEX_BOT_ON_EXAMPLE_ORG"])
+                                  "MATRIX_ACCESS_TOKEN_FOR_THE_CORTEX_BOT_ON_EXAMPLE_ORG",
+                                  # a code or a number in a name, a prefix's look (refused as tokens at first)
+                                  "DISCORD_TOKEN_3F2A9C1B7E4D5A60", "github_pat_for_mcp_server_2", "Bot1Discord2Token",
+                                  "TOKEN_FOR_BOT_V2_2024_01_05", "AWS_S3_BUCKET_2024_V2"])
 def test_variable_names_as_people_write_them_are_taken(name: str) -> None:
     assert parse_config({"llm": {"api_key_env": name}}).llm.key_env_name == name
 

@@ -919,6 +919,7 @@ def test_a_metrics_host_without_its_port_is_refused(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="metrics_host needs metrics_port"):
         web_config(tmp_path, metrics_host="127.0.0.1")
     assert web_config(tmp_path, metrics_host="127.0.0.1", metrics=False).web.metrics is False
+    assert web_config(tmp_path, metrics_host="127.0.0.1", enabled=False).web.enabled is False  # (nothing served)
 
 
 async def test_reverting_to_a_version_over_todays_limit_is_refused_not_missing(tmp_path: Path) -> None:
