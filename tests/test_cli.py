@@ -527,17 +527,22 @@ def test_sigterm_stops_cleanly_and_requeues_the_running_job(tmp_path: Path, fake
         [str(BIN / "cortexbot"), "--config", str(config), "chat", "--user", "ann"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
-    assert proc.stdin is not None
-    proc.stdin.write("".join(f"message {i} with some words about the garden\n" for i in range(15)))
-    proc.stdin.flush()  # stdin stays open: the chat is still waiting for input
-    fake_llm.wait_for(is_summary, timeout=60)
-    fake_llm.wait_for(lambda r: is_reply(r) and "message 14" in r.last_user_text(), timeout=60)
-    time.sleep(0.5)
-    started = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=15)  # stdin is still open: a pending read must not keep the process alive
-    assert time.monotonic() - started < 15
-    out, err = proc.communicate(timeout=5)
+    with proc:  # (its pipes closed however the test ends: left open, a later test failed on their warnings)
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write("".join(f"message {i} with some words about the garden\n" for i in range(15)))
+            proc.stdin.flush()  # stdin stays open: the chat is still waiting for input
+            fake_llm.wait_for(is_summary, timeout=60)
+            fake_llm.wait_for(lambda r: is_reply(r) and "message 14" in r.last_user_text(), timeout=60)
+            time.sleep(0.5)
+            started = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=15)  # stdin is still open: a pending read must not keep the process alive
+            assert time.monotonic() - started < 15
+            out, err = proc.communicate(timeout=5)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     assert proc.returncode != 0 and "Traceback" not in err
     assert "Cora: echo: message 14" in out
     jobs = db_rows(tmp_path, "SELECT status, attempts FROM jobs WHERE kind = 'summary'")
