@@ -915,20 +915,23 @@ def test_a_job_id_that_is_no_number_is_said_so() -> None:
             refused.stderr, refused.stderr
 
 
+def at_debug(body: str) -> subprocess.CompletedProcess[str]:
+    """``body`` run in a fresh interpreter after ``setup_logging("DEBUG")``, as `[bot] log_level = "DEBUG"` sets it."""
+    script = "import logging\nfrom bot.cli import setup_logging\nsetup_logging('DEBUG')\n" + body
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 def test_debug_logging_keeps_the_matrix_access_token_and_conversations_out() -> None:
     """With log_level DEBUG, nio logged each response it parsed whole: the login's access token (the account's
     key) and every sync's messages; discord.py logs gateway events (what people wrote) at DEBUG too."""
-    script = (
-        "import logging\n"
-        "from bot.cli import setup_logging\n"
-        "setup_logging('DEBUG')\n"
+    done = at_debug(
         "from nio.responses import LoginResponse\n"
         "LoginResponse.from_dict({'user_id': '@bot:localhost', 'device_id': 'DEV', 'access_token': 'syt_SECRET_x'})\n"
         "logging.getLogger('discord.gateway').debug('WebSocket Event: %s', {'content': 'my private words'})\n"
         "logging.getLogger('bot.router').debug('the bot its own steps')\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
     assert "syt_SECRET_x" not in done.stderr and "my private words" not in done.stderr, done.stderr
     assert "the bot its own steps" in done.stderr
 
@@ -979,18 +982,13 @@ def test_debug_logging_holds_the_loggers_that_see_secrets_above_debug() -> None:
     """Each library logger that writes keys, tokens or request headers at DEBUG stays above it at [bot] log_level
     DEBUG (those above ran; these are the ones no test can make speak here: nio's request URLs with the access
     token, discord.py's REST requests)."""
-    script = (
-        "import logging\n"
-        "from bot.cli import setup_logging\n"
-        "setup_logging('DEBUG')\n"
+    done = at_debug(
         "names = ['peewee', 'nio.api', 'nio.http', 'nio.crypto', 'discord.http', 'discord.webhook.async_',\n"
         "         'discord.gateway', 'hpack.hpack', 'h2.connection', 'urllib3.connectionpool', 'httpx', 'httpcore',\n"
         "         'anthropic._base_client', 'openai._base_client', 'aiohttp.client', 'mcp.client.streamable_http']\n"
         "print([n for n in names if logging.getLogger(n).getEffectiveLevel() <= logging.DEBUG])\n"
         "print(logging.getLogger('bot.router').getEffectiveLevel())\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["[]", str(10)], done.stdout
 
 
