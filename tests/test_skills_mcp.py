@@ -596,6 +596,28 @@ async def test_a_hung_server_a_busy_bot_keeps_calling_is_restarted(caplog: pytes
         await server.aclose()
 
 
+async def test_a_slow_server_that_answers_late_once_is_not_restarted_mid_call(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A call queued behind another on a server doing one thing at a time passed its deadline (its late answer is
+    dropped), and the next ping was judged with a third call waiting: queued behind both, it timed out, and the
+    server was restarted with that call (answerable in time) in flight. The server answered within a call's time:
+    it is slow, not hung."""
+    caplog.set_level(logging.WARNING, logger="cortex.skills.mcp")
+    server = McpServer(raw_config(timeout_seconds=4.0), PINGING)
+    try:
+        await server.start()
+        first = await server_pid(server)
+        a = asyncio.ensure_future(server.call("work", {"seconds": 2.5}))
+        await asyncio.sleep(0.1)
+        late = await server.call("work", {"seconds": 2.5})  # behind a: answered at 5 s, its deadline at 4 s
+        assert late.is_error and "did not answer within 4 s" in late.content, late
+        assert await server.call("work", {"seconds": 1.0}) == SkillResult("worked")  # answered at 6 s
+        assert await a == SkillResult("worked") and await server_pid(server) == first
+        assert "did not answer a ping" not in caplog.text
+    finally:
+        await server.aclose()
+
+
 async def test_a_ping_answered_with_an_error_is_an_answer(caplog: pytest.LogCaptureFixture) -> None:
     """A server answering ping with "Method not found" was restarted at every health ping ("did not answer a ping:
     MCP error -32601", though it answered), cutting the calls in flight: it is alive, and stays connected."""

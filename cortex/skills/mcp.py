@@ -30,6 +30,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from dataclasses import dataclass
@@ -334,6 +335,7 @@ class McpServer:
         self._secrets = tuple(value for value in (*self._env_from.values(), *self._headers.values()) if value.strip())
         self._in_flight: set[anyio.CancelScope] = set()  # the calls waiting for the server's answer
         self._stalled = False  # a call's deadline passed, and the server has answered nothing since
+        self._answered_at = 0.0  # (monotonic) the server's last answer to a call in time, or its connection
         self._unread = ""  # why the server's last answer could not be read
 
     @property
@@ -540,20 +542,26 @@ class McpServer:
         """Ping the server every ``health_interval`` while no call waits on it, and end the connection (``scope``)
         when it does not answer. While calls wait, their own deadlines cover the time: a server doing one thing at
         a time answers no ping while it works, and its long call was cut. Once a call's deadline passed with no
-        answer since (``_stalled``), the ping is judged with calls waiting too: a hung server that a busy bot
-        kept calling was never restarted."""
-        self._stalled = False
+        answer since and none for a whole call's time (:meth:`_hung`), the ping is judged with calls waiting too: a
+        hung server that a busy bot kept calling was never restarted."""
+        self._stalled, self._answered_at = False, time.monotonic()
         while True:
             await anyio.sleep(self._options.health_interval)
-            if self._in_flight and not self._stalled:
+            if self._in_flight and not self._hung():
                 continue
             failure = await self._ping(session)
-            judged = self._stalled or not (isinstance(failure, TimeoutError) and self._in_flight)
+            judged = self._hung() or not (isinstance(failure, TimeoutError) and self._in_flight)
             if failure is not None and judged:
                 log.warning("mcp server %s did not answer a ping: %s", self.name, self.error_line(failure))
                 scope.cancel()
                 return
             self._stalled = self._stalled and failure is not None
+
+    def _hung(self) -> bool:
+        """Whether a call's deadline passed unanswered and the server has answered no call for as long as a call may
+        take. A server doing one thing at a time may answer a call that waited behind another late (and the late
+        answer is dropped), then go on answering: it is slow, not hung."""
+        return self._stalled and time.monotonic() - self._answered_at >= self.config.timeout_seconds
 
     async def _ping(self, session: ClientSession) -> Exception | None:
         """Why a ping found the server dead, or None. An error answer (a server that knows no ``ping``: "Method
@@ -658,7 +666,7 @@ class McpServer:
         try:
             with anyio.fail_after(self.config.timeout_seconds):
                 result = await session.call_tool(name, arguments)
-            self._stalled = False  # (an answer)
+            self._stalled, self._answered_at = False, time.monotonic()  # (an answer)
         except TimeoutError:
             self._stalled = True
             return self._timed_out(name)
@@ -666,7 +674,7 @@ class McpServer:
             if exc.code == types.CONNECTION_CLOSED:
                 self._up = False
                 return self._unreachable()
-            self._stalled = False  # (an answer too)
+            self._stalled, self._answered_at = False, time.monotonic()  # (an answer too)
             return SkillResult(f"the {self.name} server refused the call: {exc.message}", is_error=True)
         except Exception as exc:  # e.g. a result that fails the tool's output schema
             # (The log names the kind alone: the SDK's text quotes the result, and the result, like the arguments,

@@ -50,6 +50,7 @@ def tools() -> list[dict[str, Any]]:
         # (listed: the SDK lists the tools again for a result of one it does not know, and a server asleep after
         # its answer would not answer that)
         {"name": "freeze", "inputSchema": {"type": "object", "properties": {"seconds": {"type": "number"}}}},
+        {"name": "work", "inputSchema": {"type": "object", "properties": {"seconds": {"type": "number"}}}},
     ]
 
 
