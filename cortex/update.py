@@ -286,19 +286,29 @@ class CortexUpdater:
 
     def _cut_to_fit(self, newest: list[tuple[StoredMessage, str]], budget: int
                     ) -> tuple[list[tuple[StoredMessage, str]], int]:
-        """``newest`` (newest first) oldest first, each text cut to an equal share of ``budget``; their tokens."""
+        """``newest`` (newest first) oldest first, each cut to an equal share of ``budget`` (its time, channel and
+        name included, unless they alone take more); their tokens."""
         chosen, spent = [], 0
         for message, channel in reversed(newest):
-            text = message.text
-            # (its share less what its time, channel and name take: half the share for the text at least)
-            share = max(budget // len(newest) - self._entry_cost(replace(message, text="", token_count=0), channel),
-                        budget // len(newest) // 2, 10)
-            if self.estimator.scale(message.token_count) > share:
-                text = fit_to_budget(self.estimator, text, share, CUT_MARK)  # (in tokens: any script)
-            cut = replace(message, text=text, token_count=self.estimator.raw_count(text))
+            cut = self._fit_entry(message, channel, budget // len(newest))
             chosen.append((cut, channel))
             spent += self._entry_cost(cut, channel)
         return chosen, spent
+
+    def _fit_entry(self, message: StoredMessage, channel: str, share: int) -> StoredMessage:
+        """``message`` with its text cut so that its transcript entry costs at most ``share`` (the text at least 10
+        tokens): cut again, shorter, while the indentation of the cut text's lines still takes it over."""
+        target = share - self._entry_cost(replace(message, text="", token_count=0), channel)
+        fitted = message
+        for _ in range(4):
+            if self._entry_cost(fitted, channel) <= share:
+                break
+            text = fit_to_budget(self.estimator, message.text, max(target, 10), CUT_MARK)  # (in tokens: any script)
+            fitted = replace(message, text=text, token_count=self.estimator.raw_count(text))
+            if target <= 10:
+                break
+            target -= max(self._entry_cost(fitted, channel) - share, 0)
+        return fitted
 
     async def _loop(
         self, pair: Pair, persona: Persona, user_name: str, tier: str, settings: CortexConfig,

@@ -447,6 +447,21 @@ async def test_the_updates_transcript_keeps_to_its_history_budget(app: App) -> N
     assert 20 <= len(history) and sent <= spent <= 600, (len(history), sent, spent)
 
 
+async def test_many_lined_pastes_cut_to_fit_keep_to_the_budget_with_their_indentation(app: App) -> None:
+    """Cut to its share, a pasted list of 3,000 lines still went over it: the indentation of the cut text's further
+    lines in the transcript was not counted in the share (2,168 tokens for a budget of 2,000 with 3,000 lines)."""
+    from cortex.prompts import conversation_message
+
+    await _talk(app, ["\n".join(f"E{i} x" for i in range(1000))] * 2)  # (6,889 characters: under the limit)
+    pair = await _pair(app)
+    history, spent = await app.cortex.updater._history(pair, 2000)
+    persona = app.personas.persona("Cora")
+    sent = app.estimator.count(conversation_message(persona, history, "Ann")) - app.estimator.count(
+        conversation_message(persona, [], "Ann"))
+    assert len(history) == 4 and any(" […]" in m.text for m, _ in history)
+    assert sent <= spent <= 2000, (sent, spent)
+
+
 async def test_the_update_sends_back_neither_huge_arguments_nor_huge_names(app: App, fake_llm: FakeLLMServer) -> None:
     """The reply's tool loop left out arguments over 64 KB and refused their calls; the update's loop sent a
     400 KB write (refused for its length) again in every later round, and quoted a 50,000-character tool
@@ -633,7 +648,8 @@ async def test_spending_counts_in_the_database_as_it_happens(
     """Two processes share one bot budget: each round's tokens are recorded at once, so an update in one
     process stops at its next round once another process's spending used the budget up."""
     monkeypatch.setenv(KEY_ENV, "test-key")
-    async with _two_processes(tmp_path, fake_llm, 5000) as (app, other, ann, bob, settings):
+    # (room left after Ann's first round for Bob's first: his update reads about 1,700 tokens and may write 256)
+    async with _two_processes(tmp_path, fake_llm, 5200) as (app, other, ann, bob, settings):
         read = FakeResponse.tool_calls([("r1", "read_file", {"filename": "memory.md"})], input_tokens=3000,
                                        output_tokens=100, delay=0.5)
         fake_llm.enqueue(read)  # Ann's first round: 3,100 tokens, then a slow second round ...
@@ -651,7 +667,7 @@ async def test_spending_counts_in_the_database_as_it_happens(
         outcome = await first
         assert second.status == "failed" and "bot's daily cortex token budget" in second.reason
         assert outcome.status == "failed" and "bot's daily cortex token budget" in outcome.reason
-        assert await app.cortex.store.tokens_since(0) < 5000 + 3110  # overshoot bounded by one round
+        assert await app.cortex.store.tokens_since(0) < 5200 + 3110  # overshoot bounded by one round
 
 
 async def test_two_processes_cannot_both_take_the_last_round_of_the_budget(
