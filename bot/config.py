@@ -102,7 +102,7 @@ LOOKS_LIKE_TOKEN = ("this names an environment variable, and what is written her
 # Tokens made of letters, digits and _ alone, which pass for a variable's name: Synapse's access and refresh tokens,
 # Matrix Authentication Service's, GitHub's, Slack's, Stripe's (OpenAI's and Anthropic's "sk-…" hold a "-").
 TOKEN_PREFIXES = ("syt_", "syr_", "mat_", "mct_", "ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_", "xox",
-                  "sk_live_", "sk_test_", "rk_live_", "rk_test_")
+                  "sk_live_", "sk_test_", "rk_live_", "rk_test_", "hf_")
 RANDOM_PIECE_CHARS = 16
 
 
@@ -113,13 +113,18 @@ def looks_like_token(value: str) -> bool:
     ("DISCORD_TOKEN_3F2A9C1B7E4D5A60", "Bot1Discord2Token") are names."""
     if value.startswith(TOKEN_PREFIXES):
         rest = value.split("_")[1:]
-        if any(_mixed(piece) or len(piece) >= RANDOM_PIECE_CHARS and re.search(r"[0-9]", piece) for piece in rest):
+        if any(_mixed(piece) or len(piece) >= RANDOM_PIECE_CHARS and (re.search(r"[0-9]", piece) or _cased(piece))
+               for piece in rest):
             return True
     return any(_random_piece(piece) for piece in value.split("_"))
 
 
 def _mixed(piece: str) -> bool:
-    return bool(re.search(r"[0-9]", piece) and re.search(r"[a-z]", piece) and re.search(r"[A-Z]", piece))
+    return bool(re.search(r"[0-9]", piece)) and _cased(piece)
+
+
+def _cased(piece: str) -> bool:
+    return bool(re.search(r"[a-z]", piece) and re.search(r"[A-Z]", piece))
 
 
 def _random_piece(piece: str) -> bool:

@@ -437,6 +437,9 @@ def test_a_secret_pasted_where_a_variable_name_belongs_is_refused_and_never_repe
     "xoxb_not_slack_but_Ab3dE6gH9jK2mN5pQ8sT",
     "Ab9CdEf0123456789GhIjKlMn",  # a key of letters and digits, no prefix
     "a3f9c2e1b4d5f6a7b8c9d0e1f2a3b4c5",  # lower-case hex
+    # random parts of letters alone after a prefix (they passed as names at first)
+    "syt_YQ_fPKPvoytculuYLtpvgIN_LZMfpo", "ghp_IhvePHdnbzNlfMKmIbxJvwLqkIhuRjxyEWdb",
+    "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",  # Hugging Face's
 ])
 def test_a_token_that_is_also_a_variable_name_is_refused_and_never_repeated(token: str) -> None:
     """A Matrix access token pasted into access_token_env ("syt_…" holds only letters, digits and _) passed as a
