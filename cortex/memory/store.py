@@ -485,12 +485,14 @@ class MemoryStore:
         """
         now = self.clock()
         query = query[:MAX_QUERY_CHARS]  # (a model's tool call may send anything: its words are read one by one)
-        match = await self._text_query(query, pair_id, persona, patient if function_words is None else function_words)
         messages = include_messages and user_id is not None and persona is not None
-        # The query's embedding runs while the full-text parts do; the vector parts wait for it.
+        # The query's embedding runs while the full-text parts do (and the lookup of the persona's language before
+        # them); the vector parts wait for it.
         meaning = asyncio.ensure_future(self._meaning(
             query, query_vector, use_vectors, pair_id, user_id or 0, persona or "", include_items, messages, patient))
         try:
+            match = await self._text_query(query, pair_id, persona,
+                                           patient if function_words is None else function_words)
             parts = []
             if include_items:  # a caller that knows the pair has no items saves the query
                 # A group channel's search (shared items only) asks for those alone: private ones that match
