@@ -544,7 +544,7 @@ class McpServer:
         a time answers no ping while it works, and its long call was cut. Once a call's deadline passed with no
         answer since and none for a whole call's time (:meth:`_hung`), the ping is judged with calls waiting too: a
         hung server that a busy bot kept calling was never restarted."""
-        self._stalled, self._answered_at = False, time.monotonic()
+        self._answered()  # (connected)
         while True:
             await anyio.sleep(self._options.health_interval)
             if self._in_flight and not self._hung():
@@ -556,6 +556,10 @@ class McpServer:
                 scope.cancel()
                 return
             self._stalled = self._stalled and failure is not None
+
+    def _answered(self) -> None:
+        """The server answered a call in time: it is not hung."""
+        self._stalled, self._answered_at = False, time.monotonic()
 
     def _hung(self) -> bool:
         """Whether a call's deadline passed unanswered and the server has answered no call for as long as a call may
@@ -666,7 +670,7 @@ class McpServer:
         try:
             with anyio.fail_after(self.config.timeout_seconds):
                 result = await session.call_tool(name, arguments)
-            self._stalled, self._answered_at = False, time.monotonic()  # (an answer)
+            self._answered()
         except TimeoutError:
             self._stalled = True
             return self._timed_out(name)
@@ -674,7 +678,7 @@ class McpServer:
             if exc.code == types.CONNECTION_CLOSED:
                 self._up = False
                 return self._unreachable()
-            self._stalled, self._answered_at = False, time.monotonic()  # (an answer too)
+            self._answered()  # (a refusal is an answer too)
             return SkillResult(f"the {self.name} server refused the call: {exc.message}", is_error=True)
         except Exception as exc:  # e.g. a result that fails the tool's output schema
             # (The log names the kind alone: the SDK's text quotes the result, and the result, like the arguments,
