@@ -39,6 +39,7 @@ from bot.llm.errors import LLMBadRequest, LLMError, LLMTimeout
 from bot.persona import ConfigPersonas, Persona, PersonaSource
 from bot.storage.base import Job, LLMCallRecord, StoredMessage
 from bot.storage.engine import is_missing_reference
+from bot.summary import TIME_TOKENS
 from bot.text import one_line_name, plural
 from bot.tokens import PER_MESSAGE_OVERHEAD, TokenEstimator, fit_to_budget
 from cortex.files import CortexFiles
@@ -53,7 +54,6 @@ from cortex.tools import TOOLS, CortexTools, ToolOutcome
 log = logging.getLogger(__name__)
 
 MIN_MESSAGES = 4
-ENTRY_TIME_TOKENS = 13  # "[2026-01-01 10:00" before every message of an update's transcript (its digits split)
 CUT_MARK = " […]"
 PROMPT_OVERHEAD = 1_500  # tokens of an update's system prompt and tool definitions, for the first round's estimate
 MAX_CALLS_PER_TURN = 25  # tool calls of one model turn that run; the rest are refused (each result costs input)
@@ -280,7 +280,7 @@ class CortexUpdater:
         """What a message costs in the update's transcript (:func:`cortex.prompts.conversation_message`): its time,
         channel and speaker before its text, its further lines indented. Its text alone was counted: a hundred
         short messages sent three times the budget."""
-        header = ENTRY_TIME_TOKENS + self.estimator.raw_count(f" · {one_line_name(channel)}]")
+        header = TIME_TOKENS + self.estimator.raw_count(f" · {one_line_name(channel)}]")  # (the time as a summary's)
         return self.estimator.scale(message.token_count + header + label_tokens(message, self.estimator)
                                     + PER_MESSAGE_OVERHEAD)
 
