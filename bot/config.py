@@ -789,8 +789,6 @@ def _check_shard_ids(ids: list[int], count: int | None) -> list[int]:
     return ids
 
 
-
-
 def _matrix_user_ids(ids: list[str]) -> list[str]:
     """Full Matrix user ids, compared as they are with each sender's: "bob" (or a typo) made nobody an admin
     without a word. The access lists' form (matrix:@ann:example.org) is read as the id it names."""
