@@ -929,3 +929,39 @@ async def test_a_pairs_memory_holds_a_bounded_number_of_items(tmp_path: Path, mo
         assert (await store.remember(pair, "Ann fact number 4")).content == "Ann fact number 4"
     finally:
         await app.stop()
+
+
+async def test_a_search_of_function_words_only_finds_the_items_and_messages_that_hold_them(
+        tmp_path: Path, engine: str) -> None:
+    """A search someone asks for keeps a query's function words when it has nothing else ("The Who", "who are
+    you"). PostgreSQL's language configurations drop them when the text is stored, so their query there was
+    empty and found nothing by its words, where SQLite's FTS5 keeps every word and found them."""
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "memory": {"embedder": "none"},
+                           "personas": [{"name": "Cora", "language": "English"},
+                                        {"name": "Lena", "language": "German"}]})
+    async with App(config, llm=ScriptedProvider()) as app:
+        user = await app.storage.upsert_user("console:ann", "Ann")
+        store = app.cortex.memory
+        for persona, facts in (("Cora", ["The weather is fine today", "My favourite band is The Who",
+                                         "I bought concert tickets"]),
+                               ("Lena", ["Das Wetter ist schön", "Wer ist sie? Meine Schwester", "Ich mag Konzerte"])):
+            pair = (await app.storage.cortex.ensure_pair(user.id, persona)).id
+            for fact in facts:
+                await store.remember(pair, fact, category="fact", importance=3, source="user")
+        channel = await app.storage.upsert_channel("console:dm-ann", "dm", is_dm=True)
+        for text in ("I slept well", "Who are you, by the way?", "Tell me about concerts"):
+            await app.storage.add_message(channel.id, user.id, "Cora", "user", "Ann", text, 3)
+
+        async def found(persona: str, query: str) -> list[str]:
+            pair = (await app.storage.cortex.ensure_pair(user.id, persona)).id
+            hits = await store.search(pair, query, user_id=user.id, persona=persona, function_words=True)
+            return [h.text for h in hits]
+
+        # (the item holding both words before the one holding "the" alone, the message holding neither not at all)
+        the_who = await found("Cora", "The Who")
+        assert the_who == ["My favourite band is The Who", "Ann: Who are you, by the way?", "The weather is fine today"]
+        assert "Ann: Who are you, by the way?" in await found("Cora", "who are you")  # a message
+        assert (await found("Lena", "wer ist sie"))[0] == "Wer ist sie? Meine Schwester"
+        # A query with words of its own is searched by them alone, as before
+        assert await found("Cora", "the concert") == ["I bought concert tickets", "Ann: Tell me about concerts"]
+        assert await found("Lena", "das Konzert") == ["Ich mag Konzerte"]

@@ -95,6 +95,12 @@ LARGE_INDEX = 300_000
 LARGE_EF_SEARCH = 150
 SPARSE_BACKLOG = 2000  # below this many items to embed, they are found by the backlog's index and sorted
 INDEX_SIZE_SECONDS = 60.0  # how often a process reads an index's size (PostgreSQL's estimate: pg_class)
+# PostgreSQL, a query of function words only ("The Who", "who are you"): the newest rows of the pair (or of the
+# user's messages with the persona) searched by their words as written (see _pg_stop_words_sql). Their words are
+# read from the text on each search, 10-15 µs a row (measured: 1,000 rows of 100 characters, 10-16 ms): 500 keep
+# such a search to a few milliseconds at any size. A GIN index of every row's words as written would reach older
+# rows, but made each insert ten times dearer (50k rows: 0.1 s without one, 1.0 s with), for a rare search.
+STOP_WORDS_ROWS = 500
 
 FtsTable = Literal["memory_fts", "messages_fts"]
 FTS_SOURCE: dict[str, str] = {"memory_fts": "memory_items", "messages_fts": "messages"}  # PostgreSQL's tables
@@ -463,13 +469,13 @@ class MemoryRepository:
         return config
 
     @staticmethod
-    def _pg_rank(count: int, first: int) -> str:
-        """``-(Σ weight × ts_rank(ts, word))`` over ``count`` query words: their tsquery texts are numbered
-        from ``$first``, their weights follow them, in the configuration ``$5``. Each tsquery is an
+    def _pg_rank(count: int, first: int, vector: str = "m.ts", config: str = "$5") -> str:
+        """``-(Σ weight × ts_rank(vector, word))`` over ``count`` query words: their tsquery texts are numbered
+        from ``$first``, their weights follow them, in the configuration ``config``. Each tsquery is an
         uncorrelated scalar subquery, so PostgreSQL computes it once per query, not once per row, whatever the
         plan. The weights are parameters: as literals, every query would be a new statement for asyncpg's
         cache, and pay a round trip to prepare it."""
-        parts = [f"${first + count + n}::float8 * ts_rank(m.ts, (SELECT to_tsquery($5, ${first + n})), 1)"
+        parts = [f"${first + count + n}::float8 * ts_rank({vector}, (SELECT to_tsquery({config}, ${first + n})), 1)"
                  for n in range(count)]
         return "-(" + " + ".join(parts) + ")"
 
@@ -498,6 +504,23 @@ class MemoryRepository:
         return (f"SELECT {columns}, {rank} AS rank FROM (SELECT m.* FROM {source}"
                 f" WHERE {match} AND {where} ORDER BY m.id DESC LIMIT $4) AS m"
                 " ORDER BY m.id DESC")
+
+    @staticmethod
+    def _pg_stop_words_sql(columns: str, source: str, where: str, count: int, words: str) -> str:
+        """:meth:`_pg_text_sql`'s query for when the configuration ``$5`` drops every query word (all stop words:
+        "The Who", "who are you"), which made its tsquery empty and found nothing, where SQLite's FTS5 keeps
+        every word and finds them: the newest ``STOP_WORDS_ROWS`` rows of ``where``, their ``words`` (an
+        expression of ``m``'s columns) read by the ``simple`` configuration (no stop words, no stemming), best
+        first. The condition on ``$5``'s tsquery holds no column, so it is checked once: a query the
+        configuration keeps words of (a typo found nowhere) reads no row."""
+        rank = MemoryRepository._pg_rank(count, 6, "m.simple_ts", "'simple'")
+        # (each row's words are read once, by the plain parser: cortex_tsvector's look for the parts of addresses
+        # and paths, which hold no function words, tripled the cost)
+        newest = (f"SELECT m.*, to_tsvector('simple', {words}) AS simple_ts FROM {source} WHERE {where}"
+                  f" ORDER BY m.id DESC LIMIT {STOP_WORDS_ROWS}")
+        return (f"SELECT {columns}, {rank} AS rank FROM ({newest}) AS m"
+                " WHERE numnode((SELECT to_tsquery($5, $3))) = 0 AND m.simple_ts @@ (SELECT to_tsquery('simple', $3))"
+                " ORDER BY rank LIMIT $4")
 
     @staticmethod
     def _pg_params(terms: Mapping[str, float], limit: int, config: str) -> tuple[Any, ...]:
@@ -529,10 +552,16 @@ class MemoryRepository:
         config = await self.ts_config(pair_id=pair_id)
         # Newest first, by walking back through the pair's live items (memory_items_live): a generic plan took
         # the words' index instead, then fetched and sorted every match (25-67 ms for a pair of 100k items).
-        sql = self._pg_text_sql(
-            ITEM_COLUMNS_M, "memory_items AS m", "m.pair_id = $1 AND m.archived_at IS NULL AND m.superseded_by IS NULL"
-            f" AND (m.expires_at IS NULL OR m.expires_at > $2){shared}", len(terms), newest, walk=newest)
-        return await self.db.fetch_all(sql, (pair_id, now, *self._pg_params(terms, limit, config)))
+        where = ("m.pair_id = $1 AND m.archived_at IS NULL AND m.superseded_by IS NULL"
+                 f" AND (m.expires_at IS NULL OR m.expires_at > $2){shared}")
+        params = (pair_id, now, *self._pg_params(terms, limit, config))
+        found = await self.db.fetch_all(
+            self._pg_text_sql(ITEM_COLUMNS_M, "memory_items AS m", where, len(terms), newest, walk=newest), params)
+        if found:
+            return found
+        return await self.db.fetch_all(self._pg_stop_words_sql(
+            ITEM_COLUMNS_M, "memory_items AS m", where, len(terms), "m.content || ' ' || m.key || ' ' || m.tags"),
+            params)
 
     async def message_text_candidates(
         self, user_id: int, persona: str, terms: Mapping[str, float], *, newest: bool, limit: int,
@@ -562,12 +591,14 @@ class MemoryRepository:
         # The messages' own columns only: the channel of the few rows returned is joined afterwards. Newest
         # first, a generic plan has one way to go (see _pg_text_sql): the walk back through the user's messages
         # (0.45 ms by a generic plan, where it took 157 ms for a user of 100k messages, most of them matching).
-        sql = self._pg_text_sql("m.*", "messages AS m", f"m.user_id = $1 AND m.persona = $2{skip} AND {paused}",
-                                len(terms), newest, walk=newest)
-        return await self.db.fetch_all(
-            f"SELECT {MESSAGE_HIT_COLUMNS}, m.rank FROM ({sql}) AS m JOIN channels AS c ON c.id = m.channel_id"
-            " ORDER BY " + ("m.id DESC" if newest else "m.rank"),
-            (user_id, persona, *self._pg_params(terms, limit, config), left_out))
+        where = f"m.user_id = $1 AND m.persona = $2{skip} AND {paused}"
+        params = (user_id, persona, *self._pg_params(terms, limit, config), left_out)
+        found = await self.db.fetch_all(_with_channel(
+            self._pg_text_sql("m.*", "messages AS m", where, len(terms), newest, walk=newest), newest), params)
+        if found:
+            return found
+        return await self.db.fetch_all(_with_channel(self._pg_stop_words_sql(
+            "m.*", "messages AS m", where, len(terms), "m.author_name || ' ' || m.text"), False), params)
 
     async def _newest_sqlite(self, sql: str, params: Sequence[Any]) -> list[Row]:
         """SQLite: the newest matches with a ``rank`` from the words FTS5 marked in each (its ``bm25()``
@@ -1055,6 +1086,13 @@ class _IndexPlan:
     half: bool  # search by the half-precision index
     ef_search: int | None  # candidates to look at (None: as the URL sets)
     checked: float  # time.monotonic()
+
+
+def _with_channel(sql: str, newest: bool) -> str:
+    """PostgreSQL: a message query's rows (``sql``) as hits, with their channel's name (joined only to the few
+    rows kept), newest first or best first."""
+    return (f"SELECT {MESSAGE_HIT_COLUMNS}, m.rank FROM ({sql}) AS m JOIN channels AS c ON c.id = m.channel_id"
+            " ORDER BY " + ("m.id DESC" if newest else "m.rank"))
 
 
 def _literal(text: str) -> str:
