@@ -962,3 +962,20 @@ async def test_a_stream_past_its_cap_fails_instead_of_filling_memory(
     fake_llm.enqueue(FakeResponse.tool_calls([("c1", "weather", huge)]))
     with pytest.raises(LLMBadResponse, match="ran past 8,000,000 characters"):
         await collect(provider, request(tools=(WEATHER,)))
+
+
+@pytest.mark.asyncio
+async def test_a_non_streamed_answer_past_its_cap_fails_and_is_not_read_further(
+    provider: LLMProvider, fake_llm: FakeLLMServer
+) -> None:
+    """A non-streamed answer (a summary's, a cortex update's) was read whole into memory by the SDK, however large:
+    a broken server's endless body grew the process without bound. Reading stops at the cap, with a clear error."""
+    from bot.llm.base import MAX_ANSWER_BYTES
+
+    mebibytes = 4 * MAX_ANSWER_BYTES >> 20
+    fake_llm.enqueue(FakeResponse.huge(mebibytes))
+    with pytest.raises(LLMBadResponse) as info:
+        await provider.complete(request())
+    assert info.value.detail == (f"{provider.name}: the server's answer ran past {MAX_ANSWER_BYTES:,} bytes; the rest"
+                                 " was not read"), info.value.detail
+    assert fake_llm.huge_bytes_sent < MAX_ANSWER_BYTES + (16 << 20) < mebibytes << 20  # (the loopback's buffers)

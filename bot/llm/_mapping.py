@@ -220,7 +220,11 @@ def to_llm_error(
     sdk: SdkErrors,
     secrets: Iterable[str | None] = (),
 ) -> LLMError:
-    """Translate any exception raised while talking to the SDK into an :class:`LLMError`."""
+    """Translate any exception raised while talking to the SDK into an :class:`LLMError`. One of ours that the SDK
+    wrapped (the Anthropic SDK makes anything raised while it reads an answer a connection error, such as the
+    cap on its size, ``bot.llm._capped``) is itself the error."""
+    if isinstance(exc.__cause__, LLMError):
+        return exc.__cause__
     error = _translate(exc, provider, sdk)
     clean = _shortened(redact(error.detail, list(secrets)))  # redacted first: a key cut in half would not match
     if clean != error.detail:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 import anthropic
 import httpx2
 
+from bot.llm._capped import capped_http_client
 from bot.llm._mapping import Deadline, SdkErrors, limit_retry_waits, not_json, to_llm_error
 from bot.llm.base import (
     MAX_STREAMED_CHARS,
@@ -320,6 +321,7 @@ class AnthropicProvider:
                 base_url=base_url,
                 timeout=self._timeout,
                 max_retries=max_retries,
+                http_client=capped_http_client("anthropic", anthropic.DefaultAsyncHttpxClient),
             )
             limit_retry_waits(self._client, timeout_seconds)
         except anthropic.AnthropicError as exc:

@@ -44,6 +44,17 @@ MAX_CALLS_SENT_BACK = 32  # a turn's calls repeated to the model at all: the res
 MAX_STREAMED_CHARS = 8_000_000
 
 
+# Of one non-streamed answer, at most this many bytes are read (the same answer as a stream's, with its JSON
+# around it: up to 4 bytes a character): past it the answer fails, and the rest is not read.
+MAX_ANSWER_BYTES = 4 * MAX_STREAMED_CHARS
+
+
+def past_answer_cap(provider: str) -> LLMBadResponse:
+    """The error of a non-streamed answer of more than :data:`MAX_ANSWER_BYTES`."""
+    return LLMBadResponse(f"{provider}: the server's answer ran past {MAX_ANSWER_BYTES:,} bytes; the rest was not "
+                          "read")
+
+
 def past_stream_cap(provider: str) -> LLMBadResponse:
     """The error of a stream that sent more than :data:`MAX_STREAMED_CHARS`."""
     return LLMBadResponse(f"{provider}: the streamed answer ran past {MAX_STREAMED_CHARS:,} characters; the rest "

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, cast
 import httpx2
 import openai
 
+from bot.llm._capped import capped_http_client
 from bot.llm._mapping import Deadline, SdkErrors, limit_retry_waits, not_json, to_llm_error
 from bot.llm.base import (
     MAX_STREAMED_CHARS,
@@ -341,6 +342,7 @@ class OpenAICompatProvider:
                 base_url=base_url,
                 timeout=self._timeout,
                 max_retries=max_retries,
+                http_client=capped_http_client("openai", openai.DefaultAsyncHttpxClient),
             )
             limit_retry_waits(self._client, timeout_seconds)
         except openai.OpenAIError as exc:

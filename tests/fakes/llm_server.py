@@ -150,7 +150,7 @@ def _content_text(content: object) -> str:
 class FakeResponse:
     """What the server answers to one completion request. Build it with the class methods."""
 
-    kind: Literal["text", "tool_calls", "error", "malformed", "stream_error"]
+    kind: Literal["text", "tool_calls", "error", "malformed", "stream_error", "huge"]
     reply_text: str = ""
     chunks: tuple[str, ...] | None = None
     calls: tuple[tuple[str, str, ToolInput], ...] = ()
@@ -256,6 +256,12 @@ class FakeResponse:
     ) -> FakeResponse:
         """Answer with exactly these bytes (for streaming requests too)."""
         return cls(kind="malformed", body=body, status=status, content_type=content_type, delay=delay)
+
+    @classmethod
+    def huge(cls, mebibytes: int) -> FakeResponse:
+        """A non-streamed answer whose JSON body goes on for ``mebibytes`` MiB (made as it is sent, without a
+        Content-Length); the server notes in ``huge_bytes_sent`` how much of it the client took."""
+        return cls(kind="huge", repeat=mebibytes)
 
     @classmethod
     def stream_error_after(
@@ -534,6 +540,7 @@ class FakeLLMServer:
         self.responder: Responder = echo_responder
         self.models: list[str] = list(DEFAULT_MODELS)
         self.models_missing = False  # GET /v1/models answers 404 with an HTML page
+        self.huge_bytes_sent = 0  # of the last FakeResponse.huge answer: what the client took of it
         self.embedding_dim = 8
         self._requests: list[RecordedRequest] = []
         self._queue: collections.deque[FakeResponse] = collections.deque()
@@ -736,6 +743,8 @@ class FakeLLMServer:
             return web.json_response(body, status=resp.status, headers=resp.headers)
         if resp.kind == "malformed":
             return web.Response(body=resp.body, status=resp.status, headers={"Content-Type": resp.content_type})
+        if resp.kind == "huge":
+            return await self._send_huge(request, resp.repeat)
         if resp.kind == "stream_error" and not recorded.stream:
             _drop_connection(request)
             raise asyncio.CancelledError
@@ -767,6 +776,23 @@ class FakeLLMServer:
         error = {"error": {"message": resp.message, "type": resp.error_type or "server_error", "code": None}}
         error_frame = f"data: {json.dumps(error)}\n\n".encode()
         return await self._write_stream(request, resp, frames, error_frame)
+
+    async def _send_huge(self, request: web.Request, mebibytes: int) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        piece = b"x" * (1 << 20)
+        self.huge_bytes_sent = 0
+        try:
+            await response.write(b'{"id": "')
+            for _ in range(mebibytes):
+                await response.write(piece)
+                self.huge_bytes_sent += len(piece)
+            await response.write(b'"}')
+            await response.write_eof()
+        except (ConnectionResetError, RuntimeError):  # the client stopped reading and went away
+            pass
+        return response
 
     async def _write_stream(
         self, request: web.Request, resp: FakeResponse, frames: Iterable[bytes], error_frame: bytes

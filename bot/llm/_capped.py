@@ -1,0 +1,53 @@
+"""A cap on what a model server's non-streamed answer may send, by an event hook on the SDK's HTTP client.
+
+A streamed answer is read event by event and fails past :data:`bot.llm.base.MAX_STREAMED_CHARS` characters; a
+non-streamed one (a summary's, a cortex update's) was read whole by the SDK before any of it was
+looked at: a broken or hostile server at the configured URL could fill the process's memory. The hook wraps each
+response's body so that reading it fails past :data:`bot.llm.base.MAX_ANSWER_BYTES`, and the rest is not read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx2
+
+from bot.llm.base import MAX_ANSWER_BYTES, past_answer_cap
+
+
+class _CappedBody(httpx2.AsyncByteStream):
+    """A response body that fails once more than ``MAX_ANSWER_BYTES`` of it arrived (counted as sent, before
+    any decompression: the SDKs ask for compressed answers)."""
+
+    def __init__(self, body: httpx2.AsyncByteStream, provider: str) -> None:
+        self._body, self._provider = body, provider
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        read = 0
+        async for chunk in self._body:
+            read += len(chunk)
+            if read > MAX_ANSWER_BYTES:
+                raise past_answer_cap(self._provider)
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self._body.aclose()
+
+
+def capped_http_client(provider: str, client_class: Callable[..., httpx2.AsyncClient]) -> httpx2.AsyncClient:
+    """The SDK's own HTTP client (``client_class``: its ``DefaultAsyncHttpxClient``, with its defaults) whose
+    answers are capped. A stream (``text/event-stream``) is counted by its characters where it is read instead:
+    its framing would count against its text here."""
+
+    async def cap(response: httpx2.Response) -> None:
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
+            return
+        declared = response.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_ANSWER_BYTES:
+            raise past_answer_cap(provider)  # (the body is not read at all)
+        if isinstance(response.stream, httpx2.AsyncByteStream):
+            response.stream = _CappedBody(response.stream, provider)
+
+    hooks: dict[str, list[Callable[[Any], Any]]] = {"response": [cap]}
+    return client_class(event_hooks=hooks)
