@@ -507,20 +507,31 @@ class MemoryRepository:
 
     @staticmethod
     def _pg_stop_words_sql(columns: str, source: str, where: str, count: int, words: str) -> str:
-        """:meth:`_pg_text_sql`'s query for when the configuration ``$5`` drops every query word (all stop words:
+        """:meth:`_pg_text_sql`'s rows for when the configuration ``$5`` drops every query word (all stop words:
         "The Who", "who are you"), which made its tsquery empty and found nothing, where SQLite's FTS5 keeps
         every word and finds them: the newest ``STOP_WORDS_ROWS`` rows of ``where``, their ``words`` (an
         expression of ``m``'s columns) read by the ``simple`` configuration (no stop words, no stemming), best
-        first. The condition on ``$5``'s tsquery holds no column, so it is checked once: a query the
-        configuration keeps words of (a typo found nowhere) reads no row."""
-        rank = MemoryRepository._pg_rank(count, 6, "m.simple_ts", "'simple'")
+        first. The condition on ``$5``'s tsquery holds no column, so it is checked once, before any row is
+        read: a query the configuration keeps words of reads none (see :meth:`_pg_text_or_stop_words`)."""
+        rank = MemoryRepository._pg_rank(count, 6, "s.v", "'simple'")
         # (each row's words are read once, by the plain parser: cortex_tsvector's look for the parts of addresses
         # and paths, which hold no function words, tripled the cost)
-        newest = (f"SELECT m.*, to_tsvector('simple', {words}) AS simple_ts FROM {source} WHERE {where}"
-                  f" ORDER BY m.id DESC LIMIT {STOP_WORDS_ROWS}")
+        newest = f"SELECT m.* FROM {source} WHERE {where} ORDER BY m.id DESC LIMIT {STOP_WORDS_ROWS}"
         return (f"SELECT {columns}, {rank} AS rank FROM ({newest}) AS m"
-                " WHERE numnode((SELECT to_tsquery($5, $3))) = 0 AND m.simple_ts @@ (SELECT to_tsquery('simple', $3))"
+                f" CROSS JOIN LATERAL (SELECT to_tsvector('simple', {words}) AS v) AS s"
+                " WHERE numnode((SELECT to_tsquery($5, $3))) = 0 AND s.v @@ (SELECT to_tsquery('simple', $3))"
                 " ORDER BY rank LIMIT $4")
+
+    @staticmethod
+    def _pg_text_or_stop_words(columns: str, source: str, where: str, count: int, newest: bool, words: str
+                               ) -> str:
+        """:meth:`_pg_text_sql`'s query and, for when its tsquery is empty, :meth:`_pg_stop_words_sql`'s, in one
+        statement (one round trip: a search that matches nothing, as every one of a new user's does, would pay
+        a second). At most one of the two finds rows: the first finds none when the tsquery is empty, the second
+        reads none when it is not. Each is planned as before, on its own."""
+        return (f"SELECT * FROM (({MemoryRepository._pg_text_sql(columns, source, where, count, newest, walk=newest)})"
+                f" UNION ALL ({MemoryRepository._pg_stop_words_sql(columns, source, where, count, words)})) AS m"
+                " ORDER BY " + ("m.id DESC" if newest else "m.rank"))
 
     @staticmethod
     def _pg_params(terms: Mapping[str, float], limit: int, config: str) -> tuple[Any, ...]:
@@ -555,13 +566,9 @@ class MemoryRepository:
         where = ("m.pair_id = $1 AND m.archived_at IS NULL AND m.superseded_by IS NULL"
                  f" AND (m.expires_at IS NULL OR m.expires_at > $2){shared}")
         params = (pair_id, now, *self._pg_params(terms, limit, config))
-        found = await self.db.fetch_all(
-            self._pg_text_sql(ITEM_COLUMNS_M, "memory_items AS m", where, len(terms), newest, walk=newest), params)
-        if found:
-            return found
-        return await self.db.fetch_all(self._pg_stop_words_sql(
-            ITEM_COLUMNS_M, "memory_items AS m", where, len(terms), "m.content || ' ' || m.key || ' ' || m.tags"),
-            params)
+        words = "m.content || ' ' || m.key || ' ' || m.tags"
+        return await self.db.fetch_all(self._pg_text_or_stop_words(
+            ITEM_COLUMNS_M, "memory_items AS m", where, len(terms), newest, words), params)
 
     async def message_text_candidates(
         self, user_id: int, persona: str, terms: Mapping[str, float], *, newest: bool, limit: int,
@@ -593,12 +600,8 @@ class MemoryRepository:
         # (0.45 ms by a generic plan, where it took 157 ms for a user of 100k messages, most of them matching).
         where = f"m.user_id = $1 AND m.persona = $2{skip} AND {paused}"
         params = (user_id, persona, *self._pg_params(terms, limit, config), left_out)
-        found = await self.db.fetch_all(_with_channel(
-            self._pg_text_sql("m.*", "messages AS m", where, len(terms), newest, walk=newest), newest), params)
-        if found:
-            return found
-        return await self.db.fetch_all(_with_channel(self._pg_stop_words_sql(
-            "m.*", "messages AS m", where, len(terms), "m.author_name || ' ' || m.text"), False), params)
+        return await self.db.fetch_all(_with_channel(self._pg_text_or_stop_words(
+            "m.*", "messages AS m", where, len(terms), newest, "m.author_name || ' ' || m.text"), newest), params)
 
     async def _newest_sqlite(self, sql: str, params: Sequence[Any]) -> list[Row]:
         """SQLite: the newest matches with a ``rank`` from the words FTS5 marked in each (its ``bm25()``
