@@ -198,6 +198,8 @@ class App:
                                      first_after=PRUNE_AFTER_START)
                 self.scheduler.every(RETENTION_SECONDS, "prune-dead-processes", self.storage.fleet.prune_processes,
                                      first_after=PRUNE_AFTER_START)
+                self.scheduler.every(RETENTION_SECONDS, "prune-text-versions", self.storage.personas.prune_versions,
+                                     first_after=PRUNE_AFTER_START)
                 if shared is not None:  # (the rows of users who sent nothing for a minute)
                     self.scheduler.every(RATE_PRUNE_SECONDS, "prune-rate-limits", self.storage.rate_limits.prune)
                 self.scheduler.every(self.config.memory.prune_every_hours * 3600, "prune-memory",

@@ -237,3 +237,19 @@ def test_no_request_carries_what_a_reader_does_not_see() -> None:
     assert request.system == "Summarise." and request.messages[0].content == "22 °C"
     kept = ChatMessage("tool", '{"text": "a\u2028b"}', tool_call_id="t2")  # (a JSON result's line separator stays)
     assert kept.content == '{"text": "a\u2028b"}'
+
+
+async def test_a_revert_to_a_version_no_longer_kept_is_refused(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the newest versions of a server's guidelines are kept; history lists those, and a revert to an older
+    one says there is no such version, as before for one that never was."""
+    import bot.storage.personas
+
+    monkeypatch.setattr(bot.storage.personas, "KEEP_VERSIONS", 2)
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        for n in range(1, 5):
+            assert f"version {n}" in await run(app, f"!guidelines set Guideline {n}.")
+        history = await run(app, "!guidelines history")
+        assert "v3" in history and "v4" in history and "v1" not in history and "v2" not in history
+        assert "there is no version 1 of this server's guidelines" in await run(app, "!guidelines revert 1")
+        assert "version 3's text" in await run(app, "!guidelines revert 3")

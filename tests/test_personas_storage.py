@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from bot.storage import Storage
+import pytest
+
+from bot.storage import Storage, personas
 from bot.storage.personas import NameTaken, NewLore, PersonaRow
 
 
@@ -91,3 +93,28 @@ async def test_a_replaced_place_gives_its_guidelines_settings_and_persona_to_the
     await storage.personas.put("guidelines", new, "", "", author="matrix:@b:hs")  # cleared in the new room
     await storage.places.carry_over(old, new, author="matrix:@a:hs", reason="an upgrade")
     assert [t.content for t in await storage.personas.current("guidelines", new)] == [""]
+
+
+async def test_each_text_keeps_its_newest_versions_only(storage: Storage, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guidelines edited in a loop (by an admin, a script) kept every version for ever: a save past the newest
+    KEEP_VERSIONS deletes the older ones of that text, and the daily upkeep those of texts that grew before."""
+    texts = storage.personas
+    monkeypatch.setattr(personas, "KEEP_VERSIONS", 3)
+    for n in range(1, 6):
+        await texts.put("guidelines", "discord:g1", "", f"Guideline {n}.", author="discord:7")
+        await texts.put("rule", "*", "kind", f"Rule {n}.", author="discord:7")
+    assert [v.version for v in await texts.history("guidelines", "discord:g1", "")] == [3, 4, 5]
+    assert [v.version for v in await texts.history("rule", "*", "kind")] == [3, 4, 5]
+    assert await texts.version("guidelines", "discord:g1", "", 2) is None
+    assert await texts.revert("guidelines", "discord:g1", "", 2, author="discord:7") is None  # no longer kept
+    reverted = await texts.revert("guidelines", "discord:g1", "", 3, author="discord:7")
+    assert reverted is not None and reverted[0].version == 6 and reverted[0].content == "Guideline 3."
+    assert [v.version for v in await texts.history("guidelines", "discord:g1", "")] == [4, 5, 6]
+    assert await texts.put_based_on(6, "guidelines", "discord:g1", "", "Based on 6.", author="x") is not None
+    assert [v.version for v in await texts.history("guidelines", "discord:g1", "")] == [5, 6, 7]
+    # texts that grew before (or whose save's trim did not run): the upkeep, over every text at once
+    monkeypatch.setattr(personas, "KEEP_VERSIONS", 1)
+    assert await texts.prune_versions() == 4
+    assert [v.version for v in await texts.history("guidelines", "discord:g1", "")] == [7]
+    assert [(t.version, t.content) for t in await texts.current("rule", "*")] == [(5, "Rule 5.")]
+    assert await texts.prune_versions() == 0

@@ -18,6 +18,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from bot.config import SOUL_SECTIONS
+from bot.storage.cortex import CortexRepository
 from bot.storage.engine import Database, Row, Tx, is_conflict, serialise
 from bot.storage.rows import dt
 from bot.storage.textsearch import restem
@@ -26,6 +27,9 @@ from bot.text import name_key, persona_key
 TextKind = Literal["soul", "guidelines", "rule"]
 BOT_WIDE = "*"
 VERSION_ATTEMPTS = 5  # two processes writing the same text at once: the loser takes the next number
+# The newest versions kept of each text, as of a cortex file: every change is a new version, so an admin or a
+# script editing a text in a loop would otherwise grow the table without end.
+KEEP_VERSIONS = CortexRepository.KEEP_VERSIONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +81,9 @@ def _persona(row: Row) -> PersonaRow:
 
 LATEST = ("version = (SELECT max(version) FROM versioned_texts v WHERE v.kind = t.kind AND v.scope = t.scope"
           " AND v.name = t.name)")
+# The versions of a text older than its newest KEEP_VERSIONS (the parameter) of every text, for a DELETE.
+TOO_OLD = ("version <= (SELECT max(version) FROM versioned_texts v WHERE v.kind = versioned_texts.kind"
+           " AND v.scope = versioned_texts.scope AND v.name = versioned_texts.name) - ?")
 
 
 def _new_persona(name: str, language: str, settings: Mapping[str, Any], source: str, ts_config: str
@@ -297,7 +304,7 @@ class PersonaRepository:
         if position is None and kind == "soul" and name in SOUL_SECTIONS:
             placed = await self._put_in_standard_order(scope, name, content, author, reason, enabled, None)
             assert placed is not None  # (without based_on, a version is always written)
-            return placed
+            return await self._trimmed(placed)
         for attempt in range(VERSION_ATTEMPTS):
             try:
                 row = await self.db.write_one(*_next_version(kind, scope, name, content, author, reason, position,
@@ -307,7 +314,7 @@ class PersonaRepository:
                     continue
                 raise
             assert row is not None  # an aggregate query always yields one row
-            return _text(row)
+            return await self._trimmed(_text(row))
         raise AssertionError("unreachable")
 
     async def put_based_on(self, based_on: int, kind: TextKind, scope: str, name: str, content: str, *,
@@ -317,11 +324,12 @@ class PersonaRepository:
         lands and the other gets None instead of silently replacing it."""
         if kind == "soul" and name in SOUL_SECTIONS:
             try:
-                return await self._put_in_standard_order(scope, name, content, author, reason, enabled, based_on)
+                placed = await self._put_in_standard_order(scope, name, content, author, reason, enabled, based_on)
             except Exception as exc:
                 if is_conflict(exc):
                     return None
                 raise
+            return None if placed is None else await self._trimmed(placed)
         try:
             row = await self.db.write_one(*_next_version(kind, scope, name, content, author, reason, None,
                                                          enabled, based_on))
@@ -329,7 +337,22 @@ class PersonaRepository:
             if is_conflict(exc):  # another writer took the same next version a moment earlier
                 return None
             raise
-        return None if row is None else _text(row)
+        return None if row is None else await self._trimmed(_text(row))
+
+    async def _trimmed(self, newest: TextVersion) -> TextVersion:
+        """``newest``, after deleting the versions of its text older than the newest :data:`KEEP_VERSIONS` (none
+        at all while it has fewer). All of them, not one: a process stopped between a save and its trim leaves
+        the excess to the next save, or to :meth:`prune_versions`."""
+        if newest.version > KEEP_VERSIONS:
+            await self.db.write(
+                "DELETE FROM versioned_texts WHERE kind = ? AND scope = ? AND name = ? AND version <= ?",
+                (newest.kind, newest.scope, newest.name, newest.version - KEEP_VERSIONS))
+        return newest
+
+    async def prune_versions(self) -> int:
+        """Delete the versions of every text older than its newest :data:`KEEP_VERSIONS` (the periodic upkeep:
+        texts that grew before versions were pruned, or whose save's trim did not run); how many went."""
+        return len(await self.db.write(f"DELETE FROM versioned_texts WHERE {TOO_OLD} RETURNING id", (KEEP_VERSIONS,)))
 
 
 class _NotWritten(Exception):
