@@ -367,6 +367,8 @@ async def _start_web(app: Any, connected: dict[str, Callable[[], bool]], directo
 
     server = WebServer(app, adapters=connected, directories=directories)
     await server.start()
+    # (listed from what started, not from the config: a chat whose port was taken goes on without the page)
+    await app.fleet.show("web", app.config.web.base_url)
     click.echo(f"web page: {app.config.web.base_url} (log in with !dashboard in a chat)", err=True)
     if server.metrics_url:
         click.echo(f"metrics: {server.metrics_url}/metrics", err=True)
@@ -384,9 +386,7 @@ def _fleet_info(config: Config, platforms: list[str]) -> dict[str, Any]:
         )
     if "matrix" in platforms:
         info["matrix_account"] = config.matrix.user_id
-    if config.web.enabled:
-        info["web"] = config.web.base_url
-    return info
+    return info  # (the web page is added once it serves: _start_web)
 
 
 @cli.command()

@@ -53,6 +53,13 @@ class Fleet:
         await self.storage.fleet.heartbeat(
             self.process_id, local_host(), os.getpid(), self.info, self.started_at)
 
+    async def show(self, key: str, value: Any) -> None:
+        """Add what `cortexbot status` shows of this process (a web page once it serves it), written at once when
+        the process beats already (else its first beat writes it)."""
+        self.info[key] = value
+        if self.started_at is not None:
+            await self.heartbeat()
+
     async def hold(self, name: str, what: str, on_lost: Callable[[str], None] | None = None) -> None:
         """Take the lock ``name`` for as long as this process runs, renewing it in the background;
         :class:`LockHeld` when another live process holds it. ``on_lost(why)`` is called once when the claim is

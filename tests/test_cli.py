@@ -837,16 +837,6 @@ def test_doctor_says_an_openai_base_url_lacks_v1(tmp_path: Path, fake_llm: FakeL
     assert "All checks passed" not in result.stdout
 
 
-def test_a_process_serving_the_web_page_says_so_in_its_fleet_info() -> None:
-    """`cortexbot status` listed a `run` that served the page as "adapters: terminal" alone."""
-    from bot.cli import _fleet_info
-    from bot.config import parse_config
-
-    served = _fleet_info(parse_config({"web": {"enabled": True, "port": 8099}}), ["terminal"])
-    assert served == {"adapters": ["terminal"], "web": "http://127.0.0.1:8099"}
-    assert "web" not in _fleet_info(parse_config({}), ["terminal"])
-
-
 def test_a_database_that_refuses_the_bots_role_is_one_line(tmp_path: Path, fake_llm: FakeLLMServer,
                                                             pg_url: str) -> None:
     """A PostgreSQL role that may only read (or a read-only SQLite file) ended chat, status and migrate in a

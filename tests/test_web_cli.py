@@ -86,3 +86,45 @@ def test_a_chat_beside_the_bot_that_serves_the_page_chats_without_it(tmp_path: P
     assert result.returncode == 0, result.stderr
     assert "this chat does not serve the web page" in result.stderr and "Traceback" not in result.stderr
     assert "Cora: " in result.stdout and f"http://127.0.0.1:{port}/login/" in result.stdout, result.stdout
+
+
+def chat_status(config: Path, note: str) -> str:
+    """What `cortexbot status` says while a `cortexbot chat` on ``config`` runs, once the chat printed ``note``
+    (both of the checkout this test is in, whichever one the virtualenv's script was installed from)."""
+    env = {**os.environ, "CB_TEST_API_KEY": API_KEY, "OPENBLAS_NUM_THREADS": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    with subprocess.Popen(
+        [str(BIN / "cortexbot"), "--config", str(config), "chat", "--user", "ann"],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+    ) as chat:
+        try:
+            assert chat.stderr is not None
+            seen = []
+            while not any(note in line for line in seen):
+                line = chat.stderr.readline()
+                assert line, f"{note!r} not printed; stderr was: {''.join(seen)[-2000:]}"
+                seen.append(line)
+            status = subprocess.run([str(BIN / "cortexbot"), "--config", str(config), "status"],
+                                    capture_output=True, text=True, timeout=60, env=env)
+            assert status.returncode == 0, status.stderr
+            chat.communicate(timeout=60)  # end of input: the chat ends
+        finally:
+            if chat.poll() is None:
+                chat.kill()
+    return status.stdout
+
+
+def test_status_lists_the_web_page_of_a_chat_only_when_it_serves_it(tmp_path: Path, fake_llm: FakeLLMServer
+                                                                   ) -> None:
+    """A chat whose page's port was taken goes on without the page; `cortexbot status` listed it as serving the
+    page all the same (what its config asked for, not what started). A `run` or chat serving it says so."""
+    port = free_port()
+    config = write_config(tmp_path, fake_llm)
+    config.write_text(config.read_text() + f"[web]\nenabled = true\nport = {port}\n")
+    with socket.socket() as page:  # the page `cortexbot run` serves
+        page.bind(("127.0.0.1", port))
+        page.listen()
+        without = chat_status(config, "this chat does not serve the web page")
+    assert "adapters: terminal" in without and "web page" not in without, without
+    served = chat_status(config, f"web page: http://127.0.0.1:{port}")
+    assert f"adapters: terminal  Discord shards: -  Matrix: -  web page: http://127.0.0.1:{port}" in served, served
