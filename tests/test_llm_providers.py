@@ -965,15 +965,17 @@ async def test_a_stream_past_its_cap_fails_instead_of_filling_memory(
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("content_type", ["application/json", "text/event-stream"])
 async def test_a_non_streamed_answer_past_its_cap_fails_and_is_not_read_further(
-    provider: LLMProvider, fake_llm: FakeLLMServer
+    provider: LLMProvider, fake_llm: FakeLLMServer, content_type: str
 ) -> None:
     """A non-streamed answer (a summary's, a cortex update's) was read whole into memory by the SDK, however large:
-    a broken server's endless body grew the process without bound. Reading stops at the cap, with a clear error."""
+    a broken server's endless body grew the process without bound. Reading stops at the cap, with a clear error,
+    also when the server calls it an event stream (those are capped where a stream asked for is read)."""
     from bot.llm.base import MAX_ANSWER_BYTES
 
     mebibytes = 4 * MAX_ANSWER_BYTES >> 20
-    fake_llm.enqueue(FakeResponse.huge(mebibytes))
+    fake_llm.enqueue(FakeResponse.huge(mebibytes, content_type))
     with pytest.raises(LLMBadResponse) as info:
         await provider.complete(request())
     assert info.value.detail == (f"{provider.name}: the server's answer ran past {MAX_ANSWER_BYTES:,} bytes; the rest"

@@ -8,6 +8,7 @@ response's body so that reading it fails past :data:`bot.llm.base.MAX_ANSWER_BYT
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -35,13 +36,27 @@ class _CappedBody(httpx2.AsyncByteStream):
         await self._body.aclose()
 
 
+# A request's JSON asking for a stream (its top-level "stream": true; inside a string its quotes would be escaped).
+STREAM_ASKED = re.compile(rb'"stream"\s*:\s*true')
+
+
+def _asked_to_stream(request: httpx2.Request) -> bool:
+    """Whether ``request`` asked for a stream: only then is an event stream counted where it is read. One sent to a
+    request for a whole answer is read whole by the SDK, and is capped like any other answer."""
+    try:
+        return STREAM_ASKED.search(request.content) is not None
+    except httpx2.RequestNotRead:  # (a streamed request body: the SDKs send JSON, whose content is known)
+        return False
+
+
 def capped_http_client(provider: str, client_class: Callable[..., httpx2.AsyncClient]) -> httpx2.AsyncClient:
     """The SDK's own HTTP client (``client_class``: its ``DefaultAsyncHttpxClient``, with its defaults) whose
-    answers are capped. A stream (``text/event-stream``) is counted by its characters where it is read instead:
-    its framing would count against its text here."""
+    answers are capped. A stream asked for (``text/event-stream``) is counted by its characters where it is read
+    instead: its framing would count against its text here."""
 
     async def cap(response: httpx2.Response) -> None:
-        if response.headers.get("content-type", "").startswith("text/event-stream"):
+        if _asked_to_stream(response.request) and response.headers.get("content-type", "").startswith(
+                "text/event-stream"):
             return
         declared = response.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > MAX_ANSWER_BYTES:

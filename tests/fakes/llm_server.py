@@ -258,10 +258,11 @@ class FakeResponse:
         return cls(kind="malformed", body=body, status=status, content_type=content_type, delay=delay)
 
     @classmethod
-    def huge(cls, mebibytes: int) -> FakeResponse:
+    def huge(cls, mebibytes: int, content_type: str = "application/json") -> FakeResponse:
         """A non-streamed answer whose JSON body goes on for ``mebibytes`` MiB (made as it is sent, without a
-        Content-Length); the server notes in ``huge_bytes_sent`` how much of it the client took."""
-        return cls(kind="huge", repeat=mebibytes)
+        Content-Length), sent as ``content_type``; the server notes in ``huge_bytes_sent`` how much of it the
+        client took."""
+        return cls(kind="huge", repeat=mebibytes, content_type=content_type)
 
     @classmethod
     def stream_error_after(
@@ -744,7 +745,7 @@ class FakeLLMServer:
         if resp.kind == "malformed":
             return web.Response(body=resp.body, status=resp.status, headers={"Content-Type": resp.content_type})
         if resp.kind == "huge":
-            return await self._send_huge(request, resp.repeat)
+            return await self._send_huge(request, resp.repeat, resp.content_type)
         if resp.kind == "stream_error" and not recorded.stream:
             _drop_connection(request)
             raise asyncio.CancelledError
@@ -777,8 +778,8 @@ class FakeLLMServer:
         error_frame = f"data: {json.dumps(error)}\n\n".encode()
         return await self._write_stream(request, resp, frames, error_frame)
 
-    async def _send_huge(self, request: web.Request, mebibytes: int) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+    async def _send_huge(self, request: web.Request, mebibytes: int, content_type: str) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": content_type})
         response.enable_chunked_encoding()
         await response.prepare(request)
         piece = b"x" * (1 << 20)
