@@ -3,22 +3,23 @@ memory item (its source is that event); ❌ on the bot's confirmation archives w
 it. Allowed on one's own messages and on the bot's messages in one's DM with it. Confirmations are
 answered in the DM (memory is private). They run the same ``!memory remember --from`` and ``!memory
 forget --from`` commands as typed, under the same access rules (deny lists, DMs off) and rate limit as
-messages."""
+messages. Which confirmation undoes what, for whom, is kept in the database (``bot.storage.undo``): a ❌ on
+one sent before a restart undoes it too."""
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from nio import Event, MatrixRoom, ReactionEvent
 from nio.api import MessageDirection, RelationshipType
 
-from adapters.matrix_content import author_of, json_object, keep, reply_target, without_reply_fallback
+from adapters.matrix_content import author_of, json_object, reply_target, without_reply_fallback
 from bot.commands import CommandReply
 from bot.policy import Inbound, refusal
 from bot.ports import IncomingMessage
+from bot.storage.undo import KEPT_DAYS, UndoOfferRepository
 
 if TYPE_CHECKING:
     from adapters.matrix import MatrixAdapter
@@ -27,7 +28,9 @@ log = logging.getLogger(__name__)
 
 REMEMBER, UNDO = "🧠", "❌"
 NOT_YOURS = "You can do that with your own messages, and with mine in our direct messages."
-KEEP = 1000  # confirmations whose ❌ still undoes (per process)
+UNDO_OFFER = f"React {UNDO} to this message to undo."
+EXPIRED = (f"That undo has expired (it is kept {KEPT_DAYS} days): forget the item by its number with "
+           "!memory forget.")
 EDITS_READ = 50  # edits looked through for the sender's own latest one
 
 
@@ -35,18 +38,26 @@ def _key(reaction: ReactionEvent) -> str:
     return str(reaction.key).replace("\ufe0f", "").strip()
 
 
+def _message_key(event_id: str) -> str:
+    return f"matrix-message:{event_id}"
+
+
 class Reactions:
     def __init__(self, adapter: MatrixAdapter) -> None:
         self.adapter = adapter
-        self._confirmed: OrderedDict[str, tuple[str, str]] = OrderedDict()  # confirmation -> (user, source)
+
+    @property
+    def offers(self) -> UndoOfferRepository:
+        """Which confirmation undoes what, for whom (the app's storage is opened after the adapter is made)."""
+        return self.adapter.app.storage.undo_offers
 
     async def on_reaction(self, room: MatrixRoom, event: ReactionEvent) -> None:
         if event.sender == self.adapter.config.user_id or self.adapter._before_join(room):
             return  # (a reaction in the history shown to the bot as it joined was made before it was there)
         key = _key(event)
-        if key == REMEMBER and event.reacts_to not in self._confirmed:  # a confirmation is no memory
+        if key == REMEMBER:
             self.adapter._spawn(self._guarded(self._remember(room, event)))
-        elif key == UNDO and event.reacts_to in self._confirmed:
+        elif key == UNDO:
             self.adapter._spawn(self._guarded(self._undo(room, event)))
 
     async def _guarded(self, work: Any) -> None:
@@ -57,6 +68,8 @@ class Reactions:
 
     async def _remember(self, room: MatrixRoom, event: ReactionEvent) -> None:
         adapter = self.adapter
+        if await self.offers.find(_message_key(event.reacts_to)) is not None:
+            return  # a confirmation is no memory
         inbound = await self.inbound(room, event)
         if not await self.allowed(inbound):
             return
@@ -69,13 +82,13 @@ class Reactions:
         if not (target.sender == event.sender or (target.sender == adapter.config.user_id and inbound.message.is_dm)):
             await self._answer(event.sender, NOT_YOURS)
             return
-        source = f"matrix-message:{event.reacts_to}"
+        source = _message_key(event.reacts_to)
         reply = await self._run(inbound, f"!memory remember --from {source}\n{body}")
         if not reply.text.startswith("Remembered"):  # refused (a guard, a pause, the cap): nothing to undo
             await self._answer(event.sender, reply.text)
             return
-        confirmation = await self._answer(event.sender, f"{reply.text} React {UNDO} to this message to undo.")
-        keep(self._confirmed, confirmation, (event.sender, source), KEEP)
+        confirmation = await self._answer(event.sender, f"{reply.text} {UNDO_OFFER}")
+        await self.offers.offer(_message_key(confirmation), inbound.message.author_key, source)
 
     async def _latest_text(self, room_id: str, target: Any) -> Any:
         """The message's text after its sender's last edit (a streamed reply is one event edited many times;
@@ -100,14 +113,27 @@ class Reactions:
         return without_reply_fallback(body) if isinstance(body, str) and reply_target(content) else body
 
     async def _undo(self, room: MatrixRoom, event: ReactionEvent) -> None:
-        user, source = self._confirmed[event.reacts_to]
-        if user != event.sender:
-            return
+        offer = await self.offers.find(_message_key(event.reacts_to))
+        if offer is None:
+            if await self._offered_undo(room.room_id, event.reacts_to):  # once: it was pruned since
+                inbound = await self.inbound(room, event)
+                if await self.allowed(inbound):
+                    await self._answer(event.sender, EXPIRED)
+            return  # (a ❌ on any other message is no undo)
+        user, source = offer
         inbound = await self.inbound(room, event)
-        if not await self.allowed(inbound):
+        if user != inbound.message.author_key or not await self.allowed(inbound):
             return
         reply = await self._run(inbound, f"!memory forget --from {source}")
         await self._answer(event.sender, reply.text)
+
+    async def _offered_undo(self, room_id: str, event_id: str) -> bool:
+        """Whether ``event_id`` is one of the bot's confirmations that offered an undo."""
+        response = await self.adapter.client.room_get_event(room_id, event_id)
+        target = getattr(response, "event", None)
+        body = getattr(target, "body", None)
+        return (getattr(target, "sender", None) == self.adapter.config.user_id and isinstance(body, str)
+                and body.endswith(UNDO_OFFER))
 
     async def inbound(self, room: MatrixRoom, event: Event) -> Inbound:
         """The reaction (or another event) as a message of its sender (for the access rules and the command's

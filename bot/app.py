@@ -200,6 +200,9 @@ class App:
                                      first_after=PRUNE_AFTER_START)
                 self.scheduler.every(RETENTION_SECONDS, "prune-text-versions", self.storage.personas.prune_versions,
                                      first_after=PRUNE_AFTER_START)
+                # (a ❌ on a confirmation older than bot.storage.undo.KEPT_DAYS is told the undo expired)
+                self.scheduler.every(RETENTION_SECONDS, "prune-undo-offers", self.storage.undo_offers.prune,
+                                     first_after=PRUNE_AFTER_START)
                 if shared is not None:  # (the rows of users who sent nothing for a minute)
                     self.scheduler.every(RATE_PRUNE_SECONDS, "prune-rate-limits", self.storage.rate_limits.prune)
                 self.scheduler.every(self.config.memory.prune_every_hours * 3600, "prune-memory",

@@ -82,6 +82,7 @@ async def fill(storage: Storage) -> None:
     await storage.incognito.start(bob.id, "Lena")
     await storage.incognito.start(ann.id, "Cora")
     await storage.end_incognito(ann.id, "Cora")  # (remembered a while as ended)
+    await storage.undo_offers.offer("matrix-message:$confirmation", bob.key, "matrix-message:$remembered")
     await storage.db.write("INSERT INTO forgotten_spending (started_at, tokens) VALUES (?, ?)", (1_700_000_000.5, 900))
     await storage.db.write("INSERT INTO forgotten_usage (subject, counted_at, amount) VALUES (?, ?, ?)",
                            ("skill:0123abcd:current_time", 1_700_000_000.5, 1))
@@ -101,7 +102,7 @@ async def dump(storage: Storage, table: str) -> list[dict[str, Any]]:
     order = {"settings": "key", "cortex_settings": "scope, key", "periodic_runs": "name", "instance_locks": "name",
              "message_vectors": "message_id", "reply_sources": "message_id, kind, ref",
              "platform_messages": "key", "incognito": "user_id, persona",
-             "incognito_ended": "user_key, persona, started_at", "web_links": "token_hash",
+             "incognito_ended": "user_key, persona, started_at", "undo_offers": "key", "web_links": "token_hash",
              "web_sessions": "id_hash"}.get(table, "id")
     left_out = f" WHERE {copy_module.NOT_COPIED[table]}" if table in copy_module.NOT_COPIED else ""  # (each one's)
     rows = await storage.db.fetch_all(f"SELECT * FROM {table}{left_out} ORDER BY {order}")

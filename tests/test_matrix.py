@@ -601,6 +601,45 @@ async def test_brain_reaction_remembers_and_cross_undoes(synapse: SynapseServer,
         await alice.close()
 
 
+async def test_an_undo_offered_before_a_restart_still_undoes(synapse: SynapseServer, tmp_path: Path) -> None:
+    """❌ on a confirmation sent before a restart did nothing, silently: which confirmation undid what was kept in
+    the memory of the process that sent it. A forget-me leaves no offer behind."""
+    first = await start_bot(synapse, tmp_path)
+    alice = await user(synapse, "alice")
+    seen = Timeline(alice)
+
+    async def react(client: AsyncClient, room: str, event_id: str, key: str) -> None:
+        await client.room_send(room, "m.reaction", {"m.relates_to": {
+            "rel_type": "m.annotation", "event_id": event_id, "key": key}}, ignore_unverified_devices=True)
+
+    def answers(room: str, text: str) -> list[dict[str, Any]]:
+        return [e for e in seen.from_(room, first.user_id) if text in e["content"].get("body", "")]
+
+    try:
+        room = await dm_with(seen, first.user_id)
+        sent = await alice.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "my cat is called Pixel"},
+                                     ignore_unverified_devices=True)
+        await seen.sync_until(lambda: bool(seen.from_(room, first.user_id)), "the bot's reply")
+        await react(alice, room, sent.event_id, "🧠")
+        await seen.sync_until(lambda: bool(answers(room, "Remembered as #")), "the confirmation")
+        confirmation = answers(room, "Remembered as #")[0]["event_id"]
+        await stop_bot(first)
+        second = await start_bot(synapse, tmp_path, user_id=first.user_id)
+        try:
+            await react(alice, room, confirmation, "❌")
+            await seen.sync_until(lambda: bool(answers(room, "Forgotten: #")), "the undo after the restart")
+            items, _ = await second.app.cortex.memory.list_items(1)
+            assert items == []  # archived
+            assert len(answers(room, "Forgotten: #")) == 1
+            await send_text(alice, room, "!memory forget-me confirm")
+            await seen.sync_until(lambda: bool(answers(room, "Done. Deleted")), "the forget-me")
+            assert await second.app.storage.db.fetch_all("SELECT * FROM undo_offers") == []
+        finally:
+            await stop_bot(second)
+    finally:
+        await alice.close()
+
+
 async def test_memory_why_sent_as_a_reply_explains_that_reply(synapse: SynapseServer, bot: Bot) -> None:
     """`!memory why` sent as a reply to one of the bot's messages explains that one (not the last), also
     from a client that starts a reply's body with the quoted message."""

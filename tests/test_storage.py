@@ -788,6 +788,27 @@ async def test_what_forget_mes_kept_of_the_daily_limits_goes_after_two_days(stor
     assert await storage.prune_forgotten() == 0
 
 
+async def test_undo_offers_outlive_the_process_and_go_with_forget_me_and_age(storage: Storage) -> None:
+    """Which confirmation undoes what was kept in the memory of the process that sent it (a restart dropped it);
+    kept in the database, it goes with the user's forget-me and after ``KEPT_DAYS``."""
+    from bot.storage.undo import KEPT_DAYS
+
+    offers = storage.undo_offers
+    await storage.upsert_user("matrix:@ann:hs", "Ann")
+    await storage.upsert_user("matrix:@bob:hs", "Bob")
+    assert await offers.offer("matrix-message:$c1", "matrix:@ann:hs", "matrix-message:$m1")
+    assert await offers.offer("matrix-message:$c2", "matrix:@bob:hs", "matrix-message:$m2")
+    assert not await offers.offer("matrix-message:$c3", "matrix:@nobody:hs", "matrix-message:$m3")
+    assert await offers.find("matrix-message:$c1") == ("matrix:@ann:hs", "matrix-message:$m1")
+    assert await offers.find("matrix-message:$m1") is None  # (the remembered message offers nothing)
+    assert await storage.forget_user("matrix:@ann:hs") is not None
+    assert await offers.find("matrix-message:$c1") is None
+    assert await offers.prune() == 0
+    await storage.db.write("UPDATE undo_offers SET created_at = ?", (time.time() - (KEPT_DAYS + 1) * 86_400,))
+    assert await offers.prune() == 1
+    assert await offers.find("matrix-message:$c2") is None
+
+
 async def test_a_summary_made_from_one_no_longer_the_newest_is_dropped(storage: Storage) -> None:
     """A run whose worker stalled while another wrote a newer summary put an older range on top (the latest
     summary went back in time, and the messages folded in since dropped out of the prompt)."""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 if TYPE_CHECKING:
     from bot.storage.incognito import IncognitoRepository
     from bot.storage.sources import SourceRepository
+    from bot.storage.undo import UndoOfferRepository
 
 MessageRole = Literal["user", "assistant"]
 JobStatus = Literal["queued", "running", "done", "failed"]
@@ -139,6 +140,10 @@ class Storage(Protocol):
     @property
     def incognito(self) -> IncognitoRepository:
         """Incognito stretches (``bot.storage.incognito``)."""
+
+    @property
+    def undo_offers(self) -> UndoOfferRepository:
+        """Which confirmations offer an undo, for whom (``bot.storage.undo``)."""
 
     async def migrate(self) -> list[int]:
         """Apply pending migrations; return the versions applied (empty when up to date)."""

@@ -74,7 +74,7 @@ TABLES: tuple[str, ...] = (
     "jobs",
     "llm_calls", "reply_stats", "settings",
     "cortex_pairs", "cortex_versions", "cortex_runs", "cortex_settings", "memory_items", "message_vectors",
-    "reply_sources", "platform_messages", "incognito", "incognito_ended",
+    "reply_sources", "platform_messages", "incognito", "incognito_ended", "undo_offers",
     "skill_executions", "web_links", "web_sessions", "forgotten_spending",
     "forgotten_usage",
     "periodic_runs", "instance_locks",
@@ -89,7 +89,7 @@ NATURAL_KEYS: dict[str, tuple[str, ...]] = {
 # deleted goes with it: see ``_remove_deleted``).
 BOUNDED_BY: dict[str, tuple[str, str]] = {
     "reply_sources": ("message_id", "messages"), "platform_messages": ("message_id", "messages"),
-    "incognito": ("user_id", "users"),
+    "incognito": ("user_id", "users"), "undo_offers": ("user_id", "users"),
 }
 # Rows the bot never changes once written: one the target holds is left as it is. SQLite's text index keeps a
 # message's words through its insert and delete only, so a message rewritten in place (its NUL, which PostgreSQL

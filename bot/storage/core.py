@@ -69,6 +69,7 @@ from bot.storage.skills import SkillAuditRepository
 from bot.storage.sources import SourceRepository
 from bot.storage.textsearch import restem, text_search_config
 from bot.storage.unavailable import unavailable
+from bot.storage.undo import UndoOfferRepository
 from bot.storage.web import HealthRepository, WebLoginRepository
 
 log = logging.getLogger(__name__)
@@ -260,6 +261,7 @@ class Storage:
         self.health = HealthRepository(db)
         self.admin = AdminRepository(db)
         self.rate_limits = RateLimitRepository(db)
+        self.undo_offers = UndoOfferRepository(db)
 
     async def sibling(self) -> Storage:
         """A second handle on the same database sharing caches (see ``Database.sibling``)."""
@@ -361,6 +363,7 @@ class Storage:
         if row is None:
             return None
         await tx.execute("DELETE FROM channel_speakers WHERE user_id = ?", (user_id,))  # (its stretch's)
+        await tx.execute("DELETE FROM undo_offers WHERE user_id = ?", (user_id,))
         await tx.execute("DELETE FROM users WHERE id = ?", (user_id,))  # (its ended stretches stay, by key)
         return str(row[0])
 
@@ -1206,11 +1209,12 @@ class Storage:
 
         Their messages and the replies to them go (with their vectors); every rolling summary of a
         channel they wrote in goes too (it may mention them; the caller has it written anew from what
-        remains); their cortex files with all versions, memory items, update runs and queued cortex jobs
-        go; the user row goes last. What is kept by their key (web links and sessions, skill runs) goes
-        first, before the row is looked up in the same transaction, so a web request cannot make the
-        row meanwhile. Returns None when there was no user row. A write for the user that slipped in
-        during the transaction (PostgreSQL) fails it on a foreign key: it is run again, a few times."""
+        remains); their cortex files with all versions, memory items, update runs, queued cortex jobs and
+        the confirmations that offered them an undo go; the user row goes last. What is kept by their key
+        (web links and sessions, skill runs) goes first, before the row is looked up in the same
+        transaction, so a web request cannot make the row meanwhile. Returns None when there was no user
+        row. A write for the user that slipped in during the transaction (PostgreSQL) fails it on a foreign
+        key: it is run again, a few times."""
         await self.flush_audit()  # buffered reply stats may point at messages deleted below
         for attempt in range(FORGET_ATTEMPTS):
             try:
@@ -1264,6 +1268,7 @@ class Storage:
             # A direct message's name is the platform's, often after the person ("DM with Ann").
             await tx.execute(f"UPDATE channels SET name = ? WHERE is_dm = 1 AND id IN ({ch_marks})",
                              [FORGOTTEN_DM, *channels])
+            await tx.execute("DELETE FROM undo_offers WHERE user_id = ?", (user_id,))
             await tx.execute("DELETE FROM users WHERE id = ?", (user_id,))
             await note_scrub_pending(tx)  # items and files too: their words sit in the full-text indexes
             if stretches:

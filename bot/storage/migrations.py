@@ -416,4 +416,6 @@ MIGRATIONS: tuple[Migration, ...] = (
               postgres=("ALTER TABLE cortex_runs ADD COLUMN reserved_output BIGINT NOT NULL DEFAULT 0",)),
     Migration(32, "PostgreSQL: each user's rate limits counted across the processes sharing the database",
               (), postgres=pg_schema.V32),
+    Migration(33, "which confirmation offers the undo of what was remembered, for whom: a ❌ on one sent before a"
+                  " restart undid nothing", _sqlite_fork(pg_schema.V33), postgres=pg_schema.V33),
 )

@@ -456,3 +456,14 @@ V32: tuple[str, ...] = (
         updated_at DOUBLE PRECISION NOT NULL)""",
     "CREATE INDEX rate_limits_by_time ON rate_limits (updated_at)",
 )
+# The confirmations that offer an undo (``bot.storage.undo``), by their platform message's key: a ❌ on one sent
+# before a restart undid nothing (they were kept in the memory of the process that sent them).
+V33: tuple[str, ...] = (
+    """CREATE TABLE undo_offers (
+        key TEXT PRIMARY KEY,
+        user_id BIGINT NOT NULL REFERENCES users(id),
+        source_ref TEXT NOT NULL,
+        created_at DOUBLE PRECISION NOT NULL)""",
+    "CREATE INDEX undo_offers_by_user ON undo_offers (user_id)",
+    "CREATE INDEX undo_offers_by_time ON undo_offers (created_at)",
+)
