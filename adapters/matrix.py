@@ -56,7 +56,9 @@ from nio import (
     RoomMessageImage,
     RoomMessageMedia,
     RoomMessageText,
+    RoomMessageUnknown,
     RoomSendResponse,
+    StickerEvent,
     SyncError,
     SyncResponse,
     UploadResponse,
@@ -117,6 +119,13 @@ FILE_EVENTS = (RoomMessageFile, RoomEncryptedFile, RoomMessageImage, RoomEncrypt
 # Every upload (a picture, a recording, a video, a file), encrypted or not: its caption is read as a message.
 MediaEvent: TypeAlias = RoomMessageMedia | RoomEncryptedMedia
 MEDIA_EVENTS = (RoomMessageMedia, RoomEncryptedMedia)
+# Messages without words to read (an m.location, a msgtype of a client's own, a sticker): answered as an upload
+# without a caption is (in a DM, or addressed in a room: a line saying the bot reads text). Their body is no
+# text either: a location's is its client's description of the place ("Location: geo:52.5,13.4"), a sticker's
+# its image's alt text, written for clients that cannot show them, as a file's name is an upload's body.
+Textless: TypeAlias = RoomMessageUnknown | StickerEvent
+TEXTLESS = (RoomMessageUnknown, StickerEvent)
+Received: TypeAlias = RoomMessageText | RoomMessageEmote | MediaEvent | Textless  # a message the bot handles
 ENCRYPTED_FILES = (RoomEncryptedFile, RoomEncryptedImage)
 P = ParamSpec("P")
 E = TypeVar("E", bound=Event)
@@ -330,7 +339,7 @@ class MatrixSink:
     limit = LIMIT
 
     def __init__(self, adapter: MatrixAdapter, room: MatrixRoom,
-                 event: RoomMessageText | RoomMessageEmote | FileEvent) -> None:
+                 event: Received) -> None:
         self.adapter = adapter
         self.room = room
         self.event = event
@@ -567,7 +576,8 @@ class MatrixAdapter:
 
     def _serve_callbacks(self) -> None:
         """Every callback is guarded: one bad event must not end the sync (see ``guarded``)."""
-        self.client.add_event_callback(guarded(self._served(self._on_message)), (RoomMessageText, RoomMessageEmote))
+        self.client.add_event_callback(guarded(self._served(self._on_message)),
+                                       (RoomMessageText, RoomMessageEmote, *TEXTLESS))
         self.client.add_event_callback(guarded(self._served(self._on_file)), MEDIA_EVENTS)
         self.client.add_event_callback(guarded(self._served(self.reactions.on_reaction)), ReactionEvent)
         self.client.add_event_callback(guarded(self._on_redaction), RedactionEvent)
@@ -823,16 +833,14 @@ class MatrixAdapter:
         await self._load_creators(room.room_id)
         return ((POWER, self.power_level(room, user_id)),)
 
-    async def inbound(self, room: MatrixRoom, event: RoomMessageText | RoomMessageEmote | MediaEvent) -> Inbound:
+    async def inbound(self, room: MatrixRoom, event: Received) -> Inbound:
         content = event.source.get("content")
         me = self.config.user_id
         # The bot's own display name: the room's form of it gains " (@id)" once a member copies the name.
         bot_user = room.users.get(me)
         display = (bot_user.display_name if bot_user is not None else None) or room.user_name(me) or me
         reply_to = reply_target(content)
-        # (an upload's text is its caption: a bare one's body is its file's name, which says nothing, "Cora.jpg" no
-        # mention of the bot and "!x.png" no command)
-        said = upload_caption(event) if isinstance(event, MEDIA_EVENTS) else event.body
+        said = said_in(event)
         body = without_reply_fallback(said) if reply_to else said
         formatted = without_quoted_reply(getattr(event, "formatted_body", None) or "")  # not the quoted message
         mentions_bot = (me in mentioned(content) or _names(body, me) or bool(display and _names(body, display))
@@ -1046,7 +1054,7 @@ class MatrixAdapter:
         room's history, shown to newcomers): someone asked another member then, not the bot."""
         return room.room_id in self._joining
 
-    def _takes(self, room: MatrixRoom, event: RoomMessageText | RoomMessageEmote | MediaEvent) -> bool:
+    def _takes(self, room: MatrixRoom, event: Received) -> bool:
         """Whether a message (or an upload) is handled: not the bot's own, not from before its join, not an edit
         of an earlier one (an edited text or caption is not run or answered again), and not handled already (a
         stretch a limited sync skipped is read back: see ``_read_backlog``)."""
@@ -1057,8 +1065,7 @@ class MatrixAdapter:
         keep(self._handled, event.event_id, None)
         return True
 
-    def _command_file(self, event: RoomMessageText | RoomMessageEmote | MediaEvent
-                      ) -> tuple[str, dict[str, Any]] | None:
+    def _command_file(self, event: Received) -> tuple[str, dict[str, Any]] | None:
         """An upload's file name and content when its caption may be a command that takes the file (MSC2530: a
         caption is a body that differs from the ``filename``); otherwise its caption is read as a message, as
         Discord's text beside a picture is. The file itself is never read for chat."""
@@ -1067,7 +1074,7 @@ class MatrixAdapter:
         content = json_object(event.source.get("content"))
         return str(content.get("filename") or ""), content
 
-    async def _on_message(self, room: MatrixRoom, event: RoomMessageText | RoomMessageEmote) -> None:
+    async def _on_message(self, room: MatrixRoom, event: RoomMessageText | RoomMessageEmote | Textless) -> None:
         if self._takes(room, event):
             self._spawn(self._handle(room, event, self._order.take(room.room_id)))
 
@@ -1117,7 +1124,7 @@ class MatrixAdapter:
             raise ValueError(f"could not download {shown(filename)}: {type(exc).__name__}") from exc
         return bytes(data)
 
-    async def _handle(self, room: MatrixRoom, event: RoomMessageText | RoomMessageEmote | MediaEvent, slot: Slot,
+    async def _handle(self, room: MatrixRoom, event: Received, slot: Slot,
                       file: tuple[str, dict[str, Any]] | None = None, *, read_back: bool = False) -> None:
         """Handle a message once the one before it in the room was stored or handled (see
         ``adapters.matrix_order``); the next one goes ahead once this one is stored, or handled. One ``read_back``
@@ -1129,7 +1136,7 @@ class MatrixAdapter:
         finally:
             slot.pass_on()
 
-    async def _handle_in_turn(self, room: MatrixRoom, event: RoomMessageText | RoomMessageEmote | MediaEvent,
+    async def _handle_in_turn(self, room: MatrixRoom, event: Received,
                               slot: Slot, file: tuple[str, dict[str, Any]] | None, read_back: bool) -> None:
         try:
             await self._load_creators(room.room_id)
@@ -1353,6 +1360,14 @@ def _short(response: SyncError) -> str:
     status = getattr(getattr(response, "transport_response", None), "status", None)  # the HTTP answer's
     parts = (f"HTTP {status}" if status else "", response.status_code or "", response.message or "")
     return " ".join(" ".join(parts).split())[:200] or "no answer"
+
+
+def said_in(event: Received) -> str:
+    """A message's words: an upload's caption (a bare one's body is its file's name, which says nothing, "Cora.jpg"
+    no mention of the bot and "!x.png" no command), none of a message without text (see ``TEXTLESS``)."""
+    if isinstance(event, TEXTLESS):
+        return ""
+    return upload_caption(event) if isinstance(event, MEDIA_EVENTS) else event.body
 
 
 def upload_caption(event: MediaEvent) -> str:

@@ -23,6 +23,8 @@ from nio import (
     RoomMessageEmote,
     RoomMessageMedia,
     RoomMessageText,
+    RoomMessageUnknown,
+    StickerEvent,
     SyncResponse,
 )
 
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MEDIA = (RoomMessageMedia, RoomEncryptedMedia)  # uploads (adapters.matrix.MEDIA_EVENTS)
+TEXTLESS = (RoomMessageUnknown, StickerEvent)  # messages without text (adapters.matrix.TEXTLESS)
 
 
 def unread_note(backlog: Backlog, read: int) -> str:
@@ -119,7 +122,7 @@ class Backlogs:
         if not adapter.serves(room):  # (an encrypted room without e2ee: the sync's own events tell it, once)
             slot.pass_on()
             return
-        if isinstance(event, (RoomMessageText, RoomMessageEmote, *MEDIA)) and adapter._takes(room, event):
+        if isinstance(event, (RoomMessageText, RoomMessageEmote, *MEDIA, *TEXTLESS)) and adapter._takes(room, event):
             file = adapter._command_file(event) if isinstance(event, MEDIA) else None
             adapter._spawn(adapter._handle(room, event, slot, file=file, read_back=True))
             return

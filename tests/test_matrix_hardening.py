@@ -1098,3 +1098,47 @@ async def test_uploads_are_read_by_their_caption_and_a_bare_one_gets_the_hint(sy
                                           for t in final_texts(seen, dm, bot.user_id)), "the answer to !leave")
     finally:
         await alice.close()
+
+
+async def test_a_location_a_sticker_or_an_unknown_msgtype_gets_the_hint_in_a_dm_and_when_addressed(
+        synapse: SynapseServer, bot: Bot) -> None:
+    """An m.location, a sticker or a msgtype of a client's own got no answer at all in a DM (only text, emotes and
+    uploads were handled). Their bodies are no one's words: neither stored nor shown to the model; in a room, only
+    one that addresses the bot is answered."""
+    alice, bob = await user(synapse, "alice"), await user(synapse, "bob")
+    seen = Timeline(alice)
+
+    def hints(room: str) -> int:
+        return sum("I read text" in t for t in final_texts(seen, room, bot.user_id))
+
+    try:
+        dm = await dm_with(seen, bot.user_id)
+        sent = [
+            ("m.room.message", {"msgtype": "m.location", "body": "Location: geo:52.52,13.40",
+                                "geo_uri": "geo:52.52,13.40"}),
+            ("m.sticker", {"body": "a waving cat", "url": "mxc://localhost/sticker", "info": {}}),
+            ("m.room.message", {"msgtype": "org.example.poll", "body": "Poll: tea or coffee?"}),
+        ]
+        for number, (kind, content) in enumerate(sent, 1):
+            await alice.room_send(dm, kind, content, ignore_unverified_devices=True)
+            await seen.sync_until(lambda n=number: hints(dm) >= n, f"the hint to {content.get('msgtype', kind)}")
+        assert hints(dm) == len(sent)
+        bodies = [str(c["body"]) for _, c in sent]
+        asked = [r for r in bot.app.llm.requests  # type: ignore[attr-defined]
+                 if any(b in str(r.messages) for b in bodies)]
+        assert asked == []
+        channel = await bot.app.storage.get_channel(f"matrix:{dm}")
+        assert channel is None or await bot.app.storage.recent_messages(channel.id, 10) == []
+        room = await group_with(seen, bot.user_id, bob)
+        await alice.room_send(room, "m.room.message", {"msgtype": "m.location", "body": "Location: geo:1,2",
+                                                       "geo_uri": "geo:1,2"})  # not addressed: no answer
+        await alice.room_send(room, "m.room.message", {"msgtype": "m.location", "body": "Location: geo:3,4",
+                                                       "geo_uri": "geo:3,4", "m.mentions": {"user_ids": [bot.user_id]}})
+        await seen.sync_until(lambda: hints(room) >= 1, "the hint to the addressed location")
+        await send_text(alice, room, f"{bot.user_id}: hello")
+        await seen.sync_until(lambda: any(t.startswith("echo:") and t.endswith("hello")
+                                          for t in final_texts(seen, room, bot.user_id)), "the answer to hello")
+        assert hints(room) == 1
+    finally:
+        await alice.close()
+        await bob.close()
