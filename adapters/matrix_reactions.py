@@ -115,10 +115,12 @@ class Reactions:
     async def _undo(self, room: MatrixRoom, event: ReactionEvent) -> None:
         offer = await self.offers.find(_message_key(event.reacts_to))
         if offer is None:
-            if await self._offered_undo(room.room_id, event.reacts_to):  # once: it was pruned since
-                inbound = await self.inbound(room, event)
-                if await self.allowed(inbound):
-                    await self._answer(event.sender, EXPIRED)
+            # Once an undo: it was pruned since. Confirmations are sent in DMs only, so a ❌ in a room (a common
+            # reaction) costs no look at the homeserver.
+            inbound = await self.inbound(room, event)
+            if (inbound.message.is_dm and await self._offered_undo(room.room_id, event.reacts_to)
+                    and await self.allowed(inbound)):
+                await self._answer(event.sender, EXPIRED)
             return  # (a ❌ on any other message is no undo)
         user, source = offer
         inbound = await self.inbound(room, event)

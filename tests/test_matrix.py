@@ -631,6 +631,16 @@ async def test_an_undo_offered_before_a_restart_still_undoes(synapse: SynapseSer
             items, _ = await second.app.cortex.memory.list_items(1)
             assert items == []  # archived
             assert len(answers(room, "Forgotten: #")) == 1
+            # An offer pruned since (older than its days) is told so, once, and undoes nothing.
+            second_sent = await alice.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "I love tea"},
+                                                ignore_unverified_devices=True)
+            await react(alice, room, second_sent.event_id, "🧠")
+            await seen.sync_until(lambda: len(answers(room, "Remembered as #")) == 2, "the second confirmation")
+            assert await second.app.storage.undo_offers.prune(kept_days=0) == 2  # (the one used above too)
+            await react(alice, room, answers(room, "Remembered as #")[1]["event_id"], "❌")
+            await seen.sync_until(lambda: bool(answers(room, "That undo has expired")), "the expired undo")
+            items, _ = await second.app.cortex.memory.list_items(1)
+            assert [i.content for i in items] == ["I love tea"]  # not archived
             await send_text(alice, room, "!memory forget-me confirm")
             await seen.sync_until(lambda: bool(answers(room, "Done. Deleted")), "the forget-me")
             assert await second.app.storage.db.fetch_all("SELECT * FROM undo_offers") == []
