@@ -124,6 +124,7 @@ MEDIA_EVENTS = (RoomMessageMedia, RoomEncryptedMedia)
 # text either: a location's is its client's description of the place ("Location: geo:52.5,13.4"), a sticker's
 # its image's alt text, written for clients that cannot show them, as a file's name is an upload's body.
 Textless: TypeAlias = RoomMessageUnknown | StickerEvent
+VERIFICATION = "m.key.verification."  # msgtypes of a device verification in a room: not handled at all
 TEXTLESS = (RoomMessageUnknown, StickerEvent)
 Received: TypeAlias = RoomMessageText | RoomMessageEmote | MediaEvent | Textless  # a message the bot handles
 ENCRYPTED_FILES = (RoomEncryptedFile, RoomEncryptedImage)
@@ -1062,6 +1063,8 @@ class MatrixAdapter:
             return False
         if relates_to(event.source.get("content")).get("rel_type") == "m.replace":
             return False
+        if isinstance(event, RoomMessageUnknown) and event.msgtype.startswith(VERIFICATION):
+            return False  # (a client asking to verify the bot's device: no one's message, and not answered)
         keep(self._handled, event.event_id, None)
         return True
 

@@ -1129,6 +1129,14 @@ async def test_a_location_a_sticker_or_an_unknown_msgtype_gets_the_hint_in_a_dm_
         assert asked == []
         channel = await bot.app.storage.get_channel(f"matrix:{dm}")
         assert channel is None or await bot.app.storage.recent_messages(channel.id, 10) == []
+        # A client's request to verify the bot's device (in the DM, as Element sends it) is no message to answer.
+        await alice.room_send(dm, "m.room.message", {
+            "msgtype": "m.key.verification.request", "body": "Alice is requesting to verify your device",
+            "from_device": "ALICEDEVICE", "methods": ["m.sas.v1"], "to": bot.user_id}, ignore_unverified_devices=True)
+        await send_text(alice, dm, "hello after the request")
+        await seen.sync_until(lambda: any(t.endswith("hello after the request")
+                                          for t in final_texts(seen, dm, bot.user_id)), "the answer after the request")
+        assert hints(dm) == len(sent)
         room = await group_with(seen, bot.user_id, bob)
         await alice.room_send(room, "m.room.message", {"msgtype": "m.location", "body": "Location: geo:1,2",
                                                        "geo_uri": "geo:1,2"})  # not addressed: no answer
