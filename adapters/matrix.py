@@ -70,6 +70,8 @@ from nio.exceptions import EncryptionError
 
 from adapters.matrix_backlog import Backlogs
 from adapters.matrix_content import (
+    MEDIA_EVENTS,
+    TEXTLESS,
     author_of,
     home_server,
     json_object,
@@ -116,16 +118,9 @@ DOWNLOADS_AT_ONCE = 2  # files of commands fetched at a time (each held whole in
 TYPING_MS = 30_000  # how long the server shows the bot typing after each renewal (renewed after two thirds)
 FileEvent: TypeAlias = RoomMessageFile | RoomEncryptedFile | RoomMessageImage | RoomEncryptedImage
 FILE_EVENTS = (RoomMessageFile, RoomEncryptedFile, RoomMessageImage, RoomEncryptedImage)
-# Every upload (a picture, a recording, a video, a file), encrypted or not: its caption is read as a message.
-MediaEvent: TypeAlias = RoomMessageMedia | RoomEncryptedMedia
-MEDIA_EVENTS = (RoomMessageMedia, RoomEncryptedMedia)
-# Messages without words to read (an m.location, a msgtype of a client's own, a sticker): answered as an upload
-# without a caption is (in a DM, or addressed in a room: a line saying the bot reads text). Their body is no
-# text either: a location's is its client's description of the place ("Location: geo:52.5,13.4"), a sticker's
-# its image's alt text, written for clients that cannot show them, as a file's name is an upload's body.
-Textless: TypeAlias = RoomMessageUnknown | StickerEvent
+MediaEvent: TypeAlias = RoomMessageMedia | RoomEncryptedMedia  # (adapters.matrix_content.MEDIA_EVENTS)
+Textless: TypeAlias = RoomMessageUnknown | StickerEvent  # (adapters.matrix_content.TEXTLESS)
 VERIFICATION = "m.key.verification."  # msgtypes of a device verification in a room: not handled at all
-TEXTLESS = (RoomMessageUnknown, StickerEvent)
 Received: TypeAlias = RoomMessageText | RoomMessageEmote | MediaEvent | Textless  # a message the bot handles
 ENCRYPTED_FILES = (RoomEncryptedFile, RoomEncryptedImage)
 P = ParamSpec("P")

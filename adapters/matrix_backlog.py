@@ -19,15 +19,10 @@ from typing import TYPE_CHECKING, Any
 from nio import (
     MatrixRoom,
     MegolmEvent,
-    RoomEncryptedMedia,
-    RoomMessageEmote,
-    RoomMessageMedia,
-    RoomMessageText,
-    RoomMessageUnknown,
-    StickerEvent,
     SyncResponse,
 )
 
+from adapters.matrix_content import MEDIA_EVENTS, RECEIVED_EVENTS
 from adapters.matrix_gaps import Backlog, missed_messages, own_join
 from adapters.matrix_order import Slot
 from bot.commands import CommandReply
@@ -36,8 +31,6 @@ if TYPE_CHECKING:
     from adapters.matrix import MatrixAdapter
 
 log = logging.getLogger(__name__)
-MEDIA = (RoomMessageMedia, RoomEncryptedMedia)  # uploads (adapters.matrix.MEDIA_EVENTS)
-TEXTLESS = (RoomMessageUnknown, StickerEvent)  # messages without text (adapters.matrix.TEXTLESS)
 
 
 def unread_note(backlog: Backlog, read: int) -> str:
@@ -122,8 +115,8 @@ class Backlogs:
         if not adapter.serves(room):  # (an encrypted room without e2ee: the sync's own events tell it, once)
             slot.pass_on()
             return
-        if isinstance(event, (RoomMessageText, RoomMessageEmote, *MEDIA, *TEXTLESS)) and adapter._takes(room, event):
-            file = adapter._command_file(event) if isinstance(event, MEDIA) else None
+        if isinstance(event, RECEIVED_EVENTS) and adapter._takes(room, event):
+            file = adapter._command_file(event) if isinstance(event, MEDIA_EVENTS) else None
             adapter._spawn(adapter._handle(room, event, slot, file=file, read_back=True))
             return
         slot.pass_on()

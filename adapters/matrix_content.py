@@ -8,12 +8,29 @@ import re
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from nio import (
+    RoomEncryptedMedia,
+    RoomMessageEmote,
+    RoomMessageMedia,
+    RoomMessageText,
+    RoomMessageUnknown,
+    StickerEvent,
+)
+
 if TYPE_CHECKING:
     from nio import MatrixRoom
 
 K = TypeVar("K")
 V = TypeVar("V")
 RECENT = 1000  # entries a record of recent events keeps
+# Every upload (a picture, a recording, a video, a file), encrypted or not: its caption is read as a message.
+MEDIA_EVENTS = (RoomMessageMedia, RoomEncryptedMedia)
+# Messages without words to read (an m.location, a msgtype of a client's own, a sticker): answered as an upload
+# without a caption is (in a DM, or addressed in a room: a line saying the bot reads text). Their body is no
+# text either: a location's is its client's description of the place ("Location: geo:52.5,13.4"), a sticker's
+# its image's alt text, written for clients that cannot show them, as a file's name is an upload's body.
+TEXTLESS = (RoomMessageUnknown, StickerEvent)
+RECEIVED_EVENTS = (RoomMessageText, RoomMessageEmote, *MEDIA_EVENTS, *TEXTLESS)  # the messages the bot handles
 
 
 def keep(recent: OrderedDict[K, V], key: K, value: V, most: int = RECENT) -> None:
