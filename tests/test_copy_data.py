@@ -425,6 +425,77 @@ async def test_a_rerun_after_a_forget_me_deletes_what_was_forgotten_from_the_tar
     assert again.ok and again.copied == 0 and again.removed == 0
 
 
+ANN, BOB = "discord:1", "matrix:@bob:example.org"
+KEYED = ("SELECT 'web_links' FROM web_links WHERE user_key = ? UNION ALL SELECT 'web_sessions' FROM web_sessions"
+         " WHERE user_key = ? UNION ALL SELECT 'skill_executions' FROM skill_executions WHERE user_key = ?"
+         " UNION ALL SELECT key FROM settings WHERE key IN (?, ?) UNION ALL SELECT 'users' FROM users WHERE key = ?")
+
+
+async def keyed_by(storage: Storage, user_key: str) -> list[str]:
+    """Where ``storage`` holds rows a forget-me deletes by ``user_key`` (and their user row): the tables (and the
+    settings' keys)."""
+    from bot.storage.core import user_persona_key
+    from bot.storage.export import import_claim_key
+
+    params = (user_key, user_key, user_key, user_persona_key(user_key), import_claim_key(user_key), user_key)
+    return sorted(str(r[0]) for r in await storage.db.fetch_all(KEYED, params))
+
+
+async def give_keyed_rows(storage: Storage, user_key: str) -> None:
+    """A login link used (a session) and one not yet, a persona picked, an import running, a skill run."""
+    from bot.storage.core import user_persona_key
+
+    await storage.web.consume_link(await storage.web.create_link(user_key, "Someone", 600), 3600)
+    await storage.web.create_link(user_key, "Someone", 600)
+    await storage.set_setting(user_persona_key(user_key), "Lena")
+    assert await storage.export.claim_import(user_key, "token", 1.0, 0.0)
+    await storage.skills.record(SkillExecution("current_time", "Cora", user_key, "discord:g", "", "{}", True, "", 3,
+                                               "model", 1_700_000_000.5))
+
+
+async def test_a_forget_me_between_two_copies_takes_what_is_keyed_by_the_user_from_the_target(
+        source: Storage, pg: Storage, tmp_path: Path) -> None:
+    """Ann forgotten on SQLite between two copies: her web sessions and login links, her persona pick and import
+    claim stayed in the PostgreSQL copy (keyed by her platform key, not an id), so a forget-me before the last copy
+    was partly undone there. Now they go, Bob's and the rows written on the target itself stay. The other way, Bob
+    forgotten on PostgreSQL while paused (a bare row of his key under a new id) loses them from a SQLite copy too,
+    and what he has there since goes over."""
+    from bot.storage.core import user_persona_key
+
+    await give_keyed_rows(source, ANN)
+    await give_keyed_rows(source, BOB)
+    assert (await copy_data(source, pg)).ok
+    assert len(await keyed_by(pg, ANN)) == 7
+    await pg.set_setting(f"persona.user.{ANN}", "Lena")  # (written on the target itself: not a forget-me's)
+    await pg.web.create_link("console:carol", "Carol", 600)
+    await source.forget_user(ANN)
+    report = await copy_data(source, pg)
+    removed = {t.table: t.removed for t in report.tables if t.removed}
+    assert {"web_links": 2, "web_sessions": 1, "skill_executions": 1}.items() <= removed.items(), removed
+    assert [t.table for t in report.mismatches] == ["settings", "web_links"], report.mismatches
+    assert await keyed_by(pg, ANN) == []
+    assert await keyed_by(pg, BOB) == await keyed_by(source, BOB) and "web_sessions" in await keyed_by(pg, BOB)
+    assert await pg.get_setting(f"persona.user.{ANN}") == "Lena"
+    assert [r[0] for r in await pg.db.fetch_all("SELECT user_key FROM web_links WHERE user_key = 'console:carol'")]
+    again = await copy_data(source, pg)
+    assert again.copied == 0 and again.removed == 0
+    back = await open_storage(f"sqlite:///{tmp_path / 'back.db'}")
+    try:
+        assert (await copy_data(pg, back)).ok
+        await pg.forget_user(BOB)
+        bare = await pg.get_user(BOB)
+        assert bare is not None and await pg.incognito.active(bare.id, "Lena")  # (a bare row: his pause goes on)
+        assert await keyed_by(pg, BOB) == ["users"]
+        await pg.set_setting(user_persona_key(BOB), "Cora")  # (picked again since)
+        report = await copy_data(pg, back, batch=2)
+        assert report.ok, report.mismatches
+        assert await keyed_by(back, BOB) == sorted([user_persona_key(BOB), "users"])
+        assert await back.get_setting(user_persona_key(BOB)) == "Cora"
+        await assert_same(pg, back)
+    finally:
+        await back.close()
+
+
 WORD = "qxzvkjwplm"
 
 

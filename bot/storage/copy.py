@@ -10,7 +10,8 @@ began: what a bot running on the source adds meanwhile (``--while-running``) wai
 deleted on the source since an earlier copy (a forget-me, expired messages, an ended incognito stretch) are
 deleted from the target first, children before parents, where their origin is certain: the rows of the tables
 keyed by one id (a target a bot ran on or wrote into since is refused before anything changes: a bot's start
-marks it used, and its ids grew past the mark) and the rows pointing at them; rows keyed otherwise (settings, web
+marks it used, and its ids grew past the mark), the rows pointing at them, and what a forget-me deletes by the key
+of a user the source no longer has (web sessions, a persona pick); other rows keyed otherwise (settings, web
 sessions) stay, and a target an older copy-data made (no mark) is not touched. The deleted words are then
 scrubbed from a SQLite target's files.
 
@@ -49,7 +50,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from bot.storage.core import Storage, note_scrub_pending
+from bot.storage.core import Storage, forget_keyed, note_scrub_pending
 from bot.storage.engine import Database, Row, StorageError, is_conflict
 from bot.storage.unavailable import read_only
 
@@ -455,10 +456,11 @@ async def _accounted(source: Database, target: Database) -> dict[str, int] | Non
 async def _remove_deleted(source: Database, target: Database, batch: int, progress: Progress | None,
                           accounted: dict[str, int] | None) -> dict[str, int]:
     """Delete from the target what the source deleted since an earlier copy (a forget-me, expired messages, an
-    ended incognito stretch): the rows of the tables keyed by one id that the source no longer has, and the
-    rows of ``BOUNDED_BY`` pointing at them. Only rows whose origin is certain go: a target a bot wrote into since
-    is refused before this (its ids grew past the mark), a table keyed otherwise (settings, sessions) is left
-    as it is, only ids up to what the source had when a copy between them last ran (``accounted``) are
+    ended incognito stretch): the rows of the tables keyed by one id that the source no longer has, the rows of
+    ``BOUNDED_BY`` pointing at them, and what a forget-me deletes by the key of a user among them
+    (``_forget_gone_users``). Only rows whose origin is certain go: a target a bot wrote into since is refused
+    before this (its ids grew past the mark), other rows of a table keyed otherwise (settings, sessions) are left
+    as they are, only ids up to what the source had when a copy between them last ran (``accounted``) are
     looked at, and a target that was not marked before this copy (empty, or made by an older copy-data) is not
     touched at all. Children go before parents, in one transaction per table. Returns the rows deleted per
     table."""
@@ -471,15 +473,37 @@ async def _remove_deleted(source: Database, target: Database, batch: int, progre
         if len(shape.key) == 1 and shape.types[shape.key[0]] in INTEGER_TYPES:
             key = shape.key[0]
             gone[table] = (key, await _gone_ids(source, target, table, key, batch, accounted.get(table, 0)))
+    for table, n in (await _forget_gone_users(target, gone.get("users", ("", []))[1])).items():
+        removed[table] += n
     for table in reversed(TABLES):
         if table in BOUNDED_BY:
             column, parent = BOUNDED_BY[table]
-            removed[table] = await _delete_where(target, table, column, gone.get(parent, ("", []))[1])
+            removed[table] += await _delete_where(target, table, column, gone.get(parent, ("", []))[1])
         elif table in gone:
-            removed[table] = await _delete_where(target, table, *gone[table])
+            removed[table] += await _delete_where(target, table, *gone[table])
         if removed[table] and progress is not None:
             progress(f"{table} (deleted at the source)", removed[table], removed[table])
     return removed
+
+
+async def _forget_gone_users(target: Database, user_ids: list[int]) -> dict[str, int]:
+    """Do on the target, for the users the source no longer has (``user_ids``), what a forget-me does by their key
+    rather than their row (``forget_keyed``: their web links and sessions, persona pick and import claim, skill
+    runs), in one transaction before their rows go; the rows deleted per table. Those rows are keyed otherwise than
+    by an id, so the comparison of ids never found them, and a forget-me at the source was partly undone here.
+    A forget-me during a pause keeps a bare user row under a new id: the old id is gone all the same, and what the
+    source holds by that key now is copied after. Run again after an interruption: the users are still there."""
+    deleted: dict[str, int] = {}
+    keys = sorted({str(r[1]) for r in await _rows_with_ids(target, "users", ("id", "key"), user_ids)})
+    if not keys:
+        return deleted
+    async with target.transaction() as tx:
+        for key in keys:
+            for table, n in (await forget_keyed(tx, key)).items():
+                deleted[table] = deleted.get(table, 0) + n
+        if any(deleted.values()):  # (a name on a session: scrubbed right after the pass)
+            await note_scrub_pending(tx)
+    return deleted
 
 
 async def _gone_ids(source: Database, target: Database, table: str, key: str, batch: int, upto: int) -> list[int]:

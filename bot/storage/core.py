@@ -137,6 +137,28 @@ SCRUB_PENDING = "storage.scrub-pending"  # deleted words may still sit in the da
 SCRUB_SPACING = 60.0  # seconds between two scrubs that :meth:`Storage.scrub_soon` asks for
 
 
+async def forget_keyed(tx: Tx, user_key: str) -> dict[str, int]:
+    """What a forget-me deletes by the user's key rather than their row; the rows deleted per table. Links before
+    sessions: on PostgreSQL a login using a link holds its row until it has made its session, so the sessions'
+    delete after it sees that session. Texts an admin wrote for everyone (guidelines, rules, soul sections, lore,
+    cortex settings) stay, no longer naming them. copy-data runs it on a target for the users the source no
+    longer has (``bot.storage.copy``), so it adds no rows (the forget-me's ``keep_usage`` would add them under ids
+    the source hands out too): the forget-me notes their usage before it."""
+    deleted = dict.fromkeys(("skill_executions", "web_links", "web_sessions", "settings"), 0)
+    for table in ("skill_executions", "web_links", "web_sessions"):
+        deleted[table] = len(await tx.fetch_all(f"DELETE FROM {table} WHERE user_key = ? RETURNING 1", (user_key,)))
+    deleted["settings"] = len(await tx.fetch_all("DELETE FROM settings WHERE key IN (?, ?) RETURNING 1",
+                                                 (user_persona_key(user_key), import_claim_key(user_key))))
+    for table, column in (("versioned_texts", "author"), ("lore_entries", "created_by"),
+                          ("cortex_settings", "updated_by")):
+        await tx.execute(f"UPDATE {table} SET {column} = ? WHERE {column} = ?", (FORGOTTEN_AUTHOR, user_key))
+    suffix = f" by {user_key}"  # a card import's reason names its importer: "imported from cora.png by discord:1"
+    await tx.execute("UPDATE versioned_texts SET reason = substr(reason, 1, length(reason) - ?) || ?"
+                     " WHERE length(reason) >= ? AND substr(reason, length(reason) - ? + 1) = ?",
+                     (len(suffix), f" by {FORGOTTEN_AUTHOR}", len(suffix), len(suffix), suffix))
+    return deleted
+
+
 def _attempt_fence(attempt: int | None) -> tuple[str, tuple[int, ...]]:
     """The condition (and its parameter) that a job is still in its claim ``attempt`` (None: any)."""
     return ("", ()) if attempt is None else (" AND attempts = ?", (attempt,))
@@ -1186,23 +1208,10 @@ class Storage:
 
     @staticmethod
     async def _forget_by_key(tx: Tx, user_key: str) -> None:
-        """What is kept by the user's key rather than their row. Links before sessions: on PostgreSQL a
-        login using a link holds its row until it has made its session, so the sessions' delete after
-        it sees that session. Texts an admin wrote for everyone (guidelines, rules, soul sections, lore,
-        cortex settings) stay, no longer naming them."""
+        """What is kept by the user's key rather than their row (``forget_keyed``), their use of the daily
+        limits noted first."""
         await keep_usage(tx, user_key)  # (the daily limits still count what they used)
-        await tx.execute("DELETE FROM skill_executions WHERE user_key = ?", (user_key,))
-        await tx.execute("DELETE FROM web_links WHERE user_key = ?", (user_key,))
-        await tx.execute("DELETE FROM web_sessions WHERE user_key = ?", (user_key,))
-        await tx.execute("DELETE FROM settings WHERE key IN (?, ?)", (user_persona_key(user_key),
-                                                                     import_claim_key(user_key)))
-        for table, column in (("versioned_texts", "author"), ("lore_entries", "created_by"),
-                              ("cortex_settings", "updated_by")):
-            await tx.execute(f"UPDATE {table} SET {column} = ? WHERE {column} = ?", (FORGOTTEN_AUTHOR, user_key))
-        suffix = f" by {user_key}"  # a card import's reason names its importer: "imported from cora.png by discord:1"
-        await tx.execute("UPDATE versioned_texts SET reason = substr(reason, 1, length(reason) - ?) || ?"
-                         " WHERE length(reason) >= ? AND substr(reason, length(reason) - ? + 1) = ?",
-                         (len(suffix), f" by {FORGOTTEN_AUTHOR}", len(suffix), len(suffix), suffix))
+        await forget_keyed(tx, user_key)
 
     async def forget_user(self, user_key: str) -> ForgetReport | None:
         """Delete everything stored about one user, for every persona, in one transaction.
