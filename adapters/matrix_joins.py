@@ -97,7 +97,10 @@ class JoinTimes:
         room, now, member = self._room(room_id), self.clock(), event.state_key
         if event.membership != "join":
             room.joins.pop(member, None)
-            room.left[member] = now
+            # Kept only while a state read is under way, which may still list them (a read drops what came
+            # before it began): noted at every leave, a busy room's record grew by each member who ever left.
+            if room_id in self._reads:
+                room.left[member] = now
         elif event.prev_membership != "join" or member not in room.joins:
             if event.prev_membership == "join":
                 return  # a name change of a member not known yet: the state tells when they came

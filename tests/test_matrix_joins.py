@@ -149,3 +149,18 @@ async def test_a_leave_arriving_while_a_join_is_looked_behind_is_kept() -> None:
     live(joins, member("@bob:example.org", int((NOW + 5) * 1000), prev="join", membership="leave"))
     walking.set()
     assert await reading is None
+
+
+async def test_a_busy_room_keeps_no_record_of_everyone_who_ever_left() -> None:
+    """Thousands come and go in a public room after its state was read: the bot remembers who is in it, not each
+    member who ever left (kept only while a state read is under way, which the leaves must overtake)."""
+    clock = Clock()
+    joins = JoinTimes(Homeserver(member(BOT, 1_700_000_000_000)), clock)  # type: ignore[arg-type]
+    assert await joins.joined_at(ROOM, BOT) is not None
+    for i in range(2_000):
+        user = f"@visitor{i}:example.org"
+        live(joins, member(user, 1_700_000_000_000 + i, prev="invite"))
+        live(joins, member(user, 1_700_000_000_001 + i, prev="join", membership="leave"))
+    room = joins._rooms[ROOM]
+    assert list(room.joins) == [BOT]
+    assert len(room.left) == 0
