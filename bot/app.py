@@ -48,6 +48,9 @@ PRUNE_AFTER_START = 300.0  # seconds: a bot that restarts daily still prunes
 BACKFILL_FIRST_AFTER = 5.0  # seconds from the start to the first background embedding run
 INCOGNITO_CHECK_SECONDS = 600.0
 RETENTION_SECONDS = 86_400.0
+# Days the audit row of each model call is kept: the web page shows the last 14 days' spending, and a row per call
+# kept for good grew the database by every reply, summary and cortex round of a bot's whole life.
+LLM_CALLS_KEPT_DAYS = 90
 SCRUB_CHECK_SECONDS = 3600.0  # how soon the words of a message taken back leave the database's files
 RATE_PRUNE_SECONDS = 3600.0
 SETTINGS_RELOAD_SECONDS = 5.0  # how soon admin changes saved by another process reach this one
@@ -194,6 +197,8 @@ class App:
                                          first_after=PRUNE_AFTER_START)
                 self.scheduler.every(RETENTION_SECONDS, "prune-old-jobs", self._prune_jobs,
                                      first_after=PRUNE_AFTER_START)
+                self.scheduler.every(RETENTION_SECONDS, "prune-old-llm-calls", self._prune_llm_calls,
+                                     first_after=PRUNE_AFTER_START)
                 self.scheduler.every(RETENTION_SECONDS, "prune-forgotten-usage", self.storage.prune_forgotten,
                                      first_after=PRUNE_AFTER_START)
                 self.scheduler.every(RETENTION_SECONDS, "prune-dead-processes", self.storage.fleet.prune_processes,
@@ -261,6 +266,12 @@ class App:
             failed_before=now - jobs.keep_failed_days * 86_400 if jobs.keep_failed_days else None)
         if deleted:
             log.info("deleted the rows of %d old finished or failed job(s)", deleted)
+
+    async def _prune_llm_calls(self) -> None:
+        """Audit rows of model calls older than ``LLM_CALLS_KEPT_DAYS``."""
+        deleted = await self.job_storage.delete_old_llm_calls(time.time() - LLM_CALLS_KEPT_DAYS * 86_400)
+        if deleted:
+            log.info("deleted the audit rows of %d model call(s) older than %d days", deleted, LLM_CALLS_KEPT_DAYS)
 
     async def _expire_messages(self) -> None:
         await expire_old_messages(self.job_storage, self.config.memory.keep_messages_days)

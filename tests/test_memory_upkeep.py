@@ -362,3 +362,22 @@ async def test_the_first_background_embedding_runs_soon_after_the_start(tmp_path
             await asyncio.sleep(0.1)
         assert app.scheduler.jobs["embed-backfill"].runs == 1  # within seconds, where the interval is 60 s
         assert (await app.cortex.embeddings.status()).pending == 0
+
+
+async def test_the_daily_upkeep_deletes_model_call_rows_past_their_days(tmp_path: Path) -> None:
+    """The audit row of every model call was kept for good (no upkeep deleted any): now a daily job deletes
+    those older than ``LLM_CALLS_KEPT_DAYS``, once across the fleet."""
+    import time
+
+    from bot.app import LLM_CALLS_KEPT_DAYS
+    from bot.storage.base import LLMCallRecord
+
+    async with App(_config(tmp_path, embedder="none"), llm=ScriptedProvider()) as app:
+        assert "prune-old-llm-calls" in app.scheduler.jobs
+        for model in ("old", "new"):
+            await app.storage.record_llm_call(LLMCallRecord("reply", model, 1, 1, 1))
+        await app.storage.flush_audit()
+        await app.storage.db.write("UPDATE llm_calls SET created_at = ? WHERE model = 'old'",
+                                   (time.time() - (LLM_CALLS_KEPT_DAYS + 1) * 86_400,))
+        await app._prune_llm_calls()
+        assert [call["model"] for call in await app.storage.list_llm_calls()] == ["new"]

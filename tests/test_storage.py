@@ -265,6 +265,23 @@ async def test_old_finished_and_failed_jobs_are_deleted_the_rest_kept(
     assert await storage.delete_old_jobs(done_before=now, failed_before=None) == 1  # the recent done one
 
 
+async def test_old_llm_call_rows_are_deleted_the_recent_kept(storage: Storage, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row per model call (every reply, summary and cortex round) was kept for good: the table grew by each
+    call of the bot's whole life. The old ones go, in batches, buffered ones too."""
+    import bot.storage.core as core
+
+    monkeypatch.setattr(core, "PRUNE_BATCH", 2)
+    now = time.time()
+    for n in range(5):
+        await storage.record_llm_call(LLMCallRecord("reply", f"old-{n}", n, 1, n))
+    await storage.flush_audit()
+    await storage.db.write("UPDATE llm_calls SET created_at = ?", (now - 100 * 86_400,))
+    await storage.record_llm_call(LLMCallRecord("reply", "recent", 1, 1, 1))  # (still buffered)
+    assert await storage.delete_old_llm_calls(now - 90 * 86_400) == 5
+    assert [call["model"] for call in await storage.list_llm_calls()] == ["recent"]
+    assert await storage.delete_old_llm_calls(now - 90 * 86_400) == 0
+
+
 async def test_concurrent_claims_never_hand_out_a_job_twice(tmp_path: Path) -> None:
     path = tmp_path / "c.db"
     stores = [await open_sqlite(path) for _ in range(3)]

@@ -283,6 +283,9 @@ class Storage(Protocol):
 
     async def delete_old_jobs(self, *, done_before: float | None, failed_before: float | None) -> int: ...
 
+    async def delete_old_llm_calls(self, before: float) -> int:
+        """Delete the audit rows of model calls made before ``before`` (UNIX seconds); how many went."""
+
     async def prune_forgotten(self) -> int:
         """Delete what forget-mes kept of the users' use of the daily limits once older than two days (see
         ``bot.storage.forgotten``); how many rows went."""

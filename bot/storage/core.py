@@ -93,7 +93,7 @@ AUDIT_FLUSH_ROWS = 64  # buffered audit rows written in one go ...
 AUDIT_FLUSH_SECONDS = 1.0  # ... or after this long
 AUDIT_ROWS_PER_STATEMENT = 64  # rows of one table per INSERT at most (9 parameters each: far below any cap)
 SUMMARY_CACHE_SECONDS = 5.0  # how stale another process's new summary may look here
-PRUNE_BATCH = 5000  # old job rows deleted per statement
+PRUNE_BATCH = 5000  # old job (or model call) rows deleted per statement
 LATE_ASKED = 500  # a window's newest messages whose answers stored after a later message are looked for
 
 # Errors of an audit write that no retry mends: a reference gone meanwhile, a value no column holds (sqlite3
@@ -1008,6 +1008,18 @@ class Storage:
                 if gone < PRUNE_BATCH:
                     break
         return deleted
+
+    async def delete_old_llm_calls(self, before: float) -> int:
+        """Delete the audit rows of model calls made before ``before`` (UNIX seconds); how many went."""
+        await self.flush_audit()
+        deleted = 0
+        while True:  # in batches, as the jobs' rows: one row per model call, a busy bot's days are many
+            gone = len(await self.db.write(
+                "DELETE FROM llm_calls WHERE id IN (SELECT id FROM llm_calls WHERE created_at < ?"
+                f" LIMIT {PRUNE_BATCH}) RETURNING id", (before,)))
+            deleted += gone
+            if gone < PRUNE_BATCH:
+                return deleted
 
     async def list_jobs(self, status: JobStatus | None = None, limit: int = 100, *, by_change: bool = False,
                         before: int | None = None) -> list[Job]:
