@@ -183,8 +183,20 @@ class SettingsResolver:
         if cached is not None and time.monotonic() - cached[0] < CACHE_SECONDS:
             return cached[1]
         values = await self.store.settings(scope)
-        self._cache[scope] = (time.monotonic(), values)
+        now = time.monotonic()
+        self._cache.pop(scope, None)
+        self._cache[scope] = (now, values)  # to the end: the dict stays in the order the scopes were read
+        self._forget_stale(now)
         return values
+
+    def _forget_stale(self, now: float) -> None:
+        """Drop the scopes read longer than ``CACHE_SECONDS`` ago, at the dict's front: each server a reply was
+        written in kept its entry for good (a bot in thousands of Matrix rooms, each a server, kept them all)."""
+        while self._cache:
+            read_at = next(iter(self._cache.values()))[0]
+            if now - read_at < CACHE_SECONDS:
+                return
+            del self._cache[next(iter(self._cache))]
 
     async def effective(self, persona: str, server_key: str | None = None) -> Effective:
         """The settings of ``persona`` (at ``server_key``): the config's, under the persona-wide overrides,

@@ -1381,3 +1381,21 @@ def test_a_setting_takes_ascii_digits_and_no_limit_only_with_0(key: str, typed: 
         parse_value(key, typed)
     assert parse_value("daily_token_budget", "0 (no limit)") == 0 and parse_value("tiers", "50, 75") == [50, 75]
     assert parse_value("frequency", " RARE ") == "rare"  # (a word of a few, as "ON" is on: it was refused)
+
+
+async def test_the_settings_cache_keeps_no_server_past_its_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each server a reply was written in (on Matrix, each room) kept its cached settings for good: a bot in
+    thousands of rooms held them all. What was read longer ago than the cache lasts goes as others are read."""
+    import cortex.settings as settings
+
+    class Store:
+        async def settings(self, scope: str) -> dict[str, Any]:
+            return {}
+
+    monkeypatch.setattr(settings, "CACHE_SECONDS", 0.02)
+    resolver = settings.SettingsResolver(CortexConfig(), Store())  # type: ignore[arg-type]
+    for n in range(500):
+        await resolver.effective("Cora", f"matrix:!room{n}:example.org")
+    await asyncio.sleep(0.05)
+    await resolver.effective("Cora", "matrix:!last:example.org")
+    assert sorted(resolver._cache) == ["persona:cora", "server:matrix:!last:example.org"]
