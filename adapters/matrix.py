@@ -994,11 +994,20 @@ class MatrixAdapter:
         """Rooms the bot left, was kicked from or turned down (a sync's "leave" section, which nio does not read):
         gone from the client's rooms, where they still listed the bot as a member (a direct room it was kicked
         from took every private answer; rooms it was made to leave counted against their inviter's limit)."""
+        inviters = len(self._inviters)
         for room_id in room_ids:
             self.client.rooms.pop(room_id, None)
             self.client.invited_rooms.pop(room_id, None)
             self._joining.discard(room_id)
             self._join_events.pop(room_id, None)
+            # What is read again on a return (its creators), and who brought the bot in (counted only for rooms it
+            # is in): kept after a leave, they grew by every room the bot was ever in, the session file too.
+            self._creators.pop(room_id, None)
+            self._makers.pop(room_id, None)
+            self._creators_outrank.discard(room_id)
+            self._inviters.pop(room_id, None)
+        if len(self._inviters) != inviters:
+            self._save_state(room_inviters=self._inviters)
 
     async def _on_redaction(self, room: MatrixRoom, event: RedactionEvent) -> None:
         """A message taken back (by its sender or a moderator): the bot's copy goes too (see ``withdraw``).

@@ -400,3 +400,29 @@ def test_two_members_of_one_display_name_are_labelled_with_their_ids_once() -> N
         "Alice (@alice:localhost)", "Alice (@mallory:localhost)", "Bob", "@gone:localhost"]
     assert [label(u, True) for u in senders] == [  # (as a room's: always with the id)
         "Alice (@alice:localhost)", "Alice (@mallory:localhost)", "Bob (@bob:localhost)", "@gone:localhost"]
+
+
+async def test_rooms_the_bot_left_leave_no_record_of_their_creators_or_inviters(tmp_path: Path) -> None:
+    """Invited into room after room and kicked out of each, the bot kept each one's creators and inviter (the
+    latter in its session file) for good. A room it left takes them along; a room it is still in keeps them."""
+    from nio import RoomGetStateResponse
+
+    config = _config(tmp_path)
+    async with App(config, llm=ScriptedProvider()) as app:
+        adapter = MatrixAdapter(app, config.matrix, env={"CB_MATRIX_PW": "x"})
+
+        async def room_get_state(room_id: str) -> RoomGetStateResponse:
+            create = {"type": "m.room.create", "sender": "@ann:localhost", "state_key": "",
+                      "content": {"room_version": "12"}}
+            return RoomGetStateResponse([create], room_id)
+
+        adapter.client.room_get_state = room_get_state  # type: ignore[method-assign]
+        rooms = [f"!r{n}:localhost" for n in range(200)]
+        for room_id in rooms:
+            adapter._inviters[room_id] = "@ann:localhost"
+            await adapter._load_creators(room_id)
+        adapter._left(rooms[1:])
+        assert list(adapter._creators) == list(adapter._makers) == list(adapter._inviters) == [rooms[0]]
+        assert adapter._creators_outrank == {rooms[0]}
+        assert adapter._load_state()["room_inviters"] == {rooms[0]: "@ann:localhost"}
+        await adapter.close()
