@@ -282,6 +282,19 @@ async def test_old_llm_call_rows_are_deleted_the_recent_kept(storage: Storage, m
     assert await storage.delete_old_llm_calls(now - 90 * 86_400) == 0
 
 
+async def test_old_llm_calls_are_found_by_their_time_not_by_reading_every_row(tmp_path: Path) -> None:
+    """The daily deletion of old model calls (and the page's last 14 days) read the whole table, a row per call of
+    the bot's life: they go by an index of the calls' times."""
+    store = await open_sqlite(tmp_path / "plan.db")
+    try:
+        await store.migrate()
+        plan = await store.db.fetch_all(
+            "EXPLAIN QUERY PLAN SELECT id FROM llm_calls WHERE created_at < ? LIMIT 10", (time.time(),))
+        assert any("llm_calls_by_time" in str(row[-1]) for row in plan), [tuple(r) for r in plan]
+    finally:
+        await store.close()
+
+
 async def test_concurrent_claims_never_hand_out_a_job_twice(tmp_path: Path) -> None:
     path = tmp_path / "c.db"
     stores = [await open_sqlite(path) for _ in range(3)]

@@ -10,6 +10,9 @@ from __future__ import annotations
 from bot.storage import pg_schema
 from bot.storage.engine import Migration
 
+# (the daily upkeep deletes the old model calls, the web page reads the last 14 days: both by their time)
+LLM_CALLS_BY_TIME = "CREATE INDEX llm_calls_by_time ON llm_calls (created_at)"
+
 
 def _sqlite_fork(statements: tuple[str, ...]) -> tuple[str, ...]:
     """SQLite's spelling of PostgreSQL statements that differ only in id and time column types."""
@@ -418,4 +421,6 @@ MIGRATIONS: tuple[Migration, ...] = (
               (), postgres=pg_schema.V32),
     Migration(33, "which confirmation offers the undo of what was remembered, for whom: a ❌ on one sent before a"
                   " restart undid nothing", _sqlite_fork(pg_schema.V33), postgres=pg_schema.V33),
+    Migration(34, "the model calls by their time: the daily upkeep's deletion of old ones and the page's last 14 days"
+                  " read the whole table", (LLM_CALLS_BY_TIME,), postgres=(LLM_CALLS_BY_TIME,)),
 )
