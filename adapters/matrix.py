@@ -79,6 +79,7 @@ from adapters.matrix_content import (
     mentioned,
     relates_to,
     reply_target,
+    server_seconds,
     without_reply_fallback,
 )
 from adapters.matrix_gaps import missed_redactions
@@ -132,9 +133,10 @@ _USER_LINK = re.compile(r"#/(user/)?@|^matrix:(//[^/]*)?/?u/", re.IGNORECASE)
 
 
 def _server_time(event: Any) -> datetime | None:
-    """When the homeserver got ``event`` (its ``origin_server_ts``), or None when it gives none."""
-    stamp = getattr(event, "server_timestamp", None)
-    return datetime.fromtimestamp(stamp / 1000, UTC) if isinstance(stamp, int) and stamp > 0 else None
+    """When the homeserver got ``event`` (its ``origin_server_ts``), or None when it gives none a date can show
+    (the message is then dated by the bot's clock)."""
+    seconds = server_seconds(getattr(event, "server_timestamp", None))
+    return None if seconds is None else datetime.fromtimestamp(seconds, UTC)
 
 class _Markdown(MarkdownIt):
     def validateLink(self, url: str) -> bool:  # (markdown-it's name)

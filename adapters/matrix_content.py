@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 K = TypeVar("K")
 V = TypeVar("V")
 RECENT = 1000  # entries a record of recent events keeps
+LATEST_STAMP_MS = 253_402_300_799_000  # 9999-12-31 23:59:59 UTC, the last second a date can show
 # Every upload (a picture, a recording, a video, a file), encrypted or not: its caption is read as a message.
 MEDIA_EVENTS = (RoomMessageMedia, RoomEncryptedMedia)
 # Messages without words to read (an m.location, a msgtype of a client's own, a sticker): answered as an upload
@@ -38,6 +39,15 @@ def keep(recent: OrderedDict[K, V], key: K, value: V, most: int = RECENT) -> Non
     recent[key] = value
     while len(recent) > most:
         recent.popitem(last=False)
+
+
+def server_seconds(stamp: Any) -> float | None:
+    """An ``origin_server_ts`` (milliseconds, written by the sender's own homeserver) in POSIX seconds, or None
+    when it is missing or no date can show it: one past year 9999 made every later ``datetime`` of it raise, and
+    the message was dropped unanswered."""
+    if not isinstance(stamp, int) or isinstance(stamp, bool) or not 0 < stamp <= LATEST_STAMP_MS:
+        return None
+    return stamp / 1000
 
 
 def json_object(value: Any) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from typing import Any
 
 from nio import AsyncClient, RoomGetStateResponse, RoomMemberEvent
 
-from adapters.matrix_content import json_object
+from adapters.matrix_content import json_object, server_seconds
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,7 @@ class _Room:
 
 
 def _stamp(event: dict[str, Any]) -> float | None:
-    value = event.get("origin_server_ts")
-    return value / 1000 if isinstance(value, int) and value > 0 else None
+    return server_seconds(event.get("origin_server_ts"))
 
 
 def _rejoined(event: dict[str, Any]) -> bool:

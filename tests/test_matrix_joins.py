@@ -9,8 +9,9 @@ import asyncio
 from datetime import UTC, datetime
 from typing import Any
 
-from nio import RoomGetEventError, RoomGetStateResponse, RoomMemberEvent
+from nio import RoomGetEventError, RoomGetStateResponse, RoomMemberEvent, RoomMessageText
 
+from adapters.matrix import _server_time
 from adapters.matrix_joins import JoinTimes
 
 ROOM = "!room:example.org"
@@ -164,3 +165,26 @@ async def test_a_busy_room_keeps_no_record_of_everyone_who_ever_left() -> None:
     room = joins._rooms[ROOM]
     assert list(room.joins) == [BOT]
     assert len(room.left) == 0
+
+
+async def test_a_stamp_past_year_9999_counts_as_no_stamp() -> None:
+    """A homeserver stamped a join (or a message) after year 9999: ``datetime.fromtimestamp`` raised "year 10000
+    is out of range", so the member's every addressed message in the room went unanswered (and a message so
+    stamped anywhere did). Seen arriving, the join counts from its arrival; the message is dated by the bot."""
+    clock = Clock()
+    joins = JoinTimes(Homeserver(member(BOT, 1_700_000_000_000)), clock)  # type: ignore[arg-type]
+    live(joins, member("@mallory:evil.example", 253_402_300_800_000, prev="invite"))
+    assert await joins.joined_at(ROOM, "@mallory:evil.example") == at(NOW)
+    message = RoomMessageText.from_dict({"type": "m.room.message", "sender": "@mallory:evil.example",
+                                         "event_id": "$m", "origin_server_ts": 10**17,
+                                         "content": {"msgtype": "m.text", "body": "hi"}})
+    assert _server_time(message) is None
+    message.server_timestamp = 1_700_000_000_000
+    assert _server_time(message) == at(1_700_000_000)
+
+
+async def test_a_state_join_stamped_past_year_9999_counts_from_now() -> None:
+    """The same stamp read from the room's state (a member the bot did not see join): from the bot's clock."""
+    joins = JoinTimes(Homeserver(member(BOT, 1_700_000_000_000), member("@ann:far.example", 2**62)),
+                      Clock())  # type: ignore[arg-type]
+    assert await joins.joined_at(ROOM, "@ann:far.example") == at(NOW)
