@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -253,3 +254,14 @@ async def test_a_revert_to_a_version_no_longer_kept_is_refused(tmp_path: Path,
         assert "v3" in history and "v4" in history and "v1" not in history and "v2" not in history
         assert "there is no version 1 of this server's guidelines" in await run(app, "!guidelines revert 1")
         assert "version 3's text" in await run(app, "!guidelines revert 3")
+
+
+async def test_histories_of_guidelines_rules_and_souls_say_their_times_are_utc(tmp_path: Path) -> None:
+    """`!guidelines history`, `!rules history` and `!persona history` showed "v1 2026-12-07 22:47 by …" with no
+    zone, while `!persona show` and `!memory history` say UTC: a reader in Tokyo took it for their own time."""
+    async with App(_config(tmp_path), llm=ScriptedProvider()) as app:
+        await run(app, "!guidelines set Keep it PG-13.")
+        await run(app, "!rules add no-spoilers No spoilers.", ctx(bot_admin=True))
+        for line in ("!guidelines history", "!rules history no-spoilers", "!persona history"):
+            history = await run(app, line, ctx(bot_admin=True))
+            assert re.search(r"v1 \d{4}-\d\d-\d\d \d\d:\d\d UTC by ", history), (line, history)

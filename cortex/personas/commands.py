@@ -85,14 +85,15 @@ def new_section_refusal(persona: str, key: str) -> str | None:
 
 
 def history_lines(versions: Sequence[TextVersion], *, named: bool = False, limit: int = 40) -> list[str]:
-    """One line per version (the newest ``limit``): when, who, how long, on/off, why."""
+    """One line per version (the newest ``limit``): when (UTC, as every other command's times say), who, how
+    long, on/off, why."""
     lines = []
     for v in versions[-limit:]:
         name = f"{v.name} " if named else ""
         state = "" if v.enabled else ", disabled"
         why = f" — {v.reason}" if v.reason else ""
-        lines.append(f"  {name}v{v.version} {v.created_at:%Y-%m-%d %H:%M} by {v.author}, {len(v.content):,} chars"
-                     f"{state}{why}")
+        lines.append(f"  {name}v{v.version} {v.created_at:%Y-%m-%d %H:%M} UTC by {v.author}, "
+                     f"{len(v.content):,} chars{state}{why}")
     return lines
 
 
