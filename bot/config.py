@@ -1032,9 +1032,15 @@ class SkillsConfig(_Section):
     reply_token_cap: int = Field(default=20_000, ge=1000, description="Tokens one reply may spend over all rounds.")
     calls_per_user_per_day: int = Field(default=50, ge=0, description="Calls of one skill per user per day (0: off).")
     result_max_chars: int = Field(default=8000, ge=200, le=200_000, description="Longest tool result the model sees.")
-    timezone: str = Field(default="UTC", description="current_time's zone when the user's is unknown.")
+    timezone: str = Field(default="UTC", description="The bot's zone: {date} in prompts, current_time's default.")
     http: list[HttpSkillConfig] = Field(default_factory=list)
     mcp: list[McpServerConfig] = Field(default_factory=list)
+
+    @property
+    def zone(self) -> ZoneInfo:
+        """``timezone`` (checked when the config was read). The date prompts give the model is today's here, as
+        ``current_time`` says it: in UTC, a bot set to Sydney's zone was told it was yesterday each morning."""
+        return ZoneInfo(self.timezone)
 
     @field_validator("timezone")
     @classmethod

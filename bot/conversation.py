@@ -302,7 +302,8 @@ class ConversationCore:
             self._window_sizes.clear()
         self._window_sizes[channel.id] = len(window.messages)
         summary = self._within(await self._summary_for(channel.id, message.history_from), budgets.summary_tokens)
-        now = believable(message.sent_at) or datetime.now(UTC)
+        # In the bot's zone: the date the prompt tells, and the dates of what its sections show, are its.
+        now = (believable(message.sent_at) or datetime.now(UTC)).astimezone(self.config.skills.zone)
         context = PromptContext(
             persona=persona.name,
             language=persona.language,

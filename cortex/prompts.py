@@ -4,6 +4,7 @@ its own language)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import UTC, tzinfo
 
 from bot.persona import Persona, section_title
 from bot.prompt import INFO_CLOSE, INFO_OPEN, fenced, resolve_variables
@@ -110,15 +111,16 @@ def system_prompt(
 
 
 def conversation_message(
-    persona: Persona, messages: Sequence[tuple[StoredMessage, str]], user_name: str
+    persona: Persona, messages: Sequence[tuple[StoredMessage, str]], user_name: str, zone: tzinfo = UTC
 ) -> str:
     """The pair's exchanges, oldest first, each labelled with date, channel and speaker, fenced as
     information: people wrote them (and name channels), so a message must not close the transcript and
-    pass for the instruction after it."""
+    pass for the instruction after it. Times are in ``zone``, the one "Today is" is told in: the model dates
+    what it notes by them."""
     lines = []
     for message, channel in messages:
         speaker = persona.name if message.role == "assistant" else one_line_name(message.author_name)
-        lines.append(f"[{message.created_at:%Y-%m-%d %H:%M} · {one_line_name(channel)}] {speaker}: "
+        lines.append(f"[{message.created_at.astimezone(zone):%Y-%m-%d %H:%M} · {one_line_name(channel)}] {speaker}: "
                      f"{continued(message.text)}")
     return (
         f"Here is your recent conversation with {one_line_name(user_name)} (you are {persona.name}), between "

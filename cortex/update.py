@@ -315,11 +315,12 @@ class CortexUpdater:
         history: list[tuple[StoredMessage, str]], tools: CortexTools, totals: list[int], next_round: int,
     ) -> tuple[RunStatus, str]:
         model = settings.model or self.config.model_for(persona)
+        zone = self.config.skills.zone  # (the bot's: the reply prompt's date is today's there too)
         system = system_prompt(
-            persona, user_name, tier_stage(tier, settings), datetime.now(UTC).strftime("%Y-%m-%d"),
+            persona, user_name, tier_stage(tier, settings), datetime.now(zone).strftime("%Y-%m-%d"),
             settings.file_max_chars, with_memory=self.memory is not None,
         )
-        messages: list[ChatMessage] = [ChatMessage("user", conversation_message(persona, history, user_name))]
+        messages: list[ChatMessage] = [ChatMessage("user", conversation_message(persona, history, user_name, zone))]
         for round_number in range(1, settings.max_rounds + 1):
             if spent := await self._reserve(pair, settings, tools.run_id, totals, next_round):
                 return "failed", f"stopped: {spent} would run out {'before' if round_number == 1 else 'during'} " \

@@ -6,8 +6,10 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime, tzinfo
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 import pytest_asyncio
@@ -1163,3 +1165,28 @@ async def test_an_update_cut_at_the_output_limit_before_it_saved_anything_fails(
         outcome = await app.cortex.updater.run(pair, "75", (await app.cortex.resolver.effective("Cora")).settings)
         assert outcome.reason.startswith("the answer reached the output limit after archiving 1 item, before anything"
                                          " else was saved"), outcome
+
+
+async def test_an_update_is_told_the_date_and_the_times_of_the_bots_zone(tmp_path: Path, fake_llm: FakeLLMServer,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `[skills] timezone = "Pacific/Kiritimati"` (UTC+14) an update was told "Today is" UTC's date and read
+    the conversation by UTC's clock, while the replies' prompts give the date there: what it noted as said "on"
+    a day was a day off for the bot's users."""
+    class Kiribati(datetime):  # 20:00 UTC on 28 February 2026 is 10:00 on 1 March in Kiritimati
+        @classmethod
+        def now(cls, tz: tzinfo | None = None) -> Any:
+            return datetime(2026, 2, 28, 20, 0, tzinfo=UTC).astimezone(tz)
+
+    monkeypatch.setenv(KEY_ENV, "test-key")
+    monkeypatch.setattr("cortex.update.datetime", Kiribati)
+    config = _config(tmp_path, fake_llm)
+    config = config.model_copy(update={"skills": config.skills.model_copy(update={"timezone": "Pacific/Kiritimati"})})
+    async with App(config) as app:
+        await _talk(app, CONVERSATION)
+        fake_llm.enqueue(FakeResponse.text(""))
+        await app.cortex.updater.run(await _pair(app), "50", (await app.cortex.resolver.effective("Cora")).settings)
+        first = cortex_requests(fake_llm)[0].body
+        said = (await app.storage.recent_messages((await app.storage.get_channel("console:dm-ann")).id, 5))[-1]
+        local = said.created_at.astimezone(ZoneInfo("Pacific/Kiritimati"))
+        assert "Today is 2026-03-01." in first["system"]
+        assert f"[{local:%Y-%m-%d %H:%M} · " in json.dumps(first["messages"], ensure_ascii=False)

@@ -10,6 +10,7 @@ import json
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime, tzinfo
 from pathlib import Path
 from typing import Any
 
@@ -686,3 +687,29 @@ async def test_search_lore_fills_a_cards_char_and_user_as_the_prompt_does(tmp_pa
         result = str(replies(fake_llm)[-1].body["messages"])
         assert "Cora carries the sword Ember, forged for Ann's grandfather." in result, result
         assert "{{char}}" not in result and "{{user}}" not in result
+
+
+class _Kiribati(datetime):
+    """The clock at 20:00 UTC on Saturday 28 February 2026: Sunday 1 March, 10:00 in Kiritimati (UTC+14)."""
+
+    @classmethod
+    def now(cls, tz: tzinfo | None = None) -> Any:
+        return datetime(2026, 2, 28, 20, 0, tzinfo=UTC).astimezone(tz)
+
+
+async def test_the_prompts_date_is_todays_in_the_bots_zone(tmp_path: Path, fake_llm: FakeLLMServer,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `[skills] timezone = "Pacific/Kiritimati"` the persona's "Today is {date}" said Saturday 28 February
+    (UTC's date) while current_time, asked in the same reply, said Sunday 1 March: the model was told two dates
+    (and the memory items' dates were UTC's)."""
+    monkeypatch.setattr("bot.conversation.datetime", _Kiribati)
+    async with App(_config(tmp_path, fake_llm, timezone="Pacific/Kiritimati")) as app:
+        # A pinned item remembered a minute earlier is dated in that zone too: not "yesterday" beside "today".
+        app.cortex.memory.clock = lambda: _Kiribati.now().timestamp() - 60
+        await app.commands.dispatch("!memory remember I moved to Kiribati --pin", ANN_DM)
+        fake_llm.enqueue(FakeResponse.tool_calls([("c1", "current_time", {})]), FakeResponse.text("Sunday!"))
+        assert await app.core.reply(_msg("what day is it?")).text() == "Sunday!"
+        first, second = replies(fake_llm)[-2:]
+        assert "Today is Sunday, 01 March 2026." in str(first.body["system"])
+        assert "I moved to Kiribati (fact, 2026-03-01, pinned)" in str(first.body["system"])
+        assert "Sunday, 01 March 2026, 10:00 (Pacific/Kiritimati, UTC+1400)" in str(second.body["messages"])

@@ -11,7 +11,7 @@ user said in private too.
 
 from __future__ import annotations
 
-from datetime import UTC, timedelta
+from datetime import timedelta, tzinfo
 
 from bot.config import MemoryConfig
 from bot.ports import IncomingMessage, PromptContext, PromptSection, SectionSlot
@@ -116,7 +116,7 @@ class KnowledgeSection:
         left_out = 0
         recent = context.now - timedelta(days=self.config.recent_days)
         for item, is_relevant in [(i, False) for i in pinned] + [(i, True) for i in relevant]:
-            line = self._line(item, full=item.pinned or item.created_at >= recent)
+            line = self._line(item, full=item.pinned or item.created_at >= recent, zone=context.now.tzinfo)
             cost = self.estimator.count(line + "\n")
             if cost > remaining:
                 left_out += 1
@@ -134,7 +134,7 @@ class KnowledgeSection:
             sections.append(PromptSection("What you know", body, tuple(shown), template=False))
         said, recalled_ids = [], []
         for hit in sorted(recalled, key=lambda h: h.created_at):
-            line = f"- {hit.created_at.astimezone(UTC):%Y-%m-%d} {_short(hit.text, RECALL_CHARS)}"
+            line = f"- {hit.created_at.astimezone(context.now.tzinfo):%Y-%m-%d} {_short(hit.text, RECALL_CHARS)}"
             cost = self.estimator.count(line + "\n")
             if cost > remaining:
                 break
@@ -150,9 +150,10 @@ class KnowledgeSection:
         return sections
 
     @staticmethod
-    def _line(item: MemoryItem, *, full: bool) -> str:
+    def _line(item: MemoryItem, *, full: bool, zone: tzinfo | None) -> str:
+        """An item as the prompt shows it, dated in ``zone``: the bot's, the one the prompt's "today" is in."""
         text = item.content if full else _short(item.content, SHORT)
-        when = item.created_at.astimezone(UTC).strftime("%Y-%m-%d")
+        when = item.created_at.astimezone(zone).strftime("%Y-%m-%d")
         return f"- {text} ({item.category}, {when}{', pinned' if item.pinned else ''})"
 
 
