@@ -503,6 +503,31 @@ async def test_a_summarys_input_counts_the_times_and_names_of_its_transcript(tmp
         assert inputs and max(inputs) <= 200 + 60, inputs  # (the fences and the previous summary's heading)
 
 
+async def test_a_summarys_transcript_gives_the_times_in_the_bots_zone(tmp_path: Path) -> None:
+    """The replies' "Today is" and the cortex updates' transcripts give times in `[skills] timezone`; a summary's
+    transcript gave UTC's, unlabelled, and the summary kept them: a day off beside the prompt's date."""
+    from zoneinfo import ZoneInfo
+
+    llm = ScriptedProvider()
+    llm.default = lambda request: Completion(text="kurz." if is_summary(request) else "ok", usage=Usage(0, 1))
+    config = parse_config({"storage": {"url": db_url_for(tmp_path)}, "skills": {"timezone": "Pacific/Kiritimati"},
+                           "history": {"history_tokens": 100, "summary_trigger": 20, "summary_batch": 2,
+                                       "min_exchanges": 1},
+                           "jobs": {"poll_seconds": 0.05},
+                           "personas": [{"name": "Cora", "identity": "I am Cora."}]})
+    async with App(config, llm=llm) as app:
+        channel = await app.storage.upsert_channel("console:room", "room", is_dm=False)
+        user = await app.storage.upsert_user("console:max", "Max")
+        for n in range(40):
+            await app.storage.add_message(channel.id, user.id, "Cora", "user", "Max", f"Satz {n}", 3)
+        await app.core.reply(IncomingMessage("console", "room", "max", "Max", "ja", is_dm=False)).text()
+        assert await app.workers.drain(5)
+        first = (await app.storage.recent_messages(channel.id, 100))[0]
+        local = first.created_at.astimezone(ZoneInfo("Pacific/Kiritimati"))
+        sent = next(r.messages[0].content for r in llm.requests if is_summary(r))
+        assert f"[{local:%Y-%m-%d %H:%M}] Max: Satz 0" in sent, sent[:400]
+
+
 async def test_a_summary_is_held_to_the_replying_personas_budget(tmp_path: Path) -> None:
     """A channel's summary is every persona's there, written to the budget of the persona whose reply asked for
     it: one of 924 tokens, written for Big (2,000), went whole into Cora's prompt, whose summary budget is 80."""
