@@ -171,7 +171,7 @@ async def _versions(adapter: DiscordAdapter, interaction: discord.Interaction, f
     if pair is None:
         return []
     versions, _ = await adapter.app.cortex.store.versions_listed(pair.id, filename, 200)  # newest, no text
-    return [(v.version, f"v{v.version} · {v.author} · {v.created_at:%Y-%m-%d %H:%M}") for v in versions]
+    return [(v.version, f"v{v.version} · {v.author} · {v.created_at:%Y-%m-%d %H:%M} UTC") for v in versions]
 
 
 def build_context_menus(adapter: DiscordAdapter) -> None:

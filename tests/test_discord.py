@@ -244,6 +244,7 @@ async def test_version_autocomplete_offers_the_callers_own_versions(adapter: Dis
     assert response["type"] == 8
     choices = response["data"]["choices"]
     assert [c["value"] for c in choices] == [2, 1] and "user" in choices[0]["name"]
+    assert choices[0]["name"].endswith(" UTC")  # (as the typed commands' histories say: Discord shows no zone)
     # Discord asks at every keystroke: the versions are read once for a few seconds, and never for someone the
     # command rate limit holds off
     store = adapter.app.cortex.store
