@@ -1,17 +1,17 @@
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
+from typing import Any, get_args
 
 import pytest
+from pydantic import BaseModel
 
-from bot.config import Config, ConfigError, load_config, parse_config, read_secret
+from bot.config import Config, ConfigError, PersonaConfig, load_config, parse_config, read_secret
 from bot.prompt import resolve_variables
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = (
-    "bot", "storage", "llm", "history", "jobs", "cortex", "memory", "chat", "access", "discord", "matrix", "terminal",
-)
 
 
 def test_no_file_gives_defaults_and_a_builtin_persona() -> None:
@@ -25,26 +25,117 @@ def test_no_file_gives_defaults_and_a_builtin_persona() -> None:
     assert config.storage.url.startswith("sqlite:///") and config.storage.url.endswith("bot.db")
 
 
+def _sections() -> dict[str, type[BaseModel]]:
+    """Every section of the config with its model ([[personas]] aside), read from the models themselves."""
+    config = Config()
+    return {name: type(getattr(config, name)) for name in Config.model_fields if name != "personas"}
+
+
+def _tables() -> dict[str, type[BaseModel]]:
+    """The arrays of tables inside a section (``[[skills.http]]``, ``[[skills.mcp]]``) with their models."""
+    tables = {}
+    for section, model in _sections().items():
+        for key, field in model.model_fields.items():
+            args = get_args(field.annotation)
+            if args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+                tables[f"{section}.{key}"] = args[0]
+    return tables
+
+
+def _default(field: Any) -> Any:
+    return field.get_default(call_default_factory=True)
+
+
+def test_sections_are_read_from_the_models() -> None:
+    """The checks below walk the models: [skills] and [web], which a list written here once left out, are in."""
+    assert {"bot", "skills", "web"} <= set(_sections()) and set(_tables()) == {"skills.http", "skills.mcp"}
+
+
 def test_example_config_is_valid_and_documents_every_key() -> None:
     config = load_config(ROOT / "config.example.toml")
     text = (ROOT / "config.example.toml").read_text()
-    for section in SECTIONS:
-        model = type(getattr(config, section))
+    tables = _tables()
+    for section, model in _sections().items():
+        assert f"[{section}]" in text, f"[{section}] is not in config.example.toml"
         for key in model.model_fields:
-            assert f"{key} =" in text or f"# {key} =" in text, f"[{section}] {key} is not in config.example.toml"
+            if f"{section}.{key}" not in tables:
+                assert re.search(rf"^(# )?{key} =", text, re.M), f"[{section}] {key} is not in config.example.toml"
+    for table, model in tables.items():  # a commented-out example of each
+        block = text.split(f"# [[{table}]]\n", 1)[1].split("\n\n", 1)[0]
+        for key in model.model_fields:
+            assert re.search(rf"^# (.* or )?{key} =|; or {key} =| or {key} = ", block, re.M), \
+                f"[[{table}]] {key} is not in config.example.toml"
     persona_keys = type(config.personas[0]).model_fields
     for key in persona_keys:
         assert f"{key} =" in text, f"[[personas]] {key} is not in config.example.toml"
 
 
+def test_example_config_sets_the_defaults() -> None:
+    """The keys config.example.toml sets (not those commented out) hold the values the bot has without it."""
+    written = tomllib.loads((ROOT / "config.example.toml").read_text())
+    for section, model in _sections().items():
+        for key, value in written.get(section, {}).items():
+            assert value == _default(model.model_fields[key]), \
+                f"config.example.toml sets [{section}] {key} = {value!r}; the default is " \
+                f"{_default(model.model_fields[key])!r}"
+
+
+def _readme_table() -> dict[str, str]:
+    """The README's config table: each key with its default as written."""
+    defaults = {}
+    for line in (ROOT / "README.md").read_text().splitlines():
+        row = re.match(r"^\| ((?:`[a-z0-9_.]+`(?: / )?)+)(?: ★)? \| (.*?) \| ", line)
+        if row:
+            keys = re.findall(r"`([a-z0-9_.]+)`", row.group(1))
+            written = row.group(2).split(" / ") if len(keys) > 1 and " / " in row.group(2) \
+                else [row.group(2)] * len(keys)
+            defaults.update(zip(keys, written, strict=True))
+    return defaults
+
+
 def test_every_key_is_in_the_readme_table() -> None:
     readme = (ROOT / "README.md").read_text()
-    config = Config()
-    for section in SECTIONS:
-        for key in type(getattr(config, section)).model_fields:
-            assert f"`{section}.{key}`" in readme, f"{section}.{key} missing from the README config table"
-    for key in type(config.personas[0]).model_fields:
-        assert f"`personas.{key}`" in readme, f"personas.{key} missing from the README config table"
+    table = _readme_table()
+    tables = _tables()
+    for section, model in _sections().items():
+        for key in model.model_fields:
+            assert f"{section}.{key}" in table, f"{section}.{key} missing from the README config table"
+    for key in PersonaConfig.model_fields:
+        assert f"personas.{key}" in table, f"personas.{key} missing from the README config table"
+    known = {f"{s}.{k}" for s, m in _sections().items() for k in m.model_fields} | {
+        f"personas.{k}" for k in PersonaConfig.model_fields}
+    assert sorted(set(table) - known) == [], "the README's config table has keys the config does not"
+    skills = readme[readme.index("## Skills"):readme.index("## Web page")]
+    for name, model in tables.items():  # their keys are in the Skills section
+        listed = skills[skills.index(f"(`[[{name}]]`"):].split("\n- ", 1)[0]
+        for key in model.model_fields:
+            assert f"`{key}" in listed or f"{key} =" in skills, f"[[{name}]] {key} is not in the README's Skills"
+
+
+WORKED_OUT = {"storage.url", "web.public_url"}  # the README writes what the code works out at start
+
+
+def test_the_readme_table_gives_the_defaults() -> None:
+    """A default the README's table writes as a value (`8000`, `"INFO"`, `[]`, `true`) is the code's."""
+    models = {**_sections(), "personas": PersonaConfig}
+    checked = 0
+    for name, written in _readme_table().items():
+        section, key = name.split(".", 1)
+        literal = re.fullmatch(r"`([^`]*)`", written.strip())
+        if literal is None or key not in models[section].model_fields:
+            continue  # words ("first persona", "unset", "login name") say what the code works out
+        if name in WORKED_OUT or re.fullmatch(r"`[a-z]+\.[a-z_]+`", written.strip()):
+            continue  # (or another key's value: `llm.model`)
+        value = literal.group(1)
+        try:
+            parsed = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:  # a bare word: `default`, `OPENAI_API_KEY`
+            parsed = value
+        default = _default(models[section].model_fields[key])
+        assert parsed == default or str(parsed) == str(default), \
+            f"the README gives {name} the default {written}; it is {default!r}"
+        checked += 1
+    assert checked > 120
 
 
 def _error(raw: dict, tmp_path: Path | None = None) -> str:
