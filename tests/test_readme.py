@@ -106,3 +106,23 @@ def test_the_architecture_names_every_module_and_package() -> None:
                     and f"`{path.name}`" not in own:
                 missing.append(name)
     assert missing == [], "modules the README's architecture section does not name"
+
+
+def test_every_cli_command_and_option_is_in_the_readme() -> None:
+    """`cortexbot --help`'s subcommands, each with its options and arguments, are the README's CLI lines."""
+    import click
+
+    from bot.cli import cli
+
+    block = README[README.index("## Commands"):].split("```", 2)[1]
+    lines = {m.group(1): m.group(0) for m in re.finditer(r"^cortexbot \[--config PATH\](?: \[-v\])? ([a-z-]+)(.*)$",
+                                                          block, re.M)}
+    assert sorted(lines) == sorted(cli.commands)
+    for name, command in cli.commands.items():
+        for param in command.params:
+            if isinstance(param, click.Option) and param.name not in ("sub_config", "sub_verbose"):
+                assert param.opts[0] in lines[name], f"cortexbot {name} {param.opts[0]} is not in the README"
+            elif isinstance(param, click.Argument) and param.name:
+                spelled = [param.metavar.strip("[]") if param.metavar else param.name.split("_")[-1].upper()]
+                assert all(word in lines[name] for word in spelled), \
+                    f"cortexbot {name}'s argument {param.name} is not in the README"
