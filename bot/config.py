@@ -1410,8 +1410,13 @@ def _without(secrets: Sequence[str], text: str) -> str:
     return text
 
 
-_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^\s:/@]*):\S*@")
-_QUERY_PARAM = re.compile(r"([?&])([^=&#\s]*)=([^&#\s]*)")  # a URL's query parameter (name and value)
+# Both patterns are linear in the text's length, which may be a refused value of any size: the scheme is at most 32
+# characters (unbounded, each letter of a long word began a scan to its end), a query parameter's name holds no "?"
+# (each "?" of "????…" began one), and a password is looked for only up to the last "@" of its word (see
+# _hide_userinfo).
+_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]{0,31}://[^\s:/@]*):\S*@")
+_QUERY_PARAM = re.compile(r"([?&])([^=&#?\s]*)=([^&#\s]*)")  # a URL's query parameter (name and value)
+_WORD = re.compile(r"\S+")
 _SECRET_PARAMS = frozenset({"password", "sslpassword"})  # libpq's and asyncpg's names of a password
 
 
@@ -1434,7 +1439,18 @@ def hide_url_passwords(text: str) -> str:
     password the process read (``_known_secrets``) as ``***``: a refused URL is shown back, but never the
     secret in it."""
     text = _without(sorted(_known_secrets, key=len, reverse=True), text)
-    return _QUERY_PARAM.sub(_hidden_param, _URL_PASSWORD.sub(r"\1:***@", text))
+    return _QUERY_PARAM.sub(_hidden_param, _WORD.sub(_hide_userinfo, text))
+
+
+def _hide_userinfo(word: re.Match[str]) -> str:
+    """One word (no white space) with the password before its host as ``***``. A password runs to the word's last
+    "@", so the pattern is tried on the word up to there only: past it no attempt can succeed, and each attempt
+    (one per "scheme://user:" of "a://:a://:…") scanned the rest of the word."""
+    text = word[0]
+    last_at = text.rfind("@")
+    if last_at == -1 or "://" not in text:
+        return text
+    return _URL_PASSWORD.sub(r"\1:***@", text[:last_at + 1]) + text[last_at + 1:]
 
 
 def secret_param(name: str) -> bool:

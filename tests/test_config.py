@@ -1,14 +1,17 @@
 from __future__ import annotations
 
 import re
+import time
 import tomllib
 from pathlib import Path
 from typing import Any, get_args
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from bot.config import Config, ConfigError, PersonaConfig, load_config, parse_config, read_secret
+from bot.config import Config, ConfigError, PersonaConfig, hide_url_passwords, load_config, parse_config, read_secret
 from bot.prompt import resolve_variables
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -794,3 +797,25 @@ def test_a_matrix_role_is_a_whole_power_level_and_no_deny_lists() -> None:
     access = parse_config({"access": {"allow_roles": ["matrix:power:50", "matrix:power:-1", "discord:5"],
                                       "deny_roles": ["discord:6"]}}).access
     assert access.allow_roles == ["matrix:power:50", "matrix:power:-1", "discord:5"]
+
+
+@pytest.mark.parametrize("value", ["a" * 60_000, "?" * 60_000, "a://:" * 12_000, "ab://u:" * 9_000])
+def test_a_huge_refused_value_is_refused_at_once(value: str) -> None:
+    """The refusal's secret hiding tried its URL patterns from every letter (every "?") of a long word to the
+    word's end: a 100,000-character value in a number's place took 15 s to refuse, a "?" run of that size a minute."""
+    started = time.monotonic()
+    message = _error({"llm": {"max_retries": value}})
+    assert "[llm] key 'max_retries'" in message
+    assert time.monotonic() - started < 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(before=st.text(max_size=30), after=st.text(max_size=30), user=st.from_regex(r"[a-z]{1,8}", fullmatch=True),
+       password=st.from_regex(r"[A-Z0-9]{6,12}", fullmatch=True),
+       scheme=st.sampled_from(["postgresql", "https", "x" * 40]))
+def test_a_password_is_hidden_wherever_its_url_stands(before: str, after: str, user: str, password: str,
+                                                      scheme: str) -> None:
+    """The patterns made linear (a scheme of at most 32 letters is matched, a password up to its word's last "@")
+    still hide a password before the host, whatever stands around the URL and however long its scheme."""
+    text = f"{before} {scheme}://{user}:{password}@host/db?x=1 {after}"
+    assert password not in hide_url_passwords(text).replace(before, "").replace(after, "")
