@@ -1386,8 +1386,20 @@ def parse_config(raw: Mapping[str, Any], source: str = "config") -> Config:
         raise ConfigError(f"{source} nests arrays or tables too deeply to be a cortex-bot config") from None
     except ValidationError as exc:
         secrets = sorted({piece for url in _urls_in(raw) for piece in _secret_pieces(url)}, key=len, reverse=True)
-        lines = [hide_url_passwords(_without(secrets, _describe_error(err, raw))) for err in exc.errors()]
+        lines = [_cut_problem(hide_url_passwords(_without(secrets, _describe_error(err, raw)))) for err in exc.errors()]
         raise ConfigError(f"{source} has {len(lines)} problem(s):\n" + "\n".join(f"  - {x}" for x in lines)) from None
+
+
+MAX_PROBLEM_CHARS = 1000  # of one problem's line in a refusal (the longest list of known keys is half that)
+
+
+def _cut_problem(line: str) -> str:
+    """One problem's line cut to :data:`MAX_PROBLEM_CHARS`: it repeats the refused value, which may be of any size
+    (a prompt pasted under a wrong key made a line of 100,000 characters). Cut only once its secrets are hidden:
+    a password cut in two is no longer found whole."""
+    if len(line) <= MAX_PROBLEM_CHARS:
+        return line
+    return f"{line[:MAX_PROBLEM_CHARS - 1]}\u2026 ({len(line):,} characters in all)"
 
 
 def _urls_in(raw: object) -> list[str]:

@@ -819,3 +819,16 @@ def test_a_password_is_hidden_wherever_its_url_stands(before: str, after: str, u
     still hide a password before the host, whatever stands around the URL and however long its scheme."""
     text = f"{before} {scheme}://{user}:{password}@host/db?x=1 {after}"
     assert password not in hide_url_passwords(text).replace(before, "").replace(after, "")
+
+
+@pytest.mark.parametrize(("raw", "where"), [
+    ({"personas": [{"name": "Cora " * 20_000}]}, "[[personas]] #1 key 'name': String should have at most"),
+    ({"llm": {"model": ["x" * 30_000] * 3}}, "[llm] key 'model'"),
+    ({"matrix": {"admin_ids": ["b" * 50_000]}}, "[matrix] key 'admin_ids'"),
+])
+def test_a_huge_refused_value_is_shown_in_part(raw: dict, where: str) -> None:
+    """Each problem repeated the refused value whole: a persona's prompt pasted as its name made a refusal of
+    100,000 characters to say that a name holds at most 80."""
+    message = _error(raw)
+    assert where in message and "characters in all)" in message
+    assert len(message) < 1100
