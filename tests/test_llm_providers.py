@@ -965,6 +965,49 @@ async def test_a_stream_past_its_cap_fails_instead_of_filling_memory(
 
 
 @pytest.mark.asyncio
+async def test_a_compressed_answer_is_refused_unread_and_none_is_asked_for(
+    provider: LLMProvider, fake_llm: FakeLLMServer
+) -> None:
+    """The cap counted an answer's bytes as they arrived, before the SDK unpacked them: 40 KB of gzip became 40 MB
+    of answer past it. Answers are asked for uncompressed; one compressed all the same is refused unread."""
+    import gzip
+
+    from tests.fakes.llm_server import anthropic_message, openai_completion
+
+    answer = FakeResponse.text("a" * 1000)
+    document = anthropic_message(answer, "m") if provider.name == "anthropic" else openai_completion(answer, "m")
+    fake_llm.enqueue(FakeResponse.malformed(gzip.compress(json.dumps(document).encode()),
+                                            headers={"Content-Encoding": "gzip"}))
+    with pytest.raises(LLMBadResponse) as info:
+        await provider.complete(request())
+    assert info.value.detail == (f"{provider.name}: the server compressed its answer (gzip) although none was asked"
+                                 " for; unpacked, its size could pass any cap, so it was not read"), info.value.detail
+    assert fake_llm.completion_requests[-1].headers["accept-encoding"] == "identity"
+    fake_llm.enqueue(FakeResponse.text("plain"))
+    assert (await provider.complete(request())).text == "plain"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", PROVIDERS)
+async def test_an_answer_past_its_cap_is_not_asked_for_again(fake_llm: FakeLLMServer, kind: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Anthropic SDK took the cap's error, raised while it read the answer, for a lost connection and asked
+    again: an oversized answer was downloaded, and paid for, once per retry."""
+    import bot.llm._capped as capped
+
+    monkeypatch.setattr(capped, "MAX_ANSWER_BYTES", 1 << 20)  # (to keep the test light: 8 MiB offered)
+    for _ in range(3):
+        fake_llm.enqueue(FakeResponse.huge(8))
+    provider = make_provider(kind, fake_llm, max_retries=2)
+    try:
+        with pytest.raises(LLMBadResponse):
+            await provider.complete(request())
+        assert len(fake_llm.completion_requests) == 1
+    finally:
+        await provider.aclose()
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("content_type", ["application/json", "text/event-stream"])
 async def test_a_non_streamed_answer_past_its_cap_fails_and_is_not_read_further(
     provider: LLMProvider, fake_llm: FakeLLMServer, content_type: str

@@ -15,11 +15,12 @@ from typing import Any
 import httpx2
 
 from bot.llm.base import MAX_ANSWER_BYTES, past_answer_cap
+from bot.llm.errors import LLMBadResponse
 
 
 class _CappedBody(httpx2.AsyncByteStream):
-    """A response body that fails once more than ``MAX_ANSWER_BYTES`` of it arrived (counted as sent, before
-    any decompression: the SDKs ask for compressed answers)."""
+    """A response body that fails once more than ``MAX_ANSWER_BYTES`` of it arrived (as sent: uncompressed, see
+    :func:`capped_http_client`)."""
 
     def __init__(self, body: httpx2.AsyncByteStream, provider: str) -> None:
         self._body, self._provider = body, provider
@@ -49,15 +50,25 @@ def _asked_to_stream(request: httpx2.Request) -> bool:
         return False
 
 
+def _compression(response: httpx2.Response) -> str:
+    """The compression of ``response``'s body ("" for none)."""
+    encoding = response.headers.get("content-encoding", "").strip().lower()
+    return "" if encoding in ("", "identity") else encoding
+
+
 def capped_http_client(provider: str, client_class: Callable[..., httpx2.AsyncClient]) -> httpx2.AsyncClient:
     """The SDK's own HTTP client (``client_class``: its ``DefaultAsyncHttpxClient``, with its defaults) whose
     answers are capped. A stream asked for (``text/event-stream``) is counted by its characters where it is read
-    instead: its framing would count against its text here."""
+    instead: its framing would count against its text here. Answers are asked for uncompressed, and a compressed
+    one is refused unread: the cap counts what arrives, and 40 KB of gzip unpacked to 40 MB of answer."""
 
     async def cap(response: httpx2.Response) -> None:
         if _asked_to_stream(response.request) and response.headers.get("content-type", "").startswith(
                 "text/event-stream"):
             return
+        if encoding := _compression(response):
+            raise LLMBadResponse(f"{provider}: the server compressed its answer ({encoding}) although none was asked"
+                                 " for; unpacked, its size could pass any cap, so it was not read")
         declared = response.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > MAX_ANSWER_BYTES:
             raise past_answer_cap(provider)  # (the body is not read at all)
@@ -65,4 +76,4 @@ def capped_http_client(provider: str, client_class: Callable[..., httpx2.AsyncCl
             response.stream = _CappedBody(response.stream, provider)
 
     hooks: dict[str, list[Callable[[Any], Any]]] = {"response": [cap]}
-    return client_class(event_hooks=hooks)
+    return client_class(event_hooks=hooks, headers={"Accept-Encoding": "identity"})

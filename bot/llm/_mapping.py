@@ -117,6 +117,26 @@ def limit_retry_waits(client: Any, deadline: float) -> None:
     setattr(client, "_should_retry", retry_unless_too_long)  # noqa: B010 (a method, replaced on the instance)
 
 
+def never_retry_ours(client: Any) -> None:
+    """Make an SDK client give up at once on one of our own errors raised while it read an answer (the cap on an
+    answer's size, :mod:`bot.llm._capped`): the Anthropic SDK takes anything raised there for a lost connection and
+    asks again, so a server's oversized answer was downloaded, and paid for, once per retry."""
+    should_retry = getattr(client, "_should_retry_exception", None)
+    if should_retry is None:  # (the OpenAI SDK retries no such error)
+        return
+
+    def retry_unless_ours(err: BaseException) -> tuple[bool, Any]:
+        cause: BaseException | None = err
+        while cause is not None:
+            if isinstance(cause, LLMError):
+                return False, None
+            cause = cause.__cause__
+        result: tuple[bool, Any] = should_retry(err)
+        return result
+
+    setattr(client, "_should_retry_exception", retry_unless_ours)  # noqa: B010 (a method, replaced on the instance)
+
+
 def _shortened(detail: str) -> str:
     """A long detail cut in its middle (the server's message): its start names the error, its end the
     request id and whether it came in the stream."""

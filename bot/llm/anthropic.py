@@ -26,7 +26,7 @@ import anthropic
 import httpx2
 
 from bot.llm._capped import capped_http_client
-from bot.llm._mapping import Deadline, SdkErrors, limit_retry_waits, not_json, to_llm_error
+from bot.llm._mapping import Deadline, SdkErrors, limit_retry_waits, never_retry_ours, not_json, to_llm_error
 from bot.llm.base import (
     MAX_STREAMED_CHARS,
     ChatMessage,
@@ -324,6 +324,7 @@ class AnthropicProvider:
                 http_client=capped_http_client("anthropic", anthropic.DefaultAsyncHttpxClient),
             )
             limit_retry_waits(self._client, timeout_seconds)
+            never_retry_ours(self._client)
         except anthropic.AnthropicError as exc:
             # Without api_key the SDK looks for credentials in the environment and in config files.
             raise LLMAuthError(f"anthropic: no usable credentials ({self._error(exc).detail})") from exc

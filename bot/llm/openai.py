@@ -29,7 +29,7 @@ import httpx2
 import openai
 
 from bot.llm._capped import capped_http_client
-from bot.llm._mapping import Deadline, SdkErrors, limit_retry_waits, not_json, to_llm_error
+from bot.llm._mapping import Deadline, SdkErrors, limit_retry_waits, never_retry_ours, not_json, to_llm_error
 from bot.llm.base import (
     MAX_STREAMED_CHARS,
     ChatMessage,
@@ -345,6 +345,7 @@ class OpenAICompatProvider:
                 http_client=capped_http_client("openai", openai.DefaultAsyncHttpxClient),
             )
             limit_retry_waits(self._client, timeout_seconds)
+            never_retry_ours(self._client)
         except openai.OpenAIError as exc:
             raise self._error(exc) from exc
 

@@ -253,9 +253,11 @@ class FakeResponse:
         content_type: str = "application/json",
         *,
         delay: float = 0.0,
+        headers: dict[str, str] | None = None,
     ) -> FakeResponse:
-        """Answer with exactly these bytes (for streaming requests too)."""
-        return cls(kind="malformed", body=body, status=status, content_type=content_type, delay=delay)
+        """Answer with exactly these bytes (for streaming requests too), with ``headers`` besides the type."""
+        return cls(kind="malformed", body=body, status=status, content_type=content_type, delay=delay,
+                   headers=dict(headers or {}))
 
     @classmethod
     def huge(cls, mebibytes: int, content_type: str = "application/json") -> FakeResponse:
@@ -743,7 +745,8 @@ class FakeLLMServer:
             body = _anthropic_error_body(resp) if api == "anthropic" else _openai_error_body(resp)
             return web.json_response(body, status=resp.status, headers=resp.headers)
         if resp.kind == "malformed":
-            return web.Response(body=resp.body, status=resp.status, headers={"Content-Type": resp.content_type})
+            return web.Response(body=resp.body, status=resp.status,
+                                headers={**resp.headers, "Content-Type": resp.content_type})
         if resp.kind == "huge":
             return await self._send_huge(request, resp.repeat, resp.content_type)
         if resp.kind == "stream_error" and not recorded.stream:
