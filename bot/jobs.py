@@ -181,9 +181,6 @@ class WorkerPool:
                 log.error("job %d (%s) was interrupted on its last attempt (%d of %d: its worker stopped or its "
                           "lease ran out each time); it failed", job.id, job.kind, job.attempts, job.max_attempts)
                 await self._failed_for_good(job)
-            elif job.status == "done":
-                log.warning("job %d (%s) was interrupted (its worker stopped or its lease ran out); %s", job.id,
-                            job.kind, job.last_error)
             else:
                 log.warning("job %d (%s) was interrupted (its worker stopped or its lease ran out); it is queued "
                             "again", job.id, job.kind)

@@ -186,57 +186,6 @@ async def test_retry_fail_release_and_recover(storage: Storage) -> None:
     assert await storage.count_jobs(("failed",)) == 1
 
 
-async def test_a_job_queued_again_yields_to_one_of_its_key_queued_meanwhile(storage: Storage) -> None:
-    """A job tried again, handed back or recovered while another of its kind and key was queued (enqueued while it
-    ran) was queued beside it: the same work (a pair's cortex update) ran twice. It yields to the queued one now."""
-    async def running_with_a_twin(worker: str, lease: float = 60) -> tuple[int, int]:
-        first = await storage.enqueue_job("cortex_update", "pair:1", {"tier": "25"}, 3)
-        assert first is not None and (await storage.claim_job(worker, ["cortex_update"], lease)) is not None
-        twin = await storage.enqueue_job("cortex_update", "pair:1", {"tier": "50"}, 3)
-        assert twin is not None
-        return first.id, twin.id
-
-    async def only_the_twin_is_queued(first: int, twin: int) -> None:
-        queued = await storage.list_jobs("queued")
-        assert [job.id for job in queued] == [twin] and queued[0].payload == {"tier": "50"}
-        gone = await storage.get_job(first)
-        assert gone is not None and gone.status == "done" and f"superseded by job {twin}" in gone.last_error
-        assert (await storage.claim_job("w", ["cortex_update"], 60)).id == twin  # type: ignore[union-attr]
-        await storage.finish_job(twin)
-
-    first, twin = await running_with_a_twin("w1")
-    assert await storage.retry_job(first, "LLMOverloaded", datetime.now(UTC), "w1")
-    await only_the_twin_is_queued(first, twin)
-    first, twin = await running_with_a_twin("w1")
-    assert await storage.release_job(first, "w1")
-    await only_the_twin_is_queued(first, twin)
-    first, twin = await running_with_a_twin("host:99999:dead")
-    [recovered] = await storage.recover_jobs(lambda worker: worker == "host:99999:dead")
-    assert recovered.id == first and recovered.status == "done"
-    await only_the_twin_is_queued(first, twin)
-    # without a twin queued, the job is queued again as before; and a twin of another kind does not count
-    alone = await storage.enqueue_job("cortex_update", "pair:1", {}, 3)
-    assert alone is not None and (await storage.claim_job("w1", ["cortex_update"], 60)) is not None
-    assert await storage.enqueue_job("summary", "pair:1", {}, 3) is not None
-    assert await storage.retry_job(alone.id, "boom", datetime.now(UTC), "w1")
-    requeued = await storage.get_job(alone.id)
-    assert requeued is not None and requeued.status == "queued" and requeued.last_error == "boom"
-
-
-async def test_requeues_and_enqueues_of_one_key_at_once_leave_one_job_queued(storage: Storage) -> None:
-    """Enqueues racing the requeue of a running job of their key leave exactly one of them queued (on PostgreSQL
-    each statement sees only what was committed when it began: they take turns)."""
-    for round_ in range(5):
-        key = f"channel:{round_}"
-        job = await storage.enqueue_job("summary", key, {}, 3)
-        assert job is not None and (await storage.claim_job("w", ["summary"], 60)) is not None
-        await asyncio.gather(storage.retry_job(job.id, "boom", datetime.now(UTC), "w"),
-                             *(storage.enqueue_job("summary", key, {}, 3) for _ in range(4)))
-        queued = [j for j in await storage.list_jobs("queued") if j.key == key]
-        assert len(queued) == 1
-        await storage.finish_job(queued[0].id)
-
-
 async def test_old_finished_and_failed_jobs_are_deleted_the_rest_kept(
     storage: Storage, monkeypatch: pytest.MonkeyPatch
 ) -> None:

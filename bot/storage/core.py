@@ -123,15 +123,6 @@ REPLY_STATS_SQL = (
     " trimmed_messages, summary_used, prompt_tokens, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 JOB_DONE = "locked_by = '', lease_until = 0"
-# A job put back in the queue (tried again, handed back at a stop, its worker gone) while another of its kind and
-# key was queued meanwhile (enqueued while it ran) yields to that one instead: both would do the same work, as
-# each handler reads what it works on when it runs (a channel's unsummarised messages, a pair's conversation),
-# and the queued one carries the newer payload (the tier reached since) and a full set of attempts. The yielding
-# job is marked done, its last error naming the job that does its work.
-QUEUED_TWIN = ("(SELECT min(q.id) FROM jobs AS q WHERE q.kind = jobs.kind AND q.key = jobs.key"
-               " AND q.status = 'queued' AND q.id <> jobs.id)")
-REQUEUED = f"CASE WHEN {QUEUED_TWIN} IS NULL THEN 'queued' ELSE 'done' END"
-SUPERSEDED = f"'superseded by job ' || CAST({QUEUED_TWIN} AS TEXT) || ', queued meanwhile, which does its work'"
 MESSAGE_DEPENDENTS = ("reply_stats", "message_vectors", "reply_sources", "platform_messages")
 SCRUB_PENDING = "storage.scrub-pending"  # deleted words may still sit in the database's files (see Storage.scrub)
 SCRUB_SPACING = 60.0  # seconds between two scrubs that :meth:`Storage.scrub_soon` asks for
@@ -884,32 +875,18 @@ class Storage:
         return bool(renewed)
 
     async def _set_job(self, job_id: int, worker: str | None, sql_set: str, params: Sequence[Any],
-                       attempt: int | None = None, *, tx: Tx | None = None) -> bool:
+                       attempt: int | None = None) -> bool:
         """Change a job that ``worker`` holds under a live lease (fenced: a worker whose lease ran out,
         or whose job was handed to another, changes nothing); ``worker`` None changes it regardless.
         ``attempt`` fences off the claims of the same worker but that one (each claim counts an attempt)."""
         now = await self.db.now()
         fence = "" if worker is None else " AND status = 'running' AND locked_by = ? AND lease_until >= ?"
         by_attempt, fenced = _attempt_fence(attempt)
-        changed = await (self.db.write if tx is None else tx.fetch_all)(
+        changed = await self.db.write(
             f"UPDATE jobs SET {sql_set}, updated_at = ? WHERE id = ?{fence}{by_attempt} RETURNING id",
             (*params, now, job_id, *(() if worker is None else (worker, now)), *fenced),
         )
         return bool(changed)
-
-    async def _requeue_job(self, job_id: int, worker: str | None, sql_set: str, params: Sequence[Any],
-                           attempt: int | None) -> bool:
-        """:meth:`_set_job` for a change that queues the job again (``sql_set`` sets its status by ``REQUEUED``):
-        on PostgreSQL it takes its turn with the enqueues of its kind and key, whose statements would otherwise
-        not see it queued again, nor it them (see :meth:`enqueue_job`)."""
-        if self.db.dialect != "postgres":
-            return await self._set_job(job_id, worker, sql_set, params, attempt)
-        async with self.db.transaction() as tx:
-            job = await tx.fetch_one("SELECT kind, key FROM jobs WHERE id = ?", (job_id,))
-            if job is None:
-                return False
-            await serialise(self.db, tx, enqueue_lock(str(job[0]), str(job[1])))
-            return await self._set_job(job_id, worker, sql_set, params, attempt, tx=tx)
 
     async def holds_job(self, job_id: int, worker: str, attempt: int) -> bool:
         """Whether ``worker`` still holds the job under a live lease, in the claim counted ``attempt`` (a handler
@@ -925,8 +902,8 @@ class Storage:
 
     async def retry_job(self, job_id: int, error: str, run_after: datetime, worker: str | None = None, *,
                         attempt: int | None = None) -> bool:
-        return await self._requeue_job(
-            job_id, worker, f"status = {REQUEUED}, last_error = coalesce({SUPERSEDED}, ?), run_after = ?, {JOB_DONE}",
+        return await self._set_job(
+            job_id, worker, f"status = 'queued', last_error = ?, run_after = ?, {JOB_DONE}",
             (error, await self._on_db_clock(run_after)), attempt,
         )
 
@@ -939,10 +916,9 @@ class Storage:
         return await self._set_job(job_id, worker, f"status = 'failed', last_error = ?, {JOB_DONE}", (error,), attempt)
 
     async def release_job(self, job_id: int, worker: str | None = None, *, attempt: int | None = None) -> bool:
-        return await self._requeue_job(
+        return await self._set_job(
             job_id, worker,
-            f"status = {REQUEUED}, last_error = coalesce({SUPERSEDED}, last_error),"
-            f" attempts = CASE WHEN attempts > 0 THEN attempts - 1 ELSE 0 END, {JOB_DONE}", (),
+            f"status = 'queued', attempts = CASE WHEN attempts > 0 THEN attempts - 1 ELSE 0 END, {JOB_DONE}", (),
             attempt,
         )
 
@@ -950,31 +926,23 @@ class Storage:
         """Requeue running jobs whose lease expired (or, on a single-machine engine, whose worker
         ``is_worker_dead``); each requeue is one statement, so two processes never both take one. A job
         interrupted on its last attempt fails instead (one that kills its process would otherwise run for
-        ever); one whose kind and key has a job queued meanwhile yields to it (``REQUEUED``). The jobs as they
-        are now (queued, failed, or done as superseded)."""
+        ever). The jobs as they are now (queued or failed)."""
         now = await self.db.now()
         recovered: list[Job] = []
         for row in await self.db.fetch_all("SELECT * FROM jobs WHERE status = 'running'"):
             expired = float(row["lease_until"]) < now
             if not expired and not (is_worker_dead is not None and is_worker_dead(str(row["locked_by"]))):
                 continue
-            if (taken := await self._recover_job(row, now)) is not None:
+            taken = await self.db.write_one(
+                "UPDATE jobs SET status = CASE WHEN attempts >= max_attempts THEN 'failed' ELSE 'queued' END,"
+                " locked_by = '', lease_until = 0, updated_at = ?, last_error = CASE WHEN attempts >= max_attempts"
+                " THEN ? ELSE ? END WHERE id = ? AND status = 'running' AND locked_by = ? RETURNING *",
+                (now, f"interrupted on its last attempt ({row['attempts']}): the worker running it stopped",
+                 "interrupted: the worker running it stopped", row["id"], row["locked_by"]),
+            )
+            if taken is not None:
                 recovered.append(self._job(taken))
         return recovered
-
-    async def _recover_job(self, row: Row, now: float) -> Row | None:
-        """Requeue (or fail) one running job of :meth:`recover_jobs`, unless another process did first."""
-        sql = ("UPDATE jobs SET status = CASE WHEN attempts >= max_attempts THEN 'failed' ELSE"
-               f" {REQUEUED} END, locked_by = '', lease_until = 0, updated_at = ?, last_error = CASE WHEN"
-               f" attempts >= max_attempts THEN ? ELSE coalesce({SUPERSEDED}, ?) END"
-               " WHERE id = ? AND status = 'running' AND locked_by = ? RETURNING *")
-        params = (now, f"interrupted on its last attempt ({row['attempts']}): the worker running it stopped",
-                  "interrupted: the worker running it stopped", row["id"], row["locked_by"])
-        if self.db.dialect != "postgres":
-            return await self.db.write_one(sql, params)
-        async with self.db.transaction() as tx:  # (in turn with the enqueues of its kind and key: _requeue_job)
-            await serialise(self.db, tx, enqueue_lock(str(row["kind"]), str(row["key"])))
-            return await tx.fetch_one(sql, params)
 
     async def get_job(self, job_id: int) -> Job | None:
         row = await self.db.fetch_one("SELECT * FROM jobs WHERE id = ?", (job_id,))
