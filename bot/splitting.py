@@ -50,12 +50,23 @@ def _best_cut(text: str, limit: int) -> int:
         if index >= limit // 3:
             return index + len(separator)
     sentence = max(window.rfind(". "), window.rfind("! "), window.rfind("? "))
-    if sentence >= limit // 3:
+    if sentence >= limit // 3 and not _starts_fence(text, sentence + 2):
         return sentence + 2
     space = window.rfind(" ")
+    while space >= limit // 3 and _starts_fence(text, space + 1):
+        space = window.rfind(" ", 0, space)
     if space >= limit // 3:
         return space + 1
-    return limit
+    cut = limit
+    while cut > 1 and _starts_fence(text, cut):  # (a character of the word before the marker goes with it)
+        cut -= 1
+    return cut
+
+
+def _starts_fence(text: str, at: int) -> bool:
+    """Whether a cut at ``at`` would start the next piece with a fence's marker: "```" inside a line (inline code)
+    would open a code block there, and the rest of that piece would show as code."""
+    return text[at:at + 16].lstrip(" \t").startswith(("```", "~~~"))  # (a marker may be indented)
 
 
 def split_message(text: str, limit: int) -> list[str]:

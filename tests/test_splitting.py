@@ -79,6 +79,24 @@ def test_a_one_line_code_span_opens_no_block() -> None:
     assert sum(p.count("ls -la /very/long/path") for p in pieces) == 80  # nothing repeated
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_inline_code_is_not_cut_into_a_block_opening_the_next_piece(seed: int) -> None:
+    """A cut at the space before an inline "```" (or "~~~") started the next piece with it: alone on its line it
+    opens a code block, and the rest of that piece showed as code ("aa b… ```x… tail ``` more words" at 66)."""
+    from bot.splitting import _open_fence_after
+
+    rng = random.Random(seed)
+    texts = ["aa " + "b" * 10 + " ```" + "x" * 40 + " tail ``` more words here to go on and on and on"]
+    for _ in range(2000):
+        words = [rng.choice(["```" + "x" * rng.randint(0, 12), "~~~", "w" * rng.randint(1, 15)])
+                 for _ in range(rng.randint(5, 40))]
+        texts.append("a " + " ".join(words))  # (no line starts with a marker: every one is inline)
+    for text in texts:
+        pieces = split_message(text, 66)
+        assert "".join(pieces).replace(" ", "") == text.replace(" ", "")
+        assert all(_open_fence_after(piece, None) is None for piece in pieces), (text, pieces)
+
+
 def test_a_long_info_string_or_marker_is_not_repeated() -> None:
     code = "\n".join(f"x = {i}" for i in range(400))
     for opening in ("```" + "python " * 100, "`" * 200 + "py"):
