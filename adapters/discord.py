@@ -437,24 +437,35 @@ class DiscordAdapter:
         try:
             inbound = self.inbound(message)
             if message.attachments and (claimed := await self.app.router.claim_files(inbound)) is not None:
-                inbound = claimed
-                if len(message.attachments) > MAX_FILES:  # (which one is meant cannot be told: a screenshot first)
-                    await sink.send_reply(CommandReply(
-                        f"{len(message.attachments)} files came with the command: attach only the one it takes."))
+                with_files = await self._with_files(message, claimed, sink)
+                if with_files is None:
                     return
-                try:
-                    files = tuple([await read_attachment(a) for a in message.attachments[:MAX_FILES]])
-                except ValueError as exc:
-                    await sink.send_reply(CommandReply(str(exc)))
-                    return
-                except (discord.HTTPException, aiohttp.ClientError, TimeoutError) as exc:
-                    await sink.send_reply(CommandReply(
-                        f"The file could not be downloaded from Discord ({type(exc).__name__}); send it again."))
-                    return
-                inbound = replace(inbound, attachments=files)
+                inbound = with_files
             await self.app.router.handle(inbound, sink)
+        except discord.Forbidden as exc:
+            # Discord refused what the bot said (a channel it may read but not write in; a DM of someone whose
+            # DMs are closed to it): a line saying so, as for a refused reply; nobody there can be told.
+            log.warning("Discord: the answer to message %s could not be sent in channel %s (%s)", message.id,
+                        message.channel.id, error_line(exc))
         except Exception:
             log.exception("Discord: failed to handle message %s", message.id)
+
+    async def _with_files(self, message: discord.Message, inbound: Inbound, sink: DiscordSink) -> Inbound | None:
+        """``inbound`` with the file its command takes, read from Discord; None when the person was told why not."""
+        if len(message.attachments) > MAX_FILES:  # (which one is meant cannot be told: a screenshot first)
+            await sink.send_reply(CommandReply(
+                f"{len(message.attachments)} files came with the command: attach only the one it takes."))
+            return None
+        try:
+            files = tuple([await read_attachment(a) for a in message.attachments[:MAX_FILES]])
+        except ValueError as exc:
+            await sink.send_reply(CommandReply(str(exc)))
+            return None
+        except (discord.HTTPException, aiohttp.ClientError, TimeoutError) as exc:
+            await sink.send_reply(CommandReply(
+                f"The file could not be downloaded from Discord ({type(exc).__name__}); send it again."))
+            return None
+        return replace(inbound, attachments=files)
 
     async def _known_channel(self, message: discord.Message) -> bool:
         """A server's channel discord.py has not loaded (a thread it has not seen yet) comes as a stand-in

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -133,4 +134,39 @@ async def test_a_reply_discord_refuses_to_post_is_not_kept_and_is_said_in_one_li
             break
         await asyncio.sleep(0.1)
     assert any("a private answer's note could not be sent" in r.getMessage() for r in caplog.records)
+    assert not any(r.exc_info for r in caplog.records if r.name.startswith(("adapters", "bot")))
+
+
+def _sticker_only(fake: FakeDiscord, channel: int, guild: int | None = None) -> dict[str, Any]:
+    """A MESSAGE_CREATE of a sticker without words (the bot mentioned, in a server), as Discord sends one."""
+    extra: dict[str, Any] = {"sticker_items": [{"id": "749054660769218631", "name": "Wave", "format_type": 1}]}
+    if guild is not None:
+        extra |= {"guild_id": str(guild), "mentions": [fake.bot_user], "member": {
+            "roles": [], "joined_at": "2024-01-01T00:00:00+00:00", "deaf": False, "mute": False, "flags": 0}}
+    return fake._message(str(channel), "", {"id": str(ANN), "username": "ann", "discriminator": "0", "avatar": None},
+                         **extra)
+
+
+async def test_a_hint_discord_refuses_to_post_is_one_line(live: tuple[FakeDiscord, App],
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A sticker (or a picture) alone gets a line saying the bot reads text; where Discord refused it (a channel
+    the bot may read but not write in, a DM of someone whose DMs are closed to it) the log got a traceback of
+    "failed to handle message", as for a fault of the bot's, where a refused reply gets one line."""
+    import logging
+
+    fake, app = live
+    caplog.set_level(logging.INFO)
+    fake.refuse_posts(OTHER_CHANNEL)
+    fake.refuse_posts(ANN + 1, code=50007, message="Cannot send messages to this user")
+    fake.dispatch_event("MESSAGE_CREATE", _sticker_only(fake, OTHER_CHANNEL, GUILD), guild_id=GUILD)
+    fake.dispatch_event("MESSAGE_CREATE", _sticker_only(fake, ANN + 1))
+
+    def refused() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "could not be sent in channel" in r.getMessage()]
+
+    for _ in range(100):
+        if len(refused()) == 2:
+            break
+        await asyncio.sleep(0.05)
+    assert len(refused()) == 2 and "Missing Permissions" in refused()[0] and "50007" in refused()[1], refused()
     assert not any(r.exc_info for r in caplog.records if r.name.startswith(("adapters", "bot")))
