@@ -417,7 +417,9 @@ class DiscordAdapter:
         return Inbound(
             incoming,
             is_self=me is not None and message.author.id == me.id,
-            author_is_bot=message.author.bot,
+            # A webhook's message (an integration's, a relay's, a followed channel's) is no person's: Discord marks
+            # it by ``webhook_id``; the author it names is the webhook, whose ``bot`` flag is optional.
+            author_is_bot=message.author.bot or message.webhook_id is not None,
             replied_to_bot=replied_to_bot,
             roles=roles,
             is_admin=_is_admin(message.author, self.config),

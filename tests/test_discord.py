@@ -911,7 +911,7 @@ def test_a_mention_of_the_bots_own_role_is_a_mention_of_the_bot(adapter: Discord
     def message(content: str, roles: list[Any]) -> Any:
         author = SimpleNamespace(id=5, display_name="Ann", bot=False, roles=[])
         return SimpleNamespace(
-            id=9, content=content, mentions=[], role_mentions=roles, reference=None, author=author,
+            id=9, content=content, mentions=[], role_mentions=roles, reference=None, author=author, webhook_id=None,
             guild=SimpleNamespace(id=1, self_role=own), channel=SimpleNamespace(id=2, name="general"),
             created_at=None)
 
@@ -1221,3 +1221,19 @@ async def test_an_answer_after_the_interaction_expired_comes_by_dm(adapter: Disc
             break
         await asyncio.sleep(0.1)
     assert len(sent) == 1 and sent[0][1][0].startswith("cortex-export-") and sent[0][1][0].endswith(".zip"), sent
+
+
+async def test_a_webhooks_message_is_not_answered(adapter: DiscordAdapter) -> None:
+    """A webhook's message (an integration, a relay) names the webhook as its author, with the user object's
+    ``bot`` flag optional: one without it that mentioned the bot was answered as a person's, and stored."""
+    channel, me = dpytest.get_config().channels[0], adapter.bot.user
+    hook = {"id": "555000000000000300", "username": "Deploys", "discriminator": "0000", "avatar": None}
+    adapter.bot._connection.parse_message_create({
+        **_message_payload("555000000000000301", SimpleNamespace(id=hook["id"], name="Deploys"), f"<@{me.id}> deploy",
+                           channel.id),
+        "author": hook, "webhook_id": hook["id"], "guild_id": str(channel.guild.id),
+        "mentions": [{"id": str(me.id), "username": me.name, "discriminator": "0001", "avatar": None, "bot": True}]})
+    await asyncio.sleep(0.3)
+    assert dpytest.verify().message().nothing()
+    assert not adapter.app.llm.requests  # type: ignore[attr-defined]
+    assert not await adapter.app.storage.db.fetch_all("SELECT id FROM messages")
