@@ -212,6 +212,11 @@ class Router:
                      on_stored: Callable[[], object] | None = None) -> None:
         message = inbound.message
         if not message.text.strip():  # a bare mention (or a picture alone): who answers, and how to talk
+            if not (message.is_dm or message.mentions_bot or inbound.replied_to_bot):
+                # An always-answer channel: a picture or sticker there is for its members, and the line after
+                # each one was the bot talking over them. Nothing of it is stored or shown to the model either.
+                log.debug("not answering a message without text in %s: not addressed to the bot", message.channel_key)
+                return
             where = "" if message.is_dm else " after the mention (or as a reply to one of mine)"
             await sink.send_reply(CommandReply(
                 # (no display name: one such as "[Claim your prize](https://…)" would be a link in the bot's words)

@@ -1237,3 +1237,23 @@ async def test_a_webhooks_message_is_not_answered(adapter: DiscordAdapter) -> No
     assert dpytest.verify().message().nothing()
     assert not adapter.app.llm.requests  # type: ignore[attr-defined]
     assert not await adapter.app.storage.db.fetch_all("SELECT id FROM messages")
+
+
+async def test_a_sticker_in_an_always_answer_channel_gets_no_hint_unless_addressed(
+        adapter: DiscordAdapter, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a channel the bot answers every message of, each picture or sticker members shared among themselves got
+    "Hi, Cora here. I read text": the bot talking over the channel. Addressed (a mention), it still says so."""
+    channel, member, me = dpytest.get_config().channels[0], dpytest.get_config().members[0], adapter.bot.user
+    access = adapter.app.config.access.model_copy(update={"always_answer_channels": [f"discord:{channel.id}"]})
+    monkeypatch.setattr(adapter.app.router.config, "access", access)
+    author = {"id": str(member.id), "username": member.name, "discriminator": "0001", "avatar": None}
+    bot = {"id": str(me.id), "username": me.name, "discriminator": "0001", "avatar": None, "bot": True}
+    for number, mentions in ((1, []), (2, [bot])):
+        adapter.bot._connection.parse_message_create({
+            **_message_payload(f"55500000000000040{number}", member, f"<@{me.id}>" if mentions else "", channel.id),
+            "author": author, "guild_id": str(channel.guild.id), "mentions": mentions,
+            "sticker_items": [{"id": "749054660769218631", "name": "Wave", "format_type": 1}]})
+        await asyncio.sleep(0.3)
+    assert "I read text" in dpytest.get_message().content  # (the mention's)
+    assert dpytest.verify().message().nothing()
+    assert not adapter.app.llm.requests  # type: ignore[attr-defined]
