@@ -91,7 +91,7 @@ from adapters.reachable import wait_until_answers
 from bot.app import App
 from bot.commands import Attachment, CommandReply, PlatformCommand
 from bot.commands.files import MAX_ATTACHMENT_BYTES
-from bot.config import ConfigError, MatrixConfig, read_secret
+from bot.config import MATRIX_SESSION_FILE, ConfigError, MatrixConfig, read_secret
 from bot.policy import Inbound, refusal
 from bot.ports import IncomingMessage
 from bot.privatefs import create_private, own_folder, private_file
@@ -285,7 +285,7 @@ def read_secrets(config: MatrixConfig, env: Mapping[str, str] | None = None) -> 
     return password, token
 
 
-SESSION_FILE = "session.json"
+SESSION_FILE = MATRIX_SESSION_FILE
 
 
 def keep_private(store: Path) -> None:

@@ -818,6 +818,26 @@ def _matrix_server_names(names: list[str]) -> list[str]:
     return checked
 
 
+MATRIX_SESSION_FILE = "session.json"  # the login and device the Matrix adapter keeps in its store folder
+
+
+def _store_left_under_tilde(value: str, expanded: Path) -> Path | None:
+    """The session folder an older version made for a ``store_path`` starting with "~", while the home folder's
+    holds no session (it may not exist, or be one an upgraded start made empty): that version took the "~" as a
+    folder's name under the folder the bot started in, and kept the login, the device and the encryption keys
+    there. It stays in use (a warning says where to move it): another folder logs in as a new device and leaves
+    the keys behind. None when there is no such session."""
+    if not value.startswith("~") or (expanded / MATRIX_SESSION_FILE).exists():
+        return None
+    left = Path(value).absolute()
+    if not (left / MATRIX_SESSION_FILE).is_file():
+        return None
+    log.warning("[matrix] store_path %r: the session is in %s, where an older version kept it (it read ~ as a "
+                "folder's name), and is used from there; move that folder to %s to keep it where the config says "
+                "(until then, a start from another folder logs in as a new device)", value, left, expanded)
+    return left
+
+
 class MatrixConfig(_Section):
     enabled: bool = Field(default=False, description="Serve Matrix with `cortexbot run`.")
     homeserver: str = Field(default="", description="e.g. https://matrix.example.org")
@@ -850,6 +870,8 @@ class MatrixConfig(_Section):
         if not value.strip():
             return ""
         path = Path(value).expanduser()
+        if (left := _store_left_under_tilde(value, path)) is not None:
+            return str(left)
         if not path.is_absolute():
             path = path.absolute()
             log.warning("[matrix] store_path %r is relative: the session is kept in %s (under the folder the bot "

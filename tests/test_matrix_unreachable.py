@@ -426,3 +426,31 @@ async def test_rooms_the_bot_left_leave_no_record_of_their_creators_or_inviters(
         assert adapter._creators_outrank == {rooms[0]}
         assert adapter._load_state()["room_inviters"] == {rooms[0]: "@ann:localhost"}
         await adapter.close()
+
+
+async def test_a_session_an_older_version_kept_in_a_folder_named_tilde_is_used_from_there(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Before ``~`` was the home folder, ``store_path = "~/cortex-matrix"`` kept the login, the device and the
+    encryption keys in a folder named "~" where the bot started. After the upgrade the bot looked in the home
+    folder, found no session there, logged in as a new device and left the keys behind."""
+    home, started = tmp_path / "home", tmp_path / "started"
+    left = started / "~" / "cortex-matrix"
+    left.mkdir(parents=True)
+    (home / "cortex-matrix").mkdir(parents=True)  # (as a first start of this version left it: no session)
+    (left / "session.json").write_text("{}")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(started)
+    config = _config(tmp_path, store_path="~/cortex-matrix")
+    assert config.matrix.store_path == str(left)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == [f"[matrix] store_path '~/cortex-matrix': the session is in {left}, where an older version kept "
+                      f"it (it read ~ as a folder's name), and is used from there; move that folder to "
+                      f"{home}/cortex-matrix to keep it where the config says (until then, a start from another "
+                      "folder logs in as a new device)"]
+    async with App(config, llm=ScriptedProvider()) as app:
+        adapter = MatrixAdapter(app, config.matrix, env={"CB_MATRIX_PW": "x"})
+        assert adapter.store == left and (left / "session.json").is_file()
+        await adapter.close()
+    assert list((home / "cortex-matrix").iterdir()) == []
+    (left / "session.json").rename(home / "cortex-matrix" / "session.json")  # moved: the home folder's is used
+    assert _config(tmp_path, store_path="~/cortex-matrix").matrix.store_path == str(home / "cortex-matrix")
