@@ -9,33 +9,14 @@ response's body so that reading it fails past :data:`bot.llm.base.MAX_ANSWER_BYT
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import httpx2
 
+from bot.httpcap import PLAIN, CappedBody, compression
 from bot.llm.base import MAX_ANSWER_BYTES, past_answer_cap
 from bot.llm.errors import LLMBadResponse
-
-
-class _CappedBody(httpx2.AsyncByteStream):
-    """A response body that fails once more than ``MAX_ANSWER_BYTES`` of it arrived (as sent: uncompressed, see
-    :func:`capped_http_client`)."""
-
-    def __init__(self, body: httpx2.AsyncByteStream, provider: str) -> None:
-        self._body, self._provider = body, provider
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        read = 0
-        async for chunk in self._body:
-            read += len(chunk)
-            if read > MAX_ANSWER_BYTES:
-                raise past_answer_cap(self._provider)
-            yield chunk
-
-    async def aclose(self) -> None:
-        await self._body.aclose()
-
 
 # A request's JSON asking for a stream (its top-level "stream": true; inside a string its quotes would be escaped).
 STREAM_ASKED = re.compile(rb'"stream"\s*:\s*true')
@@ -50,12 +31,6 @@ def _asked_to_stream(request: httpx2.Request) -> bool:
         return False
 
 
-def _compression(response: httpx2.Response) -> str:
-    """The compression of ``response``'s body ("" for none)."""
-    encoding = response.headers.get("content-encoding", "").strip().lower()
-    return "" if encoding in ("", "identity") else encoding
-
-
 def capped_http_client(provider: str, client_class: Callable[..., httpx2.AsyncClient]) -> httpx2.AsyncClient:
     """The SDK's own HTTP client (``client_class``: its ``DefaultAsyncHttpxClient``, with its defaults) whose
     answers are capped. A stream asked for (``text/event-stream``) is counted by its characters where it is read
@@ -66,14 +41,14 @@ def capped_http_client(provider: str, client_class: Callable[..., httpx2.AsyncCl
         if _asked_to_stream(response.request) and response.headers.get("content-type", "").startswith(
                 "text/event-stream"):
             return
-        if encoding := _compression(response):
+        if encoding := compression(response):
             raise LLMBadResponse(f"{provider}: the server compressed its answer ({encoding}) although none was asked"
                                  " for; unpacked, its size could pass any cap, so it was not read")
         declared = response.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > MAX_ANSWER_BYTES:
             raise past_answer_cap(provider)  # (the body is not read at all)
         if isinstance(response.stream, httpx2.AsyncByteStream):
-            response.stream = _CappedBody(response.stream, provider)
+            response.stream = CappedBody(response.stream, MAX_ANSWER_BYTES, lambda: past_answer_cap(provider))
 
     hooks: dict[str, list[Callable[[Any], Any]]] = {"response": [cap]}
-    return client_class(event_hooks=hooks, headers={"Accept-Encoding": "identity"})
+    return client_class(event_hooks=hooks, headers=PLAIN)

@@ -50,6 +50,7 @@ from mcp.shared.message import SessionMessage
 from pydantic import ValidationError
 
 from bot.config import McpServerConfig
+from bot.httpcap import PLAIN, CappedBody, compression
 from bot.text import one_line
 from cortex.skills.base import (
     SkillContext,
@@ -499,7 +500,7 @@ class McpServer:
     async def _http_transport(self) -> AsyncIterator[Any]:
         timeout = httpx2.Timeout(30.0, read=300.0)  # the SDK's defaults (a response stream may stay open)
         # (A hook, not a transport of its own: a client given one no longer takes the proxy from the environment.)
-        async with httpx2.AsyncClient(headers={**self._http_headers(), "Accept-Encoding": "identity"},
+        async with httpx2.AsyncClient(headers={**self._http_headers(), **PLAIN},
                                       timeout=timeout, event_hooks={"response": [cap_json_answers]}) as client:
             async with streamable_http_client(self.config.url, http_client=client) as streams:
                 yield streams
@@ -697,38 +698,17 @@ class ResponseTooLarge(httpx2.StreamError):
     (its unpacked size is known only once it is held): a stream error, so the SDK answers the call with it."""
 
 
-class _CappedBody(httpx2.AsyncByteStream):
-    """A response body that fails once it passes ``limit`` bytes, before it is all held (or at once, when it is
-    ``compressed``: a small gzip body unpacks to hundreds of megabytes)."""
-
-    def __init__(self, body: httpx2.AsyncByteStream, limit: int, *, compressed: bool) -> None:
-        self._body = body
-        self._limit = limit
-        self._compressed = compressed
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        if self._compressed:
-            raise ResponseTooLarge("the server's answer came compressed, though it was asked for it plain")
-        read = 0
-        async for chunk in self._body:
-            read += len(chunk)
-            if read > self._limit:
-                raise ResponseTooLarge(f"the server's answer is larger than {self._limit >> 20} MB")
-            yield chunk
-
-    async def aclose(self) -> None:
-        await self._body.aclose()
-
-
 async def cap_json_answers(response: httpx2.Response) -> None:
     """(A response hook of the HTTP client, which asks for plain bodies.) A JSON answer's body read up to
     :data:`MAX_JSON_RESPONSE_BYTES`; an event stream has the SDK's own cap per event."""
     if "json" not in response.headers.get("content-type", "").lower():
         return
-    encoding = response.headers.get("content-encoding", "").strip().lower()
     assert isinstance(response.stream, httpx2.AsyncByteStream)
-    response.stream = _CappedBody(response.stream, MAX_JSON_RESPONSE_BYTES,
-                                  compressed=encoding not in ("", "identity"))
+    refused = ResponseTooLarge("the server's answer came compressed, though it was asked for it plain")
+    response.stream = CappedBody(
+        response.stream, MAX_JSON_RESPONSE_BYTES,
+        lambda: ResponseTooLarge(f"the server's answer is larger than {MAX_JSON_RESPONSE_BYTES >> 20} MB"),
+        refused if compression(response) else None)
 
 
 class McpSkills:
