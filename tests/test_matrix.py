@@ -552,36 +552,50 @@ async def test_a_card_sent_with_a_command_caption_is_imported(synapse: SynapseSe
         await stop_bot(running)
 
 
+async def react(client: AsyncClient, room: str, event_id: str, key: str) -> None:
+    """``client``'s reaction ``key`` to ``event_id``."""
+    await client.room_send(room, "m.reaction", {"m.relates_to": {
+        "rel_type": "m.annotation", "event_id": event_id, "key": key}}, ignore_unverified_devices=True)
+
+
+def said_by(seen: Timeline, room: str, sender: str, text: str) -> list[dict[str, Any]]:
+    """The messages of ``sender`` in ``room`` holding ``text``."""
+    return [e for e in seen.from_(room, sender) if text in e["content"].get("body", "")]
+
+
+async def remember_by_reaction(client: AsyncClient, seen: Timeline, room: str, bot_id: str, text: str) -> str:
+    """``client`` says ``text`` in its DM ``room`` with the bot, and once answered, reacts 🧠 to it: returns the
+    message's event id once the bot confirmed it remembered (its first confirmation there)."""
+    sent = await client.room_send(room, "m.room.message", {"msgtype": "m.text", "body": text},
+                                  ignore_unverified_devices=True)
+    await seen.sync_until(lambda: bool(seen.from_(room, bot_id)), "the bot's reply")
+    await react(client, room, sent.event_id, "🧠")
+    await seen.sync_until(lambda: bool(said_by(seen, room, bot_id, "Remembered as #")), "the confirmation")
+    return str(sent.event_id)
+
+
 async def test_brain_reaction_remembers_and_cross_undoes(synapse: SynapseServer, bot: Bot) -> None:
     """🧠 on one's own message stores it as a memory item (answered in the DM); ❌ on that confirmation
     archives it again; 🧠 on someone else's message is refused."""
     alice = await user(synapse, "alice")
     seen = Timeline(alice)
 
-    async def react(room: str, event_id: str, key: str) -> None:
-        await alice.room_send(room, "m.reaction", {"m.relates_to": {
-            "rel_type": "m.annotation", "event_id": event_id, "key": key}}, ignore_unverified_devices=True)
-
     def answers(room: str, text: str) -> list[dict[str, Any]]:
-        return [e for e in seen.from_(room, bot.user_id) if text in e["content"].get("body", "")]
+        return said_by(seen, room, bot.user_id, text)
 
     try:
         room = await dm_with(seen, bot.user_id)
-        sent = await alice.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "my cat is called Pixel"},
-                                     ignore_unverified_devices=True)
-        await seen.sync_until(lambda: bool(seen.from_(room, bot.user_id)), "the bot's reply")
-        await react(room, sent.event_id, "🧠")
-        await seen.sync_until(lambda: bool(answers(room, "Remembered as #")), "the confirmation")
+        sent = await remember_by_reaction(alice, seen, room, bot.user_id, "my cat is called Pixel")
         items, _ = await bot.app.cortex.memory.list_items(1)
         assert [i.content for i in items] == ["my cat is called Pixel"]
-        assert items[0].source_ref == f"matrix-message:{sent.event_id}"
+        assert items[0].source_ref == f"matrix-message:{sent}"
         confirmation = answers(room, "Remembered as #")[0]["event_id"]
-        await react(room, confirmation, "❌")
+        await react(alice, room, confirmation, "❌")
         await seen.sync_until(lambda: bool(answers(room, "Forgotten: #")), "the undo")
         assert (await bot.app.cortex.memory.list_items(1))[0] == []
-        await react(room, confirmation, "🧠")  # a confirmation is not remembered
+        await react(alice, room, confirmation, "🧠")  # a confirmation is not remembered
         mine = seen.from_(room, bot.user_id)[0]["event_id"]
-        await react(room, mine, "🧠")  # the bot's reply in our DM: allowed
+        await react(alice, room, mine, "🧠")  # the bot's reply in our DM: allowed
         await seen.sync_until(lambda: len(answers(room, "Remembered as #")) >= 2, "a second confirmation")
         items, _ = await bot.app.cortex.memory.list_items(1)
         assert [i.content for i in items] == ["echo: my cat is called Pixel"]
@@ -591,7 +605,7 @@ async def test_brain_reaction_remembers_and_cross_undoes(synapse: SynapseServer,
         await seen.sync_until(lambda: bool(answers(room, "Incognito with Cora since")), "the pause")
         said = await alice.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "my dog is Rex"},
                                      ignore_unverified_devices=True)
-        await react(room, said.event_id, "🧠")
+        await react(alice, room, said.event_id, "🧠")
         await seen.sync_until(lambda: bool(answers(room, "You are incognito with Cora")), "the refusal")
         [refusal] = answers(room, "You are incognito with Cora")
         assert refusal["content"]["body"] == "You are incognito with Cora: nothing new is remembered until " \
@@ -608,20 +622,12 @@ async def test_an_undo_offered_before_a_restart_still_undoes(synapse: SynapseSer
     alice = await user(synapse, "alice")
     seen = Timeline(alice)
 
-    async def react(client: AsyncClient, room: str, event_id: str, key: str) -> None:
-        await client.room_send(room, "m.reaction", {"m.relates_to": {
-            "rel_type": "m.annotation", "event_id": event_id, "key": key}}, ignore_unverified_devices=True)
-
     def answers(room: str, text: str) -> list[dict[str, Any]]:
-        return [e for e in seen.from_(room, first.user_id) if text in e["content"].get("body", "")]
+        return said_by(seen, room, first.user_id, text)
 
     try:
         room = await dm_with(seen, first.user_id)
-        sent = await alice.room_send(room, "m.room.message", {"msgtype": "m.text", "body": "my cat is called Pixel"},
-                                     ignore_unverified_devices=True)
-        await seen.sync_until(lambda: bool(seen.from_(room, first.user_id)), "the bot's reply")
-        await react(alice, room, sent.event_id, "🧠")
-        await seen.sync_until(lambda: bool(answers(room, "Remembered as #")), "the confirmation")
+        await remember_by_reaction(alice, seen, room, first.user_id, "my cat is called Pixel")
         confirmation = answers(room, "Remembered as #")[0]["event_id"]
         await stop_bot(first)
         second = await start_bot(synapse, tmp_path, user_id=first.user_id)

@@ -4,11 +4,13 @@ terminal's user in, and the page closes with the chat."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,17 +70,30 @@ def test_chat_serves_the_page_and_dashboard_logs_the_terminal_user_in(tmp_path: 
     assert proc.returncode == 0 and "Traceback" not in err
 
 
+def config_with_page(tmp_path: Path, fake_llm: FakeLLMServer) -> tuple[Path, int]:
+    """A config whose web page is enabled, on a free port (and that port)."""
+    port = free_port()
+    config = write_config(tmp_path, fake_llm)
+    config.write_text(config.read_text() + f"[web]\nenabled = true\nport = {port}\n")
+    return config, port
+
+
+@contextlib.contextmanager
+def taken(port: int) -> Iterator[None]:
+    """``port`` on 127.0.0.1 held by a listening socket (as by a bot that serves the page there)."""
+    with socket.socket() as page:
+        page.bind(("127.0.0.1", port))
+        page.listen()
+        yield
+
+
 def test_a_chat_beside_the_bot_that_serves_the_page_chats_without_it(tmp_path: Path, fake_llm: FakeLLMServer
                                                                      ) -> None:
     """README: chat beside `cortexbot run` with `cortexbot chat` on the same config. With [web] enabled, the
     chat refused to start, the page's port being taken by the running bot; now it says it does not serve the
     page, chats, and its !dashboard links to the page the bot serves."""
-    port = free_port()
-    config = write_config(tmp_path, fake_llm)
-    config.write_text(config.read_text() + f"[web]\nenabled = true\nport = {port}\n")
-    with socket.socket() as page:  # the page `cortexbot run` serves
-        page.bind(("127.0.0.1", port))
-        page.listen()
+    config, port = config_with_page(tmp_path, fake_llm)
+    with taken(port):  # the page `cortexbot run` serves
         result = subprocess.run(
             [str(BIN / "cortexbot"), "--config", str(config), "chat", "--user", "ann"], input="hello\n!dashboard\n",
             capture_output=True, text=True, timeout=120,
@@ -118,12 +133,8 @@ def test_status_lists_the_web_page_of_a_chat_only_when_it_serves_it(tmp_path: Pa
                                                                    ) -> None:
     """A chat whose page's port was taken goes on without the page; `cortexbot status` listed it as serving the
     page all the same (what its config asked for, not what started). A `run` or chat serving it says so."""
-    port = free_port()
-    config = write_config(tmp_path, fake_llm)
-    config.write_text(config.read_text() + f"[web]\nenabled = true\nport = {port}\n")
-    with socket.socket() as page:  # the page `cortexbot run` serves
-        page.bind(("127.0.0.1", port))
-        page.listen()
+    config, port = config_with_page(tmp_path, fake_llm)
+    with taken(port):  # the page `cortexbot run` serves
         without = chat_status(config, "this chat does not serve the web page")
     assert "adapters: terminal" in without and "web page" not in without, without
     served = chat_status(config, f"web page: http://127.0.0.1:{port}")
