@@ -968,23 +968,23 @@ class Storage:
         seconds of their last change; None: keep them); how many went."""
         deleted = 0
         for status, before in (("done", done_before), ("failed", failed_before)):
-            while before is not None:  # in batches: the reply path's writes wait for none of them long
-                gone = len(await self.db.write(
-                    "DELETE FROM jobs WHERE id IN (SELECT id FROM jobs WHERE status = ? AND updated_at < ?"
-                    f" LIMIT {PRUNE_BATCH}) RETURNING id", (status, before)))
-                deleted += gone
-                if gone < PRUNE_BATCH:
-                    break
+            if before is not None:
+                deleted += await self._delete_in_batches("jobs", "status = ? AND updated_at < ?", (status, before))
         return deleted
 
     async def delete_old_llm_calls(self, before: float) -> int:
         """Delete the audit rows of model calls made before ``before`` (UNIX seconds); how many went."""
         await self.flush_audit()
+        return await self._delete_in_batches("llm_calls", "created_at < ?", (before,))
+
+    async def _delete_in_batches(self, table: str, where: str, params: tuple[Any, ...]) -> int:
+        """Delete the rows of ``table`` matching ``where``, ``PRUNE_BATCH`` per statement (a busy bot's old rows are
+        many, and the reply path's writes wait for none of the statements long); how many went."""
         deleted = 0
-        while True:  # in batches, as the jobs' rows: one row per model call, a busy bot's days are many
+        while True:
             gone = len(await self.db.write(
-                "DELETE FROM llm_calls WHERE id IN (SELECT id FROM llm_calls WHERE created_at < ?"
-                f" LIMIT {PRUNE_BATCH}) RETURNING id", (before,)))
+                f"DELETE FROM {table} WHERE id IN (SELECT id FROM {table} WHERE {where} LIMIT {PRUNE_BATCH})"
+                " RETURNING id", params))
             deleted += gone
             if gone < PRUNE_BATCH:
                 return deleted
