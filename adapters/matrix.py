@@ -77,6 +77,7 @@ from adapters.matrix_content import (
     json_object,
     keep,
     mentioned,
+    message_key,
     relates_to,
     reply_target,
     server_seconds,
@@ -356,7 +357,7 @@ class MatrixSink:
     @staticmethod
     def message_key(handle: str) -> str:
         """How a reply's message is named (for ``!memory why`` sent as a reply to it)."""
-        return f"{PLATFORM}-message:{handle}"
+        return message_key(handle)
 
     async def send(self, text: str) -> str:
         new = render(text, self.adapter.config.msgtype)

@@ -41,6 +41,11 @@ def keep(recent: OrderedDict[K, V], key: K, value: V, most: int = RECENT) -> Non
         recent.popitem(last=False)
 
 
+def message_key(event_id: str) -> str:
+    """How the bot names a Matrix message (a reply's, for ``!memory why``; a remembered one's source; an undo's)."""
+    return f"matrix-message:{event_id}"
+
+
 def server_seconds(stamp: Any) -> float | None:
     """An ``origin_server_ts`` (milliseconds, written by the sender's own homeserver) in POSIX seconds, or None
     when it is missing or no date can show it: one past year 9999 made every later ``datetime`` of it raise, and

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from nio import Event, MatrixRoom, ReactionEvent
 from nio.api import MessageDirection, RelationshipType
 
-from adapters.matrix_content import author_of, json_object, reply_target, without_reply_fallback
+from adapters.matrix_content import author_of, json_object, message_key, reply_target, without_reply_fallback
 from bot.commands import CommandReply
 from bot.policy import Inbound, refusal
 from bot.ports import IncomingMessage
@@ -36,10 +36,6 @@ EDITS_READ = 50  # edits looked through for the sender's own latest one
 
 def _key(reaction: ReactionEvent) -> str:
     return str(reaction.key).replace("\ufe0f", "").strip()
-
-
-def _message_key(event_id: str) -> str:
-    return f"matrix-message:{event_id}"
 
 
 class Reactions:
@@ -68,7 +64,7 @@ class Reactions:
 
     async def _remember(self, room: MatrixRoom, event: ReactionEvent) -> None:
         adapter = self.adapter
-        if await self.offers.find(_message_key(event.reacts_to)) is not None:
+        if await self.offers.find(message_key(event.reacts_to)) is not None:
             return  # a confirmation is no memory
         inbound = await self.inbound(room, event)
         if not await self.allowed(inbound):
@@ -82,13 +78,13 @@ class Reactions:
         if not (target.sender == event.sender or (target.sender == adapter.config.user_id and inbound.message.is_dm)):
             await self._answer(event.sender, NOT_YOURS)
             return
-        source = _message_key(event.reacts_to)
+        source = message_key(event.reacts_to)
         reply = await self._run(inbound, f"!memory remember --from {source}\n{body}")
         if not reply.text.startswith("Remembered"):  # refused (a guard, a pause, the cap): nothing to undo
             await self._answer(event.sender, reply.text)
             return
         confirmation = await self._answer(event.sender, f"{reply.text} {UNDO_OFFER}")
-        await self.offers.offer(_message_key(confirmation), inbound.message.author_key, source)
+        await self.offers.offer(message_key(confirmation), inbound.message.author_key, source)
 
     async def _latest_text(self, room_id: str, target: Any) -> Any:
         """The message's text after its sender's last edit (a streamed reply is one event edited many times;
@@ -113,7 +109,7 @@ class Reactions:
         return without_reply_fallback(body) if isinstance(body, str) and reply_target(content) else body
 
     async def _undo(self, room: MatrixRoom, event: ReactionEvent) -> None:
-        offer = await self.offers.find(_message_key(event.reacts_to))
+        offer = await self.offers.find(message_key(event.reacts_to))
         if offer is None:
             # Once an undo: it was pruned since. Confirmations are sent in DMs only, so a ❌ in a room (a common
             # reaction) costs no look at the homeserver.
