@@ -5,7 +5,7 @@ kilobytes of gzip unpack to hundreds of megabytes."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import httpx2
 
@@ -39,3 +39,21 @@ class CappedBody(httpx2.AsyncByteStream):
 
     async def aclose(self) -> None:
         await self._body.aclose()
+
+
+class CappedSyncBody(httpx2.SyncByteStream):
+    """:class:`CappedBody` for a synchronous client's response (the OpenAI-compatible embedder's)."""
+
+    def __init__(self, body: httpx2.SyncByteStream, limit: int, too_large: Callable[[], Exception]) -> None:
+        self._body, self._limit, self._too_large = body, limit, too_large
+
+    def __iter__(self) -> Iterator[bytes]:
+        read = 0
+        for chunk in self._body:
+            read += len(chunk)
+            if read > self._limit:
+                raise self._too_large()
+            yield chunk
+
+    def close(self) -> None:
+        self._body.close()

@@ -276,6 +276,35 @@ def test_openai_embedder_refuses_nan_and_infinity(fake_llm: FakeLLMServer) -> No
         emb.embed(["x"])
 
 
+def test_openai_embedder_answer_past_its_cap_is_not_read_further(fake_llm: FakeLLMServer) -> None:
+    """The embeddings answer was read whole however large: a broken server's endless body grew the process without
+    bound. Reading stops at the cap, with a clear error, and the embedder works again after it."""
+    from cortex.memory.embed_http import MAX_EMBEDDINGS_BYTES
+
+    mebibytes = 2 * MAX_EMBEDDINGS_BYTES >> 20
+    fake_llm.enqueue_embedding(FakeResponse.huge(mebibytes))
+    emb = OpenAIEmbedder("m", base_url=fake_llm.openai_url, api_key=API_KEY, max_retries=2)
+    with pytest.raises(EmbedderError, match=f"more than {MAX_EMBEDDINGS_BYTES:,} bytes of embeddings"):
+        emb.embed(["x"])
+    assert len(fake_llm.embedding_requests) == 1  # (not asked again)
+    assert fake_llm.huge_bytes_sent < MAX_EMBEDDINGS_BYTES + (16 << 20) < mebibytes << 20  # (the loopback's buffers)
+    np.testing.assert_allclose(emb.embed(["x"]), _expected(["x"], 8, "m"), atol=1e-6)
+
+
+def test_openai_embedder_refuses_a_compressed_answer(fake_llm: FakeLLMServer) -> None:
+    """The cap counts what arrives: a few kilobytes of gzip unpack to far more, so they are not unpacked."""
+    import gzip
+    import json
+
+    document = {"object": "list", "model": "m", "data": [{"object": "embedding", "index": 0, "embedding": [1.0]}]}
+    fake_llm.enqueue_embedding(FakeResponse.malformed(gzip.compress(json.dumps(document).encode()),
+                                                      headers={"Content-Encoding": "gzip"}))
+    emb = OpenAIEmbedder("m", base_url=fake_llm.openai_url, api_key=API_KEY, max_retries=0)
+    with pytest.raises(EmbedderError, match=r"compressed its embeddings \(gzip\)"):
+        emb.embed(["x"])
+    assert fake_llm.embedding_requests[-1].headers["accept-encoding"] == "identity"
+
+
 def test_openai_embedder_unreachable_server() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

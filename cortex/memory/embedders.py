@@ -306,11 +306,14 @@ class OpenAIEmbedder:
             if self._client is None:
                 import openai
 
+                from cortex.memory.embed_http import capped_client
+
                 self._client = openai.OpenAI(
                     base_url=self.base_url,
                     api_key=self._api_key,
                     timeout=self._timeout,
                     max_retries=self._max_retries,
+                    http_client=capped_client(self._where()),
                 )
             return self._client
 

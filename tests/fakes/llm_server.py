@@ -869,7 +869,10 @@ class FakeLLMServer:
             if resp.kind == "error":
                 return web.json_response(_openai_error_body(resp), status=resp.status, headers=resp.headers)
             if resp.kind == "malformed":
-                return web.Response(body=resp.body, status=resp.status, headers={"Content-Type": resp.content_type})
+                return web.Response(body=resp.body, status=resp.status,
+                                    headers={**resp.headers, "Content-Type": resp.content_type})
+            if resp.kind == "huge":
+                return await self._send_huge(request, resp.repeat, resp.content_type)
         return web.json_response(openai_embeddings(recorded.body, dim))
 
     async def _handle_count_tokens(self, request: web.Request) -> web.StreamResponse:
