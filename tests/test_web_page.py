@@ -198,6 +198,11 @@ async def test_log_in_edit_compare_revert_and_screenshots(tmp_path: Path) -> Non
                     await phone.wait_for_load_state("networkidle")  # its first requests answered before the logout
                     await page.get_by_test_id("logout-all").click()
                     await expect(page.get_by_test_id("ended")).to_contain_text("logged out everywhere")
+                    # nothing of hers stays in the page for whoever uses the browser next: not in its hidden
+                    # panels, and not drawn again by Back (from what the page kept)
+                    assert "Lisbon" not in await page.evaluate("document.body.textContent")
+                    await page.go_back()
+                    assert "Lisbon" not in await page.evaluate("document.body.textContent")
                     await phone.reload()
                     await expect(phone.get_by_test_id("ended")).to_contain_text("!dashboard")
 

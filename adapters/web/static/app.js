@@ -409,6 +409,7 @@
   }
 
   function ended(title, text, more) {
+    forgetShown();
     $('app').hidden = true;
     $('who').hidden = true;
     $('loading').hidden = true;
@@ -419,6 +420,22 @@
     fill($('ended-more'), more || null);
     $('ended').hidden = false;
     $('ended-title').focus();  // (a screen reader reads where the page went)
+  }
+
+  /** Nothing of the user stays in the page once it ended (a logout, a forget-me, someone else's login): hidden
+   * panels still held their memory, files and items for whoever used the browser next (its developer tools,
+   * or Back, which drew the files again from what the page kept). Loads still under way land nowhere. */
+  function forgetShown() {
+    for (const name of TABS) {
+      const panel = $(`panel-${name}`);
+      loads.set(panel, ++state.seq);
+      panel.replaceChildren();
+    }
+    fill($('persona'));
+    $('persona-hint').textContent = '';
+    $('user-name').textContent = '';
+    $('user-name').title = '';
+    Object.assign(state, { files: {}, filesFor: '', draft: null, itemDraft: null, overview: null });
   }
 
   function chatHint() {
@@ -552,7 +569,7 @@
   }
 
   function route() {
-    if (!state.me) return;
+    if (!state.me || !$('ended').hidden) return;  // (the page ended: nothing is drawn again)
     // Another tab, admin section, or Back/Forward: unsaved text is asked about first (kept: the address goes back).
     if (state.routed !== null && location.hash !== state.routed && !leaveEditor()) {
       history.pushState(null, '', state.routed || location.pathname);  // (Back then asks again)
