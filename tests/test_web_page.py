@@ -195,6 +195,8 @@ async def test_log_in_edit_compare_revert_and_screenshots(tmp_path: Path) -> Non
 
                 async with logged_in(browser, bot, "ann", watch) as phone:  # her second browser
                     await expect(phone.get_by_test_id("file-memory.md")).to_be_visible()
+                    await phone.select_option("#persona", "Vex")  # (kept in that browser for her next visit)
+                    assert await phone.evaluate("localStorage.getItem('cortexbot.persona')") == "Vex"
                     await phone.wait_for_load_state("networkidle")  # its first requests answered before the logout
                     await page.get_by_test_id("logout-all").click()
                     await expect(page.get_by_test_id("ended")).to_contain_text("logged out everywhere")
@@ -205,6 +207,7 @@ async def test_log_in_edit_compare_revert_and_screenshots(tmp_path: Path) -> Non
                     assert "Lisbon" not in await page.evaluate("document.body.textContent")
                     await phone.reload()
                     await expect(phone.get_by_test_id("ended")).to_contain_text("!dashboard")
+                    assert await phone.evaluate("localStorage.getItem('cortexbot.persona')") is None  # (nor her pick)
 
             # a bot admin sees the Admin tab
             async with logged_in(browser, bot, "999", watch) as page:

@@ -424,7 +424,8 @@
 
   /** Nothing of the user stays in the page once it ended (a logout, a forget-me, someone else's login): hidden
    * panels still held their memory, files and items for whoever used the browser next (its developer tools,
-   * or Back, which drew the files again from what the page kept). Loads still under way land nowhere. */
+   * or Back, which drew the files again from what the page kept), nor their persona pick in the browser's storage.
+   * Loads still under way land nowhere. */
   function forgetShown() {
     for (const name of TABS) {
       const panel = $(`panel-${name}`);
@@ -436,6 +437,11 @@
     $('user-name').textContent = '';
     $('user-name').title = '';
     Object.assign(state, { files: {}, filesFor: '', draft: null, itemDraft: null, overview: null });
+    try {
+      localStorage.removeItem('cortexbot.persona');  // (their last pick: the next person starts on the default)
+    } catch (err) {
+      /* private mode: nothing was kept */
+    }
   }
 
   function chatHint() {
