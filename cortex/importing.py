@@ -251,7 +251,8 @@ class Importer:
                 plan.files[str(version["file"])] = content
                 plan.versions.setdefault(str(version["file"]), set()).add(content)
         for filename, content in list(plan.files.items()):
-            if not content.strip() or len(content) > self.files.file_max_chars:
+            # (an edit saves up to the limit and the line end it adds: without that one, as it was counted)
+            if not content.strip() or len(content.removesuffix("\n")) > self.files.file_max_chars:
                 report.left_out.append(f"{name}'s {filename} (empty or too long)")
                 del plan.files[filename]
         for item in _list(persona.get("memory_items")):

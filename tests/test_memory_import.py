@@ -97,6 +97,20 @@ async def test_an_older_export_brought_back_says_what_it_replaced(tmp_path: Path
         assert "kind since Tuesday" in await run(app, "!memory show soul")
 
 
+async def test_a_file_edited_up_to_its_limit_comes_back(tmp_path: Path) -> None:
+    """An edit may fill a file up to [cortex] file_max_chars and is saved with a line end after it: the import
+    counted that line end too, and left the file out of its own export as "too long"."""
+    async with App(_config(tmp_path / "first"), llm=ScriptedProvider()) as first:
+        text = "# My memories of Ann\n- " + "a" * (first.cortex.files.file_max_chars - 23)
+        assert "Saved your memory.md" in await run(first, f"!memory edit memory.md\n{text}")
+        archive = (await first.commands.dispatch("!memory export", ctx())).attachments[0].data
+    async with App(_config(tmp_path / "second", second=True), llm=ScriptedProvider()) as second:
+        reply = await run(second, "!memory import", ctx("ann", Attachment("export.zip", archive)))
+        assert reply.startswith("Imported 0 memory items, 1 file") and "too long" not in reply, reply
+        shown = (await second.commands.dispatch("!memory show memory.md", ctx())).attachments[0].data.decode()
+        assert text in shown
+
+
 async def test_only_ones_own_export_and_only_real_exports(tmp_path: Path) -> None:
     archive = await _export(tmp_path)
     async with App(_config(tmp_path / "second", second=True), llm=ScriptedProvider()) as second:
