@@ -38,7 +38,15 @@ from bot.config import FREQUENCY_PRESETS, Config, CortexConfig
 from bot.persona import PersonaSource
 from bot.storage.base import Channel, Storage, User
 from bot.text import plural
-from cortex.export import MAX_ARCHIVE_BYTES, ArchiveError, ExportBusy, Exports, export_filename, read_archive
+from cortex.export import (
+    MAX_ARCHIVE_BYTES,
+    ArchiveError,
+    ExportBusy,
+    Exports,
+    ImportReport,
+    export_filename,
+    read_archive,
+)
 from cortex.files import CortexFiles, FileError, normalise_filename, unified_diff
 from cortex.importing import Importer, ImportLimits
 from cortex.settings import (
@@ -118,6 +126,9 @@ class CortexCommands:
     on_forget: list[Callable[[str], None]] = field(default_factory=list)
     embedding_backlog: Callable[[], Awaitable[str]] | None = None  # how long until imports are found by meaning
     _importing: set[str] = field(default_factory=set)  # users whose import runs (one at a time each)
+    # Archives read and imported one at a time in the process (another user's waits its turn): a parsed one takes
+    # hundreds of megabytes whatever its zip's size (a 3 MB zip of a million short messages took 380 MB).
+    _one_import: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
     exports: Exports = field(init=False)
 
     def __post_init__(self) -> None:
@@ -309,11 +320,7 @@ class CortexCommands:
         self._importing.add(user.key)
         renewing = asyncio.create_task(self._renew_import(user.key, token))
         try:
-            data = await asyncio.to_thread(read_archive, blob)  # a large archive must not stall the replies
-            limits = ImportLimits(self.config.memory.max_item_chars, self.config.bot.max_message_chars,
-                                  self.updater.estimator.raw_count)
-            report = await Importer(self.store, self.files, self.personas, limits).run(
-                user, data, await self._dm_channel(ctx))
+            report = await self._import(ctx, user, blob)
         except ArchiveError as exc:  # (about the archive, or a forget-me meanwhile: the usage would not help)
             return CommandReply(f"{EXPORT_IN_PUBLIC} {exc}" if ctx.attachments_seen_by_all else str(exc),
                                 private=True, failed=True)
@@ -330,6 +337,16 @@ class CortexCommands:
             except Exception:  # the import is done: a status that cannot be read must not say otherwise
                 log.exception("could not read the embedding backlog after an import")
         return CommandReply(text, private=True)
+
+    async def _import(self, ctx: CommandContext, user: User, blob: bytes) -> ImportReport:
+        """Read the archive and import it, once no other import runs in the process (what it parsed is let go
+        when this returns)."""
+        async with self._one_import:
+            data = await asyncio.to_thread(read_archive, blob)  # a large archive must not stall the replies
+            limits = ImportLimits(self.config.memory.max_item_chars, self.config.bot.max_message_chars,
+                                  self.updater.estimator.raw_count)
+            return await Importer(self.store, self.files, self.personas, limits).run(
+                user, data, await self._dm_channel(ctx))
 
     async def _renew_import(self, user_key: str, token: str) -> None:
         """Renew the import's mark while it runs, so that a process that dies mid-import blocks the user's next
