@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from bot.commands.files import MAX_ATTACHMENT_BYTES
 from bot.storage.base import User
 from bot.storage.core import user_persona_key
-from bot.text import plural
+from bot.text import plural, shown
 from cortex.store import CortexStore
 
 T = TypeVar("T")
@@ -234,6 +234,14 @@ class ArchiveError(Exception):
     """One line for the user: why the archive cannot be imported; nothing was changed."""
 
 
+def named(value: object) -> str:
+    """A value of an archive named in an :class:`ArchiveError`: on one line and cut (an edited archive's text may
+    be megabytes long), a list or an object only by its kind."""
+    if isinstance(value, dict | list):
+        return "an object" if isinstance(value, dict) else "a list"
+    return shown(value if isinstance(value, str) else repr(value))
+
+
 @dataclass
 class ImportReport:
     items: int = 0
@@ -343,5 +351,6 @@ def read_archive(blob: bytes) -> dict[str, Any]:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ArchiveError("not a cortex-bot export (data.json has another format)")
     if data.get("format_version") != FORMAT_VERSION:
-        raise ArchiveError(f"export format {data.get('format_version')!r} is not one this bot reads ({FORMAT_VERSION})")
+        raise ArchiveError(f"export format {named(data.get('format_version'))} is not one this bot reads "
+                           f"({FORMAT_VERSION})")
     return data

@@ -35,7 +35,7 @@ from bot.storage.base import Channel, User
 from bot.storage.core import Storage
 from bot.storage.engine import is_missing_reference
 from bot.text import plural, storable, storable_json
-from cortex.export import ArchiveError, ImportReport, during_pause, loads_archive_json, paused_since
+from cortex.export import ArchiveError, ImportReport, during_pause, loads_archive_json, named, paused_since
 from cortex.files import CortexFiles, FileError
 from cortex.memory.guard import check_memory_text
 from cortex.memory.store import CATEGORIES, MAX_KEY_CHARS, PAIR_ITEMS, SCOPES
@@ -197,7 +197,7 @@ class Importer:
         before the first write."""
         owner = data.get("user", {}).get("key") if isinstance(data.get("user"), dict) else None
         if owner != user.key:
-            raise ArchiveError(f"this export belongs to {owner!r}, not to you ({user.key}): only your own data "
+            raise ArchiveError(f"this export belongs to {named(owner)}, not to you ({user.key}): only your own data "
                                "can be imported")
         report = ImportReport()
         messages = _Messages(self.store.storage, user, dm_channel, self.known, self.limits, report)

@@ -115,7 +115,7 @@ async def test_only_ones_own_export_and_only_real_exports(tmp_path: Path) -> Non
     archive = await _export(tmp_path)
     async with App(_config(tmp_path / "second", second=True), llm=ScriptedProvider()) as second:
         refused = await run(second, "!memory import", ctx("eve", Attachment("export.zip", archive)))
-        assert "belongs to 'discord:ann', not to you (discord:eve)" in refused
+        assert "belongs to `discord:ann`, not to you (discord:eve)" in refused
         assert "No memory items yet" in await run(second, "!memory list", ctx("eve"))
         assert "not a cortex-bot export" in await run(second, "!memory import", ctx("ann", Attachment("x.zip", b"PK")))
         other = io.BytesIO()
@@ -124,6 +124,14 @@ async def test_only_ones_own_export_and_only_real_exports(tmp_path: Path) -> Non
         assert "another format" in await run(second, "!memory import", ctx("ann", Attachment("y.zip",
                                                                                              other.getvalue())))
         assert "attach your export" in await run(second, "!memory import /etc/passwd", ctx("ann"))
+        # An edited archive's values were repeated whole: a key of 9 MB made an answer of 9 MB, over many lines.
+        for forged, said in (({"user": {"key": "discord:ann\n# Rules " * 500_000}}, "belongs to `discord:ann # Rules"),
+                             ({"format_version": "9" * 1_000_000}, "export format `999"),
+                             ({"user": {"key": ["discord:eve"]}}, "belongs to a list, not to you (discord:eve)")):
+            data = json.dumps({"format": "cortex-bot-export", "format_version": 1, "user": {"key": "discord:eve"},
+                               **forged})
+            refused = await run(second, "!memory import", ctx("eve", Attachment("e.zip", _zipped(data))))
+            assert said in refused and len(refused) < 300 and "\n" not in refused, refused[:300]
 
 
 async def test_the_terminal_imports_by_path(tmp_path: Path) -> None:
