@@ -126,7 +126,7 @@ class App:
                 self.cortex.embeddings.warm_up()
             self.skills = Skills(self.config, self.storage, Builtins(
                 self.config, self.storage, self.cortex.store, self.cortex.memory,
-                self.lore, self.personas))
+                self.lore, self.personas, self.cortex.resolver))
             await self.skills.start()
             self.core = ConversationCore(
                 self.config, self.storage, self.llm, self.estimator, self.summaries,

@@ -445,6 +445,33 @@ async def test_in_a_group_the_persona_remembers_only_what_the_speaker_asks_it_to
         assert line.endswith(" …") and len(line.split("): ", 1)[1]) <= 120, line  # word, and marked as cut
 
 
+async def test_what_the_persona_remembers_where_dm_memory_was_in_the_prompt_stays_private(
+        tmp_path: Path, fake_llm: FakeLLMServer) -> None:
+    """In a group channel whose server lets DM memory into the prompt (``use_in_groups``), the model wrote what it
+    remembered from that prompt as a shared item: "Ann is away on Friday for her cardiologist appointment", taken
+    from her DMs, then entered the prompts of every group channel she spoke in, where DM memory is kept out. It is
+    private there, as the cortex update's items are, and search_memory finds it there."""
+    async with App(_config(tmp_path, fake_llm)) as app:
+        root = CommandContext("console", "console:root", "Root", "console:room", "Cora", is_admin=True,
+                              is_bot_admin=True, server_key="console:g1")
+        assert "on" in (await app.commands.dispatch("!cortex settings use_in_groups on", root)).text
+        await app.commands.dispatch("!memory remember I see a cardiologist about my heart", ANN_DM)
+        fake_llm.enqueue(FakeResponse.tool_calls([("c1", "remember", {
+            "content": "Ann is away on Friday for her cardiologist appointment"})]), FakeResponse.text("Noted."),
+            FakeResponse.tool_calls([("c2", "search_memory", {"query": "Friday"})]), FakeResponse.text("Friday."))
+        await app.core.reply(_msg("remember that I am away on Friday", server="g1")).text()
+        await app.core.reply(_msg("when am I away? remember that?", server="g1")).text()
+        assert "away on Friday for her cardiologist" in str(replies(fake_llm)[-1].body["messages"])
+        listed = (await app.commands.dispatch("!memory list", ANN_DM)).text
+        assert "away on Friday" in listed and "(shared) Ann is away" not in listed, listed
+        fake_llm.enqueue(FakeResponse.tool_calls([("c3", "remember", {"content": "Ann likes tea"})]),
+                         FakeResponse.text("Tea!"), FakeResponse.text("Hi."))
+        await app.core.reply(_msg("remember that I like tea", server="g2")).text()  # (DM memory kept out there)
+        assert "(shared) Ann likes tea" in (await app.commands.dispatch("!memory list", ANN_DM)).text
+        await app.core.reply(_msg("am I away on Friday?", server="g2")).text()
+        assert "cardiologist" not in str(replies(fake_llm)[-1].body)
+
+
 async def test_skills_commands_switch_per_server_and_forget_me_removes_the_audit(
         tmp_path: Path, fake_llm: FakeLLMServer) -> None:
     async with App(_config(tmp_path, fake_llm)) as app:

@@ -4,8 +4,9 @@ guidelines (``read_soul``/``edit_soul``, ``read_guidelines``/``edit_guidelines``
 
 The memory skills act for the user being answered only: their pair with the persona in use, the
 store's poisoning guard and size cap, and the privacy scope (in a group channel only shared items are
-searched, and what is remembered there is shared). Changes to soul and guidelines are new versions
-with the reason the model gives, exactly as the chat commands write them.
+searched, and what is remembered there is shared, unless the server lets DM memory into its prompts: there
+the reply read the private items, so they are searched and what is remembered is private). Changes to soul
+and guidelines are new versions with the reason the model gives, exactly as the chat commands write them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from cortex.personas.commands import MAX_SECTION_CHARS
 from cortex.personas.guidelines import MAX_GUIDELINES_CHARS
 from cortex.personas.lore import LoreIndex, search
 from cortex.personas.registry import PersonaRegistry
+from cortex.settings import SettingsResolver
 from cortex.skills.base import SkillContext, SkillFailure, SkillInfo, SkillResult
 from cortex.store import CortexStore
 
@@ -81,6 +83,7 @@ class Builtins:
     memory: MemoryStore | None
     lore: LoreIndex | None
     registry: PersonaRegistry | None
+    resolver: SettingsResolver | None = None  # where DM memory may enter a group channel's prompt
 
     def skills(self) -> list[BuiltinSkill]:
         found = [self._time()]
@@ -93,6 +96,15 @@ class Builtins:
         return found
 
     # -- memory ----------------------------------------------------------------------------------
+
+    async def _private_here(self, context: SkillContext) -> bool:
+        """Whether the reply's prompt holds the user's private memory: in a DM, and in a group channel whose
+        server lets DM memory in (``use_in_groups``). What the model remembers from such a prompt may carry
+        what was said in private, so it is private (a shared item enters every group channel's prompt)."""
+        if context.is_dm:
+            return True
+        return self.resolver is not None and await self.resolver.private_memory_allowed(
+            context.persona, context.server_key, False)
 
     async def _pair(self, context: SkillContext) -> Pair:
         """The pair of the person answered, by their row (never made again by their key: a reply still
@@ -124,7 +136,7 @@ class Builtins:
                 # from the message answered: deleting it (or "Forget this" on it) archives this item too
                 pair.id, content, category=str(category), source="model",
                 source_ref=context.message_key or "remember skill in a reply",
-                scope="private" if context.is_dm else "shared", once=True)
+                scope="private" if await self._private_here(context) else "shared", once=True)
         except AlreadyRemembered as same:  # (a second item of the same words would only crowd the prompt)
             return SkillResult(f"item #{same.item.id} says that already: nothing new was stored")
         except MemoryError as exc:
@@ -144,7 +156,7 @@ class Builtins:
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 20:
             raise SkillFailure("'limit' must be a whole number from 1 to 20")
         pair = await self._pair(context)
-        scopes = ("private", "shared") if context.is_dm else ("shared",)
+        scopes = ("private", "shared") if await self._private_here(context) else ("shared",)
         hits = await self.memory.search(pair.id, query, limit=limit, include_messages=False, scopes=scopes,
                                         function_words=True)  # (asked for: "The Who" by its words too; a reply
         # waits on it, so not as long for the query's vector as a person's own search)
