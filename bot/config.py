@@ -1165,6 +1165,21 @@ class WebConfig(_Section):
             raise ValueError(f"at most {MAX_ALLOWED_HOSTS} names (got {len(names)})")
         return [_allowed_host(entry) for entry in names]
 
+    @field_validator("host", "metrics_host")
+    @classmethod
+    def _listen_address(cls, value: str, info: ValidationInfo) -> str:
+        """An address to listen on, alone: a URL or a port written in it failed only when the page started (after
+        `doctor` passed), and a URL's "0.0.0.0" in it was warned about as listening on every address."""
+        port_key = "port" if info.field_name == "host" else "metrics_port"
+        if "/" in value:
+            raise ValueError(f"write the address to listen on alone, like 127.0.0.1 or 0.0.0.0, not a URL (the "
+                             f"address people open goes in [web] public_url, the port in [web] {port_key})")
+        if value and value.strip("[]") not in ("", "::") and canonical_host(value) is None:
+            if value.count(":") == 1:
+                raise ValueError(f"write the address alone, like 127.0.0.1, and the port in [web] {port_key}")
+            raise ValueError("not a host name or an IP address to listen on (e.g. 127.0.0.1, 0.0.0.0 or ::)")
+        return value
+
     @field_validator("public_url")
     @classmethod
     def _http_url(cls, value: str) -> str:

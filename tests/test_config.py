@@ -405,6 +405,20 @@ def test_a_bad_allowed_hosts_entry_is_an_error_naming_it(entry: str) -> None:
         parse_config({"web": {"allowed_hosts": ["bot.lan", entry]}})
 
 
+@pytest.mark.parametrize(("key", "given", "fix"), [
+    ("host", "http://0.0.0.0", "not a URL"), ("host", "localhost:8080", r"the port in \[web\] port"),
+    ("metrics_host", "https://bot.example.org/", "not a URL"),
+    ("metrics_host", "127.0.0.1:9108", r"the port in \[web\] metrics_port"), ("host", "bot lan", "not a host name"),
+])
+def test_a_listen_address_with_a_scheme_or_a_port_is_an_error_naming_the_key(key: str, given: str, fix: str) -> None:
+    """A URL or host:port in [web] host passed the config and doctor; the start then failed to bind (after a
+    warning that "http://0.0.0.0" listened on every address)."""
+    with pytest.raises(ConfigError, match=rf"\[web\] key '{key}': .*{fix}"):
+        parse_config({"web": {key: given, "metrics_port": 9108}})
+    for fine in ("127.0.0.1", "0.0.0.0", "::", "::1", "localhost", "bot.lan"):
+        assert getattr(parse_config({"web": {key: fine, "metrics_port": 9108}}).web, key) == fine
+
+
 def test_allowed_hosts_holds_at_most_100_names() -> None:
     parse_config({"web": {"allowed_hosts": [f"h{n}.lan" for n in range(100)]}})
     with pytest.raises(ConfigError, match=r"allowed_hosts': at most 100 names \(got 101\)"):
