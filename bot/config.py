@@ -1022,8 +1022,10 @@ class McpServerConfig(_Section):
 
     @field_validator("url")
     @classmethod
-    def _no_user_info(cls, value: str) -> str:
-        return refuse_user_info(value, "headers_env")
+    def _http_url(cls, value: str) -> str:
+        """An http(s) URL, without user:password@ (a URL without its scheme, "localhost:3000/mcp", passed here and
+        then logged the server as down, retrying, for as long as the bot ran)."""
+        return check_http_url(value, "headers_env") if value.strip() else value
 
     @model_validator(mode="after")
     def _one_transport(self) -> McpServerConfig:

@@ -222,6 +222,16 @@ def test_a_user_name_or_password_in_a_url_is_refused_without_repeating_it(raw: d
             f"and put the secret in an environment variable named by {keep_in}") in message, message
 
 
+@pytest.mark.parametrize("url", ["localhost:3000/mcp", "mcp.example.org/mcp", "ws://localhost:3000/mcp"])
+def test_an_mcp_url_without_its_scheme_is_refused_at_start(url: str) -> None:
+    """It was taken, and the bot then logged the server as down ("Request URL is missing an 'http://' or
+    'https://' protocol"), retrying, for as long as it ran."""
+    assert (f"[[skills.mcp]] #1 key 'url': {url!r} is not an http(s) URL"
+            in _error({"skills": {"mcp": [{"name": "m", "url": url}]}}))
+    assert parse_config({"skills": {"mcp": [{"name": "m", "url": "http://localhost:3000/mcp"}]}}).skills.mcp[0].url \
+        == "http://localhost:3000/mcp"
+
+
 def test_a_list_of_tables_written_as_one_table_is_explained() -> None:
     """``[personas]`` where ``[[personas]]`` was meant said only "Input should be a valid list"."""
     assert "[personas] is a list of tables: write each entry under [[personas]] (two brackets)" in _error(
