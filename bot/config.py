@@ -906,6 +906,28 @@ class MatrixConfig(_Section):
 
 _SKILL_NAME = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,100}")
+# Names of headers and variables whose value is a credential: Authorization, Cookie, X-Api-Key, PRIVATE-TOKEN,
+# GITHUB_TOKEN, DB_PASSWORD, AWS_SECRET_ACCESS_KEY ... (a word of the name, between "-" or "_").
+_CREDENTIAL_WORDS = frozenset({"authorization", "cookie", "token", "secret", "password", "passwd", "apikey", "key",
+                               "credential", "credentials"})
+
+
+def _holds_credential(name: str, value: str) -> bool:
+    """Whether a fixed header (``headers``) or variable (``env``) written in the file carries a secret: by its name,
+    or by its value ("Bearer …", a token's look)."""
+    words = set(re.split(r"[-_.]", name.lower()))
+    scheme, _, rest = value.strip().partition(" ")
+    return bool(words & _CREDENTIAL_WORDS) or (scheme.lower() in ("bearer", "basic", "token") and bool(rest)) or \
+        looks_like_token(value.strip())
+
+
+def _no_credentials(given: dict[str, str], kind: str, instead: str) -> None:
+    """Refuse a secret written in the file where the environment should hold it (never repeating its value)."""
+    for name, value in given.items():
+        if _holds_credential(name, value):
+            raise ValueError(f"{kind} {name[:60]!r} holds a secret, and the config file is no place for one: remove "
+                             f"it here, put its value in an environment variable and name that in {instead} = "
+                             f"{{ \"{name[:60]}\" = \"VARIABLE_NAME\" }}")
 
 
 def _remote_ref(schema: Any) -> str | None:
@@ -999,6 +1021,8 @@ class HttpSkillConfig(_Section):
                 raise ValueError(f"{name[:60]!r} is not a header name (letters, digits and !#$%&'*+-.^_`|~)")
             if info.field_name == "headers" and any(ch in given for ch in "\r\n\x00"):
                 raise ValueError(f"the value of header {name!r} must be one line")
+        if info.field_name == "headers":  # (a secret here followed redirects to other hosts, and was never redacted)
+            _no_credentials(value, "header", "headers_env")
         return value
 
 
@@ -1026,6 +1050,13 @@ class McpServerConfig(_Section):
         """An http(s) URL, without user:password@ (a URL without its scheme, "localhost:3000/mcp", passed here and
         then logged the server as down, retrying, for as long as the bot ran)."""
         return check_http_url(value, "headers_env") if value.strip() else value
+
+    @field_validator("env")
+    @classmethod
+    def _no_secret_in_env(cls, value: dict[str, str]) -> dict[str, str]:
+        """A secret in ``env`` sat in the file and was not redacted from the server's logged errors."""
+        _no_credentials(value, "variable", "env_from")
+        return value
 
     @model_validator(mode="after")
     def _one_transport(self) -> McpServerConfig:

@@ -222,6 +222,34 @@ def test_a_user_name_or_password_in_a_url_is_refused_without_repeating_it(raw: d
             f"and put the secret in an environment variable named by {keep_in}") in message, message
 
 
+@pytest.mark.parametrize(("raw", "where", "instead"), [
+    ({"http": [{"name": "w", "description": "d", "url": "https://a.example.org/x",
+                "headers": {"Authorization": "Bearer LlmPassw0rd"}}]}, "header 'Authorization'", "headers_env"),
+    ({"http": [{"name": "w", "description": "d", "url": "https://a.example.org/x",
+                "headers": {"X-Api-Key": "LlmPassw0rd"}}]}, "header 'X-Api-Key'", "headers_env"),
+    ({"http": [{"name": "w", "description": "d", "url": "https://a.example.org/x",
+                "headers": {"X-Custom": "ghp_aB3dE5fG7hJ9kL1mN3pQ5rS7tU9LlmPassw0rd"}}]}, "header 'X-Custom'",
+     "headers_env"),
+    ({"mcp": [{"name": "m", "command": ["x"], "env": {"GITHUB_TOKEN": "LlmPassw0rd"}}]}, "variable 'GITHUB_TOKEN'",
+     "env_from"),
+    ({"mcp": [{"name": "m", "command": ["x"], "env": {"DB_PASSWORD": "LlmPassw0rd"}}]}, "variable 'DB_PASSWORD'",
+     "env_from"),
+])
+def test_a_secret_written_in_a_skills_headers_or_env_is_refused_without_repeating_it(
+        raw: dict, where: str, instead: str) -> None:
+    """`headers` and `env` are for fixed values ("no secrets here"), and they were taken with a key in them: it sat
+    in the file, an HTTP skill's followed redirects to other hosts (a skill with headers_env follows none), and
+    neither was redacted from what the tools answered or logged."""
+    message = _error({"skills": raw})
+    assert f"{where} holds a secret, and the config file is no place for one" in message, message
+    assert f"name that in {instead} = " in message and "LlmPassw0rd" not in message, message
+    plain = parse_config({"skills": {
+        "http": [{"name": "w", "description": "d", "url": "https://a.example.org/x",
+                  "headers": {"Accept": "application/json", "User-Agent": "cortex-bot"}}],
+        "mcp": [{"name": "m", "command": ["x"], "env": {"LANG": "C.UTF-8", "NODE_ENV": "production"}}]}})
+    assert plain.skills.mcp[0].env["NODE_ENV"] == "production"
+
+
 @pytest.mark.parametrize("url", ["localhost:3000/mcp", "mcp.example.org/mcp", "ws://localhost:3000/mcp"])
 def test_an_mcp_url_without_its_scheme_is_refused_at_start(url: str) -> None:
     """It was taken, and the bot then logged the server as down ("Request URL is missing an 'http://' or
