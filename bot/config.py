@@ -84,10 +84,21 @@ class _Section(BaseModel):
         if _names_variables(info.field_name or ""):
             for name in value.values() if isinstance(value, dict) else (value,):
                 if isinstance(name, str) and name and not ENV_NAME.fullmatch(name):
-                    raise ValueError(NOT_A_VARIABLE)
+                    raise ValueError(_shell_spelling(name) or NOT_A_VARIABLE)
                 if isinstance(name, str) and looks_like_token(name):
                     raise ValueError(LOOKS_LIKE_TOKEN)
         return value
+
+
+def _shell_spelling(value: str) -> str | None:
+    """What to write instead of a variable's name in a shell's spelling, "$OPENAI_API_KEY" or "${OPENAI_API_KEY}"
+    (the secret itself is told apart: it is never repeated); None for anything else."""
+    bare = value.strip()
+    bare = bare[2:-1] if bare.startswith("${") and bare.endswith("}") else bare.removeprefix("$")
+    if bare == value.strip() or not ENV_NAME.fullmatch(bare) or looks_like_token(bare):
+        return None
+    return (f"write the environment variable's name alone, as {bare}: the bot reads the variable itself (a $ "
+            "would be taken as part of the name)")
 
 
 NOT_A_VARIABLE = ("this names an environment variable (letters, digits and _), and what is written here is not "

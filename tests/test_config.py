@@ -609,6 +609,16 @@ def test_variable_names_as_people_write_them_are_taken(name: str) -> None:
     assert parse_config({"llm": {"api_key_env": name}}).llm.key_env_name == name
 
 
+@pytest.mark.parametrize("written", ["$OPENAI_API_KEY", "${OPENAI_API_KEY}"])
+def test_a_variable_written_as_a_shell_would_is_named_as_it_should_be(written: str) -> None:
+    """`api_key_env = "$OPENAI_API_KEY"`, as in a shell, was told "if it is the secret itself, remove it from the
+    file": a fix for another mistake."""
+    message = _error({"llm": {"api_key_env": written}})
+    assert ("[llm] key 'api_key_env': write the environment variable's name alone, as OPENAI_API_KEY: the bot reads "
+            "the variable itself") in message, message
+    assert "the secret itself" in _error({"llm": {"api_key_env": "$sk-ant-api03-SECRETKEY1234567890"}})
+
+
 def test_an_empty_discord_token_variable_says_so() -> None:
     from adapters.discord import read_token
 
