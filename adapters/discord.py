@@ -669,5 +669,7 @@ def read_token(config: DiscordConfig) -> str:
     except ConfigError as exc:
         raise RuntimeError(str(exc)) from None
     if not token:
-        raise RuntimeError(f"[discord] is enabled but ${config.token_env} holds no bot token")
+        raise RuntimeError(f"[discord] is enabled but ${config.token_env} holds no bot token: set it to the bot's "
+                           "token (developer portal: your application, Bot, Reset Token), or name the variable that "
+                           "holds it with [discord] token_env")
     return token

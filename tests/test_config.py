@@ -619,11 +619,18 @@ def test_a_variable_written_as_a_shell_would_is_named_as_it_should_be(written: s
     assert "the secret itself" in _error({"llm": {"api_key_env": "$sk-ant-api03-SECRETKEY1234567890"}})
 
 
-def test_an_empty_discord_token_variable_says_so() -> None:
+def test_an_empty_discord_token_variable_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     from adapters.discord import read_token
 
     config = parse_config({"discord": {"enabled": True, "token_env": ""}})
     with pytest.raises(RuntimeError, match="token_env is empty"):
+        read_token(config.discord)
+    monkeypatch.delenv("CB_TEST_UNSET_TOKEN", raising=False)  # (a newcomer's first start: the variable never set)
+    config = parse_config({"discord": {"enabled": True, "token_env": "CB_TEST_UNSET_TOKEN"}})
+    with pytest.raises(RuntimeError, match=re.escape(
+            "[discord] is enabled but $CB_TEST_UNSET_TOKEN holds no bot token: set it to the bot's token (developer "
+            "portal: your application, Bot, Reset Token), or name the variable that holds it with [discord] "
+            "token_env")):
         read_token(config.discord)
 
 

@@ -354,8 +354,8 @@ async def test_doctor_asks_discord_whether_it_takes_the_bot_token(monkeypatch: p
         ok, said = await discord_login(config, env)
         assert not ok and said.startswith("Discord rejected the bot token in $CB_TEST_DISCORD_TOKEN")
         monkeypatch.setenv("CB_TEST_DISCORD_TOKEN", "")
-        assert await discord_login(config, env) == (
-            False, "[discord] is enabled but $CB_TEST_DISCORD_TOKEN holds no bot token")
+        ok, said = await discord_login(config, env)
+        assert not ok and said.startswith("[discord] is enabled but $CB_TEST_DISCORD_TOKEN holds no bot token: set it")
         monkeypatch.setenv("CB_TEST_DISCORD_TOKEN", "a-good-token")
         unreachable = fake.api_base
     ok, said = await discord_login(config, {API_BASE_ENV: unreachable})  # (the fake has stopped)
