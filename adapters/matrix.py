@@ -279,10 +279,11 @@ def read_secrets(config: MatrixConfig, env: Mapping[str, str] | None = None) -> 
         token = read_secret(config.access_token_env, env) or "" if config.access_token_env else ""
     except ConfigError as exc:
         raise MatrixError(str(exc)) from None
-    if not (password or token):
-        raise MatrixError(
-            f"[matrix] needs a password or an access token: set ${config.password_env or config.access_token_env}"
-        )
+    if not (password or token):  # (both named: either will do, and the line named only the password's)
+        named = [f"${name} ({what})" for name, what in ((config.password_env, "the account's password"),
+                                                        (config.access_token_env, "an access token")) if name]
+        raise MatrixError(f"[matrix] needs a password or an access token: set "
+                          f"{' or '.join(named) or '[matrix] password_env or access_token_env'}")
     return password, token
 
 

@@ -619,6 +619,18 @@ def test_a_variable_written_as_a_shell_would_is_named_as_it_should_be(written: s
     assert "the secret itself" in _error({"llm": {"api_key_env": "$sk-ant-api03-SECRETKEY1234567890"}})
 
 
+def test_matrix_without_its_secrets_names_each_variable_that_would_do() -> None:
+    """With both password_env and access_token_env named and neither set, the line named only the password's."""
+    from adapters.matrix import MatrixError, read_secrets
+
+    config = parse_config({"matrix": {**MATRIX_ON, "homeserver": "https://m.org", "access_token_env": "MX_TOKEN"}})
+    with pytest.raises(MatrixError) as caught:
+        read_secrets(config.matrix, {})
+    assert str(caught.value) == ("[matrix] needs a password or an access token: set $MX_PW (the account's password) "
+                                 "or $MX_TOKEN (an access token)")
+    assert read_secrets(config.matrix, {"MX_TOKEN": "t"}) == ("", "t")
+
+
 def test_an_empty_discord_token_variable_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     from adapters.discord import read_token
 
