@@ -92,7 +92,7 @@ from adapters.reachable import wait_until_answers
 from bot.app import App
 from bot.commands import Attachment, CommandReply, PlatformCommand
 from bot.commands.files import MAX_ATTACHMENT_BYTES
-from bot.config import MATRIX_SESSION_FILE, ConfigError, MatrixConfig, read_secret
+from bot.config import MATRIX_SESSION_FILE, ConfigError, MatrixConfig, read_secret, shown_variable
 from bot.policy import Inbound, refusal
 from bot.ports import IncomingMessage
 from bot.privatefs import create_private, own_folder, private_file
@@ -280,8 +280,9 @@ def read_secrets(config: MatrixConfig, env: Mapping[str, str] | None = None) -> 
     except ConfigError as exc:
         raise MatrixError(str(exc)) from None
     if not (password or token):  # (both named: either will do, and the line named only the password's)
-        named = [f"${name} ({what})" for name, what in ((config.password_env, "the account's password"),
-                                                        (config.access_token_env, "an access token")) if name]
+        named = [shown_variable(name, f"[matrix] {key}") + f" ({what})" for name, key, what in (
+            (config.password_env, "password_env", "the account's password"),
+            (config.access_token_env, "access_token_env", "an access token")) if name]
         raise MatrixError(f"[matrix] needs a password or an access token: set "
                           f"{' or '.join(named) or '[matrix] password_env or access_token_env'}")
     return password, token

@@ -216,7 +216,9 @@ class StorageConfig(_Section):
                 raise ConfigError(f"the storage URL in ${self.url_env}: {exc}") from None
         password = read_secret(self.password_env, env) if self.password_env else None
         if self.password_env and not password:
-            raise ConfigError(f"[storage] password_env names {self.password_env}, but that variable is not set")
+            shown = shown_variable(self.password_env, "[storage] password_env")
+            raise ConfigError(f"[storage] password_env names a variable that is not set: set {shown} to the database's "
+                              "password")
         _known_secrets.update(_secret_pieces(url, password))  # hidden in any text from now on
         return url, password
 
@@ -1413,6 +1415,16 @@ class Config(_Section):
         raise ConfigError(
             f"unknown persona {wanted!r}; configured personas: {', '.join(p.name for p in self.personas)}"
         )
+
+
+def shown_variable(name: str, key: str) -> str:
+    """A password variable's name as a message shows it, ``$NAME``; a name in small letters too ("hunter2") may be
+    the password itself, pasted where its variable's name belongs (a password is any word its owner chose, and the
+    checks of ``*_env`` keys catch tokens, not words), so it is not repeated: the key that holds it is named."""
+    if name == name.upper():
+        return f"${name}"
+    return (f"the variable {key} names (not repeated here: if what is written there is the password itself, put it "
+            "in an environment variable and write that variable's name there)")
 
 
 def read_secret(env_name: str, env: Mapping[str, str] | None = None) -> str | None:

@@ -631,6 +631,25 @@ def test_matrix_without_its_secrets_names_each_variable_that_would_do() -> None:
     assert read_secrets(config.matrix, {"MX_TOKEN": "t"}) == ("", "t")
 
 
+@pytest.mark.parametrize("password", ["hunter2", "Tr0ub4dor3", "correcthorsebatterystaple"])
+def test_a_password_written_where_its_variable_belongs_is_not_repeated_when_unset(password: str) -> None:
+    """A password is any word its owner chose, so one pasted into password_env passes as a variable's name; the start
+    then printed it to the terminal and the log: "[matrix] needs a password or an access token: set $hunter2"."""
+    from adapters.matrix import MatrixError, read_secrets
+
+    matrix = parse_config({"matrix": {**MATRIX_ON, "homeserver": "https://m.org", "password_env": password}}).matrix
+    with pytest.raises(MatrixError) as caught:
+        read_secrets(matrix, {})
+    assert password not in str(caught.value) and "the variable [matrix] password_env names" in str(caught.value)
+    storage = parse_config({"storage": {"url": "postgresql://bot@db/cortex", "password_env": password}}).storage
+    with pytest.raises(ConfigError) as refused:
+        storage.resolve({})
+    assert password not in str(refused.value) and "[storage] password_env" in str(refused.value)
+    with pytest.raises(ConfigError, match=re.escape("set $CB_DB_PASSWORD to the database's password")):
+        parse_config({"storage": {"url": "postgresql://bot@db/cortex", "password_env": "CB_DB_PASSWORD"}}
+                     ).storage.resolve({})
+
+
 def test_an_empty_discord_token_variable_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     from adapters.discord import read_token
 
