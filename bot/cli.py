@@ -101,17 +101,29 @@ def _load(ctx: click.Context) -> Config:
     return config
 
 
-def _run_async(main: Callable[[], Awaitable[T]], *, stopped: str = "stopped.") -> T:
+STOPPED_BY_CTRL_C = 130  # (a shell's convention: 128 + SIGINT)
+STOPPED_BY_SIGTERM = 128 + signal.SIGTERM  # a command that did not get to the end of its work
+
+
+def _run_async(main: Callable[[], Awaitable[T]], *, stopped: str = "stopped.", service: bool = False) -> T:
     """Run ``main`` with Ctrl-C and SIGTERM cancelling it cleanly (its ``finally`` blocks still run); then
-    ``stopped`` is said."""
+    ``stopped`` is said. Ctrl-C exits with 130. A ``service`` (the bot, a chat) told to stop by SIGTERM has done
+    what was asked and exits with 0, as service managers expect (systemd showed a stopped bot as failed); any
+    other command exits with 143 then, its work not done."""
+    signals: list[int] = []
 
     async def runner() -> T:
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
         assert task is not None
+
+        def stop(sig: int) -> None:
+            signals.append(sig)
+            task.cancel()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
-                loop.add_signal_handler(sig, task.cancel)
+                loop.add_signal_handler(sig, stop, sig)
             except (NotImplementedError, RuntimeError):  # pragma: no cover - non-Unix
                 pass
         return await main()
@@ -120,7 +132,9 @@ def _run_async(main: Callable[[], Awaitable[T]], *, stopped: str = "stopped.") -
         return asyncio.run(runner())
     except (asyncio.CancelledError, KeyboardInterrupt):
         click.echo(stopped, err=True)
-        sys.exit(130)
+        if signals[:1] == [signal.SIGTERM]:
+            sys.exit(0 if service else STOPPED_BY_SIGTERM)
+        sys.exit(STOPPED_BY_CTRL_C)
     except Exception as exc:
         if (why := _refused_access(exc)) is None:
             raise
@@ -206,7 +220,7 @@ def chat(ctx: click.Context, user: str | None, persona: str | None) -> None:
             handler.addFilter(lambda record: not getattr(record, USER_TOLD, False))
     name = terminal_user(config, user)
     picked = (persona or "").strip() or None  # (as !persona reads a name: " Cora" was unknown, said as `Cora`)
-    status = _run_async(lambda: _chat(config, name, picked))
+    status = _run_async(lambda: _chat(config, name, picked), service=True)
     sys.exit(status)
 
 
@@ -295,9 +309,9 @@ def run(ctx: click.Context) -> None:
                 "or [terminal] enabled = true"
             )
         name = terminal_user(config)
-        status = _run_async(lambda: _chat(config, name, None))
+        status = _run_async(lambda: _chat(config, name, None), service=True)
         sys.exit(status)
-    status = _run_async(lambda: _serve(config, platforms))
+    status = _run_async(lambda: _serve(config, platforms), service=True)
     sys.exit(status)
 
 

@@ -32,7 +32,7 @@ BIN = Path(sys.executable).parent
 API_KEY = "sk-test-shards"
 TOKENS = {0: "token-of-the-shard-0-process", 1: "token-of-the-shard-1-process"}
 SKIP_LOG = "not syncing slash commands"
-STOPPED_BY_SIGNAL = 130  # bot/cli.py (_run_async): a SIGTERM'd or Ctrl-C'd run prints "stopped." and exits 130
+STOPPED_BY_SIGNAL = 0  # bot/cli.py (_run_async): a SIGTERM'd run prints "stopped." and exits 0, as systemd expects
 
 
 # -- config and rule (fast, in-process) ----------------------------------------------------------

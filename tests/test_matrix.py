@@ -426,7 +426,7 @@ async def test_cortexbot_run_serves_matrix_and_stops_on_sigterm(
         proc.send_signal(signal.SIGTERM)
         out, err = await asyncio.to_thread(proc.communicate, timeout=30)
     assert failure is None, f"{failure}\nstderr of cortexbot run:\n{err[-3000:]}"
-    assert proc.returncode in (0, 130), err[-3000:]
+    assert proc.returncode == 0, err[-3000:]  # (told to stop by SIGTERM, it did: a service manager sees no failure)
     assert "Traceback" not in err and "test-key" not in err + out and PASSWORD not in err + out
 
 
