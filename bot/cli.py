@@ -36,6 +36,7 @@ from bot.errors import USER_TOLD
 from bot.jobs import local_host, pid_alive
 from bot.llm.errors import LLMError
 from bot.storage import StorageError
+from bot.storage.base import Job
 from bot.storage.fleet import LIVE_SECONDS
 from bot.text import NAME_CHARS, error_line, one_line_name, plural
 
@@ -467,9 +468,15 @@ async def _jobs(config: Config, status: str, limit: int, retry: int | None) -> l
         return [f"job {j.id}  {j.kind}  {j.key}  {j.status} {_ago(now - j.updated_at.timestamp())} ago"
                 + (f" (again; made {_ago(now - j.created_at.timestamp())} ago)"
                    if j.status == "queued" and j.attempts else "")
-                + f", {j.attempts}/{j.max_attempts} attempts" + (f": {one_line(j.last_error, 200)}" if j.last_error
-                                                                   else "")
-                for j in found]
+                + f", {j.attempts}/{j.max_attempts} attempts" + _job_error(j) for j in found]
+
+
+def _job_error(job: Job) -> str:
+    """A job's last error, for its line: a done job's is an earlier attempt's (it did not stop the job)."""
+    if not job.last_error:
+        return ""
+    error = one_line(job.last_error, 200)
+    return f" (an earlier attempt failed: {error})" if job.status == "done" else f": {error}"
 
 
 async def _retry_job(storage: Any, number: int) -> str:

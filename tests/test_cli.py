@@ -765,6 +765,12 @@ def test_doctor_status_and_jobs_show_failed_background_work_and_retry_it(
         claimed = await storage.claim_job("w", ["probe"], 60)
         assert claimed is not None and claimed.id == job.id
         assert await storage.retry_job(job.id, "LLMOverloaded", datetime.now(UTC), "w")
+        assert await storage.enqueue_job("probe2", "channel:8", {}, 3) is not None  # failed once, then done
+        claimed = await storage.claim_job("w", ["probe2"], 60)
+        assert claimed is not None and await storage.retry_job(claimed.id, "LLMConnectionError", datetime.now(UTC),
+                                                               "w")
+        claimed = await storage.claim_job("w", ["probe2"], 60)
+        assert claimed is not None and await storage.finish_job(claimed.id, "w")
         await storage.close()
         return job.id
 
@@ -772,6 +778,9 @@ def test_doctor_status_and_jobs_show_failed_background_work_and_retry_it(
     queued = cortexbot("--config", str(config), "jobs", "--status", "queued").stdout
     assert re.search(rf"job {again}  probe  channel:7  queued \d+ s ago \(again; made 1\d min ago\), 1/3 attempts",
                      queued), queued
+    done = cortexbot("--config", str(config), "jobs", "--status", "done").stdout  # (not "2/3 attempts: the error")
+    assert re.search(r"probe2  channel:8  done \d+ s ago, 2/3 attempts \(an earlier attempt failed: "
+                     r"LLMConnectionError\)\n", done), done
     again = cortexbot("--config", str(config), "jobs", "retry", str(recent))
     assert again.returncode == 1 and "is queued: only failed jobs are tried again" in again.stderr
     assert cortexbot("--config", str(config), "jobs", "retry", "999").stderr.endswith("there is no job 999\n")
