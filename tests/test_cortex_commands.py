@@ -498,7 +498,7 @@ async def test_cortex_stats_and_help(tmp_path: Path) -> None:
             assert line in help_user
         assert "!cortex settings" not in help_user
         # what a platform's "Remember this" / "Why?" menus fill in (a message reference) is nobody's to type
-        assert "!memory why —" in help_user and "!memory forget [item] —" in help_user
+        assert "!memory why —" in help_user and "!memory forget <item> —" in help_user
         assert "--from" not in help_user and "--of" not in help_user
         assert "!cortex settings" in (await run(app, "!help", ctx(admin=True))).text
         assert "needs a subcommand" in (await run(app, "!memory")).text

@@ -239,8 +239,11 @@ class Command:
 
     @property
     def usage(self) -> str:
-        """The ``!`` line's arguments as help shows them (those a message menu fills in are nobody's to type)."""
-        return " ".join(p.usage for p in self.params if not p.menu)
+        """The ``!`` line's arguments as help shows them (those a message menu fills in are nobody's to type, and
+        what such an option stands in for is needed when typed: ``!memory forget <item>``)."""
+        menu = any(p.menu for p in self.params)
+        return " ".join(replace(p, required=True).usage if menu and p.kind not in ("flag", "option") else p.usage
+                        for p in self.params if not p.menu)
 
     @property
     def max_args(self) -> int | None:
