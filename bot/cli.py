@@ -1076,7 +1076,7 @@ async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
                 return
             report(True, where, f"reachable; it does not list its models (HTTP {exc.status_code}), so the model "
                                 "names were not checked")
-            await _doctor_answer(config, report, _background_models(config))
+            await _doctor_answer(config, report, _answering_models(config))
             if database_ready:
                 await _doctor_stored_models(config, report, set(_background_models(config)))
             return
@@ -1088,13 +1088,12 @@ async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
     finally:
         await provider.aclose()
     report(True, where, f"reachable, {len(models)} model(s)")
-    wanted = {m for m in (*_background_models(config), *(p.model for p in config.personas)) if m}
-    for model in sorted(wanted):
+    for model in sorted(_answering_models(config)):
         if models and model not in models:
             report(False, f"model {model}", f"not offered by the server (it offers: {', '.join(models[:10])})")
         else:
             report(True, f"model {model}", "available")
-    await _doctor_answer(config, report, [m for m in _background_models(config) if not models or m in models])
+    await _doctor_answer(config, report, [m for m in _answering_models(config) if not models or m in models])
     if database_ready:
         await _doctor_stored_models(config, report, set(_background_models(config)))
 
@@ -1146,9 +1145,14 @@ def _background_models(config: Config) -> list[str]:
     return list(dict.fromkeys(m for m in (config.llm.model, config.llm.summary_model, config.cortex.model) if m))
 
 
+def _answering_models(config: Config) -> list[str]:
+    """The background models, then the personas' own chat models, each once."""
+    return list(dict.fromkeys([*_background_models(config), *(p.model for p in config.personas if p.model)]))
+
+
 async def _doctor_answer(config: Config, report: Callable[..., None], models: Sequence[str]) -> None:
-    """One real request of a few tokens to each of ``models`` (the chat model, and the summaries' and the
-    cortex updates' where they differ): a server may list its models and still answer no request (overloaded,
+    """One real request of a few tokens to each of ``models`` (the chat model, the summaries' and the cortex
+    updates' and the personas' where they differ): a server may list its models and still answer no request (overloaded,
     rate-limited, out of credit), and doctor said "All checks passed" while every reply, or every background
     update, failed."""
     from bot.app import build_provider

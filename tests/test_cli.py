@@ -407,8 +407,9 @@ def test_doctor_checks_a_model_a_bot_admin_set_in_chat(tmp_path: Path, fake_llm:
     whose every update failed, left it saying "All checks passed"."""
     from bot.storage import open_storage
 
-    fake_llm.models = ["test-model"]
+    fake_llm.models = ["test-model", "vex-model"]
     config = write_config(tmp_path, fake_llm)
+    config.write_text(config.read_text() + '[[personas]]\nname = "Vex"\nmodel = "vex-model"\n')
 
     async def override(model: str) -> None:
         storage = await open_storage(db_url_for(tmp_path))
@@ -420,10 +421,13 @@ def test_doctor_checks_a_model_a_bot_admin_set_in_chat(tmp_path: Path, fake_llm:
             await storage.close()
 
     asyncio.run(override("ghost-model"))
-    fake_llm.enqueue(FakeResponse.text("OK"),  # (the config's model first, then the one set in chat)
+    fake_llm.enqueue(FakeResponse.text("OK"),  # (the config's model first, a persona's, then the one set in chat)
+                     FakeResponse.error(529, "Overloaded"),
                      FakeResponse.error(404, "model: ghost-model", error_type="not_found_error"))
     doctor = cortexbot("--config", str(config), "doctor")
     assert doctor.returncode == 1, doctor.stdout
+    # a persona's own model was checked only against the server's list, though its every reply may fail
+    assert "✗ an answer from vex-model: " in doctor.stdout, doctor.stdout
     assert ("✗ model ghost-model (set in chat for persona:cora, server:console:g1): the LLM server refused a request "
             "for ghost-model") in doctor.stdout
     assert fake_llm.completion_requests[-1].body["model"] == "ghost-model"
