@@ -356,6 +356,7 @@ async def test_a_switch_stays_with_its_tool_when_another_server_offers_the_same_
         await skills.start()
         alpha, beta = skills.servers
         policy = SkillPolicy(SkillsConfig(), storage)
+        off = SkillPolicy(SkillsConfig(disabled=["extra"]), storage)  # the operator's "off", by the offered name
         await alpha.call("grow", {})
         await eventually(lambda: "extra" in by_name(skills.skills()), 10)
         alone = by_name(skills.skills())["extra"].info
@@ -367,6 +368,9 @@ async def test_a_switch_stays_with_its_tool_when_another_server_offers_the_same_
         offered = by_name(skills.skills())
         assert (await policy.effective(offered["alpha_extra"].info, "Cora", None, "c")) == Effective(False, "bot-wide")
         assert (await policy.effective(offered["beta_extra"].info, "Cora", None, "c")) == Effective(True, "default")
+        # (it stayed off when the clash renamed it: a second server's "extra" switched it on for everyone)
+        assert not (await off.effective(offered["alpha_extra"].info, "Cora", None, "c")).enabled
+        assert await off.locked("Cora", offered["alpha_extra"].info)
         assert await policy.set("Cora", "*", offered["alpha_extra"].info, None)  # reset finds it under either name
         assert (await policy.effective(offered["alpha_extra"].info, "Cora", None, "c")).source == "default"
     finally:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from bot.config import SkillsConfig
 from bot.storage.core import Storage
-from cortex.skills.base import SkillInfo
+from cortex.skills.base import SkillInfo, model_name
 
 CACHE_SECONDS = 5.0
 Overrides = dict[str, dict[str, bool]]
@@ -38,7 +38,10 @@ class SkillPolicy:
         self._disabled = frozenset(name.casefold() for name in config.disabled)
 
     def default(self, info: SkillInfo) -> Effective:
-        if any(name.casefold() in self._disabled for name in info.switch_names):
+        # (an MCP tool named in `disabled` by its plain name stays off once a clash renames it `<server>_<tool>`:
+        # another server offering a tool of that name switched it back on for everyone)
+        plain = (info.tool, model_name(info.tool)) if info.tool else ()
+        if any(name.casefold() in self._disabled for name in (*info.switch_names, *plain)):
             return Effective(False, "config (disabled)")
         if info.origin == "builtin" and info.name not in self.config.builtin:
             return Effective(False, "config (not in builtin)")
