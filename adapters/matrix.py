@@ -85,6 +85,7 @@ from adapters.matrix_content import (
 )
 from adapters.matrix_gaps import missed_redactions
 from adapters.matrix_joins import HIDDEN_BEFORE_JOIN, JoinTimes
+from adapters.matrix_levels import replaced_whole
 from adapters.matrix_order import InOrder, Slot
 from adapters.matrix_reactions import Reactions
 from adapters.matrix_upgrades import verified_predecessor
@@ -324,6 +325,11 @@ class _Client(AsyncClient):  # type: ignore[misc]  # (nio ships no types)
         if isinstance(response, SyncResponse) and self.before_events is not None:
             self.before_events(response)
         await super().receive_response(response)
+
+    def _handle_joined_state(self, room_id: str, join_info: Any, encrypted_rooms: set[str]) -> None:
+        """A joined room's state from a sync, its power levels replaced whole (see ``adapters.matrix_levels``)."""
+        replaced_whole(self.rooms, room_id, self.user_id, self.encrypted_rooms)
+        super()._handle_joined_state(room_id, join_info, encrypted_rooms)
 
     def load_store(self) -> None:
         """nio's key store, its database made owner-only before nio opens it (nio creates it with the umask: in a

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from nio import AsyncClient, MatrixRoom, RedactionEvent, RoomEncryptedFile, RoomMessageFile
+from nio import AsyncClient, MatrixRoom, RedactionEvent, RoomEncryptedFile, RoomMessageFile, RoomPutStateResponse
 from nio.crypto.attachments import decrypt_attachment
 
 from adapters.matrix import render
@@ -935,9 +935,38 @@ async def test_the_pages_room_admins_follow_the_chats_rule_for_room_creators(syn
             assert await directory.is_admin(f"matrix:{bob.user_id}", f"matrix:{room}")
             assert await directory.is_admin(f"matrix:{alice.user_id}", f"matrix:{room}") is alice_is_admin, version
             assert (bot.adapter.power_level(bot.adapter.client.rooms[room], alice.user_id) >= 50) is alice_is_admin
+        await _demoted_room_admins_are_no_admins(bot, alice, bob, seen)
     finally:
         await alice.close()
         await bob.close()
+
+
+async def _demoted_room_admins_are_no_admins(bot: Bot, alice: AsyncClient, bob: AsyncClient,
+                                             seen: Timeline) -> None:
+    """A room admin demoted is no admin at the next command: nio merged each new power levels event into the
+    room's, so one taken out of the list (Element's /deop: the default level) kept their level until a restart."""
+    from adapters.admin_directory import matrix_directory
+
+    directory = matrix_directory(bot.adapter)
+    created = await alice.room_create(room_version="10", invite=[bot.user_id, bob.user_id])
+    room = created.room_id  # type: ignore[union-attr]
+    await bob.join(room)
+    await joined(seen, room, bot.user_id)
+    levels = await alice.room_get_state_event(room, "m.room.power_levels")
+    content = dict(levels.content)  # type: ignore[union-attr]
+    mine = {alice.user_id: 100}
+
+    async def bob_is_admin(admin: bool) -> None:
+        async def now() -> bool:
+            return await directory.is_admin(f"matrix:{bob.user_id}", f"matrix:{room}") is admin
+        await eventually(now, f"the bot to see bob {'promoted' if admin else 'demoted'}")
+        level = bot.adapter.power_level(bot.adapter.client.rooms[room], bob.user_id)
+        assert (level >= 50) is admin, level
+    # (levels below alice's: a room admin cannot lower a user of their own level)
+    for users, admin in (({bob.user_id: 50}, True), ({}, False), ({bob.user_id: 50}, True), ({}, False)):
+        put = await alice.room_put_state(room, "m.room.power_levels", content | {"users": mine | users})
+        assert isinstance(put, RoomPutStateResponse), put
+        await bob_is_admin(admin)
 
 
 async def test_a_room_that_hid_its_history_keeps_it_hidden_after_it_shares_it(synapse: SynapseServer,
