@@ -328,7 +328,7 @@ class _Client(AsyncClient):  # type: ignore[misc]  # (nio ships no types)
 
     def _handle_joined_state(self, room_id: str, join_info: Any, encrypted_rooms: set[str]) -> None:
         """A joined room's state from a sync, its power levels replaced whole (see ``adapters.matrix_levels``)."""
-        replaced_whole(self.rooms, room_id, self.user_id, self.encrypted_rooms)
+        replaced_whole(self.rooms.get(room_id))
         super()._handle_joined_state(room_id, join_info, encrypted_rooms)
 
     def load_store(self) -> None:

@@ -23,12 +23,9 @@ class WholeLevels(PowerLevels):  # type: ignore[misc]  # (nio ships no types)
             self.users, self.events = dict(new_levels.users), dict(new_levels.events)
 
 
-def replaced_whole(rooms: dict[str, MatrixRoom], room_id: str, own_id: str, encrypted: set[str]) -> None:
-    """Before nio reads a sync's state of the room (as nio itself makes a room it has not seen): its levels
-    replaced whole by a newer event."""
-    room = rooms.get(room_id)
-    if room is None:
-        room = rooms[room_id] = MatrixRoom(room_id, own_id, room_id in encrypted)
-    if not isinstance(room.power_levels, WholeLevels):
+def replaced_whole(room: MatrixRoom | None) -> None:
+    """Before nio reads a sync's state of a room it knows: its levels replaced whole by a newer event (a room new
+    to it starts from empty levels, which its first events fill as they are)."""
+    if room is not None and not isinstance(room.power_levels, WholeLevels):
         old = room.power_levels
         room.power_levels = WholeLevels(old.defaults, dict(old.users), dict(old.events))
