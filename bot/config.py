@@ -927,7 +927,10 @@ _CREDENTIAL_WORDS = frozenset({"authorization", "cookie", "token", "secret", "pa
 
 def _holds_credential(name: str, value: str) -> bool:
     """Whether a fixed header (``headers``) or variable (``env``) written in the file carries a secret: by its name,
-    or by its value ("Bearer …", a token's look)."""
+    or by its value ("Bearer …", a token's look). A file's path (``SSH_KEY_PATH = "/srv/bot/id_ed25519"``) is where
+    a secret is kept, not the secret."""
+    if value.strip().startswith(("/", "~/", "./", "../")):
+        return False
     words = set(re.split(r"[-_.]", name.lower()))
     scheme, _, rest = value.strip().partition(" ")
     return bool(words & _CREDENTIAL_WORDS) or (scheme.lower() in ("bearer", "basic", "token") and bool(rest)) or \

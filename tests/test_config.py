@@ -246,8 +246,9 @@ def test_a_secret_written_in_a_skills_headers_or_env_is_refused_without_repeatin
     plain = parse_config({"skills": {
         "http": [{"name": "w", "description": "d", "url": "https://a.example.org/x",
                   "headers": {"Accept": "application/json", "User-Agent": "cortex-bot"}}],
-        "mcp": [{"name": "m", "command": ["x"], "env": {"LANG": "C.UTF-8", "NODE_ENV": "production"}}]}})
-    assert plain.skills.mcp[0].env["NODE_ENV"] == "production"
+        "mcp": [{"name": "m", "command": ["x"], "env": {"LANG": "C.UTF-8", "NODE_ENV": "production",
+                                                         "SSH_KEY_PATH": "/srv/bot/id_ed25519"}}]}})
+    assert plain.skills.mcp[0].env["NODE_ENV"] == "production"  # (and a key file's path is no secret)
 
 
 @pytest.mark.parametrize("url", ["localhost:3000/mcp", "mcp.example.org/mcp", "ws://localhost:3000/mcp"])
