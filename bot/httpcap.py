@@ -18,6 +18,17 @@ def compression(response: httpx2.Response) -> str:
     return "" if encoding in ("", "identity") else encoding
 
 
+def refuse_unread(response: httpx2.Response, limit: int, too_large: Callable[[], Exception],
+                  compressed: Callable[[str], Exception]) -> None:
+    """Before a body is read: ``compressed(encoding)`` raised for a compressed one, ``too_large()`` for one whose
+    declared length passes ``limit`` (then it is not read at all)."""
+    if encoding := compression(response):
+        raise compressed(encoding)
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large()
+
+
 class CappedBody(httpx2.AsyncByteStream):
     """A response body that fails with ``too_large()`` once more than ``limit`` bytes of it arrived, before it is
     all held; with ``refused``, it fails with that at once (a compressed body: its unpacked size is known only once

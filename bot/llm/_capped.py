@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx2
 
-from bot.httpcap import PLAIN, CappedBody, compression
+from bot.httpcap import PLAIN, CappedBody, refuse_unread
 from bot.llm.base import MAX_ANSWER_BYTES, past_answer_cap
 from bot.llm.errors import LLMBadResponse
 
@@ -37,18 +37,18 @@ def capped_http_client(provider: str, client_class: Callable[..., httpx2.AsyncCl
     instead: its framing would count against its text here. Answers are asked for uncompressed, and a compressed
     one is refused unread: the cap counts what arrives, and 40 KB of gzip unpacked to 40 MB of answer."""
 
+    def too_large() -> LLMBadResponse:
+        return past_answer_cap(provider)
+
     async def cap(response: httpx2.Response) -> None:
         if _asked_to_stream(response.request) and response.headers.get("content-type", "").startswith(
                 "text/event-stream"):
             return
-        if encoding := compression(response):
-            raise LLMBadResponse(f"{provider}: the server compressed its answer ({encoding}) although none was asked"
-                                 " for; unpacked, its size could pass any cap, so it was not read")
-        declared = response.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > MAX_ANSWER_BYTES:
-            raise past_answer_cap(provider)  # (the body is not read at all)
+        refuse_unread(response, MAX_ANSWER_BYTES, too_large, lambda encoding: LLMBadResponse(
+            f"{provider}: the server compressed its answer ({encoding}) although none was asked for; unpacked, its "
+            "size could pass any cap, so it was not read"))
         if isinstance(response.stream, httpx2.AsyncByteStream):
-            response.stream = CappedBody(response.stream, MAX_ANSWER_BYTES, lambda: past_answer_cap(provider))
+            response.stream = CappedBody(response.stream, MAX_ANSWER_BYTES, too_large)
 
     hooks: dict[str, list[Callable[[Any], Any]]] = {"response": [cap]}
     return client_class(event_hooks=hooks, headers=PLAIN)

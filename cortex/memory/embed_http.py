@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx2
 import openai
 
-from bot.httpcap import PLAIN, CappedSyncBody, compression
+from bot.httpcap import PLAIN, CappedSyncBody, refuse_unread
 from cortex.memory.embedders import EmbedderError
 
 MAX_EMBEDDINGS_BYTES = 64 << 20
@@ -32,12 +32,9 @@ def capped_client(where: str) -> httpx2.Client:
                              "was not read")
 
     def cap(response: httpx2.Response) -> None:
-        if encoding := compression(response):
-            raise EmbedderError(f"{where} compressed its embeddings ({encoding}) although none was asked for; "
-                                "unpacked, their size could pass any cap, so they were not read")
-        declared = response.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > MAX_EMBEDDINGS_BYTES:
-            raise too_large()  # (the body is not read at all)
+        refuse_unread(response, MAX_EMBEDDINGS_BYTES, too_large, lambda encoding: EmbedderError(
+            f"{where} compressed its embeddings ({encoding}) although none was asked for; unpacked, their size could "
+            "pass any cap, so they were not read"))
         if isinstance(response.stream, httpx2.SyncByteStream):
             response.stream = CappedSyncBody(response.stream, MAX_EMBEDDINGS_BYTES, too_large)
 
