@@ -137,14 +137,14 @@ def _piece_table(vocabulary: Vocabulary) -> tuple[array[int], array[int], int]:
     character offsets (a loop decoding each piece took a second of every start)."""
     raw = np.frombuffer(vocabulary.blob, np.uint8)
     chars_before = np.concatenate(([0], np.cumsum((raw & 0xC0) != 0x80)))  # characters before each byte
-    bounds = chars_before[np.asarray(vocabulary.offsets, np.int64)].tolist()
+    at = chars_before[np.asarray(vocabulary.offsets, np.int64)]  # each piece's first character, and the end
+    bounds = at.tolist()
     text = bytes(vocabulary.blob).decode("utf-8")
     pieces = [text[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-    starts = np.asarray(bounds[:-1], np.int64)
     marks = np.fromiter((m.start() for m in re.finditer(MARK, text)), np.int64)
-    if not np.isin(marks, starts).all():  # the word-by-word shortcut needs this
+    if not np.isin(marks, at[:-1]).all():  # the word-by-word shortcut needs this
         raise ValueError("this vocabulary has pieces spanning words; it is not XLM-RoBERTa's")
-    lengths = np.diff(np.asarray(bounds, np.int64))
+    lengths = np.diff(at)
     keep = lengths > 0
     keep[vocabulary.unk] = False
     ids = np.flatnonzero(keep)
