@@ -1078,7 +1078,7 @@ async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
                                 "names were not checked")
             await _doctor_answer(config, report, _answering_models(config))
             if database_ready:
-                await _doctor_stored_models(config, report, set(_background_models(config)))
+                await _doctor_stored_models(config, report, set(_answering_models(config)))
             return
         report(False, where, one_line(f"{exc.user_message} ({exc.detail})"))
         return
@@ -1095,7 +1095,7 @@ async def _doctor_checks(config: Config, report: Callable[..., None]) -> None:
             report(True, f"model {model}", "available")
     await _doctor_answer(config, report, [m for m in _answering_models(config) if not models or m in models])
     if database_ready:
-        await _doctor_stored_models(config, report, set(_background_models(config)))
+        await _doctor_stored_models(config, report, set(_answering_models(config)))
 
 
 def _doctor_llm_key(config: Config, report: Callable[..., None]) -> bool:
@@ -1140,14 +1140,10 @@ async def _doctor_stored_models(config: Config, report: Callable[..., None], che
         await provider.aclose()
 
 
-def _background_models(config: Config) -> list[str]:
-    """The chat model, then the summaries' and the cortex updates' where they differ, each once."""
-    return list(dict.fromkeys(m for m in (config.llm.model, config.llm.summary_model, config.cortex.model) if m))
-
-
 def _answering_models(config: Config) -> list[str]:
-    """The background models, then the personas' own chat models, each once."""
-    return list(dict.fromkeys([*_background_models(config), *(p.model for p in config.personas if p.model)]))
+    """The chat model, then the summaries', the cortex updates' and the personas' own where they differ, each once."""
+    configured = (config.llm.model, config.llm.summary_model, config.cortex.model, *(p.model for p in config.personas))
+    return list(dict.fromkeys(m for m in configured if m))
 
 
 async def _doctor_answer(config: Config, report: Callable[..., None], models: Sequence[str]) -> None:
