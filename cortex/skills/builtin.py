@@ -101,10 +101,9 @@ class Builtins:
         """Whether the reply's prompt holds the user's private memory: in a DM, and in a group channel whose
         server lets DM memory in (``use_in_groups``). What the model remembers from such a prompt may carry
         what was said in private, so it is private (a shared item enters every group channel's prompt)."""
-        if context.is_dm:
-            return True
-        return self.resolver is not None and await self.resolver.private_memory_allowed(
-            context.persona, context.server_key, False)
+        if self.resolver is None:
+            return context.is_dm
+        return await self.resolver.private_memory_allowed(context.persona, context.server_key, context.is_dm)
 
     async def _pair(self, context: SkillContext) -> Pair:
         """The pair of the person answered, by their row (never made again by their key: a reply still
